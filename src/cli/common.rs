@@ -1,0 +1,1 @@
+//! Flags shared by several subcommands (to be written).

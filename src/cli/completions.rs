@@ -1,0 +1,18 @@
+//! `kvx completions <shell>`.
+use clap::{Args, CommandFactory};
+use clap_complete::Shell;
+
+use crate::Outcome;
+
+#[derive(Debug, Args)]
+#[command(after_help = "Example:\n  kvx completions bash > /etc/bash_completion.d/kvx")]
+pub struct CompletionsArgs {
+    /// Shell to generate completions for.
+    pub shell: Shell,
+}
+
+pub fn run(args: &CompletionsArgs) -> anyhow::Result<Outcome> {
+    let mut cmd = super::Cli::command();
+    clap_complete::generate(args.shell, &mut cmd, "kvx", &mut std::io::stdout());
+    Ok(Outcome::Ok)
+}

@@ -1,0 +1,99 @@
+//! Command-line surface: clap types mirror the flags one to one, and each subcommand's
+//! file holds its `Args` and a thin `run` that resolves settings, calls the library and
+//! prints. Cross-flag checks live in `settings::resolve`, not here.
+
+use clap::{Parser, Subcommand};
+
+use crate::Outcome;
+
+pub mod bench;
+pub mod common;
+pub mod completions;
+pub mod doctor;
+pub mod gate;
+pub mod layout;
+pub mod load;
+pub mod plan;
+pub mod probe;
+pub mod report;
+pub mod serve_engine;
+pub mod serve_proxy;
+pub mod topo;
+pub mod worker;
+pub mod xfer;
+
+/// KV-cache transfer toolkit for disaggregated prefill/decode serving (vLLM NixlConnector semantics).
+#[derive(Debug, Parser)]
+#[command(name = "kvx", version, about, long_about = None, propagate_version = true)]
+#[command(
+    after_help = "Start with: kvx bench --p-tp 8 --d-tp 2   (one machine, host memory, UCX over shared memory)"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Rank map: which decode rank reads which bytes from which prefill rank.
+    Topo(topo::TopoArgs),
+    /// KV cache layout of one rank: shape, strides, registered regions, bytes per token/block.
+    Layout(layout::LayoutArgs),
+    /// Descriptor plan of one request: (local, remote, length) pairs per decode rank.
+    Plan(plan::PlanArgs),
+    /// Transport microbenchmark: one-sided UCX reads between two processes.
+    Xfer(xfer::XferArgs),
+    /// Speak the side-channel protocol to a kvx or vLLM engine and show what it advertises.
+    Probe(probe::ProbeArgs),
+    /// Check this host: UCX library, transports, memory types, CUDA, ports.
+    Doctor(doctor::DoctorArgs),
+    /// Run the whole P/D pipeline: prefill and decode ranks, real reads, verified, reported.
+    Bench(Box<bench::BenchArgs>),
+    /// Re-render a saved run, or compare two runs side by side.
+    Report(report::ReportArgs),
+    /// Compare a run with a baseline; exit 1 on a performance regression.
+    Gate(gate::GateArgs),
+    /// Reference OpenAI-compatible engine (prefill or decode role) with real KV transfers.
+    ServeEngine(Box<serve_engine::ServeEngineArgs>),
+    /// P/D proxy with the flags of vLLM's toy proxy.
+    ServeProxy(serve_proxy::ServeProxyArgs),
+    /// Load generator for any OpenAI-compatible endpoint.
+    Load(load::LoadArgs),
+    /// Print shell completions.
+    Completions(completions::CompletionsArgs),
+    /// One rank of a bench or engine (started by the orchestrator or a launcher).
+    #[command(hide = true)]
+    Worker(worker::WorkerArgs),
+}
+
+/// Runs the parsed command.
+pub fn dispatch(cli: Cli) -> anyhow::Result<Outcome> {
+    match cli.command {
+        Command::Topo(a) => topo::run(&a),
+        Command::Layout(a) => layout::run(&a),
+        Command::Plan(a) => plan::run(&a),
+        Command::Xfer(a) => xfer::run(&a),
+        Command::Probe(a) => probe::run(&a),
+        Command::Doctor(a) => doctor::run(&a),
+        Command::Bench(a) => bench::run(&a),
+        Command::Report(a) => report::run(&a),
+        Command::Gate(a) => gate::run(&a),
+        Command::ServeEngine(a) => serve_engine::run(&a),
+        Command::ServeProxy(a) => serve_proxy::run(&a),
+        Command::Load(a) => load::run(&a),
+        Command::Completions(a) => completions::run(&a),
+        Command::Worker(a) => worker::run(&a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

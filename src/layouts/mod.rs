@@ -1,0 +1,1 @@
+//! KV cache layouts (to be written).

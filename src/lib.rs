@@ -1,0 +1,58 @@
+//! kvx: a toolkit and benchmarking harness for KV-cache transfer in disaggregated
+//! prefill/decode (P/D) LLM serving, following vLLM's NixlConnector semantics.
+//!
+//! # Layout
+//!
+//! Dependencies point down only:
+//!
+//! ```text
+//! bin/kvx.rs     parse args, call `kvx::run`, map the error to an exit code
+//! cli/           clap types and help text, one file per subcommand
+//! settings/      env names (KVX_*), model presets, resolve(cli, file, env) -> validated settings
+//! topology/      TP rank maps, P->D pairing, side-channel ports              (pure)
+//! layouts/       KV layouts, regions, descriptor plans, byte patterns        (pure)
+//! transfer/      memory, UCX (the only FFI), ZMQ handshake, xfer/probe/doctor
+//! pipeline/      P and D workers, request lifecycle, `kvx bench`
+//! serve/         reference engine, proxy and load generator (HTTP)
+//! report/        summaries, tables, JSON/CSV/SVG export, comparison and gate
+//! ```
+//!
+//! `topology` and `layouts` use nothing of kvx but each other and `settings::model`;
+//! `report` never measures and never runs transfers.
+
+pub mod cli;
+pub mod error;
+pub mod layouts;
+pub mod pipeline;
+pub mod report;
+pub mod serve;
+pub mod settings;
+pub mod topology;
+pub mod transfer;
+
+pub use error::{Error, Result};
+
+use std::process::ExitCode;
+
+/// What a finished command asks the process to exit with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Exit 0.
+    Ok,
+    /// Exit 1: a performance gate found a regression.
+    Regression,
+}
+
+impl From<Outcome> for ExitCode {
+    fn from(o: Outcome) -> Self {
+        match o {
+            Outcome::Ok => ExitCode::SUCCESS,
+            Outcome::Regression => ExitCode::from(1),
+        }
+    }
+}
+
+/// Runs one parsed command line.
+pub fn run(cli: cli::Cli) -> anyhow::Result<Outcome> {
+    cli::dispatch(cli)
+}

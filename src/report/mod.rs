@@ -1,0 +1,1 @@
+//! Summaries, exporters, comparison and gate (to be written).

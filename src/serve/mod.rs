@@ -1,0 +1,1 @@
+//! Reference engine, proxy and load generator (to be written).

@@ -1,0 +1,328 @@
+//! Model shapes: what the KV cache of a model looks like, from a preset, a Hugging Face
+//! `config.json`, or flags. Only the fields that size the KV cache matter here.
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ConfigError;
+
+/// Element type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    Bf16,
+    Fp16,
+    Fp32,
+    Fp8,
+}
+
+impl Dtype {
+    pub fn bytes(self) -> u32 {
+        match self {
+            Dtype::Bf16 | Dtype::Fp16 => 2,
+            Dtype::Fp32 => 4,
+            Dtype::Fp8 => 1,
+        }
+    }
+
+    /// The name torch prints, as vLLM puts it in its compatibility hash.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "torch.bfloat16",
+            Dtype::Fp16 => "torch.float16",
+            Dtype::Fp32 => "torch.float32",
+            Dtype::Fp8 => "torch.float8_e4m3fn",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp16 => "fp16",
+            Dtype::Fp32 => "fp32",
+            Dtype::Fp8 => "fp8",
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Dtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().trim_start_matches("torch.") {
+            "bf16" | "bfloat16" => Ok(Dtype::Bf16),
+            "fp16" | "float16" | "half" => Ok(Dtype::Fp16),
+            "fp32" | "float32" | "float" => Ok(Dtype::Fp32),
+            "fp8" | "fp8_e4m3" | "float8_e4m3fn" | "fp8_e5m2" | "float8_e5m2" => Ok(Dtype::Fp8),
+            other => Err(format!("unknown dtype '{other}' (expected bf16, fp16, fp32 or fp8)")),
+        }
+    }
+}
+
+/// Multi-head latent attention: one latent vector per token instead of K and V per head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mla {
+    pub kv_lora_rank: u32,
+    pub qk_rope_head_dim: u32,
+}
+
+impl Mla {
+    /// DeepSeek-V3/R1: 512 + 64.
+    pub const DEEPSEEK: Mla = Mla { kv_lora_rank: 512, qk_rope_head_dim: 64 };
+
+    /// Elements per token of the latent KV vector (576 for DeepSeek).
+    pub fn head_size(self) -> u32 {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+}
+
+/// The shape of a model's KV cache.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelShape {
+    /// Short name (a preset name, or what the config file called itself).
+    pub name: String,
+    pub num_layers: u32,
+    /// Total KV heads of the model (`num_key_value_heads`). For MLA this is what the
+    /// config reports (DeepSeek: 128); vLLM 0.33 treats MLA as one head.
+    pub num_kv_heads: u32,
+    /// K head size in elements; V uses the same size.
+    pub head_dim: u32,
+    pub dtype: Dtype,
+    pub mla: Option<Mla>,
+}
+
+impl ModelShape {
+    pub fn is_mla(&self) -> bool {
+        self.mla.is_some()
+    }
+
+    /// Bytes of one KV "cell": what one head holds for one token (K then V packed,
+    /// or the MLA latent vector). This is C in vLLM 0.33's `[L,B,H,N,C]`.
+    pub fn cell_bytes(&self) -> u64 {
+        match self.mla {
+            Some(m) => u64::from(m.head_size()) * u64::from(self.dtype.bytes()),
+            None => 2 * u64::from(self.head_dim) * u64::from(self.dtype.bytes()),
+        }
+    }
+
+    /// Bytes of KV cache per token over the whole model (all layers, all KV heads).
+    pub fn bytes_per_token(&self) -> u64 {
+        let heads = if self.is_mla() { 1 } else { u64::from(self.num_kv_heads) };
+        u64::from(self.num_layers) * heads * self.cell_bytes()
+    }
+}
+
+/// Fields of a Hugging Face `config.json` (and of kvx's preset files, which use the same
+/// names) that size the KV cache.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct HfConfig {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub aliases: Vec<String>,
+    #[serde(default)]
+    pub hf_id: Option<String>,
+    #[serde(default, alias = "_name_or_path")]
+    pub name_or_path: Option<String>,
+    #[serde(default)]
+    pub num_hidden_layers: Option<u32>,
+    #[serde(default)]
+    pub num_attention_heads: Option<u32>,
+    #[serde(default)]
+    pub num_key_value_heads: Option<u32>,
+    #[serde(default)]
+    pub head_dim: Option<u32>,
+    #[serde(default)]
+    pub hidden_size: Option<u32>,
+    #[serde(default)]
+    pub torch_dtype: Option<String>,
+    /// Newer transformers write `dtype` instead of `torch_dtype`.
+    #[serde(default)]
+    pub dtype: Option<String>,
+    #[serde(default)]
+    pub kv_lora_rank: Option<u32>,
+    #[serde(default)]
+    pub qk_rope_head_dim: Option<u32>,
+    /// Multimodal configs nest the language model here.
+    #[serde(default)]
+    pub text_config: Option<Box<HfConfig>>,
+}
+
+impl HfConfig {
+    /// Turns the config into a shape, naming the field that is missing or wrong.
+    pub fn to_shape(&self, fallback_name: &str, source: &str) -> Result<ModelShape, ConfigError> {
+        if self.num_hidden_layers.is_none()
+            && let Some(text) = &self.text_config
+        {
+            return text.to_shape(fallback_name, source);
+        }
+        let missing = |field: &str| {
+            ConfigError::new(
+                source,
+                format!(
+                    "{source} has no '{field}'; pass it with the matching flag (--layers, --num-kv-heads, --head-dim)"
+                ),
+            )
+        };
+        let num_layers = self.num_hidden_layers.ok_or_else(|| missing("num_hidden_layers"))?;
+        let mla = self
+            .kv_lora_rank
+            .map(|r| Mla { kv_lora_rank: r, qk_rope_head_dim: self.qk_rope_head_dim.unwrap_or(0) });
+        let num_kv_heads = match (self.num_key_value_heads, self.num_attention_heads) {
+            (Some(h), _) | (None, Some(h)) => h,
+            (None, None) => return Err(missing("num_key_value_heads")),
+        };
+        let head_dim = match (self.head_dim, self.hidden_size, self.num_attention_heads) {
+            (Some(d), _, _) => d,
+            (None, Some(hs), Some(nh)) if nh > 0 => hs / nh,
+            _ if mla.is_some() => mla.map_or(0, |m| m.qk_rope_head_dim),
+            _ => return Err(missing("head_dim")),
+        };
+        let dtype = match self.torch_dtype.as_deref().or(self.dtype.as_deref()) {
+            Some(s) => s.parse::<Dtype>().map_err(|e| ConfigError::new(source, e))?,
+            None => Dtype::Bf16,
+        };
+        let name = self
+            .name
+            .clone()
+            .or_else(|| self.hf_id.clone())
+            .or_else(|| self.name_or_path.clone())
+            .unwrap_or_else(|| fallback_name.to_string());
+        Ok(ModelShape { name, num_layers, num_kv_heads, head_dim, dtype, mla })
+    }
+}
+
+/// A preset shipped with kvx (the files under `bench-configs/models/`, embedded).
+pub struct Preset {
+    pub name: &'static str,
+    pub toml: &'static str,
+}
+
+macro_rules! preset {
+    ($name:literal) => {
+        Preset { name: $name, toml: include_str!(concat!("../../bench-configs/models/", $name, ".toml")) }
+    };
+}
+
+/// Every embedded preset.
+pub const PRESETS: &[Preset] = &[
+    preset!("llama-3.1-8b"),
+    preset!("llama-3.1-70b"),
+    preset!("llama-3.1-405b"),
+    preset!("qwen3-0.6b"),
+    preset!("qwen3-8b"),
+    preset!("qwen3-32b"),
+    preset!("qwen3-235b-a22b"),
+    preset!("mistral-7b"),
+    preset!("gpt-oss-120b"),
+    preset!("deepseek-v3"),
+];
+
+fn normalize(name: &str) -> String {
+    name.trim().to_ascii_lowercase().replace(['_', ' '], "-")
+}
+
+/// Parses one preset file.
+pub fn parse_preset(p: &Preset) -> Result<(HfConfig, ModelShape), ConfigError> {
+    let cfg: HfConfig = toml::from_str(p.toml)
+        .map_err(|e| ConfigError::new("--model", format!("preset {} is malformed: {e}", p.name)))?;
+    let shape = cfg.to_shape(p.name, "--model")?;
+    Ok((cfg, shape))
+}
+
+/// Looks a preset up by name, alias or Hugging Face id (case-insensitive).
+pub fn preset(name: &str) -> Result<ModelShape, ConfigError> {
+    let want = normalize(name);
+    for p in PRESETS {
+        let (cfg, shape) = parse_preset(p)?;
+        let hf = cfg.hf_id.as_deref().map(normalize);
+        let hf_tail = hf.as_deref().and_then(|h| h.rsplit('/').next().map(str::to_string));
+        if normalize(p.name) == want
+            || cfg.aliases.iter().any(|a| normalize(a) == want)
+            || hf.as_deref() == Some(want.as_str())
+            || hf_tail.as_deref() == Some(want.as_str())
+        {
+            let mut shape = shape;
+            if cfg.aliases.iter().any(|a| normalize(a) == want) {
+                shape.name = want;
+            }
+            return Ok(shape);
+        }
+    }
+    let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
+    Err(ConfigError::new(
+        "--model",
+        format!(
+            "unknown model '{name}'; presets: {} (or pass --model-config PATH to a config.json)",
+            names.join(", ")
+        ),
+    ))
+}
+
+/// Reads a Hugging Face `config.json`.
+pub fn from_config_file(path: &Path) -> Result<ModelShape, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::new("--model-config", format!("cannot read {}: {e}", path.display())))?;
+    let cfg: HfConfig = serde_json::from_str(&text).map_err(|e| {
+        ConfigError::new("--model-config", format!("{} is not a valid config.json: {e}", path.display()))
+    })?;
+    let stem = path
+        .parent()
+        .and_then(|p| p.file_name())
+        .map(|s| s.to_string_lossy().to_string())
+        .unwrap_or_else(|| "custom".to_string());
+    cfg.to_shape(&stem, "--model-config")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_parses() {
+        for p in PRESETS {
+            let (_, shape) = parse_preset(p).expect("preset parses");
+            assert!(shape.num_layers > 0 && shape.num_kv_heads > 0, "{}", p.name);
+        }
+    }
+
+    #[test]
+    fn deepseek_is_mla_576() {
+        let s = preset("deepseek-r1").expect("alias resolves");
+        assert_eq!(s.mla.map(Mla::head_size), Some(576));
+        assert_eq!(s.cell_bytes(), 1152);
+        assert_eq!(s.name, "deepseek-r1");
+    }
+
+    #[test]
+    fn llama70b_bytes_per_token() {
+        let s = preset("Llama-3.1-70B").expect("preset");
+        // 80 layers x 8 heads x (128 K + 128 V) x 2 bytes
+        assert_eq!(s.bytes_per_token(), 80 * 8 * 256 * 2);
+        assert_eq!(preset("meta-llama/Llama-3.1-70B-Instruct").expect("hf id").num_layers, 80);
+    }
+
+    #[test]
+    fn hf_config_head_dim_from_hidden_size() {
+        let cfg: HfConfig = serde_json::from_str(
+            r#"{"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 1024, "dtype": "float16"}"#,
+        )
+        .expect("json");
+        let s = cfg.to_shape("x", "--model-config").expect("shape");
+        assert_eq!((s.num_kv_heads, s.head_dim, s.dtype), (8, 128, Dtype::Fp16));
+    }
+
+    #[test]
+    fn unknown_preset_names_the_flag() {
+        let e = preset("gpt-5").expect_err("unknown");
+        assert_eq!(e.flag, "--model");
+    }
+}

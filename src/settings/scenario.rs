@@ -1,0 +1,1 @@
+//! (scenario resolution, to be written)

@@ -1,0 +1,1 @@
+//! ZMQ side channel (to be written).

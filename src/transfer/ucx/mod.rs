@@ -1,0 +1,1 @@
+//! UCX bindings, loaded at run time (to be written).
