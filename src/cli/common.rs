@@ -1,1 +1,116 @@
-//! Flags shared by several subcommands (to be written).
+//! Flags shared by several subcommands: the model shape, the P/D engine pair, output format.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+
+/// Output format of a report-like command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum Format {
+    /// Human-readable tables.
+    #[default]
+    Table,
+    /// One JSON object on stdout.
+    Json,
+}
+
+/// Which model's KV cache: a preset, a Hugging Face config.json, or explicit shape flags
+/// (which override the preset or config).
+#[derive(Debug, Clone, Default, Args)]
+pub struct ModelArgs {
+    /// Model preset: llama-3.1-8b|70b|405b, qwen3-0.6b|8b|32b|235b-a22b, mistral-7b, gpt-oss-120b,
+    /// deepseek-v3 (= deepseek-r1). Default: llama-3.1-70b.
+    #[arg(long, short = 'm', value_name = "NAME", help_heading = "Model")]
+    pub model: Option<String>,
+    /// Read the shape from a Hugging Face config.json.
+    #[arg(long, value_name = "PATH", conflicts_with = "model", help_heading = "Model")]
+    pub model_config: Option<PathBuf>,
+    /// Total KV heads of the model (overrides the preset).
+    #[arg(long, value_name = "H", help_heading = "Model")]
+    pub num_kv_heads: Option<u32>,
+    /// Head dimension in elements (overrides the preset).
+    #[arg(long, value_name = "D", help_heading = "Model")]
+    pub head_dim: Option<u32>,
+    /// Number of attention layers (overrides the preset).
+    #[arg(long, value_name = "L", help_heading = "Model")]
+    pub layers: Option<u32>,
+    /// KV cache element type: bf16, fp16, fp32, fp8.
+    #[arg(long, value_name = "T", help_heading = "Model")]
+    pub dtype: Option<String>,
+    /// Multi-head latent attention: one latent vector per token (576 elements unless --mla-dim).
+    #[arg(long, help_heading = "Model")]
+    pub mla: bool,
+    /// Elements of the MLA latent vector (kv_lora_rank + qk_rope_head_dim).
+    #[arg(long, value_name = "N", help_heading = "Model")]
+    pub mla_dim: Option<u32>,
+}
+
+/// The prefill and decode engines: TP sizes, layouts, block sizes, vLLM rules.
+#[derive(Debug, Clone, Args)]
+pub struct PairArgs {
+    /// Prefill tensor-parallel size.
+    #[arg(long, value_name = "P", default_value_t = 1, help_heading = "Engines")]
+    pub p_tp: u32,
+    /// Decode tensor-parallel size.
+    #[arg(long, value_name = "D", default_value_t = 1, help_heading = "Engines")]
+    pub d_tp: u32,
+    /// Which vLLM release's rules to follow: 0.33 (default) or 0.19.
+    #[arg(long, value_name = "VERSION", default_value = "0.33", help_heading = "Engines")]
+    pub vllm: String,
+    /// KV cache layout of both engines (0.33: LBHNC=HND, LBNHC=NHD, LHBNC, BLHNC, BLNHC, BHLNC;
+    /// 0.19: HND, NHD, FI-HND, FI-NHD, FA-HND-XL, FI-HND-XL).
+    #[arg(long, value_name = "LAYOUT", help_heading = "Engines")]
+    pub layout: Option<String>,
+    /// Prefill layout (overrides --layout).
+    #[arg(long, value_name = "LAYOUT", help_heading = "Engines")]
+    pub p_layout: Option<String>,
+    /// Decode layout (overrides --layout).
+    #[arg(long, value_name = "LAYOUT", help_heading = "Engines")]
+    pub d_layout: Option<String>,
+    /// Tokens per block on both engines.
+    #[arg(long, value_name = "N", default_value_t = 16, help_heading = "Engines")]
+    pub block_size: u32,
+    /// Prefill tokens per block (overrides --block-size).
+    #[arg(long, value_name = "N", help_heading = "Engines")]
+    pub p_block_size: Option<u32>,
+    /// Decode tokens per block (overrides --block-size); must be a multiple of the prefill's.
+    #[arg(long, value_name = "N", help_heading = "Engines")]
+    pub d_block_size: Option<u32>,
+    /// Receive prefill HND blocks into a decode NHD cache (vLLM's enable_permute_local_kv).
+    #[arg(long, help_heading = "Engines")]
+    pub permute: bool,
+}
+
+impl Default for PairArgs {
+    fn default() -> Self {
+        PairArgs {
+            p_tp: 1,
+            d_tp: 1,
+            vllm: "0.33".into(),
+            layout: None,
+            p_layout: None,
+            d_layout: None,
+            block_size: 16,
+            p_block_size: None,
+            d_block_size: None,
+            permute: false,
+        }
+    }
+}
+
+/// Data-parallel engines and side-channel ports.
+#[derive(Debug, Clone, Args)]
+pub struct PortArgs {
+    /// Prefill data-parallel engines.
+    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Ports")]
+    pub p_dp: u32,
+    /// Decode data-parallel engines.
+    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Ports")]
+    pub d_dp: u32,
+    /// Side-channel base port (VLLM_NIXL_SIDE_CHANNEL_PORT).
+    #[arg(long, value_name = "PORT", default_value_t = 5600, help_heading = "Ports")]
+    pub side_channel_port: u16,
+    /// Port scheme: engine (base + dp_rank, vLLM >= 0.11) or worker (base + dp_rank*tp + tp_rank).
+    #[arg(long, value_name = "SCHEME", default_value = "engine", help_heading = "Ports")]
+    pub port_scheme: String,
+}

@@ -1,11 +1,334 @@
-//! `kvx topo` (not implemented yet).
-use clap::Args;
+//! `kvx topo`: the rank map of a P/D pair, as a table or as JSON with the oracle's field names.
 
+use std::ops::Range;
+
+use clap::Args;
+use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
+use serde::Serialize;
+
+use super::common::{Format, ModelArgs, PairArgs, PortArgs};
 use crate::Outcome;
+use crate::error::ConfigError;
+use crate::layouts::compat::PairSpec;
+use crate::layouts::plan::Planner;
+use crate::settings::scenario::{self, Ports};
+use crate::topology::RankMap;
+use crate::topology::ports::engine_ports;
 
 #[derive(Debug, Args)]
-pub struct TopoArgs {}
+#[command(after_help = "Examples:\n  kvx topo --p-tp 8 --d-tp 2 --model llama-3.1-70b\n  \
+    kvx topo --p-tp 2 --d-tp 8 --num-kv-heads 4 --format json\n  \
+    kvx topo --p-tp 4 --d-tp 1 --model deepseek-v3 --vllm 0.19")]
+pub struct TopoArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub pair: PairArgs,
+    #[command(flatten)]
+    pub ports: PortArgs,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
 
-pub fn run(_args: &TopoArgs) -> anyhow::Result<Outcome> {
-    anyhow::bail!("`kvx topo` is not implemented yet")
+/// One read in the oracle's vocabulary.
+#[derive(Debug, Serialize)]
+pub struct ReadJson {
+    pub p_rank: u32,
+    pub remote_offset_in_block: u64,
+    pub local_offset_in_block: u64,
+    pub length: u64,
+    pub p_local_head_slice: [u32; 2],
+    pub d_local_head_slice: [u32; 2],
+    pub global_heads: Vec<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ExtraNotifJson {
+    pub p_rank: u32,
+    /// vLLM 0.19.1 keys these by the decode request id, which P does not recognise.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub uses_decode_request_id: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DRankJson {
+    pub d_rank: u32,
+    pub heads: Vec<u32>,
+    pub handshake_ranks: Vec<u32>,
+    pub read_ranks: Vec<u32>,
+    pub rank_offset_factor: u32,
+    pub expected_consumers_in_notif: u32,
+    pub p_waits_for_notifs: u32,
+    pub reads: Vec<ReadJson>,
+    pub extra_notifs: Vec<ExtraNotifJson>,
+    pub side_channel_ports: Vec<u16>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PRankJson {
+    pub p_rank: u32,
+    pub heads: Vec<u32>,
+    pub block_len_bytes: u64,
+    pub readers: usize,
+    pub side_channel_port: u16,
+}
+
+/// The whole `kvx topo --format json` object.
+#[derive(Debug, Serialize)]
+pub struct TopoJson {
+    pub status: &'static str,
+    pub vllm_version: &'static str,
+    pub model: String,
+    pub p_tp: u32,
+    pub d_tp: u32,
+    pub num_kv_heads: u32,
+    pub use_mla: bool,
+    pub tp_ratio: i64,
+    pub p_layout: String,
+    pub d_layout: String,
+    pub p_block_size: u32,
+    pub d_block_size: u32,
+    pub p_heads_per_rank: u32,
+    pub d_heads_per_rank: u32,
+    /// Bytes of one block of one region (one layer for layer-wise regions).
+    pub p_block_len_bytes: u64,
+    pub d_block_len_bytes: u64,
+    /// Bytes of one block over all layers.
+    pub p_block_bytes_all_layers: u64,
+    pub d_block_bytes_all_layers: u64,
+    pub fan_in: usize,
+    pub port_scheme: String,
+    pub p_ranks: Vec<PRankJson>,
+    pub d_ranks: Vec<DRankJson>,
+}
+
+fn slice(r: &Range<u32>) -> [u32; 2] {
+    [r.start, r.end]
+}
+
+/// Builds the report of a validated pair.
+pub fn build(pair: &PairSpec, map: &RankMap, ports: &Ports) -> Result<TopoJson, ConfigError> {
+    let p_ports = engine_ports(ports.scheme, ports.base, ports.p_dp, pair.p.tp)?;
+    let d_ports = engine_ports(ports.scheme, ports.base, ports.d_dp, pair.d.tp)?;
+    let (pg, dg) = (pair.p_geometry(0), pair.d_geometry(0));
+    let (pr, dr) = (pg.regions(), dg.regions());
+    let fan_out = map.fan_out();
+    let mut d_ranks = Vec::with_capacity(map.d_ranks.len());
+    for d in &map.d_ranks {
+        let planner = Planner::new(pair, map, d.d_rank)?;
+        let reads = d
+            .reads
+            .iter()
+            .zip(&planner.reads)
+            .map(|(hr, g)| ReadJson {
+                p_rank: hr.p_rank,
+                remote_offset_in_block: g.remote_offset_in_block,
+                local_offset_in_block: g.local_offset_in_block,
+                length: g.length,
+                p_local_head_slice: slice(&hr.p_heads),
+                d_local_head_slice: slice(&hr.d_heads),
+                global_heads: hr.global_heads.clone().collect(),
+            })
+            .collect();
+        d_ranks.push(DRankJson {
+            d_rank: d.d_rank,
+            heads: d.d_heads.clone().collect(),
+            handshake_ranks: d.handshake_ranks.clone(),
+            read_ranks: d.read_ranks.clone(),
+            rank_offset_factor: d.rank_offset_factor,
+            expected_consumers_in_notif: d.notif_count,
+            p_waits_for_notifs: d.p_waits_for,
+            reads,
+            extra_notifs: d
+                .extra_notifs
+                .iter()
+                .map(|&p| ExtraNotifJson {
+                    p_rank: p,
+                    uses_decode_request_id: d.extra_notif_uses_d_request_id,
+                })
+                .collect(),
+            side_channel_ports: d_ports.iter().filter_map(|dp| dp.get(d.d_rank as usize).copied()).collect(),
+        });
+    }
+    let p_ranks = (0..pair.p.tp)
+        .map(|r| PRankJson {
+            p_rank: r,
+            heads: pair.p_geometry(r).global_heads.collect(),
+            block_len_bytes: pr.first().map_or(0, |x| x.block_len),
+            readers: fan_out.get(r as usize).copied().unwrap_or(0),
+            side_channel_port: p_ports.first().and_then(|p| p.get(r as usize)).copied().unwrap_or(0),
+        })
+        .collect();
+    Ok(TopoJson {
+        status: "ok",
+        vllm_version: pair.version.as_str(),
+        model: pair.model.name.clone(),
+        p_tp: pair.p.tp,
+        d_tp: pair.d.tp,
+        num_kv_heads: pair.model.num_kv_heads,
+        use_mla: pair.model.is_mla(),
+        tp_ratio: map.tp_ratio,
+        p_layout: pair.p.layout.to_string(),
+        d_layout: pair.d.layout.to_string(),
+        p_block_size: pair.p.block_tokens,
+        d_block_size: pair.d.block_tokens,
+        p_heads_per_rank: map.p_heads_per_rank,
+        d_heads_per_rank: map.d_heads_per_rank,
+        p_block_len_bytes: pr.first().map_or(0, |x| x.block_len),
+        d_block_len_bytes: dr.first().map_or(0, |x| x.block_len),
+        p_block_bytes_all_layers: pg.block_bytes_all_layers(),
+        d_block_bytes_all_layers: dg.block_bytes_all_layers(),
+        fan_in: map.fan_in(),
+        port_scheme: ports.scheme.to_string(),
+        p_ranks,
+        d_ranks,
+    })
+}
+
+/// Prints a rejection in the requested format; the caller turns it into exit code 2.
+pub fn reject(format: Format, err: ConfigError) -> anyhow::Error {
+    if format == Format::Json {
+        let body = serde_json::json!({"status": "rejected", "error": err.to_string(), "flag": err.flag});
+        println!("{body}");
+    }
+    err.into()
+}
+
+pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
+    let result = (|| {
+        let pair = scenario::resolve_pair(&args.model, &args.pair, 1, 1)?;
+        let ports = scenario::resolve_ports(&args.ports)?;
+        let map = pair.validate()?;
+        build(&pair, &map, &ports)
+    })();
+    let report = result.map_err(|e| reject(args.format, e))?;
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Table => print!("{}", render_table(&report)),
+    }
+    Ok(Outcome::Ok)
+}
+
+fn heads_text(h: &[u32]) -> String {
+    match (h.first(), h.last()) {
+        (Some(a), Some(b)) if a == b => format!("{a}"),
+        (Some(a), Some(b)) => format!("{a}-{b}"),
+        _ => "-".into(),
+    }
+}
+
+fn ranks_text(r: &[u32]) -> String {
+    if r.is_empty() {
+        return "-".into();
+    }
+    r.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Human units: 8192 -> "8 KiB".
+pub fn bytes_text(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if (v.fract()).abs() < 1e-9 { format!("{v:.0} {}", UNITS[u]) } else { format!("{v:.1} {}", UNITS[u]) }
+}
+
+/// The table view.
+pub fn render_table(t: &TopoJson) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "kvx topo: P tp {} -> D tp {}  |  {}  |  {} KV heads{}  |  vLLM {} rules\n",
+        t.p_tp,
+        t.d_tp,
+        t.model,
+        t.num_kv_heads,
+        if t.use_mla { " (MLA: one latent head)" } else { "" },
+        t.vllm_version
+    ));
+    out.push_str(&format!(
+        "layouts P {} / D {}  |  block {} / {} tokens  |  heads per rank P {} / D {}  |  fan-in {} P ranks per D rank\n",
+        t.p_layout, t.d_layout, t.p_block_size, t.d_block_size, t.p_heads_per_rank, t.d_heads_per_rank, t.fan_in
+    ));
+    out.push_str(&format!(
+        "bytes per block per rank: P {} per region block, {} over all layers; D {} / {}\n",
+        bytes_text(t.p_block_len_bytes),
+        bytes_text(t.p_block_bytes_all_layers),
+        bytes_text(t.d_block_len_bytes),
+        bytes_text(t.d_block_bytes_all_layers)
+    ));
+    let mut table = Table::new();
+    table.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
+    table.set_header(vec![
+        "D rank",
+        "heads",
+        "handshake",
+        "reads (P rank: bytes of a P block -> D offset)",
+        "notif",
+        "notif-only",
+    ]);
+    for d in &t.d_ranks {
+        let reads: Vec<String> = d
+            .reads
+            .iter()
+            .map(|r| {
+                format!(
+                    "P{}: [{}, {}) heads {} -> @{}",
+                    r.p_rank,
+                    r.remote_offset_in_block,
+                    r.remote_offset_in_block + r.length,
+                    heads_text(&r.global_heads),
+                    r.local_offset_in_block
+                )
+            })
+            .collect();
+        let extra: Vec<u32> = d.extra_notifs.iter().map(|e| e.p_rank).collect();
+        table.add_row(vec![
+            d.d_rank.to_string(),
+            heads_text(&d.heads),
+            ranks_text(&d.handshake_ranks),
+            reads.join("\n"),
+            format!("<id>:{}", d.expected_consumers_in_notif),
+            ranks_text(&extra),
+        ]);
+    }
+    out.push_str(&table.to_string());
+    out.push('\n');
+    let mut ports = Table::new();
+    ports.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
+    ports.set_header(vec![
+        "P rank",
+        "heads",
+        "block bytes",
+        "D readers (fan-out)",
+        "side-channel port (dp 0)",
+    ]);
+    for p in &t.p_ranks {
+        ports.add_row(vec![
+            p.p_rank.to_string(),
+            heads_text(&p.heads),
+            bytes_text(p.block_len_bytes),
+            p.readers.to_string(),
+            p.side_channel_port.to_string(),
+        ]);
+    }
+    out.push_str(&ports.to_string());
+    out.push_str(&format!("\nports: {} scheme; D ranks listen on ", t.port_scheme));
+    let d_ports: Vec<String> = t
+        .d_ranks
+        .iter()
+        .map(|d| {
+            format!(
+                "D{}={}",
+                d.d_rank,
+                ranks_text(&d.side_channel_ports.iter().map(|&p| u32::from(p)).collect::<Vec<_>>())
+            )
+        })
+        .collect();
+    out.push_str(&d_ports.join(" "));
+    out.push('\n');
+    out
 }

@@ -1,1 +1,4 @@
+//! kvx's integration tests: one binary, one module per area.
 
+mod common;
+mod oracle;

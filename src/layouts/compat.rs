@@ -1,0 +1,284 @@
+//! Whether a prefill engine and a decode engine can exchange KV blocks, decided the way
+//! vLLM decides at handshake time (`add_remote_agent` / `_validate_remote_agent_handshake`),
+//! plus the configurations vLLM accepts but reads wrong data for, which kvx rejects.
+//!
+//! Every rejection is a `ConfigError` naming the flag to change and the reason.
+
+use serde::Serialize;
+
+use super::Layout;
+use super::geometry::{EngineSpec, RankGeometry};
+use crate::error::ConfigError;
+use crate::settings::model::ModelShape;
+use crate::topology::{self, RankMap, TpSpec, VllmVersion};
+
+/// Largest block size (tokens) kvx accepts.
+pub const MAX_BLOCK_TOKENS: u32 = 1 << 16;
+/// Largest number of layers kvx accepts.
+pub const MAX_LAYERS: u32 = 4096;
+
+/// A prefill engine, a decode engine, and the model they serve.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PairSpec {
+    pub version: VllmVersion,
+    pub model: ModelShape,
+    pub p: EngineSpec,
+    pub d: EngineSpec,
+    /// vLLM's `enable_permute_local_kv`: receive HND blocks into a local NHD cache.
+    pub permute: bool,
+}
+
+impl PairSpec {
+    pub fn tp_spec(&self) -> TpSpec {
+        TpSpec {
+            p_tp: self.p.tp,
+            d_tp: self.d.tp,
+            num_kv_heads: self.model.num_kv_heads,
+            use_mla: self.model.is_mla(),
+            version: self.version,
+        }
+    }
+
+    /// Decode block size over prefill block size (vLLM `block_size_ratio`); valid after
+    /// `validate`.
+    pub fn block_size_ratio(&self) -> u32 {
+        self.d.block_tokens / self.p.block_tokens.max(1)
+    }
+
+    pub fn p_geometry(&self, rank: u32) -> RankGeometry {
+        RankGeometry::new(&self.model, &self.p, rank)
+    }
+
+    pub fn d_geometry(&self, rank: u32) -> RankGeometry {
+        RankGeometry::new(&self.model, &self.d, rank)
+    }
+
+    /// Whether decode receives HND blocks into an NHD cache (the permute exception).
+    pub fn permutes(&self) -> bool {
+        self.permute && is_permute_pair(self.p.layout, self.d.layout)
+    }
+
+    /// Validates the pair in vLLM's order and returns its rank map.
+    pub fn validate(&self) -> Result<RankMap, ConfigError> {
+        check_model(&self.model)?;
+        check_engine(&self.p, "--p-block-size", "--p-layout", self.version)?;
+        check_engine(&self.d, "--d-block-size", "--d-layout", self.version)?;
+        let (pb, db) = (self.p.block_tokens, self.d.block_tokens);
+        if db % pb != 0 {
+            return Err(ConfigError::new(
+                "--d-block-size",
+                format!(
+                    "decode block size {db} is not a multiple of prefill block size {pb} (vLLM: \"Local block size {db} is \
+                     not divisible by remote block size {pb} or vice versa.\"); decode blocks must be 1, 2, 4, ... prefill blocks long"
+                ),
+            ));
+        }
+        let map = topology::rank_map(&self.tp_spec())?;
+        self.check_layouts(&map)?;
+        let bsr = db / pb;
+        if bsr != 1 && self.p.tp > self.d.tp {
+            return Err(ConfigError::new(
+                "--d-block-size",
+                format!(
+                    "decode block size {db} differs from prefill block size {pb} while prefill TP {} > decode TP {}; \
+                     vLLM: \"Different local/remote block sizes are not supported when P TP > D TP.\"",
+                    self.p.tp, self.d.tp
+                ),
+            ));
+        }
+        if bsr != 1 && self.d.layout.block_outer() {
+            return Err(ConfigError::new(
+                "--d-block-size",
+                format!(
+                    "decode blocks of {bsr} prefill blocks with the block-outer layout {}: vLLM places decode sub-block j at \
+                     base + j*block_stride/{bsr}, which for block-outer layouts lands in another layer's page; use a \
+                     layer-outer layout (e.g. {}) or equal block sizes",
+                    self.d.layout,
+                    Layout::default_for(self.version)
+                ),
+            ));
+        }
+        self.check_block_lens(&map)?;
+        Ok(map)
+    }
+
+    fn check_layouts(&self, map: &RankMap) -> Result<(), ConfigError> {
+        let (pl, dl) = (self.p.layout, self.d.layout);
+        let mla = self.model.is_mla();
+        if mla && matches!(pl, Layout::FaCrossLayers | Layout::FiCrossLayers) {
+            return Err(ConfigError::new(
+                "--layout",
+                "vLLM 0.19 cross-layer blocks exist only for FlashAttention/FlashInfer, not MLA; drop the cross-layer layout",
+            ));
+        }
+        let backend = |l: Layout| match l {
+            Layout::FaHnd | Layout::FaNhd | Layout::FaCrossLayers => Some("FLASH_ATTN"),
+            Layout::FiHnd | Layout::FiNhd | Layout::FiCrossLayers => Some("FLASHINFER"),
+            _ => None,
+        };
+        if !mla && backend(pl) != backend(dl) {
+            return Err(ConfigError::new(
+                "--d-layout",
+                format!(
+                    "prefill uses {} and decode {}: different attention backends ({} vs {}) change vLLM's compatibility hash, \
+                     so the handshake is refused; use the same backend on both sides",
+                    pl,
+                    dl,
+                    backend(pl).unwrap_or("?"),
+                    backend(dl).unwrap_or("?")
+                ),
+            ));
+        }
+        let permute_ok = self.permute && is_permute_pair(pl, dl);
+        if pl != dl && !mla && !permute_ok {
+            let hint = if is_permute_pair(pl, dl) {
+                " or pass --permute (vLLM's enable_permute_local_kv) to receive HND into the local NHD cache"
+                    .to_string()
+            } else {
+                format!(" or use {pl} on the decode side")
+            };
+            return Err(ConfigError::new(
+                "--d-layout",
+                format!(
+                    "prefill layout {pl} differs from decode layout {dl}; vLLM: \"Heterogeneous TP expects same \
+                     kv_cache_layout (local {}, remote {}).\"{hint}",
+                    dl.vllm_name(),
+                    pl.vllm_name()
+                ),
+            ));
+        }
+        if self.permute && !is_permute_pair(pl, dl) && pl != dl {
+            return Err(ConfigError::new(
+                "--permute",
+                format!(
+                    "--permute only receives HND (prefill) into NHD (decode); prefill is {pl}, decode is {dl}"
+                ),
+            ));
+        }
+        let spec = map.spec;
+        let hetero = map.tp_ratio.abs() != 1;
+        if hetero && !mla && !spec.prefill_replicated() && !permute_ok {
+            for (layout, side) in [(dl, "--d-layout"), (pl, "--p-layout")] {
+                if !layout.heads_contiguous() {
+                    let why = if self.version == VllmVersion::V0_19 {
+                        " (vLLM 0.19.1 accepts this and splits each block's bytes in halves, which in NHD are token \
+                         halves, not head halves: silently wrong KV)"
+                    } else {
+                        ""
+                    };
+                    return Err(ConfigError::new(
+                        side,
+                        format!(
+                            "heterogeneous TP ({} -> {}) splits heads inside each block, but {layout} does not keep a \
+                             block's heads contiguous{why}; vLLM: \"Heterogeneous TP head-dimension splitting requires \
+                             contiguous heads. Use a block-contiguous layout (e.g. LBHNC) on the prefill side.\" Use {}",
+                            spec.p_tp,
+                            spec.d_tp,
+                            layout.hnd_counterpart()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's block-length invariants between the two sides' regions.
+    fn check_block_lens(&self, map: &RankMap) -> Result<(), ConfigError> {
+        let (pg, dg) = (self.p_geometry(0), self.d_geometry(0));
+        let (pr, dr) = (pg.regions(), dg.regions());
+        if pr.len() != dr.len() {
+            return Err(ConfigError::new(
+                "--d-layout",
+                format!(
+                    "prefill registers {} regions per rank ({}) and decode {} ({}); vLLM: \"Number of KV layers must \
+                     match between prefill and decode\"",
+                    pr.len(),
+                    self.p.layout,
+                    dr.len(),
+                    self.d.layout
+                ),
+            ));
+        }
+        let bsr = u64::from(self.block_size_ratio());
+        let (hp, hd) = (u64::from(map.p_heads_per_rank), u64::from(map.d_heads_per_rank));
+        for (p, d) in pr.iter().zip(&dr) {
+            // local_len // bsr == remote_len scaled by the heads each side holds.
+            let expect_remote = d.block_len * hp / hd / bsr;
+            if p.block_len != expect_remote {
+                return Err(ConfigError::new(
+                    "--d-layout",
+                    format!(
+                        "region {}: prefill block is {} bytes but decode expects {} ({} heads x {} tokens); the two \
+                         layouts do not describe the same blocks",
+                        p.name, p.block_len, expect_remote, hp, self.p.block_tokens
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The one layout mismatch vLLM can bridge: remote HND into local NHD.
+fn is_permute_pair(p: Layout, d: Layout) -> bool {
+    matches!((p, d), (Layout::Lbhnc, Layout::Lbnhc) | (Layout::FaHnd, Layout::FaNhd))
+}
+
+fn check_model(m: &ModelShape) -> Result<(), ConfigError> {
+    if m.num_layers == 0 || m.num_layers > MAX_LAYERS {
+        return Err(ConfigError::new(
+            "--layers",
+            format!("number of layers must be between 1 and {MAX_LAYERS}, got {}", m.num_layers),
+        ));
+    }
+    if !m.is_mla() && (m.head_dim == 0 || m.head_dim > 65_536) {
+        return Err(ConfigError::new(
+            "--head-dim",
+            format!("head dimension must be between 1 and 65536, got {}", m.head_dim),
+        ));
+    }
+    if let Some(mla) = m.mla
+        && (mla.head_size() == 0 || mla.head_size() > 65_536)
+    {
+        return Err(ConfigError::new(
+            "--mla",
+            format!(
+                "MLA latent size kv_lora_rank + qk_rope_head_dim must be 1..65536, got {}",
+                mla.head_size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_engine(
+    e: &EngineSpec,
+    block_flag: &str,
+    layout_flag: &str,
+    version: VllmVersion,
+) -> Result<(), ConfigError> {
+    if e.block_tokens == 0 || e.block_tokens > MAX_BLOCK_TOKENS {
+        return Err(ConfigError::new(
+            block_flag,
+            format!("block size must be between 1 and {MAX_BLOCK_TOKENS} tokens, got {}", e.block_tokens),
+        ));
+    }
+    if e.num_blocks == 0 {
+        return Err(ConfigError::new(
+            block_flag.replace("block-size", "num-blocks"),
+            "a pool needs at least 1 block",
+        ));
+    }
+    if e.layout.version() != version {
+        return Err(ConfigError::new(
+            layout_flag,
+            format!(
+                "layout {} belongs to vLLM {}, but the rules in force are vLLM {version} (--vllm); pick a {version} layout",
+                e.layout,
+                e.layout.version()
+            ),
+        ));
+    }
+    Ok(())
+}

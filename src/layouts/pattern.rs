@@ -1,0 +1,185 @@
+//! The byte pattern that makes every transferred byte checkable.
+//!
+//! Each K/V vector gets 64-bit words derived from (request seed, layer, global head,
+//! absolute token, K or V, word index), so a decode rank can check that a byte holds
+//! exactly the head, layer and token its own layout says it should — a wrong rank map,
+//! offset or layout shows up as a mismatch, not only a lost byte.
+
+use serde::Serialize;
+
+use super::geometry::{BlockContent, VecCoord};
+
+/// SplitMix64 finaliser: cheap, and every input bit affects every output bit.
+#[inline]
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The key of one vector; word `w` of it is `mix(key + w)`.
+#[inline]
+pub fn vector_key(seed: u64, layer: u32, global_head: u32, token: u32, kv: u32) -> u64 {
+    let id =
+        (u64::from(layer) << 44) ^ (u64::from(global_head) << 26) ^ (u64::from(token) << 1) ^ u64::from(kv);
+    mix(seed ^ mix(id)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// Writes one vector.
+#[inline]
+pub fn fill_vector(buf: &mut [u8], key: u64) {
+    let mut chunks = buf.chunks_exact_mut(8);
+    let mut w = 0u64;
+    for c in &mut chunks {
+        c.copy_from_slice(&mix(key.wrapping_add(w)).to_le_bytes());
+        w += 1;
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        let bytes = mix(key.wrapping_add(w)).to_le_bytes();
+        tail.copy_from_slice(&bytes[..tail.len()]);
+    }
+}
+
+/// Returns the index of the first byte that differs from the pattern, if any.
+#[inline]
+pub fn check_vector(buf: &[u8], key: u64) -> Option<usize> {
+    let mut w = 0u64;
+    let mut chunks = buf.chunks_exact(8);
+    for c in &mut chunks {
+        let want = mix(key.wrapping_add(w)).to_le_bytes();
+        if c != want {
+            return c.iter().zip(want).position(|(a, b)| *a != b).map(|i| w as usize * 8 + i);
+        }
+        w += 1;
+    }
+    let tail = chunks.remainder();
+    let want = mix(key.wrapping_add(w)).to_le_bytes();
+    tail.iter().zip(want).position(|(a, b)| *a != b).map(|i| w as usize * 8 + i)
+}
+
+/// Where a block's content sits in the request: global head of local head 0, and the
+/// absolute token of the block's token 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockOrigin {
+    pub seed: u64,
+    pub first_global_head: u32,
+    pub first_token: u32,
+}
+
+impl BlockOrigin {
+    #[inline]
+    fn key(&self, c: VecCoord) -> u64 {
+        vector_key(self.seed, c.layer, self.first_global_head + c.head, self.first_token + c.token, c.kv)
+    }
+}
+
+/// Fills one block of a region with the pattern.
+pub fn fill_block(content: &BlockContent, origin: BlockOrigin, block: &mut [u8]) {
+    let vb = content.vec_bytes() as usize;
+    content.for_each_vector(|off, c| {
+        let off = off as usize;
+        if let Some(v) = block.get_mut(off..off + vb) {
+            fill_vector(v, origin.key(c));
+        }
+    });
+}
+
+/// A byte that does not hold what it should.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
+#[error(
+    "byte {offset} of the block should hold layer {layer}, head {global_head}, token {token}, {kv} byte {byte} but differs"
+)]
+pub struct Mismatch {
+    pub offset: u64,
+    pub layer: u32,
+    pub global_head: u32,
+    pub token: u32,
+    pub kv: &'static str,
+    pub byte: u32,
+}
+
+/// Checks one block; every `sample`-th vector (1 = all). Returns the bytes checked.
+pub fn verify_block(
+    content: &BlockContent,
+    origin: BlockOrigin,
+    block: &[u8],
+    sample: u32,
+) -> Result<u64, Mismatch> {
+    let vb = content.vec_bytes() as usize;
+    let mut checked = 0u64;
+    let mut first: Option<Mismatch> = None;
+    let mut n = 0u32;
+    let sample = sample.max(1);
+    content.for_each_vector(|off, c| {
+        n = n.wrapping_add(1);
+        if first.is_some() || !n.is_multiple_of(sample) {
+            return;
+        }
+        let start = off as usize;
+        let Some(v) = block.get(start..start + vb) else {
+            first = Some(Mismatch {
+                offset: off,
+                layer: c.layer,
+                global_head: origin.first_global_head + c.head,
+                token: origin.first_token + c.token,
+                kv: "missing",
+                byte: 0,
+            });
+            return;
+        };
+        match check_vector(v, origin.key(c)) {
+            None => checked += vb as u64,
+            Some(i) => {
+                first = Some(Mismatch {
+                    offset: off + i as u64,
+                    layer: c.layer,
+                    global_head: origin.first_global_head + c.head,
+                    token: origin.first_token + c.token,
+                    kv: if c.kv == 0 { "K" } else { "V" },
+                    byte: i as u32,
+                });
+            }
+        }
+    });
+    match first {
+        Some(m) => Err(m),
+        None => Ok(checked),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layouts::geometry::Axis;
+
+    #[test]
+    fn vectors_of_different_coordinates_differ() {
+        let a = vector_key(1, 0, 0, 0, 0);
+        assert_ne!(a, vector_key(1, 0, 1, 0, 0));
+        assert_ne!(a, vector_key(1, 0, 0, 1, 0));
+        assert_ne!(a, vector_key(1, 1, 0, 0, 0));
+        assert_ne!(a, vector_key(1, 0, 0, 0, 1));
+        assert_ne!(a, vector_key(2, 0, 0, 0, 0));
+    }
+
+    #[test]
+    fn fill_then_verify_and_detect_a_flip() {
+        let content = BlockContent {
+            layer: Some(3),
+            head: None,
+            kv: None,
+            axes: vec![(Axis::Head, 2), (Axis::Token, 4), (Axis::Kv, 2), (Axis::Bytes, 12)],
+        };
+        let origin = BlockOrigin { seed: 7, first_global_head: 4, first_token: 32 };
+        let mut block = vec![0u8; content.len() as usize];
+        fill_block(&content, origin, &mut block);
+        assert_eq!(verify_block(&content, origin, &block, 1), Ok(content.len()));
+        block[12 * 2 * 4 + 5] ^= 1; // head 1, token 0, K, byte 5
+        let m = verify_block(&content, origin, &block, 1).expect_err("flip detected");
+        assert_eq!((m.global_head, m.token, m.kv, m.byte), (5, 32, "K", 5));
+        // Same bytes checked as a different token are wrong.
+        let shifted = BlockOrigin { first_token: 33, ..origin };
+        assert!(verify_block(&content, shifted, &block, 1).is_err());
+    }
+}
