@@ -7,7 +7,7 @@
 use serde::Serialize;
 
 use super::Layout;
-use super::geometry::{EngineSpec, RankGeometry};
+use super::geometry::{Axis, EngineSpec, RankGeometry};
 use crate::error::ConfigError;
 use crate::settings::model::ModelShape;
 use crate::topology::{self, RankMap, TpSpec, VllmVersion};
@@ -86,13 +86,19 @@ impl PairSpec {
                 ),
             ));
         }
-        if bsr != 1 && self.d.layout.block_outer() {
+        // vLLM splits a decode block into sub-blocks at block_stride/r and regroups tokens as
+        // (r, H, N/r, C): only right for plain pages (stride == length, no layer axis).
+        let strided =
+            self.d_geometry(0).regions().iter().any(|r| {
+                r.block_stride != r.block_len || r.content.axes.iter().any(|(a, _)| *a == Axis::Layer)
+            });
+        if bsr != 1 && strided {
             return Err(ConfigError::new(
                 "--d-block-size",
                 format!(
-                    "decode blocks of {bsr} prefill blocks with the block-outer layout {}: vLLM places decode sub-block j at \
-                     base + j*block_stride/{bsr}, which for block-outer layouts lands in another layer's page; use a \
-                     layer-outer layout (e.g. {}) or equal block sizes",
+                    "decode blocks of {bsr} prefill blocks with layout {}, whose blocks are strided (block stride != block \
+                     length): vLLM places decode sub-block j at base + j*block_stride/{bsr}, which then lands in another \
+                     layer's or K/V half's bytes; use a layer-outer layout (e.g. {}) or equal block sizes",
                     self.d.layout,
                     Layout::default_for(self.version)
                 ),

@@ -49,7 +49,7 @@ impl Axis {
             Axis::Token => "N",
             Axis::Kv => "KV",
             Axis::SubBlock => "R",
-            Axis::Bytes => "D",
+            Axis::Bytes => "bytes",
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod compat;
 pub mod geometry;
 pub mod pattern;
 pub mod plan;
+pub mod verify;
 
 use std::fmt;
 use std::str::FromStr;

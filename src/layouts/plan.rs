@@ -17,7 +17,7 @@
 use serde::Serialize;
 
 use super::compat::PairSpec;
-use super::geometry::{Axis, BlockContent, Region};
+use super::geometry::Region;
 use crate::error::ConfigError;
 use crate::topology::{DRankMap, RankMap, VllmVersion};
 
@@ -303,51 +303,78 @@ impl Planner {
         PlanStream { planner: self, bp, read: 0, region: 0, block: 0 }
     }
 
+    /// Which order merges more for one READ: posting order (runs of blocks inside a
+    /// region) or block order (the layers of a block-outer layout). Counts runs without
+    /// storing anything; returns `(block_major, runs)`.
+    fn best_order(&self, read: &ReadGeom, bp: &BlockPairs) -> (bool, usize) {
+        let mut region_major = RunCounter::default();
+        for x in &read.regions {
+            for (&l, &r) in bp.local.iter().zip(&bp.remote) {
+                region_major.push(x.pair(l, r));
+            }
+        }
+        if read.regions.len() < 2 {
+            return (false, region_major.runs);
+        }
+        let mut block_major = RunCounter::default();
+        for (&l, &r) in bp.local.iter().zip(&bp.remote) {
+            for x in &read.regions {
+                block_major.push(x.pair(l, r));
+            }
+        }
+        if block_major.runs < region_major.runs {
+            (true, block_major.runs)
+        } else {
+            (false, region_major.runs)
+        }
+    }
+
+    /// Descriptor count of each READ after coalescing (see `coalesced`); allocation-free.
+    pub fn coalesced_counts(&self, bp: &BlockPairs) -> Vec<usize> {
+        self.reads.iter().map(|read| self.best_order(read, bp).1).collect()
+    }
+
     /// Coalesced pairs of each READ: neighbours contiguous on both sides are merged. Tries
-    /// posting order (merges runs of blocks inside a region) and block order (merges the
-    /// layers of a block-outer layout) and keeps whichever merges more. Linear time.
+    /// posting order and block order and keeps whichever merges more. Linear time.
     pub fn coalesced(&self, bp: &BlockPairs) -> Vec<Vec<Pair>> {
         self.reads
             .iter()
             .map(|read| {
-                let mut region_major = Coalescer::default();
-                for x in &read.regions {
+                let (block_major, runs) = self.best_order(read, bp);
+                let mut c = Coalescer { out: Vec::with_capacity(runs), cur: None };
+                if block_major {
                     for (&l, &r) in bp.local.iter().zip(&bp.remote) {
-                        region_major.push(x.pair(l, r));
+                        for x in &read.regions {
+                            c.push(x.pair(l, r));
+                        }
                     }
-                }
-                let mut block_major = Coalescer::default();
-                for (&l, &r) in bp.local.iter().zip(&bp.remote) {
+                } else {
                     for x in &read.regions {
-                        block_major.push(x.pair(l, r));
+                        for (&l, &r) in bp.local.iter().zip(&bp.remote) {
+                            c.push(x.pair(l, r));
+                        }
                     }
                 }
-                let (a, b) = (region_major.finish(), block_major.finish());
-                if b.len() < a.len() { b } else { a }
+                c.finish()
             })
             .collect()
     }
+}
 
-    /// The layout the bytes of one local region block have right after the reads land,
-    /// before vLLM's receive-side post-processing: with a block-size ratio `r` each block
-    /// holds `r` prefill-sized sub-blocks, and with `permute` it is in HND order. Used to
-    /// verify received bytes independently of the rank map.
-    pub fn landing_content(&self, region: &Region, permutes: bool) -> BlockContent {
-        let mut c = region.content.clone();
-        if permutes {
-            // Raw HND bytes in an NHD cache: heads before tokens.
-            let mut axes: Vec<(Axis, u32)> =
-                c.axes.iter().copied().filter(|(a, _)| *a == Axis::Head).collect();
-            axes.extend(c.axes.iter().copied().filter(|(a, _)| *a != Axis::Head));
-            c.axes = axes;
+/// Counts the runs a coalescer would produce, without storing them.
+#[derive(Debug, Default)]
+struct RunCounter {
+    runs: usize,
+    end: Option<(u64, u64)>,
+}
+
+impl RunCounter {
+    #[inline]
+    fn push(&mut self, p: Pair) {
+        if self.end != Some((p.local, p.remote)) {
+            self.runs += 1;
         }
-        if self.bsr > 1 {
-            let r = self.bsr;
-            let mut axes = vec![(Axis::SubBlock, r)];
-            axes.extend(c.axes.iter().map(|&(a, n)| if a == Axis::Token { (a, n / r) } else { (a, n) }));
-            c.axes = axes;
-        }
-        c
+        self.end = Some((p.local + p.len, p.remote + p.len));
     }
 }
 

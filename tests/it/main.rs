@@ -2,3 +2,4 @@
 
 mod common;
 mod oracle;
+mod props;
