@@ -148,7 +148,8 @@ fn accepted(c: &Case) -> bool {
     let h = if c.mla { 1 } else { c.heads };
     let divides = if d >= p { d % p == 0 } else { p % d == 0 };
     let shards = |tp: u32| if tp <= h { h % tp == 0 } else { tp.is_multiple_of(h) };
-    if !divides || (!c.mla && !(shards(p) && shards(d))) {
+    let sharded = c.mla || shards(p) && shards(d);
+    if !divides || !sharded {
         return false;
     }
     let v033 = c.version == VllmVersion::V0_33;
@@ -175,7 +176,8 @@ fn accepted(c: &Case) -> bool {
         return false;
     }
     let replicated = if v033 { p > h } else { p >= c.heads };
-    if p != d && !c.mla && !replicated && !permute_ok && !(contiguous(c.p_layout) && contiguous(c.d_layout)) {
+    let splits_heads = p != d && !c.mla && !replicated && !permute_ok;
+    if splits_heads && !(contiguous(c.p_layout) && contiguous(c.d_layout)) {
         return false;
     }
     // Decode layouts whose region blocks are strided: block-outer ones (unless a single
