@@ -82,6 +82,16 @@ pub fn resolve_pair(
 ) -> Result<PairSpec, ConfigError> {
     let version = resolve_version(&pair.vllm)?;
     let model = resolve_model(model_args)?;
+    if pair.block_size == 0 || pair.block_size > crate::layouts::compat::MAX_BLOCK_TOKENS {
+        return Err(ConfigError::new(
+            "--block-size",
+            format!(
+                "block size must be between 1 and {} tokens, got {}",
+                crate::layouts::compat::MAX_BLOCK_TOKENS,
+                pair.block_size
+            ),
+        ));
+    }
     let both = layout("--layout", pair.layout.as_deref(), Layout::default_for(version), version)?;
     let p_layout = layout("--p-layout", pair.p_layout.as_deref(), both, version)?;
     let d_layout = layout("--d-layout", pair.d_layout.as_deref(), both, version)?;

@@ -1,0 +1,102 @@
+//! Bad input: each gives exit code 2 and a message naming the flag to change, never a panic.
+
+use crate::common::kvx;
+
+const CASES: &[(&[&str], &str)] = &[
+    (&["topo", "--p-tp", "0", "--d-tp", "2"], "--p-tp"),
+    (&["topo", "--p-tp", "5000", "--d-tp", "2"], "--p-tp"),
+    (&["topo", "--p-tp", "3", "--d-tp", "2"], "--p-tp"),
+    (&["topo", "--p-tp", "2", "--d-tp", "3"], "--d-tp"),
+    (&["topo", "--p-tp", "8", "--d-tp", "2", "--num-kv-heads", "4"], "--p-tp"),
+    (&["topo", "--p-tp", "4", "--d-tp", "4", "--num-kv-heads", "6"], "--p-tp"),
+    (&["topo", "--num-kv-heads", "0"], "--num-kv-heads"),
+    (&["topo", "--layers", "0"], "--layers"),
+    (&["topo", "--head-dim", "0"], "--head-dim"),
+    (&["topo", "--model", "gpt-5"], "--model"),
+    (&["topo", "--model-config", "/nonexistent/config.json"], "--model-config"),
+    (&["topo", "--dtype", "fp7"], "--dtype"),
+    (&["topo", "--vllm", "0.25"], "--vllm"),
+    (&["topo", "--layout", "XYZ"], "--layout"),
+    (&["topo", "--vllm", "0.19", "--layout", "LBHNC"], "--layout"),
+    (&["topo", "--p-tp", "1", "--d-tp", "2", "--layout", "LBNHC"], "--d-layout"),
+    (&["topo", "--p-tp", "1", "--d-tp", "2", "--layout", "BHLNC"], "--d-layout"),
+    (&["topo", "--p-tp", "1", "--d-tp", "2", "--vllm", "0.19", "--layout", "NHD"], "--d-layout"),
+    (&["topo", "--p-layout", "LBHNC", "--d-layout", "LBNHC"], "--d-layout"),
+    (&["topo", "--p-layout", "LBHNC", "--d-layout", "BLHNC", "--permute"], "--d-layout"),
+    (&["topo", "--p-block-size", "32", "--d-block-size", "16"], "--d-block-size"),
+    (&["topo", "--p-block-size", "16", "--d-block-size", "24"], "--d-block-size"),
+    (
+        &["topo", "--p-tp", "2", "--d-tp", "1", "--p-block-size", "16", "--d-block-size", "32"],
+        "--d-block-size",
+    ),
+    (&["topo", "--layout", "BLHNC", "--p-block-size", "16", "--d-block-size", "32"], "--d-block-size"),
+    (&["topo", "--block-size", "0"], "--block-size"),
+    (&["topo", "--port-scheme", "foo"], "--port-scheme"),
+    (&["topo", "--side-channel-port", "65530", "--p-dp", "20"], "--side-channel-port"),
+    (&["topo", "--p-dp", "0"], "--p-dp"),
+    (&["plan", "--prompt-len", "0"], "--prompt-len"),
+    (&["plan"], "--prompt-len"),
+    (&["plan", "--prompt-len", "100", "--prefix-hit", "1.5"], "--prefix-hit"),
+    (&["plan", "--prompt-len", "100", "--alloc", "weird"], "--alloc"),
+    (&["plan", "--prompt-len", "1000", "--p-num-blocks", "3"], "--p-num-blocks"),
+    (&["plan", "--local-blocks", "9", "--remote-blocks", "0", "--d-num-blocks", "4"], "--local-blocks"),
+    (&["plan", "--local-blocks", "0", "--remote-blocks", "9", "--p-num-blocks", "4"], "--remote-blocks"),
+    (&["plan", "--scenario", "/nonexistent/case.json"], "--scenario"),
+    (&["plan", "--prompt-len", "64", "--d-tp", "2", "--d-rank", "5"], "--d-rank"),
+    (&["layout", "--tp", "2", "--rank", "9"], "--rank"),
+    (&["layout", "--tp", "3"], "--tp"),
+    (&["layout", "--tokens", "0"], "--tokens"),
+];
+
+#[test]
+fn bad_inputs_exit_2_and_name_the_flag() {
+    for (args, flag) in CASES {
+        let out = kvx().args(*args).output().expect("kvx runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?} should exit 2; stderr: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+        assert!(stderr.contains(flag), "{args:?}: message should name {flag}: {stderr}");
+    }
+}
+
+#[test]
+fn json_rejection_is_a_json_object() {
+    let out = kvx()
+        .args(["topo", "--p-tp", "8", "--d-tp", "2", "--num-kv-heads", "4", "--format", "json"])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    assert_eq!(v["status"], "rejected");
+    assert!(v["error"].as_str().is_some_and(|e| e.contains("--p-tp")), "{v}");
+}
+
+#[test]
+fn help_lists_every_subcommand_and_examples() {
+    let out = kvx().arg("--help").output().expect("runs");
+    let help = String::from_utf8_lossy(&out.stdout);
+    for cmd in [
+        "topo",
+        "layout",
+        "plan",
+        "xfer",
+        "probe",
+        "doctor",
+        "bench",
+        "report",
+        "gate",
+        "serve-engine",
+        "serve-proxy",
+        "load",
+        "completions",
+    ] {
+        assert!(help.contains(cmd), "kvx --help lists {cmd}");
+    }
+    assert!(!help.contains("worker"), "the worker subcommand is hidden");
+    for cmd in ["topo", "layout", "plan", "completions"] {
+        let out = kvx().args([cmd, "--help"]).output().expect("runs");
+        assert!(String::from_utf8_lossy(&out.stdout).contains("Example"), "{cmd} --help has an example");
+    }
+    let out = kvx().args(["completions", "bash"]).output().expect("runs");
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("kvx"));
+}
