@@ -138,8 +138,11 @@ pub fn throughput_series(rows: &[RequestRow]) -> Vec<Series> {
                 let i = ((t / width_s) as usize).min(buckets - 1);
                 bytes[i] += b;
             }
-            let points =
-                bytes.iter().enumerate().map(|(i, b)| ((i as f64 + 0.5) * width_s, *b as f64 / width_s / 1e9)).collect();
+            let points = bytes
+                .iter()
+                .enumerate()
+                .map(|(i, b)| ((i as f64 + 0.5) * width_s, *b as f64 / width_s / 1e9))
+                .collect();
             let name = if many { format!("repeat {repeat}") } else { "throughput".to_string() };
             Some(Series { name, points })
         })
@@ -152,8 +155,16 @@ pub fn throughput_svg(rows: &[RequestRow]) -> Result<Option<String>, ReportError
     if series.is_empty() {
         return Ok(None);
     }
-    draw("Read throughput over time", "time (s)", "GB/s", &series, Axis::Linear, Axis::LinearFromZero, "throughput")
-        .map(Some)
+    draw(
+        "Read throughput over time",
+        "time (s)",
+        "GB/s",
+        &series,
+        Axis::Linear,
+        Axis::LinearFromZero,
+        "throughput",
+    )
+    .map(Some)
 }
 
 /// Sweep points as bandwidth against bytes per descriptor (or block size), one line per series.
@@ -166,7 +177,10 @@ pub fn sweep_series(summary: &Summary) -> (Vec<Series>, &'static str) {
     let mut groups: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     for p in points {
         if let Some(x) = x_of(p) {
-            groups.entry(p.series.clone().unwrap_or_else(|| "all".into())).or_default().push((x, p.throughput_gbps));
+            groups
+                .entry(p.series.clone().unwrap_or_else(|| "all".into()))
+                .or_default()
+                .push((x, p.throughput_gbps));
         }
     }
     let series = groups
@@ -186,7 +200,8 @@ pub fn sweep_svg(summary: &Summary) -> Result<Option<String>, ReportError> {
         return Ok(None);
     }
     let x_axis = if x_desc.starts_with("bytes") { Axis::LogBytes } else { Axis::Log };
-    draw("Bandwidth against message size", x_desc, "GB/s", &series, x_axis, Axis::LinearFromZero, "sweep").map(Some)
+    draw("Bandwidth against message size", x_desc, "GB/s", &series, x_axis, Axis::LinearFromZero, "sweep")
+        .map(Some)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -210,7 +225,8 @@ fn range(axis: Axis, values: impl Iterator<Item = f64>) -> (f64, f64) {
             (lo / 1.5, hi * 1.5)
         }
         Axis::LinearFromZero => (0.0, if hi > 0.0 { hi * 1.1 } else { 1.0 }),
-        Axis::Nines => (0.0, hi.max(3.0)),
+        // One nine of room on the right for the legend; whole nines so ticks land on 90%, 99%...
+        Axis::Nines => (0.0, hi.max(3.0).ceil() + 1.0),
         Axis::Linear => {
             if lo.is_finite() && hi > lo {
                 (lo.min(0.0), hi * 1.02)
@@ -251,7 +267,9 @@ fn draw(
         // Four combinations of linear and log axes are four chart types in plotters.
         match (x_log, y_log) {
             (false, false) => {
-                let c = base(&root, title).build_cartesian_2d(x0..x1, y0..y1).map_err(|e| chart_err(chart)(e.to_string()))?;
+                let c = base(&root, title)
+                    .build_cartesian_2d(x0..x1, y0..y1)
+                    .map_err(|e| chart_err(chart)(e.to_string()))?;
                 finish(c, x_desc, y_desc, series, x_axis, y_axis, chart)?
             }
             (false, true) => {
@@ -283,7 +301,7 @@ fn base<'a, 'b>(
     title: &str,
 ) -> ChartBuilder<'a, 'b, SVGBackend<'b>> {
     let mut b = ChartBuilder::on(root);
-    b.caption(title, ("sans-serif", 22)).margin(16).x_label_area_size(48).y_label_area_size(72);
+    b.caption(title, ("sans-serif", 22)).margin(16).margin_right(40).x_label_area_size(48).y_label_area_size(72);
     b
 }
 
@@ -303,7 +321,9 @@ where
     let err = chart_err(chart);
     let xf = move |v: &f64| label(x_axis, *v);
     let yf = move |v: &f64| label(y_axis, *v);
+    let x_labels = if x_axis == Axis::Nines { c.x_range().end.round() as usize + 1 } else { 10 };
     c.configure_mesh()
+        .x_labels(x_labels)
         .x_desc(x_desc)
         .y_desc(y_desc)
         .x_label_formatter(&xf)
@@ -317,10 +337,11 @@ where
             .map_err(|e| err(e.to_string()))?
             .label(s.name.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
-        c.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, col.filled()))).map_err(|e| err(e.to_string()))?;
+        c.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, col.filled())))
+            .map_err(|e| err(e.to_string()))?;
     }
     c.configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(if x_axis == Axis::Nines { SeriesLabelPosition::UpperRight } else { SeriesLabelPosition::UpperLeft })
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
@@ -345,7 +366,10 @@ mod tests {
     #[test]
     fn latency_prefers_rows_and_falls_back_to_summary() {
         let mut s = Summary::new("r", "t", Scenario::default());
-        s.stages.insert("handshake".into(), StageStats { count: 2, p50_us: 900.0, p90_us: 1000.0, ..Default::default() });
+        s.stages.insert(
+            "handshake".into(),
+            StageStats { count: 2, p50_us: 900.0, p90_us: 1000.0, ..Default::default() },
+        );
         let rows: Vec<RequestRow> = (1..=1000)
             .map(|i| RequestRow { transfer_us: Some(f64::from(i)), ..Default::default() })
             .collect();

@@ -16,6 +16,9 @@ pub struct CompareRow {
     pub b: Option<f64>,
     /// `b / a`.
     pub ratio: Option<f64>,
+    /// A count or byte total, shown without decimals.
+    #[serde(skip)]
+    pub integer: bool,
 }
 
 /// Two runs compared.
@@ -33,7 +36,7 @@ fn row(metric: impl Into<String>, a: Option<f64>, b: Option<f64>) -> CompareRow 
         (Some(a), Some(b)) if a == b => Some(1.0),
         _ => None,
     };
-    CompareRow { metric: metric.into(), a, b, ratio: r }
+    CompareRow { metric: metric.into(), a, b, ratio: r, integer: false }
 }
 
 /// Compares the headline figures, every stage's percentiles and the calibrations.
@@ -56,7 +59,11 @@ pub fn compare(a: &Summary, b: &Summary) -> Comparison {
     ];
     for (name, f) in headline {
         let (x, y) = both(f);
-        rows.push(row(name, x, y));
+        let integer = name.starts_with("requests_") && name != "requests_per_s"
+            || name.starts_with("blocks_")
+            || name == "verify_failures"
+            || name == "bytes_per_request";
+        rows.push(CompareRow { integer, ..row(name, x, y) });
     }
     let mut stages: Vec<&str> = ordered_stage_names(&a.stages);
     for s in ordered_stage_names(&b.stages) {
@@ -96,8 +103,12 @@ pub fn render(c: &Comparison, style: Style) -> String {
     let a = format!("A: {}", c.a_run);
     let b = format!("B: {}", c.b_run);
     let mut t = new_table(style, &["metric", &a, &b, "B/A"]);
-    let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), fmt_f);
     for r in &c.rows {
+        let opt = |v: Option<f64>| match v {
+            None => "-".into(),
+            Some(x) if r.integer => format!("{x:.0}"),
+            Some(x) => fmt_f(x),
+        };
         t.add_row(vec![r.metric.clone(), opt(r.a), opt(r.b), r.ratio.map_or_else(|| "-".into(), fmt_ratio)]);
     }
     align_numbers(&mut t, 1);

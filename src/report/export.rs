@@ -178,10 +178,15 @@ mod tests {
         let bytes = requests_csv(&rows).expect("csv");
         let text = String::from_utf8(bytes.clone()).expect("utf8");
         assert_eq!(text.lines().count(), 5);
-        assert!(text.lines().nth(1).is_some_and(|l| l.starts_with("req-0,0,0.0,8192,512,1048576,1024,80,1.5,,")));
+        assert!(
+            text.lines().nth(1).is_some_and(|l| l.starts_with("req-0,0,0.0,8192,512,1048576,1024,80,1.5,,"))
+        );
         assert_eq!(parse_requests_csv(&bytes).expect("parse"), rows);
         // Header only when there are no rows.
-        assert_eq!(requests_csv(&[]).expect("empty"), format!("{}\n", RequestRow::HEADERS.join(",")).into_bytes());
+        assert_eq!(
+            requests_csv(&[]).expect("empty"),
+            format!("{}\n", RequestRow::HEADERS.join(",")).into_bytes()
+        );
     }
 
     #[test]

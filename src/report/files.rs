@@ -175,8 +175,8 @@ fn read_err(path: &Path) -> impl Fn(std::io::Error) -> ReportError + '_ {
 /// the gate looks metrics up in the raw document first so a missing one is named precisely.
 pub fn read_summary_value(path: &Path) -> Result<serde_json::Value, ReportError> {
     let bytes = std::fs::read(path).map_err(read_err(path))?;
-    let value: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|source| ReportError::Json { path: path.to_path_buf(), source })?;
+    let value: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|source| ReportError::Json { path: path.to_path_buf(), source })?;
     check_schema(path, &value)?;
     Ok(value)
 }
@@ -190,7 +190,10 @@ pub fn check_schema(path: &Path, value: &serde_json::Value) -> Result<(), Report
         });
     };
     match map.get("schema_version") {
-        None => Err(ReportError::NotASummary { path: path.to_path_buf(), reason: "it has no schema_version".into() }),
+        None => Err(ReportError::NotASummary {
+            path: path.to_path_buf(),
+            reason: "it has no schema_version".into(),
+        }),
         Some(v) if v.as_u64() == Some(u64::from(SCHEMA_VERSION)) => Ok(()),
         Some(v) => Err(ReportError::SchemaMismatch {
             path: path.to_path_buf(),
@@ -282,7 +285,8 @@ mod tests {
         write_atomic(&p, b"one").expect("1");
         write_atomic(&p, b"two").expect("2");
         assert_eq!(std::fs::read(&p).expect("read"), b"two");
-        let names: Vec<_> = std::fs::read_dir(tmp.path()).expect("ls").map(|e| e.expect("e").file_name()).collect();
+        let names: Vec<_> =
+            std::fs::read_dir(tmp.path()).expect("ls").map(|e| e.expect("e").file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("f.json")]);
     }
 

@@ -57,7 +57,6 @@
 //! 6. **Deterministic.** MAD, not a bootstrap: the same two files give the same verdict, and
 //!    with about five repeats a bootstrap of the median has only a handful of distinct values.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -191,7 +190,10 @@ impl Thresholds {
                 return Err(bad(format!("metric `{}` is listed twice", r.name)));
             }
             if !(r.threshold.is_finite() && r.threshold >= 0.0) {
-                return Err(bad(format!("metric `{}`: threshold must be a number >= 0, not {}", r.name, r.threshold)));
+                return Err(bad(format!(
+                    "metric `{}`: threshold must be a number >= 0, not {}",
+                    r.name, r.threshold
+                )));
             }
             let kind = r.kind.unwrap_or(Kind::Relative);
             if kind == Kind::Absolute && r.normalize == Some(true) {
@@ -357,7 +359,8 @@ struct Samples {
 
 fn samples(doc: &Value, metric: &str, figures: &[String], from_repeats: bool) -> Option<Samples> {
     let run_cal = calibration_scalar(doc.get("calibration"), figures);
-    if from_repeats && let Some(reps) = doc.get("repeats").and_then(Value::as_array).filter(|r| !r.is_empty()) {
+    if from_repeats && let Some(reps) = doc.get("repeats").and_then(Value::as_array).filter(|r| !r.is_empty())
+    {
         let vals: Option<Vec<f64>> = reps.iter().map(|r| lookup_f64(r, metric)).collect();
         if let Some(raw) = vals {
             let rep_cal: Option<Vec<f64>> =
@@ -495,7 +498,12 @@ pub fn evaluate(baseline: Doc<'_>, current: Doc<'_>, th: &Thresholds) -> Result<
         metrics,
         noise_floor,
         noise_z: th.noise_z,
-        calibration: CalibrationView { figures, factor, per_repeat: !used.is_empty() && per_repeat_all, used },
+        calibration: CalibrationView {
+            figures,
+            factor,
+            per_repeat: !used.is_empty() && per_repeat_all,
+            used,
+        },
         notes,
     })
 }
@@ -616,14 +624,16 @@ pub(crate) fn context_notes(baseline: &Value, current: &Value) -> Vec<String> {
         notes.push("the baseline is a partial run".into());
     }
     let empty = serde_json::Map::new();
-    let obj = |v: &Value, k: &str| v.get(k).and_then(Value::as_object).cloned().unwrap_or_else(|| empty.clone());
+    let obj =
+        |v: &Value, k: &str| v.get(k).and_then(Value::as_object).cloned().unwrap_or_else(|| empty.clone());
     let (sb, sc) = (obj(baseline, "scenario"), obj(current, "scenario"));
     let keys: std::collections::BTreeSet<&String> = sb.keys().chain(sc.keys()).collect();
     let changed: Vec<String> = keys
         .into_iter()
         .filter(|k| sb.get(*k) != sc.get(*k))
         .map(|k| {
-            let show = |v: Option<&Value>| v.filter(|v| !v.is_null()).map_or_else(|| "-".into(), display_value);
+            let show =
+                |v: Option<&Value>| v.filter(|v| !v.is_null()).map_or_else(|| "-".into(), display_value);
             format!("{k} {} -> {}", show(sb.get(k)), show(sc.get(k)))
         })
         .collect();
@@ -692,27 +702,33 @@ fn verdict_text(m: &MetricResult) -> String {
         MetricVerdict::Regression => "REGRESSION",
         MetricVerdict::Skipped => "skipped (missing)",
     };
-    if m.enforced || m.verdict == MetricVerdict::Skipped { v.to_string() } else { format!("{} (not gated)", v.to_lowercase()) }
+    if m.enforced || m.verdict == MetricVerdict::Skipped {
+        v.to_string()
+    } else {
+        format!("{} (not gated)", v.to_lowercase())
+    }
 }
 
 fn change_text(m: &MetricResult) -> String {
-    match (m.kind, m.change) {
-        (_, None) => "-".into(),
-        (Kind::Relative, Some(c)) => {
-            // Shown in the metric's own direction: throughput -12%, latency +12%.
-            let signed = match m.better {
-                Better::Higher => -c,
-                Better::Lower => c,
-            };
-            format!("{:+.1}%", signed * 100.0)
-        }
-        (Kind::Absolute, Some(c)) => {
-            let signed = match m.better {
-                Better::Higher => -c,
-                Better::Lower => c,
-            };
-            format!("{signed:+}")
-        }
+    let Some(c) = m.change else { return "-".into() };
+    // Shown in the metric's own direction: throughput -12%, latency +12%.
+    let signed = match m.better {
+        Better::Higher => -c,
+        Better::Lower => c,
+    };
+    match m.kind {
+        // Rounded first, and + 0.0 turns a -0.0 into 0.0, so no change never reads "-0.0%".
+        Kind::Relative => format!("{:+.1}%", (signed * 1000.0).round() / 10.0 + 0.0),
+        Kind::Absolute => format!("{:+}", signed + 0.0),
+    }
+}
+
+/// A metric value: counts (absolute metrics) as integers when they are.
+fn value_text(m: &MetricResult, v: Option<f64>) -> String {
+    match v {
+        None => "-".into(),
+        Some(x) if m.kind == Kind::Absolute && x.fract() == 0.0 && x.abs() < 1e15 => format!("{x:.0}"),
+        Some(x) => fmt_f(x),
     }
 }
 
@@ -724,14 +740,23 @@ fn samples_text(n: usize) -> String {
 pub fn metric_table(r: &GateReport, style: Style) -> comfy_table::Table {
     let mut t = new_table(
         style,
-        &["metric", "baseline", "current", "ratio", "normalised", "change", "threshold", "noise ±", "verdict"],
+        &[
+            "metric",
+            "baseline",
+            "current",
+            "ratio",
+            "normalised",
+            "change",
+            "threshold",
+            "noise ±",
+            "verdict",
+        ],
     );
     for m in &r.metrics {
-        let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), fmt_f);
         t.add_row(vec![
             m.metric.clone(),
-            format!("{}{}", opt(m.baseline), samples_text(m.baseline_samples)),
-            format!("{}{}", opt(m.current), samples_text(m.current_samples)),
+            format!("{}{}", value_text(m, m.baseline), samples_text(m.baseline_samples)),
+            format!("{}{}", value_text(m, m.current), samples_text(m.current_samples)),
             m.ratio_raw.map_or_else(|| "-".into(), fmt_ratio),
             if m.normalized { m.ratio.map_or_else(|| "-".into(), fmt_ratio) } else { "-".into() },
             change_text(m),
@@ -792,10 +817,8 @@ fn verdict_line(r: &GateReport) -> String {
     match r.verdict {
         Verdict::Pass => "verdict: PASS".into(),
         Verdict::Regression => {
-            let which: Vec<String> = r
-                .regressions()
-                .map(|m| format!("{} {}", m.metric, change_text(m)))
-                .collect();
+            let which: Vec<String> =
+                r.regressions().map(|m| format!("{} {}", m.metric, change_text(m))).collect();
             format!("verdict: REGRESSION ({})", which.join(", "))
         }
     }
@@ -829,7 +852,8 @@ pub fn render_markdown(r: &GateReport) -> String {
         Verdict::Pass => "## kvx gate: ✅ pass",
         Verdict::Regression => "## kvx gate: ❌ regression",
     };
-    let mut out = format!("{head}\n\nCurrent run `{}` against baseline `{}`.\n\n", r.current_run, r.baseline_run);
+    let mut out =
+        format!("{head}\n\nCurrent run `{}` against baseline `{}`.\n\n", r.current_run, r.baseline_run);
     for l in calibration_lines(r) {
         out.push_str(&format!("- {l}\n"));
     }
@@ -860,20 +884,6 @@ pub fn error_json(message: &str) -> Value {
 /// The Markdown of a gate that could not decide.
 pub fn error_markdown(message: &str) -> String {
     format!("## kvx gate: ⚠️ error\n\n{message}\n")
-}
-
-/// What `--update` replaces: the old baseline's figures next to the new ones, per gated metric.
-pub fn changes_summary(r: &GateReport) -> String {
-    let changed: BTreeMap<&str, String> = r
-        .metrics
-        .iter()
-        .filter(|m| m.verdict != MetricVerdict::Skipped)
-        .map(|m| {
-            let opt = |v: Option<f64>| v.map_or_else(|| "-".into(), fmt_f);
-            (m.metric.as_str(), format!("{} -> {} ({})", opt(m.baseline), opt(m.current), change_text(m)))
-        })
-        .collect();
-    changed.into_iter().map(|(k, v)| format!("  {k}: {v}\n")).collect()
 }
 
 #[cfg(test)]
@@ -912,8 +922,12 @@ mod tests {
     }
 
     fn gate(b: &Value, c: &Value) -> GateReport {
-        evaluate(Doc { path: Path::new("b.json"), value: b }, Doc { path: Path::new("c.json"), value: c }, &th())
-            .expect("evaluate")
+        evaluate(
+            Doc { path: Path::new("b.json"), value: b },
+            Doc { path: Path::new("c.json"), value: c },
+            &th(),
+        )
+        .expect("evaluate")
     }
 
     #[test]
@@ -935,7 +949,10 @@ mod tests {
             ]
         );
         let tput = &t.rules[0];
-        assert_eq!((tput.better, tput.kind, tput.threshold, tput.normalize), (Better::Higher, Kind::Relative, 0.10, true));
+        assert_eq!(
+            (tput.better, tput.kind, tput.threshold, tput.normalize),
+            (Better::Higher, Kind::Relative, 0.10, true)
+        );
     }
 
     #[test]
@@ -963,8 +980,14 @@ mod tests {
         for (text, needle) in [
             ("[[metric]]\nname = \"a\"\nbetter = \"sideways\"\nthreshold = 1\n", "sideways"),
             ("[[metric]]\nname = \"a\"\nbetter = \"lower\"\nthreshold = -1\n", "threshold must be"),
-            ("[[metric]]\nname = \"a\"\nbetter = \"lower\"\nthreshold = 1\nkind = \"absolute\"\nnormalize = true\n", "absolute"),
-            ("[[metric]]\nname = \"a\"\nbetter = \"lower\"\nthreshold = 1\n[[metric]]\nname = \"a\"\nbetter = \"lower\"\nthreshold = 1\n", "twice"),
+            (
+                "[[metric]]\nname = \"a\"\nbetter = \"lower\"\nthreshold = 1\nkind = \"absolute\"\nnormalize = true\n",
+                "absolute",
+            ),
+            (
+                "[[metric]]\nname = \"a\"\nbetter = \"lower\"\nthreshold = 1\n[[metric]]\nname = \"a\"\nbetter = \"lower\"\nthreshold = 1\n",
+                "twice",
+            ),
             ("[settings]\nnoise_z = -2\n", "noise_z"),
             ("[settings]\nbogus = 1\n", "bogus"),
             ("[settings]\nreplace_defaults = true\n", "no [[metric]]"),
@@ -1090,9 +1113,16 @@ mod tests {
         for rep in c["repeats"].as_array_mut().expect("reps") {
             rep["stages"].as_object_mut().expect("stages").remove("e2e");
         }
-        let e = evaluate(Doc { path: Path::new("b.json"), value: &b }, Doc { path: Path::new("c.json"), value: &c }, &th())
-            .expect_err("missing");
-        assert!(matches!(&e, ReportError::MissingMetric { metric, side: "current", .. } if metric == "stages.e2e.p50_us"), "{e}");
+        let e = evaluate(
+            Doc { path: Path::new("b.json"), value: &b },
+            Doc { path: Path::new("c.json"), value: &c },
+            &th(),
+        )
+        .expect_err("missing");
+        assert!(
+            matches!(&e, ReportError::MissingMetric { metric, side: "current", .. } if metric == "stages.e2e.p50_us"),
+            "{e}"
+        );
         // The optional handshake metric is skipped instead.
         let r = gate(&b, &b);
         let h = r.metrics.iter().find(|m| m.metric == "stages.handshake.p50_us").expect("handshake");

@@ -39,11 +39,11 @@ pub use summary::{
 /// Everything that can go wrong while writing, reading or judging a report.
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Read { path: PathBuf, source: std::io::Error },
-    #[error("cannot write {}: {source}", path.display())]
+    #[error("cannot write {}", path.display())]
     Write { path: PathBuf, source: std::io::Error },
-    #[error("{} is not valid JSON: {source}", path.display())]
+    #[error("{} is not valid JSON", path.display())]
     Json { path: PathBuf, source: serde_json::Error },
     #[error(
         "{} has schema_version {found}, but this kvx reads schema_version {expected}; \
@@ -59,7 +59,7 @@ pub enum ReportError {
         path.display()
     )]
     NotARun { path: PathBuf },
-    #[error("{}: bad CSV: {source}", path.display())]
+    #[error("{} is not a valid requests CSV", path.display())]
     Csv { path: PathBuf, source: csv::Error },
     #[error(
         "metric `{metric}` is missing from the {side} summary {}; \

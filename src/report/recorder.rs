@@ -118,10 +118,8 @@ impl StageRecorder {
 impl Serialize for StageRecorder {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let wire = self.to_wire().map_err(serde::ser::Error::custom)?;
-        let b64: BTreeMap<String, String> = wire
-            .into_iter()
-            .map(|(k, v)| (k, base64::engine::general_purpose::STANDARD.encode(v)))
-            .collect();
+        let b64: BTreeMap<String, String> =
+            wire.into_iter().map(|(k, v)| (k, base64::engine::general_purpose::STANDARD.encode(v))).collect();
         b64.serialize(s)
     }
 }

@@ -41,8 +41,15 @@ pub enum Stage {
 
 impl Stage {
     /// Every known stage in display order.
-    pub const ALL: [Stage; 7] =
-        [Stage::Queue, Stage::Handshake, Stage::Plan, Stage::Post, Stage::Transfer, Stage::Notify, Stage::E2e];
+    pub const ALL: [Stage; 7] = [
+        Stage::Queue,
+        Stage::Handshake,
+        Stage::Plan,
+        Stage::Post,
+        Stage::Transfer,
+        Stage::Notify,
+        Stage::E2e,
+    ];
 
     /// The key used in `stages` and in CSV columns.
     pub fn as_str(self) -> &'static str {
@@ -282,7 +289,9 @@ impl Scenario {
             on_load_failure,
             seed
         );
-        out.extend(self.extra.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), display_value(v))));
+        out.extend(
+            self.extra.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), display_value(v))),
+        );
         out
     }
 }
@@ -333,7 +342,8 @@ impl Environment {
         Environment {
             hostname: read("/proc/sys/kernel/hostname").trim().to_string(),
             cpu_model,
-            cores: std::thread::available_parallelism().map_or(0, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
+            cores: std::thread::available_parallelism()
+                .map_or(0, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
             memory_bytes,
             os,
             kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
@@ -704,7 +714,8 @@ mod tests {
     #[test]
     fn totals_count_outcomes_and_means() {
         let mut t = RequestTotals::default();
-        let ok = RequestRow { bytes: 1000, descriptors_raw: 10, descriptors_coalesced: 4, ..Default::default() };
+        let ok =
+            RequestRow { bytes: 1000, descriptors_raw: 10, descriptors_coalesced: 4, ..Default::default() };
         t.add(&ok);
         t.add(&RequestRow { bytes: 3000, descriptors_raw: 30, descriptors_coalesced: 2, ..ok.clone() });
         t.add(&RequestRow {

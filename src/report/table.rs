@@ -101,12 +101,19 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
         t.add_row(vec![k, v]);
     }
     let e = &s.environment;
-    let host = [e.hostname.as_str(), e.cpu_model.as_str()].iter().filter(|x| !x.is_empty()).copied().collect::<Vec<_>>();
+    let host = [e.hostname.as_str(), e.cpu_model.as_str()]
+        .iter()
+        .filter(|x| !x.is_empty())
+        .copied()
+        .collect::<Vec<_>>();
     if !host.is_empty() {
         t.add_row(vec!["host".to_string(), host.join(", ")]);
     }
     if e.cores > 0 || e.memory_bytes > 0 {
-        t.add_row(vec!["cores, memory".to_string(), format!("{}, {}", e.cores, fmt_bytes(e.memory_bytes as f64))]);
+        t.add_row(vec![
+            "cores, memory".to_string(),
+            format!("{}, {}", e.cores, fmt_bytes(e.memory_bytes as f64)),
+        ]);
     }
     if !e.os.is_empty() {
         let os = if e.kernel.is_empty() { e.os.clone() } else { format!("{} ({})", e.os, e.kernel) };
@@ -131,7 +138,8 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
 
 /// Latency percentiles per stage, in microseconds.
 pub fn stage_table(s: &Summary, style: Style) -> Table {
-    let mut t = new_table(style, &["stage", "count", "mean us", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us"]);
+    let mut t =
+        new_table(style, &["stage", "count", "mean us", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us"]);
     for name in ordered_stage_names(&s.stages) {
         let st = &s.stages[name];
         t.add_row(vec![
@@ -217,7 +225,8 @@ pub fn repeats_table(s: &Summary, style: Style) -> Option<Table> {
     if s.repeats.is_empty() {
         return None;
     }
-    let mut t = new_table(style, &["repeat", "GB/s", "requests/s", "ok", "failed", "e2e p50 us", "e2e p99 us"]);
+    let mut t =
+        new_table(style, &["repeat", "GB/s", "requests/s", "ok", "failed", "e2e p50 us", "e2e p99 us"]);
     for r in &s.repeats {
         let e2e = r.stages.get("e2e");
         t.add_row(vec![
