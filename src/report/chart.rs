@@ -301,7 +301,11 @@ fn base<'a, 'b>(
     title: &str,
 ) -> ChartBuilder<'a, 'b, SVGBackend<'b>> {
     let mut b = ChartBuilder::on(root);
-    b.caption(title, ("sans-serif", 22)).margin(16).margin_right(40).x_label_area_size(48).y_label_area_size(72);
+    b.caption(title, ("sans-serif", 22))
+        .margin(16)
+        .margin_right(40)
+        .x_label_area_size(48)
+        .y_label_area_size(72);
     b
 }
 
@@ -341,7 +345,11 @@ where
             .map_err(|e| err(e.to_string()))?;
     }
     c.configure_series_labels()
-        .position(if x_axis == Axis::Nines { SeriesLabelPosition::UpperRight } else { SeriesLabelPosition::UpperLeft })
+        .position(if x_axis == Axis::Nines {
+            SeriesLabelPosition::UpperRight
+        } else {
+            SeriesLabelPosition::UpperLeft
+        })
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()

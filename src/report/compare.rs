@@ -8,6 +8,9 @@ use serde_json::Value;
 use super::summary::{Stage, Summary, ordered_stage_names, ratio};
 use super::table::{Style, align_numbers, fmt_f, fmt_ratio, new_table, section};
 
+/// Reads one figure out of a `T`.
+type Getter<T> = fn(&T) -> f64;
+
 /// One compared figure.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CompareRow {
@@ -43,7 +46,7 @@ fn row(metric: impl Into<String>, a: Option<f64>, b: Option<f64>) -> CompareRow 
 pub fn compare(a: &Summary, b: &Summary) -> Comparison {
     let mut rows = Vec::new();
     let both = |f: fn(&Summary) -> f64| (Some(f(a)), Some(f(b)));
-    let headline: [(&str, fn(&Summary) -> f64); 12] = [
+    let headline: [(&str, Getter<Summary>); 12] = [
         ("throughput_gbps", |s| s.throughput_gbps),
         ("requests_per_s", |s| s.requests_per_s),
         ("bytes_per_request", |s| s.bytes_per_request),
@@ -75,7 +78,7 @@ pub fn compare(a: &Summary, b: &Summary) -> Comparison {
     stages.sort_by_key(|s| Stage::from_name(s).map_or(usize::MAX, |k| k as usize));
     for stage in stages {
         let (sa, sb) = (a.stages.get(stage), b.stages.get(stage));
-        let stats: [(&str, fn(&super::StageStats) -> f64); 5] = [
+        let stats: [(&str, Getter<super::StageStats>); 5] = [
             ("p50_us", |s| s.p50_us),
             ("p90_us", |s| s.p90_us),
             ("p99_us", |s| s.p99_us),

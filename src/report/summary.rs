@@ -78,7 +78,7 @@ impl std::fmt::Display for Stage {
 
 /// Stage names of a map in display order: known stages first in [`Stage::ALL`] order, then
 /// any others alphabetically.
-pub fn ordered_stage_names<'a, V>(stages: &'a BTreeMap<String, V>) -> Vec<&'a str> {
+pub fn ordered_stage_names<V>(stages: &BTreeMap<String, V>) -> Vec<&str> {
     let mut names: Vec<&str> =
         Stage::ALL.iter().map(|s| s.as_str()).filter(|n| stages.contains_key(*n)).collect();
     names.extend(stages.keys().map(String::as_str).filter(|n| Stage::from_name(n).is_none()));
