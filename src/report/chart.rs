@@ -240,7 +240,7 @@ fn range(axis: Axis, values: impl Iterator<Item = f64>) -> (f64, f64) {
 fn label(axis: Axis, v: f64) -> String {
     match axis {
         Axis::Nines => percent_label(v),
-        Axis::LogBytes => fmt_bytes(v),
+        Axis::LogBytes => fmt_bytes(v).replace(".00 ", " "),
         _ if v.abs() >= 100.0 || v == v.trunc() => format!("{v:.0}"),
         _ if v.abs() >= 1.0 => format!("{v:.1}"),
         _ => format!("{v:.3}"),
@@ -259,6 +259,8 @@ fn draw(
     let (x0, x1) = range(x_axis, series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
     let (y0, y1) = range(y_axis, series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
     let x_log = matches!(x_axis, Axis::Log | Axis::LogBytes);
+    // Sizes are powers of two: ticks at 1 KiB, 4 KiB, 16 KiB... read better than 9.77 KiB.
+    let x_base = if x_axis == Axis::LogBytes { 4.0 } else { 2.0 };
     let y_log = matches!(y_axis, Axis::Log | Axis::LogBytes);
     let mut svg = String::new();
     {
@@ -280,13 +282,13 @@ fn draw(
             }
             (true, false) => {
                 let c = base(&root, title)
-                    .build_cartesian_2d((x0..x1).log_scale(), y0..y1)
+                    .build_cartesian_2d((x0..x1).log_scale().base(x_base), y0..y1)
                     .map_err(|e| chart_err(chart)(e.to_string()))?;
                 finish(c, x_desc, y_desc, series, x_axis, y_axis, chart)?
             }
             (true, true) => {
                 let c = base(&root, title)
-                    .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
+                    .build_cartesian_2d((x0..x1).log_scale().base(x_base), (y0..y1).log_scale())
                     .map_err(|e| chart_err(chart)(e.to_string()))?;
                 finish(c, x_desc, y_desc, series, x_axis, y_axis, chart)?
             }

@@ -10,9 +10,18 @@ use super::ReportError;
 use super::summary::{RequestRow, Summary, ordered_stage_names};
 
 /// The summary as pretty JSON with a trailing newline.
+///
+/// Refuses a summary that would not read back: JSON has no NaN or infinity (serde_json writes
+/// them as `null`), and a file `kvx report` and `kvx gate` cannot load is worse than an error now.
 pub fn summary_json(s: &Summary) -> Result<Vec<u8>, ReportError> {
     let mut out = serde_json::to_vec_pretty(s)
         .map_err(|e| ReportError::Encode { what: "summary JSON", reason: e.to_string() })?;
+    if let Err(e) = serde_json::from_slice::<Summary>(&out) {
+        return Err(ReportError::Encode {
+            what: "summary JSON",
+            reason: format!("it would not read back ({e}); is a figure NaN or infinite?"),
+        });
+    }
     out.push(b'\n');
     Ok(out)
 }
@@ -230,6 +239,14 @@ mod tests {
         assert!(lines[0].starts_with("label,series,layout,p_tp,block_size,"), "{}", lines[0]);
         assert!(lines[1].starts_with("a,,nhd,,,,1.5,"), "{}", lines[1]);
         assert!(lines[2].starts_with("b,,,8,16,"), "{}", lines[2]);
+    }
+
+    #[test]
+    fn non_finite_figures_are_refused() {
+        let mut s = Summary::new("r", "t", Scenario::default());
+        s.throughput_gbps = f64::NAN;
+        let e = summary_json(&s).expect_err("NaN");
+        assert!(e.to_string().contains("NaN or infinite"), "{e}");
     }
 
     #[test]

@@ -418,6 +418,23 @@ pub struct RepeatMetrics {
     pub calibration: Option<Calibration>,
 }
 
+impl RepeatMetrics {
+    /// The headline figures of one repeat from what it accumulated.
+    pub fn from_parts(index: u32, totals: &RequestTotals, recorder: &StageRecorder, duration_s: f64) -> Self {
+        RepeatMetrics {
+            index,
+            throughput_gbps: ratio(totals.bytes_ok as f64, duration_s) / 1e9,
+            requests_per_s: ratio(totals.requests_ok as f64, duration_s),
+            requests_ok: totals.requests_ok,
+            requests_failed: totals.requests_failed,
+            verify_failures: 0,
+            duration_s,
+            stages: recorder.stats(),
+            calibration: None,
+        }
+    }
+}
+
 /// Reference figures measured in the same run on the same machine.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -736,6 +753,17 @@ mod tests {
         assert_eq!(s.failures_by_cause.get("timeout"), Some(&1));
         assert_eq!(s.failures_by_cause.get("unknown"), Some(&1));
         assert_eq!(s.requests_total(), 4);
+    }
+
+    #[test]
+    fn repeat_metrics_from_parts() {
+        let mut t = RequestTotals::default();
+        t.add(&RequestRow { bytes: 2_000_000_000, ..Default::default() });
+        let mut rec = StageRecorder::new();
+        rec.record(Stage::E2e, std::time::Duration::from_micros(10));
+        let r = RepeatMetrics::from_parts(3, &t, &rec, 0.5);
+        assert_eq!((r.index, r.requests_ok, r.throughput_gbps, r.requests_per_s), (3, 1, 4.0, 2.0));
+        assert_eq!(r.stages["e2e"].count, 1);
     }
 
     #[test]
