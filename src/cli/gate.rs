@@ -30,7 +30,7 @@ pub struct GateArgs {
     #[arg(long, value_name = "FILE")]
     pub baseline: PathBuf,
     /// The run to judge: its summary.json or its directory.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "SUMMARY")]
     pub current: PathBuf,
     /// Thresholds laid over the built-in ones (format: bench-configs/gates.toml).
     #[arg(long, value_name = "FILE")]
@@ -136,6 +136,17 @@ fn update(
         && !args.force
     {
         return Err(ReportError::UpdateRefused { reason }.into());
+    }
+    // A baseline without a gated metric would make every later gate fail with exit 2.
+    if let Err(e) = gate::evaluate(
+        Doc { path: current_path, value: &current },
+        Doc { path: current_path, value: &current },
+        th,
+    ) && !args.force
+    {
+        return Err(
+            ReportError::UpdateRefused { reason: format!("it cannot serve as a baseline: {e}") }.into()
+        );
     }
     let baseline_path = &args.baseline;
     if baseline_path.is_dir() {

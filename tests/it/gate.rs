@@ -263,6 +263,16 @@ fn update_refuses_a_wrong_schema() {
 }
 
 #[test]
+fn update_refuses_a_run_missing_a_gated_metric() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("baseline.json");
+    std::fs::copy(fixture("baseline.json"), &base).expect("copy");
+    let a = update(&base, "missing-metric.json", &[]).code(2);
+    assert!(stderr(&a).contains("stages.e2e.p50_us"), "{}", stderr(&a));
+    assert_eq!(json_file(&base), json_file(&fixture("baseline.json")));
+}
+
+#[test]
 fn force_needs_update() {
     gate("pass.json", &["--force"]).code(2);
 }
