@@ -1,11 +1,221 @@
-//! `kvx gate` (not implemented yet).
-use clap::Args;
+//! `kvx gate`: compare a run with a baseline; exit 0 on pass, 1 on a regression, 2 when it
+//! cannot decide. `--update` makes the current run the new baseline, on purpose only. The
+//! policy lives in `report::gate`; this file loads, prints and writes.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use clap::{Args, ValueEnum};
 
 use crate::Outcome;
+use crate::report::gate::{self, Doc, GateReport, Thresholds, Verdict};
+use crate::report::{ReportError, files};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GateFormat {
+    /// A table for a terminal or a CI log.
+    Table,
+    /// The verdict as JSON: {verdict: pass|regression|error, metrics, noise_floor, ...}.
+    Json,
+}
 
 #[derive(Debug, Args)]
-pub struct GateArgs {}
+#[command(
+    after_help = "Exit status: 0 pass, 1 regression, 2 error (unreadable file, schema mismatch, missing metric).\n\n\
+Examples:\n  kvx gate --baseline results/baseline.json --current results/<run>/summary.json\n  \
+kvx gate --baseline results/baseline.json --current results/<run> --update   # accept this run as the baseline"
+)]
+pub struct GateArgs {
+    /// The baseline summary (a summary.json, usually committed as results/baseline.json).
+    #[arg(long, value_name = "FILE")]
+    pub baseline: PathBuf,
+    /// The run to judge: its summary.json or its directory.
+    #[arg(long, value_name = "SUMMARY")]
+    pub current: PathBuf,
+    /// Thresholds laid over the built-in ones (format: bench-configs/gates.toml).
+    #[arg(long, value_name = "FILE")]
+    pub thresholds: Option<PathBuf>,
+    /// Also write the verdict as Markdown to FILE (for a CI job summary or a PR comment).
+    #[arg(long, value_name = "FILE")]
+    pub markdown: Option<PathBuf>,
+    /// Output format on stdout.
+    #[arg(long, value_enum, default_value_t = GateFormat::Table)]
+    pub format: GateFormat,
+    /// Write the current run as the new baseline (prints what changed). Refused for a run with
+    /// failures, verification failures, leaked blocks or no successful request, unless --force.
+    #[arg(long)]
+    pub update: bool,
+    /// With --update: accept a run that is not clean.
+    #[arg(long, requires = "update")]
+    pub force: bool,
+}
 
-pub fn run(_args: &GateArgs) -> anyhow::Result<Outcome> {
-    anyhow::bail!("`kvx gate` is not implemented yet")
+pub fn run(args: &GateArgs) -> anyhow::Result<Outcome> {
+    match judge(args) {
+        Ok(outcome) => Ok(outcome),
+        Err(err) => {
+            let message = format!("{err:#}");
+            if args.format == GateFormat::Json {
+                let mut out = std::io::stdout().lock();
+                serde_json::to_writer_pretty(&mut out, &gate::error_json(&message))?;
+                out.write_all(b"\n")?;
+            }
+            if let Some(md) = &args.markdown {
+                // The CI summary should say the gate could not decide; the error itself is
+                // what the caller reports, so a failure to write this is secondary.
+                if let Err(e) = files::write_atomic(md, gate::error_markdown(&message).as_bytes()) {
+                    eprintln!("warning: {e}");
+                }
+            }
+            Err(err)
+        }
+    }
+}
+
+/// A run directory stands for its summary.json.
+fn summary_path(p: &Path) -> PathBuf {
+    if p.is_dir() { p.join(files::SUMMARY_FILE) } else { p.to_path_buf() }
+}
+
+fn thresholds(args: &GateArgs) -> Result<Thresholds, ReportError> {
+    match &args.thresholds {
+        None => Thresholds::builtin(),
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).map_err(|source| ReportError::Read { path: p.clone(), source })?;
+            Thresholds::with_file(&text, &p.display().to_string())
+        }
+    }
+}
+
+fn judge(args: &GateArgs) -> anyhow::Result<Outcome> {
+    let th = thresholds(args)?;
+    let current_path = summary_path(&args.current);
+    let current = files::read_summary_value(&current_path)?;
+    if args.update {
+        return update(args, &th, &current_path, current);
+    }
+    let baseline_path = summary_path(&args.baseline);
+    let baseline = files::read_summary_value(&baseline_path)?;
+    let report = gate::evaluate(
+        Doc { path: &baseline_path, value: &baseline },
+        Doc { path: &current_path, value: &current },
+        &th,
+    )?;
+    print(args, &report)?;
+    if let Some(md) = &args.markdown {
+        files::write_atomic(md, gate::render_markdown(&report).as_bytes())?;
+    }
+    Ok(match report.verdict {
+        Verdict::Pass => Outcome::Ok,
+        Verdict::Regression => Outcome::Regression,
+    })
+}
+
+fn print(args: &GateArgs, report: &GateReport) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    match args.format {
+        GateFormat::Table => out.write_all(gate::render_table(report).as_bytes())?,
+        GateFormat::Json => {
+            serde_json::to_writer_pretty(&mut out, &gate::to_json(report))?;
+            out.write_all(b"\n")?;
+        }
+    }
+    out.flush()?;
+    Ok(())
+}
+
+fn update(
+    args: &GateArgs,
+    th: &Thresholds,
+    current_path: &Path,
+    current: serde_json::Value,
+) -> anyhow::Result<Outcome> {
+    let summary = files::summary_from_value(current_path, current.clone())?;
+    if let Some(reason) = gate::update_refusal(&summary)
+        && !args.force
+    {
+        return Err(ReportError::UpdateRefused { reason }.into());
+    }
+    // A baseline without a gated metric would make every later gate fail with exit 2.
+    if let Err(e) = gate::evaluate(
+        Doc { path: current_path, value: &current },
+        Doc { path: current_path, value: &current },
+        th,
+    ) && !args.force
+    {
+        return Err(
+            ReportError::UpdateRefused { reason: format!("it cannot serve as a baseline: {e}") }.into()
+        );
+    }
+    let baseline_path = &args.baseline;
+    if baseline_path.is_dir() {
+        anyhow::bail!(
+            "--baseline {} is a directory; with --update it must name the file to write",
+            baseline_path.display()
+        );
+    }
+    let mut previous: Option<GateReport> = None;
+    let mut notes = Vec::new();
+    if baseline_path.exists() {
+        match files::read_summary_value(baseline_path).and_then(|old| {
+            gate::evaluate(
+                Doc { path: baseline_path, value: &old },
+                Doc { path: current_path, value: &current },
+                th,
+            )
+        }) {
+            Ok(r) => previous = Some(r),
+            Err(e) => notes.push(format!("the old baseline cannot be compared ({e}); replacing it")),
+        }
+    } else {
+        notes.push(format!("no baseline at {}: creating it", baseline_path.display()));
+    }
+    let mut bytes = serde_json::to_vec_pretty(&current)?;
+    bytes.push(b'\n');
+    files::write_atomic(baseline_path, &bytes)?;
+
+    let done = format!(
+        "baseline updated: {} now holds run {} (from {})",
+        baseline_path.display(),
+        summary.run_id,
+        current_path.display()
+    );
+    let mut out = std::io::stdout().lock();
+    match args.format {
+        GateFormat::Table => {
+            for n in &notes {
+                writeln!(out, "note: {n}")?;
+            }
+            if let Some(r) = &previous {
+                writeln!(out, "what changed (old baseline -> new baseline):")?;
+                out.write_all(gate::render_table(r).as_bytes())?;
+            }
+            writeln!(out, "{done}")?;
+        }
+        GateFormat::Json => {
+            let j = serde_json::json!({
+                "verdict": "updated",
+                "baseline": baseline_path.display().to_string(),
+                "run_id": summary.run_id,
+                "notes": notes,
+                "previous": previous.as_ref().map(gate::to_json),
+            });
+            serde_json::to_writer_pretty(&mut out, &j)?;
+            out.write_all(b"\n")?;
+        }
+    }
+    out.flush()?;
+    if let Some(md) = &args.markdown {
+        let mut text = format!("## kvx gate: baseline updated\n\n{done}\n");
+        for n in &notes {
+            text.push_str(&format!("\n- {n}"));
+        }
+        if let Some(r) = &previous {
+            text.push_str("\n\nWhat changed (old baseline -> new baseline):\n\n");
+            text.push_str(&gate::render_markdown(r));
+        }
+        files::write_atomic(md, text.as_bytes())?;
+    }
+    Ok(Outcome::Ok)
 }

@@ -1,11 +1,93 @@
-//! `kvx report` (not implemented yet).
-use clap::Args;
+//! `kvx report`: re-render a saved run's tables and charts, or compare two runs side by side.
+//! Reads runs with `report::files`, renders with the pure exporters, prints. Never measures.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::{Args, ValueEnum};
 
 use crate::Outcome;
+use crate::report::table::{Style, render_summary};
+use crate::report::{compare, export, files};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReportFormat {
+    /// Tables for a terminal.
+    Table,
+    /// The summary (or the comparison) as JSON.
+    Json,
+    /// Markdown tables.
+    Markdown,
+}
 
 #[derive(Debug, Args)]
-pub struct ReportArgs {}
+#[command(
+    after_help = "Examples:\n  kvx report results/20250102T030405Z-1a2b3c\n  kvx report results/A results/B --format markdown"
+)]
+pub struct ReportArgs {
+    /// A run directory written by `kvx bench` (results/<run>) or its summary.json. Give two runs,
+    /// A then B, to compare them side by side (ratio B/A).
+    #[arg(required = true, num_args = 1..=2, value_name = "RUN")]
+    pub runs: Vec<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ReportFormat::Table)]
+    pub format: ReportFormat,
+    /// Write the re-rendered SVG charts here instead of into the run's own directory.
+    #[arg(long, value_name = "DIR", conflicts_with = "no_charts")]
+    pub charts_dir: Option<PathBuf>,
+    /// Do not write charts.
+    #[arg(long)]
+    pub no_charts: bool,
+}
 
-pub fn run(_args: &ReportArgs) -> anyhow::Result<Outcome> {
-    anyhow::bail!("`kvx report` is not implemented yet")
+pub fn run(args: &ReportArgs) -> anyhow::Result<Outcome> {
+    let runs = args
+        .runs
+        .iter()
+        .map(|p| files::load_run(p).with_context(|| format!("cannot load run {}", p.display())))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut out = std::io::stdout().lock();
+    match runs.as_slice() {
+        [one] => {
+            match args.format {
+                ReportFormat::Table => {
+                    out.write_all(render_summary(&one.summary, Style::Terminal).as_bytes())?
+                }
+                ReportFormat::Markdown => {
+                    out.write_all(render_summary(&one.summary, Style::Markdown).as_bytes())?
+                }
+                ReportFormat::Json => out.write_all(&export::summary_json(&one.summary)?)?,
+            }
+            out.flush()?;
+            if !args.no_charts {
+                let dir = args.charts_dir.clone().unwrap_or_else(|| one.dir.clone());
+                let written = files::write_charts(&dir, &one.summary, &one.rows)?;
+                if !one.has_requests_csv {
+                    eprintln!(
+                        "note: no {} in {}: latency chart drawn from the summary's percentiles",
+                        files::REQUESTS_FILE,
+                        one.dir.display()
+                    );
+                }
+                for p in written {
+                    eprintln!("chart: {}", p.display());
+                }
+            }
+        }
+        [a, b] => {
+            let c = compare::compare(&a.summary, &b.summary);
+            match args.format {
+                ReportFormat::Table => out.write_all(compare::render(&c, Style::Terminal).as_bytes())?,
+                ReportFormat::Markdown => out.write_all(compare::render(&c, Style::Markdown).as_bytes())?,
+                ReportFormat::Json => {
+                    serde_json::to_writer_pretty(&mut out, &c)?;
+                    out.write_all(b"\n")?;
+                }
+            }
+            out.flush()?;
+        }
+        _ => anyhow::bail!("give one run to show or two runs to compare"),
+    }
+    Ok(Outcome::Ok)
 }

@@ -1,1 +1,80 @@
-//! Summaries, exporters, comparison and gate (to be written).
+//! Reports: what a run measured, how it is shown, and whether it got slower.
+//!
+//! Measurement, statistics and presentation are kept apart (hyperfine's export design):
+//!
+//! - [`summary`]: the data model. [`Summary`] (schema-versioned, `summary.json`),
+//!   [`RequestRow`] (`requests.csv`), [`RequestTotals`], the vLLM metrics line.
+//! - [`recorder`]: [`StageRecorder`], raw nanosecond samples per stage in hdrhistogram,
+//!   mergeable across workers and shippable between processes.
+//! - [`export`], [`table`], [`chart`]: pure exporters from a summary (and rows) to bytes:
+//!   JSON, CSV, comfy-table text or Markdown, SVG charts.
+//! - [`compare`]: two runs side by side (`kvx report A B`).
+//! - [`gate`] and [`stats`]: the noise-aware regression gate (`kvx gate`).
+//! - [`files`]: the one place that touches the file system: [`RunWriter`] (a run directory
+//!   written as the run goes), loading saved runs and summaries, atomic writes.
+//!
+//! `report` never measures and never runs transfers; `kvx bench` measures and hands figures
+//! over. Nothing here reads the environment (callers pass `KVX_RESULTS_DIR` in).
+
+use std::path::PathBuf;
+
+pub mod chart;
+pub mod compare;
+pub mod export;
+pub mod files;
+pub mod gate;
+pub mod recorder;
+pub mod stats;
+pub mod summary;
+pub mod table;
+
+pub use files::{RunData, RunWriter, load_run, load_summary};
+pub use recorder::StageRecorder;
+pub use summary::{
+    Calibration, DescriptorsPerRequest, Environment, RankList, RankThroughput, RepeatMetrics, RequestOutcome,
+    RequestRow, RequestTotals, SCHEMA_VERSION, Scenario, Stage, StageStats, Summary, SweepPoint, UcxInfo,
+    vllm_metrics_line,
+};
+
+/// Everything that can go wrong while writing, reading or judging a report.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("cannot read {}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("cannot write {}", path.display())]
+    Write { path: PathBuf, source: std::io::Error },
+    #[error("{} is not valid JSON", path.display())]
+    Json { path: PathBuf, source: serde_json::Error },
+    #[error(
+        "{} has schema_version {found}, but this kvx reads schema_version {expected}; \
+         produce it again with this kvx (or use the kvx that wrote it)",
+        path.display()
+    )]
+    SchemaMismatch { path: PathBuf, found: String, expected: u32 },
+    #[error("{} is not a kvx run summary: {reason}", path.display())]
+    NotASummary { path: PathBuf, reason: String },
+    #[error(
+        "{} is not a kvx run: it holds no summary.json (pass a directory written by `kvx bench`, \
+         e.g. results/<run>, or the summary.json itself)",
+        path.display()
+    )]
+    NotARun { path: PathBuf },
+    #[error("{} is not a valid requests CSV", path.display())]
+    Csv { path: PathBuf, source: csv::Error },
+    #[error(
+        "metric `{metric}` is missing from the {side} summary {}; \
+         fix the summary or drop the metric from the thresholds file (--thresholds)",
+        path.display()
+    )]
+    MissingMetric { metric: String, side: &'static str, path: PathBuf },
+    #[error("thresholds {source_name}: {reason} (fix the file given with --thresholds)")]
+    Thresholds { source_name: String, reason: String },
+    #[error("refusing to update the baseline: {reason}; pass --force to accept this run anyway")]
+    UpdateRefused { reason: String },
+    #[error("histogram: {0}")]
+    Histogram(String),
+    #[error("encoding {what}: {reason}")]
+    Encode { what: &'static str, reason: String },
+    #[error("chart {chart}: {reason}")]
+    Chart { chart: &'static str, reason: String },
+}

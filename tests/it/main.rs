@@ -2,5 +2,7 @@
 
 mod cli_errors;
 mod common;
+mod gate;
 mod oracle;
 mod props;
+mod report;

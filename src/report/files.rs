@@ -1,0 +1,304 @@
+//! The one place in `report` that touches the file system.
+//!
+//! [`RunWriter`] owns a run directory `results/<run_id>/` while the run goes: it appends each
+//! request to `requests.csv` and flushes it (a run killed half-way keeps every finished
+//! request), replaces `summary.json` atomically with in-progress summaries, and at the end
+//! writes the final summary, `stages.csv`, `sweep.csv` and the SVG charts. Loading saved runs
+//! and summaries (with the schema check) and atomic writes for the gate's baseline live here
+//! too. What the files contain is decided by the pure exporters; this module only moves bytes.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use super::summary::{RequestRow, SCHEMA_VERSION, Summary};
+use super::{ReportError, chart, export};
+
+pub const SUMMARY_FILE: &str = "summary.json";
+pub const REQUESTS_FILE: &str = "requests.csv";
+pub const STAGES_FILE: &str = "stages.csv";
+pub const SWEEP_FILE: &str = "sweep.csv";
+pub const LATENCY_SVG: &str = "latency.svg";
+pub const THROUGHPUT_SVG: &str = "throughput-over-time.svg";
+pub const SWEEP_SVG: &str = "bandwidth-vs-size.svg";
+
+/// Default directory runs are written under.
+pub const DEFAULT_RESULTS_DIR: &str = "results";
+
+/// Where runs go: the flag if given, else the value of `KVX_RESULTS_DIR` (read by the caller,
+/// see `settings::env`), else `results/`.
+pub fn results_root(flag: Option<&Path>, env_value: Option<OsString>) -> PathBuf {
+    match (flag, env_value) {
+        (Some(p), _) => p.to_path_buf(),
+        (None, Some(v)) if !v.is_empty() => PathBuf::from(v),
+        _ => PathBuf::from(DEFAULT_RESULTS_DIR),
+    }
+}
+
+fn write_err(path: &Path) -> impl Fn(std::io::Error) -> ReportError + '_ {
+    move |source| ReportError::Write { path: path.to_path_buf(), source }
+}
+
+/// Writes `bytes` to `path` so a reader sees the old file or the new one, never half of one:
+/// a temporary file in the same directory, synced, then renamed over `path`.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ReportError> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".kvx-tmp-");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        // tempfile's 0600 would make results unreadable to the rest of a CI job's users.
+        builder.permissions(std::fs::Permissions::from_mode(0o644));
+    }
+    let mut tmp = builder.tempfile_in(parent).map_err(write_err(path))?;
+    tmp.write_all(bytes).map_err(write_err(path))?;
+    tmp.as_file().sync_all().map_err(write_err(path))?;
+    tmp.persist(path).map_err(|e| ReportError::Write { path: path.to_path_buf(), source: e.error })?;
+    Ok(())
+}
+
+/// Writes a run directory as the run goes. See the module docs.
+#[derive(Debug)]
+pub struct RunWriter {
+    dir: PathBuf,
+    requests: csv::Writer<File>,
+    rows_written: u64,
+}
+
+impl RunWriter {
+    /// Creates `results_root/run_id/` (and `results_root` if needed) and `requests.csv` with its
+    /// header. Refuses a directory that already exists rather than mixing two runs.
+    pub fn create(results_root: &Path, run_id: &str) -> Result<Self, ReportError> {
+        if run_id.is_empty() || run_id.contains(['/', '\\']) || run_id == "." || run_id == ".." {
+            return Err(ReportError::Write {
+                path: results_root.join(run_id),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "a run id must be a single non-empty path component",
+                ),
+            });
+        }
+        std::fs::create_dir_all(results_root).map_err(write_err(results_root))?;
+        let dir = results_root.join(run_id);
+        std::fs::create_dir(&dir).map_err(write_err(&dir))?;
+        let path = dir.join(REQUESTS_FILE);
+        let file = File::create(&path).map_err(write_err(&path))?;
+        let mut requests = export::requests_csv_writer(file).map_err(|e| csv_write_err(&path, e))?;
+        requests.flush().map_err(write_err(&path))?;
+        Ok(RunWriter { dir, requests, rows_written: 0 })
+    }
+
+    /// The run directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn rows_written(&self) -> u64 {
+        self.rows_written
+    }
+
+    /// Appends one request to `requests.csv` and flushes it to the OS.
+    pub fn write_request(&mut self, row: &RequestRow) -> Result<(), ReportError> {
+        let path = self.dir.join(REQUESTS_FILE);
+        self.requests.serialize(row).map_err(|e| csv_write_err(&path, e))?;
+        self.requests.flush().map_err(write_err(&path))?;
+        self.rows_written += 1;
+        Ok(())
+    }
+
+    /// Replaces `summary.json` with an in-progress summary (marked `partial`).
+    pub fn write_partial(&self, summary: &Summary) -> Result<(), ReportError> {
+        let mut partial = summary.clone();
+        partial.partial = true;
+        write_atomic(&self.dir.join(SUMMARY_FILE), &export::summary_json(&partial)?)
+    }
+
+    /// Writes the final `summary.json` (not partial), `stages.csv`, `sweep.csv` for sweeps and
+    /// the charts (drawn from the rows written so far). Returns the files written.
+    pub fn finish(mut self, summary: &Summary) -> Result<Vec<PathBuf>, ReportError> {
+        let req_path = self.dir.join(REQUESTS_FILE);
+        self.requests.flush().map_err(write_err(&req_path))?;
+        let mut done = summary.clone();
+        done.partial = false;
+        let mut written = Vec::new();
+        let summary_path = self.dir.join(SUMMARY_FILE);
+        write_atomic(&summary_path, &export::summary_json(&done)?)?;
+        written.push(summary_path);
+        written.push(req_path.clone());
+        let stages_path = self.dir.join(STAGES_FILE);
+        write_atomic(&stages_path, &export::stages_csv(&done)?)?;
+        written.push(stages_path);
+        if done.sweep.is_some() {
+            let p = self.dir.join(SWEEP_FILE);
+            write_atomic(&p, &export::sweep_csv(&done)?)?;
+            written.push(p);
+        }
+        let rows = read_requests(&req_path)?.unwrap_or_default();
+        written.extend(write_charts(&self.dir, &done, &rows)?);
+        Ok(written)
+    }
+}
+
+fn csv_write_err(path: &Path, e: csv::Error) -> ReportError {
+    ReportError::Write { path: path.to_path_buf(), source: std::io::Error::other(e.to_string()) }
+}
+
+/// Draws the charts a run has data for into `dir`; returns the files written.
+pub fn write_charts(dir: &Path, summary: &Summary, rows: &[RequestRow]) -> Result<Vec<PathBuf>, ReportError> {
+    std::fs::create_dir_all(dir).map_err(write_err(dir))?;
+    let mut written = Vec::new();
+    let charts = [
+        (LATENCY_SVG, chart::latency_svg(summary, rows)?),
+        (THROUGHPUT_SVG, chart::throughput_svg(rows)?),
+        (SWEEP_SVG, chart::sweep_svg(summary)?),
+    ];
+    for (name, svg) in charts {
+        if let Some(svg) = svg {
+            let p = dir.join(name);
+            write_atomic(&p, svg.as_bytes())?;
+            written.push(p);
+        }
+    }
+    Ok(written)
+}
+
+fn read_err(path: &Path) -> impl Fn(std::io::Error) -> ReportError + '_ {
+    move |source| ReportError::Read { path: path.to_path_buf(), source }
+}
+
+/// Reads a summary file as JSON and checks its schema version, without requiring every field:
+/// the gate looks metrics up in the raw document first so a missing one is named precisely.
+pub fn read_summary_value(path: &Path) -> Result<serde_json::Value, ReportError> {
+    let bytes = std::fs::read(path).map_err(read_err(path))?;
+    let value: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|source| ReportError::Json { path: path.to_path_buf(), source })?;
+    check_schema(path, &value)?;
+    Ok(value)
+}
+
+/// Checks `schema_version` of a parsed summary.
+pub fn check_schema(path: &Path, value: &serde_json::Value) -> Result<(), ReportError> {
+    let serde_json::Value::Object(map) = value else {
+        return Err(ReportError::NotASummary {
+            path: path.to_path_buf(),
+            reason: "the top level is not a JSON object".into(),
+        });
+    };
+    match map.get("schema_version") {
+        None => Err(ReportError::NotASummary {
+            path: path.to_path_buf(),
+            reason: "it has no schema_version".into(),
+        }),
+        Some(v) if v.as_u64() == Some(u64::from(SCHEMA_VERSION)) => Ok(()),
+        Some(v) => Err(ReportError::SchemaMismatch {
+            path: path.to_path_buf(),
+            found: v.to_string(),
+            expected: SCHEMA_VERSION,
+        }),
+    }
+}
+
+/// Turns a schema-checked document into a [`Summary`].
+pub fn summary_from_value(path: &Path, value: serde_json::Value) -> Result<Summary, ReportError> {
+    serde_json::from_value(value)
+        .map_err(|e| ReportError::NotASummary { path: path.to_path_buf(), reason: e.to_string() })
+}
+
+/// Reads and checks a `summary.json`.
+pub fn load_summary(path: &Path) -> Result<Summary, ReportError> {
+    summary_from_value(path, read_summary_value(path)?)
+}
+
+/// `requests.csv` at `path`, or `None` when the run has none.
+fn read_requests(path: &Path) -> Result<Option<Vec<RequestRow>>, ReportError> {
+    match std::fs::read(path) {
+        Ok(bytes) => export::parse_requests_csv(&bytes)
+            .map(Some)
+            .map_err(|source| ReportError::Csv { path: path.to_path_buf(), source }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(ReportError::Read { path: path.to_path_buf(), source }),
+    }
+}
+
+/// A saved run: its summary and, when present, its request rows.
+#[derive(Debug, Clone)]
+pub struct RunData {
+    /// The run directory.
+    pub dir: PathBuf,
+    pub summary: Summary,
+    /// Empty when the run has no `requests.csv`.
+    pub rows: Vec<RequestRow>,
+    pub has_requests_csv: bool,
+}
+
+/// Loads a run from its directory, or from its `summary.json` (rows are then read from the
+/// same directory).
+pub fn load_run(path: &Path) -> Result<RunData, ReportError> {
+    let meta = std::fs::metadata(path).map_err(read_err(path))?;
+    let (dir, summary_path) = if meta.is_dir() {
+        let p = path.join(SUMMARY_FILE);
+        if !p.exists() {
+            return Err(ReportError::NotARun { path: path.to_path_buf() });
+        }
+        (path.to_path_buf(), p)
+    } else {
+        let dir = path.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+        (dir, path.to_path_buf())
+    };
+    let summary = load_summary(&summary_path)?;
+    let rows = read_requests(&dir.join(REQUESTS_FILE))?;
+    Ok(RunData { dir, summary, has_requests_csv: rows.is_some(), rows: rows.unwrap_or_default() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn results_root_precedence() {
+        assert_eq!(results_root(Some(Path::new("f")), Some("e".into())), PathBuf::from("f"));
+        assert_eq!(results_root(None, Some("e".into())), PathBuf::from("e"));
+        assert_eq!(results_root(None, Some("".into())), PathBuf::from("results"));
+        assert_eq!(results_root(None, None), PathBuf::from("results"));
+    }
+
+    #[test]
+    fn bad_run_ids_are_refused() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        for id in ["", "..", "a/b"] {
+            assert!(RunWriter::create(tmp.path(), id).is_err(), "{id:?}");
+        }
+        RunWriter::create(tmp.path(), "x").expect("first");
+        let again = RunWriter::create(tmp.path(), "x").expect_err("second");
+        assert!(again.to_string().contains("cannot write"), "{again}");
+    }
+
+    #[test]
+    fn atomic_write_replaces_and_leaves_no_temp() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let p = tmp.path().join("f.json");
+        write_atomic(&p, b"one").expect("1");
+        write_atomic(&p, b"two").expect("2");
+        assert_eq!(std::fs::read(&p).expect("read"), b"two");
+        let names: Vec<_> =
+            std::fs::read_dir(tmp.path()).expect("ls").map(|e| e.expect("e").file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("f.json")]);
+    }
+
+    #[test]
+    fn schema_checks() {
+        let p = Path::new("s.json");
+        assert!(check_schema(p, &serde_json::json!({"schema_version": 1})).is_ok());
+        let e = check_schema(p, &serde_json::json!({"schema_version": 2})).expect_err("v2");
+        assert!(matches!(e, ReportError::SchemaMismatch { .. }), "{e}");
+        assert!(e.to_string().contains("schema_version 2"), "{e}");
+        let e = check_schema(p, &serde_json::json!({"x": 1})).expect_err("none");
+        assert!(e.to_string().contains("no schema_version"), "{e}");
+        assert!(check_schema(p, &serde_json::json!([1])).is_err());
+    }
+}

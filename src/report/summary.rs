@@ -1,0 +1,837 @@
+//! The data model of a run: the schema-versioned [`Summary`] that `kvx bench` fills and every
+//! exporter, `kvx report` and `kvx gate` read, the per-request [`RequestRow`] written to
+//! `requests.csv`, and [`RequestTotals`], which turns rows into the summary's headline figures.
+//!
+//! Owns the JSON shape of `summary.json` (bump [`SCHEMA_VERSION`] on any change that an older
+//! reader would misread; adding an optional field is not such a change). Must not do file I/O
+//! (that is `writer.rs`) nor measure anything: figures arrive here already measured.
+//!
+//! Units live in field names: `_us` microseconds, `_ns` nanoseconds, `_gbps` 1e9 bytes per
+//! second, `_s` seconds, `bytes_` bytes.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::recorder::StageRecorder;
+
+/// Version of the `summary.json` schema this kvx writes and reads.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The stages of a request's life that every run reports, in display order.
+///
+/// `stages` is a map keyed by name so a run may add more; these are the ones kvx knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Stage {
+    /// Waiting for a free slot (closed loop) or for the scheduler (open loop).
+    Queue,
+    /// Side-channel metadata exchange, only on a request that opened a connection.
+    Handshake,
+    /// Building the descriptor plan.
+    Plan,
+    /// Posting the reads to UCX.
+    Post,
+    /// From post to the last read completing.
+    Transfer,
+    /// Sending the done notification to every P rank read from.
+    Notify,
+    /// End to end, from the request's arrival to its notification.
+    E2e,
+}
+
+impl Stage {
+    /// Every known stage in display order.
+    pub const ALL: [Stage; 7] = [
+        Stage::Queue,
+        Stage::Handshake,
+        Stage::Plan,
+        Stage::Post,
+        Stage::Transfer,
+        Stage::Notify,
+        Stage::E2e,
+    ];
+
+    /// The key used in `stages` and in CSV columns.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Queue => "queue",
+            Stage::Handshake => "handshake",
+            Stage::Plan => "plan",
+            Stage::Post => "post",
+            Stage::Transfer => "transfer",
+            Stage::Notify => "notify",
+            Stage::E2e => "e2e",
+        }
+    }
+
+    /// The known stage with this key, if any.
+    pub fn from_name(name: &str) -> Option<Stage> {
+        Stage::ALL.into_iter().find(|s| s.as_str() == name)
+    }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Stage names of a map in display order: known stages first in [`Stage::ALL`] order, then
+/// any others alphabetically.
+pub fn ordered_stage_names<V>(stages: &BTreeMap<String, V>) -> Vec<&str> {
+    let mut names: Vec<&str> =
+        Stage::ALL.iter().map(|s| s.as_str()).filter(|n| stages.contains_key(*n)).collect();
+    names.extend(stages.keys().map(String::as_str).filter(|n| Stage::from_name(n).is_none()));
+    names
+}
+
+/// Everything one run measured, as written to `results/<run>/summary.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub schema_version: u32,
+    pub kvx_version: String,
+    pub run_id: String,
+    /// RFC 3339, UTC.
+    pub started_at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<String>,
+    /// Wall time of the measured part of the run (warm-up excluded).
+    #[serde(default)]
+    pub duration_s: f64,
+    /// True while the run is still going (or was killed before it finished).
+    #[serde(default)]
+    pub partial: bool,
+    pub scenario: Scenario,
+    pub environment: Environment,
+    pub ucx: UcxInfo,
+    pub requests_ok: u64,
+    pub requests_failed: u64,
+    pub requests_recomputed: u64,
+    #[serde(default)]
+    pub failures_by_cause: BTreeMap<String, u64>,
+    pub bytes_read: u64,
+    pub bytes_verified: u64,
+    pub verify_failures: u64,
+    pub blocks_leaked: u64,
+    #[serde(default)]
+    pub blocks_expired: u64,
+    /// Aggregate read throughput over the measured wall time.
+    pub throughput_gbps: f64,
+    pub requests_per_s: f64,
+    pub descriptors_per_request: DescriptorsPerRequest,
+    pub bytes_per_request: f64,
+    #[serde(default)]
+    pub per_rank: Vec<RankThroughput>,
+    /// Latency percentiles keyed by stage name (see [`Stage`]).
+    pub stages: BTreeMap<String, StageStats>,
+    /// One entry per `--repeat` of the scenario; empty for a single repeat.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub repeats: Vec<RepeatMetrics>,
+    /// Reference figures measured in the same run, kept apart from kvx's own metrics so the gate
+    /// can tell a slower machine from a slower kvx.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<Calibration>,
+    /// One row per point of a matrix run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sweep: Option<Vec<SweepPoint>>,
+    /// Labels a reader must see next to the figures (e.g. "cache-hot").
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
+}
+
+impl Summary {
+    /// An empty summary of the current schema and kvx version; the caller fills the figures.
+    pub fn new(run_id: impl Into<String>, started_at: impl Into<String>, scenario: Scenario) -> Self {
+        Summary {
+            schema_version: SCHEMA_VERSION,
+            kvx_version: env!("CARGO_PKG_VERSION").to_string(),
+            run_id: run_id.into(),
+            started_at: started_at.into(),
+            finished_at: None,
+            duration_s: 0.0,
+            partial: false,
+            scenario,
+            environment: Environment::default(),
+            ucx: UcxInfo::default(),
+            requests_ok: 0,
+            requests_failed: 0,
+            requests_recomputed: 0,
+            failures_by_cause: BTreeMap::new(),
+            bytes_read: 0,
+            bytes_verified: 0,
+            verify_failures: 0,
+            blocks_leaked: 0,
+            blocks_expired: 0,
+            throughput_gbps: 0.0,
+            requests_per_s: 0.0,
+            descriptors_per_request: DescriptorsPerRequest::default(),
+            bytes_per_request: 0.0,
+            per_rank: Vec::new(),
+            stages: BTreeMap::new(),
+            repeats: Vec::new(),
+            calibration: None,
+            sweep: None,
+            notes: Vec::new(),
+        }
+    }
+
+    /// Replaces `stages` with the percentiles of every stage the recorder holds.
+    pub fn set_stages(&mut self, recorder: &StageRecorder) {
+        self.stages = recorder.stats();
+    }
+
+    /// Requests that finished in any way.
+    pub fn requests_total(&self) -> u64 {
+        self.requests_ok + self.requests_failed + self.requests_recomputed
+    }
+
+    /// True when the run saw anything that makes its figures unfit for a baseline.
+    pub fn has_failures(&self) -> bool {
+        self.requests_failed > 0 || self.verify_failures > 0 || self.blocks_leaked > 0
+    }
+}
+
+/// What was run. Every field is optional so `kvx bench` can grow it; fields this kvx does not
+/// name are kept in `extra` and round-trip unchanged.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Scenario {
+    /// Preset or config-file name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub p_tp: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub d_tp: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub p_layout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub d_layout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub p_block_size: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub d_block_size: Option<u32>,
+    /// As given: `8192`, `1024..32768` or `file:NAME`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_len: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_hit: Option<f64>,
+    /// `contiguous`, `fragmented` or `random`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alloc: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub requests: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub duration_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate_rps: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inflight: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repeat: Option<u32>,
+    /// `full`, `sample` or `off`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verify: Option<String>,
+    /// Transports asked for (`UCX_TLS`), as opposed to the ones UCX selected (`ucx.transports`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transport: Option<String>,
+    /// `host` or `cuda`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mem: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub on_load_failure: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Fields a newer bench writes that this kvx does not name yet.
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+impl Scenario {
+    /// The set fields as `(name, value)` pairs, in schema order then `extra`, for headers.
+    pub fn fields(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        macro_rules! push {
+            ($($f:ident),*) => {
+                $(if let Some(v) = &self.$f {
+                    out.push((stringify!($f).to_string(), v.to_string()));
+                })*
+            };
+        }
+        push!(
+            name,
+            model,
+            p_tp,
+            d_tp,
+            p_layout,
+            d_layout,
+            p_block_size,
+            d_block_size,
+            prompt_len,
+            prefix_hit,
+            alloc,
+            requests,
+            duration_s,
+            warmup,
+            concurrency,
+            rate_rps,
+            inflight,
+            repeat,
+            verify,
+            transport,
+            mem,
+            on_load_failure,
+            seed
+        );
+        out.extend(
+            self.extra.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), display_value(v))),
+        );
+        out
+    }
+}
+
+/// A JSON value as a reader would write it: strings without quotes.
+pub fn display_value(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// The machine the run ran on.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Environment {
+    pub hostname: String,
+    pub cpu_model: String,
+    pub cores: u32,
+    pub memory_bytes: u64,
+    pub os: String,
+    pub kernel: String,
+    pub kvx_version: String,
+}
+
+impl Environment {
+    /// Describes this host from `/proc` and `/etc/os-release`; unknown fields stay empty.
+    pub fn detect() -> Self {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let cpuinfo = read("/proc/cpuinfo");
+        let cpu_model = cpuinfo
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                matches!(k.trim(), "model name" | "Model" | "cpu model").then(|| v.trim().to_string())
+            })
+            .unwrap_or_default();
+        let memory_bytes = read("/proc/meminfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024);
+        let os = read("/etc/os-release")
+            .lines()
+            .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+            .map(|v| v.trim_matches('"').to_string())
+            .unwrap_or_else(|| std::env::consts::OS.to_string());
+        Environment {
+            hostname: read("/proc/sys/kernel/hostname").trim().to_string(),
+            cpu_model,
+            cores: std::thread::available_parallelism()
+                .map_or(0, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
+            memory_bytes,
+            os,
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
+            kvx_version: env!("CARGO_PKG_VERSION").to_string(),
+        }
+    }
+}
+
+/// The UCX library a run loaded and what it selected.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct UcxInfo {
+    /// Path of the `libucp` loaded.
+    pub library: String,
+    pub version: String,
+    /// Transports UCX actually selected for the reads (e.g. `cma`, `posix`, `tcp`).
+    pub transports: Vec<String>,
+    /// `none` or `peer`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub err_mode: Option<String>,
+}
+
+/// Latency figures of one stage, from hdrhistogram.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageStats {
+    pub count: u64,
+    pub mean_us: f64,
+    #[serde(default)]
+    pub min_us: f64,
+    pub p50_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    pub max_us: f64,
+}
+
+/// Mean descriptors per request, before and after coalescing contiguous ranges.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct DescriptorsPerRequest {
+    pub raw: f64,
+    pub coalesced: f64,
+}
+
+/// Throughput of one rank.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankThroughput {
+    /// `p` or `d`.
+    pub role: String,
+    pub rank: u32,
+    pub throughput_gbps: f64,
+    #[serde(default)]
+    pub bytes: u64,
+    #[serde(default)]
+    pub requests: u64,
+}
+
+/// Headline figures of one repeat of the scenario, for the gate's robust statistics.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RepeatMetrics {
+    pub index: u32,
+    pub throughput_gbps: f64,
+    pub requests_per_s: f64,
+    pub requests_ok: u64,
+    pub requests_failed: u64,
+    pub verify_failures: u64,
+    pub duration_s: f64,
+    pub stages: BTreeMap<String, StageStats>,
+    /// Calibration measured next to this repeat, when the run measures it per repeat; the gate
+    /// normalises each repeat by its own calibration, so calibration noise shows up as noise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<Calibration>,
+}
+
+impl RepeatMetrics {
+    /// The headline figures of one repeat from what it accumulated.
+    pub fn from_parts(index: u32, totals: &RequestTotals, recorder: &StageRecorder, duration_s: f64) -> Self {
+        RepeatMetrics {
+            index,
+            throughput_gbps: ratio(totals.bytes_ok as f64, duration_s) / 1e9,
+            requests_per_s: ratio(totals.requests_ok as f64, duration_s),
+            requests_ok: totals.requests_ok,
+            requests_failed: totals.requests_failed,
+            verify_failures: 0,
+            duration_s,
+            stages: recorder.stats(),
+            calibration: None,
+        }
+    }
+}
+
+/// Reference figures measured in the same run on the same machine.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Calibration {
+    /// Single-thread memcpy bandwidth over a DRAM-sized working set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memcpy_gbps: Option<f64>,
+    /// A fixed UCX loopback read (same size and transports on every run).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ucx_loopback_gbps: Option<f64>,
+    /// Other figures (and what was measured, e.g. sizes), kept as written.
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+impl Calibration {
+    /// The figure of this name, whether named by the schema or in `extra`.
+    pub fn figure(&self, name: &str) -> Option<f64> {
+        match name {
+            "memcpy_gbps" => self.memcpy_gbps,
+            "ucx_loopback_gbps" => self.ucx_loopback_gbps,
+            other => self.extra.get(other).and_then(serde_json::Value::as_f64),
+        }
+        .filter(|v| v.is_finite() && *v > 0.0)
+    }
+}
+
+/// One point of a matrix run: its parameters and headline figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SweepPoint {
+    /// Short name of the point, e.g. `p8d2 nhd 8192 fragmented`.
+    pub label: String,
+    /// Series the point belongs to in charts (e.g. the layout); points with the same series
+    /// are joined by a line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub series: Option<String>,
+    /// The point's parameters (`p_tp`, `layout`, `prompt_len`, `alloc`, ...).
+    pub params: BTreeMap<String, serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// Mean bytes per coalesced descriptor (the message size UCX sees).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_per_descriptor: Option<f64>,
+    pub throughput_gbps: f64,
+    pub requests_per_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transfer_p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub e2e_p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub descriptors_per_request: Option<DescriptorsPerRequest>,
+    pub requests_ok: u64,
+    pub requests_failed: u64,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RequestOutcome {
+    #[default]
+    Ok,
+    Failed,
+    /// The load failed and the policy was `recompute`.
+    Recomputed,
+}
+
+impl std::fmt::Display for RequestOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RequestOutcome::Ok => "ok",
+            RequestOutcome::Failed => "failed",
+            RequestOutcome::Recomputed => "recomputed",
+        })
+    }
+}
+
+/// Decode ranks a request was read by, written to CSV as `0;1`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RankList(pub Vec<u32>);
+
+impl Serialize for RankList {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let text: Vec<String> = self.0.iter().map(u32::to_string).collect();
+        s.serialize_str(&text.join(";"))
+    }
+}
+
+impl<'de> Deserialize<'de> for RankList {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.split(';')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(|t| t.parse::<u32>().map_err(|e| serde::de::Error::custom(format!("rank `{t}`: {e}"))))
+            .collect::<Result<Vec<_>, _>>()
+            .map(RankList)
+    }
+}
+
+/// One request of a run, one line of `requests.csv`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestRow {
+    pub request_id: String,
+    /// Repeat the request belongs to (0 for a single-repeat run).
+    pub repeat: u32,
+    /// Arrival, relative to the start of the measured part of the run.
+    pub start_offset_us: f64,
+    pub prompt_tokens: u64,
+    pub blocks: u64,
+    pub bytes: u64,
+    pub descriptors_raw: u64,
+    pub descriptors_coalesced: u64,
+    pub queue_us: Option<f64>,
+    pub handshake_us: Option<f64>,
+    pub plan_us: Option<f64>,
+    pub post_us: Option<f64>,
+    pub transfer_us: Option<f64>,
+    pub notify_us: Option<f64>,
+    pub e2e_us: Option<f64>,
+    pub outcome: RequestOutcome,
+    pub failure_cause: Option<String>,
+    pub d_ranks: RankList,
+}
+
+impl RequestRow {
+    /// Column names of `requests.csv`, in order (a test checks they match the fields).
+    pub const HEADERS: [&'static str; 18] = [
+        "request_id",
+        "repeat",
+        "start_offset_us",
+        "prompt_tokens",
+        "blocks",
+        "bytes",
+        "descriptors_raw",
+        "descriptors_coalesced",
+        "queue_us",
+        "handshake_us",
+        "plan_us",
+        "post_us",
+        "transfer_us",
+        "notify_us",
+        "e2e_us",
+        "outcome",
+        "failure_cause",
+        "d_ranks",
+    ];
+
+    /// This request's duration of a known stage.
+    pub fn stage_us(&self, stage: Stage) -> Option<f64> {
+        match stage {
+            Stage::Queue => self.queue_us,
+            Stage::Handshake => self.handshake_us,
+            Stage::Plan => self.plan_us,
+            Stage::Post => self.post_us,
+            Stage::Transfer => self.transfer_us,
+            Stage::Notify => self.notify_us,
+            Stage::E2e => self.e2e_us,
+        }
+    }
+
+    /// Sets this request's duration of a known stage.
+    pub fn set_stage_us(&mut self, stage: Stage, us: Option<f64>) {
+        let slot = match stage {
+            Stage::Queue => &mut self.queue_us,
+            Stage::Handshake => &mut self.handshake_us,
+            Stage::Plan => &mut self.plan_us,
+            Stage::Post => &mut self.post_us,
+            Stage::Transfer => &mut self.transfer_us,
+            Stage::Notify => &mut self.notify_us,
+            Stage::E2e => &mut self.e2e_us,
+        };
+        *slot = us;
+    }
+}
+
+/// Headline figures accumulated from request rows as they arrive.
+///
+/// Rows feed the counts, byte totals and per-request means; stage percentiles come from the
+/// [`StageRecorder`] (workers record samples in nanoseconds, which rows only round to us).
+#[derive(Debug, Clone, Default)]
+pub struct RequestTotals {
+    pub requests_ok: u64,
+    pub requests_failed: u64,
+    pub requests_recomputed: u64,
+    pub failures_by_cause: BTreeMap<String, u64>,
+    /// Bytes of successful requests.
+    pub bytes_ok: u64,
+    descriptors_raw: u64,
+    descriptors_coalesced: u64,
+}
+
+impl RequestTotals {
+    pub fn add(&mut self, row: &RequestRow) {
+        match row.outcome {
+            RequestOutcome::Ok => {
+                self.requests_ok += 1;
+                self.bytes_ok += row.bytes;
+                self.descriptors_raw += row.descriptors_raw;
+                self.descriptors_coalesced += row.descriptors_coalesced;
+            }
+            RequestOutcome::Failed | RequestOutcome::Recomputed => {
+                if row.outcome == RequestOutcome::Failed {
+                    self.requests_failed += 1;
+                } else {
+                    self.requests_recomputed += 1;
+                }
+                let cause = row.failure_cause.clone().unwrap_or_else(|| "unknown".to_string());
+                *self.failures_by_cause.entry(cause).or_default() += 1;
+            }
+        }
+    }
+
+    /// Writes counts, bytes read, throughput (over `duration_s` of wall time) and per-request
+    /// means into `summary`. Leaves verification, leak and calibration figures alone.
+    pub fn apply(&self, summary: &mut Summary, duration_s: f64) {
+        summary.requests_ok = self.requests_ok;
+        summary.requests_failed = self.requests_failed;
+        summary.requests_recomputed = self.requests_recomputed;
+        summary.failures_by_cause = self.failures_by_cause.clone();
+        summary.bytes_read = self.bytes_ok;
+        summary.duration_s = duration_s;
+        summary.throughput_gbps = ratio(self.bytes_ok as f64, duration_s) / 1e9;
+        summary.requests_per_s = ratio(self.requests_ok as f64, duration_s);
+        let n = self.requests_ok as f64;
+        summary.bytes_per_request = ratio(self.bytes_ok as f64, n);
+        summary.descriptors_per_request = DescriptorsPerRequest {
+            raw: ratio(self.descriptors_raw as f64, n),
+            coalesced: ratio(self.descriptors_coalesced as f64, n),
+        };
+    }
+}
+
+/// `a / b`, or 0 when `b` is not positive: JSON has no NaN, and a run with no requests or no
+/// time has no rate rather than an undefined one.
+pub fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 && a.is_finite() && b.is_finite() { a / b } else { 0.0 }
+}
+
+/// The line vLLM's NixlConnector logs (`KV Transfer metrics: ...`), from a summary.
+///
+/// Follows vLLM's definitions: MB are MiB (2^20 bytes); throughput is total MB over the sum of
+/// transfer times (so the per-transfer bandwidth, not wall-clock), which equals the mean MB per
+/// transfer over the mean transfer time.
+pub fn vllm_metrics_line(s: &Summary) -> String {
+    let transfer = s.stages.get(Stage::Transfer.as_str()).copied().unwrap_or_default();
+    let post = s.stages.get(Stage::Post.as_str()).copied().unwrap_or_default();
+    let avg_mb = s.bytes_per_request / f64::from(1u32 << 20);
+    let throughput_mb_s = ratio(avg_mb, transfer.mean_us / 1e6);
+    format!(
+        "KV Transfer metrics: Num successful transfers={}, Avg xfer time (ms)={:.3}, P90 xfer time (ms)={:.3}, \
+         Avg post time (ms)={:.3}, P90 post time (ms)={:.3}, Avg MB per transfer={:.3}, Throughput (MB/s)={:.3}, \
+         Avg number of descriptors={:.1}",
+        s.requests_ok,
+        transfer.mean_us / 1e3,
+        transfer.p90_us / 1e3,
+        post.mean_us / 1e3,
+        post.p90_us / 1e3,
+        avg_mb,
+        throughput_mb_s,
+        s.descriptors_per_request.coalesced,
+    )
+}
+
+/// The current time as RFC 3339 (UTC, seconds), for `started_at`.
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+/// A fresh run id: UTC start time plus a short random suffix, sortable and unique, e.g.
+/// `20250102T030405Z-1a2b3c`.
+pub fn new_run_id(started_at_rfc3339: &str) -> String {
+    let stamp: String = started_at_rfc3339.chars().filter(|c| !matches!(c, '-' | ':')).collect();
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{stamp}-{}", &suffix[..6])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stage_names_round_trip_and_order() {
+        for s in Stage::ALL {
+            assert_eq!(Stage::from_name(s.as_str()), Some(s));
+        }
+        let mut m = BTreeMap::new();
+        for k in ["e2e", "zeta", "post", "queue", "alpha"] {
+            m.insert(k.to_string(), ());
+        }
+        assert_eq!(ordered_stage_names(&m), vec!["queue", "post", "e2e", "alpha", "zeta"]);
+    }
+
+    #[test]
+    fn totals_count_outcomes_and_means() {
+        let mut t = RequestTotals::default();
+        let ok =
+            RequestRow { bytes: 1000, descriptors_raw: 10, descriptors_coalesced: 4, ..Default::default() };
+        t.add(&ok);
+        t.add(&RequestRow { bytes: 3000, descriptors_raw: 30, descriptors_coalesced: 2, ..ok.clone() });
+        t.add(&RequestRow {
+            outcome: RequestOutcome::Failed,
+            failure_cause: Some("timeout".into()),
+            bytes: 99,
+            ..Default::default()
+        });
+        t.add(&RequestRow { outcome: RequestOutcome::Recomputed, ..Default::default() });
+        let mut s = Summary::new("r", "t", Scenario::default());
+        t.apply(&mut s, 2.0);
+        assert_eq!((s.requests_ok, s.requests_failed, s.requests_recomputed), (2, 1, 1));
+        assert_eq!(s.bytes_read, 4000);
+        assert_eq!(s.bytes_per_request, 2000.0);
+        assert_eq!(s.descriptors_per_request, DescriptorsPerRequest { raw: 20.0, coalesced: 3.0 });
+        assert_eq!(s.throughput_gbps, 2000.0 / 1e9);
+        assert_eq!(s.requests_per_s, 1.0);
+        assert_eq!(s.failures_by_cause.get("timeout"), Some(&1));
+        assert_eq!(s.failures_by_cause.get("unknown"), Some(&1));
+        assert_eq!(s.requests_total(), 4);
+    }
+
+    #[test]
+    fn repeat_metrics_from_parts() {
+        let mut t = RequestTotals::default();
+        t.add(&RequestRow { bytes: 2_000_000_000, ..Default::default() });
+        let mut rec = StageRecorder::new();
+        rec.record(Stage::E2e, std::time::Duration::from_micros(10));
+        let r = RepeatMetrics::from_parts(3, &t, &rec, 0.5);
+        assert_eq!((r.index, r.requests_ok, r.throughput_gbps, r.requests_per_s), (3, 1, 4.0, 2.0));
+        assert_eq!(r.stages["e2e"].count, 1);
+    }
+
+    #[test]
+    fn zero_duration_gives_zero_rates_not_nan() {
+        let mut s = Summary::new("r", "t", Scenario::default());
+        RequestTotals::default().apply(&mut s, 0.0);
+        assert_eq!(s.throughput_gbps, 0.0);
+        assert!(serde_json::to_string(&s).is_ok_and(|j| !j.contains("null")));
+    }
+
+    #[test]
+    fn vllm_line_uses_mib_and_transfer_time() {
+        let mut s = Summary::new("r", "t", Scenario::default());
+        s.requests_ok = 7;
+        s.bytes_per_request = f64::from(4u32 << 20);
+        s.descriptors_per_request.coalesced = 12.25;
+        let stats = |mean_us, p90_us| StageStats { count: 7, mean_us, p90_us, ..Default::default() };
+        s.stages.insert("transfer".into(), stats(2000.0, 3000.0));
+        s.stages.insert("post".into(), stats(50.0, 80.0));
+        assert_eq!(
+            vllm_metrics_line(&s),
+            "KV Transfer metrics: Num successful transfers=7, Avg xfer time (ms)=2.000, P90 xfer time (ms)=3.000, \
+             Avg post time (ms)=0.050, P90 post time (ms)=0.080, Avg MB per transfer=4.000, \
+             Throughput (MB/s)=2000.000, Avg number of descriptors=12.2"
+        );
+    }
+
+    #[test]
+    fn scenario_keeps_unknown_fields() {
+        let json = r#"{"model":"m","p_tp":8,"future_knob":{"a":1}}"#;
+        let sc: Scenario = serde_json::from_str(json).expect("parse");
+        assert_eq!(sc.p_tp, Some(8));
+        assert_eq!(sc.extra.get("future_knob"), Some(&serde_json::json!({"a": 1})));
+        let back = serde_json::to_value(&sc).expect("ser");
+        assert_eq!(back, serde_json::from_str::<serde_json::Value>(json).expect("v"));
+        assert_eq!(
+            sc.fields(),
+            vec![
+                ("model".to_string(), "m".to_string()),
+                ("p_tp".to_string(), "8".to_string()),
+                ("future_knob".to_string(), r#"{"a":1}"#.to_string())
+            ]
+        );
+    }
+
+    #[test]
+    fn calibration_figures_ignore_nonsense() {
+        let c: Calibration =
+            serde_json::from_str(r#"{"memcpy_gbps": 10.0, "ucx_loopback_gbps": 0.0, "other_gbps": 3}"#)
+                .expect("parse");
+        assert_eq!(c.figure("memcpy_gbps"), Some(10.0));
+        assert_eq!(c.figure("ucx_loopback_gbps"), None);
+        assert_eq!(c.figure("other_gbps"), Some(3.0));
+        assert_eq!(c.figure("absent"), None);
+    }
+
+    #[test]
+    fn run_ids_sort_by_time() {
+        let a = new_run_id("2025-01-02T03:04:05Z");
+        assert!(a.starts_with("20250102T030405Z-"), "{a}");
+        assert_eq!(a.len(), "20250102T030405Z-".len() + 6);
+        assert!(now_rfc3339().ends_with('Z'));
+    }
+
+    #[test]
+    fn environment_detect_fills_what_this_host_has() {
+        let e = Environment::detect();
+        assert!(e.cores >= 1);
+        assert_eq!(e.kvx_version, env!("CARGO_PKG_VERSION"));
+    }
+}

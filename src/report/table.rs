@@ -1,0 +1,337 @@
+//! Pure text exporters of a summary: comfy-table tables for the terminal, or the same tables
+//! as Markdown, plus the number formatting every text output shares.
+//!
+//! Owns how figures read to a person (units, precision, order). Must not do I/O: callers print
+//! or write the returned strings.
+
+use comfy_table::{CellAlignment, ContentArrangement, Table, TableStyle, presets};
+
+use super::summary::{Summary, display_value, ordered_stage_names, ratio, vllm_metrics_line};
+
+/// Where a table will be shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Style {
+    /// Box-drawing characters, for a terminal.
+    Terminal,
+    /// GitHub-flavoured Markdown tables.
+    Markdown,
+}
+
+impl Style {
+    fn preset(self) -> TableStyle {
+        match self {
+            Style::Terminal => presets::UTF8_FULL_CONDENSED,
+            Style::Markdown => presets::ASCII_MARKDOWN,
+        }
+    }
+}
+
+/// An empty table in `style`. Widths never depend on the terminal, so output is the same in a
+/// TTY, a pipe and a snapshot.
+pub fn new_table(style: Style, header: &[&str]) -> Table {
+    let mut t = Table::new();
+    t.load_style(style.preset()).set_content_arrangement(ContentArrangement::Disabled).force_no_tty();
+    t.set_header(header.to_vec());
+    t
+}
+
+/// Right-aligns columns `from..` (the numbers).
+pub fn align_numbers(t: &mut Table, from: usize) {
+    for c in t.column_iter_mut().skip(from) {
+        c.set_cell_alignment(CellAlignment::Right);
+    }
+}
+
+/// A section: a title line (a heading in Markdown), then the table.
+pub fn section(title: &str, table: &Table, style: Style) -> String {
+    match style {
+        Style::Terminal => format!("{title}\n{table}\n"),
+        Style::Markdown => format!("### {title}\n\n{table}\n"),
+    }
+}
+
+/// A float with precision fit to its size: `0.123`, `12.35`, `123.5`, `12346`.
+pub fn fmt_f(v: f64) -> String {
+    if !v.is_finite() {
+        return "-".into();
+    }
+    let a = v.abs();
+    if a == 0.0 {
+        "0".into()
+    } else if a < 1.0 {
+        format!("{v:.3}")
+    } else if a < 100.0 {
+        format!("{v:.2}")
+    } else if a < 10_000.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+/// Bytes in binary units: `512 B`, `4.00 KiB`, `1.50 GiB`.
+pub fn fmt_bytes(v: f64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    if !v.is_finite() {
+        return "-".into();
+    }
+    let mut x = v;
+    let mut i = 0;
+    while x.abs() >= 1024.0 && i < UNITS.len() - 1 {
+        x /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{x:.0} B") } else { format!("{x:.2} {}", UNITS[i]) }
+}
+
+/// A ratio as `0.853x`.
+pub fn fmt_ratio(v: f64) -> String {
+    if v.is_finite() { format!("{v:.3}x") } else { "-".into() }
+}
+
+/// What was run and where: run id, scenario fields, environment and UCX.
+pub fn scenario_table(s: &Summary, style: Style) -> Table {
+    let mut t = new_table(style, &["field", "value"]);
+    t.add_row(vec!["run".to_string(), s.run_id.clone()]);
+    t.add_row(vec!["started".to_string(), s.started_at.clone()]);
+    if s.partial {
+        t.add_row(vec!["status".to_string(), "PARTIAL (run did not finish)".to_string()]);
+    }
+    for (k, v) in s.scenario.fields() {
+        t.add_row(vec![k, v]);
+    }
+    let e = &s.environment;
+    let host = [e.hostname.as_str(), e.cpu_model.as_str()]
+        .iter()
+        .filter(|x| !x.is_empty())
+        .copied()
+        .collect::<Vec<_>>();
+    if !host.is_empty() {
+        t.add_row(vec!["host".to_string(), host.join(", ")]);
+    }
+    if e.cores > 0 || e.memory_bytes > 0 {
+        t.add_row(vec![
+            "cores, memory".to_string(),
+            format!("{}, {}", e.cores, fmt_bytes(e.memory_bytes as f64)),
+        ]);
+    }
+    if !e.os.is_empty() {
+        let os = if e.kernel.is_empty() { e.os.clone() } else { format!("{} ({})", e.os, e.kernel) };
+        t.add_row(vec!["os".to_string(), os]);
+    }
+    t.add_row(vec!["kvx".to_string(), s.kvx_version.clone()]);
+    let u = &s.ucx;
+    if !u.version.is_empty() || !u.library.is_empty() {
+        t.add_row(vec!["ucx".to_string(), format!("{} ({})", u.version, u.library)]);
+    }
+    if !u.transports.is_empty() {
+        t.add_row(vec!["ucx transports".to_string(), u.transports.join(", ")]);
+    }
+    if let Some(m) = &u.err_mode {
+        t.add_row(vec!["ucx err mode".to_string(), m.clone()]);
+    }
+    for n in &s.notes {
+        t.add_row(vec!["note".to_string(), n.clone()]);
+    }
+    t
+}
+
+/// Latency percentiles per stage, in microseconds.
+pub fn stage_table(s: &Summary, style: Style) -> Table {
+    let mut t =
+        new_table(style, &["stage", "count", "mean us", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us"]);
+    for name in ordered_stage_names(&s.stages) {
+        let st = &s.stages[name];
+        t.add_row(vec![
+            name.to_string(),
+            st.count.to_string(),
+            fmt_f(st.mean_us),
+            fmt_f(st.p50_us),
+            fmt_f(st.p90_us),
+            fmt_f(st.p99_us),
+            fmt_f(st.p999_us),
+            fmt_f(st.max_us),
+        ]);
+    }
+    align_numbers(&mut t, 1);
+    t
+}
+
+/// Throughput, bytes and descriptors, with the same-run ceilings next to them.
+pub fn throughput_table(s: &Summary, style: Style) -> Table {
+    let mut t = new_table(style, &["metric", "value"]);
+    t.add_row(vec!["throughput".to_string(), format!("{} GB/s", fmt_f(s.throughput_gbps))]);
+    if let Some(c) = &s.calibration {
+        for (name, v) in [("memcpy", c.memcpy_gbps), ("ucx loopback read", c.ucx_loopback_gbps)] {
+            if let Some(v) = v.filter(|v| *v > 0.0) {
+                t.add_row(vec![
+                    format!("  vs {name} ({} GB/s)", fmt_f(v)),
+                    fmt_ratio(ratio(s.throughput_gbps, v)),
+                ]);
+            }
+        }
+    }
+    t.add_row(vec!["requests/s".to_string(), fmt_f(s.requests_per_s)]);
+    t.add_row(vec!["bytes read".to_string(), fmt_bytes(s.bytes_read as f64)]);
+    t.add_row(vec!["bytes/request".to_string(), fmt_bytes(s.bytes_per_request)]);
+    let d = s.descriptors_per_request;
+    t.add_row(vec!["descriptors/request (raw)".to_string(), fmt_f(d.raw)]);
+    t.add_row(vec!["descriptors/request (coalesced)".to_string(), fmt_f(d.coalesced)]);
+    if d.coalesced > 0.0 {
+        t.add_row(vec!["bytes/descriptor".to_string(), fmt_bytes(s.bytes_per_request / d.coalesced)]);
+    }
+    t.add_row(vec!["measured time".to_string(), format!("{} s", fmt_f(s.duration_s))]);
+    align_numbers(&mut t, 1);
+    t
+}
+
+/// Outcomes, failures by cause, verification and block accounting.
+pub fn failures_table(s: &Summary, style: Style) -> Table {
+    let mut t = new_table(style, &["metric", "value"]);
+    t.add_row(vec!["requests ok".to_string(), s.requests_ok.to_string()]);
+    t.add_row(vec!["requests failed".to_string(), s.requests_failed.to_string()]);
+    t.add_row(vec!["requests recomputed".to_string(), s.requests_recomputed.to_string()]);
+    for (cause, n) in &s.failures_by_cause {
+        t.add_row(vec![format!("  cause: {cause}"), n.to_string()]);
+    }
+    t.add_row(vec!["bytes verified".to_string(), fmt_bytes(s.bytes_verified as f64)]);
+    t.add_row(vec!["verify failures".to_string(), s.verify_failures.to_string()]);
+    t.add_row(vec!["blocks leaked".to_string(), s.blocks_leaked.to_string()]);
+    t.add_row(vec!["blocks freed by lease expiry".to_string(), s.blocks_expired.to_string()]);
+    align_numbers(&mut t, 1);
+    t
+}
+
+/// Throughput per rank, when the run reports it.
+pub fn per_rank_table(s: &Summary, style: Style) -> Option<Table> {
+    if s.per_rank.is_empty() {
+        return None;
+    }
+    let mut t = new_table(style, &["rank", "GB/s", "bytes", "requests"]);
+    for r in &s.per_rank {
+        t.add_row(vec![
+            format!("{}{}", r.role, r.rank),
+            fmt_f(r.throughput_gbps),
+            fmt_bytes(r.bytes as f64),
+            r.requests.to_string(),
+        ]);
+    }
+    align_numbers(&mut t, 1);
+    Some(t)
+}
+
+/// Headline figures of each repeat.
+pub fn repeats_table(s: &Summary, style: Style) -> Option<Table> {
+    if s.repeats.is_empty() {
+        return None;
+    }
+    let mut t =
+        new_table(style, &["repeat", "GB/s", "requests/s", "ok", "failed", "e2e p50 us", "e2e p99 us"]);
+    for r in &s.repeats {
+        let e2e = r.stages.get("e2e");
+        t.add_row(vec![
+            r.index.to_string(),
+            fmt_f(r.throughput_gbps),
+            fmt_f(r.requests_per_s),
+            r.requests_ok.to_string(),
+            r.requests_failed.to_string(),
+            e2e.map_or("-".into(), |e| fmt_f(e.p50_us)),
+            e2e.map_or("-".into(), |e| fmt_f(e.p99_us)),
+        ]);
+    }
+    align_numbers(&mut t, 1);
+    Some(t)
+}
+
+/// One row per sweep point: its parameters and headline figures.
+pub fn sweep_table(s: &Summary, style: Style) -> Option<Table> {
+    let points = s.sweep.as_deref().filter(|p| !p.is_empty())?;
+    let params: std::collections::BTreeSet<&str> =
+        points.iter().flat_map(|p| p.params.keys().map(String::as_str)).collect();
+    let mut header: Vec<&str> = vec!["point"];
+    header.extend(params.iter().copied());
+    header.extend(["GB/s", "requests/s", "transfer p50 us", "e2e p50 us", "desc/req", "bytes/desc"]);
+    let mut t = new_table(style, &header);
+    for p in points {
+        let mut row = vec![p.label.clone()];
+        row.extend(params.iter().map(|k| p.params.get(*k).map_or_else(|| "-".into(), display_value)));
+        row.extend([
+            fmt_f(p.throughput_gbps),
+            fmt_f(p.requests_per_s),
+            p.transfer_p50_us.map_or("-".into(), fmt_f),
+            p.e2e_p50_us.map_or("-".into(), fmt_f),
+            p.descriptors_per_request.map_or("-".into(), |d| fmt_f(d.coalesced)),
+            p.bytes_per_descriptor.map_or("-".into(), fmt_bytes),
+        ]);
+        t.add_row(row);
+    }
+    align_numbers(&mut t, 1 + params.len());
+    Some(t)
+}
+
+/// Every table of a run, in reading order, then the vLLM metrics line.
+pub fn render_summary(s: &Summary, style: Style) -> String {
+    let mut out = String::new();
+    if style == Style::Markdown {
+        out.push_str(&format!("## kvx run {}\n\n", s.run_id));
+    }
+    out.push_str(&section("Scenario", &scenario_table(s, style), style));
+    out.push('\n');
+    if !s.stages.is_empty() {
+        out.push_str(&section("Latency by stage", &stage_table(s, style), style));
+        out.push('\n');
+    }
+    out.push_str(&section("Throughput, bytes, descriptors", &throughput_table(s, style), style));
+    out.push('\n');
+    out.push_str(&section("Outcomes and verification", &failures_table(s, style), style));
+    if let Some(t) = per_rank_table(s, style) {
+        out.push('\n');
+        out.push_str(&section("Per rank", &t, style));
+    }
+    if let Some(t) = repeats_table(s, style) {
+        out.push('\n');
+        out.push_str(&section("Repeats", &t, style));
+    }
+    if let Some(t) = sweep_table(s, style) {
+        out.push('\n');
+        out.push_str(&section("Sweep", &t, style));
+    }
+    out.push('\n');
+    match style {
+        Style::Terminal => out.push_str(&vllm_metrics_line(s)),
+        Style::Markdown => out.push_str(&format!("`{}`", vllm_metrics_line(s))),
+    }
+    out.push('\n');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn number_formats() {
+        assert_eq!(fmt_f(0.0), "0");
+        assert_eq!(fmt_f(0.12345), "0.123");
+        assert_eq!(fmt_f(12.345), "12.35");
+        assert_eq!(fmt_f(123.45), "123.5");
+        assert_eq!(fmt_f(123456.7), "123457");
+        assert_eq!(fmt_f(f64::NAN), "-");
+        assert_eq!(fmt_bytes(512.0), "512 B");
+        assert_eq!(fmt_bytes(4096.0), "4.00 KiB");
+        assert_eq!(fmt_bytes(1.5 * 1024.0 * 1024.0 * 1024.0), "1.50 GiB");
+        assert_eq!(fmt_ratio(0.8534), "0.853x");
+    }
+
+    #[test]
+    fn markdown_tables_are_markdown() {
+        let mut s = Summary::new("r1", "t", Default::default());
+        s.stages.insert("e2e".into(), Default::default());
+        let md = render_summary(&s, Style::Markdown);
+        assert!(md.starts_with("## kvx run r1"));
+        assert!(md.contains("### Latency by stage"));
+        assert!(md.contains("| stage | count |"), "{md}");
+        assert!(md.contains("|---"), "{md}");
+        assert!(!md.contains('│'));
+    }
+}

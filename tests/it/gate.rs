@@ -1,0 +1,278 @@
+//! `kvx gate` run as a real process on fixture summaries (tests/fixtures/gate/, described in
+//! its README): verdicts, exit codes, JSON and Markdown output, thresholds files, `--update`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use assert_cmd::Command;
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gate").join(name)
+}
+
+fn kvx() -> Command {
+    let mut c = Command::cargo_bin("kvx").expect("kvx binary");
+    c.timeout(Duration::from_secs(60));
+    c
+}
+
+/// Runs `kvx gate --baseline baseline.json --current NAME extra...`.
+fn gate(current: &str, extra: &[&str]) -> assert_cmd::assert::Assert {
+    kvx()
+        .arg("gate")
+        .arg("--baseline")
+        .arg(fixture("baseline.json"))
+        .arg("--current")
+        .arg(fixture(current))
+        .args(extra)
+        .assert()
+}
+
+fn stdout(a: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8_lossy(&a.get_output().stdout).into_owned()
+}
+
+fn stderr(a: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8_lossy(&a.get_output().stderr).into_owned()
+}
+
+/// Output with this machine's checkout path taken out, for snapshots.
+fn redact(s: &str) -> String {
+    s.replace(env!("CARGO_MANIFEST_DIR"), "[ROOT]")
+}
+
+#[test]
+fn unchanged_within_noise_passes() {
+    let a = gate("pass.json", &[]).code(0);
+    let out = stdout(&a);
+    assert!(out.contains("verdict: PASS"), "{out}");
+    assert!(out.contains("noise floor: ±"), "{out}");
+}
+
+#[test]
+fn a_twenty_percent_slowdown_is_a_regression() {
+    let a = gate("regress.json", &[]).code(1);
+    let out = stdout(&a);
+    assert!(out.contains("verdict: REGRESSION (throughput_gbps -20.0%"), "{out}");
+    insta::assert_snapshot!("gate_regression_table", redact(&out));
+}
+
+#[test]
+fn an_improvement_passes_and_says_so() {
+    let a = gate("improve.json", &[]).code(0);
+    let out = stdout(&a);
+    assert!(out.contains("improved"), "{out}");
+    assert!(out.contains("verdict: PASS"), "{out}");
+}
+
+#[test]
+fn a_slower_machine_is_not_a_slower_kvx() {
+    let a = gate("slower-machine.json", &[]).code(0);
+    let out = stdout(&a);
+    assert!(out.contains("machine speed, current over baseline: 0.500x"), "{out}");
+    // Raw ratio shown next to the normalised one.
+    assert!(out.contains("0.500x ┆     1.000x"), "{out}");
+}
+
+#[test]
+fn new_failures_are_a_regression() {
+    let a = gate("failures.json", &[]).code(1);
+    assert!(
+        stdout(&a).contains("verdict: REGRESSION (requests_failed +3, verify_failures +1)"),
+        "{}",
+        stdout(&a)
+    );
+}
+
+#[test]
+fn a_missing_metric_is_an_error_naming_it() {
+    let a = gate("missing-metric.json", &[]).code(2);
+    let err = stderr(&a);
+    assert!(err.contains("metric `stages.e2e.p50_us` is missing from the current summary"), "{err}");
+    assert!(err.contains("missing-metric.json"), "{err}");
+}
+
+#[test]
+fn a_wrong_schema_is_an_error() {
+    let a = gate("wrong-schema.json", &[]).code(2);
+    let err = stderr(&a);
+    assert!(err.contains("schema_version 2, but this kvx reads schema_version 1"), "{err}");
+}
+
+#[test]
+fn unreadable_files_are_errors() {
+    let a = gate("not-json.json", &[]).code(2);
+    assert!(stderr(&a).contains("is not valid JSON"), "{}", stderr(&a));
+    let a = gate("does-not-exist.json", &[]).code(2);
+    assert!(stderr(&a).contains("cannot read"), "{}", stderr(&a));
+    assert!(stderr(&a).contains("does-not-exist.json"), "{}", stderr(&a));
+}
+
+#[test]
+fn json_verdicts() {
+    let parse = |a: &assert_cmd::assert::Assert| -> Value {
+        serde_json::from_str(&stdout(a)).expect("JSON on stdout")
+    };
+    let pass = parse(&gate("pass.json", &["--format", "json"]).code(0));
+    assert_eq!(pass["verdict"], "pass");
+    assert!(pass["noise_floor"].as_f64().is_some_and(|n| n > 0.0 && n < 0.1), "{}", pass["noise_floor"]);
+    let reg = parse(&gate("regress.json", &["--format", "json"]).code(1));
+    assert_eq!(reg["verdict"], "regression");
+    let tput = reg["metrics"]
+        .as_array()
+        .and_then(|m| m.iter().find(|m| m["metric"] == "throughput_gbps"))
+        .expect("throughput metric");
+    assert_eq!(tput["verdict"], "regression");
+    assert_eq!(tput["better"], "higher");
+    assert!((tput["ratio"].as_f64().expect("ratio") - 0.8).abs() < 1e-9);
+    assert_eq!(tput["baseline_samples"], 5);
+    let err = parse(&gate("wrong-schema.json", &["--format", "json"]).code(2));
+    assert_eq!(err["verdict"], "error");
+    assert!(err["error"].as_str().is_some_and(|e| e.contains("schema_version")), "{err}");
+}
+
+#[test]
+fn markdown_summary_for_ci() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let md = dir.path().join("summary.md");
+    gate("regress.json", &["--markdown", md.to_str().expect("utf8")]).code(1);
+    let text = std::fs::read_to_string(&md).expect("markdown written");
+    assert!(text.starts_with("## kvx gate: ❌ regression"), "{text}");
+    insta::assert_snapshot!("gate_regression_markdown", redact(&text));
+    let err_md = dir.path().join("err.md");
+    gate("missing-metric.json", &["--markdown", err_md.to_str().expect("utf8")]).code(2);
+    let text = std::fs::read_to_string(&err_md).expect("error markdown written");
+    assert!(text.contains("error") && text.contains("stages.e2e.p50_us"), "{text}");
+}
+
+#[test]
+fn thresholds_file_changes_the_verdict() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let loose = dir.path().join("loose.toml");
+    std::fs::write(
+        &loose,
+        "[settings]\nreplace_defaults = true\n[[metric]]\nname = \"throughput_gbps\"\nbetter = \"higher\"\nthreshold = 0.25\n",
+    )
+    .expect("write");
+    let a = gate("regress.json", &["--thresholds", loose.to_str().expect("utf8")]).code(0);
+    assert!(stdout(&a).contains("verdict: PASS"), "{}", stdout(&a));
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[[metric]]\nname = \"throughput_gbps\"\nbetter = \"up\"\nthreshold = 0.1\n")
+        .expect("write");
+    let a = gate("pass.json", &["--thresholds", bad.to_str().expect("utf8")]).code(2);
+    assert!(stderr(&a).contains("bad.toml"), "{}", stderr(&a));
+    // A metric the summaries do not have is an error unless it is optional.
+    let extra = dir.path().join("extra.toml");
+    std::fs::write(
+        &extra,
+        "[[metric]]\nname = \"stages.nope.p50_us\"\nbetter = \"lower\"\nthreshold = 0.1\n",
+    )
+    .expect("write");
+    let a = gate("pass.json", &["--thresholds", extra.to_str().expect("utf8")]).code(2);
+    assert!(stderr(&a).contains("stages.nope.p50_us"), "{}", stderr(&a));
+}
+
+#[test]
+fn a_run_directory_stands_for_its_summary() {
+    let dir = tempfile::tempdir().expect("tmp");
+    std::fs::copy(fixture("pass.json"), dir.path().join("summary.json")).expect("copy");
+    kvx()
+        .arg("gate")
+        .arg("--baseline")
+        .arg(fixture("baseline.json"))
+        .arg("--current")
+        .arg(dir.path())
+        .assert()
+        .code(0);
+}
+
+fn update(baseline: &Path, current: &str, extra: &[&str]) -> assert_cmd::assert::Assert {
+    kvx()
+        .arg("gate")
+        .arg("--baseline")
+        .arg(baseline)
+        .arg("--current")
+        .arg(fixture(current))
+        .arg("--update")
+        .args(extra)
+        .assert()
+}
+
+fn json_file(p: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(p).expect("read")).expect("json")
+}
+
+#[test]
+fn update_writes_the_baseline_and_shows_what_changed() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("baseline.json");
+    std::fs::copy(fixture("baseline.json"), &base).expect("copy");
+    // A regression is accepted on purpose with --update: exit 0, and the change is printed.
+    let a = update(&base, "regress.json", &[]).code(0);
+    let out = stdout(&a);
+    assert!(out.contains("what changed"), "{out}");
+    assert!(out.contains("throughput_gbps"), "{out}");
+    assert!(out.contains("baseline updated"), "{out}");
+    assert_eq!(json_file(&base), json_file(&fixture("regress.json")));
+    // The new baseline is what the next gate compares with.
+    kvx()
+        .arg("gate")
+        .arg("--baseline")
+        .arg(&base)
+        .arg("--current")
+        .arg(fixture("regress.json"))
+        .assert()
+        .code(0);
+}
+
+#[test]
+fn update_creates_a_missing_baseline() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("new").join("baseline.json");
+    std::fs::create_dir_all(base.parent().expect("parent")).expect("mkdir");
+    let a = update(&base, "pass.json", &["--format", "json"]).code(0);
+    let v: Value = serde_json::from_str(&stdout(&a)).expect("json");
+    assert_eq!(v["verdict"], "updated");
+    assert!(v["previous"].is_null());
+    assert_eq!(json_file(&base), json_file(&fixture("pass.json")));
+}
+
+#[test]
+fn update_refuses_an_unclean_run_unless_forced() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("baseline.json");
+    std::fs::copy(fixture("baseline.json"), &base).expect("copy");
+    let a = update(&base, "failures.json", &[]).code(2);
+    let err = stderr(&a);
+    assert!(err.contains("refusing to update the baseline"), "{err}");
+    assert!(err.contains("3 requests failed") && err.contains("1 verification failures"), "{err}");
+    assert!(err.contains("--force"), "{err}");
+    assert_eq!(json_file(&base), json_file(&fixture("baseline.json")), "baseline untouched");
+    update(&base, "failures.json", &["--force"]).code(0);
+    assert_eq!(json_file(&base), json_file(&fixture("failures.json")));
+}
+
+#[test]
+fn update_refuses_a_wrong_schema() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("baseline.json");
+    std::fs::copy(fixture("baseline.json"), &base).expect("copy");
+    update(&base, "wrong-schema.json", &["--force"]).code(2);
+    assert_eq!(json_file(&base), json_file(&fixture("baseline.json")));
+}
+
+#[test]
+fn update_refuses_a_run_missing_a_gated_metric() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("baseline.json");
+    std::fs::copy(fixture("baseline.json"), &base).expect("copy");
+    let a = update(&base, "missing-metric.json", &[]).code(2);
+    assert!(stderr(&a).contains("stages.e2e.p50_us"), "{}", stderr(&a));
+    assert_eq!(json_file(&base), json_file(&fixture("baseline.json")));
+}
+
+#[test]
+fn force_needs_update() {
+    gate("pass.json", &["--force"]).code(2);
+}

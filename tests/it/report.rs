@@ -1,0 +1,324 @@
+//! Report machinery end to end: `RunWriter` writing a run directory (also when the run never
+//! finishes), the exporters' output read back, SVG charts parsed as XML, and `kvx report` run
+//! as a real process on fixture runs (tests/fixtures/report/).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use assert_cmd::Command;
+use kvx::report::export::parse_requests_csv;
+use kvx::report::files::{self, RunWriter};
+use kvx::report::{
+    Calibration, RankList, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals, Scenario, Stage,
+    StageRecorder, Summary, SweepPoint, chart, export,
+};
+
+fn fixture_run(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/report").join(name)
+}
+
+fn kvx() -> Command {
+    let mut c = Command::cargo_bin("kvx").expect("kvx binary");
+    c.timeout(Duration::from_secs(60));
+    c
+}
+
+fn stdout(a: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8_lossy(&a.get_output().stdout).into_owned()
+}
+
+fn stderr(a: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8_lossy(&a.get_output().stderr).into_owned()
+}
+
+fn row(i: u32) -> RequestRow {
+    RequestRow {
+        request_id: format!("req-{i}"),
+        start_offset_us: f64::from(i) * 500.0,
+        prompt_tokens: 4096,
+        blocks: 256,
+        bytes: 4 << 20,
+        descriptors_raw: 2048,
+        descriptors_coalesced: 128,
+        queue_us: Some(2.0),
+        plan_us: Some(1.0),
+        post_us: Some(10.0),
+        transfer_us: Some(900.0 + f64::from(i % 7) * 50.0),
+        notify_us: Some(12.0),
+        e2e_us: Some(950.0 + f64::from(i % 7) * 50.0),
+        outcome: if i % 13 == 12 { RequestOutcome::Failed } else { RequestOutcome::Ok },
+        failure_cause: (i % 13 == 12).then(|| "timeout".to_string()),
+        d_ranks: RankList(vec![i % 2]),
+        ..Default::default()
+    }
+}
+
+/// A summary as bench would build it from rows and recorded samples.
+fn built_summary(rows: &[RequestRow]) -> Summary {
+    let mut s = Summary::new(
+        "20250101T000000Z-test00",
+        "2025-01-01T00:00:00Z",
+        Scenario { model: Some("llama-3.1-8b".into()), p_tp: Some(2), d_tp: Some(1), ..Default::default() },
+    );
+    let mut totals = RequestTotals::default();
+    let mut rec = StageRecorder::new();
+    for r in rows {
+        totals.add(r);
+        for st in Stage::ALL {
+            if let Some(us) = r.stage_us(st) {
+                rec.record(st, Duration::from_nanos((us * 1e3) as u64));
+            }
+        }
+    }
+    totals.apply(&mut s, 0.05);
+    s.set_stages(&rec);
+    s.calibration =
+        Some(Calibration { memcpy_gbps: Some(10.0), ucx_loopback_gbps: Some(7.5), ..Default::default() });
+    s
+}
+
+#[test]
+fn run_writer_keeps_rows_of_a_run_that_never_finishes() {
+    let root = tempfile::tempdir().expect("tmp");
+    let rows: Vec<RequestRow> = (0..25).map(row).collect();
+    let dir;
+    {
+        let mut w = RunWriter::create(root.path(), "killed").expect("create");
+        dir = w.dir().to_path_buf();
+        let csv_path = dir.join(files::REQUESTS_FILE);
+        for (i, r) in rows.iter().enumerate() {
+            w.write_request(r).expect("row");
+            // Each row is on disk as soon as it is written, not when the writer goes away.
+            let on_disk = std::fs::read(&csv_path).expect("read");
+            assert_eq!(parse_requests_csv(&on_disk).expect("parse").len(), i + 1);
+        }
+        w.write_partial(&built_summary(&rows[..10])).expect("partial");
+        w.write_partial(&built_summary(&rows)).expect("partial again");
+        assert_eq!(w.rows_written(), 25);
+        // Dropped here without `finish`, as a killed run would leave it.
+    }
+    let run = files::load_run(&dir).expect("load the unfinished run");
+    assert!(run.summary.partial);
+    assert_eq!(run.summary.requests_total(), 25);
+    assert_eq!(run.rows, rows);
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.starts_with(".kvx-tmp")), "no temp files left: {names:?}");
+    // `kvx report` renders it and says it is partial.
+    let a = kvx().arg("report").arg(&dir).arg("--no-charts").assert().code(0);
+    assert!(stdout(&a).contains("PARTIAL"), "{}", stdout(&a));
+}
+
+#[test]
+fn run_writer_finish_writes_every_file() {
+    let root = tempfile::tempdir().expect("tmp");
+    let rows: Vec<RequestRow> = (0..40).map(row).collect();
+    let mut w = RunWriter::create(root.path(), "done").expect("create");
+    let dir = w.dir().to_path_buf();
+    for r in &rows {
+        w.write_request(r).expect("row");
+    }
+    let summary = built_summary(&rows);
+    let written = w.finish(&summary).expect("finish");
+    let names: Vec<&str> = written.iter().filter_map(|p| p.file_name()?.to_str()).collect();
+    assert_eq!(
+        names,
+        vec!["summary.json", "requests.csv", "stages.csv", "latency.svg", "throughput-over-time.svg"]
+    );
+    let run = files::load_run(&dir).expect("load");
+    assert!(!run.summary.partial);
+    assert_eq!(run.summary, summary);
+    assert_eq!(run.rows, rows);
+    assert_eq!(run.summary.requests_ok, 37);
+    assert_eq!(run.summary.failures_by_cause.get("timeout"), Some(&3));
+    let stages = std::fs::read_to_string(dir.join(files::STAGES_FILE)).expect("stages");
+    let first_col: Vec<&str> = stages.lines().map(|l| l.split(',').next().unwrap_or("")).collect();
+    assert_eq!(first_col, vec!["stage", "queue", "plan", "post", "transfer", "notify", "e2e"]);
+    for svg in ["latency.svg", "throughput-over-time.svg"] {
+        let text = std::fs::read_to_string(dir.join(svg)).expect("svg");
+        roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{svg} is not well-formed: {e}"));
+    }
+}
+
+/// Polylines (one per series) and the texts of an SVG document.
+fn svg_parts(svg: &str) -> (usize, Vec<String>) {
+    let doc = roxmltree::Document::parse(svg).expect("well-formed SVG");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    let lines = doc.descendants().filter(|n| n.has_tag_name("polyline")).count();
+    let texts = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .collect();
+    (lines, texts)
+}
+
+#[test]
+fn latency_chart_has_a_series_per_stage() {
+    let rows: Vec<RequestRow> = (0..200).map(row).collect();
+    let s = built_summary(&rows);
+    let svg = chart::latency_svg(&s, &rows).expect("draw").expect("has data");
+    let (lines, texts) = svg_parts(&svg);
+    let stages = ["queue", "plan", "post", "transfer", "notify", "e2e"];
+    // Each series draws its line and its legend sample as paths.
+    assert!(lines >= stages.len(), "{lines} polylines");
+    for st in stages {
+        assert!(texts.iter().any(|t| t == st), "legend has {st}: {texts:?}");
+    }
+    assert!(texts.iter().any(|t| t == "99%"), "nines axis: {texts:?}");
+    assert!(texts.iter().any(|t| t == "latency (us)"));
+}
+
+#[test]
+fn throughput_chart_has_one_series_per_repeat() {
+    let mut rows: Vec<RequestRow> = (0..40).map(row).collect();
+    rows.extend((0..40).map(|i| RequestRow { repeat: 1, ..row(i) }));
+    let svg = chart::throughput_svg(&rows).expect("draw").expect("has data");
+    let (_, texts) = svg_parts(&svg);
+    assert!(texts.iter().any(|t| t == "repeat 0") && texts.iter().any(|t| t == "repeat 1"), "{texts:?}");
+    assert!(texts.iter().any(|t| t == "GB/s"));
+}
+
+#[test]
+fn sweep_chart_plots_bandwidth_against_message_size() {
+    let mut s = built_summary(&[]);
+    let point = |series: &str, bytes: f64, gbps: f64| SweepPoint {
+        label: format!("{series} {bytes}"),
+        series: Some(series.into()),
+        bytes_per_descriptor: Some(bytes),
+        throughput_gbps: gbps,
+        ..Default::default()
+    };
+    s.sweep = Some(vec![
+        point("nhd", 2048.0, 1.0),
+        point("nhd", 32768.0, 4.0),
+        point("nhd", 524288.0, 6.0),
+        point("hnd", 512.0, 0.5),
+        point("hnd", 8192.0, 2.0),
+    ]);
+    let svg = chart::sweep_svg(&s).expect("draw").expect("has data");
+    let (_, texts) = svg_parts(&svg);
+    assert!(texts.iter().any(|t| t == "nhd") && texts.iter().any(|t| t == "hnd"), "{texts:?}");
+    assert!(texts.iter().any(|t| t == "bytes per descriptor"));
+    assert!(texts.iter().any(|t| t.ends_with("KiB")), "byte labels: {texts:?}");
+    let csv = String::from_utf8(export::sweep_csv(&s).expect("csv")).expect("utf8");
+    assert_eq!(csv.lines().count(), 6);
+    // A sweep run also gets its sweep files.
+    let root = tempfile::tempdir().expect("tmp");
+    let w = RunWriter::create(root.path(), "sweep").expect("create");
+    let written = w.finish(&s).expect("finish");
+    assert!(written.iter().any(|p| p.ends_with(files::SWEEP_FILE)));
+    assert!(written.iter().any(|p| p.ends_with(files::SWEEP_SVG)));
+}
+
+#[test]
+fn summary_json_round_trips_with_every_section() {
+    let rows: Vec<RequestRow> = (0..30).map(row).collect();
+    let mut s = built_summary(&rows);
+    s.repeats = vec![RepeatMetrics { index: 0, throughput_gbps: 1.0, ..Default::default() }];
+    s.sweep = Some(vec![SweepPoint { label: "x".into(), ..Default::default() }]);
+    s.scenario.extra.insert("new_knob".into(), serde_json::json!([1, 2]));
+    s.notes.push("cache-hot".into());
+    let bytes = export::summary_json(&s).expect("json");
+    let v: serde_json::Value = serde_json::from_slice(&bytes).expect("value");
+    for key in [
+        "schema_version",
+        "scenario",
+        "ucx",
+        "requests_ok",
+        "requests_failed",
+        "requests_recomputed",
+        "bytes_read",
+        "bytes_verified",
+        "verify_failures",
+        "blocks_leaked",
+        "throughput_gbps",
+        "descriptors_per_request",
+        "stages",
+        "calibration",
+        "repeats",
+        "sweep",
+    ] {
+        assert!(v.get(key).is_some(), "summary.json has {key}");
+    }
+    for stat in ["count", "mean_us", "p50_us", "p90_us", "p99_us", "p999_us", "max_us"] {
+        assert!(v["stages"]["transfer"].get(stat).is_some(), "stages.transfer.{stat}");
+    }
+    assert_eq!(serde_json::from_slice::<Summary>(&bytes).expect("back"), s);
+}
+
+#[test]
+fn report_renders_a_saved_run() {
+    let charts = tempfile::tempdir().expect("tmp");
+    let a =
+        kvx().arg("report").arg(fixture_run("run-a")).arg("--charts-dir").arg(charts.path()).assert().code(0);
+    let out = stdout(&a);
+    assert!(out.contains("KV Transfer metrics: Num successful transfers=58"), "{out}");
+    insta::assert_snapshot!("report_run_table", out);
+    for svg in ["latency.svg", "throughput-over-time.svg"] {
+        let text = std::fs::read_to_string(charts.path().join(svg)).expect(svg);
+        svg_parts(&text);
+    }
+    assert!(stderr(&a).contains("chart:"), "{}", stderr(&a));
+}
+
+#[test]
+fn report_json_is_the_summary() {
+    let a = kvx()
+        .arg("report")
+        .arg(fixture_run("run-a"))
+        .args(["--format", "json", "--no-charts"])
+        .assert()
+        .code(0);
+    let printed: Summary = serde_json::from_str(&stdout(&a)).expect("summary JSON");
+    let saved = files::load_summary(&fixture_run("run-a").join("summary.json")).expect("fixture");
+    assert_eq!(printed, saved);
+}
+
+#[test]
+fn report_markdown() {
+    let a = kvx()
+        .arg("report")
+        .arg(fixture_run("run-a"))
+        .args(["--format", "markdown", "--no-charts"])
+        .assert()
+        .code(0);
+    let out = stdout(&a);
+    assert!(out.starts_with("## kvx run 20250601T100000Z-aaaaaa"), "{out}");
+    assert!(out.contains("| transfer  |"), "{out}");
+}
+
+#[test]
+fn report_compares_two_runs() {
+    let a = kvx().arg("report").arg(fixture_run("run-a")).arg(fixture_run("run-b")).assert().code(0);
+    let out = stdout(&a);
+    assert!(out.contains("0.850x"), "{out}");
+    insta::assert_snapshot!("report_compare_table", out);
+    let a = kvx()
+        .arg("report")
+        .arg(fixture_run("run-a"))
+        .arg(fixture_run("run-b").join("summary.json"))
+        .args(["--format", "json"])
+        .assert()
+        .code(0);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&a)).expect("json");
+    let tput =
+        v["rows"].as_array().and_then(|r| r.iter().find(|r| r["metric"] == "throughput_gbps")).expect("row");
+    assert!((tput["ratio"].as_f64().expect("ratio") - 0.85).abs() < 1e-9);
+}
+
+#[test]
+fn report_errors_exit_2_with_a_clear_message() {
+    let a = kvx().arg("report").arg("/nonexistent/kvx-run").assert().code(2);
+    assert!(stderr(&a).contains("cannot read /nonexistent/kvx-run"), "{}", stderr(&a));
+    let empty = tempfile::tempdir().expect("tmp");
+    let a = kvx().arg("report").arg(empty.path()).assert().code(2);
+    assert!(stderr(&a).contains("is not a kvx run"), "{}", stderr(&a));
+    let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gate/wrong-schema.json");
+    let a = kvx().arg("report").arg(schema).arg("--no-charts").assert().code(2);
+    assert!(stderr(&a).contains("schema_version 2"), "{}", stderr(&a));
+    kvx().arg("report").assert().code(2);
+    kvx().arg("report").args(["a", "b", "c"]).assert().code(2);
+}
