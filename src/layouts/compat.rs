@@ -4,7 +4,7 @@
 //!
 //! Every rejection is a `ConfigError` naming the flag to change and the reason.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::Layout;
 use super::geometry::{Axis, EngineSpec, RankGeometry};
@@ -18,7 +18,7 @@ pub const MAX_BLOCK_TOKENS: u32 = 1 << 16;
 pub const MAX_LAYERS: u32 = 4096;
 
 /// A prefill engine, a decode engine, and the model they serve.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PairSpec {
     pub version: VllmVersion,
     pub model: ModelShape,

@@ -9,14 +9,14 @@
 
 use std::ops::Range;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::Layout;
 use crate::settings::model::ModelShape;
 use crate::topology::{self, VllmVersion};
 
 /// Per-engine settings that shape each rank's cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineSpec {
     pub tp: u32,
     /// Tokens per block (vLLM `block_size`).

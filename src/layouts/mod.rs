@@ -17,7 +17,7 @@ pub mod verify;
 use std::fmt;
 use std::str::FromStr;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::topology::VllmVersion;
 
@@ -29,7 +29,7 @@ pub use geometry::{Axis, BlockContent, EngineSpec, RankGeometry, Region};
 /// head, token, cell bytes with K and V packed), outermost first. vLLM 0.19.1 keeps K and V
 /// as separate regions and names only HND/NHD, per attention backend, plus cross-layer
 /// blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Layout {
     /// 0.33 `LBHNC` (= HND, NIXL's default): per layer, per block, heads then tokens.
     Lbhnc,

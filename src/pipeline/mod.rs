@@ -1,1 +1,11 @@
-//! P and D workers, request lifecycle, workloads and the `kvx bench` orchestrator (to be written).
+//! The P/D pipeline: engines made of worker processes (one per TP rank), the request
+//! lifecycle between them, and the `kvx bench` driver on top.
+//!
+//! Owns: worker processes, block pools, the control protocol, workloads, the request
+//! lifecycle (fill, hold under a lease, read, verify, notify, free). Uses `layouts` for
+//! plans and `transfer` for bytes on the wire; hands measurements to `report`.
+
+pub mod params;
+pub mod pool;
+pub mod proto;
+pub mod workload;

@@ -17,7 +17,7 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
 
@@ -27,7 +27,7 @@ pub const MAX_TP: u32 = 1024;
 pub const MAX_KV_HEADS: u32 = 65_536;
 
 /// Which vLLM release's rules to follow.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 pub enum VllmVersion {
     /// vLLM 0.33 (current): `TransferTopology`, 5-D layouts, K|V packed per cell.
     #[default]

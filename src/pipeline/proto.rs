@@ -1,0 +1,246 @@
+//! The control protocol between an engine (the process that schedules) and its worker
+//! processes (one per TP rank): msgpack over a ZMQ ROUTER (engine) / DEALER (worker).
+//!
+//! Workers measure their own stages and report durations, never timestamps, so the
+//! numbers mean the same when ranks run on other hosts.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::params::KvTransferParams;
+use crate::layouts::compat::PairSpec;
+
+/// Hard cap on one control message, checked before decoding.
+pub const MAX_CONTROL_BYTES: usize = 64 << 20;
+
+/// Which side a worker serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    pub fn letter(self) -> char {
+        match self {
+            Role::Prefill => 'P',
+            Role::Decode => 'D',
+        }
+    }
+}
+
+/// How much of each request a decode rank checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum VerifyMode {
+    /// Every byte.
+    Full,
+    /// One vector in `SAMPLE_STRIDE`.
+    #[default]
+    Sample,
+    Off,
+}
+
+/// The stride of `VerifyMode::Sample`.
+pub const SAMPLE_STRIDE: u32 = 61;
+
+impl VerifyMode {
+    /// The vector stride to check, if any.
+    pub fn stride(self) -> Option<u32> {
+        match self {
+            VerifyMode::Full => Some(1),
+            VerifyMode::Sample => Some(SAMPLE_STRIDE),
+            VerifyMode::Off => None,
+        }
+    }
+}
+
+/// Which transport moves the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// One-sided UCX GETs (NixlConnector's model).
+    #[default]
+    Ucx,
+    /// Files in a shared directory (SharedStorageConnector's model).
+    Storage,
+    /// An ordered list: a load that fails on one is retried on the next (MultiConnector).
+    Multi,
+}
+
+/// Transport settings every worker of a run shares.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct TransportConfig {
+    pub kind: TransportKind,
+    /// For `Multi`: the order to try.
+    pub chain: Vec<TransportKind>,
+    pub ucx_lib: Option<PathBuf>,
+    /// UCX error-handling mode: "none" or "peer".
+    pub err_mode: String,
+    /// UCX progress mode: "busy", "wait" or "hybrid".
+    pub progress: String,
+    /// Register UCX-allocated memory instead of the rank's own allocation (flattering).
+    pub ucx_alloc: bool,
+    pub huge_pages: bool,
+    /// "host" or "cuda".
+    pub mem: String,
+    pub device: u32,
+    /// GETs in flight per source rank.
+    pub inflight: u32,
+    /// Post coalesced descriptors instead of vLLM's one-per-block descriptors.
+    pub coalesce: bool,
+    pub storage_dir: Option<PathBuf>,
+    pub storage_direct_io: bool,
+    pub storage_fsync: bool,
+}
+
+/// Everything a worker needs to start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerConfig {
+    pub role: Role,
+    pub rank: u32,
+    pub engine_id: String,
+    pub pair: PairSpec,
+    pub transport: TransportConfig,
+    pub verify: VerifyMode,
+    /// Lease a prefill rank holds blocks under (vLLM `kv_lease_duration`).
+    pub lease_ms: u64,
+    /// Deadline of every wait (handshake, reads, notifications).
+    pub timeout_ms: u64,
+    /// Host the worker binds its listeners on, and the one it advertises.
+    pub bind_host: String,
+    pub advertise_host: String,
+}
+
+/// Engine to worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ToWorker {
+    Init(Box<WorkerConfig>),
+    /// Prefill rank: fill these blocks with the request's pattern and hold them.
+    Fill { req: u64, p_request_id: String, blocks: Vec<u32>, seed: u64, expected_notifs: u32 },
+    /// Decode rank: pull the blocks `params` describes into `local_blocks`.
+    Load { req: u64, d_request_id: String, params: Box<KvTransferParams>, local_blocks: Vec<u32>, seed: u64 },
+    /// Prefill rank: the decode side gave up on this request; release when its lease ends.
+    Abandon { req: u64, p_request_id: String },
+    Shutdown,
+}
+
+/// What a worker reports once it is up.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReadyInfo {
+    pub rank: u32,
+    /// Prefill ranks: the side-channel payload (kvx agent metadata) the engine serves.
+    pub handshake_payload: Option<Vec<u8>>,
+    pub ucx_library: String,
+    pub ucx_version: String,
+    pub pool_bytes: u64,
+    pub rss_bytes: u64,
+}
+
+/// Why a load failed, for counting failures by cause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureCause {
+    Handshake,
+    Incompatible,
+    Transfer,
+    Timeout,
+    PeerGone,
+    Verify,
+    Notify,
+    Internal,
+}
+
+impl FailureCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureCause::Handshake => "handshake",
+            FailureCause::Incompatible => "incompatible",
+            FailureCause::Transfer => "transfer",
+            FailureCause::Timeout => "timeout",
+            FailureCause::PeerGone => "peer_gone",
+            FailureCause::Verify => "verify",
+            FailureCause::Notify => "notify",
+            FailureCause::Internal => "internal",
+        }
+    }
+}
+
+/// One decode rank's account of one request.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct LoadResult {
+    pub req: u64,
+    pub d_rank: u32,
+    pub error: Option<(FailureCause, String)>,
+    /// Which transport finally moved the bytes, and how many fell back before it.
+    pub transport: Option<TransportKind>,
+    pub fallbacks: u32,
+    pub queue_ns: u64,
+    pub handshake_ns: Option<u64>,
+    pub plan_ns: u64,
+    pub post_ns: u64,
+    pub transfer_ns: u64,
+    pub notify_ns: u64,
+    /// From taking the request to notifications sent (verification excluded).
+    pub e2e_ns: u64,
+    pub verify_ns: u64,
+    pub bytes: u64,
+    pub descs_raw: u64,
+    pub descs_coalesced: u64,
+    pub bytes_verified: u64,
+    pub verify_failure: Option<String>,
+    /// UCX transports per endpoint, filled on the first request after a handshake.
+    pub transports: Option<String>,
+}
+
+/// Worker to engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum FromWorker {
+    Hello { role: Role, rank: Option<u32>, pid: u32, host: String },
+    Ready(Box<ReadyInfo>),
+    Filled { req: u64, fill_ns: u64 },
+    /// A prefill rank released a request's blocks: all notifications arrived, or the lease expired.
+    Freed { req: u64, expired: bool },
+    Loaded(Box<LoadResult>),
+    /// Notifications for requests this rank does not hold.
+    Unrecognized { count: u64 },
+    /// The worker is exiting because of this error.
+    Fatal { msg: String },
+    Bye { rss_bytes: u64 },
+}
+
+/// Encodes a control message.
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    // Plain data with string keys: encoding into a Vec cannot fail.
+    rmp_serde::to_vec_named(msg).unwrap_or_default()
+}
+
+/// Decodes a control message, refusing oversized ones before allocating.
+pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, String> {
+    if bytes.len() > MAX_CONTROL_BYTES {
+        return Err(format!("control message of {} bytes exceeds {MAX_CONTROL_BYTES}", bytes.len()));
+    }
+    rmp_serde::from_slice(bytes).map_err(|e| format!("malformed control message: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_an_error() {
+        let m = FromWorker::Filled { req: 3, fill_ns: 99 };
+        assert_eq!(decode::<FromWorker>(&encode(&m)), Ok(m));
+        assert!(decode::<FromWorker>(b"\xc1garbage").is_err());
+        assert!(decode::<ToWorker>(&[]).is_err());
+    }
+}
