@@ -1,0 +1,922 @@
+//! An engine: the scheduling process of one prefill or decode engine, and its worker
+//! processes (one per TP rank).
+//!
+//! Like vLLM's scheduler, the engine owns the block table (one pool shared by all ranks)
+//! and, on the prefill side, the side-channel ROUTER that serves every rank's metadata.
+//! Workers do the memory work: prefill ranks fill and hold blocks, decode ranks read,
+//! verify and notify. The engine runs an event loop in its own thread; callers submit
+//! requests and get a one-shot reply, so the same engine serves `kvx bench` (a driver
+//! thread) and `kvx serve-engine` (async HTTP handlers).
+//!
+//! A worker that dies is noticed at once (its stderr pipe closes): requests waiting on it
+//! fail with `PeerGone`, and the engine refuses new ones rather than hang.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, ChildStderr, Command, Stdio};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::sync::oneshot;
+use tracing::{debug, warn};
+
+use super::params::KvTransferParams;
+use super::pool::BlockPool;
+use super::proto::{self, FailureCause, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, WorkerConfig};
+use crate::layouts::alloc::AllocPattern;
+use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
+use crate::transfer::handshake::zmq_context;
+
+/// How long workers get to come up (allocate, register, bind) before the engine gives up.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Why an engine operation failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    #[error("{engine} engine: {what}")]
+    Startup { engine: String, what: String },
+    #[error("{role} rank {rank} is gone ({why}); requests that need it fail")]
+    RankGone { role: &'static str, rank: u32, why: String },
+    #[error("request {req}: no answer from {role} rank(s) {ranks:?} within {timeout:?}")]
+    Timeout { req: u64, role: &'static str, ranks: Vec<u32>, timeout: Duration },
+    #[error("request {req} needs {needed} blocks but the pool has only {capacity}; raise --pool-blocks")]
+    TooLarge { req: u64, needed: u32, capacity: u32 },
+    #[error("request {req}: {msg}")]
+    Rejected { req: u64, msg: String },
+    #[error("the engine has shut down")]
+    Closed,
+}
+
+impl EngineError {
+    pub fn cause(&self) -> FailureCause {
+        match self {
+            EngineError::RankGone { .. } => FailureCause::PeerGone,
+            EngineError::Timeout { .. } => FailureCause::Timeout,
+            _ => FailureCause::Internal,
+        }
+    }
+}
+
+/// Where the workers come from.
+#[derive(Debug, Clone)]
+pub enum Launch {
+    /// Spawn `exe worker ...` locally, one process per rank.
+    Spawn { exe: PathBuf, env: Vec<(String, String)> },
+    /// Wait for `kvx worker --connect` processes started elsewhere (Slurm, mpirun, by hand)
+    /// on this control endpoint.
+    External { bind: String },
+}
+
+/// How to start an engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The worker config template; `rank` is filled per worker.
+    pub worker: WorkerConfig,
+    pub tp: u32,
+    pub pool_blocks: u32,
+    pub block_tokens: u32,
+    pub alloc: AllocPattern,
+    pub seed: u64,
+    pub launch: Launch,
+    /// Prefill engines: the side-channel bind endpoint, e.g. `tcp://127.0.0.1:0`.
+    pub side_channel_bind: Option<String>,
+    /// Per-request deadline for worker answers.
+    pub timeout: Duration,
+}
+
+/// What callers learn about a running engine.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineInfo {
+    pub engine_id: String,
+    pub role: Role,
+    pub tp: u32,
+    pub side_channel_host: String,
+    pub side_channel_port: u16,
+    pub ucx_library: String,
+    pub ucx_version: String,
+    pub pool_blocks: u32,
+    pub pool_bytes_per_rank: u64,
+    pub worker_rss_bytes: Vec<u64>,
+}
+
+/// The prefill side's answer: the blocks are filled and held.
+#[derive(Debug, Clone)]
+pub struct PrefillDone {
+    pub params: KvTransferParams,
+    /// Slowest rank's fill time (excluded from transfer time).
+    pub fill_ns: u64,
+}
+
+/// The decode side's answer: one result per decode rank.
+#[derive(Debug, Clone)]
+pub struct LoadDone {
+    pub ranks: Vec<LoadResult>,
+    pub local_blocks: u32,
+}
+
+/// An engine's final accounting.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EngineFinal {
+    /// Blocks still allocated at shutdown (should be 0).
+    pub blocks_leaked: u32,
+    /// Requests whose blocks were freed because their lease ran out.
+    pub leases_expired: u64,
+    /// Blocks held by ranks that died, written off.
+    pub blocks_lost_with_dead_ranks: u32,
+    pub unrecognized_notifs: u64,
+    pub dead_ranks: Vec<u32>,
+    pub worker_rss_bytes: Vec<u64>,
+}
+
+type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+
+enum Cmd {
+    Prefill { req: u64, p_request_id: String, tokens: u32, seed: u64, expected_notifs: u32, reply: Reply<PrefillDone> },
+    Load { req: u64, d_request_id: String, params: Box<KvTransferParams>, local_blocks: u32, seed: u64, reply: Reply<LoadDone> },
+    Abandon { req: u64, p_request_id: String },
+}
+
+/// A running engine. Dropping it shuts the workers down.
+pub struct Engine {
+    info: EngineInfo,
+    tx: Option<mpsc::Sender<Cmd>>,
+    bell: UnixStream,
+    thread: Option<JoinHandle<EngineFinal>>,
+}
+
+impl Engine {
+    /// Starts the workers and waits until every rank is ready.
+    pub fn start(cfg: EngineConfig) -> Result<Engine, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        let (bell, bell_rx) = UnixStream::pair().map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
+        bell_rx.set_nonblocking(true).map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
+        let (info_tx, info_rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("kvx-{}-engine", cfg.worker.role.as_str()))
+            .spawn(move || {
+                let mut lp = match EngineLoop::start(cfg, bell_rx) {
+                    Ok(lp) => lp,
+                    Err(e) => {
+                        let _ = info_tx.send(Err(e));
+                        return EngineFinal::default();
+                    }
+                };
+                let _ = info_tx.send(Ok(lp.info.clone()));
+                lp.run(&rx);
+                lp.shutdown()
+            })
+            .map_err(|e| EngineError::Startup { engine: "engine".into(), what: format!("cannot spawn thread: {e}") })?;
+        match info_rx.recv() {
+            Ok(Ok(info)) => Ok(Engine { info, tx: Some(tx), bell, thread: Some(thread) }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => Err(EngineError::Closed),
+        }
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    fn send(&self, cmd: Cmd) -> bool {
+        let ok = self.tx.as_ref().is_some_and(|tx| tx.send(cmd).is_ok());
+        // Wake the loop; a full socket buffer already means it has wake-ups pending.
+        let _ = (&self.bell).write(&[1]);
+        ok
+    }
+
+    /// Prefill role: allocate, fill and hold blocks for `tokens` tokens.
+    pub fn prefill(
+        &self,
+        req: u64,
+        p_request_id: String,
+        tokens: u32,
+        seed: u64,
+        expected_notifs: u32,
+    ) -> oneshot::Receiver<Result<PrefillDone, EngineError>> {
+        let (reply, rx) = oneshot::channel();
+        let cmd = Cmd::Prefill { req, p_request_id, tokens, seed, expected_notifs, reply };
+        if let Err(Cmd::Prefill { reply, .. }) = self.try_send(cmd) {
+            let _ = reply.send(Err(EngineError::Closed));
+        }
+        rx
+    }
+
+    /// Decode role: pull the blocks `params` describes into `local_blocks` new blocks.
+    pub fn load(
+        &self,
+        req: u64,
+        d_request_id: String,
+        params: KvTransferParams,
+        local_blocks: u32,
+        seed: u64,
+    ) -> oneshot::Receiver<Result<LoadDone, EngineError>> {
+        let (reply, rx) = oneshot::channel();
+        let cmd = Cmd::Load { req, d_request_id, params: Box::new(params), local_blocks, seed, reply };
+        if let Err(Cmd::Load { reply, .. }) = self.try_send(cmd) {
+            let _ = reply.send(Err(EngineError::Closed));
+        }
+        rx
+    }
+
+    /// Prefill role: the decode side gave up on a request; its blocks go at lease expiry.
+    pub fn abandon(&self, req: u64, p_request_id: String) {
+        let _ = self.send(Cmd::Abandon { req, p_request_id });
+    }
+
+    fn try_send(&self, cmd: Cmd) -> Result<(), Cmd> {
+        match &self.tx {
+            Some(tx) => {
+                let r = tx.send(cmd).map_err(|e| e.0);
+                let _ = (&self.bell).write(&[1]);
+                r
+            }
+            None => Err(cmd),
+        }
+    }
+
+    /// Stops the workers and returns the final accounting.
+    pub fn shutdown(mut self) -> EngineFinal {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> EngineFinal {
+        self.tx = None;
+        let _ = (&self.bell).write(&[1]);
+        self.thread.take().and_then(|t| t.join().ok()).unwrap_or_default()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            let _ = self.stop();
+        }
+    }
+}
+
+fn startup(cfg: &EngineConfig, what: String) -> EngineError {
+    EngineError::Startup { engine: cfg.worker.role.as_str().to_string(), what }
+}
+
+/// A worker as the engine sees it.
+struct Rank {
+    identity: Option<Vec<u8>>,
+    child: Option<Child>,
+    stderr: Option<ChildStderr>,
+    stderr_buf: Vec<u8>,
+    ready: Option<ReadyInfo>,
+    dead: Option<String>,
+    last_seen: Instant,
+}
+
+struct PendingPrefill {
+    p_request_id: String,
+    tokens: u32,
+    blocks: Vec<u32>,
+    waiting: BTreeSet<u32>,
+    fill_ns: u64,
+    deadline: Instant,
+    reply: Reply<PrefillDone>,
+}
+
+struct PendingLoad {
+    blocks: Vec<u32>,
+    waiting: BTreeSet<u32>,
+    results: Vec<LoadResult>,
+    deadline: Instant,
+    reply: Reply<LoadDone>,
+}
+
+struct EngineLoop {
+    cfg: EngineConfig,
+    info: EngineInfo,
+    ctl: zmq::Socket,
+    bell: UnixStream,
+    ranks: Vec<Rank>,
+    pool: BlockPool,
+    handshake: Option<HandshakeServer>,
+    /// Commands waiting for free blocks, in arrival order.
+    backlog: VecDeque<Cmd>,
+    prefills: HashMap<u64, PendingPrefill>,
+    loads: HashMap<u64, PendingLoad>,
+    /// Prefill: requests held, with the ranks that have not freed them yet.
+    held: HashMap<u64, (Vec<u32>, BTreeSet<u32>)>,
+    fin: EngineFinal,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl EngineLoop {
+    fn start(cfg: EngineConfig, bell: UnixStream) -> Result<Self, EngineError> {
+        let ctx = zmq_context();
+        let ctl = ctx.socket(zmq::ROUTER).map_err(|e| startup(&cfg, format!("control socket: {e}")))?;
+        let _ = ctl.set_linger(0);
+        let _ = ctl.set_router_mandatory(true);
+        let (bind, tmp) = match &cfg.launch {
+            Launch::Spawn { .. } => {
+                let dir = tempfile::Builder::new()
+                    .prefix("kvx-engine-")
+                    .tempdir()
+                    .map_err(|e| startup(&cfg, format!("temp dir: {e}")))?;
+                (format!("ipc://{}/ctl", dir.path().display()), Some(dir))
+            }
+            Launch::External { bind } => (bind.clone(), None),
+        };
+        ctl.bind(&bind).map_err(|e| startup(&cfg, format!("cannot bind the control socket at {bind}: {e}")))?;
+        let endpoint = ctl.get_last_endpoint().ok().and_then(Result::ok).unwrap_or(bind);
+        let role = cfg.worker.role;
+        let mut ranks: Vec<Rank> = (0..cfg.tp)
+            .map(|_| Rank {
+                identity: None,
+                child: None,
+                stderr: None,
+                stderr_buf: Vec::new(),
+                ready: None,
+                dead: None,
+                last_seen: Instant::now(),
+            })
+            .collect();
+        if let Launch::Spawn { exe, env } = &cfg.launch {
+            for (r, rank) in ranks.iter_mut().enumerate() {
+                let mut cmd = Command::new(exe);
+                cmd.arg("worker")
+                    .args(["--connect", &endpoint, "--role", role.as_str(), "--rank", &r.to_string()])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+                let mut child =
+                    cmd.spawn().map_err(|e| startup(&cfg, format!("cannot start {} worker: {e}", exe.display())))?;
+                if let Some(err) = child.stderr.take() {
+                    set_nonblocking(&err);
+                    rank.stderr = Some(err);
+                }
+                rank.child = Some(child);
+            }
+        }
+        let pool = BlockPool::new(cfg.pool_blocks, cfg.alloc, cfg.seed);
+        let info = EngineInfo {
+            engine_id: cfg.worker.engine_id.clone(),
+            role,
+            tp: cfg.tp,
+            side_channel_host: String::new(),
+            side_channel_port: 0,
+            ucx_library: String::new(),
+            ucx_version: String::new(),
+            pool_blocks: cfg.pool_blocks,
+            pool_bytes_per_rank: 0,
+            worker_rss_bytes: vec![],
+        };
+        let mut lp = EngineLoop {
+            cfg,
+            info,
+            ctl,
+            bell,
+            ranks,
+            pool,
+            handshake: None,
+            backlog: VecDeque::new(),
+            prefills: HashMap::new(),
+            loads: HashMap::new(),
+            held: HashMap::new(),
+            fin: EngineFinal::default(),
+            _tmp: tmp,
+        };
+        lp.wait_ready()?;
+        Ok(lp)
+    }
+
+    fn role_str(&self) -> &'static str {
+        self.cfg.worker.role.as_str()
+    }
+
+    /// Handshakes every worker (Hello -> Init -> Ready) and starts the side channel.
+    fn wait_ready(&mut self) -> Result<(), EngineError> {
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        while self.ranks.iter().any(|r| r.ready.is_none()) {
+            if let Some((r, why)) = self.ranks.iter().enumerate().find_map(|(i, r)| r.dead.clone().map(|d| (i, d))) {
+                return Err(startup(&self.cfg, format!("{} rank {r} died while starting: {why}", self.role_str())));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<usize> =
+                    self.ranks.iter().enumerate().filter(|(_, r)| r.ready.is_none()).map(|(i, _)| i).collect();
+                return Err(startup(
+                    &self.cfg,
+                    format!("ranks {missing:?} were not ready after {STARTUP_TIMEOUT:?} (see their errors above)"),
+                ));
+            }
+            self.poll_once(Duration::from_millis(50));
+        }
+        if let Some(bind) = self.cfg.side_channel_bind.clone() {
+            let table = PayloadTable::new();
+            for (r, rank) in self.ranks.iter().enumerate() {
+                if let Some(p) = rank.ready.as_ref().and_then(|i| i.handshake_payload.clone()) {
+                    table.publish(0, r as u32, p);
+                }
+            }
+            let server = HandshakeServer::start(&bind, table)
+                .map_err(|e| startup(&self.cfg, format!("side channel at {bind}: {e}")))?;
+            let (host, port) = split_endpoint(server.endpoint());
+            self.info.side_channel_host = if host == "0.0.0.0" || host == "*" {
+                self.cfg.worker.advertise_host.clone()
+            } else {
+                host
+            };
+            self.info.side_channel_port = port;
+            self.handshake = Some(server);
+        }
+        if let Some(first) = self.ranks.first().and_then(|r| r.ready.as_ref()) {
+            self.info.ucx_library = first.ucx_library.clone();
+            self.info.ucx_version = first.ucx_version.clone();
+            self.info.pool_bytes_per_rank = first.pool_bytes;
+        }
+        self.info.worker_rss_bytes = self.ranks.iter().map(|r| r.ready.as_ref().map_or(0, |i| i.rss_bytes)).collect();
+        Ok(())
+    }
+
+    fn run(&mut self, rx: &mpsc::Receiver<Cmd>) {
+        let mut open = true;
+        while open || !self.prefills.is_empty() || !self.loads.is_empty() {
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.submit(cmd),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            let wait = self.next_deadline().map_or(Duration::from_millis(100), |d| {
+                d.saturating_duration_since(Instant::now()).min(Duration::from_millis(100))
+            });
+            self.poll_once(wait);
+            self.expire_deadlines();
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.prefills.values().map(|p| p.deadline).chain(self.loads.values().map(|l| l.deadline)).min()
+    }
+
+    /// One round of waiting: worker messages, stderr of local workers, the caller's bell.
+    fn poll_once(&mut self, timeout: Duration) {
+        let mut items = vec![self.ctl.as_poll_item(zmq::POLLIN), zmq::PollItem::from_fd(self.bell.as_raw_fd(), zmq::POLLIN)];
+        let stderr_ranks: Vec<usize> = self.ranks.iter().enumerate().filter(|(_, r)| r.stderr.is_some()).map(|(i, _)| i).collect();
+        for &i in &stderr_ranks {
+            if let Some(fd) = self.ranks[i].stderr.as_ref().map(AsRawFd::as_raw_fd) {
+                items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+            }
+        }
+        let ms = i64::try_from(timeout.as_millis()).unwrap_or(100).max(if timeout.is_zero() { 0 } else { 1 });
+        if zmq::poll(&mut items, ms).is_err() {
+            return;
+        }
+        let ctl_ready = items[0].is_readable();
+        let bell_ready = items[1].is_readable();
+        let stderr_ready: Vec<usize> =
+            stderr_ranks.iter().enumerate().filter(|(k, _)| items[k + 2].is_readable()).map(|(_, &i)| i).collect();
+        drop(items);
+        if bell_ready {
+            let mut buf = [0u8; 256];
+            while matches!((&self.bell).read(&mut buf), Ok(n) if n > 0) {}
+        }
+        for i in stderr_ready {
+            self.drain_stderr(i);
+        }
+        if ctl_ready {
+            while let Ok(frames) = self.ctl.recv_multipart(zmq::DONTWAIT) {
+                if let [identity, body] = frames.as_slice() {
+                    self.on_message(identity, body);
+                }
+            }
+        }
+    }
+
+    fn drain_stderr(&mut self, i: usize) {
+        let prefix = format!("[{}{i}] ", self.cfg.worker.role.letter());
+        let rank = &mut self.ranks[i];
+        let mut buf = [0u8; 8192];
+        let mut eof = false;
+        if let Some(err) = rank.stderr.as_mut() {
+            loop {
+                match err.read(&mut buf) {
+                    Ok(0) => {
+                        eof = true;
+                        break;
+                    }
+                    Ok(n) => rank.stderr_buf.extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(_) => {
+                        eof = true;
+                        break;
+                    }
+                }
+            }
+        }
+        while let Some(pos) = rank.stderr_buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = rank.stderr_buf.drain(..=pos).collect();
+            eprint!("{prefix}{}", String::from_utf8_lossy(&line));
+        }
+        if eof {
+            rank.stderr = None;
+            let status = rank.child.as_mut().and_then(|c| c.wait().ok());
+            let why = match status {
+                Some(s) if s.success() && rank.dead.is_none() => "exited".to_string(),
+                Some(s) => format!("exited with {s}"),
+                None => "its output closed".to_string(),
+            };
+            self.rank_died(i as u32, why);
+        }
+    }
+
+    fn rank_died(&mut self, rank: u32, why: String) {
+        let role = self.role_str();
+        let Some(r) = self.ranks.get_mut(rank as usize) else { return };
+        if r.dead.is_some() {
+            return;
+        }
+        warn!("{role} rank {rank} is gone: {why}");
+        r.dead = Some(why.clone());
+        self.fin.dead_ranks.push(rank);
+        let err = EngineError::RankGone { role, rank, why };
+        let failed: Vec<u64> = self.prefills.iter().filter(|(_, p)| p.waiting.contains(&rank)).map(|(&k, _)| k).collect();
+        for req in failed {
+            if let Some(p) = self.prefills.remove(&req) {
+                let _ = p.reply.send(Err(err.clone()));
+                self.hold_or_free(req, p.blocks, rank);
+            }
+        }
+        let failed: Vec<u64> = self.loads.iter().filter(|(_, l)| l.waiting.contains(&rank)).map(|(&k, _)| k).collect();
+        for req in failed {
+            if let Some(l) = self.loads.remove(&req) {
+                self.pool.free(&l.blocks);
+                let _ = l.reply.send(Err(err.clone()));
+            }
+        }
+        // Blocks the dead rank held can never be freed by it: write them off for that rank.
+        let held: Vec<u64> = self.held.keys().copied().collect();
+        for req in held {
+            self.freed_by(req, rank, false, true);
+        }
+    }
+
+    /// A prefill that failed after blocks were sent: live ranks still hold them until their
+    /// lease ends, so keep the blocks allocated until every live rank has freed them.
+    fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>, dead_rank: u32) {
+        let live: BTreeSet<u32> =
+            (0..self.cfg.tp).filter(|&r| r != dead_rank && self.ranks[r as usize].dead.is_none()).collect();
+        self.fin.blocks_lost_with_dead_ranks += 0;
+        if live.is_empty() {
+            self.pool.free(&blocks);
+        } else {
+            self.held.insert(req, (blocks, live));
+        }
+    }
+
+    fn freed_by(&mut self, req: u64, rank: u32, expired: bool, dead: bool) {
+        let Some((_, waiting)) = self.held.get_mut(&req) else { return };
+        if !waiting.remove(&rank) {
+            return;
+        }
+        if expired {
+            self.fin.leases_expired += 1;
+        }
+        if waiting.is_empty()
+            && let Some((blocks, _)) = self.held.remove(&req)
+        {
+            if dead {
+                self.fin.blocks_lost_with_dead_ranks += blocks.len() as u32;
+            }
+            self.pool.free(&blocks);
+            self.drain_backlog();
+        }
+    }
+
+    fn send_to(&mut self, rank: u32, msg: &ToWorker) -> bool {
+        let Some(r) = self.ranks.get(rank as usize) else { return false };
+        let Some(id) = r.identity.clone() else { return false };
+        let body = proto::encode(msg);
+        self.ctl.send_multipart([id.as_slice(), body.as_slice()], 0).is_ok()
+    }
+
+    fn on_message(&mut self, identity: &[u8], body: &[u8]) {
+        let msg: FromWorker = match proto::decode(body) {
+            Ok(m) => m,
+            Err(e) => {
+                warn!("{} engine: dropping a message from a worker: {e}", self.role_str());
+                return;
+            }
+        };
+        let rank_of = |ranks: &[Rank]| ranks.iter().position(|r| r.identity.as_deref() == Some(identity));
+        match msg {
+            FromWorker::Hello { role, rank, pid, host } => {
+                if role != self.cfg.worker.role {
+                    warn!("a {} worker (pid {pid} on {host}) connected to the {} engine; ignored", role.as_str(), self.role_str());
+                    return;
+                }
+                let slot = rank.map(|r| r as usize).or_else(|| self.ranks.iter().position(|r| r.identity.is_none()));
+                let Some(slot) = slot.filter(|&s| s < self.ranks.len()) else {
+                    warn!("{} engine: no free rank for worker pid {pid} on {host}", self.role_str());
+                    return;
+                };
+                self.ranks[slot].identity = Some(identity.to_vec());
+                self.ranks[slot].last_seen = Instant::now();
+                let mut cfg = self.cfg.worker.clone();
+                cfg.rank = slot as u32;
+                self.send_to(slot as u32, &ToWorker::Init(Box::new(cfg)));
+            }
+            FromWorker::Ready(info) => {
+                if let Some(i) = rank_of(&self.ranks) {
+                    debug!("{} rank {i} ready", self.role_str());
+                    self.ranks[i].ready = Some(*info);
+                }
+            }
+            FromWorker::Filled { req, fill_ns } => {
+                let Some(rank) = rank_of(&self.ranks) else { return };
+                let done = match self.prefills.get_mut(&req) {
+                    Some(p) => {
+                        p.waiting.remove(&(rank as u32));
+                        p.fill_ns = p.fill_ns.max(fill_ns);
+                        p.waiting.is_empty()
+                    }
+                    None => false,
+                };
+                if done && let Some(p) = self.prefills.remove(&req) {
+                    let params = self.params_for(&p);
+                    self.held.insert(req, (p.blocks, (0..self.cfg.tp).collect()));
+                    let _ = p.reply.send(Ok(PrefillDone { params, fill_ns: p.fill_ns }));
+                }
+            }
+            FromWorker::Freed { req, expired } => {
+                if let Some(rank) = rank_of(&self.ranks) {
+                    self.freed_by(req, rank as u32, expired, false);
+                }
+            }
+            FromWorker::Loaded(res) => {
+                let Some(rank) = rank_of(&self.ranks) else { return };
+                let req = res.req;
+                let done = match self.loads.get_mut(&req) {
+                    Some(l) => {
+                        l.waiting.remove(&(rank as u32));
+                        l.results.push(*res);
+                        l.waiting.is_empty()
+                    }
+                    None => false,
+                };
+                if done && let Some(mut l) = self.loads.remove(&req) {
+                    self.pool.free(&l.blocks);
+                    l.results.sort_by_key(|r| r.d_rank);
+                    let n = l.blocks.len() as u32;
+                    let _ = l.reply.send(Ok(LoadDone { ranks: l.results, local_blocks: n }));
+                    self.drain_backlog();
+                }
+            }
+            FromWorker::Unrecognized { count } => self.fin.unrecognized_notifs += count,
+            FromWorker::Fatal { msg } => {
+                if let Some(i) = rank_of(&self.ranks) {
+                    self.rank_died(i as u32, msg);
+                }
+            }
+            FromWorker::Bye { rss_bytes } => {
+                if let Some(i) = rank_of(&self.ranks) {
+                    if let Some(ready) = self.ranks[i].ready.as_mut() {
+                        ready.rss_bytes = ready.rss_bytes.max(rss_bytes);
+                    }
+                    self.ranks[i].dead.get_or_insert_with(|| "shut down".into());
+                }
+            }
+        }
+    }
+
+    fn params_for(&self, p: &PendingPrefill) -> KvTransferParams {
+        KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_block_ids: vec![p.blocks.iter().map(|&b| u64::from(b)).collect()],
+            remote_engine_id: self.cfg.worker.engine_id.clone(),
+            remote_request_id: p.p_request_id.clone(),
+            remote_host: self.info.side_channel_host.clone(),
+            remote_port: self.info.side_channel_port,
+            tp_size: self.cfg.tp,
+            dcp_size: 1,
+            pp_size: 1,
+            remote_num_tokens: u64::from(p.tokens),
+            remote_blocks_expiry_time: None,
+            remote_registration_generation: 0,
+            transfer_mode: "pull".into(),
+        }
+    }
+
+    fn live_ranks(&self) -> Result<BTreeSet<u32>, EngineError> {
+        if let Some((r, rank)) = self.ranks.iter().enumerate().find(|(_, r)| r.dead.is_some()) {
+            return Err(EngineError::RankGone {
+                role: self.role_str(),
+                rank: r as u32,
+                why: rank.dead.clone().unwrap_or_default(),
+            });
+        }
+        Ok((0..self.cfg.tp).collect())
+    }
+
+    fn blocks_needed(&self, cmd: &Cmd) -> u32 {
+        match cmd {
+            Cmd::Prefill { tokens, .. } => tokens.div_ceil(self.cfg.block_tokens),
+            Cmd::Load { local_blocks, .. } => *local_blocks,
+            Cmd::Abandon { .. } => 0,
+        }
+    }
+
+    fn submit(&mut self, cmd: Cmd) {
+        if !self.backlog.is_empty() && !matches!(cmd, Cmd::Abandon { .. }) {
+            self.backlog.push_back(cmd);
+            return;
+        }
+        if let Some(cmd) = self.try_start(cmd) {
+            self.backlog.push_back(cmd);
+        }
+    }
+
+    fn drain_backlog(&mut self) {
+        while let Some(cmd) = self.backlog.pop_front() {
+            if let Some(cmd) = self.try_start(cmd) {
+                self.backlog.push_front(cmd);
+                break;
+            }
+        }
+    }
+
+    /// Starts a command, or gives it back when the pool is short of blocks.
+    fn try_start(&mut self, cmd: Cmd) -> Option<Cmd> {
+        let needed = self.blocks_needed(&cmd);
+        let timeout = self.cfg.timeout;
+        match cmd {
+            Cmd::Abandon { req, p_request_id } => {
+                for r in 0..self.cfg.tp {
+                    self.send_to(r, &ToWorker::Abandon { req, p_request_id: p_request_id.clone() });
+                }
+                None
+            }
+            Cmd::Prefill { req, reply, .. } if needed > self.pool.capacity() => {
+                let _ = reply.send(Err(EngineError::TooLarge { req, needed, capacity: self.pool.capacity() }));
+                None
+            }
+            Cmd::Load { req, reply, .. } if needed > self.pool.capacity() => {
+                let _ = reply.send(Err(EngineError::TooLarge { req, needed, capacity: self.pool.capacity() }));
+                None
+            }
+            Cmd::Prefill { req, p_request_id, tokens, seed, expected_notifs, reply } => {
+                let live = match self.live_ranks() {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return None;
+                    }
+                };
+                let Some(blocks) = self.pool.alloc(needed) else {
+                    return Some(Cmd::Prefill { req, p_request_id, tokens, seed, expected_notifs, reply });
+                };
+                for &r in &live {
+                    self.send_to(
+                        r,
+                        &ToWorker::Fill { req, p_request_id: p_request_id.clone(), blocks: blocks.clone(), seed, expected_notifs },
+                    );
+                }
+                self.prefills.insert(
+                    req,
+                    PendingPrefill {
+                        p_request_id,
+                        tokens,
+                        blocks,
+                        waiting: live,
+                        fill_ns: 0,
+                        deadline: Instant::now() + timeout,
+                        reply,
+                    },
+                );
+                None
+            }
+            Cmd::Load { req, d_request_id, params, local_blocks, seed, reply } => {
+                let live = match self.live_ranks() {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return None;
+                    }
+                };
+                let Some(blocks) = self.pool.alloc(local_blocks) else {
+                    return Some(Cmd::Load { req, d_request_id, params, local_blocks, seed, reply });
+                };
+                for &r in &live {
+                    self.send_to(
+                        r,
+                        &ToWorker::Load {
+                            req,
+                            d_request_id: d_request_id.clone(),
+                            params: params.clone(),
+                            local_blocks: blocks.clone(),
+                            seed,
+                        },
+                    );
+                }
+                self.loads.insert(
+                    req,
+                    PendingLoad { blocks, waiting: live, results: Vec::new(), deadline: Instant::now() + timeout, reply },
+                );
+                None
+            }
+        }
+    }
+
+    fn expire_deadlines(&mut self) {
+        let now = Instant::now();
+        let role = self.role_str();
+        let timeout = self.cfg.timeout;
+        let late: Vec<u64> = self.prefills.iter().filter(|(_, p)| p.deadline <= now).map(|(&k, _)| k).collect();
+        for req in late {
+            if let Some(p) = self.prefills.remove(&req) {
+                let ranks: Vec<u32> = p.waiting.iter().copied().collect();
+                let _ = p.reply.send(Err(EngineError::Timeout { req, role, ranks, timeout }));
+                // Ranks that did fill hold the blocks under their lease.
+                self.held.insert(req, (p.blocks, (0..self.cfg.tp).collect()));
+            }
+        }
+        let late: Vec<u64> = self.loads.iter().filter(|(_, l)| l.deadline <= now).map(|(&k, _)| k).collect();
+        for req in late {
+            if let Some(l) = self.loads.remove(&req) {
+                self.pool.free(&l.blocks);
+                let ranks: Vec<u32> = l.waiting.iter().copied().collect();
+                let _ = l.reply.send(Err(EngineError::Timeout { req, role, ranks, timeout }));
+            }
+        }
+    }
+
+    /// Waits for held blocks to be freed (notifications or leases), stops the workers.
+    fn shutdown(mut self) -> EngineFinal {
+        // Prefill ranks free held blocks when notified or when leases run out.
+        let lease = Duration::from_millis(self.cfg.worker.lease_ms);
+        let deadline = Instant::now() + lease + Duration::from_secs(2);
+        while !self.held.is_empty() && Instant::now() < deadline && self.ranks.iter().any(|r| r.dead.is_none()) {
+            self.poll_once(Duration::from_millis(50));
+        }
+        for r in 0..self.cfg.tp {
+            if self.ranks[r as usize].dead.is_none() {
+                self.send_to(r, &ToWorker::Shutdown);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline
+            && self.ranks.iter().any(|r| r.stderr.is_some() || (r.child.is_none() && r.dead.is_none()))
+        {
+            self.poll_once(Duration::from_millis(50));
+        }
+        for r in &mut self.ranks {
+            if let Some(child) = r.child.as_mut()
+                && matches!(child.try_wait(), Ok(None))
+            {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        if let Some(hs) = self.handshake.take() {
+            hs.stop();
+        }
+        self.fin.blocks_leaked = self.pool.in_use();
+        self.fin.worker_rss_bytes = self.ranks.iter().map(|r| r.ready.as_ref().map_or(0, |i| i.rss_bytes)).collect();
+        self.fin
+    }
+}
+
+fn set_nonblocking(err: &ChildStderr) {
+    let fd = err.as_raw_fd();
+    // SAFETY-free: fcntl through std is not available for pipes; use libc on the raw fd we own.
+    let flags = unsafe_free_fcntl(fd);
+    let _ = flags;
+}
+
+#[expect(unsafe_code, reason = "F_SETFL O_NONBLOCK on a pipe fd this process owns; std has no API for it")]
+fn unsafe_free_fcntl(fd: i32) -> i32 {
+    // SAFETY: `fd` is an open pipe owned by a live ChildStderr; F_GETFL/F_SETFL only change
+    // its status flags.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK)
+    }
+}
+
+/// `tcp://host:port` to `(host, port)`.
+pub fn split_endpoint(ep: &str) -> (String, u16) {
+    let rest = ep.split_once("://").map_or(ep, |(_, r)| r);
+    match rest.rsplit_once(':') {
+        Some((h, p)) => (h.trim_matches(['[', ']']).to_string(), p.parse().unwrap_or(0)),
+        None => (rest.to_string(), 0),
+    }
+}
