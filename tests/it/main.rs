@@ -1,1 +1,2 @@
-
+mod ucx_common;
+mod ucx_layout;
