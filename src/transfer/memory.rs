@@ -36,8 +36,22 @@ pub enum MemoryError {
 pub enum PageSize {
     #[default]
     Normal,
-    /// `MAP_HUGETLB` (the system's default huge page size).
+    /// `MAP_HUGETLB` (the system's default huge page size) when the hugetlb pool has
+    /// pages, else transparent huge pages (`madvise(MADV_HUGEPAGE)`) if the kernel offers
+    /// them; the buffer's [`HostBuffer::page_size`] says which one it got.
     Huge,
+    /// Transparent huge pages (what `Huge` falls back to).
+    Transparent,
+}
+
+impl std::fmt::Display for PageSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PageSize::Normal => "4KiB pages",
+            PageSize::Huge => "hugetlb pages",
+            PageSize::Transparent => "transparent huge pages",
+        })
+    }
 }
 
 /// Page-aligned host memory from an anonymous private `mmap`, owned by kvx.
@@ -59,11 +73,24 @@ impl HostBuffer {
     /// Maps `len` zeroed bytes. With [`PageSize::Huge`] the length is rounded up to the
     /// huge page size and a missing huge-page pool is reported with its fix.
     pub fn alloc(len: usize, pages: PageSize) -> Result<Self, MemoryError> {
+        match Self::map(len, pages) {
+            Err(MemoryError::HugePages { .. }) if pages == PageSize::Huge && thp_available() => {
+                tracing::info!("no hugetlb pages reserved; using transparent huge pages");
+                Self::map(len, PageSize::Transparent)
+            }
+            other => other,
+        }
+    }
+
+    fn map(len: usize, pages: PageSize) -> Result<Self, MemoryError> {
         if len == 0 {
             return Err(MemoryError::Empty);
         }
         let (flags, mapped_len) = match pages {
             PageSize::Normal => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, len),
+            PageSize::Transparent => {
+                (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, len.div_ceil(2 << 20) * (2 << 20))
+            }
             PageSize::Huge => {
                 let hp = huge_page_size().unwrap_or(2 << 20);
                 (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB, len.div_ceil(hp) * hp)
@@ -82,8 +109,14 @@ impl HostBuffer {
                     total: huge_pages_total().unwrap_or(0),
                     reason: err.to_string(),
                 },
-                PageSize::Normal => MemoryError::Mmap { len, source: err },
+                PageSize::Normal | PageSize::Transparent => MemoryError::Mmap { len, source: err },
             });
+        }
+        if pages == PageSize::Transparent {
+            // SAFETY: advice on the mapping just created; it changes no contents.
+            if unsafe { libc::madvise(p, mapped_len, libc::MADV_HUGEPAGE) } != 0 {
+                tracing::warn!("madvise(MADV_HUGEPAGE) failed: {}", std::io::Error::last_os_error());
+            }
         }
         let ptr = NonNull::new(p.cast::<u8>())
             .ok_or(MemoryError::Mmap { len, source: std::io::Error::other("null mapping") })?;
@@ -100,8 +133,16 @@ impl HostBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
+    /// The pages this buffer actually got.
     pub fn page_size(&self) -> PageSize {
         self.pages
+    }
+
+    /// Touches every page so that page faults happen now, not inside a measurement.
+    pub fn prefault(&mut self) {
+        for page in self.as_mut_slice().chunks_mut(4096) {
+            page[0] = 0;
+        }
     }
 }
 
@@ -142,6 +183,12 @@ pub fn huge_page_size() -> Option<usize> {
 /// `HugePages_Total` from /proc/meminfo.
 pub fn huge_pages_total() -> Option<u64> {
     meminfo_field("HugePages_Total")
+}
+
+/// Whether the kernel hands out transparent huge pages on request (`always` or `madvise`).
+pub fn thp_available() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|s| s.contains("[always]") || s.contains("[madvise]"))
 }
 
 /// `HugePages_Free` from /proc/meminfo.
@@ -260,6 +307,7 @@ mod tests {
         match HostBuffer::alloc(1 << 20, PageSize::Huge) {
             Ok(b) => assert_eq!(b.addr() % huge_page_size().unwrap_or(2 << 20) as u64, 0),
             Err(e) => {
+                assert!(!thp_available(), "falls back to THP when the kernel offers it");
                 let msg = e.to_string();
                 assert!(msg.contains("vm.nr_hugepages") && msg.contains("--huge-pages"), "{msg}");
             }

@@ -1,2 +1,3 @@
+mod ucx;
 mod ucx_common;
 mod ucx_layout;

@@ -409,3 +409,9 @@ pub(crate) fn poll_fds(fds: &mut [libc::pollfd], timeout: Duration) -> Result<us
         }
     }
 }
+
+/// Waits until `fd` is readable (or hung up) or `timeout` passes; returns whether it is.
+/// A safe `poll(2)` for the socket loops around UCX (accepting a control connection).
+pub fn wait_readable(fd: RawFd, timeout: Duration) -> Result<bool> {
+    Ok(poll_fds(&mut [pollfd(fd)], timeout)? > 0)
+}

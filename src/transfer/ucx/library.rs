@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::error::{Result, UcxError};
 use super::sys::{self, Api};
@@ -26,7 +26,7 @@ pub const SYSTEM_SONAME: &str = "libucp.so.0";
 const PROJECT_LIB_RELATIVE: &[&str] = &["libucx/lib/libucp.so.0", "lib/libucp.so.0"];
 
 /// How the library to load was chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LibSource {
     /// `--ucx-lib`.
@@ -123,7 +123,7 @@ struct Loaded {
 }
 
 /// What was loaded, for reports.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LibInfo {
     /// The file the dynamic linker actually mapped.
     pub library: PathBuf,

@@ -35,7 +35,7 @@ mod library;
 mod region;
 pub mod sys;
 
-pub use context::{Context, ContextOptions, HYBRID_SPIN, ProgressMode, ServeEnd, Worker};
+pub use context::{Context, ContextOptions, HYBRID_SPIN, ProgressMode, ServeEnd, Worker, wait_readable};
 pub use endpoint::{Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports};
 pub use error::{Result, UcxError};
 pub use library::{LibInfo, LibSearch, LibSource, SYSTEM_SONAME, Ucx};
