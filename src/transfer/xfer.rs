@@ -555,6 +555,17 @@ impl Session {
     pub fn control(&mut self, c: Control) -> Result<()> {
         write_frame(&mut self.stream, "initiator: control", &c)
     }
+
+    /// Closes the UCX side first (while the target still progresses, so a graceful close
+    /// completes), then tells the target to stop.
+    pub fn finish(self) -> Result<()> {
+        let Session { remote, endpoint, worker, ctx, mut stream, .. } = self;
+        drop(remote);
+        drop(endpoint);
+        drop(worker);
+        drop(ctx);
+        write_frame(&mut stream, "initiator: stop", &Control::Stop)
+    }
 }
 
 /// What to measure.
@@ -672,9 +683,9 @@ pub fn run(
         }
     };
     let outcome = (|| {
-        let mut session = Session::establish(stream, &req, &cfg.session)?;
+        let session = Session::establish(stream, &req, &cfg.session)?;
         let report = measure(&session, cfg, ws, &mut on_result);
-        let _ = session.control(Control::Stop);
+        let _ = session.finish();
         report
     })();
     if let Some(c) = child.as_mut() {

@@ -413,8 +413,11 @@ impl RemoteRegion {
         if timed_out {
             let outstanding = posted - completion.done.get();
             local.poison();
-            // Callbacks of the outstanding GETs may still run: keep their state alive.
+            // Callbacks of the outstanding GETs may still run: keep their state alive, and
+            // never tear down the endpoint, worker or context under them (UCX aborts when a
+            // context is cleaned up with a registration still in use).
             Box::leak(completion);
+            std::mem::forget(self.ep.clone());
             let hint = if self.ep.err_mode() == ErrMode::None {
                 " (is the peer alive and progressing? --err-mode peer turns a dead peer into an error)"
             } else {

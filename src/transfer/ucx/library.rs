@@ -163,6 +163,7 @@ impl Ucx {
                     return Ok(ucx);
                 }
                 Err(e @ UcxError::Symbol { .. }) => return Err(e),
+                Err(UcxError::Load { reason, .. }) => failures.push(reason),
                 Err(e) => failures.push(e.to_string()),
             }
         }

@@ -223,6 +223,8 @@ impl<M: Registrable> Drop for MemRegion<M> {
                 len = self.len,
                 "leaking a registered region that an abandoned read may still write into"
             );
+            // Keep the context alive too: cleaning it up with this registration in use aborts.
+            std::mem::forget(self.ctx.clone());
             return;
         }
         // SAFETY: memh came from ucp_mem_map on this live context and is unmapped once.
