@@ -217,8 +217,9 @@ mod cuda {
     use crate::transfer::ucx::{MemType, Registrable};
 
     fn driver_present() -> Result<(), MemoryError> {
-        // SAFETY-free: a plain probe of the dynamic loader.
-        if cudarc::driver::sys::is_culib_present() {
+        // SAFETY: only tries to dlopen libcuda and reports whether that worked; it calls
+        // no CUDA function, so it is sound with or without a driver installed.
+        if unsafe { cudarc::driver::sys::is_culib_present() } {
             Ok(())
         } else {
             Err(MemoryError::Cuda(
@@ -261,9 +262,8 @@ mod cuda {
             let slice = stream
                 .alloc_zeros::<u8>(len)
                 .map_err(|e| MemoryError::Cuda(format!("cuMemAlloc({len}): {e}")))?;
-            let (ptr, _sync) = slice.device_ptr(&stream);
-            let addr = ptr as u64;
-            drop(_sync);
+            let (addr, sync) = slice.device_ptr(&stream);
+            drop(sync);
             Ok(Self { _ctx: ctx, slice, addr, device })
         }
 
