@@ -292,29 +292,23 @@ impl Worker {
     /// Progresses until `done()` is true or `deadline` passes (`Ok(false)`), spinning
     /// and blocking as the progress mode says.
     pub fn wait_until(&self, deadline: Instant, mut done: impl FnMut() -> bool) -> Result<bool> {
-        let mut idle_since: Option<Instant> = None;
+        let mut idle = IdleClock::default();
         loop {
             if done() {
                 return Ok(true);
             }
             if self.progress() > 0 {
-                idle_since = None;
+                idle.reset();
                 continue;
             }
             if done() {
                 return Ok(true);
             }
-            let now = Instant::now();
+            let Some(now) = idle.tick() else { continue };
             if now >= deadline {
                 return Ok(false);
             }
-            let idle = *idle_since.get_or_insert(now);
-            let block = match self.inner.progress {
-                ProgressMode::Busy => false,
-                ProgressMode::Wait => true,
-                ProgressMode::Hybrid => now.duration_since(idle) >= HYBRID_SPIN,
-            };
-            if block {
+            if idle.should_block(self.inner.progress, now) {
                 self.block(None, deadline.saturating_duration_since(now).min(MAX_BLOCK))?;
             }
         }
@@ -323,31 +317,25 @@ impl Worker {
     /// Keeps the worker progressing (serving one-sided reads that UCX emulates in
     /// software) until `stop` is readable or `deadline` passes.
     pub fn serve(&self, stop: RawFd, deadline: Option<Instant>) -> Result<ServeEnd> {
-        let mut idle_since: Option<Instant> = None;
-        let mut spins: u32 = 0;
+        let mut idle = IdleClock::default();
+        let mut checks: u32 = 0;
         loop {
             if self.progress() > 0 {
-                idle_since = None;
+                idle.reset();
                 continue;
             }
-            let now = Instant::now();
+            let Some(now) = idle.tick() else { continue };
             if deadline.is_some_and(|d| now >= d) {
                 return Ok(ServeEnd::TimedOut);
             }
-            let idle = *idle_since.get_or_insert(now);
-            let block = match self.inner.progress {
-                ProgressMode::Busy => false,
-                ProgressMode::Wait => true,
-                ProgressMode::Hybrid => now.duration_since(idle) >= HYBRID_SPIN,
-            };
             let remaining = deadline.map_or(MAX_BLOCK, |d| d.saturating_duration_since(now).min(MAX_BLOCK));
-            if block {
+            if idle.should_block(self.inner.progress, now) {
                 if self.block(Some(stop), remaining)? {
                     return Ok(ServeEnd::Stopped);
                 }
             } else {
-                spins = spins.wrapping_add(1);
-                if spins.is_multiple_of(1024) && poll_fds(&mut [pollfd(stop)], Duration::ZERO)? > 0 {
+                checks = checks.wrapping_add(1);
+                if checks.is_multiple_of(64) && poll_fds(&mut [pollfd(stop)], Duration::ZERO)? > 0 {
                     return Ok(ServeEnd::Stopped);
                 }
             }
@@ -385,6 +373,43 @@ impl Drop for WorkerInner {
         // SAFETY: last owner of the worker; endpoints and requests hold a `Worker`, so none
         // is left. The context (a field) is dropped after this, so it is still live here.
         unsafe { (self.ctx.ucx().api().ucp_worker_destroy)(self.h) };
+    }
+}
+
+/// Tracks how long a worker has been idle while reading the clock only every
+/// [`IdleClock::EVERY`] idle progress calls: a clock read costs as much as an empty
+/// progress call, and the spin loop is on the path of every completion.
+#[derive(Default)]
+struct IdleClock {
+    idle_calls: u32,
+    since: Option<Instant>,
+}
+
+impl IdleClock {
+    const EVERY: u32 = 32;
+
+    fn reset(&mut self) {
+        self.idle_calls = 0;
+        self.since = None;
+    }
+
+    /// `Some(now)` on every `EVERY`-th idle call.
+    fn tick(&mut self) -> Option<Instant> {
+        self.idle_calls = self.idle_calls.wrapping_add(1);
+        if !self.idle_calls.is_multiple_of(Self::EVERY) {
+            return None;
+        }
+        let now = Instant::now();
+        self.since.get_or_insert(now);
+        Some(now)
+    }
+
+    fn should_block(&self, mode: ProgressMode, now: Instant) -> bool {
+        match mode {
+            ProgressMode::Busy => false,
+            ProgressMode::Wait => true,
+            ProgressMode::Hybrid => self.since.is_some_and(|s| now.duration_since(s) >= HYBRID_SPIN),
+        }
     }
 }
 
