@@ -327,3 +327,62 @@ fn doctor_reports_every_item_and_judges_zero_copy_per_build() {
         assert_eq!(v["needed_missing"], false);
     }
 }
+
+#[test]
+fn ten_processes_on_a_small_machine_all_make_progress() {
+    // Five initiators, each with its own target: ten kvx processes. With the default
+    // hybrid progress, waiting processes sleep on their event fd, so all finish even on two
+    // cores, including on a UCX that needs the target to progress for every read.
+    for (label, lib) in ucx_builds() {
+        let lib = match lib {
+            Ok(p) => p,
+            Err(why) => {
+                skip(&format!("{label} UCX build: {why}"));
+                continue;
+            }
+        };
+        let mut children: Vec<std::process::Child> = (0..5)
+            .map(|_| {
+                std::process::Command::new(env!("CARGO_BIN_EXE_kvx"))
+                    .args([
+                        "xfer",
+                        "--sizes",
+                        "64KiB",
+                        "--inflight",
+                        "4",
+                        "--iters",
+                        "200",
+                        "--working-set",
+                        "4MiB",
+                    ])
+                    .args(["--format", "json", "--ucx-lib"])
+                    .arg(&lib)
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("spawn kvx xfer")
+            })
+            .collect();
+        let deadline = Instant::now() + HARD_TIMEOUT;
+        let mut pending: Vec<usize> = (0..children.len()).collect();
+        while !pending.is_empty() && Instant::now() < deadline {
+            pending.retain(|&i| match children[i].try_wait().expect("try_wait") {
+                Some(status) => {
+                    assert!(status.success(), "{label}: kvx xfer #{i} failed: {status}");
+                    false
+                }
+                None => true,
+            });
+            // Polling a child's exit status; not used to order anything.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for &i in &pending {
+            let _ = children[i].kill();
+        }
+        assert!(
+            pending.is_empty(),
+            "{label}: {} of 5 kvx xfer runs did not finish within {HARD_TIMEOUT:?}",
+            pending.len()
+        );
+    }
+}
