@@ -1,11 +1,67 @@
-//! `kvx doctor` (not implemented yet).
+//! `kvx doctor`: flags and rendering of the host check.
+use std::path::PathBuf;
+
 use clap::Args;
 
 use crate::Outcome;
+use crate::cli::xfer::Format;
+use crate::transfer::doctor::{self, DoctorOptions, DoctorReport};
 
+/// What kvx sees on this host, one line per item: verdict, detail, hint.
 #[derive(Debug, Args)]
-pub struct DoctorArgs {}
+#[command(after_help = "\
+Examples:
+  kvx doctor                       # first thing to run when a number looks low
+  kvx doctor --format json
+  kvx doctor --ucx-lib /usr/lib/x86_64-linux-gnu/libucp.so.0
 
-pub fn run(_args: &DoctorArgs) -> anyhow::Result<Outcome> {
-    anyhow::bail!("`kvx doctor` is not implemented yet")
+Exit code 0 unless something kvx needs is missing (then 2).")]
+pub struct DoctorArgs {
+    /// libucp.so to check (default: KVX_UCX_LIB, then .ucx/, then the system's).
+    #[arg(long)]
+    pub ucx_lib: Option<PathBuf>,
+    /// First side-channel port to check (vLLM's default is 5600).
+    #[arg(long, default_value_t = 5600)]
+    pub side_channel_port: u16,
+    /// How many side-channel ports to check from the first.
+    #[arg(long, default_value_t = 8)]
+    pub ports: u16,
+    /// Skip the two-process zero-copy GET self-test.
+    #[arg(long)]
+    pub no_self_test: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+pub fn run(args: &DoctorArgs) -> anyhow::Result<Outcome> {
+    let self_test_exe = if args.no_self_test { None } else { std::env::current_exe().ok() };
+    let report = doctor::run(&DoctorOptions {
+        ucx_lib: args.ucx_lib.clone(),
+        self_test_exe,
+        side_channel_port: args.side_channel_port,
+        ports: args.ports.max(1),
+    });
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Table => print!("{}", render(&report)),
+    }
+    if report.needed_missing {
+        let failed: Vec<&str> =
+            report.checks.iter().filter(|c| c.verdict == doctor::Verdict::Fail).map(|c| c.name).collect();
+        anyhow::bail!("kvx cannot run on this host: {} failed (see the hints above)", failed.join(", "));
+    }
+    Ok(Outcome::Ok)
+}
+
+fn render(r: &DoctorReport) -> String {
+    let width = r.checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for c in &r.checks {
+        out.push_str(&format!("{:<4}  {:<width$}  {}\n", c.verdict.to_string(), c.name, c.detail));
+        if !c.hint.is_empty() {
+            out.push_str(&format!("{:<4}  {:<width$}  hint: {}\n", "", "", c.hint));
+        }
+    }
+    out
 }

@@ -42,7 +42,7 @@ pub enum Command {
     /// Descriptor plan of one request: (local, remote, length) pairs per decode rank.
     Plan(plan::PlanArgs),
     /// Transport microbenchmark: one-sided UCX reads between two processes.
-    Xfer(xfer::XferArgs),
+    Xfer(Box<xfer::XferArgs>),
     /// Speak the side-channel protocol to a kvx or vLLM engine and show what it advertises.
     Probe(probe::ProbeArgs),
     /// Check this host: UCX library, transports, memory types, CUDA, ports.

@@ -1,11 +1,326 @@
-//! `kvx xfer` (not implemented yet).
-use clap::Args;
+//! `kvx xfer`: flags, resolution into an `XferConfig`, and rendering of the report.
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, ValueEnum};
 
 use crate::Outcome;
+use crate::error::ConfigError;
+use crate::transfer::ucx::{ErrMode, ProgressMode};
+use crate::transfer::xfer::{
+    self, MemKind, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferReport,
+};
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum Format {
+    #[default]
+    Table,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Role {
+    Initiator,
+    Target,
+}
+
+/// One-sided UCX reads between two processes: GB/s, latency, ratio to memcpy.
 #[derive(Debug, Args)]
-pub struct XferArgs {}
+#[command(after_help = "\
+Examples:
+  kvx xfer                                   # local target process, cold host memory, default sweep
+  kvx xfer --sizes 64KiB,1MiB --inflight 1,32 --format json
+  kvx xfer --hot --ucx-alloc --sizes 64KiB   # cache-hot, UCX-allocated: compare with ucx_perftest
+  kvx xfer --listen 0.0.0.0:5700             # host A: serve a region
+  kvx xfer --connect hostA:5700              # host B: read it
 
-pub fn run(_args: &XferArgs) -> anyhow::Result<Outcome> {
-    anyhow::bail!("`kvx xfer` is not implemented yet")
+Numbers are GB/s = 1e9 B/s. memcpy_gbps is a single-thread memcpy over the same working set in
+the same run (the ceiling on this machine); ratio = kvx / memcpy.")]
+pub struct XferArgs {
+    /// Message sizes to sweep (suffixes KiB/MiB/GiB or K/M/G = powers of 1024, kB/MB/GB = powers of 1000).
+    #[arg(long, value_delimiter = ',', default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB", value_parser = parse_size)]
+    pub sizes: Vec<u64>,
+    /// GETs in flight per batch (each sample is one batch of this many reads).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub inflight: Vec<usize>,
+    /// Bytes each side registers; reads rotate over it so they come from DRAM (cold mode).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    pub working_set: u64,
+    /// Read the same offset every time (cache-resident); labelled `hot` in reports.
+    #[arg(long)]
+    pub hot: bool,
+    /// Let UCX allocate the buffers (UCP_MEM_MAP_ALLOCATE): flattering, not what a KV cache is.
+    #[arg(long)]
+    pub ucx_alloc: bool,
+    /// Back host buffers with huge pages (MAP_HUGETLB; fails with a hint if none are reserved).
+    #[arg(long)]
+    pub huge_pages: bool,
+    /// Memory the buffers live in.
+    #[arg(long, value_enum, default_value_t = MemKind::Host)]
+    pub mem: MemKind,
+    /// CUDA device for --mem cuda.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// UCX error-handling mode (peer excludes the shared-memory transports).
+    #[arg(long, value_enum, default_value_t = ErrMode::None)]
+    pub err_mode: ErrMode,
+    /// How waiting processes progress UCX.
+    #[arg(long, value_enum, default_value_t = ProgressMode::Hybrid)]
+    pub progress: ProgressMode,
+    /// libucp.so to load (default: KVX_UCX_LIB, then .ucx/, then the system's).
+    #[arg(long)]
+    pub ucx_lib: Option<PathBuf>,
+    /// Restrict UCX transports (UCX_TLS), e.g. `posix,cma,self`.
+    #[arg(long)]
+    pub ucx_tls: Option<String>,
+    /// Minimum measuring time per case, e.g. 200ms, 1s.
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Measure exactly this many batches per case (overrides --duration).
+    #[arg(long)]
+    pub iters: Option<u64>,
+    /// Deadline of one batch of reads.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// How long --listen waits for an initiator and --connect for a target.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub peer_timeout: Duration,
+    /// Serve a region to one initiator on ADDR (two-host mode, target side).
+    #[arg(long, value_name = "ADDR", conflicts_with = "connect")]
+    pub listen: Option<String>,
+    /// Read from a target started with --listen at ADDR (two-host mode, initiator side).
+    #[arg(long, value_name = "ADDR")]
+    pub connect: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Internal: the role of this process.
+    #[arg(long, value_enum, default_value_t = Role::Initiator, hide = true)]
+    pub role: Role,
+    /// Internal: where a spawned target connects back to.
+    #[arg(long, hide = true)]
+    pub connect_back: Option<String>,
+}
+
+/// Parses `64KiB`, `1MiB`, `4096`, `1M`, `2GB`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size like 64KiB, 1MiB or 4096"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "k" | "KiB" | "Ki" => 1 << 10,
+        "M" | "MiB" | "Mi" => 1 << 20,
+        "G" | "GiB" | "Gi" => 1 << 30,
+        "kB" | "KB" => 1000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => return Err(format!("unknown size unit {other:?} in {s:?} (use KiB, MiB, GiB)")),
+    };
+    n.checked_mul(mult).filter(|&v| v > 0).ok_or_else(|| format!("{s:?} must be between 1 byte and 16 EiB"))
+}
+
+/// Parses `200ms`, `1s`, `1.5s`, `2m`, or plain seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 200ms or 2s"))?;
+    let secs = match unit.trim() {
+        "" | "s" => n,
+        "ms" => n / 1e3,
+        "us" => n / 1e6,
+        "m" | "min" => n * 60.0,
+        other => return Err(format!("unknown duration unit {other:?} in {s:?} (use ms, s, m)")),
+    };
+    if !secs.is_finite() || !(0.0..=1e7).contains(&secs) {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn ucx_config(args: &XferArgs) -> Vec<(String, String)> {
+    args.ucx_tls.iter().map(|t| ("TLS".to_string(), t.clone())).collect()
+}
+
+pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
+    let target_opts = TargetOptions {
+        ucx_lib: args.ucx_lib.clone(),
+        progress: args.progress,
+        ucx_config: ucx_config(args),
+    };
+    if args.role == Role::Target {
+        let addr = args.connect_back.as_deref().ok_or_else(|| {
+            ConfigError::new("--connect-back", "the target role needs the initiator's address")
+        })?;
+        let stream = xfer::connect_target(addr, args.peer_timeout)?;
+        xfer::run_target(stream, &target_opts)?;
+        return Ok(Outcome::Ok);
+    }
+    if let Some(addr) = &args.listen {
+        xfer::listen_and_serve(addr, args.peer_timeout, &target_opts)?;
+        return Ok(Outcome::Ok);
+    }
+    let cfg = resolve(args)?;
+    let target = match &args.connect {
+        Some(addr) => TargetSpec::Remote { addr: addr.clone() },
+        None => TargetSpec::Local {
+            exe: std::env::current_exe().context("finding the kvx executable to start the target process")?,
+        },
+    };
+    let report = xfer::run(&cfg, &target, |_| {})?;
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        Format::Table => print!("{}", render_table(&report)),
+    }
+    Ok(Outcome::Ok)
+}
+
+fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
+    if args.sizes.is_empty() {
+        return Err(ConfigError::new("--sizes", "give at least one message size"));
+    }
+    if args.inflight.is_empty() || args.inflight.contains(&0) {
+        return Err(ConfigError::new("--inflight", "in-flight counts must be at least 1"));
+    }
+    if args.inflight.iter().any(|&n| n > 65_536) {
+        return Err(ConfigError::new("--inflight", "at most 65536 GETs in flight"));
+    }
+    let max = args.sizes.iter().copied().max().unwrap_or(0);
+    if max > 1 << 34 {
+        return Err(ConfigError::new("--sizes", "messages above 16 GiB are not supported"));
+    }
+    if !args.hot && args.working_set > 64 << 30 {
+        return Err(ConfigError::new("--working-set", "at most 64 GiB"));
+    }
+    if args.iters == Some(0) {
+        return Err(ConfigError::new("--iters", "must be at least 1"));
+    }
+    if args.timeout.is_zero() {
+        return Err(ConfigError::new("--timeout", "must be positive"));
+    }
+    if args.mem == MemKind::Cuda && (args.ucx_alloc || args.huge_pages) {
+        return Err(ConfigError::new("--mem", "--ucx-alloc and --huge-pages apply to host memory only"));
+    }
+    Ok(XferConfig {
+        sizes: args.sizes.clone(),
+        inflight: args.inflight.clone(),
+        working_set_bytes: args.working_set,
+        hot: args.hot,
+        ucx_alloc: args.ucx_alloc,
+        huge_pages: args.huge_pages,
+        mem: args.mem,
+        device: args.device,
+        duration: args.duration,
+        iters: args.iters,
+        timeout: args.timeout,
+        session: SessionOptions {
+            ucx_lib: args.ucx_lib.clone(),
+            progress: args.progress,
+            err_mode: args.err_mode,
+            ucx_config: ucx_config(args),
+        },
+    })
+}
+
+/// Human-readable size: 4KiB, 64MiB.
+pub fn fmt_size(b: u64) -> String {
+    const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    for (m, u) in UNITS {
+        if b >= m && b.is_multiple_of(m) {
+            return format!("{}{u}", b / m);
+        }
+    }
+    format!("{b}B")
+}
+
+fn render_table(r: &XferReport) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "UCX {} ({}, {})  transports: {}\nerr-mode {}  progress {}  memory {} ({})  {}  working set {}\n",
+        r.ucx.version,
+        r.ucx.library,
+        r.ucx.source,
+        r.ucx.transports,
+        r.ucx.err_mode,
+        r.ucx.progress,
+        r.memory.kind,
+        r.memory.pages,
+        r.memory.residency,
+        fmt_size(r.memory.working_set_bytes),
+    ));
+    if r.memory.kind == "ucx-alloc" || r.memory.residency == "hot" {
+        out.push_str(
+            "note: hot and/or UCX-allocated buffers flatter the numbers; a KV cache is cold user memory\n",
+        );
+    }
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::ASCII_BORDERS_ONLY_CONDENSED);
+    t.set_header(vec![
+        "size",
+        "inflight",
+        "GB/s",
+        "memcpy GB/s",
+        "ratio",
+        "p50 us",
+        "p99 us",
+        "post us",
+        "done us",
+        "msgs/s",
+        "verified",
+    ]);
+    for x in &r.results {
+        t.add_row(vec![
+            fmt_size(x.size_bytes),
+            x.inflight.to_string(),
+            format!("{:.2}", x.gbps),
+            format!("{:.2}", x.memcpy_gbps),
+            format!("{:.2}", x.ratio_to_memcpy),
+            format!("{:.1}", x.p50_us),
+            format!("{:.1}", x.p99_us),
+            format!("{:.1}", x.post_us),
+            format!("{:.1}", x.complete_us),
+            format!("{:.0}", x.msgs_per_sec),
+            fmt_size(x.verified_bytes),
+        ]);
+    }
+    out.push_str(&t.to_string());
+    out.push('\n');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("2M"), Ok(2 << 20));
+        assert_eq!(parse_size("1GB"), Ok(1_000_000_000));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("KiB").is_err());
+        assert!(parse_size("99999999999999GiB").is_err());
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("200ms"), Ok(Duration::from_millis(200)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
+        assert!(parse_duration("-1s").is_err());
+        assert!(parse_duration("1h").is_err());
+    }
+
+    #[test]
+    fn sizes_format_back() {
+        assert_eq!(fmt_size(64 << 10), "64KiB");
+        assert_eq!(fmt_size(3 << 30), "3GiB");
+        assert_eq!(fmt_size(1000), "1000B");
+    }
 }

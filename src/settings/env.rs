@@ -3,6 +3,9 @@
 
 /// Path of the `libucp.so` to load (same as `--ucx-lib`).
 pub const KVX_UCX_LIB: &str = "KVX_UCX_LIB";
+/// Root of a UCX install to prefer over the system's (holds `libucx/lib/libucp.so.0` or
+/// `lib/libucp.so.0`; `scripts/setup-ucx.sh` creates one as `.ucx/`).
+pub const KVX_UCX_DIR: &str = "KVX_UCX_DIR";
 /// Directory runs are written under (default `results/`).
 pub const KVX_RESULTS_DIR: &str = "KVX_RESULTS_DIR";
 /// tracing filter for kvx's logs on stderr (e.g. `kvx=debug`).
@@ -11,6 +14,7 @@ pub const KVX_LOG: &str = "KVX_LOG";
 /// All documented variables with their one-line meaning (printed by `kvx doctor`).
 pub const ALL: &[(&str, &str)] = &[
     (KVX_UCX_LIB, "path of the libucp.so to load (same as --ucx-lib)"),
+    (KVX_UCX_DIR, "root of a UCX install preferred over the system's (default: .ucx/ of the project)"),
     (KVX_RESULTS_DIR, "directory runs are written under (default results/)"),
     (KVX_LOG, "log filter for stderr, e.g. kvx=debug"),
 ];

@@ -1,1 +1,963 @@
-//! (to be written)
+//! `kvx xfer`: the transport microbenchmark. A *target* process registers a buffer and
+//! serves it; an *initiator* process reads from it with one-sided GETs, sweeping message
+//! size and GETs in flight, verifies the bytes, and measures a single-thread memcpy over
+//! the same working set in the same run as the ceiling.
+//!
+//! Owns: the control connection between the two processes (a TCP stream carrying
+//! length-prefixed msgpack frames: worker address, region base, packed rkey), spawning a
+//! local target (kvx re-executes itself with a hidden role), the measurement loop and the
+//! report it returns. Must not print: `cli::xfer` renders the [`XferReport`].
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::memory::{HostBuffer, MemoryError, PageSize};
+use super::ucx::{
+    Context, ContextOptions, Endpoint, ErrMode, LibInfo, MemRegion, PackedRkey, ProgressMode, ReadDesc,
+    ReadOptions, Registrable, RemoteRegion, ServeEnd, Ucx, UcxAllocated, UcxError, Worker, wait_readable,
+};
+
+/// Errors of `kvx xfer` and of the target/initiator pair behind it.
+#[derive(Debug, thiserror::Error)]
+pub enum XferError {
+    #[error(transparent)]
+    Ucx(#[from] UcxError),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error("control connection ({stage}): {source}")]
+    Control { stage: &'static str, source: std::io::Error },
+    #[error("control connection ({stage}): {reason}")]
+    Protocol { stage: &'static str, reason: String },
+    #[error("the target reported: {0}")]
+    Target(String),
+    #[error("could not start the local target process {exe}: {source}")]
+    Spawn { exe: PathBuf, source: std::io::Error },
+    #[error("the local target process exited before connecting back ({status})")]
+    TargetDied { status: String },
+    #[error("data verification failed: {0}")]
+    Verify(String),
+    #[error("{0}")]
+    Config(#[from] crate::error::ConfigError),
+}
+
+pub type Result<T, E = XferError> = std::result::Result<T, E>;
+
+/// Largest control frame accepted (worker addresses and rkeys are a few hundred bytes).
+const MAX_FRAME: usize = 1 << 20;
+/// How long a spawned target may take to start, load UCX and connect back.
+const TARGET_START_TIMEOUT: Duration = Duration::from_secs(30);
+/// Seed of the byte pattern the target fills its region with.
+pub const PATTERN_SEED: u64 = 0x6b76_7820_7866_6572;
+
+/// Which memory the buffers live in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum MemKind {
+    /// The user's own host allocation (what a KV cache is).
+    #[default]
+    Host,
+    /// CUDA device memory (needs the `cuda` feature and a GPU).
+    Cuda,
+}
+
+/// What the initiator asks the target to set up.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TargetRequest {
+    pub region_bytes: u64,
+    pub ucx_alloc: bool,
+    pub huge_pages: bool,
+    pub mem: MemKind,
+    pub device: usize,
+    /// Progress the worker while serving (false: only for the doctor's zero-copy check,
+    /// which needs a target that does *not* progress until told to resume).
+    pub progress: bool,
+    /// Upper bound on how long the target serves, seconds.
+    pub max_serve_secs: u64,
+}
+
+/// What the target sends back: everything an initiator needs to read its region.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TargetHello {
+    #[serde(with = "serde_bytes")]
+    pub worker_address: Vec<u8>,
+    pub base: u64,
+    pub len: u64,
+    #[serde(with = "serde_bytes")]
+    pub rkey: Vec<u8>,
+    pub ucx: LibInfo,
+    pub pid: u32,
+    pub pattern_seed: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum TargetReply {
+    Ready(Box<TargetHello>),
+    Failed(String),
+}
+
+/// Initiator to target, after the hello.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub enum Control {
+    /// Start progressing (after a non-progressing start).
+    Resume,
+    /// Tear down and exit.
+    Stop,
+}
+
+fn write_frame<T: Serialize>(s: &mut TcpStream, stage: &'static str, msg: &T) -> Result<()> {
+    let body =
+        rmp_serde::to_vec_named(msg).map_err(|e| XferError::Protocol { stage, reason: e.to_string() })?;
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    s.write_all(&frame).map_err(|source| XferError::Control { stage, source })
+}
+
+fn read_frame<T: for<'de> Deserialize<'de>>(
+    s: &mut TcpStream,
+    stage: &'static str,
+    timeout: Duration,
+) -> Result<T> {
+    s.set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+        .map_err(|source| XferError::Control { stage, source })?;
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).map_err(|source| XferError::Control { stage, source })?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(XferError::Protocol {
+            stage,
+            reason: format!("frame of {len} bytes exceeds {MAX_FRAME}"),
+        });
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).map_err(|source| XferError::Control { stage, source })?;
+    rmp_serde::from_slice(&body).map_err(|e| XferError::Protocol { stage, reason: e.to_string() })
+}
+
+// ---------------------------------------------------------------------------------------
+// Byte pattern
+
+/// The 8-byte word at `word_index` of the pattern (splitmix64 of seed and index).
+#[inline]
+pub fn pattern_word(seed: u64, word_index: u64) -> u64 {
+    let mut z = seed ^ word_index.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Fills `buf` (which starts at pattern offset 0) with the pattern.
+pub fn fill_pattern(buf: &mut [u8], seed: u64) {
+    let mut chunks = buf.chunks_exact_mut(8);
+    for (i, c) in (&mut chunks).enumerate() {
+        c.copy_from_slice(&pattern_word(seed, i as u64).to_le_bytes());
+    }
+    let tail_start = buf.len() / 8 * 8;
+    let w = pattern_word(seed, (buf.len() / 8) as u64).to_le_bytes();
+    for (j, b) in buf[tail_start..].iter_mut().enumerate() {
+        *b = w[j];
+    }
+}
+
+/// Checks that `got` equals the pattern at offset `pattern_off`; returns the first
+/// mismatching offset.
+pub fn check_pattern(got: &[u8], pattern_off: u64, seed: u64) -> Result<(), u64> {
+    if pattern_off.is_multiple_of(8) && got.len().is_multiple_of(8) {
+        let first = pattern_off / 8;
+        for (i, c) in got.chunks_exact(8).enumerate() {
+            if c != pattern_word(seed, first + i as u64).to_le_bytes() {
+                return Err(pattern_off + 8 * i as u64);
+            }
+        }
+        return Ok(());
+    }
+    for (i, &b) in got.iter().enumerate() {
+        let off = pattern_off + i as u64;
+        if b != pattern_word(seed, off / 8).to_le_bytes()[(off % 8) as usize] {
+            return Err(off);
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory both roles use
+
+/// Host-visible access to a registered buffer, for filling and verifying.
+pub trait HostView: Registrable {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl HostView for HostBuffer {
+    fn bytes(&self) -> &[u8] {
+        self.as_slice()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
+impl HostView for UcxAllocated {
+    fn bytes(&self) -> &[u8] {
+        self.as_slice()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
+fn host_region(ctx: &Context, len: usize, ucx_alloc: bool, huge: bool) -> Result<AnyRegion> {
+    Ok(if ucx_alloc {
+        let mut r = MemRegion::allocate(ctx, len)?;
+        for page in r.memory_mut()?.bytes_mut().chunks_mut(4096) {
+            page[0] = 0;
+        }
+        AnyRegion::UcxAlloc(r)
+    } else {
+        let pages = if huge { PageSize::Huge } else { PageSize::Normal };
+        let mut buf = HostBuffer::alloc(len, pages)?;
+        buf.prefault();
+        AnyRegion::Host(MemRegion::register(ctx, buf)?)
+    })
+}
+
+/// A registered region of any of the memory kinds `kvx xfer` uses.
+enum AnyRegion {
+    Host(MemRegion<HostBuffer>),
+    UcxAlloc(MemRegion<UcxAllocated>),
+}
+
+impl AnyRegion {
+    fn fill(&mut self, seed: u64) -> Result<()> {
+        match self {
+            AnyRegion::Host(r) => fill_pattern(r.memory_mut()?.bytes_mut(), seed),
+            AnyRegion::UcxAlloc(r) => fill_pattern(r.memory_mut()?.bytes_mut(), seed),
+        }
+        Ok(())
+    }
+    /// The pages the buffer got (UCX-allocated memory is reported as normal pages).
+    fn page_size(&self) -> PageSize {
+        match self {
+            AnyRegion::Host(r) => r.memory().map_or(PageSize::Normal, HostBuffer::page_size),
+            AnyRegion::UcxAlloc(_) => PageSize::Normal,
+        }
+    }
+    fn addr(&self) -> u64 {
+        match self {
+            AnyRegion::Host(r) => r.addr(),
+            AnyRegion::UcxAlloc(r) => r.addr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            AnyRegion::Host(r) => r.len(),
+            AnyRegion::UcxAlloc(r) => r.len(),
+        }
+    }
+    fn pack_rkey(&self) -> Result<PackedRkey> {
+        Ok(match self {
+            AnyRegion::Host(r) => r.pack_rkey()?,
+            AnyRegion::UcxAlloc(r) => r.pack_rkey()?,
+        })
+    }
+}
+
+fn check_mem(mem: MemKind) -> Result<()> {
+    match mem {
+        MemKind::Host => Ok(()),
+        MemKind::Cuda => {
+            // The device path registers CUDA memory through the same MemRegion; until a
+            // GPU host runs it, kvx xfer refuses rather than measuring something else.
+            super::memory::cuda_devices()?;
+            Err(XferError::Config(crate::error::ConfigError::new(
+                "--mem",
+                "kvx xfer measures host memory only so far; CUDA regions are registered by the pipeline",
+            )))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Target role
+
+/// Settings of the target process that are its own (not asked for by the initiator).
+#[derive(Debug, Clone, Default)]
+pub struct TargetOptions {
+    pub ucx_lib: Option<PathBuf>,
+    pub progress: ProgressMode,
+    pub ucx_config: Vec<(String, String)>,
+}
+
+/// Runs the target role on an established control stream until told to stop, the stream
+/// closes, or the requested maximum serve time passes.
+pub fn run_target(mut stream: TcpStream, opts: &TargetOptions) -> Result<()> {
+    let req: TargetRequest = read_frame(&mut stream, "target: read request", TARGET_START_TIMEOUT)?;
+    match prepare_target(&req, opts) {
+        Ok((hello, state)) => {
+            write_frame(&mut stream, "target: send hello", &TargetReply::Ready(Box::new(hello)))?;
+            serve_target(&mut stream, &req, state)
+        }
+        Err(e) => {
+            let _ = write_frame(&mut stream, "target: send failure", &TargetReply::Failed(e.to_string()));
+            Err(e)
+        }
+    }
+}
+
+struct TargetState {
+    // Field order is drop order: region before worker before context.
+    region: AnyRegion,
+    worker: Worker,
+    _ctx: Context,
+}
+
+fn prepare_target(req: &TargetRequest, opts: &TargetOptions) -> Result<(TargetHello, TargetState)> {
+    check_mem(req.mem)?;
+    let len =
+        usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
+            stage: "target: request",
+            reason: format!("bad region size {}", req.region_bytes),
+        })?;
+    let ucx = Ucx::load(opts.ucx_lib.as_deref())?;
+    let ctx = Context::new(
+        &ucx,
+        &ContextOptions { progress: opts.progress, config: opts.ucx_config.clone(), ..Default::default() },
+    )?;
+    let worker = Worker::new(&ctx)?;
+    let mut region = host_region(&ctx, len, req.ucx_alloc, req.huge_pages)?;
+    region.fill(PATTERN_SEED)?;
+    let hello = TargetHello {
+        worker_address: worker.address()?,
+        base: region.addr(),
+        len: region.len() as u64,
+        rkey: region.pack_rkey()?.into_bytes(),
+        ucx: ucx.info(),
+        pid: std::process::id(),
+        pattern_seed: PATTERN_SEED,
+    };
+    Ok((hello, TargetState { region, worker, _ctx: ctx }))
+}
+
+fn serve_target(stream: &mut TcpStream, req: &TargetRequest, state: TargetState) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(req.max_serve_secs.max(1));
+    let mut progressing = req.progress;
+    loop {
+        if progressing {
+            match state.worker.serve(stream.as_raw_fd(), Some(deadline))? {
+                ServeEnd::TimedOut => break,
+                ServeEnd::Stopped => {}
+            }
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            break;
+        }
+        match read_frame::<Control>(stream, "target: read control", remaining) {
+            Ok(Control::Resume) => progressing = true,
+            Ok(Control::Stop) => break,
+            // EOF or a reset: the initiator is gone.
+            Err(XferError::Control { source, .. })
+                if !matches!(
+                    source.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                break;
+            }
+            Err(XferError::Control { .. }) => break,
+            Err(e) => return Err(e),
+        }
+    }
+    tracing::debug!(region = state.region.len(), "target done");
+    drop(state);
+    Ok(())
+}
+
+/// Listens on `addr` for one initiator and serves it (`kvx xfer --listen`).
+pub fn listen_and_serve(addr: &str, accept_timeout: Duration, opts: &TargetOptions) -> Result<()> {
+    let listener =
+        TcpListener::bind(addr).map_err(|source| XferError::Control { stage: "listen", source })?;
+    let local = listener.local_addr().map_err(|source| XferError::Control { stage: "listen", source })?;
+    tracing::info!("kvx xfer target listening on {local}");
+    eprintln!(
+        "kvx xfer: target listening on {local}; run `kvx xfer --connect {local}` on the initiator host"
+    );
+    let stream = accept_with_timeout(&listener, accept_timeout, || Ok(()))?;
+    run_target(stream, opts)
+}
+
+fn accept_with_timeout(
+    listener: &TcpListener,
+    timeout: Duration,
+    mut alive: impl FnMut() -> Result<()>,
+) -> Result<TcpStream> {
+    listener.set_nonblocking(true).map_err(|source| XferError::Control { stage: "accept", source })?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).map_err(|source| XferError::Control { stage: "accept", source })?;
+                s.set_nodelay(true).ok();
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                alive()?;
+                if Instant::now() >= deadline {
+                    return Err(XferError::Control {
+                        stage: "accept",
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("no peer within {timeout:?}"),
+                        ),
+                    });
+                }
+                // Wakes on a connection, or after 50 ms to re-check the deadline and the child.
+                let left = deadline.saturating_duration_since(Instant::now()).min(Duration::from_millis(50));
+                wait_readable(listener.as_raw_fd(), left)
+                    .map_err(|e| XferError::Protocol { stage: "accept", reason: e.to_string() })?;
+            }
+            Err(source) => return Err(XferError::Control { stage: "accept", source }),
+        }
+    }
+}
+
+/// A target process this process started, with its control stream.
+pub struct LocalTarget {
+    pub child: Child,
+    pub stream: TcpStream,
+}
+
+impl LocalTarget {
+    /// Starts `exe xfer --role target` connected back over loopback.
+    pub fn spawn(exe: &Path, opts: &TargetOptions, env: &[(String, String)]) -> Result<LocalTarget> {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .map_err(|source| XferError::Control { stage: "bind loopback", source })?;
+        let addr =
+            listener.local_addr().map_err(|source| XferError::Control { stage: "bind loopback", source })?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("xfer").arg("--role").arg("target").arg("--connect-back").arg(addr.to_string());
+        cmd.arg("--progress").arg(opts.progress.to_string());
+        if let Some(lib) = &opts.ucx_lib {
+            cmd.arg("--ucx-lib").arg(lib);
+        }
+        for (k, v) in &opts.ucx_config {
+            if k == "TLS" {
+                cmd.arg("--ucx-tls").arg(v);
+            }
+        }
+        cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+        let mut child = cmd.spawn().map_err(|source| XferError::Spawn { exe: exe.to_path_buf(), source })?;
+        let stream = accept_with_timeout(&listener, TARGET_START_TIMEOUT, || match child.try_wait() {
+            Ok(Some(status)) => Err(XferError::TargetDied { status: status.to_string() }),
+            _ => Ok(()),
+        });
+        match stream {
+            Ok(stream) => Ok(LocalTarget { child, stream }),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Connects to a target listening at `addr` (`kvx xfer --connect`), retrying with
+/// backoff while it is not up yet.
+pub fn connect_target(addr: &str, timeout: Duration) -> Result<TcpStream> {
+    let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .map_err(|source| XferError::Control { stage: "resolve --connect", source })?
+        .collect();
+    let deadline = Instant::now() + timeout;
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let mut last = None;
+        for a in &addrs {
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+            match TcpStream::connect_timeout(a, left) {
+                Ok(s) => {
+                    s.set_nodelay(true).ok();
+                    return Ok(s);
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        if Instant::now() + backoff >= deadline {
+            return Err(XferError::Control {
+                stage: "connect",
+                source: last.unwrap_or_else(|| std::io::Error::other(format!("{addr} resolved to nothing"))),
+            });
+        }
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Initiator role
+
+/// A connected initiator: the peer's region unpacked on a local endpoint.
+pub struct Session {
+    // Field order is drop order: rkey, endpoint, worker, context.
+    pub remote: RemoteRegion,
+    pub endpoint: Endpoint,
+    pub worker: Worker,
+    pub ctx: Context,
+    pub ucx: Ucx,
+    pub hello: TargetHello,
+    pub stream: TcpStream,
+    pub transports: String,
+}
+
+/// Initiator-side settings of a session.
+#[derive(Debug, Clone, Default)]
+pub struct SessionOptions {
+    pub ucx_lib: Option<PathBuf>,
+    pub progress: ProgressMode,
+    pub err_mode: ErrMode,
+    pub ucx_config: Vec<(String, String)>,
+}
+
+impl Session {
+    /// Sends `req` over `stream`, receives the target's hello, connects and unpacks its key.
+    pub fn establish(mut stream: TcpStream, req: &TargetRequest, opts: &SessionOptions) -> Result<Session> {
+        let ucx = Ucx::load(opts.ucx_lib.as_deref())?;
+        write_frame(&mut stream, "initiator: send request", req)?;
+        let hello = match read_frame(&mut stream, "initiator: read hello", TARGET_START_TIMEOUT)? {
+            TargetReply::Ready(h) => *h,
+            TargetReply::Failed(msg) => return Err(XferError::Target(msg)),
+        };
+        let ctx = Context::new(
+            &ucx,
+            &ContextOptions {
+                progress: opts.progress,
+                config: opts.ucx_config.clone(),
+                ..Default::default()
+            },
+        )?;
+        let worker = Worker::new(&ctx)?;
+        let endpoint = Endpoint::connect(&worker, &hello.worker_address, opts.err_mode)?;
+        let rkey = PackedRkey::from_bytes(&hello.rkey)?;
+        let remote = endpoint.unpack_rkey(&rkey, hello.base, hello.len)?;
+        let transports = endpoint.transports().unwrap_or_else(|e| format!("unknown ({e})"));
+        Ok(Session { remote, endpoint, worker, ctx, ucx, hello, stream, transports })
+    }
+
+    /// Sends a control message to the target.
+    pub fn control(&mut self, c: Control) -> Result<()> {
+        write_frame(&mut self.stream, "initiator: control", &c)
+    }
+
+    /// Closes the UCX side first (while the target still progresses, so a graceful close
+    /// completes), then tells the target to stop.
+    pub fn finish(self) -> Result<()> {
+        let Session { remote, endpoint, worker, ctx, mut stream, .. } = self;
+        drop(remote);
+        drop(endpoint);
+        drop(worker);
+        drop(ctx);
+        write_frame(&mut stream, "initiator: stop", &Control::Stop)
+    }
+}
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct XferConfig {
+    pub sizes: Vec<u64>,
+    pub inflight: Vec<usize>,
+    pub working_set_bytes: u64,
+    pub hot: bool,
+    pub ucx_alloc: bool,
+    pub huge_pages: bool,
+    pub mem: MemKind,
+    pub device: usize,
+    pub duration: Duration,
+    pub iters: Option<u64>,
+    pub timeout: Duration,
+    pub session: SessionOptions,
+}
+
+/// Where the target runs.
+#[derive(Debug, Clone)]
+pub enum TargetSpec {
+    /// Spawn `exe xfer --role target` on this host.
+    Local { exe: PathBuf },
+    /// A target started with `kvx xfer --listen` elsewhere.
+    Remote { addr: String },
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct UcxReport {
+    pub library: String,
+    pub version: String,
+    pub transports: String,
+    pub source: String,
+    pub err_mode: ErrMode,
+    pub progress: ProgressMode,
+    pub target_library: String,
+    pub target_version: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryReport {
+    /// `host`, or `ucx-alloc` (UCX-allocated, flattering: not what a KV cache is).
+    pub kind: String,
+    pub huge_pages: bool,
+    /// The pages the initiator's buffers actually got.
+    pub pages: String,
+    pub working_set_bytes: u64,
+    /// `cold` (rotating offsets over the working set, DRAM) or `hot` (cache-resident).
+    pub residency: String,
+}
+
+/// One (size, in-flight) case.
+#[derive(Debug, Clone, Serialize)]
+pub struct XferResult {
+    pub size_bytes: u64,
+    pub inflight: usize,
+    pub gbps: f64,
+    pub memcpy_gbps: f64,
+    pub ratio_to_memcpy: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+    /// Mean time to post one batch of `inflight` GETs.
+    pub post_us: f64,
+    /// Mean time from the start of a batch to its last completion.
+    pub complete_us: f64,
+    pub msgs_per_sec: f64,
+    pub batches: u64,
+    pub bytes: u64,
+    pub verified_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct XferReport {
+    pub ucx: UcxReport,
+    pub memory: MemoryReport,
+    pub results: Vec<XferResult>,
+}
+
+/// Runs the whole benchmark: starts or reaches the target, measures every case, stops
+/// the target. Cases are reported through `on_result` as they finish.
+pub fn run(
+    cfg: &XferConfig,
+    target: &TargetSpec,
+    mut on_result: impl FnMut(&XferResult),
+) -> Result<XferReport> {
+    check_mem(cfg.mem)?;
+    let max_size = cfg.sizes.iter().copied().max().unwrap_or(4096);
+    let ws = if cfg.hot { max_size } else { cfg.working_set_bytes.max(max_size) };
+    let req = TargetRequest {
+        region_bytes: ws,
+        ucx_alloc: cfg.ucx_alloc,
+        huge_pages: cfg.huge_pages,
+        mem: cfg.mem,
+        device: cfg.device,
+        progress: true,
+        max_serve_secs: estimate_secs(cfg) + 600,
+    };
+    let (mut child, stream) = match target {
+        TargetSpec::Local { exe } => {
+            let t = LocalTarget::spawn(
+                exe,
+                &TargetOptions {
+                    ucx_lib: cfg.session.ucx_lib.clone(),
+                    progress: cfg.session.progress,
+                    ucx_config: cfg.session.ucx_config.clone(),
+                },
+                &[],
+            )?;
+            (Some(t.child), t.stream)
+        }
+        TargetSpec::Remote { addr } => {
+            (None, connect_target(addr, cfg.timeout.max(Duration::from_secs(10)))?)
+        }
+    };
+    let outcome = (|| {
+        let session = Session::establish(stream, &req, &cfg.session)?;
+        let report = measure(&session, cfg, ws, &mut on_result);
+        let _ = session.finish();
+        report
+    })();
+    if let Some(c) = child.as_mut() {
+        reap(c, Duration::from_secs(10));
+    }
+    outcome
+}
+
+fn estimate_secs(cfg: &XferConfig) -> u64 {
+    let cases = (cfg.sizes.len() * cfg.inflight.len().max(1)) as u64;
+    cases * (cfg.duration.as_secs() + 2) + cfg.timeout.as_secs()
+}
+
+/// Waits for a child to exit, killing it after `grace`.
+pub fn reap(child: &mut Child, grace: Duration) {
+    let deadline = Instant::now() + grace;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) | Err(_) => return,
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(2)),
+        }
+    }
+}
+
+fn measure(
+    s: &Session,
+    cfg: &XferConfig,
+    ws: u64,
+    on_result: &mut impl FnMut(&XferResult),
+) -> Result<XferReport> {
+    let local_len = ws as usize;
+    let mut local = host_region(&s.ctx, local_len, cfg.ucx_alloc, cfg.huge_pages)?;
+    let pages = local.page_size();
+    let results = match &mut local {
+        AnyRegion::Host(r) => measure_cases(s, cfg, ws, pages, r, on_result)?,
+        AnyRegion::UcxAlloc(r) => measure_cases(s, cfg, ws, pages, r, on_result)?,
+    };
+    let info = s.ucx.info();
+    Ok(XferReport {
+        ucx: UcxReport {
+            library: info.library.display().to_string(),
+            version: info.version,
+            transports: s.transports.clone(),
+            source: info.source.to_string(),
+            err_mode: cfg.session.err_mode,
+            progress: cfg.session.progress,
+            target_library: s.hello.ucx.library.display().to_string(),
+            target_version: s.hello.ucx.version.clone(),
+        },
+        memory: MemoryReport {
+            kind: if cfg.ucx_alloc { "ucx-alloc".into() } else { "host".into() },
+            huge_pages: cfg.huge_pages,
+            pages: pages.to_string(),
+            working_set_bytes: ws,
+            residency: if cfg.hot { "hot".into() } else { "cold".into() },
+        },
+        results,
+    })
+}
+
+/// Offsets of the `k`-th GET of a run: rotating over the working set when cold, fixed
+/// at 0 when hot.
+#[inline]
+fn slot_offset(k: u64, size: u64, slots: u64, hot: bool) -> u64 {
+    if hot { 0 } else { (k % slots) * size }
+}
+
+fn measure_cases<M: HostView>(
+    s: &Session,
+    cfg: &XferConfig,
+    ws: u64,
+    pages: PageSize,
+    local: &mut MemRegion<M>,
+    on_result: &mut impl FnMut(&XferResult),
+) -> Result<Vec<XferResult>> {
+    let remote_len = s.remote.len();
+    // The memcpy ceiling copies from a second local buffer of the same size and pages.
+    let mut src = HostBuffer::alloc(
+        ws as usize,
+        if pages == PageSize::Normal { PageSize::Normal } else { PageSize::Huge },
+    )?;
+    fill_pattern(src.as_mut_slice(), PATTERN_SEED);
+    let mut results = Vec::new();
+    for &size in &cfg.sizes {
+        for &inflight in &cfg.inflight {
+            // Measured right before each case so both see the same machine (other load,
+            // frequency), which is what makes their ratio meaningful on a shared host.
+            let memcpy_gbps = memcpy_ceiling(&src, local.memory_mut()?.bytes_mut(), size, ws, cfg);
+            let r = measure_case(s, cfg, local, size, inflight, ws.min(remote_len), memcpy_gbps)?;
+            on_result(&r);
+            results.push(r);
+        }
+    }
+    Ok(results)
+}
+
+fn memcpy_ceiling(src: &HostBuffer, dst: &mut [u8], size: u64, ws: u64, cfg: &XferConfig) -> f64 {
+    let slots = (ws / size).max(1);
+    let src = src.as_slice();
+    let size_us = size as usize;
+    let mut k: u64 = 0;
+    let copy = |k: u64, dst: &mut [u8]| {
+        let off = slot_offset(k, size, slots, cfg.hot) as usize;
+        // Different slots for source and destination, as a GET's local and remote offsets are.
+        let doff = slot_offset(k + slots / 2, size, slots, cfg.hot) as usize;
+        dst[doff..doff + size_us].copy_from_slice(&src[off..off + size_us]);
+    };
+    for _ in 0..slots.min(8) {
+        copy(k, dst);
+        k += 1;
+    }
+    let min_copies = cfg.iters.unwrap_or(0).max(3);
+    let start = Instant::now();
+    let mut n: u64 = 0;
+    // The clock is read once per 16 copies, so tiny copies measure memcpy, not the clock.
+    'outer: loop {
+        for _ in 0..16 {
+            copy(k, dst);
+            k += 1;
+            n += 1;
+            if cfg.iters.is_some() && n >= min_copies {
+                break 'outer;
+            }
+        }
+        if n >= min_copies && start.elapsed() >= cfg.duration {
+            break;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    std::hint::black_box(&dst[..1]);
+    (n * size) as f64 / secs / 1e9
+}
+
+fn measure_case<M: HostView>(
+    s: &Session,
+    cfg: &XferConfig,
+    local: &mut MemRegion<M>,
+    size: u64,
+    inflight: usize,
+    ws: u64,
+    memcpy_gbps: f64,
+) -> Result<XferResult> {
+    let slots = (ws / size).max(1);
+    let local_slots = (local.len() as u64 / size).max(1);
+    let opts = ReadOptions { max_inflight: inflight, timeout: cfg.timeout };
+    let per_batch = inflight as u64;
+    let mut k: u64 = 0;
+    let batch = |k0: u64, local: &mut MemRegion<M>| {
+        let descs = (k0..k0 + per_batch).map(|i| ReadDesc {
+            local_off: slot_offset(i, size, local_slots, cfg.hot),
+            remote_off: slot_offset(i, size, slots, cfg.hot),
+            len: size,
+        });
+        s.remote.read_batch(local, descs, &opts)
+    };
+    // Warm-up: connection set-up, registration caches, page faults of the local buffer.
+    let warm_start = Instant::now();
+    while k < per_batch * 3 || (warm_start.elapsed() < Duration::from_millis(20) && k < slots.max(per_batch))
+    {
+        batch(k, local)?;
+        k += per_batch;
+    }
+    let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
+        .map_err(|e| XferError::Protocol { stage: "histogram", reason: e.to_string() })?;
+    let (mut post_ns, mut complete_ns, mut bytes, mut batches) = (0u64, 0u64, 0u64, 0u64);
+    let start = Instant::now();
+    loop {
+        let st = batch(k, local)?;
+        k += per_batch;
+        batches += 1;
+        bytes += st.bytes;
+        post_ns += st.post_ns;
+        complete_ns += st.complete_ns;
+        hist.saturating_record(st.complete_ns.max(1));
+        let done = match cfg.iters {
+            Some(n) => batches >= n,
+            None => batches >= 3 && start.elapsed() >= cfg.duration,
+        };
+        if done {
+            break;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let verified_bytes = verify_case(s, cfg, local, size, slots, local_slots, inflight)?;
+    let gbps = bytes as f64 / secs / 1e9;
+    let us = |ns: u64| ns as f64 / 1e3;
+    Ok(XferResult {
+        size_bytes: size,
+        inflight,
+        gbps,
+        memcpy_gbps,
+        ratio_to_memcpy: if memcpy_gbps > 0.0 { gbps / memcpy_gbps } else { 0.0 },
+        p50_us: us(hist.value_at_quantile(0.50)),
+        p99_us: us(hist.value_at_quantile(0.99)),
+        max_us: us(hist.max()),
+        post_us: us(post_ns) / batches as f64,
+        complete_us: us(complete_ns) / batches as f64,
+        msgs_per_sec: (batches * per_batch) as f64 / secs,
+        batches,
+        bytes,
+        verified_bytes,
+    })
+}
+
+/// Clears the local slots of one batch, reads them again, and checks every byte against
+/// the pattern at the remote offsets they came from.
+fn verify_case<M: HostView>(
+    s: &Session,
+    cfg: &XferConfig,
+    local: &mut MemRegion<M>,
+    size: u64,
+    slots: u64,
+    local_slots: u64,
+    inflight: usize,
+) -> Result<u64> {
+    let n = if cfg.hot { 1 } else { (inflight as u64).min(slots).min(local_slots) };
+    // Remote slots start mid-way so local and remote offsets differ (catches swapped offsets).
+    let descs: Vec<ReadDesc> = (0..n)
+        .map(|i| ReadDesc {
+            local_off: i * size,
+            remote_off: ((i + slots / 2 + 1) % slots) * size,
+            len: size,
+        })
+        .collect();
+    for d in &descs {
+        local.memory_mut()?.bytes_mut()[d.local_off as usize..(d.local_off + d.len) as usize].fill(0);
+    }
+    s.remote.read_batch(
+        local,
+        descs.iter().copied(),
+        &ReadOptions { max_inflight: inflight, timeout: cfg.timeout },
+    )?;
+    let bytes = local.memory()?.bytes();
+    for d in &descs {
+        let got = &bytes[d.local_off as usize..(d.local_off + d.len) as usize];
+        if let Err(off) = check_pattern(got, d.remote_off, s.hello.pattern_seed) {
+            return Err(XferError::Verify(format!(
+                "{size}-byte read from remote offset {} into local offset {}: first wrong byte at remote offset {off}",
+                d.remote_off, d.local_off
+            )));
+        }
+    }
+    Ok(n * size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_checks_catch_shifted_and_damaged_bytes() {
+        let mut buf = vec![0u8; 4096 + 13];
+        fill_pattern(&mut buf, 7);
+        assert_eq!(check_pattern(&buf, 0, 7), Ok(()));
+        assert_eq!(check_pattern(&buf[64..128], 64, 7), Ok(()));
+        assert_eq!(check_pattern(&buf[3..1000], 3, 7), Ok(()));
+        assert_eq!(check_pattern(&buf[64..128], 72, 7), Err(72));
+        assert!(check_pattern(&buf[0..64], 0, 8).is_err());
+        buf[100] ^= 1;
+        assert_eq!(check_pattern(&buf[96..200], 96, 7), Err(96));
+        assert_eq!(check_pattern(&buf[97..200], 97, 7), Err(100));
+    }
+
+    #[test]
+    fn cold_offsets_rotate_over_the_working_set_and_hot_ones_do_not() {
+        let offs: Vec<u64> = (0..6).map(|k| slot_offset(k, 4096, 4, false)).collect();
+        assert_eq!(offs, vec![0, 4096, 8192, 12288, 0, 4096]);
+        assert!((0..6).all(|k| slot_offset(k, 4096, 4, true) == 0));
+    }
+}

@@ -6,3 +6,6 @@ mod gate;
 mod oracle;
 mod props;
 mod report;
+mod ucx;
+mod ucx_common;
+mod ucx_layout;

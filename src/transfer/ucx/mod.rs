@@ -1,1 +1,42 @@
-//! UCX bindings, loaded at run time (to be written).
+//! UCX, bound by kvx and loaded at run time: the only FFI in kvx.
+//!
+//! Owns: loading `libucp` ([`Ucx`]), the raw declarations (`sys`), and safe RAII owners
+//! for every UCX handle kvx uses — [`Context`], [`Worker`], [`Endpoint`], [`MemRegion`],
+//! [`PackedRkey`], [`RemoteRegion`] — plus the batch of one-sided GETs the pipeline posts
+//! ([`RemoteRegion::read_batch`]). Must not know about KV layouts, handshakes or
+//! requests: callers pass worker addresses and packed rkeys around as opaque bytes.
+//!
+//! Teardown order is in the types: a worker holds its context, an endpoint its worker, a
+//! remote region (unpacked rkey) its endpoint, and a registered region owns its memory;
+//! a batch read borrows the local region mutably until every GET has landed.
+//!
+//! Typical use (initiator side):
+//! ```no_run
+//! # fn main() -> Result<(), kvx::transfer::ucx::UcxError> {
+//! use kvx::transfer::ucx::*;
+//! # let (peer_address, peer_rkey, peer_base, peer_len): (Vec<u8>, Vec<u8>, u64, u64) = todo!();
+//! # let local_memory: kvx::transfer::memory::HostBuffer = todo!();
+//! let ucx = Ucx::load(None)?;
+//! let ctx = Context::new(&ucx, &ContextOptions::default())?;
+//! let worker = Worker::new(&ctx)?;
+//! let mut local = MemRegion::register(&ctx, local_memory)?;
+//! let ep = Endpoint::connect(&worker, &peer_address, ErrMode::None)?;
+//! let remote = ep.unpack_rkey(&PackedRkey::from_bytes(&peer_rkey)?, peer_base, peer_len)?;
+//! let descs = [ReadDesc { local_off: 0, remote_off: 4096, len: 4096 }];
+//! let stats = remote.read_batch(&mut local, descs, &ReadOptions::default())?;
+//! # Ok(()) }
+//! ```
+#![allow(unsafe_code, reason = "kvx's UCX binding: every unsafe block calls into libucp with a SAFETY note")]
+
+mod context;
+mod endpoint;
+mod error;
+mod library;
+mod region;
+pub mod sys;
+
+pub use context::{Context, ContextOptions, HYBRID_SPIN, ProgressMode, ServeEnd, Worker, wait_readable};
+pub use endpoint::{Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports};
+pub use error::{Result, UcxError};
+pub use library::{LibInfo, LibSearch, LibSource, SYSTEM_SONAME, Ucx};
+pub use region::{MemRegion, MemType, PackedRkey, Registrable, UcxAllocated};

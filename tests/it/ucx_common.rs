@@ -1,0 +1,42 @@
+//! Helpers of the UCX integration tests: where the two UCX builds are, and how a test
+//! says it was skipped.
+
+use std::path::PathBuf;
+
+pub fn project_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Prints why a test did not run its body, so a skip is visible in the test output
+/// (run with `--nocapture`, or see `scripts/test.sh`'s log) rather than a silent pass.
+pub fn skip(why: &str) {
+    eprintln!("SKIPPED: {why}");
+}
+
+/// The UCX builds transfer tests run against: (label, libucp path), or why one is missing.
+pub fn ucx_builds() -> Vec<(&'static str, Result<PathBuf, String>)> {
+    let project = project_root().join(".ucx/libucx/lib/libucp.so.0");
+    let system = [
+        "/usr/lib/x86_64-linux-gnu/libucp.so.0",
+        "/usr/lib/aarch64-linux-gnu/libucp.so.0",
+        "/usr/lib64/libucp.so.0",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .find(|p| p.is_file());
+    vec![
+        (
+            "project",
+            if project.is_file() {
+                Ok(project)
+            } else {
+                Err("the project's UCX (.ucx/) is not installed: run scripts/setup-ucx.sh".to_string())
+            },
+        ),
+        (
+            "system",
+            system
+                .ok_or_else(|| "Debian's libucp.so.0 is not installed: apt-get install libucx0".to_string()),
+        ),
+    ]
+}
