@@ -377,3 +377,88 @@ pub(crate) fn oracle() -> serde_json::Value {
         .unwrap_or_else(|e| panic!("oracle {} is required for these tests: {e}", path.display()));
     serde_json::from_str(&text).expect("oracle is JSON")
 }
+
+mod notifications {
+    use std::time::{Duration, Instant};
+
+    use kvx::transfer::handshake::zmq_context;
+    use kvx::transfer::notify::{LeaseTable, Notification, NotifyError, NotifyListener, NotifySender};
+
+    use super::{LIMIT, within};
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn notifications_and_heartbeats_drive_the_lease_table() {
+        within(LIMIT, || {
+            let listener = NotifyListener::bind("tcp://127.0.0.1:0").expect("bind");
+            // Two D ranks read request `req-1` from this P rank; each notifies once.
+            let d0 = NotifySender::connect(listener.endpoint(), WAIT).expect("connect");
+            let d1 = NotifySender::connect(listener.endpoint(), WAIT).expect("connect");
+            let t0 = Instant::now();
+            let mut table = LeaseTable::new(Duration::from_secs(30));
+            table.register("req-1", None, t0).expect("new");
+            table.register("req-2", None, t0).expect("new");
+
+            d0.send_heartbeat(&["req-2".to_owned()]).expect("heartbeat");
+            d0.send_done("req-1", 2).expect("notif");
+            d1.send_done("req-1", 2).expect("notif");
+            d1.send_done("unknown-req", 1).expect("notif");
+
+            let mut got = Vec::new();
+            while got.len() < 4 {
+                let n = listener.recv(WAIT).expect("recv").expect("a message within the wait");
+                got.push(n);
+            }
+            assert!(got.contains(&Notification::Heartbeat { ids: vec!["req-2".into()] }));
+            let mut freed = Vec::new();
+            // Simulated time: each message is processed 1 s later than the previous.
+            for (i, n) in got.iter().enumerate() {
+                freed.extend(table.apply(n, t0 + Duration::from_secs(25 + i as u64)));
+            }
+            assert_eq!(freed, vec!["req-1".to_owned()]);
+            // req-2 was extended to at least 25 + 20 s, so it survives the 30 s mark.
+            assert!(table.expire(t0 + Duration::from_secs(30)).is_empty());
+            assert_eq!(table.expire(t0 + Duration::from_secs(60)), vec!["req-2".to_owned()]);
+            let st = table.stats();
+            assert_eq!((st.freed_complete, st.freed_expired, st.unrecognized), (1, 1, 1));
+        });
+    }
+
+    #[test]
+    fn malformed_messages_do_not_stop_the_listener() {
+        within(LIMIT, || {
+            let listener = NotifyListener::bind("tcp://127.0.0.1:0").expect("bind");
+            let raw = zmq_context().socket(zmq::PUSH).expect("socket");
+            raw.set_linger(1000).expect("linger");
+            raw.connect(listener.endpoint()).expect("connect");
+            raw.send("no count here", 0).expect("send");
+            raw.send_multipart(["a:1", "b:1"], 0).expect("send");
+            raw.send(&b"\xff\xfe:1"[..], 0).expect("send");
+            raw.send("ok:1", 0).expect("send");
+            for _ in 0..3 {
+                let err = listener.recv(WAIT).expect_err("malformed");
+                assert!(matches!(err, NotifyError::Malformed { .. }), "{err}");
+            }
+            assert_eq!(
+                listener.recv(WAIT).expect("recv"),
+                Some(Notification::Notif { p_request_id: "ok".into(), count: 1 })
+            );
+            assert_eq!(listener.recv(Duration::from_millis(10)).expect("recv"), None);
+        });
+    }
+
+    #[test]
+    fn sending_to_a_missing_listener_fails_within_the_timeout() {
+        within(LIMIT, || {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let ep = format!("ipc://{}/nobody", dir.path().display());
+            let timeout = Duration::from_millis(300);
+            let sender = NotifySender::connect(&ep, timeout).expect("connect is lazy");
+            let t0 = Instant::now();
+            let err = sender.send_done("r", 1).expect_err("nobody listens");
+            assert!(matches!(err, NotifyError::NotDelivered { .. }), "{err}");
+            assert!(t0.elapsed() < timeout + Duration::from_secs(2), "took {:?}", t0.elapsed());
+        });
+    }
+}
