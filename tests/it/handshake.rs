@@ -462,3 +462,242 @@ mod notifications {
         });
     }
 }
+
+mod probe_cli {
+    use std::sync::{Arc, Mutex, mpsc};
+    use std::time::{Duration, Instant};
+
+    use kvx::transfer::handshake::{HandshakeServer, PayloadTable, zmq_context};
+    use serde_json::Value;
+
+    use super::{LIMIT, factors, metadata, oracle, within};
+
+    const CMD_TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// An in-process ROUTER that answers every request with `frames`, as the captured
+    /// vLLM engine did, and records the request frames it received.
+    struct Replay {
+        endpoint: String,
+        requests: Arc<Mutex<Vec<Vec<u8>>>>,
+        stop: Option<mpsc::Sender<()>>,
+        thread: Option<std::thread::JoinHandle<()>>,
+    }
+
+    impl Replay {
+        fn start(frames: Vec<Vec<u8>>) -> Self {
+            let router = zmq_context().socket(zmq::ROUTER).expect("socket");
+            router.set_linger(0).expect("linger");
+            router.bind("tcp://127.0.0.1:0").expect("bind");
+            let endpoint = router.get_last_endpoint().expect("endpoint").expect("utf8");
+            let requests = Arc::new(Mutex::new(Vec::new()));
+            let (stop, stopped) = mpsc::channel::<()>();
+            let thread = {
+                let requests = requests.clone();
+                std::thread::spawn(move || {
+                    while stopped.try_recv() == Err(mpsc::TryRecvError::Empty) {
+                        if router.poll(zmq::POLLIN, 50).expect("poll") == 0 {
+                            continue;
+                        }
+                        let mut msg = router.recv_multipart(0).expect("recv");
+                        requests.lock().expect("lock").push(msg.last().cloned().unwrap_or_default());
+                        msg.truncate(2); // identity, empty delimiter
+                        msg.extend(frames.iter().cloned());
+                        router.send_multipart(msg, 0).expect("send");
+                    }
+                })
+            };
+            Replay { endpoint, requests, stop: Some(stop), thread: Some(thread) }
+        }
+
+        fn requests_hex(&self) -> Vec<String> {
+            self.requests.lock().expect("lock").iter().map(hex::encode).collect()
+        }
+    }
+
+    impl Drop for Replay {
+        fn drop(&mut self) {
+            drop(self.stop.take());
+            if let Some(t) = self.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    fn hex_of(v: &Value) -> Vec<u8> {
+        hex::decode(v.as_str().expect("hex string")).expect("hex")
+    }
+
+    fn v033_frames() -> (Vec<Vec<u8>>, Value) {
+        let o = oracle();
+        let hs = o["handshake_and_lifecycle"]["vllm_0.33.0"]["handshake"].clone();
+        let mut clock = Vec::new();
+        rmp::encode::write_f64(
+            &mut clock,
+            hs["reply_frames"]["frame1_perf_counter_float"].as_f64().expect("float"),
+        )
+        .expect("encode");
+        (vec![hex_of(&hs["reply_frames"]["frame0_payload_hex"]), clock], hs)
+    }
+
+    fn v019_frames() -> (Vec<Vec<u8>>, Value) {
+        let o = oracle();
+        let v = o["handshake_and_lifecycle"]["vllm_0.19.1"].clone();
+        (vec![hex_of(&v["frame0_payload_hex"])], v)
+    }
+
+    fn kvx_probe(args: &[&str]) -> assert_cmd::assert::Assert {
+        assert_cmd::cargo::cargo_bin_cmd!("kvx").arg("probe").args(args).timeout(CMD_TIMEOUT).assert()
+    }
+
+    fn json_out(a: &assert_cmd::assert::Assert) -> Value {
+        serde_json::from_slice(&a.get_output().stdout).expect("probe prints JSON")
+    }
+
+    #[test]
+    fn probe_decodes_the_captured_v0_33_reply() {
+        within(LIMIT, || {
+            let (frames, hs) = v033_frames();
+            let replay = Replay::start(frames);
+            let a = kvx_probe(&[&replay.endpoint, "--tp-rank", "1", "--format", "json", "--timeout", "10s"])
+                .success();
+            let j = json_out(&a);
+            let want = &hs["reply_frames"]["frame0_agent_metadata_decoded"];
+            assert_eq!(j["framing"], "0.33");
+            assert_eq!(j["reply_frames"], 2);
+            assert_eq!(j["peer_clock_s"], hs["reply_frames"]["frame1_perf_counter_float"]);
+            assert_eq!(j["compatibility_hash"], hs["compat_hash"]["sha256_hex_manual"]);
+            assert_eq!(j["advertised"]["kind"], "vllm");
+            let m = &j["advertised"]["metadata"];
+            assert_eq!(m["engine_id"], "P-engine");
+            assert_eq!(m["kv_cache_layout"], "LBHNC");
+            for k in [
+                "block_lens",
+                "block_strides",
+                "num_blocks",
+                "kv_caches_base_addr",
+                "block_size",
+                "region_names",
+            ] {
+                assert_eq!(m[k], want[k], "{k}");
+            }
+            assert_eq!(m["kv_caches_base_addr"], serde_json::json!([8589934592u64, 8589950976u64]));
+            let opaque = &j["advertised"]["opaque"][0];
+            assert_eq!(
+                (opaque["field"].as_str(), opaque["bytes"].as_u64()),
+                (Some("agent_metadata"), Some(45))
+            );
+            // kvx asked exactly as vLLM 0.33 does.
+            assert_eq!(
+                replay.requests_hex(),
+                vec![hs["request_frame_hex"].as_str().expect("hex").to_owned()]
+            );
+        });
+    }
+
+    #[test]
+    fn probe_table_shows_decoded_and_opaque_parts() {
+        within(LIMIT, || {
+            let (frames, _) = v033_frames();
+            let replay = Replay::start(frames);
+            let a = kvx_probe(&[&replay.endpoint, "--tp-rank", "1", "--timeout", "10s"]).success();
+            let out = String::from_utf8(a.get_output().stdout.clone()).expect("utf8");
+            let port = replay.endpoint.rsplit(':').next().expect("port");
+            // Same width as the port, so the table layout is unchanged.
+            let redacted = redact_latency(&out).replace(port, &"P".repeat(port.len()));
+            insta::with_settings!({ snapshot_path => "../fixtures/handshake/snapshots", prepend_module_to_snapshot => false }, {
+                insta::assert_snapshot!("probe_v0_33_table", redacted);
+            });
+            for needle in [
+                "P-engine",
+                "LBHNC",
+                "4096, 4096",
+                "0x200000000",
+                "0x200004000",
+                "1fe9766e614ae6e5",
+                "opaque: agent_metadata",
+            ] {
+                assert!(out.contains(needle), "{needle} missing from\n{out}");
+            }
+        });
+    }
+
+    /// Replaces the latency row (its number changes every run) with a marker.
+    fn redact_latency(text: &str) -> String {
+        text.lines()
+            .map(|line| if line.starts_with("| latency ") { "| latency [redacted]" } else { line })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn probe_auto_detects_v0_19_and_asks_again_in_its_framing() {
+        within(LIMIT, || {
+            let (frames, v) = v019_frames();
+            let replay = Replay::start(frames);
+            let a = kvx_probe(&[&replay.endpoint, "--tp-rank", "1", "--format", "json", "--timeout", "10s"])
+                .success();
+            let j = json_out(&a);
+            assert_eq!(j["framing"], "0.19");
+            assert_eq!(j["peer_clock_s"], Value::Null);
+            assert_eq!(j["compatibility_hash"], v["compat_hash"]["executed"]);
+            let m = &j["advertised"]["metadata"];
+            assert_eq!(m["engine_id"], "P-engine");
+            assert_eq!(m["kv_cache_layout"], "HND");
+            assert_eq!(m["kv_caches_base_addr"], v["agent_metadata_decoded"]["kv_caches_base_addr"]);
+            assert_eq!(m["block_lens"], v["agent_metadata_decoded"]["block_lens"]);
+            assert_eq!(m["num_blocks"], 4);
+            let reqs = replay.requests_hex();
+            assert_eq!(reqs.len(), 2, "{reqs:?}");
+            assert_eq!(
+                reqs[1],
+                v["request_frame_hex"].as_str().expect("hex"),
+                "second request in 0.19 framing"
+            );
+
+            let replay = Replay::start(v019_frames().0);
+            kvx_probe(&[&replay.endpoint, "--tp-rank", "1", "--vllm", "0.19", "--timeout", "10s"]).success();
+            assert_eq!(replay.requests_hex(), vec![v["request_frame_hex"].as_str().expect("hex").to_owned()]);
+        });
+    }
+
+    #[test]
+    fn probe_a_kvx_engine_and_measure_repeats() {
+        within(LIMIT, || {
+            let f = factors("bfloat16", 8);
+            let t = PayloadTable::new();
+            t.publish(0, 1, metadata(0, 1, &f).to_payload().expect("payload").encode());
+            let server = HandshakeServer::start("tcp://127.0.0.1:0", t).expect("server");
+            let a = kvx_probe(&[server.endpoint(), "--tp-rank", "1", "--format", "json", "--repeat", "5"])
+                .success();
+            let j = json_out(&a);
+            assert_eq!(j["advertised"]["kind"], "kvx");
+            let m = &j["advertised"]["metadata"];
+            assert_eq!(
+                (m["engine_id"].as_str(), m["tp_size"].as_u64(), m["tp_rank"].as_u64()),
+                (Some("P-engine"), Some(2), Some(1))
+            );
+            assert_eq!(m["factors_match_hash"], true);
+            assert_eq!(m["factors"]["dtype"], "bfloat16");
+            assert_eq!(m["regions"].as_array().map(Vec::len), Some(3));
+            assert_eq!(j["compatibility_hash"].as_str(), Some(f.hash_hex().as_str()));
+            assert_eq!(j["latency_summary"]["count"], 5);
+            assert_eq!(server.stop().served, 5);
+        });
+    }
+
+    #[test]
+    fn unreachable_endpoint_fails_within_the_timeout_with_exit_2() {
+        within(LIMIT, || {
+            let port =
+                std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+            let t0 = Instant::now();
+            let a = kvx_probe(&[&format!("127.0.0.1:{port}"), "--timeout", "500ms"]).code(2);
+            assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+            let err = String::from_utf8_lossy(&a.get_output().stderr).into_owned();
+            assert!(err.contains("no connection to tcp://127.0.0.1:"), "{err}");
+            let a = kvx_probe(&["http://example:1"]).code(2);
+            assert!(String::from_utf8_lossy(&a.get_output().stderr).contains("ENDPOINT"));
+            kvx_probe(&["127.0.0.1:1", "--timeout", "soon"]).code(2);
+        });
+    }
+}
