@@ -1,11 +1,164 @@
-//! `kvx probe` (not implemented yet).
-use clap::Args;
+//! `kvx probe`: speak the side-channel protocol to a kvx engine or a live vLLM and print
+//! what it advertises for one rank (`--repeat N` also measures handshake latency).
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, ValueEnum};
 
 use crate::Outcome;
+use crate::error::ConfigError;
+use crate::transfer::handshake::Framing;
+use crate::transfer::probe::{self, LatencySummary, ProbeFraming, ProbeOptions};
+
+/// Framing to speak (`--vllm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VllmFraming {
+    /// Try 0.33 framing, fall back to 0.19 if the peer answers that way.
+    Auto,
+    /// `[get_meta_msg, pp_rank, tp_rank]`, two reply frames (vLLM ≥ 0.11, kvx).
+    #[value(name = "0.33")]
+    V033,
+    /// `[get_meta_msg, tp_rank]`, one reply frame.
+    #[value(name = "0.19")]
+    V019,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProbeFormat {
+    Table,
+    Json,
+}
 
 #[derive(Debug, Args)]
-pub struct ProbeArgs {}
+pub struct ProbeArgs {
+    /// Side-channel endpoint, e.g. tcp://10.0.0.5:5600 (vLLM: VLLM_NIXL_SIDE_CHANNEL_HOST and
+    /// VLLM_NIXL_SIDE_CHANNEL_PORT + data-parallel rank); HOST:PORT means tcp://HOST:PORT.
+    pub endpoint: String,
+    /// Tensor-parallel rank to ask for.
+    #[arg(long, default_value_t = 0)]
+    pub tp_rank: u32,
+    /// Pipeline-parallel rank to ask for (0.33 framing only).
+    #[arg(long, default_value_t = 0)]
+    pub pp_rank: u32,
+    /// Request framing: vLLM 0.33 (also kvx), 0.19, or auto-detect.
+    #[arg(long, value_enum, default_value_t = VllmFraming::Auto)]
+    pub vllm: VllmFraming,
+    /// Give up after this long (e.g. 500ms, 5s, 1m).
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ProbeFormat::Table)]
+    pub format: ProbeFormat,
+    /// Probe this many times (a new connection each time) and report latency percentiles.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub repeat: u32,
+}
 
-pub fn run(_args: &ProbeArgs) -> anyhow::Result<Outcome> {
-    anyhow::bail!("`kvx probe` is not implemented yet")
+/// Parses `250ms`, `5s`, `2m` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num.parse().map_err(|_| format!("{text:?} is not a duration like 500ms, 5s or 1m"))?;
+    let secs = match unit.trim() {
+        "ms" => value / 1e3,
+        "" | "s" => value,
+        "m" | "min" => value * 60.0,
+        other => return Err(format!("unknown unit {other:?} in {text:?}: use ms, s or m")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{text:?}: {e}"))
+}
+
+fn normalise_endpoint(endpoint: &str) -> Result<String, ConfigError> {
+    if endpoint.starts_with("tcp://") || endpoint.starts_with("ipc://") {
+        return Ok(endpoint.to_owned());
+    }
+    if endpoint.contains("://") {
+        return Err(ConfigError::new(
+            "ENDPOINT",
+            format!("{endpoint:?}: only tcp:// and ipc:// endpoints are supported"),
+        ));
+    }
+    match endpoint.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+            Ok(format!("tcp://{endpoint}"))
+        }
+        _ => Err(ConfigError::new(
+            "ENDPOINT",
+            format!("{endpoint:?} is not tcp://HOST:PORT, HOST:PORT or ipc://PATH"),
+        )),
+    }
+}
+
+pub fn run(args: &ProbeArgs) -> anyhow::Result<Outcome> {
+    let endpoint = normalise_endpoint(&args.endpoint)?;
+    if args.timeout.is_zero() {
+        return Err(ConfigError::new("--timeout", "must be above zero").into());
+    }
+    let opts = ProbeOptions {
+        pp_rank: args.pp_rank,
+        tp_rank: args.tp_rank,
+        framing: match args.vllm {
+            VllmFraming::Auto => ProbeFraming::Auto,
+            VllmFraming::V033 => ProbeFraming::Fixed(Framing::V0_33),
+            VllmFraming::V019 => ProbeFraming::Fixed(Framing::V0_19),
+        },
+        timeout: args.timeout,
+    };
+    let mut samples = Vec::with_capacity(args.repeat as usize);
+    let mut last = None;
+    for _ in 0..args.repeat {
+        let report = probe::probe(&endpoint, &opts).with_context(|| format!("probing {endpoint}"))?;
+        samples.push(report.latency_us);
+        last = Some(report);
+    }
+    let report = last.context("no probe ran")?;
+    let latency = (args.repeat > 1).then(|| LatencySummary::of(&samples)).flatten();
+    match args.format {
+        ProbeFormat::Json => {
+            let mut v = serde_json::to_value(&report)?;
+            if let (Some(l), Some(obj)) = (latency, v.as_object_mut()) {
+                obj.insert("latency_summary".into(), serde_json::to_value(l)?);
+            }
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        ProbeFormat::Table => {
+            print!("{}", probe::render_table(&report));
+            if let Some(l) = latency {
+                println!(
+                    "handshake latency over {} probes: min {:.0} µs, p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs",
+                    l.count, l.min_us, l.p50_us, l.p99_us, l.max_us
+                );
+            }
+        }
+    }
+    Ok(Outcome::Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
+        assert_eq!(parse_duration("0.25s"), Ok(Duration::from_millis(250)));
+        assert!(parse_duration("5h").is_err());
+        assert!(parse_duration("fast").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(normalise_endpoint("tcp://h:1").as_deref(), Ok("tcp://h:1"));
+        assert_eq!(normalise_endpoint("10.0.0.5:5600").as_deref(), Ok("tcp://10.0.0.5:5600"));
+        assert_eq!(normalise_endpoint("ipc:///tmp/x").as_deref(), Ok("ipc:///tmp/x"));
+        assert!(normalise_endpoint("http://h:1").is_err());
+        assert!(normalise_endpoint("h").is_err());
+        assert!(normalise_endpoint("h:99999").is_err());
+    }
 }

@@ -11,10 +11,15 @@ pub const KVX_RESULTS_DIR: &str = "KVX_RESULTS_DIR";
 /// tracing filter for kvx's logs on stderr (e.g. `kvx=debug`).
 pub const KVX_LOG: &str = "KVX_LOG";
 
+/// Directory of the vLLM oracle vectors the tests read (tests only; default
+/// `../shared/oracle` beside the project root).
+pub const KVX_ORACLE_DIR: &str = "KVX_ORACLE_DIR";
+
 /// All documented variables with their one-line meaning (printed by `kvx doctor`).
 pub const ALL: &[(&str, &str)] = &[
     (KVX_UCX_LIB, "path of the libucp.so to load (same as --ucx-lib)"),
     (KVX_UCX_DIR, "root of a UCX install preferred over the system's (default: .ucx/ of the project)"),
     (KVX_RESULTS_DIR, "directory runs are written under (default results/)"),
     (KVX_LOG, "log filter for stderr, e.g. kvx=debug"),
+    (KVX_ORACLE_DIR, "tests only: directory of the vLLM oracle vectors (default ../shared/oracle)"),
 ];

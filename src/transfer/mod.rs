@@ -8,6 +8,7 @@
 pub mod doctor;
 pub mod handshake;
 pub mod memory;
+pub mod notify;
 pub mod probe;
 pub mod ucx;
 pub mod xfer;

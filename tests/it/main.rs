@@ -3,6 +3,7 @@
 mod cli_errors;
 mod common;
 mod gate;
+mod handshake;
 mod oracle;
 mod props;
 mod report;
