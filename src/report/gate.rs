@@ -1201,9 +1201,9 @@ mod tests {
     /// The noise model the module docs reason about, simulated: a per-repeat spread of 3%, one
     /// repeat in ten hit by a neighbour (15-40% slower), the whole run on a machine whose speed
     /// wanders by 5% (seen by the calibration too, which has 2% noise of its own).
-    fn simulated_run(rng: &mut rand_chacha::ChaCha8Rng, repeats: usize, slowdown: f64) -> Value {
+    fn simulated_run(rng: &mut rand::rngs::StdRng, repeats: usize, slowdown: f64) -> Value {
         use rand::RngExt as _;
-        fn gauss(rng: &mut rand_chacha::ChaCha8Rng, sd: f64) -> f64 {
+        fn gauss(rng: &mut rand::rngs::StdRng, sd: f64) -> f64 {
             // Box-Muller: rand has no normal distribution without rand_distr.
             let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
             sd * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
@@ -1224,13 +1224,13 @@ mod tests {
 
     #[test]
     fn simulated_noise_no_false_alarms_and_fifteen_percent_caught() {
-        use rand::SeedableRng as _;
+        use rand::SeedableRng;
         let th = Thresholds::with_file(
             "[settings]\nreplace_defaults = true\n[[metric]]\nname = \"throughput_gbps\"\nbetter = \"higher\"\nthreshold = 0.10\n",
             "sim",
         )
         .expect("thresholds");
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(20);
         let (mut runs, mut false_alarms, mut caught) = (0u32, 0u32, 0u32);
         let regressed = |b: &Value, c: &Value| {
             let r =

@@ -151,7 +151,7 @@ fn scatter_child_body(lib: &Path) {
     .expect("register");
 
     // Scattered, unaligned, non-overlapping local ranges with gaps; random remote offsets.
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(42);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
     let mut descs = Vec::new();
     let mut cursor = 0u64;
     loop {
