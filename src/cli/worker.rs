@@ -1,11 +1,54 @@
-//! `kvx worker` (not implemented yet).
-use clap::Args;
+//! `kvx worker` (hidden): one rank of a prefill or decode engine.
+
+use clap::{Args, ValueEnum};
 
 use crate::Outcome;
+use crate::pipeline::proto::Role;
+use crate::pipeline::worker::{self, launcher_rank};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RoleArg {
+    Prefill,
+    Decode,
+}
 
 #[derive(Debug, Args)]
-pub struct WorkerArgs {}
+#[command(after_help = "Example (a decode rank on another host):\n  kvx worker --connect tcp://orchestrator:7000 --role decode --rank 1\n\
+    Under Slurm or mpirun, omit --role/--rank and pass --p-tp: global ranks below it are prefill ranks,\n\
+    the rest decode ranks; decode ranks connect to the given port + 1.")]
+pub struct WorkerArgs {
+    /// The engine's control endpoint (printed by `kvx bench --listen`).
+    #[arg(long)]
+    pub connect: String,
+    #[arg(long, value_enum)]
+    pub role: Option<RoleArg>,
+    /// This worker's TP rank (default: from the launcher's environment, else assigned).
+    #[arg(long)]
+    pub rank: Option<u32>,
+    /// With a launcher: the prefill TP size, to split global ranks into prefill and decode.
+    #[arg(long)]
+    pub p_tp: Option<u32>,
+}
 
-pub fn run(_args: &WorkerArgs) -> anyhow::Result<Outcome> {
-    anyhow::bail!("`kvx worker` is not implemented yet")
+pub fn run(args: &WorkerArgs) -> anyhow::Result<Outcome> {
+    let (role, rank, endpoint) = match (args.role, launcher_rank(), args.p_tp) {
+        (Some(r), _, _) => {
+            let role = if r == RoleArg::Prefill { Role::Prefill } else { Role::Decode };
+            (role, args.rank, args.connect.clone())
+        }
+        (None, Some((global, _)), Some(p_tp)) if global < p_tp => (Role::Prefill, Some(global), args.connect.clone()),
+        (None, Some((global, _)), Some(p_tp)) => (Role::Decode, Some(global - p_tp), bump_port(&args.connect)?),
+        _ => anyhow::bail!(
+            "pass --role prefill|decode, or run under a launcher (SLURM_PROCID, OMPI_COMM_WORLD_RANK or RANK) with --p-tp"
+        ),
+    };
+    worker::run(&endpoint, role, rank)?;
+    Ok(Outcome::Ok)
+}
+
+/// The decode engine listens one port above the prefill engine.
+fn bump_port(ep: &str) -> anyhow::Result<String> {
+    let (head, port) = ep.rsplit_once(':').ok_or_else(|| anyhow::anyhow!("--connect {ep} has no port"))?;
+    let port: u16 = port.parse().map_err(|_| anyhow::anyhow!("--connect {ep}: bad port"))?;
+    Ok(format!("{head}:{}", port.checked_add(1).ok_or_else(|| anyhow::anyhow!("--connect {ep}: port too high"))?))
 }

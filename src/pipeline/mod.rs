@@ -5,8 +5,12 @@
 //! lifecycle (fill, hold under a lease, read, verify, notify, free). Uses `layouts` for
 //! plans and `transfer` for bytes on the wire; hands measurements to `report`.
 
+pub mod bench;
+pub mod decode;
 pub mod engine;
 pub mod params;
 pub mod pool;
+pub mod prefill;
 pub mod proto;
+pub mod worker;
 pub mod workload;

@@ -143,6 +143,11 @@ impl NotifyListener {
         &self.endpoint
     }
 
+    /// The socket, for waiting on it together with other sockets (`zmq::poll`).
+    pub fn socket(&self) -> &zmq::Socket {
+        &self.sock
+    }
+
     /// Waits up to `timeout` for one message. `Ok(None)`: nothing arrived. A
     /// [`NotifyError::Malformed`] leaves the listener usable: log it and call again.
     pub fn recv(&self, timeout: Duration) -> Result<Option<Notification>, NotifyError> {

@@ -342,6 +342,27 @@ impl Worker {
         }
     }
 
+    /// The worker's event fd (absent in busy progress mode), for callers that wait on it
+    /// together with their own sockets; call [`Worker::arm`] before every wait.
+    pub fn event_fd(&self) -> Option<RawFd> {
+        self.inner.efd
+    }
+
+    /// Arms the event fd for the next wait. `Ok(false)`: events are already pending, so
+    /// progress again instead of waiting (`UCS_ERR_BUSY`).
+    pub fn arm(&self) -> Result<bool> {
+        if self.inner.efd.is_none() {
+            return Ok(false);
+        }
+        // SAFETY: live worker with an event fd, called from its owning thread.
+        let st = unsafe { (self.ucx().api().ucp_worker_arm)(self.inner.h) };
+        if st == sys::UCS_ERR_BUSY {
+            return Ok(false);
+        }
+        self.ucx().check("ucp_worker_arm", st)?;
+        Ok(true)
+    }
+
     /// Arms the worker and sleeps on its event fd (and `extra`) for at most `timeout`.
     /// Returns whether `extra` is readable.
     fn block(&self, extra: Option<RawFd>, timeout: Duration) -> Result<bool> {

@@ -1,0 +1,548 @@
+//! `kvx bench`: a prefill engine and a decode engine of real worker processes, a stream of
+//! requests through the whole lifecycle, and a report.
+//!
+//! The driver plays vLLM's proxy and schedulers: for each request it asks the prefill
+//! engine to fill and hold blocks, hands the resulting `kv_transfer_params` to the decode
+//! engine, and records what every decode rank measured. Timed stages are measured inside
+//! the workers; the driver only aggregates them, so its own scheduling never shows up as
+//! transfer time.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+
+use super::engine::{Engine, EngineConfig, EngineError, EngineFinal, Launch};
+use super::proto::{LoadResult, Role, TransportConfig, VerifyMode, WorkerConfig};
+use super::workload::{Arrival, Generator, PromptLens};
+use crate::layouts::alloc::AllocPattern;
+use crate::layouts::compat::PairSpec;
+use crate::report::files::RunWriter;
+use crate::report::recorder::StageRecorder;
+use crate::report::summary::{
+    Calibration, Environment, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals,
+    Scenario, Stage, Summary, UcxInfo,
+};
+
+/// What to do when a load fails (vLLM's `kv_load_failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum FailurePolicy {
+    /// The request ends with an error.
+    #[default]
+    Fail,
+    /// The decode side recomputes the prompt locally; counted apart.
+    Recompute,
+}
+
+/// Resolved settings of a bench run.
+#[derive(Debug, Clone)]
+pub struct BenchSettings {
+    pub name: String,
+    pub pair: PairSpec,
+    pub lens: PromptLens,
+    pub arrival: Arrival,
+    pub requests: Option<u64>,
+    pub duration: Option<Duration>,
+    pub warmup: u64,
+    pub prefix_hit: f64,
+    pub alloc: AllocPattern,
+    pub verify: VerifyMode,
+    pub on_failure: FailurePolicy,
+    pub transport: TransportConfig,
+    pub lease: Duration,
+    pub timeout: Duration,
+    pub repeat: u32,
+    pub seed: u64,
+    pub exe: PathBuf,
+    /// Extra environment for worker processes (UCX_TLS, ...).
+    pub worker_env: Vec<(String, String)>,
+    /// `Some(endpoint)`: wait for external workers (prefill on this port, decode on port + 1).
+    pub listen: Option<String>,
+    pub bind_host: String,
+    pub advertise_host: String,
+    /// Measure the same-run calibration (memcpy and a UCX loopback read).
+    pub calibrate: bool,
+    pub progress_bar: bool,
+}
+
+impl BenchSettings {
+    /// The scenario as the summary records it.
+    pub fn scenario(&self) -> Scenario {
+        let (concurrency, rate) = match self.arrival {
+            Arrival::Closed { concurrency } => (Some(concurrency), None),
+            Arrival::Poisson { rate } => (None, Some(rate)),
+        };
+        let mut s = Scenario {
+            name: Some(self.name.clone()),
+            model: Some(self.pair.model.name.clone()),
+            p_tp: Some(self.pair.p.tp),
+            d_tp: Some(self.pair.d.tp),
+            p_layout: Some(self.pair.p.layout.to_string()),
+            d_layout: Some(self.pair.d.layout.to_string()),
+            p_block_size: Some(self.pair.p.block_tokens),
+            d_block_size: Some(self.pair.d.block_tokens),
+            prompt_len: Some(self.lens.to_string()),
+            prefix_hit: Some(self.prefix_hit),
+            alloc: Some(self.alloc.to_string()),
+            requests: self.requests,
+            duration_s: self.duration.map(|d| d.as_secs_f64()),
+            warmup: Some(self.warmup),
+            concurrency,
+            rate_rps: rate,
+            inflight: Some(self.transport.inflight),
+            repeat: Some(self.repeat),
+            verify: Some(format!("{:?}", self.verify).to_lowercase()),
+            transport: Some(format!("{:?}", self.transport.kind).to_lowercase()),
+            mem: Some(self.transport.mem.clone()),
+            on_load_failure: Some(format!("{:?}", self.on_failure).to_lowercase()),
+            seed: Some(self.seed),
+            extra: BTreeMap::new(),
+        };
+        s.extra.insert("vllm_rules".into(), serde_json::json!(self.pair.version.as_str()));
+        s.extra.insert("pool_blocks_p".into(), serde_json::json!(self.pair.p.num_blocks));
+        s.extra.insert("pool_blocks_d".into(), serde_json::json!(self.pair.d.num_blocks));
+        s.extra.insert("coalesce".into(), serde_json::json!(self.transport.coalesce));
+        s.extra.insert("progress".into(), serde_json::json!(self.transport.progress));
+        s
+    }
+
+    fn worker_config(&self, role: Role, engine_id: &str) -> WorkerConfig {
+        WorkerConfig {
+            role,
+            rank: 0,
+            engine_id: engine_id.to_string(),
+            pair: self.pair.clone(),
+            transport: self.transport.clone(),
+            verify: self.verify,
+            lease_ms: self.lease.as_millis() as u64,
+            timeout_ms: self.timeout.as_millis() as u64,
+            bind_host: self.bind_host.clone(),
+            advertise_host: self.advertise_host.clone(),
+        }
+    }
+}
+
+/// Why a bench could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Report(#[from] crate::report::ReportError),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// One finished request, as the driver saw it.
+struct Finished {
+    row: RequestRow,
+    ranks: Vec<LoadResult>,
+    verify_failures: u64,
+    bytes_verified: u64,
+}
+
+/// The two engines of a bench.
+pub struct Engines {
+    pub prefill: Engine,
+    pub decode: Engine,
+}
+
+impl Engines {
+    pub fn start(s: &BenchSettings) -> Result<Engines, BenchError> {
+        let launch = |role: Role| match &s.listen {
+            Some(ep) => {
+                let (host, port) = super::engine::split_endpoint(ep);
+                let port = if role == Role::Prefill { port } else { port.saturating_add(1) };
+                Launch::External { bind: format!("tcp://{host}:{port}") }
+            }
+            None => Launch::Spawn { exe: s.exe.clone(), env: s.worker_env.clone() },
+        };
+        let engine = |role: Role, id: &str, tp, blocks, block_tokens| EngineConfig {
+            worker: s.worker_config(role, id),
+            tp,
+            pool_blocks: blocks,
+            block_tokens,
+            alloc: s.alloc,
+            seed: s.seed ^ u64::from(role == Role::Decode),
+            launch: launch(role),
+            side_channel_bind: (role == Role::Prefill).then(|| format!("tcp://{}:0", s.bind_host)),
+            timeout: s.timeout * 4,
+        };
+        let p_id = format!("kvx-prefill-{}", uuid::Uuid::new_v4().simple());
+        let prefill = Engine::start(engine(Role::Prefill, &p_id, s.pair.p.tp, s.pair.p.num_blocks, s.pair.p.block_tokens))?;
+        let d_id = format!("kvx-decode-{}", uuid::Uuid::new_v4().simple());
+        let decode = Engine::start(engine(Role::Decode, &d_id, s.pair.d.tp, s.pair.d.num_blocks, s.pair.d.block_tokens))?;
+        Ok(Engines { prefill, decode })
+    }
+}
+
+/// The notifications each prefill rank waits for per request.
+fn expected_notifs(pair: &PairSpec) -> u32 {
+    let (p, d) = (pair.p.tp, pair.d.tp);
+    if d > p { d / p } else { 1 }
+}
+
+/// Runs one request through both engines.
+async fn one_request(
+    engines: &Engines,
+    s: &BenchSettings,
+    run_id: &str,
+    req: u64,
+    tokens: u32,
+    seed: u64,
+    arrival: Instant,
+    t_start: Instant,
+    repeat: u32,
+) -> Finished {
+    let p_request_id = format!("cmpl-{run_id}-{req}-0");
+    let d_request_id = format!("cmpl-{run_id}-{req}-d");
+    let n_d = tokens.div_ceil(s.pair.d.block_tokens);
+    let hit = (f64::from(n_d) * s.prefix_hit).floor() as u32;
+    let mut row = RequestRow {
+        request_id: p_request_id.clone(),
+        repeat,
+        start_offset_us: arrival.saturating_duration_since(t_start).as_secs_f64() * 1e6,
+        prompt_tokens: u64::from(tokens),
+        blocks: u64::from(n_d - hit),
+        ..RequestRow::default()
+    };
+    let fail = |row: &mut RequestRow, cause: &str| {
+        row.outcome = match s.on_failure {
+            FailurePolicy::Fail => RequestOutcome::Failed,
+            FailurePolicy::Recompute => RequestOutcome::Recomputed,
+        };
+        row.failure_cause = Some(cause.to_string());
+    };
+    let prefill = engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.pair)).await;
+    let params = match prefill {
+        Ok(Ok(done)) => done.params,
+        Ok(Err(e)) => {
+            fail(&mut row, e.cause().as_str());
+            tracing::warn!("request {req}: prefill failed: {e}");
+            return Finished { row, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+        }
+        Err(_) => {
+            fail(&mut row, "internal");
+            return Finished { row, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+        }
+    };
+    let load = engines.decode.load(req, d_request_id, params, n_d - hit, seed).await;
+    let ranks = match load {
+        Ok(Ok(done)) => done.ranks,
+        Ok(Err(e)) => {
+            fail(&mut row, e.cause().as_str());
+            tracing::warn!("request {req}: load failed: {e}");
+            engines.prefill.abandon(req, p_request_id);
+            return Finished { row, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+        }
+        Err(_) => {
+            fail(&mut row, "internal");
+            return Finished { row, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+        }
+    };
+    let us = |ns: u64| ns as f64 / 1e3;
+    let max = |f: fn(&LoadResult) -> u64| ranks.iter().map(f).max().unwrap_or(0);
+    row.bytes = ranks.iter().map(|r| r.bytes).sum();
+    row.descriptors_raw = ranks.iter().map(|r| r.descs_raw).sum();
+    row.descriptors_coalesced = ranks.iter().map(|r| r.descs_coalesced).sum();
+    row.queue_us = Some(us(max(|r| r.queue_ns)));
+    row.handshake_us = ranks.iter().filter_map(|r| r.handshake_ns).max().map(us);
+    row.plan_us = Some(us(max(|r| r.plan_ns)));
+    row.post_us = Some(us(max(|r| r.post_ns)));
+    row.transfer_us = Some(us(max(|r| r.transfer_ns)));
+    row.notify_us = Some(us(max(|r| r.notify_ns)));
+    row.e2e_us = Some(us(max(|r| r.e2e_ns)));
+    row.d_ranks = RankList(ranks.iter().map(|r| r.d_rank).collect());
+    if let Some((cause, msg)) = ranks.iter().find_map(|r| r.error.clone()) {
+        fail(&mut row, cause.as_str());
+        tracing::warn!("request {req}: {msg}");
+    }
+    let verify_failures = ranks.iter().filter(|r| r.verify_failure.is_some()).count() as u64;
+    if let Some(m) = ranks.iter().find_map(|r| r.verify_failure.as_ref()) {
+        tracing::warn!("request {req}: verification failed: {m}");
+        if row.outcome == RequestOutcome::Ok {
+            fail(&mut row, "verify");
+        }
+    }
+    let bytes_verified = ranks.iter().map(|r| r.bytes_verified).sum();
+    Finished { row, ranks, verify_failures, bytes_verified }
+}
+
+/// Accumulates one measured repeat.
+#[derive(Default)]
+struct Tally {
+    totals: RequestTotals,
+    recorder: StageRecorder,
+    verify_failures: u64,
+    bytes_verified: u64,
+    per_rank_bytes: BTreeMap<u32, (u64, u64)>,
+    transports: Option<String>,
+    handshake: StageRecorder,
+}
+
+impl Tally {
+    fn add(&mut self, f: &Finished) {
+        self.totals.add(&f.row);
+        self.verify_failures += f.verify_failures;
+        self.bytes_verified += f.bytes_verified;
+        if f.row.outcome == RequestOutcome::Ok {
+            for stage in [Stage::Queue, Stage::Plan, Stage::Post, Stage::Transfer, Stage::Notify, Stage::E2e] {
+                if let Some(v) = f.row.stage_us(stage) {
+                    self.recorder.record_ns(stage.as_str(), (v * 1e3) as u64);
+                }
+            }
+            let verify = f.ranks.iter().map(|r| r.verify_ns).max().unwrap_or(0);
+            if verify > 0 {
+                self.recorder.record_ns("verify", verify);
+            }
+            for r in &f.ranks {
+                let e = self.per_rank_bytes.entry(r.d_rank).or_default();
+                e.0 += r.bytes;
+                e.1 += 1;
+            }
+        }
+        if let Some(h) = f.row.handshake_us {
+            self.handshake.record_ns(Stage::Handshake.as_str(), (h * 1e3) as u64);
+        }
+        if self.transports.is_none() {
+            self.transports = f.ranks.iter().find_map(|r| r.transports.clone());
+        }
+    }
+}
+
+/// Drives `count` requests (or until `until`) and calls `done` for each.
+async fn drive(
+    engines: &Engines,
+    s: &BenchSettings,
+    run_id: &str,
+    generator: &mut Generator,
+    first_req: u64,
+    count: Option<u64>,
+    until: Option<Instant>,
+    repeat: u32,
+    mut done: impl FnMut(Finished),
+) -> Instant {
+    let t_start = Instant::now();
+    let mut in_flight = FuturesUnordered::new();
+    let mut next = first_req;
+    let more = |next: u64| count.is_none_or(|c| next < first_req + c) && until.is_none_or(|u| Instant::now() < u);
+    match s.arrival {
+        Arrival::Closed { concurrency } => loop {
+            while in_flight.len() < concurrency.max(1) as usize && more(next) {
+                let (tokens, seed) = (generator.prompt_len(), generator.pattern_seed());
+                in_flight.push(one_request(engines, s, run_id, next, tokens, seed, Instant::now(), t_start, repeat));
+                next += 1;
+            }
+            match in_flight.next().await {
+                Some(f) => done(f),
+                None => break,
+            }
+        },
+        Arrival::Poisson { rate } => {
+            let mut next_at = Instant::now();
+            loop {
+                let sleep = tokio::time::sleep_until(next_at.into());
+                tokio::pin!(sleep);
+                let arrive = more(next);
+                tokio::select! {
+                    () = &mut sleep, if arrive => {
+                        let (tokens, seed) = (generator.prompt_len(), generator.pattern_seed());
+                        in_flight.push(one_request(engines, s, run_id, next, tokens, seed, next_at, t_start, repeat));
+                        next += 1;
+                        next_at += generator.inter_arrival(rate);
+                    }
+                    Some(f) = in_flight.next() => done(f),
+                    else => break,
+                }
+                if !arrive && in_flight.is_empty() {
+                    break;
+                }
+            }
+        }
+    }
+    t_start
+}
+
+/// Measures the calibration the gate normalises by: a single-thread memcpy and a fixed
+/// UCX loopback read, over a cold working set, with the bench's UCX settings.
+pub fn calibrate(s: &BenchSettings, size: u64) -> Option<(Calibration, f64)> {
+    use crate::transfer::xfer::{self, MemKind, SessionOptions, TargetSpec, XferConfig};
+    let progress = super::prefill::parse_progress(&s.transport.progress).ok()?;
+    let cfg = XferConfig {
+        sizes: vec![size],
+        inflight: vec![s.transport.inflight.max(1) as usize],
+        working_set_bytes: 256 << 20,
+        hot: false,
+        ucx_alloc: false,
+        huge_pages: false,
+        mem: MemKind::Host,
+        device: 0,
+        duration: Duration::from_millis(400),
+        iters: None,
+        timeout: s.timeout,
+        session: SessionOptions {
+            ucx_lib: s.transport.ucx_lib.clone(),
+            progress,
+            err_mode: crate::transfer::ucx::ErrMode::None,
+            ucx_config: vec![],
+        },
+    };
+    match xfer::run(&cfg, &TargetSpec::Local { exe: s.exe.clone() }, |_| {}) {
+        Ok(rep) => {
+            let r = rep.results.first()?;
+            let mut c = Calibration { memcpy_gbps: Some(r.memcpy_gbps), ucx_loopback_gbps: Some(r.gbps), ..Calibration::default() };
+            c.extra.insert("descriptor_bytes".into(), serde_json::json!(size));
+            c.extra.insert("transports".into(), serde_json::json!(rep.ucx.transports));
+            Some((c, r.gbps))
+        }
+        Err(e) => {
+            tracing::warn!("calibration skipped: {e}");
+            None
+        }
+    }
+}
+
+/// Runs the bench and writes the run directory; returns the final summary.
+pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Summary, BenchError> {
+    let started = crate::report::summary::now_rfc3339();
+    let mut summary = Summary::new(run_id, started, s.scenario());
+    summary.environment = Environment::detect();
+    summary.partial = true;
+    writer.write_partial(&summary)?;
+
+    let engines = Engines::start(s)?;
+    let info = engines.decode.info().clone();
+    summary.ucx = UcxInfo {
+        library: info.ucx_library.clone(),
+        version: info.ucx_version.clone(),
+        transports: vec![],
+        err_mode: Some(if s.transport.err_mode.is_empty() { "none".into() } else { s.transport.err_mode.clone() }),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| BenchError::Other(format!("async runtime: {e}")))?;
+    let mut generator = Generator::new(s.lens.clone(), s.seed);
+    let mut handshakes = StageRecorder::new();
+    let mut transports: Option<String> = None;
+    // Warm-up: connections, first-touch of pages, caches. Not recorded (but its handshake is).
+    if s.warmup > 0 {
+        let mut warm = Tally::default();
+        rt.block_on(drive(&engines, s, run_id, &mut generator, 0, Some(s.warmup), None, 0, |f| warm.add(&f)));
+        let _ = handshakes.merge(&warm.handshake);
+        transports = warm.transports.clone();
+    }
+    let total_requests = s.requests.map(|r| r * u64::from(s.repeat));
+    let bar = if s.progress_bar {
+        let b = match total_requests {
+            Some(n) => ProgressBar::new(n),
+            None => ProgressBar::new_spinner(),
+        };
+        b.set_draw_target(ProgressDrawTarget::stderr());
+        if let Ok(style) = ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests {msg} [{elapsed}]") {
+            b.set_style(style);
+        }
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut all = Tally::default();
+    let mut repeats = Vec::new();
+    let mut wall = 0.0;
+    let mut first_req = s.warmup;
+    let rows_rc = Rc::new(std::cell::RefCell::new(Vec::new()));
+    for repeat in 0..s.repeat.max(1) {
+        let mut tally = Tally::default();
+        let until = s.duration.map(|d| Instant::now() + d);
+        let mut write_err = None;
+        let mut last_partial = Instant::now();
+        let t0 = Instant::now();
+        let rows = rows_rc.clone();
+        rt.block_on(drive(&engines, s, run_id, &mut generator, first_req, s.requests, until, repeat, |f| {
+            tally.add(&f);
+            all.add(&f);
+            if let Err(e) = writer.write_request(&f.row) {
+                write_err.get_or_insert(e);
+            }
+            rows.borrow_mut().push(f.row);
+            bar.inc(1);
+            if last_partial.elapsed() > Duration::from_secs(2) {
+                last_partial = Instant::now();
+                let mut partial = summary.clone();
+                all.totals.apply(&mut partial, t0.elapsed().as_secs_f64() + wall);
+                let _ = writer.write_partial(&partial);
+            }
+        }));
+        if let Some(e) = write_err {
+            return Err(e.into());
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        wall += secs;
+        first_req += rows_rc.borrow().iter().filter(|r| r.repeat == repeat).count() as u64;
+        let mut rm = RepeatMetrics::from_parts(repeat, &tally.totals, &tally.recorder, secs);
+        rm.verify_failures = tally.verify_failures;
+        repeats.push(rm);
+        let _ = handshakes.merge(&tally.handshake);
+        if transports.is_none() {
+            transports = tally.transports.clone();
+        }
+    }
+    bar.finish_and_clear();
+    let Engines { prefill, decode } = engines;
+    let d_fin: EngineFinal = decode.shutdown();
+    let p_fin: EngineFinal = prefill.shutdown();
+
+    all.totals.apply(&mut summary, wall);
+    let _ = all.recorder.merge(&handshakes);
+    summary.set_stages(&all.recorder);
+    summary.bytes_verified = all.bytes_verified;
+    summary.verify_failures = all.verify_failures;
+    summary.blocks_leaked = u64::from(p_fin.blocks_leaked + d_fin.blocks_leaked);
+    summary.blocks_expired = p_fin.leases_expired;
+    summary.ucx.transports = transports.map(|t| t.split(", ").map(str::to_string).collect()).unwrap_or_default();
+    summary.per_rank = all
+        .per_rank_bytes
+        .iter()
+        .map(|(&rank, &(bytes, requests))| RankThroughput {
+            role: "decode".into(),
+            rank,
+            throughput_gbps: if wall > 0.0 { bytes as f64 / wall / 1e9 } else { 0.0 },
+            bytes,
+            requests,
+        })
+        .collect();
+    if s.repeat > 1 {
+        summary.repeats = repeats;
+    }
+    let rss_limit_note = |role: &str, fin: &EngineFinal, pool: u64| {
+        fin.worker_rss_bytes
+            .iter()
+            .map(|&r| format!("{role} rss {:.0} MiB (pool {:.0} MiB)", r as f64 / 1048576.0, pool as f64 / 1048576.0))
+            .collect::<Vec<_>>()
+    };
+    let p_pool = s.pair.p_geometry(0).total_bytes();
+    let d_pool = s.pair.d_geometry(0).total_bytes();
+    summary.notes.extend(rss_limit_note("P", &p_fin, p_pool).into_iter().take(1));
+    summary.notes.extend(rss_limit_note("D", &d_fin, d_pool).into_iter().take(1));
+    if !p_fin.dead_ranks.is_empty() || !d_fin.dead_ranks.is_empty() {
+        summary.notes.push(format!(
+            "ranks that died: prefill {:?}, decode {:?}; {} blocks written off with them",
+            p_fin.dead_ranks,
+            d_fin.dead_ranks,
+            p_fin.blocks_lost_with_dead_ranks + d_fin.blocks_lost_with_dead_ranks
+        ));
+    }
+    if p_fin.unrecognized_notifs > 0 {
+        summary.notes.push(format!("{} notifications for unrecognized requests", p_fin.unrecognized_notifs));
+    }
+    summary.finished_at = Some(crate::report::summary::now_rfc3339());
+    summary.partial = false;
+    let _ = rows_rc;
+    Ok(summary)
+}

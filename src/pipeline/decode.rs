@@ -1,0 +1,346 @@
+//! A decode rank: for each request, handshakes with the prefill engine on first contact
+//! (lazily, as vLLM does), plans its reads with the planning core, posts one-sided GETs
+//! to every source rank, notifies the prefill ranks, and verifies what landed.
+//!
+//! Requests are served one at a time in arrival order; the time a request waits behind
+//! others is its queue time. Verification runs after the notifications and is timed on
+//! its own, so it never counts as transfer or pipeline time.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::params::KvTransferParams;
+use super::prefill::parse_progress;
+use super::proto::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
+use super::worker::{Control, WorkerError, compat_factors, peer_pair, rss_bytes, werr};
+use crate::layouts::Region;
+use crate::layouts::compat::PairSpec;
+use crate::layouts::plan::{Pair, Planner, RequestBlocks, RequestIds};
+use crate::layouts::verify::verify_request;
+use crate::topology::{self, TpSpec};
+use crate::transfer::handshake::HandshakeError;
+use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
+use crate::transfer::handshake::meta::KvxMetadata;
+use crate::transfer::memory::{HostBuffer, PageSize};
+use crate::transfer::notify::{NotifySender, heartbeat_interval};
+use crate::transfer::ucx::{
+    Context, ContextOptions, Endpoint, ErrMode, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion, Ucx,
+    UcxError, Worker,
+};
+
+type Failure = (FailureCause, String);
+
+struct RemoteRank {
+    region: RemoteRegion,
+    notify: NotifySender,
+}
+
+/// A prefill engine this rank has handshaked with.
+struct RemoteEngine {
+    planner: Planner,
+    pair: PairSpec,
+    p_regions: Vec<Region>,
+    ranks: BTreeMap<u32, RemoteRank>,
+    transports: Option<String>,
+}
+
+struct Decoder<'a> {
+    cfg: &'a WorkerConfig,
+    worker: Worker,
+    local: MemRegion<HostBuffer>,
+    geom: crate::layouts::RankGeometry,
+    regions: Vec<Region>,
+    client: HandshakeClient,
+    engines: HashMap<String, RemoteEngine>,
+    bufs: Vec<Vec<Pair>>,
+    err_mode: ErrMode,
+    timeout: Duration,
+}
+
+pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
+    let geom = cfg.pair.d_geometry(cfg.rank);
+    let regions = geom.regions();
+    let total = usize::try_from(geom.total_bytes()).map_err(werr!("pool size"))?;
+    let progress = parse_progress(&cfg.transport.progress)?;
+    let err_mode = match cfg.transport.err_mode.as_str() {
+        "" | "none" => ErrMode::None,
+        "peer" => ErrMode::Peer,
+        other => return Err(WorkerError::new(format!("unknown error-handling mode '{other}' (none or peer)"))),
+    };
+    let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
+    let ctx = Context::new(&ucx, &ContextOptions { progress, ..ContextOptions::default() }).map_err(werr!("UCX context"))?;
+    let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
+    let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
+    let mem = HostBuffer::alloc(total, pages).map_err(werr!(format!("allocate the {total}-byte KV pool")))?;
+    let local = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
+    let timeout = Duration::from_millis(cfg.timeout_ms);
+    ctl.send(&FromWorker::Ready(Box::new(ReadyInfo {
+        rank: cfg.rank,
+        handshake_payload: None,
+        ucx_library: ucx.path().display().to_string(),
+        ucx_version: ucx.version().to_string(),
+        pool_bytes: total as u64,
+        rss_bytes: rss_bytes(),
+    })))?;
+    let client = HandshakeClient::new(FetchOptions {
+        attempt_timeout: timeout,
+        deadline: timeout * 3,
+        ..FetchOptions::default()
+    });
+    let mut d = Decoder {
+        cfg: &cfg,
+        worker,
+        local,
+        geom,
+        regions,
+        client,
+        engines: HashMap::new(),
+        bufs: Vec::new(),
+        err_mode,
+        timeout,
+    };
+    let hb_every = heartbeat_interval(Duration::from_millis(cfg.lease_ms));
+    let mut queue: VecDeque<(Instant, ToWorker)> = VecDeque::new();
+    let mut last_hb = Instant::now();
+    loop {
+        if queue.is_empty()
+            && let Some(m) = ctl.recv(Duration::from_millis(100))?
+        {
+            queue.push_back((Instant::now(), m));
+        }
+        while let Some(m) = ctl.try_recv()? {
+            queue.push_back((Instant::now(), m));
+        }
+        if last_hb.elapsed() >= hb_every {
+            d.heartbeats(&queue);
+            last_hb = Instant::now();
+        }
+        let Some((received, msg)) = queue.pop_front() else { continue };
+        match msg {
+            ToWorker::Load { req, d_request_id, params, local_blocks, seed } => {
+                let r = d.load(received, req, &d_request_id, &params, local_blocks, seed);
+                ctl.send(&FromWorker::Loaded(Box::new(r)))?;
+            }
+            ToWorker::Shutdown => return Ok(()),
+            _ => {}
+        }
+    }
+}
+
+fn classify_ucx(e: &UcxError) -> FailureCause {
+    match e {
+        UcxError::Timeout { .. } => FailureCause::Timeout,
+        UcxError::Status { name, .. } if name.contains("UNREACHABLE") || name.contains("CONNECTION") => {
+            FailureCause::PeerGone
+        }
+        UcxError::Status { .. } | UcxError::Poisoned => FailureCause::Transfer,
+        _ => FailureCause::Internal,
+    }
+}
+
+impl Decoder<'_> {
+    /// Heartbeats for requests still waiting, so their prefill leases are extended.
+    fn heartbeats(&self, queue: &VecDeque<(Instant, ToWorker)>) {
+        let mut by_engine: HashMap<&str, Vec<String>> = HashMap::new();
+        for (_, m) in queue {
+            if let ToWorker::Load { params, .. } = m {
+                by_engine.entry(params.remote_engine_id.as_str()).or_default().push(params.remote_request_id.clone());
+            }
+        }
+        for (engine, ids) in by_engine {
+            if let Some(e) = self.engines.get(engine) {
+                for r in e.ranks.values() {
+                    let _ = r.notify.send_heartbeat(&ids);
+                }
+            }
+        }
+    }
+
+    fn handshake(&mut self, params: &KvTransferParams) -> Result<RemoteEngine, Failure> {
+        let cfg = self.cfg;
+        let endpoint = format!("tcp://{}:{}", params.remote_host, params.remote_port);
+        let tp = TpSpec {
+            p_tp: params.tp_size,
+            d_tp: cfg.pair.d.tp,
+            num_kv_heads: cfg.pair.model.num_kv_heads,
+            use_mla: cfg.pair.model.is_mla(),
+            version: cfg.pair.version,
+        };
+        let prelim = topology::rank_map(&tp).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+        let ranks: Vec<(u32, u32)> =
+            prelim.d_ranks[cfg.rank as usize].handshake_ranks.iter().map(|&r| (0, r)).collect();
+        let factors = compat_factors(&cfg.pair.model, cfg.pair.version);
+        let validate = |meta: &KvxMetadata| -> Result<(), String> {
+            let pair = peer_pair(&cfg.pair, meta)?;
+            pair.validate().map(|_| ()).map_err(|e| e.to_string())
+        };
+        let peers = self.client.fetch_metadata_many(&endpoint, &ranks, Some(&factors), validate).map_err(|e| {
+            let cause = match e {
+                HandshakeError::HashMismatch { .. } | HandshakeError::Rejected { .. } | HandshakeError::NotKvx { .. } => {
+                    FailureCause::Incompatible
+                }
+                _ => FailureCause::Handshake,
+            };
+            (cause, e.to_string())
+        })?;
+        let first = peers.first().ok_or((FailureCause::Handshake, format!("{endpoint} returned no metadata")))?;
+        let pair = peer_pair(&cfg.pair, &first.metadata).map_err(|e| (FailureCause::Incompatible, e))?;
+        let map = pair.validate().map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+        let planner = Planner::new(&pair, &map, cfg.rank).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+        let p_geom = pair.p_geometry(0);
+        let p_regions = p_geom.regions();
+        let p_len = p_geom.total_bytes();
+        let mut out = BTreeMap::new();
+        for peer in &peers {
+            let meta = &peer.metadata;
+            let r0 = meta.regions.first().ok_or((FailureCause::Incompatible, "peer advertises no regions".into()))?;
+            let base = r0.base_addr - p_regions.first().map_or(0, |r| r.base_off);
+            let ucx_err = |what: &str, e: UcxError| (classify_ucx(&e), format!("{what} with prefill rank {}: {e}", meta.tp_rank));
+            let ep = Endpoint::connect(&self.worker, &meta.worker_address, self.err_mode)
+                .map_err(|e| ucx_err("UCX endpoint", e))?;
+            let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
+            let region = ep.unpack_rkey(&rkey, base, p_len).map_err(|e| ucx_err("unpack remote key", e))?;
+            let notify_ep = meta
+                .notify_endpoint
+                .clone()
+                .ok_or((FailureCause::Incompatible, format!("prefill rank {} has no notification endpoint", meta.tp_rank)))?;
+            let notify = NotifySender::connect(&notify_ep, self.timeout)
+                .map_err(|e| (FailureCause::Handshake, format!("notification channel {notify_ep}: {e}")))?;
+            out.insert(meta.tp_rank, RemoteRank { region, notify });
+        }
+        Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None })
+    }
+
+    fn load(
+        &mut self,
+        received: Instant,
+        req: u64,
+        d_request_id: &str,
+        params: &KvTransferParams,
+        local_blocks: Vec<u32>,
+        seed: u64,
+    ) -> LoadResult {
+        let mut r = LoadResult {
+            req,
+            d_rank: self.cfg.rank,
+            queue_ns: received.elapsed().as_nanos() as u64,
+            transport: Some(TransportKind::Ucx),
+            ..LoadResult::default()
+        };
+        let t0 = Instant::now();
+        if let Err((cause, msg)) = self.load_inner(&mut r, t0, d_request_id, params, local_blocks, seed) {
+            // A broken connection is re-established on the next request.
+            if matches!(cause, FailureCause::PeerGone | FailureCause::Timeout | FailureCause::Transfer) {
+                self.engines.remove(&params.remote_engine_id);
+            }
+            r.error = Some((cause, msg));
+        }
+        r
+    }
+
+    fn load_inner(
+        &mut self,
+        r: &mut LoadResult,
+        t0: Instant,
+        d_request_id: &str,
+        params: &KvTransferParams,
+        local_blocks: Vec<u32>,
+        seed: u64,
+    ) -> Result<(), Failure> {
+        if !self.engines.contains_key(&params.remote_engine_id) {
+            let th = Instant::now();
+            let engine = self.handshake(params)?;
+            r.handshake_ns = Some(th.elapsed().as_nanos() as u64);
+            self.engines.insert(params.remote_engine_id.clone(), engine);
+        }
+        let timeout = self.timeout;
+        let inflight = self.cfg.transport.inflight.max(1) as usize;
+        let coalesce = self.cfg.transport.coalesce;
+        let Some(eng) = self.engines.get_mut(&params.remote_engine_id) else {
+            return Err((FailureCause::Internal, "engine vanished from the cache".into()));
+        };
+        // Plan.
+        let tp = Instant::now();
+        let remote = params.block_ids().map_err(|e| (FailureCause::Incompatible, e))?;
+        let blocks = RequestBlocks { local: local_blocks, remote };
+        let bp = eng.planner.pair_blocks(&blocks).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+        self.bufs.resize_with(eng.planner.reads.len(), Vec::new);
+        let coalesced = if coalesce { Some(eng.planner.coalesced(&bp)) } else { None };
+        if !coalesce {
+            eng.planner.plan_into(&bp, &mut self.bufs);
+        }
+        r.plan_ns = tp.elapsed().as_nanos() as u64;
+        r.descs_raw = (eng.planner.pairs_per_read(&bp) * eng.planner.reads.len()) as u64;
+        r.descs_coalesced = match &coalesced {
+            Some(c) => c.iter().map(Vec::len).sum::<usize>() as u64,
+            None => eng.planner.coalesced_counts(&bp).iter().sum::<usize>() as u64,
+        };
+        // Read.
+        let tt = Instant::now();
+        for (i, read) in eng.planner.reads.iter().enumerate() {
+            let Some(rank) = eng.ranks.get(&read.p_rank) else {
+                return Err((FailureCause::Internal, format!("no connection to prefill rank {}", read.p_rank)));
+            };
+            let pairs = coalesced.as_ref().map_or(&self.bufs[i], |c| &c[i]);
+            let descs = pairs.iter().map(|p| ReadDesc { local_off: p.local, remote_off: p.remote, len: p.len });
+            let stats = rank
+                .region
+                .read_batch(&mut self.local, descs, &ReadOptions { max_inflight: inflight, timeout })
+                .map_err(|e| (classify_ucx(&e), format!("read from prefill rank {}: {e}", read.p_rank)))?;
+            r.post_ns += stats.post_ns;
+            r.bytes += stats.bytes;
+        }
+        r.transfer_ns = tt.elapsed().as_nanos() as u64;
+        if eng.transports.is_none() {
+            let t: Vec<String> =
+                eng.ranks.values().filter_map(|rk| rk.region.endpoint().transports().ok()).collect();
+            eng.transports = t.into_iter().next();
+        }
+        r.transports = eng.transports.clone();
+        // Notify.
+        let tn = Instant::now();
+        let ids = RequestIds { p_request_id: params.remote_request_id.clone(), d_request_id: d_request_id.to_string() };
+        let full_hit = blocks.local.is_empty();
+        if !full_hit {
+            for read in &eng.planner.reads {
+                if let Some(rank) = eng.ranks.get(&read.p_rank) {
+                    rank.notify
+                        .send_done(&ids.p_request_id, eng.planner.map.notif_count)
+                        .map_err(|e| (FailureCause::Notify, format!("notify prefill rank {}: {e}", read.p_rank)))?;
+                }
+            }
+        }
+        for n in eng.planner.notifs_only(&ids, full_hit) {
+            let (id, count) = n.msg.rsplit_once(':').unwrap_or((n.msg.as_str(), "1"));
+            if let Some(rank) = eng.ranks.get(&n.p_rank) {
+                rank.notify
+                    .send_done(id, count.parse().unwrap_or(1))
+                    .map_err(|e| (FailureCause::Notify, format!("notify prefill rank {}: {e}", n.p_rank)))?;
+            }
+        }
+        r.notify_ns = tn.elapsed().as_nanos() as u64;
+        r.e2e_ns = t0.elapsed().as_nanos() as u64;
+        // Verify (outside the timed path).
+        if let Some(stride) = self.cfg.verify.stride() {
+            let tv = Instant::now();
+            let mem = self.local.memory().map_err(|e| (FailureCause::Internal, e.to_string()))?;
+            match verify_request(
+                &self.geom,
+                &self.regions,
+                &bp,
+                eng.planner.bsr,
+                eng.pair.permutes(),
+                eng.pair.p.block_tokens,
+                seed,
+                mem.as_slice(),
+                stride,
+            ) {
+                Ok(v) => r.bytes_verified = v.bytes,
+                Err(m) => r.verify_failure = Some(m.to_string()),
+            }
+            r.verify_ns = tv.elapsed().as_nanos() as u64;
+        }
+        let _ = &eng.p_regions;
+        Ok(())
+    }
+}

@@ -1,0 +1,162 @@
+//! A worker process: one TP rank of a prefill or decode engine (`kvx worker`, hidden).
+//!
+//! It connects to its engine's control socket, says hello, receives its configuration
+//! and runs the role's loop (`prefill` or `decode`). Its rank comes from the flags, from
+//! a launcher's environment (Slurm, Open MPI, torchrun), or from the engine.
+
+use std::time::{Duration, Instant};
+
+use super::proto::{self, FromWorker, Role, ToWorker, WorkerConfig};
+use crate::layouts::compat::PairSpec;
+use crate::settings::model::ModelShape;
+use crate::transfer::handshake::compat::{CompatFactors, KvxFactors};
+use crate::transfer::handshake::meta::KVX_METADATA_FORMAT;
+use crate::transfer::handshake::zmq_context;
+use crate::topology::VllmVersion;
+
+/// How long a worker waits for its configuration after saying hello.
+pub const INIT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A worker's fatal error (reported to the engine, then the process exits 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct WorkerError(pub String);
+
+impl WorkerError {
+    pub fn new(what: impl std::fmt::Display) -> Self {
+        WorkerError(what.to_string())
+    }
+}
+
+macro_rules! werr {
+    ($ctx:expr) => {
+        |e| $crate::pipeline::worker::WorkerError::new(format!("{}: {e}", $ctx))
+    };
+}
+pub(crate) use werr;
+
+/// The control channel to the engine.
+pub struct Control {
+    sock: zmq::Socket,
+}
+
+impl Control {
+    pub fn connect(endpoint: &str) -> Result<Self, WorkerError> {
+        let sock = zmq_context().socket(zmq::DEALER).map_err(werr!("control socket"))?;
+        let _ = sock.set_linger(1000);
+        let _ = sock.set_maxmsgsize(proto::MAX_CONTROL_BYTES as i64);
+        sock.connect(endpoint).map_err(werr!(format!("connect to the engine at {endpoint}")))?;
+        Ok(Control { sock })
+    }
+
+    pub fn socket(&self) -> &zmq::Socket {
+        &self.sock
+    }
+
+    pub fn send(&self, msg: &FromWorker) -> Result<(), WorkerError> {
+        self.sock.send(proto::encode(msg), 0).map_err(werr!("send to the engine"))
+    }
+
+    /// Next message, waiting at most `timeout` (`None`: nothing arrived).
+    pub fn recv(&self, timeout: Duration) -> Result<Option<ToWorker>, WorkerError> {
+        let ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+        if self.sock.poll(zmq::POLLIN, ms).map_err(werr!("poll the control socket"))? == 0 {
+            return Ok(None);
+        }
+        self.try_recv()
+    }
+
+    /// Next message if one is queued.
+    pub fn try_recv(&self) -> Result<Option<ToWorker>, WorkerError> {
+        match self.sock.recv_bytes(zmq::DONTWAIT) {
+            Ok(b) => proto::decode(&b).map(Some).map_err(WorkerError),
+            Err(zmq::Error::EAGAIN) => Ok(None),
+            Err(e) => Err(WorkerError::new(format!("receive from the engine: {e}"))),
+        }
+    }
+}
+
+/// The rank a launcher gave this process, from its environment.
+pub fn launcher_rank() -> Option<(u32, u32)> {
+    let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+    for (rank, size) in [("SLURM_PROCID", "SLURM_NTASKS"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("RANK", "WORLD_SIZE")] {
+        if let (Some(r), Some(n)) = (get(rank), get(size)) {
+            return Some((r, n));
+        }
+    }
+    None
+}
+
+/// Resident set size of this process in bytes.
+pub fn rss_bytes() -> u64 {
+    let pages = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+        .unwrap_or(0);
+    pages * 4096
+}
+
+/// The compatibility factors both sides of a pair hash (model, dtype, heads, head size,
+/// layers, layout family).
+pub fn compat_factors(model: &ModelShape, version: VllmVersion) -> CompatFactors {
+    CompatFactors::kvx(&KvxFactors {
+        kvx_format_version: KVX_METADATA_FORMAT,
+        model: model.name.clone(),
+        dtype: model.dtype.torch_name().to_string(),
+        num_kv_heads: u64::from(if model.is_mla() { 1 } else { model.num_kv_heads }),
+        head_size: u64::from(model.mla.map_or(model.head_dim, |m| m.head_size())),
+        num_hidden_layers: u64::from(model.num_layers),
+        cache_dtype: "auto".into(),
+        layout_family: match version {
+            VllmVersion::V0_33 => "v0.33".into(),
+            VllmVersion::V0_19 => "classic".into(),
+        },
+        transfer_mode: "pull".into(),
+    })
+}
+
+/// Runs a worker until its engine shuts it down.
+pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerError> {
+    let ctl = Control::connect(endpoint)?;
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string();
+    ctl.send(&FromWorker::Hello { role, rank, pid: std::process::id(), host })?;
+    let deadline = Instant::now() + INIT_TIMEOUT;
+    let cfg: WorkerConfig = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(WorkerError::new(format!("no configuration from the engine at {endpoint} within {INIT_TIMEOUT:?}")));
+        }
+        match ctl.recv(left)? {
+            Some(ToWorker::Init(cfg)) => break *cfg,
+            Some(ToWorker::Shutdown) => return Ok(()),
+            _ => {}
+        }
+    };
+    let result = match cfg.role {
+        Role::Prefill => super::prefill::run(&ctl, cfg),
+        Role::Decode => super::decode::run(&ctl, cfg),
+    };
+    match &result {
+        Ok(()) => {
+            let _ = ctl.send(&FromWorker::Bye { rss_bytes: rss_bytes() });
+        }
+        Err(e) => {
+            let _ = ctl.send(&FromWorker::Fatal { msg: e.to_string() });
+        }
+    }
+    result
+}
+
+/// The engine spec of the other side of a pair, as the peer's metadata describes it.
+pub fn peer_pair(local: &PairSpec, meta: &crate::transfer::handshake::meta::KvxMetadata) -> Result<PairSpec, String> {
+    let layout = crate::layouts::Layout::parse_for(&meta.layout, local.version).map_err(|e| format!("peer layout: {e}"))?;
+    let num_blocks = meta.regions.first().map_or(0, |r| r.num_blocks);
+    let mut pair = local.clone();
+    pair.p = crate::layouts::EngineSpec {
+        tp: meta.tp_size,
+        block_tokens: meta.block_size_tokens,
+        num_blocks: u32::try_from(num_blocks).map_err(|_| format!("peer advertises {num_blocks} blocks"))?,
+        layout,
+    };
+    Ok(pair)
+}
