@@ -211,7 +211,7 @@ mod cuda {
     //! checks that `libcuda` is present first: cudarc's loaders panic otherwise.
     use std::sync::Arc;
 
-    use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
+    use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 
     use super::MemoryError;
     use crate::transfer::ucx::{MemType, Registrable};
@@ -239,6 +239,7 @@ mod cuda {
     /// Device memory on one GPU, owned by kvx.
     pub struct CudaBuffer {
         _ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
         slice: CudaSlice<u8>,
         addr: u64,
         device: usize,
@@ -264,11 +265,53 @@ mod cuda {
                 .map_err(|e| MemoryError::Cuda(format!("cuMemAlloc({len}): {e}")))?;
             let (addr, sync) = slice.device_ptr(&stream);
             drop(sync);
-            Ok(Self { _ctx: ctx, slice, addr, device })
+            Ok(Self { _ctx: ctx, stream, slice, addr, device })
         }
 
         pub fn device(&self) -> usize {
             self.device
+        }
+
+        fn check(&self, off: usize, len: usize) -> Result<(), MemoryError> {
+            if off.checked_add(len).is_none_or(|end| end > self.slice.len()) {
+                return Err(MemoryError::Cuda(format!(
+                    "range {off}+{len} outside a {}-byte buffer",
+                    self.slice.len()
+                )));
+            }
+            Ok(())
+        }
+
+        fn sync(&self, what: &str) -> Result<(), MemoryError> {
+            self.stream.synchronize().map_err(|e| MemoryError::Cuda(format!("{what}: {e}")))
+        }
+
+        /// Copies `data` to device offset `off` and waits for the copy.
+        pub fn write(&mut self, off: usize, data: &[u8]) -> Result<(), MemoryError> {
+            self.check(off, data.len())?;
+            let mut view = self.slice.slice_mut(off..off + data.len());
+            self.stream
+                .memcpy_htod(data, &mut view)
+                .map_err(|e| MemoryError::Cuda(format!("cuMemcpyHtoD: {e}")))?;
+            self.sync("cuMemcpyHtoD")
+        }
+
+        /// Copies `len` bytes at device offset `off` to the host.
+        pub fn read_range(&self, off: usize, len: usize) -> Result<Vec<u8>, MemoryError> {
+            self.check(off, len)?;
+            let view = self.slice.slice(off..off + len);
+            let v =
+                self.stream.clone_dtoh(&view).map_err(|e| MemoryError::Cuda(format!("cuMemcpyDtoH: {e}")))?;
+            self.sync("cuMemcpyDtoH")?;
+            Ok(v)
+        }
+
+        /// Zeroes `len` bytes at device offset `off`.
+        pub fn zero_range(&mut self, off: usize, len: usize) -> Result<(), MemoryError> {
+            self.check(off, len)?;
+            let mut view = self.slice.slice_mut(off..off + len);
+            self.stream.memset_zeros(&mut view).map_err(|e| MemoryError::Cuda(format!("cuMemsetD8: {e}")))?;
+            self.sync("cuMemsetD8")
         }
     }
 
@@ -305,7 +348,14 @@ mod tests {
     #[test]
     fn huge_pages_succeed_or_say_how_to_get_them() {
         match HostBuffer::alloc(1 << 20, PageSize::Huge) {
-            Ok(b) => assert_eq!(b.addr() % huge_page_size().unwrap_or(2 << 20) as u64, 0),
+            Ok(b) => match b.page_size() {
+                PageSize::Huge => assert_eq!(b.addr() % huge_page_size().unwrap_or(2 << 20) as u64, 0),
+                got => {
+                    assert_eq!(got, PageSize::Transparent, "--huge-pages never silently gives 4KiB pages");
+                    assert!(thp_available());
+                    assert_eq!(b.addr() % 4096, 0);
+                }
+            },
             Err(e) => {
                 assert!(!thp_available(), "falls back to THP when the kernel offers it");
                 let msg = e.to_string();

@@ -165,6 +165,16 @@ pub fn fill_pattern(buf: &mut [u8], seed: u64) {
     }
 }
 
+/// Fills `buf` with the pattern as it is at offset `pattern_off` (a multiple of 8).
+pub fn fill_pattern_at(buf: &mut [u8], pattern_off: u64, seed: u64) {
+    debug_assert!(pattern_off.is_multiple_of(8));
+    let first = pattern_off / 8;
+    for (i, c) in buf.chunks_mut(8).enumerate() {
+        let w = pattern_word(seed, first + i as u64).to_le_bytes();
+        c.copy_from_slice(&w[..c.len()]);
+    }
+}
+
 /// Checks that `got` equals the pattern at offset `pattern_off`; returns the first
 /// mismatching offset.
 pub fn check_pattern(got: &[u8], pattern_off: u64, seed: u64) -> Result<(), u64> {
@@ -189,99 +199,137 @@ pub fn check_pattern(got: &[u8], pattern_off: u64, seed: u64) -> Result<(), u64>
 // ---------------------------------------------------------------------------------------
 // Memory both roles use
 
-/// Host-visible access to a registered buffer, for filling and verifying.
-pub trait HostView: Registrable {
-    fn bytes(&self) -> &[u8];
-    fn bytes_mut(&mut self) -> &mut [u8];
+/// What `kvx xfer` needs of a registered buffer besides its registration: filling it
+/// with the pattern, clearing a range, and reading a range back to check it. Host
+/// buffers do this in place; device buffers copy through the host.
+pub trait BufferAccess: Registrable {
+    fn fill_with_pattern(&mut self, seed: u64) -> Result<()>;
+    fn zero(&mut self, off: usize, len: usize) -> Result<()>;
+    fn read(&self, off: usize, len: usize) -> Result<std::borrow::Cow<'_, [u8]>>;
 }
 
-impl HostView for HostBuffer {
-    fn bytes(&self) -> &[u8] {
-        self.as_slice()
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        self.as_mut_slice()
-    }
-}
-
-impl HostView for UcxAllocated {
-    fn bytes(&self) -> &[u8] {
-        self.as_slice()
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        self.as_mut_slice()
-    }
-}
-
-fn host_region(ctx: &Context, len: usize, ucx_alloc: bool, huge: bool) -> Result<AnyRegion> {
-    Ok(if ucx_alloc {
-        let mut r = MemRegion::allocate(ctx, len)?;
-        for page in r.memory_mut()?.bytes_mut().chunks_mut(4096) {
-            page[0] = 0;
+macro_rules! host_access {
+    ($t:ty) => {
+        impl BufferAccess for $t {
+            fn fill_with_pattern(&mut self, seed: u64) -> Result<()> {
+                fill_pattern(self.as_mut_slice(), seed);
+                Ok(())
+            }
+            fn zero(&mut self, off: usize, len: usize) -> Result<()> {
+                self.as_mut_slice()[off..off + len].fill(0);
+                Ok(())
+            }
+            fn read(&self, off: usize, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
+                Ok(std::borrow::Cow::Borrowed(&self.as_slice()[off..off + len]))
+            }
         }
-        AnyRegion::UcxAlloc(r)
-    } else {
-        let pages = if huge { PageSize::Huge } else { PageSize::Normal };
-        let mut buf = HostBuffer::alloc(len, pages)?;
-        buf.prefault();
-        AnyRegion::Host(MemRegion::register(ctx, buf)?)
+    };
+}
+host_access!(HostBuffer);
+host_access!(UcxAllocated);
+
+#[cfg(feature = "cuda")]
+impl BufferAccess for super::memory::CudaBuffer {
+    fn fill_with_pattern(&mut self, seed: u64) -> Result<()> {
+        // Staged through a host buffer in 64 MiB pieces (multiples of 8, so the pattern's
+        // words line up at every piece boundary).
+        const PIECE: usize = 64 << 20;
+        let len = Registrable::len(self);
+        let mut host = vec![0u8; PIECE.min(len)];
+        let mut off = 0;
+        while off < len {
+            let n = PIECE.min(len - off);
+            fill_pattern_at(&mut host[..n], off as u64, seed);
+            self.write(off, &host[..n])?;
+            off += n;
+        }
+        Ok(())
+    }
+    fn zero(&mut self, off: usize, len: usize) -> Result<()> {
+        Ok(self.zero_range(off, len)?)
+    }
+    fn read(&self, off: usize, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
+        Ok(std::borrow::Cow::Owned(self.read_range(off, len)?))
+    }
+}
+
+fn make_region(ctx: &Context, len: usize, req: &TargetRequest) -> Result<AnyRegion> {
+    Ok(match req.mem {
+        MemKind::Cuda => cuda_region(ctx, len, req.device)?,
+        MemKind::Host if req.ucx_alloc => {
+            let mut r = MemRegion::allocate(ctx, len)?;
+            for page in r.memory_mut()?.as_mut_slice().chunks_mut(4096) {
+                page[0] = 0;
+            }
+            AnyRegion::UcxAlloc(r)
+        }
+        MemKind::Host => {
+            let pages = if req.huge_pages { PageSize::Huge } else { PageSize::Normal };
+            let mut buf = HostBuffer::alloc(len, pages)?;
+            buf.prefault();
+            AnyRegion::Host(MemRegion::register(ctx, buf)?)
+        }
     })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_region(ctx: &Context, len: usize, device: usize) -> Result<AnyRegion> {
+    Ok(AnyRegion::Cuda(MemRegion::register(ctx, super::memory::CudaBuffer::alloc(device, len)?)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_region(_ctx: &Context, _len: usize, _device: usize) -> Result<AnyRegion> {
+    Err(MemoryError::CudaNotBuilt.into())
 }
 
 /// A registered region of any of the memory kinds `kvx xfer` uses.
 enum AnyRegion {
     Host(MemRegion<HostBuffer>),
     UcxAlloc(MemRegion<UcxAllocated>),
+    #[cfg(feature = "cuda")]
+    Cuda(MemRegion<super::memory::CudaBuffer>),
+}
+
+/// Runs `$body` with `$r` bound to the `MemRegion` inside any variant.
+macro_rules! with_region {
+    ($region:expr, $r:ident => $body:expr) => {
+        match $region {
+            AnyRegion::Host($r) => $body,
+            AnyRegion::UcxAlloc($r) => $body,
+            #[cfg(feature = "cuda")]
+            AnyRegion::Cuda($r) => $body,
+        }
+    };
 }
 
 impl AnyRegion {
     fn fill(&mut self, seed: u64) -> Result<()> {
-        match self {
-            AnyRegion::Host(r) => fill_pattern(r.memory_mut()?.bytes_mut(), seed),
-            AnyRegion::UcxAlloc(r) => fill_pattern(r.memory_mut()?.bytes_mut(), seed),
-        }
-        Ok(())
+        with_region!(self, r => r.memory_mut()?.fill_with_pattern(seed))
     }
-    /// The pages the buffer got (UCX-allocated memory is reported as normal pages).
+    /// The pages the buffer got (UCX-allocated and device memory report normal pages).
     fn page_size(&self) -> PageSize {
         match self {
             AnyRegion::Host(r) => r.memory().map_or(PageSize::Normal, HostBuffer::page_size),
-            AnyRegion::UcxAlloc(_) => PageSize::Normal,
+            _ => PageSize::Normal,
         }
     }
     fn addr(&self) -> u64 {
-        match self {
-            AnyRegion::Host(r) => r.addr(),
-            AnyRegion::UcxAlloc(r) => r.addr(),
-        }
+        with_region!(self, r => r.addr())
     }
     fn len(&self) -> usize {
-        match self {
-            AnyRegion::Host(r) => r.len(),
-            AnyRegion::UcxAlloc(r) => r.len(),
-        }
+        with_region!(self, r => r.len())
     }
     fn pack_rkey(&self) -> Result<PackedRkey> {
-        Ok(match self {
-            AnyRegion::Host(r) => r.pack_rkey()?,
-            AnyRegion::UcxAlloc(r) => r.pack_rkey()?,
-        })
+        with_region!(self, r => Ok(r.pack_rkey()?))
     }
 }
 
 fn check_mem(mem: MemKind) -> Result<()> {
-    match mem {
-        MemKind::Host => Ok(()),
-        MemKind::Cuda => {
-            // The device path registers CUDA memory through the same MemRegion; until a
-            // GPU host runs it, kvx xfer refuses rather than measuring something else.
-            super::memory::cuda_devices()?;
-            Err(XferError::Config(crate::error::ConfigError::new(
-                "--mem",
-                "kvx xfer measures host memory only so far; CUDA regions are registered by the pipeline",
-            )))
-        }
+    if mem == MemKind::Cuda {
+        // Fail before starting a target when this host cannot have device memory.
+        super::memory::cuda_devices()?;
     }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -331,7 +379,7 @@ fn prepare_target(req: &TargetRequest, opts: &TargetOptions) -> Result<(TargetHe
         &ContextOptions { progress: opts.progress, config: opts.ucx_config.clone(), ..Default::default() },
     )?;
     let worker = Worker::new(&ctx)?;
-    let mut region = host_region(&ctx, len, req.ucx_alloc, req.huge_pages)?;
+    let mut region = make_region(&ctx, len, req)?;
     region.fill(PATTERN_SEED)?;
     let hello = TargetHello {
         worker_address: worker.address()?,
@@ -684,7 +732,7 @@ pub fn run(
     };
     let outcome = (|| {
         let session = Session::establish(stream, &req, &cfg.session)?;
-        let report = measure(&session, cfg, ws, &mut on_result);
+        let report = measure(&session, cfg, &req, ws, &mut on_result);
         let _ = session.finish();
         report
     })();
@@ -718,16 +766,14 @@ pub fn reap(child: &mut Child, grace: Duration) {
 fn measure(
     s: &Session,
     cfg: &XferConfig,
+    req: &TargetRequest,
     ws: u64,
     on_result: &mut impl FnMut(&XferResult),
 ) -> Result<XferReport> {
     let local_len = ws as usize;
-    let mut local = host_region(&s.ctx, local_len, cfg.ucx_alloc, cfg.huge_pages)?;
+    let mut local = make_region(&s.ctx, local_len, req)?;
     let pages = local.page_size();
-    let results = match &mut local {
-        AnyRegion::Host(r) => measure_cases(s, cfg, ws, pages, r, on_result)?,
-        AnyRegion::UcxAlloc(r) => measure_cases(s, cfg, ws, pages, r, on_result)?,
-    };
+    let results = with_region!(&mut local, r => measure_cases(s, cfg, ws, pages, r, on_result)?);
     let info = s.ucx.info();
     Ok(XferReport {
         ucx: UcxReport {
@@ -758,7 +804,7 @@ fn slot_offset(k: u64, size: u64, slots: u64, hot: bool) -> u64 {
     if hot { 0 } else { (k % slots) * size }
 }
 
-fn measure_cases<M: HostView>(
+fn measure_cases<M: BufferAccess>(
     s: &Session,
     cfg: &XferConfig,
     ws: u64,
@@ -767,18 +813,18 @@ fn measure_cases<M: HostView>(
     on_result: &mut impl FnMut(&XferResult),
 ) -> Result<Vec<XferResult>> {
     let remote_len = s.remote.len();
-    // The memcpy ceiling copies from a second local buffer of the same size and pages.
-    let mut src = HostBuffer::alloc(
-        ws as usize,
-        if pages == PageSize::Normal { PageSize::Normal } else { PageSize::Huge },
-    )?;
+    // The memcpy ceiling copies between two more host buffers of the same size and pages.
+    let ceiling_pages = if pages == PageSize::Normal { PageSize::Normal } else { PageSize::Huge };
+    let mut src = HostBuffer::alloc(ws as usize, ceiling_pages)?;
     fill_pattern(src.as_mut_slice(), PATTERN_SEED);
+    let mut dst = HostBuffer::alloc(ws as usize, ceiling_pages)?;
+    dst.prefault();
     let mut results = Vec::new();
     for &size in &cfg.sizes {
         for &inflight in &cfg.inflight {
             // Measured right before each case so both see the same machine (other load,
             // frequency), which is what makes their ratio meaningful on a shared host.
-            let memcpy_gbps = memcpy_ceiling(&src, local.memory_mut()?.bytes_mut(), size, ws, cfg);
+            let memcpy_gbps = memcpy_ceiling(&src, dst.as_mut_slice(), size, ws, cfg);
             let r = measure_case(s, cfg, local, size, inflight, ws.min(remote_len), memcpy_gbps)?;
             on_result(&r);
             results.push(r);
@@ -824,7 +870,7 @@ fn memcpy_ceiling(src: &HostBuffer, dst: &mut [u8], size: u64, ws: u64, cfg: &Xf
     (n * size) as f64 / secs / 1e9
 }
 
-fn measure_case<M: HostView>(
+fn measure_case<M: BufferAccess>(
     s: &Session,
     cfg: &XferConfig,
     local: &mut MemRegion<M>,
@@ -897,7 +943,7 @@ fn measure_case<M: HostView>(
 
 /// Clears the local slots of one batch, reads them again, and checks every byte against
 /// the pattern at the remote offsets they came from.
-fn verify_case<M: HostView>(
+fn verify_case<M: BufferAccess>(
     s: &Session,
     cfg: &XferConfig,
     local: &mut MemRegion<M>,
@@ -916,17 +962,17 @@ fn verify_case<M: HostView>(
         })
         .collect();
     for d in &descs {
-        local.memory_mut()?.bytes_mut()[d.local_off as usize..(d.local_off + d.len) as usize].fill(0);
+        local.memory_mut()?.zero(d.local_off as usize, d.len as usize)?;
     }
     s.remote.read_batch(
         local,
         descs.iter().copied(),
         &ReadOptions { max_inflight: inflight, timeout: cfg.timeout },
     )?;
-    let bytes = local.memory()?.bytes();
+    let mem = local.memory()?;
     for d in &descs {
-        let got = &bytes[d.local_off as usize..(d.local_off + d.len) as usize];
-        if let Err(off) = check_pattern(got, d.remote_off, s.hello.pattern_seed) {
+        let got = mem.read(d.local_off as usize, d.len as usize)?;
+        if let Err(off) = check_pattern(&got, d.remote_off, s.hello.pattern_seed) {
             return Err(XferError::Verify(format!(
                 "{size}-byte read from remote offset {} into local offset {}: first wrong byte at remote offset {off}",
                 d.remote_off, d.local_off

@@ -7,10 +7,12 @@ pub fn project_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Prints why a test did not run its body, so a skip is visible in the test output
-/// (run with `--nocapture`, or see `scripts/test.sh`'s log) rather than a silent pass.
+/// Says why a test did not run (part of) its body. Written straight to the process's
+/// stderr, which the test harness does not capture, so the skip shows in every test run
+/// (and in scripts/test.sh's log) instead of passing silently.
 pub fn skip(why: &str) {
-    eprintln!("SKIPPED: {why}");
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
 }
 
 /// The UCX builds transfer tests run against: (label, libucp path), or why one is missing.

@@ -41,11 +41,16 @@ impl std::fmt::Display for ProgressMode {
 }
 
 /// How long `Hybrid` keeps spinning after the last useful progress call before blocking.
-/// Long enough to cover a shared-memory round trip, short enough that ten processes on
-/// two cores spend most of an idle period asleep.
-pub const HYBRID_SPIN: Duration = Duration::from_micros(50);
-/// Upper bound of one blocking poll, so deadlines and stop conditions are re-checked.
-const MAX_BLOCK: Duration = Duration::from_millis(100);
+/// A transfer in flight produces events far more often than this, so an active worker
+/// keeps spinning (UCX does not signal the event fd for sends it parked on its pending
+/// queues, such as the replies of a software-emulated GET); an idle one sleeps after a
+/// millisecond, which is what lets ten processes share two cores.
+pub const HYBRID_SPIN: Duration = Duration::from_millis(1);
+/// Upper bound of one blocking poll. UCX does not signal the event fd for work it left
+/// on its own pending queues (e.g. a reply to a software-emulated GET that did not fit
+/// the shared-memory FIFO), so a sleeping worker re-progresses at least this often;
+/// 1000 wake-ups a second cost an idle process well under 1% of a core.
+const WAIT_BLOCK: Duration = Duration::from_millis(1);
 
 /// Options of a UCP context.
 #[derive(Debug, Clone, Default)]
@@ -309,7 +314,7 @@ impl Worker {
                 return Ok(false);
             }
             if idle.should_block(self.inner.progress, now) {
-                self.block(None, deadline.saturating_duration_since(now).min(MAX_BLOCK))?;
+                self.block(None, deadline.saturating_duration_since(now).min(WAIT_BLOCK))?;
             }
         }
     }
@@ -328,7 +333,7 @@ impl Worker {
             if deadline.is_some_and(|d| now >= d) {
                 return Ok(ServeEnd::TimedOut);
             }
-            let remaining = deadline.map_or(MAX_BLOCK, |d| d.saturating_duration_since(now).min(MAX_BLOCK));
+            let remaining = deadline.map_or(WAIT_BLOCK, |d| d.saturating_duration_since(now).min(WAIT_BLOCK));
             if idle.should_block(self.inner.progress, now) {
                 if self.block(Some(stop), remaining)? {
                     return Ok(ServeEnd::Stopped);
