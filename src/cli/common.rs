@@ -46,17 +46,17 @@ pub struct ModelArgs {
 }
 
 /// The prefill and decode engines: TP sizes, layouts, block sizes, vLLM rules.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Default, Args)]
 pub struct PairArgs {
-    /// Prefill tensor-parallel size.
-    #[arg(long, value_name = "P", default_value_t = 1, help_heading = "Engines")]
-    pub p_tp: u32,
-    /// Decode tensor-parallel size.
-    #[arg(long, value_name = "D", default_value_t = 1, help_heading = "Engines")]
-    pub d_tp: u32,
-    /// Which vLLM release's rules to follow: 0.33 (default) or 0.19.
-    #[arg(long, value_name = "VERSION", default_value = "0.33", help_heading = "Engines")]
-    pub vllm: String,
+    /// Prefill tensor-parallel size [default: 1].
+    #[arg(long, value_name = "P", help_heading = "Engines")]
+    pub p_tp: Option<u32>,
+    /// Decode tensor-parallel size [default: 1].
+    #[arg(long, value_name = "D", help_heading = "Engines")]
+    pub d_tp: Option<u32>,
+    /// Which vLLM release's rules to follow: 0.33 or 0.19 [default: 0.33].
+    #[arg(long, value_name = "VERSION", help_heading = "Engines")]
+    pub vllm: Option<String>,
     /// KV cache layout of both engines (0.33: LBHNC=HND, LBNHC=NHD, LHBNC, BLHNC, BLNHC, BHLNC;
     /// 0.19: HND, NHD, FI-HND, FI-NHD, FA-HND-XL, FI-HND-XL).
     #[arg(long, value_name = "LAYOUT", help_heading = "Engines")]
@@ -67,9 +67,9 @@ pub struct PairArgs {
     /// Decode layout (overrides --layout).
     #[arg(long, value_name = "LAYOUT", help_heading = "Engines")]
     pub d_layout: Option<String>,
-    /// Tokens per block on both engines.
-    #[arg(long, value_name = "N", default_value_t = 16, help_heading = "Engines")]
-    pub block_size: u32,
+    /// Tokens per block on both engines [default: 16].
+    #[arg(long, value_name = "N", help_heading = "Engines")]
+    pub block_size: Option<u32>,
     /// Prefill tokens per block (overrides --block-size).
     #[arg(long, value_name = "N", help_heading = "Engines")]
     pub p_block_size: Option<u32>,
@@ -81,20 +81,9 @@ pub struct PairArgs {
     pub permute: bool,
 }
 
-impl Default for PairArgs {
-    fn default() -> Self {
-        PairArgs {
-            p_tp: 1,
-            d_tp: 1,
-            vllm: "0.33".into(),
-            layout: None,
-            p_layout: None,
-            d_layout: None,
-            block_size: 16,
-            p_block_size: None,
-            d_block_size: None,
-            permute: false,
-        }
+impl PairArgs {
+    pub fn block_size(&self) -> u32 {
+        self.block_size.unwrap_or(16)
     }
 }
 

@@ -133,8 +133,8 @@ fn resolve(args: &PlanArgs) -> Result<Resolved, ConfigError> {
         return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {}", args.prefix_hit)));
     }
     let ids = RequestIds { p_request_id: args.p_request_id.clone(), d_request_id: "req-D".into() };
-    let p_bs = args.pair.p_block_size.unwrap_or(args.pair.block_size).max(1);
-    let d_bs = args.pair.d_block_size.unwrap_or(args.pair.block_size).max(1);
+    let p_bs = args.pair.p_block_size.unwrap_or(args.pair.block_size()).max(1);
+    let d_bs = args.pair.d_block_size.unwrap_or(args.pair.block_size()).max(1);
     match (&args.local_blocks, &args.remote_blocks, args.prompt_len) {
         (Some(local), Some(remote), _) => {
             let p_pool = args.p_num_blocks.unwrap_or_else(|| remote.iter().max().map_or(1, |m| m + 1));

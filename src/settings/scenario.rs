@@ -80,15 +80,16 @@ pub fn resolve_pair(
     p_blocks: u32,
     d_blocks: u32,
 ) -> Result<PairSpec, ConfigError> {
-    let version = resolve_version(&pair.vllm)?;
+    let version = resolve_version(pair.vllm.as_deref().unwrap_or("0.33"))?;
     let model = resolve_model(model_args)?;
-    if pair.block_size == 0 || pair.block_size > crate::layouts::compat::MAX_BLOCK_TOKENS {
+    let block_size = pair.block_size();
+    if block_size == 0 || block_size > crate::layouts::compat::MAX_BLOCK_TOKENS {
         return Err(ConfigError::new(
             "--block-size",
             format!(
                 "block size must be between 1 and {} tokens, got {}",
                 crate::layouts::compat::MAX_BLOCK_TOKENS,
-                pair.block_size
+                block_size
             ),
         ));
     }
@@ -99,14 +100,14 @@ pub fn resolve_pair(
         version,
         model,
         p: EngineSpec {
-            tp: pair.p_tp,
-            block_tokens: pair.p_block_size.unwrap_or(pair.block_size),
+            tp: pair.p_tp.unwrap_or(1),
+            block_tokens: pair.p_block_size.unwrap_or(block_size),
             num_blocks: p_blocks,
             layout: p_layout,
         },
         d: EngineSpec {
-            tp: pair.d_tp,
-            block_tokens: pair.d_block_size.unwrap_or(pair.block_size),
+            tp: pair.d_tp.unwrap_or(1),
+            block_tokens: pair.d_block_size.unwrap_or(block_size),
             num_blocks: d_blocks,
             layout: d_layout,
         },
