@@ -133,6 +133,9 @@ pub fn run(args: &ProbeArgs) -> anyhow::Result<Outcome> {
             }
         }
     }
+    if let probe::Advertised::PeerError { message } = &report.advertised {
+        anyhow::bail!("{endpoint} answered with an error instead of metadata: {message}");
+    }
     Ok(Outcome::Ok)
 }
 

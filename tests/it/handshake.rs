@@ -681,7 +681,15 @@ mod probe_cli {
             assert_eq!(m["regions"].as_array().map(Vec::len), Some(3));
             assert_eq!(j["compatibility_hash"].as_str(), Some(f.hash_hex().as_str()));
             assert_eq!(j["latency_summary"]["count"], 5);
-            assert_eq!(server.stop().served, 5);
+            // A rank the engine does not serve: the refusal is shown and the exit code is 2.
+            let a = kvx_probe(&[server.endpoint(), "--tp-rank", "6"]).code(2);
+            assert!(
+                String::from_utf8_lossy(&a.get_output().stdout)
+                    .contains("error: no metadata for (pp_rank 0, tp_rank 6)")
+            );
+            assert!(String::from_utf8_lossy(&a.get_output().stderr).contains("answered with an error"));
+            let stats = server.stop();
+            assert_eq!((stats.served, stats.refused), (5, 1));
         });
     }
 

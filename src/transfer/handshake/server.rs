@@ -231,20 +231,25 @@ fn handle(
         return;
     };
     let (envelope, body) = frames.split_at(delim + 1);
+    // Refusals keep the request's framing when it could be read, so a client that infers
+    // the peer's version from the frame count is not misled by an error.
     let answer = match body {
         [frame] => match MetaRequest::decode(frame) {
             Ok(req) => match table.get(req.pp_rank, req.tp_rank) {
                 Some(payload) => Ok((req.framing, payload)),
-                None => Err(format!(
-                    "no metadata for (pp_rank {}, tp_rank {}); this engine serves {:?}",
-                    req.pp_rank,
-                    req.tp_rank,
-                    table.ranks()
+                None => Err((
+                    req.framing,
+                    format!(
+                        "no metadata for (pp_rank {}, tp_rank {}); this engine serves {:?}",
+                        req.pp_rank,
+                        req.tp_rank,
+                        table.ranks()
+                    ),
                 )),
             },
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err((Framing::V0_19, e.to_string())),
         },
-        _ => Err(format!("expected one request frame, got {}", body.len())),
+        _ => Err((Framing::V0_19, format!("expected one request frame, got {}", body.len()))),
     };
     let mut out: Vec<Vec<u8>> = envelope.to_vec();
     match answer {
@@ -252,10 +257,10 @@ fn handle(
             counters.served.fetch_add(1, Ordering::Relaxed);
             out.extend(Reply::encode_frames(framing, &payload, unix_seconds()));
         }
-        Err(reason) => {
+        Err((framing, reason)) => {
             counters.refused.fetch_add(1, Ordering::Relaxed);
             warn!(%endpoint, %reason, "refusing a handshake request");
-            out.extend(Reply::encode_frames(Framing::V0_19, &Payload::Error(reason).encode(), 0.0));
+            out.extend(Reply::encode_frames(framing, &Payload::Error(reason).encode(), unix_seconds()));
         }
     }
     if let Err(e) = router.send_multipart(out, zmq::DONTWAIT) {
