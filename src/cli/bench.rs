@@ -15,7 +15,7 @@ use crate::pipeline::bench::{self, BenchSettings, FailurePolicy};
 use crate::pipeline::proto::{TransportConfig, TransportKind, VerifyMode};
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::{RunWriter, results_root};
-use crate::report::summary::{new_run_id, now_rfc3339, vllm_metrics_line};
+use crate::report::summary::{new_run_id, now_rfc3339};
 use crate::report::table::{Style, render_summary};
 use crate::settings::env;
 use crate::settings::scenario;
@@ -248,7 +248,12 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
     }
     let arrival = match args.rate.or(file.rate) {
         Some(r) if r.is_finite() && r > 0.0 && r <= 1e6 => Arrival::Poisson { rate: r },
-        Some(r) => return Err(ConfigError::new("--rate", format!("must be a positive rate up to 1e6 per second, got {r}"))),
+        Some(r) => {
+            return Err(ConfigError::new(
+                "--rate",
+                format!("must be a positive rate up to 1e6 per second, got {r}"),
+            ));
+        }
         None => Arrival::Closed { concurrency },
     };
     let duration = match args.duration {
@@ -288,10 +293,15 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
     if max_tokens.div_ceil(p_bs) > pool_p {
         return Err(ConfigError::new(
             "--pool-blocks",
-            format!("a {max_tokens}-token prompt needs {} blocks but the pool has {pool_p}", max_tokens.div_ceil(p_bs)),
+            format!(
+                "a {max_tokens}-token prompt needs {} blocks but the pool has {pool_p}",
+                max_tokens.div_ceil(p_bs)
+            ),
         ));
     }
-    let bytes_per_request = pair.d_geometry(0).block_bytes_all_layers() * u64::from(max_tokens.div_ceil(d_bs)) * u64::from(pair.d.tp);
+    let bytes_per_request = pair.d_geometry(0).block_bytes_all_layers()
+        * u64::from(max_tokens.div_ceil(d_bs))
+        * u64::from(pair.d.tp);
     let total_bytes = bytes_per_request.saturating_mul(requests.unwrap_or(1000));
     let verify = match args.verify.clone().or(file.verify.clone()).as_deref() {
         None => {
@@ -304,18 +314,24 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
         Some("full") => VerifyMode::Full,
         Some("sample") => VerifyMode::Sample,
         Some("off") => VerifyMode::Off,
-        Some(other) => return Err(ConfigError::new("--verify", format!("'{other}' is not full, sample or off"))),
+        Some(other) => {
+            return Err(ConfigError::new("--verify", format!("'{other}' is not full, sample or off")));
+        }
     };
     let on_failure = match args.on_load_failure.clone().or(file.on_load_failure.clone()).as_deref() {
         None | Some("fail") => FailurePolicy::Fail,
         Some("recompute") => FailurePolicy::Recompute,
-        Some(other) => return Err(ConfigError::new("--on-load-failure", format!("'{other}' is not fail or recompute"))),
+        Some(other) => {
+            return Err(ConfigError::new("--on-load-failure", format!("'{other}' is not fail or recompute")));
+        }
     };
     let kind = match args.transport.clone().or(file.transport.clone()).as_deref() {
         None | Some("ucx") => TransportKind::Ucx,
         Some("storage") => TransportKind::Storage,
         Some("multi") => TransportKind::Multi,
-        Some(other) => return Err(ConfigError::new("--transport", format!("'{other}' is not ucx, storage or multi"))),
+        Some(other) => {
+            return Err(ConfigError::new("--transport", format!("'{other}' is not ucx, storage or multi")));
+        }
     };
     if kind != TransportKind::Ucx {
         return Err(ConfigError::new("--transport", "only the ucx transport is available in this build"));
@@ -324,7 +340,9 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
     if mem != "host" {
         return Err(ConfigError::new(
             "--mem",
-            format!("'{mem}': kvx bench registers host memory; CUDA pools need `kvx xfer --mem cuda` (feature cuda) for now"),
+            format!(
+                "'{mem}': kvx bench registers host memory; CUDA pools need `kvx xfer --mem cuda` (feature cuda) for now"
+            ),
         ));
     }
     let err_mode = args.err_mode.clone().or(file.err_mode.clone()).unwrap_or_else(|| "none".into());
@@ -354,7 +372,8 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
     if repeat == 0 || repeat > 1000 {
         return Err(ConfigError::new("--repeat", format!("must be 1..1000, got {repeat}")));
     }
-    let exe = std::env::current_exe().map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
     let mut worker_env = Vec::new();
     if let Some(tls) = args.ucx_tls.clone().or(file.ucx_tls.clone()) {
         worker_env.push(("UCX_TLS".to_string(), tls));
@@ -437,11 +456,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     }
     let files = writer.finish(&summary)?;
     match args.format {
-        Format::Json => println!("{}", String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?)),
+        Format::Json => {
+            println!("{}", String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?))
+        }
         Format::Table => {
             print!("{}", render_summary(&summary, Style::Terminal));
-            println!("{}", vllm_metrics_line(&summary));
-            println!("results: {}", files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string()));
+            println!(
+                "results: {}",
+                files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string())
+            );
         }
     }
     if summary.requests_failed > 0 || summary.verify_failures > 0 {

@@ -13,9 +13,11 @@ pub enum RoleArg {
 }
 
 #[derive(Debug, Args)]
-#[command(after_help = "Example (a decode rank on another host):\n  kvx worker --connect tcp://orchestrator:7000 --role decode --rank 1\n\
+#[command(
+    after_help = "Example (a decode rank on another host):\n  kvx worker --connect tcp://orchestrator:7000 --role decode --rank 1\n\
     Under Slurm or mpirun, omit --role/--rank and pass --p-tp: global ranks below it are prefill ranks,\n\
-    the rest decode ranks; decode ranks connect to the given port + 1.")]
+    the rest decode ranks; decode ranks connect to the given port + 1."
+)]
 pub struct WorkerArgs {
     /// The engine's control endpoint (printed by `kvx bench --listen`).
     #[arg(long)]
@@ -36,8 +38,12 @@ pub fn run(args: &WorkerArgs) -> anyhow::Result<Outcome> {
             let role = if r == RoleArg::Prefill { Role::Prefill } else { Role::Decode };
             (role, args.rank, args.connect.clone())
         }
-        (None, Some((global, _)), Some(p_tp)) if global < p_tp => (Role::Prefill, Some(global), args.connect.clone()),
-        (None, Some((global, _)), Some(p_tp)) => (Role::Decode, Some(global - p_tp), bump_port(&args.connect)?),
+        (None, Some((global, _)), Some(p_tp)) if global < p_tp => {
+            (Role::Prefill, Some(global), args.connect.clone())
+        }
+        (None, Some((global, _)), Some(p_tp)) => {
+            (Role::Decode, Some(global - p_tp), bump_port(&args.connect)?)
+        }
         _ => anyhow::bail!(
             "pass --role prefill|decode, or run under a launcher (SLURM_PROCID, OMPI_COMM_WORLD_RANK or RANK) with --p-tp"
         ),
@@ -50,5 +56,8 @@ pub fn run(args: &WorkerArgs) -> anyhow::Result<Outcome> {
 fn bump_port(ep: &str) -> anyhow::Result<String> {
     let (head, port) = ep.rsplit_once(':').ok_or_else(|| anyhow::anyhow!("--connect {ep} has no port"))?;
     let port: u16 = port.parse().map_err(|_| anyhow::anyhow!("--connect {ep}: bad port"))?;
-    Ok(format!("{head}:{}", port.checked_add(1).ok_or_else(|| anyhow::anyhow!("--connect {ep}: port too high"))?))
+    Ok(format!(
+        "{head}:{}",
+        port.checked_add(1).ok_or_else(|| anyhow::anyhow!("--connect {ep}: port too high"))?
+    ))
 }

@@ -25,8 +25,8 @@ use crate::layouts::compat::PairSpec;
 use crate::report::files::RunWriter;
 use crate::report::recorder::StageRecorder;
 use crate::report::summary::{
-    Calibration, Environment, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals,
-    Scenario, Stage, Summary, UcxInfo,
+    Calibration, Environment, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow,
+    RequestTotals, Scenario, Stage, Summary, UcxInfo,
 };
 
 /// What to do when a load fails (vLLM's `kv_load_failure_policy`).
@@ -175,9 +175,21 @@ impl Engines {
             timeout: s.timeout * 4,
         };
         let p_id = format!("kvx-prefill-{}", uuid::Uuid::new_v4().simple());
-        let prefill = Engine::start(engine(Role::Prefill, &p_id, s.pair.p.tp, s.pair.p.num_blocks, s.pair.p.block_tokens))?;
+        let prefill = Engine::start(engine(
+            Role::Prefill,
+            &p_id,
+            s.pair.p.tp,
+            s.pair.p.num_blocks,
+            s.pair.p.block_tokens,
+        ))?;
         let d_id = format!("kvx-decode-{}", uuid::Uuid::new_v4().simple());
-        let decode = Engine::start(engine(Role::Decode, &d_id, s.pair.d.tp, s.pair.d.num_blocks, s.pair.d.block_tokens))?;
+        let decode = Engine::start(engine(
+            Role::Decode,
+            &d_id,
+            s.pair.d.tp,
+            s.pair.d.num_blocks,
+            s.pair.d.block_tokens,
+        ))?;
         Ok(Engines { prefill, decode })
     }
 }
@@ -219,7 +231,8 @@ async fn one_request(
         };
         row.failure_cause = Some(cause.to_string());
     };
-    let prefill = engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.pair)).await;
+    let prefill =
+        engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.pair)).await;
     let params = match prefill {
         Ok(Ok(done)) => done.params,
         Ok(Err(e)) => {
@@ -292,7 +305,8 @@ impl Tally {
         self.verify_failures += f.verify_failures;
         self.bytes_verified += f.bytes_verified;
         if f.row.outcome == RequestOutcome::Ok {
-            for stage in [Stage::Queue, Stage::Plan, Stage::Post, Stage::Transfer, Stage::Notify, Stage::E2e] {
+            for stage in [Stage::Queue, Stage::Plan, Stage::Post, Stage::Transfer, Stage::Notify, Stage::E2e]
+            {
                 if let Some(v) = f.row.stage_us(stage) {
                     self.recorder.record_ns(stage.as_str(), (v * 1e3) as u64);
                 }
@@ -331,12 +345,23 @@ async fn drive(
     let t_start = Instant::now();
     let mut in_flight = FuturesUnordered::new();
     let mut next = first_req;
-    let more = |next: u64| count.is_none_or(|c| next < first_req + c) && until.is_none_or(|u| Instant::now() < u);
+    let more =
+        |next: u64| count.is_none_or(|c| next < first_req + c) && until.is_none_or(|u| Instant::now() < u);
     match s.arrival {
         Arrival::Closed { concurrency } => loop {
             while in_flight.len() < concurrency.max(1) as usize && more(next) {
                 let (tokens, seed) = (generator.prompt_len(), generator.pattern_seed());
-                in_flight.push(one_request(engines, s, run_id, next, tokens, seed, Instant::now(), t_start, repeat));
+                in_flight.push(one_request(
+                    engines,
+                    s,
+                    run_id,
+                    next,
+                    tokens,
+                    seed,
+                    Instant::now(),
+                    t_start,
+                    repeat,
+                ));
                 next += 1;
             }
             match in_flight.next().await {
@@ -396,7 +421,11 @@ pub fn calibrate(s: &BenchSettings, size: u64) -> Option<(Calibration, f64)> {
     match xfer::run(&cfg, &TargetSpec::Local { exe: s.exe.clone() }, |_| {}) {
         Ok(rep) => {
             let r = rep.results.first()?;
-            let mut c = Calibration { memcpy_gbps: Some(r.memcpy_gbps), ucx_loopback_gbps: Some(r.gbps), ..Calibration::default() };
+            let mut c = Calibration {
+                memcpy_gbps: Some(r.memcpy_gbps),
+                ucx_loopback_gbps: Some(r.gbps),
+                ..Calibration::default()
+            };
             c.extra.insert("descriptor_bytes".into(), serde_json::json!(size));
             c.extra.insert("transports".into(), serde_json::json!(rep.ucx.transports));
             Some((c, r.gbps))
@@ -422,7 +451,11 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         library: info.ucx_library.clone(),
         version: info.ucx_version.clone(),
         transports: vec![],
-        err_mode: Some(if s.transport.err_mode.is_empty() { "none".into() } else { s.transport.err_mode.clone() }),
+        err_mode: Some(if s.transport.err_mode.is_empty() {
+            "none".into()
+        } else {
+            s.transport.err_mode.clone()
+        }),
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -445,7 +478,9 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
             None => ProgressBar::new_spinner(),
         };
         b.set_draw_target(ProgressDrawTarget::stderr());
-        if let Ok(style) = ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests {msg} [{elapsed}]") {
+        if let Ok(style) =
+            ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests {msg} [{elapsed}]")
+        {
             b.set_style(style);
         }
         b
@@ -505,7 +540,8 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     summary.verify_failures = all.verify_failures;
     summary.blocks_leaked = u64::from(p_fin.blocks_leaked + d_fin.blocks_leaked);
     summary.blocks_expired = p_fin.leases_expired;
-    summary.ucx.transports = transports.map(|t| t.split(", ").map(str::to_string).collect()).unwrap_or_default();
+    summary.ucx.transports =
+        transports.map(|t| t.split(", ").map(str::to_string).collect()).unwrap_or_default();
     summary.per_rank = all
         .per_rank_bytes
         .iter()
@@ -523,7 +559,13 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     let rss_limit_note = |role: &str, fin: &EngineFinal, pool: u64| {
         fin.worker_rss_bytes
             .iter()
-            .map(|&r| format!("{role} rss {:.0} MiB (pool {:.0} MiB)", r as f64 / 1048576.0, pool as f64 / 1048576.0))
+            .map(|&r| {
+                format!(
+                    "{role} rss {:.0} MiB (pool {:.0} MiB)",
+                    r as f64 / 1048576.0,
+                    pool as f64 / 1048576.0
+                )
+            })
             .collect::<Vec<_>>()
     };
     let p_pool = s.pair.p_geometry(0).total_bytes();

@@ -24,8 +24,8 @@ use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::{HostBuffer, PageSize};
 use crate::transfer::notify::{NotifySender, heartbeat_interval};
 use crate::transfer::ucx::{
-    Context, ContextOptions, Endpoint, ErrMode, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion, Ucx,
-    UcxError, Worker,
+    Context, ContextOptions, Endpoint, ErrMode, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion,
+    Ucx, UcxError, Worker,
 };
 
 type Failure = (FailureCause, String);
@@ -65,10 +65,13 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let err_mode = match cfg.transport.err_mode.as_str() {
         "" | "none" => ErrMode::None,
         "peer" => ErrMode::Peer,
-        other => return Err(WorkerError::new(format!("unknown error-handling mode '{other}' (none or peer)"))),
+        other => {
+            return Err(WorkerError::new(format!("unknown error-handling mode '{other}' (none or peer)")));
+        }
     };
     let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
-    let ctx = Context::new(&ucx, &ContextOptions { progress, ..ContextOptions::default() }).map_err(werr!("UCX context"))?;
+    let ctx = Context::new(&ucx, &ContextOptions { progress, ..ContextOptions::default() })
+        .map_err(werr!("UCX context"))?;
     let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
     let mem = HostBuffer::alloc(total, pages).map_err(werr!(format!("allocate the {total}-byte KV pool")))?;
@@ -144,7 +147,10 @@ impl Decoder<'_> {
         let mut by_engine: HashMap<&str, Vec<String>> = HashMap::new();
         for (_, m) in queue {
             if let ToWorker::Load { params, .. } = m {
-                by_engine.entry(params.remote_engine_id.as_str()).or_default().push(params.remote_request_id.clone());
+                by_engine
+                    .entry(params.remote_engine_id.as_str())
+                    .or_default()
+                    .push(params.remote_request_id.clone());
             }
         }
         for (engine, ids) in by_engine {
@@ -174,36 +180,44 @@ impl Decoder<'_> {
             let pair = peer_pair(&cfg.pair, meta)?;
             pair.validate().map(|_| ()).map_err(|e| e.to_string())
         };
-        let peers = self.client.fetch_metadata_many(&endpoint, &ranks, Some(&factors), validate).map_err(|e| {
-            let cause = match e {
-                HandshakeError::HashMismatch { .. } | HandshakeError::Rejected { .. } | HandshakeError::NotKvx { .. } => {
-                    FailureCause::Incompatible
-                }
-                _ => FailureCause::Handshake,
-            };
-            (cause, e.to_string())
-        })?;
-        let first = peers.first().ok_or((FailureCause::Handshake, format!("{endpoint} returned no metadata")))?;
+        let peers =
+            self.client.fetch_metadata_many(&endpoint, &ranks, Some(&factors), validate).map_err(|e| {
+                let cause = match e {
+                    HandshakeError::HashMismatch { .. }
+                    | HandshakeError::Rejected { .. }
+                    | HandshakeError::NotKvx { .. } => FailureCause::Incompatible,
+                    _ => FailureCause::Handshake,
+                };
+                (cause, e.to_string())
+            })?;
+        let first =
+            peers.first().ok_or((FailureCause::Handshake, format!("{endpoint} returned no metadata")))?;
         let pair = peer_pair(&cfg.pair, &first.metadata).map_err(|e| (FailureCause::Incompatible, e))?;
         let map = pair.validate().map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
-        let planner = Planner::new(&pair, &map, cfg.rank).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+        let planner =
+            Planner::new(&pair, &map, cfg.rank).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
         let p_geom = pair.p_geometry(0);
         let p_regions = p_geom.regions();
         let p_len = p_geom.total_bytes();
         let mut out = BTreeMap::new();
         for peer in &peers {
             let meta = &peer.metadata;
-            let r0 = meta.regions.first().ok_or((FailureCause::Incompatible, "peer advertises no regions".into()))?;
+            let r0 = meta
+                .regions
+                .first()
+                .ok_or((FailureCause::Incompatible, "peer advertises no regions".into()))?;
             let base = r0.base_addr - p_regions.first().map_or(0, |r| r.base_off);
-            let ucx_err = |what: &str, e: UcxError| (classify_ucx(&e), format!("{what} with prefill rank {}: {e}", meta.tp_rank));
+            let ucx_err = |what: &str, e: UcxError| {
+                (classify_ucx(&e), format!("{what} with prefill rank {}: {e}", meta.tp_rank))
+            };
             let ep = Endpoint::connect(&self.worker, &meta.worker_address, self.err_mode)
                 .map_err(|e| ucx_err("UCX endpoint", e))?;
             let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
             let region = ep.unpack_rkey(&rkey, base, p_len).map_err(|e| ucx_err("unpack remote key", e))?;
-            let notify_ep = meta
-                .notify_endpoint
-                .clone()
-                .ok_or((FailureCause::Incompatible, format!("prefill rank {} has no notification endpoint", meta.tp_rank)))?;
+            let notify_ep = meta.notify_endpoint.clone().ok_or((
+                FailureCause::Incompatible,
+                format!("prefill rank {} has no notification endpoint", meta.tp_rank),
+            ))?;
             let notify = NotifySender::connect(&notify_ep, self.timeout)
                 .map_err(|e| (FailureCause::Handshake, format!("notification channel {notify_ep}: {e}")))?;
             out.insert(meta.tp_rank, RemoteRank { region, notify });
@@ -279,10 +293,14 @@ impl Decoder<'_> {
         let tt = Instant::now();
         for (i, read) in eng.planner.reads.iter().enumerate() {
             let Some(rank) = eng.ranks.get(&read.p_rank) else {
-                return Err((FailureCause::Internal, format!("no connection to prefill rank {}", read.p_rank)));
+                return Err((
+                    FailureCause::Internal,
+                    format!("no connection to prefill rank {}", read.p_rank),
+                ));
             };
             let pairs = coalesced.as_ref().map_or(&self.bufs[i], |c| &c[i]);
-            let descs = pairs.iter().map(|p| ReadDesc { local_off: p.local, remote_off: p.remote, len: p.len });
+            let descs =
+                pairs.iter().map(|p| ReadDesc { local_off: p.local, remote_off: p.remote, len: p.len });
             let stats = rank
                 .region
                 .read_batch(&mut self.local, descs, &ReadOptions { max_inflight: inflight, timeout })
@@ -299,14 +317,17 @@ impl Decoder<'_> {
         r.transports = eng.transports.clone();
         // Notify.
         let tn = Instant::now();
-        let ids = RequestIds { p_request_id: params.remote_request_id.clone(), d_request_id: d_request_id.to_string() };
+        let ids = RequestIds {
+            p_request_id: params.remote_request_id.clone(),
+            d_request_id: d_request_id.to_string(),
+        };
         let full_hit = blocks.local.is_empty();
         if !full_hit {
             for read in &eng.planner.reads {
                 if let Some(rank) = eng.ranks.get(&read.p_rank) {
-                    rank.notify
-                        .send_done(&ids.p_request_id, eng.planner.map.notif_count)
-                        .map_err(|e| (FailureCause::Notify, format!("notify prefill rank {}: {e}", read.p_rank)))?;
+                    rank.notify.send_done(&ids.p_request_id, eng.planner.map.notif_count).map_err(|e| {
+                        (FailureCause::Notify, format!("notify prefill rank {}: {e}", read.p_rank))
+                    })?;
                 }
             }
         }

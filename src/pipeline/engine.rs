@@ -136,9 +136,26 @@ pub struct EngineFinal {
 type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
 enum Cmd {
-    Prefill { req: u64, p_request_id: String, tokens: u32, seed: u64, expected_notifs: u32, reply: Reply<PrefillDone> },
-    Load { req: u64, d_request_id: String, params: Box<KvTransferParams>, local_blocks: u32, seed: u64, reply: Reply<LoadDone> },
-    Abandon { req: u64, p_request_id: String },
+    Prefill {
+        req: u64,
+        p_request_id: String,
+        tokens: u32,
+        seed: u64,
+        expected_notifs: u32,
+        reply: Reply<PrefillDone>,
+    },
+    Load {
+        req: u64,
+        d_request_id: String,
+        params: Box<KvTransferParams>,
+        local_blocks: u32,
+        seed: u64,
+        reply: Reply<LoadDone>,
+    },
+    Abandon {
+        req: u64,
+        p_request_id: String,
+    },
 }
 
 /// A running engine. Dropping it shuts the workers down.
@@ -170,7 +187,10 @@ impl Engine {
                 lp.run(&rx);
                 lp.shutdown()
             })
-            .map_err(|e| EngineError::Startup { engine: "engine".into(), what: format!("cannot spawn thread: {e}") })?;
+            .map_err(|e| EngineError::Startup {
+                engine: "engine".into(),
+                what: format!("cannot spawn thread: {e}"),
+            })?;
         match info_rx.recv() {
             Ok(Ok(info)) => Ok(Engine { info, tx: Some(tx), bell, thread: Some(thread) }),
             Ok(Err(e)) => {
@@ -329,7 +349,8 @@ impl EngineLoop {
             }
             Launch::External { bind } => (bind.clone(), None),
         };
-        ctl.bind(&bind).map_err(|e| startup(&cfg, format!("cannot bind the control socket at {bind}: {e}")))?;
+        ctl.bind(&bind)
+            .map_err(|e| startup(&cfg, format!("cannot bind the control socket at {bind}: {e}")))?;
         let endpoint = ctl.get_last_endpoint().ok().and_then(Result::ok).unwrap_or(bind);
         let role = cfg.worker.role;
         let mut ranks: Vec<Rank> = (0..cfg.tp)
@@ -352,8 +373,9 @@ impl EngineLoop {
                     .stdout(Stdio::null())
                     .stderr(Stdio::piped())
                     .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-                let mut child =
-                    cmd.spawn().map_err(|e| startup(&cfg, format!("cannot start {} worker: {e}", exe.display())))?;
+                let mut child = cmd
+                    .spawn()
+                    .map_err(|e| startup(&cfg, format!("cannot start {} worker: {e}", exe.display())))?;
                 if let Some(err) = child.stderr.take() {
                     set_nonblocking(&err);
                     rank.stderr = Some(err);
@@ -401,16 +423,28 @@ impl EngineLoop {
     fn wait_ready(&mut self) -> Result<(), EngineError> {
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         while self.ranks.iter().any(|r| r.ready.is_none()) {
-            if let Some((r, why)) = self.ranks.iter().enumerate().find_map(|(i, r)| r.dead.clone().map(|d| (i, d))) {
-                return Err(startup(&self.cfg, format!("{} rank {r} died while starting: {why}", self.role_str())));
+            if let Some((r, why)) =
+                self.ranks.iter().enumerate().find_map(|(i, r)| r.dead.clone().map(|d| (i, d)))
+            {
+                return Err(startup(
+                    &self.cfg,
+                    format!("{} rank {r} died while starting: {why}", self.role_str()),
+                ));
             }
             let now = Instant::now();
             if now >= deadline {
-                let missing: Vec<usize> =
-                    self.ranks.iter().enumerate().filter(|(_, r)| r.ready.is_none()).map(|(i, _)| i).collect();
+                let missing: Vec<usize> = self
+                    .ranks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.ready.is_none())
+                    .map(|(i, _)| i)
+                    .collect();
                 return Err(startup(
                     &self.cfg,
-                    format!("ranks {missing:?} were not ready after {STARTUP_TIMEOUT:?} (see their errors above)"),
+                    format!(
+                        "ranks {missing:?} were not ready after {STARTUP_TIMEOUT:?} (see their errors above)"
+                    ),
                 ));
             }
             self.poll_once(Duration::from_millis(50));
@@ -425,11 +459,8 @@ impl EngineLoop {
             let server = HandshakeServer::start(&bind, table)
                 .map_err(|e| startup(&self.cfg, format!("side channel at {bind}: {e}")))?;
             let (host, port) = split_endpoint(server.endpoint());
-            self.info.side_channel_host = if host == "0.0.0.0" || host == "*" {
-                self.cfg.worker.advertise_host.clone()
-            } else {
-                host
-            };
+            self.info.side_channel_host =
+                if host == "0.0.0.0" || host == "*" { self.cfg.worker.advertise_host.clone() } else { host };
             self.info.side_channel_port = port;
             self.handshake = Some(server);
         }
@@ -438,7 +469,8 @@ impl EngineLoop {
             self.info.ucx_version = first.ucx_version.clone();
             self.info.pool_bytes_per_rank = first.pool_bytes;
         }
-        self.info.worker_rss_bytes = self.ranks.iter().map(|r| r.ready.as_ref().map_or(0, |i| i.rss_bytes)).collect();
+        self.info.worker_rss_bytes =
+            self.ranks.iter().map(|r| r.ready.as_ref().map_or(0, |i| i.rss_bytes)).collect();
         Ok(())
     }
 
@@ -469,8 +501,12 @@ impl EngineLoop {
 
     /// One round of waiting: worker messages, stderr of local workers, the caller's bell.
     fn poll_once(&mut self, timeout: Duration) {
-        let mut items = vec![self.ctl.as_poll_item(zmq::POLLIN), zmq::PollItem::from_fd(self.bell.as_raw_fd(), zmq::POLLIN)];
-        let stderr_ranks: Vec<usize> = self.ranks.iter().enumerate().filter(|(_, r)| r.stderr.is_some()).map(|(i, _)| i).collect();
+        let mut items = vec![
+            self.ctl.as_poll_item(zmq::POLLIN),
+            zmq::PollItem::from_fd(self.bell.as_raw_fd(), zmq::POLLIN),
+        ];
+        let stderr_ranks: Vec<usize> =
+            self.ranks.iter().enumerate().filter(|(_, r)| r.stderr.is_some()).map(|(i, _)| i).collect();
         for &i in &stderr_ranks {
             if let Some(fd) = self.ranks[i].stderr.as_ref().map(AsRawFd::as_raw_fd) {
                 items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
@@ -482,8 +518,12 @@ impl EngineLoop {
         }
         let ctl_ready = items[0].is_readable();
         let bell_ready = items[1].is_readable();
-        let stderr_ready: Vec<usize> =
-            stderr_ranks.iter().enumerate().filter(|(k, _)| items[k + 2].is_readable()).map(|(_, &i)| i).collect();
+        let stderr_ready: Vec<usize> = stderr_ranks
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| items[k + 2].is_readable())
+            .map(|(_, &i)| i)
+            .collect();
         drop(items);
         if bell_ready {
             let mut buf = [0u8; 256];
@@ -548,14 +588,16 @@ impl EngineLoop {
         r.dead = Some(why.clone());
         self.fin.dead_ranks.push(rank);
         let err = EngineError::RankGone { role, rank, why };
-        let failed: Vec<u64> = self.prefills.iter().filter(|(_, p)| p.waiting.contains(&rank)).map(|(&k, _)| k).collect();
+        let failed: Vec<u64> =
+            self.prefills.iter().filter(|(_, p)| p.waiting.contains(&rank)).map(|(&k, _)| k).collect();
         for req in failed {
             if let Some(p) = self.prefills.remove(&req) {
                 let _ = p.reply.send(Err(err.clone()));
                 self.hold_or_free(req, p.blocks, rank);
             }
         }
-        let failed: Vec<u64> = self.loads.iter().filter(|(_, l)| l.waiting.contains(&rank)).map(|(&k, _)| k).collect();
+        let failed: Vec<u64> =
+            self.loads.iter().filter(|(_, l)| l.waiting.contains(&rank)).map(|(&k, _)| k).collect();
         for req in failed {
             if let Some(l) = self.loads.remove(&req) {
                 self.pool.free(&l.blocks);
@@ -620,10 +662,15 @@ impl EngineLoop {
         match msg {
             FromWorker::Hello { role, rank, pid, host } => {
                 if role != self.cfg.worker.role {
-                    warn!("a {} worker (pid {pid} on {host}) connected to the {} engine; ignored", role.as_str(), self.role_str());
+                    warn!(
+                        "a {} worker (pid {pid} on {host}) connected to the {} engine; ignored",
+                        role.as_str(),
+                        self.role_str()
+                    );
                     return;
                 }
-                let slot = rank.map(|r| r as usize).or_else(|| self.ranks.iter().position(|r| r.identity.is_none()));
+                let slot =
+                    rank.map(|r| r as usize).or_else(|| self.ranks.iter().position(|r| r.identity.is_none()));
                 let Some(slot) = slot.filter(|&s| s < self.ranks.len()) else {
                     warn!("{} engine: no free rank for worker pid {pid} on {host}", self.role_str());
                     return;
@@ -766,11 +813,13 @@ impl EngineLoop {
                 None
             }
             Cmd::Prefill { req, reply, .. } if needed > self.pool.capacity() => {
-                let _ = reply.send(Err(EngineError::TooLarge { req, needed, capacity: self.pool.capacity() }));
+                let _ =
+                    reply.send(Err(EngineError::TooLarge { req, needed, capacity: self.pool.capacity() }));
                 None
             }
             Cmd::Load { req, reply, .. } if needed > self.pool.capacity() => {
-                let _ = reply.send(Err(EngineError::TooLarge { req, needed, capacity: self.pool.capacity() }));
+                let _ =
+                    reply.send(Err(EngineError::TooLarge { req, needed, capacity: self.pool.capacity() }));
                 None
             }
             Cmd::Prefill { req, p_request_id, tokens, seed, expected_notifs, reply } => {
@@ -787,7 +836,13 @@ impl EngineLoop {
                 for &r in &live {
                     self.send_to(
                         r,
-                        &ToWorker::Fill { req, p_request_id: p_request_id.clone(), blocks: blocks.clone(), seed, expected_notifs },
+                        &ToWorker::Fill {
+                            req,
+                            p_request_id: p_request_id.clone(),
+                            blocks: blocks.clone(),
+                            seed,
+                            expected_notifs,
+                        },
                     );
                 }
                 self.prefills.insert(
@@ -829,7 +884,13 @@ impl EngineLoop {
                 }
                 self.loads.insert(
                     req,
-                    PendingLoad { blocks, waiting: live, results: Vec::new(), deadline: Instant::now() + timeout, reply },
+                    PendingLoad {
+                        blocks,
+                        waiting: live,
+                        results: Vec::new(),
+                        deadline: Instant::now() + timeout,
+                        reply,
+                    },
                 );
                 None
             }
@@ -840,7 +901,8 @@ impl EngineLoop {
         let now = Instant::now();
         let role = self.role_str();
         let timeout = self.cfg.timeout;
-        let late: Vec<u64> = self.prefills.iter().filter(|(_, p)| p.deadline <= now).map(|(&k, _)| k).collect();
+        let late: Vec<u64> =
+            self.prefills.iter().filter(|(_, p)| p.deadline <= now).map(|(&k, _)| k).collect();
         for req in late {
             if let Some(p) = self.prefills.remove(&req) {
                 let ranks: Vec<u32> = p.waiting.iter().copied().collect();
@@ -864,7 +926,10 @@ impl EngineLoop {
         // Prefill ranks free held blocks when notified or when leases run out.
         let lease = Duration::from_millis(self.cfg.worker.lease_ms);
         let deadline = Instant::now() + lease + Duration::from_secs(2);
-        while !self.held.is_empty() && Instant::now() < deadline && self.ranks.iter().any(|r| r.dead.is_none()) {
+        while !self.held.is_empty()
+            && Instant::now() < deadline
+            && self.ranks.iter().any(|r| r.dead.is_none())
+        {
             self.poll_once(Duration::from_millis(50));
         }
         for r in 0..self.cfg.tp {
@@ -890,7 +955,8 @@ impl EngineLoop {
             hs.stop();
         }
         self.fin.blocks_leaked = self.pool.in_use();
-        self.fin.worker_rss_bytes = self.ranks.iter().map(|r| r.ready.as_ref().map_or(0, |i| i.rss_bytes)).collect();
+        self.fin.worker_rss_bytes =
+            self.ranks.iter().map(|r| r.ready.as_ref().map_or(0, |i| i.rss_bytes)).collect();
         self.fin
     }
 }

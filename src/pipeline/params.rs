@@ -37,7 +37,9 @@ impl KvTransferParams {
         match self.remote_block_ids.as_slice() {
             [one] => one
                 .iter()
-                .map(|&b| u32::try_from(b).map_err(|_| format!("remote_block_ids: block id {b} is out of range")))
+                .map(|&b| {
+                    u32::try_from(b).map_err(|_| format!("remote_block_ids: block id {b} is out of range"))
+                })
                 .collect(),
             [] => Err("remote_block_ids is empty; kvx expects one list of block ids".into()),
             more => Err(format!("remote_block_ids has {} groups; kvx models one KV cache group", more.len())),

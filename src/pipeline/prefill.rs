@@ -26,14 +26,15 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let total = usize::try_from(geom.total_bytes()).map_err(werr!("pool size"))?;
     let progress: ProgressMode = parse_progress(&cfg.transport.progress)?;
     let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
-    let ctx = Context::new(&ucx, &ContextOptions { progress, ..ContextOptions::default() }).map_err(werr!("UCX context"))?;
+    let ctx = Context::new(&ucx, &ContextOptions { progress, ..ContextOptions::default() })
+        .map_err(werr!("UCX context"))?;
     let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
     let mem = HostBuffer::alloc(total, pages).map_err(werr!(format!("allocate the {total}-byte KV pool")))?;
     let mut region = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
     let rkey = region.pack_rkey().map_err(werr!("pack the remote key"))?;
-    let listener =
-        NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host)).map_err(werr!("bind the notification listener"))?;
+    let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
+        .map_err(werr!("bind the notification listener"))?;
     let notify_ep = advertise(listener.endpoint(), &cfg.advertise_host);
     let base = region.addr();
     let kvx_regions: Vec<KvxRegion> = regions
@@ -136,7 +137,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let wait = leases
             .next_deadline()
             .map_or(MAX_WAIT, |d| d.saturating_duration_since(Instant::now()).min(MAX_WAIT));
-        let mut items = vec![ctl.socket().as_poll_item(zmq::POLLIN), listener.socket().as_poll_item(zmq::POLLIN)];
+        let mut items =
+            vec![ctl.socket().as_poll_item(zmq::POLLIN), listener.socket().as_poll_item(zmq::POLLIN)];
         if let Some(fd) = worker.event_fd() {
             items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
         }
@@ -157,5 +159,9 @@ pub(super) fn parse_progress(s: &str) -> Result<ProgressMode, WorkerError> {
 /// Replaces a wildcard bind host in an endpoint with the host peers should dial.
 pub(super) fn advertise(endpoint: &str, host: &str) -> String {
     let (h, port) = super::engine::split_endpoint(endpoint);
-    if h == "0.0.0.0" || h == "*" || h.is_empty() { format!("tcp://{host}:{port}") } else { endpoint.to_string() }
+    if h == "0.0.0.0" || h == "*" || h.is_empty() {
+        format!("tcp://{host}:{port}")
+    } else {
+        endpoint.to_string()
+    }
 }

@@ -126,11 +126,26 @@ pub struct WorkerConfig {
 pub enum ToWorker {
     Init(Box<WorkerConfig>),
     /// Prefill rank: fill these blocks with the request's pattern and hold them.
-    Fill { req: u64, p_request_id: String, blocks: Vec<u32>, seed: u64, expected_notifs: u32 },
+    Fill {
+        req: u64,
+        p_request_id: String,
+        blocks: Vec<u32>,
+        seed: u64,
+        expected_notifs: u32,
+    },
     /// Decode rank: pull the blocks `params` describes into `local_blocks`.
-    Load { req: u64, d_request_id: String, params: Box<KvTransferParams>, local_blocks: Vec<u32>, seed: u64 },
+    Load {
+        req: u64,
+        d_request_id: String,
+        params: Box<KvTransferParams>,
+        local_blocks: Vec<u32>,
+        seed: u64,
+    },
     /// Prefill rank: the decode side gave up on this request; release when its lease ends.
-    Abandon { req: u64, p_request_id: String },
+    Abandon {
+        req: u64,
+        p_request_id: String,
+    },
     Shutdown,
 }
 
@@ -205,17 +220,34 @@ pub struct LoadResult {
 /// Worker to engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum FromWorker {
-    Hello { role: Role, rank: Option<u32>, pid: u32, host: String },
+    Hello {
+        role: Role,
+        rank: Option<u32>,
+        pid: u32,
+        host: String,
+    },
     Ready(Box<ReadyInfo>),
-    Filled { req: u64, fill_ns: u64 },
+    Filled {
+        req: u64,
+        fill_ns: u64,
+    },
     /// A prefill rank released a request's blocks: all notifications arrived, or the lease expired.
-    Freed { req: u64, expired: bool },
+    Freed {
+        req: u64,
+        expired: bool,
+    },
     Loaded(Box<LoadResult>),
     /// Notifications for requests this rank does not hold.
-    Unrecognized { count: u64 },
+    Unrecognized {
+        count: u64,
+    },
     /// The worker is exiting because of this error.
-    Fatal { msg: String },
-    Bye { rss_bytes: u64 },
+    Fatal {
+        msg: String,
+    },
+    Bye {
+        rss_bytes: u64,
+    },
 }
 
 /// Encodes a control message.

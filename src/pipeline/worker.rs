@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use super::proto::{self, FromWorker, Role, ToWorker, WorkerConfig};
 use crate::layouts::compat::PairSpec;
 use crate::settings::model::ModelShape;
+use crate::topology::VllmVersion;
 use crate::transfer::handshake::compat::{CompatFactors, KvxFactors};
 use crate::transfer::handshake::meta::KVX_METADATA_FORMAT;
 use crate::transfer::handshake::zmq_context;
-use crate::topology::VllmVersion;
 
 /// How long a worker waits for its configuration after saying hello.
 pub const INIT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -79,7 +79,11 @@ impl Control {
 /// The rank a launcher gave this process, from its environment.
 pub fn launcher_rank() -> Option<(u32, u32)> {
     let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
-    for (rank, size) in [("SLURM_PROCID", "SLURM_NTASKS"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("RANK", "WORLD_SIZE")] {
+    for (rank, size) in [
+        ("SLURM_PROCID", "SLURM_NTASKS"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("RANK", "WORLD_SIZE"),
+    ] {
         if let (Some(r), Some(n)) = (get(rank), get(size)) {
             return Some((r, n));
         }
@@ -124,7 +128,9 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
     let cfg: WorkerConfig = loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(WorkerError::new(format!("no configuration from the engine at {endpoint} within {INIT_TIMEOUT:?}")));
+            return Err(WorkerError::new(format!(
+                "no configuration from the engine at {endpoint} within {INIT_TIMEOUT:?}"
+            )));
         }
         match ctl.recv(left)? {
             Some(ToWorker::Init(cfg)) => break *cfg,
@@ -148,8 +154,12 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
 }
 
 /// The engine spec of the other side of a pair, as the peer's metadata describes it.
-pub fn peer_pair(local: &PairSpec, meta: &crate::transfer::handshake::meta::KvxMetadata) -> Result<PairSpec, String> {
-    let layout = crate::layouts::Layout::parse_for(&meta.layout, local.version).map_err(|e| format!("peer layout: {e}"))?;
+pub fn peer_pair(
+    local: &PairSpec,
+    meta: &crate::transfer::handshake::meta::KvxMetadata,
+) -> Result<PairSpec, String> {
+    let layout = crate::layouts::Layout::parse_for(&meta.layout, local.version)
+        .map_err(|e| format!("peer layout: {e}"))?;
     let num_blocks = meta.regions.first().map_or(0, |r| r.num_blocks);
     let mut pair = local.clone();
     pair.p = crate::layouts::EngineSpec {

@@ -36,7 +36,8 @@ impl FromStr for PromptLens {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let parse = |t: &str| -> Result<u32, String> {
-            let n: u32 = t.trim().replace('_', "").parse().map_err(|_| format!("'{t}' is not a token count"))?;
+            let n: u32 =
+                t.trim().replace('_', "").parse().map_err(|_| format!("'{t}' is not a token count"))?;
             if n == 0 || n > MAX_PROMPT {
                 return Err(format!("prompt length {n} is outside 1..={MAX_PROMPT}"));
             }
@@ -72,7 +73,11 @@ impl PromptLens {
                 _ => {
                     return Err(ConfigError::new(
                         flag,
-                        format!("{} line {}: '{t}' is not a prompt length (1..={MAX_PROMPT})", path.display(), i + 1),
+                        format!(
+                            "{} line {}: '{t}' is not a prompt length (1..={MAX_PROMPT})",
+                            path.display(),
+                            i + 1
+                        ),
                     ));
                 }
             }
