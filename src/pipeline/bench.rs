@@ -200,18 +200,19 @@ fn expected_notifs(pair: &PairSpec) -> u32 {
     if d > p { d / p } else { 1 }
 }
 
-/// Runs one request through both engines.
-async fn one_request(
-    engines: &Engines,
-    s: &BenchSettings,
-    run_id: &str,
-    req: u64,
-    tokens: u32,
-    seed: u64,
-    arrival: Instant,
+/// What the driver shares with every request of a repeat.
+#[derive(Clone, Copy)]
+struct Ctx<'a> {
+    engines: &'a Engines,
+    s: &'a BenchSettings,
+    run_id: &'a str,
     t_start: Instant,
     repeat: u32,
-) -> Finished {
+}
+
+/// Runs one request through both engines.
+async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Instant) -> Finished {
+    let Ctx { engines, s, run_id, t_start, repeat } = c;
     let p_request_id = format!("cmpl-{run_id}-{req}-0");
     let d_request_id = format!("cmpl-{run_id}-{req}-d");
     let n_d = tokens.div_ceil(s.pair.d.block_tokens);
@@ -332,17 +333,16 @@ impl Tally {
 
 /// Drives `count` requests (or until `until`) and calls `done` for each.
 async fn drive(
-    engines: &Engines,
-    s: &BenchSettings,
-    run_id: &str,
+    c: Ctx<'_>,
     generator: &mut Generator,
     first_req: u64,
     count: Option<u64>,
     until: Option<Instant>,
-    repeat: u32,
     mut done: impl FnMut(Finished),
 ) -> Instant {
-    let t_start = Instant::now();
+    let Ctx { s, .. } = c;
+    let c = Ctx { t_start: Instant::now(), ..c };
+    let t_start = c.t_start;
     let mut in_flight = FuturesUnordered::new();
     let mut next = first_req;
     let more =
@@ -351,17 +351,7 @@ async fn drive(
         Arrival::Closed { concurrency } => loop {
             while in_flight.len() < concurrency.max(1) as usize && more(next) {
                 let (tokens, seed) = (generator.prompt_len(), generator.pattern_seed());
-                in_flight.push(one_request(
-                    engines,
-                    s,
-                    run_id,
-                    next,
-                    tokens,
-                    seed,
-                    Instant::now(),
-                    t_start,
-                    repeat,
-                ));
+                in_flight.push(one_request(c, next, tokens, seed, Instant::now()));
                 next += 1;
             }
             match in_flight.next().await {
@@ -378,7 +368,7 @@ async fn drive(
                 tokio::select! {
                     () = &mut sleep, if arrive => {
                         let (tokens, seed) = (generator.prompt_len(), generator.pattern_seed());
-                        in_flight.push(one_request(engines, s, run_id, next, tokens, seed, next_at, t_start, repeat));
+                        in_flight.push(one_request(c, next, tokens, seed, next_at));
                         next += 1;
                         next_at += generator.inter_arrival(rate);
                     }
@@ -467,7 +457,8 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     // Warm-up: connections, first-touch of pages, caches. Not recorded (but its handshake is).
     if s.warmup > 0 {
         let mut warm = Tally::default();
-        rt.block_on(drive(&engines, s, run_id, &mut generator, 0, Some(s.warmup), None, 0, |f| warm.add(&f)));
+        let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat: 0 };
+        rt.block_on(drive(ctx, &mut generator, 0, Some(s.warmup), None, |f| warm.add(&f)));
         let _ = handshakes.merge(&warm.handshake);
         transports = warm.transports.clone();
     }
@@ -499,7 +490,8 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         let mut last_partial = Instant::now();
         let t0 = Instant::now();
         let rows = rows_rc.clone();
-        rt.block_on(drive(&engines, s, run_id, &mut generator, first_req, s.requests, until, repeat, |f| {
+        let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat };
+        rt.block_on(drive(ctx, &mut generator, first_req, s.requests, until, |f| {
             tally.add(&f);
             all.add(&f);
             if let Err(e) = writer.write_request(&f.row) {
