@@ -8,13 +8,19 @@
 //! kv.rs        KvBackend trait (the engine's KV side), kv_transfer_params, NullKv
 //! metrics.rs   counters/gauges/histograms and the Prometheus text exposition
 //! engine.rs    the engine: router(state), serve(listener, state, shutdown)
+//! rewrite.rs   the toy proxy's body rewriting on raw, order-preserving JSON
+//! client.rs    pooled keep-alive HTTP/1.1 client (proxy legs, load generator)
+//! proxy.rs     the P/D proxy: router(state), serve(listener, state, shutdown)
 //! ```
 //!
 //! Every service takes a bound listener and a shutdown future; routers are pure
 //! `router(state) -> axum::Router`. This module must not reach into `pipeline/` or
 //! `transfer/`: a real KV backend plugs in through [`kv::KvBackend`].
 
+pub mod client;
 pub mod engine;
 pub mod kv;
 pub mod metrics;
 pub mod openai;
+pub mod proxy;
+pub mod rewrite;
