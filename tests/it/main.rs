@@ -1,1 +1,3 @@
+//! The single integration-test binary: one module per area.
 
+mod serve;
