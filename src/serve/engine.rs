@@ -607,7 +607,7 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
         n,
         finish,
         next: 0,
-        first_token_at,
+        next_due: first_token_at,
         ended: false,
         inflight: Some(inflight),
     };
@@ -701,7 +701,9 @@ struct TokenStream {
     n: u64,
     finish: FinishReason,
     next: u64,
-    first_token_at: Instant,
+    /// When the next token is due: one ITL after the previous one went out. A late token
+    /// delays the ones after it (as a slow decode step does) instead of bunching them.
+    next_due: Instant,
     ended: bool,
     inflight: Option<InFlight>,
 }
@@ -711,15 +713,12 @@ struct TokenStream {
 const MAX_FRAME_BYTES: usize = 64 << 10;
 
 impl TokenStream {
-    fn due(&self, k: u64) -> Instant {
-        self.first_token_at + self.st.cfg.itl * u32::try_from(k).unwrap_or(u32::MAX)
-    }
-
     async fn step(mut self) -> Option<(Result<Bytes, std::convert::Infallible>, Self)> {
         if self.ended {
             return None;
         }
-        sleep_until(self.due(self.next)).await;
+        sleep_until(self.next_due).await;
+        let emitted_at = Instant::now();
         let mut out = Vec::with_capacity(512);
         let st = self.st.clone();
         let ctx = ResponseCtx {
@@ -758,7 +757,8 @@ impl TokenStream {
                 self.ended = true;
                 break;
             }
-            if out.len() >= MAX_FRAME_BYTES || self.due(self.next) > Instant::now() {
+            self.next_due = emitted_at + self.st.cfg.itl;
+            if out.len() >= MAX_FRAME_BYTES || !self.st.cfg.itl.is_zero() {
                 break;
             }
         }

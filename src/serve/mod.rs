@@ -11,6 +11,7 @@
 //! rewrite.rs   the toy proxy's body rewriting on raw, order-preserving JSON
 //! client.rs    pooled keep-alive HTTP/1.1 client (proxy legs, load generator)
 //! proxy.rs     the P/D proxy: router(state), serve(listener, state, shutdown)
+//! load.rs      the load generator: open/closed loop, TTFT/ITL/TPOT/E2E hdrhistograms
 //! ```
 //!
 //! Every service takes a bound listener and a shutdown future; routers are pure
@@ -20,6 +21,7 @@
 pub mod client;
 pub mod engine;
 pub mod kv;
+pub mod load;
 pub mod metrics;
 pub mod openai;
 pub mod proxy;

@@ -810,3 +810,101 @@ fn proxy_flag_count_mismatch_exits_2() {
     assert!(err.contains("Number of prefiller hosts must match number of prefiller ports"), "{err}");
     assert!(err.contains("--prefiller-hosts/--prefiller-ports"), "{err}");
 }
+
+/// Runs `kvx <args>` to completion (hard limit 20 s) and returns (exit code, stdout, stderr).
+async fn run_kvx(args: &[String]) -> (Option<i32>, String, String) {
+    let out = tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_kvx")).args(args).kill_on_drop(true).output(),
+    )
+    .await
+    .expect("kvx finished within 20 s")
+    .expect("run kvx");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
+    within(async {
+        let mut d_cfg = engine_cfg(Role::Decode);
+        d_cfg.itl = Duration::from_millis(1);
+        let s = stack_with(engine_cfg(Role::Prefill), d_cfg).await;
+        let args: Vec<String> = [
+            "load",
+            "--url",
+            &format!("http://{}", s.proxy.addr),
+            "--baseline-url",
+            &format!("http://127.0.0.1:{}", s.d_state_port()),
+            "--baseline-prefill-url",
+            &format!("http://127.0.0.1:{}", s.p_state_port()),
+            "--rate",
+            "200",
+            "--requests",
+            "40",
+            "--warmup",
+            "5",
+            "--stream",
+            "--max-tokens",
+            "4",
+            "--endpoint",
+            "chat",
+            "--prompt-len",
+            "8..24",
+            "--format",
+            "json",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        let (code, out, err) = run_kvx(&args).await;
+        assert_eq!(code, Some(0), "stderr: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("json summary");
+        assert_eq!(v["schema"], "kvx.load/v1");
+        assert_eq!(v["model"], "stub-model", "discovered from /v1/models");
+        let targets = v["targets"].as_array().expect("targets");
+        assert_eq!(targets.len(), 2);
+        for t in targets {
+            assert_eq!((t["requests"].as_u64(), t["ok"].as_u64()), (Some(40), Some(40)), "{t}");
+            assert_eq!(t["errors"], serde_json::json!({}));
+            assert_eq!(t["output_tokens"], 160);
+            assert_eq!(t["itl_ms"]["count"], 120, "3 gaps per 4-token stream");
+            assert!(t["ttft_ms"]["p50"].as_f64().expect("ttft") > 0.0);
+            // Gaps can bunch on the way (proxy, loaded CPU); their mean cannot shrink much.
+            assert!(t["itl_ms"]["mean"].as_f64().expect("itl") >= 0.5, "1 ms ITL engine: {t}");
+        }
+        assert_eq!(targets[1]["name"], "baseline-pd");
+        assert_eq!(v["overhead"][0]["baseline"], "baseline-pd");
+        // Both paths really loaded KV; nothing fell back to local prefill.
+        let m = s.d_state.render_metrics();
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 90.0);
+        assert_eq!(
+            metric(&m, "kvx:decode_local_prefill_total{model_name=\"stub-model\",reason=\"missing\"}"),
+            0.0
+        );
+
+        // A dead target: errors by cause, exit 2.
+        let args: Vec<String> = [
+            "load",
+            "--url",
+            &format!("http://127.0.0.1:{}", closed_port()),
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--model",
+            "m",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        let (code, out, err) = run_kvx(&args).await;
+        assert_eq!(code, Some(2), "{out}");
+        assert!(out.contains("connect: 4"), "{out}");
+        assert!(err.contains("no request to target `url`"), "{err}");
+    })
+    .await;
+}
