@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use anyhow::Context as _;
 use clap::{ArgAction, Args, ValueEnum};
 
 use crate::Outcome;
@@ -83,6 +82,9 @@ pub struct LoadArgs {
     /// Output format on stdout.
     #[arg(long, value_enum, default_value = "table")]
     pub format: Format,
+    /// Runtime worker threads (default: one per CPU).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
 }
 
 fn parse_prompt_len(s: &str) -> Result<(u64, u64), ConfigError> {
@@ -164,7 +166,7 @@ pub fn resolve(a: &LoadArgs) -> Result<LoadConfig, ConfigError> {
 
 pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     let mut cfg = resolve(args)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    let rt = super::serve_engine::runtime(args.threads)?;
     let summary = rt.block_on(async move {
         if cfg.model.is_none() {
             cfg.model = load::discover_model(&cfg.targets[0].url, cfg.api_key.as_deref()).await;

@@ -74,6 +74,9 @@ pub struct ServeEngineArgs {
     /// KV backend. Only `null` exists so far; the worker-backed backend plugs in here.
     #[arg(long, value_enum, default_value = "null")]
     pub kv_backend: KvBackendKind,
+    /// Runtime worker threads (default: one per CPU).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
 }
 
 /// Checks the flags and builds the engine settings.
@@ -125,7 +128,7 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
     let backend: Arc<dyn KvBackend> = match args.kv_backend {
         KvBackendKind::Null => Arc::new(NullKv::new(identity.clone())),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    let rt = runtime(args.threads)?;
     rt.block_on(async move {
         let listener = bind(&args.host, args.port).await?;
         announce(&listener)?;
@@ -140,6 +143,18 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
         engine::serve(listener, state, shutdown_signal()).await.context("serving HTTP")
     })?;
     Ok(Outcome::Ok)
+}
+
+/// A multi-threaded tokio runtime with `threads` workers (default: one per CPU).
+pub(crate) fn runtime(threads: Option<usize>) -> anyhow::Result<tokio::runtime::Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = threads {
+        if n == 0 {
+            return Err(ConfigError::new("--threads", "must be at least 1").into());
+        }
+        b.worker_threads(n);
+    }
+    b.enable_all().build().context("starting tokio")
 }
 
 /// Binds `host:port` (host may be a name such as `localhost`).

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Args;
 
-use super::serve_engine::{announce, bind, init_tracing, shutdown_signal};
+use super::serve_engine::{announce, bind, init_tracing, runtime, shutdown_signal};
 use crate::Outcome;
 use crate::error::ConfigError;
 use crate::serve::proxy::{self, BackendAddr, Policy, ProxyConfig, ProxyState};
@@ -54,6 +54,9 @@ pub struct ServeProxyArgs {
     /// Timeout of one health probe, in seconds.
     #[arg(long, default_value_t = 2.0, value_name = "SECONDS")]
     pub health_timeout: f64,
+    /// Runtime worker threads (default: one per CPU).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
 }
 
 fn seconds(flag: &str, v: f64, allow_zero: bool) -> Result<Duration, ConfigError> {
@@ -102,7 +105,7 @@ pub fn run(args: &ServeProxyArgs) -> anyhow::Result<Outcome> {
     init_tracing();
     let state = ProxyState::new(cfg.clone())
         .map_err(|e| ConfigError::new("--prefiller-hosts/--decoder-hosts", e.message))?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    let rt = runtime(args.threads)?;
     rt.block_on(async move {
         let listener = bind(&args.host, args.port).await?;
         announce(&listener)?;

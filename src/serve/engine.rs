@@ -625,7 +625,8 @@ async fn kv_phase(
 ) -> Result<Option<KvTransferParams>, ApiError> {
     let m = &st.metrics;
     let cfg = &st.cfg;
-    let local_prefill = || tokio::time::sleep(cfg.prefill_time(req.prompt_tokens));
+    // A zero sleep is not free: tokio rounds timers up to its 1 ms tick.
+    let local_prefill = || sleep_until(Instant::now() + cfg.prefill_time(req.prompt_tokens));
     match (cfg.role, &req.kv) {
         (Role::Prefill, KvIntent::RemoteDecode) => {
             local_prefill().await;

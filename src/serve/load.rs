@@ -552,7 +552,10 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
                 {
                     break;
                 }
-                tokio::time::sleep_until(next.into()).await;
+                // Past deadlines must not touch the timer: it rounds up to a 1 ms tick.
+                if next > Instant::now() {
+                    tokio::time::sleep_until(next.into()).await;
+                }
                 let body = Bytes::from(request_body(cfg, t, i, &mut rng));
                 let (sh, tx) = (sh.clone(), tx.clone());
                 let measured = i >= cfg.warmup;

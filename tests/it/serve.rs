@@ -908,3 +908,43 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_without_params_falls_back_like_the_toy_and_is_counted() {
+    within(async {
+        let (p, _) =
+            start_recorder(Act::Json(200, r#"{"id":"cmpl-x","kv_transfer_params":null}"#.into())).await;
+        let (d, d_rec) = start_recorder(Act::Json(200, r#"{"ok":true}"#.into())).await;
+        let (proxy, pst) = start_proxy(proxy_cfg(vec![p.backend()], vec![d.backend()])).await;
+        let client_body = r#"{"prompt": "a b",  "max_tokens": 3, "min_tokens": 1}"#;
+        let (status, _, _) = post(&proxy.url("/v1/completions"), &[], client_body).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(d_rec.seen()[0].body, client_body, "decode gets the client's bytes unchanged");
+        assert_eq!(metric(&pst.render_metrics(), "kvx:proxy_prefill_without_kv_params_total"), 1.0);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_api_key_guards_v1_only() {
+    within(async {
+        let (p, _) = start_recorder(Act::Json(200, P_ANSWER.into())).await;
+        let (d, d_rec) = start_recorder(Act::Json(200, "{}".into())).await;
+        let mut cfg = proxy_cfg(vec![p.backend()], vec![d.backend()]);
+        cfg.api_key = Some("k1".into());
+        cfg.backend_api_key = Some("k2".into());
+        let (proxy, _) = start_proxy(cfg).await;
+        let url = proxy.url("/v1/completions");
+        let (status, _, text) = post(&url, &[], r#"{"prompt":"a"}"#).await;
+        assert_eq!((status, text.as_str()), (StatusCode::UNAUTHORIZED, r#"{"error":"Unauthorized"}"#));
+        let (status, _, _) = post(&url, &[("authorization", "Bearer k2")], r#"{"prompt":"a"}"#).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert!(d_rec.seen().is_empty());
+        let (status, _, _) = post(&url, &[("authorization", "Bearer k1")], r#"{"prompt":"a"}"#).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(d_rec.seen()[0].headers["authorization"], "Bearer k2");
+        let (status, _, _) = send("GET", &proxy.url("/healthcheck"), &[], "").await;
+        assert_eq!(status, StatusCode::OK);
+    })
+    .await;
+}
