@@ -212,16 +212,26 @@ impl Pool {
         Ok(Self { backends, cursor: AtomicUsize::new(0) })
     }
 
-    /// Next healthy backend not in `tried`, by policy.
+    /// Next healthy backend not in `tried`, by policy. When the whole pool is marked
+    /// unhealthy, the first attempt of a request still goes to one of them (in turn): a
+    /// stale mark must not lock the pool out until the next probe, or forever when health
+    /// checks are off.
     fn pick(&self, policy: Policy, tried: &[usize]) -> Option<usize> {
         let n = self.backends.len();
-        let usable = |i: &usize| !tried.contains(i) && self.backends[*i].healthy.load(Ordering::Relaxed);
         let start = self.cursor.fetch_add(1, Ordering::Relaxed);
         let order = (0..n).map(|k| (start + k) % n);
-        match policy {
-            Policy::RoundRobin => order.into_iter().find(usable),
-            Policy::LeastLoaded => order.filter(usable).min_by_key(|&i| self.backends[i].in_flight.get()),
+        let healthy = |i: &usize| self.backends[*i].healthy.load(Ordering::Relaxed);
+        let usable = |i: &usize| !tried.contains(i) && healthy(i);
+        let chosen = match policy {
+            Policy::RoundRobin => order.clone().find(usable),
+            Policy::LeastLoaded => {
+                order.clone().filter(usable).min_by_key(|&i| self.backends[i].in_flight.get())
+            }
+        };
+        if chosen.is_none() && tried.is_empty() && !(0..n).any(|i| healthy(&i)) {
+            return order.into_iter().next();
         }
+        chosen
     }
 
     fn healthy_count(&self) -> usize {

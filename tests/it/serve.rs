@@ -473,10 +473,11 @@ async fn backend_down_gives_json_503_and_retries_elsewhere() {
             v["error"]["message"].as_str().expect("msg").contains("cannot reach prefill engine"),
             "{text}"
         );
-        // Now marked unhealthy: skipped without another connect attempt.
+        // Now marked unhealthy; with no healthy engine left, each request still makes one
+        // attempt (a stale mark must not lock the pool out), and /health says 503.
         let (status, _, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-        assert!(text.contains("no healthy prefill engine"), "{text}");
+        assert!(text.contains("cannot reach prefill engine"), "{text}");
         let (status, _, _) = send("GET", &proxy.url("/health"), &[], "").await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
 
@@ -945,6 +946,33 @@ async fn proxy_api_key_guards_v1_only() {
         assert_eq!(d_rec.seen()[0].headers["authorization"], "Bearer k2");
         let (status, _, _) = send("GET", &proxy.url("/healthcheck"), &[], "").await;
         assert_eq!(status, StatusCode::OK);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_checks_mark_backends_down_and_up_again() {
+    within(async {
+        let port = closed_port();
+        let (d, _) = start_engine(engine_cfg(Role::Decode)).await;
+        let mut cfg = proxy_cfg(vec![BackendAddr { host: "127.0.0.1".into(), port }], vec![d.backend()]);
+        cfg.health_interval = Duration::from_millis(20);
+        cfg.health_timeout = Duration::from_millis(500);
+        let (_proxy, pst) = start_proxy(cfg).await;
+        let healthy = format!("kvx:proxy_backend_healthy{{role=\"prefill\",backend=\"127.0.0.1:{port}\"}}");
+        eventually("the dead prefill engine marked unhealthy", || {
+            metric(&pst.render_metrics(), &healthy) == 0.0
+        })
+        .await;
+        // An engine comes up on that port: the next probes bring it back.
+        let listener = TcpListener::bind(("127.0.0.1", port)).await.expect("rebind the freed port");
+        let st = EngineState::new(engine_cfg(Role::Prefill), null_kv("late"));
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
+        eventually("the engine marked healthy again", || metric(&pst.render_metrics(), &healthy) == 1.0)
+            .await;
+        let _ = tx.send(());
+        let _ = task.await;
     })
     .await;
 }
