@@ -702,8 +702,10 @@ struct TokenStream {
     n: u64,
     finish: FinishReason,
     next: u64,
-    /// When the next token is due: one ITL after the previous one went out. A late token
-    /// delays the ones after it (as a slow decode step does) instead of bunching them.
+    /// When the next token is due. Tokens follow a fixed ITL grid, so timer rounding (tokio
+    /// sleeps in 1 ms ticks) does not bias the mean ITL; after a stall longer than one ITL
+    /// the grid restarts from now, so late tokens are not bunched to catch up (a slow
+    /// decode step delays the ones after it).
     next_due: Instant,
     ended: bool,
     inflight: Option<InFlight>,
@@ -718,7 +720,8 @@ impl TokenStream {
         if self.ended {
             return None;
         }
-        sleep_until(self.next_due).await;
+        let due = self.next_due;
+        sleep_until(due).await;
         let emitted_at = Instant::now();
         let mut out = Vec::with_capacity(512);
         let st = self.st.clone();
@@ -758,7 +761,8 @@ impl TokenStream {
                 self.ended = true;
                 break;
             }
-            self.next_due = emitted_at + self.st.cfg.itl;
+            let itl = self.st.cfg.itl;
+            self.next_due = if emitted_at > due + itl { emitted_at + itl } else { due + itl };
             if out.len() >= MAX_FRAME_BYTES || !self.st.cfg.itl.is_zero() {
                 break;
             }
