@@ -14,6 +14,9 @@ pub const KVX_LOG: &str = "KVX_LOG";
 /// Directory of the vLLM oracle vectors the tests read (tests only; default
 /// `../shared/oracle` beside the project root).
 pub const KVX_ORACLE_DIR: &str = "KVX_ORACLE_DIR";
+/// Bearer token `kvx serve-proxy` sends to the engines (same as `--backend-api-key`; the
+/// variable vLLM's toy proxy reads, so its scripts work unchanged).
+pub const OPENAI_API_KEY: &str = "OPENAI_API_KEY";
 
 /// All documented variables with their one-line meaning (printed by `kvx doctor`).
 pub const ALL: &[(&str, &str)] = &[
@@ -22,4 +25,5 @@ pub const ALL: &[(&str, &str)] = &[
     (KVX_RESULTS_DIR, "directory runs are written under (default results/)"),
     (KVX_LOG, "log filter for stderr, e.g. kvx=debug"),
     (KVX_ORACLE_DIR, "tests only: directory of the vLLM oracle vectors (default ../shared/oracle)"),
+    (OPENAI_API_KEY, "bearer token serve-proxy sends to engines (same as --backend-api-key)"),
 ];

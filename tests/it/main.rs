@@ -10,3 +10,6 @@ mod report;
 mod ucx;
 mod ucx_common;
 mod ucx_layout;
+//! The single integration-test binary: one module per area.
+
+mod serve;

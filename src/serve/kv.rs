@@ -1,0 +1,379 @@
+//! The engine's KV side: the [`KvBackend`] trait the HTTP engine calls, vLLM 0.33's
+//! `kv_transfer_params` in its exact wire shape, and [`NullKv`], a backend that moves no KV
+//! at all (for measuring pure HTTP and proxy overhead).
+//!
+//! Owns the contract between `serve::engine` and whatever holds KV blocks. Must not do HTTP
+//! and must not know about OpenAI request shapes: the engine translates requests into
+//! [`PrefillJob`] / [`LoadJob`] and back. The worker-backed backend (real UCX reads, handshake
+//! over the side channel) lives with the pipeline workers and implements this trait.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+
+use super::metrics::HistogramSnapshot;
+
+/// `kv_transfer_params` as vLLM 0.33's `NixlConnector` (pull mode) returns them from the
+/// prefill engine. Field order is the wire order (`pull_scheduler.request_finished`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvTransferParams {
+    pub do_remote_prefill: bool,
+    pub do_remote_decode: bool,
+    /// P's block ids, one list per KV-cache group (kvx models one group).
+    pub remote_block_ids: Vec<Vec<u64>>,
+    /// P engine id: the key D handshakes under.
+    pub remote_engine_id: String,
+    /// P's engine-internal request id; D names it in its completion notification.
+    pub remote_request_id: String,
+    /// P's side channel (ZMQ ROUTER) host and port.
+    pub remote_host: String,
+    pub remote_port: u16,
+    pub tp_size: u32,
+    pub dcp_size: u32,
+    pub pp_size: u32,
+    /// Tokens P computed (the prompt length).
+    pub remote_num_tokens: u64,
+    /// `null` from P; a lease expiry only in bidirectional mode.
+    pub remote_blocks_expiry_time: Option<f64>,
+    /// Bumped when P re-registers its memory; D re-handshakes when it grows.
+    pub remote_registration_generation: u64,
+    /// `"pull"` (D reads) for the NixlConnector.
+    pub transfer_mode: String,
+}
+
+/// What the prefill engine asks its backend for: compute and hold the KV of one prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillJob {
+    /// Engine-internal id (`cmpl-<X-Request-Id>-0-<8 hex>`), returned as `remote_request_id`.
+    pub request_id: String,
+    /// The `X-Request-Id` the proxy sent to both legs.
+    pub x_request_id: String,
+    pub prompt_tokens: u64,
+    pub block_size_tokens: u32,
+}
+
+/// What the decode engine asks its backend for: pull the blocks P described.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadJob {
+    /// Decode engine's internal id for this request (the key for [`KvBackend::abort`]).
+    pub request_id: String,
+    pub x_request_id: String,
+    pub prompt_tokens: u64,
+    pub block_size_tokens: u32,
+    pub params: KvTransferParams,
+}
+
+/// What one load did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadReport {
+    pub blocks_read: u64,
+    pub bytes_read: u64,
+    pub elapsed: Duration,
+    /// Whether the bytes read were checked against the pattern P wrote.
+    pub verified: bool,
+}
+
+/// Why a backend could not prefill or load.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KvError {
+    #[error("kv_transfer_params.{field}: {reason}")]
+    InvalidParams { field: &'static str, reason: String },
+    #[error("handshake with prefill engine {engine_id} at {host}:{port} failed: {reason}")]
+    Handshake { engine_id: String, host: String, port: u16, reason: String },
+    #[error("KV read for request {request_id} failed: {reason}")]
+    Transfer { request_id: String, reason: String },
+    #[error("no free KV blocks: need {needed}, {free} free (raise the block pool or lower the load)")]
+    OutOfBlocks { needed: u64, free: u64 },
+    #[error("{0}")]
+    Backend(String),
+}
+
+impl KvError {
+    /// HTTP status the engine answers with when this error ends a request.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            KvError::InvalidParams { .. } => 400,
+            KvError::OutOfBlocks { .. } => 503,
+            _ => 500,
+        }
+    }
+}
+
+/// Counters a backend exposes on the engine's `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BackendMetrics {
+    /// Short backend name, shown as the `backend` label (`"null"`, `"ucx"`, ...).
+    pub backend: &'static str,
+    /// What the backend really transfers (`"none"` for [`NullKv`]), shown as a label so a
+    /// dashboard can never mistake a no-transfer run for a real one.
+    pub kv_transfer: &'static str,
+    pub prefills: u64,
+    pub loads_ok: u64,
+    pub loads_failed: u64,
+    pub blocks_read: u64,
+    pub bytes_read: u64,
+    /// Blocks P currently holds for D to read.
+    pub blocks_held: u64,
+    /// Holds released because their lease ran out before D read them.
+    pub leases_expired: u64,
+    pub aborts: u64,
+    pub load_seconds: HistogramSnapshot,
+}
+
+/// The KV side of one engine. Both roles use the same object; the engine calls
+/// [`prefill`](Self::prefill) in the prefill role and [`load`](Self::load) in the decode role.
+pub trait KvBackend: Send + Sync + 'static {
+    /// Prefill role: allocate, fill and hold blocks for the prompt, and describe them in
+    /// vLLM 0.33's shape. The blocks stay held until D reads them or the lease expires.
+    fn prefill(&self, job: PrefillJob) -> BoxFuture<'_, Result<KvTransferParams, KvError>>;
+
+    /// Decode role: read the blocks `job.params` describes (handshaking with P if needed),
+    /// verify them and notify P so it frees them.
+    fn load(&self, job: LoadJob) -> BoxFuture<'_, Result<LoadReport, KvError>>;
+
+    /// The request ended early (client disconnect): stop an in-flight load and release or
+    /// notify so no blocks stay pinned longer than their lease. Unknown ids are ignored.
+    fn abort(&self, request_id: &str);
+
+    fn metrics(&self) -> BackendMetrics;
+}
+
+/// Identity of the engine that a backend advertises in `kv_transfer_params`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineIdentity {
+    pub engine_id: String,
+    pub side_channel_host: String,
+    pub side_channel_port: u16,
+    pub tp_size: u32,
+}
+
+/// A backend that transfers nothing. The prefill role still computes a real block-id list
+/// (`ceil(tokens / block_size)` consecutive ids per request) so the wire shape is the one D
+/// and proxies see from vLLM; the decode role "loads" instantly. Use it to measure the HTTP
+/// path alone; every metric it emits carries `kv_transfer="none"`.
+#[derive(Debug)]
+pub struct NullKv {
+    identity: EngineIdentity,
+    next_block: AtomicU64,
+    prefills: AtomicU64,
+    loads: AtomicU64,
+    aborts: AtomicU64,
+}
+
+impl NullKv {
+    pub fn new(identity: EngineIdentity) -> Self {
+        Self {
+            identity,
+            next_block: AtomicU64::new(0),
+            prefills: AtomicU64::new(0),
+            loads: AtomicU64::new(0),
+            aborts: AtomicU64::new(0),
+        }
+    }
+
+    pub fn identity(&self) -> &EngineIdentity {
+        &self.identity
+    }
+}
+
+/// Number of blocks a prompt occupies (vLLM allocates the partial last block too).
+pub fn blocks_for_tokens(tokens: u64, block_size_tokens: u32) -> u64 {
+    tokens.div_ceil(u64::from(block_size_tokens.max(1)))
+}
+
+impl KvBackend for NullKv {
+    fn prefill(&self, job: PrefillJob) -> BoxFuture<'_, Result<KvTransferParams, KvError>> {
+        let n = blocks_for_tokens(job.prompt_tokens, job.block_size_tokens);
+        let first = self.next_block.fetch_add(n, Ordering::Relaxed);
+        self.prefills.fetch_add(1, Ordering::Relaxed);
+        let id = &self.identity;
+        let params = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_block_ids: vec![(first..first + n).collect()],
+            remote_engine_id: id.engine_id.clone(),
+            remote_request_id: job.request_id,
+            remote_host: id.side_channel_host.clone(),
+            remote_port: id.side_channel_port,
+            tp_size: id.tp_size,
+            dcp_size: 1,
+            pp_size: 1,
+            remote_num_tokens: job.prompt_tokens,
+            remote_blocks_expiry_time: None,
+            remote_registration_generation: 0,
+            transfer_mode: "pull".to_string(),
+        };
+        Box::pin(std::future::ready(Ok(params)))
+    }
+
+    fn load(&self, _job: LoadJob) -> BoxFuture<'_, Result<LoadReport, KvError>> {
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        Box::pin(std::future::ready(Ok(LoadReport::default())))
+    }
+
+    fn abort(&self, _request_id: &str) {
+        self.aborts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn metrics(&self) -> BackendMetrics {
+        BackendMetrics {
+            backend: "null",
+            kv_transfer: "none",
+            prefills: self.prefills.load(Ordering::Relaxed),
+            loads_ok: self.loads.load(Ordering::Relaxed),
+            aborts: self.aborts.load(Ordering::Relaxed),
+            ..BackendMetrics::default()
+        }
+    }
+}
+
+/// What a request's incoming `kv_transfer_params` ask the engine to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvIntent {
+    /// No params (or `null`): a plain request.
+    None,
+    /// `do_remote_decode: true`: the proxy's prefill leg; hold the KV for a decode engine.
+    RemoteDecode,
+    /// `do_remote_prefill: true` with every field D needs: pull the KV from P.
+    RemotePrefill(Box<KvTransferParams>),
+    /// `do_remote_prefill: true` but unusable; vLLM warns and prefills locally.
+    Incomplete { reason: String },
+}
+
+impl KvIntent {
+    /// Reads incoming params the way vLLM's decode scheduler does: the transfer happens only
+    /// when `remote_block_ids` and `remote_engine_id/request_id/host/port` are all present.
+    /// Accepts the older flat `remote_block_ids: [int]` and missing newer fields.
+    pub fn from_json(v: Option<&serde_json::Value>) -> KvIntent {
+        use serde_json::Value;
+        let Some(Value::Object(m)) = v else {
+            return KvIntent::None;
+        };
+        let flag = |k: &str| m.get(k).and_then(Value::as_bool).unwrap_or(false);
+        if flag("do_remote_decode") {
+            return KvIntent::RemoteDecode;
+        }
+        if !flag("do_remote_prefill") {
+            return KvIntent::None;
+        }
+        let mut missing = Vec::new();
+        let s = |k: &'static str, missing: &mut Vec<&'static str>| match m.get(k).and_then(Value::as_str) {
+            Some(s) => s.to_string(),
+            None => {
+                missing.push(k);
+                String::new()
+            }
+        };
+        let engine_id = s("remote_engine_id", &mut missing);
+        let request_id = s("remote_request_id", &mut missing);
+        let host = s("remote_host", &mut missing);
+        let port = match m.get("remote_port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()) {
+            Some(p) => p,
+            None => {
+                missing.push("remote_port");
+                0
+            }
+        };
+        let blocks = match m.get("remote_block_ids") {
+            Some(Value::Array(a)) if a.iter().all(Value::is_array) => a
+                .iter()
+                .map(|g| {
+                    g.as_array().map(|g| g.iter().filter_map(Value::as_u64).collect()).unwrap_or_default()
+                })
+                .collect(),
+            Some(Value::Array(a)) => vec![a.iter().filter_map(Value::as_u64).collect()],
+            _ => {
+                missing.push("remote_block_ids");
+                Vec::new()
+            }
+        };
+        if !missing.is_empty() {
+            return KvIntent::Incomplete { reason: format!("missing or invalid: {}", missing.join(", ")) };
+        }
+        let num = |k: &str, d: u64| m.get(k).and_then(Value::as_u64).unwrap_or(d);
+        let params = KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_block_ids: blocks,
+            remote_engine_id: engine_id,
+            remote_request_id: request_id,
+            remote_host: host,
+            remote_port: port,
+            tp_size: u32::try_from(num("tp_size", 1)).unwrap_or(1),
+            dcp_size: u32::try_from(num("dcp_size", 1)).unwrap_or(1),
+            pp_size: u32::try_from(num("pp_size", 1)).unwrap_or(1),
+            remote_num_tokens: num("remote_num_tokens", 0),
+            remote_blocks_expiry_time: m.get("remote_blocks_expiry_time").and_then(Value::as_f64),
+            remote_registration_generation: num("remote_registration_generation", 0),
+            transfer_mode: m.get("transfer_mode").and_then(Value::as_str).unwrap_or("pull").to_string(),
+        };
+        KvIntent::RemotePrefill(Box::new(params))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn identity() -> EngineIdentity {
+        EngineIdentity {
+            engine_id: "P-engine".into(),
+            side_channel_host: "localhost".into(),
+            side_channel_port: 5600,
+            tp_size: 2,
+        }
+    }
+
+    #[test]
+    fn null_kv_prefill_matches_vllm_033_shape() {
+        // The executed vLLM 0.33 example: 40 tokens, block size 16 -> 3 blocks.
+        let kv = NullKv::new(identity());
+        kv.next_block.store(7, Ordering::Relaxed);
+        let job = PrefillJob {
+            request_id: "cmpl-abc-0".into(),
+            x_request_id: "abc".into(),
+            prompt_tokens: 40,
+            block_size_tokens: 16,
+        };
+        let p = futures::executor::block_on(kv.prefill(job)).expect("prefill");
+        let got = serde_json::to_string(&p).expect("json");
+        let want = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[7,8,9]],"remote_engine_id":"P-engine","remote_request_id":"cmpl-abc-0","remote_host":"localhost","remote_port":5600,"tp_size":2,"dcp_size":1,"pp_size":1,"remote_num_tokens":40,"remote_blocks_expiry_time":null,"remote_registration_generation":0,"transfer_mode":"pull"}"#;
+        assert_eq!(got, want);
+        assert_eq!(kv.metrics().kv_transfer, "none");
+    }
+
+    #[test]
+    fn blocks_round_up() {
+        assert_eq!(blocks_for_tokens(17, 16), 2);
+        assert_eq!(blocks_for_tokens(16, 16), 1);
+        assert_eq!(blocks_for_tokens(1, 16), 1);
+    }
+
+    #[test]
+    fn intent_reads_proxy_and_prefill_params() {
+        assert_eq!(KvIntent::from_json(None), KvIntent::None);
+        assert_eq!(KvIntent::from_json(Some(&json!(null))), KvIntent::None);
+        let p_leg = json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null});
+        assert_eq!(KvIntent::from_json(Some(&p_leg)), KvIntent::RemoteDecode);
+        let flat = json!({"do_remote_prefill": true, "remote_block_ids": [0, 1], "remote_engine_id": "e",
+            "remote_request_id": "r", "remote_host": "h", "remote_port": 5600, "tp_size": 4});
+        match KvIntent::from_json(Some(&flat)) {
+            KvIntent::RemotePrefill(p) => {
+                assert_eq!(p.remote_block_ids, vec![vec![0, 1]]);
+                assert_eq!(p.tp_size, 4);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let partial = json!({"do_remote_prefill": true, "remote_block_ids": [[0]], "remote_engine_id": "e"});
+        match KvIntent::from_json(Some(&partial)) {
+            KvIntent::Incomplete { reason } => {
+                assert!(reason.contains("remote_request_id") && reason.contains("remote_port"), "{reason}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}

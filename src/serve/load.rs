@@ -1,0 +1,827 @@
+//! `kvx load`: a load generator for any OpenAI-compatible endpoint. Open loop (Poisson
+//! arrivals at `--rate`) or closed loop (`--concurrency` workers), completions or chat,
+//! streaming or not. Records TTFT, ITL, TPOT and end-to-end latency per request into
+//! hdrhistograms and summarises them per target.
+//!
+//! Several targets run in the same invocation and the same time window (each with its own
+//! arrival process), so a proxy path and a direct path are measured under identical machine
+//! conditions; the summary then reports their difference. A target may also be a
+//! *client-side P/D pair*: the generator itself does the prefill leg (rewritten exactly as
+//! the proxy does) and then the decode leg, i.e. the proxy's work at zero proxy cost.
+//!
+//! Owns request generation, timing and aggregation. Presentation is `render_table` and the
+//! serde `LoadSummary` (to be unified with `report/` later). Must not start servers.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http::{HeaderValue, Method, Request, Uri, header};
+use http_body_util::{BodyExt as _, Full};
+use rand::{RngExt as _, SeedableRng as _};
+use serde::Serialize;
+
+use super::client::{HttpClient, http_client};
+use super::openai::Endpoint;
+use super::rewrite::{self, RawObject};
+
+/// Where requests go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// Name in the report (`url`, `baseline`).
+    pub name: String,
+    /// Base URL (`http://host:port`) or a full endpoint URL.
+    pub url: Uri,
+    /// If set, the generator does the prefill leg against this base URL first and sends
+    /// `url` the decode leg (a client-side P/D pair, no proxy).
+    pub prefill_url: Option<Uri>,
+}
+
+/// How requests arrive.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arrival {
+    /// Open loop: Poisson arrivals at this many requests/s per target.
+    Rate(f64),
+    /// Closed loop: this many workers per target, each sending its next request when the
+    /// previous one finished.
+    Concurrency(usize),
+}
+
+/// Validated load settings.
+#[derive(Debug, Clone)]
+pub struct LoadConfig {
+    pub targets: Vec<Target>,
+    pub arrival: Arrival,
+    /// Measured requests per target (after warmup); `None` = until `duration`.
+    pub requests: Option<u64>,
+    pub duration: Option<Duration>,
+    /// Requests per target sent first and left out of every statistic.
+    pub warmup: u64,
+    /// Prompt length in tokens (words of kvx's synthetic tokenizer), uniform in `min..=max`.
+    pub prompt_len: (u64, u64),
+    pub max_tokens: u64,
+    pub stream: bool,
+    pub endpoint: Endpoint,
+    pub model: Option<String>,
+    pub ignore_eos: bool,
+    pub api_key: Option<String>,
+    /// Per-request limit (whole response).
+    pub timeout: Duration,
+    pub seed: u64,
+}
+
+/// What one request gave.
+#[derive(Debug, Default)]
+struct Sample {
+    target: usize,
+    measured: bool,
+    error: Option<String>,
+    start: Option<Instant>,
+    end: Option<Instant>,
+    e2e: Duration,
+    ttft: Option<Duration>,
+    itl: Vec<Duration>,
+    tokens: u64,
+    lag: Duration,
+}
+
+/// Percentiles of one latency, in milliseconds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct LatencyMs {
+    pub count: u64,
+    pub mean: f64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub p999: f64,
+    pub max: f64,
+}
+
+impl LatencyMs {
+    fn from_hist(h: &Histogram<u64>) -> Self {
+        if h.is_empty() {
+            return Self::default();
+        }
+        let ms = |us: u64| us as f64 / 1000.0;
+        Self {
+            count: h.len(),
+            mean: h.mean() / 1000.0,
+            p50: ms(h.value_at_quantile(0.50)),
+            p90: ms(h.value_at_quantile(0.90)),
+            p99: ms(h.value_at_quantile(0.99)),
+            p999: ms(h.value_at_quantile(0.999)),
+            max: ms(h.max()),
+        }
+    }
+}
+
+/// Results of one target.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetSummary {
+    pub name: String,
+    pub url: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_url: Option<String>,
+    pub requests: u64,
+    pub ok: u64,
+    pub errors: BTreeMap<String, u64>,
+    /// From the first measured request's start to the last one's end.
+    pub duration_s: f64,
+    pub requests_per_s: f64,
+    pub output_tokens_per_s: f64,
+    pub output_tokens: u64,
+    pub ttft_ms: LatencyMs,
+    pub itl_ms: LatencyMs,
+    pub tpot_ms: LatencyMs,
+    pub e2e_ms: LatencyMs,
+    /// Open loop: how late requests left relative to their Poisson schedule. A large p99
+    /// means the generator (not the target) could not keep up.
+    pub send_lag_ms: LatencyMs,
+}
+
+/// `targets[0]` minus `targets[i]`, percentile by percentile (not a percentile of paired
+/// differences).
+#[derive(Debug, Clone, Serialize)]
+pub struct Overhead {
+    pub target: String,
+    pub baseline: String,
+    pub e2e_p50_ms: f64,
+    pub e2e_p90_ms: f64,
+    pub e2e_p99_ms: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+}
+
+/// Everything `kvx load` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadSummary {
+    pub schema: &'static str,
+    pub arrival: String,
+    pub endpoint: &'static str,
+    pub stream: bool,
+    pub prompt_len: String,
+    pub max_tokens: u64,
+    pub model: Option<String>,
+    pub targets: Vec<TargetSummary>,
+    pub overhead: Vec<Overhead>,
+}
+
+/// Why a load run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("invalid URL {url}: {reason} (change {flag})")]
+    Url { flag: &'static str, url: String, reason: String },
+}
+
+/// Resolves `base` + endpoint path: a bare `http://host:port[/]` gets the endpoint's path,
+/// a URL with a path is used as given.
+pub fn endpoint_uri(base: &Uri, path: &str) -> Result<Uri, String> {
+    if base.scheme_str() != Some("http") {
+        return Err("only http:// URLs are supported".into());
+    }
+    let authority = base.authority().ok_or("missing host:port")?.clone();
+    let p = base.path();
+    let path = if p.is_empty() || p == "/" { path } else { p };
+    Uri::builder()
+        .scheme("http")
+        .authority(authority)
+        .path_and_query(path.to_string())
+        .build()
+        .map_err(|e| e.to_string())
+}
+
+struct Prepared {
+    uri: Uri,
+    prefill_uri: Option<Uri>,
+}
+
+struct Shared {
+    cfg: LoadConfig,
+    client: HttpClient,
+    targets: Vec<Prepared>,
+    auth: Option<HeaderValue>,
+}
+
+/// Builds the body of request `i` of target `t`: a unique first word so no two prompts
+/// share a prefix (prefix caching would hide prefill), then seeded random words.
+fn request_body(cfg: &LoadConfig, t: usize, i: u64, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<u8> {
+    use std::fmt::Write as _;
+    let (lo, hi) = cfg.prompt_len;
+    let n = if lo == hi { lo } else { rng.random_range(lo..=hi) };
+    let mut prompt = String::with_capacity(n as usize * 6);
+    let _ = write!(prompt, "r{t}x{i}");
+    for _ in 1..n {
+        let _ = write!(prompt, " w{}", rng.random_range(0..10_000u32));
+    }
+    let mut body = serde_json::Map::new();
+    let mut put = |k: &str, v: serde_json::Value| {
+        body.insert(k.to_string(), v);
+    };
+    if let Some(m) = &cfg.model {
+        put("model", m.clone().into());
+    }
+    match cfg.endpoint {
+        Endpoint::Completions => {
+            put("prompt", prompt.into());
+            put("max_tokens", cfg.max_tokens.into());
+        }
+        Endpoint::Chat => {
+            put("messages", serde_json::json!([{"role": "user", "content": prompt}]));
+            put("max_completion_tokens", cfg.max_tokens.into());
+        }
+    }
+    put("stream", cfg.stream.into());
+    if cfg.stream {
+        put("stream_options", serde_json::json!({"include_usage": true}));
+    }
+    if cfg.ignore_eos {
+        put("ignore_eos", true.into());
+    }
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+fn post(sh: &Shared, uri: &Uri, body: Bytes) -> Request<Full<Bytes>> {
+    let mut b = Request::builder()
+        .method(Method::POST)
+        .uri(uri.clone())
+        .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(a) = &sh.auth {
+        b = b.header(header::AUTHORIZATION, a.clone());
+    }
+    b.body(Full::new(body)).unwrap_or_default()
+}
+
+fn classify(e: &hyper_util::client::legacy::Error) -> String {
+    if e.is_connect() { "connect".into() } else { "transport".into() }
+}
+
+/// Incremental SSE reader: complete `data:` payloads out of arbitrary body frames.
+#[derive(Debug, Default)]
+pub struct SseReader {
+    buf: Vec<u8>,
+}
+
+impl SseReader {
+    /// Feeds bytes; calls `on_data` with each complete event's data payload.
+    pub fn feed(&mut self, bytes: &[u8], mut on_data: impl FnMut(&[u8])) {
+        self.buf.extend_from_slice(bytes);
+        let mut start = 0;
+        while let Some(pos) = self.buf[start..].windows(2).position(|w| w == b"\n\n") {
+            let event = &self.buf[start..start + pos];
+            for line in event.split(|&b| b == b'\n') {
+                let line = line.strip_suffix(b"\r").unwrap_or(line);
+                if let Some(d) = line.strip_prefix(b"data:") {
+                    on_data(d.strip_prefix(b" ").unwrap_or(d));
+                }
+            }
+            start += pos + 2;
+        }
+        self.buf.drain(..start);
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct ChunkIn<'a> {
+    #[serde(default, borrow)]
+    choices: Vec<ChoiceIn<'a>>,
+    #[serde(default)]
+    usage: Option<UsageIn>,
+    #[serde(default)]
+    error: Option<serde::de::IgnoredAny>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChoiceIn<'a> {
+    #[serde(default, borrow)]
+    text: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default, borrow)]
+    delta: Option<DeltaIn<'a>>,
+    #[serde(default, borrow)]
+    message: Option<DeltaIn<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct DeltaIn<'a> {
+    #[serde(default, borrow)]
+    content: Option<std::borrow::Cow<'a, str>>,
+}
+
+#[derive(serde::Deserialize)]
+struct UsageIn {
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
+impl ChunkIn<'_> {
+    fn has_content(&self) -> bool {
+        self.choices.iter().any(|c| {
+            c.text.as_deref().is_some_and(|t| !t.is_empty())
+                || c.delta.as_ref().and_then(|d| d.content.as_deref()).is_some_and(|t| !t.is_empty())
+        })
+    }
+}
+
+/// Sends one request (both legs for a client-side P/D target) and measures it.
+async fn one_request(sh: &Shared, t: usize, body: Bytes, s: &mut Sample) {
+    let target = &sh.targets[t];
+    let start = Instant::now();
+    s.start = Some(start);
+    let deadline = start + sh.cfg.timeout;
+    let result = tokio::time::timeout_at(deadline.into(), async {
+        let body = match &target.prefill_uri {
+            None => body,
+            Some(p_uri) => prefill_leg(sh, p_uri, &body).await?,
+        };
+        let resp = sh.client.request(post(sh, &target.uri, body)).await.map_err(|e| classify(&e))?;
+        let status = resp.status();
+        let mut b = resp.into_body();
+        if !status.is_success() {
+            let _ = b.collect().await;
+            return Err(format!("http_{}", status.as_u16()));
+        }
+        if sh.cfg.stream {
+            let mut sse = SseReader::default();
+            let mut last: Option<Instant> = None;
+            let mut events = 0u64;
+            let mut usage_tokens = None;
+            let mut err: Option<String> = None;
+            let mut done = false;
+            while let Some(frame) = b.frame().await {
+                let frame = frame.map_err(|_| "body".to_string())?;
+                let Some(data) = frame.data_ref() else { continue };
+                let now = Instant::now();
+                sse.feed(data, |d| {
+                    if d == b"[DONE]" {
+                        done = true;
+                        return;
+                    }
+                    match serde_json::from_slice::<ChunkIn<'_>>(d) {
+                        Ok(c) if c.error.is_some() => err = Some("stream_error".into()),
+                        Ok(c) => {
+                            if c.has_content() {
+                                events += 1;
+                                match last {
+                                    None => s.ttft = Some(now - start),
+                                    Some(prev) => s.itl.push(now - prev),
+                                }
+                                last = Some(now);
+                            }
+                            if let Some(u) = c.usage.and_then(|u| u.completion_tokens) {
+                                usage_tokens = Some(u);
+                            }
+                        }
+                        Err(_) => err = Some("invalid_response".into()),
+                    }
+                });
+            }
+            if let Some(e) = err {
+                return Err(e);
+            }
+            if !done {
+                return Err("stream_incomplete".into());
+            }
+            s.tokens = usage_tokens.unwrap_or(events);
+        } else {
+            let bytes = b.collect().await.map_err(|_| "body".to_string())?.to_bytes();
+            let c: ChunkIn<'_> =
+                serde_json::from_slice(&bytes).map_err(|_| "invalid_response".to_string())?;
+            s.tokens =
+                match c.usage.and_then(|u| u.completion_tokens) {
+                    Some(n) => n,
+                    None => u64::from(c.choices.iter().any(|c| {
+                        c.text.is_some() || c.message.as_ref().is_some_and(|m| m.content.is_some())
+                    })),
+                };
+            s.ttft = Some(start.elapsed());
+        }
+        Ok::<(), String>(())
+    })
+    .await;
+    let end = Instant::now();
+    s.end = Some(end);
+    s.e2e = end - start;
+    s.error = match result {
+        Err(_) => Some("timeout".into()),
+        Ok(Err(e)) => Some(e),
+        Ok(Ok(())) => None,
+    };
+}
+
+/// The client-side prefill leg: same rewriting as the proxy; returns the decode body.
+async fn prefill_leg(sh: &Shared, p_uri: &Uri, body: &Bytes) -> Result<Bytes, String> {
+    let obj = RawObject::parse(body).map_err(|_| "invalid_request".to_string())?;
+    let p_body = Bytes::from(rewrite::prefill_body(&obj));
+    let resp =
+        sh.client.request(post(sh, p_uri, p_body)).await.map_err(|e| format!("prefill_{}", classify(&e)))?;
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.map_err(|_| "prefill_body".to_string())?.to_bytes();
+    if !status.is_success() {
+        return Err(format!("prefill_http_{}", status.as_u16()));
+    }
+    let p = RawObject::parse(&bytes).map_err(|_| "prefill_invalid_response".to_string())?;
+    let params = p.get("kv_transfer_params").filter(|r| rewrite::is_truthy(r));
+    Ok(Bytes::from(rewrite::decode_body(&obj, body, params)))
+}
+
+/// Asks `GET /v1/models` of a base URL for the first served model id.
+pub async fn discover_model(base: &Uri, api_key: Option<&str>) -> Option<String> {
+    let client = http_client(Some(Duration::from_secs(2)));
+    // Even when a full endpoint URL was given, models live at the server root.
+    let uri = Uri::builder()
+        .scheme("http")
+        .authority(base.authority()?.clone())
+        .path_and_query("/v1/models")
+        .build()
+        .ok()?;
+    let mut req = Request::get(uri);
+    if let Some(k) = api_key {
+        req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
+    }
+    let resp =
+        tokio::time::timeout(Duration::from_secs(5), client.request(req.body(Full::new(Bytes::new())).ok()?))
+            .await
+            .ok()?
+            .ok()?;
+    let bytes = resp.into_body().collect().await.ok()?.to_bytes();
+    let v: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    v["data"][0]["id"].as_str().map(str::to_string)
+}
+
+/// Runs the load and returns per-target summaries.
+pub async fn run(cfg: LoadConfig) -> Result<LoadSummary, LoadError> {
+    let mut targets = Vec::new();
+    for t in &cfg.targets {
+        let path = cfg.endpoint.path();
+        let uri = endpoint_uri(&t.url, path).map_err(|reason| LoadError::Url {
+            flag: "--url",
+            url: t.url.to_string(),
+            reason,
+        })?;
+        let prefill_uri = match &t.prefill_url {
+            Some(p) => Some(endpoint_uri(p, path).map_err(|reason| LoadError::Url {
+                flag: "--baseline-prefill-url",
+                url: p.to_string(),
+                reason,
+            })?),
+            None => None,
+        };
+        targets.push(Prepared { uri, prefill_uri });
+    }
+    let auth = cfg.api_key.as_ref().and_then(|k| HeaderValue::from_str(&format!("Bearer {k}")).ok());
+    let sh = Arc::new(Shared { client: http_client(Some(Duration::from_secs(5))), targets, auth, cfg });
+
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Sample>();
+    let started = Instant::now();
+    let mut drivers = tokio::task::JoinSet::new();
+    for t in 0..sh.targets.len() {
+        let sh = sh.clone();
+        let tx = tx.clone();
+        drivers.spawn(async move { drive(sh, t, started, tx).await });
+    }
+    drop(tx);
+
+    let n = sh.targets.len();
+    let new_hist = || Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).ok();
+    let mut agg: Vec<Agg> = (0..n).map(|_| Agg::new(new_hist)).collect();
+    while let Some(s) = rx.recv().await {
+        if s.measured {
+            agg[s.target].add(&s);
+        }
+    }
+    while drivers.join_next().await.is_some() {}
+
+    let cfg = &sh.cfg;
+    let summaries: Vec<TargetSummary> = agg.iter().zip(&cfg.targets).map(|(a, t)| a.summary(t)).collect();
+    let overhead = summaries
+        .iter()
+        .skip(1)
+        .map(|b| {
+            let a = &summaries[0];
+            Overhead {
+                target: a.name.clone(),
+                baseline: b.name.clone(),
+                e2e_p50_ms: a.e2e_ms.p50 - b.e2e_ms.p50,
+                e2e_p90_ms: a.e2e_ms.p90 - b.e2e_ms.p90,
+                e2e_p99_ms: a.e2e_ms.p99 - b.e2e_ms.p99,
+                ttft_p50_ms: a.ttft_ms.p50 - b.ttft_ms.p50,
+                ttft_p99_ms: a.ttft_ms.p99 - b.ttft_ms.p99,
+            }
+        })
+        .collect();
+    Ok(LoadSummary {
+        schema: "kvx.load/v1",
+        arrival: match cfg.arrival {
+            Arrival::Rate(r) => format!("poisson {r} req/s per target"),
+            Arrival::Concurrency(c) => format!("closed loop, {c} in flight per target"),
+        },
+        endpoint: cfg.endpoint.path(),
+        stream: cfg.stream,
+        prompt_len: if cfg.prompt_len.0 == cfg.prompt_len.1 {
+            cfg.prompt_len.0.to_string()
+        } else {
+            format!("{}..{}", cfg.prompt_len.0, cfg.prompt_len.1)
+        },
+        max_tokens: cfg.max_tokens,
+        model: cfg.model.clone(),
+        targets: summaries,
+        overhead,
+    })
+}
+
+/// Sends all requests of one target and reports each sample.
+async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mpsc::UnboundedSender<Sample>) {
+    let cfg = &sh.cfg;
+    let total = cfg.requests.map(|r| r + cfg.warmup);
+    let stop_at = cfg.duration.map(|d| started + d);
+    let more = move |i: u64| total.is_none_or(|n| i < n) && stop_at.is_none_or(|s| Instant::now() < s);
+    let seed = cfg.seed ^ ((t as u64 + 1) << 32);
+    match cfg.arrival {
+        Arrival::Rate(rate) => {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let mut tasks = tokio::task::JoinSet::new();
+            let mut next = Instant::now();
+            let mut i = 0u64;
+            while more(i) {
+                let u: f64 = rng.random();
+                next += Duration::from_secs_f64(-(1.0 - u).ln() / rate);
+                if let Some(s) = stop_at
+                    && next >= s
+                {
+                    break;
+                }
+                // Past deadlines must not touch the timer: it rounds up to a 1 ms tick.
+                if next > Instant::now() {
+                    tokio::time::sleep_until(next.into()).await;
+                }
+                let body = Bytes::from(request_body(cfg, t, i, &mut rng));
+                let (sh, tx) = (sh.clone(), tx.clone());
+                let measured = i >= cfg.warmup;
+                let scheduled = next;
+                tasks.spawn(async move {
+                    let mut s =
+                        Sample { target: t, measured, lag: Instant::now() - scheduled, ..Sample::default() };
+                    one_request(&sh, t, body, &mut s).await;
+                    let _ = tx.send(s);
+                });
+                i += 1;
+                // Reap finished tasks so the set does not grow with the run.
+                while tasks.try_join_next().is_some() {}
+            }
+            while tasks.join_next().await.is_some() {}
+        }
+        Arrival::Concurrency(c) => {
+            let counter = Arc::new(AtomicU64::new(0));
+            let mut workers = tokio::task::JoinSet::new();
+            for w in 0..c {
+                let (sh, tx, counter) = (sh.clone(), tx.clone(), counter.clone());
+                workers.spawn(async move {
+                    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ (w as u64 + 1));
+                    loop {
+                        let i = counter.fetch_add(1, Ordering::Relaxed);
+                        if !more(i) {
+                            break;
+                        }
+                        let body = Bytes::from(request_body(&sh.cfg, t, i, &mut rng));
+                        let mut s = Sample { target: t, measured: i >= sh.cfg.warmup, ..Sample::default() };
+                        one_request(&sh, t, body, &mut s).await;
+                        let _ = tx.send(s);
+                    }
+                });
+            }
+            while workers.join_next().await.is_some() {}
+        }
+    }
+}
+
+/// Per-target accumulation.
+struct Agg {
+    requests: u64,
+    ok: u64,
+    errors: BTreeMap<String, u64>,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    tokens: u64,
+    ttft: Option<Histogram<u64>>,
+    itl: Option<Histogram<u64>>,
+    tpot: Option<Histogram<u64>>,
+    e2e: Option<Histogram<u64>>,
+    lag: Option<Histogram<u64>>,
+}
+
+fn us(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+}
+
+impl Agg {
+    fn new(h: impl Fn() -> Option<Histogram<u64>>) -> Self {
+        Self {
+            requests: 0,
+            ok: 0,
+            errors: BTreeMap::new(),
+            first: None,
+            last: None,
+            tokens: 0,
+            ttft: h(),
+            itl: h(),
+            tpot: h(),
+            e2e: h(),
+            lag: h(),
+        }
+    }
+
+    fn add(&mut self, s: &Sample) {
+        self.requests += 1;
+        if let Some(t) = s.start {
+            self.first = Some(self.first.map_or(t, |f| f.min(t)));
+        }
+        if let Some(t) = s.end {
+            self.last = Some(self.last.map_or(t, |l| l.max(t)));
+        }
+        let rec = |h: &mut Option<Histogram<u64>>, d: Duration| {
+            if let Some(h) = h {
+                let _ = h.record(us(d));
+            }
+        };
+        rec(&mut self.lag, s.lag);
+        if let Some(e) = &s.error {
+            *self.errors.entry(e.clone()).or_default() += 1;
+            return;
+        }
+        self.ok += 1;
+        self.tokens += s.tokens;
+        rec(&mut self.e2e, s.e2e);
+        if let Some(t) = s.ttft {
+            rec(&mut self.ttft, t);
+            if s.tokens > 1 && !s.itl.is_empty() {
+                rec(
+                    &mut self.tpot,
+                    (s.e2e.saturating_sub(t)) / u32::try_from(s.tokens - 1).unwrap_or(u32::MAX),
+                );
+            }
+        }
+        for &d in &s.itl {
+            rec(&mut self.itl, d);
+        }
+    }
+
+    fn summary(&self, t: &Target) -> TargetSummary {
+        let dur = match (self.first, self.last) {
+            (Some(a), Some(b)) if b > a => (b - a).as_secs_f64(),
+            _ => 0.0,
+        };
+        let per_s = |n: u64| if dur > 0.0 { n as f64 / dur } else { 0.0 };
+        let lat = |h: &Option<Histogram<u64>>| h.as_ref().map(LatencyMs::from_hist).unwrap_or_default();
+        TargetSummary {
+            name: t.name.clone(),
+            url: t.url.to_string(),
+            prefill_url: t.prefill_url.as_ref().map(ToString::to_string),
+            requests: self.requests,
+            ok: self.ok,
+            errors: self.errors.clone(),
+            duration_s: dur,
+            requests_per_s: per_s(self.ok),
+            output_tokens_per_s: per_s(self.tokens),
+            output_tokens: self.tokens,
+            ttft_ms: lat(&self.ttft),
+            itl_ms: lat(&self.itl),
+            tpot_ms: lat(&self.tpot),
+            e2e_ms: lat(&self.e2e),
+            send_lag_ms: lat(&self.lag),
+        }
+    }
+}
+
+/// The human-readable report: one table of throughput and errors, one of latencies, and
+/// the overhead of the first target over each other one.
+pub fn render_table(s: &LoadSummary) -> String {
+    use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
+    let f = |v: f64| format!("{v:.3}");
+    let mut out = format!(
+        "kvx load: {} | {}{} | prompt {} tokens | max_tokens {}{}\n",
+        s.arrival,
+        s.endpoint,
+        if s.stream { " (stream)" } else { "" },
+        s.prompt_len,
+        s.max_tokens,
+        s.model.as_deref().map(|m| format!(" | model {m}")).unwrap_or_default()
+    );
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    t.set_header(["target", "url", "ok", "errors", "req/s", "out tok/s", "send lag p99 ms"]);
+    for x in &s.targets {
+        let errs = if x.errors.is_empty() {
+            "0".to_string()
+        } else {
+            x.errors.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join(", ")
+        };
+        let url = match &x.prefill_url {
+            Some(p) => format!("P {p} -> D {}", x.url),
+            None => x.url.clone(),
+        };
+        t.add_row([
+            x.name.clone(),
+            url,
+            format!("{}/{}", x.ok, x.requests),
+            errs,
+            format!("{:.1}", x.requests_per_s),
+            format!("{:.1}", x.output_tokens_per_s),
+            f(x.send_lag_ms.p99),
+        ]);
+    }
+    out.push_str(&t.to_string());
+    out.push('\n');
+    let mut t = Table::new();
+    t.load_style(UTF8_FULL_CONDENSED);
+    t.set_header(["target", "metric (ms)", "mean", "p50", "p90", "p99", "p99.9", "max"]);
+    for x in &s.targets {
+        for (name, l) in [("TTFT", &x.ttft_ms), ("ITL", &x.itl_ms), ("TPOT", &x.tpot_ms), ("E2E", &x.e2e_ms)]
+        {
+            if l.count == 0 {
+                continue;
+            }
+            t.add_row([
+                x.name.clone(),
+                name.to_string(),
+                f(l.mean),
+                f(l.p50),
+                f(l.p90),
+                f(l.p99),
+                f(l.p999),
+                f(l.max),
+            ]);
+        }
+    }
+    out.push_str(&t.to_string());
+    out.push('\n');
+    for o in &s.overhead {
+        out.push_str(&format!(
+            "overhead {} - {}: E2E p50 {:+.3} ms, p90 {:+.3} ms, p99 {:+.3} ms; TTFT p50 {:+.3} ms, p99 {:+.3} ms\n",
+            o.target, o.baseline, o.e2e_p50_ms, o.e2e_p90_ms, o.e2e_p99_ms, o.ttft_p50_ms, o.ttft_p99_ms
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_reader_handles_split_frames() {
+        let mut r = SseReader::default();
+        let mut got = Vec::new();
+        r.feed(b"data: {\"a\":1}\n\nda", |d| got.push(d.to_vec()));
+        r.feed(b"ta: [DONE]\n", |d| got.push(d.to_vec()));
+        r.feed(b"\n", |d| got.push(d.to_vec()));
+        assert_eq!(got, vec![b"{\"a\":1}".to_vec(), b"[DONE]".to_vec()]);
+    }
+
+    #[test]
+    fn endpoint_uri_appends_only_to_bare_bases() {
+        let u = |s: &str| s.parse::<Uri>().expect("uri");
+        assert_eq!(
+            endpoint_uri(&u("http://h:1"), "/v1/completions").expect("ok"),
+            u("http://h:1/v1/completions")
+        );
+        assert_eq!(
+            endpoint_uri(&u("http://h:1/"), "/v1/completions").expect("ok"),
+            u("http://h:1/v1/completions")
+        );
+        assert_eq!(endpoint_uri(&u("http://h:1/x/y"), "/v1/completions").expect("ok"), u("http://h:1/x/y"));
+        assert!(endpoint_uri(&u("https://h:1"), "/v1/completions").is_err());
+    }
+
+    #[test]
+    fn request_bodies_have_the_asked_prompt_length() {
+        let cfg = LoadConfig {
+            targets: vec![],
+            arrival: Arrival::Concurrency(1),
+            requests: Some(1),
+            duration: None,
+            warmup: 0,
+            prompt_len: (5, 9),
+            max_tokens: 3,
+            stream: true,
+            endpoint: Endpoint::Completions,
+            model: Some("m".into()),
+            ignore_eos: true,
+            api_key: None,
+            timeout: Duration::from_secs(1),
+            seed: 7,
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        for i in 0..20 {
+            let b = request_body(&cfg, 0, i, &mut rng);
+            let req =
+                crate::serve::openai::parse_request(Endpoint::Completions, &b, 100).expect("valid request");
+            assert!((5..=9).contains(&req.prompt_tokens));
+            assert_eq!(
+                (req.max_tokens, req.stream, req.include_usage, req.ignore_eos),
+                (3, true, true, true)
+            );
+        }
+    }
+}

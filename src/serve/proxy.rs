@@ -1,0 +1,853 @@
+//! `kvx serve-proxy`: the P/D proxy. Same flags and request rewriting as vLLM's
+//! `toy_proxy_server.py` (prefill leg, then the decode leg with P's `kv_transfer_params`),
+//! with what the toy lacks: the decode stream keeps its content type, a prefill failure fails
+//! fast and never reaches decode, down backends give a JSON 502/503/504 within the timeouts,
+//! retries go to another backend only before anything was sent to the client, background
+//! health checks, client disconnect cancels both legs, and `/metrics`.
+//!
+//! Owns routing, retries, health and the HTTP surface of the proxy. Body rewriting lives in
+//! `serve::rewrite`; the upstream client in `serve::client`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http_body::{Body as _, Frame, SizeHint};
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
+use tokio::net::TcpListener;
+
+use super::client::{HttpClient, http_client};
+use super::engine::{authorized, error_response, serve_router, unauthorized};
+use super::metrics::{Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_TYPE};
+use super::openai::{ApiError, Endpoint};
+use super::rewrite::{self, RawObject};
+
+/// How a backend is chosen from its pool (P and D pools are chosen independently).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Policy {
+    /// Next healthy backend in turn (the toy proxy's `itertools.cycle`, minus the unhealthy).
+    RoundRobin,
+    /// Healthy backend with the fewest requests in flight from this proxy.
+    LeastLoaded,
+}
+
+/// One engine address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendAddr {
+    pub host: String,
+    pub port: u16,
+}
+
+/// Validated proxy settings.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub prefill: Vec<BackendAddr>,
+    pub decode: Vec<BackendAddr>,
+    pub policy: Policy,
+    /// TCP connect timeout per attempt.
+    pub connect_timeout: Duration,
+    /// Prefill leg: whole response. Decode leg: until its response headers.
+    pub request_timeout: Duration,
+    /// Clients must send `Authorization: Bearer <key>` on `/v1/*` when set.
+    pub api_key: Option<String>,
+    /// Bearer token sent to the engines on both legs (the toy proxy's `$OPENAI_API_KEY`).
+    pub backend_api_key: Option<String>,
+    /// Period of the background `GET /health` probes; zero disables them.
+    pub health_interval: Duration,
+    pub health_timeout: Duration,
+}
+
+impl ProxyConfig {
+    pub fn new(prefill: Vec<BackendAddr>, decode: Vec<BackendAddr>) -> Self {
+        Self {
+            prefill,
+            decode,
+            policy: Policy::RoundRobin,
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(300),
+            api_key: None,
+            backend_api_key: None,
+            health_interval: Duration::from_secs(2),
+            health_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Which leg a backend serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegRole {
+    Prefill,
+    Decode,
+}
+
+impl LegRole {
+    fn as_str(self) -> &'static str {
+        match self {
+            LegRole::Prefill => "prefill",
+            LegRole::Decode => "decode",
+        }
+    }
+}
+
+/// Why a leg failed, as the `cause` label of `kvx:proxy_backend_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    Connect,
+    Timeout,
+    Status,
+    Protocol,
+    Cancelled,
+}
+
+const CAUSES: [Cause; 5] = [Cause::Connect, Cause::Timeout, Cause::Status, Cause::Protocol, Cause::Cancelled];
+
+impl Cause {
+    fn as_str(self) -> &'static str {
+        match self {
+            Cause::Connect => "connect",
+            Cause::Timeout => "timeout",
+            Cause::Status => "http_status",
+            Cause::Protocol => "protocol",
+            Cause::Cancelled => "client_disconnect",
+        }
+    }
+}
+
+/// One engine behind the proxy, with its health and counters.
+#[derive(Debug)]
+struct Backend {
+    role: LegRole,
+    label: String,
+    authority: http::uri::Authority,
+    healthy: AtomicBool,
+    in_flight: Gauge,
+    requests: Counter,
+    latency: Histogram,
+    errors: [Counter; CAUSES.len()],
+}
+
+impl Backend {
+    fn new(role: LegRole, addr: &BackendAddr) -> Result<Self, ApiError> {
+        let label = if addr.host.contains(':') {
+            format!("[{}]:{}", addr.host, addr.port)
+        } else {
+            format!("{}:{}", addr.host, addr.port)
+        };
+        let authority = label
+            .parse()
+            .map_err(|e| ApiError::new(500, format!("invalid {} address {label}: {e}", role.as_str())))?;
+        Ok(Self {
+            role,
+            label,
+            authority,
+            healthy: AtomicBool::new(true),
+            in_flight: Gauge::default(),
+            requests: Counter::default(),
+            latency: Histogram::latency(),
+            errors: Default::default(),
+        })
+    }
+
+    fn error(&self, c: Cause) {
+        self.errors[c as usize].inc();
+    }
+
+    fn uri(&self, path: &'static str) -> Uri {
+        Uri::builder()
+            .scheme("http")
+            .authority(self.authority.clone())
+            .path_and_query(path)
+            .build()
+            .unwrap_or_default()
+    }
+
+    fn set_healthy(&self, up: bool, why: &str) {
+        let was = self.healthy.swap(up, Ordering::Relaxed);
+        if was != up {
+            if up {
+                tracing::info!(backend = %self.label, role = self.role.as_str(), "backend healthy again");
+            } else {
+                tracing::warn!(backend = %self.label, role = self.role.as_str(), reason = why, "backend marked unhealthy");
+            }
+        }
+    }
+}
+
+/// Decrements a backend's in-flight count when the leg ends (including by cancellation).
+struct InFlightGuard(Arc<Backend>);
+
+impl InFlightGuard {
+    fn new(b: &Arc<Backend>) -> Self {
+        b.in_flight.inc();
+        b.requests.inc();
+        Self(b.clone())
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.0.in_flight.dec();
+    }
+}
+
+#[derive(Debug)]
+struct Pool {
+    backends: Vec<Arc<Backend>>,
+    cursor: AtomicUsize,
+}
+
+impl Pool {
+    fn new(role: LegRole, addrs: &[BackendAddr]) -> Result<Self, ApiError> {
+        let backends = addrs.iter().map(|a| Backend::new(role, a).map(Arc::new)).collect::<Result<_, _>>()?;
+        Ok(Self { backends, cursor: AtomicUsize::new(0) })
+    }
+
+    /// Next healthy backend not in `tried`, by policy. When the whole pool is marked
+    /// unhealthy, the first attempt of a request still goes to one of them (in turn): a
+    /// stale mark must not lock the pool out until the next probe, or forever when health
+    /// checks are off.
+    fn pick(&self, policy: Policy, tried: &[usize]) -> Option<usize> {
+        let n = self.backends.len();
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed);
+        let order = (0..n).map(|k| (start + k) % n);
+        let healthy = |i: &usize| self.backends[*i].healthy.load(Ordering::Relaxed);
+        let usable = |i: &usize| !tried.contains(i) && healthy(i);
+        let chosen = match policy {
+            Policy::RoundRobin => order.clone().find(usable),
+            Policy::LeastLoaded => {
+                order.clone().filter(usable).min_by_key(|&i| self.backends[i].in_flight.get())
+            }
+        };
+        if chosen.is_none() && tried.is_empty() && !(0..n).any(|i| healthy(&i)) {
+            return order.into_iter().next();
+        }
+        chosen
+    }
+
+    fn healthy_count(&self) -> usize {
+        self.backends.iter().filter(|b| b.healthy.load(Ordering::Relaxed)).count()
+    }
+}
+
+#[derive(Debug)]
+struct ProxyMetrics {
+    ok: Counter,
+    client_errors: Counter,
+    server_errors: Counter,
+    retries: Counter,
+    missing_kv_params: Counter,
+    client_disconnects: Counter,
+    /// From the client's request to the decode response headers.
+    time_to_headers: Histogram,
+}
+
+/// Shared state of one proxy.
+#[derive(Debug)]
+pub struct ProxyState {
+    cfg: ProxyConfig,
+    prefill: Pool,
+    decode: Pool,
+    client: HttpClient,
+    backend_auth: Option<HeaderValue>,
+    metrics: ProxyMetrics,
+}
+
+impl ProxyState {
+    pub fn new(cfg: ProxyConfig) -> Result<Arc<Self>, ApiError> {
+        let backend_auth = match &cfg.backend_api_key {
+            Some(k) => Some(HeaderValue::from_str(&format!("Bearer {k}")).map_err(|_| {
+                ApiError::new(500, "--backend-api-key contains characters not allowed in a header")
+            })?),
+            None => None,
+        };
+        Ok(Arc::new(Self {
+            prefill: Pool::new(LegRole::Prefill, &cfg.prefill)?,
+            decode: Pool::new(LegRole::Decode, &cfg.decode)?,
+            client: http_client(Some(cfg.connect_timeout)),
+            backend_auth,
+            metrics: ProxyMetrics {
+                ok: Counter::default(),
+                client_errors: Counter::default(),
+                server_errors: Counter::default(),
+                retries: Counter::default(),
+                missing_kv_params: Counter::default(),
+                client_disconnects: Counter::default(),
+                time_to_headers: Histogram::latency(),
+            },
+            cfg,
+        }))
+    }
+
+    fn pool(&self, role: LegRole) -> &Pool {
+        match role {
+            LegRole::Prefill => &self.prefill,
+            LegRole::Decode => &self.decode,
+        }
+    }
+
+    fn count_status(&self, s: StatusCode) {
+        if s.is_success() {
+            self.metrics.ok.inc();
+        } else if s.is_client_error() {
+            self.metrics.client_errors.inc();
+        } else {
+            self.metrics.server_errors.inc();
+        }
+    }
+
+    /// Renders `/metrics`.
+    pub fn render_metrics(&self) -> String {
+        let m = &self.metrics;
+        let mut e = Exposition::new();
+        let help = "Client requests answered by the proxy, by status class.";
+        e.counter("kvx:proxy_requests_total", help, &[("code", "2xx")], m.ok.get());
+        e.counter("kvx:proxy_requests_total", help, &[("code", "4xx")], m.client_errors.get());
+        e.counter("kvx:proxy_requests_total", help, &[("code", "5xx")], m.server_errors.get());
+        e.counter(
+            "kvx:proxy_retries_total",
+            "Legs retried on another backend before any byte reached the client.",
+            &[],
+            m.retries.get(),
+        );
+        e.counter(
+            "kvx:proxy_prefill_without_kv_params_total",
+            "Prefill answers without kv_transfer_params: decode prefilled locally (silent fallback).",
+            &[],
+            m.missing_kv_params.get(),
+        );
+        e.counter(
+            "kvx:proxy_client_disconnects_total",
+            "Requests whose client went away before the end.",
+            &[],
+            m.client_disconnects.get(),
+        );
+        e.histogram(
+            "kvx:proxy_time_to_headers_seconds",
+            "From the client's request to the decode engine's response headers (prefill leg included).",
+            &[],
+            &m.time_to_headers.snapshot(),
+        );
+        let all: Vec<&Arc<Backend>> = self.prefill.backends.iter().chain(&self.decode.backends).collect();
+        for b in &all {
+            let l = [("role", b.role.as_str()), ("backend", b.label.as_str())];
+            e.gauge(
+                "kvx:proxy_backend_healthy",
+                "1 if the backend passed its last health check.",
+                &l,
+                f64::from(u8::from(b.healthy.load(Ordering::Relaxed))),
+            );
+        }
+        for b in &all {
+            let l = [("role", b.role.as_str()), ("backend", b.label.as_str())];
+            e.gauge(
+                "kvx:proxy_backend_in_flight",
+                "Legs in flight to the backend.",
+                &l,
+                b.in_flight.get() as f64,
+            );
+        }
+        for b in &all {
+            let l = [("role", b.role.as_str()), ("backend", b.label.as_str())];
+            e.counter(
+                "kvx:proxy_backend_requests_total",
+                "Legs sent to the backend (attempts).",
+                &l,
+                b.requests.get(),
+            );
+        }
+        for b in &all {
+            for c in CAUSES {
+                let l = [("role", b.role.as_str()), ("backend", b.label.as_str()), ("cause", c.as_str())];
+                e.counter(
+                    "kvx:proxy_backend_errors_total",
+                    "Failed legs by cause.",
+                    &l,
+                    b.errors[c as usize].get(),
+                );
+            }
+        }
+        for b in &all {
+            let l = [("role", b.role.as_str()), ("backend", b.label.as_str())];
+            e.histogram(
+                "kvx:proxy_backend_latency_seconds",
+                "Prefill: full response; decode: until response headers.",
+                &l,
+                &b.latency.snapshot(),
+            );
+        }
+        e.finish()
+    }
+}
+
+/// The proxy's routes. Pure; health checks run only under [`serve`].
+pub fn router(state: Arc<ProxyState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/healthcheck", get(healthcheck))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { error_response(&ApiError::new(404, "Not Found")) })
+        .method_not_allowed_fallback(|| async { error_response(&ApiError::new(405, "Method Not Allowed")) })
+        .layer(DefaultBodyLimit::max(64 << 20))
+        .with_state(state)
+}
+
+/// Runs the proxy on `listener` (with background health checks) until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<ProxyState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let checker = (!state.cfg.health_interval.is_zero()).then(|| tokio::spawn(health_loop(state.clone())));
+    let r = serve_router(listener, router(state), shutdown).await;
+    if let Some(h) = checker {
+        h.abort();
+    }
+    r
+}
+
+async fn health_loop(st: Arc<ProxyState>) {
+    let mut tick = tokio::time::interval(st.cfg.health_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let all = st.prefill.backends.iter().chain(&st.decode.backends);
+        futures::future::join_all(all.map(|b| probe(&st, b))).await;
+    }
+}
+
+async fn probe(st: &ProxyState, b: &Arc<Backend>) {
+    let req = Request::get(b.uri("/health")).body(Full::new(Bytes::new()));
+    let Ok(req) = req else { return };
+    match tokio::time::timeout(st.cfg.health_timeout, st.client.request(req)).await {
+        Ok(Ok(resp)) if resp.status().is_success() => {
+            let _ = resp.into_body().collect().await;
+            b.set_healthy(true, "");
+        }
+        Ok(Ok(resp)) => b.set_healthy(false, &format!("GET /health answered {}", resp.status())),
+        Ok(Err(e)) => b.set_healthy(false, &format!("GET /health failed: {e}")),
+        Err(_) => b.set_healthy(false, "GET /health timed out"),
+    }
+}
+
+async fn healthcheck(State(st): State<Arc<ProxyState>>) -> Response {
+    #[derive(serde::Serialize)]
+    struct Toy {
+        status: &'static str,
+        prefill_instances: usize,
+        decode_instances: usize,
+    }
+    axum::Json(Toy {
+        status: "ok",
+        prefill_instances: st.prefill.backends.len(),
+        decode_instances: st.decode.backends.len(),
+    })
+    .into_response()
+}
+
+async fn health(State(st): State<Arc<ProxyState>>) -> Response {
+    let (p, d) = (st.prefill.healthy_count(), st.decode.healthy_count());
+    if p > 0 && d > 0 {
+        StatusCode::OK.into_response()
+    } else {
+        error_response(&ApiError::new(
+            503,
+            format!("no healthy backend: {p} healthy prefill engine(s), {d} healthy decode engine(s)"),
+        ))
+    }
+}
+
+async fn metrics(State(st): State<Arc<ProxyState>>) -> Response {
+    ([(header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)], st.render_metrics()).into_response()
+}
+
+async fn models(State(st): State<Arc<ProxyState>>, headers: HeaderMap) -> Response {
+    if !authorized(st.cfg.api_key.as_deref(), &headers) {
+        return unauthorized();
+    }
+    let leg = match send_leg(&st, LegRole::Decode, Method::GET, "/v1/models", Bytes::new(), None).await {
+        Ok(l) => l,
+        Err(e) => return error_response(&e),
+    };
+    let status = leg.resp.status();
+    let ct = leg.resp.headers().get(header::CONTENT_TYPE).cloned();
+    match tokio::time::timeout(st.cfg.request_timeout, leg.resp.into_body().collect()).await {
+        Ok(Ok(b)) => {
+            let mut r = (status, b.to_bytes()).into_response();
+            if let Some(ct) = ct {
+                r.headers_mut().insert(header::CONTENT_TYPE, ct);
+            }
+            r
+        }
+        _ => error_response(&ApiError::new(
+            502,
+            format!("decode engine {} failed to send /v1/models", leg.backend.label),
+        )),
+    }
+}
+
+async fn completions(State(st): State<Arc<ProxyState>>, headers: HeaderMap, body: Bytes) -> Response {
+    proxy_request(st, Endpoint::Completions, headers, body).await
+}
+
+async fn chat_completions(State(st): State<Arc<ProxyState>>, headers: HeaderMap, body: Bytes) -> Response {
+    proxy_request(st, Endpoint::Chat, headers, body).await
+}
+
+/// A leg that got response headers back.
+struct Leg {
+    backend: Arc<Backend>,
+    resp: http::Response<Incoming>,
+    guard: InFlightGuard,
+    sent_at: Instant,
+}
+
+/// Sends one leg, trying other healthy backends of the pool only while nothing could have
+/// reached the engine (connect failures) or the engine refused with 503.
+async fn send_leg(
+    st: &ProxyState,
+    role: LegRole,
+    method: Method,
+    path: &'static str,
+    body: Bytes,
+    x_request_id: Option<&HeaderValue>,
+) -> Result<Leg, ApiError> {
+    let pool = st.pool(role);
+    let mut tried: Vec<usize> = Vec::new();
+    let mut last_err: Option<ApiError> = None;
+    loop {
+        let Some(i) = pool.pick(st.cfg.policy, &tried) else {
+            return Err(last_err.unwrap_or_else(|| {
+                ApiError::new(
+                    503,
+                    format!(
+                        "no healthy {} engine: all {} configured are failing their health checks",
+                        role.as_str(),
+                        pool.backends.len()
+                    ),
+                )
+            }));
+        };
+        if !tried.is_empty() {
+            st.metrics.retries.inc();
+        }
+        tried.push(i);
+        let b = &pool.backends[i];
+        let mut req = Request::builder().method(method.clone()).uri(b.uri(path));
+        if !body.is_empty() {
+            req = req.header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        }
+        if let Some(id) = x_request_id {
+            req = req.header("x-request-id", id.clone());
+        }
+        if let Some(auth) = &st.backend_auth {
+            req = req.header(header::AUTHORIZATION, auth.clone());
+        }
+        let req = req
+            .body(Full::new(body.clone()))
+            .map_err(|e| ApiError::new(500, format!("building the {} request: {e}", role.as_str())))?;
+        let guard = InFlightGuard::new(b);
+        let sent_at = Instant::now();
+        match tokio::time::timeout(st.cfg.request_timeout, st.client.request(req)).await {
+            Ok(Ok(resp))
+                if resp.status() == StatusCode::SERVICE_UNAVAILABLE && tried.len() < pool.backends.len() =>
+            {
+                b.error(Cause::Status);
+                last_err =
+                    Some(ApiError::new(503, format!("{} engine {} answered 503", role.as_str(), b.label)));
+            }
+            Ok(Ok(resp)) => return Ok(Leg { backend: b.clone(), resp, guard, sent_at }),
+            Ok(Err(e)) if e.is_connect() => {
+                b.error(Cause::Connect);
+                b.set_healthy(false, "connect failed");
+                last_err = Some(ApiError::new(
+                    503,
+                    format!("cannot reach {} engine {}: {}", role.as_str(), b.label, error_chain(&e)),
+                ));
+            }
+            Ok(Err(e)) => {
+                b.error(Cause::Protocol);
+                return Err(ApiError::new(
+                    502,
+                    format!("{} engine {} failed: {}", role.as_str(), b.label, error_chain(&e)),
+                ));
+            }
+            Err(_) => {
+                b.error(Cause::Timeout);
+                return Err(ApiError::new(
+                    504,
+                    format!(
+                        "{} engine {} sent no response within {:.1} s (--request-timeout)",
+                        role.as_str(),
+                        b.label,
+                        st.cfg.request_timeout.as_secs_f64()
+                    ),
+                ));
+            }
+        }
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+/// Marks a request as abandoned by its client if dropped before `done`.
+struct DisconnectWatch<'a> {
+    st: &'a ProxyState,
+    done: bool,
+}
+
+impl Drop for DisconnectWatch<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.st.metrics.client_disconnects.inc();
+        }
+    }
+}
+
+async fn proxy_request(st: Arc<ProxyState>, ep: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+    let started = Instant::now();
+    let resp = proxy_inner(&st, ep, &headers, &body, started).await;
+    st.count_status(resp.status());
+    resp
+}
+
+async fn proxy_inner(
+    st: &Arc<ProxyState>,
+    ep: Endpoint,
+    headers: &HeaderMap,
+    body: &Bytes,
+    started: Instant,
+) -> Response {
+    if !authorized(st.cfg.api_key.as_deref(), headers) {
+        return unauthorized();
+    }
+    let client = match RawObject::parse(body) {
+        Ok(o) => o,
+        Err(e) => return error_response(&ApiError::bad_request(e.0, None)),
+    };
+    let x_request_id = headers.get("x-request-id").filter(|v| !v.is_empty()).cloned().unwrap_or_else(|| {
+        HeaderValue::from_str(&uuid::Uuid::new_v4().to_string()).unwrap_or(HeaderValue::from_static("kvx"))
+    });
+    let mut watch = DisconnectWatch { st, done: false };
+
+    // Prefill leg: fail fast on anything but a 2xx; decode is never called then.
+    let p_body = Bytes::from(rewrite::prefill_body(&client));
+    let p = match send_leg(st, LegRole::Prefill, Method::POST, ep.path(), p_body, Some(&x_request_id)).await {
+        Ok(l) => l,
+        Err(e) => {
+            watch.done = true;
+            return error_response(&e);
+        }
+    };
+    let p_status = p.resp.status();
+    let left = st.cfg.request_timeout.saturating_sub(p.sent_at.elapsed());
+    let p_bytes = match tokio::time::timeout(left, p.resp.into_body().collect()).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) => {
+            p.backend.error(Cause::Protocol);
+            watch.done = true;
+            return error_response(&ApiError::new(
+                502,
+                format!("prefill engine {} broke off its response: {}", p.backend.label, error_chain(&e)),
+            ));
+        }
+        Err(_) => {
+            p.backend.error(Cause::Timeout);
+            watch.done = true;
+            return error_response(&ApiError::new(
+                504,
+                format!("prefill engine {} did not finish within --request-timeout", p.backend.label),
+            ));
+        }
+    };
+    p.backend.latency.observe(p.sent_at.elapsed());
+    drop(p.guard);
+    if !p_status.is_success() {
+        p.backend.error(Cause::Status);
+        watch.done = true;
+        return prefill_failure(&p.backend.label, p_status, &p_bytes);
+    }
+    let p_obj = match RawObject::parse(&p_bytes) {
+        Ok(o) => o,
+        Err(e) => {
+            p.backend.error(Cause::Protocol);
+            watch.done = true;
+            return error_response(&ApiError::new(
+                502,
+                format!(
+                    "prefill engine {} answered {p_status} with a body that is not a JSON object: {}",
+                    p.backend.label, e.0
+                ),
+            ));
+        }
+    };
+    let params = p_obj.get("kv_transfer_params").filter(|raw| rewrite::is_truthy(raw));
+    if params.is_none() {
+        st.metrics.missing_kv_params.inc();
+        tracing::warn!(
+            backend = %p.backend.label,
+            "prefill answered without kv_transfer_params; the decode engine will prefill locally"
+        );
+    }
+
+    // Decode leg: original body plus P's params verbatim, streamed back as it arrives.
+    let d_body = Bytes::from(rewrite::decode_body(&client, body, params));
+    let d = match send_leg(st, LegRole::Decode, Method::POST, ep.path(), d_body, Some(&x_request_id)).await {
+        Ok(l) => l,
+        Err(e) => {
+            watch.done = true;
+            return error_response(&e);
+        }
+    };
+    d.backend.latency.observe(d.sent_at.elapsed());
+    st.metrics.time_to_headers.observe(started.elapsed());
+    if !d.resp.status().is_success() {
+        d.backend.error(Cause::Status);
+    }
+    watch.done = true;
+    let (parts, incoming) = d.resp.into_parts();
+    let sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("text/event-stream"));
+    let body = PassBody {
+        inner: incoming,
+        _guard: d.guard,
+        backend: d.backend,
+        st: st.clone(),
+        sse,
+        state: PassState::Streaming,
+    };
+    let mut resp = Response::new(Body::new(body));
+    *resp.status_mut() = parts.status;
+    let ct = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .cloned()
+        .unwrap_or(HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+    resp.headers_mut().insert("x-request-id", x_request_id);
+    resp
+}
+
+/// Answers a failed prefill: the engine's own JSON error (status kept) when it sent one,
+/// else a 502 naming the engine.
+fn prefill_failure(label: &str, status: StatusCode, body: &[u8]) -> Response {
+    let is_error_json = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .is_some_and(|v| v.get("error").is_some() || v.get("message").is_some());
+    if is_error_json {
+        let mut r = (status, Bytes::copy_from_slice(body)).into_response();
+        r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        return r;
+    }
+    let snippet: String = String::from_utf8_lossy(body).chars().take(200).collect();
+    error_response(&ApiError::new(502, format!("prefill engine {label} answered {status}: {snippet}")))
+}
+
+enum PassState {
+    Streaming,
+    Done,
+}
+
+/// The decode engine's body on its way to the client. Dropping it (client gone) drops the
+/// upstream body, which closes that connection, so the decode engine sees the disconnect and
+/// aborts. A stream that breaks mid-way ends with vLLM's in-stream error event and `[DONE]`.
+struct PassBody {
+    inner: Incoming,
+    _guard: InFlightGuard,
+    backend: Arc<Backend>,
+    st: Arc<ProxyState>,
+    sse: bool,
+    state: PassState,
+}
+
+impl http_body::Body for PassBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        match std::mem::replace(&mut this.state, PassState::Done) {
+            PassState::Done => Poll::Ready(None),
+            PassState::Streaming => match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => {
+                    this.state = PassState::Streaming;
+                    Poll::Pending
+                }
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Ready(Some(Ok(f))) => {
+                    this.state = PassState::Streaming;
+                    Poll::Ready(Some(Ok(f)))
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.backend.error(Cause::Protocol);
+                    if this.sse {
+                        let err = ApiError::new(
+                            502,
+                            format!(
+                                "decode engine {} broke off the stream: {}",
+                                this.backend.label,
+                                error_chain(&e)
+                            ),
+                        );
+                        // A partial event may be pending on the client side: end it first.
+                        let mut tail = b"\n\n".to_vec();
+                        tail.extend_from_slice(&err.sse_event());
+                        Poll::Ready(Some(Ok(Frame::data(Bytes::from(tail)))))
+                    } else {
+                        Poll::Ready(Some(Err(e)))
+                    }
+                }
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self.state {
+            PassState::Streaming => self.inner.is_end_stream(),
+            PassState::Done => true,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.state {
+            PassState::Streaming => self.inner.size_hint(),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+impl Drop for PassBody {
+    fn drop(&mut self) {
+        if matches!(self.state, PassState::Streaming) && !self.inner.is_end_stream() {
+            self.backend.error(Cause::Cancelled);
+            self.st.metrics.client_disconnects.inc();
+        }
+    }
+}

@@ -1,0 +1,978 @@
+//! The serving path over real loopback HTTP: engines and proxy in-process (bound to port 0,
+//! listeners passed in) and as real `kvx` processes; byte-level checks against vLLM 0.32's
+//! wire samples; the proxy's rewriting seen by recording backends; every failure answer
+//! within its timeout. Every test runs under a hard timeout.
+
+use std::future::Future;
+use std::io::{BufRead as _, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use http_body_util::{BodyExt as _, Full};
+use kvx::serve::client::http_client;
+use kvx::serve::engine::{self, EngineConfig, EngineState, Role};
+use kvx::serve::kv::{EngineIdentity, NullKv};
+use kvx::serve::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/serve");
+const HARD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Runs a test body under the hard timeout.
+async fn within<F: Future<Output = ()>>(f: F) {
+    tokio::time::timeout(HARD_TIMEOUT, f).await.expect("test exceeded its hard timeout");
+}
+
+fn fixture(name: &str) -> String {
+    std::fs::read_to_string(format!("{FIXTURES}/{name}")).expect("fixture")
+}
+
+/// A server task bound to port 0 that stops when dropped.
+struct Server {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    async fn start<F, Fut>(run: F) -> Self
+    where
+        F: FnOnce(TcpListener, oneshot::Receiver<()>) -> Fut,
+        Fut: Future<Output = std::io::Result<()>> + Send + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (tx, rx) = oneshot::channel();
+        let fut = run(listener, rx);
+        let task = tokio::spawn(async move {
+            fut.await.expect("server");
+        });
+        Self { addr, stop: Some(tx), task }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn backend(&self) -> BackendAddr {
+        BackendAddr { host: "127.0.0.1".into(), port: self.addr.port() }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        self.task.abort();
+    }
+}
+
+async fn shutdown(rx: oneshot::Receiver<()>) {
+    let _ = rx.await;
+}
+
+fn null_kv(engine_id: &str) -> Arc<NullKv> {
+    Arc::new(NullKv::new(EngineIdentity {
+        engine_id: engine_id.into(),
+        side_channel_host: "127.0.0.1".into(),
+        side_channel_port: 5600,
+        tp_size: 1,
+    }))
+}
+
+async fn start_engine(cfg: EngineConfig) -> (Server, Arc<EngineState>) {
+    let id = format!("{}-engine", cfg.role.as_str());
+    let state = EngineState::new(cfg, null_kv(&id));
+    let st = state.clone();
+    let server = Server::start(move |l, rx| engine::serve(l, st, shutdown(rx))).await;
+    (server, state)
+}
+
+fn engine_cfg(role: Role) -> EngineConfig {
+    EngineConfig::new(role, "stub-model")
+}
+
+fn proxy_cfg(p: Vec<BackendAddr>, d: Vec<BackendAddr>) -> ProxyConfig {
+    let mut cfg = ProxyConfig::new(p, d);
+    cfg.connect_timeout = Duration::from_millis(500);
+    cfg.request_timeout = Duration::from_secs(5);
+    cfg.health_interval = Duration::ZERO;
+    cfg
+}
+
+async fn start_proxy(cfg: ProxyConfig) -> (Server, Arc<ProxyState>) {
+    let state = ProxyState::new(cfg).expect("proxy state");
+    let st = state.clone();
+    let server = Server::start(move |l, rx| proxy::serve(l, st, shutdown(rx))).await;
+    (server, state)
+}
+
+/// One HTTP exchange over the pooled client; the body is collected whole.
+async fn send(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (StatusCode, HeaderMap, String) {
+    let client = http_client(Some(Duration::from_secs(2)));
+    let mut req = http::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_string()))).expect("request");
+    let resp = client.request(req).await.expect("response");
+    let (parts, body) = resp.into_parts();
+    let bytes = body.collect().await.expect("body").to_bytes();
+    (parts.status, parts.headers, String::from_utf8(bytes.to_vec()).expect("utf8 body"))
+}
+
+async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> (StatusCode, HeaderMap, String) {
+    send("POST", url, headers, body).await
+}
+
+/// Replaces the value after every `key` up to `end` with `with`.
+fn replace_values(s: &str, key: &str, end: char, with: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find(key) {
+        out.push_str(&rest[..i + key.len()]);
+        rest = &rest[i + key.len()..];
+        let j = rest.find(end).unwrap_or(rest.len());
+        out.push_str(with);
+        rest = &rest[j..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Maps kvx's per-run values onto the sample's: timestamps, fingerprint, token texts.
+fn normalise(s: &str) -> String {
+    let s = replace_values(s, "\"created\":", ',', "1795300000");
+    let s = replace_values(&s, "\"system_fingerprint\":\"", '"', "vllm-0.32.0-abcd1234");
+    s.replace(" t0 t1", " Hello world").replace("\" t0\"", "\" Hello\"").replace("\" t1\"", "\" world\"")
+}
+
+/// The proxy in front of a real P and D engine (NullKv, zero delays).
+struct Stack {
+    proxy: Server,
+    proxy_state: Arc<ProxyState>,
+    _p: Server,
+    p_state: Arc<EngineState>,
+    _d: Server,
+    d_state: Arc<EngineState>,
+}
+
+async fn stack_with(p_cfg: EngineConfig, d_cfg: EngineConfig) -> Stack {
+    let (p, p_state) = start_engine(p_cfg).await;
+    let (d, d_state) = start_engine(d_cfg).await;
+    let (proxy, proxy_state) = start_proxy(proxy_cfg(vec![p.backend()], vec![d.backend()])).await;
+    Stack { proxy, proxy_state, _p: p, p_state, _d: d, d_state }
+}
+
+async fn stack() -> Stack {
+    stack_with(engine_cfg(Role::Prefill), engine_cfg(Role::Decode)).await
+}
+
+fn metric(text: &str, line_prefix: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_prefix).map(str::trim))
+        .unwrap_or_else(|| panic!("metric {line_prefix} missing in:\n{text}"))
+        .parse()
+        .expect("number")
+}
+
+/// Polls a condition (every 5 ms, up to 5 s): the observable end of an asynchronous effect.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_stream_through_proxy_is_byte_exact() {
+    within(async {
+        let s = stack().await;
+        let body = r#"{"model":"stub-model","prompt":"hello world how are you","max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}"#;
+        let (status, h, text) =
+            post(&s.proxy.url("/v1/completions"), &[("x-request-id", "0123456789abcdef")], body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(h["content-type"], "text/event-stream; charset=utf-8");
+        assert!(h.get("content-length").is_none(), "SSE is chunked");
+        assert_eq!(normalise(&text), fixture("vllm-0.32-completions-stream.sse"));
+        // D loaded (NullKv) rather than silently prefilling.
+        let m = s.d_state.render_metrics();
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 1.0);
+        assert_eq!(metric(&m, "kvx:decode_local_prefill_total{model_name=\"stub-model\",reason=\"missing\"}"), 0.0);
+        let pm = s.p_state.render_metrics();
+        assert_eq!(metric(&pm, "kvx:kv_prefill_handoffs_total{model_name=\"stub-model\"}"), 1.0);
+
+        // Without a usage chunk the terminal text chunk carries the fingerprint.
+        let body = r#"{"model":"stub-model","prompt":"hello world how are you","max_tokens":2,"stream":true}"#;
+        let (_, _, text) =
+            post(&s.proxy.url("/v1/completions"), &[("x-request-id", "0123456789abcdef")], body).await;
+        let last = text.split_inclusive("\n\n").nth(1).expect("second event");
+        assert_eq!(normalise(last), fixture("vllm-0.32-completions-stream-final-chunk.sse"));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_stream_and_json_through_proxy_are_byte_exact() {
+    within(async {
+        let s = stack().await;
+        let msgs = r#"[{"role":"system","content":"you are a stub"},{"role":"user","content":"say hello world to me"}]"#;
+        let body = format!(
+            r#"{{"model":"stub-model","messages":{msgs},"max_completion_tokens":2,"stream":true,"stream_options":{{"include_usage":true}}}}"#
+        );
+        let (status, h, text) =
+            post(&s.proxy.url("/v1/chat/completions"), &[("x-request-id", "0123456789abcdef")], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(h["content-type"], "text/event-stream; charset=utf-8");
+        assert_eq!(normalise(&text), fixture("vllm-0.32-chat-stream.sse"));
+
+        let body = format!(r#"{{"model":"stub-model","messages":{msgs},"max_tokens":2}}"#);
+        let (status, h, text) =
+            post(&s.proxy.url("/v1/chat/completions"), &[("x-request-id", "0123456789abcdef")], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(h["content-type"], "application/json");
+        assert_eq!(h["x-request-id"], "0123456789abcdef");
+        assert_eq!(h["content-length"].to_str().expect("len").parse::<usize>().expect("n"), text.len());
+        assert_eq!(normalise(&text), fixture("vllm-0.32-chat-response.json"));
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_engine_answer_is_byte_exact_with_033_params() {
+    within(async {
+        let (p, _) = start_engine(engine_cfg(Role::Prefill)).await;
+        let prompt = (0..17).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+        let body = format!(
+            r#"{{"model":"stub-model","prompt":"{prompt}","max_tokens":1,"stream":false,"kv_transfer_params":{{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}}}"#
+        );
+        let (status, _, text) = post(&p.url("/v1/completions"), &[("x-request-id", "0123456789abcdef")], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        let rid = v["kv_transfer_params"]["remote_request_id"].as_str().expect("remote_request_id").to_string();
+        assert!(rid.starts_with("cmpl-0123456789abcdef-0-"), "{rid}");
+        // The 0.32 sample, with 0.33's full kv_transfer_params in place of 0.32's.
+        let want = fixture("vllm-0.32-prefill-response.json").replace(
+            r#""remote_request_id":"cmpl-0123456789abcdef-0","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"remote_num_tokens":17}"#,
+            &format!(
+                r#""remote_request_id":"{rid}","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":17,"remote_blocks_expiry_time":null,"remote_registration_generation":0,"transfer_mode":"pull"}}"#
+            ),
+        );
+        let got = normalise(&text.replace("\"prefill-engine\"", "\"e1\""));
+        assert_eq!(got, want);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_errors_match_vllm_bytes() {
+    within(async {
+        let (d, _) = start_engine(engine_cfg(Role::Decode)).await;
+        let (status, h, text) =
+            post(&d.url("/v1/completions"), &[], r#"{"prompt":"a","stream_options":{"include_usage":true}}"#)
+                .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(h["content-type"], "application/json");
+        assert_eq!(text, fixture("vllm-0.32-error-body.json"));
+    })
+    .await;
+}
+
+/// What a recording backend saw.
+#[derive(Debug, Clone)]
+struct Seen {
+    path: String,
+    headers: HeaderMap,
+    body: String,
+}
+
+#[derive(Clone)]
+enum Act {
+    Json(u16, String),
+    /// Never answers (the request is held until the client gives up).
+    Hang,
+    /// SSE chunks, then the connection breaks mid-body once the test says so.
+    SseThenBreak(Vec<String>, Arc<tokio::sync::Notify>),
+}
+
+#[derive(Clone)]
+struct Recorder {
+    seen: Arc<Mutex<Vec<Seen>>>,
+    act: Act,
+}
+
+impl Recorder {
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().expect("lock").clone()
+    }
+}
+
+async fn start_recorder(act: Act) -> (Server, Recorder) {
+    let rec = Recorder { seen: Arc::new(Mutex::new(Vec::new())), act };
+    let r = rec.clone();
+    let handler = move |uri: http::Uri, headers: HeaderMap, body: Bytes| {
+        let r = r.clone();
+        async move {
+            r.seen.lock().expect("lock").push(Seen {
+                path: uri.path().to_string(),
+                headers,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            });
+            match r.act {
+                Act::Json(status, body) => (
+                    StatusCode::from_u16(status).expect("status"),
+                    [("content-type", "application/json")],
+                    body,
+                )
+                    .into_response(),
+                Act::Hang => std::future::pending::<Response>().await,
+                Act::SseThenBreak(chunks, crash) => {
+                    use futures::StreamExt as _;
+                    let head = futures::stream::iter(
+                        chunks.into_iter().map(|c| Ok::<Bytes, std::io::Error>(Bytes::from(c))),
+                    );
+                    let crash = futures::stream::once(async move {
+                        crash.notified().await;
+                        Err(std::io::Error::other("engine crashed"))
+                    });
+                    (
+                        [("content-type", "text/event-stream; charset=utf-8")],
+                        Body::from_stream(head.chain(crash)),
+                    )
+                        .into_response()
+                }
+            }
+        }
+    };
+    let router = Router::new().fallback(handler);
+    let server = Server::start(move |l, rx| engine::serve_router(l, router, shutdown(rx))).await;
+    (server, rec)
+}
+
+const P_ANSWER: &str = r#"{"id":"cmpl-x","object":"text_completion","choices":[{"index":0,"text":" a","finish_reason":"length"}],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[3, 4]],"remote_engine_id":"P-engine","remote_request_id":"cmpl-x-0-abcd1234","remote_host":"10.0.0.1","remote_port":5601,"tp_size":2,"future_field":1.50}}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_rewrites_exactly_like_the_toy_proxy() {
+    within(async {
+        let (p, p_rec) = start_recorder(Act::Json(200, P_ANSWER.into())).await;
+        let (d, d_rec) = start_recorder(Act::Json(200, r#"{"ok":true}"#.into())).await;
+        let mut cfg = proxy_cfg(vec![p.backend()], vec![d.backend()]);
+        cfg.backend_api_key = Some("sk-test".into());
+        let (proxy, _) = start_proxy(cfg).await;
+
+        let client_body = r#"{"model":"stub-model","prompt":"hello world how are you","max_tokens":4,"stream":true,
+ "stream_options":{"include_usage":true},"min_tokens":2}"#;
+        let (status, _, text) = post(&proxy.url("/v1/completions"), &[("x-request-id", "req-42")], client_body).await;
+        assert_eq!((status, text.as_str()), (StatusCode::OK, r#"{"ok":true}"#));
+
+        let p_seen = p_rec.seen();
+        let d_seen = d_rec.seen();
+        assert_eq!((p_seen.len(), d_seen.len()), (1, 1));
+        assert_eq!(p_seen[0].path, "/v1/completions");
+        assert_eq!(d_seen[0].path, "/v1/completions");
+        assert_eq!(
+            p_seen[0].body,
+            r#"{"model":"stub-model","prompt":"hello world how are you","max_tokens":1,"stream":false,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}"#
+        );
+        assert_eq!(
+            d_seen[0].body,
+            r#"{"model":"stub-model","prompt":"hello world how are you","max_tokens":4,"stream":true,"stream_options":{"include_usage":true},"min_tokens":2,"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[3, 4]],"remote_engine_id":"P-engine","remote_request_id":"cmpl-x-0-abcd1234","remote_host":"10.0.0.1","remote_port":5601,"tp_size":2,"future_field":1.50}}"#
+        );
+        for s in [&p_seen[0], &d_seen[0]] {
+            assert_eq!(s.headers["x-request-id"], "req-42");
+            assert_eq!(s.headers["authorization"], "Bearer sk-test");
+            assert_eq!(s.headers["content-type"], "application/json");
+        }
+
+        // Without a client id both legs share one fresh uuid4.
+        let (status, _, _) = post(&proxy.url("/v1/chat/completions"), &[], r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":5}"#).await;
+        assert_eq!(status, StatusCode::OK);
+        let (p_seen, d_seen) = (p_rec.seen(), d_rec.seen());
+        let (pid, did) = (&p_seen[1].headers["x-request-id"], &d_seen[1].headers["x-request-id"]);
+        assert_eq!(pid, did);
+        let id = uuid::Uuid::parse_str(pid.to_str().expect("ascii")).expect("uuid");
+        assert_eq!(id.get_version_num(), 4);
+        assert_eq!(pid.len(), 36, "hyphenated like str(uuid4())");
+        assert_eq!(p_seen[1].path, "/v1/chat/completions");
+        assert_eq!(
+            p_seen[1].body,
+            r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":1,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null},"stream":false,"max_tokens":1}"#
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_failure_fails_fast_and_never_calls_decode() {
+    within(async {
+        let err = r#"{"error":{"message":"boom","type":"InternalServerError","param":null,"code":500}}"#;
+        let (p, p_rec) = start_recorder(Act::Json(500, err.into())).await;
+        let (d, d_rec) = start_recorder(Act::Json(200, "{}".into())).await;
+        let (proxy, pst) = start_proxy(proxy_cfg(vec![p.backend()], vec![d.backend()])).await;
+        let t0 = Instant::now();
+        let (status, h, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(h["content-type"], "application/json");
+        assert_eq!(text, err);
+        assert_eq!(p_rec.seen().len(), 1);
+        assert!(d_rec.seen().is_empty(), "decode must not be called after a prefill failure");
+
+        // A prefill engine answering something that is not an error object: 502 naming it.
+        drop(proxy);
+        let (p2, _) = start_recorder(Act::Json(200, "not json".into())).await;
+        let (proxy, _) = start_proxy(proxy_cfg(vec![p2.backend()], vec![d.backend()])).await;
+        let (status, _, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json error");
+        assert_eq!(v["error"]["code"], 502);
+        assert!(v["error"]["message"].as_str().expect("msg").contains(&p2.backend().port.to_string()));
+        assert!(d_rec.seen().is_empty());
+        assert!(pst.render_metrics().contains("kvx:proxy_requests_total{code=\"5xx\"} 1"));
+    })
+    .await;
+}
+
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_down_gives_json_503_and_retries_elsewhere() {
+    within(async {
+        let dead = BackendAddr { host: "127.0.0.1".into(), port: closed_port() };
+        let s = stack().await;
+        let p_live = BackendAddr { host: "127.0.0.1".into(), port: s.p_state_port() };
+        let d_live = BackendAddr { host: "127.0.0.1".into(), port: s.d_state_port() };
+
+        // Only a dead prefill engine: 503 with a JSON body, fast.
+        let (proxy, _) = start_proxy(proxy_cfg(vec![dead.clone()], vec![d_live.clone()])).await;
+        let t0 = Instant::now();
+        let (status, h, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
+        assert!(t0.elapsed() < Duration::from_secs(2), "answered within the connect timeout");
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+        assert_eq!(h["content-type"], "application/json");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        assert!(
+            v["error"]["message"].as_str().expect("msg").contains("cannot reach prefill engine"),
+            "{text}"
+        );
+        // Now marked unhealthy; with no healthy engine left, each request still makes one
+        // attempt (a stale mark must not lock the pool out), and /health says 503.
+        let (status, _, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(text.contains("cannot reach prefill engine"), "{text}");
+        let (status, _, _) = send("GET", &proxy.url("/health"), &[], "").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+
+        // A dead decode engine: prefill ran, then 503.
+        let (proxy, _) = start_proxy(proxy_cfg(vec![p_live.clone()], vec![dead.clone()])).await;
+        let (status, _, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+        assert!(text.contains("cannot reach decode engine"), "{text}");
+
+        // A dead engine next to a live one: the request is retried on the live one.
+        let (proxy, pst) = start_proxy(proxy_cfg(vec![dead.clone(), p_live], vec![dead, d_live])).await;
+        for _ in 0..3 {
+            let (status, _, text) =
+                post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b","max_tokens":2}"#).await;
+            assert_eq!(status, StatusCode::OK, "{text}");
+        }
+        let m = pst.render_metrics();
+        let dead_label = format!("127.0.0.1:{}", proxy_dead_port(&m));
+        assert_eq!(
+            metric(
+                &m,
+                &format!("kvx:proxy_backend_requests_total{{role=\"prefill\",backend=\"{dead_label}\"}}")
+            ),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(
+            metric(&m, &format!("kvx:proxy_backend_healthy{{role=\"prefill\",backend=\"{dead_label}\"}}")),
+            0.0
+        );
+        assert!(metric(&m, "kvx:proxy_retries_total") >= 1.0);
+    })
+    .await;
+}
+
+/// Port of the backend whose connect errors are non-zero in a proxy's metrics.
+fn proxy_dead_port(metrics: &str) -> u16 {
+    metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("kvx:proxy_backend_errors_total{role=\"prefill\"")
+                && l.contains("cause=\"connect\"")
+                && !l.ends_with(" 0")
+        })
+        .and_then(|l| l.split("backend=\"127.0.0.1:").nth(1))
+        .and_then(|r| r.split('"').next())
+        .and_then(|p| p.parse().ok())
+        .expect("a prefill backend with connect errors")
+}
+
+impl Stack {
+    fn p_state_port(&self) -> u16 {
+        self._p.addr.port()
+    }
+    fn d_state_port(&self) -> u16 {
+        self._d.addr.port()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hanging_prefill_times_out_with_504() {
+    within(async {
+        let (p, _) = start_recorder(Act::Hang).await;
+        let (d, d_rec) = start_recorder(Act::Json(200, "{}".into())).await;
+        let mut cfg = proxy_cfg(vec![p.backend()], vec![d.backend()]);
+        cfg.request_timeout = Duration::from_millis(300);
+        let (proxy, _) = start_proxy(cfg).await;
+        let t0 = Instant::now();
+        let (status, _, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a"}"#).await;
+        let took = t0.elapsed();
+        assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{text}");
+        assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(2), "{took:?}");
+        assert!(text.contains("--request-timeout"), "{text}");
+        assert!(d_rec.seen().is_empty());
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_decode_stream_ends_with_an_error_event() {
+    within(async {
+        let (p, _) = start_recorder(Act::Json(200, P_ANSWER.into())).await;
+        let first = r#"data: {"id":"cmpl-x","choices":[{"index":0,"text":" a"}]}"#.to_string() + "\n\n";
+        let crash = Arc::new(tokio::sync::Notify::new());
+        let (d, _) = start_recorder(Act::SseThenBreak(vec![first.clone()], crash.clone())).await;
+        let (proxy, _) = start_proxy(proxy_cfg(vec![p.backend()], vec![d.backend()])).await;
+        let client = http_client(Some(Duration::from_secs(2)));
+        let req = http::Request::post(proxy.url("/v1/completions"))
+            .body(Full::new(Bytes::from_static(br#"{"prompt":"a","stream":true}"#)))
+            .expect("request");
+        let resp = client.request(req).await.expect("response");
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream; charset=utf-8");
+        let mut body = resp.into_body();
+        let mut got = Vec::new();
+        while got.len() < first.len() {
+            let frame = body.frame().await.expect("a frame").expect("no error");
+            got.extend_from_slice(&frame.into_data().expect("data"));
+        }
+        crash.notify_one();
+        got.extend_from_slice(&body.collect().await.expect("rest").to_bytes());
+        let text = String::from_utf8(got).expect("utf8");
+        assert!(text.starts_with(&first), "{text}");
+        let tail = &text[first.len()..];
+        assert!(tail.starts_with("\n\ndata: {\"error\": {\"message\": \"decode engine"), "{tail}");
+        assert!(
+            tail.ends_with(
+                "\"type\": \"BadGatewayError\", \"param\": null, \"code\": 502}}\n\ndata: [DONE]\n\n"
+            ),
+            "{tail}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_json_and_unknown_routes() {
+    within(async {
+        let s = stack().await;
+        for url in [s.proxy.url("/v1/completions"), s.proxy.url("/v1/chat/completions")] {
+            let (status, h, text) = post(&url, &[], "{\"prompt\": ").await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+            assert_eq!(h["content-type"], "application/json");
+            let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+            assert_eq!(v["error"]["type"], "BadRequestError");
+            assert_eq!(v["error"]["code"], 400);
+            assert!(v["error"]["message"].as_str().expect("msg").starts_with("Invalid JSON body"));
+        }
+        let (status, _, text) = post(&s.proxy.url("/v1/completions"), &[], "[1,2]").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+        for url in [
+            s.proxy.url("/v2/nothing"),
+            s.proxy.url("/v1/completion"),
+            format!("http://127.0.0.1:{}/nope", s.p_state_port()),
+        ] {
+            let (status, _, text) = send("GET", &url, &[], "").await;
+            assert_eq!(status, StatusCode::NOT_FOUND);
+            assert_eq!(
+                text,
+                r#"{"error":{"message":"Not Found","type":"NotFoundError","param":null,"code":404}}"#
+            );
+        }
+        // Engine-side validation errors pass through the proxy with their status.
+        let (status, _, text) =
+            post(&s.proxy.url("/v1/completions"), &[], r#"{"prompt":"a","model":"other"}"#).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{text}");
+        assert!(text.contains("The model `other` does not exist."));
+        let (status, _, text) = send("GET", &s.proxy.url("/healthcheck"), &[], "").await;
+        assert_eq!(
+            (status, text.as_str()),
+            (StatusCode::OK, r#"{"status":"ok","prefill_instances":1,"decode_instances":1}"#)
+        );
+        let (status, _, text) = send("GET", &s.proxy.url("/v1/models"), &[], "").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(text.contains(r#""id":"stub-model""#));
+        let (status, _, text) = send("GET", &s.proxy.url("/health"), &[], "").await;
+        assert_eq!((status, text.as_str()), (StatusCode::OK, ""));
+        let _ = &s.proxy_state;
+    })
+    .await;
+}
+
+/// Sends a request on a raw socket and returns it (and what was read) once `read_until`
+/// appears in the response; dropping the socket is the client disconnect.
+async fn raw_request(
+    addr: SocketAddr,
+    path: &str,
+    body: &str,
+    read_until: Option<&str>,
+) -> tokio::net::TcpStream {
+    let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(req.as_bytes()).await.expect("write");
+    if let Some(marker) = read_until {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).contains(marker) {
+            let n = sock.read(&mut buf).await.expect("read");
+            assert!(n > 0, "connection closed before {marker:?}");
+            got.extend_from_slice(&buf[..n]);
+        }
+    }
+    sock
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_both_legs() {
+    within(async {
+        // Prefill takes 100 s: the client leaves during the prefill leg.
+        let mut p_cfg = engine_cfg(Role::Prefill);
+        p_cfg.prefill_tokens_per_s = 0.02;
+        let mut d_cfg = engine_cfg(Role::Decode);
+        d_cfg.itl = Duration::from_millis(50);
+        let s = stack_with(p_cfg, d_cfg).await;
+        let running = "vllm:num_requests_running{model_name=\"stub-model\"}";
+        let aborted = "vllm:request_success_total{model_name=\"stub-model\",finished_reason=\"abort\"}";
+        let sock =
+            raw_request(s.proxy.addr, "/v1/completions", r#"{"prompt":"a b","max_tokens":100}"#, None).await;
+        eventually("prefill engine running the request", || {
+            metric(&s.p_state.render_metrics(), running) == 1.0
+        })
+        .await;
+        drop(sock);
+        eventually("prefill engine aborting it", || metric(&s.p_state.render_metrics(), aborted) == 1.0)
+            .await;
+        assert_eq!(metric(&s.p_state.render_metrics(), running), 0.0);
+        assert_eq!(
+            metric(
+                &s.p_state.render_metrics(),
+                "kvx:kv_aborts_total{backend=\"null\",kv_transfer=\"none\",role=\"prefill\"}"
+            ),
+            1.0
+        );
+        assert_eq!(
+            metric(&s.d_state.render_metrics(), "vllm:prompt_tokens_total{model_name=\"stub-model\"}"),
+            0.0,
+            "decode never reached"
+        );
+        eventually("proxy counting the disconnect", || {
+            metric(&s.proxy_state.render_metrics(), "kvx:proxy_client_disconnects_total") == 1.0
+        })
+        .await;
+    })
+    .await;
+
+    within(async {
+        // Decode streams 100 tokens 50 ms apart: the client leaves after the first one.
+        let mut d_cfg = engine_cfg(Role::Decode);
+        d_cfg.itl = Duration::from_millis(50);
+        let s = stack_with(engine_cfg(Role::Prefill), d_cfg).await;
+        let running = "vllm:num_requests_running{model_name=\"stub-model\"}";
+        let aborted = "vllm:request_success_total{model_name=\"stub-model\",finished_reason=\"abort\"}";
+        let sock = raw_request(
+            s.proxy.addr,
+            "/v1/completions",
+            r#"{"prompt":"a b","max_tokens":100,"stream":true}"#,
+            Some("\" t0\""),
+        )
+        .await;
+        assert_eq!(metric(&s.d_state.render_metrics(), running), 1.0);
+        drop(sock);
+        eventually("decode engine aborting the stream", || {
+            metric(&s.d_state.render_metrics(), aborted) == 1.0
+        })
+        .await;
+        let m = s.d_state.render_metrics();
+        assert_eq!(metric(&m, running), 0.0);
+        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\"}") < 100.0);
+        assert_eq!(
+            metric(&m, "kvx:kv_aborts_total{backend=\"null\",kv_transfer=\"none\",role=\"decode\"}"),
+            1.0
+        );
+        eventually("proxy counting the disconnect", || {
+            metric(&s.proxy_state.render_metrics(), "kvx:proxy_client_disconnects_total") == 1.0
+        })
+        .await;
+    })
+    .await;
+}
+
+/// A `kvx` child process killed on drop.
+struct Proc {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `kvx <args>` and reads the bound address from its first stdout line (5 s limit).
+fn spawn_kvx(args: &[&str]) -> Proc {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvx"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvx");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let mut proc = Proc { child, addr: SocketAddr::from(([0, 0, 0, 0], 0)) };
+    let line = rx.recv_timeout(Duration::from_secs(5)).expect("first stdout line within 5 s");
+    let addr = line
+        .trim()
+        .strip_prefix("listening on http://")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    proc.addr = addr.parse().expect("socket address");
+    proc
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_processes_serve_streaming_completions_through_the_proxy() {
+    within(async {
+        let p = spawn_kvx(&["serve-engine", "--role", "prefill", "--port", "0", "--model-name", "stub-model", "--engine-id", "P0"]);
+        let d = spawn_kvx(&["serve-engine", "--role", "decode", "--port", "0", "--model-name", "stub-model", "--itl-ms", "1"]);
+        let (pp, dp) = (p.addr.port().to_string(), d.addr.port().to_string());
+        let x = spawn_kvx(&[
+            "serve-proxy", "--port", "0", "--prefiller-host", "127.0.0.1", "--prefiller-port", &pp,
+            "--decoder-host", "127.0.0.1", "--decoder-port", &dp, "--policy", "least-loaded",
+        ]);
+        let body = r#"{"model":"stub-model","prompt":"hello world how are you","max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}"#;
+        let (status, h, text) = post(&format!("http://{}/v1/completions", x.addr), &[("x-request-id", "0123456789abcdef")], body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(h["content-type"], "text/event-stream; charset=utf-8");
+        assert_eq!(normalise(&text), fixture("vllm-0.32-completions-stream.sse"));
+        let (_, _, m) = send("GET", &format!("http://{}/metrics", d.addr), &[], "").await;
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 1.0);
+    })
+    .await;
+}
+
+#[test]
+fn proxy_flag_count_mismatch_exits_2() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvx"))
+        .args(["serve-proxy", "--prefiller-hosts", "a", "b", "--prefiller-ports", "8100", "--port", "0"])
+        .output()
+        .expect("run kvx");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Number of prefiller hosts must match number of prefiller ports"), "{err}");
+    assert!(err.contains("--prefiller-hosts/--prefiller-ports"), "{err}");
+}
+
+/// Runs `kvx <args>` to completion (hard limit 20 s) and returns (exit code, stdout, stderr).
+async fn run_kvx(args: &[String]) -> (Option<i32>, String, String) {
+    let out = tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_kvx")).args(args).kill_on_drop(true).output(),
+    )
+    .await
+    .expect("kvx finished within 20 s")
+    .expect("run kvx");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
+    within(async {
+        let mut d_cfg = engine_cfg(Role::Decode);
+        d_cfg.itl = Duration::from_millis(1);
+        let s = stack_with(engine_cfg(Role::Prefill), d_cfg).await;
+        let args: Vec<String> = [
+            "load",
+            "--url",
+            &format!("http://{}", s.proxy.addr),
+            "--baseline-url",
+            &format!("http://127.0.0.1:{}", s.d_state_port()),
+            "--baseline-prefill-url",
+            &format!("http://127.0.0.1:{}", s.p_state_port()),
+            "--rate",
+            "200",
+            "--requests",
+            "40",
+            "--warmup",
+            "5",
+            "--stream",
+            "--max-tokens",
+            "4",
+            "--endpoint",
+            "chat",
+            "--prompt-len",
+            "8..24",
+            "--format",
+            "json",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        let (code, out, err) = run_kvx(&args).await;
+        assert_eq!(code, Some(0), "stderr: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("json summary");
+        assert_eq!(v["schema"], "kvx.load/v1");
+        assert_eq!(v["model"], "stub-model", "discovered from /v1/models");
+        let targets = v["targets"].as_array().expect("targets");
+        assert_eq!(targets.len(), 2);
+        for t in targets {
+            assert_eq!((t["requests"].as_u64(), t["ok"].as_u64()), (Some(40), Some(40)), "{t}");
+            assert_eq!(t["errors"], serde_json::json!({}));
+            assert_eq!(t["output_tokens"], 160);
+            assert_eq!(t["itl_ms"]["count"], 120, "3 gaps per 4-token stream");
+            assert!(t["ttft_ms"]["p50"].as_f64().expect("ttft") > 0.0);
+            // Gaps can bunch on the way (proxy, loaded CPU); their mean cannot shrink much.
+            assert!(t["itl_ms"]["mean"].as_f64().expect("itl") >= 0.5, "1 ms ITL engine: {t}");
+        }
+        assert_eq!(targets[1]["name"], "baseline-pd");
+        assert_eq!(v["overhead"][0]["baseline"], "baseline-pd");
+        // Both paths really loaded KV; nothing fell back to local prefill.
+        let m = s.d_state.render_metrics();
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 90.0);
+        assert_eq!(
+            metric(&m, "kvx:decode_local_prefill_total{model_name=\"stub-model\",reason=\"missing\"}"),
+            0.0
+        );
+
+        // A dead target: errors by cause, exit 2.
+        let args: Vec<String> = [
+            "load",
+            "--url",
+            &format!("http://127.0.0.1:{}", closed_port()),
+            "--concurrency",
+            "2",
+            "--requests",
+            "4",
+            "--model",
+            "m",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        let (code, out, err) = run_kvx(&args).await;
+        assert_eq!(code, Some(2), "{out}");
+        assert!(out.contains("connect: 4"), "{out}");
+        assert!(err.contains("no request to target `url`"), "{err}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_without_params_falls_back_like_the_toy_and_is_counted() {
+    within(async {
+        let (p, _) =
+            start_recorder(Act::Json(200, r#"{"id":"cmpl-x","kv_transfer_params":null}"#.into())).await;
+        let (d, d_rec) = start_recorder(Act::Json(200, r#"{"ok":true}"#.into())).await;
+        let (proxy, pst) = start_proxy(proxy_cfg(vec![p.backend()], vec![d.backend()])).await;
+        let client_body = r#"{"prompt": "a b",  "max_tokens": 3, "min_tokens": 1}"#;
+        let (status, _, _) = post(&proxy.url("/v1/completions"), &[], client_body).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(d_rec.seen()[0].body, client_body, "decode gets the client's bytes unchanged");
+        assert_eq!(metric(&pst.render_metrics(), "kvx:proxy_prefill_without_kv_params_total"), 1.0);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_api_key_guards_v1_only() {
+    within(async {
+        let (p, _) = start_recorder(Act::Json(200, P_ANSWER.into())).await;
+        let (d, d_rec) = start_recorder(Act::Json(200, "{}".into())).await;
+        let mut cfg = proxy_cfg(vec![p.backend()], vec![d.backend()]);
+        cfg.api_key = Some("k1".into());
+        cfg.backend_api_key = Some("k2".into());
+        let (proxy, _) = start_proxy(cfg).await;
+        let url = proxy.url("/v1/completions");
+        let (status, _, text) = post(&url, &[], r#"{"prompt":"a"}"#).await;
+        assert_eq!((status, text.as_str()), (StatusCode::UNAUTHORIZED, r#"{"error":"Unauthorized"}"#));
+        let (status, _, _) = post(&url, &[("authorization", "Bearer k2")], r#"{"prompt":"a"}"#).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert!(d_rec.seen().is_empty());
+        let (status, _, _) = post(&url, &[("authorization", "Bearer k1")], r#"{"prompt":"a"}"#).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(d_rec.seen()[0].headers["authorization"], "Bearer k2");
+        let (status, _, _) = send("GET", &proxy.url("/healthcheck"), &[], "").await;
+        assert_eq!(status, StatusCode::OK);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_checks_mark_backends_down_and_up_again() {
+    within(async {
+        let port = closed_port();
+        let (d, _) = start_engine(engine_cfg(Role::Decode)).await;
+        let mut cfg = proxy_cfg(vec![BackendAddr { host: "127.0.0.1".into(), port }], vec![d.backend()]);
+        cfg.health_interval = Duration::from_millis(20);
+        cfg.health_timeout = Duration::from_millis(500);
+        let (_proxy, pst) = start_proxy(cfg).await;
+        let healthy = format!("kvx:proxy_backend_healthy{{role=\"prefill\",backend=\"127.0.0.1:{port}\"}}");
+        eventually("the dead prefill engine marked unhealthy", || {
+            metric(&pst.render_metrics(), &healthy) == 0.0
+        })
+        .await;
+        // An engine comes up on that port: the next probes bring it back.
+        let listener = TcpListener::bind(("127.0.0.1", port)).await.expect("rebind the freed port");
+        let st = EngineState::new(engine_cfg(Role::Prefill), null_kv("late"));
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
+        eventually("the engine marked healthy again", || metric(&pst.render_metrics(), &healthy) == 1.0)
+            .await;
+        let _ = tx.send(());
+        let _ = task.await;
+    })
+    .await;
+}
