@@ -21,7 +21,7 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 use http::{HeaderValue, Method, Request, Uri, header};
 use http_body_util::{BodyExt as _, Full};
-use rand::{RngExt as _, SeedableRng as _};
+use rand::{RngExt as _, SeedableRng};
 use serde::Serialize;
 
 use super::client::{HttpClient, http_client};
@@ -207,7 +207,7 @@ struct Shared {
 
 /// Builds the body of request `i` of target `t`: a unique first word so no two prompts
 /// share a prefix (prefix caching would hide prefill), then seeded random words.
-fn request_body(cfg: &LoadConfig, t: usize, i: u64, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<u8> {
+fn request_body(cfg: &LoadConfig, t: usize, i: u64, rng: &mut rand::rngs::StdRng) -> Vec<u8> {
     use std::fmt::Write as _;
     let (lo, hi) = cfg.prompt_len;
     let n = if lo == hi { lo } else { rng.random_range(lo..=hi) };
@@ -540,7 +540,7 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
     let seed = cfg.seed ^ ((t as u64 + 1) << 32);
     match cfg.arrival {
         Arrival::Rate(rate) => {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
             let mut tasks = tokio::task::JoinSet::new();
             let mut next = Instant::now();
             let mut i = 0u64;
@@ -578,7 +578,7 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
             for w in 0..c {
                 let (sh, tx, counter) = (sh.clone(), tx.clone(), counter.clone());
                 workers.spawn(async move {
-                    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ (w as u64 + 1));
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (w as u64 + 1));
                     loop {
                         let i = counter.fetch_add(1, Ordering::Relaxed);
                         if !more(i) {
@@ -812,7 +812,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             seed: 7,
         };
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         for i in 0..20 {
             let b = request_body(&cfg, 0, i, &mut rng);
             let req =

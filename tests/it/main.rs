@@ -7,9 +7,7 @@ mod handshake;
 mod oracle;
 mod props;
 mod report;
+mod serve;
 mod ucx;
 mod ucx_common;
 mod ucx_layout;
-//! The single integration-test binary: one module per area.
-
-mod serve;
