@@ -294,6 +294,8 @@ struct Rank {
     stderr_buf: Vec<u8>,
     ready: Option<ReadyInfo>,
     dead: Option<String>,
+    /// Said goodbye (and reported its peak memory) on shutdown.
+    bye: bool,
     last_seen: Instant,
 }
 
@@ -361,6 +363,7 @@ impl EngineLoop {
                 stderr_buf: Vec::new(),
                 ready: None,
                 dead: None,
+                bye: false,
                 last_seen: Instant::now(),
             })
             .collect();
@@ -616,7 +619,6 @@ impl EngineLoop {
     fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>, dead_rank: u32) {
         let live: BTreeSet<u32> =
             (0..self.cfg.tp).filter(|&r| r != dead_rank && self.ranks[r as usize].dead.is_none()).collect();
-        self.fin.blocks_lost_with_dead_ranks += 0;
         if live.is_empty() {
             self.pool.free(&blocks);
         } else {
@@ -738,6 +740,7 @@ impl EngineLoop {
                     if let Some(ready) = self.ranks[i].ready.as_mut() {
                         ready.rss_bytes = ready.rss_bytes.max(rss_bytes);
                     }
+                    self.ranks[i].bye = true;
                     self.ranks[i].dead.get_or_insert_with(|| "shut down".into());
                 }
             }
@@ -937,9 +940,13 @@ impl EngineLoop {
                 self.send_to(r, &ToWorker::Shutdown);
             }
         }
+        // Wait for every worker's goodbye (its peak memory) and, for local ones, its exit.
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline
-            && self.ranks.iter().any(|r| r.stderr.is_some() || (r.child.is_none() && r.dead.is_none()))
+            && self
+                .ranks
+                .iter()
+                .any(|r| r.stderr.is_some() || !(r.bye || r.dead.is_some() && r.child.is_some()))
         {
             self.poll_once(Duration::from_millis(50));
         }

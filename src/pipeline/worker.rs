@@ -91,13 +91,17 @@ pub fn launcher_rank() -> Option<(u32, u32)> {
     None
 }
 
-/// Resident set size of this process in bytes.
+/// Peak resident set size of this process in bytes (`VmHWM`), so a report shows the most a
+/// worker ever held, not what it holds at the moment of asking.
 pub fn rss_bytes() -> u64 {
-    let pages = std::fs::read_to_string("/proc/self/statm")
+    std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
-        .unwrap_or(0);
-    pages * 4096
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+        })
+        .map_or(0, |kib| kib * 1024)
 }
 
 /// The compatibility factors both sides of a pair hash (model, dtype, heads, head size,
