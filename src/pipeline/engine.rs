@@ -521,10 +521,11 @@ impl EngineLoop {
         }
         let ctl_ready = items[0].is_readable();
         let bell_ready = items[1].is_readable();
+        // A pipe at EOF reports POLLHUP without POLLIN: any event means "go and read it".
         let stderr_ready: Vec<usize> = stderr_ranks
             .iter()
             .enumerate()
-            .filter(|(k, _)| items[k + 2].is_readable())
+            .filter(|(k, _)| !items[k + 2].get_revents().is_empty())
             .map(|(_, &i)| i)
             .collect();
         drop(items);

@@ -44,14 +44,14 @@ impl Role {
 pub enum VerifyMode {
     /// Every byte.
     Full,
-    /// One vector in `SAMPLE_STRIDE`.
+    /// One block (of one region) in `SAMPLE_STRIDE`, whole.
     #[default]
     Sample,
     Off,
 }
 
 /// The stride of `VerifyMode::Sample`.
-pub const SAMPLE_STRIDE: u32 = 61;
+pub const SAMPLE_STRIDE: u32 = 16;
 
 impl VerifyMode {
     /// The vector stride to check, if any.
