@@ -20,10 +20,11 @@ use crate::report::table::{Style, render_summary};
 use crate::settings::env;
 use crate::settings::scenario;
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 #[command(after_help = "Examples:\n  kvx bench --p-tp 8 --d-tp 2\n  \
     kvx bench --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 8192 --requests 50 --concurrency 4\n  \
     kvx bench --config bench-configs/p8d2.toml --repeat 5 --format json\n  \
+    kvx bench --sweep bench-configs/layout-sweep.toml\n  \
     kvx bench --p-tp 2 --d-tp 2 --rate 20 --duration 30s --prompt-len 1024..32768 --alloc fragmented")]
 pub struct BenchArgs {
     #[command(flatten)]
@@ -33,6 +34,10 @@ pub struct BenchArgs {
     /// A bench-config file (TOML; keys are the flag names with underscores). Flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Run a matrix: a bench-config file whose [sweep] table lists values per axis (tp = ["8:2", "4:4"],
+    /// layout, prompt_len, alloc, block_size, model, concurrency, inflight, prefix_hit); one row per point.
+    #[arg(long, value_name = "FILE", conflicts_with = "config")]
+    pub sweep: Option<PathBuf>,
     /// Measured requests per repeat [default: 20 unless --duration].
     #[arg(long, help_heading = "Workload")]
     pub requests: Option<u64>,
@@ -434,9 +439,18 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
-    let settings = resolve(args)?;
     let root = results_root(args.results_dir.as_deref(), std::env::var_os(env::KVX_RESULTS_DIR));
     let run_id = new_run_id(&now_rfc3339());
+    if args.sweep.is_some() {
+        // Every point is resolved before anything runs, so a bad file fails fast.
+        super::sweep::points(args.sweep.as_deref().unwrap_or(Path::new("")))?;
+        let mut writer = RunWriter::create(&root, &run_id)?;
+        let summary = super::sweep::run(args, &mut writer, &run_id)?;
+        let files = writer.finish(&summary)?;
+        print_summary(args.format, &summary, &files)?;
+        return Ok(Outcome::Ok);
+    }
+    let settings = resolve(args)?;
     let mut writer = RunWriter::create(&root, &run_id)?;
     eprintln!(
         "kvx bench: P tp {} -> D tp {} | {} | {} requests of {} tokens | writing {}",
@@ -455,18 +469,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         }
     }
     let files = writer.finish(&summary)?;
-    match args.format {
-        Format::Json => {
-            println!("{}", String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?))
-        }
-        Format::Table => {
-            print!("{}", render_summary(&summary, Style::Terminal));
-            println!(
-                "results: {}",
-                files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string())
-            );
-        }
-    }
+    print_summary(args.format, &summary, &files)?;
     if summary.requests_failed > 0 || summary.verify_failures > 0 {
         eprintln!(
             "kvx bench: {} failed requests, {} verification failures (see results)",
@@ -474,4 +477,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         );
     }
     Ok(Outcome::Ok)
+}
+
+fn print_summary(format: Format, summary: &crate::report::Summary, files: &[PathBuf]) -> anyhow::Result<()> {
+    match format {
+        Format::Json => {
+            println!("{}", String::from_utf8_lossy(&crate::report::export::summary_json(summary)?))
+        }
+        Format::Table => {
+            print!("{}", render_summary(summary, Style::Terminal));
+            let dir = files.first().and_then(|f| f.parent());
+            println!("results: {}", dir.map_or_else(String::new, |d| d.display().to_string()));
+        }
+    }
+    Ok(())
 }
