@@ -548,22 +548,21 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     if s.repeat > 1 {
         summary.repeats = repeats;
     }
-    let rss_limit_note = |role: &str, fin: &EngineFinal, pool: u64| {
-        fin.worker_rss_bytes
-            .iter()
-            .map(|&r| {
-                format!(
-                    "{role} rss {:.0} MiB (pool {:.0} MiB)",
-                    r as f64 / 1048576.0,
-                    pool as f64 / 1048576.0
-                )
-            })
-            .collect::<Vec<_>>()
+    // Each worker should hold its KV pool plus at most 50 MB of its own.
+    let rss_note = |role: &str, fin: &EngineFinal, pool: u64| {
+        let peak = fin.worker_rss_bytes.iter().copied().max().unwrap_or(0);
+        let mib = |b: u64| b as f64 / 1048576.0;
+        let verdict = if peak <= pool + (50 << 20) { "within" } else { "OVER" };
+        format!(
+            "{role} workers: peak RSS {:.0} MiB, KV pool {:.0} MiB ({verdict} pool + 50 MiB)",
+            mib(peak),
+            mib(pool)
+        )
     };
     let p_pool = s.pair.p_geometry(0).total_bytes();
     let d_pool = s.pair.d_geometry(0).total_bytes();
-    summary.notes.extend(rss_limit_note("P", &p_fin, p_pool).into_iter().take(1));
-    summary.notes.extend(rss_limit_note("D", &d_fin, d_pool).into_iter().take(1));
+    summary.notes.push(rss_note("prefill", &p_fin, p_pool));
+    summary.notes.push(rss_note("decode", &d_fin, d_pool));
     if !p_fin.dead_ranks.is_empty() || !d_fin.dead_ranks.is_empty() {
         summary.notes.push(format!(
             "ranks that died: prefill {:?}, decode {:?}; {} blocks written off with them",

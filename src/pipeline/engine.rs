@@ -296,6 +296,8 @@ struct Rank {
     dead: Option<String>,
     /// Said goodbye (and reported its peak memory) on shutdown.
     bye: bool,
+    /// The local process has exited (and was reaped).
+    exited: bool,
     last_seen: Instant,
 }
 
@@ -332,6 +334,8 @@ struct EngineLoop {
     /// Prefill: requests held, with the ranks that have not freed them yet.
     held: HashMap<u64, (Vec<u32>, BTreeSet<u32>)>,
     fin: EngineFinal,
+    /// Shutdown was requested: workers exiting now are expected to.
+    shutting_down: bool,
     _tmp: Option<tempfile::TempDir>,
 }
 
@@ -364,6 +368,7 @@ impl EngineLoop {
                 ready: None,
                 dead: None,
                 bye: false,
+                exited: false,
                 last_seen: Instant::now(),
             })
             .collect();
@@ -412,6 +417,7 @@ impl EngineLoop {
             loads: HashMap::new(),
             held: HashMap::new(),
             fin: EngineFinal::default(),
+            shutting_down: false,
             _tmp: tmp,
         };
         lp.wait_ready()?;
@@ -573,8 +579,13 @@ impl EngineLoop {
         if eof {
             rank.stderr = None;
             let status = rank.child.as_mut().and_then(|c| c.wait().ok());
+            rank.exited = true;
+            // A clean exit after the engine asked for it is a shutdown, not a death.
+            if self.shutting_down && status.is_some_and(|s| s.success()) {
+                return;
+            }
             let why = match status {
-                Some(s) if s.success() && rank.dead.is_none() => "exited".to_string(),
+                Some(s) if s.success() => "exited".to_string(),
                 Some(s) => format!("exited with {s}"),
                 None => "its output closed".to_string(),
             };
@@ -742,7 +753,6 @@ impl EngineLoop {
                         ready.rss_bytes = ready.rss_bytes.max(rss_bytes);
                     }
                     self.ranks[i].bye = true;
-                    self.ranks[i].dead.get_or_insert_with(|| "shut down".into());
                 }
             }
         }
@@ -936,19 +946,16 @@ impl EngineLoop {
         {
             self.poll_once(Duration::from_millis(50));
         }
+        self.shutting_down = true;
         for r in 0..self.cfg.tp {
             if self.ranks[r as usize].dead.is_none() {
                 self.send_to(r, &ToWorker::Shutdown);
             }
         }
-        // Wait for every worker's goodbye (its peak memory) and, for local ones, its exit.
+        // Wait for every live worker's goodbye (its peak memory) and, for local ones, its exit.
         let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline
-            && self
-                .ranks
-                .iter()
-                .any(|r| r.stderr.is_some() || !(r.bye || r.dead.is_some() && r.child.is_some()))
-        {
+        let pending = |r: &Rank| r.dead.is_none() && (!r.bye || (r.child.is_some() && !r.exited));
+        while Instant::now() < deadline && self.ranks.iter().any(pending) {
             self.poll_once(Duration::from_millis(50));
         }
         for r in &mut self.ranks {
