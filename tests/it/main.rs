@@ -7,6 +7,7 @@ mod handshake;
 mod oracle;
 mod props;
 mod report;
+mod storage;
 mod ucx;
 mod ucx_common;
 mod ucx_layout;

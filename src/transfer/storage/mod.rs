@@ -505,6 +505,9 @@ impl StorageFetcher {
     ) -> Result<FetchStats, StorageError> {
         let t0 = Instant::now();
         let deadline = t0 + timeout;
+        // Refuse bad ids even when the plan reads nothing (a full prefix hit).
+        names::encode_id("engine id", engine_id)?;
+        names::encode_id("request id", p_request_id)?;
         check_unique(remote_blocks).map_err(StorageError::Plan)?;
         let mut locator = Locator::new(remote_regions, remote_blocks)?;
         let expect = ExpectedHeader {
