@@ -13,6 +13,7 @@ use kvx::layouts::verify::{fill_request, verify_request};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, ModelShape};
 use kvx::topology::VllmVersion;
+use kvx::transfer::storage::io::AlignedBuf;
 use kvx::transfer::storage::{
     StorageError, StorageFetcher, StorageOptions, StoragePublisher, request_path, sweep_dir,
 };
@@ -188,7 +189,7 @@ fn grid_round_trips_with_fsync_and_small_direct_chunks() {
     opts.direct_io = true;
     // Chunks smaller than a file and no read-through, so reads span windows and extents.
     opts.direct_chunk_bytes = 8192;
-    opts.direct_max_gap_bytes = 0;
+    opts.max_gap_bytes = 0;
     match StoragePublisher::new(opts.clone(), ENGINE, 0) {
         Err(StorageError::DirectIoUnsupported { .. }) => {
             eprintln!("skipped: {} does not support O_DIRECT", dir.path().display());
@@ -201,9 +202,80 @@ fn grid_round_trips_with_fsync_and_small_direct_chunks() {
     let (cases, _) = grid(&opts, &[1, 2, 8]);
     assert!(cases >= 30, "{cases}");
     // Reading through holes gives the same bytes.
-    opts.direct_max_gap_bytes = 1 << 20;
+    opts.max_gap_bytes = 1 << 20;
     let (cases, _) = grid(&opts, &[1, 4]);
     assert!(cases >= 10, "{cases}");
+}
+
+/// With 4 KiB-aligned memory and blocks (real head sizes) and no minimum piece size,
+/// `O_DIRECT` moves bytes straight between rank memory and the file; with unaligned memory
+/// or pieces below the minimum it stages; all verified.
+#[test]
+fn direct_io_goes_straight_to_aligned_memory_and_stages_otherwise() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let mut opts = StorageOptions::new(dir.path());
+    opts.direct_io = true;
+    if let Err(StorageError::DirectIoUnsupported { .. }) = StoragePublisher::new(opts.clone(), ENGINE, 0) {
+        eprintln!("skipped: {} does not support O_DIRECT", dir.path().display());
+        return;
+    }
+    // 8 KiB per head per block: every head slice and block is 4 KiB-aligned.
+    let model = ModelShape { head_dim: 128, ..model(8, 2) };
+    for (p_tp, d_tp) in [(2, 1), (2, 4), (1, 1)] {
+        let engine = |tp| EngineSpec { tp, block_tokens: 16, num_blocks: 9, layout: Layout::Lbhnc };
+        let pair = PairSpec {
+            version: VllmVersion::V0_33,
+            model: model.clone(),
+            p: engine(p_tp),
+            d: engine(d_tp),
+            permute: false,
+        };
+        let map = pair.validate().expect("valid");
+        let req = RequestBlocks { local: vec![4, 0, 7], remote: vec![8, 2, 5] };
+        for (misalign, min_piece) in [(0usize, 0u64), (8, 0), (0, 1 << 20)] {
+            opts.direct_min_piece_bytes = min_piece;
+            let in_place = misalign == 0 && min_piece == 0;
+            let id = format!("aligned-{p_tp}-{d_tp}-{misalign}-{min_piece}");
+            for r in 0..p_tp {
+                let g = pair.p_geometry(r);
+                let mut buf = AlignedBuf::new(g.total_bytes() as usize + 4096);
+                let alloc = &mut buf.as_mut_slice()[misalign..misalign + g.total_bytes() as usize];
+                fill_request(&g, &g.regions(), &req.remote, 3, alloc);
+                let st = StoragePublisher::new(opts.clone(), ENGINE, r)
+                    .expect("publisher")
+                    .publish(&id, &g.regions(), &req.remote, alloc)
+                    .expect("publish");
+                assert_eq!(st.staged_bytes == 0, in_place, "{st:?}");
+            }
+            for d in 0..d_tp {
+                let planner = Planner::new(&pair, &map, d).expect("planner");
+                let plan = planner
+                    .plan(&req, &RequestIds { p_request_id: id.clone(), d_request_id: "d".into() })
+                    .expect("plan");
+                let g = pair.d_geometry(d);
+                let mut buf = AlignedBuf::new(g.total_bytes() as usize + 4096);
+                let alloc = &mut buf.as_mut_slice()[misalign..misalign + g.total_bytes() as usize];
+                alloc.fill(SENTINEL);
+                let st = StorageFetcher::new(opts.clone())
+                    .expect("fetcher")
+                    .fetch(
+                        ENGINE,
+                        &id,
+                        &plan.reads,
+                        &pair.p_geometry(0).regions(),
+                        &req.remote,
+                        alloc,
+                        TIMEOUT,
+                    )
+                    .expect("fetch");
+                assert_eq!(st.staged_bytes, if in_place { 0 } else { plan.bytes() }, "{st:?}");
+                let bp = planner.pair_blocks(&req).expect("pairs");
+                verify_request(&g, &g.regions(), &bp, 1, false, 16, 3, alloc, 1)
+                    .unwrap_or_else(|m| panic!("{p_tp}->{d_tp} rank {d} misalign {misalign}: {m}"));
+                assert_untouched_outside(alloc, &plan.reads);
+            }
+        }
+    }
 }
 
 #[test]

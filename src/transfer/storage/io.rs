@@ -4,6 +4,7 @@
 
 use std::fs::File;
 use std::io::{self, IoSlice, IoSliceMut};
+use std::sync::mpsc;
 
 use super::format::ALIGN;
 
@@ -112,6 +113,170 @@ pub fn pwrite_all(file: &File, buf: &[u8], off: u64) -> io::Result<u64> {
     pwritev_all(file, &mut one, off)
 }
 
+/// Staging buffers in flight between the caller's thread and the I/O thread.
+pub const STAGING_DEPTH: usize = 3;
+
+fn fill_pool(pool: &mut Vec<AlignedBuf>, chunk: usize) -> Vec<AlignedBuf> {
+    pool.retain(|b| b.len() >= chunk);
+    while pool.len() < STAGING_DEPTH {
+        pool.push(AlignedBuf::new(chunk));
+    }
+    std::mem::take(pool)
+}
+
+fn io_thread_gone() -> io::Error {
+    io::Error::other("the storage I/O thread stopped unexpectedly")
+}
+
+/// Reads `windows` (file, offset, length; each at most `chunk` bytes) on a helper thread
+/// into staging buffers, and calls `consume(window index, bytes)` for each window, in
+/// order, on the caller's thread while the next windows are being read: disk time and
+/// copy time overlap instead of adding up, across files too. Buffers come from and
+/// return to `pool`. Returns the read calls made, or the failing window and its error.
+pub fn staged_read(
+    windows: &[(&File, u64, u64)],
+    pool: &mut Vec<AlignedBuf>,
+    chunk: usize,
+    mut consume: impl FnMut(usize, &[u8]),
+) -> Result<u64, (usize, io::Error)> {
+    let bufs = fill_pool(pool, chunk);
+    std::thread::scope(|s| {
+        let (full_tx, full_rx) = mpsc::sync_channel::<(AlignedBuf, io::Result<u64>)>(STAGING_DEPTH);
+        let (empty_tx, empty_rx) = mpsc::channel::<AlignedBuf>();
+        for b in bufs {
+            // The receiver is alive: it is moved into the reader below.
+            let _ = empty_tx.send(b);
+        }
+        let reader = s.spawn(move || {
+            for &(file, off, len) in windows {
+                let Ok(mut buf) = empty_rx.recv() else { break };
+                let r = pread_exact(file, &mut buf.as_mut_slice()[..len as usize], off);
+                let failed = r.is_err();
+                if full_tx.send((buf, r)).is_err() || failed {
+                    break;
+                }
+            }
+            empty_rx
+        });
+        let mut calls = 0;
+        for (i, &(_, _, len)) in windows.iter().enumerate() {
+            let (buf, r) = full_rx.recv().map_err(|_| (i, io_thread_gone()))?;
+            calls += r.map_err(|e| (i, e))?;
+            consume(i, &buf.as_slice()[..len as usize]);
+            if let Err(mpsc::SendError(buf)) = empty_tx.send(buf) {
+                pool.push(buf);
+            }
+        }
+        let empty_rx = reader.join().map_err(|_| (windows.len(), io_thread_gone()))?;
+        pool.extend(empty_rx.try_iter());
+        Ok(calls)
+    })
+}
+
+/// Appends bytes to a file through staging buffers that a helper thread writes out (see
+/// `staged_write`).
+pub struct Appender<'a> {
+    cur: Option<AlignedBuf>,
+    filled: usize,
+    off: u64,
+    full_tx: mpsc::SyncSender<(AlignedBuf, u64, usize)>,
+    empty_rx: &'a mpsc::Receiver<io::Result<AlignedBuf>>,
+}
+
+impl Appender<'_> {
+    fn next_buf(&mut self) -> io::Result<AlignedBuf> {
+        self.empty_rx.recv().map_err(|_| io_thread_gone())?
+    }
+
+    /// Appends `data`; full buffers go to the writer thread.
+    pub fn push(&mut self, mut data: &[u8]) -> io::Result<()> {
+        while !data.is_empty() {
+            let mut buf = match self.cur.take() {
+                Some(b) => b,
+                None => self.next_buf()?,
+            };
+            let space = buf.len() - self.filled;
+            let n = space.min(data.len());
+            buf.as_mut_slice()[self.filled..self.filled + n].copy_from_slice(&data[..n]);
+            self.filled += n;
+            data = &data[n..];
+            let full = self.filled == buf.len();
+            self.cur = Some(buf);
+            if full {
+                self.send()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the current buffer, its tail zero-padded to `ALIGN`.
+    fn send(&mut self) -> io::Result<()> {
+        let Some(mut buf) = self.cur.take() else { return Ok(()) };
+        let len = super::format::align_up(self.filled as u64) as usize;
+        // Buffers are reused: the padding must not carry an older chunk's bytes.
+        buf.as_mut_slice()[self.filled..len].fill(0);
+        let off = self.off;
+        self.off += len as u64;
+        self.filled = 0;
+        self.full_tx.send((buf, off, len)).map_err(|_| io_thread_gone())
+    }
+}
+
+/// Writes what `fill` appends to `file` from offset 0, in `chunk`-byte aligned writes on
+/// a helper thread, so copying into one buffer overlaps writing the previous one. The
+/// last write is zero-padded to `ALIGN`. Returns the write calls made.
+pub fn staged_write(
+    file: &File,
+    pool: &mut Vec<AlignedBuf>,
+    chunk: usize,
+    fill: impl FnOnce(&mut Appender<'_>) -> io::Result<()>,
+) -> io::Result<u64> {
+    let bufs = fill_pool(pool, chunk);
+    std::thread::scope(|s| {
+        let (full_tx, full_rx) = mpsc::sync_channel::<(AlignedBuf, u64, usize)>(STAGING_DEPTH);
+        let (empty_tx, empty_rx) = mpsc::channel::<io::Result<AlignedBuf>>();
+        for b in bufs {
+            let _ = empty_tx.send(Ok(b));
+        }
+        let writer = s.spawn(move || {
+            let mut calls = 0;
+            for (buf, off, len) in full_rx {
+                match pwrite_all(file, &buf.as_slice()[..len], off) {
+                    Ok(c) => {
+                        calls += c;
+                        if empty_tx.send(Ok(buf)).is_err() {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = empty_tx.send(Err(e));
+                        break;
+                    }
+                }
+            }
+            calls
+        });
+        let mut app = Appender { cur: None, filled: 0, off: 0, full_tx, empty_rx: &empty_rx };
+        let filled = fill(&mut app).and_then(|()| app.send());
+        let Appender { cur, full_tx, .. } = app;
+        pool.extend(cur);
+        // Closing the channel ends the writer once it has written everything sent.
+        drop(full_tx);
+        let calls = writer.join().map_err(|_| io_thread_gone())?;
+        let mut first_err = filled.err();
+        for r in empty_rx.try_iter() {
+            match r {
+                Ok(b) => pool.push(b),
+                Err(e) => first_err = first_err.or(Some(e)),
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(calls),
+        }
+    })
+}
+
 /// Splits `alloc` into the disjoint destinations `(offset, len)` of `segs`, returned in
 /// the order of `segs`. `Err((a, b))` names two destinations that overlap (indices into
 /// `segs`), or `(a, a)` for one that runs past the end of `alloc`.
@@ -145,6 +310,8 @@ pub fn carve<'a>(alloc: &'a mut [u8], segs: &[(u64, u64)]) -> Result<Vec<&'a mut
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
 
     #[test]
@@ -164,6 +331,47 @@ mod tests {
         assert_eq!(carve(&mut a, &[(0, 10), (5, 10)]).err(), Some((0, 1)));
         assert_eq!(carve(&mut a, &[(95, 10)]).err(), Some((0, 0)));
         assert_eq!(carve(&mut a, &[(u64::MAX, 2)]).err(), Some((0, 0)));
+    }
+
+    #[test]
+    fn staged_io_round_trips_and_reuses_buffers() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("s");
+        let f = File::options().read(true).write(true).create(true).truncate(true).open(&path).expect("open");
+        let data: Vec<u8> = (0..50_000u32).map(|i| (i % 253) as u8).collect();
+        let mut pool = Vec::new();
+        // Odd-sized pushes across 4 KiB chunks: many buffer hand-offs.
+        let calls = staged_write(&f, &mut pool, 4096, |app| data.chunks(777).try_for_each(|c| app.push(c)))
+            .expect("write");
+        assert_eq!(calls, 50_000u64.div_ceil(4096));
+        assert_eq!(f.metadata().expect("stat").len(), 50_000u64.div_ceil(4096) * 4096, "padded to ALIGN");
+        assert_eq!(pool.len(), STAGING_DEPTH, "buffers come back");
+        let windows: Vec<(&File, u64, u64)> = (0..13).map(|i| (&f, i * 4096, 4096)).collect();
+        let mut back = Vec::new();
+        staged_read(&windows, &mut pool, 4096, |i, b| {
+            assert_eq!(i * 4096, back.len());
+            back.extend_from_slice(b);
+        })
+        .expect("read");
+        assert_eq!(&back[..data.len()], &data[..]);
+        assert!(back[data.len()..].iter().all(|&b| b == 0));
+        assert_eq!(pool.len(), STAGING_DEPTH);
+    }
+
+    #[test]
+    fn staged_io_errors_surface_without_hanging() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("s");
+        fs::write(&path, [1u8; 8192]).expect("write");
+        let ro = File::open(&path).expect("open");
+        let mut pool = Vec::new();
+        let err = staged_write(&ro, &mut pool, 4096, |app| (0..10).try_for_each(|_| app.push(&[0u8; 4096])))
+            .expect_err("read-only file");
+        assert_eq!(err.raw_os_error(), Some(libc::EBADF), "{err}");
+        let windows = [(&ro, 0, 4096), (&ro, 4096, 4096), (&ro, 8192, 4096), (&ro, 12288, 4096)];
+        let mut seen = 0;
+        let (at, err) = staged_read(&windows, &mut pool, 4096, |_, _| seen += 1).expect_err("past the end");
+        assert_eq!((err.kind(), seen, at), (io::ErrorKind::UnexpectedEof, 2, 2));
     }
 
     #[test]

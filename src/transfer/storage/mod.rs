@@ -91,9 +91,15 @@ pub struct StorageOptions {
     pub fsync: bool,
     /// Bytes per staged `O_DIRECT` read or write (rounded up to 4 KiB).
     pub direct_chunk_bytes: usize,
-    /// `O_DIRECT` reads read through holes of at most this many bytes rather than
-    /// starting a new read after them.
-    pub direct_max_gap_bytes: u64,
+    /// `O_DIRECT` moves bytes straight between rank memory and the file when every piece
+    /// is 4 KiB-aligned and pieces average at least this many bytes; smaller pieces are
+    /// staged through `direct_chunk_bytes` transfers on a helper thread, which devices
+    /// that charge per segment serve faster (virtio-blk here: 8 KiB pieces read at 0.6x
+    /// of 8 MiB sequential reads).
+    pub direct_min_piece_bytes: u64,
+    /// `O_DIRECT` reads, and buffered read-ahead hints, span holes of at most this many
+    /// bytes rather than starting anew after them.
+    pub max_gap_bytes: u64,
 }
 
 impl StorageOptions {
@@ -103,7 +109,8 @@ impl StorageOptions {
             direct_io: false,
             fsync: false,
             direct_chunk_bytes: 8 << 20,
-            direct_max_gap_bytes: 1 << 20,
+            direct_min_piece_bytes: 1 << 20,
+            max_gap_bytes: 1 << 20,
         }
     }
 
@@ -123,6 +130,9 @@ pub struct PublishStats {
     pub file_bytes: u64,
     /// Write system calls.
     pub write_calls: u64,
+    /// Bytes copied through the `O_DIRECT` staging buffer (zero when the rank's memory
+    /// and blocks are 4 KiB-aligned, or without direct I/O).
+    pub staged_bytes: u64,
     /// Time writing (open to last byte).
     pub write: Duration,
     /// Time in `fdatasync` (zero without `fsync`).
@@ -142,8 +152,13 @@ pub struct FetchStats {
     pub read_calls: u64,
     /// Contiguous file ranges read (after coalescing).
     pub runs: u64,
+    /// Bytes read through the `O_DIRECT` staging buffer (zero when every piece and its
+    /// destination are 4 KiB-aligned, or without direct I/O).
+    pub staged_bytes: u64,
     /// Time waiting for files to appear.
     pub wait: Duration,
+    /// Time in data reads and copies (headers, planning and waiting excluded).
+    pub io: Duration,
     pub total: Duration,
 }
 
@@ -194,7 +209,7 @@ pub struct StoragePublisher {
     engine_id: String,
     engine_enc: String,
     p_rank: u32,
-    staging: Option<AlignedBuf>,
+    staging: Vec<AlignedBuf>,
 }
 
 impl StoragePublisher {
@@ -205,7 +220,7 @@ impl StoragePublisher {
         if opts.direct_io {
             probe_direct_io(&opts.dir)?;
         }
-        Ok(Self { opts, engine_id: engine_id.to_string(), engine_enc, p_rank, staging: None })
+        Ok(Self { opts, engine_id: engine_id.to_string(), engine_enc, p_rank, staging: Vec::new() })
     }
 
     pub fn options(&self) -> &StorageOptions {
@@ -258,11 +273,12 @@ impl StoragePublisher {
         let res = self.write_and_commit(&file, &header, &slices, alloc, &tmp_path, &final_path);
         drop(file);
         match res {
-            Ok((write_calls, write, sync)) => Ok(PublishStats {
+            Ok((write_calls, staged_bytes, write, sync)) => Ok(PublishStats {
                 path: final_path,
                 payload_bytes: header.payload_len(),
                 file_bytes: header.file_len(),
                 write_calls,
+                staged_bytes,
                 write,
                 sync,
                 total: t0.elapsed(),
@@ -288,18 +304,36 @@ impl StoragePublisher {
         alloc: &[u8],
         tmp_path: &Path,
         final_path: &Path,
-    ) -> Result<(u64, Duration, Duration), StorageError> {
+    ) -> Result<(u64, u64, Duration, Duration), StorageError> {
         let t0 = Instant::now();
         let head = header.encode();
-        let write_calls = if self.opts.direct_io {
-            let chunk = self.opts.direct_chunk_bytes.max(ALIGN as usize);
-            let staging = self.staging.get_or_insert_with(|| AlignedBuf::new(chunk));
-            let mut s = Stager { file, buf: staging.as_mut_slice(), filled: 0, off: 0, calls: 0 };
-            s.push(&head).map_err(io_err("write", tmp_path))?;
-            for &(off, len) in slices {
-                s.push(&alloc[off..off + len]).map_err(io_err("write", tmp_path))?;
-            }
-            s.finish().map_err(io_err("write", tmp_path))?
+        let mut staged = 0;
+        let direct_in_place = || {
+            let avg = header.payload_len() / (slices.len() as u64).max(1);
+            avg >= self.opts.direct_min_piece_bytes
+                && slices.iter().all(|&(off, len)| {
+                    (alloc[off..].as_ptr() as usize).is_multiple_of(ALIGN as usize)
+                        && (len as u64).is_multiple_of(ALIGN)
+                })
+        };
+        let write_calls = if self.opts.direct_io && direct_in_place() {
+            // Straight from the rank's memory; the payload is a multiple of ALIGN already.
+            let mut buf = AlignedBuf::new(head.len());
+            buf.as_mut_slice().copy_from_slice(&head);
+            let mut calls = io::pwrite_all(file, buf.as_slice(), 0).map_err(io_err("write", tmp_path))?;
+            let mut ios: Vec<IoSlice<'_>> =
+                slices.iter().map(|&(off, len)| IoSlice::new(&alloc[off..off + len])).collect();
+            calls +=
+                io::pwritev_all(file, &mut ios, header.header_len()).map_err(io_err("write", tmp_path))?;
+            calls
+        } else if self.opts.direct_io {
+            let chunk = format::align_up(self.opts.direct_chunk_bytes.max(1) as u64) as usize;
+            staged = header.payload_len();
+            io::staged_write(file, &mut self.staging, chunk, |app| {
+                app.push(&head)?;
+                slices.iter().try_for_each(|&(off, len)| app.push(&alloc[off..off + len]))
+            })
+            .map_err(io_err("write", tmp_path))?
         } else {
             let mut calls = io::pwrite_all(file, &head, 0).map_err(io_err("write", tmp_path))?;
             let mut ios: Vec<IoSlice<'_>> =
@@ -323,7 +357,7 @@ impl StoragePublisher {
                 .map_err(io_err("fsync directory", &self.opts.dir))?;
         }
         let sync = if self.opts.fsync { t1.elapsed() } else { Duration::ZERO };
-        Ok((write_calls, write, sync))
+        Ok((write_calls, staged, write, sync))
     }
 
     /// Removes this rank's file of `p_request_id` (the request completed, or its lease
@@ -413,51 +447,10 @@ fn check_unique(blocks: &[u32]) -> Result<(), String> {
     }
 }
 
-/// Appends bytes into an aligned staging buffer and writes it out in full aligned chunks.
-struct Stager<'a> {
-    file: &'a File,
-    buf: &'a mut [u8],
-    filled: usize,
-    off: u64,
-    calls: u64,
-}
-
-impl Stager<'_> {
-    fn push(&mut self, mut data: &[u8]) -> std::io::Result<()> {
-        while !data.is_empty() {
-            let n = (self.buf.len() - self.filled).min(data.len());
-            self.buf[self.filled..self.filled + n].copy_from_slice(&data[..n]);
-            self.filled += n;
-            data = &data[n..];
-            if self.filled == self.buf.len() {
-                self.flush()?;
-            }
-        }
-        Ok(())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        let len = format::align_up(self.filled as u64) as usize;
-        // The staging buffer is reused: the padding must not carry an older chunk's bytes.
-        self.buf[self.filled..len].fill(0);
-        self.calls += io::pwrite_all(self.file, &self.buf[..len], self.off)?;
-        self.off += len as u64;
-        self.filled = 0;
-        Ok(())
-    }
-
-    fn finish(mut self) -> std::io::Result<u64> {
-        if self.filled > 0 {
-            self.flush()?;
-        }
-        Ok(self.calls)
-    }
-}
-
 /// Decode side: reads planned pairs out of published files. One per D rank.
 pub struct StorageFetcher {
     opts: StorageOptions,
-    staging: Option<AlignedBuf>,
+    staging: Vec<AlignedBuf>,
 }
 
 /// One contiguous piece of a read: `len` bytes at `file` go to `local`.
@@ -480,7 +473,7 @@ impl StorageFetcher {
     /// Creates the directory if needed (decode may start before prefill).
     pub fn new(opts: StorageOptions) -> Result<Self, StorageError> {
         create_dir(&opts.dir)?;
-        Ok(Self { opts, staging: None })
+        Ok(Self { opts, staging: Vec::new() })
     }
 
     pub fn options(&self) -> &StorageOptions {
@@ -554,17 +547,30 @@ impl StorageFetcher {
             })
         })?;
         let mut rest = slices.as_mut_slice();
+        let t_io = Instant::now();
+        if !self.opts.direct_io {
+            // Starts every file's disk reads now, so they overlap each other and the
+            // copies (a cold 4-file fetch ran at 0.55x of one sequential read without).
+            for src in &sources {
+                read_ahead(src, self.opts.max_gap_bytes);
+            }
+        }
+        let mut staged = Vec::new();
         for src in &sources {
             let (mine, tail) = std::mem::take(&mut rest).split_at_mut(src.segs.len());
             rest = tail;
             stats.read_calls += src.header_calls;
-            if self.opts.direct_io {
-                self.read_direct(src, mine, &mut stats)?;
-            } else {
-                read_buffered(src, mine, &mut stats)?;
-            }
             stats.files += 1;
+            if self.opts.direct_io && !in_place(&src.segs, mine, self.opts.direct_min_piece_bytes) {
+                staged.push((src, mine));
+            } else {
+                read_vectored(src, mine, &mut stats)?;
+            }
         }
+        if !staged.is_empty() {
+            self.read_staged(&mut staged, &mut stats)?;
+        }
+        stats.io = t_io.elapsed();
         stats.total = t0.elapsed();
         Ok(stats)
     }
@@ -650,67 +656,113 @@ impl StorageFetcher {
         Ok((header, calls))
     }
 
-    /// `O_DIRECT`: aligned windows over merged extents into a staging buffer, then copies.
-    fn read_direct(
+    /// `O_DIRECT`, staged: aligned windows over each file's merged extents are read on a
+    /// helper thread (all files in one stream, so the pipeline never drains between
+    /// files) while the previous window's pieces are copied out.
+    fn read_staged(
         &mut self,
-        src: &Source,
-        dst: &mut [&mut [u8]],
+        srcs: &mut [(&Source, &mut [&mut [u8]])],
         stats: &mut FetchStats,
     ) -> Result<(), StorageError> {
         let chunk = format::align_up(self.opts.direct_chunk_bytes.max(1) as u64);
-        let staging = self.staging.get_or_insert_with(|| AlignedBuf::new(chunk as usize));
-        let buf = &mut staging.as_mut_slice()[..chunk as usize];
-        let segs = &src.segs;
-        let mut first = 0;
-        for (a, b) in extents(segs, self.opts.direct_max_gap_bytes) {
-            stats.runs += 1;
-            let mut w = a;
-            while w < b {
-                let n = chunk.min(b - w);
-                stats.read_calls += io::pread_exact(&src.file, &mut buf[..n as usize], w)
-                    .map_err(io_err("read", &src.path))?;
-                stats.file_bytes += n;
-                let wend = w + n;
-                while first < segs.len() && segs[first].file + segs[first].len <= w {
-                    first += 1;
+        // (file, offset, length) and which source each window belongs to.
+        let mut windows = Vec::new();
+        let mut owner = Vec::new();
+        for (k, (src, _)) in srcs.iter().enumerate() {
+            for (a, b) in extents(&src.segs, self.opts.max_gap_bytes) {
+                stats.runs += 1;
+                let mut w = a;
+                while w < b {
+                    let n = chunk.min(b - w);
+                    windows.push((&src.file, w, n));
+                    owner.push(k);
+                    stats.file_bytes += n;
+                    w += n;
                 }
-                for (s, d) in segs[first..].iter().zip(dst[first..].iter_mut()) {
-                    if s.file >= wend {
-                        break;
-                    }
-                    let lo = s.file.max(w);
-                    let hi = (s.file + s.len).min(wend);
-                    if lo < hi {
-                        d[(lo - s.file) as usize..(hi - s.file) as usize]
-                            .copy_from_slice(&buf[(lo - w) as usize..(hi - w) as usize]);
-                        stats.bytes += hi - lo;
-                    }
-                }
-                w = wend;
             }
         }
+        // Per source: the first piece that may still overlap a later window.
+        let mut first = vec![0usize; srcs.len()];
+        let mut copied = 0;
+        let calls = io::staged_read(&windows, &mut self.staging, chunk as usize, |i, buf| {
+            let k = owner[i];
+            let (src, dst) = &mut srcs[k];
+            let segs = &src.segs;
+            let w = windows[i].1;
+            let wend = w + buf.len() as u64;
+            let first = &mut first[k];
+            while *first < segs.len() && segs[*first].file + segs[*first].len <= w {
+                *first += 1;
+            }
+            for (s, d) in segs[*first..].iter().zip(dst[*first..].iter_mut()) {
+                if s.file >= wend {
+                    break;
+                }
+                let lo = s.file.max(w);
+                let hi = (s.file + s.len).min(wend);
+                if lo < hi {
+                    d[(lo - s.file) as usize..(hi - s.file) as usize]
+                        .copy_from_slice(&buf[(lo - w) as usize..(hi - w) as usize]);
+                    copied += hi - lo;
+                }
+            }
+        })
+        .map_err(|(i, e)| {
+            let path = owner.get(i).map_or(&self.opts.dir, |&k| &srcs[k].0.path);
+            io_err("read", path)(e)
+        })?;
+        stats.read_calls += calls;
+        stats.bytes += copied;
+        stats.staged_bytes += copied;
         Ok(())
     }
 }
 
-/// Buffered: one `preadv` per file-contiguous run, scattering straight into the slices.
-fn read_buffered(src: &Source, dst: &mut [&mut [u8]], stats: &mut FetchStats) -> Result<(), StorageError> {
+/// Whether `O_DIRECT` should read every piece straight into its destination: all
+/// aligned, and large enough on average (see `StorageOptions::direct_min_piece_bytes`).
+fn in_place(segs: &[Seg], dst: &[&mut [u8]], min_avg: u64) -> bool {
+    let total: u64 = segs.iter().map(|s| s.len).sum();
+    total / (segs.len() as u64).max(1) >= min_avg && all_aligned(segs, dst)
+}
+
+/// Whether `O_DIRECT` can read every piece straight into its destination.
+fn all_aligned(segs: &[Seg], dst: &[&mut [u8]]) -> bool {
+    segs.iter().zip(dst).all(|(s, d)| {
+        s.file.is_multiple_of(ALIGN)
+            && s.len.is_multiple_of(ALIGN)
+            && (d.as_ptr() as usize).is_multiple_of(ALIGN as usize)
+    })
+}
+
+/// Asks the kernel to start reading a file's extents now, so the reads of every file
+/// overlap with each other and with the copies (hint only: errors are ignored).
+fn read_ahead(src: &Source, max_gap: u64) {
+    for (a, b) in extents(&src.segs, max_gap) {
+        let _ =
+            rustix::fs::fadvise(&src.file, a, std::num::NonZeroU64::new(b - a), rustix::fs::Advice::WillNeed);
+    }
+}
+
+/// Vectored reads straight into decode memory: one `preadv` per file-contiguous run
+/// (`IOV_MAX` pieces per call), no staging copy.
+///
+/// Measured on a P tp 8 -> D tp 2 fan-in from the page cache: the kernel copies into
+/// 8 KiB pieces at a 32 KiB stride ~30% slower than into contiguous memory, and taking
+/// turns between files in 64 KiB-4 MiB stripes did not recover any of it, so files are
+/// read one after the other.
+fn read_vectored(src: &Source, dst: &mut [&mut [u8]], stats: &mut FetchStats) -> Result<(), StorageError> {
+    let segs = &src.segs;
     let mut i = 0;
-    let mut ios: Vec<IoSliceMut<'_>> = Vec::new();
-    let mut dst_iter = dst.iter_mut();
-    while i < src.segs.len() {
-        let start = src.segs[i].file;
+    while i < segs.len() {
+        // One run: pieces contiguous in the file (a piece overlapping the previous one,
+        // two pairs reading the same bytes, starts a new run).
+        let (first, start) = (i, segs[i].file);
         let mut end = start;
-        ios.clear();
-        // A piece overlapping the previous run's bytes (two pairs reading the same file
-        // bytes) starts a run of its own.
-        while i < src.segs.len() && src.segs[i].file == end {
-            end += src.segs[i].len;
-            if let Some(d) = dst_iter.next() {
-                ios.push(IoSliceMut::new(d));
-            }
+        while i < segs.len() && segs[i].file == end {
+            end += segs[i].len;
             i += 1;
         }
+        let mut ios: Vec<IoSliceMut<'_>> = dst[first..i].iter_mut().map(|d| IoSliceMut::new(d)).collect();
         stats.read_calls += io::preadv_all(&src.file, &mut ios, start).map_err(io_err("read", &src.path))?;
         stats.runs += 1;
         stats.file_bytes += end - start;
