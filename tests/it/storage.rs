@@ -390,8 +390,8 @@ fn a_reader_sees_no_file_or_a_complete_one() {
         let map = pair.validate().expect("valid");
         let planner = Planner::new(&pair, &map, 0).expect("planner");
         let ids = RequestIds { p_request_id: "race".into(), d_request_id: "d".into() };
-        let plan = planner.plan(&req, &ids).expect("plan");
-        let bp = planner.pair_blocks(&req).expect("pairs");
+        let plan = planner.plan(req, &ids).expect("plan");
+        let bp = planner.pair_blocks(req).expect("pairs");
         let dg = pair.d_geometry(0);
         let mut f = StorageFetcher::new(opts.clone()).expect("fetcher");
         let mut alloc = vec![0u8; dg.total_bytes() as usize];

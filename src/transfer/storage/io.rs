@@ -319,7 +319,7 @@ mod tests {
         for n in [1, 4096, 5000, 1 << 20] {
             let b = AlignedBuf::new(n);
             assert_eq!(b.as_slice().as_ptr() as usize % ALIGN as usize, 0);
-            assert!(b.len() >= n && b.len() % ALIGN as usize == 0);
+            assert!(b.len() >= n && b.len().is_multiple_of(ALIGN as usize));
         }
     }
 

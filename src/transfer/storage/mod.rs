@@ -292,10 +292,6 @@ impl StoragePublisher {
         }
     }
 
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "the parts of one publish, split out only for cleanup on error"
-    )]
     fn write_and_commit(
         &mut self,
         file: &File,
