@@ -394,6 +394,14 @@ fn main() {
                 times[which].1.push(r);
             }
         }
+        if std::env::var_os("KVX_BENCH_SAMPLES").is_some() {
+            for (label, (w, r)) in ["kvx", "dd", "pieces"].iter().zip(&times) {
+                let g = |v: &Vec<Duration>| -> Vec<String> {
+                    v.iter().map(|d| format!("{:.2}", s.bytes as f64 / d.as_secs_f64() / 1e9)).collect()
+                };
+                eprintln!("{name} {label}: write {:?} read {:?}", g(w), g(r));
+            }
+        }
         let gbps = |d: Duration| s.bytes as f64 / d.as_secs_f64() / 1e9;
         let [kvx, dd, pcs] = times.map(|(w, r)| (gbps(median(w)), gbps(median(r))));
         println!(

@@ -7,15 +7,28 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::sync::mpsc;
 
 use super::format::ALIGN;
+use crate::transfer::memory::{HostBuffer, PageSize};
 
 /// Most iovecs one `preadv`/`pwritev` call takes (Linux `UIO_MAXIOV`).
 pub const IOV_MAX: usize = 1024;
 
+/// Staging buffers at least this large are mapped with transparent huge pages.
+const HUGE_STAGING: usize = 2 << 20;
+
 /// A zeroed buffer whose start and length are multiples of `ALIGN`, as `O_DIRECT` needs.
+///
+/// Large ones are kvx's own page-aligned host mappings with transparent huge pages:
+/// physically contiguous 2 MiB runs give a device a few large DMA segments per transfer
+/// instead of one per 4 KiB page. With 4 KiB pages the same code read at 0.9 or 2 GB/s
+/// here depending on how fragmented the freshly faulted pages happened to be.
 pub struct AlignedBuf {
-    raw: Vec<u8>,
-    start: usize,
+    mem: Backing,
     len: usize,
+}
+
+enum Backing {
+    Vec { raw: Vec<u8>, start: usize },
+    Map(HostBuffer),
 }
 
 impl AlignedBuf {
@@ -23,9 +36,15 @@ impl AlignedBuf {
     pub fn new(len: usize) -> Self {
         let align = ALIGN as usize;
         let len = len.div_ceil(align).max(1) * align;
+        if len >= HUGE_STAGING {
+            // A failed mapping falls back to the heap (which then reports OOM itself).
+            if let Ok(m) = HostBuffer::alloc(len, PageSize::Transparent) {
+                return Self { mem: Backing::Map(m), len };
+            }
+        }
         let raw = vec![0u8; len + align];
         let start = raw.as_ptr().align_offset(align);
-        Self { raw, start, len }
+        Self { mem: Backing::Vec { raw, start }, len }
     }
 
     pub fn len(&self) -> usize {
@@ -37,11 +56,17 @@ impl AlignedBuf {
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        &self.raw[self.start..self.start + self.len]
+        match &self.mem {
+            Backing::Vec { raw, start } => &raw[*start..*start + self.len],
+            Backing::Map(m) => &m.as_slice()[..self.len],
+        }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.raw[self.start..self.start + self.len]
+        match &mut self.mem {
+            Backing::Vec { raw, start } => &mut raw[*start..*start + self.len],
+            Backing::Map(m) => &mut m.as_mut_slice()[..self.len],
+        }
     }
 }
 

@@ -12,7 +12,10 @@
 //! either nothing or a complete file; a reader whose file is not there yet polls (short
 //! backoff) until its deadline. Publishers remove their files on release and sweep files
 //! whose lease expired. Buffered I/O gathers from and scatters into the ranks' memory
-//! with `pwritev`/`preadv` (no staging copy); `O_DIRECT` stages through aligned buffers.
+//! with `pwritev`/`preadv` (no staging copy) after asking the kernel to read ahead every
+//! file of the fetch. `O_DIRECT` does the same when every piece is 4 KiB-aligned and
+//! large; otherwise it stages through aligned buffers that a helper thread writes or
+//! reads in large sequential transfers while the caller copies (see `io`).
 //!
 //! Owns: file format, naming, publish/fetch/release/sweep. Must not know about request
 //! lifecycles, notifications or workloads (that is `pipeline`), nor about memory types:
