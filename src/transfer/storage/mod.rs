@@ -246,7 +246,7 @@ impl StoragePublisher {
         alloc: &[u8],
     ) -> Result<PublishStats, StorageError> {
         let t0 = Instant::now();
-        let request_enc = names::encode_id("request id", p_request_id)?;
+        let final_name = names::file_name(&self.engine_id, p_request_id, self.p_rank)?;
         let slices = block_slices(regions, remote_blocks, alloc)?;
         let header = Header {
             p_rank: self.p_rank,
@@ -263,7 +263,6 @@ impl StoragePublisher {
                 header.header_len()
             )));
         }
-        let final_name = format!("{}.{request_enc}.p{}.{}", self.engine_enc, self.p_rank, names::SUFFIX);
         let final_path = self.opts.dir.join(&final_name);
         let tmp_path = self.opts.dir.join(names::tmp_name(&final_name));
         let file = match open_options(self.opts.direct_io).write(true).create_new(true).open(&tmp_path) {
