@@ -27,8 +27,8 @@
 //! Interleaved repetitions (the order rotates each repetition), medians.
 //!
 //! `cargo bench --bench storage -- [--dir DIR] [--reps N] [--tokens N] [--modes a,b]
-//! [--pattern random|contiguous|fragmented] [--pages normal|thp]` (default DIR: a temp dir
-//! under the target directory, so on the project's disk).
+//! [--pattern random|contiguous|fragmented] [--pages normal|thp] [--samples] [--verbose]`
+//! (default DIR: a temp dir under the target directory, so on the project's disk).
 
 use std::fs::{self, File};
 use std::io::{IoSlice, IoSliceMut, Read, Write};
@@ -56,6 +56,10 @@ struct Args {
     modes: Vec<String>,
     pattern: AllocPattern,
     pages: PageSize,
+    /// Print every sample, not only medians.
+    samples: bool,
+    /// Print each fetch's statistics.
+    verbose: bool,
 }
 
 fn args() -> Args {
@@ -66,6 +70,8 @@ fn args() -> Args {
         modes: ["buffered", "buffered+fsync", "direct", "direct+fsync"].map(String::from).to_vec(),
         pattern: AllocPattern::Random,
         pages: PageSize::Normal,
+        samples: false,
+        verbose: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -81,6 +87,8 @@ fn args() -> Args {
                     _ => PageSize::Normal,
                 }
             }
+            "--samples" => a.samples = true,
+            "--verbose" => a.verbose = true,
             // cargo bench passes --bench; anything else is a filter this bench ignores.
             _ => {}
         }
@@ -188,15 +196,17 @@ fn open_opts(m: Mode) -> fs::OpenOptions {
 struct Kvx {
     pubs: Vec<StoragePublisher>,
     fetchers: Vec<StorageFetcher>,
+    verbose: bool,
 }
 
 impl Kvx {
-    fn new(s: &Scenario, opts: &StorageOptions) -> Self {
+    fn new(s: &Scenario, opts: &StorageOptions, verbose: bool) -> Self {
         Kvx {
             pubs: (0..s.pair.p.tp)
                 .map(|r| StoragePublisher::new(opts.clone(), ENGINE, r).expect("publisher"))
                 .collect(),
             fetchers: (0..s.pair.d.tp).map(|_| StorageFetcher::new(opts.clone()).expect("fetcher")).collect(),
+            verbose,
         }
     }
 }
@@ -225,7 +235,7 @@ fn run_kvx(s: &mut Scenario, k: &mut Kvx, m: Mode, id: &str, verify: bool) -> (D
                 Duration::from_secs(60),
             )
             .expect("fetch");
-        if std::env::var_os("KVX_BENCH_DEBUG").is_some() {
+        if k.verbose {
             eprintln!("{st:?}");
         }
     }
@@ -376,7 +386,7 @@ fn main() {
         if m.in_place {
             opts.direct_min_piece_bytes = 0;
         }
-        let mut kvx = Kvx::new(&s, &opts);
+        let mut kvx = Kvx::new(&s, &opts, a.verbose);
         // One unmeasured, verified round warms buffers and filesystem metadata.
         run_kvx(&mut s, &mut kvx, m, "warmup", true);
         run_dd(&mut s, &dir, m);
@@ -394,7 +404,7 @@ fn main() {
                 times[which].1.push(r);
             }
         }
-        if std::env::var_os("KVX_BENCH_SAMPLES").is_some() {
+        if a.samples {
             for (label, (w, r)) in ["kvx", "dd", "pieces"].iter().zip(&times) {
                 let g = |v: &Vec<Duration>| -> Vec<String> {
                     v.iter().map(|d| format!("{:.2}", s.bytes as f64 / d.as_secs_f64() / 1e9)).collect()
