@@ -92,9 +92,22 @@ pub struct BenchArgs {
     /// For --transport multi: the order to try, e.g. ucx,storage.
     #[arg(long, value_delimiter = ',', help_heading = "Transport")]
     pub transports: Option<Vec<String>>,
-    /// Shared directory of the storage transport [default: a temp dir].
+    /// Shared directory of the storage transport [default: kvx-storage in the temp dir].
     #[arg(long, help_heading = "Transport")]
     pub storage_dir: Option<PathBuf>,
+    /// Storage transport: bypass the page cache (O_DIRECT).
+    #[arg(long, help_heading = "Transport")]
+    pub storage_direct_io: bool,
+    /// Storage transport: fdatasync every file before it becomes visible.
+    #[arg(long, help_heading = "Transport")]
+    pub storage_fsync: bool,
+    /// Run the same workload on each transport and print one comparison table, e.g. ucx,storage,multi.
+    #[arg(long, value_delimiter = ',', help_heading = "Transport")]
+    pub compare_transports: Option<Vec<String>>,
+    /// Inject a fault to test resilience: kill-ucx:pR@N (tear down prefill rank R's UCX side after N
+    /// measured requests) or exit:pR@N / exit:dR@N (the worker exits).
+    #[arg(long, value_name = "FAULT", help_heading = "Checks")]
+    pub fault: Option<String>,
     /// Memory of the KV pools: host or cuda [default: host].
     #[arg(long, help_heading = "Transport")]
     pub mem: Option<String>,
@@ -338,9 +351,24 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
             return Err(ConfigError::new("--transport", format!("'{other}' is not ucx, storage or multi")));
         }
     };
-    if kind != TransportKind::Ucx {
-        return Err(ConfigError::new("--transport", "only the ucx transport is available in this build"));
+    let chain: Vec<TransportKind> = match args.transports.clone().or(file.transports.clone()) {
+        Some(list) => list
+            .iter()
+            .map(|t| match t.trim() {
+                "ucx" => Ok(TransportKind::Ucx),
+                "storage" => Ok(TransportKind::Storage),
+                other => Err(ConfigError::new("--transports", format!("'{other}' is not ucx or storage"))),
+            })
+            .collect::<Result<_, _>>()?,
+        None => vec![TransportKind::Ucx, TransportKind::Storage],
+    };
+    if kind == TransportKind::Multi && chain != [TransportKind::Ucx, TransportKind::Storage] {
+        return Err(ConfigError::new(
+            "--transports",
+            "kvx's multi transport tries ucx, then storage: --transports ucx,storage",
+        ));
     }
+    let fault = args.fault.as_deref().map(parse_fault).transpose()?;
     let mem = args.mem.clone().or(file.mem.clone()).unwrap_or_else(|| "host".into());
     if mem != "host" {
         return Err(ConfigError::new(
@@ -408,9 +436,10 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
         alloc,
         verify,
         on_failure,
+        fault,
         transport: TransportConfig {
             kind,
-            chain: vec![],
+            chain: if kind == TransportKind::Multi { chain } else { vec![] },
             ucx_lib: args.ucx_lib.clone(),
             err_mode,
             progress,
@@ -421,8 +450,8 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
             inflight,
             coalesce: args.coalesce || file.coalesce.unwrap_or(false),
             storage_dir: args.storage_dir.clone().or(file.storage_dir.clone()),
-            storage_direct_io: false,
-            storage_fsync: false,
+            storage_direct_io: args.storage_direct_io,
+            storage_fsync: args.storage_fsync,
         },
         lease,
         timeout,
@@ -491,4 +520,28 @@ fn print_summary(format: Format, summary: &crate::report::Summary, files: &[Path
         }
     }
     Ok(())
+}
+
+/// Parses `--fault kill-ucx:p0@5`.
+pub fn parse_fault(s: &str) -> Result<crate::pipeline::bench::FaultPlan, ConfigError> {
+    use crate::pipeline::proto::{Fault, Role};
+    let bad = || ConfigError::new("--fault", format!("'{s}' is not kill-ucx:pR@N, exit:pR@N or exit:dR@N"));
+    let (what, rest) = s.split_once(':').ok_or_else(bad)?;
+    let (target, after) = rest.split_once('@').ok_or_else(bad)?;
+    let fault = match what {
+        "kill-ucx" => Fault::KillUcx,
+        "exit" => Fault::Exit,
+        _ => return Err(bad()),
+    };
+    let (role, rank) = match target.split_at_checked(1) {
+        Some(("p", r)) => (Role::Prefill, r),
+        Some(("d", r)) if fault == Fault::Exit => (Role::Decode, r),
+        _ => return Err(bad()),
+    };
+    Ok(crate::pipeline::bench::FaultPlan {
+        fault,
+        role,
+        rank: rank.parse().map_err(|_| bad())?,
+        after: after.parse().map_err(|_| bad())?,
+    })
 }

@@ -27,7 +27,9 @@ use tracing::{debug, warn};
 
 use super::params::KvTransferParams;
 use super::pool::BlockPool;
-use super::proto::{self, FailureCause, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, WorkerConfig};
+use super::proto::{
+    self, FailureCause, Fault, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, WorkerConfig,
+};
 use crate::layouts::alloc::AllocPattern;
 use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
 use crate::transfer::handshake::zmq_context;
@@ -110,6 +112,8 @@ pub struct PrefillDone {
     pub params: KvTransferParams,
     /// Slowest rank's fill time (excluded from transfer time).
     pub fill_ns: u64,
+    /// Slowest rank's storage publish time (storage transport; 0 otherwise).
+    pub publish_ns: u64,
 }
 
 /// The decode side's answer: one result per decode rank.
@@ -155,6 +159,10 @@ enum Cmd {
     Abandon {
         req: u64,
         p_request_id: String,
+    },
+    Fault {
+        rank: u32,
+        fault: Fault,
     },
 }
 
@@ -251,6 +259,11 @@ impl Engine {
         let _ = self.send(Cmd::Abandon { req, p_request_id });
     }
 
+    /// Injects a fault into one rank (resilience tests).
+    pub fn inject(&self, rank: u32, fault: Fault) {
+        let _ = self.send(Cmd::Fault { rank, fault });
+    }
+
     fn try_send(&self, cmd: Cmd) -> Result<(), Cmd> {
         match &self.tx {
             Some(tx) => {
@@ -307,6 +320,7 @@ struct PendingPrefill {
     blocks: Vec<u32>,
     waiting: BTreeSet<u32>,
     fill_ns: u64,
+    publish_ns: u64,
     deadline: Instant,
     reply: Reply<PrefillDone>,
 }
@@ -701,12 +715,13 @@ impl EngineLoop {
                     self.ranks[i].ready = Some(*info);
                 }
             }
-            FromWorker::Filled { req, fill_ns } => {
+            FromWorker::Filled { req, fill_ns, publish_ns } => {
                 let Some(rank) = rank_of(&self.ranks) else { return };
                 let done = match self.prefills.get_mut(&req) {
                     Some(p) => {
                         p.waiting.remove(&(rank as u32));
                         p.fill_ns = p.fill_ns.max(fill_ns);
+                        p.publish_ns = p.publish_ns.max(publish_ns);
                         p.waiting.is_empty()
                     }
                     None => false,
@@ -714,7 +729,11 @@ impl EngineLoop {
                 if done && let Some(p) = self.prefills.remove(&req) {
                     let params = self.params_for(&p);
                     self.held.insert(req, (p.blocks, (0..self.cfg.tp).collect()));
-                    let _ = p.reply.send(Ok(PrefillDone { params, fill_ns: p.fill_ns }));
+                    let _ = p.reply.send(Ok(PrefillDone {
+                        params,
+                        fill_ns: p.fill_ns,
+                        publish_ns: p.publish_ns,
+                    }));
                 }
             }
             FromWorker::Freed { req, expired } => {
@@ -792,12 +811,12 @@ impl EngineLoop {
         match cmd {
             Cmd::Prefill { tokens, .. } => tokens.div_ceil(self.cfg.block_tokens),
             Cmd::Load { local_blocks, .. } => *local_blocks,
-            Cmd::Abandon { .. } => 0,
+            Cmd::Abandon { .. } | Cmd::Fault { .. } => 0,
         }
     }
 
     fn submit(&mut self, cmd: Cmd) {
-        if !self.backlog.is_empty() && !matches!(cmd, Cmd::Abandon { .. }) {
+        if !self.backlog.is_empty() && !matches!(cmd, Cmd::Abandon { .. } | Cmd::Fault { .. }) {
             self.backlog.push_back(cmd);
             return;
         }
@@ -820,6 +839,10 @@ impl EngineLoop {
         let needed = self.blocks_needed(&cmd);
         let timeout = self.cfg.timeout;
         match cmd {
+            Cmd::Fault { rank, fault } => {
+                self.send_to(rank, &ToWorker::Fault(fault));
+                None
+            }
             Cmd::Abandon { req, p_request_id } => {
                 for r in 0..self.cfg.tp {
                     self.send_to(r, &ToWorker::Abandon { req, p_request_id: p_request_id.clone() });
@@ -867,6 +890,7 @@ impl EngineLoop {
                         blocks,
                         waiting: live,
                         fill_ns: 0,
+                        publish_ns: 0,
                         deadline: Instant::now() + timeout,
                         reply,
                     },
