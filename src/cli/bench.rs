@@ -470,6 +470,16 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     let root = results_root(args.results_dir.as_deref(), std::env::var_os(env::KVX_RESULTS_DIR));
     let run_id = new_run_id(&now_rfc3339());
+    if args.compare_transports.is_some() {
+        let mut writer = RunWriter::create(&root, &run_id)?;
+        let (summary, table) = super::compare::run(args, &mut writer, &run_id)?;
+        let files = writer.finish(&summary)?;
+        print_summary(args.format, &summary, &files)?;
+        if args.format == Format::Table {
+            print!("{table}");
+        }
+        return Ok(Outcome::Ok);
+    }
     if args.sweep.is_some() {
         // Every point is resolved before anything runs, so a bad file fails fast.
         super::sweep::points(args.sweep.as_deref().unwrap_or(Path::new("")))?;

@@ -8,6 +8,7 @@ use crate::Outcome;
 
 pub mod bench;
 pub mod common;
+pub mod compare;
 pub mod completions;
 pub mod doctor;
 pub mod gate;
