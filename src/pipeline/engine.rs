@@ -296,6 +296,8 @@ struct Rank {
     dead: Option<String>,
     /// Said goodbye (and reported its peak memory) on shutdown.
     bye: bool,
+    /// Was told to shut down: its exit is not a death.
+    stopping: bool,
     last_seen: Instant,
 }
 
@@ -364,6 +366,7 @@ impl EngineLoop {
                 ready: None,
                 dead: None,
                 bye: false,
+                stopping: false,
                 last_seen: Instant::now(),
             })
             .collect();
@@ -533,15 +536,16 @@ impl EngineLoop {
             let mut buf = [0u8; 256];
             while matches!((&self.bell).read(&mut buf), Ok(n) if n > 0) {}
         }
-        for i in stderr_ready {
-            self.drain_stderr(i);
-        }
+        // Messages first: a worker's goodbye often arrives in the same round as its exit.
         if ctl_ready {
             while let Ok(frames) = self.ctl.recv_multipart(zmq::DONTWAIT) {
                 if let [identity, body] = frames.as_slice() {
                     self.on_message(identity, body);
                 }
             }
+        }
+        for i in stderr_ready {
+            self.drain_stderr(i);
         }
     }
 
@@ -573,6 +577,11 @@ impl EngineLoop {
         if eof {
             rank.stderr = None;
             let status = rank.child.as_mut().and_then(|c| c.wait().ok());
+            if rank.stopping && status.is_none_or(|s| s.success()) {
+                // Told to stop and did; its goodbye may still be in flight.
+                rank.dead.get_or_insert_with(|| "shut down".into());
+                return;
+            }
             let why = match status {
                 Some(s) if s.success() && rank.dead.is_none() => "exited".to_string(),
                 Some(s) => format!("exited with {s}"),
@@ -938,6 +947,7 @@ impl EngineLoop {
         }
         for r in 0..self.cfg.tp {
             if self.ranks[r as usize].dead.is_none() {
+                self.ranks[r as usize].stopping = true;
                 self.send_to(r, &ToWorker::Shutdown);
             }
         }
