@@ -158,7 +158,8 @@ impl Engines {
         let launch = |role: Role| match &s.listen {
             Some(ep) => {
                 let (host, port) = super::engine::split_endpoint(ep);
-                let port = if role == Role::Prefill { port } else { port.saturating_add(1) };
+                // Port 0: both engines take a free port (each prints its endpoint).
+                let port = if role == Role::Prefill || port == 0 { port } else { port.saturating_add(1) };
                 Launch::External { bind: format!("tcp://{host}:{port}") }
             }
             None => Launch::Spawn { exe: s.exe.clone(), env: s.worker_env.clone() },

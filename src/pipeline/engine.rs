@@ -357,6 +357,15 @@ impl EngineLoop {
             .map_err(|e| startup(&cfg, format!("cannot bind the control socket at {bind}: {e}")))?;
         let endpoint = ctl.get_last_endpoint().ok().and_then(Result::ok).unwrap_or(bind);
         let role = cfg.worker.role;
+        if matches!(cfg.launch, Launch::External { .. }) {
+            // The one place the bound port shows when --listen asked for port 0.
+            eprintln!(
+                "kvx: {} engine waiting for {} worker(s): kvx worker --connect {endpoint} --role {}",
+                role.as_str(),
+                cfg.tp,
+                role.as_str()
+            );
+        }
         let mut ranks: Vec<Rank> = (0..cfg.tp)
             .map(|_| Rank {
                 identity: None,
