@@ -142,6 +142,14 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
             _ => {}
         }
     };
+    let mut cfg = cfg;
+    if matches!(cfg.bind_host.as_str(), "0.0.0.0" | "*" | "::")
+        && let Some(own) = route_source(endpoint)
+    {
+        // The engine's advertise host is the orchestrator's; a worker on another host is
+        // reached at its own address, the one its traffic to the orchestrator leaves from.
+        cfg.advertise_host = own;
+    }
     let result = match cfg.role {
         Role::Prefill => super::prefill::run(&ctl, cfg),
         Role::Decode => super::decode::run(&ctl, cfg),
@@ -155,6 +163,18 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
         }
     }
     result
+}
+
+/// This host's IPv4 address on the route to a `tcp://host:port` endpoint (`None` for other
+/// transports or when it cannot be found). A UDP connect sends nothing; it only picks the route.
+pub fn route_source(endpoint: &str) -> Option<String> {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let rest = endpoint.strip_prefix("tcp://")?;
+    let target = rest.to_socket_addrs().ok()?.find(std::net::SocketAddr::is_ipv4)?;
+    let sock = UdpSocket::bind("0.0.0.0:0").ok()?;
+    sock.connect(target).ok()?;
+    let ip = sock.local_addr().ok()?.ip();
+    (!ip.is_unspecified()).then(|| ip.to_string())
 }
 
 /// The engine spec of the other side of a pair, as the peer's metadata describes it.
@@ -173,4 +193,16 @@ pub fn peer_pair(
         layout,
     };
     Ok(pair)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_source_is_the_local_end_of_the_route() {
+        assert_eq!(route_source("tcp://127.0.0.1:9").as_deref(), Some("127.0.0.1"));
+        assert_eq!(route_source("ipc:///tmp/x"), None);
+        assert_eq!(route_source("tcp://not a host:1"), None);
+    }
 }
