@@ -615,7 +615,7 @@ impl EngineLoop {
         for req in failed {
             if let Some(p) = self.prefills.remove(&req) {
                 let _ = p.reply.send(Err(err.clone()));
-                self.hold_or_free(req, p.blocks, rank);
+                self.hold_or_free(req, p.blocks);
             }
         }
         let failed: Vec<u64> =
@@ -633,11 +633,11 @@ impl EngineLoop {
         }
     }
 
-    /// A prefill that failed after blocks were sent: live ranks still hold them until their
-    /// lease ends, so keep the blocks allocated until every live rank has freed them.
-    fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>, dead_rank: u32) {
+    /// Blocks sent to prefill ranks stay allocated until every live rank has freed them
+    /// (notifications or lease); a dead rank never will, so it is not waited for.
+    fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>) {
         let live: BTreeSet<u32> =
-            (0..self.cfg.tp).filter(|&r| r != dead_rank && self.ranks[r as usize].dead.is_none()).collect();
+            (0..self.cfg.tp).filter(|&r| self.ranks[r as usize].dead.is_none()).collect();
         if live.is_empty() {
             self.pool.free(&blocks);
         } else {
@@ -720,7 +720,7 @@ impl EngineLoop {
                 };
                 if done && let Some(p) = self.prefills.remove(&req) {
                     let params = self.params_for(&p);
-                    self.held.insert(req, (p.blocks, (0..self.cfg.tp).collect()));
+                    self.hold_or_free(req, p.blocks);
                     let _ = p.reply.send(Ok(PrefillDone { params, fill_ns: p.fill_ns }));
                 }
             }
@@ -930,7 +930,7 @@ impl EngineLoop {
                 let ranks: Vec<u32> = p.waiting.iter().copied().collect();
                 let _ = p.reply.send(Err(EngineError::Timeout { req, role, ranks, timeout }));
                 // Ranks that did fill hold the blocks under their lease.
-                self.held.insert(req, (p.blocks, (0..self.cfg.tp).collect()));
+                self.hold_or_free(req, p.blocks);
             }
         }
         let late: Vec<u64> = self.loads.iter().filter(|(_, l)| l.deadline <= now).map(|(&k, _)| k).collect();
