@@ -233,6 +233,12 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         };
         row.failure_cause = Some(cause.to_string());
     };
+    // An engine with a dead rank cannot serve: fail at once rather than fill prefill blocks
+    // no decode rank will read (they would sit out their lease and starve later requests).
+    if let Some(e) = engines.prefill.gone().or_else(|| engines.decode.gone()) {
+        fail(&mut row, e.cause().as_str());
+        return Finished { row, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+    }
     let prefill =
         engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.pair)).await;
     let params = match prefill {

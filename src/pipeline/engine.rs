@@ -164,7 +164,12 @@ pub struct Engine {
     tx: Option<mpsc::Sender<Cmd>>,
     bell: UnixStream,
     thread: Option<JoinHandle<EngineFinal>>,
+    gone: Gone,
 }
+
+/// The first rank death an engine saw, shared with callers so they can fail a request
+/// before starting it (an engine with a dead rank cannot serve any request).
+type Gone = std::sync::Arc<std::sync::Mutex<Option<EngineError>>>;
 
 impl Engine {
     /// Starts the workers and waits until every rank is ready.
@@ -173,10 +178,12 @@ impl Engine {
         let (bell, bell_rx) = UnixStream::pair().map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
         bell_rx.set_nonblocking(true).map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
         let (info_tx, info_rx) = mpsc::channel();
+        let gone = Gone::default();
+        let loop_gone = gone.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvx-{}-engine", cfg.worker.role.as_str()))
             .spawn(move || {
-                let mut lp = match EngineLoop::start(cfg, bell_rx) {
+                let mut lp = match EngineLoop::start(cfg, bell_rx, loop_gone) {
                     Ok(lp) => lp,
                     Err(e) => {
                         let _ = info_tx.send(Err(e));
@@ -192,7 +199,7 @@ impl Engine {
                 what: format!("cannot spawn thread: {e}"),
             })?;
         match info_rx.recv() {
-            Ok(Ok(info)) => Ok(Engine { info, tx: Some(tx), bell, thread: Some(thread) }),
+            Ok(Ok(info)) => Ok(Engine { info, tx: Some(tx), bell, thread: Some(thread), gone }),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -203,6 +210,11 @@ impl Engine {
 
     pub fn info(&self) -> &EngineInfo {
         &self.info
+    }
+
+    /// Why the engine cannot serve any more (a rank is gone), if so.
+    pub fn gone(&self) -> Option<EngineError> {
+        self.gone.lock().ok().and_then(|g| g.clone())
     }
 
     fn send(&self, cmd: Cmd) -> bool {
@@ -335,10 +347,11 @@ struct EngineLoop {
     held: HashMap<u64, (Vec<u32>, BTreeSet<u32>)>,
     fin: EngineFinal,
     _tmp: Option<tempfile::TempDir>,
+    gone: Gone,
 }
 
 impl EngineLoop {
-    fn start(cfg: EngineConfig, bell: UnixStream) -> Result<Self, EngineError> {
+    fn start(cfg: EngineConfig, bell: UnixStream, gone: Gone) -> Result<Self, EngineError> {
         let ctx = zmq_context();
         let ctl = ctx.socket(zmq::ROUTER).map_err(|e| startup(&cfg, format!("control socket: {e}")))?;
         let _ = ctl.set_linger(0);
@@ -425,6 +438,7 @@ impl EngineLoop {
             held: HashMap::new(),
             fin: EngineFinal::default(),
             _tmp: tmp,
+            gone,
         };
         lp.wait_ready()?;
         Ok(lp)
@@ -610,6 +624,9 @@ impl EngineLoop {
         r.dead = Some(why.clone());
         self.fin.dead_ranks.push(rank);
         let err = EngineError::RankGone { role, rank, why };
+        if let Ok(mut g) = self.gone.lock() {
+            g.get_or_insert_with(|| err.clone());
+        }
         let failed: Vec<u64> =
             self.prefills.iter().filter(|(_, p)| p.waiting.contains(&rank)).map(|(&k, _)| k).collect();
         for req in failed {
