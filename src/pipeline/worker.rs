@@ -35,9 +35,17 @@ macro_rules! werr {
 }
 pub(crate) use werr;
 
+/// How often a spawned worker checks that the engine that spawned it still exists.
+const PARENT_CHECK: Duration = Duration::from_millis(100);
+
 /// The control channel to the engine.
 pub struct Control {
     sock: zmq::Socket,
+    /// Workers spawned by a local engine (ipc endpoint): the engine's pid. ZMQ does not say
+    /// when a peer dies, so without this check a worker whose engine was killed would run
+    /// forever.
+    parent: Option<u32>,
+    next_check: std::cell::Cell<Instant>,
 }
 
 impl Control {
@@ -46,7 +54,8 @@ impl Control {
         let _ = sock.set_linger(1000);
         let _ = sock.set_maxmsgsize(proto::MAX_CONTROL_BYTES as i64);
         sock.connect(endpoint).map_err(werr!(format!("connect to the engine at {endpoint}")))?;
-        Ok(Control { sock })
+        let parent = endpoint.starts_with("ipc://").then(std::os::unix::process::parent_id);
+        Ok(Control { sock, parent, next_check: std::cell::Cell::new(Instant::now()) })
     }
 
     pub fn socket(&self) -> &zmq::Socket {
@@ -66,8 +75,18 @@ impl Control {
         self.try_recv()
     }
 
-    /// Next message if one is queued.
+    /// Next message if one is queued; an error once the spawning engine is gone.
     pub fn try_recv(&self) -> Result<Option<ToWorker>, WorkerError> {
+        if let Some(parent) = self.parent
+            && Instant::now() >= self.next_check.get()
+        {
+            self.next_check.set(Instant::now() + PARENT_CHECK);
+            if std::os::unix::process::parent_id() != parent {
+                return Err(WorkerError::new(format!(
+                    "the engine (pid {parent}) that started this worker is gone"
+                )));
+            }
+        }
         match self.sock.recv_bytes(zmq::DONTWAIT) {
             Ok(b) => proto::decode(&b).map(Some).map_err(WorkerError),
             Err(zmq::Error::EAGAIN) => Ok(None),
