@@ -18,7 +18,7 @@ use serde_json::Value;
 use crate::common::kvx;
 use crate::procs::{
     Spawned, alive, bench_cmd, children_of, complete_rows, exclusive, n, read_rows, run_dir, signal,
-    summary_json, wait_rows, worker_of,
+    summary_json, wait_gone, wait_rows, worker_of,
 };
 
 /// A small model shape: runs take a second or two even in a debug build.
@@ -397,4 +397,23 @@ fn killed_bench_keeps_its_partial_results() {
         serde_json::from_slice(&std::fs::read(run.join("summary.json")).expect("a partial summary.json"))
             .expect("JSON");
     assert_eq!(partial["partial"], true, "{partial}");
+}
+
+/// Workers do not outlive the bench that spawned them, even one killed outright (no
+/// shutdown message ever reaches them).
+#[test]
+fn workers_exit_when_their_bench_is_killed() {
+    let _turn = exclusive();
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut a =
+        vec!["--requests", "3000", "--prompt-len", "1024", "--verify", "off", "--p-tp", "2", "--d-tp", "2"];
+    a.extend_from_slice(TINY);
+    let mut bench = Spawned::start("bench killed alone", bench_cmd(results.path(), &a));
+    wait_rows(&mut bench, results.path(), 5, RUN_TIMEOUT);
+    let workers: Vec<u32> = children_of(bench.pid).iter().map(|p| p.pid).collect();
+    assert_eq!(workers.len(), 4, "two prefill and two decode workers");
+    assert!(signal(bench.pid as i32, libc::SIGKILL), "kill the bench alone, not its process group");
+    bench.expect_exit(Duration::from_secs(30));
+    let left = wait_gone(&workers, Duration::from_secs(20));
+    assert!(left.is_empty(), "workers {left:?} outlived their bench");
 }

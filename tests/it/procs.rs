@@ -248,6 +248,19 @@ pub fn alive(pid: u32) -> bool {
     proc_info(pid).is_some_and(|p| p.state != 'Z')
 }
 
+/// Waits until none of `pids` is alive; returns those still alive after `timeout`.
+pub fn wait_gone(pids: &[u32], timeout: Duration) -> Vec<u32> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        // Processes that are not our children give no exit event to wait on.
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Parses a bench's stdout (the JSON summary).
 pub fn summary_json(bench: &Spawned) -> serde_json::Value {
     let out = bench.stdout(Duration::from_secs(10));
