@@ -450,6 +450,8 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     let settings = resolve(args)?;
+    // The pipeline's warnings (a rank gone, a request failed and why) reach the user.
+    super::serve_engine::init_tracing();
     let root = results_root(args.results_dir.as_deref(), std::env::var_os(env::KVX_RESULTS_DIR));
     let run_id = new_run_id(&now_rfc3339());
     let mut writer = RunWriter::create(&root, &run_id)?;
