@@ -353,6 +353,7 @@ fn killed_prefill_worker_fails_later_requests_fast_and_accounts_every_block() {
         "exactly the killed rank is reported dead (a clean shutdown is no death): {notes}"
     );
     assert!(notes.contains("blocks written off"), "{notes}");
+    assert!(f.stderr.contains("prefill rank 1 is gone"), "the user is told what died:\n{}", f.stderr);
 }
 
 #[test]
@@ -377,6 +378,7 @@ fn killed_decode_worker_leaves_prefill_blocks_to_lease_expiry() {
     assert!(n(s, "blocks_expired") > 0, "the prefill side freed the abandoned blocks by lease expiry: {s}");
     let notes = notes(s);
     assert!(notes.contains("ranks that died: prefill [], decode [1]"), "{notes}");
+    assert!(f.stderr.contains("decode rank 1 is gone"), "the user is told what died:\n{}", f.stderr);
 }
 
 /// The run directory of a bench killed outright keeps every row it wrote and a partial
