@@ -80,6 +80,8 @@ impl TwoHosts {
             ip(&["-n", &side.ns, "addr", "add", &format!("{}/24", side.addr), "dev", &side.dev])?;
             ip(&["-n", &side.ns, "link", "set", "lo", "up"])?;
             ip(&["-n", &side.ns, "link", "set", &side.dev, "up"])?;
+            // Some containers allow namespaces but not entering them (no /sys remount).
+            ip(&["netns", "exec", &side.ns, "true"])?;
         }
         Ok(hosts)
     }
