@@ -521,6 +521,26 @@ impl EngineLoop {
             });
             self.poll_once(wait);
             self.expire_deadlines();
+            self.check_silent();
+        }
+    }
+
+    /// Workers started elsewhere have no stderr pipe whose closing says they died; one that
+    /// stopped saying it is alive for longer than any request may take is declared gone.
+    fn check_silent(&mut self) {
+        let silence = (self.cfg.timeout * 2).max(proto::ALIVE_EVERY * 3);
+        let silent: Vec<u32> = (0..self.cfg.tp)
+            .filter(|&r| {
+                let rank = &self.ranks[r as usize];
+                rank.child.is_none()
+                    && rank.ready.is_some()
+                    && rank.dead.is_none()
+                    && !rank.stopping
+                    && rank.last_seen.elapsed() > silence
+            })
+            .collect();
+        for r in silent {
+            self.rank_died(r, format!("not heard from for {silence:?}"));
         }
     }
 
@@ -697,6 +717,9 @@ impl EngineLoop {
             }
         };
         let rank_of = |ranks: &[Rank]| ranks.iter().position(|r| r.identity.as_deref() == Some(identity));
+        if let Some(i) = rank_of(&self.ranks) {
+            self.ranks[i].last_seen = Instant::now();
+        }
         match msg {
             FromWorker::Hello { role, rank, pid, host } => {
                 if role != self.cfg.worker.role {
@@ -766,6 +789,7 @@ impl EngineLoop {
                 }
             }
             FromWorker::Unrecognized { count } => self.fin.unrecognized_notifs += count,
+            FromWorker::Alive => {}
             FromWorker::Fatal { msg } => {
                 if let Some(i) = rank_of(&self.ranks) {
                     self.rank_died(i as u32, msg);

@@ -75,8 +75,14 @@ impl Control {
         self.try_recv()
     }
 
-    /// Next message if one is queued; an error once the spawning engine is gone.
+    /// Next message if one is queued; an error once the spawning engine is gone. Workers
+    /// started elsewhere also say they are alive here, every `ALIVE_EVERY` (the role loops
+    /// call this at least every 100 ms between requests).
     pub fn try_recv(&self) -> Result<Option<ToWorker>, WorkerError> {
+        if self.parent.is_none() && Instant::now() >= self.next_check.get() {
+            self.next_check.set(Instant::now() + proto::ALIVE_EVERY);
+            self.send(&FromWorker::Alive)?;
+        }
         if let Some(parent) = self.parent
             && Instant::now() >= self.next_check.get()
         {
