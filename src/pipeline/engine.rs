@@ -318,6 +318,8 @@ struct PendingPrefill {
     tokens: u32,
     blocks: Vec<u32>,
     waiting: BTreeSet<u32>,
+    /// Ranks that already released the blocks (lease shorter than the engine's deadline).
+    freed: BTreeSet<u32>,
     fill_ns: u64,
     deadline: Instant,
     reply: Reply<PrefillDone>,
@@ -652,7 +654,7 @@ impl EngineLoop {
         for req in failed {
             if let Some(p) = self.prefills.remove(&req) {
                 let _ = p.reply.send(Err(err.clone()));
-                self.hold_or_free(req, p.blocks);
+                self.hold_or_free(req, p.blocks, &p.freed);
             }
         }
         let failed: Vec<u64> =
@@ -672,9 +674,10 @@ impl EngineLoop {
 
     /// Blocks sent to prefill ranks stay allocated until every live rank has freed them
     /// (notifications or lease); a dead rank never will, so it is not waited for.
-    fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>) {
-        let live: BTreeSet<u32> =
-            (0..self.cfg.tp).filter(|&r| self.ranks[r as usize].dead.is_none()).collect();
+    fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>, freed: &BTreeSet<u32>) {
+        let live: BTreeSet<u32> = (0..self.cfg.tp)
+            .filter(|&r| self.ranks[r as usize].dead.is_none() && !freed.contains(&r))
+            .collect();
         if live.is_empty() {
             self.pool.free(&blocks);
         } else {
@@ -760,12 +763,19 @@ impl EngineLoop {
                 };
                 if done && let Some(p) = self.prefills.remove(&req) {
                     let params = self.params_for(&p);
-                    self.hold_or_free(req, p.blocks);
+                    self.hold_or_free(req, p.blocks, &p.freed);
                     let _ = p.reply.send(Ok(PrefillDone { params, fill_ns: p.fill_ns }));
                 }
             }
             FromWorker::Freed { req, expired } => {
                 if let Some(rank) = rank_of(&self.ranks) {
+                    // Not held yet: the request is still waiting for other ranks' fills.
+                    if let Some(p) = self.prefills.get_mut(&req) {
+                        p.freed.insert(rank as u32);
+                        if expired {
+                            self.fin.leases_expired += 1;
+                        }
+                    }
                     self.freed_by(req, rank as u32, expired, false);
                 }
             }
@@ -915,6 +925,7 @@ impl EngineLoop {
                         tokens,
                         blocks,
                         waiting: live,
+                        freed: BTreeSet::new(),
                         fill_ns: 0,
                         deadline: Instant::now() + timeout,
                         reply,
@@ -971,7 +982,7 @@ impl EngineLoop {
                 let ranks: Vec<u32> = p.waiting.iter().copied().collect();
                 let _ = p.reply.send(Err(EngineError::Timeout { req, role, ranks, timeout }));
                 // Ranks that did fill hold the blocks under their lease.
-                self.hold_or_free(req, p.blocks);
+                self.hold_or_free(req, p.blocks, &p.freed);
             }
         }
         let late: Vec<u64> = self.loads.iter().filter(|(_, l)| l.deadline <= now).map(|(&k, _)| k).collect();
