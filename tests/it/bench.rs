@@ -419,3 +419,37 @@ fn workers_exit_when_their_bench_is_killed() {
     let left = wait_gone(&workers, Duration::from_secs(20));
     assert!(left.is_empty(), "workers {left:?} outlived their bench");
 }
+
+/// A prefill worker that stalls (SIGSTOP) but does not die: requests time out, the other
+/// rank's lease runs out first (it frees its share while the request still waits for the
+/// stalled rank), and once the worker resumes the run finishes with every block back.
+#[test]
+fn stalled_prefill_worker_times_out_requests_and_leaks_no_block() {
+    let _turn = exclusive();
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut a =
+        vec!["--requests", "600", "--prompt-len", "1024", "--verify", "sample", "--p-tp", "2", "--d-tp", "1"];
+    a.extend_from_slice(&["--timeout", "1s", "--lease", "1s"]);
+    a.extend_from_slice(TINY);
+    let mut bench = Spawned::start("stalled P1", bench_cmd(results.path(), &a));
+    let run = wait_rows(&mut bench, results.path(), 5, RUN_TIMEOUT);
+    let p1 = worker_of(bench.pid, "prefill", 1).expect("prefill rank 1");
+    assert!(signal(p1.pid as i32, libc::SIGSTOP));
+    // Resume it once a request has timed out on it (the engine waits 4 x --timeout).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !read_rows(&run).iter().any(|r| r["failure_cause"] == "timeout") {
+        assert!(Instant::now() < deadline, "no request timed out on the stalled rank");
+        assert!(bench.wait_exit(Duration::ZERO).is_none(), "bench ended early:\n{}", bench.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(signal(p1.pid as i32, libc::SIGCONT));
+    let status = bench.expect_exit(RUN_TIMEOUT);
+    assert!(status.success(), "{status}:\n{}", bench.stderr());
+    let s = summary_json(&bench);
+    assert_eq!(n(&s, "requests_ok") + n(&s, "requests_failed"), 600, "{s}");
+    assert!(s["failures_by_cause"]["timeout"].as_u64().is_some_and(|t| t > 0), "{s}");
+    assert_eq!(n(&s, "blocks_leaked"), 0, "{s}");
+    assert!(n(&s, "blocks_expired") > 0, "the waiting rank's lease ran out: {s}");
+    assert!(!notes(&s).contains("ranks that died"), "a stalled rank is not dead: {}", notes(&s));
+    assert!(n(&s, "requests_ok") > 5 + 2, "requests after the resume succeed: {s}");
+}

@@ -211,3 +211,60 @@ fn bench_across_two_network_namespaces_over_ucx_tcp() {
         assert!(st.success(), "{} exited {st}; stderr:\n{}", w.name, w.stderr());
     }
 }
+
+/// A prefill rank on the other host dies mid-run. It has no pipe to the orchestrator, so
+/// its engine learns of it when it stops saying it is alive; then later requests fail fast,
+/// the bench ends and accounts for every block.
+#[test]
+fn prefill_rank_killed_on_the_other_host_is_noticed() {
+    let _turn = exclusive();
+    let hosts = match TwoHosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            skip(&format!("prefill_rank_killed_on_the_other_host_is_noticed: cannot make namespaces: {why}"));
+            return;
+        }
+    };
+    let listen = format!("tcp://{}:0", hosts.d.addr);
+    let extra = ["--p-tp", "2", "--d-tp", "1", "--requests", "3000", "--timeout", "1s", "--lease", "2s"];
+    let (mut bench, results) = start_bench(&hosts, &listen, &extra);
+    let line = |bench: &Spawned, role: &str| {
+        let needle = format!("{role} engine waiting");
+        let l = bench.wait_line(STEP_TIMEOUT, |l| l.contains(&needle));
+        endpoint(&l.unwrap_or_else(|| panic!("no '{needle}' line; stderr:\n{}", bench.stderr())))
+    };
+    let p_ep = line(&bench, "prefill");
+    let mut prefill: Vec<Spawned> = (0..2)
+        .map(|r| {
+            let rank = r.to_string();
+            let cmd = TwoHosts::kvx(
+                &hosts.p,
+                &["worker", "--connect", &p_ep, "--role", "prefill", "--rank", &rank],
+            );
+            Spawned::start(&format!("P{r}"), cmd)
+        })
+        .collect();
+    let d_ep = line(&bench, "decode");
+    let cmd = TwoHosts::kvx(&hosts.d, &["worker", "--connect", &d_ep, "--role", "decode", "--rank", "0"]);
+    let mut decode = Spawned::start("D0", cmd);
+    let run = crate::procs::wait_rows(&mut bench, results.path(), 5, RUN_TIMEOUT);
+    prefill[1].kill_group();
+    prefill[1].expect_exit(STEP_TIMEOUT);
+    // Silence limit (8 x --timeout) + lease + shutdown grace, with room for a loaded machine.
+    let status = bench.expect_exit(Duration::from_secs(60));
+    assert!(status.success(), "bench exited {status}; stderr:\n{}", bench.stderr());
+    let s = summary_json(&bench);
+    let (ok, failed) = (n(&s, "requests_ok"), n(&s, "requests_failed"));
+    assert_eq!(ok + failed, 3000, "{s}");
+    assert!(ok >= 5 && failed > 0, "{s}");
+    assert_eq!(n(&s, "blocks_leaked"), 0, "{s}");
+    assert!(s["failures_by_cause"]["peer_gone"].as_u64().is_some_and(|g| g + 10 >= failed), "{s}");
+    let notes = s["notes"].to_string();
+    assert!(notes.contains("ranks that died: prefill [1], decode []"), "{notes}");
+    assert!(bench.stderr().contains("prefill rank 1 is gone: not heard from"), "{}", bench.stderr());
+    assert_eq!(read_rows(&run).len(), 3000);
+    for w in prefill.iter_mut().take(1).chain([&mut decode]) {
+        let st = w.expect_exit(STEP_TIMEOUT);
+        assert!(st.success(), "{} exited {st} after the bench shut it down:\n{}", w.name, w.stderr());
+    }
+}
