@@ -87,5 +87,42 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+criterion_group!(benches, bench, pattern);
 criterion_main!(benches);
+
+/// The byte pattern every prefill rank writes and decode rank checks, against a plain
+/// `memset`-like store of the same bytes (the ceiling) in the same run.
+fn pattern(c: &mut Criterion) {
+    use kvx::layouts::geometry::{Axis, BlockContent};
+    use kvx::layouts::pattern::{BlockOrigin, fill_block, verify_block};
+    // One Llama-3.1-70B tp-8 page: 16 tokens x K|V x 256 bytes; 4096 of them = 32 MiB.
+    let content = BlockContent {
+        layer: Some(3),
+        head: None,
+        kv: None,
+        axes: vec![(Axis::Token, 16), (Axis::Kv, 2), (Axis::Bytes, 256)],
+    };
+    let len = content.len() as usize;
+    let blocks = 4096;
+    let mut buf = vec![0u8; len * blocks];
+    let origin = |i: usize| BlockOrigin { seed: 7, first_global_head: 0, first_token: (i * 16) as u32 };
+    let mut g = c.benchmark_group("pattern_32MiB");
+    g.throughput(Throughput::Bytes(buf.len() as u64));
+    g.sample_size(10);
+    g.bench_function("fill", |b| {
+        b.iter(|| {
+            for (i, chunk) in buf.chunks_exact_mut(len).enumerate() {
+                fill_block(&content, origin(i), chunk);
+            }
+        })
+    });
+    g.bench_function("verify_full", |b| {
+        b.iter(|| {
+            for (i, chunk) in buf.chunks_exact(len).enumerate() {
+                black_box(verify_block(&content, origin(i), chunk, 1).is_ok());
+            }
+        })
+    });
+    g.bench_function("reference/store_same_bytes", |b| b.iter(|| buf.fill(black_box(0x5a))));
+    g.finish();
+}

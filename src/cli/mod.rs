@@ -18,6 +18,7 @@ pub mod probe;
 pub mod report;
 pub mod serve_engine;
 pub mod serve_proxy;
+pub mod sweep;
 pub mod topo;
 pub mod worker;
 pub mod xfer;

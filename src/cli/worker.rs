@@ -33,8 +33,6 @@ pub struct WorkerArgs {
 }
 
 pub fn run(args: &WorkerArgs) -> anyhow::Result<Outcome> {
-    // Warnings go to stderr, which a local engine forwards with the rank's prefix.
-    super::serve_engine::init_tracing();
     let (role, rank, endpoint) = match (args.role, launcher_rank(), args.p_tp) {
         (Some(r), _, _) => {
             let role = if r == RoleArg::Prefill { Role::Prefill } else { Role::Decode };

@@ -50,8 +50,9 @@ pub struct Verified {
 }
 
 /// Checks the sub-blocks a decode rank received for one request. `bp` pairs local
-/// sub-blocks with remote positions; `p_block_tokens` is the prefill block size; every
-/// `sample`-th vector is checked (1 = all).
+/// sub-blocks with remote positions; `p_block_tokens` is the prefill block size; with
+/// `sample` > 1 every `sample`-th (sub-block, region) is checked whole (1 = everything),
+/// so sampling costs in proportion to what it checks.
 #[expect(clippy::too_many_arguments, reason = "each is an independent fact of the request")]
 pub fn verify_request(
     geom: &RankGeometry,
@@ -66,11 +67,16 @@ pub fn verify_request(
 ) -> Result<Verified, Mismatch> {
     let r = u64::from(bsr.max(1));
     let mut bytes = 0;
-    for region in regions {
+    let sample = u64::from(sample.max(1));
+    let phase = seed % sample;
+    for (ri, region) in regions.iter().enumerate() {
         let content = landing_sub_content(region, bsr, permutes);
         let sub_len = region.block_len / r;
         let sub_step = region.block_stride / r;
         for (i, &sub) in bp.local.iter().enumerate() {
+            if sample > 1 && (i as u64 * regions.len() as u64 + ri as u64) % sample != phase {
+                continue;
+            }
             let off = region.base_off + sub * sub_step;
             let origin = BlockOrigin {
                 seed,
@@ -78,7 +84,7 @@ pub fn verify_request(
                 first_token: ((bp.first_remote_pos + i) as u64 * u64::from(p_block_tokens)) as u32,
             };
             let block = alloc.get(off as usize..(off + sub_len) as usize).unwrap_or(&[]);
-            bytes += verify_block(&content, origin, block, sample)
+            bytes += verify_block(&content, origin, block, 1)
                 .map_err(|m| Mismatch { offset: off + m.offset, ..m })?;
         }
     }

@@ -27,7 +27,9 @@ use tracing::{debug, warn};
 
 use super::params::KvTransferParams;
 use super::pool::BlockPool;
-use super::proto::{self, FailureCause, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, WorkerConfig};
+use super::proto::{
+    self, FailureCause, Fault, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, WorkerConfig,
+};
 use crate::layouts::alloc::AllocPattern;
 use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
 use crate::transfer::handshake::zmq_context;
@@ -110,6 +112,8 @@ pub struct PrefillDone {
     pub params: KvTransferParams,
     /// Slowest rank's fill time (excluded from transfer time).
     pub fill_ns: u64,
+    /// Slowest rank's storage publish time (storage transport; 0 otherwise).
+    pub publish_ns: u64,
 }
 
 /// The decode side's answer: one result per decode rank.
@@ -155,6 +159,10 @@ enum Cmd {
     Abandon {
         req: u64,
         p_request_id: String,
+    },
+    Fault {
+        rank: u32,
+        fault: Fault,
     },
 }
 
@@ -263,6 +271,11 @@ impl Engine {
         let _ = self.send(Cmd::Abandon { req, p_request_id });
     }
 
+    /// Injects a fault into one rank (resilience tests).
+    pub fn inject(&self, rank: u32, fault: Fault) {
+        let _ = self.send(Cmd::Fault { rank, fault });
+    }
+
     fn try_send(&self, cmd: Cmd) -> Result<(), Cmd> {
         match &self.tx {
             Some(tx) => {
@@ -308,8 +321,8 @@ struct Rank {
     dead: Option<String>,
     /// Said goodbye (and reported its peak memory) on shutdown.
     bye: bool,
-    /// Was told to shut down: its exit is not a death.
-    stopping: bool,
+    /// The local process has exited (and was reaped).
+    exited: bool,
     last_seen: Instant,
 }
 
@@ -321,6 +334,7 @@ struct PendingPrefill {
     /// Ranks that already released the blocks (lease shorter than the engine's deadline).
     freed: BTreeSet<u32>,
     fill_ns: u64,
+    publish_ns: u64,
     deadline: Instant,
     reply: Reply<PrefillDone>,
 }
@@ -348,6 +362,8 @@ struct EngineLoop {
     /// Prefill: requests held, with the ranks that have not freed them yet.
     held: HashMap<u64, (Vec<u32>, BTreeSet<u32>)>,
     fin: EngineFinal,
+    /// Shutdown was requested: workers exiting now are expected to.
+    shutting_down: bool,
     _tmp: Option<tempfile::TempDir>,
     gone: Gone,
 }
@@ -390,7 +406,7 @@ impl EngineLoop {
                 ready: None,
                 dead: None,
                 bye: false,
-                stopping: false,
+                exited: false,
                 last_seen: Instant::now(),
             })
             .collect();
@@ -439,6 +455,7 @@ impl EngineLoop {
             loads: HashMap::new(),
             held: HashMap::new(),
             fin: EngineFinal::default(),
+            shutting_down: false,
             _tmp: tmp,
             gone,
         };
@@ -537,7 +554,7 @@ impl EngineLoop {
                 rank.child.is_none()
                     && rank.ready.is_some()
                     && rank.dead.is_none()
-                    && !rank.stopping
+                    && !self.shutting_down
                     && rank.last_seen.elapsed() > silence
             })
             .collect();
@@ -569,11 +586,11 @@ impl EngineLoop {
         }
         let ctl_ready = items[0].is_readable();
         let bell_ready = items[1].is_readable();
+        // A pipe at EOF reports POLLHUP without POLLIN: any event means "go and read it".
         let stderr_ready: Vec<usize> = stderr_ranks
             .iter()
             .enumerate()
-            // A closed pipe polls as POLLHUP, which zmq_poll reports as an error, not as input.
-            .filter(|(k, _)| items[k + 2].is_readable() || items[k + 2].is_error())
+            .filter(|(k, _)| !items[k + 2].get_revents().is_empty())
             .map(|(_, &i)| i)
             .collect();
         drop(items);
@@ -622,13 +639,13 @@ impl EngineLoop {
         if eof {
             rank.stderr = None;
             let status = rank.child.as_mut().and_then(|c| c.wait().ok());
-            if rank.stopping && status.is_none_or(|s| s.success()) {
-                // Told to stop and did; its goodbye may still be in flight.
-                rank.dead.get_or_insert_with(|| "shut down".into());
+            rank.exited = true;
+            // A clean exit after the engine asked for it is a shutdown, not a death.
+            if self.shutting_down && status.is_some_and(|s| s.success()) {
                 return;
             }
             let why = match status {
-                Some(s) if s.success() && rank.dead.is_none() => "exited".to_string(),
+                Some(s) if s.success() => "exited".to_string(),
                 Some(s) => format!("exited with {s}"),
                 None => "its output closed".to_string(),
             };
@@ -751,12 +768,13 @@ impl EngineLoop {
                     self.ranks[i].ready = Some(*info);
                 }
             }
-            FromWorker::Filled { req, fill_ns } => {
+            FromWorker::Filled { req, fill_ns, publish_ns } => {
                 let Some(rank) = rank_of(&self.ranks) else { return };
                 let done = match self.prefills.get_mut(&req) {
                     Some(p) => {
                         p.waiting.remove(&(rank as u32));
                         p.fill_ns = p.fill_ns.max(fill_ns);
+                        p.publish_ns = p.publish_ns.max(publish_ns);
                         p.waiting.is_empty()
                     }
                     None => false,
@@ -764,7 +782,11 @@ impl EngineLoop {
                 if done && let Some(p) = self.prefills.remove(&req) {
                     let params = self.params_for(&p);
                     self.hold_or_free(req, p.blocks, &p.freed);
-                    let _ = p.reply.send(Ok(PrefillDone { params, fill_ns: p.fill_ns }));
+                    let _ = p.reply.send(Ok(PrefillDone {
+                        params,
+                        fill_ns: p.fill_ns,
+                        publish_ns: p.publish_ns,
+                    }));
                 }
             }
             FromWorker::Freed { req, expired } => {
@@ -811,7 +833,6 @@ impl EngineLoop {
                         ready.rss_bytes = ready.rss_bytes.max(rss_bytes);
                     }
                     self.ranks[i].bye = true;
-                    self.ranks[i].dead.get_or_insert_with(|| "shut down".into());
                 }
             }
         }
@@ -851,12 +872,12 @@ impl EngineLoop {
         match cmd {
             Cmd::Prefill { tokens, .. } => tokens.div_ceil(self.cfg.block_tokens),
             Cmd::Load { local_blocks, .. } => *local_blocks,
-            Cmd::Abandon { .. } => 0,
+            Cmd::Abandon { .. } | Cmd::Fault { .. } => 0,
         }
     }
 
     fn submit(&mut self, cmd: Cmd) {
-        if !self.backlog.is_empty() && !matches!(cmd, Cmd::Abandon { .. }) {
+        if !self.backlog.is_empty() && !matches!(cmd, Cmd::Abandon { .. } | Cmd::Fault { .. }) {
             self.backlog.push_back(cmd);
             return;
         }
@@ -879,6 +900,10 @@ impl EngineLoop {
         let needed = self.blocks_needed(&cmd);
         let timeout = self.cfg.timeout;
         match cmd {
+            Cmd::Fault { rank, fault } => {
+                self.send_to(rank, &ToWorker::Fault(fault));
+                None
+            }
             Cmd::Abandon { req, p_request_id } => {
                 for r in 0..self.cfg.tp {
                     self.send_to(r, &ToWorker::Abandon { req, p_request_id: p_request_id.clone() });
@@ -927,6 +952,7 @@ impl EngineLoop {
                         waiting: live,
                         freed: BTreeSet::new(),
                         fill_ns: 0,
+                        publish_ns: 0,
                         deadline: Instant::now() + timeout,
                         reply,
                     },
@@ -1006,20 +1032,16 @@ impl EngineLoop {
         {
             self.poll_once(Duration::from_millis(50));
         }
+        self.shutting_down = true;
         for r in 0..self.cfg.tp {
             if self.ranks[r as usize].dead.is_none() {
-                self.ranks[r as usize].stopping = true;
                 self.send_to(r, &ToWorker::Shutdown);
             }
         }
-        // Wait for every worker's goodbye (its peak memory) and, for local ones, its exit.
+        // Wait for every live worker's goodbye (its peak memory) and, for local ones, its exit.
         let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline
-            && self
-                .ranks
-                .iter()
-                .any(|r| r.stderr.is_some() || !(r.bye || r.dead.is_some() && r.child.is_some()))
-        {
+        let pending = |r: &Rank| r.dead.is_none() && (!r.bye || (r.child.is_some() && !r.exited));
+        while Instant::now() < deadline && self.ranks.iter().any(pending) {
             self.poll_once(Duration::from_millis(50));
         }
         for r in &mut self.ranks {

@@ -48,14 +48,14 @@ impl Role {
 pub enum VerifyMode {
     /// Every byte.
     Full,
-    /// One vector in `SAMPLE_STRIDE`.
+    /// One block (of one region) in `SAMPLE_STRIDE`, whole.
     #[default]
     Sample,
     Off,
 }
 
 /// The stride of `VerifyMode::Sample`.
-pub const SAMPLE_STRIDE: u32 = 61;
+pub const SAMPLE_STRIDE: u32 = 16;
 
 impl VerifyMode {
     /// The vector stride to check, if any.
@@ -150,7 +150,20 @@ pub enum ToWorker {
         req: u64,
         p_request_id: String,
     },
+    /// Fault injection for resilience tests (`kvx bench --fault`).
+    Fault(Fault),
     Shutdown,
+}
+
+/// A fault a worker injects into itself on request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    /// Tear down the rank's UCX side (worker, registration) but keep its memory and its
+    /// side channel: reads over UCX fail, other transports still work.
+    KillUcx,
+    /// Exit at once, as a crash would.
+    Exit,
 }
 
 /// What a worker reports once it is up.
@@ -231,9 +244,11 @@ pub enum FromWorker {
         host: String,
     },
     Ready(Box<ReadyInfo>),
+    /// `publish_ns`: time to publish the blocks through the storage transport (0 if unused).
     Filled {
         req: u64,
         fill_ns: u64,
+        publish_ns: u64,
     },
     /// A prefill rank released a request's blocks: all notifications arrived, or the lease expired.
     Freed {
@@ -276,7 +291,7 @@ mod tests {
 
     #[test]
     fn messages_round_trip_and_garbage_is_an_error() {
-        let m = FromWorker::Filled { req: 3, fill_ns: 99 };
+        let m = FromWorker::Filled { req: 3, fill_ns: 99, publish_ns: 0 };
         assert_eq!(decode::<FromWorker>(&encode(&m)), Ok(m));
         assert!(decode::<FromWorker>(b"\xc1garbage").is_err());
         assert!(decode::<ToWorker>(&[]).is_err());

@@ -11,6 +11,7 @@ mod procs;
 mod props;
 mod report;
 mod serve;
+mod storage;
 mod ucx;
 mod ucx_common;
 mod ucx_layout;
