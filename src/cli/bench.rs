@@ -45,7 +45,7 @@ pub struct BenchArgs {
     #[arg(long, value_parser = parse_duration, help_heading = "Workload")]
     pub duration: Option<Duration>,
     /// Open loop: Poisson arrivals at this many requests per second.
-    #[arg(long, conflicts_with = "concurrency", help_heading = "Workload")]
+    #[arg(long, conflicts_with = "concurrency", allow_negative_numbers = true, help_heading = "Workload")]
     pub rate: Option<f64>,
     /// Closed loop: requests kept in flight [default: 2].
     #[arg(long, help_heading = "Workload")]
@@ -60,7 +60,7 @@ pub struct BenchArgs {
     #[arg(long, help_heading = "Workload")]
     pub warmup: Option<u64>,
     /// Fraction of each prompt already cached on decode; only the rest is read.
-    #[arg(long, help_heading = "Workload")]
+    #[arg(long, allow_negative_numbers = true, help_heading = "Workload")]
     pub prefix_hit: Option<f64>,
     /// Block allocation pattern: contiguous, fragmented, random [default: contiguous].
     #[arg(long, help_heading = "Workload")]
@@ -398,8 +398,11 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
         Some(d) => d,
         None => dur("timeout (config)", file.timeout.as_deref())?.unwrap_or(Duration::from_secs(5)),
     };
-    if lease.is_zero() || timeout.is_zero() {
-        return Err(ConfigError::new("--lease", "--lease and --timeout must be longer than 0"));
+    if lease.is_zero() {
+        return Err(ConfigError::new("--lease", "must be longer than 0"));
+    }
+    if timeout.is_zero() {
+        return Err(ConfigError::new("--timeout", "must be longer than 0"));
     }
     let repeat = args.repeat.or(file.repeat).unwrap_or(1);
     if repeat == 0 || repeat > 1000 {
@@ -410,6 +413,18 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
     let mut worker_env = Vec::new();
     if let Some(tls) = args.ucx_tls.clone().or(file.ucx_tls.clone()) {
         worker_env.push(("UCX_TLS".to_string(), tls));
+    }
+    if let Some(ep) = &args.listen {
+        let bad = || {
+            ConfigError::new(
+                "--listen",
+                format!("'{ep}' is not tcp://HOST:PORT (the decode engine takes PORT + 1)"),
+            )
+        };
+        let (host, port) = ep.strip_prefix("tcp://").and_then(|r| r.rsplit_once(':')).ok_or_else(bad)?;
+        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == u16::MAX) {
+            return Err(bad());
+        }
     }
     let (bind_host, advertise_default) = match &args.listen {
         Some(ep) => {

@@ -169,7 +169,8 @@ impl Engines {
         let launch = |role: Role| match &s.listen {
             Some(ep) => {
                 let (host, port) = super::engine::split_endpoint(ep);
-                let port = if role == Role::Prefill { port } else { port.saturating_add(1) };
+                // Port 0: both engines take a free port (each prints its endpoint).
+                let port = if role == Role::Prefill || port == 0 { port } else { port.saturating_add(1) };
                 Launch::External { bind: format!("tcp://{host}:{port}") }
             }
             None => Launch::Spawn { exe: s.exe.clone(), env: s.worker_env.clone() },
@@ -243,6 +244,12 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         };
         row.failure_cause = Some(cause.to_string());
     };
+    // An engine with a dead rank cannot serve: fail at once rather than fill prefill blocks
+    // no decode rank will read (they would sit out their lease and starve later requests).
+    if let Some(e) = engines.prefill.gone().or_else(|| engines.decode.gone()) {
+        fail(&mut row, e.cause().as_str());
+        return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+    }
     let prefill =
         engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.pair)).await;
     let (params, publish_ns) = match prefill {

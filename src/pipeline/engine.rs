@@ -172,7 +172,12 @@ pub struct Engine {
     tx: Option<mpsc::Sender<Cmd>>,
     bell: UnixStream,
     thread: Option<JoinHandle<EngineFinal>>,
+    gone: Gone,
 }
+
+/// The first rank death an engine saw, shared with callers so they can fail a request
+/// before starting it (an engine with a dead rank cannot serve any request).
+type Gone = std::sync::Arc<std::sync::Mutex<Option<EngineError>>>;
 
 impl Engine {
     /// Starts the workers and waits until every rank is ready.
@@ -181,10 +186,12 @@ impl Engine {
         let (bell, bell_rx) = UnixStream::pair().map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
         bell_rx.set_nonblocking(true).map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
         let (info_tx, info_rx) = mpsc::channel();
+        let gone = Gone::default();
+        let loop_gone = gone.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvx-{}-engine", cfg.worker.role.as_str()))
             .spawn(move || {
-                let mut lp = match EngineLoop::start(cfg, bell_rx) {
+                let mut lp = match EngineLoop::start(cfg, bell_rx, loop_gone) {
                     Ok(lp) => lp,
                     Err(e) => {
                         let _ = info_tx.send(Err(e));
@@ -200,7 +207,7 @@ impl Engine {
                 what: format!("cannot spawn thread: {e}"),
             })?;
         match info_rx.recv() {
-            Ok(Ok(info)) => Ok(Engine { info, tx: Some(tx), bell, thread: Some(thread) }),
+            Ok(Ok(info)) => Ok(Engine { info, tx: Some(tx), bell, thread: Some(thread), gone }),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -211,6 +218,11 @@ impl Engine {
 
     pub fn info(&self) -> &EngineInfo {
         &self.info
+    }
+
+    /// Why the engine cannot serve any more (a rank is gone), if so.
+    pub fn gone(&self) -> Option<EngineError> {
+        self.gone.lock().ok().and_then(|g| g.clone())
     }
 
     fn send(&self, cmd: Cmd) -> bool {
@@ -319,6 +331,8 @@ struct PendingPrefill {
     tokens: u32,
     blocks: Vec<u32>,
     waiting: BTreeSet<u32>,
+    /// Ranks that already released the blocks (lease shorter than the engine's deadline).
+    freed: BTreeSet<u32>,
     fill_ns: u64,
     publish_ns: u64,
     deadline: Instant,
@@ -351,10 +365,11 @@ struct EngineLoop {
     /// Shutdown was requested: workers exiting now are expected to.
     shutting_down: bool,
     _tmp: Option<tempfile::TempDir>,
+    gone: Gone,
 }
 
 impl EngineLoop {
-    fn start(cfg: EngineConfig, bell: UnixStream) -> Result<Self, EngineError> {
+    fn start(cfg: EngineConfig, bell: UnixStream, gone: Gone) -> Result<Self, EngineError> {
         let ctx = zmq_context();
         let ctl = ctx.socket(zmq::ROUTER).map_err(|e| startup(&cfg, format!("control socket: {e}")))?;
         let _ = ctl.set_linger(0);
@@ -373,6 +388,15 @@ impl EngineLoop {
             .map_err(|e| startup(&cfg, format!("cannot bind the control socket at {bind}: {e}")))?;
         let endpoint = ctl.get_last_endpoint().ok().and_then(Result::ok).unwrap_or(bind);
         let role = cfg.worker.role;
+        if matches!(cfg.launch, Launch::External { .. }) {
+            // The one place the bound port shows when --listen asked for port 0.
+            eprintln!(
+                "kvx: {} engine waiting for {} worker(s): kvx worker --connect {endpoint} --role {}",
+                role.as_str(),
+                cfg.tp,
+                role.as_str()
+            );
+        }
         let mut ranks: Vec<Rank> = (0..cfg.tp)
             .map(|_| Rank {
                 identity: None,
@@ -433,6 +457,7 @@ impl EngineLoop {
             fin: EngineFinal::default(),
             shutting_down: false,
             _tmp: tmp,
+            gone,
         };
         lp.wait_ready()?;
         Ok(lp)
@@ -515,6 +540,26 @@ impl EngineLoop {
             });
             self.poll_once(wait);
             self.expire_deadlines();
+            self.check_silent();
+        }
+    }
+
+    /// Workers started elsewhere have no stderr pipe whose closing says they died; one that
+    /// stopped saying it is alive for longer than any request may take is declared gone.
+    fn check_silent(&mut self) {
+        let silence = (self.cfg.timeout * 2).max(proto::ALIVE_EVERY * 3);
+        let silent: Vec<u32> = (0..self.cfg.tp)
+            .filter(|&r| {
+                let rank = &self.ranks[r as usize];
+                rank.child.is_none()
+                    && rank.ready.is_some()
+                    && rank.dead.is_none()
+                    && !self.shutting_down
+                    && rank.last_seen.elapsed() > silence
+            })
+            .collect();
+        for r in silent {
+            self.rank_died(r, format!("not heard from for {silence:?}"));
         }
     }
 
@@ -553,15 +598,16 @@ impl EngineLoop {
             let mut buf = [0u8; 256];
             while matches!((&self.bell).read(&mut buf), Ok(n) if n > 0) {}
         }
-        for i in stderr_ready {
-            self.drain_stderr(i);
-        }
+        // Messages first: a worker's goodbye often arrives in the same round as its exit.
         if ctl_ready {
             while let Ok(frames) = self.ctl.recv_multipart(zmq::DONTWAIT) {
                 if let [identity, body] = frames.as_slice() {
                     self.on_message(identity, body);
                 }
             }
+        }
+        for i in stderr_ready {
+            self.drain_stderr(i);
         }
     }
 
@@ -617,12 +663,15 @@ impl EngineLoop {
         r.dead = Some(why.clone());
         self.fin.dead_ranks.push(rank);
         let err = EngineError::RankGone { role, rank, why };
+        if let Ok(mut g) = self.gone.lock() {
+            g.get_or_insert_with(|| err.clone());
+        }
         let failed: Vec<u64> =
             self.prefills.iter().filter(|(_, p)| p.waiting.contains(&rank)).map(|(&k, _)| k).collect();
         for req in failed {
             if let Some(p) = self.prefills.remove(&req) {
                 let _ = p.reply.send(Err(err.clone()));
-                self.hold_or_free(req, p.blocks, rank);
+                self.hold_or_free(req, p.blocks, &p.freed);
             }
         }
         let failed: Vec<u64> =
@@ -640,11 +689,12 @@ impl EngineLoop {
         }
     }
 
-    /// A prefill that failed after blocks were sent: live ranks still hold them until their
-    /// lease ends, so keep the blocks allocated until every live rank has freed them.
-    fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>, dead_rank: u32) {
-        let live: BTreeSet<u32> =
-            (0..self.cfg.tp).filter(|&r| r != dead_rank && self.ranks[r as usize].dead.is_none()).collect();
+    /// Blocks sent to prefill ranks stay allocated until every live rank has freed them
+    /// (notifications or lease); a dead rank never will, so it is not waited for.
+    fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>, freed: &BTreeSet<u32>) {
+        let live: BTreeSet<u32> = (0..self.cfg.tp)
+            .filter(|&r| self.ranks[r as usize].dead.is_none() && !freed.contains(&r))
+            .collect();
         if live.is_empty() {
             self.pool.free(&blocks);
         } else {
@@ -687,6 +737,9 @@ impl EngineLoop {
             }
         };
         let rank_of = |ranks: &[Rank]| ranks.iter().position(|r| r.identity.as_deref() == Some(identity));
+        if let Some(i) = rank_of(&self.ranks) {
+            self.ranks[i].last_seen = Instant::now();
+        }
         match msg {
             FromWorker::Hello { role, rank, pid, host } => {
                 if role != self.cfg.worker.role {
@@ -728,7 +781,7 @@ impl EngineLoop {
                 };
                 if done && let Some(p) = self.prefills.remove(&req) {
                     let params = self.params_for(&p);
-                    self.held.insert(req, (p.blocks, (0..self.cfg.tp).collect()));
+                    self.hold_or_free(req, p.blocks, &p.freed);
                     let _ = p.reply.send(Ok(PrefillDone {
                         params,
                         fill_ns: p.fill_ns,
@@ -738,6 +791,13 @@ impl EngineLoop {
             }
             FromWorker::Freed { req, expired } => {
                 if let Some(rank) = rank_of(&self.ranks) {
+                    // Not held yet: the request is still waiting for other ranks' fills.
+                    if let Some(p) = self.prefills.get_mut(&req) {
+                        p.freed.insert(rank as u32);
+                        if expired {
+                            self.fin.leases_expired += 1;
+                        }
+                    }
                     self.freed_by(req, rank as u32, expired, false);
                 }
             }
@@ -761,6 +821,7 @@ impl EngineLoop {
                 }
             }
             FromWorker::Unrecognized { count } => self.fin.unrecognized_notifs += count,
+            FromWorker::Alive => {}
             FromWorker::Fatal { msg } => {
                 if let Some(i) = rank_of(&self.ranks) {
                     self.rank_died(i as u32, msg);
@@ -889,6 +950,7 @@ impl EngineLoop {
                         tokens,
                         blocks,
                         waiting: live,
+                        freed: BTreeSet::new(),
                         fill_ns: 0,
                         publish_ns: 0,
                         deadline: Instant::now() + timeout,
@@ -946,7 +1008,7 @@ impl EngineLoop {
                 let ranks: Vec<u32> = p.waiting.iter().copied().collect();
                 let _ = p.reply.send(Err(EngineError::Timeout { req, role, ranks, timeout }));
                 // Ranks that did fill hold the blocks under their lease.
-                self.held.insert(req, (p.blocks, (0..self.cfg.tp).collect()));
+                self.hold_or_free(req, p.blocks, &p.freed);
             }
         }
         let late: Vec<u64> = self.loads.iter().filter(|(_, l)| l.deadline <= now).map(|(&k, _)| k).collect();

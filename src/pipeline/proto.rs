@@ -14,6 +14,10 @@ use crate::layouts::compat::PairSpec;
 /// Hard cap on one control message, checked before decoding.
 pub const MAX_CONTROL_BYTES: usize = 64 << 20;
 
+/// How often a worker started elsewhere (`kvx worker --connect tcp://...`) tells its engine
+/// it is alive. Such a worker has no pipe to the engine whose closing would say it died.
+pub const ALIVE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Which side a worker serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -256,6 +260,8 @@ pub enum FromWorker {
     Unrecognized {
         count: u64,
     },
+    /// A worker started elsewhere is still there (every `ALIVE_EVERY`).
+    Alive,
     /// The worker is exiting because of this error.
     Fatal {
         msg: String,
