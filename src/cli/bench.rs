@@ -515,13 +515,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         settings.lens,
         writer.dir().display()
     );
-    let mut summary = bench::run(&settings, &mut writer, &run_id)?;
-    if settings.calibrate {
-        let size = settings.pair.p_geometry(0).regions().first().map_or(65536, |r| r.block_len);
-        if let Some((cal, _)) = bench::calibrate(&settings, size) {
-            summary.calibration = Some(cal);
-        }
-    }
+    let summary = bench::run(&settings, &mut writer, &run_id)?;
     let files = writer.finish(&summary)?;
     print_summary(args.format, &summary, &files)?;
     if summary.requests_failed > 0 || summary.verify_failures > 0 {

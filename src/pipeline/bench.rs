@@ -562,6 +562,11 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         first_req += rows_rc.borrow().iter().filter(|r| r.repeat == repeat).count() as u64;
         let mut rm = RepeatMetrics::from_parts(repeat, &tally.totals, &tally.recorder, secs);
         rm.verify_failures = tally.verify_failures;
+        // Each repeat carries its own calibration, so the gate can normalise repeat by
+        // repeat when the machine's load changes during a run.
+        if s.calibrate && s.repeat > 1 {
+            rm.calibration = calibrate(s, calibration_size(s)).map(|c| c.0);
+        }
         repeats.push(rm);
         let _ = handshakes.merge(&tally.handshake);
         if transports.is_none() {
@@ -626,8 +631,36 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     if p_fin.unrecognized_notifs > 0 {
         summary.notes.push(format!("{} notifications for unrecognized requests", p_fin.unrecognized_notifs));
     }
+    if s.calibrate {
+        summary.calibration = match repeats_calibration(&summary.repeats) {
+            Some(c) => Some(c),
+            None => calibrate(s, calibration_size(s)).map(|c| c.0),
+        };
+    }
     summary.finished_at = Some(crate::report::summary::now_rfc3339());
     summary.partial = false;
     let _ = rows_rc;
     Ok(summary)
+}
+
+/// The descriptor size the calibration reads: one block of the prefill side's first region.
+fn calibration_size(s: &BenchSettings) -> u64 {
+    s.pair.p_geometry(0).regions().first().map_or(65536, |r| r.block_len)
+}
+
+/// The median of the repeats' calibration figures, when every repeat has one.
+fn repeats_calibration(repeats: &[RepeatMetrics]) -> Option<Calibration> {
+    let cals: Vec<&Calibration> = repeats.iter().map(|r| r.calibration.as_ref()).collect::<Option<_>>()?;
+    let median = |f: fn(&Calibration) -> Option<f64>| -> Option<f64> {
+        let mut v: Vec<f64> = cals.iter().filter_map(|c| f(c)).collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    };
+    let mut c = cals.first().map(|c| (*c).clone())?;
+    c.memcpy_gbps = median(|c| c.memcpy_gbps);
+    c.ucx_loopback_gbps = median(|c| c.ucx_loopback_gbps);
+    Some(c)
 }
