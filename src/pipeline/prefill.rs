@@ -92,7 +92,10 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     let mem = region.memory_mut().map_err(werr!("KV pool"))?;
                     fill_request(&geom, &regions, &blocks, seed, mem.as_mut_slice());
                     let fill_ns = t0.elapsed().as_nanos() as u64;
-                    match leases.register(&p_request_id, Some(expected_notifs), Instant::now()) {
+                    // 0: the decode side's TP is unknown here (a serving engine); take the
+                    // count the first notification names, as vLLM's P does.
+                    let expected = (expected_notifs > 0).then_some(expected_notifs);
+                    match leases.register(&p_request_id, expected, Instant::now()) {
                         Ok(_) => {
                             held.insert(p_request_id, req);
                         }
