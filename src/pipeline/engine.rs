@@ -575,7 +575,9 @@ impl EngineLoop {
         let stderr_ready: Vec<usize> = stderr_ranks
             .iter()
             .enumerate()
-            .filter(|(k, _)| items[k + 2].is_readable())
+            // A closed pipe with nothing left to read polls as POLLHUP, which zmq_poll
+            // reports as an error, not as readable.
+            .filter(|(k, _)| items[k + 2].is_readable() || items[k + 2].is_error())
             .map(|(_, &i)| i)
             .collect();
         drop(items);
