@@ -193,11 +193,8 @@ pub fn resolve(a: &ServeEngineArgs) -> Result<ServeEngineSettings, ConfigError> 
         return Err(ConfigError::new("--eos-at", "EOS position counts from 1"));
     }
     let engine_id = a.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-    let model_name = a
-        .model_name
-        .clone()
-        .or_else(|| a.model.model.clone())
-        .unwrap_or_else(|| "kvx-synthetic".to_string());
+    let model_name =
+        a.model_name.clone().or_else(|| a.model.model.clone()).unwrap_or_else(|| "kvx-synthetic".to_string());
     let http = EngineConfig {
         role: a.role,
         model_name,
@@ -269,8 +266,7 @@ fn resolve_workers(a: &ServeEngineArgs, engine_id: String) -> Result<WorkerEngin
     }
     let exe = std::env::current_exe()
         .map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
-    let env: Vec<(String, String)> =
-        a.ucx_tls.iter().map(|t| ("UCX_TLS".to_string(), t.clone())).collect();
+    let env: Vec<(String, String)> = a.ucx_tls.iter().map(|t| ("UCX_TLS".to_string(), t.clone())).collect();
     let host = bind_host(&a.side_channel_host);
     let role = match a.role {
         Role::Prefill => proto::Role::Prefill,
@@ -347,9 +343,8 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
                     r = &mut start => (r, false),
                     () = &mut stop => (start.await, true),
                 };
-                let kv = Arc::new(
-                    started.context("starting the KV workers")?.context("starting the KV workers")?,
-                );
+                let kv =
+                    Arc::new(started.context("starting the KV workers")?.context("starting the KV workers")?);
                 if stopped {
                     return Ok::<_, anyhow::Error>(Some(kv));
                 }

@@ -282,14 +282,24 @@ impl EngineState {
                 h,
             );
         }
-        e.counter("kvx:kv_prefills_total", "Prefills whose blocks the backend filled and held.", &bl, b.prefills);
+        e.counter(
+            "kvx:kv_prefills_total",
+            "Prefills whose blocks the backend filled and held.",
+            &bl,
+            b.prefills,
+        );
         e.counter(
             "kvx:kv_prefill_failures_total",
             "Prefills the backend could not fill and hold.",
             &bl,
             b.prefill_failures,
         );
-        e.counter("kvx:kv_backend_loads_total", "Loads the backend finished.", &[bl[0], bl[1], bl[2], ("result", "ok")], b.loads_ok);
+        e.counter(
+            "kvx:kv_backend_loads_total",
+            "Loads the backend finished.",
+            &[bl[0], bl[1], bl[2], ("result", "ok")],
+            b.loads_ok,
+        );
         e.counter(
             "kvx:kv_backend_loads_total",
             "Loads the backend finished.",

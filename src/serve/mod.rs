@@ -26,6 +26,7 @@ pub mod client;
 pub mod engine;
 pub mod kv;
 pub mod load;
+pub mod load_report;
 pub mod metrics;
 pub mod openai;
 pub mod proxy;

@@ -33,7 +33,8 @@ use crate::pipeline::proto::{FailureCause, LoadResult, Role};
 use crate::report::recorder::StageRecorder;
 
 /// Decode-side stages recorded per load (slowest rank), in report order.
-pub const LOAD_STAGES: [&str; 8] = ["queue", "handshake", "plan", "post", "transfer", "notify", "e2e", "verify"];
+pub const LOAD_STAGES: [&str; 8] =
+    ["queue", "handshake", "plan", "post", "transfer", "notify", "e2e", "verify"];
 
 /// The byte-pattern seed of a request, from P's request id: both engines compute it from
 /// what `kv_transfer_params` carries.
