@@ -336,6 +336,8 @@ struct Rank {
     dead: Option<String>,
     /// Said goodbye (and reported its peak memory) on shutdown.
     bye: bool,
+    /// Exited cleanly after being told to shut down (its goodbye may still be in flight).
+    exited_ok_at: Option<Instant>,
     last_seen: Instant,
 }
 
@@ -373,6 +375,8 @@ struct EngineLoop {
     held: HashMap<u64, (Vec<u32>, BTreeSet<u32>)>,
     fin: EngineFinal,
     live: Arc<EngineLive>,
+    /// Workers have been told to shut down.
+    stopping: bool,
     _tmp: Option<tempfile::TempDir>,
 }
 
@@ -405,6 +409,7 @@ impl EngineLoop {
                 ready: None,
                 dead: None,
                 bye: false,
+                exited_ok_at: None,
                 last_seen: Instant::now(),
             })
             .collect();
@@ -454,6 +459,7 @@ impl EngineLoop {
             held: HashMap::new(),
             fin: EngineFinal::default(),
             live,
+            stopping: false,
             _tmp: tmp,
         };
         lp.wait_ready()?;
@@ -625,6 +631,12 @@ impl EngineLoop {
         if eof {
             rank.stderr = None;
             let status = rank.child.as_mut().and_then(|c| c.wait().ok());
+            if self.stopping && status.is_some_and(|s| s.success()) {
+                // Told to shut down and did: not a death.
+                rank.dead.get_or_insert_with(|| "shut down".into());
+                rank.exited_ok_at = Some(Instant::now());
+                return;
+            }
             let why = match status {
                 Some(s) if s.success() && rank.dead.is_none() => "exited".to_string(),
                 Some(s) => format!("exited with {s}"),
@@ -988,18 +1000,23 @@ impl EngineLoop {
         {
             self.poll_once(Duration::from_millis(50));
         }
+        self.stopping = true;
         for r in 0..self.cfg.tp {
             if self.ranks[r as usize].dead.is_none() {
                 self.send_to(r, &ToWorker::Shutdown);
             }
         }
-        // Wait for every worker's goodbye (its peak memory) and, for local ones, its exit.
+        // Wait for every worker's goodbye (its peak memory) and, for local ones, its exit; a
+        // clean exit whose goodbye got lost is waited for briefly, a dead rank not at all.
         let deadline = Instant::now() + Duration::from_secs(10);
+        let grace = Duration::from_millis(500);
         while Instant::now() < deadline
-            && self
-                .ranks
-                .iter()
-                .any(|r| r.stderr.is_some() || !(r.bye || r.dead.is_some() && r.child.is_some()))
+            && self.ranks.iter().any(|r| {
+                let gone = r.dead.is_some()
+                    && r.child.is_some()
+                    && r.exited_ok_at.is_none_or(|t| t.elapsed() >= grace);
+                r.stderr.is_some() || !(r.bye || gone)
+            })
         {
             self.poll_once(Duration::from_millis(50));
         }
