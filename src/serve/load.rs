@@ -213,6 +213,8 @@ struct Prepared {
 
 struct Shared {
     cfg: LoadConfig,
+    /// Per-run prefix of every `X-Request-Id`, so two runs against one engine never share ids.
+    nonce: String,
     client: HttpClient,
     targets: Vec<Prepared>,
     auth: Option<HeaderValue>,
@@ -256,11 +258,12 @@ fn request_body(cfg: &LoadConfig, t: usize, i: u64, rng: &mut rand::rngs::StdRng
     (serde_json::to_vec(&body).unwrap_or_default(), n)
 }
 
-fn post(sh: &Shared, uri: &Uri, body: Bytes) -> Request<Full<Bytes>> {
+fn post(sh: &Shared, uri: &Uri, body: Bytes, request_id: &str) -> Request<Full<Bytes>> {
     let mut b = Request::builder()
         .method(Method::POST)
         .uri(uri.clone())
-        .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))
+        .header("x-request-id", request_id);
     if let Some(a) = &sh.auth {
         b = b.header(header::AUTHORIZATION, a.clone());
     }
@@ -340,15 +343,16 @@ impl ChunkIn<'_> {
 /// Sends one request (both legs for a client-side P/D target) and measures it.
 async fn one_request(sh: &Shared, t: usize, body: Bytes, s: &mut Sample) {
     let target = &sh.targets[t];
+    let rid = request_id(&sh.nonce, &sh.cfg.targets[t].name, s.index);
     let start = Instant::now();
     s.start = Some(start);
     let deadline = start + sh.cfg.timeout;
     let result = tokio::time::timeout_at(deadline.into(), async {
         let body = match &target.prefill_uri {
             None => body,
-            Some(p_uri) => prefill_leg(sh, p_uri, &body).await?,
+            Some(p_uri) => prefill_leg(sh, p_uri, &body, &rid).await?,
         };
-        let resp = sh.client.request(post(sh, &target.uri, body)).await.map_err(|e| classify(&e))?;
+        let resp = sh.client.request(post(sh, &target.uri, body, &rid)).await.map_err(|e| classify(&e))?;
         let status = resp.status();
         let mut b = resp.into_body();
         if !status.is_success() {
@@ -424,11 +428,14 @@ async fn one_request(sh: &Shared, t: usize, body: Bytes, s: &mut Sample) {
 }
 
 /// The client-side prefill leg: same rewriting as the proxy; returns the decode body.
-async fn prefill_leg(sh: &Shared, p_uri: &Uri, body: &Bytes) -> Result<Bytes, String> {
+async fn prefill_leg(sh: &Shared, p_uri: &Uri, body: &Bytes, request_id: &str) -> Result<Bytes, String> {
     let obj = RawObject::parse(body).map_err(|_| "invalid_request".to_string())?;
     let p_body = Bytes::from(rewrite::prefill_body(&obj));
     let resp =
-        sh.client.request(post(sh, p_uri, p_body)).await.map_err(|e| format!("prefill_{}", classify(&e)))?;
+        sh.client
+            .request(post(sh, p_uri, p_body, request_id))
+            .await
+            .map_err(|e| format!("prefill_{}", classify(&e)))?;
     let status = resp.status();
     let bytes = resp.into_body().collect().await.map_err(|_| "prefill_body".to_string())?.to_bytes();
     if !status.is_success() {
@@ -463,9 +470,17 @@ pub async fn discover_model(base: &Uri, api_key: Option<&str>) -> Option<String>
     v["data"][0]["id"].as_str().map(str::to_string)
 }
 
+/// The `X-Request-Id` a request is sent with (both legs of a client-side P/D pair too, as
+/// the proxy does): engines name the request after it, so their records join with ours.
+pub fn request_id(nonce: &str, target: &str, index: u64) -> String {
+    format!("{nonce}-{target}-{index}")
+}
+
 /// One measured request, as the client saw it (a line of `http_requests.csv`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RequestRecord {
+    /// The `X-Request-Id` it was sent with.
+    pub request_id: String,
     pub target: String,
     /// Request number within its target (warm-up requests come first).
     pub index: u64,
@@ -512,7 +527,8 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadRun, LoadError> {
         targets.push(Prepared { uri, prefill_uri });
     }
     let auth = cfg.api_key.as_ref().and_then(|k| HeaderValue::from_str(&format!("Bearer {k}")).ok());
-    let sh = Arc::new(Shared { client: http_client(Some(Duration::from_secs(5))), targets, auth, cfg });
+    let nonce = format!("load-{}", &uuid::Uuid::new_v4().simple().to_string()[..6]);
+    let sh = Arc::new(Shared { client: http_client(Some(Duration::from_secs(5))), nonce, targets, auth, cfg });
 
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Sample>();
     let started = Instant::now();
@@ -542,6 +558,7 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadRun, LoadError> {
     let requests = measured
         .iter()
         .map(|s| RequestRecord {
+            request_id: request_id(&sh.nonce, &cfg.targets[s.target].name, s.index),
             target: cfg.targets[s.target].name.clone(),
             index: s.index,
             start_offset_us: s.start.map_or(0.0, |t| us(t.saturating_duration_since(first))),

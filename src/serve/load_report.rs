@@ -123,7 +123,7 @@ pub fn request_rows(run: &LoadRun) -> Vec<RequestRow> {
     run.requests
         .iter()
         .map(|r| RequestRow {
-            request_id: format!("{}-{}", r.target, r.index),
+            request_id: r.request_id.clone(),
             start_offset_us: r.start_offset_us,
             prompt_tokens: r.prompt_tokens,
             outcome: if r.error.is_some() { RequestOutcome::Failed } else { RequestOutcome::Ok },
@@ -280,6 +280,7 @@ mod tests {
         b.record_ns(ITL, 10_000);
         b.record_ns(TPOT, 10_000);
         let req = |target: &str, error: Option<&str>| RequestRecord {
+            request_id: format!("load-x-{target}-1"),
             target: target.into(),
             index: 1,
             start_offset_us: 5.0,
@@ -328,7 +329,7 @@ mod tests {
     fn rows_and_csv_carry_each_request() {
         let r = run();
         let rows = request_rows(&r);
-        assert_eq!(rows[0].request_id, "url-1");
+        assert_eq!(rows[0].request_id, "load-x-url-1");
         assert_eq!(rows[1].outcome, RequestOutcome::Failed);
         assert_eq!(rows[1].failure_cause.as_deref(), Some("timeout"));
         let csv = String::from_utf8(http_requests_csv(&r).expect("csv")).expect("utf8");
@@ -336,11 +337,11 @@ mod tests {
         assert_eq!(
             lines.next(),
             Some(
-                "target,index,start_offset_us,prompt_tokens,output_tokens,ttft_us,e2el_us,itl_mean_us,send_lag_us,error"
+                "request_id,target,index,start_offset_us,prompt_tokens,output_tokens,ttft_us,e2el_us,itl_mean_us,send_lag_us,error"
             )
         );
-        assert_eq!(lines.next(), Some("url,1,5.0,9,4,1500.0,3000.0,,0.0,"));
-        assert_eq!(lines.next(), Some("url,1,5.0,9,4,1500.0,3000.0,,0.0,timeout"));
+        assert_eq!(lines.next(), Some("load-x-url-1,url,1,5.0,9,4,1500.0,3000.0,,0.0,"));
+        assert_eq!(lines.next(), Some("load-x-url-1,url,1,5.0,9,4,1500.0,3000.0,,0.0,timeout"));
     }
 
     #[test]

@@ -22,6 +22,7 @@
 //! (through its public engine API); nothing here touches `transfer/`. The HTTP side sees KV
 //! only through [`kv::KvBackend`].
 
+pub mod bench_serve;
 pub mod client;
 pub mod engine;
 pub mod kv;

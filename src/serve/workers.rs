@@ -65,6 +65,33 @@ pub struct KvStats {
     pub transports: Option<String>,
 }
 
+/// One load as the decode ranks measured it (slowest rank per stage), kept while
+/// [`WorkerKv::record_requests`] is on so a driver can join it with its own records.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KvRequestRecord {
+    /// The `X-Request-Id` the request came with.
+    pub x_request_id: String,
+    pub blocks: u64,
+    pub bytes: u64,
+    pub descriptors_raw: u64,
+    pub descriptors_coalesced: u64,
+    pub queue_ns: u64,
+    pub handshake_ns: Option<u64>,
+    pub plan_ns: u64,
+    pub post_ns: u64,
+    pub transfer_ns: u64,
+    pub notify_ns: u64,
+    pub e2e_ns: u64,
+    pub verify_ns: u64,
+    pub bytes_verified: u64,
+    /// Decode ranks whose bytes differed from the pattern.
+    pub verify_failures: u64,
+    /// Bytes each decode rank read.
+    pub rank_bytes: Vec<(u32, u64)>,
+    /// The failure cause (`handshake`, `transfer`, `verify`, ...), if the load failed.
+    pub failure: Option<String>,
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     prefills: AtomicU64,
@@ -93,6 +120,8 @@ pub struct WorkerKv {
     pending: Mutex<HashMap<String, Pending>>,
     counters: Counters,
     stats: Mutex<KvStats>,
+    /// `Some` while per-request records are kept (off in a long-running server).
+    records: Mutex<Option<Vec<KvRequestRecord>>>,
     load_seconds: Histogram,
     stage_seconds: Vec<(&'static str, Histogram)>,
 }
@@ -132,6 +161,7 @@ impl WorkerKv {
             pending: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             stats: Mutex::new(KvStats::default()),
+            records: Mutex::new(None),
             load_seconds: Histogram::new(KV_STAGE_BUCKETS_S),
             stage_seconds: stages.iter().map(|&s| (s, Histogram::new(KV_STAGE_BUCKETS_S))).collect(),
         })
@@ -145,6 +175,22 @@ impl WorkerKv {
     /// A copy of what this backend measured so far.
     pub fn stats(&self) -> KvStats {
         lock(&self.stats).clone()
+    }
+
+    /// Starts keeping a [`KvRequestRecord`] per load (memory grows with every request).
+    pub fn record_requests(&self) {
+        lock(&self.records).get_or_insert_with(Vec::new);
+    }
+
+    /// The records kept so far (and clears them).
+    pub fn take_records(&self) -> Vec<KvRequestRecord> {
+        lock(&self.records).as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn keep(&self, rec: impl FnOnce() -> KvRequestRecord) {
+        if let Some(v) = lock(&self.records).as_mut() {
+            v.push(rec());
+        }
     }
 
     /// Stops the workers (waiting for held blocks to be freed, at most one lease) and returns
@@ -221,6 +267,28 @@ impl WorkerKv {
         if let Some(ns) = handshake {
             self.stage("handshake", ns);
         }
+        self.keep(|| KvRequestRecord {
+            x_request_id: job.x_request_id.clone(),
+            blocks: u64::from(done.local_blocks),
+            bytes,
+            descriptors_raw: ranks.iter().map(|r| r.descs_raw).sum(),
+            descriptors_coalesced: ranks.iter().map(|r| r.descs_coalesced).sum(),
+            queue_ns: max(|r| r.queue_ns),
+            handshake_ns: handshake,
+            plan_ns: max(|r| r.plan_ns),
+            post_ns: max(|r| r.post_ns),
+            transfer_ns: max(|r| r.transfer_ns),
+            notify_ns: max(|r| r.notify_ns),
+            e2e_ns: max(|r| r.e2e_ns),
+            verify_ns: max(|r| r.verify_ns),
+            bytes_verified,
+            verify_failures,
+            rank_bytes: ranks.iter().map(|r| (r.d_rank, r.bytes)).collect(),
+            failure: error
+                .as_ref()
+                .map(|(c, _)| c.as_str().to_string())
+                .or_else(|| verify_failure.as_ref().map(|_| "verify".to_string())),
+        });
         let params = &job.params;
         if let Some((cause, reason)) = error {
             return Err(match cause {
@@ -355,14 +423,21 @@ impl KvBackend for WorkerKv {
             let r = tokio::time::timeout(self.wait, rx).await;
             guard.done = true;
             let fail = |e: KvError| {
-                let mut st = lock(&self.stats);
-                st.loads_failed += 1;
                 let cause = match &e {
                     KvError::Unavailable(_) => "peer_gone",
                     KvError::PoolTooSmall { .. } => "pool",
                     _ => "timeout",
                 };
-                *st.failures_by_cause.entry(cause.to_string()).or_default() += 1;
+                {
+                    let mut st = lock(&self.stats);
+                    st.loads_failed += 1;
+                    *st.failures_by_cause.entry(cause.to_string()).or_default() += 1;
+                }
+                self.keep(|| KvRequestRecord {
+                    x_request_id: job.x_request_id.clone(),
+                    failure: Some(cause.to_string()),
+                    ..KvRequestRecord::default()
+                });
                 e
             };
             match r {
