@@ -440,7 +440,11 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     let settings = resolve(args)?;
     if args.serve {
-        return Ok(crate::serve::bench_serve::run(&settings, args.results_dir.as_deref(), args.format == Format::Json)?);
+        return Ok(crate::serve::bench_serve::run(
+            &settings,
+            args.results_dir.as_deref(),
+            args.format == Format::Json,
+        )?);
     }
     let root = results_root(args.results_dir.as_deref(), std::env::var_os(env::KVX_RESULTS_DIR));
     let run_id = new_run_id(&now_rfc3339());

@@ -35,8 +35,8 @@ use crate::pipeline::engine::{EngineConfig, EngineError, EngineFinal, Launch, sp
 use crate::pipeline::proto::{Role, WorkerConfig};
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::ReportError;
-use crate::report::recorder::StageRecorder;
 use crate::report::files::{RunWriter, results_root, write_atomic};
+use crate::report::recorder::StageRecorder;
 use crate::report::summary::{
     DescriptorsPerRequest, RankList, RankThroughput, RequestOutcome, RequestRow, Summary, UcxInfo,
     new_run_id, now_rfc3339, ratio, vllm_metrics_line,
@@ -113,16 +113,14 @@ fn http_config(s: &BenchSettings, role: HttpRole) -> HttpEngineConfig {
 
 /// The load generator's settings: the bench's workload, through the proxy.
 fn load_config(s: &BenchSettings, proxy: SocketAddr) -> Result<LoadConfig, BenchServeError> {
-    let url = format!("http://{proxy}")
-        .parse()
-        .map_err(|e| BenchServeError::Io(format!("proxy URL: {e}")))?;
+    let url =
+        format!("http://{proxy}").parse().map_err(|e| BenchServeError::Io(format!("proxy URL: {e}")))?;
     let prompt_len = match &s.lens {
         PromptLens::Fixed(n) => (u64::from(*n), u64::from(*n)),
         PromptLens::Uniform(a, b) => (u64::from(*a), u64::from(*b)),
-        PromptLens::List(v) => (
-            u64::from(v.iter().copied().min().unwrap_or(1)),
-            u64::from(v.iter().copied().max().unwrap_or(1)),
-        ),
+        PromptLens::List(v) => {
+            (u64::from(v.iter().copied().min().unwrap_or(1)), u64::from(v.iter().copied().max().unwrap_or(1)))
+        }
     };
     Ok(LoadConfig {
         targets: vec![Target { name: "proxy".into(), url, prefill_url: None }],
@@ -205,7 +203,8 @@ pub fn run(s: &BenchSettings, results_dir: Option<&Path>, json: bool) -> Result<
     let out = if json {
         String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?).into_owned()
     } else {
-        let dir = files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string());
+        let dir =
+            files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string());
         format!("{}results: {dir}\n", render(&summary, &m.run))
     };
     {
@@ -397,7 +396,11 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
             .as_deref()
             .map(|t| t.split(", ").map(str::to_string).collect())
             .unwrap_or_default(),
-        err_mode: Some(if s.transport.err_mode.is_empty() { "none".into() } else { s.transport.err_mode.clone() }),
+        err_mode: Some(if s.transport.err_mode.is_empty() {
+            "none".into()
+        } else {
+            s.transport.err_mode.clone()
+        }),
     };
     sum.notes.insert(
         1,
@@ -416,7 +419,8 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
         sum.notes.push(format!("KV loads failed by cause (warm-up included): {:?}", d.failures_by_cause));
     }
     if s.prefix_hit > 0.0 {
-        sum.notes.push("--prefix-hit is ignored with --serve: the reference engine has no prefix cache".into());
+        sum.notes
+            .push("--prefix-hit is ignored with --serve: the reference engine has no prefix cache".into());
     }
     if s.repeat > 1 {
         sum.notes.push("--repeat is ignored with --serve: one measured pass".into());
@@ -439,7 +443,8 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
 
 /// `requests.csv`: each measured request's outcome joined with its KV load (by X-Request-Id).
 fn request_rows(run: &LoadRun, records: &[KvRequestRecord]) -> Vec<RequestRow> {
-    let by_id: HashMap<&str, &KvRequestRecord> = records.iter().map(|r| (r.x_request_id.as_str(), r)).collect();
+    let by_id: HashMap<&str, &KvRequestRecord> =
+        records.iter().map(|r| (r.x_request_id.as_str(), r)).collect();
     let us = |ns: u64| ns as f64 / 1e3;
     load_report::request_rows(run)
         .into_iter()

@@ -431,11 +431,11 @@ async fn one_request(sh: &Shared, t: usize, body: Bytes, s: &mut Sample) {
 async fn prefill_leg(sh: &Shared, p_uri: &Uri, body: &Bytes, request_id: &str) -> Result<Bytes, String> {
     let obj = RawObject::parse(body).map_err(|_| "invalid_request".to_string())?;
     let p_body = Bytes::from(rewrite::prefill_body(&obj));
-    let resp =
-        sh.client
-            .request(post(sh, p_uri, p_body, request_id))
-            .await
-            .map_err(|e| format!("prefill_{}", classify(&e)))?;
+    let resp = sh
+        .client
+        .request(post(sh, p_uri, p_body, request_id))
+        .await
+        .map_err(|e| format!("prefill_{}", classify(&e)))?;
     let status = resp.status();
     let bytes = resp.into_body().collect().await.map_err(|_| "prefill_body".to_string())?.to_bytes();
     if !status.is_success() {
@@ -528,7 +528,8 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadRun, LoadError> {
     }
     let auth = cfg.api_key.as_ref().and_then(|k| HeaderValue::from_str(&format!("Bearer {k}")).ok());
     let nonce = format!("load-{}", &uuid::Uuid::new_v4().simple().to_string()[..6]);
-    let sh = Arc::new(Shared { client: http_client(Some(Duration::from_secs(5))), nonce, targets, auth, cfg });
+    let sh =
+        Arc::new(Shared { client: http_client(Some(Duration::from_secs(5))), nonce, targets, auth, cfg });
 
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Sample>();
     let started = Instant::now();

@@ -8,6 +8,7 @@ mod oracle;
 mod props;
 mod report;
 mod serve;
+mod serve_workers;
 mod ucx;
 mod ucx_common;
 mod ucx_layout;
