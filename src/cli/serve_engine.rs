@@ -111,8 +111,8 @@ pub struct ServeEngineArgs {
     /// A decode engine learns the prefill engine's layout at handshake time.
     #[arg(long, value_name = "LAYOUT", help_heading = "KV workers")]
     pub layout: Option<String>,
-    /// Blocks in the KV pool of each rank [default: 4 prompts of --max-model-len, within
-    /// 512 MiB per rank, and never less than one].
+    /// Blocks in the KV pool of each rank [default: 4 prompts of --max-model-len within 512
+    /// MiB per rank, and never less than one prompt; pages are touched only as blocks are used].
     #[arg(long, value_name = "N", help_heading = "KV workers")]
     pub pool_blocks: Option<u32>,
     /// Block allocation pattern: contiguous, fragmented, random.
@@ -230,8 +230,18 @@ fn resolve_workers(a: &ServeEngineArgs, engine_id: String) -> Result<WorkerEngin
         block_size: Some(a.block_size),
         ..PairArgs::default()
     };
+    // The pair's checks speak of P and D; this engine is one side with its own flags.
+    let own_flag = |e: ConfigError| {
+        let flag = match e.flag.as_str() {
+            "--p-tp" | "--d-tp" => "--tp".to_string(),
+            "--p-layout" | "--d-layout" => "--layout".to_string(),
+            "--p-block-size" | "--d-block-size" => "--block-size".to_string(),
+            other => other.to_string(),
+        };
+        ConfigError { flag, reason: e.reason }
+    };
     // Pool size needs the block size in bytes, which needs the shape: resolve once to size.
-    let probe = scenario::resolve_pair(&a.model, &pair_args, 1, 1)?;
+    let probe = scenario::resolve_pair(&a.model, &pair_args, 1, 1).map_err(own_flag)?;
     let blocks_per_prompt = u32::try_from(a.max_model_len.div_ceil(u64::from(a.block_size)))
         .map_err(|_| ConfigError::new("--max-model-len", "too many blocks per prompt"))?;
     let block_bytes = probe.p_geometry(0).block_bytes_all_layers().max(1);
@@ -243,8 +253,8 @@ fn resolve_workers(a: &ServeEngineArgs, engine_id: String) -> Result<WorkerEngin
             blocks_per_prompt.saturating_mul(4).min(budget).max(blocks_per_prompt).max(1)
         }
     };
-    let pair = scenario::resolve_pair(&a.model, &pair_args, pool, pool)?;
-    pair.validate()?;
+    let pair = scenario::resolve_pair(&a.model, &pair_args, pool, pool).map_err(own_flag)?;
+    pair.validate().map_err(own_flag)?;
     let alloc: AllocPattern = a.alloc.parse().map_err(|e| ConfigError::new("--alloc", e))?;
     let verify = match a.verify.as_str() {
         "full" => VerifyMode::Full,
@@ -349,14 +359,19 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
                     return Ok::<_, anyhow::Error>(Some(kv));
                 }
                 let info = kv.info();
+                let side_channel = match cfg.role {
+                    Role::Prefill => format!("{}:{}", info.side_channel_host, info.side_channel_port),
+                    Role::Decode => "none (decode)".to_string(),
+                };
                 tracing::info!(
                     role = cfg.role.as_str(),
                     model = %cfg.model_name,
                     engine_id = %info.engine_id,
                     tp = info.tp,
-                    side_channel = %format!("{}:{}", info.side_channel_host, info.side_channel_port),
+                    side_channel = %side_channel,
                     ucx = %format!("{} ({})", info.ucx_version, info.ucx_library),
                     pool_blocks = info.pool_blocks,
+                    pool_bytes_per_rank = info.pool_bytes_per_rank,
                     "kvx serve-engine ready (KV backend: workers)"
                 );
                 (kv.clone(), Some(kv))
@@ -453,4 +468,75 @@ pub(crate) fn init_tracing() {
         .with_ansi(ansi)
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    fn parse(args: &[&str]) -> ServeEngineArgs {
+        let mut v = vec!["kvx", "serve-engine"];
+        v.extend_from_slice(args);
+        match Cli::try_parse_from(v).expect("parses").command {
+            Command::ServeEngine(a) => *a,
+            _ => panic!("wrong subcommand"),
+        }
+    }
+
+    fn workers(s: &ServeEngineSettings) -> &WorkerEngineConfig {
+        match &s.kv {
+            KvSettings::Workers(w) => w,
+            KvSettings::Null(_) => panic!("expected the workers backend"),
+        }
+    }
+
+    #[test]
+    fn workers_is_the_default_and_the_engine_spec_comes_from_tp_and_block_size() {
+        let a = parse(&["--role", "prefill", "--tp", "2", "--block-size", "32", "--model", "llama-3.1-8b"]);
+        let s = resolve(&a).expect("valid");
+        assert_eq!(s.http.model_name, "llama-3.1-8b", "served under the preset's name");
+        let w = workers(&s);
+        assert_eq!((w.tp, w.block_tokens, w.worker.pair.p.tp, w.worker.pair.p.block_tokens), (2, 32, 2, 32));
+        assert_eq!(w.worker.role, proto::Role::Prefill);
+        assert_eq!(w.side_channel_bind.as_deref(), Some("tcp://127.0.0.1:5600"), "localhost binds loopback");
+        // 8192 tokens / 32 = 256 blocks per prompt; 4 prompts of 4 MiB blocks exceed 512 MiB.
+        let block = w.worker.pair.p_geometry(0).block_bytes_all_layers();
+        assert_eq!(block, 32 * 2 * 4 * 128 * 2 * 32);
+        assert_eq!(w.pool_blocks, 256, "never less than one --max-model-len prompt");
+        let d = parse(&[
+            "--role",
+            "decode",
+            "--max-model-len",
+            "256",
+            "--block-size",
+            "16",
+            "--kv-backend",
+            "workers",
+        ]);
+        let w = workers(&resolve(&d).expect("valid")).clone();
+        assert_eq!(w.pool_blocks, 64, "4 prompts of 16 blocks fit the budget");
+        assert_eq!(w.side_channel_bind, None, "decode engines serve no side channel");
+        let n = parse(&["--role", "decode", "--kv-backend", "null"]);
+        assert!(matches!(resolve(&n).expect("valid").kv, KvSettings::Null(_)));
+    }
+
+    #[test]
+    fn bad_workers_flags_name_the_flag() {
+        for (args, flag) in [
+            (&["--layout", "XYZ"][..], "--layout"),
+            (&["--verify", "most"][..], "--verify"),
+            (&["--alloc", "spread"][..], "--alloc"),
+            (&["--pool-blocks", "0"][..], "--pool-blocks"),
+            (&["--progress", "spin"][..], "--progress"),
+            (&["--tp", "3", "--model", "llama-3.1-8b"][..], "--tp"),
+        ] {
+            let mut v = vec!["--role", "decode"];
+            v.extend_from_slice(args);
+            let e = resolve(&parse(&v)).expect_err("invalid");
+            assert!(e.flag.contains(flag), "{args:?}: {e}");
+        }
+    }
 }

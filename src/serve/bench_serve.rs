@@ -415,6 +415,13 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
          TTFT is HTTP plus KV",
         format!("{:?}", s.verify).to_lowercase()
     ));
+    if let Some(v) = sum.stages.get("verify").filter(|v| v.count > 0) {
+        sum.notes.push(format!(
+            "ttft includes the decode ranks' verification of what they read (p50 {:.3} ms); pass --verify off \
+             for TTFT without it",
+            v.p50_us / 1e3
+        ));
+    }
     if d.loads_failed > 0 {
         sum.notes.push(format!("KV loads failed by cause (warm-up included): {:?}", d.failures_by_cause));
     }
