@@ -38,6 +38,9 @@ pub(crate) use werr;
 /// The control channel to the engine.
 pub struct Control {
     sock: zmq::Socket,
+    /// The process that started this worker (the engine, or a launcher). When it goes, so
+    /// does the worker: an engine killed with SIGKILL must not leave its ranks running.
+    parent: u32,
 }
 
 impl Control {
@@ -46,7 +49,7 @@ impl Control {
         let _ = sock.set_linger(1000);
         let _ = sock.set_maxmsgsize(proto::MAX_CONTROL_BYTES as i64);
         sock.connect(endpoint).map_err(werr!(format!("connect to the engine at {endpoint}")))?;
-        Ok(Control { sock })
+        Ok(Control { sock, parent: std::os::unix::process::parent_id() })
     }
 
     pub fn socket(&self) -> &zmq::Socket {
@@ -66,8 +69,15 @@ impl Control {
         self.try_recv()
     }
 
-    /// Next message if one is queued.
+    /// Next message if one is queued. Fails once the process that started the worker is
+    /// gone (the worker has been re-parented).
     pub fn try_recv(&self) -> Result<Option<ToWorker>, WorkerError> {
+        if std::os::unix::process::parent_id() != self.parent {
+            return Err(WorkerError::new(format!(
+                "the process that started this worker (pid {}) is gone; exiting",
+                self.parent
+            )));
+        }
         match self.sock.recv_bytes(zmq::DONTWAIT) {
             Ok(b) => proto::decode(&b).map(Some).map_err(WorkerError),
             Err(zmq::Error::EAGAIN) => Ok(None),
