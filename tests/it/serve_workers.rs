@@ -226,6 +226,16 @@ async fn completions_and_chat_through_the_proxy_read_verified_kv() {
             assert!(Instant::now() < deadline, "a prefill worker outlived its engine");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+
+        // An engine killed outright (SIGKILL, OOM) takes its workers with it.
+        let mut d = d;
+        let _ = Command::new("kill").args(["-s", "KILL", &d.child.id().to_string()]).status();
+        let _ = d.child.wait();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while d.group_alive() {
+            assert!(Instant::now() < deadline, "a decode worker outlived its killed engine");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     })
     .await;
 }
