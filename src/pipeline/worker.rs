@@ -38,9 +38,11 @@ pub(crate) use werr;
 /// The control channel to the engine.
 pub struct Control {
     sock: zmq::Socket,
-    /// The process that started this worker (the engine, or a launcher). When it goes, so
-    /// does the worker: an engine killed with SIGKILL must not leave its ranks running.
-    parent: u32,
+    /// The engine that spawned this worker (`ipc://` endpoints are bound only by a local
+    /// engine for its own children). When it goes, so does the worker: an engine killed
+    /// with SIGKILL must not leave its ranks running. Workers started by hand or by a
+    /// launcher (`tcp://`) do not watch their parent.
+    parent: Option<u32>,
 }
 
 impl Control {
@@ -49,7 +51,8 @@ impl Control {
         let _ = sock.set_linger(1000);
         let _ = sock.set_maxmsgsize(proto::MAX_CONTROL_BYTES as i64);
         sock.connect(endpoint).map_err(werr!(format!("connect to the engine at {endpoint}")))?;
-        Ok(Control { sock, parent: std::os::unix::process::parent_id() })
+        let parent = endpoint.starts_with("ipc://").then(std::os::unix::process::parent_id);
+        Ok(Control { sock, parent })
     }
 
     pub fn socket(&self) -> &zmq::Socket {
@@ -69,13 +72,14 @@ impl Control {
         self.try_recv()
     }
 
-    /// Next message if one is queued. Fails once the process that started the worker is
-    /// gone (the worker has been re-parented).
+    /// Next message if one is queued. Fails once the engine that spawned the worker is gone
+    /// (the worker has been re-parented).
     pub fn try_recv(&self) -> Result<Option<ToWorker>, WorkerError> {
-        if std::os::unix::process::parent_id() != self.parent {
+        if let Some(parent) = self.parent
+            && std::os::unix::process::parent_id() != parent
+        {
             return Err(WorkerError::new(format!(
-                "the process that started this worker (pid {}) is gone; exiting",
-                self.parent
+                "the engine that started this worker (pid {parent}) is gone"
             )));
         }
         match self.sock.recv_bytes(zmq::DONTWAIT) {
