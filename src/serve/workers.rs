@@ -422,12 +422,7 @@ impl KvBackend for WorkerKv {
                 .ok_or_else(|| KvError::Unavailable("the engine has shut down".into()))?;
             let r = tokio::time::timeout(self.wait, rx).await;
             guard.done = true;
-            let fail = |e: KvError| {
-                let cause = match &e {
-                    KvError::Unavailable(_) => "peer_gone",
-                    KvError::PoolTooSmall { .. } => "pool",
-                    _ => "timeout",
-                };
+            let fail = |cause: &str, e: KvError| {
                 {
                     let mut st = lock(&self.stats);
                     st.loads_failed += 1;
@@ -442,12 +437,24 @@ impl KvBackend for WorkerKv {
             };
             match r {
                 Ok(Ok(Ok(done))) => self.judge(&job, done, t0.elapsed()),
-                Ok(Ok(Err(e))) => Err(fail(self.engine_error(e))),
-                Ok(Err(_)) => Err(fail(KvError::Unavailable("the engine has shut down".into()))),
-                Err(_) => Err(fail(KvError::Transfer {
-                    request_id: job.request_id.clone(),
-                    reason: format!("no answer from the decode ranks within {:?}", self.wait),
-                })),
+                Ok(Ok(Err(e))) => {
+                    let cause = match &e {
+                        EngineError::TooLarge { .. } => "pool",
+                        other => other.cause().as_str(),
+                    };
+                    Err(fail(cause, self.engine_error(e)))
+                }
+                Ok(Err(_)) => Err(fail(
+                    FailureCause::PeerGone.as_str(),
+                    KvError::Unavailable("the engine has shut down".into()),
+                )),
+                Err(_) => Err(fail(
+                    FailureCause::Timeout.as_str(),
+                    KvError::Transfer {
+                        request_id: job.request_id.clone(),
+                        reason: format!("no answer from the decode ranks within {:?}", self.wait),
+                    },
+                )),
             }
         })
     }
