@@ -153,6 +153,10 @@ pub struct BenchArgs {
     /// Output format; json prints the summary to stdout as well.
     #[arg(long, value_enum, default_value_t = Format::Table, help_heading = "Output")]
     pub format: Format,
+    /// Serve the workload over HTTP: a prefill engine, a decode engine and the P/D proxy,
+    /// driven through the proxy by `kvx load`'s generator (TTFT, ITL, TPOT, e2el and the KV stages).
+    #[arg(long, help_heading = "Workload")]
+    pub serve: bool,
 }
 
 /// A bench-config file: the flags, by name with underscores.
@@ -483,6 +487,14 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
+    if args.serve {
+        let settings = resolve(args)?;
+        return Ok(crate::serve::bench_serve::run(
+            &settings,
+            args.results_dir.as_deref(),
+            args.format == Format::Json,
+        )?);
+    }
     let root = results_root(args.results_dir.as_deref(), std::env::var_os(env::KVX_RESULTS_DIR));
     let run_id = new_run_id(&now_rfc3339());
     if args.compare_transports.is_some() {

@@ -1,13 +1,21 @@
-//! `kvx load`: flags, validation and output around `serve::load`.
+//! `kvx load`: flags, validation and output around `serve::load`. Reports through the
+//! same machinery as `kvx bench`: a run directory under `results/` (summary, CSVs, SVG) and
+//! tables or the summary JSON on stdout.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgAction, Args, ValueEnum};
 
 use crate::Outcome;
 use crate::error::ConfigError;
+use crate::report::files::{RunWriter, results_root};
+use crate::report::summary::{new_run_id, now_rfc3339};
+use crate::report::table::Style;
 use crate::serve::load::{self, Arrival, LoadConfig, Target};
+use crate::serve::load_report;
 use crate::serve::openai::Endpoint;
+use crate::settings::env;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum EndpointArg {
@@ -79,9 +87,15 @@ pub struct LoadArgs {
     /// Seed for prompts and arrival times.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Output format on stdout.
+    /// Output format on stdout: tables, or the run's summary JSON.
     #[arg(long, value_enum, default_value = "table")]
     pub format: Format,
+    /// Directory runs are written under [default: results/, or KVX_RESULTS_DIR].
+    #[arg(long)]
+    pub results_dir: Option<PathBuf>,
+    /// Name of the run (the scenario name in reports).
+    #[arg(long, default_value = "load")]
+    pub name: String,
     /// Runtime worker threads (default: one per CPU).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
@@ -166,16 +180,26 @@ pub fn resolve(a: &LoadArgs) -> Result<LoadConfig, ConfigError> {
 
 pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     let mut cfg = resolve(args)?;
+    let root = results_root(args.results_dir.as_deref(), std::env::var_os(env::KVX_RESULTS_DIR));
+    let started_at = now_rfc3339();
+    let run_id = new_run_id(&started_at);
+    let writer = RunWriter::create(&root, &run_id)?;
     let rt = super::serve_engine::runtime(args.threads)?;
-    let summary = rt.block_on(async move {
+    let (run, cfg) = rt.block_on(async move {
         if cfg.model.is_none() {
             cfg.model = load::discover_model(&cfg.targets[0].url, cfg.api_key.as_deref()).await;
         }
-        load::run(cfg).await
+        load::run(cfg.clone()).await.map(|r| (r, cfg))
     })?;
+    let summary = load_report::summary(&run, &cfg, &run_id, &started_at, &args.name);
+    let files = load_report::write_run(writer, &summary, &run)?;
     let out = match args.format {
-        Format::Table => load::render_table(&summary),
-        Format::Json => serde_json::to_string_pretty(&summary)? + "\n",
+        Format::Table => {
+            let dir =
+                files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string());
+            format!("{}results: {dir}\n", load_report::render(&summary, &run.summary, Style::Terminal))
+        }
+        Format::Json => String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?).into_owned(),
     };
     {
         use std::io::Write as _;
@@ -183,7 +207,7 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
         stdout.write_all(out.as_bytes())?;
         stdout.flush()?;
     }
-    if let Some(t) = summary.targets.iter().find(|t| t.ok == 0) {
+    if let Some(t) = run.summary.targets.iter().find(|t| t.ok == 0) {
         anyhow::bail!("no request to target `{}` ({}) succeeded; errors: {:?}", t.name, t.url, t.errors);
     }
     Ok(Outcome::Ok)

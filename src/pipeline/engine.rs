@@ -17,7 +17,8 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, ChildStderr, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -137,6 +138,29 @@ pub struct EngineFinal {
     pub worker_rss_bytes: Vec<u64>,
 }
 
+/// What an engine holds right now, published by its loop after every round so callers
+/// (`kvx serve-engine`'s `/metrics`) can read it without a round trip.
+#[derive(Debug, Default)]
+pub struct EngineLive {
+    blocks_in_use: AtomicU32,
+    requests_held: AtomicU32,
+    backlog: AtomicU32,
+    leases_expired: AtomicU64,
+}
+
+/// A snapshot of [`EngineLive`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LiveCounts {
+    /// Blocks allocated from the pool (held for a reader, filling, or being loaded into).
+    pub blocks_in_use: u32,
+    /// Prefill: requests whose blocks wait for notifications or their lease.
+    pub requests_held: u32,
+    /// Requests waiting for free blocks.
+    pub backlog: u32,
+    /// Rank leases that ran out before their notifications arrived.
+    pub leases_expired: u64,
+}
+
 type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
 enum Cmd {
@@ -169,6 +193,7 @@ enum Cmd {
 /// A running engine. Dropping it shuts the workers down.
 pub struct Engine {
     info: EngineInfo,
+    live: Arc<EngineLive>,
     tx: Option<mpsc::Sender<Cmd>>,
     bell: UnixStream,
     thread: Option<JoinHandle<EngineFinal>>,
@@ -188,10 +213,12 @@ impl Engine {
         let (info_tx, info_rx) = mpsc::channel();
         let gone = Gone::default();
         let loop_gone = gone.clone();
+        let live = Arc::new(EngineLive::default());
+        let loop_live = live.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvx-{}-engine", cfg.worker.role.as_str()))
             .spawn(move || {
-                let mut lp = match EngineLoop::start(cfg, bell_rx, loop_gone) {
+                let mut lp = match EngineLoop::start(cfg, bell_rx, loop_gone, loop_live) {
                     Ok(lp) => lp,
                     Err(e) => {
                         let _ = info_tx.send(Err(e));
@@ -207,7 +234,7 @@ impl Engine {
                 what: format!("cannot spawn thread: {e}"),
             })?;
         match info_rx.recv() {
-            Ok(Ok(info)) => Ok(Engine { info, tx: Some(tx), bell, thread: Some(thread), gone }),
+            Ok(Ok(info)) => Ok(Engine { info, live, tx: Some(tx), bell, thread: Some(thread), gone }),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -218,6 +245,17 @@ impl Engine {
 
     pub fn info(&self) -> &EngineInfo {
         &self.info
+    }
+
+    /// Blocks and requests the engine holds now (as of its loop's last round).
+    pub fn live(&self) -> LiveCounts {
+        let l = &self.live;
+        LiveCounts {
+            blocks_in_use: l.blocks_in_use.load(Ordering::Relaxed),
+            requests_held: l.requests_held.load(Ordering::Relaxed),
+            backlog: l.backlog.load(Ordering::Relaxed),
+            leases_expired: l.leases_expired.load(Ordering::Relaxed),
+        }
     }
 
     /// Why the engine cannot serve any more (a rank is gone), if so.
@@ -232,7 +270,9 @@ impl Engine {
         ok
     }
 
-    /// Prefill role: allocate, fill and hold blocks for `tokens` tokens.
+    /// Prefill role: allocate, fill and hold blocks for `tokens` tokens until each rank has
+    /// `expected_notifs` notifications (0: the count the first notification names, for
+    /// when the decode side's TP is not known in advance) or its lease runs out.
     pub fn prefill(
         &self,
         req: u64,
@@ -364,12 +404,18 @@ struct EngineLoop {
     fin: EngineFinal,
     /// Shutdown was requested: workers exiting now are expected to.
     shutting_down: bool,
+    live: Arc<EngineLive>,
     _tmp: Option<tempfile::TempDir>,
     gone: Gone,
 }
 
 impl EngineLoop {
-    fn start(cfg: EngineConfig, bell: UnixStream, gone: Gone) -> Result<Self, EngineError> {
+    fn start(
+        cfg: EngineConfig,
+        bell: UnixStream,
+        gone: Gone,
+        live: Arc<EngineLive>,
+    ) -> Result<Self, EngineError> {
         let ctx = zmq_context();
         let ctl = ctx.socket(zmq::ROUTER).map_err(|e| startup(&cfg, format!("control socket: {e}")))?;
         let _ = ctl.set_linger(0);
@@ -456,6 +502,7 @@ impl EngineLoop {
             held: HashMap::new(),
             fin: EngineFinal::default(),
             shutting_down: false,
+            live,
             _tmp: tmp,
             gone,
         };
@@ -541,6 +588,7 @@ impl EngineLoop {
             self.poll_once(wait);
             self.expire_deadlines();
             self.check_silent();
+            self.publish_live();
         }
     }
 
@@ -561,6 +609,14 @@ impl EngineLoop {
         for r in silent {
             self.rank_died(r, format!("not heard from for {silence:?}"));
         }
+    }
+
+    fn publish_live(&self) {
+        let l = &self.live;
+        l.blocks_in_use.store(self.pool.in_use(), Ordering::Relaxed);
+        l.requests_held.store(self.held.len() as u32, Ordering::Relaxed);
+        l.backlog.store(self.backlog.len() as u32, Ordering::Relaxed);
+        l.leases_expired.store(self.fin.leases_expired, Ordering::Relaxed);
     }
 
     fn next_deadline(&self) -> Option<Instant> {

@@ -186,7 +186,10 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                         publish(s, &p_request_id, &regions, &blocks, pool.memory()?)?;
                         publish_ns = t1.elapsed().as_nanos() as u64;
                     }
-                    match leases.register(&p_request_id, Some(expected_notifs), Instant::now()) {
+                    // 0: the decode side's TP is unknown here (a serving engine); take the count
+                    // the first notification names, as vLLM's P does.
+                    let expected = (expected_notifs > 0).then_some(expected_notifs);
+                    match leases.register(&p_request_id, expected, Instant::now()) {
                         Ok(_) => {
                             held.insert(p_request_id, Held { req, blocks, published: eager_publish });
                         }

@@ -129,7 +129,8 @@ pub struct WorkerConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ToWorker {
     Init(Box<WorkerConfig>),
-    /// Prefill rank: fill these blocks with the request's pattern and hold them.
+    /// Prefill rank: fill these blocks with the request's pattern and hold them until
+    /// `expected_notifs` notifications (0: the count the first notification names).
     Fill {
         req: u64,
         p_request_id: String,

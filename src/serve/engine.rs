@@ -270,21 +270,86 @@ impl EngineState {
         e.counter(name, help, &[model[0], ("reason", "do_remote_decode")], m.fallback_wrong_direction.get());
         e.histogram(
             "kvx:kv_transfer_seconds",
-            "Transfer time per load as measured by the backend.",
+            "Wall time of each successful backend load (queue, handshake, reads, notify, verify).",
             &bl,
             &b.load_seconds,
         );
+        for (stage, h) in &b.stage_seconds {
+            e.histogram(
+                "kvx:kv_stage_seconds",
+                "Per-request time of one KV stage, slowest rank (decode: queue..verify; prefill: fill).",
+                &[bl[0], bl[1], bl[2], ("stage", stage)],
+                h,
+            );
+        }
+        e.counter(
+            "kvx:kv_prefills_total",
+            "Prefills whose blocks the backend filled and held.",
+            &bl,
+            b.prefills,
+        );
+        e.counter(
+            "kvx:kv_prefill_failures_total",
+            "Prefills the backend could not fill and hold.",
+            &bl,
+            b.prefill_failures,
+        );
+        e.counter(
+            "kvx:kv_backend_loads_total",
+            "Loads the backend finished.",
+            &[bl[0], bl[1], bl[2], ("result", "ok")],
+            b.loads_ok,
+        );
+        e.counter(
+            "kvx:kv_backend_loads_total",
+            "Loads the backend finished.",
+            &[bl[0], bl[1], bl[2], ("result", "error")],
+            b.loads_failed,
+        );
+        for (cause, n) in &b.load_failures {
+            e.counter(
+                "kvx:kv_load_failures_total",
+                "Failed loads by cause (handshake, incompatible, transfer, timeout, peer_gone, verify, notify).",
+                &[bl[0], bl[1], bl[2], ("cause", cause)],
+                *n,
+            );
+        }
         e.counter("kvx:kv_blocks_read_total", "KV blocks read by this engine.", &bl, b.blocks_read);
         e.counter("kvx:kv_bytes_read_total", "KV bytes read by this engine.", &bl, b.bytes_read);
+        e.counter(
+            "kvx:kv_bytes_verified_total",
+            "KV bytes read and checked against the pattern the prefill engine wrote.",
+            &bl,
+            b.bytes_verified,
+        );
+        e.counter(
+            "kvx:kv_verify_failures_total",
+            "Decode ranks whose read bytes differed from what the prefill engine wrote.",
+            &bl,
+            b.verify_failures,
+        );
+        e.counter(
+            "kvx:kv_handshakes_total",
+            "Side-channel handshakes with prefill engines (per decode rank).",
+            &bl,
+            b.handshakes,
+        );
         e.gauge(
             "kvx:kv_blocks_held",
-            "KV blocks held for decode engines to read.",
+            "KV blocks held for decode engines to read (prefill role).",
             &bl,
             b.blocks_held as f64,
         );
+        e.gauge(
+            "kvx:kv_blocks_in_use",
+            "KV blocks allocated from this engine's pool.",
+            &bl,
+            b.blocks_in_use as f64,
+        );
+        e.gauge("kvx:kv_backlog", "Requests waiting for free KV blocks.", &bl, b.backlog as f64);
         e.counter(
             "kvx:kv_leases_expired_total",
-            "Held blocks released because no decode engine read them in time.",
+            "Held blocks released because no decode engine read them in time (per rank).",
             &bl,
             b.leases_expired,
         );

@@ -1,47 +1,19 @@
-//! The engine's KV side: the [`KvBackend`] trait the HTTP engine calls, vLLM 0.33's
-//! `kv_transfer_params` in its exact wire shape, and [`NullKv`], a backend that moves no KV
-//! at all (for measuring pure HTTP and proxy overhead).
+//! The engine's KV side: the [`KvBackend`] trait the HTTP engine calls, and [`NullKv`], a
+//! backend that moves no KV at all (for measuring pure HTTP and proxy overhead). The
+//! worker-backed backend, with real UCX reads, is [`super::workers::WorkerKv`].
 //!
 //! Owns the contract between `serve::engine` and whatever holds KV blocks. Must not do HTTP
 //! and must not know about OpenAI request shapes: the engine translates requests into
-//! [`PrefillJob`] / [`LoadJob`] and back. The worker-backed backend (real UCX reads, handshake
-//! over the side channel) lives with the pipeline workers and implements this trait.
+//! [`PrefillJob`] / [`LoadJob`] and back. `kv_transfer_params` is the pipeline's
+//! [`KvTransferParams`] (one type for the bench driver, the engines and the wire).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use serde::{Deserialize, Serialize};
 
 use super::metrics::HistogramSnapshot;
-
-/// `kv_transfer_params` as vLLM 0.33's `NixlConnector` (pull mode) returns them from the
-/// prefill engine. Field order is the wire order (`pull_scheduler.request_finished`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct KvTransferParams {
-    pub do_remote_prefill: bool,
-    pub do_remote_decode: bool,
-    /// P's block ids, one list per KV-cache group (kvx models one group).
-    pub remote_block_ids: Vec<Vec<u64>>,
-    /// P engine id: the key D handshakes under.
-    pub remote_engine_id: String,
-    /// P's engine-internal request id; D names it in its completion notification.
-    pub remote_request_id: String,
-    /// P's side channel (ZMQ ROUTER) host and port.
-    pub remote_host: String,
-    pub remote_port: u16,
-    pub tp_size: u32,
-    pub dcp_size: u32,
-    pub pp_size: u32,
-    /// Tokens P computed (the prompt length).
-    pub remote_num_tokens: u64,
-    /// `null` from P; a lease expiry only in bidirectional mode.
-    pub remote_blocks_expiry_time: Option<f64>,
-    /// Bumped when P re-registers its memory; D re-handshakes when it grows.
-    pub remote_registration_generation: u64,
-    /// `"pull"` (D reads) for the NixlConnector.
-    pub transfer_mode: String,
-}
+pub use crate::pipeline::params::KvTransferParams;
 
 /// What the prefill engine asks its backend for: compute and hold the KV of one prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,6 +45,11 @@ pub struct LoadReport {
     pub elapsed: Duration,
     /// Whether the bytes read were checked against the pattern P wrote.
     pub verified: bool,
+    pub bytes_verified: u64,
+    /// Set when this load opened the connection to P (side-channel handshake).
+    pub handshake: Option<Duration>,
+    /// Slowest decode rank's read time.
+    pub transfer: Duration,
 }
 
 /// Why a backend could not prefill or load.
@@ -84,8 +61,16 @@ pub enum KvError {
     Handshake { engine_id: String, host: String, port: u16, reason: String },
     #[error("KV read for request {request_id} failed: {reason}")]
     Transfer { request_id: String, reason: String },
+    #[error(
+        "KV read for request {request_id} returned bytes that are not what the prefill engine wrote: {reason}"
+    )]
+    Verify { request_id: String, reason: String },
     #[error("no free KV blocks: need {needed}, {free} free (raise the block pool or lower the load)")]
     OutOfBlocks { needed: u64, free: u64 },
+    #[error("the prompt needs {needed} KV blocks but the pool holds {capacity}; raise --pool-blocks")]
+    PoolTooSmall { needed: u64, capacity: u64 },
+    #[error("KV workers unavailable: {0}")]
+    Unavailable(String),
     #[error("{0}")]
     Backend(String),
 }
@@ -95,7 +80,7 @@ impl KvError {
     pub fn http_status(&self) -> u16 {
         match self {
             KvError::InvalidParams { .. } => 400,
-            KvError::OutOfBlocks { .. } => 503,
+            KvError::OutOfBlocks { .. } | KvError::PoolTooSmall { .. } | KvError::Unavailable(_) => 503,
             _ => 500,
         }
     }
@@ -104,22 +89,35 @@ impl KvError {
 /// Counters a backend exposes on the engine's `/metrics`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct BackendMetrics {
-    /// Short backend name, shown as the `backend` label (`"null"`, `"ucx"`, ...).
+    /// Short backend name, shown as the `backend` label (`"null"`, `"workers"`, ...).
     pub backend: &'static str,
-    /// What the backend really transfers (`"none"` for [`NullKv`]), shown as a label so a
-    /// dashboard can never mistake a no-transfer run for a real one.
+    /// What the backend really transfers (`"none"` for [`NullKv`], `"ucx"` for workers),
+    /// shown as a label so a dashboard can never mistake a no-transfer run for a real one.
     pub kv_transfer: &'static str,
     pub prefills: u64,
+    pub prefill_failures: u64,
     pub loads_ok: u64,
     pub loads_failed: u64,
+    /// Failed loads by cause (`handshake`, `transfer`, `timeout`, `verify`, ...).
+    pub load_failures: Vec<(&'static str, u64)>,
     pub blocks_read: u64,
     pub bytes_read: u64,
+    pub bytes_verified: u64,
+    pub verify_failures: u64,
+    /// Side-channel handshakes the decode ranks did (one per new prefill engine and rank).
+    pub handshakes: u64,
     /// Blocks P currently holds for D to read.
     pub blocks_held: u64,
-    /// Holds released because their lease ran out before D read them.
+    /// Blocks allocated from this engine's pool right now (both roles).
+    pub blocks_in_use: u64,
+    /// Requests waiting for free blocks.
+    pub backlog: u64,
+    /// Holds released because their lease ran out before D read them (per rank).
     pub leases_expired: u64,
     pub aborts: u64,
     pub load_seconds: HistogramSnapshot,
+    /// Per-stage times of loads (decode) or fills (prefill), slowest rank per request.
+    pub stage_seconds: Vec<(&'static str, HistogramSnapshot)>,
 }
 
 /// The KV side of one engine. Both roles use the same object; the engine calls

@@ -9,8 +9,11 @@
 //! *client-side P/D pair*: the generator itself does the prefill leg (rewritten exactly as
 //! the proxy does) and then the decode leg, i.e. the proxy's work at zero proxy cost.
 //!
-//! Owns request generation, timing and aggregation. Presentation is `render_table` and the
-//! serde `LoadSummary` (to be unified with `report/` later). Must not start servers.
+//! Owns request generation, timing and aggregation: samples go into `report`'s
+//! [`StageRecorder`] (hdrhistogram, nanoseconds) under the names vLLM's benchmark_serving
+//! uses (`ttft`, `itl`, `tpot`, `e2el`). Presentation is `load_report` (the report
+//! machinery: summary, tables, CSV, SVG); [`LoadSummary`] is the per-target document
+//! (`load.json`). Must not start servers.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,7 +21,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use hdrhistogram::Histogram;
 use http::{HeaderValue, Method, Request, Uri, header};
 use http_body_util::{BodyExt as _, Full};
 use rand::{RngExt as _, SeedableRng};
@@ -27,6 +29,17 @@ use serde::Serialize;
 use super::client::{HttpClient, http_client};
 use super::openai::Endpoint;
 use super::rewrite::{self, RawObject};
+use crate::report::recorder::StageRecorder;
+use crate::report::summary::StageStats;
+
+/// Stage names of the client-side latencies (vLLM benchmark_serving's names).
+pub const TTFT: &str = "ttft";
+pub const ITL: &str = "itl";
+pub const TPOT: &str = "tpot";
+/// End-to-end latency of one request as the client sees it.
+pub const E2EL: &str = "e2el";
+/// Open loop: how late a request left relative to its Poisson schedule.
+pub const SEND_LAG: &str = "send_lag";
 
 /// Where requests go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,6 +90,8 @@ pub struct LoadConfig {
 #[derive(Debug, Default)]
 struct Sample {
     target: usize,
+    index: u64,
+    prompt_tokens: u64,
     measured: bool,
     error: Option<String>,
     start: Option<Instant>,
@@ -101,19 +116,17 @@ pub struct LatencyMs {
 }
 
 impl LatencyMs {
-    fn from_hist(h: &Histogram<u64>) -> Self {
-        if h.is_empty() {
-            return Self::default();
-        }
-        let ms = |us: u64| us as f64 / 1000.0;
+    /// From a stage's hdrhistogram figures (microseconds) to milliseconds.
+    pub fn from_stats(st: Option<&StageStats>) -> Self {
+        let Some(st) = st.filter(|s| s.count > 0) else { return Self::default() };
         Self {
-            count: h.len(),
-            mean: h.mean() / 1000.0,
-            p50: ms(h.value_at_quantile(0.50)),
-            p90: ms(h.value_at_quantile(0.90)),
-            p99: ms(h.value_at_quantile(0.99)),
-            p999: ms(h.value_at_quantile(0.999)),
-            max: ms(h.max()),
+            count: st.count,
+            mean: st.mean_us / 1e3,
+            p50: st.p50_us / 1e3,
+            p90: st.p90_us / 1e3,
+            p99: st.p99_us / 1e3,
+            p999: st.p999_us / 1e3,
+            max: st.max_us / 1e3,
         }
     }
 }
@@ -200,6 +213,8 @@ struct Prepared {
 
 struct Shared {
     cfg: LoadConfig,
+    /// Per-run prefix of every `X-Request-Id`, so two runs against one engine never share ids.
+    nonce: String,
     client: HttpClient,
     targets: Vec<Prepared>,
     auth: Option<HeaderValue>,
@@ -207,7 +222,7 @@ struct Shared {
 
 /// Builds the body of request `i` of target `t`: a unique first word so no two prompts
 /// share a prefix (prefix caching would hide prefill), then seeded random words.
-fn request_body(cfg: &LoadConfig, t: usize, i: u64, rng: &mut rand::rngs::StdRng) -> Vec<u8> {
+fn request_body(cfg: &LoadConfig, t: usize, i: u64, rng: &mut rand::rngs::StdRng) -> (Vec<u8>, u64) {
     use std::fmt::Write as _;
     let (lo, hi) = cfg.prompt_len;
     let n = if lo == hi { lo } else { rng.random_range(lo..=hi) };
@@ -240,14 +255,15 @@ fn request_body(cfg: &LoadConfig, t: usize, i: u64, rng: &mut rand::rngs::StdRng
     if cfg.ignore_eos {
         put("ignore_eos", true.into());
     }
-    serde_json::to_vec(&body).unwrap_or_default()
+    (serde_json::to_vec(&body).unwrap_or_default(), n)
 }
 
-fn post(sh: &Shared, uri: &Uri, body: Bytes) -> Request<Full<Bytes>> {
+fn post(sh: &Shared, uri: &Uri, body: Bytes, request_id: &str) -> Request<Full<Bytes>> {
     let mut b = Request::builder()
         .method(Method::POST)
         .uri(uri.clone())
-        .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))
+        .header("x-request-id", request_id);
     if let Some(a) = &sh.auth {
         b = b.header(header::AUTHORIZATION, a.clone());
     }
@@ -327,15 +343,16 @@ impl ChunkIn<'_> {
 /// Sends one request (both legs for a client-side P/D target) and measures it.
 async fn one_request(sh: &Shared, t: usize, body: Bytes, s: &mut Sample) {
     let target = &sh.targets[t];
+    let rid = request_id(&sh.nonce, &sh.cfg.targets[t].name, s.index);
     let start = Instant::now();
     s.start = Some(start);
     let deadline = start + sh.cfg.timeout;
     let result = tokio::time::timeout_at(deadline.into(), async {
         let body = match &target.prefill_uri {
             None => body,
-            Some(p_uri) => prefill_leg(sh, p_uri, &body).await?,
+            Some(p_uri) => prefill_leg(sh, p_uri, &body, &rid).await?,
         };
-        let resp = sh.client.request(post(sh, &target.uri, body)).await.map_err(|e| classify(&e))?;
+        let resp = sh.client.request(post(sh, &target.uri, body, &rid)).await.map_err(|e| classify(&e))?;
         let status = resp.status();
         let mut b = resp.into_body();
         if !status.is_success() {
@@ -411,11 +428,14 @@ async fn one_request(sh: &Shared, t: usize, body: Bytes, s: &mut Sample) {
 }
 
 /// The client-side prefill leg: same rewriting as the proxy; returns the decode body.
-async fn prefill_leg(sh: &Shared, p_uri: &Uri, body: &Bytes) -> Result<Bytes, String> {
+async fn prefill_leg(sh: &Shared, p_uri: &Uri, body: &Bytes, request_id: &str) -> Result<Bytes, String> {
     let obj = RawObject::parse(body).map_err(|_| "invalid_request".to_string())?;
     let p_body = Bytes::from(rewrite::prefill_body(&obj));
-    let resp =
-        sh.client.request(post(sh, p_uri, p_body)).await.map_err(|e| format!("prefill_{}", classify(&e)))?;
+    let resp = sh
+        .client
+        .request(post(sh, p_uri, p_body, request_id))
+        .await
+        .map_err(|e| format!("prefill_{}", classify(&e)))?;
     let status = resp.status();
     let bytes = resp.into_body().collect().await.map_err(|_| "prefill_body".to_string())?.to_bytes();
     if !status.is_success() {
@@ -450,8 +470,44 @@ pub async fn discover_model(base: &Uri, api_key: Option<&str>) -> Option<String>
     v["data"][0]["id"].as_str().map(str::to_string)
 }
 
-/// Runs the load and returns per-target summaries.
-pub async fn run(cfg: LoadConfig) -> Result<LoadSummary, LoadError> {
+/// The `X-Request-Id` a request is sent with (both legs of a client-side P/D pair too, as
+/// the proxy does): engines name the request after it, so their records join with ours.
+pub fn request_id(nonce: &str, target: &str, index: u64) -> String {
+    format!("{nonce}-{target}-{index}")
+}
+
+/// One measured request, as the client saw it (a line of `http_requests.csv`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequestRecord {
+    /// The `X-Request-Id` it was sent with.
+    pub request_id: String,
+    pub target: String,
+    /// Request number within its target (warm-up requests come first).
+    pub index: u64,
+    /// Start, relative to the first measured request of the run.
+    pub start_offset_us: f64,
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+    pub ttft_us: Option<f64>,
+    pub e2el_us: f64,
+    /// Mean gap between streamed tokens (streaming requests with at least two tokens).
+    pub itl_mean_us: Option<f64>,
+    pub send_lag_us: f64,
+    pub error: Option<String>,
+}
+
+/// Everything a load run measured.
+#[derive(Debug, Clone)]
+pub struct LoadRun {
+    pub summary: LoadSummary,
+    /// Samples per target (same order as `summary.targets`), nanoseconds, by stage name.
+    pub recorders: Vec<StageRecorder>,
+    /// Every measured request, in completion order.
+    pub requests: Vec<RequestRecord>,
+}
+
+/// Runs the load and returns per-target summaries, samples and request records.
+pub async fn run(cfg: LoadConfig) -> Result<LoadRun, LoadError> {
     let mut targets = Vec::new();
     for t in &cfg.targets {
         let path = cfg.endpoint.path();
@@ -471,7 +527,9 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadSummary, LoadError> {
         targets.push(Prepared { uri, prefill_uri });
     }
     let auth = cfg.api_key.as_ref().and_then(|k| HeaderValue::from_str(&format!("Bearer {k}")).ok());
-    let sh = Arc::new(Shared { client: http_client(Some(Duration::from_secs(5))), targets, auth, cfg });
+    let nonce = format!("load-{}", &uuid::Uuid::new_v4().simple().to_string()[..6]);
+    let sh =
+        Arc::new(Shared { client: http_client(Some(Duration::from_secs(5))), nonce, targets, auth, cfg });
 
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Sample>();
     let started = Instant::now();
@@ -484,16 +542,37 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadSummary, LoadError> {
     drop(tx);
 
     let n = sh.targets.len();
-    let new_hist = || Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).ok();
-    let mut agg: Vec<Agg> = (0..n).map(|_| Agg::new(new_hist)).collect();
+    let open_loop = matches!(sh.cfg.arrival, Arrival::Rate(_));
+    let mut agg: Vec<Agg> = (0..n).map(|_| Agg { open_loop, ..Agg::default() }).collect();
+    let mut measured = Vec::new();
     while let Some(s) = rx.recv().await {
         if s.measured {
             agg[s.target].add(&s);
+            measured.push(s);
         }
     }
     while drivers.join_next().await.is_some() {}
 
     let cfg = &sh.cfg;
+    let first = measured.iter().filter_map(|s| s.start).min().unwrap_or(started);
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let requests = measured
+        .iter()
+        .map(|s| RequestRecord {
+            request_id: request_id(&sh.nonce, &cfg.targets[s.target].name, s.index),
+            target: cfg.targets[s.target].name.clone(),
+            index: s.index,
+            start_offset_us: s.start.map_or(0.0, |t| us(t.saturating_duration_since(first))),
+            prompt_tokens: s.prompt_tokens,
+            output_tokens: s.tokens,
+            ttft_us: s.ttft.map(us),
+            e2el_us: us(s.e2e),
+            itl_mean_us: (!s.itl.is_empty())
+                .then(|| s.itl.iter().map(|d| us(*d)).sum::<f64>() / s.itl.len() as f64),
+            send_lag_us: us(s.lag),
+            error: s.error.clone(),
+        })
+        .collect();
     let summaries: Vec<TargetSummary> = agg.iter().zip(&cfg.targets).map(|(a, t)| a.summary(t)).collect();
     let overhead = summaries
         .iter()
@@ -511,7 +590,7 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadSummary, LoadError> {
             }
         })
         .collect();
-    Ok(LoadSummary {
+    let summary = LoadSummary {
         schema: "kvx.load/v1",
         arrival: match cfg.arrival {
             Arrival::Rate(r) => format!("poisson {r} req/s per target"),
@@ -519,16 +598,18 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadSummary, LoadError> {
         },
         endpoint: cfg.endpoint.path(),
         stream: cfg.stream,
-        prompt_len: if cfg.prompt_len.0 == cfg.prompt_len.1 {
-            cfg.prompt_len.0.to_string()
-        } else {
-            format!("{}..{}", cfg.prompt_len.0, cfg.prompt_len.1)
-        },
+        prompt_len: prompt_len_label(cfg.prompt_len),
         max_tokens: cfg.max_tokens,
         model: cfg.model.clone(),
         targets: summaries,
         overhead,
-    })
+    };
+    Ok(LoadRun { summary, recorders: agg.into_iter().map(|a| a.rec).collect(), requests })
+}
+
+/// `16` or `8..24`.
+pub fn prompt_len_label((lo, hi): (u64, u64)) -> String {
+    if lo == hi { lo.to_string() } else { format!("{lo}..{hi}") }
 }
 
 /// Sends all requests of one target and reports each sample.
@@ -556,13 +637,20 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
                 if next > Instant::now() {
                     tokio::time::sleep_until(next.into()).await;
                 }
-                let body = Bytes::from(request_body(cfg, t, i, &mut rng));
+                let (body, prompt_tokens) = request_body(cfg, t, i, &mut rng);
+                let body = Bytes::from(body);
                 let (sh, tx) = (sh.clone(), tx.clone());
                 let measured = i >= cfg.warmup;
                 let scheduled = next;
                 tasks.spawn(async move {
-                    let mut s =
-                        Sample { target: t, measured, lag: Instant::now() - scheduled, ..Sample::default() };
+                    let mut s = Sample {
+                        target: t,
+                        index: i,
+                        prompt_tokens,
+                        measured,
+                        lag: Instant::now() - scheduled,
+                        ..Sample::default()
+                    };
                     one_request(&sh, t, body, &mut s).await;
                     let _ = tx.send(s);
                 });
@@ -584,8 +672,15 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
                         if !more(i) {
                             break;
                         }
-                        let body = Bytes::from(request_body(&sh.cfg, t, i, &mut rng));
-                        let mut s = Sample { target: t, measured: i >= sh.cfg.warmup, ..Sample::default() };
+                        let (body, prompt_tokens) = request_body(&sh.cfg, t, i, &mut rng);
+                        let body = Bytes::from(body);
+                        let mut s = Sample {
+                            target: t,
+                            index: i,
+                            prompt_tokens,
+                            measured: i >= sh.cfg.warmup,
+                            ..Sample::default()
+                        };
                         one_request(&sh, t, body, &mut s).await;
                         let _ = tx.send(s);
                     }
@@ -597,6 +692,7 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
 }
 
 /// Per-target accumulation.
+#[derive(Default)]
 struct Agg {
     requests: u64,
     ok: u64,
@@ -604,34 +700,16 @@ struct Agg {
     first: Option<Instant>,
     last: Option<Instant>,
     tokens: u64,
-    ttft: Option<Histogram<u64>>,
-    itl: Option<Histogram<u64>>,
-    tpot: Option<Histogram<u64>>,
-    e2e: Option<Histogram<u64>>,
-    lag: Option<Histogram<u64>>,
+    rec: StageRecorder,
+    /// Send lag only means something against a schedule.
+    open_loop: bool,
 }
 
-fn us(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+fn ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Agg {
-    fn new(h: impl Fn() -> Option<Histogram<u64>>) -> Self {
-        Self {
-            requests: 0,
-            ok: 0,
-            errors: BTreeMap::new(),
-            first: None,
-            last: None,
-            tokens: 0,
-            ttft: h(),
-            itl: h(),
-            tpot: h(),
-            e2e: h(),
-            lag: h(),
-        }
-    }
-
     fn add(&mut self, s: &Sample) {
         self.requests += 1;
         if let Some(t) = s.start {
@@ -640,30 +718,25 @@ impl Agg {
         if let Some(t) = s.end {
             self.last = Some(self.last.map_or(t, |l| l.max(t)));
         }
-        let rec = |h: &mut Option<Histogram<u64>>, d: Duration| {
-            if let Some(h) = h {
-                let _ = h.record(us(d));
-            }
-        };
-        rec(&mut self.lag, s.lag);
+        if self.open_loop {
+            self.rec.record_ns(SEND_LAG, ns(s.lag));
+        }
         if let Some(e) = &s.error {
             *self.errors.entry(e.clone()).or_default() += 1;
             return;
         }
         self.ok += 1;
         self.tokens += s.tokens;
-        rec(&mut self.e2e, s.e2e);
+        self.rec.record_ns(E2EL, ns(s.e2e));
         if let Some(t) = s.ttft {
-            rec(&mut self.ttft, t);
+            self.rec.record_ns(TTFT, ns(t));
             if s.tokens > 1 && !s.itl.is_empty() {
-                rec(
-                    &mut self.tpot,
-                    (s.e2e.saturating_sub(t)) / u32::try_from(s.tokens - 1).unwrap_or(u32::MAX),
-                );
+                let tpot = s.e2e.saturating_sub(t) / u32::try_from(s.tokens - 1).unwrap_or(u32::MAX);
+                self.rec.record_ns(TPOT, ns(tpot));
             }
         }
         for &d in &s.itl {
-            rec(&mut self.itl, d);
+            self.rec.record_ns(ITL, ns(d));
         }
     }
 
@@ -673,7 +746,8 @@ impl Agg {
             _ => 0.0,
         };
         let per_s = |n: u64| if dur > 0.0 { n as f64 / dur } else { 0.0 };
-        let lat = |h: &Option<Histogram<u64>>| h.as_ref().map(LatencyMs::from_hist).unwrap_or_default();
+        let stats = self.rec.stats();
+        let lat = |name: &str| LatencyMs::from_stats(stats.get(name));
         TargetSummary {
             name: t.name.clone(),
             url: t.url.to_string(),
@@ -685,84 +759,13 @@ impl Agg {
             requests_per_s: per_s(self.ok),
             output_tokens_per_s: per_s(self.tokens),
             output_tokens: self.tokens,
-            ttft_ms: lat(&self.ttft),
-            itl_ms: lat(&self.itl),
-            tpot_ms: lat(&self.tpot),
-            e2e_ms: lat(&self.e2e),
-            send_lag_ms: lat(&self.lag),
+            ttft_ms: lat(TTFT),
+            itl_ms: lat(ITL),
+            tpot_ms: lat(TPOT),
+            e2e_ms: lat(E2EL),
+            send_lag_ms: lat(SEND_LAG),
         }
     }
-}
-
-/// The human-readable report: one table of throughput and errors, one of latencies, and
-/// the overhead of the first target over each other one.
-pub fn render_table(s: &LoadSummary) -> String {
-    use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
-    let f = |v: f64| format!("{v:.3}");
-    let mut out = format!(
-        "kvx load: {} | {}{} | prompt {} tokens | max_tokens {}{}\n",
-        s.arrival,
-        s.endpoint,
-        if s.stream { " (stream)" } else { "" },
-        s.prompt_len,
-        s.max_tokens,
-        s.model.as_deref().map(|m| format!(" | model {m}")).unwrap_or_default()
-    );
-    let mut t = Table::new();
-    t.load_style(UTF8_FULL_CONDENSED);
-    t.set_header(["target", "url", "ok", "errors", "req/s", "out tok/s", "send lag p99 ms"]);
-    for x in &s.targets {
-        let errs = if x.errors.is_empty() {
-            "0".to_string()
-        } else {
-            x.errors.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join(", ")
-        };
-        let url = match &x.prefill_url {
-            Some(p) => format!("P {p} -> D {}", x.url),
-            None => x.url.clone(),
-        };
-        t.add_row([
-            x.name.clone(),
-            url,
-            format!("{}/{}", x.ok, x.requests),
-            errs,
-            format!("{:.1}", x.requests_per_s),
-            format!("{:.1}", x.output_tokens_per_s),
-            f(x.send_lag_ms.p99),
-        ]);
-    }
-    out.push_str(&t.to_string());
-    out.push('\n');
-    let mut t = Table::new();
-    t.load_style(UTF8_FULL_CONDENSED);
-    t.set_header(["target", "metric (ms)", "mean", "p50", "p90", "p99", "p99.9", "max"]);
-    for x in &s.targets {
-        for (name, l) in [("TTFT", &x.ttft_ms), ("ITL", &x.itl_ms), ("TPOT", &x.tpot_ms), ("E2E", &x.e2e_ms)]
-        {
-            if l.count == 0 {
-                continue;
-            }
-            t.add_row([
-                x.name.clone(),
-                name.to_string(),
-                f(l.mean),
-                f(l.p50),
-                f(l.p90),
-                f(l.p99),
-                f(l.p999),
-                f(l.max),
-            ]);
-        }
-    }
-    out.push_str(&t.to_string());
-    out.push('\n');
-    for o in &s.overhead {
-        out.push_str(&format!(
-            "overhead {} - {}: E2E p50 {:+.3} ms, p90 {:+.3} ms, p99 {:+.3} ms; TTFT p50 {:+.3} ms, p99 {:+.3} ms\n",
-            o.target, o.baseline, o.e2e_p50_ms, o.e2e_p90_ms, o.e2e_p99_ms, o.ttft_p50_ms, o.ttft_p99_ms
-        ));
-    }
-    out
 }
 
 #[cfg(test)]
@@ -814,10 +817,11 @@ mod tests {
         };
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         for i in 0..20 {
-            let b = request_body(&cfg, 0, i, &mut rng);
+            let (b, n) = request_body(&cfg, 0, i, &mut rng);
             let req =
                 crate::serve::openai::parse_request(Endpoint::Completions, &b, 100).expect("valid request");
             assert!((5..=9).contains(&req.prompt_tokens));
+            assert_eq!(req.prompt_tokens, n);
             assert_eq!(
                 (req.max_tokens, req.stream, req.include_usage, req.ignore_eos),
                 (3, true, true, true)

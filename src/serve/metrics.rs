@@ -21,6 +21,13 @@ pub const LATENCY_BUCKETS_S: &[f64] = &[
     30.0, 60.0,
 ];
 
+/// Bucket upper bounds (seconds) for KV stages, which run from microseconds (plan) to
+/// seconds (a large read on a loaded machine).
+pub const KV_STAGE_BUCKETS_S: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
 /// A monotonically increasing count.
 #[derive(Debug, Default)]
 pub struct Counter(AtomicU64);

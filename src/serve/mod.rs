@@ -5,24 +5,31 @@
 //! # Layout
 //! ```text
 //! openai.rs    wire shapes: request validation, synthetic tokenizer, byte-exact bodies/SSE
-//! kv.rs        KvBackend trait (the engine's KV side), kv_transfer_params, NullKv
+//! kv.rs        KvBackend trait (the engine's KV side), kv_transfer_params intent, NullKv
+//! workers.rs   WorkerKv: the KvBackend over a pipeline engine of worker processes (real UCX)
 //! metrics.rs   counters/gauges/histograms and the Prometheus text exposition
 //! engine.rs    the engine: router(state), serve(listener, state, shutdown)
 //! rewrite.rs   the toy proxy's body rewriting on raw, order-preserving JSON
 //! client.rs    pooled keep-alive HTTP/1.1 client (proxy legs, load generator)
 //! proxy.rs     the P/D proxy: router(state), serve(listener, state, shutdown)
 //! load.rs      the load generator: open/closed loop, TTFT/ITL/TPOT/E2E hdrhistograms
+//! load_report.rs  a load run as a report Summary: stages, rows, tables, run directory
+//! bench_serve.rs  `kvx bench --serve`: both engines and the proxy in-process, driven by load
 //! ```
 //!
 //! Every service takes a bound listener and a shutdown future; routers are pure
-//! `router(state) -> axum::Router`. This module must not reach into `pipeline/` or
-//! `transfer/`: a real KV backend plugs in through [`kv::KvBackend`].
+//! `router(state) -> axum::Router`. Only `workers.rs` and `bench_serve.rs` use `pipeline/`
+//! (through its public engine API); nothing here touches `transfer/`. The HTTP side sees KV
+//! only through [`kv::KvBackend`].
 
+pub mod bench_serve;
 pub mod client;
 pub mod engine;
 pub mod kv;
 pub mod load;
+pub mod load_report;
 pub mod metrics;
 pub mod openai;
 pub mod proxy;
 pub mod rewrite;
+pub mod workers;

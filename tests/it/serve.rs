@@ -31,7 +31,7 @@ async fn within<F: Future<Output = ()>>(f: F) {
     tokio::time::timeout(HARD_TIMEOUT, f).await.expect("test exceeded its hard timeout");
 }
 
-fn fixture(name: &str) -> String {
+pub(crate) fn fixture(name: &str) -> String {
     std::fs::read_to_string(format!("{FIXTURES}/{name}")).expect("fixture")
 }
 
@@ -117,7 +117,7 @@ async fn start_proxy(cfg: ProxyConfig) -> (Server, Arc<ProxyState>) {
 }
 
 /// One HTTP exchange over the pooled client; the body is collected whole.
-async fn send(
+pub(crate) async fn send(
     method: &str,
     url: &str,
     headers: &[(&str, &str)],
@@ -135,7 +135,7 @@ async fn send(
     (parts.status, parts.headers, String::from_utf8(bytes.to_vec()).expect("utf8 body"))
 }
 
-async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> (StatusCode, HeaderMap, String) {
+pub(crate) async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> (StatusCode, HeaderMap, String) {
     send("POST", url, headers, body).await
 }
 
@@ -155,7 +155,7 @@ fn replace_values(s: &str, key: &str, end: char, with: &str) -> String {
 }
 
 /// Maps kvx's per-run values onto the sample's: timestamps, fingerprint, token texts.
-fn normalise(s: &str) -> String {
+pub(crate) fn normalise(s: &str) -> String {
     let s = replace_values(s, "\"created\":", ',', "1795300000");
     let s = replace_values(&s, "\"system_fingerprint\":\"", '"', "vllm-0.32.0-abcd1234");
     s.replace(" t0 t1", " Hello world").replace("\" t0\"", "\" Hello\"").replace("\" t1\"", "\" world\"")
@@ -182,7 +182,7 @@ async fn stack() -> Stack {
     stack_with(engine_cfg(Role::Prefill), engine_cfg(Role::Decode)).await
 }
 
-fn metric(text: &str, line_prefix: &str) -> f64 {
+pub(crate) fn metric(text: &str, line_prefix: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(line_prefix).map(str::trim))
         .unwrap_or_else(|| panic!("metric {line_prefix} missing in:\n{text}"))
@@ -448,7 +448,7 @@ async fn prefill_failure_fails_fast_and_never_calls_decode() {
     .await;
 }
 
-fn closed_port() -> u16 {
+pub(crate) fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     l.local_addr().expect("addr").port()
 }
@@ -642,7 +642,7 @@ async fn malformed_json_and_unknown_routes() {
 
 /// Sends a request on a raw socket and returns it (and what was read) once `read_until`
 /// appears in the response; dropping the socket is the client disconnect.
-async fn raw_request(
+pub(crate) async fn raw_request(
     addr: SocketAddr,
     path: &str,
     body: &str,
@@ -782,8 +782,8 @@ fn spawn_kvx(args: &[&str]) -> Proc {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_processes_serve_streaming_completions_through_the_proxy() {
     within(async {
-        let p = spawn_kvx(&["serve-engine", "--role", "prefill", "--port", "0", "--model-name", "stub-model", "--engine-id", "P0"]);
-        let d = spawn_kvx(&["serve-engine", "--role", "decode", "--port", "0", "--model-name", "stub-model", "--itl-ms", "1"]);
+        let p = spawn_kvx(&["serve-engine", "--role", "prefill", "--port", "0", "--model-name", "stub-model", "--engine-id", "P0", "--kv-backend", "null"]);
+        let d = spawn_kvx(&["serve-engine", "--role", "decode", "--port", "0", "--model-name", "stub-model", "--itl-ms", "1", "--kv-backend", "null"]);
         let (pp, dp) = (p.addr.port().to_string(), d.addr.port().to_string());
         let x = spawn_kvx(&[
             "serve-proxy", "--port", "0", "--prefiller-host", "127.0.0.1", "--prefiller-port", &pp,
@@ -834,6 +834,7 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
         let mut d_cfg = engine_cfg(Role::Decode);
         d_cfg.itl = Duration::from_millis(1);
         let s = stack_with(engine_cfg(Role::Prefill), d_cfg).await;
+        let results = tempfile::tempdir().expect("tmp");
         let args: Vec<String> = [
             "load",
             "--url",
@@ -857,15 +858,37 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
             "8..24",
             "--format",
             "json",
+            "--results-dir",
+            &results.path().display().to_string(),
         ]
         .iter()
         .map(ToString::to_string)
         .collect();
         let (code, out, err) = run_kvx(&args).await;
         assert_eq!(code, Some(0), "stderr: {err}");
-        let v: serde_json::Value = serde_json::from_str(&out).expect("json summary");
+        // stdout: the run's summary, as `kvx bench --format json` prints it.
+        let sum: serde_json::Value = serde_json::from_str(&out).expect("json summary");
+        assert_eq!(sum["schema_version"], 1);
+        assert_eq!(sum["scenario"]["model"], "stub-model", "discovered from /v1/models");
+        assert_eq!(sum["scenario"]["rate_rps"], 200.0);
+        assert_eq!((sum["requests_ok"].as_u64(), sum["requests_failed"].as_u64()), (Some(40), Some(0)));
+        for stage in ["ttft", "itl", "tpot", "e2el", "send_lag", "baseline-pd.ttft", "baseline-pd.e2el"] {
+            assert!(sum["stages"][stage]["count"].as_u64().is_some_and(|c| c > 0), "{stage}: {sum}");
+        }
+        assert_eq!(sum["stages"]["itl"]["count"], 120, "3 gaps per 4-token stream");
+        let dir = results.path().join(sum["run_id"].as_str().expect("run id"));
+        for f in
+            ["summary.json", "requests.csv", "stages.csv", "latency.svg", "load.json", "http_requests.csv"]
+        {
+            assert!(dir.join(f).is_file(), "{f} missing");
+        }
+        let csv = std::fs::read_to_string(dir.join("http_requests.csv")).expect("csv");
+        assert_eq!(csv.lines().count(), 1 + 80, "a line per measured request of both targets");
+        // load.json: every target and the overhead.
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("load.json")).expect("load.json")).expect("json");
         assert_eq!(v["schema"], "kvx.load/v1");
-        assert_eq!(v["model"], "stub-model", "discovered from /v1/models");
+        assert_eq!(v["model"], "stub-model");
         let targets = v["targets"].as_array().expect("targets");
         assert_eq!(targets.len(), 2);
         for t in targets {
@@ -898,6 +921,8 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
             "4",
             "--model",
             "m",
+            "--results-dir",
+            &results.path().display().to_string(),
         ]
         .iter()
         .map(ToString::to_string)

@@ -1,0 +1,525 @@
+//! `kvx bench --serve`: the whole serving path in one command. A prefill engine, a decode
+//! engine (each with one worker process per TP rank, real UCX reads verified underneath)
+//! and the P/D proxy, driven through the proxy by the `kvx load` generator; the run is
+//! written and printed through the report machinery.
+//!
+//! The HTTP servers run in this process, on loopback port 0, rather than as
+//! `kvx serve-engine` / `kvx serve-proxy` child processes: the KV path still crosses real
+//! process boundaries (the ranks are separate `kvx worker` processes, exactly as behind
+//! `kvx serve-engine`), and in-process servers let the report carry the decode ranks' own
+//! per-stage hdrhistograms, bytes, verification counts and the engines' final block
+//! accounting (leaks, expired leases) instead of Prometheus buckets scraped over HTTP; there
+//! are no ports to discover and no child servers to orphan. The servers get their own
+//! runtime so the load generator's clock never waits behind their tasks.
+//!
+//! Owns the orchestration and the mapping of its figures into a [`Summary`]. Must not
+//! change what the engines, proxy or generator do: it only wires them.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::engine::{self, EngineConfig as HttpEngineConfig, EngineState, Role as HttpRole};
+use super::load::{self, Arrival as LoadArrival, LoadConfig, LoadRun, Target};
+use super::load_report;
+use super::openai::Endpoint;
+use super::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
+use super::workers::{KvRequestRecord, KvStats, WorkerKv};
+use crate::Outcome;
+use crate::pipeline::bench::BenchSettings;
+use crate::pipeline::engine::{EngineConfig, EngineError, EngineFinal, Launch, split_endpoint};
+use crate::pipeline::proto::{Role, WorkerConfig};
+use crate::pipeline::workload::{Arrival, PromptLens};
+use crate::report::ReportError;
+use crate::report::files::{RunWriter, results_root, write_atomic};
+use crate::report::recorder::StageRecorder;
+use crate::report::summary::{
+    DescriptorsPerRequest, RankList, RankThroughput, RequestOutcome, RequestRow, Summary, UcxInfo,
+    new_run_id, now_rfc3339, ratio, vllm_metrics_line,
+};
+use crate::report::table::{
+    Style, failures_table, per_rank_table, scenario_table, section, stage_table, throughput_table,
+};
+
+/// Tokens generated per request: enough for ITL and TPOT to mean something.
+pub const MAX_TOKENS: u64 = 16;
+
+/// Why `kvx bench --serve` could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchServeError {
+    #[error("starting the {role} engine's workers: {source}")]
+    Engine { role: &'static str, source: EngineError },
+    #[error(transparent)]
+    Report(#[from] ReportError),
+    #[error(transparent)]
+    Load(#[from] load::LoadError),
+    #[error("{0}")]
+    Io(String),
+    #[error("no request through the proxy succeeded; errors by cause: {0:?}")]
+    NothingSucceeded(std::collections::BTreeMap<String, u64>),
+}
+
+/// The worker engine of one role, as `kvx bench` would start it.
+fn engine_config(s: &BenchSettings, role: Role) -> EngineConfig {
+    let (spec, letter) = match role {
+        Role::Prefill => (&s.pair.p, "prefill"),
+        Role::Decode => (&s.pair.d, "decode"),
+    };
+    let launch = match &s.listen {
+        Some(ep) => {
+            let (host, port) = split_endpoint(ep);
+            let port = if role == Role::Prefill { port } else { port.saturating_add(1) };
+            Launch::External { bind: format!("tcp://{host}:{port}") }
+        }
+        None => Launch::Spawn { exe: s.exe.clone(), env: s.worker_env.clone() },
+    };
+    EngineConfig {
+        worker: WorkerConfig {
+            role,
+            rank: 0,
+            engine_id: format!("kvx-{letter}-{}", uuid::Uuid::new_v4().simple()),
+            pair: s.pair.clone(),
+            transport: s.transport.clone(),
+            verify: s.verify,
+            lease_ms: s.lease.as_millis() as u64,
+            timeout_ms: s.timeout.as_millis() as u64,
+            bind_host: s.bind_host.clone(),
+            advertise_host: s.advertise_host.clone(),
+        },
+        tp: spec.tp,
+        pool_blocks: spec.num_blocks,
+        block_tokens: spec.block_tokens,
+        alloc: s.alloc,
+        seed: s.seed ^ u64::from(role == Role::Decode),
+        launch,
+        side_channel_bind: (role == Role::Prefill).then(|| format!("tcp://{}:0", s.bind_host)),
+        timeout: s.timeout * 4,
+    }
+}
+
+/// The HTTP side of one engine.
+fn http_config(s: &BenchSettings, role: HttpRole) -> HttpEngineConfig {
+    let spec = if role == HttpRole::Prefill { &s.pair.p } else { &s.pair.d };
+    let mut c = HttpEngineConfig::new(role, s.pair.model.name.clone());
+    c.max_model_len = u64::from(s.lens.max()) + MAX_TOKENS + 1;
+    c.block_size_tokens = spec.block_tokens;
+    c.tp_size = spec.tp;
+    c
+}
+
+/// The load generator's settings: the bench's workload, through the proxy.
+fn load_config(s: &BenchSettings, proxy: SocketAddr) -> Result<LoadConfig, BenchServeError> {
+    let url =
+        format!("http://{proxy}").parse().map_err(|e| BenchServeError::Io(format!("proxy URL: {e}")))?;
+    let prompt_len = match &s.lens {
+        PromptLens::Fixed(n) => (u64::from(*n), u64::from(*n)),
+        PromptLens::Uniform(a, b) => (u64::from(*a), u64::from(*b)),
+        PromptLens::List(v) => {
+            (u64::from(v.iter().copied().min().unwrap_or(1)), u64::from(v.iter().copied().max().unwrap_or(1)))
+        }
+    };
+    Ok(LoadConfig {
+        targets: vec![Target { name: "proxy".into(), url, prefill_url: None }],
+        arrival: match s.arrival {
+            Arrival::Closed { concurrency } => LoadArrival::Concurrency(concurrency.max(1) as usize),
+            Arrival::Poisson { rate } => LoadArrival::Rate(rate),
+        },
+        requests: s.requests,
+        duration: s.duration,
+        warmup: s.warmup,
+        prompt_len,
+        max_tokens: MAX_TOKENS,
+        stream: true,
+        endpoint: Endpoint::Completions,
+        model: Some(s.pair.model.name.clone()),
+        ignore_eos: true,
+        api_key: None,
+        timeout: (s.timeout * 8).max(Duration::from_secs(60)),
+        seed: s.seed,
+    })
+}
+
+/// Binds 127.0.0.1:0 and serves `f(listener, shutdown)` on the current runtime.
+async fn spawn_server<F, Fut>(
+    stop: &watch::Receiver<bool>,
+    f: F,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), BenchServeError>
+where
+    F: FnOnce(tokio::net::TcpListener, std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> Fut,
+    Fut: Future<Output = std::io::Result<()>> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| BenchServeError::Io(format!("bind 127.0.0.1:0: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| BenchServeError::Io(e.to_string()))?;
+    let mut rx = stop.clone();
+    let shutdown = Box::pin(async move {
+        let _ = rx.wait_for(|v| *v).await;
+    });
+    let fut = f(listener, shutdown);
+    let task = tokio::spawn(async move {
+        if let Err(e) = fut.await {
+            tracing::warn!("server on {addr}: {e}");
+        }
+    });
+    Ok((addr, task))
+}
+
+/// What the run measured, ready for the summary.
+struct Measured {
+    run: LoadRun,
+    load_cfg: LoadConfig,
+    p_stats: KvStats,
+    d_stats: KvStats,
+    records: Vec<KvRequestRecord>,
+    p_fin: EngineFinal,
+    d_fin: EngineFinal,
+    ucx: (String, String),
+}
+
+/// Runs the serving path and writes the run; prints tables (or the summary JSON).
+pub fn run(s: &BenchSettings, results_dir: Option<&Path>, json: bool) -> Result<Outcome, BenchServeError> {
+    let root = results_root(results_dir, std::env::var_os(crate::settings::env::KVX_RESULTS_DIR));
+    let started_at = now_rfc3339();
+    let run_id = new_run_id(&started_at);
+    let writer = RunWriter::create(&root, &run_id)?;
+    eprintln!(
+        "kvx bench --serve: P tp {} -> D tp {} | {} | {} requests of {} tokens through the proxy | writing {}",
+        s.pair.p.tp,
+        s.pair.d.tp,
+        s.pair.model.name,
+        s.requests.map_or_else(|| "timed".to_string(), |r| r.to_string()),
+        s.lens,
+        writer.dir().display()
+    );
+    let m = measure(s)?;
+    let summary = build_summary(s, &m, &run_id, &started_at);
+    let rows = request_rows(&m.run, &m.records);
+    let files = write(writer, &summary, &rows, &m.run)?;
+    let out = if json {
+        String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?).into_owned()
+    } else {
+        let dir =
+            files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string());
+        format!("{}results: {dir}\n", render(&summary, &m.run))
+    };
+    {
+        use std::io::Write as _;
+        let mut stdout = std::io::stdout().lock();
+        stdout.write_all(out.as_bytes()).map_err(|e| BenchServeError::Io(format!("stdout: {e}")))?;
+        stdout.flush().map_err(|e| BenchServeError::Io(format!("stdout: {e}")))?;
+    }
+    if summary.requests_failed > 0 || summary.verify_failures > 0 {
+        eprintln!(
+            "kvx bench --serve: {} failed requests, {} verification failures (see results)",
+            summary.requests_failed, summary.verify_failures
+        );
+    }
+    if summary.requests_ok == 0 {
+        return Err(BenchServeError::NothingSucceeded(summary.failures_by_cause));
+    }
+    Ok(Outcome::Ok)
+}
+
+/// Starts everything, drives the load, stops everything.
+fn measure(s: &BenchSettings) -> Result<Measured, BenchServeError> {
+    let p_kv = Arc::new(
+        WorkerKv::start(engine_config(s, Role::Prefill))
+            .map_err(|source| BenchServeError::Engine { role: "prefill", source })?,
+    );
+    let d_kv = Arc::new(
+        WorkerKv::start(engine_config(s, Role::Decode))
+            .map_err(|source| BenchServeError::Engine { role: "decode", source })?,
+    );
+    d_kv.record_requests();
+    let ucx = (d_kv.info().ucx_library.clone(), d_kv.info().ucx_version.clone());
+    let servers = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvx-serve")
+        .enable_all()
+        .build()
+        .map_err(|e| BenchServeError::Io(format!("async runtime: {e}")))?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let p_state = EngineState::new(http_config(s, HttpRole::Prefill), p_kv.clone());
+    let d_state = EngineState::new(http_config(s, HttpRole::Decode), d_kv.clone());
+    let started = servers.block_on(async {
+        let (p_addr, p_task) = spawn_server(&stop_rx, |l, stop| engine::serve(l, p_state, stop)).await?;
+        let (d_addr, d_task) = spawn_server(&stop_rx, |l, stop| engine::serve(l, d_state, stop)).await?;
+        let mut pcfg = ProxyConfig::new(
+            vec![BackendAddr { host: "127.0.0.1".into(), port: p_addr.port() }],
+            vec![BackendAddr { host: "127.0.0.1".into(), port: d_addr.port() }],
+        );
+        pcfg.request_timeout = (s.timeout * 8).max(Duration::from_secs(60));
+        let pst = ProxyState::new(pcfg).map_err(|e| BenchServeError::Io(e.message))?;
+        let (x_addr, x_task) = spawn_server(&stop_rx, |l, stop| proxy::serve(l, pst, stop)).await?;
+        Ok::<_, BenchServeError>((x_addr, [p_task, d_task, x_task]))
+    });
+    let result = match started {
+        Ok((x_addr, tasks)) => {
+            let cfg = load_config(s, x_addr);
+            let run = match cfg {
+                Ok(cfg) => {
+                    let driver = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .map_err(|e| BenchServeError::Io(format!("async runtime: {e}")));
+                    driver.and_then(|rt| {
+                        rt.block_on(load::run(cfg.clone())).map(|r| (r, cfg)).map_err(BenchServeError::from)
+                    })
+                }
+                Err(e) => Err(e),
+            };
+            let _ = stop_tx.send(true);
+            servers.block_on(async {
+                for t in tasks {
+                    let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+                }
+            });
+            run
+        }
+        Err(e) => Err(e),
+    };
+    servers.shutdown_timeout(Duration::from_secs(2));
+    let d_fin = d_kv.shutdown().unwrap_or_default();
+    let p_fin = p_kv.shutdown().unwrap_or_default();
+    let (run, load_cfg) = result?;
+    Ok(Measured {
+        run,
+        load_cfg,
+        p_stats: p_kv.stats(),
+        d_stats: d_kv.stats(),
+        records: d_kv.take_records(),
+        p_fin,
+        d_fin,
+        ucx,
+    })
+}
+
+/// KV figures of the measured requests only (warm-up loads left out), from the decode
+/// engine's per-request records.
+#[derive(Default)]
+struct KvFigures {
+    recorder: StageRecorder,
+    loads_ok: u64,
+    bytes_read: u64,
+    bytes_verified: u64,
+    verify_failures: u64,
+    descriptors_raw: u64,
+    descriptors_coalesced: u64,
+    per_rank: BTreeMap<u32, (u64, u64)>,
+}
+
+fn kv_figures(run: &LoadRun, records: &[KvRequestRecord]) -> KvFigures {
+    let measured: HashSet<&str> = run.requests.iter().map(|r| r.request_id.as_str()).collect();
+    let mut f = KvFigures::default();
+    for k in records.iter().filter(|k| measured.contains(k.x_request_id.as_str())) {
+        f.verify_failures += k.verify_failures;
+        if let Some(ns) = k.handshake_ns {
+            f.recorder.record_ns("handshake", ns);
+        }
+        if k.failure.is_some() {
+            continue;
+        }
+        f.loads_ok += 1;
+        f.bytes_read += k.bytes;
+        f.bytes_verified += k.bytes_verified;
+        f.descriptors_raw += k.descriptors_raw;
+        f.descriptors_coalesced += k.descriptors_coalesced;
+        for (stage, ns) in [
+            ("queue", k.queue_ns),
+            ("plan", k.plan_ns),
+            ("post", k.post_ns),
+            ("transfer", k.transfer_ns),
+            ("notify", k.notify_ns),
+            ("e2e", k.e2e_ns),
+            ("verify", k.verify_ns),
+        ] {
+            if stage != "verify" || ns > 0 {
+                f.recorder.record_ns(stage, ns);
+            }
+        }
+        for &(rank, bytes) in &k.rank_bytes {
+            let e = f.per_rank.entry(rank).or_default();
+            e.0 += bytes;
+            e.1 += 1;
+        }
+    }
+    f
+}
+
+/// The summary: the client-side latencies and outcomes from the load generator, the KV
+/// figures of the same requests from the decode ranks, block accounting from both engines.
+fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str) -> Summary {
+    let mut sum = load_report::summary(&m.run, &m.load_cfg, run_id, started_at, &s.name);
+    let mut scenario = s.scenario();
+    scenario.extra.extend(sum.scenario.extra.clone());
+    scenario.extra.insert("serve".into(), serde_json::json!(true));
+    sum.scenario = scenario;
+    let k = kv_figures(&m.run, &m.records);
+    let mut kv = k.recorder.clone();
+    let _ = kv.merge(&m.p_stats.recorder);
+    let http = std::mem::take(&mut sum.stages);
+    sum.stages = kv.stats();
+    sum.stages.extend(http);
+    sum.bytes_read = k.bytes_read;
+    sum.bytes_verified = k.bytes_verified;
+    sum.verify_failures = k.verify_failures;
+    sum.throughput_gbps = ratio(k.bytes_read as f64, sum.duration_s) / 1e9;
+    sum.bytes_per_request = ratio(k.bytes_read as f64, k.loads_ok as f64);
+    sum.descriptors_per_request = DescriptorsPerRequest {
+        raw: ratio(k.descriptors_raw as f64, k.loads_ok as f64),
+        coalesced: ratio(k.descriptors_coalesced as f64, k.loads_ok as f64),
+    };
+    sum.per_rank = k
+        .per_rank
+        .iter()
+        .map(|(&rank, &(bytes, requests))| RankThroughput {
+            role: "decode".into(),
+            rank,
+            throughput_gbps: ratio(bytes as f64, sum.duration_s) / 1e9,
+            bytes,
+            requests,
+        })
+        .collect();
+    sum.blocks_leaked = u64::from(m.p_fin.blocks_leaked + m.d_fin.blocks_leaked);
+    sum.blocks_expired = m.p_fin.leases_expired;
+    let d = &m.d_stats;
+    sum.ucx = UcxInfo {
+        library: m.ucx.0.clone(),
+        version: m.ucx.1.clone(),
+        transports: d
+            .transports
+            .as_deref()
+            .map(|t| t.split(", ").map(str::to_string).collect())
+            .unwrap_or_default(),
+        err_mode: Some(if s.transport.err_mode.is_empty() {
+            "none".into()
+        } else {
+            s.transport.err_mode.clone()
+        }),
+    };
+    sum.notes.insert(
+        1,
+        "queue, handshake, plan, post, transfer, notify, e2e, verify: the decode ranks' KV load stages \
+         (slowest rank per request, measured requests only); fill: the prefill ranks' pattern fill \
+         (warm-up included)"
+            .to_string(),
+    );
+    sum.notes.push(format!(
+        "serving path: client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (handshake, \
+         UCX reads, verify {}, notify) -> {MAX_TOKENS} streamed tokens; prefill compute and ITL are 0, so \
+         TTFT is HTTP plus KV",
+        format!("{:?}", s.verify).to_lowercase()
+    ));
+    if let Some(v) = sum.stages.get("verify").filter(|v| v.count > 0) {
+        sum.notes.push(format!(
+            "ttft includes the decode ranks' verification of what they read (p50 {:.3} ms); pass --verify off \
+             for TTFT without it",
+            v.p50_us / 1e3
+        ));
+    }
+    if d.loads_failed > 0 {
+        sum.notes.push(format!("KV loads failed by cause (warm-up included): {:?}", d.failures_by_cause));
+    }
+    if s.prefix_hit > 0.0 {
+        sum.notes
+            .push("--prefix-hit is ignored with --serve: the reference engine has no prefix cache".into());
+    }
+    if s.repeat > 1 {
+        sum.notes.push("--repeat is ignored with --serve: one measured pass".into());
+    }
+    if matches!(s.lens, PromptLens::List(_)) {
+        sum.notes.push("prompt lengths from a file are drawn uniformly between their min and max".into());
+    }
+    for (role, fin) in [("prefill", &m.p_fin), ("decode", &m.d_fin)] {
+        if !fin.dead_ranks.is_empty() {
+            sum.notes.push(format!("{role} ranks that died: {:?}", fin.dead_ranks));
+        }
+    }
+    if m.p_fin.unrecognized_notifs > 0 {
+        sum.notes.push(format!("{} notifications for unrecognized requests", m.p_fin.unrecognized_notifs));
+    }
+    sum.finished_at = Some(now_rfc3339());
+    sum.partial = false;
+    sum
+}
+
+/// `requests.csv`: each measured request's outcome joined with its KV load (by X-Request-Id).
+fn request_rows(run: &LoadRun, records: &[KvRequestRecord]) -> Vec<RequestRow> {
+    let by_id: HashMap<&str, &KvRequestRecord> =
+        records.iter().map(|r| (r.x_request_id.as_str(), r)).collect();
+    let us = |ns: u64| ns as f64 / 1e3;
+    load_report::request_rows(run)
+        .into_iter()
+        .map(|mut row| {
+            if let Some(k) = by_id.get(row.request_id.as_str()) {
+                row.blocks = k.blocks;
+                row.bytes = k.bytes;
+                row.descriptors_raw = k.descriptors_raw;
+                row.descriptors_coalesced = k.descriptors_coalesced;
+                if k.failure.is_none() {
+                    row.queue_us = Some(us(k.queue_ns));
+                    row.handshake_us = k.handshake_ns.map(us);
+                    row.plan_us = Some(us(k.plan_ns));
+                    row.post_us = Some(us(k.post_ns));
+                    row.transfer_us = Some(us(k.transfer_ns));
+                    row.notify_us = Some(us(k.notify_ns));
+                    row.e2e_us = Some(us(k.e2e_ns));
+                } else if row.outcome == RequestOutcome::Ok {
+                    row.outcome = RequestOutcome::Failed;
+                    row.failure_cause = k.failure.clone();
+                }
+                row.d_ranks = RankList(k.rank_bytes.iter().map(|&(r, _)| r).collect());
+            }
+            row
+        })
+        .collect()
+}
+
+fn write(
+    mut writer: RunWriter,
+    summary: &Summary,
+    rows: &[RequestRow],
+    run: &LoadRun,
+) -> Result<Vec<PathBuf>, ReportError> {
+    for row in rows {
+        writer.write_request(row)?;
+    }
+    let dir = writer.dir().to_path_buf();
+    let mut files = writer.finish(summary)?;
+    let p = dir.join(load_report::LOAD_JSON);
+    write_atomic(&p, &load_report::load_json(&run.summary)?)?;
+    files.push(p);
+    let p = dir.join(load_report::HTTP_REQUESTS_CSV);
+    write_atomic(&p, &load_report::http_requests_csv(run)?)?;
+    files.push(p);
+    Ok(files)
+}
+
+/// The terminal report: scenario, every stage (KV and client-side), KV throughput,
+/// outcomes and verification, per rank, the proxy target, the vLLM metrics line.
+fn render(s: &Summary, run: &LoadRun) -> String {
+    let style = Style::Terminal;
+    let mut out = String::new();
+    out.push_str(&section("Scenario", &scenario_table(s, style), style));
+    out.push('\n');
+    out.push_str(&section("Latency by stage (KV and client-side)", &stage_table(s, style), style));
+    out.push('\n');
+    out.push_str(&section("KV throughput, bytes, descriptors", &throughput_table(s, style), style));
+    out.push('\n');
+    out.push_str(&section("Outcomes and verification", &failures_table(s, style), style));
+    if let Some(t) = per_rank_table(s, style) {
+        out.push('\n');
+        out.push_str(&section("Per rank", &t, style));
+    }
+    out.push('\n');
+    out.push_str(&section("Through the proxy", &load_report::targets_table(&run.summary, style), style));
+    out.push('\n');
+    out.push_str(&vllm_metrics_line(s));
+    out.push('\n');
+    out
+}

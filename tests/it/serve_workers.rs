@@ -1,0 +1,357 @@
+//! The serving path with real KV transfers: `kvx serve-engine --kv-backend workers` (one
+//! `kvx worker` process per TP rank, UCX reads verified underneath) behind `kvx serve-proxy`,
+//! all real processes on loopback port 0; and `kvx bench --serve`. Every engine runs in its
+//! own process group, killed whole on drop, so no worker outlives a test; every test runs
+//! under a hard timeout.
+
+use std::future::Future;
+use std::io::{BufRead as _, BufReader};
+use std::net::SocketAddr;
+use std::os::unix::process::CommandExt as _;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+
+use crate::serve::{fixture, metric, normalise, post, raw_request, send};
+
+/// Worker processes start in a few seconds even on a loaded machine; the whole test must
+/// still end in bounded time.
+const HARD_TIMEOUT: Duration = Duration::from_secs(120);
+
+async fn within<F: Future<Output = ()>>(f: F) {
+    tokio::time::timeout(HARD_TIMEOUT, f).await.expect("test exceeded its hard timeout");
+}
+
+/// A small model: 2 layers of llama-3.1-8b's heads, so a 40-token prompt is a few blocks.
+const MODEL: &[&str] = &["--model", "llama-3.1-8b", "--layers", "2", "--model-name", "stub-model"];
+
+/// A `kvx` process leading its own process group (its workers join it); the whole group is
+/// killed on drop.
+struct Proc {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Proc {
+    fn spawn(args: &[&str]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvx"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .process_group(0)
+            .spawn()
+            .expect("spawn kvx");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let mut proc = Proc { child, addr: SocketAddr::from(([0, 0, 0, 0], 0)) };
+        let line = rx.recv_timeout(Duration::from_secs(10)).expect("first stdout line within 10 s");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on http://")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+        proc.addr = addr.parse().expect("socket address");
+        proc
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn signal_group(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .args(["-s", sig, "--", &format!("-{}", self.child.id())])
+            .stderr(Stdio::null())
+            .status();
+    }
+
+    /// Whether any process of the group is alive.
+    fn group_alive(&self) -> bool {
+        Command::new("kill")
+            .args(["-s", "0", "--", &format!("-{}", self.child.id())])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.signal_group("KILL");
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls an engine's metric until `cond` holds (every 20 ms, up to `limit`).
+async fn wait_metric(url: &str, name: &str, limit: Duration, cond: impl Fn(f64) -> bool) -> f64 {
+    let deadline = Instant::now() + limit;
+    loop {
+        let (_, _, m) = send("GET", url, &[], "").await;
+        let v = metric(&m, name);
+        if cond(v) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{name} is still {v} after {limit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// An engine with the workers backend; returns once it answers `/health` (its workers are up).
+async fn engine(role: &str, tp: &str, extra: &[&str]) -> Proc {
+    let mut args = vec!["serve-engine", "--role", role, "--port", "0", "--tp", tp, "--max-model-len", "1024"];
+    args.extend_from_slice(MODEL);
+    args.extend_from_slice(&["--side-channel-port", "0", "--verify", "full", "--timeout", "10s"]);
+    args.extend_from_slice(extra);
+    let p = Proc::spawn(&args);
+    let (status, _, _) = send("GET", &p.url("/health"), &[], "").await;
+    assert_eq!(status, StatusCode::OK);
+    p
+}
+
+fn proxy(p: &Proc, d: &Proc) -> Proc {
+    let (pp, dp) = (p.addr.port().to_string(), d.addr.port().to_string());
+    Proc::spawn(&[
+        "serve-proxy",
+        "--port",
+        "0",
+        "--prefiller-host",
+        "127.0.0.1",
+        "--prefiller-port",
+        &pp,
+        "--decoder-host",
+        "127.0.0.1",
+        "--decoder-port",
+        &dp,
+    ])
+}
+
+const D_LABELS: &str = "{backend=\"workers\",kv_transfer=\"ucx\",role=\"decode\"}";
+const P_LABELS: &str = "{backend=\"workers\",kv_transfer=\"ucx\",role=\"prefill\"}";
+
+fn words(n: usize) -> String {
+    (0..n).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_and_chat_through_the_proxy_read_verified_kv() {
+    within(async {
+        let p = engine("prefill", "2", &[]).await;
+        let d = engine("decode", "1", &["--itl-ms", "1"]).await;
+        let x = proxy(&p, &d);
+        let prompt = words(40);
+        let url = |path: &str| x.url(path);
+
+        // Streaming completions: byte-exact framing against vLLM's sample, over a real load.
+        let body = r#"{"model":"stub-model","prompt":"hello world how are you","max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}"#;
+        let (status, h, text) =
+            post(&url("/v1/completions"), &[("x-request-id", "0123456789abcdef")], body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(h["content-type"], "text/event-stream; charset=utf-8");
+        assert_eq!(normalise(&text), fixture("vllm-0.32-completions-stream.sse"));
+
+        // Non-streaming completions.
+        let body = format!(r#"{{"prompt":"{prompt}","max_tokens":3}}"#);
+        let (status, _, text) = post(&url("/v1/completions"), &[], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(v["choices"][0]["text"], " t0 t1 t2");
+        assert_eq!(v["usage"]["prompt_tokens"], 40);
+
+        // Chat, streaming and not.
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"{prompt}"}}],"max_completion_tokens":2,"stream":true}}"#
+        );
+        let (status, h, text) = post(&url("/v1/chat/completions"), &[], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(h["content-type"], "text/event-stream; charset=utf-8");
+        assert!(text.starts_with("data: {") && text.ends_with("data: [DONE]\n\n"), "{text}");
+        assert_eq!(text.matches("\"content\":\" t").count(), 2, "{text}");
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"{prompt}"}}],"max_completion_tokens":2}}"#);
+        let (status, _, text) = post(&url("/v1/chat/completions"), &[], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(v["choices"][0]["message"]["content"], " t0 t1");
+
+        // Every request's KV was read from the prefill ranks and checked byte for byte.
+        let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 4.0, "{m}");
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"error\"}"), 0.0);
+        let read = metric(&m, &format!("kvx:kv_bytes_read_total{D_LABELS}"));
+        // 2 layers x K,V x 8 heads x 128 x 2 bytes per token; 5 + 40 + 40 + 40 tokens, in 16-token blocks.
+        let block = 2.0 * 2.0 * 8.0 * 128.0 * 2.0 * 16.0;
+        assert_eq!(read, block * f64::from(1 + 3 + 3 + 3), "{m}");
+        assert_eq!(metric(&m, &format!("kvx:kv_bytes_verified_total{D_LABELS}")), read);
+        assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0);
+        assert_eq!(metric(&m, &format!("kvx:kv_handshakes_total{D_LABELS}")), 1.0, "once, by the one decode rank");
+        for reason in ["missing", "incomplete", "do_remote_decode"] {
+            let name = format!("kvx:decode_local_prefill_total{{model_name=\"stub-model\",reason=\"{reason}\"}}");
+            assert_eq!(metric(&m, &name), 0.0, "no local-prefill fallback");
+        }
+        assert!(m.contains(&format!("kvx:kv_backend_info{D_LABELS} 1")), "{m}");
+        assert_eq!(
+            metric(&m, "kvx:kv_stage_seconds_count{backend=\"workers\",kv_transfer=\"ucx\",role=\"decode\",stage=\"transfer\"}"),
+            4.0
+        );
+
+        // The prefill engine filled 4 holds and got every block back by notification.
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &format!("kvx:kv_prefills_total{P_LABELS}")), 4.0, "{m}");
+        wait_metric(&p.url("/metrics"), &format!("kvx:kv_blocks_held{P_LABELS}"), Duration::from_secs(5), |v| {
+            v == 0.0
+        })
+        .await;
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0);
+
+        // A graceful stop ends the engine and its workers.
+        drop(x);
+        let mut p = p;
+        let _ = Command::new("kill").args(["-s", "TERM", &p.child.id().to_string()]).status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let status = loop {
+            if let Some(s) = p.child.try_wait().expect("wait") {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "prefill engine still running 15 s after SIGTERM");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(status.success(), "{status}");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while p.group_alive() {
+            assert!(Instant::now() < deadline, "a prefill worker outlived its engine");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        // An engine killed outright (SIGKILL, OOM) takes its workers with it.
+        let mut d = d;
+        let _ = Command::new("kill").args(["-s", "KILL", &d.child.id().to_string()]).status();
+        let _ = d.child.wait();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while d.group_alive() {
+            assert!(Instant::now() < deadline, "a decode worker outlived its killed engine");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnects_and_abandoned_prefills_release_blocks() {
+    within(async {
+        let p = engine("prefill", "2", &["--lease", "1s"]).await;
+        let d = engine("decode", "2", &["--itl-ms", "20"]).await;
+        let x = proxy(&p, &d);
+        let held = format!("kvx:kv_blocks_held{P_LABELS}");
+        let expired = format!("kvx:kv_leases_expired_total{P_LABELS}");
+
+        // A client that leaves mid-stream: the decode engine aborts the request; the KV it
+        // read was already released to the prefill engine by notification, not by lease.
+        let body = format!(r#"{{"prompt":"{}","max_tokens":500,"stream":true}}"#, words(40));
+        let sock = raw_request(x.addr, "/v1/completions", &body, Some("\" t0\"")).await;
+        let running = "vllm:num_requests_running{model_name=\"stub-model\"}";
+        let aborted = "vllm:request_success_total{model_name=\"stub-model\",finished_reason=\"abort\"}";
+        let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, running), 1.0);
+        drop(sock);
+        wait_metric(&d.url("/metrics"), aborted, Duration::from_secs(5), |v| v == 1.0).await;
+        let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, running), 0.0);
+        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\"}") < 500.0);
+        assert_eq!(metric(&m, &format!("kvx:kv_blocks_in_use{D_LABELS}")), 0.0);
+        assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0);
+        wait_metric(&p.url("/metrics"), &held, Duration::from_millis(900), |v| v == 0.0).await;
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &expired), 0.0, "freed by the decode side's notification");
+
+        // A prefill whose decode leg never comes (the proxy's client left between legs):
+        // its blocks stay held, and go when the 1 s lease runs out, not later.
+        let body = format!(
+            r#"{{"prompt":"{}","max_tokens":1,"kv_transfer_params":{{"do_remote_decode":true,"do_remote_prefill":false}}}}"#,
+            words(40)
+        );
+        let (status, _, text) = post(&p.url("/v1/completions"), &[], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(v["kv_transfer_params"]["remote_block_ids"][0].as_array().map(Vec::len), Some(3));
+        assert_eq!(v["kv_transfer_params"]["remote_port"].as_u64().map(|p| p > 0), Some(true));
+        let handed_off = Instant::now();
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &held), 3.0, "{m}");
+        wait_metric(&p.url("/metrics"), &held, Duration::from_secs(4), |v| v == 0.0).await;
+        assert!(handed_off.elapsed() >= Duration::from_millis(900), "freed before its lease ran out");
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &expired), 2.0, "one lease per prefill rank");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_serve_runs_the_whole_path_and_writes_its_summary() {
+    within(async {
+        let results = tempfile::tempdir().expect("tmp");
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvx"))
+            .args([
+                "bench",
+                "--serve",
+                "--p-tp",
+                "2",
+                "--d-tp",
+                "2",
+                "--model",
+                "llama-3.1-8b",
+                "--layers",
+                "2",
+                "--prompt-len",
+                "64",
+                "--requests",
+                "4",
+                "--warmup",
+                "1",
+                "--no-calibrate",
+                "--format",
+                "json",
+                "--results-dir",
+            ])
+            .arg(results.path())
+            .process_group(0)
+            .kill_on_drop(true)
+            .output()
+            .await
+            .expect("run kvx bench --serve");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary JSON on stdout");
+        let dir = results.path().join(v["run_id"].as_str().expect("run id"));
+        let saved: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("summary.json")).expect("summary.json"))
+                .expect("json");
+        assert_eq!(saved, v);
+        assert_eq!((v["requests_ok"].as_u64(), v["requests_failed"].as_u64()), (Some(4), Some(0)), "{v}");
+        assert_eq!(v["scenario"]["serve"], true);
+        // 64 tokens = 4 blocks of 2 layers x K,V x 8 heads x 128 x 2 bytes x 16 tokens.
+        assert_eq!(v["bytes_read"].as_u64(), Some(4 * 4 * 2 * 2 * 8 * 128 * 2 * 16));
+        assert_eq!(v["bytes_verified"], v["bytes_read"]);
+        assert_eq!(v["verify_failures"], 0);
+        assert_eq!(v["blocks_leaked"], 0);
+        for stage in ["ttft", "itl", "tpot", "e2el", "transfer", "post", "e2e", "fill"] {
+            assert!(v["stages"][stage]["count"].as_u64().is_some_and(|c| c > 0), "stage {stage}: {v}");
+        }
+        assert_eq!(v["stages"]["ttft"]["count"], 4);
+        assert_eq!(v["stages"]["transfer"]["count"], 4, "measured requests only");
+        for f in ["requests.csv", "stages.csv", "latency.svg", "load.json", "http_requests.csv"] {
+            assert!(dir.join(f).is_file(), "{f} missing in {}", dir.display());
+        }
+        let csv = std::fs::read_to_string(dir.join("requests.csv")).expect("requests.csv");
+        let rows: Vec<&str> = csv.lines().skip(1).collect();
+        assert_eq!(rows.len(), 4, "{csv}");
+        // prompt_tokens, blocks, bytes of both decode ranks, joined by X-Request-Id.
+        assert!(rows.iter().all(|r| r.contains(",64,4,524288,")), "{csv}");
+        assert!(rows.iter().all(|r| r.ends_with(",0;1")), "read by both decode ranks: {csv}");
+    })
+    .await;
+}
