@@ -97,16 +97,7 @@ pub fn run(args: &BenchArgs, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
         let stage = |st: &str| s.stages.get(st).map(|x| (x.p50_us / 1e3, x.p99_us / 1e3)).unwrap_or_default();
         let (t50, t99) = stage("transfer");
         let (e50, e99) = stage("e2e");
-        summary.requests_ok += s.requests_ok;
-        summary.requests_failed += s.requests_failed;
-        summary.bytes_read += s.bytes_read;
-        summary.bytes_verified += s.bytes_verified;
-        summary.verify_failures += s.verify_failures;
-        summary.blocks_leaked += s.blocks_leaked;
-        summary.duration_s += s.duration_s;
-        if summary.ucx.library.is_empty() && !s.ucx.version.is_empty() {
-            summary.ucx = s.ucx.clone();
-        }
+        summary.absorb(&s);
         rows.push((name.clone(), t50, t99, e50, e99, s.throughput_gbps, cpu_per_gb, s.requests_failed));
         let mut params = BTreeMap::new();
         params.insert("transport".into(), json!(name));
@@ -172,8 +163,6 @@ pub fn run(args: &BenchArgs, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
         .collect();
     let svg = bars_svg("Transports on the same workload", &groups)?;
     write_atomic(&writer.dir().join("transports.svg"), svg.as_bytes())?;
-    summary.throughput_gbps =
-        if summary.duration_s > 0.0 { summary.bytes_read as f64 / summary.duration_s / 1e9 } else { 0.0 };
     summary.sweep = Some(points);
     summary.finished_at = Some(crate::report::summary::now_rfc3339());
     Ok((summary, table))

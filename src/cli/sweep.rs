@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::bench::{BenchArgs, BenchFile, resolve};
 use crate::error::ConfigError;
@@ -168,18 +168,7 @@ pub fn run(args: &BenchArgs, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
             }
         };
         let s = bench::run(&settings, writer, &format!("{run_id}-p{i}"))?;
-        summary.requests_ok += s.requests_ok;
-        summary.requests_failed += s.requests_failed;
-        summary.requests_recomputed += s.requests_recomputed;
-        summary.bytes_read += s.bytes_read;
-        summary.bytes_verified += s.bytes_verified;
-        summary.verify_failures += s.verify_failures;
-        summary.blocks_leaked += s.blocks_leaked;
-        summary.blocks_expired += s.blocks_expired;
-        summary.duration_s += s.duration_s;
-        if summary.ucx.library.is_empty() {
-            summary.ucx = s.ucx.clone();
-        }
+        summary.absorb(&s);
         let descs = s.descriptors_per_request;
         out.push(SweepPoint {
             label: label(&point),
@@ -195,10 +184,7 @@ pub fn run(args: &BenchArgs, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
             requests_ok: s.requests_ok,
             requests_failed: s.requests_failed,
         });
-        let _ = json!(null);
     }
-    summary.throughput_gbps =
-        if summary.duration_s > 0.0 { summary.bytes_read as f64 / summary.duration_s / 1e9 } else { 0.0 };
     summary.sweep = Some(out);
     summary.finished_at = Some(crate::report::summary::now_rfc3339());
     Ok(summary)

@@ -23,7 +23,7 @@ use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::{HostBuffer, PageSize};
 use crate::transfer::notify::{Notification, NotifySender, heartbeat_interval};
-use crate::transfer::storage::{StorageFetcher, StorageOptions};
+use crate::transfer::storage::StorageFetcher;
 use crate::transfer::ucx::{
     Context, ContextOptions, Endpoint, ErrMode, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion,
     Ucx, UcxError, Worker,
@@ -120,10 +120,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         (Local::Plain(mem), ("(not loaded: storage transport)".to_string(), String::new()))
     };
     let storage = if uses_storage {
-        let dir = cfg.transport.storage_dir.clone().unwrap_or_else(StorageOptions::default_dir);
-        let mut opts = StorageOptions::new(dir);
-        opts.direct_io = cfg.transport.storage_direct_io;
-        opts.fsync = cfg.transport.storage_fsync;
+        let opts = super::worker::storage_options(&cfg);
         Some(StorageFetcher::new(opts).map_err(werr!("storage transport"))?)
     } else {
         None

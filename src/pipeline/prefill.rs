@@ -20,7 +20,7 @@ use crate::layouts::verify::fill_request;
 use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
 use crate::transfer::memory::{HostBuffer, PageSize};
 use crate::transfer::notify::{LeaseTable, Notification, NotifyListener};
-use crate::transfer::storage::{StorageOptions, StoragePublisher};
+use crate::transfer::storage::StoragePublisher;
 use crate::transfer::ucx::{Context, ContextOptions, HYBRID_SPIN, MemRegion, ProgressMode, Ucx, Worker};
 
 /// Upper bound of one wait, so leases are checked even when nothing happens.
@@ -140,10 +140,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     );
     let payload = meta.to_payload().map_err(werr!("encode metadata"))?.encode();
     let mut storage = if uses_storage {
-        let dir = cfg.transport.storage_dir.clone().unwrap_or_else(StorageOptions::default_dir);
-        let mut opts = StorageOptions::new(dir);
-        opts.direct_io = cfg.transport.storage_direct_io;
-        opts.fsync = cfg.transport.storage_fsync;
+        let opts = super::worker::storage_options(&cfg);
         Some(StoragePublisher::new(opts, &cfg.engine_id, cfg.rank).map_err(werr!("storage transport"))?)
     } else {
         None

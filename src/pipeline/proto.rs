@@ -18,8 +18,8 @@ pub const MAX_CONTROL_BYTES: usize = 64 << 20;
 /// it is alive. Such a worker has no pipe to the engine whose closing would say it died.
 pub const ALIVE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Which side a worker serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// Which side of a P/D pair an engine (and its workers) serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     Prefill,

@@ -220,6 +220,19 @@ pub fn peer_pair(
     Ok(pair)
 }
 
+/// The storage transport's options from a worker's configuration.
+pub fn storage_options(cfg: &WorkerConfig) -> crate::transfer::storage::StorageOptions {
+    let dir = cfg
+        .transport
+        .storage_dir
+        .clone()
+        .unwrap_or_else(crate::transfer::storage::StorageOptions::default_dir);
+    let mut opts = crate::transfer::storage::StorageOptions::new(dir);
+    opts.direct_io = cfg.transport.storage_direct_io;
+    opts.fsync = cfg.transport.storage_fsync;
+    opts
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

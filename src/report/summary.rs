@@ -185,6 +185,27 @@ impl Summary {
     }
 
     /// Requests that finished in any way.
+    /// Adds another run's counts and bytes to this one (a sweep or comparison summing its
+    /// points); rates are left for the caller to recompute over the summed duration.
+    pub fn absorb(&mut self, other: &Summary) {
+        self.requests_ok += other.requests_ok;
+        self.requests_failed += other.requests_failed;
+        self.requests_recomputed += other.requests_recomputed;
+        self.bytes_read += other.bytes_read;
+        self.bytes_verified += other.bytes_verified;
+        self.verify_failures += other.verify_failures;
+        self.blocks_leaked += other.blocks_leaked;
+        self.blocks_expired += other.blocks_expired;
+        self.duration_s += other.duration_s;
+        for (k, v) in &other.failures_by_cause {
+            *self.failures_by_cause.entry(k.clone()).or_default() += v;
+        }
+        if self.ucx.library.is_empty() && !other.ucx.version.is_empty() {
+            self.ucx = other.ucx.clone();
+        }
+        self.throughput_gbps = ratio(self.bytes_read as f64, self.duration_s) / 1e9;
+    }
+
     pub fn requests_total(&self) -> u64 {
         self.requests_ok + self.requests_failed + self.requests_recomputed
     }

@@ -25,21 +25,8 @@ use super::openai::{
     self, ApiError, Endpoint, FinishReason, GenRequest, ResponseCtx, SSE_CONTENT_TYPE, Usage,
 };
 
-/// Which half of a P/D pair this engine plays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Role {
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
+/// Which half of a P/D pair this engine plays (the pipeline's role of its workers).
+pub use crate::pipeline::proto::Role;
 
 /// Validated engine settings.
 #[derive(Debug, Clone)]
