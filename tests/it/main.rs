@@ -9,5 +9,6 @@ mod props;
 mod report;
 mod serve;
 mod ucx;
+mod ucx_am;
 mod ucx_common;
 mod ucx_layout;

@@ -147,8 +147,17 @@ impl Endpoint {
         self.wait_request("ucp_ep_flush_nbx", p, timeout)
     }
 
+    pub(super) fn handle(&self) -> UcpEpH {
+        self.inner.h
+    }
+
     /// Waits for a request returned by a `*_nbx` call and frees it.
-    fn wait_request(&self, op: &'static str, p: sys::UcsStatusPtr, timeout: Duration) -> Result<()> {
+    pub(super) fn wait_request(
+        &self,
+        op: &'static str,
+        p: sys::UcsStatusPtr,
+        timeout: Duration,
+    ) -> Result<()> {
         let ucx = self.worker().ucx();
         if !sys::ptr_is_ptr(p) {
             return ucx.check(op, sys::ptr_status(p));
