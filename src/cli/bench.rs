@@ -415,6 +415,7 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
             device: args.device.unwrap_or(0),
             inflight,
             coalesce: args.coalesce || file.coalesce.unwrap_or(false),
+            notify: Default::default(),
             storage_dir: args.storage_dir.clone().or(file.storage_dir.clone()),
             storage_direct_io: false,
             storage_fsync: false,

@@ -22,7 +22,9 @@ use crate::transfer::handshake::HandshakeError;
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::{HostBuffer, PageSize};
-use crate::transfer::notify::{NotifySender, heartbeat_interval};
+use crate::transfer::notify::{
+    AnyNotifySender, NotifySender, NotifyTransport, UcxNotifySender, heartbeat_interval,
+};
 use crate::transfer::ucx::{
     Context, ContextOptions, Endpoint, ErrMode, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion,
     Ucx, UcxError, Worker,
@@ -32,7 +34,7 @@ type Failure = (FailureCause, String);
 
 struct RemoteRank {
     region: RemoteRegion,
-    notify: NotifySender,
+    notify: AnyNotifySender,
 }
 
 /// A prefill engine this rank has handshaked with.
@@ -70,7 +72,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         }
     };
     let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
-    let ctx = Context::new(&ucx, &ContextOptions { progress, ..ContextOptions::default() })
+    let active_messages = cfg.transport.notify == NotifyTransport::Ucx;
+    let ctx = Context::new(&ucx, &ContextOptions { progress, active_messages, ..ContextOptions::default() })
         .map_err(werr!("UCX context"))?;
     let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
@@ -214,12 +217,22 @@ impl Decoder<'_> {
                 .map_err(|e| ucx_err("UCX endpoint", e))?;
             let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
             let region = ep.unpack_rkey(&rkey, base, p_len).map_err(|e| ucx_err("unpack remote key", e))?;
-            let notify_ep = meta.notify_endpoint.clone().ok_or((
-                FailureCause::Incompatible,
-                format!("prefill rank {} has no notification endpoint", meta.tp_rank),
-            ))?;
-            let notify = NotifySender::connect(&notify_ep, self.timeout)
-                .map_err(|e| (FailureCause::Handshake, format!("notification channel {notify_ep}: {e}")))?;
+            let notify = match cfg.transport.notify {
+                NotifyTransport::Ucx => AnyNotifySender::Ucx(UcxNotifySender::new(
+                    ep.clone(),
+                    format!("prefill rank {}", meta.tp_rank),
+                    self.timeout,
+                )),
+                NotifyTransport::Zmq => {
+                    let notify_ep = meta.notify_endpoint.clone().ok_or((
+                        FailureCause::Incompatible,
+                        format!("prefill rank {} has no notification endpoint", meta.tp_rank),
+                    ))?;
+                    AnyNotifySender::Zmq(NotifySender::connect(&notify_ep, self.timeout).map_err(|e| {
+                        (FailureCause::Handshake, format!("notification channel {notify_ep}: {e}"))
+                    })?)
+                }
+            };
             out.insert(meta.tp_rank, RemoteRank { region, notify });
         }
         Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None })

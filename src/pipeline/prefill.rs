@@ -2,9 +2,11 @@
 //! byte pattern, holds them under a lease, and frees them after the decode side's
 //! notifications (or when the lease runs out).
 //!
-//! One thread waits on everything at once: the engine's control socket, the notification
-//! socket and UCX's event fd. The UCX worker is progressed whenever it has work, because
-//! UCX builds that emulate GET in software need the target to progress.
+//! One thread waits on everything at once: the engine's control socket, the ZMQ
+//! notification socket and UCX's event fd, which also wakes it for notifications sent as
+//! UCX active messages (drained after each progress round). The UCX worker is progressed
+//! whenever it has work, because UCX builds that emulate GET in software need the target
+//! to progress.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -14,7 +16,7 @@ use super::worker::{Control, WorkerError, compat_factors, rss_bytes, werr};
 use crate::layouts::verify::fill_request;
 use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
 use crate::transfer::memory::{HostBuffer, PageSize};
-use crate::transfer::notify::{LeaseTable, NotifyListener};
+use crate::transfer::notify::{LeaseTable, NotifyListener, UcxNotifyReceiver};
 use crate::transfer::ucx::{Context, ContextOptions, HYBRID_SPIN, MemRegion, ProgressMode, Ucx, Worker};
 
 /// Upper bound of one wait, so leases are checked even when nothing happens.
@@ -26,9 +28,12 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let total = usize::try_from(geom.total_bytes()).map_err(werr!("pool size"))?;
     let progress: ProgressMode = parse_progress(&cfg.transport.progress)?;
     let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
-    let ctx = Context::new(&ucx, &ContextOptions { progress, ..ContextOptions::default() })
-        .map_err(werr!("UCX context"))?;
+    // Active messages always: decode ranks choose how to notify, this rank takes both.
+    let ctx =
+        Context::new(&ucx, &ContextOptions { progress, active_messages: true, ..ContextOptions::default() })
+            .map_err(werr!("UCX context"))?;
     let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
+    let mut am_notify = UcxNotifyReceiver::new(&worker).map_err(werr!("UCX notification handler"))?;
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
     let mem = HostBuffer::alloc(total, pages).map_err(werr!(format!("allocate the {total}-byte KV pool")))?;
     let mut region = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
@@ -107,7 +112,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         }
         // Notifications and heartbeats.
         let now = Instant::now();
-        for n in listener.drain().map_err(werr!("notifications"))? {
+        let zmq_notifs = listener.drain().map_err(werr!("notifications"))?;
+        for n in am_notify.drain().into_iter().chain(zmq_notifs) {
             last_work = now;
             for id in leases.apply(&n, now) {
                 if let Some(req) = held.remove(&id) {

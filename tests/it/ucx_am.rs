@@ -338,3 +338,46 @@ fn receiver_body(lib: &Path) {
         }
     }
 }
+
+/// `kvx bench` end to end on each build, notifications over UCX active messages (the
+/// default): every request's blocks are freed by its notifications, none by lease
+/// expiry and none left held. One decode rank reading several prefill ranks, and
+/// several decode ranks notifying one prefill rank (which frees after all of them).
+#[test]
+fn bench_frees_every_block_through_active_message_notifications_on_each_build() {
+    for (label, lib) in ucx_builds() {
+        let lib = match lib {
+            Ok(p) => p,
+            Err(why) => {
+                skip(&format!("{label} UCX build: {why}"));
+                continue;
+            }
+        };
+        for (p_tp, d_tp) in [("4", "1"), ("1", "2")] {
+            let results = tempfile::tempdir().expect("tempdir");
+            let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_kvx"))
+                .env_remove("KVX_UCX_LIB")
+                .env_remove("KVX_UCX_DIR")
+                .args(["bench", "--model", "qwen3-0.6b", "--prompt-len", "64", "--requests", "6"])
+                .args(["--warmup", "1", "--no-calibrate", "--lease", "20s", "--timeout", "10s"])
+                .args(["--p-tp", p_tp, "--d-tp", d_tp, "--format", "json", "--ucx-lib"])
+                .arg(&lib)
+                .arg("--results-dir")
+                .arg(results.path())
+                .timeout(HARD_TIMEOUT)
+                .output()
+                .expect("run kvx bench");
+            let what = format!("{label} P tp {p_tp} -> D tp {d_tp}");
+            assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json summary");
+            assert_eq!(v["requests_ok"], 6, "{what}: {v}");
+            assert_eq!(v["requests_failed"], 0, "{what}");
+            assert_eq!(
+                v["blocks_expired"], 0,
+                "{what}: blocks were freed by lease expiry, not notifications"
+            );
+            assert_eq!(v["blocks_leaked"], 0, "{what}: blocks were never freed");
+            assert_eq!(v["verify_failures"], 0, "{what}");
+        }
+    }
+}
