@@ -82,10 +82,22 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let mut last_work = Instant::now();
     let mut unrecognized_seen = 0;
     loop {
-        // Progress UCX until it has nothing to do.
+        // Progress UCX until it has nothing to do. Only work other than notifications
+        // (serving reads UCX emulates in software) starts a spin: a notification ends a
+        // request, and a rank that spins after it keeps the core from the decode rank
+        // that just woke it, whose send then waits out the whole spin.
         let mut spins = 0u32;
-        while worker.progress() > 0 && spins < 65_536 {
+        let mut events = 0u64;
+        let am_before = am_notify.am_stats().received;
+        loop {
+            let n = worker.progress();
+            if n == 0 || spins >= 65_536 {
+                break;
+            }
             spins += 1;
+            events += u64::from(n);
+        }
+        if events > am_notify.am_stats().received - am_before {
             last_work = Instant::now();
         }
         // Control messages.
@@ -114,7 +126,6 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let now = Instant::now();
         let zmq_notifs = listener.drain().map_err(werr!("notifications"))?;
         for n in am_notify.drain().into_iter().chain(zmq_notifs) {
-            last_work = now;
             for id in leases.apply(&n, now) {
                 if let Some(req) = held.remove(&id) {
                     ctl.send(&FromWorker::Freed { req, expired: false })?;
