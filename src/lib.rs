@@ -54,5 +54,21 @@ impl From<Outcome> for ExitCode {
 
 /// Runs one parsed command line.
 pub fn run(cli: cli::Cli) -> anyhow::Result<Outcome> {
+    init_logging();
     cli::dispatch(cli)
+}
+
+/// Warnings and errors of kvx (and of its workers, which the engines forward) on stderr;
+/// `KVX_LOG` sets the filter, e.g. `kvx=debug`.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env(settings::env::KVX_LOG)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kvx=warn"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_target(false)
+        .without_time()
+        .with_writer(std::io::stderr)
+        .try_init();
 }

@@ -20,10 +20,11 @@ use crate::report::table::{Style, render_summary};
 use crate::settings::env;
 use crate::settings::scenario;
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 #[command(after_help = "Examples:\n  kvx bench --p-tp 8 --d-tp 2\n  \
     kvx bench --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 8192 --requests 50 --concurrency 4\n  \
     kvx bench --config bench-configs/p8d2.toml --repeat 5 --format json\n  \
+    kvx bench --sweep bench-configs/layout-sweep.toml\n  \
     kvx bench --p-tp 2 --d-tp 2 --rate 20 --duration 30s --prompt-len 1024..32768 --alloc fragmented")]
 pub struct BenchArgs {
     #[command(flatten)]
@@ -33,6 +34,10 @@ pub struct BenchArgs {
     /// A bench-config file (TOML; keys are the flag names with underscores). Flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Run a matrix: a bench-config file whose [sweep] table lists values per axis (tp = ["8:2", "4:4"],
+    /// layout, prompt_len, alloc, block_size, model, concurrency, inflight, prefix_hit); one row per point.
+    #[arg(long, value_name = "FILE", conflicts_with = "config")]
+    pub sweep: Option<PathBuf>,
     /// Measured requests per repeat [default: 20 unless --duration].
     #[arg(long, help_heading = "Workload")]
     pub requests: Option<u64>,
@@ -40,7 +45,7 @@ pub struct BenchArgs {
     #[arg(long, value_parser = parse_duration, help_heading = "Workload")]
     pub duration: Option<Duration>,
     /// Open loop: Poisson arrivals at this many requests per second.
-    #[arg(long, conflicts_with = "concurrency", help_heading = "Workload")]
+    #[arg(long, conflicts_with = "concurrency", allow_negative_numbers = true, help_heading = "Workload")]
     pub rate: Option<f64>,
     /// Closed loop: requests kept in flight [default: 2].
     #[arg(long, help_heading = "Workload")]
@@ -55,7 +60,7 @@ pub struct BenchArgs {
     #[arg(long, help_heading = "Workload")]
     pub warmup: Option<u64>,
     /// Fraction of each prompt already cached on decode; only the rest is read.
-    #[arg(long, help_heading = "Workload")]
+    #[arg(long, allow_negative_numbers = true, help_heading = "Workload")]
     pub prefix_hit: Option<f64>,
     /// Block allocation pattern: contiguous, fragmented, random [default: contiguous].
     #[arg(long, help_heading = "Workload")]
@@ -87,9 +92,22 @@ pub struct BenchArgs {
     /// For --transport multi: the order to try, e.g. ucx,storage.
     #[arg(long, value_delimiter = ',', help_heading = "Transport")]
     pub transports: Option<Vec<String>>,
-    /// Shared directory of the storage transport [default: a temp dir].
+    /// Shared directory of the storage transport [default: kvx-storage in the temp dir].
     #[arg(long, help_heading = "Transport")]
     pub storage_dir: Option<PathBuf>,
+    /// Storage transport: bypass the page cache (O_DIRECT).
+    #[arg(long, help_heading = "Transport")]
+    pub storage_direct_io: bool,
+    /// Storage transport: fdatasync every file before it becomes visible.
+    #[arg(long, help_heading = "Transport")]
+    pub storage_fsync: bool,
+    /// Run the same workload on each transport and print one comparison table, e.g. ucx,storage,multi.
+    #[arg(long, value_delimiter = ',', help_heading = "Transport")]
+    pub compare_transports: Option<Vec<String>>,
+    /// Inject a fault to test resilience: kill-ucx:pR@N (tear down prefill rank R's UCX side after N
+    /// measured requests) or exit:pR@N / exit:dR@N (the worker exits).
+    #[arg(long, value_name = "FAULT", help_heading = "Checks")]
+    pub fault: Option<String>,
     /// Memory of the KV pools: host or cuda [default: host].
     #[arg(long, help_heading = "Transport")]
     pub mem: Option<String>,
@@ -333,9 +351,24 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
             return Err(ConfigError::new("--transport", format!("'{other}' is not ucx, storage or multi")));
         }
     };
-    if kind != TransportKind::Ucx {
-        return Err(ConfigError::new("--transport", "only the ucx transport is available in this build"));
+    let chain: Vec<TransportKind> = match args.transports.clone().or(file.transports.clone()) {
+        Some(list) => list
+            .iter()
+            .map(|t| match t.trim() {
+                "ucx" => Ok(TransportKind::Ucx),
+                "storage" => Ok(TransportKind::Storage),
+                other => Err(ConfigError::new("--transports", format!("'{other}' is not ucx or storage"))),
+            })
+            .collect::<Result<_, _>>()?,
+        None => vec![TransportKind::Ucx, TransportKind::Storage],
+    };
+    if kind == TransportKind::Multi && chain != [TransportKind::Ucx, TransportKind::Storage] {
+        return Err(ConfigError::new(
+            "--transports",
+            "kvx's multi transport tries ucx, then storage: --transports ucx,storage",
+        ));
     }
+    let fault = args.fault.as_deref().map(parse_fault).transpose()?;
     let mem = args.mem.clone().or(file.mem.clone()).unwrap_or_else(|| "host".into());
     if mem != "host" {
         return Err(ConfigError::new(
@@ -365,8 +398,11 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
         Some(d) => d,
         None => dur("timeout (config)", file.timeout.as_deref())?.unwrap_or(Duration::from_secs(5)),
     };
-    if lease.is_zero() || timeout.is_zero() {
-        return Err(ConfigError::new("--lease", "--lease and --timeout must be longer than 0"));
+    if lease.is_zero() {
+        return Err(ConfigError::new("--lease", "must be longer than 0"));
+    }
+    if timeout.is_zero() {
+        return Err(ConfigError::new("--timeout", "must be longer than 0"));
     }
     let repeat = args.repeat.or(file.repeat).unwrap_or(1);
     if repeat == 0 || repeat > 1000 {
@@ -377,6 +413,18 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
     let mut worker_env = Vec::new();
     if let Some(tls) = args.ucx_tls.clone().or(file.ucx_tls.clone()) {
         worker_env.push(("UCX_TLS".to_string(), tls));
+    }
+    if let Some(ep) = &args.listen {
+        let bad = || {
+            ConfigError::new(
+                "--listen",
+                format!("'{ep}' is not tcp://HOST:PORT (the decode engine takes PORT + 1)"),
+            )
+        };
+        let (host, port) = ep.strip_prefix("tcp://").and_then(|r| r.rsplit_once(':')).ok_or_else(bad)?;
+        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == u16::MAX) {
+            return Err(bad());
+        }
     }
     let (bind_host, advertise_default) = match &args.listen {
         Some(ep) => {
@@ -403,9 +451,10 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
         alloc,
         verify,
         on_failure,
+        fault,
         transport: TransportConfig {
             kind,
-            chain: vec![],
+            chain: if kind == TransportKind::Multi { chain } else { vec![] },
             ucx_lib: args.ucx_lib.clone(),
             err_mode,
             progress,
@@ -417,8 +466,8 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
             coalesce: args.coalesce || file.coalesce.unwrap_or(false),
             notify: Default::default(),
             storage_dir: args.storage_dir.clone().or(file.storage_dir.clone()),
-            storage_direct_io: false,
-            storage_fsync: false,
+            storage_direct_io: args.storage_direct_io,
+            storage_fsync: args.storage_fsync,
         },
         lease,
         timeout,
@@ -435,9 +484,28 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
-    let settings = resolve(args)?;
     let root = results_root(args.results_dir.as_deref(), std::env::var_os(env::KVX_RESULTS_DIR));
     let run_id = new_run_id(&now_rfc3339());
+    if args.compare_transports.is_some() {
+        let mut writer = RunWriter::create(&root, &run_id)?;
+        let (summary, table) = super::compare::run(args, &mut writer, &run_id)?;
+        let files = writer.finish(&summary)?;
+        print_summary(args.format, &summary, &files)?;
+        if args.format == Format::Table {
+            print!("{table}");
+        }
+        return Ok(Outcome::Ok);
+    }
+    if args.sweep.is_some() {
+        // Every point is resolved before anything runs, so a bad file fails fast.
+        super::sweep::points(args.sweep.as_deref().unwrap_or(Path::new("")))?;
+        let mut writer = RunWriter::create(&root, &run_id)?;
+        let summary = super::sweep::run(args, &mut writer, &run_id)?;
+        let files = writer.finish(&summary)?;
+        print_summary(args.format, &summary, &files)?;
+        return Ok(Outcome::Ok);
+    }
+    let settings = resolve(args)?;
     let mut writer = RunWriter::create(&root, &run_id)?;
     eprintln!(
         "kvx bench: P tp {} -> D tp {} | {} | {} requests of {} tokens | writing {}",
@@ -456,18 +524,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         }
     }
     let files = writer.finish(&summary)?;
-    match args.format {
-        Format::Json => {
-            println!("{}", String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?))
-        }
-        Format::Table => {
-            print!("{}", render_summary(&summary, Style::Terminal));
-            println!(
-                "results: {}",
-                files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string())
-            );
-        }
-    }
+    print_summary(args.format, &summary, &files)?;
     if summary.requests_failed > 0 || summary.verify_failures > 0 {
         eprintln!(
             "kvx bench: {} failed requests, {} verification failures (see results)",
@@ -475,4 +532,42 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         );
     }
     Ok(Outcome::Ok)
+}
+
+fn print_summary(format: Format, summary: &crate::report::Summary, files: &[PathBuf]) -> anyhow::Result<()> {
+    match format {
+        Format::Json => {
+            println!("{}", String::from_utf8_lossy(&crate::report::export::summary_json(summary)?))
+        }
+        Format::Table => {
+            print!("{}", render_summary(summary, Style::Terminal));
+            let dir = files.first().and_then(|f| f.parent());
+            println!("results: {}", dir.map_or_else(String::new, |d| d.display().to_string()));
+        }
+    }
+    Ok(())
+}
+
+/// Parses `--fault kill-ucx:p0@5`.
+pub fn parse_fault(s: &str) -> Result<crate::pipeline::bench::FaultPlan, ConfigError> {
+    use crate::pipeline::proto::{Fault, Role};
+    let bad = || ConfigError::new("--fault", format!("'{s}' is not kill-ucx:pR@N, exit:pR@N or exit:dR@N"));
+    let (what, rest) = s.split_once(':').ok_or_else(bad)?;
+    let (target, after) = rest.split_once('@').ok_or_else(bad)?;
+    let fault = match what {
+        "kill-ucx" => Fault::KillUcx,
+        "exit" => Fault::Exit,
+        _ => return Err(bad()),
+    };
+    let (role, rank) = match target.split_at_checked(1) {
+        Some(("p", r)) => (Role::Prefill, r),
+        Some(("d", r)) if fault == Fault::Exit => (Role::Decode, r),
+        _ => return Err(bad()),
+    };
+    Ok(crate::pipeline::bench::FaultPlan {
+        fault,
+        role,
+        rank: rank.parse().map_err(|_| bad())?,
+        after: after.parse().map_err(|_| bad())?,
+    })
 }

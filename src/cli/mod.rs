@@ -8,6 +8,7 @@ use crate::Outcome;
 
 pub mod bench;
 pub mod common;
+pub mod compare;
 pub mod completions;
 pub mod doctor;
 pub mod gate;
@@ -18,6 +19,7 @@ pub mod probe;
 pub mod report;
 pub mod serve_engine;
 pub mod serve_proxy;
+pub mod sweep;
 pub mod topo;
 pub mod worker;
 pub mod xfer;

@@ -40,6 +40,15 @@ pub enum FailurePolicy {
     Recompute,
 }
 
+/// A fault to inject during a run: `fault` into `role` rank `rank` after `after` measured requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultPlan {
+    pub fault: super::proto::Fault,
+    pub role: Role,
+    pub rank: u32,
+    pub after: u64,
+}
+
 /// Resolved settings of a bench run.
 #[derive(Debug, Clone)]
 pub struct BenchSettings {
@@ -54,6 +63,7 @@ pub struct BenchSettings {
     pub alloc: AllocPattern,
     pub verify: VerifyMode,
     pub on_failure: FailurePolicy,
+    pub fault: Option<FaultPlan>,
     pub transport: TransportConfig,
     pub lease: Duration,
     pub timeout: Duration,
@@ -142,6 +152,7 @@ pub enum BenchError {
 /// One finished request, as the driver saw it.
 struct Finished {
     row: RequestRow,
+    publish_ns: u64,
     ranks: Vec<LoadResult>,
     verify_failures: u64,
     bytes_verified: u64,
@@ -158,7 +169,8 @@ impl Engines {
         let launch = |role: Role| match &s.listen {
             Some(ep) => {
                 let (host, port) = super::engine::split_endpoint(ep);
-                let port = if role == Role::Prefill { port } else { port.saturating_add(1) };
+                // Port 0: both engines take a free port (each prints its endpoint).
+                let port = if role == Role::Prefill || port == 0 { port } else { port.saturating_add(1) };
                 Launch::External { bind: format!("tcp://{host}:{port}") }
             }
             None => Launch::Spawn { exe: s.exe.clone(), env: s.worker_env.clone() },
@@ -232,18 +244,24 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         };
         row.failure_cause = Some(cause.to_string());
     };
+    // An engine with a dead rank cannot serve: fail at once rather than fill prefill blocks
+    // no decode rank will read (they would sit out their lease and starve later requests).
+    if let Some(e) = engines.prefill.gone().or_else(|| engines.decode.gone()) {
+        fail(&mut row, e.cause().as_str());
+        return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+    }
     let prefill =
         engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.pair)).await;
-    let params = match prefill {
-        Ok(Ok(done)) => done.params,
+    let (params, publish_ns) = match prefill {
+        Ok(Ok(done)) => (done.params, done.publish_ns),
         Ok(Err(e)) => {
             fail(&mut row, e.cause().as_str());
             tracing::warn!("request {req}: prefill failed: {e}");
-            return Finished { row, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+            return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
         }
         Err(_) => {
             fail(&mut row, "internal");
-            return Finished { row, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+            return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
         }
     };
     let load = engines.decode.load(req, d_request_id, params, n_d - hit, seed).await;
@@ -253,11 +271,11 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
             fail(&mut row, e.cause().as_str());
             tracing::warn!("request {req}: load failed: {e}");
             engines.prefill.abandon(req, p_request_id);
-            return Finished { row, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+            return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
         }
         Err(_) => {
             fail(&mut row, "internal");
-            return Finished { row, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+            return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
         }
     };
     let us = |ns: u64| ns as f64 / 1e3;
@@ -285,7 +303,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         }
     }
     let bytes_verified = ranks.iter().map(|r| r.bytes_verified).sum();
-    Finished { row, ranks, verify_failures, bytes_verified }
+    Finished { row, publish_ns, ranks, verify_failures, bytes_verified }
 }
 
 /// Accumulates one measured repeat.
@@ -298,6 +316,10 @@ struct Tally {
     per_rank_bytes: BTreeMap<u32, (u64, u64)>,
     transports: Option<String>,
     handshake: StageRecorder,
+    /// Requests a fallback transport served after the first one failed.
+    fallbacks: u64,
+    /// Requests served by the storage transport.
+    via_storage: u64,
 }
 
 impl Tally {
@@ -311,6 +333,15 @@ impl Tally {
                 if let Some(v) = f.row.stage_us(stage) {
                     self.recorder.record_ns(stage.as_str(), (v * 1e3) as u64);
                 }
+            }
+            if f.publish_ns > 0 {
+                self.recorder.record_ns("publish", f.publish_ns);
+            }
+            if f.ranks.iter().any(|r| r.fallbacks > 0) {
+                self.fallbacks += 1;
+            }
+            if f.ranks.iter().any(|r| r.transport == Some(super::proto::TransportKind::Storage)) {
+                self.via_storage += 1;
             }
             let verify = f.ranks.iter().map(|r| r.verify_ns).max().unwrap_or(0);
             if verify > 0 {
@@ -491,7 +522,24 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         let t0 = Instant::now();
         let rows = rows_rc.clone();
         let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat };
+        let mut completed = 0u64;
+        let engines_ref = &engines;
         rt.block_on(drive(ctx, &mut generator, first_req, s.requests, until, |f| {
+            completed += 1;
+            if let Some(plan) = s.fault
+                && repeat == 0
+                && completed == plan.after
+            {
+                eprintln!(
+                    "kvx bench: injecting {:?} into {} rank {}",
+                    plan.fault,
+                    plan.role.as_str(),
+                    plan.rank
+                );
+                let engine =
+                    if plan.role == Role::Prefill { &engines_ref.prefill } else { &engines_ref.decode };
+                engine.inject(plan.rank, plan.fault);
+            }
             tally.add(&f);
             all.add(&f);
             if let Err(e) = writer.write_request(&f.row) {
@@ -529,6 +577,10 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     let _ = all.recorder.merge(&handshakes);
     summary.set_stages(&all.recorder);
     summary.bytes_verified = all.bytes_verified;
+    if s.transport.kind != super::proto::TransportKind::Ucx {
+        summary.counters.insert("requests_via_storage".into(), all.via_storage);
+        summary.counters.insert("fallbacks_to_storage".into(), all.fallbacks);
+    }
     summary.verify_failures = all.verify_failures;
     summary.blocks_leaked = u64::from(p_fin.blocks_leaked + d_fin.blocks_leaked);
     summary.blocks_expired = p_fin.leases_expired;
@@ -548,22 +600,21 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     if s.repeat > 1 {
         summary.repeats = repeats;
     }
-    let rss_limit_note = |role: &str, fin: &EngineFinal, pool: u64| {
-        fin.worker_rss_bytes
-            .iter()
-            .map(|&r| {
-                format!(
-                    "{role} rss {:.0} MiB (pool {:.0} MiB)",
-                    r as f64 / 1048576.0,
-                    pool as f64 / 1048576.0
-                )
-            })
-            .collect::<Vec<_>>()
+    // Each worker should hold its KV pool plus at most 50 MB of its own.
+    let rss_note = |role: &str, fin: &EngineFinal, pool: u64| {
+        let peak = fin.worker_rss_bytes.iter().copied().max().unwrap_or(0);
+        let mib = |b: u64| b as f64 / 1048576.0;
+        let verdict = if peak <= pool + (50 << 20) { "within" } else { "OVER" };
+        format!(
+            "{role} workers: peak RSS {:.0} MiB, KV pool {:.0} MiB ({verdict} pool + 50 MiB)",
+            mib(peak),
+            mib(pool)
+        )
     };
     let p_pool = s.pair.p_geometry(0).total_bytes();
     let d_pool = s.pair.d_geometry(0).total_bytes();
-    summary.notes.extend(rss_limit_note("P", &p_fin, p_pool).into_iter().take(1));
-    summary.notes.extend(rss_limit_note("D", &d_fin, d_pool).into_iter().take(1));
+    summary.notes.push(rss_note("prefill", &p_fin, p_pool));
+    summary.notes.push(rss_note("decode", &d_fin, d_pool));
     if !p_fin.dead_ranks.is_empty() || !d_fin.dead_ranks.is_empty() {
         summary.notes.push(format!(
             "ranks that died: prefill {:?}, decode {:?}; {} blocks written off with them",

@@ -15,7 +15,7 @@ use super::proto::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, Tr
 use super::worker::{Control, WorkerError, compat_factors, peer_pair, rss_bytes, werr};
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
-use crate::layouts::plan::{Pair, Planner, RequestBlocks, RequestIds};
+use crate::layouts::plan::{Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
 use crate::layouts::verify::verify_request;
 use crate::topology::{self, TpSpec};
 use crate::transfer::handshake::HandshakeError;
@@ -23,8 +23,9 @@ use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::{HostBuffer, PageSize};
 use crate::transfer::notify::{
-    AnyNotifySender, NotifySender, NotifyTransport, UcxNotifySender, heartbeat_interval,
+    Notification, NotifyError, NotifySender, NotifyTransport, UcxNotifySender, heartbeat_interval,
 };
+use crate::transfer::storage::{StorageFetcher, StorageOptions};
 use crate::transfer::ucx::{
     Context, ContextOptions, Endpoint, ErrMode, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion,
     Ucx, UcxError, Worker,
@@ -33,8 +34,23 @@ use crate::transfer::ucx::{
 type Failure = (FailureCause, String);
 
 struct RemoteRank {
-    region: RemoteRegion,
-    notify: AnyNotifySender,
+    /// `None` with the storage transport (no UCX connection).
+    region: Option<RemoteRegion>,
+    /// Notifications as UCX active messages on `region`'s endpoint (`notify = ucx` with the
+    /// UCX transport).
+    am: Option<UcxNotifySender>,
+    /// Notifications over ZMQ: `notify = zmq`, and whenever UCX does not work (the
+    /// storage transport, a multi fallback).
+    zmq: NotifySender,
+}
+
+impl RemoteRank {
+    fn send(&self, n: &Notification, ucx_ok: bool) -> Result<(), NotifyError> {
+        match &self.am {
+            Some(am) if ucx_ok => am.send(n),
+            _ => self.zmq.send(n),
+        }
+    }
 }
 
 /// A prefill engine this rank has handshaked with.
@@ -44,12 +60,43 @@ struct RemoteEngine {
     p_regions: Vec<Region>,
     ranks: BTreeMap<u32, RemoteRank>,
     transports: Option<String>,
+    /// Multi transport: UCX failed for this engine; go straight to the next transport.
+    ucx_broken: bool,
+}
+
+/// The rank's UCX side. Field order is drop order.
+struct UcxSide {
+    local: MemRegion<HostBuffer>,
+    worker: Worker,
+    _ctx: Context,
+}
+
+/// The rank's KV pool: registered with UCX, or plain (storage transport).
+enum Local {
+    Ucx(Box<UcxSide>),
+    Plain(HostBuffer),
+}
+
+impl Local {
+    fn memory(&self) -> Result<&HostBuffer, Failure> {
+        match self {
+            Local::Ucx(u) => u.local.memory().map_err(|e| (FailureCause::Internal, e.to_string())),
+            Local::Plain(m) => Ok(m),
+        }
+    }
+
+    fn memory_mut(&mut self) -> Result<&mut HostBuffer, Failure> {
+        match self {
+            Local::Ucx(u) => u.local.memory_mut().map_err(|e| (FailureCause::Internal, e.to_string())),
+            Local::Plain(m) => Ok(m),
+        }
+    }
 }
 
 struct Decoder<'a> {
     cfg: &'a WorkerConfig,
-    worker: Worker,
-    local: MemRegion<HostBuffer>,
+    local: Local,
+    storage: Option<StorageFetcher>,
     geom: crate::layouts::RankGeometry,
     regions: Vec<Region>,
     client: HandshakeClient,
@@ -71,20 +118,40 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             return Err(WorkerError::new(format!("unknown error-handling mode '{other}' (none or peer)")));
         }
     };
-    let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
-    let active_messages = cfg.transport.notify == NotifyTransport::Ucx;
-    let ctx = Context::new(&ucx, &ContextOptions { progress, active_messages, ..ContextOptions::default() })
-        .map_err(werr!("UCX context"))?;
-    let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
+    let kind = cfg.transport.kind;
+    let uses_ucx = kind != TransportKind::Storage;
+    let uses_storage = kind == TransportKind::Storage
+        || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
     let mem = HostBuffer::alloc(total, pages).map_err(werr!(format!("allocate the {total}-byte KV pool")))?;
-    let local = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
+    let (local, lib) = if uses_ucx {
+        let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
+        let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx;
+        let ctx =
+            Context::new(&ucx, &ContextOptions { progress, active_messages, ..ContextOptions::default() })
+                .map_err(werr!("UCX context"))?;
+        let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
+        let local = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
+        let lib = (ucx.path().display().to_string(), ucx.version().to_string());
+        (Local::Ucx(Box::new(UcxSide { local, worker, _ctx: ctx })), lib)
+    } else {
+        (Local::Plain(mem), ("(not loaded: storage transport)".to_string(), String::new()))
+    };
+    let storage = if uses_storage {
+        let dir = cfg.transport.storage_dir.clone().unwrap_or_else(StorageOptions::default_dir);
+        let mut opts = StorageOptions::new(dir);
+        opts.direct_io = cfg.transport.storage_direct_io;
+        opts.fsync = cfg.transport.storage_fsync;
+        Some(StorageFetcher::new(opts).map_err(werr!("storage transport"))?)
+    } else {
+        None
+    };
     let timeout = Duration::from_millis(cfg.timeout_ms);
     ctl.send(&FromWorker::Ready(Box::new(ReadyInfo {
         rank: cfg.rank,
         handshake_payload: None,
-        ucx_library: ucx.path().display().to_string(),
-        ucx_version: ucx.version().to_string(),
+        ucx_library: lib.0,
+        ucx_version: lib.1,
         pool_bytes: total as u64,
         rss_bytes: rss_bytes(),
     })))?;
@@ -95,8 +162,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     });
     let mut d = Decoder {
         cfg: &cfg,
-        worker,
         local,
+        storage,
         geom,
         regions,
         client,
@@ -128,6 +195,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 ctl.send(&FromWorker::Loaded(Box::new(r)))?;
             }
             ToWorker::Shutdown => return Ok(()),
+            ToWorker::Fault(super::proto::Fault::Exit) => std::process::exit(3),
             _ => {}
         }
     }
@@ -158,8 +226,9 @@ impl Decoder<'_> {
         }
         for (engine, ids) in by_engine {
             if let Some(e) = self.engines.get(engine) {
+                let hb = Notification::Heartbeat { ids };
                 for r in e.ranks.values() {
-                    let _ = r.notify.send_heartbeat(&ids);
+                    let _ = r.send(&hb, !e.ucx_broken);
                 }
             }
         }
@@ -213,29 +282,46 @@ impl Decoder<'_> {
             let ucx_err = |what: &str, e: UcxError| {
                 (classify_ucx(&e), format!("{what} with prefill rank {}: {e}", meta.tp_rank))
             };
-            let ep = Endpoint::connect(&self.worker, &meta.worker_address, self.err_mode)
-                .map_err(|e| ucx_err("UCX endpoint", e))?;
-            let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
-            let region = ep.unpack_rkey(&rkey, base, p_len).map_err(|e| ucx_err("unpack remote key", e))?;
-            let notify = match cfg.transport.notify {
-                NotifyTransport::Ucx => AnyNotifySender::Ucx(UcxNotifySender::new(
-                    ep.clone(),
+            // Multi: a UCX connection that cannot be made leaves the next transport to serve.
+            let region = match &self.local {
+                Local::Ucx(u) => {
+                    let connect = || -> Result<RemoteRegion, Failure> {
+                        let ep = Endpoint::connect(&u.worker, &meta.worker_address, self.err_mode)
+                            .map_err(|e| ucx_err("UCX endpoint", e))?;
+                        let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
+                        ep.unpack_rkey(&rkey, base, p_len).map_err(|e| ucx_err("unpack remote key", e))
+                    };
+                    match connect() {
+                        Ok(r) => Some(r),
+                        Err(e) if self.storage.is_some() => {
+                            tracing::warn!("{}; falling back to storage", e.1);
+                            None
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Local::Plain(_) => None,
+            };
+            let notify_ep = meta.notify_endpoint.clone().ok_or((
+                FailureCause::Incompatible,
+                format!("prefill rank {} has no notification endpoint", meta.tp_rank),
+            ))?;
+            let zmq = NotifySender::connect(&notify_ep, self.timeout)
+                .map_err(|e| (FailureCause::Handshake, format!("notification channel {notify_ep}: {e}")))?;
+            // Multi keeps notifications on ZMQ: a channel that shares UCX's fate would lose
+            // them exactly when the fallback is needed.
+            let am = match (&region, cfg.transport.notify, cfg.transport.kind) {
+                (Some(rg), NotifyTransport::Ucx, TransportKind::Ucx) => Some(UcxNotifySender::new(
+                    rg.endpoint().clone(),
                     format!("prefill rank {}", meta.tp_rank),
                     self.timeout,
                 )),
-                NotifyTransport::Zmq => {
-                    let notify_ep = meta.notify_endpoint.clone().ok_or((
-                        FailureCause::Incompatible,
-                        format!("prefill rank {} has no notification endpoint", meta.tp_rank),
-                    ))?;
-                    AnyNotifySender::Zmq(NotifySender::connect(&notify_ep, self.timeout).map_err(|e| {
-                        (FailureCause::Handshake, format!("notification channel {notify_ep}: {e}"))
-                    })?)
-                }
+                _ => None,
             };
-            out.insert(meta.tp_rank, RemoteRank { region, notify });
+            out.insert(meta.tp_rank, RemoteRank { region, am, zmq });
         }
-        Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None })
+        let ucx_broken = out.values().any(|r| r.region.is_none());
+        Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None, ucx_broken })
     }
 
     fn load(
@@ -302,32 +388,106 @@ impl Decoder<'_> {
             Some(c) => c.iter().map(Vec::len).sum::<usize>() as u64,
             None => eng.planner.coalesced_counts(&bp).iter().sum::<usize>() as u64,
         };
-        // Read.
+        // Read: over UCX, or through storage (the storage transport, or a multi fallback).
         let tt = Instant::now();
-        for (i, read) in eng.planner.reads.iter().enumerate() {
-            let Some(rank) = eng.ranks.get(&read.p_rank) else {
-                return Err((
-                    FailureCause::Internal,
-                    format!("no connection to prefill rank {}", read.p_rank),
-                ));
+        let ucx_first = self.cfg.transport.kind != TransportKind::Storage && !eng.ucx_broken;
+        let mut ucx_error: Option<Failure> = None;
+        if ucx_first {
+            let Local::Ucx(u) = &mut self.local else {
+                return Err((FailureCause::Internal, "UCX transport without a UCX side".into()));
             };
-            let pairs = coalesced.as_ref().map_or(&self.bufs[i], |c| &c[i]);
-            let descs =
-                pairs.iter().map(|p| ReadDesc { local_off: p.local, remote_off: p.remote, len: p.len });
-            let stats = rank
-                .region
-                .read_batch(&mut self.local, descs, &ReadOptions { max_inflight: inflight, timeout })
-                .map_err(|e| (classify_ucx(&e), format!("read from prefill rank {}: {e}", read.p_rank)))?;
-            r.post_ns += stats.post_ns;
-            r.bytes += stats.bytes;
+            for (i, read) in eng.planner.reads.iter().enumerate() {
+                let Some(region) = eng.ranks.get(&read.p_rank).and_then(|rk| rk.region.as_ref()) else {
+                    ucx_error = Some((
+                        FailureCause::PeerGone,
+                        format!("no UCX connection to prefill rank {}", read.p_rank),
+                    ));
+                    break;
+                };
+                let pairs = coalesced.as_ref().map_or(&self.bufs[i], |c| &c[i]);
+                let descs =
+                    pairs.iter().map(|p| ReadDesc { local_off: p.local, remote_off: p.remote, len: p.len });
+                match region.read_batch(&mut u.local, descs, &ReadOptions { max_inflight: inflight, timeout })
+                {
+                    Ok(stats) => {
+                        r.post_ns += stats.post_ns;
+                        r.bytes += stats.bytes;
+                    }
+                    Err(e) => {
+                        ucx_error =
+                            Some((classify_ucx(&e), format!("read from prefill rank {}: {e}", read.p_rank)));
+                        break;
+                    }
+                }
+            }
+            if ucx_error.is_none() && eng.transports.is_none() {
+                eng.transports = eng
+                    .ranks
+                    .values()
+                    .filter_map(|rk| rk.region.as_ref().and_then(|rg| rg.endpoint().transports().ok()))
+                    .next();
+            }
+        }
+        if !ucx_first || ucx_error.is_some() {
+            let Some(fetcher) = self.storage.as_mut() else {
+                return Err(ucx_error.unwrap_or((FailureCause::Internal, "no transport to read with".into())));
+            };
+            if let Some((cause, msg)) = &ucx_error {
+                // Multi: the first transport failed; ask every source rank to publish.
+                tracing::warn!(
+                    "request {}: UCX failed ({} {msg}); falling back to storage",
+                    r.req,
+                    cause.as_str()
+                );
+                eng.ucx_broken = true;
+                r.fallbacks += 1;
+                r.bytes = 0;
+                r.post_ns = 0;
+            }
+            if self.cfg.transport.kind == TransportKind::Multi {
+                let fb = Notification::Fallback { ids: vec![params.remote_request_id.clone()] };
+                for read in &eng.planner.reads {
+                    if let Some(rank) = eng.ranks.get(&read.p_rank) {
+                        rank.send(&fb, false).map_err(|e| {
+                            (
+                                FailureCause::Notify,
+                                format!("ask prefill rank {} to publish: {e}", read.p_rank),
+                            )
+                        })?;
+                    }
+                }
+            }
+            let reads: Vec<ReadPlan> = eng
+                .planner
+                .reads
+                .iter()
+                .enumerate()
+                .map(|(i, rd)| ReadPlan {
+                    p_rank: rd.p_rank,
+                    notif_msg: String::new(),
+                    pairs: coalesced.as_ref().map_or_else(|| self.bufs[i].clone(), |c| c[i].clone()),
+                })
+                .collect();
+            let mem = self.local.memory_mut()?;
+            let stats = fetcher
+                .fetch(
+                    &params.remote_engine_id,
+                    &params.remote_request_id,
+                    &reads,
+                    &eng.p_regions,
+                    &blocks.remote,
+                    mem.as_mut_slice(),
+                    timeout,
+                )
+                .map_err(|e| (FailureCause::Transfer, format!("storage read: {e}")))?;
+            r.bytes = stats.bytes;
+            r.transport = Some(TransportKind::Storage);
+            r.transports = Some("storage".into());
         }
         r.transfer_ns = tt.elapsed().as_nanos() as u64;
-        if eng.transports.is_none() {
-            let t: Vec<String> =
-                eng.ranks.values().filter_map(|rk| rk.region.endpoint().transports().ok()).collect();
-            eng.transports = t.into_iter().next();
+        if r.transports.is_none() {
+            r.transports = eng.transports.clone();
         }
-        r.transports = eng.transports.clone();
         // Notify.
         let tn = Instant::now();
         let ids = RequestIds {
@@ -335,10 +495,15 @@ impl Decoder<'_> {
             d_request_id: d_request_id.to_string(),
         };
         let full_hit = blocks.local.is_empty();
+        let ucx_ok = !eng.ucx_broken;
         if !full_hit {
+            let done = Notification::Notif {
+                p_request_id: ids.p_request_id.clone(),
+                count: eng.planner.map.notif_count,
+            };
             for read in &eng.planner.reads {
                 if let Some(rank) = eng.ranks.get(&read.p_rank) {
-                    rank.notify.send_done(&ids.p_request_id, eng.planner.map.notif_count).map_err(|e| {
+                    rank.send(&done, ucx_ok).map_err(|e| {
                         (FailureCause::Notify, format!("notify prefill rank {}: {e}", read.p_rank))
                     })?;
                 }
@@ -347,8 +512,9 @@ impl Decoder<'_> {
         for n in eng.planner.notifs_only(&ids, full_hit) {
             let (id, count) = n.msg.rsplit_once(':').unwrap_or((n.msg.as_str(), "1"));
             if let Some(rank) = eng.ranks.get(&n.p_rank) {
-                rank.notify
-                    .send_done(id, count.parse().unwrap_or(1))
+                let done =
+                    Notification::Notif { p_request_id: id.to_owned(), count: count.parse().unwrap_or(1) };
+                rank.send(&done, ucx_ok)
                     .map_err(|e| (FailureCause::Notify, format!("notify prefill rank {}: {e}", n.p_rank)))?;
             }
         }
@@ -357,7 +523,7 @@ impl Decoder<'_> {
         // Verify (outside the timed path).
         if let Some(stride) = self.cfg.verify.stride() {
             let tv = Instant::now();
-            let mem = self.local.memory().map_err(|e| (FailureCause::Internal, e.to_string()))?;
+            let mem = self.local.memory()?;
             match verify_request(
                 &self.geom,
                 &self.regions,
@@ -374,7 +540,6 @@ impl Decoder<'_> {
             }
             r.verify_ns = tv.elapsed().as_nanos() as u64;
         }
-        let _ = &eng.p_regions;
         Ok(())
     }
 }

@@ -27,7 +27,9 @@ use tracing::{debug, warn};
 
 use super::params::KvTransferParams;
 use super::pool::BlockPool;
-use super::proto::{self, FailureCause, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, WorkerConfig};
+use super::proto::{
+    self, FailureCause, Fault, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, WorkerConfig,
+};
 use crate::layouts::alloc::AllocPattern;
 use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
 use crate::transfer::handshake::zmq_context;
@@ -110,6 +112,8 @@ pub struct PrefillDone {
     pub params: KvTransferParams,
     /// Slowest rank's fill time (excluded from transfer time).
     pub fill_ns: u64,
+    /// Slowest rank's storage publish time (storage transport; 0 otherwise).
+    pub publish_ns: u64,
 }
 
 /// The decode side's answer: one result per decode rank.
@@ -156,6 +160,10 @@ enum Cmd {
         req: u64,
         p_request_id: String,
     },
+    Fault {
+        rank: u32,
+        fault: Fault,
+    },
 }
 
 /// A running engine. Dropping it shuts the workers down.
@@ -164,7 +172,12 @@ pub struct Engine {
     tx: Option<mpsc::Sender<Cmd>>,
     bell: UnixStream,
     thread: Option<JoinHandle<EngineFinal>>,
+    gone: Gone,
 }
+
+/// The first rank death an engine saw, shared with callers so they can fail a request
+/// before starting it (an engine with a dead rank cannot serve any request).
+type Gone = std::sync::Arc<std::sync::Mutex<Option<EngineError>>>;
 
 impl Engine {
     /// Starts the workers and waits until every rank is ready.
@@ -173,10 +186,12 @@ impl Engine {
         let (bell, bell_rx) = UnixStream::pair().map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
         bell_rx.set_nonblocking(true).map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
         let (info_tx, info_rx) = mpsc::channel();
+        let gone = Gone::default();
+        let loop_gone = gone.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvx-{}-engine", cfg.worker.role.as_str()))
             .spawn(move || {
-                let mut lp = match EngineLoop::start(cfg, bell_rx) {
+                let mut lp = match EngineLoop::start(cfg, bell_rx, loop_gone) {
                     Ok(lp) => lp,
                     Err(e) => {
                         let _ = info_tx.send(Err(e));
@@ -192,7 +207,7 @@ impl Engine {
                 what: format!("cannot spawn thread: {e}"),
             })?;
         match info_rx.recv() {
-            Ok(Ok(info)) => Ok(Engine { info, tx: Some(tx), bell, thread: Some(thread) }),
+            Ok(Ok(info)) => Ok(Engine { info, tx: Some(tx), bell, thread: Some(thread), gone }),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -203,6 +218,11 @@ impl Engine {
 
     pub fn info(&self) -> &EngineInfo {
         &self.info
+    }
+
+    /// Why the engine cannot serve any more (a rank is gone), if so.
+    pub fn gone(&self) -> Option<EngineError> {
+        self.gone.lock().ok().and_then(|g| g.clone())
     }
 
     fn send(&self, cmd: Cmd) -> bool {
@@ -251,6 +271,11 @@ impl Engine {
         let _ = self.send(Cmd::Abandon { req, p_request_id });
     }
 
+    /// Injects a fault into one rank (resilience tests).
+    pub fn inject(&self, rank: u32, fault: Fault) {
+        let _ = self.send(Cmd::Fault { rank, fault });
+    }
+
     fn try_send(&self, cmd: Cmd) -> Result<(), Cmd> {
         match &self.tx {
             Some(tx) => {
@@ -296,6 +321,8 @@ struct Rank {
     dead: Option<String>,
     /// Said goodbye (and reported its peak memory) on shutdown.
     bye: bool,
+    /// The local process has exited (and was reaped).
+    exited: bool,
     last_seen: Instant,
 }
 
@@ -304,7 +331,10 @@ struct PendingPrefill {
     tokens: u32,
     blocks: Vec<u32>,
     waiting: BTreeSet<u32>,
+    /// Ranks that already released the blocks (lease shorter than the engine's deadline).
+    freed: BTreeSet<u32>,
     fill_ns: u64,
+    publish_ns: u64,
     deadline: Instant,
     reply: Reply<PrefillDone>,
 }
@@ -332,11 +362,14 @@ struct EngineLoop {
     /// Prefill: requests held, with the ranks that have not freed them yet.
     held: HashMap<u64, (Vec<u32>, BTreeSet<u32>)>,
     fin: EngineFinal,
+    /// Shutdown was requested: workers exiting now are expected to.
+    shutting_down: bool,
     _tmp: Option<tempfile::TempDir>,
+    gone: Gone,
 }
 
 impl EngineLoop {
-    fn start(cfg: EngineConfig, bell: UnixStream) -> Result<Self, EngineError> {
+    fn start(cfg: EngineConfig, bell: UnixStream, gone: Gone) -> Result<Self, EngineError> {
         let ctx = zmq_context();
         let ctl = ctx.socket(zmq::ROUTER).map_err(|e| startup(&cfg, format!("control socket: {e}")))?;
         let _ = ctl.set_linger(0);
@@ -355,6 +388,15 @@ impl EngineLoop {
             .map_err(|e| startup(&cfg, format!("cannot bind the control socket at {bind}: {e}")))?;
         let endpoint = ctl.get_last_endpoint().ok().and_then(Result::ok).unwrap_or(bind);
         let role = cfg.worker.role;
+        if matches!(cfg.launch, Launch::External { .. }) {
+            // The one place the bound port shows when --listen asked for port 0.
+            eprintln!(
+                "kvx: {} engine waiting for {} worker(s): kvx worker --connect {endpoint} --role {}",
+                role.as_str(),
+                cfg.tp,
+                role.as_str()
+            );
+        }
         let mut ranks: Vec<Rank> = (0..cfg.tp)
             .map(|_| Rank {
                 identity: None,
@@ -364,6 +406,7 @@ impl EngineLoop {
                 ready: None,
                 dead: None,
                 bye: false,
+                exited: false,
                 last_seen: Instant::now(),
             })
             .collect();
@@ -412,7 +455,9 @@ impl EngineLoop {
             loads: HashMap::new(),
             held: HashMap::new(),
             fin: EngineFinal::default(),
+            shutting_down: false,
             _tmp: tmp,
+            gone,
         };
         lp.wait_ready()?;
         Ok(lp)
@@ -495,6 +540,26 @@ impl EngineLoop {
             });
             self.poll_once(wait);
             self.expire_deadlines();
+            self.check_silent();
+        }
+    }
+
+    /// Workers started elsewhere have no stderr pipe whose closing says they died; one that
+    /// stopped saying it is alive for longer than any request may take is declared gone.
+    fn check_silent(&mut self) {
+        let silence = (self.cfg.timeout * 2).max(proto::ALIVE_EVERY * 3);
+        let silent: Vec<u32> = (0..self.cfg.tp)
+            .filter(|&r| {
+                let rank = &self.ranks[r as usize];
+                rank.child.is_none()
+                    && rank.ready.is_some()
+                    && rank.dead.is_none()
+                    && !self.shutting_down
+                    && rank.last_seen.elapsed() > silence
+            })
+            .collect();
+        for r in silent {
+            self.rank_died(r, format!("not heard from for {silence:?}"));
         }
     }
 
@@ -533,15 +598,16 @@ impl EngineLoop {
             let mut buf = [0u8; 256];
             while matches!((&self.bell).read(&mut buf), Ok(n) if n > 0) {}
         }
-        for i in stderr_ready {
-            self.drain_stderr(i);
-        }
+        // Messages first: a worker's goodbye often arrives in the same round as its exit.
         if ctl_ready {
             while let Ok(frames) = self.ctl.recv_multipart(zmq::DONTWAIT) {
                 if let [identity, body] = frames.as_slice() {
                     self.on_message(identity, body);
                 }
             }
+        }
+        for i in stderr_ready {
+            self.drain_stderr(i);
         }
     }
 
@@ -573,8 +639,13 @@ impl EngineLoop {
         if eof {
             rank.stderr = None;
             let status = rank.child.as_mut().and_then(|c| c.wait().ok());
+            rank.exited = true;
+            // A clean exit after the engine asked for it is a shutdown, not a death.
+            if self.shutting_down && status.is_some_and(|s| s.success()) {
+                return;
+            }
             let why = match status {
-                Some(s) if s.success() && rank.dead.is_none() => "exited".to_string(),
+                Some(s) if s.success() => "exited".to_string(),
                 Some(s) => format!("exited with {s}"),
                 None => "its output closed".to_string(),
             };
@@ -592,12 +663,15 @@ impl EngineLoop {
         r.dead = Some(why.clone());
         self.fin.dead_ranks.push(rank);
         let err = EngineError::RankGone { role, rank, why };
+        if let Ok(mut g) = self.gone.lock() {
+            g.get_or_insert_with(|| err.clone());
+        }
         let failed: Vec<u64> =
             self.prefills.iter().filter(|(_, p)| p.waiting.contains(&rank)).map(|(&k, _)| k).collect();
         for req in failed {
             if let Some(p) = self.prefills.remove(&req) {
                 let _ = p.reply.send(Err(err.clone()));
-                self.hold_or_free(req, p.blocks, rank);
+                self.hold_or_free(req, p.blocks, &p.freed);
             }
         }
         let failed: Vec<u64> =
@@ -615,11 +689,12 @@ impl EngineLoop {
         }
     }
 
-    /// A prefill that failed after blocks were sent: live ranks still hold them until their
-    /// lease ends, so keep the blocks allocated until every live rank has freed them.
-    fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>, dead_rank: u32) {
-        let live: BTreeSet<u32> =
-            (0..self.cfg.tp).filter(|&r| r != dead_rank && self.ranks[r as usize].dead.is_none()).collect();
+    /// Blocks sent to prefill ranks stay allocated until every live rank has freed them
+    /// (notifications or lease); a dead rank never will, so it is not waited for.
+    fn hold_or_free(&mut self, req: u64, blocks: Vec<u32>, freed: &BTreeSet<u32>) {
+        let live: BTreeSet<u32> = (0..self.cfg.tp)
+            .filter(|&r| self.ranks[r as usize].dead.is_none() && !freed.contains(&r))
+            .collect();
         if live.is_empty() {
             self.pool.free(&blocks);
         } else {
@@ -662,6 +737,9 @@ impl EngineLoop {
             }
         };
         let rank_of = |ranks: &[Rank]| ranks.iter().position(|r| r.identity.as_deref() == Some(identity));
+        if let Some(i) = rank_of(&self.ranks) {
+            self.ranks[i].last_seen = Instant::now();
+        }
         match msg {
             FromWorker::Hello { role, rank, pid, host } => {
                 if role != self.cfg.worker.role {
@@ -690,24 +768,36 @@ impl EngineLoop {
                     self.ranks[i].ready = Some(*info);
                 }
             }
-            FromWorker::Filled { req, fill_ns } => {
+            FromWorker::Filled { req, fill_ns, publish_ns } => {
                 let Some(rank) = rank_of(&self.ranks) else { return };
                 let done = match self.prefills.get_mut(&req) {
                     Some(p) => {
                         p.waiting.remove(&(rank as u32));
                         p.fill_ns = p.fill_ns.max(fill_ns);
+                        p.publish_ns = p.publish_ns.max(publish_ns);
                         p.waiting.is_empty()
                     }
                     None => false,
                 };
                 if done && let Some(p) = self.prefills.remove(&req) {
                     let params = self.params_for(&p);
-                    self.held.insert(req, (p.blocks, (0..self.cfg.tp).collect()));
-                    let _ = p.reply.send(Ok(PrefillDone { params, fill_ns: p.fill_ns }));
+                    self.hold_or_free(req, p.blocks, &p.freed);
+                    let _ = p.reply.send(Ok(PrefillDone {
+                        params,
+                        fill_ns: p.fill_ns,
+                        publish_ns: p.publish_ns,
+                    }));
                 }
             }
             FromWorker::Freed { req, expired } => {
                 if let Some(rank) = rank_of(&self.ranks) {
+                    // Not held yet: the request is still waiting for other ranks' fills.
+                    if let Some(p) = self.prefills.get_mut(&req) {
+                        p.freed.insert(rank as u32);
+                        if expired {
+                            self.fin.leases_expired += 1;
+                        }
+                    }
                     self.freed_by(req, rank as u32, expired, false);
                 }
             }
@@ -731,6 +821,7 @@ impl EngineLoop {
                 }
             }
             FromWorker::Unrecognized { count } => self.fin.unrecognized_notifs += count,
+            FromWorker::Alive => {}
             FromWorker::Fatal { msg } => {
                 if let Some(i) = rank_of(&self.ranks) {
                     self.rank_died(i as u32, msg);
@@ -742,7 +833,6 @@ impl EngineLoop {
                         ready.rss_bytes = ready.rss_bytes.max(rss_bytes);
                     }
                     self.ranks[i].bye = true;
-                    self.ranks[i].dead.get_or_insert_with(|| "shut down".into());
                 }
             }
         }
@@ -782,12 +872,12 @@ impl EngineLoop {
         match cmd {
             Cmd::Prefill { tokens, .. } => tokens.div_ceil(self.cfg.block_tokens),
             Cmd::Load { local_blocks, .. } => *local_blocks,
-            Cmd::Abandon { .. } => 0,
+            Cmd::Abandon { .. } | Cmd::Fault { .. } => 0,
         }
     }
 
     fn submit(&mut self, cmd: Cmd) {
-        if !self.backlog.is_empty() && !matches!(cmd, Cmd::Abandon { .. }) {
+        if !self.backlog.is_empty() && !matches!(cmd, Cmd::Abandon { .. } | Cmd::Fault { .. }) {
             self.backlog.push_back(cmd);
             return;
         }
@@ -810,6 +900,10 @@ impl EngineLoop {
         let needed = self.blocks_needed(&cmd);
         let timeout = self.cfg.timeout;
         match cmd {
+            Cmd::Fault { rank, fault } => {
+                self.send_to(rank, &ToWorker::Fault(fault));
+                None
+            }
             Cmd::Abandon { req, p_request_id } => {
                 for r in 0..self.cfg.tp {
                     self.send_to(r, &ToWorker::Abandon { req, p_request_id: p_request_id.clone() });
@@ -856,7 +950,9 @@ impl EngineLoop {
                         tokens,
                         blocks,
                         waiting: live,
+                        freed: BTreeSet::new(),
                         fill_ns: 0,
+                        publish_ns: 0,
                         deadline: Instant::now() + timeout,
                         reply,
                     },
@@ -912,7 +1008,7 @@ impl EngineLoop {
                 let ranks: Vec<u32> = p.waiting.iter().copied().collect();
                 let _ = p.reply.send(Err(EngineError::Timeout { req, role, ranks, timeout }));
                 // Ranks that did fill hold the blocks under their lease.
-                self.held.insert(req, (p.blocks, (0..self.cfg.tp).collect()));
+                self.hold_or_free(req, p.blocks, &p.freed);
             }
         }
         let late: Vec<u64> = self.loads.iter().filter(|(_, l)| l.deadline <= now).map(|(&k, _)| k).collect();
@@ -936,19 +1032,16 @@ impl EngineLoop {
         {
             self.poll_once(Duration::from_millis(50));
         }
+        self.shutting_down = true;
         for r in 0..self.cfg.tp {
             if self.ranks[r as usize].dead.is_none() {
                 self.send_to(r, &ToWorker::Shutdown);
             }
         }
-        // Wait for every worker's goodbye (its peak memory) and, for local ones, its exit.
+        // Wait for every live worker's goodbye (its peak memory) and, for local ones, its exit.
         let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline
-            && self
-                .ranks
-                .iter()
-                .any(|r| r.stderr.is_some() || !(r.bye || r.dead.is_some() && r.child.is_some()))
-        {
+        let pending = |r: &Rank| r.dead.is_none() && (!r.bye || (r.child.is_some() && !r.exited));
+        while Instant::now() < deadline && self.ranks.iter().any(pending) {
             self.poll_once(Duration::from_millis(50));
         }
         for r in &mut self.ranks {

@@ -7,41 +7,131 @@
 //! UCX active messages (drained after each progress round). The UCX worker is progressed
 //! whenever it has work, because UCX builds that emulate GET in software need the target
 //! to progress.
+//!
+//! With the storage transport the rank also writes each request's blocks to the shared
+//! directory: eagerly (`--transport storage`), or when a decode rank asks for it after its
+//! first transport failed (`--transport multi`, a `FB:` message).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::proto::{FromWorker, ReadyInfo, ToWorker, WorkerConfig};
+use super::proto::{Fault, FromWorker, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
 use super::worker::{Control, WorkerError, compat_factors, rss_bytes, werr};
+use crate::layouts::Region;
 use crate::layouts::verify::fill_request;
 use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
 use crate::transfer::memory::{HostBuffer, PageSize};
-use crate::transfer::notify::{LeaseTable, NotifyListener, UcxNotifyReceiver};
+use crate::transfer::notify::{LeaseTable, Notification, NotifyListener, UcxNotifyReceiver};
+use crate::transfer::storage::{StorageOptions, StoragePublisher};
 use crate::transfer::ucx::{Context, ContextOptions, HYBRID_SPIN, MemRegion, ProgressMode, Ucx, Worker};
 
 /// Upper bound of one wait, so leases are checked even when nothing happens.
 const MAX_WAIT: Duration = Duration::from_millis(100);
+
+/// The rank's UCX side: context, worker and the registered pool. Field order is drop order.
+struct UcxSide {
+    /// Notifications sent as UCX active messages.
+    am: UcxNotifyReceiver,
+    region: MemRegion<HostBuffer>,
+    worker: Worker,
+    _ctx: Context,
+}
+
+/// The KV pool, registered with UCX or (after `Fault::KillUcx`, or without UCX) plain.
+enum Pool {
+    Ucx(Box<UcxSide>),
+    Plain(HostBuffer),
+    /// Transient state while switching.
+    Gone,
+}
+
+impl Pool {
+    fn memory(&self) -> Result<&HostBuffer, WorkerError> {
+        match self {
+            Pool::Ucx(u) => u.region.memory().map_err(werr!("KV pool")),
+            Pool::Plain(m) => Ok(m),
+            Pool::Gone => Err(WorkerError::new("the KV pool is gone")),
+        }
+    }
+
+    fn memory_mut(&mut self) -> Result<&mut HostBuffer, WorkerError> {
+        match self {
+            Pool::Ucx(u) => u.region.memory_mut().map_err(werr!("KV pool")),
+            Pool::Plain(m) => Ok(m),
+            Pool::Gone => Err(WorkerError::new("the KV pool is gone")),
+        }
+    }
+
+    fn worker(&self) -> Option<&Worker> {
+        match self {
+            Pool::Ucx(u) => Some(&u.worker),
+            _ => None,
+        }
+    }
+
+    /// Notifications received as UCX active messages since the last call.
+    fn drain_am(&mut self) -> Vec<Notification> {
+        match self {
+            Pool::Ucx(u) => u.am.drain(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Tears the UCX side down and keeps the memory.
+    fn kill_ucx(&mut self) -> Result<(), WorkerError> {
+        if let Pool::Ucx(u) = std::mem::replace(self, Pool::Gone) {
+            let UcxSide { am, region, worker, _ctx } = *u;
+            drop(am);
+            let mem = region.deregister().map_err(werr!("deregister the KV pool"))?;
+            drop(worker);
+            *self = Pool::Plain(mem);
+        }
+        Ok(())
+    }
+}
+
+/// A request this rank holds.
+struct Held {
+    req: u64,
+    blocks: Vec<u32>,
+    published: bool,
+}
 
 pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.p_geometry(cfg.rank);
     let regions = geom.regions();
     let total = usize::try_from(geom.total_bytes()).map_err(werr!("pool size"))?;
     let progress: ProgressMode = parse_progress(&cfg.transport.progress)?;
-    let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
-    // Active messages always: decode ranks choose how to notify, this rank takes both.
-    let ctx =
-        Context::new(&ucx, &ContextOptions { progress, active_messages: true, ..ContextOptions::default() })
-            .map_err(werr!("UCX context"))?;
-    let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
-    let mut am_notify = UcxNotifyReceiver::new(&worker).map_err(werr!("UCX notification handler"))?;
+    let kind = cfg.transport.kind;
+    let uses_ucx = kind != TransportKind::Storage;
+    let uses_storage = kind == TransportKind::Storage
+        || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
     let mem = HostBuffer::alloc(total, pages).map_err(werr!(format!("allocate the {total}-byte KV pool")))?;
-    let mut region = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
-    let rkey = region.pack_rkey().map_err(werr!("pack the remote key"))?;
+    let mut ucx_lib = None;
+    let (mut pool, worker_address, rkey, base) = if uses_ucx {
+        let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
+        // Active messages always: decode ranks choose how to notify, this rank takes both.
+        let ctx = Context::new(
+            &ucx,
+            &ContextOptions { progress, active_messages: true, ..ContextOptions::default() },
+        )
+        .map_err(werr!("UCX context"))?;
+        let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
+        let am = UcxNotifyReceiver::new(&worker).map_err(werr!("UCX notification handler"))?;
+        let region = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
+        let rkey = region.pack_rkey().map_err(werr!("pack the remote key"))?.as_bytes().to_vec();
+        let base = region.addr();
+        let address = worker.address().map_err(werr!("UCX worker address"))?;
+        ucx_lib = Some((ucx.path().display().to_string(), ucx.version().to_string()));
+        (Pool::Ucx(Box::new(UcxSide { am, region, worker, _ctx: ctx })), address, rkey, base)
+    } else {
+        let base = mem.as_slice().as_ptr() as u64;
+        (Pool::Plain(mem), Vec::new(), Vec::new(), base)
+    };
     let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
         .map_err(werr!("bind the notification listener"))?;
     let notify_ep = advertise(listener.endpoint(), &cfg.advertise_host);
-    let base = region.addr();
     let kvx_regions: Vec<KvxRegion> = regions
         .iter()
         .map(|r| KvxRegion {
@@ -49,7 +139,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             mem_type: "host".into(),
             device_id: 0,
             base_addr: base + r.base_off,
-            rkey: rkey.as_bytes().to_vec(),
+            rkey: rkey.clone(),
             block_len_bytes: r.block_len,
             block_stride_bytes: r.block_stride,
             num_blocks: r.num_blocks,
@@ -58,7 +148,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let factors = compat_factors(&cfg.pair.model, cfg.pair.version);
     let meta = KvxMetadata::new(
         cfg.engine_id.clone(),
-        worker.address().map_err(werr!("UCX worker address"))?,
+        worker_address,
         (cfg.pair.p.tp, cfg.rank, 0, 0),
         cfg.pair.p.layout.name(),
         cfg.pair.p.block_tokens,
@@ -67,38 +157,49 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         &factors,
     );
     let payload = meta.to_payload().map_err(werr!("encode metadata"))?.encode();
+    let mut storage = if uses_storage {
+        let dir = cfg.transport.storage_dir.clone().unwrap_or_else(StorageOptions::default_dir);
+        let mut opts = StorageOptions::new(dir);
+        opts.direct_io = cfg.transport.storage_direct_io;
+        opts.fsync = cfg.transport.storage_fsync;
+        Some(StoragePublisher::new(opts, &cfg.engine_id, cfg.rank).map_err(werr!("storage transport"))?)
+    } else {
+        None
+    };
+    let (lib, version) = ucx_lib.unwrap_or_else(|| ("(not loaded: storage transport)".into(), String::new()));
     ctl.send(&FromWorker::Ready(Box::new(ReadyInfo {
         rank: cfg.rank,
         handshake_payload: Some(payload),
-        ucx_library: ucx.path().display().to_string(),
-        ucx_version: ucx.version().to_string(),
+        ucx_library: lib,
+        ucx_version: version,
         pool_bytes: total as u64,
         rss_bytes: rss_bytes(),
     })))?;
 
     let mut leases = LeaseTable::new(Duration::from_millis(cfg.lease_ms));
-    // p_request_id -> engine request number, for reporting frees.
-    let mut held: HashMap<String, u64> = HashMap::new();
+    let mut held: HashMap<String, Held> = HashMap::new();
     let mut last_work = Instant::now();
     let mut unrecognized_seen = 0;
+    let eager_publish = kind == TransportKind::Storage;
     loop {
         // Progress UCX until it has nothing to do. Only work other than notifications
         // (serving reads UCX emulates in software) starts a spin: a notification ends a
         // request, and a rank that spins after it keeps the core from the decode rank
         // that just woke it, whose send then waits out the whole spin.
-        let mut spins = 0u32;
-        let mut events = 0u64;
-        let am_before = am_notify.am_stats().received;
-        loop {
-            let n = worker.progress();
-            if n == 0 || spins >= 65_536 {
-                break;
+        if let Pool::Ucx(u) = &pool {
+            let am_before = u.am.am_stats().received;
+            let (mut spins, mut events) = (0u32, 0u64);
+            loop {
+                let n = u.worker.progress();
+                if n == 0 || spins >= 65_536 {
+                    break;
+                }
+                spins += 1;
+                events += u64::from(n);
             }
-            spins += 1;
-            events += u64::from(n);
-        }
-        if events > am_notify.am_stats().received - am_before {
-            last_work = Instant::now();
+            if events > u.am.am_stats().received - am_before {
+                last_work = Instant::now();
+            }
         }
         // Control messages.
         while let Some(msg) = ctl.try_recv()? {
@@ -106,35 +207,57 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             match msg {
                 ToWorker::Fill { req, p_request_id, blocks, seed, expected_notifs } => {
                     let t0 = Instant::now();
-                    let mem = region.memory_mut().map_err(werr!("KV pool"))?;
-                    fill_request(&geom, &regions, &blocks, seed, mem.as_mut_slice());
+                    fill_request(&geom, &regions, &blocks, seed, pool.memory_mut()?.as_mut_slice());
                     let fill_ns = t0.elapsed().as_nanos() as u64;
+                    let mut publish_ns = 0;
+                    if eager_publish && let Some(s) = storage.as_mut() {
+                        let t1 = Instant::now();
+                        publish(s, &p_request_id, &regions, &blocks, pool.memory()?)?;
+                        publish_ns = t1.elapsed().as_nanos() as u64;
+                    }
                     match leases.register(&p_request_id, Some(expected_notifs), Instant::now()) {
                         Ok(_) => {
-                            held.insert(p_request_id, req);
+                            held.insert(p_request_id, Held { req, blocks, published: eager_publish });
                         }
                         Err(e) => tracing::warn!("{e}"),
                     }
-                    ctl.send(&FromWorker::Filled { req, fill_ns })?;
+                    ctl.send(&FromWorker::Filled { req, fill_ns, publish_ns })?;
                 }
-                ToWorker::Abandon { .. } => {}
+                ToWorker::Fault(Fault::KillUcx) => {
+                    tracing::warn!("fault injected: tearing down this rank's UCX side");
+                    pool.kill_ucx()?;
+                }
+                ToWorker::Fault(Fault::Exit) => std::process::exit(3),
+                ToWorker::Abandon { .. } | ToWorker::Init(_) | ToWorker::Load { .. } => {}
                 ToWorker::Shutdown => return Ok(()),
-                ToWorker::Init(_) | ToWorker::Load { .. } => {}
             }
         }
-        // Notifications and heartbeats.
+        // Notifications, heartbeats and fallback requests.
         let now = Instant::now();
         let zmq_notifs = listener.drain().map_err(werr!("notifications"))?;
-        for n in am_notify.drain().into_iter().chain(zmq_notifs) {
+        for n in pool.drain_am().into_iter().chain(zmq_notifs) {
+            if let Notification::Fallback { ids } = &n {
+                for id in ids {
+                    if let (Some(h), Some(s)) = (held.get_mut(id), storage.as_mut())
+                        && !h.published
+                    {
+                        publish(s, id, &regions, &h.blocks, pool.memory()?)?;
+                        h.published = true;
+                    }
+                }
+                continue;
+            }
             for id in leases.apply(&n, now) {
-                if let Some(req) = held.remove(&id) {
-                    ctl.send(&FromWorker::Freed { req, expired: false })?;
+                if let Some(h) = held.remove(&id) {
+                    release(&mut storage, &id, h.published);
+                    ctl.send(&FromWorker::Freed { req: h.req, expired: false })?;
                 }
             }
         }
         for id in leases.expire(Instant::now()) {
-            if let Some(req) = held.remove(&id) {
-                ctl.send(&FromWorker::Freed { req, expired: true })?;
+            if let Some(h) = held.remove(&id) {
+                release(&mut storage, &id, h.published);
+                ctl.send(&FromWorker::Freed { req: h.req, expired: true })?;
             }
         }
         let unrecognized = leases.stats().unrecognized;
@@ -144,11 +267,16 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         }
         // Wait for the next event.
         let spin = match progress {
-            ProgressMode::Busy => true,
+            ProgressMode::Busy => pool.worker().is_some(),
             ProgressMode::Hybrid => last_work.elapsed() < HYBRID_SPIN,
             ProgressMode::Wait => false,
         };
-        if spin || !worker.arm().map_err(werr!("arm the UCX worker"))? {
+        if spin {
+            continue;
+        }
+        if let Some(w) = pool.worker()
+            && !w.arm().map_err(werr!("arm the UCX worker"))?
+        {
             continue;
         }
         let wait = leases
@@ -156,11 +284,30 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             .map_or(MAX_WAIT, |d| d.saturating_duration_since(Instant::now()).min(MAX_WAIT));
         let mut items =
             vec![ctl.socket().as_poll_item(zmq::POLLIN), listener.socket().as_poll_item(zmq::POLLIN)];
-        if let Some(fd) = worker.event_fd() {
+        if let Some(fd) = pool.worker().and_then(Worker::event_fd) {
             items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
         }
         let ms = (wait.as_millis() as i64).max(1);
         zmq::poll(&mut items, ms).map_err(werr!("wait for events"))?;
+    }
+}
+
+fn publish(
+    s: &mut StoragePublisher,
+    id: &str,
+    regions: &[Region],
+    blocks: &[u32],
+    mem: &HostBuffer,
+) -> Result<(), WorkerError> {
+    s.publish(id, regions, blocks, mem.as_slice()).map(|_| ()).map_err(werr!("storage publish"))
+}
+
+fn release(storage: &mut Option<StoragePublisher>, id: &str, published: bool) {
+    if published
+        && let Some(s) = storage.as_mut()
+        && let Err(e) = s.release(id)
+    {
+        tracing::warn!("storage: {e}");
     }
 }
 

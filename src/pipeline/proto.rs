@@ -15,6 +15,10 @@ use crate::transfer::notify::NotifyTransport;
 /// Hard cap on one control message, checked before decoding.
 pub const MAX_CONTROL_BYTES: usize = 64 << 20;
 
+/// How often a worker started elsewhere (`kvx worker --connect tcp://...`) tells its engine
+/// it is alive. Such a worker has no pipe to the engine whose closing would say it died.
+pub const ALIVE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Which side a worker serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -99,8 +103,9 @@ pub struct TransportConfig {
     pub inflight: u32,
     /// Post coalesced descriptors instead of vLLM's one-per-block descriptors.
     pub coalesce: bool,
-    /// How decode ranks notify prefill ranks (UCX transport): UCX active messages on the
-    /// read endpoint, or ZMQ. Prefill ranks listen on both.
+    /// How decode ranks notify prefill ranks with the UCX transport: UCX active messages on
+    /// the read endpoint, or ZMQ. Prefill ranks listen on both; the storage and multi
+    /// transports always notify over ZMQ.
     #[serde(default)]
     pub notify: NotifyTransport,
     pub storage_dir: Option<PathBuf>,
@@ -151,7 +156,20 @@ pub enum ToWorker {
         req: u64,
         p_request_id: String,
     },
+    /// Fault injection for resilience tests (`kvx bench --fault`).
+    Fault(Fault),
     Shutdown,
+}
+
+/// A fault a worker injects into itself on request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    /// Tear down the rank's UCX side (worker, registration) but keep its memory and its
+    /// side channel: reads over UCX fail, other transports still work.
+    KillUcx,
+    /// Exit at once, as a crash would.
+    Exit,
 }
 
 /// What a worker reports once it is up.
@@ -232,9 +250,11 @@ pub enum FromWorker {
         host: String,
     },
     Ready(Box<ReadyInfo>),
+    /// `publish_ns`: time to publish the blocks through the storage transport (0 if unused).
     Filled {
         req: u64,
         fill_ns: u64,
+        publish_ns: u64,
     },
     /// A prefill rank released a request's blocks: all notifications arrived, or the lease expired.
     Freed {
@@ -246,6 +266,8 @@ pub enum FromWorker {
     Unrecognized {
         count: u64,
     },
+    /// A worker started elsewhere is still there (every `ALIVE_EVERY`).
+    Alive,
     /// The worker is exiting because of this error.
     Fatal {
         msg: String,
@@ -275,7 +297,7 @@ mod tests {
 
     #[test]
     fn messages_round_trip_and_garbage_is_an_error() {
-        let m = FromWorker::Filled { req: 3, fill_ns: 99 };
+        let m = FromWorker::Filled { req: 3, fill_ns: 99, publish_ns: 0 };
         assert_eq!(decode::<FromWorker>(&encode(&m)), Ok(m));
         assert!(decode::<FromWorker>(b"\xc1garbage").is_err());
         assert!(decode::<ToWorker>(&[]).is_err());

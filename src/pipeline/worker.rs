@@ -35,9 +35,17 @@ macro_rules! werr {
 }
 pub(crate) use werr;
 
+/// How often a spawned worker checks that the engine that spawned it still exists.
+const PARENT_CHECK: Duration = Duration::from_millis(100);
+
 /// The control channel to the engine.
 pub struct Control {
     sock: zmq::Socket,
+    /// Workers spawned by a local engine (ipc endpoint): the engine's pid. ZMQ does not say
+    /// when a peer dies, so without this check a worker whose engine was killed would run
+    /// forever.
+    parent: Option<u32>,
+    next_check: std::cell::Cell<Instant>,
 }
 
 impl Control {
@@ -46,7 +54,8 @@ impl Control {
         let _ = sock.set_linger(1000);
         let _ = sock.set_maxmsgsize(proto::MAX_CONTROL_BYTES as i64);
         sock.connect(endpoint).map_err(werr!(format!("connect to the engine at {endpoint}")))?;
-        Ok(Control { sock })
+        let parent = endpoint.starts_with("ipc://").then(std::os::unix::process::parent_id);
+        Ok(Control { sock, parent, next_check: std::cell::Cell::new(Instant::now()) })
     }
 
     pub fn socket(&self) -> &zmq::Socket {
@@ -66,8 +75,24 @@ impl Control {
         self.try_recv()
     }
 
-    /// Next message if one is queued.
+    /// Next message if one is queued; an error once the spawning engine is gone. Workers
+    /// started elsewhere also say they are alive here, every `ALIVE_EVERY` (the role loops
+    /// call this at least every 100 ms between requests).
     pub fn try_recv(&self) -> Result<Option<ToWorker>, WorkerError> {
+        if self.parent.is_none() && Instant::now() >= self.next_check.get() {
+            self.next_check.set(Instant::now() + proto::ALIVE_EVERY);
+            self.send(&FromWorker::Alive)?;
+        }
+        if let Some(parent) = self.parent
+            && Instant::now() >= self.next_check.get()
+        {
+            self.next_check.set(Instant::now() + PARENT_CHECK);
+            if std::os::unix::process::parent_id() != parent {
+                return Err(WorkerError::new(format!(
+                    "the engine (pid {parent}) that started this worker is gone"
+                )));
+            }
+        }
         match self.sock.recv_bytes(zmq::DONTWAIT) {
             Ok(b) => proto::decode(&b).map(Some).map_err(WorkerError),
             Err(zmq::Error::EAGAIN) => Ok(None),
@@ -142,6 +167,14 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
             _ => {}
         }
     };
+    let mut cfg = cfg;
+    if matches!(cfg.bind_host.as_str(), "0.0.0.0" | "*" | "::")
+        && let Some(own) = route_source(endpoint)
+    {
+        // The engine's advertise host is the orchestrator's; a worker on another host is
+        // reached at its own address, the one its traffic to the orchestrator leaves from.
+        cfg.advertise_host = own;
+    }
     let result = match cfg.role {
         Role::Prefill => super::prefill::run(&ctl, cfg),
         Role::Decode => super::decode::run(&ctl, cfg),
@@ -155,6 +188,18 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
         }
     }
     result
+}
+
+/// This host's IPv4 address on the route to a `tcp://host:port` endpoint (`None` for other
+/// transports or when it cannot be found). A UDP connect sends nothing; it only picks the route.
+pub fn route_source(endpoint: &str) -> Option<String> {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let rest = endpoint.strip_prefix("tcp://")?;
+    let target = rest.to_socket_addrs().ok()?.find(std::net::SocketAddr::is_ipv4)?;
+    let sock = UdpSocket::bind("0.0.0.0:0").ok()?;
+    sock.connect(target).ok()?;
+    let ip = sock.local_addr().ok()?.ip();
+    (!ip.is_unspecified()).then(|| ip.to_string())
 }
 
 /// The engine spec of the other side of a pair, as the peer's metadata describes it.
@@ -173,4 +218,16 @@ pub fn peer_pair(
         layout,
     };
     Ok(pair)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_source_is_the_local_end_of_the_route() {
+        assert_eq!(route_source("tcp://127.0.0.1:9").as_deref(), Some("127.0.0.1"));
+        assert_eq!(route_source("ipc:///tmp/x"), None);
+        assert_eq!(route_source("tcp://not a host:1"), None);
+    }
 }

@@ -436,3 +436,80 @@ mod tests {
         assert_eq!(sweep_svg(&s).expect("ok"), None);
     }
 }
+
+/// One bar group of a transport comparison: label and (name, value) per measure.
+#[derive(Debug, Clone)]
+pub struct Bars {
+    pub label: String,
+    pub values: Vec<(String, f64)>,
+}
+
+/// Grouped bars, one group per label (e.g. transports), one bar per measure; each measure is
+/// scaled to its own maximum so throughput and latency share one chart (value on the bar).
+pub fn bars_svg(title: &str, groups: &[Bars]) -> Result<String, ReportError> {
+    use plotters::prelude::*;
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (900, 420)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| ReportError::Chart { chart: "transports", reason: e.to_string() })?;
+        let measures: Vec<String> =
+            groups.first().map(|g| g.values.iter().map(|(n, _)| n.clone()).collect()).unwrap_or_default();
+        let maxes: Vec<f64> = (0..measures.len())
+            .map(|m| {
+                groups.iter().filter_map(|g| g.values.get(m).map(|v| v.1)).fold(0.0, f64::max).max(1e-12)
+            })
+            .collect();
+        let n = groups.len().max(1) as f64;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(30)
+            .y_label_area_size(40)
+            .build_cartesian_2d(0f64..n, 0f64..1.15f64)
+            .map_err(|e| ReportError::Chart { chart: "transports", reason: e.to_string() })?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(0)
+            .y_desc("relative to the best")
+            .draw()
+            .map_err(|e| ReportError::Chart { chart: "transports", reason: e.to_string() })?;
+        let width = 0.8 / measures.len().max(1) as f64;
+        for (gi, g) in groups.iter().enumerate() {
+            root.draw(&Text::new(
+                g.label.clone(),
+                chart.backend_coord(&(gi as f64 + 0.35, 0.0)),
+                ("sans-serif", 14),
+            ))
+            .map_err(|e| ReportError::Chart { chart: "transports", reason: e.to_string() })?;
+            for (mi, (_, v)) in g.values.iter().enumerate() {
+                let x0 = gi as f64 + 0.1 + mi as f64 * width;
+                let h = v / maxes[mi];
+                let color = Palette99::pick(mi).to_rgba();
+                chart
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(x0, 0.0), (x0 + width * 0.9, h)],
+                        color.filled(),
+                    )))
+                    .map_err(|e| ReportError::Chart { chart: "transports", reason: e.to_string() })?
+                    .label(measures[mi].clone())
+                    .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        format!("{v:.3}"),
+                        (x0, h + 0.03),
+                        ("sans-serif", 11),
+                    )))
+                    .map_err(|e| ReportError::Chart { chart: "transports", reason: e.to_string() })?;
+            }
+        }
+        chart
+            .configure_series_labels()
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.8))
+            .draw()
+            .map_err(|e| ReportError::Chart { chart: "transports", reason: e.to_string() })?;
+        root.present().map_err(|e| ReportError::Chart { chart: "transports", reason: e.to_string() })?;
+    }
+    Ok(out)
+}

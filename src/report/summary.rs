@@ -137,6 +137,9 @@ pub struct Summary {
     /// Labels a reader must see next to the figures (e.g. "cache-hot").
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// Named event counts of the run (e.g. `fallbacks_to_storage`), apart from the metrics.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub counters: BTreeMap<String, u64>,
 }
 
 impl Summary {
@@ -172,6 +175,7 @@ impl Summary {
             calibration: None,
             sweep: None,
             notes: Vec::new(),
+            counters: BTreeMap::new(),
         }
     }
 

@@ -133,6 +133,9 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
     for n in &s.notes {
         t.add_row(vec!["note".to_string(), n.clone()]);
     }
+    for (k, v) in &s.counters {
+        t.add_row(vec![k.replace('_', " "), v.to_string()]);
+    }
     t
 }
 

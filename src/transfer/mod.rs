@@ -10,5 +10,6 @@ pub mod handshake;
 pub mod memory;
 pub mod notify;
 pub mod probe;
+pub mod storage;
 pub mod ucx;
 pub mod xfer;

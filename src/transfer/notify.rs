@@ -68,7 +68,13 @@ pub enum Notification {
     Notif { p_request_id: String, count: u32 },
     /// Requests a D rank is still waiting to read: extend their leases.
     Heartbeat { ids: Vec<String> },
+    /// kvx's multi-transport fallback: the first transport failed for these requests;
+    /// publish them through the next one (shared storage). Not a vLLM message.
+    Fallback { ids: Vec<String> },
 }
+
+/// Prefix of kvx's fallback requests (`"FB:<id>,<id>"`).
+pub const FALLBACK_PREFIX: &str = "FB:";
 
 /// A notification that could not be sent, received or parsed.
 #[derive(Debug, thiserror::Error)]
@@ -117,8 +123,10 @@ impl Notification {
                 if p_request_id.is_empty() {
                     return Err(enc("empty request id".into()));
                 }
-                if p_request_id.starts_with(HEARTBEAT_PREFIX) {
-                    return Err(enc(format!("request id {p_request_id:?} would be read as a heartbeat")));
+                if p_request_id.starts_with(HEARTBEAT_PREFIX) || p_request_id.starts_with(FALLBACK_PREFIX) {
+                    return Err(enc(format!(
+                        "request id {p_request_id:?} would be read as a heartbeat or fallback"
+                    )));
                 }
                 if *count == 0 {
                     return Err(enc(format!("count 0 for {p_request_id:?}: P would never free it")));
@@ -133,6 +141,14 @@ impl Notification {
                 }
                 Ok(format!("{HEARTBEAT_PREFIX}{}", ids.join(",")).into_bytes())
             }
+            Notification::Fallback { ids } => {
+                if let Some(bad) = ids.iter().find(|id| id.is_empty() || id.contains(',')) {
+                    return Err(enc(format!(
+                        "request id {bad:?} cannot travel in a fallback (empty or has ',')"
+                    )));
+                }
+                Ok(format!("{FALLBACK_PREFIX}{}", ids.join(",")).into_bytes())
+            }
         }
     }
 
@@ -146,6 +162,10 @@ impl Notification {
         if let Some(rest) = text.strip_prefix(HEARTBEAT_PREFIX) {
             let ids = rest.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect();
             return Ok(Notification::Heartbeat { ids });
+        }
+        if let Some(rest) = text.strip_prefix(FALLBACK_PREFIX) {
+            let ids = rest.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect();
+            return Ok(Notification::Fallback { ids });
         }
         let (id, count) = text.rsplit_once(':').ok_or_else(|| bad("expected \"<request id>:<count>\""))?;
         if id.is_empty() {
@@ -574,6 +594,8 @@ impl LeaseTable {
                 self.on_heartbeat(ids, now);
                 Vec::new()
             }
+            // A fallback request changes no lease; the caller publishes the requests.
+            Notification::Fallback { .. } => Vec::new(),
         }
     }
 

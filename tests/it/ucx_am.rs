@@ -5,9 +5,9 @@
 //! UCX can be loaded only once per process, so each build runs in a child copy of this
 //! test binary (`am_sender_child`), which starts the receiving side as a grandchild
 //! (`am_receiver_child`) and talks to it over its stdin/stdout: the receiver prints its
-//! worker address, then one line per notification it drained. The receiver progresses
-//! its worker only when the worker's event fd wakes it, so every message it reports also
-//! proves that an active message wakes an armed worker.
+//! worker address, then one line per notification it drained. The receiver sleeps on its
+//! worker's event fd between progress rounds, as a prefill rank does; a last message sent
+//! to it while it sleeps must wake it long before its sleep would end by itself.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -19,8 +19,10 @@ use crate::ucx_common::{skip, ucx_builds};
 
 const LIB_ENV: &str = "KVX_IT_UCX_AM_LIB";
 const HARD_TIMEOUT: Duration = Duration::from_secs(120);
-/// The receiver gives up if its event fd stays quiet this long while it expects messages.
+/// How long the idle receiver sleeps on its event fd once the scenario is done.
 const RECEIVER_IDLE: Duration = Duration::from_secs(15);
+/// The receiver's longest sleep while messages stream in (a prefill rank's `MAX_WAIT`).
+const STREAM_POLL: Duration = Duration::from_millis(100);
 const NOTIFS: usize = 600;
 const BIG_HEARTBEAT_IDS: usize = 20_000;
 
@@ -117,6 +119,7 @@ fn describe(n: &kvx::transfer::notify::Notification) -> String {
             ids.first().map_or("-", String::as_str),
             ids.last().map_or("-", String::as_str)
         ),
+        Notification::Fallback { ids } => format!("FB {}", ids.join(",")),
     }
 }
 
@@ -196,6 +199,11 @@ fn sender_body(lib: &Path) {
             let hb = Notification::Heartbeat { ids: (i..i + 5).map(|k| format!("w{k}")).collect() };
             tx.send(&hb).expect("send heartbeat");
             expected.push(describe(&hb));
+        }
+        if i % 200 == 99 {
+            let fb = Notification::Fallback { ids: vec![format!("cmpl-{i}-0")] };
+            tx.send(&fb).expect("send fallback request");
+            expected.push(describe(&fb));
         }
         if i % 150 == 7 {
             for bad in [&b"\xff\xfe:1"[..], b"no-count", b"r:0", b""] {
@@ -301,7 +309,7 @@ fn receiver_body(lib: &Path) {
     let mut rx = UcxNotifyReceiver::new(&worker).expect("receiver");
     let efd = worker.event_fd().expect("wait mode has an event fd");
     println!("ADDR {}", hex::encode(worker.address().expect("address")));
-    let mut wakeups = 0u64;
+    let (mut wakeups, mut missed) = (0u64, 0u64);
     let mut done = false;
     loop {
         while worker.progress() > 0 {}
@@ -311,7 +319,7 @@ fn receiver_body(lib: &Path) {
             {
                 let s = rx.am_stats();
                 println!(
-                    "STATS malformed={} oversized={} received={} wakeups={wakeups}",
+                    "STATS malformed={} oversized={} received={} wakeups={wakeups} missed_wakeups={missed}",
                     rx.malformed(),
                     s.oversized,
                     s.received
@@ -325,16 +333,15 @@ fn receiver_body(lib: &Path) {
         if done {
             println!("ARMED");
         }
-        // Progress again only when the event fd says so: a message that does not wake
-        // the worker is never seen, and the sender's deadline fails the test.
-        if wait_readable(efd, RECEIVER_IDLE).expect("poll the event fd") {
+        // While messages stream in, sleep at most as long as a prefill rank does: UCX 1.13
+        // can leave a message in a full FIFO without signalling the event fd, and a bounded
+        // sleep is how a rank recovers. Once the scenario is done, sleep long: the WAKE
+        // message must come through the event fd.
+        let cap = if done { RECEIVER_IDLE } else { STREAM_POLL };
+        if wait_readable(efd, cap).expect("poll the event fd") {
             wakeups += 1;
-        } else if done {
-            // Idle after the scenario: keep serving until the sender kills this process.
-            continue;
-        } else {
-            println!("TIMEOUT: the event fd stayed quiet for {RECEIVER_IDLE:?}");
-            std::process::exit(1);
+        } else if !done && worker.progress() > 0 {
+            missed += 1;
         }
     }
 }

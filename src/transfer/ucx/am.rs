@@ -9,7 +9,10 @@
 //! Delivery happens inside `ucp_worker_progress` on the receiving worker's thread, so a
 //! receiver calls [`AmReceiver::drain`] after progressing. An active message arriving at
 //! an armed worker makes its event fd readable (the sender signals shared-memory and TCP
-//! peers alike), so a loop that sleeps on the event fd wakes for it.
+//! peers alike), so a loop that sleeps on the event fd wakes for it. One exception, seen
+//! with UCX 1.13: a message that had to wait for room in the receiver's full
+//! shared-memory FIFO can land without the signal, so such a loop must still bound its
+//! sleep (the prefill loop does, at 100 ms).
 //!
 //! Sends use UCX's eager protocol only (`UCP_AM_SEND_FLAG_EAGER`): the receiver gets the
 //! whole message in one callback with the data in hand, never a rendezvous descriptor it

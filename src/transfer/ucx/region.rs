@@ -161,6 +161,24 @@ impl<M: Registrable> MemRegion<M> {
         self.memh
     }
 
+    /// Unregisters the memory and hands it back: a rank that stops serving UCX but keeps
+    /// its cache (to serve it through another transport).
+    pub fn deregister(self) -> Result<M> {
+        if self.poisoned {
+            return Err(UcxError::Poisoned);
+        }
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: memh came from ucp_mem_map on this live context and is unmapped once;
+        // `this` is never dropped, so Drop cannot unmap it again.
+        let st = unsafe { (this.ctx.ucx().api().ucp_mem_unmap)(this.ctx.handle(), this.memh) };
+        let checked = this.ctx.ucx().check("ucp_mem_unmap", st);
+        // SAFETY: `mem` is taken exactly once and `this` is never dropped afterwards.
+        let mem = unsafe { ManuallyDrop::take(&mut this.mem) };
+        // SAFETY: the context handle is released exactly once here (Drop never runs for `this`).
+        unsafe { std::ptr::drop_in_place(&mut this.ctx) };
+        checked.map(|()| mem)
+    }
+
     /// Packs the remote key a peer needs to read this region, in kvx's envelope.
     pub fn pack_rkey(&self) -> Result<PackedRkey> {
         let api = self.ctx.ucx().api();

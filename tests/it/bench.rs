@@ -1,0 +1,455 @@
+//! `kvx bench` end to end: real worker processes, real UCX on loopback, real ZMQ. Every
+//! run is a child process with a hard timeout; waits are on events (rows in
+//! `requests.csv`, a process's exit), never on sleeps; no fixed ports (workers talk over
+//! ipc:// paths and ports the kernel picks).
+//!
+//! Faults: a worker is SIGKILLed mid-run and the bench must still end within a bound, count
+//! every request and every block, and say what died. The policy these tests pin down: once
+//! a rank of either engine is gone, that engine cannot serve (every decode rank reads from
+//! its prefill ranks, every request needs every decode rank), so every later request fails
+//! fast with cause `peer_gone` (or is recomputed under `--on-load-failure recompute`)
+//! instead of waiting for a timeout, and the run still writes a complete report.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::common::kvx;
+use crate::procs::{
+    Spawned, alive, bench_cmd, children_of, complete_rows, exclusive, n, read_rows, run_dir, signal,
+    summary_json, wait_gone, wait_rows, worker_of,
+};
+
+/// A small model shape: runs take a second or two even in a debug build.
+const TINY: &[&str] = &["--num-kv-heads", "4", "--layers", "2", "--head-dim", "64"];
+/// Hard limit on one bench run (debug builds on a loaded two-core machine).
+const RUN_TIMEOUT: Duration = Duration::from_secs(180);
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/bench");
+
+/// A finished run: its JSON summary (stdout), its run directory, and the temp dir holding it.
+struct Run {
+    summary: Value,
+    dir: PathBuf,
+    _results: tempfile::TempDir,
+}
+
+/// Runs a bench to completion and checks that it exited 0.
+fn run_bench(case: &str, args: &[&str]) -> Run {
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut bench = Spawned::start(case, bench_cmd(results.path(), args));
+    let status = bench.expect_exit(RUN_TIMEOUT);
+    assert!(status.success(), "{case}: kvx bench exited {status}; stderr:\n{}", bench.stderr());
+    let summary = summary_json(&bench);
+    let dir = run_dir(results.path()).unwrap_or_else(|| panic!("{case}: no run directory"));
+    Run { summary, dir, _results: results }
+}
+
+/// Everything a clean run promises: every request ok and verified, every block back, and a
+/// complete run directory.
+fn check_clean(case: &str, run: &Run, requests: u64) {
+    let s = &run.summary;
+    assert_eq!(n(s, "requests_ok"), requests, "{case}: {s}");
+    assert_eq!(n(s, "requests_failed"), 0, "{case}: {s}");
+    assert_eq!(n(s, "requests_recomputed"), 0, "{case}: {s}");
+    assert_eq!(n(s, "verify_failures"), 0, "{case}: {s}");
+    assert!(n(s, "bytes_read") > 0, "{case}: {s}");
+    assert_eq!(n(s, "bytes_verified"), n(s, "bytes_read"), "{case}: --verify full checks every byte read");
+    assert_eq!(n(s, "blocks_leaked"), 0, "{case}: {s}");
+    assert_eq!(n(s, "blocks_expired"), 0, "{case}: every request was notified, none expired");
+    assert_eq!(s["partial"], false, "{case}");
+    for stage in ["queue", "plan", "post", "transfer", "notify", "e2e"] {
+        let st = &s["stages"][stage];
+        assert_eq!(st["count"].as_u64(), Some(requests), "{case}: stage {stage}: {st}");
+        for p in ["p50_us", "p90_us", "p99_us", "p999_us", "max_us"] {
+            assert!(st[p].as_f64().is_some_and(|v| v >= 0.0), "{case}: stages.{stage}.{p}: {st}");
+        }
+    }
+    assert!(s["stages"]["handshake"]["count"].as_u64().is_some_and(|c| c >= 1), "{case}: a handshake");
+    assert!(s["ucx"]["transports"].as_array().is_some_and(|t| !t.is_empty()), "{case}: UCX transports");
+
+    let on_disk: Value =
+        serde_json::from_slice(&std::fs::read(run.dir.join("summary.json")).expect("summary.json"))
+            .expect("summary.json is JSON");
+    assert_eq!(on_disk["run_id"], s["run_id"], "{case}");
+    assert_eq!(on_disk["requests_ok"], s["requests_ok"], "{case}");
+    assert_eq!(on_disk["partial"], false, "{case}: the final summary replaced the partial one");
+    let rows = read_rows(&run.dir);
+    assert_eq!(rows.len() as u64, requests, "{case}: one requests.csv row per request");
+    for r in &rows {
+        assert_eq!(r["outcome"], "ok", "{case}: {r:?}");
+        assert!(r["bytes"].parse::<u64>().is_ok_and(|b| b > 0), "{case}: {r:?}");
+    }
+    let stages = std::fs::read_to_string(run.dir.join("stages.csv")).expect("stages.csv");
+    assert!(stages.lines().count() > 1 && stages.contains("transfer"), "{case}: stages.csv:\n{stages}");
+    let svgs: Vec<PathBuf> = std::fs::read_dir(&run.dir)
+        .expect("run dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "svg"))
+        .collect();
+    assert!(!svgs.is_empty(), "{case}: SVG charts in {}", run.dir.display());
+    for svg in svgs {
+        let text = std::fs::read_to_string(&svg).expect("svg");
+        assert!(text.contains("<svg"), "{case}: {} is an SVG", svg.display());
+    }
+}
+
+fn args<'a>(extra: &[&'a str], shape: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["--requests", "6", "--prompt-len", "512", "--verify", "full"];
+    v.extend_from_slice(shape);
+    v.extend_from_slice(extra);
+    v
+}
+
+macro_rules! clean_case {
+    ($name:ident, $shape:expr, [$($arg:expr),* $(,)?]) => {
+        #[test]
+        fn $name() {
+            let _turn = exclusive();
+            let a = args(&[$($arg),*], $shape);
+            let run = run_bench(stringify!($name), &a);
+            check_clean(stringify!($name), &run, 6);
+        }
+    };
+}
+
+clean_case!(p2_to_d1, TINY, ["--p-tp", "2", "--d-tp", "1"]);
+clean_case!(p1_to_d2, TINY, ["--p-tp", "1", "--d-tp", "2"]);
+clean_case!(mla_p2_to_d1, &[], ["--model", "deepseek-v3", "--layers", "2", "--p-tp", "2", "--d-tp", "1"]);
+clean_case!(mla_p1_to_d2, &[], ["--model", "deepseek-v3", "--layers", "2", "--p-tp", "1", "--d-tp", "2"]);
+clean_case!(
+    block_size_ratio,
+    TINY,
+    ["--p-tp", "1", "--d-tp", "2", "--p-block-size", "16", "--d-block-size", "32"]
+);
+clean_case!(vllm_019_hnd, TINY, ["--vllm", "0.19", "--layout", "HND", "--p-tp", "2", "--d-tp", "1"]);
+clean_case!(open_loop_rate, TINY, ["--rate", "40", "--p-tp", "2", "--d-tp", "2"]);
+clean_case!(random_alloc, TINY, ["--alloc", "random", "--p-tp", "2", "--d-tp", "2"]);
+
+#[test]
+fn prefix_hit_reads_only_the_missing_blocks() {
+    let _turn = exclusive();
+    let full = run_bench("prefix 0", &args(&["--p-tp", "2", "--d-tp", "1"], TINY));
+    let half = run_bench("prefix 0.5", &args(&["--p-tp", "2", "--d-tp", "1", "--prefix-hit", "0.5"], TINY));
+    check_clean("prefix 0.5", &half, 6);
+    // 512 tokens are 32 decode blocks; a 0.5 hit leaves 16 to read.
+    assert_eq!(n(&half.summary, "bytes_read") * 2, n(&full.summary, "bytes_read"));
+    for r in read_rows(&half.dir) {
+        assert_eq!(r["blocks"], "16", "{r:?}");
+    }
+}
+
+#[test]
+fn fragmented_allocation_reads_the_same_bytes_in_more_descriptors() {
+    let _turn = exclusive();
+    let shape = ["--p-tp", "2", "--d-tp", "2"];
+    let contiguous = run_bench("contiguous", &args(&shape, TINY));
+    let mut frag_args = args(&shape, TINY);
+    frag_args.extend(["--alloc", "fragmented"]);
+    let fragmented = run_bench("fragmented", &frag_args);
+    check_clean("contiguous", &contiguous, 6);
+    check_clean("fragmented", &fragmented, 6);
+    let d = |r: &Run, k: &str| r.summary["descriptors_per_request"][k].as_f64().expect("descriptors");
+    assert_eq!(n(&contiguous.summary, "bytes_read"), n(&fragmented.summary, "bytes_read"));
+    assert_eq!(
+        d(&contiguous, "raw"),
+        d(&fragmented, "raw"),
+        "vLLM posts one descriptor per block either way"
+    );
+    assert!(
+        d(&fragmented, "coalesced") > d(&contiguous, "coalesced"),
+        "scattered blocks coalesce less: {} vs {}",
+        d(&fragmented, "coalesced"),
+        d(&contiguous, "coalesced")
+    );
+}
+
+#[test]
+fn config_file_with_flag_overrides_and_prompt_lengths_file() {
+    let _turn = exclusive();
+    let config = format!("{FIXTURES}/tiny.toml");
+    let lens = format!("{FIXTURES}/prompt-lens.txt");
+    let run = run_bench(
+        "config",
+        &["--config", &config, "--requests", "8", "--warmup", "0", "--prompt-lens", &lens, "--d-tp", "2"],
+    );
+    check_clean("config", &run, 8);
+    let sc = &run.summary["scenario"];
+    assert_eq!(sc["name"], "tiny", "the config file names the run");
+    assert_eq!((sc["p_tp"].as_u64(), sc["d_tp"].as_u64()), (Some(2), Some(2)), "--d-tp overrides d_tp");
+    // With no warm-up, request i has the i-th length of the file, cycled.
+    let expected = [17u64, 512, 100, 300];
+    for r in read_rows(&run.dir) {
+        let id = &r["request_id"];
+        let req: usize = id.rsplit('-').nth(1).and_then(|x| x.parse().ok()).expect("request number");
+        assert_eq!(r["prompt_tokens"], expected[req % 4].to_string(), "{r:?}");
+    }
+}
+
+/// Bad flags and configs: exit 2 with a message naming the flag, before any work starts
+/// (the run directory, created just before the engines start their workers, never appears).
+#[test]
+fn bad_flags_exit_2_before_any_worker_starts() {
+    let lens = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(lens.path(), "100\nlots\n").expect("write");
+    let lens = lens.path().to_string_lossy().into_owned();
+    let bad_config = format!("{FIXTURES}/tiny.toml.missing");
+    let cases: &[(&[&str], &str)] = &[
+        (&["--p-tp", "8", "--d-tp", "2", "--num-kv-heads", "4"], "--p-tp"),
+        (&["--prefix-hit", "2"], "--prefix-hit"),
+        (&["--prefix-hit", "-0.5"], "--prefix-hit"),
+        (&["--transport", "bogus"], "--transport"),
+        (&["--rate", "-1"], "--rate"),
+        (&["--rate", "0"], "--rate"),
+        (&["--concurrency", "0"], "--concurrency"),
+        (&["--requests", "0"], "--requests"),
+        (&["--duration", "0s"], "--duration"),
+        (&["--alloc", "weird"], "--alloc"),
+        (&["--verify", "maybe"], "--verify"),
+        (&["--on-load-failure", "retry"], "--on-load-failure"),
+        (&["--lease", "0s"], "--lease"),
+        (&["--timeout", "0s"], "--timeout"),
+        (&["--mem", "cuda"], "--mem"),
+        (&["--err-mode", "x"], "--err-mode"),
+        (&["--progress", "x"], "--progress"),
+        (&["--inflight", "0"], "--inflight"),
+        (&["--prompt-len", "0"], "--prompt-len"),
+        (&["--prompt-lens", &lens], "--prompt-lens"),
+        (&["--repeat", "0"], "--repeat"),
+        (&["--pool-blocks", "1", "--prompt-len", "1024"], "--pool-blocks"),
+        (&["--config", &bad_config], "--config"),
+        (&["--listen", "bogus"], "--listen"),
+        (&["--listen", "tcp://10.0.0.1:65535"], "--listen"),
+        (&["--p-block-size", "32", "--d-block-size", "16"], "--d-block-size"),
+        (&["--model", "gpt-5"], "--model"),
+    ];
+    for (extra, flag) in cases {
+        let results = tempfile::tempdir().expect("temp dir");
+        let root = results.path().join("results");
+        let out = kvx()
+            .arg("bench")
+            .args(*extra)
+            .arg("--results-dir")
+            .arg(&root)
+            .arg("--no-calibrate")
+            .timeout(Duration::from_secs(30))
+            .output()
+            .expect("kvx runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?} should exit 2; stderr: {stderr}");
+        assert!(!stderr.contains("panicked"), "{extra:?} panicked: {stderr}");
+        assert!(stderr.contains(flag), "{extra:?}: the message should name {flag}: {stderr}");
+        assert!(!root.exists(), "{extra:?}: no run directory (no engine, no worker) for a bad flag");
+        assert!(!stderr.contains("[P0]"), "{extra:?}: no worker started: {stderr}");
+    }
+}
+
+/// What a fault run observed.
+struct Fault {
+    summary: Value,
+    rows: Vec<std::collections::BTreeMap<String, String>>,
+    /// Rows (request ids) that were finished before the kill.
+    before: Vec<String>,
+    stderr: String,
+}
+
+/// Starts a long bench, waits for `rows_first` rows, SIGKILLs the worker of `role`/`rank`,
+/// and waits for the bench to end within `bound` of the kill.
+fn kill_mid_run(case: &str, extra: &[&str], role: &str, rank: u32, bound: Duration) -> Fault {
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut a =
+        vec!["--requests", "3000", "--concurrency", "2", "--prompt-len", "1024", "--verify", "sample"];
+    a.extend_from_slice(TINY);
+    a.extend_from_slice(extra);
+    let mut bench = Spawned::start(case, bench_cmd(results.path(), &a));
+    let run = wait_rows(&mut bench, results.path(), 8, RUN_TIMEOUT);
+    let workers: Vec<u32> = children_of(bench.pid).iter().map(|p| p.pid).collect();
+    let victim = worker_of(bench.pid, role, rank)
+        .unwrap_or_else(|| panic!("{case}: no live {role} rank {rank} worker among {workers:?}"));
+    let before: Vec<String> = read_rows(&run).into_iter().map(|r| r["request_id"].clone()).collect();
+    assert!(signal(victim.pid as i32, libc::SIGKILL), "{case}: kill {}", victim.pid);
+    let killed_at = Instant::now();
+    let status = bench.expect_exit(bound);
+    let took = killed_at.elapsed();
+    assert!(
+        status.success(),
+        "{case}: the bench reports the fault and exits 0, got {status}:\n{}",
+        bench.stderr()
+    );
+    for pid in workers {
+        assert!(!alive(pid), "{case}: worker {pid} outlived the bench");
+    }
+    let summary = summary_json(&bench);
+    let rows = read_rows(&run);
+    assert!(
+        (before.len() as u64) < 3000 && complete_rows(&run) == 3000,
+        "{case}: every request has a row, also those after the kill (kill at row {}, {took:?} to end)",
+        before.len()
+    );
+    Fault { summary, rows, before, stderr: bench.stderr() }
+}
+
+/// Checks shared by both fault runs: every request is counted once, the requests finished
+/// before the kill stayed ok, later ones failed fast with a cause, no block leaked.
+fn check_fault(case: &str, f: &Fault, failed_outcome: &str) {
+    let s = &f.summary;
+    let (ok, failed, recomputed) =
+        (n(s, "requests_ok"), n(s, "requests_failed"), n(s, "requests_recomputed"));
+    assert_eq!(ok + failed + recomputed, 3000, "{case}: every request counted once: {s}");
+    assert_eq!(s["partial"], false, "{case}: a complete report");
+    assert_eq!(n(s, "blocks_leaked"), 0, "{case}: every block accounted for: {s}");
+    assert_eq!(n(s, "verify_failures"), 0, "{case}: {s}");
+    let by_id: std::collections::HashMap<&str, &std::collections::BTreeMap<String, String>> =
+        f.rows.iter().map(|r| (r["request_id"].as_str(), r)).collect();
+    assert_eq!(by_id.len(), 3000, "{case}: one row per request");
+    for id in &f.before {
+        assert_eq!(by_id[id.as_str()]["outcome"], "ok", "{case}: {id} finished before the kill and stays ok");
+    }
+    let not_ok = f.rows.iter().filter(|r| r["outcome"] != "ok").count() as u64;
+    assert_eq!(not_ok, failed + recomputed, "{case}");
+    assert!(not_ok > 0, "{case}: requests after the kill cannot succeed: {s}");
+    // Only requests in flight around the kill (concurrency 2: those finishing between the
+    // snapshot and the kill, those in flight at the kill) may still succeed.
+    assert!(ok <= f.before.len() as u64 + 4, "{case}: ok {ok}, {} finished before the kill", f.before.len());
+    eprintln!("{case}: {} ok before the kill, {ok} ok in all, {not_ok} not ok", f.before.len());
+    for r in f.rows.iter().filter(|r| r["outcome"] != "ok") {
+        assert_eq!(r["outcome"], failed_outcome, "{case}: {r:?}");
+        assert!(
+            ["peer_gone", "transfer", "timeout", "notify"].contains(&r["failure_cause"].as_str()),
+            "{case}: a failed request names its cause: {r:?}"
+        );
+    }
+    let causes = &s["failures_by_cause"];
+    let peer_gone = causes["peer_gone"].as_u64().unwrap_or(0);
+    assert!(peer_gone + 2 >= not_ok, "{case}: later requests fail fast as peer_gone: {causes}");
+    let total: u64 = causes.as_object().expect("failures_by_cause").values().filter_map(Value::as_u64).sum();
+    assert_eq!(total, not_ok, "{case}: failures_by_cause adds up: {causes}");
+    assert!(!f.stderr.contains("panicked"), "{case}: {}", f.stderr);
+}
+
+fn notes(s: &Value) -> String {
+    s["notes"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join("\n"))
+        .unwrap_or_default()
+}
+
+/// After the kill, the bench ends within: the in-flight requests' deadline (4 x --timeout),
+/// the lease of blocks the dead side never released, and the shutdown grace.
+const FAULT_BOUND: Duration = Duration::from_secs(60);
+
+#[test]
+fn killed_prefill_worker_fails_later_requests_fast_and_accounts_every_block() {
+    let _turn = exclusive();
+    let extra = ["--p-tp", "2", "--d-tp", "2", "--timeout", "2s", "--lease", "3s"];
+    let f = kill_mid_run("kill P1", &extra, "prefill", 1, FAULT_BOUND);
+    check_fault("kill P1", &f, "failed");
+    let s = &f.summary;
+    assert_eq!(n(s, "requests_recomputed"), 0);
+    let notes = notes(s);
+    assert!(
+        notes.contains("ranks that died: prefill [1], decode []"),
+        "exactly the killed rank is reported dead (a clean shutdown is no death): {notes}"
+    );
+    assert!(notes.contains("blocks written off"), "{notes}");
+    assert!(f.stderr.contains("prefill rank 1 is gone"), "the user is told what died:\n{}", f.stderr);
+}
+
+#[test]
+fn killed_prefill_worker_with_recompute_policy_recomputes() {
+    let _turn = exclusive();
+    let extra =
+        ["--p-tp", "2", "--d-tp", "1", "--timeout", "2s", "--lease", "3s", "--on-load-failure", "recompute"];
+    let f = kill_mid_run("kill P0, recompute", &extra, "prefill", 0, FAULT_BOUND);
+    check_fault("kill P0, recompute", &f, "recomputed");
+    assert_eq!(n(&f.summary, "requests_failed"), 0, "recomputed requests are not failures");
+    assert!(n(&f.summary, "requests_recomputed") > 0);
+    assert!(notes(&f.summary).contains("ranks that died: prefill [0], decode []"), "{}", notes(&f.summary));
+}
+
+#[test]
+fn killed_decode_worker_leaves_prefill_blocks_to_lease_expiry() {
+    let _turn = exclusive();
+    let extra = ["--p-tp", "1", "--d-tp", "2", "--timeout", "2s", "--lease", "2s"];
+    let f = kill_mid_run("kill D1", &extra, "decode", 1, FAULT_BOUND);
+    check_fault("kill D1", &f, "failed");
+    let s = &f.summary;
+    assert!(n(s, "blocks_expired") > 0, "the prefill side freed the abandoned blocks by lease expiry: {s}");
+    let notes = notes(s);
+    assert!(notes.contains("ranks that died: prefill [], decode [1]"), "{notes}");
+    assert!(f.stderr.contains("decode rank 1 is gone"), "the user is told what died:\n{}", f.stderr);
+}
+
+/// The run directory of a bench killed outright keeps every row it wrote and a partial
+/// summary (the report's promise for a run killed half-way).
+#[test]
+fn killed_bench_keeps_its_partial_results() {
+    let _turn = exclusive();
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut a = vec!["--requests", "3000", "--prompt-len", "1024", "--verify", "off", "--p-tp", "2"];
+    a.extend_from_slice(TINY);
+    let mut bench = Spawned::start("killed bench", bench_cmd(results.path(), &a));
+    let run = wait_rows(&mut bench, results.path(), 5, RUN_TIMEOUT);
+    bench.kill_group();
+    bench.expect_exit(Duration::from_secs(30));
+    let rows = read_rows(&run);
+    assert!(rows.len() >= 5 && rows.iter().all(|r| r["outcome"] == "ok"), "{} rows", rows.len());
+    let partial: Value =
+        serde_json::from_slice(&std::fs::read(run.join("summary.json")).expect("a partial summary.json"))
+            .expect("JSON");
+    assert_eq!(partial["partial"], true, "{partial}");
+}
+
+/// Workers do not outlive the bench that spawned them, even one killed outright (no
+/// shutdown message ever reaches them).
+#[test]
+fn workers_exit_when_their_bench_is_killed() {
+    let _turn = exclusive();
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut a =
+        vec!["--requests", "3000", "--prompt-len", "1024", "--verify", "off", "--p-tp", "2", "--d-tp", "2"];
+    a.extend_from_slice(TINY);
+    let mut bench = Spawned::start("bench killed alone", bench_cmd(results.path(), &a));
+    wait_rows(&mut bench, results.path(), 5, RUN_TIMEOUT);
+    let workers: Vec<u32> = children_of(bench.pid).iter().map(|p| p.pid).collect();
+    assert_eq!(workers.len(), 4, "two prefill and two decode workers");
+    assert!(signal(bench.pid as i32, libc::SIGKILL), "kill the bench alone, not its process group");
+    bench.expect_exit(Duration::from_secs(30));
+    let left = wait_gone(&workers, Duration::from_secs(20));
+    assert!(left.is_empty(), "workers {left:?} outlived their bench");
+}
+
+/// A prefill worker that stalls (SIGSTOP) but does not die: requests time out, the other
+/// rank's lease runs out first (it frees its share while the request still waits for the
+/// stalled rank), and once the worker resumes the run finishes with every block back.
+#[test]
+fn stalled_prefill_worker_times_out_requests_and_leaks_no_block() {
+    let _turn = exclusive();
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut a =
+        vec!["--requests", "300", "--prompt-len", "1024", "--verify", "sample", "--p-tp", "2", "--d-tp", "1"];
+    a.extend_from_slice(&["--timeout", "1s", "--lease", "1s"]);
+    a.extend_from_slice(TINY);
+    let mut bench = Spawned::start("stalled P1", bench_cmd(results.path(), &a));
+    let run = wait_rows(&mut bench, results.path(), 5, RUN_TIMEOUT);
+    let p1 = worker_of(bench.pid, "prefill", 1).expect("prefill rank 1");
+    assert!(signal(p1.pid as i32, libc::SIGSTOP));
+    // Resume it once a request has timed out on it (the engine waits 4 x --timeout).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !read_rows(&run).iter().any(|r| r["failure_cause"] == "timeout") {
+        assert!(Instant::now() < deadline, "no request timed out on the stalled rank");
+        assert!(bench.wait_exit(Duration::ZERO).is_none(), "bench ended early:\n{}", bench.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(signal(p1.pid as i32, libc::SIGCONT));
+    let status = bench.expect_exit(RUN_TIMEOUT);
+    assert!(status.success(), "{status}:\n{}", bench.stderr());
+    let s = summary_json(&bench);
+    assert_eq!(n(&s, "requests_ok") + n(&s, "requests_failed"), 300, "{s}");
+    assert!(s["failures_by_cause"]["timeout"].as_u64().is_some_and(|t| t > 0), "{s}");
+    assert_eq!(n(&s, "blocks_leaked"), 0, "{s}");
+    assert!(n(&s, "blocks_expired") > 0, "the waiting rank's lease ran out: {s}");
+    assert!(!notes(&s).contains("ranks that died"), "a stalled rank is not dead: {}", notes(&s));
+    assert!(n(&s, "requests_ok") > 5 + 2, "requests after the resume succeed: {s}");
+}
