@@ -135,6 +135,10 @@ pub struct BenchArgs {
     /// Post coalesced descriptors instead of vLLM's one per block and region.
     #[arg(long, help_heading = "Transport")]
     pub coalesce: bool,
+    /// How decode ranks notify prefill ranks with the UCX transport: ucx (active messages
+    /// on the read endpoint, as NIXL does) or zmq [default: ucx].
+    #[arg(long, value_enum, help_heading = "Transport")]
+    pub notify: Option<crate::transfer::notify::NotifyTransport>,
     /// Wait for external `kvx worker --connect` processes: prefill on this endpoint's port, decode on port + 1.
     #[arg(long, value_name = "tcp://HOST:PORT", help_heading = "Across hosts")]
     pub listen: Option<String>,
@@ -207,6 +211,7 @@ pub struct BenchFile {
     pub huge_pages: Option<bool>,
     pub inflight: Option<u32>,
     pub coalesce: Option<bool>,
+    pub notify: Option<crate::transfer::notify::NotifyTransport>,
     /// Sweep files: the axes to vary (read by `--sweep`).
     pub sweep: Option<toml::Table>,
 }
@@ -468,6 +473,7 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
             device: args.device.unwrap_or(0),
             inflight,
             coalesce: args.coalesce || file.coalesce.unwrap_or(false),
+            notify: args.notify.or(file.notify).unwrap_or_default(),
             storage_dir: args.storage_dir.clone().or(file.storage_dir.clone()),
             storage_direct_io: args.storage_direct_io,
             storage_fsync: args.storage_fsync,

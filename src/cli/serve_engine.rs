@@ -300,6 +300,7 @@ fn resolve_workers(a: &ServeEngineArgs, engine_id: String) -> Result<WorkerEngin
                 device: 0,
                 inflight: a.inflight,
                 coalesce: a.coalesce,
+                notify: Default::default(),
                 storage_dir: None,
                 storage_direct_io: false,
                 storage_fsync: false,

@@ -22,7 +22,9 @@ use crate::transfer::handshake::HandshakeError;
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::{HostBuffer, PageSize};
-use crate::transfer::notify::{Notification, NotifySender, heartbeat_interval};
+use crate::transfer::notify::{
+    Notification, NotifyError, NotifySender, NotifyTransport, UcxNotifySender, heartbeat_interval,
+};
 use crate::transfer::storage::StorageFetcher;
 use crate::transfer::ucx::{
     Context, ContextOptions, Endpoint, ErrMode, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion,
@@ -34,7 +36,21 @@ type Failure = (FailureCause, String);
 struct RemoteRank {
     /// `None` with the storage transport (no UCX connection).
     region: Option<RemoteRegion>,
-    notify: NotifySender,
+    /// Notifications as UCX active messages on `region`'s endpoint (`notify = ucx` with the
+    /// UCX transport).
+    am: Option<UcxNotifySender>,
+    /// Notifications over ZMQ: `notify = zmq`, and whenever UCX does not work (the
+    /// storage transport, a multi fallback).
+    zmq: NotifySender,
+}
+
+impl RemoteRank {
+    fn send(&self, n: &Notification, ucx_ok: bool) -> Result<(), NotifyError> {
+        match &self.am {
+            Some(am) if ucx_ok => am.send(n),
+            _ => self.zmq.send(n),
+        }
+    }
 }
 
 /// A prefill engine this rank has handshaked with.
@@ -110,8 +126,10 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let mem = HostBuffer::alloc(total, pages).map_err(werr!(format!("allocate the {total}-byte KV pool")))?;
     let (local, lib) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
-        let ctx = Context::new(&ucx, &ContextOptions { progress, ..ContextOptions::default() })
-            .map_err(werr!("UCX context"))?;
+        let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx;
+        let ctx =
+            Context::new(&ucx, &ContextOptions { progress, active_messages, ..ContextOptions::default() })
+                .map_err(werr!("UCX context"))?;
         let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
         let local = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
         let lib = (ucx.path().display().to_string(), ucx.version().to_string());
@@ -205,8 +223,9 @@ impl Decoder<'_> {
         }
         for (engine, ids) in by_engine {
             if let Some(e) = self.engines.get(engine) {
+                let hb = Notification::Heartbeat { ids };
                 for r in e.ranks.values() {
-                    let _ = r.notify.send_heartbeat(&ids);
+                    let _ = r.send(&hb, !e.ucx_broken);
                 }
             }
         }
@@ -284,9 +303,19 @@ impl Decoder<'_> {
                 FailureCause::Incompatible,
                 format!("prefill rank {} has no notification endpoint", meta.tp_rank),
             ))?;
-            let notify = NotifySender::connect(&notify_ep, self.timeout)
+            let zmq = NotifySender::connect(&notify_ep, self.timeout)
                 .map_err(|e| (FailureCause::Handshake, format!("notification channel {notify_ep}: {e}")))?;
-            out.insert(meta.tp_rank, RemoteRank { region, notify });
+            // Multi keeps notifications on ZMQ: a channel that shares UCX's fate would lose
+            // them exactly when the fallback is needed.
+            let am = match (&region, cfg.transport.notify, cfg.transport.kind) {
+                (Some(rg), NotifyTransport::Ucx, TransportKind::Ucx) => Some(UcxNotifySender::new(
+                    rg.endpoint().clone(),
+                    format!("prefill rank {}", meta.tp_rank),
+                    self.timeout,
+                )),
+                _ => None,
+            };
+            out.insert(meta.tp_rank, RemoteRank { region, am, zmq });
         }
         let ucx_broken = out.values().any(|r| r.region.is_none());
         Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None, ucx_broken })
@@ -416,7 +445,7 @@ impl Decoder<'_> {
                 let fb = Notification::Fallback { ids: vec![params.remote_request_id.clone()] };
                 for read in &eng.planner.reads {
                     if let Some(rank) = eng.ranks.get(&read.p_rank) {
-                        rank.notify.send(&fb).map_err(|e| {
+                        rank.send(&fb, false).map_err(|e| {
                             (
                                 FailureCause::Notify,
                                 format!("ask prefill rank {} to publish: {e}", read.p_rank),
@@ -463,10 +492,15 @@ impl Decoder<'_> {
             d_request_id: d_request_id.to_string(),
         };
         let full_hit = blocks.local.is_empty();
+        let ucx_ok = !eng.ucx_broken;
         if !full_hit {
+            let done = Notification::Notif {
+                p_request_id: ids.p_request_id.clone(),
+                count: eng.planner.map.notif_count,
+            };
             for read in &eng.planner.reads {
                 if let Some(rank) = eng.ranks.get(&read.p_rank) {
-                    rank.notify.send_done(&ids.p_request_id, eng.planner.map.notif_count).map_err(|e| {
+                    rank.send(&done, ucx_ok).map_err(|e| {
                         (FailureCause::Notify, format!("notify prefill rank {}: {e}", read.p_rank))
                     })?;
                 }
@@ -475,8 +509,9 @@ impl Decoder<'_> {
         for n in eng.planner.notifs_only(&ids, full_hit) {
             let (id, count) = n.msg.rsplit_once(':').unwrap_or((n.msg.as_str(), "1"));
             if let Some(rank) = eng.ranks.get(&n.p_rank) {
-                rank.notify
-                    .send_done(id, count.parse().unwrap_or(1))
+                let done =
+                    Notification::Notif { p_request_id: id.to_owned(), count: count.parse().unwrap_or(1) };
+                rank.send(&done, ucx_ok)
                     .map_err(|e| (FailureCause::Notify, format!("notify prefill rank {}: {e}", n.p_rank)))?;
             }
         }

@@ -2,9 +2,11 @@
 //! byte pattern, holds them under a lease, and frees them after the decode side's
 //! notifications (or when the lease runs out).
 //!
-//! One thread waits on everything at once: the engine's control socket, the notification
-//! socket and UCX's event fd. The UCX worker is progressed whenever it has work, because
-//! UCX builds that emulate GET in software need the target to progress.
+//! One thread waits on everything at once: the engine's control socket, the ZMQ
+//! notification socket and UCX's event fd, which also wakes it for notifications sent as
+//! UCX active messages (drained after each progress round). The UCX worker is progressed
+//! whenever it has work, because UCX builds that emulate GET in software need the target
+//! to progress.
 //!
 //! With the storage transport the rank also writes each request's blocks to the shared
 //! directory: eagerly (`--transport storage`), or when a decode rank asks for it after its
@@ -19,7 +21,7 @@ use crate::layouts::Region;
 use crate::layouts::verify::fill_request;
 use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
 use crate::transfer::memory::{HostBuffer, PageSize};
-use crate::transfer::notify::{LeaseTable, Notification, NotifyListener};
+use crate::transfer::notify::{LeaseTable, Notification, NotifyListener, UcxNotifyReceiver};
 use crate::transfer::storage::StoragePublisher;
 use crate::transfer::ucx::{Context, ContextOptions, HYBRID_SPIN, MemRegion, ProgressMode, Ucx, Worker};
 
@@ -28,6 +30,8 @@ const MAX_WAIT: Duration = Duration::from_millis(100);
 
 /// The rank's UCX side: context, worker and the registered pool. Field order is drop order.
 struct UcxSide {
+    /// Notifications sent as UCX active messages.
+    am: UcxNotifyReceiver,
     region: MemRegion<HostBuffer>,
     worker: Worker,
     _ctx: Context,
@@ -65,10 +69,19 @@ impl Pool {
         }
     }
 
+    /// Notifications received as UCX active messages since the last call.
+    fn drain_am(&mut self) -> Vec<Notification> {
+        match self {
+            Pool::Ucx(u) => u.am.drain(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Tears the UCX side down and keeps the memory.
     fn kill_ucx(&mut self) -> Result<(), WorkerError> {
         if let Pool::Ucx(u) = std::mem::replace(self, Pool::Gone) {
-            let UcxSide { region, worker, _ctx } = *u;
+            let UcxSide { am, region, worker, _ctx } = *u;
+            drop(am);
             let mem = region.deregister().map_err(werr!("deregister the KV pool"))?;
             drop(worker);
             *self = Pool::Plain(mem);
@@ -98,15 +111,20 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let mut ucx_lib = None;
     let (mut pool, worker_address, rkey, base) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
-        let ctx = Context::new(&ucx, &ContextOptions { progress, ..ContextOptions::default() })
-            .map_err(werr!("UCX context"))?;
+        // Active messages always: decode ranks choose how to notify, this rank takes both.
+        let ctx = Context::new(
+            &ucx,
+            &ContextOptions { progress, active_messages: true, ..ContextOptions::default() },
+        )
+        .map_err(werr!("UCX context"))?;
         let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
+        let am = UcxNotifyReceiver::new(&worker).map_err(werr!("UCX notification handler"))?;
         let region = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
         let rkey = region.pack_rkey().map_err(werr!("pack the remote key"))?.as_bytes().to_vec();
         let base = region.addr();
         let address = worker.address().map_err(werr!("UCX worker address"))?;
         ucx_lib = Some((ucx.path().display().to_string(), ucx.version().to_string()));
-        (Pool::Ucx(Box::new(UcxSide { region, worker, _ctx: ctx })), address, rkey, base)
+        (Pool::Ucx(Box::new(UcxSide { am, region, worker, _ctx: ctx })), address, rkey, base)
     } else {
         let base = mem.as_slice().as_ptr() as u64;
         (Pool::Plain(mem), Vec::new(), Vec::new(), base)
@@ -161,11 +179,22 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let mut unrecognized_seen = 0;
     let eager_publish = kind == TransportKind::Storage;
     loop {
-        // Progress UCX until it has nothing to do.
-        if let Some(w) = pool.worker() {
-            let mut spins = 0u32;
-            while w.progress() > 0 && spins < 65_536 {
+        // Progress UCX until it has nothing to do. Only work other than notifications
+        // (serving reads UCX emulates in software) starts a spin: a notification ends a
+        // request, and a rank that spins after it keeps the core from the decode rank
+        // that just woke it, whose send then waits out the whole spin.
+        if let Pool::Ucx(u) = &pool {
+            let am_before = u.am.am_stats().received;
+            let (mut spins, mut events) = (0u32, 0u64);
+            loop {
+                let n = u.worker.progress();
+                if n == 0 || spins >= 65_536 {
+                    break;
+                }
                 spins += 1;
+                events += u64::from(n);
+            }
+            if events > u.am.am_stats().received - am_before {
                 last_work = Instant::now();
             }
         }
@@ -205,8 +234,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         }
         // Notifications, heartbeats and fallback requests.
         let now = Instant::now();
-        for n in listener.drain().map_err(werr!("notifications"))? {
-            last_work = now;
+        let zmq_notifs = listener.drain().map_err(werr!("notifications"))?;
+        for n in pool.drain_am().into_iter().chain(zmq_notifs) {
             if let Notification::Fallback { ids } = &n {
                 for id in ids {
                     if let (Some(h), Some(s)) = (held.get_mut(id), storage.as_mut())

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::params::KvTransferParams;
 use crate::layouts::compat::PairSpec;
+use crate::transfer::notify::NotifyTransport;
 
 /// Hard cap on one control message, checked before decoding.
 pub const MAX_CONTROL_BYTES: usize = 64 << 20;
@@ -102,6 +103,11 @@ pub struct TransportConfig {
     pub inflight: u32,
     /// Post coalesced descriptors instead of vLLM's one-per-block descriptors.
     pub coalesce: bool,
+    /// How decode ranks notify prefill ranks with the UCX transport: UCX active messages on
+    /// the read endpoint, or ZMQ. Prefill ranks listen on both; the storage and multi
+    /// transports always notify over ZMQ.
+    #[serde(default)]
+    pub notify: NotifyTransport,
     pub storage_dir: Option<PathBuf>,
     pub storage_direct_io: bool,
     pub storage_fsync: bool,

@@ -5,14 +5,21 @@
 //! request complete (P frees after `n` of them), and `"HB:" + ",".join(ids)` heartbeats
 //! that extend leases. [`LeaseTable`] is P's bookkeeping (pure; time is passed in).
 //!
-//! Transport: a ZMQ PULL socket per P rank ([`NotifyListener`]), advertised in that
-//! rank's kvx metadata (`notify_endpoint`), and a PUSH socket per (D rank, P rank)
-//! ([`NotifySender`]). Not the handshake ROUTER, because that ROUTER is one per engine and
-//! may live in another process than the rank that owns the blocks, and because REQ/REP's
-//! lockstep would add a round trip to a one-way message; PUSH/PULL keeps per-connection
-//! order and needs no reply. (vLLM sends these over NIXL/UCX notifications instead.)
+//! Two transports carry the same bytes ([`NotifyTransport`]):
 //!
-//! Owns: the notification format, its sockets and lease accounting. Must not free
+//! - **UCX active messages** (the default, what NIXL does for vLLM): the D rank sends on
+//!   the UCX endpoint it already reads through ([`UcxNotifySender`]); the P rank's worker
+//!   runs a handler for [`NOTIFY_AM_ID`] ([`UcxNotifyReceiver`]) and drains it after each
+//!   progress round. The send happens inside the calling thread, with no hand-off to an
+//!   I/O thread, and the arrival wakes the P rank's UCX event fd.
+//! - **ZMQ** (fallback, and the storage transport's channel): a PULL socket per P rank
+//!   ([`NotifyListener`]), advertised in that rank's kvx metadata (`notify_endpoint`), and
+//!   a PUSH socket per (D rank, P rank) ([`NotifySender`]). Not the handshake ROUTER,
+//!   because that ROUTER is one per engine and may live in another process than the rank
+//!   that owns the blocks, and because REQ/REP's lockstep would add a round trip to a
+//!   one-way message; PUSH/PULL keeps per-connection order and needs no reply.
+//!
+//! Owns: the notification format, its channels and lease accounting. Must not free
 //! memory itself (callers act on what the table says) or know about layouts.
 
 use std::collections::HashMap;
@@ -21,11 +28,38 @@ use std::time::{Duration, Instant};
 use tracing::warn;
 
 use crate::transfer::handshake::zmq_context;
+use crate::transfer::ucx::{AmReceiver, AmStats, Endpoint, UcxError, Worker};
 
 /// Prefix of heartbeat messages.
 pub const HEARTBEAT_PREFIX: &str = "HB:";
 /// Largest notification accepted (a heartbeat lists every waiting request).
 pub const MAX_NOTIFY_BYTES: usize = 1 << 20;
+
+/// The active-message id kvx notifications travel under (`"KN"`). Every kvx P rank
+/// registers it; a D rank sends nothing else with it.
+pub const NOTIFY_AM_ID: u16 = 0x4b4e;
+
+/// Which channel carries notifications from D ranks to P ranks.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum NotifyTransport {
+    /// UCX active messages on the endpoint the reads use (as NIXL does).
+    #[default]
+    Ucx,
+    /// A ZMQ PUSH socket to the P rank's PULL socket.
+    Zmq,
+}
+
+impl std::fmt::Display for NotifyTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NotifyTransport::Ucx => "ucx",
+            NotifyTransport::Zmq => "zmq",
+        })
+    }
+}
 
 /// One message on the notification channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,10 +94,29 @@ pub enum NotifyError {
         #[source]
         source: zmq::Error,
     },
+    #[error("UCX notification {op} ({peer}) failed: {source}")]
+    Ucx {
+        op: &'static str,
+        peer: String,
+        #[source]
+        source: UcxError,
+    },
 }
 
 impl Notification {
+    /// vLLM's bytes for this message. A message over [`MAX_NOTIFY_BYTES`] is refused here,
+    /// since every receiver would refuse it.
     pub fn encode(&self) -> Result<Vec<u8>, NotifyError> {
+        let bytes = self.encode_unchecked()?;
+        if bytes.len() > MAX_NOTIFY_BYTES {
+            return Err(NotifyError::Encode {
+                reason: format!("{} bytes is over the {MAX_NOTIFY_BYTES}-byte limit", bytes.len()),
+            });
+        }
+        Ok(bytes)
+    }
+
+    fn encode_unchecked(&self) -> Result<Vec<u8>, NotifyError> {
         let enc = |reason: String| NotifyError::Encode { reason };
         match self {
             Notification::Notif { p_request_id, count } => {
@@ -254,6 +307,138 @@ impl NotifySender {
                 Err(NotifyError::NotDelivered { endpoint: self.endpoint.clone(), timeout: self.timeout })
             }
             Err(source) => Err(NotifyError::Zmq { op: "send", endpoint: self.endpoint.clone(), source }),
+        }
+    }
+
+    /// `"<p_request_id>:<count>"`.
+    pub fn send_done(&self, p_request_id: &str, count: u32) -> Result<(), NotifyError> {
+        self.send(&Notification::Notif { p_request_id: p_request_id.to_owned(), count })
+    }
+
+    /// `"HB:<id>,<id>,..."`.
+    pub fn send_heartbeat(&self, ids: &[String]) -> Result<(), NotifyError> {
+        self.send(&Notification::Heartbeat { ids: ids.to_vec() })
+    }
+}
+
+/// D side over UCX: active messages on the endpoint this D rank reads one P rank through.
+#[derive(Clone)]
+pub struct UcxNotifySender {
+    ep: Endpoint,
+    peer: String,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for UcxNotifySender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxNotifySender").field("peer", &self.peer).field("timeout", &self.timeout).finish()
+    }
+}
+
+impl UcxNotifySender {
+    /// Sends on `ep`, whose context must have active messages enabled. `peer` names the
+    /// receiving rank in errors; a send that cannot finish within `timeout` fails.
+    pub fn new(ep: Endpoint, peer: impl Into<String>, timeout: Duration) -> Self {
+        UcxNotifySender { ep, peer: peer.into(), timeout }
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.ep
+    }
+
+    /// Sends one message; returns once UCX is done with it (at once for a short one).
+    pub fn send(&self, n: &Notification) -> Result<(), NotifyError> {
+        self.send_raw(n.encode()?)
+    }
+
+    /// Sends bytes as they are, valid or not (tests use it to check what receivers skip).
+    pub fn send_raw(&self, bytes: Vec<u8>) -> Result<(), NotifyError> {
+        self.ep.am_send(NOTIFY_AM_ID, bytes, self.timeout).map_err(|source| NotifyError::Ucx {
+            op: "send",
+            peer: self.peer.clone(),
+            source,
+        })
+    }
+
+    /// `"<p_request_id>:<count>"`.
+    pub fn send_done(&self, p_request_id: &str, count: u32) -> Result<(), NotifyError> {
+        self.send(&Notification::Notif { p_request_id: p_request_id.to_owned(), count })
+    }
+
+    /// `"HB:<id>,<id>,..."`.
+    pub fn send_heartbeat(&self, ids: &[String]) -> Result<(), NotifyError> {
+        self.send(&Notification::Heartbeat { ids: ids.to_vec() })
+    }
+}
+
+/// P side over UCX: the [`NOTIFY_AM_ID`] handler on this rank's worker. Call
+/// [`UcxNotifyReceiver::drain`] after progressing the worker.
+#[derive(Debug)]
+pub struct UcxNotifyReceiver {
+    am: AmReceiver,
+    malformed: u64,
+}
+
+impl UcxNotifyReceiver {
+    /// Registers the handler; the worker's context needs active messages enabled.
+    pub fn new(worker: &Worker) -> Result<Self, NotifyError> {
+        let am = AmReceiver::new(worker, NOTIFY_AM_ID, MAX_NOTIFY_BYTES).map_err(|source| {
+            NotifyError::Ucx { op: "register the receive handler", peer: "this worker".into(), source }
+        })?;
+        Ok(UcxNotifyReceiver { am, malformed: 0 })
+    }
+
+    /// The notifications received since the last drain, in arrival order. Malformed
+    /// messages are logged, counted ([`UcxNotifyReceiver::malformed`]) and skipped.
+    pub fn drain(&mut self) -> Vec<Notification> {
+        let raw = self.am.drain();
+        let mut out = Vec::with_capacity(raw.len());
+        for bytes in raw {
+            match Notification::parse(&bytes) {
+                Ok(n) => out.push(n),
+                Err(e) => {
+                    self.malformed += 1;
+                    warn!(error = %e, "skipping a UCX notification");
+                }
+            }
+        }
+        out
+    }
+
+    /// Messages skipped: unparseable, over the size limit, or not sent eagerly.
+    pub fn malformed(&self) -> u64 {
+        let s = self.am.stats();
+        self.malformed + s.oversized + s.rendezvous + s.dropped
+    }
+
+    pub fn am_stats(&self) -> AmStats {
+        self.am.stats()
+    }
+}
+
+/// A D rank's sender to one P rank, over whichever [`NotifyTransport`] the run uses.
+#[derive(Debug)]
+pub enum AnyNotifySender {
+    Zmq(NotifySender),
+    Ucx(UcxNotifySender),
+}
+
+impl AnyNotifySender {
+    pub fn transport(&self) -> NotifyTransport {
+        match self {
+            AnyNotifySender::Zmq(_) => NotifyTransport::Zmq,
+            AnyNotifySender::Ucx(_) => NotifyTransport::Ucx,
+        }
+    }
+
+    pub fn send(&self, n: &Notification) -> Result<(), NotifyError> {
+        match self {
+            AnyNotifySender::Zmq(s) => s.send(n),
+            AnyNotifySender::Ucx(s) => s.send(n),
         }
     }
 
@@ -500,6 +685,11 @@ mod tests {
         assert!(enc_err(Notification::Notif { p_request_id: String::new(), count: 1 }));
         assert!(enc_err(Notification::Notif { p_request_id: "r".into(), count: 0 }));
         assert!(enc_err(Notification::Heartbeat { ids: vec!["a,b".into()] }));
+        // Nothing a receiver would refuse for its size leaves the sender.
+        assert!(enc_err(Notification::Heartbeat { ids: vec!["x".repeat(MAX_NOTIFY_BYTES)] }));
+        let at_limit = Notification::Heartbeat { ids: vec!["x".repeat(MAX_NOTIFY_BYTES - 3)] };
+        assert_eq!(at_limit.encode().expect("exactly at the limit").len(), MAX_NOTIFY_BYTES);
+        assert_eq!(NotifyTransport::default(), NotifyTransport::Ucx);
     }
 
     #[test]

@@ -14,5 +14,6 @@ mod serve;
 mod serve_workers;
 mod storage;
 mod ucx;
+mod ucx_am;
 mod ucx_common;
 mod ucx_layout;

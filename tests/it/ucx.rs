@@ -101,7 +101,9 @@ fn scattered_reads_and_failure_paths_on_each_build() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{label} ({}): child failed\n{stdout}\n{stderr}", lib.display());
-        for marker in ["VERIFIED scatter", "OK bad-rkey", "OK out-of-bounds", "OK peer-died"] {
+        for marker in
+            ["VERIFIED scatter", "OK bad-rkey", "OK out-of-bounds", "VERIFIED multi", "OK peer-died"]
+        {
             assert!(stdout.contains(marker), "{label}: child did not report {marker:?}\n{stdout}\n{stderr}");
         }
     }
@@ -222,6 +224,69 @@ fn scatter_child_body(lib: &Path) {
         )
         .expect("region still usable");
     println!("OK out-of-bounds");
+
+    // Several sources in one batch, interleaved under one window: a second endpoint (and
+    // rkey) to the same target, plus a source with nothing to read.
+    {
+        use kvx::transfer::ucx::{Context, ContextOptions, Endpoint, ErrMode, Worker, read_batch_multi};
+        let hello = &session.hello;
+        let ep2 = Endpoint::connect(&session.worker, &hello.worker_address, ErrMode::None).expect("ep2");
+        let rkey = PackedRkey::from_bytes(&hello.rkey).expect("rkey");
+        let remote2 = ep2.unpack_rkey(&rkey, hello.base, hello.len).expect("unpack on ep2");
+        const HALF: u64 = REGION / 2;
+        let a: Vec<ReadDesc> = (0..HALF / 16384)
+            .rev()
+            .map(|i| ReadDesc { local_off: i * 16384, remote_off: HALF + i * 16384, len: 16384 })
+            .collect();
+        let b: Vec<ReadDesc> = (0..HALF.div_ceil(24576))
+            .map(|i| {
+                let off = i * 24576;
+                ReadDesc { local_off: HALF + off, remote_off: off, len: 24576.min(HALF - off) }
+            })
+            .collect();
+        local.memory_mut().expect("usable").as_mut_slice().fill(0);
+        let stats = read_batch_multi(
+            &mut local,
+            [(&session.remote, a.clone()), (&remote2, b.clone()), (&session.remote, Vec::new())],
+            &ReadOptions { max_inflight: 5, timeout: Duration::from_secs(20) },
+        )
+        .expect("multi-source read");
+        assert_eq!(stats.descriptors, (a.len() + b.len()) as u64);
+        assert_eq!(stats.bytes, REGION);
+        let bytes = local.memory().expect("not poisoned").as_slice();
+        for d in a.iter().chain(&b) {
+            let (lo, hi) = (d.local_off as usize, (d.local_off + d.len) as usize);
+            if let Err(off) = check_pattern(&bytes[lo..hi], d.remote_off, session.hello.pattern_seed) {
+                panic!("multi descriptor {d:?}: first wrong byte at remote offset {off}");
+            }
+        }
+        // A bad descriptor names its source; the region stays usable.
+        let bad = [ReadDesc { local_off: 0, remote_off: REGION, len: 1 }];
+        let err = read_batch_multi(
+            &mut local,
+            [(&session.remote, a[..4].to_vec()), (&remote2, bad.to_vec())],
+            &ReadOptions::default(),
+        )
+        .expect_err("out of bounds");
+        assert!(matches!(&err, UcxError::Invalid(m) if m.contains("source 1")), "{err}");
+        // Sources must share one worker: a batch progresses only one.
+        let ctx2 = Context::new(&session.ucx, &ContextOptions::default()).expect("ctx2");
+        let worker2 = Worker::new(&ctx2).expect("worker2");
+        let ep3 = Endpoint::connect(&worker2, &hello.worker_address, ErrMode::None).expect("ep3");
+        let remote3 = ep3.unpack_rkey(&rkey, hello.base, hello.len).expect("unpack on ep3");
+        let err = read_batch_multi(
+            &mut local,
+            [(&session.remote, a[..1].to_vec()), (&remote3, a[..1].to_vec())],
+            &ReadOptions::default(),
+        )
+        .expect_err("two workers");
+        assert!(matches!(&err, UcxError::Invalid(m) if m.contains("another UCX worker")), "{err}");
+        session
+            .remote
+            .read_batch(&mut local, a[..4].iter().copied(), &ReadOptions::default())
+            .expect("region still usable");
+        println!("VERIFIED multi {} + {} descriptors", a.len(), b.len());
+    }
 
     // The peer dies: reads fail with a typed error within the timeout (never hang or crash).
     child.kill().expect("kill target");

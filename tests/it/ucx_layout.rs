@@ -52,6 +52,10 @@ fn rust_layout() -> Vec<(&'static str, &'static str, usize)> {
         "recv_info" => recv_info, "memh" => memh,
     ]);
     fields!(v, "ucp_err_handler_t", UcpErrHandler, ["cb" => cb, "arg" => arg]);
+    fields!(v, "ucp_am_handler_param_t", UcpAmHandlerParam, [
+        "field_mask" => field_mask, "id" => id, "flags" => flags, "cb" => cb, "arg" => arg,
+    ]);
+    fields!(v, "ucp_am_recv_param_t", UcpAmRecvParam, ["recv_attr" => recv_attr, "reply_ep" => reply_ep]);
     fields!(v, "ucs_sock_addr_t", UcsSockAddr, ["addr" => addr, "addrlen" => addrlen]);
     v.push(("ucs_cpu_set_t", "", size_of::<UcsCpuSet>()));
     v.push(("ucs_status_t", "", size_of::<UcsStatus>()));
@@ -88,11 +92,22 @@ fn rust_constants() -> Vec<(&'static str, i64)> {
         ("UCP_OP_ATTR_FIELD_MEMH", UCP_OP_ATTR_FIELD_MEMH as i64),
         ("UCS_MEMORY_TYPE_HOST", UCS_MEMORY_TYPE_HOST as i64),
         ("UCS_MEMORY_TYPE_CUDA", UCS_MEMORY_TYPE_CUDA as i64),
+        ("UCP_AM_HANDLER_PARAM_FIELD_ID", UCP_AM_HANDLER_PARAM_FIELD_ID as i64),
+        ("UCP_AM_HANDLER_PARAM_FIELD_FLAGS", UCP_AM_HANDLER_PARAM_FIELD_FLAGS as i64),
+        ("UCP_AM_HANDLER_PARAM_FIELD_CB", UCP_AM_HANDLER_PARAM_FIELD_CB as i64),
+        ("UCP_AM_HANDLER_PARAM_FIELD_ARG", UCP_AM_HANDLER_PARAM_FIELD_ARG as i64),
+        ("UCP_AM_FLAG_WHOLE_MSG", UCP_AM_FLAG_WHOLE_MSG as i64),
+        ("UCP_AM_SEND_FLAG_EAGER", UCP_AM_SEND_FLAG_EAGER as i64),
+        ("UCP_AM_RECV_ATTR_FIELD_REPLY_EP", UCP_AM_RECV_ATTR_FIELD_REPLY_EP as i64),
+        ("UCP_AM_RECV_ATTR_FLAG_DATA", UCP_AM_RECV_ATTR_FLAG_DATA as i64),
+        ("UCP_AM_RECV_ATTR_FLAG_RNDV", UCP_AM_RECV_ATTR_FLAG_RNDV as i64),
         ("UCS_OK", UCS_OK as i64),
         ("UCS_INPROGRESS", UCS_INPROGRESS as i64),
         ("UCS_ERR_BUSY", UCS_ERR_BUSY as i64),
         ("UCS_ERR_CANCELED", UCS_ERR_CANCELED as i64),
         ("UCS_ERR_TIMED_OUT", UCS_ERR_TIMED_OUT as i64),
+        ("UCS_ERR_NO_RESOURCE", UCS_ERR_NO_RESOURCE as i64),
+        ("UCS_ERR_UNSUPPORTED", UCS_ERR_UNSUPPORTED as i64),
         ("UCS_ERR_LAST", UCS_ERR_LAST as i64),
     ]
 }

@@ -6,6 +6,7 @@
 //! `!Send` (`Rc`): workers are created in `UCS_THREAD_MODE_SINGLE`, so every call on one
 //! must come from the thread that made it.
 
+use std::cell::RefCell;
 use std::ffi::{CString, c_char, c_int};
 use std::os::fd::RawFd;
 use std::rc::Rc;
@@ -74,6 +75,7 @@ struct ContextInner {
     ucx: Ucx,
     h: UcpContextH,
     progress: ProgressMode,
+    active_messages: bool,
 }
 
 impl Context {
@@ -108,7 +110,14 @@ impl Context {
         let st = unsafe { (api.ucp_init_version)(1, 13, &params, config.h, &mut h) };
         ucx.check("ucp_init", st)?;
         drop(config);
-        Ok(Context { inner: Rc::new(ContextInner { ucx: ucx.clone(), h, progress: opts.progress }) })
+        Ok(Context {
+            inner: Rc::new(ContextInner {
+                ucx: ucx.clone(),
+                h,
+                progress: opts.progress,
+                active_messages: opts.active_messages,
+            }),
+        })
     }
 
     pub fn ucx(&self) -> &Ucx {
@@ -121,6 +130,12 @@ impl Context {
 
     pub fn progress_mode(&self) -> ProgressMode {
         self.inner.progress
+    }
+
+    /// Whether the context was created with `UCP_FEATURE_AM`
+    /// ([`ContextOptions::active_messages`]), which sending or receiving active messages needs.
+    pub fn has_active_messages(&self) -> bool {
+        self.inner.active_messages
     }
 
     /// Memory types this context can register (`ucp_context_query`), e.g. `["host"]`.
@@ -215,6 +230,9 @@ struct WorkerInner {
     h: UcpWorkerH,
     efd: Option<RawFd>,
     progress: ProgressMode,
+    /// Active-message ids with a live [`super::AmReceiver`]: UCX keeps one handler per
+    /// id, so a second receiver would silently steal the first one's messages.
+    am_ids: RefCell<Vec<u16>>,
     // Dropped after `h` is destroyed (see Drop): keeps ucp_cleanup after ucp_worker_destroy.
     ctx: Context,
 }
@@ -239,7 +257,13 @@ impl Worker {
         ucx.check("ucp_worker_create", unsafe {
             (ucx.api().ucp_worker_create)(ctx.handle(), &params, &mut h)
         })?;
-        let mut worker = WorkerInner { h, efd: None, progress: ctx.progress_mode(), ctx: ctx.clone() };
+        let mut worker = WorkerInner {
+            h,
+            efd: None,
+            progress: ctx.progress_mode(),
+            am_ids: RefCell::new(Vec::new()),
+            ctx: ctx.clone(),
+        };
         if worker.progress != ProgressMode::Busy {
             let mut fd: c_int = -1;
             // SAFETY: live worker created with UCP_FEATURE_WAKEUP; valid out pointer.
@@ -264,6 +288,20 @@ impl Worker {
 
     pub fn progress_mode(&self) -> ProgressMode {
         self.inner.progress
+    }
+
+    /// Reserves an active-message id for one receiver; `false` if it is taken.
+    pub(super) fn claim_am_id(&self, id: u16) -> bool {
+        let mut ids = self.inner.am_ids.borrow_mut();
+        if ids.contains(&id) {
+            return false;
+        }
+        ids.push(id);
+        true
+    }
+
+    pub(super) fn release_am_id(&self, id: u16) {
+        self.inner.am_ids.borrow_mut().retain(|&i| i != id);
     }
 
     /// The worker's address, to hand to a peer out of band.

@@ -1,4 +1,5 @@
-//! Endpoints, unpacked remote keys and the batch of one-sided GETs the pipeline posts.
+//! Endpoints, unpacked remote keys and the batches of one-sided GETs the pipeline posts
+//! (from one remote region, or interleaved over several).
 //!
 //! Ownership: an [`Endpoint`] holds its [`Worker`]; a [`RemoteRegion`] (unpacked rkey +
 //! the peer's base address and length) holds its endpoint, because rkeys are per
@@ -147,8 +148,17 @@ impl Endpoint {
         self.wait_request("ucp_ep_flush_nbx", p, timeout)
     }
 
+    pub(super) fn handle(&self) -> UcpEpH {
+        self.inner.h
+    }
+
     /// Waits for a request returned by a `*_nbx` call and frees it.
-    fn wait_request(&self, op: &'static str, p: sys::UcsStatusPtr, timeout: Duration) -> Result<()> {
+    pub(super) fn wait_request(
+        &self,
+        op: &'static str,
+        p: sys::UcsStatusPtr,
+        timeout: Duration,
+    ) -> Result<()> {
         let ucx = self.worker().ucx();
         if !sys::ptr_is_ptr(p) {
             return ucx.check(op, sys::ptr_status(p));
@@ -253,7 +263,8 @@ impl From<(u64, u64, u64)> for ReadDesc {
 /// Options of a batch read.
 #[derive(Debug, Clone, Copy)]
 pub struct ReadOptions {
-    /// Most GETs posted and not yet completed at any time (>= 1).
+    /// Most GETs posted and not yet completed at any time (>= 1), over all sources of a
+    /// [`read_batch_multi`].
     pub max_inflight: usize,
     /// Deadline for the whole batch, posting included.
     pub timeout: Duration,
@@ -327,117 +338,159 @@ impl RemoteRegion {
         M: Registrable,
         I: IntoIterator<Item = ReadDesc>,
     {
-        if local.is_poisoned() {
-            return Err(UcxError::Poisoned);
-        }
-        let worker = self.ep.worker();
-        let ucx = worker.ucx();
-        let api = ucx.api();
-        let window = opts.max_inflight.max(1) as u64;
-        let start = Instant::now();
-        let deadline = start + opts.timeout;
-        let completion = Box::new(Completion {
-            done: Cell::new(0),
-            error: Cell::new(sys::UCS_OK),
-            free: api.ucp_request_free,
-        });
-        let mut param: sys::UcpRequestParam = sys::zeroed();
-        param.op_attr_mask =
-            sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA | sys::UCP_OP_ATTR_FIELD_MEMH;
-        param.cb = Some(on_get_done);
-        param.user_data = (&*completion as *const Completion).cast_mut().cast();
-        param.memh = local.memh();
-        let (local_base, local_len) = (local.addr(), local.len() as u64);
-        let get = api.ucp_get_nbx;
-        let ep_h = self.ep.inner.h;
-
-        let mut posted: u64 = 0;
-        let mut bytes: u64 = 0;
-        let mut stop: Option<UcxError> = None;
-        let mut timed_out = false;
-        for d in descs {
-            if d.len == 0 {
-                continue;
-            }
-            let in_bounds = d.local_off.checked_add(d.len).is_some_and(|e| e <= local_len)
-                && d.remote_off.checked_add(d.len).is_some_and(|e| e <= self.len);
-            if !in_bounds {
-                stop = Some(UcxError::Invalid(format!(
-                    "descriptor {posted} (local_off {}, remote_off {}, len {}) is outside the local \
-                     region ({local_len} bytes) or the remote region ({} bytes)",
-                    d.local_off, d.remote_off, d.len, self.len
-                )));
-                break;
-            }
-            if posted - completion.done.get() >= window {
-                let c = &*completion;
-                if !worker
-                    .wait_until(deadline, || posted - c.done.get() < window || c.error.get() != sys::UCS_OK)?
-                {
-                    timed_out = true;
-                    break;
-                }
-                if completion.error.get() != sys::UCS_OK {
-                    break;
-                }
-            }
-            // SAFETY: the local range was checked to lie inside `local`'s registered memory,
-            // which stays registered and exclusively borrowed until every GET completed (or
-            // the region is poisoned); the remote range was checked against the peer's
-            // region; `param` and `completion` outlive the request (see `on_get_done`).
-            let p = unsafe {
-                get(
-                    ep_h,
-                    (local_base + d.local_off) as *mut c_void,
-                    d.len as usize,
-                    self.base + d.remote_off,
-                    self.h,
-                    &param,
-                )
-            };
-            if p.is_null() {
-                completion.done.set(completion.done.get() + 1);
-            } else if sys::ptr_is_err(p) {
-                stop = Some(ucx.status_error("ucp_get_nbx", sys::ptr_status(p)));
-                break;
-            }
-            posted += 1;
-            bytes += d.len;
-        }
-        let post_ns = start.elapsed().as_nanos() as u64;
-        if !timed_out {
-            let c = &*completion;
-            timed_out = !worker.wait_until(deadline, || c.done.get() >= posted)?;
-        }
-        let complete_ns = start.elapsed().as_nanos() as u64;
-        if timed_out {
-            let outstanding = posted - completion.done.get();
-            local.poison();
-            // Callbacks of the outstanding GETs may still run: keep their state alive, and
-            // never tear down the endpoint, worker or context under them (UCX aborts when a
-            // context is cleaned up with a registration still in use).
-            Box::leak(completion);
-            std::mem::forget(self.ep.clone());
-            let hint = if self.ep.err_mode() == ErrMode::None {
-                " (is the peer alive and progressing? --err-mode peer turns a dead peer into an error)"
-            } else {
-                ""
-            };
-            return Err(self.ep.failure().unwrap_or(UcxError::Timeout {
-                op: "batch read",
-                timeout: opts.timeout,
-                outstanding,
-                hint,
-            }));
-        }
-        if let Some(e) = stop {
-            return Err(e);
-        }
-        if completion.error.get() != sys::UCS_OK {
-            return Err(ucx.status_error("ucp_get_nbx completion", completion.error.get()));
-        }
-        Ok(ReadStats { descriptors: posted, bytes, post_ns, complete_ns })
+        read_batch_multi(local, [(self, descs)], opts)
     }
+}
+
+/// Reads from several remote regions (e.g. the prefill ranks one decode rank pulls from)
+/// as one batch: GETs are posted round-robin, one descriptor per source in turn, under a
+/// single window of `opts.max_inflight` outstanding GETs, and the call returns when all
+/// have completed. Sources are not served one after the other, so a peer that must
+/// progress to answer (UCX builds that emulate GET in software) works while the others do.
+///
+/// Every source must be reached through the same worker. Checks and failures are as in
+/// [`RemoteRegion::read_batch`]; an out-of-bounds descriptor names its source's index.
+pub fn read_batch_multi<'r, M, I>(
+    local: &mut MemRegion<M>,
+    sources: impl IntoIterator<Item = (&'r RemoteRegion, I)>,
+    opts: &ReadOptions,
+) -> Result<ReadStats>
+where
+    M: Registrable,
+    I: IntoIterator<Item = ReadDesc>,
+{
+    if local.is_poisoned() {
+        return Err(UcxError::Poisoned);
+    }
+    let mut srcs: Vec<(&RemoteRegion, I::IntoIter)> =
+        sources.into_iter().map(|(r, d)| (r, d.into_iter())).collect();
+    let Some(first) = srcs.first().map(|(r, _)| *r) else {
+        return Ok(ReadStats::default());
+    };
+    let worker = first.ep.worker().clone();
+    if let Some(k) = srcs.iter().position(|(r, _)| r.ep.worker().handle() != worker.handle()) {
+        return Err(UcxError::Invalid(format!(
+            "read source {k} is reached through another UCX worker than source 0; one batch \
+             progresses a single worker"
+        )));
+    }
+    let ucx = worker.ucx();
+    let api = ucx.api();
+    let window = opts.max_inflight.max(1) as u64;
+    let start = Instant::now();
+    let deadline = start + opts.timeout;
+    let completion = Box::new(Completion {
+        done: Cell::new(0),
+        error: Cell::new(sys::UCS_OK),
+        free: api.ucp_request_free,
+    });
+    let mut param: sys::UcpRequestParam = sys::zeroed();
+    param.op_attr_mask =
+        sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA | sys::UCP_OP_ATTR_FIELD_MEMH;
+    param.cb = Some(on_get_done);
+    param.user_data = (&*completion as *const Completion).cast_mut().cast();
+    param.memh = local.memh();
+    let (local_base, local_len) = (local.addr(), local.len() as u64);
+    let get = api.ucp_get_nbx;
+
+    let mut posted: u64 = 0;
+    let mut bytes: u64 = 0;
+    let mut stop: Option<UcxError> = None;
+    let mut timed_out = false;
+    // Indices of the sources with descriptors left, served in turn.
+    let mut live: Vec<usize> = (0..srcs.len()).collect();
+    let mut turn = 0usize;
+    while !live.is_empty() {
+        let slot = turn % live.len();
+        let k = live[slot];
+        let (src, descs) = &mut srcs[k];
+        let Some(d) = descs.find(|d| d.len != 0) else {
+            live.remove(slot);
+            continue;
+        };
+        turn = slot + 1;
+        let in_bounds = d.local_off.checked_add(d.len).is_some_and(|e| e <= local_len)
+            && d.remote_off.checked_add(d.len).is_some_and(|e| e <= src.len);
+        if !in_bounds {
+            stop = Some(UcxError::Invalid(format!(
+                "descriptor (local_off {}, remote_off {}, len {}) of read source {k} is outside the local \
+                 region ({local_len} bytes) or the remote region ({} bytes)",
+                d.local_off, d.remote_off, d.len, src.len
+            )));
+            break;
+        }
+        if posted - completion.done.get() >= window {
+            let c = &*completion;
+            if !worker
+                .wait_until(deadline, || posted - c.done.get() < window || c.error.get() != sys::UCS_OK)?
+            {
+                timed_out = true;
+                break;
+            }
+            if completion.error.get() != sys::UCS_OK {
+                break;
+            }
+        }
+        // SAFETY: the local range was checked to lie inside `local`'s registered memory,
+        // which stays registered and exclusively borrowed until every GET completed (or
+        // the region is poisoned); the remote range was checked against the peer's
+        // region; the rkey was unpacked on this endpoint, and every endpoint belongs to
+        // `worker`, which is progressed below; `param` and `completion` outlive the
+        // request (see `on_get_done`).
+        let p = unsafe {
+            get(
+                src.ep.inner.h,
+                (local_base + d.local_off) as *mut c_void,
+                d.len as usize,
+                src.base + d.remote_off,
+                src.h,
+                &param,
+            )
+        };
+        if p.is_null() {
+            completion.done.set(completion.done.get() + 1);
+        } else if sys::ptr_is_err(p) {
+            stop = Some(ucx.status_error("ucp_get_nbx", sys::ptr_status(p)));
+            break;
+        }
+        posted += 1;
+        bytes += d.len;
+    }
+    let post_ns = start.elapsed().as_nanos() as u64;
+    if !timed_out {
+        let c = &*completion;
+        timed_out = !worker.wait_until(deadline, || c.done.get() >= posted)?;
+    }
+    let complete_ns = start.elapsed().as_nanos() as u64;
+    if timed_out {
+        let outstanding = posted - completion.done.get();
+        local.poison();
+        // Callbacks of the outstanding GETs may still run: keep their state alive, and
+        // never tear down the endpoints, worker or context under them (UCX aborts when a
+        // context is cleaned up with a registration still in use).
+        Box::leak(completion);
+        for (src, _) in &srcs {
+            std::mem::forget(src.ep.clone());
+        }
+        let hint = if srcs.iter().any(|(src, _)| src.ep.err_mode() == ErrMode::None) {
+            " (is the peer alive and progressing? --err-mode peer turns a dead peer into an error)"
+        } else {
+            ""
+        };
+        return Err(srcs.iter().find_map(|(src, _)| src.ep.failure()).unwrap_or(UcxError::Timeout {
+            op: "batch read",
+            timeout: opts.timeout,
+            outstanding,
+            hint,
+        }));
+    }
+    if let Some(e) = stop {
+        return Err(e);
+    }
+    if completion.error.get() != sys::UCS_OK {
+        return Err(ucx.status_error("ucp_get_nbx completion", completion.error.get()));
+    }
+    Ok(ReadStats { descriptors: posted, bytes, post_ns, complete_ns })
 }
 
 #[cfg(test)]

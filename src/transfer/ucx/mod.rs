@@ -2,9 +2,11 @@
 //!
 //! Owns: loading `libucp` ([`Ucx`]), the raw declarations (`sys`), and safe RAII owners
 //! for every UCX handle kvx uses — [`Context`], [`Worker`], [`Endpoint`], [`MemRegion`],
-//! [`PackedRkey`], [`RemoteRegion`] — plus the batch of one-sided GETs the pipeline posts
-//! ([`RemoteRegion::read_batch`]). Must not know about KV layouts, handshakes or
-//! requests: callers pass worker addresses and packed rkeys around as opaque bytes.
+//! [`PackedRkey`], [`RemoteRegion`] — plus the batches of one-sided GETs the pipeline
+//! posts ([`RemoteRegion::read_batch`], or [`read_batch_multi`] over several peers at
+//! once), and active messages on the same workers and endpoints ([`AmReceiver`],
+//! [`Endpoint::am_send`]). Must not know about KV layouts, handshakes or requests:
+//! callers pass worker addresses and packed rkeys around as opaque bytes.
 //!
 //! Teardown order is in the types: a worker holds its context, an endpoint its worker, a
 //! remote region (unpacked rkey) its endpoint, and a registered region owns its memory;
@@ -28,6 +30,7 @@
 //! ```
 #![allow(unsafe_code, reason = "kvx's UCX binding: every unsafe block calls into libucp with a SAFETY note")]
 
+mod am;
 mod context;
 mod endpoint;
 mod error;
@@ -35,8 +38,11 @@ mod library;
 mod region;
 pub mod sys;
 
+pub use am::{AmReceiver, AmStats};
 pub use context::{Context, ContextOptions, HYBRID_SPIN, ProgressMode, ServeEnd, Worker, wait_readable};
-pub use endpoint::{Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports};
+pub use endpoint::{
+    Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports, read_batch_multi,
+};
 pub use error::{Result, UcxError};
 pub use library::{LibInfo, LibSearch, LibSource, SYSTEM_SONAME, Ucx};
 pub use region::{MemRegion, MemType, PackedRkey, Registrable, UcxAllocated};

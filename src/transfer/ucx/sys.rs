@@ -31,9 +31,11 @@ pub type CFile = libc::FILE;
 
 pub const UCS_OK: UcsStatus = 0;
 pub const UCS_INPROGRESS: UcsStatus = 1;
+pub const UCS_ERR_NO_RESOURCE: UcsStatus = -2;
 pub const UCS_ERR_BUSY: UcsStatus = -15;
 pub const UCS_ERR_CANCELED: UcsStatus = -16;
 pub const UCS_ERR_TIMED_OUT: UcsStatus = -20;
+pub const UCS_ERR_UNSUPPORTED: UcsStatus = -22;
 pub const UCS_ERR_LAST: isize = -100;
 
 // ucp_params_t field mask and features.
@@ -76,6 +78,18 @@ pub const UCP_OP_ATTR_FIELD_USER_DATA: u32 = 1 << 2;
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub const UCP_OP_ATTR_FIELD_MEMH: u32 = 1 << 8;
 
+// Active messages: ucp_am_handler_param_t field mask, handler flags, send flags and
+// the receive attributes UCX passes to the handler.
+pub const UCP_AM_HANDLER_PARAM_FIELD_ID: u64 = 1 << 0;
+pub const UCP_AM_HANDLER_PARAM_FIELD_FLAGS: u64 = 1 << 1;
+pub const UCP_AM_HANDLER_PARAM_FIELD_CB: u64 = 1 << 2;
+pub const UCP_AM_HANDLER_PARAM_FIELD_ARG: u64 = 1 << 3;
+pub const UCP_AM_FLAG_WHOLE_MSG: u32 = 1 << 0;
+pub const UCP_AM_SEND_FLAG_EAGER: u32 = 1 << 1;
+pub const UCP_AM_RECV_ATTR_FIELD_REPLY_EP: u64 = 1 << 0;
+pub const UCP_AM_RECV_ATTR_FLAG_DATA: u64 = 1 << 16;
+pub const UCP_AM_RECV_ATTR_FLAG_RNDV: u64 = 1 << 17;
+
 // ucs_memory_type_t values kvx registers (stable across 1.13..1.23).
 pub const UCS_MEMORY_TYPE_HOST: c_int = 0;
 pub const UCS_MEMORY_TYPE_CUDA: c_int = 1;
@@ -94,6 +108,19 @@ pub type SendNbxCallback =
     Option<unsafe extern "C" fn(request: *mut c_void, status: UcsStatus, user_data: *mut c_void)>;
 /// `ucp_err_handler_cb_t`.
 pub type ErrHandlerCb = Option<unsafe extern "C" fn(arg: *mut c_void, ep: UcpEpH, status: UcsStatus)>;
+
+/// `ucp_am_recv_callback_t`: runs inside `ucp_worker_progress` for every active message
+/// with the handler's id.
+pub type AmRecvCallback = Option<
+    unsafe extern "C" fn(
+        arg: *mut c_void,
+        header: *const c_void,
+        header_length: usize,
+        data: *mut c_void,
+        length: usize,
+        param: *const UcpAmRecvParam,
+    ) -> UcsStatus,
+>;
 
 /// `ucp_params_t`.
 #[repr(C)]
@@ -200,6 +227,24 @@ pub struct UcpRequestParam {
     pub memh: UcpMemH,
 }
 
+/// `ucp_am_handler_param_t`.
+#[repr(C)]
+pub struct UcpAmHandlerParam {
+    pub field_mask: u64,
+    pub id: c_uint,
+    pub flags: u32,
+    pub cb: AmRecvCallback,
+    pub arg: *mut c_void,
+}
+
+/// `ucp_am_recv_param_t` (`struct ucp_am_recv_param`): `recv_attr` holds both the field
+/// mask and the `UCP_AM_RECV_ATTR_FLAG_*` bits.
+#[repr(C)]
+pub struct UcpAmRecvParam {
+    pub recv_attr: u64,
+    pub reply_ep: UcpEpH,
+}
+
 /// An all-zero value of one of the plain-old-data structs above, the state UCX expects
 /// before a caller sets `field_mask` and the fields it names.
 pub fn zeroed<T: Zeroable>() -> T {
@@ -218,6 +263,7 @@ impl Zeroable for UcpMemMapParams {}
 impl Zeroable for UcpMemAttr {}
 impl Zeroable for UcpContextAttr {}
 impl Zeroable for UcpRequestParam {}
+impl Zeroable for UcpAmHandlerParam {}
 
 /// `UCS_PTR_IS_ERR`.
 #[inline(always)]
@@ -298,6 +344,8 @@ api_table! {
     ucp_ep_rkey_unpack: fn(UcpEpH, *const c_void, *mut UcpRkeyH) -> UcsStatus;
     ucp_rkey_destroy: fn(UcpRkeyH);
     ucp_get_nbx: fn(UcpEpH, *mut c_void, usize, u64, UcpRkeyH, *const UcpRequestParam) -> UcsStatusPtr;
+    ucp_worker_set_am_recv_handler: fn(UcpWorkerH, *const UcpAmHandlerParam) -> UcsStatus;
+    ucp_am_send_nbx: fn(UcpEpH, c_uint, *const c_void, usize, *const c_void, usize, *const UcpRequestParam) -> UcsStatusPtr;
     ucp_request_check_status: fn(*mut c_void) -> UcsStatus;
     ucp_request_free: fn(*mut c_void);
     ucs_status_string: fn(UcsStatus) -> *const c_char;
