@@ -2,14 +2,14 @@
 # Measures kvx gate's false-alarm and detection rates on this machine: N runs of the CI preset
 # with the build unchanged (every one should pass), and N runs with a setting that costs at
 # least 15% (every one should be flagged). Usage:
-#   scripts/gate-check.sh [N] [SLOWDOWN_FLAGS...]      (defaults: 20, --inflight 1 --progress wait)
+#   scripts/gate-check.sh [N] [SLOWDOWN_FLAGS...]      (defaults: 20, --slowdown 0.15)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-20}
 shift || true
 SLOW=("$@")
-[ ${#SLOW[@]} -gt 0 ] || SLOW=(--inflight 1 --progress wait)
-KVX=./target/release/kvx
+[ ${#SLOW[@]} -gt 0 ] || SLOW=(--slowdown 0.15)
+KVX=${KVX:-./target/release/kvx}
 OUT=$(mktemp -d)
 pass=0; alarm=0; flagged=0; missed=0; errors=0
 run() { # $1 = label, rest = extra bench flags; prints the gate's exit code

@@ -135,6 +135,10 @@ pub struct BenchArgs {
     /// Post coalesced descriptors instead of vLLM's one per block and region.
     #[arg(long, help_heading = "Transport")]
     pub coalesce: bool,
+    /// Stage a regression to test a gate: every read waits F times its own duration after it
+    /// completes (0.15 makes transfers 15% slower). Recorded in the scenario.
+    #[arg(long, value_name = "F", help_heading = "Testing")]
+    pub slowdown: Option<f64>,
     /// How decode ranks notify prefill ranks with the UCX transport: ucx (active messages
     /// on the read endpoint, as NIXL does) or zmq [default: ucx].
     #[arg(long, value_enum, help_heading = "Transport")]
@@ -395,6 +399,10 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
     if !matches!(progress.as_str(), "busy" | "wait" | "hybrid") {
         return Err(ConfigError::new("--progress", format!("'{progress}' is not busy, wait or hybrid")));
     }
+    let slowdown = args.slowdown.unwrap_or(0.0);
+    if !(0.0..=10.0).contains(&slowdown) {
+        return Err(ConfigError::new("--slowdown", format!("must be a fraction in 0..=10, got {slowdown}")));
+    }
     let inflight = args.inflight.or(file.inflight).unwrap_or(64);
     if inflight == 0 || inflight > 1 << 16 {
         return Err(ConfigError::new("--inflight", format!("must be 1..65536, got {inflight}")));
@@ -477,6 +485,7 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
             storage_dir: args.storage_dir.clone().or(file.storage_dir.clone()),
             storage_direct_io: args.storage_direct_io,
             storage_fsync: args.storage_fsync,
+            slowdown,
         },
         lease,
         timeout,

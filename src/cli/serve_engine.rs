@@ -304,6 +304,7 @@ fn resolve_workers(a: &ServeEngineArgs, engine_id: String) -> Result<WorkerEngin
                 storage_dir: None,
                 storage_direct_io: false,
                 storage_fsync: false,
+                slowdown: 0.0,
             },
             verify,
             lease_ms: a.lease.as_millis() as u64,

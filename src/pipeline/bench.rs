@@ -118,6 +118,9 @@ impl BenchSettings {
         s.extra.insert("pool_blocks_p".into(), serde_json::json!(self.pair.p.num_blocks));
         s.extra.insert("pool_blocks_d".into(), serde_json::json!(self.pair.d.num_blocks));
         s.extra.insert("coalesce".into(), serde_json::json!(self.transport.coalesce));
+        if self.transport.slowdown > 0.0 {
+            s.extra.insert("slowdown".into(), serde_json::json!(self.transport.slowdown));
+        }
         s.extra.insert("progress".into(), serde_json::json!(self.transport.progress));
         s
     }
@@ -415,47 +418,74 @@ async fn drive(
     t_start
 }
 
-/// Measures the calibration the gate normalises by: a single-thread memcpy and a fixed
-/// UCX loopback read, over a cold working set, with the bench's UCX settings.
-pub fn calibrate(s: &BenchSettings, size: u64) -> Option<(Calibration, f64)> {
+/// The size of the fixed UCX loopback read the gate normalises by: the same on every run,
+/// whatever the scenario's descriptors, so a scenario change cannot move the yardstick.
+pub const CALIBRATION_READ_BYTES: u64 = 64 << 10;
+
+/// Calibration samples taken before the engines start, and as many again after they stop; the
+/// summary keeps each figure's median, so a busy moment at either end does not move it alone.
+const CALIBRATION_SAMPLES: usize = 3;
+
+/// Measures one calibration sample: a single-thread memcpy and a fixed UCX loopback read
+/// ([`CALIBRATION_READ_BYTES`], 64 in flight, hybrid progress, cold working set) with the bench's
+/// UCX library, plus `kvx xfer` at the scenario's own descriptor size (`xfer_same_size_gbps`,
+/// the reference the bench's throughput is compared with). The bench's own progress and window
+/// settings are deliberately not used: they are what a gated change might make slower.
+pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration> {
+    use crate::transfer::ucx::ProgressMode;
     use crate::transfer::xfer::{self, MemKind, SessionOptions, TargetSpec, XferConfig};
-    let progress = super::prefill::parse_progress(&s.transport.progress).ok()?;
+    let mut sizes = vec![CALIBRATION_READ_BYTES];
+    if descriptor_bytes != CALIBRATION_READ_BYTES {
+        sizes.push(descriptor_bytes);
+    }
     let cfg = XferConfig {
-        sizes: vec![size],
-        inflight: vec![s.transport.inflight.max(1) as usize],
+        sizes,
+        inflight: vec![64],
         working_set_bytes: 256 << 20,
         hot: false,
         ucx_alloc: false,
         huge_pages: false,
         mem: MemKind::Host,
         device: 0,
-        duration: Duration::from_millis(400),
+        duration: Duration::from_millis(300),
         iters: None,
         timeout: s.timeout,
         session: SessionOptions {
             ucx_lib: s.transport.ucx_lib.clone(),
-            progress,
+            progress: ProgressMode::Hybrid,
             err_mode: crate::transfer::ucx::ErrMode::None,
             ucx_config: vec![],
         },
     };
     match xfer::run(&cfg, &TargetSpec::Local { exe: s.exe.clone() }, |_| {}) {
         Ok(rep) => {
-            let r = rep.results.first()?;
+            let fixed = rep.results.first()?;
+            let same = rep.results.iter().find(|r| r.size_bytes == descriptor_bytes)?;
             let mut c = Calibration {
-                memcpy_gbps: Some(r.memcpy_gbps),
-                ucx_loopback_gbps: Some(r.gbps),
+                memcpy_gbps: Some(fixed.memcpy_gbps),
+                ucx_loopback_gbps: Some(fixed.gbps),
                 ..Calibration::default()
             };
-            c.extra.insert("descriptor_bytes".into(), serde_json::json!(size));
+            c.extra.insert("loopback_bytes".into(), serde_json::json!(CALIBRATION_READ_BYTES));
+            c.extra.insert("descriptor_bytes".into(), serde_json::json!(descriptor_bytes));
+            c.extra.insert("xfer_same_size_gbps".into(), serde_json::json!(same.gbps));
             c.extra.insert("transports".into(), serde_json::json!(rep.ucx.transports));
-            Some((c, r.gbps))
+            Some(c)
         }
         Err(e) => {
             tracing::warn!("calibration skipped: {e}");
             None
         }
     }
+}
+
+/// [`CALIBRATION_SAMPLES`] calibration samples, taken while no kvx worker runs (a change that
+/// makes idle workers burn CPU must not slow its own yardstick).
+fn calibration_samples(s: &BenchSettings) -> Vec<Calibration> {
+    if !s.calibrate {
+        return Vec::new();
+    }
+    (0..CALIBRATION_SAMPLES).filter_map(|_| calibrate(s, calibration_size(s))).collect()
 }
 
 /// Runs the bench and writes the run directory; returns the final summary.
@@ -465,6 +495,7 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     summary.environment = Environment::detect();
     summary.partial = true;
     writer.write_partial(&summary)?;
+    let mut calibration = calibration_samples(s);
 
     let engines = Engines::start(s)?;
     let info = engines.decode.info().clone();
@@ -562,11 +593,6 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         first_req += rows_rc.borrow().iter().filter(|r| r.repeat == repeat).count() as u64;
         let mut rm = RepeatMetrics::from_parts(repeat, &tally.totals, &tally.recorder, secs);
         rm.verify_failures = tally.verify_failures;
-        // Each repeat carries its own calibration, so the gate can normalise repeat by
-        // repeat when the machine's load changes during a run.
-        if s.calibrate && s.repeat > 1 {
-            rm.calibration = calibrate(s, calibration_size(s)).map(|c| c.0);
-        }
         repeats.push(rm);
         let _ = handshakes.merge(&tally.handshake);
         if transports.is_none() {
@@ -577,6 +603,7 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     let Engines { prefill, decode } = engines;
     let d_fin: EngineFinal = decode.shutdown();
     let p_fin: EngineFinal = prefill.shutdown();
+    calibration.extend(calibration_samples(s));
 
     all.totals.apply(&mut summary, wall);
     let _ = all.recorder.merge(&handshakes);
@@ -631,12 +658,7 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     if p_fin.unrecognized_notifs > 0 {
         summary.notes.push(format!("{} notifications for unrecognized requests", p_fin.unrecognized_notifs));
     }
-    if s.calibrate {
-        summary.calibration = match repeats_calibration(&summary.repeats) {
-            Some(c) => Some(c),
-            None => calibrate(s, calibration_size(s)).map(|c| c.0),
-        };
-    }
+    summary.calibration = median_calibration(&calibration);
     summary.finished_at = Some(crate::report::summary::now_rfc3339());
     summary.partial = false;
     let _ = rows_rc;
@@ -648,19 +670,20 @@ fn calibration_size(s: &BenchSettings) -> u64 {
     s.pair.p_geometry(0).regions().first().map_or(65536, |r| r.block_len)
 }
 
-/// The median of the repeats' calibration figures, when every repeat has one.
-fn repeats_calibration(repeats: &[RepeatMetrics]) -> Option<Calibration> {
-    let cals: Vec<&Calibration> = repeats.iter().map(|r| r.calibration.as_ref()).collect::<Option<_>>()?;
-    let median = |f: fn(&Calibration) -> Option<f64>| -> Option<f64> {
-        let mut v: Vec<f64> = cals.iter().filter_map(|c| f(c)).collect();
-        if v.is_empty() {
-            return None;
-        }
+/// Each figure's median over the samples (the first sample's descriptive fields).
+fn median_calibration(samples: &[Calibration]) -> Option<Calibration> {
+    let median = |name: &str| -> Option<f64> {
+        let mut v: Vec<f64> = samples.iter().filter_map(|c| c.figure(name)).collect();
         v.sort_by(f64::total_cmp);
-        Some(v[v.len() / 2])
+        let n = v.len();
+        (n > 0).then(|| (v[(n - 1) / 2] + v[n / 2]) / 2.0)
     };
-    let mut c = cals.first().map(|c| (*c).clone())?;
-    c.memcpy_gbps = median(|c| c.memcpy_gbps);
-    c.ucx_loopback_gbps = median(|c| c.ucx_loopback_gbps);
+    let mut c = samples.first()?.clone();
+    c.memcpy_gbps = median("memcpy_gbps");
+    c.ucx_loopback_gbps = median("ucx_loopback_gbps");
+    if let Some(x) = median("xfer_same_size_gbps") {
+        c.extra.insert("xfer_same_size_gbps".into(), serde_json::json!(x));
+    }
+    c.extra.insert("samples".into(), serde_json::json!(samples.len()));
     Some(c)
 }

@@ -481,6 +481,10 @@ impl Decoder<'_> {
             r.transport = Some(TransportKind::Storage);
             r.transports = Some("storage".into());
         }
+        if self.cfg.transport.slowdown > 0.0 {
+            // A staged regression for testing gates (`--slowdown`): the read takes longer.
+            std::thread::sleep(tt.elapsed().mul_f64(self.cfg.transport.slowdown));
+        }
         r.transfer_ns = tt.elapsed().as_nanos() as u64;
         if r.transports.is_none() {
             r.transports = eng.transports.clone();

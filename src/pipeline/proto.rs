@@ -111,6 +111,10 @@ pub struct TransportConfig {
     pub storage_dir: Option<PathBuf>,
     pub storage_direct_io: bool,
     pub storage_fsync: bool,
+    /// Gate testing only (`kvx bench --slowdown F`): each read is made F times its own duration
+    /// slower by waiting after it completes, so a regression of known size can be staged.
+    #[serde(default)]
+    pub slowdown: f64,
 }
 
 /// Everything a worker needs to start.

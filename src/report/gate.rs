@@ -13,9 +13,13 @@
 //! run: the geometric mean of the calibration figures (by default `memcpy_gbps` and
 //! `ucx_loopback_gbps`) present in both runs. Throughput is divided by it, latency multiplied,
 //! so a machine (or a moment) that is 2x slower at a fixed UCX loopback read and at memcpy,
-//! with kvx 2x slower too, compares equal. When every repeat carries its own calibration, each
-//! repeat is normalised by its own, so calibration noise shows up in the spread instead of
-//! hiding in a single divisor. Absolute metrics (failure counts) compare run totals, raw.
+//! with kvx 2x slower too, compares equal. `kvx bench` measures the calibration while none of
+//! its workers runs (samples before the engines start and after they stop), at a fixed size and
+//! with fixed UCX settings: a change that makes kvx burn CPU, or a scenario with other
+//! descriptors, must not slow its own yardstick. (Measured during the run, a `--progress busy`
+//! build that was 43% slower read as 35% *faster*.) When every repeat carries its own
+//! calibration (older summaries), each repeat is normalised by its own. Absolute metrics
+//! (failure counts) compare run totals, raw.
 //!
 //! The comparison is between medians: `ratio = median(current) / median(baseline)` (raw and
 //! normalised), and `change` is how much worse that is (positive = worse), as a fraction.
@@ -39,7 +43,8 @@
 //!    five repeats give 2.8% per run.
 //! 2. **Normalisation by same-run calibration** removes the common mode (CPU frequency, memory
 //!    bandwidth taken by others) that a fixed baseline from a calmer day would read as a
-//!    regression. It adds the calibration's own noise, which per-repeat calibration exposes.
+//!    regression. It adds the calibration's own noise; the median of samples taken at both
+//!    ends of the run keeps that to a few percent.
 //! 3. **The baseline is a fixed draw.** All 20 runs compare with the same baseline, so its error
 //!    is a bias shared by every verdict, not averaged away. Record baselines with more repeats
 //!    than CI runs use; the gate includes the baseline's standard error in the noise.

@@ -165,7 +165,16 @@ pub fn throughput_table(s: &Summary, style: Style) -> Table {
     let mut t = new_table(style, &["metric", "value"]);
     t.add_row(vec!["throughput".to_string(), format!("{} GB/s", fmt_f(s.throughput_gbps))]);
     if let Some(c) = &s.calibration {
-        for (name, v) in [("memcpy", c.memcpy_gbps), ("ucx loopback read", c.ucx_loopback_gbps)] {
+        let size = |key: &str| c.extra.get(key).and_then(serde_json::Value::as_f64).map(fmt_bytes);
+        let loopback = size("loopback_bytes")
+            .map_or("ucx loopback read".to_string(), |b| format!("ucx loopback read of {b}"));
+        let same = size("descriptor_bytes")
+            .map_or("kvx xfer, same descriptors".to_string(), |b| format!("kvx xfer of {b} descriptors"));
+        for (name, v) in [
+            ("memcpy".to_string(), c.memcpy_gbps),
+            (loopback, c.ucx_loopback_gbps),
+            (same, c.figure("xfer_same_size_gbps")),
+        ] {
             if let Some(v) = v.filter(|v| *v > 0.0) {
                 t.add_row(vec![
                     format!("  vs {name} ({} GB/s)", fmt_f(v)),
