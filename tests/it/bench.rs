@@ -214,6 +214,8 @@ fn bad_flags_exit_2_before_any_worker_starts() {
         (&["--err-mode", "x"], "--err-mode"),
         (&["--progress", "x"], "--progress"),
         (&["--inflight", "0"], "--inflight"),
+        (&["--slowdown", "nan"], "--slowdown"),
+        (&["--slowdown", "11"], "--slowdown"),
         (&["--prompt-len", "0"], "--prompt-len"),
         (&["--prompt-lens", &lens], "--prompt-lens"),
         (&["--repeat", "0"], "--repeat"),
