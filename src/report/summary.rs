@@ -204,6 +204,8 @@ impl Summary {
             self.ucx = other.ucx.clone();
         }
         self.throughput_gbps = ratio(self.bytes_read as f64, self.duration_s) / 1e9;
+        self.requests_per_s = ratio(self.requests_ok as f64, self.duration_s);
+        self.bytes_per_request = ratio(self.bytes_read as f64, self.requests_ok as f64);
     }
 
     pub fn requests_total(&self) -> u64 {
@@ -325,6 +327,10 @@ impl Scenario {
 pub fn display_value(v: &serde_json::Value) -> String {
     match v {
         serde_json::Value::String(s) => s.clone(),
+        // Measured figures (not integers) read as the tables' other numbers do.
+        serde_json::Value::Number(n) if !n.is_i64() && !n.is_u64() => {
+            n.as_f64().map_or_else(|| n.to_string(), crate::report::table::fmt_f)
+        }
         other => other.to_string(),
     }
 }

@@ -187,8 +187,10 @@ pub fn throughput_table(s: &Summary, style: Style) -> Table {
     t.add_row(vec!["bytes read".to_string(), fmt_bytes(s.bytes_read as f64)]);
     t.add_row(vec!["bytes/request".to_string(), fmt_bytes(s.bytes_per_request)]);
     let d = s.descriptors_per_request;
-    t.add_row(vec!["descriptors/request (raw)".to_string(), fmt_f(d.raw)]);
-    t.add_row(vec!["descriptors/request (coalesced)".to_string(), fmt_f(d.coalesced)]);
+    if d.raw > 0.0 {
+        t.add_row(vec!["descriptors/request (raw)".to_string(), fmt_f(d.raw)]);
+        t.add_row(vec!["descriptors/request (coalesced)".to_string(), fmt_f(d.coalesced)]);
+    }
     if d.coalesced > 0.0 {
         t.add_row(vec!["bytes/descriptor".to_string(), fmt_bytes(s.bytes_per_request / d.coalesced)]);
     }
@@ -308,12 +310,15 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         out.push('\n');
         out.push_str(&section("Sweep", &t, style));
     }
-    out.push('\n');
-    match style {
-        Style::Terminal => out.push_str(&vllm_metrics_line(s)),
-        Style::Markdown => out.push_str(&format!("`{}`", vllm_metrics_line(s))),
+    // The vLLM line describes one run's transfers; a sweep's points carry their own figures.
+    if !s.stages.is_empty() {
+        out.push('\n');
+        match style {
+            Style::Terminal => out.push_str(&vllm_metrics_line(s)),
+            Style::Markdown => out.push_str(&format!("`{}`", vllm_metrics_line(s))),
+        }
+        out.push('\n');
     }
-    out.push('\n');
     out
 }
 
