@@ -78,7 +78,7 @@
 //! built on): the spread of repeats inside a run was about 3%, but whole runs scattered 5.3-5.5%
 //! after normalisation (the machine's load drifts over minutes, and no calibration figure tracked
 //! it better than that). Unchanged runs passed 18 of 20; a staged 15% slowdown was flagged 19 of
-//! 20. CI confirms a regression with a second run before it fails the job.
+//! 20. CI fails the job only when three runs in a row regress.
 
 use std::path::Path;
 
