@@ -422,9 +422,13 @@ async fn drive(
 /// whatever the scenario's descriptors, so a scenario change cannot move the yardstick.
 pub const CALIBRATION_READ_BYTES: u64 = 64 << 10;
 
-/// Calibration samples taken before the engines start, and as many again after they stop; the
-/// summary keeps each figure's median, so a busy moment at either end does not move it alone.
-const CALIBRATION_SAMPLES: usize = 3;
+/// Calibration samples taken before the engines start, and as many again after they stop, in a
+/// run with repeats (what the gate compares); the summary keeps each figure's median, so a busy
+/// moment at either end does not move it alone. A single run takes one sample at each end (a
+/// sample costs about 2.5 s).
+fn calibration_sample_count(s: &BenchSettings) -> usize {
+    if s.repeat > 1 { 3 } else { 1 }
+}
 
 /// Measures one calibration sample: a single-thread memcpy and a fixed UCX loopback read
 /// ([`CALIBRATION_READ_BYTES`], 64 in flight, hybrid progress, cold working set) with the bench's
@@ -479,13 +483,13 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
     }
 }
 
-/// [`CALIBRATION_SAMPLES`] calibration samples, taken while no kvx worker runs (a change that
+/// [`calibration_sample_count`] calibration samples, taken while no kvx worker runs (a change that
 /// makes idle workers burn CPU must not slow its own yardstick).
 fn calibration_samples(s: &BenchSettings) -> Vec<Calibration> {
     if !s.calibrate {
         return Vec::new();
     }
-    (0..CALIBRATION_SAMPLES).filter_map(|_| calibrate(s, calibration_size(s))).collect()
+    (0..calibration_sample_count(s)).filter_map(|_| calibrate(s, calibration_size(s))).collect()
 }
 
 /// Runs the bench and writes the run directory; returns the final summary.

@@ -37,6 +37,8 @@ use crate::transfer::handshake::zmq_context;
 
 /// How long workers get to come up (allocate, register, bind) before the engine gives up.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a worker's goodbye may trail its exit before shutdown stops waiting for it.
+const BYE_GRACE: Duration = Duration::from_millis(300);
 
 /// Why an engine operation failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -363,6 +365,8 @@ struct Rank {
     bye: bool,
     /// The local process has exited (and was reaped).
     exited: bool,
+    /// When it was seen to exit: its goodbye, if it is still in flight, gets a short grace.
+    exited_at: Option<Instant>,
     last_seen: Instant,
 }
 
@@ -453,6 +457,7 @@ impl EngineLoop {
                 dead: None,
                 bye: false,
                 exited: false,
+                exited_at: None,
                 last_seen: Instant::now(),
             })
             .collect();
@@ -696,6 +701,7 @@ impl EngineLoop {
             rank.stderr = None;
             let status = rank.child.as_mut().and_then(|c| c.wait().ok());
             rank.exited = true;
+            rank.exited_at = Some(Instant::now());
             // A clean exit after the engine asked for it is a shutdown, not a death.
             if self.shutting_down && status.is_some_and(|s| s.success()) {
                 return;
@@ -1096,14 +1102,24 @@ impl EngineLoop {
         }
         // Wait for every live worker's goodbye (its peak memory) and, for local ones, its exit.
         let deadline = Instant::now() + Duration::from_secs(10);
-        let pending = |r: &Rank| r.dead.is_none() && (!r.bye || (r.child.is_some() && !r.exited));
+        // A worker that exited without its goodbye arriving (the message lost, or never sent)
+        // is waited for only briefly: nothing more will come from it.
+        let pending = |r: &Rank| {
+            let bye_may_come = !r.bye && r.exited_at.is_none_or(|t| t.elapsed() < BYE_GRACE);
+            r.dead.is_none() && (bye_may_come || (r.child.is_some() && !r.exited))
+        };
         while Instant::now() < deadline && self.ranks.iter().any(pending) {
             self.poll_once(Duration::from_millis(50));
         }
-        for r in &mut self.ranks {
+        let role = self.cfg.worker.role;
+        for (rank, r) in self.ranks.iter_mut().enumerate() {
             if let Some(child) = r.child.as_mut()
                 && matches!(child.try_wait(), Ok(None))
             {
+                tracing::warn!(
+                    "{role:?} rank {rank} did not exit within 10 s of shutdown (goodbye received: {}); killing it",
+                    r.bye
+                );
                 let _ = child.kill();
                 let _ = child.wait();
             }
