@@ -895,6 +895,8 @@ impl EngineLoop {
                         ready.rss_bytes = ready.rss_bytes.max(rss_bytes);
                     }
                     self.ranks[i].bye = true;
+                    // The acknowledgement the worker waits for before it exits (see worker::run).
+                    self.send_to(i as u32, &ToWorker::Shutdown);
                 }
             }
         }

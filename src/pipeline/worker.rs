@@ -38,6 +38,9 @@ pub(crate) use werr;
 /// How often a spawned worker checks that the engine that spawned it still exists.
 const PARENT_CHECK: Duration = Duration::from_millis(100);
 
+/// How long a worker waits for the engine to acknowledge its goodbye.
+const BYE_ACK_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The control channel to the engine.
 pub struct Control {
     sock: zmq::Socket,
@@ -182,6 +185,10 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
     match &result {
         Ok(()) => {
             let _ = ctl.send(&FromWorker::Bye { rss_bytes: rss_bytes() });
+            // The ZMQ context is process-wide and never terminated, so nothing flushes a queued
+            // message at exit: wait (briefly) for the engine to acknowledge the goodbye, or it
+            // can be lost and the engine waits for it in vain.
+            let _ = ctl.recv(BYE_ACK_TIMEOUT);
         }
         Err(e) => {
             let _ = ctl.send(&FromWorker::Fatal { msg: e.to_string() });
