@@ -20,9 +20,12 @@
 //! `topology` and `layouts` use nothing of kvx but each other and `settings::model`;
 //! `report` never measures and never runs transfers.
 
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod cli;
 pub mod error;
 pub mod layouts;
+pub mod output;
 pub mod pipeline;
 pub mod report;
 pub mod serve;
@@ -30,45 +33,67 @@ pub mod settings;
 pub mod topology;
 pub mod transfer;
 
-pub use error::{Error, Result};
+pub use error::Signal;
 
-use std::process::ExitCode;
-
-/// What a finished command asks the process to exit with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a finished command asks the process to exit with (`error::exit` has the codes).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// Exit 0.
+    /// Exit 0: every request succeeded and verified, or the gate passed.
     Ok,
+    /// Exit 1: the run completed, but some requests failed, were recomputed or did not verify
+    /// (or, under `--fault`, the failure policy did not hold). Says how many and why.
+    Failed(String),
     /// Exit 1: a performance gate found a regression.
     Regression,
+    /// Exit 130 (SIGINT) or 143 (SIGTERM): the run was interrupted.
+    Interrupted(Signal),
 }
 
-impl From<Outcome> for ExitCode {
-    fn from(o: Outcome) -> Self {
-        match o {
-            Outcome::Ok => ExitCode::SUCCESS,
-            Outcome::Regression => ExitCode::from(1),
+impl Outcome {
+    /// The outcome of a run from what its summary counted: [`Outcome::Failed`] with the counts
+    /// and causes when the run was not clean (`report::verdict` has the rule), else `Ok`.
+    pub fn of_run(what: &str, summary: &report::Summary) -> Outcome {
+        match report::verdict::problems(summary) {
+            None => Outcome::Ok,
+            Some(why) => Outcome::Failed(format!("{what}: {why}")),
         }
     }
 }
 
 /// Runs one parsed command line.
 pub fn run(cli: cli::Cli) -> anyhow::Result<Outcome> {
-    init_logging();
+    init_logging(cli.command.log_default());
     cli::dispatch(cli)
 }
 
 /// Warnings and errors of kvx (and of its workers, which the engines forward) on stderr;
-/// `KVX_LOG` sets the filter, e.g. `kvx=debug`.
-pub fn init_logging() {
+/// `KVX_LOG` sets the filter, e.g. `kvx=debug`. Long-running services (`serve-engine`,
+/// `serve-proxy`) default to `kvx=info` with timestamps, everything else to `kvx=warn`.
+/// The first call wins.
+pub fn init_logging(default: LogDefault) {
+    let fallback = match default {
+        LogDefault::Command => "kvx=warn",
+        LogDefault::Service => "kvx=info",
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_env(settings::env::KVX_LOG)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kvx=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(fallback));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
         .with_target(false)
-        .without_time()
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match default {
+        LogDefault::Command => builder.without_time().try_init(),
+        LogDefault::Service => builder.try_init(),
+    };
+}
+
+/// Which logging a command starts with when `KVX_LOG` is not set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogDefault {
+    /// A command that runs and ends: warnings and errors, no timestamps.
+    Command,
+    /// A long-running service: info and above, with timestamps.
+    Service,
 }

@@ -1,12 +1,10 @@
-//! The `kvx` binary: parse, run, map the outcome to an exit code.
+//! The `kvx` binary: parse, run, map the result to an exit code (`kvx::error::finish`).
+#![forbid(unsafe_code)]
 use std::process::ExitCode;
 
 use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = kvx::cli::Cli::parse();
-    match kvx::run(cli) {
-        Ok(outcome) => outcome.into(),
-        Err(err) => kvx::error::report_and_exit_code(&err),
-    }
+    kvx::error::finish(kvx::run(cli))
 }

@@ -8,7 +8,6 @@ use serde::Deserialize;
 
 use super::common::{Format, ModelArgs, PairArgs};
 use super::xfer::parse_duration;
-use crate::Outcome;
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
 use crate::pipeline::bench::{self, BenchSettings, FailurePolicy};
@@ -19,6 +18,7 @@ use crate::report::summary::{new_run_id, now_rfc3339};
 use crate::report::table::{Style, render_summary};
 use crate::settings::env;
 use crate::settings::scenario;
+use crate::{Outcome, output};
 
 #[derive(Debug, Clone, Args)]
 #[command(after_help = "Examples:\n  kvx bench --p-tp 8 --d-tp 2\n  \
@@ -516,11 +516,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         let mut writer = RunWriter::create(&root, &run_id)?;
         let (summary, table) = super::compare::run(args, &mut writer, &run_id)?;
         let files = writer.finish(&summary)?;
-        print_summary(args.format, &summary, &files)?;
+        let mut text = summary_text(args.format, &summary, &files)?;
         if args.format == Format::Table {
-            print!("{table}");
+            text.push_str(&table);
         }
-        return Ok(Outcome::Ok);
+        output::stdout(text)?;
+        return Ok(Outcome::of_run("kvx bench --compare-transports", &summary));
     }
     if args.sweep.is_some() {
         // Every point is resolved before anything runs, so a bad file fails fast.
@@ -528,12 +529,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         let mut writer = RunWriter::create(&root, &run_id)?;
         let summary = super::sweep::run(args, &mut writer, &run_id)?;
         let files = writer.finish(&summary)?;
-        print_summary(args.format, &summary, &files)?;
-        return Ok(Outcome::Ok);
+        output::stdout(summary_text(args.format, &summary, &files)?)?;
+        return Ok(Outcome::of_run("kvx bench --sweep", &summary));
     }
     let settings = resolve(args)?;
     let mut writer = RunWriter::create(&root, &run_id)?;
-    eprintln!(
+    output::note!(
         "kvx bench: P tp {} -> D tp {} | {} | {} requests of {} tokens | writing {}",
         settings.pair.p.tp,
         settings.pair.d.tp,
@@ -544,28 +545,29 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     );
     let summary = bench::run(&settings, &mut writer, &run_id)?;
     let files = writer.finish(&summary)?;
-    print_summary(args.format, &summary, &files)?;
-    if summary.requests_failed > 0 || summary.verify_failures > 0 {
-        eprintln!(
-            "kvx bench: {} failed requests, {} verification failures (see results)",
-            summary.requests_failed, summary.verify_failures
-        );
-    }
-    Ok(Outcome::Ok)
+    output::stdout(summary_text(args.format, &summary, &files)?)?;
+    Ok(Outcome::of_run("kvx bench", &summary))
 }
 
-fn print_summary(format: Format, summary: &crate::report::Summary, files: &[PathBuf]) -> anyhow::Result<()> {
-    match format {
+/// The summary as the user asked for it: its JSON, or the tables and where the run was written.
+fn summary_text(
+    format: Format,
+    summary: &crate::report::Summary,
+    files: &[PathBuf],
+) -> anyhow::Result<String> {
+    Ok(match format {
         Format::Json => {
-            println!("{}", String::from_utf8_lossy(&crate::report::export::summary_json(summary)?))
+            format!("{}\n", String::from_utf8_lossy(&crate::report::export::summary_json(summary)?))
         }
         Format::Table => {
-            print!("{}", render_summary(summary, Style::Terminal));
             let dir = files.first().and_then(|f| f.parent());
-            println!("results: {}", dir.map_or_else(String::new, |d| d.display().to_string()));
+            format!(
+                "{}results: {}\n",
+                render_summary(summary, Style::Terminal),
+                dir.map_or_else(String::new, |d| d.display().to_string())
+            )
         }
-    }
-    Ok(())
+    })
 }
 
 /// Parses `--fault kill-ucx:p0@5`.

@@ -14,26 +14,16 @@ use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{Summary, SweepPoint};
 use crate::report::table::{Style, new_table};
 
-/// CPU seconds (user + system) of this process and of its reaped children so far.
+/// CPU seconds (user + system) of this process and of its reaped children so far (0 for
+/// what `getrusage` cannot tell).
 fn cpu_seconds() -> f64 {
-    let get = |who| {
-        let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-        // SAFETY-free in spirit: getrusage fills the struct; a zeroed one is returned on error.
-        let u = rusage(who, &mut u);
-        (u.ru_utime.tv_sec as f64 + u.ru_utime.tv_usec as f64 / 1e6)
-            + (u.ru_stime.tv_sec as f64 + u.ru_stime.tv_usec as f64 / 1e6)
-    };
-    get(libc::RUSAGE_SELF) + get(libc::RUSAGE_CHILDREN)
-}
-
-#[expect(unsafe_code, reason = "getrusage(2) has no std wrapper; the struct is plain data")]
-fn rusage(who: libc::c_int, slot: &mut std::mem::MaybeUninit<libc::rusage>) -> libc::rusage {
-    // SAFETY: `slot` is valid writable memory for one rusage struct, zero-initialised, and
-    // getrusage writes at most that; a zeroed rusage is a valid value if it fails.
-    unsafe {
-        libc::getrusage(who, slot.as_mut_ptr());
-        slot.assume_init()
-    }
+    use nix::sys::resource::{UsageWho, getrusage};
+    let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+    [UsageWho::RUSAGE_SELF, UsageWho::RUSAGE_CHILDREN]
+        .into_iter()
+        .filter_map(|who| getrusage(who).ok())
+        .map(|u| secs(u.user_time()) + secs(u.system_time()))
+        .sum()
 }
 
 /// What a connector needs, for the table.
@@ -88,7 +78,7 @@ pub fn run(args: &BenchArgs, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
     let mut points = Vec::new();
     let mut rows = Vec::new();
     for (i, (name, _kind, settings)) in plans.iter().enumerate() {
-        eprintln!("kvx bench --compare-transports: {name} ({}/{})", i + 1, plans.len());
+        crate::output::note!("kvx bench --compare-transports: {name} ({}/{})", i + 1, plans.len());
         let cpu0 = cpu_seconds();
         let s = bench::run(settings, writer, &format!("{run_id}-{name}"))?;
         let cpu = cpu_seconds() - cpu0;

@@ -13,6 +13,8 @@ pub struct CompletionsArgs {
 
 pub fn run(args: &CompletionsArgs) -> anyhow::Result<Outcome> {
     let mut cmd = super::Cli::command();
-    clap_complete::generate(args.shell, &mut cmd, "kvx", &mut std::io::stdout());
+    let mut script = Vec::new();
+    clap_complete::generate(args.shell, &mut cmd, "kvx", &mut script);
+    crate::output::stdout(script)?;
     Ok(Outcome::Ok)
 }

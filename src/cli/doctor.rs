@@ -3,9 +3,9 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::Outcome;
 use crate::cli::xfer::Format;
 use crate::transfer::doctor::{self, DoctorOptions, DoctorReport};
+use crate::{Outcome, output};
 
 /// What kvx sees on this host, one line per item: verdict, detail, hint.
 #[derive(Debug, Args)]
@@ -43,8 +43,8 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<Outcome> {
         ports: args.ports.max(1),
     });
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-        Format::Table => print!("{}", render(&report)),
+        Format::Json => output::stdout_json(&report)?,
+        Format::Table => output::stdout(render(&report))?,
     }
     if report.needed_missing {
         let failed: Vec<&str> =

@@ -1,13 +1,16 @@
 //! `kvx gate`: compare a run with a baseline; exit 0 on pass, 1 on a regression, 2 when it
 //! cannot decide. `--update` makes the current run the new baseline, on purpose only. The
 //! policy lives in `report::gate`; this file loads, prints and writes.
+//!
+//! The verdict is the exit code whatever happens to stdout: a closed stdout (`kvx gate ... |
+//! head`) does not turn a regression into a pass or a pass into an error.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
 
 use crate::Outcome;
+use crate::output::{self, OutputError, note};
 use crate::report::gate::{self, Doc, GateReport, Thresholds, Verdict};
 use crate::report::{ReportError, files};
 
@@ -56,19 +59,26 @@ pub fn run(args: &GateArgs) -> anyhow::Result<Outcome> {
         Err(err) => {
             let message = format!("{err:#}");
             if args.format == GateFormat::Json {
-                let mut out = std::io::stdout().lock();
-                serde_json::to_writer_pretty(&mut out, &gate::error_json(&message))?;
-                out.write_all(b"\n")?;
+                keep_verdict(output::stdout_json(&gate::error_json(&message)));
             }
             if let Some(md) = &args.markdown {
                 // The CI summary should say the gate could not decide; the error itself is
                 // what the caller reports, so a failure to write this is secondary.
                 if let Err(e) = files::write_atomic(md, gate::error_markdown(&message).as_bytes()) {
-                    eprintln!("warning: {e}");
+                    note!("warning: {e}");
                 }
             }
             Err(err)
         }
+    }
+}
+
+/// What happens to stdout does not change the verdict: a closed stdout is quietly ignored,
+/// another write error becomes a warning on stderr.
+fn keep_verdict(r: Result<(), OutputError>) {
+    match r {
+        Ok(()) | Err(OutputError::Closed) => {}
+        Err(e) => note!("warning: {e}"),
     }
 }
 
@@ -102,7 +112,7 @@ fn judge(args: &GateArgs) -> anyhow::Result<Outcome> {
         Doc { path: &current_path, value: &current },
         &th,
     )?;
-    print(args, &report)?;
+    print(args, &report);
     if let Some(md) = &args.markdown {
         files::write_atomic(md, gate::render_markdown(&report).as_bytes())?;
     }
@@ -112,17 +122,11 @@ fn judge(args: &GateArgs) -> anyhow::Result<Outcome> {
     })
 }
 
-fn print(args: &GateArgs, report: &GateReport) -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
-    match args.format {
-        GateFormat::Table => out.write_all(gate::render_table(report).as_bytes())?,
-        GateFormat::Json => {
-            serde_json::to_writer_pretty(&mut out, &gate::to_json(report))?;
-            out.write_all(b"\n")?;
-        }
-    }
-    out.flush()?;
-    Ok(())
+fn print(args: &GateArgs, report: &GateReport) {
+    keep_verdict(match args.format {
+        GateFormat::Table => output::stdout(gate::render_table(report)),
+        GateFormat::Json => output::stdout_json(&gate::to_json(report)),
+    });
 }
 
 fn update(
@@ -181,31 +185,29 @@ fn update(
         summary.run_id,
         current_path.display()
     );
-    let mut out = std::io::stdout().lock();
-    match args.format {
+    let printed = match args.format {
         GateFormat::Table => {
+            let mut text = String::new();
             for n in &notes {
-                writeln!(out, "note: {n}")?;
+                text.push_str(&format!("note: {n}\n"));
             }
             if let Some(r) = &previous {
-                writeln!(out, "what changed (old baseline -> new baseline):")?;
-                out.write_all(gate::render_table(r).as_bytes())?;
+                text.push_str("what changed (old baseline -> new baseline):\n");
+                text.push_str(&gate::render_table(r));
             }
-            writeln!(out, "{done}")?;
+            text.push_str(&format!("{done}\n"));
+            output::stdout(text)
         }
-        GateFormat::Json => {
-            let j = serde_json::json!({
-                "verdict": "updated",
-                "baseline": baseline_path.display().to_string(),
-                "run_id": summary.run_id,
-                "notes": notes,
-                "previous": previous.as_ref().map(gate::to_json),
-            });
-            serde_json::to_writer_pretty(&mut out, &j)?;
-            out.write_all(b"\n")?;
-        }
-    }
-    out.flush()?;
+        GateFormat::Json => output::stdout_json(&serde_json::json!({
+            "verdict": "updated",
+            "baseline": baseline_path.display().to_string(),
+            "run_id": summary.run_id,
+            "notes": notes,
+            "previous": previous.as_ref().map(gate::to_json),
+        })),
+    };
+    // The baseline is written: the markdown below still follows a closed stdout.
+    keep_verdict(printed);
     if let Some(md) = &args.markdown {
         let mut text = format!("## kvx gate: baseline updated\n\n{done}\n");
         for n in &notes {

@@ -6,11 +6,11 @@ use serde::Serialize;
 
 use super::common::{Format, ModelArgs};
 use super::topo::{bytes_text, reject};
-use crate::Outcome;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::{EngineSpec, Layout, RankGeometry, Region};
 use crate::settings::scenario;
+use crate::{Outcome, output};
 
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  kvx layout --model llama-3.1-70b --tp 8\n  \
@@ -164,8 +164,8 @@ pub fn run(args: &LayoutArgs) -> anyhow::Result<Outcome> {
     let (pair, geom) = resolve(args).map_err(|e| reject(args.format, e))?;
     let report = build(args, &pair, &geom);
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-        Format::Table => print!("{}", render(args, &report)),
+        Format::Json => output::stdout_json(&report)?,
+        Format::Table => output::stdout(render(args, &report))?,
     }
     Ok(Outcome::Ok)
 }

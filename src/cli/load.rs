@@ -201,16 +201,11 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
         }
         Format::Json => String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?).into_owned(),
     };
-    {
-        use std::io::Write as _;
-        let mut stdout = std::io::stdout().lock();
-        stdout.write_all(out.as_bytes())?;
-        stdout.flush()?;
-    }
+    crate::output::stdout(out)?;
     if let Some(t) = run.summary.targets.iter().find(|t| t.ok == 0) {
         anyhow::bail!("no request to target `{}` ({}) succeeded; errors: {:?}", t.name, t.url, t.errors);
     }
-    Ok(Outcome::Ok)
+    Ok(Outcome::of_run("kvx load", &summary))
 }
 
 #[cfg(test)]

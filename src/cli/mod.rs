@@ -1,6 +1,7 @@
 //! Command-line surface: clap types mirror the flags one to one, and each subcommand's
 //! file holds its `Args` and a thin `run` that resolves settings, calls the library and
 //! prints. Cross-flag checks live in `settings::resolve`, not here.
+#![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand};
 
@@ -27,9 +28,7 @@ pub mod xfer;
 /// KV-cache transfer toolkit for disaggregated prefill/decode serving (vLLM NixlConnector semantics).
 #[derive(Debug, Parser)]
 #[command(name = "kvx", version, about, long_about = None, propagate_version = true)]
-#[command(
-    after_help = "Start with: kvx bench --p-tp 8 --d-tp 2   (one machine, host memory, UCX over shared memory)"
-)]
+#[command(after_help = after_help())]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -66,6 +65,24 @@ pub enum Command {
     /// One rank of a bench or engine (started by the orchestrator or a launcher).
     #[command(hide = true)]
     Worker(worker::WorkerArgs),
+}
+
+/// The top-level help's closing text: where to start, and the exit codes (which are API).
+fn after_help() -> String {
+    format!(
+        "Start with: kvx bench --p-tp 8 --d-tp 2   (one machine, host memory, UCX over shared memory)\n\n{}",
+        crate::error::EXIT_CODES_HELP
+    )
+}
+
+impl Command {
+    /// The logging a command starts with when `KVX_LOG` is not set.
+    pub fn log_default(&self) -> crate::LogDefault {
+        match self {
+            Command::ServeEngine(_) | Command::ServeProxy(_) => crate::LogDefault::Service,
+            _ => crate::LogDefault::Command,
+        }
+    }
 }
 
 /// Runs the parsed command.

@@ -8,12 +8,12 @@ use serde::Serialize;
 
 use super::common::{Format, ModelArgs, PairArgs};
 use super::topo::{bytes_text, reject};
-use crate::Outcome;
 use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
 use crate::settings::scenario::{self, PlanScenario};
+use crate::{Outcome, output};
 
 #[derive(Debug, Args)]
 #[command(
@@ -221,9 +221,9 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
                     })
                     .collect(),
             };
-            println!("{}", serde_json::to_string(&out)?);
+            output::stdout_line(serde_json::to_string(&out)?)?;
         }
-        Format::Table => print!("{}", render(args, &resolved, &plans)),
+        Format::Table => output::stdout(render(args, &resolved, &plans))?,
     }
     Ok(Outcome::Ok)
 }

@@ -6,10 +6,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
-use crate::Outcome;
 use crate::error::ConfigError;
 use crate::transfer::handshake::Framing;
 use crate::transfer::probe::{self, LatencySummary, ProbeFraming, ProbeOptions};
+use crate::{Outcome, output};
 
 /// Framing to speak (`--vllm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -121,16 +121,17 @@ pub fn run(args: &ProbeArgs) -> anyhow::Result<Outcome> {
             if let (Some(l), Some(obj)) = (latency, v.as_object_mut()) {
                 obj.insert("latency_summary".into(), serde_json::to_value(l)?);
             }
-            println!("{}", serde_json::to_string_pretty(&v)?);
+            output::stdout_json(&v)?;
         }
         ProbeFormat::Table => {
-            print!("{}", probe::render_table(&report));
+            let mut text = probe::render_table(&report);
             if let Some(l) = latency {
-                println!(
-                    "handshake latency over {} probes: min {:.0} µs, p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs",
+                text.push_str(&format!(
+                    "handshake latency over {} probes: min {:.0} µs, p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs\n",
                     l.count, l.min_us, l.p50_us, l.p99_us, l.max_us
-                );
+                ));
             }
+            output::stdout(text)?;
         }
     }
     if let probe::Advertised::PeerError { message } = &report.advertised {

@@ -1,13 +1,13 @@
 //! `kvx report`: re-render a saved run's tables and charts, or compare two runs side by side.
 //! Reads runs with `report::files`, renders with the pure exporters, prints. Never measures.
 
-use std::io::Write as _;
 use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
 use crate::Outcome;
+use crate::output::{self, note};
 use crate::report::table::{Style, render_summary};
 use crate::report::{compare, export, files};
 
@@ -47,45 +47,35 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<Outcome> {
         .iter()
         .map(|p| files::load_run(p).with_context(|| format!("cannot load run {}", p.display())))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut out = std::io::stdout().lock();
     match runs.as_slice() {
         [one] => {
             match args.format {
-                ReportFormat::Table => {
-                    out.write_all(render_summary(&one.summary, Style::Terminal).as_bytes())?
-                }
-                ReportFormat::Markdown => {
-                    out.write_all(render_summary(&one.summary, Style::Markdown).as_bytes())?
-                }
-                ReportFormat::Json => out.write_all(&export::summary_json(&one.summary)?)?,
+                ReportFormat::Table => output::stdout(render_summary(&one.summary, Style::Terminal))?,
+                ReportFormat::Markdown => output::stdout(render_summary(&one.summary, Style::Markdown))?,
+                ReportFormat::Json => output::stdout(export::summary_json(&one.summary)?)?,
             }
-            out.flush()?;
             if !args.no_charts {
                 let dir = args.charts_dir.clone().unwrap_or_else(|| one.dir.clone());
                 let written = files::write_charts(&dir, &one.summary, &one.rows)?;
                 if !one.has_requests_csv {
-                    eprintln!(
+                    note!(
                         "note: no {} in {}: latency chart drawn from the summary's percentiles",
                         files::REQUESTS_FILE,
                         one.dir.display()
                     );
                 }
                 for p in written {
-                    eprintln!("chart: {}", p.display());
+                    note!("chart: {}", p.display());
                 }
             }
         }
         [a, b] => {
             let c = compare::compare(&a.summary, &b.summary);
             match args.format {
-                ReportFormat::Table => out.write_all(compare::render(&c, Style::Terminal).as_bytes())?,
-                ReportFormat::Markdown => out.write_all(compare::render(&c, Style::Markdown).as_bytes())?,
-                ReportFormat::Json => {
-                    serde_json::to_writer_pretty(&mut out, &c)?;
-                    out.write_all(b"\n")?;
-                }
+                ReportFormat::Table => output::stdout(compare::render(&c, Style::Terminal))?,
+                ReportFormat::Markdown => output::stdout(compare::render(&c, Style::Markdown))?,
+                ReportFormat::Json => output::stdout_json(&c)?,
             }
-            out.flush()?;
         }
         _ => anyhow::bail!("give one run to show or two runs to compare"),
     }

@@ -326,7 +326,6 @@ fn resolve_workers(a: &ServeEngineArgs, engine_id: String) -> Result<WorkerEngin
 pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
     let settings = resolve(args)?;
     let cfg = settings.http;
-    init_tracing();
     let std_listener = std::net::TcpListener::bind((args.host.as_str(), args.port)).map_err(|e| {
         ConfigError::new("--host/--port", format!("cannot bind {}:{}: {e}", args.host, args.port))
     })?;
@@ -424,10 +423,7 @@ pub(crate) fn announce(listener: &tokio::net::TcpListener) -> anyhow::Result<Soc
 
 /// Prints `listening on http://ADDR` as the first stdout line and flushes it.
 pub(crate) fn announce_addr(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
-    use std::io::Write as _;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "listening on http://{addr}")?;
-    out.flush()?;
+    crate::output::stdout_line(format_args!("listening on http://{addr}"))?;
     Ok(addr)
 }
 
@@ -458,18 +454,6 @@ pub(crate) fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send 
     async {
         let _ = tokio::signal::ctrl_c().await;
     }
-}
-
-/// Logs to stderr, filtered by `KVX_LOG` (default `kvx=info`). Safe to call twice.
-pub(crate) fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env(crate::settings::env::KVX_LOG)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kvx=info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .try_init();
 }
 
 #[cfg(test)]

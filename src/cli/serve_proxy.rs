@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Args;
 
-use super::serve_engine::{announce, bind, init_tracing, runtime, shutdown_signal};
+use super::serve_engine::{announce, bind, runtime, shutdown_signal};
 use crate::Outcome;
 use crate::error::ConfigError;
 use crate::serve::proxy::{self, BackendAddr, Policy, ProxyConfig, ProxyState};
@@ -102,7 +102,6 @@ pub fn resolve(a: &ServeProxyArgs) -> Result<ProxyConfig, ConfigError> {
 
 pub fn run(args: &ServeProxyArgs) -> anyhow::Result<Outcome> {
     let cfg = resolve(args)?;
-    init_tracing();
     let state = ProxyState::new(cfg.clone())
         .map_err(|e| ConfigError::new("--prefiller-hosts/--decoder-hosts", e.message))?;
     let rt = runtime(args.threads)?;

@@ -158,11 +158,11 @@ pub fn run(args: &BenchArgs, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
     for (i, (point, settings)) in resolved.into_iter().enumerate() {
         let params: BTreeMap<String, Value> = point.iter().cloned().collect();
         let series = series_axis.as_ref().and_then(|a| params.get(a)).map(text);
-        eprintln!("kvx bench --sweep: point {}/{n}: {}", i + 1, label(&point));
+        crate::output::note!("kvx bench --sweep: point {}/{n}: {}", i + 1, label(&point));
         let settings = match settings {
             Ok(s) => s,
             Err(e) => {
-                eprintln!("  rejected: {e}");
+                crate::output::note!("  rejected: {e}");
                 summary.notes.push(format!("{}: rejected: {e}", label(&point)));
                 continue;
             }

@@ -7,13 +7,13 @@ use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
 use super::common::{Format, ModelArgs, PairArgs, PortArgs};
-use crate::Outcome;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::Planner;
 use crate::settings::scenario::{self, Ports};
 use crate::topology::RankMap;
 use crate::topology::ports::engine_ports;
+use crate::{Outcome, output};
 
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  kvx topo --p-tp 8 --d-tp 2 --model llama-3.1-70b\n  \
@@ -190,7 +190,8 @@ pub fn build(pair: &PairSpec, map: &RankMap, ports: &Ports) -> Result<TopoJson, 
 pub fn reject(format: Format, err: ConfigError) -> anyhow::Error {
     if format == Format::Json {
         let body = serde_json::json!({"status": "rejected", "error": err.to_string(), "flag": err.flag});
-        println!("{body}");
+        // The rejection is the error either way; a closed stdout changes nothing.
+        let _ = output::stdout_line(body);
     }
     err.into()
 }
@@ -204,8 +205,8 @@ pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
     })();
     let report = result.map_err(|e| reject(args.format, e))?;
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-        Format::Table => print!("{}", render_table(&report)),
+        Format::Json => output::stdout_json(&report)?,
+        Format::Table => output::stdout(render_table(&report))?,
     }
     Ok(Outcome::Ok)
 }

@@ -5,12 +5,12 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
-use crate::Outcome;
-use crate::error::ConfigError;
+use crate::error::{AlreadyReported, ConfigError};
 use crate::transfer::ucx::{ErrMode, ProgressMode};
 use crate::transfer::xfer::{
-    self, MemKind, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferReport,
+    self, MemKind, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferError, XferReport,
 };
+use crate::{Outcome, output};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
 pub enum Format {
@@ -156,8 +156,15 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
             ConfigError::new("--connect-back", "the target role needs the initiator's address")
         })?;
         let stream = xfer::connect_target(addr, args.peer_timeout)?;
-        xfer::run_target(stream, &target_opts)?;
-        return Ok(Outcome::Ok);
+        // This process is the initiator's child and shares its stderr: what the initiator
+        // reports (its own failure, or ours that we sent it) is not printed twice.
+        return match xfer::run_target(stream, &target_opts) {
+            Ok(()) => Ok(Outcome::Ok),
+            Err(e @ (XferError::InitiatorGone | XferError::ReportedToInitiator(_))) => {
+                Err(AlreadyReported(e.to_string()).into())
+            }
+            Err(e) => Err(e.into()),
+        };
     }
     if let Some(addr) = &args.listen {
         xfer::listen_and_serve(addr, args.peer_timeout, &target_opts)?;
@@ -170,10 +177,15 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
             exe: std::env::current_exe().context("finding the kvx executable to start the target process")?,
         },
     };
-    let report = xfer::run(&cfg, &target, |_| {})?;
+    let report = match xfer::run(&cfg, &target, |_| {}) {
+        Ok(r) => r,
+        // Wrong bytes are a failed run (exit 1), not a failure to run.
+        Err(XferError::Verify(why)) => return Ok(Outcome::Failed(format!("kvx xfer: {why}"))),
+        Err(e) => return Err(e.into()),
+    };
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-        Format::Table => print!("{}", render_table(&report)),
+        Format::Json => output::stdout_json(&report)?,
+        Format::Table => output::stdout(render_table(&report))?,
     }
     Ok(Outcome::Ok)
 }

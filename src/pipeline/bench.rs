@@ -28,6 +28,7 @@ use crate::report::summary::{
     Calibration, Environment, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow,
     RequestTotals, Scenario, Stage, Summary, UcxInfo,
 };
+use crate::report::verdict::{FAILURES_AFTER_FAULT, FAULT_CAUSES, FAULT_INJECTED};
 
 /// What to do when a load fails (vLLM's `kv_load_failure_policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
@@ -545,6 +546,8 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         ProgressBar::hidden()
     };
     let mut all = Tally::default();
+    // (fault injected, failures it explains): see `report::verdict`.
+    let mut fault_counts = (0u64, 0u64);
     let mut repeats = Vec::new();
     let mut wall = 0.0;
     let mut first_req = s.warmup;
@@ -559,13 +562,14 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat };
         let mut completed = 0u64;
         let engines_ref = &engines;
+        let fault_counts = &mut fault_counts;
         rt.block_on(drive(ctx, &mut generator, first_req, s.requests, until, |f| {
             completed += 1;
             if let Some(plan) = s.fault
                 && repeat == 0
                 && completed == plan.after
             {
-                eprintln!(
+                crate::output::note!(
                     "kvx bench: injecting {:?} into {} rank {}",
                     plan.fault,
                     plan.role.as_str(),
@@ -574,6 +578,13 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
                 let engine =
                     if plan.role == Role::Prefill { &engines_ref.prefill } else { &engines_ref.decode };
                 engine.inject(plan.rank, plan.fault);
+                fault_counts.0 = 1;
+            } else if fault_counts.0 > 0
+                && f.row.outcome != RequestOutcome::Ok
+                && f.row.failure_cause.as_deref().is_some_and(|c| FAULT_CAUSES.contains(&c))
+            {
+                // Finished after the fault was injected, failed the way a lost peer fails.
+                fault_counts.1 += 1;
             }
             tally.add(&f);
             all.add(&f);
@@ -618,6 +629,10 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         summary.counters.insert("fallbacks_to_storage".into(), all.fallbacks);
     }
     summary.verify_failures = all.verify_failures;
+    if s.fault.is_some() {
+        summary.counters.insert(FAULT_INJECTED.into(), fault_counts.0);
+        summary.counters.insert(FAILURES_AFTER_FAULT.into(), fault_counts.1);
+    }
     summary.blocks_leaked = u64::from(p_fin.blocks_leaked + d_fin.blocks_leaked);
     summary.blocks_expired = p_fin.leases_expired;
     summary.ucx.transports =

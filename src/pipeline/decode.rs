@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use super::params::KvTransferParams;
 use super::prefill::parse_progress;
 use super::proto::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
-use super::worker::{Control, WorkerError, compat_factors, peer_pair, rss_bytes, werr};
+use super::worker::{Control, Stage as _, WorkerError, compat_factors, peer_pair, rss_bytes};
+use crate::error::ConfigError;
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
@@ -109,13 +110,17 @@ struct Decoder<'a> {
 pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.d_geometry(cfg.rank);
     let regions = geom.regions();
-    let total = usize::try_from(geom.total_bytes()).map_err(werr!("pool size"))?;
+    let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
     let progress = parse_progress(&cfg.transport.progress)?;
     let err_mode = match cfg.transport.err_mode.as_str() {
         "" | "none" => ErrMode::None,
         "peer" => ErrMode::Peer,
         other => {
-            return Err(WorkerError::new(format!("unknown error-handling mode '{other}' (none or peer)")));
+            return Err(ConfigError::new(
+                "--err-mode",
+                format!("unknown error-handling mode '{other}' (none or peer)"),
+            )
+            .into());
         }
     };
     let kind = cfg.transport.kind;
@@ -123,15 +128,15 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let uses_storage = kind == TransportKind::Storage
         || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
-    let mem = HostBuffer::alloc(total, pages).map_err(werr!(format!("allocate the {total}-byte KV pool")))?;
+    let mem = HostBuffer::alloc(total, pages).stage(format!("allocate the {total}-byte KV pool"))?;
     let (local, lib) = if uses_ucx {
-        let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
+        let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx;
         let ctx =
             Context::new(&ucx, &ContextOptions { progress, active_messages, ..ContextOptions::default() })
-                .map_err(werr!("UCX context"))?;
-        let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
-        let local = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
+                .stage("UCX context")?;
+        let worker = Worker::new(&ctx).stage("UCX worker")?;
+        let local = MemRegion::register(&ctx, mem).stage("register the KV pool with UCX")?;
         let lib = (ucx.path().display().to_string(), ucx.version().to_string());
         (Local::Ucx(Box::new(UcxSide { local, worker, _ctx: ctx })), lib)
     } else {
@@ -139,7 +144,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     };
     let storage = if uses_storage {
         let opts = super::worker::storage_options(&cfg);
-        Some(StorageFetcher::new(opts).map_err(werr!("storage transport"))?)
+        Some(StorageFetcher::new(opts).stage("storage transport")?)
     } else {
         None
     };

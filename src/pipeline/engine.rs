@@ -440,7 +440,7 @@ impl EngineLoop {
         let role = cfg.worker.role;
         if matches!(cfg.launch, Launch::External { .. }) {
             // The one place the bound port shows when --listen asked for port 0.
-            eprintln!(
+            crate::output::note!(
                 "kvx: {} engine waiting for {} worker(s): kvx worker --connect {endpoint} --role {}",
                 role.as_str(),
                 cfg.tp,
@@ -1136,20 +1136,12 @@ impl EngineLoop {
     }
 }
 
+/// Makes a child's stderr pipe non-blocking, so draining it never stalls the engine. Failure
+/// only costs that (the pipe stays blocking), so it is logged, not returned.
 fn set_nonblocking(err: &ChildStderr) {
-    let fd = err.as_raw_fd();
-    // SAFETY-free: fcntl through std is not available for pipes; use libc on the raw fd we own.
-    let flags = unsafe_free_fcntl(fd);
-    let _ = flags;
-}
-
-#[expect(unsafe_code, reason = "F_SETFL O_NONBLOCK on a pipe fd this process owns; std has no API for it")]
-fn unsafe_free_fcntl(fd: i32) -> i32 {
-    // SAFETY: `fd` is an open pipe owned by a live ChildStderr; F_GETFL/F_SETFL only change
-    // its status flags.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK)
+    use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+    if let Err(e) = fcntl_getfl(err).and_then(|flags| fcntl_setfl(err, flags | OFlags::NONBLOCK)) {
+        tracing::debug!("O_NONBLOCK on a worker's stderr pipe: {e}");
     }
 }
 

@@ -16,7 +16,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::proto::{Fault, FromWorker, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
-use super::worker::{Control, WorkerError, compat_factors, rss_bytes, werr};
+use super::worker::{Control, Stage as _, WorkerError, compat_factors, rss_bytes};
+use crate::error::ConfigError;
 use crate::layouts::Region;
 use crate::layouts::verify::fill_request;
 use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
@@ -48,17 +49,17 @@ enum Pool {
 impl Pool {
     fn memory(&self) -> Result<&HostBuffer, WorkerError> {
         match self {
-            Pool::Ucx(u) => u.region.memory().map_err(werr!("KV pool")),
+            Pool::Ucx(u) => u.region.memory().stage("KV pool"),
             Pool::Plain(m) => Ok(m),
-            Pool::Gone => Err(WorkerError::new("the KV pool is gone")),
+            Pool::Gone => Err(WorkerError::PoolGone),
         }
     }
 
     fn memory_mut(&mut self) -> Result<&mut HostBuffer, WorkerError> {
         match self {
-            Pool::Ucx(u) => u.region.memory_mut().map_err(werr!("KV pool")),
+            Pool::Ucx(u) => u.region.memory_mut().stage("KV pool"),
             Pool::Plain(m) => Ok(m),
-            Pool::Gone => Err(WorkerError::new("the KV pool is gone")),
+            Pool::Gone => Err(WorkerError::PoolGone),
         }
     }
 
@@ -82,7 +83,7 @@ impl Pool {
         if let Pool::Ucx(u) = std::mem::replace(self, Pool::Gone) {
             let UcxSide { am, region, worker, _ctx } = *u;
             drop(am);
-            let mem = region.deregister().map_err(werr!("deregister the KV pool"))?;
+            let mem = region.deregister().stage("deregister the KV pool")?;
             drop(worker);
             *self = Pool::Plain(mem);
         }
@@ -97,7 +98,8 @@ struct Held {
     published: bool,
 }
 
-/// Asks the kernel not to let this process preempt the one that woke it (`SCHED_BATCH`).
+/// Asks the kernel not to let this process preempt the one that woke it (`SCHED_BATCH`,
+/// through the UCX module's [`crate::transfer::ucx::defer_wakeups`]).
 ///
 /// A prefill rank sleeps on its worker's event fd and is woken by every notification. On a
 /// host where decode and prefill ranks share cores, a normal wakeup runs the prefill rank at
@@ -105,13 +107,9 @@ struct Held {
 /// about 100 us per notification on 2 cores. The prefill rank's work after a wakeup (free
 /// blocks, answer a side-channel request) can wait for the decode rank's time slice; its
 /// share of the CPU is unchanged. Failure is harmless and only logged.
-#[expect(unsafe_code, reason = "sched_setscheduler(2) has no std wrapper")]
 fn defer_wakeups() {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: a syscall on this process with a valid parameter that outlives the call.
-    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
-    if rc != 0 {
-        tracing::debug!("sched_setscheduler(SCHED_BATCH): {}", std::io::Error::last_os_error());
+    if let Err(e) = crate::transfer::ucx::defer_wakeups() {
+        tracing::debug!("sched_setscheduler(SCHED_BATCH): {e}");
     }
 }
 
@@ -119,29 +117,29 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     defer_wakeups();
     let geom = cfg.pair.p_geometry(cfg.rank);
     let regions = geom.regions();
-    let total = usize::try_from(geom.total_bytes()).map_err(werr!("pool size"))?;
+    let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
     let progress: ProgressMode = parse_progress(&cfg.transport.progress)?;
     let kind = cfg.transport.kind;
     let uses_ucx = kind != TransportKind::Storage;
     let uses_storage = kind == TransportKind::Storage
         || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
-    let mem = HostBuffer::alloc(total, pages).map_err(werr!(format!("allocate the {total}-byte KV pool")))?;
+    let mem = HostBuffer::alloc(total, pages).stage(format!("allocate the {total}-byte KV pool"))?;
     let mut ucx_lib = None;
     let (mut pool, worker_address, rkey, base) = if uses_ucx {
-        let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).map_err(werr!("load UCX"))?;
+        let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         // Active messages always: decode ranks choose how to notify, this rank takes both.
         let ctx = Context::new(
             &ucx,
             &ContextOptions { progress, active_messages: true, ..ContextOptions::default() },
         )
-        .map_err(werr!("UCX context"))?;
-        let worker = Worker::new(&ctx).map_err(werr!("UCX worker"))?;
-        let am = UcxNotifyReceiver::new(&worker).map_err(werr!("UCX notification handler"))?;
-        let region = MemRegion::register(&ctx, mem).map_err(werr!("register the KV pool with UCX"))?;
-        let rkey = region.pack_rkey().map_err(werr!("pack the remote key"))?.as_bytes().to_vec();
+        .stage("UCX context")?;
+        let worker = Worker::new(&ctx).stage("UCX worker")?;
+        let am = UcxNotifyReceiver::new(&worker).stage("UCX notification handler")?;
+        let region = MemRegion::register(&ctx, mem).stage("register the KV pool with UCX")?;
+        let rkey = region.pack_rkey().stage("pack the remote key")?.as_bytes().to_vec();
         let base = region.addr();
-        let address = worker.address().map_err(werr!("UCX worker address"))?;
+        let address = worker.address().stage("UCX worker address")?;
         ucx_lib = Some((ucx.path().display().to_string(), ucx.version().to_string()));
         (Pool::Ucx(Box::new(UcxSide { am, region, worker, _ctx: ctx })), address, rkey, base)
     } else {
@@ -149,7 +147,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         (Pool::Plain(mem), Vec::new(), Vec::new(), base)
     };
     let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
-        .map_err(werr!("bind the notification listener"))?;
+        .stage("bind the notification listener")?;
     let notify_ep = advertise(listener.endpoint(), &cfg.advertise_host);
     let kvx_regions: Vec<KvxRegion> = regions
         .iter()
@@ -175,10 +173,10 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         Some(notify_ep),
         &factors,
     );
-    let payload = meta.to_payload().map_err(werr!("encode metadata"))?.encode();
+    let payload = meta.to_payload().stage("encode metadata")?.encode();
     let mut storage = if uses_storage {
         let opts = super::worker::storage_options(&cfg);
-        Some(StoragePublisher::new(opts, &cfg.engine_id, cfg.rank).map_err(werr!("storage transport"))?)
+        Some(StoragePublisher::new(opts, &cfg.engine_id, cfg.rank).stage("storage transport")?)
     } else {
         None
     };
@@ -253,7 +251,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         }
         // Notifications, heartbeats and fallback requests.
         let now = Instant::now();
-        let zmq_notifs = listener.drain().map_err(werr!("notifications"))?;
+        let zmq_notifs = listener.drain().stage("notifications")?;
         for n in pool.drain_am().into_iter().chain(zmq_notifs) {
             if let Notification::Fallback { ids } = &n {
                 for id in ids {
@@ -294,7 +292,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             continue;
         }
         if let Some(w) = pool.worker()
-            && !w.arm().map_err(werr!("arm the UCX worker"))?
+            && !w.arm().stage("arm the UCX worker")?
         {
             continue;
         }
@@ -307,7 +305,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
         }
         let ms = (wait.as_millis() as i64).max(1);
-        zmq::poll(&mut items, ms).map_err(werr!("wait for events"))?;
+        zmq::poll(&mut items, ms).stage("wait for events")?;
     }
 }
 
@@ -318,7 +316,7 @@ fn publish(
     blocks: &[u32],
     mem: &HostBuffer,
 ) -> Result<(), WorkerError> {
-    s.publish(id, regions, blocks, mem.as_slice()).map(|_| ()).map_err(werr!("storage publish"))
+    s.publish(id, regions, blocks, mem.as_slice()).map(|_| ()).stage("storage publish")
 }
 
 fn release(storage: &mut Option<StoragePublisher>, id: &str, published: bool) {
@@ -335,7 +333,11 @@ pub(super) fn parse_progress(s: &str) -> Result<ProgressMode, WorkerError> {
         "" | "hybrid" => Ok(ProgressMode::Hybrid),
         "busy" => Ok(ProgressMode::Busy),
         "wait" => Ok(ProgressMode::Wait),
-        other => Err(WorkerError::new(format!("unknown progress mode '{other}' (busy, wait or hybrid)"))),
+        other => Err(ConfigError::new(
+            "--progress",
+            format!("unknown progress mode '{other}' (busy, wait or hybrid)"),
+        )
+        .into()),
     }
 }
 

@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use super::proto::{self, FromWorker, Role, ToWorker, WorkerConfig};
+use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::settings::model::ModelShape;
 use crate::topology::VllmVersion;
@@ -17,23 +18,57 @@ use crate::transfer::handshake::zmq_context;
 /// How long a worker waits for its configuration after saying hello.
 pub const INIT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A worker's fatal error (reported to the engine, then the process exits 2).
+/// A worker's fatal error: reported to the engine (which names the rank and fails the
+/// requests that need it), then the process exits 2.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct WorkerError(pub String);
+pub enum WorkerError {
+    /// A step of start-up or of the role's loop failed; `stage` says which ("load UCX",
+    /// "register the KV pool with UCX"), `source` why (and, for UCX, the flag to change).
+    #[error("{stage}: {source}")]
+    Stage { stage: String, source: Box<dyn std::error::Error + Send + Sync> },
+    /// The configuration the engine sent names a choice this worker does not know.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The engine that spawned this worker exited (or was killed).
+    #[error("the engine (pid {pid}) that started this worker is gone")]
+    EngineGone { pid: u32 },
+    /// The engine never sent the configuration after the hello.
+    #[error("no configuration from the engine at {endpoint} within {timeout:?}")]
+    NoConfig { endpoint: String, timeout: Duration },
+    /// A control message this worker cannot decode (a kvx of another version?).
+    #[error("a message from the engine cannot be decoded: {reason}")]
+    Protocol { reason: String },
+    /// The KV pool was torn down (after `kill-ucx`) and something still needed it.
+    #[error("the KV pool is gone")]
+    PoolGone,
+}
 
 impl WorkerError {
-    pub fn new(what: impl std::fmt::Display) -> Self {
-        WorkerError(what.to_string())
+    /// The whole chain in one line, for the engine (which only gets text).
+    pub fn chain_text(&self) -> String {
+        let mut text = self.to_string();
+        let mut cur = std::error::Error::source(self);
+        while let Some(e) = cur {
+            let m = e.to_string();
+            if !text.contains(&m) {
+                text.push_str(&format!(": {m}"));
+            }
+            cur = e.source();
+        }
+        text
     }
 }
 
-macro_rules! werr {
-    ($ctx:expr) => {
-        |e| $crate::pipeline::worker::WorkerError::new(format!("{}: {e}", $ctx))
-    };
+/// Names the stage a fallible step belongs to: `step().stage("load UCX")?`.
+pub trait Stage<T> {
+    fn stage(self, stage: impl Into<String>) -> Result<T, WorkerError>;
 }
-pub(crate) use werr;
+
+impl<T, E: Into<Box<dyn std::error::Error + Send + Sync>>> Stage<T> for Result<T, E> {
+    fn stage(self, stage: impl Into<String>) -> Result<T, WorkerError> {
+        self.map_err(|e| WorkerError::Stage { stage: stage.into(), source: e.into() })
+    }
+}
 
 /// How often a spawned worker checks that the engine that spawned it still exists.
 const PARENT_CHECK: Duration = Duration::from_millis(100);
@@ -53,10 +88,10 @@ pub struct Control {
 
 impl Control {
     pub fn connect(endpoint: &str) -> Result<Self, WorkerError> {
-        let sock = zmq_context().socket(zmq::DEALER).map_err(werr!("control socket"))?;
+        let sock = zmq_context().socket(zmq::DEALER).stage("control socket")?;
         let _ = sock.set_linger(1000);
         let _ = sock.set_maxmsgsize(proto::MAX_CONTROL_BYTES as i64);
-        sock.connect(endpoint).map_err(werr!(format!("connect to the engine at {endpoint}")))?;
+        sock.connect(endpoint).stage(format!("connect to the engine at {endpoint}"))?;
         let parent = endpoint.starts_with("ipc://").then(std::os::unix::process::parent_id);
         Ok(Control { sock, parent, next_check: std::cell::Cell::new(Instant::now()) })
     }
@@ -66,13 +101,13 @@ impl Control {
     }
 
     pub fn send(&self, msg: &FromWorker) -> Result<(), WorkerError> {
-        self.sock.send(proto::encode(msg), 0).map_err(werr!("send to the engine"))
+        self.sock.send(proto::encode(msg), 0).stage("send to the engine")
     }
 
     /// Next message, waiting at most `timeout` (`None`: nothing arrived).
     pub fn recv(&self, timeout: Duration) -> Result<Option<ToWorker>, WorkerError> {
         let ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
-        if self.sock.poll(zmq::POLLIN, ms).map_err(werr!("poll the control socket"))? == 0 {
+        if self.sock.poll(zmq::POLLIN, ms).stage("poll the control socket")? == 0 {
             return Ok(None);
         }
         self.try_recv()
@@ -91,15 +126,13 @@ impl Control {
         {
             self.next_check.set(Instant::now() + PARENT_CHECK);
             if std::os::unix::process::parent_id() != parent {
-                return Err(WorkerError::new(format!(
-                    "the engine (pid {parent}) that started this worker is gone"
-                )));
+                return Err(WorkerError::EngineGone { pid: parent });
             }
         }
         match self.sock.recv_bytes(zmq::DONTWAIT) {
-            Ok(b) => proto::decode(&b).map(Some).map_err(WorkerError),
+            Ok(b) => proto::decode(&b).map(Some).map_err(|reason| WorkerError::Protocol { reason }),
             Err(zmq::Error::EAGAIN) => Ok(None),
-            Err(e) => Err(WorkerError::new(format!("receive from the engine: {e}"))),
+            Err(e) => Err(e).stage("receive from the engine"),
         }
     }
 }
@@ -160,9 +193,7 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
     let cfg: WorkerConfig = loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(WorkerError::new(format!(
-                "no configuration from the engine at {endpoint} within {INIT_TIMEOUT:?}"
-            )));
+            return Err(WorkerError::NoConfig { endpoint: endpoint.to_string(), timeout: INIT_TIMEOUT });
         }
         match ctl.recv(left)? {
             Some(ToWorker::Init(cfg)) => break *cfg,
@@ -191,7 +222,7 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
             let _ = ctl.recv(BYE_ACK_TIMEOUT);
         }
         Err(e) => {
-            let _ = ctl.send(&FromWorker::Fatal { msg: e.to_string() });
+            let _ = ctl.send(&FromWorker::Fatal { msg: e.chain_text() });
         }
     }
     result

@@ -1262,7 +1262,9 @@ mod tests {
         let det = f64::from(caught) / f64::from(runs);
         assert!(fa < 0.005, "false alarms per run {fa} ({false_alarms} of {runs})");
         assert!(det > 0.97, "15% slowdowns caught {det} ({caught} of {runs})");
-        eprintln!("simulated: {false_alarms} false alarms and {caught} of {runs} slowdowns caught");
+        crate::output::note!(
+            "simulated: {false_alarms} false alarms and {caught} of {runs} slowdowns caught"
+        );
     }
 
     #[test]

@@ -10,11 +10,13 @@
 //!   JSON, CSV, comfy-table text or Markdown, SVG charts.
 //! - [`compare`]: two runs side by side (`kvx report A B`).
 //! - [`gate`] and [`stats`]: the noise-aware regression gate (`kvx gate`).
+//! - [`verdict`]: whether a finished run was clean (the rule behind exit code 1).
 //! - [`files`]: the one place that touches the file system: [`RunWriter`] (a run directory
 //!   written as the run goes), loading saved runs and summaries, atomic writes.
 //!
 //! `report` never measures and never runs transfers; `kvx bench` measures and hands figures
 //! over. Nothing here reads the environment (callers pass `KVX_RESULTS_DIR` in).
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 
@@ -27,6 +29,7 @@ pub mod recorder;
 pub mod stats;
 pub mod summary;
 pub mod table;
+pub mod verdict;
 
 pub use files::{RunData, RunWriter, load_run, load_summary};
 pub use recorder::StageRecorder;

@@ -200,6 +200,12 @@ impl Summary {
         for (k, v) in &other.failures_by_cause {
             *self.failures_by_cause.entry(k.clone()).or_default() += v;
         }
+        // The fault counters decide the exit code of a sweep or comparison as of a single run.
+        for k in [super::verdict::FAULT_INJECTED, super::verdict::FAILURES_AFTER_FAULT] {
+            if let Some(v) = other.counters.get(k) {
+                *self.counters.entry(k.to_string()).or_default() += v;
+            }
+        }
         if self.ucx.library.is_empty() && !other.ucx.version.is_empty() {
             self.ucx = other.ucx.clone();
         }

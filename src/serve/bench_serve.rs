@@ -61,6 +61,8 @@ pub enum BenchServeError {
     Io(String),
     #[error("no request through the proxy succeeded; errors by cause: {0:?}")]
     NothingSucceeded(std::collections::BTreeMap<String, u64>),
+    #[error(transparent)]
+    Output(#[from] crate::output::OutputError),
 }
 
 /// The worker engine of one role, as `kvx bench` would start it.
@@ -187,7 +189,7 @@ pub fn run(s: &BenchSettings, results_dir: Option<&Path>, json: bool) -> Result<
     let started_at = now_rfc3339();
     let run_id = new_run_id(&started_at);
     let writer = RunWriter::create(&root, &run_id)?;
-    eprintln!(
+    crate::output::note!(
         "kvx bench --serve: P tp {} -> D tp {} | {} | {} requests of {} tokens through the proxy | writing {}",
         s.pair.p.tp,
         s.pair.d.tp,
@@ -207,22 +209,11 @@ pub fn run(s: &BenchSettings, results_dir: Option<&Path>, json: bool) -> Result<
             files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string());
         format!("{}results: {dir}\n", render(&summary, &m.run))
     };
-    {
-        use std::io::Write as _;
-        let mut stdout = std::io::stdout().lock();
-        stdout.write_all(out.as_bytes()).map_err(|e| BenchServeError::Io(format!("stdout: {e}")))?;
-        stdout.flush().map_err(|e| BenchServeError::Io(format!("stdout: {e}")))?;
-    }
-    if summary.requests_failed > 0 || summary.verify_failures > 0 {
-        eprintln!(
-            "kvx bench --serve: {} failed requests, {} verification failures (see results)",
-            summary.requests_failed, summary.verify_failures
-        );
-    }
+    crate::output::stdout(out)?;
     if summary.requests_ok == 0 {
         return Err(BenchServeError::NothingSucceeded(summary.failures_by_cause));
     }
-    Ok(Outcome::Ok)
+    Ok(Outcome::of_run("kvx bench --serve", &summary))
 }
 
 /// Starts everything, drives the load, stops everything.

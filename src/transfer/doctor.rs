@@ -5,6 +5,7 @@
 //! environment.
 //!
 //! Owns: gathering the checks. Must not print: `cli::doctor` renders them.
+#![forbid(unsafe_code)]
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

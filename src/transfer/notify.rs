@@ -21,6 +21,7 @@
 //!
 //! Owns: the notification format, its channels and lease accounting. Must not free
 //! memory itself (callers act on what the table says) or know about layouts.
+#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -8,6 +8,7 @@
 //!
 //! Owns: probing and the probe report (pure rendering into table or JSON text). Must
 //! not retry beyond the caller's timeout or interpret layouts.
+#![forbid(unsafe_code)]
 
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};

@@ -7,6 +7,7 @@
 //! length-prefixed msgpack frames: worker address, region base, packed rkey), spawning a
 //! local target (kvx re-executes itself with a hidden role), the measurement loop and the
 //! report it returns. Must not print: `cli::xfer` renders the [`XferReport`].
+#![forbid(unsafe_code)]
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -42,6 +43,19 @@ pub enum XferError {
     TargetDied { status: String },
     #[error("data verification failed: {0}")]
     Verify(String),
+    /// The initiator closed the control connection before sending its request: it failed
+    /// first and reports its own error, so the target has nothing to add.
+    #[error("the initiator closed the control connection before sending a request")]
+    InitiatorGone,
+    /// The target failed and told the initiator, which reports it.
+    #[error("{0}")]
+    ReportedToInitiator(String),
+    /// The local target process ended while the initiator still needed it: its own error (if it
+    /// could print one) is above on stderr; `source` is what the initiator saw.
+    #[error(
+        "the local target process ended ({status}) during {stage}; its own error, if any, is printed above"
+    )]
+    TargetEnded { status: String, stage: &'static str, source: Box<XferError> },
     #[error("{0}")]
     Config(#[from] crate::error::ConfigError),
 }
@@ -346,15 +360,23 @@ pub struct TargetOptions {
 /// Runs the target role on an established control stream until told to stop, the stream
 /// closes, or the requested maximum serve time passes.
 pub fn run_target(mut stream: TcpStream, opts: &TargetOptions) -> Result<()> {
-    let req: TargetRequest = read_frame(&mut stream, "target: read request", TARGET_START_TIMEOUT)?;
+    let req: TargetRequest = match read_frame(&mut stream, "target: read request", TARGET_START_TIMEOUT) {
+        Err(XferError::Control { source, .. }) if source.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return Err(XferError::InitiatorGone);
+        }
+        other => other?,
+    };
     match prepare_target(&req, opts) {
         Ok((hello, state)) => {
             write_frame(&mut stream, "target: send hello", &TargetReply::Ready(Box::new(hello)))?;
             serve_target(&mut stream, &req, state)
         }
         Err(e) => {
-            let _ = write_frame(&mut stream, "target: send failure", &TargetReply::Failed(e.to_string()));
-            Err(e)
+            let msg = e.to_string();
+            match write_frame(&mut stream, "target: send failure", &TargetReply::Failed(msg.clone())) {
+                Ok(()) => Err(XferError::ReportedToInitiator(msg)),
+                Err(_) => Err(e),
+            }
         }
     }
 }
@@ -434,7 +456,7 @@ pub fn listen_and_serve(addr: &str, accept_timeout: Duration, opts: &TargetOptio
         TcpListener::bind(addr).map_err(|source| XferError::Control { stage: "listen", source })?;
     let local = listener.local_addr().map_err(|source| XferError::Control { stage: "listen", source })?;
     tracing::info!("kvx xfer target listening on {local}");
-    eprintln!(
+    crate::output::note!(
         "kvx xfer: target listening on {local}; run `kvx xfer --connect {local}` on the initiator host"
     );
     let stream = accept_with_timeout(&listener, accept_timeout, || Ok(()))?;
@@ -702,6 +724,9 @@ pub fn run(
     mut on_result: impl FnMut(&XferResult),
 ) -> Result<XferReport> {
     check_mem(cfg.mem)?;
+    // A UCX the initiator cannot load is reported once, before a target process starts (which
+    // would fail the same way, or see its initiator vanish, and say so first).
+    Ucx::load(cfg.session.ucx_lib.as_deref())?;
     let max_size = cfg.sizes.iter().copied().max().unwrap_or(4096);
     let ws = if cfg.hot { max_size } else { cfg.working_set_bytes.max(max_size) };
     let req = TargetRequest {
@@ -736,10 +761,19 @@ pub fn run(
         let _ = session.finish();
         report
     })();
-    if let Some(c) = child.as_mut() {
-        reap(c, Duration::from_secs(10));
+    let Some(c) = child.as_mut() else { return outcome };
+    reap(c, Duration::from_secs(10));
+    match outcome {
+        // A broken control connection to a local target that has ended: the cause is the
+        // target's end (its own error is already on the shared stderr), not the connection.
+        Err(e @ XferError::Control { stage, .. }) => match c.try_wait() {
+            Ok(Some(status)) if !status.success() => {
+                Err(XferError::TargetEnded { status: status.to_string(), stage, source: Box::new(e) })
+            }
+            _ => Err(e),
+        },
+        other => other,
     }
-    outcome
 }
 
 fn estimate_secs(cfg: &XferConfig) -> u64 {

@@ -15,6 +15,7 @@
 //!
 //! Owns: the side-channel protocol. Must not call UCX: worker addresses and packed rkeys
 //! are opaque bytes here, unpacked by `transfer::ucx`.
+#![forbid(unsafe_code)]
 
 pub mod client;
 pub mod compat;

@@ -20,6 +20,7 @@
 //! Owns: file format, naming, publish/fetch/release/sweep. Must not know about request
 //! lifecycles, notifications or workloads (that is `pipeline`), nor about memory types:
 //! byte slices in, byte slices out.
+#![forbid(unsafe_code)]
 
 pub mod format;
 pub mod io;

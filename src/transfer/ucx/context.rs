@@ -504,3 +504,18 @@ pub(crate) fn poll_fds(fds: &mut [libc::pollfd], timeout: Duration) -> Result<us
 pub fn wait_readable(fd: RawFd, timeout: Duration) -> Result<bool> {
     Ok(poll_fds(&mut [pollfd(fd)], timeout)? > 0)
 }
+
+/// Asks the kernel not to let the calling thread preempt the one that woke it (`SCHED_BATCH`),
+/// for a process that sleeps on its worker's event fd and is woken by every notification.
+///
+/// On a host where the waker and the sleeper share cores, a normal wakeup runs the sleeper at
+/// once, in the middle of the waker's loop; with `SCHED_BATCH` the sleeper's work can wait for
+/// the waker's time slice, and its share of the CPU is unchanged. No crate kvx uses wraps
+/// `sched_setscheduler(2)`, so it lives here, behind this safe function.
+pub fn defer_wakeups() -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: pid 0 names the calling thread; `param` is a valid sched_param (priority 0, as
+    // SCHED_BATCH requires) that outlives the call, which only reads it.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+}

@@ -39,7 +39,9 @@ mod region;
 pub mod sys;
 
 pub use am::{AmReceiver, AmStats};
-pub use context::{Context, ContextOptions, HYBRID_SPIN, ProgressMode, ServeEnd, Worker, wait_readable};
+pub use context::{
+    Context, ContextOptions, HYBRID_SPIN, ProgressMode, ServeEnd, Worker, defer_wakeups, wait_readable,
+};
 pub use endpoint::{
     Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports, read_batch_multi,
 };
