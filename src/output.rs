@@ -60,6 +60,11 @@ pub fn stderr_line(args: fmt::Arguments<'_>) {
     let _ = err.write_fmt(args).and_then(|()| err.write_all(b"\n"));
 }
 
+/// Writes `bytes` as they are to stderr (a child's forwarded lines); never fails, never panics.
+pub fn stderr_bytes(bytes: &[u8]) {
+    let _ = io::stderr().lock().write_all(bytes);
+}
+
 /// `note!("...", args)`: one line on stderr that never panics (use instead of `eprintln!`).
 macro_rules! note {
     ($($arg:tt)*) => {

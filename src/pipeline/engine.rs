@@ -695,7 +695,7 @@ impl EngineLoop {
         }
         while let Some(pos) = rank.stderr_buf.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = rank.stderr_buf.drain(..=pos).collect();
-            eprint!("{prefix}{}", String::from_utf8_lossy(&line));
+            crate::output::stderr_bytes(&[prefix.as_bytes(), &line].concat());
         }
         if eof {
             rank.stderr = None;

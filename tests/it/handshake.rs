@@ -623,6 +623,30 @@ mod probe_cli {
         });
     }
 
+    #[test]
+    fn probe_with_a_closed_stdout_exits_0() {
+        within(LIMIT, || {
+            let (frames, _) = v033_frames();
+            let replay = Replay::start(frames);
+            for format in ["table", "json"] {
+                let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin!("kvx"));
+                cmd.args([
+                    "probe",
+                    &replay.endpoint,
+                    "--tp-rank",
+                    "1",
+                    "--timeout",
+                    "10s",
+                    "--format",
+                    format,
+                ]);
+                let out = crate::edge::run_with_closed_stdout(cmd, crate::edge::Reader::ClosedAtStart);
+                assert_eq!(out.status.code(), Some(0), "probe --format {format}: {}", out.stderr);
+                assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+            }
+        });
+    }
+
     /// Replaces the latency row (its number changes every run) with a marker.
     fn redact_latency(text: &str) -> String {
         text.lines()

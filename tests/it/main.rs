@@ -3,7 +3,9 @@
 mod bench;
 mod cli_errors;
 mod common;
+mod edge;
 mod gate;
+mod golden;
 mod handshake;
 mod netns;
 mod oracle;
