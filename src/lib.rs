@@ -6,7 +6,9 @@
 //! Dependencies point down only:
 //!
 //! ```text
-//! bin/kvx.rs     parse args, call `kvx::run`, map the error to an exit code
+//! bin/kvx.rs     parse args, call `kvx::run`, map the result to an exit code (`error::finish`)
+//! error.rs       ConfigError, exit codes (0 ok, 1 failed run or regression, 2 error, 130/143)
+//! output.rs      the one place stdout and stderr are written; a closed stdout ends the run
 //! cli/           clap types and help text, one file per subcommand
 //! settings/      env names (KVX_*), model presets, resolve(cli, file, env) -> validated settings
 //! topology/      TP rank maps, P->D pairing, side-channel ports              (pure)
@@ -18,7 +20,9 @@
 //! ```
 //!
 //! `topology` and `layouts` use nothing of kvx but each other and `settings::model`;
-//! `report` never measures and never runs transfers.
+//! `report` never measures and never runs transfers. `unsafe` lives only in `transfer::ucx`
+//! and the transfer layer's memory modules; every other module says `#![forbid(unsafe_code)]`
+//! (and `tests/it/edge.rs` checks the sources).
 
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 

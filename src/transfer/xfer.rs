@@ -50,12 +50,13 @@ pub enum XferError {
     /// The target failed and told the initiator, which reports it.
     #[error("{0}")]
     ReportedToInitiator(String),
-    /// The local target process ended while the initiator still needed it: its own error (if it
-    /// could print one) is above on stderr; `source` is what the initiator saw.
+    /// The local target process ended while the initiator still needed it (the initiator saw
+    /// its control connection break at `stage`): its own error, if it could print one, is
+    /// above on the shared stderr.
     #[error(
         "the local target process ended ({status}) during {stage}; its own error, if any, is printed above"
     )]
-    TargetEnded { status: String, stage: &'static str, source: Box<XferError> },
+    TargetEnded { status: String, stage: &'static str },
     #[error("{0}")]
     Config(#[from] crate::error::ConfigError),
 }
@@ -768,7 +769,8 @@ pub fn run(
         // target's end (its own error is already on the shared stderr), not the connection.
         Err(e @ XferError::Control { stage, .. }) => match c.try_wait() {
             Ok(Some(status)) if !status.success() => {
-                Err(XferError::TargetEnded { status: status.to_string(), stage, source: Box::new(e) })
+                tracing::debug!("control connection to the ended target: {e}");
+                Err(XferError::TargetEnded { status: status.to_string(), stage })
             }
             _ => Err(e),
         },

@@ -466,3 +466,27 @@ fn stalled_prefill_worker_times_out_requests_and_leaks_no_block() {
     assert!(!notes(&s).contains("ranks that died"), "a stalled rank is not dead: {}", notes(&s));
     assert!(n(&s, "requests_ok") > 5 + 2, "requests after the resume succeed: {s}");
 }
+
+/// `--fault exit:d1@5`: decode rank 1 exits after 5 measured requests. Every later request
+/// fails the way a lost peer fails, and that is the failure policy holding: exit 0, with the
+/// summary's counters saying the fault explains every failure (see `report::verdict`).
+#[test]
+fn a_fault_that_explains_every_failure_exits_0() {
+    let _turn = exclusive();
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut a = vec!["--requests", "30", "--concurrency", "2", "--prompt-len", "1024", "--verify", "full"];
+    a.extend_from_slice(&["--p-tp", "1", "--d-tp", "2", "--timeout", "2s", "--lease", "2s"]);
+    a.extend_from_slice(&["--fault", "exit:d1@5"]);
+    a.extend_from_slice(TINY);
+    let mut bench = Spawned::start("fault exit:d1@5", bench_cmd(results.path(), &a));
+    let status = bench.expect_exit(RUN_TIMEOUT);
+    assert_eq!(status.code(), Some(0), "the failure policy held: {status}\n{}", bench.stderr());
+    let s = summary_json(&bench);
+    let not_ok = n(&s, "requests_failed") + n(&s, "requests_recomputed");
+    assert!(not_ok > 0, "requests after the fault fail: {s}");
+    assert_eq!(n(&s, "requests_ok") + not_ok, 30, "{s}");
+    assert_eq!(s["counters"]["fault_injected"], 1, "{s}");
+    assert_eq!(s["counters"]["failures_after_fault"].as_u64(), Some(not_ok), "the fault explains all: {s}");
+    assert_eq!(n(&s, "verify_failures"), 0, "{s}");
+    assert_eq!(n(&s, "blocks_leaked"), 0, "{s}");
+}
