@@ -105,7 +105,9 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', help_heading = "Transport")]
     pub compare_transports: Option<Vec<String>>,
     /// Inject a fault to test resilience: kill-ucx:pR@N (tear down prefill rank R's UCX side after N
-    /// measured requests) or exit:pR@N / exit:dR@N (the worker exits).
+    /// measured requests) or exit:pR@N / exit:dR@N (the worker exits). The run exits 0 when the
+    /// failure policy held: only requests after the fault failed, as a lost peer fails; no wrong
+    /// bytes, no leaked block.
     #[arg(long, value_name = "FAULT", help_heading = "Checks")]
     pub fault: Option<String>,
     /// Memory of the KV pools: host or cuda [default: host].
@@ -504,6 +506,7 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     if args.serve {
         let settings = resolve(args)?;
+        check_ucx(&settings)?;
         return Ok(crate::serve::bench_serve::run(
             &settings,
             args.results_dir.as_deref(),
@@ -533,6 +536,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         return Ok(Outcome::of_run("kvx bench --sweep", &summary));
     }
     let settings = resolve(args)?;
+    check_ucx(&settings)?;
     let mut writer = RunWriter::create(&root, &run_id)?;
     output::note!(
         "kvx bench: P tp {} -> D tp {} | {} | {} requests of {} tokens | writing {}",
@@ -547,6 +551,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     let files = writer.finish(&summary)?;
     output::stdout(summary_text(args.format, &summary, &files)?)?;
     Ok(Outcome::of_run("kvx bench", &summary))
+}
+
+/// A UCX that cannot be loaded is a bad `--ucx-lib`: said once, first, before any worker or
+/// run directory exists (every worker would fail the same way, and say so in its own words).
+fn check_ucx(s: &BenchSettings) -> anyhow::Result<()> {
+    if s.transport.kind != crate::pipeline::proto::TransportKind::Storage {
+        crate::transfer::ucx::Ucx::load(s.transport.ucx_lib.as_deref())?;
+    }
+    Ok(())
 }
 
 /// The summary as the user asked for it: its JSON, or the tables and where the run was written.

@@ -213,6 +213,27 @@ fn a_bad_ucx_library_is_the_first_line_of_xfer_s_error() {
     assert!(!stderr.contains("control connection"), "no broken-connection noise before or after: {stderr}");
 }
 
+#[test]
+fn a_bad_ucx_library_is_the_first_line_of_bench_s_error_and_no_worker_starts() {
+    let results = tempfile::tempdir().expect("tmp");
+    let out =
+        kvx(&["bench", "--requests", "2", "--ucx-lib", "/nonexistent/libucp.so", "--num-kv-heads", "4"])
+            .arg("--results-dir")
+            .arg(results.path())
+            .output()
+            .expect("kvx bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let first = stderr.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("error: ") && first.contains("--ucx-lib"),
+        "first line names the cause: {stderr}"
+    );
+    assert!(!stderr.contains("[P0]") && !stderr.contains("rank 0"), "no worker started: {stderr}");
+    let runs = std::fs::read_dir(results.path()).expect("results dir").count();
+    assert_eq!(runs, 0, "no run directory for a bad flag");
+}
+
 /// Source files allowed to hold `unsafe`: the UCX binding and the memory modules of the
 /// transfer layer (host memory, and the CUDA memory modules beside it).
 fn in_fence(rel: &Path) -> bool {
