@@ -91,7 +91,8 @@ impl From<Outcome> for ExitCode {
 /// The exit code of a command's result, and what to print on stderr for it (`None`: nothing).
 pub fn exit_code(result: &anyhow::Result<Outcome>) -> (u8, Option<String>) {
     match result {
-        Ok(Outcome::Failed(why)) => (exit::FAILED, Some(format!("kvx: {why}"))),
+        // The message starts with the command ("kvx bench: 3 of 20 requests failed ...").
+        Ok(Outcome::Failed(why)) => (exit::FAILED, Some(why.clone())),
         Ok(Outcome::Interrupted(sig)) => {
             (Outcome::Interrupted(*sig).exit_code(), Some(format!("kvx: interrupted ({sig:?})")))
         }

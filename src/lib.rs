@@ -21,19 +21,28 @@
 //!
 //! `topology` and `layouts` use nothing of kvx but each other and `settings::model`;
 //! `report` never measures and never runs transfers. `unsafe` lives only in `transfer::ucx`
-//! and the transfer layer's memory modules; every other module says `#![forbid(unsafe_code)]`
-//! (and `tests/it/edge.rs` checks the sources).
+//! and the transfer layer's memory modules; every other module is declared (or declares
+//! itself) `forbid(unsafe_code)`, and `tests/it/edge.rs` checks the sources.
 
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
+// Only `transfer` (its UCX binding and memory modules) may hold `unsafe`; every other module
+// forbids it, which no inner `allow` can undo.
+#[forbid(unsafe_code)]
 pub mod cli;
 pub mod error;
+#[forbid(unsafe_code)]
 pub mod layouts;
 pub mod output;
+#[forbid(unsafe_code)]
 pub mod pipeline;
+#[forbid(unsafe_code)]
 pub mod report;
+#[forbid(unsafe_code)]
 pub mod serve;
+#[forbid(unsafe_code)]
 pub mod settings;
+#[forbid(unsafe_code)]
 pub mod topology;
 pub mod transfer;
 
@@ -45,7 +54,8 @@ pub enum Outcome {
     /// Exit 0: every request succeeded and verified, or the gate passed.
     Ok,
     /// Exit 1: the run completed, but some requests failed, were recomputed or did not verify
-    /// (or, under `--fault`, the failure policy did not hold). Says how many and why.
+    /// (or, under `--fault`, the failure policy did not hold). Says how many and why, starting
+    /// with the command (`kvx bench: 3 of 20 requests failed ...`); printed on stderr as is.
     Failed(String),
     /// Exit 1: a performance gate found a regression.
     Regression,

@@ -1,7 +1,6 @@
 //! Command-line surface: clap types mirror the flags one to one, and each subcommand's
 //! file holds its `Args` and a thin `run` that resolves settings, calls the library and
 //! prints. Cross-flag checks live in `settings::resolve`, not here.
-#![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand};
 

@@ -16,7 +16,6 @@
 //!
 //! `report` never measures and never runs transfers; `kvx bench` measures and hands figures
 //! over. Nothing here reads the environment (callers pass `KVX_RESULTS_DIR` in).
-#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 

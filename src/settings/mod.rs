@@ -1,7 +1,6 @@
 //! Settings: every environment variable kvx reads (`env`), model shapes (`model`), and
 //! the resolution of flags, config files and environment into validated settings
 //! (`scenario`). Cross-flag checks live here and name the flag to change.
-#![forbid(unsafe_code)]
 
 pub mod env;
 pub mod model;

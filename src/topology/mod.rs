@@ -10,7 +10,6 @@
 //! by default and vLLM 0.19.1 (`TpKVTopology`) on request; where the two differ the
 //! difference is spelled out next to the rule. Rejections are `ConfigError`s that name the
 //! flag to change and say why.
-#![forbid(unsafe_code)]
 
 pub mod ports;
 
