@@ -4,8 +4,9 @@
 //! away, as in `kvx plan ... | head -c 100`) is the end of the run, not an error: stdout writes
 //! return [`OutputError::Closed`], callers propagate it with `?` and stop working, and the binary
 //! exits 0 without a message (see `error::exit_code`). A command whose exit code carries a
-//! verdict (`kvx gate`) ignores `Closed` instead, so its verdict survives a closed stdout. Any
-//! other write failure (a full disk behind a redirect) is an error, exit 2.
+//! verdict (`kvx gate`; a run that may exit 1 for failed requests) passes its write through
+//! [`keep_verdict`] instead, so the verdict survives a closed stdout. Any other write failure
+//! (a full disk behind a redirect) is an error, exit 2.
 //!
 //! stderr writes never fail and never panic: a note nobody can read is dropped. `println!`,
 //! `print!` and `eprintln!` are denied crate-wide (clippy `print_stdout`/`print_stderr`),
@@ -39,6 +40,15 @@ impl OutputError {
 pub fn stdout(bytes: impl AsRef<[u8]>) -> Result<(), OutputError> {
     let mut out = io::stdout().lock();
     out.write_all(bytes.as_ref()).and_then(|()| out.flush()).map_err(OutputError::from_io)
+}
+
+/// For a command whose exit code is a verdict (a run's failed requests, the gate's
+/// regression): a closed stdout is not an error, so the verdict still reaches the exit code.
+pub fn keep_verdict(r: Result<(), OutputError>) -> Result<(), OutputError> {
+    match r {
+        Err(OutputError::Closed) => Ok(()),
+        other => other,
+    }
 }
 
 /// Writes `text` and a newline to stdout and flushes.

@@ -523,7 +523,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         if args.format == Format::Table {
             text.push_str(&table);
         }
-        output::stdout(text)?;
+        output::keep_verdict(output::stdout(text))?;
         return Ok(Outcome::of_run("kvx bench --compare-transports", &summary));
     }
     if args.sweep.is_some() {
@@ -532,7 +532,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         let mut writer = RunWriter::create(&root, &run_id)?;
         let summary = super::sweep::run(args, &mut writer, &run_id)?;
         let files = writer.finish(&summary)?;
-        output::stdout(summary_text(args.format, &summary, &files)?)?;
+        output::keep_verdict(output::stdout(summary_text(args.format, &summary, &files)?))?;
         return Ok(Outcome::of_run("kvx bench --sweep", &summary));
     }
     let settings = resolve(args)?;
@@ -549,7 +549,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     );
     let summary = bench::run(&settings, &mut writer, &run_id)?;
     let files = writer.finish(&summary)?;
-    output::stdout(summary_text(args.format, &summary, &files)?)?;
+    // The run is over and written; a closed stdout does not hide its failures from the exit code.
+    output::keep_verdict(output::stdout(summary_text(args.format, &summary, &files)?))?;
     Ok(Outcome::of_run("kvx bench", &summary))
 }
 

@@ -59,7 +59,7 @@ pub fn run(args: &GateArgs) -> anyhow::Result<Outcome> {
         Err(err) => {
             let message = format!("{err:#}");
             if args.format == GateFormat::Json {
-                keep_verdict(output::stdout_json(&gate::error_json(&message)));
+                verdict_stands(output::stdout_json(&gate::error_json(&message)));
             }
             if let Some(md) = &args.markdown {
                 // The CI summary should say the gate could not decide; the error itself is
@@ -75,7 +75,7 @@ pub fn run(args: &GateArgs) -> anyhow::Result<Outcome> {
 
 /// What happens to stdout does not change the verdict: a closed stdout is quietly ignored,
 /// another write error becomes a warning on stderr.
-fn keep_verdict(r: Result<(), OutputError>) {
+fn verdict_stands(r: Result<(), OutputError>) {
     match r {
         Ok(()) | Err(OutputError::Closed) => {}
         Err(e) => note!("warning: {e}"),
@@ -123,7 +123,7 @@ fn judge(args: &GateArgs) -> anyhow::Result<Outcome> {
 }
 
 fn print(args: &GateArgs, report: &GateReport) {
-    keep_verdict(match args.format {
+    verdict_stands(match args.format {
         GateFormat::Table => output::stdout(gate::render_table(report)),
         GateFormat::Json => output::stdout_json(&gate::to_json(report)),
     });
@@ -207,7 +207,7 @@ fn update(
         })),
     };
     // The baseline is written: the markdown below still follows a closed stdout.
-    keep_verdict(printed);
+    verdict_stands(printed);
     if let Some(md) = &args.markdown {
         let mut text = format!("## kvx gate: baseline updated\n\n{done}\n");
         for n in &notes {

@@ -201,7 +201,7 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
         }
         Format::Json => String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?).into_owned(),
     };
-    crate::output::stdout(out)?;
+    crate::output::keep_verdict(crate::output::stdout(out))?;
     if let Some(t) = run.summary.targets.iter().find(|t| t.ok == 0) {
         anyhow::bail!("no request to target `{}` ({}) succeeded; errors: {:?}", t.name, t.url, t.errors);
     }

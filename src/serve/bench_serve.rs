@@ -209,7 +209,7 @@ pub fn run(s: &BenchSettings, results_dir: Option<&Path>, json: bool) -> Result<
             files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string());
         format!("{}results: {dir}\n", render(&summary, &m.run))
     };
-    crate::output::stdout(out)?;
+    crate::output::keep_verdict(crate::output::stdout(out))?;
     if summary.requests_ok == 0 {
         return Err(BenchServeError::NothingSucceeded(summary.failures_by_cause));
     }

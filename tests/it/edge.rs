@@ -159,6 +159,30 @@ fn a_large_plan_piped_into_head_exits_0() {
 }
 
 #[test]
+fn a_bench_with_a_closed_stdout_finishes_its_run_and_exits_0() {
+    let _turn = crate::procs::exclusive();
+    let results = tempfile::tempdir().expect("tmp");
+    let a = [
+        "--requests",
+        "3",
+        "--prompt-len",
+        "256",
+        "--num-kv-heads",
+        "4",
+        "--layers",
+        "2",
+        "--head-dim",
+        "64",
+    ];
+    let out = run_with_closed_stdout(crate::procs::bench_cmd(results.path(), &a), Reader::ClosedAtStart);
+    assert_eq!(out.status.code(), Some(0), "{}", out.stderr);
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    let run = crate::procs::run_dir(results.path()).expect("a run directory");
+    let summary = std::fs::read_to_string(run.join("summary.json")).expect("the summary is written");
+    assert!(summary.contains("\"requests_ok\": 3"), "{summary}");
+}
+
+#[test]
 fn the_gate_keeps_its_verdict_and_writes_its_markdown_with_a_closed_stdout() {
     let dir = tempfile::tempdir().expect("tmp");
     let md = dir.path().join("verdict.md");
