@@ -9,7 +9,7 @@
 //!
 //! | code | meaning |
 //! |---|---|
-//! | 0 | ok: every request succeeded and verified; the gate passed; stdout closed by its reader |
+//! | 0 | ok: every request succeeded and verified; the gate passed; stdout closed by its reader (runs and the gate keep their verdict) |
 //! | 1 | the run completed with failed, recomputed or unverified requests (or, under `--fault`, the failure policy did not hold); a gate regression |
 //! | 2 | bad input, configuration or runtime error |
 //! | 130, 143 | interrupted by SIGINT, SIGTERM |
@@ -37,7 +37,7 @@ pub mod exit {
 pub const EXIT_CODES_HELP: &str = "Exit status: 0 ok (every request succeeded and verified; gate passed); \
 1 the run completed with failed or unverified requests, or the gate found a regression; \
 2 bad input, configuration or runtime error; 130/143 interrupted (SIGINT/SIGTERM). \
-A closed stdout (kvx ... | head) ends the run quietly with 0.";
+A closed stdout (kvx ... | head) ends a command quietly: exit 0, or the run's or the gate's verdict.";
 
 /// A configuration the user asked for that kvx refuses, with the flag to change.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
