@@ -10,9 +10,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::params::KvTransferParams;
-use super::prefill::parse_progress;
 use super::proto::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
-use super::worker::{Control, WorkerError, compat_factors, peer_pair, rss_bytes, werr};
+use super::worker::{Control, WorkerError, compat_factors, host_memory_only, peer_pair, rss_bytes, werr};
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
@@ -110,14 +109,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.d_geometry(cfg.rank);
     let regions = geom.regions();
     let total = usize::try_from(geom.total_bytes()).map_err(werr!("pool size"))?;
-    let progress = parse_progress(&cfg.transport.progress)?;
-    let err_mode = match cfg.transport.err_mode.as_str() {
-        "" | "none" => ErrMode::None,
-        "peer" => ErrMode::Peer,
-        other => {
-            return Err(WorkerError::new(format!("unknown error-handling mode '{other}' (none or peer)")));
-        }
-    };
+    let (progress, err_mode) = (cfg.transport.progress, cfg.transport.err_mode);
+    host_memory_only(cfg.mem)?;
     let kind = cfg.transport.kind;
     let uses_ucx = kind != TransportKind::Storage;
     let uses_storage = kind == TransportKind::Storage

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::proto::{Fault, FromWorker, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
-use super::worker::{Control, WorkerError, compat_factors, rss_bytes, werr};
+use super::worker::{Control, WorkerError, compat_factors, host_memory_only, rss_bytes, werr};
 use crate::layouts::Region;
 use crate::layouts::verify::fill_request;
 use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
@@ -120,7 +120,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.p_geometry(cfg.rank);
     let regions = geom.regions();
     let total = usize::try_from(geom.total_bytes()).map_err(werr!("pool size"))?;
-    let progress: ProgressMode = parse_progress(&cfg.transport.progress)?;
+    let progress = cfg.transport.progress;
+    host_memory_only(cfg.mem)?;
     let kind = cfg.transport.kind;
     let uses_ucx = kind != TransportKind::Storage;
     let uses_storage = kind == TransportKind::Storage
@@ -330,17 +331,8 @@ fn release(storage: &mut Option<StoragePublisher>, id: &str, published: bool) {
     }
 }
 
-pub(super) fn parse_progress(s: &str) -> Result<ProgressMode, WorkerError> {
-    match s {
-        "" | "hybrid" => Ok(ProgressMode::Hybrid),
-        "busy" => Ok(ProgressMode::Busy),
-        "wait" => Ok(ProgressMode::Wait),
-        other => Err(WorkerError::new(format!("unknown progress mode '{other}' (busy, wait or hybrid)"))),
-    }
-}
-
 /// Replaces a wildcard bind host in an endpoint with the host peers should dial.
-pub(super) fn advertise(endpoint: &str, host: &str) -> String {
+fn advertise(endpoint: &str, host: &str) -> String {
     let (h, port) = super::engine::split_endpoint(endpoint);
     if h == "0.0.0.0" || h == "*" || h.is_empty() {
         format!("tcp://{host}:{port}")
