@@ -12,9 +12,10 @@ use crate::pipeline::bench;
 use crate::report::files::RunWriter;
 use crate::report::summary::{new_run_id, now_rfc3339};
 use crate::report::table::{Style, render_summary};
-use crate::settings::bench::{BenchFlags, BenchPlan, resolve_plan};
+use crate::settings::bench::BenchFlags;
 use crate::settings::env::ProcessEnv;
 use crate::settings::parse::parse_duration;
+use crate::settings::plan::{BenchPlan, resolve_plan};
 
 #[derive(Debug, Clone, Args)]
 #[command(after_help = "Examples:\n  kvx bench --p-tp 8 --d-tp 2\n  \

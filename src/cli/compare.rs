@@ -54,7 +54,11 @@ const NOT_MEASURED: &[(&str, &str, &str)] = &[
 
 /// Runs the same workload on each transport (`runs`, resolved by `settings::bench`); returns
 /// the comparison summary (one sweep point per transport) and its table.
-pub fn run(runs: &[BenchSettings], writer: &mut RunWriter, run_id: &str) -> anyhow::Result<(Summary, String)> {
+pub fn run(
+    runs: &[BenchSettings],
+    writer: &mut RunWriter,
+    run_id: &str,
+) -> anyhow::Result<(Summary, String)> {
     let plans: Vec<(String, &BenchSettings)> =
         runs.iter().map(|s| (s.workers.transport.kind.as_str().to_string(), s)).collect();
     let Some((_, first)) = plans.first() else {

@@ -105,8 +105,10 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         fail(&mut row, e.cause().as_str());
         return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
     }
-    let prefill =
-        engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.workers.pair)).await;
+    let prefill = engines
+        .prefill
+        .prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.workers.pair))
+        .await;
     let (params, publish_ns) = match prefill {
         Ok(Ok(done)) => (done.params, done.publish_ns),
         Ok(Err(e)) => {
@@ -513,7 +515,8 @@ fn progress_bar(visible: bool, total_requests: Option<u64>) -> ProgressBar {
         None => ProgressBar::new_spinner(),
     };
     b.set_draw_target(ProgressDrawTarget::stderr());
-    if let Ok(style) = ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests {msg} [{elapsed}]")
+    if let Ok(style) =
+        ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests {msg} [{elapsed}]")
     {
         b.set_style(style);
     }

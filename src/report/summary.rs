@@ -13,7 +13,6 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-
 /// Version of the `summary.json` schema this kvx writes and reads.
 pub const SCHEMA_VERSION: u32 = 1;
 

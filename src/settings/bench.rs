@@ -21,7 +21,6 @@ use super::env::ProcessEnv;
 use super::flags::{ModelFlags, PairFlags};
 use super::parse::{choice, parse_duration};
 use super::scenario;
-use super::sweep::{self, SweepPlan};
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
 use crate::pipeline::engine::{EngineConfig, split_endpoint};
@@ -198,56 +197,6 @@ pub struct BenchSettings {
     pub progress_bar: bool,
     /// Directory runs are written under (`--results-dir`, `KVX_RESULTS_DIR`, `results/`).
     pub results_root: PathBuf,
-}
-
-/// What `kvx bench` was asked to do, with every run resolved before any starts.
-#[derive(Debug, Clone)]
-pub enum BenchPlan {
-    /// One bench.
-    Single(Box<BenchSettings>),
-    /// `--serve`: the bench's workload through HTTP engines and the proxy.
-    Serve(Box<BenchSettings>),
-    /// `--compare-transports`: the same workload on each transport, in the order given.
-    CompareTransports(Vec<BenchSettings>),
-    /// `--sweep`: one bench per point of the file's axes.
-    Sweep(SweepPlan),
-}
-
-impl BenchPlan {
-    /// Directory the run is written under.
-    pub fn results_root(&self) -> &Path {
-        match self {
-            BenchPlan::Single(s) | BenchPlan::Serve(s) => &s.results_root,
-            BenchPlan::CompareTransports(runs) => runs.first().map_or(Path::new(""), |s| &s.results_root),
-            BenchPlan::Sweep(plan) => &plan.results_root,
-        }
-    }
-}
-
-/// Resolves `kvx bench`'s flags into what to run.
-pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, ConfigError> {
-    if flags.serve {
-        return Ok(BenchPlan::Serve(Box::new(resolve(flags, env)?)));
-    }
-    if let Some(names) = &flags.compare_transports {
-        let mut runs = Vec::new();
-        for n in names {
-            parse_transport(n).map_err(|e| ConfigError::new("--compare-transports", e))?;
-            let one = BenchFlags { compare_transports: None, transport: Some(n.trim().to_string()), ..flags.clone() };
-            runs.push(resolve(&one, env)?);
-        }
-        if runs.is_empty() {
-            return Err(ConfigError::new(
-                "--compare-transports",
-                "needs at least one of ucx, storage, multi",
-            ));
-        }
-        return Ok(BenchPlan::CompareTransports(runs));
-    }
-    if let Some(path) = &flags.sweep {
-        return Ok(BenchPlan::Sweep(sweep::plan(flags, path, env)?));
-    }
-    Ok(BenchPlan::Single(Box::new(resolve(flags, env)?)))
 }
 
 /// Flags over file over defaults: one bench run.
@@ -564,7 +513,10 @@ impl Layers<'_> {
         };
         let slowdown = f.slowdown.unwrap_or(0.0);
         if !(0.0..=10.0).contains(&slowdown) {
-            return Err(ConfigError::new("--slowdown", format!("must be a fraction in 0..=10, got {slowdown}")));
+            return Err(ConfigError::new(
+                "--slowdown",
+                format!("must be a fraction in 0..=10, got {slowdown}"),
+            ));
         }
         let transport = self.transport(slowdown)?;
         let fault = f.fault.as_deref().map(parse_fault).transpose()?;
@@ -591,8 +543,13 @@ impl Layers<'_> {
             .exe
             .clone()
             .map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
-        let worker_env: Vec<(String, String)> =
-            f.ucx_tls.clone().or(fi.ucx_tls.clone()).map(|tls| ("UCX_TLS".to_string(), tls)).into_iter().collect();
+        let worker_env: Vec<(String, String)> = f
+            .ucx_tls
+            .clone()
+            .or(fi.ucx_tls.clone())
+            .map(|tls| ("UCX_TLS".to_string(), tls))
+            .into_iter()
+            .collect();
         let (listen, bind_host, advertise_host) = self.hosts()?;
         let name = f
             .name
@@ -648,7 +605,12 @@ pub fn parse_fault(s: &str) -> Result<FaultPlan, ConfigError> {
         Some(("d", r)) if fault == Fault::Exit => (Role::Decode, r),
         _ => return Err(bad()),
     };
-    Ok(FaultPlan { fault, role, rank: rank.parse().map_err(|_| bad())?, after: after.parse().map_err(|_| bad())? })
+    Ok(FaultPlan {
+        fault,
+        role,
+        rank: rank.parse().map_err(|_| bad())?,
+        after: after.parse().map_err(|_| bad())?,
+    })
 }
 
 impl BenchSettings {
@@ -865,7 +827,11 @@ mod tests {
             (BenchFlags { fault: Some("kill-ucx:d0@1".into()), ..Default::default() }, "--fault"),
             (BenchFlags { listen: Some("bogus".into()), ..Default::default() }, "--listen"),
             (
-                BenchFlags { transport: Some("multi".into()), transports: Some(vec!["storage".into()]), ..Default::default() },
+                BenchFlags {
+                    transport: Some("multi".into()),
+                    transports: Some(vec!["storage".into()]),
+                    ..Default::default()
+                },
                 "--transports",
             ),
             (
@@ -885,9 +851,11 @@ mod tests {
             let e = resolve(&flags, &env()).expect_err(flag);
             assert_eq!(e.flag, flag, "{flags:?}: {e}");
         }
-        let e = resolve(&BenchFlags { mode: Some("push".into()), ..Default::default() }, &env()).expect_err("push");
+        let e = resolve(&BenchFlags { mode: Some("push".into()), ..Default::default() }, &env())
+            .expect_err("push");
         assert!(e.reason.contains("push is not implemented yet"), "{e}");
-        let e = resolve(&BenchFlags { mem: Some("cuda".into()), ..Default::default() }, &env()).expect_err("cuda");
+        let e = resolve(&BenchFlags { mem: Some("cuda".into()), ..Default::default() }, &env())
+            .expect_err("cuda");
         assert!(e.reason.contains(&NotYet::CudaPools.to_string()), "{e}");
     }
 
@@ -949,15 +917,21 @@ mod tests {
         let d = s.engine(Role::Decode);
         assert_eq!(p.mem, [MemPlace::Host; 2]);
         assert_eq!(p.worker.transport.progress, ProgressMode::Wait);
-        assert!(matches!(&p.launch, crate::pipeline::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:7000"));
-        assert!(matches!(&d.launch, crate::pipeline::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:7001"));
+        assert!(
+            matches!(&p.launch, crate::pipeline::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:7000")
+        );
+        assert!(
+            matches!(&d.launch, crate::pipeline::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:7001")
+        );
         assert_eq!(p.side_channel_bind.as_deref(), Some("tcp://0.0.0.0:0"));
         assert_eq!(d.side_channel_bind, None);
         assert_eq!((p.seed, d.seed), (0, 1));
         // Port 0: both engines take a free port (the same for bench and bench --serve).
         let zero = BenchFlags { listen: Some("tcp://0.0.0.0:0".into()), ..flags };
         let d = resolve(&zero, &env()).expect("valid").engine(Role::Decode);
-        assert!(matches!(&d.launch, crate::pipeline::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:0"));
+        assert!(
+            matches!(&d.launch, crate::pipeline::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:0")
+        );
     }
 
     #[test]
@@ -990,26 +964,12 @@ mod tests {
     }
 
     #[test]
-    fn plans_resolve_every_run_first() {
-        let flags = BenchFlags { compare_transports: Some(vec!["ucx".into(), "storage".into()]), ..Default::default() };
-        let BenchPlan::CompareTransports(runs) = resolve_plan(&flags, &env()).expect("valid") else {
-            panic!("a comparison")
-        };
-        let kinds: Vec<_> = runs.iter().map(|r| r.workers.transport.kind).collect();
-        assert_eq!(kinds, [TransportKind::Ucx, TransportKind::Storage]);
-        let bad = BenchFlags { compare_transports: Some(vec!["ucx".into(), "nccl".into()]), ..Default::default() };
-        assert_eq!(resolve_plan(&bad, &env()).expect_err("nccl").flag, "--compare-transports");
-        let serve = BenchFlags { serve: true, ..Default::default() };
-        assert!(matches!(resolve_plan(&serve, &env()), Ok(BenchPlan::Serve(_))));
-        assert!(matches!(resolve_plan(&BenchFlags::default(), &env()), Ok(BenchPlan::Single(_))));
-    }
-
-    #[test]
     fn scenario_records_the_choices_by_name() {
-        let s = resolve(&BenchFlags { on_load_failure: Some("recompute".into()), ..Default::default() }, &env())
-            .expect("valid");
+        let s =
+            resolve(&BenchFlags { on_load_failure: Some("recompute".into()), ..Default::default() }, &env())
+                .expect("valid");
         let sc = s.scenario();
-        assert_eq!(sc.verify.as_deref(), Some("full"));
+        assert_eq!(sc.verify.as_deref(), Some("sample"), "20 requests of 640 MiB: more than 2 GiB");
         assert_eq!(sc.transport.as_deref(), Some("ucx"));
         assert_eq!(sc.mem.as_deref(), Some("host"));
         assert_eq!(sc.on_load_failure.as_deref(), Some("recompute"));

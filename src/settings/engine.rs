@@ -74,9 +74,7 @@ impl fmt::Display for KvMemory {
 /// is named by the caller). The GPU path lifts `CudaPools`; push mode lifts `PushMode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum NotYet {
-    #[error(
-        "kvx bench registers host memory; CUDA pools need `kvx xfer --mem cuda` (feature cuda) for now"
-    )]
+    #[error("kvx bench registers host memory; CUDA pools need `kvx xfer --mem cuda` (feature cuda) for now")]
     CudaPools,
     #[error(
         "push is not implemented yet: kvx moves KV caches in pull mode (the decode side reads the \
@@ -114,7 +112,10 @@ pub fn parse_err_mode(name: &str) -> Result<ErrMode, String> {
 
 /// Parses `--progress`.
 pub fn parse_progress(name: &str) -> Result<ProgressMode, String> {
-    choice(name, &[("busy", ProgressMode::Busy), ("wait", ProgressMode::Wait), ("hybrid", ProgressMode::Hybrid)])
+    choice(
+        name,
+        &[("busy", ProgressMode::Busy), ("wait", ProgressMode::Wait), ("hybrid", ProgressMode::Hybrid)],
+    )
 }
 
 /// Parses `--transport`.
@@ -397,9 +398,8 @@ fn serve_engine_workers(
     if a.lease.is_zero() || a.timeout.is_zero() {
         return Err(ConfigError::new("--lease", "--lease and --timeout must be longer than 0"));
     }
-    let exe = exe
-        .clone()
-        .map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
+    let exe =
+        exe.clone().map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
     let host = bind_host(&a.side_channel_host);
     Ok(WorkerSettings {
         pair,
@@ -544,7 +544,8 @@ mod tests {
             let e = resolve_serve_engine(&f, &exe).expect_err(flag);
             assert_eq!(e.flag, flag, "{e}");
         }
-        let e = resolve_serve_engine(&serve_flags(HttpRole::Decode), &Err("gone".into())).expect_err("no exe");
+        let e =
+            resolve_serve_engine(&serve_flags(HttpRole::Decode), &Err("gone".into())).expect_err("no exe");
         assert_eq!(e.flag, "(system)");
     }
 }

@@ -6,7 +6,8 @@
 //!
 //! - [`model`]: model shapes (presets, Hugging Face configs); a leaf `topology` and `layouts` use.
 //! - [`scenario`]: model and engine-pair flags into a `PairSpec`; `kvx plan --scenario` files.
-//! - [`bench`]: `kvx bench` into a `BenchPlan` of `BenchSettings`; [`sweep`]: `--sweep` points.
+//! - [`bench`]: `kvx bench`'s flags and config file into `BenchSettings`; [`sweep`]: the
+//!   points of `--sweep`; [`plan`]: which of them a command line asks for, all resolved.
 //! - [`engine`]: `WorkerSettings` and the one builder of worker engines (bench, bench --serve,
 //!   serve-engine), memory placement, `kvx serve-engine`'s settings.
 //! - [`parse`]: value syntaxes flags and files share (durations, named choices).
@@ -20,5 +21,6 @@ pub mod env;
 pub mod flags;
 pub mod model;
 pub mod parse;
+pub mod plan;
 pub mod scenario;
 pub mod sweep;

@@ -208,7 +208,10 @@ mod tests {
         let plan = plan(&BenchFlags::default(), f.path(), &env()).expect("a plan");
         assert_eq!(plan.series_axis.as_deref(), Some("tp"));
         let labels: Vec<String> = plan.points.iter().map(PlannedPoint::label).collect();
-        assert_eq!(labels, ["tp=2:2 layout=LBHNC", "tp=2:2 layout=XYZ", "tp=8:2 layout=LBHNC", "tp=8:2 layout=XYZ"]);
+        assert_eq!(
+            labels,
+            ["tp=2:2 layout=LBHNC", "tp=2:2 layout=XYZ", "tp=8:2 layout=LBHNC", "tp=8:2 layout=XYZ"]
+        );
         let ok: Vec<bool> = plan.points.iter().map(|p| p.settings.is_ok()).collect();
         assert_eq!(ok, [true, false, true, false]);
         let s = plan.points[2].settings.as_ref().expect("valid point");

@@ -36,7 +36,9 @@ pub enum MemoryError {
 pub enum MemPlace {
     #[default]
     Host,
-    Cuda { device: u32 },
+    Cuda {
+        device: u32,
+    },
 }
 
 /// Page size choice for host buffers.

@@ -5,6 +5,7 @@ mod cli_errors;
 mod common;
 mod gate;
 mod handshake;
+mod layering;
 mod netns;
 mod oracle;
 mod procs;
