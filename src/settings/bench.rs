@@ -225,7 +225,7 @@ impl Layers<'_> {
     /// Renames an error's flag to the config key (and file) when the file, not a flag, gave
     /// the value the error is about.
     fn attribute(&self, e: ConfigError) -> ConfigError {
-        match (self.path, self.from_file(&e.flag)) {
+        match (self.path, self.set_by_file(&e.flag)) {
             (Some(path), true) => {
                 let key = e.flag.trim_start_matches("--").replace('-', "_");
                 ConfigError { flag: format!("{key} in {}", path.display()), reason: e.reason }
@@ -235,7 +235,7 @@ impl Layers<'_> {
     }
 
     /// Whether the value behind `flag` came from the config file.
-    fn from_file(&self, flag: &str) -> bool {
+    fn set_by_file(&self, flag: &str) -> bool {
         let (f, m, p, fi) = (self.flags, &self.flags.model, &self.flags.pair, self.file);
         let (by_flag, by_file) = match flag {
             "--model" => (m.model.is_some(), fi.model.is_some()),

@@ -529,7 +529,8 @@ mod tests {
     #[test]
     fn bad_serve_engine_values_name_their_flag() {
         let exe = Ok(PathBuf::from("/bin/kvx"));
-        let cases: [(fn(&mut ServeEngineFlags), &str); 7] = [
+        type Set = fn(&mut ServeEngineFlags);
+        let cases: [(Set, &str); 7] = [
             (|f| f.err_mode = "x".into(), "--err-mode"),
             (|f| f.progress = "spin".into(), "--progress"),
             (|f| f.verify = "most".into(), "--verify"),
