@@ -7,11 +7,11 @@ use std::collections::BTreeMap;
 use serde_json::json;
 
 use crate::pipeline::bench;
+use crate::pipeline::bench::BenchSettings;
 use crate::report::chart::{Bars, bars_svg};
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{Summary, SweepPoint};
 use crate::report::table::{Style, new_table};
-use crate::settings::bench::BenchSettings;
 
 /// CPU seconds (user + system) of this process and of its reaped children so far.
 fn cpu_seconds() -> f64 {

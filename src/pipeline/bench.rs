@@ -8,6 +8,7 @@
 //! transfer time.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -15,17 +16,135 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::engine::{Engine, EngineError, EngineFinal};
+use super::engine::{Engine, EngineConfig, EngineError, EngineFinal};
 use super::proto::{LoadResult, Role};
-use super::workload::{Arrival, Generator};
+use super::setup::{EngineSlot, WorkerSettings};
+use super::workload::{Arrival, Generator, PromptLens};
 use crate::layouts::compat::PairSpec;
 use crate::report::files::RunWriter;
 use crate::report::recorder::StageRecorder;
 use crate::report::summary::{
     Calibration, Environment, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow,
-    RequestTotals, Stage, Summary, UcxInfo,
+    RequestTotals, Scenario, Stage, Summary, UcxInfo,
 };
-use crate::settings::bench::{BenchSettings, FailurePolicy};
+
+/// What to do when a load fails (vLLM's `kv_load_failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailurePolicy {
+    /// The request ends with an error.
+    #[default]
+    Fail,
+    /// The decode side recomputes the prompt locally; counted apart.
+    Recompute,
+}
+
+impl FailurePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailurePolicy::Fail => "fail",
+            FailurePolicy::Recompute => "recompute",
+        }
+    }
+}
+
+/// A fault to inject during a run: `fault` into `role` rank `rank` after `after` measured requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultPlan {
+    pub fault: super::proto::Fault,
+    pub role: Role,
+    pub rank: u32,
+    pub after: u64,
+}
+
+/// Resolved settings of one bench run (`settings::bench` resolves them).
+#[derive(Debug, Clone)]
+pub struct BenchSettings {
+    pub name: String,
+    /// What every worker of both engines shares (the pair, transport, memory, deadlines).
+    pub workers: WorkerSettings,
+    pub lens: PromptLens,
+    pub arrival: Arrival,
+    pub requests: Option<u64>,
+    pub duration: Option<Duration>,
+    pub warmup: u64,
+    pub prefix_hit: f64,
+    pub on_failure: FailurePolicy,
+    pub fault: Option<FaultPlan>,
+    pub repeat: u32,
+    /// Measure the same-run calibration (memcpy and a UCX loopback read).
+    pub calibrate: bool,
+    /// Show a progress bar (stderr is a terminal).
+    pub progress_bar: bool,
+    /// Directory runs are written under (`--results-dir`, `KVX_RESULTS_DIR`, `results/`).
+    pub results_root: PathBuf,
+}
+
+impl BenchSettings {
+    /// The engine pair.
+    pub fn pair(&self) -> &crate::layouts::compat::PairSpec {
+        &self.workers.pair
+    }
+
+    /// The worker engine of `role`, as every bench starts it (a fresh engine id, a free
+    /// side-channel port; decode ranks placed after the prefill ranks).
+    pub fn engine(&self, role: Role) -> EngineConfig {
+        let first_device_slot = match role {
+            Role::Prefill => 0,
+            Role::Decode => self.workers.pair.p.tp,
+        };
+        self.workers.engine(EngineSlot {
+            role,
+            engine_id: format!("kvx-{}-{}", role.as_str(), uuid::Uuid::new_v4().simple()),
+            side_channel_port: 0,
+            first_device_slot,
+        })
+    }
+
+    /// The scenario as the summary records it.
+    pub fn scenario(&self) -> Scenario {
+        let (concurrency, rate) = match self.arrival {
+            Arrival::Closed { concurrency } => (Some(concurrency), None),
+            Arrival::Poisson { rate } => (None, Some(rate)),
+        };
+        let w = &self.workers;
+        let pair = &w.pair;
+        let mut s = Scenario {
+            name: Some(self.name.clone()),
+            model: Some(pair.model.name.clone()),
+            p_tp: Some(pair.p.tp),
+            d_tp: Some(pair.d.tp),
+            p_layout: Some(pair.p.layout.to_string()),
+            d_layout: Some(pair.d.layout.to_string()),
+            p_block_size: Some(pair.p.block_tokens),
+            d_block_size: Some(pair.d.block_tokens),
+            prompt_len: Some(self.lens.to_string()),
+            prefix_hit: Some(self.prefix_hit),
+            alloc: Some(w.alloc.to_string()),
+            requests: self.requests,
+            duration_s: self.duration.map(|d| d.as_secs_f64()),
+            warmup: Some(self.warmup),
+            concurrency,
+            rate_rps: rate,
+            inflight: Some(w.transport.inflight),
+            repeat: Some(self.repeat),
+            verify: Some(w.verify.as_str().to_string()),
+            transport: Some(w.transport.kind.as_str().to_string()),
+            mem: Some(w.mem.to_string()),
+            on_load_failure: Some(self.on_failure.as_str().to_string()),
+            seed: Some(w.seed),
+            extra: BTreeMap::new(),
+        };
+        s.extra.insert("vllm_rules".into(), serde_json::json!(pair.version.as_str()));
+        s.extra.insert("pool_blocks_p".into(), serde_json::json!(pair.p.num_blocks));
+        s.extra.insert("pool_blocks_d".into(), serde_json::json!(pair.d.num_blocks));
+        s.extra.insert("coalesce".into(), serde_json::json!(w.transport.coalesce));
+        if w.transport.slowdown > 0.0 {
+            s.extra.insert("slowdown".into(), serde_json::json!(w.transport.slowdown));
+        }
+        s.extra.insert("progress".into(), serde_json::json!(w.transport.progress.to_string()));
+        s
+    }
+}
 
 /// Why a bench could not run.
 #[derive(Debug, thiserror::Error)]

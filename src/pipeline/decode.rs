@@ -237,7 +237,7 @@ impl Decoder<'_> {
         let prelim = topology::rank_map(&tp).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
         let ranks: Vec<(u32, u32)> =
             prelim.d_ranks[cfg.rank as usize].handshake_ranks.iter().map(|&r| (0, r)).collect();
-        let factors = compat_factors(&cfg.pair.model, cfg.pair.version);
+        let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
         let validate = |meta: &KvxMetadata| -> Result<(), String> {
             let pair = peer_pair(&cfg.pair, meta)?;
             pair.validate().map(|_| ()).map_err(|e| e.to_string())

@@ -13,5 +13,6 @@ pub mod pool;
 pub mod prefill;
 pub mod proto;
 pub mod rank;
+pub mod setup;
 pub mod worker;
 pub mod workload;

@@ -165,7 +165,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             num_blocks: r.num_blocks,
         })
         .collect();
-    let factors = compat_factors(&cfg.pair.model, cfg.pair.version);
+    let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
     let meta = KvxMetadata::new(
         cfg.engine_id.clone(),
         worker_address,

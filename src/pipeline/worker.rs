@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::proto::{self, FromWorker, ToWorker, WorkerConfig};
+use super::proto::{self, FromWorker, ToWorker, TransferMode, WorkerConfig};
 use crate::layouts::compat::PairSpec;
 use crate::settings::model::ModelShape;
 use crate::topology::VllmVersion;
@@ -127,8 +127,8 @@ pub fn rss_bytes() -> u64 {
 }
 
 /// The compatibility factors both sides of a pair hash (model, dtype, heads, head size,
-/// layers, layout family).
-pub fn compat_factors(model: &ModelShape, version: VllmVersion) -> CompatFactors {
+/// layers, layout family, transfer mode).
+pub fn compat_factors(model: &ModelShape, version: VllmVersion, mode: TransferMode) -> CompatFactors {
     CompatFactors::kvx(&KvxFactors {
         kvx_format_version: KVX_METADATA_FORMAT,
         model: model.name.clone(),
@@ -141,7 +141,7 @@ pub fn compat_factors(model: &ModelShape, version: VllmVersion) -> CompatFactors
             VllmVersion::V0_33 => "v0.33".into(),
             VllmVersion::V0_19 => "classic".into(),
         },
-        transfer_mode: "pull".into(),
+        transfer_mode: mode.as_str().into(),
     })
 }
 

@@ -23,13 +23,14 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::engine::{self, EngineState, Role as HttpRole};
+use super::engine::{self, EngineConfig as HttpEngineConfig, EngineState, Role as HttpRole};
 use super::load::{self, Arrival as LoadArrival, LoadConfig, LoadRun, Target};
 use super::load_report;
 use super::openai::Endpoint;
 use super::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
 use super::workers::{KvRequestRecord, KvStats, WorkerKv};
 use crate::Outcome;
+use crate::pipeline::bench::BenchSettings;
 use crate::pipeline::engine::{EngineError, EngineFinal};
 use crate::pipeline::proto::Role;
 use crate::pipeline::workload::{Arrival, PromptLens};
@@ -43,10 +44,21 @@ use crate::report::summary::{
 use crate::report::table::{
     Style, failures_table, per_rank_table, scenario_table, section, stage_table, throughput_table,
 };
-use crate::settings::bench::{BenchSettings, SERVE_MAX_TOKENS};
 
 /// Tokens generated per request: enough for ITL and TPOT to mean something.
-pub const MAX_TOKENS: u64 = SERVE_MAX_TOKENS;
+pub const MAX_TOKENS: u64 = 16;
+
+/// The HTTP side of one engine: the bench's model, block size and TP, a context that fits the
+/// longest prompt and its generated tokens.
+fn http_config(s: &BenchSettings, role: HttpRole) -> HttpEngineConfig {
+    let pair = s.pair();
+    let spec = if role == HttpRole::Prefill { &pair.p } else { &pair.d };
+    let mut c = HttpEngineConfig::new(role, pair.model.name.clone());
+    c.max_model_len = u64::from(s.lens.max()) + MAX_TOKENS + 1;
+    c.block_size_tokens = spec.block_tokens;
+    c.tp_size = spec.tp;
+    c
+}
 
 /// Why `kvx bench --serve` could not run.
 #[derive(Debug, thiserror::Error)]
@@ -196,8 +208,8 @@ fn measure(s: &BenchSettings) -> Result<Measured, BenchServeError> {
         .build()
         .map_err(|e| BenchServeError::Io(format!("async runtime: {e}")))?;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let p_state = EngineState::new(s.http_engine(HttpRole::Prefill), p_kv.clone());
-    let d_state = EngineState::new(s.http_engine(HttpRole::Decode), d_kv.clone());
+    let p_state = EngineState::new(http_config(s, HttpRole::Prefill), p_kv.clone());
+    let d_state = EngineState::new(http_config(s, HttpRole::Decode), d_kv.clone());
     let started = servers.block_on(async {
         let (p_addr, p_task) = spawn_server(&stop_rx, |l, stop| engine::serve(l, p_state, stop)).await?;
         let (d_addr, d_task) = spawn_server(&stop_rx, |l, stop| engine::serve(l, d_state, stop)).await?;

@@ -1,5 +1,5 @@
 //! `kvx bench`: flags, the bench-config file (TOML), the environment and defaults resolved into
-//! one [`BenchSettings`] per run, validated once.
+//! one `pipeline::bench::BenchSettings` per run, validated once.
 //!
 //! Precedence: defaults < config file < environment < flags. Every error names what to change:
 //! the flag (`--inflight`), or the config key and file (`inflight in bench.toml`) when the
@@ -7,15 +7,13 @@
 //! UCX error and progress modes, verification, failure policy, notifications); workers receive
 //! them as such. Must not run anything.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
 
 use super::engine::{
-    EngineSlot, KvMemory, WorkerSettings, check_inflight, parse_err_mode, parse_mode, parse_progress,
-    parse_transport, parse_verify, supported,
+    check_inflight, parse_err_mode, parse_mode, parse_progress, parse_transport, parse_verify, supported,
 };
 use super::env::ProcessEnv;
 use super::flags::{ModelFlags, PairFlags};
@@ -23,16 +21,13 @@ use super::parse::{choice, parse_duration};
 use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
-use crate::pipeline::engine::{EngineConfig, split_endpoint};
+use crate::pipeline::bench::{BenchSettings, FailurePolicy, FaultPlan};
+use crate::pipeline::engine::split_endpoint;
 use crate::pipeline::proto::{Fault, Role, TransportConfig, TransportKind, VerifyMode};
+use crate::pipeline::setup::{KvMemory, WorkerSettings};
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::results_root;
-use crate::report::summary::Scenario;
-use crate::serve::engine::{EngineConfig as HttpEngineConfig, Role as HttpRole};
 use crate::transfer::notify::NotifyTransport;
-
-/// Tokens each request generates in `kvx bench --serve`: enough for ITL and TPOT to mean something.
-pub const SERVE_MAX_TOKENS: u64 = 16;
 
 /// `kvx bench`'s flags as plain data (what `cli` parsed; `None`/`false` when not given).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -146,57 +141,6 @@ impl BenchFile {
             .map_err(|e| ConfigError::new("--config", format!("cannot read {}: {e}", path.display())))?;
         toml::from_str(&text).map_err(|e| ConfigError::new("--config", format!("{}: {e}", path.display())))
     }
-}
-
-/// What to do when a load fails (vLLM's `kv_load_failure_policy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum FailurePolicy {
-    /// The request ends with an error.
-    #[default]
-    Fail,
-    /// The decode side recomputes the prompt locally; counted apart.
-    Recompute,
-}
-
-impl FailurePolicy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailurePolicy::Fail => "fail",
-            FailurePolicy::Recompute => "recompute",
-        }
-    }
-}
-
-/// A fault to inject during a run: `fault` into `role` rank `rank` after `after` measured requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FaultPlan {
-    pub fault: Fault,
-    pub role: Role,
-    pub rank: u32,
-    pub after: u64,
-}
-
-/// Resolved settings of one bench run.
-#[derive(Debug, Clone)]
-pub struct BenchSettings {
-    pub name: String,
-    /// What every worker of both engines shares (the pair, transport, memory, deadlines).
-    pub workers: WorkerSettings,
-    pub lens: PromptLens,
-    pub arrival: Arrival,
-    pub requests: Option<u64>,
-    pub duration: Option<Duration>,
-    pub warmup: u64,
-    pub prefix_hit: f64,
-    pub on_failure: FailurePolicy,
-    pub fault: Option<FaultPlan>,
-    pub repeat: u32,
-    /// Measure the same-run calibration (memcpy and a UCX loopback read).
-    pub calibrate: bool,
-    /// Show a progress bar (stderr is a terminal).
-    pub progress_bar: bool,
-    /// Directory runs are written under (`--results-dir`, `KVX_RESULTS_DIR`, `results/`).
-    pub results_root: PathBuf,
 }
 
 /// Flags over file over defaults: one bench run.
@@ -611,84 +555,6 @@ pub fn parse_fault(s: &str) -> Result<FaultPlan, ConfigError> {
         rank: rank.parse().map_err(|_| bad())?,
         after: after.parse().map_err(|_| bad())?,
     })
-}
-
-impl BenchSettings {
-    /// The engine pair.
-    pub fn pair(&self) -> &crate::layouts::compat::PairSpec {
-        &self.workers.pair
-    }
-
-    /// The worker engine of `role`, as every bench starts it (a fresh engine id, a free
-    /// side-channel port; decode ranks placed after the prefill ranks).
-    pub fn engine(&self, role: Role) -> EngineConfig {
-        let first_device_slot = match role {
-            Role::Prefill => 0,
-            Role::Decode => self.workers.pair.p.tp,
-        };
-        self.workers.engine(EngineSlot {
-            role,
-            engine_id: format!("kvx-{}-{}", role.as_str(), uuid::Uuid::new_v4().simple()),
-            side_channel_port: 0,
-            first_device_slot,
-        })
-    }
-
-    /// The HTTP side of one engine of `kvx bench --serve`.
-    pub fn http_engine(&self, role: HttpRole) -> HttpEngineConfig {
-        let pair = &self.workers.pair;
-        let spec = if role == HttpRole::Prefill { &pair.p } else { &pair.d };
-        let mut c = HttpEngineConfig::new(role, pair.model.name.clone());
-        c.max_model_len = u64::from(self.lens.max()) + SERVE_MAX_TOKENS + 1;
-        c.block_size_tokens = spec.block_tokens;
-        c.tp_size = spec.tp;
-        c
-    }
-
-    /// The scenario as the summary records it.
-    pub fn scenario(&self) -> Scenario {
-        let (concurrency, rate) = match self.arrival {
-            Arrival::Closed { concurrency } => (Some(concurrency), None),
-            Arrival::Poisson { rate } => (None, Some(rate)),
-        };
-        let w = &self.workers;
-        let pair = &w.pair;
-        let mut s = Scenario {
-            name: Some(self.name.clone()),
-            model: Some(pair.model.name.clone()),
-            p_tp: Some(pair.p.tp),
-            d_tp: Some(pair.d.tp),
-            p_layout: Some(pair.p.layout.to_string()),
-            d_layout: Some(pair.d.layout.to_string()),
-            p_block_size: Some(pair.p.block_tokens),
-            d_block_size: Some(pair.d.block_tokens),
-            prompt_len: Some(self.lens.to_string()),
-            prefix_hit: Some(self.prefix_hit),
-            alloc: Some(w.alloc.to_string()),
-            requests: self.requests,
-            duration_s: self.duration.map(|d| d.as_secs_f64()),
-            warmup: Some(self.warmup),
-            concurrency,
-            rate_rps: rate,
-            inflight: Some(w.transport.inflight),
-            repeat: Some(self.repeat),
-            verify: Some(w.verify.as_str().to_string()),
-            transport: Some(w.transport.kind.as_str().to_string()),
-            mem: Some(w.mem.to_string()),
-            on_load_failure: Some(self.on_failure.as_str().to_string()),
-            seed: Some(w.seed),
-            extra: BTreeMap::new(),
-        };
-        s.extra.insert("vllm_rules".into(), serde_json::json!(pair.version.as_str()));
-        s.extra.insert("pool_blocks_p".into(), serde_json::json!(pair.p.num_blocks));
-        s.extra.insert("pool_blocks_d".into(), serde_json::json!(pair.d.num_blocks));
-        s.extra.insert("coalesce".into(), serde_json::json!(w.transport.coalesce));
-        if w.transport.slowdown > 0.0 {
-            s.extra.insert("slowdown".into(), serde_json::json!(w.transport.slowdown));
-        }
-        s.extra.insert("progress".into(), serde_json::json!(w.transport.progress.to_string()));
-        s
-    }
 }
 
 #[cfg(test)]

@@ -4,11 +4,12 @@
 
 use std::path::Path;
 
-use super::bench::{BenchFlags, BenchSettings, resolve};
+use super::bench::{BenchFlags, resolve};
 use super::engine::parse_transport;
 use super::env::ProcessEnv;
 use super::sweep::{self, SweepPlan};
 use crate::error::ConfigError;
+use crate::pipeline::bench::BenchSettings;
 
 /// What `kvx bench` was asked to do, with every run resolved before any starts.
 #[derive(Debug, Clone)]

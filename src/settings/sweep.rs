@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::bench::{BenchFile, BenchFlags, BenchSettings, resolve};
+use super::bench::{BenchFile, BenchFlags, resolve};
 use super::env::ProcessEnv;
 use crate::error::ConfigError;
+use crate::pipeline::bench::BenchSettings;
 use crate::report::files::results_root;
 
 /// The axes a sweep may vary, in the order points are enumerated.
