@@ -3,22 +3,27 @@
 //!
 //! # Layout
 //!
-//! Dependencies point down only:
+//! Dependencies point down only, and no two files import each other (`tests/it/layering.rs`):
 //!
 //! ```text
 //! bin/kvx.rs     parse args, call `kvx::run`, map the error to an exit code
-//! cli/           clap types and help text, one file per subcommand
-//! settings/      env names (KVX_*), model presets, resolve(cli, file, env) -> validated settings
-//! topology/      TP rank maps, P->D pairing, side-channel ports              (pure)
-//! layouts/       KV layouts, regions, descriptor plans, byte patterns        (pure)
-//! transfer/      memory, UCX (the only FFI), ZMQ handshake, xfer/probe/doctor
-//! pipeline/      P and D workers, request lifecycle, `kvx bench`
-//! serve/         reference engine, proxy and load generator (HTTP)
+//! cli/           clap types and help text, one file per subcommand; flags handed to settings
+//!                as plain data, the resolved run started and printed
+//! settings/      flags + config files + env (KVX_*) + defaults -> typed, validated settings
+//!                (BenchSettings, ServeEngineSettings, WorkerSettings); model presets
+//! serve/         reference engine, proxy and load generator (HTTP), `kvx bench --serve`
+//! pipeline/      engines of worker processes, the worker process and its role loops, the
+//!                control protocol (typed worker settings), the engine builder, `kvx bench`
 //! report/        summaries, tables, JSON/CSV/SVG export, comparison and gate
+//! transfer/      memory, UCX (the only FFI), ZMQ handshake, xfer/probe/doctor
+//! layouts/       KV layouts, regions, descriptor plans, byte patterns        (pure)
+//! topology/      TP rank maps, P->D pairing, side-channel ports              (pure)
 //! ```
 //!
-//! `topology` and `layouts` use nothing of kvx but each other and `settings::model`;
-//! `report` never measures and never runs transfers.
+//! Nothing below `cli` imports `cli`; `settings` builds the values the layers below take and
+//! none of them imports its resolution. `settings::model`, `settings::env` and `error` are
+//! leaves every layer may use. `topology` and `layouts` use nothing of kvx but each other and
+//! those leaves; `report` never measures and never runs transfers.
 
 pub mod cli;
 pub mod error;

@@ -3,9 +3,10 @@
 //!
 //! Precedence: defaults < config file < environment < flags. Every error names what to change:
 //! the flag (`--inflight`), or the config key and file (`inflight in bench.toml`) when the
-//! value came from the file. Owns the typed choices of a run (transport, transfer mode, memory,
-//! UCX error and progress modes, verification, failure policy, notifications); workers receive
-//! them as such. Must not run anything.
+//! value came from the file. Every choice of a run is resolved here into its type (transport,
+//! transfer mode, memory, UCX error and progress modes, verification, failure policy,
+//! notifications); workers receive them as such, never as strings to parse again. Must not run
+//! anything.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
