@@ -283,7 +283,7 @@ impl Layers<'_> {
                 if devices.is_some() {
                     return Err(ConfigError::new(
                         "--devices",
-                        "devices place CUDA pools: pass --mem cuda with them, or drop them for host memory",
+                        "--device and --devices place CUDA pools: pass --mem cuda with them, or drop them for host memory",
                     ));
                 }
                 KvMemory::Host
