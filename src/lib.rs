@@ -3,26 +3,31 @@
 //!
 //! # Layout
 //!
-//! Dependencies point down only:
+//! Dependencies point down only, and no two files import each other (`tests/it/layering.rs`):
 //!
 //! ```text
 //! bin/kvx.rs     parse args, call `kvx::run`, map the result to an exit code (`error::finish`)
 //! error.rs       ConfigError, exit codes (0 ok, 1 failed run or regression, 2 error, 130/143)
 //! output.rs      the one place stdout and stderr are written; a closed stdout ends the run
-//! cli/           clap types and help text, one file per subcommand
-//! settings/      env names (KVX_*), model presets, resolve(cli, file, env) -> validated settings
-//! topology/      TP rank maps, P->D pairing, side-channel ports              (pure)
-//! layouts/       KV layouts, regions, descriptor plans, byte patterns        (pure)
-//! transfer/      memory, UCX (the only FFI), ZMQ handshake, xfer/probe/doctor
-//! pipeline/      P and D workers, request lifecycle, `kvx bench`
-//! serve/         reference engine, proxy and load generator (HTTP)
+//! cli/           clap types and help text, one file per subcommand; flags handed to settings
+//!                as plain data, the resolved run started and printed
+//! settings/      flags + config files + env (KVX_*) + defaults -> typed, validated settings
+//!                (BenchSettings, ServeEngineSettings, WorkerSettings); model presets
+//! serve/         reference engine, proxy and load generator (HTTP), `kvx bench --serve`
+//! pipeline/      engines of worker processes, the worker process and its role loops, the
+//!                control protocol (typed worker settings), the engine builder, `kvx bench`
 //! report/        summaries, tables, JSON/CSV/SVG export, comparison and gate
+//! transfer/      memory, UCX (the only FFI), ZMQ handshake, xfer/probe/doctor
+//! layouts/       KV layouts, regions, descriptor plans, byte patterns        (pure)
+//! topology/      TP rank maps, P->D pairing, side-channel ports              (pure)
 //! ```
 //!
-//! `topology` and `layouts` use nothing of kvx but each other and `settings::model`;
-//! `report` never measures and never runs transfers. `unsafe` lives only in `transfer::ucx`
-//! and the transfer layer's memory modules; every other module is declared (or declares
-//! itself) `forbid(unsafe_code)`, and `tests/it/edge.rs` checks the sources.
+//! Nothing below `cli` imports `cli`; `settings` builds the values the layers below take and
+//! none of them imports its resolution. `settings::model`, `settings::env`, `error` and `output`
+//! are leaves every layer may use. `topology` and `layouts` use nothing of kvx but each other and
+//! those leaves; `report` never measures and never runs transfers. `unsafe` lives only in
+//! `transfer::ucx` and the transfer layer's memory modules; every other module is declared (or
+//! declares itself) `forbid(unsafe_code)`, and `tests/it/edge.rs` checks the sources.
 
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 

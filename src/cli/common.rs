@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
+use crate::settings::flags::{ModelFlags, PairFlags, PortFlags};
+
 /// Output format of a report-like command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
 pub enum Format {
@@ -81,9 +83,41 @@ pub struct PairArgs {
     pub permute: bool,
 }
 
+impl ModelArgs {
+    /// The flags as plain data, for `settings`.
+    pub fn flags(&self) -> ModelFlags {
+        ModelFlags {
+            model: self.model.clone(),
+            model_config: self.model_config.clone(),
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            layers: self.layers,
+            dtype: self.dtype.clone(),
+            mla: self.mla,
+            mla_dim: self.mla_dim,
+        }
+    }
+}
+
 impl PairArgs {
     pub fn block_size(&self) -> u32 {
-        self.block_size.unwrap_or(16)
+        self.flags().block_size()
+    }
+
+    /// The flags as plain data, for `settings`.
+    pub fn flags(&self) -> PairFlags {
+        PairFlags {
+            p_tp: self.p_tp,
+            d_tp: self.d_tp,
+            vllm: self.vllm.clone(),
+            layout: self.layout.clone(),
+            p_layout: self.p_layout.clone(),
+            d_layout: self.d_layout.clone(),
+            block_size: self.block_size,
+            p_block_size: self.p_block_size,
+            d_block_size: self.d_block_size,
+            permute: self.permute,
+        }
     }
 }
 
@@ -102,4 +136,16 @@ pub struct PortArgs {
     /// Port scheme: engine (base + dp_rank, vLLM >= 0.11) or worker (base + dp_rank*tp + tp_rank).
     #[arg(long, value_name = "SCHEME", default_value = "engine", help_heading = "Ports")]
     pub port_scheme: String,
+}
+
+impl PortArgs {
+    /// The flags as plain data, for `settings`.
+    pub fn flags(&self) -> PortFlags {
+        PortFlags {
+            p_dp: self.p_dp,
+            d_dp: self.d_dp,
+            side_channel_port: self.side_channel_port,
+            port_scheme: self.port_scheme.clone(),
+        }
+    }
 }

@@ -6,9 +6,8 @@ use std::collections::BTreeMap;
 
 use serde_json::json;
 
-use super::bench::{BenchArgs, resolve};
 use crate::pipeline::bench;
-use crate::pipeline::proto::TransportKind;
+use crate::pipeline::bench::BenchSettings;
 use crate::report::chart::{Bars, bars_svg};
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{Summary, SweepPoint};
@@ -43,33 +42,16 @@ const NOT_MEASURED: &[(&str, &str, &str)] = &[
     ("LMCacheConnectorV1", "variable (vLLM's guide)", "needs an LMCache server (external service) and GPUs"),
 ];
 
-fn kind_of(name: &str) -> Option<TransportKind> {
-    match name {
-        "ucx" => Some(TransportKind::Ucx),
-        "storage" => Some(TransportKind::Storage),
-        "multi" => Some(TransportKind::Multi),
-        _ => None,
-    }
-}
-
-/// Runs every transport; returns the comparison summary (one sweep point per transport).
-pub fn run(args: &BenchArgs, writer: &mut RunWriter, run_id: &str) -> anyhow::Result<(Summary, String)> {
-    let names = args.compare_transports.clone().unwrap_or_default();
-    let mut plans = Vec::new();
-    for n in &names {
-        let kind = kind_of(n.trim()).ok_or_else(|| {
-            crate::error::ConfigError::new(
-                "--compare-transports",
-                format!("'{n}' is not ucx, storage or multi"),
-            )
-        })?;
-        let mut a = args.clone();
-        a.compare_transports = None;
-        a.transport = Some(n.trim().to_string());
-        let s = resolve(&a)?;
-        plans.push((n.trim().to_string(), kind, s));
-    }
-    let Some((_, _, first)) = plans.first() else {
+/// Runs the same workload on each transport (`runs`, resolved by `settings::bench`); returns
+/// the comparison summary (one sweep point per transport) and its table.
+pub fn run(
+    runs: &[BenchSettings],
+    writer: &mut RunWriter,
+    run_id: &str,
+) -> anyhow::Result<(Summary, String)> {
+    let plans: Vec<(String, &BenchSettings)> =
+        runs.iter().map(|s| (s.workers.transport.kind.as_str().to_string(), s)).collect();
+    let Some((_, first)) = plans.first() else {
         anyhow::bail!("--compare-transports needs at least one of ucx, storage, multi");
     };
     let mut summary = Summary::new(run_id, crate::report::summary::now_rfc3339(), first.scenario());
@@ -77,7 +59,7 @@ pub fn run(args: &BenchArgs, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
     summary.environment = crate::report::summary::Environment::detect();
     let mut points = Vec::new();
     let mut rows = Vec::new();
-    for (i, (name, _kind, settings)) in plans.iter().enumerate() {
+    for (i, (name, settings)) in plans.iter().enumerate() {
         crate::output::note!("kvx bench --compare-transports: {name} ({}/{})", i + 1, plans.len());
         let cpu0 = cpu_seconds();
         let s = bench::run(settings, writer, &format!("{run_id}-{name}"))?;
@@ -96,7 +78,7 @@ pub fn run(args: &BenchArgs, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
             label: name.clone(),
             series: Some(name.clone()),
             params,
-            block_size: Some(settings.pair.p.block_tokens),
+            block_size: Some(settings.pair().p.block_tokens),
             bytes_per_descriptor: None,
             throughput_gbps: s.throughput_gbps,
             requests_per_s: s.requests_per_s,

@@ -93,7 +93,7 @@ struct LayoutJson {
 
 fn resolve(args: &LayoutArgs) -> Result<(PairSpec, RankGeometry), ConfigError> {
     let version = scenario::resolve_version(&args.vllm)?;
-    let model = scenario::resolve_model(&args.model)?;
+    let model = scenario::resolve_model(&args.model.flags())?;
     let layout = match &args.layout {
         Some(l) => Layout::parse_for(l, version).map_err(|e| ConfigError::new("--layout", e))?,
         None => Layout::default_for(version),

@@ -139,7 +139,7 @@ fn resolve(args: &PlanArgs) -> Result<Resolved, ConfigError> {
         (Some(local), Some(remote), _) => {
             let p_pool = args.p_num_blocks.unwrap_or_else(|| remote.iter().max().map_or(1, |m| m + 1));
             let d_pool = args.d_num_blocks.unwrap_or_else(|| local.iter().max().map_or(1, |m| m + 1));
-            let pair = scenario::resolve_pair(&args.model, &args.pair, p_pool, d_pool)?;
+            let pair = scenario::resolve_pair(&args.model.flags(), &args.pair.flags(), p_pool, d_pool)?;
             Ok(Resolved { pair, blocks: RequestBlocks { local: local.clone(), remote: remote.clone() }, ids })
         }
         (_, _, Some(tokens)) => {
@@ -150,7 +150,7 @@ fn resolve(args: &PlanArgs) -> Result<Resolved, ConfigError> {
             let n_d = tokens.div_ceil(d_bs);
             let p_pool = args.p_num_blocks.unwrap_or(n_p.saturating_mul(2));
             let d_pool = args.d_num_blocks.unwrap_or(n_d.saturating_mul(2));
-            let pair = scenario::resolve_pair(&args.model, &args.pair, p_pool, d_pool)?;
+            let pair = scenario::resolve_pair(&args.model.flags(), &args.pair.flags(), p_pool, d_pool)?;
             let pattern = parse_alloc(&args.alloc)?;
             let remote = allocate(pattern, n_p, p_pool, args.seed, "--p-num-blocks")?;
             let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;

@@ -12,34 +12,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Args, ValueEnum};
+use clap::Args;
 
-use super::common::{ModelArgs, PairArgs};
-use super::xfer::parse_duration;
+use super::common::ModelArgs;
 use crate::Outcome;
 use crate::error::ConfigError;
-use crate::layouts::alloc::AllocPattern;
-use crate::pipeline::engine::{EngineConfig as WorkerEngineConfig, Launch};
-use crate::pipeline::proto::{self, TransportConfig, TransportKind, VerifyMode, WorkerConfig};
-use crate::serve::engine::{self, EngineConfig, EngineState, Role};
-use crate::serve::kv::{EngineIdentity, KvBackend, NullKv};
+use crate::serve::engine::{self, EngineState, Role};
+use crate::serve::kv::{KvBackend, NullKv};
 use crate::serve::workers::WorkerKv;
-use crate::settings::scenario;
-
-/// Which KV backend the engine uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum KvBackendKind {
-    /// One `kvx worker` process per TP rank holding a registered KV pool: the prefill
-    /// engine fills and holds blocks and serves its side channel; the decode engine
-    /// handshakes, reads them with one-sided UCX GETs, verifies and notifies.
-    Workers,
-    /// No KV transfer at all: block ids are computed, nothing is held or read. For measuring
-    /// the HTTP/proxy path alone; `/metrics` labels it `kv_transfer="none"`.
-    Null,
-}
-
-/// Per-rank pool budget used when `--pool-blocks` is not given.
-pub const DEFAULT_POOL_BYTES_PER_RANK: u64 = 512 << 20;
+pub use crate::settings::engine::{KvBackendKind, KvSettings, ServeEngineSettings};
+use crate::settings::engine::{ServeEngineFlags, resolve_serve_engine};
+use crate::settings::env::ProcessEnv;
+use crate::settings::parse::parse_duration;
 
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  \
@@ -150,177 +134,47 @@ pub struct ServeEngineArgs {
     pub huge_pages: bool,
 }
 
-/// How the engine's KV side is built.
-#[derive(Debug, Clone)]
-pub enum KvSettings {
-    Null(EngineIdentity),
-    Workers(Box<WorkerEngineConfig>),
-}
-
-/// Everything `kvx serve-engine` runs with.
-#[derive(Debug, Clone)]
-pub struct ServeEngineSettings {
-    pub http: EngineConfig,
-    pub kv: KvSettings,
-}
-
-/// A bind address for ZMQ, which does not resolve host names when binding.
-fn bind_host(host: &str) -> String {
-    if host == "localhost" { "127.0.0.1".to_string() } else { host.to_string() }
-}
-
-/// Checks the flags and builds the engine settings.
-pub fn resolve(a: &ServeEngineArgs) -> Result<ServeEngineSettings, ConfigError> {
-    if a.tp == 0 {
-        return Err(ConfigError::new("--tp", "tensor-parallel size must be at least 1"));
-    }
-    if a.block_size == 0 {
-        return Err(ConfigError::new("--block-size", "block size must be at least 1 token"));
-    }
-    if a.max_model_len < 2 {
-        return Err(ConfigError::new("--max-model-len", "context must hold a prompt and one token (>= 2)"));
-    }
-    if !(a.prefill_tokens_per_s.is_finite() && a.prefill_tokens_per_s >= 0.0) {
-        return Err(ConfigError::new("--prefill-tokens-per-s", "must be a finite number >= 0 (0 = instant)"));
-    }
-    if !(a.itl_ms.is_finite() && (0.0..=60_000.0).contains(&a.itl_ms)) {
-        return Err(ConfigError::new("--itl-ms", "must be between 0 and 60000 milliseconds"));
-    }
-    if a.max_num_seqs == 0 {
-        return Err(ConfigError::new("--max-num-seqs", "must be at least 1"));
-    }
-    if a.eos_at == Some(0) {
-        return Err(ConfigError::new("--eos-at", "EOS position counts from 1"));
-    }
-    let engine_id = a.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-    let model_name =
-        a.model_name.clone().or_else(|| a.model.model.clone()).unwrap_or_else(|| "kvx-synthetic".to_string());
-    let http = EngineConfig {
-        role: a.role,
-        model_name,
-        max_model_len: a.max_model_len,
-        block_size_tokens: a.block_size,
-        tp_size: a.tp,
-        prefill_tokens_per_s: a.prefill_tokens_per_s,
-        itl: Duration::from_secs_f64(a.itl_ms / 1000.0),
-        api_key: a.api_key.clone(),
-        max_num_seqs: a.max_num_seqs,
-        eos_at: a.eos_at,
-    };
-    let kv = match a.kv_backend {
-        KvBackendKind::Null => KvSettings::Null(EngineIdentity {
-            engine_id,
-            side_channel_host: a.side_channel_host.clone(),
-            side_channel_port: a.side_channel_port,
-            tp_size: a.tp,
-        }),
-        KvBackendKind::Workers => KvSettings::Workers(Box::new(resolve_workers(a, engine_id)?)),
-    };
-    Ok(ServeEngineSettings { http, kv })
-}
-
-/// The worker engine behind `--kv-backend workers`: this engine's TP, layout, block size
-/// and pool make its side of the pair; the other side is learned at handshake time.
-fn resolve_workers(a: &ServeEngineArgs, engine_id: String) -> Result<WorkerEngineConfig, ConfigError> {
-    let pair_args = PairArgs {
-        p_tp: Some(a.tp),
-        d_tp: Some(a.tp),
-        vllm: a.vllm.clone(),
-        layout: a.layout.clone(),
-        block_size: Some(a.block_size),
-        ..PairArgs::default()
-    };
-    // The pair's checks speak of P and D; this engine is one side with its own flags.
-    let own_flag = |e: ConfigError| {
-        let flag = match e.flag.as_str() {
-            "--p-tp" | "--d-tp" => "--tp".to_string(),
-            "--p-layout" | "--d-layout" => "--layout".to_string(),
-            "--p-block-size" | "--d-block-size" => "--block-size".to_string(),
-            other => other.to_string(),
-        };
-        ConfigError { flag, reason: e.reason }
-    };
-    // Pool size needs the block size in bytes, which needs the shape: resolve once to size.
-    let probe = scenario::resolve_pair(&a.model, &pair_args, 1, 1).map_err(own_flag)?;
-    let blocks_per_prompt = u32::try_from(a.max_model_len.div_ceil(u64::from(a.block_size)))
-        .map_err(|_| ConfigError::new("--max-model-len", "too many blocks per prompt"))?;
-    let block_bytes = probe.p_geometry(0).block_bytes_all_layers().max(1);
-    let pool = match a.pool_blocks {
-        Some(0) => return Err(ConfigError::new("--pool-blocks", "the pool needs at least 1 block")),
-        Some(n) => n,
-        None => {
-            let budget = u32::try_from(DEFAULT_POOL_BYTES_PER_RANK / block_bytes).unwrap_or(u32::MAX);
-            blocks_per_prompt.saturating_mul(4).min(budget).max(blocks_per_prompt).max(1)
+impl ServeEngineArgs {
+    /// The flags as plain data, for `settings::engine` (host, port and threads are this
+    /// process's own: they stay here).
+    pub fn flags(&self) -> ServeEngineFlags {
+        ServeEngineFlags {
+            role: self.role,
+            model_name: self.model_name.clone(),
+            tp: self.tp,
+            block_size: self.block_size,
+            max_model_len: self.max_model_len,
+            prefill_tokens_per_s: self.prefill_tokens_per_s,
+            itl_ms: self.itl_ms,
+            api_key: self.api_key.clone(),
+            max_num_seqs: self.max_num_seqs,
+            eos_at: self.eos_at,
+            engine_id: self.engine_id.clone(),
+            side_channel_host: self.side_channel_host.clone(),
+            side_channel_port: self.side_channel_port,
+            kv_backend: self.kv_backend,
+            model: self.model.flags(),
+            vllm: self.vllm.clone(),
+            layout: self.layout.clone(),
+            pool_blocks: self.pool_blocks,
+            alloc: self.alloc.clone(),
+            lease: self.lease,
+            timeout: self.timeout,
+            verify: self.verify.clone(),
+            ucx_lib: self.ucx_lib.clone(),
+            ucx_tls: self.ucx_tls.clone(),
+            err_mode: self.err_mode.clone(),
+            progress: self.progress.clone(),
+            inflight: self.inflight,
+            coalesce: self.coalesce,
+            huge_pages: self.huge_pages,
         }
-    };
-    let pair = scenario::resolve_pair(&a.model, &pair_args, pool, pool).map_err(own_flag)?;
-    pair.validate().map_err(own_flag)?;
-    let alloc: AllocPattern = a.alloc.parse().map_err(|e| ConfigError::new("--alloc", e))?;
-    let verify = match a.verify.as_str() {
-        "full" => VerifyMode::Full,
-        "sample" => VerifyMode::Sample,
-        "off" => VerifyMode::Off,
-        other => return Err(ConfigError::new("--verify", format!("'{other}' is not full, sample or off"))),
-    };
-    if !matches!(a.err_mode.as_str(), "none" | "peer") {
-        return Err(ConfigError::new("--err-mode", format!("'{}' is not none or peer", a.err_mode)));
     }
-    if !matches!(a.progress.as_str(), "busy" | "wait" | "hybrid") {
-        return Err(ConfigError::new("--progress", format!("'{}' is not busy, wait or hybrid", a.progress)));
-    }
-    if a.inflight == 0 || a.inflight > 1 << 16 {
-        return Err(ConfigError::new("--inflight", format!("must be 1..65536, got {}", a.inflight)));
-    }
-    if a.lease.is_zero() || a.timeout.is_zero() {
-        return Err(ConfigError::new("--lease", "--lease and --timeout must be longer than 0"));
-    }
-    let exe = std::env::current_exe()
-        .map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
-    let env: Vec<(String, String)> = a.ucx_tls.iter().map(|t| ("UCX_TLS".to_string(), t.clone())).collect();
-    let host = bind_host(&a.side_channel_host);
-    let role = match a.role {
-        Role::Prefill => proto::Role::Prefill,
-        Role::Decode => proto::Role::Decode,
-    };
-    Ok(WorkerEngineConfig {
-        worker: WorkerConfig {
-            role,
-            rank: 0,
-            engine_id,
-            pair,
-            transport: TransportConfig {
-                kind: TransportKind::Ucx,
-                chain: vec![],
-                ucx_lib: a.ucx_lib.clone(),
-                err_mode: a.err_mode.clone(),
-                progress: a.progress.clone(),
-                ucx_alloc: false,
-                huge_pages: a.huge_pages,
-                mem: "host".into(),
-                device: 0,
-                inflight: a.inflight,
-                coalesce: a.coalesce,
-                notify: Default::default(),
-                storage_dir: None,
-                storage_direct_io: false,
-                storage_fsync: false,
-                slowdown: 0.0,
-            },
-            verify,
-            lease_ms: a.lease.as_millis() as u64,
-            timeout_ms: a.timeout.as_millis() as u64,
-            bind_host: host.clone(),
-            advertise_host: if host == "0.0.0.0" { "127.0.0.1".into() } else { host.clone() },
-        },
-        tp: a.tp,
-        pool_blocks: pool,
-        block_tokens: a.block_size,
-        alloc,
-        seed: 0,
-        launch: Launch::Spawn { exe, env },
-        side_channel_bind: (a.role == Role::Prefill).then(|| format!("tcp://{host}:{}", a.side_channel_port)),
-        timeout: a.timeout * 4,
-    })
+}
+
+/// Checks the flags and builds the engine settings (`settings::engine`).
+pub fn resolve(a: &ServeEngineArgs) -> Result<ServeEngineSettings, ConfigError> {
+    resolve_serve_engine(&a.flags(), &ProcessEnv::read().exe)
 }
 
 pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
@@ -472,7 +326,7 @@ mod tests {
         }
     }
 
-    fn workers(s: &ServeEngineSettings) -> &WorkerEngineConfig {
+    fn workers(s: &ServeEngineSettings) -> &crate::pipeline::engine::EngineConfig {
         match &s.kv {
             KvSettings::Workers(w) => w,
             KvSettings::Null(_) => panic!("expected the workers backend"),
@@ -486,7 +340,7 @@ mod tests {
         assert_eq!(s.http.model_name, "llama-3.1-8b", "served under the preset's name");
         let w = workers(&s);
         assert_eq!((w.tp, w.block_tokens, w.worker.pair.p.tp, w.worker.pair.p.block_tokens), (2, 32, 2, 32));
-        assert_eq!(w.worker.role, proto::Role::Prefill);
+        assert_eq!(w.worker.role, crate::pipeline::proto::Role::Prefill);
         assert_eq!(w.side_channel_bind.as_deref(), Some("tcp://127.0.0.1:5600"), "localhost binds loopback");
         // 8192 tokens / 32 = 256 blocks per prompt; 4 prompts of 4 MiB blocks exceed 512 MiB.
         let block = w.worker.pair.p_geometry(0).block_bytes_all_layers();

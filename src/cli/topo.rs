@@ -198,8 +198,8 @@ pub fn reject(format: Format, err: ConfigError) -> anyhow::Error {
 
 pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
     let result = (|| {
-        let pair = scenario::resolve_pair(&args.model, &args.pair, 1, 1)?;
-        let ports = scenario::resolve_ports(&args.ports)?;
+        let pair = scenario::resolve_pair(&args.model.flags(), &args.pair.flags(), 1, 1)?;
+        let ports = scenario::resolve_ports(&args.ports.flags())?;
         let map = pair.validate()?;
         build(&pair, &map, &ports)
     })();

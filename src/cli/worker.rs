@@ -4,7 +4,7 @@ use clap::{Args, ValueEnum};
 
 use crate::Outcome;
 use crate::pipeline::proto::Role;
-use crate::pipeline::worker::{self, launcher_rank};
+use crate::pipeline::worker::launcher_rank;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum RoleArg {
@@ -48,7 +48,7 @@ pub fn run(args: &WorkerArgs) -> anyhow::Result<Outcome> {
             "pass --role prefill|decode, or run under a launcher (SLURM_PROCID, OMPI_COMM_WORLD_RANK or RANK) with --p-tp"
         ),
     };
-    worker::run(&endpoint, role, rank)?;
+    crate::pipeline::rank::run(&endpoint, role, rank)?;
     Ok(Outcome::Ok)
 }
 

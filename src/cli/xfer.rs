@@ -6,6 +6,7 @@ use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
 use crate::error::{AlreadyReported, ConfigError};
+pub use crate::settings::parse::parse_duration;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
 use crate::transfer::xfer::{
     self, MemKind, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferError, XferReport,
@@ -120,25 +121,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         other => return Err(format!("unknown size unit {other:?} in {s:?} (use KiB, MiB, GiB)")),
     };
     n.checked_mul(mult).filter(|&v| v > 0).ok_or_else(|| format!("{s:?} must be between 1 byte and 16 EiB"))
-}
-
-/// Parses `200ms`, `1s`, `1.5s`, `2m`, or plain seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 200ms or 2s"))?;
-    let secs = match unit.trim() {
-        "" | "s" => n,
-        "ms" => n / 1e3,
-        "us" => n / 1e6,
-        "m" | "min" => n * 60.0,
-        other => return Err(format!("unknown duration unit {other:?} in {s:?} (use ms, s, m)")),
-    };
-    if !secs.is_finite() || !(0.0..=1e7).contains(&secs) {
-        return Err(format!("{s:?} is out of range"));
-    }
-    Ok(Duration::from_secs_f64(secs))
 }
 
 fn ucx_config(args: &XferArgs) -> Vec<(String, String)> {
@@ -318,15 +300,6 @@ mod tests {
         assert!(parse_size("12XB").is_err());
         assert!(parse_size("KiB").is_err());
         assert!(parse_size("99999999999999GiB").is_err());
-    }
-
-    #[test]
-    fn durations_parse() {
-        assert_eq!(parse_duration("200ms"), Ok(Duration::from_millis(200)));
-        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
-        assert!(parse_duration("-1s").is_err());
-        assert!(parse_duration("1h").is_err());
     }
 
     #[test]

@@ -9,18 +9,17 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::rc::Rc;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use serde::Serialize;
 
-use super::engine::{Engine, EngineConfig, EngineError, EngineFinal, Launch};
-use super::proto::{LoadResult, Role, TransportConfig, VerifyMode, WorkerConfig};
+use super::engine::{Engine, EngineConfig, EngineError, EngineFinal};
+use super::proto::{LoadResult, Role};
+use super::setup::{EngineSlot, WorkerSettings};
 use super::workload::{Arrival, Generator, PromptLens};
-use crate::layouts::alloc::AllocPattern;
 use crate::layouts::compat::PairSpec;
 use crate::report::files::RunWriter;
 use crate::report::recorder::StageRecorder;
@@ -31,14 +30,22 @@ use crate::report::summary::{
 use crate::report::verdict::{FAILURES_AFTER_FAULT, FAULT_CAUSES, FAULT_INJECTED};
 
 /// What to do when a load fails (vLLM's `kv_load_failure_policy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FailurePolicy {
     /// The request ends with an error.
     #[default]
     Fail,
     /// The decode side recomputes the prompt locally; counted apart.
     Recompute,
+}
+
+impl FailurePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailurePolicy::Fail => "fail",
+            FailurePolicy::Recompute => "recompute",
+        }
+    }
 }
 
 /// A fault to inject during a run: `fault` into `role` rank `rank` after `after` measured requests.
@@ -50,95 +57,93 @@ pub struct FaultPlan {
     pub after: u64,
 }
 
-/// Resolved settings of a bench run.
+/// Resolved settings of one bench run (`settings::bench` resolves them).
 #[derive(Debug, Clone)]
 pub struct BenchSettings {
     pub name: String,
-    pub pair: PairSpec,
+    /// What every worker of both engines shares (the pair, transport, memory, deadlines).
+    pub workers: WorkerSettings,
     pub lens: PromptLens,
     pub arrival: Arrival,
     pub requests: Option<u64>,
     pub duration: Option<Duration>,
     pub warmup: u64,
     pub prefix_hit: f64,
-    pub alloc: AllocPattern,
-    pub verify: VerifyMode,
     pub on_failure: FailurePolicy,
     pub fault: Option<FaultPlan>,
-    pub transport: TransportConfig,
-    pub lease: Duration,
-    pub timeout: Duration,
     pub repeat: u32,
-    pub seed: u64,
-    pub exe: PathBuf,
-    /// Extra environment for worker processes (UCX_TLS, ...).
-    pub worker_env: Vec<(String, String)>,
-    /// `Some(endpoint)`: wait for external workers (prefill on this port, decode on port + 1).
-    pub listen: Option<String>,
-    pub bind_host: String,
-    pub advertise_host: String,
     /// Measure the same-run calibration (memcpy and a UCX loopback read).
     pub calibrate: bool,
+    /// Show a progress bar (stderr is a terminal).
     pub progress_bar: bool,
+    /// Directory runs are written under (`--results-dir`, `KVX_RESULTS_DIR`, `results/`).
+    pub results_root: PathBuf,
 }
 
 impl BenchSettings {
+    /// The engine pair.
+    pub fn pair(&self) -> &crate::layouts::compat::PairSpec {
+        &self.workers.pair
+    }
+
+    /// The worker engine of `role`, as every bench starts it (a fresh engine id, a free
+    /// side-channel port; decode ranks placed after the prefill ranks).
+    pub fn engine(&self, role: Role) -> EngineConfig {
+        let first_device_slot = match role {
+            Role::Prefill => 0,
+            Role::Decode => self.workers.pair.p.tp,
+        };
+        self.workers.engine(EngineSlot {
+            role,
+            engine_id: format!("kvx-{}-{}", role.as_str(), uuid::Uuid::new_v4().simple()),
+            side_channel_port: 0,
+            first_device_slot,
+        })
+    }
+
     /// The scenario as the summary records it.
     pub fn scenario(&self) -> Scenario {
         let (concurrency, rate) = match self.arrival {
             Arrival::Closed { concurrency } => (Some(concurrency), None),
             Arrival::Poisson { rate } => (None, Some(rate)),
         };
+        let w = &self.workers;
+        let pair = &w.pair;
         let mut s = Scenario {
             name: Some(self.name.clone()),
-            model: Some(self.pair.model.name.clone()),
-            p_tp: Some(self.pair.p.tp),
-            d_tp: Some(self.pair.d.tp),
-            p_layout: Some(self.pair.p.layout.to_string()),
-            d_layout: Some(self.pair.d.layout.to_string()),
-            p_block_size: Some(self.pair.p.block_tokens),
-            d_block_size: Some(self.pair.d.block_tokens),
+            model: Some(pair.model.name.clone()),
+            p_tp: Some(pair.p.tp),
+            d_tp: Some(pair.d.tp),
+            p_layout: Some(pair.p.layout.to_string()),
+            d_layout: Some(pair.d.layout.to_string()),
+            p_block_size: Some(pair.p.block_tokens),
+            d_block_size: Some(pair.d.block_tokens),
             prompt_len: Some(self.lens.to_string()),
             prefix_hit: Some(self.prefix_hit),
-            alloc: Some(self.alloc.to_string()),
+            alloc: Some(w.alloc.to_string()),
             requests: self.requests,
             duration_s: self.duration.map(|d| d.as_secs_f64()),
             warmup: Some(self.warmup),
             concurrency,
             rate_rps: rate,
-            inflight: Some(self.transport.inflight),
+            inflight: Some(w.transport.inflight),
             repeat: Some(self.repeat),
-            verify: Some(format!("{:?}", self.verify).to_lowercase()),
-            transport: Some(format!("{:?}", self.transport.kind).to_lowercase()),
-            mem: Some(self.transport.mem.clone()),
-            on_load_failure: Some(format!("{:?}", self.on_failure).to_lowercase()),
-            seed: Some(self.seed),
+            verify: Some(w.verify.as_str().to_string()),
+            transport: Some(w.transport.kind.as_str().to_string()),
+            mem: Some(w.mem.to_string()),
+            on_load_failure: Some(self.on_failure.as_str().to_string()),
+            seed: Some(w.seed),
             extra: BTreeMap::new(),
         };
-        s.extra.insert("vllm_rules".into(), serde_json::json!(self.pair.version.as_str()));
-        s.extra.insert("pool_blocks_p".into(), serde_json::json!(self.pair.p.num_blocks));
-        s.extra.insert("pool_blocks_d".into(), serde_json::json!(self.pair.d.num_blocks));
-        s.extra.insert("coalesce".into(), serde_json::json!(self.transport.coalesce));
-        if self.transport.slowdown > 0.0 {
-            s.extra.insert("slowdown".into(), serde_json::json!(self.transport.slowdown));
+        s.extra.insert("vllm_rules".into(), serde_json::json!(pair.version.as_str()));
+        s.extra.insert("pool_blocks_p".into(), serde_json::json!(pair.p.num_blocks));
+        s.extra.insert("pool_blocks_d".into(), serde_json::json!(pair.d.num_blocks));
+        s.extra.insert("coalesce".into(), serde_json::json!(w.transport.coalesce));
+        if w.transport.slowdown > 0.0 {
+            s.extra.insert("slowdown".into(), serde_json::json!(w.transport.slowdown));
         }
-        s.extra.insert("progress".into(), serde_json::json!(self.transport.progress));
+        s.extra.insert("progress".into(), serde_json::json!(w.transport.progress.to_string()));
         s
-    }
-
-    fn worker_config(&self, role: Role, engine_id: &str) -> WorkerConfig {
-        WorkerConfig {
-            role,
-            rank: 0,
-            engine_id: engine_id.to_string(),
-            pair: self.pair.clone(),
-            transport: self.transport.clone(),
-            verify: self.verify,
-            lease_ms: self.lease.as_millis() as u64,
-            timeout_ms: self.timeout.as_millis() as u64,
-            bind_host: self.bind_host.clone(),
-            advertise_host: self.advertise_host.clone(),
-        }
     }
 }
 
@@ -170,42 +175,8 @@ pub struct Engines {
 
 impl Engines {
     pub fn start(s: &BenchSettings) -> Result<Engines, BenchError> {
-        let launch = |role: Role| match &s.listen {
-            Some(ep) => {
-                let (host, port) = super::engine::split_endpoint(ep);
-                // Port 0: both engines take a free port (each prints its endpoint).
-                let port = if role == Role::Prefill || port == 0 { port } else { port.saturating_add(1) };
-                Launch::External { bind: format!("tcp://{host}:{port}") }
-            }
-            None => Launch::Spawn { exe: s.exe.clone(), env: s.worker_env.clone() },
-        };
-        let engine = |role: Role, id: &str, tp, blocks, block_tokens| EngineConfig {
-            worker: s.worker_config(role, id),
-            tp,
-            pool_blocks: blocks,
-            block_tokens,
-            alloc: s.alloc,
-            seed: s.seed ^ u64::from(role == Role::Decode),
-            launch: launch(role),
-            side_channel_bind: (role == Role::Prefill).then(|| format!("tcp://{}:0", s.bind_host)),
-            timeout: s.timeout * 4,
-        };
-        let p_id = format!("kvx-prefill-{}", uuid::Uuid::new_v4().simple());
-        let prefill = Engine::start(engine(
-            Role::Prefill,
-            &p_id,
-            s.pair.p.tp,
-            s.pair.p.num_blocks,
-            s.pair.p.block_tokens,
-        ))?;
-        let d_id = format!("kvx-decode-{}", uuid::Uuid::new_v4().simple());
-        let decode = Engine::start(engine(
-            Role::Decode,
-            &d_id,
-            s.pair.d.tp,
-            s.pair.d.num_blocks,
-            s.pair.d.block_tokens,
-        ))?;
+        let prefill = Engine::start(s.engine(Role::Prefill))?;
+        let decode = Engine::start(s.engine(Role::Decode))?;
         Ok(Engines { prefill, decode })
     }
 }
@@ -231,7 +202,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     let Ctx { engines, s, run_id, t_start, repeat } = c;
     let p_request_id = format!("cmpl-{run_id}-{req}-0");
     let d_request_id = format!("cmpl-{run_id}-{req}-d");
-    let n_d = tokens.div_ceil(s.pair.d.block_tokens);
+    let n_d = tokens.div_ceil(s.workers.pair.d.block_tokens);
     let hit = (f64::from(n_d) * s.prefix_hit).floor() as u32;
     let mut row = RequestRow {
         request_id: p_request_id.clone(),
@@ -254,8 +225,10 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         fail(&mut row, e.cause().as_str());
         return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
     }
-    let prefill =
-        engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.pair)).await;
+    let prefill = engines
+        .prefill
+        .prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.workers.pair))
+        .await;
     let (params, publish_ns) = match prefill {
         Ok(Ok(done)) => (done.params, done.publish_ns),
         Ok(Err(e)) => {
@@ -454,15 +427,15 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
         device: 0,
         duration: Duration::from_millis(300),
         iters: None,
-        timeout: s.timeout,
+        timeout: s.workers.timeout,
         session: SessionOptions {
-            ucx_lib: s.transport.ucx_lib.clone(),
+            ucx_lib: s.workers.transport.ucx_lib.clone(),
             progress: ProgressMode::Hybrid,
             err_mode: crate::transfer::ucx::ErrMode::None,
             ucx_config: vec![],
         },
     };
-    match xfer::run(&cfg, &TargetSpec::Local { exe: s.exe.clone() }, |_| {}) {
+    match xfer::run(&cfg, &TargetSpec::Local { exe: s.workers.exe.clone() }, |_| {}) {
         Ok(rep) => {
             let fixed = rep.results.first()?;
             let same = rep.results.iter().find(|r| r.size_bytes == descriptor_bytes)?;
@@ -508,17 +481,13 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         library: info.ucx_library.clone(),
         version: info.ucx_version.clone(),
         transports: vec![],
-        err_mode: Some(if s.transport.err_mode.is_empty() {
-            "none".into()
-        } else {
-            s.transport.err_mode.clone()
-        }),
+        err_mode: Some(s.workers.transport.err_mode.to_string()),
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
         .map_err(|e| BenchError::Other(format!("async runtime: {e}")))?;
-    let mut generator = Generator::new(s.lens.clone(), s.seed);
+    let mut generator = Generator::new(s.lens.clone(), s.workers.seed);
     let mut handshakes = StageRecorder::new();
     let mut transports: Option<String> = None;
     // Warm-up: connections, first-touch of pages, caches. Not recorded (but its handshake is).
@@ -530,90 +499,76 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         transports = warm.transports.clone();
     }
     let total_requests = s.requests.map(|r| r * u64::from(s.repeat));
-    let bar = if s.progress_bar {
-        let b = match total_requests {
-            Some(n) => ProgressBar::new(n),
-            None => ProgressBar::new_spinner(),
-        };
-        b.set_draw_target(ProgressDrawTarget::stderr());
-        if let Ok(style) =
-            ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests {msg} [{elapsed}]")
-        {
-            b.set_style(style);
-        }
-        b
-    } else {
-        ProgressBar::hidden()
-    };
+    let bar = progress_bar(s.progress_bar, total_requests);
     let mut all = Tally::default();
     // (fault injected, failures it explains): see `report::verdict`.
     let mut fault_counts = (0u64, 0u64);
     let mut repeats = Vec::new();
     let mut wall = 0.0;
     let mut first_req = s.warmup;
-    let rows_rc = Rc::new(std::cell::RefCell::new(Vec::new()));
-    for repeat in 0..s.repeat.max(1) {
-        let mut tally = Tally::default();
-        let until = s.duration.map(|d| Instant::now() + d);
-        let mut write_err = None;
-        let mut last_partial = Instant::now();
-        let t0 = Instant::now();
-        let rows = rows_rc.clone();
-        let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat };
-        let mut completed = 0u64;
-        let engines_ref = &engines;
-        let fault_counts = &mut fault_counts;
-        rt.block_on(drive(ctx, &mut generator, first_req, s.requests, until, |f| {
-            completed += 1;
-            if let Some(plan) = s.fault
-                && repeat == 0
-                && completed == plan.after
-            {
-                crate::output::note!(
-                    "kvx bench: injecting {:?} into {} rank {}",
-                    plan.fault,
-                    plan.role.as_str(),
-                    plan.rank
-                );
-                let engine =
-                    if plan.role == Role::Prefill { &engines_ref.prefill } else { &engines_ref.decode };
-                engine.inject(plan.rank, plan.fault);
-                fault_counts.0 = 1;
-            } else if fault_counts.0 > 0
-                && f.row.outcome != RequestOutcome::Ok
-                && f.row.failure_cause.as_deref().is_some_and(|c| FAULT_CAUSES.contains(&c))
-            {
-                // Finished after the fault was injected, failed the way a lost peer fails.
-                fault_counts.1 += 1;
+    // The measured loop's wall time is the run's throughput, so it does no I/O and no display:
+    // each finished request's row goes over a channel to this thread, which writes it to
+    // requests.csv, ticks the bar and rewrites the partial summary every 2 s.
+    let (rows_tx, rows_rx) = mpsc::channel::<RequestRow>();
+    let partial = summary.clone();
+    let bar_for_writer = bar.clone();
+    let written = std::thread::scope(|scope| {
+        let rows_writer =
+            scope.spawn(move || write_as_it_goes(&rows_rx, writer, partial, &bar_for_writer, Instant::now()));
+        for repeat in 0..s.repeat.max(1) {
+            let mut tally = Tally::default();
+            let until = s.duration.map(|d| Instant::now() + d);
+            let t0 = Instant::now();
+            let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat };
+            let mut completed = 0u64;
+            let engines_ref = &engines;
+            let fault_counts = &mut fault_counts;
+            rt.block_on(drive(ctx, &mut generator, first_req, s.requests, until, |f| {
+                completed += 1;
+                if let Some(plan) = s.fault
+                    && repeat == 0
+                    && completed == plan.after
+                {
+                    crate::output::note!(
+                        "kvx bench: injecting {:?} into {} rank {}",
+                        plan.fault,
+                        plan.role.as_str(),
+                        plan.rank
+                    );
+                    let engine =
+                        if plan.role == Role::Prefill { &engines_ref.prefill } else { &engines_ref.decode };
+                    engine.inject(plan.rank, plan.fault);
+                    fault_counts.0 = 1;
+                } else if fault_counts.0 > 0
+                    && f.row.outcome != RequestOutcome::Ok
+                    && f.row.failure_cause.as_deref().is_some_and(|c| FAULT_CAUSES.contains(&c))
+                {
+                    // Finished after the fault was injected, failed the way a lost peer fails.
+                    fault_counts.1 += 1;
+                }
+                tally.add(&f);
+                all.add(&f);
+                // A send fails only once the writer has stopped on an error (returned below).
+                let _ = rows_tx.send(f.row);
+            }));
+            let secs = t0.elapsed().as_secs_f64();
+            wall += secs;
+            first_req += completed;
+            let mut rm = RepeatMetrics::from_parts(repeat, &tally.totals, tally.recorder.stats(), secs);
+            rm.verify_failures = tally.verify_failures;
+            repeats.push(rm);
+            let _ = handshakes.merge(&tally.handshake);
+            if transports.is_none() {
+                transports = tally.transports.clone();
             }
-            tally.add(&f);
-            all.add(&f);
-            if let Err(e) = writer.write_request(&f.row) {
-                write_err.get_or_insert(e);
+            if rows_writer.is_finished() {
+                break;
             }
-            rows.borrow_mut().push(f.row);
-            bar.inc(1);
-            if last_partial.elapsed() > Duration::from_secs(2) {
-                last_partial = Instant::now();
-                let mut partial = summary.clone();
-                all.totals.apply(&mut partial, t0.elapsed().as_secs_f64() + wall);
-                let _ = writer.write_partial(&partial);
-            }
-        }));
-        if let Some(e) = write_err {
-            return Err(e.into());
         }
-        let secs = t0.elapsed().as_secs_f64();
-        wall += secs;
-        first_req += rows_rc.borrow().iter().filter(|r| r.repeat == repeat).count() as u64;
-        let mut rm = RepeatMetrics::from_parts(repeat, &tally.totals, &tally.recorder, secs);
-        rm.verify_failures = tally.verify_failures;
-        repeats.push(rm);
-        let _ = handshakes.merge(&tally.handshake);
-        if transports.is_none() {
-            transports = tally.transports.clone();
-        }
-    }
+        drop(rows_tx);
+        rows_writer.join().unwrap_or_else(|_| Err(BenchError::Other("the results writer panicked".into())))
+    });
+    written?;
     bar.finish_and_clear();
     let Engines { prefill, decode } = engines;
     let d_fin: EngineFinal = decode.shutdown();
@@ -622,9 +577,9 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
 
     all.totals.apply(&mut summary, wall);
     let _ = all.recorder.merge(&handshakes);
-    summary.set_stages(&all.recorder);
+    summary.set_stages(all.recorder.stats());
     summary.bytes_verified = all.bytes_verified;
-    if s.transport.kind != super::proto::TransportKind::Ucx {
+    if s.workers.transport.kind != super::proto::TransportKind::Ucx {
         summary.counters.insert("requests_via_storage".into(), all.via_storage);
         summary.counters.insert("fallbacks_to_storage".into(), all.fallbacks);
     }
@@ -662,8 +617,8 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
             mib(pool)
         )
     };
-    let p_pool = s.pair.p_geometry(0).total_bytes();
-    let d_pool = s.pair.d_geometry(0).total_bytes();
+    let p_pool = s.workers.pair.p_geometry(0).total_bytes();
+    let d_pool = s.workers.pair.d_geometry(0).total_bytes();
     summary.notes.push(rss_note("prefill", &p_fin, p_pool));
     summary.notes.push(rss_note("decode", &d_fin, d_pool));
     if !p_fin.dead_ranks.is_empty() || !d_fin.dead_ranks.is_empty() {
@@ -680,13 +635,61 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     summary.calibration = median_calibration(&calibration);
     summary.finished_at = Some(crate::report::summary::now_rfc3339());
     summary.partial = false;
-    let _ = rows_rc;
     Ok(summary)
+}
+
+/// The run's progress bar on stderr (hidden off a terminal). It is ticked by the thread that
+/// writes rows and redrawn by indicatif's own ticker thread, never by the measured loop.
+fn progress_bar(visible: bool, total_requests: Option<u64>) -> ProgressBar {
+    if !visible {
+        return ProgressBar::hidden();
+    }
+    let b = match total_requests {
+        Some(n) => ProgressBar::new(n),
+        None => ProgressBar::new_spinner(),
+    };
+    b.set_draw_target(ProgressDrawTarget::stderr());
+    if let Ok(style) =
+        ProgressStyle::with_template("{spinner} {bar:30} {pos}/{len} requests {msg} [{elapsed}]")
+    {
+        b.set_style(style);
+    }
+    b.enable_steady_tick(Duration::from_millis(200));
+    b
+}
+
+/// How often the partial summary is rewritten while a run goes.
+const PARTIAL_EVERY: Duration = Duration::from_secs(2);
+
+/// Writes each row as it arrives (requests.csv), ticks `bar`, and rewrites the partial summary
+/// every [`PARTIAL_EVERY`] with the totals so far, until the sender hangs up. Stops at the
+/// first error writing a row and returns it.
+fn write_as_it_goes(
+    rows: &mpsc::Receiver<RequestRow>,
+    writer: &mut RunWriter,
+    mut partial: Summary,
+    bar: &ProgressBar,
+    measuring_since: Instant,
+) -> Result<(), BenchError> {
+    let mut totals = RequestTotals::default();
+    let mut last_partial = Instant::now();
+    for row in rows {
+        writer.write_request(&row)?;
+        totals.add(&row);
+        bar.inc(1);
+        if last_partial.elapsed() > PARTIAL_EVERY {
+            last_partial = Instant::now();
+            totals.apply(&mut partial, measuring_since.elapsed().as_secs_f64());
+            // A partial summary is a courtesy to whoever watches the run; the final one counts.
+            let _ = writer.write_partial(&partial);
+        }
+    }
+    Ok(())
 }
 
 /// The descriptor size the calibration reads: one block of the prefill side's first region.
 fn calibration_size(s: &BenchSettings) -> u64 {
-    s.pair.p_geometry(0).regions().first().map_or(65536, |r| r.block_len)
+    s.workers.pair.p_geometry(0).regions().first().map_or(65536, |r| r.block_len)
 }
 
 /// Each figure's median over the samples (the first sample's descriptive fields).

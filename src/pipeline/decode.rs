@@ -10,10 +10,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::params::KvTransferParams;
-use super::prefill::parse_progress;
 use super::proto::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
-use super::worker::{Control, Stage as _, WorkerError, compat_factors, peer_pair, rss_bytes};
-use crate::error::ConfigError;
+use super::worker::{
+    Control, Stage as _, WorkerError, compat_factors, host_memory_only, peer_pair, rss_bytes,
+};
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
@@ -111,18 +111,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.d_geometry(cfg.rank);
     let regions = geom.regions();
     let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
-    let progress = parse_progress(&cfg.transport.progress)?;
-    let err_mode = match cfg.transport.err_mode.as_str() {
-        "" | "none" => ErrMode::None,
-        "peer" => ErrMode::Peer,
-        other => {
-            return Err(ConfigError::new(
-                "--err-mode",
-                format!("unknown error-handling mode '{other}' (none or peer)"),
-            )
-            .into());
-        }
-    };
+    let (progress, err_mode) = (cfg.transport.progress, cfg.transport.err_mode);
+    host_memory_only(cfg.mem)?;
     let kind = cfg.transport.kind;
     let uses_ucx = kind != TransportKind::Storage;
     let uses_storage = kind == TransportKind::Storage
@@ -249,7 +239,7 @@ impl Decoder<'_> {
         let prelim = topology::rank_map(&tp).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
         let ranks: Vec<(u32, u32)> =
             prelim.d_ranks[cfg.rank as usize].handshake_ranks.iter().map(|&r| (0, r)).collect();
-        let factors = compat_factors(&cfg.pair.model, cfg.pair.version);
+        let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
         let validate = |meta: &KvxMetadata| -> Result<(), String> {
             let pair = peer_pair(&cfg.pair, meta)?;
             pair.validate().map(|_| ()).map_err(|e| e.to_string())

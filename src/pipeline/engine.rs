@@ -34,6 +34,7 @@ use super::proto::{
 use crate::layouts::alloc::AllocPattern;
 use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
 use crate::transfer::handshake::zmq_context;
+use crate::transfer::memory::MemPlace;
 
 /// How long workers get to come up (allocate, register, bind) before the engine gives up.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -87,6 +88,8 @@ pub struct EngineConfig {
     pub block_tokens: u32,
     pub alloc: AllocPattern,
     pub seed: u64,
+    /// Where each rank's KV pool lives, by rank (`tp` entries; settings place them).
+    pub mem: Vec<MemPlace>,
     pub launch: Launch,
     /// Prefill engines: the side-channel bind endpoint, e.g. `tcp://127.0.0.1:0`.
     pub side_channel_bind: Option<String>,
@@ -209,6 +212,12 @@ type Gone = std::sync::Arc<std::sync::Mutex<Option<EngineError>>>;
 impl Engine {
     /// Starts the workers and waits until every rank is ready.
     pub fn start(cfg: EngineConfig) -> Result<Engine, EngineError> {
+        if cfg.mem.len() != cfg.tp as usize {
+            return Err(startup(
+                &cfg,
+                format!("{} memory placements for {} ranks (one per rank is needed)", cfg.mem.len(), cfg.tp),
+            ));
+        }
         let (tx, rx) = mpsc::channel();
         let (bell, bell_rx) = UnixStream::pair().map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
         bell_rx.set_nonblocking(true).map_err(|e| startup(&cfg, format!("socketpair: {e}")))?;
@@ -822,6 +831,7 @@ impl EngineLoop {
                 self.ranks[slot].last_seen = Instant::now();
                 let mut cfg = self.cfg.worker.clone();
                 cfg.rank = slot as u32;
+                cfg.mem = self.cfg.mem.get(slot).copied().unwrap_or_default();
                 self.send_to(slot as u32, &ToWorker::Init(Box::new(cfg)));
             }
             FromWorker::Ready(info) => {
@@ -895,7 +905,7 @@ impl EngineLoop {
                         ready.rss_bytes = ready.rss_bytes.max(rss_bytes);
                     }
                     self.ranks[i].bye = true;
-                    // The acknowledgement the worker waits for before it exits (see worker::run).
+                    // The acknowledgement the worker waits for before it exits (see rank::run).
                     self.send_to(i as u32, &ToWorker::Shutdown);
                 }
             }

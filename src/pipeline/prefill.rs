@@ -16,8 +16,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::proto::{Fault, FromWorker, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
-use super::worker::{Control, Stage as _, WorkerError, compat_factors, rss_bytes};
-use crate::error::ConfigError;
+use super::worker::{Control, Stage as _, WorkerError, compat_factors, host_memory_only, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::verify::fill_request;
 use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
@@ -118,7 +117,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.p_geometry(cfg.rank);
     let regions = geom.regions();
     let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
-    let progress: ProgressMode = parse_progress(&cfg.transport.progress)?;
+    let progress = cfg.transport.progress;
+    host_memory_only(cfg.mem)?;
     let kind = cfg.transport.kind;
     let uses_ucx = kind != TransportKind::Storage;
     let uses_storage = kind == TransportKind::Storage
@@ -162,7 +162,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             num_blocks: r.num_blocks,
         })
         .collect();
-    let factors = compat_factors(&cfg.pair.model, cfg.pair.version);
+    let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
     let meta = KvxMetadata::new(
         cfg.engine_id.clone(),
         worker_address,
@@ -328,21 +328,8 @@ fn release(storage: &mut Option<StoragePublisher>, id: &str, published: bool) {
     }
 }
 
-pub(super) fn parse_progress(s: &str) -> Result<ProgressMode, WorkerError> {
-    match s {
-        "" | "hybrid" => Ok(ProgressMode::Hybrid),
-        "busy" => Ok(ProgressMode::Busy),
-        "wait" => Ok(ProgressMode::Wait),
-        other => Err(ConfigError::new(
-            "--progress",
-            format!("unknown progress mode '{other}' (busy, wait or hybrid)"),
-        )
-        .into()),
-    }
-}
-
 /// Replaces a wildcard bind host in an endpoint with the host peers should dial.
-pub(super) fn advertise(endpoint: &str, host: &str) -> String {
+fn advertise(endpoint: &str, host: &str) -> String {
     let (h, port) = super::engine::split_endpoint(endpoint);
     if h == "0.0.0.0" || h == "*" || h.is_empty() {
         format!("tcp://{host}:{port}")

@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 
 use super::params::KvTransferParams;
 use crate::layouts::compat::PairSpec;
+use crate::transfer::memory::MemPlace;
 use crate::transfer::notify::NotifyTransport;
+use crate::transfer::ucx::{ErrMode, ProgressMode};
 
 /// Hard cap on one control message, checked before decoding.
 pub const MAX_CONTROL_BYTES: usize = 64 << 20;
@@ -82,23 +84,60 @@ pub enum TransportKind {
     Multi,
 }
 
+impl VerifyMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VerifyMode::Full => "full",
+            VerifyMode::Sample => "sample",
+            VerifyMode::Off => "off",
+        }
+    }
+}
+
+impl TransportKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Ucx => "ucx",
+            TransportKind::Storage => "storage",
+            TransportKind::Multi => "multi",
+        }
+    }
+}
+
+/// Who moves the bytes. vLLM's NixlConnector pulls: the decode side reads the prefill side's
+/// blocks with one-sided GETs. Push (the prefill side writes) is the next mode kvx will measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferMode {
+    /// The decode side reads (one-sided GET).
+    #[default]
+    Pull,
+}
+
+impl TransferMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransferMode::Pull => "pull",
+        }
+    }
+}
+
 /// Transport settings every worker of a run shares.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct TransportConfig {
     pub kind: TransportKind,
     /// For `Multi`: the order to try.
     pub chain: Vec<TransportKind>,
+    /// Who moves the bytes (pull only, for now).
+    pub mode: TransferMode,
     pub ucx_lib: Option<PathBuf>,
-    /// UCX error-handling mode: "none" or "peer".
-    pub err_mode: String,
-    /// UCX progress mode: "busy", "wait" or "hybrid".
-    pub progress: String,
+    /// UCX error-handling mode (peer excludes the shared-memory transports).
+    pub err_mode: ErrMode,
+    /// How waiting ranks progress UCX.
+    pub progress: ProgressMode,
     /// Register UCX-allocated memory instead of the rank's own allocation (flattering).
     pub ucx_alloc: bool,
     pub huge_pages: bool,
-    /// "host" or "cuda".
-    pub mem: String,
-    pub device: u32,
     /// GETs in flight per source rank.
     pub inflight: u32,
     /// Post coalesced descriptors instead of vLLM's one-per-block descriptors.
@@ -125,6 +164,8 @@ pub struct WorkerConfig {
     pub engine_id: String,
     pub pair: PairSpec,
     pub transport: TransportConfig,
+    /// Where this rank's KV pool lives (the engine fills it per rank).
+    pub mem: MemPlace,
     pub verify: VerifyMode,
     /// Lease a prefill rank holds blocks under (vLLM `kv_lease_duration`).
     pub lease_ms: u64,

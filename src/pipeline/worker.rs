@@ -1,12 +1,11 @@
-//! A worker process: one TP rank of a prefill or decode engine (`kvx worker`, hidden).
-//!
-//! It connects to its engine's control socket, says hello, receives its configuration
-//! and runs the role's loop (`prefill` or `decode`). Its rank comes from the flags, from
-//! a launcher's environment (Slurm, Open MPI, torchrun), or from the engine.
+//! What every rank's loop (`prefill`, `decode`) shares: the control channel to its engine,
+//! the worker's error type, the rank a launcher gave the process, its peak memory, the
+//! compatibility factors both sides hash, and the storage transport's options. The process
+//! around the loops (hello, configuration, goodbye) is `rank`.
 
 use std::time::{Duration, Instant};
 
-use super::proto::{self, FromWorker, Role, ToWorker, WorkerConfig};
+use super::proto::{self, FromWorker, ToWorker, TransferMode, WorkerConfig};
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::settings::model::ModelShape;
@@ -14,9 +13,7 @@ use crate::topology::VllmVersion;
 use crate::transfer::handshake::compat::{CompatFactors, KvxFactors};
 use crate::transfer::handshake::meta::KVX_METADATA_FORMAT;
 use crate::transfer::handshake::zmq_context;
-
-/// How long a worker waits for its configuration after saying hello.
-pub const INIT_TIMEOUT: Duration = Duration::from_secs(60);
+use crate::transfer::memory::MemPlace;
 
 /// A worker's fatal error: reported to the engine (which names the rank and fails the
 /// requests that need it), then the process exits 2.
@@ -72,9 +69,6 @@ impl<T, E: Into<Box<dyn std::error::Error + Send + Sync>>> Stage<T> for Result<T
 
 /// How often a spawned worker checks that the engine that spawned it still exists.
 const PARENT_CHECK: Duration = Duration::from_millis(100);
-
-/// How long a worker waits for the engine to acknowledge its goodbye.
-const BYE_ACK_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The control channel to the engine.
 pub struct Control {
@@ -166,8 +160,8 @@ pub fn rss_bytes() -> u64 {
 }
 
 /// The compatibility factors both sides of a pair hash (model, dtype, heads, head size,
-/// layers, layout family).
-pub fn compat_factors(model: &ModelShape, version: VllmVersion) -> CompatFactors {
+/// layers, layout family, transfer mode).
+pub fn compat_factors(model: &ModelShape, version: VllmVersion, mode: TransferMode) -> CompatFactors {
     CompatFactors::kvx(&KvxFactors {
         kvx_format_version: KVX_METADATA_FORMAT,
         model: model.name.clone(),
@@ -180,64 +174,8 @@ pub fn compat_factors(model: &ModelShape, version: VllmVersion) -> CompatFactors
             VllmVersion::V0_33 => "v0.33".into(),
             VllmVersion::V0_19 => "classic".into(),
         },
-        transfer_mode: "pull".into(),
+        transfer_mode: mode.as_str().into(),
     })
-}
-
-/// Runs a worker until its engine shuts it down.
-pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerError> {
-    let ctl = Control::connect(endpoint)?;
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string();
-    ctl.send(&FromWorker::Hello { role, rank, pid: std::process::id(), host })?;
-    let deadline = Instant::now() + INIT_TIMEOUT;
-    let cfg: WorkerConfig = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(WorkerError::NoConfig { endpoint: endpoint.to_string(), timeout: INIT_TIMEOUT });
-        }
-        match ctl.recv(left)? {
-            Some(ToWorker::Init(cfg)) => break *cfg,
-            Some(ToWorker::Shutdown) => return Ok(()),
-            _ => {}
-        }
-    };
-    let mut cfg = cfg;
-    if matches!(cfg.bind_host.as_str(), "0.0.0.0" | "*" | "::")
-        && let Some(own) = route_source(endpoint)
-    {
-        // The engine's advertise host is the orchestrator's; a worker on another host is
-        // reached at its own address, the one its traffic to the orchestrator leaves from.
-        cfg.advertise_host = own;
-    }
-    let result = match cfg.role {
-        Role::Prefill => super::prefill::run(&ctl, cfg),
-        Role::Decode => super::decode::run(&ctl, cfg),
-    };
-    match &result {
-        Ok(()) => {
-            let _ = ctl.send(&FromWorker::Bye { rss_bytes: rss_bytes() });
-            // The ZMQ context is process-wide and never terminated, so nothing flushes a queued
-            // message at exit: wait (briefly) for the engine to acknowledge the goodbye, or it
-            // can be lost and the engine waits for it in vain.
-            let _ = ctl.recv(BYE_ACK_TIMEOUT);
-        }
-        Err(e) => {
-            let _ = ctl.send(&FromWorker::Fatal { msg: e.chain_text() });
-        }
-    }
-    result
-}
-
-/// This host's IPv4 address on the route to a `tcp://host:port` endpoint (`None` for other
-/// transports or when it cannot be found). A UDP connect sends nothing; it only picks the route.
-pub fn route_source(endpoint: &str) -> Option<String> {
-    use std::net::{ToSocketAddrs, UdpSocket};
-    let rest = endpoint.strip_prefix("tcp://")?;
-    let target = rest.to_socket_addrs().ok()?.find(std::net::SocketAddr::is_ipv4)?;
-    let sock = UdpSocket::bind("0.0.0.0:0").ok()?;
-    sock.connect(target).ok()?;
-    let ip = sock.local_addr().ok()?.ip();
-    (!ip.is_unspecified()).then(|| ip.to_string())
 }
 
 /// The engine spec of the other side of a pair, as the peer's metadata describes it.
@@ -271,14 +209,17 @@ pub fn storage_options(cfg: &WorkerConfig) -> crate::transfer::storage::StorageO
     opts
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn route_source_is_the_local_end_of_the_route() {
-        assert_eq!(route_source("tcp://127.0.0.1:9").as_deref(), Some("127.0.0.1"));
-        assert_eq!(route_source("ipc:///tmp/x"), None);
-        assert_eq!(route_source("tcp://not a host:1"), None);
+/// Workers allocate their KV pools in host memory; a CUDA placement is refused here until
+/// the pools can live on a GPU (settings refuse `--mem cuda` before any worker starts).
+pub fn host_memory_only(mem: MemPlace) -> Result<(), WorkerError> {
+    match mem {
+        MemPlace::Host => Ok(()),
+        MemPlace::Cuda { device } => Err(ConfigError::new(
+            "--mem",
+            format!(
+                "this worker allocates its KV pool in host memory; it cannot place it on CUDA device {device}"
+            ),
+        )
+        .into()),
     }
 }

@@ -6,6 +6,7 @@
 //!   [`RequestRow`] (`requests.csv`), [`RequestTotals`], the vLLM metrics line.
 //! - [`recorder`]: [`StageRecorder`], raw nanosecond samples per stage in hdrhistogram,
 //!   mergeable across workers and shippable between processes.
+//! - [`numbers`]: how figures read (precision, byte units, ratios); a leaf.
 //! - [`export`], [`table`], [`chart`]: pure exporters from a summary (and rows) to bytes:
 //!   JSON, CSV, comfy-table text or Markdown, SVG charts.
 //! - [`compare`]: two runs side by side (`kvx report A B`).
@@ -24,6 +25,7 @@ pub mod compare;
 pub mod export;
 pub mod files;
 pub mod gate;
+pub mod numbers;
 pub mod recorder;
 pub mod stats;
 pub mod summary;

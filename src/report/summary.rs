@@ -13,8 +13,6 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::recorder::StageRecorder;
-
 /// Version of the `summary.json` schema this kvx writes and reads.
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -179,9 +177,9 @@ impl Summary {
         }
     }
 
-    /// Replaces `stages` with the percentiles of every stage the recorder holds.
-    pub fn set_stages(&mut self, recorder: &StageRecorder) {
-        self.stages = recorder.stats();
+    /// Replaces `stages` with these percentiles (a `StageRecorder`'s `stats()`).
+    pub fn set_stages(&mut self, stages: BTreeMap<String, StageStats>) {
+        self.stages = stages;
     }
 
     /// Requests that finished in any way.
@@ -335,7 +333,7 @@ pub fn display_value(v: &serde_json::Value) -> String {
         serde_json::Value::String(s) => s.clone(),
         // Measured figures (not integers) read as the tables' other numbers do.
         serde_json::Value::Number(n) if !n.is_i64() && !n.is_u64() => {
-            n.as_f64().map_or_else(|| n.to_string(), crate::report::table::fmt_f)
+            n.as_f64().map_or_else(|| n.to_string(), super::numbers::fmt_f)
         }
         other => other.to_string(),
     }
@@ -457,7 +455,13 @@ pub struct RepeatMetrics {
 
 impl RepeatMetrics {
     /// The headline figures of one repeat from what it accumulated.
-    pub fn from_parts(index: u32, totals: &RequestTotals, recorder: &StageRecorder, duration_s: f64) -> Self {
+    /// `stages`: the repeat's percentiles (its `StageRecorder`'s `stats()`).
+    pub fn from_parts(
+        index: u32,
+        totals: &RequestTotals,
+        stages: BTreeMap<String, StageStats>,
+        duration_s: f64,
+    ) -> Self {
         RepeatMetrics {
             index,
             throughput_gbps: ratio(totals.bytes_ok as f64, duration_s) / 1e9,
@@ -466,7 +470,7 @@ impl RepeatMetrics {
             requests_failed: totals.requests_failed,
             verify_failures: 0,
             duration_s,
-            stages: recorder.stats(),
+            stages,
             calibration: None,
         }
     }
@@ -651,7 +655,7 @@ impl RequestRow {
 /// Headline figures accumulated from request rows as they arrive.
 ///
 /// Rows feed the counts, byte totals and per-request means; stage percentiles come from the
-/// [`StageRecorder`] (workers record samples in nanoseconds, which rows only round to us).
+/// `StageRecorder` (workers record samples in nanoseconds, which rows only round to us).
 #[derive(Debug, Clone, Default)]
 pub struct RequestTotals {
     pub requests_ok: u64,
@@ -796,9 +800,8 @@ mod tests {
     fn repeat_metrics_from_parts() {
         let mut t = RequestTotals::default();
         t.add(&RequestRow { bytes: 2_000_000_000, ..Default::default() });
-        let mut rec = StageRecorder::new();
-        rec.record(Stage::E2e, std::time::Duration::from_micros(10));
-        let r = RepeatMetrics::from_parts(3, &t, &rec, 0.5);
+        let stages = BTreeMap::from([("e2e".to_string(), StageStats { count: 1, ..Default::default() })]);
+        let r = RepeatMetrics::from_parts(3, &t, stages, 0.5);
         assert_eq!((r.index, r.requests_ok, r.throughput_gbps, r.requests_per_s), (3, 1, 4.0, 2.0));
         assert_eq!(r.stages["e2e"].count, 1);
     }

@@ -1,11 +1,12 @@
 //! Pure text exporters of a summary: comfy-table tables for the terminal, or the same tables
-//! as Markdown, plus the number formatting every text output shares.
+//! as Markdown (numbers read as `numbers` formats them).
 //!
 //! Owns how figures read to a person (units, precision, order). Must not do I/O: callers print
 //! or write the returned strings.
 
 use comfy_table::{CellAlignment, ContentArrangement, Table, TableStyle, presets};
 
+pub use super::numbers::{fmt_bytes, fmt_f, fmt_ratio};
 use super::summary::{Summary, display_value, ordered_stage_names, ratio, vllm_metrics_line};
 
 /// Where a table will be shown.
@@ -48,45 +49,6 @@ pub fn section(title: &str, table: &Table, style: Style) -> String {
         Style::Terminal => format!("{title}\n{table}\n"),
         Style::Markdown => format!("### {title}\n\n{table}\n"),
     }
-}
-
-/// A float with precision fit to its size: `0.123`, `12.35`, `123.5`, `12346`.
-pub fn fmt_f(v: f64) -> String {
-    if !v.is_finite() {
-        return "-".into();
-    }
-    let a = v.abs();
-    if a == 0.0 {
-        "0".into()
-    } else if a < 1.0 {
-        format!("{v:.3}")
-    } else if a < 100.0 {
-        format!("{v:.2}")
-    } else if a < 10_000.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.0}")
-    }
-}
-
-/// Bytes in binary units: `512 B`, `4.00 KiB`, `1.50 GiB`.
-pub fn fmt_bytes(v: f64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    if !v.is_finite() {
-        return "-".into();
-    }
-    let mut x = v;
-    let mut i = 0;
-    while x.abs() >= 1024.0 && i < UNITS.len() - 1 {
-        x /= 1024.0;
-        i += 1;
-    }
-    if i == 0 { format!("{x:.0} B") } else { format!("{x:.2} {}", UNITS[i]) }
-}
-
-/// A ratio as `0.853x`.
-pub fn fmt_ratio(v: f64) -> String {
-    if v.is_finite() { format!("{v:.3}x") } else { "-".into() }
 }
 
 /// What was run and where: run id, scenario fields, environment and UCX.
@@ -325,20 +287,6 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn number_formats() {
-        assert_eq!(fmt_f(0.0), "0");
-        assert_eq!(fmt_f(0.12345), "0.123");
-        assert_eq!(fmt_f(12.345), "12.35");
-        assert_eq!(fmt_f(123.45), "123.5");
-        assert_eq!(fmt_f(123456.7), "123457");
-        assert_eq!(fmt_f(f64::NAN), "-");
-        assert_eq!(fmt_bytes(512.0), "512 B");
-        assert_eq!(fmt_bytes(4096.0), "4.00 KiB");
-        assert_eq!(fmt_bytes(1.5 * 1024.0 * 1024.0 * 1024.0), "1.50 GiB");
-        assert_eq!(fmt_ratio(0.8534), "0.853x");
-    }
 
     #[test]
     fn markdown_tables_are_markdown() {

@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,11 +31,11 @@ use super::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
 use super::workers::{KvRequestRecord, KvStats, WorkerKv};
 use crate::Outcome;
 use crate::pipeline::bench::BenchSettings;
-use crate::pipeline::engine::{EngineConfig, EngineError, EngineFinal, Launch, split_endpoint};
-use crate::pipeline::proto::{Role, WorkerConfig};
+use crate::pipeline::engine::{EngineError, EngineFinal};
+use crate::pipeline::proto::Role;
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::ReportError;
-use crate::report::files::{RunWriter, results_root, write_atomic};
+use crate::report::files::{RunWriter, write_atomic};
 use crate::report::recorder::StageRecorder;
 use crate::report::summary::{
     DescriptorsPerRequest, RankList, RankThroughput, RequestOutcome, RequestRow, Summary, UcxInfo,
@@ -47,6 +47,18 @@ use crate::report::table::{
 
 /// Tokens generated per request: enough for ITL and TPOT to mean something.
 pub const MAX_TOKENS: u64 = 16;
+
+/// The HTTP side of one engine: the bench's model, block size and TP, a context that fits the
+/// longest prompt and its generated tokens.
+fn http_config(s: &BenchSettings, role: HttpRole) -> HttpEngineConfig {
+    let pair = s.pair();
+    let spec = if role == HttpRole::Prefill { &pair.p } else { &pair.d };
+    let mut c = HttpEngineConfig::new(role, pair.model.name.clone());
+    c.max_model_len = u64::from(s.lens.max()) + MAX_TOKENS + 1;
+    c.block_size_tokens = spec.block_tokens;
+    c.tp_size = spec.tp;
+    c
+}
 
 /// Why `kvx bench --serve` could not run.
 #[derive(Debug, thiserror::Error)]
@@ -63,54 +75,6 @@ pub enum BenchServeError {
     NothingSucceeded(std::collections::BTreeMap<String, u64>),
     #[error(transparent)]
     Output(#[from] crate::output::OutputError),
-}
-
-/// The worker engine of one role, as `kvx bench` would start it.
-fn engine_config(s: &BenchSettings, role: Role) -> EngineConfig {
-    let (spec, letter) = match role {
-        Role::Prefill => (&s.pair.p, "prefill"),
-        Role::Decode => (&s.pair.d, "decode"),
-    };
-    let launch = match &s.listen {
-        Some(ep) => {
-            let (host, port) = split_endpoint(ep);
-            let port = if role == Role::Prefill { port } else { port.saturating_add(1) };
-            Launch::External { bind: format!("tcp://{host}:{port}") }
-        }
-        None => Launch::Spawn { exe: s.exe.clone(), env: s.worker_env.clone() },
-    };
-    EngineConfig {
-        worker: WorkerConfig {
-            role,
-            rank: 0,
-            engine_id: format!("kvx-{letter}-{}", uuid::Uuid::new_v4().simple()),
-            pair: s.pair.clone(),
-            transport: s.transport.clone(),
-            verify: s.verify,
-            lease_ms: s.lease.as_millis() as u64,
-            timeout_ms: s.timeout.as_millis() as u64,
-            bind_host: s.bind_host.clone(),
-            advertise_host: s.advertise_host.clone(),
-        },
-        tp: spec.tp,
-        pool_blocks: spec.num_blocks,
-        block_tokens: spec.block_tokens,
-        alloc: s.alloc,
-        seed: s.seed ^ u64::from(role == Role::Decode),
-        launch,
-        side_channel_bind: (role == Role::Prefill).then(|| format!("tcp://{}:0", s.bind_host)),
-        timeout: s.timeout * 4,
-    }
-}
-
-/// The HTTP side of one engine.
-fn http_config(s: &BenchSettings, role: HttpRole) -> HttpEngineConfig {
-    let spec = if role == HttpRole::Prefill { &s.pair.p } else { &s.pair.d };
-    let mut c = HttpEngineConfig::new(role, s.pair.model.name.clone());
-    c.max_model_len = u64::from(s.lens.max()) + MAX_TOKENS + 1;
-    c.block_size_tokens = spec.block_tokens;
-    c.tp_size = spec.tp;
-    c
 }
 
 /// The load generator's settings: the bench's workload, through the proxy.
@@ -137,11 +101,11 @@ fn load_config(s: &BenchSettings, proxy: SocketAddr) -> Result<LoadConfig, Bench
         max_tokens: MAX_TOKENS,
         stream: true,
         endpoint: Endpoint::Completions,
-        model: Some(s.pair.model.name.clone()),
+        model: Some(s.workers.pair.model.name.clone()),
         ignore_eos: true,
         api_key: None,
-        timeout: (s.timeout * 8).max(Duration::from_secs(60)),
-        seed: s.seed,
+        timeout: (s.workers.timeout * 8).max(Duration::from_secs(60)),
+        seed: s.workers.seed,
     })
 }
 
@@ -184,16 +148,16 @@ struct Measured {
 }
 
 /// Runs the serving path and writes the run; prints tables (or the summary JSON).
-pub fn run(s: &BenchSettings, results_dir: Option<&Path>, json: bool) -> Result<Outcome, BenchServeError> {
-    let root = results_root(results_dir, std::env::var_os(crate::settings::env::KVX_RESULTS_DIR));
+pub fn run(s: &BenchSettings, json: bool) -> Result<Outcome, BenchServeError> {
+    let root = &s.results_root;
     let started_at = now_rfc3339();
     let run_id = new_run_id(&started_at);
-    let writer = RunWriter::create(&root, &run_id)?;
+    let writer = RunWriter::create(root, &run_id)?;
     crate::output::note!(
         "kvx bench --serve: P tp {} -> D tp {} | {} | {} requests of {} tokens through the proxy | writing {}",
-        s.pair.p.tp,
-        s.pair.d.tp,
-        s.pair.model.name,
+        s.workers.pair.p.tp,
+        s.workers.pair.d.tp,
+        s.workers.pair.model.name,
         s.requests.map_or_else(|| "timed".to_string(), |r| r.to_string()),
         s.lens,
         writer.dir().display()
@@ -219,11 +183,11 @@ pub fn run(s: &BenchSettings, results_dir: Option<&Path>, json: bool) -> Result<
 /// Starts everything, drives the load, stops everything.
 fn measure(s: &BenchSettings) -> Result<Measured, BenchServeError> {
     let p_kv = Arc::new(
-        WorkerKv::start(engine_config(s, Role::Prefill))
+        WorkerKv::start(s.engine(Role::Prefill))
             .map_err(|source| BenchServeError::Engine { role: "prefill", source })?,
     );
     let d_kv = Arc::new(
-        WorkerKv::start(engine_config(s, Role::Decode))
+        WorkerKv::start(s.engine(Role::Decode))
             .map_err(|source| BenchServeError::Engine { role: "decode", source })?,
     );
     d_kv.record_requests();
@@ -244,7 +208,7 @@ fn measure(s: &BenchSettings) -> Result<Measured, BenchServeError> {
             vec![BackendAddr { host: "127.0.0.1".into(), port: p_addr.port() }],
             vec![BackendAddr { host: "127.0.0.1".into(), port: d_addr.port() }],
         );
-        pcfg.request_timeout = (s.timeout * 8).max(Duration::from_secs(60));
+        pcfg.request_timeout = (s.workers.timeout * 8).max(Duration::from_secs(60));
         let pst = ProxyState::new(pcfg).map_err(|e| BenchServeError::Io(e.message))?;
         let (x_addr, x_task) = spawn_server(&stop_rx, |l, stop| proxy::serve(l, pst, stop)).await?;
         Ok::<_, BenchServeError>((x_addr, [p_task, d_task, x_task]))
@@ -387,11 +351,7 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
             .as_deref()
             .map(|t| t.split(", ").map(str::to_string).collect())
             .unwrap_or_default(),
-        err_mode: Some(if s.transport.err_mode.is_empty() {
-            "none".into()
-        } else {
-            s.transport.err_mode.clone()
-        }),
+        err_mode: Some(s.workers.transport.err_mode.to_string()),
     };
     sum.notes.insert(
         1,
@@ -404,7 +364,7 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
         "serving path: client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (handshake, \
          UCX reads, verify {}, notify) -> {MAX_TOKENS} streamed tokens; prefill compute and ITL are 0, so \
          TTFT is HTTP plus KV",
-        format!("{:?}", s.verify).to_lowercase()
+        s.workers.verify.as_str()
     ));
     if let Some(v) = sum.stages.get("verify").filter(|v| v.count > 0) {
         sum.notes.push(format!(

@@ -27,3 +27,26 @@ pub const ALL: &[(&str, &str)] = &[
     (KVX_ORACLE_DIR, "tests only: directory of the vLLM oracle vectors (default ../shared/oracle)"),
     (OPENAI_API_KEY, "bearer token serve-proxy sends to engines (same as --backend-api-key)"),
 ];
+
+/// What resolution reads from the process's surroundings, read once per run (tests build
+/// their own): `KVX_RESULTS_DIR`, whether stderr is a terminal (the progress bar), and the
+/// path of this executable (what engines spawn as workers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessEnv {
+    /// `KVX_RESULTS_DIR`.
+    pub results_dir: Option<std::ffi::OsString>,
+    pub stderr_is_terminal: bool,
+    /// This executable, or why it cannot be found.
+    pub exe: Result<std::path::PathBuf, String>,
+}
+
+impl ProcessEnv {
+    /// Reads this process's surroundings.
+    pub fn read() -> Self {
+        ProcessEnv {
+            results_dir: std::env::var_os(KVX_RESULTS_DIR),
+            stderr_is_terminal: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            exe: std::env::current_exe().map_err(|e| e.to_string()),
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //!
 //! Precedence: preset or config file, then shape flags. Every error names the flag.
 
-use crate::cli::common::{ModelArgs, PairArgs, PortArgs};
+use super::flags::{ModelFlags, PairFlags, PortFlags};
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::{EngineSpec, Layout};
@@ -14,7 +14,7 @@ use crate::topology::ports::PortScheme;
 pub const DEFAULT_MODEL: &str = "llama-3.1-70b";
 
 /// Resolves the model shape: preset or config file, then shape flags.
-pub fn resolve_model(args: &ModelArgs) -> Result<ModelShape, ConfigError> {
+pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
     let mut shape = match (&args.model, &args.model_config) {
         (_, Some(path)) => model::from_config_file(path)?,
         (Some(name), None) => model::preset(name)?,
@@ -75,8 +75,8 @@ fn layout(
 
 /// Resolves the engine pair. `p_blocks`/`d_blocks` are the pool sizes in blocks.
 pub fn resolve_pair(
-    model_args: &ModelArgs,
-    pair: &PairArgs,
+    model_args: &ModelFlags,
+    pair: &PairFlags,
     p_blocks: u32,
     d_blocks: u32,
 ) -> Result<PairSpec, ConfigError> {
@@ -126,7 +126,7 @@ pub struct Ports {
 }
 
 /// Resolves `--p-dp`, `--d-dp`, `--side-channel-port`, `--port-scheme`.
-pub fn resolve_ports(args: &PortArgs) -> Result<Ports, ConfigError> {
+pub fn resolve_ports(args: &PortFlags) -> Result<Ports, ConfigError> {
     for (flag, v) in [("--p-dp", args.p_dp), ("--d-dp", args.d_dp)] {
         if v == 0 || v > 1024 {
             return Err(ConfigError::new(flag, format!("data-parallel size must be 1..1024, got {v}")));

@@ -8,7 +8,7 @@
 
 use std::ptr::NonNull;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::ucx::{MemType, Registrable};
 
@@ -28,6 +28,17 @@ pub enum MemoryError {
     Cuda(String),
     #[error("kvx was built without CUDA support: rebuild with `cargo build --features cuda`")]
     CudaNotBuilt,
+}
+
+/// Where one rank's KV buffers live, resolved once from `--mem`/`--devices`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MemPlace {
+    #[default]
+    Host,
+    Cuda {
+        device: u32,
+    },
 }
 
 /// Page size choice for host buffers.

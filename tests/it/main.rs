@@ -7,6 +7,7 @@ mod edge;
 mod gate;
 mod golden;
 mod handshake;
+mod layering;
 mod netns;
 mod oracle;
 mod procs;

@@ -71,7 +71,7 @@ fn built_summary(rows: &[RequestRow]) -> Summary {
         }
     }
     totals.apply(&mut s, 0.05);
-    s.set_stages(&rec);
+    s.set_stages(rec.stats());
     s.calibration =
         Some(Calibration { memcpy_gbps: Some(10.0), ucx_loopback_gbps: Some(7.5), ..Default::default() });
     s

@@ -12,14 +12,14 @@ use std::os::fd::RawFd;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::error::{Result, UcxError};
 use super::library::Ucx;
 use super::sys::{self, UcpContextH, UcpWorkerH};
 
 /// How a waiting kvx thread progresses UCX.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum ProgressMode {
     /// Call `ucp_worker_progress` in a tight loop (lowest latency, burns a core).

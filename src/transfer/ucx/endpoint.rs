@@ -12,7 +12,7 @@ use std::ffi::c_void;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::context::Worker;
 use super::error::{Result, UcxError};
@@ -20,7 +20,7 @@ use super::region::{MemRegion, PackedRkey, Registrable};
 use super::sys::{self, UcpEpH, UcpRkeyH, UcsStatus};
 
 /// UCX's error-handling mode for an endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrMode {
     /// No peer-failure handling: all transports, shared memory included (UCX's default).

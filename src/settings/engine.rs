@@ -1,0 +1,390 @@
+//! What worker engines are told, parsed and checked: the typed choices every worker receives
+//! (verification, UCX error and progress modes, transport, transfer mode), what kvx cannot do
+//! yet ([`NotYet`]), and `kvx serve-engine`'s flags resolved into its settings (its worker
+//! engine built by `pipeline::setup`'s one builder, as `kvx bench`'s are). Must not start
+//! anything.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::flags::{ModelFlags, PairFlags};
+use super::parse::choice;
+use super::scenario;
+use crate::error::ConfigError;
+use crate::layouts::alloc::AllocPattern;
+use crate::pipeline::engine::EngineConfig;
+use crate::pipeline::proto::{Role, TransferMode, TransportConfig, TransportKind, VerifyMode};
+use crate::pipeline::setup::{EngineSlot, KvMemory, WorkerSettings};
+use crate::serve::engine::{EngineConfig as HttpEngineConfig, Role as HttpRole};
+use crate::serve::kv::EngineIdentity;
+use crate::transfer::ucx::{ErrMode, ProgressMode};
+
+/// What kvx cannot do yet, as the reason settings refuse a request for it (the flag to change
+/// is named by the caller). The GPU path lifts `CudaPools`; push mode lifts `PushMode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NotYet {
+    #[error("kvx bench registers host memory; CUDA pools need `kvx xfer --mem cuda` (feature cuda) for now")]
+    CudaPools,
+    #[error(
+        "push is not implemented yet: kvx moves KV caches in pull mode (the decode side reads the \
+         prefill side's blocks), as vLLM's NixlConnector does"
+    )]
+    PushMode,
+}
+
+/// Whether worker engines can keep their KV pools in `mem` today.
+pub fn supported(mem: &KvMemory) -> Result<(), NotYet> {
+    match mem {
+        KvMemory::Host => Ok(()),
+        KvMemory::Cuda { .. } => Err(NotYet::CudaPools),
+    }
+}
+
+/// Parses `--mode` (or the `mode` key): pull only, for now.
+pub fn parse_mode(name: &str) -> Result<TransferMode, String> {
+    match name.trim() {
+        "pull" => Ok(TransferMode::Pull),
+        "push" => Err(NotYet::PushMode.to_string()),
+        other => Err(format!("'{other}' is not pull (push is not implemented yet)")),
+    }
+}
+
+/// Parses `--verify`.
+pub fn parse_verify(name: &str) -> Result<VerifyMode, String> {
+    choice(name, &[("full", VerifyMode::Full), ("sample", VerifyMode::Sample), ("off", VerifyMode::Off)])
+}
+
+/// Parses `--err-mode`.
+pub fn parse_err_mode(name: &str) -> Result<ErrMode, String> {
+    choice(name, &[("none", ErrMode::None), ("peer", ErrMode::Peer)])
+}
+
+/// Parses `--progress`.
+pub fn parse_progress(name: &str) -> Result<ProgressMode, String> {
+    choice(
+        name,
+        &[("busy", ProgressMode::Busy), ("wait", ProgressMode::Wait), ("hybrid", ProgressMode::Hybrid)],
+    )
+}
+
+/// Parses `--transport`.
+pub fn parse_transport(name: &str) -> Result<TransportKind, String> {
+    choice(
+        name,
+        &[("ucx", TransportKind::Ucx), ("storage", TransportKind::Storage), ("multi", TransportKind::Multi)],
+    )
+}
+
+/// Checks `--inflight`.
+pub fn check_inflight(n: u32) -> Result<u32, ConfigError> {
+    if n == 0 || n > 1 << 16 {
+        return Err(ConfigError::new("--inflight", format!("must be 1..65536, got {n}")));
+    }
+    Ok(n)
+}
+
+/// Which KV backend `kvx serve-engine` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvBackendKind {
+    /// One `kvx worker` process per TP rank holding a registered KV pool: the prefill
+    /// engine fills and holds blocks and serves its side channel; the decode engine
+    /// handshakes, reads them with one-sided UCX GETs, verifies and notifies.
+    Workers,
+    /// No KV transfer at all: block ids are computed, nothing is held or read. For measuring
+    /// the HTTP/proxy path alone; `/metrics` labels it `kv_transfer="none"`.
+    Null,
+}
+
+/// Per-rank pool budget used when `--pool-blocks` is not given.
+pub const DEFAULT_POOL_BYTES_PER_RANK: u64 = 512 << 20;
+
+/// `kvx serve-engine`'s flags as plain data (clap supplies the defaults).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeEngineFlags {
+    pub role: HttpRole,
+    pub model_name: Option<String>,
+    pub tp: u32,
+    pub block_size: u32,
+    pub max_model_len: u64,
+    pub prefill_tokens_per_s: f64,
+    pub itl_ms: f64,
+    pub api_key: Option<String>,
+    pub max_num_seqs: usize,
+    pub eos_at: Option<u64>,
+    pub engine_id: Option<String>,
+    pub side_channel_host: String,
+    pub side_channel_port: u16,
+    pub kv_backend: KvBackendKind,
+    pub model: ModelFlags,
+    pub vllm: Option<String>,
+    pub layout: Option<String>,
+    pub pool_blocks: Option<u32>,
+    pub alloc: String,
+    pub lease: Duration,
+    pub timeout: Duration,
+    pub verify: String,
+    pub ucx_lib: Option<PathBuf>,
+    pub ucx_tls: Option<String>,
+    pub err_mode: String,
+    pub progress: String,
+    pub inflight: u32,
+    pub coalesce: bool,
+    pub huge_pages: bool,
+}
+
+/// How `kvx serve-engine`'s KV side is built.
+#[derive(Debug, Clone)]
+pub enum KvSettings {
+    Null(EngineIdentity),
+    Workers(Box<EngineConfig>),
+}
+
+/// Everything `kvx serve-engine` runs with.
+#[derive(Debug, Clone)]
+pub struct ServeEngineSettings {
+    pub http: HttpEngineConfig,
+    pub kv: KvSettings,
+}
+
+/// A bind address for ZMQ, which does not resolve host names when binding.
+fn bind_host(host: &str) -> String {
+    if host == "localhost" { "127.0.0.1".to_string() } else { host.to_string() }
+}
+
+/// Checks `kvx serve-engine`'s flags and builds its settings.
+pub fn resolve_serve_engine(
+    a: &ServeEngineFlags,
+    exe: &Result<PathBuf, String>,
+) -> Result<ServeEngineSettings, ConfigError> {
+    if a.tp == 0 {
+        return Err(ConfigError::new("--tp", "tensor-parallel size must be at least 1"));
+    }
+    if a.block_size == 0 {
+        return Err(ConfigError::new("--block-size", "block size must be at least 1 token"));
+    }
+    if a.max_model_len < 2 {
+        return Err(ConfigError::new("--max-model-len", "context must hold a prompt and one token (>= 2)"));
+    }
+    if !(a.prefill_tokens_per_s.is_finite() && a.prefill_tokens_per_s >= 0.0) {
+        return Err(ConfigError::new("--prefill-tokens-per-s", "must be a finite number >= 0 (0 = instant)"));
+    }
+    if !(a.itl_ms.is_finite() && (0.0..=60_000.0).contains(&a.itl_ms)) {
+        return Err(ConfigError::new("--itl-ms", "must be between 0 and 60000 milliseconds"));
+    }
+    if a.max_num_seqs == 0 {
+        return Err(ConfigError::new("--max-num-seqs", "must be at least 1"));
+    }
+    if a.eos_at == Some(0) {
+        return Err(ConfigError::new("--eos-at", "EOS position counts from 1"));
+    }
+    let engine_id = a.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    let model_name =
+        a.model_name.clone().or_else(|| a.model.model.clone()).unwrap_or_else(|| "kvx-synthetic".to_string());
+    let http = HttpEngineConfig {
+        role: a.role,
+        model_name,
+        max_model_len: a.max_model_len,
+        block_size_tokens: a.block_size,
+        tp_size: a.tp,
+        prefill_tokens_per_s: a.prefill_tokens_per_s,
+        itl: Duration::from_secs_f64(a.itl_ms / 1000.0),
+        api_key: a.api_key.clone(),
+        max_num_seqs: a.max_num_seqs,
+        eos_at: a.eos_at,
+    };
+    let kv = match a.kv_backend {
+        KvBackendKind::Null => KvSettings::Null(EngineIdentity {
+            engine_id,
+            side_channel_host: a.side_channel_host.clone(),
+            side_channel_port: a.side_channel_port,
+            tp_size: a.tp,
+        }),
+        KvBackendKind::Workers => {
+            let role = match a.role {
+                HttpRole::Prefill => Role::Prefill,
+                HttpRole::Decode => Role::Decode,
+            };
+            let workers = serve_engine_workers(a, exe)?;
+            let slot =
+                EngineSlot { role, engine_id, side_channel_port: a.side_channel_port, first_device_slot: 0 };
+            KvSettings::Workers(Box::new(workers.engine(slot)))
+        }
+    };
+    Ok(ServeEngineSettings { http, kv })
+}
+
+/// The worker settings behind `--kv-backend workers`: this engine's TP, layout, block size
+/// and pool make its side of the pair (both sides, here); the other side is learned at
+/// handshake time.
+fn serve_engine_workers(
+    a: &ServeEngineFlags,
+    exe: &Result<PathBuf, String>,
+) -> Result<WorkerSettings, ConfigError> {
+    let pair_flags = PairFlags {
+        p_tp: Some(a.tp),
+        d_tp: Some(a.tp),
+        vllm: a.vllm.clone(),
+        layout: a.layout.clone(),
+        block_size: Some(a.block_size),
+        ..PairFlags::default()
+    };
+    // The pair's checks speak of P and D; this engine is one side with its own flags.
+    let own_flag = |e: ConfigError| {
+        let flag = match e.flag.as_str() {
+            "--p-tp" | "--d-tp" => "--tp".to_string(),
+            "--p-layout" | "--d-layout" => "--layout".to_string(),
+            "--p-block-size" | "--d-block-size" => "--block-size".to_string(),
+            other => other.to_string(),
+        };
+        ConfigError { flag, reason: e.reason }
+    };
+    // Pool size needs the block size in bytes, which needs the shape: resolve once to size.
+    let probe = scenario::resolve_pair(&a.model, &pair_flags, 1, 1).map_err(own_flag)?;
+    let blocks_per_prompt = u32::try_from(a.max_model_len.div_ceil(u64::from(a.block_size)))
+        .map_err(|_| ConfigError::new("--max-model-len", "too many blocks per prompt"))?;
+    let block_bytes = probe.p_geometry(0).block_bytes_all_layers().max(1);
+    let pool = match a.pool_blocks {
+        Some(0) => return Err(ConfigError::new("--pool-blocks", "the pool needs at least 1 block")),
+        Some(n) => n,
+        None => {
+            let budget = u32::try_from(DEFAULT_POOL_BYTES_PER_RANK / block_bytes).unwrap_or(u32::MAX);
+            blocks_per_prompt.saturating_mul(4).min(budget).max(blocks_per_prompt).max(1)
+        }
+    };
+    let pair = scenario::resolve_pair(&a.model, &pair_flags, pool, pool).map_err(own_flag)?;
+    pair.validate().map_err(own_flag)?;
+    let alloc: AllocPattern = a.alloc.parse().map_err(|e| ConfigError::new("--alloc", e))?;
+    let verify = parse_verify(&a.verify).map_err(|e| ConfigError::new("--verify", e))?;
+    let err_mode = parse_err_mode(&a.err_mode).map_err(|e| ConfigError::new("--err-mode", e))?;
+    let progress = parse_progress(&a.progress).map_err(|e| ConfigError::new("--progress", e))?;
+    let inflight = check_inflight(a.inflight)?;
+    if a.lease.is_zero() || a.timeout.is_zero() {
+        return Err(ConfigError::new("--lease", "--lease and --timeout must be longer than 0"));
+    }
+    let exe =
+        exe.clone().map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
+    let host = bind_host(&a.side_channel_host);
+    Ok(WorkerSettings {
+        pair,
+        transport: TransportConfig {
+            kind: TransportKind::Ucx,
+            chain: vec![],
+            mode: TransferMode::Pull,
+            ucx_lib: a.ucx_lib.clone(),
+            err_mode,
+            progress,
+            ucx_alloc: false,
+            huge_pages: a.huge_pages,
+            inflight,
+            coalesce: a.coalesce,
+            notify: Default::default(),
+            storage_dir: None,
+            storage_direct_io: false,
+            storage_fsync: false,
+            slowdown: 0.0,
+        },
+        verify,
+        mem: KvMemory::Host,
+        lease: a.lease,
+        timeout: a.timeout,
+        alloc,
+        seed: 0,
+        exe,
+        worker_env: a.ucx_tls.iter().map(|t| ("UCX_TLS".to_string(), t.clone())).collect(),
+        listen: None,
+        advertise_host: if host == "0.0.0.0" { "127.0.0.1".into() } else { host.clone() },
+        bind_host: host,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::engine::Launch;
+    use crate::transfer::memory::MemPlace;
+
+    #[test]
+    fn only_pull_mode_and_host_pools_for_now() {
+        assert_eq!(parse_mode("pull"), Ok(TransferMode::Pull));
+        assert!(parse_mode("push").is_err_and(|e| e.contains("push is not implemented yet")));
+        assert!(parse_mode("sideways").is_err_and(|e| e.contains("'sideways' is not pull")));
+        assert_eq!(supported(&KvMemory::Host), Ok(()));
+        assert_eq!(supported(&KvMemory::Cuda { devices: vec![0] }), Err(NotYet::CudaPools));
+    }
+
+    fn serve_flags(role: HttpRole) -> ServeEngineFlags {
+        ServeEngineFlags {
+            role,
+            model_name: None,
+            tp: 2,
+            block_size: 16,
+            max_model_len: 256,
+            prefill_tokens_per_s: 0.0,
+            itl_ms: 0.0,
+            api_key: None,
+            max_num_seqs: 256,
+            eos_at: None,
+            engine_id: Some("e1".into()),
+            side_channel_host: "localhost".into(),
+            side_channel_port: 0,
+            kv_backend: KvBackendKind::Workers,
+            model: ModelFlags { model: Some("llama-3.1-8b".into()), ..ModelFlags::default() },
+            vllm: None,
+            layout: None,
+            pool_blocks: None,
+            alloc: "contiguous".into(),
+            lease: Duration::from_secs(30),
+            timeout: Duration::from_secs(5),
+            verify: "sample".into(),
+            ucx_lib: None,
+            ucx_tls: Some("tcp".into()),
+            err_mode: "peer".into(),
+            progress: "wait".into(),
+            inflight: 8,
+            coalesce: false,
+            huge_pages: false,
+        }
+    }
+
+    #[test]
+    fn serve_engine_workers_come_from_the_shared_builder() {
+        let exe = Ok(PathBuf::from("/bin/kvx"));
+        let s = resolve_serve_engine(&serve_flags(HttpRole::Prefill), &exe).expect("valid");
+        let KvSettings::Workers(w) = s.kv else { panic!("workers backend") };
+        assert_eq!(w.worker.engine_id, "e1");
+        assert_eq!(w.worker.transport.err_mode, ErrMode::Peer);
+        assert_eq!(w.worker.transport.progress, ProgressMode::Wait);
+        assert_eq!(w.worker.transport.inflight, 8);
+        assert_eq!(w.mem, [MemPlace::Host; 2], "one placement per rank");
+        assert_eq!(w.side_channel_bind.as_deref(), Some("tcp://127.0.0.1:0"), "port 0: a free port");
+        assert!(matches!(&w.launch, Launch::Spawn { env, .. } if env == &[("UCX_TLS".into(), "tcp".into())]));
+        let d = resolve_serve_engine(&serve_flags(HttpRole::Decode), &exe).expect("valid");
+        let KvSettings::Workers(w) = d.kv else { panic!("workers backend") };
+        assert_eq!(w.side_channel_bind, None);
+        assert_eq!(w.worker.role, Role::Decode);
+    }
+
+    #[test]
+    fn bad_serve_engine_values_name_their_flag() {
+        let exe = Ok(PathBuf::from("/bin/kvx"));
+        type Set = fn(&mut ServeEngineFlags);
+        let cases: [(Set, &str); 7] = [
+            (|f| f.err_mode = "x".into(), "--err-mode"),
+            (|f| f.progress = "spin".into(), "--progress"),
+            (|f| f.verify = "most".into(), "--verify"),
+            (|f| f.inflight = 0, "--inflight"),
+            (|f| f.tp = 3, "--tp"),
+            (|f| f.lease = Duration::ZERO, "--lease"),
+            (|f| f.block_size = 0, "--block-size"),
+        ];
+        for (set, flag) in cases {
+            let mut f = serve_flags(HttpRole::Decode);
+            set(&mut f);
+            let e = resolve_serve_engine(&f, &exe).expect_err(flag);
+            assert_eq!(e.flag, flag, "{e}");
+        }
+        let e =
+            resolve_serve_engine(&serve_flags(HttpRole::Decode), &Err("gone".into())).expect_err("no exe");
+        assert_eq!(e.flag, "(system)");
+    }
+}

@@ -1,0 +1,97 @@
+//! What `kvx bench` was asked to run (one bench, `--serve`, `--compare-transports` or
+//! `--sweep`), with every bench of it resolved before the first starts, so a bad flag or a bad
+//! point fails before any worker process exists.
+
+use std::path::Path;
+
+use super::bench::{BenchFlags, resolve};
+use super::engine::parse_transport;
+use super::env::ProcessEnv;
+use super::sweep::{self, SweepPlan};
+use crate::error::ConfigError;
+use crate::pipeline::bench::BenchSettings;
+
+/// What `kvx bench` was asked to do, with every run resolved before any starts.
+#[derive(Debug, Clone)]
+pub enum BenchPlan {
+    /// One bench.
+    Single(Box<BenchSettings>),
+    /// `--serve`: the bench's workload through HTTP engines and the proxy.
+    Serve(Box<BenchSettings>),
+    /// `--compare-transports`: the same workload on each transport, in the order given.
+    CompareTransports(Vec<BenchSettings>),
+    /// `--sweep`: one bench per point of the file's axes.
+    Sweep(SweepPlan),
+}
+
+impl BenchPlan {
+    /// Directory the run is written under.
+    pub fn results_root(&self) -> &Path {
+        match self {
+            BenchPlan::Single(s) | BenchPlan::Serve(s) => &s.results_root,
+            BenchPlan::CompareTransports(runs) => runs.first().map_or(Path::new(""), |s| &s.results_root),
+            BenchPlan::Sweep(plan) => &plan.results_root,
+        }
+    }
+}
+
+/// Resolves `kvx bench`'s flags into what to run.
+pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, ConfigError> {
+    if flags.serve {
+        return Ok(BenchPlan::Serve(Box::new(resolve(flags, env)?)));
+    }
+    if let Some(names) = &flags.compare_transports {
+        let mut runs = Vec::new();
+        for n in names {
+            parse_transport(n).map_err(|e| ConfigError::new("--compare-transports", e))?;
+            let one = BenchFlags {
+                compare_transports: None,
+                transport: Some(n.trim().to_string()),
+                ..flags.clone()
+            };
+            runs.push(resolve(&one, env)?);
+        }
+        if runs.is_empty() {
+            return Err(ConfigError::new(
+                "--compare-transports",
+                "needs at least one of ucx, storage, multi",
+            ));
+        }
+        return Ok(BenchPlan::CompareTransports(runs));
+    }
+    if let Some(path) = &flags.sweep {
+        return Ok(BenchPlan::Sweep(sweep::plan(flags, path, env)?));
+    }
+    Ok(BenchPlan::Single(Box::new(resolve(flags, env)?)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::pipeline::proto::TransportKind;
+
+    fn env() -> ProcessEnv {
+        ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok(PathBuf::from("/usr/bin/kvx")) }
+    }
+
+    #[test]
+    fn plans_resolve_every_run_first() {
+        let flags = BenchFlags {
+            compare_transports: Some(vec!["ucx".into(), "storage".into()]),
+            ..Default::default()
+        };
+        let BenchPlan::CompareTransports(runs) = resolve_plan(&flags, &env()).expect("valid") else {
+            panic!("a comparison")
+        };
+        let kinds: Vec<_> = runs.iter().map(|r| r.workers.transport.kind).collect();
+        assert_eq!(kinds, [TransportKind::Ucx, TransportKind::Storage]);
+        let bad =
+            BenchFlags { compare_transports: Some(vec!["ucx".into(), "nccl".into()]), ..Default::default() };
+        assert_eq!(resolve_plan(&bad, &env()).expect_err("nccl").flag, "--compare-transports");
+        let serve = BenchFlags { serve: true, ..Default::default() };
+        assert!(matches!(resolve_plan(&serve, &env()), Ok(BenchPlan::Serve(_))));
+        assert!(matches!(resolve_plan(&BenchFlags::default(), &env()), Ok(BenchPlan::Single(_))));
+    }
+}
