@@ -41,6 +41,9 @@ pub enum Outcome {
     Ok,
     /// Exit 1: a performance gate found a regression.
     Regression,
+    /// Exit with the status of a kvx process that ran in this one's place (`kvx xfer`
+    /// re-runs itself to record UCX's protocols); it printed its own error.
+    Exit(u8),
 }
 
 impl From<Outcome> for ExitCode {
@@ -48,6 +51,7 @@ impl From<Outcome> for ExitCode {
         match o {
             Outcome::Ok => ExitCode::SUCCESS,
             Outcome::Regression => ExitCode::from(1),
+            Outcome::Exit(code) => ExitCode::from(code),
         }
     }
 }
