@@ -322,19 +322,13 @@ fn render_table(r: &XferReport) -> String {
     }
     let mut t = comfy_table::Table::new();
     t.load_style(comfy_table::presets::ASCII_BORDERS_ONLY_CONDENSED);
-    let (ceiling, ratio) =
-        if r.ceiling == "device_copy" { ("device copy GB/s", "vs device copy") } else { ("memcpy GB/s", "ratio") };
+    let (ceiling, ratio) = if r.ceiling == "device_copy" {
+        ("device copy GB/s", "vs device copy")
+    } else {
+        ("memcpy GB/s", "ratio")
+    };
     t.set_header(vec![
-        "size",
-        "inflight",
-        "GB/s",
-        ceiling,
-        ratio,
-        "p50 us",
-        "p99 us",
-        "post us",
-        "done us",
-        "msgs/s",
+        "size", "inflight", "GB/s", ceiling, ratio, "p50 us", "p99 us", "post us", "done us", "msgs/s",
         "verified",
     ]);
     for x in &r.results {

@@ -436,8 +436,8 @@ fn calibration_sample_count(s: &BenchSettings) -> usize {
 /// the reference the bench's throughput is compared with). The bench's own progress and window
 /// settings are deliberately not used: they are what a gated change might make slower.
 pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration> {
-    use crate::transfer::ucx::ProgressMode;
     use crate::transfer::memory::MemPlace;
+    use crate::transfer::ucx::ProgressMode;
     use crate::transfer::xfer::{self, SessionOptions, TargetSpec, XferConfig};
     let mut sizes = vec![CALIBRATION_READ_BYTES];
     if descriptor_bytes != CALIBRATION_READ_BYTES {

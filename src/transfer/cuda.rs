@@ -110,7 +110,7 @@ fn staging_groups(ranges: &[Range<u64>], cap: u64) -> Vec<Range<usize>> {
 /// Most pinned host memory one buffer keeps for staging its range copies.
 pub const STAGING_BYTES: u64 = 64 << 20;
 
-pub use imp::{CudaBuffer, CudaDevice, device_count, dtod_copy_gbps, driver_info};
+pub use imp::{CudaBuffer, CudaDevice, device_count, driver_info, dtod_copy_gbps};
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -168,7 +168,9 @@ mod imp {
                 }
                 let mut can: std::ffi::c_int = 0;
                 // SAFETY: two valid device handles and a valid out pointer.
-                call("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db).result() })?;
+                call("cuDeviceCanAccessPeer", unsafe {
+                    sys::cuDeviceCanAccessPeer(&mut can, da, db).result()
+                })?;
                 if can != 0 {
                     peer_access.push((a as u32, b as u32));
                 }
@@ -353,10 +355,7 @@ mod imp {
         }
 
         /// Lends the staging buffer, grown to at least `len` bytes.
-        fn staging<'a>(
-            slot: &'a mut Option<Pinned>,
-            len: usize,
-        ) -> Result<&'a mut Pinned, CudaError> {
+        fn staging(slot: &mut Option<Pinned>, len: usize) -> Result<&mut Pinned, CudaError> {
             if slot.as_ref().is_none_or(|p| p.len < len) {
                 *slot = None;
                 *slot = Some(Pinned::alloc(len)?);
@@ -490,7 +489,7 @@ mod imp {
             });
         }
         let slots = (src.len.min(dst.len) as u64 / size.max(1)).max(1);
-        check_ranges(&[0..size], src.len.min(dst.len))?;
+        check_ranges(&[Range { start: 0, end: size }], src.len.min(dst.len))?;
         let _cur = dst.dev.scoped()?;
         let stream = dst.stream.cu_stream();
         let offset = |k: u64| if hot { 0 } else { (k % slots) * size };
@@ -718,13 +717,20 @@ mod tests {
         let flat: Vec<usize> = groups.iter().flat_map(|g| g.clone()).collect();
         assert_eq!(flat, (0..ranges.len()).collect::<Vec<_>>());
         assert!(staging_groups(&[], 32).is_empty());
-        assert_eq!(staging_groups(&[0..100], 32), vec![0..1], "an oversized range is a group of its own");
+        assert_eq!(
+            staging_groups(&[Range { start: 0, end: 100 }], 32),
+            vec![0..1],
+            "an oversized range is a group of its own"
+        );
     }
 
     #[test]
     fn ranges_are_checked_against_the_buffer() {
         assert!(check_ranges(&[0..4096, 4096..8192], 8192).is_ok());
-        assert_eq!(check_ranges(&[0..8193], 8192), Err(CudaError::Range { start: 0, end: 8193, len: 8192 }));
+        assert_eq!(
+            check_ranges(&[Range { start: 0, end: 8193 }], 8192),
+            Err(CudaError::Range { start: 0, end: 8193, len: 8192 })
+        );
         assert!(check_ranges(&[Range { start: 10, end: 5 }], 8192).is_err());
     }
 

@@ -381,8 +381,20 @@ fn cuda_ipc_probe(exe: &Path, ucx_lib: Option<&Path>) -> Result<ProtoReport, Str
     let err_path = dir.path().join("xfer.err");
     let file = |p: &Path| std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()));
     let mut cmd = std::process::Command::new(exe);
-    cmd.args(["xfer", "--mem", "cuda", "--device", "0", "--sizes", "1MiB", "--inflight", "1", "--iters", "2"])
-        .args(["--working-set", "1MiB", "--duration", "1ms", "--format", "json"]);
+    cmd.args([
+        "xfer",
+        "--mem",
+        "cuda",
+        "--device",
+        "0",
+        "--sizes",
+        "1MiB",
+        "--inflight",
+        "1",
+        "--iters",
+        "2",
+    ])
+    .args(["--working-set", "1MiB", "--duration", "1ms", "--format", "json"]);
     if let Some(lib) = ucx_lib {
         cmd.arg("--ucx-lib").arg(lib);
     }
@@ -406,7 +418,8 @@ fn cuda_ipc_probe(exe: &Path, ucx_lib: Option<&Path>) -> Result<ProtoReport, Str
         return Err(format!("kvx xfer --mem cuda exited {status}: {why}"));
     }
     let text = std::fs::read_to_string(&out_path).map_err(|e| format!("reading its report: {e}"))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("its report is not JSON: {e}"))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("its report is not JSON: {e}"))?;
     let verified = v["results"][0]["verified_bytes"].as_u64().unwrap_or(0);
     if verified < 1 << 20 {
         return Err(format!("the read was not verified ({verified} bytes)"));
@@ -423,6 +436,29 @@ pub fn cuda_findings(f: &CudaFacts) -> Vec<Check> {
         (Err(e), true) => Some(format!("not available: {e}")),
         (Ok(_), true) => None,
     };
+    let details = cuda_details(f, &no_cuda);
+    // One line that sums the others up: --mem cuda works here or not.
+    let gpu_host = no_cuda.is_none() && f.driver.as_ref().is_ok_and(|d| !d.devices.is_empty());
+    let lacking: Vec<&str> = details.iter().filter(|c| c.verdict != Verdict::Ok).map(|c| c.name).collect();
+    out.push(match (&no_cuda, gpu_host, lacking.is_empty()) {
+        (Some(why), _, _) => {
+            check("cuda", Verdict::Ok, format!("host memory only: {why}"), "see cuda.driver")
+        }
+        (None, false, _) => check("cuda", Verdict::Ok, "host memory only: no CUDA device", ""),
+        (None, true, true) => check("cuda", Verdict::Ok, "--mem cuda ready (cuda_ipc zero-copy reads)", ""),
+        (None, true, false) => check(
+            "cuda",
+            Verdict::Warn,
+            format!("--mem cuda limited: see {}", lacking.join(", ")),
+            "follow the hints of those lines",
+        ),
+    });
+    out.extend(details);
+    out
+}
+
+fn cuda_details(f: &CudaFacts, no_cuda: &Option<String>) -> Vec<Check> {
+    let mut out = Vec::new();
     // Driver.
     out.push(match (&f.driver, f.built) {
         (_, false) => check(
@@ -437,11 +473,13 @@ pub fn cuda_findings(f: &CudaFacts) -> Vec<Check> {
             format!("not available: {e}"),
             "install the NVIDIA driver (or run on a GPU host) for --mem cuda; host memory works without it",
         ),
-        (Ok(d), true) => check("cuda.driver", Verdict::Ok, format!("driver for CUDA {}", d.version_string()), ""),
+        (Ok(d), true) => {
+            check("cuda.driver", Verdict::Ok, format!("driver for CUDA {}", d.version_string()), "")
+        }
     });
     // Devices.
     let devices = f.driver.as_ref().map(|d| d.devices.as_slice()).unwrap_or(&[]);
-    out.push(match &no_cuda {
+    out.push(match no_cuda {
         Some(why) => check("cuda.devices", Verdict::Missing, why.clone(), "--mem cuda needs a GPU"),
         None if devices.is_empty() => check(
             "cuda.devices",
@@ -454,7 +492,14 @@ pub fn cuda_findings(f: &CudaFacts) -> Vec<Check> {
             Verdict::Ok,
             devices
                 .iter()
-                .map(|d| format!("{}: {} ({:.1} GiB)", d.ordinal, d.name, d.total_mem_bytes as f64 / (1u64 << 30) as f64))
+                .map(|d| {
+                    format!(
+                        "{}: {} ({:.1} GiB)",
+                        d.ordinal,
+                        d.name,
+                        d.total_mem_bytes as f64 / (1u64 << 30) as f64
+                    )
+                })
                 .collect::<Vec<_>>()
                 .join(", "),
             "",
@@ -463,8 +508,10 @@ pub fn cuda_findings(f: &CudaFacts) -> Vec<Check> {
     // UCX with CUDA.
     const UCX_FIX: &str = "use a UCX built with CUDA: --ucx-lib (or KVX_UCX_LIB) pointing at libucx/lib/libucp.so.0 \
                            of the PyPI wheel libucx-cu12 or libucx-cu13 (scripts/setup-ucx.sh installs one)";
-    out.push(match (&f.ucx, &no_cuda) {
-        (None, _) => check("cuda.ucx", Verdict::Missing, "not available: UCX did not load", "see ucx.library"),
+    out.push(match (&f.ucx, no_cuda) {
+        (None, _) => {
+            check("cuda.ucx", Verdict::Missing, "not available: UCX did not load", "see ucx.library")
+        }
         (Some(u), Some(why)) => check(
             "cuda.ucx",
             Verdict::Missing,
@@ -475,12 +522,18 @@ pub fn cuda_findings(f: &CudaFacts) -> Vec<Check> {
             ),
             "",
         ),
-        (Some(u), None) if u.cuda_memory && u.cuda_transports.iter().any(|t| t.starts_with("cuda_ipc")) => check(
-            "cuda.ucx",
-            Verdict::Ok,
-            format!("UCX {} registers CUDA memory; transports {}", u.version, u.cuda_transports.join(", ")),
-            "",
-        ),
+        (Some(u), None) if u.cuda_memory && u.cuda_transports.iter().any(|t| t.starts_with("cuda_ipc")) => {
+            check(
+                "cuda.ucx",
+                Verdict::Ok,
+                format!(
+                    "UCX {} registers CUDA memory; transports {}",
+                    u.version,
+                    u.cuda_transports.join(", ")
+                ),
+                "",
+            )
+        }
         (Some(u), None) if u.cuda_memory => check(
             "cuda.ucx",
             Verdict::Warn,
@@ -495,7 +548,10 @@ pub fn cuda_findings(f: &CudaFacts) -> Vec<Check> {
         (Some(u), None) => check(
             "cuda.ucx",
             Verdict::Missing,
-            format!("UCX {} cannot register CUDA memory (built without CUDA, or its CUDA module did not load)", u.version),
+            format!(
+                "UCX {} cannot register CUDA memory (built without CUDA, or its CUDA module did not load)",
+                u.version
+            ),
             UCX_FIX,
         ),
     });
@@ -542,7 +598,7 @@ pub fn cuda_findings(f: &CudaFacts) -> Vec<Check> {
         Some(false) => "no NVLink",
         None => "NVLink unknown",
     };
-    out.push(match (f.get_zcopy_env.as_deref().map(str::to_ascii_lowercase).as_deref(), &no_cuda) {
+    out.push(match (f.get_zcopy_env.as_deref().map(str::to_ascii_lowercase).as_deref(), no_cuda) {
         (_, Some(why)) => check("cuda.get_zcopy", Verdict::Missing, why.clone(), ""),
         (Some("y" | "yes" | "on" | "1"), None) => check(
             "cuda.get_zcopy",
@@ -582,7 +638,7 @@ pub fn cuda_findings(f: &CudaFacts) -> Vec<Check> {
         ),
     });
     // NVLink.
-    out.push(match (&f.nvlink, &no_cuda) {
+    out.push(match (&f.nvlink, no_cuda) {
         (_, Some(why)) => check("cuda.nvlink", Verdict::Missing, why.clone(), ""),
         (Err(e), None) => check(
             "cuda.nvlink",
@@ -725,8 +781,9 @@ mod tests {
             nvlink: Err("NVML (libnvidia-ml.so.1) not loadable".into()),
         };
         let checks = cuda_findings(&f);
-        assert_eq!(checks.len(), 6);
-        for c in &checks {
+        assert_eq!(checks.len(), 7);
+        assert_eq!(verdict(&checks, "cuda").0, Verdict::Ok, "a host without a GPU is fine for host memory");
+        for c in checks.iter().filter(|c| c.name != "cuda") {
             assert_eq!(c.verdict, Verdict::Missing, "{c:?}");
             assert!(c.detail.contains("not available"), "{c:?}");
         }
@@ -763,6 +820,9 @@ mod tests {
         let (v, detail, hint) = verdict(&cuda_findings(&f), "cuda.ipc");
         assert_eq!(v, Verdict::Warn);
         assert!(detail.contains("software emulation"), "{detail}");
+        let (v, summary, _) = verdict(&cuda_findings(&f), "cuda");
+        assert_eq!(v, Verdict::Warn);
+        assert!(summary.contains("cuda.ipc"), "{summary}");
         assert!(hint.contains("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"), "{hint}");
         // A UCX without CUDA.
         let mut f = gpu_facts();

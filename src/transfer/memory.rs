@@ -42,7 +42,9 @@ pub enum MemoryError {
 pub enum MemPlace {
     #[default]
     Host,
-    Cuda { device: u32 },
+    Cuda {
+        device: u32,
+    },
 }
 
 impl MemPlace {
@@ -393,8 +395,12 @@ mod tests {
     fn mem_places_serialize_tagged_and_display_short() {
         assert_eq!(serde_json::to_value(MemPlace::Host).expect("json"), serde_json::json!({"kind": "host"}));
         let cuda = MemPlace::Cuda { device: 3 };
-        assert_eq!(serde_json::to_value(cuda).expect("json"), serde_json::json!({"kind": "cuda", "device": 3}));
-        let back: MemPlace = rmp_serde::from_slice(&rmp_serde::to_vec_named(&cuda).expect("msgpack")).expect("back");
+        assert_eq!(
+            serde_json::to_value(cuda).expect("json"),
+            serde_json::json!({"kind": "cuda", "device": 3})
+        );
+        let back: MemPlace =
+            rmp_serde::from_slice(&rmp_serde::to_vec_named(&cuda).expect("msgpack")).expect("back");
         assert_eq!(back, cuda);
         assert_eq!(cuda.to_string(), "cuda:3");
         assert_eq!(MemPlace::Host.to_string(), "host");
@@ -413,12 +419,15 @@ mod tests {
         let ranges = [0..16, 4096..4100, 65_000..65_536];
         b.write_ranges(&ranges, |i, bytes| bytes.fill(i as u8 + 1)).expect("write");
         let mut seen = Vec::new();
-        b.read_ranges(&ranges, |i, bytes| seen.push((i, bytes.len(), bytes.iter().all(|&x| x == i as u8 + 1))))
-            .expect("read");
+        b.read_ranges(&ranges, |i, bytes| {
+            seen.push((i, bytes.len(), bytes.iter().all(|&x| x == i as u8 + 1)))
+        })
+        .expect("read");
         assert_eq!(seen, vec![(0, 16, true), (1, 4, true), (2, 536, true)]);
         let host = b.as_host().expect("host");
         assert_eq!(host.as_slice()[16], 0, "bytes outside the ranges are untouched");
-        let err = b.write_ranges(&[0..(64 << 10) + 1], |_, _| {}).expect_err("out of bounds");
+        let err =
+            b.write_ranges(&[Range { start: 0, end: (64 << 10) + 1 }], |_, _| {}).expect_err("out of bounds");
         assert!(err.to_string().contains("outside"), "{err}");
     }
 
@@ -428,7 +437,10 @@ mod tests {
         // On a GPU host both succeed; elsewhere both fail the same clear way.
         if let Err(e) = place.check_available() {
             let msg = e.to_string();
-            assert!(msg.contains("libcuda") || msg.contains("`cuda` feature") || msg.contains("CUDA device"), "{msg}");
+            assert!(
+                msg.contains("libcuda") || msg.contains("`cuda` feature") || msg.contains("CUDA device"),
+                "{msg}"
+            );
             let err = KvBuffer::alloc(place, 4096, PageSize::Normal).expect_err("no device memory here");
             assert_eq!(err.to_string(), msg);
         }

@@ -235,12 +235,15 @@ impl BufferAccess for CudaBuffer {
         Ok(())
     }
     fn zero(&mut self, off: usize, len: usize) -> Result<()> {
-        self.write_ranges(&[off as u64..(off + len) as u64], |_, bytes| bytes.fill(0))?;
+        self.write_ranges(&[std::ops::Range { start: off as u64, end: (off + len) as u64 }], |_, bytes| {
+            bytes.fill(0)
+        })?;
         Ok(())
     }
     fn read(&self, off: usize, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
         let mut out = Vec::with_capacity(len);
-        self.read_ranges(&[off as u64..(off + len) as u64], |_, bytes| out.extend_from_slice(bytes))?;
+        let range = std::ops::Range { start: off as u64, end: (off + len) as u64 };
+        self.read_ranges(&[range], |_, bytes| out.extend_from_slice(bytes))?;
         Ok(std::borrow::Cow::Owned(out))
     }
 }
@@ -818,7 +821,12 @@ fn measure(
 /// Warnings for a device-memory run whose reads UCX emulates in software, or whose
 /// protocol is unknown, each with the reason and the fix. Host memory gets none here
 /// (`kvx doctor` explains host-memory emulation).
-pub fn protocol_warnings(mem: MemPlace, protocols: &ProtoReport, env: &[String], transports: &str) -> Vec<String> {
+pub fn protocol_warnings(
+    mem: MemPlace,
+    protocols: &ProtoReport,
+    env: &[String],
+    transports: &str,
+) -> Vec<String> {
     if !mem.is_device() {
         return Vec::new();
     }
@@ -868,7 +876,10 @@ impl Ceiling {
             }
             MemPlace::Cuda { device } => {
                 let dev = CudaDevice::open(device)?;
-                Ceiling::DeviceCopy { src: CudaBuffer::alloc(&dev, ws as usize)?, dst: CudaBuffer::alloc(&dev, ws as usize)? }
+                Ceiling::DeviceCopy {
+                    src: CudaBuffer::alloc(&dev, ws as usize)?,
+                    dst: CudaBuffer::alloc(&dev, ws as usize)?,
+                }
             }
         })
     }

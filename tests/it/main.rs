@@ -4,6 +4,7 @@ mod bench;
 mod cli_errors;
 mod common;
 mod gate;
+mod gpu;
 mod handshake;
 mod netns;
 mod oracle;

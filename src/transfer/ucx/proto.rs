@@ -20,7 +20,6 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-
 use serde::{Deserialize, Serialize};
 
 /// One protocol selection for a range of message sizes.
@@ -311,7 +310,8 @@ impl ProtoReport {
     /// The GET selections of pairs where either side is device memory.
     pub fn device_gets(&self) -> impl Iterator<Item = &ProtoUse> {
         self.uses.iter().filter(|u| {
-            u.op == "get" && (memory_kind(&u.local).starts_with("cuda") || memory_kind(&u.remote).starts_with("cuda"))
+            u.op == "get"
+                && (memory_kind(&u.local).starts_with("cuda") || memory_kind(&u.remote).starts_with("cuda"))
         })
     }
 }
@@ -328,7 +328,9 @@ pub const LOG_FILE_ENV: &str = "UCX_LOG_FILE";
 /// read by UCX when it loads, so they must be set before the process starts. `Err` says
 /// which of them the user set (kvx then leaves UCX's output where the user asked).
 pub fn capture_env(dir: &Path) -> Result<Vec<(String, String)>, String> {
-    if let Some(var) = [PROTO_INFO_ENV, PROTO_INFO_DIR_ENV, LOG_FILE_ENV].into_iter().find(|v| std::env::var_os(v).is_some()) {
+    if let Some(var) =
+        [PROTO_INFO_ENV, PROTO_INFO_DIR_ENV, LOG_FILE_ENV].into_iter().find(|v| std::env::var_os(v).is_some())
+    {
         return Err(format!("{var} is set in the environment"));
     }
     Ok(vec![
@@ -349,11 +351,8 @@ pub fn capture_dir() -> Option<std::path::PathBuf> {
 /// UCX's own warnings and errors, which the user should still see.
 pub fn log_messages(dir: &Path) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
-    let mut files: Vec<std::path::PathBuf> = entries
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "log"))
-        .collect();
+    let mut files: Vec<std::path::PathBuf> =
+        entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "log")).collect();
     files.sort();
     files
         .iter()
@@ -449,7 +448,8 @@ mod tests {
             description: d.into(),
             config: "x".into(),
         };
-        let u = &summarize(&[sel("8K..inf", "zero-copy"), sel("0..0", "copy-in"), sel("1..8191", "copy-in")])[0];
+        let u =
+            &summarize(&[sel("8K..inf", "zero-copy"), sel("0..0", "copy-in"), sel("1..8191", "copy-in")])[0];
         assert_eq!(u.choices.len(), 2);
         assert_eq!(u.choices[0].range, "0..8191");
         assert_eq!(u.to_string(), "get cuda<-cuda: 0..8191 copy-in x, 8K..inf zero-copy x");
