@@ -49,7 +49,7 @@ record() { # $1 step, $2 exit code, $3 note
 UCX_LIB=""
 if [ -n "$UCX_ARG" ]; then
   if [ -d "$UCX_ARG" ]; then
-    UCX_LIB="$(find "$UCX_ARG" -name 'libucp.so.0' -path '*lib*' 2>/dev/null | head -n1)"
+    UCX_LIB="$(find -L "$UCX_ARG" -name 'libucp.so.0' -path '*lib*' 2>/dev/null | head -n1)"
     [ -z "$UCX_LIB" ] && { echo "gpu-check: no libucp.so.0 under $UCX_ARG (unpack the libucx-cu12/cu13 wheel there)" >&2; exit 2; }
   else
     UCX_LIB="$UCX_ARG"
@@ -101,10 +101,10 @@ fi
 
 # 4a. ucx_perftest peer (GET, device memory both sides)
 PERFTEST="${UCX_PERFTEST:-}"
-if [ -z "$PERFTEST" ] && [ -n "$UCX_LIB" ]; then
-  cand="$(dirname "$UCX_LIB")/../bin/ucx_perftest"
-  [ -x "$cand" ] && PERFTEST="$cand"
-fi
+for lib in "$UCX_LIB" .ucx/libucx/lib/libucp.so.0; do
+  [ -n "$PERFTEST" ] && break
+  [ -n "$lib" ] && [ -x "$(dirname "$lib")/../bin/ucx_perftest" ] && PERFTEST="$(dirname "$lib")/../bin/ucx_perftest"
+done
 if [ -n "$PERFTEST" ] && [ -x "$PERFTEST" ]; then
   : > "$OUT/perftest.csv"
   for size in 65536 1048576 16777216; do

@@ -24,6 +24,7 @@
 //! and every entry point returns [`CudaError::NotBuilt`].
 #![allow(unsafe_code, reason = "CUDA driver and NVML calls: device memory kvx registers with UCX")]
 
+#[cfg(any(feature = "cuda", test))]
 use std::ops::Range;
 
 use serde::Serialize;
@@ -80,6 +81,7 @@ pub struct DeviceInfo {
 }
 
 /// Checks a list of byte ranges against a buffer of `len` bytes.
+#[cfg(any(feature = "cuda", test))]
 fn check_ranges(ranges: &[Range<u64>], len: usize) -> Result<(), CudaError> {
     match ranges.iter().find(|r| r.start > r.end || r.end > len as u64) {
         Some(r) => Err(CudaError::Range { start: r.start, end: r.end, len }),
@@ -89,6 +91,7 @@ fn check_ranges(ranges: &[Range<u64>], len: usize) -> Result<(), CudaError> {
 
 /// Splits `ranges` into consecutive groups whose bytes add up to at most `cap` (a range
 /// larger than `cap` is a group of its own): one staging buffer's worth per group.
+#[cfg(any(feature = "cuda", test))]
 fn staging_groups(ranges: &[Range<u64>], cap: u64) -> Vec<Range<usize>> {
     let mut groups = Vec::new();
     let (mut start, mut bytes) = (0usize, 0u64);
