@@ -58,9 +58,9 @@ fn render(r: &DoctorReport) -> String {
     let width = r.checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
     let mut out = String::new();
     for c in &r.checks {
-        out.push_str(&format!("{:<7}  {:<width$}  {}\n", c.verdict.to_string(), c.name, c.detail));
+        out.push_str(&format!("{:<4}  {:<width$}  {}\n", c.verdict.to_string(), c.name, c.detail));
         if !c.hint.is_empty() {
-            out.push_str(&format!("{:<7}  {:<width$}  hint: {}\n", "", "", c.hint));
+            out.push_str(&format!("{:<4}  {:<width$}  hint: {}\n", "", "", c.hint));
         }
     }
     out
