@@ -78,6 +78,7 @@ impl Outcome {
             Outcome::Failed(_) | Outcome::Regression => exit::FAILED,
             Outcome::Interrupted(Signal::Interrupt) => exit::INTERRUPTED,
             Outcome::Interrupted(Signal::Terminate) => exit::TERMINATED,
+            Outcome::Exit(code) => *code,
         }
     }
 }

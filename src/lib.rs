@@ -66,6 +66,9 @@ pub enum Outcome {
     Regression,
     /// Exit 130 (SIGINT) or 143 (SIGTERM): the run was interrupted.
     Interrupted(Signal),
+    /// Exit with the status of a kvx process that ran in this one's place (`kvx xfer`
+    /// re-runs itself to record UCX's protocols); it printed its own error.
+    Exit(u8),
 }
 
 impl Outcome {

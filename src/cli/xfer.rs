@@ -7,9 +7,10 @@ use clap::{Args, ValueEnum};
 
 use crate::error::{AlreadyReported, ConfigError};
 pub use crate::settings::parse::parse_duration;
-use crate::transfer::ucx::{ErrMode, ProgressMode};
+use crate::transfer::memory::MemPlace;
+use crate::transfer::ucx::{ErrMode, ProgressMode, proto_capture_dir, proto_capture_env, ucx_log_messages};
 use crate::transfer::xfer::{
-    self, MemKind, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferError, XferReport,
+    self, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferError, XferReport,
 };
 use crate::{Outcome, output};
 
@@ -18,6 +19,16 @@ pub enum Format {
     #[default]
     Table,
     Json,
+}
+
+/// `--mem`: which memory the buffers live in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum MemArg {
+    /// The user's own host allocation (what a KV cache is without GPUs).
+    #[default]
+    Host,
+    /// CUDA device memory (cuMemAlloc) on --device: needs libcuda, a GPU and a UCX built with CUDA.
+    Cuda,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -35,9 +46,12 @@ Examples:
   kvx xfer --hot --ucx-alloc --sizes 64KiB   # cache-hot, UCX-allocated: compare with ucx_perftest
   kvx xfer --listen 0.0.0.0:5700             # host A: serve a region
   kvx xfer --connect hostA:5700              # host B: read it
+  kvx xfer --mem cuda --device 0 --sizes 64KiB,1MiB,16MiB --inflight 1,32
 
-Numbers are GB/s = 1e9 B/s. memcpy_gbps is a single-thread memcpy over the same working set in
-the same run (the ceiling on this machine); ratio = kvx / memcpy.")]
+Numbers are GB/s = 1e9 B/s. The ceiling is measured in the same run over the same working set:
+for host memory a single-thread memcpy (memcpy_gbps; ratio = kvx / memcpy), for device memory a
+device-to-device copy of the same size and batch (\"vs device copy\"). Reports name the protocol
+UCX chose for the reads; a device-memory run that gets software emulation warns with the fix.")]
 pub struct XferArgs {
     /// Message sizes to sweep (suffixes KiB/MiB/GiB or K/M/G = powers of 1024, kB/MB/GB = powers of 1000).
     #[arg(long, value_delimiter = ',', default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB", value_parser = parse_size)]
@@ -58,11 +72,11 @@ pub struct XferArgs {
     #[arg(long)]
     pub huge_pages: bool,
     /// Memory the buffers live in.
-    #[arg(long, value_enum, default_value_t = MemKind::Host)]
-    pub mem: MemKind,
-    /// CUDA device for --mem cuda.
-    #[arg(long, default_value_t = 0)]
-    pub device: usize,
+    #[arg(long, value_enum, default_value_t = MemArg::Host)]
+    pub mem: MemArg,
+    /// CUDA device for --mem cuda [default: 0].
+    #[arg(long)]
+    pub device: Option<u32>,
     /// UCX error-handling mode (peer excludes the shared-memory transports).
     #[arg(long, value_enum, default_value_t = ErrMode::None)]
     pub err_mode: ErrMode,
@@ -153,6 +167,17 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
         return Ok(Outcome::Ok);
     }
     let cfg = resolve(args)?;
+    if proto_capture_dir().is_none() {
+        // UCX reports the protocols it selects only through settings read when it loads:
+        // run the measurement in a child started with them (see `ucx::proto`).
+        match tempfile::Builder::new().prefix("kvx-xfer-").tempdir() {
+            Ok(dir) => match proto_capture_env(dir.path()) {
+                Ok(env) => return rerun_recording_protocols(env, dir.path()),
+                Err(why) => tracing::info!("UCX protocols not recorded: {why}"),
+            },
+            Err(e) => tracing::info!("UCX protocols not recorded: no temporary directory ({e})"),
+        }
+    }
     let target = match &args.connect {
         Some(addr) => TargetSpec::Remote { addr: addr.clone() },
         None => TargetSpec::Local {
@@ -165,11 +190,37 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
         Err(XferError::Verify(why)) => return Ok(Outcome::Failed(format!("kvx xfer: {why}"))),
         Err(e) => return Err(e.into()),
     };
+    for w in &report.warnings {
+        output::note!("kvx xfer: warning: {w}");
+    }
     match args.format {
         Format::Json => output::stdout_json(&report)?,
         Format::Table => output::stdout(render_table(&report))?,
     }
     Ok(Outcome::Ok)
+}
+
+/// Runs this same `kvx xfer` command line again in a child process whose environment makes
+/// UCX record its protocols into `dir`, passes its stdout and stderr through, shows UCX's
+/// own log messages (redirected to `dir`) on stderr, and exits with the child's status.
+fn rerun_recording_protocols(env: Vec<(String, String)>, dir: &std::path::Path) -> anyhow::Result<Outcome> {
+    let exe = std::env::current_exe().context("finding the kvx executable to run the measurement")?;
+    let status = std::process::Command::new(&exe)
+        .args(std::env::args_os().skip(1))
+        .envs(env)
+        .status()
+        .with_context(|| format!("running {}", exe.display()))?;
+    for line in ucx_log_messages(dir) {
+        output::note!("{line}");
+    }
+    Ok(match status.code() {
+        Some(0) => Outcome::Ok,
+        Some(code) => Outcome::Exit(u8::try_from(code).unwrap_or(2)),
+        None => {
+            output::note!("error: the kvx xfer process was killed ({status})");
+            Outcome::Exit(2)
+        }
+    })
 }
 
 fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
@@ -195,9 +246,16 @@ fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
     if args.timeout.is_zero() {
         return Err(ConfigError::new("--timeout", "must be positive"));
     }
-    if args.mem == MemKind::Cuda && (args.ucx_alloc || args.huge_pages) {
+    if args.mem == MemArg::Cuda && (args.ucx_alloc || args.huge_pages) {
         return Err(ConfigError::new("--mem", "--ucx-alloc and --huge-pages apply to host memory only"));
     }
+    let mem = match (args.mem, args.device) {
+        (MemArg::Host, Some(_)) => {
+            return Err(ConfigError::new("--device", "--device applies to --mem cuda only"));
+        }
+        (MemArg::Host, None) => MemPlace::Host,
+        (MemArg::Cuda, device) => MemPlace::Cuda { device: device.unwrap_or(0) },
+    };
     Ok(XferConfig {
         sizes: args.sizes.clone(),
         inflight: args.inflight.clone(),
@@ -205,8 +263,7 @@ fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
         hot: args.hot,
         ucx_alloc: args.ucx_alloc,
         huge_pages: args.huge_pages,
-        mem: args.mem,
-        device: args.device,
+        mem,
         duration: args.duration,
         iters: args.iters,
         timeout: args.timeout,
@@ -232,19 +289,28 @@ pub fn fmt_size(b: u64) -> String {
 
 fn render_table(r: &XferReport) -> String {
     let mut out = String::new();
+    let memory = match r.memory.device {
+        Some(d) => format!("{} (device {d})", r.memory.kind),
+        None => format!("{} ({})", r.memory.kind, r.memory.pages),
+    };
     out.push_str(&format!(
-        "UCX {} ({}, {})  transports: {}\nerr-mode {}  progress {}  memory {} ({})  {}  working set {}\n",
+        "UCX {} ({}, {})  transports: {}\nerr-mode {}  progress {}  memory {memory}  {}  working set {}\n",
         r.ucx.version,
         r.ucx.library,
         r.ucx.source,
         r.ucx.transports,
         r.ucx.err_mode,
         r.ucx.progress,
-        r.memory.kind,
-        r.memory.pages,
         r.memory.residency,
         fmt_size(r.memory.working_set_bytes),
     ));
+    out.push_str(&format!("protocols: {}\n", r.ucx.protocols.summary()));
+    for e in &r.ucx.env {
+        out.push_str(&format!("ucx setting: {e}\n"));
+    }
+    for w in &r.warnings {
+        out.push_str(&format!("warning: {w}\n"));
+    }
     if r.memory.kind == "ucx-alloc" || r.memory.residency == "hot" {
         out.push_str(
             "note: hot and/or UCX-allocated buffers flatter the numbers; a KV cache is cold user memory\n",
@@ -252,17 +318,13 @@ fn render_table(r: &XferReport) -> String {
     }
     let mut t = comfy_table::Table::new();
     t.load_style(comfy_table::presets::ASCII_BORDERS_ONLY_CONDENSED);
+    let (ceiling, ratio) = if r.ceiling == "device_copy" {
+        ("device copy GB/s", "vs device copy")
+    } else {
+        ("memcpy GB/s", "ratio")
+    };
     t.set_header(vec![
-        "size",
-        "inflight",
-        "GB/s",
-        "memcpy GB/s",
-        "ratio",
-        "p50 us",
-        "p99 us",
-        "post us",
-        "done us",
-        "msgs/s",
+        "size", "inflight", "GB/s", ceiling, ratio, "p50 us", "p99 us", "post us", "done us", "msgs/s",
         "verified",
     ]);
     for x in &r.results {
@@ -270,8 +332,8 @@ fn render_table(r: &XferReport) -> String {
             fmt_size(x.size_bytes),
             x.inflight.to_string(),
             format!("{:.2}", x.gbps),
-            format!("{:.2}", x.memcpy_gbps),
-            format!("{:.2}", x.ratio_to_memcpy),
+            format!("{:.2}", x.ceiling_gbps),
+            format!("{:.2}", x.ratio_to_ceiling),
             format!("{:.1}", x.p50_us),
             format!("{:.1}", x.p99_us),
             format!("{:.1}", x.post_us),

@@ -410,8 +410,9 @@ fn calibration_sample_count(s: &BenchSettings) -> usize {
 /// the reference the bench's throughput is compared with). The bench's own progress and window
 /// settings are deliberately not used: they are what a gated change might make slower.
 pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration> {
+    use crate::transfer::memory::MemPlace;
     use crate::transfer::ucx::ProgressMode;
-    use crate::transfer::xfer::{self, MemKind, SessionOptions, TargetSpec, XferConfig};
+    use crate::transfer::xfer::{self, SessionOptions, TargetSpec, XferConfig};
     let mut sizes = vec![CALIBRATION_READ_BYTES];
     if descriptor_bytes != CALIBRATION_READ_BYTES {
         sizes.push(descriptor_bytes);
@@ -423,8 +424,7 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
         hot: false,
         ucx_alloc: false,
         huge_pages: false,
-        mem: MemKind::Host,
-        device: 0,
+        mem: MemPlace::Host,
         duration: Duration::from_millis(300),
         iters: None,
         timeout: s.workers.timeout,
@@ -440,7 +440,7 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
             let fixed = rep.results.first()?;
             let same = rep.results.iter().find(|r| r.size_bytes == descriptor_bytes)?;
             let mut c = Calibration {
-                memcpy_gbps: Some(fixed.memcpy_gbps),
+                memcpy_gbps: fixed.memcpy_gbps,
                 ucx_loopback_gbps: Some(fixed.gbps),
                 ..Calibration::default()
             };

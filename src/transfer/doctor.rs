@@ -1,8 +1,13 @@
 //! `kvx doctor`: what kvx sees on this host, one [`Check`] per item with a verdict and a
 //! hint — the UCX library and its transports, memory types, whether a GET from user
 //! memory is truly one-sided (a self-test against a target that does not progress),
-//! the error-handling mode's effect, CUDA, huge pages, side-channel ports, ZMQ, and the
-//! environment.
+//! the error-handling mode's effect, CUDA (driver, devices, UCX's CUDA support, a
+//! two-process cuda_ipc read and its protocol, GET zero-copy, NVLink), huge pages,
+//! side-channel ports, ZMQ, and the environment.
+//!
+//! The CUDA checks are gathered as plain facts ([`CudaFacts`]) and judged by a pure
+//! function ([`cuda_findings`]), so every verdict is unit-tested without a GPU. A host
+//! without CUDA gets `missing` lines that say what is absent; they never fail the doctor.
 //!
 //! Owns: gathering the checks. Must not print: `cli::doctor` renders them.
 #![forbid(unsafe_code)]
@@ -13,13 +18,13 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::memory;
+use super::cuda::{self, DriverInfo};
+use super::memory::{self, MemPlace};
 use super::ucx::{
-    Context, ContextOptions, Endpoint, ErrMode, MemRegion, ReadDesc, ReadOptions, Ucx, UcxError,
+    CUDA_IPC_GET_ZCOPY_ENV, Context, ContextOptions, Endpoint, ErrMode, MemRegion, ProtoReport, ReadDesc,
+    ReadOptions, Ucx, UcxError,
 };
-use super::xfer::{
-    self, Control, LocalTarget, MemKind, Session, SessionOptions, TargetOptions, TargetRequest,
-};
+use super::xfer::{self, Control, LocalTarget, Session, SessionOptions, TargetOptions, TargetRequest};
 use crate::settings::env;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -27,6 +32,9 @@ use crate::settings::env;
 pub enum Verdict {
     Ok,
     Warn,
+    /// An optional capability is absent (e.g. CUDA on a host without a GPU): the hint
+    /// says how to get it; the doctor still passes.
+    Missing,
     Fail,
 }
 
@@ -35,6 +43,7 @@ impl std::fmt::Display for Verdict {
         f.write_str(match self {
             Verdict::Ok => "ok",
             Verdict::Warn => "warn",
+            Verdict::Missing => "missing",
             Verdict::Fail => "fail",
         })
     }
@@ -73,6 +82,7 @@ pub struct DoctorReport {
 
 pub fn run(opts: &DoctorOptions) -> DoctorReport {
     let mut checks = Vec::new();
+    let mut loaded = None;
     match Ucx::load(opts.ucx_lib.as_deref()) {
         Ok(ucx) => {
             let info = ucx.info();
@@ -83,6 +93,7 @@ pub fn run(opts: &DoctorOptions) -> DoctorReport {
                 "",
             ));
             ucx_checks(&ucx, opts, &mut checks);
+            loaded = Some(ucx);
         }
         Err(e) => checks.push(check(
             "ucx.library",
@@ -92,7 +103,7 @@ pub fn run(opts: &DoctorOptions) -> DoctorReport {
         )),
     }
     checks.push(ptrace_check());
-    checks.push(cuda_check());
+    checks.extend(cuda_findings(&cuda_facts(loaded.as_ref(), opts)));
     checks.push(huge_pages_check());
     checks.push(ports_check(opts.side_channel_port, opts.ports));
     checks.push(zmq_check());
@@ -129,7 +140,7 @@ fn ucx_checks(ucx: &Ucx, opts: &DoctorOptions, checks: &mut Vec<Check>) {
     ));
     match ctx.memory_types() {
         Ok(types) => {
-            let cuda_driver = matches!(memory::cuda_devices(), Ok(n) if n > 0);
+            let cuda_driver = matches!(cuda::device_count(), Ok(n) if n > 0);
             let cuda_in_ucx = types.contains(&"cuda");
             checks.push(check(
                 "ucx.memory_types",
@@ -178,8 +189,7 @@ fn self_test(ucx: &Ucx, exe: &Path, ucx_lib: Option<&Path>, checks: &mut Vec<Che
             region_bytes: 1 << 20,
             ucx_alloc: false,
             huge_pages: false,
-            mem: MemKind::Host,
-            device: 0,
+            mem: MemPlace::Host,
             progress: false,
             max_serve_secs: 60,
         };
@@ -275,18 +285,386 @@ fn ptrace_check() -> Check {
     }
 }
 
-fn cuda_check() -> Check {
-    match memory::cuda_devices() {
-        Ok(0) => check("cuda", Verdict::Warn, "driver present, no devices", "--mem cuda needs a GPU"),
-        Ok(n) => check("cuda", Verdict::Ok, format!("{n} device(s)"), ""),
-        Err(memory::MemoryError::CudaNotBuilt) => check(
-            "cuda",
-            Verdict::Ok,
-            "not built with CUDA support (host memory only)",
-            "cargo build --features cuda for --mem cuda",
-        ),
-        Err(e) => check("cuda", Verdict::Ok, format!("unavailable: {e}"), "host memory only on this machine"),
+/// What kvx found out about CUDA on this host: the input of [`cuda_findings`].
+#[derive(Debug, Clone)]
+pub struct CudaFacts {
+    /// kvx was built with the `cuda` feature.
+    pub built: bool,
+    /// The driver and its devices, or why there is none (e.g. no libcuda).
+    pub driver: Result<DriverInfo, String>,
+    /// What the loaded UCX offers for CUDA (None: UCX did not load).
+    pub ucx: Option<UcxCudaFacts>,
+    /// The two-process read of device memory.
+    pub ipc: IpcFact,
+    /// `UCX_CUDA_IPC_ENABLE_GET_ZCOPY` as set in the environment.
+    pub get_zcopy_env: Option<String>,
+    /// Active NVLink links per GPU (NVML), or why unknown.
+    pub nvlink: Result<Vec<u32>, String>,
+}
+
+/// The loaded UCX's CUDA support, from a context with a CUDA context current when a
+/// device exists.
+#[derive(Debug, Clone)]
+pub struct UcxCudaFacts {
+    pub version: String,
+    /// `cuda_copy/cuda`, `cuda_ipc/cuda`, `gdr_copy/...` resources.
+    pub cuda_transports: Vec<String>,
+    /// `cuda` among the context's memory types (it can register device memory).
+    pub cuda_memory: bool,
+}
+
+/// The outcome of reading device memory from a second kvx process.
+#[derive(Debug, Clone)]
+pub enum IpcFact {
+    /// Not attempted, and why.
+    NotRun(String),
+    /// Attempted and failed.
+    Failed(String),
+    /// 1 MiB read and verified; the protocols UCX chose.
+    Read(ProtoReport),
+}
+
+fn cuda_facts(ucx: Option<&Ucx>, opts: &DoctorOptions) -> CudaFacts {
+    let driver = cuda::driver_info().map_err(|e| match e {
+        cuda::CudaError::NoDriver => "no libcuda (the NVIDIA driver is not installed)".to_string(),
+        cuda::CudaError::NotBuilt => "kvx was built without the cuda feature".to_string(),
+        other => other.to_string(),
+    });
+    let has_device = driver.as_ref().is_ok_and(|d| !d.devices.is_empty());
+    let ucx_facts = ucx.map(|ucx| {
+        let opts = ContextOptions { cuda_device: has_device.then_some(0), ..Default::default() };
+        let version = ucx.info().version;
+        match Context::new(ucx, &opts) {
+            Ok(ctx) => {
+                let resources = ctx.print_info().map(|t| parse_resources(&t)).unwrap_or_default();
+                UcxCudaFacts {
+                    version,
+                    cuda_transports: resources
+                        .into_iter()
+                        .filter(|r| r.starts_with("cuda") || r.starts_with("gdr"))
+                        .collect(),
+                    cuda_memory: ctx.memory_types().is_ok_and(|t| t.contains(&"cuda")),
+                }
+            }
+            // NoCudaSupport and friends: the UCX cannot do device memory.
+            Err(_) => UcxCudaFacts { version, cuda_transports: Vec::new(), cuda_memory: false },
+        }
+    });
+    let ipc = match (&driver, &ucx_facts, &opts.self_test_exe) {
+        (Err(e), _, _) => IpcFact::NotRun(format!("not available: {e}")),
+        (Ok(_), _, _) if !has_device => IpcFact::NotRun("not available: no CUDA device".into()),
+        (_, None, _) => IpcFact::NotRun("not available: UCX did not load".into()),
+        (_, Some(u), _) if !u.cuda_memory => {
+            IpcFact::NotRun("not available: this UCX cannot register CUDA memory".into())
+        }
+        (_, _, None) => IpcFact::NotRun("skipped (--no-self-test)".into()),
+        (_, _, Some(exe)) => match cuda_ipc_probe(exe, opts.ucx_lib.as_deref()) {
+            Ok(p) => IpcFact::Read(p),
+            Err(e) => IpcFact::Failed(e),
+        },
+    };
+    CudaFacts {
+        built: cfg!(feature = "cuda"),
+        driver,
+        ucx: ucx_facts,
+        ipc,
+        get_zcopy_env: std::env::var(CUDA_IPC_GET_ZCOPY_ENV).ok(),
+        nvlink: cuda::nvlink_active_links(),
     }
+}
+
+/// Runs `kvx xfer --mem cuda` for one 1 MiB read of device 0's memory between two kvx
+/// processes (it records UCX's protocols itself), verified, and returns the protocols.
+fn cuda_ipc_probe(exe: &Path, ucx_lib: Option<&Path>) -> Result<ProtoReport, String> {
+    const DEADLINE: Duration = Duration::from_secs(120);
+    let dir = tempfile::tempdir().map_err(|e| format!("temporary directory: {e}"))?;
+    let out_path = dir.path().join("xfer.json");
+    let err_path = dir.path().join("xfer.err");
+    let file = |p: &Path| std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()));
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args([
+        "xfer",
+        "--mem",
+        "cuda",
+        "--device",
+        "0",
+        "--sizes",
+        "1MiB",
+        "--inflight",
+        "1",
+        "--iters",
+        "2",
+    ])
+    .args(["--working-set", "1MiB", "--duration", "1ms", "--format", "json"]);
+    if let Some(lib) = ucx_lib {
+        cmd.arg("--ucx-lib").arg(lib);
+    }
+    cmd.stdin(std::process::Stdio::null()).stdout(file(&out_path)?).stderr(file(&err_path)?);
+    let mut child = cmd.spawn().map_err(|e| format!("starting {}: {e}", exe.display()))?;
+    let deadline = std::time::Instant::now() + DEADLINE;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if std::time::Instant::now() >= deadline => {
+                xfer::reap(&mut child, Duration::ZERO);
+                return Err(format!("kvx xfer --mem cuda did not finish within {DEADLINE:?}"));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return Err(format!("waiting for kvx xfer: {e}")),
+        }
+    };
+    let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
+    if !status.success() {
+        let why = stderr.lines().rev().find(|l| l.starts_with("error:")).unwrap_or(stderr.trim());
+        return Err(format!("kvx xfer --mem cuda exited {status}: {why}"));
+    }
+    let text = std::fs::read_to_string(&out_path).map_err(|e| format!("reading its report: {e}"))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("its report is not JSON: {e}"))?;
+    let verified = v["results"][0]["verified_bytes"].as_u64().unwrap_or(0);
+    if verified < 1 << 20 {
+        return Err(format!("the read was not verified ({verified} bytes)"));
+    }
+    serde_json::from_value(v["ucx"]["protocols"].clone()).map_err(|e| format!("its protocols: {e}"))
+}
+
+/// Judges the CUDA facts: driver, devices, UCX's CUDA support, the two-process read,
+/// GET zero-copy and NVLink, each ok / warn / missing with what to do.
+pub fn cuda_findings(f: &CudaFacts) -> Vec<Check> {
+    let mut out = Vec::new();
+    let no_cuda = match (&f.driver, f.built) {
+        (_, false) => Some("not available: kvx was built without the cuda feature".to_string()),
+        (Err(e), true) => Some(format!("not available: {e}")),
+        (Ok(_), true) => None,
+    };
+    let details = cuda_details(f, &no_cuda);
+    // One line that sums the others up: --mem cuda works here or not.
+    let gpu_host = no_cuda.is_none() && f.driver.as_ref().is_ok_and(|d| !d.devices.is_empty());
+    let lacking: Vec<&str> = details.iter().filter(|c| c.verdict != Verdict::Ok).map(|c| c.name).collect();
+    out.push(match (&no_cuda, gpu_host, lacking.is_empty()) {
+        (Some(why), _, _) => {
+            check("cuda", Verdict::Ok, format!("host memory only: {why}"), "see cuda.driver")
+        }
+        (None, false, _) => check("cuda", Verdict::Ok, "host memory only: no CUDA device", ""),
+        (None, true, true) => check("cuda", Verdict::Ok, "--mem cuda ready (cuda_ipc zero-copy reads)", ""),
+        (None, true, false) => check(
+            "cuda",
+            Verdict::Warn,
+            format!("--mem cuda limited: see {}", lacking.join(", ")),
+            "follow the hints of those lines",
+        ),
+    });
+    out.extend(details);
+    out
+}
+
+fn cuda_details(f: &CudaFacts, no_cuda: &Option<String>) -> Vec<Check> {
+    let mut out = Vec::new();
+    // Driver.
+    out.push(match (&f.driver, f.built) {
+        (_, false) => check(
+            "cuda.driver",
+            Verdict::Missing,
+            "not available: kvx was built without the cuda feature",
+            "cargo build --release (cuda is a default feature) for --mem cuda",
+        ),
+        (Err(e), true) => check(
+            "cuda.driver",
+            Verdict::Missing,
+            format!("not available: {e}"),
+            "install the NVIDIA driver (or run on a GPU host) for --mem cuda; host memory works without it",
+        ),
+        (Ok(d), true) => {
+            check("cuda.driver", Verdict::Ok, format!("driver for CUDA {}", d.version_string()), "")
+        }
+    });
+    // Devices.
+    let devices = f.driver.as_ref().map(|d| d.devices.as_slice()).unwrap_or(&[]);
+    out.push(match no_cuda {
+        Some(why) => check("cuda.devices", Verdict::Missing, why.clone(), "--mem cuda needs a GPU"),
+        None if devices.is_empty() => check(
+            "cuda.devices",
+            Verdict::Missing,
+            "the driver reports no CUDA device",
+            "--mem cuda needs a GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)",
+        ),
+        None => check(
+            "cuda.devices",
+            Verdict::Ok,
+            devices
+                .iter()
+                .map(|d| {
+                    format!(
+                        "{}: {} ({:.1} GiB)",
+                        d.ordinal,
+                        d.name,
+                        d.total_mem_bytes as f64 / (1u64 << 30) as f64
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            "",
+        ),
+    });
+    // UCX with CUDA.
+    const UCX_FIX: &str = "use a UCX built with CUDA: --ucx-lib (or KVX_UCX_LIB) pointing at libucx/lib/libucp.so.0 \
+                           of the PyPI wheel libucx-cu12 or libucx-cu13 (scripts/setup-ucx.sh installs one)";
+    out.push(match (&f.ucx, no_cuda) {
+        (None, _) => {
+            check("cuda.ucx", Verdict::Missing, "not available: UCX did not load", "see ucx.library")
+        }
+        (Some(u), Some(why)) => check(
+            "cuda.ucx",
+            Verdict::Missing,
+            format!(
+                "{why} (UCX {} loads its CUDA transports only where libcuda is; transports seen: {})",
+                u.version,
+                if u.cuda_transports.is_empty() { "none".to_string() } else { u.cuda_transports.join(", ") }
+            ),
+            "",
+        ),
+        (Some(u), None) if u.cuda_memory && u.cuda_transports.iter().any(|t| t.starts_with("cuda_ipc")) => {
+            check(
+                "cuda.ucx",
+                Verdict::Ok,
+                format!(
+                    "UCX {} registers CUDA memory; transports {}",
+                    u.version,
+                    u.cuda_transports.join(", ")
+                ),
+                "",
+            )
+        }
+        (Some(u), None) if u.cuda_memory => check(
+            "cuda.ucx",
+            Verdict::Warn,
+            format!(
+                "UCX {} registers CUDA memory but has no cuda_ipc transport (transports: {}): reads between \
+                 processes on one host are not zero-copy",
+                u.version,
+                if u.cuda_transports.is_empty() { "none".to_string() } else { u.cuda_transports.join(", ") }
+            ),
+            UCX_FIX,
+        ),
+        (Some(u), None) => check(
+            "cuda.ucx",
+            Verdict::Missing,
+            format!(
+                "UCX {} cannot register CUDA memory (built without CUDA, or its CUDA module did not load)",
+                u.version
+            ),
+            UCX_FIX,
+        ),
+    });
+    // Two-process read.
+    out.push(match &f.ipc {
+        IpcFact::NotRun(why) => check(
+            "cuda.ipc",
+            Verdict::Missing,
+            why.clone(),
+            if why.contains("--no-self-test") { "drop --no-self-test" } else { "" },
+        ),
+        IpcFact::Failed(e) => check(
+            "cuda.ipc",
+            Verdict::Warn,
+            format!("reading device memory from a second process failed: {e}"),
+            "run `kvx xfer --mem cuda --sizes 1MiB --iters 3` to see the error in context",
+        ),
+        IpcFact::Read(p) => {
+            let gets: Vec<_> = p.device_gets().collect();
+            if gets.iter().any(|u| u.emulated) {
+                check(
+                    "cuda.ipc",
+                    Verdict::Warn,
+                    format!("device memory read and verified, but by software emulation: {}", p.summary()),
+                    "see `kvx xfer --mem cuda` warnings: CUDA context before UCX, exportable memory, \
+                     UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, a CUDA-enabled UCX",
+                )
+            } else if gets.iter().any(|u| u.choices.iter().any(|c| c.config.contains("cuda_ipc"))) {
+                check("cuda.ipc", Verdict::Ok, format!("1 MiB read and verified: {}", p.summary()), "")
+            } else {
+                check(
+                    "cuda.ipc",
+                    Verdict::Warn,
+                    format!("1 MiB read and verified, but not over cuda_ipc: {}", p.summary()),
+                    "cuda_ipc needs both processes on one host with CUDA IPC allowed (same container or --ipc=host)",
+                )
+            }
+        }
+    });
+    // GET zero-copy.
+    let nvlink_any = f.nvlink.as_ref().ok().map(|l| l.iter().any(|&n| n > 0));
+    let nvlink_words = match nvlink_any {
+        Some(true) => "NVLink present",
+        Some(false) => "no NVLink",
+        None => "NVLink unknown",
+    };
+    out.push(match (f.get_zcopy_env.as_deref().map(str::to_ascii_lowercase).as_deref(), no_cuda) {
+        (_, Some(why)) => check("cuda.get_zcopy", Verdict::Missing, why.clone(), ""),
+        (Some("y" | "yes" | "on" | "1"), None) => check(
+            "cuda.get_zcopy",
+            Verdict::Ok,
+            format!("on: {CUDA_IPC_GET_ZCOPY_ENV}=y in the environment ({nvlink_words})"),
+            "",
+        ),
+        (Some("n" | "no" | "off" | "0"), None) => check(
+            "cuda.get_zcopy",
+            Verdict::Warn,
+            format!("off: {CUDA_IPC_GET_ZCOPY_ENV}=n in the environment; cuda_ipc READs are not zero-copy"),
+            format!("unset {CUDA_IPC_GET_ZCOPY_ENV} (kvx then sets y for --mem cuda)"),
+        ),
+        (Some(v), None) if nvlink_any == Some(true) => check(
+            "cuda.get_zcopy",
+            Verdict::Ok,
+            format!("on: {CUDA_IPC_GET_ZCOPY_ENV}={v} and NVLink present"),
+            "",
+        ),
+        (Some(v), None) => check(
+            "cuda.get_zcopy",
+            Verdict::Warn,
+            format!(
+                "off where UCX sees no NVLink: {CUDA_IPC_GET_ZCOPY_ENV}={v} in the environment ({nvlink_words}), \
+                 and kvx does not override a value the user set"
+            ),
+            format!("unset {CUDA_IPC_GET_ZCOPY_ENV} (kvx then sets y for --mem cuda) or set it to y"),
+        ),
+        (None, None) => check(
+            "cuda.get_zcopy",
+            Verdict::Ok,
+            format!(
+                "on for --mem cuda: kvx sets {CUDA_IPC_GET_ZCOPY_ENV}=y (UCX's auto would turn it off without \
+                 NVLink; {nvlink_words})"
+            ),
+            "",
+        ),
+    });
+    // NVLink.
+    out.push(match (&f.nvlink, no_cuda) {
+        (_, Some(why)) => check("cuda.nvlink", Verdict::Missing, why.clone(), ""),
+        (Err(e), None) => check(
+            "cuda.nvlink",
+            Verdict::Missing,
+            format!("unknown: {e}"),
+            "NVML ships with the NVIDIA driver (libnvidia-ml.so.1)",
+        ),
+        (Ok(links), None) if links.iter().any(|&n| n > 0) => check(
+            "cuda.nvlink",
+            Verdict::Ok,
+            format!(
+                "present (NVML): active links per GPU {}",
+                links.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+            ),
+            "",
+        ),
+        (Ok(_), None) => check(
+            "cuda.nvlink",
+            Verdict::Ok,
+            "none (NVML): GPUs talk over PCIe, or there is one GPU; cuda_ipc GET zero-copy then needs \
+             UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, which kvx sets",
+            "",
+        ),
+    });
+    out
 }
 
 fn huge_pages_check() -> Check {
@@ -359,6 +737,119 @@ fn env_check() -> Check {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn gpu_facts() -> CudaFacts {
+        CudaFacts {
+            built: true,
+            driver: Ok(DriverInfo {
+                version: 13000,
+                devices: vec![cuda::DeviceInfo {
+                    ordinal: 0,
+                    name: "NVIDIA H100 80GB HBM3".into(),
+                    total_mem_bytes: 85_000_000_000,
+                }],
+                peer_access: vec![],
+            }),
+            ucx: Some(UcxCudaFacts {
+                version: "1.22.0".into(),
+                cuda_transports: vec!["cuda_copy/cuda".into(), "cuda_ipc/cuda".into()],
+                cuda_memory: true,
+            }),
+            ipc: IpcFact::Read(ProtoReport {
+                uses: crate::transfer::ucx::summarize_protocols(&crate::transfer::ucx::parse_log(
+                    "| remote memory read by ucp_get* into cuda/GPU0 from cuda/dev[0] |\n| 0..inf | zero-copy | cuda_ipc/cuda |\n",
+                )),
+                note: None,
+            }),
+            get_zcopy_env: None,
+            nvlink: Ok(vec![0]),
+        }
+    }
+
+    fn verdict(checks: &[Check], name: &str) -> (Verdict, String, String) {
+        let c = checks.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no {name} in {checks:?}"));
+        (c.verdict, c.detail.clone(), c.hint.clone())
+    }
+
+    #[test]
+    fn a_host_without_libcuda_gets_missing_lines_that_never_fail_the_doctor() {
+        let f = CudaFacts {
+            built: true,
+            driver: Err("no libcuda (the NVIDIA driver is not installed)".into()),
+            ucx: Some(UcxCudaFacts { version: "1.22.0".into(), cuda_transports: vec![], cuda_memory: false }),
+            ipc: IpcFact::NotRun("not available: no libcuda (the NVIDIA driver is not installed)".into()),
+            get_zcopy_env: None,
+            nvlink: Err("NVML (libnvidia-ml.so.1) not loadable".into()),
+        };
+        let checks = cuda_findings(&f);
+        assert_eq!(checks.len(), 7);
+        assert_eq!(verdict(&checks, "cuda").0, Verdict::Ok, "a host without a GPU is fine for host memory");
+        for c in checks.iter().filter(|c| c.name != "cuda") {
+            assert_eq!(c.verdict, Verdict::Missing, "{c:?}");
+            assert!(c.detail.contains("not available"), "{c:?}");
+        }
+        assert!(verdict(&checks, "cuda.driver").2.contains("install the NVIDIA driver"));
+        let unbuilt = cuda_findings(&CudaFacts { built: false, ..f });
+        assert!(verdict(&unbuilt, "cuda.driver").1.contains("cuda feature"));
+        assert!(verdict(&unbuilt, "cuda.driver").2.contains("cargo build"));
+    }
+
+    #[test]
+    fn a_gpu_host_with_cuda_ipc_zero_copy_is_all_ok() {
+        let checks = cuda_findings(&gpu_facts());
+        for c in &checks {
+            assert_eq!(c.verdict, Verdict::Ok, "{c:?}");
+        }
+        assert!(verdict(&checks, "cuda.devices").1.contains("H100"));
+        assert!(verdict(&checks, "cuda.driver").1.contains("13.0"));
+        assert!(verdict(&checks, "cuda.ipc").1.contains("zero-copy cuda_ipc/cuda"));
+        let (_, zcopy, _) = verdict(&checks, "cuda.get_zcopy");
+        assert!(zcopy.contains("kvx sets") && zcopy.contains("no NVLink"), "{zcopy}");
+        assert!(verdict(&checks, "cuda.nvlink").1.contains("none"));
+    }
+
+    #[test]
+    fn slow_paths_and_missing_pieces_on_a_gpu_host_say_what_to_fix() {
+        // Software emulation (the H100 run of kvx 296e604).
+        let mut f = gpu_facts();
+        f.ipc = IpcFact::Read(ProtoReport {
+            uses: crate::transfer::ucx::summarize_protocols(&crate::transfer::ucx::parse_log(
+                "| remote memory read by ucp_get* into cuda/GPU0 from cuda |\n| 0..inf | software emulation | sysv/memory |\n",
+            )),
+            note: None,
+        });
+        let (v, detail, hint) = verdict(&cuda_findings(&f), "cuda.ipc");
+        assert_eq!(v, Verdict::Warn);
+        assert!(detail.contains("software emulation"), "{detail}");
+        let (v, summary, _) = verdict(&cuda_findings(&f), "cuda");
+        assert_eq!(v, Verdict::Warn);
+        assert!(summary.contains("cuda.ipc"), "{summary}");
+        assert!(hint.contains("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"), "{hint}");
+        // A UCX without CUDA.
+        let mut f = gpu_facts();
+        f.ucx = Some(UcxCudaFacts { version: "1.13.1".into(), cuda_transports: vec![], cuda_memory: false });
+        let (v, _, hint) = verdict(&cuda_findings(&f), "cuda.ucx");
+        assert_eq!(v, Verdict::Missing);
+        assert!(hint.contains("libucx-cu12"), "{hint}");
+        // The user switched GET zero-copy off, or left it on auto without NVLink.
+        let mut f = gpu_facts();
+        f.get_zcopy_env = Some("n".into());
+        assert_eq!(verdict(&cuda_findings(&f), "cuda.get_zcopy").0, Verdict::Warn);
+        f.get_zcopy_env = Some("auto".into());
+        let (v, detail, _) = verdict(&cuda_findings(&f), "cuda.get_zcopy");
+        assert_eq!(v, Verdict::Warn);
+        assert!(detail.contains("no NVLink"), "{detail}");
+        f.nvlink = Ok(vec![18]);
+        assert_eq!(verdict(&cuda_findings(&f), "cuda.get_zcopy").0, Verdict::Ok);
+        assert!(verdict(&cuda_findings(&f), "cuda.nvlink").1.contains("18"));
+        // No device, and a failed read.
+        let mut f = gpu_facts();
+        f.driver = Ok(DriverInfo { version: 12080, devices: vec![], peer_access: vec![] });
+        assert_eq!(verdict(&cuda_findings(&f), "cuda.devices").0, Verdict::Missing);
+        let mut f = gpu_facts();
+        f.ipc = IpcFact::Failed("ucp_get_nbx completion failed: UCS_ERR_IO_ERROR".into());
+        assert_eq!(verdict(&cuda_findings(&f), "cuda.ipc").0, Verdict::Warn);
+    }
 
     #[test]
     fn resources_are_parsed_from_context_info() {

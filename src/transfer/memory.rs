@@ -1,15 +1,21 @@
 //! The memory a KV cache lives in: the user's own host allocation (page-aligned `mmap`,
-//! optionally huge pages) or, with the `cuda` feature, CUDA device memory.
+//! optionally huge pages) or CUDA device memory ([`super::cuda`]), and [`KvBuffer`], one
+//! type over both with batched range writes and reads, so that filling blocks with a
+//! pattern and verifying received bytes is one code path for host and device pools.
 //!
-//! Owns: allocating and freeing those buffers and declaring them [`Registrable`] with
-//! their memory type. Must not call UCX: registration is `ucx::MemRegion`'s job, and
-//! UCX-allocated memory (`--ucx-alloc`) lives in the UCX module, not here.
+//! Owns: allocating and freeing those buffers, [`MemPlace`] (where one rank's buffers
+//! live, a typed value from the flags to the worker) and declaring buffers
+//! [`Registrable`] with their memory type. Must not call UCX: registration is
+//! `ucx::MemRegion`'s job, and UCX-allocated memory (`--ucx-alloc`) lives in the UCX
+//! module, not here.
 #![allow(unsafe_code, reason = "mmap/munmap of the host buffers kvx registers with UCX")]
 
+use std::ops::Range;
 use std::ptr::NonNull;
 
 use serde::{Deserialize, Serialize};
 
+pub use super::cuda::{CudaBuffer, CudaDevice, CudaError};
 use super::ucx::{MemType, Registrable};
 
 /// Errors of allocating memory.
@@ -24,10 +30,10 @@ pub enum MemoryError {
     HugePages { len: usize, total: u64, reason: String },
     #[error("mmap of {len} bytes failed: {source}")]
     Mmap { len: usize, source: std::io::Error },
-    #[error("CUDA: {0}")]
-    Cuda(String),
-    #[error("kvx was built without CUDA support: rebuild with `cargo build --features cuda`")]
-    CudaNotBuilt,
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error("byte range {start}..{end} is outside the {len}-byte buffer")]
+    Range { start: u64, end: u64, len: usize },
 }
 
 /// Where one rank's KV buffers live, resolved once from `--mem`/`--devices`.
@@ -39,6 +45,56 @@ pub enum MemPlace {
     Cuda {
         device: u32,
     },
+}
+
+impl MemPlace {
+    /// The UCX memory type of buffers in this place.
+    pub fn mem_type(self) -> MemType {
+        match self {
+            MemPlace::Host => MemType::Host,
+            MemPlace::Cuda { .. } => MemType::Cuda,
+        }
+    }
+
+    /// The CUDA device, for device memory.
+    pub fn device(self) -> Option<u32> {
+        match self {
+            MemPlace::Host => None,
+            MemPlace::Cuda { device } => Some(device),
+        }
+    }
+
+    pub fn is_device(self) -> bool {
+        matches!(self, MemPlace::Cuda { .. })
+    }
+
+    /// Checks that this host can have buffers here (for `Cuda`: the feature, libcuda and
+    /// the device), before any process is started.
+    pub fn check_available(self) -> Result<(), MemoryError> {
+        match self {
+            MemPlace::Host => Ok(()),
+            MemPlace::Cuda { device } => {
+                let count = super::cuda::device_count()?;
+                if count == 0 {
+                    Err(CudaError::NoDevices.into())
+                } else if device >= count {
+                    Err(CudaError::NoDevice { device, count }.into())
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for MemPlace {
+    /// `host` or `cuda:N`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MemPlace::Host => f.write_str("host"),
+            MemPlace::Cuda { device } => write!(f, "cuda:{device}"),
+        }
+    }
 }
 
 /// Page size choice for host buffers.
@@ -207,136 +263,126 @@ pub fn huge_pages_free() -> Option<u64> {
     meminfo_field("HugePages_Free")
 }
 
-#[cfg(feature = "cuda")]
-pub use cuda::{CudaBuffer, cuda_devices};
-
-/// Number of CUDA devices, or why there are none usable.
-#[cfg(not(feature = "cuda"))]
-pub fn cuda_devices() -> Result<usize, MemoryError> {
-    Err(MemoryError::CudaNotBuilt)
+/// One rank's KV buffer in host or device memory, with the range access the pipeline
+/// needs: [`KvBuffer::write_ranges`] (fill blocks) and [`KvBuffer::read_ranges`] (verify
+/// what arrived). Host buffers are accessed in place; device buffers through pinned
+/// staging, one batch of copies and one synchronize per staging buffer's worth of ranges.
+#[derive(Debug)]
+pub enum KvBuffer {
+    Host(HostBuffer),
+    Cuda(CudaBuffer),
 }
 
-#[cfg(feature = "cuda")]
-mod cuda {
-    //! CUDA device memory via cudarc (dynamically loaded driver). Every entry point
-    //! checks that `libcuda` is present first: cudarc's loaders panic otherwise.
-    use std::sync::Arc;
-
-    use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
-
-    use super::MemoryError;
-    use crate::transfer::ucx::{MemType, Registrable};
-
-    fn driver_present() -> Result<(), MemoryError> {
-        // SAFETY: only tries to dlopen libcuda and reports whether that worked; it calls
-        // no CUDA function, so it is sound with or without a driver installed.
-        if unsafe { cudarc::driver::sys::is_culib_present() } {
-            Ok(())
-        } else {
-            Err(MemoryError::Cuda(
-                "the CUDA driver library (libcuda.so) is not installed on this host".into(),
-            ))
-        }
-    }
-
-    /// Number of CUDA devices the driver reports.
-    pub fn cuda_devices() -> Result<usize, MemoryError> {
-        driver_present()?;
-        CudaContext::device_count()
-            .map(|n| n as usize)
-            .map_err(|e| MemoryError::Cuda(format!("cuDeviceGetCount: {e}")))
-    }
-
-    /// Device memory on one GPU, owned by kvx.
-    pub struct CudaBuffer {
-        _ctx: Arc<CudaContext>,
-        stream: Arc<CudaStream>,
-        slice: CudaSlice<u8>,
-        addr: u64,
-        device: usize,
-    }
-
-    impl CudaBuffer {
-        pub fn alloc(device: usize, len: usize) -> Result<Self, MemoryError> {
-            if len == 0 {
-                return Err(MemoryError::Empty);
+impl KvBuffer {
+    /// Allocates `len` zeroed bytes at `place` (`pages` applies to host memory only).
+    pub fn alloc(place: MemPlace, len: usize, pages: PageSize) -> Result<KvBuffer, MemoryError> {
+        match place {
+            MemPlace::Host => Ok(KvBuffer::Host(HostBuffer::alloc(len, pages)?)),
+            MemPlace::Cuda { device } => {
+                if len == 0 {
+                    return Err(MemoryError::Empty);
+                }
+                let dev = CudaDevice::open(device)?;
+                Ok(KvBuffer::Cuda(CudaBuffer::alloc(&dev, len)?))
             }
-            driver_present()?;
-            let n = cuda_devices()?;
-            if device >= n {
-                return Err(MemoryError::Cuda(format!(
-                    "--device {device} does not exist ({n} CUDA device(s))"
-                )));
-            }
-            let ctx = CudaContext::new(device)
-                .map_err(|e| MemoryError::Cuda(format!("context on device {device}: {e}")))?;
-            let stream = ctx.default_stream();
-            let slice = stream
-                .alloc_zeros::<u8>(len)
-                .map_err(|e| MemoryError::Cuda(format!("cuMemAlloc({len}): {e}")))?;
-            let (addr, sync) = slice.device_ptr(&stream);
-            drop(sync);
-            Ok(Self { _ctx: ctx, stream, slice, addr, device })
-        }
-
-        pub fn device(&self) -> usize {
-            self.device
-        }
-
-        fn check(&self, off: usize, len: usize) -> Result<(), MemoryError> {
-            if off.checked_add(len).is_none_or(|end| end > self.slice.len()) {
-                return Err(MemoryError::Cuda(format!(
-                    "range {off}+{len} outside a {}-byte buffer",
-                    self.slice.len()
-                )));
-            }
-            Ok(())
-        }
-
-        fn sync(&self, what: &str) -> Result<(), MemoryError> {
-            self.stream.synchronize().map_err(|e| MemoryError::Cuda(format!("{what}: {e}")))
-        }
-
-        /// Copies `data` to device offset `off` and waits for the copy.
-        pub fn write(&mut self, off: usize, data: &[u8]) -> Result<(), MemoryError> {
-            self.check(off, data.len())?;
-            let mut view = self.slice.slice_mut(off..off + data.len());
-            self.stream
-                .memcpy_htod(data, &mut view)
-                .map_err(|e| MemoryError::Cuda(format!("cuMemcpyHtoD: {e}")))?;
-            self.sync("cuMemcpyHtoD")
-        }
-
-        /// Copies `len` bytes at device offset `off` to the host.
-        pub fn read_range(&self, off: usize, len: usize) -> Result<Vec<u8>, MemoryError> {
-            self.check(off, len)?;
-            let view = self.slice.slice(off..off + len);
-            let v =
-                self.stream.clone_dtoh(&view).map_err(|e| MemoryError::Cuda(format!("cuMemcpyDtoH: {e}")))?;
-            self.sync("cuMemcpyDtoH")?;
-            Ok(v)
-        }
-
-        /// Zeroes `len` bytes at device offset `off`.
-        pub fn zero_range(&mut self, off: usize, len: usize) -> Result<(), MemoryError> {
-            self.check(off, len)?;
-            let mut view = self.slice.slice_mut(off..off + len);
-            self.stream.memset_zeros(&mut view).map_err(|e| MemoryError::Cuda(format!("cuMemsetD8: {e}")))?;
-            self.sync("cuMemsetD8")
         }
     }
 
-    // SAFETY: a cuMemAlloc'd device allocation has a fixed device address until the
-    // `CudaSlice` is dropped, which happens only when this value is dropped.
-    unsafe impl Registrable for CudaBuffer {
-        fn addr(&self) -> u64 {
-            self.addr
+    pub fn place(&self) -> MemPlace {
+        match self {
+            KvBuffer::Host(_) => MemPlace::Host,
+            KvBuffer::Cuda(b) => MemPlace::Cuda { device: b.device() },
         }
-        fn len(&self) -> usize {
-            self.slice.len()
+    }
+
+    /// The host buffer, for code that only handles host memory.
+    pub fn as_host(&self) -> Option<&HostBuffer> {
+        match self {
+            KvBuffer::Host(h) => Some(h),
+            KvBuffer::Cuda(_) => None,
         }
-        fn mem_type(&self) -> MemType {
-            MemType::Cuda
+    }
+
+    pub fn as_host_mut(&mut self) -> Option<&mut HostBuffer> {
+        match self {
+            KvBuffer::Host(h) => Some(h),
+            KvBuffer::Cuda(_) => None,
+        }
+    }
+
+    /// Touches every host page now (no-op for device memory, which cuMemAlloc maps).
+    pub fn prefault(&mut self) {
+        if let KvBuffer::Host(h) = self {
+            h.prefault();
+        }
+    }
+
+    /// Writes byte ranges (offsets from the buffer's start): `fill(i, bytes)` fills the
+    /// bytes of `ranges[i]`. Every range is checked before anything is written.
+    pub fn write_ranges(
+        &mut self,
+        ranges: &[Range<u64>],
+        mut fill: impl FnMut(usize, &mut [u8]),
+    ) -> Result<(), MemoryError> {
+        match self {
+            KvBuffer::Host(h) => {
+                let bytes = h.as_mut_slice();
+                check_host_ranges(ranges, bytes.len())?;
+                for (i, r) in ranges.iter().enumerate() {
+                    fill(i, &mut bytes[r.start as usize..r.end as usize]);
+                }
+                Ok(())
+            }
+            KvBuffer::Cuda(d) => Ok(d.write_ranges(ranges, fill)?),
+        }
+    }
+
+    /// Reads byte ranges: `visit(i, bytes)` sees the bytes of `ranges[i]`.
+    pub fn read_ranges(
+        &self,
+        ranges: &[Range<u64>],
+        mut visit: impl FnMut(usize, &[u8]),
+    ) -> Result<(), MemoryError> {
+        match self {
+            KvBuffer::Host(h) => {
+                let bytes = h.as_slice();
+                check_host_ranges(ranges, bytes.len())?;
+                for (i, r) in ranges.iter().enumerate() {
+                    visit(i, &bytes[r.start as usize..r.end as usize]);
+                }
+                Ok(())
+            }
+            KvBuffer::Cuda(d) => Ok(d.read_ranges(ranges, visit)?),
+        }
+    }
+}
+
+fn check_host_ranges(ranges: &[Range<u64>], len: usize) -> Result<(), MemoryError> {
+    match ranges.iter().find(|r| r.start > r.end || r.end > len as u64) {
+        Some(r) => Err(MemoryError::Range { start: r.start, end: r.end, len }),
+        None => Ok(()),
+    }
+}
+
+// SAFETY: both variants are `Registrable` (fixed address for their lifetime); the enum
+// only delegates, and moving it moves neither allocation.
+unsafe impl Registrable for KvBuffer {
+    fn addr(&self) -> u64 {
+        match self {
+            KvBuffer::Host(h) => h.addr(),
+            KvBuffer::Cuda(d) => d.addr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            KvBuffer::Host(h) => Registrable::len(h),
+            KvBuffer::Cuda(d) => Registrable::len(d),
+        }
+    }
+    fn mem_type(&self) -> MemType {
+        match self {
+            KvBuffer::Host(h) => h.mem_type(),
+            KvBuffer::Cuda(d) => d.mem_type(),
         }
     }
 }
@@ -344,6 +390,61 @@ mod cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mem_places_serialize_tagged_and_display_short() {
+        assert_eq!(serde_json::to_value(MemPlace::Host).expect("json"), serde_json::json!({"kind": "host"}));
+        let cuda = MemPlace::Cuda { device: 3 };
+        assert_eq!(
+            serde_json::to_value(cuda).expect("json"),
+            serde_json::json!({"kind": "cuda", "device": 3})
+        );
+        let back: MemPlace =
+            rmp_serde::from_slice(&rmp_serde::to_vec_named(&cuda).expect("msgpack")).expect("back");
+        assert_eq!(back, cuda);
+        assert_eq!(cuda.to_string(), "cuda:3");
+        assert_eq!(MemPlace::Host.to_string(), "host");
+        assert_eq!(cuda.mem_type(), MemType::Cuda);
+        assert_eq!(MemPlace::Host.mem_type(), MemType::Host);
+        assert_eq!((cuda.device(), MemPlace::Host.device()), (Some(3), None));
+        assert_eq!(MemPlace::default(), MemPlace::Host);
+        assert!(MemPlace::Host.check_available().is_ok());
+    }
+
+    #[test]
+    fn host_kv_buffers_write_and_read_ranges_in_place() {
+        let mut b = KvBuffer::alloc(MemPlace::Host, 64 << 10, PageSize::Normal).expect("alloc");
+        assert_eq!(b.place(), MemPlace::Host);
+        assert_eq!(b.mem_type(), MemType::Host);
+        let ranges = [0..16, 4096..4100, 65_000..65_536];
+        b.write_ranges(&ranges, |i, bytes| bytes.fill(i as u8 + 1)).expect("write");
+        let mut seen = Vec::new();
+        b.read_ranges(&ranges, |i, bytes| {
+            seen.push((i, bytes.len(), bytes.iter().all(|&x| x == i as u8 + 1)))
+        })
+        .expect("read");
+        assert_eq!(seen, vec![(0, 16, true), (1, 4, true), (2, 536, true)]);
+        let host = b.as_host().expect("host");
+        assert_eq!(host.as_slice()[16], 0, "bytes outside the ranges are untouched");
+        let err =
+            b.write_ranges(&[Range { start: 0, end: (64 << 10) + 1 }], |_, _| {}).expect_err("out of bounds");
+        assert!(err.to_string().contains("outside"), "{err}");
+    }
+
+    #[test]
+    fn device_kv_buffers_without_a_gpu_name_what_is_missing() {
+        let place = MemPlace::Cuda { device: 0 };
+        // On a GPU host both succeed; elsewhere both fail the same clear way.
+        if let Err(e) = place.check_available() {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("libcuda") || msg.contains("`cuda` feature") || msg.contains("CUDA device"),
+                "{msg}"
+            );
+            let err = KvBuffer::alloc(place, 4096, PageSize::Normal).expect_err("no device memory here");
+            assert_eq!(err.to_string(), msg);
+        }
+    }
 
     #[test]
     fn host_buffers_are_page_aligned_zeroed_and_writable() {

@@ -5,6 +5,7 @@
 //! Owns: registration, one-sided reads, handshake wire formats. Must not know about
 //! request lifecycles or workloads (that is `pipeline`).
 
+pub mod cuda;
 pub mod doctor;
 pub mod handshake;
 pub mod memory;

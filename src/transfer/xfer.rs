@@ -1,7 +1,9 @@
 //! `kvx xfer`: the transport microbenchmark. A *target* process registers a buffer and
 //! serves it; an *initiator* process reads from it with one-sided GETs, sweeping message
-//! size and GETs in flight, verifies the bytes, and measures a single-thread memcpy over
-//! the same working set in the same run as the ceiling.
+//! size and GETs in flight, verifies the bytes, and measures a ceiling over the same
+//! working set in the same run: a single-thread memcpy for host memory, a
+//! device-to-device copy of the same size and batch for device memory. Reports name the
+//! protocol UCX chose for the reads and warn when device memory is software-emulated.
 //!
 //! Owns: the control connection between the two processes (a TCP stream carrying
 //! length-prefixed msgpack frames: worker address, region base, packed rkey), spawning a
@@ -18,10 +20,12 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::memory::{HostBuffer, MemoryError, PageSize};
+use super::cuda::{self, CudaBuffer, CudaDevice, CudaError};
+use super::memory::{HostBuffer, MemPlace, MemoryError, PageSize};
 use super::ucx::{
-    Context, ContextOptions, Endpoint, ErrMode, LibInfo, MemRegion, PackedRkey, ProgressMode, ReadDesc,
-    ReadOptions, Registrable, RemoteRegion, ServeEnd, Ucx, UcxAllocated, UcxError, Worker, wait_readable,
+    Context, ContextOptions, Endpoint, ErrMode, LibInfo, MemRegion, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV,
+    PackedRkey, ProgressMode, ProtoReport, ReadDesc, ReadOptions, Registrable, RemoteRegion, ServeEnd, Ucx,
+    UcxAllocated, UcxError, Worker, wait_readable,
 };
 
 /// Errors of `kvx xfer` and of the target/initiator pair behind it.
@@ -31,6 +35,8 @@ pub enum XferError {
     Ucx(#[from] UcxError),
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
     #[error("control connection ({stage}): {source}")]
     Control { stage: &'static str, source: std::io::Error },
     #[error("control connection ({stage}): {reason}")]
@@ -70,25 +76,14 @@ const TARGET_START_TIMEOUT: Duration = Duration::from_secs(30);
 /// Seed of the byte pattern the target fills its region with.
 pub const PATTERN_SEED: u64 = 0x6b76_7820_7866_6572;
 
-/// Which memory the buffers live in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum MemKind {
-    /// The user's own host allocation (what a KV cache is).
-    #[default]
-    Host,
-    /// CUDA device memory (needs the `cuda` feature and a GPU).
-    Cuda,
-}
-
 /// What the initiator asks the target to set up.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TargetRequest {
     pub region_bytes: u64,
     pub ucx_alloc: bool,
     pub huge_pages: bool,
-    pub mem: MemKind,
-    pub device: usize,
+    /// Where both sides' buffers live (the target's and the initiator's).
+    pub mem: MemPlace,
     /// Progress the worker while serving (false: only for the doctor's zero-copy check,
     /// which needs a target that does *not* progress until told to resume).
     pub progress: bool,
@@ -243,42 +238,45 @@ macro_rules! host_access {
 host_access!(HostBuffer);
 host_access!(UcxAllocated);
 
-#[cfg(feature = "cuda")]
-impl BufferAccess for super::memory::CudaBuffer {
+impl BufferAccess for CudaBuffer {
     fn fill_with_pattern(&mut self, seed: u64) -> Result<()> {
-        // Staged through a host buffer in 64 MiB pieces (multiples of 8, so the pattern's
-        // words line up at every piece boundary).
-        const PIECE: usize = 64 << 20;
-        let len = Registrable::len(self);
-        let mut host = vec![0u8; PIECE.min(len)];
-        let mut off = 0;
-        while off < len {
-            let n = PIECE.min(len - off);
-            fill_pattern_at(&mut host[..n], off as u64, seed);
-            self.write(off, &host[..n])?;
-            off += n;
-        }
+        // Staged in 64 MiB pieces (multiples of 8, so the pattern's words line up at
+        // every piece boundary).
+        const PIECE: u64 = 64 << 20;
+        let len = CudaBuffer::len(self) as u64;
+        let ranges: Vec<std::ops::Range<u64>> =
+            (0..len.div_ceil(PIECE)).map(|i| i * PIECE..((i + 1) * PIECE).min(len)).collect();
+        self.write_ranges(&ranges, |i, bytes| fill_pattern_at(bytes, ranges[i].start, seed))?;
         Ok(())
     }
     fn zero(&mut self, off: usize, len: usize) -> Result<()> {
-        Ok(self.zero_range(off, len)?)
+        self.write_ranges(&[std::ops::Range { start: off as u64, end: (off + len) as u64 }], |_, bytes| {
+            bytes.fill(0)
+        })?;
+        Ok(())
     }
     fn read(&self, off: usize, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
-        Ok(std::borrow::Cow::Owned(self.read_range(off, len)?))
+        let mut out = Vec::with_capacity(len);
+        let range = std::ops::Range { start: off as u64, end: (off + len) as u64 };
+        self.read_ranges(&[range], |_, bytes| out.extend_from_slice(bytes))?;
+        Ok(std::borrow::Cow::Owned(out))
     }
 }
 
 fn make_region(ctx: &Context, len: usize, req: &TargetRequest) -> Result<AnyRegion> {
     Ok(match req.mem {
-        MemKind::Cuda => cuda_region(ctx, len, req.device)?,
-        MemKind::Host if req.ucx_alloc => {
+        MemPlace::Cuda { device } => {
+            let dev = CudaDevice::open(device)?;
+            AnyRegion::Cuda(MemRegion::register(ctx, CudaBuffer::alloc(&dev, len)?)?)
+        }
+        MemPlace::Host if req.ucx_alloc => {
             let mut r = MemRegion::allocate(ctx, len)?;
             for page in r.memory_mut()?.as_mut_slice().chunks_mut(4096) {
                 page[0] = 0;
             }
             AnyRegion::UcxAlloc(r)
         }
-        MemKind::Host => {
+        MemPlace::Host => {
             let pages = if req.huge_pages { PageSize::Huge } else { PageSize::Normal };
             let mut buf = HostBuffer::alloc(len, pages)?;
             buf.prefault();
@@ -287,22 +285,11 @@ fn make_region(ctx: &Context, len: usize, req: &TargetRequest) -> Result<AnyRegi
     })
 }
 
-#[cfg(feature = "cuda")]
-fn cuda_region(ctx: &Context, len: usize, device: usize) -> Result<AnyRegion> {
-    Ok(AnyRegion::Cuda(MemRegion::register(ctx, super::memory::CudaBuffer::alloc(device, len)?)?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_region(_ctx: &Context, _len: usize, _device: usize) -> Result<AnyRegion> {
-    Err(MemoryError::CudaNotBuilt.into())
-}
-
 /// A registered region of any of the memory kinds `kvx xfer` uses.
 enum AnyRegion {
     Host(MemRegion<HostBuffer>),
     UcxAlloc(MemRegion<UcxAllocated>),
-    #[cfg(feature = "cuda")]
-    Cuda(MemRegion<super::memory::CudaBuffer>),
+    Cuda(MemRegion<CudaBuffer>),
 }
 
 /// Runs `$body` with `$r` bound to the `MemRegion` inside any variant.
@@ -311,7 +298,6 @@ macro_rules! with_region {
         match $region {
             AnyRegion::Host($r) => $body,
             AnyRegion::UcxAlloc($r) => $body,
-            #[cfg(feature = "cuda")]
             AnyRegion::Cuda($r) => $body,
         }
     };
@@ -339,12 +325,10 @@ impl AnyRegion {
     }
 }
 
-fn check_mem(mem: MemKind) -> Result<()> {
-    if mem == MemKind::Cuda {
-        // Fail before starting a target when this host cannot have device memory.
-        super::memory::cuda_devices()?;
-    }
-    Ok(())
+/// Fails before any process starts when this host cannot have the memory asked for
+/// (the cuda feature, libcuda, the device).
+fn check_mem(mem: MemPlace) -> Result<()> {
+    Ok(mem.check_available()?)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -399,7 +383,12 @@ fn prepare_target(req: &TargetRequest, opts: &TargetOptions) -> Result<(TargetHe
     let ucx = Ucx::load(opts.ucx_lib.as_deref())?;
     let ctx = Context::new(
         &ucx,
-        &ContextOptions { progress: opts.progress, config: opts.ucx_config.clone(), ..Default::default() },
+        &ContextOptions {
+            progress: opts.progress,
+            config: opts.ucx_config.clone(),
+            cuda_device: req.mem.device(),
+            ..Default::default()
+        },
     )?;
     let worker = Worker::new(&ctx)?;
     let mut region = make_region(&ctx, len, req)?;
@@ -523,6 +512,8 @@ impl LocalTarget {
                 cmd.arg("--ucx-tls").arg(v);
             }
         }
+        // The target posts no reads: keep protocol files to the measuring process.
+        cmd.env_remove(PROTO_INFO_ENV).env_remove(PROTO_INFO_DIR_ENV);
         cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
         let mut child = cmd.spawn().map_err(|source| XferError::Spawn { exe: exe.to_path_buf(), source })?;
@@ -611,6 +602,7 @@ impl Session {
             &ContextOptions {
                 progress: opts.progress,
                 config: opts.ucx_config.clone(),
+                cuda_device: req.mem.device(),
                 ..Default::default()
             },
         )?;
@@ -648,8 +640,7 @@ pub struct XferConfig {
     pub hot: bool,
     pub ucx_alloc: bool,
     pub huge_pages: bool,
-    pub mem: MemKind,
-    pub device: usize,
+    pub mem: MemPlace,
     pub duration: Duration,
     pub iters: Option<u64>,
     pub timeout: Duration,
@@ -675,12 +666,19 @@ pub struct UcxReport {
     pub progress: ProgressMode,
     pub target_library: String,
     pub target_version: String,
+    /// The protocols UCX selected for the reads (per memory-type pair), or why unknown.
+    pub protocols: ProtoReport,
+    /// UCX settings kvx chose on the user's behalf (`NAME=value (why)`).
+    pub env: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct MemoryReport {
-    /// `host`, or `ucx-alloc` (UCX-allocated, flattering: not what a KV cache is).
+    /// `host`, `ucx-alloc` (UCX-allocated, flattering: not what a KV cache is) or `cuda`.
     pub kind: String,
+    /// The CUDA device of device memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<u32>,
     pub huge_pages: bool,
     /// The pages the initiator's buffers actually got.
     pub pages: String,
@@ -695,8 +693,15 @@ pub struct XferResult {
     pub size_bytes: u64,
     pub inflight: usize,
     pub gbps: f64,
-    pub memcpy_gbps: f64,
-    pub ratio_to_memcpy: f64,
+    /// The same-run ceiling ([`XferReport::ceiling`] says which): a host memcpy, or a
+    /// device-to-device copy of the same size and batch for device memory.
+    pub ceiling_gbps: f64,
+    pub ratio_to_ceiling: f64,
+    /// Host memory only: the memcpy ceiling under its historical names.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memcpy_gbps: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_to_memcpy: Option<f64>,
     pub p50_us: f64,
     pub p99_us: f64,
     pub max_us: f64,
@@ -714,6 +719,10 @@ pub struct XferResult {
 pub struct XferReport {
     pub ucx: UcxReport,
     pub memory: MemoryReport,
+    /// What `ceiling_gbps` measured: `memcpy` (host) or `device_copy`.
+    pub ceiling: String,
+    /// A slow path or an unknown protocol for device memory, with the fix.
+    pub warnings: Vec<String>,
     pub results: Vec<XferResult>,
 }
 
@@ -735,7 +744,6 @@ pub fn run(
         ucx_alloc: cfg.ucx_alloc,
         huge_pages: cfg.huge_pages,
         mem: cfg.mem,
-        device: cfg.device,
         progress: true,
         max_serve_secs: estimate_secs(cfg) + 600,
     };
@@ -809,8 +817,12 @@ fn measure(
     let local_len = ws as usize;
     let mut local = make_region(&s.ctx, local_len, req)?;
     let pages = local.page_size();
-    let results = with_region!(&mut local, r => measure_cases(s, cfg, ws, pages, r, on_result)?);
+    let mut ceiling = Ceiling::new(cfg.mem, ws, pages)?;
+    let results = with_region!(&mut local, r => measure_cases(s, cfg, ws, &mut ceiling, r, on_result)?);
     let info = s.ucx.info();
+    let protocols = s.ctx.protocols();
+    let env = s.ctx.env_notes().to_vec();
+    let warnings = protocol_warnings(cfg.mem, &protocols, &env, &s.transports);
     Ok(XferReport {
         ucx: UcxReport {
             library: info.library.display().to_string(),
@@ -821,16 +833,109 @@ fn measure(
             progress: cfg.session.progress,
             target_library: s.hello.ucx.library.display().to_string(),
             target_version: s.hello.ucx.version.clone(),
+            protocols,
+            env,
         },
         memory: MemoryReport {
-            kind: if cfg.ucx_alloc { "ucx-alloc".into() } else { "host".into() },
+            kind: match cfg.mem {
+                MemPlace::Cuda { .. } => "cuda".into(),
+                MemPlace::Host if cfg.ucx_alloc => "ucx-alloc".into(),
+                MemPlace::Host => "host".into(),
+            },
+            device: cfg.mem.device(),
             huge_pages: cfg.huge_pages,
             pages: pages.to_string(),
             working_set_bytes: ws,
             residency: if cfg.hot { "hot".into() } else { "cold".into() },
         },
+        ceiling: ceiling.kind().into(),
+        warnings,
         results,
     })
+}
+
+/// Warnings for a device-memory run whose reads UCX emulates in software, or whose
+/// protocol is unknown, each with the reason and the fix. Host memory gets none here
+/// (`kvx doctor` explains host-memory emulation).
+pub fn protocol_warnings(
+    mem: MemPlace,
+    protocols: &ProtoReport,
+    env: &[String],
+    transports: &str,
+) -> Vec<String> {
+    if !mem.is_device() {
+        return Vec::new();
+    }
+    let zcopy = if env.is_empty() { "not set".to_string() } else { env.join("; ") };
+    let device_gets: Vec<_> = protocols.device_gets().collect();
+    if device_gets.is_empty() {
+        return vec![format!(
+            "the protocol UCX uses to read device memory is unknown ({}); run with UCX_PROTO_INFO=y to see \
+             whether it is `software emulation` (the slow path) or `zero-copy cuda_ipc`",
+            protocols.summary()
+        )];
+    }
+    device_gets
+        .into_iter()
+        .filter(|u| u.emulated)
+        .map(|u| {
+            format!(
+                "UCX reads device memory by software emulation ({u}): expect well under 1 GB/s. It needs (1) a \
+                 CUDA context current before UCX starts and alive as long as UCX (kvx does this for its own \
+                 processes; `kvx doctor` checks it), (2) device memory CUDA IPC can export (cuMemAlloc, not the \
+                 stream-ordered pool), (3) UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y where GPUs have no NVLink (here: \
+                 {zcopy}), (4) a UCX built with CUDA (this one selected {transports}; use libucx/lib/libucp.so.0 \
+                 of the PyPI wheel libucx-cu12 or libucx-cu13 with --ucx-lib)"
+            )
+        })
+        .collect()
+}
+
+/// The same-run ceiling the transfer rates are divided by.
+enum Ceiling {
+    /// Single-thread memcpy between two more host buffers of the same size and pages.
+    Memcpy { src: HostBuffer, dst: HostBuffer },
+    /// Device-to-device copies between two more buffers on the same device.
+    DeviceCopy { src: CudaBuffer, dst: CudaBuffer },
+}
+
+impl Ceiling {
+    fn new(mem: MemPlace, ws: u64, pages: PageSize) -> Result<Ceiling> {
+        Ok(match mem {
+            MemPlace::Host => {
+                let pages = if pages == PageSize::Normal { PageSize::Normal } else { PageSize::Huge };
+                let mut src = HostBuffer::alloc(ws as usize, pages)?;
+                fill_pattern(src.as_mut_slice(), PATTERN_SEED);
+                let mut dst = HostBuffer::alloc(ws as usize, pages)?;
+                dst.prefault();
+                Ceiling::Memcpy { src, dst }
+            }
+            MemPlace::Cuda { device } => {
+                let dev = CudaDevice::open(device)?;
+                Ceiling::DeviceCopy {
+                    src: CudaBuffer::alloc(&dev, ws as usize)?,
+                    dst: CudaBuffer::alloc(&dev, ws as usize)?,
+                }
+            }
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Ceiling::Memcpy { .. } => "memcpy",
+            Ceiling::DeviceCopy { .. } => "device_copy",
+        }
+    }
+
+    fn measure(&mut self, size: u64, inflight: usize, ws: u64, cfg: &XferConfig) -> Result<f64> {
+        match self {
+            Ceiling::Memcpy { src, dst } => Ok(memcpy_ceiling(src, dst.as_mut_slice(), size, ws, cfg)),
+            Ceiling::DeviceCopy { src, dst } => {
+                let min_time = if cfg.iters.is_some() { Duration::ZERO } else { cfg.duration };
+                Ok(cuda::dtod_copy_gbps(src, dst, size, inflight, cfg.hot, min_time, cfg.iters.unwrap_or(3))?)
+            }
+        }
+    }
 }
 
 /// Offsets of the `k`-th GET of a run: rotating over the working set when cold, fixed
@@ -844,24 +949,22 @@ fn measure_cases<M: BufferAccess>(
     s: &Session,
     cfg: &XferConfig,
     ws: u64,
-    pages: PageSize,
+    ceiling: &mut Ceiling,
     local: &mut MemRegion<M>,
     on_result: &mut impl FnMut(&XferResult),
 ) -> Result<Vec<XferResult>> {
     let remote_len = s.remote.len();
-    // The memcpy ceiling copies between two more host buffers of the same size and pages.
-    let ceiling_pages = if pages == PageSize::Normal { PageSize::Normal } else { PageSize::Huge };
-    let mut src = HostBuffer::alloc(ws as usize, ceiling_pages)?;
-    fill_pattern(src.as_mut_slice(), PATTERN_SEED);
-    let mut dst = HostBuffer::alloc(ws as usize, ceiling_pages)?;
-    dst.prefault();
     let mut results = Vec::new();
     for &size in &cfg.sizes {
         for &inflight in &cfg.inflight {
             // Measured right before each case so both see the same machine (other load,
             // frequency), which is what makes their ratio meaningful on a shared host.
-            let memcpy_gbps = memcpy_ceiling(&src, dst.as_mut_slice(), size, ws, cfg);
-            let r = measure_case(s, cfg, local, size, inflight, ws.min(remote_len), memcpy_gbps)?;
+            let ceiling_gbps = ceiling.measure(size, inflight, ws, cfg)?;
+            let mut r = measure_case(s, cfg, local, size, inflight, ws.min(remote_len), ceiling_gbps)?;
+            if matches!(ceiling, Ceiling::Memcpy { .. }) {
+                r.memcpy_gbps = Some(r.ceiling_gbps);
+                r.ratio_to_memcpy = Some(r.ratio_to_ceiling);
+            }
             on_result(&r);
             results.push(r);
         }
@@ -913,7 +1016,7 @@ fn measure_case<M: BufferAccess>(
     size: u64,
     inflight: usize,
     ws: u64,
-    memcpy_gbps: f64,
+    ceiling_gbps: f64,
 ) -> Result<XferResult> {
     let slots = (ws / size).max(1);
     let local_slots = (local.len() as u64 / size).max(1);
@@ -963,8 +1066,10 @@ fn measure_case<M: BufferAccess>(
         size_bytes: size,
         inflight,
         gbps,
-        memcpy_gbps,
-        ratio_to_memcpy: if memcpy_gbps > 0.0 { gbps / memcpy_gbps } else { 0.0 },
+        ceiling_gbps,
+        ratio_to_ceiling: if ceiling_gbps > 0.0 { gbps / ceiling_gbps } else { 0.0 },
+        memcpy_gbps: None,
+        ratio_to_memcpy: None,
         p50_us: us(hist.value_at_quantile(0.50)),
         p99_us: us(hist.value_at_quantile(0.99)),
         max_us: us(hist.max()),

@@ -46,6 +46,8 @@ const CASES: &[(&[&str], &str)] = &[
     (&["layout", "--tp", "2", "--rank", "9"], "--rank"),
     (&["layout", "--tp", "3"], "--tp"),
     (&["layout", "--tokens", "0"], "--tokens"),
+    (&["xfer", "--device", "1"], "--device"),
+    (&["xfer", "--mem", "cuda", "--ucx-alloc"], "--mem"),
 ];
 
 #[test]

@@ -6,6 +6,7 @@ mod common;
 mod edge;
 mod gate;
 mod golden;
+mod gpu;
 mod handshake;
 mod layering;
 mod netns;

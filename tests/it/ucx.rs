@@ -119,10 +119,10 @@ fn scatter_child() {
 }
 
 fn scatter_child_body(lib: &Path) {
-    use kvx::transfer::memory::{HostBuffer, PageSize};
+    use kvx::transfer::memory::{HostBuffer, MemPlace, PageSize};
     use kvx::transfer::ucx::{MemRegion, PackedRkey, ReadDesc, ReadOptions, UcxError};
     use kvx::transfer::xfer::{
-        LocalTarget, MemKind, Session, SessionOptions, TargetOptions, TargetRequest, check_pattern,
+        LocalTarget, Session, SessionOptions, TargetOptions, TargetRequest, check_pattern,
     };
 
     const REGION: u64 = 4 << 20;
@@ -138,8 +138,7 @@ fn scatter_child_body(lib: &Path) {
         region_bytes: REGION,
         ucx_alloc: false,
         huge_pages: false,
-        mem: MemKind::Host,
-        device: 0,
+        mem: MemPlace::Host,
         progress: true,
         max_serve_secs: 120,
     };

@@ -10,13 +10,22 @@ use std::cell::RefCell;
 use std::ffi::{CString, c_char, c_int};
 use std::os::fd::RawFd;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use super::error::{Result, UcxError};
 use super::library::Ucx;
+use super::proto::{self, ProtoReport};
 use super::sys::{self, UcpContextH, UcpWorkerH};
+use crate::transfer::cuda::CudaDevice;
+
+/// UCX's switch for zero-copy GETs over cuda_ipc. Its default (`auto`) turns them off
+/// where UCX sees no NVLink (PCIe machines, one GPU), which leaves a pull (READ) design
+/// on a slow path; kvx sets it to `y` for device memory unless the user set it.
+pub const CUDA_IPC_GET_ZCOPY_ENV: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
+const CUDA_IPC_GET_ZCOPY_KEY: &str = "CUDA_IPC_ENABLE_GET_ZCOPY";
 
 /// How a waiting kvx thread progresses UCX.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
@@ -62,6 +71,11 @@ pub struct ContextOptions {
     pub config: Vec<(String, String)>,
     /// Also request active messages (notifications over UCX).
     pub active_messages: bool,
+    /// Register device memory of this CUDA device: its primary context is made current
+    /// *before* `ucp_init` (UCX's CUDA transports look for it when they open; without it
+    /// they fall back to software emulation) and held by the context until after
+    /// `ucp_cleanup`. Also sets `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y` unless the user set it.
+    pub cuda_device: Option<u32>,
 }
 
 /// A UCP context (`ucp_context_h`): the library's per-application state, which owns
@@ -76,10 +90,39 @@ struct ContextInner {
     h: UcpContextH,
     progress: ProgressMode,
     active_messages: bool,
+    /// Settings kvx chose on the user's behalf, for reports (`NAME=value (why)`).
+    env_notes: Vec<String>,
+    // Released after `ucp_cleanup` (Drop runs first): UCX's CUDA transports use the
+    // context until then.
+    cuda: Option<Arc<CudaDevice>>,
 }
 
 impl Context {
     pub fn new(ucx: &Ucx, opts: &ContextOptions) -> Result<Context> {
+        let cuda = match opts.cuda_device {
+            Some(device) => {
+                let dev = CudaDevice::open(device)?;
+                dev.make_current()?;
+                Some(dev)
+            }
+            None => None,
+        };
+        let mut settings = opts.config.clone();
+        let mut env_notes = Vec::new();
+        if cuda.is_some() {
+            let in_config = opts.config.iter().any(|(k, _)| k == CUDA_IPC_GET_ZCOPY_KEY);
+            match std::env::var(CUDA_IPC_GET_ZCOPY_ENV) {
+                Ok(v) => env_notes.push(format!("{CUDA_IPC_GET_ZCOPY_ENV}={v} (from the environment)")),
+                Err(_) if in_config => {}
+                Err(_) => {
+                    settings.push((CUDA_IPC_GET_ZCOPY_KEY.into(), "y".into()));
+                    env_notes.push(format!(
+                        "{CUDA_IPC_GET_ZCOPY_ENV}=y (set by kvx for device memory; UCX's auto turns cuda_ipc \
+                         GET zero-copy off without NVLink)"
+                    ));
+                }
+            }
+        }
         let api = ucx.api();
         let mut config: sys::UcpConfigH = std::ptr::null_mut();
         // SAFETY: NULL prefix/file mean "UCX_ environment, no file"; `config` is a valid out pointer.
@@ -87,7 +130,7 @@ impl Context {
             (api.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut config)
         })?;
         let config = ConfigGuard { ucx, h: config };
-        for (k, v) in &opts.config {
+        for (k, v) in &settings {
             let (ck, cv) = (cstring(k)?, cstring(v)?);
             // SAFETY: config is live; both strings are NUL-terminated and outlive the call.
             let st = unsafe { (api.ucp_config_modify)(config.h, ck.as_ptr(), cv.as_ptr()) };
@@ -110,14 +153,75 @@ impl Context {
         let st = unsafe { (api.ucp_init_version)(1, 13, &params, config.h, &mut h) };
         ucx.check("ucp_init", st)?;
         drop(config);
-        Ok(Context {
+        let has_cuda = cuda.is_some();
+        let ctx = Context {
             inner: Rc::new(ContextInner {
                 ucx: ucx.clone(),
                 h,
                 progress: opts.progress,
                 active_messages: opts.active_messages,
+                env_notes,
+                cuda,
             }),
-        })
+        };
+        if has_cuda {
+            let types = ctx.memory_types()?;
+            if !types.contains(&"cuda") {
+                let info = ucx.info();
+                return Err(UcxError::NoCudaSupport {
+                    library: info.library.display().to_string(),
+                    version: info.version,
+                    memory_types: types.join(", "),
+                });
+            }
+        }
+        Ok(ctx)
+    }
+
+    /// The CUDA device whose memory this context registers, if any.
+    pub fn cuda_device(&self) -> Option<&Arc<CudaDevice>> {
+        self.inner.cuda.as_ref()
+    }
+
+    /// Makes the context's CUDA context current on the calling thread (a no-op for a
+    /// host-memory context). Every thread that calls UCX on device memory needs it.
+    pub fn bind_cuda(&self) -> Result<()> {
+        if let Some(dev) = &self.inner.cuda {
+            dev.make_current()?;
+        }
+        Ok(())
+    }
+
+    /// Settings kvx chose for UCX on the user's behalf, as `NAME=value (why)`.
+    pub fn env_notes(&self) -> &[String] {
+        &self.inner.env_notes
+    }
+
+    /// The protocols this process's UCX selected so far (call it after the operations of
+    /// interest ran), or why they are unknown. They are recorded only in processes started
+    /// with [`proto::capture_env`] (or by a user who set `UCX_PROTO_INFO` and
+    /// `UCX_PROTO_INFO_DIR`).
+    pub fn protocols(&self) -> ProtoReport {
+        match proto::capture_dir() {
+            Some(dir) => {
+                let uses = proto::summarize(&proto::read_dir(&dir));
+                let note = uses.is_empty().then(|| {
+                    format!(
+                        "UCX {} reported no protocol selection (UCX 1.13's protocol layer does not report them)",
+                        self.inner.ucx.info().version
+                    )
+                });
+                ProtoReport { uses, note }
+            }
+            None => ProtoReport {
+                uses: Vec::new(),
+                note: Some(format!(
+                    "not recorded: this process was not started with {} and {} set",
+                    proto::PROTO_INFO_ENV,
+                    proto::PROTO_INFO_DIR_ENV
+                )),
+            },
+        }
     }
 
     pub fn ucx(&self) -> &Ucx {
@@ -248,6 +352,7 @@ pub enum ServeEnd {
 
 impl Worker {
     pub fn new(ctx: &Context) -> Result<Worker> {
+        ctx.bind_cuda()?;
         let ucx = ctx.ucx();
         let mut params: sys::UcpWorkerParams = sys::zeroed();
         params.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE;

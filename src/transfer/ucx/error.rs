@@ -38,6 +38,17 @@ pub enum UcxError {
     /// The local region cannot be used: an earlier read into it never completed.
     #[error("the local region is poisoned: an earlier read into it was abandoned while in flight")]
     Poisoned,
+    /// CUDA, which a context for device memory needs, is missing or failed.
+    #[error(transparent)]
+    Cuda(#[from] crate::transfer::cuda::CudaError),
+    /// The loaded UCX cannot register device memory.
+    #[error(
+        "the UCX at {library} (version {version}) cannot register CUDA memory (its memory types: \
+         {memory_types}): it was built without CUDA or its CUDA module did not load. Point --ucx-lib (or \
+         KVX_UCX_LIB) at libucx/lib/libucp.so.0 of the PyPI wheel libucx-cu12 or libucx-cu13 \
+         (scripts/setup-ucx.sh installs one as .ucx/)"
+    )]
+    NoCudaSupport { library: String, version: String, memory_types: String },
     /// An OS call around UCX (event fd polling, memstreams) failed.
     #[error("{op}: {source}")]
     Io { op: &'static str, source: std::io::Error },

@@ -5,7 +5,7 @@
 //! [`PackedRkey`], [`RemoteRegion`] — plus the batches of one-sided GETs the pipeline
 //! posts ([`RemoteRegion::read_batch`], or [`read_batch_multi`] over several peers at
 //! once), and active messages on the same workers and endpoints ([`AmReceiver`],
-//! [`Endpoint::am_send`]). Must not know about KV layouts, handshakes or requests:
+//! [`Endpoint::am_send`]), and the protocols UCX selected ([`Context::protocols`]). Must not know about KV layouts, handshakes or requests:
 //! callers pass worker addresses and packed rkeys around as opaque bytes.
 //!
 //! Teardown order is in the types: a worker holds its context, an endpoint its worker, a
@@ -35,16 +35,23 @@ mod context;
 mod endpoint;
 mod error;
 mod library;
+mod proto;
 mod region;
 pub mod sys;
 
 pub use am::{AmReceiver, AmStats};
 pub use context::{
-    Context, ContextOptions, HYBRID_SPIN, ProgressMode, ServeEnd, Worker, defer_wakeups, wait_readable,
+    CUDA_IPC_GET_ZCOPY_ENV, Context, ContextOptions, HYBRID_SPIN, ProgressMode, ServeEnd, Worker,
+    defer_wakeups, wait_readable,
 };
 pub use endpoint::{
     Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports, read_batch_multi,
 };
 pub use error::{Result, UcxError};
 pub use library::{LibInfo, LibSearch, LibSource, SYSTEM_SONAME, Ucx};
+pub use proto::{
+    LOG_FILE_ENV, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV, ProtoChoice, ProtoReport, ProtoSelection, ProtoUse,
+    capture_dir as proto_capture_dir, capture_env as proto_capture_env, log_messages as ucx_log_messages,
+    memory_kind, parse_dot, parse_log, read_dir as read_proto_dir, summarize as summarize_protocols,
+};
 pub use region::{MemRegion, MemType, PackedRkey, Registrable, UcxAllocated};

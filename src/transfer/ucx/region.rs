@@ -106,6 +106,13 @@ impl<M: Registrable> MemRegion<M> {
         if mem.is_empty() {
             return Err(UcxError::Invalid("cannot register an empty region".into()));
         }
+        if mem.mem_type() == MemType::Cuda && ctx.cuda_device().is_none() {
+            return Err(UcxError::Invalid(
+                "registering CUDA memory needs a UCX context created with ContextOptions::cuda_device (the \
+                 CUDA context must be current before ucp_init, or UCX falls back to software emulation)"
+                    .into(),
+            ));
+        }
         let mut params: sys::UcpMemMapParams = sys::zeroed();
         params.field_mask = sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
             | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH

@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# GPU acceptance run: where kvx stands on device memory on this machine, in one command.
+#
+#   scripts/gpu-check.sh [--ucx-lib PATH] [--out DIR]
+#
+# Runs, each step recorded and never stopping the others:
+#   1. kvx doctor (CUDA driver, devices, UCX with CUDA, a cuda_ipc read between two processes)
+#   2. kvx xfer --mem cuda over 8 KiB..16 MiB at 1, 32 and 128 reads in flight
+#   3. kvx bench --mem cuda --p-tp 8 --d-tp 2 (and kvx xfer --mem cuda at the bench's descriptor size)
+#   4. peers, when present: ucx_perftest -t ucp_get -m cuda,cuda (from the UCX given), and NIXL VRAM
+#      READs (scripts/peers/nixl_peer.py, if python3 imports nixl and torch)
+# and prints a table of ratios: kvx vs NIXL at 64 KiB..1 MiB, kvx vs the same-run device copy at
+# 16 MiB, bench vs xfer. Needs no network.
+#
+# Environment:
+#   KVX_BIN        a kvx binary to use (the GPU host may have no Rust); default: build one with
+#                  `cargo build --release --features cuda`
+#   KVX_UCX_LIB    libucp.so.0 of a UCX built with CUDA, or the unpacked wheel directory of
+#                  libucx-cu12/libucx-cu13 (same as --ucx-lib); default: kvx's own search (.ucx/)
+#   UCX_PERFTEST   ucx_perftest to use as a peer; default: bin/ucx_perftest beside the UCX library
+#   PYTHON         python3 with nixl and torch for the NIXL peer; default: python3
+#   GPU_CHECK_OUT  where reports go; default: target/gpu-check/<time>
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+UCX_ARG="${KVX_UCX_LIB:-}"
+OUT="${GPU_CHECK_OUT:-target/gpu-check/$(date +%Y%m%d-%H%M%S)}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --ucx-lib) UCX_ARG="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+STATUS="$OUT/status.tsv"
+: > "$STATUS"
+
+record() { # $1 step, $2 exit code, $3 note
+  local verdict=ok
+  [ "$2" -ne 0 ] && verdict="FAILED (exit $2)"
+  printf '%s\t%s\t%s\n' "$1" "$verdict" "$3" >> "$STATUS"
+  echo "gpu-check: $1: $verdict${3:+ ($3)}"
+}
+
+# The UCX: a libucp.so.0, or a wheel directory holding libucx/lib/libucp.so.0.
+UCX_LIB=""
+if [ -n "$UCX_ARG" ]; then
+  if [ -d "$UCX_ARG" ]; then
+    UCX_LIB="$(find -L "$UCX_ARG" -name 'libucp.so.0' -path '*lib*' 2>/dev/null | head -n1)"
+    [ -z "$UCX_LIB" ] && { echo "gpu-check: no libucp.so.0 under $UCX_ARG (unpack the libucx-cu12/cu13 wheel there)" >&2; exit 2; }
+  else
+    UCX_LIB="$UCX_ARG"
+  fi
+  [ -e "$UCX_LIB" ] || { echo "gpu-check: $UCX_LIB does not exist (change --ucx-lib or KVX_UCX_LIB)" >&2; exit 2; }
+fi
+UCX_FLAGS=()
+[ -n "$UCX_LIB" ] && UCX_FLAGS=(--ucx-lib "$UCX_LIB")
+
+# The kvx binary.
+if [ -n "${KVX_BIN:-}" ]; then
+  KVX="$KVX_BIN"
+  [ -x "$KVX" ] || { echo "gpu-check: KVX_BIN=$KVX is not executable" >&2; exit 2; }
+else
+  export PATH="$HOME/.cargo/bin:$PATH"
+  if ! cargo build --release --features cuda --bins >"$OUT/build.log" 2>&1; then
+    record build 1 "see $OUT/build.log; or give a binary with KVX_BIN=path"
+    exit 2
+  fi
+  KVX=target/release/kvx
+fi
+record build 0 "$KVX"
+
+# 1. doctor
+"$KVX" doctor "${UCX_FLAGS[@]}" --format json >"$OUT/doctor.json" 2>"$OUT/doctor.err"
+rc=$?
+"$KVX" doctor "${UCX_FLAGS[@]}" --no-self-test 2>/dev/null | grep -E '^(ok|warn|missing|fail) +cuda' || true
+record doctor "$rc" "$OUT/doctor.json"
+
+# 2. xfer on device memory
+"$KVX" xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes 8KiB,64KiB,256KiB,1MiB,16MiB \
+  --inflight 1,32,128 --duration 500ms --format json >"$OUT/xfer.json" 2>"$OUT/xfer.err"
+rc=$?
+record "xfer --mem cuda" "$rc" "$(grep -m1 -E 'error|warning' "$OUT/xfer.err" | cut -c1-160)"
+
+# 3. bench on device memory (fails until the pipeline supports --mem cuda: recorded, not fatal)
+"$KVX" bench --mem cuda --p-tp 8 --d-tp 2 "${UCX_FLAGS[@]}" --results-dir "$OUT/bench" --format json \
+  >"$OUT/bench.json" 2>"$OUT/bench.err"
+rc=$?
+record "bench --mem cuda --p-tp 8 --d-tp 2" "$rc" "$(grep -m1 'error' "$OUT/bench.err" | cut -c1-160)"
+if [ "$rc" -eq 0 ]; then
+  desc="$("$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(int(((d.get("calibration") or {}).get("descriptor_bytes")) or 0))' "$OUT/bench.json" 2>/dev/null || echo 0)"
+  if [ "${desc:-0}" -gt 0 ]; then
+    "$KVX" xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes "$desc" --inflight 64 --format json \
+      >"$OUT/xfer-bench-size.json" 2>>"$OUT/xfer.err"
+    record "xfer --mem cuda at the bench's descriptor size ($desc B)" $? ""
+  fi
+fi
+
+# 4a. ucx_perftest peer (GET, device memory both sides)
+PERFTEST="${UCX_PERFTEST:-}"
+for lib in "$UCX_LIB" .ucx/libucx/lib/libucp.so.0; do
+  [ -n "$PERFTEST" ] && break
+  [ -n "$lib" ] && [ -x "$(dirname "$lib")/../bin/ucx_perftest" ] && PERFTEST="$(dirname "$lib")/../bin/ucx_perftest"
+done
+if [ -n "$PERFTEST" ] && [ -x "$PERFTEST" ]; then
+  : > "$OUT/perftest.csv"
+  for size in 65536 1048576 16777216; do
+    port=$((20000 + RANDOM % 20000))
+    UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y LD_LIBRARY_PATH="$(dirname "$PERFTEST")/../lib:${LD_LIBRARY_PATH:-}" \
+      timeout 120 "$PERFTEST" -p "$port" -m cuda,cuda >/dev/null 2>&1 &
+    server=$!
+    out=""
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+      out="$(UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y LD_LIBRARY_PATH="$(dirname "$PERFTEST")/../lib:${LD_LIBRARY_PATH:-}" \
+        timeout 120 "$PERFTEST" localhost -p "$port" -t ucp_get -m cuda,cuda -s "$size" -n 5000 2>&1)" && break
+      out=""
+      sleep 0.5 # the server binds asynchronously; retried a bounded number of times
+    done
+    kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+    # "Final:" row: iterations, 3 latency columns, bandwidth average and overall (MB/s, 2^20 B).
+    mbs="$(printf '%s\n' "$out" | awk '/Final:/ {print $7}')"
+    [ -n "$mbs" ] && echo "$size,$mbs" >> "$OUT/perftest.csv"
+  done
+  if [ -s "$OUT/perftest.csv" ]; then
+    record "ucx_perftest -t ucp_get -m cuda,cuda" 0 "$OUT/perftest.csv"
+  else
+    record "ucx_perftest -t ucp_get -m cuda,cuda" 1 "no result: run it by hand to see why"
+  fi
+else
+  record "ucx_perftest" 0 "skipped: no ucx_perftest (set UCX_PERFTEST or --ucx-lib to a wheel)"
+fi
+
+# 4b. NIXL peer on VRAM
+if "$PY" -c 'import torch, sys; import importlib.util as u; sys.exit(0 if torch.cuda.is_available() and any(u.find_spec(m) for m in ("nixl", "nixl_cu13", "nixl_cu12")) else 1)' 2>/dev/null; then
+  NIXL_PEER_MEM=VRAM UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y timeout 600 "$PY" scripts/peers/nixl_peer.py \
+    --sizes 8192,65536,262144,1048576,16777216 --region 268435456 --xfer-bytes 67108864 >"$OUT/nixl.csv" 2>"$OUT/nixl.err"
+  record "nixl VRAM READ" $? "$OUT/nixl.csv"
+else
+  record "nixl" 0 "skipped: $PY cannot import nixl and torch with CUDA"
+fi
+
+# Ratios.
+"$PY" - "$OUT" <<'EOF' || echo "gpu-check: python3 is needed for the ratio table; reports are in $OUT"
+import csv, json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f:
+            return json.load(f)
+    except Exception:
+        return None
+def fmt(x):
+    return "-" if x is None else f"{x:.2f}"
+xfer = load("xfer.json")
+best = {}      # size -> best GB/s over in-flight depths
+ceiling = {}   # size -> (gbps, ratio) at the deepest in-flight
+if xfer:
+    for r in xfer["results"]:
+        s = r["size_bytes"]
+        best[s] = max(best.get(s, 0.0), r["gbps"])
+        if s not in ceiling or r["inflight"] >= ceiling[s][2]:
+            ceiling[s] = (r["gbps"], r.get("ratio_to_ceiling"), r["inflight"])
+    print("kvx xfer --mem cuda: protocols:", ", ".join(
+        f"{u['op']} {u['local']}<-{u['remote']}: " + ", ".join(f"{c['description']} {c['config']}" for c in u["choices"])
+        for u in xfer["ucx"]["protocols"]["uses"]) or xfer["ucx"]["protocols"].get("note"))
+    for w in xfer.get("warnings", []):
+        print("  warning:", w)
+nixl = {}
+try:
+    with open(os.path.join(out, "nixl.csv")) as f:
+        for row in csv.reader(l for l in f if not l.startswith("#")):
+            if row and row[0].isdigit():
+                nixl[int(row[0])] = max(nixl.get(int(row[0]), 0.0), float(row[4]))
+except OSError:
+    pass
+perf = {}
+try:
+    with open(os.path.join(out, "perftest.csv")) as f:
+        for row in csv.reader(f):
+            perf[int(row[0])] = float(row[1]) * 1048576 / 1e9
+except OSError:
+    pass
+rows = []
+for s in (65536, 262144, 1048576):
+    k, n = best.get(s), nixl.get(s)
+    rows.append((f"kvx / NIXL VRAM READ @ {s >> 10} KiB", fmt(k), fmt(n), fmt(k / n) if k and n else "-", ">= 1.5"))
+for s in (65536, 1048576, 16777216):
+    k, p = best.get(s), perf.get(s)
+    rows.append((f"kvx / ucx_perftest ucp_get @ {s >> 10} KiB", fmt(k), fmt(p), fmt(k / p) if k and p else "-", ""))
+g, ratio, depth = ceiling.get(16777216, (None, None, 0))
+rows.append((f"kvx / device copy @ 16 MiB x{depth}", fmt(g), "", fmt(ratio), ">= 0.8"))
+bench, same = load("bench.json"), load("xfer-bench-size.json")
+b = bench.get("throughput_gbps") if bench else None
+x = same["results"][0]["gbps"] if same and same.get("results") else None
+rows.append(("bench / xfer at the descriptor size", fmt(b), fmt(x), fmt(b / x) if b and x else "-", ">= 0.8"))
+w = max(len(r[0]) for r in rows)
+print(f"\n{'ratio':<{w}}  {'kvx GB/s':>9}  {'peer GB/s':>9}  {'ratio':>6}  target")
+for r in rows:
+    print(f"{r[0]:<{w}}  {r[1]:>9}  {r[2]:>9}  {r[3]:>6}  {r[4]}")
+print("\nsteps:")
+with open(os.path.join(out, "status.tsv")) as f:
+    for line in f:
+        print("  " + line.rstrip("\n").replace("\t", "  "))
+print(f"\nreports: {out}")
+EOF
+if grep -q FAILED "$STATUS"; then exit 1; fi
+exit 0

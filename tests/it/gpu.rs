@@ -1,0 +1,120 @@
+//! Device memory on a host that may have no GPU (CI): `--mem cuda` fails clearly, reports
+//! name UCX's protocol, the doctor's CUDA lines never fail it, and the default build has
+//! CUDA support. On a GPU host the same tests accept success (`scripts/gpu-check.sh` is
+//! the acceptance run there).
+
+use std::time::Duration;
+
+use assert_cmd::Command;
+
+use crate::ucx_common::{project_root, skip, ucx_builds};
+
+const HARD_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn kvx() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvx"));
+    c.timeout(HARD_TIMEOUT).env_remove("KVX_UCX_LIB").env_remove("KVX_UCX_DIR");
+    c
+}
+
+/// What `--mem cuda` may name as missing: the feature, the driver, a device, a UCX with CUDA.
+const MISSING: &[&str] = &["`cuda` feature", "libcuda", "CUDA device", "cannot register CUDA memory"];
+
+#[test]
+fn xfer_on_device_memory_without_a_gpu_exits_2_naming_what_is_missing() {
+    let out = kvx()
+        .args(["xfer", "--mem", "cuda", "--sizes", "64KiB", "--inflight", "1", "--iters", "2"])
+        .args(["--working-set", "1MiB", "--format", "json"])
+        .output()
+        .expect("run kvx xfer");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if out.status.success() {
+        skip("this host has a GPU and a UCX with CUDA: --mem cuda ran (see scripts/gpu-check.sh)");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(v["memory"]["kind"], "cuda");
+        assert_eq!(v["ceiling"], "device_copy");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(MISSING.iter().any(|m| stderr.contains(m)), "the message should name what is missing: {stderr}");
+    assert!(out.stdout.is_empty(), "no partial report on stdout");
+    // Every missing piece is named once, not repeated by the process that re-ran itself.
+    assert_eq!(stderr.matches("error:").count(), 1, "{stderr}");
+}
+
+#[test]
+fn xfer_reports_name_the_protocol_ucx_chose_on_each_build() {
+    for (label, lib) in ucx_builds() {
+        let lib = match lib {
+            Ok(p) => p,
+            Err(why) => {
+                skip(&format!("{label} UCX build: {why}"));
+                continue;
+            }
+        };
+        let out = kvx()
+            .args(["xfer", "--sizes", "64KiB", "--inflight", "2", "--iters", "3", "--working-set", "1MiB"])
+            .args(["--format", "json", "--ucx-lib"])
+            .arg(&lib)
+            .env_remove("UCX_PROTO_INFO")
+            .env_remove("UCX_PROTO_INFO_DIR")
+            .env_remove("UCX_LOG_FILE")
+            .output()
+            .expect("run kvx xfer");
+        assert!(out.status.success(), "{label}: {}", String::from_utf8_lossy(&out.stderr));
+        // UCX prints its protocol tables to its log; none may reach kvx's stdout.
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON report");
+        let protocols = &v["ucx"]["protocols"];
+        let uses = protocols["uses"].as_array().expect("uses");
+        let version = v["ucx"]["version"].as_str().unwrap_or_default();
+        if version.starts_with("1.13") {
+            // UCX 1.13's protocol layer reports nothing: the report says so.
+            assert!(uses.is_empty(), "{label}: {protocols}");
+            assert!(protocols["note"].as_str().is_some_and(|n| n.contains("1.13")), "{label}: {protocols}");
+        } else {
+            let get =
+                uses.iter().find(|u| u["op"] == "get").unwrap_or_else(|| panic!("{label}: {protocols}"));
+            assert_eq!(get["emulated"], false, "{label}: {get}");
+            if label == "project" {
+                assert_eq!(get["choices"][0]["description"], "zero-copy", "{label}: {get}");
+                assert_eq!(get["choices"][0]["config"], "cma/memory", "{label}: {get}");
+            }
+        }
+        assert_eq!(v["ceiling"], "memcpy");
+        assert_eq!(v["warnings"].as_array().map(Vec::len), Some(0), "host memory gets no protocol warning");
+        let r = &v["results"][0];
+        assert_eq!(r["ceiling_gbps"], r["memcpy_gbps"], "for host memory the ceiling is the memcpy");
+    }
+}
+
+#[test]
+fn doctor_cuda_lines_say_what_is_missing_and_never_fail_it() {
+    let Some((_, Ok(lib))) = ucx_builds().into_iter().find(|(_, l)| l.is_ok()) else {
+        skip("no UCX build on this host");
+        return;
+    };
+    let out = kvx().args(["doctor", "--format", "json", "--ucx-lib"]).arg(&lib).output().expect("run doctor");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let checks = v["checks"].as_array().expect("checks");
+    for name in
+        ["cuda", "cuda.driver", "cuda.devices", "cuda.ucx", "cuda.ipc", "cuda.get_zcopy", "cuda.nvlink"]
+    {
+        let c = checks.iter().find(|c| c["name"] == name).unwrap_or_else(|| panic!("no {name} in {v}"));
+        let verdict = c["verdict"].as_str().unwrap_or_default();
+        assert!(["ok", "warn", "missing"].contains(&verdict), "{c}");
+        if verdict == "missing" {
+            assert!(c["detail"].as_str().is_some_and(|d| !d.is_empty()), "{c}");
+        }
+    }
+    assert_eq!(v["needed_missing"], false);
+}
+
+#[test]
+fn the_default_build_includes_cuda_support() {
+    let text = std::fs::read_to_string(project_root().join("Cargo.toml")).expect("Cargo.toml");
+    let manifest: toml::Table = toml::from_str(&text).expect("toml");
+    let default = manifest["features"]["default"].as_array().expect("a default feature list");
+    assert!(default.iter().any(|f| f.as_str() == Some("cuda")), "{default:?}");
+}
