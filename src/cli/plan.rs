@@ -8,7 +8,7 @@ use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
 use super::common::{Format, ModelArgs, PairArgs};
-use super::topo::{bytes_text, reject};
+use super::topo::{bytes_text, emit, reject};
 use crate::Outcome;
 use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
@@ -314,7 +314,10 @@ fn render(args: &PlanArgs, r: &Resolved, plans: &[RankPlan]) -> String {
 type PushRankPlan = (PRankPlan, Vec<Vec<Pair>>);
 
 /// Plans every prefill rank's WRITEs (only those into `--d-rank` when given).
-fn plan_all_push(args: &PlanArgs, r: &Resolved) -> Result<(Vec<PushRankPlan>, Vec<DRankPushView>), ConfigError> {
+fn plan_all_push(
+    args: &PlanArgs,
+    r: &Resolved,
+) -> Result<(Vec<PushRankPlan>, Vec<DRankPushView>), ConfigError> {
     let map = r.pair.validate_push()?;
     if let Some(d) = args.d_rank
         && d >= r.pair.d.tp
@@ -386,7 +389,13 @@ struct PushPlanJson {
 }
 
 fn bytes_into(plans: &[PushRankPlan], d_rank: u32) -> u64 {
-    plans.iter().flat_map(|(p, _)| &p.writes).filter(|w| w.d_rank == d_rank).flat_map(|w| &w.pairs).map(|x| x.len).sum()
+    plans
+        .iter()
+        .flat_map(|(p, _)| &p.writes)
+        .filter(|w| w.d_rank == d_rank)
+        .flat_map(|w| &w.pairs)
+        .map(|x| x.len)
+        .sum()
 }
 
 fn run_push(args: &PlanArgs, resolved: &Resolved) -> anyhow::Result<Outcome> {
@@ -429,9 +438,9 @@ fn run_push(args: &PlanArgs, resolved: &Resolved) -> anyhow::Result<Outcome> {
                     })
                     .collect(),
             };
-            println!("{}", serde_json::to_string(&out)?);
+            emit(&format!("{}\n", serde_json::to_string(&out)?))?;
         }
-        Format::Table => print!("{}", render_push(args, resolved, &plans, &views)),
+        Format::Table => emit(&render_push(args, resolved, &plans, &views))?,
     }
     Ok(Outcome::Ok)
 }

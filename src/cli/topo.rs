@@ -231,10 +231,19 @@ fn run_push(args: &TopoArgs) -> anyhow::Result<Outcome> {
     })();
     let report = result.map_err(|e| reject(args.format, e))?;
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&report)?),
-        Format::Table => print!("{}", render_push_table(&report)),
+        Format::Json => emit(&format!("{}\n", serde_json::to_string_pretty(&report)?))?,
+        Format::Table => emit(&render_push_table(&report))?,
     }
     Ok(Outcome::Ok)
+}
+
+/// Writes a report to stdout; a closed pipe comes back as an error (which exits quietly),
+/// not as a panic.
+pub(super) fn emit(text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    out.flush()
 }
 
 /// One push WRITE in the vocabulary of the pull report (local = prefill, remote = decode).
@@ -469,23 +478,19 @@ pub fn render_push_table(t: &PushTopoJson) -> String {
             t.duplicate_writes
         ));
     }
-    let p_ports: Vec<String> = t.p_ranks.iter().map(|p| format!("P{}={}", p.p_rank, p.side_channel_port)).collect();
-    let d_ports: Vec<String> = t
-        .d_ranks
-        .iter()
-        .map(|d| {
-            format!(
-                "D{}={}",
-                d.d_rank,
-                ranks_text(&d.side_channel_ports.iter().map(|&p| u32::from(p)).collect::<Vec<_>>())
-            )
-        })
-        .collect();
+    // Distinct ports only: under the engine scheme every rank of an engine shares one.
+    let distinct = |ports: Vec<u16>| {
+        let mut ports = ports;
+        ports.sort_unstable();
+        ports.dedup();
+        ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",")
+    };
     out.push_str(&format!(
-        "ports: {} scheme; decode handshakes with prefill at {} (notification-only), prefill with decode at {}\n",
+        "ports ({} scheme): decode ranks handshake with prefill's side channel on {} (notification-only, to send \
+         PUSH_REG); prefill ranks handshake with decode's on {} (to learn its block addresses)\n",
         t.port_scheme,
-        p_ports.join(" "),
-        d_ports.join(" ")
+        distinct(t.p_ranks.iter().map(|p| p.side_channel_port).collect()),
+        distinct(t.d_ranks.iter().flat_map(|d| d.side_channel_ports.iter().copied()).collect())
     ));
     out
 }

@@ -335,11 +335,7 @@ pub(crate) fn best_order(regions: &[RegionXfer], l_ids: &[u64], r_ids: &[u64]) -
             block_major.push(x.pair(l, r));
         }
     }
-    if block_major.runs < region_major.runs {
-        (true, block_major.runs)
-    } else {
-        (false, region_major.runs)
-    }
+    if block_major.runs < region_major.runs { (true, block_major.runs) } else { (false, region_major.runs) }
 }
 
 /// The coalesced pairs of one transfer, in whichever order merges more (see `best_order`).

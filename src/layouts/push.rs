@@ -16,7 +16,9 @@ use serde::Serialize;
 
 use super::compat::PairSpec;
 use super::geometry::Region;
-use super::plan::{BlockPairs, Pair, RegionXfer, RequestBlocks, RequestIds, best_order, coalesce_regions, pair_blocks};
+use super::plan::{
+    BlockPairs, Pair, RegionXfer, RequestBlocks, RequestIds, best_order, coalesce_regions, pair_blocks,
+};
 use crate::error::ConfigError;
 use crate::topology::push::{PRankPushMap, PushRankMap};
 
@@ -231,7 +233,10 @@ mod tests {
         // 1 head x 16 tokens x K|V x 64 x 2 bytes = 4096 B per prefill block.
         let planner = PushPlanner::new(&pair, &map, 3).expect("planner");
         let w = &planner.writes[0];
-        assert_eq!((w.d_rank, w.local_offset_in_block, w.remote_offset_in_block, w.length), (1, 0, 4096, 4096));
+        assert_eq!(
+            (w.d_rank, w.local_offset_in_block, w.remote_offset_in_block, w.length),
+            (1, 0, 4096, 4096)
+        );
         let req = RequestBlocks { local: vec![6], remote: vec![2, 5] };
         let plan = planner.plan(&req, &ids()).expect("plan");
         // Prefix hit: only prefill's last block (5) is written, into decode block 6.

@@ -110,11 +110,7 @@ impl PushRankMap {
 
 /// vLLM's `tp_ratio` with the prefill engine as the local side.
 pub fn push_tp_ratio(spec: &TpSpec) -> i64 {
-    if spec.p_tp >= spec.d_tp {
-        i64::from(spec.p_tp / spec.d_tp)
-    } else {
-        -i64::from(spec.d_tp / spec.p_tp)
-    }
+    if spec.p_tp >= spec.d_tp { i64::from(spec.p_tp / spec.d_tp) } else { -i64::from(spec.d_tp / spec.p_tp) }
 }
 
 /// vLLM's `compute_head_offset(tp_rank, tp_size, remote_tp_size, H)` with the prefill rank
@@ -166,11 +162,8 @@ pub fn push_rank_map(spec: &TpSpec) -> Result<PushRankMap, ConfigError> {
         .map(|dr| {
             let src = (u64::from(dr) * u64::from(p) / u64::from(d)) as u32;
             let registers_with = if p > d { (src..src + p / d).collect() } else { vec![src] };
-            let writers = p_ranks
-                .iter()
-                .filter(|pm| pm.write_ranks.contains(&dr))
-                .map(|pm| pm.p_rank)
-                .collect();
+            let writers =
+                p_ranks.iter().filter(|pm| pm.write_ranks.contains(&dr)).map(|pm| pm.p_rank).collect();
             DRankPushView {
                 d_rank: dr,
                 d_heads: rank_heads(h, d, dr),

@@ -76,33 +76,35 @@ fn case() -> impl Strategy<Value = Case> {
             any::<u64>(),
         ),
     )
-        .prop_map(|((p_tp, d_tp, heads, mla, layers), (block, ratio, li, other, permute, n, hit, seed))| {
-            let p_layout = LAYOUTS[li];
-            let d_layout = match (other, permute) {
-                (true, true) if p_layout == Layout::Lbhnc => Layout::Lbnhc,
-                (true, true) if p_layout == Layout::Lbnhc => Layout::Lbhnc,
-                (true, _) if !mla => LAYOUTS[(li + 1 + (seed % 5) as usize) % 6],
-                _ => p_layout,
-            };
-            // Sometimes decode blocks are larger, sometimes prefill blocks.
-            let (p_block, d_block) =
-                if seed % 2 == 0 { (block, block * ratio) } else { (block * ratio, block) };
-            Case {
-                p_tp,
-                d_tp,
-                heads,
-                mla,
-                layers,
-                p_block,
-                d_block,
-                p_layout,
-                d_layout,
-                permute,
-                n_blocks: n,
-                hit: hit.min(n),
-                seed,
-            }
-        })
+        .prop_map(
+            |((p_tp, d_tp, heads, mla, layers), (block, ratio, li, other, permute, n, hit, seed))| {
+                let p_layout = LAYOUTS[li];
+                let d_layout = match (other, permute) {
+                    (true, true) if p_layout == Layout::Lbhnc => Layout::Lbnhc,
+                    (true, true) if p_layout == Layout::Lbnhc => Layout::Lbhnc,
+                    (true, _) if !mla => LAYOUTS[(li + 1 + (seed % 5) as usize) % 6],
+                    _ => p_layout,
+                };
+                // Sometimes decode blocks are larger, sometimes prefill blocks.
+                let (p_block, d_block) =
+                    if seed % 2 == 0 { (block, block * ratio) } else { (block * ratio, block) };
+                Case {
+                    p_tp,
+                    d_tp,
+                    heads,
+                    mla,
+                    layers,
+                    p_block,
+                    d_block,
+                    p_layout,
+                    d_layout,
+                    permute,
+                    n_blocks: n,
+                    hit: hit.min(n),
+                    seed,
+                }
+            },
+        )
 }
 
 fn pair_of(c: &Case) -> PairSpec {
@@ -221,7 +223,10 @@ fn execute_push(c: &Case, pair: &PairSpec) -> Result<Vec<Vec<u8>>, TestCaseError
             let bp = planner.pair_blocks(&req).map_err(fail)?;
             for (w, co) in plan.writes.iter().zip(planner.coalesced(&bp)) {
                 prop_assert!(co.len() <= w.pairs.len());
-                prop_assert_eq!(co.iter().map(|x| x.len).sum::<u64>(), w.pairs.iter().map(|x| x.len).sum::<u64>());
+                prop_assert_eq!(
+                    co.iter().map(|x| x.len).sum::<u64>(),
+                    w.pairs.iter().map(|x| x.len).sum::<u64>()
+                );
             }
         }
     }
@@ -238,8 +243,9 @@ fn execute_push(c: &Case, pair: &PairSpec) -> Result<Vec<Vec<u8>>, TestCaseError
             prop_assert!(w[0].1 <= w[1].0, "writes overlap at {:?}", w);
         }
         let g = pair.d_geometry(dv.d_rank);
-        let verified = verify_request(&g, &g.regions(), &bp, 1, false, pair.p.block_tokens, c.seed, &d_allocs[d], 1)
-            .map_err(|m| fail(format!("decode rank {d}: {m}")))?;
+        let verified =
+            verify_request(&g, &g.regions(), &bp, 1, false, pair.p.block_tokens, c.seed, &d_allocs[d], 1)
+                .map_err(|m| fail(format!("decode rank {d}: {m}")))?;
         let written: u64 = iv.iter().map(|(a, b)| b - a).sum();
         prop_assert_eq!(verified.bytes, written, "every written byte verified, nothing missing");
     }
@@ -300,6 +306,66 @@ proptest! {
     }
 }
 
+/// The whole grid of TP pairs and head counts, deterministically: every case push accepts
+/// runs end to end, and the grid holds cases of each kind (accepted by both modes, by push
+/// only, by pull only), so the comparison above is not vacuous.
+#[test]
+fn grid_of_tp_pairs_and_heads() {
+    let (mut both, mut push_only, mut pull_only) = (0, 0, 0);
+    for mla in [false, true] {
+        for p in [1, 2, 4, 8] {
+            for d in [1, 2, 4, 8] {
+                for heads in [1, 2, 4, 8] {
+                    let c = Case::new(p, d, heads, mla);
+                    let pair = pair_of(&c);
+                    match (pair.validate().is_ok(), pair.validate_push().is_ok()) {
+                        (true, true) => both += 1,
+                        (false, true) => push_only += 1,
+                        (true, false) => pull_only += 1,
+                        (false, false) => continue,
+                    }
+                    assert_eq!(pair.validate_push().is_ok(), push_accepted(&c), "{c:?}");
+                    if pair.validate_push().is_ok() {
+                        run(&c);
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        both > 50 && push_only > 0 && pull_only > 0,
+        "both {both}, push only {push_only}, pull only {pull_only}"
+    );
+}
+
+/// A deliberately wrong push plan is caught by decode's verification.
+#[test]
+fn verification_catches_a_wrong_push_slot() {
+    let c = Case::new(2, 1, 2, false);
+    let pair = pair_of(&c);
+    let map = pair.validate_push().expect("valid");
+    let req = request(&c, &pair);
+    let p_allocs = prefill_allocs(&pair, &req.remote, c.seed);
+    let g = pair.d_geometry(0);
+    let mut dst = vec![0u8; g.total_bytes() as usize];
+    let mut bp = None;
+    for p in 0..2u32 {
+        let planner = PushPlanner::new(&pair, &map, p).expect("planner");
+        bp = Some(planner.pair_blocks(&req).expect("pairs"));
+        let plan = planner.plan(&req, &ids()).expect("plan");
+        for x in &plan.writes[0].pairs {
+            // Bug injected: both prefill ranks write into slot 0 of the decode block.
+            let wrong = x.remote - planner.writes[0].remote_offset_in_block;
+            let src = &p_allocs[p as usize][x.local as usize..(x.local + x.len) as usize];
+            dst[wrong as usize..(wrong + x.len) as usize].copy_from_slice(src);
+        }
+    }
+    let bp = bp.expect("two prefill ranks");
+    let err =
+        verify_request(&g, &g.regions(), &bp, 1, false, c.p_block, c.seed, &dst, 1).expect_err("caught");
+    assert_eq!(err.global_head, 0, "{err}");
+}
+
 fn run(c: &Case) {
     if let Err(e) = push_equals_pull(c) {
         panic!("{c:?}: {e}");
@@ -319,7 +385,10 @@ fn p8_to_d2_moves_the_same_bytes_as_pull() {
         let planner = PushPlanner::new(&pair, &map, p).expect("planner");
         let w = &planner.writes[0];
         assert_eq!(w.d_rank, p / 4);
-        assert_eq!((w.local_offset_in_block, w.remote_offset_in_block, w.length), (0, u64::from(p % 4) * len_p, len_p));
+        assert_eq!(
+            (w.local_offset_in_block, w.remote_offset_in_block, w.length),
+            (0, u64::from(p % 4) * len_p, len_p)
+        );
     }
     assert!(map.d_ranks.iter().all(|d| d.expected_notifs == 4));
     run(&c);
@@ -333,8 +402,11 @@ fn p2_to_d4_moves_the_same_bytes_as_pull() {
     let map = pair.validate_push().expect("push accepts");
     let len_d = pair.d_geometry(0).regions()[0].block_len;
     let planner = PushPlanner::new(&pair, &map, 1).expect("planner");
-    let got: Vec<(u32, u64, u64)> =
-        planner.writes.iter().map(|w| (w.d_rank, w.local_offset_in_block, w.remote_offset_in_block)).collect();
+    let got: Vec<(u32, u64, u64)> = planner
+        .writes
+        .iter()
+        .map(|w| (w.d_rank, w.local_offset_in_block, w.remote_offset_in_block))
+        .collect();
     assert_eq!(got, vec![(2, 0, 0), (3, len_d, 0)]);
     assert!(map.d_ranks.iter().all(|d| d.expected_notifs == 1));
     run(&c);
@@ -489,7 +561,19 @@ fn json(args: &[&str]) -> serde_json::Value {
 
 #[test]
 fn topo_push_json_shows_writes_and_notification_counts() {
-    let v = json(&["topo", "--mode", "push", "--p-tp", "8", "--d-tp", "2", "--num-kv-heads", "8", "--format", "json"]);
+    let v = json(&[
+        "topo",
+        "--mode",
+        "push",
+        "--p-tp",
+        "8",
+        "--d-tp",
+        "2",
+        "--num-kv-heads",
+        "8",
+        "--format",
+        "json",
+    ]);
     assert_eq!(v["mode"], "push");
     assert_eq!(v["tp_ratio"], 4);
     let len_p = v["p_block_len_bytes"].as_u64().expect("len");
@@ -519,8 +603,25 @@ fn topo_push_table_names_writers_and_waits() {
 #[test]
 fn plan_push_json_pairs_are_prefill_to_decode() {
     let v = json(&[
-        "plan", "--mode", "push", "--p-tp", "2", "--d-tp", "1", "--num-kv-heads", "2", "--layers", "1", "--head-dim",
-        "64", "--local-blocks", "3", "--remote-blocks", "1", "--format", "json",
+        "plan",
+        "--mode",
+        "push",
+        "--p-tp",
+        "2",
+        "--d-tp",
+        "1",
+        "--num-kv-heads",
+        "2",
+        "--layers",
+        "1",
+        "--head-dim",
+        "64",
+        "--local-blocks",
+        "3",
+        "--remote-blocks",
+        "1",
+        "--format",
+        "json",
     ]);
     assert_eq!(v["mode"], "push");
     assert_eq!(v["decode_blocks"], serde_json::json!([3]));
@@ -537,8 +638,19 @@ fn plan_push_json_pairs_are_prefill_to_decode() {
 fn plan_push_table_and_decode_rank_filter() {
     let out = kvx()
         .args([
-            "plan", "--mode", "push", "--p-tp", "8", "--d-tp", "2", "--num-kv-heads", "8", "--prompt-len", "64",
-            "--d-rank", "1",
+            "plan",
+            "--mode",
+            "push",
+            "--p-tp",
+            "8",
+            "--d-tp",
+            "2",
+            "--num-kv-heads",
+            "8",
+            "--prompt-len",
+            "64",
+            "--d-rank",
+            "1",
         ])
         .output()
         .expect("kvx runs");
@@ -569,7 +681,19 @@ fn push_refusals_exit_2_and_name_the_flag() {
     }
     // The JSON form of a refusal says which flag.
     let out = kvx()
-        .args(["topo", "--mode", "push", "--p-tp", "2", "--d-tp", "8", "--num-kv-heads", "4", "--format", "json"])
+        .args([
+            "topo",
+            "--mode",
+            "push",
+            "--p-tp",
+            "2",
+            "--d-tp",
+            "8",
+            "--num-kv-heads",
+            "4",
+            "--format",
+            "json",
+        ])
         .output()
         .expect("kvx runs");
     assert_eq!(out.status.code(), Some(2));
