@@ -1,4 +1,5 @@
-//! `kvx plan`: the descriptor pairs each decode rank posts for one request.
+//! `kvx plan`: the descriptor pairs each decode rank posts for one request; with
+//! `--mode push`, the WRITEs each prefill rank posts into the decode ranks' blocks.
 
 use std::path::PathBuf;
 
@@ -12,14 +13,18 @@ use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
+use crate::layouts::push::{PRankPlan, PushPlanner};
 use crate::settings::scenario::{self, PlanScenario};
+use crate::topology::TransferMode;
+use crate::topology::push::DRankPushView;
 use crate::{Outcome, output};
 
 #[derive(Debug, Args)]
 #[command(
     after_help = "Examples:\n  kvx plan --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 8192 --alloc random\n  \
     kvx plan --p-tp 1 --d-tp 2 --num-kv-heads 2 --layers 2 --head-dim 64 --local-blocks 1,3 --remote-blocks 0,2\n  \
-    kvx plan --scenario case.json --format json"
+    kvx plan --scenario case.json --format json\n  \
+    kvx plan --mode push --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 4096"
 )]
 pub struct PlanArgs {
     #[command(flatten)]
@@ -69,9 +74,12 @@ pub struct PlanArgs {
     /// The prefill request id used in notifications.
     #[arg(long, default_value = "req-P", help_heading = "Request")]
     pub p_request_id: String,
-    /// Only this decode rank (default: all).
+    /// Only this decode rank (default: all); in push mode, only the WRITEs into it.
     #[arg(long, value_name = "RANK")]
     pub d_rank: Option<u32>,
+    /// Transfer mode: pull (decode READs) or push (prefill WRITEs into decode's blocks).
+    #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
+    pub mode: TransferMode,
     /// Pairs to print per read in the table view.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub show_pairs: usize,
@@ -188,6 +196,9 @@ fn plan_all(args: &PlanArgs, r: &Resolved) -> Result<Vec<RankPlan>, ConfigError>
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
     let resolved = resolve(args).map_err(|e| reject(args.format, e))?;
+    if args.mode == TransferMode::Push {
+        return run_push(args, &resolved);
+    }
     let plans = plan_all(args, &resolved).map_err(|e| reject(args.format, e))?;
     match args.format {
         Format::Json => {
@@ -296,5 +307,215 @@ fn render(args: &PlanArgs, r: &Resolved, plans: &[RankPlan]) -> String {
         if total_co > 0 { total_raw as f64 / total_co as f64 } else { 1.0 },
         bytes_text(total_bytes)
     ));
+    out
+}
+
+/// A prefill rank's push plan with its coalesced pairs per WRITE.
+type PushRankPlan = (PRankPlan, Vec<Vec<Pair>>);
+
+/// Plans every prefill rank's WRITEs (only those into `--d-rank` when given).
+fn plan_all_push(
+    args: &PlanArgs,
+    r: &Resolved,
+) -> Result<(Vec<PushRankPlan>, Vec<DRankPushView>), ConfigError> {
+    let map = r.pair.validate_push()?;
+    if let Some(d) = args.d_rank
+        && d >= r.pair.d.tp
+    {
+        return Err(ConfigError::new(
+            "--d-rank",
+            format!("decode rank {d} does not exist (decode TP is {})", r.pair.d.tp),
+        ));
+    }
+    let keep = |d: u32| args.d_rank.is_none_or(|want| want == d);
+    let mut plans = Vec::with_capacity(map.p_ranks.len());
+    for p in 0..r.pair.p.tp {
+        let planner = PushPlanner::new(&r.pair, &map, p)?;
+        let mut plan = planner.plan(&r.blocks, &r.ids)?;
+        let bp = planner.pair_blocks(&r.blocks)?;
+        let mut coalesced = if plan.writes.is_empty() { vec![] } else { planner.coalesced(&bp) };
+        if args.d_rank.is_some() && !plan.writes.is_empty() {
+            let kept: Vec<bool> = plan.writes.iter().map(|w| keep(w.d_rank)).collect();
+            let mut k = kept.iter();
+            plan.writes.retain(|_| k.next().copied().unwrap_or(false));
+            let mut k = kept.iter();
+            coalesced.retain(|_| k.next().copied().unwrap_or(false));
+        }
+        plans.push((plan, coalesced));
+    }
+    let views = map.d_ranks.into_iter().filter(|d| keep(d.d_rank)).collect();
+    Ok((plans, views))
+}
+
+#[derive(Debug, Serialize)]
+struct WriteJson {
+    d_rank: u32,
+    notif_msg: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    duplicate_of: Option<u32>,
+    num_descs: usize,
+    num_descs_coalesced: usize,
+    bytes: u64,
+    /// `[local (prefill offset), remote (decode offset), len]`.
+    pairs: Vec<[u64; 3]>,
+}
+
+#[derive(Debug, Serialize)]
+struct PushPRankJson {
+    p_rank: u32,
+    writes: Vec<WriteJson>,
+}
+
+#[derive(Debug, Serialize)]
+struct PushDRankJson {
+    d_rank: u32,
+    writers: Vec<u32>,
+    expected_notifs: u32,
+    /// Bytes this request's WRITEs put into the rank (duplicates counted once per WRITE).
+    bytes_written: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct PushPlanJson {
+    status: &'static str,
+    mode: &'static str,
+    vllm_version: &'static str,
+    /// The decode blocks registered with prefill (`PUSH_REG`), in prompt order.
+    decode_blocks: Vec<u32>,
+    /// The prefill blocks holding the prompt.
+    prefill_blocks: Vec<u32>,
+    p_ranks: Vec<PushPRankJson>,
+    d_ranks: Vec<PushDRankJson>,
+}
+
+fn bytes_into(plans: &[PushRankPlan], d_rank: u32) -> u64 {
+    plans
+        .iter()
+        .flat_map(|(p, _)| &p.writes)
+        .filter(|w| w.d_rank == d_rank)
+        .flat_map(|w| &w.pairs)
+        .map(|x| x.len)
+        .sum()
+}
+
+fn run_push(args: &PlanArgs, resolved: &Resolved) -> anyhow::Result<Outcome> {
+    let (plans, views) = plan_all_push(args, resolved).map_err(|e| reject(args.format, e))?;
+    match args.format {
+        Format::Json => {
+            let out = PushPlanJson {
+                status: "ok",
+                mode: TransferMode::Push.as_str(),
+                vllm_version: resolved.pair.version.as_str(),
+                decode_blocks: resolved.blocks.local.clone(),
+                prefill_blocks: resolved.blocks.remote.clone(),
+                p_ranks: plans
+                    .iter()
+                    .map(|(p, co)| PushPRankJson {
+                        p_rank: p.p_rank,
+                        writes: p
+                            .writes
+                            .iter()
+                            .enumerate()
+                            .map(|(i, w)| WriteJson {
+                                d_rank: w.d_rank,
+                                notif_msg: w.notif_msg.clone(),
+                                duplicate_of: w.duplicate_of,
+                                num_descs: w.pairs.len(),
+                                num_descs_coalesced: co.get(i).map_or(0, Vec::len),
+                                bytes: w.pairs.iter().map(|x| x.len).sum(),
+                                pairs: w.pairs.iter().map(|x| [x.local, x.remote, x.len]).collect(),
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+                d_ranks: views
+                    .iter()
+                    .map(|d| PushDRankJson {
+                        d_rank: d.d_rank,
+                        writers: d.writers.clone(),
+                        expected_notifs: d.expected_notifs,
+                        bytes_written: bytes_into(&plans, d.d_rank),
+                    })
+                    .collect(),
+            };
+            output::stdout_line(serde_json::to_string(&out)?)?;
+        }
+        Format::Table => output::stdout(render_push(args, resolved, &plans, &views))?,
+    }
+    Ok(Outcome::Ok)
+}
+
+fn render_push(args: &PlanArgs, r: &Resolved, plans: &[PushRankPlan], views: &[DRankPushView]) -> String {
+    let mut out = format!(
+        "kvx plan --mode push: P tp {} -> D tp {}  |  {}  |  layouts {} / {}  |  vLLM {} rules (NixlPushConnector)\n\
+         request: {} prefill blocks, {} decode blocks registered{}\n",
+        r.pair.p.tp,
+        r.pair.d.tp,
+        r.pair.model.name,
+        r.pair.p.layout,
+        r.pair.d.layout,
+        r.pair.version,
+        r.blocks.remote.len(),
+        r.blocks.local.len(),
+        if r.blocks.local.is_empty() {
+            " (full prefix hit: decode registers nothing, prefill writes nothing and frees on lease expiry)"
+        } else {
+            ""
+        }
+    );
+    let mut table = Table::new();
+    table.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
+    table.set_header(vec![
+        "P rank",
+        "D rank",
+        "descriptors",
+        "coalesced",
+        "bytes",
+        "notif",
+        "first pairs (local = P, remote = D, len)",
+    ]);
+    let (mut total_raw, mut total_co, mut total_bytes) = (0usize, 0usize, 0u64);
+    for (plan, co) in plans {
+        for (i, w) in plan.writes.iter().enumerate() {
+            let n_co = co.get(i).map_or(0, Vec::len);
+            let bytes: u64 = w.pairs.iter().map(|p| p.len).sum();
+            total_raw += w.pairs.len();
+            total_co += n_co;
+            total_bytes += bytes;
+            let first: Vec<String> = w
+                .pairs
+                .iter()
+                .take(args.show_pairs)
+                .map(|p| format!("({}, {}, {})", p.local, p.remote, p.len))
+                .collect();
+            let more = w.pairs.len().saturating_sub(args.show_pairs);
+            table.add_row(vec![
+                plan.p_rank.to_string(),
+                w.d_rank.to_string(),
+                w.pairs.len().to_string(),
+                n_co.to_string(),
+                bytes_text(bytes),
+                match w.duplicate_of {
+                    Some(o) => format!("{} (same bytes as P{o})", w.notif_msg),
+                    None => w.notif_msg.clone(),
+                },
+                if more > 0 { format!("{} ... +{more}", first.join(" ")) } else { first.join(" ") },
+            ]);
+        }
+    }
+    out.push_str(&table.to_string());
+    out.push_str(&format!(
+        "\ntotal: {total_raw} descriptors ({total_co} coalesced, {:.1}x fewer), {}\n",
+        if total_co > 0 { total_raw as f64 / total_co as f64 } else { 1.0 },
+        bytes_text(total_bytes)
+    ));
+    let waits: Vec<String> = views
+        .iter()
+        .map(|d| {
+            let writers: Vec<String> = d.writers.iter().map(|p| format!("P{p}")).collect();
+            format!("D{} <- {} ({} notifications)", d.d_rank, writers.join(","), d.expected_notifs)
+        })
+        .collect();
+    out.push_str(&format!("decode waits: {}\n", waits.join("; ")));
     out
 }

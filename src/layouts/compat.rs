@@ -10,6 +10,7 @@ use super::Layout;
 use super::geometry::{Axis, EngineSpec, RankGeometry};
 use crate::error::ConfigError;
 use crate::settings::model::ModelShape;
+use crate::topology::push::{PushRankMap, push_rank_map};
 use crate::topology::{self, RankMap, TpSpec, VllmVersion};
 
 /// Largest block size (tokens) kvx accepts.
@@ -104,7 +105,91 @@ impl PairSpec {
                 ),
             ));
         }
-        self.check_block_lens(&map)?;
+        self.check_block_lens(map.p_heads_per_rank, map.d_heads_per_rank)?;
+        Ok(map)
+    }
+
+    /// Validates the pair for push mode (vLLM's `NixlPushConnector`, whose checks run on
+    /// the prefill side with the decode engine as the remote) and returns its rank map.
+    ///
+    /// Beyond the TP rules of `push_rank_map`: block sizes must be equal (with decode blocks
+    /// larger, prefill's handshake to decode fails `block_size_ratio`'s assertion; with
+    /// prefill blocks larger, prefill writes sub-blocks that are head slices, not token
+    /// slices, and the decode worker fails the same assertion when the request completes),
+    /// and layouts must be equal (nobody permutes in push: the receive-side permute of pull
+    /// runs on the decode side, which in push never validates or post-processes layouts).
+    pub fn validate_push(&self) -> Result<PushRankMap, ConfigError> {
+        check_model(&self.model)?;
+        check_engine(&self.p, "--p-block-size", "--p-layout", self.version)?;
+        check_engine(&self.d, "--d-block-size", "--d-layout", self.version)?;
+        let map = push_rank_map(&self.tp_spec())?;
+        let (pb, db) = (self.p.block_tokens, self.d.block_tokens);
+        if pb != db {
+            let what = if db > pb {
+                format!(
+                    "the prefill side's handshake with decode fails vLLM's assertion \"Local block size {pb} is not \
+                     divisible by remote block size {db} or vice versa.\", so nothing is written and the request \
+                     waits out its lease"
+                )
+            } else {
+                format!(
+                    "prefill would write each {pb}-token block as {} sub-blocks that are head slices, not token \
+                     slices, and the decode worker fails the assertion \"Local block size {db} is not divisible by \
+                     remote block size {pb} or vice versa.\" when the request completes",
+                    pb / db.max(1)
+                )
+            };
+            return Err(ConfigError::new(
+                "--d-block-size",
+                format!(
+                    "push mode needs equal block sizes, but prefill uses {pb} tokens and decode {db}: {what}; \
+                     use the same --block-size on both sides, or --mode pull (which reads smaller prefill blocks \
+                     into larger decode blocks)"
+                ),
+            ));
+        }
+        let (pl, dl) = (self.p.layout, self.d.layout);
+        let mla = self.model.is_mla();
+        if pl != dl && !mla && self.permute {
+            return Err(ConfigError::new(
+                "--permute",
+                format!(
+                    "push mode cannot permute layouts: vLLM permutes received blocks on the receiving side, and in \
+                     push the decode side never validates or post-processes layouts (prefill {pl} into decode {dl} \
+                     is either refused by the prefill side or written unpermuted); drop --permute and use one layout"
+                ),
+            ));
+        }
+        if pl != dl && !mla {
+            return Err(ConfigError::new(
+                "--d-layout",
+                format!(
+                    "prefill layout {pl} differs from decode layout {dl}; vLLM's push connector checks on the prefill \
+                     side: \"Heterogeneous TP expects same kv_cache_layout (local {}, remote {}).\" Use {pl} on the \
+                     decode side",
+                    pl.vllm_name(),
+                    dl.vllm_name()
+                ),
+            ));
+        }
+        // The prefill side exempts a *replicated decode* engine (its remote), not a
+        // replicated prefill engine as pull does.
+        let hetero = map.tp_ratio.abs() != 1;
+        let d_replicated = self.d.tp > map.spec.effective_heads();
+        if hetero && !mla && !d_replicated && !pl.heads_contiguous() {
+            return Err(ConfigError::new(
+                "--layout",
+                format!(
+                    "heterogeneous TP ({} -> {}) splits heads inside each block, but {pl} does not keep a block's heads \
+                     contiguous; vLLM: \"Heterogeneous TP head-dimension splitting requires contiguous heads. Use a \
+                     block-contiguous layout (e.g. LBHNC) on the prefill side.\" Use {}",
+                    self.p.tp,
+                    self.d.tp,
+                    pl.hnd_counterpart()
+                ),
+            ));
+        }
+        self.check_block_lens(map.p_heads_per_rank, map.d_heads_per_rank)?;
         Ok(map)
     }
 
@@ -189,8 +274,9 @@ impl PairSpec {
         Ok(())
     }
 
-    /// vLLM's block-length invariants between the two sides' regions.
-    fn check_block_lens(&self, map: &RankMap) -> Result<(), ConfigError> {
+    /// vLLM's block-length invariants between the two sides' regions, given the KV heads
+    /// each side's ranks hold.
+    fn check_block_lens(&self, p_heads_per_rank: u32, d_heads_per_rank: u32) -> Result<(), ConfigError> {
         let (pg, dg) = (self.p_geometry(0), self.d_geometry(0));
         let (pr, dr) = (pg.regions(), dg.regions());
         if pr.len() != dr.len() {
@@ -207,7 +293,7 @@ impl PairSpec {
             ));
         }
         let bsr = u64::from(self.block_size_ratio());
-        let (hp, hd) = (u64::from(map.p_heads_per_rank), u64::from(map.d_heads_per_rank));
+        let (hp, hd) = (u64::from(p_heads_per_rank), u64::from(d_heads_per_rank));
         for (p, d) in pr.iter().zip(&dr) {
             // local_len // bsr == remote_len scaled by the heads each side holds.
             let expect_remote = d.block_len * hp / hd / bsr;

@@ -5,13 +5,15 @@
 //! each region lives in a rank's allocation and what it holds; `compat` decides whether a
 //! P/D pair can talk (vLLM's handshake-time validation); `plan` turns a request's block
 //! ids into (local offset, remote offset, length) descriptor pairs in vLLM's posting order,
-//! and coalesces them; `pattern` fills and verifies blocks.
+//! and coalesces them; `push` does the same for push mode (prefill WRITEs, so local is the
+//! prefill rank); `pattern` fills and verifies blocks.
 
 pub mod alloc;
 pub mod compat;
 pub mod geometry;
 pub mod pattern;
 pub mod plan;
+pub mod push;
 pub mod verify;
 
 use std::fmt;

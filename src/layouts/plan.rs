@@ -113,7 +113,7 @@ pub struct RegionXfer {
 
 impl RegionXfer {
     #[inline]
-    fn pair(&self, l: u64, r: u64) -> Pair {
+    pub(crate) fn pair(&self, l: u64, r: u64) -> Pair {
         Pair { local: self.l_base + l * self.l_step, remote: self.r_base + r * self.r_step, len: self.len }
     }
 }
@@ -303,62 +303,59 @@ impl Planner {
         PlanStream { planner: self, bp, read: 0, region: 0, block: 0 }
     }
 
-    /// Which order merges more for one READ: posting order (runs of blocks inside a
-    /// region) or block order (the layers of a block-outer layout). Counts runs without
-    /// storing anything; returns `(block_major, runs)`.
-    fn best_order(&self, read: &ReadGeom, bp: &BlockPairs) -> (bool, usize) {
-        let mut region_major = RunCounter::default();
-        for x in &read.regions {
-            for (&l, &r) in bp.local.iter().zip(&bp.remote) {
-                region_major.push(x.pair(l, r));
-            }
-        }
-        if read.regions.len() < 2 {
-            return (false, region_major.runs);
-        }
-        let mut block_major = RunCounter::default();
-        for (&l, &r) in bp.local.iter().zip(&bp.remote) {
-            for x in &read.regions {
-                block_major.push(x.pair(l, r));
-            }
-        }
-        if block_major.runs < region_major.runs {
-            (true, block_major.runs)
-        } else {
-            (false, region_major.runs)
-        }
-    }
-
     /// Descriptor count of each READ after coalescing (see `coalesced`); allocation-free.
     pub fn coalesced_counts(&self, bp: &BlockPairs) -> Vec<usize> {
-        self.reads.iter().map(|read| self.best_order(read, bp).1).collect()
+        self.reads.iter().map(|read| best_order(&read.regions, &bp.local, &bp.remote).1).collect()
     }
 
     /// Coalesced pairs of each READ: neighbours contiguous on both sides are merged. Tries
     /// posting order and block order and keeps whichever merges more. Linear time.
     pub fn coalesced(&self, bp: &BlockPairs) -> Vec<Vec<Pair>> {
-        self.reads
-            .iter()
-            .map(|read| {
-                let (block_major, runs) = self.best_order(read, bp);
-                let mut c = Coalescer { out: Vec::with_capacity(runs), cur: None };
-                if block_major {
-                    for (&l, &r) in bp.local.iter().zip(&bp.remote) {
-                        for x in &read.regions {
-                            c.push(x.pair(l, r));
-                        }
-                    }
-                } else {
-                    for x in &read.regions {
-                        for (&l, &r) in bp.local.iter().zip(&bp.remote) {
-                            c.push(x.pair(l, r));
-                        }
-                    }
-                }
-                c.finish()
-            })
-            .collect()
+        self.reads.iter().map(|read| coalesce_regions(&read.regions, &bp.local, &bp.remote)).collect()
     }
+}
+
+/// Which order merges more for one transfer's `regions` over block ids paired 1:1
+/// (`l_ids[i]` on the local side with `r_ids[i]` on the remote side): posting order (runs
+/// of blocks inside a region) or block order (the layers of a block-outer layout). Counts
+/// runs without storing anything; returns `(block_major, runs)`.
+pub(crate) fn best_order(regions: &[RegionXfer], l_ids: &[u64], r_ids: &[u64]) -> (bool, usize) {
+    let mut region_major = RunCounter::default();
+    for x in regions {
+        for (&l, &r) in l_ids.iter().zip(r_ids) {
+            region_major.push(x.pair(l, r));
+        }
+    }
+    if regions.len() < 2 {
+        return (false, region_major.runs);
+    }
+    let mut block_major = RunCounter::default();
+    for (&l, &r) in l_ids.iter().zip(r_ids) {
+        for x in regions {
+            block_major.push(x.pair(l, r));
+        }
+    }
+    if block_major.runs < region_major.runs { (true, block_major.runs) } else { (false, region_major.runs) }
+}
+
+/// The coalesced pairs of one transfer, in whichever order merges more (see `best_order`).
+pub(crate) fn coalesce_regions(regions: &[RegionXfer], l_ids: &[u64], r_ids: &[u64]) -> Vec<Pair> {
+    let (block_major, runs) = best_order(regions, l_ids, r_ids);
+    let mut c = Coalescer { out: Vec::with_capacity(runs), cur: None };
+    if block_major {
+        for (&l, &r) in l_ids.iter().zip(r_ids) {
+            for x in regions {
+                c.push(x.pair(l, r));
+            }
+        }
+    } else {
+        for x in regions {
+            for (&l, &r) in l_ids.iter().zip(r_ids) {
+                c.push(x.pair(l, r));
+            }
+        }
+    }
+    c.finish()
 }
 
 /// Counts the runs a coalescer would produce, without storing them.

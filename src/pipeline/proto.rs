@@ -104,23 +104,8 @@ impl TransportKind {
     }
 }
 
-/// Who moves the bytes. vLLM's NixlConnector pulls: the decode side reads the prefill side's
-/// blocks with one-sided GETs. Push (the prefill side writes) is the next mode kvx will measure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum TransferMode {
-    /// The decode side reads (one-sided GET).
-    #[default]
-    Pull,
-}
-
-impl TransferMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TransferMode::Pull => "pull",
-        }
-    }
-}
+/// Who moves the bytes (defined with the rank maps it selects; pull only in the pipeline so far).
+pub use crate::topology::TransferMode;
 
 /// Transport settings every worker of a run shares.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]

@@ -10,8 +10,12 @@
 //! by default and vLLM 0.19.1 (`TpKVTopology`) on request; where the two differ the
 //! difference is spelled out next to the rule. Rejections are `ConfigError`s that name the
 //! flag to change and say why.
+//!
+//! This file holds pull mode (decode READs); `push` holds push mode (prefill WRITEs into
+//! decode's blocks, vLLM's `NixlPushConnector`), which shares the TP checks below.
 
 pub mod ports;
+pub mod push;
 
 use std::fmt;
 use std::ops::Range;
@@ -69,6 +73,34 @@ impl FromStr for VllmVersion {
             "0.19" | "0.19.1" => Ok(VllmVersion::V0_19),
             other => Err(format!("unsupported vLLM version '{other}' (kvx follows 0.33 or 0.19)")),
         }
+    }
+}
+
+/// Which way KV blocks move between the engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferMode {
+    /// Decode READs prefill's blocks (vLLM `NixlConnector` / `NixlPullConnector`).
+    #[default]
+    Pull,
+    /// Decode registers its blocks with prefill, which WRITEs into them
+    /// (vLLM `NixlPushConnector`, 0.33 rules only).
+    Push,
+}
+
+impl TransferMode {
+    /// The name vLLM puts in `kv_transfer_params.transfer_mode` and its compatibility hash.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransferMode::Pull => "pull",
+            TransferMode::Push => "push",
+        }
+    }
+}
+
+impl fmt::Display for TransferMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -226,8 +258,9 @@ fn check_head_sharding(flag: &str, tp: u32, heads: u32) -> Result<(), ConfigErro
     Ok(())
 }
 
-/// Validates the TP pair and computes the rank map.
-pub fn rank_map(spec: &TpSpec) -> Result<RankMap, ConfigError> {
+/// The checks pull and push share: sizes in range, one TP dividing the other (vLLM's
+/// `TransferTopology.tp_ratio` asserts), and heads sharded evenly on both sides.
+pub(crate) fn check_tp_pair(spec: &TpSpec) -> Result<(), ConfigError> {
     check_range("--p-tp", "prefill TP size", spec.p_tp, MAX_TP)?;
     check_range("--d-tp", "decode TP size", spec.d_tp, MAX_TP)?;
     check_range("--num-kv-heads", "number of KV heads", spec.num_kv_heads, MAX_KV_HEADS)?;
@@ -253,6 +286,14 @@ pub fn rank_map(spec: &TpSpec) -> Result<RankMap, ConfigError> {
         check_head_sharding("--p-tp", p, h)?;
         check_head_sharding("--d-tp", d, h)?;
     }
+    Ok(())
+}
+
+/// Validates the TP pair and computes the rank map.
+pub fn rank_map(spec: &TpSpec) -> Result<RankMap, ConfigError> {
+    check_tp_pair(spec)?;
+    let (p, d) = (spec.p_tp, spec.d_tp);
+    let h = spec.effective_heads();
     if p > d && spec.prefill_replicated() && !(spec.use_mla && spec.version == VllmVersion::V0_33) {
         let rule = match spec.version {
             VllmVersion::V0_33 => "more prefill ranks than KV heads",

@@ -13,6 +13,7 @@ mod netns;
 mod oracle;
 mod procs;
 mod props;
+mod push_plan;
 mod report;
 mod serve;
 mod serve_workers;
