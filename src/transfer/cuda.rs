@@ -16,8 +16,9 @@
 //!   with `cuIpcGetMemHandle` directly.
 //! - The primary context (not a private one) is used, because UCX looks up the context of
 //!   a pointer and the current context; a process-wide registry hands out one
-//!   `Arc<CudaDevice>` per device, so every buffer and every UCX context share it, and it
-//!   is released only after the last of them is gone.
+//!   `Arc<CudaDevice>` per device, so every buffer and every UCX context share it, and
+//!   keeps it for the life of the process (released and retained again while UCX still
+//!   caches handles from the first one, it gave IO errors or wrong bytes).
 //!
 //! cudarc loads libcuda at run time and panics when it is absent, so every entry point
 //! checks `is_culib_present` first. Built without the `cuda` feature the same API exists
@@ -119,7 +120,7 @@ pub use imp::{CudaBuffer, CudaDevice, device_count, driver_info, dtod_copy_gbps}
 mod imp {
     use std::ops::Range;
     use std::ptr::NonNull;
-    use std::sync::{Arc, Mutex, Weak};
+    use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
     use cudarc::driver::{CudaContext, CudaStream, result, sys};
@@ -182,17 +183,19 @@ mod imp {
         Ok(DriverInfo { version, devices, peer_access })
     }
 
-    /// One device's primary CUDA context, retained for as long as any holder of this
-    /// value lives (buffers, UCX contexts). [`CudaDevice::open`] hands out one shared
-    /// instance per device.
+    /// One device's primary CUDA context, retained once and kept for the life of the
+    /// process. [`CudaDevice::open`] hands out one shared instance per device.
     #[derive(Debug)]
     pub struct CudaDevice {
         ordinal: u32,
         ctx: Arc<CudaContext>,
     }
 
-    /// Devices opened in this process (weak: a device is released when unused).
-    static OPEN: Mutex<Vec<(u32, Weak<CudaDevice>)>> = Mutex::new(Vec::new());
+    /// Devices opened in this process, held for the life of the process. The GPU notes'
+    /// experiment got `UCS_ERR_IO_ERROR` or wrong bytes when the primary context was released
+    /// and retained again while UCX (its cuda_ipc handle cache, its memory-type cache) still
+    /// knew addresses from the first one; a primary context costs nothing to keep.
+    static OPEN: Mutex<Vec<(u32, Arc<CudaDevice>)>> = Mutex::new(Vec::new());
 
     impl CudaDevice {
         /// Retains device `ordinal`'s primary context (once per process) and makes it
@@ -206,15 +209,14 @@ mod imp {
                 return Err(CudaError::NoDevice { device: ordinal, count });
             }
             let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
-            open.retain(|(_, w)| w.strong_count() > 0);
-            if let Some(dev) = open.iter().find(|(o, _)| *o == ordinal).and_then(|(_, w)| w.upgrade()) {
+            if let Some(dev) = open.iter().find(|(o, _)| *o == ordinal).map(|(_, d)| Arc::clone(d)) {
                 dev.make_current()?;
                 return Ok(dev);
             }
             // CudaContext::new retains the primary context and binds it to this thread.
             let ctx = call("cuDevicePrimaryCtxRetain", CudaContext::new(ordinal as usize))?;
             let dev = Arc::new(CudaDevice { ordinal, ctx });
-            open.push((ordinal, Arc::downgrade(&dev)));
+            open.push((ordinal, Arc::clone(&dev)));
             Ok(dev)
         }
 
