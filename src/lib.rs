@@ -54,15 +54,22 @@ impl From<Outcome> for ExitCode {
 
 /// Runs one parsed command line.
 pub fn run(cli: cli::Cli) -> anyhow::Result<Outcome> {
-    init_logging();
+    // Long-running services log their state changes (a backend down or back, workers up).
+    let serving = matches!(cli.command, cli::Command::ServeEngine(_) | cli::Command::ServeProxy(_));
+    init_logging_with(if serving { "kvx=info" } else { "kvx=warn" });
     cli::dispatch(cli)
 }
 
 /// Warnings and errors of kvx (and of its workers, which the engines forward) on stderr;
 /// `KVX_LOG` sets the filter, e.g. `kvx=debug`.
 pub fn init_logging() {
+    init_logging_with("kvx=warn");
+}
+
+/// [`init_logging`] with another default filter (used when `KVX_LOG` is unset).
+pub fn init_logging_with(default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env(settings::env::KVX_LOG)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kvx=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -987,9 +987,8 @@ impl EngineLoop {
                 None
             }
             Cmd::Release { p_request_id } => {
-                self.backlog.retain(
-                    |c| !matches!(c, Cmd::Prefill { p_request_id: id, .. } if *id == p_request_id),
-                );
+                self.backlog
+                    .retain(|c| !matches!(c, Cmd::Prefill { p_request_id: id, .. } if *id == p_request_id));
                 for r in 0..self.cfg.tp {
                     self.send_to(r, &ToWorker::Release { p_request_id: p_request_id.clone() });
                 }

@@ -232,7 +232,12 @@ impl EngineState {
         );
         let usage = if b.pool_blocks > 0 { b.blocks_in_use as f64 / b.pool_blocks as f64 } else { 0.0 };
         e.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", &vl, usage);
-        e.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", &vl, m.prompt_tokens.get());
+        e.counter(
+            "vllm:prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            &vl,
+            m.prompt_tokens.get(),
+        );
         e.counter(
             "vllm:generation_tokens_total",
             "Number of generation tokens processed.",
@@ -318,7 +323,12 @@ impl EngineState {
             nx.kv_expired_reqs,
         );
 
-        e.counter("kvx:request_errors_total", "Requests answered with an error status.", &model, m.errors.get());
+        e.counter(
+            "kvx:request_errors_total",
+            "Requests answered with an error status.",
+            &model,
+            m.errors.get(),
+        );
         let role = self.cfg.role.as_str();
         let bl_own = [("backend", b.backend), ("kv_transfer", b.kv_transfer), ("role", role)];
         let bl: Vec<(&str, &str)> = match engine {
@@ -374,14 +384,24 @@ impl EngineState {
                 h,
             );
         }
-        e.counter("kvx:kv_prefills_total", "Prefills whose blocks the backend filled and held.", &bl, b.prefills);
+        e.counter(
+            "kvx:kv_prefills_total",
+            "Prefills whose blocks the backend filled and held.",
+            &bl,
+            b.prefills,
+        );
         e.counter(
             "kvx:kv_prefill_failures_total",
             "Prefills the backend could not fill and hold.",
             &bl,
             b.prefill_failures,
         );
-        e.counter("kvx:kv_backend_loads_total", "Loads the backend finished.", &bl_with(("result", "ok")), b.loads_ok);
+        e.counter(
+            "kvx:kv_backend_loads_total",
+            "Loads the backend finished.",
+            &bl_with(("result", "ok")),
+            b.loads_ok,
+        );
         e.counter(
             "kvx:kv_backend_loads_total",
             "Loads the backend finished.",
@@ -662,8 +682,8 @@ async fn detokenize(State(st): State<Arc<EngineState>>, headers: HeaderMap, body
     if let Err(r) = check_request(&st, &headers) {
         return r;
     }
-    let out = openai::detokenize(&body)
-        .and_then(|(model, out)| check_model(&st, model.as_deref()).map(|()| out));
+    let out =
+        openai::detokenize(&body).and_then(|(model, out)| check_model(&st, model.as_deref()).map(|()| out));
     match out {
         Ok(b) => json_response(b),
         Err(e) => {
@@ -818,7 +838,8 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
     };
     let admitted = Instant::now();
     st.metrics.running.inc();
-    let inflight = InFlight { st: st.clone(), internal_id, _permit: permit, started: arrived, finished: false };
+    let inflight =
+        InFlight { st: st.clone(), internal_id, _permit: permit, started: arrived, finished: false };
     st.metrics.prompt_tokens.add(req.prompt_tokens);
 
     let (kv_out, mut timing) = match kv_phase(&st, &req, &x_request_id, &inflight.internal_id).await {
@@ -899,7 +920,8 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
         inflight: Some(inflight),
     };
     let body = Body::from_stream(futures::stream::unfold(stream, TokenStream::step));
-    let mut resp = ([(header::CONTENT_TYPE, HeaderValue::from_static(SSE_CONTENT_TYPE))], body).into_response();
+    let mut resp =
+        ([(header::CONTENT_TYPE, HeaderValue::from_static(SSE_CONTENT_TYPE))], body).into_response();
     if let Some(h) = timing.st.header() {
         resp.headers_mut().insert(timing::SERVER_TIMING, h);
     }
@@ -1277,17 +1299,23 @@ mod tests {
     async fn tokenizer_routes_and_abort_requests() {
         let st = engine(Role::Prefill);
         let (s, h, body) = call(&st, "POST", "/tokenize", r#"{"model":"m","prompt":"a b c"}"#).await;
-        assert_eq!((s, &h[header::CONTENT_TYPE]), (StatusCode::OK, &"application/json"));
-        assert_eq!(body, r#"{"count":3,"max_model_len":8192,"tokens":[121996,94629,18418],"token_strs":null}"#);
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(h[header::CONTENT_TYPE], "application/json");
+        assert_eq!(
+            body,
+            r#"{"count":3,"max_model_len":8192,"tokens":[121996,94629,18418],"token_strs":null}"#
+        );
         let (s, _, body) = call(&st, "POST", "/detokenize", r#"{"tokens":[1,2]}"#).await;
         assert_eq!((s, body.as_str()), (StatusCode::OK, r#"{"prompt":"w1 w2"}"#));
         let (s, _, body) = call(&st, "POST", "/tokenize", r#"{"model":"x","prompt":"a"}"#).await;
         assert_eq!(s, StatusCode::NOT_FOUND, "{body}");
-        let (s, _, body) = call(&st, "POST", "/abort_requests", r#"{"request_ids":["cmpl-a-0-1234abcd"]}"#).await;
+        let (s, _, body) =
+            call(&st, "POST", "/abort_requests", r#"{"request_ids":["cmpl-a-0-1234abcd"]}"#).await;
         assert_eq!((s, body.as_str()), (StatusCode::OK, ""));
-        assert!(st.render_metrics().contains(
-            "kvx:kv_aborts_total{backend=\"null\",kv_transfer=\"none\",role=\"prefill\"} 1.0"
-        ));
+        assert!(
+            st.render_metrics()
+                .contains("kvx:kv_aborts_total{backend=\"null\",kv_transfer=\"none\",role=\"prefill\"} 1.0")
+        );
         let (s, _, body) = call(&st, "POST", "/abort_requests", r#"{}"#).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
         assert!(body.contains("Missing 'request_ids' in request body"), "{body}");
@@ -1299,19 +1327,25 @@ mod tests {
         let body = r#"{"prompt":"a b c","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true}}"#;
         let (s, h, _) = call(&p, "POST", "/v1/completions", body).await;
         assert_eq!(s, StatusCode::OK);
-        let names: Vec<String> =
-            crate::serve::timing::from_headers(&h).into_iter().map(|(n, _)| n).collect();
+        let names: Vec<String> = crate::serve::timing::from_headers(&h).into_iter().map(|(n, _)| n).collect();
         assert_eq!(names, ["prefill_compute", "prefill_queue", "prefill_total"]);
         let d = engine(Role::Decode);
         let body = r#"{"prompt":"a b c","max_tokens":2,"stream":true,"kv_transfer_params":{"do_remote_prefill":true,
             "remote_block_ids":[[0]],"remote_engine_id":"P0","remote_request_id":"r","remote_host":"h","remote_port":1}}"#;
         let (s, h, _) = call(&d, "POST", "/v1/completions", body).await;
         assert_eq!(s, StatusCode::OK);
-        let names: Vec<String> =
-            crate::serve::timing::from_headers(&h).into_iter().map(|(n, _)| n).collect();
+        let names: Vec<String> = crate::serve::timing::from_headers(&h).into_iter().map(|(n, _)| n).collect();
         assert_eq!(
             names,
-            ["kv_handshake", "kv_transfer", "kv_notify", "kv_verify", "decode_admission", "itl", "decode_total"]
+            [
+                "kv_handshake",
+                "kv_transfer",
+                "kv_notify",
+                "kv_verify",
+                "decode_admission",
+                "itl",
+                "decode_total"
+            ]
         );
         let m = d.render_metrics();
         for family in [

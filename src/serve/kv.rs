@@ -192,7 +192,12 @@ impl NixlHistograms {
     }
 
     /// The histograms' snapshot with the given failure counts.
-    pub fn snapshot(&self, failed_transfers: u64, failed_notifications: u64, kv_expired_reqs: u64) -> NixlSnapshot {
+    pub fn snapshot(
+        &self,
+        failed_transfers: u64,
+        failed_notifications: u64,
+        kv_expired_reqs: u64,
+    ) -> NixlSnapshot {
         NixlSnapshot {
             xfer_time: self.xfer_time.snapshot(),
             post_time: self.post_time.snapshot(),

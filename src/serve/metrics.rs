@@ -75,9 +75,8 @@ pub const NIXL_BYTES_BUCKETS: &[f64] = &[
 ];
 
 /// `vllm:nixl_num_descriptors`.
-pub const NIXL_DESCRIPTORS_BUCKETS: &[f64] = &[
-    10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 400.0, 1000.0, 2000.0, 4000.0, 10000.0, 20000.0, 50000.0,
-];
+pub const NIXL_DESCRIPTORS_BUCKETS: &[f64] =
+    &[10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 400.0, 1000.0, 2000.0, 4000.0, 10000.0, 20000.0, 50000.0];
 
 /// A monotonically increasing count.
 #[derive(Debug, Default)]

@@ -439,10 +439,8 @@ impl KvBackend for WorkerKv {
             })?;
             let req = self.next_req.fetch_add(1, Ordering::Relaxed);
             let seed = pattern_seed(&params.remote_request_id);
-            lock(&self.pending).insert(
-                job.request_id.clone(),
-                Pending { p_request_id: params.remote_request_id.clone() },
-            );
+            lock(&self.pending)
+                .insert(job.request_id.clone(), Pending { p_request_id: params.remote_request_id.clone() });
             let mut guard = PendingGuard { kv: self, id: job.request_id.clone(), done: false };
             let t0 = Instant::now();
             let rx = self
@@ -482,11 +480,11 @@ impl KvBackend for WorkerKv {
                 Err(_) => Err({
                     self.counters.failed_transfers.fetch_add(1, Ordering::Relaxed);
                     fail(
-                    FailureCause::Timeout.as_str(),
-                    KvError::Transfer {
-                        request_id: job.request_id.clone(),
-                        reason: format!("no answer from the decode ranks within {:?}", self.wait),
-                    },
+                        FailureCause::Timeout.as_str(),
+                        KvError::Transfer {
+                            request_id: job.request_id.clone(),
+                            reason: format!("no answer from the decode ranks within {:?}", self.wait),
+                        },
                     )
                 }),
             }
