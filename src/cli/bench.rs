@@ -162,9 +162,17 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value_t = Format::Table, help_heading = "Output")]
     pub format: Format,
     /// Serve the workload over HTTP: a prefill engine, a decode engine and the P/D proxy,
-    /// driven through the proxy by `kvx load`'s generator (TTFT, ITL, TPOT, e2el and the KV stages).
+    /// driven through the proxy by `kvx load`'s generator (TTFT, ITL, TPOT, e2el, the KV stages
+    /// and the TTFT waterfall).
     #[arg(long, help_heading = "Workload")]
     pub serve: bool,
+    /// With --serve: objectives for goodput, e.g. ttft=200ms,tpot=50ms (also itl, e2el).
+    #[arg(long, requires = "serve", value_name = "NAME=LIMIT,...", help_heading = "Workload")]
+    pub slo: Option<String>,
+    /// With --serve: serve the engines' and proxy's Prometheus metrics (vLLM's families) on this
+    /// port while the run goes; 0 picks a free one (its address is printed on stderr).
+    #[arg(long, requires = "serve", value_name = "PORT", help_heading = "Output")]
+    pub metrics_port: Option<u16>,
 }
 
 /// A bench-config file: the flags, by name with underscores.
@@ -504,10 +512,15 @@ pub fn resolve(args: &BenchArgs) -> Result<BenchSettings, ConfigError> {
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     if args.serve {
         let settings = resolve(args)?;
+        let opts = crate::serve::bench_serve::ServeOptions {
+            slo: super::load::parse_slo(args.slo.as_deref())?,
+            metrics_port: args.metrics_port,
+        };
         return Ok(crate::serve::bench_serve::run(
             &settings,
             args.results_dir.as_deref(),
             args.format == Format::Json,
+            &opts,
         )?);
     }
     let root = results_root(args.results_dir.as_deref(), std::env::var_os(env::KVX_RESULTS_DIR));

@@ -8,6 +8,8 @@
 //!   mergeable across workers and shippable between processes.
 //! - [`export`], [`table`], [`chart`]: pure exporters from a summary (and rows) to bytes:
 //!   JSON, CSV, comfy-table text or Markdown, SVG charts.
+//! - [`waterfall`] and [`slo`]: a serving run's TTFT split into stages, and its goodput
+//!   against SLOs (figures a summary carries).
 //! - [`compare`]: two runs side by side (`kvx report A B`).
 //! - [`gate`] and [`stats`]: the noise-aware regression gate (`kvx gate`).
 //! - [`files`]: the one place that touches the file system: [`RunWriter`] (a run directory
@@ -24,9 +26,11 @@ pub mod export;
 pub mod files;
 pub mod gate;
 pub mod recorder;
+pub mod slo;
 pub mod stats;
 pub mod summary;
 pub mod table;
+pub mod waterfall;
 
 pub use files::{RunData, RunWriter, load_run, load_summary};
 pub use recorder::StageRecorder;

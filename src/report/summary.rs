@@ -140,9 +140,22 @@ pub struct Summary {
     /// Named event counts of the run (e.g. `fallbacks_to_storage`), apart from the metrics.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counters: BTreeMap<String, u64>,
+    /// Serving runs: the client-side TTFT split into the stages of the P/D path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waterfall: Option<super::waterfall::Waterfall>,
+    /// Serving runs with `--slo`: requests within every objective (`goodput.share`,
+    /// `goodput.requests_per_s` for the gate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goodput: Option<super::slo::Goodput>,
 }
 
 impl Summary {
+    /// Whether the run measured KV transfers (a `kvx load` run of an HTTP endpoint did not:
+    /// its reports leave the KV figures out rather than print zeros).
+    pub fn measured_kv(&self) -> bool {
+        self.bytes_read > 0 || self.stages.contains_key(Stage::Transfer.as_str()) || self.sweep.is_some()
+    }
+
     /// An empty summary of the current schema and kvx version; the caller fills the figures.
     pub fn new(run_id: impl Into<String>, started_at: impl Into<String>, scenario: Scenario) -> Self {
         Summary {
@@ -176,6 +189,8 @@ impl Summary {
             sweep: None,
             notes: Vec::new(),
             counters: BTreeMap::new(),
+            waterfall: None,
+            goodput: None,
         }
     }
 

@@ -284,6 +284,20 @@ pub fn sweep_table(s: &Summary, style: Style) -> Option<Table> {
 }
 
 /// Every table of a run, in reading order, then the vLLM metrics line.
+/// Goodput: the objectives, requests within all of them, their share and rate.
+pub fn goodput_table(g: &super::slo::Goodput, style: Style) -> Table {
+    let mut t = new_table(style, &["slo", "requests", "within slo", "share", "goodput req/s"]);
+    t.add_row(vec![
+        g.describe(),
+        g.requests.to_string(),
+        g.good.to_string(),
+        format!("{:.1}%", g.share * 100.0),
+        fmt_f(g.requests_per_s),
+    ]);
+    align_numbers(&mut t, 1);
+    t
+}
+
 pub fn render_summary(s: &Summary, style: Style) -> String {
     let mut out = String::new();
     if style == Style::Markdown {
@@ -295,8 +309,20 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         out.push_str(&section("Latency by stage", &stage_table(s, style), style));
         out.push('\n');
     }
-    out.push_str(&section("Throughput, bytes, descriptors", &throughput_table(s, style), style));
-    out.push('\n');
+    if let Some(w) = &s.waterfall {
+        out.push_str(&section("TTFT waterfall", &super::waterfall::waterfall_table(w, style), style));
+        out.push_str(&super::waterfall::waterfall_note(w));
+        out.push_str("\n\n");
+    }
+    if let Some(g) = &s.goodput {
+        out.push_str(&section("Goodput", &goodput_table(g, style), style));
+        out.push('\n');
+    }
+    // A load run of an HTTP endpoint moved no KV: no zeros for figures it never measured.
+    if s.measured_kv() {
+        out.push_str(&section("Throughput, bytes, descriptors", &throughput_table(s, style), style));
+        out.push('\n');
+    }
     out.push_str(&section("Outcomes and verification", &failures_table(s, style), style));
     if let Some(t) = per_rank_table(s, style) {
         out.push('\n');
@@ -311,7 +337,7 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         out.push_str(&section("Sweep", &t, style));
     }
     // The vLLM line describes one run's transfers; a sweep's points carry their own figures.
-    if !s.stages.is_empty() {
+    if !s.stages.is_empty() && s.measured_kv() {
         out.push('\n');
         match style {
             Style::Terminal => out.push_str(&vllm_metrics_line(s)),
