@@ -11,6 +11,7 @@ mod procs;
 mod props;
 mod report;
 mod serve;
+mod serve_metrics;
 mod serve_workers;
 mod storage;
 mod ucx;

@@ -35,8 +35,14 @@ pub(crate) fn fixture(name: &str) -> String {
     std::fs::read_to_string(format!("{FIXTURES}/{name}")).expect("fixture")
 }
 
+/// A vLLM 0.32 non-streaming sample as 0.33 writes it: every choice ends with
+/// `"weight_versions":null`.
+pub(crate) fn fixture_033(name: &str) -> String {
+    fixture(name).replace(r#""routed_experts":null}"#, r#""routed_experts":null,"weight_versions":null}"#)
+}
+
 /// A server task bound to port 0 that stops when dropped.
-struct Server {
+pub(crate) struct Server {
     addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
@@ -58,7 +64,7 @@ impl Server {
         Self { addr, stop: Some(tx), task }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
 
@@ -116,7 +122,9 @@ async fn start_proxy(cfg: ProxyConfig) -> (Server, Arc<ProxyState>) {
     (server, state)
 }
 
-/// One HTTP exchange over the pooled client; the body is collected whole.
+/// One HTTP exchange over the pooled client; the body is collected whole. A body goes out
+/// as `application/json` unless `headers` name another content type (as every JSON client
+/// sends it; vLLM refuses anything else).
 pub(crate) async fn send(
     method: &str,
     url: &str,
@@ -127,6 +135,9 @@ pub(crate) async fn send(
     let mut req = http::Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
+    }
+    if !body.is_empty() && !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
+        req = req.header("content-type", "application/json");
     }
     let req = req.body(Full::new(Bytes::from(body.to_string()))).expect("request");
     let resp = client.request(req).await.expect("response");
@@ -162,8 +173,8 @@ pub(crate) fn normalise(s: &str) -> String {
 }
 
 /// The proxy in front of a real P and D engine (NullKv, zero delays).
-struct Stack {
-    proxy: Server,
+pub(crate) struct Stack {
+    pub(crate) proxy: Server,
     proxy_state: Arc<ProxyState>,
     _p: Server,
     p_state: Arc<EngineState>,
@@ -180,6 +191,11 @@ async fn stack_with(p_cfg: EngineConfig, d_cfg: EngineConfig) -> Stack {
 
 async fn stack() -> Stack {
     stack_with(engine_cfg(Role::Prefill), engine_cfg(Role::Decode)).await
+}
+
+/// The stack with a decode engine of `d_cfg`.
+pub(crate) async fn stack_with_cfg(d_cfg: EngineConfig) -> Stack {
+    stack_with(engine_cfg(Role::Prefill), d_cfg).await
 }
 
 pub(crate) fn metric(text: &str, line_prefix: &str) -> f64 {
@@ -248,7 +264,7 @@ async fn chat_stream_and_json_through_proxy_are_byte_exact() {
         assert_eq!(h["content-type"], "application/json");
         assert_eq!(h["x-request-id"], "0123456789abcdef");
         assert_eq!(h["content-length"].to_str().expect("len").parse::<usize>().expect("n"), text.len());
-        assert_eq!(normalise(&text), fixture("vllm-0.32-chat-response.json"));
+        assert_eq!(normalise(&text), fixture_033("vllm-0.32-chat-response.json"));
     })
     .await;
 }
@@ -267,7 +283,7 @@ async fn prefill_engine_answer_is_byte_exact_with_033_params() {
         let rid = v["kv_transfer_params"]["remote_request_id"].as_str().expect("remote_request_id").to_string();
         assert!(rid.starts_with("cmpl-0123456789abcdef-0-"), "{rid}");
         // The 0.32 sample, with 0.33's full kv_transfer_params in place of 0.32's.
-        let want = fixture("vllm-0.32-prefill-response.json").replace(
+        let want = fixture_033("vllm-0.32-prefill-response.json").replace(
             r#""remote_request_id":"cmpl-0123456789abcdef-0","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"remote_num_tokens":17}"#,
             &format!(
                 r#""remote_request_id":"{rid}","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":17,"remote_blocks_expiry_time":null,"remote_registration_generation":0,"transfer_mode":"pull"}}"#
@@ -473,11 +489,19 @@ async fn backend_down_gives_json_503_and_retries_elsewhere() {
             v["error"]["message"].as_str().expect("msg").contains("cannot reach prefill engine"),
             "{text}"
         );
-        // Now marked unhealthy; with no healthy engine left, each request still makes one
-        // attempt (a stale mark must not lock the pool out), and /health says 503.
+        // Now marked unhealthy: with no healthy prefill engine left, requests are answered
+        // 503 at once, without another attempt on it (health checks are off here, so it is
+        // tried again only after RETRY_DOWN_AFTER), and /health says 503.
         let (status, _, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-        assert!(text.contains("cannot reach prefill engine"), "{text}");
+        assert!(text.contains("no healthy prefill engine"), "{text}");
+        let (_, _, m) = send("GET", &proxy.url("/metrics"), &[], "").await;
+        let requests = format!(
+            "kvx:proxy_backend_requests_total{{role=\"prefill\",backend=\"127.0.0.1:{}\"}}",
+            dead.port
+        );
+        assert_eq!(metric(&m, &requests), 1.0, "one connect attempt, then none: {m}");
+        assert_eq!(metric(&m, "kvx:proxy_no_healthy_backend_total{role=\"prefill\"}"), 1.0);
         let (status, _, _) = send("GET", &proxy.url("/health"), &[], "").await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
 
@@ -520,7 +544,7 @@ fn proxy_dead_port(metrics: &str) -> u16 {
         .find(|l| {
             l.starts_with("kvx:proxy_backend_errors_total{role=\"prefill\"")
                 && l.contains("cause=\"connect\"")
-                && !l.ends_with(" 0")
+                && !l.ends_with(" 0.0")
         })
         .and_then(|l| l.split("backend=\"127.0.0.1:").nth(1))
         .and_then(|r| r.split('"').next())
@@ -534,6 +558,12 @@ impl Stack {
     }
     fn d_state_port(&self) -> u16 {
         self._d.addr.port()
+    }
+    pub(crate) fn p_url(&self, path: &str) -> String {
+        self._p.url(path)
+    }
+    pub(crate) fn d_url(&self, path: &str) -> String {
+        self._d.url(path)
     }
 }
 
@@ -566,6 +596,7 @@ async fn broken_decode_stream_ends_with_an_error_event() {
         let (proxy, _) = start_proxy(proxy_cfg(vec![p.backend()], vec![d.backend()])).await;
         let client = http_client(Some(Duration::from_secs(2)));
         let req = http::Request::post(proxy.url("/v1/completions"))
+            .header("content-type", "application/json")
             .body(Full::new(Bytes::from_static(br#"{"prompt":"a","stream":true}"#)))
             .expect("request");
         let resp = client.request(req).await.expect("response");
@@ -615,9 +646,18 @@ async fn malformed_json_and_unknown_routes() {
         ] {
             let (status, _, text) = send("GET", &url, &[], "").await;
             assert_eq!(status, StatusCode::NOT_FOUND);
+            // vLLM 0.33's HTTPException handler: the status phrase is the type.
+            assert_eq!(text, r#"{"error":{"message":"Not Found","type":"Not Found","param":null,"code":404}}"#);
+        }
+        // A JSON body not declared as JSON: 400 like vLLM, at the proxy and at an engine.
+        for url in [s.proxy.url("/v1/completions"), format!("http://127.0.0.1:{}/v1/completions", s.d_state_port())]
+        {
+            let (status, _, text) =
+                post(&url, &[("content-type", "text/plain")], r#"{"prompt":"a b","max_tokens":1}"#).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{url}: {text}");
             assert_eq!(
                 text,
-                r#"{"error":{"message":"Not Found","type":"NotFoundError","param":null,"code":404}}"#
+                r#"{"error":{"message":"Unsupported Media Type: Only 'application/json' is allowed","type":"Bad Request","param":null,"code":400}}"#
             );
         }
         // Engine-side validation errors pass through the proxy with their status.
@@ -675,8 +715,9 @@ async fn client_disconnect_cancels_both_legs() {
         let mut d_cfg = engine_cfg(Role::Decode);
         d_cfg.itl = Duration::from_millis(50);
         let s = stack_with(p_cfg, d_cfg).await;
-        let running = "vllm:num_requests_running{model_name=\"stub-model\"}";
-        let aborted = "vllm:request_success_total{model_name=\"stub-model\",finished_reason=\"abort\"}";
+        let running = "vllm:num_requests_running{model_name=\"stub-model\",engine=\"0\"}";
+        let aborted =
+            "vllm:request_success_total{model_name=\"stub-model\",engine=\"0\",finished_reason=\"abort\"}";
         let sock =
             raw_request(s.proxy.addr, "/v1/completions", r#"{"prompt":"a b","max_tokens":100}"#, None).await;
         eventually("prefill engine running the request", || {
@@ -695,7 +736,10 @@ async fn client_disconnect_cancels_both_legs() {
             1.0
         );
         assert_eq!(
-            metric(&s.d_state.render_metrics(), "vllm:prompt_tokens_total{model_name=\"stub-model\"}"),
+            metric(
+                &s.d_state.render_metrics(),
+                "vllm:prompt_tokens_total{model_name=\"stub-model\",engine=\"0\"}"
+            ),
             0.0,
             "decode never reached"
         );
@@ -711,8 +755,9 @@ async fn client_disconnect_cancels_both_legs() {
         let mut d_cfg = engine_cfg(Role::Decode);
         d_cfg.itl = Duration::from_millis(50);
         let s = stack_with(engine_cfg(Role::Prefill), d_cfg).await;
-        let running = "vllm:num_requests_running{model_name=\"stub-model\"}";
-        let aborted = "vllm:request_success_total{model_name=\"stub-model\",finished_reason=\"abort\"}";
+        let running = "vllm:num_requests_running{model_name=\"stub-model\",engine=\"0\"}";
+        let aborted =
+            "vllm:request_success_total{model_name=\"stub-model\",engine=\"0\",finished_reason=\"abort\"}";
         let sock = raw_request(
             s.proxy.addr,
             "/v1/completions",
@@ -728,7 +773,7 @@ async fn client_disconnect_cancels_both_legs() {
         .await;
         let m = s.d_state.render_metrics();
         assert_eq!(metric(&m, running), 0.0);
-        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\"}") < 100.0);
+        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\",engine=\"0\"}") < 100.0);
         assert_eq!(
             metric(&m, "kvx:kv_aborts_total{backend=\"null\",kv_transfer=\"none\",role=\"decode\"}"),
             1.0

@@ -253,15 +253,15 @@ async fn disconnects_and_abandoned_prefills_release_blocks() {
         // read was already released to the prefill engine by notification, not by lease.
         let body = format!(r#"{{"prompt":"{}","max_tokens":500,"stream":true}}"#, words(40));
         let sock = raw_request(x.addr, "/v1/completions", &body, Some("\" t0\"")).await;
-        let running = "vllm:num_requests_running{model_name=\"stub-model\"}";
-        let aborted = "vllm:request_success_total{model_name=\"stub-model\",finished_reason=\"abort\"}";
+        let running = "vllm:num_requests_running{model_name=\"stub-model\",engine=\"0\"}";
+        let aborted = "vllm:request_success_total{model_name=\"stub-model\",engine=\"0\",finished_reason=\"abort\"}";
         let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
         assert_eq!(metric(&m, running), 1.0);
         drop(sock);
         wait_metric(&d.url("/metrics"), aborted, Duration::from_secs(5), |v| v == 1.0).await;
         let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
         assert_eq!(metric(&m, running), 0.0);
-        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\"}") < 500.0);
+        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\",engine=\"0\"}") < 500.0);
         assert_eq!(metric(&m, &format!("kvx:kv_blocks_in_use{D_LABELS}")), 0.0);
         assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0);
         wait_metric(&p.url("/metrics"), &held, Duration::from_millis(900), |v| v == 0.0).await;
