@@ -801,10 +801,20 @@ impl Drop for Proc {
 
 /// Starts `kvx <args>` and reads the bound address from its first stdout line (5 s limit).
 fn spawn_kvx(args: &[&str]) -> Proc {
+    spawn_kvx_stderr(args, Stdio::null())
+}
+
+/// [`spawn_kvx`] with its stderr piped (`child.stderr`).
+fn spawn_kvx_with_stderr(args: &[&str]) -> Proc {
+    spawn_kvx_stderr(args, Stdio::piped())
+}
+
+fn spawn_kvx_stderr(args: &[&str], stderr: Stdio) -> Proc {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvx"))
         .args(args)
+        .env_remove("KVX_LOG")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .expect("spawn kvx");
     let stdout = child.stdout.take().expect("stdout");
@@ -1041,6 +1051,191 @@ async fn health_checks_mark_backends_down_and_up_again() {
         let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
         eventually("the engine marked healthy again", || metric(&pst.render_metrics(), &healthy) == 1.0)
             .await;
+        let _ = tx.send(());
+        let _ = task.await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_down_answers_503_at_once_without_loading_prefill_and_recovers() {
+    within(async {
+        let port = closed_port();
+        let (p, p_state) = start_engine(engine_cfg(Role::Prefill)).await;
+        let mut cfg = proxy_cfg(vec![p.backend()], vec![BackendAddr { host: "127.0.0.1".into(), port }]);
+        cfg.health_interval = Duration::from_millis(50);
+        cfg.health_timeout = Duration::from_millis(500);
+        let (proxy, pst) = start_proxy(cfg).await;
+        let healthy = format!("kvx:proxy_backend_healthy{{role=\"decode\",backend=\"127.0.0.1:{port}\"}}");
+        eventually("the dead decode engine marked unhealthy", || {
+            metric(&pst.render_metrics(), &healthy) == 0.0
+        })
+        .await;
+        // Every request: vLLM's JSON 503 at once; the prefill engine never sees one.
+        let prompt_tokens = "vllm:prompt_tokens_total{model_name=\"stub-model\",engine=\"0\"}";
+        let mut slowest = Duration::ZERO;
+        for _ in 0..50 {
+            let t0 = Instant::now();
+            let (status, h, text) =
+                post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b","max_tokens":2}"#).await;
+            slowest = slowest.max(t0.elapsed());
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+            assert_eq!(h["content-type"], "application/json");
+            let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+            assert_eq!(
+                (v["error"]["type"].as_str(), v["error"]["code"].as_u64()),
+                (Some("ServiceUnavailableError"), Some(503))
+            );
+            assert!(
+                v["error"]["message"].as_str().expect("msg").contains("no healthy decode engine"),
+                "{text}"
+            );
+        }
+        // Generous for a loaded machine; the point is milliseconds, not a lease.
+        assert!(slowest < Duration::from_secs(1), "slowest 503 took {slowest:?}");
+        assert_eq!(metric(&p_state.render_metrics(), prompt_tokens), 0.0, "prefill never loaded");
+        assert_eq!(
+            metric(&pst.render_metrics(), "kvx:proxy_no_healthy_backend_total{role=\"decode\"}"),
+            50.0
+        );
+
+        // A decode engine comes up on that port: within a health interval requests go through.
+        let listener = TcpListener::bind(("127.0.0.1", port)).await.expect("rebind the freed port");
+        let st = EngineState::new(engine_cfg(Role::Decode), null_kv("late-decode"));
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
+        eventually("the decode engine marked healthy again", || {
+            metric(&pst.render_metrics(), &healthy) == 1.0
+        })
+        .await;
+        let (status, _, text) =
+            post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b","max_tokens":2}"#).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(metric(&p_state.render_metrics(), prompt_tokens), 2.0);
+        let _ = tx.send(());
+        let _ = task.await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_decode_leg_aborts_the_prefill_handoff() {
+    within(async {
+        let (p, p_rec) = start_recorder(Act::Json(200, P_ANSWER.into())).await;
+        let err = r#"{"error":{"message":"KV load failed","type":"ServiceUnavailableError","param":null,"code":503}}"#;
+        let (d, d_rec) = start_recorder(Act::Json(503, err.into())).await;
+        let mut cfg = proxy_cfg(vec![p.backend()], vec![d.backend()]);
+        cfg.backend_api_key = Some("sk-test".into());
+        let (proxy, pst) = start_proxy(cfg).await;
+        let (status, _, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
+        assert_eq!((status, text.as_str()), (StatusCode::SERVICE_UNAVAILABLE, err));
+        assert_eq!(d_rec.seen().len(), 1);
+        eventually("the prefill engine told to free the handoff", || p_rec.seen().len() == 2).await;
+        let abort = &p_rec.seen()[1];
+        assert_eq!(abort.path, "/abort_requests");
+        assert_eq!(abort.body, r#"{"request_ids":["cmpl-x-0-abcd1234"]}"#, "P's remote_request_id");
+        assert_eq!(abort.headers["authorization"], "Bearer sk-test");
+        assert_eq!(abort.headers["content-type"], "application/json");
+        assert_eq!(metric(&pst.render_metrics(), "kvx:proxy_prefill_aborts_total"), 1.0);
+
+        // A decode leg that succeeds leaves the handoff alone.
+        let (d_ok, _) = start_recorder(Act::Json(200, "{}".into())).await;
+        let (proxy, pst) = start_proxy(proxy_cfg(vec![p.backend()], vec![d_ok.backend()])).await;
+        let (status, _, _) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(metric(&pst.render_metrics(), "kvx:proxy_prefill_aborts_total"), 0.0);
+        assert!(p_rec.seen().iter().filter(|s| s.path == "/abort_requests").count() == 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenizer_routes_work_through_the_proxy() {
+    within(async {
+        let s = stack().await;
+        let (status, _, text) =
+            post(&s.proxy.url("/tokenize"), &[], r#"{"model":"stub-model","prompt":"w3 w1 w4 w1 w5"}"#).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(text, r#"{"count":5,"max_model_len":8192,"tokens":[3,1,4,1,5],"token_strs":null}"#);
+        let (status, _, text) = post(&s.proxy.url("/detokenize"), &[], r#"{"tokens":[3,1,4]}"#).await;
+        assert_eq!((status, text.as_str()), (StatusCode::OK, r#"{"prompt":"w3 w1 w4"}"#));
+        // The detokenized prompt is as many tokens as ids, as `vllm bench serve` relies on.
+        let body = r#"{"messages":[{"role":"user","content":"w3 w1 w4"}],"return_token_strs":true}"#;
+        let (status, _, text) = post(&s.proxy.url("/tokenize"), &[], body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert!(
+            text.starts_with(r#"{"count":3,"#) && text.ends_with(r#""token_strs":["w3","w1","w4"]}"#),
+            "{text}"
+        );
+        let (status, _, _) = post(&s.proxy.url("/tokenize"), &[("content-type", "text/plain")], "{}").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+    })
+    .await;
+}
+
+/// Reads a child's stderr lines into a channel.
+fn stderr_lines(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits (5 s limit) for a stderr line containing `what`.
+async fn wait_line(rx: &std::sync::mpsc::Receiver<String>, what: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match rx.try_recv() {
+            Ok(line) if line.contains(what) => return line,
+            Ok(_) => {}
+            Err(std::sync::mpsc::TryRecvError::Empty) => {
+                assert!(Instant::now() < deadline, "no stderr line with {what:?} within 5 s");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => panic!("stderr closed before {what:?}: {e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_router_flags_run_the_same_proxy_and_it_logs_backend_transitions() {
+    within(async {
+        let p = spawn_kvx(&["serve-engine", "--role", "prefill", "--port", "0", "--model-name", "stub-model", "--kv-backend", "null"]);
+        let d = spawn_kvx(&["serve-engine", "--role", "decode", "--port", "0", "--model-name", "stub-model", "--itl-ms", "0", "--kv-backend", "null"]);
+        let down = closed_port();
+        let (pu, du, downu) = (
+            format!("http://127.0.0.1:{}", p.addr.port()),
+            format!("http://127.0.0.1:{}", d.addr.port()),
+            format!("http://127.0.0.1:{down}"),
+        );
+        let mut x = spawn_kvx_with_stderr(&[
+            "serve-proxy", "--port", "0", "--vllm-pd-disaggregation", "--prefill", &pu, "8998", "--decode", &du,
+            "--decode", &downu, "--policy", "round_robin", "--health-check-interval-secs", "0.05",
+        ]);
+        let log = stderr_lines(&mut x.child);
+        let line = wait_line(&log, "backend marked unhealthy").await;
+        assert!(line.contains(&format!("127.0.0.1:{down}")) && line.contains("decode"), "{line}");
+        // Every request now goes to the live decode engine, byte-exact.
+        for _ in 0..3 {
+            let body = r#"{"model":"stub-model","prompt":"hello world how are you","max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}"#;
+            let (status, _, text) =
+                post(&format!("http://{}/v1/completions", x.addr), &[("x-request-id", "0123456789abcdef")], body).await;
+            assert_eq!(status, StatusCode::OK, "{text}");
+            assert_eq!(normalise(&text), fixture("vllm-0.32-completions-stream.sse"));
+        }
+        // The missing engine comes up: the proxy says so.
+        let listener = TcpListener::bind(("127.0.0.1", down)).await.expect("rebind the freed port");
+        let st = EngineState::new(engine_cfg(Role::Decode), null_kv("late"));
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
+        let line = wait_line(&log, "backend healthy again").await;
+        assert!(line.contains(&format!("127.0.0.1:{down}")), "{line}");
         let _ = tx.send(());
         let _ = task.await;
     })
