@@ -171,7 +171,8 @@ impl ProgressDisplay {
                         progress.failed.load(Ordering::Relaxed)
                     ));
                 };
-                // Redraw every 100 ms until the run ends (the sender is dropped).
+                // Draw now, then every 100 ms until the run ends (the sender is dropped).
+                draw(&bar);
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
                     rx.recv_timeout(Duration::from_millis(100))
                 {

@@ -911,6 +911,8 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
             "chat",
             "--prompt-len",
             "8..24",
+            "--slo",
+            "ttft=10s,tpot=5s,itl=5s",
             "--format",
             "json",
             "--results-dir",
@@ -921,6 +923,7 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
         .collect();
         let (code, out, err) = run_kvx(&args).await;
         assert_eq!(code, Some(0), "stderr: {err}");
+        assert!(!err.contains("ttft p50"), "no progress bar when stderr is not a terminal: {err}");
         // stdout: the run's summary, as `kvx bench --format json` prints it.
         let sum: serde_json::Value = serde_json::from_str(&out).expect("json summary");
         assert_eq!(sum["schema_version"], 1);
@@ -932,10 +935,45 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
         }
         assert_eq!(sum["stages"]["itl"]["count"], 120, "3 gaps per 4-token stream");
         let dir = results.path().join(sum["run_id"].as_str().expect("run id"));
-        for f in
-            ["summary.json", "requests.csv", "stages.csv", "latency.svg", "load.json", "http_requests.csv"]
-        {
+        for f in [
+            "summary.json",
+            "requests.csv",
+            "stages.csv",
+            "latency.svg",
+            "load.json",
+            "http_requests.csv",
+            "ttft_waterfall.csv",
+            "ttft-waterfall.svg",
+        ] {
             assert!(dir.join(f).is_file(), "{f} missing");
+        }
+        // Goodput against generous objectives, and the proxy target's TTFT waterfall.
+        assert_eq!(
+            (sum["goodput"]["good"].as_u64(), sum["goodput"]["share"].as_f64()),
+            (Some(40), Some(1.0)),
+            "{sum}"
+        );
+        assert_eq!(sum["goodput"]["slo_ms"]["itl"], 5000.0);
+        assert_eq!(sum["waterfall"]["requests"], 40);
+        let stage_p50 = |name: &str| {
+            sum["waterfall"]["stages"]
+                .as_array()
+                .expect("stages")
+                .iter()
+                .find(|s| s["name"] == name)
+                .expect(name)["p50_us"]
+                .as_f64()
+                .expect("p50")
+        };
+        assert!(stage_p50("proxy") > 0.0 && stage_p50("first_decode_step") >= 1000.0, "{sum}");
+        // A load run moved no KV: `kvx report` leaves the KV figures out.
+        let (code, report, err) = run_kvx(&["report".to_string(), dir.display().to_string()]).await;
+        assert_eq!(code, Some(0), "{err}");
+        for section in ["Latency by stage", "TTFT waterfall", "Goodput", "Outcomes and verification"] {
+            assert!(report.contains(section), "{section} missing:\n{report}");
+        }
+        for unmeasured in ["Throughput, bytes, descriptors", "KV Transfer metrics", "GB/s"] {
+            assert!(!report.contains(unmeasured), "{unmeasured} shown for a load run:\n{report}");
         }
         let csv = std::fs::read_to_string(dir.join("http_requests.csv")).expect("csv");
         assert_eq!(csv.lines().count(), 1 + 80, "a line per measured request of both targets");
@@ -957,6 +995,10 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
         }
         assert_eq!(targets[1]["name"], "baseline-pd");
         assert_eq!(v["overhead"][0]["baseline"], "baseline-pd");
+        // The engines report their pacing; the client-side pair is split into stages as well.
+        assert_eq!(targets[0]["engine_itl_ms"], 1.0);
+        assert_eq!(targets[1]["waterfall"]["requests"], 40, "{}", targets[1]);
+        assert_eq!(targets[1]["goodput"]["good"], 40);
         // Both paths really loaded KV; nothing fell back to local prefill.
         let m = s.d_state.render_metrics();
         assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 90.0);
@@ -1238,6 +1280,70 @@ async fn vllm_router_flags_run_the_same_proxy_and_it_logs_backend_transitions() 
         assert!(line.contains(&format!("127.0.0.1:{down}")), "{line}");
         let _ = tx.send(());
         let _ = task.await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_says_when_pacing_is_off_and_shows_progress_on_a_terminal() {
+    within(async {
+        // Engines with --itl-ms 0: every token in one write.
+        let s = stack().await;
+        let results = tempfile::tempdir().expect("tmp");
+        let url = format!("http://{}", s.proxy.addr);
+        let dir = results.path().display().to_string();
+        let base = [
+            "load",
+            "--url",
+            &url,
+            "--concurrency",
+            "2",
+            "--requests",
+            "6",
+            "--stream",
+            "--results-dir",
+            &dir,
+        ];
+        let args: Vec<String> = base.iter().map(ToString::to_string).collect();
+        let (code, out, err) = run_kvx(&args).await;
+        assert_eq!(code, Some(0), "{err}");
+        assert!(out.contains("pacing off: the engine sent all tokens at once (--itl-ms 0)"), "{out}");
+
+        // On a terminal (a pty from `script`), a progress bar with the live TTFT p50 is drawn
+        // on stderr and cleared at the end. Paced engines make the run last a few redraws.
+        let mut d_cfg = engine_cfg(Role::Decode);
+        d_cfg.itl = Duration::from_millis(20);
+        let s = stack_with(engine_cfg(Role::Prefill), d_cfg).await;
+        let url = format!("http://{}", s.proxy.addr);
+        let base = [
+            "load",
+            "--url",
+            &url,
+            "--concurrency",
+            "2",
+            "--requests",
+            "6",
+            "--stream",
+            "--results-dir",
+            &dir,
+        ];
+        let kvx = env!("CARGO_BIN_EXE_kvx");
+        let cmd = format!("{kvx} {} --format json", base.join(" "));
+        let out = tokio::time::timeout(
+            Duration::from_secs(20),
+            tokio::process::Command::new("script")
+                .args(["-qec", &cmd, "/dev/null"])
+                .env("COLUMNS", "200")
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .expect("finished within 20 s")
+        .expect("run kvx load under script (util-linux)");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let tty = String::from_utf8_lossy(&out.stdout);
+        assert!(tty.contains("requests ok "), "no progress bar on a terminal:\n{tty}");
+        assert!(tty.contains("| ttft p50 "), "{tty}");
     })
     .await;
 }
