@@ -640,12 +640,13 @@ struct ModelPermission<'a> {
     is_blocking: bool,
 }
 
-/// The checks every POST route with a JSON body shares: API key, content type, model.
-fn check_request(st: &EngineState, headers: &HeaderMap) -> Result<(), Response> {
+/// The checks every POST route with a JSON body shares (API key, content type): the answer
+/// to a request that fails them.
+fn rejected(st: &EngineState, headers: &HeaderMap) -> Option<Response> {
     if !authorized(st.cfg.api_key.as_deref(), headers) {
-        return Err(unauthorized());
+        return Some(unauthorized());
     }
-    check_json_content_type(headers).map_err(|e| {
+    check_json_content_type(headers).err().map(|e| {
         st.metrics.errors.inc();
         error_response(&e)
     })
@@ -663,7 +664,7 @@ fn check_model(st: &EngineState, model: Option<&str>) -> Result<(), ApiError> {
 /// `POST /tokenize` with vLLM's request and response fields (kvx's synthetic tokenizer: one
 /// token per whitespace-separated word).
 async fn tokenize(State(st): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = check_request(&st, &headers) {
+    if let Some(r) = rejected(&st, &headers) {
         return r;
     }
     let out = openai::tokenize(&body, st.cfg.max_model_len)
@@ -679,7 +680,7 @@ async fn tokenize(State(st): State<Arc<EngineState>>, headers: HeaderMap, body: 
 
 /// `POST /detokenize`: token ids back to text that tokenizes to the same count.
 async fn detokenize(State(st): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = check_request(&st, &headers) {
+    if let Some(r) = rejected(&st, &headers) {
         return r;
     }
     let out =
@@ -800,7 +801,7 @@ async fn sleep_until(t: Instant) {
 
 async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
     let arrived = Instant::now();
-    if let Err(r) = check_request(&st, &headers) {
+    if let Some(r) = rejected(&st, &headers) {
         return r;
     }
     let req = match openai::parse_request(ep, &body, st.cfg.max_model_len) {
