@@ -860,14 +860,11 @@ async fn proxy_inner(
             "prefill answered without kv_transfer_params; the decode engine will prefill locally"
         );
     }
-    // From here until the decode engine accepts the request, P holds blocks for it: if the
-    // decode leg fails (or the client leaves), P is told to free them now.
-    let mut handoff = params.and_then(remote_request_id).map(|rid| PrefillHandoff {
-        st: st.clone(),
-        backend: p.backend.clone(),
-        rid,
-        armed: true,
-    });
+    // P now holds blocks for the decode engine: if the decode leg fails, P is told to free
+    // them now. (A client that leaves meanwhile is the decode engine's to handle: its load,
+    // once started, notifies P when it is done; freeing them here could pull blocks away
+    // from under its reads.)
+    let handoff = params.and_then(remote_request_id);
 
     // Decode leg: original body plus P's params verbatim, streamed back as it arrives.
     let d_body = Bytes::from(rewrite::decode_body(&client, body, params));
@@ -875,19 +872,20 @@ async fn proxy_inner(
         Ok(l) => l,
         Err(e) => {
             watch.done = true;
+            if let Some(rid) = handoff {
+                abort_prefill(st, &p.backend, rid);
+            }
             return error_response(&e);
         }
     };
     d.backend.latency.observe(d.sent_at.elapsed());
     st.metrics.time_to_headers.observe(started.elapsed());
-    if d.resp.status().is_success() {
-        if let Some(h) = handoff.as_mut() {
-            h.armed = false;
-        }
-    } else {
+    if !d.resp.status().is_success() {
         d.backend.error(Cause::Status);
+        if let Some(rid) = handoff {
+            abort_prefill(st, &p.backend, rid);
+        }
     }
-    drop(handoff);
     watch.done = true;
     let (parts, incoming) = d.resp.into_parts();
     server_timing.extend_from(&parts.headers);
@@ -929,56 +927,43 @@ fn remote_request_id(raw: &str) -> Option<String> {
     serde_json::from_str::<P>(raw).ok()?.remote_request_id.filter(|s| !s.is_empty())
 }
 
-/// A prefill handoff whose decode leg has not been accepted yet. Dropped while armed (the
-/// decode leg failed, or the client left), it tells the prefill engine to free the blocks
-/// now (`POST /abort_requests`), in the background: the client's answer does not wait.
-struct PrefillHandoff {
-    st: Arc<ProxyState>,
-    backend: Arc<Backend>,
-    rid: String,
-    armed: bool,
-}
-
-impl Drop for PrefillHandoff {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
+/// Tells a prefill engine that no decode engine will read the blocks it holds for `rid`
+/// (`POST /abort_requests`), in the background: the client's answer does not wait for it.
+fn abort_prefill(st: &Arc<ProxyState>, backend: &Arc<Backend>, rid: String) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+    let (st, backend) = (st.clone(), backend.clone());
+    st.metrics.prefill_aborts.inc();
+    rt.spawn(async move {
+        let body = serde_json::json!({ "request_ids": [rid] }).to_string();
+        let mut req = Request::post(backend.uri("/abort_requests"))
+            .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(auth) = &st.backend_auth {
+            req = req.header(header::AUTHORIZATION, auth.clone());
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        let (st, backend, rid) = (self.st.clone(), self.backend.clone(), std::mem::take(&mut self.rid));
-        st.metrics.prefill_aborts.inc();
-        rt.spawn(async move {
-            let body = serde_json::json!({ "request_ids": [rid] }).to_string();
-            let mut req = Request::post(backend.uri("/abort_requests"))
-                .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            if let Some(auth) = &st.backend_auth {
-                req = req.header(header::AUTHORIZATION, auth.clone());
+        let Ok(req) = req.body(Full::new(Bytes::from(body))) else { return };
+        match tokio::time::timeout(st.cfg.health_timeout, st.client.request(req)).await {
+            Ok(Ok(resp)) if resp.status().is_success() => {
+                tracing::debug!(backend = %backend.label, request_id = %rid, "prefill handoff aborted");
             }
-            let Ok(req) = req.body(Full::new(Bytes::from(body))) else { return };
-            match tokio::time::timeout(st.cfg.health_timeout, st.client.request(req)).await {
-                Ok(Ok(resp)) if resp.status().is_success() => {
-                    tracing::debug!(backend = %backend.label, request_id = %rid, "prefill handoff aborted");
-                }
-                Ok(Ok(resp)) => tracing::warn!(
-                    backend = %backend.label,
-                    request_id = %rid,
-                    status = %resp.status(),
-                    "prefill engine refused to abort a handoff; its blocks go at lease expiry"
-                ),
-                Ok(Err(e)) => tracing::warn!(
-                    backend = %backend.label,
-                    request_id = %rid,
-                    "cannot abort a prefill handoff ({}); its blocks go at lease expiry",
-                    error_chain(&e)
-                ),
-                Err(_) => tracing::warn!(
-                    backend = %backend.label,
-                    request_id = %rid,
-                    "aborting a prefill handoff timed out; its blocks go at lease expiry"
-                ),
-            }
-        });
-    }
+            Ok(Ok(resp)) => tracing::warn!(
+                backend = %backend.label,
+                request_id = %rid,
+                status = %resp.status(),
+                "prefill engine refused to abort a handoff; its blocks go at lease expiry"
+            ),
+            Ok(Err(e)) => tracing::warn!(
+                backend = %backend.label,
+                request_id = %rid,
+                "cannot abort a prefill handoff ({}); its blocks go at lease expiry",
+                error_chain(&e)
+            ),
+            Err(_) => tracing::warn!(
+                backend = %backend.label,
+                request_id = %rid,
+                "aborting a prefill handoff timed out; its blocks go at lease expiry"
+            ),
+        }
+    });
 }
 
 /// Answers a failed prefill: the engine's own JSON error (status kept) when it sent one,
