@@ -18,8 +18,9 @@
 //! So for every request the stages add up to its TTFT exactly, and `other` says how much the
 //! named stages leave unexplained.
 //!
-//! Owns the stage boundaries, the per-request breakdown, the aggregate [`Waterfall`] a
-//! summary carries, and its table. Pure: no I/O, no clock.
+//! Owns the stages, the aggregate [`Waterfall`] a summary carries, and its table; the
+//! per-request split from `Server-Timing` entries is `serve::timing::breakdown`. Pure: no
+//! I/O, no clock.
 
 use std::time::Duration;
 
@@ -50,38 +51,6 @@ pub const N: usize = STAGES.len();
 
 /// One request's TTFT split into [`STAGES`], nanoseconds.
 pub type Breakdown = [u64; N];
-
-fn ns(ms: f64) -> u64 {
-    (ms.max(0.0) * 1e6).round() as u64
-}
-
-/// Splits one request's TTFT. `to_headers`: from sending to the response headers; `entries`:
-/// its `Server-Timing` (name, milliseconds). `None` when no kvx engine timed the request
-/// (another server), so there is nothing to split.
-pub fn breakdown(ttft: Duration, to_headers: Duration, entries: &[(String, f64)]) -> Option<Breakdown> {
-    use crate::serve::timing as t;
-    let get = |name: &str| entries.iter().find(|(n, _)| n == name).map(|(_, ms)| *ms);
-    let sum = |names: &[&str]| names.iter().filter_map(|n| get(n)).sum::<f64>();
-    let totals = [t::PREFILL_TOTAL, t::DECODE_TOTAL, t::LOCAL_TOTAL];
-    if totals.iter().all(|n| get(n).is_none()) {
-        return None;
-    }
-    let ttft_ns = u64::try_from(ttft.as_nanos()).unwrap_or(u64::MAX);
-    let headers_ns = u64::try_from(to_headers.as_nanos()).unwrap_or(u64::MAX).min(ttft_ns);
-    let mut b: Breakdown = [0; N];
-    b[0] = headers_ns.saturating_sub(ns(sum(&totals)));
-    b[1] = ns(sum(&[t::PREFILL_QUEUE, t::LOCAL_QUEUE]));
-    b[2] = ns(sum(&[t::PREFILL_COMPUTE, t::LOCAL_PREFILL]));
-    b[3] = ns(sum(&[t::DECODE_ADMISSION]));
-    b[4] = ns(sum(&[t::KV_HANDSHAKE]));
-    b[5] = ns(sum(&[t::KV_TRANSFER]));
-    b[6] = ns(sum(&[t::KV_NOTIFY]));
-    b[7] = ns(sum(&[t::KV_VERIFY]));
-    b[8] = ttft_ns - headers_ns;
-    let named: u64 = b[..N - 1].iter().sum();
-    b[N - 1] = ttft_ns.saturating_sub(named);
-    Some(b)
-}
 
 /// One stacked bar of the chart: a request's (or the mean) stages.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -246,38 +215,6 @@ pub fn waterfall_note(w: &Waterfall) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serve::timing as t;
-
-    fn e(entries: &[(&str, f64)]) -> Vec<(String, f64)> {
-        entries.iter().map(|(n, v)| (n.to_string(), *v)).collect()
-    }
-
-    #[test]
-    fn stages_tile_the_ttft() {
-        let entries = e(&[
-            (t::PREFILL_QUEUE, 0.1),
-            (t::PREFILL_COMPUTE, 2.0),
-            (t::PREFILL_TOTAL, 2.3),
-            (t::KV_HANDSHAKE, 0.0),
-            (t::KV_TRANSFER, 1.5),
-            (t::KV_NOTIFY, 0.2),
-            (t::KV_VERIFY, 0.3),
-            (t::DECODE_ADMISSION, 0.05),
-            (t::ITL, 15.0),
-            (t::DECODE_TOTAL, 2.2),
-            (t::PROXY_TOTAL, 5.0),
-        ]);
-        let b =
-            breakdown(Duration::from_micros(20_600), Duration::from_micros(5_600), &entries).expect("kvx");
-        // proxy: 5.6 - (2.3 + 2.2) = 1.1 ms; first step: 20.6 - 5.6 = 15 ms.
-        assert_eq!(b[0], 1_100_000);
-        assert_eq!(&b[1..8], &[100_000, 2_000_000, 50_000, 0, 1_500_000, 200_000, 300_000]);
-        assert_eq!(b[8], 15_000_000);
-        // other: the engines' 0.2 + 0.15 ms outside their stages.
-        assert_eq!(b[9], 350_000);
-        assert_eq!(b.iter().sum::<u64>(), 20_600_000);
-        assert_eq!(breakdown(Duration::from_millis(1), Duration::ZERO, &e(&[("db", 1.0)])), None);
-    }
 
     #[test]
     fn the_waterfall_adds_up_per_bar() {

@@ -37,7 +37,7 @@ use super::timing;
 use crate::report::recorder::{StageRecorder, new_auto_histogram, record_into};
 use crate::report::slo::{Goodput, RequestTimes, Slo};
 use crate::report::summary::StageStats;
-use crate::report::waterfall::{self, Breakdown, Waterfall, WaterfallBuilder};
+use crate::report::waterfall::{Breakdown, Waterfall, WaterfallBuilder};
 
 /// Stage names of the client-side latencies (vLLM benchmark_serving's names).
 pub const TTFT: &str = "ttft";
@@ -222,7 +222,7 @@ impl Sample {
         if self.error.is_some() {
             return None;
         }
-        waterfall::breakdown(self.ttft?, self.to_headers?, &self.server_timing)
+        timing::breakdown(self.ttft?, self.to_headers?, &self.server_timing)
     }
 
     fn times(&self) -> RequestTimes {
@@ -673,7 +673,7 @@ pub struct RequestWaterfall {
     pub request_id: String,
     pub target: String,
     pub ttft_us: f64,
-    /// Per stage of [`waterfall::STAGES`], nanoseconds.
+    /// Per stage of [`crate::report::waterfall::STAGES`], nanoseconds.
     pub stages_ns: Breakdown,
 }
 

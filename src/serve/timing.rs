@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderValue};
 
+use crate::report::waterfall::{Breakdown, N};
+
 /// The header name.
 pub const SERVER_TIMING: &str = "server-timing";
 
@@ -105,9 +107,72 @@ pub fn from_headers(headers: &HeaderMap) -> Vec<(String, f64)> {
     st.entries
 }
 
+fn ns(ms: f64) -> u64 {
+    (ms.max(0.0) * 1e6).round() as u64
+}
+
+/// Splits one request's TTFT into [`STAGES`](crate::report::waterfall::STAGES) (see
+/// `report::waterfall` for the boundaries). `to_headers`: from sending to the response headers; `entries`:
+/// its `Server-Timing` (name, milliseconds). `None` when no kvx engine timed the request
+/// (another server), so there is nothing to split.
+pub fn breakdown(ttft: Duration, to_headers: Duration, entries: &[(String, f64)]) -> Option<Breakdown> {
+    let get = |name: &str| entries.iter().find(|(n, _)| n == name).map(|(_, ms)| *ms);
+    let sum = |names: &[&str]| names.iter().filter_map(|n| get(n)).sum::<f64>();
+    let totals = [PREFILL_TOTAL, DECODE_TOTAL, LOCAL_TOTAL];
+    if totals.iter().all(|n| get(n).is_none()) {
+        return None;
+    }
+    let ttft_ns = u64::try_from(ttft.as_nanos()).unwrap_or(u64::MAX);
+    let headers_ns = u64::try_from(to_headers.as_nanos()).unwrap_or(u64::MAX).min(ttft_ns);
+    let mut b: Breakdown = [0; N];
+    b[0] = headers_ns.saturating_sub(ns(sum(&totals)));
+    b[1] = ns(sum(&[PREFILL_QUEUE, LOCAL_QUEUE]));
+    b[2] = ns(sum(&[PREFILL_COMPUTE, LOCAL_PREFILL]));
+    b[3] = ns(sum(&[DECODE_ADMISSION]));
+    b[4] = ns(sum(&[KV_HANDSHAKE]));
+    b[5] = ns(sum(&[KV_TRANSFER]));
+    b[6] = ns(sum(&[KV_NOTIFY]));
+    b[7] = ns(sum(&[KV_VERIFY]));
+    b[8] = ttft_ns - headers_ns;
+    let named: u64 = b[..N - 1].iter().sum();
+    b[N - 1] = ttft_ns.saturating_sub(named);
+    Some(b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn e(entries: &[(&str, f64)]) -> Vec<(String, f64)> {
+        entries.iter().map(|(n, v)| (n.to_string(), *v)).collect()
+    }
+
+    #[test]
+    fn stages_tile_the_ttft() {
+        let entries = e(&[
+            (PREFILL_QUEUE, 0.1),
+            (PREFILL_COMPUTE, 2.0),
+            (PREFILL_TOTAL, 2.3),
+            (KV_HANDSHAKE, 0.0),
+            (KV_TRANSFER, 1.5),
+            (KV_NOTIFY, 0.2),
+            (KV_VERIFY, 0.3),
+            (DECODE_ADMISSION, 0.05),
+            (ITL, 15.0),
+            (DECODE_TOTAL, 2.2),
+            (PROXY_TOTAL, 5.0),
+        ]);
+        let b =
+            breakdown(Duration::from_micros(20_600), Duration::from_micros(5_600), &entries).expect("kvx");
+        // proxy: 5.6 - (2.3 + 2.2) = 1.1 ms; first step: 20.6 - 5.6 = 15 ms.
+        assert_eq!(b[0], 1_100_000);
+        assert_eq!(&b[1..8], &[100_000, 2_000_000, 50_000, 0, 1_500_000, 200_000, 300_000]);
+        assert_eq!(b[8], 15_000_000);
+        // other: the engines' 0.2 + 0.15 ms outside their stages.
+        assert_eq!(b[9], 350_000);
+        assert_eq!(b.iter().sum::<u64>(), 20_600_000);
+        assert_eq!(breakdown(Duration::from_millis(1), Duration::ZERO, &e(&[("db", 1.0)])), None);
+    }
 
     #[test]
     fn round_trips_and_skips_what_it_cannot_read() {
