@@ -421,8 +421,12 @@ async fn bench_serve_runs_the_whole_path_and_writes_its_summary() {
         let ttft = bar["ttft_us"].as_f64().expect("ttft");
         assert!((sum - ttft).abs() <= 0.05 * ttft, "stages {sum} us vs TTFT {ttft} us");
         assert!(w["unattributed_share_p50"].as_f64().expect("share") < 0.05, "{w}");
-        // And the table's p50 column reads as a waterfall too.
-        assert!(w["stage_p50_sum_error"].as_f64().expect("error").abs() < 0.05, "{w}");
+        // Means add up whatever the spread (the stage p50s need not: with 4 requests they can
+        // be 10% apart, so the report states their sum next to the TTFT p50 rather than imply it).
+        let mean_stages: f64 = w["stages"].as_array().expect("stages").iter().filter_map(|s| s["mean_us"].as_f64()).sum();
+        let mean_ttft = w["ttft"]["mean_us"].as_f64().expect("mean");
+        assert!((mean_stages - mean_ttft).abs() <= 0.01 * mean_ttft, "{mean_stages} vs {mean_ttft}: {w}");
+        assert!(w["stage_p50_sum_error"].as_f64().is_some());
         let client_ttft = v["stages"]["ttft"]["p50_us"].as_f64().expect("ttft p50");
         assert!((w["ttft"]["p50_us"].as_f64().expect("p50") - client_ttft).abs() <= 0.01 * client_ttft);
         let csv = std::fs::read_to_string(dir.join("ttft_waterfall.csv")).expect("csv");
