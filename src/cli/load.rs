@@ -234,6 +234,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn bench_takes_slo_and_metrics_port_with_serve_only() {
+        use clap::Parser as _;
+        let parse = |v: &[&str]| crate::cli::Cli::try_parse_from(v.iter().copied());
+        assert!(parse(&["kvx", "bench", "--serve", "--slo", "ttft=200ms", "--metrics-port", "0"]).is_ok());
+        for flag in [["--slo", "ttft=200ms"], ["--metrics-port", "0"]] {
+            let e = parse(&["kvx", "bench", flag[0], flag[1]]).expect_err("needs --serve");
+            assert_eq!(e.kind(), clap::error::ErrorKind::MissingRequiredArgument, "{e}");
+            assert!(e.to_string().contains("--serve"), "{e}");
+        }
+    }
+
+    #[test]
     fn slo_flag_names_itself() {
         assert_eq!(parse_slo(None).expect("none"), None);
         assert!(parse_slo(Some("ttft=200ms,tpot=50ms")).expect("valid").is_some());
