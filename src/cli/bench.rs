@@ -167,9 +167,17 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value_t = Format::Table, help_heading = "Output")]
     pub format: Format,
     /// Serve the workload over HTTP: a prefill engine, a decode engine and the P/D proxy,
-    /// driven through the proxy by `kvx load`'s generator (TTFT, ITL, TPOT, e2el and the KV stages).
+    /// driven through the proxy by `kvx load`'s generator (TTFT, ITL, TPOT, e2el, the KV stages
+    /// and the TTFT waterfall).
     #[arg(long, help_heading = "Workload")]
     pub serve: bool,
+    /// With --serve: objectives for goodput, e.g. ttft=200ms,tpot=50ms (also itl, e2el).
+    #[arg(long, requires = "serve", value_name = "NAME=LIMIT,...", help_heading = "Workload")]
+    pub slo: Option<String>,
+    /// With --serve: serve the engines' and proxy's Prometheus metrics (vLLM's families) on this
+    /// port while the run goes; 0 picks a free one (its address is printed on stderr).
+    #[arg(long, requires = "serve", value_name = "PORT", help_heading = "Output")]
+    pub metrics_port: Option<u16>,
 }
 
 impl BenchArgs {
@@ -234,7 +242,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     match plan {
         BenchPlan::Serve(settings) => {
             check_ucx(&settings)?;
-            Ok(crate::serve::bench_serve::run(&settings, json)?)
+            let opts = crate::serve::bench_serve::ServeOptions {
+                slo: super::load::parse_slo(args.slo.as_deref())?,
+                metrics_port: args.metrics_port,
+            };
+            Ok(crate::serve::bench_serve::run(&settings, json, &opts)?)
         }
         BenchPlan::CompareTransports(runs) => {
             let mut writer = RunWriter::create(&root, &run_id)?;

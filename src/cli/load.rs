@@ -1,6 +1,6 @@
 //! `kvx load`: flags, validation and output around `serve::load`. Reports through the
-//! same machinery as `kvx bench`: a run directory under `results/` (summary, CSVs, SVG) and
-//! tables or the summary JSON on stdout.
+//! same machinery as `kvx bench`: a run directory under `results/` (summary, CSVs, SVGs) and
+//! tables or the summary JSON on stdout; a progress bar on stderr when it is a terminal.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -10,9 +10,10 @@ use clap::{ArgAction, Args, ValueEnum};
 use crate::Outcome;
 use crate::error::ConfigError;
 use crate::report::files::{RunWriter, results_root};
+use crate::report::slo::Slo;
 use crate::report::summary::{new_run_id, now_rfc3339};
 use crate::report::table::Style;
-use crate::serve::load::{self, Arrival, LoadConfig, Target};
+use crate::serve::load::{self, Arrival, LoadConfig, LoadProgress, ProgressDisplay, Target};
 use crate::serve::load_report;
 use crate::serve::openai::Endpoint;
 use crate::settings::env;
@@ -87,6 +88,11 @@ pub struct LoadArgs {
     /// Seed for prompts and arrival times.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Service-level objectives for goodput, e.g. ttft=200ms,tpot=50ms (also itl, e2el; a
+    /// bare number is milliseconds). Reports the share of requests within all of them and
+    /// goodput (requests/s within SLO).
+    #[arg(long, value_name = "NAME=LIMIT,...")]
+    pub slo: Option<String>,
     /// Output format on stdout: tables, or the run's summary JSON.
     #[arg(long, value_enum, default_value = "table")]
     pub format: Format,
@@ -175,7 +181,13 @@ pub fn resolve(a: &LoadArgs) -> Result<LoadConfig, ConfigError> {
         api_key: a.api_key.clone(),
         timeout: Duration::from_secs_f64(a.timeout),
         seed: a.seed,
+        slo: parse_slo(a.slo.as_deref())?,
     })
+}
+
+/// `--slo`, as `kvx load` and `kvx bench --serve` take it.
+pub fn parse_slo(s: Option<&str>) -> Result<Option<Slo>, ConfigError> {
+    s.map(|s| Slo::parse(s).map_err(|e| ConfigError::new("--slo", e))).transpose()
 }
 
 pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
@@ -185,12 +197,16 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     let run_id = new_run_id(&started_at);
     let writer = RunWriter::create(&root, &run_id)?;
     let rt = super::serve_engine::runtime(args.threads)?;
+    let progress = LoadProgress::new();
+    let total = cfg.requests.map(|n| (n + cfg.warmup) * cfg.targets.len() as u64);
+    let display = ProgressDisplay::start(progress.clone(), total);
     let (run, cfg) = rt.block_on(async move {
         if cfg.model.is_none() {
             cfg.model = load::discover_model(&cfg.targets[0].url, cfg.api_key.as_deref()).await;
         }
-        load::run(cfg.clone()).await.map(|r| (r, cfg))
+        load::run_with_progress(cfg.clone(), Some(progress)).await.map(|r| (r, cfg))
     })?;
+    drop(display);
     let summary = load_report::summary(&run, &cfg, &run_id, &started_at, &args.name);
     let files = load_report::write_run(writer, &summary, &run)?;
     let out = match args.format {
@@ -211,6 +227,26 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bench_takes_slo_and_metrics_port_with_serve_only() {
+        use clap::Parser as _;
+        let parse = |v: &[&str]| crate::cli::Cli::try_parse_from(v.iter().copied());
+        assert!(parse(&["kvx", "bench", "--serve", "--slo", "ttft=200ms", "--metrics-port", "0"]).is_ok());
+        for flag in [["--slo", "ttft=200ms"], ["--metrics-port", "0"]] {
+            let e = parse(&["kvx", "bench", flag[0], flag[1]]).expect_err("needs --serve");
+            assert_eq!(e.kind(), clap::error::ErrorKind::MissingRequiredArgument, "{e}");
+            assert!(e.to_string().contains("--serve"), "{e}");
+        }
+    }
+
+    #[test]
+    fn slo_flag_names_itself() {
+        assert_eq!(parse_slo(None).expect("none"), None);
+        assert!(parse_slo(Some("ttft=200ms,tpot=50ms")).expect("valid").is_some());
+        let e = parse_slo(Some("ttft=soon")).expect_err("invalid");
+        assert_eq!(e.flag, "--slo");
+    }
 
     #[test]
     fn prompt_len_forms() {

@@ -55,7 +55,7 @@ pub enum Command {
     Gate(gate::GateArgs),
     /// Reference OpenAI-compatible engine (prefill or decode role) with real KV transfers.
     ServeEngine(Box<serve_engine::ServeEngineArgs>),
-    /// P/D proxy with the flags of vLLM's toy proxy.
+    /// P/D proxy with the flags of vLLM's toy proxy and of its Rust router (--vllm-pd-disaggregation).
     ServeProxy(serve_proxy::ServeProxyArgs),
     /// Load generator for any OpenAI-compatible endpoint.
     Load(load::LoadArgs),

@@ -25,6 +25,9 @@ use crate::settings::engine::{ServeEngineFlags, resolve_serve_engine};
 use crate::settings::env::ProcessEnv;
 use crate::settings::parse::parse_duration;
 
+/// `--itl-ms` default: [`crate::serve::engine::DEFAULT_ITL`] in milliseconds.
+pub const DEFAULT_ITL_MS: f64 = 15.0;
+
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  \
     kvx serve-engine --role prefill --port 8100 --tp 2 --model llama-3.1-8b --side-channel-port 5600\n  \
@@ -56,8 +59,10 @@ pub struct ServeEngineArgs {
     /// Simulated prefill throughput in tokens/s (0 = instant prefill).
     #[arg(long, default_value_t = 0.0)]
     pub prefill_tokens_per_s: f64,
-    /// Inter-token latency in milliseconds for generated tokens (0 = as fast as possible).
-    #[arg(long, default_value_t = 0.0)]
+    /// Inter-token latency in milliseconds: one decode step of a real engine (10-30 ms for
+    /// 8B-70B models on current GPUs). 0 sends all tokens at once: clients then report an
+    /// ITL and TPOT of zero, and the engine's Server-Timing says pacing is off.
+    #[arg(long, default_value_t = DEFAULT_ITL_MS)]
     pub itl_ms: f64,
     /// Require `Authorization: Bearer <KEY>` on /v1/* (as vLLM's --api-key).
     #[arg(long)]
@@ -361,6 +366,16 @@ mod tests {
         assert_eq!(w.side_channel_bind, None, "decode engines serve no side channel");
         let n = parse(&["--role", "decode", "--kv-backend", "null"]);
         assert!(matches!(resolve(&n).expect("valid").kv, KvSettings::Null(_)));
+    }
+
+    #[test]
+    fn default_pacing_is_a_real_decode_step() {
+        let s = resolve(&parse(&["--role", "decode", "--kv-backend", "null"])).expect("valid");
+        assert_eq!(s.http.itl, engine::DEFAULT_ITL);
+        assert!(s.http.itl >= Duration::from_millis(10) && s.http.itl <= Duration::from_millis(30));
+        let s =
+            resolve(&parse(&["--role", "decode", "--kv-backend", "null", "--itl-ms", "0"])).expect("valid");
+        assert_eq!(s.http.itl, Duration::ZERO);
     }
 
     #[test]

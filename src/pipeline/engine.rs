@@ -189,6 +189,9 @@ enum Cmd {
         req: u64,
         p_request_id: String,
     },
+    Release {
+        p_request_id: String,
+    },
     Fault {
         rank: u32,
         fault: Fault,
@@ -320,6 +323,14 @@ impl Engine {
     /// Prefill role: the decode side gave up on a request; its blocks go at lease expiry.
     pub fn abandon(&self, req: u64, p_request_id: String) {
         let _ = self.send(Cmd::Abandon { req, p_request_id });
+    }
+
+    /// Prefill role: no decode engine will read this request's blocks (the serving path's
+    /// decode leg failed, or its client left before the handoff). They are freed now rather
+    /// than at lease expiry, and a fill still waiting for free blocks is dropped. Unknown ids
+    /// are ignored.
+    pub fn release(&self, p_request_id: String) {
+        let _ = self.send(Cmd::Release { p_request_id });
     }
 
     /// Injects a fault into one rank (resilience tests).
@@ -854,6 +865,10 @@ impl EngineLoop {
                 if done && let Some(p) = self.prefills.remove(&req) {
                     let params = self.params_for(&p);
                     self.hold_or_free(req, p.blocks, &p.freed);
+                    // Published before the reply: a caller that answers its client and is then
+                    // asked for its held blocks must see this request's (the loop may not reach
+                    // the end of its round before that scrape).
+                    self.publish_live();
                     let _ = p.reply.send(Ok(PrefillDone {
                         params,
                         fill_ns: p.fill_ns,
@@ -888,8 +903,9 @@ impl EngineLoop {
                     self.pool.free(&l.blocks);
                     l.results.sort_by_key(|r| r.d_rank);
                     let n = l.blocks.len() as u32;
-                    let _ = l.reply.send(Ok(LoadDone { ranks: l.results, local_blocks: n }));
                     self.drain_backlog();
+                    self.publish_live();
+                    let _ = l.reply.send(Ok(LoadDone { ranks: l.results, local_blocks: n }));
                 }
             }
             FromWorker::Unrecognized { count } => self.fin.unrecognized_notifs += count,
@@ -946,12 +962,14 @@ impl EngineLoop {
         match cmd {
             Cmd::Prefill { tokens, .. } => tokens.div_ceil(self.cfg.block_tokens),
             Cmd::Load { local_blocks, .. } => *local_blocks,
-            Cmd::Abandon { .. } | Cmd::Fault { .. } => 0,
+            Cmd::Abandon { .. } | Cmd::Release { .. } | Cmd::Fault { .. } => 0,
         }
     }
 
     fn submit(&mut self, cmd: Cmd) {
-        if !self.backlog.is_empty() && !matches!(cmd, Cmd::Abandon { .. } | Cmd::Fault { .. }) {
+        if !self.backlog.is_empty()
+            && !matches!(cmd, Cmd::Abandon { .. } | Cmd::Release { .. } | Cmd::Fault { .. })
+        {
             self.backlog.push_back(cmd);
             return;
         }
@@ -976,6 +994,14 @@ impl EngineLoop {
         match cmd {
             Cmd::Fault { rank, fault } => {
                 self.send_to(rank, &ToWorker::Fault(fault));
+                None
+            }
+            Cmd::Release { p_request_id } => {
+                self.backlog
+                    .retain(|c| !matches!(c, Cmd::Prefill { p_request_id: id, .. } if *id == p_request_id));
+                for r in 0..self.cfg.tp {
+                    self.send_to(r, &ToWorker::Release { p_request_id: p_request_id.clone() });
+                }
                 None
             }
             Cmd::Abandon { req, p_request_id } => {

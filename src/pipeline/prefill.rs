@@ -245,6 +245,15 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     pool.kill_ucx()?;
                 }
                 ToWorker::Fault(Fault::Exit) => std::process::exit(3),
+                // No decode engine will read these blocks (the request's decode leg failed, or
+                // its client left before the handoff): free them now, not at lease expiry.
+                ToWorker::Release { p_request_id } => {
+                    leases.release(&p_request_id);
+                    if let Some(h) = held.remove(&p_request_id) {
+                        release(&mut storage, &p_request_id, h.published);
+                        ctl.send(&FromWorker::Freed { req: h.req, expired: false })?;
+                    }
+                }
                 ToWorker::Abandon { .. } | ToWorker::Init(_) | ToWorker::Load { .. } => {}
                 ToWorker::Shutdown => return Ok(()),
             }

@@ -187,6 +187,11 @@ pub enum ToWorker {
         req: u64,
         p_request_id: String,
     },
+    /// Prefill rank: no decode engine will read this request's blocks (the serving path's
+    /// decode leg failed, or its client left before the handoff); free them now.
+    Release {
+        p_request_id: String,
+    },
     /// Fault injection for resilience tests (`kvx bench --fault`).
     Fault(Fault),
     Shutdown,

@@ -359,6 +359,71 @@ where
     Ok(())
 }
 
+/// The TTFT waterfall: one stacked horizontal bar per row of [`super::waterfall::Waterfall`]
+/// (the mean request, then the requests at the TTFT p50, p90 and p99), one colour per stage.
+/// `None` when the run has no waterfall.
+pub fn waterfall_svg(summary: &Summary) -> Result<Option<String>, ReportError> {
+    let Some(w) = summary.waterfall.as_ref().filter(|w| !w.bars.is_empty()) else { return Ok(None) };
+    let err = chart_err("waterfall");
+    let n = w.bars.len();
+    let max_ms = w.bars.iter().map(|b| b.ttft_us / 1e3).fold(0.0, f64::max).max(1e-3) * 1.08;
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("TTFT waterfall: where the time to first token went", ("sans-serif", 20))
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(110)
+            .build_cartesian_2d(0f64..max_ms, 0f64..n as f64)
+            .map_err(|e| err(e.to_string()))?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(0)
+            .x_desc("milliseconds (client-side TTFT, split by stage)")
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        // Row i from the top: the mean first.
+        let row = |i: usize| (n - 1 - i) as f64;
+        for (i, bar) in w.bars.iter().enumerate() {
+            let (x, y) = chart.backend_coord(&(0.0, row(i) + 0.55));
+            root.draw(&Text::new(bar.label.clone(), (x - 105, y - 7), ("sans-serif", 14)))
+                .map_err(|e| err(e.to_string()))?;
+            let (x, y) = chart.backend_coord(&(bar.ttft_us / 1e3, row(i) + 0.55));
+            root.draw(&Text::new(format!("{:.2} ms", bar.ttft_us / 1e3), (x + 4, y - 7), ("sans-serif", 12)))
+                .map_err(|e| err(e.to_string()))?;
+        }
+        for (s, stage) in w.stages.iter().enumerate() {
+            let c = colour(s);
+            let mut rects = Vec::new();
+            for (i, bar) in w.bars.iter().enumerate() {
+                let start: f64 = bar.stages_us[..s].iter().sum::<f64>() / 1e3;
+                let v = bar.stages_us.get(s).copied().unwrap_or(0.0) / 1e3;
+                if v > 0.0 {
+                    rects
+                        .push(Rectangle::new([(start, row(i) + 0.2), (start + v, row(i) + 0.9)], c.filled()));
+                }
+            }
+            chart
+                .draw_series(rects)
+                .map_err(|e| err(e.to_string()))?
+                .label(stage.name.clone())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .border_style(BLACK)
+            .background_style(WHITE.mix(0.85))
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+        root.present().map_err(|e| err(e.to_string()))?;
+    }
+    Ok(Some(out))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -426,6 +491,28 @@ mod tests {
         assert_eq!(x, "bytes per descriptor");
         assert_eq!(series[0], Series { name: "hnd".into(), points: vec![(512.0, 1.0)] });
         assert_eq!(series[1], Series { name: "nhd".into(), points: vec![(1024.0, 1.5), (4096.0, 2.0)] });
+    }
+
+    #[test]
+    fn waterfall_chart_draws_every_bar_and_stage() {
+        use crate::report::waterfall::{Breakdown, N, WaterfallBuilder};
+        let mut b = WaterfallBuilder::new();
+        for i in 1..=10u64 {
+            let mut x: Breakdown = [0; N];
+            x[0] = 100_000 * i;
+            x[5] = 2_000_000;
+            x[8] = 15_000_000;
+            b.add(std::time::Duration::from_nanos(x.iter().sum()), x);
+        }
+        let mut s = Summary::new("r", "t", Scenario::default());
+        s.waterfall = b.finish();
+        let svg = waterfall_svg(&s).expect("chart").expect("a waterfall");
+        let doc = roxmltree::Document::parse(&svg).expect("valid SVG");
+        let texts: Vec<&str> = doc.descendants().filter_map(|n| n.text()).collect();
+        for want in ["mean", "p50 request", "p99 request", "kv_transfer", "first_decode_step"] {
+            assert!(texts.iter().any(|t| t.contains(want)), "{want} missing");
+        }
+        assert_eq!(waterfall_svg(&Summary::new("r", "t", Scenario::default())).expect("ok"), None);
     }
 
     #[test]

@@ -22,6 +22,8 @@ pub const SWEEP_FILE: &str = "sweep.csv";
 pub const LATENCY_SVG: &str = "latency.svg";
 pub const THROUGHPUT_SVG: &str = "throughput-over-time.svg";
 pub const SWEEP_SVG: &str = "bandwidth-vs-size.svg";
+/// The TTFT waterfall of a serving run (`kvx load`, `kvx bench --serve`).
+pub const WATERFALL_SVG: &str = "ttft-waterfall.svg";
 
 /// Default directory runs are written under.
 pub const DEFAULT_RESULTS_DIR: &str = "results";
@@ -156,6 +158,7 @@ pub fn write_charts(dir: &Path, summary: &Summary, rows: &[RequestRow]) -> Resul
         (LATENCY_SVG, chart::latency_svg(summary, rows)?),
         (THROUGHPUT_SVG, chart::throughput_svg(rows)?),
         (SWEEP_SVG, chart::sweep_svg(summary)?),
+        (WATERFALL_SVG, chart::waterfall_svg(summary)?),
     ];
     for (name, svg) in charts {
         if let Some(svg) = svg {

@@ -1007,6 +1007,31 @@ mod tests {
     }
 
     #[test]
+    fn goodput_of_serving_runs_is_a_metric_a_thresholds_file_can_gate() {
+        let mut b = doc(&[10.0], 10.0);
+        let mut c = doc(&[10.0], 10.0);
+        b["goodput"] = json!({"slo_ms": {"ttft": 200.0}, "requests": 100, "good": 100, "share": 1.0, "requests_per_s": 50.0});
+        c["goodput"] = json!({"slo_ms": {"ttft": 200.0}, "requests": 100, "good": 60, "share": 0.6, "requests_per_s": 30.0});
+        // Not in the built-in rules (bench runs have no SLO): a thresholds file adds it.
+        assert!(gate(&b, &c).metrics.iter().all(|m| !m.metric.starts_with("goodput")));
+        let file = "[[metric]]\nname = \"goodput.share\"\nbetter = \"higher\"\nthreshold = 0.05\nnormalize = false\n\
+                    [[metric]]\nname = \"goodput.requests_per_s\"\nbetter = \"higher\"\nthreshold = 0.1\nnormalize = false\nenforce = false\n";
+        let th = Thresholds::with_file(file, "t.toml").expect("valid");
+        let r = evaluate(
+            Doc { path: Path::new("b.json"), value: &b },
+            Doc { path: Path::new("c.json"), value: &c },
+            &th,
+        )
+        .expect("evaluate");
+        let g = r.metrics.iter().find(|m| m.metric == "goodput.share").expect("listed");
+        assert_eq!((g.baseline, g.current, g.verdict), (Some(1.0), Some(0.6), MetricVerdict::Regression));
+        assert!(g.fails());
+        assert_eq!(r.verdict, Verdict::Regression);
+        let rate = r.metrics.iter().find(|m| m.metric == "goodput.requests_per_s").expect("listed");
+        assert!(!rate.fails(), "shown, not gated");
+    }
+
+    #[test]
     fn user_file_overlays_the_defaults() {
         let t = Thresholds::with_file(
             "[settings]\nnoise_z = 3\n[[metric]]\nname = \"throughput_gbps\"\nbetter = \"higher\"\nthreshold = 0.05\n\

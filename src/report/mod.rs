@@ -9,6 +9,8 @@
 //! - [`numbers`]: how figures read (precision, byte units, ratios); a leaf.
 //! - [`export`], [`table`], [`chart`]: pure exporters from a summary (and rows) to bytes:
 //!   JSON, CSV, comfy-table text or Markdown, SVG charts.
+//! - [`waterfall`] and [`slo`]: a serving run's TTFT split into stages, and its goodput
+//!   against SLOs (figures a summary carries).
 //! - [`compare`]: two runs side by side (`kvx report A B`).
 //! - [`gate`] and [`stats`]: the noise-aware regression gate (`kvx gate`).
 //! - [`verdict`]: whether a finished run was clean (the rule behind exit code 1).
@@ -27,10 +29,12 @@ pub mod files;
 pub mod gate;
 pub mod numbers;
 pub mod recorder;
+pub mod slo;
 pub mod stats;
 pub mod summary;
 pub mod table;
 pub mod verdict;
+pub mod waterfall;
 
 pub use files::{RunData, RunWriter, load_run, load_summary};
 pub use recorder::StageRecorder;

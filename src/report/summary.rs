@@ -138,9 +138,22 @@ pub struct Summary {
     /// Named event counts of the run (e.g. `fallbacks_to_storage`), apart from the metrics.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counters: BTreeMap<String, u64>,
+    /// Serving runs: the client-side TTFT split into the stages of the P/D path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waterfall: Option<Waterfall>,
+    /// Serving runs with `--slo`: requests within every objective (`goodput.share`,
+    /// `goodput.requests_per_s` for the gate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goodput: Option<super::slo::Goodput>,
 }
 
 impl Summary {
+    /// Whether the run measured KV transfers (a `kvx load` run of an HTTP endpoint did not:
+    /// its reports leave the KV figures out rather than print zeros).
+    pub fn measured_kv(&self) -> bool {
+        self.bytes_read > 0 || self.stages.contains_key(Stage::Transfer.as_str()) || self.sweep.is_some()
+    }
+
     /// An empty summary of the current schema and kvx version; the caller fills the figures.
     pub fn new(run_id: impl Into<String>, started_at: impl Into<String>, scenario: Scenario) -> Self {
         Summary {
@@ -174,6 +187,8 @@ impl Summary {
             sweep: None,
             notes: Vec::new(),
             counters: BTreeMap::new(),
+            waterfall: None,
+            goodput: None,
         }
     }
 
@@ -751,6 +766,64 @@ pub fn new_run_id(started_at_rfc3339: &str) -> String {
     let stamp: String = started_at_rfc3339.chars().filter(|c| !matches!(c, '-' | ':')).collect();
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     format!("{stamp}-{}", &suffix[..6])
+}
+
+// ---- The TTFT waterfall a serving run carries (built by `report::waterfall`). ----
+
+/// The stages, in order, with what each covers.
+pub const STAGES: [(&str, &str); 10] = [
+    ("proxy", "HTTP hops client <-> proxy <-> engines and the proxy's own work"),
+    ("prefill_queue", "prefill engine: waiting for admission"),
+    ("prefill_compute", "prefill engine: prefill and KV blocks filled and held"),
+    ("decode_admission", "decode engine: waiting for admission"),
+    ("handshake", "decode engine: side-channel handshake (first contact only)"),
+    ("kv_transfer", "decode engine: KV reads (queue, plan, post, read)"),
+    ("notification", "decode engine: notifying the prefill engine"),
+    ("verify", "decode engine: checking the bytes read"),
+    ("first_decode_step", "decode step of the first token and its way to the client"),
+    ("other", "engine time outside the named stages"),
+];
+
+/// Number of stages.
+pub const N: usize = STAGES.len();
+
+/// One stacked bar of the chart: a request's (or the mean) stages.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WaterfallBar {
+    /// `mean`, `p50 request`, `p90 request`, `p99 request`.
+    pub label: String,
+    pub ttft_us: f64,
+    /// Per stage, in [`STAGES`] order.
+    pub stages_us: Vec<f64>,
+}
+
+/// Percentiles of one stage over the requests (zeros included: a stage a request did not go
+/// through took it no time).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WaterfallStage {
+    pub name: String,
+    #[serde(flatten)]
+    pub stats: StageStats,
+}
+
+/// The waterfall of a run's measured streaming requests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Waterfall {
+    /// Requests with a breakdown.
+    pub requests: u64,
+    /// Client-side TTFT of those requests.
+    pub ttft: StageStats,
+    pub stages: Vec<WaterfallStage>,
+    /// The mean request, then the requests at the TTFT percentiles: each bar adds up to its TTFT.
+    pub bars: Vec<WaterfallBar>,
+    /// Sum of the stages' p50s, and its distance from the TTFT p50 as a fraction of it (p50s
+    /// of parts need not add up to the p50 of the whole; a small distance means the table's
+    /// p50 column reads as a waterfall too).
+    pub stage_p50_sum_us: f64,
+    pub stage_p50_sum_error: f64,
+    /// The p50 request's `other` stage as a fraction of its TTFT: what the named stages leave
+    /// unexplained.
+    pub unattributed_share_p50: f64,
 }
 
 #[cfg(test)]

@@ -7,7 +7,9 @@
 use comfy_table::{CellAlignment, ContentArrangement, Table, TableStyle, presets};
 
 pub use super::numbers::{fmt_bytes, fmt_f, fmt_ratio};
-use super::summary::{Summary, display_value, ordered_stage_names, ratio, vllm_metrics_line};
+use super::summary::{
+    STAGES, Summary, Waterfall, display_value, ordered_stage_names, ratio, vllm_metrics_line,
+};
 
 /// Where a table will be shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,6 +248,20 @@ pub fn sweep_table(s: &Summary, style: Style) -> Option<Table> {
 }
 
 /// Every table of a run, in reading order, then the vLLM metrics line.
+/// Goodput: the objectives, requests within all of them, their share and rate.
+pub fn goodput_table(g: &super::slo::Goodput, style: Style) -> Table {
+    let mut t = new_table(style, &["slo", "requests", "within slo", "share", "goodput req/s"]);
+    t.add_row(vec![
+        g.describe(),
+        g.requests.to_string(),
+        g.good.to_string(),
+        format!("{:.1}%", g.share * 100.0),
+        fmt_f(g.requests_per_s),
+    ]);
+    align_numbers(&mut t, 1);
+    t
+}
+
 pub fn render_summary(s: &Summary, style: Style) -> String {
     let mut out = String::new();
     if style == Style::Markdown {
@@ -257,8 +273,20 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         out.push_str(&section("Latency by stage", &stage_table(s, style), style));
         out.push('\n');
     }
-    out.push_str(&section("Throughput, bytes, descriptors", &throughput_table(s, style), style));
-    out.push('\n');
+    if let Some(w) = &s.waterfall {
+        out.push_str(&section("TTFT waterfall", &waterfall_table(w, style), style));
+        out.push_str(&waterfall_note(w));
+        out.push_str("\n\n");
+    }
+    if let Some(g) = &s.goodput {
+        out.push_str(&section("Goodput", &goodput_table(g, style), style));
+        out.push('\n');
+    }
+    // A load run of an HTTP endpoint moved no KV: no zeros for figures it never measured.
+    if s.measured_kv() {
+        out.push_str(&section("Throughput, bytes, descriptors", &throughput_table(s, style), style));
+        out.push('\n');
+    }
     out.push_str(&section("Outcomes and verification", &failures_table(s, style), style));
     if let Some(t) = per_rank_table(s, style) {
         out.push('\n');
@@ -273,7 +301,7 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         out.push_str(&section("Sweep", &t, style));
     }
     // The vLLM line describes one run's transfers; a sweep's points carry their own figures.
-    if !s.stages.is_empty() {
+    if !s.stages.is_empty() && s.measured_kv() {
         out.push('\n');
         match style {
             Style::Terminal => out.push_str(&vllm_metrics_line(s)),
@@ -282,6 +310,53 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         out.push('\n');
     }
     out
+}
+
+/// Stage percentiles, with each stage's share of the mean TTFT.
+pub fn waterfall_table(w: &Waterfall, style: Style) -> Table {
+    let mut t = new_table(
+        style,
+        &["stage", "what it covers", "mean ms", "share", "p50 ms", "p90 ms", "p99 ms", "max ms"],
+    );
+    let mean_ttft = w.bars.first().map_or(0.0, |b| b.ttft_us);
+    let ms = |v: f64| fmt_f(v / 1e3);
+    for (i, s) in w.stages.iter().enumerate() {
+        let share = if mean_ttft > 0.0 { s.stats.mean_us / mean_ttft * 100.0 } else { 0.0 };
+        t.add_row(vec![
+            s.name.clone(),
+            STAGES.get(i).map_or("", |(_, d)| d).to_string(),
+            ms(s.stats.mean_us),
+            format!("{share:.1}%"),
+            ms(s.stats.p50_us),
+            ms(s.stats.p90_us),
+            ms(s.stats.p99_us),
+            ms(s.stats.max_us),
+        ]);
+    }
+    t.add_row(vec![
+        "ttft (client)".into(),
+        format!("{} requests", w.requests),
+        ms(w.ttft.mean_us),
+        "100%".into(),
+        ms(w.ttft.p50_us),
+        ms(w.ttft.p90_us),
+        ms(w.ttft.p99_us),
+        ms(w.ttft.max_us),
+    ]);
+    align_numbers(&mut t, 2);
+    t
+}
+
+/// One line under the table: how well the stages add up.
+pub fn waterfall_note(w: &Waterfall) -> String {
+    format!(
+        "stages tile each request's TTFT; sum of stage p50s {} ms vs TTFT p50 {} ms ({:+.1}%); \
+         unattributed (other) {:.1}% of the p50 request",
+        fmt_f(w.stage_p50_sum_us / 1e3),
+        fmt_f(w.ttft.p50_us / 1e3),
+        w.stage_p50_sum_error * 100.0,
+        w.unattributed_share_p50 * 100.0
+    )
 }
 
 #[cfg(test)]

@@ -12,6 +12,13 @@
 //! are no ports to discover and no child servers to orphan. The servers get their own
 //! runtime so the load generator's clock never waits behind their tasks.
 //!
+//! The engines pace their tokens as `kvx serve-engine` does by default ([`DEFAULT_ITL`]), so
+//! ITL, TPOT and the first decode step are those of a real decode step; the report splits
+//! each request's TTFT into the stages of the path (the waterfall), and with `--slo` judges
+//! every request against the objectives (goodput). With `--metrics-port` the run serves the
+//! engines' and the proxy's Prometheus families (vLLM's `vllm:*` and kvx's own) while it
+//! goes, labelled `engine="prefill"` and `engine="decode"`.
+//!
 //! Owns the orchestration and the mapping of its figures into a [`Summary`]. Must not
 //! change what the engines, proxy or generator do: it only wires them.
 
@@ -23,9 +30,10 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::engine::{self, EngineConfig as HttpEngineConfig, EngineState, Role as HttpRole};
-use super::load::{self, Arrival as LoadArrival, LoadConfig, LoadRun, Target};
+use super::engine::{self, DEFAULT_ITL, EngineConfig as HttpEngineConfig, EngineState, Role as HttpRole};
+use super::load::{self, Arrival as LoadArrival, LoadConfig, LoadProgress, LoadRun, ProgressDisplay, Target};
 use super::load_report;
+use super::metrics::{Exposition, PROMETHEUS_CONTENT_TYPE};
 use super::openai::Endpoint;
 use super::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
 use super::workers::{KvRequestRecord, KvStats, WorkerKv};
@@ -37,6 +45,7 @@ use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::ReportError;
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::recorder::StageRecorder;
+use crate::report::slo::Slo;
 use crate::report::summary::{
     DescriptorsPerRequest, RankList, RankThroughput, RequestOutcome, RequestRow, Summary, UcxInfo,
     new_run_id, now_rfc3339, ratio, vllm_metrics_line,
@@ -57,7 +66,17 @@ fn http_config(s: &BenchSettings, role: HttpRole) -> HttpEngineConfig {
     c.max_model_len = u64::from(s.lens.max()) + MAX_TOKENS + 1;
     c.block_size_tokens = spec.block_tokens;
     c.tp_size = spec.tp;
+    c.itl = DEFAULT_ITL;
     c
+}
+
+/// What `kvx bench --serve` adds to the bench settings.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOptions {
+    /// Objectives for goodput (`--slo`).
+    pub slo: Option<Slo>,
+    /// Serve `/metrics` on this port while the run goes (`--metrics-port`; 0: any free port).
+    pub metrics_port: Option<u16>,
 }
 
 /// Why `kvx bench --serve` could not run.
@@ -78,7 +97,11 @@ pub enum BenchServeError {
 }
 
 /// The load generator's settings: the bench's workload, through the proxy.
-fn load_config(s: &BenchSettings, proxy: SocketAddr) -> Result<LoadConfig, BenchServeError> {
+fn load_config(
+    s: &BenchSettings,
+    proxy: SocketAddr,
+    slo: Option<Slo>,
+) -> Result<LoadConfig, BenchServeError> {
     let url =
         format!("http://{proxy}").parse().map_err(|e| BenchServeError::Io(format!("proxy URL: {e}")))?;
     let prompt_len = match &s.lens {
@@ -106,6 +129,7 @@ fn load_config(s: &BenchSettings, proxy: SocketAddr) -> Result<LoadConfig, Bench
         api_key: None,
         timeout: (s.workers.timeout * 8).max(Duration::from_secs(60)),
         seed: s.workers.seed,
+        slo,
     })
 }
 
@@ -148,7 +172,7 @@ struct Measured {
 }
 
 /// Runs the serving path and writes the run; prints tables (or the summary JSON).
-pub fn run(s: &BenchSettings, json: bool) -> Result<Outcome, BenchServeError> {
+pub fn run(s: &BenchSettings, json: bool, opts: &ServeOptions) -> Result<Outcome, BenchServeError> {
     let root = &s.results_root;
     let started_at = now_rfc3339();
     let run_id = new_run_id(&started_at);
@@ -162,7 +186,7 @@ pub fn run(s: &BenchSettings, json: bool) -> Result<Outcome, BenchServeError> {
         s.lens,
         writer.dir().display()
     );
-    let m = measure(s)?;
+    let m = measure(s, opts)?;
     let summary = build_summary(s, &m, &run_id, &started_at);
     let rows = request_rows(&m.run, &m.records);
     let files = write(writer, &summary, &rows, &m.run)?;
@@ -180,8 +204,23 @@ pub fn run(s: &BenchSettings, json: bool) -> Result<Outcome, BenchServeError> {
     Ok(Outcome::of_run("kvx bench --serve", &summary))
 }
 
+/// Serves the engines' and the proxy's metrics in one exposition.
+fn metrics_router(p: Arc<EngineState>, d: Arc<EngineState>, x: Arc<ProxyState>) -> axum::Router {
+    use axum::response::IntoResponse as _;
+    let render = move || {
+        let mut e = Exposition::new();
+        p.render_into(&mut e, Some("prefill"));
+        d.render_into(&mut e, Some("decode"));
+        x.render_into(&mut e);
+        ([(axum::http::header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)], e.finish()).into_response()
+    };
+    axum::Router::new()
+        .route("/metrics", axum::routing::get(move || std::future::ready(render())))
+        .fallback(engine::not_found)
+}
+
 /// Starts everything, drives the load, stops everything.
-fn measure(s: &BenchSettings) -> Result<Measured, BenchServeError> {
+fn measure(s: &BenchSettings, opts: &ServeOptions) -> Result<Measured, BenchServeError> {
     let p_kv = Arc::new(
         WorkerKv::start(s.engine(Role::Prefill))
             .map_err(|source| BenchServeError::Engine { role: "prefill", source })?,
@@ -201,6 +240,8 @@ fn measure(s: &BenchSettings) -> Result<Measured, BenchServeError> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let p_state = EngineState::new(http_config(s, HttpRole::Prefill), p_kv.clone());
     let d_state = EngineState::new(http_config(s, HttpRole::Decode), d_kv.clone());
+    let (p_st, d_st) = (p_state.clone(), d_state.clone());
+    let metrics_bind = opts.metrics_port.map(|port| (s.workers.bind_host.clone(), port));
     let started = servers.block_on(async {
         let (p_addr, p_task) = spawn_server(&stop_rx, |l, stop| engine::serve(l, p_state, stop)).await?;
         let (d_addr, d_task) = spawn_server(&stop_rx, |l, stop| engine::serve(l, d_state, stop)).await?;
@@ -210,21 +251,47 @@ fn measure(s: &BenchSettings) -> Result<Measured, BenchServeError> {
         );
         pcfg.request_timeout = (s.workers.timeout * 8).max(Duration::from_secs(60));
         let pst = ProxyState::new(pcfg).map_err(|e| BenchServeError::Io(e.message))?;
+        let x_st = pst.clone();
         let (x_addr, x_task) = spawn_server(&stop_rx, |l, stop| proxy::serve(l, pst, stop)).await?;
-        Ok::<_, BenchServeError>((x_addr, [p_task, d_task, x_task]))
+        let mut tasks = vec![p_task, d_task, x_task];
+        if let Some((host, port)) = metrics_bind {
+            let listener = tokio::net::TcpListener::bind((host.as_str(), port)).await.map_err(|e| {
+                BenchServeError::Io(format!("--metrics-port: cannot bind {host}:{port}: {e}"))
+            })?;
+            let addr = listener.local_addr().map_err(|e| BenchServeError::Io(e.to_string()))?;
+            let mut rx = stop_rx.clone();
+            let router = metrics_router(p_st, d_st, x_st);
+            tasks.push(tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = rx.wait_for(|v| *v).await;
+                };
+                if let Err(e) = engine::serve_router(listener, router, shutdown).await {
+                    tracing::warn!("metrics server on {addr}: {e}");
+                }
+            }));
+            crate::output::note!("kvx bench --serve: metrics on http://{addr}/metrics");
+        }
+        Ok::<_, BenchServeError>((x_addr, tasks))
     });
     let result = match started {
         Ok((x_addr, tasks)) => {
-            let cfg = load_config(s, x_addr);
+            let cfg = load_config(s, x_addr, opts.slo);
             let run = match cfg {
                 Ok(cfg) => {
                     let driver = tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()
                         .map_err(|e| BenchServeError::Io(format!("async runtime: {e}")));
-                    driver.and_then(|rt| {
-                        rt.block_on(load::run(cfg.clone())).map(|r| (r, cfg)).map_err(BenchServeError::from)
-                    })
+                    let progress = LoadProgress::new();
+                    let total = cfg.requests.map(|n| n + cfg.warmup);
+                    let display = s.progress_bar.then(|| ProgressDisplay::start(progress.clone(), total));
+                    let r = driver.and_then(|rt| {
+                        rt.block_on(load::run_with_progress(cfg.clone(), Some(progress)))
+                            .map(|r| (r, cfg))
+                            .map_err(BenchServeError::from)
+                    });
+                    drop(display);
+                    r
                 }
                 Err(e) => Err(e),
             };
@@ -362,9 +429,11 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
     );
     sum.notes.push(format!(
         "serving path: client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (handshake, \
-         UCX reads, verify {}, notify) -> {MAX_TOKENS} streamed tokens; prefill compute and ITL are 0, so \
-         TTFT is HTTP plus KV",
-        s.workers.verify.as_str()
+         UCX reads, verify {}, notify) -> {MAX_TOKENS} streamed tokens {} ms apart (a decode step; the first \
+         token after the KV load takes one step too); prefill compute is 0, so TTFT is HTTP, KV and one \
+         decode step",
+        s.workers.verify.as_str(),
+        DEFAULT_ITL.as_millis()
     ));
     if let Some(v) = sum.stages.get("verify").filter(|v| v.count > 0) {
         sum.notes.push(format!(
@@ -448,6 +517,11 @@ fn write(
     let p = dir.join(load_report::HTTP_REQUESTS_CSV);
     write_atomic(&p, &load_report::http_requests_csv(run)?)?;
     files.push(p);
+    if !run.waterfalls.is_empty() {
+        let p = dir.join(load_report::WATERFALL_CSV);
+        write_atomic(&p, &load_report::waterfall_csv(run)?)?;
+        files.push(p);
+    }
     Ok(files)
 }
 
@@ -469,6 +543,7 @@ fn render(s: &Summary, run: &LoadRun) -> String {
     }
     out.push('\n');
     out.push_str(&section("Through the proxy", &load_report::targets_table(&run.summary, style), style));
+    out.push_str(&load_report::serving_sections(s, &run.summary, style));
     out.push('\n');
     out.push_str(&vllm_metrics_line(s));
     out.push('\n');

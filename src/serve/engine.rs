@@ -3,8 +3,20 @@
 //! at a fixed inter-token latency, and the KV side is whatever [`KvBackend`] it is given.
 //!
 //! Owns the engine's HTTP surface (`router`), request lifecycle (admission, prefill/load,
-//! generation, abort on disconnect) and its `/metrics`. Must not know how KV moves: all of
-//! that is behind the backend. Wire shapes come from `serve::openai`.
+//! generation, abort on disconnect), its `/metrics` (vLLM's families with vLLM's names, types,
+//! labels and buckets, plus kvx's own `kvx:*`) and the `Server-Timing` stages of every answer
+//! (`serve::timing`). Must not know how KV moves: all of that is behind the backend. Wire
+//! shapes come from `serve::openai`.
+//!
+//! # Token pacing
+//! A decode step of a real engine takes 10-30 ms (an 8B model on one H100 at moderate batch
+//! sizes is near the low end, 70B at TP 4-8 near the high end), so `kvx serve-engine`
+//! emits tokens [`DEFAULT_ITL`] apart by default: clients such as `vllm bench serve` or
+//! aiperf then report an inter-token latency and TPOT of that size rather than the zero of a
+//! response written in one piece. The first token of a decode engine that loaded its KV from
+//! a prefill engine also takes one step (vLLM recomputes the last prompt token on D to get
+//! its logits); after a local prefill it follows the prefill directly. `--itl-ms 0` turns
+//! pacing off, and the engine says so in its `Server-Timing` (`itl;dur=0`).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -20,13 +32,20 @@ use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::kv::{KvBackend, KvIntent, KvTransferParams, LoadJob, PrefillJob};
-use super::metrics::{Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_TYPE};
+use super::metrics::{
+    Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_TYPE, VLLM_ITL_BUCKETS_S,
+    VLLM_REQUEST_LATENCY_BUCKETS_S, VLLM_TTFT_BUCKETS_S,
+};
 use super::openai::{
     self, ApiError, Endpoint, FinishReason, GenRequest, ResponseCtx, SSE_CONTENT_TYPE, Usage,
 };
+use super::timing::{self, ServerTiming};
 
 /// Which half of a P/D pair this engine plays (the pipeline's role of its workers).
 pub use crate::pipeline::proto::Role;
+
+/// Default time between generated tokens: a realistic decode step (see the module docs).
+pub const DEFAULT_ITL: Duration = Duration::from_millis(15);
 
 /// Validated engine settings.
 #[derive(Debug, Clone)]
@@ -39,7 +58,7 @@ pub struct EngineConfig {
     pub tp_size: u32,
     /// Simulated prefill throughput; `0` means prefill is instant.
     pub prefill_tokens_per_s: f64,
-    /// Time between generated tokens; the first token follows prefill/load directly.
+    /// Time between generated tokens (one decode step); zero turns pacing off.
     pub itl: Duration,
     /// When set, `/v1/*` requires `Authorization: Bearer <key>` (vLLM's `--api-key`).
     pub api_key: Option<String>,
@@ -50,7 +69,8 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// Defaults suited to tests: instant prefill, no ITL, NullKv-friendly sizes.
+    /// Defaults suited to tests: instant prefill, no ITL, NullKv-friendly sizes. The CLI's
+    /// default ITL is [`DEFAULT_ITL`].
     pub fn new(role: Role, model_name: impl Into<String>) -> Self {
         Self {
             role,
@@ -85,8 +105,13 @@ struct EngineMetrics {
     success_length: Counter,
     success_stop: Counter,
     aborted: Counter,
+    /// Admitted requests that ended with an error (`finished_reason="error"`).
+    failed: Counter,
+    /// Every error answer, validation included (`kvx:request_errors_total`).
     errors: Counter,
     ttft: Histogram,
+    itl: Histogram,
+    tpot: Histogram,
     e2e: Histogram,
     kv_handoffs: Counter,
     kv_loads: Counter,
@@ -107,9 +132,12 @@ impl EngineMetrics {
             success_length: Counter::default(),
             success_stop: Counter::default(),
             aborted: Counter::default(),
+            failed: Counter::default(),
             errors: Counter::default(),
-            ttft: Histogram::latency(),
-            e2e: Histogram::latency(),
+            ttft: Histogram::new(VLLM_TTFT_BUCKETS_S),
+            itl: Histogram::new(VLLM_ITL_BUCKETS_S),
+            tpot: Histogram::new(VLLM_ITL_BUCKETS_S),
+            e2e: Histogram::new(VLLM_REQUEST_LATENCY_BUCKETS_S),
             kv_handoffs: Counter::default(),
             kv_loads: Counter::default(),
             kv_load_failures: Counter::default(),
@@ -164,62 +192,158 @@ impl EngineState {
         &self.cfg
     }
 
-    /// Renders `/metrics`: vLLM's names for request-level metrics, `kvx:` for KV transfer.
+    /// Renders `/metrics`: vLLM's families under vLLM's names and labels (`model_name`,
+    /// `engine="0"`), kvx's own under `kvx:`.
     pub fn render_metrics(&self) -> String {
-        let m = &self.metrics;
-        let model = [("model_name", self.cfg.model_name.as_str())];
         let mut e = Exposition::new();
+        self.render_into(&mut e, None);
+        e.finish()
+    }
+
+    /// Adds this engine's families to `e`. `engine` labels this engine among several in one
+    /// exposition (`kvx bench --serve --metrics-port`: `prefill`, `decode`); `None` is a lone
+    /// engine, which vLLM labels `engine="0"`.
+    pub fn render_into(&self, e: &mut Exposition, engine: Option<&str>) {
+        let m = &self.metrics;
+        let name = self.cfg.model_name.as_str();
+        let vl = [("model_name", name), ("engine", engine.unwrap_or("0"))];
+        let b = self.backend.metrics();
+        // kvx's own families keep their labels; with several engines they also name theirs.
+        let model: Vec<(&str, &str)> = match engine {
+            None => vec![("model_name", name)],
+            Some(en) => vec![("model_name", name), ("engine", en)],
+        };
+        let with = |extra: (&'static str, &'static str)| {
+            let mut l = model.clone();
+            l.push(extra);
+            l
+        };
         e.gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
-            &model,
+            &vl,
             m.running.get() as f64,
         );
         e.gauge(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            &model,
+            &vl,
             m.waiting.get() as f64,
         );
+        let usage = if b.pool_blocks > 0 { b.blocks_in_use as f64 / b.pool_blocks as f64 } else { 0.0 };
+        e.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", &vl, usage);
         e.counter(
             "vllm:prompt_tokens_total",
             "Number of prefill tokens processed.",
-            &model,
+            &vl,
             m.prompt_tokens.get(),
         );
         e.counter(
             "vllm:generation_tokens_total",
             "Number of generation tokens processed.",
-            &model,
+            &vl,
             m.generation_tokens.get(),
         );
         let help = "Count of successfully processed requests.";
-        let name = "vllm:request_success_total";
-        e.counter(name, help, &[model[0], ("finished_reason", "length")], m.success_length.get());
-        e.counter(name, help, &[model[0], ("finished_reason", "stop")], m.success_stop.get());
-        e.counter(name, help, &[model[0], ("finished_reason", "abort")], m.aborted.get());
+        let success = "vllm:request_success_total";
+        for (reason, n) in [
+            ("stop", m.success_stop.get()),
+            ("length", m.success_length.get()),
+            ("abort", m.aborted.get()),
+            ("error", m.failed.get()),
+        ] {
+            e.counter(success, help, &[vl[0], vl[1], ("finished_reason", reason)], n);
+        }
         e.histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            &model,
+            &vl,
             &m.ttft.snapshot(),
         );
         e.histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            &vl,
+            &m.itl.snapshot(),
+        );
+        e.histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            &vl,
+            &m.tpot.snapshot(),
+        );
+        e.histogram(
             "vllm:e2e_request_latency_seconds",
-            "Histogram of end to end request latency in seconds.",
-            &model,
+            "Histogram of e2e request latency in seconds.",
+            &vl,
             &m.e2e.snapshot(),
         );
+        // The NIXL connector's families (vLLM's NixlPromMetrics), from the backend.
+        let nx = &b.nixl;
+        e.histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers.",
+            &vl,
+            &nx.xfer_time,
+        );
+        e.histogram(
+            "vllm:nixl_post_time_seconds",
+            "Histogram of transfer post time for NIXL KV Cache transfers.",
+            &vl,
+            &nx.post_time,
+        );
+        e.histogram(
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers.",
+            &vl,
+            &nx.bytes_transferred,
+        );
+        e.histogram(
+            "vllm:nixl_num_descriptors",
+            "Histogram of number of descriptors per NIXL  KV Cache transfers.",
+            &vl,
+            &nx.num_descriptors,
+        );
+        e.counter(
+            "vllm:nixl_num_failed_transfers_total",
+            "Number of failed NIXL KV Cache transfers.",
+            &vl,
+            nx.failed_transfers,
+        );
+        e.counter(
+            "vllm:nixl_num_failed_notifications_total",
+            "Number of failed NIXL KV Cache notifications.",
+            &vl,
+            nx.failed_notifications,
+        );
+        e.counter(
+            "vllm:nixl_num_kv_expired_reqs_total",
+            "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
+            &vl,
+            nx.kv_expired_reqs,
+        );
+
         e.counter(
             "kvx:request_errors_total",
             "Requests answered with an error status.",
             &model,
             m.errors.get(),
         );
-
-        let b = self.backend.metrics();
         let role = self.cfg.role.as_str();
-        let bl = [("backend", b.backend), ("kv_transfer", b.kv_transfer), ("role", role)];
+        let bl_own = [("backend", b.backend), ("kv_transfer", b.kv_transfer), ("role", role)];
+        let bl: Vec<(&str, &str)> = match engine {
+            None => bl_own.to_vec(),
+            Some(en) => {
+                let mut v = bl_own.to_vec();
+                v.push(("engine", en));
+                v
+            }
+        };
+        let bl_with = |extra: (&'static str, &'static str)| {
+            let mut l = bl.clone();
+            l.push(extra);
+            l
+        };
         e.gauge(
             "kvx:kv_backend_info",
             "KV backend of this engine; kv_transfer=\"none\" means no KV moves (NullKv).",
@@ -232,18 +356,9 @@ impl EngineState {
             &model,
             m.kv_handoffs.get(),
         );
-        e.counter(
-            "kvx:kv_loads_total",
-            "Decode requests that loaded KV from a prefill engine.",
-            &[model[0], ("result", "ok")],
-            m.kv_loads.get(),
-        );
-        e.counter(
-            "kvx:kv_loads_total",
-            "Decode requests that loaded KV from a prefill engine.",
-            &[model[0], ("result", "error")],
-            m.kv_load_failures.get(),
-        );
+        let help = "Decode requests that loaded KV from a prefill engine.";
+        e.counter("kvx:kv_loads_total", help, &with(("result", "ok")), m.kv_loads.get());
+        e.counter("kvx:kv_loads_total", help, &with(("result", "error")), m.kv_load_failures.get());
         e.histogram(
             "kvx:kv_load_seconds",
             "Wall time of the backend load per request (handshake, reads, verify).",
@@ -252,9 +367,9 @@ impl EngineState {
         );
         let help = "Decode requests that arrived without usable kv_transfer_params and were prefilled locally (the silent-fallback trap).";
         let name = "kvx:decode_local_prefill_total";
-        e.counter(name, help, &[model[0], ("reason", "missing")], m.fallback_missing.get());
-        e.counter(name, help, &[model[0], ("reason", "incomplete")], m.fallback_incomplete.get());
-        e.counter(name, help, &[model[0], ("reason", "do_remote_decode")], m.fallback_wrong_direction.get());
+        e.counter(name, help, &with(("reason", "missing")), m.fallback_missing.get());
+        e.counter(name, help, &with(("reason", "incomplete")), m.fallback_incomplete.get());
+        e.counter(name, help, &with(("reason", "do_remote_decode")), m.fallback_wrong_direction.get());
         e.histogram(
             "kvx:kv_transfer_seconds",
             "Wall time of each successful backend load (queue, handshake, reads, notify, verify).",
@@ -265,7 +380,7 @@ impl EngineState {
             e.histogram(
                 "kvx:kv_stage_seconds",
                 "Per-request time of one KV stage, slowest rank (decode: queue..verify; prefill: fill).",
-                &[bl[0], bl[1], bl[2], ("stage", stage)],
+                &bl_with(("stage", stage)),
                 h,
             );
         }
@@ -284,20 +399,20 @@ impl EngineState {
         e.counter(
             "kvx:kv_backend_loads_total",
             "Loads the backend finished.",
-            &[bl[0], bl[1], bl[2], ("result", "ok")],
+            &bl_with(("result", "ok")),
             b.loads_ok,
         );
         e.counter(
             "kvx:kv_backend_loads_total",
             "Loads the backend finished.",
-            &[bl[0], bl[1], bl[2], ("result", "error")],
+            &bl_with(("result", "error")),
             b.loads_failed,
         );
         for (cause, n) in &b.load_failures {
             e.counter(
                 "kvx:kv_load_failures_total",
                 "Failed loads by cause (handshake, incompatible, transfer, timeout, peer_gone, verify, notify).",
-                &[bl[0], bl[1], bl[2], ("cause", cause)],
+                &bl_with(("cause", cause)),
                 *n,
             );
         }
@@ -341,7 +456,6 @@ impl EngineState {
             b.leases_expired,
         );
         e.counter("kvx:kv_aborts_total", "Requests the backend was told to abort.", &bl, b.aborts);
-        e.finish()
     }
 }
 
@@ -351,6 +465,9 @@ pub fn router(state: Arc<EngineState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/abort_requests", post(abort_requests))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -389,16 +506,39 @@ pub fn error_response(e: &ApiError) -> Response {
     (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], e.body()).into_response()
 }
 
-async fn not_found() -> Response {
-    error_response(&ApiError::new(404, "Not Found"))
+/// vLLM's answer to a route that does not exist (its `HTTPException` handler: the status
+/// phrase as both message and type).
+pub async fn not_found() -> Response {
+    error_response(&ApiError::http(404, "Not Found"))
 }
 
-async fn method_not_allowed() -> Response {
-    error_response(&ApiError::new(405, "Method Not Allowed"))
+/// vLLM's answer to a known route called with the wrong method.
+pub async fn method_not_allowed() -> Response {
+    error_response(&ApiError::http(405, "Method Not Allowed"))
 }
 
-async fn health() -> StatusCode {
-    StatusCode::OK
+/// vLLM's `validate_json_request` on the generation and tokenizer routes: a body that is not
+/// declared `application/json` (whatever it holds) is refused with a 400 before it is read.
+pub fn check_json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let media = ct.split(';').next().unwrap_or("").trim();
+    if media.eq_ignore_ascii_case("application/json") {
+        Ok(())
+    } else {
+        Err(ApiError::http(400, "Unsupported Media Type: Only 'application/json' is allowed"))
+    }
+}
+
+/// 200 with an empty body while the engine can serve; 503 (empty body, as vLLM answers when
+/// its engine core is dead) once the KV backend cannot.
+async fn health(State(st): State<Arc<EngineState>>) -> StatusCode {
+    match st.backend.health() {
+        Ok(()) => StatusCode::OK,
+        Err(why) => {
+            tracing::debug!(%why, "health check: unhealthy");
+            StatusCode::SERVICE_UNAVAILABLE
+        }
+    }
 }
 
 async fn metrics(State(st): State<Arc<EngineState>>) -> Response {
@@ -423,6 +563,10 @@ pub fn unauthorized() -> Response {
         r#"{"error":"Unauthorized"}"#,
     )
         .into_response()
+}
+
+fn json_response(body: Vec<u8>) -> Response {
+    ([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], body).into_response()
 }
 
 async fn models(State(st): State<Arc<EngineState>>, headers: HeaderMap) -> Response {
@@ -496,6 +640,87 @@ struct ModelPermission<'a> {
     is_blocking: bool,
 }
 
+/// The checks every POST route with a JSON body shares (API key, content type): the answer
+/// to a request that fails them.
+fn rejected(st: &EngineState, headers: &HeaderMap) -> Option<Response> {
+    if !authorized(st.cfg.api_key.as_deref(), headers) {
+        return Some(unauthorized());
+    }
+    check_json_content_type(headers).err().map(|e| {
+        st.metrics.errors.inc();
+        error_response(&e)
+    })
+}
+
+fn check_model(st: &EngineState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != st.cfg.model_name => {
+            Err(ApiError::new(404, format!("The model `{m}` does not exist.")).with_param("model"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `POST /tokenize` with vLLM's request and response fields (kvx's synthetic tokenizer: one
+/// token per whitespace-separated word).
+async fn tokenize(State(st): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Some(r) = rejected(&st, &headers) {
+        return r;
+    }
+    let out = openai::tokenize(&body, st.cfg.max_model_len)
+        .and_then(|(model, out)| check_model(&st, model.as_deref()).map(|()| out));
+    match out {
+        Ok(b) => json_response(b),
+        Err(e) => {
+            st.metrics.errors.inc();
+            error_response(&e)
+        }
+    }
+}
+
+/// `POST /detokenize`: token ids back to text that tokenizes to the same count.
+async fn detokenize(State(st): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Some(r) = rejected(&st, &headers) {
+        return r;
+    }
+    let out =
+        openai::detokenize(&body).and_then(|(model, out)| check_model(&st, model.as_deref()).map(|()| out));
+    match out {
+        Ok(b) => json_response(b),
+        Err(e) => {
+            st.metrics.errors.inc();
+            error_response(&e)
+        }
+    }
+}
+
+/// `POST /abort_requests` `{"request_ids": [...]}` as vLLM's disaggregated setups use it: the
+/// ids are engine-internal ids (a prefill handoff's `remote_request_id`). A prefill engine
+/// frees their held KV blocks now rather than at lease expiry; the proxy sends this when a
+/// request's decode leg failed. Answers 200 with an empty body; unknown ids are ignored.
+async fn abort_requests(State(st): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if !authorized(st.cfg.api_key.as_deref(), &headers) {
+        return unauthorized();
+    }
+    #[derive(serde::Deserialize)]
+    struct Abort {
+        request_ids: Option<Vec<String>>,
+    }
+    match serde_json::from_slice::<Abort>(&body) {
+        Ok(Abort { request_ids: Some(ids) }) => {
+            for id in &ids {
+                st.backend.abort(id);
+            }
+            tracing::debug!(count = ids.len(), "requests aborted by id");
+            StatusCode::OK.into_response()
+        }
+        Ok(Abort { request_ids: None }) => {
+            error_response(&ApiError::http(400, "Missing 'request_ids' in request body"))
+        }
+        Err(e) => error_response(&ApiError::http(400, format!("JSON decode error: {e}"))),
+    }
+}
+
 async fn completions(State(st): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
     generate(st, Endpoint::Completions, headers, body).await
 }
@@ -532,20 +757,26 @@ struct InFlight {
 }
 
 impl InFlight {
-    fn finish(mut self, finish: FinishReason) {
+    /// Ends the request normally: `n` tokens, the first `ttft` after arrival.
+    fn finish(mut self, finish: FinishReason, n: u64, ttft: Duration) {
         self.finished = true;
         let m = &self.st.metrics;
         match finish {
             FinishReason::Length => m.success_length.inc(),
             FinishReason::Stop => m.success_stop.inc(),
         }
-        m.e2e.observe(self.started.elapsed());
+        let e2e = self.started.elapsed();
+        m.e2e.observe(e2e);
+        if n > 1 {
+            m.tpot.observe(e2e.saturating_sub(ttft) / u32::try_from(n - 1).unwrap_or(u32::MAX));
+        }
     }
 
     /// Ends the request with an error already reported to the client.
     fn fail(mut self) {
         self.finished = true;
         self.st.metrics.errors.inc();
+        self.st.metrics.failed.inc();
     }
 }
 
@@ -569,8 +800,9 @@ async fn sleep_until(t: Instant) {
 }
 
 async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
-    if !authorized(st.cfg.api_key.as_deref(), &headers) {
-        return unauthorized();
+    let arrived = Instant::now();
+    if let Some(r) = rejected(&st, &headers) {
+        return r;
     }
     let req = match openai::parse_request(ep, &body, st.cfg.max_model_len) {
         Ok(r) => r,
@@ -579,13 +811,9 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
             return error_response(&e);
         }
     };
-    if let Some(m) = &req.model
-        && m != &st.cfg.model_name
-    {
+    if let Err(e) = check_model(&st, req.model.as_deref()) {
         st.metrics.errors.inc();
-        return error_response(
-            &ApiError::new(404, format!("The model `{m}` does not exist.")).with_param("model"),
-        );
+        return error_response(&e);
     }
     let x_request_id = headers
         .get("x-request-id")
@@ -602,7 +830,6 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
         Endpoint::Chat => format!("{id}-{rand8}"),
     };
 
-    let started = Instant::now();
     let permit = {
         let _waiting = GaugeGuard::new(&st.metrics.waiting);
         match st.seqs.clone().acquire_owned().await {
@@ -610,25 +837,48 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
             Err(_) => return error_response(&ApiError::new(503, "engine is shutting down")),
         }
     };
+    let admitted = Instant::now();
     st.metrics.running.inc();
-    let inflight = InFlight { st: st.clone(), internal_id, _permit: permit, started, finished: false };
+    let inflight =
+        InFlight { st: st.clone(), internal_id, _permit: permit, started: arrived, finished: false };
     st.metrics.prompt_tokens.add(req.prompt_tokens);
 
-    let kv_out = match kv_phase(&st, &req, &x_request_id, &inflight.internal_id).await {
+    let (kv_out, mut timing) = match kv_phase(&st, &req, &x_request_id, &inflight.internal_id).await {
         Ok(p) => p,
         Err(e) => {
             inflight.fail();
             return error_response(&e);
         }
     };
-    let first_token_at = Instant::now();
-    st.metrics.ttft.observe(first_token_at - started);
+    let kv_done = Instant::now();
+    let (queue_name, total_name) = match timing.kind {
+        PhaseKind::Prefill => (timing::PREFILL_QUEUE, timing::PREFILL_TOTAL),
+        PhaseKind::Load => (timing::DECODE_ADMISSION, timing::DECODE_TOTAL),
+        PhaseKind::Local => (timing::LOCAL_QUEUE, timing::LOCAL_TOTAL),
+    };
+    timing.st.push(queue_name, admitted - arrived);
+    // After a KV load the first token takes one decode step (the last prompt token is
+    // recomputed for its logits); after a prefill it comes with the prefill.
+    let first_token_at = match timing.kind {
+        PhaseKind::Load => kv_done + st.cfg.itl,
+        _ => kv_done,
+    };
+    if timing.kind != PhaseKind::Prefill {
+        timing.st.push(timing::ITL, st.cfg.itl);
+    }
+    let ttft = first_token_at - arrived;
+    st.metrics.ttft.observe(ttft);
 
     let (n, finish) = openai::plan_generation(&req, st.cfg.eos_at);
     let created = unix_now_s();
     if !req.stream {
-        if n > 1 && !st.cfg.itl.is_zero() {
-            sleep_until(first_token_at + st.cfg.itl * u32::try_from(n - 1).unwrap_or(u32::MAX)).await;
+        let last = first_token_at + st.cfg.itl * u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX);
+        sleep_until(last).await;
+        if n > 1 {
+            let step = first_token_at.elapsed() / u32::try_from(n - 1).unwrap_or(u32::MAX);
+            for _ in 1..n {
+                st.metrics.itl.observe(step);
+            }
         }
         let mut text = String::with_capacity(n as usize * 6);
         for k in 0..n {
@@ -646,11 +896,16 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
             Endpoint::Chat => openai::chat_body(&ctx, &text, finish, usage, kv_out.as_ref()),
         };
         st.metrics.generation_tokens.add(n);
-        inflight.finish(finish);
-        return ([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], body)
-            .into_response();
+        inflight.finish(finish, n, ttft);
+        timing.st.push(total_name, arrived.elapsed());
+        let mut resp = json_response(body);
+        if let Some(h) = timing.st.header() {
+            resp.headers_mut().insert(timing::SERVER_TIMING, h);
+        }
+        return resp;
     }
 
+    timing.st.push(total_name, arrived.elapsed());
     let stream = TokenStream {
         st: st.clone(),
         req,
@@ -660,25 +915,56 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
         finish,
         next: 0,
         next_due: first_token_at,
+        last_emit: None,
+        ttft,
         ended: false,
         inflight: Some(inflight),
     };
     let body = Body::from_stream(futures::stream::unfold(stream, TokenStream::step));
-    ([(header::CONTENT_TYPE, HeaderValue::from_static(SSE_CONTENT_TYPE))], body).into_response()
+    let mut resp =
+        ([(header::CONTENT_TYPE, HeaderValue::from_static(SSE_CONTENT_TYPE))], body).into_response();
+    if let Some(h) = timing.st.header() {
+        resp.headers_mut().insert(timing::SERVER_TIMING, h);
+    }
+    resp
+}
+
+/// What the phase before the first token was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PhaseKind {
+    /// Prefill engine handing its KV off to a decode engine.
+    Prefill,
+    /// Decode engine loading the KV from a prefill engine.
+    Load,
+    /// An engine prefilling on its own (no P/D, or the decode side's fallback).
+    Local,
+}
+
+/// The phase's kind and its `Server-Timing` entries so far.
+struct PhaseTiming {
+    kind: PhaseKind,
+    st: ServerTiming,
 }
 
 /// Everything before the first token: prefill (simulated), or the KV load from P.
-/// Returns the `kv_transfer_params` to answer with (prefill role handing off to D).
+/// Returns the `kv_transfer_params` to answer with (prefill role handing off to D) and the
+/// phase's stage timings.
 async fn kv_phase(
     st: &EngineState,
     req: &GenRequest,
     x_request_id: &str,
     internal_id: &str,
-) -> Result<Option<KvTransferParams>, ApiError> {
+) -> Result<(Option<KvTransferParams>, PhaseTiming), ApiError> {
     let m = &st.metrics;
     let cfg = &st.cfg;
+    let t0 = Instant::now();
     // A zero sleep is not free: tokio rounds timers up to its 1 ms tick.
     let local_prefill = || sleep_until(Instant::now() + cfg.prefill_time(req.prompt_tokens));
+    let local = |t0: Instant| {
+        let mut s = ServerTiming::new();
+        s.push(timing::LOCAL_PREFILL, t0.elapsed());
+        PhaseTiming { kind: PhaseKind::Local, st: s }
+    };
     match (cfg.role, &req.kv) {
         (Role::Prefill, KvIntent::RemoteDecode) => {
             local_prefill().await;
@@ -694,7 +980,9 @@ async fn kv_phase(
                 .await
                 .map_err(|e| ApiError::new(e.http_status(), format!("KV prefill handoff failed: {e}")))?;
             m.kv_handoffs.inc();
-            Ok(Some(params))
+            let mut s = ServerTiming::new();
+            s.push(timing::PREFILL_COMPUTE, t0.elapsed());
+            Ok((Some(params), PhaseTiming { kind: PhaseKind::Prefill, st: s }))
         }
         (Role::Prefill, intent) => {
             if !matches!(intent, KvIntent::None) {
@@ -704,7 +992,7 @@ async fn kv_phase(
                 );
             }
             local_prefill().await;
-            Ok(None)
+            Ok((None, local(t0)))
         }
         (Role::Decode, KvIntent::RemotePrefill(params)) => {
             let job = LoadJob {
@@ -714,12 +1002,19 @@ async fn kv_phase(
                 block_size_tokens: cfg.block_size_tokens,
                 params: (**params).clone(),
             };
-            let t0 = Instant::now();
             match st.backend.load(job).await {
-                Ok(_) => {
-                    m.kv_load_seconds.observe(t0.elapsed());
+                Ok(r) => {
+                    let elapsed = t0.elapsed();
+                    m.kv_load_seconds.observe(elapsed);
                     m.kv_loads.inc();
-                    Ok(None)
+                    let handshake = r.handshake.unwrap_or_default();
+                    let transfer = elapsed.saturating_sub(handshake + r.notify + r.verify);
+                    let mut s = ServerTiming::new();
+                    s.push(timing::KV_HANDSHAKE, handshake)
+                        .push(timing::KV_TRANSFER, transfer)
+                        .push(timing::KV_NOTIFY, r.notify)
+                        .push(timing::KV_VERIFY, r.verify);
+                    Ok((None, PhaseTiming { kind: PhaseKind::Load, st: s }))
                 }
                 Err(e) => {
                     m.kv_load_failures.inc();
@@ -739,7 +1034,7 @@ async fn kv_phase(
             };
             counter.inc();
             local_prefill().await;
-            Ok(None)
+            Ok((None, local(t0)))
         }
     }
 }
@@ -759,6 +1054,9 @@ struct TokenStream {
     /// the grid restarts from now, so late tokens are not bunched to catch up (a slow
     /// decode step delays the ones after it).
     next_due: Instant,
+    /// When the previous frame went out (for `vllm:inter_token_latency_seconds`).
+    last_emit: Option<Instant>,
+    ttft: Duration,
     ended: bool,
     inflight: Option<InFlight>,
 }
@@ -819,11 +1117,25 @@ impl TokenStream {
                 break;
             }
         }
-        st.metrics.generation_tokens.add(self.next - start);
+        let tokens = self.next - start;
+        st.metrics.generation_tokens.add(tokens);
+        // One gap per token: the frame's first token waited since the previous frame, the
+        // others of a coalesced frame (pacing off) came with it.
+        if let Some(prev) = self.last_emit {
+            st.metrics.itl.observe(emitted_at - prev);
+            for _ in 1..tokens {
+                st.metrics.itl.observe(Duration::ZERO);
+            }
+        } else {
+            for _ in 1..tokens {
+                st.metrics.itl.observe(Duration::ZERO);
+            }
+        }
+        self.last_emit = Some(emitted_at);
         if self.ended
             && let Some(f) = self.inflight.take()
         {
-            f.finish(self.finish);
+            f.finish(self.finish, self.n, self.ttft);
         }
         Some((Ok(Bytes::from(out)), self))
     }
@@ -853,12 +1165,11 @@ mod tests {
         path: &str,
         body: &str,
     ) -> (StatusCode, HeaderMap, String) {
-        let req = axum::http::Request::builder()
-            .method(method)
-            .uri(path)
-            .header("x-request-id", "abc")
-            .body(Body::from(body.to_string()))
-            .expect("request");
+        let mut req = axum::http::Request::builder().method(method).uri(path).header("x-request-id", "abc");
+        if method == "POST" {
+            req = req.header("content-type", "application/json");
+        }
+        let req = req.body(Body::from(body.to_string())).expect("request");
         let resp = router(st.clone()).oneshot(req).await.expect("infallible");
         let (parts, body) = resp.into_parts();
         let bytes = body.collect().await.expect("body").to_bytes();
@@ -880,7 +1191,7 @@ mod tests {
         assert_eq!(kv["remote_num_tokens"], 17);
         let rid = kv["remote_request_id"].as_str().expect("id");
         assert!(rid.starts_with("cmpl-abc-0-") && rid.len() == "cmpl-abc-0-".len() + 8, "{rid}");
-        assert!(st.render_metrics().contains("kvx:kv_prefill_handoffs_total{model_name=\"m\"} 1"));
+        assert!(st.render_metrics().contains("kvx:kv_prefill_handoffs_total{model_name=\"m\"} 1.0"));
     }
 
     #[tokio::test]
@@ -889,10 +1200,10 @@ mod tests {
         let (status, _, _) = call(&st, "POST", "/v1/completions", r#"{"prompt":"x y","max_tokens":3}"#).await;
         assert_eq!(status, StatusCode::OK);
         let m = st.render_metrics();
-        assert!(m.contains("kvx:decode_local_prefill_total{model_name=\"m\",reason=\"missing\"} 1"), "{m}");
-        assert!(m.contains("vllm:generation_tokens_total{model_name=\"m\"} 3"), "{m}");
+        assert!(m.contains("kvx:decode_local_prefill_total{model_name=\"m\",reason=\"missing\"} 1.0"), "{m}");
+        assert!(m.contains("vllm:generation_tokens_total{model_name=\"m\",engine=\"0\"} 3.0"), "{m}");
         assert!(
-            m.contains("kvx:kv_backend_info{backend=\"null\",kv_transfer=\"none\",role=\"decode\"} 1"),
+            m.contains("kvx:kv_backend_info{backend=\"null\",kv_transfer=\"none\",role=\"decode\"} 1.0"),
             "{m}"
         );
     }
@@ -904,9 +1215,13 @@ mod tests {
         assert_eq!((s, body.as_str()), (StatusCode::OK, ""));
         let (s, _, body) = call(&st, "GET", "/nope", "").await;
         assert_eq!(s, StatusCode::NOT_FOUND);
+        // vLLM 0.33's HTTPException handler: the status phrase is the type.
+        assert_eq!(body, r#"{"error":{"message":"Not Found","type":"Not Found","param":null,"code":404}}"#);
+        let (s, _, body) = call(&st, "GET", "/v1/completions", "").await;
+        assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
         assert_eq!(
             body,
-            r#"{"error":{"message":"Not Found","type":"NotFoundError","param":null,"code":404}}"#
+            r#"{"error":{"message":"Method Not Allowed","type":"Method Not Allowed","param":null,"code":405}}"#
         );
         let (s, _, body) = call(&st, "POST", "/v1/completions", "{not json").await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
@@ -946,6 +1261,103 @@ mod tests {
             )
         );
         assert_eq!(events[4], "data: [DONE]");
+    }
+
+    #[tokio::test]
+    async fn json_bodies_must_say_so_like_vllm() {
+        let st = engine(Role::Decode);
+        for ct in [Some("text/plain"), None, Some("application/x-www-form-urlencoded")] {
+            let mut req = axum::http::Request::builder().method("POST").uri("/v1/completions");
+            if let Some(ct) = ct {
+                req = req.header("content-type", ct);
+            }
+            let req = req.body(Body::from(r#"{"prompt":"a b"}"#)).expect("request");
+            let resp = router(st.clone()).oneshot(req).await.expect("infallible");
+            assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{ct:?}");
+            let body = resp.into_body().collect().await.expect("body").to_bytes();
+            assert_eq!(
+                std::str::from_utf8(&body).expect("utf8"),
+                r#"{"error":{"message":"Unsupported Media Type: Only 'application/json' is allowed","type":"Bad Request","param":null,"code":400}}"#
+            );
+        }
+        // A parameter after the media type is fine.
+        let req = axum::http::Request::builder()
+            .method("POST")
+            .uri("/v1/completions")
+            .header("content-type", "Application/JSON; charset=utf-8")
+            .body(Body::from(r#"{"prompt":"a b","max_tokens":1}"#))
+            .expect("request");
+        assert_eq!(router(st.clone()).oneshot(req).await.expect("infallible").status(), StatusCode::OK);
+        assert_eq!(
+            st.render_metrics().matches("kvx:request_errors_total{model_name=\"m\"} 3.0").count(),
+            1,
+            "{}",
+            st.render_metrics()
+        );
+    }
+
+    #[tokio::test]
+    async fn tokenizer_routes_and_abort_requests() {
+        let st = engine(Role::Prefill);
+        let (s, h, body) = call(&st, "POST", "/tokenize", r#"{"model":"m","prompt":"a b c"}"#).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(h[header::CONTENT_TYPE], "application/json");
+        assert_eq!(
+            body,
+            r#"{"count":3,"max_model_len":8192,"tokens":[121996,94629,18418],"token_strs":null}"#
+        );
+        let (s, _, body) = call(&st, "POST", "/detokenize", r#"{"tokens":[1,2]}"#).await;
+        assert_eq!((s, body.as_str()), (StatusCode::OK, r#"{"prompt":"w1 w2"}"#));
+        let (s, _, body) = call(&st, "POST", "/tokenize", r#"{"model":"x","prompt":"a"}"#).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{body}");
+        let (s, _, body) =
+            call(&st, "POST", "/abort_requests", r#"{"request_ids":["cmpl-a-0-1234abcd"]}"#).await;
+        assert_eq!((s, body.as_str()), (StatusCode::OK, ""));
+        assert!(
+            st.render_metrics()
+                .contains("kvx:kv_aborts_total{backend=\"null\",kv_transfer=\"none\",role=\"prefill\"} 1.0")
+        );
+        let (s, _, body) = call(&st, "POST", "/abort_requests", r#"{}"#).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
+        assert!(body.contains("Missing 'request_ids' in request body"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn answers_carry_their_stage_timings() {
+        let p = engine(Role::Prefill);
+        let body = r#"{"prompt":"a b c","max_tokens":1,"kv_transfer_params":{"do_remote_decode":true}}"#;
+        let (s, h, _) = call(&p, "POST", "/v1/completions", body).await;
+        assert_eq!(s, StatusCode::OK);
+        let names: Vec<String> = crate::serve::timing::from_headers(&h).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["prefill_compute", "prefill_queue", "prefill_total"]);
+        let d = engine(Role::Decode);
+        let body = r#"{"prompt":"a b c","max_tokens":2,"stream":true,"kv_transfer_params":{"do_remote_prefill":true,
+            "remote_block_ids":[[0]],"remote_engine_id":"P0","remote_request_id":"r","remote_host":"h","remote_port":1}}"#;
+        let (s, h, _) = call(&d, "POST", "/v1/completions", body).await;
+        assert_eq!(s, StatusCode::OK);
+        let names: Vec<String> = crate::serve::timing::from_headers(&h).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(
+            names,
+            [
+                "kv_handshake",
+                "kv_transfer",
+                "kv_notify",
+                "kv_verify",
+                "decode_admission",
+                "itl",
+                "decode_total"
+            ]
+        );
+        let m = d.render_metrics();
+        for family in [
+            "vllm:inter_token_latency_seconds_count{model_name=\"m\",engine=\"0\"} 1.0",
+            "vllm:request_time_per_output_token_seconds_count{model_name=\"m\",engine=\"0\"} 1.0",
+            "vllm:time_to_first_token_seconds_count{model_name=\"m\",engine=\"0\"} 1.0",
+            "vllm:nixl_num_failed_transfers_total{model_name=\"m\",engine=\"0\"} 0.0",
+            "vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"0\"} 0.0",
+        ] {
+            assert!(m.contains(family), "{family} missing in:\n{m}");
+        }
     }
 
     #[tokio::test]

@@ -12,7 +12,10 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use super::metrics::HistogramSnapshot;
+use super::metrics::{
+    Histogram, HistogramSnapshot, NIXL_BYTES_BUCKETS, NIXL_DESCRIPTORS_BUCKETS, NIXL_POST_TIME_BUCKETS_S,
+    NIXL_XFER_TIME_BUCKETS_S,
+};
 pub use crate::pipeline::params::KvTransferParams;
 
 /// What the prefill engine asks its backend for: compute and hold the KV of one prompt.
@@ -50,6 +53,10 @@ pub struct LoadReport {
     pub handshake: Option<Duration>,
     /// Slowest decode rank's read time.
     pub transfer: Duration,
+    /// Slowest decode rank's notification of the prefill engine.
+    pub notify: Duration,
+    /// Slowest decode rank's check of what it read (zero with verification off).
+    pub verify: Duration,
 }
 
 /// Why a backend could not prefill or load.
@@ -118,6 +125,89 @@ pub struct BackendMetrics {
     pub load_seconds: HistogramSnapshot,
     /// Per-stage times of loads (decode) or fills (prefill), slowest rank per request.
     pub stage_seconds: Vec<(&'static str, HistogramSnapshot)>,
+    /// Blocks in this engine's pool (0: the backend has no pool), for
+    /// `vllm:kv_cache_usage_perc`.
+    pub pool_blocks: u64,
+    /// The NIXL connector's figures, as vLLM's `vllm:nixl_*` families report them.
+    pub nixl: NixlSnapshot,
+}
+
+/// What vLLM's NIXL connector reports (`NixlKVConnectorStats`): one observation per transfer,
+/// i.e. per decode rank and request, and failure counts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NixlSnapshot {
+    /// From posting a transfer to its completion, seconds.
+    pub xfer_time: HistogramSnapshot,
+    /// Time to post a transfer's reads, seconds.
+    pub post_time: HistogramSnapshot,
+    pub bytes_transferred: HistogramSnapshot,
+    pub num_descriptors: HistogramSnapshot,
+    pub failed_transfers: u64,
+    pub failed_notifications: u64,
+    /// Prefill side: held requests whose lease ran out (per rank, as each vLLM worker counts).
+    pub kv_expired_reqs: u64,
+}
+
+impl Default for NixlSnapshot {
+    fn default() -> Self {
+        Self {
+            xfer_time: HistogramSnapshot::empty(NIXL_XFER_TIME_BUCKETS_S),
+            post_time: HistogramSnapshot::empty(NIXL_POST_TIME_BUCKETS_S),
+            bytes_transferred: HistogramSnapshot::empty(NIXL_BYTES_BUCKETS),
+            num_descriptors: HistogramSnapshot::empty(NIXL_DESCRIPTORS_BUCKETS),
+            failed_transfers: 0,
+            failed_notifications: 0,
+            kv_expired_reqs: 0,
+        }
+    }
+}
+
+/// The live histograms behind a [`NixlSnapshot`].
+#[derive(Debug)]
+pub struct NixlHistograms {
+    pub xfer_time: Histogram,
+    pub post_time: Histogram,
+    pub bytes_transferred: Histogram,
+    pub num_descriptors: Histogram,
+}
+
+impl Default for NixlHistograms {
+    fn default() -> Self {
+        Self {
+            xfer_time: Histogram::new(NIXL_XFER_TIME_BUCKETS_S),
+            post_time: Histogram::new(NIXL_POST_TIME_BUCKETS_S),
+            bytes_transferred: Histogram::new(NIXL_BYTES_BUCKETS),
+            num_descriptors: Histogram::new(NIXL_DESCRIPTORS_BUCKETS),
+        }
+    }
+}
+
+impl NixlHistograms {
+    /// Records one completed transfer.
+    pub fn observe(&self, xfer: Duration, post: Duration, bytes: u64, descriptors: u64) {
+        self.xfer_time.observe(xfer);
+        self.post_time.observe(post);
+        self.bytes_transferred.observe_value(bytes as f64);
+        self.num_descriptors.observe_value(descriptors as f64);
+    }
+
+    /// The histograms' snapshot with the given failure counts.
+    pub fn snapshot(
+        &self,
+        failed_transfers: u64,
+        failed_notifications: u64,
+        kv_expired_reqs: u64,
+    ) -> NixlSnapshot {
+        NixlSnapshot {
+            xfer_time: self.xfer_time.snapshot(),
+            post_time: self.post_time.snapshot(),
+            bytes_transferred: self.bytes_transferred.snapshot(),
+            num_descriptors: self.num_descriptors.snapshot(),
+            failed_transfers,
+            failed_notifications,
+            kv_expired_reqs,
+        }
+    }
 }
 
 /// The KV side of one engine. Both roles use the same object; the engine calls
@@ -131,11 +221,20 @@ pub trait KvBackend: Send + Sync + 'static {
     /// verify them and notify P so it frees them.
     fn load(&self, job: LoadJob) -> BoxFuture<'_, Result<LoadReport, KvError>>;
 
-    /// The request ended early (client disconnect): stop an in-flight load and release or
-    /// notify so no blocks stay pinned longer than their lease. Unknown ids are ignored.
+    /// The request ended early (client disconnect), or no decode engine will read a prefill
+    /// handoff (`POST /abort_requests`, sent by the proxy when the decode leg failed): stop an
+    /// in-flight load, and free held blocks now rather than at lease expiry. `request_id` is
+    /// the engine-internal id (`remote_request_id` for a prefill handoff). Unknown ids are
+    /// ignored.
     fn abort(&self, request_id: &str);
 
     fn metrics(&self) -> BackendMetrics;
+
+    /// `Err(why)` when the backend cannot serve any request (a worker process died): the
+    /// engine's `/health` then answers 503, as vLLM's does when its engine core is dead.
+    fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// Identity of the engine that a backend advertises in `kv_transfer_params`.

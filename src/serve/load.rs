@@ -11,9 +11,13 @@
 //!
 //! Owns request generation, timing and aggregation: samples go into `report`'s
 //! [`StageRecorder`] (hdrhistogram, nanoseconds) under the names vLLM's benchmark_serving
-//! uses (`ttft`, `itl`, `tpot`, `e2el`). Presentation is `load_report` (the report
-//! machinery: summary, tables, CSV, SVG); [`LoadSummary`] is the per-target document
-//! (`load.json`). Must not start servers.
+//! uses (`ttft`, `itl`, `tpot`, `e2el`). Each streamed request's TTFT is also split into the
+//! stages of the P/D path from the `Server-Timing` entries its response carried
+//! (`report::waterfall`), and with `--slo` every request is judged against the objectives
+//! (`report::slo`). Presentation is `load_report` (the report machinery: summary, tables,
+//! CSV, SVG); [`LoadSummary`] is the per-target document (`load.json`). [`LoadProgress`] is
+//! what a progress display reads: counters the requests bump, never a timer or a draw in
+//! their path. Must not start servers.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -29,8 +33,11 @@ use serde::Serialize;
 use super::client::{HttpClient, http_client};
 use super::openai::Endpoint;
 use super::rewrite::{self, RawObject};
-use crate::report::recorder::StageRecorder;
+use super::timing;
+use crate::report::recorder::{StageRecorder, new_auto_histogram, record_into};
+use crate::report::slo::{Goodput, RequestTimes, Slo};
 use crate::report::summary::StageStats;
+use crate::report::waterfall::{Breakdown, Waterfall, WaterfallBuilder};
 
 /// Stage names of the client-side latencies (vLLM benchmark_serving's names).
 pub const TTFT: &str = "ttft";
@@ -84,6 +91,107 @@ pub struct LoadConfig {
     /// Per-request limit (whole response).
     pub timeout: Duration,
     pub seed: u64,
+    /// Objectives for goodput (`--slo`).
+    pub slo: Option<Slo>,
+}
+
+/// Live counts of a run for a progress display, updated as samples arrive (outside any
+/// request's timed region).
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    pub done: AtomicU64,
+    pub ok: AtomicU64,
+    pub failed: AtomicU64,
+    ttft: std::sync::Mutex<Option<hdrhistogram::Histogram<u64>>>,
+}
+
+impl LoadProgress {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn add(&self, s: &Sample) {
+        self.done.fetch_add(1, Ordering::Relaxed);
+        if s.error.is_some() {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.ok.fetch_add(1, Ordering::Relaxed);
+        }
+        if let (Some(t), Ok(mut h)) = (s.ttft, self.ttft.lock()) {
+            record_into(h.get_or_insert_with(new_auto_histogram), ns(t));
+        }
+    }
+
+    /// Median TTFT of the requests so far, in milliseconds.
+    pub fn ttft_p50_ms(&self) -> Option<f64> {
+        let h = self.ttft.lock().ok()?;
+        h.as_ref().filter(|h| !h.is_empty()).map(|h| h.value_at_quantile(0.5) as f64 / 1e6)
+    }
+}
+
+/// A progress bar of a load run on stderr: requests done, ok and failed, live TTFT p50. It
+/// is drawn by its own thread from [`LoadProgress`] every 100 ms, so a request's timed path
+/// never draws (the requests only bump counters), and it shows nothing when stderr is not
+/// a terminal. Dropping it clears the bar.
+pub struct ProgressDisplay {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ProgressDisplay {
+    /// Starts the display for `total` requests (all targets, warm-up included; `None`: a
+    /// timed run), or a no-op when stderr is not a terminal.
+    pub fn start(progress: Arc<LoadProgress>, total: Option<u64>) -> Self {
+        use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+        if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            return Self { stop: None, thread: None };
+        }
+        let bar = match total {
+            Some(n) => ProgressBar::with_draw_target(Some(n), ProgressDrawTarget::stderr()),
+            None => ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()),
+        };
+        let template = match total {
+            Some(_) => "{spinner} {bar:30} {pos}/{len} requests {msg} [{elapsed}]",
+            None => "{spinner} {pos} requests {msg} [{elapsed}]",
+        };
+        if let Ok(style) = ProgressStyle::with_template(template) {
+            bar.set_style(style);
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("kvx-load-progress".into())
+            .spawn(move || {
+                let draw = |bar: &ProgressBar| {
+                    bar.set_position(progress.done.load(Ordering::Relaxed));
+                    let ttft =
+                        progress.ttft_p50_ms().map_or_else(|| "-".to_string(), |v| format!("{v:.2} ms"));
+                    bar.set_message(format!(
+                        "ok {} failed {} | ttft p50 {ttft}",
+                        progress.ok.load(Ordering::Relaxed),
+                        progress.failed.load(Ordering::Relaxed)
+                    ));
+                };
+                // Draw now, then every 100 ms until the run ends (the sender is dropped).
+                draw(&bar);
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    rx.recv_timeout(Duration::from_millis(100))
+                {
+                    draw(&bar);
+                }
+                bar.finish_and_clear();
+            })
+            .ok();
+        Self { stop: Some(tx), thread }
+    }
+}
+
+impl Drop for ProgressDisplay {
+    fn drop(&mut self) {
+        self.stop.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// What one request gave.
@@ -101,6 +209,42 @@ struct Sample {
     itl: Vec<Duration>,
     tokens: u64,
     lag: Duration,
+    /// From sending to the (decode leg's) response headers.
+    to_headers: Option<Duration>,
+    /// `Server-Timing` entries of the response (and of the prefill leg's, for a client-side
+    /// P/D pair).
+    server_timing: Vec<(String, f64)>,
+}
+
+impl Sample {
+    /// The request's TTFT split into stages, when a kvx engine timed it (streaming only).
+    fn breakdown(&self) -> Option<Breakdown> {
+        if self.error.is_some() {
+            return None;
+        }
+        timing::breakdown(self.ttft?, self.to_headers?, &self.server_timing)
+    }
+
+    fn times(&self) -> RequestTimes {
+        let tpot = match (self.ttft, self.tokens) {
+            (Some(t), n) if n > 1 && !self.itl.is_empty() => {
+                Some(self.e2e.saturating_sub(t) / u32::try_from(n - 1).unwrap_or(u32::MAX))
+            }
+            _ => None,
+        };
+        RequestTimes {
+            ok: self.error.is_none(),
+            ttft: self.ttft,
+            tpot,
+            max_itl: self.itl.iter().copied().max(),
+            e2el: self.e2e,
+        }
+    }
+
+    /// The engine's token pacing as it reported it (`itl` in its Server-Timing), ms.
+    fn pacing_ms(&self) -> Option<f64> {
+        self.server_timing.iter().find(|(n, _)| n == timing::ITL).map(|(_, ms)| *ms)
+    }
 }
 
 /// Percentiles of one latency, in milliseconds.
@@ -153,6 +297,24 @@ pub struct TargetSummary {
     /// Open loop: how late requests left relative to their Poisson schedule. A large p99
     /// means the generator (not the target) could not keep up.
     pub send_lag_ms: LatencyMs,
+    /// Token pacing the engines reported (`itl` in `Server-Timing`), ms; 0: pacing off, so
+    /// ITL and TPOT say nothing. `None` when the target does not report it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_itl_ms: Option<f64>,
+    /// With `--slo`: requests within every objective.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub goodput: Option<Goodput>,
+    /// Streamed requests' TTFT split into stages (kvx engines and proxy only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waterfall: Option<Waterfall>,
+}
+
+impl TargetSummary {
+    /// Whether the engines sent every token at once (`--itl-ms 0`): ITL and TPOT of zero are
+    /// then an artefact, not a measurement.
+    pub fn pacing_off(&self) -> bool {
+        self.engine_itl_ms == Some(0.0)
+    }
 }
 
 /// `targets[0]` minus `targets[i]`, percentile by percentile (not a percentile of paired
@@ -350,9 +512,11 @@ async fn one_request(sh: &Shared, t: usize, body: Bytes, s: &mut Sample) {
     let result = tokio::time::timeout_at(deadline.into(), async {
         let body = match &target.prefill_uri {
             None => body,
-            Some(p_uri) => prefill_leg(sh, p_uri, &body, &rid).await?,
+            Some(p_uri) => prefill_leg(sh, p_uri, &body, &rid, &mut s.server_timing).await?,
         };
         let resp = sh.client.request(post(sh, &target.uri, body, &rid)).await.map_err(|e| classify(&e))?;
+        s.to_headers = Some(start.elapsed());
+        s.server_timing.extend(timing::from_headers(resp.headers()));
         let status = resp.status();
         let mut b = resp.into_body();
         if !status.is_success() {
@@ -428,7 +592,13 @@ async fn one_request(sh: &Shared, t: usize, body: Bytes, s: &mut Sample) {
 }
 
 /// The client-side prefill leg: same rewriting as the proxy; returns the decode body.
-async fn prefill_leg(sh: &Shared, p_uri: &Uri, body: &Bytes, request_id: &str) -> Result<Bytes, String> {
+async fn prefill_leg(
+    sh: &Shared,
+    p_uri: &Uri,
+    body: &Bytes,
+    request_id: &str,
+    server_timing: &mut Vec<(String, f64)>,
+) -> Result<Bytes, String> {
     let obj = RawObject::parse(body).map_err(|_| "invalid_request".to_string())?;
     let p_body = Bytes::from(rewrite::prefill_body(&obj));
     let resp = sh
@@ -437,6 +607,7 @@ async fn prefill_leg(sh: &Shared, p_uri: &Uri, body: &Bytes, request_id: &str) -
         .await
         .map_err(|e| format!("prefill_{}", classify(&e)))?;
     let status = resp.status();
+    server_timing.extend(timing::from_headers(resp.headers()));
     let bytes = resp.into_body().collect().await.map_err(|_| "prefill_body".to_string())?.to_bytes();
     if !status.is_success() {
         return Err(format!("prefill_http_{}", status.as_u16()));
@@ -496,6 +667,16 @@ pub struct RequestRecord {
     pub error: Option<String>,
 }
 
+/// One measured request's TTFT waterfall (a line of `ttft_waterfall.csv`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestWaterfall {
+    pub request_id: String,
+    pub target: String,
+    pub ttft_us: f64,
+    /// Per stage of [`crate::report::waterfall::STAGES`], nanoseconds.
+    pub stages_ns: Breakdown,
+}
+
 /// Everything a load run measured.
 #[derive(Debug, Clone)]
 pub struct LoadRun {
@@ -504,10 +685,20 @@ pub struct LoadRun {
     pub recorders: Vec<StageRecorder>,
     /// Every measured request, in completion order.
     pub requests: Vec<RequestRecord>,
+    /// Every measured request a kvx engine timed, in completion order.
+    pub waterfalls: Vec<RequestWaterfall>,
 }
 
 /// Runs the load and returns per-target summaries, samples and request records.
 pub async fn run(cfg: LoadConfig) -> Result<LoadRun, LoadError> {
+    run_with_progress(cfg, None).await
+}
+
+/// [`run`], counting finished requests into `progress` as they come in.
+pub async fn run_with_progress(
+    cfg: LoadConfig,
+    progress: Option<Arc<LoadProgress>>,
+) -> Result<LoadRun, LoadError> {
     let mut targets = Vec::new();
     for t in &cfg.targets {
         let path = cfg.endpoint.path();
@@ -543,9 +734,12 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadRun, LoadError> {
 
     let n = sh.targets.len();
     let open_loop = matches!(sh.cfg.arrival, Arrival::Rate(_));
-    let mut agg: Vec<Agg> = (0..n).map(|_| Agg { open_loop, ..Agg::default() }).collect();
+    let mut agg: Vec<Agg> = (0..n).map(|_| Agg { open_loop, slo: sh.cfg.slo, ..Agg::default() }).collect();
     let mut measured = Vec::new();
     while let Some(s) = rx.recv().await {
+        if let Some(p) = &progress {
+            p.add(&s);
+        }
         if s.measured {
             agg[s.target].add(&s);
             measured.push(s);
@@ -573,7 +767,21 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadRun, LoadError> {
             error: s.error.clone(),
         })
         .collect();
-    let summaries: Vec<TargetSummary> = agg.iter().zip(&cfg.targets).map(|(a, t)| a.summary(t)).collect();
+    let waterfalls = measured
+        .iter()
+        .filter_map(|s| {
+            let b = s.breakdown()?;
+            Some(RequestWaterfall {
+                request_id: request_id(&sh.nonce, &cfg.targets[s.target].name, s.index),
+                target: cfg.targets[s.target].name.clone(),
+                ttft_us: s.ttft.map_or(0.0, us),
+                stages_ns: b,
+            })
+        })
+        .collect();
+    let recorders: Vec<StageRecorder> = agg.iter().map(|a| a.rec.clone()).collect();
+    let summaries: Vec<TargetSummary> =
+        agg.into_iter().zip(&cfg.targets).map(|(a, t)| a.summary(t)).collect();
     let overhead = summaries
         .iter()
         .skip(1)
@@ -604,7 +812,7 @@ pub async fn run(cfg: LoadConfig) -> Result<LoadRun, LoadError> {
         targets: summaries,
         overhead,
     };
-    Ok(LoadRun { summary, recorders: agg.into_iter().map(|a| a.rec).collect(), requests })
+    Ok(LoadRun { summary, recorders, requests, waterfalls })
 }
 
 /// `16` or `8..24`.
@@ -703,6 +911,12 @@ struct Agg {
     rec: StageRecorder,
     /// Send lag only means something against a schedule.
     open_loop: bool,
+    slo: Option<Slo>,
+    /// Requests within every objective.
+    good: u64,
+    waterfall: WaterfallBuilder,
+    /// Smallest and largest token pacing the engines reported.
+    pacing_ms: Option<(f64, f64)>,
 }
 
 fn ns(d: Duration) -> u64 {
@@ -720,6 +934,15 @@ impl Agg {
         }
         if self.open_loop {
             self.rec.record_ns(SEND_LAG, ns(s.lag));
+        }
+        if self.slo.is_some_and(|slo| slo.meets(&s.times())) {
+            self.good += 1;
+        }
+        if let Some(p) = s.pacing_ms() {
+            self.pacing_ms = Some(self.pacing_ms.map_or((p, p), |(lo, hi)| (lo.min(p), hi.max(p))));
+        }
+        if let (Some(b), Some(t)) = (s.breakdown(), s.ttft) {
+            self.waterfall.add(t, b);
         }
         if let Some(e) = &s.error {
             *self.errors.entry(e.clone()).or_default() += 1;
@@ -740,7 +963,7 @@ impl Agg {
         }
     }
 
-    fn summary(&self, t: &Target) -> TargetSummary {
+    fn summary(self, t: &Target) -> TargetSummary {
         let dur = match (self.first, self.last) {
             (Some(a), Some(b)) if b > a => (b - a).as_secs_f64(),
             _ => 0.0,
@@ -764,6 +987,10 @@ impl Agg {
             tpot_ms: lat(TPOT),
             e2e_ms: lat(E2EL),
             send_lag_ms: lat(SEND_LAG),
+            // A mix of paced and unpaced engines reports the largest pacing (not "off").
+            engine_itl_ms: self.pacing_ms.map(|(_, hi)| hi),
+            goodput: self.slo.map(|slo| Goodput::new(&slo, self.requests, self.good, dur)),
+            waterfall: self.waterfall.finish(),
         }
     }
 }
@@ -814,6 +1041,7 @@ mod tests {
             api_key: None,
             timeout: Duration::from_secs(1),
             seed: 7,
+            slo: None,
         };
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         for i in 0..20 {

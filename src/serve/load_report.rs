@@ -3,8 +3,9 @@
 //! benchmark_serving's names (`ttft`, `itl`, `tpot`, `e2el`; a baseline target's as
 //! `<target>.<name>`), request rows for `requests.csv`, tables built from `report::table`,
 //! and the run directory written through `report::files` (`summary.json`, `requests.csv`,
-//! `stages.csv`, `latency.svg`, plus `load.json` with every target and
-//! `http_requests.csv` with each request's client-side timings).
+//! `stages.csv`, `latency.svg`, `ttft-waterfall.svg`, plus `load.json` with every target,
+//! `http_requests.csv` with each request's client-side timings and `ttft_waterfall.csv` with
+//! each request's TTFT by stage).
 //!
 //! Owns the mapping from load figures to report figures. Must not measure (that is
 //! `load.rs`) and does file I/O only through `report::files`.
@@ -20,12 +21,21 @@ use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{
     Environment, RequestOutcome, RequestRow, Scenario, StageStats, Summary, now_rfc3339,
 };
+use crate::report::table::goodput_table;
 use crate::report::table::{Style, align_numbers, fmt_f, new_table, scenario_table, section, stage_table};
+use crate::report::table::{waterfall_note, waterfall_table};
+use crate::report::waterfall;
 
 /// Every target's figures as `kvx.load/v1` JSON.
 pub const LOAD_JSON: &str = "load.json";
 /// One line per measured request with its client-side timings.
 pub const HTTP_REQUESTS_CSV: &str = "http_requests.csv";
+/// One line per measured request a kvx engine timed: its TTFT by stage.
+pub const WATERFALL_CSV: &str = "ttft_waterfall.csv";
+
+/// Said in every report of a run whose engines did not pace their tokens.
+pub const PACING_OFF_NOTE: &str = "pacing off: the engine sent all tokens at once (--itl-ms 0), so ITL/TPOT are \
+     not meaningful";
 
 /// Says what the client-side stage names mean, next to the figures.
 pub const STAGES_NOTE: &str = "ttft, itl, tpot, e2el: client-side latencies (time to first token, inter-token \
@@ -53,6 +63,9 @@ pub fn scenario(cfg: &LoadConfig, name: &str) -> Scenario {
     x.insert("stream".into(), serde_json::json!(cfg.stream));
     x.insert("max_tokens".into(), serde_json::json!(cfg.max_tokens));
     x.insert("ignore_eos".into(), serde_json::json!(cfg.ignore_eos));
+    if let Some(slo) = &cfg.slo {
+        x.insert("slo".into(), serde_json::json!(slo.describe()));
+    }
     for t in &cfg.targets {
         let url = match &t.prefill_url {
             Some(p) => format!("P {p} -> D {}", t.url),
@@ -88,8 +101,27 @@ pub fn summary(run: &LoadRun, cfg: &LoadConfig, run_id: &str, started_at: &str, 
         s.failures_by_cause = t.errors.clone();
         s.requests_per_s = t.requests_per_s;
         s.duration_s = t.duration_s;
+        s.waterfall = t.waterfall.clone();
+        s.goodput = t.goodput.clone();
     }
     s.notes.push(STAGES_NOTE.to_string());
+    for t in run.summary.targets.iter().filter(|t| t.pacing_off()) {
+        s.notes.push(format!("{}: {PACING_OFF_NOTE}", t.name));
+    }
+    if let Some(w) = &s.waterfall {
+        s.notes.push(format!("ttft waterfall: {}", waterfall_note(w)));
+    }
+    for t in run.summary.targets.iter().skip(1) {
+        if let Some(g) = &t.goodput {
+            s.notes.push(format!(
+                "{}: goodput {} req/s, {:.1}% of requests within {}",
+                t.name,
+                fmt_f(g.requests_per_s),
+                g.share * 100.0,
+                g.describe()
+            ));
+        }
+    }
     for t in &run.summary.targets {
         s.notes.push(format!(
             "{}: {} output tokens, {} tokens/s, {} requests/s",
@@ -141,6 +173,21 @@ pub fn http_requests_csv(run: &LoadRun) -> Result<Vec<u8>, ReportError> {
         w.serialize(r).map_err(err)?;
     }
     w.into_inner().map_err(|e| ReportError::Encode { what: "HTTP requests CSV", reason: e.to_string() })
+}
+
+/// `ttft_waterfall.csv`: each timed request's TTFT and stages, in microseconds.
+pub fn waterfall_csv(run: &LoadRun) -> Result<Vec<u8>, ReportError> {
+    let err = |e: csv::Error| ReportError::Encode { what: "TTFT waterfall CSV", reason: e.to_string() };
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let mut header = vec!["request_id".to_string(), "target".to_string(), "ttft_us".to_string()];
+    header.extend(waterfall::STAGES.iter().map(|(n, _)| format!("{n}_us")));
+    w.write_record(&header).map_err(err)?;
+    for r in &run.waterfalls {
+        let mut rec = vec![r.request_id.clone(), r.target.clone(), format!("{:.1}", r.ttft_us)];
+        rec.extend(r.stages_ns.iter().map(|v| format!("{:.1}", *v as f64 / 1e3)));
+        w.write_record(&rec).map_err(err)?;
+    }
+    w.into_inner().map_err(|e| ReportError::Encode { what: "TTFT waterfall CSV", reason: e.to_string() })
 }
 
 /// `load.json`: every target's figures.
@@ -196,6 +243,26 @@ pub fn render(s: &Summary, load: &LoadSummary, style: Style) -> String {
         out.push_str(&line);
         out.push('\n');
     }
+    out.push_str(&serving_sections(s, load, style));
+    out
+}
+
+/// The TTFT waterfall and goodput sections, and the pacing warning, of a serving run.
+pub fn serving_sections(s: &Summary, load: &LoadSummary, style: Style) -> String {
+    let mut out = String::new();
+    if let Some(w) = &s.waterfall {
+        out.push('\n');
+        out.push_str(&section("TTFT waterfall", &waterfall_table(w, style), style));
+        out.push_str(&waterfall_note(w));
+        out.push('\n');
+    }
+    if let Some(g) = &s.goodput {
+        out.push('\n');
+        out.push_str(&section("Goodput", &goodput_table(g, style), style));
+    }
+    for t in load.targets.iter().filter(|t| t.pacing_off()) {
+        out.push_str(&format!("{}: {PACING_OFF_NOTE}\n", t.name));
+    }
     out
 }
 
@@ -213,6 +280,11 @@ pub fn write_run(mut writer: RunWriter, s: &Summary, run: &LoadRun) -> Result<Ve
     let p = dir.join(HTTP_REQUESTS_CSV);
     write_atomic(&p, &http_requests_csv(run)?)?;
     files.push(p);
+    if !run.waterfalls.is_empty() {
+        let p = dir.join(WATERFALL_CSV);
+        write_atomic(&p, &waterfall_csv(run)?)?;
+        files.push(p);
+    }
     Ok(files)
 }
 
@@ -242,6 +314,9 @@ mod tests {
             tpot_ms: LatencyMs::default(),
             e2e_ms: LatencyMs::default(),
             send_lag_ms: LatencyMs::default(),
+            engine_itl_ms: None,
+            goodput: None,
+            waterfall: None,
         }
     }
 
@@ -268,6 +343,7 @@ mod tests {
             api_key: None,
             timeout: Duration::from_secs(1),
             seed: 0,
+            slo: None,
         }
     }
 
@@ -306,6 +382,7 @@ mod tests {
             },
             recorders: vec![a, b],
             requests: vec![req("url", None), req("url", Some("timeout"))],
+            waterfalls: vec![],
         }
     }
 

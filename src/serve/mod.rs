@@ -7,7 +7,8 @@
 //! openai.rs    wire shapes: request validation, synthetic tokenizer, byte-exact bodies/SSE
 //! kv.rs        KvBackend trait (the engine's KV side), kv_transfer_params intent, NullKv
 //! workers.rs   WorkerKv: the KvBackend over a pipeline engine of worker processes (real UCX)
-//! metrics.rs   counters/gauges/histograms and the Prometheus text exposition
+//! metrics.rs   counters/gauges/histograms and the Prometheus text exposition (vLLM's buckets)
+//! timing.rs    per-request stage timings in the `Server-Timing` header (the TTFT waterfall)
 //! engine.rs    the engine: router(state), serve(listener, state, shutdown)
 //! rewrite.rs   the toy proxy's body rewriting on raw, order-preserving JSON
 //! client.rs    pooled keep-alive HTTP/1.1 client (proxy legs, load generator)
@@ -32,4 +33,5 @@ pub mod metrics;
 pub mod openai;
 pub mod proxy;
 pub mod rewrite;
+pub mod timing;
 pub mod workers;

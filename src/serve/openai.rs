@@ -81,6 +81,16 @@ impl ApiError {
         };
         Self { status, kind, message: message.into(), param: None }
     }
+    /// An error raised the way FastAPI's `HTTPException` is, which vLLM answers with the HTTP
+    /// status phrase as the type (`{"message":"Not Found","type":"Not Found",...}`): unknown
+    /// routes, wrong methods, bodies that are not `application/json`.
+    pub fn http(status: u16, message: impl Into<String>) -> Self {
+        let kind = http::StatusCode::from_u16(status)
+            .ok()
+            .and_then(|s| s.canonical_reason())
+            .unwrap_or("Internal Server Error");
+        Self { status, kind, message: message.into(), param: None }
+    }
     pub fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
         Self { param: param.map(str::to_string), ..Self::new(400, message) }
     }
@@ -251,6 +261,100 @@ fn chat_tokens(messages: &Value) -> Result<u64, ApiError> {
         }
     }
     Ok(n)
+}
+
+/// Vocabulary size the synthetic tokenizer hashes words other than `w<id>` into.
+const SYNTHETIC_VOCAB: u64 = 128_000;
+
+/// The synthetic token id of one word: `w<n>` is token `n` (what [`detokenize`] writes, so
+/// ids survive a round trip), any other word a stable hash into the vocabulary.
+pub fn word_token_id(word: &str) -> u64 {
+    if let Some(n) = word.strip_prefix('w').and_then(|d| d.parse::<u64>().ok()) {
+        return n;
+    }
+    // FNV-1a: stable across builds and platforms.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in word.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h % SYNTHETIC_VOCAB
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct TokenizeIn {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Value>,
+    #[serde(default)]
+    return_token_strs: Option<bool>,
+}
+
+#[derive(Serialize)]
+struct TokenizeOut<'a> {
+    count: usize,
+    max_model_len: u64,
+    tokens: Vec<u64>,
+    token_strs: Option<Vec<&'a str>>,
+}
+
+/// `POST /tokenize` as vLLM shapes it: `{"prompt": ...}` (TokenizeCompletionRequest) or
+/// `{"messages": [...]}` (TokenizeChatRequest), optional `return_token_strs`; the answer is
+/// `{"count","max_model_len","tokens","token_strs"}`. Returns the requested model and the body.
+pub fn tokenize(body: &[u8], max_model_len: u64) -> Result<(Option<String>, Vec<u8>), ApiError> {
+    let req: TokenizeIn = from_slice_with_path(body)?;
+    let mut words: Vec<&str> = Vec::new();
+    match (&req.prompt, &req.messages) {
+        (Some(p), _) => words.extend(p.split_whitespace()),
+        (None, Some(m)) => {
+            chat_tokens(m)?;
+            for msg in m.as_array().map(Vec::as_slice).unwrap_or_default() {
+                match msg.get("content") {
+                    Some(Value::String(t)) => words.extend(t.split_whitespace()),
+                    Some(Value::Array(parts)) => {
+                        for p in parts {
+                            if let Some(t) = p.get("text").and_then(Value::as_str) {
+                                words.extend(t.split_whitespace());
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        (None, None) => {
+            return Err(ApiError::bad_request("Field required: `prompt` (or `messages`)", Some("prompt")));
+        }
+    }
+    let out = TokenizeOut {
+        count: words.len(),
+        max_model_len,
+        tokens: words.iter().map(|w| word_token_id(w)).collect(),
+        token_strs: req.return_token_strs.unwrap_or(false).then(|| words.clone()),
+    };
+    Ok((req.model, serde_json::to_vec(&out).unwrap_or_default()))
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct DetokenizeIn {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u64>,
+}
+
+#[derive(Serialize)]
+struct DetokenizeOut {
+    prompt: String,
+}
+
+/// `POST /detokenize` `{"tokens": [...]}` -> `{"prompt": "w<id> w<id> ..."}`: text that
+/// [`tokenize`] turns back into the same ids, one token per id.
+pub fn detokenize(body: &[u8]) -> Result<(Option<String>, Vec<u8>), ApiError> {
+    let req: DetokenizeIn = from_slice_with_path(body)?;
+    let prompt = req.tokens.iter().map(|t| format!("w{t}")).collect::<Vec<_>>().join(" ");
+    Ok((req.model, serde_json::to_vec(&DetokenizeOut { prompt }).unwrap_or_default()))
 }
 
 /// Parses and validates one request the way vLLM's protocol classes do.
@@ -452,6 +556,7 @@ struct CompletionChoice<'a> {
     prompt_logprobs: (),
     prompt_token_ids: (),
     routed_experts: (),
+    weight_versions: (),
 }
 
 #[derive(Serialize)]
@@ -469,7 +574,8 @@ struct CompletionResponse<'a> {
     metrics: (),
 }
 
-/// Non-streaming `/v1/completions` body (vLLM 0.32 `CompletionResponse.model_dump()`).
+/// Non-streaming `/v1/completions` body (vLLM `CompletionResponse.model_dump()`; 0.33 adds
+/// `weight_versions` to each choice).
 pub fn completion_body(
     ctx: &ResponseCtx<'_>,
     text: &str,
@@ -492,6 +598,7 @@ pub fn completion_body(
             prompt_logprobs: (),
             prompt_token_ids: (),
             routed_experts: (),
+            weight_versions: (),
         }],
         service_tier: (),
         system_fingerprint: ctx.system_fingerprint,
@@ -523,6 +630,7 @@ struct ChatChoice<'a> {
     stop_reason: (),
     token_ids: (),
     routed_experts: (),
+    weight_versions: (),
 }
 
 #[derive(Serialize)]
@@ -572,6 +680,7 @@ pub fn chat_body(
             stop_reason: (),
             token_ids: (),
             routed_experts: (),
+            weight_versions: (),
         }],
         service_tier: (),
         system_fingerprint: ctx.system_fingerprint,
@@ -869,8 +978,9 @@ mod tests {
             Usage::new(17, 1),
             Some(&kv),
         );
-        // The 0.32 sample, with kv_transfer_params in 0.33's longer shape.
-        let want = r#"{"id":"cmpl-0123456789abcdef","object":"text_completion","created":1795300000,"model":"stub-model","choices":[{"index":0,"text":" Hello","logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,"prompt_logprobs":null,"prompt_token_ids":null,"routed_experts":null}],"service_tier":null,"system_fingerprint":"vllm-0.32.0-abcd1234","usage":{"prompt_tokens":17,"total_tokens":18,"completion_tokens":1,"prompt_tokens_details":null,"completion_tokens_details":null},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[0,1]],"remote_engine_id":"e1","remote_request_id":"cmpl-0123456789abcdef-0","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":17,"remote_blocks_expiry_time":null,"remote_registration_generation":0,"transfer_mode":"pull"},"ec_transfer_params":null,"metrics":null}"#;
+        // The 0.32 sample, with kv_transfer_params in 0.33's longer shape and 0.33's
+        // `weight_versions` in the choice.
+        let want = r#"{"id":"cmpl-0123456789abcdef","object":"text_completion","created":1795300000,"model":"stub-model","choices":[{"index":0,"text":" Hello","logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,"prompt_logprobs":null,"prompt_token_ids":null,"routed_experts":null,"weight_versions":null}],"service_tier":null,"system_fingerprint":"vllm-0.32.0-abcd1234","usage":{"prompt_tokens":17,"total_tokens":18,"completion_tokens":1,"prompt_tokens_details":null,"completion_tokens_details":null},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[0,1]],"remote_engine_id":"e1","remote_request_id":"cmpl-0123456789abcdef-0","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":17,"remote_blocks_expiry_time":null,"remote_registration_generation":0,"transfer_mode":"pull"},"ec_transfer_params":null,"metrics":null}"#;
         assert_eq!(String::from_utf8(got).expect("utf8"), want);
 
         let chat = chat_body(
@@ -880,7 +990,7 @@ mod tests {
             Usage::new(9, 2),
             None,
         );
-        let want = r#"{"id":"chatcmpl-0123456789abcdef","object":"chat.completion","created":1795300000,"model":"stub-model","choices":[{"index":0,"message":{"role":"assistant","content":" Hello world","refusal":null,"annotations":null,"audio":null,"function_call":null,"reasoning":null},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,"routed_experts":null}],"service_tier":null,"system_fingerprint":"vllm-0.32.0-abcd1234","usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2,"prompt_tokens_details":null,"completion_tokens_details":null},"prompt_logprobs":null,"prompt_token_ids":null,"prompt_text":null,"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}"#;
+        let want = r#"{"id":"chatcmpl-0123456789abcdef","object":"chat.completion","created":1795300000,"model":"stub-model","choices":[{"index":0,"message":{"role":"assistant","content":" Hello world","refusal":null,"annotations":null,"audio":null,"function_call":null,"reasoning":null},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,"routed_experts":null,"weight_versions":null}],"service_tier":null,"system_fingerprint":"vllm-0.32.0-abcd1234","usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2,"prompt_tokens_details":null,"completion_tokens_details":null},"prompt_logprobs":null,"prompt_token_ids":null,"prompt_text":null,"kv_transfer_params":null,"ec_transfer_params":null,"metrics":null}"#;
         assert_eq!(String::from_utf8(chat).expect("utf8"), want);
     }
 
@@ -934,6 +1044,50 @@ mod tests {
         )
         .expect("chat");
         assert_eq!((chat.prompt_tokens, chat.max_tokens), (5, 3));
+    }
+
+    #[test]
+    fn tokenize_and_detokenize_keep_the_count_and_the_ids() {
+        let (model, out) =
+            tokenize(br#"{"model":"m","prompt":"w7 hello  w12","return_token_strs":true}"#, 4096)
+                .expect("ok");
+        assert_eq!(model.as_deref(), Some("m"));
+        let v: Value = serde_json::from_slice(&out).expect("json");
+        assert_eq!(v["count"], 3);
+        assert_eq!(v["max_model_len"], 4096);
+        assert_eq!(v["tokens"][0], 7);
+        assert_eq!(v["tokens"][2], 12);
+        assert_eq!(v["token_strs"], serde_json::json!(["w7", "hello", "w12"]));
+        let text = String::from_utf8(out).expect("utf8");
+        assert!(
+            text.starts_with(r#"{"count":3,"max_model_len":4096,"tokens":[7,"#),
+            "vLLM's field order: {text}"
+        );
+        let (_, out) = tokenize(br#"{"prompt":"a b"}"#, 10).expect("ok");
+        assert!(String::from_utf8(out).expect("utf8").ends_with(r#""token_strs":null}"#));
+        let (_, out) =
+            tokenize(br#"{"messages":[{"role":"user","content":"one two three"}]}"#, 10).expect("chat");
+        assert_eq!(serde_json::from_slice::<Value>(&out).expect("json")["count"], 3);
+        let (_, out) = detokenize(br#"{"tokens":[5,0,99999]}"#).expect("ok");
+        assert_eq!(String::from_utf8(out).expect("utf8"), r#"{"prompt":"w5 w0 w99999"}"#);
+        // detokenize then tokenize: the same ids, one token per id.
+        let (_, out) = tokenize(br#"{"prompt":"w5 w0 w99999"}"#, 10).expect("ok");
+        assert_eq!(
+            serde_json::from_slice::<Value>(&out).expect("json")["tokens"],
+            serde_json::json!([5, 0, 99999])
+        );
+        let e = detokenize(br#"{"tokens":[-1]}"#).expect_err("negative ids are refused");
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("tokens[0]")));
+        assert_eq!(tokenize(br#"{}"#, 10).expect_err("needs a prompt").status, 400);
+    }
+
+    #[test]
+    fn http_errors_use_the_status_phrase_as_type() {
+        assert_eq!(
+            String::from_utf8(ApiError::http(404, "Not Found").body()).expect("utf8"),
+            r#"{"error":{"message":"Not Found","type":"Not Found","param":null,"code":404}}"#
+        );
+        assert_eq!(ApiError::http(400, "x").kind, "Bad Request");
     }
 
     #[test]

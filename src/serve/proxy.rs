@@ -5,6 +5,20 @@
 //! retries go to another backend only before anything was sent to the client, background
 //! health checks, client disconnect cancels both legs, and `/metrics`.
 //!
+//! # Routing by health
+//! A request is sent only when both pools have a backend believed healthy: with no healthy
+//! decode engine it is answered with vLLM's JSON 503 at once, without loading a prefill
+//! engine whose blocks would then wait for a reader that never comes (and the other way
+//! round). A backend is believed down after a failed health probe or a refused connection,
+//! and up again after a passing probe (so within one `--health-interval` of its restart);
+//! with health checks off, a down backend is tried again after [`RETRY_DOWN_AFTER`]. Both
+//! transitions are logged. When the decode leg fails after a prefill handed its KV off, the
+//! proxy tells that prefill engine (`POST /abort_requests` with P's `remote_request_id`) so
+//! its blocks are freed at once rather than at lease expiry.
+//!
+//! The proxy passes on the engines' `Server-Timing` entries with its own (`serve::timing`),
+//! which is how a client splits its TTFT into stages.
+//!
 //! Owns routing, retries, health and the HTTP surface of the proxy. Body rewriting lives in
 //! `serve::rewrite`; the upstream client in `serve::client`.
 
@@ -27,18 +41,34 @@ use hyper::body::Incoming;
 use tokio::net::TcpListener;
 
 use super::client::{HttpClient, http_client};
-use super::engine::{authorized, error_response, serve_router, unauthorized};
+use super::engine::{
+    authorized, check_json_content_type, error_response, method_not_allowed, not_found, serve_router,
+    unauthorized,
+};
 use super::metrics::{Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_TYPE};
 use super::openai::{ApiError, Endpoint};
 use super::rewrite::{self, RawObject};
+use super::timing::{self, ServerTiming};
 
-/// How a backend is chosen from its pool (P and D pools are chosen independently).
+/// With health checks off, how long a backend that refused a connection is left alone before
+/// a request tries it again.
+pub const RETRY_DOWN_AFTER: Duration = Duration::from_secs(1);
+
+/// How a backend is chosen from its pool (P and D pools are chosen independently). The
+/// names of vLLM's router (`round_robin`, `random`, `power_of_two`) are accepted too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Policy {
     /// Next healthy backend in turn (the toy proxy's `itertools.cycle`, minus the unhealthy).
+    #[value(alias = "round_robin")]
     RoundRobin,
     /// Healthy backend with the fewest requests in flight from this proxy.
+    #[value(alias = "least_loaded")]
     LeastLoaded,
+    /// A healthy backend at random.
+    Random,
+    /// The less loaded (fewer requests in flight) of two healthy backends drawn at random.
+    #[value(alias = "power_of_two")]
+    PowerOfTwo,
 }
 
 /// One engine address.
@@ -53,7 +83,10 @@ pub struct BackendAddr {
 pub struct ProxyConfig {
     pub prefill: Vec<BackendAddr>,
     pub decode: Vec<BackendAddr>,
+    /// Policy of the prefill pool.
     pub policy: Policy,
+    /// Policy of the decode pool (vLLM router's `--decode-policy`); `None`: `policy`.
+    pub decode_policy: Option<Policy>,
     /// TCP connect timeout per attempt.
     pub connect_timeout: Duration,
     /// Prefill leg: whole response. Decode leg: until its response headers.
@@ -73,6 +106,7 @@ impl ProxyConfig {
             prefill,
             decode,
             policy: Policy::RoundRobin,
+            decode_policy: None,
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(300),
             api_key: None,
@@ -130,6 +164,8 @@ struct Backend {
     label: String,
     authority: http::uri::Authority,
     healthy: AtomicBool,
+    /// When it was marked down (for the retry without health checks).
+    down_since: std::sync::Mutex<Option<Instant>>,
     in_flight: Gauge,
     requests: Counter,
     latency: Histogram,
@@ -151,6 +187,7 @@ impl Backend {
             label,
             authority,
             healthy: AtomicBool::new(true),
+            down_since: std::sync::Mutex::new(None),
             in_flight: Gauge::default(),
             requests: Counter::default(),
             latency: Histogram::latency(),
@@ -173,13 +210,35 @@ impl Backend {
 
     fn set_healthy(&self, up: bool, why: &str) {
         let was = self.healthy.swap(up, Ordering::Relaxed);
+        if let Ok(mut d) = self.down_since.lock() {
+            *d = if up { None } else { d.or_else(|| Some(Instant::now())) };
+        }
         if was != up {
             if up {
-                tracing::info!(backend = %self.label, role = self.role.as_str(), "backend healthy again");
+                tracing::info!(
+                    backend = %self.label,
+                    role = self.role.as_str(),
+                    "backend healthy again: routing requests to it"
+                );
             } else {
-                tracing::warn!(backend = %self.label, role = self.role.as_str(), reason = why, "backend marked unhealthy");
+                tracing::warn!(
+                    backend = %self.label,
+                    role = self.role.as_str(),
+                    reason = why,
+                    "backend marked unhealthy: no requests go to it until it recovers"
+                );
             }
         }
+    }
+
+    /// Whether a request may go to it: believed healthy, or (health checks off) down for
+    /// longer than [`RETRY_DOWN_AFTER`], so a backend that came back is found again.
+    fn usable(&self, checks_on: bool) -> bool {
+        if self.healthy.load(Ordering::Relaxed) {
+            return true;
+        }
+        !checks_on
+            && self.down_since.lock().ok().and_then(|d| *d).is_none_or(|t| t.elapsed() >= RETRY_DOWN_AFTER)
     }
 }
 
@@ -212,30 +271,40 @@ impl Pool {
         Ok(Self { backends, cursor: AtomicUsize::new(0) })
     }
 
-    /// Next healthy backend not in `tried`, by policy. When the whole pool is marked
-    /// unhealthy, the first attempt of a request still goes to one of them (in turn): a
-    /// stale mark must not lock the pool out until the next probe, or forever when health
-    /// checks are off.
-    fn pick(&self, policy: Policy, tried: &[usize]) -> Option<usize> {
+    /// Next usable backend not in `tried`, by policy; `None` when there is none (the caller
+    /// answers 503 rather than send a request to a backend believed down).
+    fn pick(&self, policy: Policy, tried: &[usize], checks_on: bool) -> Option<usize> {
+        use rand::RngExt as _;
         let n = self.backends.len();
         let start = self.cursor.fetch_add(1, Ordering::Relaxed);
         let order = (0..n).map(|k| (start + k) % n);
-        let healthy = |i: &usize| self.backends[*i].healthy.load(Ordering::Relaxed);
-        let usable = |i: &usize| !tried.contains(i) && healthy(i);
-        let chosen = match policy {
+        let usable = |i: &usize| !tried.contains(i) && self.backends[*i].usable(checks_on);
+        let load = |i: &usize| self.backends[*i].in_flight.get();
+        match policy {
             Policy::RoundRobin => order.clone().find(usable),
-            Policy::LeastLoaded => {
-                order.clone().filter(usable).min_by_key(|&i| self.backends[i].in_flight.get())
+            Policy::LeastLoaded => order.filter(usable).min_by_key(load),
+            Policy::Random | Policy::PowerOfTwo => {
+                let candidates: Vec<usize> = order.filter(usable).collect();
+                if candidates.is_empty() {
+                    return None;
+                }
+                let mut rng = rand::rng();
+                let a = candidates[rng.random_range(0..candidates.len())];
+                if policy == Policy::Random || candidates.len() == 1 {
+                    return Some(a);
+                }
+                let b = candidates[rng.random_range(0..candidates.len())];
+                Some(if load(&b) < load(&a) { b } else { a })
             }
-        };
-        if chosen.is_none() && tried.is_empty() && !(0..n).any(|i| healthy(&i)) {
-            return order.into_iter().next();
         }
-        chosen
     }
 
     fn healthy_count(&self) -> usize {
         self.backends.iter().filter(|b| b.healthy.load(Ordering::Relaxed)).count()
+    }
+
+    fn any_usable(&self, checks_on: bool) -> bool {
+        self.backends.iter().any(|b| b.usable(checks_on))
     }
 }
 
@@ -247,6 +316,10 @@ struct ProxyMetrics {
     retries: Counter,
     missing_kv_params: Counter,
     client_disconnects: Counter,
+    /// Requests answered 503 at once because a pool had no healthy backend, by pool.
+    no_healthy: [Counter; 2],
+    /// Prefill handoffs the proxy aborted on the prefill engine (decode leg failed).
+    prefill_aborts: Counter,
     /// From the client's request to the decode response headers.
     time_to_headers: Histogram,
 }
@@ -282,6 +355,8 @@ impl ProxyState {
                 retries: Counter::default(),
                 missing_kv_params: Counter::default(),
                 client_disconnects: Counter::default(),
+                no_healthy: Default::default(),
+                prefill_aborts: Counter::default(),
                 time_to_headers: Histogram::latency(),
             },
             cfg,
@@ -293,6 +368,17 @@ impl ProxyState {
             LegRole::Prefill => &self.prefill,
             LegRole::Decode => &self.decode,
         }
+    }
+
+    fn policy(&self, role: LegRole) -> Policy {
+        match role {
+            LegRole::Prefill => self.cfg.policy,
+            LegRole::Decode => self.cfg.decode_policy.unwrap_or(self.cfg.policy),
+        }
+    }
+
+    fn checks_on(&self) -> bool {
+        !self.cfg.health_interval.is_zero()
     }
 
     fn count_status(&self, s: StatusCode) {
@@ -307,8 +393,14 @@ impl ProxyState {
 
     /// Renders `/metrics`.
     pub fn render_metrics(&self) -> String {
-        let m = &self.metrics;
         let mut e = Exposition::new();
+        self.render_into(&mut e);
+        e.finish()
+    }
+
+    /// Adds the proxy's families to `e`.
+    pub fn render_into(&self, e: &mut Exposition) {
+        let m = &self.metrics;
         let help = "Client requests answered by the proxy, by status class.";
         e.counter("kvx:proxy_requests_total", help, &[("code", "2xx")], m.ok.get());
         e.counter("kvx:proxy_requests_total", help, &[("code", "4xx")], m.client_errors.get());
@@ -330,6 +422,20 @@ impl ProxyState {
             "Requests whose client went away before the end.",
             &[],
             m.client_disconnects.get(),
+        );
+        for (i, role) in [LegRole::Prefill, LegRole::Decode].into_iter().enumerate() {
+            e.counter(
+                "kvx:proxy_no_healthy_backend_total",
+                "Requests answered 503 at once because no backend of a pool was healthy.",
+                &[("role", role.as_str())],
+                m.no_healthy[i].get(),
+            );
+        }
+        e.counter(
+            "kvx:proxy_prefill_aborts_total",
+            "Prefill handoffs aborted on the prefill engine (POST /abort_requests) because the decode leg failed.",
+            &[],
+            m.prefill_aborts.get(),
         );
         e.histogram(
             "kvx:proxy_time_to_headers_seconds",
@@ -385,7 +491,6 @@ impl ProxyState {
                 &b.latency.snapshot(),
             );
         }
-        e.finish()
     }
 }
 
@@ -395,11 +500,13 @@ pub fn router(state: Arc<ProxyState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/healthcheck", get(healthcheck))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
-        .fallback(|| async { error_response(&ApiError::new(404, "Not Found")) })
-        .method_not_allowed_fallback(|| async { error_response(&ApiError::new(405, "Method Not Allowed")) })
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(64 << 20))
         .with_state(state)
 }
@@ -477,7 +584,32 @@ async fn models(State(st): State<Arc<ProxyState>>, headers: HeaderMap) -> Respon
     if !authorized(st.cfg.api_key.as_deref(), &headers) {
         return unauthorized();
     }
-    let leg = match send_leg(&st, LegRole::Decode, Method::GET, "/v1/models", Bytes::new(), None).await {
+    forward(&st, Method::GET, "/v1/models", Bytes::new()).await
+}
+
+/// `/tokenize` and `/detokenize` go to a decode engine (`vllm bench serve` aligns prompt
+/// lengths with them through whatever URL it was given).
+async fn tokenize(State(st): State<Arc<ProxyState>>, headers: HeaderMap, body: Bytes) -> Response {
+    forward_json(&st, &headers, "/tokenize", body).await
+}
+
+async fn detokenize(State(st): State<Arc<ProxyState>>, headers: HeaderMap, body: Bytes) -> Response {
+    forward_json(&st, &headers, "/detokenize", body).await
+}
+
+async fn forward_json(st: &ProxyState, headers: &HeaderMap, path: &'static str, body: Bytes) -> Response {
+    if !authorized(st.cfg.api_key.as_deref(), headers) {
+        return unauthorized();
+    }
+    if let Err(e) = check_json_content_type(headers) {
+        return error_response(&e);
+    }
+    forward(st, Method::POST, path, body).await
+}
+
+/// Sends one request to a decode engine and passes its answer back whole.
+async fn forward(st: &ProxyState, method: Method, path: &'static str, body: Bytes) -> Response {
+    let leg = match send_leg(st, LegRole::Decode, method, path, body, None).await {
         Ok(l) => l,
         Err(e) => return error_response(&e),
     };
@@ -493,7 +625,7 @@ async fn models(State(st): State<Arc<ProxyState>>, headers: HeaderMap) -> Respon
         }
         _ => error_response(&ApiError::new(
             502,
-            format!("decode engine {} failed to send /v1/models", leg.backend.label),
+            format!("decode engine {} failed to send {path}", leg.backend.label),
         )),
     }
 }
@@ -528,17 +660,8 @@ async fn send_leg(
     let mut tried: Vec<usize> = Vec::new();
     let mut last_err: Option<ApiError> = None;
     loop {
-        let Some(i) = pool.pick(st.cfg.policy, &tried) else {
-            return Err(last_err.unwrap_or_else(|| {
-                ApiError::new(
-                    503,
-                    format!(
-                        "no healthy {} engine: all {} configured are failing their health checks",
-                        role.as_str(),
-                        pool.backends.len()
-                    ),
-                )
-            }));
+        let Some(i) = pool.pick(st.policy(role), &tried, st.checks_on()) else {
+            return Err(last_err.unwrap_or_else(|| no_healthy(st, role)));
         };
         if !tried.is_empty() {
             st.metrics.retries.inc();
@@ -600,6 +723,19 @@ async fn send_leg(
     }
 }
 
+/// vLLM's JSON 503 for a pool with no healthy backend.
+fn no_healthy(st: &ProxyState, role: LegRole) -> ApiError {
+    let pool = st.pool(role);
+    ApiError::new(
+        503,
+        format!(
+            "no healthy {} engine: all {} configured are down or failing their health checks",
+            role.as_str(),
+            pool.backends.len()
+        ),
+    )
+}
+
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
@@ -642,10 +778,22 @@ async fn proxy_inner(
     if !authorized(st.cfg.api_key.as_deref(), headers) {
         return unauthorized();
     }
+    if let Err(e) = check_json_content_type(headers) {
+        return error_response(&e);
+    }
     let client = match RawObject::parse(body) {
         Ok(o) => o,
         Err(e) => return error_response(&ApiError::bad_request(e.0, None)),
     };
+    // Neither leg is sent unless both pools can take it: a prefill whose decode leg cannot
+    // happen would only hold KV blocks for nobody.
+    let checks_on = st.checks_on();
+    for (i, role) in [LegRole::Prefill, LegRole::Decode].into_iter().enumerate() {
+        if !st.pool(role).any_usable(checks_on) {
+            st.metrics.no_healthy[i].inc();
+            return error_response(&no_healthy(st, role));
+        }
+    }
     let x_request_id = headers.get("x-request-id").filter(|v| !v.is_empty()).cloned().unwrap_or_else(|| {
         HeaderValue::from_str(&uuid::Uuid::new_v4().to_string()).unwrap_or(HeaderValue::from_static("kvx"))
     });
@@ -661,6 +809,8 @@ async fn proxy_inner(
         }
     };
     let p_status = p.resp.status();
+    let mut server_timing = ServerTiming::new();
+    server_timing.extend_from(p.resp.headers());
     let left = st.cfg.request_timeout.saturating_sub(p.sent_at.elapsed());
     let p_bytes = match tokio::time::timeout(left, p.resp.into_body().collect()).await {
         Ok(Ok(b)) => b.to_bytes(),
@@ -710,6 +860,11 @@ async fn proxy_inner(
             "prefill answered without kv_transfer_params; the decode engine will prefill locally"
         );
     }
+    // P now holds blocks for the decode engine: if the decode leg fails, P is told to free
+    // them now. (A client that leaves meanwhile is the decode engine's to handle: its load,
+    // once started, notifies P when it is done; freeing them here could pull blocks away
+    // from under its reads.)
+    let handoff = params.and_then(remote_request_id);
 
     // Decode leg: original body plus P's params verbatim, streamed back as it arrives.
     let d_body = Bytes::from(rewrite::decode_body(&client, body, params));
@@ -717,6 +872,9 @@ async fn proxy_inner(
         Ok(l) => l,
         Err(e) => {
             watch.done = true;
+            if let Some(rid) = handoff {
+                abort_prefill(st, &p.backend, rid);
+            }
             return error_response(&e);
         }
     };
@@ -724,9 +882,14 @@ async fn proxy_inner(
     st.metrics.time_to_headers.observe(started.elapsed());
     if !d.resp.status().is_success() {
         d.backend.error(Cause::Status);
+        if let Some(rid) = handoff {
+            abort_prefill(st, &p.backend, rid);
+        }
     }
     watch.done = true;
     let (parts, incoming) = d.resp.into_parts();
+    server_timing.extend_from(&parts.headers);
+    server_timing.push(timing::PROXY_TOTAL, started.elapsed());
     let sse = parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -749,7 +912,58 @@ async fn proxy_inner(
         .unwrap_or(HeaderValue::from_static("application/json"));
     resp.headers_mut().insert(header::CONTENT_TYPE, ct);
     resp.headers_mut().insert("x-request-id", x_request_id);
+    if let Some(h) = server_timing.header() {
+        resp.headers_mut().insert(timing::SERVER_TIMING, h);
+    }
     resp
+}
+
+/// P's request id in its `kv_transfer_params` (raw JSON), the id its blocks are held under.
+fn remote_request_id(raw: &str) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct P {
+        remote_request_id: Option<String>,
+    }
+    serde_json::from_str::<P>(raw).ok()?.remote_request_id.filter(|s| !s.is_empty())
+}
+
+/// Tells a prefill engine that no decode engine will read the blocks it holds for `rid`
+/// (`POST /abort_requests`), in the background: the client's answer does not wait for it.
+fn abort_prefill(st: &Arc<ProxyState>, backend: &Arc<Backend>, rid: String) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+    let (st, backend) = (st.clone(), backend.clone());
+    st.metrics.prefill_aborts.inc();
+    rt.spawn(async move {
+        let body = serde_json::json!({ "request_ids": [rid] }).to_string();
+        let mut req = Request::post(backend.uri("/abort_requests"))
+            .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(auth) = &st.backend_auth {
+            req = req.header(header::AUTHORIZATION, auth.clone());
+        }
+        let Ok(req) = req.body(Full::new(Bytes::from(body))) else { return };
+        match tokio::time::timeout(st.cfg.health_timeout, st.client.request(req)).await {
+            Ok(Ok(resp)) if resp.status().is_success() => {
+                tracing::debug!(backend = %backend.label, request_id = %rid, "prefill handoff aborted");
+            }
+            Ok(Ok(resp)) => tracing::warn!(
+                backend = %backend.label,
+                request_id = %rid,
+                status = %resp.status(),
+                "prefill engine refused to abort a handoff; its blocks go at lease expiry"
+            ),
+            Ok(Err(e)) => tracing::warn!(
+                backend = %backend.label,
+                request_id = %rid,
+                "cannot abort a prefill handoff ({}); its blocks go at lease expiry",
+                error_chain(&e)
+            ),
+            Err(_) => tracing::warn!(
+                backend = %backend.label,
+                request_id = %rid,
+                "aborting a prefill handoff timed out; its blocks go at lease expiry"
+            ),
+        }
+    });
 }
 
 /// Answers a failed prefill: the engine's own JSON error (status kept) when it sent one,

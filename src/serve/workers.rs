@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 
 use super::kv::{
-    BackendMetrics, KvBackend, KvError, KvTransferParams, LoadJob, LoadReport, PrefillJob, blocks_for_tokens,
+    BackendMetrics, KvBackend, KvError, KvTransferParams, LoadJob, LoadReport, NixlHistograms, PrefillJob,
+    blocks_for_tokens,
 };
 use super::metrics::{Histogram, KV_STAGE_BUCKETS_S};
 use crate::pipeline::engine::{Engine, EngineConfig, EngineError, EngineFinal, EngineInfo, LoadDone};
@@ -99,12 +100,13 @@ struct Counters {
     blocks_read: AtomicU64,
     handshakes: AtomicU64,
     aborts: AtomicU64,
+    failed_transfers: AtomicU64,
+    failed_notifications: AtomicU64,
 }
 
-/// A request the engine is working on: its engine number and P's request id.
+/// A request the engine is working on: P's request id.
 #[derive(Debug, Clone)]
 struct Pending {
-    req: u64,
     p_request_id: String,
 }
 
@@ -124,6 +126,10 @@ pub struct WorkerKv {
     records: Mutex<Option<Vec<KvRequestRecord>>>,
     load_seconds: Histogram,
     stage_seconds: Vec<(&'static str, Histogram)>,
+    /// Per decode rank and load, as vLLM's NIXL connector observes each transfer.
+    nixl: NixlHistograms,
+    /// Whether the ranks post coalesced descriptors (what `vllm:nixl_num_descriptors` counts).
+    coalesce: bool,
 }
 
 impl std::fmt::Debug for WorkerKv {
@@ -143,6 +149,7 @@ impl WorkerKv {
     pub fn start(cfg: EngineConfig) -> Result<WorkerKv, EngineError> {
         let role = cfg.worker.role;
         let block_tokens = cfg.block_tokens;
+        let coalesce = cfg.worker.transport.coalesce;
         // Deadline of a started request, plus as long again queued behind others for blocks.
         let wait = cfg.timeout * 2;
         let engine = Engine::start(cfg)?;
@@ -164,6 +171,8 @@ impl WorkerKv {
             records: Mutex::new(None),
             load_seconds: Histogram::new(KV_STAGE_BUCKETS_S),
             stage_seconds: stages.iter().map(|&s| (s, Histogram::new(KV_STAGE_BUCKETS_S))).collect(),
+            nixl: NixlHistograms::default(),
+            coalesce,
         })
     }
 
@@ -235,6 +244,23 @@ impl WorkerKv {
         let bytes: u64 = ranks.iter().map(|r| r.bytes).sum();
         let bytes_verified: u64 = ranks.iter().map(|r| r.bytes_verified).sum();
         let verify_failures = ranks.iter().filter(|r| r.verify_failure.is_some()).count() as u64;
+        for r in ranks {
+            match r.error.as_ref().map(|(c, _)| *c) {
+                None => self.nixl.observe(
+                    Duration::from_nanos(r.transfer_ns),
+                    Duration::from_nanos(r.post_ns),
+                    r.bytes,
+                    if self.coalesce { r.descs_coalesced } else { r.descs_raw },
+                ),
+                Some(FailureCause::Notify) => {
+                    self.counters.failed_notifications.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(FailureCause::Transfer | FailureCause::Timeout | FailureCause::PeerGone) => {
+                    self.counters.failed_transfers.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(_) => {}
+            }
+        }
         {
             let mut st = lock(&self.stats);
             st.verify_failures += verify_failures;
@@ -328,13 +354,15 @@ impl WorkerKv {
             bytes_verified,
             handshake: handshake.map(Duration::from_nanos),
             transfer: Duration::from_nanos(max(|r| r.transfer_ns)),
+            notify: Duration::from_nanos(max(|r| r.notify_ns)),
+            verify: Duration::from_nanos(max(|r| r.verify_ns)),
         })
     }
 }
 
 /// Removes a job from the pending table when its future ends or is dropped. A prefill
-/// dropped before the engine answered (the client went away) is abandoned: its blocks are
-/// freed when their lease runs out, never later.
+/// dropped before the engine answered (the client went away) is released: no decode engine
+/// can learn its blocks, so they are freed at once rather than at lease expiry.
 struct PendingGuard<'a> {
     kv: &'a WorkerKv,
     id: String,
@@ -348,7 +376,7 @@ impl Drop for PendingGuard<'_> {
             && self.kv.role == Role::Prefill
             && let Some(p) = p
         {
-            self.kv.with_engine(|e| e.abandon(p.req, p.p_request_id));
+            self.kv.with_engine(|e| e.release(p.p_request_id));
         }
     }
 }
@@ -364,7 +392,7 @@ impl KvBackend for WorkerKv {
             let p_request_id = job.request_id.clone();
             let seed = pattern_seed(&p_request_id);
             lock(&self.pending)
-                .insert(job.request_id.clone(), Pending { req, p_request_id: p_request_id.clone() });
+                .insert(job.request_id.clone(), Pending { p_request_id: p_request_id.clone() });
             let mut guard = PendingGuard { kv: self, id: job.request_id.clone(), done: false };
             // 0 notifications expected: P learns the decode side's fan-in from the first one.
             let rx = self
@@ -411,10 +439,8 @@ impl KvBackend for WorkerKv {
             })?;
             let req = self.next_req.fetch_add(1, Ordering::Relaxed);
             let seed = pattern_seed(&params.remote_request_id);
-            lock(&self.pending).insert(
-                job.request_id.clone(),
-                Pending { req, p_request_id: params.remote_request_id.clone() },
-            );
+            lock(&self.pending)
+                .insert(job.request_id.clone(), Pending { p_request_id: params.remote_request_id.clone() });
             let mut guard = PendingGuard { kv: self, id: job.request_id.clone(), done: false };
             let t0 = Instant::now();
             let rx = self
@@ -442,33 +468,45 @@ impl KvBackend for WorkerKv {
                         EngineError::TooLarge { .. } => "pool",
                         other => other.cause().as_str(),
                     };
+                    if matches!(e, EngineError::Timeout { .. } | EngineError::RankGone { .. }) {
+                        self.counters.failed_transfers.fetch_add(1, Ordering::Relaxed);
+                    }
                     Err(fail(cause, self.engine_error(e)))
                 }
                 Ok(Err(_)) => Err(fail(
                     FailureCause::PeerGone.as_str(),
                     KvError::Unavailable("the engine has shut down".into()),
                 )),
-                Err(_) => Err(fail(
-                    FailureCause::Timeout.as_str(),
-                    KvError::Transfer {
-                        request_id: job.request_id.clone(),
-                        reason: format!("no answer from the decode ranks within {:?}", self.wait),
-                    },
-                )),
+                Err(_) => Err({
+                    self.counters.failed_transfers.fetch_add(1, Ordering::Relaxed);
+                    fail(
+                        FailureCause::Timeout.as_str(),
+                        KvError::Transfer {
+                            request_id: job.request_id.clone(),
+                            reason: format!("no answer from the decode ranks within {:?}", self.wait),
+                        },
+                    )
+                }),
             }
         })
     }
 
     fn abort(&self, request_id: &str) {
         self.counters.aborts.fetch_add(1, Ordering::Relaxed);
-        // Prefill: the pending guard abandons a fill still in flight (dropping the job's
-        // future is what ends it); here only the engine is told, in case the job outlives
-        // the request. Decode: a load already handed to the ranks runs to its end, and its
-        // notifications free P's blocks; one that never started leaves them to P's lease.
-        if self.role == Role::Prefill
-            && let Some(p) = lock(&self.pending).get(request_id).cloned()
-        {
-            self.with_engine(|e| e.abandon(p.req, p.p_request_id));
+        // Prefill: a fill in flight or blocks already handed off (the engine-internal id is
+        // P's request id) are released now; the ranks ignore ids they do not hold. Decode: a
+        // load already handed to the ranks runs to its end, and its notifications free P's
+        // blocks; one that never started leaves them to P (the proxy aborts it there).
+        if self.role == Role::Prefill {
+            self.with_engine(|e| e.release(request_id.to_string()));
+        }
+    }
+
+    fn health(&self) -> Result<(), String> {
+        match self.with_engine(Engine::gone) {
+            None => Err("the KV workers have shut down".into()),
+            Some(Some(e)) => Err(e.to_string()),
+            Some(None) => Ok(()),
         }
     }
 
@@ -514,6 +552,12 @@ impl KvBackend for WorkerKv {
             aborts: c.aborts.load(Ordering::Relaxed),
             load_seconds: self.load_seconds.snapshot(),
             stage_seconds: self.stage_seconds.iter().map(|(n, h)| (*n, h.snapshot())).collect(),
+            pool_blocks: u64::from(self.info.pool_blocks),
+            nixl: self.nixl.snapshot(
+                c.failed_transfers.load(Ordering::Relaxed),
+                c.failed_notifications.load(Ordering::Relaxed),
+                if self.role == Role::Prefill { live.leases_expired } else { 0 },
+            ),
         }
     }
 }

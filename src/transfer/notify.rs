@@ -614,6 +614,12 @@ impl LeaseTable {
         gone
     }
 
+    /// Stops holding a request at once (the decode side gave up on it: its blocks can go now
+    /// rather than at lease expiry). Returns whether it was held.
+    pub fn release(&mut self, id: &str) -> bool {
+        self.held.remove(id).is_some()
+    }
+
     /// The earliest deadline of any held request (when to call `expire` next).
     pub fn next_deadline(&self) -> Option<Instant> {
         self.held.values().map(|l| l.deadline).min()

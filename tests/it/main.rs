@@ -16,6 +16,7 @@ mod props;
 mod push_plan;
 mod report;
 mod serve;
+mod serve_metrics;
 mod serve_workers;
 mod storage;
 mod ucx;

@@ -35,8 +35,14 @@ pub(crate) fn fixture(name: &str) -> String {
     std::fs::read_to_string(format!("{FIXTURES}/{name}")).expect("fixture")
 }
 
+/// A vLLM 0.32 non-streaming sample as 0.33 writes it: every choice ends with
+/// `"weight_versions":null`.
+pub(crate) fn fixture_033(name: &str) -> String {
+    fixture(name).replace(r#""routed_experts":null}"#, r#""routed_experts":null,"weight_versions":null}"#)
+}
+
 /// A server task bound to port 0 that stops when dropped.
-struct Server {
+pub(crate) struct Server {
     addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
@@ -58,7 +64,7 @@ impl Server {
         Self { addr, stop: Some(tx), task }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
 
@@ -116,7 +122,9 @@ async fn start_proxy(cfg: ProxyConfig) -> (Server, Arc<ProxyState>) {
     (server, state)
 }
 
-/// One HTTP exchange over the pooled client; the body is collected whole.
+/// One HTTP exchange over the pooled client; the body is collected whole. A body goes out
+/// as `application/json` unless `headers` name another content type (as every JSON client
+/// sends it; vLLM refuses anything else).
 pub(crate) async fn send(
     method: &str,
     url: &str,
@@ -127,6 +135,9 @@ pub(crate) async fn send(
     let mut req = http::Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
+    }
+    if !body.is_empty() && !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
+        req = req.header("content-type", "application/json");
     }
     let req = req.body(Full::new(Bytes::from(body.to_string()))).expect("request");
     let resp = client.request(req).await.expect("response");
@@ -162,8 +173,8 @@ pub(crate) fn normalise(s: &str) -> String {
 }
 
 /// The proxy in front of a real P and D engine (NullKv, zero delays).
-struct Stack {
-    proxy: Server,
+pub(crate) struct Stack {
+    pub(crate) proxy: Server,
     proxy_state: Arc<ProxyState>,
     _p: Server,
     p_state: Arc<EngineState>,
@@ -180,6 +191,11 @@ async fn stack_with(p_cfg: EngineConfig, d_cfg: EngineConfig) -> Stack {
 
 async fn stack() -> Stack {
     stack_with(engine_cfg(Role::Prefill), engine_cfg(Role::Decode)).await
+}
+
+/// The stack with a decode engine of `d_cfg`.
+pub(crate) async fn stack_with_cfg(d_cfg: EngineConfig) -> Stack {
+    stack_with(engine_cfg(Role::Prefill), d_cfg).await
 }
 
 pub(crate) fn metric(text: &str, line_prefix: &str) -> f64 {
@@ -248,7 +264,7 @@ async fn chat_stream_and_json_through_proxy_are_byte_exact() {
         assert_eq!(h["content-type"], "application/json");
         assert_eq!(h["x-request-id"], "0123456789abcdef");
         assert_eq!(h["content-length"].to_str().expect("len").parse::<usize>().expect("n"), text.len());
-        assert_eq!(normalise(&text), fixture("vllm-0.32-chat-response.json"));
+        assert_eq!(normalise(&text), fixture_033("vllm-0.32-chat-response.json"));
     })
     .await;
 }
@@ -267,7 +283,7 @@ async fn prefill_engine_answer_is_byte_exact_with_033_params() {
         let rid = v["kv_transfer_params"]["remote_request_id"].as_str().expect("remote_request_id").to_string();
         assert!(rid.starts_with("cmpl-0123456789abcdef-0-"), "{rid}");
         // The 0.32 sample, with 0.33's full kv_transfer_params in place of 0.32's.
-        let want = fixture("vllm-0.32-prefill-response.json").replace(
+        let want = fixture_033("vllm-0.32-prefill-response.json").replace(
             r#""remote_request_id":"cmpl-0123456789abcdef-0","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"remote_num_tokens":17}"#,
             &format!(
                 r#""remote_request_id":"{rid}","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":17,"remote_blocks_expiry_time":null,"remote_registration_generation":0,"transfer_mode":"pull"}}"#
@@ -473,11 +489,19 @@ async fn backend_down_gives_json_503_and_retries_elsewhere() {
             v["error"]["message"].as_str().expect("msg").contains("cannot reach prefill engine"),
             "{text}"
         );
-        // Now marked unhealthy; with no healthy engine left, each request still makes one
-        // attempt (a stale mark must not lock the pool out), and /health says 503.
+        // Now marked unhealthy: with no healthy prefill engine left, requests are answered
+        // 503 at once, without another attempt on it (health checks are off here, so it is
+        // tried again only after RETRY_DOWN_AFTER), and /health says 503.
         let (status, _, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-        assert!(text.contains("cannot reach prefill engine"), "{text}");
+        assert!(text.contains("no healthy prefill engine"), "{text}");
+        let (_, _, m) = send("GET", &proxy.url("/metrics"), &[], "").await;
+        let requests = format!(
+            "kvx:proxy_backend_requests_total{{role=\"prefill\",backend=\"127.0.0.1:{}\"}}",
+            dead.port
+        );
+        assert_eq!(metric(&m, &requests), 1.0, "one connect attempt, then none: {m}");
+        assert_eq!(metric(&m, "kvx:proxy_no_healthy_backend_total{role=\"prefill\"}"), 1.0);
         let (status, _, _) = send("GET", &proxy.url("/health"), &[], "").await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
 
@@ -520,7 +544,7 @@ fn proxy_dead_port(metrics: &str) -> u16 {
         .find(|l| {
             l.starts_with("kvx:proxy_backend_errors_total{role=\"prefill\"")
                 && l.contains("cause=\"connect\"")
-                && !l.ends_with(" 0")
+                && !l.ends_with(" 0.0")
         })
         .and_then(|l| l.split("backend=\"127.0.0.1:").nth(1))
         .and_then(|r| r.split('"').next())
@@ -534,6 +558,12 @@ impl Stack {
     }
     fn d_state_port(&self) -> u16 {
         self._d.addr.port()
+    }
+    pub(crate) fn p_url(&self, path: &str) -> String {
+        self._p.url(path)
+    }
+    pub(crate) fn d_url(&self, path: &str) -> String {
+        self._d.url(path)
     }
 }
 
@@ -566,6 +596,7 @@ async fn broken_decode_stream_ends_with_an_error_event() {
         let (proxy, _) = start_proxy(proxy_cfg(vec![p.backend()], vec![d.backend()])).await;
         let client = http_client(Some(Duration::from_secs(2)));
         let req = http::Request::post(proxy.url("/v1/completions"))
+            .header("content-type", "application/json")
             .body(Full::new(Bytes::from_static(br#"{"prompt":"a","stream":true}"#)))
             .expect("request");
         let resp = client.request(req).await.expect("response");
@@ -615,9 +646,18 @@ async fn malformed_json_and_unknown_routes() {
         ] {
             let (status, _, text) = send("GET", &url, &[], "").await;
             assert_eq!(status, StatusCode::NOT_FOUND);
+            // vLLM 0.33's HTTPException handler: the status phrase is the type.
+            assert_eq!(text, r#"{"error":{"message":"Not Found","type":"Not Found","param":null,"code":404}}"#);
+        }
+        // A JSON body not declared as JSON: 400 like vLLM, at the proxy and at an engine.
+        for url in [s.proxy.url("/v1/completions"), format!("http://127.0.0.1:{}/v1/completions", s.d_state_port())]
+        {
+            let (status, _, text) =
+                post(&url, &[("content-type", "text/plain")], r#"{"prompt":"a b","max_tokens":1}"#).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{url}: {text}");
             assert_eq!(
                 text,
-                r#"{"error":{"message":"Not Found","type":"NotFoundError","param":null,"code":404}}"#
+                r#"{"error":{"message":"Unsupported Media Type: Only 'application/json' is allowed","type":"Bad Request","param":null,"code":400}}"#
             );
         }
         // Engine-side validation errors pass through the proxy with their status.
@@ -675,8 +715,9 @@ async fn client_disconnect_cancels_both_legs() {
         let mut d_cfg = engine_cfg(Role::Decode);
         d_cfg.itl = Duration::from_millis(50);
         let s = stack_with(p_cfg, d_cfg).await;
-        let running = "vllm:num_requests_running{model_name=\"stub-model\"}";
-        let aborted = "vllm:request_success_total{model_name=\"stub-model\",finished_reason=\"abort\"}";
+        let running = "vllm:num_requests_running{model_name=\"stub-model\",engine=\"0\"}";
+        let aborted =
+            "vllm:request_success_total{model_name=\"stub-model\",engine=\"0\",finished_reason=\"abort\"}";
         let sock =
             raw_request(s.proxy.addr, "/v1/completions", r#"{"prompt":"a b","max_tokens":100}"#, None).await;
         eventually("prefill engine running the request", || {
@@ -695,7 +736,10 @@ async fn client_disconnect_cancels_both_legs() {
             1.0
         );
         assert_eq!(
-            metric(&s.d_state.render_metrics(), "vllm:prompt_tokens_total{model_name=\"stub-model\"}"),
+            metric(
+                &s.d_state.render_metrics(),
+                "vllm:prompt_tokens_total{model_name=\"stub-model\",engine=\"0\"}"
+            ),
             0.0,
             "decode never reached"
         );
@@ -711,8 +755,9 @@ async fn client_disconnect_cancels_both_legs() {
         let mut d_cfg = engine_cfg(Role::Decode);
         d_cfg.itl = Duration::from_millis(50);
         let s = stack_with(engine_cfg(Role::Prefill), d_cfg).await;
-        let running = "vllm:num_requests_running{model_name=\"stub-model\"}";
-        let aborted = "vllm:request_success_total{model_name=\"stub-model\",finished_reason=\"abort\"}";
+        let running = "vllm:num_requests_running{model_name=\"stub-model\",engine=\"0\"}";
+        let aborted =
+            "vllm:request_success_total{model_name=\"stub-model\",engine=\"0\",finished_reason=\"abort\"}";
         let sock = raw_request(
             s.proxy.addr,
             "/v1/completions",
@@ -728,7 +773,7 @@ async fn client_disconnect_cancels_both_legs() {
         .await;
         let m = s.d_state.render_metrics();
         assert_eq!(metric(&m, running), 0.0);
-        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\"}") < 100.0);
+        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\",engine=\"0\"}") < 100.0);
         assert_eq!(
             metric(&m, "kvx:kv_aborts_total{backend=\"null\",kv_transfer=\"none\",role=\"decode\"}"),
             1.0
@@ -756,10 +801,20 @@ impl Drop for Proc {
 
 /// Starts `kvx <args>` and reads the bound address from its first stdout line (5 s limit).
 fn spawn_kvx(args: &[&str]) -> Proc {
+    spawn_kvx_stderr(args, Stdio::null())
+}
+
+/// [`spawn_kvx`] with its stderr piped (`child.stderr`).
+fn spawn_kvx_with_stderr(args: &[&str]) -> Proc {
+    spawn_kvx_stderr(args, Stdio::piped())
+}
+
+fn spawn_kvx_stderr(args: &[&str], stderr: Stdio) -> Proc {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvx"))
         .args(args)
+        .env_remove("KVX_LOG")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .expect("spawn kvx");
     let stdout = child.stdout.take().expect("stdout");
@@ -856,6 +911,8 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
             "chat",
             "--prompt-len",
             "8..24",
+            "--slo",
+            "ttft=10s,tpot=5s,itl=5s",
             "--format",
             "json",
             "--results-dir",
@@ -866,6 +923,7 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
         .collect();
         let (code, out, err) = run_kvx(&args).await;
         assert_eq!(code, Some(0), "stderr: {err}");
+        assert!(!err.contains("ttft p50"), "no progress bar when stderr is not a terminal: {err}");
         // stdout: the run's summary, as `kvx bench --format json` prints it.
         let sum: serde_json::Value = serde_json::from_str(&out).expect("json summary");
         assert_eq!(sum["schema_version"], 1);
@@ -877,10 +935,45 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
         }
         assert_eq!(sum["stages"]["itl"]["count"], 120, "3 gaps per 4-token stream");
         let dir = results.path().join(sum["run_id"].as_str().expect("run id"));
-        for f in
-            ["summary.json", "requests.csv", "stages.csv", "latency.svg", "load.json", "http_requests.csv"]
-        {
+        for f in [
+            "summary.json",
+            "requests.csv",
+            "stages.csv",
+            "latency.svg",
+            "load.json",
+            "http_requests.csv",
+            "ttft_waterfall.csv",
+            "ttft-waterfall.svg",
+        ] {
             assert!(dir.join(f).is_file(), "{f} missing");
+        }
+        // Goodput against generous objectives, and the proxy target's TTFT waterfall.
+        assert_eq!(
+            (sum["goodput"]["good"].as_u64(), sum["goodput"]["share"].as_f64()),
+            (Some(40), Some(1.0)),
+            "{sum}"
+        );
+        assert_eq!(sum["goodput"]["slo_ms"]["itl"], 5000.0);
+        assert_eq!(sum["waterfall"]["requests"], 40);
+        let stage_p50 = |name: &str| {
+            sum["waterfall"]["stages"]
+                .as_array()
+                .expect("stages")
+                .iter()
+                .find(|s| s["name"] == name)
+                .expect(name)["p50_us"]
+                .as_f64()
+                .expect("p50")
+        };
+        assert!(stage_p50("proxy") > 0.0 && stage_p50("first_decode_step") >= 1000.0, "{sum}");
+        // A load run moved no KV: `kvx report` leaves the KV figures out.
+        let (code, report, err) = run_kvx(&["report".to_string(), dir.display().to_string()]).await;
+        assert_eq!(code, Some(0), "{err}");
+        for section in ["Latency by stage", "TTFT waterfall", "Goodput", "Outcomes and verification"] {
+            assert!(report.contains(section), "{section} missing:\n{report}");
+        }
+        for unmeasured in ["Throughput, bytes, descriptors", "KV Transfer metrics", "GB/s"] {
+            assert!(!report.contains(unmeasured), "{unmeasured} shown for a load run:\n{report}");
         }
         let csv = std::fs::read_to_string(dir.join("http_requests.csv")).expect("csv");
         assert_eq!(csv.lines().count(), 1 + 80, "a line per measured request of both targets");
@@ -902,6 +995,10 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
         }
         assert_eq!(targets[1]["name"], "baseline-pd");
         assert_eq!(v["overhead"][0]["baseline"], "baseline-pd");
+        // The engines report their pacing; the client-side pair is split into stages as well.
+        assert_eq!(targets[0]["engine_itl_ms"], 1.0);
+        assert_eq!(targets[1]["waterfall"]["requests"], 40, "{}", targets[1]);
+        assert_eq!(targets[1]["goodput"]["good"], 40);
         // Both paths really loaded KV; nothing fell back to local prefill.
         let m = s.d_state.render_metrics();
         assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 90.0);
@@ -998,6 +1095,255 @@ async fn health_checks_mark_backends_down_and_up_again() {
             .await;
         let _ = tx.send(());
         let _ = task.await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_down_answers_503_at_once_without_loading_prefill_and_recovers() {
+    within(async {
+        let port = closed_port();
+        let (p, p_state) = start_engine(engine_cfg(Role::Prefill)).await;
+        let mut cfg = proxy_cfg(vec![p.backend()], vec![BackendAddr { host: "127.0.0.1".into(), port }]);
+        cfg.health_interval = Duration::from_millis(50);
+        cfg.health_timeout = Duration::from_millis(500);
+        let (proxy, pst) = start_proxy(cfg).await;
+        let healthy = format!("kvx:proxy_backend_healthy{{role=\"decode\",backend=\"127.0.0.1:{port}\"}}");
+        eventually("the dead decode engine marked unhealthy", || {
+            metric(&pst.render_metrics(), &healthy) == 0.0
+        })
+        .await;
+        // Every request: vLLM's JSON 503 at once; the prefill engine never sees one.
+        let prompt_tokens = "vllm:prompt_tokens_total{model_name=\"stub-model\",engine=\"0\"}";
+        let mut slowest = Duration::ZERO;
+        for _ in 0..50 {
+            let t0 = Instant::now();
+            let (status, h, text) =
+                post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b","max_tokens":2}"#).await;
+            slowest = slowest.max(t0.elapsed());
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+            assert_eq!(h["content-type"], "application/json");
+            let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+            assert_eq!(
+                (v["error"]["type"].as_str(), v["error"]["code"].as_u64()),
+                (Some("ServiceUnavailableError"), Some(503))
+            );
+            assert!(
+                v["error"]["message"].as_str().expect("msg").contains("no healthy decode engine"),
+                "{text}"
+            );
+        }
+        // Generous for a loaded machine; the point is milliseconds, not a lease.
+        assert!(slowest < Duration::from_secs(1), "slowest 503 took {slowest:?}");
+        assert_eq!(metric(&p_state.render_metrics(), prompt_tokens), 0.0, "prefill never loaded");
+        assert_eq!(
+            metric(&pst.render_metrics(), "kvx:proxy_no_healthy_backend_total{role=\"decode\"}"),
+            50.0
+        );
+
+        // A decode engine comes up on that port: within a health interval requests go through.
+        let listener = TcpListener::bind(("127.0.0.1", port)).await.expect("rebind the freed port");
+        let st = EngineState::new(engine_cfg(Role::Decode), null_kv("late-decode"));
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
+        eventually("the decode engine marked healthy again", || {
+            metric(&pst.render_metrics(), &healthy) == 1.0
+        })
+        .await;
+        let (status, _, text) =
+            post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b","max_tokens":2}"#).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(metric(&p_state.render_metrics(), prompt_tokens), 2.0);
+        let _ = tx.send(());
+        let _ = task.await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_decode_leg_aborts_the_prefill_handoff() {
+    within(async {
+        let (p, p_rec) = start_recorder(Act::Json(200, P_ANSWER.into())).await;
+        let err = r#"{"error":{"message":"KV load failed","type":"ServiceUnavailableError","param":null,"code":503}}"#;
+        let (d, d_rec) = start_recorder(Act::Json(503, err.into())).await;
+        let mut cfg = proxy_cfg(vec![p.backend()], vec![d.backend()]);
+        cfg.backend_api_key = Some("sk-test".into());
+        let (proxy, pst) = start_proxy(cfg).await;
+        let (status, _, text) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
+        assert_eq!((status, text.as_str()), (StatusCode::SERVICE_UNAVAILABLE, err));
+        assert_eq!(d_rec.seen().len(), 1);
+        eventually("the prefill engine told to free the handoff", || p_rec.seen().len() == 2).await;
+        let abort = &p_rec.seen()[1];
+        assert_eq!(abort.path, "/abort_requests");
+        assert_eq!(abort.body, r#"{"request_ids":["cmpl-x-0-abcd1234"]}"#, "P's remote_request_id");
+        assert_eq!(abort.headers["authorization"], "Bearer sk-test");
+        assert_eq!(abort.headers["content-type"], "application/json");
+        assert_eq!(metric(&pst.render_metrics(), "kvx:proxy_prefill_aborts_total"), 1.0);
+
+        // A decode leg that succeeds leaves the handoff alone.
+        let (d_ok, _) = start_recorder(Act::Json(200, "{}".into())).await;
+        let (proxy, pst) = start_proxy(proxy_cfg(vec![p.backend()], vec![d_ok.backend()])).await;
+        let (status, _, _) = post(&proxy.url("/v1/completions"), &[], r#"{"prompt":"a b"}"#).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(metric(&pst.render_metrics(), "kvx:proxy_prefill_aborts_total"), 0.0);
+        assert!(p_rec.seen().iter().filter(|s| s.path == "/abort_requests").count() == 1);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenizer_routes_work_through_the_proxy() {
+    within(async {
+        let s = stack().await;
+        let (status, _, text) =
+            post(&s.proxy.url("/tokenize"), &[], r#"{"model":"stub-model","prompt":"w3 w1 w4 w1 w5"}"#).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(text, r#"{"count":5,"max_model_len":8192,"tokens":[3,1,4,1,5],"token_strs":null}"#);
+        let (status, _, text) = post(&s.proxy.url("/detokenize"), &[], r#"{"tokens":[3,1,4]}"#).await;
+        assert_eq!((status, text.as_str()), (StatusCode::OK, r#"{"prompt":"w3 w1 w4"}"#));
+        // The detokenized prompt is as many tokens as ids, as `vllm bench serve` relies on.
+        let body = r#"{"messages":[{"role":"user","content":"w3 w1 w4"}],"return_token_strs":true}"#;
+        let (status, _, text) = post(&s.proxy.url("/tokenize"), &[], body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert!(
+            text.starts_with(r#"{"count":3,"#) && text.ends_with(r#""token_strs":["w3","w1","w4"]}"#),
+            "{text}"
+        );
+        let (status, _, _) = post(&s.proxy.url("/tokenize"), &[("content-type", "text/plain")], "{}").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+    })
+    .await;
+}
+
+/// Reads a child's stderr lines into a channel.
+fn stderr_lines(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits (5 s limit) for a stderr line containing `what`.
+async fn wait_line(rx: &std::sync::mpsc::Receiver<String>, what: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match rx.try_recv() {
+            Ok(line) if line.contains(what) => return line,
+            Ok(_) => {}
+            Err(std::sync::mpsc::TryRecvError::Empty) => {
+                assert!(Instant::now() < deadline, "no stderr line with {what:?} within 5 s");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => panic!("stderr closed before {what:?}: {e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_router_flags_run_the_same_proxy_and_it_logs_backend_transitions() {
+    within(async {
+        let p = spawn_kvx(&["serve-engine", "--role", "prefill", "--port", "0", "--model-name", "stub-model", "--kv-backend", "null"]);
+        let d = spawn_kvx(&["serve-engine", "--role", "decode", "--port", "0", "--model-name", "stub-model", "--itl-ms", "0", "--kv-backend", "null"]);
+        let down = closed_port();
+        let (pu, du, downu) = (
+            format!("http://127.0.0.1:{}", p.addr.port()),
+            format!("http://127.0.0.1:{}", d.addr.port()),
+            format!("http://127.0.0.1:{down}"),
+        );
+        let mut x = spawn_kvx_with_stderr(&[
+            "serve-proxy", "--port", "0", "--vllm-pd-disaggregation", "--prefill", &pu, "8998", "--decode", &du,
+            "--decode", &downu, "--policy", "round_robin", "--health-check-interval-secs", "0.05",
+        ]);
+        let log = stderr_lines(&mut x.child);
+        let line = wait_line(&log, "backend marked unhealthy").await;
+        assert!(line.contains(&format!("127.0.0.1:{down}")) && line.contains("decode"), "{line}");
+        // Every request now goes to the live decode engine, byte-exact.
+        for _ in 0..3 {
+            let body = r#"{"model":"stub-model","prompt":"hello world how are you","max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}"#;
+            let (status, _, text) =
+                post(&format!("http://{}/v1/completions", x.addr), &[("x-request-id", "0123456789abcdef")], body).await;
+            assert_eq!(status, StatusCode::OK, "{text}");
+            assert_eq!(normalise(&text), fixture("vllm-0.32-completions-stream.sse"));
+        }
+        // The missing engine comes up: the proxy says so.
+        let listener = TcpListener::bind(("127.0.0.1", down)).await.expect("rebind the freed port");
+        let st = EngineState::new(engine_cfg(Role::Decode), null_kv("late"));
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
+        let line = wait_line(&log, "backend healthy again").await;
+        assert!(line.contains(&format!("127.0.0.1:{down}")), "{line}");
+        let _ = tx.send(());
+        let _ = task.await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_says_when_pacing_is_off_and_shows_progress_on_a_terminal() {
+    within(async {
+        // Engines with --itl-ms 0: every token in one write.
+        let s = stack().await;
+        let results = tempfile::tempdir().expect("tmp");
+        let url = format!("http://{}", s.proxy.addr);
+        let dir = results.path().display().to_string();
+        let base = [
+            "load",
+            "--url",
+            &url,
+            "--concurrency",
+            "2",
+            "--requests",
+            "6",
+            "--stream",
+            "--results-dir",
+            &dir,
+        ];
+        let args: Vec<String> = base.iter().map(ToString::to_string).collect();
+        let (code, out, err) = run_kvx(&args).await;
+        assert_eq!(code, Some(0), "{err}");
+        assert!(out.contains("pacing off: the engine sent all tokens at once (--itl-ms 0)"), "{out}");
+
+        // On a terminal (a pty from `script`), a progress bar with the live TTFT p50 is drawn
+        // on stderr and cleared at the end. Paced engines make the run last a few redraws.
+        let mut d_cfg = engine_cfg(Role::Decode);
+        d_cfg.itl = Duration::from_millis(20);
+        let s = stack_with(engine_cfg(Role::Prefill), d_cfg).await;
+        let url = format!("http://{}", s.proxy.addr);
+        let base = [
+            "load",
+            "--url",
+            &url,
+            "--concurrency",
+            "2",
+            "--requests",
+            "6",
+            "--stream",
+            "--results-dir",
+            &dir,
+        ];
+        let kvx = env!("CARGO_BIN_EXE_kvx");
+        let cmd = format!("{kvx} {} --format json", base.join(" "));
+        let out = tokio::time::timeout(
+            Duration::from_secs(20),
+            tokio::process::Command::new("script")
+                .args(["-qec", &cmd, "/dev/null"])
+                .env("COLUMNS", "200")
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .expect("finished within 20 s")
+        .expect("run kvx load under script (util-linux)");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let tty = String::from_utf8_lossy(&out.stdout);
+        assert!(tty.contains("requests ok "), "no progress bar on a terminal:\n{tty}");
+        assert!(tty.contains("| ttft p50 "), "{tty}");
     })
     .await;
 }

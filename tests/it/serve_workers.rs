@@ -13,7 +13,10 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 
+use openmetrics_parser::PrometheusType;
+
 use crate::serve::{fixture, metric, normalise, post, raw_request, send};
+use crate::serve_metrics::{XFER_BUCKETS, check_vllm_families, family, histogram, number, scrape, value};
 
 /// Worker processes start in a few seconds even on a loaded machine; the whole test must
 /// still end in bounded time.
@@ -197,6 +200,32 @@ async fn completions_and_chat_through_the_proxy_read_verified_kv() {
             metric(&m, "kvx:kv_stage_seconds_count{backend=\"workers\",kv_transfer=\"ucx\",role=\"decode\",stage=\"transfer\"}"),
             4.0
         );
+        // vLLM's NIXL families, read by a Prometheus parser: one transfer per load and decode
+        // rank, their bytes adding up to what was read.
+        let f = scrape(&d.url("/metrics")).await;
+        check_vllm_families(&f);
+        let me = [("model_name", "stub-model"), ("engine", "0")];
+        let (bounds, count, sum) =
+            histogram(value(family(&f, "vllm:nixl_xfer_time_seconds", PrometheusType::Histogram), &me));
+        assert_eq!((bounds.as_slice(), count), (XFER_BUCKETS.as_slice(), 4));
+        assert!(sum > 0.0);
+        let (_, count, sum) =
+            histogram(value(family(&f, "vllm:nixl_bytes_transferred", PrometheusType::Histogram), &me));
+        assert_eq!((count, sum), (4, read));
+        let (_, count, sum) =
+            histogram(value(family(&f, "vllm:nixl_num_descriptors", PrometheusType::Histogram), &me));
+        // vLLM posts one descriptor per block, layer (2) and prefill rank read (2: the one
+        // decode rank gathers the heads of both), without coalescing.
+        assert_eq!((count, sum), (4, 2.0 * 2.0 * f64::from(1 + 3 + 3 + 3)));
+        let (_, count, _) = histogram(value(family(&f, "vllm:nixl_post_time_seconds", PrometheusType::Histogram), &me));
+        assert_eq!(count, 4);
+        for failed in ["vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total"] {
+            assert_eq!(number(value(family(&f, failed, PrometheusType::Counter), &me)), 0.0, "{failed}");
+        }
+        let usage = number(value(family(&f, "vllm:kv_cache_usage_perc", PrometheusType::Gauge), &me));
+        assert!((0.0..=1.0).contains(&usage), "{usage}");
+        let (_, count, _) = histogram(value(family(&f, "vllm:inter_token_latency_seconds", PrometheusType::Histogram), &me));
+        assert_eq!(count, 1 + 2 + 1 + 1, "one gap per token after the first of each request");
 
         // The prefill engine filled 4 holds and got every block back by notification.
         let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
@@ -253,15 +282,15 @@ async fn disconnects_and_abandoned_prefills_release_blocks() {
         // read was already released to the prefill engine by notification, not by lease.
         let body = format!(r#"{{"prompt":"{}","max_tokens":500,"stream":true}}"#, words(40));
         let sock = raw_request(x.addr, "/v1/completions", &body, Some("\" t0\"")).await;
-        let running = "vllm:num_requests_running{model_name=\"stub-model\"}";
-        let aborted = "vllm:request_success_total{model_name=\"stub-model\",finished_reason=\"abort\"}";
+        let running = "vllm:num_requests_running{model_name=\"stub-model\",engine=\"0\"}";
+        let aborted = "vllm:request_success_total{model_name=\"stub-model\",engine=\"0\",finished_reason=\"abort\"}";
         let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
         assert_eq!(metric(&m, running), 1.0);
         drop(sock);
         wait_metric(&d.url("/metrics"), aborted, Duration::from_secs(5), |v| v == 1.0).await;
         let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
         assert_eq!(metric(&m, running), 0.0);
-        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\"}") < 500.0);
+        assert!(metric(&m, "vllm:generation_tokens_total{model_name=\"stub-model\",engine=\"0\"}") < 500.0);
         assert_eq!(metric(&m, &format!("kvx:kv_blocks_in_use{D_LABELS}")), 0.0);
         assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0);
         wait_metric(&p.url("/metrics"), &held, Duration::from_millis(900), |v| v == 0.0).await;
@@ -313,6 +342,8 @@ async fn bench_serve_runs_the_whole_path_and_writes_its_summary() {
                 "--warmup",
                 "1",
                 "--no-calibrate",
+                "--slo",
+                "ttft=30s,tpot=10s,e2el=60s",
                 "--format",
                 "json",
                 "--results-dir",
@@ -343,15 +374,176 @@ async fn bench_serve_runs_the_whole_path_and_writes_its_summary() {
         }
         assert_eq!(v["stages"]["ttft"]["count"], 4);
         assert_eq!(v["stages"]["transfer"]["count"], 4, "measured requests only");
-        for f in ["requests.csv", "stages.csv", "latency.svg", "load.json", "http_requests.csv"] {
+        for f in [
+            "requests.csv",
+            "stages.csv",
+            "latency.svg",
+            "load.json",
+            "http_requests.csv",
+            "ttft-waterfall.svg",
+            "ttft_waterfall.csv",
+        ] {
             assert!(dir.join(f).is_file(), "{f} missing in {}", dir.display());
         }
+        // The TTFT waterfall: every measured request split into the stages of the path.
+        let w = &v["waterfall"];
+        assert_eq!(w["requests"], 4, "{w}");
+        let names: Vec<&str> = w["stages"].as_array().expect("stages").iter().filter_map(|s| s["name"].as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "proxy",
+                "prefill_queue",
+                "prefill_compute",
+                "decode_admission",
+                "handshake",
+                "kv_transfer",
+                "notification",
+                "verify",
+                "first_decode_step",
+                "other"
+            ]
+        );
+        let p50 = |stage: &str| {
+            w["stages"].as_array().expect("stages").iter().find(|s| s["name"] == stage).expect(stage)["p50_us"]
+                .as_f64()
+                .expect("p50")
+        };
+        for stage in ["proxy", "prefill_compute", "kv_transfer", "notification", "first_decode_step"] {
+            assert!(p50(stage) > 0.0, "{stage} was joined in: {w}");
+        }
+        // One decode step (15 ms) makes the first token after the KV load.
+        assert!(p50("first_decode_step") >= 14_000.0, "{w}");
+        // The p50 request's stages add up to its TTFT, and the named stages explain it.
+        let bar = &w["bars"][1];
+        assert_eq!(bar["label"], "p50 request");
+        let sum: f64 = bar["stages_us"].as_array().expect("stages").iter().filter_map(|x| x.as_f64()).sum();
+        let ttft = bar["ttft_us"].as_f64().expect("ttft");
+        assert!((sum - ttft).abs() <= 0.05 * ttft, "stages {sum} us vs TTFT {ttft} us");
+        assert!(w["unattributed_share_p50"].as_f64().expect("share") < 0.05, "{w}");
+        // Means add up whatever the spread (the stage p50s need not: with 4 requests they can
+        // be 10% apart, so the report states their sum next to the TTFT p50 rather than imply it).
+        let mean_stages: f64 = w["stages"].as_array().expect("stages").iter().filter_map(|s| s["mean_us"].as_f64()).sum();
+        let mean_ttft = w["ttft"]["mean_us"].as_f64().expect("mean");
+        assert!((mean_stages - mean_ttft).abs() <= 0.01 * mean_ttft, "{mean_stages} vs {mean_ttft}: {w}");
+        assert!(w["stage_p50_sum_error"].as_f64().is_some());
+        let client_ttft = v["stages"]["ttft"]["p50_us"].as_f64().expect("ttft p50");
+        assert!((w["ttft"]["p50_us"].as_f64().expect("p50") - client_ttft).abs() <= 0.01 * client_ttft);
+        let csv = std::fs::read_to_string(dir.join("ttft_waterfall.csv")).expect("csv");
+        assert_eq!(csv.lines().count(), 1 + 4, "{csv}");
+        assert!(csv.starts_with("request_id,target,ttft_us,proxy_us,prefill_queue_us,"), "{csv}");
+        // Goodput against generous objectives: every request made them.
+        let g = &v["goodput"];
+        assert_eq!((g["requests"].as_u64(), g["good"].as_u64(), g["share"].as_f64()), (Some(4), Some(4), Some(1.0)), "{g}");
+        assert!(g["requests_per_s"].as_f64().expect("rate") > 0.0);
+        assert_eq!(g["slo_ms"]["ttft"], 30000.0);
         let csv = std::fs::read_to_string(dir.join("requests.csv")).expect("requests.csv");
         let rows: Vec<&str> = csv.lines().skip(1).collect();
         assert_eq!(rows.len(), 4, "{csv}");
         // prompt_tokens, blocks, bytes of both decode ranks, joined by X-Request-Id.
         assert!(rows.iter().all(|r| r.contains(",64,4,524288,")), "{csv}");
         assert!(rows.iter().all(|r| r.ends_with(",0;1")), "read by both decode ranks: {csv}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_leg_that_fails_frees_the_prefill_blocks_at_once() {
+    within(async {
+        // A 30 s lease: blocks freed within seconds were freed by the proxy's abort.
+        let p = engine("prefill", "2", &["--lease", "30s"]).await;
+        // A decode pool of one block cannot take a 3-block prompt: the load fails with a 503.
+        let d = engine("decode", "1", &["--pool-blocks", "1"]).await;
+        let x = proxy(&p, &d);
+        let held = format!("kvx:kv_blocks_held{P_LABELS}");
+        let body = format!(r#"{{"prompt":"{}","max_tokens":2}}"#, words(40));
+        let t0 = Instant::now();
+        let (status, _, text) = post(&x.url("/v1/completions"), &[], &body).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+        assert!(text.contains("KV load failed"), "{text}");
+        wait_metric(&p.url("/metrics"), &held, Duration::from_secs(10), |v| v == 0.0).await;
+        assert!(t0.elapsed() < Duration::from_secs(15), "freed long before the 30 s lease");
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0, "not by lease: {m}");
+        assert_eq!(metric(&m, &format!("kvx:kv_aborts_total{P_LABELS}")), 1.0, "{m}");
+        assert_eq!(metric(&m, &format!("kvx:kv_blocks_in_use{P_LABELS}")), 0.0, "{m}");
+        let (_, _, xm) = send("GET", &x.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&xm, "kvx:proxy_prefill_aborts_total"), 1.0);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_serve_serves_vllm_metrics_while_it_runs() {
+    within(async {
+        let results = tempfile::tempdir().expect("tmp");
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvx"))
+            .args([
+                "bench",
+                "--serve",
+                "--p-tp",
+                "1",
+                "--d-tp",
+                "1",
+                "--model",
+                "llama-3.1-8b",
+                "--layers",
+                "2",
+                "--prompt-len",
+                "32",
+                "--duration",
+                "4s",
+                "--concurrency",
+                "2",
+                "--warmup",
+                "1",
+                "--no-calibrate",
+                "--metrics-port",
+                "0",
+                "--format",
+                "json",
+                "--results-dir",
+            ])
+            .arg(results.path())
+            .env_remove("KVX_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("run kvx bench --serve");
+        let stderr = child.stderr.take().expect("stderr");
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        use tokio::io::AsyncBufReadExt as _;
+        let url = loop {
+            let line = lines.next_line().await.expect("stderr").expect("the metrics address on stderr");
+            if let Some(rest) = line.strip_prefix("kvx bench --serve: metrics on ") {
+                break rest.trim().to_string();
+            }
+        };
+        // Scraped while requests run: the decode engine's transfers are counted as they happen.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let f = scrape(&url).await;
+            check_vllm_families(&f);
+            let d = [("model_name", "llama-3.1-8b (layers=2)"), ("engine", "decode")];
+            let (_, xfers, _) =
+                histogram(value(family(&f, "vllm:nixl_xfer_time_seconds", PrometheusType::Histogram), &d));
+            if xfers > 0 {
+                let p = [("model_name", "llama-3.1-8b (layers=2)"), ("engine", "prefill")];
+                let p_tokens =
+                    number(value(family(&f, "vllm:prompt_tokens_total", PrometheusType::Counter), &p));
+                assert!(p_tokens >= 32.0, "{p_tokens}");
+                family(&f, "kvx:proxy_requests_total", PrometheusType::Counter);
+                break;
+            }
+            assert!(Instant::now() < deadline, "no transfer counted on {url} within 60 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let out = child.wait_with_output().await.expect("bench");
+        assert_eq!(out.status.code(), Some(0));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary JSON on stdout");
+        assert!(v["requests_ok"].as_u64().is_some_and(|n| n > 0), "{v}");
     })
     .await;
 }
