@@ -16,12 +16,35 @@ const HARD_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) type Families = MetricsExposition<PrometheusType, PrometheusValue>;
 
 /// Scrapes `url` and parses the exposition; a parse error (duplicate family, bad line,
-/// counter without `_total`...) fails the test.
+/// counter without `_total`...) fails the test, and so does a family the parser did not
+/// take whole (see [`check_every_family_parsed`]).
 pub(crate) async fn scrape(url: &str) -> Families {
     let (status, h, text) = send("GET", url, &[], "").await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(h["content-type"], "text/plain; version=0.0.4; charset=utf-8");
-    parse_prometheus(&text).unwrap_or_else(|e| panic!("not a valid Prometheus exposition ({e:?}):\n{text}"))
+    let f = parse_prometheus(&text)
+        .unwrap_or_else(|e| panic!("not a valid Prometheus exposition ({e:?}):\n{text}"));
+    check_every_family_parsed(&text, &f);
+    f
+}
+
+/// Every family the text declares (`# TYPE name kind`) is in the parse, with that type and
+/// at least one sample, and the parse holds nothing else: so whatever families an engine, the
+/// proxy or `kvx bench --metrics-port` expose, each one is read by the parser, not only the
+/// ones a test looks up by name.
+pub(crate) fn check_every_family_parsed(text: &str, f: &Families) {
+    let declared: Vec<(&str, &str)> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_once(' '))
+        .collect();
+    assert!(!declared.is_empty(), "no # TYPE line:\n{text}");
+    for (name, kind) in &declared {
+        let fam = f.families.get(*name).unwrap_or_else(|| panic!("family {name} declared but not parsed"));
+        assert_eq!(fam.family_type.to_string(), *kind, "{name}: type");
+        assert!(fam.iter_samples().next().is_some(), "{name}: declared without a sample");
+    }
+    assert_eq!(f.families.len(), declared.len(), "families parsed vs declared: {declared:?}");
 }
 
 pub(crate) fn family<'a>(
