@@ -99,6 +99,8 @@ cat >"$RESULTS" <<EOF
 
 Machine: $(nproc) CPU cores, $(uname -sr); $(date -u +%Y-%m-%dT%H:%MZ). Engines: \`kvx serve-engine --role prefill|decode --model $MODEL\`
 (default settings: --itl-ms 15, real KV workers, UCX reads), proxy \`kvx serve-proxy --health-interval $HEALTH\`.
+In the commands, \$PROXY, \$PREFILL and \$DECODE are their http://127.0.0.1:PORT, \$TOK the word-level tokenizer
+the script writes (one token per whitespace-separated word, as kvx counts).
 
 | client | version | command | result | target | pass |
 |---|---|---|---|---|---|
@@ -220,19 +222,26 @@ fi
 if have "$AIPERF" && [ -d "$TOK" ]; then
     ver=$("$PY" -c 'import importlib.metadata as m; print(m.version("aiperf"))' 2>/dev/null || echo "?")
     for ep in chat completions; do
-        cmd="aiperf profile --model $MODEL --url \$PROXY --endpoint-type $ep --streaming --tokenizer \$TOK --concurrency 4 --request-count 100 --synthetic-input-tokens-mean 128 --output-tokens-mean 32 --ui-type none"
+        # aiperf scrapes $PROXY/metrics by itself; --server-metrics adds the engines' (its own
+        # Prometheus parser reading vLLM's families).
+        cmd="aiperf profile --model $MODEL --url \$PROXY --endpoint-type $ep --streaming --tokenizer \$TOK --concurrency 4 --request-count 100 --synthetic-input-tokens-mean 128 --output-tokens-mean 32 --server-metrics \$PREFILL/metrics \$DECODE/metrics --ui-type none"
         timeout 600 "$AIPERF" profile --model "$MODEL" --url "$URL" --endpoint-type $ep --streaming \
             --tokenizer "$TOK" --concurrency 4 --request-count 100 --synthetic-input-tokens-mean 128 \
-            --output-tokens-mean 32 --ui-type none --artifact-dir "$OUT/aiperf-$ep" >"$OUT/aiperf-$ep.log" 2>&1
+            --output-tokens-mean 32 --server-metrics "http://127.0.0.1:$PP/metrics" "http://127.0.0.1:$DP/metrics" \
+            --ui-type none --artifact-dir "$OUT/aiperf-$ep" >"$OUT/aiperf-$ep.log" 2>&1
         rc=$?
-        res=$("$PY" - "$OUT/aiperf-$ep/profile_export_aiperf.json" <<'EOF' 2>/dev/null
+        res=$("$PY" - "$OUT/aiperf-$ep" <<'EOF' 2>/dev/null
 import json, sys
-d = json.load(open(sys.argv[1]))
+d = json.load(open(sys.argv[1] + "/profile_export_aiperf.json"))
+sm = json.load(open(sys.argv[1] + "/server_metrics_export.json"))
+scraped = len(sm["summary"]["endpoints_successful"])
+vllm = sorted(k for k in sm["metrics"] if k.startswith("vllm:"))
 m = lambda k: d.get(k) or {}
 itl, ttft, cnt = m("inter_token_latency"), m("time_to_first_token"), m("request_count")
 err = m("error_request_count").get("avg", 0) + sum(e.get("count", 1) for e in d.get("error_summary") or [])
-ok = (itl.get("avg") or 0) > 0 and err == 0
-print(("ok " if ok else "FAIL ") + f"{int(cnt.get('avg', 0))} requests, {int(err)} errors, TTFT p50 {ttft.get('p50', 0):.1f} ms, ITL avg {itl.get('avg', 0):.2f} ms (p50 {itl.get('p50', 0):.2f})")
+ok = (itl.get("avg") or 0) > 0 and err == 0 and scraped == 3
+print(("ok " if ok else "FAIL ") + f"{int(cnt.get('avg', 0))} requests, {int(err)} errors, TTFT p50 {ttft.get('p50', 0):.1f} ms, "
+      f"ITL avg {itl.get('avg', 0):.2f} ms (p50 {itl.get('p50', 0):.2f}); its scraper read {scraped}/3 /metrics, {len(vllm)} vllm:* families")
 EOF
         )
         [ $rc -ne 0 ] && res="FAIL exit $rc, see $OUT/aiperf-$ep.log"
