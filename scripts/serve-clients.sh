@@ -84,12 +84,13 @@ metric() {
     curl -s -m 5 "$1" | awk -v n="$2" '$1 == n { print $2; found = 1 } END { if (!found) print "absent" }'
 }
 
-# engine ROLE PORT NAME: starts an engine with default settings (pacing, lease, ...).
+# engine ROLE PORT NAME: starts an engine with default settings (pacing, lease, ...); its pid
+# goes to LAST_PID (not printed: a command substitution would lose it from PIDS).
 engine() {
     "$KVX" serve-engine --role "$1" --port "$2" --side-channel-port 0 --model "$MODEL" \
         >"$OUT/$3.out" 2>"$OUT/$3.err" &
-    PIDS+=($!)
-    echo $!
+    LAST_PID=$!
+    PIDS+=("$LAST_PID")
 }
 
 if ! have "$KVX"; then log "no kvx binary at $KVX (cargo build --release)"; exit 2; fi
@@ -106,8 +107,9 @@ the script writes (one token per whitespace-separated word, as kvx counts).
 |---|---|---|---|---|---|
 EOF
 
-P_PID=$(engine prefill 0 prefill)
-D_PID=$(engine decode 0 decode)
+engine prefill 0 prefill
+engine decode 0 decode
+D_PID=$LAST_PID
 PP=$(port_of "$OUT/prefill.out") && DP=$(port_of "$OUT/decode.out") || exit 2
 wait_ok "http://127.0.0.1:$PP/health" && wait_ok "http://127.0.0.1:$DP/health" || exit 2
 "$KVX" serve-proxy --port 0 --prefiller-hosts 127.0.0.1 --prefiller-ports "$PP" \
@@ -326,7 +328,7 @@ EOF
         "pool unchanged" $ok
 
     # Restart decode on its port; the proxy must route to it within one health interval.
-    D_PID=$(engine decode "$DP" decode2)
+    engine decode "$DP" decode2
     wait_ok "http://127.0.0.1:$DP/health"
     deadline=$((SECONDS + 30))
     while [ $SECONDS -lt $deadline ] && ! grep -q 'backend healthy again.*role="decode"' "$OUT/proxy.err"; do sleep 0.1; done
@@ -349,22 +351,36 @@ fi
 cleanup; PIDS=()
 
 # --- 6. TTFT waterfall of kvx bench --serve -------------------------------------------------
-for c in 1 2; do
-    cmd="kvx bench --serve --model $MODEL --layers 2 --prompt-len 32 --requests 200 --concurrency $c"
-    "$KVX" bench --serve --model "$MODEL" --layers 2 --prompt-len 32 --requests 200 --concurrency $c \
-        --results-dir "$OUT/bench-serve-c$c" --format json >"$OUT/bench-serve-c$c.json" 2>"$OUT/bench-serve-c$c.err"
-    res=$(python3 - "$OUT/bench-serve-c$c.json" <<'EOF' 2>/dev/null || echo "FAIL no waterfall, see $OUT/bench-serve-c$c.err"
+# The README's configuration (2 layers, 32-token prompts: 64 KiB of KV per request) at
+# concurrency 1 and 2 is the target; the last run (all 32 layers, 512-token prompts: 64 MiB per
+# request) is reported for information: there the stages vary widely, and the sum of their
+# medians is not the median of their sum (see docs/serving-clients.md). It does not gate.
+for spec in "1 --layers 2 --prompt-len 32 --requests 200" "2 --layers 2 --prompt-len 32 --requests 200" \
+    "2 --prompt-len 512 --requests 100 info"; do
+    read -r c args <<<"$spec"
+    info=""; case $args in *" info") info=1; args=${args% info} ;; esac
+    tag="c$c${info:+-info}"
+    cmd="kvx bench --serve --model $MODEL $args --concurrency $c"
+    # shellcheck disable=SC2086 # $args is a list of flags
+    "$KVX" bench --serve --model "$MODEL" $args --concurrency "$c" \
+        --results-dir "$OUT/bench-serve-$tag" --format json >"$OUT/bench-serve-$tag.json" 2>"$OUT/bench-serve-$tag.err"
+    res=$(python3 - "$OUT/bench-serve-$tag.json" <<'EOF' 2>/dev/null || echo "FAIL no waterfall, see $OUT/bench-serve-$tag.err"
 import json, sys
 w = json.load(open(sys.argv[1]))["waterfall"]
 e = w["stage_p50_sum_error"]
+mean_sum = sum(s["mean_us"] for s in w["stages"])
 print(("ok " if abs(e) <= 0.05 else "FAIL ")
       + f"{w['requests']} requests: sum of stage p50s {w['stage_p50_sum_us'] / 1e3:.2f} ms vs TTFT p50 "
-      + f"{w['ttft']['p50_us'] / 1e3:.2f} ms ({e * 100:+.1f}%); the p50 request's stages sum to its TTFT "
-      + f"with {w['unattributed_share_p50'] * 100:.1f}% unattributed")
+      + f"{w['ttft']['p50_us'] / 1e3:.2f} ms ({e * 100:+.1f}%); sum of stage means {mean_sum / 1e3:.2f} ms vs TTFT mean "
+      + f"{w['ttft']['mean_us'] / 1e3:.2f} ms; the p50 request's stages sum to its TTFT with "
+      + f"{w['unattributed_share_p50'] * 100:.1f}% unattributed")
 EOF
     )
     case $res in ok*) pass=PASS ;; *) pass=FAIL ;; esac
-    row "kvx bench --serve (waterfall)" "$KVX_VERSION" "$cmd" "${res#* }" "stages sum to TTFT within 5% at p50" $pass
+    if [ -n "$info" ]; then
+        [ $pass = FAIL ] && pass="MISS (info)" || pass="PASS (info)"
+    fi
+    row "kvx bench --serve (waterfall)" "$KVX_VERSION" "$cmd" "${res#* }" "stages sum to TTFT within 5% at p50" "$pass"
 done
 
 log "results: $RESULTS"
