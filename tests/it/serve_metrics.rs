@@ -33,11 +33,8 @@ pub(crate) async fn scrape(url: &str) -> Families {
 /// proxy or `kvx bench --metrics-port` expose, each one is read by the parser, not only the
 /// ones a test looks up by name.
 pub(crate) fn check_every_family_parsed(text: &str, f: &Families) {
-    let declared: Vec<(&str, &str)> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .filter_map(|l| l.split_once(' '))
-        .collect();
+    let declared: Vec<(&str, &str)> =
+        text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split_once(' ')).collect();
     assert!(!declared.is_empty(), "no # TYPE line:\n{text}");
     for (name, kind) in &declared {
         let fam = f.families.get(*name).unwrap_or_else(|| panic!("family {name} declared but not parsed"));
