@@ -27,7 +27,9 @@
 
 set -uo pipefail
 
-cd "$(dirname "$0")/.."
+OUT=${1:-$(mktemp -d -t kvx-serve-clients.XXXXXX)}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
 KVX=${KVX:-target/release/kvx}
 PY=${PY:-.venv/bin/python}
 AIPERF=${AIPERF:-.venv/bin/aiperf}
@@ -35,9 +37,6 @@ VLLM=${VLLM:-.venv-vllm/bin/vllm}
 HEY=${HEY:-hey}
 MODEL=${MODEL:-llama-3.1-8b}
 HEALTH=${HEALTH:-2}
-OUT=${1:-$(mktemp -d -t kvx-serve-clients.XXXXXX)}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
 RESULTS="$OUT/results.md"
 FAILED=0
 PIDS=()
