@@ -280,6 +280,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
                 writer.dir().display()
             );
             let summary = bench::run(&settings, &mut writer, &run_id)?;
+            for w in &summary.warnings {
+                output::note!("kvx bench: WARNING: {w}");
+            }
             let files = writer.finish(&summary)?;
             // The run is over and written; a closed stdout does not hide its failures from the
             // exit code.
@@ -289,9 +292,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     }
 }
 
-/// A UCX that cannot be loaded is a bad `--ucx-lib`: said once, first, before any worker or
+/// Device memory this host cannot have (no cuda feature, no libcuda, no such device) and a
+/// UCX that cannot be loaded (a bad `--ucx-lib`) are said once, first, before any worker or
 /// run directory exists (every worker would fail the same way, and say so in its own words).
 fn check_ucx(s: &bench::BenchSettings) -> anyhow::Result<()> {
+    s.workers.mem.check_available()?;
     if s.workers.transport.kind != crate::pipeline::proto::TransportKind::Storage {
         crate::transfer::ucx::Ucx::load(s.workers.transport.ucx_lib.as_deref())?;
     }

@@ -137,6 +137,15 @@ pub struct ServeEngineArgs {
     /// Back the KV pools with huge pages.
     #[arg(long, help_heading = "KV workers")]
     pub huge_pages: bool,
+    /// Memory of the KV pools: host or cuda.
+    #[arg(long, default_value = "host", help_heading = "KV workers")]
+    pub mem: String,
+    /// GPUs of --mem cuda, e.g. 0,1: this engine's ranks round-robin [default: 0].
+    #[arg(long, value_delimiter = ',', help_heading = "KV workers")]
+    pub devices: Option<Vec<u32>>,
+    /// One GPU for every rank of --mem cuda (--devices N).
+    #[arg(long, value_name = "N", conflicts_with = "devices", help_heading = "KV workers")]
+    pub device: Option<u32>,
 }
 
 impl ServeEngineArgs {
@@ -173,6 +182,8 @@ impl ServeEngineArgs {
             inflight: self.inflight,
             coalesce: self.coalesce,
             huge_pages: self.huge_pages,
+            mem: self.mem.clone(),
+            devices: self.devices.clone().or(self.device.map(|d| vec![d])),
         }
     }
 }
@@ -184,6 +195,10 @@ pub fn resolve(a: &ServeEngineArgs) -> Result<ServeEngineSettings, ConfigError> 
 
 pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
     let settings = resolve(args)?;
+    if let KvSettings::Workers(w) = &settings.kv {
+        // What this host lacks for device pools is said before anything starts.
+        crate::pipeline::setup::check_places(w.mem.iter().copied())?;
+    }
     let cfg = settings.http;
     let std_listener = std::net::TcpListener::bind((args.host.as_str(), args.port)).map_err(|e| {
         ConfigError::new("--host/--port", format!("cannot bind {}:{}: {e}", args.host, args.port))

@@ -4,26 +4,76 @@
 //! Verification is derived from the decode rank's *own* geometry (its global heads, its
 //! layout, the block-size ratio and the permute flag), never from the rank map or the
 //! plan, so a wrong map, offset or layout is caught as a mismatch.
+//!
+//! Both come in two forms: over a whole allocation as one byte slice ([`fill_request`],
+//! [`verify_request`]), and as a list of byte ranges with what each must hold
+//! ([`FillPlan`], [`VerifyPlan`]), for memory that is reached one range at a time (device
+//! memory, staged through the host). The slice forms are the plans applied in place.
+
+use std::ops::Range;
 
 use super::geometry::{Axis, BlockContent, RankGeometry, Region};
 use super::pattern::{BlockOrigin, Mismatch, fill_block, verify_block};
 use super::plan::BlockPairs;
 
+/// One block of one region, at a byte range of the allocation, with its content.
+#[derive(Debug, Clone)]
+struct BlockJob {
+    range: Range<u64>,
+    /// Index into the plan's contents.
+    content: usize,
+    origin: BlockOrigin,
+}
+
+/// What a prefill rank writes for a request: the byte range of every (block, region) and
+/// the pattern it holds. Apply with [`FillPlan::fill`] to each range's bytes.
+#[derive(Debug, Clone)]
+pub struct FillPlan {
+    contents: Vec<BlockContent>,
+    jobs: Vec<BlockJob>,
+}
+
+impl FillPlan {
+    /// The plan of a request whose prefill block ids, in prompt order, are `remote`. Ranges
+    /// go region by region, so consecutive blocks of a region are neighbours in the list as
+    /// they are in memory (device memory copies such runs at once).
+    pub fn new(geom: &RankGeometry, regions: &[Region], remote: &[u32], seed: u64) -> FillPlan {
+        let n = u64::from(geom.block_tokens);
+        let mut jobs = Vec::with_capacity(remote.len() * regions.len());
+        for (ri, r) in regions.iter().enumerate() {
+            for (pos, &b) in remote.iter().enumerate() {
+                let origin = BlockOrigin {
+                    seed,
+                    first_global_head: geom.global_heads.start,
+                    first_token: (pos as u64 * n) as u32,
+                };
+                let off = r.block_off(u64::from(b));
+                jobs.push(BlockJob { range: off..off + r.block_len, content: ri, origin });
+            }
+        }
+        FillPlan { contents: regions.iter().map(|r| r.content.clone()).collect(), jobs }
+    }
+
+    /// The byte ranges to write, in the order [`FillPlan::fill`] numbers them.
+    pub fn ranges(&self) -> Vec<Range<u64>> {
+        self.jobs.iter().map(|j| j.range.clone()).collect()
+    }
+
+    /// Writes range `i`'s pattern into `bytes` (that range's bytes).
+    pub fn fill(&self, i: usize, bytes: &mut [u8]) {
+        if let Some(j) = self.jobs.get(i) {
+            fill_block(&self.contents[j.content], j.origin, bytes);
+        }
+    }
+}
+
 /// Fills every region block of a request on a prefill rank. `remote` are the request's
 /// prefill block ids in prompt order; `alloc` is the rank's whole allocation.
 pub fn fill_request(geom: &RankGeometry, regions: &[Region], remote: &[u32], seed: u64, alloc: &mut [u8]) {
-    let n = u64::from(geom.block_tokens);
-    for (pos, &b) in remote.iter().enumerate() {
-        let origin = BlockOrigin {
-            seed,
-            first_global_head: geom.global_heads.start,
-            first_token: (pos as u64 * n) as u32,
-        };
-        for r in regions {
-            let off = r.block_off(u64::from(b)) as usize;
-            if let Some(block) = alloc.get_mut(off..off + r.block_len as usize) {
-                fill_block(&r.content, origin, block);
-            }
+    let plan = FillPlan::new(geom, regions, remote, seed);
+    for (i, j) in plan.jobs.iter().enumerate() {
+        if let Some(block) = alloc.get_mut(j.range.start as usize..j.range.end as usize) {
+            plan.fill(i, block);
         }
     }
 }
@@ -49,10 +99,71 @@ pub struct Verified {
     pub bytes: u64,
 }
 
-/// Checks the sub-blocks a decode rank received for one request. `bp` pairs local
-/// sub-blocks with remote positions; `p_block_tokens` is the prefill block size; with
-/// `sample` > 1 every `sample`-th (sub-block, region) is checked whole (1 = everything),
-/// so sampling costs in proportion to what it checks.
+/// What a decode rank checks for a request: the byte range of every (sub-block, region)
+/// it received, or every `sample`-th of them, and the pattern each must hold. Check with
+/// [`VerifyPlan::check`] against each range's bytes.
+#[derive(Debug, Clone)]
+pub struct VerifyPlan {
+    contents: Vec<BlockContent>,
+    jobs: Vec<BlockJob>,
+}
+
+impl VerifyPlan {
+    /// `bp` pairs local sub-blocks with remote positions; `p_block_tokens` is the prefill
+    /// block size; with `sample` > 1 every `sample`-th (sub-block, region) is checked whole
+    /// (1 = everything), so sampling costs in proportion to what it checks.
+    #[expect(clippy::too_many_arguments, reason = "each is an independent fact of the request")]
+    pub fn new(
+        geom: &RankGeometry,
+        regions: &[Region],
+        bp: &BlockPairs,
+        bsr: u32,
+        permutes: bool,
+        p_block_tokens: u32,
+        seed: u64,
+        sample: u32,
+    ) -> VerifyPlan {
+        let r = u64::from(bsr.max(1));
+        let sample = u64::from(sample.max(1));
+        let phase = seed % sample;
+        let mut jobs = Vec::new();
+        for (ri, region) in regions.iter().enumerate() {
+            let sub_len = region.block_len / r;
+            let sub_step = region.block_stride / r;
+            for (i, &sub) in bp.local.iter().enumerate() {
+                if sample > 1 && (i as u64 * regions.len() as u64 + ri as u64) % sample != phase {
+                    continue;
+                }
+                let off = region.base_off + sub * sub_step;
+                let origin = BlockOrigin {
+                    seed,
+                    first_global_head: geom.global_heads.start,
+                    first_token: ((bp.first_remote_pos + i) as u64 * u64::from(p_block_tokens)) as u32,
+                };
+                jobs.push(BlockJob { range: off..off + sub_len, content: ri, origin });
+            }
+        }
+        let contents = regions.iter().map(|rg| landing_sub_content(rg, bsr, permutes)).collect();
+        VerifyPlan { contents, jobs }
+    }
+
+    /// The byte ranges to check, in the order [`VerifyPlan::check`] numbers them.
+    pub fn ranges(&self) -> Vec<Range<u64>> {
+        self.jobs.iter().map(|j| j.range.clone()).collect()
+    }
+
+    /// Checks range `i` against `bytes` (that range's bytes, fewer if the allocation ends
+    /// early): the bytes checked, or the first byte that differs, as an offset from the
+    /// allocation's start.
+    pub fn check(&self, i: usize, bytes: &[u8]) -> Result<u64, Mismatch> {
+        let Some(j) = self.jobs.get(i) else { return Ok(0) };
+        verify_block(&self.contents[j.content], j.origin, bytes, 1)
+            .map_err(|m| Mismatch { offset: j.range.start + m.offset, ..m })
+    }
+}
+
+/// Checks the sub-blocks a decode rank received for one request in its whole allocation
+/// `alloc` ([`VerifyPlan`] applied in place).
 #[expect(clippy::too_many_arguments, reason = "each is an independent fact of the request")]
 pub fn verify_request(
     geom: &RankGeometry,
@@ -65,28 +176,11 @@ pub fn verify_request(
     alloc: &[u8],
     sample: u32,
 ) -> Result<Verified, Mismatch> {
-    let r = u64::from(bsr.max(1));
+    let plan = VerifyPlan::new(geom, regions, bp, bsr, permutes, p_block_tokens, seed, sample);
     let mut bytes = 0;
-    let sample = u64::from(sample.max(1));
-    let phase = seed % sample;
-    for (ri, region) in regions.iter().enumerate() {
-        let content = landing_sub_content(region, bsr, permutes);
-        let sub_len = region.block_len / r;
-        let sub_step = region.block_stride / r;
-        for (i, &sub) in bp.local.iter().enumerate() {
-            if sample > 1 && (i as u64 * regions.len() as u64 + ri as u64) % sample != phase {
-                continue;
-            }
-            let off = region.base_off + sub * sub_step;
-            let origin = BlockOrigin {
-                seed,
-                first_global_head: geom.global_heads.start,
-                first_token: ((bp.first_remote_pos + i) as u64 * u64::from(p_block_tokens)) as u32,
-            };
-            let block = alloc.get(off as usize..(off + sub_len) as usize).unwrap_or(&[]);
-            bytes += verify_block(&content, origin, block, 1)
-                .map_err(|m| Mismatch { offset: off + m.offset, ..m })?;
-        }
+    for (i, j) in plan.jobs.iter().enumerate() {
+        let block = alloc.get(j.range.start as usize..j.range.end as usize).unwrap_or(&[]);
+        bytes += plan.check(i, block)?;
     }
     Ok(Verified { bytes })
 }

@@ -291,7 +291,7 @@ struct Tally {
     verify_failures: u64,
     bytes_verified: u64,
     per_rank_bytes: BTreeMap<u32, (u64, u64)>,
-    transports: Option<String>,
+    ucx: UcxSeen,
     handshake: StageRecorder,
     /// Requests a fallback transport served after the first one failed.
     fallbacks: u64,
@@ -333,8 +333,50 @@ impl Tally {
         if let Some(h) = f.row.handshake_us {
             self.handshake.record_ns(Stage::Handshake.as_str(), (h * 1e3) as u64);
         }
-        if self.transports.is_none() {
-            self.transports = f.ranks.iter().find_map(|r| r.transports.clone());
+        for r in &f.ranks {
+            self.ucx.see(r);
+        }
+    }
+}
+
+/// What the decode ranks reported of UCX's choices, each from the first request that said it
+/// (a rank reports them once per prefill engine, after its first reads).
+#[derive(Debug, Clone, Default)]
+pub struct UcxSeen {
+    transports: Option<String>,
+    protocols: Option<crate::transfer::ucx::ProtoReport>,
+    settings: Option<Vec<String>>,
+}
+
+impl UcxSeen {
+    pub fn see(&mut self, r: &LoadResult) {
+        self.transports = self.transports.take().or_else(|| r.transports.clone());
+        self.protocols = self.protocols.take().or_else(|| r.protocols.clone());
+        self.settings = self.settings.take().or_else(|| r.ucx_settings.clone());
+    }
+
+    fn or(&mut self, other: &UcxSeen) {
+        self.transports = self.transports.take().or_else(|| other.transports.clone());
+        self.protocols = self.protocols.take().or_else(|| other.protocols.clone());
+        self.settings = self.settings.take().or_else(|| other.settings.clone());
+    }
+
+    /// Fills the summary's UCX section, and warns when device memory is read the slow way.
+    pub fn report(self, s: &WorkerSettings, summary: &mut Summary) {
+        let transports = self.transports.unwrap_or_default();
+        summary.ucx.transports =
+            transports.split(", ").filter(|t| !t.is_empty()).map(str::to_string).collect();
+        summary.ucx.settings = self.settings.unwrap_or_default();
+        if let Some(p) = self.protocols {
+            // The decode ranks' first slot follows the prefill ranks' (`KvMemory`'s rule).
+            let d_place = s.mem.place(s.pair.p.tp);
+            summary.warnings.extend(crate::transfer::xfer::protocol_warnings(
+                d_place,
+                &p,
+                &summary.ucx.settings,
+                &transports,
+            ));
+            summary.ucx.protocols = Some(p);
         }
     }
 }
@@ -406,25 +448,36 @@ fn calibration_sample_count(s: &BenchSettings) -> usize {
 
 /// Measures one calibration sample: a single-thread memcpy and a fixed UCX loopback read
 /// ([`CALIBRATION_READ_BYTES`], 64 in flight, hybrid progress, cold working set) with the bench's
-/// UCX library, plus `kvx xfer` at the scenario's own descriptor size (`xfer_same_size_gbps`,
-/// the reference the bench's throughput is compared with). The bench's own progress and window
-/// settings are deliberately not used: they are what a gated change might make slower.
+/// UCX library, plus `kvx xfer` at the scenario's own descriptor size and in-flight depth
+/// (`xfer_same_size_gbps`, the reference the bench's throughput is compared with). The bench's
+/// own progress and window settings are deliberately not used: they are what a gated change
+/// might make slower.
+///
+/// Device-memory runs measure in the first decode rank's memory (`kvx xfer --mem cuda
+/// --device N`); there the ceiling is a device-to-device copy of the descriptor size and
+/// batch (`device_copy_gbps`), not a host memcpy.
 pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration> {
-    use crate::transfer::memory::MemPlace;
     use crate::transfer::ucx::ProgressMode;
     use crate::transfer::xfer::{self, SessionOptions, TargetSpec, XferConfig};
+    const FIXED_INFLIGHT: usize = 64;
     let mut sizes = vec![CALIBRATION_READ_BYTES];
     if descriptor_bytes != CALIBRATION_READ_BYTES {
         sizes.push(descriptor_bytes);
     }
+    let own_inflight = (s.workers.transport.inflight as usize).max(1);
+    let mut inflight = vec![FIXED_INFLIGHT];
+    if own_inflight != FIXED_INFLIGHT {
+        inflight.push(own_inflight);
+    }
+    let mem = s.workers.mem.place(s.workers.pair.p.tp);
     let cfg = XferConfig {
         sizes,
-        inflight: vec![64],
+        inflight,
         working_set_bytes: 256 << 20,
         hot: false,
         ucx_alloc: false,
         huge_pages: false,
-        mem: MemPlace::Host,
+        mem,
         duration: Duration::from_millis(300),
         iters: None,
         timeout: s.workers.timeout,
@@ -437,8 +490,11 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
     };
     match xfer::run(&cfg, &TargetSpec::Local { exe: s.workers.exe.clone() }, |_| {}) {
         Ok(rep) => {
-            let fixed = rep.results.first()?;
-            let same = rep.results.iter().find(|r| r.size_bytes == descriptor_bytes)?;
+            let at = |size: u64, depth: usize| {
+                rep.results.iter().find(|r| r.size_bytes == size && r.inflight == depth)
+            };
+            let fixed = at(CALIBRATION_READ_BYTES, FIXED_INFLIGHT)?;
+            let same = at(descriptor_bytes, own_inflight)?;
             let mut c = Calibration {
                 memcpy_gbps: fixed.memcpy_gbps,
                 ucx_loopback_gbps: Some(fixed.gbps),
@@ -448,6 +504,10 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
             c.extra.insert("descriptor_bytes".into(), serde_json::json!(descriptor_bytes));
             c.extra.insert("xfer_same_size_gbps".into(), serde_json::json!(same.gbps));
             c.extra.insert("transports".into(), serde_json::json!(rep.ucx.transports));
+            if mem.is_device() {
+                c.extra.insert("memory".into(), serde_json::json!(mem.to_string()));
+                c.extra.insert("device_copy_gbps".into(), serde_json::json!(same.ceiling_gbps));
+            }
             Some(c)
         }
         Err(e) => {
@@ -480,8 +540,8 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     summary.ucx = UcxInfo {
         library: info.ucx_library.clone(),
         version: info.ucx_version.clone(),
-        transports: vec![],
         err_mode: Some(s.workers.transport.err_mode.to_string()),
+        ..UcxInfo::default()
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -489,14 +549,14 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         .map_err(|e| BenchError::Other(format!("async runtime: {e}")))?;
     let mut generator = Generator::new(s.lens.clone(), s.workers.seed);
     let mut handshakes = StageRecorder::new();
-    let mut transports: Option<String> = None;
+    let mut seen = UcxSeen::default();
     // Warm-up: connections, first-touch of pages, caches. Not recorded (but its handshake is).
     if s.warmup > 0 {
         let mut warm = Tally::default();
         let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat: 0 };
         rt.block_on(drive(ctx, &mut generator, 0, Some(s.warmup), None, |f| warm.add(&f)));
         let _ = handshakes.merge(&warm.handshake);
-        transports = warm.transports.clone();
+        seen = warm.ucx.clone();
     }
     let total_requests = s.requests.map(|r| r * u64::from(s.repeat));
     let bar = progress_bar(s.progress_bar, total_requests);
@@ -558,9 +618,7 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
             rm.verify_failures = tally.verify_failures;
             repeats.push(rm);
             let _ = handshakes.merge(&tally.handshake);
-            if transports.is_none() {
-                transports = tally.transports.clone();
-            }
+            seen.or(&tally.ucx);
             if rows_writer.is_finished() {
                 break;
             }
@@ -590,8 +648,7 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     }
     summary.blocks_leaked = u64::from(p_fin.blocks_leaked + d_fin.blocks_leaked);
     summary.blocks_expired = p_fin.leases_expired;
-    summary.ucx.transports =
-        transports.map(|t| t.split(", ").map(str::to_string).collect()).unwrap_or_default();
+    seen.report(&s.workers, &mut summary);
     summary.per_rank = all
         .per_rank_bytes
         .iter()

@@ -11,18 +11,16 @@ use std::time::{Duration, Instant};
 
 use super::params::KvTransferParams;
 use super::proto::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
-use super::worker::{
-    Control, Stage as _, WorkerError, compat_factors, host_memory_only, peer_pair, rss_bytes,
-};
+use super::worker::{Control, Stage as _, WorkerError, compat_factors, host_pool_mut, peer_pair, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
-use crate::layouts::verify::verify_request;
+use crate::layouts::verify::VerifyPlan;
 use crate::topology::{self, TpSpec};
 use crate::transfer::handshake::HandshakeError;
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
 use crate::transfer::handshake::meta::KvxMetadata;
-use crate::transfer::memory::{HostBuffer, PageSize};
+use crate::transfer::memory::{KvBuffer, PageSize};
 use crate::transfer::notify::{
     Notification, NotifyError, NotifySender, NotifyTransport, UcxNotifySender, heartbeat_interval,
 };
@@ -67,26 +65,26 @@ struct RemoteEngine {
 
 /// The rank's UCX side. Field order is drop order.
 struct UcxSide {
-    local: MemRegion<HostBuffer>,
+    local: MemRegion<KvBuffer>,
     worker: Worker,
-    _ctx: Context,
+    ctx: Context,
 }
 
 /// The rank's KV pool: registered with UCX, or plain (storage transport).
 enum Local {
     Ucx(Box<UcxSide>),
-    Plain(HostBuffer),
+    Plain(KvBuffer),
 }
 
 impl Local {
-    fn memory(&self) -> Result<&HostBuffer, Failure> {
+    fn memory(&self) -> Result<&KvBuffer, Failure> {
         match self {
             Local::Ucx(u) => u.local.memory().map_err(|e| (FailureCause::Internal, e.to_string())),
             Local::Plain(m) => Ok(m),
         }
     }
 
-    fn memory_mut(&mut self) -> Result<&mut HostBuffer, Failure> {
+    fn memory_mut(&mut self) -> Result<&mut KvBuffer, Failure> {
         match self {
             Local::Ucx(u) => u.local.memory_mut().map_err(|e| (FailureCause::Internal, e.to_string())),
             Local::Plain(m) => Ok(m),
@@ -112,23 +110,27 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let regions = geom.regions();
     let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
     let (progress, err_mode) = (cfg.transport.progress, cfg.transport.err_mode);
-    host_memory_only(cfg.mem)?;
     let kind = cfg.transport.kind;
     let uses_ucx = kind != TransportKind::Storage;
     let uses_storage = kind == TransportKind::Storage
         || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
-    let mem = HostBuffer::alloc(total, pages).stage(format!("allocate the {total}-byte KV pool"))?;
+    let mem = KvBuffer::alloc(cfg.mem, total, pages)
+        .stage(format!("allocate the {total}-byte KV pool in {} memory", cfg.mem))?;
     let (local, lib) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx;
-        let ctx =
-            Context::new(&ucx, &ContextOptions { progress, active_messages, ..ContextOptions::default() })
-                .stage("UCX context")?;
+        let opts = ContextOptions {
+            progress,
+            active_messages,
+            cuda_device: cfg.mem.device(),
+            ..ContextOptions::default()
+        };
+        let ctx = Context::new(&ucx, &opts).stage("UCX context")?;
         let worker = Worker::new(&ctx).stage("UCX worker")?;
         let local = MemRegion::register(&ctx, mem).stage("register the KV pool with UCX")?;
         let lib = (ucx.path().display().to_string(), ucx.version().to_string());
-        (Local::Ucx(Box::new(UcxSide { local, worker, _ctx: ctx })), lib)
+        (Local::Ucx(Box::new(UcxSide { local, worker, ctx })), lib)
     } else {
         (Local::Plain(mem), ("(not loaded: storage transport)".to_string(), String::new()))
     };
@@ -418,6 +420,9 @@ impl Decoder<'_> {
                     .values()
                     .filter_map(|rk| rk.region.as_ref().and_then(|rg| rg.endpoint().transports().ok()))
                     .next();
+                // UCX chose its protocols at these first reads; say which, once per engine.
+                r.protocols = Some(u.ctx.protocols().rma_only());
+                r.ucx_settings = Some(u.ctx.env_notes().to_vec());
             }
         }
         if !ucx_first || ucx_error.is_some() {
@@ -460,7 +465,8 @@ impl Decoder<'_> {
                     pairs: coalesced.as_ref().map_or_else(|| self.bufs[i].clone(), |c| c[i].clone()),
                 })
                 .collect();
-            let mem = self.local.memory_mut()?;
+            let mem = host_pool_mut(self.local.memory_mut()?)
+                .map_err(|e| (FailureCause::Internal, e.to_string()))?;
             let stats = fetcher
                 .fetch(
                     &params.remote_engine_id,
@@ -519,8 +525,7 @@ impl Decoder<'_> {
         // Verify (outside the timed path).
         if let Some(stride) = self.cfg.verify.stride() {
             let tv = Instant::now();
-            let mem = self.local.memory()?;
-            match verify_request(
+            let plan = VerifyPlan::new(
                 &self.geom,
                 &self.regions,
                 &bp,
@@ -528,11 +533,23 @@ impl Decoder<'_> {
                 eng.pair.permutes(),
                 eng.pair.p.block_tokens,
                 seed,
-                mem.as_slice(),
                 stride,
-            ) {
-                Ok(v) => r.bytes_verified = v.bytes,
-                Err(m) => r.verify_failure = Some(m.to_string()),
+            );
+            let (mut bytes, mut mismatch) = (0, None);
+            self.local
+                .memory()?
+                .read_ranges(&plan.ranges(), |i, got| {
+                    if mismatch.is_none() {
+                        match plan.check(i, got) {
+                            Ok(n) => bytes += n,
+                            Err(m) => mismatch = Some(m),
+                        }
+                    }
+                })
+                .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+            match mismatch {
+                None => r.bytes_verified = bytes,
+                Some(m) => r.verify_failure = Some(m.to_string()),
             }
             r.verify_ns = tv.elapsed().as_nanos() as u64;
         }

@@ -29,7 +29,7 @@ use tracing::{debug, warn};
 use super::params::KvTransferParams;
 use super::pool::BlockPool;
 use super::proto::{
-    self, FailureCause, Fault, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, WorkerConfig,
+    self, FailureCause, Fault, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, TransportKind, WorkerConfig,
 };
 use crate::layouts::alloc::AllocPattern;
 use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
@@ -433,6 +433,20 @@ struct EngineLoop {
     gone: Gone,
 }
 
+/// The environment that makes a decode worker's UCX record the protocols it selects as files
+/// under `dir` (UCX reports them through its own settings only, read when it loads). The
+/// tables UCX prints alongside go to the worker's stdout, which is discarded. Nothing when the
+/// user set UCX's switches: their settings stand, and the worker reads what they produce.
+fn protocol_capture_env(dir: &std::path::Path) -> Vec<(String, String)> {
+    match crate::transfer::ucx::proto_capture_env(dir) {
+        Ok(env) => env.into_iter().filter(|(k, _)| k != crate::transfer::ucx::LOG_FILE_ENV).collect(),
+        Err(why) => {
+            debug!("UCX protocols not recorded by kvx: {why}");
+            Vec::new()
+        }
+    }
+}
+
 impl EngineLoop {
     fn start(
         cfg: EngineConfig,
@@ -490,6 +504,11 @@ impl EngineLoop {
                     .stdout(Stdio::null())
                     .stderr(Stdio::piped())
                     .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+                if let (Some(dir), true) =
+                    (&tmp, role == Role::Decode && cfg.worker.transport.kind != TransportKind::Storage)
+                {
+                    cmd.envs(protocol_capture_env(&dir.path().join(format!("ucx-{r}"))));
+                }
                 let mut child = cmd
                     .spawn()
                     .map_err(|e| startup(&cfg, format!("cannot start {} worker: {e}", exe.display())))?;

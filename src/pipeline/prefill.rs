@@ -16,11 +16,11 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::proto::{Fault, FromWorker, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
-use super::worker::{Control, Stage as _, WorkerError, compat_factors, host_memory_only, rss_bytes};
+use super::worker::{Control, Stage as _, WorkerError, compat_factors, host_pool, rss_bytes};
 use crate::layouts::Region;
-use crate::layouts::verify::fill_request;
+use crate::layouts::verify::FillPlan;
 use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
-use crate::transfer::memory::{HostBuffer, PageSize};
+use crate::transfer::memory::{KvBuffer, PageSize};
 use crate::transfer::notify::{LeaseTable, Notification, NotifyListener, UcxNotifyReceiver};
 use crate::transfer::storage::StoragePublisher;
 use crate::transfer::ucx::{Context, ContextOptions, HYBRID_SPIN, MemRegion, ProgressMode, Ucx, Worker};
@@ -32,7 +32,7 @@ const MAX_WAIT: Duration = Duration::from_millis(100);
 struct UcxSide {
     /// Notifications sent as UCX active messages.
     am: UcxNotifyReceiver,
-    region: MemRegion<HostBuffer>,
+    region: MemRegion<KvBuffer>,
     worker: Worker,
     _ctx: Context,
 }
@@ -40,13 +40,13 @@ struct UcxSide {
 /// The KV pool, registered with UCX or (after `Fault::KillUcx`, or without UCX) plain.
 enum Pool {
     Ucx(Box<UcxSide>),
-    Plain(HostBuffer),
+    Plain(KvBuffer),
     /// Transient state while switching.
     Gone,
 }
 
 impl Pool {
-    fn memory(&self) -> Result<&HostBuffer, WorkerError> {
+    fn memory(&self) -> Result<&KvBuffer, WorkerError> {
         match self {
             Pool::Ucx(u) => u.region.memory().stage("KV pool"),
             Pool::Plain(m) => Ok(m),
@@ -54,7 +54,7 @@ impl Pool {
         }
     }
 
-    fn memory_mut(&mut self) -> Result<&mut HostBuffer, WorkerError> {
+    fn memory_mut(&mut self) -> Result<&mut KvBuffer, WorkerError> {
         match self {
             Pool::Ucx(u) => u.region.memory_mut().stage("KV pool"),
             Pool::Plain(m) => Ok(m),
@@ -118,20 +118,25 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let regions = geom.regions();
     let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
     let progress = cfg.transport.progress;
-    host_memory_only(cfg.mem)?;
     let kind = cfg.transport.kind;
     let uses_ucx = kind != TransportKind::Storage;
     let uses_storage = kind == TransportKind::Storage
         || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
-    let mem = HostBuffer::alloc(total, pages).stage(format!("allocate the {total}-byte KV pool"))?;
+    let mem = KvBuffer::alloc(cfg.mem, total, pages)
+        .stage(format!("allocate the {total}-byte KV pool in {} memory", cfg.mem))?;
     let mut ucx_lib = None;
     let (mut pool, worker_address, rkey, base) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         // Active messages always: decode ranks choose how to notify, this rank takes both.
         let ctx = Context::new(
             &ucx,
-            &ContextOptions { progress, active_messages: true, ..ContextOptions::default() },
+            &ContextOptions {
+                progress,
+                active_messages: true,
+                cuda_device: cfg.mem.device(),
+                ..ContextOptions::default()
+            },
         )
         .stage("UCX context")?;
         let worker = Worker::new(&ctx).stage("UCX worker")?;
@@ -143,7 +148,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         ucx_lib = Some((ucx.path().display().to_string(), ucx.version().to_string()));
         (Pool::Ucx(Box::new(UcxSide { am, region, worker, _ctx: ctx })), address, rkey, base)
     } else {
-        let base = mem.as_slice().as_ptr() as u64;
+        let base = crate::transfer::ucx::Registrable::addr(&mem);
         (Pool::Plain(mem), Vec::new(), Vec::new(), base)
     };
     let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
@@ -153,8 +158,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         .iter()
         .map(|r| KvxRegion {
             name: r.name.clone(),
-            mem_type: "host".into(),
-            device_id: 0,
+            mem_type: cfg.mem.mem_type().as_str().into(),
+            device_id: cfg.mem.device().unwrap_or(0),
             base_addr: base + r.base_off,
             rkey: rkey.clone(),
             block_len_bytes: r.block_len,
@@ -221,7 +226,10 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             match msg {
                 ToWorker::Fill { req, p_request_id, blocks, seed, expected_notifs } => {
                     let t0 = Instant::now();
-                    fill_request(&geom, &regions, &blocks, seed, pool.memory_mut()?.as_mut_slice());
+                    let plan = FillPlan::new(&geom, &regions, &blocks, seed);
+                    pool.memory_mut()?
+                        .write_ranges(&plan.ranges(), |i, bytes| plan.fill(i, bytes))
+                        .stage("fill the request's blocks")?;
                     let fill_ns = t0.elapsed().as_nanos() as u64;
                     let mut publish_ns = 0;
                     if eager_publish && let Some(s) = storage.as_mut() {
@@ -323,9 +331,9 @@ fn publish(
     id: &str,
     regions: &[Region],
     blocks: &[u32],
-    mem: &HostBuffer,
+    mem: &KvBuffer,
 ) -> Result<(), WorkerError> {
-    s.publish(id, regions, blocks, mem.as_slice()).map(|_| ()).stage("storage publish")
+    s.publish(id, regions, blocks, host_pool(mem)?.as_slice()).map(|_| ()).stage("storage publish")
 }
 
 fn release(storage: &mut Option<StoragePublisher>, id: &str, published: bool) {

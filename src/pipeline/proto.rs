@@ -12,7 +12,7 @@ use super::params::KvTransferParams;
 use crate::layouts::compat::PairSpec;
 use crate::transfer::memory::MemPlace;
 use crate::transfer::notify::NotifyTransport;
-use crate::transfer::ucx::{ErrMode, ProgressMode};
+use crate::transfer::ucx::{ErrMode, ProgressMode, ProtoReport};
 
 /// Hard cap on one control message, checked before decoding.
 pub const MAX_CONTROL_BYTES: usize = 64 << 20;
@@ -274,6 +274,11 @@ pub struct LoadResult {
     pub verify_failure: Option<String>,
     /// UCX transports per endpoint, filled on the first request after a handshake.
     pub transports: Option<String>,
+    /// The protocols UCX chose for this rank's reads (per memory-type pair), or why they are
+    /// unknown; filled with `transports`.
+    pub protocols: Option<ProtoReport>,
+    /// UCX settings kvx made on the user's behalf (`NAME=value (why)`), filled with `transports`.
+    pub ucx_settings: Option<Vec<String>>,
 }
 
 /// Worker to engine.

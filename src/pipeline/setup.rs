@@ -12,7 +12,7 @@ use super::engine::{EngineConfig, Launch, split_endpoint};
 use super::proto::{Role, TransportConfig, VerifyMode, WorkerConfig};
 use crate::layouts::alloc::AllocPattern;
 use crate::layouts::compat::PairSpec;
-use crate::transfer::memory::MemPlace;
+use crate::transfer::memory::{MemPlace, MemoryError};
 
 /// Memory of a run's KV pools, resolved once from `--mem` and `--devices` (or `--device`).
 ///
@@ -43,10 +43,28 @@ impl KvMemory {
         }
     }
 
+    /// Checks that this host can keep pools here before any process starts (for device
+    /// memory: the cuda feature, libcuda, a driver and each listed device), so the first
+    /// thing a user reads is what is missing, not a worker's failure.
+    pub fn check_available(&self) -> Result<(), MemoryError> {
+        match self {
+            KvMemory::Host => Ok(()),
+            KvMemory::Cuda { devices } => {
+                check_places(devices.iter().map(|&device| MemPlace::Cuda { device }))
+            }
+        }
+    }
+
     /// The places of `ranks` ranks whose first is in slot `first_slot`, by rank.
     pub fn places(&self, first_slot: u32, ranks: u32) -> Vec<MemPlace> {
         (0..ranks).map(|r| self.place(first_slot.saturating_add(r))).collect()
     }
+}
+
+/// [`KvMemory::check_available`] for the places of an engine's ranks (each one once).
+pub fn check_places(places: impl IntoIterator<Item = MemPlace>) -> Result<(), MemoryError> {
+    let mut seen = std::collections::HashSet::new();
+    places.into_iter().filter(|p| seen.insert(*p)).try_for_each(MemPlace::check_available)
 }
 
 impl fmt::Display for KvMemory {

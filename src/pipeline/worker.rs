@@ -13,7 +13,7 @@ use crate::topology::VllmVersion;
 use crate::transfer::handshake::compat::{CompatFactors, KvxFactors};
 use crate::transfer::handshake::meta::KVX_METADATA_FORMAT;
 use crate::transfer::handshake::zmq_context;
-use crate::transfer::memory::MemPlace;
+use crate::transfer::memory::{HostBuffer, KvBuffer, MemPlace};
 
 /// A worker's fatal error: reported to the engine (which names the rank and fails the
 /// requests that need it), then the process exits 2.
@@ -209,17 +209,22 @@ pub fn storage_options(cfg: &WorkerConfig) -> crate::transfer::storage::StorageO
     opts
 }
 
-/// Workers allocate their KV pools in host memory; a CUDA placement is refused here until
-/// the pools can live on a GPU (settings refuse `--mem cuda` before any worker starts).
-pub fn host_memory_only(mem: MemPlace) -> Result<(), WorkerError> {
-    match mem {
-        MemPlace::Host => Ok(()),
-        MemPlace::Cuda { device } => Err(ConfigError::new(
-            "--mem",
-            format!(
-                "this worker allocates its KV pool in host memory; it cannot place it on CUDA device {device}"
-            ),
-        )
-        .into()),
-    }
+/// The pool as host memory, for the storage transport, which reads and writes files from
+/// host memory (settings refuse it with device pools before any worker starts).
+pub fn host_pool(mem: &KvBuffer) -> Result<&HostBuffer, WorkerError> {
+    mem.as_host().ok_or_else(|| device_pool_refused(mem.place()))
+}
+
+/// [`host_pool`], mutable.
+pub fn host_pool_mut(mem: &mut KvBuffer) -> Result<&mut HostBuffer, WorkerError> {
+    let place = mem.place();
+    mem.as_host_mut().ok_or_else(|| device_pool_refused(place))
+}
+
+fn device_pool_refused(place: MemPlace) -> WorkerError {
+    ConfigError::new(
+        "--transport",
+        format!("the storage transport moves host memory; this rank's KV pool is in {place} memory"),
+    )
+    .into()
 }

@@ -13,6 +13,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::transfer::ucx::ProtoReport;
+
 /// Version of the `summary.json` schema this kvx writes and reads.
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -135,6 +137,10 @@ pub struct Summary {
     /// Labels a reader must see next to the figures (e.g. "cache-hot").
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// What makes the figures worse than they should be, with the fix (e.g. device memory
+    /// read by UCX's software emulation).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
     /// Named event counts of the run (e.g. `fallbacks_to_storage`), apart from the metrics.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counters: BTreeMap<String, u64>,
@@ -186,6 +192,7 @@ impl Summary {
             calibration: None,
             sweep: None,
             notes: Vec::new(),
+            warnings: Vec::new(),
             counters: BTreeMap::new(),
             waterfall: None,
             goodput: None,
@@ -414,6 +421,13 @@ pub struct UcxInfo {
     /// `none` or `peer`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub err_mode: Option<String>,
+    /// The protocols UCX chose for the reads, per memory-type pair (`zero-copy cma/memory`,
+    /// `software emulation sysv/memory`), or why they are unknown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub protocols: Option<ProtoReport>,
+    /// UCX settings kvx made on the user's behalf, as `NAME=value (why)`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub settings: Vec<String>,
 }
 
 /// Latency figures of one stage, from hdrhistogram.

@@ -94,8 +94,17 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
     if let Some(m) = &u.err_mode {
         t.add_row(vec!["ucx err mode".to_string(), m.clone()]);
     }
+    if let Some(p) = &u.protocols {
+        t.add_row(vec!["ucx protocols".to_string(), p.summary()]);
+    }
+    for setting in &u.settings {
+        t.add_row(vec!["ucx setting".to_string(), setting.clone()]);
+    }
     for n in &s.notes {
         t.add_row(vec!["note".to_string(), n.clone()]);
+    }
+    for w in &s.warnings {
+        t.add_row(vec!["WARNING".to_string(), w.clone()]);
     }
     for (k, v) in &s.counters {
         t.add_row(vec![k.replace('_', " "), v.to_string()]);
@@ -136,6 +145,7 @@ pub fn throughput_table(s: &Summary, style: Style) -> Table {
             .map_or("kvx xfer, same descriptors".to_string(), |b| format!("kvx xfer of {b} descriptors"));
         for (name, v) in [
             ("memcpy".to_string(), c.memcpy_gbps),
+            ("device copy, same descriptors".to_string(), c.figure("device_copy_gbps")),
             (loopback, c.ucx_loopback_gbps),
             (same, c.figure("xfer_same_size_gbps")),
         ] {

@@ -413,13 +413,10 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
     sum.ucx = UcxInfo {
         library: m.ucx.0.clone(),
         version: m.ucx.1.clone(),
-        transports: d
-            .transports
-            .as_deref()
-            .map(|t| t.split(", ").map(str::to_string).collect())
-            .unwrap_or_default(),
         err_mode: Some(s.workers.transport.err_mode.to_string()),
+        ..UcxInfo::default()
     };
+    d.ucx.clone().report(&s.workers, &mut sum);
     sum.notes.insert(
         1,
         "queue, handshake, plan, post, transfer, notify, e2e, verify: the decode ranks' KV load stages \

@@ -62,8 +62,8 @@ pub struct KvStats {
     pub descriptors_coalesced: u64,
     /// Bytes and requests per decode rank.
     pub per_rank: BTreeMap<u32, (u64, u64)>,
-    /// UCX transports of the first connection (`cma`, `posix`, `tcp`, ...).
-    pub transports: Option<String>,
+    /// UCX transports and protocols of the first connection (`cma`, `posix`, `tcp`, ...).
+    pub ucx: crate::pipeline::bench::UcxSeen,
 }
 
 /// One load as the decode ranks measured it (slowest rank per stage), kept while
@@ -264,8 +264,8 @@ impl WorkerKv {
         {
             let mut st = lock(&self.stats);
             st.verify_failures += verify_failures;
-            if st.transports.is_none() {
-                st.transports = ranks.iter().find_map(|r| r.transports.clone());
+            for r in ranks.iter() {
+                st.ucx.see(r);
             }
             match (&error, &verify_failure) {
                 (None, None) => {

@@ -14,7 +14,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::engine::{
-    check_inflight, parse_err_mode, parse_mode, parse_progress, parse_transport, parse_verify, supported,
+    check_inflight, check_mem_transport, parse_err_mode, parse_mode, parse_progress, parse_transport,
+    parse_verify, resolve_mem,
 };
 use super::env::ProcessEnv;
 use super::flags::{ModelFlags, PairFlags};
@@ -273,33 +274,12 @@ impl Layers<'_> {
         })
     }
 
-    /// `--mem` and `--devices`: the run's memory, refused when kvx cannot use it yet.
+    /// `--mem` and `--devices`: where the run's KV pools live.
     fn mem(&self) -> Result<KvMemory, ConfigError> {
         let (f, fi) = (self.flags, self.file);
         let devices = f.devices.clone().or(fi.devices.clone());
         let kind = f.mem.clone().or(fi.mem.clone()).unwrap_or_else(|| "host".into());
-        let mem = match kind.trim() {
-            "host" => {
-                if devices.is_some() {
-                    return Err(ConfigError::new(
-                        "--devices",
-                        "--device and --devices place CUDA pools: pass --mem cuda with them, or drop them for host memory",
-                    ));
-                }
-                KvMemory::Host
-            }
-            "cuda" => {
-                let devices = devices.filter(|d| !d.is_empty()).unwrap_or_else(|| vec![0]);
-                let mut seen = std::collections::BTreeSet::new();
-                if let Some(d) = devices.iter().find(|d| !seen.insert(**d)) {
-                    return Err(ConfigError::new("--devices", format!("device {d} is listed twice")));
-                }
-                KvMemory::Cuda { devices }
-            }
-            other => return Err(ConfigError::new("--mem", format!("'{other}' is not host or cuda"))),
-        };
-        supported(&mem).map_err(|why| ConfigError::new("--mem", format!("'{kind}': {why}")))?;
-        Ok(mem)
+        resolve_mem(&kind, devices)
     }
 
     fn transport(&self, slowdown: f64) -> Result<TransportConfig, ConfigError> {
@@ -466,6 +446,7 @@ impl Layers<'_> {
         let transport = self.transport(slowdown)?;
         let fault = f.fault.as_deref().map(parse_fault).transpose()?;
         let mem = self.mem()?;
+        check_mem_transport(&mem, transport.kind)?;
         let lease = match f.lease {
             Some(d) => d,
             None => dur("--lease", fi.lease.as_deref())?.unwrap_or(Duration::from_secs(30)),
@@ -564,7 +545,6 @@ mod tests {
 
     use super::*;
     use crate::pipeline::proto::{self, ToWorker, TransferMode};
-    use crate::settings::engine::NotYet;
     use crate::transfer::memory::MemPlace;
     use crate::transfer::ucx::{ErrMode, ProgressMode};
 
@@ -674,7 +654,6 @@ mod tests {
             (BenchFlags { on_load_failure: Some("retry".into()), ..Default::default() }, "--on-load-failure"),
             (BenchFlags { mode: Some("push".into()), ..Default::default() }, "--mode"),
             (BenchFlags { mode: Some("poll".into()), ..Default::default() }, "--mode"),
-            (BenchFlags { mem: Some("cuda".into()), ..Default::default() }, "--mem"),
             (BenchFlags { mem: Some("disk".into()), ..Default::default() }, "--mem"),
             (BenchFlags { devices: Some(vec![0]), ..Default::default() }, "--devices"),
             (
@@ -721,9 +700,12 @@ mod tests {
         let e = resolve(&BenchFlags { mode: Some("push".into()), ..Default::default() }, &env())
             .expect_err("push");
         assert!(e.reason.contains("push is not implemented yet"), "{e}");
-        let e = resolve(&BenchFlags { mem: Some("cuda".into()), ..Default::default() }, &env())
-            .expect_err("cuda");
-        assert!(e.reason.contains(&NotYet::CudaPools.to_string()), "{e}");
+        let e = resolve(
+            &BenchFlags { mem: Some("cuda".into()), transport: Some("storage".into()), ..Default::default() },
+            &env(),
+        )
+        .expect_err("cuda pools over storage");
+        assert_eq!(e.flag, "--transport", "{e}");
     }
 
     #[test]
@@ -735,7 +717,7 @@ mod tests {
             ("verify = \"maybe\"", "verify"),
             ("transport = \"bogus\"", "transport"),
             ("mode = \"push\"", "mode"),
-            ("mem = \"cuda\"", "mem"),
+            ("mem = \"gpu\"", "mem"),
             ("lease = \"0s\"", "lease"),
             ("timeout = \"forever\"", "timeout"),
             ("duration = \"0s\"", "duration"),
@@ -762,12 +744,20 @@ mod tests {
     #[test]
     fn memory_and_devices() {
         let one = BenchFlags { mem: Some("cuda".into()), devices: Some(vec![3]), ..Default::default() };
-        // Refused for now, but resolved first: the refusal is the only thing in the way.
-        let e = resolve(&one, &env()).expect_err("cuda pools are not supported yet");
-        assert!(e.reason.starts_with("'cuda': "), "{e}");
+        let s = resolve(&one, &env()).expect("cuda pools on device 3");
+        assert_eq!(s.workers.mem, KvMemory::Cuda { devices: vec![3] });
         let file = config("mem = \"cuda\"\ndevices = [0, 1]");
-        let e = resolve(&with_config(&file), &env()).expect_err("cuda pools are not supported yet");
-        assert!(e.flag.starts_with("mem in "), "{e}");
+        let s = resolve(&with_config(&file), &env()).expect("devices from the file");
+        assert_eq!(s.workers.mem, KvMemory::Cuda { devices: vec![0, 1] });
+        // A flag beats the file.
+        let flags = BenchFlags { devices: Some(vec![2]), ..with_config(&file) };
+        assert_eq!(
+            resolve(&flags, &env()).expect("flag wins").workers.mem,
+            KvMemory::Cuda { devices: vec![2] }
+        );
+        let file = config("mem = \"cuda\"\ntransport = \"storage\"");
+        let e = resolve(&with_config(&file), &env()).expect_err("device pools over files");
+        assert!(e.flag.contains("transport"), "{e}");
     }
 
     #[test]

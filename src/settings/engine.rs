@@ -20,11 +20,9 @@ use crate::serve::kv::EngineIdentity;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
 
 /// What kvx cannot do yet, as the reason settings refuse a request for it (the flag to change
-/// is named by the caller). The GPU path lifts `CudaPools`; push mode lifts `PushMode`.
+/// is named by the caller). Push mode lifts `PushMode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum NotYet {
-    #[error("kvx bench registers host memory; CUDA pools need `kvx xfer --mem cuda` (feature cuda) for now")]
-    CudaPools,
     #[error(
         "push is not implemented yet: kvx moves KV caches in pull mode (the decode side reads the \
          prefill side's blocks), as vLLM's NixlConnector does"
@@ -32,11 +30,42 @@ pub enum NotYet {
     PushMode,
 }
 
-/// Whether worker engines can keep their KV pools in `mem` today.
-pub fn supported(mem: &KvMemory) -> Result<(), NotYet> {
-    match mem {
-        KvMemory::Host => Ok(()),
-        KvMemory::Cuda { .. } => Err(NotYet::CudaPools),
+/// Resolves `--mem` (host or cuda) and `--devices` into where a run's KV pools live. The
+/// devices are a round-robin list ([`KvMemory`]'s placement rule), device 0 when none is
+/// named; naming devices without `--mem cuda` is refused rather than ignored.
+pub fn resolve_mem(kind: &str, devices: Option<Vec<u32>>) -> Result<KvMemory, ConfigError> {
+    match kind.trim() {
+        "host" => match devices {
+            Some(_) => Err(ConfigError::new(
+                "--devices",
+                "--device and --devices place CUDA pools: pass --mem cuda with them, or drop them for host memory",
+            )),
+            None => Ok(KvMemory::Host),
+        },
+        "cuda" => {
+            let devices = devices.filter(|d| !d.is_empty()).unwrap_or_else(|| vec![0]);
+            let mut seen = std::collections::BTreeSet::new();
+            if let Some(d) = devices.iter().find(|d| !seen.insert(**d)) {
+                return Err(ConfigError::new("--devices", format!("device {d} is listed twice")));
+            }
+            Ok(KvMemory::Cuda { devices })
+        }
+        other => Err(ConfigError::new("--mem", format!("'{other}' is not host or cuda"))),
+    }
+}
+
+/// Device pools move over UCX only: the storage transport (and multi's storage fallback)
+/// reads and writes files from host memory.
+pub fn check_mem_transport(mem: &KvMemory, kind: TransportKind) -> Result<(), ConfigError> {
+    match (mem, kind) {
+        (KvMemory::Cuda { .. }, TransportKind::Storage | TransportKind::Multi) => Err(ConfigError::new(
+            "--transport",
+            format!(
+                "'{}' moves host memory through files; with --mem cuda use --transport ucx (or --mem host)",
+                kind.as_str()
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -130,6 +159,10 @@ pub struct ServeEngineFlags {
     pub inflight: u32,
     pub coalesce: bool,
     pub huge_pages: bool,
+    /// `--mem`: host or cuda.
+    pub mem: String,
+    /// `--devices` (or `--device`): GPUs of `--mem cuda`, round-robin over this engine's ranks.
+    pub devices: Option<Vec<u32>>,
 }
 
 /// How `kvx serve-engine`'s KV side is built.
@@ -264,6 +297,7 @@ fn serve_engine_workers(
     let exe =
         exe.clone().map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
     let host = bind_host(&a.side_channel_host);
+    let mem = resolve_mem(&a.mem, a.devices.clone())?;
     Ok(WorkerSettings {
         pair,
         transport: TransportConfig {
@@ -284,7 +318,7 @@ fn serve_engine_workers(
             slowdown: 0.0,
         },
         verify,
-        mem: KvMemory::Host,
+        mem,
         lease: a.lease,
         timeout: a.timeout,
         alloc,
@@ -308,8 +342,19 @@ mod tests {
         assert_eq!(parse_mode("pull"), Ok(TransferMode::Pull));
         assert!(parse_mode("push").is_err_and(|e| e.contains("push is not implemented yet")));
         assert!(parse_mode("sideways").is_err_and(|e| e.contains("'sideways' is not pull")));
-        assert_eq!(supported(&KvMemory::Host), Ok(()));
-        assert_eq!(supported(&KvMemory::Cuda { devices: vec![0] }), Err(NotYet::CudaPools));
+        assert_eq!(resolve_mem("host", None), Ok(KvMemory::Host));
+        assert_eq!(resolve_mem("cuda", None), Ok(KvMemory::Cuda { devices: vec![0] }));
+        assert_eq!(resolve_mem(" cuda", Some(vec![2, 0])), Ok(KvMemory::Cuda { devices: vec![2, 0] }));
+        assert_eq!(resolve_mem("cuda", Some(vec![1, 1])).expect_err("twice").flag, "--devices");
+        assert_eq!(resolve_mem("host", Some(vec![1])).expect_err("devices without cuda").flag, "--devices");
+        assert_eq!(resolve_mem("gpu", None).expect_err("unknown").flag, "--mem");
+        let cuda = KvMemory::Cuda { devices: vec![0] };
+        assert!(check_mem_transport(&cuda, TransportKind::Ucx).is_ok());
+        assert!(check_mem_transport(&KvMemory::Host, TransportKind::Storage).is_ok());
+        for kind in [TransportKind::Storage, TransportKind::Multi] {
+            let e = check_mem_transport(&cuda, kind).expect_err("storage moves host memory");
+            assert_eq!(e.flag, "--transport", "{e}");
+        }
     }
 
     fn serve_flags(role: HttpRole) -> ServeEngineFlags {
@@ -343,6 +388,8 @@ mod tests {
             inflight: 8,
             coalesce: false,
             huge_pages: false,
+            mem: "host".into(),
+            devices: None,
         }
     }
 
@@ -362,13 +409,24 @@ mod tests {
         let KvSettings::Workers(w) = d.kv else { panic!("workers backend") };
         assert_eq!(w.side_channel_bind, None);
         assert_eq!(w.worker.role, Role::Decode);
+        // --mem cuda --devices 1,0: this engine's ranks from slot 0, round-robin.
+        let flags = ServeEngineFlags {
+            mem: "cuda".into(),
+            devices: Some(vec![1, 0]),
+            ..serve_flags(HttpRole::Decode)
+        };
+        let c = resolve_serve_engine(&flags, &exe).expect("cuda pools");
+        let KvSettings::Workers(w) = c.kv else { panic!("workers backend") };
+        assert_eq!(w.mem, [MemPlace::Cuda { device: 1 }, MemPlace::Cuda { device: 0 }]);
     }
 
     #[test]
     fn bad_serve_engine_values_name_their_flag() {
         let exe = Ok(PathBuf::from("/bin/kvx"));
         type Set = fn(&mut ServeEngineFlags);
-        let cases: [(Set, &str); 7] = [
+        let cases: [(Set, &str); 9] = [
+            (|f| f.mem = "gpu".into(), "--mem"),
+            (|f| f.devices = Some(vec![0]), "--devices"),
             (|f| f.err_mode = "x".into(), "--err-mode"),
             (|f| f.progress = "spin".into(), "--progress"),
             (|f| f.verify = "most".into(), "--verify"),

@@ -111,6 +111,35 @@ fn staging_groups(ranges: &[Range<u64>], cap: u64) -> Vec<Range<usize>> {
     groups
 }
 
+/// One copy between device memory and packed staging: `len` bytes at device offset `dev`
+/// and staging offset `staged`.
+#[cfg(any(feature = "cuda", test))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CopyRun {
+    dev: u64,
+    staged: usize,
+    len: usize,
+}
+
+/// The copies that move `ranges` (packed one after another in staging): ranges that follow
+/// each other in device memory too are one copy, so a pool's blocks cost one
+/// `cuMemcpy*Async` per contiguous run (each call costs microseconds), not one per block.
+#[cfg(any(feature = "cuda", test))]
+fn copy_runs(ranges: &[Range<u64>]) -> Vec<CopyRun> {
+    let mut runs: Vec<CopyRun> = Vec::new();
+    let mut staged = 0usize;
+    for r in ranges {
+        let len = (r.end - r.start) as usize;
+        match runs.last_mut() {
+            Some(last) if last.dev + last.len as u64 == r.start => last.len += len,
+            _ => runs.push(CopyRun { dev: r.start, staged, len }),
+        }
+        staged += len;
+    }
+    runs.retain(|c| c.len > 0);
+    runs
+}
+
 /// Most pinned host memory one buffer keeps for staging its range copies.
 pub const STAGING_BYTES: u64 = 64 << 20;
 
@@ -125,7 +154,7 @@ mod imp {
 
     use cudarc::driver::{CudaContext, CudaStream, result, sys};
 
-    use super::{CudaError, DeviceInfo, DriverInfo, STAGING_BYTES, check_ranges, staging_groups};
+    use super::{CudaError, DeviceInfo, DriverInfo, STAGING_BYTES, check_ranges, copy_runs, staging_groups};
     use crate::transfer::ucx::{MemType, Registrable};
 
     fn driver() -> Result<(), CudaError> {
@@ -388,18 +417,14 @@ mod imp {
                     fill(i, pinned.bytes(off..off + n));
                     off += n;
                 }
-                let mut off = 0usize;
-                for i in group {
-                    let r = &ranges[i];
-                    let n = (r.end - r.start) as usize;
-                    let src = pinned.bytes(off..off + n);
-                    // SAFETY: the destination range was checked to lie inside this
-                    // allocation; the source is pinned staging that is not touched again
-                    // until the synchronize below.
+                for run in copy_runs(&ranges[group]) {
+                    let src = pinned.bytes(run.staged..run.staged + run.len);
+                    // SAFETY: a run spans ranges checked to lie inside this allocation; the
+                    // source is pinned staging that is not touched again until the
+                    // synchronize below.
                     call("cuMemcpyHtoDAsync", unsafe {
-                        result::memcpy_htod_async(self.ptr + r.start, &*src, self.stream.cu_stream())
+                        result::memcpy_htod_async(self.ptr + run.dev, &*src, self.stream.cu_stream())
                     })?;
-                    off += n;
                 }
                 self.sync("cuStreamSynchronize")?;
             }
@@ -419,17 +444,13 @@ mod imp {
             for group in staging_groups(ranges, STAGING_BYTES) {
                 let total: u64 = ranges[group.clone()].iter().map(|r| r.end - r.start).sum();
                 let pinned = Self::staging(&mut slot, total as usize)?;
-                let mut off = 0usize;
-                for i in group.clone() {
-                    let r = &ranges[i];
-                    let n = (r.end - r.start) as usize;
-                    let dst = pinned.bytes(off..off + n);
-                    // SAFETY: the source range was checked to lie inside this allocation;
-                    // the destination is pinned staging not read until the synchronize.
+                for run in copy_runs(&ranges[group.clone()]) {
+                    let dst = pinned.bytes(run.staged..run.staged + run.len);
+                    // SAFETY: a run spans ranges checked to lie inside this allocation; the
+                    // destination is pinned staging not read until the synchronize.
                     call("cuMemcpyDtoHAsync", unsafe {
-                        result::memcpy_dtoh_async(dst, self.ptr + r.start, self.stream.cu_stream())
+                        result::memcpy_dtoh_async(dst, self.ptr + run.dev, self.stream.cu_stream())
                     })?;
-                    off += n;
                 }
                 self.sync("cuStreamSynchronize")?;
                 let mut off = 0usize;
@@ -727,6 +748,22 @@ mod tests {
             vec![0..1],
             "an oversized range is a group of its own"
         );
+    }
+
+    #[test]
+    fn ranges_adjacent_in_device_memory_are_one_copy() {
+        let ranges: Vec<Range<u64>> = vec![0..10, 10..30, 100..105, 105..105, 105..110, 50..60];
+        assert_eq!(
+            copy_runs(&ranges),
+            vec![
+                CopyRun { dev: 0, staged: 0, len: 30 },
+                CopyRun { dev: 100, staged: 30, len: 10 },
+                CopyRun { dev: 50, staged: 40, len: 10 },
+            ]
+        );
+        // Out of order in device memory: no merge, even where the bytes touch backwards.
+        assert_eq!(copy_runs(&[Range { start: 10, end: 20 }, Range { start: 0, end: 10 }]).len(), 2);
+        assert!(copy_runs(&[]).is_empty());
     }
 
     #[test]

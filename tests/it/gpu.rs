@@ -118,3 +118,101 @@ fn the_default_build_includes_cuda_support() {
     let default = manifest["features"]["default"].as_array().expect("a default feature list");
     assert!(default.iter().any(|f| f.as_str() == Some("cuda")), "{default:?}");
 }
+
+#[test]
+fn bench_on_device_memory_without_a_gpu_exits_2_naming_what_is_missing() {
+    let dir = tempfile::tempdir().expect("results dir");
+    let out = kvx()
+        .args(["bench", "--mem", "cuda", "--p-tp", "2", "--d-tp", "1", "--model", "llama-3.1-8b"])
+        .args([
+            "--requests",
+            "4",
+            "--prompt-len",
+            "256",
+            "--no-calibrate",
+            "--format",
+            "json",
+            "--results-dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .expect("run kvx bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if out.status.success() {
+        skip("this host has a GPU and a UCX with CUDA: bench --mem cuda ran (see scripts/gpu-check.sh)");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(v["scenario"]["mem"], "cuda:0");
+        assert_eq!(v["requests_ok"], 4, "{v}");
+        assert_eq!(v["verify_failures"], 0, "{v}");
+        assert_eq!(v["blocks_leaked"], 0, "{v}");
+        let uses = v["ucx"]["protocols"]["uses"].as_array().cloned().unwrap_or_default();
+        assert!(
+            uses.iter()
+                .any(|u| u["op"] == "get" && u["local"].as_str().is_some_and(|l| l.starts_with("cuda")))
+        );
+        return;
+    }
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(MISSING.iter().any(|m| stderr.contains(m)), "the message should name what is missing: {stderr}");
+    assert_eq!(stderr.matches("error:").count(), 1, "said once, before any worker: {stderr}");
+    assert!(out.stdout.is_empty(), "no report of a run that never started");
+    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "no run directory either");
+}
+
+#[test]
+fn serve_engine_with_device_pools_without_a_gpu_exits_2_before_it_serves() {
+    let out = kvx()
+        .args(["serve-engine", "--role", "decode", "--kv-backend", "workers", "--model", "llama-3.1-8b"])
+        .args(["--mem", "cuda", "--devices", "0", "--port", "0"])
+        .timeout(Duration::from_secs(30))
+        .output()
+        .expect("run kvx serve-engine");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() != Some(2) {
+        // A GPU host gets past the check and serves until the timeout kills it.
+        skip("this host can keep device pools: serve-engine --mem cuda started");
+        return;
+    }
+    assert!(MISSING.iter().any(|m| stderr.contains(m)), "{stderr}");
+}
+
+#[test]
+fn bench_reports_name_the_protocol_ucx_chose_for_the_reads() {
+    for (label, lib) in ucx_builds() {
+        let lib = match lib {
+            Ok(p) => p,
+            Err(why) => {
+                skip(&format!("{label} UCX build: {why}"));
+                continue;
+            }
+        };
+        let dir = tempfile::tempdir().expect("results dir");
+        let out = kvx()
+            .args(["bench", "--p-tp", "2", "--d-tp", "1", "--model", "llama-3.1-8b", "--requests", "3"])
+            .args(["--prompt-len", "256", "--no-calibrate", "--format", "json", "--results-dir"])
+            .arg(dir.path())
+            .arg("--ucx-lib")
+            .arg(&lib)
+            .env_remove("UCX_PROTO_INFO")
+            .env_remove("UCX_PROTO_INFO_DIR")
+            .env_remove("UCX_LOG_FILE")
+            .output()
+            .expect("run kvx bench");
+        assert!(out.status.success(), "{label}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON summary");
+        let protocols = &v["ucx"]["protocols"];
+        let uses = protocols["uses"].as_array().unwrap_or_else(|| panic!("{label}: {v}"));
+        if v["ucx"]["version"].as_str().unwrap_or_default().starts_with("1.13") {
+            assert!(uses.is_empty(), "{label}: {protocols}");
+            assert!(protocols["note"].as_str().is_some_and(|n| n.contains("1.13")), "{label}: {protocols}");
+        } else {
+            // One-sided operations only (notifications' active messages are left out).
+            assert!(uses.iter().all(|u| u["op"] == "get" || u["op"] == "put"), "{label}: {protocols}");
+            let get =
+                uses.iter().find(|u| u["op"] == "get").unwrap_or_else(|| panic!("{label}: {protocols}"));
+            assert_eq!(get["emulated"], false, "{label}: {get}");
+        }
+        assert!(v.get("warnings").is_none(), "host memory gets no protocol warning: {v}");
+    }
+}

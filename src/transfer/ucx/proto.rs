@@ -307,6 +307,13 @@ impl ProtoReport {
         self.uses.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
     }
 
+    /// The selections of one-sided operations only (GET and PUT: what moves KV blocks), not
+    /// the active messages that carry notifications.
+    pub fn rma_only(mut self) -> ProtoReport {
+        self.uses.retain(|u| u.op == "get" || u.op == "put");
+        self
+    }
+
     /// The GET selections of pairs where either side is device memory.
     pub fn device_gets(&self) -> impl Iterator<Item = &ProtoUse> {
         self.uses.iter().filter(|u| {
@@ -325,14 +332,17 @@ pub const LOG_FILE_ENV: &str = "UCX_LOG_FILE";
 /// UCX selects into `dir`: `UCX_PROTO_INFO=y`, `UCX_PROTO_INFO_DIR=dir/selections`, and
 /// `UCX_LOG_FILE=dir/ucx.%p.log`, because UCX also prints each selection as a table to
 /// its log stream, which is stdout unless redirected (kvx's reports go there). These are
-/// read by UCX when it loads, so they must be set before the process starts. `Err` says
-/// which of them the user set (kvx then leaves UCX's output where the user asked).
+/// read by UCX when it loads, so they must be set before the process starts. `dir` is
+/// created if missing (UCX creates the last level of its directory only). `Err` says which
+/// of them the user set (kvx then leaves UCX's output where the user asked), or why `dir`
+/// cannot be made.
 pub fn capture_env(dir: &Path) -> Result<Vec<(String, String)>, String> {
     if let Some(var) =
         [PROTO_INFO_ENV, PROTO_INFO_DIR_ENV, LOG_FILE_ENV].into_iter().find(|v| std::env::var_os(v).is_some())
     {
         return Err(format!("{var} is set in the environment"));
     }
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     Ok(vec![
         (PROTO_INFO_ENV.to_string(), "y".to_string()),
         (PROTO_INFO_DIR_ENV.to_string(), dir.join("selections").display().to_string()),

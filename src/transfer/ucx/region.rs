@@ -23,6 +23,14 @@ pub enum MemType {
 }
 
 impl MemType {
+    /// `host` or `cuda`, as kvx's handshake metadata names a region's memory.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemType::Host => "host",
+            MemType::Cuda => "cuda",
+        }
+    }
+
     fn ucs(self) -> libc::c_int {
         match self {
             MemType::Host => sys::UCS_MEMORY_TYPE_HOST,
