@@ -85,7 +85,7 @@ record doctor "$rc" "$OUT/doctor.json"
 rc=$?
 record "xfer --mem cuda" "$rc" "$(grep -m1 -E 'error|warning' "$OUT/xfer.err" | cut -c1-160)"
 
-# 3. bench on device memory (fails until the pipeline supports --mem cuda: recorded, not fatal)
+# 3. bench on device memory: KV pools on GPU 0 (every rank, as on a one-GPU host)
 "$KVX" bench --mem cuda --p-tp 8 --d-tp 2 "${UCX_FLAGS[@]}" --results-dir "$OUT/bench" --format json \
   >"$OUT/bench.json" 2>"$OUT/bench.err"
 rc=$?
@@ -195,6 +195,16 @@ rows.append((f"kvx / device copy @ 16 MiB x{depth}", fmt(g), "", fmt(ratio), ">=
 bench, same = load("bench.json"), load("xfer-bench-size.json")
 b = bench.get("throughput_gbps") if bench else None
 x = same["results"][0]["gbps"] if same and same.get("results") else None
+if bench:
+    cal = bench.get("calibration") or {}
+    # The bench's own same-run reference (same descriptor size and depth), when it calibrated.
+    x = cal.get("xfer_same_size_gbps") or x
+    print(f"kvx bench --mem cuda: {bench['requests_ok']} ok, {bench['requests_failed']} failed, "
+          f"{bench['verify_failures']} verify failures, {bench['blocks_leaked']} blocks leaked; protocols:",
+          ", ".join(f"{u['op']} {u['local']}<-{u['remote']}: " + ", ".join(f"{c['description']} {c['config']}" for c in u["choices"])
+                    for u in ((bench.get("ucx") or {}).get("protocols") or {}).get("uses", [])) or "unknown")
+    for w in bench.get("warnings", []):
+        print("  warning:", w)
 rows.append(("bench / xfer at the descriptor size", fmt(b), fmt(x), fmt(b / x) if b and x else "-", ">= 0.8"))
 w = max(len(r[0]) for r in rows)
 print(f"\n{'ratio':<{w}}  {'kvx GB/s':>9}  {'peer GB/s':>9}  {'ratio':>6}  target")
