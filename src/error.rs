@@ -70,6 +70,16 @@ pub enum Signal {
     Terminate,
 }
 
+impl Signal {
+    /// `SIGINT` or `SIGTERM`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Signal::Interrupt => "SIGINT",
+            Signal::Terminate => "SIGTERM",
+        }
+    }
+}
+
 impl Outcome {
     /// The exit code this outcome asks for.
     pub fn exit_code(&self) -> u8 {
@@ -95,7 +105,7 @@ pub fn exit_code(result: &anyhow::Result<Outcome>) -> (u8, Option<String>) {
         // The message starts with the command ("kvx bench: 3 of 20 requests failed ...").
         Ok(Outcome::Failed(why)) => (exit::FAILED, Some(why.clone())),
         Ok(Outcome::Interrupted(sig)) => {
-            (Outcome::Interrupted(*sig).exit_code(), Some(format!("kvx: interrupted ({sig:?})")))
+            (Outcome::Interrupted(*sig).exit_code(), Some(format!("kvx: interrupted by {}", sig.name())))
         }
         Ok(o) => (o.exit_code(), None),
         Err(e) if crate::output::is_closed(e.as_ref()) => (exit::OK, None),

@@ -36,6 +36,7 @@
 #[forbid(unsafe_code)]
 pub mod cli;
 pub mod error;
+pub mod interrupt;
 #[forbid(unsafe_code)]
 pub mod layouts;
 pub mod output;

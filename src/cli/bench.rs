@@ -236,6 +236,8 @@ impl BenchArgs {
 /// Resolves the flags (every run of the plan, before anything starts), runs, prints.
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     let plan = resolve_plan(&args.flags(), &ProcessEnv::read())?;
+    // From here on Ctrl-C (or SIGTERM) ends the run cleanly with its partial results.
+    crate::interrupt::arm();
     let json = args.format == Format::Json;
     let root = plan.results_root().to_path_buf();
     let run_id = new_run_id(&now_rfc3339());
@@ -257,14 +259,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
                 text.push_str(&table);
             }
             output::keep_verdict(output::stdout(text))?;
-            Ok(Outcome::of_run("kvx bench --compare-transports", &summary))
+            Ok(verdict("kvx bench --compare-transports", &summary))
         }
         BenchPlan::Sweep(sweep) => {
             let mut writer = RunWriter::create(&root, &run_id)?;
             let summary = super::sweep::run(&sweep, &mut writer, &run_id)?;
             let files = writer.finish(&summary)?;
             output::keep_verdict(output::stdout(summary_text(args.format, &summary, &files)?))?;
-            Ok(Outcome::of_run("kvx bench --sweep", &summary))
+            Ok(verdict("kvx bench --sweep", &summary))
         }
         BenchPlan::Single(settings) => {
             check_ucx(&settings)?;
@@ -287,8 +289,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
             // The run is over and written; a closed stdout does not hide its failures from the
             // exit code.
             output::keep_verdict(output::stdout(summary_text(args.format, &summary, &files)?))?;
-            Ok(Outcome::of_run("kvx bench", &summary))
+            Ok(verdict("kvx bench", &summary))
         }
+    }
+}
+
+/// The run's exit: interrupted (130/143) when a signal stopped it, else what its summary says.
+fn verdict(what: &str, summary: &crate::report::Summary) -> Outcome {
+    match crate::interrupt::requested() {
+        Some(sig) => Outcome::Interrupted(sig),
+        None => Outcome::of_run(what, summary),
     }
 }
 

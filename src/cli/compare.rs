@@ -60,9 +60,16 @@ pub fn run(
     let mut points = Vec::new();
     let mut rows = Vec::new();
     for (i, (name, settings)) in plans.iter().enumerate() {
+        if let Some(sig) = crate::interrupt::requested() {
+            let left: Vec<&str> = plans[i..].iter().map(|(n, _)| n.as_str()).collect();
+            summary.notes.push(format!("interrupted by {}: {} did not run", sig.name(), left.join(", ")));
+            summary.partial = true;
+            break;
+        }
         crate::output::note!("kvx bench --compare-transports: {name} ({}/{})", i + 1, plans.len());
         let cpu0 = cpu_seconds();
         let s = bench::run(settings, writer, &format!("{run_id}-{name}"))?;
+        summary.partial |= s.partial;
         let cpu = cpu_seconds() - cpu0;
         let gb = s.bytes_read as f64 / 1e9;
         let cpu_per_gb = if gb > 0.0 { cpu / gb } else { 0.0 };

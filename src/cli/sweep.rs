@@ -22,6 +22,11 @@ pub fn run(plan: &SweepPlan, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
     let mut out = Vec::new();
     let n = plan.points.len();
     for (i, planned) in plan.points.iter().enumerate() {
+        if let Some(sig) = crate::interrupt::requested() {
+            summary.notes.push(format!("interrupted by {}: points {}..{n} did not run", sig.name(), i + 1));
+            summary.partial = true;
+            break;
+        }
         let label = planned.label();
         let params: BTreeMap<String, Value> = planned.point.iter().cloned().collect();
         let series = plan.series_axis.as_ref().and_then(|a| params.get(a)).map(text);
@@ -36,6 +41,7 @@ pub fn run(plan: &SweepPlan, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
         };
         let s = bench::run(settings, writer, &format!("{run_id}-p{i}"))?;
         summary.absorb(&s);
+        summary.partial |= s.partial;
         let descs = s.descriptors_per_request;
         out.push(SweepPoint {
             label,

@@ -33,6 +33,11 @@ pub struct WorkerArgs {
 }
 
 pub fn run(args: &WorkerArgs) -> anyhow::Result<Outcome> {
+    // Ctrl-C at a terminal signals the whole process group; the engine that started this
+    // worker stops it (and the worker ends when its engine does).
+    if let Err(e) = crate::transfer::ucx::ignore_sigint() {
+        tracing::debug!("cannot ignore SIGINT: {e}");
+    }
     let (role, rank, endpoint) = match (args.role, launcher_rank(), args.p_tp) {
         (Some(r), _, _) => {
             let role = if r == RoleArg::Prefill { Role::Prefill } else { Role::Decode };

@@ -397,42 +397,56 @@ async fn drive(
     let mut next = first_req;
     let more =
         |next: u64| count.is_none_or(|c| next < first_req + c) && until.is_none_or(|u| Instant::now() < u);
-    match s.arrival {
-        Arrival::Closed { concurrency } => loop {
-            while in_flight.len() < concurrency.max(1) as usize && more(next) {
-                let (tokens, seed) = (generator.prompt_len(), generator.pattern_seed());
-                in_flight.push(one_request(c, next, tokens, seed, Instant::now()));
-                next += 1;
-            }
-            match in_flight.next().await {
-                Some(f) => done(f),
-                None => break,
-            }
-        },
-        Arrival::Poisson { rate } => {
-            let mut next_at = Instant::now();
-            loop {
-                let sleep = tokio::time::sleep_until(next_at.into());
-                tokio::pin!(sleep);
-                let arrive = more(next);
-                tokio::select! {
-                    () = &mut sleep, if arrive => {
+    let mut next_at = Instant::now();
+    // Set by an interrupt: no new requests; those in flight get until then to finish.
+    let mut grace: Option<Instant> = None;
+    loop {
+        if grace.is_none() && crate::interrupt::requested().is_some() {
+            grace = Some(Instant::now() + INTERRUPT_GRACE);
+        }
+        if grace.is_some_and(|g| in_flight.is_empty() || Instant::now() >= g) {
+            break;
+        }
+        let arrive = grace.is_none() && more(next);
+        let poisson = match s.arrival {
+            Arrival::Closed { concurrency } => {
+                if arrive {
+                    while in_flight.len() < concurrency.max(1) as usize && more(next) {
                         let (tokens, seed) = (generator.prompt_len(), generator.pattern_seed());
-                        in_flight.push(one_request(c, next, tokens, seed, next_at));
+                        in_flight.push(one_request(c, next, tokens, seed, Instant::now()));
                         next += 1;
-                        next_at += generator.inter_arrival(rate);
                     }
-                    Some(f) = in_flight.next() => done(f),
-                    else => break,
                 }
-                if !arrive && in_flight.is_empty() {
-                    break;
-                }
+                None
             }
+            Arrival::Poisson { rate } => arrive.then_some(rate),
+        };
+        if in_flight.is_empty() && poisson.is_none() {
+            break;
+        }
+        let sleep = tokio::time::sleep_until(next_at.into());
+        tokio::pin!(sleep);
+        tokio::select! {
+            () = &mut sleep, if poisson.is_some() => {
+                let (tokens, seed) = (generator.prompt_len(), generator.pattern_seed());
+                in_flight.push(one_request(c, next, tokens, seed, next_at));
+                next += 1;
+                next_at += generator.inter_arrival(poisson.unwrap_or(1.0));
+            }
+            Some(f) = in_flight.next() => done(f),
+            // Polls for an interrupt while requests are slow to finish.
+            () = tokio::time::sleep(INTERRUPT_POLL) => {}
         }
     }
     t_start
 }
+
+/// How long requests in flight get to finish after an interrupt before the run stops
+/// waiting for them (the engines' teardown and the report must fit in the 2 s a user waits).
+const INTERRUPT_GRACE: Duration = Duration::from_millis(700);
+
+/// How often a run waiting on its requests checks for an interrupt.
+const INTERRUPT_POLL: Duration = Duration::from_millis(50);
 
 /// The size of the fixed UCX loopback read the gate normalises by: the same on every run,
 /// whatever the scenario's descriptors, so a scenario change cannot move the yardstick.
@@ -523,7 +537,10 @@ fn calibration_samples(s: &BenchSettings) -> Vec<Calibration> {
     if !s.calibrate {
         return Vec::new();
     }
-    (0..calibration_sample_count(s)).filter_map(|_| calibrate(s, calibration_size(s))).collect()
+    (0..calibration_sample_count(s))
+        .take_while(|_| crate::interrupt::requested().is_none())
+        .filter_map(|_| calibrate(s, calibration_size(s)))
+        .collect()
 }
 
 /// Runs the bench and writes the run directory; returns the final summary.
@@ -535,7 +552,23 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     writer.write_partial(&summary)?;
     let mut calibration = calibration_samples(s);
 
-    let engines = Engines::start(s)?;
+    // An interrupt before the first request ends the run here, its summary empty but written.
+    let started = match crate::interrupt::requested() {
+        Some(sig) => Err(sig),
+        None => match Engines::start(s) {
+            Ok(engines) => Ok(engines),
+            Err(e) => Err(crate::interrupt::requested().ok_or(e)?),
+        },
+    };
+    let engines = match started {
+        Ok(engines) => engines,
+        Err(sig) => {
+            summary.calibration = median_calibration(&calibration);
+            summary.notes.push(format!("interrupted by {} before any request ran", sig.name()));
+            summary.finished_at = Some(crate::report::summary::now_rfc3339());
+            return Ok(summary);
+        }
+    };
     let info = engines.decode.info().clone();
     summary.ucx = UcxInfo {
         library: info.ucx_library.clone(),
@@ -619,7 +652,7 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
             repeats.push(rm);
             let _ = handshakes.merge(&tally.handshake);
             seen.or(&tally.ucx);
-            if rows_writer.is_finished() {
+            if rows_writer.is_finished() || crate::interrupt::requested().is_some() {
                 break;
             }
         }
@@ -631,7 +664,10 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     let Engines { prefill, decode } = engines;
     let d_fin: EngineFinal = decode.shutdown();
     let p_fin: EngineFinal = prefill.shutdown();
-    calibration.extend(calibration_samples(s));
+    let interrupted = crate::interrupt::requested();
+    if interrupted.is_none() {
+        calibration.extend(calibration_samples(s));
+    }
 
     all.totals.apply(&mut summary, wall);
     let _ = all.recorder.merge(&handshakes);
@@ -691,7 +727,15 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     }
     summary.calibration = median_calibration(&calibration);
     summary.finished_at = Some(crate::report::summary::now_rfc3339());
-    summary.partial = false;
+    summary.partial = interrupted.is_some();
+    if let Some(sig) = interrupted {
+        let planned = s.requests.map_or_else(String::new, |r| format!(" of {}", r * u64::from(s.repeat)));
+        summary.notes.push(format!(
+            "interrupted by {}: {} requests{planned} finished; the figures cover those only",
+            sig.name(),
+            summary.requests_ok + summary.requests_failed + summary.requests_recomputed
+        ));
+    }
     Ok(summary)
 }
 

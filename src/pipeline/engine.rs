@@ -56,6 +56,8 @@ pub enum EngineError {
     Rejected { req: u64, msg: String },
     #[error("the engine has shut down")]
     Closed,
+    #[error("{engine} engine: interrupted while its workers were starting")]
+    Interrupted { engine: &'static str },
 }
 
 impl EngineError {
@@ -562,6 +564,10 @@ impl EngineLoop {
     fn wait_ready(&mut self) -> Result<(), EngineError> {
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         while self.ranks.iter().any(|r| r.ready.is_none()) {
+            if crate::interrupt::requested().is_some() {
+                self.kill_workers();
+                return Err(EngineError::Interrupted { engine: self.role_str() });
+            }
             if let Some((r, why)) =
                 self.ranks.iter().enumerate().find_map(|(i, r)| r.dead.clone().map(|d| (i, d)))
             {
@@ -616,6 +622,11 @@ impl EngineLoop {
     fn run(&mut self, rx: &mpsc::Receiver<Cmd>) {
         let mut open = true;
         while open || !self.prefills.is_empty() || !self.loads.is_empty() {
+            // An interrupted run stops waiting for what its workers still have in flight (the
+            // callers gave up on it); shutdown tears the workers down.
+            if !open && crate::interrupt::requested().is_some() {
+                break;
+            }
             loop {
                 match rx.try_recv() {
                     Ok(cmd) => self.submit(cmd),
@@ -1140,12 +1151,27 @@ impl EngineLoop {
         }
     }
 
-    /// Waits for held blocks to be freed (notifications or leases), stops the workers.
+    /// Kills the local workers still running and reaps them.
+    fn kill_workers(&mut self) {
+        for r in &mut self.ranks {
+            if let Some(child) = r.child.as_mut()
+                && matches!(child.try_wait(), Ok(None))
+            {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+
+    /// Waits for held blocks to be freed (notifications or leases), stops the workers. An
+    /// interrupted run waits for no lease and gives its workers [`INTERRUPTED_BYE`] to go.
     fn shutdown(mut self) -> EngineFinal {
+        let interrupted = crate::interrupt::requested().is_some();
         // Prefill ranks free held blocks when notified or when leases run out.
         let lease = Duration::from_millis(self.cfg.worker.lease_ms);
         let deadline = Instant::now() + lease + Duration::from_secs(2);
-        while !self.held.is_empty()
+        while !interrupted
+            && !self.held.is_empty()
             && Instant::now() < deadline
             && self.ranks.iter().any(|r| r.dead.is_none())
         {
@@ -1158,7 +1184,8 @@ impl EngineLoop {
             }
         }
         // Wait for every live worker's goodbye (its peak memory) and, for local ones, its exit.
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let bye_wait = if interrupted { INTERRUPTED_BYE } else { Duration::from_secs(10) };
+        let deadline = Instant::now() + bye_wait;
         // A worker that exited without its goodbye arriving (the message lost, or never sent)
         // is waited for only briefly: nothing more will come from it.
         let pending = |r: &Rank| {
@@ -1168,19 +1195,18 @@ impl EngineLoop {
         while Instant::now() < deadline && self.ranks.iter().any(pending) {
             self.poll_once(Duration::from_millis(50));
         }
-        let role = self.cfg.worker.role;
-        for (rank, r) in self.ranks.iter_mut().enumerate() {
-            if let Some(child) = r.child.as_mut()
-                && matches!(child.try_wait(), Ok(None))
-            {
-                tracing::warn!(
-                    "{role:?} rank {rank} did not exit within 10 s of shutdown (goodbye received: {}); killing it",
-                    r.bye
-                );
-                let _ = child.kill();
-                let _ = child.wait();
+        if !interrupted {
+            let role = self.cfg.worker.role;
+            for (rank, r) in self.ranks.iter_mut().enumerate() {
+                if r.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None))) {
+                    tracing::warn!(
+                        "{role:?} rank {rank} did not exit within 10 s of shutdown (goodbye received: {}); killing it",
+                        r.bye
+                    );
+                }
             }
         }
+        self.kill_workers();
         if let Some(hs) = self.handshake.take() {
             hs.stop();
         }
@@ -1190,6 +1216,9 @@ impl EngineLoop {
         self.fin
     }
 }
+
+/// How long the workers of an interrupted run get to say goodbye before they are killed.
+const INTERRUPTED_BYE: Duration = Duration::from_millis(400);
 
 /// Makes a child's stderr pipe non-blocking, so draining it never stalls the engine. Failure
 /// only costs that (the pipe stays blocking), so it is logged, not returned.

@@ -225,7 +225,10 @@ impl WorkerKv {
             EngineError::TooLarge { needed, capacity, .. } => {
                 KvError::PoolTooSmall { needed: u64::from(needed), capacity: u64::from(capacity) }
             }
-            EngineError::RankGone { .. } | EngineError::Closed | EngineError::Startup { .. } => {
+            EngineError::RankGone { .. }
+            | EngineError::Closed
+            | EngineError::Startup { .. }
+            | EngineError::Interrupted { .. } => {
                 KvError::Unavailable(e.to_string())
             }
             EngineError::Timeout { .. } | EngineError::Rejected { .. } => KvError::Backend(e.to_string()),

@@ -957,6 +957,10 @@ fn measure_cases<M: BufferAccess>(
     let mut results = Vec::new();
     for &size in &cfg.sizes {
         for &inflight in &cfg.inflight {
+            // An interrupted run keeps the cases it measured (its report says it is partial).
+            if crate::interrupt::requested().is_some() {
+                return Ok(results);
+            }
             // Measured right before each case so both see the same machine (other load,
             // frequency), which is what makes their ratio meaningful on a shared host.
             let ceiling_gbps = ceiling.measure(size, inflight, ws, cfg)?;

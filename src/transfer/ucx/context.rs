@@ -624,3 +624,15 @@ pub fn defer_wakeups() -> std::io::Result<()> {
     let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
     if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
 }
+
+/// Makes SIGINT do nothing in this process (`SIG_IGN`: no handler runs, so no system call of
+/// UCX, ZMQ or kvx is interrupted with `EINTR`). Worker processes call it: Ctrl-C at a
+/// terminal signals the whole process group, and the engine that started a worker stops it.
+/// A handler that only sets a flag would still interrupt every blocking wait, and no crate
+/// kvx uses sets `SIG_IGN` without `unsafe`, so it lives here, behind this safe function.
+pub fn ignore_sigint() -> std::io::Result<()> {
+    // SAFETY: SIG_IGN installs no handler code, so nothing can run in signal context; the
+    // previous disposition is not needed.
+    let prev = unsafe { libc::signal(libc::SIGINT, libc::SIG_IGN) };
+    if prev == libc::SIG_ERR { Err(std::io::Error::last_os_error()) } else { Ok(()) }
+}

@@ -42,7 +42,7 @@ pub mod sys;
 pub use am::{AmReceiver, AmStats};
 pub use context::{
     CUDA_IPC_GET_ZCOPY_ENV, Context, ContextOptions, HYBRID_SPIN, ProgressMode, ServeEnd, Worker,
-    defer_wakeups, wait_readable,
+    defer_wakeups, ignore_sigint, wait_readable,
 };
 pub use endpoint::{
     Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports, read_batch_multi,

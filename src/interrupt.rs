@@ -1,0 +1,70 @@
+//! Ctrl-C and SIGTERM for runs. The first SIGINT or SIGTERM asks the run to stop: it starts
+//! no new work, lets what is in flight finish or gives up on it within a bounded time, tears
+//! its workers down, writes and prints its partial results (marked partial) and exits 130 or
+//! 143. A second signal ends the process at once with the same code.
+//!
+//! Owns the process's SIGINT and SIGTERM handlers (through signal-hook, which keeps the
+//! handlers async-signal-safe: they only store to atomics). Runs poll [`requested`] at their
+//! loop heads; nothing here does I/O. Processes that never [`arm`] keep the default actions
+//! (the services install their own, through tokio).
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use signal_hook::consts::{SIGINT, SIGTERM};
+
+use crate::error::Signal;
+
+/// The signal that arrived first (0: none), and whether one did (what the handler that
+/// ends the process on the second one checks).
+struct State {
+    signal: Arc<AtomicUsize>,
+    pending: Arc<AtomicBool>,
+}
+
+static STATE: OnceLock<State> = OnceLock::new();
+
+/// Installs the handlers (once per process; later calls do nothing). Fails only when the OS
+/// refuses a handler, which leaves the default action (the process ends at once).
+pub fn arm() {
+    STATE.get_or_init(|| {
+        let state = State { signal: Arc::new(AtomicUsize::new(0)), pending: Arc::new(AtomicBool::new(false)) };
+        for (sig, code) in [(SIGINT, 130), (SIGTERM, 143)] {
+            // Registered before the flag is set, so it sees the flag as the previous signal
+            // left it: the first signal passes, the second ends the process.
+            let registered = signal_hook::flag::register_conditional_shutdown(sig, code, Arc::clone(&state.pending))
+                .and_then(|_| signal_hook::flag::register_usize(sig, Arc::clone(&state.signal), sig as usize))
+                .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&state.pending)));
+            if let Err(e) = registered {
+                tracing::warn!("cannot handle signal {sig}: {e} (it will end kvx at once)");
+            }
+        }
+        state
+    });
+}
+
+/// The signal that asked the run to stop, if one did.
+pub fn requested() -> Option<Signal> {
+    let sig = STATE.get()?.signal.load(Ordering::SeqCst);
+    match sig {
+        s if s == SIGINT as usize => Some(Signal::Interrupt),
+        s if s == SIGTERM as usize => Some(Signal::Terminate),
+        _ => None,
+    }
+}
+
+/// Asks the run to stop as a signal would (tests of the code paths that poll [`requested`]).
+#[cfg(test)]
+pub fn request_for_test(sig: Signal) {
+    arm();
+    if let Some(s) = STATE.get() {
+        let n = match sig {
+            Signal::Interrupt => SIGINT,
+            Signal::Terminate => SIGTERM,
+        };
+        s.signal.store(n as usize, Ordering::SeqCst);
+        s.pending.store(true, Ordering::SeqCst);
+    }
+}
