@@ -196,6 +196,9 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     let started_at = now_rfc3339();
     let run_id = new_run_id(&started_at);
     let writer = RunWriter::create(&root, &run_id)?;
+    // Ctrl-C ends the load: no new requests, a short grace for those in flight, the partial
+    // report written and printed, exit 130/143.
+    crate::interrupt::arm();
     let rt = super::serve_engine::runtime(args.threads)?;
     let progress = LoadProgress::new();
     let total = cfg.requests.map(|n| (n + cfg.warmup) * cfg.targets.len() as u64);
@@ -207,7 +210,15 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
         load::run_with_progress(cfg.clone(), Some(progress)).await.map(|r| (r, cfg))
     })?;
     drop(display);
-    let summary = load_report::summary(&run, &cfg, &run_id, &started_at, &args.name);
+    let mut summary = load_report::summary(&run, &cfg, &run_id, &started_at, &args.name);
+    let interrupted = crate::interrupt::requested();
+    if let Some(sig) = interrupted {
+        summary.partial = true;
+        summary.notes.push(format!(
+            "interrupted by {}: the figures cover the requests that finished",
+            sig.name()
+        ));
+    }
     let files = load_report::write_run(writer, &summary, &run)?;
     let out = match args.format {
         Format::Table => {
@@ -218,6 +229,9 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
         Format::Json => String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?).into_owned(),
     };
     crate::output::keep_verdict(crate::output::stdout(out))?;
+    if let Some(sig) = interrupted {
+        return Ok(Outcome::Interrupted(sig));
+    }
     if let Some(t) = run.summary.targets.iter().find(|t| t.ok == 0) {
         anyhow::bail!("no request to target `{}` ({}) succeeded; errors: {:?}", t.name, t.url, t.errors);
     }

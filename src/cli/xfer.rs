@@ -151,6 +151,10 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
         let addr = args.connect_back.as_deref().ok_or_else(|| {
             ConfigError::new("--connect-back", "the target role needs the initiator's address")
         })?;
+        // The initiator that started this process stops it; Ctrl-C at a terminal signals both.
+        if let Err(e) = crate::transfer::ucx::ignore_sigint() {
+            tracing::debug!("cannot ignore SIGINT: {e}");
+        }
         let stream = xfer::connect_target(addr, args.peer_timeout)?;
         // This process is the initiator's child and shares its stderr: what the initiator
         // reports (its own failure, or ours that we sent it) is not printed twice.
@@ -167,6 +171,8 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
         return Ok(Outcome::Ok);
     }
     let cfg = resolve(args)?;
+    // Ctrl-C stops measuring; the cases measured so far are printed (exit 130/143).
+    crate::interrupt::arm();
     if proto_capture_dir().is_none() {
         // UCX reports the protocols it selects only through settings read when it loads:
         // run the measurement in a child started with them (see `ucx::proto`).
@@ -193,11 +199,20 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
     for w in &report.warnings {
         output::note!("kvx xfer: warning: {w}");
     }
+    let interrupted = crate::interrupt::requested();
+    if let Some(sig) = interrupted {
+        let planned = cfg.sizes.len() * cfg.inflight.len();
+        output::note!(
+            "kvx xfer: interrupted by {}: {} of {planned} cases measured (the last one may be short)",
+            sig.name(),
+            report.results.len()
+        );
+    }
     match args.format {
         Format::Json => output::stdout_json(&report)?,
         Format::Table => output::stdout(render_table(&report))?,
     }
-    Ok(Outcome::Ok)
+    Ok(interrupted.map_or(Outcome::Ok, Outcome::Interrupted))
 }
 
 /// Runs this same `kvx xfer` command line again in a child process whose environment makes

@@ -187,7 +187,12 @@ pub fn run(s: &BenchSettings, json: bool, opts: &ServeOptions) -> Result<Outcome
         writer.dir().display()
     );
     let m = measure(s, opts)?;
-    let summary = build_summary(s, &m, &run_id, &started_at);
+    let mut summary = build_summary(s, &m, &run_id, &started_at);
+    let interrupted = crate::interrupt::requested();
+    if let Some(sig) = interrupted {
+        summary.partial = true;
+        summary.notes.push(format!("interrupted by {}: the figures cover the requests that finished", sig.name()));
+    }
     let rows = request_rows(&m.run, &m.records);
     let files = write(writer, &summary, &rows, &m.run)?;
     let out = if json {
@@ -198,6 +203,9 @@ pub fn run(s: &BenchSettings, json: bool, opts: &ServeOptions) -> Result<Outcome
         format!("{}results: {dir}\n", render(&summary, &m.run))
     };
     crate::output::keep_verdict(crate::output::stdout(out))?;
+    if let Some(sig) = interrupted {
+        return Ok(Outcome::Interrupted(sig));
+    }
     if summary.requests_ok == 0 {
         return Err(BenchServeError::NothingSucceeded(summary.failures_by_cause));
     }

@@ -825,7 +825,11 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
     let cfg = &sh.cfg;
     let total = cfg.requests.map(|r| r + cfg.warmup);
     let stop_at = cfg.duration.map(|d| started + d);
-    let more = move |i: u64| total.is_none_or(|n| i < n) && stop_at.is_none_or(|s| Instant::now() < s);
+    let more = move |i: u64| {
+        total.is_none_or(|n| i < n)
+            && stop_at.is_none_or(|s| Instant::now() < s)
+            && crate::interrupt::requested().is_none()
+    };
     let seed = cfg.seed ^ ((t as u64 + 1) << 32);
     match cfg.arrival {
         Arrival::Rate(rate) => {
@@ -842,8 +846,8 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
                     break;
                 }
                 // Past deadlines must not touch the timer: it rounds up to a 1 ms tick.
-                if next > Instant::now() {
-                    tokio::time::sleep_until(next.into()).await;
+                if next > Instant::now() && !sleep_until_unless_interrupted(next).await {
+                    break;
                 }
                 let (body, prompt_tokens) = request_body(cfg, t, i, &mut rng);
                 let body = Bytes::from(body);
@@ -866,7 +870,7 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
                 // Reap finished tasks so the set does not grow with the run.
                 while tasks.try_join_next().is_some() {}
             }
-            while tasks.join_next().await.is_some() {}
+            join_all(&mut tasks).await;
         }
         Arrival::Concurrency(c) => {
             let counter = Arc::new(AtomicU64::new(0));
@@ -894,7 +898,48 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
                     }
                 });
             }
-            while workers.join_next().await.is_some() {}
+            join_all(&mut workers).await;
+        }
+    }
+}
+
+/// How long requests in flight get to finish after an interrupt before they are abandoned.
+const INTERRUPT_GRACE: Duration = Duration::from_millis(700);
+
+/// How often a run waiting on its requests checks for an interrupt.
+const INTERRUPT_POLL: Duration = Duration::from_millis(50);
+
+/// Waits for every task of the set; after an interrupt, gives them [`INTERRUPT_GRACE`] and
+/// aborts the rest (their samples are not sent: the report covers finished requests only).
+async fn join_all<T: 'static>(set: &mut tokio::task::JoinSet<T>) {
+    let mut grace: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            r = set.join_next() => if r.is_none() { return },
+            () = tokio::time::sleep(INTERRUPT_POLL) => {}
+        }
+        if crate::interrupt::requested().is_some() {
+            let deadline = *grace.get_or_insert_with(|| Instant::now() + INTERRUPT_GRACE);
+            if Instant::now() >= deadline {
+                set.abort_all();
+                while set.join_next().await.is_some() {}
+                return;
+            }
+        }
+    }
+}
+
+/// Sleeps until `at`; `false` if an interrupt came first.
+async fn sleep_until_unless_interrupted(at: Instant) -> bool {
+    let sleep = tokio::time::sleep_until(at.into());
+    tokio::pin!(sleep);
+    loop {
+        if crate::interrupt::requested().is_some() {
+            return false;
+        }
+        tokio::select! {
+            () = &mut sleep => return true,
+            () = tokio::time::sleep(INTERRUPT_POLL) => {}
         }
     }
 }

@@ -1058,7 +1058,8 @@ fn measure_case<M: BufferAccess>(
             Some(n) => batches >= n,
             None => batches >= 3 && start.elapsed() >= cfg.duration,
         };
-        if done {
+        // An interrupt ends a long case early; the batches done so far still count.
+        if done || crate::interrupt::requested().is_some() {
             break;
         }
     }
