@@ -30,13 +30,17 @@ static STATE: OnceLock<State> = OnceLock::new();
 /// refuses a handler, which leaves the default action (the process ends at once).
 pub fn arm() {
     STATE.get_or_init(|| {
-        let state = State { signal: Arc::new(AtomicUsize::new(0)), pending: Arc::new(AtomicBool::new(false)) };
+        let state =
+            State { signal: Arc::new(AtomicUsize::new(0)), pending: Arc::new(AtomicBool::new(false)) };
         for (sig, code) in [(SIGINT, 130), (SIGTERM, 143)] {
             // Registered before the flag is set, so it sees the flag as the previous signal
             // left it: the first signal passes, the second ends the process.
-            let registered = signal_hook::flag::register_conditional_shutdown(sig, code, Arc::clone(&state.pending))
-                .and_then(|_| signal_hook::flag::register_usize(sig, Arc::clone(&state.signal), sig as usize))
-                .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&state.pending)));
+            let registered =
+                signal_hook::flag::register_conditional_shutdown(sig, code, Arc::clone(&state.pending))
+                    .and_then(|_| {
+                        signal_hook::flag::register_usize(sig, Arc::clone(&state.signal), sig as usize)
+                    })
+                    .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&state.pending)));
             if let Err(e) = registered {
                 tracing::warn!("cannot handle signal {sig}: {e} (it will end kvx at once)");
             }

@@ -214,10 +214,9 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     let interrupted = crate::interrupt::requested();
     if let Some(sig) = interrupted {
         summary.partial = true;
-        summary.notes.push(format!(
-            "interrupted by {}: the figures cover the requests that finished",
-            sig.name()
-        ));
+        summary
+            .notes
+            .push(format!("interrupted by {}: the figures cover the requests that finished", sig.name()));
     }
     let files = load_report::write_run(writer, &summary, &run)?;
     let out = match args.format {

@@ -125,23 +125,23 @@ impl RunWriter {
     pub fn finish(mut self, summary: &Summary) -> Result<Vec<PathBuf>, ReportError> {
         let req_path = self.dir.join(REQUESTS_FILE);
         self.requests.flush().map_err(write_err(&req_path))?;
-        let mut done = summary.clone();
-        done.partial = false;
+        // A run that was interrupted stays marked partial; a finished one says so itself.
+        let done = summary;
         let mut written = Vec::new();
         let summary_path = self.dir.join(SUMMARY_FILE);
-        write_atomic(&summary_path, &export::summary_json(&done)?)?;
+        write_atomic(&summary_path, &export::summary_json(done)?)?;
         written.push(summary_path);
         written.push(req_path.clone());
         let stages_path = self.dir.join(STAGES_FILE);
-        write_atomic(&stages_path, &export::stages_csv(&done)?)?;
+        write_atomic(&stages_path, &export::stages_csv(done)?)?;
         written.push(stages_path);
         if done.sweep.is_some() {
             let p = self.dir.join(SWEEP_FILE);
-            write_atomic(&p, &export::sweep_csv(&done)?)?;
+            write_atomic(&p, &export::sweep_csv(done)?)?;
             written.push(p);
         }
         let rows = read_requests(&req_path)?.unwrap_or_default();
-        written.extend(write_charts(&self.dir, &done, &rows)?);
+        written.extend(write_charts(&self.dir, done, &rows)?);
         Ok(written)
     }
 }

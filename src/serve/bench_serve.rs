@@ -191,7 +191,9 @@ pub fn run(s: &BenchSettings, json: bool, opts: &ServeOptions) -> Result<Outcome
     let interrupted = crate::interrupt::requested();
     if let Some(sig) = interrupted {
         summary.partial = true;
-        summary.notes.push(format!("interrupted by {}: the figures cover the requests that finished", sig.name()));
+        summary
+            .notes
+            .push(format!("interrupted by {}: the figures cover the requests that finished", sig.name()));
     }
     let rows = request_rows(&m.run, &m.records);
     let files = write(writer, &summary, &rows, &m.run)?;

@@ -228,9 +228,7 @@ impl WorkerKv {
             EngineError::RankGone { .. }
             | EngineError::Closed
             | EngineError::Startup { .. }
-            | EngineError::Interrupted { .. } => {
-                KvError::Unavailable(e.to_string())
-            }
+            | EngineError::Interrupted { .. } => KvError::Unavailable(e.to_string()),
             EngineError::Timeout { .. } | EngineError::Rejected { .. } => KvError::Backend(e.to_string()),
         }
     }

@@ -84,7 +84,9 @@ fn plans_match_the_slice_forms(place: MemPlace) {
         let bp = planner.pair_blocks(&req).expect("pairs");
         let whole = verify_request(&dg, &dg.regions(), &bp, 1, false, 4, seed, &d_host, 1).expect("verified");
         let mut d_buf = KvBuffer::alloc(place, d_len as usize, PageSize::Normal).expect("decode pool");
-        d_buf.write_ranges(&[Range { start: 0, end: d_len }], |_, b| b.copy_from_slice(&d_host)).expect("land the reads");
+        d_buf
+            .write_ranges(&[Range { start: 0, end: d_len }], |_, b| b.copy_from_slice(&d_host))
+            .expect("land the reads");
         let check = VerifyPlan::new(&dg, &dg.regions(), &bp, 1, false, 4, seed, 1);
         let verify = |buf: &KvBuffer| {
             let (mut bytes, mut first) = (0, None);

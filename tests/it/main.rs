@@ -8,6 +8,7 @@ mod gate;
 mod golden;
 mod gpu;
 mod handshake;
+mod interrupt;
 mod kv_buffer;
 mod layering;
 mod netns;
