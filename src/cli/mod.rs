@@ -33,36 +33,53 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// Every subcommand takes negative numbers as values (`--rate -1`), so a negative value is
+/// reported against its flag ("invalid value '-1' for '--concurrency'") rather than as an
+/// unexpected argument.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Rank map: which decode rank reads which bytes from which prefill rank.
+    #[command(allow_negative_numbers = true)]
     Topo(topo::TopoArgs),
     /// KV cache layout of one rank: shape, strides, registered regions, bytes per token/block.
+    #[command(allow_negative_numbers = true)]
     Layout(layout::LayoutArgs),
     /// Descriptor plan of one request: (local, remote, length) pairs per decode rank.
+    #[command(allow_negative_numbers = true)]
     Plan(plan::PlanArgs),
     /// Transport microbenchmark: one-sided UCX reads between two processes.
+    #[command(allow_negative_numbers = true)]
     Xfer(Box<xfer::XferArgs>),
     /// Speak the side-channel protocol to a kvx or vLLM engine and show what it advertises.
+    #[command(allow_negative_numbers = true)]
     Probe(probe::ProbeArgs),
     /// Check this host: UCX library, transports, memory types, CUDA, ports.
+    #[command(allow_negative_numbers = true)]
     Doctor(doctor::DoctorArgs),
     /// Run the whole P/D pipeline: prefill and decode ranks, real reads, verified, reported.
+    #[command(allow_negative_numbers = true)]
     Bench(Box<bench::BenchArgs>),
     /// Re-render a saved run, or compare two runs side by side.
+    #[command(allow_negative_numbers = true)]
     Report(report::ReportArgs),
     /// Compare a run with a baseline; exit 1 on a performance regression.
+    #[command(allow_negative_numbers = true)]
     Gate(gate::GateArgs),
     /// Reference OpenAI-compatible engine (prefill or decode role) with real KV transfers.
+    #[command(allow_negative_numbers = true)]
     ServeEngine(Box<serve_engine::ServeEngineArgs>),
     /// P/D proxy with the flags of vLLM's toy proxy and of its Rust router (--vllm-pd-disaggregation).
+    #[command(allow_negative_numbers = true)]
     ServeProxy(serve_proxy::ServeProxyArgs),
     /// Load generator for any OpenAI-compatible endpoint.
+    #[command(allow_negative_numbers = true)]
     Load(load::LoadArgs),
     /// Print shell completions.
+    #[command(allow_negative_numbers = true)]
     Completions(completions::CompletionsArgs),
     /// One rank of a bench or engine (started by the orchestrator or a launcher).
     #[command(hide = true)]
+    #[command(allow_negative_numbers = true)]
     Worker(worker::WorkerArgs),
 }
 

@@ -14,6 +14,7 @@ use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
 use crate::layouts::push::{PRankPlan, PushPlanner};
+use crate::pipeline::workload::MAX_PROMPT;
 use crate::settings::scenario::{self, PlanScenario};
 use crate::topology::TransferMode;
 use crate::topology::push::DRankPushView;
@@ -151,8 +152,11 @@ fn resolve(args: &PlanArgs) -> Result<Resolved, ConfigError> {
             Ok(Resolved { pair, blocks: RequestBlocks { local: local.clone(), remote: remote.clone() }, ids })
         }
         (_, _, Some(tokens)) => {
-            if tokens == 0 {
-                return Err(ConfigError::new("--prompt-len", "a prompt needs at least 1 token"));
+            if tokens == 0 || tokens > MAX_PROMPT {
+                return Err(ConfigError::new(
+                    "--prompt-len",
+                    format!("a prompt is 1..={MAX_PROMPT} tokens, got {tokens}"),
+                ));
             }
             let n_p = tokens.div_ceil(p_bs);
             let n_d = tokens.div_ceil(d_bs);
@@ -163,6 +167,7 @@ fn resolve(args: &PlanArgs) -> Result<Resolved, ConfigError> {
             let remote = allocate(pattern, n_p, p_pool, args.seed, "--p-num-blocks")?;
             let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;
             let local = allocate(pattern, n_d - hit, d_pool, args.seed ^ 0x5eed, "--d-num-blocks")?;
+            check_listable(&pair, remote.len(), tokens)?;
             Ok(Resolved { pair, blocks: RequestBlocks { local, remote }, ids })
         }
         _ => Err(ConfigError::new(
@@ -170,6 +175,30 @@ fn resolve(args: &PlanArgs) -> Result<Resolved, ConfigError> {
             "give the request as --prompt-len TOKENS, as --local-blocks and --remote-blocks, or as --scenario FILE",
         )),
     }
+}
+
+/// Most descriptors `kvx plan` lists for one request (its JSON alone is about 30 bytes each).
+const MAX_LISTED_DESCRIPTORS: u64 = 1 << 25;
+
+/// Refuses a request whose plan is too large to list, before any of it is built (an upper
+/// bound: every block of every region, read from every rank of the larger engine).
+fn check_listable(pair: &PairSpec, blocks: usize, tokens: u32) -> Result<(), ConfigError> {
+    // Geometry needs a valid pair (a TP of 0 has none): its own errors come first.
+    pair.validate()?;
+    let regions = pair.p_geometry(0).regions().len().max(pair.d_geometry(0).regions().len()) as u64;
+    let ranks = u64::from(pair.p.tp.max(pair.d.tp));
+    let bound = (blocks as u64).saturating_mul(regions).saturating_mul(ranks);
+    if bound > MAX_LISTED_DESCRIPTORS {
+        return Err(ConfigError::new(
+            "--prompt-len",
+            format!(
+                "a request of {tokens} tokens can take up to {bound} descriptors, more than the \
+                 {MAX_LISTED_DESCRIPTORS} kvx plan lists; give a shorter prompt (descriptor counts grow \
+                 linearly with it)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Plans every requested decode rank.

@@ -71,8 +71,21 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 fn normalise_endpoint(endpoint: &str) -> Result<String, ConfigError> {
-    if endpoint.starts_with("tcp://") || endpoint.starts_with("ipc://") {
+    if endpoint.starts_with("ipc://") {
         return Ok(endpoint.to_owned());
+    }
+    if let Some(rest) = endpoint.strip_prefix("tcp://") {
+        // Checked here, not by a connect that would wait out --timeout for a port that
+        // cannot exist.
+        return match rest.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {
+                Ok(endpoint.to_owned())
+            }
+            Some((_, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
+                Err(ConfigError::new("ENDPOINT", format!("{endpoint:?}: port {port} is not in 1..=65535")))
+            }
+            _ => Err(ConfigError::new("ENDPOINT", format!("{endpoint:?} is not tcp://HOST:PORT"))),
+        };
     }
     if endpoint.contains("://") {
         return Err(ConfigError::new(
@@ -82,7 +95,7 @@ fn normalise_endpoint(endpoint: &str) -> Result<String, ConfigError> {
     }
     match endpoint.rsplit_once(':') {
         Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
-            Ok(format!("tcp://{endpoint}"))
+            normalise_endpoint(&format!("tcp://{endpoint}"))
         }
         _ => Err(ConfigError::new(
             "ENDPOINT",
@@ -164,5 +177,10 @@ mod tests {
         assert!(normalise_endpoint("http://h:1").is_err());
         assert!(normalise_endpoint("h").is_err());
         assert!(normalise_endpoint("h:99999").is_err());
+        for bad in ["tcp://127.0.0.1:99999", "tcp://h:0", "tcp://h:", "tcp://:5600", "tcp://h"] {
+            let e = normalise_endpoint(bad).expect_err(bad);
+            assert_eq!(e.flag, "ENDPOINT", "{bad}: {e}");
+        }
+        assert!(normalise_endpoint("tcp://127.0.0.1:99999").expect_err("range").reason.contains("1..=65535"));
     }
 }

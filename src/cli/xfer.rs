@@ -282,6 +282,7 @@ fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
         duration: args.duration,
         iters: args.iters,
         timeout: args.timeout,
+        peer_timeout: args.peer_timeout,
         session: SessionOptions {
             ucx_lib: args.ucx_lib.clone(),
             progress: args.progress,

@@ -15,6 +15,10 @@ use crate::topology::{self, RankMap, TpSpec, VllmVersion};
 
 /// Largest block size (tokens) kvx accepts.
 pub const MAX_BLOCK_TOKENS: u32 = 1 << 16;
+
+/// Largest KV pool of one rank kvx accepts (1 PiB): far above any GPU or host, far below
+/// where byte offsets overflow.
+pub const MAX_POOL_BYTES: u64 = 1 << 50;
 /// Largest number of layers kvx accepts.
 pub const MAX_LAYERS: u32 = 4096;
 
@@ -106,7 +110,32 @@ impl PairSpec {
             ));
         }
         self.check_block_lens(map.p_heads_per_rank, map.d_heads_per_rank)?;
+        self.check_pool_bytes()?;
         Ok(map)
+    }
+
+    /// A rank's pool must have a size kvx can represent and allocate: at most
+    /// [`MAX_POOL_BYTES`], computed with checked arithmetic (a wrapped size would print as
+    /// a small number and allocate the wrong amount).
+    fn check_pool_bytes(&self) -> Result<(), ConfigError> {
+        for (side, e, g) in
+            [("prefill", &self.p, self.p_geometry(0)), ("decode", &self.d, self.d_geometry(0))]
+        {
+            let bytes = g.checked_total_bytes();
+            if bytes.is_none_or(|b| b > MAX_POOL_BYTES) {
+                let size = bytes.map_or_else(|| "more than 2^64 bytes".to_string(), |b| format!("{b} bytes"));
+                return Err(ConfigError::new(
+                    format!("--{}-num-blocks", &side[..1]),
+                    format!(
+                        "a {side} rank's pool of {} blocks of {} bytes is {size}, over the {MAX_POOL_BYTES} bytes \
+                         (1 PiB) kvx accepts per rank; use fewer blocks (--num-blocks, --pool-blocks)",
+                        e.num_blocks,
+                        g.block_bytes_all_layers()
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Validates the pair for push mode (vLLM's `NixlPushConnector`, whose checks run on

@@ -207,7 +207,18 @@ impl RankGeometry {
         self.page_bytes() * u64::from(self.num_layers)
     }
 
-    /// Bytes of the rank's whole allocation.
+    /// Bytes of the rank's whole allocation, or `None` where it does not fit in 64 bits.
+    pub fn checked_total_bytes(&self) -> Option<u64> {
+        u64::from(self.heads)
+            .checked_mul(u64::from(self.block_tokens))?
+            .checked_mul(u64::from(self.kv_parts()))?
+            .checked_mul(u64::from(self.vec_bytes))?
+            .checked_mul(u64::from(self.num_layers))?
+            .checked_mul(u64::from(self.num_blocks))
+    }
+
+    /// Bytes of the rank's whole allocation (pairs are validated to keep it within
+    /// `compat::MAX_POOL_BYTES`).
     pub fn total_bytes(&self) -> u64 {
         self.block_bytes_all_layers() * u64::from(self.num_blocks)
     }

@@ -495,6 +495,7 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
         duration: Duration::from_millis(300),
         iters: None,
         timeout: s.workers.timeout,
+        peer_timeout: s.workers.timeout,
         session: SessionOptions {
             ucx_lib: s.workers.transport.ucx_lib.clone(),
             progress: ProgressMode::Hybrid,

@@ -174,14 +174,31 @@ fn read_err(path: &Path) -> impl Fn(std::io::Error) -> ReportError + '_ {
     move |source| ReportError::Read { path: path.to_path_buf(), source }
 }
 
-/// Reads a summary file as JSON and checks its schema version, without requiring every field:
-/// the gate looks metrics up in the raw document first so a missing one is named precisely.
+/// Reads a summary file as JSON and checks its schema version and the type of every field it
+/// has (as [`load_summary`] does: `"requests_ok": -5` is refused by both), without requiring
+/// every field: the gate looks metrics up in the raw document first so a missing one is named
+/// precisely.
 pub fn read_summary_value(path: &Path) -> Result<serde_json::Value, ReportError> {
     let bytes = std::fs::read(path).map_err(read_err(path))?;
     let value: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|source| ReportError::Json { path: path.to_path_buf(), source })?;
     check_schema(path, &value)?;
+    check_fields(path, &value)?;
     Ok(value)
+}
+
+/// Checks the fields a summary document has against the schema: the document laid over an
+/// empty summary must read as a [`Summary`].
+fn check_fields(path: &Path, value: &serde_json::Value) -> Result<(), ReportError> {
+    let empty = Summary::new("", "", Default::default());
+    let mut merged = serde_json::to_value(&empty)
+        .map_err(|e| ReportError::NotASummary { path: path.to_path_buf(), reason: e.to_string() })?;
+    if let (serde_json::Value::Object(base), serde_json::Value::Object(doc)) = (&mut merged, value) {
+        for (k, v) in doc {
+            base.insert(k.clone(), v.clone());
+        }
+    }
+    summary_from_value(path, merged).map(|_| ())
 }
 
 /// Checks `schema_version` of a parsed summary.

@@ -445,6 +445,9 @@ impl Layers<'_> {
         }
         let transport = self.transport(slowdown)?;
         let fault = f.fault.as_deref().map(parse_fault).transpose()?;
+        if let Some(plan) = fault {
+            check_fault(plan, &pair, requests)?;
+        }
         let mem = self.mem()?;
         check_mem_transport(&mem, transport.kind)?;
         let lease = match f.lease {
@@ -537,6 +540,37 @@ pub fn parse_fault(s: &str) -> Result<FaultPlan, ConfigError> {
         rank: rank.parse().map_err(|_| bad())?,
         after: after.parse().map_err(|_| bad())?,
     })
+}
+
+/// A fault must hit a rank that exists and a request that will run: a fault that can never be
+/// injected would let a run pass as resilient without testing anything.
+fn check_fault(
+    plan: FaultPlan,
+    pair: &crate::layouts::compat::PairSpec,
+    requests: Option<u64>,
+) -> Result<(), ConfigError> {
+    let (tp, side, flag) = match plan.role {
+        Role::Prefill => (pair.p.tp, "prefill", "--p-tp"),
+        Role::Decode => (pair.d.tp, "decode", "--d-tp"),
+    };
+    if plan.rank >= tp {
+        return Err(ConfigError::new(
+            "--fault",
+            format!(
+                "{side} rank {} does not exist: the {side} engine has ranks 0..{} ({flag} {tp})",
+                plan.rank,
+                tp - 1
+            ),
+        ));
+    }
+    if plan.after == 0 || requests.is_some_and(|n| plan.after > n) {
+        let most = requests.map_or_else(|| "the run's".to_string(), |n| n.to_string());
+        return Err(ConfigError::new(
+            "--fault",
+            format!("@{} is not a measured request of this run: give @1 to @{most}", plan.after),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -553,9 +553,13 @@ pub fn connect_target(addr: &str, timeout: Duration) -> Result<TcpStream> {
             }
         }
         if Instant::now() + backoff >= deadline {
-            return Err(XferError::Control {
+            let why = last.map_or_else(|| "it resolved to no address".to_string(), |e| e.to_string());
+            return Err(XferError::Protocol {
                 stage: "connect",
-                source: last.unwrap_or_else(|| std::io::Error::other(format!("{addr} resolved to nothing"))),
+                reason: format!(
+                    "no target at {addr} within {timeout:?} ({why}); start `kvx xfer --listen` there, or \
+                     change --connect or --peer-timeout"
+                ),
             });
         }
         std::thread::sleep(backoff);
@@ -644,6 +648,8 @@ pub struct XferConfig {
     pub duration: Duration,
     pub iters: Option<u64>,
     pub timeout: Duration,
+    /// How long to keep trying to reach a remote target (`--connect`).
+    pub peer_timeout: Duration,
     pub session: SessionOptions,
 }
 
@@ -760,9 +766,7 @@ pub fn run(
             )?;
             (Some(t.child), t.stream)
         }
-        TargetSpec::Remote { addr } => {
-            (None, connect_target(addr, cfg.timeout.max(Duration::from_secs(10)))?)
-        }
+        TargetSpec::Remote { addr } => (None, connect_target(addr, cfg.peer_timeout)?),
     };
     let outcome = (|| {
         let session = Session::establish(stream, &req, &cfg.session)?;

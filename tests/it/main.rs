@@ -8,6 +8,7 @@ mod gate;
 mod golden;
 mod gpu;
 mod handshake;
+mod hostile;
 mod interrupt;
 mod kv_buffer;
 mod layering;

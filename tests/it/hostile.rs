@@ -1,0 +1,79 @@
+//! Hostile numbers on the commands that only compute (topo, layout, plan): 0, 1, the
+//! largest values and one below, negatives and products that overflow. Whatever the value:
+//! no panic and no abort (exit 0 or 2 only), a rejection names a flag, and a size that is
+//! printed is the exact product of its factors (never a wrapped one).
+
+use proptest::prelude::*;
+use serde_json::Value;
+
+use crate::common::kvx;
+
+/// Values that break naive arithmetic.
+fn hostile() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("0".to_string()),
+        Just("1".to_string()),
+        Just("2".to_string()),
+        Just(u32::MAX.to_string()),
+        Just((u32::MAX - 1).to_string()),
+        Just(u64::MAX.to_string()),
+        Just("-1".to_string()),
+        Just("-4294967296".to_string()),
+        Just("99999999999999999999999".to_string()),
+        (1u32..=1 << 20).prop_map(|n| n.to_string()),
+    ]
+}
+
+/// One command with one flag set to a hostile value (the others valid).
+fn case() -> impl Strategy<Value = (Vec<&'static str>, &'static str, String)> {
+    let commands: Vec<(Vec<&'static str>, Vec<&'static str>)> = vec![
+        (
+            vec!["layout", "--model", "llama-3.1-405b"],
+            vec!["--tp", "--block-size", "--num-blocks", "--tokens", "--rank"],
+        ),
+        (
+            vec!["plan", "--p-tp", "2", "--d-tp", "1", "--model", "llama-3.1-8b"],
+            vec!["--prompt-len", "--block-size", "--p-num-blocks", "--d-num-blocks", "--d-rank"],
+        ),
+        (
+            vec!["plan", "--model", "llama-3.1-8b", "--prompt-len", "64"],
+            vec!["--p-tp", "--d-tp", "--num-kv-heads", "--layers", "--head-dim"],
+        ),
+        (vec!["topo", "--model", "llama-3.1-70b"], vec!["--p-tp", "--d-tp", "--num-kv-heads"]),
+    ];
+    (0..commands.len(), any::<prop::sample::Index>(), hostile()).prop_map(move |(c, f, v)| {
+        let (base, flags) = &commands[c];
+        (base.clone(), flags[f.index(flags.len())], v)
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn hostile_numbers_are_computed_exactly_or_refused_naming_a_flag((base, flag, value) in case()) {
+        let out = kvx()
+            .args(&base)
+            .args([flag, value.as_str(), "--format", "json"])
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("run kvx");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let what = format!("kvx {} {flag} {value}", base.join(" "));
+        prop_assert!(!stderr.contains("panicked") && !stderr.contains("memory allocation"), "{}: {}", what, stderr);
+        let code = out.status.code();
+        prop_assert!(code == Some(0) || code == Some(2), "{}: exit {:?}\n{}", what, code, stderr);
+        if code == Some(2) {
+            // Rejected on stderr (clap) or as a JSON rejection on stdout; either names a flag.
+            let named = stderr.contains("--") || stdout.contains("\"flag\":\"--");
+            prop_assert!(named, "{}: a rejection names the flag to change:\n{}{}", what, stderr, stdout);
+        } else if base[0] == "layout" {
+            let v: Value = serde_json::from_str(&stdout).expect("layout JSON");
+            let per_block = u128::from(v["bytes_per_block"].as_u64().expect("bytes_per_block"));
+            let blocks = u128::from(v["num_blocks"].as_u64().expect("num_blocks"));
+            let total = u128::from(v["allocation_bytes"].as_u64().expect("allocation_bytes"));
+            prop_assert_eq!(total, per_block * blocks, "{}: a wrapped allocation size", what);
+        }
+    }
+}
