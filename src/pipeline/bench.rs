@@ -234,6 +234,8 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         Ok(Err(e)) => {
             fail(&mut row, e.cause().as_str());
             tracing::warn!("request {req}: prefill failed: {e}");
+            // Ranks that did fill hold the blocks; nothing will read them.
+            engines.prefill.release(p_request_id);
             return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
         }
         Err(_) => {
@@ -247,7 +249,9 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         Ok(Err(e)) => {
             fail(&mut row, e.cause().as_str());
             tracing::warn!("request {req}: load failed: {e}");
-            engines.prefill.abandon(req, p_request_id);
+            // No decode rank will read these blocks: free them now, not at lease expiry (as
+            // the serving proxy does when a decode leg fails).
+            engines.prefill.release(p_request_id);
             return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
         }
         Err(_) => {
@@ -271,6 +275,8 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     if let Some((cause, msg)) = ranks.iter().find_map(|r| r.error.clone()) {
         fail(&mut row, cause.as_str());
         tracing::warn!("request {req}: {msg}");
+        // A rank that failed its reads sent no notification: release the prefill blocks.
+        engines.prefill.release(p_request_id.clone());
     }
     let verify_failures = ranks.iter().filter(|r| r.verify_failure.is_some()).count() as u64;
     if let Some(m) = ranks.iter().find_map(|r| r.verify_failure.as_ref()) {

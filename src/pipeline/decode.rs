@@ -280,6 +280,16 @@ impl Decoder<'_> {
             let region = match &self.local {
                 Local::Ucx(u) => {
                     let connect = || -> Result<RemoteRegion, Failure> {
+                        if meta.worker_address.is_empty() {
+                            return Err((
+                                FailureCause::PeerGone,
+                                format!(
+                                    "prefill rank {} advertises no UCX side (it was torn down): its blocks \
+                                     cannot be read over UCX",
+                                    meta.tp_rank
+                                ),
+                            ));
+                        }
                         let ep = Endpoint::connect(&u.worker, &meta.worker_address, self.err_mode)
                             .map_err(|e| ucx_err("UCX endpoint", e))?;
                         let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;

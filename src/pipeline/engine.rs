@@ -187,10 +187,6 @@ enum Cmd {
         seed: u64,
         reply: Reply<LoadDone>,
     },
-    Abandon {
-        req: u64,
-        p_request_id: String,
-    },
     Release {
         p_request_id: String,
     },
@@ -320,11 +316,6 @@ impl Engine {
             let _ = reply.send(Err(EngineError::Closed));
         }
         rx
-    }
-
-    /// Prefill role: the decode side gave up on a request; its blocks go at lease expiry.
-    pub fn abandon(&self, req: u64, p_request_id: String) {
-        let _ = self.send(Cmd::Abandon { req, p_request_id });
     }
 
     /// Prefill role: no decode engine will read this request's blocks (the serving path's
@@ -940,6 +931,21 @@ impl EngineLoop {
             }
             FromWorker::Unrecognized { count } => self.fin.unrecognized_notifs += count,
             FromWorker::Alive => {}
+            FromWorker::Republish { payload } => {
+                let Some(i) = rank_of(&self.ranks) else { return };
+                if let Some(hs) = self.handshake.as_ref() {
+                    hs.table().publish(0, i as u32, payload);
+                }
+                // Its process lives on, but with UCX the only transport nothing can read its
+                // blocks (shared-memory reads may still reach them, yet its notifications are
+                // lost): the rank is gone for this engine, as a dead process is, and requests
+                // that need it fail at once. With a fallback transport (multi) it still serves.
+                if self.cfg.worker.transport.kind == TransportKind::Ucx {
+                    self.rank_died(i as u32, "its UCX side was torn down".into());
+                } else {
+                    warn!("{} rank {i} has no UCX side any more; its fallback transport serves", self.role_str());
+                }
+            }
             FromWorker::Fatal { msg } => {
                 if let Some(i) = rank_of(&self.ranks) {
                     self.rank_died(i as u32, msg);
@@ -992,13 +998,13 @@ impl EngineLoop {
         match cmd {
             Cmd::Prefill { tokens, .. } => tokens.div_ceil(self.cfg.block_tokens),
             Cmd::Load { local_blocks, .. } => *local_blocks,
-            Cmd::Abandon { .. } | Cmd::Release { .. } | Cmd::Fault { .. } => 0,
+            Cmd::Release { .. } | Cmd::Fault { .. } => 0,
         }
     }
 
     fn submit(&mut self, cmd: Cmd) {
         if !self.backlog.is_empty()
-            && !matches!(cmd, Cmd::Abandon { .. } | Cmd::Release { .. } | Cmd::Fault { .. })
+            && !matches!(cmd, Cmd::Release { .. } | Cmd::Fault { .. })
         {
             self.backlog.push_back(cmd);
             return;
@@ -1031,12 +1037,6 @@ impl EngineLoop {
                     .retain(|c| !matches!(c, Cmd::Prefill { p_request_id: id, .. } if *id == p_request_id));
                 for r in 0..self.cfg.tp {
                     self.send_to(r, &ToWorker::Release { p_request_id: p_request_id.clone() });
-                }
-                None
-            }
-            Cmd::Abandon { req, p_request_id } => {
-                for r in 0..self.cfg.tp {
-                    self.send_to(r, &ToWorker::Abandon { req, p_request_id: p_request_id.clone() });
                 }
                 None
             }
@@ -1178,8 +1178,12 @@ impl EngineLoop {
             self.poll_once(Duration::from_millis(50));
         }
         self.shutting_down = true;
+        // A rank declared gone whose process still runs (its UCX side torn down) is stopped
+        // like the others.
+        let running = |r: &Rank| r.child.is_some() && !r.exited;
         for r in 0..self.cfg.tp {
-            if self.ranks[r as usize].dead.is_none() {
+            let rank = &self.ranks[r as usize];
+            if rank.dead.is_none() || running(rank) {
                 self.send_to(r, &ToWorker::Shutdown);
             }
         }
@@ -1190,7 +1194,7 @@ impl EngineLoop {
         // is waited for only briefly: nothing more will come from it.
         let pending = |r: &Rank| {
             let bye_may_come = !r.bye && r.exited_at.is_none_or(|t| t.elapsed() < BYE_GRACE);
-            r.dead.is_none() && (bye_may_come || (r.child.is_some() && !r.exited))
+            (r.dead.is_none() && bye_may_come) || running(r)
         };
         while Instant::now() < deadline && self.ranks.iter().any(pending) {
             self.poll_once(Duration::from_millis(50));

@@ -154,31 +154,36 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
         .stage("bind the notification listener")?;
     let notify_ep = advertise(listener.endpoint(), &cfg.advertise_host);
-    let kvx_regions: Vec<KvxRegion> = regions
-        .iter()
-        .map(|r| KvxRegion {
-            name: r.name.clone(),
-            mem_type: cfg.mem.mem_type().as_str().into(),
-            device_id: cfg.mem.device().unwrap_or(0),
-            base_addr: base + r.base_off,
-            rkey: rkey.clone(),
-            block_len_bytes: r.block_len,
-            block_stride_bytes: r.block_stride,
-            num_blocks: r.num_blocks,
-        })
-        .collect();
     let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
-    let meta = KvxMetadata::new(
-        cfg.engine_id.clone(),
-        worker_address,
-        (cfg.pair.p.tp, cfg.rank, 0, 0),
-        cfg.pair.p.layout.name(),
-        cfg.pair.p.block_tokens,
-        kvx_regions,
-        Some(notify_ep),
-        &factors,
-    );
-    let payload = meta.to_payload().stage("encode metadata")?.encode();
+    // What the side channel advertises: with an empty worker address and remote key once the
+    // UCX side is gone (`Fault::KillUcx`), so decode ranks fail fast instead of timing out.
+    let payload_of = |worker_address: Vec<u8>, rkey: &[u8]| -> Result<Vec<u8>, WorkerError> {
+        let kvx_regions: Vec<KvxRegion> = regions
+            .iter()
+            .map(|r| KvxRegion {
+                name: r.name.clone(),
+                mem_type: cfg.mem.mem_type().as_str().into(),
+                device_id: cfg.mem.device().unwrap_or(0),
+                base_addr: base + r.base_off,
+                rkey: rkey.to_vec(),
+                block_len_bytes: r.block_len,
+                block_stride_bytes: r.block_stride,
+                num_blocks: r.num_blocks,
+            })
+            .collect();
+        let meta = KvxMetadata::new(
+            cfg.engine_id.clone(),
+            worker_address,
+            (cfg.pair.p.tp, cfg.rank, 0, 0),
+            cfg.pair.p.layout.name(),
+            cfg.pair.p.block_tokens,
+            kvx_regions,
+            Some(notify_ep.clone()),
+            &factors,
+        );
+        Ok(meta.to_payload().stage("encode metadata")?.encode())
+    };
+    let payload = payload_of(worker_address, &rkey)?;
     let mut storage = if uses_storage {
         let opts = super::worker::storage_options(&cfg);
         Some(StoragePublisher::new(opts, &cfg.engine_id, cfg.rank).stage("storage transport")?)
@@ -251,6 +256,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 ToWorker::Fault(Fault::KillUcx) => {
                     tracing::warn!("fault injected: tearing down this rank's UCX side");
                     pool.kill_ucx()?;
+                    ctl.send(&FromWorker::Republish { payload: payload_of(Vec::new(), &[])? })?;
                 }
                 ToWorker::Fault(Fault::Exit) => std::process::exit(3),
                 // No decode engine will read these blocks (the request's decode leg failed, or
@@ -262,7 +268,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                         ctl.send(&FromWorker::Freed { req: h.req, expired: false })?;
                     }
                 }
-                ToWorker::Abandon { .. } | ToWorker::Init(_) | ToWorker::Load { .. } => {}
+                ToWorker::Init(_) | ToWorker::Load { .. } => {}
                 ToWorker::Shutdown => return Ok(()),
             }
         }

@@ -182,11 +182,6 @@ pub enum ToWorker {
         local_blocks: Vec<u32>,
         seed: u64,
     },
-    /// Prefill rank: the decode side gave up on this request; release when its lease ends.
-    Abandon {
-        req: u64,
-        p_request_id: String,
-    },
     /// Prefill rank: no decode engine will read this request's blocks (the serving path's
     /// decode leg failed, or its client left before the handoff); free them now.
     Release {
@@ -309,6 +304,12 @@ pub enum FromWorker {
     },
     /// A worker started elsewhere is still there (every `ALIVE_EVERY`).
     Alive,
+    /// A prefill rank's handshake metadata changed (its UCX side was torn down): the side
+    /// channel advertises this from now on, so decode ranks that connect again learn at once
+    /// that it cannot be read over UCX instead of timing out on a dead endpoint.
+    Republish {
+        payload: Vec<u8>,
+    },
     /// The worker is exiting because of this error.
     Fatal {
         msg: String,
