@@ -943,7 +943,10 @@ impl EngineLoop {
                 if self.cfg.worker.transport.kind == TransportKind::Ucx {
                     self.rank_died(i as u32, "its UCX side was torn down".into());
                 } else {
-                    warn!("{} rank {i} has no UCX side any more; its fallback transport serves", self.role_str());
+                    warn!(
+                        "{} rank {i} has no UCX side any more; its fallback transport serves",
+                        self.role_str()
+                    );
                 }
             }
             FromWorker::Fatal { msg } => {
@@ -1003,9 +1006,7 @@ impl EngineLoop {
     }
 
     fn submit(&mut self, cmd: Cmd) {
-        if !self.backlog.is_empty()
-            && !matches!(cmd, Cmd::Release { .. } | Cmd::Fault { .. })
-        {
+        if !self.backlog.is_empty() && !matches!(cmd, Cmd::Release { .. } | Cmd::Fault { .. }) {
             self.backlog.push_back(cmd);
             return;
         }

@@ -390,7 +390,11 @@ fn killed_decode_worker_frees_prefill_blocks_at_once() {
     let f = kill_mid_run("kill D1", &extra, "decode", 1, FAULT_BOUND);
     check_fault("kill D1", &f, "failed");
     let s = &f.summary;
-    assert_eq!(n(s, "blocks_expired"), 0, "failed loads release their prefill blocks, none waits for its lease: {s}");
+    assert_eq!(
+        n(s, "blocks_expired"),
+        0,
+        "failed loads release their prefill blocks, none waits for its lease: {s}"
+    );
     let notes = notes(s);
     assert!(notes.contains("ranks that died: prefill [], decode [1]"), "{notes}");
     assert!(f.stderr.contains("decode rank 1 is gone"), "the user is told what died:\n{}", f.stderr);
@@ -492,4 +496,53 @@ fn a_fault_that_explains_every_failure_exits_0() {
     assert_eq!(s["counters"]["failures_after_fault"].as_u64(), Some(not_ok), "the fault explains all: {s}");
     assert_eq!(n(&s, "verify_failures"), 0, "{s}");
     assert_eq!(n(&s, "blocks_leaked"), 0, "{s}");
+}
+
+/// The fault matrix of `--fault`: each fault ends the run within 5 s of its injection (the
+/// engines detect it at once: a worker's process ends, or a rank reports its UCX side torn
+/// down), with the failure policy holding (exit 0: only requests after the fault failed, as a
+/// lost peer fails), every request counted, no wrong byte, no leaked block, no process and
+/// no temp file left behind.
+#[test]
+fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
+    let cases: [(&str, &[&str]); 4] = [
+        ("kill-ucx:p1@5, err-mode none", &["--fault", "kill-ucx:p1@5", "--err-mode", "none"]),
+        ("kill-ucx:p1@5, err-mode peer", &["--fault", "kill-ucx:p1@5", "--err-mode", "peer"]),
+        ("exit:p0@5", &["--fault", "exit:p0@5"]),
+        ("exit:d1@5", &["--fault", "exit:d1@5"]),
+    ];
+    for (case, fault) in cases {
+        let _turn = exclusive();
+        let results = tempfile::tempdir().expect("temp dir");
+        let tmp = tempfile::tempdir().expect("TMPDIR of the bench");
+        let mut a =
+            vec!["--requests", "400", "--concurrency", "2", "--prompt-len", "1024", "--verify", "full"];
+        // A lease and a timeout far above the bound: waiting out either would fail it.
+        a.extend_from_slice(&["--p-tp", "2", "--d-tp", "2", "--timeout", "10s", "--lease", "30s"]);
+        a.extend_from_slice(fault);
+        a.extend_from_slice(TINY);
+        let mut cmd = bench_cmd(results.path(), &a);
+        cmd.env("TMPDIR", tmp.path());
+        let mut bench = Spawned::start(case, cmd);
+        let injected = bench.wait_line(RUN_TIMEOUT, |l| l.contains("injecting"));
+        assert!(injected.is_some(), "{case}: the fault was never injected:\n{}", bench.stderr());
+        let at = Instant::now();
+        let status = bench.expect_exit(RUN_TIMEOUT);
+        let took = at.elapsed();
+        eprintln!("{case}: the bench ended {took:?} after the fault was injected");
+        assert_eq!(status.code(), Some(0), "{case}: the failure policy held: {status}\n{}", bench.stderr());
+        assert!(took <= Duration::from_secs(5), "{case}: {took:?} from the fault to the end");
+        let s = summary_json(&bench);
+        let not_ok = n(&s, "requests_failed") + n(&s, "requests_recomputed");
+        assert!(not_ok > 0, "{case}: requests after the fault fail: {s}");
+        assert_eq!(n(&s, "requests_ok") + not_ok, 400, "{case}: every request counted: {s}");
+        assert_eq!(s["counters"]["failures_after_fault"].as_u64(), Some(not_ok), "{case}: {s}");
+        assert_eq!(n(&s, "verify_failures"), 0, "{case}: {s}");
+        assert_eq!(n(&s, "blocks_leaked"), 0, "{case}: {s}");
+        assert_eq!(n(&s, "blocks_expired"), 0, "{case}: no lease was waited out: {s}");
+        assert!(!signal(-(bench.pid as i32), 0), "{case}: a process of the bench outlived it");
+        let left: Vec<_> =
+            std::fs::read_dir(tmp.path()).expect("tmp").flatten().map(|e| e.file_name()).collect();
+        assert!(left.is_empty(), "{case}: temp files left behind: {left:?}");
+    }
 }
