@@ -101,9 +101,14 @@ fn scattered_reads_and_failure_paths_on_each_build() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{label} ({}): child failed\n{stdout}\n{stderr}", lib.display());
-        for marker in
-            ["VERIFIED scatter", "OK bad-rkey", "OK out-of-bounds", "VERIFIED multi", "OK peer-died"]
-        {
+        for marker in [
+            "VERIFIED scatter",
+            "OK bad-rkey",
+            "OK out-of-bounds",
+            "VERIFIED multi",
+            "VERIFIED put",
+            "OK peer-died",
+        ] {
             assert!(stdout.contains(marker), "{label}: child did not report {marker:?}\n{stdout}\n{stderr}");
         }
     }
@@ -285,6 +290,35 @@ fn scatter_child_body(lib: &Path) {
             .read_batch(&mut local, a[..4].iter().copied(), &ReadOptions::default())
             .expect("region still usable");
         println!("VERIFIED multi {} + {} descriptors", a.len(), b.len());
+
+        // PUTs (push mode): write a local pattern into the peer through both endpoints,
+        // flush them (remote completion), read it back and compare.
+        use kvx::transfer::ucx::write_batch_multi;
+        let mine: Vec<u8> = (0..REGION).map(|i| (i.wrapping_mul(31) ^ 0x5a) as u8).collect();
+        local.memory_mut().expect("usable").as_mut_slice().copy_from_slice(&mine);
+        let stats = write_batch_multi(
+            &mut local,
+            [(&session.remote, a.clone()), (&remote2, b.clone())],
+            &ReadOptions { max_inflight: 5, timeout: Duration::from_secs(20) },
+        )
+        .expect("multi-destination write");
+        assert_eq!(stats.bytes, REGION);
+        session.remote.endpoint().flush(Duration::from_secs(20)).expect("flush");
+        remote2.endpoint().flush(Duration::from_secs(20)).expect("flush");
+        local.memory_mut().expect("usable").as_mut_slice().fill(0);
+        read_batch_multi(
+            &mut local,
+            [(&session.remote, a.clone()), (&remote2, b.clone())],
+            &ReadOptions { max_inflight: 5, timeout: Duration::from_secs(20) },
+        )
+        .expect("read back");
+        let bytes = local.memory().expect("not poisoned").as_slice();
+        assert_eq!(bytes, &mine[..], "the peer holds what was written, where it was written");
+        let bad = [ReadDesc { local_off: 0, remote_off: REGION, len: 1 }];
+        let err = write_batch_multi(&mut local, [(&remote2, bad.to_vec())], &ReadOptions::default())
+            .expect_err("out of bounds");
+        assert!(matches!(&err, UcxError::Invalid(m) if m.contains("write destination 0")), "{err}");
+        println!("VERIFIED put {} + {} descriptors", a.len(), b.len());
     }
 
     // The peer dies: reads fail with a typed error within the timeout (never hang or crash).

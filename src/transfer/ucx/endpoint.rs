@@ -359,6 +359,53 @@ where
     M: Registrable,
     I: IntoIterator<Item = ReadDesc>,
 {
+    rma_batch_multi(Rma::Get, local, sources, opts)
+}
+
+/// Writes into several remote regions (push mode: the decode ranks one prefill rank writes
+/// into) as one batch of `ucp_put_nbx`, with the window, bounds checks, deadline and
+/// failure rules of [`read_batch_multi`]; each descriptor's `local_off` is the source in
+/// `local`, `remote_off` the destination. A PUT's completion means its source may be reused,
+/// not that the bytes reached the peer: flush each endpoint ([`Endpoint::flush`]) before
+/// telling the peer they are there.
+pub fn write_batch_multi<'r, M, I>(
+    local: &mut MemRegion<M>,
+    destinations: impl IntoIterator<Item = (&'r RemoteRegion, I)>,
+    opts: &ReadOptions,
+) -> Result<ReadStats>
+where
+    M: Registrable,
+    I: IntoIterator<Item = ReadDesc>,
+{
+    rma_batch_multi(Rma::Put, local, destinations, opts)
+}
+
+/// The one-sided operation of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rma {
+    Get,
+    Put,
+}
+
+impl Rma {
+    fn name(self) -> &'static str {
+        match self {
+            Rma::Get => "ucp_get_nbx",
+            Rma::Put => "ucp_put_nbx",
+        }
+    }
+}
+
+fn rma_batch_multi<'r, M, I>(
+    op: Rma,
+    local: &mut MemRegion<M>,
+    sources: impl IntoIterator<Item = (&'r RemoteRegion, I)>,
+    opts: &ReadOptions,
+) -> Result<ReadStats>
+where
+    M: Registrable,
+    I: IntoIterator<Item = ReadDesc>,
+{
     if local.is_poisoned() {
         return Err(UcxError::Poisoned);
     }
@@ -391,7 +438,7 @@ where
     param.user_data = (&*completion as *const Completion).cast_mut().cast();
     param.memh = local.memh();
     let (local_base, local_len) = (local.addr(), local.len() as u64);
-    let get = api.ucp_get_nbx;
+    let (get, put) = (api.ucp_get_nbx, api.ucp_put_nbx);
 
     let mut posted: u64 = 0;
     let mut bytes: u64 = 0;
@@ -413,9 +460,13 @@ where
             && d.remote_off.checked_add(d.len).is_some_and(|e| e <= src.len);
         if !in_bounds {
             stop = Some(UcxError::Invalid(format!(
-                "descriptor (local_off {}, remote_off {}, len {}) of read source {k} is outside the local \
+                "descriptor (local_off {}, remote_off {}, len {}) of {} {k} is outside the local \
                  region ({local_len} bytes) or the remote region ({} bytes)",
-                d.local_off, d.remote_off, d.len, src.len
+                d.local_off,
+                d.remote_off,
+                d.len,
+                if op == Rma::Get { "read source" } else { "write destination" },
+                src.len
             )));
             break;
         }
@@ -431,26 +482,26 @@ where
                 break;
             }
         }
+        let local_addr = (local_base + d.local_off) as *mut c_void;
+        let remote_addr = src.base + d.remote_off;
         // SAFETY: the local range was checked to lie inside `local`'s registered memory,
-        // which stays registered and exclusively borrowed until every GET completed (or
-        // the region is poisoned); the remote range was checked against the peer's
+        // which stays registered and exclusively borrowed until every operation completed
+        // (or the region is poisoned); the remote range was checked against the peer's
         // region; the rkey was unpacked on this endpoint, and every endpoint belongs to
         // `worker`, which is progressed below; `param` and `completion` outlive the
-        // request (see `on_get_done`).
+        // request (see `on_get_done`, which serves both operations).
         let p = unsafe {
-            get(
-                src.ep.inner.h,
-                (local_base + d.local_off) as *mut c_void,
-                d.len as usize,
-                src.base + d.remote_off,
-                src.h,
-                &param,
-            )
+            match op {
+                Rma::Get => get(src.ep.inner.h, local_addr, d.len as usize, remote_addr, src.h, &param),
+                Rma::Put => {
+                    put(src.ep.inner.h, local_addr.cast_const(), d.len as usize, remote_addr, src.h, &param)
+                }
+            }
         };
         if p.is_null() {
             completion.done.set(completion.done.get() + 1);
         } else if sys::ptr_is_err(p) {
-            stop = Some(ucx.status_error("ucp_get_nbx", sys::ptr_status(p)));
+            stop = Some(ucx.status_error(op.name(), sys::ptr_status(p)));
             break;
         }
         posted += 1;
@@ -478,7 +529,7 @@ where
             ""
         };
         return Err(srcs.iter().find_map(|(src, _)| src.ep.failure()).unwrap_or(UcxError::Timeout {
-            op: "batch read",
+            op: if op == Rma::Get { "batch read" } else { "batch write" },
             timeout: opts.timeout,
             outstanding,
             hint,
@@ -488,7 +539,8 @@ where
         return Err(e);
     }
     if completion.error.get() != sys::UCS_OK {
-        return Err(ucx.status_error("ucp_get_nbx completion", completion.error.get()));
+        let what = if op == Rma::Get { "ucp_get_nbx completion" } else { "ucp_put_nbx completion" };
+        return Err(ucx.status_error(what, completion.error.get()));
     }
     Ok(ReadStats { descriptors: posted, bytes, post_ns, complete_ns })
 }

@@ -46,6 +46,7 @@ pub use context::{
 };
 pub use endpoint::{
     Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports, read_batch_multi,
+    write_batch_multi,
 };
 pub use error::{Result, UcxError};
 pub use library::{LibInfo, LibSearch, LibSource, SYSTEM_SONAME, Ucx};

@@ -344,6 +344,7 @@ api_table! {
     ucp_ep_rkey_unpack: fn(UcpEpH, *const c_void, *mut UcpRkeyH) -> UcsStatus;
     ucp_rkey_destroy: fn(UcpRkeyH);
     ucp_get_nbx: fn(UcpEpH, *mut c_void, usize, u64, UcpRkeyH, *const UcpRequestParam) -> UcsStatusPtr;
+    ucp_put_nbx: fn(UcpEpH, *const c_void, usize, u64, UcpRkeyH, *const UcpRequestParam) -> UcsStatusPtr;
     ucp_worker_set_am_recv_handler: fn(UcpWorkerH, *const UcpAmHandlerParam) -> UcsStatus;
     ucp_am_send_nbx: fn(UcpEpH, c_uint, *const c_void, usize, *const c_void, usize, *const UcpRequestParam) -> UcsStatusPtr;
     ucp_request_check_status: fn(*mut c_void) -> UcsStatus;
