@@ -167,7 +167,7 @@ fn resolve(args: &PlanArgs) -> Result<Resolved, ConfigError> {
             let remote = allocate(pattern, n_p, p_pool, args.seed, "--p-num-blocks")?;
             let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;
             let local = allocate(pattern, n_d - hit, d_pool, args.seed ^ 0x5eed, "--d-num-blocks")?;
-            check_listable(&pair, remote.len(), tokens)?;
+            check_listable(&pair, args.mode, remote.len(), tokens)?;
             Ok(Resolved { pair, blocks: RequestBlocks { local, remote }, ids })
         }
         _ => Err(ConfigError::new(
@@ -182,9 +182,17 @@ const MAX_LISTED_DESCRIPTORS: u64 = 1 << 25;
 
 /// Refuses a request whose plan is too large to list, before any of it is built (an upper
 /// bound: every block of every region, read from every rank of the larger engine).
-fn check_listable(pair: &PairSpec, blocks: usize, tokens: u32) -> Result<(), ConfigError> {
+fn check_listable(
+    pair: &PairSpec,
+    mode: TransferMode,
+    blocks: usize,
+    tokens: u32,
+) -> Result<(), ConfigError> {
     // Geometry needs a valid pair (a TP of 0 has none): its own errors come first.
-    pair.validate()?;
+    match mode {
+        TransferMode::Pull => pair.validate().map(|_| ())?,
+        TransferMode::Push => pair.validate_push().map(|_| ())?,
+    }
     let regions = pair.p_geometry(0).regions().len().max(pair.d_geometry(0).regions().len()) as u64;
     let ranks = u64::from(pair.p.tp.max(pair.d.tp));
     let bound = (blocks as u64).saturating_mul(regions).saturating_mul(ranks);

@@ -10,11 +10,14 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::params::KvTransferParams;
-use super::proto::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
+use super::proto::{
+    FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig,
+};
+use super::push::{Landed, PushWaiter};
 use super::worker::{Control, Stage as _, WorkerError, compat_factors, host_pool_mut, peer_pair, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
-use crate::layouts::plan::{Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
+use crate::layouts::plan::{BlockPairs, Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
 use crate::layouts::verify::VerifyPlan;
 use crate::topology::{self, TpSpec};
 use crate::transfer::handshake::HandshakeError;
@@ -22,7 +25,8 @@ use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::{KvBuffer, PageSize};
 use crate::transfer::notify::{
-    Notification, NotifyError, NotifySender, NotifyTransport, UcxNotifySender, heartbeat_interval,
+    Notification, NotifyError, NotifyListener, NotifySender, NotifyTransport, PushRegistration,
+    UcxNotifyReceiver, UcxNotifySender, heartbeat_interval,
 };
 use crate::transfer::storage::StorageFetcher;
 use crate::transfer::ucx::{
@@ -92,8 +96,18 @@ impl Local {
     }
 }
 
+/// Push mode: what a decode rank receives on (completion notifications from the prefill
+/// ranks that write into it) and the registrations it has made.
+struct PushSide {
+    waiter: PushWaiter,
+    listener: NotifyListener,
+    /// Notifications as UCX active messages (with the UCX transport).
+    am: Option<UcxNotifyReceiver>,
+}
+
 struct Decoder<'a> {
     cfg: &'a WorkerConfig,
+    push: Option<PushSide>,
     local: Local,
     storage: Option<StorageFetcher>,
     geom: crate::layouts::RankGeometry,
@@ -119,7 +133,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         .stage(format!("allocate the {total}-byte KV pool in {} memory", cfg.mem))?;
     let (local, lib) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
-        let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx;
+        let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx
+            || cfg.transport.mode == TransferMode::Push;
         let opts = ContextOptions {
             progress,
             active_messages,
@@ -141,9 +156,17 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         None
     };
     let timeout = Duration::from_millis(cfg.timeout_ms);
+    // Push mode: this rank is written into, so it advertises its pool on the engine's side
+    // channel (prefill ranks handshake with it) and listens for completion notifications.
+    let (push, handshake_payload) = if cfg.transport.mode == TransferMode::Push {
+        let (side, payload) = push_side(&cfg, &local, &regions, timeout)?;
+        (Some(side), Some(payload))
+    } else {
+        (None, None)
+    };
     ctl.send(&FromWorker::Ready(Box::new(ReadyInfo {
         rank: cfg.rank,
-        handshake_payload: None,
+        handshake_payload,
         ucx_library: lib.0,
         ucx_version: lib.1,
         pool_bytes: total as u64,
@@ -156,6 +179,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     });
     let mut d = Decoder {
         cfg: &cfg,
+        push,
         local,
         storage,
         geom,
@@ -184,8 +208,12 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         }
         let Some((received, msg)) = queue.pop_front() else { continue };
         match msg {
-            ToWorker::Load { req, d_request_id, params, local_blocks, seed } => {
-                let r = d.load(received, req, &d_request_id, &params, local_blocks, seed);
+            ToWorker::Load { req, d_request_id, params, local_blocks, seed, side_channel } => {
+                let r = if params.transfer_mode == TransferMode::Push.as_str() {
+                    d.push_load(received, req, &d_request_id, &params, local_blocks, seed, side_channel)
+                } else {
+                    d.load(received, req, &d_request_id, &params, local_blocks, seed)
+                };
                 ctl.send(&FromWorker::Loaded(Box::new(r)))?;
             }
             ToWorker::Shutdown => return Ok(()),
@@ -545,6 +573,216 @@ impl Decoder<'_> {
                 seed,
                 stride,
             );
+            let (mut bytes, mut mismatch) = (0, None);
+            self.local
+                .memory()?
+                .read_ranges(&plan.ranges(), |i, got| {
+                    if mismatch.is_none() {
+                        match plan.check(i, got) {
+                            Ok(n) => bytes += n,
+                            Err(m) => mismatch = Some(m),
+                        }
+                    }
+                })
+                .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+            match mismatch {
+                None => r.bytes_verified = bytes,
+                Some(m) => r.verify_failure = Some(m.to_string()),
+            }
+            r.verify_ns = tv.elapsed().as_nanos() as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Push mode: binds the notification listener, registers the active-message handler, and
+/// encodes the metadata prefill ranks handshake for (worker address, the pool's remote key
+/// and regions, the notification endpoint).
+fn push_side(
+    cfg: &WorkerConfig,
+    local: &Local,
+    regions: &[Region],
+    timeout: Duration,
+) -> Result<(PushSide, Vec<u8>), WorkerError> {
+    use crate::transfer::handshake::meta::KvxRegion;
+    use crate::transfer::ucx::Registrable as _;
+    let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
+        .stage("bind the push notification listener")?;
+    let notify_ep = super::prefill::advertise(listener.endpoint(), &cfg.advertise_host);
+    let (address, rkey, base, am) = match local {
+        Local::Ucx(u) => (
+            u.worker.address().stage("UCX worker address")?,
+            u.local.pack_rkey().stage("pack the remote key")?.as_bytes().to_vec(),
+            u.local.addr(),
+            Some(UcxNotifyReceiver::new(&u.worker).stage("UCX notification handler")?),
+        ),
+        Local::Plain(m) => (Vec::new(), Vec::new(), m.addr(), None),
+    };
+    let kvx_regions: Vec<KvxRegion> = regions
+        .iter()
+        .map(|r| KvxRegion {
+            name: r.name.clone(),
+            mem_type: cfg.mem.mem_type().as_str().into(),
+            device_id: cfg.mem.device().unwrap_or(0),
+            base_addr: base + r.base_off,
+            rkey: rkey.clone(),
+            block_len_bytes: r.block_len,
+            block_stride_bytes: r.block_stride,
+            num_blocks: r.num_blocks,
+        })
+        .collect();
+    let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
+    let meta = KvxMetadata::new(
+        cfg.engine_id.clone(),
+        address,
+        (cfg.pair.d.tp, cfg.rank, 0, 0),
+        cfg.pair.d.layout.name(),
+        cfg.pair.d.block_tokens,
+        kvx_regions,
+        Some(notify_ep),
+        &factors,
+    );
+    let payload = meta.to_payload().stage("encode metadata")?.encode();
+    Ok((PushSide { waiter: PushWaiter::new(timeout), listener, am }, payload))
+}
+
+impl Decoder<'_> {
+    /// Push mode: registers the request's blocks with the prefill ranks, waits for every
+    /// WRITE's notification (or a failure notification, or the deadline), then verifies.
+    #[expect(clippy::too_many_arguments, reason = "the fields of one Load message")]
+    fn push_load(
+        &mut self,
+        received: Instant,
+        req: u64,
+        d_request_id: &str,
+        params: &KvTransferParams,
+        local_blocks: Vec<u32>,
+        seed: u64,
+        side_channel: Option<(String, u16)>,
+    ) -> LoadResult {
+        let mut r = LoadResult {
+            req,
+            d_rank: self.cfg.rank,
+            queue_ns: received.elapsed().as_nanos() as u64,
+            transport: Some(TransportKind::Ucx),
+            ..LoadResult::default()
+        };
+        let t0 = Instant::now();
+        if let Err((cause, msg)) =
+            self.push_load_inner(&mut r, t0, d_request_id, params, local_blocks, seed, side_channel)
+        {
+            if let Some(p) = self.push.as_mut() {
+                p.waiter.forget(d_request_id);
+                if matches!(cause, FailureCause::PeerGone | FailureCause::Timeout | FailureCause::Transfer) {
+                    p.waiter.drop_engine(&params.remote_engine_id);
+                }
+            }
+            r.error = Some((cause, msg));
+        }
+        r
+    }
+
+    #[expect(clippy::too_many_arguments, reason = "the fields of one Load message")]
+    fn push_load_inner(
+        &mut self,
+        r: &mut LoadResult,
+        t0: Instant,
+        d_request_id: &str,
+        params: &KvTransferParams,
+        local_blocks: Vec<u32>,
+        seed: u64,
+        side_channel: Option<(String, u16)>,
+    ) -> Result<(), Failure> {
+        let cfg = self.cfg;
+        let timeout = self.timeout;
+        let (decode_host, decode_port) = side_channel.ok_or((
+            FailureCause::Internal,
+            "push mode needs this decode engine's side channel, which it did not start".into(),
+        ))?;
+        let reg = PushRegistration {
+            request_id: d_request_id.to_string(),
+            decode_engine_id: cfg.engine_id.clone(),
+            decode_host,
+            decode_port,
+            decode_tp_size: cfg.pair.d.tp,
+            local_block_ids: vec![local_blocks.iter().map(|&b| u64::from(b)).collect()],
+            remote_engine_id: params.remote_engine_id.clone(),
+            remote_host: params.remote_host.clone(),
+            remote_port: params.remote_port,
+            remote_tp_size: params.tp_size,
+            remote_pp_size: params.pp_size,
+            remote_request_id: Some(params.remote_request_id.clone()),
+        };
+        let worker = match &self.local {
+            Local::Ucx(u) => Some(&u.worker),
+            Local::Plain(_) => None,
+        };
+        let Some(push) = self.push.as_mut() else {
+            return Err((FailureCause::Internal, "a push request reached a pull-mode decode rank".into()));
+        };
+        let mut landed = Landed::default();
+        push.waiter.register(cfg, worker, &reg, timeout, &mut landed)?;
+        r.handshake_ns = landed.handshake_ns;
+        r.post_ns = landed.register_ns;
+        r.descs_raw = landed.descriptors;
+        r.descs_coalesced = landed.descriptors;
+        // Wait for the WRITEs' notifications.
+        let tw = Instant::now();
+        let deadline = tw + timeout;
+        loop {
+            let mut got = push.listener.drain().map_err(|e| (FailureCause::Notify, e.to_string()))?;
+            if let Local::Ucx(u) = &self.local {
+                while u.worker.progress() > 0 {}
+            }
+            if let Some(am) = push.am.as_mut() {
+                got.extend(am.drain());
+            }
+            for n in &got {
+                push.waiter.note(n);
+            }
+            if push.waiter.complete(&params.remote_engine_id, d_request_id)? {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err((
+                    FailureCause::Timeout,
+                    format!(
+                        "the prefill ranks' WRITEs of request {} did not all arrive within {timeout:?}",
+                        params.remote_request_id
+                    ),
+                ));
+            }
+            let wait = deadline.saturating_duration_since(now).min(Duration::from_millis(20));
+            if let Local::Ucx(u) = &self.local
+                && !u.worker.arm().map_err(|e| (FailureCause::Internal, e.to_string()))?
+            {
+                continue;
+            }
+            let mut items = vec![push.listener.socket().as_poll_item(zmq::POLLIN)];
+            if let Local::Ucx(u) = &self.local
+                && let Some(fd) = u.worker.event_fd()
+            {
+                items.push(zmq::PollItem::from_fd(fd, zmq::POLLIN));
+            }
+            zmq::poll(&mut items, (wait.as_millis() as i64).max(1))
+                .map_err(|e| (FailureCause::Internal, format!("wait for notifications: {e}")))?;
+        }
+        push.waiter.forget(d_request_id);
+        r.transfer_ns = tw.elapsed().as_nanos() as u64;
+        r.bytes = self.regions.iter().map(|x| x.block_len).sum::<u64>() * local_blocks.len() as u64;
+        r.e2e_ns = t0.elapsed().as_nanos() as u64;
+        // Verify: decode's blocks hold the prompt's last blocks (a prefix hit keeps the first).
+        if let (Some(stride), Some(pair)) = (cfg.verify.stride(), landed.pair) {
+            let tv = Instant::now();
+            let n_p = params.remote_num_tokens.div_ceil(u64::from(pair.p.block_tokens.max(1))) as usize;
+            let bp = BlockPairs {
+                local: local_blocks.iter().map(|&b| u64::from(b)).collect(),
+                remote: Vec::new(),
+                first_remote_pos: n_p.saturating_sub(local_blocks.len()),
+            };
+            let plan =
+                VerifyPlan::new(&self.geom, &self.regions, &bp, 1, false, pair.p.block_tokens, seed, stride);
             let (mut bytes, mut mismatch) = (0, None);
             self.local
                 .memory()?

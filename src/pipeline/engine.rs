@@ -143,6 +143,22 @@ pub struct EngineFinal {
     pub unrecognized_notifs: u64,
     pub dead_ranks: Vec<u32>,
     pub worker_rss_bytes: Vec<u64>,
+    /// Push mode, prefill engine: each rank's WRITE of each request, as it reported it.
+    pub pushes: Vec<PushRecord>,
+}
+
+/// One prefill rank's WRITE of one request (push mode).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PushRecord {
+    pub req: u64,
+    pub rank: u32,
+    pub handshake_ns: u64,
+    pub post_ns: u64,
+    pub transfer_ns: u64,
+    pub notify_ns: u64,
+    pub bytes: u64,
+    pub descriptors: u64,
+    pub error: Option<(FailureCause, String)>,
 }
 
 /// What an engine holds right now, published by its loop after every round so callers
@@ -931,6 +947,36 @@ impl EngineLoop {
             }
             FromWorker::Unrecognized { count } => self.fin.unrecognized_notifs += count,
             FromWorker::Alive => {}
+            FromWorker::Pushed {
+                req,
+                handshake_ns,
+                post_ns,
+                transfer_ns,
+                notify_ns,
+                bytes,
+                descriptors,
+                error,
+            } => {
+                if let Some(i) = rank_of(&self.ranks) {
+                    if let Some((cause, why)) = &error {
+                        warn!(
+                            "request {req}: prefill rank {i} could not write it ({}): {why}",
+                            cause.as_str()
+                        );
+                    }
+                    self.fin.pushes.push(PushRecord {
+                        req,
+                        rank: i as u32,
+                        handshake_ns,
+                        post_ns,
+                        transfer_ns,
+                        notify_ns,
+                        bytes,
+                        descriptors,
+                        error,
+                    });
+                }
+            }
             FromWorker::Republish { payload } => {
                 let Some(i) = rank_of(&self.ranks) else { return };
                 if let Some(hs) = self.handshake.as_ref() {
@@ -982,7 +1028,7 @@ impl EngineLoop {
             remote_num_tokens: u64::from(p.tokens),
             remote_blocks_expiry_time: None,
             remote_registration_generation: 0,
-            transfer_mode: "pull".into(),
+            transfer_mode: self.cfg.worker.transport.mode.as_str().into(),
         }
     }
 
@@ -1110,6 +1156,10 @@ impl EngineLoop {
                             params: params.clone(),
                             local_blocks: blocks.clone(),
                             seed,
+                            side_channel: self
+                                .handshake
+                                .is_some()
+                                .then(|| (self.info.side_channel_host.clone(), self.info.side_channel_port)),
                         },
                     );
                 }

@@ -12,6 +12,7 @@ pub mod params;
 pub mod pool;
 pub mod prefill;
 pub mod proto;
+pub mod push;
 pub mod rank;
 pub mod setup;
 pub mod worker;

@@ -15,7 +15,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::proto::{Fault, FromWorker, ReadyInfo, ToWorker, TransportKind, WorkerConfig};
+use super::proto::FailureCause;
+use super::proto::{Fault, FromWorker, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig};
+use super::push::Pusher;
 use super::worker::{Control, Stage as _, WorkerError, compat_factors, host_pool, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;
@@ -202,6 +204,9 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
 
     let mut leases = LeaseTable::new(Duration::from_millis(cfg.lease_ms));
     let mut held: HashMap<String, Held> = HashMap::new();
+    // Push mode: registrations from decode ranks, matched with fills; the WRITEs.
+    let mut pusher = (cfg.transport.mode == TransferMode::Push)
+        .then(|| Pusher::new(Duration::from_millis(cfg.timeout_ms)));
     let mut last_work = Instant::now();
     let mut unrecognized_seen = 0;
     let eager_publish = kind == TransportKind::Storage;
@@ -247,11 +252,17 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     let expected = (expected_notifs > 0).then_some(expected_notifs);
                     match leases.register(&p_request_id, expected, Instant::now()) {
                         Ok(_) => {
-                            held.insert(p_request_id, Held { req, blocks, published: eager_publish });
+                            held.insert(p_request_id.clone(), Held { req, blocks, published: eager_publish });
                         }
                         Err(e) => tracing::warn!("{e}"),
                     }
                     ctl.send(&FromWorker::Filled { req, fill_ns, publish_ns })?;
+                    // Push: the registration may have come first.
+                    if let Some(p) = pusher.as_mut()
+                        && p.is_registered(&p_request_id)
+                    {
+                        push_one(ctl, &cfg, &mut pool, p, &mut leases, &mut held, &p_request_id)?;
+                    }
                 }
                 ToWorker::Fault(Fault::KillUcx) => {
                     tracing::warn!("fault injected: tearing down this rank's UCX side");
@@ -263,6 +274,9 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 // its client left before the handoff): free them now, not at lease expiry.
                 ToWorker::Release { p_request_id } => {
                     leases.release(&p_request_id);
+                    if let Some(p) = pusher.as_mut() {
+                        p.forget(&p_request_id);
+                    }
                     if let Some(h) = held.remove(&p_request_id) {
                         release(&mut storage, &p_request_id, h.published);
                         ctl.send(&FromWorker::Freed { req: h.req, expired: false })?;
@@ -276,6 +290,15 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let now = Instant::now();
         let zmq_notifs = listener.drain().stage("notifications")?;
         for n in pool.drain_am().into_iter().chain(zmq_notifs) {
+            if let Notification::PushReg(reg) = n {
+                let matched = pusher.as_mut().and_then(|p| p.register(*reg));
+                if let (Some(id), Some(p)) = (matched, pusher.as_mut())
+                    && held.contains_key(&id)
+                {
+                    push_one(ctl, &cfg, &mut pool, p, &mut leases, &mut held, &id)?;
+                }
+                continue;
+            }
             if let Notification::Fallback { ids } = &n {
                 for id in ids {
                     if let (Some(h), Some(s)) = (held.get_mut(id), storage.as_mut())
@@ -295,6 +318,9 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             }
         }
         for id in leases.expire(Instant::now()) {
+            if let Some(p) = pusher.as_mut() {
+                p.forget(&id);
+            }
             if let Some(h) = held.remove(&id) {
                 release(&mut storage, &id, h.published);
                 ctl.send(&FromWorker::Freed { req: h.req, expired: true })?;
@@ -332,6 +358,44 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     }
 }
 
+/// Push mode: WRITEs a held, registered request into the decode blocks, then frees it here
+/// (a prefill rank frees on its own WRITEs' completion, not on notifications) and reports.
+fn push_one(
+    ctl: &Control,
+    cfg: &WorkerConfig,
+    pool: &mut Pool,
+    pusher: &mut Pusher,
+    leases: &mut LeaseTable,
+    held: &mut HashMap<String, Held>,
+    id: &str,
+) -> Result<(), WorkerError> {
+    let Some(h) = held.remove(id) else { return Ok(()) };
+    let result = match pool {
+        Pool::Ucx(u) => {
+            let UcxSide { region, worker, .. } = &mut **u;
+            pusher.push(cfg, worker, region, id, &h.blocks)
+        }
+        _ => Err((FailureCause::PeerGone, "this rank's UCX side is gone: nothing can be written".into())),
+    };
+    leases.release(id);
+    pusher.forget(id);
+    ctl.send(&FromWorker::Freed { req: h.req, expired: false })?;
+    let (stats, error) = match result {
+        Ok(st) => (st, None),
+        Err(e) => (Default::default(), Some(e)),
+    };
+    ctl.send(&FromWorker::Pushed {
+        req: h.req,
+        handshake_ns: stats.handshake_ns,
+        post_ns: stats.post_ns,
+        transfer_ns: stats.transfer_ns,
+        notify_ns: stats.notify_ns,
+        bytes: stats.bytes,
+        descriptors: stats.descriptors,
+        error,
+    })
+}
+
 fn publish(
     s: &mut StoragePublisher,
     id: &str,
@@ -352,7 +416,7 @@ fn release(storage: &mut Option<StoragePublisher>, id: &str, published: bool) {
 }
 
 /// Replaces a wildcard bind host in an endpoint with the host peers should dial.
-fn advertise(endpoint: &str, host: &str) -> String {
+pub(super) fn advertise(endpoint: &str, host: &str) -> String {
     let (h, port) = super::engine::split_endpoint(endpoint);
     if h == "0.0.0.0" || h == "*" || h.is_empty() {
         format!("tcp://{host}:{port}")

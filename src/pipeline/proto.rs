@@ -181,6 +181,8 @@ pub enum ToWorker {
         params: Box<KvTransferParams>,
         local_blocks: Vec<u32>,
         seed: u64,
+        /// Push mode: this decode engine's side channel, which the registration names.
+        side_channel: Option<(String, u16)>,
     },
     /// Prefill rank: no decode engine will read this request's blocks (the serving path's
     /// decode leg failed, or its client left before the handoff); free them now.
@@ -304,6 +306,17 @@ pub enum FromWorker {
     },
     /// A worker started elsewhere is still there (every `ALIVE_EVERY`).
     Alive,
+    /// Push mode: a prefill rank wrote a request into the decode blocks (or failed to).
+    Pushed {
+        req: u64,
+        handshake_ns: u64,
+        post_ns: u64,
+        transfer_ns: u64,
+        notify_ns: u64,
+        bytes: u64,
+        descriptors: u64,
+        error: Option<(FailureCause, String)>,
+    },
     /// A prefill rank's handshake metadata changed (its UCX side was torn down): the side
     /// channel advertises this from now on, so decode ranks that connect again learn at once
     /// that it cannot be read over UCX instead of timing out on a dead endpoint.

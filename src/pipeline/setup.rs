@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::engine::{EngineConfig, Launch, split_endpoint};
-use super::proto::{Role, TransportConfig, VerifyMode, WorkerConfig};
+use super::proto::{Role, TransferMode, TransportConfig, VerifyMode, WorkerConfig};
 use crate::layouts::alloc::AllocPattern;
 use crate::layouts::compat::PairSpec;
 use crate::transfer::memory::{MemPlace, MemoryError};
@@ -158,8 +158,13 @@ impl WorkerSettings {
             seed: self.seed ^ u64::from(role == Role::Decode),
             mem: self.mem.places(first_device_slot, spec.tp),
             launch,
-            side_channel_bind: (role == Role::Prefill)
-                .then(|| format!("tcp://{}:{side_channel_port}", self.bind_host)),
+            // Prefill engines serve their metadata for decode ranks to read from; in push mode
+            // decode engines serve theirs too, for prefill ranks to write into (port 0: free).
+            side_channel_bind: match (role, self.transport.mode) {
+                (Role::Prefill, _) => Some(format!("tcp://{}:{side_channel_port}", self.bind_host)),
+                (Role::Decode, TransferMode::Push) => Some(format!("tcp://{}:0", self.bind_host)),
+                (Role::Decode, TransferMode::Pull) => None,
+            },
             timeout: self.timeout * 4,
         }
     }

@@ -25,7 +25,7 @@ use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
 use crate::pipeline::bench::{BenchSettings, FailurePolicy, FaultPlan};
 use crate::pipeline::engine::split_endpoint;
-use crate::pipeline::proto::{Fault, Role, TransportConfig, TransportKind, VerifyMode};
+use crate::pipeline::proto::{Fault, Role, TransferMode, TransportConfig, TransportKind, VerifyMode};
 use crate::pipeline::setup::{KvMemory, WorkerSettings};
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::results_root;
@@ -411,8 +411,31 @@ impl Layers<'_> {
         let default_pool = |bs: u32| max_tokens.div_ceil(bs).saturating_mul(in_flight + 2).max(16);
         let pool_p = f.pool_blocks.or(fi.pool_blocks).unwrap_or_else(|| default_pool(p_bs));
         let pool_d = f.pool_blocks.or(fi.pool_blocks).unwrap_or_else(|| default_pool(d_bs));
+        let slowdown = f.slowdown.unwrap_or(0.0);
+        if !(0.0..=10.0).contains(&slowdown) {
+            return Err(ConfigError::new(
+                "--slowdown",
+                format!("must be a fraction in 0..=10, got {slowdown}"),
+            ));
+        }
+        let transport = self.transport(slowdown)?;
         let pair = scenario::resolve_pair(&model, &pair_flags, pool_p, pool_d)?;
-        pair.validate()?;
+        match transport.mode {
+            TransferMode::Pull => pair.validate().map(|_| ())?,
+            // Push's own refusals (vLLM's push connector), each naming its flag.
+            TransferMode::Push => {
+                pair.validate_push()?;
+                if transport.kind != TransportKind::Ucx {
+                    return Err(ConfigError::new(
+                        "--transport",
+                        format!(
+                            "push mode WRITEs over UCX; '{}' is a pull-mode transport (use --mode pull)",
+                            transport.kind.as_str()
+                        ),
+                    ));
+                }
+            }
+        }
         if max_tokens.div_ceil(p_bs) > pool_p {
             return Err(ConfigError::new(
                 "--pool-blocks",
@@ -436,14 +459,6 @@ impl Layers<'_> {
                 .map_err(|e| ConfigError::new("--on-load-failure", e))?,
             None => FailurePolicy::Fail,
         };
-        let slowdown = f.slowdown.unwrap_or(0.0);
-        if !(0.0..=10.0).contains(&slowdown) {
-            return Err(ConfigError::new(
-                "--slowdown",
-                format!("must be a fraction in 0..=10, got {slowdown}"),
-            ));
-        }
-        let transport = self.transport(slowdown)?;
         let fault = f.fault.as_deref().map(parse_fault).transpose()?;
         if let Some(plan) = fault {
             check_fault(plan, &pair, requests)?;

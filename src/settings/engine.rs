@@ -19,17 +19,6 @@ use crate::serve::engine::{EngineConfig as HttpEngineConfig, Role as HttpRole};
 use crate::serve::kv::EngineIdentity;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
 
-/// What kvx cannot do yet, as the reason settings refuse a request for it (the flag to change
-/// is named by the caller). Push mode lifts `PushMode`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum NotYet {
-    #[error(
-        "push is not implemented yet: kvx moves KV caches in pull mode (the decode side reads the \
-         prefill side's blocks), as vLLM's NixlConnector does"
-    )]
-    PushMode,
-}
-
 /// Resolves `--mem` (host or cuda) and `--devices` into where a run's KV pools live. The
 /// devices are a round-robin list ([`KvMemory`]'s placement rule), device 0 when none is
 /// named; naming devices without `--mem cuda` is refused rather than ignored.
@@ -69,13 +58,9 @@ pub fn check_mem_transport(mem: &KvMemory, kind: TransportKind) -> Result<(), Co
     }
 }
 
-/// Parses `--mode` (or the `mode` key): pull only, for now.
+/// Parses `--mode` (or the `mode` key).
 pub fn parse_mode(name: &str) -> Result<TransferMode, String> {
-    match name.trim() {
-        "pull" => Ok(TransferMode::Pull),
-        "push" => Err(NotYet::PushMode.to_string()),
-        other => Err(format!("'{other}' is not pull (push is not implemented yet)")),
-    }
+    choice(name, &[("pull", TransferMode::Pull), ("push", TransferMode::Push)])
 }
 
 /// Parses `--verify`.
@@ -340,8 +325,8 @@ mod tests {
     #[test]
     fn only_pull_mode_and_host_pools_for_now() {
         assert_eq!(parse_mode("pull"), Ok(TransferMode::Pull));
-        assert!(parse_mode("push").is_err_and(|e| e.contains("push is not implemented yet")));
-        assert!(parse_mode("sideways").is_err_and(|e| e.contains("'sideways' is not pull")));
+        assert_eq!(parse_mode("push"), Ok(TransferMode::Push));
+        assert!(parse_mode("sideways").is_err_and(|e| e.contains("sideways")));
         assert_eq!(resolve_mem("host", None), Ok(KvMemory::Host));
         assert_eq!(resolve_mem("cuda", None), Ok(KvMemory::Cuda { devices: vec![0] }));
         assert_eq!(resolve_mem(" cuda", Some(vec![2, 0])), Ok(KvMemory::Cuda { devices: vec![2, 0] }));

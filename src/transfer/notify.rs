@@ -72,7 +72,44 @@ pub enum Notification {
     /// kvx's multi-transport fallback: the first transport failed for these requests;
     /// publish them through the next one (shared storage). Not a vLLM message.
     Fallback { ids: Vec<String> },
+    /// Push mode, D rank to P rank: vLLM's `PUSH_REG:` + msgpack registration of the decode
+    /// blocks prefill is to WRITE into.
+    PushReg(Box<PushRegistration>),
+    /// Push mode, P rank to D rank: a WRITE failed to post or complete. Counted like a
+    /// completion notification, so the decode rank reaches its count and fails the request
+    /// (vllm-project/vllm#50754's fix) instead of waiting for one that never comes.
+    PushFailed { d_request_id: String, count: u32 },
 }
+
+/// vLLM's push registration (`push_worker._do_send_reg_notif`), with the field names of
+/// vLLM's msgpack map.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PushRegistration {
+    /// The decode engine's request id (what WRITE notifications name).
+    pub request_id: String,
+    pub decode_engine_id: String,
+    /// The decode engine's side channel, which the prefill rank handshakes with.
+    pub decode_host: String,
+    pub decode_port: u16,
+    pub decode_tp_size: u32,
+    /// Decode block ids per KV-cache group (kvx models one group).
+    pub local_block_ids: Vec<Vec<u64>>,
+    pub remote_engine_id: String,
+    pub remote_host: String,
+    pub remote_port: u16,
+    pub remote_tp_size: u32,
+    pub remote_pp_size: u32,
+    /// kvx: the prefill request id from `kv_transfer_params`, matched exactly (vLLM matches
+    /// the two legs' ids with their random suffixes stripped; kvx's ids are its own).
+    #[serde(default)]
+    pub remote_request_id: Option<String>,
+}
+
+/// Prefix of vLLM's push registrations.
+pub const PUSH_REG_PREFIX: &[u8] = b"PUSH_REG:";
+
+/// Prefix of kvx's push failure notifications (`"PUSH_FAIL:<d id>:<count>"`).
+pub const PUSH_FAIL_PREFIX: &str = "PUSH_FAIL:";
 
 /// Prefix of kvx's fallback requests (`"FB:<id>,<id>"`).
 pub const FALLBACK_PREFIX: &str = "FB:";
@@ -150,6 +187,17 @@ impl Notification {
                 }
                 Ok(format!("{FALLBACK_PREFIX}{}", ids.join(",")).into_bytes())
             }
+            Notification::PushReg(reg) => {
+                let mut out = PUSH_REG_PREFIX.to_vec();
+                out.extend(rmp_serde::to_vec_named(reg.as_ref()).map_err(|e| enc(e.to_string()))?);
+                Ok(out)
+            }
+            Notification::PushFailed { d_request_id, count } => {
+                if d_request_id.is_empty() || *count == 0 {
+                    return Err(enc(format!("push failure for {d_request_id:?} with count {count}")));
+                }
+                Ok(format!("{PUSH_FAIL_PREFIX}{d_request_id}:{count}").into_bytes())
+            }
         }
     }
 
@@ -159,7 +207,21 @@ impl Notification {
         if bytes.len() > MAX_NOTIFY_BYTES {
             return Err(bad("over the 1 MiB limit"));
         }
+        if let Some(body) = bytes.strip_prefix(PUSH_REG_PREFIX) {
+            let reg: PushRegistration =
+                rmp_serde::from_slice(body).map_err(|e| bad(&format!("push registration: {e}")))?;
+            return Ok(Notification::PushReg(Box::new(reg)));
+        }
         let text = std::str::from_utf8(bytes).map_err(|_| bad("not UTF-8"))?;
+        if let Some(rest) = text.strip_prefix(PUSH_FAIL_PREFIX) {
+            let (id, count) =
+                rest.rsplit_once(':').ok_or_else(|| bad("expected \"PUSH_FAIL:<id>:<count>\""))?;
+            let count: u32 = count.parse().map_err(|_| bad("count is not an unsigned integer"))?;
+            if id.is_empty() || count == 0 {
+                return Err(bad("empty request id or count 0"));
+            }
+            return Ok(Notification::PushFailed { d_request_id: id.to_owned(), count });
+        }
         if let Some(rest) = text.strip_prefix(HEARTBEAT_PREFIX) {
             let ids = rest.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect();
             return Ok(Notification::Heartbeat { ids });
@@ -595,8 +657,11 @@ impl LeaseTable {
                 self.on_heartbeat(ids, now);
                 Vec::new()
             }
-            // A fallback request changes no lease; the caller publishes the requests.
-            Notification::Fallback { .. } => Vec::new(),
+            // A fallback request changes no lease; the caller publishes the requests. Push
+            // messages are the push loop's to match.
+            Notification::Fallback { .. } | Notification::PushReg(_) | Notification::PushFailed { .. } => {
+                Vec::new()
+            }
         }
     }
 
@@ -689,6 +754,27 @@ mod tests {
         assert!(Notification::parse(&vec![b'a'; MAX_NOTIFY_BYTES + 1]).is_err());
         let enc_err = |n: Notification| matches!(n.encode(), Err(NotifyError::Encode { .. }));
         assert!(enc_err(Notification::Notif { p_request_id: "HB:x".into(), count: 1 }));
+        // Push messages round-trip: the registration as msgpack behind vLLM's prefix.
+        let reg = PushRegistration {
+            request_id: "cmpl-1-d".into(),
+            decode_engine_id: "d-engine".into(),
+            decode_host: "127.0.0.1".into(),
+            decode_port: 5601,
+            decode_tp_size: 2,
+            local_block_ids: vec![vec![3, 4, 5]],
+            remote_engine_id: "p-engine".into(),
+            remote_host: "127.0.0.1".into(),
+            remote_port: 5600,
+            remote_tp_size: 8,
+            remote_pp_size: 1,
+            remote_request_id: Some("cmpl-1-0".into()),
+        };
+        let bytes = Notification::PushReg(Box::new(reg.clone())).encode().expect("encode");
+        assert!(bytes.starts_with(b"PUSH_REG:"));
+        assert_eq!(Notification::parse(&bytes).expect("parse"), Notification::PushReg(Box::new(reg)));
+        let fail = Notification::PushFailed { d_request_id: "a:b".into(), count: 8 };
+        assert_eq!(Notification::parse(&fail.encode().expect("encode")).expect("parse"), fail);
+        assert!(Notification::parse(b"PUSH_REG:\xff").is_err(), "a broken registration is malformed");
         assert!(enc_err(Notification::Notif { p_request_id: String::new(), count: 1 }));
         assert!(enc_err(Notification::Notif { p_request_id: "r".into(), count: 0 }));
         assert!(enc_err(Notification::Heartbeat { ids: vec!["a,b".into()] }));

@@ -120,6 +120,8 @@ fn describe(n: &kvx::transfer::notify::Notification) -> String {
             ids.last().map_or("-", String::as_str)
         ),
         Notification::Fallback { ids } => format!("FB {}", ids.join(",")),
+        Notification::PushReg(reg) => format!("PR {}", reg.request_id),
+        Notification::PushFailed { d_request_id, count } => format!("PF {d_request_id}:{count}"),
     }
 }
 

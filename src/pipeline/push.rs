@@ -1,0 +1,567 @@
+//! Push mode in the worker processes, as vLLM's `NixlPushConnector` does it
+//! (`docs/push-semantics.md`): decode ranks register their blocks with the prefill ranks
+//! they handshake with (`PUSH_REG`), each prefill rank WRITEs its KV into the registered
+//! blocks once it holds both the filled blocks and a registration (in either order),
+//! flushes the endpoints (remote completion) and sends every decode rank it wrote to
+//! `"<decode request id>:<prefill TP>"`; decode ranks count those, then verify.
+//!
+//! Owns the prefill side's matching and WRITEs ([`Pusher`]) and the decode side's
+//! connections to prefill ranks and its count of arrivals ([`PushWaiter`]). The rank loops
+//! (`prefill`, `decode`) own the sockets and the pools and call these.
+//!
+//! Where kvx differs from vLLM 0.33: a WRITE that fails to post or complete sends the decode
+//! ranks a failure notification counted like a completion (vllm-project/vllm#50754's fix),
+//! so decode fails the request instead of waiting; decode waits at most `--timeout` for its
+//! notifications (vLLM's registration watchdog is 480 s); a registration names the prefill
+//! request id, which kvx matches exactly (vLLM matches ids with their random suffixes
+//! stripped).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use super::proto::{FailureCause, TransportKind, WorkerConfig};
+use super::worker::compat_factors;
+use crate::layouts::compat::PairSpec;
+use crate::layouts::plan::{RequestBlocks, RequestIds};
+use crate::layouts::push::PushPlanner;
+use crate::layouts::{EngineSpec, Layout};
+use crate::topology::push::PushRankMap;
+use crate::transfer::handshake::HandshakeError;
+use crate::transfer::handshake::client::{FetchOptions, HandshakeClient, PeerMetadata};
+use crate::transfer::handshake::meta::KvxMetadata;
+use crate::transfer::memory::KvBuffer;
+use crate::transfer::notify::{
+    Notification, NotifyError, NotifySender, NotifyTransport, PushRegistration, UcxNotifySender,
+};
+use crate::transfer::ucx::{
+    Endpoint, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion, UcxError, Worker, write_batch_multi,
+};
+
+/// A failed step: its cause and what happened.
+pub type Failure = (FailureCause, String);
+
+/// How a rank reaches one peer rank's notification channel: UCX active messages on the
+/// endpoint to it (notify = ucx), or ZMQ.
+pub struct NotifyPath {
+    pub am: Option<UcxNotifySender>,
+    pub zmq: NotifySender,
+}
+
+impl NotifyPath {
+    pub fn send(&self, n: &Notification) -> Result<(), NotifyError> {
+        match &self.am {
+            Some(am) => am.send(n),
+            None => self.zmq.send(n),
+        }
+    }
+}
+
+/// Connects the notification path to the rank `meta` describes, over `ep` when notifications
+/// travel as UCX active messages.
+fn notify_path(
+    cfg: &WorkerConfig,
+    meta: &KvxMetadata,
+    ep: Option<Endpoint>,
+    timeout: Duration,
+) -> Result<NotifyPath, Failure> {
+    let endpoint = meta.notify_endpoint.clone().ok_or((
+        FailureCause::Incompatible,
+        format!("rank {} of {} has no notification endpoint", meta.tp_rank, meta.engine_id),
+    ))?;
+    let zmq = NotifySender::connect(&endpoint, timeout)
+        .map_err(|e| (FailureCause::Handshake, format!("notification channel {endpoint}: {e}")))?;
+    let am = match (ep, cfg.transport.notify) {
+        (Some(ep), NotifyTransport::Ucx) => {
+            Some(UcxNotifySender::new(ep, format!("rank {} of {}", meta.tp_rank, meta.engine_id), timeout))
+        }
+        _ => None,
+    };
+    Ok(NotifyPath { am, zmq })
+}
+
+fn handshake_cause(e: &HandshakeError) -> FailureCause {
+    match e {
+        HandshakeError::HashMismatch { .. }
+        | HandshakeError::Rejected { .. }
+        | HandshakeError::NotKvx { .. } => FailureCause::Incompatible,
+        _ => FailureCause::Handshake,
+    }
+}
+
+fn ucx_cause(e: &UcxError) -> FailureCause {
+    match e {
+        UcxError::Timeout { .. } => FailureCause::Timeout,
+        UcxError::Status { name, .. } if name.contains("UNREACHABLE") || name.contains("CONNECTION") => {
+            FailureCause::PeerGone
+        }
+        UcxError::Status { .. } | UcxError::Poisoned => FailureCause::Transfer,
+        _ => FailureCause::Internal,
+    }
+}
+
+/// The engine spec a rank's metadata describes (TP, block size, pool, layout).
+fn spec_of(meta: &KvxMetadata, local: &PairSpec) -> Result<EngineSpec, String> {
+    let layout = Layout::parse_for(&meta.layout, local.version).map_err(|e| format!("peer layout: {e}"))?;
+    let num_blocks = meta.regions.first().map_or(0, |r| r.num_blocks);
+    Ok(EngineSpec {
+        tp: meta.tp_size,
+        block_tokens: meta.block_size_tokens,
+        num_blocks: u32::try_from(num_blocks).map_err(|_| format!("peer advertises {num_blocks} blocks"))?,
+        layout,
+    })
+}
+
+/// The push map of a pair, with push's refusals as the reason.
+fn push_map(pair: &PairSpec) -> Result<PushRankMap, Failure> {
+    pair.validate_push().map_err(|e| (FailureCause::Incompatible, e.to_string()))
+}
+
+// ---------------------------------------------------------------------------------------
+// Prefill side
+
+/// One decode rank a prefill rank writes into.
+struct DTarget {
+    region: RemoteRegion,
+    notify: NotifyPath,
+}
+
+/// A decode engine a prefill rank has handshaked with.
+struct DEngine {
+    planner: PushPlanner,
+    ranks: BTreeMap<u32, DTarget>,
+}
+
+/// What one push of a request took and moved, for the prefill engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PushStats {
+    pub handshake_ns: u64,
+    pub post_ns: u64,
+    /// From the first PUT posted to the last endpoint flushed (remote completion).
+    pub transfer_ns: u64,
+    pub notify_ns: u64,
+    pub bytes: u64,
+    pub descriptors: u64,
+}
+
+/// The prefill side: registrations waiting for their fills, decode engines handshaked with,
+/// and the WRITEs.
+pub struct Pusher {
+    client: HandshakeClient,
+    engines: HashMap<String, DEngine>,
+    /// Registrations by prefill request id, waiting for (or matched with) a fill.
+    registrations: HashMap<String, PushRegistration>,
+    /// Requests already written: later registrations for them (one per decode rank that
+    /// registers with this rank) are not written again.
+    written: HashSet<String>,
+    timeout: Duration,
+}
+
+impl Pusher {
+    pub fn new(timeout: Duration) -> Self {
+        Pusher {
+            client: HandshakeClient::new(FetchOptions {
+                attempt_timeout: timeout,
+                deadline: timeout * 3,
+                ..FetchOptions::default()
+            }),
+            engines: HashMap::new(),
+            registrations: HashMap::new(),
+            written: HashSet::new(),
+            timeout,
+        }
+    }
+
+    /// Records a registration; returns the prefill request id it is for, if this rank has
+    /// not written that request yet (the caller writes it if it holds the blocks).
+    pub fn register(&mut self, reg: PushRegistration) -> Option<String> {
+        let id = reg.remote_request_id.clone().unwrap_or_else(|| reg.request_id.clone());
+        if self.written.contains(&id) {
+            return None;
+        }
+        self.registrations.entry(id.clone()).or_insert(reg);
+        Some(id)
+    }
+
+    /// Whether a registration is waiting for this request's fill.
+    pub fn is_registered(&self, p_request_id: &str) -> bool {
+        self.registrations.contains_key(p_request_id)
+    }
+
+    /// Forgets a request (its blocks were freed).
+    pub fn forget(&mut self, p_request_id: &str) {
+        self.registrations.remove(p_request_id);
+        self.written.remove(p_request_id);
+    }
+
+    /// WRITEs the request's blocks into the registered decode blocks, flushes, notifies.
+    /// On a failure after the decode engine was reached, its ranks get a failure
+    /// notification, so none waits for a WRITE that will not come.
+    pub fn push(
+        &mut self,
+        cfg: &WorkerConfig,
+        worker: &Worker,
+        local: &mut MemRegion<KvBuffer>,
+        p_request_id: &str,
+        blocks: &[u32],
+    ) -> Result<PushStats, Failure> {
+        let reg = self
+            .registrations
+            .remove(p_request_id)
+            .ok_or((FailureCause::Internal, format!("no registration for {p_request_id}")))?;
+        self.written.insert(p_request_id.to_string());
+        let mut stats = PushStats::default();
+        if !self.engines.contains_key(&reg.decode_engine_id) {
+            let t = Instant::now();
+            let engine = self.connect(cfg, worker, &reg)?;
+            stats.handshake_ns = t.elapsed().as_nanos() as u64;
+            self.engines.insert(reg.decode_engine_id.clone(), engine);
+        }
+        let Some(eng) = self.engines.get(&reg.decode_engine_id) else {
+            return Err((FailureCause::Internal, "decode engine vanished from the cache".into()));
+        };
+        let count = eng.planner.map.notif_count;
+        let fail_all = |eng: &DEngine, why: &str| {
+            let n = Notification::PushFailed { d_request_id: reg.request_id.clone(), count };
+            for w in &eng.planner.map.write_ranks {
+                if let Some(t) = eng.ranks.get(w)
+                    && let Err(e) = t.notify.send(&n)
+                {
+                    tracing::warn!("push failure notification to decode rank {w} ({why}): {e}");
+                }
+            }
+        };
+        let result = Self::write(cfg, eng, local, p_request_id, &reg, blocks, &mut stats, self.timeout);
+        match result {
+            Ok(()) => Ok(stats),
+            Err(e) => {
+                fail_all(eng, &e.1);
+                // A broken connection is made again for the next request.
+                if matches!(e.0, FailureCause::PeerGone | FailureCause::Timeout | FailureCause::Transfer) {
+                    self.engines.remove(&reg.decode_engine_id);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    #[expect(clippy::too_many_arguments, reason = "each is an independent fact of the WRITE")]
+    fn write(
+        cfg: &WorkerConfig,
+        eng: &DEngine,
+        local: &mut MemRegion<KvBuffer>,
+        p_request_id: &str,
+        reg: &PushRegistration,
+        blocks: &[u32],
+        stats: &mut PushStats,
+        timeout: Duration,
+    ) -> Result<(), Failure> {
+        let bad = |e: crate::error::ConfigError| (FailureCause::Incompatible, e.to_string());
+        let d_blocks: Vec<u32> = reg
+            .local_block_ids
+            .first()
+            .map(|g| g.iter().map(|&b| u32::try_from(b).unwrap_or(u32::MAX)).collect())
+            .unwrap_or_default();
+        let req = RequestBlocks { local: d_blocks, remote: blocks.to_vec() };
+        let ids = RequestIds { p_request_id: p_request_id.to_string(), d_request_id: reg.request_id.clone() };
+        let plan = eng.planner.plan(&req, &ids).map_err(bad)?;
+        let pairs: Vec<Vec<crate::layouts::plan::Pair>> = if cfg.transport.coalesce {
+            eng.planner.coalesced(&eng.planner.pair_blocks(&req).map_err(bad)?)
+        } else {
+            plan.writes.iter().map(|w| w.pairs.clone()).collect()
+        };
+        let mut dests = Vec::with_capacity(plan.writes.len());
+        for (w, p) in plan.writes.iter().zip(&pairs) {
+            let target = eng
+                .ranks
+                .get(&w.d_rank)
+                .ok_or((FailureCause::Internal, format!("no connection to decode rank {}", w.d_rank)))?;
+            stats.descriptors += p.len() as u64;
+            dests.push((
+                &target.region,
+                p.iter().map(|x| ReadDesc { local_off: x.local, remote_off: x.remote, len: x.len }),
+            ));
+        }
+        let t = Instant::now();
+        let opts = ReadOptions { max_inflight: cfg.transport.inflight.max(1) as usize, timeout };
+        let st = write_batch_multi(local, dests, &opts)
+            .map_err(|e| (ucx_cause(&e), format!("write to the decode ranks: {e}")))?;
+        stats.post_ns = st.post_ns;
+        stats.bytes = st.bytes;
+        // Remote completion before the notification: a PUT's completion frees its source,
+        // it does not say the bytes arrived.
+        for w in &plan.writes {
+            if let Some(t) = eng.ranks.get(&w.d_rank) {
+                t.region
+                    .endpoint()
+                    .flush(timeout)
+                    .map_err(|e| (ucx_cause(&e), format!("flush to decode rank {}: {e}", w.d_rank)))?;
+            }
+        }
+        stats.transfer_ns = t.elapsed().as_nanos() as u64;
+        let tn = Instant::now();
+        for w in &plan.writes {
+            let (id, count) = w.notif_msg.rsplit_once(':').unwrap_or((w.notif_msg.as_str(), "1"));
+            let n = Notification::Notif { p_request_id: id.to_string(), count: count.parse().unwrap_or(1) };
+            if let Some(t) = eng.ranks.get(&w.d_rank) {
+                t.notify
+                    .send(&n)
+                    .map_err(|e| (FailureCause::Notify, format!("notify decode rank {}: {e}", w.d_rank)))?;
+            }
+        }
+        stats.notify_ns = tn.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
+    /// Handshakes with the decode engine a registration names (its side channel), for the
+    /// decode ranks this rank writes into; connects, unpacks their remote keys.
+    fn connect(
+        &self,
+        cfg: &WorkerConfig,
+        worker: &Worker,
+        reg: &PushRegistration,
+    ) -> Result<DEngine, Failure> {
+        let endpoint = format!("tcp://{}:{}", reg.decode_host, reg.decode_port);
+        let mut pair = cfg.pair.clone();
+        pair.d.tp = reg.decode_tp_size;
+        let prelim = push_map(&pair)?;
+        let me = prelim
+            .p_ranks
+            .get(cfg.rank as usize)
+            .ok_or((FailureCause::Internal, format!("prefill rank {} is not in the push map", cfg.rank)))?;
+        let ranks: Vec<(u32, u32)> = me.write_ranks.iter().map(|&d| (0, d)).collect();
+        let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
+        let local = cfg.pair.clone();
+        let validate = |meta: &KvxMetadata| -> Result<(), String> {
+            let mut p = local.clone();
+            p.d = spec_of(meta, &local)?;
+            p.validate_push().map(|_| ()).map_err(|e| e.to_string())
+        };
+        let peers: Vec<PeerMetadata> = self
+            .client
+            .fetch_metadata_many(&endpoint, &ranks, Some(&factors), validate)
+            .map_err(|e| (handshake_cause(&e), e.to_string()))?;
+        let first =
+            peers.first().ok_or((FailureCause::Handshake, format!("{endpoint} returned no metadata")))?;
+        pair.d = spec_of(&first.metadata, &cfg.pair).map_err(|e| (FailureCause::Incompatible, e))?;
+        let map = push_map(&pair)?;
+        let planner = PushPlanner::new(&pair, &map, cfg.rank)
+            .map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+        let d_regions = pair.d_geometry(0).regions();
+        let d_len = pair.d_geometry(0).total_bytes();
+        let mut out = BTreeMap::new();
+        for peer in &peers {
+            let meta = &peer.metadata;
+            let r0 = meta
+                .regions
+                .first()
+                .ok_or((FailureCause::Incompatible, "decode rank advertises no regions".into()))?;
+            if meta.worker_address.is_empty() {
+                return Err((
+                    FailureCause::PeerGone,
+                    format!("decode rank {} advertises no UCX side", meta.tp_rank),
+                ));
+            }
+            let ucx_err = |what: &str, e: UcxError| {
+                (ucx_cause(&e), format!("{what} with decode rank {}: {e}", meta.tp_rank))
+            };
+            let ep = Endpoint::connect(worker, &meta.worker_address, cfg.transport.err_mode)
+                .map_err(|e| ucx_err("UCX endpoint", e))?;
+            let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
+            let base = r0.base_addr - d_regions.first().map_or(0, |r| r.base_off);
+            let region = ep.unpack_rkey(&rkey, base, d_len).map_err(|e| ucx_err("unpack remote key", e))?;
+            let notify = notify_path(cfg, meta, Some(ep), self.timeout)?;
+            out.insert(meta.tp_rank, DTarget { region, notify });
+        }
+        Ok(DEngine { planner, ranks: out })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode side
+
+/// A prefill engine a decode rank registers with.
+struct PEngine {
+    /// Prefill ranks this decode rank registers with, and how to reach each.
+    ranks: BTreeMap<u32, NotifyPath>,
+    /// Notifications this decode rank counts per request.
+    expected: u32,
+    /// Descriptors and bytes the writers put into this rank per decode block.
+    descs_per_block: u64,
+    /// The pair as the handshake settled it (for verification).
+    pair: PairSpec,
+}
+
+/// Where a request's notifications stand.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Arrived {
+    ok: u32,
+    failed: u32,
+}
+
+/// The decode side: prefill engines registered with, and the notifications that arrived.
+pub struct PushWaiter {
+    client: HandshakeClient,
+    engines: HashMap<String, PEngine>,
+    arrived: HashMap<String, Arrived>,
+}
+
+/// What registering and waiting for one request took.
+#[derive(Debug, Clone, Default)]
+pub struct Landed {
+    pub handshake_ns: Option<u64>,
+    /// Sending the registrations.
+    pub register_ns: u64,
+    /// From the registrations sent to the last notification counted.
+    pub wait_ns: u64,
+    pub descriptors: u64,
+    pub pair: Option<PairSpec>,
+}
+
+impl PushWaiter {
+    pub fn new(timeout: Duration) -> Self {
+        PushWaiter {
+            client: HandshakeClient::new(FetchOptions {
+                attempt_timeout: timeout,
+                deadline: timeout * 3,
+                ..FetchOptions::default()
+            }),
+            engines: HashMap::new(),
+            arrived: HashMap::new(),
+        }
+    }
+
+    /// Counts a notification (any request's: they may arrive before their request is
+    /// waited for).
+    pub fn note(&mut self, n: &Notification) {
+        match n {
+            Notification::Notif { p_request_id, count: _ } => {
+                self.arrived.entry(p_request_id.clone()).or_default().ok += 1
+            }
+            Notification::PushFailed { d_request_id, .. } => {
+                self.arrived.entry(d_request_id.clone()).or_default().failed += 1;
+            }
+            _ => {}
+        }
+    }
+
+    /// Handshakes (notification only) with the prefill engine in `reg`'s `remote_*` fields
+    /// if this rank has not, then sends the registration to the prefill ranks it registers
+    /// with. Returns what the handshake took and the prefill engine's expected count.
+    pub fn register(
+        &mut self,
+        cfg: &WorkerConfig,
+        worker: Option<&Worker>,
+        reg: &PushRegistration,
+        timeout: Duration,
+        landed: &mut Landed,
+    ) -> Result<(), Failure> {
+        if !self.engines.contains_key(&reg.remote_engine_id) {
+            let t = Instant::now();
+            let eng = self.connect(cfg, worker, reg, timeout)?;
+            landed.handshake_ns = Some(t.elapsed().as_nanos() as u64);
+            self.engines.insert(reg.remote_engine_id.clone(), eng);
+        }
+        let Some(eng) = self.engines.get(&reg.remote_engine_id) else {
+            return Err((FailureCause::Internal, "prefill engine vanished from the cache".into()));
+        };
+        let t = Instant::now();
+        let n = Notification::PushReg(Box::new(reg.clone()));
+        for (p, path) in &eng.ranks {
+            if let Err(e) = path.send(&n) {
+                // As vLLM: other registrations may still trigger the WRITEs.
+                tracing::warn!("push registration to prefill rank {p}: {e}");
+            }
+        }
+        landed.register_ns = t.elapsed().as_nanos() as u64;
+        landed.descriptors = eng.descs_per_block * reg.local_block_ids.first().map_or(0, |g| g.len() as u64);
+        landed.pair = Some(eng.pair.clone());
+        Ok(())
+    }
+
+    /// Whether every notification of `d_request_id` from `engine` arrived: `Ok(true)` when
+    /// complete, `Err` when a writer reported a failure.
+    pub fn complete(&self, engine: &str, d_request_id: &str) -> Result<bool, Failure> {
+        let expected = self.engines.get(engine).map_or(1, |e| e.expected);
+        let a = self.arrived.get(d_request_id).copied().unwrap_or_default();
+        if a.failed > 0 && a.ok + a.failed >= expected {
+            return Err((
+                FailureCause::Transfer,
+                format!("{} of {expected} prefill WRITEs into this rank failed", a.failed),
+            ));
+        }
+        Ok(a.ok >= expected)
+    }
+
+    /// Forgets a request's arrivals (done, failed or given up).
+    pub fn forget(&mut self, d_request_id: &str) {
+        self.arrived.remove(d_request_id);
+    }
+
+    /// A prefill engine that failed this rank is handshaked with again next time.
+    pub fn drop_engine(&mut self, engine: &str) {
+        self.engines.remove(engine);
+    }
+
+    fn connect(
+        &self,
+        cfg: &WorkerConfig,
+        worker: Option<&Worker>,
+        reg: &PushRegistration,
+        timeout: Duration,
+    ) -> Result<PEngine, Failure> {
+        let endpoint = format!("tcp://{}:{}", reg.remote_host, reg.remote_port);
+        let mut pair = cfg.pair.clone();
+        pair.p.tp = reg.remote_tp_size;
+        let prelim = push_map(&pair)?;
+        let me = prelim
+            .d_ranks
+            .get(cfg.rank as usize)
+            .ok_or((FailureCause::Internal, format!("decode rank {} is not in the push map", cfg.rank)))?;
+        let ranks: Vec<(u32, u32)> = me.registers_with.iter().map(|&p| (0, p)).collect();
+        let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
+        let local = cfg.pair.clone();
+        let validate = |meta: &KvxMetadata| -> Result<(), String> {
+            let mut p = local.clone();
+            p.p = spec_of(meta, &local)?;
+            p.validate_push().map(|_| ()).map_err(|e| e.to_string())
+        };
+        let peers = self
+            .client
+            .fetch_metadata_many(&endpoint, &ranks, Some(&factors), validate)
+            .map_err(|e| (handshake_cause(&e), e.to_string()))?;
+        let first =
+            peers.first().ok_or((FailureCause::Handshake, format!("{endpoint} returned no metadata")))?;
+        pair.p = spec_of(&first.metadata, &cfg.pair).map_err(|e| (FailureCause::Incompatible, e))?;
+        let map = push_map(&pair)?;
+        let view = map
+            .d_ranks
+            .get(cfg.rank as usize)
+            .ok_or((FailureCause::Internal, format!("decode rank {} is not in the push map", cfg.rank)))?;
+        // Descriptors per decode block: every WRITE into this rank has one pair per region.
+        let mut descs_per_block = 0u64;
+        for p in &view.writers {
+            let planner =
+                PushPlanner::new(&pair, &map, *p).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+            descs_per_block += planner
+                .writes
+                .iter()
+                .filter(|w| w.d_rank == cfg.rank)
+                .map(|w| w.regions.len() as u64)
+                .sum::<u64>();
+        }
+        let mut out = BTreeMap::new();
+        for peer in &peers {
+            let meta = &peer.metadata;
+            let ep = match (worker, cfg.transport.kind, cfg.transport.notify) {
+                (Some(w), TransportKind::Ucx, NotifyTransport::Ucx) if !meta.worker_address.is_empty() => {
+                    Some(Endpoint::connect(w, &meta.worker_address, cfg.transport.err_mode).map_err(|e| {
+                        (ucx_cause(&e), format!("UCX endpoint with prefill rank {}: {e}", meta.tp_rank))
+                    })?)
+                }
+                _ => None,
+            };
+            out.insert(meta.tp_rank, notify_path(cfg, meta, ep, timeout)?);
+        }
+        Ok(PEngine { ranks: out, expected: view.expected_notifs, descs_per_block, pair })
+    }
+}
