@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Args;
 
 use super::common::{Format, ModelArgs, PairArgs};
+use super::compare::Compared;
 use crate::pipeline::bench;
 use crate::report::files::RunWriter;
 use crate::report::summary::{new_run_id, now_rfc3339};
@@ -99,8 +100,11 @@ pub struct BenchArgs {
     #[arg(long, help_heading = "Transport")]
     pub storage_fsync: bool,
     /// Run the same workload on each transport and print one comparison table, e.g. ucx,storage,multi.
-    #[arg(long, value_delimiter = ',', help_heading = "Transport")]
+    #[arg(long, value_delimiter = ',', help_heading = "Transport", conflicts_with = "compare_modes")]
     pub compare_transports: Option<Vec<String>>,
+    /// Run the same workload in each transfer mode and print one comparison table: pull,push.
+    #[arg(long, value_delimiter = ',', help_heading = "Transport", conflicts_with = "mode")]
+    pub compare_modes: Option<Vec<String>>,
     /// Inject a fault to test resilience: kill-ucx:pR@N (tear down prefill rank R's UCX side after N
     /// measured requests) or exit:pR@N / exit:dR@N (the worker exits). The run exits 0 when the
     /// failure policy held: only requests after the fault failed, as a lost peer fails; no wrong
@@ -210,6 +214,7 @@ impl BenchArgs {
             storage_direct_io: self.storage_direct_io,
             storage_fsync: self.storage_fsync,
             compare_transports: self.compare_transports.clone(),
+            compare_modes: self.compare_modes.clone(),
             fault: self.fault.clone(),
             mode: self.mode.clone(),
             mem: self.mem.clone(),
@@ -250,17 +255,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
             };
             Ok(crate::serve::bench_serve::run(&settings, json, &opts)?)
         }
-        BenchPlan::CompareTransports(runs) => {
-            let mut writer = RunWriter::create(&root, &run_id)?;
-            let (summary, table) = super::compare::run(&runs, &mut writer, &run_id)?;
-            let files = writer.finish(&summary)?;
-            let mut text = summary_text(args.format, &summary, &files)?;
-            if !json {
-                text.push_str(&table);
-            }
-            output::keep_verdict(output::stdout(text))?;
-            Ok(verdict("kvx bench --compare-transports", &summary))
-        }
+        BenchPlan::CompareTransports(runs) => compare(args, Compared::Transports, &runs, &root, &run_id),
+        BenchPlan::CompareModes(runs) => compare(args, Compared::Modes, &runs, &root, &run_id),
         BenchPlan::Sweep(sweep) => {
             let mut writer = RunWriter::create(&root, &run_id)?;
             let summary = super::sweep::run(&sweep, &mut writer, &run_id)?;
@@ -292,6 +288,25 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
             Ok(verdict("kvx bench", &summary))
         }
     }
+}
+
+/// Runs a comparison and prints its summary and table.
+fn compare(
+    args: &BenchArgs,
+    what: Compared,
+    runs: &[bench::BenchSettings],
+    root: &std::path::Path,
+    run_id: &str,
+) -> anyhow::Result<Outcome> {
+    let mut writer = RunWriter::create(root, run_id)?;
+    let (summary, table) = super::compare::run(what, runs, &mut writer, run_id)?;
+    let files = writer.finish(&summary)?;
+    let mut text = summary_text(args.format, &summary, &files)?;
+    if args.format != Format::Json {
+        text.push_str(&table);
+    }
+    output::keep_verdict(output::stdout(text))?;
+    Ok(verdict(&format!("kvx bench {}", what.flag()), &summary))
 }
 
 /// The run's exit: interrupted (130/143) when a signal stopped it, else what its summary says.

@@ -1,6 +1,7 @@
 //! `kvx bench --compare-transports ucx,storage,multi`: the same workload on each transport,
 //! one table in the shape of vLLM's connector guide, but measured — plus the connectors kvx
-//! cannot measure on a machine like this one, and why.
+//! cannot measure on a machine like this one, and why. `kvx bench --compare-modes pull,push`:
+//! the same workload read by decode and written by prefill, one table.
 
 use std::collections::BTreeMap;
 
@@ -42,20 +43,58 @@ const NOT_MEASURED: &[(&str, &str, &str)] = &[
     ("LMCacheConnectorV1", "variable (vLLM's guide)", "needs an LMCache server (external service) and GPUs"),
 ];
 
-/// Runs the same workload on each transport (`runs`, resolved by `settings::bench`); returns
-/// the comparison summary (one sweep point per transport) and its table.
+/// What a comparison compares: the runs differ in this one setting only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compared {
+    /// `--compare-transports`: ucx, storage, multi.
+    Transports,
+    /// `--compare-modes`: pull (decode READs) and push (prefill WRITEs).
+    Modes,
+}
+
+impl Compared {
+    pub fn flag(self) -> &'static str {
+        match self {
+            Compared::Transports => "--compare-transports",
+            Compared::Modes => "--compare-modes",
+        }
+    }
+
+    fn name_of(self, s: &BenchSettings) -> String {
+        match self {
+            Compared::Transports => s.workers.transport.kind.as_str().to_string(),
+            Compared::Modes => s.workers.transport.mode.as_str().to_string(),
+        }
+    }
+}
+
+/// One run's figures for the table.
+struct Row {
+    name: String,
+    transfer: (f64, f64),
+    e2e: (f64, f64),
+    post_p50: f64,
+    notify_p50: f64,
+    descriptors: f64,
+    gbps: f64,
+    cpu_per_gb: f64,
+    failed: u64,
+}
+
+/// Runs the same workload once per setting compared (`runs`, resolved by `settings::bench`);
+/// returns the comparison summary (one sweep point per run) and its table.
 pub fn run(
+    what: Compared,
     runs: &[BenchSettings],
     writer: &mut RunWriter,
     run_id: &str,
 ) -> anyhow::Result<(Summary, String)> {
-    let plans: Vec<(String, &BenchSettings)> =
-        runs.iter().map(|s| (s.workers.transport.kind.as_str().to_string(), s)).collect();
+    let plans: Vec<(String, &BenchSettings)> = runs.iter().map(|s| (what.name_of(s), s)).collect();
     let Some((_, first)) = plans.first() else {
-        anyhow::bail!("--compare-transports needs at least one of ucx, storage, multi");
+        anyhow::bail!("{} needs at least one run", what.flag());
     };
     let mut summary = Summary::new(run_id, crate::report::summary::now_rfc3339(), first.scenario());
-    summary.scenario.name = Some("compare-transports".into());
+    summary.scenario.name = Some(what.flag().trim_start_matches("--").into());
     summary.environment = crate::report::summary::Environment::detect();
     let mut points = Vec::new();
     let mut rows = Vec::new();
@@ -66,7 +105,7 @@ pub fn run(
             summary.partial = true;
             break;
         }
-        crate::output::note!("kvx bench --compare-transports: {name} ({}/{})", i + 1, plans.len());
+        crate::output::note!("kvx bench {}: {name} ({}/{})", what.flag(), i + 1, plans.len());
         let cpu0 = cpu_seconds();
         let s = bench::run(settings, writer, &format!("{run_id}-{name}"))?;
         summary.partial |= s.partial;
@@ -77,9 +116,23 @@ pub fn run(
         let (t50, t99) = stage("transfer");
         let (e50, e99) = stage("e2e");
         summary.absorb(&s);
-        rows.push((name.clone(), t50, t99, e50, e99, s.throughput_gbps, cpu_per_gb, s.requests_failed));
+        rows.push(Row {
+            name: name.clone(),
+            transfer: (t50, t99),
+            e2e: (e50, e99),
+            post_p50: stage("post").0,
+            notify_p50: stage("notify").0,
+            descriptors: s.descriptors_per_request.raw,
+            gbps: s.throughput_gbps,
+            cpu_per_gb,
+            failed: s.requests_failed,
+        });
         let mut params = BTreeMap::new();
-        params.insert("transport".into(), json!(name));
+        let key = match what {
+            Compared::Transports => "transport",
+            Compared::Modes => "mode",
+        };
+        params.insert(key.into(), json!(name));
         params.insert("cpu_s_per_gb".into(), json!(cpu_per_gb));
         points.push(SweepPoint {
             label: name.clone(),
@@ -96,25 +149,57 @@ pub fn run(
             requests_failed: s.requests_failed,
         });
     }
+    let table = match what {
+        Compared::Transports => transports_table(&rows),
+        Compared::Modes => modes_table(&rows),
+    };
+    let groups: Vec<Bars> = rows
+        .iter()
+        .map(|r| Bars {
+            label: r.name.clone(),
+            values: vec![
+                ("throughput GB/s".into(), r.gbps),
+                ("transfer p50 ms".into(), r.transfer.0),
+                ("e2e p50 ms".into(), r.e2e.0),
+                ("CPU s per GB".into(), r.cpu_per_gb),
+            ],
+        })
+        .collect();
+    let (title, file) = match what {
+        Compared::Transports => ("Transports on the same workload", "transports.svg"),
+        Compared::Modes => ("Pull and push on the same workload", "modes.svg"),
+    };
+    let svg = bars_svg(title, &groups)?;
+    write_atomic(&writer.dir().join(file), svg.as_bytes())?;
+    summary.sweep = Some(points);
+    summary.finished_at = Some(crate::report::summary::now_rfc3339());
+    Ok((summary, table))
+}
+
+fn failed_suffix(failed: u64) -> String {
+    if failed > 0 { format!(" ({failed} failed)") } else { String::new() }
+}
+
+/// The connector table in the shape of vLLM's guide, measured, plus what is not measured.
+fn transports_table(rows: &[Row]) -> String {
     let mut t = new_table(
         Style::Terminal,
         &["connector", "transfer p50/p99 ms", "e2e p50/p99 ms", "throughput GB/s", "CPU s per GB", "needs"],
     );
-    for (name, t50, t99, e50, e99, gbps, cpu, failed) in &rows {
-        let label = match name.as_str() {
+    for r in rows {
+        let label = match r.name.as_str() {
             "ucx" => "ucx (NixlConnector's model)",
             "storage" => "storage (SharedStorageConnector's model)",
             "multi" => "multi: ucx, then storage (MultiConnector's model)",
             other => other,
         };
-        let fail = if *failed > 0 { format!(" ({failed} failed)") } else { String::new() };
         t.add_row(vec![
-            format!("{label}{fail}"),
-            format!("{t50:.2} / {t99:.2}"),
-            format!("{e50:.2} / {e99:.2}"),
-            format!("{gbps:.3}"),
-            format!("{cpu:.2}"),
-            needs(name).to_string(),
+            format!("{label}{}", failed_suffix(r.failed)),
+            format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
+            format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
+            format!("{:.3}", r.gbps),
+            format!("{:.2}", r.cpu_per_gb),
+            needs(&r.name).to_string(),
         ]);
     }
     for (name, guide, why) in NOT_MEASURED {
@@ -127,22 +212,48 @@ pub fn run(
             (*why).to_string(),
         ]);
     }
-    let table = format!("\nConnectors, measured on this machine (same workload each)\n{t}\n");
-    let groups: Vec<Bars> = rows
-        .iter()
-        .map(|(name, t50, _, e50, _, gbps, cpu, _)| Bars {
-            label: name.clone(),
-            values: vec![
-                ("throughput GB/s".into(), *gbps),
-                ("transfer p50 ms".into(), *t50),
-                ("e2e p50 ms".into(), *e50),
-                ("CPU s per GB".into(), *cpu),
-            ],
-        })
-        .collect();
-    let svg = bars_svg("Transports on the same workload", &groups)?;
-    write_atomic(&writer.dir().join("transports.svg"), svg.as_bytes())?;
-    summary.sweep = Some(points);
-    summary.finished_at = Some(crate::report::summary::now_rfc3339());
-    Ok((summary, table))
+    format!("\nConnectors, measured on this machine (same workload each)\n{t}\n")
+}
+
+/// Pull against push: what each moves and how fast, and the ratio to the first run.
+fn modes_table(rows: &[Row]) -> String {
+    let mut t = new_table(
+        Style::Terminal,
+        &[
+            "mode",
+            "throughput GB/s",
+            "vs first",
+            "transfer p50/p99 ms",
+            "e2e p50/p99 ms",
+            "post p50 ms",
+            "notify p50 ms",
+            "descriptors/request",
+            "CPU s per GB",
+        ],
+    );
+    let base = rows.first().map_or(0.0, |r| r.gbps);
+    for r in rows {
+        let label = match r.name.as_str() {
+            "pull" => "pull (NixlConnector: decode READs)",
+            "push" => "push (NixlPushConnector: prefill WRITEs)",
+            other => other,
+        };
+        t.add_row(vec![
+            format!("{label}{}", failed_suffix(r.failed)),
+            format!("{:.3}", r.gbps),
+            if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
+            format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
+            format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
+            format!("{:.3}", r.post_p50),
+            format!("{:.3}", r.notify_p50),
+            format!("{:.0}", r.descriptors),
+            format!("{:.2}", r.cpu_per_gb),
+        ]);
+    }
+    format!(
+        "\nPull and push, measured on this machine (same workload each). Push: post = decode's \
+         registration, transfer = registration to the last WRITE's notification (the prefill ranks' \
+         posting, transfer, flush and notification inside it), notify = 0 (the notifications are part of \
+         the transfer); descriptors count duplicate WRITEs of replicated heads.\n{t}\n"
+    )
 }

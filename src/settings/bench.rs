@@ -60,6 +60,7 @@ pub struct BenchFlags {
     pub storage_direct_io: bool,
     pub storage_fsync: bool,
     pub compare_transports: Option<Vec<String>>,
+    pub compare_modes: Option<Vec<String>>,
     pub fault: Option<String>,
     pub mode: Option<String>,
     pub mem: Option<String>,

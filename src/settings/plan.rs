@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use super::bench::{BenchFlags, resolve};
-use super::engine::parse_transport;
+use super::engine::{parse_mode, parse_transport};
 use super::env::ProcessEnv;
 use super::sweep::{self, SweepPlan};
 use crate::error::ConfigError;
@@ -20,6 +20,8 @@ pub enum BenchPlan {
     Serve(Box<BenchSettings>),
     /// `--compare-transports`: the same workload on each transport, in the order given.
     CompareTransports(Vec<BenchSettings>),
+    /// `--compare-modes`: the same workload in each transfer mode (pull, push), in order.
+    CompareModes(Vec<BenchSettings>),
     /// `--sweep`: one bench per point of the file's axes.
     Sweep(SweepPlan),
 }
@@ -29,7 +31,9 @@ impl BenchPlan {
     pub fn results_root(&self) -> &Path {
         match self {
             BenchPlan::Single(s) | BenchPlan::Serve(s) => &s.results_root,
-            BenchPlan::CompareTransports(runs) => runs.first().map_or(Path::new(""), |s| &s.results_root),
+            BenchPlan::CompareTransports(runs) | BenchPlan::CompareModes(runs) => {
+                runs.first().map_or(Path::new(""), |s| &s.results_root)
+            }
             BenchPlan::Sweep(plan) => &plan.results_root,
         }
     }
@@ -58,6 +62,18 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
             ));
         }
         return Ok(BenchPlan::CompareTransports(runs));
+    }
+    if let Some(names) = &flags.compare_modes {
+        let mut runs = Vec::new();
+        for n in names {
+            parse_mode(n).map_err(|e| ConfigError::new("--compare-modes", e))?;
+            let one = BenchFlags { compare_modes: None, mode: Some(n.trim().to_string()), ..flags.clone() };
+            runs.push(resolve(&one, env)?);
+        }
+        if runs.is_empty() {
+            return Err(ConfigError::new("--compare-modes", "needs at least one of pull, push"));
+        }
+        return Ok(BenchPlan::CompareModes(runs));
     }
     if let Some(path) = &flags.sweep {
         return Ok(BenchPlan::Sweep(sweep::plan(flags, path, env)?));
