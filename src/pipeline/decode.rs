@@ -726,6 +726,7 @@ impl Decoder<'_> {
         r.post_ns = landed.register_ns;
         r.descs_raw = landed.descriptors;
         r.descs_coalesced = landed.descriptors;
+        r.transports = landed.transports.clone();
         // Wait for the WRITEs' notifications.
         let tw = Instant::now();
         let deadline = tw + timeout;

@@ -389,6 +389,9 @@ struct PEngine {
     descs_per_block: u64,
     /// The pair as the handshake settled it (for verification).
     pair: PairSpec,
+    /// UCX transports of the endpoints to the prefill ranks (the pair of hosts the WRITEs
+    /// cross), for reports.
+    transports: Option<String>,
 }
 
 /// Where a request's notifications stand.
@@ -415,6 +418,8 @@ pub struct Landed {
     pub wait_ns: u64,
     pub descriptors: u64,
     pub pair: Option<PairSpec>,
+    /// Filled on the request that handshaked.
+    pub transports: Option<String>,
 }
 
 impl PushWaiter {
@@ -475,6 +480,9 @@ impl PushWaiter {
         landed.register_ns = t.elapsed().as_nanos() as u64;
         landed.descriptors = eng.descs_per_block * reg.local_block_ids.first().map_or(0, |g| g.len() as u64);
         landed.pair = Some(eng.pair.clone());
+        if landed.handshake_ns.is_some() {
+            landed.transports = eng.transports.clone();
+        }
         Ok(())
     }
 
@@ -550,18 +558,23 @@ impl PushWaiter {
                 .sum::<u64>();
         }
         let mut out = BTreeMap::new();
+        let mut transports = None;
         for peer in &peers {
             let meta = &peer.metadata;
-            let ep = match (worker, cfg.transport.kind, cfg.transport.notify) {
-                (Some(w), TransportKind::Ucx, NotifyTransport::Ucx) if !meta.worker_address.is_empty() => {
+            // An endpoint also with notify = zmq: its lanes name the transports for reports.
+            let ep = match (worker, cfg.transport.kind) {
+                (Some(w), TransportKind::Ucx) if !meta.worker_address.is_empty() => {
                     Some(Endpoint::connect(w, &meta.worker_address, cfg.transport.err_mode).map_err(|e| {
                         (ucx_cause(&e), format!("UCX endpoint with prefill rank {}: {e}", meta.tp_rank))
                     })?)
                 }
                 _ => None,
             };
+            if transports.is_none() {
+                transports = ep.as_ref().and_then(|e| e.transports().ok());
+            }
             out.insert(meta.tp_rank, notify_path(cfg, meta, ep, timeout)?);
         }
-        Ok(PEngine { ranks: out, expected: view.expected_notifs, descs_per_block, pair })
+        Ok(PEngine { ranks: out, expected: view.expected_notifs, descs_per_block, pair, transports })
     }
 }

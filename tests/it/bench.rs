@@ -23,6 +23,8 @@ use crate::procs::{
 
 /// A small model shape: runs take a second or two even in a debug build.
 const TINY: &[&str] = &["--num-kv-heads", "4", "--layers", "2", "--head-dim", "64"];
+/// [`TINY`] with 8 heads, for 8 prefill ranks of one head each.
+const TINY8: &[&str] = &["--num-kv-heads", "8", "--layers", "2", "--head-dim", "64"];
 /// Hard limit on one bench run (debug builds on a loaded two-core machine).
 const RUN_TIMEOUT: Duration = Duration::from_secs(180);
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/bench");
@@ -126,6 +128,59 @@ clean_case!(
 clean_case!(vllm_019_hnd, TINY, ["--vllm", "0.19", "--layout", "HND", "--p-tp", "2", "--d-tp", "1"]);
 clean_case!(open_loop_rate, TINY, ["--rate", "40", "--p-tp", "2", "--d-tp", "2"]);
 clean_case!(random_alloc, TINY, ["--alloc", "random", "--p-tp", "2", "--d-tp", "2"]);
+
+// Push mode (prefill WRITEs into decode's registered blocks): every byte verified on decode
+// against its own geometry, for the shapes the issue names.
+clean_case!(push_p8_to_d2, TINY8, ["--mode", "push", "--p-tp", "8", "--d-tp", "2"]);
+clean_case!(push_p2_to_d4, TINY, ["--mode", "push", "--p-tp", "2", "--d-tp", "4"]);
+clean_case!(
+    push_mla_p2_to_d1,
+    &[],
+    ["--mode", "push", "--model", "deepseek-v3", "--layers", "2", "--p-tp", "2", "--d-tp", "1"]
+);
+clean_case!(
+    push_mla_p1_to_d2,
+    &[],
+    ["--mode", "push", "--model", "deepseek-v3", "--layers", "2", "--p-tp", "1", "--d-tp", "2"]
+);
+clean_case!(push_prefix_hit, TINY, ["--mode", "push", "--p-tp", "2", "--d-tp", "2", "--prefix-hit", "0.5"]);
+clean_case!(push_notify_zmq, TINY, ["--mode", "push", "--p-tp", "2", "--d-tp", "1", "--notify", "zmq"]);
+
+/// Push and pull move the same bytes for the same scenario (each verified against decode's
+/// own geometry); `--compare-modes` runs both and reports each.
+#[test]
+fn compare_modes_runs_pull_and_push_on_the_same_workload() {
+    let _turn = exclusive();
+    let a = args(&["--compare-modes", "pull,push", "--p-tp", "8", "--d-tp", "2"], TINY8);
+    let run = run_bench("compare modes", &a);
+    let points = run.summary["sweep"].as_array().expect("one point per mode").clone();
+    let labels: Vec<&str> = points.iter().filter_map(|p| p["label"].as_str()).collect();
+    assert_eq!(labels, ["pull", "push"]);
+    let descs: Vec<f64> =
+        points.iter().map(|p| p["descriptors_per_request"]["raw"].as_f64().expect("descriptors")).collect();
+    assert_eq!(descs[0], descs[1], "no duplicate writes for 8 heads over 8 ranks: {points:?}");
+    for p in &points {
+        assert_eq!(p["requests_ok"], 6, "{p}");
+        assert_eq!(p["requests_failed"], 0, "{p}");
+    }
+    assert_eq!(n(&run.summary, "verify_failures"), 0);
+    assert_eq!(n(&run.summary, "bytes_verified"), n(&run.summary, "bytes_read"));
+    assert!(run.dir.join("modes.svg").exists(), "a chart of the comparison");
+}
+
+#[test]
+fn push_refusals_name_their_flag() {
+    for (extra, flag) in [
+        (&["--mode", "push", "--p-block-size", "16", "--d-block-size", "32"][..], "--d-block-size"),
+        (&["--mode", "push", "--transport", "storage"][..], "--transport"),
+        (&["--mode", "push", "--vllm", "0.19"][..], "--vllm"),
+    ] {
+        let out = kvx().arg("bench").args(extra).args(["--requests", "1"]).output().expect("run");
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(flag), "{extra:?} names {flag}: {stderr}");
+    }
+}
 
 #[test]
 fn prefix_hit_reads_only_the_missing_blocks() {
@@ -505,11 +560,14 @@ fn a_fault_that_explains_every_failure_exits_0() {
 /// no temp file left behind.
 #[test]
 fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
-    let cases: [(&str, &[&str]); 4] = [
+    let cases: [(&str, &[&str]); 7] = [
         ("kill-ucx:p1@5, err-mode none", &["--fault", "kill-ucx:p1@5", "--err-mode", "none"]),
         ("kill-ucx:p1@5, err-mode peer", &["--fault", "kill-ucx:p1@5", "--err-mode", "peer"]),
         ("exit:p0@5", &["--fault", "exit:p0@5"]),
         ("exit:d1@5", &["--fault", "exit:d1@5"]),
+        ("push, kill-ucx:p1@5", &["--mode", "push", "--fault", "kill-ucx:p1@5"]),
+        ("push, exit:p0@5", &["--mode", "push", "--fault", "exit:p0@5"]),
+        ("push, exit:d1@5", &["--mode", "push", "--fault", "exit:d1@5"]),
     ];
     for (case, fault) in cases {
         let _turn = exclusive();
