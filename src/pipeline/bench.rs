@@ -406,7 +406,17 @@ async fn drive(
     let mut next_at = Instant::now();
     // Set by an interrupt: no new requests; those in flight get until then to finish.
     let mut grace: Option<Instant> = None;
+    let mut told_gone = false;
     loop {
+        // Push mode: decode ranks wait for WRITE notifications; once a prefill rank is gone,
+        // tell them, so the requests waiting for it fail now rather than at their deadline.
+        if !told_gone
+            && s.workers.transport.mode == super::proto::TransferMode::Push
+            && c.engines.prefill.gone().is_some()
+        {
+            c.engines.decode.peer_gone(c.engines.prefill.info().engine_id.clone());
+            told_gone = true;
+        }
         if grace.is_none() && crate::interrupt::requested().is_some() {
             grace = Some(Instant::now() + INTERRUPT_GRACE);
         }

@@ -108,6 +108,8 @@ struct PushSide {
 struct Decoder<'a> {
     cfg: &'a WorkerConfig,
     push: Option<PushSide>,
+    /// Control messages that arrived while a push request waited, for the main loop.
+    deferred: Vec<ToWorker>,
     local: Local,
     storage: Option<StorageFetcher>,
     geom: crate::layouts::RankGeometry,
@@ -180,6 +182,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let mut d = Decoder {
         cfg: &cfg,
         push,
+        deferred: Vec::new(),
         local,
         storage,
         geom,
@@ -210,7 +213,19 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         match msg {
             ToWorker::Load { req, d_request_id, params, local_blocks, seed, side_channel } => {
                 let r = if params.transfer_mode == TransferMode::Push.as_str() {
-                    d.push_load(received, req, &d_request_id, &params, local_blocks, seed, side_channel)
+                    let r = d.push_load(
+                        ctl,
+                        received,
+                        req,
+                        &d_request_id,
+                        &params,
+                        local_blocks,
+                        seed,
+                        side_channel,
+                    );
+                    let now = Instant::now();
+                    queue.extend(d.deferred.drain(..).map(|m| (now, m)));
+                    r
                 } else {
                     d.load(received, req, &d_request_id, &params, local_blocks, seed)
                 };
@@ -652,6 +667,7 @@ impl Decoder<'_> {
     #[expect(clippy::too_many_arguments, reason = "the fields of one Load message")]
     fn push_load(
         &mut self,
+        ctl: &Control,
         received: Instant,
         req: u64,
         d_request_id: &str,
@@ -669,7 +685,7 @@ impl Decoder<'_> {
         };
         let t0 = Instant::now();
         if let Err((cause, msg)) =
-            self.push_load_inner(&mut r, t0, d_request_id, params, local_blocks, seed, side_channel)
+            self.push_load_inner(ctl, &mut r, t0, d_request_id, params, local_blocks, seed, side_channel)
         {
             if let Some(p) = self.push.as_mut() {
                 p.waiter.forget(d_request_id);
@@ -685,6 +701,7 @@ impl Decoder<'_> {
     #[expect(clippy::too_many_arguments, reason = "the fields of one Load message")]
     fn push_load_inner(
         &mut self,
+        ctl: &Control,
         r: &mut LoadResult,
         t0: Instant,
         d_request_id: &str,
@@ -760,7 +777,11 @@ impl Decoder<'_> {
             {
                 continue;
             }
-            let mut items = vec![push.listener.socket().as_poll_item(zmq::POLLIN)];
+            // The control socket too: a shutdown, or word that a writer is gone, ends the wait.
+            let mut items = vec![
+                push.listener.socket().as_poll_item(zmq::POLLIN),
+                ctl.socket().as_poll_item(zmq::POLLIN),
+            ];
             if let Local::Ucx(u) = &self.local
                 && let Some(fd) = u.worker.event_fd()
             {
@@ -768,6 +789,21 @@ impl Decoder<'_> {
             }
             zmq::poll(&mut items, (wait.as_millis() as i64).max(1))
                 .map_err(|e| (FailureCause::Internal, format!("wait for notifications: {e}")))?;
+            while let Some(m) = ctl.try_recv().map_err(|e| (FailureCause::Internal, e.to_string()))? {
+                match m {
+                    ToWorker::PeerGone { engine_id } if engine_id == params.remote_engine_id => {
+                        return Err((
+                            FailureCause::PeerGone,
+                            format!("a rank of prefill engine {engine_id} is gone: its WRITEs will not come"),
+                        ));
+                    }
+                    ToWorker::Shutdown => {
+                        self.deferred.push(ToWorker::Shutdown);
+                        return Err((FailureCause::Internal, "the engine is shutting down".into()));
+                    }
+                    other => self.deferred.push(other),
+                }
+            }
         }
         push.waiter.forget(d_request_id);
         r.transfer_ns = tw.elapsed().as_nanos() as u64;

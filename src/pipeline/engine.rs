@@ -203,6 +203,9 @@ enum Cmd {
         seed: u64,
         reply: Reply<LoadDone>,
     },
+    PeerGone {
+        engine_id: String,
+    },
     Release {
         p_request_id: String,
     },
@@ -340,6 +343,12 @@ impl Engine {
     /// are ignored.
     pub fn release(&self, p_request_id: String) {
         let _ = self.send(Cmd::Release { p_request_id });
+    }
+
+    /// Decode role (push mode): a rank of prefill engine `engine_id` is gone; ranks waiting
+    /// for its WRITEs stop waiting.
+    pub fn peer_gone(&self, engine_id: String) {
+        let _ = self.send(Cmd::PeerGone { engine_id });
     }
 
     /// Injects a fault into one rank (resilience tests).
@@ -1047,7 +1056,7 @@ impl EngineLoop {
         match cmd {
             Cmd::Prefill { tokens, .. } => tokens.div_ceil(self.cfg.block_tokens),
             Cmd::Load { local_blocks, .. } => *local_blocks,
-            Cmd::Release { .. } | Cmd::Fault { .. } => 0,
+            Cmd::Release { .. } | Cmd::PeerGone { .. } | Cmd::Fault { .. } => 0,
         }
     }
 
@@ -1077,6 +1086,12 @@ impl EngineLoop {
         match cmd {
             Cmd::Fault { rank, fault } => {
                 self.send_to(rank, &ToWorker::Fault(fault));
+                None
+            }
+            Cmd::PeerGone { engine_id } => {
+                for r in 0..self.cfg.tp {
+                    self.send_to(r, &ToWorker::PeerGone { engine_id: engine_id.clone() });
+                }
                 None
             }
             Cmd::Release { p_request_id } => {

@@ -282,7 +282,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                         ctl.send(&FromWorker::Freed { req: h.req, expired: false })?;
                     }
                 }
-                ToWorker::Init(_) | ToWorker::Load { .. } => {}
+                ToWorker::Init(_) | ToWorker::Load { .. } | ToWorker::PeerGone { .. } => {}
                 ToWorker::Shutdown => return Ok(()),
             }
         }
@@ -375,7 +375,10 @@ fn push_one(
             let UcxSide { region, worker, .. } = &mut **u;
             pusher.push(cfg, worker, region, id, &h.blocks)
         }
-        _ => Err((FailureCause::PeerGone, "this rank's UCX side is gone: nothing can be written".into())),
+        _ => {
+            pusher.give_up(id);
+            Err((FailureCause::PeerGone, "this rank's UCX side is gone: nothing can be written".into()))
+        }
     };
     leases.release(id);
     pusher.forget(id);

@@ -189,6 +189,11 @@ pub enum ToWorker {
     Release {
         p_request_id: String,
     },
+    /// Decode rank (push mode): a rank of this prefill engine is gone; stop waiting for its
+    /// WRITEs (the requests fail as `peer_gone`).
+    PeerGone {
+        engine_id: String,
+    },
     /// Fault injection for resilience tests (`kvx bench --fault`).
     Fault(Fault),
     Shutdown,

@@ -193,6 +193,22 @@ impl Pusher {
         self.written.remove(p_request_id);
     }
 
+    /// Tells the decode ranks of a registered request that this rank will not WRITE it (its
+    /// UCX side is gone), over ZMQ, where this rank already knows the decode engine.
+    pub fn give_up(&mut self, p_request_id: &str) {
+        let Some(reg) = self.registrations.remove(p_request_id) else { return };
+        self.written.insert(p_request_id.to_string());
+        if let Some(eng) = self.engines.get(&reg.decode_engine_id) {
+            let count = eng.planner.map.notif_count;
+            let n = Notification::PushFailed { d_request_id: reg.request_id.clone(), count };
+            for (d, t) in &eng.ranks {
+                if let Err(e) = t.notify.zmq.send(&n) {
+                    tracing::warn!("push failure notification to decode rank {d}: {e}");
+                }
+            }
+        }
+    }
+
     /// WRITEs the request's blocks into the registered decode blocks, flushes, notifies.
     /// On a failure after the decode engine was reached, its ranks get a failure
     /// notification, so none waits for a WRITE that will not come.
