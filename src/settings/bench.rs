@@ -702,7 +702,6 @@ mod tests {
             (BenchFlags { verify: Some("maybe".into()), ..Default::default() }, "--verify"),
             (BenchFlags { transport: Some("bogus".into()), ..Default::default() }, "--transport"),
             (BenchFlags { on_load_failure: Some("retry".into()), ..Default::default() }, "--on-load-failure"),
-            (BenchFlags { mode: Some("push".into()), ..Default::default() }, "--mode"),
             (BenchFlags { mode: Some("poll".into()), ..Default::default() }, "--mode"),
             (BenchFlags { mem: Some("disk".into()), ..Default::default() }, "--mem"),
             (BenchFlags { devices: Some(vec![0]), ..Default::default() }, "--devices"),
@@ -747,9 +746,26 @@ mod tests {
             let e = resolve(&flags, &env()).expect_err(flag);
             assert_eq!(e.flag, flag, "{flags:?}: {e}");
         }
-        let e = resolve(&BenchFlags { mode: Some("push".into()), ..Default::default() }, &env())
-            .expect_err("push");
-        assert!(e.reason.contains("push is not implemented yet"), "{e}");
+        // Push mode resolves, and refuses what vLLM's push connector refuses, naming the flag.
+        let push =
+            resolve(&BenchFlags { mode: Some("push".into()), ..Default::default() }, &env()).expect("push");
+        assert_eq!(push.workers.transport.mode, TransferMode::Push);
+        let e = resolve(
+            &BenchFlags {
+                mode: Some("push".into()),
+                pair: PairFlags { p_block_size: Some(16), d_block_size: Some(32), ..Default::default() },
+                ..Default::default()
+            },
+            &env(),
+        )
+        .expect_err("push needs equal block sizes");
+        assert_eq!(e.flag, "--d-block-size", "{e}");
+        let e = resolve(
+            &BenchFlags { mode: Some("push".into()), transport: Some("multi".into()), ..Default::default() },
+            &env(),
+        )
+        .expect_err("push writes over UCX");
+        assert_eq!(e.flag, "--transport", "{e}");
         let e = resolve(
             &BenchFlags { mem: Some("cuda".into()), transport: Some("storage".into()), ..Default::default() },
             &env(),
@@ -766,7 +782,7 @@ mod tests {
             ("err_mode = \"x\"", "err_mode"),
             ("verify = \"maybe\"", "verify"),
             ("transport = \"bogus\"", "transport"),
-            ("mode = \"push\"", "mode"),
+            ("mode = \"sideways\"", "mode"),
             ("mem = \"gpu\"", "mem"),
             ("lease = \"0s\"", "lease"),
             ("timeout = \"forever\"", "timeout"),
