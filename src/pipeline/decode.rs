@@ -14,7 +14,10 @@ use super::proto::{
     FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig,
 };
 use super::push::{Landed, PushWaiter};
-use super::worker::{Control, Stage as _, WorkerError, compat_factors, host_pool_mut, peer_pair, rss_bytes};
+use super::worker::{
+    Control, Stage as _, WorkerError, advertised_payload, classify_ucx, compat_factors, host_pool_mut,
+    peer_pair, rss_bytes,
+};
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{BlockPairs, Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
@@ -110,6 +113,8 @@ struct Decoder<'a> {
     push: Option<PushSide>,
     /// Control messages that arrived while a push request waited, for the main loop.
     deferred: Vec<ToWorker>,
+    /// Prefill engines a rank of which is gone (push mode): their WRITEs are not waited for.
+    gone_engines: std::collections::HashSet<String>,
     local: Local,
     storage: Option<StorageFetcher>,
     geom: crate::layouts::RankGeometry,
@@ -183,6 +188,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         cfg: &cfg,
         push,
         deferred: Vec::new(),
+        gone_engines: Default::default(),
         local,
         storage,
         geom,
@@ -232,20 +238,12 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 ctl.send(&FromWorker::Loaded(Box::new(r)))?;
             }
             ToWorker::Shutdown => return Ok(()),
+            ToWorker::PeerGone { engine_id } => {
+                d.gone_engines.insert(engine_id);
+            }
             ToWorker::Fault(super::proto::Fault::Exit) => std::process::exit(3),
             _ => {}
         }
-    }
-}
-
-fn classify_ucx(e: &UcxError) -> FailureCause {
-    match e {
-        UcxError::Timeout { .. } => FailureCause::Timeout,
-        UcxError::Status { name, .. } if name.contains("UNREACHABLE") || name.contains("CONNECTION") => {
-            FailureCause::PeerGone
-        }
-        UcxError::Status { .. } | UcxError::Poisoned => FailureCause::Transfer,
-        _ => FailureCause::Internal,
     }
 }
 
@@ -269,6 +267,28 @@ impl Decoder<'_> {
                 }
             }
         }
+    }
+
+    /// Checks the received blocks against the plan (staged through the host for device
+    /// memory); the bytes verified, or the first byte that differs, go into `r`.
+    fn verify(&self, r: &mut LoadResult, plan: &VerifyPlan) -> Result<(), Failure> {
+        let (mut bytes, mut mismatch) = (0, None);
+        self.local
+            .memory()?
+            .read_ranges(&plan.ranges(), |i, got| {
+                if mismatch.is_none() {
+                    match plan.check(i, got) {
+                        Ok(n) => bytes += n,
+                        Err(m) => mismatch = Some(m),
+                    }
+                }
+            })
+            .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+        match mismatch {
+            None => r.bytes_verified = bytes,
+            Some(m) => r.verify_failure = Some(m.to_string()),
+        }
+        Ok(())
     }
 
     fn handshake(&mut self, params: &KvTransferParams) -> Result<RemoteEngine, Failure> {
@@ -588,22 +608,7 @@ impl Decoder<'_> {
                 seed,
                 stride,
             );
-            let (mut bytes, mut mismatch) = (0, None);
-            self.local
-                .memory()?
-                .read_ranges(&plan.ranges(), |i, got| {
-                    if mismatch.is_none() {
-                        match plan.check(i, got) {
-                            Ok(n) => bytes += n,
-                            Err(m) => mismatch = Some(m),
-                        }
-                    }
-                })
-                .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
-            match mismatch {
-                None => r.bytes_verified = bytes,
-                Some(m) => r.verify_failure = Some(m.to_string()),
-            }
+            self.verify(r, &plan)?;
             r.verify_ns = tv.elapsed().as_nanos() as u64;
         }
         Ok(())
@@ -619,7 +624,6 @@ fn push_side(
     regions: &[Region],
     timeout: Duration,
 ) -> Result<(PushSide, Vec<u8>), WorkerError> {
-    use crate::transfer::handshake::meta::KvxRegion;
     use crate::transfer::ucx::Registrable as _;
     let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
         .stage("bind the push notification listener")?;
@@ -633,31 +637,7 @@ fn push_side(
         ),
         Local::Plain(m) => (Vec::new(), Vec::new(), m.addr(), None),
     };
-    let kvx_regions: Vec<KvxRegion> = regions
-        .iter()
-        .map(|r| KvxRegion {
-            name: r.name.clone(),
-            mem_type: cfg.mem.mem_type().as_str().into(),
-            device_id: cfg.mem.device().unwrap_or(0),
-            base_addr: base + r.base_off,
-            rkey: rkey.clone(),
-            block_len_bytes: r.block_len,
-            block_stride_bytes: r.block_stride,
-            num_blocks: r.num_blocks,
-        })
-        .collect();
-    let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
-    let meta = KvxMetadata::new(
-        cfg.engine_id.clone(),
-        address,
-        (cfg.pair.d.tp, cfg.rank, 0, 0),
-        cfg.pair.d.layout.name(),
-        cfg.pair.d.block_tokens,
-        kvx_regions,
-        Some(notify_ep),
-        &factors,
-    );
-    let payload = meta.to_payload().stage("encode metadata")?.encode();
+    let payload = advertised_payload(cfg, &cfg.pair.d, regions, base, address, &rkey, &notify_ep)?;
     Ok((PushSide { waiter: PushWaiter::new(timeout), listener, am }, payload))
 }
 
@@ -712,6 +692,15 @@ impl Decoder<'_> {
     ) -> Result<(), Failure> {
         let cfg = self.cfg;
         let timeout = self.timeout;
+        let gone = |engine: &str| {
+            (
+                FailureCause::PeerGone,
+                format!("a rank of prefill engine {engine} is gone: its WRITEs will not come"),
+            )
+        };
+        if self.gone_engines.contains(&params.remote_engine_id) {
+            return Err(gone(&params.remote_engine_id));
+        }
         let (decode_host, decode_port) = side_channel.ok_or((
             FailureCause::Internal,
             "push mode needs this decode engine's side channel, which it did not start".into(),
@@ -791,11 +780,12 @@ impl Decoder<'_> {
                 .map_err(|e| (FailureCause::Internal, format!("wait for notifications: {e}")))?;
             while let Some(m) = ctl.try_recv().map_err(|e| (FailureCause::Internal, e.to_string()))? {
                 match m {
-                    ToWorker::PeerGone { engine_id } if engine_id == params.remote_engine_id => {
-                        return Err((
-                            FailureCause::PeerGone,
-                            format!("a rank of prefill engine {engine_id} is gone: its WRITEs will not come"),
-                        ));
+                    ToWorker::PeerGone { engine_id } => {
+                        let mine = engine_id == params.remote_engine_id;
+                        self.gone_engines.insert(engine_id);
+                        if mine {
+                            return Err(gone(&params.remote_engine_id));
+                        }
                     }
                     ToWorker::Shutdown => {
                         self.deferred.push(ToWorker::Shutdown);
@@ -820,22 +810,7 @@ impl Decoder<'_> {
             };
             let plan =
                 VerifyPlan::new(&self.geom, &self.regions, &bp, 1, false, pair.p.block_tokens, seed, stride);
-            let (mut bytes, mut mismatch) = (0, None);
-            self.local
-                .memory()?
-                .read_ranges(&plan.ranges(), |i, got| {
-                    if mismatch.is_none() {
-                        match plan.check(i, got) {
-                            Ok(n) => bytes += n,
-                            Err(m) => mismatch = Some(m),
-                        }
-                    }
-                })
-                .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
-            match mismatch {
-                None => r.bytes_verified = bytes,
-                Some(m) => r.verify_failure = Some(m.to_string()),
-            }
+            self.verify(r, &plan)?;
             r.verify_ns = tv.elapsed().as_nanos() as u64;
         }
         Ok(())

@@ -18,10 +18,9 @@ use std::time::{Duration, Instant};
 use super::proto::FailureCause;
 use super::proto::{Fault, FromWorker, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig};
 use super::push::Pusher;
-use super::worker::{Control, Stage as _, WorkerError, compat_factors, host_pool, rss_bytes};
+use super::worker::{Control, Stage as _, WorkerError, advertised_payload, host_pool, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;
-use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
 use crate::transfer::memory::{KvBuffer, PageSize};
 use crate::transfer::notify::{LeaseTable, Notification, NotifyListener, UcxNotifyReceiver};
 use crate::transfer::storage::StoragePublisher;
@@ -156,34 +155,10 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
         .stage("bind the notification listener")?;
     let notify_ep = advertise(listener.endpoint(), &cfg.advertise_host);
-    let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
     // What the side channel advertises: with an empty worker address and remote key once the
     // UCX side is gone (`Fault::KillUcx`), so decode ranks fail fast instead of timing out.
-    let payload_of = |worker_address: Vec<u8>, rkey: &[u8]| -> Result<Vec<u8>, WorkerError> {
-        let kvx_regions: Vec<KvxRegion> = regions
-            .iter()
-            .map(|r| KvxRegion {
-                name: r.name.clone(),
-                mem_type: cfg.mem.mem_type().as_str().into(),
-                device_id: cfg.mem.device().unwrap_or(0),
-                base_addr: base + r.base_off,
-                rkey: rkey.to_vec(),
-                block_len_bytes: r.block_len,
-                block_stride_bytes: r.block_stride,
-                num_blocks: r.num_blocks,
-            })
-            .collect();
-        let meta = KvxMetadata::new(
-            cfg.engine_id.clone(),
-            worker_address,
-            (cfg.pair.p.tp, cfg.rank, 0, 0),
-            cfg.pair.p.layout.name(),
-            cfg.pair.p.block_tokens,
-            kvx_regions,
-            Some(notify_ep.clone()),
-            &factors,
-        );
-        Ok(meta.to_payload().stage("encode metadata")?.encode())
+    let payload_of = |worker_address: Vec<u8>, rkey: &[u8]| {
+        advertised_payload(&cfg, &cfg.pair.p, &regions, base, worker_address, rkey, &notify_ep)
     };
     let payload = payload_of(worker_address, &rkey)?;
     let mut storage = if uses_storage {

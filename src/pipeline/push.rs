@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::proto::{FailureCause, TransportKind, WorkerConfig};
-use super::worker::compat_factors;
+use super::worker::{classify_ucx, compat_factors};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{RequestBlocks, RequestIds};
 use crate::layouts::push::PushPlanner;
@@ -85,17 +85,6 @@ fn handshake_cause(e: &HandshakeError) -> FailureCause {
         | HandshakeError::Rejected { .. }
         | HandshakeError::NotKvx { .. } => FailureCause::Incompatible,
         _ => FailureCause::Handshake,
-    }
-}
-
-fn ucx_cause(e: &UcxError) -> FailureCause {
-    match e {
-        UcxError::Timeout { .. } => FailureCause::Timeout,
-        UcxError::Status { name, .. } if name.contains("UNREACHABLE") || name.contains("CONNECTION") => {
-            FailureCause::PeerGone
-        }
-        UcxError::Status { .. } | UcxError::Poisoned => FailureCause::Transfer,
-        _ => FailureCause::Internal,
     }
 }
 
@@ -300,7 +289,7 @@ impl Pusher {
         let t = Instant::now();
         let opts = ReadOptions { max_inflight: cfg.transport.inflight.max(1) as usize, timeout };
         let st = write_batch_multi(local, dests, &opts)
-            .map_err(|e| (ucx_cause(&e), format!("write to the decode ranks: {e}")))?;
+            .map_err(|e| (classify_ucx(&e), format!("write to the decode ranks: {e}")))?;
         stats.post_ns = st.post_ns;
         stats.bytes = st.bytes;
         // Remote completion before the notification: a PUT's completion frees its source,
@@ -310,7 +299,7 @@ impl Pusher {
                 t.region
                     .endpoint()
                     .flush(timeout)
-                    .map_err(|e| (ucx_cause(&e), format!("flush to decode rank {}: {e}", w.d_rank)))?;
+                    .map_err(|e| (classify_ucx(&e), format!("flush to decode rank {}: {e}", w.d_rank)))?;
             }
         }
         stats.transfer_ns = t.elapsed().as_nanos() as u64;
@@ -378,7 +367,7 @@ impl Pusher {
                 ));
             }
             let ucx_err = |what: &str, e: UcxError| {
-                (ucx_cause(&e), format!("{what} with decode rank {}: {e}", meta.tp_rank))
+                (classify_ucx(&e), format!("{what} with decode rank {}: {e}", meta.tp_rank))
             };
             let ep = Endpoint::connect(worker, &meta.worker_address, cfg.transport.err_mode)
                 .map_err(|e| ucx_err("UCX endpoint", e))?;
@@ -581,7 +570,7 @@ impl PushWaiter {
             let ep = match (worker, cfg.transport.kind) {
                 (Some(w), TransportKind::Ucx) if !meta.worker_address.is_empty() => {
                     Some(Endpoint::connect(w, &meta.worker_address, cfg.transport.err_mode).map_err(|e| {
-                        (ucx_cause(&e), format!("UCX endpoint with prefill rank {}: {e}", meta.tp_rank))
+                        (classify_ucx(&e), format!("UCX endpoint with prefill rank {}: {e}", meta.tp_rank))
                     })?)
                 }
                 _ => None,

@@ -209,6 +209,60 @@ pub fn storage_options(cfg: &WorkerConfig) -> crate::transfer::storage::StorageO
     opts
 }
 
+/// The failure cause of a UCX error in a transfer.
+pub fn classify_ucx(e: &crate::transfer::ucx::UcxError) -> proto::FailureCause {
+    use crate::transfer::ucx::UcxError;
+    use proto::FailureCause;
+    match e {
+        UcxError::Timeout { .. } => FailureCause::Timeout,
+        UcxError::Status { name, .. } if name.contains("UNREACHABLE") || name.contains("CONNECTION") => {
+            FailureCause::PeerGone
+        }
+        UcxError::Status { .. } | UcxError::Poisoned => FailureCause::Transfer,
+        _ => FailureCause::Internal,
+    }
+}
+
+/// The handshake payload a rank advertises on its engine's side channel: its UCX worker
+/// address (empty once its UCX side is gone), its pool's regions at `base` behind remote key
+/// `rkey`, its engine side (`spec`: TP, layout, block size) and its notification endpoint.
+pub fn advertised_payload(
+    cfg: &WorkerConfig,
+    spec: &crate::layouts::EngineSpec,
+    regions: &[crate::layouts::Region],
+    base: u64,
+    worker_address: Vec<u8>,
+    rkey: &[u8],
+    notify_ep: &str,
+) -> Result<Vec<u8>, WorkerError> {
+    use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
+    let kvx_regions: Vec<KvxRegion> = regions
+        .iter()
+        .map(|r| KvxRegion {
+            name: r.name.clone(),
+            mem_type: cfg.mem.mem_type().as_str().into(),
+            device_id: cfg.mem.device().unwrap_or(0),
+            base_addr: base + r.base_off,
+            rkey: rkey.to_vec(),
+            block_len_bytes: r.block_len,
+            block_stride_bytes: r.block_stride,
+            num_blocks: r.num_blocks,
+        })
+        .collect();
+    let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
+    let meta = KvxMetadata::new(
+        cfg.engine_id.clone(),
+        worker_address,
+        (spec.tp, cfg.rank, 0, 0),
+        spec.layout.name(),
+        spec.block_tokens,
+        kvx_regions,
+        Some(notify_ep.to_string()),
+        &factors,
+    );
+    Ok(meta.to_payload().stage("encode metadata")?.encode())
+}
+
 /// The pool as host memory, for the storage transport, which reads and writes files from
 /// host memory (settings refuse it with device pools before any worker starts).
 pub fn host_pool(mem: &KvBuffer) -> Result<&HostBuffer, WorkerError> {
