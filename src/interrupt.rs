@@ -58,17 +58,3 @@ pub fn requested() -> Option<Signal> {
         _ => None,
     }
 }
-
-/// Asks the run to stop as a signal would (tests of the code paths that poll [`requested`]).
-#[cfg(test)]
-pub fn request_for_test(sig: Signal) {
-    arm();
-    if let Some(s) = STATE.get() {
-        let n = match sig {
-            Signal::Interrupt => SIGINT,
-            Signal::Terminate => SIGTERM,
-        };
-        s.signal.store(n as usize, Ordering::SeqCst);
-        s.pending.store(true, Ordering::SeqCst);
-    }
-}
