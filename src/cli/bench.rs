@@ -40,7 +40,7 @@ pub struct BenchArgs {
     #[arg(long, help_heading = "Workload")]
     pub requests: Option<u64>,
     /// Measure for this long per repeat instead of a request count (e.g. 30s).
-    #[arg(long, value_parser = parse_duration, help_heading = "Workload")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Workload")]
     pub duration: Option<Duration>,
     /// Open loop: Poisson arrivals at this many requests per second.
     #[arg(long, conflicts_with = "concurrency", allow_negative_numbers = true, help_heading = "Workload")]
@@ -79,10 +79,10 @@ pub struct BenchArgs {
     #[arg(long, help_heading = "Checks")]
     pub on_load_failure: Option<String>,
     /// Lease prefill ranks hold blocks under (vLLM kv_lease_duration) [default: 30s].
-    #[arg(long, value_parser = parse_duration, help_heading = "Checks")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Checks")]
     pub lease: Option<Duration>,
     /// Deadline of every wait: handshake, reads, notifications [default: 5s].
-    #[arg(long, value_parser = parse_duration, help_heading = "Checks")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Checks")]
     pub timeout: Option<Duration>,
     /// Transport: ucx, storage, multi [default: ucx].
     #[arg(long, help_heading = "Transport")]
@@ -111,9 +111,23 @@ pub struct BenchArgs {
     /// bytes, no leaked block.
     #[arg(long, value_name = "FAULT", help_heading = "Checks")]
     pub fault: Option<String>,
-    /// Who moves the bytes: pull (the decode side reads, as vLLM's NixlConnector) [default: pull].
+    /// Who moves the bytes: pull (the decode side reads, as vLLM's NixlConnector) or push (the
+    /// prefill side writes, as vLLM's NixlPushConnector) [default: pull].
     #[arg(long, help_heading = "Transport")]
     pub mode: Option<String>,
+    /// Simulated prefill compute per model layer on each prefill rank, e.g. 200us (wall time a
+    /// GPU would take; the rank's CPU stays free to move bytes) [default: 0].
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION", help_heading = "Transport")]
+    pub prefill_time_per_layer: Option<Duration>,
+    /// Push mode: WRITE each layer as soon as it is computed (layers) or after the whole
+    /// prefill (none); the report shows the transfer time hidden behind prefill [default: none].
+    #[arg(long, value_name = "none|layers", help_heading = "Transport")]
+    pub overlap: Option<String>,
+    /// How a request's legs are sent: sequential (prefill, then decode) or concurrent (both at
+    /// once; push mode, where decode registers while prefill computes) [default: sequential,
+    /// concurrent with --overlap layers].
+    #[arg(long, value_name = "sequential|concurrent", help_heading = "Transport")]
+    pub dispatch: Option<String>,
     /// Memory of the KV pools: host or cuda [default: host].
     #[arg(long, help_heading = "Transport")]
     pub mem: Option<String>,
@@ -234,6 +248,10 @@ impl BenchArgs {
             name: self.name.clone(),
             no_calibrate: self.no_calibrate,
             serve: self.serve,
+            prefill_time_per_layer: self.prefill_time_per_layer,
+            overlap: self.overlap.clone(),
+            dispatch: self.dispatch.clone(),
+            in_mode_comparison: false,
         }
     }
 }

@@ -73,6 +73,10 @@ struct Row {
     name: String,
     transfer: (f64, f64),
     e2e: (f64, f64),
+    /// Prefill start to the KV in decode's blocks (`kv_ready`), p50 and p99.
+    ready: (f64, f64),
+    /// Push: the WRITE time hidden behind prefill (`push_hidden`), p50.
+    hidden_p50: Option<f64>,
     post_p50: f64,
     notify_p50: f64,
     descriptors: f64,
@@ -120,6 +124,8 @@ pub fn run(
             name: name.clone(),
             transfer: (t50, t99),
             e2e: (e50, e99),
+            ready: stage(crate::pipeline::bench::READY),
+            hidden_p50: s.stages.get("push_hidden").map(|x| x.p50_us / 1e3),
             post_p50: stage("post").0,
             notify_p50: stage("notify").0,
             descriptors: s.descriptors_per_request.raw,
@@ -161,6 +167,7 @@ pub fn run(
                 ("throughput GB/s".into(), r.gbps),
                 ("transfer p50 ms".into(), r.transfer.0),
                 ("e2e p50 ms".into(), r.e2e.0),
+                ("KV ready p50 ms".into(), r.ready.0),
                 ("CPU s per GB".into(), r.cpu_per_gb),
             ],
         })
@@ -223,7 +230,9 @@ fn modes_table(rows: &[Row]) -> String {
             "mode",
             "throughput GB/s",
             "vs first",
+            "KV ready p50/p99 ms",
             "transfer p50/p99 ms",
+            "hidden p50 ms",
             "e2e p50/p99 ms",
             "post p50 ms",
             "notify p50 ms",
@@ -242,7 +251,9 @@ fn modes_table(rows: &[Row]) -> String {
             format!("{label}{}", failed_suffix(r.failed)),
             format!("{:.3}", r.gbps),
             if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
+            format!("{:.2} / {:.2}", r.ready.0, r.ready.1),
             format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
+            r.hidden_p50.map_or_else(|| "-".into(), |h| format!("{h:.2}")),
             format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
             format!("{:.3}", r.post_p50),
             format!("{:.3}", r.notify_p50),
@@ -251,9 +262,11 @@ fn modes_table(rows: &[Row]) -> String {
         ]);
     }
     format!(
-        "\nPull and push, measured on this machine (same workload each). Push: post = decode's \
-         registration, transfer = registration to the last WRITE's notification (the prefill ranks' \
-         posting, transfer, flush and notification inside it), notify = 0 (the notifications are part of \
-         the transfer); descriptors count duplicate WRITEs of replicated heads.\n{t}\n"
+        "\nPull and push, measured on this machine (same workload each). KV ready = from sending the \
+         prefill leg to the KV in every decode rank's blocks (prefill, handoff, transfer): the figure that \
+         compares the modes. Push: post = decode's registration, transfer = registration to the last \
+         WRITE's notification (the prefill ranks' posting, transfer, flush and notification inside it), \
+         hidden = WRITE time spent while prefill still computed (--overlap layers), notify = 0 (the \
+         notifications are part of the transfer); descriptors count duplicate WRITEs of replicated heads.\n{t}\n"
     )
 }

@@ -45,7 +45,7 @@ pub struct ProbeArgs {
     #[arg(long, value_enum, default_value_t = VllmFraming::Auto)]
     pub vllm: VllmFraming,
     /// Give up after this long (e.g. 500ms, 5s, 1m).
-    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = parse_duration, allow_hyphen_values = true)]
     pub timeout: Duration,
     /// Output format.
     #[arg(long, value_enum, default_value_t = ProbeFormat::Table)]

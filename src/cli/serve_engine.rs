@@ -108,10 +108,10 @@ pub struct ServeEngineArgs {
     #[arg(long, default_value = "contiguous", help_heading = "KV workers")]
     pub alloc: String,
     /// Lease the prefill ranks hold blocks under (vLLM kv_lease_duration).
-    #[arg(long, value_parser = parse_duration, default_value = "30s", help_heading = "KV workers")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "30s", help_heading = "KV workers")]
     pub lease: Duration,
     /// Deadline of every KV wait: handshake, reads, notifications.
-    #[arg(long, value_parser = parse_duration, default_value = "5s", help_heading = "KV workers")]
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "5s", help_heading = "KV workers")]
     pub timeout: Duration,
     /// Check the bytes a decode engine read: full, sample, off.
     #[arg(long, default_value = "sample", help_heading = "KV workers")]

@@ -90,16 +90,16 @@ pub struct XferArgs {
     #[arg(long)]
     pub ucx_tls: Option<String>,
     /// Minimum measuring time per case, e.g. 200ms, 1s.
-    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    #[arg(long, default_value = "200ms", value_parser = parse_duration, allow_hyphen_values = true)]
     pub duration: Duration,
     /// Measure exactly this many batches per case (overrides --duration).
     #[arg(long)]
     pub iters: Option<u64>,
     /// Deadline of one batch of reads.
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = parse_duration, allow_hyphen_values = true)]
     pub timeout: Duration,
     /// How long --listen waits for an initiator and --connect for a target.
-    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    #[arg(long, default_value = "120s", value_parser = parse_duration, allow_hyphen_values = true)]
     pub peer_timeout: Duration,
     /// Serve a region to one initiator on ADDR (two-host mode, target side).
     #[arg(long, value_name = "ADDR", conflicts_with = "connect")]

@@ -196,6 +196,42 @@ impl PushPlanner {
     pub fn coalesced(&self, bp: &BlockPairs) -> Vec<Vec<Pair>> {
         self.writes.iter().map(|w| coalesce_regions(&w.regions, &bp.remote, &bp.local)).collect()
     }
+
+    /// The pairs of one request cut by model layer, `[write][layer]`, for WRITEs that start as
+    /// each layer is computed (`--overlap layers`, vllm-project/vllm#56874): layer `l` holds the
+    /// pairs of the regions of layer `l`, region-major, coalesced inside the layer when
+    /// `coalesce`. Regions that hold several layers (block-outer and cross-layer layouts) go
+    /// with the last layer: they can only be written once the whole prefill is done. Together
+    /// the layers hold exactly the pairs of [`Self::plan`] (or of [`Self::coalesced`]).
+    pub fn layer_pairs(&self, bp: &BlockPairs, coalesce: bool, num_layers: u32) -> Vec<Vec<Vec<Pair>>> {
+        let last = num_layers.saturating_sub(1);
+        let layer_of =
+            |i: usize| self.local_regions.get(i).and_then(|r| r.content.layer).map_or(last, |l| l.min(last));
+        self.writes
+            .iter()
+            .map(|w| {
+                (0..num_layers.max(1))
+                    .map(|l| {
+                        let regions: Vec<RegionXfer> = w
+                            .regions
+                            .iter()
+                            .enumerate()
+                            .filter(|&(i, _)| layer_of(i) == l)
+                            .map(|(_, x)| *x)
+                            .collect();
+                        if coalesce {
+                            coalesce_regions(&regions, &bp.remote, &bp.local)
+                        } else {
+                            regions
+                                .iter()
+                                .flat_map(|x| bp.remote.iter().zip(&bp.local).map(|(&p, &d)| x.pair(p, d)))
+                                .collect()
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -243,6 +279,35 @@ mod tests {
         let p0 = plan.writes[0].pairs[0];
         assert_eq!((p0.local, p0.remote, p0.len), (5 * 4096, 6 * 8192 + 4096, 4096));
         assert_eq!(plan.writes[0].notif_msg, "req-D:4");
+    }
+
+    #[test]
+    fn layer_cut_holds_the_plans_pairs_layer_by_layer() {
+        for (layout, p_tp) in [(Layout::Lbhnc, 8), (Layout::Bhlnc, 1)] {
+            let mut pair = pair(p_tp, 2.min(p_tp), 8);
+            pair.model.num_layers = 3;
+            (pair.p.layout, pair.d.layout) = (layout, layout);
+            let map = pair.validate_push().expect("valid");
+            let planner = PushPlanner::new(&pair, &map, p_tp - 1).expect("planner");
+            let req = RequestBlocks { local: vec![1, 2, 3], remote: vec![4, 0, 7] };
+            let bp = planner.pair_blocks(&req).expect("pairs");
+            let plan = planner.plan(&req, &ids()).expect("plan");
+            let cut = planner.layer_pairs(&bp, false, 3);
+            assert_eq!(cut.len(), plan.writes.len());
+            for (w, layers) in plan.writes.iter().zip(&cut) {
+                let flat: Vec<Pair> = layers.iter().flatten().copied().collect();
+                assert_eq!(flat, w.pairs, "{layout}: the layers hold the plan's pairs in its order");
+                if layout == Layout::Lbhnc {
+                    assert!(layers.iter().all(|l| l.len() == 3), "one pair per block in every layer");
+                } else {
+                    // Heads outside layers: nothing can go before the whole prefill is done.
+                    assert!(layers[..2].iter().all(Vec::is_empty));
+                }
+            }
+            let coalesced: Vec<u64> =
+                planner.layer_pairs(&bp, true, 3).iter().flatten().flatten().map(|p| p.len).collect();
+            assert_eq!(coalesced.iter().sum::<u64>(), plan.bytes(), "{layout}: coalescing keeps the bytes");
+        }
     }
 
     #[test]

@@ -63,6 +63,8 @@ pub struct BenchSettings {
     pub name: String,
     /// What every worker of both engines shares (the pair, transport, memory, deadlines).
     pub workers: WorkerSettings,
+    /// How a request's two legs are sent (concurrent: push mode only).
+    pub dispatch: super::proto::Dispatch,
     pub lens: PromptLens,
     pub arrival: Arrival,
     pub requests: Option<u64>,
@@ -143,6 +145,17 @@ impl BenchSettings {
             s.extra.insert("slowdown".into(), serde_json::json!(w.transport.slowdown));
         }
         s.extra.insert("progress".into(), serde_json::json!(w.transport.progress.to_string()));
+        s.extra.insert("mode".into(), serde_json::json!(w.transport.mode.as_str()));
+        if w.transport.mode == super::proto::TransferMode::Push {
+            s.extra.insert("dispatch".into(), serde_json::json!(self.dispatch.as_str()));
+            s.extra.insert("overlap".into(), serde_json::json!(w.prefill.overlap.as_str()));
+        }
+        if w.prefill.per_layer_ns > 0 {
+            s.extra.insert(
+                "prefill_time_per_layer_us".into(),
+                serde_json::json!(w.prefill.per_layer_ns as f64 / 1e3),
+            );
+        }
         s
     }
 }
@@ -161,6 +174,8 @@ pub enum BenchError {
 /// One finished request, as the driver saw it.
 struct Finished {
     row: RequestRow,
+    /// From sending the prefill leg to the KV landed on every decode rank (0: failed).
+    ready_ns: u64,
     publish_ns: u64,
     ranks: Vec<LoadResult>,
     verify_failures: u64,
@@ -223,12 +238,25 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     // no decode rank will read (they would sit out their lease and starve later requests).
     if let Some(e) = engines.prefill.gone().or_else(|| engines.decode.gone()) {
         fail(&mut row, e.cause().as_str());
-        return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+        return Finished {
+            row,
+            publish_ns: 0,
+            ranks: vec![],
+            verify_failures: 0,
+            bytes_verified: 0,
+            ready_ns: 0,
+        };
     }
-    let prefill = engines
-        .prefill
-        .prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.workers.pair))
-        .await;
+    let dispatched = Instant::now();
+    let prefill =
+        engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.workers.pair));
+    // Concurrent dispatch (push): decode registers its blocks while prefill computes; it needs
+    // only the prefill engine's identity, not its answer.
+    let early_load = (s.dispatch == super::proto::Dispatch::Concurrent).then(|| {
+        let params = engines.prefill.info().kv_params(&p_request_id, tokens, &[], s.workers.transport.mode);
+        engines.decode.load(req, d_request_id.clone(), params, n_d - hit, seed)
+    });
+    let prefill = prefill.await;
     let (params, publish_ns) = match prefill {
         Ok(Ok(done)) => (done.params, done.publish_ns),
         Ok(Err(e)) => {
@@ -236,14 +264,36 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
             tracing::warn!("request {req}: prefill failed: {e}");
             // Ranks that did fill hold the blocks; nothing will read them.
             engines.prefill.release(p_request_id);
-            return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+            if let Some(load) = early_load {
+                // Its decode ranks wait for WRITEs that will not come, until their deadline.
+                let _ = load.await;
+            }
+            return Finished {
+                row,
+                publish_ns: 0,
+                ranks: vec![],
+                verify_failures: 0,
+                bytes_verified: 0,
+                ready_ns: 0,
+            };
         }
         Err(_) => {
             fail(&mut row, "internal");
-            return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+            return Finished {
+                row,
+                publish_ns: 0,
+                ranks: vec![],
+                verify_failures: 0,
+                bytes_verified: 0,
+                ready_ns: 0,
+            };
         }
     };
-    let load = engines.decode.load(req, d_request_id, params, n_d - hit, seed).await;
+    let load = match early_load {
+        Some(load) => load.await,
+        None => engines.decode.load(req, d_request_id, params, n_d - hit, seed).await,
+    };
+    let ready_ns = dispatched.elapsed().as_nanos() as u64;
     let ranks = match load {
         Ok(Ok(done)) => done.ranks,
         Ok(Err(e)) => {
@@ -252,11 +302,25 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
             // No decode rank will read these blocks: free them now, not at lease expiry (as
             // the serving proxy does when a decode leg fails).
             engines.prefill.release(p_request_id);
-            return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+            return Finished {
+                row,
+                publish_ns: 0,
+                ranks: vec![],
+                verify_failures: 0,
+                bytes_verified: 0,
+                ready_ns: 0,
+            };
         }
         Err(_) => {
             fail(&mut row, "internal");
-            return Finished { row, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 };
+            return Finished {
+                row,
+                publish_ns: 0,
+                ranks: vec![],
+                verify_failures: 0,
+                bytes_verified: 0,
+                ready_ns: 0,
+            };
         }
     };
     let us = |ns: u64| ns as f64 / 1e3;
@@ -286,7 +350,9 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         }
     }
     let bytes_verified = ranks.iter().map(|r| r.bytes_verified).sum();
-    Finished { row, publish_ns, ranks, verify_failures, bytes_verified }
+    // Prefill start to the KV in decode's blocks, as the driver saw it (verification excluded).
+    let ready_ns = ready_ns.saturating_sub(ranks.iter().map(|r| r.verify_ns).max().unwrap_or(0));
+    Finished { row, publish_ns, ranks, verify_failures, bytes_verified, ready_ns }
 }
 
 /// Accumulates one measured repeat.
@@ -319,6 +385,9 @@ impl Tally {
             }
             if f.publish_ns > 0 {
                 self.recorder.record_ns("publish", f.publish_ns);
+            }
+            if f.ready_ns > 0 {
+                self.recorder.record_ns(READY, f.ready_ns);
             }
             if f.ranks.iter().any(|r| r.fallbacks > 0) {
                 self.fallbacks += 1;
@@ -456,6 +525,11 @@ async fn drive(
     }
     t_start
 }
+
+/// The stage from sending a request's prefill leg to its KV in every decode rank's blocks
+/// (prefill, handoff and transfer; verification excluded): the KV part of TTFT, and the one
+/// figure that compares pull and push whatever the dispatch.
+pub const READY: &str = "kv_ready";
 
 /// How long requests in flight get to finish after an interrupt before the run stops
 /// waiting for them (the engines' teardown and the report must fit in the 2 s a user waits).
@@ -688,6 +762,9 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
 
     all.totals.apply(&mut summary, wall);
     let _ = all.recorder.merge(&handshakes);
+    if s.workers.transport.mode == super::proto::TransferMode::Push {
+        push_stages(s, &p_fin.pushes, &mut all.recorder, &mut summary);
+    }
     summary.set_stages(all.recorder.stats());
     summary.bytes_verified = all.bytes_verified;
     if s.workers.transport.kind != super::proto::TransportKind::Ucx {
@@ -754,6 +831,47 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         ));
     }
     Ok(summary)
+}
+
+/// Push mode: the prefill ranks' side of each measured request, from what they reported
+/// (`EngineFinal::pushes`). `push_write` is the slowest rank's WRITE time (posting, local
+/// completion, flush), `push_hidden` the WRITE time the ranks spent while the request's
+/// prefill still computed (their mean), and a note says which share of the WRITE time that is.
+fn push_stages(
+    s: &BenchSettings,
+    pushes: &[super::engine::PushRecord],
+    rec: &mut StageRecorder,
+    summary: &mut Summary,
+) {
+    let mut per_req: BTreeMap<u64, (u64, u64, u32)> = BTreeMap::new();
+    for p in pushes.iter().filter(|p| p.req >= s.warmup && p.error.is_none()) {
+        let e = per_req.entry(p.req).or_default();
+        e.0 = e.0.max(p.transfer_ns);
+        e.1 += p.hidden_ns;
+        e.2 += 1;
+    }
+    let (mut hidden, mut written) = (0u64, 0u64);
+    for p in pushes.iter().filter(|p| p.req >= s.warmup && p.error.is_none()) {
+        hidden += p.hidden_ns.min(p.transfer_ns);
+        written += p.transfer_ns;
+    }
+    for (write, hid, n) in per_req.values() {
+        rec.record_ns("push_write", *write);
+        if s.workers.prefill.overlap == super::proto::Overlap::Layers {
+            rec.record_ns("push_hidden", hid / u64::from((*n).max(1)));
+        }
+    }
+    if written > 0 && !s.workers.prefill.per_layer().is_zero() {
+        summary.notes.push(format!(
+            "push: {:.0}% of the prefill ranks' WRITE time ran while prefill computed (hidden), {:.0}% after it \
+             (--overlap {}, --prefill-time-per-layer {:?}, dispatch {})",
+            100.0 * hidden as f64 / written as f64,
+            100.0 * (written - hidden) as f64 / written as f64,
+            s.workers.prefill.overlap.as_str(),
+            s.workers.prefill.per_layer(),
+            s.dispatch.as_str(),
+        ));
+    }
 }
 
 /// The run's progress bar on stderr (hidden off a terminal). It is ticked by the thread that

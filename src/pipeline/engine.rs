@@ -114,6 +114,36 @@ pub struct EngineInfo {
     pub worker_rss_bytes: Vec<u64>,
 }
 
+impl EngineInfo {
+    /// The `kv_transfer_params` a prefill engine answers a request with: where its blocks
+    /// are (`blocks`) and who it is. A push-mode decode leg sent before prefill answered (the
+    /// concurrent dispatch) needs only the identity: `blocks` empty.
+    pub fn kv_params(
+        &self,
+        p_request_id: &str,
+        tokens: u32,
+        blocks: &[u32],
+        mode: super::proto::TransferMode,
+    ) -> KvTransferParams {
+        KvTransferParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_block_ids: vec![blocks.iter().map(|&b| u64::from(b)).collect()],
+            remote_engine_id: self.engine_id.clone(),
+            remote_request_id: p_request_id.to_string(),
+            remote_host: self.side_channel_host.clone(),
+            remote_port: self.side_channel_port,
+            tp_size: self.tp,
+            dcp_size: 1,
+            pp_size: 1,
+            remote_num_tokens: u64::from(tokens),
+            remote_blocks_expiry_time: None,
+            remote_registration_generation: 0,
+            transfer_mode: mode.as_str().into(),
+        }
+    }
+}
+
 /// The prefill side's answer: the blocks are filled and held.
 #[derive(Debug, Clone)]
 pub struct PrefillDone {
@@ -158,6 +188,8 @@ pub struct PushRecord {
     pub notify_ns: u64,
     pub bytes: u64,
     pub descriptors: u64,
+    pub compute_ns: u64,
+    pub hidden_ns: u64,
     pub error: Option<(FailureCause, String)>,
 }
 
@@ -964,6 +996,8 @@ impl EngineLoop {
                 notify_ns,
                 bytes,
                 descriptors,
+                compute_ns,
+                hidden_ns,
                 error,
             } => {
                 if let Some(i) = rank_of(&self.ranks) {
@@ -982,6 +1016,8 @@ impl EngineLoop {
                         notify_ns,
                         bytes,
                         descriptors,
+                        compute_ns,
+                        hidden_ns,
                         error,
                     });
                 }
@@ -1023,22 +1059,7 @@ impl EngineLoop {
     }
 
     fn params_for(&self, p: &PendingPrefill) -> KvTransferParams {
-        KvTransferParams {
-            do_remote_prefill: true,
-            do_remote_decode: false,
-            remote_block_ids: vec![p.blocks.iter().map(|&b| u64::from(b)).collect()],
-            remote_engine_id: self.cfg.worker.engine_id.clone(),
-            remote_request_id: p.p_request_id.clone(),
-            remote_host: self.info.side_channel_host.clone(),
-            remote_port: self.info.side_channel_port,
-            tp_size: self.cfg.tp,
-            dcp_size: 1,
-            pp_size: 1,
-            remote_num_tokens: u64::from(p.tokens),
-            remote_blocks_expiry_time: None,
-            remote_registration_generation: 0,
-            transfer_mode: self.cfg.worker.transport.mode.as_str().into(),
-        }
+        self.info.kv_params(&p.p_request_id, p.tokens, &p.blocks, self.cfg.worker.transport.mode)
     }
 
     fn live_ranks(&self) -> Result<BTreeSet<u32>, EngineError> {

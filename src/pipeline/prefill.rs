@@ -16,8 +16,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::proto::FailureCause;
-use super::proto::{Fault, FromWorker, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig};
-use super::push::Pusher;
+use super::proto::{
+    Fault, FromWorker, Overlap, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig,
+};
+use super::push::{PushJob, PushStats, Pusher};
 use super::worker::{Control, Stage as _, WorkerError, advertised_payload, host_pool, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;
@@ -96,6 +98,74 @@ struct Held {
     req: u64,
     blocks: Vec<u32>,
     published: bool,
+    /// The request's simulated prefill, until it is done and reported (`Filled`).
+    compute: Option<Compute>,
+    /// Push with `--overlap layers`: the WRITE under way while the prefill computes.
+    job: Option<PushJob>,
+}
+
+/// A request's simulated prefill on this rank (`PrefillSim`): layer `l` is computed at
+/// `start + (l + 1) * per_layer`.
+#[derive(Debug, Clone, Copy)]
+struct Compute {
+    start: Instant,
+    fill_ns: u64,
+    publish_ns: u64,
+}
+
+/// The simulated prefill of a rank: its settings and the end of the last request queued (one
+/// forward at a time, as on one GPU).
+struct Prefill {
+    per_layer: Duration,
+    layers: u32,
+    overlap: Overlap,
+    busy_until: Instant,
+}
+
+impl Prefill {
+    fn new(cfg: &WorkerConfig) -> Self {
+        Prefill {
+            per_layer: cfg.prefill.per_layer(),
+            layers: cfg.pair.model.num_layers.max(1),
+            overlap: cfg.prefill.overlap,
+            busy_until: Instant::now(),
+        }
+    }
+
+    fn simulated(&self) -> bool {
+        !self.per_layer.is_zero()
+    }
+
+    /// Queues a request's computation behind the ones before it.
+    fn start(&mut self, now: Instant, fill_ns: u64, publish_ns: u64) -> Compute {
+        let start = self.busy_until.max(now);
+        self.busy_until = start + self.total();
+        Compute { start, fill_ns, publish_ns }
+    }
+
+    fn total(&self) -> Duration {
+        self.per_layer * self.layers
+    }
+
+    fn end(&self, c: &Compute) -> Instant {
+        c.start + self.total()
+    }
+
+    /// Layers computed by `now`.
+    fn layers_done(&self, c: &Compute, now: Instant) -> u32 {
+        let elapsed = now.saturating_duration_since(c.start).as_nanos();
+        let per = self.per_layer.as_nanos().max(1);
+        u32::try_from(elapsed / per).unwrap_or(u32::MAX).min(self.layers)
+    }
+
+    /// When something next happens to `c`: its next layer (when layers are written as they
+    /// come), else its end.
+    fn next_event(&self, c: &Compute, now: Instant) -> Instant {
+        match self.overlap {
+            Overlap::Layers => c.start + self.per_layer * (self.layers_done(c, now) + 1).min(self.layers),
+            Overlap::None => self.end(c),
+        }
+    }
 }
 
 /// Asks the kernel not to let this process preempt the one that woke it (`SCHED_BATCH`,
@@ -182,6 +252,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     // Push mode: registrations from decode ranks, matched with fills; the WRITEs.
     let mut pusher = (cfg.transport.mode == TransferMode::Push)
         .then(|| Pusher::new(Duration::from_millis(cfg.timeout_ms)));
+    let mut sim = Prefill::new(&cfg);
     let mut last_work = Instant::now();
     let mut unrecognized_seen = 0;
     let eager_publish = kind == TransportKind::Storage;
@@ -225,18 +296,26 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     // 0: the decode side's TP is unknown here (a serving engine); take the count
                     // the first notification names, as vLLM's P does.
                     let expected = (expected_notifs > 0).then_some(expected_notifs);
+                    // The simulated prefill (if any) starts now; the request is reported
+                    // filled when it is done.
+                    let compute = sim.simulated().then(|| sim.start(Instant::now(), fill_ns, publish_ns));
                     match leases.register(&p_request_id, expected, Instant::now()) {
                         Ok(_) => {
-                            held.insert(p_request_id.clone(), Held { req, blocks, published: eager_publish });
+                            held.insert(
+                                p_request_id.clone(),
+                                Held { req, blocks, published: eager_publish, compute, job: None },
+                            );
                         }
                         Err(e) => tracing::warn!("{e}"),
                     }
-                    ctl.send(&FromWorker::Filled { req, fill_ns, publish_ns })?;
-                    // Push: the registration may have come first.
-                    if let Some(p) = pusher.as_mut()
-                        && p.is_registered(&p_request_id)
-                    {
-                        push_one(ctl, &cfg, &mut pool, p, &mut leases, &mut held, &p_request_id)?;
+                    if compute.is_none() {
+                        ctl.send(&FromWorker::Filled { req, fill_ns, publish_ns })?;
+                        // Push: the registration may have come first.
+                        if let Some(p) = pusher.as_mut()
+                            && p.is_registered(&p_request_id)
+                        {
+                            push_one(ctl, &cfg, &mut pool, p, &mut leases, &mut held, &p_request_id, 0)?;
+                        }
                     }
                 }
                 ToWorker::Fault(Fault::KillUcx) => {
@@ -252,7 +331,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     if let Some(p) = pusher.as_mut() {
                         p.forget(&p_request_id);
                     }
-                    if let Some(h) = held.remove(&p_request_id) {
+                    if let Some(mut h) = held.remove(&p_request_id) {
+                        abandon(&mut pusher, &mut h, "the request was released");
                         release(&mut storage, &p_request_id, h.published);
                         ctl.send(&FromWorker::Freed { req: h.req, expired: false })?;
                     }
@@ -267,10 +347,11 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         for n in pool.drain_am().into_iter().chain(zmq_notifs) {
             if let Notification::PushReg(reg) = n {
                 let matched = pusher.as_mut().and_then(|p| p.register(*reg));
+                // Written now if its prefill is done; while it computes, by `advance` below.
                 if let (Some(id), Some(p)) = (matched, pusher.as_mut())
-                    && held.contains_key(&id)
+                    && held.get(&id).is_some_and(|h| h.compute.is_none())
                 {
-                    push_one(ctl, &cfg, &mut pool, p, &mut leases, &mut held, &id)?;
+                    push_one(ctl, &cfg, &mut pool, p, &mut leases, &mut held, &id, 0)?;
                 }
                 continue;
             }
@@ -292,11 +373,16 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 }
             }
         }
+        // Simulated prefills that advanced: layers to write, requests to report.
+        if sim.simulated() {
+            advance(ctl, &cfg, &mut sim, &mut pool, &mut pusher, &mut leases, &mut held)?;
+        }
         for id in leases.expire(Instant::now()) {
             if let Some(p) = pusher.as_mut() {
                 p.forget(&id);
             }
-            if let Some(h) = held.remove(&id) {
+            if let Some(mut h) = held.remove(&id) {
+                abandon(&mut pusher, &mut h, "its lease expired");
                 release(&mut storage, &id, h.published);
                 ctl.send(&FromWorker::Freed { req: h.req, expired: true })?;
             }
@@ -320,9 +406,20 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         {
             continue;
         }
+        let now = Instant::now();
+        let next_compute =
+            held.values().filter_map(|h| h.compute.as_ref()).map(|c| sim.next_event(c, now)).min();
         let wait = leases
             .next_deadline()
-            .map_or(MAX_WAIT, |d| d.saturating_duration_since(Instant::now()).min(MAX_WAIT));
+            .into_iter()
+            .chain(next_compute)
+            .min()
+            .map_or(MAX_WAIT, |d| d.saturating_duration_since(now).min(MAX_WAIT));
+        // A layer due within a millisecond: poll's timeout is in milliseconds, so sleep to it.
+        if next_compute.is_some() && wait < Duration::from_millis(1) {
+            std::thread::sleep(wait);
+            continue;
+        }
         let mut items =
             vec![ctl.socket().as_poll_item(zmq::POLLIN), listener.socket().as_poll_item(zmq::POLLIN)];
         if let Some(fd) = pool.worker().and_then(Worker::event_fd) {
@@ -335,6 +432,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
 
 /// Push mode: WRITEs a held, registered request into the decode blocks, then frees it here
 /// (a prefill rank frees on its own WRITEs' completion, not on notifications) and reports.
+/// `compute_ns`: the request's simulated prefill, for the report.
+#[expect(clippy::too_many_arguments, reason = "the rank loop's state a push touches")]
 fn push_one(
     ctl: &Control,
     cfg: &WorkerConfig,
@@ -343,6 +442,7 @@ fn push_one(
     leases: &mut LeaseTable,
     held: &mut HashMap<String, Held>,
     id: &str,
+    compute_ns: u64,
 ) -> Result<(), WorkerError> {
     let Some(h) = held.remove(id) else { return Ok(()) };
     let result = match pool {
@@ -355,23 +455,136 @@ fn push_one(
             Err((FailureCause::PeerGone, "this rank's UCX side is gone: nothing can be written".into()))
         }
     };
+    pushed(ctl, pusher, leases, id, h.req, compute_ns, result)
+}
+
+/// A request written (or not): frees it here and tells the engine what the WRITE took.
+fn pushed(
+    ctl: &Control,
+    pusher: &mut Pusher,
+    leases: &mut LeaseTable,
+    id: &str,
+    req: u64,
+    compute_ns: u64,
+    result: Result<PushStats, super::push::Failure>,
+) -> Result<(), WorkerError> {
     leases.release(id);
     pusher.forget(id);
-    ctl.send(&FromWorker::Freed { req: h.req, expired: false })?;
+    ctl.send(&FromWorker::Freed { req, expired: false })?;
     let (stats, error) = match result {
         Ok(st) => (st, None),
-        Err(e) => (Default::default(), Some(e)),
+        Err(e) => (PushStats::default(), Some(e)),
     };
     ctl.send(&FromWorker::Pushed {
-        req: h.req,
+        req,
         handshake_ns: stats.handshake_ns,
         post_ns: stats.post_ns,
         transfer_ns: stats.transfer_ns,
         notify_ns: stats.notify_ns,
         bytes: stats.bytes,
         descriptors: stats.descriptors,
+        compute_ns,
+        hidden_ns: stats.hidden_ns,
         error,
     })
+}
+
+/// A held request that will not be written after all: a WRITE under way is ended with a
+/// failure notification, so no decode rank waits for the rest.
+fn abandon(pusher: &mut Option<Pusher>, h: &mut Held, why: &str) {
+    if let (Some(p), Some(job)) = (pusher.as_mut(), h.job.take()) {
+        p.fail(job, (FailureCause::Transfer, format!("prefill rank stopped writing: {why}")));
+    }
+}
+
+/// Moves the simulated prefills on: with `--overlap layers`, WRITEs the layers computed since
+/// the last call of every registered request; reports each request whose prefill is done
+/// (`Filled`, its fill time plus the computation), and writes it if it is registered.
+fn advance(
+    ctl: &Control,
+    cfg: &WorkerConfig,
+    sim: &mut Prefill,
+    pool: &mut Pool,
+    pusher: &mut Option<Pusher>,
+    leases: &mut LeaseTable,
+    held: &mut HashMap<String, Held>,
+) -> Result<(), WorkerError> {
+    let now = Instant::now();
+    let due: Vec<(String, Compute, u32)> = held
+        .iter()
+        .filter_map(|(id, h)| h.compute.map(|c| (id.clone(), c, sim.layers_done(&c, now))))
+        .filter(|&(_, _, done)| done == sim.layers || (done > 0 && sim.overlap == Overlap::Layers))
+        .collect();
+    for (id, c, done) in due {
+        let end = sim.end(&c);
+        // Overlap: write what is computed, once decode registered.
+        if sim.overlap == Overlap::Layers
+            && let Some(p) = pusher.as_mut()
+            && let Some(h) = held.get_mut(&id)
+            && (h.job.is_some() || p.is_registered(&id))
+        {
+            let step = match pool {
+                Pool::Ucx(u) => {
+                    let UcxSide { region, worker, .. } = &mut **u;
+                    let job = match h.job.take() {
+                        Some(j) => Ok(j),
+                        None => p.begin(cfg, worker, &id, &h.blocks),
+                    };
+                    job.and_then(|mut j| p.write_layers(cfg, &mut j, region, done, Some(end)).map(|()| j))
+                }
+                _ => {
+                    if let Some(j) = h.job.take() {
+                        p.fail(j, (FailureCause::PeerGone, "this rank's UCX side is gone".into()));
+                    } else {
+                        p.give_up(&id);
+                    }
+                    Err((
+                        FailureCause::PeerGone,
+                        "this rank's UCX side is gone: nothing can be written".into(),
+                    ))
+                }
+            };
+            match step {
+                Ok(j) => h.job = Some(j),
+                Err(e) => {
+                    let req = h.req;
+                    held.remove(&id);
+                    pushed(ctl, p, leases, &id, req, sim.total().as_nanos() as u64, Err(e))?;
+                    continue;
+                }
+            }
+        }
+        if done < sim.layers {
+            continue;
+        }
+        // The prefill is done: report it, and finish (or start) its WRITE.
+        let Some(h) = held.get_mut(&id) else { continue };
+        h.compute = None;
+        let compute_ns = sim.total().as_nanos() as u64;
+        ctl.send(&FromWorker::Filled {
+            req: h.req,
+            fill_ns: c.fill_ns + compute_ns,
+            publish_ns: c.publish_ns,
+        })?;
+        let Some(p) = pusher.as_mut() else { continue };
+        if let Some(job) = h.job.take() {
+            let req = h.req;
+            held.remove(&id);
+            let result = match pool {
+                Pool::Ucx(u) => {
+                    let UcxSide { region, .. } = &mut **u;
+                    let mut job = job;
+                    let all = sim.layers;
+                    p.write_layers(cfg, &mut job, region, all, Some(end)).and_then(|()| p.finish(job))
+                }
+                _ => Err(p.fail(job, (FailureCause::PeerGone, "this rank's UCX side is gone".into()))),
+            };
+            pushed(ctl, p, leases, &id, req, compute_ns, result)?;
+        } else if p.is_registered(&id) {
+            push_one(ctl, cfg, pool, p, leases, held, &id, compute_ns)?;
+        }
+    }
+    Ok(())
 }
 
 fn publish(

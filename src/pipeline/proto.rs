@@ -141,6 +141,65 @@ pub struct TransportConfig {
     pub slowdown: f64,
 }
 
+/// How prefill ranks hand KV to decode in push mode: after the whole prefill, or layer by
+/// layer as each is computed (vllm-project/vllm#56874).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Overlap {
+    /// WRITE once the whole prefill is done.
+    #[default]
+    None,
+    /// WRITE each layer's slice of the blocks as soon as that layer is computed.
+    Layers,
+}
+
+impl Overlap {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Overlap::None => "none",
+            Overlap::Layers => "layers",
+        }
+    }
+}
+
+/// How the orchestrator (the bench, or the serving proxy) sends a request's two legs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dispatch {
+    /// Prefill first; decode once prefill answered (vLLM's toy proxy; pull needs it, since
+    /// decode reads the blocks prefill names).
+    #[default]
+    Sequential,
+    /// Both legs at once: in push mode decode needs only the prefill engine's identity, so it
+    /// registers its blocks while prefill computes (ai-dynamo/dynamo#13327).
+    Concurrent,
+}
+
+impl Dispatch {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dispatch::Sequential => "sequential",
+            Dispatch::Concurrent => "concurrent",
+        }
+    }
+}
+
+/// The prefill computation a prefill rank simulates for each request: `per_layer` of wall
+/// time per model layer, as a GPU's forward pass takes it while the rank's CPU stays free to
+/// move bytes (zero: the blocks are ready as soon as they are filled). Requests are computed
+/// one after the other on a rank, as one GPU runs one forward at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PrefillSim {
+    pub per_layer_ns: u64,
+    pub overlap: Overlap,
+}
+
+impl PrefillSim {
+    pub fn per_layer(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.per_layer_ns)
+    }
+}
+
 /// Everything a worker needs to start.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerConfig {
@@ -159,6 +218,9 @@ pub struct WorkerConfig {
     /// Host the worker binds its listeners on, and the one it advertises.
     pub bind_host: String,
     pub advertise_host: String,
+    /// Prefill ranks: the simulated prefill computation, and when push mode WRITEs.
+    #[serde(default)]
+    pub prefill: PrefillSim,
 }
 
 /// Engine to worker.
@@ -320,6 +382,12 @@ pub enum FromWorker {
         notify_ns: u64,
         bytes: u64,
         descriptors: u64,
+        /// The simulated prefill computation of the request on this rank (0 without one).
+        #[serde(default)]
+        compute_ns: u64,
+        /// WRITE time spent while the computation still ran (hidden behind it).
+        #[serde(default)]
+        hidden_ns: u64,
         error: Option<(FailureCause, String)>,
     },
     /// A prefill rank's handshake metadata changed (its UCX side was torn down): the side

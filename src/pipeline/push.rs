@@ -125,11 +125,40 @@ struct DEngine {
 pub struct PushStats {
     pub handshake_ns: u64,
     pub post_ns: u64,
-    /// From the first PUT posted to the last endpoint flushed (remote completion).
+    /// Writing: posting the PUTs until they completed locally, and flushing the endpoints
+    /// (remote completion); without layer overlap, from the first PUT to the last flush.
     pub transfer_ns: u64,
     pub notify_ns: u64,
     pub bytes: u64,
     pub descriptors: u64,
+    /// WRITE time spent while the simulated prefill still ran.
+    pub hidden_ns: u64,
+}
+
+/// One request being written by a prefill rank: where to, what per layer, how far.
+pub struct PushJob {
+    /// The decode engine written into.
+    engine: String,
+    reg: PushRegistration,
+    /// Pairs per WRITE and per layer (`[write][layer]`).
+    layers: Vec<Vec<Vec<crate::layouts::plan::Pair>>>,
+    /// Per WRITE: the decode rank and its notification.
+    writes: Vec<(u32, String)>,
+    num_layers: u32,
+    /// Layers posted so far.
+    next_layer: u32,
+    stats: PushStats,
+}
+
+impl PushJob {
+    /// Whether every layer has been posted.
+    pub fn all_posted(&self) -> bool {
+        self.next_layer >= self.num_layers
+    }
+
+    pub fn stats(&self) -> &PushStats {
+        &self.stats
+    }
 }
 
 /// The prefill side: registrations waiting for their fills, decode engines handshaked with,
@@ -209,6 +238,22 @@ impl Pusher {
         p_request_id: &str,
         blocks: &[u32],
     ) -> Result<PushStats, Failure> {
+        let mut job = self.begin(cfg, worker, p_request_id, blocks)?;
+        let all = job.num_layers;
+        self.write_layers(cfg, &mut job, local, all, None)?;
+        self.finish(job)
+    }
+
+    /// Starts writing a registered request: handshakes with its decode engine if this rank has
+    /// not, and plans the WRITEs layer by layer ([`PushPlanner::layer_pairs`]). Nothing is
+    /// posted yet: [`Self::write_layers`] posts, [`Self::finish`] flushes and notifies.
+    pub fn begin(
+        &mut self,
+        cfg: &WorkerConfig,
+        worker: &Worker,
+        p_request_id: &str,
+        blocks: &[u32],
+    ) -> Result<PushJob, Failure> {
         let reg = self
             .registrations
             .remove(p_request_id)
@@ -224,97 +269,169 @@ impl Pusher {
         let Some(eng) = self.engines.get(&reg.decode_engine_id) else {
             return Err((FailureCause::Internal, "decode engine vanished from the cache".into()));
         };
-        let count = eng.planner.map.notif_count;
-        let fail_all = |eng: &DEngine, why: &str| {
-            let n = Notification::PushFailed { d_request_id: reg.request_id.clone(), count };
-            for w in &eng.planner.map.write_ranks {
-                if let Some(t) = eng.ranks.get(w)
-                    && let Err(e) = t.notify.send(&n)
-                {
-                    tracing::warn!("push failure notification to decode rank {w} ({why}): {e}");
-                }
-            }
+        let num_layers = cfg.pair.model.num_layers.max(1);
+        let planned = (|| {
+            let d_blocks: Vec<u32> = reg
+                .local_block_ids
+                .first()
+                .map(|g| g.iter().map(|&b| u32::try_from(b).unwrap_or(u32::MAX)).collect())
+                .unwrap_or_default();
+            let req = RequestBlocks { local: d_blocks, remote: blocks.to_vec() };
+            let plan = eng.planner.plan(
+                &req,
+                &RequestIds { p_request_id: p_request_id.to_string(), d_request_id: reg.request_id.clone() },
+            )?;
+            let layers = if plan.writes.is_empty() {
+                Vec::new()
+            } else {
+                eng.planner.layer_pairs(&eng.planner.pair_blocks(&req)?, cfg.transport.coalesce, num_layers)
+            };
+            Ok::<_, crate::error::ConfigError>((plan, layers))
+        })();
+        let job = |layers, writes: Vec<(u32, String)>, stats| PushJob {
+            engine: reg.decode_engine_id.clone(),
+            reg: reg.clone(),
+            layers,
+            writes,
+            num_layers,
+            next_layer: 0,
+            stats,
         };
-        let result = Self::write(cfg, eng, local, p_request_id, &reg, blocks, &mut stats, self.timeout);
-        match result {
-            Ok(()) => Ok(stats),
+        match planned {
+            Ok((plan, layers)) => {
+                let writes = plan.writes.into_iter().map(|w| (w.d_rank, w.notif_msg)).collect();
+                Ok(job(layers, writes, stats))
+            }
             Err(e) => {
-                fail_all(eng, &e.1);
-                // A broken connection is made again for the next request.
-                if matches!(e.0, FailureCause::PeerGone | FailureCause::Timeout | FailureCause::Transfer) {
-                    self.engines.remove(&reg.decode_engine_id);
-                }
-                Err(e)
+                Err(self
+                    .fail(job(Vec::new(), Vec::new(), stats), (FailureCause::Incompatible, e.to_string())))
             }
         }
     }
 
-    #[expect(clippy::too_many_arguments, reason = "each is an independent fact of the WRITE")]
-    fn write(
+    /// Posts the WRITEs of the job's layers up to `upto` (exclusive) not posted yet, and waits
+    /// for them to complete locally. `compute_end`: when the simulated prefill of the request
+    /// ends; WRITE time before it counts as hidden behind prefill.
+    pub fn write_layers(
+        &mut self,
         cfg: &WorkerConfig,
-        eng: &DEngine,
+        job: &mut PushJob,
         local: &mut MemRegion<KvBuffer>,
-        p_request_id: &str,
-        reg: &PushRegistration,
-        blocks: &[u32],
-        stats: &mut PushStats,
-        timeout: Duration,
+        upto: u32,
+        compute_end: Option<Instant>,
     ) -> Result<(), Failure> {
-        let bad = |e: crate::error::ConfigError| (FailureCause::Incompatible, e.to_string());
-        let d_blocks: Vec<u32> = reg
-            .local_block_ids
-            .first()
-            .map(|g| g.iter().map(|&b| u32::try_from(b).unwrap_or(u32::MAX)).collect())
-            .unwrap_or_default();
-        let req = RequestBlocks { local: d_blocks, remote: blocks.to_vec() };
-        let ids = RequestIds { p_request_id: p_request_id.to_string(), d_request_id: reg.request_id.clone() };
-        let plan = eng.planner.plan(&req, &ids).map_err(bad)?;
-        let pairs: Vec<Vec<crate::layouts::plan::Pair>> = if cfg.transport.coalesce {
-            eng.planner.coalesced(&eng.planner.pair_blocks(&req).map_err(bad)?)
-        } else {
-            plan.writes.iter().map(|w| w.pairs.clone()).collect()
-        };
-        let mut dests = Vec::with_capacity(plan.writes.len());
-        for (w, p) in plan.writes.iter().zip(&pairs) {
-            let target = eng
-                .ranks
-                .get(&w.d_rank)
-                .ok_or((FailureCause::Internal, format!("no connection to decode rank {}", w.d_rank)))?;
-            stats.descriptors += p.len() as u64;
-            dests.push((
-                &target.region,
-                p.iter().map(|x| ReadDesc { local_off: x.local, remote_off: x.remote, len: x.len }),
-            ));
+        let upto = upto.min(job.num_layers);
+        if upto <= job.next_layer || job.layers.is_empty() {
+            job.next_layer = job.next_layer.max(upto);
+            return Ok(());
         }
-        let t = Instant::now();
-        let opts = ReadOptions { max_inflight: cfg.transport.inflight.max(1) as usize, timeout };
-        let st = write_batch_multi(local, dests, &opts)
-            .map_err(|e| (classify_ucx(&e), format!("write to the decode ranks: {e}")))?;
-        stats.post_ns = st.post_ns;
-        stats.bytes = st.bytes;
-        // Remote completion before the notification: a PUT's completion frees its source,
-        // it does not say the bytes arrived.
-        for w in &plan.writes {
-            if let Some(t) = eng.ranks.get(&w.d_rank) {
-                t.region
-                    .endpoint()
-                    .flush(timeout)
-                    .map_err(|e| (classify_ucx(&e), format!("flush to decode rank {}: {e}", w.d_rank)))?;
+        let (from, to) = (job.next_layer as usize, upto as usize);
+        job.next_layer = upto;
+        let result = (|| {
+            let eng = self
+                .engines
+                .get(&job.engine)
+                .ok_or((FailureCause::Internal, "decode engine vanished from the cache".to_string()))?;
+            let mut dests = Vec::with_capacity(job.writes.len());
+            for ((d_rank, _), layers) in job.writes.iter().zip(&job.layers) {
+                let target = eng
+                    .ranks
+                    .get(d_rank)
+                    .ok_or((FailureCause::Internal, format!("no connection to decode rank {d_rank}")))?;
+                let pairs = layers.get(from..to).unwrap_or_default();
+                job.stats.descriptors += pairs.iter().map(|l| l.len() as u64).sum::<u64>();
+                dests.push((
+                    &target.region,
+                    pairs.iter().flatten().map(|x| ReadDesc {
+                        local_off: x.local,
+                        remote_off: x.remote,
+                        len: x.len,
+                    }),
+                ));
+            }
+            let t = Instant::now();
+            let opts =
+                ReadOptions { max_inflight: cfg.transport.inflight.max(1) as usize, timeout: self.timeout };
+            let st = write_batch_multi(local, dests, &opts)
+                .map_err(|e| (classify_ucx(&e), format!("write to the decode ranks: {e}")))?;
+            let done = Instant::now();
+            job.stats.transfer_ns += done.duration_since(t).as_nanos() as u64;
+            job.stats.post_ns += st.post_ns;
+            job.stats.bytes += st.bytes;
+            if let Some(end) = compute_end {
+                job.stats.hidden_ns += end.min(done).saturating_duration_since(t).as_nanos() as u64;
+            }
+            Ok(())
+        })();
+        result.map_err(|e| self.fail_in_place(job, e))
+    }
+
+    /// Remote completion, then the notifications: the request is in decode's blocks.
+    pub fn finish(&mut self, mut job: PushJob) -> Result<PushStats, Failure> {
+        let result = (|| {
+            let eng = self
+                .engines
+                .get(&job.engine)
+                .ok_or((FailureCause::Internal, "decode engine vanished from the cache".to_string()))?;
+            // Remote completion before the notification: a PUT's completion frees its source,
+            // it does not say the bytes arrived.
+            let tf = Instant::now();
+            for (d_rank, _) in &job.writes {
+                if let Some(t) = eng.ranks.get(d_rank) {
+                    t.region
+                        .endpoint()
+                        .flush(self.timeout)
+                        .map_err(|e| (classify_ucx(&e), format!("flush to decode rank {d_rank}: {e}")))?;
+                }
+            }
+            job.stats.transfer_ns += tf.elapsed().as_nanos() as u64;
+            let tn = Instant::now();
+            for (d_rank, msg) in &job.writes {
+                let (id, count) = msg.rsplit_once(':').unwrap_or((msg.as_str(), "1"));
+                let n =
+                    Notification::Notif { p_request_id: id.to_string(), count: count.parse().unwrap_or(1) };
+                if let Some(t) = eng.ranks.get(d_rank) {
+                    t.notify
+                        .send(&n)
+                        .map_err(|e| (FailureCause::Notify, format!("notify decode rank {d_rank}: {e}")))?;
+                }
+            }
+            job.stats.notify_ns = tn.elapsed().as_nanos() as u64;
+            Ok(())
+        })();
+        match result {
+            Ok(()) => Ok(job.stats),
+            Err(e) => Err(self.fail(job, e)),
+        }
+    }
+
+    /// Ends a job that failed: its decode ranks get a failure notification (counted like a
+    /// completion, so none waits), and a broken connection is made again next time.
+    pub fn fail(&mut self, mut job: PushJob, e: Failure) -> Failure {
+        self.fail_in_place(&mut job, e)
+    }
+
+    fn fail_in_place(&mut self, job: &mut PushJob, e: Failure) -> Failure {
+        if let Some(eng) = self.engines.get(&job.engine) {
+            let n = Notification::PushFailed {
+                d_request_id: job.reg.request_id.clone(),
+                count: eng.planner.map.notif_count,
+            };
+            for w in &eng.planner.map.write_ranks {
+                if let Some(t) = eng.ranks.get(w)
+                    && let Err(err) = t.notify.send(&n)
+                {
+                    tracing::warn!("push failure notification to decode rank {w} ({}): {err}", e.1);
+                }
             }
         }
-        stats.transfer_ns = t.elapsed().as_nanos() as u64;
-        let tn = Instant::now();
-        for w in &plan.writes {
-            let (id, count) = w.notif_msg.rsplit_once(':').unwrap_or((w.notif_msg.as_str(), "1"));
-            let n = Notification::Notif { p_request_id: id.to_string(), count: count.parse().unwrap_or(1) };
-            if let Some(t) = eng.ranks.get(&w.d_rank) {
-                t.notify
-                    .send(&n)
-                    .map_err(|e| (FailureCause::Notify, format!("notify decode rank {}: {e}", w.d_rank)))?;
-            }
+        if matches!(e.0, FailureCause::PeerGone | FailureCause::Timeout | FailureCause::Transfer) {
+            self.engines.remove(&job.engine);
         }
-        stats.notify_ns = tn.elapsed().as_nanos() as u64;
-        Ok(())
+        // Nothing more is written for it.
+        job.layers.clear();
+        job.writes.clear();
+        e
     }
 
     /// Handshakes with the decode engine a registration names (its side channel), for the

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::engine::{EngineConfig, Launch, split_endpoint};
-use super::proto::{Role, TransferMode, TransportConfig, VerifyMode, WorkerConfig};
+use super::proto::{PrefillSim, Role, TransferMode, TransportConfig, VerifyMode, WorkerConfig};
 use crate::layouts::alloc::AllocPattern;
 use crate::layouts::compat::PairSpec;
 use crate::transfer::memory::{MemPlace, MemoryError};
@@ -104,6 +104,8 @@ pub struct WorkerSettings {
     /// Host workers bind their listeners on, and the one they advertise.
     pub bind_host: String,
     pub advertise_host: String,
+    /// The prefill computation prefill ranks simulate, and when push mode WRITEs.
+    pub prefill: PrefillSim,
 }
 
 /// What tells apart the engines one [`WorkerSettings`] starts.
@@ -149,6 +151,7 @@ impl WorkerSettings {
                 timeout_ms: self.timeout.as_millis() as u64,
                 bind_host: self.bind_host.clone(),
                 advertise_host: self.advertise_host.clone(),
+                prefill: self.prefill,
             },
             tp: spec.tp,
             pool_blocks: spec.num_blocks,

@@ -25,7 +25,9 @@ use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
 use crate::pipeline::bench::{BenchSettings, FailurePolicy, FaultPlan};
 use crate::pipeline::engine::split_endpoint;
-use crate::pipeline::proto::{Fault, Role, TransferMode, TransportConfig, TransportKind, VerifyMode};
+use crate::pipeline::proto::{
+    Dispatch, Fault, Overlap, PrefillSim, Role, TransferMode, TransportConfig, TransportKind, VerifyMode,
+};
 use crate::pipeline::setup::{KvMemory, WorkerSettings};
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::results_root;
@@ -81,6 +83,16 @@ pub struct BenchFlags {
     pub name: Option<String>,
     pub no_calibrate: bool,
     pub serve: bool,
+    /// `--prefill-time-per-layer`
+    pub prefill_time_per_layer: Option<Duration>,
+    /// `--overlap none|layers`
+    pub overlap: Option<String>,
+    /// `--dispatch sequential|concurrent`
+    pub dispatch: Option<String>,
+    /// Set by `--compare-modes` on each of its runs (not a flag): the pull run takes the push
+    /// choices (`--overlap`, `--dispatch`) as not applying to it, where a pull run alone
+    /// refuses them.
+    pub in_mode_comparison: bool,
 }
 
 /// A bench-config file: the flags, by name with underscores.
@@ -134,6 +146,9 @@ pub struct BenchFile {
     pub inflight: Option<u32>,
     pub coalesce: Option<bool>,
     pub notify: Option<NotifyTransport>,
+    pub prefill_time_per_layer: Option<String>,
+    pub overlap: Option<String>,
+    pub dispatch: Option<String>,
     /// Sweep files: the axes to vary (read by `--sweep`).
     pub sweep: Option<toml::Table>,
 }
@@ -223,6 +238,11 @@ impl Layers<'_> {
             "--err-mode" => (f.err_mode.is_some(), fi.err_mode.is_some()),
             "--progress" => (f.progress.is_some(), fi.progress.is_some()),
             "--inflight" => (f.inflight.is_some(), fi.inflight.is_some()),
+            "--prefill-time-per-layer" => {
+                (f.prefill_time_per_layer.is_some(), fi.prefill_time_per_layer.is_some())
+            }
+            "--overlap" => (f.overlap.is_some(), fi.overlap.is_some()),
+            "--dispatch" => (f.dispatch.is_some(), fi.dispatch.is_some()),
             _ => return false,
         };
         !by_flag && by_file
@@ -334,6 +354,93 @@ impl Layers<'_> {
             storage_fsync: f.storage_fsync,
             slowdown,
         })
+    }
+
+    /// `--prefill-time-per-layer`, `--overlap` and `--dispatch`: the simulated prefill and how
+    /// push mode overlaps and dispatches. Overlap and concurrent dispatch are push's; a layer
+    /// overlap needs a layout whose regions are per layer, and decode registered before
+    /// prefill computes (concurrent dispatch, its default).
+    fn prefill_sim(
+        &self,
+        mode: TransferMode,
+        pair: &crate::layouts::compat::PairSpec,
+    ) -> Result<(PrefillSim, Dispatch), ConfigError> {
+        let (f, fi) = (self.flags, self.file);
+        let per_layer = match f.prefill_time_per_layer {
+            Some(d) => d,
+            None => {
+                dur("--prefill-time-per-layer", fi.prefill_time_per_layer.as_deref())?.unwrap_or_default()
+            }
+        };
+        // A request's compute is layers x this: cap it so the product cannot overflow or hang.
+        if per_layer > Duration::from_secs(1) {
+            return Err(ConfigError::new(
+                "--prefill-time-per-layer",
+                format!("must be at most 1s per layer, got {per_layer:?}"),
+            ));
+        }
+        let overlap = match f.overlap.clone().or(fi.overlap.clone()) {
+            Some(o) => choice(&o, &[("none", Overlap::None), ("layers", Overlap::Layers)])
+                .map_err(|e| ConfigError::new("--overlap", e))?,
+            None => Overlap::None,
+        };
+        let explicit_dispatch = match f.dispatch.clone().or(fi.dispatch.clone()) {
+            Some(d) => Some(
+                choice(&d, &[("sequential", Dispatch::Sequential), ("concurrent", Dispatch::Concurrent)])
+                    .map_err(|e| ConfigError::new("--dispatch", e))?,
+            ),
+            None => None,
+        };
+        if mode == TransferMode::Pull {
+            // A comparison's pull run: the push choices do not apply to it.
+            if self.flags.in_mode_comparison {
+                return Ok((
+                    PrefillSim { per_layer_ns: per_layer.as_nanos() as u64, overlap: Overlap::None },
+                    Dispatch::Sequential,
+                ));
+            }
+            if overlap == Overlap::Layers {
+                return Err(ConfigError::new(
+                    "--overlap",
+                    "layer overlap is push mode's (prefill WRITEs each layer as it is computed); in pull \
+                     mode decode reads after prefill: add --mode push or drop --overlap",
+                ));
+            }
+            if explicit_dispatch == Some(Dispatch::Concurrent) {
+                return Err(ConfigError::new(
+                    "--dispatch",
+                    "concurrent dispatch needs --mode push: in pull mode decode reads the blocks prefill \
+                     names in its answer, so it cannot start before prefill answered",
+                ));
+            }
+        }
+        let dispatch = match (explicit_dispatch, overlap) {
+            (Some(Dispatch::Sequential), Overlap::Layers) => {
+                return Err(ConfigError::new(
+                    "--dispatch",
+                    "--overlap layers WRITEs while prefill computes, so decode must register first: \
+                     use --dispatch concurrent (the default with --overlap layers)",
+                ));
+            }
+            (Some(d), _) => d,
+            (None, Overlap::Layers) => Dispatch::Concurrent,
+            (None, Overlap::None) => Dispatch::Sequential,
+        };
+        if overlap == Overlap::Layers {
+            let regions = pair.p_geometry(0).regions();
+            if regions.iter().any(|r| r.content.layer.is_none()) {
+                return Err(ConfigError::new(
+                    "--layout",
+                    format!(
+                        "--overlap layers WRITEs one layer's slice of each block at a time, but layout {} keeps \
+                         all layers of a block together (block-outer or cross-layer): use a layer-outer layout \
+                         such as LBHNC, or --overlap none",
+                        pair.p.layout
+                    ),
+                ));
+            }
+        }
+        Ok((PrefillSim { per_layer_ns: per_layer.as_nanos() as u64, overlap }, dispatch))
     }
 
     /// `--listen` and `--advertise-host`: (listen, bind host, advertise host).
@@ -460,6 +567,7 @@ impl Layers<'_> {
                 .map_err(|e| ConfigError::new("--on-load-failure", e))?,
             None => FailurePolicy::Fail,
         };
+        let (prefill, dispatch) = self.prefill_sim(transport.mode, &pair)?;
         let fault = f.fault.as_deref().map(parse_fault).transpose()?;
         if let Some(plan) = fault {
             check_fault(plan, &pair, requests)?;
@@ -518,7 +626,9 @@ impl Layers<'_> {
                 listen,
                 bind_host,
                 advertise_host,
+                prefill,
             },
+            dispatch,
             lens,
             arrival,
             requests,
@@ -897,6 +1007,58 @@ mod tests {
         assert_eq!(sc.mem.as_deref(), Some("host"));
         assert_eq!(sc.on_load_failure.as_deref(), Some("recompute"));
         assert_eq!(sc.extra["progress"], "hybrid");
+    }
+
+    #[test]
+    fn prefill_simulation_overlap_and_dispatch_resolve_and_refuse_by_flag() {
+        use crate::pipeline::proto::{Dispatch, Overlap};
+        let push = |f: BenchFlags| BenchFlags { mode: Some("push".into()), ..f };
+        // Defaults: no simulated prefill, no overlap, sequential.
+        let s = resolve(&push(BenchFlags::default()), &env()).expect("push");
+        assert_eq!((s.workers.prefill.per_layer_ns, s.workers.prefill.overlap), (0, Overlap::None));
+        assert_eq!(s.dispatch, Dispatch::Sequential);
+        // Layer overlap dispatches both legs at once unless told otherwise.
+        let layers = push(BenchFlags {
+            overlap: Some("layers".into()),
+            prefill_time_per_layer: Some(Duration::from_micros(500)),
+            ..Default::default()
+        });
+        let s = resolve(&layers, &env()).expect("overlap");
+        assert_eq!((s.workers.prefill.per_layer_ns, s.workers.prefill.overlap), (500_000, Overlap::Layers));
+        assert_eq!(s.dispatch, Dispatch::Concurrent);
+        assert_eq!(s.scenario().extra["overlap"], "layers");
+        let refused = |f: BenchFlags| resolve(&f, &env()).expect_err("refused").flag;
+        assert_eq!(
+            refused(BenchFlags { dispatch: Some("sequential".into()), ..layers.clone() }),
+            "--dispatch"
+        );
+        assert_eq!(refused(BenchFlags { overlap: Some("blocks".into()), ..layers.clone() }), "--overlap");
+        assert_eq!(
+            refused(BenchFlags { prefill_time_per_layer: Some(Duration::from_secs(2)), ..layers.clone() }),
+            "--prefill-time-per-layer"
+        );
+        // BHLNC with several heads per rank keeps a block's layers inside each head: nothing to
+        // cut per layer. BLHNC registers one strided region per layer, so it can.
+        let layout = |l: &str| BenchFlags {
+            pair: PairFlags { layout: Some(l.into()), ..PairFlags::default() },
+            ..layers.clone()
+        };
+        assert_eq!(refused(layout("BHLNC")), "--layout");
+        assert!(resolve(&layout("BLHNC"), &env()).is_ok());
+        // Pull refuses push's choices, except as the pull run of a mode comparison.
+        let pull = BenchFlags { mode: Some("pull".into()), ..layers.clone() };
+        assert_eq!(refused(pull.clone()), "--overlap");
+        assert_eq!(
+            refused(BenchFlags { mode: None, dispatch: Some("concurrent".into()), ..BenchFlags::default() }),
+            "--dispatch"
+        );
+        let leg = resolve(&BenchFlags { in_mode_comparison: true, ..pull }, &env()).expect("comparison leg");
+        assert_eq!((leg.workers.prefill.overlap, leg.dispatch), (Overlap::None, Dispatch::Sequential));
+        assert_eq!(leg.workers.prefill.per_layer_ns, 500_000, "both modes compute the same prefill");
+        // From the file, the error names the key.
+        let file = config("mode = \"pull\"\noverlap = \"layers\"\nprefill_time_per_layer = \"1ms\"\n");
+        let e = resolve(&with_config(&file), &env()).expect_err("pull with overlap");
+        assert!(e.flag.starts_with("overlap in "), "{}", e.flag);
     }
 
     #[test]

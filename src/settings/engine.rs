@@ -313,6 +313,7 @@ fn serve_engine_workers(
         listen: None,
         advertise_host: if host == "0.0.0.0" { "127.0.0.1".into() } else { host.clone() },
         bind_host: host,
+        prefill: Default::default(),
     })
 }
 

@@ -67,7 +67,12 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
         let mut runs = Vec::new();
         for n in names {
             parse_mode(n).map_err(|e| ConfigError::new("--compare-modes", e))?;
-            let one = BenchFlags { compare_modes: None, mode: Some(n.trim().to_string()), ..flags.clone() };
+            let one = BenchFlags {
+                compare_modes: None,
+                mode: Some(n.trim().to_string()),
+                in_mode_comparison: true,
+                ..flags.clone()
+            };
             runs.push(resolve(&one, env)?);
         }
         if runs.is_empty() {

@@ -168,12 +168,73 @@ fn compare_modes_runs_pull_and_push_on_the_same_workload() {
     assert!(run.dir.join("modes.svg").exists(), "a chart of the comparison");
 }
 
+// Concurrent dispatch: decode registers before prefill answered (push needs only its identity).
+clean_case!(
+    push_concurrent_dispatch,
+    TINY,
+    [
+        "--mode",
+        "push",
+        "--p-tp",
+        "2",
+        "--d-tp",
+        "1",
+        "--dispatch",
+        "concurrent",
+        "--prefill-time-per-layer",
+        "2ms"
+    ]
+);
+
+/// `--overlap layers`: each layer's slice of the blocks is written as the simulated prefill
+/// computes it; every byte still lands (verified on decode), the WRITE time spent while prefill
+/// computed is reported, and the KV-ready stage covers prefill and transfer.
+#[test]
+fn push_overlap_writes_layer_by_layer_while_prefill_computes() {
+    let _turn = exclusive();
+    let a = args(
+        &[
+            "--mode",
+            "push",
+            "--p-tp",
+            "8",
+            "--d-tp",
+            "2",
+            "--overlap",
+            "layers",
+            "--prefill-time-per-layer",
+            "5ms",
+        ],
+        TINY8,
+    );
+    let run = run_bench("push overlap", &a);
+    check_clean("push overlap", &run, 6);
+    let s = &run.summary;
+    assert_eq!(s["scenario"]["overlap"], "layers", "{s}");
+    assert_eq!(s["scenario"]["dispatch"], "concurrent", "the default with --overlap layers");
+    let stage = |name: &str, p: &str| s["stages"][name][p].as_f64().unwrap_or_else(|| panic!("{name}: {s}"));
+    assert_eq!(s["stages"]["push_hidden"]["count"].as_u64(), Some(6), "{s}");
+    assert_eq!(s["stages"]["push_write"]["count"].as_u64(), Some(6), "{s}");
+    // A request's KV is ready no sooner than its prefill of 2 layers x 5 ms computed.
+    assert!(stage("kv_ready", "min_us") >= 10_000.0, "{s}");
+    let notes = s["notes"].as_array().expect("notes");
+    assert!(
+        notes.iter().any(|n| n.as_str().is_some_and(|t| t.contains("ran while prefill computed"))),
+        "the hidden share is reported: {notes:?}"
+    );
+}
+
 #[test]
 fn push_refusals_name_their_flag() {
     for (extra, flag) in [
         (&["--mode", "push", "--p-block-size", "16", "--d-block-size", "32"][..], "--d-block-size"),
         (&["--mode", "push", "--transport", "storage"][..], "--transport"),
         (&["--mode", "push", "--vllm", "0.19"][..], "--vllm"),
+        (&["--overlap", "layers"][..], "--overlap"),
+        (&["--dispatch", "concurrent"][..], "--dispatch"),
+        (&["--mode", "push", "--overlap", "layers", "--dispatch", "sequential"][..], "--dispatch"),
+        (&["--mode", "push", "--overlap", "layers", "--layout", "BHLNC"][..], "--layout"),
+        (&["--mode", "push", "--prefill-time-per-layer", "-1ms"][..], "--prefill-time-per-layer"),
     ] {
         let out = kvx().arg("bench").args(extra).args(["--requests", "1"]).output().expect("run");
         assert_eq!(out.status.code(), Some(2), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
