@@ -146,6 +146,10 @@ pub struct ServeEngineArgs {
     /// One GPU for every rank of --mem cuda (--devices N).
     #[arg(long, value_name = "N", conflicts_with = "devices", help_heading = "KV workers")]
     pub device: Option<u32>,
+    /// Who moves the KV: pull (decode reads, vLLM's NixlConnector) or push (prefill writes into
+    /// the blocks decode registers, NixlPushConnector); both engines must use the same [default: pull].
+    #[arg(long, value_name = "pull|push", help_heading = "KV workers")]
+    pub mode: Option<String>,
 }
 
 impl ServeEngineArgs {
@@ -184,6 +188,7 @@ impl ServeEngineArgs {
             huge_pages: self.huge_pages,
             mem: self.mem.clone(),
             devices: self.devices.clone().or(self.device.map(|d| vec![d])),
+            mode: self.mode.clone(),
         }
     }
 }

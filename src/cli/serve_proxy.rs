@@ -13,6 +13,7 @@ use clap::{ArgAction, Args};
 use super::serve_engine::{announce, bind, runtime, shutdown_signal};
 use crate::Outcome;
 use crate::error::ConfigError;
+use crate::pipeline::proto::Dispatch;
 use crate::serve::proxy::{self, BackendAddr, Policy, ProxyConfig, ProxyState};
 
 #[derive(Debug, Args)]
@@ -54,6 +55,11 @@ pub struct ServeProxyArgs {
     /// power_of_two work too).
     #[arg(long, value_enum, default_value = "round-robin")]
     pub policy: Policy,
+    /// How a request's legs are sent: sequential (prefill, then decode with its answer, as the
+    /// toy proxy) or concurrent (push mode: both at once, decode registering its blocks while
+    /// prefill computes, once a prefill engine's first push answer gave its identity).
+    #[arg(long, value_enum, default_value = "sequential")]
+    pub dispatch: Dispatch,
     /// Policy of the prefill pool [default: --policy].
     #[arg(long, value_enum, help_heading = "vLLM router flags")]
     pub prefill_policy: Option<Policy>,
@@ -182,6 +188,7 @@ pub fn resolve(a: &ServeProxyArgs) -> Result<ProxyConfig, ConfigError> {
         backend_api_key: a.backend_api_key.clone().or_else(|| a.api_key.clone()),
         health_interval: seconds("--health-interval", a.health_interval, true)?,
         health_timeout: seconds("--health-timeout", a.health_timeout, false)?,
+        dispatch: a.dispatch,
     })
 }
 

@@ -717,7 +717,10 @@ impl Decoder<'_> {
             remote_port: params.remote_port,
             remote_tp_size: params.tp_size,
             remote_pp_size: params.pp_size,
-            remote_request_id: Some(params.remote_request_id.clone()),
+            // Empty when decode was sent before prefill answered (concurrent dispatch): prefill
+            // then matches the registration by the base id both legs share.
+            remote_request_id: (!params.remote_request_id.is_empty())
+                .then(|| params.remote_request_id.clone()),
         };
         let worker = match &self.local {
             Local::Ucx(u) => Some(&u.worker),

@@ -46,3 +46,33 @@ impl KvTransferParams {
         }
     }
 }
+
+/// A request id without the random suffix vLLM (0.32+) and kvx's serving engines append to
+/// make engine-internal ids unique (`cmpl-<X-Request-Id>-0-1a2b3c4d` -> `cmpl-<X-Request-Id>-0`),
+/// as vLLM's `get_base_request_id` strips it: the prefill and decode legs of one request share
+/// it, because the proxy gives both the same `X-Request-Id`. Ids without such a suffix are
+/// returned whole.
+pub fn base_request_id(id: &str) -> &str {
+    match id.rsplit_once('-') {
+        Some((base, suffix))
+            if !base.is_empty() && suffix.len() == 8 && suffix.bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            base
+        }
+        _ => id,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::base_request_id;
+
+    #[test]
+    fn base_ids_drop_the_random_suffix_only() {
+        assert_eq!(base_request_id("cmpl-abc-0-1a2b3c4d"), "cmpl-abc-0");
+        assert_eq!(base_request_id("chatcmpl-abc-deadbeef"), "chatcmpl-abc");
+        assert_eq!(base_request_id("cmpl-run-7-0"), "cmpl-run-7-0", "no 8-hex suffix");
+        assert_eq!(base_request_id("cmpl-abc-0-1a2b3c4g"), "cmpl-abc-0-1a2b3c4g", "not hex");
+        assert_eq!(base_request_id("-12345678"), "-12345678");
+    }
+}

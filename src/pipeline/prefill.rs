@@ -348,7 +348,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             if let Notification::PushReg(reg) = n {
                 let matched = pusher.as_mut().and_then(|p| p.register(*reg));
                 // Written now if its prefill is done; while it computes, by `advance` below.
-                if let (Some(id), Some(p)) = (matched, pusher.as_mut())
+                let id = matched.and_then(|k| Pusher::held_id(&k, held.keys()));
+                if let (Some(id), Some(p)) = (id, pusher.as_mut())
                     && held.get(&id).is_some_and(|h| h.compute.is_none())
                 {
                     push_one(ctl, &cfg, &mut pool, p, &mut leases, &mut held, &id, 0)?;

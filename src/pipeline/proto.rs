@@ -163,7 +163,7 @@ impl Overlap {
 }
 
 /// How the orchestrator (the bench, or the serving proxy) sends a request's two legs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Dispatch {
     /// Prefill first; decode once prefill answered (vLLM's toy proxy; pull needs it, since

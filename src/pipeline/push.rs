@@ -19,6 +19,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use super::params::base_request_id;
 use super::proto::{FailureCause, TransportKind, WorkerConfig};
 use super::worker::{classify_ucx, compat_factors};
 use crate::layouts::compat::PairSpec;
@@ -189,10 +190,16 @@ impl Pusher {
         }
     }
 
-    /// Records a registration; returns the prefill request id it is for, if this rank has
-    /// not written that request yet (the caller writes it if it holds the blocks).
+    /// Records a registration; returns the key it is filed under, if this rank has not
+    /// written that request yet (the caller writes it if it holds the blocks). A registration
+    /// that names the prefill request id (decode got prefill's answer first) is filed under it;
+    /// one sent before prefill answered (concurrent dispatch) knows only its own id, and is
+    /// filed under that id's base, which the prefill leg's id shares (vLLM's fuzzy match).
     pub fn register(&mut self, reg: PushRegistration) -> Option<String> {
-        let id = reg.remote_request_id.clone().unwrap_or_else(|| reg.request_id.clone());
+        let id = match &reg.remote_request_id {
+            Some(p) if !p.is_empty() => p.clone(),
+            _ => base_request_id(&reg.request_id).to_string(),
+        };
         if self.written.contains(&id) {
             return None;
         }
@@ -200,22 +207,39 @@ impl Pusher {
         Some(id)
     }
 
+    /// The key a request's registration is filed under, if one came: its exact id, else its
+    /// base id.
+    fn key_of(&self, p_request_id: &str) -> Option<String> {
+        [p_request_id, base_request_id(p_request_id)]
+            .into_iter()
+            .find(|k| self.registrations.contains_key(*k))
+            .map(str::to_string)
+    }
+
     /// Whether a registration is waiting for this request's fill.
     pub fn is_registered(&self, p_request_id: &str) -> bool {
-        self.registrations.contains_key(p_request_id)
+        self.key_of(p_request_id).is_some()
+    }
+
+    /// The prefill request id a registration key stands for, among those this rank holds.
+    pub fn held_id<'a>(key: &str, mut held: impl Iterator<Item = &'a String>) -> Option<String> {
+        held.find(|id| id.as_str() == key || base_request_id(id) == key).cloned()
     }
 
     /// Forgets a request (its blocks were freed).
     pub fn forget(&mut self, p_request_id: &str) {
-        self.registrations.remove(p_request_id);
-        self.written.remove(p_request_id);
+        for k in [p_request_id, base_request_id(p_request_id)] {
+            self.registrations.remove(k);
+            self.written.remove(k);
+        }
     }
 
     /// Tells the decode ranks of a registered request that this rank will not WRITE it (its
     /// UCX side is gone), over ZMQ, where this rank already knows the decode engine.
     pub fn give_up(&mut self, p_request_id: &str) {
-        let Some(reg) = self.registrations.remove(p_request_id) else { return };
-        self.written.insert(p_request_id.to_string());
+        let Some(key) = self.key_of(p_request_id) else { return };
+        let Some(reg) = self.registrations.remove(&key) else { return };
+        self.written.insert(key);
         if let Some(eng) = self.engines.get(&reg.decode_engine_id) {
             let count = eng.planner.map.notif_count;
             let n = Notification::PushFailed { d_request_id: reg.request_id.clone(), count };
@@ -254,11 +278,14 @@ impl Pusher {
         p_request_id: &str,
         blocks: &[u32],
     ) -> Result<PushJob, Failure> {
+        let key = self
+            .key_of(p_request_id)
+            .ok_or((FailureCause::Internal, format!("no registration for {p_request_id}")))?;
         let reg = self
             .registrations
-            .remove(p_request_id)
+            .remove(&key)
             .ok_or((FailureCause::Internal, format!("no registration for {p_request_id}")))?;
-        self.written.insert(p_request_id.to_string());
+        self.written.insert(key);
         let mut stats = PushStats::default();
         if !self.engines.contains_key(&reg.decode_engine_id) {
             let t = Instant::now();

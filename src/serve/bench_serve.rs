@@ -260,6 +260,7 @@ fn measure(s: &BenchSettings, opts: &ServeOptions) -> Result<Measured, BenchServ
             vec![BackendAddr { host: "127.0.0.1".into(), port: d_addr.port() }],
         );
         pcfg.request_timeout = (s.workers.timeout * 8).max(Duration::from_secs(60));
+        pcfg.dispatch = s.dispatch;
         let pst = ProxyState::new(pcfg).map_err(|e| BenchServeError::Io(e.message))?;
         let x_st = pst.clone();
         let (x_addr, x_task) = spawn_server(&stop_rx, |l, stop| proxy::serve(l, pst, stop)).await?;

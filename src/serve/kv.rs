@@ -355,6 +355,11 @@ impl KvIntent {
         if !flag("do_remote_prefill") {
             return KvIntent::None;
         }
+        // Push (vLLM's NixlPushConnector): decode registers its blocks with prefill, which
+        // writes into them; decode needs only prefill's identity, so the proxy may send it
+        // before prefill answered, without block ids or prefill's request id.
+        let transfer_mode = m.get("transfer_mode").and_then(Value::as_str).unwrap_or("pull").to_string();
+        let push = transfer_mode == "push";
         let mut missing = Vec::new();
         let s = |k: &'static str, missing: &mut Vec<&'static str>| match m.get(k).and_then(Value::as_str) {
             Some(s) => s.to_string(),
@@ -364,7 +369,11 @@ impl KvIntent {
             }
         };
         let engine_id = s("remote_engine_id", &mut missing);
-        let request_id = s("remote_request_id", &mut missing);
+        let request_id = match m.get("remote_request_id").and_then(Value::as_str) {
+            Some(id) => id.to_string(),
+            None if push => String::new(),
+            None => s("remote_request_id", &mut missing),
+        };
         let host = s("remote_host", &mut missing);
         let port = match m.get("remote_port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()) {
             Some(p) => p,
@@ -381,6 +390,7 @@ impl KvIntent {
                 })
                 .collect(),
             Some(Value::Array(a)) => vec![a.iter().filter_map(Value::as_u64).collect()],
+            _ if push => Vec::new(),
             _ => {
                 missing.push("remote_block_ids");
                 Vec::new()
@@ -404,7 +414,7 @@ impl KvIntent {
             remote_num_tokens: num("remote_num_tokens", 0),
             remote_blocks_expiry_time: m.get("remote_blocks_expiry_time").and_then(Value::as_f64),
             remote_registration_generation: num("remote_registration_generation", 0),
-            transfer_mode: m.get("transfer_mode").and_then(Value::as_str).unwrap_or("pull").to_string(),
+            transfer_mode,
         };
         KvIntent::RemotePrefill(Box::new(params))
     }
@@ -464,6 +474,16 @@ mod tests {
                 assert_eq!(p.tp_size, 4);
             }
             other => panic!("unexpected {other:?}"),
+        }
+        // Push: the identity alone (sent before prefill answered) is enough.
+        let push = json!({"do_remote_prefill": true, "remote_engine_id": "e", "remote_host": "h",
+            "remote_port": 5600, "tp_size": 2, "transfer_mode": "push"});
+        match KvIntent::from_json(Some(&push)) {
+            KvIntent::RemotePrefill(p) => {
+                assert_eq!((p.remote_request_id.as_str(), p.tp_size), ("", 2));
+                assert!(p.remote_block_ids.is_empty());
+            }
+            other => panic!("push identity: {other:?}"),
         }
         let partial = json!({"do_remote_prefill": true, "remote_block_ids": [[0]], "remote_engine_id": "e"});
         match KvIntent::from_json(Some(&partial)) {

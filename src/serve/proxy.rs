@@ -49,6 +49,7 @@ use super::metrics::{Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_T
 use super::openai::{ApiError, Endpoint};
 use super::rewrite::{self, RawObject};
 use super::timing::{self, ServerTiming};
+use crate::pipeline::proto::Dispatch;
 
 /// With health checks off, how long a backend that refused a connection is left alone before
 /// a request tries it again.
@@ -98,6 +99,9 @@ pub struct ProxyConfig {
     /// Period of the background `GET /health` probes; zero disables them.
     pub health_interval: Duration,
     pub health_timeout: Duration,
+    /// Sequential (prefill, then decode with its answer) or concurrent (push mode: both legs
+    /// at once, once a prefill engine's identity is known from an earlier answer).
+    pub dispatch: Dispatch,
 }
 
 impl ProxyConfig {
@@ -113,6 +117,7 @@ impl ProxyConfig {
             backend_api_key: None,
             health_interval: Duration::from_secs(2),
             health_timeout: Duration::from_secs(2),
+            dispatch: Dispatch::Sequential,
         }
     }
 }
@@ -170,6 +175,9 @@ struct Backend {
     requests: Counter,
     latency: Histogram,
     errors: [Counter; CAUSES.len()],
+    /// Prefill backends in push mode: the identity a decode leg needs, from its last answer
+    /// (`--dispatch concurrent` sends both legs at once once it is known).
+    identity: std::sync::Mutex<Option<String>>,
 }
 
 impl Backend {
@@ -192,11 +200,24 @@ impl Backend {
             requests: Counter::default(),
             latency: Histogram::latency(),
             errors: Default::default(),
+            identity: std::sync::Mutex::new(None),
         })
     }
 
     fn error(&self, c: Cause) {
         self.errors[c as usize].inc();
+    }
+
+    /// The push identity this prefill engine's last push answer gave (`rewrite::push_identity`).
+    fn identity(&self) -> Option<String> {
+        self.identity.lock().ok().and_then(|g| g.clone())
+    }
+
+    /// Keeps (or, for a pull answer, drops) the identity of a prefill answer.
+    fn learn_identity(&self, id: Option<String>) {
+        if let Ok(mut g) = self.identity.lock() {
+            *g = id;
+        }
     }
 
     fn uri(&self, path: &'static str) -> Uri {
@@ -320,6 +341,8 @@ struct ProxyMetrics {
     no_healthy: [Counter; 2],
     /// Prefill handoffs the proxy aborted on the prefill engine (decode leg failed).
     prefill_aborts: Counter,
+    /// Requests whose two legs were sent at once (`--dispatch concurrent`, push mode).
+    concurrent_dispatches: Counter,
     /// From the client's request to the decode response headers.
     time_to_headers: Histogram,
 }
@@ -357,6 +380,7 @@ impl ProxyState {
                 client_disconnects: Counter::default(),
                 no_healthy: Default::default(),
                 prefill_aborts: Counter::default(),
+                concurrent_dispatches: Counter::default(),
                 time_to_headers: Histogram::latency(),
             },
             cfg,
@@ -416,6 +440,12 @@ impl ProxyState {
             "Prefill answers without kv_transfer_params: decode prefilled locally (silent fallback).",
             &[],
             m.missing_kv_params.get(),
+        );
+        e.counter(
+            "kvx:proxy_concurrent_dispatches_total",
+            "Requests whose prefill and decode legs were sent at once (--dispatch concurrent, push mode).",
+            &[],
+            m.concurrent_dispatches.get(),
         );
         e.counter(
             "kvx:proxy_client_disconnects_total",
@@ -609,7 +639,7 @@ async fn forward_json(st: &ProxyState, headers: &HeaderMap, path: &'static str, 
 
 /// Sends one request to a decode engine and passes its answer back whole.
 async fn forward(st: &ProxyState, method: Method, path: &'static str, body: Bytes) -> Response {
-    let leg = match send_leg(st, LegRole::Decode, method, path, body, None).await {
+    let leg = match send_leg(st, LegRole::Decode, method, path, body, None, None).await {
         Ok(l) => l,
         Err(e) => return error_response(&e),
     };
@@ -655,12 +685,20 @@ async fn send_leg(
     path: &'static str,
     body: Bytes,
     x_request_id: Option<&HeaderValue>,
+    only: Option<usize>,
 ) -> Result<Leg, ApiError> {
     let pool = st.pool(role);
     let mut tried: Vec<usize> = Vec::new();
     let mut last_err: Option<ApiError> = None;
     loop {
-        let Some(i) = pool.pick(st.policy(role), &tried, st.checks_on()) else {
+        // `only`: the one backend a concurrent dispatch named to the other leg; no retry
+        // elsewhere (the other leg waits on this engine).
+        let pick = match only {
+            Some(i) if tried.is_empty() && i < pool.backends.len() => Some(i),
+            Some(_) => None,
+            None => pool.pick(st.policy(role), &tried, st.checks_on()),
+        };
+        let Some(i) = pick else {
             return Err(last_err.unwrap_or_else(|| no_healthy(st, role)));
         };
         if !tried.is_empty() {
@@ -799,76 +837,64 @@ async fn proxy_inner(
     });
     let mut watch = DisconnectWatch { st, done: false };
 
-    // Prefill leg: fail fast on anything but a 2xx; decode is never called then.
-    let p_body = Bytes::from(rewrite::prefill_body(&client));
-    let p = match send_leg(st, LegRole::Prefill, Method::POST, ep.path(), p_body, Some(&x_request_id)).await {
-        Ok(l) => l,
-        Err(e) => {
-            watch.done = true;
-            return error_response(&e);
+    // Concurrent dispatch (push): both legs at once, to a prefill engine whose identity an
+    // earlier push answer gave; decode registers its blocks while prefill computes.
+    let concurrent = (st.cfg.dispatch == Dispatch::Concurrent)
+        .then(|| st.pool(LegRole::Prefill).pick(st.policy(LegRole::Prefill), &[], checks_on))
+        .flatten()
+        .and_then(|i| st.pool(LegRole::Prefill).backends[i].identity().map(|id| (i, id)));
+    let (p, d) = match concurrent {
+        Some((i, identity)) => {
+            st.metrics.concurrent_dispatches.inc();
+            let d_body = Bytes::from(rewrite::decode_body(&client, body, Some(&identity)));
+            let p_fut = prefill_leg(st, ep, &client, &x_request_id, Some(i));
+            let d_fut =
+                send_leg(st, LegRole::Decode, Method::POST, ep.path(), d_body, Some(&x_request_id), None);
+            tokio::pin!(p_fut, d_fut);
+            let mut early_d = None;
+            let p = loop {
+                tokio::select! {
+                    p = &mut p_fut => break p,
+                    d = &mut d_fut, if early_d.is_none() => early_d = Some(d),
+                }
+            };
+            match p {
+                Ok(p) => {
+                    let d = match early_d {
+                        Some(d) => d,
+                        None => d_fut.await,
+                    };
+                    (p, d)
+                }
+                // The decode leg is dropped with its future: its engine sees the client go.
+                Err(resp) => {
+                    watch.done = true;
+                    return resp;
+                }
+            }
+        }
+        None => {
+            let p = match prefill_leg(st, ep, &client, &x_request_id, None).await {
+                Ok(p) => p,
+                Err(resp) => {
+                    watch.done = true;
+                    return resp;
+                }
+            };
+            // Decode leg: original body plus P's params verbatim, streamed back as it arrives.
+            let d_body = Bytes::from(rewrite::decode_body(&client, body, p.params.as_deref()));
+            let d = send_leg(st, LegRole::Decode, Method::POST, ep.path(), d_body, Some(&x_request_id), None)
+                .await;
+            (p, d)
         }
     };
-    let p_status = p.resp.status();
-    let mut server_timing = ServerTiming::new();
-    server_timing.extend_from(p.resp.headers());
-    let left = st.cfg.request_timeout.saturating_sub(p.sent_at.elapsed());
-    let p_bytes = match tokio::time::timeout(left, p.resp.into_body().collect()).await {
-        Ok(Ok(b)) => b.to_bytes(),
-        Ok(Err(e)) => {
-            p.backend.error(Cause::Protocol);
-            watch.done = true;
-            return error_response(&ApiError::new(
-                502,
-                format!("prefill engine {} broke off its response: {}", p.backend.label, error_chain(&e)),
-            ));
-        }
-        Err(_) => {
-            p.backend.error(Cause::Timeout);
-            watch.done = true;
-            return error_response(&ApiError::new(
-                504,
-                format!("prefill engine {} did not finish within --request-timeout", p.backend.label),
-            ));
-        }
-    };
-    p.backend.latency.observe(p.sent_at.elapsed());
-    drop(p.guard);
-    if !p_status.is_success() {
-        p.backend.error(Cause::Status);
-        watch.done = true;
-        return prefill_failure(&p.backend.label, p_status, &p_bytes);
-    }
-    let p_obj = match RawObject::parse(&p_bytes) {
-        Ok(o) => o,
-        Err(e) => {
-            p.backend.error(Cause::Protocol);
-            watch.done = true;
-            return error_response(&ApiError::new(
-                502,
-                format!(
-                    "prefill engine {} answered {p_status} with a body that is not a JSON object: {}",
-                    p.backend.label, e.0
-                ),
-            ));
-        }
-    };
-    let params = p_obj.get("kv_transfer_params").filter(|raw| rewrite::is_truthy(raw));
-    if params.is_none() {
-        st.metrics.missing_kv_params.inc();
-        tracing::warn!(
-            backend = %p.backend.label,
-            "prefill answered without kv_transfer_params; the decode engine will prefill locally"
-        );
-    }
+    let mut server_timing = p.server_timing;
     // P now holds blocks for the decode engine: if the decode leg fails, P is told to free
     // them now. (A client that leaves meanwhile is the decode engine's to handle: its load,
     // once started, notifies P when it is done; freeing them here could pull blocks away
     // from under its reads.)
-    let handoff = params.and_then(remote_request_id);
-
-    // Decode leg: original body plus P's params verbatim, streamed back as it arrives.
-    let d_body = Bytes::from(rewrite::decode_body(&client, body, params));
-    let d = match send_leg(st, LegRole::Decode, Method::POST, ep.path(), d_body, Some(&x_request_id)).await {
+    let handoff = p.params.as_deref().and_then(remote_request_id);
+    let d = match d {
         Ok(l) => l,
         Err(e) => {
             watch.done = true;
@@ -916,6 +942,82 @@ async fn proxy_inner(
         resp.headers_mut().insert(timing::SERVER_TIMING, h);
     }
     resp
+}
+
+/// What the prefill leg answered: its backend, its `kv_transfer_params` (raw JSON, if any)
+/// and its Server-Timing stages.
+struct PrefillAnswer {
+    backend: Arc<Backend>,
+    params: Option<String>,
+    server_timing: ServerTiming,
+}
+
+/// The prefill leg (to backend `only` when given): fails fast on anything but a 2xx, with the
+/// response the client gets. A push answer's identity is kept on its backend for concurrent
+/// dispatch.
+async fn prefill_leg(
+    st: &Arc<ProxyState>,
+    ep: Endpoint,
+    client: &RawObject<'_>,
+    x_request_id: &HeaderValue,
+    only: Option<usize>,
+) -> Result<PrefillAnswer, Response> {
+    let p_body = Bytes::from(rewrite::prefill_body(client));
+    let p = send_leg(st, LegRole::Prefill, Method::POST, ep.path(), p_body, Some(x_request_id), only)
+        .await
+        .map_err(|e| error_response(&e))?;
+    let p_status = p.resp.status();
+    let mut server_timing = ServerTiming::new();
+    server_timing.extend_from(p.resp.headers());
+    let left = st.cfg.request_timeout.saturating_sub(p.sent_at.elapsed());
+    let p_bytes = match tokio::time::timeout(left, p.resp.into_body().collect()).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) => {
+            p.backend.error(Cause::Protocol);
+            return Err(error_response(&ApiError::new(
+                502,
+                format!("prefill engine {} broke off its response: {}", p.backend.label, error_chain(&e)),
+            )));
+        }
+        Err(_) => {
+            p.backend.error(Cause::Timeout);
+            return Err(error_response(&ApiError::new(
+                504,
+                format!("prefill engine {} did not finish within --request-timeout", p.backend.label),
+            )));
+        }
+    };
+    p.backend.latency.observe(p.sent_at.elapsed());
+    drop(p.guard);
+    if !p_status.is_success() {
+        p.backend.error(Cause::Status);
+        return Err(prefill_failure(&p.backend.label, p_status, &p_bytes));
+    }
+    let p_obj = match RawObject::parse(&p_bytes) {
+        Ok(o) => o,
+        Err(e) => {
+            p.backend.error(Cause::Protocol);
+            return Err(error_response(&ApiError::new(
+                502,
+                format!(
+                    "prefill engine {} answered {p_status} with a body that is not a JSON object: {}",
+                    p.backend.label, e.0
+                ),
+            )));
+        }
+    };
+    let params = p_obj.get("kv_transfer_params").filter(|raw| rewrite::is_truthy(raw)).map(str::to_string);
+    match &params {
+        None => {
+            st.metrics.missing_kv_params.inc();
+            tracing::warn!(
+                backend = %p.backend.label,
+                "prefill answered without kv_transfer_params; the decode engine will prefill locally"
+            );
+        }
+        Some(raw) => p.backend.learn_identity(rewrite::push_identity(raw)),
+    }
+    Ok(PrefillAnswer { backend: p.backend, params, server_timing })
 }
 
 /// P's request id in its `kv_transfer_params` (raw JSON), the id its blocks are held under.

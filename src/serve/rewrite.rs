@@ -144,8 +144,44 @@ pub fn decode_body(client: &RawObject<'_>, original: &[u8], p_params: Option<&st
     }
 }
 
+/// The identity a push-mode decode leg needs, from a prefill answer's `kv_transfer_params`
+/// (raw JSON): who the prefill engine is and where its side channel listens, without block ids
+/// or request id (decode registers its own blocks; prefill matches the registration by the
+/// request id both legs share). `None` for a pull answer, which decode can only act on with
+/// the blocks it names.
+pub fn push_identity(p_params: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(p_params).ok()?;
+    let m = v.as_object()?;
+    if m.get("transfer_mode").and_then(serde_json::Value::as_str) != Some("push") {
+        return None;
+    }
+    let mut out = serde_json::Map::new();
+    out.insert("do_remote_prefill".into(), true.into());
+    out.insert("do_remote_decode".into(), false.into());
+    for k in ["remote_engine_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size"] {
+        out.insert(k.into(), m.get(k)?.clone());
+    }
+    out.insert("transfer_mode".into(), "push".into());
+    serde_json::to_string(&serde_json::Value::Object(out)).ok()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn push_identity_keeps_who_prefill_is_and_drops_the_blocks() {
+        let push = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2]],
+            "remote_engine_id":"P","remote_request_id":"cmpl-x-0-1a2b3c4d","remote_host":"10.0.0.1",
+            "remote_port":5600,"tp_size":8,"dcp_size":1,"pp_size":1,"transfer_mode":"push"}"#;
+        let id: serde_json::Value =
+            serde_json::from_str(&super::push_identity(push).expect("push")).expect("json");
+        assert_eq!(id["remote_engine_id"], "P");
+        assert_eq!(id["tp_size"], 8);
+        assert_eq!(id["transfer_mode"], "push");
+        assert!(id.get("remote_block_ids").is_none() && id.get("remote_request_id").is_none());
+        assert_eq!(super::push_identity(&push.replace("\"push\"", "\"pull\"")), None);
+        assert_eq!(super::push_identity("not json"), None);
+    }
+
     use super::*;
 
     #[test]

@@ -30,7 +30,8 @@ use super::kv::{
 };
 use super::metrics::{Histogram, KV_STAGE_BUCKETS_S};
 use crate::pipeline::engine::{Engine, EngineConfig, EngineError, EngineFinal, EngineInfo, LoadDone};
-use crate::pipeline::proto::{FailureCause, LoadResult, Role};
+use crate::pipeline::params::base_request_id;
+use crate::pipeline::proto::{FailureCause, LoadResult, Role, TransferMode};
 use crate::report::recorder::StageRecorder;
 
 /// Decode-side stages recorded per load (slowest rank), in report order.
@@ -391,7 +392,9 @@ impl KvBackend for WorkerKv {
             })?;
             let req = self.next_req.fetch_add(1, Ordering::Relaxed);
             let p_request_id = job.request_id.clone();
-            let seed = pattern_seed(&p_request_id);
+            // From the id both legs share: a push decode leg sent before prefill answered
+            // knows only its own (`base_request_id`).
+            let seed = pattern_seed(base_request_id(&p_request_id));
             lock(&self.pending)
                 .insert(job.request_id.clone(), Pending { p_request_id: p_request_id.clone() });
             let mut guard = PendingGuard { kv: self, id: job.request_id.clone(), done: false };
@@ -423,23 +426,34 @@ impl KvBackend for WorkerKv {
 
     fn load(&self, job: LoadJob) -> BoxFuture<'_, Result<LoadReport, KvError>> {
         Box::pin(async move {
-            let params = &job.params;
-            params
-                .block_ids()
-                .map_err(|reason| KvError::InvalidParams { field: "remote_block_ids", reason })?;
-            if params.remote_request_id.is_empty() {
-                return Err(KvError::InvalidParams {
-                    field: "remote_request_id",
-                    reason: "is empty; the prefill engine's request id is needed to notify it".into(),
-                });
+            let mut params = job.params.clone();
+            // Push: prefill writes into the blocks decode registers, so decode needs neither
+            // its block ids nor (sent before prefill answered) its request id.
+            let push = params.transfer_mode == TransferMode::Push.as_str();
+            if !push {
+                params
+                    .block_ids()
+                    .map_err(|reason| KvError::InvalidParams { field: "remote_block_ids", reason })?;
+                if params.remote_request_id.is_empty() {
+                    return Err(KvError::InvalidParams {
+                        field: "remote_request_id",
+                        reason: "is empty; the prefill engine's request id is needed to notify it".into(),
+                    });
+                }
             }
+            if params.remote_num_tokens == 0 {
+                params.remote_num_tokens = job.prompt_tokens;
+            }
+            let params = &params;
             let n = blocks_for_tokens(job.prompt_tokens, self.block_tokens);
             let local_blocks = u32::try_from(n).map_err(|_| KvError::PoolTooSmall {
                 needed: n,
                 capacity: u64::from(self.info.pool_blocks),
             })?;
             let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-            let seed = pattern_seed(&params.remote_request_id);
+            let shared_id =
+                if params.remote_request_id.is_empty() { &job.request_id } else { &params.remote_request_id };
+            let seed = pattern_seed(base_request_id(shared_id));
             lock(&self.pending)
                 .insert(job.request_id.clone(), Pending { p_request_id: params.remote_request_id.clone() });
             let mut guard = PendingGuard { kv: self, id: job.request_id.clone(), done: false };

@@ -148,6 +148,10 @@ pub struct ServeEngineFlags {
     pub mem: String,
     /// `--devices` (or `--device`): GPUs of `--mem cuda`, round-robin over this engine's ranks.
     pub devices: Option<Vec<u32>>,
+    /// `--mode`: pull (decode reads, NixlConnector) or push (prefill writes,
+    /// NixlPushConnector); `None` is pull. Both engines of a pair must agree (the handshake's
+    /// compatibility hash includes it).
+    pub mode: Option<String>,
 }
 
 /// How `kvx serve-engine`'s KV side is built.
@@ -270,7 +274,14 @@ fn serve_engine_workers(
         }
     };
     let pair = scenario::resolve_pair(&a.model, &pair_flags, pool, pool).map_err(own_flag)?;
-    pair.validate().map_err(own_flag)?;
+    let mode = match &a.mode {
+        Some(m) => parse_mode(m).map_err(|e| ConfigError::new("--mode", e))?,
+        None => TransferMode::Pull,
+    };
+    match mode {
+        TransferMode::Pull => pair.validate().map(|_| ()).map_err(own_flag)?,
+        TransferMode::Push => pair.validate_push().map(|_| ()).map_err(own_flag)?,
+    }
     let alloc: AllocPattern = a.alloc.parse().map_err(|e| ConfigError::new("--alloc", e))?;
     let verify = parse_verify(&a.verify).map_err(|e| ConfigError::new("--verify", e))?;
     let err_mode = parse_err_mode(&a.err_mode).map_err(|e| ConfigError::new("--err-mode", e))?;
@@ -288,7 +299,7 @@ fn serve_engine_workers(
         transport: TransportConfig {
             kind: TransportKind::Ucx,
             chain: vec![],
-            mode: TransferMode::Pull,
+            mode,
             ucx_lib: a.ucx_lib.clone(),
             err_mode,
             progress,
@@ -376,7 +387,22 @@ mod tests {
             huge_pages: false,
             mem: "host".into(),
             devices: None,
+            mode: None,
         }
+    }
+
+    #[test]
+    fn serve_engine_mode_is_typed_and_push_refusals_name_the_flag() {
+        let exe = Ok(PathBuf::from("/bin/kvx"));
+        let push = ServeEngineFlags { mode: Some("push".into()), ..serve_flags(HttpRole::Decode) };
+        let KvSettings::Workers(w) = resolve_serve_engine(&push, &exe).expect("push").kv else {
+            panic!("workers backend")
+        };
+        assert_eq!(w.worker.transport.mode, TransferMode::Push);
+        let bad = ServeEngineFlags { mode: Some("pour".into()), ..serve_flags(HttpRole::Decode) };
+        assert_eq!(resolve_serve_engine(&bad, &exe).map(|_| ()).expect_err("bad mode").flag, "--mode");
+        let v019 = ServeEngineFlags { vllm: Some("0.19".into()), ..push };
+        assert_eq!(resolve_serve_engine(&v019, &exe).map(|_| ()).expect_err("0.19 push").flag, "--vllm");
     }
 
     #[test]

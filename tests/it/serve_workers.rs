@@ -117,8 +117,12 @@ async fn engine(role: &str, tp: &str, extra: &[&str]) -> Proc {
 }
 
 fn proxy(p: &Proc, d: &Proc) -> Proc {
+    proxy_with(p, d, &[])
+}
+
+fn proxy_with(p: &Proc, d: &Proc, extra: &[&str]) -> Proc {
     let (pp, dp) = (p.addr.port().to_string(), d.addr.port().to_string());
-    Proc::spawn(&[
+    let mut args = vec![
         "serve-proxy",
         "--port",
         "0",
@@ -130,7 +134,9 @@ fn proxy(p: &Proc, d: &Proc) -> Proc {
         "127.0.0.1",
         "--decoder-port",
         &dp,
-    ])
+    ];
+    args.extend_from_slice(extra);
+    Proc::spawn(&args)
 }
 
 const D_LABELS: &str = "{backend=\"workers\",kv_transfer=\"ucx\",role=\"decode\"}";
@@ -265,6 +271,49 @@ async fn completions_and_chat_through_the_proxy_read_verified_kv() {
             assert!(Instant::now() < deadline, "a decode worker outlived its killed engine");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    })
+    .await;
+}
+
+/// Push mode through the proxy: prefill WRITEs into the blocks decode registered. The first
+/// request goes leg after leg (the proxy learns the prefill engine's identity from its push
+/// answer); the next ones dispatch both legs at once, decode registering before prefill
+/// answered and prefill matching it by the request id both legs share. Every byte verified on
+/// decode, every prefill block back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_mode_serves_through_a_concurrent_proxy() {
+    within(async {
+        let p = engine("prefill", "2", &["--mode", "push"]).await;
+        let d = engine("decode", "1", &["--mode", "push", "--itl-ms", "1"]).await;
+        let x = proxy_with(&p, &d, &["--dispatch", "concurrent"]);
+        let prompt = words(40);
+        for i in 0..3 {
+            let body = format!(r#"{{"prompt":"{prompt}","max_tokens":2}}"#);
+            let id = format!("push-{i}");
+            let (status, _, text) = post(&x.url("/v1/completions"), &[("x-request-id", &id)], &body).await;
+            assert_eq!(status, StatusCode::OK, "request {i}: {text}");
+            let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+            assert_eq!(v["choices"][0]["text"], " t0 t1", "{text}");
+        }
+        let (_, _, m) = send("GET", &x.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, "kvx:proxy_concurrent_dispatches_total"), 2.0, "{m}");
+        let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 3.0, "{m}");
+        let landed = metric(&m, &format!("kvx:kv_bytes_read_total{D_LABELS}"));
+        let block = 2.0 * 2.0 * 8.0 * 128.0 * 2.0 * 16.0;
+        assert_eq!(landed, block * 3.0 * 3.0, "40 tokens are 3 blocks, 3 times: {m}");
+        assert_eq!(metric(&m, &format!("kvx:kv_bytes_verified_total{D_LABELS}")), landed);
+        assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0);
+        // Prefill frees on its own WRITEs' completion.
+        wait_metric(
+            &p.url("/metrics"),
+            &format!("kvx:kv_blocks_held{P_LABELS}"),
+            Duration::from_secs(5),
+            |v| v == 0.0,
+        )
+        .await;
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0, "{m}");
     })
     .await;
 }
