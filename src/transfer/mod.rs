@@ -6,6 +6,7 @@
 //! request lifecycles or workloads (that is `pipeline`).
 
 pub mod cuda;
+pub mod cuda_batch;
 pub mod doctor;
 pub mod handshake;
 pub mod memory;
