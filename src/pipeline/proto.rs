@@ -82,6 +82,10 @@ pub enum TransportKind {
     Storage,
     /// An ordered list: a load that fails on one is retried on the next (MultiConnector).
     Multi,
+    /// GPUs of one machine: the prefill pool mapped with CUDA IPC, one batched copy per peer
+    /// and request (`transfer::cuda_batch`); notifications over ZMQ. Pull mode only.
+    #[serde(rename = "cuda-batch")]
+    CudaBatch,
 }
 
 impl VerifyMode {
@@ -100,6 +104,7 @@ impl TransportKind {
             TransportKind::Ucx => "ucx",
             TransportKind::Storage => "storage",
             TransportKind::Multi => "multi",
+            TransportKind::CudaBatch => "cuda-batch",
         }
     }
 }
