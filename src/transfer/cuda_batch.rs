@@ -290,6 +290,464 @@ pub fn check_export<'a>(
 /// Size of a `CUipcMemHandle`.
 pub const IPC_HANDLE_BYTES: usize = 64;
 
+pub use imp::{BatchCopier, PeerMapping, export};
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::ffi::c_char;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use cudarc::driver::{result, sys};
+
+    use super::{BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, IPC_HANDLE_BYTES, Span};
+    use crate::transfer::cuda::{CudaBuffer, CudaDevice};
+    use crate::transfer::ucx::Registrable as _;
+
+    fn call<T>(op: &'static str, r: Result<T, result::DriverError>) -> Result<T, CudaBatchError> {
+        r.map_err(|e| CudaBatchError::Call { op, reason: e.to_string() })
+    }
+
+    /// `cuMemcpyBatchAsync_v2` (cuda.h of CUDA 13.0).
+    type BatchV2 = unsafe extern "C" fn(
+        *mut sys::CUdeviceptr,
+        *mut sys::CUdeviceptr,
+        *mut usize,
+        usize,
+        *mut sys::CUmemcpyAttributes,
+        *mut usize,
+        usize,
+        sys::CUstream,
+    ) -> sys::CUresult;
+    /// `cuMemcpyBatchAsync` (cuda.h of CUDA 12.8: with `failIdx` before the stream).
+    type BatchV1 = unsafe extern "C" fn(
+        *mut sys::CUdeviceptr,
+        *mut sys::CUdeviceptr,
+        *mut usize,
+        usize,
+        *mut sys::CUmemcpyAttributes,
+        *mut usize,
+        usize,
+        *mut usize,
+        sys::CUstream,
+    ) -> sys::CUresult;
+
+    /// A driver entry point looked up by name, `None` when this libcuda lacks it. cudarc's own
+    /// wrappers panic on a missing symbol, so version-specific functions are resolved here.
+    fn lookup<F: Copy>(name: &[u8]) -> Option<F> {
+        // SAFETY: callers hold an open `CudaDevice`, so libcuda is loaded (culib() does not
+        // panic); `F` is the function type of the C declaration of `name` (the aliases above,
+        // copied from cuda.h), and the library stays loaded for the life of the process.
+        unsafe { sys::culib().get::<F>(name).ok().map(|sym| *sym) }
+    }
+
+    fn driver_version() -> Result<i32, CudaBatchError> {
+        let mut v: std::ffi::c_int = 0;
+        // SAFETY: the driver is loaded and initialised (a device was opened); valid out pointer.
+        call("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut v).result() })?;
+        Ok(v)
+    }
+
+    /// Exports `buf` (a whole `cuMemAlloc` allocation) for CUDA IPC.
+    pub fn export(buf: &CudaBuffer) -> Result<CudaIpcExport, CudaBatchError> {
+        let _cur = buf.cuda_device().scoped()?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+        // SAFETY: `buf.addr()` is the base of a live cuMemAlloc allocation of the current
+        // context (`CudaBuffer` owns it until Drop); `handle` is a valid out pointer.
+        call("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut handle, buf.addr()).result() })?;
+        Ok(CudaIpcExport {
+            handle: handle.reserved.iter().map(|&c| c as u8).collect(),
+            base_addr: buf.addr(),
+            len: buf.len() as u64,
+            device: buf.device(),
+            machine_id: super::machine_id(),
+            pid: std::process::id(),
+        })
+    }
+
+    /// A peer's exported pool, mapped into this process with `cuIpcOpenMemHandle` (lazy peer
+    /// access, so it works across devices that can reach each other) and closed on drop.
+    pub struct PeerMapping {
+        ptr: sys::CUdeviceptr,
+        len: u64,
+        peer: String,
+        // Closed while its device is still held.
+        dev: Arc<CudaDevice>,
+    }
+
+    impl std::fmt::Debug for PeerMapping {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("PeerMapping")
+                .field("peer", &self.peer)
+                .field("ptr", &format_args!("{:#x}", self.ptr))
+                .field("len", &self.len)
+                .finish()
+        }
+    }
+
+    impl PeerMapping {
+        /// Opens `peer`'s export on `dev`, after [`super::check_export`]'s refusals (none
+        /// advertised, another machine, this process). The mapping's length is what CUDA
+        /// says the allocation spans, never more than advertised: a copy past it would fault
+        /// the GPU context, which no error recovers from.
+        pub fn open(
+            dev: &Arc<CudaDevice>,
+            peer: &str,
+            export: Option<&CudaIpcExport>,
+        ) -> Result<Arc<PeerMapping>, CudaBatchError> {
+            let e = super::check_export(peer, export)?;
+            let _cur = dev.scoped()?;
+            let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+            for (d, &b) in handle.reserved.iter_mut().zip(&e.handle) {
+                *d = b as c_char;
+            }
+            let mut ptr: sys::CUdeviceptr = 0;
+            let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
+            // SAFETY: `handle` holds 64 bytes of a peer's cuIpcGetMemHandle (length checked);
+            // the driver validates it and fails cleanly on a stale or foreign one; `ptr` is a
+            // valid out pointer; this device's context is current.
+            unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags).result() }
+                .map_err(|err| CudaBatchError::Open { peer: peer.to_string(), reason: err.to_string() })?;
+            // From here the mapping is owned: closed on every path below by Drop.
+            let mut mapping = PeerMapping { ptr, len: 0, peer: peer.to_string(), dev: Arc::clone(dev) };
+            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: `ptr` was just mapped in the current context; valid out pointers.
+            call("cuMemGetAddressRange", unsafe {
+                sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr).result()
+            })?;
+            let mapped = (base + size as u64).saturating_sub(ptr);
+            if mapped < e.len {
+                tracing::warn!(
+                    "{peer} advertises a {}-byte pool but CUDA maps {mapped} bytes of it; using {mapped}",
+                    e.len
+                );
+            }
+            mapping.len = e.len.min(mapped);
+            Ok(Arc::new(mapping))
+        }
+
+        /// The mapped pool as the packer sees it.
+        pub fn span(&self) -> Span {
+            Span { base: self.ptr, len: self.len }
+        }
+    }
+
+    impl Drop for PeerMapping {
+        fn drop(&mut self) {
+            let cur = self.dev.scoped();
+            if let Err(e) = &cur {
+                tracing::warn!("closing {}'s CUDA IPC mapping without its context current: {e}", self.peer);
+            }
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once; copies that read
+            // it hold this mapping (`BatchCopier::in_flight`) until their stream drained.
+            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr).result() } {
+                tracing::warn!("cuIpcCloseMemHandle of {}'s pool failed: {e}", self.peer);
+            }
+            drop(cur);
+        }
+    }
+
+    /// One stream and one event on a device, and the driver's best way to issue many copies
+    /// at once ([`BatchPath`]).
+    pub struct BatchCopier {
+        stream: sys::CUstream,
+        event: sys::CUevent,
+        path: BatchPath,
+        v2: Option<BatchV2>,
+        v1: Option<BatchV1>,
+        /// Mappings a batch that has not completed reads from (one that timed out): kept open
+        /// until its event fires, or until Drop has synchronized the stream.
+        in_flight: Vec<Arc<PeerMapping>>,
+        // Released after the stream and event (Drop runs first).
+        dev: Arc<CudaDevice>,
+    }
+
+    impl std::fmt::Debug for BatchCopier {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("BatchCopier")
+                .field("device", &self.dev.ordinal())
+                .field("path", &self.path)
+                .finish()
+        }
+    }
+
+    impl BatchCopier {
+        /// A copier on `dev`: a non-blocking stream, an event without timing, and the batch
+        /// entry point this driver has (v2 from CUDA 13.0, v1 from 12.8, else one call per copy).
+        pub fn new(dev: &Arc<CudaDevice>) -> Result<BatchCopier, CudaBatchError> {
+            let _cur = dev.scoped()?;
+            let version = driver_version()?;
+            let v2 = if version >= 13000 { lookup::<BatchV2>(b"cuMemcpyBatchAsync_v2\0") } else { None };
+            let v1 = if version >= 12080 { lookup::<BatchV1>(b"cuMemcpyBatchAsync\0") } else { None };
+            let path = match (v2, v1) {
+                (Some(_), _) => BatchPath::BatchV2,
+                (None, Some(_)) => BatchPath::BatchV1,
+                (None, None) => BatchPath::PerDescriptor,
+            };
+            let stream =
+                call("cuStreamCreate", result::stream::create(result::stream::StreamKind::NonBlocking))?;
+            let event = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
+                Ok(e) => e,
+                Err(e) => {
+                    // SAFETY: the stream was created just above and has no work.
+                    let _ = unsafe { result::stream::destroy(stream) };
+                    return Err(CudaBatchError::Call { op: "cuEventCreate", reason: e.to_string() });
+                }
+            };
+            if path == BatchPath::PerDescriptor {
+                tracing::info!(
+                    "CUDA driver {version} has no cuMemcpyBatchAsync (12.8+): cuda-batch posts one copy per \
+                     descriptor"
+                );
+            }
+            Ok(BatchCopier { stream, event, path, v2, v1, in_flight: Vec::new(), dev: Arc::clone(dev) })
+        }
+
+        /// The path batches take on this driver.
+        pub fn path(&self) -> BatchPath {
+            self.path
+        }
+
+        /// Copies `batch` (packed against `local` and `peer`) with one batched call, records
+        /// one event and waits for it until `timeout`. On a timeout the copies may still land
+        /// in `local` later (the request has failed; its bytes are not used), and `peer` stays
+        /// mapped until they have.
+        pub fn copy(
+            &mut self,
+            local: &mut CudaBuffer,
+            peer: &Arc<PeerMapping>,
+            batch: &mut CopyBatch,
+            timeout: Duration,
+        ) -> Result<BatchStats, CudaBatchError> {
+            let local_span = Span { base: local.addr(), len: local.len() as u64 };
+            if batch.local != local_span || batch.peer != peer.span() {
+                return Err(CudaBatchError::WrongBuffers);
+            }
+            if local.device() != self.dev.ordinal() {
+                return Err(CudaBatchError::Call {
+                    op: "cuda-batch copy",
+                    reason: format!(
+                        "the KV pool is on device {} but the copier on device {}",
+                        local.device(),
+                        self.dev.ordinal()
+                    ),
+                });
+            }
+            let _cur = self.dev.scoped()?;
+            let t0 = Instant::now();
+            let deadline = t0 + timeout;
+            // A batch that timed out before must finish before this one can be told apart.
+            if !self.in_flight.is_empty() {
+                self.wait(deadline, timeout, 0)?;
+            }
+            let n = batch.copies();
+            if n > 0 {
+                self.post(batch)?;
+            }
+            // SAFETY: event and stream belong to this copier and the current context.
+            call("cuEventRecord", unsafe { result::event::record(self.event, self.stream) })?;
+            let post_ns = t0.elapsed().as_nanos() as u64;
+            self.in_flight.push(Arc::clone(peer));
+            self.wait(deadline, timeout, n)?;
+            Ok(BatchStats {
+                post_ns,
+                complete_ns: t0.elapsed().as_nanos() as u64,
+                calls: self.path.calls(n),
+                copies: n as u64,
+                descriptors: batch.descriptors(),
+                bytes: batch.bytes(),
+            })
+        }
+
+        /// Issues the batch's copies on the stream, by the best path; a batch entry point that
+        /// says it is not supported makes this copier fall back to one call per copy, for good.
+        fn post(&mut self, batch: &mut CopyBatch) -> Result<(), CudaBatchError> {
+            let n = batch.copies();
+            let here = sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.dev.ordinal() as std::ffi::c_int,
+            };
+            let mut attrs = sys::CUmemcpyAttributes {
+                // Sources are read in stream order (after what the stream did before), which
+                // is what a READ of blocks the prefill rank already wrote needs.
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: here,
+                dstLocHint: here,
+                flags: 0,
+            };
+            let mut attr_idx: usize = 0;
+            let (dsts, srcs, sizes) =
+                (batch.dsts.as_mut_ptr(), batch.srcs.as_mut_ptr(), batch.sizes.as_mut_ptr());
+            let rc = match (self.path, self.v2, self.v1) {
+                (BatchPath::BatchV2, Some(f), _) => {
+                    // SAFETY: the three arrays hold `n` entries each (one CopyBatch, exclusively
+                    // borrowed for the call); every (dst, src, size) lies inside the local pool
+                    // and the mapped peer pool (checked by `pack`, and `copy` checked the batch
+                    // was packed against these two); one attribute applies to all copies
+                    // (index 0); the stream is this copier's, in the current context.
+                    unsafe { f(dsts, srcs, sizes, n, &mut attrs, &mut attr_idx, 1, self.stream) }
+                }
+                (BatchPath::BatchV1, _, Some(f)) => {
+                    let mut fail_idx: usize = usize::MAX;
+                    // SAFETY: as for v2; `fail_idx` is a valid out pointer.
+                    let rc = unsafe {
+                        f(dsts, srcs, sizes, n, &mut attrs, &mut attr_idx, 1, &mut fail_idx, self.stream)
+                    };
+                    if rc != sys::CUresult::CUDA_SUCCESS && fail_idx != usize::MAX {
+                        tracing::debug!("cuMemcpyBatchAsync failed at copy {fail_idx} of {n}");
+                    }
+                    rc
+                }
+                _ => return self.post_each(batch),
+            };
+            match rc {
+                sys::CUresult::CUDA_SUCCESS => Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => {
+                    tracing::warn!(
+                        "{} is not supported here: cuda-batch falls back to one copy per descriptor",
+                        self.path.driver_call()
+                    );
+                    self.path = BatchPath::PerDescriptor;
+                    self.post_each(batch)
+                }
+                rc => Err(CudaBatchError::Call {
+                    op: if self.path == BatchPath::BatchV2 {
+                        "cuMemcpyBatchAsync_v2"
+                    } else {
+                        "cuMemcpyBatchAsync"
+                    },
+                    reason: result::DriverError(rc).to_string(),
+                }),
+            }
+        }
+
+        /// One `cuMemcpyDtoDAsync` per copy on the stream (a driver without the batch API).
+        fn post_each(&self, batch: &CopyBatch) -> Result<(), CudaBatchError> {
+            for (dst, src, size) in batch.entries() {
+                // SAFETY: as in `post`: both ranges lie inside their pools, ordered on this
+                // copier's stream in the current context.
+                call("cuMemcpyDtoDAsync", unsafe { result::memcpy_dtod_async(dst, src, size, self.stream) })?;
+            }
+            Ok(())
+        }
+
+        /// Waits for the event until `deadline`: spinning first (a batch of small copies ends
+        /// within microseconds), then yielding the core between queries.
+        fn wait(
+            &mut self,
+            deadline: Instant,
+            timeout: Duration,
+            copies: usize,
+        ) -> Result<(), CudaBatchError> {
+            let start = Instant::now();
+            loop {
+                // SAFETY: the event belongs to this copier and the current context.
+                match unsafe { result::event::query(self.event) } {
+                    Ok(()) => {
+                        self.in_flight.clear();
+                        return Ok(());
+                    }
+                    Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => {}
+                    Err(e) => return Err(CudaBatchError::Call { op: "cuEventQuery", reason: e.to_string() }),
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(CudaBatchError::Timeout { copies, timeout });
+                }
+                if now - start < Duration::from_micros(50) {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+
+    impl Drop for BatchCopier {
+        fn drop(&mut self) {
+            let cur = self.dev.scoped();
+            if let Err(e) = &cur {
+                tracing::warn!("releasing the cuda-batch stream without its context current: {e}");
+            }
+            // SAFETY: the stream and event were created by this copier in this device's
+            // context and are released once; the synchronize first lets every copy finish,
+            // so no mapping in `in_flight` (dropped after this) is closed under a copy.
+            unsafe {
+                if let Err(e) = result::stream::synchronize(self.stream) {
+                    tracing::warn!("synchronizing the cuda-batch stream failed: {e}");
+                }
+                if let Err(e) = result::event::destroy(self.event) {
+                    tracing::warn!("cuEventDestroy failed: {e}");
+                }
+                if let Err(e) = result::stream::destroy(self.stream) {
+                    tracing::warn!("cuStreamDestroy failed: {e}");
+                }
+            }
+            self.in_flight.clear();
+            drop(cur);
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    //! Built without the `cuda` feature: the types exist (so callers need no `cfg`) but cannot
+    //! be constructed; every constructor says how to get CUDA support.
+    use std::convert::Infallible;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::{BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, Span};
+    use crate::transfer::cuda::{CudaBuffer, CudaDevice, CudaError};
+
+    pub fn export(_buf: &CudaBuffer) -> Result<CudaIpcExport, CudaBatchError> {
+        Err(CudaError::NotBuilt.into())
+    }
+
+    /// Never constructed without the `cuda` feature.
+    #[derive(Debug)]
+    pub struct PeerMapping {
+        never: Infallible,
+    }
+
+    impl PeerMapping {
+        pub fn open(
+            _dev: &Arc<CudaDevice>,
+            _peer: &str,
+            _export: Option<&CudaIpcExport>,
+        ) -> Result<Arc<PeerMapping>, CudaBatchError> {
+            Err(CudaError::NotBuilt.into())
+        }
+        pub fn span(&self) -> Span {
+            match self.never {}
+        }
+    }
+
+    /// Never constructed without the `cuda` feature.
+    #[derive(Debug)]
+    pub struct BatchCopier {
+        never: Infallible,
+    }
+
+    impl BatchCopier {
+        pub fn new(_dev: &Arc<CudaDevice>) -> Result<BatchCopier, CudaBatchError> {
+            Err(CudaError::NotBuilt.into())
+        }
+        pub fn path(&self) -> BatchPath {
+            match self.never {}
+        }
+        pub fn copy(
+            &mut self,
+            _local: &mut CudaBuffer,
+            _peer: &Arc<PeerMapping>,
+            _batch: &mut CopyBatch,
+            _timeout: Duration,
+        ) -> Result<BatchStats, CudaBatchError> {
+            match self.never {}
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
