@@ -286,6 +286,14 @@ pub struct LoadResult {
     pub protocols: Option<ProtoReport>,
     /// UCX settings kvx made on the user's behalf (`NAME=value (why)`), filled with `transports`.
     pub ucx_settings: Option<Vec<String>>,
+    /// The cuda-batch transport: which driver path moved the batches, the driver calls it made
+    /// and the copies after coalescing (`descs_raw` counts the plan's descriptors).
+    #[serde(default)]
+    pub batch_path: Option<crate::transfer::cuda_batch::BatchPath>,
+    #[serde(default)]
+    pub batch_calls: u64,
+    #[serde(default)]
+    pub batch_copies: u64,
 }
 
 /// Worker to engine.
