@@ -137,6 +137,9 @@ pub fn run(
         };
         params.insert(key.into(), json!(name));
         params.insert("cpu_s_per_gb".into(), json!(cpu_per_gb));
+        if let Some(b) = &s.cuda_batch {
+            params.insert("cuda_batch_paths".into(), json!(b.paths));
+        }
         points.push(SweepPoint {
             label: name.clone(),
             series: Some(name.clone()),

@@ -233,6 +233,10 @@ impl Summary {
         if self.ucx.library.is_empty() && !other.ucx.version.is_empty() {
             self.ucx = other.ucx.clone();
         }
+        // A comparison with a cuda-batch run keeps how its batches went.
+        if self.cuda_batch.is_none() {
+            self.cuda_batch = other.cuda_batch.clone();
+        }
         self.throughput_gbps = ratio(self.bytes_read as f64, self.duration_s) / 1e9;
         self.requests_per_s = ratio(self.requests_ok as f64, self.duration_s);
         self.bytes_per_request = ratio(self.bytes_read as f64, self.requests_ok as f64);
