@@ -1,5 +1,6 @@
 //! Moving real bytes between real processes: memory the KV cache lives in, the UCX
-//! transport (the only FFI in kvx), the ZMQ side-channel handshake, notifications, and
+//! transport (the only FFI in kvx besides CUDA's), the cuda-batch transport (CUDA IPC and
+//! batched device copies, `cuda_batch`), the ZMQ side-channel handshake, notifications, and
 //! the commands built directly on them (`kvx xfer`, `kvx probe`, `kvx doctor`).
 //!
 //! Owns: registration, one-sided reads, handshake wire formats. Must not know about
