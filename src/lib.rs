@@ -17,7 +17,8 @@
 //! pipeline/      engines of worker processes, the worker process and its role loops, the
 //!                control protocol (typed worker settings), the engine builder, `kvx bench`
 //! report/        summaries, tables, JSON/CSV/SVG export, comparison and gate
-//! transfer/      memory, UCX (the only FFI), ZMQ handshake, xfer/probe/doctor
+//! transfer/      memory, UCX (the only FFI), CUDA (cuda, cuda_batch), ZMQ handshake,
+//!                xfer/probe/doctor
 //! layouts/       KV layouts, regions, descriptor plans, byte patterns        (pure)
 //! topology/      TP rank maps, P->D pairing, side-channel ports              (pure)
 //! ```
@@ -26,7 +27,7 @@
 //! none of them imports its resolution. `settings::model`, `settings::env`, `error` and `output`
 //! are leaves every layer may use. `topology` and `layouts` use nothing of kvx but each other and
 //! those leaves; `report` never measures and never runs transfers. `unsafe` lives only in
-//! `transfer::ucx` and the transfer layer's memory modules; every other module is declared (or
+//! `transfer::ucx` and the transfer layer's memory and CUDA modules (`cuda`, `cuda_batch`); every other module is declared (or
 //! declares itself) `forbid(unsafe_code)`, and `tests/it/edge.rs` checks the sources.
 
 #![deny(clippy::print_stdout, clippy::print_stderr)]

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::Args;
 
 use super::common::{Format, ModelArgs, PairArgs};
@@ -84,7 +85,7 @@ pub struct BenchArgs {
     /// Deadline of every wait: handshake, reads, notifications [default: 5s].
     #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Checks")]
     pub timeout: Option<Duration>,
-    /// Transport: ucx, storage, multi [default: ucx].
+    /// Transport: ucx, storage, multi, cuda-batch (GPUs of one machine, --mem cuda) [default: ucx].
     #[arg(long, help_heading = "Transport")]
     pub transport: Option<String>,
     /// For --transport multi: the order to try, e.g. ucx,storage.
@@ -99,7 +100,8 @@ pub struct BenchArgs {
     /// Storage transport: fdatasync every file before it becomes visible.
     #[arg(long, help_heading = "Transport")]
     pub storage_fsync: bool,
-    /// Run the same workload on each transport and print one comparison table, e.g. ucx,storage,multi.
+    /// Run the same workload on each transport and print one comparison table, e.g. ucx,storage,multi
+    /// (or ucx,cuda-batch with --mem cuda).
     #[arg(long, value_delimiter = ',', help_heading = "Transport", conflicts_with = "compare_modes")]
     pub compare_transports: Option<Vec<String>>,
     /// Run the same workload in each transfer mode and print one comparison table: pull,push.
@@ -316,6 +318,8 @@ fn compare(
     root: &std::path::Path,
     run_id: &str,
 ) -> anyhow::Result<Outcome> {
+    // What one run cannot have (device memory, a UCX, the CUDA driver) is said before any starts.
+    runs.iter().try_for_each(check_ucx)?;
     let mut writer = RunWriter::create(root, run_id)?;
     let (summary, table) = super::compare::run(what, runs, &mut writer, run_id)?;
     let files = writer.finish(&summary)?;
@@ -338,9 +342,18 @@ fn verdict(what: &str, summary: &crate::report::Summary) -> Outcome {
 /// Device memory this host cannot have (no cuda feature, no libcuda, no such device) and a
 /// UCX that cannot be loaded (a bad `--ucx-lib`) are said once, first, before any worker or
 /// run directory exists (every worker would fail the same way, and say so in its own words).
+/// The storage and cuda-batch transports load no UCX.
 fn check_ucx(s: &bench::BenchSettings) -> anyhow::Result<()> {
+    use crate::pipeline::proto::TransportKind;
+    let kind = s.workers.transport.kind;
+    if kind == TransportKind::CudaBatch {
+        s.workers.mem.check_available().context(
+            "--transport cuda-batch copies the KV pools between GPUs of this machine with the CUDA driver",
+        )?;
+        return Ok(());
+    }
     s.workers.mem.check_available()?;
-    if s.workers.transport.kind != crate::pipeline::proto::TransportKind::Storage {
+    if kind != TransportKind::Storage {
         crate::transfer::ucx::Ucx::load(s.workers.transport.ucx_lib.as_deref())?;
     }
     Ok(())

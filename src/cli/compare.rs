@@ -32,6 +32,9 @@ fn needs(kind: &str) -> &'static str {
         "ucx" => "UCX (RDMA NIC, NVLink or shared memory); a side channel (ZMQ) to handshake",
         "storage" => "a directory both sides reach (local disk, NFS, Lustre); no NIC or service",
         "multi" => "both of the above; storage is used only when UCX fails",
+        "cuda-batch" => {
+            "GPUs of one machine (CUDA IPC), a CUDA 12.8+ driver for the batch API; ZMQ to notify"
+        }
         _ => "",
     }
 }
@@ -46,7 +49,7 @@ const NOT_MEASURED: &[(&str, &str, &str)] = &[
 /// What a comparison compares: the runs differ in this one setting only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compared {
-    /// `--compare-transports`: ucx, storage, multi.
+    /// `--compare-transports`: ucx, storage, multi, cuda-batch.
     Transports,
     /// `--compare-modes`: pull (decode READs) and push (prefill WRITEs).
     Modes,
@@ -140,6 +143,9 @@ pub fn run(
         };
         params.insert(key.into(), json!(name));
         params.insert("cpu_s_per_gb".into(), json!(cpu_per_gb));
+        if let Some(b) = &s.cuda_batch {
+            params.insert("cuda_batch_paths".into(), json!(b.paths));
+        }
         points.push(SweepPoint {
             label: name.clone(),
             series: Some(name.clone()),
@@ -198,6 +204,7 @@ fn transports_table(rows: &[Row]) -> String {
             "ucx" => "ucx (NixlConnector's model)",
             "storage" => "storage (SharedStorageConnector's model)",
             "multi" => "multi: ucx, then storage (MultiConnector's model)",
+            "cuda-batch" => "cuda-batch (one batched copy per peer)",
             other => other,
         };
         t.add_row(vec![

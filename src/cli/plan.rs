@@ -1,4 +1,5 @@
-//! `kvx plan`: the descriptor pairs each decode rank posts for one request; with
+//! `kvx plan`: the descriptor pairs each decode rank posts for one request, and what posting
+//! them costs on each transport (`layouts::posting`: is the request post-bound?); with
 //! `--mode push`, the WRITEs each prefill rank posts into the decode ranks' blocks.
 
 use std::path::PathBuf;
@@ -13,6 +14,7 @@ use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
+use crate::layouts::posting::{PathCost, PostRates, ReadShape, request_costs};
 use crate::layouts::push::{PRankPlan, PushPlanner};
 use crate::pipeline::workload::MAX_PROMPT;
 use crate::settings::scenario::{self, PlanScenario};
@@ -25,7 +27,13 @@ use crate::{Outcome, output};
     after_help = "Examples:\n  kvx plan --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 8192 --alloc random\n  \
     kvx plan --p-tp 1 --d-tp 2 --num-kv-heads 2 --layers 2 --head-dim 64 --local-blocks 1,3 --remote-blocks 0,2\n  \
     kvx plan --scenario case.json --format json\n  \
-    kvx plan --mode push --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 4096"
+    kvx plan --mode push --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 4096\n  \
+    kvx plan --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 8192 --post-ns cuda-batch=150,cuda-batch-call=9000\n\n\
+Posting cost: for each transport (ucx on host memory, UCX cuda_ipc, kvx's cuda-batch) the
+descriptors the busiest decode rank posts, the time posting them takes at that transport's
+per-descriptor rate, and the time the bytes take at its bandwidth ceiling; a request whose
+posting takes longer is post-bound. The default rates say where they were measured; the
+cuda-batch rate is an estimate until scripts/gpu-check.sh measures it."
 )]
 pub struct PlanArgs {
     #[command(flatten)]
@@ -84,6 +92,13 @@ pub struct PlanArgs {
     /// Pairs to print per read in the table view.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub show_pairs: usize,
+    /// Measured posting costs replacing the defaults, in ns per descriptor: ucx, cuda-ipc,
+    /// cuda-batch, and cuda-batch-call (ns per batched call), e.g. ucx=76,cuda-batch=150.
+    #[arg(long, value_name = "KEY=NS", value_delimiter = ',', help_heading = "Posting cost")]
+    pub post_ns: Vec<String>,
+    /// Bandwidth ceilings replacing the defaults, in GB/s: ucx, cuda-ipc, cuda-batch.
+    #[arg(long, value_name = "KEY=GBPS", value_delimiter = ',', help_heading = "Posting cost")]
+    pub ceiling_gbps: Vec<String>,
     /// Output format; json prints every uncoalesced pair.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
@@ -119,6 +134,23 @@ struct PlanJson {
     local_blocks: Vec<u32>,
     remote_blocks: Vec<u32>,
     d_ranks: Vec<DRankJson>,
+    posting: PostingJson,
+}
+
+/// The posting-cost section: per transport, the busiest decode rank's cost, and the rates used.
+#[derive(Debug, Serialize)]
+struct PostingJson {
+    paths: Vec<PathCostJson>,
+}
+
+#[derive(Debug, Serialize)]
+struct PathCostJson {
+    #[serde(flatten)]
+    cost: PathCost,
+    #[serde(flatten)]
+    rate: crate::layouts::posting::PathRate,
+    /// The per-descriptor rate is a default nobody has measured yet.
+    estimate: bool,
 }
 
 struct Resolved {
@@ -236,7 +268,10 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
     if args.mode == TransferMode::Push {
         return run_push(args, &resolved);
     }
+    let rates = crate::settings::posting::resolve_rates(&args.post_ns, &args.ceiling_gbps)
+        .map_err(|e| reject(args.format, e))?;
     let plans = plan_all(args, &resolved).map_err(|e| reject(args.format, e))?;
+    let costs = posting_costs(&plans, &rates);
     match args.format {
         Format::Json => {
             let out = PlanJson {
@@ -268,12 +303,113 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
                             .collect(),
                     })
                     .collect(),
+                posting: PostingJson {
+                    paths: costs
+                        .iter()
+                        .map(|c| {
+                            let rate = rates.of(c.transport).clone();
+                            PathCostJson { estimate: rate.post_source.is_estimate(), cost: c.clone(), rate }
+                        })
+                        .collect(),
+                },
             };
             output::stdout_line(serde_json::to_string(&out)?)?;
         }
-        Format::Table => output::stdout(render(args, &resolved, &plans))?,
+        Format::Table => {
+            let mut text = render(args, &resolved, &plans);
+            text.push_str(&render_posting(&costs, &rates));
+            output::stdout(text)?
+        }
     }
     Ok(Outcome::Ok)
+}
+
+/// Each transport's cost for this request (its busiest decode rank).
+fn posting_costs(plans: &[RankPlan], rates: &PostRates) -> Vec<PathCost> {
+    let ranks: Vec<(u32, Vec<ReadShape>)> = plans
+        .iter()
+        .map(|(plan, co)| {
+            let reads = plan
+                .reads
+                .iter()
+                .enumerate()
+                .map(|(i, r)| ReadShape {
+                    descriptors: r.pairs.len() as u64,
+                    coalesced: co.get(i).map_or(0, Vec::len) as u64,
+                    bytes: r.pairs.iter().map(|p| p.len).sum(),
+                })
+                .collect();
+            (plan.d_rank, reads)
+        })
+        .collect();
+    request_costs(&ranks, rates)
+}
+
+/// `850 ns`, `12.3 us`, `4.56 ms`, `1.23 s`.
+fn time_text(ns: f64) -> String {
+    if ns < 1e3 {
+        format!("{ns:.0} ns")
+    } else if ns < 1e6 {
+        format!("{:.1} us", ns / 1e3)
+    } else if ns < 1e9 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.2} s", ns / 1e9)
+    }
+}
+
+fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
+    let mut out = String::from(
+        "\nposting cost per request (the busiest decode rank; each posts its own reads in parallel):\n",
+    );
+    let mut table = Table::new();
+    table.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
+    table.set_header(vec![
+        "transport",
+        "memory",
+        "D rank",
+        "descriptors",
+        "calls",
+        "ns/desc",
+        "post",
+        "bytes at ceiling",
+        "post-bound",
+        "GB/s at most",
+    ]);
+    for c in costs {
+        let rate = rates.of(c.transport);
+        table.add_row(vec![
+            c.transport.key().to_string(),
+            c.memory.to_string(),
+            c.d_rank.to_string(),
+            c.descriptors.to_string(),
+            c.calls.to_string(),
+            format!(
+                "{}{}",
+                rate.ns_per_descriptor,
+                if rate.post_source.is_estimate() { " (est.)" } else { "" }
+            ),
+            time_text(c.post_ns),
+            format!("{} ({} GB/s)", time_text(c.copy_ns), rate.ceiling_gbps),
+            if c.post_bound { "yes".into() } else { "no".into() },
+            format!("{:.2}", c.bound_gbps),
+        ]);
+    }
+    out.push_str(&table.to_string());
+    out.push('\n');
+    for c in costs {
+        let r = rates.of(c.transport);
+        let call = if r.ns_per_call > 0.0 { format!(" + {} ns/call", r.ns_per_call) } else { String::new() };
+        out.push_str(&format!(
+            "{}: {} ns/desc{call} ({}); ceiling {} GB/s ({})\n",
+            c.transport.key(),
+            r.ns_per_descriptor,
+            r.post_source.text(),
+            r.ceiling_gbps,
+            r.ceiling_source.text()
+        ));
+    }
+    out
 }
 
 fn render(args: &PlanArgs, r: &Resolved, plans: &[RankPlan]) -> String {

@@ -31,6 +31,17 @@ pub enum MemArg {
     Cuda,
 }
 
+/// `--transport`: what moves the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum TransportArg {
+    /// One-sided UCX GETs, one per read.
+    #[default]
+    Ucx,
+    /// GPUs of one machine: the target's device buffer mapped with CUDA IPC, each batch of
+    /// reads one batched copy (cuMemcpyBatchAsync). Needs --mem cuda; no UCX.
+    CudaBatch,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Role {
     Initiator,
@@ -47,11 +58,14 @@ Examples:
   kvx xfer --listen 0.0.0.0:5700             # host A: serve a region
   kvx xfer --connect hostA:5700              # host B: read it
   kvx xfer --mem cuda --device 0 --sizes 64KiB,1MiB,16MiB --inflight 1,32
+  kvx xfer --transport cuda-batch --mem cuda --sizes 8KiB,64KiB,1MiB,16MiB --inflight 64
 
 Numbers are GB/s = 1e9 B/s. The ceiling is measured in the same run over the same working set:
 for host memory a single-thread memcpy (memcpy_gbps; ratio = kvx / memcpy), for device memory a
 device-to-device copy of the same size and batch (\"vs device copy\"). Reports name the protocol
-UCX chose for the reads; a device-memory run that gets software emulation warns with the fix.")]
+UCX chose for the reads; a device-memory run that gets software emulation warns with the fix.
+With --transport cuda-batch each batch of --inflight reads is one batched copy from the target
+process's GPU memory (CUDA IPC: two processes on one machine); post us is one call's posting.")]
 pub struct XferArgs {
     /// Message sizes to sweep (suffixes KiB/MiB/GiB or K/M/G = powers of 1024, kB/MB/GB = powers of 1000).
     #[arg(long, value_delimiter = ',', default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB", value_parser = parse_size)]
@@ -74,6 +88,9 @@ pub struct XferArgs {
     /// Memory the buffers live in.
     #[arg(long, value_enum, default_value_t = MemArg::Host)]
     pub mem: MemArg,
+    /// What moves the bytes: ucx, or cuda-batch (device memory, one machine).
+    #[arg(long, value_enum, default_value_t = TransportArg::Ucx)]
+    pub transport: TransportArg,
     /// CUDA device for --mem cuda [default: 0].
     #[arg(long)]
     pub device: Option<u32>,
@@ -167,13 +184,21 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
         };
     }
     if let Some(addr) = &args.listen {
+        if args.transport == TransportArg::CudaBatch {
+            return Err(ConfigError::new(
+                "--listen",
+                "--transport cuda-batch needs both processes on one machine (CUDA IPC): drop --listen, kvx xfer \
+                 starts its own target",
+            )
+            .into());
+        }
         xfer::listen_and_serve(addr, args.peer_timeout, &target_opts)?;
         return Ok(Outcome::Ok);
     }
     let cfg = resolve(args)?;
     // Ctrl-C stops measuring; the cases measured so far are printed (exit 130/143).
     crate::interrupt::arm();
-    if proto_capture_dir().is_none() {
+    if proto_capture_dir().is_none() && !cfg.cuda_batch {
         // UCX reports the protocols it selects only through settings read when it loads:
         // run the measurement in a child started with them (see `ucx::proto`).
         match tempfile::Builder::new().prefix("kvx-xfer-").tempdir() {
@@ -194,6 +219,11 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
         Ok(r) => r,
         // Wrong bytes are a failed run (exit 1), not a failure to run.
         Err(XferError::Verify(why)) => return Ok(Outcome::Failed(format!("kvx xfer: {why}"))),
+        Err(e) if cfg.cuda_batch => {
+            return Err(anyhow::Error::from(e).context(
+                "--transport cuda-batch copies device memory between two processes with the CUDA driver",
+            ));
+        }
         Err(e) => return Err(e.into()),
     };
     for w in &report.warnings {
@@ -271,6 +301,29 @@ fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
         (MemArg::Host, None) => MemPlace::Host,
         (MemArg::Cuda, device) => MemPlace::Cuda { device: device.unwrap_or(0) },
     };
+    let cuda_batch = args.transport == TransportArg::CudaBatch;
+    if cuda_batch {
+        if !cfg!(feature = "cuda") {
+            return Err(ConfigError::new(
+                "--transport",
+                "cuda-batch needs CUDA support, but this kvx was built without the `cuda` feature: rebuild with \
+                 `cargo build --release` (cuda is a default feature), or use --transport ucx",
+            ));
+        }
+        if args.mem != MemArg::Cuda {
+            return Err(ConfigError::new(
+                "--mem",
+                "--transport cuda-batch copies device memory between GPUs of one machine: pass --mem cuda",
+            ));
+        }
+        if args.connect.is_some() {
+            return Err(ConfigError::new(
+                "--connect",
+                "--transport cuda-batch maps the target's GPU memory with CUDA IPC, which works only between \
+                 processes of one machine: drop --connect (kvx xfer starts its own target process)",
+            ));
+        }
+    }
     Ok(XferConfig {
         sizes: args.sizes.clone(),
         inflight: args.inflight.clone(),
@@ -289,6 +342,7 @@ fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
             err_mode: args.err_mode,
             ucx_config: ucx_config(args),
         },
+        cuda_batch,
     })
 }
 
@@ -309,6 +363,18 @@ fn render_table(r: &XferReport) -> String {
         Some(d) => format!("{} (device {d})", r.memory.kind),
         None => format!("{} ({})", r.memory.kind, r.memory.pages),
     };
+    if let Some(b) = &r.cuda_batch {
+        out.push_str(&format!(
+            "cuda-batch: {} ({}), {:.0} driver call(s) per batch, CUDA IPC between two processes\n\
+             memory {memory}  {}  working set {}\n",
+            b.driver_call,
+            b.path,
+            b.calls_per_batch,
+            r.memory.residency,
+            fmt_size(r.memory.working_set_bytes),
+        ));
+        return out + &results_table(r);
+    }
     out.push_str(&format!(
         "UCX {} ({}, {})  transports: {}\nerr-mode {}  progress {}  memory {memory}  {}  working set {}\n",
         r.ucx.version,
@@ -332,6 +398,12 @@ fn render_table(r: &XferReport) -> String {
             "note: hot and/or UCX-allocated buffers flatter the numbers; a KV cache is cold user memory\n",
         );
     }
+    out + &results_table(r)
+}
+
+/// The per-case rows.
+fn results_table(r: &XferReport) -> String {
+    let mut out = String::new();
     let mut t = comfy_table::Table::new();
     t.load_style(comfy_table::presets::ASCII_BORDERS_ONLY_CONDENSED);
     let (ceiling, ratio) = if r.ceiling == "device_copy" {

@@ -6,13 +6,15 @@
 //! P/D pair can talk (vLLM's handshake-time validation); `plan` turns a request's block
 //! ids into (local offset, remote offset, length) descriptor pairs in vLLM's posting order,
 //! and coalesces them; `push` does the same for push mode (prefill WRITEs, so local is the
-//! prefill rank); `pattern` fills and verifies blocks.
+//! prefill rank); `pattern` fills and verifies blocks; `posting` says what posting a plan's
+//! descriptors costs on each transport (the post-bound check of `kvx plan`).
 
 pub mod alloc;
 pub mod compat;
 pub mod geometry;
 pub mod pattern;
 pub mod plan;
+pub mod posting;
 pub mod push;
 pub mod verify;
 

@@ -369,6 +369,8 @@ struct Tally {
     fallbacks: u64,
     /// Requests served by the storage transport.
     via_storage: u64,
+    /// Batched copies of the cuda-batch transport.
+    batch: super::batch::BatchTally,
 }
 
 impl Tally {
@@ -395,6 +397,7 @@ impl Tally {
             if f.ranks.iter().any(|r| r.transport == Some(super::proto::TransportKind::Storage)) {
                 self.via_storage += 1;
             }
+            self.batch.add(&f.ranks);
             let verify = f.ranks.iter().map(|r| r.verify_ns).max().unwrap_or(0);
             if verify > 0 {
                 self.recorder.record_ns("verify", verify);
@@ -592,6 +595,7 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
             err_mode: crate::transfer::ucx::ErrMode::None,
             ucx_config: vec![],
         },
+        cuda_batch: false,
     };
     match xfer::run(&cfg, &TargetSpec::Local { exe: s.workers.exe.clone() }, |_| {}) {
         Ok(rep) => {
@@ -767,11 +771,15 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     }
     summary.set_stages(all.recorder.stats());
     summary.bytes_verified = all.bytes_verified;
-    if s.workers.transport.kind != super::proto::TransportKind::Ucx {
+    if matches!(
+        s.workers.transport.kind,
+        super::proto::TransportKind::Storage | super::proto::TransportKind::Multi
+    ) {
         summary.counters.insert("requests_via_storage".into(), all.via_storage);
         summary.counters.insert("fallbacks_to_storage".into(), all.fallbacks);
     }
     summary.verify_failures = all.verify_failures;
+    all.batch.report(&mut summary);
     if s.fault.is_some() {
         summary.counters.insert(FAULT_INJECTED.into(), fault_counts.0);
         summary.counters.insert(FAILURES_AFTER_FAULT.into(), fault_counts.1);

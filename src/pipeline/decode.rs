@@ -42,6 +42,8 @@ type Failure = (FailureCause, String);
 struct RemoteRank {
     /// `None` with the storage transport (no UCX connection).
     region: Option<RemoteRegion>,
+    /// The cuda-batch transport: the rank's pool mapped with CUDA IPC.
+    ipc: Option<std::sync::Arc<crate::transfer::cuda_batch::PeerMapping>>,
     /// Notifications as UCX active messages on `region`'s endpoint (`notify = ucx` with the
     /// UCX transport).
     am: Option<UcxNotifySender>,
@@ -115,6 +117,8 @@ struct Decoder<'a> {
     deferred: Vec<ToWorker>,
     /// Prefill engines a rank of which is gone (push mode): their WRITEs are not waited for.
     gone_engines: std::collections::HashSet<String>,
+    /// The cuda-batch transport's copier; dropped (its stream drained) before the pool.
+    batch: Option<super::batch::BatchSide>,
     local: Local,
     storage: Option<StorageFetcher>,
     geom: crate::layouts::RankGeometry,
@@ -132,7 +136,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
     let (progress, err_mode) = (cfg.transport.progress, cfg.transport.err_mode);
     let kind = cfg.transport.kind;
-    let uses_ucx = kind != TransportKind::Storage;
+    let uses_ucx = !matches!(kind, TransportKind::Storage | TransportKind::CudaBatch);
     let uses_storage = kind == TransportKind::Storage
         || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
@@ -154,7 +158,11 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let lib = (ucx.path().display().to_string(), ucx.version().to_string());
         (Local::Ucx(Box::new(UcxSide { local, worker, ctx })), lib)
     } else {
-        (Local::Plain(mem), ("(not loaded: storage transport)".to_string(), String::new()))
+        (Local::Plain(mem), (format!("(not loaded: {} transport)", kind.as_str()), String::new()))
+    };
+    let batch = match kind {
+        TransportKind::CudaBatch => Some(super::batch::BatchSide::new(cfg.mem)?),
+        _ => None,
     };
     let storage = if uses_storage {
         let opts = super::worker::storage_options(&cfg);
@@ -189,6 +197,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         push,
         deferred: Vec::new(),
         gone_engines: Default::default(),
+        batch,
         local,
         storage,
         geom,
@@ -385,7 +394,8 @@ impl Decoder<'_> {
                 )),
                 _ => None,
             };
-            out.insert(meta.tp_rank, RemoteRank { region, am, zmq });
+            let ipc = self.batch.as_ref().map(|b| b.open(meta)).transpose()?;
+            out.insert(meta.tp_rank, RemoteRank { region, ipc, am, zmq });
         }
         let ucx_broken = out.values().any(|r| r.region.is_none());
         Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None, ucx_broken })
@@ -457,7 +467,19 @@ impl Decoder<'_> {
         };
         // Read: over UCX, or through storage (the storage transport, or a multi fallback).
         let tt = Instant::now();
-        let ucx_first = self.cfg.transport.kind != TransportKind::Storage && !eng.ucx_broken;
+        let ucx_first =
+            matches!(self.cfg.transport.kind, TransportKind::Ucx | TransportKind::Multi) && !eng.ucx_broken;
+        // cuda-batch: one batched copy per source rank, from its mapped pool.
+        if let Some(side) = self.batch.as_mut() {
+            let mem = self.local.memory_mut()?;
+            for (i, read) in eng.planner.reads.iter().enumerate() {
+                let pairs = coalesced.as_ref().map_or(&self.bufs[i], |c| &c[i]);
+                let peer = eng.ranks.get(&read.p_rank).and_then(|rk| rk.ipc.as_ref());
+                side.read(mem, read.p_rank, peer, pairs, timeout, r)?;
+            }
+            r.transport = Some(TransportKind::CudaBatch);
+            r.transports = Some(side.label());
+        }
         let mut ucx_error: Option<Failure> = None;
         if ucx_first {
             let Local::Ucx(u) = &mut self.local else {
@@ -498,7 +520,7 @@ impl Decoder<'_> {
                 r.ucx_settings = Some(u.ctx.env_notes().to_vec());
             }
         }
-        if !ucx_first || ucx_error.is_some() {
+        if (!ucx_first || ucx_error.is_some()) && self.batch.is_none() {
             let Some(fetcher) = self.storage.as_mut() else {
                 return Err(ucx_error.unwrap_or((FailureCause::Internal, "no transport to read with".into())));
             };

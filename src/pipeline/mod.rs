@@ -5,6 +5,7 @@
 //! lifecycle (fill, hold under a lease, read, verify, notify, free). Uses `layouts` for
 //! plans and `transfer` for bytes on the wire; hands measurements to `report`.
 
+pub mod batch;
 pub mod bench;
 pub mod decode;
 pub mod engine;

@@ -20,7 +20,7 @@ use super::proto::{
     Fault, FromWorker, Overlap, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig,
 };
 use super::push::{PushJob, PushStats, Pusher};
-use super::worker::{Control, Stage as _, WorkerError, advertised_payload, host_pool, rss_bytes};
+use super::worker::{Control, Stage as _, WorkerError, advertised_payload_with, host_pool, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;
 use crate::transfer::memory::{KvBuffer, PageSize};
@@ -190,7 +190,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
     let progress = cfg.transport.progress;
     let kind = cfg.transport.kind;
-    let uses_ucx = kind != TransportKind::Storage;
+    let uses_ucx = !matches!(kind, TransportKind::Storage | TransportKind::CudaBatch);
     let uses_storage = kind == TransportKind::Storage
         || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
     let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
@@ -222,13 +222,19 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let base = crate::transfer::ucx::Registrable::addr(&mem);
         (Pool::Plain(mem), Vec::new(), Vec::new(), base)
     };
+    // cuda-batch: the pool exported once; decode ranks map it and copy from it directly.
+    let cuda_ipc = match kind {
+        TransportKind::CudaBatch => Some(super::batch::export_pool(pool.memory()?)?),
+        _ => None,
+    };
     let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
         .stage("bind the notification listener")?;
     let notify_ep = advertise(listener.endpoint(), &cfg.advertise_host);
     // What the side channel advertises: with an empty worker address and remote key once the
     // UCX side is gone (`Fault::KillUcx`), so decode ranks fail fast instead of timing out.
     let payload_of = |worker_address: Vec<u8>, rkey: &[u8]| {
-        advertised_payload(&cfg, &cfg.pair.p, &regions, base, worker_address, rkey, &notify_ep)
+        let ipc = cuda_ipc.clone();
+        advertised_payload_with(&cfg, &cfg.pair.p, &regions, base, worker_address, rkey, &notify_ep, ipc)
     };
     let payload = payload_of(worker_address, &rkey)?;
     let mut storage = if uses_storage {
@@ -237,7 +243,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     } else {
         None
     };
-    let (lib, version) = ucx_lib.unwrap_or_else(|| ("(not loaded: storage transport)".into(), String::new()));
+    let (lib, version) =
+        ucx_lib.unwrap_or_else(|| (format!("(not loaded: {} transport)", kind.as_str()), String::new()));
     ctl.send(&FromWorker::Ready(Box::new(ReadyInfo {
         rank: cfg.rank,
         handshake_payload: Some(payload),

@@ -82,6 +82,10 @@ pub enum TransportKind {
     Storage,
     /// An ordered list: a load that fails on one is retried on the next (MultiConnector).
     Multi,
+    /// GPUs of one machine: the prefill pool mapped with CUDA IPC, one batched copy per peer
+    /// and request (`transfer::cuda_batch`); notifications over ZMQ. Pull mode only.
+    #[serde(rename = "cuda-batch")]
+    CudaBatch,
 }
 
 impl VerifyMode {
@@ -100,6 +104,7 @@ impl TransportKind {
             TransportKind::Ucx => "ucx",
             TransportKind::Storage => "storage",
             TransportKind::Multi => "multi",
+            TransportKind::CudaBatch => "cuda-batch",
         }
     }
 }
@@ -343,6 +348,14 @@ pub struct LoadResult {
     pub protocols: Option<ProtoReport>,
     /// UCX settings kvx made on the user's behalf (`NAME=value (why)`), filled with `transports`.
     pub ucx_settings: Option<Vec<String>>,
+    /// The cuda-batch transport: which driver path moved the batches, the driver calls it made
+    /// and the copies after coalescing (`descs_raw` counts the plan's descriptors).
+    #[serde(default)]
+    pub batch_path: Option<crate::transfer::cuda_batch::BatchPath>,
+    #[serde(default)]
+    pub batch_calls: u64,
+    #[serde(default)]
+    pub batch_copies: u64,
 }
 
 /// Worker to engine.

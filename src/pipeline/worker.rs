@@ -235,6 +235,21 @@ pub fn advertised_payload(
     rkey: &[u8],
     notify_ep: &str,
 ) -> Result<Vec<u8>, WorkerError> {
+    advertised_payload_with(cfg, spec, regions, base, worker_address, rkey, notify_ep, None)
+}
+
+/// [`advertised_payload`] with the pool's CUDA IPC export (`--transport cuda-batch`).
+#[expect(clippy::too_many_arguments, reason = "advertised_payload's fields and the export")]
+pub fn advertised_payload_with(
+    cfg: &WorkerConfig,
+    spec: &crate::layouts::EngineSpec,
+    regions: &[crate::layouts::Region],
+    base: u64,
+    worker_address: Vec<u8>,
+    rkey: &[u8],
+    notify_ep: &str,
+    cuda_ipc: Option<crate::transfer::handshake::meta::CudaIpcExport>,
+) -> Result<Vec<u8>, WorkerError> {
     use crate::transfer::handshake::meta::{KvxMetadata, KvxRegion};
     let kvx_regions: Vec<KvxRegion> = regions
         .iter()
@@ -250,7 +265,7 @@ pub fn advertised_payload(
         })
         .collect();
     let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
-    let meta = KvxMetadata::new(
+    let mut meta = KvxMetadata::new(
         cfg.engine_id.clone(),
         worker_address,
         (spec.tp, cfg.rank, 0, 0),
@@ -260,6 +275,7 @@ pub fn advertised_payload(
         Some(notify_ep.to_string()),
         &factors,
     );
+    meta.cuda_ipc = cuda_ipc;
     Ok(meta.to_payload().stage("encode metadata")?.encode())
 }
 

@@ -144,6 +144,9 @@ pub struct Summary {
     /// Named event counts of the run (e.g. `fallbacks_to_storage`), apart from the metrics.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counters: BTreeMap<String, u64>,
+    /// `--transport cuda-batch`: how the decode ranks' batched copies went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_batch: Option<CudaBatchInfo>,
     /// Serving runs: the client-side TTFT split into the stages of the P/D path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waterfall: Option<Waterfall>,
@@ -194,6 +197,7 @@ impl Summary {
             notes: Vec::new(),
             warnings: Vec::new(),
             counters: BTreeMap::new(),
+            cuda_batch: None,
             waterfall: None,
             goodput: None,
         }
@@ -228,6 +232,10 @@ impl Summary {
         }
         if self.ucx.library.is_empty() && !other.ucx.version.is_empty() {
             self.ucx = other.ucx.clone();
+        }
+        // A comparison with a cuda-batch run keeps how its batches went.
+        if self.cuda_batch.is_none() {
+            self.cuda_batch = other.cuda_batch.clone();
         }
         self.throughput_gbps = ratio(self.bytes_read as f64, self.duration_s) / 1e9;
         self.requests_per_s = ratio(self.requests_ok as f64, self.duration_s);
@@ -407,6 +415,27 @@ impl Environment {
             kvx_version: env!("CARGO_PKG_VERSION").to_string(),
         }
     }
+}
+
+/// How a cuda-batch run moved its bytes: the driver path (the batch API or the per-copy
+/// fallback) and what posting cost, per request (all its decode ranks together).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CudaBatchInfo {
+    /// `batch-v2`, `batch-v1` or `per-descriptor`: every path a decode rank reported.
+    pub paths: Vec<String>,
+    /// The driver functions behind them (`cuMemcpyBatchAsync_v2`, ...).
+    pub driver_calls: Vec<String>,
+    /// Driver calls per request (one per peer with the batch API).
+    pub calls_per_request: f64,
+    /// Copies per request after coalescing.
+    pub copies_per_request: f64,
+    /// The plan's descriptors per request.
+    pub descriptors_per_request: f64,
+    /// Posting time per plan descriptor, ns (the rate `kvx plan --post-ns cuda-batch=` takes).
+    pub post_ns_per_descriptor: f64,
+    /// Posting time per driver call, us.
+    pub post_us_per_call: f64,
 }
 
 /// The UCX library a run loaded and what it selected.

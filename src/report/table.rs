@@ -109,6 +109,22 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
     for (k, v) in &s.counters {
         t.add_row(vec![k.replace('_', " "), v.to_string()]);
     }
+    if let Some(b) = &s.cuda_batch {
+        t.add_row(vec![
+            "cuda-batch".to_string(),
+            format!(
+                "{} ({}): {:.1} calls, {:.0} copies, {:.0} descriptors per request; posting {:.0} ns per \
+                 descriptor, {:.1} us per call",
+                b.paths.join(", "),
+                b.driver_calls.join(", "),
+                b.calls_per_request,
+                b.copies_per_request,
+                b.descriptors_per_request,
+                b.post_ns_per_descriptor,
+                b.post_us_per_call
+            ),
+        ]);
+    }
     t
 }
 

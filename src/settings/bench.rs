@@ -571,6 +571,13 @@ impl Layers<'_> {
         let fault = f.fault.as_deref().map(parse_fault).transpose()?;
         if let Some(plan) = fault {
             check_fault(plan, &pair, requests)?;
+            if plan.fault == Fault::KillUcx && transport.kind == TransportKind::CudaBatch {
+                return Err(ConfigError::new(
+                    "--fault",
+                    "kill-ucx tears down a rank's UCX side, and --transport cuda-batch has none: inject \
+                     exit:pR@N or exit:dR@N",
+                ));
+            }
         }
         let mem = self.mem()?;
         check_mem_transport(&mem, transport.kind)?;
@@ -604,6 +611,7 @@ impl Layers<'_> {
             .into_iter()
             .collect();
         let (listen, bind_host, advertise_host) = self.hosts()?;
+        super::engine::check_one_machine(transport.kind, listen.as_deref(), &advertise_host)?;
         let name = f
             .name
             .clone()
@@ -882,6 +890,39 @@ mod tests {
         )
         .expect_err("cuda pools over storage");
         assert_eq!(e.flag, "--transport", "{e}");
+    }
+
+    #[test]
+    fn cuda_batch_resolves_with_device_pools_and_refuses_what_it_cannot_do() {
+        let batch = |more: BenchFlags| BenchFlags { transport: Some("cuda-batch".into()), ..more };
+        let cuda = || BenchFlags { mem: Some("cuda".into()), ..Default::default() };
+        if cfg!(feature = "cuda") {
+            let s = resolve(&batch(cuda()), &env()).expect("cuda-batch on device pools");
+            assert_eq!(s.workers.transport.kind, TransportKind::CudaBatch);
+            assert_eq!(resolve(&batch(BenchFlags::default()), &env()).expect_err("host pools").flag, "--mem");
+        } else {
+            let e = resolve(&batch(cuda()), &env()).expect_err("no cuda feature");
+            assert_eq!(e.flag, "--transport", "{e}");
+        }
+        let cases = [
+            (BenchFlags { mode: Some("push".into()), ..cuda() }, "--transport"),
+            (BenchFlags { listen: Some("tcp://0.0.0.0:5700".into()), ..cuda() }, "--listen"),
+            (BenchFlags { advertise_host: Some("10.1.2.3".into()), ..cuda() }, "--advertise-host"),
+            (BenchFlags { fault: Some("kill-ucx:p0@1".into()), ..cuda() }, "--fault"),
+        ];
+        for (flags, flag) in cases {
+            let e = resolve(&batch(flags), &env()).expect_err(flag);
+            // Without the cuda feature the transport itself is refused first (or push's check).
+            if cfg!(feature = "cuda") || flag == "--transport" {
+                assert_eq!(e.flag, flag, "{e}");
+            }
+        }
+        // In a bench config file, as the other transports.
+        let file = config("transport = \"cuda-batch\"\nmem = \"cuda\"");
+        let got = resolve(&with_config(&file), &env());
+        if cfg!(feature = "cuda") {
+            assert_eq!(got.expect("config").workers.transport.kind, TransportKind::CudaBatch);
+        }
     }
 
     #[test]

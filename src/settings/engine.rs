@@ -43,10 +43,23 @@ pub fn resolve_mem(kind: &str, devices: Option<Vec<u32>>) -> Result<KvMemory, Co
     }
 }
 
-/// Device pools move over UCX only: the storage transport (and multi's storage fallback)
-/// reads and writes files from host memory.
+/// Device pools move over UCX or cuda-batch: the storage transport (and multi's storage
+/// fallback) reads and writes files from host memory. cuda-batch copies device memory only,
+/// and needs a kvx built with CUDA support.
 pub fn check_mem_transport(mem: &KvMemory, kind: TransportKind) -> Result<(), ConfigError> {
+    if kind == TransportKind::CudaBatch && !cfg!(feature = "cuda") {
+        return Err(ConfigError::new(
+            "--transport",
+            "cuda-batch needs CUDA support, but this kvx was built without the `cuda` feature: rebuild with \
+             `cargo build --release` (cuda is a default feature), or use --transport ucx",
+        ));
+    }
     match (mem, kind) {
+        (KvMemory::Host, TransportKind::CudaBatch) => Err(ConfigError::new(
+            "--mem",
+            "--transport cuda-batch copies KV pools between GPUs of one machine: pass --mem cuda (and \
+             --devices to place the ranks), or use --transport ucx for host memory",
+        )),
         (KvMemory::Cuda { .. }, TransportKind::Storage | TransportKind::Multi) => Err(ConfigError::new(
             "--transport",
             format!(
@@ -85,8 +98,55 @@ pub fn parse_progress(name: &str) -> Result<ProgressMode, String> {
 pub fn parse_transport(name: &str) -> Result<TransportKind, String> {
     choice(
         name,
-        &[("ucx", TransportKind::Ucx), ("storage", TransportKind::Storage), ("multi", TransportKind::Multi)],
+        &[
+            ("ucx", TransportKind::Ucx),
+            ("storage", TransportKind::Storage),
+            ("multi", TransportKind::Multi),
+            ("cuda-batch", TransportKind::CudaBatch),
+        ],
     )
+}
+
+/// `--transport cuda-batch` maps peers' GPU memory with CUDA IPC, which works between
+/// processes of one machine only: ranks that may run elsewhere (workers connecting to a
+/// non-loopback `--listen`, or an advertised host other than loopback) are refused.
+pub fn check_one_machine(
+    kind: TransportKind,
+    listen: Option<&str>,
+    advertise_host: &str,
+) -> Result<(), ConfigError> {
+    if kind != TransportKind::CudaBatch {
+        return Ok(());
+    }
+    let why = "--transport cuda-batch needs every rank on this machine (CUDA IPC does not cross machines)";
+    if let Some(ep) = listen {
+        let (host, _) = crate::pipeline::engine::split_endpoint(ep);
+        if !is_loopback(&host) {
+            return Err(ConfigError::new(
+                "--listen",
+                format!(
+                    "{why}, but {ep} takes workers from other hosts: listen on tcp://127.0.0.1:PORT, or use \
+                     --transport ucx across machines"
+                ),
+            ));
+        }
+    }
+    if !is_loopback(advertise_host) {
+        return Err(ConfigError::new(
+            "--advertise-host",
+            format!(
+                "{why}, but ranks advertise {advertise_host} to their peers: drop --advertise-host, or use \
+                 --transport ucx across machines"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `127.0.0.0/8`, `::1` or `localhost`.
+fn is_loopback(host: &str) -> bool {
+    let h = host.trim().trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost") || h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Checks `--inflight`.
@@ -352,6 +412,33 @@ mod tests {
             let e = check_mem_transport(&cuda, kind).expect_err("storage moves host memory");
             assert_eq!(e.flag, "--transport", "{e}");
         }
+    }
+
+    #[test]
+    fn cuda_batch_needs_device_pools_one_machine_and_the_cuda_feature() {
+        assert_eq!(parse_transport("cuda-batch"), Ok(TransportKind::CudaBatch));
+        assert!(parse_transport("nccl").is_err_and(|e| e.contains("cuda-batch")), "the error lists it");
+        let cuda = KvMemory::Cuda { devices: vec![0, 1] };
+        if cfg!(feature = "cuda") {
+            assert!(check_mem_transport(&cuda, TransportKind::CudaBatch).is_ok());
+            let e = check_mem_transport(&KvMemory::Host, TransportKind::CudaBatch).expect_err("host pools");
+            assert_eq!(e.flag, "--mem", "{e}");
+            assert!(e.reason.contains("--mem cuda"), "{e}");
+        } else {
+            let e = check_mem_transport(&cuda, TransportKind::CudaBatch).expect_err("no cuda feature");
+            assert_eq!(e.flag, "--transport", "{e}");
+            assert!(e.reason.contains("`cuda` feature"), "{e}");
+        }
+        let ok = |listen: Option<&str>, adv: &str| check_one_machine(TransportKind::CudaBatch, listen, adv);
+        assert!(ok(None, "127.0.0.1").is_ok());
+        assert!(ok(Some("tcp://127.0.0.1:5700"), "localhost").is_ok());
+        assert!(ok(Some("tcp://[::1]:5700"), "::1").is_ok());
+        assert_eq!(ok(Some("tcp://0.0.0.0:5700"), "127.0.0.1").expect_err("any host").flag, "--listen");
+        let e = ok(None, "10.0.0.7").expect_err("advertised elsewhere");
+        assert_eq!(e.flag, "--advertise-host");
+        assert!(e.reason.contains("--transport ucx"), "{e}");
+        // Other transports may span machines.
+        assert!(check_one_machine(TransportKind::Ucx, Some("tcp://0.0.0.0:1"), "10.0.0.7").is_ok());
     }
 
     fn serve_flags(role: HttpRole) -> ServeEngineFlags {

@@ -11,6 +11,7 @@
 //! - [`engine`]: `WorkerSettings` and the one builder of worker engines (bench, bench --serve,
 //!   serve-engine), memory placement, `kvx serve-engine`'s settings.
 //! - [`parse`]: value syntaxes flags and files share (durations, named choices).
+//! - [`posting`]: `kvx plan`'s measured posting costs and ceilings (`--post-ns`, `--ceiling-gbps`).
 //!
 //! May use every layer below `cli` to build the values those layers take; must not import
 //! `cli` and must not run anything.
@@ -22,5 +23,6 @@ pub mod flags;
 pub mod model;
 pub mod parse;
 pub mod plan;
+pub mod posting;
 pub mod scenario;
 pub mod sweep;

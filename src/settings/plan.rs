@@ -58,7 +58,7 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
         if runs.is_empty() {
             return Err(ConfigError::new(
                 "--compare-transports",
-                "needs at least one of ucx, storage, multi",
+                "needs at least one of ucx, storage, multi, cuda-batch",
             ));
         }
         return Ok(BenchPlan::CompareTransports(runs));
@@ -111,6 +111,25 @@ mod tests {
         let bad =
             BenchFlags { compare_transports: Some(vec!["ucx".into(), "nccl".into()]), ..Default::default() };
         assert_eq!(resolve_plan(&bad, &env()).expect_err("nccl").flag, "--compare-transports");
+        // cuda-batch is a valid value, resolved (and refused) as --transport cuda-batch is.
+        let gpu = BenchFlags {
+            compare_transports: Some(vec!["ucx".into(), "cuda-batch".into()]),
+            mem: Some("cuda".into()),
+            ..Default::default()
+        };
+        match resolve_plan(&gpu, &env()) {
+            Ok(BenchPlan::CompareTransports(runs)) => {
+                let kinds: Vec<_> = runs.iter().map(|r| r.workers.transport.kind).collect();
+                assert_eq!(kinds, [TransportKind::Ucx, TransportKind::CudaBatch]);
+            }
+            Ok(_) => panic!("a comparison"),
+            Err(e) => assert!(!cfg!(feature = "cuda") && e.flag == "--transport", "{e:?}"),
+        }
+        let host = BenchFlags { mem: None, ..gpu };
+        assert_eq!(
+            resolve_plan(&host, &env()).expect_err("host pools").flag,
+            if cfg!(feature = "cuda") { "--mem" } else { "--transport" }
+        );
         let serve = BenchFlags { serve: true, ..Default::default() };
         assert!(matches!(resolve_plan(&serve, &env()), Ok(BenchPlan::Serve(_))));
         assert!(matches!(resolve_plan(&BenchFlags::default(), &env()), Ok(BenchPlan::Single(_))));

@@ -3,7 +3,9 @@
 //! between host and device; the device-to-device copy that is `kvx xfer`'s ceiling for
 //! device memory; and what the driver (and NVML) say about the devices, for `kvx doctor`.
 //!
-//! Owns: every CUDA driver and NVML call in kvx. Must not call UCX: the UCX context holds
+//! Owns: every CUDA driver and NVML call in kvx but those of the cuda-batch transport (IPC
+//! export and mapping, batched copies: `cuda_batch`, which borrows this module's devices and
+//! buffers). Must not call UCX: the UCX context holds
 //! an `Arc<CudaDevice>` (see `ucx::ContextOptions::cuda_device`) so that the CUDA context
 //! is current before `ucp_init` and outlives `ucp_cleanup`.
 //!
@@ -265,8 +267,8 @@ mod imp {
 
         /// Makes this context current until the guard drops, then restores what was
         /// current before (so a copy on one device does not leave another device's UCX
-        /// context without its CUDA context).
-        fn scoped(&self) -> Result<Scoped, CudaError> {
+        /// context without its CUDA context). The cuda-batch transport uses it too.
+        pub(crate) fn scoped(&self) -> Result<Scoped, CudaError> {
             let cur = call("cuCtxGetCurrent", result::ctx::get_current())?;
             let mine = self.ctx.cu_ctx();
             if cur == Some(mine) {
@@ -279,7 +281,8 @@ mod imp {
         }
     }
 
-    struct Scoped {
+    /// A context made current by [`CudaDevice::scoped`], restored on drop.
+    pub(crate) struct Scoped {
         restore: Option<sys::CUcontext>,
     }
 

@@ -310,6 +310,21 @@ impl KvBuffer {
         }
     }
 
+    /// The device buffer, for code that only handles device memory (the cuda-batch transport).
+    pub fn as_cuda(&self) -> Option<&CudaBuffer> {
+        match self {
+            KvBuffer::Cuda(b) => Some(b),
+            KvBuffer::Host(_) => None,
+        }
+    }
+
+    pub fn as_cuda_mut(&mut self) -> Option<&mut CudaBuffer> {
+        match self {
+            KvBuffer::Cuda(b) => Some(b),
+            KvBuffer::Host(_) => None,
+        }
+    }
+
     /// Touches every host page now (no-op for device memory, which cuMemAlloc maps).
     pub fn prefault(&mut self) {
         if let KvBuffer::Host(h) = self {

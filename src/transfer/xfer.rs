@@ -5,6 +5,12 @@
 //! device-to-device copy of the same size and batch for device memory. Reports name the
 //! protocol UCX chose for the reads and warn when device memory is software-emulated.
 //!
+//! With `--transport cuda-batch` the same two processes run without UCX: the target exports
+//! its device buffer for CUDA IPC, the initiator maps it and moves each batch of `inflight`
+//! reads with one batched copy (`cuda_batch`); two processes because CUDA refuses to open an
+//! IPC handle in the process that exported it. The verification and the device-copy ceiling
+//! are the same.
+//!
 //! Owns: the control connection between the two processes (a TCP stream carrying
 //! length-prefixed msgpack frames: worker address, region base, packed rkey), spawning a
 //! local target (kvx re-executes itself with a hidden role), the measurement loop and the
@@ -21,6 +27,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::cuda::{self, CudaBuffer, CudaDevice, CudaError};
+use super::cuda_batch::{BatchCopier, BatchPath, CopyBatch, CudaBatchError, PeerMapping, Span};
+use super::handshake::meta::CudaIpcExport;
 use super::memory::{HostBuffer, MemPlace, MemoryError, PageSize};
 use super::ucx::{
     Context, ContextOptions, Endpoint, ErrMode, LibInfo, MemRegion, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV,
@@ -37,6 +45,8 @@ pub enum XferError {
     Memory(#[from] MemoryError),
     #[error(transparent)]
     Cuda(#[from] CudaError),
+    #[error(transparent)]
+    CudaBatch(#[from] CudaBatchError),
     #[error("control connection ({stage}): {source}")]
     Control { stage: &'static str, source: std::io::Error },
     #[error("control connection ({stage}): {reason}")]
@@ -89,6 +99,10 @@ pub struct TargetRequest {
     pub progress: bool,
     /// Upper bound on how long the target serves, seconds.
     pub max_serve_secs: u64,
+    /// `--transport cuda-batch`: export the region for CUDA IPC instead of serving it over UCX
+    /// (the target then loads no UCX).
+    #[serde(default)]
+    pub cuda_batch: bool,
 }
 
 /// What the target sends back: everything an initiator needs to read its region.
@@ -105,10 +119,26 @@ pub struct TargetHello {
     pub pattern_seed: u64,
 }
 
+/// What a cuda-batch target sends back: its device buffer exported for CUDA IPC.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BatchHello {
+    pub export: CudaIpcExport,
+    pub pid: u32,
+    pub pattern_seed: u64,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 enum TargetReply {
     Ready(Box<TargetHello>),
+    ReadyBatch(Box<BatchHello>),
     Failed(String),
+}
+
+/// What a target serves until it is told to stop.
+enum Served {
+    Ucx(TargetState),
+    /// The exported device buffer (freed after the initiator closed its mapping and said stop).
+    Batch(CudaBuffer),
 }
 
 /// Initiator to target, after the hello.
@@ -351,10 +381,18 @@ pub fn run_target(mut stream: TcpStream, opts: &TargetOptions) -> Result<()> {
         }
         other => other?,
     };
-    match prepare_target(&req, opts) {
-        Ok((hello, state)) => {
-            write_frame(&mut stream, "target: send hello", &TargetReply::Ready(Box::new(hello)))?;
-            serve_target(&mut stream, &req, state)
+    let prepared = if req.cuda_batch {
+        prepare_batch_target(&req).map(|(h, buf)| (TargetReply::ReadyBatch(Box::new(h)), Served::Batch(buf)))
+    } else {
+        prepare_target(&req, opts).map(|(h, state)| (TargetReply::Ready(Box::new(h)), Served::Ucx(state)))
+    };
+    match prepared {
+        Ok((hello, served)) => {
+            write_frame(&mut stream, "target: send hello", &hello)?;
+            match served {
+                Served::Ucx(state) => serve_target(&mut stream, &req, state),
+                Served::Batch(buf) => serve_batch_target(&mut stream, &req, buf),
+            }
         }
         Err(e) => {
             let msg = e.to_string();
@@ -403,6 +441,43 @@ fn prepare_target(req: &TargetRequest, opts: &TargetOptions) -> Result<(TargetHe
         pattern_seed: PATTERN_SEED,
     };
     Ok((hello, TargetState { region, worker, _ctx: ctx }))
+}
+
+/// A cuda-batch target: device memory filled with the pattern and exported for CUDA IPC.
+fn prepare_batch_target(req: &TargetRequest) -> Result<(BatchHello, CudaBuffer)> {
+    check_mem(req.mem)?;
+    let MemPlace::Cuda { device } = req.mem else {
+        return Err(crate::error::ConfigError::new("--mem", "--transport cuda-batch needs --mem cuda").into());
+    };
+    let len =
+        usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
+            stage: "target: request",
+            reason: format!("bad region size {}", req.region_bytes),
+        })?;
+    let dev = CudaDevice::open(device)?;
+    let mut buf = CudaBuffer::alloc(&dev, len)?;
+    buf.fill_with_pattern(PATTERN_SEED)?;
+    let export = super::cuda_batch::export(&buf)?;
+    Ok((BatchHello { export, pid: std::process::id(), pattern_seed: PATTERN_SEED }, buf))
+}
+
+/// Keeps the exported buffer (`_buf`, freed on return) until the initiator says stop (after
+/// closing its mapping), the stream closes, or the serve time runs out.
+fn serve_batch_target(stream: &mut TcpStream, req: &TargetRequest, _buf: CudaBuffer) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(req.max_serve_secs.max(1));
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            break;
+        }
+        match read_frame::<Control>(stream, "target: read control", remaining) {
+            Ok(Control::Stop) => break,
+            Ok(Control::Resume) => {}
+            Err(XferError::Control { .. }) => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn serve_target(stream: &mut TcpStream, req: &TargetRequest, state: TargetState) -> Result<()> {
@@ -600,6 +675,12 @@ impl Session {
         let hello = match read_frame(&mut stream, "initiator: read hello", TARGET_START_TIMEOUT)? {
             TargetReply::Ready(h) => *h,
             TargetReply::Failed(msg) => return Err(XferError::Target(msg)),
+            TargetReply::ReadyBatch(_) => {
+                return Err(XferError::Protocol {
+                    stage: "initiator: read hello",
+                    reason: "the target exported CUDA IPC memory, not a UCX region".into(),
+                });
+            }
         };
         let ctx = Context::new(
             &ucx,
@@ -651,6 +732,9 @@ pub struct XferConfig {
     /// How long to keep trying to reach a remote target (`--connect`).
     pub peer_timeout: Duration,
     pub session: SessionOptions,
+    /// `--transport cuda-batch`: each batch of reads is one batched copy from the target's
+    /// pool mapped with CUDA IPC (local targets and device memory only).
+    pub cuda_batch: bool,
 }
 
 /// Where the target runs.
@@ -730,6 +814,21 @@ pub struct XferReport {
     /// A slow path or an unknown protocol for device memory, with the fix.
     pub warnings: Vec<String>,
     pub results: Vec<XferResult>,
+    /// `ucx` or `cuda-batch`.
+    pub transport: String,
+    /// `--transport cuda-batch`: the driver path that moved the batches.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuda_batch: Option<XferBatchReport>,
+}
+
+/// How `kvx xfer --transport cuda-batch` moved its batches.
+#[derive(Debug, Clone, Serialize)]
+pub struct XferBatchReport {
+    /// `batch-v2`, `batch-v1` or `per-descriptor`.
+    pub path: BatchPath,
+    pub driver_call: String,
+    /// Driver calls per batch of `inflight` reads (1 with the batch API).
+    pub calls_per_batch: f64,
 }
 
 /// Runs the whole benchmark: starts or reaches the target, measures every case, stops
@@ -740,6 +839,9 @@ pub fn run(
     mut on_result: impl FnMut(&XferResult),
 ) -> Result<XferReport> {
     check_mem(cfg.mem)?;
+    if cfg.cuda_batch {
+        return run_batch(cfg, target, on_result);
+    }
     // A UCX the initiator cannot load is reported once, before a target process starts (which
     // would fail the same way, or see its initiator vanish, and say so first).
     Ucx::load(cfg.session.ucx_lib.as_deref())?;
@@ -752,6 +854,7 @@ pub fn run(
         mem: cfg.mem,
         progress: true,
         max_serve_secs: estimate_secs(cfg) + 600,
+        cuda_batch: false,
     };
     let (mut child, stream) = match target {
         TargetSpec::Local { exe } => {
@@ -775,6 +878,12 @@ pub fn run(
         report
     })();
     let Some(c) = child.as_mut() else { return outcome };
+    end_local_target(c, outcome)
+}
+
+/// Reaps a local target after the measurement, and blames a broken control connection on the
+/// target's own end when it ended with an error.
+fn end_local_target<T>(c: &mut Child, outcome: Result<T>) -> Result<T> {
     reap(c, Duration::from_secs(10));
     match outcome {
         // A broken control connection to a local target that has ended: the cause is the
@@ -787,6 +896,279 @@ pub fn run(
             _ => Err(e),
         },
         other => other,
+    }
+}
+
+/// `--transport cuda-batch`: a local target exports its device buffer, this process maps it
+/// and measures every case as batches of one batched copy each, against the same-run device
+/// copy; the mapping is closed before the target is told to stop (and frees its buffer).
+fn run_batch(
+    cfg: &XferConfig,
+    target: &TargetSpec,
+    on_result: impl FnMut(&XferResult),
+) -> Result<XferReport> {
+    let MemPlace::Cuda { device } = cfg.mem else {
+        return Err(crate::error::ConfigError::new(
+            "--mem",
+            "--transport cuda-batch copies device memory: pass --mem cuda",
+        )
+        .into());
+    };
+    let TargetSpec::Local { exe } = target else {
+        return Err(crate::error::ConfigError::new(
+            "--connect",
+            "--transport cuda-batch maps the target's GPU memory with CUDA IPC, which works only between \
+             processes of one machine: drop --connect (kvx xfer starts its own target)",
+        )
+        .into());
+    };
+    let max_size = cfg.sizes.iter().copied().max().unwrap_or(4096);
+    let ws = if cfg.hot { max_size } else { cfg.working_set_bytes.max(max_size) };
+    let req = TargetRequest {
+        region_bytes: ws,
+        ucx_alloc: false,
+        huge_pages: false,
+        mem: cfg.mem,
+        progress: true,
+        max_serve_secs: estimate_secs(cfg) + 600,
+        cuda_batch: true,
+    };
+    // The target loads no UCX either; its options only name the flags it was started with.
+    let t = LocalTarget::spawn(
+        exe,
+        &TargetOptions {
+            ucx_lib: cfg.session.ucx_lib.clone(),
+            progress: cfg.session.progress,
+            ucx_config: vec![],
+        },
+        &[],
+    )?;
+    let (mut child, mut stream) = (t.child, t.stream);
+    let outcome = (|| {
+        write_frame(&mut stream, "initiator: send request", &req)?;
+        let hello = match read_frame(&mut stream, "initiator: read hello", TARGET_START_TIMEOUT)? {
+            TargetReply::ReadyBatch(h) => *h,
+            TargetReply::Failed(msg) => return Err(XferError::Target(msg)),
+            TargetReply::Ready(_) => {
+                return Err(XferError::Protocol {
+                    stage: "initiator: read hello",
+                    reason: "the target served UCX, not a CUDA IPC export".into(),
+                });
+            }
+        };
+        let dev = CudaDevice::open(device)?;
+        // Locals drop in reverse order: the local buffers, then the copier (its stream
+        // drained), then the mapping, all before the target is told to stop.
+        let (results, path) = {
+            let who = format!("the target process (pid {})", hello.pid);
+            let peer = PeerMapping::open(&dev, &who, Some(&hello.export))?;
+            let mut copier = BatchCopier::new(&dev)?;
+            let mut local = CudaBuffer::alloc(&dev, ws as usize)?;
+            let mut ceiling = Ceiling::new(cfg.mem, ws, PageSize::Normal)?;
+            let seed = hello.pattern_seed;
+            let mut m =
+                BatchMeasure { cfg, copier: &mut copier, peer: &peer, batch: CopyBatch::default(), seed };
+            let results = m.cases(&mut local, ws, &mut ceiling, on_result);
+            (results, copier.path())
+        };
+        let _ = write_frame(&mut stream, "initiator: stop", &Control::Stop);
+        let results = results?;
+        let calls: u64 = results.iter().map(|r| path.calls(r.inflight) * r.batches).sum();
+        let batches: u64 = results.iter().map(|r| r.batches).sum();
+        Ok(XferReport {
+            ucx: UcxReport {
+                library: "(not loaded: cuda-batch transport)".into(),
+                version: String::new(),
+                transports: format!("cuda-batch/{path}"),
+                source: String::new(),
+                err_mode: cfg.session.err_mode,
+                progress: cfg.session.progress,
+                target_library: "(not loaded: cuda-batch transport)".into(),
+                target_version: String::new(),
+                protocols: ProtoReport { uses: Vec::new(), note: Some("cuda-batch does not use UCX".into()) },
+                env: Vec::new(),
+            },
+            memory: MemoryReport {
+                kind: "cuda".into(),
+                device: Some(device),
+                huge_pages: false,
+                pages: PageSize::Normal.to_string(),
+                working_set_bytes: ws,
+                residency: if cfg.hot { "hot".into() } else { "cold".into() },
+            },
+            ceiling: "device_copy".into(),
+            warnings: Vec::new(),
+            results,
+            transport: "cuda-batch".into(),
+            cuda_batch: Some(XferBatchReport {
+                path,
+                driver_call: path.driver_call().into(),
+                calls_per_batch: if batches > 0 { calls as f64 / batches as f64 } else { 0.0 },
+            }),
+        })
+    })();
+    end_local_target(&mut child, outcome)
+}
+
+/// The measurement loop of `kvx xfer --transport cuda-batch`.
+struct BatchMeasure<'a> {
+    cfg: &'a XferConfig,
+    copier: &'a mut BatchCopier,
+    peer: &'a std::sync::Arc<PeerMapping>,
+    batch: CopyBatch,
+    seed: u64,
+}
+
+impl BatchMeasure<'_> {
+    fn cases(
+        &mut self,
+        local: &mut CudaBuffer,
+        ws: u64,
+        ceiling: &mut Ceiling,
+        mut on_result: impl FnMut(&XferResult),
+    ) -> Result<Vec<XferResult>> {
+        let cfg = self.cfg;
+        let mut results = Vec::new();
+        for &size in &cfg.sizes {
+            for &inflight in &cfg.inflight {
+                if crate::interrupt::requested().is_some() {
+                    return Ok(results);
+                }
+                let ceiling_gbps = ceiling.measure(size, inflight, ws, cfg)?;
+                let r = self.case(local, size, inflight, ws.min(self.peer.span().len), ceiling_gbps)?;
+                on_result(&r);
+                results.push(r);
+            }
+        }
+        Ok(results)
+    }
+
+    /// Packs and copies reads `k0..k0 + n` of `size` bytes: remote offsets rotate forward over
+    /// the working set as a UCX case's do, local ones backward, so no two reads of a batch are
+    /// contiguous on both sides and the batch keeps `n` copies (vLLM's descriptors are strided
+    /// too); coalesced, a cold batch would be one large copy and measure nothing of posting.
+    fn one(
+        &mut self,
+        local: &mut CudaBuffer,
+        k0: u64,
+        n: u64,
+        size: u64,
+        slots: (u64, u64),
+    ) -> Result<super::cuda_batch::BatchStats> {
+        let (remote_slots, local_slots) = slots;
+        let hot = self.cfg.hot;
+        let pairs = (k0..k0 + n).map(|i| crate::layouts::plan::Pair {
+            local: if hot { 0 } else { (local_slots - 1 - i % local_slots) * size },
+            remote: slot_offset(i, size, remote_slots, hot),
+            len: size,
+        });
+        let span = Span { base: Registrable::addr(&*local), len: local.len() as u64 };
+        self.batch.pack(pairs, span, self.peer.span())?;
+        Ok(self.copier.copy(local, self.peer, &mut self.batch, self.cfg.timeout)?)
+    }
+
+    fn case(
+        &mut self,
+        local: &mut CudaBuffer,
+        size: u64,
+        inflight: usize,
+        ws: u64,
+        ceiling_gbps: f64,
+    ) -> Result<XferResult> {
+        let cfg = self.cfg;
+        let slots = ((ws / size).max(1), (local.len() as u64 / size).max(1));
+        let per_batch = inflight as u64;
+        let mut k: u64 = 0;
+        let warm_start = Instant::now();
+        while k < per_batch * 3
+            || (warm_start.elapsed() < Duration::from_millis(20) && k < slots.0.max(per_batch))
+        {
+            self.one(local, k, per_batch, size, slots)?;
+            k += per_batch;
+        }
+        let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
+            .map_err(|e| XferError::Protocol { stage: "histogram", reason: e.to_string() })?;
+        let (mut post_ns, mut complete_ns, mut bytes, mut batches) = (0u64, 0u64, 0u64, 0u64);
+        let start = Instant::now();
+        loop {
+            let st = self.one(local, k, per_batch, size, slots)?;
+            k += per_batch;
+            batches += 1;
+            bytes += st.bytes;
+            post_ns += st.post_ns;
+            complete_ns += st.complete_ns;
+            hist.saturating_record(st.complete_ns.max(1));
+            let done = match cfg.iters {
+                Some(n) => batches >= n,
+                None => batches >= 3 && start.elapsed() >= cfg.duration,
+            };
+            if done || crate::interrupt::requested().is_some() {
+                break;
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let verified_bytes = self.verify(local, size, slots, inflight)?;
+        let gbps = bytes as f64 / secs / 1e9;
+        let us = |ns: u64| ns as f64 / 1e3;
+        Ok(XferResult {
+            size_bytes: size,
+            inflight,
+            gbps,
+            ceiling_gbps,
+            ratio_to_ceiling: if ceiling_gbps > 0.0 { gbps / ceiling_gbps } else { 0.0 },
+            memcpy_gbps: None,
+            ratio_to_memcpy: None,
+            p50_us: us(hist.value_at_quantile(0.50)),
+            p99_us: us(hist.value_at_quantile(0.99)),
+            max_us: us(hist.max()),
+            post_us: us(post_ns) / batches as f64,
+            complete_us: us(complete_ns) / batches as f64,
+            msgs_per_sec: (batches * per_batch) as f64 / secs,
+            batches,
+            bytes,
+            verified_bytes,
+        })
+    }
+
+    /// Clears the local slots of one batch, copies them again from remote slots starting
+    /// mid-way (so local and remote offsets differ), and checks every byte against the pattern.
+    fn verify(
+        &mut self,
+        local: &mut CudaBuffer,
+        size: u64,
+        slots: (u64, u64),
+        inflight: usize,
+    ) -> Result<u64> {
+        let (remote_slots, local_slots) = slots;
+        let n = if self.cfg.hot { 1 } else { (inflight as u64).min(remote_slots).min(local_slots) };
+        let pairs: Vec<crate::layouts::plan::Pair> = (0..n)
+            .map(|i| crate::layouts::plan::Pair {
+                local: (n - 1 - i) * size,
+                remote: ((i + remote_slots / 2 + 1) % remote_slots) * size,
+                len: size,
+            })
+            .collect();
+        let ranges: Vec<std::ops::Range<u64>> = pairs.iter().map(|p| p.local..p.local + p.len).collect();
+        local.write_ranges(&ranges, |_, bytes| bytes.fill(0))?;
+        let span = Span { base: Registrable::addr(&*local), len: local.len() as u64 };
+        self.batch.pack(pairs.iter().copied(), span, self.peer.span())?;
+        self.copier.copy(local, self.peer, &mut self.batch, self.cfg.timeout)?;
+        let mut bad = None;
+        local.read_ranges(&ranges, |i, got| {
+            if bad.is_none()
+                && let Err(off) = check_pattern(got, pairs[i].remote, self.seed)
+            {
+                bad = Some((i, off));
+            }
+        })?;
+        if let Some((i, off)) = bad {
+            return Err(XferError::Verify(format!(
+                "{size}-byte cuda-batch copy from remote offset {} into local offset {}: first wrong byte at \
+                 remote offset {off}",
+                pairs[i].remote, pairs[i].local
+            )));
+        }
+        Ok(n * size)
     }
 }
 
@@ -855,6 +1237,8 @@ fn measure(
         ceiling: ceiling.kind().into(),
         warnings,
         results,
+        transport: "ucx".into(),
+        cuda_batch: None,
     })
 }
 

@@ -62,6 +62,21 @@ fn plan_outputs() {
     golden("plan_json", &kvx(&[&a[..], &["--format", "json"]].concat()));
 }
 
+/// The posting-cost section with the user's measured rates in place of the defaults, on the
+/// GPU notes' post-bound case (P8 -> D2 Llama-3.1-70B).
+#[test]
+fn plan_posting_cost_outputs() {
+    let a = ["plan", "--p-tp", "8", "--d-tp", "2", "--model", "llama-3.1-70b", "--prompt-len", "4096"];
+    let measured = ["--post-ns", "ucx=80,cuda-ipc=5000,cuda-batch=150,cuda-batch-call=9000"];
+    golden(
+        "plan_posting_table",
+        &kvx(&[&a[..], &measured[..], &["--ceiling-gbps", "cuda-batch=1000"]].concat()),
+    );
+    let json = kvx(&[&a[..], &measured[..], &["--format", "json"]].concat());
+    let v: serde_json::Value = serde_json::from_str(&json).expect("json");
+    golden("plan_posting_json", &serde_json::to_string_pretty(&v["posting"]).expect("posting"));
+}
+
 #[test]
 fn report_outputs() {
     let run = fixture("report/run-a");

@@ -216,3 +216,134 @@ fn bench_reports_name_the_protocol_ucx_chose_for_the_reads() {
         assert!(v.get("warnings").is_none(), "host memory gets no protocol warning: {v}");
     }
 }
+
+/// What `--transport cuda-batch` may name as missing on a host without a GPU: the feature,
+/// the driver, a device.
+const BATCH_MISSING: &[&str] = &["`cuda` feature", "libcuda", "CUDA device"];
+
+#[test]
+fn bench_over_cuda_batch_without_a_gpu_exits_2_naming_what_is_missing() {
+    let dir = tempfile::tempdir().expect("results dir");
+    let out = kvx()
+        .args(["bench", "--transport", "cuda-batch", "--mem", "cuda", "--p-tp", "2", "--d-tp", "1"])
+        .args(["--model", "llama-3.1-8b", "--requests", "4", "--prompt-len", "256", "--no-calibrate"])
+        .args(["--format", "json", "--results-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run kvx bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if out.status.success() {
+        skip("this host has a GPU: bench --transport cuda-batch ran (see scripts/gpu-check.sh)");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(v["scenario"]["transport"], "cuda-batch");
+        assert_eq!(v["requests_ok"], 4, "{v}");
+        assert_eq!(v["verify_failures"], 0, "{v}");
+        assert_eq!(v["blocks_leaked"], 0, "{v}");
+        let paths = v["cuda_batch"]["paths"].as_array().cloned().unwrap_or_default();
+        assert!(!paths.is_empty(), "the summary names the batch path: {v}");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(BATCH_MISSING.iter().any(|m| stderr.contains(m)), "names what is missing: {stderr}");
+    assert!(stderr.contains("cuda-batch"), "says which transport needs it: {stderr}");
+    assert_eq!(stderr.matches("error:").count(), 1, "said once, before any worker: {stderr}");
+    assert!(out.stdout.is_empty(), "no report of a run that never started");
+    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "no run directory either");
+}
+
+#[test]
+fn comparing_ucx_with_cuda_batch_without_a_gpu_exits_2_before_any_run() {
+    let dir = tempfile::tempdir().expect("results dir");
+    let out = kvx()
+        .args(["bench", "--compare-transports", "ucx,cuda-batch", "--mem", "cuda", "--p-tp", "2"])
+        .args(["--d-tp", "1", "--model", "llama-3.1-8b", "--requests", "2", "--prompt-len", "256"])
+        .args(["--no-calibrate", "--results-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run kvx bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        skip("this host has a GPU: the comparison ran (see scripts/gpu-check.sh)");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(MISSING.iter().any(|m| stderr.contains(m)), "{stderr}");
+    assert_eq!(stderr.matches("error:").count(), 1, "said once, before any run: {stderr}");
+    assert!(!stderr.contains("[P0]"), "no worker started: {stderr}");
+}
+
+#[test]
+fn xfer_over_cuda_batch_without_a_gpu_exits_2_naming_what_is_missing() {
+    let out = kvx()
+        .args(["xfer", "--transport", "cuda-batch", "--mem", "cuda", "--sizes", "8KiB,64KiB"])
+        .args(["--inflight", "64", "--iters", "2", "--working-set", "4MiB", "--format", "json"])
+        .output()
+        .expect("run kvx xfer");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if out.status.success() {
+        skip("this host has a GPU: xfer --transport cuda-batch ran (see scripts/gpu-check.sh)");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(v["transport"], "cuda-batch");
+        assert_eq!(v["ceiling"], "device_copy");
+        assert!(v["cuda_batch"]["path"].is_string(), "{v}");
+        for r in v["results"].as_array().expect("results") {
+            assert!(r["verified_bytes"].as_u64().is_some_and(|b| b > 0), "{r}");
+        }
+        return;
+    }
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(BATCH_MISSING.iter().any(|m| stderr.contains(m)), "names what is missing: {stderr}");
+    assert!(stderr.contains("cuda-batch"), "{stderr}");
+    assert_eq!(stderr.matches("error:").count(), 1, "{stderr}");
+    assert!(out.stdout.is_empty(), "no partial report on stdout");
+}
+
+#[test]
+fn cuda_batch_on_host_memory_exits_2_naming_mem() {
+    let dir = tempfile::tempdir().expect("results dir");
+    let bench = kvx()
+        .args(["bench", "--transport", "cuda-batch", "--requests", "2", "--no-calibrate", "--results-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run kvx bench");
+    let xfer =
+        kvx().args(["xfer", "--transport", "cuda-batch", "--sizes", "8KiB"]).output().expect("run xfer");
+    for (what, out) in [("bench", bench), ("xfer", xfer)] {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{what}: {stderr}");
+        // A kvx built without the cuda feature names the feature (and --transport) first.
+        assert!(
+            stderr.contains("--mem cuda") && stderr.contains("(change --mem)")
+                || stderr.contains("`cuda` feature"),
+            "{what}: {stderr}"
+        );
+        assert!(out.stdout.is_empty(), "{what}");
+    }
+    // The other machine-bound refusals name their flags too.
+    for (args, flag) in [
+        (
+            vec!["bench", "--transport", "cuda-batch", "--mem", "cuda", "--advertise-host", "10.9.8.7"],
+            "--advertise-host",
+        ),
+        (vec!["bench", "--transport", "cuda-batch", "--mem", "cuda", "--mode", "push"], "--transport"),
+        (
+            vec!["xfer", "--transport", "cuda-batch", "--mem", "cuda", "--connect", "10.9.8.7:5700"],
+            "--connect",
+        ),
+    ] {
+        let mut cmd = kvx();
+        cmd.args(&args);
+        if args[0] == "bench" {
+            cmd.arg("--results-dir").arg(dir.path());
+        }
+        let out = cmd.output().expect("run kvx");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("(change {flag})")) || stderr.contains("`cuda` feature"),
+            "{args:?}: {stderr}"
+        );
+    }
+}

@@ -146,6 +146,7 @@ fn scatter_child_body(lib: &Path) {
         mem: MemPlace::Host,
         progress: true,
         max_serve_secs: 120,
+        cuda_batch: false,
     };
     let opts = SessionOptions { ucx_lib: Some(lib.to_path_buf()), ..Default::default() };
     let session = Session::establish(target.stream, &req, &opts).expect("session");

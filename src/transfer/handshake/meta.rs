@@ -70,6 +70,28 @@ pub struct KvxMetadata {
     /// The factors behind the advertised compatibility hash, as canonical JSON, so a peer
     /// with a different hash can say which factors differ.
     pub compat_factors_json: String,
+    /// `--transport cuda-batch`: the rank's KV pool exported for CUDA IPC. Absent (and not
+    /// written) otherwise, so metadata without it reads and writes as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_ipc: Option<CudaIpcExport>,
+}
+
+/// A rank's device pool as CUDA IPC exports it (`cuIpcGetMemHandle` of the whole `cuMemAlloc`
+/// allocation), with what a peer checks before opening it: the machine and process it came
+/// from (IPC works only between processes of one machine, never within one).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaIpcExport {
+    /// The `CUipcMemHandle` (64 opaque bytes).
+    #[serde(with = "serde_bytes")]
+    pub handle: Vec<u8>,
+    /// The allocation's device address in the exporting process (offsets are from it).
+    pub base_addr: u64,
+    pub len: u64,
+    /// The CUDA device ordinal the memory lives on, in the exporting process.
+    pub device: u32,
+    /// The exporting machine's boot id (`/proc/sys/kernel/random/boot_id`).
+    pub machine_id: String,
+    pub pid: u32,
 }
 
 impl KvxMetadata {
@@ -100,6 +122,7 @@ impl KvxMetadata {
             regions,
             notify_endpoint,
             compat_factors_json: factors.canonical_json(),
+            cuda_ipc: None,
         }
     }
 
@@ -184,6 +207,14 @@ impl KvxMetadata {
         }
         if self.worker_address.len() > MAX_OPAQUE_BYTES {
             return Err(WireError::invalid(WHAT, "worker_address over 64 KiB"));
+        }
+        if let Some(ipc) = &self.cuda_ipc {
+            if ipc.handle.len() > MAX_OPAQUE_BYTES {
+                return Err(WireError::invalid(WHAT, "cuda_ipc handle over 64 KiB"));
+            }
+            if let Some(e) = long("cuda_ipc machine_id", &ipc.machine_id) {
+                return Err(e);
+            }
         }
         if self.regions.len() > MAX_REGIONS {
             return Err(WireError::invalid(
@@ -440,6 +471,41 @@ pub(crate) mod tests {
         assert_eq!(KvxMetadata::decode(&bytes).expect("decodes"), m);
         assert_eq!(AgentMetadata::decode(&bytes).expect("decodes"), AgentMetadata::Kvx(Box::new(m.clone())));
         assert_eq!(m.compat_hash().expect("hash"), sample_factors().hash_hex());
+    }
+
+    #[test]
+    fn the_cuda_ipc_export_is_optional_both_ways() {
+        // Without it, nothing is written: metadata reads as a kvx without the field wrote it.
+        let plain = sample(0);
+        let bytes = plain.encode().expect("encodes");
+        let v = rmpv::decode::read_value(&mut &bytes[..]).expect("msgpack");
+        let has_key = |v: &rmpv::Value, k: &str| {
+            v.as_map().is_some_and(|m| m.iter().any(|(key, _)| key.as_str() == Some(k)))
+        };
+        assert!(!has_key(&v, "cuda_ipc"), "{v}");
+        assert_eq!(KvxMetadata::decode(&bytes).expect("decodes").cuda_ipc, None);
+        // With it, it round-trips; a reader that ignores it (serde skips unknown keys) still reads.
+        let mut m = sample(1);
+        m.cuda_ipc = Some(CudaIpcExport {
+            handle: vec![3; 64],
+            base_addr: 0x7f00_0000_0000,
+            len: 1 << 20,
+            device: 1,
+            machine_id: "boot-id".into(),
+            pid: 42,
+        });
+        let bytes = m.encode().expect("encodes");
+        assert_eq!(KvxMetadata::decode(&bytes).expect("decodes"), m);
+        #[derive(Deserialize)]
+        struct Older {
+            engine_id: String,
+        }
+        let older: Older = rmp_serde::from_slice(&bytes).expect("an older reader");
+        assert_eq!(older.engine_id, "P-engine");
+        if let Some(ipc) = m.cuda_ipc.as_mut() {
+            ipc.machine_id = "x".repeat(MAX_STRING_BYTES + 1);
+        }
+        assert!(m.encode().is_err(), "an oversized machine id is refused");
     }
 
     #[test]

@@ -1,0 +1,327 @@
+//! What posting a request's descriptors costs on each transport, before anything runs: the
+//! descriptors a decode rank posts times the transport's per-descriptor posting cost, against
+//! the time its bytes take at the transport's bandwidth ceiling. A request whose posting takes
+//! longer than its bytes is *post-bound*: no faster link helps it, fewer descriptors do.
+//!
+//! Posting and copying overlap (a transport posts the next descriptor while earlier ones
+//! move), so a request takes about `max(post, copy)`; the model reports both and that bound.
+//! Each decode rank posts its own reads in parallel with the others, so a request is as slow as
+//! its busiest decode rank, which is the one reported.
+//!
+//! The rates are data ([`PostRates`]): defaults with where each was measured, replaced by the
+//! user's own measurements (`kvx plan --post-ns`, `--ceiling-gbps`, resolved in `settings`).
+//!
+//! Owns: the cost arithmetic and the default rates. Pure: no I/O.
+
+use serde::Serialize;
+
+/// A way of posting a request's descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PostPath {
+    /// UCX on host memory (cma, posix): one GET per vLLM descriptor.
+    Ucx,
+    /// UCX cuda_ipc on device memory (what NIXL uses between GPUs of one machine): one
+    /// `cuMemcpyAsync` plus an event per GET, one GET per vLLM descriptor.
+    CudaIpc,
+    /// kvx's `--transport cuda-batch`: a request's descriptors from one peer, coalesced where
+    /// contiguous, in one `cuMemcpyBatchAsync` call.
+    CudaBatch,
+}
+
+impl PostPath {
+    pub const ALL: [PostPath; 3] = [PostPath::Ucx, PostPath::CudaIpc, PostPath::CudaBatch];
+
+    /// The key `--post-ns` and `--ceiling-gbps` name it by.
+    pub fn key(self) -> &'static str {
+        match self {
+            PostPath::Ucx => "ucx",
+            PostPath::CudaIpc => "cuda-ipc",
+            PostPath::CudaBatch => "cuda-batch",
+        }
+    }
+
+    /// What memory the path moves.
+    pub fn memory(self) -> &'static str {
+        match self {
+            PostPath::Ucx => "host",
+            PostPath::CudaIpc | PostPath::CudaBatch => "cuda",
+        }
+    }
+}
+
+/// Where a rate came from.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "detail")]
+pub enum RateSource {
+    /// A default measured by this project (the detail says where and how).
+    Measured(&'static str),
+    /// A default nobody has measured yet (the detail says what it rests on).
+    Estimate(&'static str),
+    /// Given on the command line.
+    User,
+}
+
+impl RateSource {
+    pub fn is_estimate(&self) -> bool {
+        matches!(self, RateSource::Estimate(_))
+    }
+
+    pub fn text(&self) -> String {
+        match self {
+            RateSource::Measured(d) => format!("measured: {d}"),
+            RateSource::Estimate(d) => format!("ESTIMATE, not measured: {d}"),
+            RateSource::User => "given with --post-ns/--ceiling-gbps".into(),
+        }
+    }
+}
+
+/// One path's posting cost and bandwidth ceiling.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PathRate {
+    /// CPU time to post one descriptor (one entry of a batch, for cuda-batch).
+    pub ns_per_descriptor: f64,
+    /// Fixed CPU time per driver call on top (cuda-batch: the call, its event record and the
+    /// wait's wake-up; 0 where each descriptor is its own call, folded into the rate above).
+    pub ns_per_call: f64,
+    pub post_source: RateSource,
+    /// Bandwidth the bytes move at once posted (GB/s = 1e9 B/s).
+    pub ceiling_gbps: f64,
+    pub ceiling_source: RateSource,
+}
+
+/// The rates of every path.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PostRates {
+    pub ucx: PathRate,
+    pub cuda_ipc: PathRate,
+    pub cuda_batch: PathRate,
+}
+
+/// `kvx xfer --sizes 8KiB --inflight 64` on this project's 2-core machine: `post us` of a
+/// batch of 64 GETs over cma is about 4.9 us, 76 ns per GET.
+pub const UCX_HOST_NS_PER_DESCRIPTOR: f64 = 76.0;
+/// UCX cuda_ipc: 5-6 us per GET, measured on an H100 (the project's GPU notes, 2e).
+pub const CUDA_IPC_NS_PER_DESCRIPTOR: f64 = 5500.0;
+/// cuda-batch: an estimate until `scripts/gpu-check.sh` measures it: a batch entry is a few
+/// stores into the driver's command stream, not a call, taken as 200 ns ...
+pub const CUDA_BATCH_NS_PER_DESCRIPTOR: f64 = 200.0;
+/// ... plus one call, one event record and one wake-up per batch, taken as two cuda_ipc GETs.
+pub const CUDA_BATCH_NS_PER_CALL: f64 = 11_000.0;
+/// Host memory: `kvx bench --p-tp 8 --d-tp 2` on host memory reached 5.37 GB/s on a 16-core
+/// host (the GPU notes, 3).
+pub const HOST_CEILING_GBPS: f64 = 5.0;
+/// A device-to-device copy of 256 MiB on one H100: 1,370 GB/s (the GPU notes, 2d).
+pub const DEVICE_CEILING_GBPS: f64 = 1370.0;
+
+impl Default for PostRates {
+    fn default() -> Self {
+        let device_ceiling =
+            RateSource::Measured("device-to-device copy of 256 MiB on an H100 (GPU notes 2d)");
+        PostRates {
+            ucx: PathRate {
+                ns_per_descriptor: UCX_HOST_NS_PER_DESCRIPTOR,
+                ns_per_call: 0.0,
+                post_source: RateSource::Measured(
+                    "kvx xfer --sizes 8KiB --inflight 64 over cma, this project's 2-core machine",
+                ),
+                ceiling_gbps: HOST_CEILING_GBPS,
+                ceiling_source: RateSource::Measured(
+                    "kvx bench --p-tp 8 --d-tp 2 on host memory, 16-core host (GPU notes 3)",
+                ),
+            },
+            cuda_ipc: PathRate {
+                ns_per_descriptor: CUDA_IPC_NS_PER_DESCRIPTOR,
+                ns_per_call: 0.0,
+                post_source: RateSource::Measured("UCX cuda_ipc GETs on an H100, 5-6 us each (GPU notes 2e)"),
+                ceiling_gbps: DEVICE_CEILING_GBPS,
+                ceiling_source: device_ceiling.clone(),
+            },
+            cuda_batch: PathRate {
+                ns_per_descriptor: CUDA_BATCH_NS_PER_DESCRIPTOR,
+                ns_per_call: CUDA_BATCH_NS_PER_CALL,
+                post_source: RateSource::Estimate(
+                    "200 ns per batch entry + 11 us per call; run scripts/gpu-check.sh and pass the \
+                     measured rates with --post-ns cuda-batch=N,cuda-batch-call=N",
+                ),
+                ceiling_gbps: DEVICE_CEILING_GBPS,
+                ceiling_source: device_ceiling,
+            },
+        }
+    }
+}
+
+impl PostRates {
+    pub fn of(&self, path: PostPath) -> &PathRate {
+        match path {
+            PostPath::Ucx => &self.ucx,
+            PostPath::CudaIpc => &self.cuda_ipc,
+            PostPath::CudaBatch => &self.cuda_batch,
+        }
+    }
+
+    pub fn of_mut(&mut self, path: PostPath) -> &mut PathRate {
+        match path {
+            PostPath::Ucx => &mut self.ucx,
+            PostPath::CudaIpc => &mut self.cuda_ipc,
+            PostPath::CudaBatch => &mut self.cuda_batch,
+        }
+    }
+}
+
+/// One READ of a decode rank's plan (one source prefill rank), as the cost model needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReadShape {
+    /// vLLM's descriptors (one per block and region).
+    pub descriptors: u64,
+    /// After merging descriptors contiguous on both sides.
+    pub coalesced: u64,
+    pub bytes: u64,
+}
+
+/// What one path costs the busiest decode rank of a request.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PathCost {
+    pub transport: PostPath,
+    pub memory: &'static str,
+    pub d_rank: u32,
+    /// Descriptors the path posts: vLLM's for UCX (host and cuda_ipc), coalesced ones for
+    /// cuda-batch.
+    pub descriptors: u64,
+    /// Driver or UCX calls: one per descriptor, or one per peer with cuda-batch.
+    pub calls: u64,
+    pub bytes: u64,
+    pub post_ns: f64,
+    /// The bytes at the ceiling.
+    pub copy_ns: f64,
+    /// Posting takes longer than the bytes: the path is post-bound.
+    pub post_bound: bool,
+    /// `bytes / max(post, copy)`: the most the rank can move a request at.
+    pub bound_gbps: f64,
+}
+
+/// The cost of one decode rank's reads on `path`.
+pub fn rank_cost(path: PostPath, rate: &PathRate, d_rank: u32, reads: &[ReadShape]) -> PathCost {
+    let bytes: u64 = reads.iter().map(|r| r.bytes).sum();
+    let (descriptors, calls) = match path {
+        PostPath::Ucx | PostPath::CudaIpc => {
+            let n = reads.iter().map(|r| r.descriptors).sum();
+            (n, n)
+        }
+        PostPath::CudaBatch => {
+            (reads.iter().map(|r| r.coalesced).sum(), reads.iter().filter(|r| r.coalesced > 0).count() as u64)
+        }
+    };
+    let post_ns = descriptors as f64 * rate.ns_per_descriptor
+        + if path == PostPath::CudaBatch { calls as f64 * rate.ns_per_call } else { 0.0 };
+    // 1 GB/s is one byte per nanosecond.
+    let copy_ns = if rate.ceiling_gbps > 0.0 { bytes as f64 / rate.ceiling_gbps } else { 0.0 };
+    let slowest = post_ns.max(copy_ns);
+    PathCost {
+        transport: path,
+        memory: path.memory(),
+        d_rank,
+        descriptors,
+        calls,
+        bytes,
+        post_ns,
+        copy_ns,
+        post_bound: post_ns > copy_ns,
+        bound_gbps: if slowest > 0.0 { bytes as f64 / slowest } else { 0.0 },
+    }
+}
+
+/// Every path's cost for a request, from each decode rank's reads: per path, the decode rank
+/// that takes longest (`max(post, copy)`; the first such rank on a tie). No ranks, no rows.
+pub fn request_costs(ranks: &[(u32, Vec<ReadShape>)], rates: &PostRates) -> Vec<PathCost> {
+    PostPath::ALL
+        .iter()
+        .filter_map(|&path| {
+            ranks
+                .iter()
+                .map(|(d, reads)| rank_cost(path, rates.of(path), *d, reads))
+                .reduce(|a, b| if b.post_ns.max(b.copy_ns) > a.post_ns.max(a.copy_ns) { b } else { a })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// P8 -> D2 Llama-3.1-70B at 8 KiB descriptors, as the GPU notes count them: 81,920 reads
+    /// per request, 40,960 per decode rank over 4 peers.
+    fn p8d2_rank() -> Vec<ReadShape> {
+        vec![ReadShape { descriptors: 10_240, coalesced: 10_240, bytes: 10_240 * 8192 }; 4]
+    }
+
+    #[test]
+    fn cuda_ipc_at_8_kib_is_post_bound_at_about_1_5_gb_per_s() {
+        let rates = PostRates::default();
+        let c = rank_cost(PostPath::CudaIpc, &rates.cuda_ipc, 0, &p8d2_rank());
+        assert_eq!((c.descriptors, c.calls), (40_960, 40_960));
+        assert!((c.post_ns - 40_960.0 * 5500.0).abs() < 1.0);
+        assert!(c.post_bound);
+        // 8192 B / 5.5 us = 1.49 GB/s: the GPU notes measured ~1.1 GB/s (5-6 us plus waits).
+        assert!((c.bound_gbps - 8192.0 / 5500.0).abs() < 1e-9, "{}", c.bound_gbps);
+        // The same bytes at the device-copy ceiling take 0.24 ms; posting takes 225 ms.
+        assert!((c.copy_ns - 40_960.0 * 8192.0 / 1370.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn cuda_batch_pays_one_call_per_peer_and_coalesced_descriptors() {
+        let rates = PostRates::default();
+        let mut reads = p8d2_rank();
+        reads[3].coalesced = 10; // one peer's blocks happen to be contiguous
+        let c = rank_cost(PostPath::CudaBatch, &rates.cuda_batch, 1, &reads);
+        assert_eq!(c.calls, 4);
+        assert_eq!(c.descriptors, 3 * 10_240 + 10);
+        let want = (3.0 * 10_240.0 + 10.0) * 200.0 + 4.0 * 11_000.0;
+        assert!((c.post_ns - want).abs() < 1e-6);
+        assert!(c.bound_gbps > 10.0 * 8192.0 / 5500.0, "estimate clears the issue's 10x target");
+        // A peer that sends nothing costs no call.
+        let none = [ReadShape::default(), ReadShape { descriptors: 2, coalesced: 1, bytes: 64 }];
+        assert_eq!(rank_cost(PostPath::CudaBatch, &rates.cuda_batch, 0, &none).calls, 1);
+    }
+
+    #[test]
+    fn large_descriptors_are_bandwidth_bound() {
+        // 16 MiB each: 5.5 us posts 3 TB/s worth (at 1 MiB cuda_ipc is still post-bound, as
+        // the GPU notes' 144-183 GB/s at 1 MiB show).
+        let rates = PostRates::default();
+        let reads = [ReadShape { descriptors: 4, coalesced: 4, bytes: 64 << 20 }];
+        for path in PostPath::ALL {
+            let c = rank_cost(path, rates.of(path), 0, &reads);
+            assert!(!c.post_bound, "{path:?}: {c:?}");
+            assert!((c.bound_gbps - rates.of(path).ceiling_gbps).abs() < 1e-9);
+        }
+    }
+
+    #[test]
+    fn a_request_costs_what_its_busiest_decode_rank_costs() {
+        let rates = PostRates::default();
+        let small = vec![ReadShape { descriptors: 10, coalesced: 10, bytes: 81_920 }];
+        let ranks = vec![(0, small), (1, p8d2_rank())];
+        let costs = request_costs(&ranks, &rates);
+        assert_eq!(costs.iter().map(|c| c.transport).collect::<Vec<_>>(), PostPath::ALL.to_vec());
+        assert!(costs.iter().all(|c| c.d_rank == 1), "{costs:?}");
+        assert!(request_costs(&[], &rates).is_empty());
+        // Nothing to read (a full prefix hit): no time, not post-bound, no rate.
+        let empty = rank_cost(PostPath::Ucx, &rates.ucx, 0, &[]);
+        assert_eq!(
+            (empty.post_ns, empty.copy_ns, empty.post_bound, empty.bound_gbps),
+            (0.0, 0.0, false, 0.0)
+        );
+    }
+
+    #[test]
+    fn defaults_say_which_rates_are_measured() {
+        let r = PostRates::default();
+        assert!(!r.ucx.post_source.is_estimate());
+        assert!(!r.cuda_ipc.post_source.is_estimate());
+        assert!(r.cuda_batch.post_source.is_estimate());
+        assert!(r.cuda_batch.post_source.text().contains("--post-ns"));
+        assert_eq!(PostPath::CudaBatch.key(), "cuda-batch");
+        assert_eq!(serde_json::to_value(PostPath::CudaIpc).ok(), Some(serde_json::json!("cuda-ipc")));
+    }
+}

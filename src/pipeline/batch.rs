@@ -1,0 +1,218 @@
+//! The cuda-batch transport in a worker: what a prefill rank advertises (its pool's CUDA IPC
+//! export), what a decode rank keeps (one copier on its device, each peer's pool mapped once
+//! per handshake), how one request's reads from one peer become one batched copy, and how a
+//! run's batches are summed up for the summary.
+//!
+//! Owns: the glue between `transfer::cuda_batch` and the decode and prefill ranks, and the
+//! failure causes its errors map to. Must not know the request lifecycle beyond one read
+//! (notifications, leases and verification stay in `decode` and `prefill`, as for UCX).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::proto::{FailureCause, LoadResult};
+use super::worker::{Stage as _, WorkerError};
+use crate::layouts::plan::Pair;
+use crate::report::summary::{CudaBatchInfo, Summary};
+use crate::transfer::cuda::CudaDevice;
+use crate::transfer::cuda_batch::{BatchCopier, BatchPath, CopyBatch, CudaBatchError, PeerMapping, export};
+use crate::transfer::handshake::meta::{CudaIpcExport, KvxMetadata};
+use crate::transfer::memory::{KvBuffer, MemPlace};
+
+type Failure = (FailureCause, String);
+
+/// A prefill rank's export of its pool, for its handshake metadata.
+pub fn export_pool(mem: &KvBuffer) -> Result<CudaIpcExport, WorkerError> {
+    let buf = mem.as_cuda().ok_or_else(|| {
+        WorkerError::from(crate::error::ConfigError::new(
+            "--mem",
+            format!(
+                "--transport cuda-batch exports device memory; this rank's KV pool is in {} memory",
+                mem.place()
+            ),
+        ))
+    })?;
+    export(buf).stage("export the KV pool for CUDA IPC (cuIpcGetMemHandle)")
+}
+
+/// What a decode rank keeps for the cuda-batch transport.
+pub struct BatchSide {
+    copier: BatchCopier,
+    dev: Arc<CudaDevice>,
+    /// Reused for every batch, so a request allocates nothing.
+    scratch: CopyBatch,
+}
+
+impl BatchSide {
+    /// A copier on the device the rank's pool lives on.
+    pub fn new(place: MemPlace) -> Result<BatchSide, WorkerError> {
+        let device = place.device().ok_or_else(|| {
+            WorkerError::from(crate::error::ConfigError::new(
+                "--mem",
+                "--transport cuda-batch copies device memory: this rank's KV pool is in host memory",
+            ))
+        })?;
+        let dev = CudaDevice::open(device).stage(format!("open CUDA device {device}"))?;
+        let copier = BatchCopier::new(&dev).stage("cuda-batch stream and event")?;
+        Ok(BatchSide { copier, dev, scratch: CopyBatch::default() })
+    }
+
+    /// Maps a prefill rank's advertised pool into this process.
+    pub fn open(&self, meta: &KvxMetadata) -> Result<Arc<PeerMapping>, Failure> {
+        let peer = format!("prefill rank {}", meta.tp_rank);
+        PeerMapping::open(&self.dev, &peer, meta.cuda_ipc.as_ref()).map_err(|e| failure(&peer, e))
+    }
+
+    /// How the transport is named in reports: `cuda-batch/batch-v2`.
+    pub fn label(&self) -> String {
+        format!("cuda-batch/{}", self.copier.path())
+    }
+
+    /// Reads one request's `pairs` from one prefill rank into `local` with one batched copy,
+    /// adding what it cost to `r`.
+    pub fn read(
+        &mut self,
+        local: &mut KvBuffer,
+        p_rank: u32,
+        peer: Option<&Arc<PeerMapping>>,
+        pairs: &[Pair],
+        timeout: Duration,
+        r: &mut LoadResult,
+    ) -> Result<(), Failure> {
+        let who = format!("prefill rank {p_rank}");
+        let peer = peer
+            .ok_or_else(|| (FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")))?;
+        let buf = local.as_cuda_mut().ok_or_else(|| {
+            (
+                FailureCause::Internal,
+                "the cuda-batch transport needs this rank's KV pool in device memory".into(),
+            )
+        })?;
+        let local_span = crate::transfer::cuda_batch::Span {
+            base: crate::transfer::ucx::Registrable::addr(&*buf),
+            len: buf.len() as u64,
+        };
+        self.scratch.pack(pairs.iter().copied(), local_span, peer.span()).map_err(|e| failure(&who, e))?;
+        let st = self.copier.copy(buf, peer, &mut self.scratch, timeout).map_err(|e| failure(&who, e))?;
+        r.post_ns += st.post_ns;
+        r.bytes += st.bytes;
+        r.batch_path = Some(self.copier.path());
+        r.batch_calls += st.calls;
+        r.batch_copies += st.copies;
+        Ok(())
+    }
+}
+
+/// The failure cause of a cuda-batch error: what cannot work between these two ranks is an
+/// incompatibility (it will not work on a retry either), a missed deadline a timeout.
+fn failure(who: &str, e: CudaBatchError) -> Failure {
+    let cause = match &e {
+        CudaBatchError::Timeout { .. } => FailureCause::Timeout,
+        CudaBatchError::NoExport { .. }
+        | CudaBatchError::OtherMachine { .. }
+        | CudaBatchError::SameProcess { .. }
+        | CudaBatchError::BadHandle { .. }
+        | CudaBatchError::Open { .. }
+        | CudaBatchError::OutOfBounds { .. } => FailureCause::Incompatible,
+        CudaBatchError::WrongBuffers => FailureCause::Internal,
+        CudaBatchError::Cuda(_) | CudaBatchError::Call { .. } => FailureCause::Transfer,
+    };
+    let msg = e.to_string();
+    (cause, if msg.contains(who) { msg } else { format!("cuda-batch read from {who}: {msg}") })
+}
+
+/// A run's batches, summed from the decode ranks' results.
+#[derive(Debug, Clone, Default)]
+pub struct BatchTally {
+    paths: Vec<BatchPath>,
+    requests: u64,
+    calls: u64,
+    copies: u64,
+    descriptors: u64,
+    post_ns: u64,
+}
+
+impl BatchTally {
+    /// Adds one request's results (all its decode ranks).
+    pub fn add<'a>(&mut self, ranks: impl IntoIterator<Item = &'a LoadResult>) {
+        let mut counted = false;
+        for r in ranks {
+            let Some(path) = r.batch_path else { continue };
+            if !self.paths.contains(&path) {
+                self.paths.push(path);
+            }
+            counted = true;
+            self.calls += r.batch_calls;
+            self.copies += r.batch_copies;
+            self.descriptors += r.descs_raw;
+            self.post_ns += r.post_ns;
+        }
+        self.requests += u64::from(counted);
+    }
+
+    /// The summary's `cuda_batch` section (nothing when no request went through cuda-batch).
+    pub fn report(&self, summary: &mut Summary) {
+        if self.requests == 0 {
+            return;
+        }
+        let per_request = |n: u64| n as f64 / self.requests as f64;
+        let per = |num: u64, den: u64| if den > 0 { num as f64 / den as f64 } else { 0.0 };
+        summary.cuda_batch = Some(CudaBatchInfo {
+            paths: self.paths.iter().map(|p| p.as_str().to_string()).collect(),
+            driver_calls: self.paths.iter().map(|p| p.driver_call().to_string()).collect(),
+            calls_per_request: per_request(self.calls),
+            copies_per_request: per_request(self.copies),
+            descriptors_per_request: per_request(self.descriptors),
+            post_ns_per_descriptor: per(self.post_ns, self.descriptors),
+            post_us_per_call: per(self.post_ns, self.calls) / 1e3,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_to_causes_and_name_the_peer_once() {
+        let (cause, msg) =
+            failure("prefill rank 3", CudaBatchError::NoExport { peer: "prefill rank 3".into() });
+        assert_eq!(cause, FailureCause::Incompatible);
+        assert_eq!(msg.matches("prefill rank 3").count(), 1, "{msg}");
+        let (cause, msg) =
+            failure("prefill rank 1", CudaBatchError::Timeout { copies: 4, timeout: Duration::from_secs(5) });
+        assert_eq!(cause, FailureCause::Timeout);
+        assert!(msg.starts_with("cuda-batch read from prefill rank 1"), "{msg}");
+        let (cause, _) = failure("p", CudaBatchError::Call { op: "cuEventQuery", reason: "x".into() });
+        assert_eq!(cause, FailureCause::Transfer);
+    }
+
+    #[test]
+    fn batches_sum_up_per_request() {
+        let rank = |calls, copies, descs, post| LoadResult {
+            batch_path: Some(BatchPath::BatchV2),
+            batch_calls: calls,
+            batch_copies: copies,
+            descs_raw: descs,
+            post_ns: post,
+            ..LoadResult::default()
+        };
+        let mut t = BatchTally::default();
+        t.add(&[rank(4, 40, 400, 40_000), rank(4, 40, 400, 40_000)]);
+        t.add(&[rank(4, 20, 400, 20_000), LoadResult::default()]);
+        t.add(&[LoadResult::default()]); // a request cuda-batch did not move
+        let mut s = Summary::new("r", "t", Default::default());
+        t.report(&mut s);
+        let info = s.cuda_batch.expect("reported");
+        assert_eq!(info.paths, ["batch-v2"]);
+        assert_eq!(info.driver_calls, ["cuMemcpyBatchAsync_v2"]);
+        assert_eq!(info.calls_per_request, 6.0);
+        assert_eq!(info.copies_per_request, 50.0);
+        assert_eq!(info.descriptors_per_request, 600.0);
+        assert_eq!(info.post_ns_per_descriptor, 100_000.0 / 1200.0);
+        assert_eq!(info.post_us_per_call, 100_000.0 / 12.0 / 1e3);
+        let mut none = Summary::new("r", "t", Default::default());
+        BatchTally::default().report(&mut none);
+        assert!(none.cuda_batch.is_none());
+    }
+}

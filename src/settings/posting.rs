@@ -1,0 +1,129 @@
+//! `--post-ns` and `--ceiling-gbps` (`kvx plan`): the user's measured posting costs and
+//! bandwidth ceilings, over the defaults of `layouts::posting`, resolved into [`PostRates`].
+//!
+//! Syntax: comma-separated `KEY=NUMBER`, keys `ucx`, `cuda-ipc`, `cuda-batch` (and, for
+//! `--post-ns` only, `cuda-batch-call`: the fixed cost of one batched call). Each key at most
+//! once; every error names the flag.
+
+use super::parse::one_of;
+use crate::error::ConfigError;
+use crate::layouts::posting::{PostPath, PostRates, RateSource};
+
+/// Most nanoseconds one descriptor or call may be said to cost (one second).
+const MAX_NS: f64 = 1e9;
+/// Highest bandwidth ceiling accepted, GB/s.
+const MAX_GBPS: f64 = 1e5;
+const CALL_KEY: &str = "cuda-batch-call";
+
+/// The default rates with the given measurements in their place.
+pub fn resolve_rates(post_ns: &[String], ceiling_gbps: &[String]) -> Result<PostRates, ConfigError> {
+    let mut rates = PostRates::default();
+    let post_keys: Vec<&str> = PostPath::ALL.iter().map(|p| p.key()).chain([CALL_KEY]).collect();
+    for (key, v) in entries("--post-ns", post_ns, &post_keys, MAX_NS, "nanoseconds")? {
+        match PostPath::ALL.iter().find(|p| p.key() == key) {
+            Some(&path) => {
+                let r = rates.of_mut(path);
+                r.ns_per_descriptor = v;
+                r.post_source = RateSource::User;
+            }
+            None => {
+                rates.cuda_batch.ns_per_call = v;
+                rates.cuda_batch.post_source = RateSource::User;
+            }
+        }
+    }
+    let ceiling_keys: Vec<&str> = PostPath::ALL.iter().map(|p| p.key()).collect();
+    for (key, v) in entries("--ceiling-gbps", ceiling_gbps, &ceiling_keys, MAX_GBPS, "GB/s")? {
+        if let Some(&path) = PostPath::ALL.iter().find(|p| p.key() == key) {
+            let r = rates.of_mut(path);
+            r.ceiling_gbps = v;
+            r.ceiling_source = RateSource::User;
+        }
+    }
+    Ok(rates)
+}
+
+/// `KEY=NUMBER` entries, each key once, numbers in `(0, max]`.
+fn entries<'a>(
+    flag: &str,
+    items: &'a [String],
+    keys: &[&str],
+    max: f64,
+    unit: &str,
+) -> Result<Vec<(&'a str, f64)>, ConfigError> {
+    let mut out: Vec<(&str, f64)> = Vec::new();
+    for item in items.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        let (key, value) = item.split_once('=').map(|(k, v)| (k.trim(), v.trim())).ok_or_else(|| {
+            ConfigError::new(
+                flag,
+                format!("'{item}' is not KEY=NUMBER (keys: {})", one_of(keys.iter().copied())),
+            )
+        })?;
+        if !keys.contains(&key) {
+            return Err(ConfigError::new(flag, format!("'{key}' is not {}", one_of(keys.iter().copied()))));
+        }
+        if out.iter().any(|(k, _)| *k == key) {
+            return Err(ConfigError::new(flag, format!("'{key}' is given twice")));
+        }
+        let v: f64 =
+            value.parse().ok().filter(|v: &f64| v.is_finite() && *v > 0.0 && *v <= max).ok_or_else(|| {
+                ConfigError::new(
+                    flag,
+                    format!("{key}={value}: give a number of {unit} above 0 and up to {max}"),
+                )
+            })?;
+        out.push((key, v));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn list(s: &str) -> Vec<String> {
+        s.split(',').map(str::to_string).collect()
+    }
+
+    #[test]
+    fn measured_rates_replace_the_defaults_and_say_so() {
+        let r = resolve_rates(
+            &list("ucx=80,cuda-ipc=5000,cuda-batch=90,cuda-batch-call=7000"),
+            &list("cuda-batch=900"),
+        )
+        .expect("valid");
+        assert_eq!(r.ucx.ns_per_descriptor, 80.0);
+        assert_eq!(r.cuda_ipc.ns_per_descriptor, 5000.0);
+        assert_eq!((r.cuda_batch.ns_per_descriptor, r.cuda_batch.ns_per_call), (90.0, 7000.0));
+        assert_eq!(r.cuda_batch.post_source, RateSource::User);
+        assert_eq!(r.cuda_batch.ceiling_gbps, 900.0);
+        assert_eq!(r.cuda_batch.ceiling_source, RateSource::User);
+        // What was not given keeps its default and its source.
+        assert_eq!(r.cuda_ipc.ceiling_gbps, PostRates::default().cuda_ipc.ceiling_gbps);
+        assert!(matches!(r.cuda_ipc.ceiling_source, RateSource::Measured(_)));
+        assert_eq!(resolve_rates(&[], &[]).expect("defaults"), PostRates::default());
+    }
+
+    #[test]
+    fn bad_rates_name_the_flag_and_the_problem() {
+        let cases = [
+            (
+                list("nccl=5"),
+                vec![],
+                "--post-ns",
+                "'nccl' is not ucx, cuda-ipc, cuda-batch or cuda-batch-call",
+            ),
+            (list("ucx"), vec![], "--post-ns", "not KEY=NUMBER"),
+            (list("ucx=-1"), vec![], "--post-ns", "above 0"),
+            (list("ucx=NaN"), vec![], "--post-ns", "above 0"),
+            (list("ucx=1,ucx=2"), vec![], "--post-ns", "twice"),
+            (vec![], list("cuda-batch-call=5"), "--ceiling-gbps", "is not ucx, cuda-ipc or cuda-batch"),
+            (vec![], list("cuda-ipc=1e9"), "--ceiling-gbps", "up to"),
+        ];
+        for (post, ceiling, flag, why) in cases {
+            let e = resolve_rates(&post, &ceiling).expect_err(why);
+            assert_eq!(e.flag, flag, "{e:?}");
+            assert!(e.reason.contains(why), "{}: {}", why, e.reason);
+        }
+    }
+}

@@ -1,0 +1,887 @@
+//! `--transport cuda-batch`: KV blocks moved between GPUs of one machine with one batched
+//! copy per peer and request, instead of one `cuMemcpyAsync` (plus an event) per descriptor
+//! as UCX's cuda_ipc posts them.
+//!
+//! The prefill rank exports its whole KV pool once with `cuIpcGetMemHandle` ([`export`]);
+//! the handle travels in its handshake metadata (`KvxMetadata::cuda_ipc`). A decode rank
+//! opens each peer's handle once ([`PeerMapping::open`], closed on drop), packs one request's
+//! descriptors from that peer into the `(dst, src, size)` arrays of a batched copy
+//! ([`CopyBatch::pack`]: bounds-checked against both buffers, contiguous runs coalesced), and
+//! [`BatchCopier::copy`] issues them as ONE `cuMemcpyBatchAsync_v2` (CUDA 13), else one
+//! `cuMemcpyBatchAsync` (CUDA 12.8), else (an older driver) one `cuMemcpyDtoDAsync` per
+//! copy on one stream; then records one event and waits for it with a deadline. Which of
+//! the three ran is [`BatchPath`], reported with every request.
+//!
+//! Owns: every CUDA call of this transport (IPC export/open/close, the batched copy, its
+//! stream and event), and the pure packing of descriptors into a batch. Must not know about
+//! requests, notifications or leases (that is `pipeline`), and must not call UCX.
+//!
+//! CUDA refuses to open an IPC handle in the process that exported it, so both ends are
+//! always two processes (`kvx xfer --transport cuda-batch` spawns its target, as for UCX);
+//! [`PeerMapping::open`] refuses that case, and a peer on another machine, itself, with a
+//! typed error, before CUDA is asked.
+//!
+//! Not built: a gather-copy kernel (PTX loaded with `cuModuleLoadData`) that reads the
+//! descriptor list from device memory. It could not be verified without a GPU; the batch
+//! API is the one path here.
+#![allow(unsafe_code, reason = "CUDA IPC and batched-copy driver calls of the cuda-batch transport")]
+
+use serde::{Deserialize, Serialize};
+
+use super::handshake::meta::CudaIpcExport;
+use crate::layouts::plan::Pair;
+
+/// What can go wrong with the cuda-batch transport, each saying what to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CudaBatchError {
+    #[error(transparent)]
+    Cuda(#[from] super::cuda::CudaError),
+    #[error(
+        "descriptor {index}: {side} bytes {offset}..{end} are outside the {len}-byte {side} buffer \
+         (the peer's advertised pool does not match the plan)"
+    )]
+    OutOfBounds { index: usize, side: &'static str, offset: u64, end: u64, len: u64 },
+    #[error("a batch packed for other buffers was handed to the copier (local or peer mapping differs)")]
+    WrongBuffers,
+    #[error(
+        "{peer} advertises no CUDA IPC export: it does not run --transport cuda-batch (start both engines \
+         with it), or its KV pool is not in device memory (--mem cuda)"
+    )]
+    NoExport { peer: String },
+    #[error(
+        "{peer} runs on another machine (boot id {theirs}, here {ours}): --transport cuda-batch maps the \
+         peer's GPU memory with CUDA IPC, which works between processes of one machine only; use \
+         --transport ucx across machines"
+    )]
+    OtherMachine { peer: String, theirs: String, ours: String },
+    #[error(
+        "{peer} is this process: CUDA refuses to open an IPC handle where it was exported, so the \
+         cuda-batch transport needs two processes (kvx xfer and kvx bench start them)"
+    )]
+    SameProcess { peer: String },
+    #[error("{peer}'s CUDA IPC handle is {len} bytes, not the 64 of a CUipcMemHandle")]
+    BadHandle { peer: String, len: usize },
+    #[error(
+        "opening {peer}'s CUDA IPC handle failed: {reason}. CUDA IPC needs both processes on one machine, \
+         seeing the peer's GPU (check CUDA_VISIBLE_DEVICES and `kvx doctor`'s cuda.ipc line), with peer \
+         access between the two devices when they differ, and in containers a shared IPC namespace"
+    )]
+    Open { peer: String, reason: String },
+    #[error("batched copy of {copies} copies did not complete within {timeout:?} (its event never fired)")]
+    Timeout { copies: usize, timeout: std::time::Duration },
+    #[error("CUDA {op} failed: {reason}")]
+    Call { op: &'static str, reason: String },
+}
+
+/// Which driver entry point moved a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BatchPath {
+    /// `cuMemcpyBatchAsync_v2` (CUDA 13 drivers): one call per batch.
+    BatchV2,
+    /// `cuMemcpyBatchAsync` (CUDA 12.8 and 12.9 drivers, with `failIdx`): one call per batch.
+    BatchV1,
+    /// A driver without the batch API: one `cuMemcpyDtoDAsync` per copy on one stream (still
+    /// one event per batch, and still coalesced), so posting is per copy again.
+    PerDescriptor,
+}
+
+impl BatchPath {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BatchPath::BatchV2 => "batch-v2",
+            BatchPath::BatchV1 => "batch-v1",
+            BatchPath::PerDescriptor => "per-descriptor",
+        }
+    }
+
+    /// The driver function behind the path, for reports.
+    pub fn driver_call(self) -> &'static str {
+        match self {
+            BatchPath::BatchV2 => "cuMemcpyBatchAsync_v2",
+            BatchPath::BatchV1 => "cuMemcpyBatchAsync",
+            BatchPath::PerDescriptor => "cuMemcpyDtoDAsync per copy (no batch API in this driver)",
+        }
+    }
+
+    /// Driver calls one batch of `copies` copies costs on this path.
+    pub fn calls(self, copies: usize) -> u64 {
+        match self {
+            BatchPath::BatchV2 | BatchPath::BatchV1 => u64::from(copies > 0),
+            BatchPath::PerDescriptor => copies as u64,
+        }
+    }
+}
+
+impl std::fmt::Display for BatchPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A device buffer as the packer sees it: its device address and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Span {
+    pub base: u64,
+    pub len: u64,
+}
+
+impl Span {
+    /// The absolute address of `len` bytes at `offset`, if they lie inside the span.
+    fn at(self, offset: u64, len: u64) -> Option<u64> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then_some(())?;
+        self.base.checked_add(offset)
+    }
+}
+
+/// One request's copies from one peer, in the `(dst, src, size)` arrays a batched copy takes:
+/// absolute device addresses inside `local` (destination) and `peer` (the mapped source),
+/// each range checked against its buffer when packed, and ranges that continue the previous
+/// one on both sides merged into it. The fields are private, so a batch only exists as
+/// [`CopyBatch::pack`] built it: the copier relies on that to know every address is in bounds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CopyBatch {
+    dsts: Vec<u64>,
+    srcs: Vec<u64>,
+    sizes: Vec<usize>,
+    local: Span,
+    peer: Span,
+    descriptors: u64,
+    bytes: u64,
+}
+
+impl CopyBatch {
+    /// Packs plan pairs (`local` = offset in this rank's pool, `remote` = offset in the peer's)
+    /// against the two buffers, replacing what the batch held (its arrays are reused, so a
+    /// decode rank allocates them once). Zero-length pairs are dropped. Fails on the first
+    /// pair outside either buffer, naming it; the batch is then empty.
+    pub fn pack(
+        &mut self,
+        pairs: impl IntoIterator<Item = Pair>,
+        local: Span,
+        peer: Span,
+    ) -> Result<(), CudaBatchError> {
+        self.clear();
+        self.local = local;
+        self.peer = peer;
+        for (index, p) in pairs.into_iter().enumerate() {
+            self.descriptors += 1;
+            if p.len == 0 {
+                continue;
+            }
+            let out = |side: &'static str, offset: u64, span: Span| CudaBatchError::OutOfBounds {
+                index,
+                side,
+                offset,
+                end: offset.saturating_add(p.len),
+                len: span.len,
+            };
+            let (Some(dst), Some(src), Ok(size)) =
+                (local.at(p.local, p.len), peer.at(p.remote, p.len), usize::try_from(p.len))
+            else {
+                let e = match local.at(p.local, p.len) {
+                    None => out("local", p.local, local),
+                    Some(_) => out("peer", p.remote, peer),
+                };
+                self.clear();
+                return Err(e);
+            };
+            self.bytes += p.len;
+            match (self.dsts.last(), self.srcs.last(), self.sizes.last_mut()) {
+                (Some(&d), Some(&s), Some(n)) if d + *n as u64 == dst && s + *n as u64 == src => *n += size,
+                _ => {
+                    self.dsts.push(dst);
+                    self.srcs.push(src);
+                    self.sizes.push(size);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn clear(&mut self) {
+        self.dsts.clear();
+        self.srcs.clear();
+        self.sizes.clear();
+        self.descriptors = 0;
+        self.bytes = 0;
+    }
+
+    /// Copies after coalescing: the entries of one batched call.
+    pub fn copies(&self) -> usize {
+        self.sizes.len()
+    }
+
+    /// Plan descriptors packed (before coalescing, zero-length ones included).
+    pub fn descriptors(&self) -> u64 {
+        self.descriptors
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sizes.is_empty()
+    }
+
+    /// `(dst, src, size)` of each copy.
+    pub fn entries(&self) -> impl Iterator<Item = (u64, u64, usize)> + '_ {
+        self.dsts.iter().zip(&self.srcs).zip(&self.sizes).map(|((&d, &s), &n)| (d, s, n))
+    }
+}
+
+/// What one batch cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct BatchStats {
+    /// Time to issue the driver call(s) and record the event.
+    pub post_ns: u64,
+    /// From the start of posting to the event's completion.
+    pub complete_ns: u64,
+    /// Driver calls made (1 with the batch API, one per copy without it).
+    pub calls: u64,
+    /// Copies after coalescing.
+    pub copies: u64,
+    /// Plan descriptors before coalescing.
+    pub descriptors: u64,
+    pub bytes: u64,
+}
+
+/// This machine's identity for "are we on one machine": the kernel's boot id (one per booted
+/// kernel, shared by every container on it), else the host name.
+pub fn machine_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(hostname)
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_string())
+}
+
+/// Refuses a peer export this process cannot open, before CUDA is asked: none advertised,
+/// another machine, this very process, a handle of the wrong size.
+pub fn check_export<'a>(
+    peer: &str,
+    export: Option<&'a CudaIpcExport>,
+) -> Result<&'a CudaIpcExport, CudaBatchError> {
+    let e = export.ok_or_else(|| CudaBatchError::NoExport { peer: peer.to_string() })?;
+    let ours = machine_id();
+    if e.machine_id != ours {
+        return Err(CudaBatchError::OtherMachine {
+            peer: peer.to_string(),
+            theirs: e.machine_id.clone(),
+            ours,
+        });
+    }
+    if e.pid == std::process::id() {
+        return Err(CudaBatchError::SameProcess { peer: peer.to_string() });
+    }
+    if e.handle.len() != IPC_HANDLE_BYTES {
+        return Err(CudaBatchError::BadHandle { peer: peer.to_string(), len: e.handle.len() });
+    }
+    Ok(e)
+}
+
+/// Size of a `CUipcMemHandle`.
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+pub use imp::{BatchCopier, PeerMapping, export};
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::ffi::c_char;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use cudarc::driver::{result, sys};
+
+    use super::{BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, IPC_HANDLE_BYTES, Span};
+    use crate::transfer::cuda::{CudaBuffer, CudaDevice};
+    use crate::transfer::ucx::Registrable as _;
+
+    fn call<T>(op: &'static str, r: Result<T, result::DriverError>) -> Result<T, CudaBatchError> {
+        r.map_err(|e| CudaBatchError::Call { op, reason: e.to_string() })
+    }
+
+    /// `cuMemcpyBatchAsync_v2` (cuda.h of CUDA 13.0).
+    type BatchV2 = unsafe extern "C" fn(
+        *mut sys::CUdeviceptr,
+        *mut sys::CUdeviceptr,
+        *mut usize,
+        usize,
+        *mut sys::CUmemcpyAttributes,
+        *mut usize,
+        usize,
+        sys::CUstream,
+    ) -> sys::CUresult;
+    /// `cuMemcpyBatchAsync` (cuda.h of CUDA 12.8: with `failIdx` before the stream).
+    type BatchV1 = unsafe extern "C" fn(
+        *mut sys::CUdeviceptr,
+        *mut sys::CUdeviceptr,
+        *mut usize,
+        usize,
+        *mut sys::CUmemcpyAttributes,
+        *mut usize,
+        usize,
+        *mut usize,
+        sys::CUstream,
+    ) -> sys::CUresult;
+
+    /// A driver entry point looked up by name, `None` when this libcuda lacks it. cudarc's own
+    /// wrappers panic on a missing symbol, so version-specific functions are resolved here.
+    fn lookup<F: Copy>(name: &[u8]) -> Option<F> {
+        // SAFETY: callers hold an open `CudaDevice`, so libcuda is loaded (culib() does not
+        // panic); `F` is the function type of the C declaration of `name` (the aliases above,
+        // copied from cuda.h), and the library stays loaded for the life of the process.
+        unsafe { sys::culib().get::<F>(name).ok().map(|sym| *sym) }
+    }
+
+    fn driver_version() -> Result<i32, CudaBatchError> {
+        let mut v: std::ffi::c_int = 0;
+        // SAFETY: the driver is loaded and initialised (a device was opened); valid out pointer.
+        call("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut v).result() })?;
+        Ok(v)
+    }
+
+    /// Exports `buf` (a whole `cuMemAlloc` allocation) for CUDA IPC.
+    pub fn export(buf: &CudaBuffer) -> Result<CudaIpcExport, CudaBatchError> {
+        let _cur = buf.cuda_device().scoped()?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+        // SAFETY: `buf.addr()` is the base of a live cuMemAlloc allocation of the current
+        // context (`CudaBuffer` owns it until Drop); `handle` is a valid out pointer.
+        call("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut handle, buf.addr()).result() })?;
+        Ok(CudaIpcExport {
+            handle: handle.reserved.iter().map(|&c| c as u8).collect(),
+            base_addr: buf.addr(),
+            len: buf.len() as u64,
+            device: buf.device(),
+            machine_id: super::machine_id(),
+            pid: std::process::id(),
+        })
+    }
+
+    /// A peer's exported pool, mapped into this process with `cuIpcOpenMemHandle` (lazy peer
+    /// access, so it works across devices that can reach each other) and closed on drop.
+    pub struct PeerMapping {
+        ptr: sys::CUdeviceptr,
+        len: u64,
+        peer: String,
+        // Closed while its device is still held.
+        dev: Arc<CudaDevice>,
+    }
+
+    impl std::fmt::Debug for PeerMapping {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("PeerMapping")
+                .field("peer", &self.peer)
+                .field("ptr", &format_args!("{:#x}", self.ptr))
+                .field("len", &self.len)
+                .finish()
+        }
+    }
+
+    impl PeerMapping {
+        /// Opens `peer`'s export on `dev`, after [`super::check_export`]'s refusals (none
+        /// advertised, another machine, this process). The mapping's length is what CUDA
+        /// says the allocation spans, never more than advertised: a copy past it would fault
+        /// the GPU context, which no error recovers from.
+        pub fn open(
+            dev: &Arc<CudaDevice>,
+            peer: &str,
+            export: Option<&CudaIpcExport>,
+        ) -> Result<Arc<PeerMapping>, CudaBatchError> {
+            let e = super::check_export(peer, export)?;
+            let _cur = dev.scoped()?;
+            let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+            for (d, &b) in handle.reserved.iter_mut().zip(&e.handle) {
+                *d = b as c_char;
+            }
+            let mut ptr: sys::CUdeviceptr = 0;
+            let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
+            // SAFETY: `handle` holds 64 bytes of a peer's cuIpcGetMemHandle (length checked);
+            // the driver validates it and fails cleanly on a stale or foreign one; `ptr` is a
+            // valid out pointer; this device's context is current.
+            unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags).result() }
+                .map_err(|err| CudaBatchError::Open { peer: peer.to_string(), reason: err.to_string() })?;
+            // From here the mapping is owned: closed on every path below by Drop.
+            let mut mapping = PeerMapping { ptr, len: 0, peer: peer.to_string(), dev: Arc::clone(dev) };
+            let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: `ptr` was just mapped in the current context; valid out pointers.
+            call("cuMemGetAddressRange", unsafe {
+                sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr).result()
+            })?;
+            let mapped = (base + size as u64).saturating_sub(ptr);
+            if mapped < e.len {
+                tracing::warn!(
+                    "{peer} advertises a {}-byte pool but CUDA maps {mapped} bytes of it; using {mapped}",
+                    e.len
+                );
+            }
+            mapping.len = e.len.min(mapped);
+            Ok(Arc::new(mapping))
+        }
+
+        /// The mapped pool as the packer sees it.
+        pub fn span(&self) -> Span {
+            Span { base: self.ptr, len: self.len }
+        }
+    }
+
+    impl Drop for PeerMapping {
+        fn drop(&mut self) {
+            let cur = self.dev.scoped();
+            if let Err(e) = &cur {
+                tracing::warn!("closing {}'s CUDA IPC mapping without its context current: {e}", self.peer);
+            }
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once; copies that read
+            // it hold this mapping (`BatchCopier::in_flight`) until their stream drained.
+            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr).result() } {
+                tracing::warn!("cuIpcCloseMemHandle of {}'s pool failed: {e}", self.peer);
+            }
+            drop(cur);
+        }
+    }
+
+    /// One stream and one event on a device, and the driver's best way to issue many copies
+    /// at once ([`BatchPath`]).
+    pub struct BatchCopier {
+        stream: sys::CUstream,
+        event: sys::CUevent,
+        path: BatchPath,
+        v2: Option<BatchV2>,
+        v1: Option<BatchV1>,
+        /// Mappings a batch that has not completed reads from (one that timed out): kept open
+        /// until its event fires, or until Drop has synchronized the stream.
+        in_flight: Vec<Arc<PeerMapping>>,
+        // Released after the stream and event (Drop runs first).
+        dev: Arc<CudaDevice>,
+    }
+
+    impl std::fmt::Debug for BatchCopier {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("BatchCopier")
+                .field("device", &self.dev.ordinal())
+                .field("path", &self.path)
+                .finish()
+        }
+    }
+
+    impl BatchCopier {
+        /// A copier on `dev`: a non-blocking stream, an event without timing, and the batch
+        /// entry point this driver has (v2 from CUDA 13.0, v1 from 12.8, else one call per copy).
+        pub fn new(dev: &Arc<CudaDevice>) -> Result<BatchCopier, CudaBatchError> {
+            let _cur = dev.scoped()?;
+            let version = driver_version()?;
+            let v2 = if version >= 13000 { lookup::<BatchV2>(b"cuMemcpyBatchAsync_v2\0") } else { None };
+            let v1 = if version >= 12080 { lookup::<BatchV1>(b"cuMemcpyBatchAsync\0") } else { None };
+            let path = match (v2, v1) {
+                (Some(_), _) => BatchPath::BatchV2,
+                (None, Some(_)) => BatchPath::BatchV1,
+                (None, None) => BatchPath::PerDescriptor,
+            };
+            let stream =
+                call("cuStreamCreate", result::stream::create(result::stream::StreamKind::NonBlocking))?;
+            let event = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
+                Ok(e) => e,
+                Err(e) => {
+                    // SAFETY: the stream was created just above and has no work.
+                    let _ = unsafe { result::stream::destroy(stream) };
+                    return Err(CudaBatchError::Call { op: "cuEventCreate", reason: e.to_string() });
+                }
+            };
+            if path == BatchPath::PerDescriptor {
+                tracing::info!(
+                    "CUDA driver {version} has no cuMemcpyBatchAsync (12.8+): cuda-batch posts one copy per \
+                     descriptor"
+                );
+            }
+            Ok(BatchCopier { stream, event, path, v2, v1, in_flight: Vec::new(), dev: Arc::clone(dev) })
+        }
+
+        /// The path batches take on this driver.
+        pub fn path(&self) -> BatchPath {
+            self.path
+        }
+
+        /// Copies `batch` (packed against `local` and `peer`) with one batched call, records
+        /// one event and waits for it until `timeout`. On a timeout the copies may still land
+        /// in `local` later (the request has failed; its bytes are not used), and `peer` stays
+        /// mapped until they have.
+        pub fn copy(
+            &mut self,
+            local: &mut CudaBuffer,
+            peer: &Arc<PeerMapping>,
+            batch: &mut CopyBatch,
+            timeout: Duration,
+        ) -> Result<BatchStats, CudaBatchError> {
+            let local_span = Span { base: local.addr(), len: local.len() as u64 };
+            if batch.local != local_span || batch.peer != peer.span() {
+                return Err(CudaBatchError::WrongBuffers);
+            }
+            if local.device() != self.dev.ordinal() {
+                return Err(CudaBatchError::Call {
+                    op: "cuda-batch copy",
+                    reason: format!(
+                        "the KV pool is on device {} but the copier on device {}",
+                        local.device(),
+                        self.dev.ordinal()
+                    ),
+                });
+            }
+            let _cur = self.dev.scoped()?;
+            let t0 = Instant::now();
+            let deadline = t0 + timeout;
+            // A batch that timed out before must finish before this one can be told apart.
+            if !self.in_flight.is_empty() {
+                self.wait(deadline, timeout, 0)?;
+            }
+            let n = batch.copies();
+            if n > 0 {
+                self.post(batch)?;
+            }
+            // SAFETY: event and stream belong to this copier and the current context.
+            call("cuEventRecord", unsafe { result::event::record(self.event, self.stream) })?;
+            let post_ns = t0.elapsed().as_nanos() as u64;
+            self.in_flight.push(Arc::clone(peer));
+            self.wait(deadline, timeout, n)?;
+            Ok(BatchStats {
+                post_ns,
+                complete_ns: t0.elapsed().as_nanos() as u64,
+                calls: self.path.calls(n),
+                copies: n as u64,
+                descriptors: batch.descriptors(),
+                bytes: batch.bytes(),
+            })
+        }
+
+        /// Issues the batch's copies on the stream, by the best path; a batch entry point that
+        /// says it is not supported makes this copier fall back to one call per copy, for good.
+        fn post(&mut self, batch: &mut CopyBatch) -> Result<(), CudaBatchError> {
+            let n = batch.copies();
+            let here = sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.dev.ordinal() as std::ffi::c_int,
+            };
+            let mut attrs = sys::CUmemcpyAttributes {
+                // Sources are read in stream order (after what the stream did before), which
+                // is what a READ of blocks the prefill rank already wrote needs.
+                srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                srcLocHint: here,
+                dstLocHint: here,
+                flags: 0,
+            };
+            let mut attr_idx: usize = 0;
+            let (dsts, srcs, sizes) =
+                (batch.dsts.as_mut_ptr(), batch.srcs.as_mut_ptr(), batch.sizes.as_mut_ptr());
+            let rc = match (self.path, self.v2, self.v1) {
+                (BatchPath::BatchV2, Some(f), _) => {
+                    // SAFETY: the three arrays hold `n` entries each (one CopyBatch, exclusively
+                    // borrowed for the call); every (dst, src, size) lies inside the local pool
+                    // and the mapped peer pool (checked by `pack`, and `copy` checked the batch
+                    // was packed against these two); one attribute applies to all copies
+                    // (index 0); the stream is this copier's, in the current context.
+                    unsafe { f(dsts, srcs, sizes, n, &mut attrs, &mut attr_idx, 1, self.stream) }
+                }
+                (BatchPath::BatchV1, _, Some(f)) => {
+                    let mut fail_idx: usize = usize::MAX;
+                    // SAFETY: as for v2; `fail_idx` is a valid out pointer.
+                    let rc = unsafe {
+                        f(dsts, srcs, sizes, n, &mut attrs, &mut attr_idx, 1, &mut fail_idx, self.stream)
+                    };
+                    if rc != sys::CUresult::CUDA_SUCCESS && fail_idx != usize::MAX {
+                        tracing::debug!("cuMemcpyBatchAsync failed at copy {fail_idx} of {n}");
+                    }
+                    rc
+                }
+                _ => return self.post_each(batch),
+            };
+            match rc {
+                sys::CUresult::CUDA_SUCCESS => Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => {
+                    tracing::warn!(
+                        "{} is not supported here: cuda-batch falls back to one copy per descriptor",
+                        self.path.driver_call()
+                    );
+                    self.path = BatchPath::PerDescriptor;
+                    self.post_each(batch)
+                }
+                rc => Err(CudaBatchError::Call {
+                    op: if self.path == BatchPath::BatchV2 {
+                        "cuMemcpyBatchAsync_v2"
+                    } else {
+                        "cuMemcpyBatchAsync"
+                    },
+                    reason: result::DriverError(rc).to_string(),
+                }),
+            }
+        }
+
+        /// One `cuMemcpyDtoDAsync` per copy on the stream (a driver without the batch API).
+        fn post_each(&self, batch: &CopyBatch) -> Result<(), CudaBatchError> {
+            for (dst, src, size) in batch.entries() {
+                // SAFETY: as in `post`: both ranges lie inside their pools, ordered on this
+                // copier's stream in the current context.
+                call("cuMemcpyDtoDAsync", unsafe { result::memcpy_dtod_async(dst, src, size, self.stream) })?;
+            }
+            Ok(())
+        }
+
+        /// Waits for the event until `deadline`: spinning first (a batch of small copies ends
+        /// within microseconds), then yielding the core between queries.
+        fn wait(
+            &mut self,
+            deadline: Instant,
+            timeout: Duration,
+            copies: usize,
+        ) -> Result<(), CudaBatchError> {
+            let start = Instant::now();
+            loop {
+                // SAFETY: the event belongs to this copier and the current context.
+                match unsafe { result::event::query(self.event) } {
+                    Ok(()) => {
+                        self.in_flight.clear();
+                        return Ok(());
+                    }
+                    Err(result::DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => {}
+                    Err(e) => return Err(CudaBatchError::Call { op: "cuEventQuery", reason: e.to_string() }),
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(CudaBatchError::Timeout { copies, timeout });
+                }
+                if now - start < Duration::from_micros(50) {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+
+    impl Drop for BatchCopier {
+        fn drop(&mut self) {
+            let cur = self.dev.scoped();
+            if let Err(e) = &cur {
+                tracing::warn!("releasing the cuda-batch stream without its context current: {e}");
+            }
+            // SAFETY: the stream and event were created by this copier in this device's
+            // context and are released once; the synchronize first lets every copy finish,
+            // so no mapping in `in_flight` (dropped after this) is closed under a copy.
+            unsafe {
+                if let Err(e) = result::stream::synchronize(self.stream) {
+                    tracing::warn!("synchronizing the cuda-batch stream failed: {e}");
+                }
+                if let Err(e) = result::event::destroy(self.event) {
+                    tracing::warn!("cuEventDestroy failed: {e}");
+                }
+                if let Err(e) = result::stream::destroy(self.stream) {
+                    tracing::warn!("cuStreamDestroy failed: {e}");
+                }
+            }
+            self.in_flight.clear();
+            drop(cur);
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    //! Built without the `cuda` feature: the types exist (so callers need no `cfg`) but cannot
+    //! be constructed; every constructor says how to get CUDA support.
+    use std::convert::Infallible;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::{BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, Span};
+    use crate::transfer::cuda::{CudaBuffer, CudaDevice, CudaError};
+
+    pub fn export(_buf: &CudaBuffer) -> Result<CudaIpcExport, CudaBatchError> {
+        Err(CudaError::NotBuilt.into())
+    }
+
+    /// Never constructed without the `cuda` feature.
+    #[derive(Debug)]
+    pub struct PeerMapping {
+        never: Infallible,
+    }
+
+    impl PeerMapping {
+        pub fn open(
+            _dev: &Arc<CudaDevice>,
+            _peer: &str,
+            _export: Option<&CudaIpcExport>,
+        ) -> Result<Arc<PeerMapping>, CudaBatchError> {
+            Err(CudaError::NotBuilt.into())
+        }
+        pub fn span(&self) -> Span {
+            match self.never {}
+        }
+    }
+
+    /// Never constructed without the `cuda` feature.
+    #[derive(Debug)]
+    pub struct BatchCopier {
+        never: Infallible,
+    }
+
+    impl BatchCopier {
+        pub fn new(_dev: &Arc<CudaDevice>) -> Result<BatchCopier, CudaBatchError> {
+            Err(CudaError::NotBuilt.into())
+        }
+        pub fn path(&self) -> BatchPath {
+            match self.never {}
+        }
+        pub fn copy(
+            &mut self,
+            _local: &mut CudaBuffer,
+            _peer: &Arc<PeerMapping>,
+            _batch: &mut CopyBatch,
+            _timeout: Duration,
+        ) -> Result<BatchStats, CudaBatchError> {
+            match self.never {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const L: Span = Span { base: 0x7000_0000, len: 1 << 20 };
+    const P: Span = Span { base: 0x9000_0000, len: 1 << 20 };
+
+    fn pair(local: u64, remote: u64, len: u64) -> Pair {
+        Pair { local, remote, len }
+    }
+
+    #[test]
+    fn pairs_become_absolute_addresses_on_both_sides() {
+        let mut b = CopyBatch::default();
+        b.pack([pair(4096, 0, 512), pair(0, 8192, 256)], L, P).expect("in bounds");
+        let got: Vec<_> = b.entries().collect();
+        assert_eq!(got, vec![(L.base + 4096, P.base, 512), (L.base, P.base + 8192, 256)]);
+        assert_eq!((b.copies(), b.descriptors(), b.bytes()), (2, 2, 768));
+    }
+
+    #[test]
+    fn runs_contiguous_on_both_sides_are_one_copy_and_others_are_not() {
+        let mut b = CopyBatch::default();
+        let pairs = [
+            pair(0, 0, 100),
+            pair(100, 100, 100), // continues both: merged
+            pair(200, 300, 100), // local continues, remote jumps: new copy
+            pair(300, 400, 100), // continues the previous: merged
+            pair(1000, 500, 0),  // empty: dropped, counted as a descriptor
+            pair(400, 500, 100), // still continues (the empty one is not a gap)
+            pair(0, 600, 100),   // local jumps back: new copy
+        ];
+        b.pack(pairs, L, P).expect("in bounds");
+        let got: Vec<_> = b.entries().collect();
+        assert_eq!(
+            got,
+            vec![(L.base, P.base, 200), (L.base + 200, P.base + 300, 300), (L.base, P.base + 600, 100)]
+        );
+        assert_eq!(b.descriptors(), 7);
+        assert_eq!(b.bytes(), 600);
+    }
+
+    #[test]
+    fn every_byte_of_the_plan_is_copied_once_in_order() {
+        // A strided plan (vLLM's per-block descriptors) with some contiguous stretches.
+        let pairs: Vec<Pair> =
+            (0..64u64).map(|i| pair((i / 4) * 8192 + (i % 4) * 1024, i * 1024, 1024)).collect();
+        let mut b = CopyBatch::default();
+        b.pack(pairs.iter().copied(), L, P).expect("in bounds");
+        assert_eq!(b.copies(), 16, "four blocks per run");
+        let mut expanded = Vec::new();
+        for (d, s, n) in b.entries() {
+            for k in 0..(n as u64 / 1024) {
+                expanded.push((d + k * 1024 - L.base, s + k * 1024 - P.base));
+            }
+        }
+        let want: Vec<(u64, u64)> = pairs.iter().map(|p| (p.local, p.remote)).collect();
+        assert_eq!(expanded, want);
+    }
+
+    #[test]
+    fn a_pair_outside_either_buffer_is_refused_by_name_and_leaves_nothing() {
+        let mut b = CopyBatch::default();
+        let e = b.pack([pair(0, 0, 8), pair(L.len - 4, 0, 8)], L, P).expect_err("local overflow");
+        assert_eq!(
+            e,
+            CudaBatchError::OutOfBounds {
+                index: 1,
+                side: "local",
+                offset: L.len - 4,
+                end: L.len + 4,
+                len: L.len
+            }
+        );
+        assert!(b.is_empty() && b.descriptors() == 0);
+        let e = b.pack([pair(0, P.len, 1)], L, P).expect_err("peer overflow");
+        assert!(matches!(e, CudaBatchError::OutOfBounds { side: "peer", index: 0, .. }), "{e}");
+        // Offsets near u64::MAX do not wrap around into the buffer.
+        let e = b.pack([pair(u64::MAX - 1, 0, 4)], L, P).expect_err("wrap");
+        assert!(matches!(e, CudaBatchError::OutOfBounds { side: "local", .. }), "{e}");
+        assert!(e.to_string().contains("outside"), "{e}");
+        // The last byte of each buffer is fine.
+        b.pack([pair(L.len - 1, P.len - 1, 1)], L, P).expect("last byte");
+        assert_eq!(b.copies(), 1);
+    }
+
+    #[test]
+    fn packing_again_replaces_the_batch() {
+        let mut b = CopyBatch::default();
+        b.pack([pair(0, 0, 8), pair(64, 64, 8)], L, P).expect("first");
+        b.pack([pair(8, 8, 8)], L, P).expect("second");
+        assert_eq!(b.entries().collect::<Vec<_>>(), vec![(L.base + 8, P.base + 8, 8)]);
+        assert_eq!((b.descriptors(), b.bytes()), (1, 8));
+    }
+
+    #[test]
+    fn batch_paths_count_their_driver_calls() {
+        assert_eq!(BatchPath::BatchV2.calls(10_240), 1);
+        assert_eq!(BatchPath::BatchV1.calls(0), 0);
+        assert_eq!(BatchPath::PerDescriptor.calls(10_240), 10_240);
+        assert_eq!(
+            serde_json::to_string(&BatchPath::PerDescriptor).ok().as_deref(),
+            Some("\"per-descriptor\"")
+        );
+        assert_eq!(BatchPath::BatchV1.to_string(), "batch-v1");
+    }
+
+    fn export(machine: &str, pid: u32, handle: usize) -> CudaIpcExport {
+        CudaIpcExport {
+            handle: vec![7; handle],
+            base_addr: 0x1000,
+            len: 4096,
+            device: 0,
+            machine_id: machine.into(),
+            pid,
+        }
+    }
+
+    #[test]
+    fn exports_that_cannot_be_opened_here_are_refused_before_cuda() {
+        let here = machine_id();
+        assert!(!here.is_empty());
+        let other_pid = std::process::id().wrapping_add(1);
+        assert!(check_export("prefill rank 0", Some(&export(&here, other_pid, 64))).is_ok());
+        let e = check_export("prefill rank 0", None).expect_err("none");
+        assert!(e.to_string().contains("--transport cuda-batch"), "{e}");
+        let e =
+            check_export("prefill rank 1", Some(&export("elsewhere", other_pid, 64))).expect_err("machine");
+        assert!(
+            matches!(e, CudaBatchError::OtherMachine { .. }) && e.to_string().contains("--transport ucx")
+        );
+        let e = check_export("p", Some(&export(&here, std::process::id(), 64))).expect_err("same process");
+        assert!(matches!(e, CudaBatchError::SameProcess { .. }), "{e}");
+        let e = check_export("p", Some(&export(&here, other_pid, 63))).expect_err("short handle");
+        assert_eq!(e, CudaBatchError::BadHandle { peer: "p".into(), len: 63 });
+    }
+}
