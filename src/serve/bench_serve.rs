@@ -435,12 +435,25 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
          (warm-up included)"
             .to_string(),
     );
+    let kv_path = match (s.workers.transport.mode, s.dispatch) {
+        (crate::pipeline::proto::TransferMode::Pull, _) => {
+            "client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (handshake, UCX reads, \
+             verify {verify}, notify)"
+        }
+        (_, crate::pipeline::proto::Dispatch::Sequential) => {
+            "client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (registers its blocks; \
+             prefill ranks WRITE, flush, notify; verify {verify})"
+        }
+        (_, crate::pipeline::proto::Dispatch::Concurrent) => {
+            "client -> proxy -> both engines at once (the first request leg after leg, to learn the prefill \
+             engine's identity): decode registers its blocks while prefill fills; prefill ranks WRITE, flush, \
+             notify; verify {verify}"
+        }
+    };
     sum.notes.push(format!(
-        "serving path: client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (handshake, \
-         UCX reads, verify {}, notify) -> {MAX_TOKENS} streamed tokens {} ms apart (a decode step; the first \
-         token after the KV load takes one step too); prefill compute is 0, so TTFT is HTTP, KV and one \
-         decode step",
-        s.workers.verify.as_str(),
+        "serving path: {} -> {MAX_TOKENS} streamed tokens {} ms apart (a decode step; the first token after \
+         the KV load takes one step too); prefill compute is 0, so TTFT is HTTP, KV and one decode step",
+        kv_path.replace("{verify}", s.workers.verify.as_str()),
         DEFAULT_ITL.as_millis()
     ));
     if let Some(v) = sum.stages.get("verify").filter(|v| v.count > 0) {
