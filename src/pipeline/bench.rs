@@ -263,9 +263,10 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
             fail(&mut row, e.cause().as_str());
             tracing::warn!("request {req}: prefill failed: {e}");
             // Ranks that did fill hold the blocks; nothing will read them.
-            engines.prefill.release(p_request_id);
+            engines.prefill.release(p_request_id.clone());
             if let Some(load) = early_load {
-                // Its decode ranks wait for WRITEs that will not come, until their deadline.
+                // Its decode ranks would wait for WRITEs that will not come: tell them.
+                engines.decode.release(p_request_id);
                 let _ = load.await;
             }
             return Finished {

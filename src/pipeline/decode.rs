@@ -117,6 +117,9 @@ struct Decoder<'a> {
     deferred: Vec<ToWorker>,
     /// Prefill engines a rank of which is gone (push mode): their WRITEs are not waited for.
     gone_engines: std::collections::HashSet<String>,
+    /// Push mode: prefill request ids whose prefill failed (the driver released them): a load
+    /// of one fails at once instead of waiting for WRITEs that will not come.
+    released: std::collections::HashSet<String>,
     /// The cuda-batch transport's copier; dropped (its stream drained) before the pool.
     batch: Option<super::batch::BatchSide>,
     local: Local,
@@ -197,6 +200,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         push,
         deferred: Vec::new(),
         gone_engines: Default::default(),
+        released: Default::default(),
         batch,
         local,
         storage,
@@ -249,6 +253,14 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             ToWorker::Shutdown => return Ok(()),
             ToWorker::PeerGone { engine_id } => {
                 d.gone_engines.insert(engine_id);
+            }
+            ToWorker::Release { p_request_id } => {
+                // Bounded: an id is removed when its load arrives; ids of loads that never
+                // come (pull mode) are dropped wholesale past a cap.
+                if d.released.len() >= 4096 {
+                    d.released.clear();
+                }
+                d.released.insert(p_request_id);
             }
             ToWorker::Fault(super::proto::Fault::Exit) => std::process::exit(3),
             _ => {}
@@ -723,6 +735,15 @@ impl Decoder<'_> {
         if self.gone_engines.contains(&params.remote_engine_id) {
             return Err(gone(&params.remote_engine_id));
         }
+        let released = |id: &str| {
+            (
+                FailureCause::Transfer,
+                format!("prefill of request {id} failed and was released: its WRITEs will not come"),
+            )
+        };
+        if self.released.remove(&params.remote_request_id) {
+            return Err(released(&params.remote_request_id));
+        }
         let (decode_host, decode_port) = side_channel.ok_or((
             FailureCause::Internal,
             "push mode needs this decode engine's side channel, which it did not start".into(),
@@ -815,6 +836,9 @@ impl Decoder<'_> {
                     ToWorker::Shutdown => {
                         self.deferred.push(ToWorker::Shutdown);
                         return Err((FailureCause::Internal, "the engine is shutting down".into()));
+                    }
+                    ToWorker::Release { p_request_id } if p_request_id == params.remote_request_id => {
+                        return Err(released(&p_request_id));
                     }
                     other => self.deferred.push(other),
                 }

@@ -372,7 +372,8 @@ impl Engine {
     /// Prefill role: no decode engine will read this request's blocks (the serving path's
     /// decode leg failed, or its client left before the handoff). They are freed now rather
     /// than at lease expiry, and a fill still waiting for free blocks is dropped. Unknown ids
-    /// are ignored.
+    /// are ignored. Decode role (push mode): the prefill of this request failed; a decode rank
+    /// waiting for its WRITEs (or about to) stops.
     pub fn release(&self, p_request_id: String) {
         let _ = self.send(Cmd::Release { p_request_id });
     }

@@ -336,6 +336,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 ToWorker::Release { p_request_id } => {
                     leases.release(&p_request_id);
                     if let Some(p) = pusher.as_mut() {
+                        // A decode rank registered for it waits for WRITEs: tell it none come.
+                        p.give_up(&p_request_id);
                         p.forget(&p_request_id);
                     }
                     if let Some(mut h) = held.remove(&p_request_id) {

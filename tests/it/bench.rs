@@ -621,14 +621,19 @@ fn a_fault_that_explains_every_failure_exits_0() {
 /// no temp file left behind.
 #[test]
 fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
-    let cases: [(&str, &[&str]); 7] = [
-        ("kill-ucx:p1@5, err-mode none", &["--fault", "kill-ucx:p1@5", "--err-mode", "none"]),
-        ("kill-ucx:p1@5, err-mode peer", &["--fault", "kill-ucx:p1@5", "--err-mode", "peer"]),
-        ("exit:p0@5", &["--fault", "exit:p0@5"]),
-        ("exit:d1@5", &["--fault", "exit:d1@5"]),
-        ("push, kill-ucx:p1@5", &["--mode", "push", "--fault", "kill-ucx:p1@5"]),
-        ("push, exit:p0@5", &["--mode", "push", "--fault", "exit:p0@5"]),
-        ("push, exit:d1@5", &["--mode", "push", "--fault", "exit:d1@5"]),
+    const OVERLAP: &[&str] = &["--mode", "push", "--overlap", "layers", "--prefill-time-per-layer", "1ms"];
+    let cases: [(&str, Vec<&str>); 10] = [
+        ("kill-ucx:p1@5, err-mode none", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "none"]),
+        ("kill-ucx:p1@5, err-mode peer", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "peer"]),
+        ("exit:p0@5", vec!["--fault", "exit:p0@5"]),
+        ("exit:d1@5", vec!["--fault", "exit:d1@5"]),
+        ("push, kill-ucx:p1@5", vec!["--mode", "push", "--fault", "kill-ucx:p1@5"]),
+        ("push, exit:p0@5", vec!["--mode", "push", "--fault", "exit:p0@5"]),
+        ("push, exit:d1@5", vec!["--mode", "push", "--fault", "exit:d1@5"]),
+        // Layer overlap: WRITEs under way while prefill computes, both legs sent at once.
+        ("push overlap, kill-ucx:p1@5", [OVERLAP, &["--fault", "kill-ucx:p1@5"]].concat()),
+        ("push overlap, exit:p0@5", [OVERLAP, &["--fault", "exit:p0@5"]].concat()),
+        ("push overlap, exit:d1@5", [OVERLAP, &["--fault", "exit:d1@5"]].concat()),
     ];
     for (case, fault) in cases {
         let _turn = exclusive();
@@ -638,7 +643,7 @@ fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
             vec!["--requests", "400", "--concurrency", "2", "--prompt-len", "1024", "--verify", "full"];
         // A lease and a timeout far above the bound: waiting out either would fail it.
         a.extend_from_slice(&["--p-tp", "2", "--d-tp", "2", "--timeout", "10s", "--lease", "30s"]);
-        a.extend_from_slice(fault);
+        a.extend_from_slice(&fault);
         a.extend_from_slice(TINY);
         let mut cmd = bench_cmd(results.path(), &a);
         cmd.env("TMPDIR", tmp.path());
