@@ -182,6 +182,13 @@ struct Finished {
     bytes_verified: u64,
 }
 
+impl Finished {
+    /// A request that failed before any decode rank reported on it.
+    fn failed(row: RequestRow) -> Self {
+        Finished { row, ready_ns: 0, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 }
+    }
+}
+
 /// The two engines of a bench.
 pub struct Engines {
     pub prefill: Engine,
@@ -238,14 +245,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     // no decode rank will read (they would sit out their lease and starve later requests).
     if let Some(e) = engines.prefill.gone().or_else(|| engines.decode.gone()) {
         fail(&mut row, e.cause().as_str());
-        return Finished {
-            row,
-            publish_ns: 0,
-            ranks: vec![],
-            verify_failures: 0,
-            bytes_verified: 0,
-            ready_ns: 0,
-        };
+        return Finished::failed(row);
     }
     let dispatched = Instant::now();
     let prefill =
@@ -269,25 +269,11 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
                 engines.decode.release(p_request_id);
                 let _ = load.await;
             }
-            return Finished {
-                row,
-                publish_ns: 0,
-                ranks: vec![],
-                verify_failures: 0,
-                bytes_verified: 0,
-                ready_ns: 0,
-            };
+            return Finished::failed(row);
         }
         Err(_) => {
             fail(&mut row, "internal");
-            return Finished {
-                row,
-                publish_ns: 0,
-                ranks: vec![],
-                verify_failures: 0,
-                bytes_verified: 0,
-                ready_ns: 0,
-            };
+            return Finished::failed(row);
         }
     };
     let load = match early_load {
@@ -303,25 +289,11 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
             // No decode rank will read these blocks: free them now, not at lease expiry (as
             // the serving proxy does when a decode leg fails).
             engines.prefill.release(p_request_id);
-            return Finished {
-                row,
-                publish_ns: 0,
-                ranks: vec![],
-                verify_failures: 0,
-                bytes_verified: 0,
-                ready_ns: 0,
-            };
+            return Finished::failed(row);
         }
         Err(_) => {
             fail(&mut row, "internal");
-            return Finished {
-                row,
-                publish_ns: 0,
-                ranks: vec![],
-                verify_failures: 0,
-                bytes_verified: 0,
-                ready_ns: 0,
-            };
+            return Finished::failed(row);
         }
     };
     let us = |ns: u64| ns as f64 / 1e3;
@@ -855,14 +827,14 @@ fn push_stages(
     let mut per_req: BTreeMap<u64, (u64, u64, u32)> = BTreeMap::new();
     for p in pushes.iter().filter(|p| p.req >= s.warmup && p.error.is_none()) {
         let e = per_req.entry(p.req).or_default();
-        e.0 = e.0.max(p.transfer_ns);
-        e.1 += p.hidden_ns;
+        e.0 = e.0.max(p.stats.transfer_ns);
+        e.1 += p.stats.hidden_ns;
         e.2 += 1;
     }
     let (mut hidden, mut written) = (0u64, 0u64);
     for p in pushes.iter().filter(|p| p.req >= s.warmup && p.error.is_none()) {
-        hidden += p.hidden_ns.min(p.transfer_ns);
-        written += p.transfer_ns;
+        hidden += p.stats.hidden_ns.min(p.stats.transfer_ns);
+        written += p.stats.transfer_ns;
     }
     for (write, hid, n) in per_req.values() {
         rec.record_ns("push_write", *write);

@@ -29,7 +29,8 @@ use tracing::{debug, warn};
 use super::params::KvTransferParams;
 use super::pool::BlockPool;
 use super::proto::{
-    self, FailureCause, Fault, FromWorker, LoadResult, ReadyInfo, Role, ToWorker, TransportKind, WorkerConfig,
+    self, FailureCause, Fault, FromWorker, LoadResult, PushStats, ReadyInfo, Role, ToWorker, TransportKind,
+    WorkerConfig,
 };
 use crate::layouts::alloc::AllocPattern;
 use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
@@ -182,14 +183,8 @@ pub struct EngineFinal {
 pub struct PushRecord {
     pub req: u64,
     pub rank: u32,
-    pub handshake_ns: u64,
-    pub post_ns: u64,
-    pub transfer_ns: u64,
-    pub notify_ns: u64,
-    pub bytes: u64,
-    pub descriptors: u64,
+    pub stats: PushStats,
     pub compute_ns: u64,
-    pub hidden_ns: u64,
     pub error: Option<(FailureCause, String)>,
 }
 
@@ -989,18 +984,7 @@ impl EngineLoop {
             }
             FromWorker::Unrecognized { count } => self.fin.unrecognized_notifs += count,
             FromWorker::Alive => {}
-            FromWorker::Pushed {
-                req,
-                handshake_ns,
-                post_ns,
-                transfer_ns,
-                notify_ns,
-                bytes,
-                descriptors,
-                compute_ns,
-                hidden_ns,
-                error,
-            } => {
+            FromWorker::Pushed { req, stats, compute_ns, error } => {
                 if let Some(i) = rank_of(&self.ranks) {
                     if let Some((cause, why)) = &error {
                         warn!(
@@ -1008,19 +992,7 @@ impl EngineLoop {
                             cause.as_str()
                         );
                     }
-                    self.fin.pushes.push(PushRecord {
-                        req,
-                        rank: i as u32,
-                        handshake_ns,
-                        post_ns,
-                        transfer_ns,
-                        notify_ns,
-                        bytes,
-                        descriptors,
-                        compute_ns,
-                        hidden_ns,
-                        error,
-                    });
+                    self.fin.pushes.push(PushRecord { req, rank: i as u32, stats, compute_ns, error });
                 }
             }
             FromWorker::Republish { payload } => {

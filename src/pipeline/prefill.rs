@@ -16,10 +16,11 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::proto::FailureCause;
+use super::proto::PushStats;
 use super::proto::{
     Fault, FromWorker, Overlap, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig,
 };
-use super::push::{PushJob, PushStats, Pusher};
+use super::push::{PushJob, Pusher};
 use super::worker::{Control, Stage as _, WorkerError, advertised_payload_with, host_pool, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;
@@ -485,18 +486,7 @@ fn pushed(
         Ok(st) => (st, None),
         Err(e) => (PushStats::default(), Some(e)),
     };
-    ctl.send(&FromWorker::Pushed {
-        req,
-        handshake_ns: stats.handshake_ns,
-        post_ns: stats.post_ns,
-        transfer_ns: stats.transfer_ns,
-        notify_ns: stats.notify_ns,
-        bytes: stats.bytes,
-        descriptors: stats.descriptors,
-        compute_ns,
-        hidden_ns: stats.hidden_ns,
-        error,
-    })
+    ctl.send(&FromWorker::Pushed { req, stats, compute_ns, error })
 }
 
 /// A held request that will not be written after all: a WRITE under way is ended with a

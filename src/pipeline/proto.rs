@@ -358,6 +358,22 @@ pub struct LoadResult {
     pub batch_copies: u64,
 }
 
+/// What one prefill rank's push of a request took and moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushStats {
+    pub handshake_ns: u64,
+    pub post_ns: u64,
+    /// Writing: posting the PUTs until they completed locally, and flushing the endpoints
+    /// (remote completion); without layer overlap, from the first PUT to the last flush.
+    pub transfer_ns: u64,
+    pub notify_ns: u64,
+    pub bytes: u64,
+    pub descriptors: u64,
+    /// WRITE time spent while the simulated prefill still ran.
+    #[serde(default)]
+    pub hidden_ns: u64,
+}
+
 /// Worker to engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum FromWorker {
@@ -389,18 +405,11 @@ pub enum FromWorker {
     /// Push mode: a prefill rank wrote a request into the decode blocks (or failed to).
     Pushed {
         req: u64,
-        handshake_ns: u64,
-        post_ns: u64,
-        transfer_ns: u64,
-        notify_ns: u64,
-        bytes: u64,
-        descriptors: u64,
+        /// What the WRITE took and moved (zeros when it failed before writing).
+        stats: PushStats,
         /// The simulated prefill computation of the request on this rank (0 without one).
         #[serde(default)]
         compute_ns: u64,
-        /// WRITE time spent while the computation still ran (hidden behind it).
-        #[serde(default)]
-        hidden_ns: u64,
         error: Option<(FailureCause, String)>,
     },
     /// A prefill rank's handshake metadata changed (its UCX side was torn down): the side

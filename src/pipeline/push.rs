@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::params::base_request_id;
-use super::proto::{FailureCause, TransportKind, WorkerConfig};
+use super::proto::{FailureCause, PushStats, TransportKind, WorkerConfig};
 use super::worker::{classify_ucx, compat_factors};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{RequestBlocks, RequestIds};
@@ -121,21 +121,6 @@ struct DEngine {
     ranks: BTreeMap<u32, DTarget>,
 }
 
-/// What one push of a request took and moved, for the prefill engine.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PushStats {
-    pub handshake_ns: u64,
-    pub post_ns: u64,
-    /// Writing: posting the PUTs until they completed locally, and flushing the endpoints
-    /// (remote completion); without layer overlap, from the first PUT to the last flush.
-    pub transfer_ns: u64,
-    pub notify_ns: u64,
-    pub bytes: u64,
-    pub descriptors: u64,
-    /// WRITE time spent while the simulated prefill still ran.
-    pub hidden_ns: u64,
-}
-
 /// One request being written by a prefill rank: where to, what per layer, how far.
 pub struct PushJob {
     /// The decode engine written into.
@@ -149,17 +134,6 @@ pub struct PushJob {
     /// Layers posted so far.
     next_layer: u32,
     stats: PushStats,
-}
-
-impl PushJob {
-    /// Whether every layer has been posted.
-    pub fn all_posted(&self) -> bool {
-        self.next_layer >= self.num_layers
-    }
-
-    pub fn stats(&self) -> &PushStats {
-        &self.stats
-    }
 }
 
 /// The prefill side: registrations waiting for their fills, decode engines handshaked with,

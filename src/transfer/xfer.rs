@@ -1078,56 +1078,11 @@ impl BatchMeasure<'_> {
         let cfg = self.cfg;
         let slots = ((ws / size).max(1), (local.len() as u64 / size).max(1));
         let per_batch = inflight as u64;
-        let mut k: u64 = 0;
-        let warm_start = Instant::now();
-        while k < per_batch * 3
-            || (warm_start.elapsed() < Duration::from_millis(20) && k < slots.0.max(per_batch))
-        {
-            self.one(local, k, per_batch, size, slots)?;
-            k += per_batch;
-        }
-        let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
-            .map_err(|e| XferError::Protocol { stage: "histogram", reason: e.to_string() })?;
-        let (mut post_ns, mut complete_ns, mut bytes, mut batches) = (0u64, 0u64, 0u64, 0u64);
-        let start = Instant::now();
-        loop {
-            let st = self.one(local, k, per_batch, size, slots)?;
-            k += per_batch;
-            batches += 1;
-            bytes += st.bytes;
-            post_ns += st.post_ns;
-            complete_ns += st.complete_ns;
-            hist.saturating_record(st.complete_ns.max(1));
-            let done = match cfg.iters {
-                Some(n) => batches >= n,
-                None => batches >= 3 && start.elapsed() >= cfg.duration,
-            };
-            if done || crate::interrupt::requested().is_some() {
-                break;
-            }
-        }
-        let secs = start.elapsed().as_secs_f64();
+        let timed = timed_batches(cfg, per_batch, slots.0, |k| {
+            self.one(local, k, per_batch, size, slots).map(|st| (st.bytes, st.post_ns, st.complete_ns))
+        })?;
         let verified_bytes = self.verify(local, size, slots, inflight)?;
-        let gbps = bytes as f64 / secs / 1e9;
-        let us = |ns: u64| ns as f64 / 1e3;
-        Ok(XferResult {
-            size_bytes: size,
-            inflight,
-            gbps,
-            ceiling_gbps,
-            ratio_to_ceiling: if ceiling_gbps > 0.0 { gbps / ceiling_gbps } else { 0.0 },
-            memcpy_gbps: None,
-            ratio_to_memcpy: None,
-            p50_us: us(hist.value_at_quantile(0.50)),
-            p99_us: us(hist.value_at_quantile(0.99)),
-            max_us: us(hist.max()),
-            post_us: us(post_ns) / batches as f64,
-            complete_us: us(complete_ns) / batches as f64,
-            msgs_per_sec: (batches * per_batch) as f64 / secs,
-            batches,
-            bytes,
-            verified_bytes,
-        })
+        Ok(timed.result(size, inflight, ceiling_gbps, verified_bytes))
     }
 
     /// Clears the local slots of one batch, copies them again from remote slots starting
@@ -1414,65 +1369,95 @@ fn measure_case<M: BufferAccess>(
     let local_slots = (local.len() as u64 / size).max(1);
     let opts = ReadOptions { max_inflight: inflight, timeout: cfg.timeout };
     let per_batch = inflight as u64;
-    let mut k: u64 = 0;
-    let batch = |k0: u64, local: &mut MemRegion<M>| {
+    let timed = timed_batches(cfg, per_batch, slots, |k0| {
         let descs = (k0..k0 + per_batch).map(|i| ReadDesc {
             local_off: slot_offset(i, size, local_slots, cfg.hot),
             remote_off: slot_offset(i, size, slots, cfg.hot),
             len: size,
         });
-        s.remote.read_batch(local, descs, &opts)
-    };
-    // Warm-up: connection set-up, registration caches, page faults of the local buffer.
+        let st = s.remote.read_batch(local, descs, &opts)?;
+        Ok((st.bytes, st.post_ns, st.complete_ns))
+    })?;
+    let verified_bytes = verify_case(s, cfg, local, size, slots, local_slots, inflight)?;
+    Ok(timed.result(size, inflight, ceiling_gbps, verified_bytes))
+}
+
+/// What the timed batches of one case measured.
+struct Timed {
+    hist: hdrhistogram::Histogram<u64>,
+    post_ns: u64,
+    complete_ns: u64,
+    bytes: u64,
+    batches: u64,
+    per_batch: u64,
+    secs: f64,
+}
+
+/// Runs `batch(k)` (batch `k` of `per_batch` reads, returning its bytes, post and completion
+/// times) as one case does on every transport: a warm-up (connection set-up, registration
+/// caches, page faults: 3 batches, or 20 ms up to one pass over `slots`), then timed batches
+/// until `--iters` or `--duration`, or an interrupt (the batches done so far still count).
+fn timed_batches(
+    cfg: &XferConfig,
+    per_batch: u64,
+    slots: u64,
+    mut batch: impl FnMut(u64) -> Result<(u64, u64, u64)>,
+) -> Result<Timed> {
+    let mut k: u64 = 0;
     let warm_start = Instant::now();
     while k < per_batch * 3 || (warm_start.elapsed() < Duration::from_millis(20) && k < slots.max(per_batch))
     {
-        batch(k, local)?;
+        batch(k)?;
         k += per_batch;
     }
-    let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
+    let hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
         .map_err(|e| XferError::Protocol { stage: "histogram", reason: e.to_string() })?;
-    let (mut post_ns, mut complete_ns, mut bytes, mut batches) = (0u64, 0u64, 0u64, 0u64);
+    let mut t = Timed { hist, post_ns: 0, complete_ns: 0, bytes: 0, batches: 0, per_batch, secs: 0.0 };
     let start = Instant::now();
     loop {
-        let st = batch(k, local)?;
+        let (bytes, post_ns, complete_ns) = batch(k)?;
         k += per_batch;
-        batches += 1;
-        bytes += st.bytes;
-        post_ns += st.post_ns;
-        complete_ns += st.complete_ns;
-        hist.saturating_record(st.complete_ns.max(1));
+        t.batches += 1;
+        t.bytes += bytes;
+        t.post_ns += post_ns;
+        t.complete_ns += complete_ns;
+        t.hist.saturating_record(complete_ns.max(1));
         let done = match cfg.iters {
-            Some(n) => batches >= n,
-            None => batches >= 3 && start.elapsed() >= cfg.duration,
+            Some(n) => t.batches >= n,
+            None => t.batches >= 3 && start.elapsed() >= cfg.duration,
         };
-        // An interrupt ends a long case early; the batches done so far still count.
         if done || crate::interrupt::requested().is_some() {
             break;
         }
     }
-    let secs = start.elapsed().as_secs_f64();
-    let verified_bytes = verify_case(s, cfg, local, size, slots, local_slots, inflight)?;
-    let gbps = bytes as f64 / secs / 1e9;
-    let us = |ns: u64| ns as f64 / 1e3;
-    Ok(XferResult {
-        size_bytes: size,
-        inflight,
-        gbps,
-        ceiling_gbps,
-        ratio_to_ceiling: if ceiling_gbps > 0.0 { gbps / ceiling_gbps } else { 0.0 },
-        memcpy_gbps: None,
-        ratio_to_memcpy: None,
-        p50_us: us(hist.value_at_quantile(0.50)),
-        p99_us: us(hist.value_at_quantile(0.99)),
-        max_us: us(hist.max()),
-        post_us: us(post_ns) / batches as f64,
-        complete_us: us(complete_ns) / batches as f64,
-        msgs_per_sec: (batches * per_batch) as f64 / secs,
-        batches,
-        bytes,
-        verified_bytes,
-    })
+    t.secs = start.elapsed().as_secs_f64();
+    Ok(t)
+}
+
+impl Timed {
+    fn result(&self, size: u64, inflight: usize, ceiling_gbps: f64, verified_bytes: u64) -> XferResult {
+        let gbps = self.bytes as f64 / self.secs / 1e9;
+        let us = |ns: u64| ns as f64 / 1e3;
+        let batches = self.batches.max(1);
+        XferResult {
+            size_bytes: size,
+            inflight,
+            gbps,
+            ceiling_gbps,
+            ratio_to_ceiling: if ceiling_gbps > 0.0 { gbps / ceiling_gbps } else { 0.0 },
+            memcpy_gbps: None,
+            ratio_to_memcpy: None,
+            p50_us: us(self.hist.value_at_quantile(0.50)),
+            p99_us: us(self.hist.value_at_quantile(0.99)),
+            max_us: us(self.hist.max()),
+            post_us: us(self.post_ns) / batches as f64,
+            complete_us: us(self.complete_ns) / batches as f64,
+            msgs_per_sec: (self.batches * self.per_batch) as f64 / self.secs,
+            batches: self.batches,
+            bytes: self.bytes,
+            verified_bytes,
+        }
+    }
 }
 
 /// Clears the local slots of one batch, reads them again, and checks every byte against
