@@ -103,6 +103,9 @@ struct Held {
     compute: Option<Compute>,
     /// Push with `--overlap layers`: the WRITE under way while the prefill computes.
     job: Option<PushJob>,
+    /// Notifications that free it (`None`: the count the first one names); its lease is
+    /// taken when its prefill is done.
+    expected: Option<u32>,
 }
 
 /// A request's simulated prefill on this rank (`PrefillSim`): layer `l` is computed at
@@ -307,11 +310,21 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     // The simulated prefill (if any) starts now; the request is reported
                     // filled when it is done.
                     let compute = sim.simulated().then(|| sim.start(Instant::now(), fill_ns, publish_ns));
-                    match leases.register(&p_request_id, expected, Instant::now()) {
-                        Ok(_) => {
+                    // The lease runs from the end of the prefill, as vLLM's abort timeout runs
+                    // from the request's finish: a request still computing (or queued behind
+                    // another on this rank) is not freed under its reader.
+                    let leased = match compute {
+                        Some(_) if held.contains_key(&p_request_id) => {
+                            Err(crate::transfer::notify::AlreadyHeld(p_request_id.clone()))
+                        }
+                        Some(_) => Ok(()),
+                        None => leases.register(&p_request_id, expected, Instant::now()).map(|_| ()),
+                    };
+                    match leased {
+                        Ok(()) => {
                             held.insert(
                                 p_request_id.clone(),
-                                Held { req, blocks, published: eager_publish, compute, job: None },
+                                Held { req, blocks, published: eager_publish, compute, job: None, expected },
                             );
                         }
                         Err(e) => tracing::warn!("{e}"),
@@ -560,6 +573,9 @@ fn advance(
         // The prefill is done: report it, and finish (or start) its WRITE.
         let Some(h) = held.get_mut(&id) else { continue };
         h.compute = None;
+        if let Err(e) = leases.register(&id, h.expected, now) {
+            tracing::warn!("{e}");
+        }
         let compute_ns = sim.total().as_nanos() as u64;
         ctl.send(&FromWorker::Filled {
             req: h.req,

@@ -186,6 +186,20 @@ clean_case!(
     ]
 );
 
+// A prefill that computes for longer than the lease (400 ms against 300 ms): the lease runs
+// from the end of the prefill, as vLLM's abort timeout does, so no block is freed under its
+// reader (before, every request failed with its blocks freed by lease expiry).
+clean_case!(
+    lease_runs_from_the_end_of_prefill,
+    TINY,
+    ["--p-tp", "2", "--d-tp", "1", "--prefill-time-per-layer", "200ms", "--lease", "300ms"]
+);
+clean_case!(
+    push_lease_runs_from_the_end_of_prefill,
+    TINY,
+    ["--mode", "push", "--p-tp", "2", "--d-tp", "1", "--prefill-time-per-layer", "200ms", "--lease", "300ms"]
+);
+
 /// `--overlap layers`: each layer's slice of the blocks is written as the simulated prefill
 /// computes it; every byte still lands (verified on decode), the WRITE time spent while prefill
 /// computed is reported, and the KV-ready stage covers prefill and transfer.
