@@ -390,8 +390,9 @@ impl Tally {
     }
 }
 
-/// What the decode ranks reported of UCX's choices, each from the first request that said it
-/// (a rank reports them once per prefill engine, after its first reads).
+/// What the ranks that move KV reported of UCX's choices, each from the first report that
+/// said it: decode ranks report theirs once per prefill engine, after their first reads; in
+/// push mode the prefill ranks report their WRITEs' with their first written request.
 #[derive(Debug, Clone, Default)]
 pub struct UcxSeen {
     transports: Option<String>,
@@ -404,6 +405,13 @@ impl UcxSeen {
         self.transports = self.transports.take().or_else(|| r.transports.clone());
         self.protocols = self.protocols.take().or_else(|| r.protocols.clone());
         self.settings = self.settings.take().or_else(|| r.ucx_settings.clone());
+    }
+
+    /// What a prefill rank reported of its WRITEs (push mode).
+    pub fn see_writes(&mut self, c: &super::proto::UcxChoices) {
+        self.transports = self.transports.take().or_else(|| c.transports.clone());
+        self.protocols = self.protocols.take().or_else(|| Some(c.protocols.clone()));
+        self.settings = self.settings.take().or_else(|| Some(c.settings.clone()));
     }
 
     fn or(&mut self, other: &UcxSeen) {
@@ -421,8 +429,13 @@ impl UcxSeen {
         if let Some(p) = self.protocols {
             // The decode ranks' first slot follows the prefill ranks' (`KvMemory`'s rule).
             let d_place = s.mem.place(s.pair.p.tp);
+            let op = match s.transport.mode {
+                super::proto::TransferMode::Pull => crate::transfer::ucx::Rma::Get,
+                super::proto::TransferMode::Push => crate::transfer::ucx::Rma::Put,
+            };
             summary.warnings.extend(crate::transfer::xfer::protocol_warnings(
                 d_place,
+                op,
                 &p,
                 &summary.ucx.settings,
                 &transports,
@@ -759,6 +772,9 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     }
     summary.blocks_leaked = u64::from(p_fin.blocks_leaked + d_fin.blocks_leaked);
     summary.blocks_expired = p_fin.leases_expired;
+    if let Some(c) = &p_fin.push_ucx {
+        seen.see_writes(c);
+    }
     seen.report(&s.workers, &mut summary);
     summary.per_rank = all
         .per_rank_bytes

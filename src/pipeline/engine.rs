@@ -29,8 +29,8 @@ use tracing::{debug, warn};
 use super::params::KvTransferParams;
 use super::pool::BlockPool;
 use super::proto::{
-    self, FailureCause, Fault, FromWorker, LoadResult, PushStats, ReadyInfo, Role, ToWorker, TransportKind,
-    WorkerConfig,
+    self, FailureCause, Fault, FromWorker, LoadResult, PushStats, ReadyInfo, Role, ToWorker, TransferMode,
+    TransportKind, WorkerConfig,
 };
 use crate::layouts::alloc::AllocPattern;
 use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
@@ -124,7 +124,7 @@ impl EngineInfo {
         p_request_id: &str,
         tokens: u32,
         blocks: &[u32],
-        mode: super::proto::TransferMode,
+        mode: TransferMode,
     ) -> KvTransferParams {
         KvTransferParams {
             do_remote_prefill: true,
@@ -176,6 +176,9 @@ pub struct EngineFinal {
     pub worker_rss_bytes: Vec<u64>,
     /// Push mode, prefill engine: each rank's WRITE of each request, as it reported it.
     pub pushes: Vec<PushRecord>,
+    /// Push mode, prefill engine: what UCX chose for the WRITEs, as the first rank that
+    /// wrote reported it.
+    pub push_ucx: Option<super::proto::UcxChoices>,
 }
 
 /// One prefill rank's WRITE of one request (push mode).
@@ -479,7 +482,7 @@ struct EngineLoop {
     gone: Gone,
 }
 
-/// The environment that makes a decode worker's UCX record the protocols it selects as files
+/// The environment that makes a worker's UCX record the protocols it selects as files
 /// under `dir` (UCX reports them through its own settings only, read when it loads). The
 /// tables UCX prints alongside go to the worker's stdout, which is discarded. Nothing when the
 /// user set UCX's switches: their settings stand, and the worker reads what they produce.
@@ -550,8 +553,14 @@ impl EngineLoop {
                     .stdout(Stdio::null())
                     .stderr(Stdio::piped())
                     .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+                // The ranks whose one-sided operations move KV: decode's GETs, or in push mode
+                // prefill's PUTs.
+                let moves_kv = match cfg.worker.transport.mode {
+                    TransferMode::Pull => role == Role::Decode,
+                    TransferMode::Push => role == Role::Prefill,
+                };
                 if let (Some(dir), true) =
-                    (&tmp, role == Role::Decode && cfg.worker.transport.kind != TransportKind::Storage)
+                    (&tmp, moves_kv && cfg.worker.transport.kind != TransportKind::Storage)
                 {
                     cmd.envs(protocol_capture_env(&dir.path().join(format!("ucx-{r}"))));
                 }
@@ -984,7 +993,10 @@ impl EngineLoop {
             }
             FromWorker::Unrecognized { count } => self.fin.unrecognized_notifs += count,
             FromWorker::Alive => {}
-            FromWorker::Pushed { req, stats, compute_ns, error } => {
+            FromWorker::Pushed { req, stats, compute_ns, error, ucx } => {
+                if self.fin.push_ucx.is_none() {
+                    self.fin.push_ucx = ucx.map(|u| *u);
+                }
                 if let Some(i) = rank_of(&self.ranks) {
                     if let Some((cause, why)) = &error {
                         warn!(

@@ -15,10 +15,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::proto::FailureCause;
-use super::proto::PushStats;
 use super::proto::{
-    Fault, FromWorker, Overlap, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig,
+    FailureCause, Fault, FromWorker, Overlap, PushStats, ReadyInfo, ToWorker, TransferMode, TransportKind,
+    UcxChoices, WorkerConfig,
 };
 use super::push::{PushJob, Pusher};
 use super::worker::{Control, Stage as _, WorkerError, advertised_payload_with, host_pool, rss_bytes};
@@ -38,7 +37,7 @@ struct UcxSide {
     am: UcxNotifyReceiver,
     region: MemRegion<KvBuffer>,
     worker: Worker,
-    _ctx: Context,
+    ctx: Context,
 }
 
 /// The KV pool, registered with UCX or (after `Fault::KillUcx`, or without UCX) plain.
@@ -84,10 +83,11 @@ impl Pool {
     /// Tears the UCX side down and keeps the memory.
     fn kill_ucx(&mut self) -> Result<(), WorkerError> {
         if let Pool::Ucx(u) = std::mem::replace(self, Pool::Gone) {
-            let UcxSide { am, region, worker, _ctx } = *u;
+            let UcxSide { am, region, worker, ctx } = *u;
             drop(am);
             let mem = region.deregister().stage("deregister the KV pool")?;
             drop(worker);
+            drop(ctx);
             *self = Pool::Plain(mem);
         }
         Ok(())
@@ -221,7 +221,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let base = region.addr();
         let address = worker.address().stage("UCX worker address")?;
         ucx_lib = Some((ucx.path().display().to_string(), ucx.version().to_string()));
-        (Pool::Ucx(Box::new(UcxSide { am, region, worker, _ctx: ctx })), address, rkey, base)
+        (Pool::Ucx(Box::new(UcxSide { am, region, worker, ctx })), address, rkey, base)
     } else {
         let base = crate::transfer::ucx::Registrable::addr(&mem);
         (Pool::Plain(mem), Vec::new(), Vec::new(), base)
@@ -479,12 +479,15 @@ fn push_one(
             Err((FailureCause::PeerGone, "this rank's UCX side is gone: nothing can be written".into()))
         }
     };
-    pushed(ctl, pusher, leases, id, h.req, compute_ns, result)
+    pushed(ctl, pool, pusher, leases, id, h.req, compute_ns, result)
 }
 
-/// A request written (or not): frees it here and tells the engine what the WRITE took.
+/// A request written (or not): frees it here and tells the engine what the WRITE took, and
+/// with this rank's first written request, what UCX chose for the WRITEs.
+#[expect(clippy::too_many_arguments, reason = "the rank loop's state a push touches")]
 fn pushed(
     ctl: &Control,
+    pool: &Pool,
     pusher: &mut Pusher,
     leases: &mut LeaseTable,
     id: &str,
@@ -499,7 +502,16 @@ fn pushed(
         Ok(st) => (st, None),
         Err(e) => (PushStats::default(), Some(e)),
     };
-    ctl.send(&FromWorker::Pushed { req, stats, compute_ns, error })
+    let ucx = match pool {
+        Pool::Ucx(u) if error.is_none() && pusher.first_report() => Some(Box::new(UcxChoices {
+            transports: pusher.transports(),
+            // UCX chose its protocols at these first WRITEs.
+            protocols: u.ctx.protocols().rma_only(),
+            settings: u.ctx.env_notes().to_vec(),
+        })),
+        _ => None,
+    };
+    ctl.send(&FromWorker::Pushed { req, stats, compute_ns, error, ucx })
 }
 
 /// A held request that will not be written after all: a WRITE under way is ended with a
@@ -562,7 +574,7 @@ fn advance(
                 Err(e) => {
                     let req = h.req;
                     held.remove(&id);
-                    pushed(ctl, p, leases, &id, req, sim.total().as_nanos() as u64, Err(e))?;
+                    pushed(ctl, pool, p, leases, &id, req, sim.total().as_nanos() as u64, Err(e))?;
                     continue;
                 }
             }
@@ -595,7 +607,7 @@ fn advance(
                 }
                 _ => Err(p.fail(job, (FailureCause::PeerGone, "this rank's UCX side is gone".into()))),
             };
-            pushed(ctl, p, leases, &id, req, compute_ns, result)?;
+            pushed(ctl, pool, p, leases, &id, req, compute_ns, result)?;
         } else if p.is_registered(&id) {
             push_one(ctl, cfg, pool, p, leases, held, &id, compute_ns)?;
         }

@@ -358,6 +358,15 @@ pub struct LoadResult {
     pub batch_copies: u64,
 }
 
+/// What a rank's UCX chose for its one-sided operations, reported once: the transports of an
+/// endpoint, the protocols per memory-type pair, and the settings kvx made for the user.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UcxChoices {
+    pub transports: Option<String>,
+    pub protocols: ProtoReport,
+    pub settings: Vec<String>,
+}
+
 /// What one prefill rank's push of a request took and moved.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PushStats {
@@ -411,6 +420,9 @@ pub enum FromWorker {
         #[serde(default)]
         compute_ns: u64,
         error: Option<(FailureCause, String)>,
+        /// What UCX chose for this rank's WRITEs, with its first written request.
+        #[serde(default)]
+        ucx: Option<Box<UcxChoices>>,
     },
     /// A prefill rank's handshake metadata changed (its UCX side was torn down): the side
     /// channel advertises this from now on, so decode ranks that connect again learn at once

@@ -147,6 +147,8 @@ pub struct Pusher {
     /// registers with this rank) are not written again.
     written: HashSet<String>,
     timeout: Duration,
+    /// What UCX chose for the WRITEs was reported (with the first written request).
+    reported: bool,
 }
 
 impl Pusher {
@@ -161,7 +163,21 @@ impl Pusher {
             registrations: HashMap::new(),
             written: HashSet::new(),
             timeout,
+            reported: false,
         }
+    }
+
+    /// True once: when the caller is to report what UCX chose for the WRITEs.
+    pub fn first_report(&mut self) -> bool {
+        !std::mem::replace(&mut self.reported, true)
+    }
+
+    /// The UCX transports of an endpoint this rank writes over (for reports).
+    pub fn transports(&self) -> Option<String> {
+        self.engines
+            .values()
+            .flat_map(|e| e.ranks.values())
+            .find_map(|t| t.region.endpoint().transports().ok())
     }
 
     /// Records a registration; returns the key it is filed under, if this rank has not

@@ -572,7 +572,7 @@ fn cuda_details(f: &CudaFacts, no_cuda: &Option<String>) -> Vec<Check> {
             "run `kvx xfer --mem cuda --sizes 1MiB --iters 3` to see the error in context",
         ),
         IpcFact::Read(p) => {
-            let gets: Vec<_> = p.device_gets().collect();
+            let gets: Vec<_> = p.device_uses(crate::transfer::ucx::Rma::Get).collect();
             if gets.iter().any(|u| u.emulated) {
                 check(
                     "cuda.ipc",

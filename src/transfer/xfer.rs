@@ -32,8 +32,8 @@ use super::handshake::meta::CudaIpcExport;
 use super::memory::{HostBuffer, MemPlace, MemoryError, PageSize};
 use super::ucx::{
     Context, ContextOptions, Endpoint, ErrMode, LibInfo, MemRegion, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV,
-    PackedRkey, ProgressMode, ProtoReport, ReadDesc, ReadOptions, Registrable, RemoteRegion, ServeEnd, Ucx,
-    UcxAllocated, UcxError, Worker, wait_readable,
+    PackedRkey, ProgressMode, ProtoReport, ReadDesc, ReadOptions, Registrable, RemoteRegion, Rma, ServeEnd,
+    Ucx, UcxAllocated, UcxError, Worker, wait_readable,
 };
 
 /// Errors of `kvx xfer` and of the target/initiator pair behind it.
@@ -1163,7 +1163,7 @@ fn measure(
     let info = s.ucx.info();
     let protocols = s.ctx.protocols();
     let env = s.ctx.env_notes().to_vec();
-    let warnings = protocol_warnings(cfg.mem, &protocols, &env, &s.transports);
+    let warnings = protocol_warnings(cfg.mem, Rma::Get, &protocols, &env, &s.transports);
     Ok(XferReport {
         ucx: UcxReport {
             library: info.library.display().to_string(),
@@ -1197,11 +1197,12 @@ fn measure(
     })
 }
 
-/// Warnings for a device-memory run whose reads UCX emulates in software, or whose
-/// protocol is unknown, each with the reason and the fix. Host memory gets none here
-/// (`kvx doctor` explains host-memory emulation).
+/// Warnings for a device-memory run whose `op`s (the GETs of a pull, the PUTs of a push)
+/// UCX emulates in software, or whose protocol is unknown, each with the reason and the
+/// fix. Host memory gets none here (`kvx doctor` explains host-memory emulation).
 pub fn protocol_warnings(
     mem: MemPlace,
+    op: Rma,
     protocols: &ProtoReport,
     env: &[String],
     transports: &str,
@@ -1209,26 +1210,36 @@ pub fn protocol_warnings(
     if !mem.is_device() {
         return Vec::new();
     }
-    let zcopy = if env.is_empty() { "not set".to_string() } else { env.join("; ") };
-    let device_gets: Vec<_> = protocols.device_gets().collect();
-    if device_gets.is_empty() {
+    let verb = match op {
+        Rma::Get => "read",
+        Rma::Put => "write",
+    };
+    let uses: Vec<_> = protocols.device_uses(op).collect();
+    if uses.is_empty() {
         return vec![format!(
-            "the protocol UCX uses to read device memory is unknown ({}); run with UCX_PROTO_INFO=y to see \
+            "the protocol UCX uses to {verb} device memory is unknown ({}); run with UCX_PROTO_INFO=y to see \
              whether it is `software emulation` (the slow path) or `zero-copy cuda_ipc`",
             protocols.summary()
         )];
     }
-    device_gets
-        .into_iter()
+    // GET zero-copy over cuda_ipc is off by default where GPUs have no NVLink; PUT's is on.
+    let zcopy = match op {
+        Rma::Get => format!(
+            "(3) UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y where GPUs have no NVLink (here: {}), ",
+            if env.is_empty() { "not set".to_string() } else { env.join("; ") }
+        ),
+        Rma::Put => String::new(),
+    };
+    let library = if zcopy.is_empty() { "(3)" } else { "(4)" };
+    uses.into_iter()
         .filter(|u| u.emulated)
         .map(|u| {
             format!(
-                "UCX reads device memory by software emulation ({u}): expect well under 1 GB/s. It needs (1) a \
+                "UCX {verb}s device memory by software emulation ({u}): expect well under 1 GB/s. It needs (1) a \
                  CUDA context current before UCX starts and alive as long as UCX (kvx does this for its own \
                  processes; `kvx doctor` checks it), (2) device memory CUDA IPC can export (cuMemAlloc, not the \
-                 stream-ordered pool), (3) UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y where GPUs have no NVLink (here: \
-                 {zcopy}), (4) a UCX built with CUDA (this one selected {transports}; use libucx/lib/libucp.so.0 \
-                 of the PyPI wheel libucx-cu12 or libucx-cu13 with --ucx-lib)"
+                 stream-ordered pool), {zcopy}{library} a UCX built with CUDA (this one selected {transports}; use \
+                 libucx/lib/libucp.so.0 of the PyPI wheel libucx-cu12 or libucx-cu13 with --ucx-lib)"
             )
         })
         .collect()
@@ -1524,5 +1535,42 @@ mod tests {
         let offs: Vec<u64> = (0..6).map(|k| slot_offset(k, 4096, 4, false)).collect();
         assert_eq!(offs, vec![0, 4096, 8192, 12288, 0, 4096]);
         assert!((0..6).all(|k| slot_offset(k, 4096, 4, true) == 0));
+    }
+
+    fn report(op: &str, description: &str, config: &str) -> ProtoReport {
+        let sel = super::super::ucx::ProtoSelection {
+            op: op.into(),
+            local: "cuda/GPU0".into(),
+            remote: "cuda/dev[0]".into(),
+            range: "0..inf".into(),
+            description: description.into(),
+            config: config.into(),
+        };
+        ProtoReport { uses: super::super::ucx::summarize_protocols(&[sel]), note: None }
+    }
+
+    #[test]
+    fn device_memory_moved_by_emulation_warns_with_the_fix_for_its_operation() {
+        let dev = MemPlace::Cuda { device: 0 };
+        let env = vec!["UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (kvx: device memory)".to_string()];
+        let emulated_get = report("get", "software emulation", "sysv/memory");
+        let w = protocol_warnings(dev, Rma::Get, &emulated_get, &env, "sysv/memory");
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("UCX reads device memory by software emulation"), "{}", w[0]);
+        assert!(w[0].contains("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (kvx"), "names the setting: {}", w[0]);
+        // PUT zero-copy is on without any setting: a push's warning does not send the user there.
+        let emulated_put = report("put", "software emulation", "sysv/memory");
+        let w = protocol_warnings(dev, Rma::Put, &emulated_put, &env, "sysv/memory");
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("UCX writes device memory by software emulation"), "{}", w[0]);
+        assert!(!w[0].contains("GET_ZCOPY") && w[0].contains("(3) a UCX built with CUDA"), "{}", w[0]);
+        // Zero-copy over cuda_ipc: nothing to say.
+        let fast = report("put", "zero-copy", "cuda_ipc/cuda");
+        assert!(protocol_warnings(dev, Rma::Put, &fast, &env, "cuda_ipc/cuda").is_empty());
+        // The other operation's selection says nothing about this one's: unknown, by name.
+        let w = protocol_warnings(dev, Rma::Get, &fast, &env, "cuda_ipc/cuda");
+        assert!(w.len() == 1 && w[0].contains("to read device memory is unknown"), "{w:?}");
+        // Host memory: no warning here (kvx doctor explains host-memory emulation).
+        assert!(protocol_warnings(MemPlace::Host, Rma::Get, &emulated_get, &env, "").is_empty());
     }
 }

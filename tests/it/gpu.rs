@@ -177,8 +177,10 @@ fn serve_engine_with_device_pools_without_a_gpu_exits_2_before_it_serves() {
     assert!(MISSING.iter().any(|m| stderr.contains(m)), "{stderr}");
 }
 
+/// Each mode names the operation that moves its KV: decode's GETs when pulling, prefill's PUTs
+/// when pushing (recorded by the prefill ranks).
 #[test]
-fn bench_reports_name_the_protocol_ucx_chose_for_the_reads() {
+fn bench_reports_name_the_protocol_ucx_chose_for_the_reads_or_writes() {
     for (label, lib) in ucx_builds() {
         let lib = match lib {
             Ok(p) => p,
@@ -187,33 +189,41 @@ fn bench_reports_name_the_protocol_ucx_chose_for_the_reads() {
                 continue;
             }
         };
-        let dir = tempfile::tempdir().expect("results dir");
-        let out = kvx()
-            .args(["bench", "--p-tp", "2", "--d-tp", "1", "--model", "llama-3.1-8b", "--requests", "3"])
-            .args(["--prompt-len", "256", "--no-calibrate", "--format", "json", "--results-dir"])
-            .arg(dir.path())
-            .arg("--ucx-lib")
-            .arg(&lib)
-            .env_remove("UCX_PROTO_INFO")
-            .env_remove("UCX_PROTO_INFO_DIR")
-            .env_remove("UCX_LOG_FILE")
-            .output()
-            .expect("run kvx bench");
-        assert!(out.status.success(), "{label}: {}", String::from_utf8_lossy(&out.stderr));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON summary");
-        let protocols = &v["ucx"]["protocols"];
-        let uses = protocols["uses"].as_array().unwrap_or_else(|| panic!("{label}: {v}"));
-        if v["ucx"]["version"].as_str().unwrap_or_default().starts_with("1.13") {
-            assert!(uses.is_empty(), "{label}: {protocols}");
-            assert!(protocols["note"].as_str().is_some_and(|n| n.contains("1.13")), "{label}: {protocols}");
-        } else {
-            // One-sided operations only (notifications' active messages are left out).
-            assert!(uses.iter().all(|u| u["op"] == "get" || u["op"] == "put"), "{label}: {protocols}");
-            let get =
-                uses.iter().find(|u| u["op"] == "get").unwrap_or_else(|| panic!("{label}: {protocols}"));
-            assert_eq!(get["emulated"], false, "{label}: {get}");
+        for (mode, op) in [("pull", "get"), ("push", "put")] {
+            let case = format!("{label}, --mode {mode}");
+            let dir = tempfile::tempdir().expect("results dir");
+            let out = kvx()
+                .args(["bench", "--p-tp", "2", "--d-tp", "1", "--model", "llama-3.1-8b", "--requests", "3"])
+                .args(["--prompt-len", "256", "--no-calibrate", "--format", "json", "--mode", mode])
+                .arg("--results-dir")
+                .arg(dir.path())
+                .arg("--ucx-lib")
+                .arg(&lib)
+                .env_remove("UCX_PROTO_INFO")
+                .env_remove("UCX_PROTO_INFO_DIR")
+                .env_remove("UCX_LOG_FILE")
+                .output()
+                .expect("run kvx bench");
+            assert!(out.status.success(), "{case}: {}", String::from_utf8_lossy(&out.stderr));
+            let v: serde_json::Value =
+                serde_json::from_slice(&out.stdout).expect("stdout is one JSON summary");
+            let protocols = &v["ucx"]["protocols"];
+            let uses = protocols["uses"].as_array().unwrap_or_else(|| panic!("{case}: {v}"));
+            if v["ucx"]["version"].as_str().unwrap_or_default().starts_with("1.13") {
+                assert!(uses.is_empty(), "{case}: {protocols}");
+                assert!(
+                    protocols["note"].as_str().is_some_and(|n| n.contains("1.13")),
+                    "{case}: {protocols}"
+                );
+            } else {
+                // One-sided operations only (notifications' active messages are left out).
+                assert!(uses.iter().all(|u| u["op"] == "get" || u["op"] == "put"), "{case}: {protocols}");
+                let used =
+                    uses.iter().find(|u| u["op"] == op).unwrap_or_else(|| panic!("{case}: {protocols}"));
+                assert_eq!(used["emulated"], false, "{case}: {used}");
+            }
+            assert!(v.get("warnings").is_none(), "host memory gets no protocol warning: {v}");
         }
-        assert!(v.get("warnings").is_none(), "host memory gets no protocol warning: {v}");
     }
 }
 

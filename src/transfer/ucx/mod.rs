@@ -52,7 +52,8 @@ pub use error::{Result, UcxError};
 pub use library::{LibInfo, LibSearch, LibSource, SYSTEM_SONAME, Ucx};
 pub use proto::{
     LOG_FILE_ENV, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV, ProtoChoice, ProtoReport, ProtoSelection, ProtoUse,
-    capture_dir as proto_capture_dir, capture_env as proto_capture_env, log_messages as ucx_log_messages,
-    memory_kind, parse_dot, parse_log, read_dir as read_proto_dir, summarize as summarize_protocols,
+    Rma, capture_dir as proto_capture_dir, capture_env as proto_capture_env,
+    log_messages as ucx_log_messages, memory_kind, parse_dot, parse_log, read_dir as read_proto_dir,
+    summarize as summarize_protocols,
 };
 pub use region::{MemRegion, MemType, PackedRkey, Registrable, UcxAllocated};

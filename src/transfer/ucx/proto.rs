@@ -84,8 +84,11 @@ pub struct ProtoChoice {
 impl std::fmt::Display for ProtoUse {
     /// `get host<-host: zero-copy cma/memory`, or with ranges when they differ:
     /// `get cuda<-cuda: 0..8K software emulation sysv/memory, 8K..inf zero-copy cuda_ipc/cuda`.
+    /// The arrow points where the bytes go: into local memory for a GET, out of it for a PUT
+    /// (`put host->host`).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}<-{}: ", self.op, memory_kind(&self.local), memory_kind(&self.remote))?;
+        let arrow = if self.op == Rma::Put.as_str() { "->" } else { "<-" };
+        write!(f, "{} {}{arrow}{}: ", self.op, memory_kind(&self.local), memory_kind(&self.remote))?;
         let one = self.choices.len() == 1;
         for (i, c) in self.choices.iter().enumerate() {
             if i > 0 {
@@ -314,12 +317,30 @@ impl ProtoReport {
         self
     }
 
-    /// The GET selections of pairs where either side is device memory.
-    pub fn device_gets(&self) -> impl Iterator<Item = &ProtoUse> {
-        self.uses.iter().filter(|u| {
-            u.op == "get"
+    /// The selections of `op` for pairs where either side is device memory.
+    pub fn device_uses(&self, op: Rma) -> impl Iterator<Item = &ProtoUse> {
+        self.uses.iter().filter(move |u| {
+            u.op == op.as_str()
                 && (memory_kind(&u.local).starts_with("cuda") || memory_kind(&u.remote).starts_with("cuda"))
         })
+    }
+}
+
+/// The one-sided operation that moves KV blocks: decode's GET (pull mode, `kvx xfer`) or
+/// prefill's PUT (push mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rma {
+    Get,
+    Put,
+}
+
+impl Rma {
+    /// As UCX's protocol reports name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rma::Get => "get",
+            Rma::Put => "put",
+        }
     }
 }
 
@@ -404,6 +425,7 @@ mod tests {
         assert!(!get.emulated);
         let put = uses.iter().find(|u| u.op == "put").expect("put");
         assert_eq!((put.local.as_str(), put.remote.as_str()), ("host memory", "host"));
+        assert_eq!(put.to_string(), "put host->host: zero-copy cma/memory", "bytes leave local memory");
     }
 
     #[test]
