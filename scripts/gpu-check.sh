@@ -16,8 +16,8 @@
 # Needs no network.
 #
 # Environment:
-#   KVX_BIN        a kvx binary to use (the GPU host may have no Rust); default: build one with
-#                  `cargo build --release --features cuda`
+#   KVX_BIN        a kvx binary to use (the GPU host may have no Rust); default: ./kvx in a bundle
+#                  of scripts/bundle.sh, else build one with `cargo build --release --features cuda`
 #   KVX_UCX_LIB    libucp.so.0 of a UCX built with CUDA, or the unpacked wheel directory of
 #                  libucx-cu12/libucx-cu13 (same as --ucx-lib); default: kvx's own search (.ucx/)
 #   UCX_PERFTEST   ucx_perftest to use as a peer; default: bin/ucx_perftest beside the UCX library
@@ -62,7 +62,10 @@ fi
 UCX_FLAGS=()
 [ -n "$UCX_LIB" ] && UCX_FLAGS=(--ucx-lib "$UCX_LIB")
 
-# The kvx binary.
+# The kvx binary: KVX_BIN, else the one of a bundle (scripts/bundle.sh), else a build.
+if [ -z "${KVX_BIN:-}" ] && [ ! -f Cargo.toml ] && [ -x ./kvx ]; then
+  KVX_BIN=./kvx
+fi
 if [ -n "${KVX_BIN:-}" ]; then
   KVX="$KVX_BIN"
   [ -x "$KVX" ] || { echo "gpu-check: KVX_BIN=$KVX is not executable" >&2; exit 2; }

@@ -56,12 +56,47 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<Outcome> {
 
 fn render(r: &DoctorReport) -> String {
     let width = r.checks.iter().map(|c| c.name.len()).max().unwrap_or(0);
+    let verdicts: Vec<String> = r.checks.iter().map(|c| c.verdict.to_string()).collect();
+    let v = verdicts.iter().map(String::len).max().unwrap_or(0);
     let mut out = String::new();
-    for c in &r.checks {
-        out.push_str(&format!("{:<4}  {:<width$}  {}\n", c.verdict.to_string(), c.name, c.detail));
+    for (c, verdict) in r.checks.iter().zip(&verdicts) {
+        out.push_str(&format!("{verdict:<v$}  {:<width$}  {}\n", c.name, c.detail));
         if !c.hint.is_empty() {
-            out.push_str(&format!("{:<4}  {:<width$}  hint: {}\n", "", "", c.hint));
+            out.push_str(&format!("{:<v$}  {:<width$}  hint: {}\n", "", "", c.hint));
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::doctor::{Check, Verdict};
+
+    #[test]
+    fn names_and_details_line_up_whatever_the_verdict() {
+        let c = |name, verdict, hint: &str| Check { name, verdict, detail: "d".into(), hint: hint.into() };
+        let r = DoctorReport {
+            checks: vec![
+                c("cuda", Verdict::Ok, ""),
+                c("cuda.driver", Verdict::Missing, "install it"),
+                c("zmq", Verdict::Warn, ""),
+            ],
+            needed_missing: false,
+        };
+        let text = render(&r);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        // Every name starts in one column, every detail in another, hints under the details.
+        let name_col: Vec<usize> = lines
+            .iter()
+            .zip(["cuda", "cuda.driver", "hint:", "zmq"])
+            .map(|(l, w)| l.find(w).unwrap_or(0))
+            .collect();
+        assert_eq!(name_col[0], name_col[1], "{text}");
+        assert_eq!(name_col[0], name_col[3], "{text}");
+        let detail_col: Vec<Option<usize>> = [0, 1, 3].iter().map(|&i| lines[i].rfind(" d")).collect();
+        assert!(detail_col.iter().all(|c| c.is_some() && *c == detail_col[0]), "{text}");
+        assert_eq!(Some(name_col[2] - 1), detail_col[0], "the hint sits under the details: {text}");
+    }
 }
