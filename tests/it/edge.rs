@@ -5,7 +5,9 @@
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use wait_timeout::ChildExt as _;
 
 /// Hard limit for one command of this module.
 const LIMIT: Duration = Duration::from_secs(60);
@@ -61,18 +63,13 @@ pub fn run_with_closed_stdout(mut cmd: Command, reader: Reader) -> Closed {
 }
 
 fn wait(child: &mut std::process::Child) -> ExitStatus {
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        if let Some(status) = child.try_wait().expect("wait for kvx") {
-            return status;
-        }
-        if Instant::now() >= deadline {
+    match child.wait_timeout(LIMIT).expect("wait for kvx") {
+        Some(status) => status,
+        None => {
             let _ = child.kill();
             let _ = child.wait();
             panic!("kvx did not exit within {LIMIT:?} of its stdout closing");
         }
-        // Polling a child's exit status; no event to wait on without a signal handler.
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -1229,20 +1229,22 @@ fn stderr_lines(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
     rx
 }
 
-/// Waits (5 s limit) for a stderr line containing `what`.
-async fn wait_line(rx: &std::sync::mpsc::Receiver<String>, what: &str) -> String {
+/// Waits (5 s limit) for a stderr line containing `what`, blocking this worker thread (the
+/// runtime's other worker keeps serving) on the channel the line arrives on.
+fn wait_line(rx: &std::sync::mpsc::Receiver<String>, what: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        match rx.try_recv() {
-            Ok(line) if line.contains(what) => return line,
-            Ok(_) => {}
-            Err(std::sync::mpsc::TryRecvError::Empty) => {
-                assert!(Instant::now() < deadline, "no stderr line with {what:?} within 5 s");
-                tokio::time::sleep(Duration::from_millis(10)).await;
+    tokio::task::block_in_place(|| {
+        loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line.contains(what) => return line,
+                Ok(_) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("no stderr line with {what:?} within 5 s")
+                }
+                Err(e) => panic!("stderr closed before {what:?}: {e}"),
             }
-            Err(e) => panic!("stderr closed before {what:?}: {e}"),
         }
-    }
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1261,7 +1263,7 @@ async fn vllm_router_flags_run_the_same_proxy_and_it_logs_backend_transitions() 
             "--decode", &downu, "--policy", "round_robin", "--health-check-interval-secs", "0.05",
         ]);
         let log = stderr_lines(&mut x.child);
-        let line = wait_line(&log, "backend marked unhealthy").await;
+        let line = wait_line(&log, "backend marked unhealthy");
         assert!(line.contains(&format!("127.0.0.1:{down}")) && line.contains("decode"), "{line}");
         // Every request now goes to the live decode engine, byte-exact.
         for _ in 0..3 {
@@ -1276,7 +1278,7 @@ async fn vllm_router_flags_run_the_same_proxy_and_it_logs_backend_transitions() 
         let st = EngineState::new(engine_cfg(Role::Decode), null_kv("late"));
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
-        let line = wait_line(&log, "backend healthy again").await;
+        let line = wait_line(&log, "backend healthy again");
         assert!(line.contains(&format!("127.0.0.1:{down}")), "{line}");
         let _ = tx.send(());
         let _ = task.await;

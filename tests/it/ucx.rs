@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use assert_cmd::Command;
 use rand::{RngExt, SeedableRng};
+use wait_timeout::ChildExt as _;
 
 use crate::ucx_common::{skip, ucx_builds};
 
@@ -463,20 +464,17 @@ fn ten_processes_on_a_small_machine_all_make_progress() {
             })
             .collect();
         let deadline = Instant::now() + HARD_TIMEOUT;
-        let mut pending: Vec<usize> = (0..children.len()).collect();
-        while !pending.is_empty() && Instant::now() < deadline {
-            pending.retain(|&i| match children[i].try_wait().expect("try_wait") {
-                Some(status) => {
-                    assert!(status.success(), "{label}: kvx xfer #{i} failed: {status}");
-                    false
+        let mut pending = Vec::new();
+        for (i, child) in children.iter_mut().enumerate() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match child.wait_timeout(left).expect("wait for kvx xfer") {
+                Some(status) => assert!(status.success(), "{label}: kvx xfer #{i} failed: {status}"),
+                None => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    pending.push(i);
                 }
-                None => true,
-            });
-            // Polling a child's exit status; not used to order anything.
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        for &i in &pending {
-            let _ = children[i].kill();
+            }
         }
         assert!(
             pending.is_empty(),
