@@ -11,6 +11,8 @@ use std::os::unix::process::CommandExt as _;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use wait_timeout::ChildExt as _;
+
 use axum::http::StatusCode;
 
 use openmetrics_parser::PrometheusType;
@@ -247,14 +249,9 @@ async fn completions_and_chat_through_the_proxy_read_verified_kv() {
         drop(x);
         let mut p = p;
         let _ = Command::new("kill").args(["-s", "TERM", &p.child.id().to_string()]).status();
-        let deadline = Instant::now() + Duration::from_secs(15);
-        let status = loop {
-            if let Some(s) = p.child.try_wait().expect("wait") {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "prefill engine still running 15 s after SIGTERM");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let status = tokio::task::block_in_place(|| p.child.wait_timeout(Duration::from_secs(15)))
+            .expect("wait")
+            .unwrap_or_else(|| panic!("prefill engine still running 15 s after SIGTERM"));
         assert!(status.success(), "{status}");
         let deadline = Instant::now() + Duration::from_secs(5);
         while p.group_alive() {
