@@ -10,7 +10,8 @@
 #   4. peers, when present: ucx_perftest -t ucp_get -m cuda,cuda (from the UCX given), and NIXL VRAM
 #      READs (scripts/peers/nixl_peer.py, if python3 imports nixl and torch)
 #   5. --transport cuda-batch (one batched copy per peer over CUDA IPC): kvx xfer at 8 KiB..16 MiB,
-#      and kvx bench --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch
+#      and kvx bench --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch; each with the batch
+#      API (cuMemcpyBatchAsync) and with kvx's gather-copy kernel (--batch-copy kernel)
 # and prints a table of ratios: kvx vs NIXL at 64 KiB..1 MiB, kvx vs the same-run device copy at
 # 16 MiB, bench vs xfer, cuda-batch vs UCX cuda_ipc and vs the device copy (issue 16's targets).
 # Needs no network.
@@ -150,15 +151,19 @@ fi
 
 # 5. cuda-batch: each batch one cuMemcpyBatchAsync from the peer's pool mapped with CUDA IPC
 #    (no UCX), at the same depths as step 2, then the P8->D2 request against UCX in one comparison.
-"$KVX" xfer --transport cuda-batch --mem cuda --device 0 --sizes 8KiB,64KiB,1MiB,16MiB \
-  --inflight 1,32,128 --duration 500ms --format json >"$OUT/xfer-batch.json" 2>"$OUT/xfer-batch.err"
-rc=$?
-record "xfer --transport cuda-batch --mem cuda" "$rc" "$(grep -m1 -E 'error|warning' "$OUT/xfer-batch.err" | cut -c1-160)"
-"$KVX" bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch "${UCX_FLAGS[@]}" \
-  --results-dir "$OUT/compare" --format json >"$OUT/compare.json" 2>"$OUT/compare.err"
-rc=$?
-record "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch" "$rc" \
-  "$(grep -m1 'error' "$OUT/compare.err" | cut -c1-160)"
+for copy in api kernel; do
+  sfx=""; [ "$copy" = kernel ] && sfx="-kernel"
+  "$KVX" xfer --transport cuda-batch --batch-copy "$copy" --mem cuda --device 0 --sizes 8KiB,64KiB,1MiB,16MiB \
+    --inflight 1,32,128,1024 --duration 500ms --format json >"$OUT/xfer-batch$sfx.json" 2>"$OUT/xfer-batch$sfx.err"
+  rc=$?
+  record "xfer --transport cuda-batch --batch-copy $copy --mem cuda" "$rc" \
+    "$(grep -m1 -E 'error|warning' "$OUT/xfer-batch$sfx.err" | cut -c1-160)"
+  "$KVX" bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --batch-copy "$copy" "${UCX_FLAGS[@]}" \
+    --results-dir "$OUT/compare$sfx" --format json >"$OUT/compare$sfx.json" 2>"$OUT/compare$sfx.err"
+  rc=$?
+  record "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --batch-copy $copy" "$rc" \
+    "$(grep -m1 'error' "$OUT/compare$sfx.err" | cut -c1-160)"
+done
 
 # Ratios.
 "$PY" - "$OUT" <<'EOF' || echo "gpu-check: python3 is needed for the ratio table; reports are in $OUT"
@@ -224,43 +229,51 @@ if bench:
     for w in bench.get("warnings", []):
         print("  warning:", w)
 rows.append(("bench / xfer at the descriptor size", fmt(b), fmt(x), fmt(b / x) if b and x else "-", ">= 0.8"))
-# cuda-batch (issue 16): the same sizes and depths as UCX's step 2, and the P8->D2 request.
-xb = load("xfer-batch.json")
-if xb:
-    cb = xb.get("cuda_batch") or {}
-    print(f"kvx xfer --transport cuda-batch: {cb.get('driver_call', '?')} ({cb.get('path', '?')}), "
-          f"{cb.get('calls_per_batch', 0):.0f} call(s) per batch")
-    bbest, bceil = {}, {}
-    for r in xb["results"]:
-        s = r["size_bytes"]
-        bbest[s] = max(bbest.get(s, 0.0), r["gbps"])
-        if s not in bceil or r["inflight"] >= bceil[s][2]:
-            bceil[s] = (r["gbps"], r.get("ratio_to_ceiling"), r["inflight"], r.get("post_us"))
-    for s, target in ((8192, ">= 10"), (65536, ""), (1048576, ">= 0.9"), (16777216, ">= 0.9")):
-        k, u = bbest.get(s), best.get(s)
-        rows.append((f"cuda-batch / UCX cuda_ipc xfer @ {s >> 10} KiB", fmt(k), fmt(u), fmt(k / u) if k and u else "-", target))
-    g8, r8, d8, p8 = bceil.get(8192, (None, None, 0, None))
-    rows.append((f"cuda-batch / device copy @ 8 KiB x{d8}", fmt(g8), "", fmt(r8), ">= 0.3"))
-    if p8 and d8:
-        print(f"  cuda-batch posting at 8 KiB x{d8}: {p8:.1f} us per batch, {p8 * 1e3 / d8:.0f} ns per descriptor "
-              f"(kvx plan --post-ns cuda-batch={p8 * 1e3 / d8:.0f})")
-cmp = load("compare.json")
-if cmp and cmp.get("sweep"):
-    pts = {p["label"]: p for p in cmp["sweep"]}
-    u, c = pts.get("ucx"), pts.get("cuda-batch")
-    ug, cg = (u or {}).get("throughput_gbps"), (c or {}).get("throughput_gbps")
-    for name, p in (("ucx", u), ("cuda-batch", c)):
-        if p:
-            print(f"kvx bench --compare-transports ucx,cuda-batch: {name}: {p['requests_ok']} ok, {p['requests_failed']} failed, "
-                  f"{fmt(p['throughput_gbps'])} GB/s {p['params'].get('cuda_batch_paths', '')}")
-    rows.append(("bench P8->D2: cuda-batch / ucx", fmt(cg), fmt(ug), fmt(cg / ug) if cg and ug else "-", ">= 10"))
-    cbi = cmp.get("cuda_batch") or {}
-    if cbi:
-        print(f"  cuda-batch per request: {cbi.get('calls_per_request', 0):.1f} calls, {cbi.get('copies_per_request', 0):.0f} copies, "
-              f"{cbi.get('post_ns_per_descriptor', 0):.0f} ns posting per descriptor")
-    cal = (bench or {}).get("calibration") or {}
-    dc = cal.get("device_copy_gbps")
-    rows.append(("bench P8->D2: cuda-batch / device copy", fmt(cg), fmt(dc), fmt(cg / dc) if cg and dc else "-", ">= 0.3"))
+# cuda-batch (issue 16): the same sizes and depths as UCX's step 2, and the P8->D2 request, with
+# the batch API and with the gather kernel; the faster at 8 KiB should be the default.
+at8 = {}
+for copy, sfx in (("api", ""), ("kernel", "-kernel")):
+    xb = load(f"xfer-batch{sfx}.json")
+    if xb:
+        cb = xb.get("cuda_batch") or {}
+        print(f"kvx xfer --transport cuda-batch --batch-copy {copy}: {cb.get('driver_call', '?')} ({cb.get('path', '?')}), "
+              f"{cb.get('calls_per_batch', 0):.0f} call(s) per batch")
+        bbest, bceil = {}, {}
+        for r in xb["results"]:
+            s = r["size_bytes"]
+            bbest[s] = max(bbest.get(s, 0.0), r["gbps"])
+            if s not in bceil or r["inflight"] >= bceil[s][2]:
+                bceil[s] = (r["gbps"], r.get("ratio_to_ceiling"), r["inflight"], r.get("post_us"))
+        at8[copy] = bbest.get(8192)
+        for s, target in ((8192, ">= 10"), (65536, ""), (1048576, ">= 0.9"), (16777216, ">= 0.9")):
+            k, u = bbest.get(s), best.get(s)
+            rows.append((f"cuda-batch {copy} / UCX cuda_ipc xfer @ {s >> 10} KiB", fmt(k), fmt(u), fmt(k / u) if k and u else "-", target))
+        g8, r8, d8, p8 = bceil.get(8192, (None, None, 0, None))
+        rows.append((f"cuda-batch {copy} / device copy @ 8 KiB x{d8}", fmt(g8), "", fmt(r8), ">= 0.3"))
+        if p8 and d8:
+            print(f"  posting at 8 KiB x{d8}: {p8:.1f} us per batch, {p8 * 1e3 / d8:.0f} ns per descriptor "
+                  f"(kvx plan --post-ns cuda-batch={p8 * 1e3 / d8:.0f})")
+    cmp = load(f"compare{sfx}.json")
+    if cmp and cmp.get("sweep"):
+        pts = {p["label"]: p for p in cmp["sweep"]}
+        u, c = pts.get("ucx"), pts.get("cuda-batch")
+        ug, cg = (u or {}).get("throughput_gbps"), (c or {}).get("throughput_gbps")
+        for name, p in (("ucx", u), ("cuda-batch", c)):
+            if p:
+                print(f"kvx bench --compare-transports ucx,cuda-batch --batch-copy {copy}: {name}: {p['requests_ok']} ok, "
+                      f"{p['requests_failed']} failed, {fmt(p['throughput_gbps'])} GB/s {p['params'].get('cuda_batch_paths', '')}")
+        rows.append((f"bench P8->D2: cuda-batch {copy} / ucx", fmt(cg), fmt(ug), fmt(cg / ug) if cg and ug else "-", ">= 10"))
+        cbi = cmp.get("cuda_batch") or {}
+        if cbi:
+            print(f"  per request: {cbi.get('calls_per_request', 0):.1f} calls, {cbi.get('copies_per_request', 0):.0f} copies, "
+                  f"{cbi.get('post_ns_per_descriptor', 0):.0f} ns posting per descriptor")
+        cal = (bench or {}).get("calibration") or {}
+        dc = cal.get("device_copy_gbps")
+        rows.append((f"bench P8->D2: cuda-batch {copy} / device copy", fmt(cg), fmt(dc), fmt(cg / dc) if cg and dc else "-", ">= 0.3"))
+if at8.get("api") and at8.get("kernel"):
+    faster = max(at8, key=at8.get)
+    print(f"cuda-batch at 8 KiB: kernel / api = {at8['kernel'] / at8['api']:.2f}: the {faster} is faster "
+          f"(the default is api; make {faster} the default if this holds)")
 w = max(len(r[0]) for r in rows)
 print(f"\n{'ratio':<{w}}  {'kvx GB/s':>9}  {'peer GB/s':>9}  {'ratio':>6}  target")
 for r in rows:

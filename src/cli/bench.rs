@@ -168,6 +168,10 @@ pub struct BenchArgs {
     /// on the read endpoint, as NIXL does) or zmq [default: ucx].
     #[arg(long, value_enum, help_heading = "Transport")]
     pub notify: Option<crate::transfer::notify::NotifyTransport>,
+    /// How --transport cuda-batch issues a request's copies from one peer: api (one
+    /// cuMemcpyBatchAsync) or kernel (kvx's gather-copy kernel: one launch) [default: api].
+    #[arg(long, value_enum, help_heading = "Transport")]
+    pub batch_copy: Option<crate::transfer::cuda_batch::BatchCopy>,
     /// Wait for external `kvx worker --connect` processes: prefill on this endpoint's port, decode on port + 1.
     #[arg(long, value_name = "tcp://HOST:PORT", help_heading = "Across hosts")]
     pub listen: Option<String>,
@@ -244,6 +248,7 @@ impl BenchArgs {
             coalesce: self.coalesce,
             slowdown: self.slowdown,
             notify: self.notify,
+            batch_copy: self.batch_copy,
             listen: self.listen.clone(),
             advertise_host: self.advertise_host.clone(),
             results_dir: self.results_dir.clone(),

@@ -59,13 +59,15 @@ Examples:
   kvx xfer --connect hostA:5700              # host B: read it
   kvx xfer --mem cuda --device 0 --sizes 64KiB,1MiB,16MiB --inflight 1,32
   kvx xfer --transport cuda-batch --mem cuda --sizes 8KiB,64KiB,1MiB,16MiB --inflight 64
+  kvx xfer --transport cuda-batch --batch-copy kernel --mem cuda --sizes 8KiB --inflight 1024
 
 Numbers are GB/s = 1e9 B/s. The ceiling is measured in the same run over the same working set:
 for host memory a single-thread memcpy (memcpy_gbps; ratio = kvx / memcpy), for device memory a
 device-to-device copy of the same size and batch (\"vs device copy\"). Reports name the protocol
 UCX chose for the reads; a device-memory run that gets software emulation warns with the fix.
 With --transport cuda-batch each batch of --inflight reads is one batched copy from the target
-process's GPU memory (CUDA IPC: two processes on one machine); post us is one call's posting.")]
+process's GPU memory (CUDA IPC: two processes on one machine): one cuMemcpyBatchAsync, or with
+--batch-copy kernel one launch of kvx's gather-copy kernel; post us is one batch's posting.")]
 pub struct XferArgs {
     /// Message sizes to sweep (suffixes KiB/MiB/GiB or K/M/G = powers of 1024, kB/MB/GB = powers of 1000).
     #[arg(long, value_delimiter = ',', default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB", value_parser = parse_size)]
@@ -91,6 +93,10 @@ pub struct XferArgs {
     /// What moves the bytes: ucx, or cuda-batch (device memory, one machine).
     #[arg(long, value_enum, default_value_t = TransportArg::Ucx)]
     pub transport: TransportArg,
+    /// How --transport cuda-batch issues a batch: api (one cuMemcpyBatchAsync) or kernel (kvx's
+    /// gather-copy kernel: one launch) [default: api].
+    #[arg(long, value_enum)]
+    pub batch_copy: Option<crate::transfer::cuda_batch::BatchCopy>,
     /// CUDA device for --mem cuda [default: 0].
     #[arg(long)]
     pub device: Option<u32>,
@@ -198,7 +204,7 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
     let cfg = resolve(args)?;
     // Ctrl-C stops measuring; the cases measured so far are printed (exit 130/143).
     crate::interrupt::arm();
-    if proto_capture_dir().is_none() && !cfg.cuda_batch {
+    if proto_capture_dir().is_none() && cfg.cuda_batch.is_none() {
         // UCX reports the protocols it selects only through settings read when it loads:
         // run the measurement in a child started with them (see `ucx::proto`).
         match tempfile::Builder::new().prefix("kvx-xfer-").tempdir() {
@@ -219,7 +225,7 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
         Ok(r) => r,
         // Wrong bytes are a failed run (exit 1), not a failure to run.
         Err(XferError::Verify(why)) => return Ok(Outcome::Failed(format!("kvx xfer: {why}"))),
-        Err(e) if cfg.cuda_batch => {
+        Err(e) if cfg.cuda_batch.is_some() => {
             return Err(anyhow::Error::from(e).context(
                 "--transport cuda-batch copies device memory between two processes with the CUDA driver",
             ));
@@ -301,8 +307,11 @@ fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
         (MemArg::Host, None) => MemPlace::Host,
         (MemArg::Cuda, device) => MemPlace::Cuda { device: device.unwrap_or(0) },
     };
-    let cuda_batch = args.transport == TransportArg::CudaBatch;
-    if cuda_batch {
+    let cuda_batch = (args.transport == TransportArg::CudaBatch).then(|| args.batch_copy.unwrap_or_default());
+    if cuda_batch.is_none() && args.batch_copy.is_some() {
+        return Err(ConfigError::new("--batch-copy", "--batch-copy applies to --transport cuda-batch"));
+    }
+    if cuda_batch.is_some() {
         if !cfg!(feature = "cuda") {
             return Err(ConfigError::new(
                 "--transport",

@@ -15,7 +15,9 @@ use super::worker::{Stage as _, WorkerError};
 use crate::layouts::plan::Pair;
 use crate::report::summary::{CudaBatchInfo, Summary};
 use crate::transfer::cuda::CudaDevice;
-use crate::transfer::cuda_batch::{BatchCopier, BatchPath, CopyBatch, CudaBatchError, PeerMapping, export};
+use crate::transfer::cuda_batch::{
+    BatchCopier, BatchCopy, BatchPath, CopyBatch, CudaBatchError, PeerMapping, export,
+};
 use crate::transfer::handshake::meta::{CudaIpcExport, KvxMetadata};
 use crate::transfer::memory::{KvBuffer, MemPlace};
 
@@ -44,8 +46,8 @@ pub struct BatchSide {
 }
 
 impl BatchSide {
-    /// A copier on the device the rank's pool lives on.
-    pub fn new(place: MemPlace) -> Result<BatchSide, WorkerError> {
+    /// A copier on the device the rank's pool lives on, issuing batches as `copy` says.
+    pub fn new(place: MemPlace, copy: BatchCopy) -> Result<BatchSide, WorkerError> {
         let device = place.device().ok_or_else(|| {
             WorkerError::from(crate::error::ConfigError::new(
                 "--mem",
@@ -53,7 +55,11 @@ impl BatchSide {
             ))
         })?;
         let dev = CudaDevice::open(device).stage(format!("open CUDA device {device}"))?;
-        let copier = BatchCopier::new(&dev).stage("cuda-batch stream and event")?;
+        let what = match copy {
+            BatchCopy::Api => "cuda-batch stream and event",
+            BatchCopy::Kernel => "cuda-batch stream, event and gather kernel (cuModuleLoadData of its PTX)",
+        };
+        let copier = BatchCopier::new(&dev, copy).stage(what)?;
         Ok(BatchSide { copier, dev, scratch: CopyBatch::default() })
     }
 

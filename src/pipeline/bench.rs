@@ -581,7 +581,7 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
             err_mode: crate::transfer::ucx::ErrMode::None,
             ucx_config: vec![],
         },
-        cuda_batch: false,
+        cuda_batch: None,
     };
     match xfer::run(&cfg, &TargetSpec::Local { exe: s.workers.exe.clone() }, |_| {}) {
         Ok(rep) => {

@@ -164,7 +164,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         (Local::Plain(mem), (format!("(not loaded: {} transport)", kind.as_str()), String::new()))
     };
     let batch = match kind {
-        TransportKind::CudaBatch => Some(super::batch::BatchSide::new(cfg.mem)?),
+        TransportKind::CudaBatch => Some(super::batch::BatchSide::new(cfg.mem, cfg.transport.batch_copy)?),
         _ => None,
     };
     let storage = if uses_storage {

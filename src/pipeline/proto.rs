@@ -140,6 +140,9 @@ pub struct TransportConfig {
     pub storage_dir: Option<PathBuf>,
     pub storage_direct_io: bool,
     pub storage_fsync: bool,
+    /// `--transport cuda-batch`: how a batch's copies are issued (`--batch-copy`).
+    #[serde(default)]
+    pub batch_copy: crate::transfer::cuda_batch::BatchCopy,
     /// Gate testing only (`kvx bench --slowdown F`): each read is made F times its own duration
     /// slower by waiting after it completes, so a regression of known size can be staged.
     #[serde(default)]

@@ -422,7 +422,7 @@ impl Environment {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct CudaBatchInfo {
-    /// `batch-v2`, `batch-v1` or `per-descriptor`: every path a decode rank reported.
+    /// `batch-v2`, `batch-v1`, `per-descriptor` or `kernel`: every path a decode rank reported.
     pub paths: Vec<String>,
     /// The driver functions behind them (`cuMemcpyBatchAsync_v2`, ...).
     pub driver_calls: Vec<String>,

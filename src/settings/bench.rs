@@ -31,6 +31,7 @@ use crate::pipeline::proto::{
 use crate::pipeline::setup::{KvMemory, WorkerSettings};
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::results_root;
+use crate::transfer::cuda_batch::BatchCopy;
 use crate::transfer::notify::NotifyTransport;
 
 /// `kvx bench`'s flags as plain data (what `cli` parsed; `None`/`false` when not given).
@@ -77,6 +78,7 @@ pub struct BenchFlags {
     pub coalesce: bool,
     pub slowdown: Option<f64>,
     pub notify: Option<NotifyTransport>,
+    pub batch_copy: Option<BatchCopy>,
     pub listen: Option<String>,
     pub advertise_host: Option<String>,
     pub results_dir: Option<PathBuf>,
@@ -146,6 +148,7 @@ pub struct BenchFile {
     pub inflight: Option<u32>,
     pub coalesce: Option<bool>,
     pub notify: Option<NotifyTransport>,
+    pub batch_copy: Option<BatchCopy>,
     pub prefill_time_per_layer: Option<String>,
     pub overlap: Option<String>,
     pub dispatch: Option<String>,
@@ -243,6 +246,7 @@ impl Layers<'_> {
             }
             "--overlap" => (f.overlap.is_some(), fi.overlap.is_some()),
             "--dispatch" => (f.dispatch.is_some(), fi.dispatch.is_some()),
+            "--batch-copy" => (f.batch_copy.is_some(), fi.batch_copy.is_some()),
             _ => return false,
         };
         !by_flag && by_file
@@ -337,6 +341,16 @@ impl Layers<'_> {
             Some(m) => parse_progress(&m).map_err(|e| ConfigError::new("--progress", e))?,
             None => Default::default(),
         };
+        // `--batch-copy` says how cuda-batch issues its batches: refused where it is not used
+        // (`--compare-transports` passes it to its cuda-batch run only).
+        let batch_copy = f.batch_copy.or(fi.batch_copy);
+        if batch_copy.is_some() && kind != TransportKind::CudaBatch {
+            return Err(ConfigError::new(
+                "--batch-copy",
+                "applies to --transport cuda-batch (or --compare-transports with cuda-batch)",
+            ));
+        }
+        let batch_copy = batch_copy.unwrap_or_default();
         Ok(TransportConfig {
             kind,
             chain: if kind == TransportKind::Multi { chain } else { vec![] },
@@ -352,6 +366,7 @@ impl Layers<'_> {
             storage_dir: f.storage_dir.clone().or(fi.storage_dir.clone()),
             storage_direct_io: f.storage_direct_io,
             storage_fsync: f.storage_fsync,
+            batch_copy,
             slowdown,
         })
     }
@@ -918,10 +933,33 @@ mod tests {
             }
         }
         // In a bench config file, as the other transports.
-        let file = config("transport = \"cuda-batch\"\nmem = \"cuda\"");
+        let file = config("transport = \"cuda-batch\"\nmem = \"cuda\"\nbatch_copy = \"kernel\"");
         let got = resolve(&with_config(&file), &env());
         if cfg!(feature = "cuda") {
-            assert_eq!(got.expect("config").workers.transport.kind, TransportKind::CudaBatch);
+            let w = got.expect("config").workers;
+            assert_eq!(w.transport.kind, TransportKind::CudaBatch);
+            assert_eq!(w.transport.batch_copy, BatchCopy::Kernel);
+        }
+    }
+
+    #[test]
+    fn batch_copy_is_cuda_batch_s_and_refused_elsewhere() {
+        let cuda = || BenchFlags { mem: Some("cuda".into()), ..Default::default() };
+        let kernel = |more: BenchFlags| BenchFlags { batch_copy: Some(BatchCopy::Kernel), ..more };
+        // Anywhere no cuda-batch run happens, by name (the flag, or its key in a file).
+        let e = resolve(&kernel(BenchFlags::default()), &env()).expect_err("ucx");
+        assert_eq!(e.flag, "--batch-copy", "{e}");
+        assert!(e.to_string().contains("--transport cuda-batch"), "{e}");
+        let file = config("batch_copy = \"kernel\"");
+        let e = resolve(&with_config(&file), &env()).expect_err("ucx from a file");
+        assert!(e.to_string().contains("batch_copy"), "names the key: {e}");
+        if cfg!(feature = "cuda") {
+            let batch = kernel(BenchFlags { transport: Some("cuda-batch".into()), ..cuda() });
+            let s = resolve(&batch, &env()).expect("cuda-batch with the kernel");
+            assert_eq!(s.workers.transport.batch_copy, BatchCopy::Kernel);
+            let plain = BenchFlags { transport: Some("cuda-batch".into()), ..cuda() };
+            let s = resolve(&plain, &env()).expect("cuda-batch");
+            assert_eq!(s.workers.transport.batch_copy, BatchCopy::Api, "the default");
         }
     }
 

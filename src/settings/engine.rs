@@ -371,6 +371,7 @@ fn serve_engine_workers(
             storage_dir: None,
             storage_direct_io: false,
             storage_fsync: false,
+            batch_copy: Default::default(),
             slowdown: 0.0,
         },
         verify,

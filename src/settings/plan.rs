@@ -10,6 +10,7 @@ use super::env::ProcessEnv;
 use super::sweep::{self, SweepPlan};
 use crate::error::ConfigError;
 use crate::pipeline::bench::BenchSettings;
+use crate::pipeline::proto::TransportKind;
 
 /// What `kvx bench` was asked to do, with every run resolved before any starts.
 #[derive(Debug, Clone)]
@@ -46,11 +47,22 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
     }
     if let Some(names) = &flags.compare_transports {
         let mut runs = Vec::new();
-        for n in names {
-            parse_transport(n).map_err(|e| ConfigError::new("--compare-transports", e))?;
+        let kinds = names
+            .iter()
+            .map(|n| parse_transport(n).map_err(|e| ConfigError::new("--compare-transports", e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        if flags.batch_copy.is_some() && !kinds.contains(&TransportKind::CudaBatch) {
+            return Err(ConfigError::new(
+                "--batch-copy",
+                "applies to --transport cuda-batch: add cuda-batch to --compare-transports, or drop --batch-copy",
+            ));
+        }
+        for (n, kind) in names.iter().zip(kinds) {
             let one = BenchFlags {
                 compare_transports: None,
                 transport: Some(n.trim().to_string()),
+                // How cuda-batch copies is its run's alone.
+                batch_copy: flags.batch_copy.filter(|_| kind == TransportKind::CudaBatch),
                 ..flags.clone()
             };
             runs.push(resolve(&one, env)?);
@@ -91,7 +103,7 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
-    use crate::pipeline::proto::TransportKind;
+    use crate::transfer::cuda_batch::BatchCopy;
 
     fn env() -> ProcessEnv {
         ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok(PathBuf::from("/usr/bin/kvx")) }
@@ -125,6 +137,22 @@ mod tests {
             Ok(_) => panic!("a comparison"),
             Err(e) => assert!(!cfg!(feature = "cuda") && e.flag == "--transport", "{e:?}"),
         }
+        // --batch-copy goes to the cuda-batch run only, and needs one.
+        let kernel = BenchFlags { batch_copy: Some(BatchCopy::Kernel), ..gpu.clone() };
+        match resolve_plan(&kernel, &env()) {
+            Ok(BenchPlan::CompareTransports(runs)) => {
+                let copies: Vec<_> = runs.iter().map(|r| r.workers.transport.batch_copy).collect();
+                assert_eq!(copies, [BatchCopy::Api, BatchCopy::Kernel]);
+            }
+            Ok(_) => panic!("a comparison"),
+            Err(e) => assert!(!cfg!(feature = "cuda") && e.flag == "--transport", "{e:?}"),
+        }
+        let no_batch = BenchFlags {
+            compare_transports: Some(vec!["ucx".into(), "storage".into()]),
+            batch_copy: Some(BatchCopy::Kernel),
+            ..Default::default()
+        };
+        assert_eq!(resolve_plan(&no_batch, &env()).expect_err("no cuda-batch run").flag, "--batch-copy");
         let host = BenchFlags { mem: None, ..gpu };
         assert_eq!(
             resolve_plan(&host, &env()).expect_err("host pools").flag,

@@ -9,8 +9,10 @@
 //! ([`CopyBatch::pack`]: bounds-checked against both buffers, contiguous runs coalesced), and
 //! [`BatchCopier::copy`] issues them as ONE `cuMemcpyBatchAsync_v2` (CUDA 13), else one
 //! `cuMemcpyBatchAsync` (CUDA 12.8), else (an older driver) one `cuMemcpyDtoDAsync` per
-//! copy on one stream; then records one event and waits for it with a deadline. Which of
-//! the three ran is [`BatchPath`], reported with every request.
+//! copy on one stream; or, with [`BatchCopy::Kernel`], as one launch of kvx's gather-copy
+//! kernel (`gather.ptx`, JIT-compiled by the driver) that reads the copies from a descriptor
+//! array in device memory. Then it records one event and waits for it with a deadline. Which
+//! path ran is [`BatchPath`], reported with every request.
 //!
 //! Owns: every CUDA call of this transport (IPC export/open/close, the batched copy, its
 //! stream and event), and the pure packing of descriptors into a batch. Must not know about
@@ -21,9 +23,9 @@
 //! [`PeerMapping::open`] refuses that case, and a peer on another machine, itself, with a
 //! typed error, before CUDA is asked.
 //!
-//! Not built: a gather-copy kernel (PTX loaded with `cuModuleLoadData`) that reads the
-//! descriptor list from device memory. It could not be verified without a GPU; the batch
-//! API is the one path here.
+//! The kernel is hand-written PTX (checked with `ptxas` for sm_70, sm_80 and sm_90), so
+//! building kvx needs no CUDA toolkit. Which of the batch API and the kernel is faster is
+//! for `scripts/gpu-check.sh` to measure; the batch API is the default.
 #![allow(unsafe_code, reason = "CUDA IPC and batched-copy driver calls of the cuda-batch transport")]
 
 use serde::{Deserialize, Serialize};
@@ -73,6 +75,28 @@ pub enum CudaBatchError {
     Call { op: &'static str, reason: String },
 }
 
+/// How `--transport cuda-batch` issues a batch's copies (`--batch-copy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BatchCopy {
+    /// The driver's batch API: one `cuMemcpyBatchAsync` per batch (CUDA 12.8+; one copy per
+    /// descriptor on older drivers).
+    #[default]
+    Api,
+    /// kvx's gather-copy kernel: the descriptors go to device memory in one copy and one
+    /// kernel launch moves them all (any CUDA driver).
+    Kernel,
+}
+
+impl BatchCopy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BatchCopy::Api => "api",
+            BatchCopy::Kernel => "kernel",
+        }
+    }
+}
+
 /// Which driver entry point moved a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -84,6 +108,9 @@ pub enum BatchPath {
     /// A driver without the batch API: one `cuMemcpyDtoDAsync` per copy on one stream (still
     /// one event per batch, and still coalesced), so posting is per copy again.
     PerDescriptor,
+    /// kvx's gather-copy kernel (`--batch-copy kernel`): one copy of the descriptor array to
+    /// the device and one launch per batch.
+    Kernel,
 }
 
 impl BatchPath {
@@ -92,6 +119,7 @@ impl BatchPath {
             BatchPath::BatchV2 => "batch-v2",
             BatchPath::BatchV1 => "batch-v1",
             BatchPath::PerDescriptor => "per-descriptor",
+            BatchPath::Kernel => "kernel",
         }
     }
 
@@ -101,6 +129,9 @@ impl BatchPath {
             BatchPath::BatchV2 => "cuMemcpyBatchAsync_v2",
             BatchPath::BatchV1 => "cuMemcpyBatchAsync",
             BatchPath::PerDescriptor => "cuMemcpyDtoDAsync per copy (no batch API in this driver)",
+            BatchPath::Kernel => {
+                "kvx_gather_copy kernel (cuMemcpyHtoDAsync of the descriptors + cuLaunchKernel)"
+            }
         }
     }
 
@@ -109,6 +140,7 @@ impl BatchPath {
         match self {
             BatchPath::BatchV2 | BatchPath::BatchV1 => u64::from(copies > 0),
             BatchPath::PerDescriptor => copies as u64,
+            BatchPath::Kernel => 2 * u64::from(copies > 0),
         }
     }
 }
@@ -232,6 +264,29 @@ impl CopyBatch {
     }
 }
 
+/// Longest piece of a copy one thread block of the gather kernel moves: longer copies are
+/// split, so that one large copy spreads over many blocks (and SMs) instead of one.
+pub const GATHER_PIECE: u64 = 32 << 10;
+
+/// The gather kernel's descriptor array for `batch`, replacing what `out` held: three u64
+/// `(dst, src, len)` per piece, copies longer than `piece` split into pieces of at most
+/// `piece` bytes (a multiple of 16, so a copy whose addresses and length are multiples of
+/// 16 keeps them in every piece, and the kernel's 16-byte path). Returns the piece count.
+pub fn gather_descriptors(batch: &CopyBatch, piece: u64, out: &mut Vec<u64>) -> usize {
+    out.clear();
+    let piece = (piece & !15).max(16);
+    for (dst, src, size) in batch.entries() {
+        let size = size as u64;
+        let mut off = 0;
+        while off < size {
+            let len = piece.min(size - off);
+            out.extend_from_slice(&[dst + off, src + off, len]);
+            off += len;
+        }
+    }
+    out.len() / 3
+}
+
 /// What one batch cost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct BatchStats {
@@ -294,13 +349,16 @@ pub use imp::{BatchCopier, PeerMapping, export};
 
 #[cfg(feature = "cuda")]
 mod imp {
-    use std::ffi::c_char;
+    use std::ffi::{c_char, c_void};
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use cudarc::driver::{result, sys};
 
-    use super::{BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, IPC_HANDLE_BYTES, Span};
+    use super::{
+        BatchCopy, BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, GATHER_PIECE,
+        IPC_HANDLE_BYTES, Span,
+    };
     use crate::transfer::cuda::{CudaBuffer, CudaDevice};
     use crate::transfer::ucx::Registrable as _;
 
@@ -447,6 +505,43 @@ mod imp {
         }
     }
 
+    /// The gather-copy kernel's PTX, NUL-terminated for `cuModuleLoadData`.
+    const GATHER_PTX: &str = concat!(include_str!("gather.ptx"), "\0");
+    /// Threads per block of the gather kernel: one block copies one piece (at most
+    /// [`GATHER_PIECE`] bytes, 16 bytes per thread per step).
+    const GATHER_THREADS: u32 = 256;
+    /// Most blocks one launch starts; the kernel's blocks loop over the pieces beyond.
+    const GATHER_MAX_BLOCKS: usize = 1 << 20;
+
+    /// kvx's gather-copy kernel, loaded into a copier's context, and its descriptor array.
+    struct Gather {
+        module: sys::CUmodule,
+        func: sys::CUfunction,
+        /// The descriptor array in device memory, grown as batches need.
+        descs: Option<CudaBuffer>,
+        /// Its host side, reused for every batch.
+        host: Vec<u64>,
+    }
+
+    impl Gather {
+        /// JIT-compiles `gather.ptx` for this device (the current context's).
+        fn load() -> Result<Gather, CudaBatchError> {
+            // SAFETY: a NUL-terminated PTX image that outlives the call; the module belongs to
+            // the current context and is unloaded once, in the copier's Drop.
+            let module =
+                call("cuModuleLoadData", unsafe { result::module::load_data(GATHER_PTX.as_ptr().cast()) })?;
+            // SAFETY: `module` was just loaded and is not unloaded before this returns.
+            match unsafe { result::module::get_function(module, c"kvx_gather_copy".to_owned()) } {
+                Ok(func) => Ok(Gather { module, func, descs: None, host: Vec::new() }),
+                Err(e) => {
+                    // SAFETY: nothing uses the module: its one function was not found.
+                    let _ = unsafe { result::module::unload(module) };
+                    Err(CudaBatchError::Call { op: "cuModuleGetFunction", reason: e.to_string() })
+                }
+            }
+        }
+    }
+
     /// One stream and one event on a device, and the driver's best way to issue many copies
     /// at once ([`BatchPath`]).
     pub struct BatchCopier {
@@ -455,6 +550,8 @@ mod imp {
         path: BatchPath,
         v2: Option<BatchV2>,
         v1: Option<BatchV1>,
+        /// `--batch-copy kernel`: the gather kernel.
+        gather: Option<Gather>,
         /// Mappings a batch that has not completed reads from (one that timed out): kept open
         /// until its event fires, or until Drop has synchronized the stream.
         in_flight: Vec<Arc<PeerMapping>>,
@@ -472,17 +569,22 @@ mod imp {
     }
 
     impl BatchCopier {
-        /// A copier on `dev`: a non-blocking stream, an event without timing, and the batch
-        /// entry point this driver has (v2 from CUDA 13.0, v1 from 12.8, else one call per copy).
-        pub fn new(dev: &Arc<CudaDevice>) -> Result<BatchCopier, CudaBatchError> {
+        /// A copier on `dev`: a non-blocking stream, an event without timing, and how `copy`
+        /// issues batches: the gather kernel, or the batch entry point this driver has (v2
+        /// from CUDA 13.0, v1 from 12.8, else one call per copy).
+        pub fn new(dev: &Arc<CudaDevice>, copy: BatchCopy) -> Result<BatchCopier, CudaBatchError> {
             let _cur = dev.scoped()?;
             let version = driver_version()?;
-            let v2 = if version >= 13000 { lookup::<BatchV2>(b"cuMemcpyBatchAsync_v2\0") } else { None };
-            let v1 = if version >= 12080 { lookup::<BatchV1>(b"cuMemcpyBatchAsync\0") } else { None };
-            let path = match (v2, v1) {
-                (Some(_), _) => BatchPath::BatchV2,
-                (None, Some(_)) => BatchPath::BatchV1,
-                (None, None) => BatchPath::PerDescriptor,
+            let api = copy == BatchCopy::Api;
+            let v2 =
+                if api && version >= 13000 { lookup::<BatchV2>(b"cuMemcpyBatchAsync_v2\0") } else { None };
+            let v1 = if api && version >= 12080 { lookup::<BatchV1>(b"cuMemcpyBatchAsync\0") } else { None };
+            let gather = if api { None } else { Some(Gather::load()?) };
+            let path = match (&gather, v2, v1) {
+                (Some(_), _, _) => BatchPath::Kernel,
+                (None, Some(_), _) => BatchPath::BatchV2,
+                (None, None, Some(_)) => BatchPath::BatchV1,
+                (None, None, None) => BatchPath::PerDescriptor,
             };
             let stream =
                 call("cuStreamCreate", result::stream::create(result::stream::StreamKind::NonBlocking))?;
@@ -497,10 +599,19 @@ mod imp {
             if path == BatchPath::PerDescriptor {
                 tracing::info!(
                     "CUDA driver {version} has no cuMemcpyBatchAsync (12.8+): cuda-batch posts one copy per \
-                     descriptor"
+                     descriptor (--batch-copy kernel needs no batch API)"
                 );
             }
-            Ok(BatchCopier { stream, event, path, v2, v1, in_flight: Vec::new(), dev: Arc::clone(dev) })
+            Ok(BatchCopier {
+                stream,
+                event,
+                path,
+                v2,
+                v1,
+                gather,
+                in_flight: Vec::new(),
+                dev: Arc::clone(dev),
+            })
         }
 
         /// The path batches take on this driver.
@@ -579,6 +690,7 @@ mod imp {
             let (dsts, srcs, sizes) =
                 (batch.dsts.as_mut_ptr(), batch.srcs.as_mut_ptr(), batch.sizes.as_mut_ptr());
             let rc = match (self.path, self.v2, self.v1) {
+                (BatchPath::Kernel, _, _) => return self.post_kernel(batch),
                 (BatchPath::BatchV2, Some(f), _) => {
                     // SAFETY: the three arrays hold `n` entries each (one CopyBatch, exclusively
                     // borrowed for the call); every (dst, src, size) lies inside the local pool
@@ -619,6 +731,51 @@ mod imp {
                     reason: result::DriverError(rc).to_string(),
                 }),
             }
+        }
+
+        /// The gather kernel: the batch's pieces ([`super::gather_descriptors`]) copied to the
+        /// descriptor array on the device, then one launch that moves them all, both on the
+        /// stream. The stream is idle when this runs (`copy` waited for every earlier batch),
+        /// so the array may be replaced.
+        fn post_kernel(&mut self, batch: &CopyBatch) -> Result<(), CudaBatchError> {
+            let Some(g) = self.gather.as_mut() else {
+                return Err(CudaBatchError::Call {
+                    op: "cuda-batch kernel",
+                    reason: "the kernel is not loaded".into(),
+                });
+            };
+            let pieces = super::gather_descriptors(batch, GATHER_PIECE, &mut g.host);
+            let bytes = std::mem::size_of_val(g.host.as_slice());
+            if g.descs.as_ref().is_none_or(|d| d.len() < bytes) {
+                g.descs = None;
+                g.descs = Some(CudaBuffer::alloc(&self.dev, bytes.next_power_of_two())?);
+            }
+            let Some(descs) = g.descs.as_ref().map(|d| d.addr()) else {
+                return Err(CudaBatchError::Call { op: "cuMemAlloc", reason: "no descriptor array".into() });
+            };
+            // SAFETY: `descs` holds at least `bytes` bytes of this context; the source is a
+            // live host slice, which the driver stages before the call returns (pageable
+            // memory), so reusing it for the next batch is sound.
+            call("cuMemcpyHtoDAsync", unsafe {
+                result::memcpy_htod_async(descs, g.host.as_slice(), self.stream)
+            })?;
+            let (mut p_descs, mut p_count) = (descs, pieces as u64);
+            let mut params = [(&raw mut p_descs).cast::<c_void>(), (&raw mut p_count).cast::<c_void>()];
+            let blocks = pieces.clamp(1, GATHER_MAX_BLOCKS) as u32;
+            // SAFETY: `kvx_gather_copy(u64 descs, u64 count)` takes the two u64 `params`
+            // point to (read during the call); every piece lies inside the local pool and the
+            // mapped peer pool (`pack` checked each copy, and pieces split copies without
+            // leaving them); the launch follows the descriptor copy on this stream.
+            call("cuLaunchKernel", unsafe {
+                result::launch_kernel(
+                    g.func,
+                    (blocks, 1, 1),
+                    (GATHER_THREADS, 1, 1),
+                    0,
+                    self.stream,
+                    &mut params,
+                )
+            })
         }
 
         /// One `cuMemcpyDtoDAsync` per copy on the stream (a driver without the batch API).
@@ -682,6 +839,11 @@ mod imp {
                 if let Err(e) = result::stream::destroy(self.stream) {
                     tracing::warn!("cuStreamDestroy failed: {e}");
                 }
+                if let Some(g) = self.gather.take()
+                    && let Err(e) = result::module::unload(g.module)
+                {
+                    tracing::warn!("cuModuleUnload of the gather kernel failed: {e}");
+                }
             }
             self.in_flight.clear();
             drop(cur);
@@ -730,7 +892,7 @@ mod imp {
     }
 
     impl BatchCopier {
-        pub fn new(_dev: &Arc<CudaDevice>) -> Result<BatchCopier, CudaBatchError> {
+        pub fn new(_dev: &Arc<CudaDevice>, _copy: super::BatchCopy) -> Result<BatchCopier, CudaBatchError> {
             Err(CudaError::NotBuilt.into())
         }
         pub fn path(&self) -> BatchPath {
@@ -844,7 +1006,52 @@ mod tests {
     }
 
     #[test]
+    fn gather_pieces_cover_every_copy_once_and_keep_16_byte_alignment() {
+        let mut b = CopyBatch::default();
+        // 100 KiB (split into 32 + 32 + 32 + 4 KiB), then 8 KiB, then an unaligned 7 bytes.
+        b.pack([pair(0, 0, 100 << 10), pair(200 << 10, 300 << 10, 8192), pair(1 << 19, 3, 7)], L, P)
+            .expect("in bounds");
+        let mut out = vec![1, 2, 3];
+        let n = gather_descriptors(&b, GATHER_PIECE, &mut out);
+        assert_eq!(n, 6);
+        assert_eq!(out.len(), 18, "three u64 per piece, nothing of before left");
+        let pieces: Vec<(u64, u64, u64)> = out.chunks(3).map(|c| (c[0], c[1], c[2])).collect();
+        assert_eq!(pieces[0], (L.base, P.base, 32 << 10));
+        assert_eq!(pieces[3], (L.base + (96 << 10), P.base + (96 << 10), 4 << 10));
+        assert_eq!(pieces[4], (L.base + (200 << 10), P.base + (300 << 10), 8192));
+        assert_eq!(pieces[5], (L.base + (1 << 19), P.base + 3, 7));
+        // Every byte of every copy, once, in order.
+        let mut expanded = Vec::new();
+        for (d, s, n) in b.entries() {
+            expanded.extend((0..n as u64).map(|k| (d + k, s + k)));
+        }
+        let from_pieces: Vec<(u64, u64)> =
+            pieces.iter().flat_map(|&(d, s, n)| (0..n).map(move |k| (d + k, s + k))).collect();
+        assert_eq!(from_pieces, expanded);
+        // Aligned copies stay aligned piece by piece (the kernel's 16-byte path).
+        assert!(pieces[..5].iter().all(|&(d, s, n)| (d | s | n) % 16 == 0), "{pieces:?}");
+        // A piece size that is not a multiple of 16 is rounded down to one.
+        assert_eq!(gather_descriptors(&b, 40, &mut out), (100 << 10) / 32 + 8192 / 32 + 1);
+        assert!(out.chunks(3).all(|c| c[2] <= 32));
+    }
+
+    #[test]
+    fn the_launcher_and_the_ptx_agree_on_the_kernel() {
+        // The launcher passes (u64 descs, u64 count) to `kvx_gather_copy` and reads
+        // descriptors as three u64: the PTX must say the same.
+        let ptx = include_str!("gather.ptx");
+        assert!(ptx.contains(".visible .entry kvx_gather_copy("), "the entry point's name");
+        let params: Vec<&str> = ptx.lines().filter(|l| l.trim_start().starts_with(".param")).collect();
+        assert_eq!(params.len(), 2, "{params:?}");
+        assert!(params.iter().all(|p| p.contains(".u64")), "{params:?}");
+        assert!(ptx.contains("mul.lo.u64 \t%rd7, %rd3, 24;"), "24-byte descriptors");
+        assert!(ptx.contains(".address_size 64"));
+    }
+
+    #[test]
     fn batch_paths_count_their_driver_calls() {
+        assert_eq!(BatchPath::Kernel.calls(10_240), 2, "the descriptor copy and the launch");
+        assert_eq!(BatchPath::Kernel.calls(0), 0);
         assert_eq!(BatchPath::BatchV2.calls(10_240), 1);
         assert_eq!(BatchPath::BatchV1.calls(0), 0);
         assert_eq!(BatchPath::PerDescriptor.calls(10_240), 10_240);

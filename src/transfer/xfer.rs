@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::cuda::{self, CudaBuffer, CudaDevice, CudaError};
-use super::cuda_batch::{BatchCopier, BatchPath, CopyBatch, CudaBatchError, PeerMapping, Span};
+use super::cuda_batch::{BatchCopier, BatchCopy, BatchPath, CopyBatch, CudaBatchError, PeerMapping, Span};
 use super::handshake::meta::CudaIpcExport;
 use super::memory::{HostBuffer, MemPlace, MemoryError, PageSize};
 use super::ucx::{
@@ -732,9 +732,10 @@ pub struct XferConfig {
     /// How long to keep trying to reach a remote target (`--connect`).
     pub peer_timeout: Duration,
     pub session: SessionOptions,
-    /// `--transport cuda-batch`: each batch of reads is one batched copy from the target's
-    /// pool mapped with CUDA IPC (local targets and device memory only).
-    pub cuda_batch: bool,
+    /// `--transport cuda-batch`, and how it issues a batch (`--batch-copy`): each batch of
+    /// reads is one batched copy from the target's pool mapped with CUDA IPC (local targets
+    /// and device memory only). `None`: UCX.
+    pub cuda_batch: Option<BatchCopy>,
 }
 
 /// Where the target runs.
@@ -839,8 +840,8 @@ pub fn run(
     mut on_result: impl FnMut(&XferResult),
 ) -> Result<XferReport> {
     check_mem(cfg.mem)?;
-    if cfg.cuda_batch {
-        return run_batch(cfg, target, on_result);
+    if let Some(copy) = cfg.cuda_batch {
+        return run_batch(cfg, copy, target, on_result);
     }
     // A UCX the initiator cannot load is reported once, before a target process starts (which
     // would fail the same way, or see its initiator vanish, and say so first).
@@ -904,6 +905,7 @@ fn end_local_target<T>(c: &mut Child, outcome: Result<T>) -> Result<T> {
 /// copy; the mapping is closed before the target is told to stop (and frees its buffer).
 fn run_batch(
     cfg: &XferConfig,
+    copy: BatchCopy,
     target: &TargetSpec,
     on_result: impl FnMut(&XferResult),
 ) -> Result<XferReport> {
@@ -962,7 +964,7 @@ fn run_batch(
         let (results, path) = {
             let who = format!("the target process (pid {})", hello.pid);
             let peer = PeerMapping::open(&dev, &who, Some(&hello.export))?;
-            let mut copier = BatchCopier::new(&dev)?;
+            let mut copier = BatchCopier::new(&dev, copy)?;
             let mut local = CudaBuffer::alloc(&dev, ws as usize)?;
             let mut ceiling = Ceiling::new(cfg.mem, ws, PageSize::Normal)?;
             let seed = hello.pattern_seed;

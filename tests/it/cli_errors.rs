@@ -48,6 +48,9 @@ const CASES: &[(&[&str], &str)] = &[
     (&["layout", "--tokens", "0"], "--tokens"),
     (&["xfer", "--device", "1"], "--device"),
     (&["xfer", "--mem", "cuda", "--ucx-alloc"], "--mem"),
+    (&["xfer", "--batch-copy", "kernel"], "--batch-copy"),
+    (&["bench", "--batch-copy", "kernel"], "--batch-copy"),
+    (&["bench", "--batch-copy", "kernel", "--compare-transports", "ucx,storage"], "--batch-copy"),
 ];
 
 #[test]
