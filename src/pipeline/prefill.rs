@@ -313,12 +313,12 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     // The lease runs from the end of the prefill, as vLLM's abort timeout runs
                     // from the request's finish: a request still computing (or queued behind
                     // another on this rank) is not freed under its reader.
-                    let leased = match compute {
-                        Some(_) if held.contains_key(&p_request_id) => {
-                            Err(crate::transfer::notify::AlreadyHeld(p_request_id.clone()))
-                        }
-                        Some(_) => Ok(()),
-                        None => leases.register(&p_request_id, expected, Instant::now()).map(|_| ()),
+                    let leased = if held.contains_key(&p_request_id) {
+                        Err(crate::transfer::notify::AlreadyHeld(p_request_id.clone()))
+                    } else if compute.is_some() {
+                        Ok(())
+                    } else {
+                        leases.register(&p_request_id, expected, Instant::now()).map(|_| ())
                     };
                     match leased {
                         Ok(()) => {
