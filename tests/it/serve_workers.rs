@@ -92,7 +92,8 @@ impl Drop for Proc {
     }
 }
 
-/// Polls an engine's metric until `cond` holds (every 20 ms, up to `limit`).
+/// Polls an engine's metric until `cond` holds (every 20 ms, up to `limit`): a value behind an
+/// HTTP scrape has no change notification to wait on.
 async fn wait_metric(url: &str, name: &str, limit: Duration, cond: impl Fn(f64) -> bool) -> f64 {
     let deadline = Instant::now() + limit;
     loop {
@@ -253,6 +254,8 @@ async fn completions_and_chat_through_the_proxy_read_verified_kv() {
             .expect("wait")
             .unwrap_or_else(|| panic!("prefill engine still running 15 s after SIGTERM"));
         assert!(status.success(), "{status}");
+        // The workers are the engine's children, not ours: nothing here can wait on their exit,
+        // so their process group is checked until it is empty or the deadline passes.
         let deadline = Instant::now() + Duration::from_secs(5);
         while p.group_alive() {
             assert!(Instant::now() < deadline, "a prefill worker outlived its engine");
