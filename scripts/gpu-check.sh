@@ -24,6 +24,9 @@
 #   UCX_PERFTEST   ucx_perftest to use as a peer; default: bin/ucx_perftest beside the UCX library
 #   PYTHON         python3 with nixl and torch for the NIXL peer; default: python3
 #   GPU_CHECK_OUT  where reports go; default: target/gpu-check/<time>
+#   GPU_CHECK_BUDGET  seconds: steps that would start later than this are skipped (default: none).
+#                  Every kvx step also has its own time limit, after which it gets SIGINT (kvx
+#                  then keeps what it measured) and, 5 s later, SIGKILL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -80,27 +83,41 @@ else
 fi
 record build 0 "$KVX"
 
+START=$SECONDS
+BUDGET="${GPU_CHECK_BUDGET:-0}"
+k() { # $1 time limit in seconds, then kvx's arguments
+  local limit="$1"; shift
+  timeout -s INT -k 5 "$limit" "$KVX" "$@"
+}
+over() { # true once the budget is spent: records the step $1 as skipped
+  if [ "$BUDGET" -gt 0 ] && [ $((SECONDS - START)) -ge "$BUDGET" ]; then
+    record "$1" 0 "skipped: GPU_CHECK_BUDGET=$BUDGET s spent"
+    return 0
+  fi
+  return 1
+}
+
 # 1. doctor
-"$KVX" doctor "${UCX_FLAGS[@]}" --format json >"$OUT/doctor.json" 2>"$OUT/doctor.err"
+k 60 doctor "${UCX_FLAGS[@]}" --format json >"$OUT/doctor.json" 2>"$OUT/doctor.err"
 rc=$?
-"$KVX" doctor "${UCX_FLAGS[@]}" --no-self-test 2>/dev/null | grep -E '^(ok|warn|missing|fail) +cuda' || true
+k 30 doctor "${UCX_FLAGS[@]}" --no-self-test 2>/dev/null | grep -E '^(ok|warn|missing|fail) +cuda' || true
 record doctor "$rc" "$OUT/doctor.json"
 
 # 2. xfer on device memory
-"$KVX" xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes 8KiB,64KiB,256KiB,1MiB,16MiB \
+k 90 xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes 8KiB,64KiB,256KiB,1MiB,16MiB \
   --inflight 1,32,128 --duration 500ms --format json >"$OUT/xfer.json" 2>"$OUT/xfer.err"
 rc=$?
 record "xfer --mem cuda" "$rc" "$(grep -m1 -E 'error|warning' "$OUT/xfer.err" | cut -c1-160)"
 
 # 3. bench on device memory: KV pools on GPU 0 (every rank, as on a one-GPU host)
-"$KVX" bench --mem cuda --p-tp 8 --d-tp 2 "${UCX_FLAGS[@]}" --results-dir "$OUT/bench" --format json \
+k 120 bench --mem cuda --p-tp 8 --d-tp 2 "${UCX_FLAGS[@]}" --results-dir "$OUT/bench" --format json \
   >"$OUT/bench.json" 2>"$OUT/bench.err"
 rc=$?
 record "bench --mem cuda --p-tp 8 --d-tp 2" "$rc" "$(grep -m1 'error' "$OUT/bench.err" | cut -c1-160)"
 if [ "$rc" -eq 0 ]; then
   desc="$("$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(int(((d.get("calibration") or {}).get("descriptor_bytes")) or 0))' "$OUT/bench.json" 2>/dev/null || echo 0)"
   if [ "${desc:-0}" -gt 0 ]; then
-    "$KVX" xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes "$desc" --inflight 64 --format json \
+    k 60 xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes "$desc" --inflight 64 --format json \
       >"$OUT/xfer-bench-size.json" 2>>"$OUT/xfer.err"
     record "xfer --mem cuda at the bench's descriptor size ($desc B)" $? ""
   fi
@@ -108,6 +125,7 @@ fi
 
 # 4a. ucx_perftest peer (GET, device memory both sides)
 PERFTEST="${UCX_PERFTEST:-}"
+over "ucx_perftest" && PERFTEST=/nonexistent
 for lib in "$UCX_LIB" .ucx/libucx/lib/libucp.so.0; do
   [ -n "$PERFTEST" ] && break
   [ -n "$lib" ] && [ -x "$(dirname "$lib")/../bin/ucx_perftest" ] && PERFTEST="$(dirname "$lib")/../bin/ucx_perftest"
@@ -117,12 +135,12 @@ if [ -n "$PERFTEST" ] && [ -x "$PERFTEST" ]; then
   for size in 65536 1048576 16777216; do
     port=$((20000 + RANDOM % 20000))
     UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y LD_LIBRARY_PATH="$(dirname "$PERFTEST")/../lib:${LD_LIBRARY_PATH:-}" \
-      timeout 120 "$PERFTEST" -p "$port" -m cuda,cuda >/dev/null 2>&1 &
+      timeout 60 "$PERFTEST" -p "$port" -m cuda,cuda >/dev/null 2>&1 &
     server=$!
     out=""
     for _ in 1 2 3 4 5 6 7 8 9 10; do
       out="$(UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y LD_LIBRARY_PATH="$(dirname "$PERFTEST")/../lib:${LD_LIBRARY_PATH:-}" \
-        timeout 120 "$PERFTEST" localhost -p "$port" -t ucp_get -m cuda,cuda -s "$size" -n 5000 2>&1)" && break
+        timeout 30 "$PERFTEST" localhost -p "$port" -t ucp_get -m cuda,cuda -s "$size" -n 5000 2>&1)" && break
       out=""
       sleep 0.5 # the server binds asynchronously; retried a bounded number of times
     done
@@ -141,8 +159,10 @@ else
 fi
 
 # 4b. NIXL peer on VRAM
-if "$PY" -c 'import torch, sys; import importlib.util as u; sys.exit(0 if torch.cuda.is_available() and any(u.find_spec(m) for m in ("nixl", "nixl_cu13", "nixl_cu12")) else 1)' 2>/dev/null; then
-  NIXL_PEER_MEM=VRAM UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y timeout 600 "$PY" scripts/peers/nixl_peer.py \
+if over "nixl"; then
+  :
+elif "$PY" -c 'import torch, sys; import importlib.util as u; sys.exit(0 if torch.cuda.is_available() and any(u.find_spec(m) for m in ("nixl", "nixl_cu13", "nixl_cu12")) else 1)' 2>/dev/null; then
+  NIXL_PEER_MEM=VRAM UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y timeout -k 5 180 "$PY" scripts/peers/nixl_peer.py \
     --sizes 8192,65536,262144,1048576,16777216 --region 268435456 --xfer-bytes 67108864 >"$OUT/nixl.csv" 2>"$OUT/nixl.err"
   record "nixl VRAM READ" $? "$OUT/nixl.csv"
 else
@@ -153,12 +173,13 @@ fi
 #    (no UCX), at the same depths as step 2, then the P8->D2 request against UCX in one comparison.
 for copy in api kernel; do
   sfx=""; [ "$copy" = kernel ] && sfx="-kernel"
-  "$KVX" xfer --transport cuda-batch --batch-copy "$copy" --mem cuda --device 0 --sizes 8KiB,64KiB,1MiB,16MiB \
+  over "cuda-batch --batch-copy $copy" && continue
+  k 90 xfer --transport cuda-batch --batch-copy "$copy" --mem cuda --device 0 --sizes 8KiB,64KiB,1MiB,16MiB \
     --inflight 1,32,128,1024 --duration 500ms --format json >"$OUT/xfer-batch$sfx.json" 2>"$OUT/xfer-batch$sfx.err"
   rc=$?
   record "xfer --transport cuda-batch --batch-copy $copy --mem cuda" "$rc" \
     "$(grep -m1 -E 'error|warning' "$OUT/xfer-batch$sfx.err" | cut -c1-160)"
-  "$KVX" bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --batch-copy "$copy" "${UCX_FLAGS[@]}" \
+  k 150 bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --batch-copy "$copy" "${UCX_FLAGS[@]}" \
     --results-dir "$OUT/compare$sfx" --format json >"$OUT/compare$sfx.json" 2>"$OUT/compare$sfx.err"
   rc=$?
   record "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --batch-copy $copy" "$rc" \
