@@ -420,17 +420,22 @@ fn results_table(r: &XferReport) -> String {
     } else {
         ("memcpy GB/s", "ratio")
     };
-    t.set_header(vec![
-        "size", "inflight", "GB/s", ceiling, ratio, "p50 us", "p99 us", "post us", "done us", "msgs/s",
-        "verified",
-    ]);
+    // Device memory also names the GPU's bandwidth for each batch's bytes (one copy).
+    let bulk = r.results.iter().any(|x| x.bulk_copy_gbps.is_some());
+    let mut header = vec!["size", "inflight", "GB/s", ceiling, ratio];
+    if bulk {
+        header.extend(["bulk copy GB/s", "vs bulk"]);
+    }
+    header.extend(["p50 us", "p99 us", "post us", "done us", "msgs/s", "verified"]);
+    t.set_header(header);
     for x in &r.results {
-        t.add_row(vec![
-            fmt_size(x.size_bytes),
-            x.inflight.to_string(),
-            format!("{:.2}", x.gbps),
-            format!("{:.2}", x.ceiling_gbps),
-            format!("{:.2}", x.ratio_to_ceiling),
+        let mut row = vec![fmt_size(x.size_bytes), x.inflight.to_string(), format!("{:.2}", x.gbps)];
+        row.extend([format!("{:.2}", x.ceiling_gbps), format!("{:.2}", x.ratio_to_ceiling)]);
+        if bulk {
+            let f = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.2}"));
+            row.extend([f(x.bulk_copy_gbps), f(x.ratio_to_bulk_copy)]);
+        }
+        row.extend([
             format!("{:.1}", x.p50_us),
             format!("{:.1}", x.p99_us),
             format!("{:.1}", x.post_us),
@@ -438,6 +443,7 @@ fn results_table(r: &XferReport) -> String {
             format!("{:.0}", x.msgs_per_sec),
             fmt_size(x.verified_bytes),
         ]);
+        t.add_row(row);
     }
     out.push_str(&t.to_string());
     out.push('\n');

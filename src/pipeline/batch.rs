@@ -74,8 +74,8 @@ impl BatchSide {
         format!("cuda-batch/{}", self.copier.path())
     }
 
-    /// Reads one request's `pairs` from one prefill rank into `local` with one batched copy,
-    /// adding what it cost to `r`.
+    /// Posts one request's `pairs` from one prefill rank into `local` as one batched copy,
+    /// adding what it cost to `r`; [`finish`](Self::finish) waits for the request's batches.
     pub fn read(
         &mut self,
         local: &mut KvBuffer,
@@ -99,13 +99,19 @@ impl BatchSide {
             len: buf.len() as u64,
         };
         self.scratch.pack(pairs.iter().copied(), local_span, peer.span()).map_err(|e| failure(&who, e))?;
-        let st = self.copier.copy(buf, peer, &mut self.scratch, timeout).map_err(|e| failure(&who, e))?;
+        let st = self.copier.enqueue(buf, peer, &mut self.scratch, timeout).map_err(|e| failure(&who, e))?;
         r.post_ns += st.post_ns;
         r.bytes += st.bytes;
         r.batch_path = Some(self.copier.path());
         r.batch_calls += st.calls;
         r.batch_copies += st.copies;
         Ok(())
+    }
+
+    /// Waits for every batch [`read`](Self::read) posted (one event: one stream runs them in
+    /// order).
+    pub fn finish(&mut self, timeout: Duration) -> Result<(), Failure> {
+        self.copier.finish(timeout).map(|_| ()).map_err(|e| failure("the prefill ranks", e))
     }
 }
 

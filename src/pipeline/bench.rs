@@ -602,6 +602,20 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
             if mem.is_device() {
                 c.extra.insert("memory".into(), serde_json::json!(mem.to_string()));
                 c.extra.insert("device_copy_gbps".into(), serde_json::json!(same.ceiling_gbps));
+                // The GPU's own bandwidth: what a transport that moves a request's descriptors
+                // without a copy each (cuda-batch) is measured against.
+                if let Some(device) = mem.device() {
+                    match xfer::device_bandwidth_gbps(device, Duration::from_millis(200)) {
+                        Ok(g) => {
+                            c.extra.insert("device_bandwidth_gbps".into(), serde_json::json!(g));
+                            c.extra.insert(
+                                "device_bandwidth_bytes".into(),
+                                serde_json::json!(xfer::DEVICE_BANDWIDTH_BYTES),
+                            );
+                        }
+                        Err(e) => tracing::warn!("device bandwidth not measured: {e}"),
+                    }
+                }
             }
             Some(c)
         }
@@ -664,13 +678,16 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     let mut generator = Generator::new(s.lens.clone(), s.workers.seed);
     let mut handshakes = StageRecorder::new();
     let mut seen = UcxSeen::default();
-    // Warm-up: connections, first-touch of pages, caches. Not recorded (but its handshake is).
+    // Warm-up: connections, first-touch of pages, caches. Not recorded (but its handshake is,
+    // and wrong bytes are: a read that returned wrong bytes is a failed run whenever it ran).
+    let mut warm_verify_failures = 0;
     if s.warmup > 0 {
         let mut warm = Tally::default();
         let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat: 0 };
         rt.block_on(drive(ctx, &mut generator, 0, Some(s.warmup), None, |f| warm.add(&f)));
         let _ = handshakes.merge(&warm.handshake);
         seen = warm.ucx.clone();
+        warm_verify_failures = warm.verify_failures;
     }
     let total_requests = s.requests.map(|r| r * u64::from(s.repeat));
     let bar = progress_bar(s.progress_bar, total_requests);
@@ -764,7 +781,13 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         summary.counters.insert("requests_via_storage".into(), all.via_storage);
         summary.counters.insert("fallbacks_to_storage".into(), all.fallbacks);
     }
-    summary.verify_failures = all.verify_failures;
+    summary.verify_failures = all.verify_failures + warm_verify_failures;
+    if warm_verify_failures > 0 {
+        summary.warnings.push(format!(
+            "{warm_verify_failures} warm-up request(s) read wrong bytes (counted in verify failures; \
+             the warm-up's other numbers are not recorded)"
+        ));
+    }
     all.batch.report(&mut summary);
     if s.fault.is_some() {
         summary.counters.insert(FAULT_INJECTED.into(), fault_counts.0);

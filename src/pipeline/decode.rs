@@ -481,14 +481,24 @@ impl Decoder<'_> {
         let tt = Instant::now();
         let ucx_first =
             matches!(self.cfg.transport.kind, TransportKind::Ucx | TransportKind::Multi) && !eng.ucx_broken;
-        // cuda-batch: one batched copy per source rank, from its mapped pool.
+        // cuda-batch: one batched copy per source rank, from its mapped pool, each posted
+        // while the ones before it copy; then one wait for all of them.
         if let Some(side) = self.batch.as_mut() {
             let mem = self.local.memory_mut()?;
+            let mut posted = Ok(());
             for (i, read) in eng.planner.reads.iter().enumerate() {
                 let pairs = coalesced.as_ref().map_or(&self.bufs[i], |c| &c[i]);
                 let peer = eng.ranks.get(&read.p_rank).and_then(|rk| rk.ipc.as_ref());
-                side.read(mem, read.p_rank, peer, pairs, timeout, r)?;
+                posted = side.read(mem, read.p_rank, peer, pairs, timeout, r);
+                if posted.is_err() {
+                    break;
+                }
             }
+            // Waited for even when a later batch could not be posted: nothing of this
+            // request may still be copying when the next one posts.
+            let waited = side.finish(timeout);
+            posted?;
+            waited?;
             r.transport = Some(TransportKind::CudaBatch);
             r.transports = Some(side.label());
         }

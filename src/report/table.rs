@@ -162,6 +162,11 @@ pub fn throughput_table(s: &Summary, style: Style) -> Table {
         for (name, v) in [
             ("memcpy".to_string(), c.memcpy_gbps),
             ("device copy, same descriptors".to_string(), c.figure("device_copy_gbps")),
+            (
+                size("device_bandwidth_bytes")
+                    .map_or("device bandwidth".to_string(), |b| format!("device bandwidth (one {b} copy)")),
+                c.figure("device_bandwidth_gbps"),
+            ),
             (loopback, c.ucx_loopback_gbps),
             (same, c.figure("xfer_same_size_gbps")),
         ] {

@@ -959,7 +959,7 @@ mod tests {
             assert_eq!(s.workers.transport.batch_copy, BatchCopy::Kernel);
             let plain = BenchFlags { transport: Some("cuda-batch".into()), ..cuda() };
             let s = resolve(&plain, &env()).expect("cuda-batch");
-            assert_eq!(s.workers.transport.batch_copy, BatchCopy::Api, "the default");
+            assert_eq!(s.workers.transport.batch_copy, BatchCopy::Kernel, "the default");
         }
     }
 

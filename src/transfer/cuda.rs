@@ -145,6 +145,8 @@ fn copy_runs(ranges: &[Range<u64>]) -> Vec<CopyRun> {
 /// Most pinned host memory one buffer keeps for staging its range copies.
 pub const STAGING_BYTES: u64 = 64 << 20;
 
+#[cfg(feature = "cuda")]
+pub use imp::Pinned;
 pub use imp::{CudaBuffer, CudaDevice, device_count, driver_info, dtod_copy_gbps};
 
 #[cfg(feature = "cuda")]
@@ -299,7 +301,7 @@ mod imp {
     }
 
     /// Pinned (page-locked) host memory for staging copies.
-    struct Pinned {
+    pub struct Pinned {
         ptr: NonNull<u8>,
         len: usize,
     }
@@ -308,7 +310,8 @@ mod imp {
     unsafe impl Send for Pinned {}
 
     impl Pinned {
-        fn alloc(len: usize) -> Result<Pinned, CudaError> {
+        /// `len` bytes of page-locked memory (page-aligned); a context must be current.
+        pub fn alloc(len: usize) -> Result<Pinned, CudaError> {
             // SAFETY: called with a context current (CudaBuffer's scoped guard); the memory
             // is freed in Drop.
             let p = call("cuMemHostAlloc", unsafe { result::malloc_host(len.max(1), 0) })?;
@@ -321,6 +324,14 @@ mod imp {
             // SAFETY: `len` bytes allocated for the lifetime of `self`, exclusively
             // borrowed; callers pass ranges within `len` (sized by `staging`).
             unsafe { &mut std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len)[range] }
+        }
+
+        /// The memory as u64 words (`len / 8` of them).
+        pub fn words(&mut self) -> &mut [u64] {
+            // SAFETY: cuMemHostAlloc returns page-aligned memory, so u64-aligned; `len / 8`
+            // whole words lie inside the allocation, exclusively borrowed; any bit pattern
+            // is a valid u64.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast::<u64>(), self.len / 8) }
         }
     }
 
@@ -365,8 +376,14 @@ mod imp {
             // context); owned by the value built right below, which frees it in Drop.
             let ptr = call("cuMemAlloc", unsafe { result::malloc_sync(len) })?;
             let buf = CudaBuffer { ptr, len, stream, staging: Mutex::new(None), dev: dev.clone() };
-            // SAFETY: zeroes exactly the `len` bytes just allocated.
-            call("cuMemsetD8", unsafe { result::memset_d8_sync(ptr, 0, len) })?;
+            // Zeroed on the buffer's own stream, and waited for. (cuMemsetD8 would run on the
+            // legacy stream, which does not order with kvx's non-blocking streams and returns
+            // before the memory is written: a first copy into the buffer could be zeroed
+            // after it landed. Seen on an H100: a warm-up read that failed verification.)
+            // SAFETY: zeroes exactly the `len` bytes just allocated, on a stream of this
+            // context; the synchronize below ends it before the buffer is used.
+            call("cuMemsetD8Async", unsafe { result::memset_d8_async(ptr, 0, len, buf.stream.cu_stream()) })?;
+            buf.sync("cuStreamSynchronize")?;
             Ok(buf)
         }
 

@@ -793,6 +793,14 @@ pub struct XferResult {
     pub memcpy_gbps: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_to_memcpy: Option<f64>,
+    /// Device memory only: the GPU's bandwidth for the batch's bytes, the same run's one
+    /// `cuMemcpyDtoDAsync` of `size * inflight` bytes (at most the working set). The ceiling
+    /// a batched transport such as cuda-batch can approach; `ceiling_gbps` (one copy per read)
+    /// is what a transport that posts one copy per descriptor can.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bulk_copy_gbps: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_to_bulk_copy: Option<f64>,
     pub p50_us: f64,
     pub p99_us: f64,
     pub max_us: f64,
@@ -1037,7 +1045,8 @@ impl BatchMeasure<'_> {
                     return Ok(results);
                 }
                 let ceiling_gbps = ceiling.measure(size, inflight, ws, cfg)?;
-                let r = self.case(local, size, inflight, ws.min(self.peer.span().len), ceiling_gbps)?;
+                let mut r = self.case(local, size, inflight, ws.min(self.peer.span().len), ceiling_gbps)?;
+                r.set_bulk(ceiling.bulk(size * inflight as u64, ws, cfg)?);
                 on_result(&r);
                 results.push(r);
             }
@@ -1292,6 +1301,40 @@ impl Ceiling {
             }
         }
     }
+
+    /// Device memory: `bytes` (at most the working set) moved by one device copy, GB/s.
+    fn bulk(&mut self, bytes: u64, ws: u64, cfg: &XferConfig) -> Result<Option<f64>> {
+        match self {
+            Ceiling::Memcpy { .. } => Ok(None),
+            Ceiling::DeviceCopy { src, dst } => {
+                let min_time = if cfg.iters.is_some() { Duration::ZERO } else { cfg.duration };
+                let bytes = bytes.clamp(1, ws);
+                Ok(Some(cuda::dtod_copy_gbps(src, dst, bytes, 1, cfg.hot, min_time, cfg.iters.unwrap_or(3))?))
+            }
+        }
+    }
+}
+
+impl XferResult {
+    fn set_bulk(&mut self, bulk_gbps: Option<f64>) {
+        self.bulk_copy_gbps = bulk_gbps;
+        self.ratio_to_bulk_copy = bulk_gbps.filter(|&b| b > 0.0).map(|b| self.gbps / b);
+    }
+}
+
+/// The bytes of [`device_bandwidth_gbps`]'s copy: well above an H100's or H200's L2 (50-60 MB),
+/// so the copy measures device memory, not the cache.
+pub const DEVICE_BANDWIDTH_BYTES: u64 = 256 << 20;
+
+/// The device's copy bandwidth, GB/s: one `cuMemcpyDtoDAsync` of [`DEVICE_BANDWIDTH_BYTES`]
+/// between two buffers on `device`, repeated for at least `min_time`. The ceiling of any
+/// transport between ranks on that GPU, however it posts its copies.
+pub fn device_bandwidth_gbps(device: u32, min_time: Duration) -> Result<f64> {
+    let dev = CudaDevice::open(device)?;
+    let len = DEVICE_BANDWIDTH_BYTES as usize;
+    let src = CudaBuffer::alloc(&dev, len)?;
+    let mut dst = CudaBuffer::alloc(&dev, len)?;
+    Ok(cuda::dtod_copy_gbps(&src, &mut dst, DEVICE_BANDWIDTH_BYTES, 1, true, min_time, 3)?)
 }
 
 /// Offsets of the `k`-th GET of a run: rotating over the working set when cold, fixed
@@ -1321,6 +1364,7 @@ fn measure_cases<M: BufferAccess>(
             // frequency), which is what makes their ratio meaningful on a shared host.
             let ceiling_gbps = ceiling.measure(size, inflight, ws, cfg)?;
             let mut r = measure_case(s, cfg, local, size, inflight, ws.min(remote_len), ceiling_gbps)?;
+            r.set_bulk(ceiling.bulk(size * inflight as u64, ws, cfg)?);
             if matches!(ceiling, Ceiling::Memcpy { .. }) {
                 r.memcpy_gbps = Some(r.ceiling_gbps);
                 r.ratio_to_memcpy = Some(r.ratio_to_ceiling);
@@ -1460,6 +1504,8 @@ impl Timed {
             ratio_to_ceiling: if ceiling_gbps > 0.0 { gbps / ceiling_gbps } else { 0.0 },
             memcpy_gbps: None,
             ratio_to_memcpy: None,
+            bulk_copy_gbps: None,
+            ratio_to_bulk_copy: None,
             p50_us: us(self.hist.value_at_quantile(0.50)),
             p99_us: us(self.hist.value_at_quantile(0.99)),
             max_us: us(self.hist.max()),
