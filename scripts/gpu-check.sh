@@ -25,6 +25,7 @@
 #   UCX_PERFTEST   ucx_perftest to use as a peer; default: bin/ucx_perftest beside the UCX library
 #   PYTHON         python3 with nixl and torch for the NIXL peer; default: python3
 #   GPU_CHECK_OUT  where reports go; default: target/gpu-check/<time>
+#   GPU_CHECK_BATCH_COPIES  which --batch-copy ways step 5 measures; default: "kernel api"
 #   GPU_CHECK_BUDGET  seconds: steps that would start later than this are skipped (default: none).
 #                  Every kvx step also has its own time limit, after which it gets SIGINT (kvx
 #                  then keeps what it measured) and, 5 s later, SIGKILL.
@@ -179,7 +180,7 @@ over "bench --transport cuda-batch --verify full" || {
   record "bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --verify full" "$rc" \
     "$(grep -m1 -E 'error|verification' "$OUT/verify.err" | cut -c1-160)"
 }
-for copy in kernel api; do
+for copy in ${GPU_CHECK_BATCH_COPIES:-kernel api}; do
   sfx=""; [ "$copy" = kernel ] && sfx="-kernel"
   over "cuda-batch --batch-copy $copy" && continue
   k 90 xfer --transport cuda-batch --batch-copy "$copy" --mem cuda --device 0 --sizes 8KiB,64KiB,1MiB,16MiB \
@@ -193,6 +194,16 @@ for copy in kernel api; do
   record "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --batch-copy $copy" "$rc" \
     "$(grep -m1 'error' "$OUT/compare$sfx.err" | cut -c1-160)"
 done
+
+# Each request alone (--concurrency 1): no other request's fill or reads share the GPU with
+# its reads, which on a one-GPU host all ranks do.
+over "bench --compare-transports ucx,cuda-batch --concurrency 1" || {
+  k 150 bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --concurrency 1 "${UCX_FLAGS[@]}" \
+    --results-dir "$OUT/compare-c1" --format json >"$OUT/compare-c1.json" 2>"$OUT/compare-c1.err"
+  rc=$?
+  record "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --concurrency 1" "$rc" \
+    "$(grep -m1 'error' "$OUT/compare-c1.err" | cut -c1-160)"
+}
 
 # Ratios.
 "$PY" - "$OUT" <<'EOF' || echo "gpu-check: python3 is needed for the ratio table; reports are in $OUT"
@@ -309,11 +320,28 @@ for copy, sfx in (("api", ""), ("kernel", "-kernel")):
         us, cs = stage(u), stage(c)
         rows.append((f"bench P8->D2 transfer stage: cuda-batch {copy} / ucx", fmt(cs), fmt(us), fmt(cs / us) if cs and us else "-", ">= 10"))
         rows.append((f"bench P8->D2 transfer stage: cuda-batch {copy} / device bandwidth", fmt(cs), fmt(bw), fmt(cs / bw) if cs and bw else "-", ">= 0.3"))
+c1 = load("compare-c1.json")
+if c1 and c1.get("sweep"):
+    pts = {p["label"]: p for p in c1["sweep"]}
+    per_req = c1.get("bytes_per_request") or 0
+    def stage1(p):
+        t = (p or {}).get("transfer_p50_us")
+        return per_req / (t * 1e3) if per_req and t else None
+    u1, c1s = stage1(pts.get("ucx")), stage1(pts.get("cuda-batch"))
+    bw = ((bench or {}).get("calibration") or {}).get("device_bandwidth_gbps")
+    for name in ("ucx", "cuda-batch"):
+        p = pts.get(name)
+        if p:
+            print(f"kvx bench --compare-transports ucx,cuda-batch --concurrency 1: {name}: {p['requests_ok']} ok, "
+                  f"{p['requests_failed']} failed, {fmt(p['throughput_gbps'])} GB/s, transfer p50 {p['transfer_p50_us']:.0f} us")
+    rows.append(("bench P8->D2 alone (--concurrency 1) transfer stage: cuda-batch / ucx", fmt(c1s), fmt(u1), fmt(c1s / u1) if c1s and u1 else "-", ">= 10"))
+    rows.append(("bench P8->D2 alone (--concurrency 1) transfer stage: cuda-batch / device bandwidth", fmt(c1s), fmt(bw), fmt(c1s / bw) if c1s and bw else "-", ">= 0.3"))
 ver = load("verify.json")
 if ver:
     print(f"kvx bench --transport cuda-batch --verify full: {ver['requests_ok']} ok, {ver['requests_failed']} failed, "
           f"{ver['verify_failures']} verify failures, {ver['bytes_verified'] / 1e9:.1f} GB verified of "
-          f"{ver['bytes_read'] / 1e9:.1f} GB read, {ver['blocks_leaked']} blocks leaked")
+          f"{ver['bytes_read'] / 1e9:.1f} GB read, {ver['blocks_leaked']} blocks leaked, "
+          f"transfer p50 {((ver.get('stages') or {}).get('transfer') or {}).get('p50_us', 0):.0f} us")
 if bench and (bench.get("calibration") or {}).get("device_bandwidth_gbps"):
     print(f"device bandwidth (one 256 MiB device copy, bench calibration): {bench['calibration']['device_bandwidth_gbps']:.0f} GB/s")
 if at8.get("api") and at8.get("kernel"):
