@@ -538,7 +538,7 @@ impl Decoder<'_> {
                     .filter_map(|rk| rk.region.as_ref().and_then(|rg| rg.endpoint().transports().ok()))
                     .next();
                 // UCX chose its protocols at these first reads; say which, once per engine.
-                r.protocols = Some(u.ctx.protocols().rma_only());
+                r.protocols = Some(u.ctx.protocols().only(crate::transfer::ucx::Rma::Get));
                 r.ucx_settings = Some(u.ctx.env_notes().to_vec());
             }
         }

@@ -506,7 +506,7 @@ fn pushed(
         Pool::Ucx(u) if error.is_none() && pusher.first_report() => Some(Box::new(UcxChoices {
             transports: pusher.transports(),
             // UCX chose its protocols at these first WRITEs.
-            protocols: u.ctx.protocols().rma_only(),
+            protocols: u.ctx.protocols().only(crate::transfer::ucx::Rma::Put),
             settings: u.ctx.env_notes().to_vec(),
         })),
         _ => None,

@@ -1172,7 +1172,7 @@ fn measure(
     let mut ceiling = Ceiling::new(cfg.mem, ws, pages)?;
     let results = with_region!(&mut local, r => measure_cases(s, cfg, ws, &mut ceiling, r, on_result)?);
     let info = s.ucx.info();
-    let protocols = s.ctx.protocols();
+    let protocols = s.ctx.protocols().only(Rma::Get);
     let env = s.ctx.env_notes().to_vec();
     let warnings = protocol_warnings(cfg.mem, Rma::Get, &protocols, &env, &s.transports);
     Ok(XferReport {

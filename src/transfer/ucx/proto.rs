@@ -310,10 +310,12 @@ impl ProtoReport {
         self.uses.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
     }
 
-    /// The selections of one-sided operations only (GET and PUT: what moves KV blocks), not
-    /// the active messages that carry notifications.
-    pub fn rma_only(mut self) -> ProtoReport {
-        self.uses.retain(|u| u.op == "get" || u.op == "put");
+    /// The selections of the one-sided operation that moves KV blocks in this mode (GET when
+    /// decode pulls, PUT when prefill pushes), not the active messages that carry
+    /// notifications, nor selections UCX made for operations kvx does not issue (with device
+    /// memory UCX 1.22 also prints a PUT from host memory, emulated, in a run that only reads).
+    pub fn only(mut self, op: Rma) -> ProtoReport {
+        self.uses.retain(|u| u.op == op.as_str());
         self
     }
 
