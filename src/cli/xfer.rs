@@ -467,6 +467,82 @@ mod tests {
         assert!(parse_size("99999999999999GiB").is_err());
     }
 
+    use crate::transfer::xfer::XferResult;
+
+    fn result(size: u64, inflight: usize, gbps: f64, bulk: Option<f64>) -> XferResult {
+        XferResult {
+            size_bytes: size,
+            inflight,
+            gbps,
+            ceiling_gbps: 2.0,
+            ratio_to_ceiling: gbps / 2.0,
+            memcpy_gbps: None,
+            ratio_to_memcpy: None,
+            bulk_copy_gbps: bulk,
+            ratio_to_bulk_copy: bulk.map(|b| gbps / b),
+            p50_us: 100.0,
+            p99_us: 110.0,
+            max_us: 120.0,
+            post_us: 25.0,
+            complete_us: 104.0,
+            msgs_per_sec: 1e6,
+            batches: 3,
+            bytes: size * inflight as u64 * 3,
+            verified_bytes: size * inflight as u64,
+        }
+    }
+
+    fn report(memory: &str, ceiling: &str, results: Vec<XferResult>) -> XferReport {
+        XferReport {
+            ucx: crate::transfer::xfer::UcxReport {
+                library: "libucp.so.0".into(),
+                version: "1.22.0".into(),
+                transports: "cuda_ipc/cuda".into(),
+                source: "--ucx-lib".into(),
+                err_mode: ErrMode::None,
+                progress: ProgressMode::default(),
+                target_library: "libucp.so.0".into(),
+                target_version: "1.22.0".into(),
+                protocols: crate::transfer::ucx::ProtoReport { uses: Vec::new(), note: Some("test".into()) },
+                env: Vec::new(),
+            },
+            memory: crate::transfer::xfer::MemoryReport {
+                kind: memory.into(),
+                device: (memory == "cuda").then_some(0),
+                huge_pages: false,
+                pages: "4KiB".into(),
+                working_set_bytes: 1 << 30,
+                residency: "cold".into(),
+            },
+            ceiling: ceiling.into(),
+            warnings: Vec::new(),
+            results,
+            transport: "ucx".into(),
+            cuda_batch: None,
+        }
+    }
+
+    #[test]
+    fn device_memory_tables_add_the_bulk_copy_and_host_tables_do_not() {
+        let cuda = render_table(&report(
+            "cuda",
+            "device_copy",
+            vec![result(8192, 10_240, 497.0, Some(1277.0)), result(8192, 1, 0.7, None)],
+        ));
+        let header = cuda.lines().find(|l| l.contains("inflight")).expect("a header");
+        for col in ["device copy GB/s", "vs device copy", "bulk copy GB/s", "vs bulk"] {
+            assert!(header.contains(col), "{col} missing from {header}");
+        }
+        let row = cuda.lines().find(|l| l.contains("10240")).expect("the 10,240 row");
+        assert!(row.contains("1277.00") && row.contains("0.39"), "{row}");
+        // A case without the figure shows a dash, not a zero.
+        let one = cuda.lines().find(|l| l.contains("0.70")).expect("the batch-of-1 row");
+        assert!(one.contains(" - "), "{one}");
+        let host = render_table(&report("host", "memcpy", vec![result(65536, 32, 5.0, None)]));
+        assert!(!host.contains("bulk"), "{host}");
+        assert!(host.contains("memcpy GB/s"), "{host}");
+    }
+
     #[test]
     fn sizes_format_back() {
         assert_eq!(fmt_size(64 << 10), "64KiB");

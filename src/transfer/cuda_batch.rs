@@ -84,8 +84,8 @@ pub enum BatchCopy {
     Api,
     /// kvx's gather-copy kernel: the descriptors go to device memory in one copy and one
     /// kernel launch moves them all (any CUDA driver). The default: on an H100 (driver 580,
-    /// CUDA 13) it read 8 KiB descriptors 121x faster than the batch API, whose driver still
-    /// spends about 3.3 us per copy (`scripts/gpu-check.sh`).
+    /// CUDA 13) it read 8 KiB descriptors 121-225x faster than the batch API, whose driver
+    /// still spends 3.3-3.8 us per copy (`scripts/gpu-check.sh`, docs/gpu-h100.md).
     #[default]
     Kernel,
 }
