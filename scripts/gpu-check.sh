@@ -5,16 +5,19 @@
 #
 # Runs, each step recorded and never stopping the others:
 #   1. kvx doctor (CUDA driver, devices, UCX with CUDA, a cuda_ipc read between two processes)
-#   2. kvx xfer --mem cuda over 8 KiB..16 MiB at 1, 32 and 128 reads in flight
+#   2. kvx xfer --mem cuda over 8 KiB..16 MiB at 1, 32, 64 and 128 reads in flight
 #   3. kvx bench --mem cuda --p-tp 8 --d-tp 2 (and kvx xfer --mem cuda at the bench's descriptor size)
 #   4. peers, when present: ucx_perftest -t ucp_get -m cuda,cuda (from the UCX given), and NIXL VRAM
 #      READs (scripts/peers/nixl_peer.py, if python3 imports nixl and torch)
 #   5. --transport cuda-batch (one batched copy per peer over CUDA IPC): kvx bench with every byte
 #      verified; kvx xfer at 8 KiB..16 MiB, up to 10,240 reads a batch (a P8->D2 70B request's
 #      per peer); kvx bench --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch; each with kvx's
-#      gather-copy kernel (the default) and with the driver's batch API (--batch-copy api)
+#      gather-copy kernel (the default) and with the driver's batch API (--batch-copy api); the
+#      same comparison with each request alone (--concurrency 1)
+#   6. kvx bench --mem cuda --p-tp 8 --d-tp 2 --mode push (prefill ranks WRITE)
 # and prints a table of ratios: kvx vs NIXL at 64 KiB..1 MiB, kvx vs the same-run device copy at
-# 16 MiB, bench vs xfer, cuda-batch vs UCX cuda_ipc and vs the device copy (issue 16's targets).
+# 16 MiB, bench vs xfer, cuda-batch vs UCX cuda_ipc and vs the device's bandwidth (issue 16's
+# targets). What one H100 gave: docs/gpu-h100.md.
 # Needs no network.
 #
 # Environment:
@@ -38,7 +41,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --ucx-lib) UCX_ARG="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -205,6 +208,15 @@ over "bench --compare-transports ucx,cuda-batch --concurrency 1" || {
     "$(grep -m1 'error' "$OUT/compare-c1.err" | cut -c1-160)"
 }
 
+# Push mode on device memory: prefill ranks WRITE with ucp_put (cuda_ipc PUT zero-copy is on by
+# default, with or without NVLink).
+over "bench --mem cuda --mode push" || {
+  k 120 bench --mem cuda --p-tp 8 --d-tp 2 --mode push "${UCX_FLAGS[@]}" --results-dir "$OUT/push" --format json \
+    >"$OUT/push.json" 2>"$OUT/push.err"
+  rc=$?
+  record "bench --mem cuda --p-tp 8 --d-tp 2 --mode push" "$rc" "$(grep -m1 -E 'error|verification' "$OUT/push.err" | cut -c1-160)"
+}
+
 # Ratios.
 "$PY" - "$OUT" <<'EOF' || echo "gpu-check: python3 is needed for the ratio table; reports are in $OUT"
 import csv, json, os, sys
@@ -336,6 +348,15 @@ if c1 and c1.get("sweep"):
                   f"{p['requests_failed']} failed, {fmt(p['throughput_gbps'])} GB/s, transfer p50 {p['transfer_p50_us']:.0f} us")
     rows.append(("bench P8->D2 alone (--concurrency 1) transfer stage: cuda-batch / ucx", fmt(c1s), fmt(u1), fmt(c1s / u1) if c1s and u1 else "-", ">= 10"))
     rows.append(("bench P8->D2 alone (--concurrency 1) transfer stage: cuda-batch / device bandwidth", fmt(c1s), fmt(bw), fmt(c1s / bw) if c1s and bw else "-", ">= 0.3"))
+push = load("push.json")
+if push:
+    print(f"kvx bench --mem cuda --mode push: {push['requests_ok']} ok, {push['requests_failed']} failed, "
+          f"{push['verify_failures']} verify failures, {push['blocks_leaked']} blocks leaked, "
+          f"{push['throughput_gbps']:.2f} GB/s; protocols:",
+          ", ".join(f"{u['op']} {u['local']}->{u['remote']}: " + ", ".join(f"{c['description']} {c['config']}" for c in u["choices"])
+                    for u in ((push.get("ucx") or {}).get("protocols") or {}).get("uses", [])) or "unknown")
+    for w in push.get("warnings", []):
+        print("  warning:", w)
 ver = load("verify.json")
 if ver:
     print(f"kvx bench --transport cuda-batch --verify full: {ver['requests_ok']} ok, {ver['requests_failed']} failed, "
