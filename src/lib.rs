@@ -7,6 +7,7 @@
 //!
 //! ```text
 //! bin/kvx.rs     parse args, call `kvx::run`, map the result to an exit code (`error::finish`)
+//! clock.rs       CLOCK_MONOTONIC stamps every process of a host shares (wall spans)
 //! error.rs       ConfigError, exit codes (0 ok, 1 failed run or regression, 2 error, 130/143)
 //! output.rs      the one place stdout and stderr are written; a closed stdout ends the run
 //! cli/           clap types and help text, one file per subcommand; flags handed to settings
@@ -24,7 +25,7 @@
 //! ```
 //!
 //! Nothing below `cli` imports `cli`; `settings` builds the values the layers below take and
-//! none of them imports its resolution. `settings::model`, `settings::env`, `error` and `output`
+//! none of them imports its resolution. `settings::model`, `settings::env`, `clock`, `error` and `output`
 //! are leaves every layer may use. `topology` and `layouts` use nothing of kvx but each other and
 //! those leaves; `report` never measures and never runs transfers. `unsafe` lives only in
 //! `transfer::ucx` and the transfer layer's memory and CUDA modules (`cuda`, `cuda_batch`); every other module is declared (or
@@ -36,6 +37,8 @@
 // forbids it, which no inner `allow` can undo.
 #[forbid(unsafe_code)]
 pub mod cli;
+#[forbid(unsafe_code)]
+pub mod clock;
 pub mod error;
 pub mod interrupt;
 #[forbid(unsafe_code)]

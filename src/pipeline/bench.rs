@@ -21,6 +21,7 @@ use super::proto::{LoadResult, Role};
 use super::setup::{EngineSlot, WorkerSettings};
 use super::workload::{Arrival, Generator, PromptLens};
 use crate::layouts::compat::PairSpec;
+use crate::report::bandwidth::{BandwidthTally, RankTransfer};
 use crate::report::files::RunWriter;
 use crate::report::recorder::StageRecorder;
 use crate::report::summary::{
@@ -178,6 +179,8 @@ struct Finished {
     ready_ns: u64,
     publish_ns: u64,
     ranks: Vec<LoadResult>,
+    /// Each rank's part of the transfer, for the wall-span bandwidth (pull mode).
+    transfers: Vec<RankTransfer>,
     verify_failures: u64,
     bytes_verified: u64,
 }
@@ -185,7 +188,15 @@ struct Finished {
 impl Finished {
     /// A request that failed before any decode rank reported on it.
     fn failed(row: RequestRow) -> Self {
-        Finished { row, ready_ns: 0, publish_ns: 0, ranks: vec![], verify_failures: 0, bytes_verified: 0 }
+        Finished {
+            row,
+            ready_ns: 0,
+            publish_ns: 0,
+            ranks: vec![],
+            transfers: vec![],
+            verify_failures: 0,
+            bytes_verified: 0,
+        }
     }
 }
 
@@ -306,6 +317,22 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     row.plan_us = Some(us(max(|r| r.plan_ns)));
     row.post_us = Some(us(max(|r| r.post_ns)));
     row.transfer_us = Some(us(max(|r| r.transfer_ns)));
+    // Pull: the decode ranks' reads are the transfer (push: the prefill ranks' WRITEs, which
+    // they report at the end, `push_stages`).
+    let transfers: Vec<RankTransfer> = if s.workers.transport.mode == super::proto::TransferMode::Pull {
+        ranks
+            .iter()
+            .map(|r| RankTransfer {
+                bytes: r.bytes,
+                transfer_ns: r.transfer_ns,
+                post_ns: r.post_ns,
+                span: r.transfer_span,
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    row.transfer_span_us = crate::clock::wall_span_ns(transfers.iter().map(|t| t.span)).map(us);
     row.notify_us = Some(us(max(|r| r.notify_ns)));
     row.e2e_us = Some(us(max(|r| r.e2e_ns)));
     row.d_ranks = RankList(ranks.iter().map(|r| r.d_rank).collect());
@@ -325,7 +352,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     let bytes_verified = ranks.iter().map(|r| r.bytes_verified).sum();
     // Prefill start to the KV in decode's blocks, as the driver saw it (verification excluded).
     let ready_ns = ready_ns.saturating_sub(ranks.iter().map(|r| r.verify_ns).max().unwrap_or(0));
-    Finished { row, publish_ns, ranks, verify_failures, bytes_verified, ready_ns }
+    Finished { row, publish_ns, ranks, transfers, verify_failures, bytes_verified, ready_ns }
 }
 
 /// Accumulates one measured repeat.
@@ -344,6 +371,8 @@ struct Tally {
     via_storage: u64,
     /// Batched copies of the cuda-batch transport.
     batch: super::batch::BatchTally,
+    /// Per-request bandwidth by the wall-span rule (pull mode; push tallies its WRITEs).
+    bandwidth: BandwidthTally,
 }
 
 impl Tally {
@@ -352,8 +381,15 @@ impl Tally {
         self.verify_failures += f.verify_failures;
         self.bytes_verified += f.bytes_verified;
         if f.row.outcome == RequestOutcome::Ok {
-            for stage in [Stage::Queue, Stage::Plan, Stage::Post, Stage::Transfer, Stage::Notify, Stage::E2e]
-            {
+            for stage in [
+                Stage::Queue,
+                Stage::Plan,
+                Stage::Post,
+                Stage::Transfer,
+                Stage::TransferSpan,
+                Stage::Notify,
+                Stage::E2e,
+            ] {
                 if let Some(v) = f.row.stage_us(stage) {
                     self.recorder.record_ns(stage.as_str(), (v * 1e3) as u64);
                 }
@@ -371,6 +407,9 @@ impl Tally {
                 self.via_storage += 1;
             }
             self.batch.add(&f.ranks);
+            if !f.transfers.is_empty() {
+                self.bandwidth.add(&f.transfers);
+            }
             let verify = f.ranks.iter().map(|r| r.verify_ns).max().unwrap_or(0);
             if verify > 0 {
                 self.recorder.record_ns("verify", verify);
@@ -773,6 +812,9 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
         push_stages(s, &p_fin.pushes, &mut all.recorder, &mut summary);
     }
     summary.set_stages(all.recorder.stats());
+    if summary.transfer_bandwidth.is_none() {
+        summary.transfer_bandwidth = all.bandwidth.summary();
+    }
     summary.bytes_verified = all.bytes_verified;
     if matches!(
         s.workers.transport.kind,
@@ -864,12 +906,27 @@ fn push_stages(
     summary: &mut Summary,
 ) {
     let mut per_req: BTreeMap<u64, (u64, u64, u32)> = BTreeMap::new();
+    let mut writes: BTreeMap<u64, Vec<RankTransfer>> = BTreeMap::new();
     for p in pushes.iter().filter(|p| p.req >= s.warmup && p.error.is_none()) {
         let e = per_req.entry(p.req).or_default();
         e.0 = e.0.max(p.stats.transfer_ns);
         e.1 += p.stats.hidden_ns;
         e.2 += 1;
+        writes.entry(p.req).or_default().push(RankTransfer {
+            bytes: p.stats.bytes,
+            transfer_ns: p.stats.transfer_ns,
+            post_ns: p.stats.post_ns,
+            span: p.stats.span,
+        });
     }
+    // The request's WRITE span over its prefill ranks, and its bandwidth by that span.
+    let mut bandwidth = BandwidthTally::default();
+    for w in writes.values() {
+        if let Some(ns) = bandwidth.add(w) {
+            rec.record_ns(Stage::TransferSpan.as_str(), ns);
+        }
+    }
+    summary.transfer_bandwidth = bandwidth.summary();
     let (mut hidden, mut written) = (0u64, 0u64);
     for p in pushes.iter().filter(|p| p.req >= s.warmup && p.error.is_none()) {
         hidden += p.stats.hidden_ns.min(p.stats.transfer_ns);

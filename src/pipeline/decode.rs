@@ -479,6 +479,7 @@ impl Decoder<'_> {
         };
         // Read: over UCX, or through storage (the storage transport, or a multi fallback).
         let tt = Instant::now();
+        let tt_mono = crate::clock::now_ns();
         let ucx_first =
             matches!(self.cfg.transport.kind, TransportKind::Ucx | TransportKind::Multi) && !eng.ucx_broken;
         // cuda-batch: one batched copy per source rank, from its mapped pool, each posted
@@ -604,6 +605,7 @@ impl Decoder<'_> {
             std::thread::sleep(tt.elapsed().mul_f64(self.cfg.transport.slowdown));
         }
         r.transfer_ns = tt.elapsed().as_nanos() as u64;
+        r.transfer_span = Some(crate::clock::ClockSpan::since(tt_mono));
         if r.transports.is_none() {
             r.transports = eng.transports.clone();
         }

@@ -335,6 +335,10 @@ pub struct LoadResult {
     pub plan_ns: u64,
     pub post_ns: u64,
     pub transfer_ns: u64,
+    /// When the transfer ran, on this host's monotonic clock (pull mode: the reads); joined
+    /// over ranks into the request's wall span.
+    #[serde(default)]
+    pub transfer_span: Option<crate::clock::ClockSpan>,
     pub notify_ns: u64,
     /// From taking the request to notifications sent (verification excluded).
     pub e2e_ns: u64,
@@ -378,6 +382,9 @@ pub struct PushStats {
     /// Writing: posting the PUTs until they completed locally, and flushing the endpoints
     /// (remote completion); without layer overlap, from the first PUT to the last flush.
     pub transfer_ns: u64,
+    /// When the WRITEs ran, first PUT to last flush, on this host's monotonic clock.
+    #[serde(default)]
+    pub span: Option<crate::clock::ClockSpan>,
     pub notify_ns: u64,
     pub bytes: u64,
     pub descriptors: u64,

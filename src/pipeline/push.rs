@@ -367,12 +367,15 @@ impl Pusher {
                 ));
             }
             let t = Instant::now();
+            let t_mono = crate::clock::now_ns();
             let opts =
                 ReadOptions { max_inflight: cfg.transport.inflight.max(1) as usize, timeout: self.timeout };
             let st = write_batch_multi(local, dests, &opts)
                 .map_err(|e| (classify_ucx(&e), format!("write to the decode ranks: {e}")))?;
             let done = Instant::now();
             job.stats.transfer_ns += done.duration_since(t).as_nanos() as u64;
+            job.stats.span =
+                crate::clock::ClockSpan::cover(job.stats.span, crate::clock::ClockSpan::since(t_mono));
             job.stats.post_ns += st.post_ns;
             job.stats.bytes += st.bytes;
             if let Some(end) = compute_end {
@@ -393,6 +396,7 @@ impl Pusher {
             // Remote completion before the notification: a PUT's completion frees its source,
             // it does not say the bytes arrived.
             let tf = Instant::now();
+            let tf_mono = crate::clock::now_ns();
             for (d_rank, _) in &job.writes {
                 if let Some(t) = eng.ranks.get(d_rank) {
                     t.region
@@ -402,6 +406,8 @@ impl Pusher {
                 }
             }
             job.stats.transfer_ns += tf.elapsed().as_nanos() as u64;
+            job.stats.span =
+                crate::clock::ClockSpan::cover(job.stats.span, crate::clock::ClockSpan::since(tf_mono));
             let tn = Instant::now();
             for (d_rank, msg) in &job.writes {
                 let (id, count) = msg.rsplit_once(':').unwrap_or((msg.as_str(), "1"));

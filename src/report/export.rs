@@ -164,6 +164,7 @@ mod tests {
             plan_us: Some(0.25),
             post_us: Some(3.0),
             transfer_us: Some(120.0),
+            transfer_span_us: Some(125.0),
             notify_us: Some(4.0),
             e2e_us: Some(130.0),
             outcome: if i == 2 { RequestOutcome::Failed } else { RequestOutcome::Ok },

@@ -6,6 +6,7 @@
 //!   [`RequestRow`] (`requests.csv`), [`RequestTotals`], the vLLM metrics line.
 //! - [`recorder`]: [`StageRecorder`], raw nanosecond samples per stage in hdrhistogram,
 //!   mergeable across workers and shippable between processes.
+//! - [`bandwidth`]: per-request bandwidth by the wall-span rule, beside each rank's own.
 //! - [`numbers`]: how figures read (precision, byte units, ratios); a leaf.
 //! - [`export`], [`table`], [`chart`]: pure exporters from a summary (and rows) to bytes:
 //!   JSON, CSV, comfy-table text or Markdown, SVG charts.
@@ -22,6 +23,7 @@
 
 use std::path::PathBuf;
 
+pub mod bandwidth;
 pub mod chart;
 pub mod compare;
 pub mod export;

@@ -31,8 +31,11 @@ pub enum Stage {
     Plan,
     /// Posting the reads to UCX.
     Post,
-    /// From post to the last read completing.
+    /// The slowest rank's own transfer: from posting to its last read completing.
     Transfer,
+    /// The request's wall span: the first rank's transfer start to the last rank's end, on
+    /// one host's clock (absent for ranks on several hosts).
+    TransferSpan,
     /// Sending the done notification to every P rank read from.
     Notify,
     /// End to end, from the request's arrival to its notification.
@@ -41,12 +44,13 @@ pub enum Stage {
 
 impl Stage {
     /// Every known stage in display order.
-    pub const ALL: [Stage; 7] = [
+    pub const ALL: [Stage; 8] = [
         Stage::Queue,
         Stage::Handshake,
         Stage::Plan,
         Stage::Post,
         Stage::Transfer,
+        Stage::TransferSpan,
         Stage::Notify,
         Stage::E2e,
     ];
@@ -59,6 +63,7 @@ impl Stage {
             Stage::Plan => "plan",
             Stage::Post => "post",
             Stage::Transfer => "transfer",
+            Stage::TransferSpan => "transfer_span",
             Stage::Notify => "notify",
             Stage::E2e => "e2e",
         }
@@ -144,6 +149,10 @@ pub struct Summary {
     /// Named event counts of the run (e.g. `fallbacks_to_storage`), apart from the metrics.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counters: BTreeMap<String, u64>,
+    /// Per-request bandwidth by the wall-span rule, beside each rank's own (see
+    /// [`super::bandwidth`]); absent where no transfer was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfer_bandwidth: Option<super::bandwidth::TransferBandwidth>,
     /// `--transport cuda-batch`: how the decode ranks' batched copies went.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_batch: Option<CudaBatchInfo>,
@@ -197,6 +206,7 @@ impl Summary {
             notes: Vec::new(),
             warnings: Vec::new(),
             counters: BTreeMap::new(),
+            transfer_bandwidth: None,
             cuda_batch: None,
             waterfall: None,
             goodput: None,
@@ -652,6 +662,9 @@ pub struct RequestRow {
     pub plan_us: Option<f64>,
     pub post_us: Option<f64>,
     pub transfer_us: Option<f64>,
+    /// The request's wall span over its ranks (see [`Stage::TransferSpan`]).
+    #[serde(default)]
+    pub transfer_span_us: Option<f64>,
     pub notify_us: Option<f64>,
     pub e2e_us: Option<f64>,
     pub outcome: RequestOutcome,
@@ -661,7 +674,7 @@ pub struct RequestRow {
 
 impl RequestRow {
     /// Column names of `requests.csv`, in order (a test checks they match the fields).
-    pub const HEADERS: [&'static str; 18] = [
+    pub const HEADERS: [&'static str; 19] = [
         "request_id",
         "repeat",
         "start_offset_us",
@@ -675,6 +688,7 @@ impl RequestRow {
         "plan_us",
         "post_us",
         "transfer_us",
+        "transfer_span_us",
         "notify_us",
         "e2e_us",
         "outcome",
@@ -690,6 +704,7 @@ impl RequestRow {
             Stage::Plan => self.plan_us,
             Stage::Post => self.post_us,
             Stage::Transfer => self.transfer_us,
+            Stage::TransferSpan => self.transfer_span_us,
             Stage::Notify => self.notify_us,
             Stage::E2e => self.e2e_us,
         }
@@ -703,6 +718,7 @@ impl RequestRow {
             Stage::Plan => &mut self.plan_us,
             Stage::Post => &mut self.post_us,
             Stage::Transfer => &mut self.transfer_us,
+            Stage::TransferSpan => &mut self.transfer_span_us,
             Stage::Notify => &mut self.notify_us,
             Stage::E2e => &mut self.e2e_us,
         };
@@ -773,29 +789,34 @@ pub fn ratio(a: f64, b: f64) -> f64 {
     if b > 0.0 && a.is_finite() && b.is_finite() { a / b } else { 0.0 }
 }
 
-/// The line vLLM's NixlConnector logs (`KV Transfer metrics: ...`), from a summary.
+/// The line vLLM's NixlConnector logs (`KV Transfer metrics: ...`), from a summary's
+/// per-rank figures ([`super::bandwidth::TransferBandwidth`]); `None` without them.
 ///
-/// Follows vLLM's definitions: MB are MiB (2^20 bytes); throughput is total MB over the sum of
-/// transfer times (so the per-transfer bandwidth, not wall-clock), which equals the mean MB per
-/// transfer over the mean transfer time.
-pub fn vllm_metrics_line(s: &Summary) -> String {
-    let transfer = s.stages.get(Stage::Transfer.as_str()).copied().unwrap_or_default();
-    let post = s.stages.get(Stage::Post.as_str()).copied().unwrap_or_default();
-    let avg_mb = s.bytes_per_request / f64::from(1u32 << 20);
-    let throughput_mb_s = ratio(avg_mb, transfer.mean_us / 1e6);
-    format!(
-        "KV Transfer metrics: Num successful transfers={}, Avg xfer time (ms)={:.3}, P90 xfer time (ms)={:.3}, \
+/// Follows vLLM's definitions: a transfer is one rank's reads of one request (each worker
+/// records its own), MB are MiB (2^20 bytes), and throughput is the total MB over the sum of
+/// transfer times (the per-transfer bandwidth, not wall-clock).
+pub fn vllm_metrics_line(s: &Summary) -> Option<String> {
+    let b = s.transfer_bandwidth.as_ref()?;
+    let n = b.rank_transfer_us.count;
+    if n == 0 {
+        return None;
+    }
+    let post = &b.rank_post_us;
+    let mib = f64::from(1u32 << 20);
+    let total_s = b.rank_transfer_us.mean * n as f64 / 1e6;
+    let per_request = ratio(n as f64, s.requests_ok as f64);
+    Some(format!(
+        "KV Transfer metrics: Num successful transfers={n}, Avg xfer time (ms)={:.3}, P90 xfer time (ms)={:.3}, \
          Avg post time (ms)={:.3}, P90 post time (ms)={:.3}, Avg MB per transfer={:.3}, Throughput (MB/s)={:.3}, \
          Avg number of descriptors={:.1}",
-        s.requests_ok,
-        transfer.mean_us / 1e3,
-        transfer.p90_us / 1e3,
-        post.mean_us / 1e3,
-        post.p90_us / 1e3,
-        avg_mb,
-        throughput_mb_s,
-        s.descriptors_per_request.coalesced,
-    )
+        b.rank_transfer_us.mean / 1e3,
+        b.rank_transfer_us.p90 / 1e3,
+        post.mean / 1e3,
+        post.p90 / 1e3,
+        b.rank_bytes as f64 / n as f64 / mib,
+        ratio(b.rank_bytes as f64 / mib, total_s),
+        ratio(s.descriptors_per_request.coalesced, per_request),
+    ))
 }
 
 /// The current time as RFC 3339 (UTC, seconds), for `started_at`.
@@ -931,19 +952,27 @@ mod tests {
     }
 
     #[test]
-    fn vllm_line_uses_mib_and_transfer_time() {
+    fn vllm_line_counts_each_rank_s_transfer_in_mib_and_its_own_time() {
         let mut s = Summary::new("r", "t", Scenario::default());
+        assert_eq!(vllm_metrics_line(&s), None, "no per-rank figures, no line");
         s.requests_ok = 7;
-        s.bytes_per_request = f64::from(4u32 << 20);
-        s.descriptors_per_request.coalesced = 12.25;
-        let stats = |mean_us, p90_us| StageStats { count: 7, mean_us, p90_us, ..Default::default() };
-        s.stages.insert("transfer".into(), stats(2000.0, 3000.0));
-        s.stages.insert("post".into(), stats(50.0, 80.0));
+        s.descriptors_per_request.coalesced = 24.5;
+        // 7 requests of 2 ranks, each rank 4 MiB in 2 ms (p90 3 ms).
+        let spread =
+            |mean, p90| super::super::bandwidth::Spread { count: 14, mean, p90, ..Default::default() };
+        s.transfer_bandwidth = Some(super::super::bandwidth::TransferBandwidth {
+            rank_transfer_us: spread(2000.0, 3000.0),
+            rank_post_us: spread(50.0, 80.0),
+            rank_bytes: 14 * (4 << 20),
+            ..Default::default()
+        });
         assert_eq!(
-            vllm_metrics_line(&s),
-            "KV Transfer metrics: Num successful transfers=7, Avg xfer time (ms)=2.000, P90 xfer time (ms)=3.000, \
-             Avg post time (ms)=0.050, P90 post time (ms)=0.080, Avg MB per transfer=4.000, \
-             Throughput (MB/s)=2000.000, Avg number of descriptors=12.2"
+            vllm_metrics_line(&s).as_deref(),
+            Some(
+                "KV Transfer metrics: Num successful transfers=14, Avg xfer time (ms)=2.000, P90 xfer time (ms)=3.000, \
+                 Avg post time (ms)=0.050, P90 post time (ms)=0.080, Avg MB per transfer=4.000, \
+                 Throughput (MB/s)=2000.000, Avg number of descriptors=12.2"
+            )
         );
     }
 

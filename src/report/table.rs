@@ -194,6 +194,54 @@ pub fn throughput_table(s: &Summary, style: Style) -> Table {
     t
 }
 
+/// Per-request transfer bandwidth by the wall-span rule, beside each rank's own (see
+/// [`super::bandwidth`]); with device memory, the request span's share of the device's
+/// bandwidth measured in the same run.
+pub fn bandwidth_table(s: &Summary, style: Style) -> Option<Table> {
+    let b = s.transfer_bandwidth.as_ref()?;
+    let device = s.calibration.as_ref().and_then(|c| c.figure("device_bandwidth_gbps"));
+    let mut head = vec!["GB/s per request", "count", "p10", "p50", "p90", "mean"];
+    if device.is_some() {
+        head.push("p50 vs device bandwidth");
+    }
+    let mut t = new_table(style, &head);
+    let mut row = |name: &str, x: &super::bandwidth::Spread| {
+        let mut r = vec![
+            name.to_string(),
+            x.count.to_string(),
+            fmt_f(x.p10),
+            fmt_f(x.p50),
+            fmt_f(x.p90),
+            fmt_f(x.mean),
+        ];
+        if let Some(d) = device {
+            r.push(fmt_ratio(ratio(x.p50, d)));
+        }
+        t.add_row(r);
+    };
+    match &b.span_gbps {
+        Some(x) => row("request: all ranks' bytes / wall span", x),
+        None => {}
+    }
+    row("each rank: its bytes / its own time", &b.rank_gbps);
+    align_numbers(&mut t, 1);
+    Some(t)
+}
+
+/// What the verification row claims, as strong as the check: the mode that chose the bytes.
+fn verified_label(s: &Summary) -> String {
+    match s.scenario.verify.as_deref() {
+        Some("full") => "bytes verified (every byte read)".to_string(),
+        Some("sample") => format!(
+            "bytes verified (sampled blocks, {:.1}% of bytes read)",
+            100.0 * ratio(s.bytes_verified as f64, s.bytes_read as f64)
+        ),
+        Some("off") => "bytes verified (verification off)".to_string(),
+        Some(other) => format!("bytes verified (--verify {other})"),
+        None => "bytes verified".to_string(),
+    }
+}
+
 /// Outcomes, failures by cause, verification and block accounting.
 pub fn failures_table(s: &Summary, style: Style) -> Table {
     let mut t = new_table(style, &["metric", "value"]);
@@ -203,7 +251,10 @@ pub fn failures_table(s: &Summary, style: Style) -> Table {
     for (cause, n) in &s.failures_by_cause {
         t.add_row(vec![format!("  cause: {cause}"), n.to_string()]);
     }
-    t.add_row(vec!["bytes verified".to_string(), fmt_bytes(s.bytes_verified as f64)]);
+    t.add_row(vec![
+        verified_label(s),
+        format!("{} of {}", fmt_bytes(s.bytes_verified as f64), fmt_bytes(s.bytes_read as f64)),
+    ]);
     t.add_row(vec!["verify failures".to_string(), s.verify_failures.to_string()]);
     t.add_row(vec!["blocks leaked".to_string(), s.blocks_leaked.to_string()]);
     t.add_row(vec!["blocks freed by lease expiry".to_string(), s.blocks_expired.to_string()]);
@@ -216,7 +267,7 @@ pub fn per_rank_table(s: &Summary, style: Style) -> Option<Table> {
     if s.per_rank.is_empty() {
         return None;
     }
-    let mut t = new_table(style, &["rank", "GB/s", "bytes", "requests"]);
+    let mut t = new_table(style, &["rank", "GB/s over the run", "bytes", "requests"]);
     for r in &s.per_rank {
         t.add_row(vec![
             format!("{}{}", r.role, r.rank),
@@ -317,6 +368,10 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
     if s.measured_kv() {
         out.push_str(&section("Throughput, bytes, descriptors", &throughput_table(s, style), style));
         out.push('\n');
+        if let (Some(t), Some(b)) = (bandwidth_table(s, style), &s.transfer_bandwidth) {
+            out.push_str(&section("Transfer bandwidth", &t, style));
+            out.push_str(&format!("clock: {}\n\n", b.clock));
+        }
     }
     out.push_str(&section("Outcomes and verification", &failures_table(s, style), style));
     if let Some(t) = per_rank_table(s, style) {
@@ -332,11 +387,11 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         out.push_str(&section("Sweep", &t, style));
     }
     // The vLLM line describes one run's transfers; a sweep's points carry their own figures.
-    if !s.stages.is_empty() && s.measured_kv() {
+    if let Some(line) = vllm_metrics_line(s).filter(|_| s.measured_kv()) {
         out.push('\n');
         match style {
-            Style::Terminal => out.push_str(&vllm_metrics_line(s)),
-            Style::Markdown => out.push_str(&format!("`{}`", vllm_metrics_line(s))),
+            Style::Terminal => out.push_str(&line),
+            Style::Markdown => out.push_str(&format!("`{line}`")),
         }
         out.push('\n');
     }

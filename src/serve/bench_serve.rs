@@ -344,6 +344,7 @@ struct KvFigures {
     descriptors_raw: u64,
     descriptors_coalesced: u64,
     per_rank: BTreeMap<u32, (u64, u64)>,
+    bandwidth: crate::report::bandwidth::BandwidthTally,
 }
 
 fn kv_figures(run: &LoadRun, records: &[KvRequestRecord]) -> KvFigures {
@@ -374,6 +375,9 @@ fn kv_figures(run: &LoadRun, records: &[KvRequestRecord]) -> KvFigures {
             if stage != "verify" || ns > 0 {
                 f.recorder.record_ns(stage, ns);
             }
+        }
+        if let Some(ns) = f.bandwidth.add(&k.transfers) {
+            f.recorder.record_ns(crate::report::Stage::TransferSpan.as_str(), ns);
         }
         for &(rank, bytes) in &k.rank_bytes {
             let e = f.per_rank.entry(rank).or_default();
@@ -407,6 +411,7 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
         raw: ratio(k.descriptors_raw as f64, k.loads_ok as f64),
         coalesced: ratio(k.descriptors_coalesced as f64, k.loads_ok as f64),
     };
+    sum.transfer_bandwidth = k.bandwidth.summary();
     sum.per_rank = k
         .per_rank
         .iter()
@@ -508,6 +513,8 @@ fn request_rows(run: &LoadRun, records: &[KvRequestRecord]) -> Vec<RequestRow> {
                     row.plan_us = Some(us(k.plan_ns));
                     row.post_us = Some(us(k.post_ns));
                     row.transfer_us = Some(us(k.transfer_ns));
+                    row.transfer_span_us =
+                        crate::clock::wall_span_ns(k.transfers.iter().map(|t| t.span)).map(us);
                     row.notify_us = Some(us(k.notify_ns));
                     row.e2e_us = Some(us(k.e2e_ns));
                 } else if row.outcome == RequestOutcome::Ok {
@@ -565,8 +572,10 @@ fn render(s: &Summary, run: &LoadRun) -> String {
     out.push('\n');
     out.push_str(&section("Through the proxy", &load_report::targets_table(&run.summary, style), style));
     out.push_str(&load_report::serving_sections(s, &run.summary, style));
-    out.push('\n');
-    out.push_str(&vllm_metrics_line(s));
-    out.push('\n');
+    if let Some(line) = vllm_metrics_line(s) {
+        out.push('\n');
+        out.push_str(&line);
+        out.push('\n');
+    }
     out
 }

@@ -90,6 +90,8 @@ pub struct KvRequestRecord {
     pub verify_failures: u64,
     /// Bytes each decode rank read.
     pub rank_bytes: Vec<(u32, u64)>,
+    /// Each decode rank's part of the transfer (its bytes, own time and clock span).
+    pub transfers: Vec<crate::report::bandwidth::RankTransfer>,
     /// The failure cause (`handshake`, `transfer`, `verify`, ...), if the load failed.
     pub failure: Option<String>,
 }
@@ -312,6 +314,17 @@ impl WorkerKv {
             bytes_verified,
             verify_failures,
             rank_bytes: ranks.iter().map(|r| (r.d_rank, r.bytes)).collect(),
+            // Pull: the decode ranks' reads are the transfer; a push decode rank only waited.
+            transfers: ranks
+                .iter()
+                .filter(|_| job.params.transfer_mode != TransferMode::Push.as_str())
+                .map(|r| crate::report::bandwidth::RankTransfer {
+                    bytes: r.bytes,
+                    transfer_ns: r.transfer_ns,
+                    post_ns: r.post_ns,
+                    span: r.transfer_span,
+                })
+                .collect(),
             failure: error
                 .as_ref()
                 .map(|(c, _)| c.as_str().to_string())
