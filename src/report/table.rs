@@ -370,7 +370,8 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         out.push('\n');
         if let (Some(t), Some(b)) = (bandwidth_table(s, style), &s.transfer_bandwidth) {
             out.push_str(&section("Transfer bandwidth", &t, style));
-            out.push_str(&format!("clock: {}\n\n", b.clock));
+            let gap = if style == Style::Markdown { "\n" } else { "" };
+            out.push_str(&format!("{gap}clock: {}\n\n", b.clock));
         }
     }
     out.push_str(&section("Outcomes and verification", &failures_table(s, style), style));

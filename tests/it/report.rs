@@ -255,7 +255,7 @@ fn report_renders_a_saved_run() {
     let a =
         kvx().arg("report").arg(fixture_run("run-a")).arg("--charts-dir").arg(charts.path()).assert().code(0);
     let out = stdout(&a);
-    assert!(out.contains("KV Transfer metrics: Num successful transfers=58"), "{out}");
+    assert!(out.contains("KV Transfer metrics: Num successful transfers=116"), "{out}");
     insta::assert_snapshot!("report_run_table", out);
     for svg in ["latency.svg", "throughput-over-time.svg"] {
         let text = std::fs::read_to_string(charts.path().join(svg)).expect(svg);
