@@ -7,6 +7,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
 mkdir -p target
+# Everything the tests start (kvx runs, engines, workers) keeps its temp files here, not in
+# /tmp: a test that kills kvx on purpose leaves nothing where the user would see it.
+export TMPDIR="$PWD/target/test-tmp"
+rm -rf "$TMPDIR" && mkdir -p "$TMPDIR"
 cargo test --release --locked --lib --bins --tests --no-fail-fast 2>&1 | tee target/test-output.log
 status=${PIPESTATUS[0]}
 echo

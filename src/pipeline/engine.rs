@@ -496,6 +496,35 @@ fn protocol_capture_env(dir: &std::path::Path) -> Vec<(String, String)> {
     }
 }
 
+/// An engine's temp directory (its control socket) is `kvx-engine-<pid>-XXXXXX` in the
+/// temp dir; a run killed before it could clean up leaves one behind.
+const ENGINE_DIR_PREFIX: &str = "kvx-engine-";
+
+/// Removes the engine directories in `tmp` whose owner process is gone (a killed run's), so
+/// killed runs do not pile up in `/tmp`. Directories of live processes, of other users and
+/// of other names are left alone; a failure to remove one is only logged.
+fn remove_stale_engine_dirs(tmp: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(tmp) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(ENGINE_DIR_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() || std::path::Path::new("/proc").join(pid.to_string()).exists() {
+            continue;
+        }
+        match std::fs::remove_dir_all(e.path()) {
+            Ok(()) => tracing::debug!("removed {} (its process {pid} is gone)", e.path().display()),
+            Err(err) => tracing::debug!("cannot remove stale {}: {err}", e.path().display()),
+        }
+    }
+}
+
 impl EngineLoop {
     fn start(
         cfg: EngineConfig,
@@ -509,9 +538,11 @@ impl EngineLoop {
         let _ = ctl.set_router_mandatory(true);
         let (bind, tmp) = match &cfg.launch {
             Launch::Spawn { .. } => {
+                let tmp = std::env::temp_dir();
+                remove_stale_engine_dirs(&tmp);
                 let dir = tempfile::Builder::new()
-                    .prefix("kvx-engine-")
-                    .tempdir()
+                    .prefix(&format!("{ENGINE_DIR_PREFIX}{}-", std::process::id()))
+                    .tempdir_in(&tmp)
                     .map_err(|e| startup(&cfg, format!("temp dir: {e}")))?;
                 (format!("ipc://{}/ctl", dir.path().display()), Some(dir))
             }
@@ -1311,5 +1342,29 @@ pub fn split_endpoint(ep: &str) -> (String, u16) {
     match rest.rsplit_once(':') {
         Some((h, p)) => (h.trim_matches(['[', ']']).to_string(), p.parse().unwrap_or(0)),
         None => (rest.to_string(), 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_engine_dirs_of_gone_processes_are_removed_and_others_kept() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        // A process that has exited: its pid is free (until reused, which would only keep it).
+        let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+        let dead = child.id();
+        child.wait().expect("wait");
+        let stale = tmp.path().join(format!("kvx-engine-{dead}-abc123"));
+        let mine = tmp.path().join(format!("kvx-engine-{}-def456", std::process::id()));
+        let other = tmp.path().join("kvx-engine-notapid");
+        for d in [&stale, &mine, &other] {
+            std::fs::create_dir(d).expect("mkdir");
+            std::fs::write(d.join("ctl"), b"").expect("file");
+        }
+        remove_stale_engine_dirs(tmp.path());
+        assert!(!stale.exists(), "the gone process's directory is removed");
+        assert!(mine.exists() && other.exists(), "a live owner's and an unknown name's are kept");
     }
 }

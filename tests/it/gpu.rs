@@ -3,6 +3,7 @@
 //! CUDA support. On a GPU host the same tests accept success (`scripts/gpu-check.sh` is
 //! the acceptance run there).
 
+use std::os::unix::process::CommandExt as _;
 use std::time::Duration;
 
 use assert_cmd::Command;
@@ -160,21 +161,151 @@ fn bench_on_device_memory_without_a_gpu_exits_2_naming_what_is_missing() {
     assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "no run directory either");
 }
 
+/// Without a GPU: exit 2 naming what is missing, before serving. With one: prefill and
+/// decode engines keep their pools in device memory, and a request through the proxy reads
+/// its KV from device to device, every byte verified, nothing left held.
 #[test]
-fn serve_engine_with_device_pools_without_a_gpu_exits_2_before_it_serves() {
-    let out = kvx()
-        .args(["serve-engine", "--role", "decode", "--kv-backend", "workers", "--model", "llama-3.1-8b"])
-        .args(["--mem", "cuda", "--devices", "0", "--port", "0"])
-        .timeout(Duration::from_secs(30))
-        .output()
-        .expect("run kvx serve-engine");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if out.status.code() != Some(2) {
-        // A GPU host gets past the check and serves until the timeout kills it.
-        skip("this host can keep device pools: serve-engine --mem cuda started");
-        return;
+fn serve_engine_with_device_pools_serves_verified_kv_on_a_gpu_and_exits_2_without_one() {
+    let engine = |role: &str, tp: &str| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_kvx"));
+        c.args(["serve-engine", "--role", role, "--kv-backend", "workers", "--model", "llama-3.1-8b"])
+            .args(["--layers", "2", "--model-name", "stub-model", "--tp", tp, "--max-model-len", "1024"])
+            .args(["--mem", "cuda", "--devices", "0", "--port", "0", "--side-channel-port", "0"])
+            .args(["--verify", "full", "--timeout", "10s"])
+            .env_remove("KVX_UCX_LIB")
+            .env_remove("KVX_UCX_DIR")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0);
+        GroupProc::spawn(c)
+    };
+    let mut p = engine("prefill", "2");
+    let addr_p = match p.first_line(Duration::from_secs(60)) {
+        Ok(addr) => addr,
+        Err(()) => {
+            // No GPU here: the engine said why and stopped before serving.
+            let (code, stderr) = p.finish(Duration::from_secs(30));
+            assert_eq!(code, Some(2), "{stderr}");
+            assert!(MISSING.iter().any(|m| stderr.contains(m)), "{stderr}");
+            return;
+        }
+    };
+    let mut d = engine("decode", "1");
+    let addr_d = d
+        .first_line(Duration::from_secs(60))
+        .unwrap_or_else(|()| panic!("{}", d.finish(Duration::from_secs(5)).1));
+    let mut x = {
+        let (pp, dp) = (port(&addr_p), port(&addr_d));
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_kvx"));
+        c.args(["serve-proxy", "--port", "0", "--prefiller-host", "127.0.0.1", "--prefiller-port", &pp])
+            .args(["--decoder-host", "127.0.0.1", "--decoder-port", &dp])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0);
+        GroupProc::spawn(c)
+    };
+    let addr_x = x
+        .first_line(Duration::from_secs(30))
+        .unwrap_or_else(|()| panic!("{}", x.finish(Duration::from_secs(5)).1));
+    let prompt = (0..40).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    let body = format!(r#"{{"model":"stub-model","prompt":"{prompt}","max_tokens":2}}"#);
+    let reply = http(&addr_x, "POST", "/v1/completions", &body);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    let metrics = http(&addr_d, "GET", "/metrics", "");
+    let value = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<f64>().ok()))
+            .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"))
+    };
+    let labels = "{backend=\"workers\",kv_transfer=\"ucx\",role=\"decode\"}";
+    let read = value(&format!("kvx:kv_bytes_read_total{labels}"));
+    assert!(read > 0.0, "{metrics}");
+    assert_eq!(value(&format!("kvx:kv_bytes_verified_total{labels}")), read, "every byte read was verified");
+    assert_eq!(value(&format!("kvx:kv_verify_failures_total{labels}")), 0.0);
+    for proc in [&mut x, &mut d, &mut p] {
+        proc.signal(libc::SIGTERM);
+        let (code, stderr) = proc.finish(Duration::from_secs(30));
+        assert!(matches!(code, Some(0 | 143)), "{code:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
     }
-    assert!(MISSING.iter().any(|m| stderr.contains(m)), "{stderr}");
+}
+
+/// A kvx process in its own group: its first stdout line (`listening on http://ADDR`), then
+/// its exit, both with deadlines; the group is killed on drop.
+struct GroupProc {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl GroupProc {
+    fn spawn(mut c: std::process::Command) -> GroupProc {
+        let mut child = c.spawn().expect("spawn kvx");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line);
+            let _ = tx.send(line);
+        });
+        GroupProc { child, lines }
+    }
+
+    /// The address it listens on, or `Err` if it ended (or printed nothing) first.
+    fn first_line(&mut self, limit: Duration) -> Result<String, ()> {
+        let line = self.lines.recv_timeout(limit).map_err(|_| ())?;
+        line.trim().strip_prefix("listening on http://").map(str::to_string).ok_or(())
+    }
+
+    fn signal(&self, sig: i32) {
+        let _ = std::process::Command::new("kill")
+            .args(["-s", &sig.to_string(), "--", &format!("-{}", self.child.id())])
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+
+    /// Exit code and stderr, killing the group if it has not ended within `limit`.
+    fn finish(&mut self, limit: Duration) -> (Option<i32>, String) {
+        use wait_timeout::ChildExt as _;
+        let status = match self.child.wait_timeout(limit).expect("wait") {
+            Some(s) => s,
+            None => {
+                self.signal(libc::SIGKILL);
+                self.child.wait().expect("wait")
+            }
+        };
+        let mut stderr = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
+        }
+        (status.code(), stderr)
+    }
+}
+
+impl Drop for GroupProc {
+    fn drop(&mut self) {
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+fn port(addr: &str) -> String {
+    addr.rsplit(':').next().unwrap_or_default().to_string()
+}
+
+/// One HTTP/1.1 request over a plain socket, with a hard timeout; the whole reply.
+fn http(addr: &str, method: &str, path: &str, body: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).expect("send");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
 }
 
 /// Each mode names the operation that moves its KV: decode's GETs when pulling, prefill's PUTs
