@@ -219,9 +219,8 @@ pub fn bandwidth_table(s: &Summary, style: Style) -> Option<Table> {
         }
         t.add_row(r);
     };
-    match &b.span_gbps {
-        Some(x) => row("request: all ranks' bytes / wall span", x),
-        None => {}
+    if let Some(x) = &b.span_gbps {
+        row("request: all ranks' bytes / wall span", x);
     }
     row("each rank: its bytes / its own time", &b.rank_gbps);
     align_numbers(&mut t, 1);
