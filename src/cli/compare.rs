@@ -156,6 +156,7 @@ pub fn run(
             requests_per_s: s.requests_per_s,
             transfer_p50_us: Some(t50 * 1e3),
             e2e_p50_us: Some(e50 * 1e3),
+            kv_ready_p50_us: s.stages.get(crate::pipeline::bench::READY).map(|t| t.p50_us),
             descriptors_per_request: Some(s.descriptors_per_request),
             requests_ok: s.requests_ok,
             requests_failed: s.requests_failed,

@@ -32,8 +32,8 @@ use crate::{Outcome, output};
 Posting cost: for each transport (ucx on host memory, UCX cuda_ipc, kvx's cuda-batch) the
 descriptors the busiest decode rank posts, the time posting them takes at that transport's
 per-descriptor rate, and the time the bytes take at its bandwidth ceiling; a request whose
-posting takes longer is post-bound. The default rates say where they were measured; the
-cuda-batch rate is an estimate until scripts/gpu-check.sh measures it."
+posting takes longer is post-bound. Every rate names the results file and line it comes
+from; `--rates FILE` takes your own `kvx xfer --format json` (or gpu-check) JSON instead."
 )]
 pub struct PlanArgs {
     #[command(flatten)]
@@ -92,6 +92,11 @@ pub struct PlanArgs {
     /// Pairs to print per read in the table view.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub show_pairs: usize,
+    /// A results file whose rates replace the built-in ones: a `kvx xfer --format json`
+    /// report (UCX on host or device memory, or --transport cuda-batch) or the JSON that
+    /// scripts/gpu-check.sh writes.
+    #[arg(long, value_name = "FILE", help_heading = "Posting cost")]
+    pub rates: Option<std::path::PathBuf>,
     /// Measured posting costs replacing the defaults, in ns per descriptor: ucx, cuda-ipc,
     /// cuda-batch, and cuda-batch-call (ns per batched call), e.g. ucx=76,cuda-batch=150.
     #[arg(long, value_name = "KEY=NS", value_delimiter = ',', help_heading = "Posting cost")]
@@ -149,8 +154,6 @@ struct PathCostJson {
     cost: PathCost,
     #[serde(flatten)]
     rate: crate::layouts::posting::PathRate,
-    /// The per-descriptor rate is a default nobody has measured yet.
-    estimate: bool,
 }
 
 struct Resolved {
@@ -268,7 +271,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
     if args.mode == TransferMode::Push {
         return run_push(args, &resolved);
     }
-    let rates = crate::settings::posting::resolve_rates(&args.post_ns, &args.ceiling_gbps)
+    let rates = crate::settings::posting::resolve_rates(args.rates.as_deref(), &args.post_ns, &args.ceiling_gbps)
         .map_err(|e| reject(args.format, e))?;
     let plans = plan_all(args, &resolved).map_err(|e| reject(args.format, e))?;
     let costs = posting_costs(&plans, &rates);
@@ -308,7 +311,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
                         .iter()
                         .map(|c| {
                             let rate = rates.of(c.transport).clone();
-                            PathCostJson { estimate: rate.post_source.is_estimate(), cost: c.clone(), rate }
+                            PathCostJson { cost: c.clone(), rate }
                         })
                         .collect(),
                 },
@@ -358,6 +361,13 @@ fn time_text(ns: f64) -> String {
     }
 }
 
+/// A rate as it reads: three significant digits, no trailing zeros.
+fn num_text(v: f64) -> String {
+    let digits = if v >= 100.0 { 0 } else if v >= 10.0 { 1 } else { 2 };
+    let s = format!("{v:.digits$}");
+    if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s }
+}
+
 fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
     let mut out = String::from(
         "\nposting cost per request (the busiest decode rank; each posts its own reads in parallel):\n",
@@ -384,13 +394,9 @@ fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
             c.d_rank.to_string(),
             c.descriptors.to_string(),
             c.calls.to_string(),
-            format!(
-                "{}{}",
-                rate.ns_per_descriptor,
-                if rate.post_source.is_estimate() { " (est.)" } else { "" }
-            ),
+            num_text(rate.ns_per_descriptor),
             time_text(c.post_ns),
-            format!("{} ({} GB/s)", time_text(c.copy_ns), rate.ceiling_gbps),
+            format!("{} ({} GB/s)", time_text(c.copy_ns), num_text(rate.ceiling_gbps)),
             if c.post_bound { "yes".into() } else { "no".into() },
             format!("{:.2}", c.bound_gbps),
         ]);
@@ -399,13 +405,14 @@ fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
     out.push('\n');
     for c in costs {
         let r = rates.of(c.transport);
-        let call = if r.ns_per_call > 0.0 { format!(" + {} ns/call", r.ns_per_call) } else { String::new() };
+        let call =
+            if r.ns_per_call > 0.0 { format!(" + {} ns/call", num_text(r.ns_per_call)) } else { String::new() };
         out.push_str(&format!(
-            "{}: {} ns/desc{call} ({}); ceiling {} GB/s ({})\n",
+            "{}: {} ns/desc{call} (from {}); ceiling {} GB/s (from {})\n",
             c.transport.key(),
-            r.ns_per_descriptor,
+            num_text(r.ns_per_descriptor),
             r.post_source.text(),
-            r.ceiling_gbps,
+            num_text(r.ceiling_gbps),
             r.ceiling_source.text()
         ));
     }

@@ -7,7 +7,8 @@
 //! ids into (local offset, remote offset, length) descriptor pairs in vLLM's posting order,
 //! and coalesces them; `push` does the same for push mode (prefill WRITEs, so local is the
 //! prefill rank); `pattern` fills and verifies blocks; `posting` says what posting a plan's
-//! descriptors costs on each transport (the post-bound check of `kvx plan`).
+//! descriptors costs on each transport (the post-bound check of `kvx plan`), with `rates` reading
+//! its rates from results files.
 
 pub mod alloc;
 pub mod compat;
@@ -16,6 +17,7 @@ pub mod pattern;
 pub mod plan;
 pub mod posting;
 pub mod push;
+pub mod rates;
 pub mod verify;
 
 use std::fmt;

@@ -8,8 +8,9 @@
 //! Each decode rank posts its own reads in parallel with the others, so a request is as slow as
 //! its busiest decode rank, which is the one reported.
 //!
-//! The rates are data ([`PostRates`]): defaults with where each was measured, replaced by the
-//! user's own measurements (`kvx plan --post-ns`, `--ceiling-gbps`, resolved in `settings`).
+//! The rates are data ([`PostRates`]): built in from committed results files (each rate names
+//! its file and line, [`super::rates`]), replaced by the user's own measurements (`kvx plan
+//! --rates FILE`, `--post-ns`, `--ceiling-gbps`, resolved in `settings`).
 //!
 //! Owns: the cost arithmetic and the default rates. Pure: no I/O.
 
@@ -52,25 +53,19 @@ impl PostPath {
 
 /// Where a rate came from.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case", tag = "kind", content = "detail")]
+#[serde(rename_all = "snake_case", tag = "kind")]
 pub enum RateSource {
-    /// A default measured by this project (the detail says where and how).
-    Measured(&'static str),
-    /// A default nobody has measured yet (the detail says what it rests on).
-    Estimate(&'static str),
+    /// A results file (built in, or `kvx plan --rates`): its path, the line the figure stands
+    /// on, and what was derived from it and how.
+    File { path: String, line: usize, detail: String },
     /// Given on the command line.
     User,
 }
 
 impl RateSource {
-    pub fn is_estimate(&self) -> bool {
-        matches!(self, RateSource::Estimate(_))
-    }
-
     pub fn text(&self) -> String {
         match self {
-            RateSource::Measured(d) => format!("measured: {d}"),
-            RateSource::Estimate(d) => format!("ESTIMATE, not measured: {d}"),
+            RateSource::File { path, line, detail } => format!("{path}:{line}: {detail}"),
             RateSource::User => "given with --post-ns/--ceiling-gbps".into(),
         }
     }
@@ -98,62 +93,29 @@ pub struct PostRates {
     pub cuda_batch: PathRate,
 }
 
-/// `kvx xfer --sizes 8KiB --inflight 64` on this project's 2-core machine: `post us` of a
-/// batch of 64 GETs over cma is about 4.9 us, 76 ns per GET.
-pub const UCX_HOST_NS_PER_DESCRIPTOR: f64 = 76.0;
-/// UCX cuda_ipc: 5-6 us per GET, measured on an H100 (the project's GPU notes, 2e).
-pub const CUDA_IPC_NS_PER_DESCRIPTOR: f64 = 5500.0;
-/// cuda-batch (the gather kernel, the default): `kvx xfer --transport cuda-batch --mem cuda
-/// --sizes 8KiB` on an H100 (driver 580, 2026-11-26) posted a batch of 1 in 4.7 us and of 10,240
-/// in 26.6 us (writing the descriptors to pinned memory, one upload, one launch): 2.1 ns per
-/// descriptor ...
-pub const CUDA_BATCH_NS_PER_DESCRIPTOR: f64 = 2.1;
-/// ... plus 4.7 us per batch (the upload, the launch and the event record). The batch API
-/// (`--batch-copy api`, cuMemcpyBatchAsync_v2) cost 3.8 us per descriptor there: pass
-/// `--post-ns cuda-batch=3800` to plan with it.
-pub const CUDA_BATCH_NS_PER_CALL: f64 = 4_700.0;
-/// Host memory: `kvx bench --p-tp 8 --d-tp 2` on host memory reached 5.37 GB/s on a 16-core
-/// host (the GPU notes, 3).
-pub const HOST_CEILING_GBPS: f64 = 5.0;
-/// A device-to-device copy of 256 MiB on one H100: 1,427 GB/s (`kvx bench --mem cuda`'s
-/// calibration, 2026-11-26; torch measured 1,370 in the GPU notes, 2d).
-pub const DEVICE_CEILING_GBPS: f64 = 1427.0;
+/// A rate nothing has given yet (each built-in file gives every one; a test checks it).
+fn unset(why_unset: &str) -> PathRate {
+    let why = || RateSource::File { path: "(none)".into(), line: 0, detail: format!("no built-in rate: {why_unset}") };
+    PathRate { ns_per_descriptor: 0.0, ns_per_call: 0.0, post_source: why(), ceiling_gbps: 0.0, ceiling_source: why() }
+}
 
+/// The built-in rates: read from the committed results files kvx is built with
+/// ([`super::rates::BUILTIN`]), each rate naming its file and line.
 impl Default for PostRates {
     fn default() -> Self {
-        let device_ceiling = RateSource::Measured(
-            "device-to-device copy of 256 MiB on an H100 (kvx bench --mem cuda calibration)",
-        );
-        PostRates {
-            ucx: PathRate {
-                ns_per_descriptor: UCX_HOST_NS_PER_DESCRIPTOR,
-                ns_per_call: 0.0,
-                post_source: RateSource::Measured(
-                    "kvx xfer --sizes 8KiB --inflight 64 over cma, this project's 2-core machine",
-                ),
-                ceiling_gbps: HOST_CEILING_GBPS,
-                ceiling_source: RateSource::Measured(
-                    "kvx bench --p-tp 8 --d-tp 2 on host memory, 16-core host (GPU notes 3)",
-                ),
-            },
-            cuda_ipc: PathRate {
-                ns_per_descriptor: CUDA_IPC_NS_PER_DESCRIPTOR,
-                ns_per_call: 0.0,
-                post_source: RateSource::Measured("UCX cuda_ipc GETs on an H100, 5-6 us each (GPU notes 2e)"),
-                ceiling_gbps: DEVICE_CEILING_GBPS,
-                ceiling_source: device_ceiling.clone(),
-            },
-            cuda_batch: PathRate {
-                ns_per_descriptor: CUDA_BATCH_NS_PER_DESCRIPTOR,
-                ns_per_call: CUDA_BATCH_NS_PER_CALL,
-                post_source: RateSource::Measured(
-                    "kvx xfer --transport cuda-batch --mem cuda --sizes 8KiB on an H100, gather kernel: \
-                     2.1 ns per descriptor + 4.7 us per batch",
-                ),
-                ceiling_gbps: DEVICE_CEILING_GBPS,
-                ceiling_source: device_ceiling,
-            },
+        let mut rates = PostRates { ucx: unset("ucx"), cuda_ipc: unset("cuda-ipc"), cuda_batch: unset("cuda-batch") };
+        for (path, text) in super::rates::BUILTIN {
+            if let Err(e) = super::rates::apply(path, text, &mut rates) {
+                // Only a broken build gets here: the rates left unset say why.
+                for p in PostPath::ALL {
+                    let r = rates.of_mut(p);
+                    if r.ns_per_descriptor == 0.0 {
+                        *r = unset(&e);
+                    }
+                }
+            }
         }
+        rates
     }
 }
 
@@ -264,14 +226,15 @@ mod tests {
     #[test]
     fn cuda_ipc_at_8_kib_is_post_bound_at_about_1_5_gb_per_s() {
         let rates = PostRates::default();
-        let c = rank_cost(PostPath::CudaIpc, &rates.cuda_ipc, 0, &p8d2_rank());
+        let r = &rates.cuda_ipc;
+        let c = rank_cost(PostPath::CudaIpc, r, 0, &p8d2_rank());
         assert_eq!((c.descriptors, c.calls), (40_960, 40_960));
-        assert!((c.post_ns - 40_960.0 * 5500.0).abs() < 1.0);
+        assert!((c.post_ns - 40_960.0 * r.ns_per_descriptor).abs() < 1.0);
         assert!(c.post_bound);
-        // 8192 B / 5.5 us = 1.49 GB/s: the GPU notes measured ~1.1 GB/s (5-6 us plus waits).
-        assert!((c.bound_gbps - 8192.0 / 5500.0).abs() < 1e-9, "{}", c.bound_gbps);
-        // The same bytes at the device-copy ceiling take 0.24 ms; posting takes 225 ms.
-        assert!((c.copy_ns - 40_960.0 * 8192.0 / DEVICE_CEILING_GBPS).abs() < 1.0);
+        // 8192 B per GET's posting time: about 1.5 GB/s at 5.4 us.
+        assert!((c.bound_gbps - 8192.0 / r.ns_per_descriptor).abs() < 1e-9, "{}", c.bound_gbps);
+        assert!(c.bound_gbps < 2.0, "{}", c.bound_gbps);
+        assert!((c.copy_ns - 40_960.0 * 8192.0 / r.ceiling_gbps).abs() < 1.0);
     }
 
     #[test]
@@ -282,11 +245,12 @@ mod tests {
         let c = rank_cost(PostPath::CudaBatch, &rates.cuda_batch, 1, &reads);
         assert_eq!(c.calls, 4);
         assert_eq!(c.descriptors, 3 * 10_240 + 10);
-        let want = (3.0 * 10_240.0 + 10.0) * 2.1 + 4.0 * 4_700.0;
+        let r = &rates.cuda_batch;
+        let want = (3.0 * 10_240.0 + 10.0) * r.ns_per_descriptor + 4.0 * r.ns_per_call;
         assert!((c.post_ns - want).abs() < 1e-6);
         // 84 us of posting against 0.18 ms of copying: not post-bound, as measured.
         assert!(!c.post_bound, "{c:?}");
-        assert!(c.bound_gbps > 10.0 * 8192.0 / 5500.0, "clears the issue's 10x target");
+        assert!(c.bound_gbps > 10.0 * 8192.0 / rates.cuda_ipc.ns_per_descriptor, "clears the issue's 10x target");
         // A peer that sends nothing costs no call.
         let none = [ReadShape::default(), ReadShape { descriptors: 2, coalesced: 1, bytes: 64 }];
         assert_eq!(rank_cost(PostPath::CudaBatch, &rates.cuda_batch, 0, &none).calls, 1);
@@ -323,13 +287,13 @@ mod tests {
     }
 
     #[test]
-    fn defaults_say_which_rates_are_measured() {
+    fn defaults_name_the_file_and_line_of_each_rate() {
         let r = PostRates::default();
-        assert!(!r.ucx.post_source.is_estimate());
-        assert!(!r.cuda_ipc.post_source.is_estimate());
-        assert!(!r.cuda_batch.post_source.is_estimate(), "measured on an H100");
-        assert!(r.cuda_batch.post_source.text().contains("H100"));
-        assert!(RateSource::Estimate("a guess").text().starts_with("ESTIMATE"));
+        for p in PostPath::ALL {
+            assert!(matches!(r.of(p).post_source, RateSource::File { line, .. } if line > 0), "{p:?}");
+        }
+        assert!(r.cuda_batch.post_source.text().starts_with("results/rates/gpu-h100-"), "{}", r.cuda_batch.post_source.text());
+        assert!(r.ucx.post_source.text().starts_with("results/docs/xfer-rates/out.txt:"));
         assert_eq!(PostPath::CudaBatch.key(), "cuda-batch");
         assert_eq!(serde_json::to_value(PostPath::CudaIpc).ok(), Some(serde_json::json!("cuda-ipc")));
     }

@@ -594,6 +594,9 @@ pub struct SweepPoint {
     pub transfer_p50_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub e2e_p50_us: Option<f64>,
+    /// Prefill start to the KV in every decode rank's blocks (`kv_ready`), p50.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_ready_p50_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub descriptors_per_request: Option<DescriptorsPerRequest>,
     pub requests_ok: u64,

@@ -1,5 +1,7 @@
-//! `--post-ns` and `--ceiling-gbps` (`kvx plan`): the user's measured posting costs and
-//! bandwidth ceilings, over the defaults of `layouts::posting`, resolved into [`PostRates`].
+//! `--rates`, `--post-ns` and `--ceiling-gbps` (`kvx plan`): the user's measured posting costs
+//! and bandwidth ceilings, over the built-in ones of `layouts::posting`, resolved into
+//! [`PostRates`]. A `--rates` file (a `kvx xfer --format json` report, or the JSON of
+//! `scripts/gpu-check.sh`) is laid over the built-in rates, then single figures over that.
 //!
 //! Syntax: comma-separated `KEY=NUMBER`, keys `ucx`, `cuda-ipc`, `cuda-batch` (and, for
 //! `--post-ns` only, `cuda-batch-call`: the fixed cost of one batched call). Each key at most
@@ -15,9 +17,19 @@ const MAX_NS: f64 = 1e9;
 const MAX_GBPS: f64 = 1e5;
 const CALL_KEY: &str = "cuda-batch-call";
 
-/// The default rates with the given measurements in their place.
-pub fn resolve_rates(post_ns: &[String], ceiling_gbps: &[String]) -> Result<PostRates, ConfigError> {
+/// The built-in rates with the given measurements in their place.
+pub fn resolve_rates(
+    rates_file: Option<&std::path::Path>,
+    post_ns: &[String],
+    ceiling_gbps: &[String],
+) -> Result<PostRates, ConfigError> {
     let mut rates = PostRates::default();
+    if let Some(path) = rates_file {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new("--rates", format!("cannot read {name}: {e}")))?;
+        crate::layouts::rates::apply(&name, &text, &mut rates).map_err(|e| ConfigError::new("--rates", e))?;
+    }
     let post_keys: Vec<&str> = PostPath::ALL.iter().map(|p| p.key()).chain([CALL_KEY]).collect();
     for (key, v) in entries("--post-ns", post_ns, &post_keys, MAX_NS, "nanoseconds")? {
         match PostPath::ALL.iter().find(|p| p.key() == key) {
@@ -88,6 +100,7 @@ mod tests {
     #[test]
     fn measured_rates_replace_the_defaults_and_say_so() {
         let r = resolve_rates(
+            None,
             &list("ucx=80,cuda-ipc=5000,cuda-batch=90,cuda-batch-call=7000"),
             &list("cuda-batch=900"),
         )
@@ -100,8 +113,29 @@ mod tests {
         assert_eq!(r.cuda_batch.ceiling_source, RateSource::User);
         // What was not given keeps its default and its source.
         assert_eq!(r.cuda_ipc.ceiling_gbps, PostRates::default().cuda_ipc.ceiling_gbps);
-        assert!(matches!(r.cuda_ipc.ceiling_source, RateSource::Measured(_)));
-        assert_eq!(resolve_rates(&[], &[]).expect("defaults"), PostRates::default());
+        assert!(matches!(r.cuda_ipc.ceiling_source, RateSource::File { .. }));
+        assert_eq!(resolve_rates(None, &[], &[]).expect("defaults"), PostRates::default());
+    }
+
+    #[test]
+    fn a_rates_file_replaces_what_it_measured_and_names_itself() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let f = dir.path().join("xfer.json");
+        std::fs::write(
+            &f,
+            r#"{"memory": {"kind": "host"}, "transport": "ucx", "results": [{"size_bytes": 8192, "inflight": 64, "post_us": 6.4, "gbps": 2.0}]}"#,
+        )
+        .expect("write");
+        let r = resolve_rates(Some(&f), &[], &list("ucx=9")).expect("valid");
+        assert!((r.ucx.ns_per_descriptor - 100.0).abs() < 1e-9);
+        assert!(r.ucx.post_source.text().starts_with(&f.display().to_string()), "{}", r.ucx.post_source.text());
+        assert_eq!((r.ucx.ceiling_gbps, &r.ucx.ceiling_source), (9.0, &RateSource::User), "flags win over the file");
+        assert_eq!(r.cuda_batch, PostRates::default().cuda_batch, "what the file lacks stays built in");
+        let e = resolve_rates(Some(&dir.path().join("none.json")), &[], &[]).expect_err("missing");
+        assert_eq!(e.flag, "--rates");
+        std::fs::write(&f, "{}").expect("write");
+        let e = resolve_rates(Some(&f), &[], &[]).expect_err("no rates");
+        assert!(e.reason.contains("no kvx xfer report"), "{}", e.reason);
     }
 
     #[test]
@@ -121,7 +155,7 @@ mod tests {
             (vec![], list("cuda-ipc=1e9"), "--ceiling-gbps", "up to"),
         ];
         for (post, ceiling, flag, why) in cases {
-            let e = resolve_rates(&post, &ceiling).expect_err(why);
+            let e = resolve_rates(None, &post, &ceiling).expect_err(why);
             assert_eq!(e.flag, flag, "{e:?}");
             assert!(e.reason.contains(why), "{}: {}", why, e.reason);
         }

@@ -3,6 +3,7 @@
 mod bench;
 mod cli_errors;
 mod common;
+mod docs;
 mod edge;
 mod gate;
 mod golden;

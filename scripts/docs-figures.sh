@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Rewrites every sourced figure in README.md and docs/ from its results file (the markers
+# `<!--fig FILE#PATH FMT-->` and `<!--figs FILE-->`, see tests/it/docs.rs), after
+# scripts/docs-runs.sh (or a GPU run's scripts/gpu-check.sh) measured again. The docs test
+# then passes; review the diff and commit it with the results files.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$HOME/.cargo/bin:$PATH"
+KVX_DOCS_UPDATE=1 cargo test --release --locked --test it -- docs:: --quiet
+git --no-pager diff --stat -- README.md docs/

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Runs the host-memory measurements the README and docs/ quote, and keeps each one's output
+# under results/docs/<name>/: `out.txt` (what the command printed on stdout), `summary.json`
+# (its run's summary, for runs that write one) and `cmd` (the command). `xfer-rates` is also
+# where `kvx plan`'s built-in host rates come from (src/layouts/rates.rs): rebuild after it. Figures in README.md and docs/ are read from
+# these files by the docs check (tests/it/docs.rs); after running this, refresh them with
+# `scripts/docs-figures.sh` and commit results/docs/ with the docs.
+#
+#   scripts/docs-runs.sh [NAME ...]     (no names: every run; see `runs` below)
+#
+# Measured on whatever machine runs it: commit the results of a quiet machine, and say which
+# in the commit message. Paths of this machine are made relative to the repository.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KVX=${KVX:-target/release/kvx}
+OUT=results/docs
+root=$(pwd)
+
+# name | kvx arguments (the results dir and output format are added)
+runs() {
+  cat <<'EOF'
+bench-p8d2|bench --p-tp 8 --d-tp 2
+verify-full|bench --p-tp 8 --d-tp 2 --verify full --repeat 5
+verify-sample|bench --p-tp 8 --d-tp 2 --verify sample --repeat 5
+compare-modes|bench --p-tp 8 --d-tp 2 --compare-modes pull,push --requests 20 --repeat 3
+overlap|bench --p-tp 8 --d-tp 2 --compare-modes pull,push --overlap layers --prefill-time-per-layer 2500us --concurrency 1 --requests 20 --repeat 3
+serve-pull|bench --serve --p-tp 2 --d-tp 2 --model llama-3.1-8b --prompt-len 1024 --requests 60
+serve-push-sequential|bench --serve --mode push --p-tp 2 --d-tp 2 --model llama-3.1-8b --prompt-len 1024 --requests 60
+serve-push-concurrent|bench --serve --mode push --dispatch concurrent --p-tp 2 --d-tp 2 --model llama-3.1-8b --prompt-len 1024 --requests 60
+compare-transports|bench --p-tp 2 --d-tp 2 --model llama-3.1-8b --compare-transports ucx,storage,multi --requests 20 --repeat 3
+waterfall|bench --serve --p-tp 1 --d-tp 1 --model llama-3.1-8b --layers 2 --prompt-len 32 --requests 80 --concurrency 1
+xfer|xfer --sizes 64KiB,1MiB --inflight 1,8
+xfer-rates|xfer --sizes 8KiB,1MiB --inflight 64 --duration 1s --format json
+plan-p8d2|plan --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 4096
+EOF
+}
+
+want=("$@")
+runs | while IFS='|' read -r name args; do
+  if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " == *" $name "* ]]; then continue; fi
+  dir="$OUT/$name"
+  rm -rf "$dir" && mkdir -p "$dir/run"
+  echo "docs-runs: $name: kvx $args" >&2
+  echo "kvx $args" >"$dir/cmd"
+  # shellcheck disable=SC2086
+  if [[ $args == xfer* || $args == plan* ]]; then
+    $KVX $args >"$dir/out.txt"
+  else
+    $KVX $args --results-dir "$dir/run" >"$dir/out.txt"
+    # One run directory, or one per compared mode or transport (named after its directory).
+    mapfile -t sums < <(find "$dir/run" -name summary.json | sort)
+    if [ ${#sums[@]} -eq 1 ]; then
+      cp "${sums[0]}" "$dir/summary.json"
+    else
+      for s in "${sums[@]}"; do cp "$s" "$dir/$(basename "$(dirname "$s")").summary.json"; done
+    fi
+  fi
+  rm -rf "$dir/run"
+  # No path of this machine in a committed file.
+  sed -i "s#$root/#./#g; s#$dir/run/#results/#g" "$dir"/*
+done
