@@ -436,6 +436,9 @@ pub struct CudaBatchInfo {
     pub post_ns_per_descriptor: f64,
     /// Posting time per driver call, us.
     pub post_us_per_call: f64,
+    /// Of the plan's descriptors per request, those whose address (either side) or length is
+    /// not a multiple of 16: the gather kernel copies a few bytes of each one by one.
+    pub unaligned_descriptors_per_request: f64,
 }
 
 /// The UCX library a run loaded and what it selected.
