@@ -107,7 +107,17 @@ fn xfer_misaligned_reads_are_counted_and_verified_on_each_build() {
         };
         let run = |format: &str| {
             kvx()
-                .args(["xfer", "--sizes", "4KiB", "--inflight", "4", "--iters", "20", "--working-set", "1MiB"])
+                .args([
+                    "xfer",
+                    "--sizes",
+                    "4KiB",
+                    "--inflight",
+                    "4",
+                    "--iters",
+                    "20",
+                    "--working-set",
+                    "1MiB",
+                ])
                 .args(["--misalign", "3,5", "--format", format, "--ucx-lib"])
                 .arg(&lib)
                 .output()
@@ -125,7 +135,10 @@ fn xfer_misaligned_reads_are_counted_and_verified_on_each_build() {
         assert!(out.status.success(), "{label}: {}", String::from_utf8_lossy(&out.stderr));
         let table = String::from_utf8_lossy(&out.stdout);
         assert!(table.contains("verified batches") && table.contains("3 of 20"), "{label}: {table}");
-        assert!(table.contains("misaligned: every read's local offset +3 B, remote offset +5 B"), "{label}: {table}");
+        assert!(
+            table.contains("misaligned: every read's local offset +3 B, remote offset +5 B"),
+            "{label}: {table}"
+        );
     }
 }
 
