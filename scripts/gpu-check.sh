@@ -569,6 +569,9 @@ with open(os.path.join(out, "status.tsv")) as f:
         name, status, ms, jfile, note, cmd = (line.rstrip("\n").split("\t") + [""] * 6)[:6]
         print(f"  {name}  {status}  {note}")
         st = {"step": name, "status": status, "seconds": round(int(ms or 0) / 1e3, 1), "command": rel(cmd), "note": rel(note)}
+        if note.endswith(".csv") and os.path.isfile(note):
+            with open(note) as c:  # a peer's own output (ucx_perftest, NIXL)
+                st["output_csv"] = [l.rstrip("\n") for l in c]
         if jfile:
             try:
                 with open(jfile) as j:
