@@ -7,18 +7,35 @@
 #   1. kvx doctor (CUDA driver, devices, UCX with CUDA, a cuda_ipc read between two processes)
 #   2. kvx xfer --mem cuda over 8 KiB..16 MiB at 1, 32, 64 and 128 reads in flight
 #   3. kvx bench --mem cuda --p-tp 8 --d-tp 2 (and kvx xfer --mem cuda at the bench's descriptor size)
-#   4. peers, when present: ucx_perftest -t ucp_get -m cuda,cuda (from the UCX given), and NIXL VRAM
-#      READs (scripts/peers/nixl_peer.py, if python3 imports nixl and torch)
+#   4. peers, each against a kvx run made like for like, with every difference that remains
+#      printed beside the ratio:
+#      a. ucx_perftest -t ucp_get -m cuda,cuda (from the UCX given) against kvx xfer --hot
+#         --inflight 1 (one buffer, one GET at a time, as ucx_perftest) on the same UCX library
+#      b. NIXL VRAM READs (scripts/peers/nixl_peer.py, if python3 imports nixl and torch: one
+#         transfer of 64 MiB of B-byte blocks, error mode peer) against kvx xfer --err-mode peer
+#         --sizes B --inflight 64MiB/B --working-set 64MiB, on NIXL's own UCX library when kvx
+#         can load it (else kvx's, said beside the ratio)
 #   5. --transport cuda-batch (one batched copy per peer over CUDA IPC): kvx bench with every byte
 #      verified; kvx xfer at 8 KiB..16 MiB, up to 10,240 reads a batch (a P8->D2 70B request's
 #      per peer); kvx bench --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch; each with kvx's
 #      gather-copy kernel (the default) and with the driver's batch API (--batch-copy api); the
 #      same comparison with each request alone (--concurrency 1)
-#   6. kvx bench --mem cuda --p-tp 8 --d-tp 2 --mode push (prefill ranks WRITE)
-# and prints a table of ratios: kvx vs NIXL at 64 KiB..1 MiB, kvx vs the same-run device copy at
-# 16 MiB, bench vs xfer, cuda-batch vs UCX cuda_ipc and vs the device's bandwidth (issue 16's
-# targets). What one H100 gave: docs/gpu-h100.md.
+#   6. every --batch-copy path (kernel, api, api-v2, api-v1, per-copy) at 8 KiB x 10,240, verified,
+#      16-byte aligned and not (--misalign 3: both sides agree modulo 16; --misalign 0,1: they
+#      differ), with the unaligned/aligned ratios; a path this driver lacks is recorded skipped
+#   7. kvx bench --mem cuda --p-tp 8 --d-tp 2 --mode push (prefill ranks WRITE)
+# and prints a table of ratios: kvx vs NIXL and ucx_perftest (like for like), kvx vs the same-run
+# device copy at 16 MiB, bench vs xfer, cuda-batch vs UCX cuda_ipc, a request's span-based
+# bandwidth (summary.json's transfer_bandwidth.span_gbps: all ranks' bytes over the wall span
+# from the first rank's start to the last rank's end) against the device's bandwidth, unaligned
+# vs aligned per batch-copy path. What one H100 gave: docs/gpu-h100.md.
 # Needs no network.
+#
+# Results: every step's command, status (ok, failed or skipped: a step skipped for the budget is
+# never ok), seconds, and the JSON kvx printed, with the card's name, the driver and the ratio
+# table, go to one file, $OUT/gpu-check.json. It is meant to be committed as
+# results/gpu-<card>-<date>.json (the script prints that name); paths in it are made relative
+# ($OUT, the repository, $HOME).
 #
 # Environment:
 #   KVX_BIN        a kvx binary to use (the GPU host may have no Rust); default: ./kvx in a bundle
@@ -29,6 +46,7 @@
 #   PYTHON         python3 with nixl and torch for the NIXL peer; default: python3
 #   GPU_CHECK_OUT  where reports go; default: target/gpu-check/<time>
 #   GPU_CHECK_BATCH_COPIES  which --batch-copy ways step 5 measures; default: "kernel api"
+#   GPU_CHECK_PATHS  which --batch-copy paths step 6 measures; default: "kernel api api-v2 api-v1 per-copy"
 #   GPU_CHECK_BUDGET  seconds: steps that would start later than this are skipped (default: none).
 #                  Every kvx step also has its own time limit, after which it gets SIGINT (kvx
 #                  then keeps what it measured) and, 5 s later, SIGKILL.
@@ -50,11 +68,14 @@ PY="${PYTHON:-python3}"
 STATUS="$OUT/status.tsv"
 : > "$STATUS"
 
-record() { # $1 step, $2 exit code, $3 note
-  local verdict=ok
-  [ "$2" -ne 0 ] && verdict="FAILED (exit $2)"
-  printf '%s\t%s\t%s\n' "$1" "$verdict" "$3" >> "$STATUS"
-  echo "gpu-check: $1: $verdict${3:+ ($3)}"
+now_ms() { date +%s%3N; }
+
+# record STEP STATUS MS JSON NOTE COMMAND: one line of $STATUS (tab-separated; STATUS is ok,
+# failed or skipped; MS the step's milliseconds; JSON the file holding kvx's JSON, or "").
+record() {
+  local note="${5//$'\t'/ }" cmd="${6//$'\t'/ }"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${note//$'\n'/ }" "${cmd//$'\n'/ }" >> "$STATUS"
+  echo "gpu-check: $1: $2${5:+ ($5)}"
 }
 
 # The UCX: a libucp.so.0, or a wheel directory holding libucx/lib/libucp.so.0.
@@ -80,13 +101,15 @@ if [ -n "${KVX_BIN:-}" ]; then
   [ -x "$KVX" ] || { echo "gpu-check: KVX_BIN=$KVX is not executable" >&2; exit 2; }
 else
   export PATH="$HOME/.cargo/bin:$PATH"
+  t0=$(now_ms)
   if ! cargo build --release --features cuda --bins >"$OUT/build.log" 2>&1; then
-    record build 1 "see $OUT/build.log; or give a binary with KVX_BIN=path"
+    record build failed $(($(now_ms) - t0)) "" "see $OUT/build.log; or give a binary with KVX_BIN=path" \
+      "cargo build --release --features cuda --bins"
     exit 2
   fi
   KVX=target/release/kvx
 fi
-record build 0 "$KVX"
+record build ok 0 "" "$KVX" ""
 
 START=$SECONDS
 BUDGET="${GPU_CHECK_BUDGET:-0}"
@@ -94,49 +117,72 @@ k() { # $1 time limit in seconds, then kvx's arguments
   local limit="$1"; shift
   timeout -s INT -k 5 "$limit" "$KVX" "$@"
 }
-over() { # true once the budget is spent: records the step $1 as skipped
+over() { # true once the budget is spent: records the step $1 (command $2) as skipped
   if [ "$BUDGET" -gt 0 ] && [ $((SECONDS - START)) -ge "$BUDGET" ]; then
-    record "$1" 0 "skipped: GPU_CHECK_BUDGET=$BUDGET s spent"
+    record "$1" skipped 0 "" "skipped: GPU_CHECK_BUDGET=$BUDGET s spent" "${2:-}"
     return 0
   fi
   return 1
 }
+first_error() { # the first line of $1 that says what went wrong
+  grep -m1 -E "${2:-error|warning|verification}" "$1" 2>/dev/null | cut -c1-200
+}
+# step NAME LIMIT OUT [kvx arguments...]: runs kvx with stdout to OUT (its JSON) and stderr to
+# OUT's .err, records the step (skipped when the budget is spent); returns kvx's exit status
+# (2 when skipped).
+step() {
+  local name="$1" limit="$2" out="$3"; shift 3
+  local cmd="kvx $*"
+  if over "$name" "$cmd"; then return 2; fi
+  local t0 rc status note
+  t0=$(now_ms)
+  k "$limit" "$@" >"$out" 2>"${out%.json}.err"
+  rc=$?
+  status=ok
+  note="$(first_error "${out%.json}.err")"
+  if [ "$rc" -ne 0 ]; then
+    status=failed
+    note="exit $rc${note:+: $note}"
+    # A path the driver does not have is not a failure of kvx: it said so, by name.
+    if grep -q 'does not have or refuses' "${out%.json}.err" 2>/dev/null; then
+      status=skipped
+      note="not in this driver: $(first_error "${out%.json}.err" 'forces')"
+    fi
+  fi
+  record "$name" "$status" $(($(now_ms) - t0)) "$out" "$note" "$cmd"
+  return "$rc"
+}
 
 # 1. doctor
-k 60 doctor "${UCX_FLAGS[@]}" --format json >"$OUT/doctor.json" 2>"$OUT/doctor.err"
-rc=$?
+step doctor 60 "$OUT/doctor.json" doctor "${UCX_FLAGS[@]}" --format json
 k 30 doctor "${UCX_FLAGS[@]}" --no-self-test 2>/dev/null | grep -E '^(ok|warn|missing|fail) +cuda' || true
-record doctor "$rc" "$OUT/doctor.json"
 
 # 2. xfer on device memory
-k 90 xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes 8KiB,64KiB,256KiB,1MiB,16MiB \
-  --inflight 1,32,64,128 --duration 500ms --format json >"$OUT/xfer.json" 2>"$OUT/xfer.err"
-rc=$?
-record "xfer --mem cuda" "$rc" "$(grep -m1 -E 'error|warning' "$OUT/xfer.err" | cut -c1-160)"
+step "xfer --mem cuda" 90 "$OUT/xfer.json" xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" \
+  --sizes 8KiB,64KiB,256KiB,1MiB,16MiB --inflight 1,32,64,128 --duration 500ms --format json
 
 # 3. bench on device memory: KV pools on GPU 0 (every rank, as on a one-GPU host)
-k 120 bench --mem cuda --p-tp 8 --d-tp 2 "${UCX_FLAGS[@]}" --results-dir "$OUT/bench" --format json \
-  >"$OUT/bench.json" 2>"$OUT/bench.err"
-rc=$?
-record "bench --mem cuda --p-tp 8 --d-tp 2" "$rc" "$(grep -m1 'error' "$OUT/bench.err" | cut -c1-160)"
-if [ "$rc" -eq 0 ]; then
+if step "bench --mem cuda --p-tp 8 --d-tp 2" 120 "$OUT/bench.json" bench --mem cuda --p-tp 8 --d-tp 2 \
+  "${UCX_FLAGS[@]}" --results-dir "$OUT/bench" --format json; then
   desc="$("$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(int(((d.get("calibration") or {}).get("descriptor_bytes")) or 0))' "$OUT/bench.json" 2>/dev/null || echo 0)"
   if [ "${desc:-0}" -gt 0 ]; then
-    k 60 xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes "$desc" --inflight 64 --format json \
-      >"$OUT/xfer-bench-size.json" 2>>"$OUT/xfer.err"
-    record "xfer --mem cuda at the bench's descriptor size ($desc B)" $? ""
+    step "xfer --mem cuda at the bench's descriptor size ($desc B)" 60 "$OUT/xfer-bench-size.json" \
+      xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes "$desc" --inflight 64 --format json
   fi
 fi
 
-# 4a. ucx_perftest peer (GET, device memory both sides)
+# 4a. ucx_perftest peer (GET, device memory both sides, one buffer, one GET at a time), and kvx
+#     the same way (--hot --inflight 1) on the library beside that ucx_perftest.
 PERFTEST="${UCX_PERFTEST:-}"
-over "ucx_perftest" && PERFTEST=/nonexistent
+perftest_skipped=0
+over "ucx_perftest" "ucx_perftest -t ucp_get -m cuda,cuda" && perftest_skipped=1 && PERFTEST=/nonexistent
 for lib in "$UCX_LIB" .ucx/libucx/lib/libucp.so.0; do
   [ -n "$PERFTEST" ] && break
   [ -n "$lib" ] && [ -x "$(dirname "$lib")/../bin/ucx_perftest" ] && PERFTEST="$(dirname "$lib")/../bin/ucx_perftest"
 done
 if [ -n "$PERFTEST" ] && [ -x "$PERFTEST" ]; then
   : > "$OUT/perftest.csv"
+  t0=$(now_ms)
   for size in 65536 1048576 16777216; do
     port=$((20000 + RANDOM % 20000))
     UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y LD_LIBRARY_PATH="$(dirname "$PERFTEST")/../lib:${LD_LIBRARY_PATH:-}" \
@@ -154,73 +200,126 @@ if [ -n "$PERFTEST" ] && [ -x "$PERFTEST" ]; then
     mbs="$(printf '%s\n' "$out" | awk '/Final:/ {print $7}')"
     [ -n "$mbs" ] && echo "$size,$mbs" >> "$OUT/perftest.csv"
   done
+  cmd="ucx_perftest -t ucp_get -m cuda,cuda -s {65536,1048576,16777216} -n 5000"
   if [ -s "$OUT/perftest.csv" ]; then
-    record "ucx_perftest -t ucp_get -m cuda,cuda" 0 "$OUT/perftest.csv"
+    record "ucx_perftest -t ucp_get -m cuda,cuda" ok $(($(now_ms) - t0)) "" "$OUT/perftest.csv" "$cmd"
   else
-    record "ucx_perftest -t ucp_get -m cuda,cuda" 1 "no result: run it by hand to see why"
+    record "ucx_perftest -t ucp_get -m cuda,cuda" failed $(($(now_ms) - t0)) "" "no result: run it by hand to see why" "$cmd"
   fi
-else
-  record "ucx_perftest" 0 "skipped: no ucx_perftest (set UCX_PERFTEST or --ucx-lib to a wheel)"
+  # kvx like ucx_perftest: its library (the one beside it), one buffer, one GET in flight.
+  PERF_LIB="$(dirname "$PERFTEST")/../lib/libucp.so.0"
+  [ -e "$PERF_LIB" ] || PERF_LIB="$UCX_LIB"
+  PERF_FLAGS=()
+  [ -n "$PERF_LIB" ] && PERF_FLAGS=(--ucx-lib "$PERF_LIB")
+  step "xfer --mem cuda like ucx_perftest (--hot --inflight 1)" 60 "$OUT/xfer-like-perftest.json" \
+    xfer --mem cuda --device 0 "${PERF_FLAGS[@]}" --hot --inflight 1 --sizes 64KiB,1MiB,16MiB --err-mode none \
+    --duration 500ms --format json
+elif [ "$perftest_skipped" -eq 0 ]; then
+  record "ucx_perftest" skipped 0 "" "skipped: no ucx_perftest (set UCX_PERFTEST or --ucx-lib to a wheel)" ""
 fi
 
-# 4b. NIXL peer on VRAM
-if over "nixl"; then
+# 4b. NIXL peer on VRAM (its default error mode, peer; one transfer of 64 MiB of B-byte blocks
+#     from the first 64 MiB of the peer's region), then kvx made the same: --err-mode peer, the
+#     same block size, 64 MiB / B reads per batch over a 64 MiB working set, on NIXL's own UCX
+#     library when kvx can load it.
+NIXL_SIZES="8192 65536 262144 1048576 16777216"
+NIXL_XFER=67108864
+nixl_ok=0
+if over "nixl" "scripts/peers/nixl_peer.py"; then
   :
 elif "$PY" -c 'import torch, sys; import importlib.util as u; sys.exit(0 if torch.cuda.is_available() and any(u.find_spec(m) for m in ("nixl", "nixl_cu13", "nixl_cu12")) else 1)' 2>/dev/null; then
+  t0=$(now_ms)
   NIXL_PEER_MEM=VRAM UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y timeout -k 5 180 "$PY" scripts/peers/nixl_peer.py \
-    --sizes 8192,65536,262144,1048576,16777216 --region 268435456 --xfer-bytes 67108864 >"$OUT/nixl.csv" 2>"$OUT/nixl.err"
-  record "nixl VRAM READ" $? "$OUT/nixl.csv"
+    --sizes "$(echo "$NIXL_SIZES" | tr ' ' ',')" --region 268435456 --xfer-bytes "$NIXL_XFER" \
+    --err-mode peer >"$OUT/nixl.csv" 2>"$OUT/nixl.err"
+  rc=$?
+  if [ "$rc" -eq 0 ]; then nixl_ok=1; st=ok; else st=failed; fi
+  record "nixl VRAM READ" "$st" $(($(now_ms) - t0)) "" "$OUT/nixl.csv" \
+    "NIXL_PEER_MEM=VRAM scripts/peers/nixl_peer.py --sizes $(echo "$NIXL_SIZES" | tr ' ' ',') --region 268435456 --xfer-bytes $NIXL_XFER --err-mode peer"
 else
-  record "nixl" 0 "skipped: $PY cannot import nixl and torch with CUDA"
+  record "nixl" skipped 0 "" "skipped: $PY cannot import nixl and torch with CUDA" ""
+fi
+if [ "$nixl_ok" -eq 1 ]; then
+  # The libucp.so NIXL's wheel bundles (its name may carry a hash), if there is one.
+  NIXL_UCX="$("$PY" - <<'EOF' 2>/dev/null
+import glob, importlib.util as u, os
+for m in ("nixl", "nixl_cu13", "nixl_cu12"):
+    s = u.find_spec(m)
+    if not s or not s.submodule_search_locations:
+        continue
+    pkg = list(s.submodule_search_locations)[0]
+    site = os.path.dirname(pkg)
+    for pat in (os.path.join(pkg, "**", "libucp*.so*"), os.path.join(site, "*" + m + "*libs*", "**", "libucp*.so*")):
+        hits = sorted(h for h in glob.glob(pat, recursive=True) if os.path.isfile(h))
+        if hits:
+            print(hits[0])
+            raise SystemExit
+EOF
+)"
+  echo "${NIXL_UCX:-}" > "$OUT/nixl-ucx.txt"
+  for size in $NIXL_SIZES; do
+    depth=$((NIXL_XFER / size))
+    args=(xfer --mem cuda --device 0 --err-mode peer --sizes "$size" --inflight "$depth" --working-set "$NIXL_XFER"
+      --duration 1s --format json)
+    if [ -n "$NIXL_UCX" ] && step "xfer --mem cuda like NIXL @ $size B (NIXL's UCX)" 60 "$OUT/xfer-like-nixl-$size.json" \
+      "${args[@]}" --ucx-lib "$NIXL_UCX"; then
+      continue
+    fi
+    step "xfer --mem cuda like NIXL @ $size B (kvx's UCX)" 60 "$OUT/xfer-like-nixl-$size.json" "${args[@]}" "${UCX_FLAGS[@]}"
+  done
 fi
 
-# 5. cuda-batch: each batch one cuMemcpyBatchAsync from the peer's pool mapped with CUDA IPC
-#    (no UCX), at the same depths as step 2, then the P8->D2 request against UCX in one comparison.
-over "bench --transport cuda-batch --verify full" || {
-  k 120 bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --verify full --results-dir "$OUT/verify" \
-    --format json >"$OUT/verify.json" 2>"$OUT/verify.err"
-  rc=$?
-  record "bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --verify full" "$rc" \
-    "$(grep -m1 -E 'error|verification' "$OUT/verify.err" | cut -c1-160)"
-}
+# 5. cuda-batch: each batch one batched copy from the peer's pool mapped with CUDA IPC (no UCX),
+#    at the same depths as step 2, then the P8->D2 request against UCX in one comparison.
+step "bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --verify full" 120 "$OUT/verify.json" \
+  bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --verify full --results-dir "$OUT/verify" --format json
 for copy in ${GPU_CHECK_BATCH_COPIES:-kernel api}; do
   sfx=""; [ "$copy" = kernel ] && sfx="-kernel"
-  over "cuda-batch --batch-copy $copy" && continue
-  k 90 xfer --transport cuda-batch --batch-copy "$copy" --mem cuda --device 0 --sizes 8KiB,64KiB,1MiB,16MiB \
-    --inflight 1,32,128,1024,10240 --duration 500ms --format json >"$OUT/xfer-batch$sfx.json" 2>"$OUT/xfer-batch$sfx.err"
-  rc=$?
-  record "xfer --transport cuda-batch --batch-copy $copy --mem cuda" "$rc" \
-    "$(grep -m1 -E 'error|warning' "$OUT/xfer-batch$sfx.err" | cut -c1-160)"
-  k 150 bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --batch-copy "$copy" "${UCX_FLAGS[@]}" \
-    --results-dir "$OUT/compare$sfx" --format json >"$OUT/compare$sfx.json" 2>"$OUT/compare$sfx.err"
-  rc=$?
-  record "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --batch-copy $copy" "$rc" \
-    "$(grep -m1 'error' "$OUT/compare$sfx.err" | cut -c1-160)"
+  step "xfer --transport cuda-batch --batch-copy $copy --mem cuda" 90 "$OUT/xfer-batch$sfx.json" \
+    xfer --transport cuda-batch --batch-copy "$copy" --mem cuda --device 0 --sizes 8KiB,64KiB,1MiB,16MiB \
+    --inflight 1,32,128,1024,10240 --duration 500ms --format json
+  step "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --batch-copy $copy" 150 \
+    "$OUT/compare$sfx.json" bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch \
+    --batch-copy "$copy" "${UCX_FLAGS[@]}" --results-dir "$OUT/compare$sfx" --format json
 done
 
 # Each request alone (--concurrency 1): no other request's fill or reads share the GPU with
 # its reads, which on a one-GPU host all ranks do.
-over "bench --compare-transports ucx,cuda-batch --concurrency 1" || {
-  k 150 bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --concurrency 1 "${UCX_FLAGS[@]}" \
-    --results-dir "$OUT/compare-c1" --format json >"$OUT/compare-c1.json" 2>"$OUT/compare-c1.err"
-  rc=$?
-  record "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --concurrency 1" "$rc" \
-    "$(grep -m1 'error' "$OUT/compare-c1.err" | cut -c1-160)"
-}
+step "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --concurrency 1" 150 \
+  "$OUT/compare-c1.json" bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --concurrency 1 \
+  "${UCX_FLAGS[@]}" --results-dir "$OUT/compare-c1" --format json
 
-# Push mode on device memory: prefill ranks WRITE with ucp_put (cuda_ipc PUT zero-copy is on by
-# default, with or without NVLink).
-over "bench --mem cuda --mode push" || {
-  k 120 bench --mem cuda --p-tp 8 --d-tp 2 --mode push "${UCX_FLAGS[@]}" --results-dir "$OUT/push" --format json \
-    >"$OUT/push.json" 2>"$OUT/push.err"
-  rc=$?
-  record "bench --mem cuda --p-tp 8 --d-tp 2 --mode push" "$rc" "$(grep -m1 -E 'error|verification' "$OUT/push.err" | cut -c1-160)"
-}
+# 6. Every batch-copy path, forced, at 8 KiB x 10,240 (a P8->D2 request's reads per peer),
+#    verified, aligned and not: --misalign 3 (local and remote agree modulo 16: the kernel's byte
+#    head and tail around a 16-byte body) and --misalign 0,1 (they differ: narrower units).
+for copy in ${GPU_CHECK_PATHS:-kernel api api-v2 api-v1 per-copy}; do
+  for align in aligned 3 0,1; do
+    mis=(); label="16-byte aligned"
+    [ "$align" != aligned ] && mis=(--misalign "$align") && label="--misalign $align"
+    step "xfer --transport cuda-batch --batch-copy $copy 8KiB $label" 60 \
+      "$OUT/xfer-path-$copy-${align/,/-}.json" xfer --transport cuda-batch --batch-copy "$copy" --mem cuda \
+      --device 0 --sizes 8KiB --inflight 10240 --duration 300ms "${mis[@]}" --format json
+  done
+done
 
-# Ratios.
-"$PY" - "$OUT" <<'EOF' || echo "gpu-check: python3 is needed for the ratio table; reports are in $OUT"
-import csv, json, os, sys
+# 7. Push mode on device memory: prefill ranks WRITE with ucp_put (cuda_ipc PUT zero-copy is on
+#    by default, with or without NVLink).
+step "bench --mem cuda --p-tp 8 --d-tp 2 --mode push" 120 "$OUT/push.json" \
+  bench --mem cuda --p-tp 8 --d-tp 2 --mode push "${UCX_FLAGS[@]}" --results-dir "$OUT/push" --format json
+
+# The card, for the results file's name.
+CARD="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)"
+DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1)"
+KVX_VERSION="$("$KVX" --version 2>/dev/null | head -n1)"
+COMMIT="$(git rev-parse --short HEAD 2>/dev/null || true)"
+
+# Ratios and the results file.
+GPU_CHECK_CARD="$CARD" GPU_CHECK_DRIVER="$DRIVER" GPU_CHECK_KVX="$KVX_VERSION" GPU_CHECK_COMMIT="$COMMIT" \
+GPU_CHECK_UCX="$UCX_LIB" GPU_CHECK_NIXL_XFER="$NIXL_XFER" GPU_CHECK_REPO="$PWD" \
+"$PY" - "$OUT" <<'EOF' || echo "gpu-check: python3 is needed for the ratio table and gpu-check.json; reports are in $OUT"
+import csv, datetime, json, os, re, sys
 out = sys.argv[1]
+env = os.environ.get
 def load(name):
     try:
         with open(os.path.join(out, name)) as f:
@@ -229,6 +328,15 @@ def load(name):
         return None
 def fmt(x):
     return "-" if x is None else f"{x:.2f}"
+def div(a, b):
+    return a / b if a and b else None
+def uses(rep):
+    return ", ".join(f"{u['op']} {u['local']}<-{u['remote']}: " + ", ".join(f"{c['description']} {c['config']}" for c in u["choices"])
+                     for u in (((rep or {}).get("ucx") or {}).get("protocols") or {}).get("uses", [])) or "unknown"
+rows = []  # (what, kvx GB/s, peer GB/s, ratio, target, differences)
+def row(what, k, p, target="", diffs=()):
+    rows.append((what, k, p, div(k, p), target, list(diffs)))
+
 xfer = load("xfer.json")
 best = {}      # size -> best GB/s over in-flight depths
 ceiling = {}   # size -> (gbps, ratio) at the deepest in-flight
@@ -238,35 +346,71 @@ if xfer:
         best[s] = max(best.get(s, 0.0), r["gbps"])
         if s not in ceiling or r["inflight"] >= ceiling[s][2]:
             ceiling[s] = (r["gbps"], r.get("ratio_to_ceiling"), r["inflight"])
-    print("kvx xfer --mem cuda: protocols:", ", ".join(
-        f"{u['op']} {u['local']}<-{u['remote']}: " + ", ".join(f"{c['description']} {c['config']}" for c in u["choices"])
-        for u in xfer["ucx"]["protocols"]["uses"]) or xfer["ucx"]["protocols"].get("note"))
+    print("kvx xfer --mem cuda: protocols:", uses(xfer) if uses(xfer) != "unknown" else xfer["ucx"]["protocols"].get("note"))
     for w in xfer.get("warnings", []):
         print("  warning:", w)
-nixl = {}
+
+# NIXL, like for like: per block size, kvx with NIXL's error mode, block size, blocks per transfer
+# and bytes; every setting that still differs is listed beside the ratio.
+nixl, nixl_blocks, nixl_head = {}, {}, ""
 try:
     with open(os.path.join(out, "nixl.csv")) as f:
-        for row in csv.reader(l for l in f if not l.startswith("#")):
-            if row and row[0].isdigit():
-                nixl[int(row[0])] = max(nixl.get(int(row[0]), 0.0), float(row[4]))
+        for line in f:
+            if line.startswith("# mem="):
+                nixl_head = line[2:].strip()
+        f.seek(0)
+        for r in csv.reader(l for l in f if not l.startswith("#")):
+            if r and r[0].isdigit():
+                nixl[int(r[0])] = float(r[4])
+                nixl_blocks[int(r[0])] = int(r[1])
 except OSError:
     pass
+nixl_ucx = ""
+try:
+    nixl_ucx = open(os.path.join(out, "nixl-ucx.txt")).read().strip()
+except OSError:
+    pass
+nixl_err = (re.search(r"err_mode=(\w+)", nixl_head) or [None, "peer"])[1]
+for s in sorted(nixl):
+    x = load(f"xfer-like-nixl-{s}.json")
+    r = (x or {}).get("results", [{}])[0] if x and x.get("results") else {}
+    k = r.get("gbps")
+    diffs = []
+    if x:
+        if x["ucx"]["err_mode"] != nixl_err:
+            diffs.append(f"error mode: kvx {x['ucx']['err_mode']}, NIXL {nixl_err}")
+        if r.get("inflight") != nixl_blocks.get(s):
+            diffs.append(f"descriptors per batch: kvx {r.get('inflight')}, NIXL {nixl_blocks.get(s)}")
+        ws, nb = x["memory"]["working_set_bytes"], int(env("GPU_CHECK_NIXL_XFER", "0"))
+        if ws != nb:
+            diffs.append(f"bytes read over: kvx {ws}, NIXL {nb}")
+        lib = x["ucx"]["library"]
+        if not nixl_ucx or os.path.realpath(lib) != os.path.realpath(nixl_ucx):
+            diffs.append(f"UCX library: kvx {os.path.basename(lib)} {x['ucx']['version']}, NIXL "
+                         + (f"its bundled {os.path.basename(nixl_ucx)}" if nixl_ucx else "its bundled UCX (not found)"))
+        diffs.append(f"progress: kvx --progress {x['ucx']['progress']} (its target process serves in its own loop), "
+                     "NIXL's target agent a progress thread")
+    row(f"kvx / NIXL VRAM READ @ {s >> 10} KiB x{nixl_blocks.get(s)}", k, nixl.get(s), ">= 1.5", diffs)
+
+# ucx_perftest, like for like: one buffer, one GET at a time, the library beside it.
 perf = {}
 try:
     with open(os.path.join(out, "perftest.csv")) as f:
-        for row in csv.reader(f):
-            perf[int(row[0])] = float(row[1]) * 1048576 / 1e9
+        for r in csv.reader(f):
+            perf[int(r[0])] = float(r[1]) * 1048576 / 1e9
 except OSError:
     pass
-rows = []
-for s in (65536, 262144, 1048576):
-    k, n = best.get(s), nixl.get(s)
-    rows.append((f"kvx / NIXL VRAM READ @ {s >> 10} KiB", fmt(k), fmt(n), fmt(k / n) if k and n else "-", ">= 1.5"))
-for s in (65536, 1048576, 16777216):
-    k, p = best.get(s), perf.get(s)
-    rows.append((f"kvx / ucx_perftest ucp_get @ {s >> 10} KiB", fmt(k), fmt(p), fmt(k / p) if k and p else "-", ""))
+lp = load("xfer-like-perftest.json")
+lpk = {r["size_bytes"]: r["gbps"] for r in (lp or {}).get("results", [])}
+for s in sorted(perf):
+    diffs = ["memory: kvx cuMemAlloc buffers registered by kvx, ucx_perftest its own allocation",
+             "GETs: kvx --inflight 1 batches of one GET, ucx_perftest -n 5000 iterations"]
+    if lp and lp["ucx"]["err_mode"] != "none":
+        diffs.append(f"error mode: kvx {lp['ucx']['err_mode']}, ucx_perftest none")
+    row(f"kvx / ucx_perftest ucp_get @ {s >> 10} KiB (hot, 1 in flight)", lpk.get(s), perf.get(s), "", diffs)
+
 g, ratio, depth = ceiling.get(16777216, (None, None, 0))
-rows.append((f"kvx / device copy @ 16 MiB x{depth}", fmt(g), "", fmt(ratio), ">= 0.8"))
+rows.append((f"kvx / device copy @ 16 MiB x{depth}", g, None, ratio, ">= 0.8", []))
 bench, same = load("bench.json"), load("xfer-bench-size.json")
 b = bench.get("throughput_gbps") if bench else None
 x = same["results"][0]["gbps"] if same and same.get("results") else None
@@ -275,12 +419,22 @@ if bench:
     # The bench's own same-run reference (same descriptor size and depth), when it calibrated.
     x = cal.get("xfer_same_size_gbps") or x
     print(f"kvx bench --mem cuda: {bench['requests_ok']} ok, {bench['requests_failed']} failed, "
-          f"{bench['verify_failures']} verify failures, {bench['blocks_leaked']} blocks leaked; protocols:",
-          ", ".join(f"{u['op']} {u['local']}<-{u['remote']}: " + ", ".join(f"{c['description']} {c['config']}" for c in u["choices"])
-                    for u in ((bench.get("ucx") or {}).get("protocols") or {}).get("uses", [])) or "unknown")
+          f"{bench['verify_failures']} verify failures, {bench['blocks_leaked']} blocks leaked; protocols:", uses(bench))
     for w in bench.get("warnings", []):
         print("  warning:", w)
-rows.append(("bench / xfer at the descriptor size", fmt(b), fmt(x), fmt(b / x) if b and x else "-", ">= 0.8"))
+row("bench / xfer at the descriptor size", b, x, ">= 0.8")
+bw = ((bench or {}).get("calibration") or {}).get("device_bandwidth_gbps")
+
+def span_p50(*docs):
+    """transfer_bandwidth.span_gbps.p50 of the first document (a summary or a sweep point) with it."""
+    for d in docs:
+        for src in (d or {}, (d or {}).get("params") or {}):
+            t = src.get("transfer_bandwidth")
+            if isinstance(t, dict) and isinstance(t.get("span_gbps"), dict):
+                return t["span_gbps"].get("p50")
+    return None
+UNAVAILABLE = "unavailable: the summary has no transfer_bandwidth.span_gbps (a kvx without the wall-span rule)"
+
 # cuda-batch (issue 16): the same sizes and depths as UCX's step 2, and the P8->D2 request, with
 # the batch API and with the gather kernel; the faster at 8 KiB should be the default.
 at8 = {}
@@ -298,12 +452,12 @@ for copy, sfx in (("api", ""), ("kernel", "-kernel")):
                 bceil[s] = (r["gbps"], r.get("ratio_to_ceiling"), r["inflight"], r.get("post_us"))
         at8[copy] = bbest.get(8192)
         for s, target in ((8192, ">= 10"), (65536, ""), (1048576, ">= 0.9"), (16777216, ">= 0.9")):
-            k, u = bbest.get(s), best.get(s)
-            rows.append((f"cuda-batch {copy} / UCX cuda_ipc xfer @ {s >> 10} KiB", fmt(k), fmt(u), fmt(k / u) if k and u else "-", target))
+            row(f"cuda-batch {copy} / UCX cuda_ipc xfer @ {s >> 10} KiB", bbest.get(s), best.get(s), target,
+                ["best over depths on both sides"])
         g8, r8, d8, p8 = bceil.get(8192, (None, None, 0, None))
         bulk8 = next((r for r in xb["results"] if r["size_bytes"] == 8192 and r["inflight"] == d8), {})
-        rows.append((f"cuda-batch {copy} / one device copy of the batch @ 8 KiB x{d8}", fmt(g8),
-                     fmt(bulk8.get("bulk_copy_gbps")), fmt(bulk8.get("ratio_to_bulk_copy")), ">= 0.3"))
+        rows.append((f"cuda-batch {copy} / one device copy of the batch @ 8 KiB x{d8}", g8,
+                     bulk8.get("bulk_copy_gbps"), bulk8.get("ratio_to_bulk_copy"), ">= 0.3", []))
         if p8 and d8:
             print(f"  posting at 8 KiB x{d8}: {p8:.1f} us per batch, {p8 * 1e3 / d8:.0f} ns per descriptor "
                   f"(kvx plan --post-ns cuda-batch={p8 * 1e3 / d8:.0f})")
@@ -316,45 +470,60 @@ for copy, sfx in (("api", ""), ("kernel", "-kernel")):
             if p:
                 print(f"kvx bench --compare-transports ucx,cuda-batch --batch-copy {copy}: {name}: {p['requests_ok']} ok, "
                       f"{p['requests_failed']} failed, {fmt(p['throughput_gbps'])} GB/s {p['params'].get('cuda_batch_paths', '')}")
-        rows.append((f"bench P8->D2 run: cuda-batch {copy} / ucx", fmt(cg), fmt(ug), fmt(cg / ug) if cg and ug else "-", ">= 10"))
+        row(f"bench P8->D2 run: cuda-batch {copy} / ucx", cg, ug, ">= 10")
         cbi = cmp.get("cuda_batch") or {}
         if cbi:
             print(f"  per request: {cbi.get('calls_per_request', 0):.1f} calls, {cbi.get('copies_per_request', 0):.0f} copies, "
-                  f"{cbi.get('post_ns_per_descriptor', 0):.0f} ns posting per descriptor")
-        cal = (bench or {}).get("calibration") or {}
-        bw = cal.get("device_bandwidth_gbps")
-        # A request's bytes over its transfer stage (p50): the reads alone, without the
-        # simulated prefill's pattern fill (through the host) that bounds the run's throughput.
-        per_req = cmp.get("bytes_per_request") or 0
-        def stage(p):
-            t = (p or {}).get("transfer_p50_us")
-            return per_req / (t * 1e3) if per_req and t else None
-        us, cs = stage(u), stage(c)
-        rows.append((f"bench P8->D2 transfer stage: cuda-batch {copy} / ucx", fmt(cs), fmt(us), fmt(cs / us) if cs and us else "-", ">= 10"))
-        rows.append((f"bench P8->D2 transfer stage: cuda-batch {copy} / device bandwidth", fmt(cs), fmt(bw), fmt(cs / bw) if cs and bw else "-", ">= 0.3"))
+                  f"{cbi.get('descriptors_per_request', 0):.0f} descriptors ({cbi.get('unaligned_descriptors_per_request', 0):.0f} "
+                  f"not 16-byte aligned), {cbi.get('post_ns_per_descriptor', 0):.0f} ns posting per descriptor")
+        # A request's bandwidth by the wall-span rule (all its ranks' bytes over first start to
+        # last end), not summed bytes over one rank's time.
+        us, cs = span_p50(u), span_p50(c)
+        if us is None or cs is None:
+            print(f"  bench P8->D2 request span bandwidth, cuda-batch {copy}: {UNAVAILABLE}")
+        row(f"bench P8->D2 request span p50: cuda-batch {copy} / ucx", cs, us, ">= 10")
+        row(f"bench P8->D2 request span p50: cuda-batch {copy} / device bandwidth", cs, bw, ">= 0.3")
 c1 = load("compare-c1.json")
 if c1 and c1.get("sweep"):
     pts = {p["label"]: p for p in c1["sweep"]}
-    per_req = c1.get("bytes_per_request") or 0
-    def stage1(p):
-        t = (p or {}).get("transfer_p50_us")
-        return per_req / (t * 1e3) if per_req and t else None
-    u1, c1s = stage1(pts.get("ucx")), stage1(pts.get("cuda-batch"))
-    bw = ((bench or {}).get("calibration") or {}).get("device_bandwidth_gbps")
     for name in ("ucx", "cuda-batch"):
         p = pts.get(name)
         if p:
             print(f"kvx bench --compare-transports ucx,cuda-batch --concurrency 1: {name}: {p['requests_ok']} ok, "
-                  f"{p['requests_failed']} failed, {fmt(p['throughput_gbps'])} GB/s, transfer p50 {p['transfer_p50_us']:.0f} us")
-    rows.append(("bench P8->D2 alone (--concurrency 1) transfer stage: cuda-batch / ucx", fmt(c1s), fmt(u1), fmt(c1s / u1) if c1s and u1 else "-", ">= 10"))
-    rows.append(("bench P8->D2 alone (--concurrency 1) transfer stage: cuda-batch / device bandwidth", fmt(c1s), fmt(bw), fmt(c1s / bw) if c1s and bw else "-", ">= 0.3"))
+                  f"{p['requests_failed']} failed, {fmt(p['throughput_gbps'])} GB/s, transfer p50 {p.get('transfer_p50_us') or 0:.0f} us")
+    u1, c1s = span_p50(pts.get("ucx")), span_p50(pts.get("cuda-batch"))
+    if u1 is None or c1s is None:
+        print(f"  bench P8->D2 alone, request span bandwidth: {UNAVAILABLE}")
+    row("bench P8->D2 alone (--concurrency 1) request span p50: cuda-batch / ucx", c1s, u1, ">= 10")
+    row("bench P8->D2 alone (--concurrency 1) request span p50: cuda-batch / device bandwidth", c1s, bw, ">= 0.3")
+if bench:
+    s = span_p50(bench)
+    if s is None:
+        print(f"kvx bench --mem cuda request span bandwidth: {UNAVAILABLE}")
+    row("bench --mem cuda (ucx) request span p50 / device bandwidth", s, bw, "")
+
+# Every batch-copy path, aligned and not (issue 22: unaligned within 2x of aligned).
+for copy in (env("GPU_CHECK_PATHS") or "kernel api api-v2 api-v1 per-copy").split():
+    al = load(f"xfer-path-{copy}-aligned.json")
+    r0 = (al or {}).get("results", [{}])[0] if al and al.get("results") else {}
+    path = ((al or {}).get("cuda_batch") or {}).get("path")
+    path = f" ({path})" if path else ""
+    if al:
+        print(f"kvx xfer --batch-copy {copy}{path}, 8 KiB x{r0.get('inflight')}: {fmt(r0.get('gbps'))} GB/s aligned, "
+              f"{r0.get('verified_batches')} of {r0.get('timed_batches')} timed batches verified")
+    for tag, what in (("3", "--misalign 3 (agree mod 16)"), ("0-1", "--misalign 0,1 (differ mod 16)")):
+        un = load(f"xfer-path-{copy}-{tag}.json")
+        r1 = (un or {}).get("results", [{}])[0] if un and un.get("results") else {}
+        if un:
+            print(f"  {what}: {fmt(r1.get('gbps'))} GB/s, {r1.get('unaligned_descriptors', 0) // max(1, r1.get('timed_batches') or 1)} "
+                  f"unaligned descriptors per batch, {r1.get('verified_batches')} of {r1.get('timed_batches')} timed batches verified")
+        row(f"cuda-batch {copy}{path} @ 8 KiB: {what} / aligned", r1.get("gbps"), r0.get("gbps"), ">= 0.5")
+
 push = load("push.json")
 if push:
     print(f"kvx bench --mem cuda --mode push: {push['requests_ok']} ok, {push['requests_failed']} failed, "
           f"{push['verify_failures']} verify failures, {push['blocks_leaked']} blocks leaked, "
-          f"{push['throughput_gbps']:.2f} GB/s; protocols:",
-          ", ".join(f"{u['op']} {u['local']}->{u['remote']}: " + ", ".join(f"{c['description']} {c['config']}" for c in u["choices"])
-                    for u in ((push.get("ucx") or {}).get("protocols") or {}).get("uses", [])) or "unknown")
+          f"{push['throughput_gbps']:.2f} GB/s; protocols:", uses(push).replace("<-", "->"))
     for w in push.get("warnings", []):
         print("  warning:", w)
 ver = load("verify.json")
@@ -363,21 +532,81 @@ if ver:
           f"{ver['verify_failures']} verify failures, {ver['bytes_verified'] / 1e9:.1f} GB verified of "
           f"{ver['bytes_read'] / 1e9:.1f} GB read, {ver['blocks_leaked']} blocks leaked, "
           f"transfer p50 {((ver.get('stages') or {}).get('transfer') or {}).get('p50_us', 0):.0f} us")
-if bench and (bench.get("calibration") or {}).get("device_bandwidth_gbps"):
-    print(f"device bandwidth (one 256 MiB device copy, bench calibration): {bench['calibration']['device_bandwidth_gbps']:.0f} GB/s")
+if bw:
+    print(f"device bandwidth (one 256 MiB device copy, bench calibration): {bw:.0f} GB/s")
 if at8.get("api") and at8.get("kernel"):
     faster = max(at8, key=at8.get)
     print(f"cuda-batch at 8 KiB: kernel / api = {at8['kernel'] / at8['api']:.2f}: the {faster} is faster "
           f"(the default is kernel)")
-w = max(len(r[0]) for r in rows)
+# Rows with no figure on either side (their steps were skipped or failed) are left out.
+rows = [r for r in rows if r[1] is not None or r[2] is not None]
+w = max([len(r[0]) for r in rows] + [5])
 print(f"\n{'ratio':<{w}}  {'kvx GB/s':>9}  {'peer GB/s':>9}  {'ratio':>6}  target")
 for r in rows:
-    print(f"{r[0]:<{w}}  {r[1]:>9}  {r[2]:>9}  {r[3]:>6}  {r[4]}")
+    print(f"{r[0]:<{w}}  {fmt(r[1]):>9}  {fmt(r[2]):>9}  {fmt(r[3]):>6}  {r[4]}")
+    for d in r[5]:
+        print(f"{'':<{w}}    differs: {d}")
+
+# One results file: every step's command, status, seconds and kvx JSON.
+repo, home = env("GPU_CHECK_REPO", ""), os.path.expanduser("~")
+def rel(text):
+    text = text.replace(os.path.abspath(out), "$OUT").replace(out, "$OUT")
+    if repo:
+        text = text.replace(repo + "/", "").replace(repo, ".")
+    return text.replace(home, "~") if home and home != "/" else text
+def scrub(v):
+    if isinstance(v, str):
+        return rel(v)
+    if isinstance(v, list):
+        return [scrub(x) for x in v]
+    if isinstance(v, dict):
+        return {k: scrub(x) for k, x in v.items()}
+    return v
+steps = []
 print("\nsteps:")
 with open(os.path.join(out, "status.tsv")) as f:
     for line in f:
-        print("  " + line.rstrip("\n").replace("\t", "  "))
+        name, status, ms, jfile, note, cmd = (line.rstrip("\n").split("\t") + [""] * 6)[:6]
+        print(f"  {name}  {status}  {note}")
+        st = {"step": name, "status": status, "seconds": round(int(ms or 0) / 1e3, 1), "command": rel(cmd), "note": rel(note)}
+        if note.endswith(".csv") and os.path.isfile(note):
+            with open(note) as c:  # a peer's own output (ucx_perftest, NIXL)
+                st["output_csv"] = [l.rstrip("\n") for l in c]
+        if jfile:
+            try:
+                with open(jfile) as j:
+                    st["output"] = scrub(json.load(j))
+            except Exception as e:
+                st["output"] = None
+                st["output_error"] = f"{os.path.basename(jfile)}: {e}"
+        steps.append(st)
+card = env("GPU_CHECK_CARD") or ""
+if not card:
+    doc = load("doctor.json") or {}
+    for c in doc.get("checks", []):
+        if c.get("name") == "cuda.devices" and c.get("verdict") == "ok":
+            # "0: NVIDIA H100 80GB HBM3 (79.1 GiB), 1: ...": the first device's name.
+            card = re.sub(r"^\d+: (.*?) \([\d.]+ GiB\).*$", r"\1", c.get("detail", ""))
+card = card or "unknown-gpu"
+date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")[:40] or "unknown-gpu"
+result = {
+    "schema": "kvx-gpu-check/1",
+    "date": date,
+    "card": card,
+    "driver": env("GPU_CHECK_DRIVER") or None,
+    "kvx": env("GPU_CHECK_KVX") or None,
+    "commit": env("GPU_CHECK_COMMIT") or None,
+    "ucx_library": rel(env("GPU_CHECK_UCX") or "") or None,
+    "steps": steps,
+    "ratios": [{"what": r[0], "kvx_gbps": r[1], "peer_gbps": r[2], "ratio": r[3], "target": r[4], "differences": r[5]}
+               for r in rows],
+}
+with open(os.path.join(out, "gpu-check.json"), "w") as f:
+    json.dump(result, f, indent=1)
+    f.write("\n")
 print(f"\nreports: {out}")
+print(f"results file: {out}/gpu-check.json; commit it as results/gpu-{slug}-{date}.json")
 EOF
-if grep -q FAILED "$STATUS"; then exit 1; fi
+if grep -q "$(printf '\tfailed\t')" "$STATUS"; then exit 1; fi
 exit 0

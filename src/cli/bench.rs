@@ -168,9 +168,9 @@ pub struct BenchArgs {
     /// on the read endpoint, as NIXL does) or zmq [default: ucx].
     #[arg(long, value_enum, help_heading = "Transport")]
     pub notify: Option<crate::transfer::notify::NotifyTransport>,
-    /// How --transport cuda-batch issues a request's copies from one peer: api (one
-    /// cuMemcpyBatchAsync) or kernel (kvx's gather-copy kernel: one launch) [default: api].
-    #[arg(long, value_enum, help_heading = "Transport")]
+    // The help names the default from `BatchCopy::default()` (the flag stays an Option so
+    // that giving it where no cuda-batch run uses it can be refused).
+    #[arg(long, value_enum, help_heading = "Transport", help = crate::transfer::cuda_batch::BatchCopy::help())]
     pub batch_copy: Option<crate::transfer::cuda_batch::BatchCopy>,
     /// Wait for external `kvx worker --connect` processes: prefill on this endpoint's port, decode on port + 1.
     #[arg(long, value_name = "tcp://HOST:PORT", help_heading = "Across hosts")]

@@ -157,6 +157,7 @@ pub fn run(
             transfer_p50_us: Some(t50 * 1e3),
             e2e_p50_us: Some(e50 * 1e3),
             kv_ready_p50_us: s.stages.get(crate::pipeline::bench::READY).map(|t| t.p50_us),
+            transfer_bandwidth: s.transfer_bandwidth.clone(),
             descriptors_per_request: Some(s.descriptors_per_request),
             requests_ok: s.requests_ok,
             requests_failed: s.requests_failed,

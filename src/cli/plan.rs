@@ -271,8 +271,9 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
     if args.mode == TransferMode::Push {
         return run_push(args, &resolved);
     }
-    let rates = crate::settings::posting::resolve_rates(args.rates.as_deref(), &args.post_ns, &args.ceiling_gbps)
-        .map_err(|e| reject(args.format, e))?;
+    let rates =
+        crate::settings::posting::resolve_rates(args.rates.as_deref(), &args.post_ns, &args.ceiling_gbps)
+            .map_err(|e| reject(args.format, e))?;
     let plans = plan_all(args, &resolved).map_err(|e| reject(args.format, e))?;
     let costs = posting_costs(&plans, &rates);
     match args.format {
@@ -363,7 +364,13 @@ fn time_text(ns: f64) -> String {
 
 /// A rate as it reads: three significant digits, no trailing zeros.
 fn num_text(v: f64) -> String {
-    let digits = if v >= 100.0 { 0 } else if v >= 10.0 { 1 } else { 2 };
+    let digits = if v >= 100.0 {
+        0
+    } else if v >= 10.0 {
+        1
+    } else {
+        2
+    };
     let s = format!("{v:.digits$}");
     if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s }
 }
@@ -405,8 +412,11 @@ fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
     out.push('\n');
     for c in costs {
         let r = rates.of(c.transport);
-        let call =
-            if r.ns_per_call > 0.0 { format!(" + {} ns/call", num_text(r.ns_per_call)) } else { String::new() };
+        let call = if r.ns_per_call > 0.0 {
+            format!(" + {} ns/call", num_text(r.ns_per_call))
+        } else {
+            String::new()
+        };
         out.push_str(&format!(
             "{}: {} ns/desc{call} (from {}); ceiling {} GB/s (from {})\n",
             c.transport.key(),

@@ -54,6 +54,7 @@ pub fn run(plan: &SweepPlan, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
             transfer_p50_us: s.stages.get("transfer").map(|t| t.p50_us),
             e2e_p50_us: s.stages.get("e2e").map(|t| t.p50_us),
             kv_ready_p50_us: s.stages.get(crate::pipeline::bench::READY).map(|t| t.p50_us),
+            transfer_bandwidth: s.transfer_bandwidth.clone(),
             descriptors_per_request: Some(descs),
             requests_ok: s.requests_ok,
             requests_failed: s.requests_failed,

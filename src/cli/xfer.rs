@@ -10,7 +10,7 @@ pub use crate::settings::parse::parse_duration;
 use crate::transfer::memory::MemPlace;
 use crate::transfer::ucx::{ErrMode, ProgressMode, proto_capture_dir, proto_capture_env, ucx_log_messages};
 use crate::transfer::xfer::{
-    self, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferError, XferReport,
+    self, Misalign, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferError, XferReport,
 };
 use crate::{Outcome, output};
 
@@ -38,7 +38,7 @@ pub enum TransportArg {
     #[default]
     Ucx,
     /// GPUs of one machine: the target's device buffer mapped with CUDA IPC, each batch of
-    /// reads one batched copy (cuMemcpyBatchAsync). Needs --mem cuda; no UCX.
+    /// reads one batched copy (see --batch-copy). Needs --mem cuda; no UCX.
     CudaBatch,
 }
 
@@ -59,15 +59,19 @@ Examples:
   kvx xfer --connect hostA:5700              # host B: read it
   kvx xfer --mem cuda --device 0 --sizes 64KiB,1MiB,16MiB --inflight 1,32
   kvx xfer --transport cuda-batch --mem cuda --sizes 8KiB,64KiB,1MiB,16MiB --inflight 64
-  kvx xfer --transport cuda-batch --batch-copy kernel --mem cuda --sizes 8KiB --inflight 1024
+  kvx xfer --transport cuda-batch --batch-copy api-v2 --mem cuda --sizes 8KiB --inflight 1024
+  kvx xfer --transport cuda-batch --mem cuda --sizes 8KiB --inflight 1024 --misalign 3
 
 Numbers are GB/s = 1e9 B/s. The ceiling is measured in the same run over the same working set:
 for host memory a single-thread memcpy (memcpy_gbps; ratio = kvx / memcpy), for device memory a
 device-to-device copy of the same size and batch (\"vs device copy\"). Reports name the protocol
 UCX chose for the reads; a device-memory run that gets software emulation warns with the fix.
 With --transport cuda-batch each batch of --inflight reads is one batched copy from the target
-process's GPU memory (CUDA IPC: two processes on one machine): one cuMemcpyBatchAsync, or with
---batch-copy kernel one launch of kvx's gather-copy kernel; post us is one batch's posting.")]
+process's GPU memory (CUDA IPC: two processes on one machine): one launch of kvx's gather-copy
+kernel, or with --batch-copy api one cuMemcpyBatchAsync; post us is one batch's posting.
+Verification checks what the timed reads wrote: 1 timed batch in 16 (the first included) has its
+destinations cleared before and every byte checked after (outside the measured time), and the
+last timed batch's destinations are checked at the end (\"verified batches\": N of M timed).")]
 pub struct XferArgs {
     /// Message sizes to sweep (suffixes KiB/MiB/GiB or K/M/G = powers of 1024, kB/MB/GB = powers of 1000).
     #[arg(long, value_delimiter = ',', default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB", value_parser = parse_size)]
@@ -93,10 +97,15 @@ pub struct XferArgs {
     /// What moves the bytes: ucx, or cuda-batch (device memory, one machine).
     #[arg(long, value_enum, default_value_t = TransportArg::Ucx)]
     pub transport: TransportArg,
-    /// How --transport cuda-batch issues a batch: api (one cuMemcpyBatchAsync) or kernel (kvx's
-    /// gather-copy kernel: one launch) [default: api].
-    #[arg(long, value_enum)]
+    // The help names the default from `BatchCopy::default()` (the flag stays an Option so
+    // that giving it without --transport cuda-batch can be refused).
+    #[arg(long, value_enum, help = crate::transfer::cuda_batch::BatchCopy::help())]
     pub batch_copy: Option<crate::transfer::cuda_batch::BatchCopy>,
+    /// Shift every read's local and remote offset by BYTES (one value: both sides; two: local,
+    /// remote), so that descriptors are not 16-byte aligned: e.g. 3 (both sides agree modulo
+    /// 16: the gather kernel's byte head and tail) or 0,1 (they differ: its narrow units).
+    #[arg(long, value_name = "BYTES[,BYTES]", value_delimiter = ',', num_args = 1)]
+    pub misalign: Vec<u64>,
     /// CUDA device for --mem cuda [default: 0].
     #[arg(long)]
     pub device: Option<u32>,
@@ -333,6 +342,18 @@ fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
             ));
         }
     }
+    let misalign = match args.misalign.as_slice() {
+        [] => Misalign::default(),
+        &[both] => Misalign { local_bytes: both, remote_bytes: both },
+        &[local_bytes, remote_bytes] => Misalign { local_bytes, remote_bytes },
+        _ => return Err(ConfigError::new("--misalign", "give one shift (both sides) or two (local,remote)")),
+    };
+    if misalign.local_bytes.max(misalign.remote_bytes) >= MAX_MISALIGN {
+        return Err(ConfigError::new(
+            "--misalign",
+            format!("shifts are below {MAX_MISALIGN} bytes (0-15 cover every alignment)"),
+        ));
+    }
     Ok(XferConfig {
         sizes: args.sizes.clone(),
         inflight: args.inflight.clone(),
@@ -352,8 +373,13 @@ fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
             ucx_config: ucx_config(args),
         },
         cuda_batch,
+        misalign,
     })
 }
+
+/// `--misalign` shifts above this are refused (an offset's alignment repeats every 4096 bytes
+/// for any unit a transport copies in).
+const MAX_MISALIGN: u64 = 4096;
 
 /// Human-readable size: 4KiB, 64MiB.
 pub fn fmt_size(b: u64) -> String {
@@ -382,7 +408,7 @@ fn render_table(r: &XferReport) -> String {
             r.memory.residency,
             fmt_size(r.memory.working_set_bytes),
         ));
-        return out + &results_table(r);
+        return out + &misalign_line(r) + &results_table(r) + &verification_line(r);
     }
     out.push_str(&format!(
         "UCX {} ({}, {})  transports: {}\nerr-mode {}  progress {}  memory {memory}  {}  working set {}\n",
@@ -407,7 +433,23 @@ fn render_table(r: &XferReport) -> String {
             "note: hot and/or UCX-allocated buffers flatter the numbers; a KV cache is cold user memory\n",
         );
     }
-    out + &results_table(r)
+    out + &misalign_line(r) + &results_table(r) + &verification_line(r)
+}
+
+/// `--misalign`'s shift, when there is one.
+fn misalign_line(r: &XferReport) -> String {
+    if r.misalign.is_none() {
+        return String::new();
+    }
+    format!(
+        "misaligned: every read's local offset +{} B, remote offset +{} B\n",
+        r.misalign.local_bytes, r.misalign.remote_bytes
+    )
+}
+
+/// What the `verified` columns mean.
+fn verification_line(r: &XferReport) -> String {
+    format!("verified: {}\n", r.verification)
 }
 
 /// The per-case rows.
@@ -426,7 +468,14 @@ fn results_table(r: &XferReport) -> String {
     if bulk {
         header.extend(["bulk copy GB/s", "vs bulk"]);
     }
-    header.extend(["p50 us", "p99 us", "post us", "done us", "msgs/s", "verified"]);
+    header.extend(["p50 us", "p99 us", "post us", "done us", "msgs/s"]);
+    // Unaligned descriptors per batch: always with cuda-batch (the kernel's path depends on
+    // it), elsewhere when there are any.
+    let unaligned = r.cuda_batch.is_some() || r.results.iter().any(|x| x.unaligned_descriptors > 0);
+    if unaligned {
+        header.push("unaligned/batch");
+    }
+    header.extend(["verified batches", "verified"]);
     t.set_header(header);
     for x in &r.results {
         let mut row = vec![fmt_size(x.size_bytes), x.inflight.to_string(), format!("{:.2}", x.gbps)];
@@ -441,8 +490,11 @@ fn results_table(r: &XferReport) -> String {
             format!("{:.1}", x.post_us),
             format!("{:.1}", x.complete_us),
             format!("{:.0}", x.msgs_per_sec),
-            fmt_size(x.verified_bytes),
         ]);
+        if unaligned {
+            row.push(format!("{:.0}", x.unaligned_descriptors as f64 / x.timed_batches.max(1) as f64));
+        }
+        row.extend([format!("{} of {}", x.verified_batches, x.timed_batches), fmt_size(x.verified_bytes)]);
         t.add_row(row);
     }
     out.push_str(&t.to_string());
@@ -489,6 +541,9 @@ mod tests {
             batches: 3,
             bytes: size * inflight as u64 * 3,
             verified_bytes: size * inflight as u64,
+            verified_batches: 1,
+            timed_batches: 3,
+            unaligned_descriptors: 0,
         }
     }
 
@@ -519,6 +574,8 @@ mod tests {
             results,
             transport: "ucx".into(),
             cuda_batch: None,
+            verification: crate::transfer::xfer::verification_rule(),
+            misalign: Misalign::default(),
         }
     }
 
@@ -541,6 +598,66 @@ mod tests {
         let host = render_table(&report("host", "memcpy", vec![result(65536, 32, 5.0, None)]));
         assert!(!host.contains("bulk"), "{host}");
         assert!(host.contains("memcpy GB/s"), "{host}");
+    }
+
+    fn parse(args: &[&str]) -> Result<XferConfig, String> {
+        use clap::Parser as _;
+        let cli =
+            crate::cli::Cli::try_parse_from(["kvx", "xfer"].iter().chain(args)).map_err(|e| e.to_string())?;
+        match cli.command {
+            crate::cli::Command::Xfer(a) => resolve(&a).map_err(|e| e.to_string()),
+            _ => Err("not xfer".into()),
+        }
+    }
+
+    #[test]
+    fn misalign_shifts_both_sides_or_each_and_stays_small() {
+        let one = parse(&["--misalign", "3"]).expect("one shift");
+        assert_eq!(one.misalign, Misalign { local_bytes: 3, remote_bytes: 3 });
+        let two = parse(&["--misalign", "0,1"]).expect("two shifts");
+        assert_eq!(two.misalign, Misalign { local_bytes: 0, remote_bytes: 1 });
+        assert!(parse(&[]).expect("none").misalign.is_none());
+        let e = parse(&["--misalign", "1,2,3"]).expect_err("three");
+        assert!(e.contains("--misalign"), "{e}");
+        let e = parse(&["--misalign", "4096"]).expect_err("too far");
+        assert!(e.contains("--misalign"), "{e}");
+    }
+
+    #[test]
+    fn batch_copy_help_shows_the_default_the_code_has() {
+        use clap::CommandFactory as _;
+        let want = format!("[default: {}]", crate::transfer::cuda_batch::BatchCopy::default().as_str());
+        let cmd = crate::cli::Cli::command();
+        for sub in ["xfer", "bench"] {
+            let c = cmd.find_subcommand(sub).expect("the subcommand");
+            let arg = c.get_arguments().find(|a| a.get_id() == "batch_copy").expect("--batch-copy");
+            let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+            assert!(help.contains(&want), "kvx {sub} --batch-copy: {help}");
+            let values: Vec<String> =
+                arg.get_possible_values().iter().map(|v| v.get_name().to_string()).collect();
+            assert_eq!(values, ["api", "api-v2", "api-v1", "per-copy", "kernel"], "kvx {sub}");
+        }
+    }
+
+    #[test]
+    fn tables_say_how_many_timed_batches_were_verified_and_how() {
+        let mut r = result(8192, 64, 5.0, None);
+        (r.verified_batches, r.timed_batches, r.unaligned_descriptors) = (5, 70, 0);
+        let host = render_table(&report("host", "memcpy", vec![r.clone()]));
+        assert!(host.contains("verified batches") && host.contains("5 of 70"), "{host}");
+        assert!(host.contains("verified: in place, on the timed reads: 1 timed batch in 16"), "{host}");
+        assert!(!host.contains("unaligned"), "no column without unaligned reads: {host}");
+        r.unaligned_descriptors = 70 * 64;
+        let mut rep = report("host", "memcpy", vec![r]);
+        rep.misalign = Misalign { local_bytes: 3, remote_bytes: 3 };
+        let shifted = render_table(&rep);
+        assert!(shifted.contains("unaligned/batch"), "{shifted}");
+        assert!(
+            shifted.contains("misaligned: every read's local offset +3 B, remote offset +3 B"),
+            "{shifted}"
+        );
+        let row = shifted.lines().find(|l| l.contains("8KiB")).expect("the row");
+        assert!(row.contains(" 64 "), "64 unaligned reads per batch: {row}");
     }
 
     #[test]

@@ -95,15 +95,26 @@ pub struct PostRates {
 
 /// A rate nothing has given yet (each built-in file gives every one; a test checks it).
 fn unset(why_unset: &str) -> PathRate {
-    let why = || RateSource::File { path: "(none)".into(), line: 0, detail: format!("no built-in rate: {why_unset}") };
-    PathRate { ns_per_descriptor: 0.0, ns_per_call: 0.0, post_source: why(), ceiling_gbps: 0.0, ceiling_source: why() }
+    let why = || RateSource::File {
+        path: "(none)".into(),
+        line: 0,
+        detail: format!("no built-in rate: {why_unset}"),
+    };
+    PathRate {
+        ns_per_descriptor: 0.0,
+        ns_per_call: 0.0,
+        post_source: why(),
+        ceiling_gbps: 0.0,
+        ceiling_source: why(),
+    }
 }
 
 /// The built-in rates: read from the committed results files kvx is built with
 /// ([`super::rates::BUILTIN`]), each rate naming its file and line.
 impl Default for PostRates {
     fn default() -> Self {
-        let mut rates = PostRates { ucx: unset("ucx"), cuda_ipc: unset("cuda-ipc"), cuda_batch: unset("cuda-batch") };
+        let mut rates =
+            PostRates { ucx: unset("ucx"), cuda_ipc: unset("cuda-ipc"), cuda_batch: unset("cuda-batch") };
         for (path, text) in super::rates::BUILTIN {
             if let Err(e) = super::rates::apply(path, text, &mut rates) {
                 // Only a broken build gets here: the rates left unset say why.
@@ -250,7 +261,10 @@ mod tests {
         assert!((c.post_ns - want).abs() < 1e-6);
         // 84 us of posting against 0.18 ms of copying: not post-bound, as measured.
         assert!(!c.post_bound, "{c:?}");
-        assert!(c.bound_gbps > 10.0 * 8192.0 / rates.cuda_ipc.ns_per_descriptor, "clears the issue's 10x target");
+        assert!(
+            c.bound_gbps > 10.0 * 8192.0 / rates.cuda_ipc.ns_per_descriptor,
+            "clears the issue's 10x target"
+        );
         // A peer that sends nothing costs no call.
         let none = [ReadShape::default(), ReadShape { descriptors: 2, coalesced: 1, bytes: 64 }];
         assert_eq!(rank_cost(PostPath::CudaBatch, &rates.cuda_batch, 0, &none).calls, 1);
@@ -292,7 +306,11 @@ mod tests {
         for p in PostPath::ALL {
             assert!(matches!(r.of(p).post_source, RateSource::File { line, .. } if line > 0), "{p:?}");
         }
-        assert!(r.cuda_batch.post_source.text().starts_with("results/rates/gpu-h100-"), "{}", r.cuda_batch.post_source.text());
+        assert!(
+            r.cuda_batch.post_source.text().starts_with("results/rates/gpu-h100-"),
+            "{}",
+            r.cuda_batch.post_source.text()
+        );
         assert!(r.ucx.post_source.text().starts_with("results/docs/xfer-rates/out.txt:"));
         assert_eq!(PostPath::CudaBatch.key(), "cuda-batch");
         assert_eq!(serde_json::to_value(PostPath::CudaIpc).ok(), Some(serde_json::json!("cuda-ipc")));

@@ -48,7 +48,10 @@ fn result_line(text: &str, size: u64, inflight: u64) -> usize {
     let size_hit = format!("\"size_bytes\": {size}");
     let depth_hit = format!("\"inflight\": {inflight}");
     (0..lines.len())
-        .find(|&i| lines[i].contains(&size_hit) && lines[i..(i + 3).min(lines.len())].iter().any(|l| l.contains(&depth_hit)))
+        .find(|&i| {
+            lines[i].contains(&size_hit)
+                && lines[i..(i + 3).min(lines.len())].iter().any(|l| l.contains(&depth_hit))
+        })
         .map_or(1, |i| i + 1)
 }
 
@@ -123,12 +126,14 @@ fn apply_rates_file(
             rate.ns_per_descriptor = ns;
             rate.ns_per_call = num(p, "ns_per_call").unwrap_or(0.0);
             let how = p.get("how").and_then(Value::as_str).unwrap_or_default();
-            rate.post_source = source(path, line_of(text, start, "ns_per_descriptor", ns), format!("{how} ({provenance})"));
+            rate.post_source =
+                source(path, line_of(text, start, "ns_per_descriptor", ns), format!("{how} ({provenance})"));
         }
         if let Some(g) = num(p, "ceiling_gbps") {
             rate.ceiling_gbps = g;
             let how = p.get("ceiling_how").and_then(Value::as_str).unwrap_or_default();
-            rate.ceiling_source = source(path, line_of(text, start, "ceiling_gbps", g), format!("{how} ({provenance})"));
+            rate.ceiling_source =
+                source(path, line_of(text, start, "ceiling_gbps", g), format!("{how} ({provenance})"));
         }
         set.push(post);
     }
@@ -139,10 +144,18 @@ fn apply_xfer(path: &str, text: &str, r: &Value, rates: &mut PostRates) -> Resul
     let results: Vec<&Value> = r["results"].as_array().map(|a| a.iter().collect()).unwrap_or_default();
     let size = |x: &Value| x.get("size_bytes").and_then(Value::as_u64).unwrap_or(0);
     let depth = |x: &Value| x.get("inflight").and_then(Value::as_u64).unwrap_or(0);
-    let smallest = results.iter().map(|x| size(x)).filter(|s| *s > 0).min().ok_or_else(|| format!("{path}: a kvx xfer report without results"))?;
+    let smallest = results
+        .iter()
+        .map(|x| size(x))
+        .filter(|s| *s > 0)
+        .min()
+        .ok_or_else(|| format!("{path}: a kvx xfer report without results"))?;
     let largest = results.iter().map(|x| size(x)).max().unwrap_or(smallest);
-    let mut small: Vec<&Value> =
-        results.iter().copied().filter(|x| size(x) == smallest && depth(x) > 0 && num(x, "post_us").is_some()).collect();
+    let mut small: Vec<&Value> = results
+        .iter()
+        .copied()
+        .filter(|x| size(x) == smallest && depth(x) > 0 && num(x, "post_us").is_some())
+        .collect();
     small.sort_by_key(|x| depth(x));
     let big = results.iter().copied().filter(|x| size(x) == largest).max_by_key(|x| depth(x));
     let device = r["memory"]["kind"].as_str() == Some("cuda");
@@ -184,7 +197,12 @@ fn apply_xfer(path: &str, text: &str, r: &Value, rates: &mut PostRates) -> Resul
         rate.post_source = source(
             path,
             line_of(text, result_line(text, smallest, depth(a)), "post_us", us),
-            format!("kvx xfer at {} x{}: post_us {us:.2} per batch of {} GETs", kib(smallest), depth(a), depth(a)),
+            format!(
+                "kvx xfer at {} x{}: post_us {us:.2} per batch of {} GETs",
+                kib(smallest),
+                depth(a),
+                depth(a)
+            ),
         );
     }
     if let Some(b) = big {

@@ -56,7 +56,9 @@ impl BatchSide {
         })?;
         let dev = CudaDevice::open(device).stage(format!("open CUDA device {device}"))?;
         let what = match copy {
-            BatchCopy::Api => "cuda-batch stream and event",
+            BatchCopy::Api | BatchCopy::ApiV2 | BatchCopy::ApiV1 | BatchCopy::PerCopy => {
+                "cuda-batch stream and event"
+            }
             BatchCopy::Kernel => "cuda-batch stream, event and gather kernel (cuModuleLoadData of its PTX)",
         };
         let copier = BatchCopier::new(&dev, copy).stage(what)?;
@@ -105,6 +107,7 @@ impl BatchSide {
         r.batch_path = Some(self.copier.path());
         r.batch_calls += st.calls;
         r.batch_copies += st.copies;
+        r.batch_unaligned += st.unaligned_descriptors;
         Ok(())
     }
 
@@ -125,7 +128,8 @@ fn failure(who: &str, e: CudaBatchError) -> Failure {
         | CudaBatchError::SameProcess { .. }
         | CudaBatchError::BadHandle { .. }
         | CudaBatchError::Open { .. }
-        | CudaBatchError::OutOfBounds { .. } => FailureCause::Incompatible,
+        | CudaBatchError::OutOfBounds { .. }
+        | CudaBatchError::PathUnavailable { .. } => FailureCause::Incompatible,
         CudaBatchError::WrongBuffers => FailureCause::Internal,
         CudaBatchError::Cuda(_) | CudaBatchError::Call { .. } => FailureCause::Transfer,
     };
@@ -141,6 +145,7 @@ pub struct BatchTally {
     calls: u64,
     copies: u64,
     descriptors: u64,
+    unaligned: u64,
     post_ns: u64,
 }
 
@@ -157,6 +162,7 @@ impl BatchTally {
             self.calls += r.batch_calls;
             self.copies += r.batch_copies;
             self.descriptors += r.descs_raw;
+            self.unaligned += r.batch_unaligned;
             self.post_ns += r.post_ns;
         }
         self.requests += u64::from(counted);
@@ -175,6 +181,7 @@ impl BatchTally {
             calls_per_request: per_request(self.calls),
             copies_per_request: per_request(self.copies),
             descriptors_per_request: per_request(self.descriptors),
+            unaligned_descriptors_per_request: per_request(self.unaligned),
             post_ns_per_descriptor: per(self.post_ns, self.descriptors),
             post_us_per_call: per(self.post_ns, self.calls) / 1e3,
         });
@@ -210,7 +217,7 @@ mod tests {
             ..LoadResult::default()
         };
         let mut t = BatchTally::default();
-        t.add(&[rank(4, 40, 400, 40_000), rank(4, 40, 400, 40_000)]);
+        t.add(&[rank(4, 40, 400, 40_000), LoadResult { batch_unaligned: 30, ..rank(4, 40, 400, 40_000) }]);
         t.add(&[rank(4, 20, 400, 20_000), LoadResult::default()]);
         t.add(&[LoadResult::default()]); // a request cuda-batch did not move
         let mut s = Summary::new("r", "t", Default::default());
@@ -221,6 +228,7 @@ mod tests {
         assert_eq!(info.calls_per_request, 6.0);
         assert_eq!(info.copies_per_request, 50.0);
         assert_eq!(info.descriptors_per_request, 600.0);
+        assert_eq!(info.unaligned_descriptors_per_request, 15.0, "30 over two requests");
         assert_eq!(info.post_ns_per_descriptor, 100_000.0 / 1200.0);
         assert_eq!(info.post_us_per_call, 100_000.0 / 12.0 / 1e3);
         let mut none = Summary::new("r", "t", Default::default());

@@ -621,6 +621,7 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
             ucx_config: vec![],
         },
         cuda_batch: None,
+        misalign: Default::default(),
     };
     match xfer::run(&cfg, &TargetSpec::Local { exe: s.workers.exe.clone() }, |_| {}) {
         Ok(rep) => {

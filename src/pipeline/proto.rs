@@ -363,6 +363,10 @@ pub struct LoadResult {
     pub batch_calls: u64,
     #[serde(default)]
     pub batch_copies: u64,
+    /// Of `descs_raw`, the descriptors whose address or length is not a multiple of 16
+    /// (`transfer::cuda_batch::CopyBatch::unaligned_descriptors`).
+    #[serde(default)]
+    pub batch_unaligned: u64,
 }
 
 /// What a rank's UCX chose for its one-sided operations, reported once: the transports of an

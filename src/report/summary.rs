@@ -446,6 +446,9 @@ pub struct CudaBatchInfo {
     pub post_ns_per_descriptor: f64,
     /// Posting time per driver call, us.
     pub post_us_per_call: f64,
+    /// Of the plan's descriptors per request, those whose address (either side) or length is
+    /// not a multiple of 16: the gather kernel copies a few bytes of each one by one.
+    pub unaligned_descriptors_per_request: f64,
 }
 
 /// The UCX library a run loaded and what it selected.
@@ -597,6 +600,9 @@ pub struct SweepPoint {
     /// Prefill start to the KV in every decode rank's blocks (`kv_ready`), p50.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_ready_p50_us: Option<f64>,
+    /// The point's per-request bandwidth (wall span) and per-rank figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transfer_bandwidth: Option<super::bandwidth::TransferBandwidth>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub descriptors_per_request: Option<DescriptorsPerRequest>,
     pub requests_ok: u64,

@@ -128,8 +128,16 @@ mod tests {
         .expect("write");
         let r = resolve_rates(Some(&f), &[], &list("ucx=9")).expect("valid");
         assert!((r.ucx.ns_per_descriptor - 100.0).abs() < 1e-9);
-        assert!(r.ucx.post_source.text().starts_with(&f.display().to_string()), "{}", r.ucx.post_source.text());
-        assert_eq!((r.ucx.ceiling_gbps, &r.ucx.ceiling_source), (9.0, &RateSource::User), "flags win over the file");
+        assert!(
+            r.ucx.post_source.text().starts_with(&f.display().to_string()),
+            "{}",
+            r.ucx.post_source.text()
+        );
+        assert_eq!(
+            (r.ucx.ceiling_gbps, &r.ucx.ceiling_source),
+            (9.0, &RateSource::User),
+            "flags win over the file"
+        );
         assert_eq!(r.cuda_batch, PostRates::default().cuda_batch, "what the file lacks stays built in");
         let e = resolve_rates(Some(&dir.path().join("none.json")), &[], &[]).expect_err("missing");
         assert_eq!(e.flag, "--rates");

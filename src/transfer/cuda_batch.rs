@@ -7,12 +7,13 @@
 //! opens each peer's handle once ([`PeerMapping::open`], closed on drop), packs one request's
 //! descriptors from that peer into the `(dst, src, size)` arrays of a batched copy
 //! ([`CopyBatch::pack`]: bounds-checked against both buffers, contiguous runs coalesced), and
-//! [`BatchCopier::copy`] issues them as ONE `cuMemcpyBatchAsync_v2` (CUDA 13), else one
-//! `cuMemcpyBatchAsync` (CUDA 12.8), else (an older driver) one `cuMemcpyDtoDAsync` per
-//! copy on one stream; or, with [`BatchCopy::Kernel`], as one launch of kvx's gather-copy
-//! kernel (`gather.ptx`, JIT-compiled by the driver) that reads the copies from a descriptor
-//! array in device memory. Then it records one event and waits for it with a deadline. Which
-//! path ran is [`BatchPath`], reported with every request.
+//! [`BatchCopier::copy`] issues them, with [`BatchCopy::Kernel`] (the default), as one launch
+//! of kvx's gather-copy kernel (`gather.ptx`, JIT-compiled by the driver) that reads the copies
+//! from a descriptor array in device memory; with [`BatchCopy::Api`] as ONE
+//! `cuMemcpyBatchAsync_v2` (CUDA 13), else one `cuMemcpyBatchAsync` (CUDA 12.8), else (an older
+//! driver) one `cuMemcpyDtoDAsync` per copy on one stream. `api-v2`, `api-v1` and `per-copy`
+//! force one of those, and fail on a driver without it. Then it records one event and waits
+//! for it with a deadline. Which path ran is [`BatchPath`], reported with every request.
 //!
 //! Owns: every CUDA call of this transport (IPC export/open/close, the batched copy, its
 //! stream and event), and the pure packing of descriptors into a batch. Must not know about
@@ -24,8 +25,12 @@
 //! typed error, before CUDA is asked.
 //!
 //! The kernel is hand-written PTX (checked with `ptxas` for sm_70, sm_80 and sm_90), so
-//! building kvx needs no CUDA toolkit. Which of the batch API and the kernel is faster is
-//! for `scripts/gpu-check.sh` to measure; the batch API is the default.
+//! building kvx needs no CUDA toolkit. It copies in the widest of 16, 8, 4 and 1 bytes at which
+//! a copy's source and destination agree ([`gather_split`]: a byte head, a body of those
+//! units, a byte tail), so a descriptor that is not 16-byte aligned costs a few bytes more,
+//! not a byte-by-byte copy; batches count such descriptors
+//! ([`BatchStats::unaligned_descriptors`]). `scripts/gpu-check.sh` measures every path,
+//! aligned and not.
 #![allow(unsafe_code, reason = "CUDA IPC and batched-copy driver calls of the cuda-batch transport")]
 
 use serde::{Deserialize, Serialize};
@@ -73,15 +78,30 @@ pub enum CudaBatchError {
     Timeout { copies: usize, timeout: std::time::Duration },
     #[error("CUDA {op} failed: {reason}")]
     Call { op: &'static str, reason: String },
+    /// A path forced with `--batch-copy` that this driver does not have (or refuses).
+    #[error(
+        "{flag} forces {call} (CUDA drivers {since} and later), which this CUDA driver (version {driver}) \
+         does not have or refuses: use --batch-copy api (the best batch API this driver has), per-copy or \
+         kernel"
+    )]
+    PathUnavailable { flag: String, call: &'static str, since: &'static str, driver: i32 },
 }
 
-/// How `--transport cuda-batch` issues a batch's copies (`--batch-copy`).
+/// How `--transport cuda-batch` issues a batch's copies (`--batch-copy`). Every path but
+/// `api` is forced: a driver that lacks it is an error naming the flag, never a fallback, so
+/// that each path can be run and tested on purpose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum BatchCopy {
-    /// The driver's batch API: one `cuMemcpyBatchAsync` per batch (CUDA 12.8+; one copy per
-    /// descriptor on older drivers).
+    /// The best batch API the driver has: `cuMemcpyBatchAsync_v2` (CUDA 13), else
+    /// `cuMemcpyBatchAsync` (CUDA 12.8), else one `cuMemcpyDtoDAsync` per copy.
     Api,
+    /// Forces `cuMemcpyBatchAsync_v2` (CUDA 13 drivers).
+    ApiV2,
+    /// Forces `cuMemcpyBatchAsync`, the CUDA 12.8 batch API.
+    ApiV1,
+    /// Forces one `cuMemcpyDtoDAsync` per copy, the path of a driver without a batch API.
+    PerCopy,
     /// kvx's gather-copy kernel: the descriptors go to device memory in one copy and one
     /// kernel launch moves them all (any CUDA driver). The default: on an H100 (driver 580,
     /// CUDA 13) it read 8 KiB descriptors 121-225x faster than the batch API, whose driver
@@ -94,7 +114,55 @@ impl BatchCopy {
     pub fn as_str(self) -> &'static str {
         match self {
             BatchCopy::Api => "api",
+            BatchCopy::ApiV2 => "api-v2",
+            BatchCopy::ApiV1 => "api-v1",
+            BatchCopy::PerCopy => "per-copy",
             BatchCopy::Kernel => "kernel",
+        }
+    }
+
+    /// The help of `--batch-copy` (kvx xfer and kvx bench), its default taken from
+    /// [`BatchCopy::default`] so the two cannot disagree.
+    pub fn help() -> String {
+        format!(
+            "How --transport cuda-batch issues a batch's copies: kernel (kvx's gather-copy kernel, one \
+             launch), api (the best batch API the driver has), or one path forced: api-v2 \
+             (cuMemcpyBatchAsync_v2), api-v1 (cuMemcpyBatchAsync), per-copy (one cuMemcpyDtoDAsync per \
+             copy); a forced path the driver lacks is an error [default: {}]",
+            BatchCopy::default().as_str()
+        )
+    }
+
+    /// The one driver path this choice forces, if it forces one (`api` picks the best there is).
+    pub fn forced(self) -> Option<BatchPath> {
+        match self {
+            BatchCopy::Api => None,
+            BatchCopy::ApiV2 => Some(BatchPath::BatchV2),
+            BatchCopy::ApiV1 => Some(BatchPath::BatchV1),
+            BatchCopy::PerCopy => Some(BatchPath::PerDescriptor),
+            BatchCopy::Kernel => Some(BatchPath::Kernel),
+        }
+    }
+
+    /// The path `new` takes on a driver of `version` (`cuDriverGetVersion`) that has the batch
+    /// entry points `has_v2` and `has_v1`: the forced one, or an error naming the flag when
+    /// the driver lacks it; for `api`, the best there is.
+    pub fn choose(self, version: i32, has_v2: bool, has_v1: bool) -> Result<BatchPath, CudaBatchError> {
+        let missing = |call: &'static str, since: &'static str| CudaBatchError::PathUnavailable {
+            flag: format!("--batch-copy {}", self.as_str()),
+            call,
+            since,
+            driver: version,
+        };
+        match self {
+            BatchCopy::Api if has_v2 => Ok(BatchPath::BatchV2),
+            BatchCopy::Api if has_v1 => Ok(BatchPath::BatchV1),
+            BatchCopy::Api | BatchCopy::PerCopy => Ok(BatchPath::PerDescriptor),
+            BatchCopy::ApiV2 if has_v2 => Ok(BatchPath::BatchV2),
+            BatchCopy::ApiV2 => Err(missing("cuMemcpyBatchAsync_v2", "13.0")),
+            BatchCopy::ApiV1 if has_v1 => Ok(BatchPath::BatchV1),
+            BatchCopy::ApiV1 => Err(missing("cuMemcpyBatchAsync", "12.8")),
+            BatchCopy::Kernel => Ok(BatchPath::Kernel),
         }
     }
 }
@@ -183,6 +251,7 @@ pub struct CopyBatch {
     peer: Span,
     descriptors: u64,
     bytes: u64,
+    unaligned: u64,
 }
 
 impl CopyBatch {
@@ -222,6 +291,9 @@ impl CopyBatch {
                 return Err(e);
             };
             self.bytes += p.len;
+            if !(dst | src | p.len).is_multiple_of(16) {
+                self.unaligned += 1;
+            }
             match (self.dsts.last(), self.srcs.last(), self.sizes.last_mut()) {
                 (Some(&d), Some(&s), Some(n)) if d + *n as u64 == dst && s + *n as u64 == src => *n += size,
                 _ => {
@@ -240,6 +312,7 @@ impl CopyBatch {
         self.sizes.clear();
         self.descriptors = 0;
         self.bytes = 0;
+        self.unaligned = 0;
     }
 
     /// Copies after coalescing: the entries of one batched call.
@@ -254,6 +327,13 @@ impl CopyBatch {
 
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// Plan descriptors (of non-zero length) whose local or peer address or length is not a
+    /// multiple of 16: the gather kernel copies their first and last bytes one by one, and all
+    /// of them in narrower units where the two addresses differ modulo 16 ([`gather_split`]).
+    pub fn unaligned_descriptors(&self) -> u64 {
+        self.unaligned
     }
 
     pub fn is_empty(&self) -> bool {
@@ -272,8 +352,9 @@ pub const GATHER_PIECE: u64 = 32 << 10;
 
 /// The gather kernel's descriptor array for `batch`, replacing what `out` held: three u64
 /// `(dst, src, len)` per piece, copies longer than `piece` split into pieces of at most
-/// `piece` bytes (a multiple of 16, so a copy whose addresses and length are multiples of
-/// 16 keeps them in every piece, and the kernel's 16-byte path). Returns the piece count.
+/// `piece` bytes (a multiple of 16) at offsets where the destination is a multiple of 16, so
+/// that every piece keeps its copy's unit ([`gather_split`]) and only a copy's first piece has
+/// a byte head and only its last a byte tail. Returns the piece count.
 pub fn gather_descriptors(batch: &CopyBatch, piece: u64, out: &mut Vec<u64>) -> usize {
     out.clear();
     out.resize(3 * gather_pieces(batch, piece), 0);
@@ -283,7 +364,7 @@ pub fn gather_descriptors(batch: &CopyBatch, piece: u64, out: &mut Vec<u64>) -> 
 /// How many pieces [`gather_descriptors`] makes of `batch`.
 pub fn gather_pieces(batch: &CopyBatch, piece: u64) -> usize {
     let piece = (piece & !15).max(16);
-    batch.sizes.iter().map(|&n| (n as u64).div_ceil(piece) as usize).sum()
+    batch.entries().map(|(dst, _, n)| (n as u64 + dst % 16).div_ceil(piece) as usize).sum()
 }
 
 /// [`gather_descriptors`] into the front of `out` (pinned memory the launcher uploads from),
@@ -293,15 +374,43 @@ pub fn gather_into(batch: &CopyBatch, piece: u64, out: &mut [u64]) -> usize {
     let mut w = 0;
     for (dst, src, size) in batch.entries() {
         let size = size as u64;
+        // The first piece ends where the destination reaches a multiple of 16.
         let mut off = 0;
+        let mut len = piece - dst % 16;
         while off < size {
-            let len = piece.min(size - off);
+            len = len.min(size - off);
             out[w..w + 3].copy_from_slice(&[dst + off, src + off, len]);
             w += 3;
             off += len;
+            len = piece;
         }
     }
     w / 3
+}
+
+/// How the gather kernel copies `len` bytes from `src` to `dst` (the arithmetic of
+/// `gather.ptx`, kept here so it is tested): in `granule`-byte units, the widest of 16, 8, 4
+/// and 1 at which the two addresses agree, so that every unit is aligned on both sides; the
+/// first `head` bytes (until `dst`, and so `src`, reaches a multiple of `granule`) and the last
+/// `tail` bytes byte by byte. A copy whose addresses and length are multiples of 16 is all
+/// body. Pieces of one copy ([`gather_descriptors`]) start at multiples of 16 into it, so each
+/// has the copy's granule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatherSplit {
+    pub granule: u64,
+    pub head: u64,
+    pub body: u64,
+    pub tail: u64,
+}
+
+/// The kernel's split of one copy (see [`GatherSplit`]).
+pub fn gather_split(dst: u64, src: u64, len: u64) -> GatherSplit {
+    let skew = dst ^ src;
+    let granule = [16u64, 8, 4].into_iter().find(|&g| skew.is_multiple_of(g)).unwrap_or(1);
+    let mask = granule - 1;
+    let head = (dst.wrapping_neg() & mask).min(len);
+    let body = (len - head) & !mask;
+    GatherSplit { granule, head, body, tail: len - head - body }
 }
 
 /// What one batch cost.
@@ -318,6 +427,10 @@ pub struct BatchStats {
     /// Plan descriptors before coalescing.
     pub descriptors: u64,
     pub bytes: u64,
+    /// Plan descriptors whose address (on either side) or length is not a multiple of 16
+    /// ([`CopyBatch::unaligned_descriptors`]).
+    #[serde(default)]
+    pub unaligned_descriptors: u64,
 }
 
 /// This machine's identity for "are we on one machine": the kernel's boot id (one per booted
@@ -591,6 +704,9 @@ mod imp {
         v1: Option<BatchV1>,
         /// `--batch-copy kernel`: the gather kernel.
         gather: Option<Gather>,
+        /// The path was forced (`--batch-copy` other than `api`): a batch entry point that
+        /// refuses is an error, not a fallback to one call per copy.
+        forced: bool,
         /// Mappings a batch that has not completed reads from (posted and not waited for, or
         /// one that timed out): kept open until the event fires, or until Drop has
         /// synchronized the stream.
@@ -613,22 +729,25 @@ mod imp {
 
     impl BatchCopier {
         /// A copier on `dev`: a non-blocking stream, an event without timing, and how `copy`
-        /// issues batches: the gather kernel, or the batch entry point this driver has (v2
-        /// from CUDA 13.0, v1 from 12.8, else one call per copy).
+        /// issues batches ([`BatchCopy::choose`]): the gather kernel, the batch entry point
+        /// this driver has (v2 from CUDA 13.0, v1 from 12.8, else one call per copy), or the
+        /// one path `copy` forces, failing with the flag's name when the driver lacks it.
         pub fn new(dev: &Arc<CudaDevice>, copy: BatchCopy) -> Result<BatchCopier, CudaBatchError> {
             let _cur = dev.scoped()?;
             let version = driver_version()?;
-            let api = copy == BatchCopy::Api;
-            let v2 =
-                if api && version >= 13000 { lookup::<BatchV2>(b"cuMemcpyBatchAsync_v2\0") } else { None };
-            let v1 = if api && version >= 12080 { lookup::<BatchV1>(b"cuMemcpyBatchAsync\0") } else { None };
-            let gather = if api { None } else { Some(Gather::load()?) };
-            let path = match (&gather, v2, v1) {
-                (Some(_), _, _) => BatchPath::Kernel,
-                (None, Some(_), _) => BatchPath::BatchV2,
-                (None, None, Some(_)) => BatchPath::BatchV1,
-                (None, None, None) => BatchPath::PerDescriptor,
+            let wants = |path: BatchPath| copy == BatchCopy::Api || copy.forced() == Some(path);
+            let v2 = if wants(BatchPath::BatchV2) && version >= 13000 {
+                lookup::<BatchV2>(b"cuMemcpyBatchAsync_v2\0")
+            } else {
+                None
             };
+            let v1 = if wants(BatchPath::BatchV1) && version >= 12080 {
+                lookup::<BatchV1>(b"cuMemcpyBatchAsync\0")
+            } else {
+                None
+            };
+            let path = copy.choose(version, v2.is_some(), v1.is_some())?;
+            let gather = if path == BatchPath::Kernel { Some(Gather::load()?) } else { None };
             let stream =
                 call("cuStreamCreate", result::stream::create(result::stream::StreamKind::NonBlocking))?;
             let event = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
@@ -639,7 +758,7 @@ mod imp {
                     return Err(CudaBatchError::Call { op: "cuEventCreate", reason: e.to_string() });
                 }
             };
-            if path == BatchPath::PerDescriptor {
+            if path == BatchPath::PerDescriptor && copy == BatchCopy::Api {
                 tracing::info!(
                     "CUDA driver {version} has no cuMemcpyBatchAsync (12.8+): cuda-batch posts one copy per \
                      descriptor (--batch-copy kernel needs no batch API)"
@@ -652,6 +771,7 @@ mod imp {
                 v2,
                 v1,
                 gather,
+                forced: copy.forced().is_some(),
                 in_flight: Vec::new(),
                 posted: 0,
                 posted_copies: 0,
@@ -731,6 +851,7 @@ mod imp {
                 copies: n as u64,
                 descriptors: batch.descriptors(),
                 bytes: batch.bytes(),
+                unaligned_descriptors: batch.unaligned_descriptors(),
             })
         }
 
@@ -748,8 +869,9 @@ mod imp {
             Ok(t0.elapsed().as_nanos() as u64)
         }
 
-        /// Issues the batch's copies on the stream, by the best path; a batch entry point that
-        /// says it is not supported makes this copier fall back to one call per copy, for good.
+        /// Issues the batch's copies on the stream, by the copier's path. With `--batch-copy api`
+        /// a batch entry point that says it is not supported makes this copier fall back to one
+        /// call per copy, for good; a forced path fails instead, naming the flag.
         fn post(&mut self, batch: &mut CopyBatch) -> Result<(), CudaBatchError> {
             let n = batch.copies();
             let here = sys::CUmemLocation {
@@ -792,6 +914,18 @@ mod imp {
             };
             match rc {
                 sys::CUresult::CUDA_SUCCESS => Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED if self.forced => {
+                    let (call, since, flag) = match self.path {
+                        BatchPath::BatchV2 => ("cuMemcpyBatchAsync_v2", "13.0", "--batch-copy api-v2"),
+                        _ => ("cuMemcpyBatchAsync", "12.8", "--batch-copy api-v1"),
+                    };
+                    Err(CudaBatchError::PathUnavailable {
+                        flag: flag.into(),
+                        call,
+                        since,
+                        driver: driver_version().unwrap_or(0),
+                    })
+                }
                 sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => {
                     tracing::warn!(
                         "{} is not supported here: cuda-batch falls back to one copy per descriptor",
@@ -1005,6 +1139,9 @@ mod imp {
 }
 
 #[cfg(test)]
+mod ptx_sim;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -1105,6 +1242,7 @@ mod tests {
         // 100 KiB (split into 32 + 32 + 32 + 4 KiB), then 8 KiB, then an unaligned 7 bytes.
         b.pack([pair(0, 0, 100 << 10), pair(200 << 10, 300 << 10, 8192), pair(1 << 19, 3, 7)], L, P)
             .expect("in bounds");
+        assert_eq!(b.unaligned_descriptors(), 1, "only the 7 bytes at peer offset 3");
         let mut out = vec![1, 2, 3];
         let n = gather_descriptors(&b, GATHER_PIECE, &mut out);
         assert_eq!(n, 6);
@@ -1122,11 +1260,144 @@ mod tests {
         let from_pieces: Vec<(u64, u64)> =
             pieces.iter().flat_map(|&(d, s, n)| (0..n).map(move |k| (d + k, s + k))).collect();
         assert_eq!(from_pieces, expanded);
-        // Aligned copies stay aligned piece by piece (the kernel's 16-byte path).
+        // Aligned copies stay aligned piece by piece (the kernel's 16-byte path, all body).
         assert!(pieces[..5].iter().all(|&(d, s, n)| (d | s | n) % 16 == 0), "{pieces:?}");
+        assert!(pieces[..5].iter().all(
+            |&(d, s, n)| gather_split(d, s, n) == GatherSplit { granule: 16, head: 0, body: n, tail: 0 }
+        ));
+        // dst and src differ by 3 modulo 16: bytes (the 7-byte copy is too short for more).
+        assert_eq!(gather_split(L.base + (1 << 19), P.base + 3, 7).granule, 1);
         // A piece size that is not a multiple of 16 is rounded down to one.
         assert_eq!(gather_descriptors(&b, 40, &mut out), (100 << 10) / 32 + 8192 / 32 + 1);
         assert!(out.chunks(3).all(|c| c[2] <= 32));
+    }
+
+    #[test]
+    fn unaligned_copies_keep_their_unit_in_every_piece() {
+        // 100 KiB copies whose two sides agree modulo 16, 8, 4 and 1 (and a 16-aligned
+        // length 3 bytes short): each piece gets the copy's unit and only its first piece a
+        // head, only its last a tail.
+        for (local, remote, len, granule) in [
+            (3u64, 3u64, 100u64 << 10, 16u64),
+            (5, 13, 100 << 10, 8),
+            (1, 9 + 4, 100 << 10, 4),
+            (0, 1, 100 << 10, 1),
+            (16, 32, (100 << 10) - 3, 16),
+        ] {
+            let mut b = CopyBatch::default();
+            b.pack([pair(local, remote, len)], L, P).expect("in bounds");
+            assert_eq!(b.unaligned_descriptors(), 1, "{local} {remote} {len}");
+            let mut out = Vec::new();
+            let n = gather_descriptors(&b, GATHER_PIECE, &mut out);
+            assert_eq!(n, 4);
+            let pieces: Vec<(u64, u64, u64)> = out.chunks(3).map(|c| (c[0], c[1], c[2])).collect();
+            for (i, &(d, s, n)) in pieces.iter().enumerate() {
+                let split = gather_split(d, s, n);
+                assert_eq!(split.granule, granule, "piece {i} of {local} {remote} {len}");
+                assert!(i == 0 || split.head == 0, "piece {i}: {split:?}");
+                assert!(i == pieces.len() - 1 || split.tail == 0, "piece {i}: {split:?}");
+            }
+        }
+    }
+
+    /// What the kernel does with one copy, byte for byte: heads, tails and units as
+    /// [`gather_split`] says, each unit aligned on both sides.
+    fn simulate(dst: u64, src: u64, len: u64) -> Vec<u64> {
+        let sp = gather_split(dst, src, len);
+        assert_eq!(sp.head + sp.body + sp.tail, len);
+        assert!(sp.head < sp.granule && sp.tail < sp.granule, "{sp:?}");
+        assert_eq!(sp.body % sp.granule, 0);
+        let mut copied = Vec::new();
+        copied.extend(0..sp.head);
+        for unit in (sp.head..sp.head + sp.body).step_by(sp.granule as usize) {
+            assert_eq!((dst + unit) % sp.granule, 0, "destination unit aligned: {dst} {src} {len} {sp:?}");
+            assert_eq!((src + unit) % sp.granule, 0, "source unit aligned: {dst} {src} {len} {sp:?}");
+            copied.extend(unit..unit + sp.granule);
+        }
+        copied.extend(sp.head + sp.body..len);
+        copied
+    }
+
+    #[test]
+    fn the_kernel_split_copies_every_byte_once_in_aligned_units() {
+        for dst in 0..32u64 {
+            for src in 0..32u64 {
+                for len in (0..80u64).chain([4096, 8191, 8192, 8195, 32 << 10]) {
+                    let (d, s) = (0x7000_0000 + dst, 0x9000_0000 + src);
+                    assert_eq!(simulate(d, s, len), (0..len).collect::<Vec<_>>(), "{dst} {src} {len}");
+                    let sp = gather_split(d, s, len);
+                    let want = match (d ^ s) % 16 {
+                        0 => 16,
+                        8 => 8,
+                        4 | 12 => 4,
+                        _ => 1,
+                    };
+                    assert_eq!(sp.granule, want, "{dst} {src}");
+                    if len >= 32 {
+                        assert!(sp.body >= len - 2 * (want - 1), "at most a unit less a byte each end");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs `gather.ptx` in the simulator on the pieces of `pairs` (local = destination
+    /// offset, remote = source offset, in 64 KiB regions) and checks every destination byte,
+    /// and that nothing else changed.
+    fn run_kernel(pairs: &[Pair], blocks: u64, threads: u64) {
+        const BASE: u64 = 0x7f00_0000_0000;
+        const REGION: u64 = 64 << 10;
+        let (src_at, dst_at) = (REGION, 2 * REGION);
+        let mut mem = vec![0xee_u8; 3 * REGION as usize];
+        for (i, b) in mem[src_at as usize..dst_at as usize].iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(31) ^ (i >> 8) as u8;
+        }
+        let mut batch = CopyBatch::default();
+        let (dst, src) =
+            (Span { base: BASE + dst_at, len: REGION }, Span { base: BASE + src_at, len: REGION });
+        batch.pack(pairs.iter().copied(), dst, src).expect("in bounds");
+        let mut descs = Vec::new();
+        let pieces = gather_descriptors(&batch, GATHER_PIECE, &mut descs);
+        assert!(24 * pieces as u64 <= REGION, "descriptors fit before the source");
+        for (i, w) in descs.iter().enumerate() {
+            mem[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
+        }
+        let before = mem.clone();
+        let kernel = ptx_sim::Kernel::parse(
+            include_str!("gather.ptx"),
+            &["kvx_gather_copy_descs", "kvx_gather_copy_count"],
+        );
+        kernel.run(blocks, threads, &[BASE, pieces as u64], &mut mem, BASE);
+        let mut want = before;
+        for p in pairs {
+            let (d, s) = ((dst_at + p.local) as usize, (src_at + p.remote) as usize);
+            let from = want[s..s + p.len as usize].to_vec();
+            want[d..d + p.len as usize].copy_from_slice(&from);
+        }
+        let wrong: Vec<usize> = (0..mem.len()).filter(|&i| mem[i] != want[i]).take(5).collect();
+        assert!(wrong.is_empty(), "first wrong bytes at {wrong:?} ({blocks}x{threads}, {pairs:?})");
+    }
+
+    #[test]
+    fn the_gather_kernel_run_in_a_simulator_copies_every_byte_with_aligned_accesses() {
+        // Destinations apart, each a different alignment case: aligned, same offset modulo 16
+        // (head, 16-byte body, tail), modulo 8, modulo 4, none (bytes), tiny, empty, and one
+        // longer than a piece whose two sides differ modulo 16.
+        let pairs = [
+            pair(0, 0, 4096),
+            pair(4096 + 3, 3, 8192 + 5),
+            pair(13_000 + 5, 13_000 + 13, 1000),
+            pair(15_000 + 1, 15_000 + 13, 999),
+            pair(17_000, 17_001, 777),
+            pair(18_000 + 7, 18_002, 15),
+            pair(18_100 + 9, 18_109, 1),
+            pair(18_200 + 11, 18_204, 0),
+            pair(20_000 + 1, 20_000 + 6, 40_000),
+        ];
+        run_kernel(&pairs, 3, 64);
+        run_kernel(&pairs, 1, 256);
+        // Fewer threads than a head or tail has bytes: the byte loops still cover them.
+        run_kernel(&pairs[..2], 2, 4);
     }
 
     #[test]
@@ -1154,6 +1425,42 @@ mod tests {
             Some("\"per-descriptor\"")
         );
         assert_eq!(BatchPath::BatchV1.to_string(), "batch-v1");
+    }
+
+    #[test]
+    fn each_batch_copy_forces_its_path_or_names_the_flag() {
+        // A CUDA 13 driver with both entry points, a 12.8 one with v1 only, a 12.4 one with none.
+        let v13 = |c: BatchCopy| c.choose(13000, true, true);
+        let v128 = |c: BatchCopy| c.choose(12080, false, true);
+        let v124 = |c: BatchCopy| c.choose(12040, false, false);
+        assert_eq!(v13(BatchCopy::Api), Ok(BatchPath::BatchV2));
+        assert_eq!(v128(BatchCopy::Api), Ok(BatchPath::BatchV1));
+        assert_eq!(v124(BatchCopy::Api), Ok(BatchPath::PerDescriptor), "api falls back, as before");
+        assert_eq!(v13(BatchCopy::ApiV1), Ok(BatchPath::BatchV1));
+        assert_eq!(v13(BatchCopy::PerCopy), Ok(BatchPath::PerDescriptor));
+        assert_eq!(v124(BatchCopy::Kernel), Ok(BatchPath::Kernel));
+        let e = v128(BatchCopy::ApiV2).expect_err("no v2 in 12.8");
+        assert!(e.to_string().starts_with("--batch-copy api-v2 forces cuMemcpyBatchAsync_v2"), "{e}");
+        assert!(e.to_string().contains("version 12080"), "{e}");
+        let e = v124(BatchCopy::ApiV1).expect_err("no v1 in 12.4");
+        assert!(e.to_string().contains("--batch-copy api-v1") && e.to_string().contains("12.8"), "{e}");
+        for c in [BatchCopy::ApiV2, BatchCopy::ApiV1, BatchCopy::PerCopy, BatchCopy::Kernel] {
+            assert_eq!(v13(c).ok(), c.forced(), "{c:?} forces the path it takes");
+        }
+        assert_eq!(BatchCopy::Api.forced(), None);
+    }
+
+    #[test]
+    fn batch_copy_names_agree_between_flag_file_and_help() {
+        use clap::ValueEnum as _;
+        for c in BatchCopy::value_variants() {
+            let flag = c.to_possible_value().map(|v| v.get_name().to_string());
+            assert_eq!(flag.as_deref(), Some(c.as_str()));
+            let file = serde_json::to_string(c).ok();
+            assert_eq!(file, Some(format!("\"{}\"", c.as_str())), "the bench file's spelling");
+        }
+        assert_eq!(BatchCopy::default(), BatchCopy::Kernel);
+        assert!(BatchCopy::help().ends_with("[default: kernel]"), "{}", BatchCopy::help());
     }
 
     fn export(machine: &str, pid: u32, handle: usize) -> CudaIpcExport {

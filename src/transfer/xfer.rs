@@ -19,6 +19,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -215,37 +216,66 @@ pub fn fill_pattern_at(buf: &mut [u8], pattern_off: u64, seed: u64) {
     }
 }
 
-/// Checks that `got` equals the pattern at offset `pattern_off`; returns the first
-/// mismatching offset.
+/// Checks that `got` equals the pattern at offset `pattern_off`; returns the offset of the
+/// first wrong byte. Any offset and length: bytes up to the first multiple of 8, then whole
+/// pattern words, then the bytes left.
 pub fn check_pattern(got: &[u8], pattern_off: u64, seed: u64) -> Result<(), u64> {
-    if pattern_off.is_multiple_of(8) && got.len().is_multiple_of(8) {
-        let first = pattern_off / 8;
-        for (i, c) in got.chunks_exact(8).enumerate() {
-            if c != pattern_word(seed, first + i as u64).to_le_bytes() {
-                return Err(pattern_off + 8 * i as u64);
-            }
+    let byte_at = |off: u64| pattern_word(seed, off / 8).to_le_bytes()[(off % 8) as usize];
+    let check_bytes =
+        |bytes: &[u8], first: u64| match bytes.iter().zip(first..).find(|&(&b, off)| b != byte_at(off)) {
+            Some((_, off)) => Err(off),
+            None => Ok(()),
+        };
+    let head = ((8 - pattern_off % 8) % 8).min(got.len() as u64) as usize;
+    check_bytes(&got[..head], pattern_off)?;
+    let body_off = pattern_off + head as u64;
+    let mut words = got[head..].chunks_exact(8);
+    for (i, c) in (&mut words).enumerate() {
+        if c != pattern_word(seed, body_off / 8 + i as u64).to_le_bytes() {
+            return check_bytes(c, body_off + 8 * i as u64);
         }
-        return Ok(());
     }
-    for (i, &b) in got.iter().enumerate() {
-        let off = pattern_off + i as u64;
-        if b != pattern_word(seed, off / 8).to_le_bytes()[(off % 8) as usize] {
-            return Err(off);
-        }
-    }
-    Ok(())
+    let rest = words.remainder();
+    check_bytes(rest, pattern_off + (got.len() - rest.len()) as u64)
 }
 
 // ---------------------------------------------------------------------------------------
 // Memory both roles use
 
 /// What `kvx xfer` needs of a registered buffer besides its registration: filling it
-/// with the pattern, clearing a range, and reading a range back to check it. Host
-/// buffers do this in place; device buffers copy through the host.
+/// with the pattern, clearing ranges before a sampled batch writes them, and checking them
+/// after. Host buffers do this in place; device buffers copy through the host.
 pub trait BufferAccess: Registrable {
     fn fill_with_pattern(&mut self, seed: u64) -> Result<()>;
-    fn zero(&mut self, off: usize, len: usize) -> Result<()>;
-    fn read(&self, off: usize, len: usize) -> Result<std::borrow::Cow<'_, [u8]>>;
+    /// Sets every byte of `ranges` (offsets into the buffer) to 0.
+    fn zero_ranges(&mut self, ranges: &[Range<u64>]) -> Result<()>;
+    /// Runs `check(i, bytes of ranges[i])` over every range (in parallel where there is much to
+    /// check) and returns the failure of the lowest `i`, if any: `(i, what check returned)`.
+    /// `scratch` is reused between calls (device buffers stage their bytes in it).
+    fn check_ranges(
+        &self,
+        ranges: &[Range<u64>],
+        scratch: &mut Vec<u8>,
+        check: &RangeCheck<'_>,
+    ) -> Result<Option<(usize, u64)>>;
+}
+
+/// Checks one range's bytes (its index, its bytes): `Some(offset)` of the first wrong byte.
+pub type RangeCheck<'a> = dyn Fn(usize, &[u8]) -> Option<u64> + Sync + 'a;
+
+/// Below this many bytes a check runs on this thread: rayon would cost more than it saves.
+const PARALLEL_CHECK_BYTES: usize = 1 << 20;
+
+/// `check` over `(index, bytes)` items, in parallel when they are many bytes; the failure of
+/// the first item (in order) that fails.
+fn first_failure(items: &[(usize, &[u8])], check: &RangeCheck<'_>) -> Option<(usize, u64)> {
+    use rayon::prelude::*;
+    let total: usize = items.iter().map(|(_, b)| b.len()).sum();
+    if total < PARALLEL_CHECK_BYTES {
+        items.iter().find_map(|&(i, b)| check(i, b).map(|off| (i, off)))
+    } else {
+        items.par_iter().find_map_first(|&(i, b)| check(i, b).map(|off| (i, off)))
+    }
 }
 
 macro_rules! host_access {
@@ -255,18 +285,35 @@ macro_rules! host_access {
                 fill_pattern(self.as_mut_slice(), seed);
                 Ok(())
             }
-            fn zero(&mut self, off: usize, len: usize) -> Result<()> {
-                self.as_mut_slice()[off..off + len].fill(0);
+            fn zero_ranges(&mut self, ranges: &[Range<u64>]) -> Result<()> {
+                let buf = self.as_mut_slice();
+                for r in ranges {
+                    buf[r.start as usize..r.end as usize].fill(0);
+                }
                 Ok(())
             }
-            fn read(&self, off: usize, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
-                Ok(std::borrow::Cow::Borrowed(&self.as_slice()[off..off + len]))
+            fn check_ranges(
+                &self,
+                ranges: &[Range<u64>],
+                _scratch: &mut Vec<u8>,
+                check: &RangeCheck<'_>,
+            ) -> Result<Option<(usize, u64)>> {
+                let buf = self.as_slice();
+                let items: Vec<(usize, &[u8])> = ranges
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (i, &buf[r.start as usize..r.end as usize]))
+                    .collect();
+                Ok(first_failure(&items, check))
             }
         }
     };
 }
 host_access!(HostBuffer);
 host_access!(UcxAllocated);
+
+/// Device bytes staged on the host per parallel check (bounds the scratch buffer).
+const CHECK_STAGING_BYTES: usize = 64 << 20;
 
 impl BufferAccess for CudaBuffer {
     fn fill_with_pattern(&mut self, seed: u64) -> Result<()> {
@@ -279,17 +326,40 @@ impl BufferAccess for CudaBuffer {
         self.write_ranges(&ranges, |i, bytes| fill_pattern_at(bytes, ranges[i].start, seed))?;
         Ok(())
     }
-    fn zero(&mut self, off: usize, len: usize) -> Result<()> {
-        self.write_ranges(&[std::ops::Range { start: off as u64, end: (off + len) as u64 }], |_, bytes| {
-            bytes.fill(0)
-        })?;
+    fn zero_ranges(&mut self, ranges: &[Range<u64>]) -> Result<()> {
+        self.write_ranges(ranges, |_, bytes| bytes.fill(0))?;
         Ok(())
     }
-    fn read(&self, off: usize, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
-        let mut out = Vec::with_capacity(len);
-        let range = std::ops::Range { start: off as u64, end: (off + len) as u64 };
-        self.read_ranges(&[range], |_, bytes| out.extend_from_slice(bytes))?;
-        Ok(std::borrow::Cow::Owned(out))
+    fn check_ranges(
+        &self,
+        ranges: &[Range<u64>],
+        scratch: &mut Vec<u8>,
+        check: &RangeCheck<'_>,
+    ) -> Result<Option<(usize, u64)>> {
+        // Staged into `scratch` a group at a time, each group checked in parallel.
+        let mut first = None;
+        let mut start = 0;
+        while start < ranges.len() && first.is_none() {
+            let mut end = start;
+            let mut bytes = 0usize;
+            while end < ranges.len() && (end == start || bytes < CHECK_STAGING_BYTES) {
+                bytes += (ranges[end].end - ranges[end].start) as usize;
+                end += 1;
+            }
+            scratch.clear();
+            scratch.reserve(bytes);
+            self.read_ranges(&ranges[start..end], |_, got| scratch.extend_from_slice(got))?;
+            let mut items = Vec::with_capacity(end - start);
+            let mut at = 0usize;
+            for (i, r) in ranges.iter().enumerate().take(end).skip(start) {
+                let n = (r.end - r.start) as usize;
+                items.push((i, &scratch[at..at + n]));
+                at += n;
+            }
+            first = first_failure(&items, check);
+            start = end;
+        }
+        Ok(first)
     }
 }
 
@@ -736,6 +806,8 @@ pub struct XferConfig {
     /// reads is one batched copy from the target's pool mapped with CUDA IPC (local targets
     /// and device memory only). `None`: UCX.
     pub cuda_batch: Option<BatchCopy>,
+    /// `--misalign`: bytes added to every local and remote offset.
+    pub misalign: Misalign,
 }
 
 /// Where the target runs.
@@ -811,7 +883,16 @@ pub struct XferResult {
     pub msgs_per_sec: f64,
     pub batches: u64,
     pub bytes: u64,
+    /// Bytes checked against the pattern: every destination byte of the verified batches.
     pub verified_bytes: u64,
+    /// Timed batches whose destinations were checked, of `timed_batches` ([`VERIFY_EVERY`]:
+    /// 1 in 16 cleared before and checked after, plus the last one).
+    pub verified_batches: u64,
+    /// The batches timed (the same as `batches`), so a reader sees "N of M verified".
+    pub timed_batches: u64,
+    /// Reads of the timed batches whose local or remote address or length is not a multiple
+    /// of 16 (`--misalign`).
+    pub unaligned_descriptors: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -828,6 +909,21 @@ pub struct XferReport {
     /// `--transport cuda-batch`: the driver path that moved the batches.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cuda_batch: Option<XferBatchReport>,
+    /// What `verified_bytes` and `verified_batches` mean: which timed batches were checked, and how.
+    pub verification: String,
+    /// `--misalign`: bytes added to every read's local and remote offset.
+    #[serde(skip_serializing_if = "Misalign::is_none")]
+    pub misalign: Misalign,
+}
+
+/// [`XferReport::verification`].
+pub fn verification_rule() -> String {
+    format!(
+        "in place, on the timed reads: 1 timed batch in {VERIFY_EVERY} (the first included) has its \
+         destinations cleared before it is posted and every byte of them checked against the target's \
+         pattern after it completes, outside the measured time; the last timed batch's destinations are \
+         checked after the loop"
+    )
 }
 
 /// How `kvx xfer --transport cuda-batch` moved its batches.
@@ -857,7 +953,7 @@ pub fn run(
     let max_size = cfg.sizes.iter().copied().max().unwrap_or(4096);
     let ws = if cfg.hot { max_size } else { cfg.working_set_bytes.max(max_size) };
     let req = TargetRequest {
-        region_bytes: ws,
+        region_bytes: ws + cfg.misalign.remote_bytes,
         ucx_alloc: cfg.ucx_alloc,
         huge_pages: cfg.huge_pages,
         mem: cfg.mem,
@@ -935,7 +1031,7 @@ fn run_batch(
     let max_size = cfg.sizes.iter().copied().max().unwrap_or(4096);
     let ws = if cfg.hot { max_size } else { cfg.working_set_bytes.max(max_size) };
     let req = TargetRequest {
-        region_bytes: ws,
+        region_bytes: ws + cfg.misalign.remote_bytes,
         ucx_alloc: false,
         huge_pages: false,
         mem: cfg.mem,
@@ -973,11 +1069,17 @@ fn run_batch(
             let who = format!("the target process (pid {})", hello.pid);
             let peer = PeerMapping::open(&dev, &who, Some(&hello.export))?;
             let mut copier = BatchCopier::new(&dev, copy)?;
-            let mut local = CudaBuffer::alloc(&dev, ws as usize)?;
+            let mut local = CudaBuffer::alloc(&dev, (ws + cfg.misalign.local_bytes) as usize)?;
             let mut ceiling = Ceiling::new(cfg.mem, ws, PageSize::Normal)?;
             let seed = hello.pattern_seed;
-            let mut m =
-                BatchMeasure { cfg, copier: &mut copier, peer: &peer, batch: CopyBatch::default(), seed };
+            let mut m = BatchMeasure {
+                cfg,
+                copier: &mut copier,
+                peer: &peer,
+                batch: CopyBatch::default(),
+                seed,
+                scratch: Vec::new(),
+            };
             let results = m.cases(&mut local, ws, &mut ceiling, on_result);
             (results, copier.path())
         };
@@ -1015,6 +1117,8 @@ fn run_batch(
                 driver_call: path.driver_call().into(),
                 calls_per_batch: if batches > 0 { calls as f64 / batches as f64 } else { 0.0 },
             }),
+            verification: verification_rule(),
+            misalign: cfg.misalign,
         })
     })();
     end_local_target(&mut child, outcome)
@@ -1027,6 +1131,7 @@ struct BatchMeasure<'a> {
     peer: &'a std::sync::Arc<PeerMapping>,
     batch: CopyBatch,
     seed: u64,
+    scratch: Vec<u8>,
 }
 
 impl BatchMeasure<'_> {
@@ -1039,43 +1144,20 @@ impl BatchMeasure<'_> {
     ) -> Result<Vec<XferResult>> {
         let cfg = self.cfg;
         let mut results = Vec::new();
+        let remote_len = self.peer.span().len.saturating_sub(cfg.misalign.remote_bytes);
         for &size in &cfg.sizes {
             for &inflight in &cfg.inflight {
                 if crate::interrupt::requested().is_some() {
                     return Ok(results);
                 }
                 let ceiling_gbps = ceiling.measure(size, inflight, ws, cfg)?;
-                let mut r = self.case(local, size, inflight, ws.min(self.peer.span().len), ceiling_gbps)?;
+                let mut r = self.case(local, size, inflight, ws.min(remote_len), ceiling_gbps)?;
                 r.set_bulk(ceiling.bulk(size * inflight as u64, ws, cfg)?);
                 on_result(&r);
                 results.push(r);
             }
         }
         Ok(results)
-    }
-
-    /// Packs and copies reads `k0..k0 + n` of `size` bytes: remote offsets rotate forward over
-    /// the working set as a UCX case's do, local ones backward, so no two reads of a batch are
-    /// contiguous on both sides and the batch keeps `n` copies (vLLM's descriptors are strided
-    /// too); coalesced, a cold batch would be one large copy and measure nothing of posting.
-    fn one(
-        &mut self,
-        local: &mut CudaBuffer,
-        k0: u64,
-        n: u64,
-        size: u64,
-        slots: (u64, u64),
-    ) -> Result<super::cuda_batch::BatchStats> {
-        let (remote_slots, local_slots) = slots;
-        let hot = self.cfg.hot;
-        let pairs = (k0..k0 + n).map(|i| crate::layouts::plan::Pair {
-            local: if hot { 0 } else { (local_slots - 1 - i % local_slots) * size },
-            remote: slot_offset(i, size, remote_slots, hot),
-            len: size,
-        });
-        let span = Span { base: Registrable::addr(&*local), len: local.len() as u64 };
-        self.batch.pack(pairs, span, self.peer.span())?;
-        Ok(self.copier.copy(local, self.peer, &mut self.batch, self.cfg.timeout)?)
     }
 
     fn case(
@@ -1087,54 +1169,57 @@ impl BatchMeasure<'_> {
         ceiling_gbps: f64,
     ) -> Result<XferResult> {
         let cfg = self.cfg;
-        let slots = ((ws / size).max(1), (local.len() as u64 / size).max(1));
-        let per_batch = inflight as u64;
-        let timed = timed_batches(cfg, per_batch, slots.0, |k| {
-            self.one(local, k, per_batch, size, slots).map(|st| (st.bytes, st.post_ns, st.complete_ns))
-        })?;
-        let verified_bytes = self.verify(local, size, slots, inflight)?;
-        Ok(timed.result(size, inflight, ceiling_gbps, verified_bytes))
+        let slots = (ws / size).max(1);
+        let local_slots = (local.len() as u64).saturating_sub(cfg.misalign.local_bytes) / size;
+        // Remote offsets rotate forward over the working set as a UCX case's do, local ones
+        // backward, so no two reads of a batch are contiguous on both sides and the batch
+        // keeps `inflight` copies (vLLM's descriptors are strided too); coalesced, a cold batch
+        // would be one large copy and measure nothing of posting.
+        let layout = ReadLayout {
+            size,
+            remote_slots: slots,
+            local_slots: local_slots.max(1),
+            hot: cfg.hot,
+            local_backward: true,
+            shift: cfg.misalign,
+        };
+        let mut case = BatchCase { m: self, local, layout, per_batch: inflight as u64 };
+        let timed = timed_batches(cfg, inflight as u64, slots, &mut case)?;
+        Ok(timed.result(size, inflight, ceiling_gbps))
     }
+}
 
-    /// Clears the local slots of one batch, copies them again from remote slots starting
-    /// mid-way (so local and remote offsets differ), and checks every byte against the pattern.
-    fn verify(
-        &mut self,
-        local: &mut CudaBuffer,
-        size: u64,
-        slots: (u64, u64),
-        inflight: usize,
-    ) -> Result<u64> {
-        let (remote_slots, local_slots) = slots;
-        let n = if self.cfg.hot { 1 } else { (inflight as u64).min(remote_slots).min(local_slots) };
-        let pairs: Vec<crate::layouts::plan::Pair> = (0..n)
-            .map(|i| crate::layouts::plan::Pair {
-                local: (n - 1 - i) * size,
-                remote: ((i + remote_slots / 2 + 1) % remote_slots) * size,
-                len: size,
-            })
-            .collect();
-        let ranges: Vec<std::ops::Range<u64>> = pairs.iter().map(|p| p.local..p.local + p.len).collect();
-        local.write_ranges(&ranges, |_, bytes| bytes.fill(0))?;
-        let span = Span { base: Registrable::addr(&*local), len: local.len() as u64 };
-        self.batch.pack(pairs.iter().copied(), span, self.peer.span())?;
-        self.copier.copy(local, self.peer, &mut self.batch, self.cfg.timeout)?;
-        let mut bad = None;
-        local.read_ranges(&ranges, |i, got| {
-            if bad.is_none()
-                && let Err(off) = check_pattern(got, pairs[i].remote, self.seed)
-            {
-                bad = Some((i, off));
-            }
-        })?;
-        if let Some((i, off)) = bad {
-            return Err(XferError::Verify(format!(
-                "{size}-byte cuda-batch copy from remote offset {} into local offset {}: first wrong byte at \
-                 remote offset {off}",
-                pairs[i].remote, pairs[i].local
-            )));
-        }
-        Ok(n * size)
+/// A cuda-batch case: each batch one batched copy of `per_batch` reads.
+struct BatchCase<'a, 'm> {
+    m: &'a mut BatchMeasure<'m>,
+    local: &'a mut CudaBuffer,
+    layout: ReadLayout,
+    per_batch: u64,
+}
+
+impl CaseRunner for BatchCase<'_, '_> {
+    fn batch(&mut self, k: u64) -> Result<BatchTimes> {
+        let pairs = self.layout.batch(k, self.per_batch).map(|d| crate::layouts::plan::Pair {
+            local: d.local_off,
+            remote: d.remote_off,
+            len: d.len,
+        });
+        let span = Span { base: Registrable::addr(&*self.local), len: self.local.len() as u64 };
+        self.m.batch.pack(pairs, span, self.m.peer.span())?;
+        let st = self.m.copier.copy(self.local, self.m.peer, &mut self.m.batch, self.m.cfg.timeout)?;
+        Ok(BatchTimes {
+            bytes: st.bytes,
+            post_ns: st.post_ns,
+            complete_ns: st.complete_ns,
+            unaligned: st.unaligned_descriptors,
+        })
+    }
+    fn clear(&mut self, k: u64) -> Result<()> {
+        clear_destinations(&mut *self.local, &self.layout.checks(k, self.per_batch))
+    }
+    fn check(&mut self, k: u64) -> Result<u64> {
+        let checks = self.layout.checks(k, self.per_batch);
+        check_destinations(&*self.local, &checks, self.m.seed, "cuda-batch copy", &mut self.m.scratch)
     }
 }
 
@@ -1166,7 +1251,7 @@ fn measure(
     ws: u64,
     on_result: &mut impl FnMut(&XferResult),
 ) -> Result<XferReport> {
-    let local_len = ws as usize;
+    let local_len = (ws + cfg.misalign.local_bytes) as usize;
     let mut local = make_region(&s.ctx, local_len, req)?;
     let pages = local.page_size();
     let mut ceiling = Ceiling::new(cfg.mem, ws, pages)?;
@@ -1205,6 +1290,8 @@ fn measure(
         results,
         transport: "ucx".into(),
         cuda_batch: None,
+        verification: verification_rule(),
+        misalign: cfg.misalign,
     })
 }
 
@@ -1352,7 +1439,7 @@ fn measure_cases<M: BufferAccess>(
     local: &mut MemRegion<M>,
     on_result: &mut impl FnMut(&XferResult),
 ) -> Result<Vec<XferResult>> {
-    let remote_len = s.remote.len();
+    let remote_len = s.remote.len().saturating_sub(cfg.misalign.remote_bytes);
     let mut results = Vec::new();
     for &size in &cfg.sizes {
         for &inflight in &cfg.inflight {
@@ -1423,23 +1510,202 @@ fn measure_case<M: BufferAccess>(
     ceiling_gbps: f64,
 ) -> Result<XferResult> {
     let slots = (ws / size).max(1);
-    let local_slots = (local.len() as u64 / size).max(1);
-    let opts = ReadOptions { max_inflight: inflight, timeout: cfg.timeout };
-    let per_batch = inflight as u64;
-    let timed = timed_batches(cfg, per_batch, slots, |k0| {
-        let descs = (k0..k0 + per_batch).map(|i| ReadDesc {
-            local_off: slot_offset(i, size, local_slots, cfg.hot),
-            remote_off: slot_offset(i, size, slots, cfg.hot),
-            len: size,
-        });
-        let st = s.remote.read_batch(local, descs, &opts)?;
-        Ok((st.bytes, st.post_ns, st.complete_ns))
-    })?;
-    let verified_bytes = verify_case(s, cfg, local, size, slots, local_slots, inflight)?;
-    Ok(timed.result(size, inflight, ceiling_gbps, verified_bytes))
+    let local_slots = (local.len() as u64).saturating_sub(cfg.misalign.local_bytes) / size;
+    let layout = ReadLayout {
+        size,
+        remote_slots: slots,
+        local_slots: local_slots.max(1),
+        hot: cfg.hot,
+        local_backward: false,
+        shift: cfg.misalign,
+    };
+    let (local_base, remote_base) = (local.addr(), s.remote.base());
+    let mut case = UcxCase {
+        s,
+        local,
+        layout,
+        per_batch: inflight as u64,
+        opts: ReadOptions { max_inflight: inflight, timeout: cfg.timeout },
+        scratch: Vec::new(),
+    };
+    let mut timed = timed_batches(cfg, inflight as u64, slots, &mut case)?;
+    timed.unaligned =
+        layout.unaligned(timed.first_read, timed.batches * inflight as u64, local_base, remote_base);
+    Ok(timed.result(size, inflight, ceiling_gbps))
 }
 
-/// What the timed batches of one case measured.
+/// One timed batch in this many has its destinations cleared before it is posted and every
+/// byte of them checked after it completes (the first timed batch always, and the last one
+/// when `--iters` says which it is); see [`timed_batches`].
+pub const VERIFY_EVERY: u64 = 16;
+
+/// Whether timed batch `j` (0-based) is one whose destinations are cleared and checked: one
+/// in [`VERIFY_EVERY`] starting with the first, and `last` when the number of timed batches
+/// is known beforehand (`--iters`), so that the last batch's check is also of bytes it wrote.
+pub fn sampled(j: u64, last: Option<u64>) -> bool {
+    j.is_multiple_of(VERIFY_EVERY) || last == Some(j)
+}
+
+/// `--misalign`: bytes added to every read's local and remote offset, so that descriptors
+/// are not 16-byte aligned (the buffers are that much longer).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Misalign {
+    pub local_bytes: u64,
+    pub remote_bytes: u64,
+}
+
+impl Misalign {
+    pub fn is_none(&self) -> bool {
+        self.local_bytes == 0 && self.remote_bytes == 0
+    }
+}
+
+/// Where the reads of one case go: read `i` (counted over the whole case, warm-up included)
+/// moves `size` bytes from remote slot `i` (rotating forward over `remote_slots`) to a local
+/// slot (forward, or backward on cuda-batch so that no two reads of a batch are contiguous on
+/// both sides and coalesce), both at offset 0 when hot, each offset shifted by `--misalign`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadLayout {
+    pub size: u64,
+    pub remote_slots: u64,
+    pub local_slots: u64,
+    pub hot: bool,
+    pub local_backward: bool,
+    pub shift: Misalign,
+}
+
+impl ReadLayout {
+    /// Read `i`.
+    pub fn read(&self, i: u64) -> ReadDesc {
+        let local = match (self.hot, self.local_backward) {
+            (true, _) => 0,
+            (false, false) => (i % self.local_slots) * self.size,
+            (false, true) => (self.local_slots - 1 - i % self.local_slots) * self.size,
+        };
+        ReadDesc {
+            local_off: local + self.shift.local_bytes,
+            remote_off: slot_offset(i, self.size, self.remote_slots, self.hot) + self.shift.remote_bytes,
+            len: self.size,
+        }
+    }
+
+    /// Reads `k0..k0 + n`: one batch.
+    pub fn batch(&self, k0: u64, n: u64) -> impl Iterator<Item = ReadDesc> + '_ {
+        (k0..k0 + n).map(|i| self.read(i))
+    }
+
+    /// The destinations of reads `k0..k0 + n` to check once they completed, by local offset:
+    /// each local range once (reads of a batch that land on one slot, as hot ones all do,
+    /// are checked once). A slot two reads of the batch filled from different remote bytes is
+    /// left out, since which of them landed last is not defined (no layout kvx uses makes one:
+    /// local and remote slots wrap together).
+    pub fn checks(&self, k0: u64, n: u64) -> Vec<ReadDesc> {
+        let mut by_local: std::collections::BTreeMap<u64, Option<ReadDesc>> =
+            std::collections::BTreeMap::new();
+        for d in self.batch(k0, n) {
+            by_local
+                .entry(d.local_off)
+                .and_modify(|seen| {
+                    if seen.is_some_and(|s| s.remote_off != d.remote_off) {
+                        *seen = None;
+                    }
+                })
+                .or_insert(Some(d));
+        }
+        by_local.into_values().flatten().collect()
+    }
+
+    /// How many of reads `k0..k0 + n` have a local or remote address (registration bases
+    /// `local_base`, `remote_base`) or a length that is not a multiple of 16.
+    pub fn unaligned(&self, k0: u64, n: u64, local_base: u64, remote_base: u64) -> u64 {
+        self.batch(k0, n)
+            .filter(|d| {
+                !((local_base + d.local_off) | (remote_base + d.remote_off) | d.len).is_multiple_of(16)
+            })
+            .count() as u64
+    }
+}
+
+/// Clears `checks`' destinations in `mem` (before a sampled batch is posted).
+fn clear_destinations<M: BufferAccess>(mem: &mut M, checks: &[ReadDesc]) -> Result<()> {
+    let ranges: Vec<Range<u64>> = checks.iter().map(|d| d.local_off..d.local_off + d.len).collect();
+    mem.zero_ranges(&ranges)
+}
+
+/// Checks every byte of `checks`' destinations in `mem` against the pattern at the remote
+/// offsets they came from; the bytes checked, or an error naming the first wrong read.
+fn check_destinations<M: BufferAccess>(
+    mem: &M,
+    checks: &[ReadDesc],
+    seed: u64,
+    what: &str,
+    scratch: &mut Vec<u8>,
+) -> Result<u64> {
+    let ranges: Vec<Range<u64>> = checks.iter().map(|d| d.local_off..d.local_off + d.len).collect();
+    let check = |i: usize, got: &[u8]| check_pattern(got, checks[i].remote_off, seed).err();
+    match mem.check_ranges(&ranges, scratch, &check)? {
+        None => Ok(checks.iter().map(|d| d.len).sum()),
+        Some((i, off)) => {
+            let d = checks[i];
+            Err(XferError::Verify(format!(
+                "{}-byte {what} from remote offset {} into local offset {}: first wrong byte at remote offset {off}",
+                d.len, d.remote_off, d.local_off
+            )))
+        }
+    }
+}
+
+/// What one batch did, as [`timed_batches`] records it.
+#[derive(Debug, Clone, Copy, Default)]
+struct BatchTimes {
+    bytes: u64,
+    post_ns: u64,
+    complete_ns: u64,
+    /// Descriptors of the batch that are not 16-byte aligned, where the transport counts them.
+    unaligned: u64,
+}
+
+/// One case's batches on one transport, as [`timed_batches`] drives them.
+trait CaseRunner {
+    /// Runs batch `k` (reads `k..k + per_batch`).
+    fn batch(&mut self, k: u64) -> Result<BatchTimes>;
+    /// Clears batch `k`'s destinations.
+    fn clear(&mut self, k: u64) -> Result<()>;
+    /// Checks every byte of batch `k`'s destinations; the bytes checked.
+    fn check(&mut self, k: u64) -> Result<u64>;
+}
+
+/// A UCX case: each batch one `read_batch` of `per_batch` GETs.
+struct UcxCase<'a, M: BufferAccess> {
+    s: &'a Session,
+    local: &'a mut MemRegion<M>,
+    layout: ReadLayout,
+    per_batch: u64,
+    opts: ReadOptions,
+    scratch: Vec<u8>,
+}
+
+impl<M: BufferAccess> CaseRunner for UcxCase<'_, M> {
+    fn batch(&mut self, k: u64) -> Result<BatchTimes> {
+        let st = self.s.remote.read_batch(self.local, self.layout.batch(k, self.per_batch), &self.opts)?;
+        Ok(BatchTimes { bytes: st.bytes, post_ns: st.post_ns, complete_ns: st.complete_ns, unaligned: 0 })
+    }
+    fn clear(&mut self, k: u64) -> Result<()> {
+        clear_destinations(self.local.memory_mut()?, &self.layout.checks(k, self.per_batch))
+    }
+    fn check(&mut self, k: u64) -> Result<u64> {
+        let checks = self.layout.checks(k, self.per_batch);
+        check_destinations(
+            self.local.memory()?,
+            &checks,
+            self.s.hello.pattern_seed,
+            "read",
+            &mut self.scratch,
+        )
+    }
+}
+
+/// What the timed batches of one case measured and verified.
 struct Timed {
     hist: hdrhistogram::Histogram<u64>,
     post_ns: u64,
@@ -1447,52 +1713,94 @@ struct Timed {
     bytes: u64,
     batches: u64,
     per_batch: u64,
+    /// Measured seconds: the timed loop's, less the time spent clearing and checking.
     secs: f64,
+    /// The first read of the first timed batch (the warm-up's reads come before it).
+    first_read: u64,
+    verified_batches: u64,
+    verified_bytes: u64,
+    unaligned: u64,
 }
 
-/// Runs `batch(k)` (batch `k` of `per_batch` reads, returning its bytes, post and completion
-/// times) as one case does on every transport: a warm-up (connection set-up, registration
+/// Runs a case as it runs on every transport: a warm-up (connection set-up, registration
 /// caches, page faults: 3 batches, or 20 ms up to one pass over `slots`), then timed batches
 /// until `--iters` or `--duration`, or an interrupt (the batches done so far still count).
-fn timed_batches(
-    cfg: &XferConfig,
-    per_batch: u64,
-    slots: u64,
-    mut batch: impl FnMut(u64) -> Result<(u64, u64, u64)>,
-) -> Result<Timed> {
+///
+/// What the timed batches wrote is verified in place, not by an extra read: timed batch `j`
+/// with [`sampled`]`(j, ..)` (1 in [`VERIFY_EVERY`], the first included) has its destinations
+/// cleared before it is posted and every byte of them checked against the pattern at the
+/// remote offsets they came from once it completed; the last timed batch's destinations are
+/// checked after the loop if it was not sampled (without clearing: a sampled batch is what
+/// proves they were written, this shows nothing overwrote them since). Clearing and checking
+/// are not measured: their time is taken out of the case's seconds, and `--duration` counts
+/// measured time. One bias stays: a cleared destination is cache-warm (host memory: in the
+/// CPU's caches; device memory: just written by a host-to-device copy), which may make a
+/// sampled batch a little faster, on 1 batch in 16.
+fn timed_batches(cfg: &XferConfig, per_batch: u64, slots: u64, run: &mut impl CaseRunner) -> Result<Timed> {
     let mut k: u64 = 0;
     let warm_start = Instant::now();
     while k < per_batch * 3 || (warm_start.elapsed() < Duration::from_millis(20) && k < slots.max(per_batch))
     {
-        batch(k)?;
+        run.batch(k)?;
         k += per_batch;
     }
     let hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
         .map_err(|e| XferError::Protocol { stage: "histogram", reason: e.to_string() })?;
-    let mut t = Timed { hist, post_ns: 0, complete_ns: 0, bytes: 0, batches: 0, per_batch, secs: 0.0 };
+    let mut t = Timed {
+        hist,
+        post_ns: 0,
+        complete_ns: 0,
+        bytes: 0,
+        batches: 0,
+        per_batch,
+        secs: 0.0,
+        first_read: k,
+        verified_batches: 0,
+        verified_bytes: 0,
+        unaligned: 0,
+    };
+    let last = cfg.iters.map(|n| n.saturating_sub(1));
+    let mut unmeasured = Duration::ZERO;
     let start = Instant::now();
-    loop {
-        let (bytes, post_ns, complete_ns) = batch(k)?;
+    let last_checked = loop {
+        let sample = sampled(t.batches, last);
+        if sample {
+            let c = Instant::now();
+            run.clear(k)?;
+            unmeasured += c.elapsed();
+        }
+        let b = run.batch(k)?;
+        if sample {
+            let c = Instant::now();
+            t.verified_bytes += run.check(k)?;
+            t.verified_batches += 1;
+            unmeasured += c.elapsed();
+        }
         k += per_batch;
         t.batches += 1;
-        t.bytes += bytes;
-        t.post_ns += post_ns;
-        t.complete_ns += complete_ns;
-        t.hist.saturating_record(complete_ns.max(1));
+        t.bytes += b.bytes;
+        t.post_ns += b.post_ns;
+        t.complete_ns += b.complete_ns;
+        t.unaligned += b.unaligned;
+        t.hist.saturating_record(b.complete_ns.max(1));
         let done = match cfg.iters {
             Some(n) => t.batches >= n,
-            None => t.batches >= 3 && start.elapsed() >= cfg.duration,
+            None => t.batches >= 3 && start.elapsed().saturating_sub(unmeasured) >= cfg.duration,
         };
         if done || crate::interrupt::requested().is_some() {
-            break;
+            break sample;
         }
+    };
+    t.secs = start.elapsed().saturating_sub(unmeasured).as_secs_f64();
+    if !last_checked {
+        t.verified_bytes += run.check(k - per_batch)?;
+        t.verified_batches += 1;
     }
-    t.secs = start.elapsed().as_secs_f64();
     Ok(t)
 }
 
 impl Timed {
-    fn result(&self, size: u64, inflight: usize, ceiling_gbps: f64, verified_bytes: u64) -> XferResult {
+    fn result(&self, size: u64, inflight: usize, ceiling_gbps: f64) -> XferResult {
         let gbps = self.bytes as f64 / self.secs / 1e9;
         let us = |ns: u64| ns as f64 / 1e3;
         let batches = self.batches.max(1);
@@ -1514,50 +1822,12 @@ impl Timed {
             msgs_per_sec: (self.batches * self.per_batch) as f64 / self.secs,
             batches: self.batches,
             bytes: self.bytes,
-            verified_bytes,
+            verified_bytes: self.verified_bytes,
+            verified_batches: self.verified_batches,
+            timed_batches: self.batches,
+            unaligned_descriptors: self.unaligned,
         }
     }
-}
-
-/// Clears the local slots of one batch, reads them again, and checks every byte against
-/// the pattern at the remote offsets they came from.
-fn verify_case<M: BufferAccess>(
-    s: &Session,
-    cfg: &XferConfig,
-    local: &mut MemRegion<M>,
-    size: u64,
-    slots: u64,
-    local_slots: u64,
-    inflight: usize,
-) -> Result<u64> {
-    let n = if cfg.hot { 1 } else { (inflight as u64).min(slots).min(local_slots) };
-    // Remote slots start mid-way so local and remote offsets differ (catches swapped offsets).
-    let descs: Vec<ReadDesc> = (0..n)
-        .map(|i| ReadDesc {
-            local_off: i * size,
-            remote_off: ((i + slots / 2 + 1) % slots) * size,
-            len: size,
-        })
-        .collect();
-    for d in &descs {
-        local.memory_mut()?.zero(d.local_off as usize, d.len as usize)?;
-    }
-    s.remote.read_batch(
-        local,
-        descs.iter().copied(),
-        &ReadOptions { max_inflight: inflight, timeout: cfg.timeout },
-    )?;
-    let mem = local.memory()?;
-    for d in &descs {
-        let got = mem.read(d.local_off as usize, d.len as usize)?;
-        if let Err(off) = check_pattern(&got, d.remote_off, s.hello.pattern_seed) {
-            return Err(XferError::Verify(format!(
-                "{size}-byte read from remote offset {} into local offset {}: first wrong byte at remote offset {off}",
-                d.remote_off, d.local_off
-            )));
-        }
-    }
-    Ok(n * size)
 }
 
 #[cfg(test)]
@@ -1574,8 +1844,186 @@ mod tests {
         assert_eq!(check_pattern(&buf[64..128], 72, 7), Err(72));
         assert!(check_pattern(&buf[0..64], 0, 8).is_err());
         buf[100] ^= 1;
-        assert_eq!(check_pattern(&buf[96..200], 96, 7), Err(96));
+        assert_eq!(check_pattern(&buf[96..200], 96, 7), Err(100), "the byte, not its word");
         assert_eq!(check_pattern(&buf[97..200], 97, 7), Err(100));
+        buf[100] ^= 1;
+        // Every start and length around the word boundaries, and a wrong last byte.
+        for start in 0..24 {
+            for end in start..start + 40 {
+                assert_eq!(check_pattern(&buf[start..end], start as u64, 7), Ok(()), "{start}..{end}");
+                if end > start {
+                    buf[end - 1] ^= 0x80;
+                    assert_eq!(check_pattern(&buf[start..end], start as u64, 7), Err(end as u64 - 1));
+                    buf[end - 1] ^= 0x80;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_parallel_check_reports_the_first_failing_range() {
+        // 64 ranges of 64 KiB (4 MiB: checked in parallel), two of them damaged.
+        let mut buf = vec![0u8; 4 << 20];
+        fill_pattern(&mut buf, 7);
+        buf[(40 << 16) + 9] ^= 1;
+        buf[(9 << 16) + 100] ^= 1;
+        let items: Vec<(usize, &[u8])> = buf.chunks(1 << 16).enumerate().collect();
+        let check = |i: usize, got: &[u8]| check_pattern(got, (i as u64) << 16, 7).err();
+        assert_eq!(first_failure(&items, &check), Some((9, (9 << 16) + 100)));
+        assert_eq!(first_failure(&items[..9], &check), None, "small: on this thread");
+    }
+
+    #[test]
+    fn one_timed_batch_in_16_is_sampled_starting_with_the_first_and_a_known_last() {
+        let picked: Vec<u64> = (0..40).filter(|&j| sampled(j, None)).collect();
+        assert_eq!(picked, [0, 16, 32]);
+        let picked: Vec<u64> = (0..40).filter(|&j| sampled(j, Some(39))).collect();
+        assert_eq!(picked, [0, 16, 32, 39], "--iters 40: the last batch is cleared and checked too");
+        assert!(sampled(0, Some(0)), "a single timed batch");
+    }
+
+    fn layout(hot: bool, backward: bool, shift: Misalign) -> ReadLayout {
+        ReadLayout { size: 4096, remote_slots: 8, local_slots: 8, hot, local_backward: backward, shift }
+    }
+
+    #[test]
+    fn a_batch_s_checks_are_its_destinations_each_once_at_their_remote_offsets() {
+        let none = Misalign::default();
+        // Cold, forward (UCX): reads 6..10 wrap around 8 slots on both sides.
+        let c = layout(false, false, none).checks(6, 4);
+        let got: Vec<(u64, u64)> = c.iter().map(|d| (d.local_off / 4096, d.remote_off / 4096)).collect();
+        assert_eq!(got, [(0, 0), (1, 1), (6, 6), (7, 7)]);
+        assert!(c.iter().all(|d| d.len == 4096));
+        // Backward local slots (cuda-batch): local 7 - i % 8 holds remote i % 8.
+        let c = layout(false, true, none).checks(0, 3);
+        let got: Vec<(u64, u64)> = c.iter().map(|d| (d.local_off / 4096, d.remote_off / 4096)).collect();
+        assert_eq!(got, [(5, 2), (6, 1), (7, 0)]);
+        // More reads than slots: each slot checked once (its reads brought the same bytes).
+        assert_eq!(layout(false, true, none).checks(0, 20).len(), 8);
+        // Hot: every read lands on local 0 from remote 0, checked once.
+        let c = layout(true, false, none).checks(100, 64);
+        assert_eq!(c, [ReadDesc { local_off: 0, remote_off: 0, len: 4096 }]);
+        // --misalign moves both sides.
+        let shift = Misalign { local_bytes: 3, remote_bytes: 5 };
+        let c = layout(false, false, shift).checks(1, 1);
+        assert_eq!(c, [ReadDesc { local_off: 4096 + 3, remote_off: 4096 + 5, len: 4096 }]);
+        // A slot two reads filled from different remote bytes is not checked (either may be last).
+        let odd = ReadLayout { local_slots: 3, ..layout(false, false, none) };
+        let c = odd.checks(0, 4);
+        assert_eq!(
+            c.iter().map(|d| d.local_off / 4096).collect::<Vec<_>>(),
+            [1, 2],
+            "slot 0 got remote 0 and 3"
+        );
+    }
+
+    #[test]
+    fn misaligned_reads_are_counted_on_either_side_and_by_length() {
+        let none = Misalign::default();
+        assert_eq!(layout(false, false, none).unaligned(0, 10, 0x1000, 0x2000), 0);
+        let one_side = Misalign { local_bytes: 0, remote_bytes: 1 };
+        assert_eq!(layout(false, false, one_side).unaligned(0, 10, 0x1000, 0x2000), 10);
+        assert_eq!(layout(false, false, none).unaligned(0, 10, 0x1008, 0x2000), 10, "the base counts");
+        let odd = ReadLayout { size: 4100, ..layout(false, false, none) };
+        assert_eq!(odd.unaligned(0, 10, 0x1000, 0x2000), 10, "a length not a multiple of 16");
+    }
+
+    /// Copies reads in this process from a pattern-filled buffer, as a transport would, and
+    /// damages one byte of one chosen batch: drives [`timed_batches`]'s verification (the
+    /// transports themselves are tested over real UCX and CUDA elsewhere).
+    struct Copying {
+        src: Vec<u8>,
+        dst: HostBuffer,
+        layout: ReadLayout,
+        per_batch: u64,
+        damage_batch: Option<u64>,
+        scratch: Vec<u8>,
+    }
+
+    impl CaseRunner for Copying {
+        fn batch(&mut self, k: u64) -> Result<BatchTimes> {
+            let dst = self.dst.as_mut_slice();
+            for d in self.layout.batch(k, self.per_batch) {
+                let (l, r, n) = (d.local_off as usize, d.remote_off as usize, d.len as usize);
+                dst[l..l + n].copy_from_slice(&self.src[r..r + n]);
+            }
+            if self.damage_batch == Some(k / self.per_batch) {
+                let d = self.layout.read(k + self.per_batch - 1);
+                dst[(d.local_off + d.len / 2) as usize] ^= 0x40;
+            }
+            Ok(BatchTimes { bytes: self.per_batch * self.layout.size, ..BatchTimes::default() })
+        }
+        fn clear(&mut self, k: u64) -> Result<()> {
+            clear_destinations(&mut self.dst, &self.layout.checks(k, self.per_batch))
+        }
+        fn check(&mut self, k: u64) -> Result<u64> {
+            let checks = self.layout.checks(k, self.per_batch);
+            check_destinations(&self.dst, &checks, 7, "read", &mut self.scratch)
+        }
+    }
+
+    fn xfer_cfg(iters: u64) -> XferConfig {
+        XferConfig {
+            sizes: vec![4096],
+            inflight: vec![4],
+            working_set_bytes: 1 << 20,
+            hot: false,
+            ucx_alloc: false,
+            huge_pages: false,
+            mem: MemPlace::Host,
+            duration: Duration::ZERO,
+            iters: Some(iters),
+            timeout: Duration::from_secs(1),
+            peer_timeout: Duration::from_secs(1),
+            session: SessionOptions::default(),
+            cuda_batch: None,
+            misalign: Misalign::default(),
+        }
+    }
+
+    fn copying(damage_batch: Option<u64>, shift: Misalign) -> Copying {
+        let mut src = vec![0u8; (64 << 10) + 64];
+        fill_pattern(&mut src, 7);
+        let dst = HostBuffer::alloc((64 << 10) + 64, PageSize::Normal).expect("a host buffer");
+        let layout = ReadLayout {
+            size: 4096,
+            remote_slots: 16,
+            local_slots: 16,
+            hot: false,
+            local_backward: true,
+            shift,
+        };
+        Copying { src, dst, layout, per_batch: 4, damage_batch, scratch: Vec::new() }
+    }
+
+    #[test]
+    fn a_damaged_byte_in_a_sampled_timed_batch_fails_the_case_naming_the_read() {
+        // 40 timed batches after 3 of warm-up (`slots` 4 ends the warm-up at 3 batches): timed
+        // batch j is batch 3 + j.
+        let cfg = xfer_cfg(40);
+        let shift = Misalign { local_bytes: 3, remote_bytes: 11 };
+        let t = timed_batches(&cfg, 4, 4, &mut copying(None, shift)).expect("clean copies verify");
+        assert_eq!((t.verified_batches, t.batches), (4, 40), "0, 16, 32 and the last");
+        assert_eq!(t.verified_bytes, 4 * 4 * 4096);
+        for (j, caught) in [(0, true), (16, true), (39, true), (5, false)] {
+            let out = timed_batches(&cfg, 4, 4, &mut copying(Some(3 + j), shift));
+            match (out, caught) {
+                (Err(XferError::Verify(why)), true) => {
+                    assert!(why.starts_with("4096-byte read from remote offset "), "{why}");
+                    assert!(why.contains("into local offset") && why.contains("first wrong byte"), "{why}");
+                }
+                (Ok(t), false) => assert_eq!(t.verified_batches, 4, "batch {j} is not sampled: not seen"),
+                (other, _) => panic!("timed batch {j}: {:?}", other.map(|t| t.verified_batches)),
+            }
+        }
+        // Without --iters the last batch is checked as it stands after the loop.
+        let cfg = XferConfig { iters: None, duration: Duration::from_millis(1), ..xfer_cfg(1) };
+        let t = timed_batches(&cfg, 4, 4, &mut copying(None, Misalign::default())).expect("verifies");
+        assert!(
+            t.verified_batches >= 1 && t.verified_batches <= t.batches.div_ceil(16) + 1,
+            "{}",
+            t.verified_batches
+        );
     }
 
     #[test]

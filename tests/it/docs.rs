@@ -57,7 +57,8 @@ fn parse_format(f: &str) -> Result<Format, String> {
     let mut rest = f;
     let mut scale = 1.0;
     if let Some(r) = rest.strip_prefix('*') {
-        let end = r.find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'e' || c == '-')).unwrap_or(r.len());
+        let end =
+            r.find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'e' || c == '-')).unwrap_or(r.len());
         scale = r[..end].parse().map_err(|e| format!("scale in `{f}`: {e}"))?;
         rest = &r[end..];
     }
@@ -75,7 +76,8 @@ fn render(v: f64, f: Format) -> String {
     let v = v * f.scale * if f.suffix == Some('%') { 100.0 } else { 1.0 };
     let mut s = format!("{v:.*}", f.digits);
     if f.thousands {
-        let (int, frac) = s.split_once('.').map_or((s.clone(), None), |(i, d)| (i.to_string(), Some(d.to_string())));
+        let (int, frac) =
+            s.split_once('.').map_or((s.clone(), None), |(i, d)| (i.to_string(), Some(d.to_string())));
         let (sign, digits) = int.strip_prefix('-').map_or(("", int.as_str()), |d| ("-", d));
         let mut grouped = String::new();
         for (i, c) in digits.chars().enumerate() {
@@ -113,7 +115,9 @@ fn walk<'v>(v: &'v Value, path: &str) -> Result<&'v Value, String> {
                     Value::String(s) => s == want.as_str(),
                     other => other.to_string() == want.as_str(),
                 })
-                .ok_or_else(|| format!("no element of `{key}` with {}={} (path `{path}`)", k.as_str(), want.as_str()))?;
+                .ok_or_else(|| {
+                    format!("no element of `{key}` with {}={} (path `{path}`)", k.as_str(), want.as_str())
+                })?;
         }
     }
     Ok(cur)
@@ -176,7 +180,8 @@ fn expected(doc: &str) -> (String, Vec<String>) {
             }
         })
         .into_owned();
-    let figs = Regex::new(r"(?s)<!--figs ([^>]*?)-->\n(```[^\n]*\n)(\$ [^\n]*\n)?(.*?)```\n<!--/figs-->").expect("regex");
+    let figs = Regex::new(r"(?s)<!--figs ([^>]*?)-->\n(```[^\n]*\n)(\$ [^\n]*\n)?(.*?)```\n<!--/figs-->")
+        .expect("regex");
     let text = figs
         .replace_all(&text, |c: &regex::Captures<'_>| {
             let spec = c[1].trim();
@@ -220,7 +225,9 @@ fn unsourced(doc: &str) -> Vec<String> {
         .lines()
         .enumerate()
         .flat_map(|(i, line)| {
-            measured.captures_iter(line).map(move |c| format!("line {}: `{}` in: {}", i + 1, &c[1], line.trim()))
+            measured
+                .captures_iter(line)
+                .map(move |c| format!("line {}: `{}` in: {}", i + 1, &c[1], line.trim()))
         })
         .collect()
 }
@@ -252,7 +259,8 @@ fn every_figure_in_the_docs_comes_from_a_committed_results_file() {
                 ));
             }
         }
-        failures.extend(unsourced(&doc).into_iter().map(|u| format!("{name}: a figure without a source, {u}")));
+        failures
+            .extend(unsourced(&doc).into_iter().map(|u| format!("{name}: a figure without a source, {u}")));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -262,18 +270,25 @@ fn a_changed_digit_or_a_typed_figure_is_caught() {
     let dir = tempfile::tempdir().expect("tmp");
     let file = dir.path().join("r.json");
     std::fs::write(&file, r#"{"a": {"gbps": 5.274}, "list": [{"k": "x", "v": 2.0}]}"#).expect("write");
-    let rel = file.strip_prefix(root()).map_or_else(|_| file.display().to_string(), |p| p.display().to_string());
+    let rel =
+        file.strip_prefix(root()).map_or_else(|_| file.display().to_string(), |p| p.display().to_string());
     let good = format!("moved <!--fig {rel}#a.gbps 2-->5.27<!--/fig--> GB/s");
     assert_eq!(expected(&good), (good.clone(), vec![]));
     let changed = good.replace("5.27", "5.28");
-    assert_eq!(expected(&changed).0, good, "one changed digit is restored from the source, so the test fails");
+    assert_eq!(
+        expected(&changed).0,
+        good,
+        "one changed digit is restored from the source, so the test fails"
+    );
     let ratio = format!("<!--fig {rel}#a.gbps / {rel}#list[k=x].v 2x-->2.64x<!--/fig-->");
     assert_eq!(expected(&ratio), (ratio.clone(), vec![]), "5.274 / 2.0 reads 2.64x");
     assert_eq!(figure(&format!("{rel}#a.gbps *1000,0")).as_deref(), Ok("5,274"));
     assert_eq!(figure(&format!("{rel}#list.0.v 1%")).as_deref(), Ok("200.0%"));
     assert!(figure(&format!("{rel}#a.nope 2")).is_err());
     assert!(unsourced("push moved 5.27 GB/s, 1.03x pull, 12% less, p50 3 ms").len() == 4);
-    assert!(unsourced("`--duration 500ms` and <!--given-->15 ms<!--/given--> and 3 x 20 and P8->D2").is_empty());
+    assert!(
+        unsourced("`--duration 500ms` and <!--given-->15 ms<!--/given--> and 3 x 20 and P8->D2").is_empty()
+    );
     assert!(unsourced(&good).is_empty());
 }
 

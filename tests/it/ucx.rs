@@ -73,13 +73,72 @@ fn xfer_json_reports_ucx_and_verified_reads_on_each_build() {
                 r["verified_bytes"].as_u64().unwrap_or(0) >= r["size_bytes"].as_u64().unwrap_or(u64::MAX),
                 "{r}"
             );
+            // --iters 5: timed batches 0 (1 in 16, the first) and 4 (the last) were verified.
+            assert_eq!(r["timed_batches"], 5, "{label}: {r}");
+            assert_eq!(r["verified_batches"], 2, "{label}: {r}");
+            assert_eq!(r["unaligned_descriptors"], 0, "{label}: {r}");
         }
+        assert!(
+            v["verification"].as_str().is_some_and(|s| s.contains("1 timed batch in 16")),
+            "{label}: {}",
+            v["verification"]
+        );
         if label == "project" {
             assert!(
                 transports.contains("cma"),
                 "the project UCX should pick cma for user memory: {transports}"
             );
         }
+    }
+}
+
+/// `--misalign` makes every read unaligned on both sides (local +3, remote +5 bytes), the reads
+/// still land where they should (the timed batches' destinations are verified), and the table
+/// says how many timed batches were checked.
+#[test]
+fn xfer_misaligned_reads_are_counted_and_verified_on_each_build() {
+    for (label, lib) in ucx_builds() {
+        let lib = match lib {
+            Ok(p) => p,
+            Err(why) => {
+                skip(&format!("{label} UCX build: {why}"));
+                continue;
+            }
+        };
+        let run = |format: &str| {
+            kvx()
+                .args([
+                    "xfer",
+                    "--sizes",
+                    "4KiB",
+                    "--inflight",
+                    "4",
+                    "--iters",
+                    "20",
+                    "--working-set",
+                    "1MiB",
+                ])
+                .args(["--misalign", "3,5", "--format", format, "--ucx-lib"])
+                .arg(&lib)
+                .output()
+                .expect("run kvx xfer")
+        };
+        let out = run("json");
+        assert!(out.status.success(), "{label}: kvx xfer failed: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(v["misalign"], serde_json::json!({"local_bytes": 3, "remote_bytes": 5}), "{label}");
+        let r = &v["results"][0];
+        assert_eq!(r["unaligned_descriptors"], 20 * 4, "{label}: every read of the 20 timed batches: {r}");
+        assert_eq!(r["verified_batches"], 3, "{label}: timed batches 0, 16 and 19 (the last): {r}");
+        assert_eq!(r["verified_bytes"], 3 * 4 * 4096, "{label}: {r}");
+        let out = run("table");
+        assert!(out.status.success(), "{label}: {}", String::from_utf8_lossy(&out.stderr));
+        let table = String::from_utf8_lossy(&out.stdout);
+        assert!(table.contains("verified batches") && table.contains("3 of 20"), "{label}: {table}");
+        assert!(
+            table.contains("misaligned: every read's local offset +3 B, remote offset +5 B"),
+            "{label}: {table}"
+        );
     }
 }
 
