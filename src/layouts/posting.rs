@@ -9,10 +9,10 @@
 //! its busiest decode rank, which is the one reported.
 //!
 //! The rates are data ([`PostRates`]): built in from committed results files (each rate names
-//! its file and line, [`super::rates`]), replaced by the user's own measurements (`kvx plan
+//! its file and line; `rates` implements the default), replaced by the user's own measurements (`kvx plan
 //! --rates FILE`, `--post-ns`, `--ceiling-gbps`, resolved in `settings`).
 //!
-//! Owns: the cost arithmetic and the default rates. Pure: no I/O.
+//! Owns: the cost arithmetic. Pure: no I/O.
 
 use serde::Serialize;
 
@@ -91,43 +91,6 @@ pub struct PostRates {
     pub ucx: PathRate,
     pub cuda_ipc: PathRate,
     pub cuda_batch: PathRate,
-}
-
-/// A rate nothing has given yet (each built-in file gives every one; a test checks it).
-fn unset(why_unset: &str) -> PathRate {
-    let why = || RateSource::File {
-        path: "(none)".into(),
-        line: 0,
-        detail: format!("no built-in rate: {why_unset}"),
-    };
-    PathRate {
-        ns_per_descriptor: 0.0,
-        ns_per_call: 0.0,
-        post_source: why(),
-        ceiling_gbps: 0.0,
-        ceiling_source: why(),
-    }
-}
-
-/// The built-in rates: read from the committed results files kvx is built with
-/// ([`super::rates::BUILTIN`]), each rate naming its file and line.
-impl Default for PostRates {
-    fn default() -> Self {
-        let mut rates =
-            PostRates { ucx: unset("ucx"), cuda_ipc: unset("cuda-ipc"), cuda_batch: unset("cuda-batch") };
-        for (path, text) in super::rates::BUILTIN {
-            if let Err(e) = super::rates::apply(path, text, &mut rates) {
-                // Only a broken build gets here: the rates left unset say why.
-                for p in PostPath::ALL {
-                    let r = rates.of_mut(p);
-                    if r.ns_per_descriptor == 0.0 {
-                        *r = unset(&e);
-                    }
-                }
-            }
-        }
-        rates
-    }
 }
 
 impl PostRates {

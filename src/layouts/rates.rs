@@ -222,6 +222,43 @@ fn apply_xfer(path: &str, text: &str, r: &Value, rates: &mut PostRates) -> Resul
     Ok(vec![post])
 }
 
+/// A rate nothing has given yet (each built-in file gives every one; a test checks it).
+fn unset(why_unset: &str) -> PathRate {
+    let why = || RateSource::File {
+        path: "(none)".into(),
+        line: 0,
+        detail: format!("no built-in rate: {why_unset}"),
+    };
+    PathRate {
+        ns_per_descriptor: 0.0,
+        ns_per_call: 0.0,
+        post_source: why(),
+        ceiling_gbps: 0.0,
+        ceiling_source: why(),
+    }
+}
+
+/// The built-in rates: read from the committed results files kvx is built with
+/// ([`BUILTIN`]), each rate naming its file and line.
+impl Default for PostRates {
+    fn default() -> Self {
+        let mut rates =
+            PostRates { ucx: unset("ucx"), cuda_ipc: unset("cuda-ipc"), cuda_batch: unset("cuda-batch") };
+        for (path, text) in BUILTIN {
+            if let Err(e) = apply(path, text, &mut rates) {
+                // Only a broken build gets here: the rates left unset say why.
+                for p in PostPath::ALL {
+                    let r = rates.of_mut(p);
+                    if r.ns_per_descriptor == 0.0 {
+                        *r = unset(&e);
+                    }
+                }
+            }
+        }
+        rates
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
