@@ -113,7 +113,9 @@ fn walk<'v>(v: &'v Value, path: &str) -> Result<&'v Value, String> {
                 .iter()
                 .find(|it| match &it[k.as_str()] {
                     Value::String(s) => s == want.as_str(),
-                    other => other.to_string() == want.as_str(),
+                    other => {
+                        other.as_f64().is_some_and(|x| want.as_str().parse::<f64>().is_ok_and(|w| w == x))
+                    }
                 })
                 .ok_or_else(|| {
                     format!("no element of `{key}` with {}={} (path `{path}`)", k.as_str(), want.as_str())
