@@ -429,6 +429,13 @@ fn ratio_of(cur: f64, base: f64) -> Option<f64> {
 /// Compares `current` with `baseline` under `th`. Both documents must have passed the schema
 /// check. Errors only for a required metric missing from either.
 pub fn evaluate(baseline: Doc<'_>, current: Doc<'_>, th: &Thresholds) -> Result<GateReport, ReportError> {
+    let differences = work_differences(baseline.value, current.value);
+    if !differences.is_empty() {
+        return Err(ReportError::ScenarioMismatch { differences: differences.join(", ") });
+    }
+    for (side, doc) in [("baseline", &baseline), ("current", &current)] {
+        check_calibration(side, doc, &th.calibration)?;
+    }
     let mut notes = context_notes(baseline.value, current.value);
     let used: Vec<String> = th
         .calibration
@@ -636,6 +643,89 @@ fn compare_metric(rule: &MetricRule, b: &Samples, c: &Samples, th: &Thresholds) 
         MetricVerdict::Pass
     };
     out
+}
+
+/// Scenario keys whose difference changes the work a run does, with the value a summary
+/// written before the key existed meant (`None`: compared only when both runs have it).
+const WORK_KEYS: &[(&str, Option<&str>)] = &[
+    ("model", None),
+    ("p_tp", None),
+    ("d_tp", None),
+    ("p_layout", None),
+    ("d_layout", None),
+    ("p_block_size", None),
+    ("d_block_size", None),
+    ("prompt_len", None),
+    ("prefix_hit", None),
+    ("alloc", None),
+    ("requests", None),
+    ("duration_s", None),
+    ("concurrency", None),
+    ("rate_rps", None),
+    ("inflight", None),
+    ("verify", None),
+    ("transport", Some("ucx")),
+    ("mem", Some("host")),
+    ("mode", Some("pull")),
+    ("coalesce", None),
+    ("vllm_rules", None),
+    ("progress", None),
+    ("overlap", None),
+    ("dispatch", None),
+];
+
+/// `key baseline -> current` for each work-changing scenario key the runs disagree on.
+fn work_differences(baseline: &Value, current: &Value) -> Vec<String> {
+    let show = |v: Option<&Value>| v.filter(|v| !v.is_null()).map_or_else(|| "-".into(), display_value);
+    let mut out = Vec::new();
+    for (key, old_default) in WORK_KEYS {
+        let get = |doc: &Value| {
+            doc.get("scenario")
+                .and_then(|s| s.get(*key))
+                .filter(|v| !v.is_null())
+                .cloned()
+                .or_else(|| old_default.map(|d| Value::String(d.to_string())))
+        };
+        let (b, c) = (get(baseline), get(current));
+        if b.is_some() && c.is_some() && b != c {
+            out.push(format!("{key} {} -> {}", show(b.as_ref()), show(c.as_ref())));
+        }
+    }
+    out
+}
+
+/// Every calibration figure the gate divides by must be in the run (and in each repeat that
+/// carries its own calibration), finite and above zero.
+fn check_calibration(side: &'static str, doc: &Doc<'_>, figures: &[String]) -> Result<(), ReportError> {
+    let bad = |cal: Option<&Value>, name: &str| -> Option<String> {
+        match cal.and_then(|c| c.get(name)) {
+            None | Some(Value::Null) => Some("missing".into()),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => None,
+                Some(x) => Some(format!("{x} (not a positive finite number)")),
+                None => Some(format!("{v} (not a number)")),
+            },
+        }
+    };
+    for name in figures {
+        let mut problem = bad(doc.value.get("calibration"), name);
+        if problem.is_none()
+            && let Some(reps) = doc.value.get("repeats").and_then(Value::as_array)
+        {
+            problem = reps.iter().filter(|r| r.get("calibration").is_some()).find_map(|r| {
+                bad(r.get("calibration"), name).map(|p| format!("{p} in repeat {}", r["index"]))
+            });
+        }
+        if let Some(problem) = problem {
+            return Err(ReportError::BadCalibration {
+                figure: name.clone(),
+                side,
+                path: doc.path.to_path_buf(),
+                problem,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Differences between the runs that a reader of the verdict should know about.
@@ -1107,12 +1197,77 @@ mod tests {
         assert!((t.ratio_raw.expect("raw") - 0.5).abs() < 1e-9, "raw shown too");
         assert!((t.ratio.expect("norm") - 1.0).abs() < 1e-9);
         assert!((r.calibration.factor.expect("factor") - 0.5).abs() < 1e-9);
-        // Without calibration the same figures are a regression.
+        // Without calibration the same figures would be a regression: the gate refuses instead.
         let mut c2 = c.clone();
         c2.as_object_mut().expect("obj").remove("calibration");
-        let r2 = gate(&b, &c2);
+        let e = evaluate(
+            Doc { path: Path::new("b"), value: &b },
+            Doc { path: Path::new("c"), value: &c2 },
+            &th(),
+        )
+        .expect_err("missing calibration");
+        assert!(e.to_string().contains("`ucx_loopback_gbps` of the current summary c is missing"), "{e}");
+        // Compared raw only when the thresholds say so.
+        let mut raw = th();
+        raw.calibration.clear();
+        let r2 =
+            evaluate(Doc { path: Path::new("b"), value: &b }, Doc { path: Path::new("c"), value: &c2 }, &raw)
+                .expect("raw");
         assert_eq!(r2.verdict, Verdict::Regression);
-        assert!(r2.notes.iter().any(|n| n.contains("compared raw")), "{:?}", r2.notes);
+    }
+
+    #[test]
+    fn invalid_calibration_figures_are_refused_not_read_as_none() {
+        let b = doc(&[10.0, 10.2, 9.9, 10.1, 9.8], 10.0);
+        for bad in [json!(0.0), json!(-1.0), json!("fast"), Value::Null] {
+            let mut c = doc(&[7.8, 7.9, 7.7, 8.0, 7.8], 10.0);
+            c["calibration"]["ucx_loopback_gbps"] = bad.clone();
+            let e = evaluate(
+                Doc { path: Path::new("b"), value: &b },
+                Doc { path: Path::new("c"), value: &c },
+                &th(),
+            )
+            .expect_err("invalid calibration");
+            assert!(matches!(e, ReportError::BadCalibration { side: "current", .. }), "{bad}: {e}");
+        }
+        // A repeat's own calibration is checked too.
+        let mut c = doc(&[7.8, 7.9, 7.7, 8.0, 7.8], 10.0);
+        c["repeats"][2]["calibration"] = json!({"ucx_loopback_gbps": 0.0});
+        let e =
+            evaluate(Doc { path: Path::new("b"), value: &b }, Doc { path: Path::new("c"), value: &c }, &th())
+                .expect_err("invalid repeat calibration");
+        assert!(e.to_string().contains("in repeat 2"), "{e}");
+    }
+
+    #[test]
+    fn a_run_of_another_scenario_is_refused_not_passed() {
+        let mut b = doc(&[10.0, 10.2, 9.9, 10.1, 9.8], 10.0);
+        b["scenario"] = json!({"model": "llama-3.1-8b", "p_tp": 2, "d_tp": 1, "repeat": 14, "name": "ci"});
+        for (key, value) in [
+            ("model", json!("llama-3.1-70b")),
+            ("p_tp", json!(4)),
+            ("mode", json!("push")),
+            ("transport", json!("storage")),
+        ] {
+            let mut c = doc(&[10.0, 10.2, 9.9, 10.1, 9.8], 10.0);
+            c["scenario"] = b["scenario"].clone();
+            c["scenario"][key] = value;
+            let e = evaluate(
+                Doc { path: Path::new("b"), value: &b },
+                Doc { path: Path::new("c"), value: &c },
+                &th(),
+            )
+            .expect_err(key);
+            assert!(e.to_string().contains(&format!("{key} ")), "{key}: {e}");
+        }
+        // What does not change the work (repeats, name, seed) and a key the baseline predates
+        // at its old meaning (`mode` pull) still compare.
+        let mut c = doc(&[10.0, 10.2, 9.9, 10.1, 9.8], 10.0);
+        c["scenario"] = json!({"model": "llama-3.1-8b", "p_tp": 2, "d_tp": 1, "repeat": 7, "name": "other", "seed": 3, "mode": "pull"});
+        assert!(
+            evaluate(Doc { path: Path::new("b"), value: &b }, Doc { path: Path::new("c"), value: &c }, &th())
+                .is_ok()
+        );
     }
 
     #[test]
@@ -1207,15 +1362,15 @@ mod tests {
     }
 
     #[test]
-    fn scenario_and_machine_changes_are_noted() {
+    fn scenario_and_machine_changes_that_keep_the_work_are_noted() {
         let mut b = doc(&[10.0], 10.0);
         let mut c = doc(&[10.0], 10.0);
-        b["scenario"] = json!({"p_tp": 8, "inflight": 8});
-        c["scenario"] = json!({"p_tp": 8, "inflight": 2});
+        b["scenario"] = json!({"p_tp": 8, "seed": 1, "repeat": 14});
+        c["scenario"] = json!({"p_tp": 8, "seed": 2, "repeat": 7});
         b["environment"] = json!({"hostname": "a"});
         c["environment"] = json!({"hostname": "b"});
         let r = gate(&b, &c);
-        assert!(r.notes.iter().any(|n| n.contains("inflight 8 -> 2")), "{:?}", r.notes);
+        assert!(r.notes.iter().any(|n| n.contains("seed 1 -> 2")), "{:?}", r.notes);
         assert!(r.notes.iter().any(|n| n.contains("hostname a -> b")), "{:?}", r.notes);
     }
 

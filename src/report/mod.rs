@@ -79,6 +79,18 @@ pub enum ReportError {
     MissingMetric { metric: String, side: &'static str, path: PathBuf },
     #[error("thresholds {source_name}: {reason} (fix the file given with --thresholds)")]
     Thresholds { source_name: String, reason: String },
+    #[error(
+        "the current run is not the baseline's scenario: {differences}; gate a run of the baseline's \
+         scenario (its preset), or make this run the baseline on purpose with --update"
+    )]
+    ScenarioMismatch { differences: String },
+    #[error(
+        "calibration figure `{figure}` of the {side} summary {} is {problem}: the gate cannot tell a \
+         slower machine from a slower kvx without it; measure it again (without --no-calibrate), or \
+         compare raw figures with `calibration = []` under [settings] in a --thresholds file",
+        path.display()
+    )]
+    BadCalibration { figure: String, side: &'static str, path: PathBuf, problem: String },
     #[error("refusing to update the baseline: {reason}; pass --force to accept this run anyway")]
     UpdateRefused { reason: String },
     #[error("histogram: {0}")]
