@@ -342,6 +342,13 @@ pub struct LoadSummary {
     pub model: Option<String>,
     pub targets: Vec<TargetSummary>,
     pub overhead: Vec<Overhead>,
+    /// Waits closed-loop workers took after failed requests (doubling from 10 ms to 1 s).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub backoffs: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Why a load run could not start.
@@ -380,6 +387,8 @@ struct Shared {
     client: HttpClient,
     targets: Vec<Prepared>,
     auth: Option<HeaderValue>,
+    /// Waits closed-loop workers took after failed requests.
+    backoffs: AtomicU64,
 }
 
 /// Builds the body of request `i` of target `t`: a unique first word so no two prompts
@@ -719,8 +728,14 @@ pub async fn run_with_progress(
     }
     let auth = cfg.api_key.as_ref().and_then(|k| HeaderValue::from_str(&format!("Bearer {k}")).ok());
     let nonce = format!("load-{}", &uuid::Uuid::new_v4().simple().to_string()[..6]);
-    let sh =
-        Arc::new(Shared { client: http_client(Some(Duration::from_secs(5))), nonce, targets, auth, cfg });
+    let sh = Arc::new(Shared {
+        client: http_client(Some(Duration::from_secs(5))),
+        nonce,
+        targets,
+        auth,
+        cfg,
+        backoffs: AtomicU64::new(0),
+    });
 
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Sample>();
     let started = Instant::now();
@@ -811,6 +826,7 @@ pub async fn run_with_progress(
         model: cfg.model.clone(),
         targets: summaries,
         overhead,
+        backoffs: sh.backoffs.load(Ordering::Relaxed),
     };
     Ok(LoadRun { summary, recorders, requests, waterfalls })
 }
@@ -875,10 +891,13 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
         Arrival::Concurrency(c) => {
             let counter = Arc::new(AtomicU64::new(0));
             let mut workers = tokio::task::JoinSet::new();
+            // No more workers than requests: each would only find the counter spent.
+            let c = total.map_or(c, |n| c.min(usize::try_from(n).unwrap_or(usize::MAX)));
             for w in 0..c {
                 let (sh, tx, counter) = (sh.clone(), tx.clone(), counter.clone());
                 workers.spawn(async move {
                     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (w as u64 + 1));
+                    let mut backoff = Duration::ZERO;
                     loop {
                         let i = counter.fetch_add(1, Ordering::Relaxed);
                         if !more(i) {
@@ -894,7 +913,21 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
                             ..Sample::default()
                         };
                         one_request(&sh, t, body, &mut s).await;
+                        let failed = s.error.is_some();
                         let _ = tx.send(s);
+                        // A target that fails fast is not hammered: wait, doubling up to
+                        // `BACKOFF_MAX`, until a request succeeds again.
+                        backoff = if failed {
+                            (backoff * 2).clamp(BACKOFF_MIN, BACKOFF_MAX)
+                        } else {
+                            Duration::ZERO
+                        };
+                        if !backoff.is_zero() {
+                            sh.backoffs.fetch_add(1, Ordering::Relaxed);
+                            if !sleep_until_unless_interrupted(Instant::now() + backoff).await {
+                                break;
+                            }
+                        }
                     }
                 });
             }
@@ -902,6 +935,10 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
         }
     }
 }
+
+/// A closed-loop worker's wait after a failed request, doubled on each failure in a row.
+const BACKOFF_MIN: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// How long requests in flight get to finish after an interrupt before they are abandoned.
 const INTERRUPT_GRACE: Duration = Duration::from_millis(700);

@@ -132,8 +132,20 @@ pub fn summary(run: &LoadRun, cfg: &LoadConfig, run_id: &str, started_at: &str, 
         ));
     }
     s.notes.extend(overhead_lines(&run.summary));
+    s.notes.extend(backoff_line(&run.summary));
     s.finished_at = Some(now_rfc3339());
     s
+}
+
+/// How often closed-loop workers waited after failed requests, if they did.
+pub fn backoff_line(load: &LoadSummary) -> Option<String> {
+    (load.backoffs > 0).then(|| {
+        format!(
+            "backed off {} times after failed requests (a closed-loop worker waits 10 ms, doubling up to 1 s, \
+             until a request succeeds again)",
+            load.backoffs
+        )
+    })
 }
 
 /// One line per overhead: the first target minus a baseline, percentile by percentile.
@@ -239,7 +251,7 @@ pub fn render(s: &Summary, load: &LoadSummary, style: Style) -> String {
         out.push('\n');
     }
     out.push_str(&section("Targets", &targets_table(load, style), style));
-    for line in overhead_lines(load) {
+    for line in overhead_lines(load).into_iter().chain(backoff_line(load)) {
         out.push_str(&line);
         out.push('\n');
     }
@@ -379,6 +391,7 @@ mod tests {
                 model: Some("m".into()),
                 targets: vec![target("url", 3), target("baseline", 4)],
                 overhead: vec![],
+                backoffs: 0,
             },
             recorders: vec![a, b],
             requests: vec![req("url", None), req("url", Some("timeout"))],

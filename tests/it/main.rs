@@ -13,6 +13,7 @@ mod hostile;
 mod interrupt;
 mod kv_buffer;
 mod layering;
+mod load_fail;
 mod netns;
 mod oracle;
 mod procs;
