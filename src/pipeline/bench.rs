@@ -381,15 +381,8 @@ impl Tally {
         self.verify_failures += f.verify_failures;
         self.bytes_verified += f.bytes_verified;
         if f.row.outcome == RequestOutcome::Ok {
-            for stage in [
-                Stage::Queue,
-                Stage::Plan,
-                Stage::Post,
-                Stage::Transfer,
-                Stage::TransferSpan,
-                Stage::Notify,
-                Stage::E2e,
-            ] {
+            // Every known stage but the handshake, which only some requests have (below).
+            for stage in Stage::ALL.into_iter().filter(|s| *s != Stage::Handshake) {
                 if let Some(v) = f.row.stage_us(stage) {
                     self.recorder.record_ns(stage.as_str(), (v * 1e3) as u64);
                 }
