@@ -10,6 +10,8 @@
 //!   points of `--sweep`; [`plan`]: which of them a command line asks for, all resolved.
 //! - [`engine`]: `WorkerSettings` and the one builder of worker engines (bench, bench --serve,
 //!   serve-engine), memory placement, `kvx serve-engine`'s settings.
+//! - [`layer`]: one struct per command's settings (flags and file keys), the flags laid over
+//!   the file remembering which gave each value.
 //! - [`parse`]: value syntaxes flags and files share (durations, named choices).
 //! - [`posting`]: `kvx plan`'s measured posting costs and ceilings (`--post-ns`, `--ceiling-gbps`).
 //!
@@ -20,9 +22,15 @@ pub mod bench;
 pub mod engine;
 pub mod env;
 pub mod flags;
+pub mod layer;
+pub mod layout;
+pub mod load;
 pub mod model;
 pub mod parse;
 pub mod plan;
 pub mod posting;
+pub mod probe;
+pub mod proxy;
 pub mod scenario;
 pub mod sweep;
+pub mod xfer;
