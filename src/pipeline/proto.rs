@@ -51,7 +51,7 @@ impl Role {
 pub enum VerifyMode {
     /// Every byte.
     Full,
-    /// One block (of one region) in 16 (`SAMPLE_STRIDE`), whole.
+    /// One block (of one region) in 16, whole.
     #[default]
     Sample,
     /// No check.
@@ -84,7 +84,7 @@ pub enum TransportKind {
     /// An ordered list: a load that fails on one is retried on the next (MultiConnector).
     Multi,
     /// GPUs of one machine: the prefill pool mapped with CUDA IPC, one batched copy per peer
-    /// and request (`transfer::cuda_batch`); notifications over ZMQ. Pull mode only.
+    /// and request; notifications over ZMQ. Pull mode only.
     #[serde(rename = "cuda-batch")]
     CudaBatch,
 }

@@ -48,16 +48,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(mult).filter(|&v| v > 0).ok_or_else(|| format!("{s:?} must be between 1 byte and 16 EiB"))
 }
 
-/// The value named `name` among `choices`; the error lists the names: `'x' is not a, b or c`.
-pub fn choice<T: Copy>(name: &str, choices: &[(&str, T)]) -> Result<T, String> {
-    let name = name.trim();
-    choices
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|&(_, v)| v)
-        .ok_or_else(|| format!("'{name}' is not {}", one_of(choices.iter().map(|(n, _)| *n))))
-}
-
 /// The value of a choice (a clap `ValueEnum`) named `name`, as its flag spells it (aliases
 /// included); the error lists the names: `'x' is not a, b or c`.
 pub fn named<T: ValueEnum>(name: &str) -> Result<T, String> {
@@ -152,11 +142,12 @@ mod tests {
 
     #[test]
     fn choices_name_the_alternatives() {
-        let c = [("full", 1), ("sample", 2), ("off", 3)];
-        assert_eq!(choice("sample", &c), Ok(2));
-        assert_eq!(choice(" off ", &c), Ok(3));
-        assert_eq!(choice("maybe", &c), Err("'maybe' is not full, sample or off".to_string()));
-        assert_eq!(choice("x", &[("none", 0), ("peer", 1)]), Err("'x' is not none or peer".to_string()));
+        use crate::pipeline::proto::VerifyMode;
+        use crate::transfer::ucx::ErrMode;
+        assert_eq!(named::<VerifyMode>("sample"), Ok(VerifyMode::Sample));
+        assert_eq!(named::<VerifyMode>(" off "), Ok(VerifyMode::Off));
+        assert_eq!(named::<VerifyMode>("maybe"), Err("'maybe' is not full, sample or off".to_string()));
+        assert_eq!(named::<ErrMode>("x"), Err("'x' is not none or peer".to_string()));
         assert_eq!(one_of(["pull"]), "pull");
     }
 
