@@ -56,8 +56,9 @@ layered! {
         #[arg(long, value_name = "FILE")]
         #[serde(skip)]
         pub config: Option<PathBuf>,
-        /// Run a matrix: a bench-config file whose [sweep] table lists values per axis (tp = ["8:2", "4:4"],
-        /// layout, prompt_len, alloc, block_size, model, concurrency, inflight, prefix_hit); one row per point.
+        /// Run a matrix: a bench-config file whose [sweep] table lists values per axis (tp = ["8:2",
+        /// "4:4"], layout, prompt_len, alloc, block_size, model, concurrency, inflight, prefix_hit); one
+        /// row per point.
         #[arg(long, value_name = "FILE", conflicts_with = "config")]
         #[serde(skip)]
         pub sweep: Option<PathBuf>,
@@ -141,7 +142,13 @@ layered! {
         pub storage_fsync: bool,
         /// Run the same workload on each transport and print one comparison table, e.g. ucx,storage,multi
         /// (or ucx,cuda-batch with --mem cuda).
-        #[arg(long, value_enum, value_delimiter = ',', help_heading = "Transport", conflicts_with = "compare_modes")]
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            help_heading = "Transport",
+            conflicts_with = "compare_modes"
+        )]
         #[serde(skip)]
         pub compare_transports: Option<Vec<TransportKind>>,
         /// Run the same workload in each transfer mode and print one comparison table: pull,push.
@@ -162,7 +169,13 @@ layered! {
         pub mode: Option<TransferMode>,
         /// Simulated prefill compute per model layer on each prefill rank, e.g. 200us (wall time a
         /// GPU would take; the rank's CPU stays free to move bytes) [default: 0].
-        #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, value_name = "DURATION", help_heading = "Transport")]
+        #[arg(
+            long,
+            value_parser = parse_duration,
+            allow_hyphen_values = true,
+            value_name = "DURATION",
+            help_heading = "Transport"
+        )]
         #[serde(default, deserialize_with = "super::parse::opt_duration")]
         pub prefill_time_per_layer: Option<Duration>,
         /// Push mode: WRITE each layer as soon as it is computed (layers) or after the whole
@@ -228,7 +241,8 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport", help = BatchCopy::help())]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub batch_copy: Option<BatchCopy>,
-        /// Wait for external `kvx worker --connect` processes: prefill on this endpoint's port, decode on port + 1.
+        /// Wait for external `kvx worker --connect` processes: prefill on this endpoint's port, decode on
+        /// port + 1.
         #[arg(long, value_name = "tcp://HOST:PORT", help_heading = "Across hosts")]
         #[serde(skip)]
         pub listen: Option<String>,
