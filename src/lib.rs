@@ -10,10 +10,11 @@
 //! clock.rs       CLOCK_MONOTONIC stamps every process of a host shares (wall spans)
 //! error.rs       ConfigError, exit codes (0 ok, 1 failed run or regression, 2 error, 130/143)
 //! output.rs      the one place stdout and stderr are written; a closed stdout ends the run
-//! cli/           clap types and help text, one file per subcommand; flags handed to settings
-//!                as plain data, the resolved run started and printed
-//! settings/      flags + config files + env (KVX_*) + defaults -> typed, validated settings
-//!                (BenchSettings, ServeEngineSettings, WorkerSettings); model presets
+//! cli/           one file per subcommand: its examples, the parsed flags handed to settings,
+//!                the resolved run started and printed
+//! settings/      one struct per command = clap flags + config-file keys; flags + config files
+//!                + env (KVX_*) + defaults -> typed, validated settings (BenchSettings,
+//!                ServeEngineSettings, XferRun, ...); model presets
 //! serve/         reference engine, proxy and load generator (HTTP), `kvx bench --serve`
 //! pipeline/      engines of worker processes, the worker process and its role loops, the
 //!                control protocol (typed worker settings), the engine builder, `kvx bench`

@@ -4,12 +4,11 @@ use clap::Args;
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
-use super::common::{Format, ModelArgs};
+use super::common::Format;
 use super::topo::{bytes_text, reject};
-use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
-use crate::layouts::{EngineSpec, Layout, RankGeometry, Region};
-use crate::settings::scenario;
+use crate::layouts::{RankGeometry, Region};
+use crate::settings::layout::{LayoutFlags, resolve};
 use crate::{Outcome, output};
 
 #[derive(Debug, Args)]
@@ -18,34 +17,7 @@ use crate::{Outcome, output};
     kvx layout --model qwen3-8b --vllm 0.19 --layout NHD --format json")]
 pub struct LayoutArgs {
     #[command(flatten)]
-    pub model: ModelArgs,
-    /// Tensor-parallel size of the engine.
-    #[arg(long, default_value_t = 1)]
-    pub tp: u32,
-    /// Which rank of the engine.
-    #[arg(long, default_value_t = 0)]
-    pub rank: u32,
-    /// Which vLLM release's layouts: 0.33 (default) or 0.19.
-    #[arg(long, default_value = "0.33")]
-    pub vllm: String,
-    /// KV cache layout (0.33: LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC; 0.19: HND, NHD, FI-HND,
-    /// FI-NHD, FA-HND-XL, FI-HND-XL).
-    #[arg(long)]
-    pub layout: Option<String>,
-    /// Tokens per block.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: u32,
-    /// Blocks in the rank's pool.
-    #[arg(long, default_value_t = 1024)]
-    pub num_blocks: u32,
-    /// Request size for the per-request figures.
-    #[arg(long, default_value_t = 8192)]
-    pub tokens: u32,
-    /// Regions to list in the table view (the rest are summarised).
-    #[arg(long, default_value_t = 6)]
-    pub show_regions: usize,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
-    pub format: Format,
+    pub settings: LayoutFlags,
 }
 
 #[derive(Debug, Serialize)]
@@ -91,33 +63,7 @@ struct LayoutJson {
     registrations: Vec<[u64; 2]>,
 }
 
-fn resolve(args: &LayoutArgs) -> Result<(PairSpec, RankGeometry), ConfigError> {
-    let version = scenario::resolve_version(&args.vllm)?;
-    let model = scenario::resolve_model(&args.model.flags())?;
-    let layout = match &args.layout {
-        Some(l) => Layout::parse_for(l, version).map_err(|e| ConfigError::new("--layout", e))?,
-        None => Layout::default_for(version),
-    };
-    if args.tokens == 0 {
-        return Err(ConfigError::new("--tokens", "a request needs at least 1 token"));
-    }
-    let engine =
-        EngineSpec { tp: args.tp, block_tokens: args.block_size, num_blocks: args.num_blocks, layout };
-    let pair = PairSpec { version, model, p: engine, d: engine, permute: false };
-    // Same checks as a homogeneous pair: TP vs heads, block size, layout version.
-    pair.validate()
-        .map_err(|e| ConfigError::new(e.flag.replace("--p-", "--").replace("--d-", "--"), e.reason))?;
-    if args.rank >= args.tp {
-        return Err(ConfigError::new(
-            "--rank",
-            format!("rank {} does not exist with --tp {}", args.rank, args.tp),
-        ));
-    }
-    let geom = pair.p_geometry(args.rank);
-    Ok((pair, geom))
-}
-
-fn build(args: &LayoutArgs, pair: &PairSpec, g: &RankGeometry) -> LayoutJson {
+fn build(args: &LayoutFlags, pair: &PairSpec, g: &RankGeometry) -> LayoutJson {
     let regions: Vec<Region> = g.regions();
     let request_blocks = args.tokens.div_ceil(args.block_size);
     LayoutJson {
@@ -161,6 +107,7 @@ fn build(args: &LayoutArgs, pair: &PairSpec, g: &RankGeometry) -> LayoutJson {
 }
 
 pub fn run(args: &LayoutArgs) -> anyhow::Result<Outcome> {
+    let args = &args.settings;
     let (pair, geom) = resolve(args).map_err(|e| reject(args.format, e))?;
     let report = build(args, &pair, &geom);
     match args.format {
@@ -170,7 +117,7 @@ pub fn run(args: &LayoutArgs) -> anyhow::Result<Outcome> {
     Ok(Outcome::Ok)
 }
 
-fn render(args: &LayoutArgs, t: &LayoutJson) -> String {
+fn render(args: &LayoutFlags, t: &LayoutJson) -> String {
     let mut out = format!(
         "kvx layout: {} | tp {} rank {} ({} KV heads: {:?}) | {} ({}) | vLLM {}\n",
         t.model,

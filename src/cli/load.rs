@@ -1,198 +1,29 @@
-//! `kvx load`: flags, validation and output around `serve::load`. Reports through the
+//! `kvx load`: its flags (`settings::load`, which checks them) and the output around `serve::load`. Reports through the
 //! same machinery as `kvx bench`: a run directory under `results/` (summary, CSVs, SVGs) and
 //! tables or the summary JSON on stdout; a progress bar on stderr when it is a terminal.
 
-use std::path::PathBuf;
-use std::time::Duration;
-
-use clap::{ArgAction, Args, ValueEnum};
+use clap::Args;
 
 use crate::Outcome;
-use crate::error::ConfigError;
-use crate::report::files::{RunWriter, results_root};
-use crate::report::slo::Slo;
+use crate::report::files::RunWriter;
 use crate::report::summary::{new_run_id, now_rfc3339};
 use crate::report::table::Style;
-use crate::serve::load::{self, Arrival, LoadConfig, LoadProgress, ProgressDisplay, Target};
+use crate::serve::load::{self, LoadProgress, ProgressDisplay};
 use crate::serve::load_report;
-use crate::serve::openai::Endpoint;
-use crate::settings::env;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum EndpointArg {
-    /// POST /v1/completions
-    Completions,
-    /// POST /v1/chat/completions
-    Chat,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    Table,
-    Json,
-}
+use crate::settings::env::ProcessEnv;
+pub use crate::settings::load::{EndpointArg, Format};
+use crate::settings::load::{LoadFlags, resolve};
 
 #[derive(Debug, Args)]
 pub struct LoadArgs {
-    /// Endpoint to load: a base URL (`http://host:port`) or a full endpoint URL.
-    #[arg(long)]
-    pub url: String,
-    /// Second target measured in the same run (e.g. the decode engine directly); the report
-    /// gives `--url` minus it.
-    #[arg(long)]
-    pub baseline_url: Option<String>,
-    /// Make the baseline a client-side P/D pair: prefill leg here (rewritten like the proxy
-    /// does), decode leg to --baseline-url. Measures the proxy's work at zero proxy cost.
-    #[arg(long, requires = "baseline_url")]
-    pub baseline_prefill_url: Option<String>,
-    /// Open loop: Poisson arrivals at R requests/s (per target).
-    #[arg(long, value_name = "R", conflicts_with = "concurrency", required_unless_present = "concurrency")]
-    pub rate: Option<f64>,
-    /// Closed loop: C requests in flight (per target).
-    #[arg(long, value_name = "C")]
-    pub concurrency: Option<usize>,
-    /// Measured requests per target (after --warmup). Default 100 unless --duration is set.
-    #[arg(long, value_name = "N")]
-    pub requests: Option<u64>,
-    /// Stop sending after S seconds.
-    #[arg(long, value_name = "S")]
-    pub duration: Option<f64>,
-    /// Requests per target sent first and left out of the statistics.
-    #[arg(long, default_value_t = 0)]
-    pub warmup: u64,
-    /// Prompt length in tokens: `N` or a uniform range `A..B` (kvx's synthetic tokenizer
-    /// counts whitespace-separated words).
-    #[arg(long, default_value = "16")]
-    pub prompt_len: String,
-    /// Tokens to generate per request.
-    #[arg(long, default_value_t = 16)]
-    pub max_tokens: u64,
-    /// Stream the responses (SSE); needed for TTFT/ITL/TPOT.
-    #[arg(long)]
-    pub stream: bool,
-    /// API to call.
-    #[arg(long, value_enum, default_value = "completions")]
-    pub endpoint: EndpointArg,
-    /// Model id to send (default: the first id from GET /v1/models of --url).
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Send `ignore_eos` so every request generates exactly --max-tokens.
-    #[arg(long, default_value_t = true, action = ArgAction::Set)]
-    pub ignore_eos: bool,
-    /// Bearer token to send.
-    #[arg(long)]
-    pub api_key: Option<String>,
-    /// Per-request timeout in seconds (whole response).
-    #[arg(long, default_value_t = 60.0)]
-    pub timeout: f64,
-    /// Seed for prompts and arrival times.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Service-level objectives for goodput, e.g. ttft=200ms,tpot=50ms (also itl, e2el; a
-    /// bare number is milliseconds). Reports the share of requests within all of them and
-    /// goodput (requests/s within SLO).
-    #[arg(long, value_name = "NAME=LIMIT,...")]
-    pub slo: Option<String>,
-    /// Output format on stdout: tables, or the run's summary JSON.
-    #[arg(long, value_enum, default_value = "table")]
-    pub format: Format,
-    /// Directory runs are written under [default: results/, or KVX_RESULTS_DIR].
-    #[arg(long)]
-    pub results_dir: Option<PathBuf>,
-    /// Name of the run (the scenario name in reports).
-    #[arg(long, default_value = "load")]
-    pub name: String,
-    /// Runtime worker threads (default: one per CPU).
-    #[arg(long, value_name = "N")]
-    pub threads: Option<usize>,
-}
-
-fn parse_prompt_len(s: &str) -> Result<(u64, u64), ConfigError> {
-    let bad = || ConfigError::new("--prompt-len", format!("expected N or A..B with 1 <= A <= B, got {s:?}"));
-    let (a, b) = match s.split_once("..") {
-        Some((a, b)) => (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?),
-        None => {
-            let n = s.trim().parse().map_err(|_| bad())?;
-            (n, n)
-        }
-    };
-    if a == 0 || a > b {
-        return Err(bad());
-    }
-    Ok((a, b))
-}
-
-fn parse_url(flag: &str, s: &str) -> Result<http::Uri, ConfigError> {
-    let u: http::Uri = s.parse().map_err(|e| ConfigError::new(flag, format!("invalid URL {s:?}: {e}")))?;
-    load::endpoint_uri(&u, "/").map_err(|reason| ConfigError::new(flag, format!("{s}: {reason}")))?;
-    Ok(u)
-}
-
-/// Checks the flags and builds the load settings.
-pub fn resolve(a: &LoadArgs) -> Result<LoadConfig, ConfigError> {
-    let mut targets =
-        vec![Target { name: "url".into(), url: parse_url("--url", &a.url)?, prefill_url: None }];
-    if let Some(b) = &a.baseline_url {
-        let prefill_url = match &a.baseline_prefill_url {
-            Some(p) => Some(parse_url("--baseline-prefill-url", p)?),
-            None => None,
-        };
-        let name = if prefill_url.is_some() { "baseline-pd" } else { "baseline" };
-        targets.push(Target { name: name.into(), url: parse_url("--baseline-url", b)?, prefill_url });
-    }
-    let arrival = match (a.rate, a.concurrency) {
-        (Some(r), _) if r.is_finite() && r > 0.0 => Arrival::Rate(r),
-        (Some(r), _) => return Err(ConfigError::new("--rate", format!("must be > 0 requests/s, got {r}"))),
-        (None, Some(c)) if c > 0 => Arrival::Concurrency(c),
-        (None, _) => return Err(ConfigError::new("--concurrency", "must be at least 1 (or use --rate)")),
-    };
-    let duration = match a.duration {
-        Some(d) if d.is_finite() && d > 0.0 => Some(Duration::from_secs_f64(d)),
-        Some(d) => return Err(ConfigError::new("--duration", format!("must be > 0 seconds, got {d}"))),
-        None => None,
-    };
-    let requests = match (a.requests, duration) {
-        (Some(0), _) => return Err(ConfigError::new("--requests", "must be at least 1")),
-        (Some(n), _) => Some(n),
-        (None, Some(_)) => None,
-        (None, None) => Some(100),
-    };
-    if a.max_tokens == 0 {
-        return Err(ConfigError::new("--max-tokens", "must be at least 1"));
-    }
-    if !(a.timeout.is_finite() && a.timeout > 0.0) {
-        return Err(ConfigError::new("--timeout", "must be > 0 seconds"));
-    }
-    Ok(LoadConfig {
-        targets,
-        arrival,
-        requests,
-        duration,
-        warmup: a.warmup,
-        prompt_len: parse_prompt_len(&a.prompt_len)?,
-        max_tokens: a.max_tokens,
-        stream: a.stream,
-        endpoint: match a.endpoint {
-            EndpointArg::Completions => Endpoint::Completions,
-            EndpointArg::Chat => Endpoint::Chat,
-        },
-        model: a.model.clone(),
-        ignore_eos: a.ignore_eos,
-        api_key: a.api_key.clone(),
-        timeout: Duration::from_secs_f64(a.timeout),
-        seed: a.seed,
-        slo: parse_slo(a.slo.as_deref())?,
-    })
-}
-
-/// `--slo`, as `kvx load` and `kvx bench --serve` take it.
-pub fn parse_slo(s: Option<&str>) -> Result<Option<Slo>, ConfigError> {
-    s.map(|s| Slo::parse(s).map_err(|e| ConfigError::new("--slo", e))).transpose()
+    #[command(flatten)]
+    pub settings: LoadFlags,
 }
 
 pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
-    let mut cfg = resolve(args)?;
-    let root = results_root(args.results_dir.as_deref(), std::env::var_os(env::KVX_RESULTS_DIR));
+    let args = &args.settings;
+    let settings = resolve(args, &ProcessEnv::read())?;
+    let (mut cfg, root) = (settings.load, settings.results_root);
     let started_at = now_rfc3339();
     let run_id = new_run_id(&started_at);
     let writer = RunWriter::create(&root, &run_id)?;
@@ -239,8 +70,6 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #[test]
     fn bench_takes_slo_and_metrics_port_with_serve_only() {
         use clap::Parser as _;
@@ -251,22 +80,5 @@ mod tests {
             assert_eq!(e.kind(), clap::error::ErrorKind::MissingRequiredArgument, "{e}");
             assert!(e.to_string().contains("--serve"), "{e}");
         }
-    }
-
-    #[test]
-    fn slo_flag_names_itself() {
-        assert_eq!(parse_slo(None).expect("none"), None);
-        assert!(parse_slo(Some("ttft=200ms,tpot=50ms")).expect("valid").is_some());
-        let e = parse_slo(Some("ttft=soon")).expect_err("invalid");
-        assert_eq!(e.flag, "--slo");
-    }
-
-    #[test]
-    fn prompt_len_forms() {
-        assert_eq!(parse_prompt_len("16").expect("n"), (16, 16));
-        assert_eq!(parse_prompt_len("8..32").expect("range"), (8, 32));
-        assert!(parse_prompt_len("0").is_err());
-        assert!(parse_prompt_len("9..3").is_err());
-        assert!(parse_prompt_len("x").is_err());
     }
 }

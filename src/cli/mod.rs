@@ -1,6 +1,7 @@
-//! Command-line surface: clap types mirror the flags one to one, and each subcommand's
-//! file holds its `Args` and a thin `run` that resolves settings, calls the library and
-//! prints. Cross-flag checks live in `settings::resolve`, not here.
+//! Command-line surface: each subcommand's file holds its `Args` (its settings struct from
+//! `settings`, flattened, with the examples of its help) and a thin `run` that hands the
+//! parsed flags to `settings` to resolve, calls the library and prints. Flag checks live in
+//! `settings`, not here.
 
 use clap::{Parser, Subcommand};
 

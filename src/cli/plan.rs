@@ -2,22 +2,17 @@
 //! them costs on each transport (`layouts::posting`: is the request post-bound?); with
 //! `--mode push`, the WRITEs each prefill rank posts into the decode ranks' blocks.
 
-use std::path::PathBuf;
-
 use clap::Args;
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
-use super::common::{Format, ModelArgs, PairArgs};
+use super::common::Format;
 use super::topo::{bytes_text, reject};
 use crate::error::ConfigError;
-use crate::layouts::alloc::{AllocPattern, allocate};
-use crate::layouts::compat::PairSpec;
-use crate::layouts::plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
+use crate::layouts::plan::{DRankPlan, Pair, Planner};
 use crate::layouts::posting::{PathCost, PostRates, ReadShape, request_costs};
 use crate::layouts::push::{PRankPlan, PushPlanner};
-use crate::pipeline::workload::MAX_PROMPT;
-use crate::settings::scenario::{self, PlanScenario};
+use crate::settings::plan::{DescriptorPlan, PlanFlags, resolve_descriptor_plan};
 use crate::topology::TransferMode;
 use crate::topology::push::DRankPushView;
 use crate::{Outcome, output};
@@ -37,76 +32,7 @@ from; `--rates FILE` takes your own `kvx xfer --format json` (or gpu-check) JSON
 )]
 pub struct PlanArgs {
     #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub pair: PairArgs,
-    /// Read the model and request from a JSON scenario ({"vllm_version", "model", "request"},
-    /// the objects of a case in vLLM oracle descriptors.json).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["local_blocks", "prompt_len"])]
-    pub scenario: Option<PathBuf>,
-    /// Decode block ids of the request (comma-separated).
-    #[arg(
-        long,
-        value_name = "IDS",
-        value_delimiter = ',',
-        requires = "remote_blocks",
-        help_heading = "Request"
-    )]
-    pub local_blocks: Option<Vec<u32>>,
-    /// Prefill block ids of the request (comma-separated).
-    #[arg(
-        long,
-        value_name = "IDS",
-        value_delimiter = ',',
-        requires = "local_blocks",
-        help_heading = "Request"
-    )]
-    pub remote_blocks: Option<Vec<u32>>,
-    /// Prompt length in tokens (blocks are then allocated with --alloc).
-    #[arg(long, value_name = "TOKENS", help_heading = "Request")]
-    pub prompt_len: Option<u32>,
-    /// Allocation pattern for --prompt-len: contiguous, fragmented, random.
-    #[arg(long, value_name = "PATTERN", default_value = "contiguous", help_heading = "Request")]
-    pub alloc: String,
-    /// Seed of the allocation pattern.
-    #[arg(long, default_value_t = 0, help_heading = "Request")]
-    pub seed: u64,
-    /// Fraction of the prompt already cached on decode (only the rest is read).
-    #[arg(long, value_name = "FRACTION", default_value_t = 0.0, help_heading = "Request")]
-    pub prefix_hit: f64,
-    /// Prefill pool size in blocks (default: enough for the request, at least 2x).
-    #[arg(long, value_name = "N", help_heading = "Request")]
-    pub p_num_blocks: Option<u32>,
-    /// Decode pool size in blocks (default: enough for the request, at least 2x).
-    #[arg(long, value_name = "N", help_heading = "Request")]
-    pub d_num_blocks: Option<u32>,
-    /// The prefill request id used in notifications.
-    #[arg(long, default_value = "req-P", help_heading = "Request")]
-    pub p_request_id: String,
-    /// Only this decode rank (default: all); in push mode, only the WRITEs into it.
-    #[arg(long, value_name = "RANK")]
-    pub d_rank: Option<u32>,
-    /// Transfer mode: pull (decode READs) or push (prefill WRITEs into decode's blocks).
-    #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
-    pub mode: TransferMode,
-    /// Pairs to print per read in the table view.
-    #[arg(long, value_name = "N", default_value_t = 4)]
-    pub show_pairs: usize,
-    /// A results file whose rates replace the built-in ones: a `kvx xfer --format json`
-    /// report (UCX on host or device memory, or --transport cuda-batch) or the JSON that
-    /// scripts/gpu-check.sh writes.
-    #[arg(long, value_name = "FILE", help_heading = "Posting cost")]
-    pub rates: Option<std::path::PathBuf>,
-    /// Measured posting costs replacing the defaults, in ns per descriptor: ucx, cuda-ipc,
-    /// cuda-batch, and cuda-batch-call (ns per batched call), e.g. ucx=76,cuda-batch=150.
-    #[arg(long, value_name = "KEY=NS", value_delimiter = ',', help_heading = "Posting cost")]
-    pub post_ns: Vec<String>,
-    /// Bandwidth ceilings replacing the defaults, in GB/s: ucx, cuda-ipc, cuda-batch.
-    #[arg(long, value_name = "KEY=GBPS", value_delimiter = ',', help_heading = "Posting cost")]
-    pub ceiling_gbps: Vec<String>,
-    /// Output format; json prints every uncoalesced pair.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
-    pub format: Format,
+    pub settings: PlanFlags,
 }
 
 #[derive(Debug, Serialize)]
@@ -156,99 +82,11 @@ struct PathCostJson {
     rate: crate::layouts::posting::PathRate,
 }
 
-struct Resolved {
-    pair: PairSpec,
-    blocks: RequestBlocks,
-    ids: RequestIds,
-}
-
-fn parse_alloc(s: &str) -> Result<AllocPattern, ConfigError> {
-    s.parse().map_err(|e| ConfigError::new("--alloc", e))
-}
-
-fn resolve(args: &PlanArgs) -> Result<Resolved, ConfigError> {
-    if let Some(path) = &args.scenario {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::new("--scenario", format!("cannot read {}: {e}", path.display())))?;
-        let sc = PlanScenario::parse(&text, &path.display().to_string())?;
-        return Ok(Resolved { pair: sc.pair()?, blocks: sc.blocks()?, ids: sc.ids() });
-    }
-    if !(0.0..1.0).contains(&args.prefix_hit) || args.prefix_hit.is_nan() {
-        return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {}", args.prefix_hit)));
-    }
-    let ids = RequestIds { p_request_id: args.p_request_id.clone(), d_request_id: "req-D".into() };
-    let p_bs = args.pair.p_block_size.unwrap_or(args.pair.block_size()).max(1);
-    let d_bs = args.pair.d_block_size.unwrap_or(args.pair.block_size()).max(1);
-    match (&args.local_blocks, &args.remote_blocks, args.prompt_len) {
-        (Some(local), Some(remote), _) => {
-            let p_pool = args.p_num_blocks.unwrap_or_else(|| remote.iter().max().map_or(1, |m| m + 1));
-            let d_pool = args.d_num_blocks.unwrap_or_else(|| local.iter().max().map_or(1, |m| m + 1));
-            let pair = scenario::resolve_pair(&args.model.flags(), &args.pair.flags(), p_pool, d_pool)?;
-            Ok(Resolved { pair, blocks: RequestBlocks { local: local.clone(), remote: remote.clone() }, ids })
-        }
-        (_, _, Some(tokens)) => {
-            if tokens == 0 || tokens > MAX_PROMPT {
-                return Err(ConfigError::new(
-                    "--prompt-len",
-                    format!("a prompt is 1..={MAX_PROMPT} tokens, got {tokens}"),
-                ));
-            }
-            let n_p = tokens.div_ceil(p_bs);
-            let n_d = tokens.div_ceil(d_bs);
-            let p_pool = args.p_num_blocks.unwrap_or(n_p.saturating_mul(2));
-            let d_pool = args.d_num_blocks.unwrap_or(n_d.saturating_mul(2));
-            let pair = scenario::resolve_pair(&args.model.flags(), &args.pair.flags(), p_pool, d_pool)?;
-            let pattern = parse_alloc(&args.alloc)?;
-            let remote = allocate(pattern, n_p, p_pool, args.seed, "--p-num-blocks")?;
-            let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;
-            let local = allocate(pattern, n_d - hit, d_pool, args.seed ^ 0x5eed, "--d-num-blocks")?;
-            check_listable(&pair, args.mode, remote.len(), tokens)?;
-            Ok(Resolved { pair, blocks: RequestBlocks { local, remote }, ids })
-        }
-        _ => Err(ConfigError::new(
-            "--prompt-len",
-            "give the request as --prompt-len TOKENS, as --local-blocks and --remote-blocks, or as --scenario FILE",
-        )),
-    }
-}
-
-/// Most descriptors `kvx plan` lists for one request (its JSON alone is about 30 bytes each).
-const MAX_LISTED_DESCRIPTORS: u64 = 1 << 25;
-
-/// Refuses a request whose plan is too large to list, before any of it is built (an upper
-/// bound: every block of every region, read from every rank of the larger engine).
-fn check_listable(
-    pair: &PairSpec,
-    mode: TransferMode,
-    blocks: usize,
-    tokens: u32,
-) -> Result<(), ConfigError> {
-    // Geometry needs a valid pair (a TP of 0 has none): its own errors come first.
-    match mode {
-        TransferMode::Pull => pair.validate().map(|_| ())?,
-        TransferMode::Push => pair.validate_push().map(|_| ())?,
-    }
-    let regions = pair.p_geometry(0).regions().len().max(pair.d_geometry(0).regions().len()) as u64;
-    let ranks = u64::from(pair.p.tp.max(pair.d.tp));
-    let bound = (blocks as u64).saturating_mul(regions).saturating_mul(ranks);
-    if bound > MAX_LISTED_DESCRIPTORS {
-        return Err(ConfigError::new(
-            "--prompt-len",
-            format!(
-                "a request of {tokens} tokens can take up to {bound} descriptors, more than the \
-                 {MAX_LISTED_DESCRIPTORS} kvx plan lists; give a shorter prompt (descriptor counts grow \
-                 linearly with it)"
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// Plans every requested decode rank.
 /// A decode rank's plan with its coalesced pairs per READ.
 type RankPlan = (DRankPlan, Vec<Vec<Pair>>);
 
-fn plan_all(args: &PlanArgs, r: &Resolved) -> Result<Vec<RankPlan>, ConfigError> {
+fn plan_all(args: &PlanFlags, r: &DescriptorPlan) -> Result<Vec<RankPlan>, ConfigError> {
     let map = r.pair.validate()?;
     let ranks: Vec<u32> = match args.d_rank {
         Some(d) => vec![d],
@@ -267,7 +105,8 @@ fn plan_all(args: &PlanArgs, r: &Resolved) -> Result<Vec<RankPlan>, ConfigError>
 }
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
-    let resolved = resolve(args).map_err(|e| reject(args.format, e))?;
+    let args = &args.settings;
+    let resolved = resolve_descriptor_plan(args).map_err(|e| reject(args.format, e))?;
     if args.mode == TransferMode::Push {
         return run_push(args, &resolved);
     }
@@ -429,7 +268,7 @@ fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
     out
 }
 
-fn render(args: &PlanArgs, r: &Resolved, plans: &[RankPlan]) -> String {
+fn render(args: &PlanFlags, r: &DescriptorPlan, plans: &[RankPlan]) -> String {
     let mut out = format!(
         "kvx plan: P tp {} -> D tp {}  |  {}  |  layouts {} / {}  |  vLLM {} rules\n\
          request: {} prefill blocks, {} decode blocks to fill{}\n",
@@ -505,18 +344,10 @@ type PushRankPlan = (PRankPlan, Vec<Vec<Pair>>);
 
 /// Plans every prefill rank's WRITEs (only those into `--d-rank` when given).
 fn plan_all_push(
-    args: &PlanArgs,
-    r: &Resolved,
+    args: &PlanFlags,
+    r: &DescriptorPlan,
 ) -> Result<(Vec<PushRankPlan>, Vec<DRankPushView>), ConfigError> {
     let map = r.pair.validate_push()?;
-    if let Some(d) = args.d_rank
-        && d >= r.pair.d.tp
-    {
-        return Err(ConfigError::new(
-            "--d-rank",
-            format!("decode rank {d} does not exist (decode TP is {})", r.pair.d.tp),
-        ));
-    }
     let keep = |d: u32| args.d_rank.is_none_or(|want| want == d);
     let mut plans = Vec::with_capacity(map.p_ranks.len());
     for p in 0..r.pair.p.tp {
@@ -588,7 +419,7 @@ fn bytes_into(plans: &[PushRankPlan], d_rank: u32) -> u64 {
         .sum()
 }
 
-fn run_push(args: &PlanArgs, resolved: &Resolved) -> anyhow::Result<Outcome> {
+fn run_push(args: &PlanFlags, resolved: &DescriptorPlan) -> anyhow::Result<Outcome> {
     let (plans, views) = plan_all_push(args, resolved).map_err(|e| reject(args.format, e))?;
     match args.format {
         Format::Json => {
@@ -635,7 +466,12 @@ fn run_push(args: &PlanArgs, resolved: &Resolved) -> anyhow::Result<Outcome> {
     Ok(Outcome::Ok)
 }
 
-fn render_push(args: &PlanArgs, r: &Resolved, plans: &[PushRankPlan], views: &[DRankPushView]) -> String {
+fn render_push(
+    args: &PlanFlags,
+    r: &DescriptorPlan,
+    plans: &[PushRankPlan],
+    views: &[DRankPushView],
+) -> String {
     let mut out = format!(
         "kvx plan --mode push: P tp {} -> D tp {}  |  {}  |  layouts {} / {}  |  vLLM {} rules (NixlPushConnector)\n\
          request: {} prefill blocks, {} decode blocks registered{}\n",

@@ -7,14 +7,11 @@
 //! stops the workers (a prefill engine waits at most one lease for blocks still held).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Args;
 
-use super::common::ModelArgs;
 use crate::Outcome;
 use crate::error::ConfigError;
 use crate::serve::engine::{self, EngineState, Role};
@@ -23,10 +20,9 @@ use crate::serve::workers::WorkerKv;
 pub use crate::settings::engine::{KvBackendKind, KvSettings, ServeEngineSettings};
 use crate::settings::engine::{ServeEngineFlags, resolve_serve_engine};
 use crate::settings::env::ProcessEnv;
-use crate::settings::parse::parse_duration;
 
 /// `--itl-ms` default: [`crate::serve::engine::DEFAULT_ITL`] in milliseconds.
-pub const DEFAULT_ITL_MS: f64 = 15.0;
+pub use crate::settings::engine::DEFAULT_ITL_MS;
 
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  \
@@ -34,172 +30,18 @@ pub const DEFAULT_ITL_MS: f64 = 15.0;
     kvx serve-engine --role decode --port 8200 --tp 2 --model llama-3.1-8b --itl-ms 10\n  \
     kvx serve-engine --role decode --port 8200 --kv-backend null   # HTTP only, no KV moves")]
 pub struct ServeEngineArgs {
-    /// Role in the P/D pair: `prefill` answers with kv_transfer_params, `decode` loads them.
-    #[arg(long, value_enum)]
-    pub role: Role,
-    /// Address to bind.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port to bind; 0 picks a free one (read it from the first stdout line).
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
-    /// Model id served on /v1/models and checked against requests' `model` [default: the
-    /// --model preset's name, else kvx-synthetic].
-    #[arg(long, visible_alias = "served-model-name")]
-    pub model_name: Option<String>,
-    /// Tensor-parallel size: worker processes started, and `tp_size` in kv_transfer_params.
-    #[arg(long, default_value_t = 1)]
-    pub tp: u32,
-    /// KV block size in tokens (blocks per prompt = ceil(tokens / block size)).
-    #[arg(long, default_value_t = 16)]
-    pub block_size: u32,
-    /// Context length: prompt + max_tokens must fit; also the default max_tokens bound.
-    #[arg(long, default_value_t = 8192)]
-    pub max_model_len: u64,
-    /// Simulated prefill throughput in tokens/s (0 = instant prefill).
-    #[arg(long, default_value_t = 0.0)]
-    pub prefill_tokens_per_s: f64,
-    /// Inter-token latency in milliseconds: one decode step of a real engine (10-30 ms for
-    /// 8B-70B models on current GPUs). 0 sends all tokens at once: clients then report an
-    /// ITL and TPOT of zero, and the engine's Server-Timing says pacing is off.
-    #[arg(long, default_value_t = DEFAULT_ITL_MS)]
-    pub itl_ms: f64,
-    /// Require `Authorization: Bearer <KEY>` on /v1/* (as vLLM's --api-key).
-    #[arg(long)]
-    pub api_key: Option<String>,
-    /// Requests generating at once; more wait (vllm:num_requests_waiting).
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: usize,
-    /// The synthetic model samples EOS as its N-th token (unless ignore_eos); default never.
-    #[arg(long, value_name = "N")]
-    pub eos_at: Option<u64>,
-    /// Engine id advertised as `remote_engine_id` (default: a random uuid4).
-    #[arg(long)]
-    pub engine_id: Option<String>,
-    /// Side-channel host: the prefill engine binds its side channel (and its ranks their
-    /// notification listeners) there and advertises it as `remote_host`
-    /// (vLLM: VLLM_NIXL_SIDE_CHANNEL_HOST).
-    #[arg(long, default_value = "localhost")]
-    pub side_channel_host: String,
-    /// Side-channel port of a prefill engine; 0 binds an ephemeral one, and `remote_port`
-    /// in kv_transfer_params carries the real port (vLLM: VLLM_NIXL_SIDE_CHANNEL_PORT).
-    #[arg(long, default_value_t = 5600)]
-    pub side_channel_port: u16,
-    /// KV backend: real worker processes and UCX reads, or none (HTTP-only measurements).
-    #[arg(long, value_enum, default_value = "workers")]
-    pub kv_backend: KvBackendKind,
-    /// Runtime worker threads (default: one per CPU).
-    #[arg(long, value_name = "N")]
-    pub threads: Option<usize>,
     #[command(flatten)]
-    pub model: ModelArgs,
-    /// Which vLLM release's rules to follow: 0.33 or 0.19 [default: 0.33].
-    #[arg(long, value_name = "VERSION", help_heading = "KV workers")]
-    pub vllm: Option<String>,
-    /// KV cache layout of this engine (0.33: LBHNC=HND, LBNHC=NHD, ...; 0.19: HND, NHD, ...).
-    /// A decode engine learns the prefill engine's layout at handshake time.
-    #[arg(long, value_name = "LAYOUT", help_heading = "KV workers")]
-    pub layout: Option<String>,
-    /// Blocks in the KV pool of each rank [default: 4 prompts of --max-model-len within 512
-    /// MiB per rank, and never less than one prompt; pages are touched only as blocks are used].
-    #[arg(long, value_name = "N", help_heading = "KV workers")]
-    pub pool_blocks: Option<u32>,
-    /// Block allocation pattern: contiguous, fragmented, random.
-    #[arg(long, default_value = "contiguous", help_heading = "KV workers")]
-    pub alloc: String,
-    /// Lease the prefill ranks hold blocks under (vLLM kv_lease_duration).
-    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "30s", help_heading = "KV workers")]
-    pub lease: Duration,
-    /// Deadline of every KV wait: handshake, reads, notifications.
-    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "5s", help_heading = "KV workers")]
-    pub timeout: Duration,
-    /// Check the bytes a decode engine read: full, sample, off.
-    #[arg(long, default_value = "sample", help_heading = "KV workers")]
-    pub verify: String,
-    /// libucp.so to load (default: KVX_UCX_LIB, then .ucx/, then the system's).
-    #[arg(long, help_heading = "KV workers")]
-    pub ucx_lib: Option<PathBuf>,
-    /// UCX_TLS for the workers, e.g. posix,cma,self or tcp.
-    #[arg(long, help_heading = "KV workers")]
-    pub ucx_tls: Option<String>,
-    /// UCX error-handling mode: none or peer.
-    #[arg(long, default_value = "none", help_heading = "KV workers")]
-    pub err_mode: String,
-    /// UCX progress: busy, wait, hybrid.
-    #[arg(long, default_value = "hybrid", help_heading = "KV workers")]
-    pub progress: String,
-    /// GETs in flight per source rank.
-    #[arg(long, default_value_t = 64, help_heading = "KV workers")]
-    pub inflight: u32,
-    /// Post coalesced descriptors instead of vLLM's one per block and region.
-    #[arg(long, help_heading = "KV workers")]
-    pub coalesce: bool,
-    /// Back the KV pools with huge pages.
-    #[arg(long, help_heading = "KV workers")]
-    pub huge_pages: bool,
-    /// Memory of the KV pools: host or cuda.
-    #[arg(long, default_value = "host", help_heading = "KV workers")]
-    pub mem: String,
-    /// GPUs of --mem cuda, e.g. 0,1: this engine's ranks round-robin [default: 0].
-    #[arg(long, value_delimiter = ',', help_heading = "KV workers")]
-    pub devices: Option<Vec<u32>>,
-    /// One GPU for every rank of --mem cuda (--devices N).
-    #[arg(long, value_name = "N", conflicts_with = "devices", help_heading = "KV workers")]
-    pub device: Option<u32>,
-    /// Who moves the KV: pull (decode reads, vLLM's NixlConnector) or push (prefill writes into
-    /// the blocks decode registers, NixlPushConnector); both engines must use the same [default: pull].
-    #[arg(long, value_name = "pull|push", help_heading = "KV workers")]
-    pub mode: Option<String>,
-}
-
-impl ServeEngineArgs {
-    /// The flags as plain data, for `settings::engine` (host, port and threads are this
-    /// process's own: they stay here).
-    pub fn flags(&self) -> ServeEngineFlags {
-        ServeEngineFlags {
-            role: self.role,
-            model_name: self.model_name.clone(),
-            tp: self.tp,
-            block_size: self.block_size,
-            max_model_len: self.max_model_len,
-            prefill_tokens_per_s: self.prefill_tokens_per_s,
-            itl_ms: self.itl_ms,
-            api_key: self.api_key.clone(),
-            max_num_seqs: self.max_num_seqs,
-            eos_at: self.eos_at,
-            engine_id: self.engine_id.clone(),
-            side_channel_host: self.side_channel_host.clone(),
-            side_channel_port: self.side_channel_port,
-            kv_backend: self.kv_backend,
-            model: self.model.flags(),
-            vllm: self.vllm.clone(),
-            layout: self.layout.clone(),
-            pool_blocks: self.pool_blocks,
-            alloc: self.alloc.clone(),
-            lease: self.lease,
-            timeout: self.timeout,
-            verify: self.verify.clone(),
-            ucx_lib: self.ucx_lib.clone(),
-            ucx_tls: self.ucx_tls.clone(),
-            err_mode: self.err_mode.clone(),
-            progress: self.progress.clone(),
-            inflight: self.inflight,
-            coalesce: self.coalesce,
-            huge_pages: self.huge_pages,
-            mem: self.mem.clone(),
-            devices: self.devices.clone().or(self.device.map(|d| vec![d])),
-            mode: self.mode.clone(),
-        }
-    }
+    pub settings: ServeEngineFlags,
 }
 
 /// Checks the flags and builds the engine settings (`settings::engine`).
 pub fn resolve(a: &ServeEngineArgs) -> Result<ServeEngineSettings, ConfigError> {
-    resolve_serve_engine(&a.flags(), &ProcessEnv::read().exe)
+    resolve_serve_engine(&a.settings, &ProcessEnv::read().exe)
 }
 
 pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
     let settings = resolve(args)?;
+    let args = &args.settings;
     if let KvSettings::Workers(w) = &settings.kv {
         // What this host lacks for device pools is said before anything starts.
         crate::pipeline::setup::check_places(w.mem.iter().copied())?;
@@ -276,13 +118,11 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
     Ok(Outcome::Ok)
 }
 
-/// A multi-threaded tokio runtime with `threads` workers (default: one per CPU).
+/// A multi-threaded tokio runtime with `threads` workers (default: one per CPU; settings
+/// refused `--threads 0`).
 pub(crate) fn runtime(threads: Option<usize>) -> anyhow::Result<tokio::runtime::Runtime> {
     let mut b = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = threads {
-        if n == 0 {
-            return Err(ConfigError::new("--threads", "must be at least 1").into());
-        }
+    if let Some(n) = threads.filter(|&n| n > 0) {
         b.worker_threads(n);
     }
     b.enable_all().build().context("starting tokio")
@@ -337,18 +177,24 @@ pub(crate) fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send 
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use clap::Parser as _;
 
     use super::*;
     use crate::cli::{Cli, Command};
 
-    fn parse(args: &[&str]) -> ServeEngineArgs {
+    fn try_parse(args: &[&str]) -> Result<ServeEngineArgs, clap::Error> {
         let mut v = vec!["kvx", "serve-engine"];
         v.extend_from_slice(args);
-        match Cli::try_parse_from(v).expect("parses").command {
-            Command::ServeEngine(a) => *a,
+        match Cli::try_parse_from(v)?.command {
+            Command::ServeEngine(a) => Ok(*a),
             _ => panic!("wrong subcommand"),
         }
+    }
+
+    fn parse(args: &[&str]) -> ServeEngineArgs {
+        try_parse(args).expect("parses")
     }
 
     fn workers(s: &ServeEngineSettings) -> &crate::pipeline::engine::EngineConfig {
@@ -410,8 +256,12 @@ mod tests {
         ] {
             let mut v = vec!["--role", "decode"];
             v.extend_from_slice(args);
-            let e = resolve(&parse(&v)).expect_err("invalid");
-            assert!(e.flag.contains(flag), "{args:?}: {e}");
+            // A bad choice is refused as the flags are parsed; the others as they are resolved.
+            let e = match try_parse(&v) {
+                Ok(a) => resolve(&a).expect_err("invalid").to_string(),
+                Err(e) => e.to_string(),
+            };
+            assert!(e.contains(flag), "{args:?}: {e}");
         }
     }
 }

@@ -8,7 +8,7 @@ use clap::Args;
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
-use super::common::{Format, ModelArgs, PairArgs, PortArgs};
+use super::common::{Format, ModelFlags, PairFlags, PortFlags};
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::Planner;
@@ -26,11 +26,11 @@ use crate::{Outcome, output};
     kvx topo --mode push --p-tp 2 --d-tp 4 --model llama-3.1-70b")]
 pub struct TopoArgs {
     #[command(flatten)]
-    pub model: ModelArgs,
+    pub model: ModelFlags,
     #[command(flatten)]
-    pub pair: PairArgs,
+    pub pair: PairFlags,
     #[command(flatten)]
-    pub ports: PortArgs,
+    pub ports: PortFlags,
     /// Transfer mode: pull (decode READs, vLLM NixlConnector) or push (prefill WRITEs into
     /// decode's blocks, vLLM NixlPushConnector).
     #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
@@ -210,8 +210,8 @@ pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
         return run_push(args);
     }
     let result = (|| {
-        let pair = scenario::resolve_pair(&args.model.flags(), &args.pair.flags(), 1, 1)?;
-        let ports = scenario::resolve_ports(&args.ports.flags())?;
+        let pair = scenario::resolve_pair(&args.model, &args.pair, 1, 1)?;
+        let ports = scenario::resolve_ports(&args.ports)?;
         let map = pair.validate()?;
         build(&pair, &map, &ports)
     })();
@@ -225,8 +225,8 @@ pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
 
 fn run_push(args: &TopoArgs) -> anyhow::Result<Outcome> {
     let result = (|| {
-        let pair = scenario::resolve_pair(&args.model.flags(), &args.pair.flags(), 1, 1)?;
-        let ports = scenario::resolve_ports(&args.ports.flags())?;
+        let pair = scenario::resolve_pair(&args.model, &args.pair, 1, 1)?;
+        let ports = scenario::resolve_ports(&args.ports)?;
         let map = pair.validate_push()?;
         build_push(&pair, &map, &ports)
     })();

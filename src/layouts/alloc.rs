@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
 
-/// How a request's blocks are picked from a pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+/// How a request's blocks are picked from a pool (`--alloc`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum AllocPattern {
     /// One run of consecutive block ids.

@@ -25,14 +25,11 @@ type Failure = (FailureCause, String);
 
 /// A prefill rank's export of its pool, for its handshake metadata.
 pub fn export_pool(mem: &KvBuffer) -> Result<CudaIpcExport, WorkerError> {
-    let buf = mem.as_cuda().ok_or_else(|| {
-        WorkerError::from(crate::error::ConfigError::new(
-            "--mem",
-            format!(
-                "--transport cuda-batch exports device memory; this rank's KV pool is in {} memory",
-                mem.place()
-            ),
-        ))
+    // `settings::engine::check_mem_transport` refuses cuda-batch over host memory.
+    let buf = mem.as_cuda().ok_or_else(|| WorkerError::Stage {
+        stage: "export the KV pool for CUDA IPC".into(),
+        source: format!("internal error: the cuda-batch transport got a KV pool in {} memory", mem.place())
+            .into(),
     })?;
     export(buf).stage("export the KV pool for CUDA IPC (cuIpcGetMemHandle)")
 }
@@ -48,11 +45,10 @@ pub struct BatchSide {
 impl BatchSide {
     /// A copier on the device the rank's pool lives on, issuing batches as `copy` says.
     pub fn new(place: MemPlace, copy: BatchCopy) -> Result<BatchSide, WorkerError> {
-        let device = place.device().ok_or_else(|| {
-            WorkerError::from(crate::error::ConfigError::new(
-                "--mem",
-                "--transport cuda-batch copies device memory: this rank's KV pool is in host memory",
-            ))
+        // `settings::engine::check_mem_transport` refuses cuda-batch over host memory.
+        let device = place.device().ok_or_else(|| WorkerError::Stage {
+            stage: "start the cuda-batch copier".into(),
+            source: "internal error: the cuda-batch transport got a KV pool in host memory".into(),
         })?;
         let dev = CudaDevice::open(device).stage(format!("open CUDA device {device}"))?;
         let what = match copy {

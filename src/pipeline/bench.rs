@@ -30,8 +30,8 @@ use crate::report::summary::{
 };
 use crate::report::verdict::{FAILURES_AFTER_FAULT, FAULT_CAUSES, FAULT_INJECTED};
 
-/// What to do when a load fails (vLLM's `kv_load_failure_policy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What to do when a load fails (vLLM's `kv_load_failure_policy`, `--on-load-failure`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum FailurePolicy {
     /// The request ends with an error.
     #[default]

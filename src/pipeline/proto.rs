@@ -45,15 +45,16 @@ impl Role {
     }
 }
 
-/// How much of each request a decode rank checks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+/// How much of each request a decode rank checks (`--verify`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum VerifyMode {
     /// Every byte.
     Full,
-    /// One block (of one region) in `SAMPLE_STRIDE`, whole.
+    /// One block (of one region) in 16, whole.
     #[default]
     Sample,
+    /// No check.
     Off,
 }
 
@@ -71,8 +72,8 @@ impl VerifyMode {
     }
 }
 
-/// Which transport moves the bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+/// Which transport moves the bytes (`--transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     /// One-sided UCX GETs (NixlConnector's model).
@@ -83,7 +84,7 @@ pub enum TransportKind {
     /// An ordered list: a load that fails on one is retried on the next (MultiConnector).
     Multi,
     /// GPUs of one machine: the prefill pool mapped with CUDA IPC, one batched copy per peer
-    /// and request (`transfer::cuda_batch`); notifications over ZMQ. Pull mode only.
+    /// and request; notifications over ZMQ. Pull mode only.
     #[serde(rename = "cuda-batch")]
     CudaBatch,
 }
@@ -151,7 +152,7 @@ pub struct TransportConfig {
 
 /// How prefill ranks hand KV to decode in push mode: after the whole prefill, or layer by
 /// layer as each is computed (vllm-project/vllm#56874).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Overlap {
     /// WRITE once the whole prefill is done.

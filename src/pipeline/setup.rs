@@ -32,6 +32,14 @@ pub enum KvMemory {
 }
 
 impl KvMemory {
+    /// Host or device memory (`--mem`).
+    pub fn kind(&self) -> crate::transfer::memory::MemKind {
+        match self {
+            KvMemory::Host => crate::transfer::memory::MemKind::Host,
+            KvMemory::Cuda { .. } => crate::transfer::memory::MemKind::Cuda,
+        }
+    }
+
     /// Where the rank in slot `slot` keeps its KV pool.
     pub fn place(&self, slot: u32) -> MemPlace {
         match self {

@@ -1,25 +1,28 @@
-//! `kvx bench`: flags, the bench-config file (TOML), the environment and defaults resolved into
-//! one `pipeline::bench::BenchSettings` per run, validated once.
+//! `kvx bench`: its settings as the user gives them ([`BenchFlags`]: the flags, and the keys of
+//! its bench-config file, one field each), the environment and defaults resolved into one
+//! `pipeline::bench::BenchSettings` per run, validated once.
 //!
-//! Precedence: defaults < config file < environment < flags. Every error names what to change:
-//! the flag (`--inflight`), or the config key and file (`inflight in bench.toml`) when the
-//! value came from the file. Every choice of a run is resolved here into its type (transport,
-//! transfer mode, memory, UCX error and progress modes, verification, failure policy,
-//! notifications); workers receive them as such, never as strings to parse again. Must not run
-//! anything.
+//! Precedence: defaults < config file < environment < flags ([`layers`] lays the flags over
+//! the file and remembers which gave each value). Every error names what to change: the flag
+//! (`--inflight`), or the config key and file (`inflight in bench.toml`) when the value came
+//! from the file. Every choice is a type from parsing on (clap and the file reader take the
+//! same spellings); workers receive them as such, never as strings to parse again. Must not
+//! run anything.
+//!
+//! A new setting is one field of [`BenchFlags`] (its flag, its help, whether the file may set
+//! it) and its rule in [`settings`].
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use clap::Args;
 use serde::Deserialize;
 
-use super::engine::{
-    check_inflight, check_mem_transport, parse_err_mode, parse_mode, parse_progress, parse_transport,
-    parse_verify, resolve_mem,
-};
+use super::engine::{check_inflight, check_mem_transport, resolve_mem};
 use super::env::ProcessEnv;
-use super::flags::{ModelFlags, PairFlags};
-use super::parse::{choice, parse_duration};
+use super::flags::{Format, ModelFlags, PairFlags};
+use super::layer::{self, Layered, layered};
+use super::parse::parse_duration;
 use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
@@ -28,644 +31,587 @@ use crate::pipeline::engine::split_endpoint;
 use crate::pipeline::proto::{
     Dispatch, Fault, Overlap, PrefillSim, Role, TransferMode, TransportConfig, TransportKind, VerifyMode,
 };
-use crate::pipeline::setup::{KvMemory, WorkerSettings};
+use crate::pipeline::setup::WorkerSettings;
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::results_root;
 use crate::transfer::cuda_batch::BatchCopy;
+use crate::transfer::memory::MemKind;
 use crate::transfer::notify::NotifyTransport;
+use crate::transfer::ucx::{ErrMode, ProgressMode};
 
-/// `kvx bench`'s flags as plain data (what `cli` parsed; `None`/`false` when not given).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct BenchFlags {
-    pub model: ModelFlags,
-    pub pair: PairFlags,
-    pub config: Option<PathBuf>,
-    pub sweep: Option<PathBuf>,
-    pub requests: Option<u64>,
-    pub duration: Option<Duration>,
-    pub rate: Option<f64>,
-    pub concurrency: Option<u32>,
-    pub prompt_len: Option<String>,
-    pub prompt_lens: Option<PathBuf>,
-    pub warmup: Option<u64>,
-    pub prefix_hit: Option<f64>,
-    pub alloc: Option<String>,
-    pub pool_blocks: Option<u32>,
-    pub seed: Option<u64>,
-    pub repeat: Option<u32>,
-    pub verify: Option<String>,
-    pub on_load_failure: Option<String>,
-    pub lease: Option<Duration>,
-    pub timeout: Option<Duration>,
-    pub transport: Option<String>,
-    pub transports: Option<Vec<String>>,
-    pub storage_dir: Option<PathBuf>,
-    pub storage_direct_io: bool,
-    pub storage_fsync: bool,
-    pub compare_transports: Option<Vec<String>>,
-    pub compare_modes: Option<Vec<String>>,
-    pub fault: Option<String>,
-    pub mode: Option<String>,
-    pub mem: Option<String>,
-    /// `--devices 0,1` (or `--device N`, a list of one).
-    pub devices: Option<Vec<u32>>,
-    pub ucx_lib: Option<PathBuf>,
-    pub ucx_tls: Option<String>,
-    pub err_mode: Option<String>,
-    pub progress: Option<String>,
-    pub huge_pages: bool,
-    pub inflight: Option<u32>,
-    pub coalesce: bool,
-    pub slowdown: Option<f64>,
-    pub notify: Option<NotifyTransport>,
-    pub batch_copy: Option<BatchCopy>,
-    pub listen: Option<String>,
-    pub advertise_host: Option<String>,
-    pub results_dir: Option<PathBuf>,
-    pub name: Option<String>,
-    pub no_calibrate: bool,
-    pub serve: bool,
-    /// `--prefill-time-per-layer`
-    pub prefill_time_per_layer: Option<Duration>,
-    /// `--overlap none|layers`
-    pub overlap: Option<String>,
-    /// `--dispatch sequential|concurrent`
-    pub dispatch: Option<String>,
-    /// Set by `--compare-modes` on each of its runs (not a flag): the pull run takes the push
-    /// choices (`--overlap`, `--dispatch`) as not applying to it, where a pull run alone
-    /// refuses them.
-    pub in_mode_comparison: bool,
-}
-
-/// A bench-config file: the flags, by name with underscores.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BenchFile {
-    pub name: Option<String>,
-    pub model: Option<String>,
-    pub model_config: Option<PathBuf>,
-    pub num_kv_heads: Option<u32>,
-    pub head_dim: Option<u32>,
-    pub layers: Option<u32>,
-    pub dtype: Option<String>,
-    pub mla: Option<bool>,
-    pub p_tp: Option<u32>,
-    pub d_tp: Option<u32>,
-    pub vllm: Option<String>,
-    pub layout: Option<String>,
-    pub p_layout: Option<String>,
-    pub d_layout: Option<String>,
-    pub block_size: Option<u32>,
-    pub p_block_size: Option<u32>,
-    pub d_block_size: Option<u32>,
-    pub permute: Option<bool>,
-    pub requests: Option<u64>,
-    pub duration: Option<String>,
-    pub rate: Option<f64>,
-    pub concurrency: Option<u32>,
-    pub prompt_len: Option<toml::Value>,
-    pub prompt_lens: Option<PathBuf>,
-    pub warmup: Option<u64>,
-    pub prefix_hit: Option<f64>,
-    pub alloc: Option<String>,
-    pub pool_blocks: Option<u32>,
-    pub seed: Option<u64>,
-    pub repeat: Option<u32>,
-    pub verify: Option<String>,
-    pub on_load_failure: Option<String>,
-    pub lease: Option<String>,
-    pub timeout: Option<String>,
-    pub transport: Option<String>,
-    pub transports: Option<Vec<String>>,
-    pub storage_dir: Option<PathBuf>,
-    pub mode: Option<String>,
-    pub mem: Option<String>,
-    pub devices: Option<Vec<u32>>,
-    pub ucx_tls: Option<String>,
-    pub err_mode: Option<String>,
-    pub progress: Option<String>,
-    pub huge_pages: Option<bool>,
-    pub inflight: Option<u32>,
-    pub coalesce: Option<bool>,
-    pub notify: Option<NotifyTransport>,
-    pub batch_copy: Option<BatchCopy>,
-    pub prefill_time_per_layer: Option<String>,
-    pub overlap: Option<String>,
-    pub dispatch: Option<String>,
-    /// Sweep files: the axes to vary (read by `--sweep`).
-    pub sweep: Option<toml::Table>,
-}
-
-impl BenchFile {
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::new("--config", format!("cannot read {}: {e}", path.display())))?;
-        toml::from_str(&text).map_err(|e| ConfigError::new("--config", format!("{}: {e}", path.display())))
+layered! {
+    /// `kvx bench`'s settings as given: each field is a flag (clap) and, unless `serde(skip)`,
+    /// the config-file key of the same name (`--prompt-len` is `prompt_len`). `None` (or
+    /// `false`) when not given; defaults belong to [`settings`].
+    #[derive(Debug, Clone, Default, PartialEq, Args, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct BenchFlags {
+        #[command(flatten)]
+        #[serde(flatten)]
+        pub model: ModelFlags,
+        #[command(flatten)]
+        #[serde(flatten)]
+        pub pair: PairFlags,
+        /// A bench-config file (TOML; keys are the flag names with underscores). Flags override it.
+        #[arg(long, value_name = "FILE")]
+        #[serde(skip)]
+        pub config: Option<PathBuf>,
+        /// Run a matrix: a bench-config file whose [sweep] table lists values per axis (tp = ["8:2",
+        /// "4:4"], layout, prompt_len, alloc, block_size, model, concurrency, inflight, prefix_hit); one
+        /// row per point.
+        #[arg(long, value_name = "FILE", conflicts_with = "config")]
+        #[serde(skip)]
+        pub sweep: Option<PathBuf>,
+        /// A sweep file's `[sweep]` table: the axes to vary (read by `--sweep`).
+        #[arg(skip)]
+        #[serde(rename = "sweep")]
+        pub sweep_axes: Option<toml::Table>,
+        /// Measured requests per repeat [default: 20 unless --duration].
+        #[arg(long, help_heading = "Workload")]
+        pub requests: Option<u64>,
+        /// Measure for this long per repeat instead of a request count (e.g. 30s).
+        #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Workload")]
+        #[serde(default, deserialize_with = "super::parse::opt_duration")]
+        pub duration: Option<Duration>,
+        /// Open loop: Poisson arrivals at this many requests per second.
+        #[arg(long, conflicts_with = "concurrency", allow_negative_numbers = true, help_heading = "Workload")]
+        pub rate: Option<f64>,
+        /// Closed loop: requests kept in flight [default: 2].
+        #[arg(long, help_heading = "Workload")]
+        pub concurrency: Option<u32>,
+        /// Prompt length in tokens, fixed (8192) or uniform over a range (1024..32768) [default: 2048].
+        #[arg(long, help_heading = "Workload")]
+        #[serde(default, deserialize_with = "super::parse::opt_text")]
+        pub prompt_len: Option<String>,
+        /// File of prompt lengths, one per line, cycled.
+        #[arg(long, value_name = "FILE", conflicts_with = "prompt_len", help_heading = "Workload")]
+        pub prompt_lens: Option<PathBuf>,
+        /// Unmeasured requests before measuring [default: 2].
+        #[arg(long, help_heading = "Workload")]
+        pub warmup: Option<u64>,
+        /// Fraction of each prompt already cached on decode; only the rest is read.
+        #[arg(long, allow_negative_numbers = true, help_heading = "Workload")]
+        pub prefix_hit: Option<f64>,
+        /// Block allocation pattern: contiguous, fragmented, random [default: contiguous].
+        #[arg(long, value_enum, help_heading = "Workload")]
+        #[serde(default, deserialize_with = "super::parse::opt_parsed")]
+        pub alloc: Option<AllocPattern>,
+        /// Blocks in each engine's pool [default: enough for the concurrency].
+        #[arg(long, help_heading = "Workload")]
+        pub pool_blocks: Option<u32>,
+        /// Seed of prompt lengths, allocations and byte patterns [default: 0].
+        #[arg(long, help_heading = "Workload")]
+        pub seed: Option<u64>,
+        /// Run the measured part this many times (for noise-aware gates) [default: 1].
+        #[arg(long, help_heading = "Workload")]
+        pub repeat: Option<u32>,
+        /// Check received bytes: full, sample, off [default: full for runs under 2 GiB, else sample].
+        #[arg(long, value_enum, help_heading = "Checks")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub verify: Option<VerifyMode>,
+        /// When a load fails: fail, or recompute (vLLM's kv_load_failure_policy) [default: fail].
+        #[arg(long, value_enum, help_heading = "Checks")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub on_load_failure: Option<FailurePolicy>,
+        /// Lease prefill ranks hold blocks under (vLLM kv_lease_duration) [default: 30s].
+        #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Checks")]
+        #[serde(default, deserialize_with = "super::parse::opt_duration")]
+        pub lease: Option<Duration>,
+        /// Deadline of every wait: handshake, reads, notifications [default: 5s].
+        #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Checks")]
+        #[serde(default, deserialize_with = "super::parse::opt_duration")]
+        pub timeout: Option<Duration>,
+        /// Transport: ucx, storage, multi, cuda-batch (GPUs of one machine, --mem cuda) [default: ucx].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub transport: Option<TransportKind>,
+        /// For --transport multi: the order to try, e.g. ucx,storage.
+        #[arg(long, value_enum, value_delimiter = ',', help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choices")]
+        pub transports: Option<Vec<TransportKind>>,
+        /// Shared directory of the storage transport [default: kvx-storage in the temp dir].
+        #[arg(long, help_heading = "Transport")]
+        pub storage_dir: Option<PathBuf>,
+        /// Storage transport: bypass the page cache (O_DIRECT).
+        #[arg(long, help_heading = "Transport")]
+        #[serde(skip)]
+        pub storage_direct_io: bool,
+        /// Storage transport: fdatasync every file before it becomes visible.
+        #[arg(long, help_heading = "Transport")]
+        #[serde(skip)]
+        pub storage_fsync: bool,
+        /// Run the same workload on each transport and print one comparison table, e.g. ucx,storage,multi
+        /// (or ucx,cuda-batch with --mem cuda).
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            help_heading = "Transport",
+            conflicts_with = "compare_modes"
+        )]
+        #[serde(skip)]
+        pub compare_transports: Option<Vec<TransportKind>>,
+        /// Run the same workload in each transfer mode and print one comparison table: pull,push.
+        #[arg(long, value_enum, value_delimiter = ',', help_heading = "Transport", conflicts_with = "mode")]
+        #[serde(skip)]
+        pub compare_modes: Option<Vec<TransferMode>>,
+        /// Inject a fault to test resilience: kill-ucx:pR@N (tear down prefill rank R's UCX side after N
+        /// measured requests) or exit:pR@N / exit:dR@N (the worker exits). The run exits 0 when the
+        /// failure policy held: only requests after the fault failed, as a lost peer fails; no wrong
+        /// bytes, no leaked block.
+        #[arg(long, value_name = "FAULT", help_heading = "Checks")]
+        #[serde(skip)]
+        pub fault: Option<String>,
+        /// Who moves the bytes: pull (the decode side reads, as vLLM's NixlConnector) or push (the
+        /// prefill side writes, as vLLM's NixlPushConnector) [default: pull].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub mode: Option<TransferMode>,
+        /// Simulated prefill compute per model layer on each prefill rank, e.g. 200us (wall time a
+        /// GPU would take; the rank's CPU stays free to move bytes) [default: 0].
+        #[arg(
+            long,
+            value_parser = parse_duration,
+            allow_hyphen_values = true,
+            value_name = "DURATION",
+            help_heading = "Transport"
+        )]
+        #[serde(default, deserialize_with = "super::parse::opt_duration")]
+        pub prefill_time_per_layer: Option<Duration>,
+        /// Push mode: WRITE each layer as soon as it is computed (layers) or after the whole
+        /// prefill (none); the report shows the transfer time hidden behind prefill [default: none].
+        #[arg(long, value_enum, value_name = "none|layers", help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub overlap: Option<Overlap>,
+        /// How a request's legs are sent: sequential (prefill, then decode) or concurrent (both at
+        /// once; push mode, where decode registers while prefill computes) [default: sequential,
+        /// concurrent with --overlap layers].
+        #[arg(long, value_enum, value_name = "sequential|concurrent", help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub dispatch: Option<Dispatch>,
+        /// Memory of the KV pools: host or cuda [default: host].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub mem: Option<MemKind>,
+        /// GPUs of --mem cuda, e.g. 0,1,2,3: prefill ranks then decode ranks, round-robin [default: 0].
+        #[arg(long, value_delimiter = ',', help_heading = "Transport")]
+        pub devices: Option<Vec<u32>>,
+        /// One GPU for every rank of --mem cuda (--devices N).
+        #[arg(long, value_name = "N", conflicts_with = "devices", help_heading = "Transport")]
+        #[serde(skip)]
+        pub device: Option<u32>,
+        /// libucp.so to load (default: KVX_UCX_LIB, then .ucx/, then the system's).
+        #[arg(long, help_heading = "Transport")]
+        #[serde(skip)]
+        pub ucx_lib: Option<PathBuf>,
+        /// UCX_TLS for the workers, e.g. posix,cma,self or tcp.
+        #[arg(long, help_heading = "Transport")]
+        pub ucx_tls: Option<String>,
+        /// UCX error-handling mode: none or peer (peer excludes shared-memory transports) [default: none].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub err_mode: Option<ErrMode>,
+        /// UCX progress: busy, wait, hybrid [default: hybrid].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub progress: Option<ProgressMode>,
+        /// Back the KV pools with huge pages.
+        #[arg(long, help_heading = "Transport")]
+        #[serde(default)]
+        pub huge_pages: bool,
+        /// GETs in flight per source rank [default: 64].
+        #[arg(long, help_heading = "Transport")]
+        pub inflight: Option<u32>,
+        /// Post coalesced descriptors instead of vLLM's one per block and region.
+        #[arg(long, help_heading = "Transport")]
+        #[serde(default)]
+        pub coalesce: bool,
+        /// Stage a regression to test a gate: every read waits F times its own duration after it
+        /// completes (0.15 makes transfers 15% slower). Recorded in the scenario.
+        #[arg(long, value_name = "F", help_heading = "Testing")]
+        #[serde(skip)]
+        pub slowdown: Option<f64>,
+        /// How decode ranks notify prefill ranks with the UCX transport: ucx (active messages
+        /// on the read endpoint, as NIXL does) or zmq [default: ucx].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub notify: Option<NotifyTransport>,
+        // The help names the default from `BatchCopy::default()` (the setting stays an Option so
+        // that giving it where no cuda-batch run uses it can be refused).
+        #[arg(long, value_enum, help_heading = "Transport", help = BatchCopy::help())]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub batch_copy: Option<BatchCopy>,
+        /// Wait for external `kvx worker --connect` processes: prefill on this endpoint's port, decode on
+        /// port + 1.
+        #[arg(long, value_name = "tcp://HOST:PORT", help_heading = "Across hosts")]
+        #[serde(skip)]
+        pub listen: Option<String>,
+        /// Host other hosts reach this one at [default: 127.0.0.1, or the --listen host].
+        #[arg(long, help_heading = "Across hosts")]
+        #[serde(skip)]
+        pub advertise_host: Option<String>,
+        /// Directory runs are written under [default: results/, or KVX_RESULTS_DIR].
+        #[arg(long, help_heading = "Output")]
+        #[serde(skip)]
+        pub results_dir: Option<PathBuf>,
+        /// Name of the run (the scenario name in reports) [default: the config file's name or "bench"].
+        #[arg(long, help_heading = "Output")]
+        pub name: Option<String>,
+        /// Skip the same-run calibration (memcpy and UCX loopback read).
+        #[arg(long, help_heading = "Output")]
+        #[serde(skip)]
+        pub no_calibrate: bool,
+        /// Output format; json prints the summary to stdout as well.
+        #[arg(long, value_enum, default_value = "table", help_heading = "Output")]
+        #[serde(skip)]
+        pub format: Option<Format>,
+        /// Serve the workload over HTTP: a prefill engine, a decode engine and the P/D proxy,
+        /// driven through the proxy by `kvx load`'s generator (TTFT, ITL, TPOT, e2el, the KV stages
+        /// and the TTFT waterfall).
+        #[arg(long, help_heading = "Workload")]
+        #[serde(skip)]
+        pub serve: bool,
+        /// With --serve: objectives for goodput, e.g. ttft=200ms,tpot=50ms (also itl, e2el).
+        #[arg(long, requires = "serve", value_name = "NAME=LIMIT,...", help_heading = "Workload")]
+        #[serde(skip)]
+        pub slo: Option<String>,
+        /// With --serve: serve the engines' and proxy's Prometheus metrics (vLLM's families) on this
+        /// port while the run goes; 0 picks a free one (its address is printed on stderr).
+        #[arg(long, requires = "serve", value_name = "PORT", help_heading = "Output")]
+        #[serde(skip)]
+        pub metrics_port: Option<u16>,
+        /// Set by `--compare-modes` on each of its runs (not a flag): the pull run takes the push
+        /// choices (`--overlap`, `--dispatch`) as not applying to it, where a pull run alone
+        /// refuses them.
+        #[arg(skip)]
+        #[serde(skip)]
+        pub in_mode_comparison: bool,
     }
 }
 
 /// Flags over file over defaults: one bench run.
 pub fn resolve(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigError> {
+    let layers = layers(flags)?;
+    settings(&layers.values, env).map_err(|e| layers.attribute(e))
+}
+
+/// The flags over the config file (`--config`), each value knowing which gave it.
+pub fn layers(flags: &BenchFlags) -> Result<Layered<BenchFlags>, ConfigError> {
+    let mut flags = flags.clone();
+    // `--device N` is `--devices N`.
+    if flags.devices.is_none() {
+        flags.devices = flags.device.map(|d| vec![d]);
+    }
     let file = match &flags.config {
-        Some(p) => BenchFile::load(p)?,
-        None => BenchFile::default(),
+        Some(path) => {
+            let mut file: BenchFlags = layer::load(path, "--config")?;
+            // `--prompt-len` and `--prompt-lens` are one setting: either flag replaces both keys.
+            if flags.prompt_len.is_some() || flags.prompt_lens.is_some() {
+                (file.prompt_len, file.prompt_lens) = (None, None);
+            }
+            Some((path.clone(), file))
+        }
+        None => None,
     };
-    let layers = Layers { flags, file: &file, path: flags.config.as_deref() };
-    layers.resolve(env).map_err(|e| layers.attribute(e))
+    Ok(Layered::merge(flags, file))
 }
 
-/// The flag layer over the file layer of one resolution.
-struct Layers<'a> {
-    flags: &'a BenchFlags,
-    file: &'a BenchFile,
-    path: Option<&'a Path>,
-}
-
-/// Parses a duration from the config file (the error names the flag; `attribute` renames it).
-fn dur(flag: &str, v: Option<&str>) -> Result<Option<Duration>, ConfigError> {
-    v.map(|s| parse_duration(s).map_err(|e| ConfigError::new(flag, e))).transpose()
-}
-
-impl Layers<'_> {
-    /// Renames an error's flag to the config key (and file) when the file, not a flag, gave
-    /// the value the error is about.
-    fn attribute(&self, e: ConfigError) -> ConfigError {
-        match (self.path, self.set_by_file(&e.flag)) {
-            (Some(path), true) => {
-                let key = e.flag.trim_start_matches("--").replace('-', "_");
-                ConfigError { flag: format!("{key} in {}", path.display()), reason: e.reason }
-            }
-            _ => e,
-        }
+/// The rules: each setting's default and checks, and the checks across settings, on the
+/// values the flags and the file gave (`s`).
+fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigError> {
+    let lens = prompt_lens(s)?;
+    let concurrency = s.concurrency.unwrap_or(2);
+    if concurrency == 0 || concurrency > 4096 {
+        return Err(ConfigError::new("--concurrency", format!("must be 1..4096, got {concurrency}")));
     }
-
-    /// Whether the value behind `flag` came from the config file.
-    fn set_by_file(&self, flag: &str) -> bool {
-        let (f, m, p, fi) = (self.flags, &self.flags.model, &self.flags.pair, self.file);
-        let (by_flag, by_file) = match flag {
-            "--model" => (m.model.is_some(), fi.model.is_some()),
-            "--model-config" => (m.model_config.is_some(), fi.model_config.is_some()),
-            "--num-kv-heads" => (m.num_kv_heads.is_some(), fi.num_kv_heads.is_some()),
-            "--head-dim" => (m.head_dim.is_some(), fi.head_dim.is_some()),
-            "--layers" => (m.layers.is_some(), fi.layers.is_some()),
-            "--dtype" => (m.dtype.is_some(), fi.dtype.is_some()),
-            "--p-tp" => (p.p_tp.is_some(), fi.p_tp.is_some()),
-            "--d-tp" => (p.d_tp.is_some(), fi.d_tp.is_some()),
-            "--vllm" => (p.vllm.is_some(), fi.vllm.is_some()),
-            "--layout" => (p.layout.is_some(), fi.layout.is_some()),
-            "--p-layout" => (p.p_layout.is_some(), fi.p_layout.is_some()),
-            "--d-layout" => (p.d_layout.is_some(), fi.d_layout.is_some()),
-            "--block-size" => (p.block_size.is_some(), fi.block_size.is_some()),
-            "--p-block-size" => (p.p_block_size.is_some(), fi.p_block_size.is_some()),
-            "--d-block-size" => (p.d_block_size.is_some(), fi.d_block_size.is_some()),
-            "--requests" => (f.requests.is_some(), fi.requests.is_some()),
-            "--duration" => (f.duration.is_some(), fi.duration.is_some()),
-            "--rate" => (f.rate.is_some(), fi.rate.is_some()),
-            "--concurrency" => (f.concurrency.is_some(), fi.concurrency.is_some()),
-            "--prompt-len" => (f.prompt_len.is_some() || f.prompt_lens.is_some(), fi.prompt_len.is_some()),
-            "--prompt-lens" => (f.prompt_len.is_some() || f.prompt_lens.is_some(), fi.prompt_lens.is_some()),
-            "--warmup" => (f.warmup.is_some(), fi.warmup.is_some()),
-            "--prefix-hit" => (f.prefix_hit.is_some(), fi.prefix_hit.is_some()),
-            "--alloc" => (f.alloc.is_some(), fi.alloc.is_some()),
-            "--pool-blocks" => (f.pool_blocks.is_some(), fi.pool_blocks.is_some()),
-            "--repeat" => (f.repeat.is_some(), fi.repeat.is_some()),
-            "--verify" => (f.verify.is_some(), fi.verify.is_some()),
-            "--on-load-failure" => (f.on_load_failure.is_some(), fi.on_load_failure.is_some()),
-            "--lease" => (f.lease.is_some(), fi.lease.is_some()),
-            "--timeout" => (f.timeout.is_some(), fi.timeout.is_some()),
-            "--transport" => (f.transport.is_some(), fi.transport.is_some()),
-            "--transports" => (f.transports.is_some(), fi.transports.is_some()),
-            "--mode" => (f.mode.is_some(), fi.mode.is_some()),
-            "--mem" => (f.mem.is_some(), fi.mem.is_some()),
-            "--devices" => (f.devices.is_some(), fi.devices.is_some()),
-            "--err-mode" => (f.err_mode.is_some(), fi.err_mode.is_some()),
-            "--progress" => (f.progress.is_some(), fi.progress.is_some()),
-            "--inflight" => (f.inflight.is_some(), fi.inflight.is_some()),
-            "--prefill-time-per-layer" => {
-                (f.prefill_time_per_layer.is_some(), fi.prefill_time_per_layer.is_some())
-            }
-            "--overlap" => (f.overlap.is_some(), fi.overlap.is_some()),
-            "--dispatch" => (f.dispatch.is_some(), fi.dispatch.is_some()),
-            "--batch-copy" => (f.batch_copy.is_some(), fi.batch_copy.is_some()),
-            _ => return false,
-        };
-        !by_flag && by_file
-    }
-
-    fn model(&self) -> ModelFlags {
-        let (m, fi) = (&self.flags.model, self.file);
-        ModelFlags {
-            model: m.model.clone().or(fi.model.clone()),
-            model_config: m.model_config.clone().or(fi.model_config.clone()),
-            num_kv_heads: m.num_kv_heads.or(fi.num_kv_heads),
-            head_dim: m.head_dim.or(fi.head_dim),
-            layers: m.layers.or(fi.layers),
-            dtype: m.dtype.clone().or(fi.dtype.clone()),
-            mla: m.mla || fi.mla.unwrap_or(false),
-            mla_dim: m.mla_dim,
-        }
-    }
-
-    fn pair(&self) -> PairFlags {
-        let (p, fi) = (&self.flags.pair, self.file);
-        PairFlags {
-            p_tp: p.p_tp.or(fi.p_tp),
-            d_tp: p.d_tp.or(fi.d_tp),
-            vllm: p.vllm.clone().or(fi.vllm.clone()),
-            layout: p.layout.clone().or(fi.layout.clone()),
-            p_layout: p.p_layout.clone().or(fi.p_layout.clone()),
-            d_layout: p.d_layout.clone().or(fi.d_layout.clone()),
-            block_size: p.block_size.or(fi.block_size),
-            p_block_size: p.p_block_size.or(fi.p_block_size),
-            d_block_size: p.d_block_size.or(fi.d_block_size),
-            permute: p.permute || fi.permute.unwrap_or(false),
-        }
-    }
-
-    fn prompt_lens(&self) -> Result<PromptLens, ConfigError> {
-        let (f, fi) = (self.flags, self.file);
-        Ok(match (&f.prompt_len, &f.prompt_lens, &fi.prompt_len, &fi.prompt_lens) {
-            (Some(s), _, _, _) => s.parse::<PromptLens>().map_err(|e| ConfigError::new("--prompt-len", e))?,
-            (None, Some(p), _, _) => PromptLens::from_file(p)?,
-            (None, None, Some(v), _) => {
-                let s = match v {
-                    toml::Value::String(s) => s.clone(),
-                    other => other.to_string(),
-                };
-                s.parse::<PromptLens>().map_err(|e| ConfigError::new("--prompt-len", e))?
-            }
-            (None, None, None, Some(p)) => PromptLens::from_file(p)?,
-            _ => PromptLens::Fixed(2048),
-        })
-    }
-
-    /// `--mem` and `--devices`: where the run's KV pools live.
-    fn mem(&self) -> Result<KvMemory, ConfigError> {
-        let (f, fi) = (self.flags, self.file);
-        let devices = f.devices.clone().or(fi.devices.clone());
-        let kind = f.mem.clone().or(fi.mem.clone()).unwrap_or_else(|| "host".into());
-        resolve_mem(&kind, devices)
-    }
-
-    fn transport(&self, slowdown: f64) -> Result<TransportConfig, ConfigError> {
-        let (f, fi) = (self.flags, self.file);
-        let kind = match f.transport.clone().or(fi.transport.clone()) {
-            Some(t) => parse_transport(&t).map_err(|e| ConfigError::new("--transport", e))?,
-            None => TransportKind::Ucx,
-        };
-        let chain: Vec<TransportKind> = match f.transports.clone().or(fi.transports.clone()) {
-            Some(list) => list
-                .iter()
-                .map(|t| {
-                    choice(t, &[("ucx", TransportKind::Ucx), ("storage", TransportKind::Storage)])
-                        .map_err(|e| ConfigError::new("--transports", e))
-                })
-                .collect::<Result<_, _>>()?,
-            None => vec![TransportKind::Ucx, TransportKind::Storage],
-        };
-        if kind == TransportKind::Multi && chain != [TransportKind::Ucx, TransportKind::Storage] {
+    let arrival = match s.rate {
+        Some(r) if r.is_finite() && r > 0.0 && r <= 1e6 => Arrival::Poisson { rate: r },
+        Some(r) => {
             return Err(ConfigError::new(
-                "--transports",
-                "kvx's multi transport tries ucx, then storage: --transports ucx,storage",
+                "--rate",
+                format!("must be a positive rate up to 1e6 per second, got {r}"),
             ));
         }
-        let mode = match f.mode.clone().or(fi.mode.clone()) {
-            Some(m) => parse_mode(&m).map_err(|e| ConfigError::new("--mode", e))?,
-            None => Default::default(),
-        };
-        let err_mode = match f.err_mode.clone().or(fi.err_mode.clone()) {
-            Some(m) => parse_err_mode(&m).map_err(|e| ConfigError::new("--err-mode", e))?,
-            None => Default::default(),
-        };
-        let progress = match f.progress.clone().or(fi.progress.clone()) {
-            Some(m) => parse_progress(&m).map_err(|e| ConfigError::new("--progress", e))?,
-            None => Default::default(),
-        };
-        // `--batch-copy` says how cuda-batch issues its batches: refused where it is not used
-        // (`--compare-transports` passes it to its cuda-batch run only).
-        let batch_copy = f.batch_copy.or(fi.batch_copy);
-        if batch_copy.is_some() && kind != TransportKind::CudaBatch {
-            return Err(ConfigError::new(
-                "--batch-copy",
-                "applies to --transport cuda-batch (or --compare-transports with cuda-batch)",
-            ));
-        }
-        let batch_copy = batch_copy.unwrap_or_default();
-        Ok(TransportConfig {
-            kind,
-            chain: if kind == TransportKind::Multi { chain } else { vec![] },
-            mode,
-            ucx_lib: f.ucx_lib.clone(),
-            err_mode,
-            progress,
-            ucx_alloc: false,
-            huge_pages: f.huge_pages || fi.huge_pages.unwrap_or(false),
-            inflight: check_inflight(f.inflight.or(fi.inflight).unwrap_or(64))?,
-            coalesce: f.coalesce || fi.coalesce.unwrap_or(false),
-            notify: f.notify.or(fi.notify).unwrap_or_default(),
-            storage_dir: f.storage_dir.clone().or(fi.storage_dir.clone()),
-            storage_direct_io: f.storage_direct_io,
-            storage_fsync: f.storage_fsync,
-            batch_copy,
-            slowdown,
-        })
+        None => Arrival::Closed { concurrency },
+    };
+    let duration = s.duration;
+    if duration.is_some_and(|d| d.is_zero()) {
+        return Err(ConfigError::new("--duration", "must be longer than 0"));
     }
-
-    /// `--prefill-time-per-layer`, `--overlap` and `--dispatch`: the simulated prefill and how
-    /// push mode overlaps and dispatches. Overlap and concurrent dispatch are push's; a layer
-    /// overlap needs a layout whose regions are per layer, and decode registered before
-    /// prefill computes (concurrent dispatch, its default).
-    fn prefill_sim(
-        &self,
-        mode: TransferMode,
-        pair: &crate::layouts::compat::PairSpec,
-    ) -> Result<(PrefillSim, Dispatch), ConfigError> {
-        let (f, fi) = (self.flags, self.file);
-        let per_layer = match f.prefill_time_per_layer {
-            Some(d) => d,
-            None => {
-                dur("--prefill-time-per-layer", fi.prefill_time_per_layer.as_deref())?.unwrap_or_default()
-            }
-        };
-        // A request's compute is layers x this: cap it so the product cannot overflow or hang.
-        if per_layer > Duration::from_secs(1) {
-            return Err(ConfigError::new(
-                "--prefill-time-per-layer",
-                format!("must be at most 1s per layer, got {per_layer:?}"),
-            ));
-        }
-        let overlap = match f.overlap.clone().or(fi.overlap.clone()) {
-            Some(o) => choice(&o, &[("none", Overlap::None), ("layers", Overlap::Layers)])
-                .map_err(|e| ConfigError::new("--overlap", e))?,
-            None => Overlap::None,
-        };
-        let explicit_dispatch = match f.dispatch.clone().or(fi.dispatch.clone()) {
-            Some(d) => Some(
-                choice(&d, &[("sequential", Dispatch::Sequential), ("concurrent", Dispatch::Concurrent)])
-                    .map_err(|e| ConfigError::new("--dispatch", e))?,
-            ),
-            None => None,
-        };
-        if mode == TransferMode::Pull {
-            // A comparison's pull run: the push choices do not apply to it.
-            if self.flags.in_mode_comparison {
-                return Ok((
-                    PrefillSim { per_layer_ns: per_layer.as_nanos() as u64, overlap: Overlap::None },
-                    Dispatch::Sequential,
-                ));
-            }
-            if overlap == Overlap::Layers {
+    let requests = s.requests.or(if duration.is_none() { Some(20) } else { None });
+    if requests == Some(0) {
+        return Err(ConfigError::new("--requests", "at least 1 request is needed"));
+    }
+    let prefix_hit = s.prefix_hit.unwrap_or(0.0);
+    if !(0.0..1.0).contains(&prefix_hit) {
+        return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {prefix_hit}")));
+    }
+    let alloc = s.alloc.unwrap_or_default();
+    let p_bs = s.pair.p_block_size.unwrap_or(s.pair.block_size()).max(1);
+    let d_bs = s.pair.d_block_size.unwrap_or(s.pair.block_size()).max(1);
+    let in_flight = match arrival {
+        Arrival::Closed { concurrency } => concurrency,
+        Arrival::Poisson { rate } => (rate.ceil() as u32).clamp(2, 64),
+    };
+    let max_tokens = lens.max();
+    let default_pool = |bs: u32| max_tokens.div_ceil(bs).saturating_mul(in_flight + 2).max(16);
+    let pool_p = s.pool_blocks.unwrap_or_else(|| default_pool(p_bs));
+    let pool_d = s.pool_blocks.unwrap_or_else(|| default_pool(d_bs));
+    let slowdown = s.slowdown.unwrap_or(0.0);
+    if !(0.0..=10.0).contains(&slowdown) {
+        return Err(ConfigError::new("--slowdown", format!("must be a fraction in 0..=10, got {slowdown}")));
+    }
+    let transport = transport(s, slowdown)?;
+    let pair = scenario::resolve_pair(&s.model, &s.pair, pool_p, pool_d)?;
+    match transport.mode {
+        TransferMode::Pull => pair.validate().map(|_| ())?,
+        // Push's own refusals (vLLM's push connector), each naming its flag.
+        TransferMode::Push => {
+            pair.validate_push()?;
+            if transport.kind != TransportKind::Ucx {
                 return Err(ConfigError::new(
-                    "--overlap",
-                    "layer overlap is push mode's (prefill WRITEs each layer as it is computed); in pull \
-                     mode decode reads after prefill: add --mode push or drop --overlap",
-                ));
-            }
-            if explicit_dispatch == Some(Dispatch::Concurrent) {
-                return Err(ConfigError::new(
-                    "--dispatch",
-                    "concurrent dispatch needs --mode push: in pull mode decode reads the blocks prefill \
-                     names in its answer, so it cannot start before prefill answered",
-                ));
-            }
-        }
-        let dispatch = match (explicit_dispatch, overlap) {
-            (Some(Dispatch::Sequential), Overlap::Layers) => {
-                return Err(ConfigError::new(
-                    "--dispatch",
-                    "--overlap layers WRITEs while prefill computes, so decode must register first: \
-                     use --dispatch concurrent (the default with --overlap layers)",
-                ));
-            }
-            (Some(d), _) => d,
-            (None, Overlap::Layers) => Dispatch::Concurrent,
-            (None, Overlap::None) => Dispatch::Sequential,
-        };
-        if overlap == Overlap::Layers {
-            let regions = pair.p_geometry(0).regions();
-            if regions.iter().any(|r| r.content.layer.is_none()) {
-                return Err(ConfigError::new(
-                    "--layout",
+                    "--transport",
                     format!(
-                        "--overlap layers WRITEs one layer's slice of each block at a time, but layout {} keeps \
-                         all layers of a block together (block-outer or cross-layer): use a layer-outer layout \
-                         such as LBHNC, or --overlap none",
-                        pair.p.layout
+                        "push mode WRITEs over UCX; '{}' is a pull-mode transport (use --mode pull)",
+                        transport.kind.as_str()
                     ),
                 ));
             }
         }
-        Ok((PrefillSim { per_layer_ns: per_layer.as_nanos() as u64, overlap }, dispatch))
     }
-
-    /// `--listen` and `--advertise-host`: (listen, bind host, advertise host).
-    fn hosts(&self) -> Result<(Option<String>, String, String), ConfigError> {
-        let f = self.flags;
-        if let Some(ep) = &f.listen {
-            let bad = || {
-                ConfigError::new(
-                    "--listen",
-                    format!("'{ep}' is not tcp://HOST:PORT (the decode engine takes PORT + 1)"),
-                )
-            };
-            let (host, port) = ep.strip_prefix("tcp://").and_then(|r| r.rsplit_once(':')).ok_or_else(bad)?;
-            if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == u16::MAX) {
-                return Err(bad());
-            }
-        }
-        let (bind_host, advertise_default) = match &f.listen {
-            Some(ep) => {
-                let (h, _) = split_endpoint(ep);
-                ("0.0.0.0".to_string(), if h == "0.0.0.0" || h == "*" { "127.0.0.1".to_string() } else { h })
-            }
-            None => ("127.0.0.1".to_string(), "127.0.0.1".to_string()),
-        };
-        Ok((f.listen.clone(), bind_host, f.advertise_host.clone().unwrap_or(advertise_default)))
+    if max_tokens.div_ceil(p_bs) > pool_p {
+        return Err(ConfigError::new(
+            "--pool-blocks",
+            format!(
+                "a {max_tokens}-token prompt needs {} blocks but the pool has {pool_p}",
+                max_tokens.div_ceil(p_bs)
+            ),
+        ));
     }
-
-    fn resolve(&self, env: &ProcessEnv) -> Result<BenchSettings, ConfigError> {
-        let (f, fi) = (self.flags, self.file);
-        let model = self.model();
-        let pair_flags = self.pair();
-        let lens = self.prompt_lens()?;
-        let concurrency = f.concurrency.or(fi.concurrency).unwrap_or(2);
-        if concurrency == 0 || concurrency > 4096 {
-            return Err(ConfigError::new("--concurrency", format!("must be 1..4096, got {concurrency}")));
-        }
-        let arrival = match f.rate.or(fi.rate) {
-            Some(r) if r.is_finite() && r > 0.0 && r <= 1e6 => Arrival::Poisson { rate: r },
-            Some(r) => {
-                return Err(ConfigError::new(
-                    "--rate",
-                    format!("must be a positive rate up to 1e6 per second, got {r}"),
-                ));
-            }
-            None => Arrival::Closed { concurrency },
-        };
-        let duration = match f.duration {
-            Some(d) => Some(d),
-            None => dur("--duration", fi.duration.as_deref())?,
-        };
-        if duration.is_some_and(|d| d.is_zero()) {
-            return Err(ConfigError::new("--duration", "must be longer than 0"));
-        }
-        let requests = f.requests.or(fi.requests).or(if duration.is_none() { Some(20) } else { None });
-        if requests == Some(0) {
-            return Err(ConfigError::new("--requests", "at least 1 request is needed"));
-        }
-        let prefix_hit = f.prefix_hit.or(fi.prefix_hit).unwrap_or(0.0);
-        if !(0.0..1.0).contains(&prefix_hit) {
-            return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {prefix_hit}")));
-        }
-        let alloc: AllocPattern = f
-            .alloc
-            .clone()
-            .or(fi.alloc.clone())
-            .unwrap_or_else(|| "contiguous".into())
-            .parse()
-            .map_err(|e| ConfigError::new("--alloc", e))?;
-        let p_bs = pair_flags.p_block_size.unwrap_or(pair_flags.block_size()).max(1);
-        let d_bs = pair_flags.d_block_size.unwrap_or(pair_flags.block_size()).max(1);
-        let in_flight = match arrival {
-            Arrival::Closed { concurrency } => concurrency,
-            Arrival::Poisson { rate } => (rate.ceil() as u32).clamp(2, 64),
-        };
-        let max_tokens = lens.max();
-        let default_pool = |bs: u32| max_tokens.div_ceil(bs).saturating_mul(in_flight + 2).max(16);
-        let pool_p = f.pool_blocks.or(fi.pool_blocks).unwrap_or_else(|| default_pool(p_bs));
-        let pool_d = f.pool_blocks.or(fi.pool_blocks).unwrap_or_else(|| default_pool(d_bs));
-        let slowdown = f.slowdown.unwrap_or(0.0);
-        if !(0.0..=10.0).contains(&slowdown) {
+    let bytes_per_request = pair.d_geometry(0).block_bytes_all_layers()
+        * u64::from(max_tokens.div_ceil(d_bs))
+        * u64::from(pair.d.tp);
+    let total_bytes = bytes_per_request.saturating_mul(requests.unwrap_or(1000));
+    let verify = match s.verify {
+        Some(v) => v,
+        None if total_bytes <= 2 << 30 => VerifyMode::Full,
+        None => VerifyMode::Sample,
+    };
+    let (prefill, dispatch) = prefill_sim(s, transport.mode, &pair)?;
+    let fault = s.fault.as_deref().map(parse_fault).transpose()?;
+    if let Some(plan) = fault {
+        check_fault(plan, &pair, requests)?;
+        if plan.fault == Fault::KillUcx && transport.kind == TransportKind::CudaBatch {
             return Err(ConfigError::new(
-                "--slowdown",
-                format!("must be a fraction in 0..=10, got {slowdown}"),
+                "--fault",
+                "kill-ucx tears down a rank's UCX side, and --transport cuda-batch has none: inject \
+                 exit:pR@N or exit:dR@N",
             ));
         }
-        let transport = self.transport(slowdown)?;
-        let pair = scenario::resolve_pair(&model, &pair_flags, pool_p, pool_d)?;
-        match transport.mode {
-            TransferMode::Pull => pair.validate().map(|_| ())?,
-            // Push's own refusals (vLLM's push connector), each naming its flag.
-            TransferMode::Push => {
-                pair.validate_push()?;
-                if transport.kind != TransportKind::Ucx {
-                    return Err(ConfigError::new(
-                        "--transport",
-                        format!(
-                            "push mode WRITEs over UCX; '{}' is a pull-mode transport (use --mode pull)",
-                            transport.kind.as_str()
-                        ),
-                    ));
-                }
-            }
+    }
+    let mem = resolve_mem(s.mem.unwrap_or_default(), s.devices.clone())?;
+    check_mem_transport(mem.kind(), transport.kind)?;
+    let lease = s.lease.unwrap_or(Duration::from_secs(30));
+    let timeout = s.timeout.unwrap_or(Duration::from_secs(5));
+    if lease.is_zero() {
+        return Err(ConfigError::new("--lease", "must be longer than 0"));
+    }
+    if timeout.is_zero() {
+        return Err(ConfigError::new("--timeout", "must be longer than 0"));
+    }
+    let repeat = s.repeat.unwrap_or(1);
+    if repeat == 0 || repeat > 1000 {
+        return Err(ConfigError::new("--repeat", format!("must be 1..1000, got {repeat}")));
+    }
+    let exe = env
+        .exe
+        .clone()
+        .map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
+    let worker_env: Vec<(String, String)> =
+        s.ucx_tls.clone().map(|tls| ("UCX_TLS".to_string(), tls)).into_iter().collect();
+    let (listen, bind_host, advertise_host) = hosts(s)?;
+    super::engine::check_one_machine(transport.kind, listen.as_deref(), &advertise_host)?;
+    let name = s
+        .name
+        .clone()
+        .or_else(|| s.config.as_deref().and_then(Path::file_stem).map(|s| s.to_string_lossy().to_string()))
+        .unwrap_or_else(|| "bench".into());
+    Ok(BenchSettings {
+        name,
+        workers: WorkerSettings {
+            pair,
+            transport,
+            verify,
+            mem,
+            lease,
+            timeout,
+            alloc,
+            seed: s.seed.unwrap_or(0),
+            exe,
+            worker_env,
+            listen,
+            bind_host,
+            advertise_host,
+            prefill,
+        },
+        dispatch,
+        lens,
+        arrival,
+        requests,
+        duration,
+        warmup: s.warmup.unwrap_or(2),
+        prefix_hit,
+        on_failure: s.on_load_failure.unwrap_or(FailurePolicy::Fail),
+        fault,
+        repeat,
+        calibrate: !s.no_calibrate,
+        progress_bar: env.stderr_is_terminal,
+        results_root: results_root(s.results_dir.as_deref(), env.results_dir.clone()),
+    })
+}
+
+/// `--prompt-len` or `--prompt-lens` [default: 2048 tokens].
+fn prompt_lens(s: &BenchFlags) -> Result<PromptLens, ConfigError> {
+    Ok(match (&s.prompt_len, &s.prompt_lens) {
+        (Some(text), _) => text.parse::<PromptLens>().map_err(|e| ConfigError::new("--prompt-len", e))?,
+        (None, Some(path)) => PromptLens::from_file(path)?,
+        (None, None) => PromptLens::Fixed(2048),
+    })
+}
+
+/// `--transport` and what each transport takes.
+fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigError> {
+    let kind = s.transport.unwrap_or_default();
+    let chain = s.transports.clone().unwrap_or_else(|| vec![TransportKind::Ucx, TransportKind::Storage]);
+    if let Some(other) = chain.iter().find(|k| !matches!(k, TransportKind::Ucx | TransportKind::Storage)) {
+        return Err(ConfigError::new("--transports", format!("'{}' is not ucx or storage", other.as_str())));
+    }
+    if kind == TransportKind::Multi && chain != [TransportKind::Ucx, TransportKind::Storage] {
+        return Err(ConfigError::new(
+            "--transports",
+            "kvx's multi transport tries ucx, then storage: --transports ucx,storage",
+        ));
+    }
+    // `--batch-copy` says how cuda-batch issues its batches: refused where it is not used
+    // (`--compare-transports` passes it to its cuda-batch run only).
+    if s.batch_copy.is_some() && kind != TransportKind::CudaBatch {
+        return Err(ConfigError::new(
+            "--batch-copy",
+            "applies to --transport cuda-batch (or --compare-transports with cuda-batch)",
+        ));
+    }
+    Ok(TransportConfig {
+        kind,
+        chain: if kind == TransportKind::Multi { chain } else { vec![] },
+        mode: s.mode.unwrap_or_default(),
+        ucx_lib: s.ucx_lib.clone(),
+        err_mode: s.err_mode.unwrap_or_default(),
+        progress: s.progress.unwrap_or_default(),
+        ucx_alloc: false,
+        huge_pages: s.huge_pages,
+        inflight: check_inflight(s.inflight.unwrap_or(64))?,
+        coalesce: s.coalesce,
+        notify: s.notify.unwrap_or_default(),
+        storage_dir: s.storage_dir.clone(),
+        storage_direct_io: s.storage_direct_io,
+        storage_fsync: s.storage_fsync,
+        batch_copy: s.batch_copy.unwrap_or_default(),
+        slowdown,
+    })
+}
+
+/// `--prefill-time-per-layer`, `--overlap` and `--dispatch`: the simulated prefill and how
+/// push mode overlaps and dispatches. Overlap and concurrent dispatch are push's; a layer
+/// overlap needs a layout whose regions are per layer, and decode registered before
+/// prefill computes (concurrent dispatch, its default).
+fn prefill_sim(
+    s: &BenchFlags,
+    mode: TransferMode,
+    pair: &crate::layouts::compat::PairSpec,
+) -> Result<(PrefillSim, Dispatch), ConfigError> {
+    let per_layer = s.prefill_time_per_layer.unwrap_or_default();
+    // A request's compute is layers x this: cap it so the product cannot overflow or hang.
+    if per_layer > Duration::from_secs(1) {
+        return Err(ConfigError::new(
+            "--prefill-time-per-layer",
+            format!("must be at most 1s per layer, got {per_layer:?}"),
+        ));
+    }
+    let overlap = s.overlap.unwrap_or_default();
+    if mode == TransferMode::Pull {
+        // A comparison's pull run: the push choices do not apply to it.
+        if s.in_mode_comparison {
+            return Ok((
+                PrefillSim { per_layer_ns: per_layer.as_nanos() as u64, overlap: Overlap::None },
+                Dispatch::Sequential,
+            ));
         }
-        if max_tokens.div_ceil(p_bs) > pool_p {
+        if overlap == Overlap::Layers {
             return Err(ConfigError::new(
-                "--pool-blocks",
+                "--overlap",
+                "layer overlap is push mode's (prefill WRITEs each layer as it is computed); in pull \
+                 mode decode reads after prefill: add --mode push or drop --overlap",
+            ));
+        }
+        if s.dispatch == Some(Dispatch::Concurrent) {
+            return Err(ConfigError::new(
+                "--dispatch",
+                "concurrent dispatch needs --mode push: in pull mode decode reads the blocks prefill \
+                 names in its answer, so it cannot start before prefill answered",
+            ));
+        }
+    }
+    let dispatch = match (s.dispatch, overlap) {
+        (Some(Dispatch::Sequential), Overlap::Layers) => {
+            return Err(ConfigError::new(
+                "--dispatch",
+                "--overlap layers WRITEs while prefill computes, so decode must register first: \
+                 use --dispatch concurrent (the default with --overlap layers)",
+            ));
+        }
+        (Some(d), _) => d,
+        (None, Overlap::Layers) => Dispatch::Concurrent,
+        (None, Overlap::None) => Dispatch::Sequential,
+    };
+    if overlap == Overlap::Layers {
+        let regions = pair.p_geometry(0).regions();
+        if regions.iter().any(|r| r.content.layer.is_none()) {
+            return Err(ConfigError::new(
+                "--layout",
                 format!(
-                    "a {max_tokens}-token prompt needs {} blocks but the pool has {pool_p}",
-                    max_tokens.div_ceil(p_bs)
+                    "--overlap layers WRITEs one layer's slice of each block at a time, but layout {} keeps \
+                     all layers of a block together (block-outer or cross-layer): use a layer-outer layout \
+                     such as LBHNC, or --overlap none",
+                    pair.p.layout
                 ),
             ));
         }
-        let bytes_per_request = pair.d_geometry(0).block_bytes_all_layers()
-            * u64::from(max_tokens.div_ceil(d_bs))
-            * u64::from(pair.d.tp);
-        let total_bytes = bytes_per_request.saturating_mul(requests.unwrap_or(1000));
-        let verify = match f.verify.clone().or(fi.verify.clone()) {
-            Some(v) => parse_verify(&v).map_err(|e| ConfigError::new("--verify", e))?,
-            None if total_bytes <= 2 << 30 => VerifyMode::Full,
-            None => VerifyMode::Sample,
-        };
-        let on_failure = match f.on_load_failure.clone().or(fi.on_load_failure.clone()) {
-            Some(p) => choice(&p, &[("fail", FailurePolicy::Fail), ("recompute", FailurePolicy::Recompute)])
-                .map_err(|e| ConfigError::new("--on-load-failure", e))?,
-            None => FailurePolicy::Fail,
-        };
-        let (prefill, dispatch) = self.prefill_sim(transport.mode, &pair)?;
-        let fault = f.fault.as_deref().map(parse_fault).transpose()?;
-        if let Some(plan) = fault {
-            check_fault(plan, &pair, requests)?;
-            if plan.fault == Fault::KillUcx && transport.kind == TransportKind::CudaBatch {
-                return Err(ConfigError::new(
-                    "--fault",
-                    "kill-ucx tears down a rank's UCX side, and --transport cuda-batch has none: inject \
-                     exit:pR@N or exit:dR@N",
-                ));
-            }
-        }
-        let mem = self.mem()?;
-        check_mem_transport(&mem, transport.kind)?;
-        let lease = match f.lease {
-            Some(d) => d,
-            None => dur("--lease", fi.lease.as_deref())?.unwrap_or(Duration::from_secs(30)),
-        };
-        let timeout = match f.timeout {
-            Some(d) => d,
-            None => dur("--timeout", fi.timeout.as_deref())?.unwrap_or(Duration::from_secs(5)),
-        };
-        if lease.is_zero() {
-            return Err(ConfigError::new("--lease", "must be longer than 0"));
-        }
-        if timeout.is_zero() {
-            return Err(ConfigError::new("--timeout", "must be longer than 0"));
-        }
-        let repeat = f.repeat.or(fi.repeat).unwrap_or(1);
-        if repeat == 0 || repeat > 1000 {
-            return Err(ConfigError::new("--repeat", format!("must be 1..1000, got {repeat}")));
-        }
-        let exe = env
-            .exe
-            .clone()
-            .map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
-        let worker_env: Vec<(String, String)> = f
-            .ucx_tls
-            .clone()
-            .or(fi.ucx_tls.clone())
-            .map(|tls| ("UCX_TLS".to_string(), tls))
-            .into_iter()
-            .collect();
-        let (listen, bind_host, advertise_host) = self.hosts()?;
-        super::engine::check_one_machine(transport.kind, listen.as_deref(), &advertise_host)?;
-        let name = f
-            .name
-            .clone()
-            .or(fi.name.clone())
-            .or_else(|| self.path.and_then(Path::file_stem).map(|s| s.to_string_lossy().to_string()))
-            .unwrap_or_else(|| "bench".into());
-        Ok(BenchSettings {
-            name,
-            workers: WorkerSettings {
-                pair,
-                transport,
-                verify,
-                mem,
-                lease,
-                timeout,
-                alloc,
-                seed: f.seed.or(fi.seed).unwrap_or(0),
-                exe,
-                worker_env,
-                listen,
-                bind_host,
-                advertise_host,
-                prefill,
-            },
-            dispatch,
-            lens,
-            arrival,
-            requests,
-            duration,
-            warmup: f.warmup.or(fi.warmup).unwrap_or(2),
-            prefix_hit,
-            on_failure,
-            fault,
-            repeat,
-            calibrate: !f.no_calibrate,
-            progress_bar: env.stderr_is_terminal,
-            results_root: results_root(f.results_dir.as_deref(), env.results_dir.clone()),
-        })
     }
+    Ok((PrefillSim { per_layer_ns: per_layer.as_nanos() as u64, overlap }, dispatch))
+}
+
+/// `--listen` and `--advertise-host`: (listen, bind host, advertise host).
+fn hosts(s: &BenchFlags) -> Result<(Option<String>, String, String), ConfigError> {
+    if let Some(ep) = &s.listen {
+        let bad = || {
+            ConfigError::new(
+                "--listen",
+                format!("'{ep}' is not tcp://HOST:PORT (the decode engine takes PORT + 1)"),
+            )
+        };
+        let (host, port) = ep.strip_prefix("tcp://").and_then(|r| r.rsplit_once(':')).ok_or_else(bad)?;
+        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == u16::MAX) {
+            return Err(bad());
+        }
+    }
+    let (bind_host, advertise_default) = match &s.listen {
+        Some(ep) => {
+            let (h, _) = split_endpoint(ep);
+            ("0.0.0.0".to_string(), if h == "0.0.0.0" || h == "*" { "127.0.0.1".to_string() } else { h })
+        }
+        None => ("127.0.0.1".to_string(), "127.0.0.1".to_string()),
+    };
+    Ok((s.listen.clone(), bind_host, s.advertise_host.clone().unwrap_or(advertise_default)))
 }
 
 /// Parses `--fault kill-ucx:p0@5`.
@@ -726,10 +672,13 @@ fn check_fault(
 mod tests {
     use std::io::Write as _;
 
+    use clap::{Args as _, FromArgMatches as _};
+
     use super::*;
-    use crate::pipeline::proto::{self, ToWorker, TransferMode};
+    use crate::pipeline::proto::{self, ToWorker};
+    use crate::pipeline::setup::KvMemory;
+    use crate::settings::layer::Layer as _;
     use crate::transfer::memory::MemPlace;
-    use crate::transfer::ucx::{ErrMode, ProgressMode};
 
     fn env() -> ProcessEnv {
         ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok(PathBuf::from("/usr/bin/kvx")) }
@@ -743,6 +692,13 @@ mod tests {
 
     fn with_config(file: &tempfile::NamedTempFile) -> BenchFlags {
         BenchFlags { config: Some(file.path().to_path_buf()), ..BenchFlags::default() }
+    }
+
+    /// `kvx bench`'s flags as clap parses them.
+    fn parse(args: &[&str]) -> Result<BenchFlags, clap::Error> {
+        let cmd = BenchFlags::augment_args(clap::Command::new("bench").allow_negative_numbers(true));
+        let matches = cmd.try_get_matches_from(std::iter::once("bench").chain(args.iter().copied()))?;
+        BenchFlags::from_arg_matches(&matches)
     }
 
     #[test]
@@ -791,9 +747,9 @@ mod tests {
             name: Some("mine".into()),
             pair: PairFlags { d_tp: Some(2), ..PairFlags::default() },
             inflight: Some(16),
-            progress: Some("busy".into()),
-            err_mode: Some("none".into()),
-            verify: Some("full".into()),
+            progress: Some(ProgressMode::Busy),
+            err_mode: Some(ErrMode::None),
+            verify: Some(VerifyMode::Full),
             lease: Some(Duration::from_secs(3)),
             prompt_len: Some("1024".into()),
             concurrency: Some(1),
@@ -830,16 +786,9 @@ mod tests {
     fn each_bad_flag_is_named() {
         let cases: Vec<(BenchFlags, &str)> = vec![
             (BenchFlags { inflight: Some(0), ..Default::default() }, "--inflight"),
-            (BenchFlags { progress: Some("spin".into()), ..Default::default() }, "--progress"),
-            (BenchFlags { err_mode: Some("x".into()), ..Default::default() }, "--err-mode"),
-            (BenchFlags { verify: Some("maybe".into()), ..Default::default() }, "--verify"),
-            (BenchFlags { transport: Some("bogus".into()), ..Default::default() }, "--transport"),
-            (BenchFlags { on_load_failure: Some("retry".into()), ..Default::default() }, "--on-load-failure"),
-            (BenchFlags { mode: Some("poll".into()), ..Default::default() }, "--mode"),
-            (BenchFlags { mem: Some("disk".into()), ..Default::default() }, "--mem"),
             (BenchFlags { devices: Some(vec![0]), ..Default::default() }, "--devices"),
             (
-                BenchFlags { mem: Some("cuda".into()), devices: Some(vec![1, 1]), ..Default::default() },
+                BenchFlags { mem: Some(MemKind::Cuda), devices: Some(vec![1, 1]), ..Default::default() },
                 "--devices",
             ),
             (BenchFlags { concurrency: Some(0), ..Default::default() }, "--concurrency"),
@@ -847,7 +796,6 @@ mod tests {
             (BenchFlags { requests: Some(0), ..Default::default() }, "--requests"),
             (BenchFlags { duration: Some(Duration::ZERO), ..Default::default() }, "--duration"),
             (BenchFlags { prefix_hit: Some(1.0), ..Default::default() }, "--prefix-hit"),
-            (BenchFlags { alloc: Some("weird".into()), ..Default::default() }, "--alloc"),
             (BenchFlags { lease: Some(Duration::ZERO), ..Default::default() }, "--lease"),
             (BenchFlags { timeout: Some(Duration::ZERO), ..Default::default() }, "--timeout"),
             (BenchFlags { repeat: Some(0), ..Default::default() }, "--repeat"),
@@ -856,8 +804,8 @@ mod tests {
             (BenchFlags { listen: Some("bogus".into()), ..Default::default() }, "--listen"),
             (
                 BenchFlags {
-                    transport: Some("multi".into()),
-                    transports: Some(vec!["storage".into()]),
+                    transport: Some(TransportKind::Multi),
+                    transports: Some(vec![TransportKind::Storage]),
                     ..Default::default()
                 },
                 "--transports",
@@ -880,12 +828,12 @@ mod tests {
             assert_eq!(e.flag, flag, "{flags:?}: {e}");
         }
         // Push mode resolves, and refuses what vLLM's push connector refuses, naming the flag.
-        let push =
-            resolve(&BenchFlags { mode: Some("push".into()), ..Default::default() }, &env()).expect("push");
+        let push = resolve(&BenchFlags { mode: Some(TransferMode::Push), ..Default::default() }, &env())
+            .expect("push");
         assert_eq!(push.workers.transport.mode, TransferMode::Push);
         let e = resolve(
             &BenchFlags {
-                mode: Some("push".into()),
+                mode: Some(TransferMode::Push),
                 pair: PairFlags { p_block_size: Some(16), d_block_size: Some(32), ..Default::default() },
                 ..Default::default()
             },
@@ -894,13 +842,21 @@ mod tests {
         .expect_err("push needs equal block sizes");
         assert_eq!(e.flag, "--d-block-size", "{e}");
         let e = resolve(
-            &BenchFlags { mode: Some("push".into()), transport: Some("multi".into()), ..Default::default() },
+            &BenchFlags {
+                mode: Some(TransferMode::Push),
+                transport: Some(TransportKind::Multi),
+                ..Default::default()
+            },
             &env(),
         )
         .expect_err("push writes over UCX");
         assert_eq!(e.flag, "--transport", "{e}");
         let e = resolve(
-            &BenchFlags { mem: Some("cuda".into()), transport: Some("storage".into()), ..Default::default() },
+            &BenchFlags {
+                mem: Some(MemKind::Cuda),
+                transport: Some(TransportKind::Storage),
+                ..Default::default()
+            },
             &env(),
         )
         .expect_err("cuda pools over storage");
@@ -909,8 +865,8 @@ mod tests {
 
     #[test]
     fn cuda_batch_resolves_with_device_pools_and_refuses_what_it_cannot_do() {
-        let batch = |more: BenchFlags| BenchFlags { transport: Some("cuda-batch".into()), ..more };
-        let cuda = || BenchFlags { mem: Some("cuda".into()), ..Default::default() };
+        let batch = |more: BenchFlags| BenchFlags { transport: Some(TransportKind::CudaBatch), ..more };
+        let cuda = || BenchFlags { mem: Some(MemKind::Cuda), ..Default::default() };
         if cfg!(feature = "cuda") {
             let s = resolve(&batch(cuda()), &env()).expect("cuda-batch on device pools");
             assert_eq!(s.workers.transport.kind, TransportKind::CudaBatch);
@@ -920,7 +876,7 @@ mod tests {
             assert_eq!(e.flag, "--transport", "{e}");
         }
         let cases = [
-            (BenchFlags { mode: Some("push".into()), ..cuda() }, "--transport"),
+            (BenchFlags { mode: Some(TransferMode::Push), ..cuda() }, "--transport"),
             (BenchFlags { listen: Some("tcp://0.0.0.0:5700".into()), ..cuda() }, "--listen"),
             (BenchFlags { advertise_host: Some("10.1.2.3".into()), ..cuda() }, "--advertise-host"),
             (BenchFlags { fault: Some("kill-ucx:p0@1".into()), ..cuda() }, "--fault"),
@@ -944,7 +900,7 @@ mod tests {
 
     #[test]
     fn batch_copy_is_cuda_batch_s_and_refused_elsewhere() {
-        let cuda = || BenchFlags { mem: Some("cuda".into()), ..Default::default() };
+        let cuda = || BenchFlags { mem: Some(MemKind::Cuda), ..Default::default() };
         let kernel = |more: BenchFlags| BenchFlags { batch_copy: Some(BatchCopy::Kernel), ..more };
         // Anywhere no cuda-batch run happens, by name (the flag, or its key in a file).
         let e = resolve(&kernel(BenchFlags::default()), &env()).expect_err("ucx");
@@ -954,13 +910,87 @@ mod tests {
         let e = resolve(&with_config(&file), &env()).expect_err("ucx from a file");
         assert!(e.to_string().contains("batch_copy"), "names the key: {e}");
         if cfg!(feature = "cuda") {
-            let batch = kernel(BenchFlags { transport: Some("cuda-batch".into()), ..cuda() });
+            let batch = kernel(BenchFlags { transport: Some(TransportKind::CudaBatch), ..cuda() });
             let s = resolve(&batch, &env()).expect("cuda-batch with the kernel");
             assert_eq!(s.workers.transport.batch_copy, BatchCopy::Kernel);
-            let plain = BenchFlags { transport: Some("cuda-batch".into()), ..cuda() };
+            let plain = BenchFlags { transport: Some(TransportKind::CudaBatch), ..cuda() };
             let s = resolve(&plain, &env()).expect("cuda-batch");
             assert_eq!(s.workers.transport.batch_copy, BatchCopy::Kernel, "the default");
         }
+    }
+
+    #[test]
+    fn a_bad_choice_is_refused_by_the_parser_naming_its_flag() {
+        for (args, flag) in [
+            (&["--progress", "spin"][..], "--progress"),
+            (&["--err-mode", "x"], "--err-mode"),
+            (&["--verify", "maybe"], "--verify"),
+            (&["--transport", "bogus"], "--transport"),
+            (&["--on-load-failure", "retry"], "--on-load-failure"),
+            (&["--mode", "poll"], "--mode"),
+            (&["--mem", "disk"], "--mem"),
+            (&["--alloc", "weird"], "--alloc"),
+            (&["--overlap", "blocks"], "--overlap"),
+            (&["--dispatch", "later"], "--dispatch"),
+            (&["--compare-transports", "ucx,nccl"], "--compare-transports"),
+            (&["--compare-modes", "pull,sideways"], "--compare-modes"),
+            (&["--dtype", "fp7"], "--dtype"),
+            (&["--vllm", "0.25"], "--vllm"),
+        ] {
+            let e = parse(args).expect_err(flag);
+            use clap::error::ErrorKind::{InvalidValue, ValueValidation};
+            assert!(matches!(e.kind(), InvalidValue | ValueValidation), "{args:?}: {e}");
+            assert!(e.to_string().contains(flag), "{args:?}: {e}");
+        }
+        // The spellings users type today.
+        let f = parse(&[
+            "--mem",
+            "cuda",
+            "--transport",
+            "cuda-batch",
+            "--verify",
+            "sample",
+            "--err-mode",
+            "peer",
+            "--progress",
+            "busy",
+            "--alloc",
+            "fragmented",
+            "--on-load-failure",
+            "recompute",
+            "--overlap",
+            "layers",
+            "--dispatch",
+            "concurrent",
+            "--mode",
+            "push",
+            "--transports",
+            "ucx,storage",
+            "--vllm",
+            "0.19",
+            "--dtype",
+            "bfloat16",
+        ])
+        .expect("valid");
+        assert_eq!((f.mem, f.transport), (Some(MemKind::Cuda), Some(TransportKind::CudaBatch)));
+        assert_eq!(
+            (f.verify, f.err_mode, f.progress),
+            (Some(VerifyMode::Sample), Some(ErrMode::Peer), Some(ProgressMode::Busy))
+        );
+        assert_eq!(
+            (f.alloc, f.on_load_failure),
+            (Some(AllocPattern::Fragmented), Some(FailurePolicy::Recompute))
+        );
+        assert_eq!(
+            (f.overlap, f.dispatch, f.mode),
+            (Some(Overlap::Layers), Some(Dispatch::Concurrent), Some(TransferMode::Push))
+        );
+        assert_eq!(f.transports, Some(vec![TransportKind::Ucx, TransportKind::Storage]));
+        assert_eq!(f.pair.vllm, Some(crate::topology::VllmVersion::V0_19));
+        assert_eq!(f.model.dtype, Some(crate::settings::model::Dtype::Bf16));
+        // --transports takes the members of multi's chain only.
+        let e = resolve(&parse(&["--transports", "ucx,multi"]).expect("parses"), &env()).expect_err("multi");
+        assert_eq!(e.to_string(), "'multi' is not ucx or storage (change --transports)");
     }
 
     #[test]
@@ -982,6 +1012,12 @@ mod tests {
             ("alloc = \"weird\"", "alloc"),
             ("p_tp = 8\nd_tp = 2\nnum_kv_heads = 4", "p_tp"),
             ("layout = \"XYZ\"", "layout"),
+            ("dtype = \"fp7\"", "dtype"),
+            ("vllm = \"0.25\"", "vllm"),
+            ("on_load_failure = \"retry\"", "on_load_failure"),
+            ("transports = [\"nccl\"]", "transports"),
+            ("overlap = \"blocks\"", "overlap"),
+            ("inflight = \"x\"", "inflight"),
         ] {
             let file = config(text);
             let e = resolve(&with_config(&file), &env()).expect_err(text);
@@ -997,8 +1033,18 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_bench_configs_parse_unchanged() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs");
+        for name in ["ci", "p8d2", "mla-deepseek", "block-size-sweep", "frag-sweep", "layout-sweep"] {
+            let path = dir.join(format!("{name}.toml"));
+            let file: BenchFlags = layer::load(&path, "--config").unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(file.gives("p_tp").is_some(), "{name}");
+        }
+    }
+
+    #[test]
     fn memory_and_devices() {
-        let one = BenchFlags { mem: Some("cuda".into()), devices: Some(vec![3]), ..Default::default() };
+        let one = BenchFlags { mem: Some(MemKind::Cuda), devices: Some(vec![3]), ..Default::default() };
         let s = resolve(&one, &env()).expect("cuda pools on device 3");
         assert_eq!(s.workers.mem, KvMemory::Cuda { devices: vec![3] });
         let file = config("mem = \"cuda\"\ndevices = [0, 1]");
@@ -1020,7 +1066,7 @@ mod tests {
         let flags = BenchFlags {
             pair: PairFlags { p_tp: Some(2), d_tp: Some(2), ..PairFlags::default() },
             model: ModelFlags { model: Some("llama-3.1-8b".into()), ..ModelFlags::default() },
-            progress: Some("wait".into()),
+            progress: Some(ProgressMode::Wait),
             listen: Some("tcp://0.0.0.0:7000".into()),
             ..BenchFlags::default()
         };
@@ -1049,10 +1095,10 @@ mod tests {
     #[test]
     fn typed_worker_config_round_trips_through_the_control_protocol() {
         let flags = BenchFlags {
-            transport: Some("multi".into()),
-            err_mode: Some("peer".into()),
-            progress: Some("busy".into()),
-            verify: Some("sample".into()),
+            transport: Some(TransportKind::Multi),
+            err_mode: Some(ErrMode::Peer),
+            progress: Some(ProgressMode::Busy),
+            verify: Some(VerifyMode::Sample),
             notify: Some(NotifyTransport::Zmq),
             ..BenchFlags::default()
         };
@@ -1077,9 +1123,11 @@ mod tests {
 
     #[test]
     fn scenario_records_the_choices_by_name() {
-        let s =
-            resolve(&BenchFlags { on_load_failure: Some("recompute".into()), ..Default::default() }, &env())
-                .expect("valid");
+        let s = resolve(
+            &BenchFlags { on_load_failure: Some(FailurePolicy::Recompute), ..Default::default() },
+            &env(),
+        )
+        .expect("valid");
         let sc = s.scenario();
         assert_eq!(sc.verify.as_deref(), Some("sample"), "20 requests of 640 MiB: more than 2 GiB");
         assert_eq!(sc.transport.as_deref(), Some("ucx"));
@@ -1090,15 +1138,14 @@ mod tests {
 
     #[test]
     fn prefill_simulation_overlap_and_dispatch_resolve_and_refuse_by_flag() {
-        use crate::pipeline::proto::{Dispatch, Overlap};
-        let push = |f: BenchFlags| BenchFlags { mode: Some("push".into()), ..f };
+        let push = |f: BenchFlags| BenchFlags { mode: Some(TransferMode::Push), ..f };
         // Defaults: no simulated prefill, no overlap, sequential.
         let s = resolve(&push(BenchFlags::default()), &env()).expect("push");
         assert_eq!((s.workers.prefill.per_layer_ns, s.workers.prefill.overlap), (0, Overlap::None));
         assert_eq!(s.dispatch, Dispatch::Sequential);
         // Layer overlap dispatches both legs at once unless told otherwise.
         let layers = push(BenchFlags {
-            overlap: Some("layers".into()),
+            overlap: Some(Overlap::Layers),
             prefill_time_per_layer: Some(Duration::from_micros(500)),
             ..Default::default()
         });
@@ -1108,10 +1155,9 @@ mod tests {
         assert_eq!(s.scenario().extra["overlap"], "layers");
         let refused = |f: BenchFlags| resolve(&f, &env()).expect_err("refused").flag;
         assert_eq!(
-            refused(BenchFlags { dispatch: Some("sequential".into()), ..layers.clone() }),
+            refused(BenchFlags { dispatch: Some(Dispatch::Sequential), ..layers.clone() }),
             "--dispatch"
         );
-        assert_eq!(refused(BenchFlags { overlap: Some("blocks".into()), ..layers.clone() }), "--overlap");
         assert_eq!(
             refused(BenchFlags { prefill_time_per_layer: Some(Duration::from_secs(2)), ..layers.clone() }),
             "--prefill-time-per-layer"
@@ -1125,10 +1171,10 @@ mod tests {
         assert_eq!(refused(layout("BHLNC")), "--layout");
         assert!(resolve(&layout("BLHNC"), &env()).is_ok());
         // Pull refuses push's choices, except as the pull run of a mode comparison.
-        let pull = BenchFlags { mode: Some("pull".into()), ..layers.clone() };
+        let pull = BenchFlags { mode: Some(TransferMode::Pull), ..layers.clone() };
         assert_eq!(refused(pull.clone()), "--overlap");
         assert_eq!(
-            refused(BenchFlags { mode: None, dispatch: Some("concurrent".into()), ..BenchFlags::default() }),
+            refused(BenchFlags { mode: None, dispatch: Some(Dispatch::Concurrent), ..BenchFlags::default() }),
             "--dispatch"
         );
         let leg = resolve(&BenchFlags { in_mode_comparison: true, ..pull }, &env()).expect("comparison leg");

@@ -1,14 +1,16 @@
-//! What worker engines are told, parsed and checked: the typed choices every worker receives
-//! (verification, UCX error and progress modes, transport, transfer mode), what kvx cannot do
-//! yet ([`NotYet`]), and `kvx serve-engine`'s flags resolved into its settings (its worker
+//! What worker engines are told, checked once: where a run's KV pools live (`--mem`,
+//! `--devices`), which memory each transport moves, the other transport rules `kvx bench`
+//! and `kvx xfer` share, and `kvx serve-engine`'s settings ([`ServeEngineFlags`], its worker
 //! engine built by `pipeline::setup`'s one builder, as `kvx bench`'s are). Must not start
 //! anything.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::Args;
+
 use super::flags::{ModelFlags, PairFlags};
-use super::parse::choice;
+use super::parse::parse_duration;
 use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
@@ -17,21 +19,23 @@ use crate::pipeline::proto::{Role, TransferMode, TransportConfig, TransportKind,
 use crate::pipeline::setup::{EngineSlot, KvMemory, WorkerSettings};
 use crate::serve::engine::{EngineConfig as HttpEngineConfig, Role as HttpRole};
 use crate::serve::kv::EngineIdentity;
+use crate::topology::VllmVersion;
+use crate::transfer::memory::MemKind;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
 
 /// Resolves `--mem` (host or cuda) and `--devices` into where a run's KV pools live. The
 /// devices are a round-robin list ([`KvMemory`]'s placement rule), device 0 when none is
 /// named; naming devices without `--mem cuda` is refused rather than ignored.
-pub fn resolve_mem(kind: &str, devices: Option<Vec<u32>>) -> Result<KvMemory, ConfigError> {
-    match kind.trim() {
-        "host" => match devices {
+pub fn resolve_mem(kind: MemKind, devices: Option<Vec<u32>>) -> Result<KvMemory, ConfigError> {
+    match kind {
+        MemKind::Host => match devices {
             Some(_) => Err(ConfigError::new(
                 "--devices",
                 "--device and --devices place CUDA pools: pass --mem cuda with them, or drop them for host memory",
             )),
             None => Ok(KvMemory::Host),
         },
-        "cuda" => {
+        MemKind::Cuda => {
             let devices = devices.filter(|d| !d.is_empty()).unwrap_or_else(|| vec![0]);
             let mut seen = std::collections::BTreeSet::new();
             if let Some(d) = devices.iter().find(|d| !seen.insert(**d)) {
@@ -39,14 +43,14 @@ pub fn resolve_mem(kind: &str, devices: Option<Vec<u32>>) -> Result<KvMemory, Co
             }
             Ok(KvMemory::Cuda { devices })
         }
-        other => Err(ConfigError::new("--mem", format!("'{other}' is not host or cuda"))),
     }
 }
 
-/// Device pools move over UCX or cuda-batch: the storage transport (and multi's storage
-/// fallback) reads and writes files from host memory. cuda-batch copies device memory only,
-/// and needs a kvx built with CUDA support.
-pub fn check_mem_transport(mem: &KvMemory, kind: TransportKind) -> Result<(), ConfigError> {
+/// Which memory each transport moves, for every command that has both choices (`kvx bench`,
+/// `kvx xfer`): the one place these rules are written. cuda-batch copies device memory only,
+/// and needs a kvx built with CUDA support; device memory moves over UCX or cuda-batch (the
+/// storage transport, and multi's storage fallback, read and write files from host memory).
+pub fn check_mem_transport(mem: MemKind, kind: TransportKind) -> Result<(), ConfigError> {
     if kind == TransportKind::CudaBatch && !cfg!(feature = "cuda") {
         return Err(ConfigError::new(
             "--transport",
@@ -55,12 +59,12 @@ pub fn check_mem_transport(mem: &KvMemory, kind: TransportKind) -> Result<(), Co
         ));
     }
     match (mem, kind) {
-        (KvMemory::Host, TransportKind::CudaBatch) => Err(ConfigError::new(
+        (MemKind::Host, TransportKind::CudaBatch) => Err(ConfigError::new(
             "--mem",
-            "--transport cuda-batch copies KV pools between GPUs of one machine: pass --mem cuda (and \
-             --devices to place the ranks), or use --transport ucx for host memory",
+            "--transport cuda-batch copies device memory between GPUs of one machine: pass --mem cuda, or use \
+             --transport ucx for host memory",
         )),
-        (KvMemory::Cuda { .. }, TransportKind::Storage | TransportKind::Multi) => Err(ConfigError::new(
+        (MemKind::Cuda, TransportKind::Storage | TransportKind::Multi) => Err(ConfigError::new(
             "--transport",
             format!(
                 "'{}' moves host memory through files; with --mem cuda use --transport ucx (or --mem host)",
@@ -69,42 +73,6 @@ pub fn check_mem_transport(mem: &KvMemory, kind: TransportKind) -> Result<(), Co
         )),
         _ => Ok(()),
     }
-}
-
-/// Parses `--mode` (or the `mode` key).
-pub fn parse_mode(name: &str) -> Result<TransferMode, String> {
-    choice(name, &[("pull", TransferMode::Pull), ("push", TransferMode::Push)])
-}
-
-/// Parses `--verify`.
-pub fn parse_verify(name: &str) -> Result<VerifyMode, String> {
-    choice(name, &[("full", VerifyMode::Full), ("sample", VerifyMode::Sample), ("off", VerifyMode::Off)])
-}
-
-/// Parses `--err-mode`.
-pub fn parse_err_mode(name: &str) -> Result<ErrMode, String> {
-    choice(name, &[("none", ErrMode::None), ("peer", ErrMode::Peer)])
-}
-
-/// Parses `--progress`.
-pub fn parse_progress(name: &str) -> Result<ProgressMode, String> {
-    choice(
-        name,
-        &[("busy", ProgressMode::Busy), ("wait", ProgressMode::Wait), ("hybrid", ProgressMode::Hybrid)],
-    )
-}
-
-/// Parses `--transport`.
-pub fn parse_transport(name: &str) -> Result<TransportKind, String> {
-    choice(
-        name,
-        &[
-            ("ucx", TransportKind::Ucx),
-            ("storage", TransportKind::Storage),
-            ("multi", TransportKind::Multi),
-            ("cuda-batch", TransportKind::CudaBatch),
-        ],
-    )
 }
 
 /// `--transport cuda-batch` maps peers' GPU memory with CUDA IPC, which works between
@@ -172,46 +140,129 @@ pub enum KvBackendKind {
 /// Per-rank pool budget used when `--pool-blocks` is not given.
 pub const DEFAULT_POOL_BYTES_PER_RANK: u64 = 512 << 20;
 
-/// `kvx serve-engine`'s flags as plain data (clap supplies the defaults).
-#[derive(Debug, Clone, PartialEq)]
+/// `--itl-ms` default: [`crate::serve::engine::DEFAULT_ITL`] in milliseconds.
+pub const DEFAULT_ITL_MS: f64 = 15.0;
+
+/// `kvx serve-engine`'s flags (clap supplies the defaults). Host, port and threads are the
+/// process's own: `cli` binds and starts the runtime with them.
+#[derive(Debug, Clone, PartialEq, Args)]
 pub struct ServeEngineFlags {
+    /// Role in the P/D pair: `prefill` answers with kv_transfer_params, `decode` loads them.
+    #[arg(long, value_enum)]
     pub role: HttpRole,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to bind; 0 picks a free one (read it from the first stdout line).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Model id served on /v1/models and checked against requests' `model` [default: the
+    /// --model preset's name, else kvx-synthetic].
+    #[arg(long, visible_alias = "served-model-name")]
     pub model_name: Option<String>,
+    /// Tensor-parallel size: worker processes started, and `tp_size` in kv_transfer_params.
+    #[arg(long, default_value_t = 1)]
     pub tp: u32,
+    /// KV block size in tokens (blocks per prompt = ceil(tokens / block size)).
+    #[arg(long, default_value_t = 16)]
     pub block_size: u32,
+    /// Context length: prompt + max_tokens must fit; also the default max_tokens bound.
+    #[arg(long, default_value_t = 8192)]
     pub max_model_len: u64,
+    /// Simulated prefill throughput in tokens/s (0 = instant prefill).
+    #[arg(long, default_value_t = 0.0)]
     pub prefill_tokens_per_s: f64,
+    /// Inter-token latency in milliseconds: one decode step of a real engine (10-30 ms for
+    /// 8B-70B models on current GPUs). 0 sends all tokens at once: clients then report an
+    /// ITL and TPOT of zero, and the engine's Server-Timing says pacing is off.
+    #[arg(long, default_value_t = DEFAULT_ITL_MS)]
     pub itl_ms: f64,
+    /// Require `Authorization: Bearer <KEY>` on /v1/* (as vLLM's --api-key).
+    #[arg(long)]
     pub api_key: Option<String>,
+    /// Requests generating at once; more wait (vllm:num_requests_waiting).
+    #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
+    /// The synthetic model samples EOS as its N-th token (unless ignore_eos); default never.
+    #[arg(long, value_name = "N")]
     pub eos_at: Option<u64>,
+    /// Engine id advertised as `remote_engine_id` (default: a random uuid4).
+    #[arg(long)]
     pub engine_id: Option<String>,
+    /// Side-channel host: the prefill engine binds its side channel (and its ranks their
+    /// notification listeners) there and advertises it as `remote_host`
+    /// (vLLM: VLLM_NIXL_SIDE_CHANNEL_HOST).
+    #[arg(long, default_value = "localhost")]
     pub side_channel_host: String,
+    /// Side-channel port of a prefill engine; 0 binds an ephemeral one, and `remote_port`
+    /// in kv_transfer_params carries the real port (vLLM: VLLM_NIXL_SIDE_CHANNEL_PORT).
+    #[arg(long, default_value_t = 5600)]
     pub side_channel_port: u16,
+    /// KV backend: real worker processes and UCX reads, or none (HTTP-only measurements).
+    #[arg(long, value_enum, default_value = "workers")]
     pub kv_backend: KvBackendKind,
+    /// Runtime worker threads (default: one per CPU).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    #[command(flatten)]
     pub model: ModelFlags,
-    pub vllm: Option<String>,
+    /// Which vLLM release's rules to follow: 0.33 or 0.19 [default: 0.33].
+    #[arg(long, value_name = "VERSION", help_heading = "KV workers")]
+    pub vllm: Option<VllmVersion>,
+    /// KV cache layout of this engine (0.33: LBHNC=HND, LBNHC=NHD, ...; 0.19: HND, NHD, ...).
+    /// A decode engine learns the prefill engine's layout at handshake time.
+    #[arg(long, value_name = "LAYOUT", help_heading = "KV workers")]
     pub layout: Option<String>,
+    /// Blocks in the KV pool of each rank [default: 4 prompts of --max-model-len within 512
+    /// MiB per rank, and never less than one prompt; pages are touched only as blocks are used].
+    #[arg(long, value_name = "N", help_heading = "KV workers")]
     pub pool_blocks: Option<u32>,
-    pub alloc: String,
+    /// Block allocation pattern: contiguous, fragmented, random.
+    #[arg(long, value_enum, default_value = "contiguous", help_heading = "KV workers")]
+    pub alloc: AllocPattern,
+    /// Lease the prefill ranks hold blocks under (vLLM kv_lease_duration).
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "30s", help_heading = "KV workers")]
     pub lease: Duration,
+    /// Deadline of every KV wait: handshake, reads, notifications.
+    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "5s", help_heading = "KV workers")]
     pub timeout: Duration,
-    pub verify: String,
+    /// Check the bytes a decode engine read: full, sample, off.
+    #[arg(long, value_enum, default_value = "sample", help_heading = "KV workers")]
+    pub verify: VerifyMode,
+    /// libucp.so to load (default: KVX_UCX_LIB, then .ucx/, then the system's).
+    #[arg(long, help_heading = "KV workers")]
     pub ucx_lib: Option<PathBuf>,
+    /// UCX_TLS for the workers, e.g. posix,cma,self or tcp.
+    #[arg(long, help_heading = "KV workers")]
     pub ucx_tls: Option<String>,
-    pub err_mode: String,
-    pub progress: String,
+    /// UCX error-handling mode: none or peer.
+    #[arg(long, value_enum, default_value = "none", help_heading = "KV workers")]
+    pub err_mode: ErrMode,
+    /// UCX progress: busy, wait, hybrid.
+    #[arg(long, value_enum, default_value = "hybrid", help_heading = "KV workers")]
+    pub progress: ProgressMode,
+    /// GETs in flight per source rank.
+    #[arg(long, default_value_t = 64, help_heading = "KV workers")]
     pub inflight: u32,
+    /// Post coalesced descriptors instead of vLLM's one per block and region.
+    #[arg(long, help_heading = "KV workers")]
     pub coalesce: bool,
+    /// Back the KV pools with huge pages.
+    #[arg(long, help_heading = "KV workers")]
     pub huge_pages: bool,
-    /// `--mem`: host or cuda.
-    pub mem: String,
-    /// `--devices` (or `--device`): GPUs of `--mem cuda`, round-robin over this engine's ranks.
+    /// Memory of the KV pools: host or cuda.
+    #[arg(long, value_enum, default_value = "host", help_heading = "KV workers")]
+    pub mem: MemKind,
+    /// GPUs of --mem cuda, e.g. 0,1: this engine's ranks round-robin [default: 0].
+    #[arg(long, value_delimiter = ',', help_heading = "KV workers")]
     pub devices: Option<Vec<u32>>,
-    /// `--mode`: pull (decode reads, NixlConnector) or push (prefill writes,
-    /// NixlPushConnector); `None` is pull. Both engines of a pair must agree (the handshake's
-    /// compatibility hash includes it).
-    pub mode: Option<String>,
+    /// One GPU for every rank of --mem cuda (--devices N).
+    #[arg(long, value_name = "N", conflicts_with = "devices", help_heading = "KV workers")]
+    pub device: Option<u32>,
+    /// Who moves the KV: pull (decode reads, vLLM's NixlConnector) or push (prefill writes into
+    /// the blocks decode registers, NixlPushConnector); both engines must use the same [default: pull].
+    #[arg(long, value_enum, value_name = "pull|push", help_heading = "KV workers")]
+    pub mode: Option<TransferMode>,
 }
 
 /// How `kvx serve-engine`'s KV side is built.
@@ -259,6 +310,9 @@ pub fn resolve_serve_engine(
     if a.eos_at == Some(0) {
         return Err(ConfigError::new("--eos-at", "EOS position counts from 1"));
     }
+    if a.threads == Some(0) {
+        return Err(ConfigError::new("--threads", "must be at least 1"));
+    }
     let engine_id = a.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     let model_name =
         a.model_name.clone().or_else(|| a.model.model.clone()).unwrap_or_else(|| "kvx-synthetic".to_string());
@@ -305,7 +359,7 @@ fn serve_engine_workers(
     let pair_flags = PairFlags {
         p_tp: Some(a.tp),
         d_tp: Some(a.tp),
-        vllm: a.vllm.clone(),
+        vllm: a.vllm,
         layout: a.layout.clone(),
         block_size: Some(a.block_size),
         ..PairFlags::default()
@@ -334,18 +388,11 @@ fn serve_engine_workers(
         }
     };
     let pair = scenario::resolve_pair(&a.model, &pair_flags, pool, pool).map_err(own_flag)?;
-    let mode = match &a.mode {
-        Some(m) => parse_mode(m).map_err(|e| ConfigError::new("--mode", e))?,
-        None => TransferMode::Pull,
-    };
+    let mode = a.mode.unwrap_or_default();
     match mode {
         TransferMode::Pull => pair.validate().map(|_| ()).map_err(own_flag)?,
         TransferMode::Push => pair.validate_push().map(|_| ()).map_err(own_flag)?,
     }
-    let alloc: AllocPattern = a.alloc.parse().map_err(|e| ConfigError::new("--alloc", e))?;
-    let verify = parse_verify(&a.verify).map_err(|e| ConfigError::new("--verify", e))?;
-    let err_mode = parse_err_mode(&a.err_mode).map_err(|e| ConfigError::new("--err-mode", e))?;
-    let progress = parse_progress(&a.progress).map_err(|e| ConfigError::new("--progress", e))?;
     let inflight = check_inflight(a.inflight)?;
     if a.lease.is_zero() || a.timeout.is_zero() {
         return Err(ConfigError::new("--lease", "--lease and --timeout must be longer than 0"));
@@ -353,7 +400,8 @@ fn serve_engine_workers(
     let exe =
         exe.clone().map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
     let host = bind_host(&a.side_channel_host);
-    let mem = resolve_mem(&a.mem, a.devices.clone())?;
+    // `--device N` is `--devices N`.
+    let mem = resolve_mem(a.mem, a.devices.clone().or(a.device.map(|d| vec![d])))?;
     Ok(WorkerSettings {
         pair,
         transport: TransportConfig {
@@ -361,8 +409,8 @@ fn serve_engine_workers(
             chain: vec![],
             mode,
             ucx_lib: a.ucx_lib.clone(),
-            err_mode,
-            progress,
+            err_mode: a.err_mode,
+            progress: a.progress,
             ucx_alloc: false,
             huge_pages: a.huge_pages,
             inflight,
@@ -374,11 +422,11 @@ fn serve_engine_workers(
             batch_copy: Default::default(),
             slowdown: 0.0,
         },
-        verify,
+        verify: a.verify,
         mem,
         lease: a.lease,
         timeout: a.timeout,
-        alloc,
+        alloc: a.alloc,
         seed: 0,
         exe,
         worker_env: a.ucx_tls.iter().map(|t| ("UCX_TLS".to_string(), t.clone())).collect(),
@@ -396,37 +444,33 @@ mod tests {
     use crate::transfer::memory::MemPlace;
 
     #[test]
-    fn only_pull_mode_and_host_pools_for_now() {
-        assert_eq!(parse_mode("pull"), Ok(TransferMode::Pull));
-        assert_eq!(parse_mode("push"), Ok(TransferMode::Push));
-        assert!(parse_mode("sideways").is_err_and(|e| e.contains("sideways")));
-        assert_eq!(resolve_mem("host", None), Ok(KvMemory::Host));
-        assert_eq!(resolve_mem("cuda", None), Ok(KvMemory::Cuda { devices: vec![0] }));
-        assert_eq!(resolve_mem(" cuda", Some(vec![2, 0])), Ok(KvMemory::Cuda { devices: vec![2, 0] }));
-        assert_eq!(resolve_mem("cuda", Some(vec![1, 1])).expect_err("twice").flag, "--devices");
-        assert_eq!(resolve_mem("host", Some(vec![1])).expect_err("devices without cuda").flag, "--devices");
-        assert_eq!(resolve_mem("gpu", None).expect_err("unknown").flag, "--mem");
-        let cuda = KvMemory::Cuda { devices: vec![0] };
-        assert!(check_mem_transport(&cuda, TransportKind::Ucx).is_ok());
-        assert!(check_mem_transport(&KvMemory::Host, TransportKind::Storage).is_ok());
+    fn memory_and_the_transports_that_move_it() {
+        assert_eq!(resolve_mem(MemKind::Host, None), Ok(KvMemory::Host));
+        assert_eq!(resolve_mem(MemKind::Cuda, None), Ok(KvMemory::Cuda { devices: vec![0] }));
+        assert_eq!(resolve_mem(MemKind::Cuda, Some(vec![2, 0])), Ok(KvMemory::Cuda { devices: vec![2, 0] }));
+        assert_eq!(resolve_mem(MemKind::Cuda, Some(vec![1, 1])).expect_err("twice").flag, "--devices");
+        assert_eq!(
+            resolve_mem(MemKind::Host, Some(vec![1])).expect_err("devices without cuda").flag,
+            "--devices"
+        );
+        assert!(check_mem_transport(MemKind::Cuda, TransportKind::Ucx).is_ok());
+        assert!(check_mem_transport(MemKind::Host, TransportKind::Storage).is_ok());
         for kind in [TransportKind::Storage, TransportKind::Multi] {
-            let e = check_mem_transport(&cuda, kind).expect_err("storage moves host memory");
+            let e = check_mem_transport(MemKind::Cuda, kind).expect_err("storage moves host memory");
             assert_eq!(e.flag, "--transport", "{e}");
         }
     }
 
     #[test]
     fn cuda_batch_needs_device_pools_one_machine_and_the_cuda_feature() {
-        assert_eq!(parse_transport("cuda-batch"), Ok(TransportKind::CudaBatch));
-        assert!(parse_transport("nccl").is_err_and(|e| e.contains("cuda-batch")), "the error lists it");
-        let cuda = KvMemory::Cuda { devices: vec![0, 1] };
+        let cuda = MemKind::Cuda;
         if cfg!(feature = "cuda") {
-            assert!(check_mem_transport(&cuda, TransportKind::CudaBatch).is_ok());
-            let e = check_mem_transport(&KvMemory::Host, TransportKind::CudaBatch).expect_err("host pools");
+            assert!(check_mem_transport(cuda, TransportKind::CudaBatch).is_ok());
+            let e = check_mem_transport(MemKind::Host, TransportKind::CudaBatch).expect_err("host pools");
             assert_eq!(e.flag, "--mem", "{e}");
             assert!(e.reason.contains("--mem cuda"), "{e}");
         } else {
-            let e = check_mem_transport(&cuda, TransportKind::CudaBatch).expect_err("no cuda feature");
+            let e = check_mem_transport(cuda, TransportKind::CudaBatch).expect_err("no cuda feature");
             assert_eq!(e.flag, "--transport", "{e}");
             assert!(e.reason.contains("`cuda` feature"), "{e}");
         }
@@ -445,6 +489,8 @@ mod tests {
     fn serve_flags(role: HttpRole) -> ServeEngineFlags {
         ServeEngineFlags {
             role,
+            host: "127.0.0.1".into(),
+            port: 0,
             model_name: None,
             tp: 2,
             block_size: 16,
@@ -458,23 +504,25 @@ mod tests {
             side_channel_host: "localhost".into(),
             side_channel_port: 0,
             kv_backend: KvBackendKind::Workers,
+            threads: None,
             model: ModelFlags { model: Some("llama-3.1-8b".into()), ..ModelFlags::default() },
             vllm: None,
             layout: None,
             pool_blocks: None,
-            alloc: "contiguous".into(),
+            alloc: AllocPattern::Contiguous,
             lease: Duration::from_secs(30),
             timeout: Duration::from_secs(5),
-            verify: "sample".into(),
+            verify: VerifyMode::Sample,
             ucx_lib: None,
             ucx_tls: Some("tcp".into()),
-            err_mode: "peer".into(),
-            progress: "wait".into(),
+            err_mode: ErrMode::Peer,
+            progress: ProgressMode::Wait,
             inflight: 8,
             coalesce: false,
             huge_pages: false,
-            mem: "host".into(),
+            mem: MemKind::Host,
             devices: None,
+            device: None,
             mode: None,
         }
     }
@@ -482,14 +530,12 @@ mod tests {
     #[test]
     fn serve_engine_mode_is_typed_and_push_refusals_name_the_flag() {
         let exe = Ok(PathBuf::from("/bin/kvx"));
-        let push = ServeEngineFlags { mode: Some("push".into()), ..serve_flags(HttpRole::Decode) };
+        let push = ServeEngineFlags { mode: Some(TransferMode::Push), ..serve_flags(HttpRole::Decode) };
         let KvSettings::Workers(w) = resolve_serve_engine(&push, &exe).expect("push").kv else {
             panic!("workers backend")
         };
         assert_eq!(w.worker.transport.mode, TransferMode::Push);
-        let bad = ServeEngineFlags { mode: Some("pour".into()), ..serve_flags(HttpRole::Decode) };
-        assert_eq!(resolve_serve_engine(&bad, &exe).map(|_| ()).expect_err("bad mode").flag, "--mode");
-        let v019 = ServeEngineFlags { vllm: Some("0.19".into()), ..push };
+        let v019 = ServeEngineFlags { vllm: Some(VllmVersion::V0_19), ..push };
         assert_eq!(resolve_serve_engine(&v019, &exe).map(|_| ()).expect_err("0.19 push").flag, "--vllm");
     }
 
@@ -511,7 +557,7 @@ mod tests {
         assert_eq!(w.worker.role, Role::Decode);
         // --mem cuda --devices 1,0: this engine's ranks from slot 0, round-robin.
         let flags = ServeEngineFlags {
-            mem: "cuda".into(),
+            mem: MemKind::Cuda,
             devices: Some(vec![1, 0]),
             ..serve_flags(HttpRole::Decode)
         };
@@ -524,13 +570,11 @@ mod tests {
     fn bad_serve_engine_values_name_their_flag() {
         let exe = Ok(PathBuf::from("/bin/kvx"));
         type Set = fn(&mut ServeEngineFlags);
-        let cases: [(Set, &str); 9] = [
-            (|f| f.mem = "gpu".into(), "--mem"),
+        let cases: [(Set, &str); 7] = [
             (|f| f.devices = Some(vec![0]), "--devices"),
-            (|f| f.err_mode = "x".into(), "--err-mode"),
-            (|f| f.progress = "spin".into(), "--progress"),
-            (|f| f.verify = "most".into(), "--verify"),
+            (|f| f.device = Some(0), "--devices"),
             (|f| f.inflight = 0, "--inflight"),
+            (|f| f.threads = Some(0), "--threads"),
             (|f| f.tp = 3, "--tp"),
             (|f| f.lease = Duration::ZERO, "--lease"),
             (|f| f.block_size = 0, "--block-size"),

@@ -1,57 +1,98 @@
-//! The flags several commands share, as plain data: what the user typed, before defaults and
-//! checks. `cli` parses them with clap and copies them here field for field; everything in
-//! `settings` resolves from these types, so nothing below `cli` depends on the shape of the
-//! command line (clap attributes, help text, conflicts), and settings can be built and tested
-//! without clap (sweep points and `--compare-transports` build them too).
+//! The flags several commands share, each group one struct that is its clap arguments
+//! (`#[command(flatten)]` into a command's flags) and, for `kvx bench`, the keys of its
+//! config file (`#[serde(flatten)]`, a [`layered!`] group). Everything in `settings`
+//! resolves from these types; sweep points and `--compare-transports` build them too.
 //!
 //! A field is `None` (or `false`) when the flag was not given; defaults belong to resolution.
+//! [`Format`] is the output choice of the report-like commands.
 
 use std::path::PathBuf;
 
-/// Which model's KV cache: a preset, a Hugging Face config.json, or shape overrides.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ModelFlags {
-    /// `--model`
-    pub model: Option<String>,
-    /// `--model-config`
-    pub model_config: Option<PathBuf>,
-    /// `--num-kv-heads`
-    pub num_kv_heads: Option<u32>,
-    /// `--head-dim`
-    pub head_dim: Option<u32>,
-    /// `--layers`
-    pub layers: Option<u32>,
-    /// `--dtype`
-    pub dtype: Option<String>,
-    /// `--mla`
-    pub mla: bool,
-    /// `--mla-dim`
-    pub mla_dim: Option<u32>,
+use clap::{Args, ValueEnum};
+use serde::Deserialize;
+
+use super::layer::layered;
+use super::model::Dtype;
+use crate::topology::VllmVersion;
+use crate::topology::ports::PortScheme;
+
+layered! {
+    /// Which model's KV cache: a preset, a Hugging Face config.json, or explicit shape flags
+    /// (which override the preset or config).
+    #[derive(Debug, Clone, Default, PartialEq, Args, Deserialize)]
+    pub struct ModelFlags {
+        /// Model preset: llama-3.1-8b|70b|405b, qwen3-0.6b|8b|32b|235b-a22b, mistral-7b, gpt-oss-120b,
+        /// deepseek-v3 (= deepseek-r1). Default: llama-3.1-70b.
+        #[arg(long, short = 'm', value_name = "NAME", help_heading = "Model")]
+        pub model: Option<String>,
+        /// Read the shape from a Hugging Face config.json.
+        #[arg(long, value_name = "PATH", conflicts_with = "model", help_heading = "Model")]
+        pub model_config: Option<PathBuf>,
+        /// Total KV heads of the model (overrides the preset).
+        #[arg(long, value_name = "H", help_heading = "Model")]
+        pub num_kv_heads: Option<u32>,
+        /// Head dimension in elements (overrides the preset).
+        #[arg(long, value_name = "D", help_heading = "Model")]
+        pub head_dim: Option<u32>,
+        /// Number of attention layers (overrides the preset).
+        #[arg(long, value_name = "L", help_heading = "Model")]
+        pub layers: Option<u32>,
+        /// KV cache element type: bf16, fp16, fp32, fp8.
+        #[arg(long, value_name = "T", help_heading = "Model")]
+        #[serde(default, deserialize_with = "super::parse::opt_parsed")]
+        pub dtype: Option<Dtype>,
+        /// Multi-head latent attention: one latent vector per token (576 elements unless --mla-dim).
+        #[arg(long, help_heading = "Model")]
+        #[serde(default)]
+        pub mla: bool,
+        /// Elements of the MLA latent vector (kv_lora_rank + qk_rope_head_dim).
+        #[arg(long, value_name = "N", help_heading = "Model")]
+        #[serde(skip)]
+        pub mla_dim: Option<u32>,
+    }
 }
 
-/// The prefill and decode engines: TP sizes, layouts, block sizes, vLLM rules.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct PairFlags {
-    /// `--p-tp`
-    pub p_tp: Option<u32>,
-    /// `--d-tp`
-    pub d_tp: Option<u32>,
-    /// `--vllm`
-    pub vllm: Option<String>,
-    /// `--layout`
-    pub layout: Option<String>,
-    /// `--p-layout`
-    pub p_layout: Option<String>,
-    /// `--d-layout`
-    pub d_layout: Option<String>,
-    /// `--block-size`
-    pub block_size: Option<u32>,
-    /// `--p-block-size`
-    pub p_block_size: Option<u32>,
-    /// `--d-block-size`
-    pub d_block_size: Option<u32>,
-    /// `--permute`
-    pub permute: bool,
+layered! {
+    /// The prefill and decode engines: TP sizes, layouts, block sizes, vLLM rules.
+    ///
+    /// The layouts stay names until resolution: which name means which layout depends on
+    /// `--vllm` (`HND` is `LBHNC` under 0.33, a FlashAttention layout under 0.19).
+    #[derive(Debug, Clone, Default, PartialEq, Args, Deserialize)]
+    pub struct PairFlags {
+        /// Prefill tensor-parallel size [default: 1].
+        #[arg(long, value_name = "P", help_heading = "Engines")]
+        pub p_tp: Option<u32>,
+        /// Decode tensor-parallel size [default: 1].
+        #[arg(long, value_name = "D", help_heading = "Engines")]
+        pub d_tp: Option<u32>,
+        /// Which vLLM release's rules to follow: 0.33 or 0.19 [default: 0.33].
+        #[arg(long, value_name = "VERSION", help_heading = "Engines")]
+        #[serde(default, deserialize_with = "super::parse::opt_parsed")]
+        pub vllm: Option<VllmVersion>,
+        /// KV cache layout of both engines (0.33: LBHNC=HND, LBNHC=NHD, LHBNC, BLHNC, BLNHC, BHLNC;
+        /// 0.19: HND, NHD, FI-HND, FI-NHD, FA-HND-XL, FI-HND-XL).
+        #[arg(long, value_name = "LAYOUT", help_heading = "Engines")]
+        pub layout: Option<String>,
+        /// Prefill layout (overrides --layout).
+        #[arg(long, value_name = "LAYOUT", help_heading = "Engines")]
+        pub p_layout: Option<String>,
+        /// Decode layout (overrides --layout).
+        #[arg(long, value_name = "LAYOUT", help_heading = "Engines")]
+        pub d_layout: Option<String>,
+        /// Tokens per block on both engines [default: 16].
+        #[arg(long, value_name = "N", help_heading = "Engines")]
+        pub block_size: Option<u32>,
+        /// Prefill tokens per block (overrides --block-size).
+        #[arg(long, value_name = "N", help_heading = "Engines")]
+        pub p_block_size: Option<u32>,
+        /// Decode tokens per block (overrides --block-size); must be a multiple of the prefill's.
+        #[arg(long, value_name = "N", help_heading = "Engines")]
+        pub d_block_size: Option<u32>,
+        /// Receive prefill HND blocks into a decode NHD cache (vLLM's enable_permute_local_kv).
+        #[arg(long, help_heading = "Engines")]
+        #[serde(default)]
+        pub permute: bool,
+    }
 }
 
 /// Tokens per block when `--block-size` is not given (vLLM's default).
@@ -64,15 +105,29 @@ impl PairFlags {
     }
 }
 
-/// Data-parallel engines and side-channel ports (clap supplies their defaults).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Output format of a report-like command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum Format {
+    /// Human-readable tables.
+    #[default]
+    Table,
+    /// One JSON object on stdout.
+    Json,
+}
+
+/// Data-parallel engines and side-channel ports.
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
 pub struct PortFlags {
-    /// `--p-dp`
+    /// Prefill data-parallel engines.
+    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Ports")]
     pub p_dp: u32,
-    /// `--d-dp`
+    /// Decode data-parallel engines.
+    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Ports")]
     pub d_dp: u32,
-    /// `--side-channel-port`
+    /// Side-channel base port (VLLM_NIXL_SIDE_CHANNEL_PORT).
+    #[arg(long, value_name = "PORT", default_value_t = 5600, help_heading = "Ports")]
     pub side_channel_port: u16,
-    /// `--port-scheme`
-    pub port_scheme: String,
+    /// Port scheme: engine (base + dp_rank, vLLM >= 0.11) or worker (base + dp_rank*tp + tp_rank).
+    #[arg(long, value_name = "SCHEME", value_enum, default_value = "engine", help_heading = "Ports")]
+    pub port_scheme: PortScheme,
 }

@@ -1,7 +1,14 @@
-//! Parsers of the value syntaxes flags and bench-config files share: durations and named
-//! choices. They return the reason as a string; the caller names the flag or key.
+//! Parsers of the value syntaxes flags and bench-config files share: durations, sizes and
+//! named choices. They return the reason as a string; the caller names the flag or key. The `opt_*`
+//! functions read the same syntaxes from a config file (serde's `deserialize_with`), so a key
+//! takes exactly what its flag takes: a choice is spelled as its flag's values (clap's
+//! `ValueEnum`), a duration as `--timeout` takes it.
 
+use std::str::FromStr;
 use std::time::Duration;
+
+use clap::ValueEnum;
+use serde::{Deserialize, Deserializer};
 
 /// Parses `200ms`, `1s`, `1.5s`, `2m`, or plain seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -22,14 +29,79 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-/// The value named `name` among `choices`; the error lists the names: `'x' is not a, b or c`.
-pub fn choice<T: Copy>(name: &str, choices: &[(&str, T)]) -> Result<T, String> {
+/// Parses `64KiB`, `1MiB`, `4096`, `1M`, `2GB`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size like 64KiB, 1MiB or 4096"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "k" | "KiB" | "Ki" => 1 << 10,
+        "M" | "MiB" | "Mi" => 1 << 20,
+        "G" | "GiB" | "Gi" => 1 << 30,
+        "kB" | "KB" => 1000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => return Err(format!("unknown size unit {other:?} in {s:?} (use KiB, MiB, GiB)")),
+    };
+    n.checked_mul(mult).filter(|&v| v > 0).ok_or_else(|| format!("{s:?} must be between 1 byte and 16 EiB"))
+}
+
+/// The value of a choice (a clap `ValueEnum`) named `name`, as its flag spells it (aliases
+/// included); the error lists the names: `'x' is not a, b or c`.
+pub fn named<T: ValueEnum>(name: &str) -> Result<T, String> {
     let name = name.trim();
-    choices
+    T::value_variants()
         .iter()
-        .find(|(n, _)| *n == name)
-        .map(|&(_, v)| v)
-        .ok_or_else(|| format!("'{name}' is not {}", one_of(choices.iter().map(|(n, _)| *n))))
+        .find(|v| v.to_possible_value().is_some_and(|p| p.matches(name, false)))
+        .cloned()
+        .ok_or_else(|| {
+            let names: Vec<String> = T::value_variants()
+                .iter()
+                .filter_map(|v| v.to_possible_value())
+                .filter(|p| !p.is_hide_set())
+                .map(|p| p.get_name().to_string())
+                .collect();
+            format!("'{name}' is not {}", one_of(names.iter().map(String::as_str)))
+        })
+}
+
+/// A config file's choice (`verify = "full"`), spelled as its flag's values.
+pub fn opt_choice<'de, D: Deserializer<'de>, T: ValueEnum>(d: D) -> Result<Option<T>, D::Error> {
+    let name = String::deserialize(d)?;
+    named(&name).map(Some).map_err(serde::de::Error::custom)
+}
+
+/// A config file's list of choices (`transports = ["ucx", "storage"]`).
+pub fn opt_choices<'de, D: Deserializer<'de>, T: ValueEnum>(d: D) -> Result<Option<Vec<T>>, D::Error> {
+    let names = Vec::<String>::deserialize(d)?;
+    names.iter().map(|n| named(n)).collect::<Result<_, _>>().map(Some).map_err(serde::de::Error::custom)
+}
+
+/// A config file's value in its flag's own syntax (`FromStr`: `dtype = "bfloat16"`).
+pub fn opt_parsed<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: FromStr<Err = String>,
+{
+    let text = String::deserialize(d)?;
+    text.parse().map(Some).map_err(serde::de::Error::custom)
+}
+
+/// A config file's duration (`lease = "10s"`), as the flags take it.
+pub fn opt_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_duration(&text).map(Some).map_err(serde::de::Error::custom)
+}
+
+/// A config file's value that may be written as a number or as text (`prompt_len = 512` or
+/// `prompt_len = "1024..4096"`), as text.
+pub fn opt_text<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Ok(Some(match toml::Value::deserialize(d)? {
+        toml::Value::String(s) => s,
+        other => other.to_string(),
+    }))
 }
 
 /// `a`, `a or b`, `a, b or c`.
@@ -56,12 +128,37 @@ mod tests {
     }
 
     #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("2M"), Ok(2 << 20));
+        assert_eq!(parse_size("1GB"), Ok(1_000_000_000));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("KiB").is_err());
+        assert!(parse_size("99999999999999GiB").is_err());
+    }
+
+    #[test]
     fn choices_name_the_alternatives() {
-        let c = [("full", 1), ("sample", 2), ("off", 3)];
-        assert_eq!(choice("sample", &c), Ok(2));
-        assert_eq!(choice(" off ", &c), Ok(3));
-        assert_eq!(choice("maybe", &c), Err("'maybe' is not full, sample or off".to_string()));
-        assert_eq!(choice("x", &[("none", 0), ("peer", 1)]), Err("'x' is not none or peer".to_string()));
+        use crate::pipeline::proto::VerifyMode;
+        use crate::transfer::ucx::ErrMode;
+        assert_eq!(named::<VerifyMode>("sample"), Ok(VerifyMode::Sample));
+        assert_eq!(named::<VerifyMode>(" off "), Ok(VerifyMode::Off));
+        assert_eq!(named::<VerifyMode>("maybe"), Err("'maybe' is not full, sample or off".to_string()));
+        assert_eq!(named::<ErrMode>("x"), Err("'x' is not none or peer".to_string()));
         assert_eq!(one_of(["pull"]), "pull");
+    }
+
+    #[test]
+    fn choices_of_a_value_enum_use_the_flag_s_spellings() {
+        use crate::pipeline::proto::TransportKind;
+        assert_eq!(named::<TransportKind>("cuda-batch"), Ok(TransportKind::CudaBatch));
+        assert_eq!(named::<TransportKind>(" ucx "), Ok(TransportKind::Ucx));
+        assert_eq!(
+            named::<TransportKind>("nccl"),
+            Err("'nccl' is not ucx, storage, multi or cuda-batch".to_string())
+        );
     }
 }

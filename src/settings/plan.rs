@@ -1,16 +1,29 @@
-//! What `kvx bench` was asked to run (one bench, `--serve`, `--compare-transports` or
-//! `--sweep`), with every bench of it resolved before the first starts, so a bad flag or a bad
-//! point fails before any worker process exists.
+//! Two resolutions named "plan" (issue 24 item 5 renames one of them):
+//!
+//! - [`BenchPlan`]: what `kvx bench` was asked to run (one bench, `--serve`,
+//!   `--compare-transports` or `--sweep`), with every bench of it resolved before the first
+//!   starts, so a bad flag or a bad point fails before any worker process exists;
+//! - [`PlanFlags`]: `kvx plan`'s flags, resolved ([`resolve_descriptor_plan`]) into the engine
+//!   pair and the one request whose descriptors it lists.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use clap::Args;
 
 use super::bench::{BenchFlags, resolve};
-use super::engine::{parse_mode, parse_transport};
 use super::env::ProcessEnv;
+use super::flags::{Format, ModelFlags, PairFlags};
+use super::scenario::{self, PlanScenario};
 use super::sweep::{self, SweepPlan};
 use crate::error::ConfigError;
+use crate::layouts::alloc::{AllocPattern, allocate};
+use crate::layouts::compat::PairSpec;
+use crate::layouts::plan::{RequestBlocks, RequestIds};
 use crate::pipeline::bench::BenchSettings;
 use crate::pipeline::proto::TransportKind;
+use crate::pipeline::workload::MAX_PROMPT;
+use crate::serve::bench_serve::ServeOptions;
+use crate::topology::TransferMode;
 
 /// What `kvx bench` was asked to do, with every run resolved before any starts.
 #[derive(Debug, Clone)]
@@ -18,7 +31,7 @@ pub enum BenchPlan {
     /// One bench.
     Single(Box<BenchSettings>),
     /// `--serve`: the bench's workload through HTTP engines and the proxy.
-    Serve(Box<BenchSettings>),
+    Serve(Box<BenchSettings>, ServeOptions),
     /// `--compare-transports`: the same workload on each transport, in the order given.
     CompareTransports(Vec<BenchSettings>),
     /// `--compare-modes`: the same workload in each transfer mode (pull, push), in order.
@@ -31,7 +44,7 @@ impl BenchPlan {
     /// Directory the run is written under.
     pub fn results_root(&self) -> &Path {
         match self {
-            BenchPlan::Single(s) | BenchPlan::Serve(s) => &s.results_root,
+            BenchPlan::Single(s) | BenchPlan::Serve(s, _) => &s.results_root,
             BenchPlan::CompareTransports(runs) | BenchPlan::CompareModes(runs) => {
                 runs.first().map_or(Path::new(""), |s| &s.results_root)
             }
@@ -43,24 +56,24 @@ impl BenchPlan {
 /// Resolves `kvx bench`'s flags into what to run.
 pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, ConfigError> {
     if flags.serve {
-        return Ok(BenchPlan::Serve(Box::new(resolve(flags, env)?)));
+        let opts = ServeOptions {
+            slo: super::load::parse_slo(flags.slo.as_deref())?,
+            metrics_port: flags.metrics_port,
+        };
+        return Ok(BenchPlan::Serve(Box::new(resolve(flags, env)?), opts));
     }
-    if let Some(names) = &flags.compare_transports {
+    if let Some(kinds) = &flags.compare_transports {
         let mut runs = Vec::new();
-        let kinds = names
-            .iter()
-            .map(|n| parse_transport(n).map_err(|e| ConfigError::new("--compare-transports", e)))
-            .collect::<Result<Vec<_>, _>>()?;
         if flags.batch_copy.is_some() && !kinds.contains(&TransportKind::CudaBatch) {
             return Err(ConfigError::new(
                 "--batch-copy",
                 "applies to --transport cuda-batch: add cuda-batch to --compare-transports, or drop --batch-copy",
             ));
         }
-        for (n, kind) in names.iter().zip(kinds) {
+        for &kind in kinds {
             let one = BenchFlags {
                 compare_transports: None,
-                transport: Some(n.trim().to_string()),
+                transport: Some(kind),
                 // How cuda-batch copies is its run's alone.
                 batch_copy: flags.batch_copy.filter(|_| kind == TransportKind::CudaBatch),
                 ..flags.clone()
@@ -75,13 +88,12 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
         }
         return Ok(BenchPlan::CompareTransports(runs));
     }
-    if let Some(names) = &flags.compare_modes {
+    if let Some(modes) = &flags.compare_modes {
         let mut runs = Vec::new();
-        for n in names {
-            parse_mode(n).map_err(|e| ConfigError::new("--compare-modes", e))?;
+        for &mode in modes {
             let one = BenchFlags {
                 compare_modes: None,
-                mode: Some(n.trim().to_string()),
+                mode: Some(mode),
                 in_mode_comparison: true,
                 ..flags.clone()
             };
@@ -98,6 +110,190 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
     Ok(BenchPlan::Single(Box::new(resolve(flags, env)?)))
 }
 
+/// `kvx plan`'s flags.
+#[derive(Debug, Clone, Args)]
+pub struct PlanFlags {
+    #[command(flatten)]
+    pub model: ModelFlags,
+    #[command(flatten)]
+    pub pair: PairFlags,
+    /// Read the model and request from a JSON scenario ({"vllm_version", "model", "request"},
+    /// the objects of a case in vLLM oracle descriptors.json).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["local_blocks", "prompt_len"])]
+    pub scenario: Option<PathBuf>,
+    /// Decode block ids of the request (comma-separated).
+    #[arg(
+        long,
+        value_name = "IDS",
+        value_delimiter = ',',
+        requires = "remote_blocks",
+        help_heading = "Request"
+    )]
+    pub local_blocks: Option<Vec<u32>>,
+    /// Prefill block ids of the request (comma-separated).
+    #[arg(
+        long,
+        value_name = "IDS",
+        value_delimiter = ',',
+        requires = "local_blocks",
+        help_heading = "Request"
+    )]
+    pub remote_blocks: Option<Vec<u32>>,
+    /// Prompt length in tokens (blocks are then allocated with --alloc).
+    #[arg(long, value_name = "TOKENS", help_heading = "Request")]
+    pub prompt_len: Option<u32>,
+    /// Allocation pattern for --prompt-len: contiguous, fragmented, random.
+    #[arg(long, value_name = "PATTERN", value_enum, default_value = "contiguous", help_heading = "Request")]
+    pub alloc: AllocPattern,
+    /// Seed of the allocation pattern.
+    #[arg(long, default_value_t = 0, help_heading = "Request")]
+    pub seed: u64,
+    /// Fraction of the prompt already cached on decode (only the rest is read).
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.0, help_heading = "Request")]
+    pub prefix_hit: f64,
+    /// Prefill pool size in blocks (default: enough for the request, at least 2x).
+    #[arg(long, value_name = "N", help_heading = "Request")]
+    pub p_num_blocks: Option<u32>,
+    /// Decode pool size in blocks (default: enough for the request, at least 2x).
+    #[arg(long, value_name = "N", help_heading = "Request")]
+    pub d_num_blocks: Option<u32>,
+    /// The prefill request id used in notifications.
+    #[arg(long, default_value = "req-P", help_heading = "Request")]
+    pub p_request_id: String,
+    /// Only this decode rank (default: all); in push mode, only the WRITEs into it.
+    #[arg(long, value_name = "RANK")]
+    pub d_rank: Option<u32>,
+    /// Transfer mode: pull (decode READs) or push (prefill WRITEs into decode's blocks).
+    #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
+    pub mode: TransferMode,
+    /// Pairs to print per read in the table view.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub show_pairs: usize,
+    /// A results file whose rates replace the built-in ones: a `kvx xfer --format json`
+    /// report (UCX on host or device memory, or --transport cuda-batch) or the JSON that
+    /// scripts/gpu-check.sh writes.
+    #[arg(long, value_name = "FILE", help_heading = "Posting cost")]
+    pub rates: Option<PathBuf>,
+    /// Measured posting costs replacing the defaults, in ns per descriptor: ucx, cuda-ipc,
+    /// cuda-batch, and cuda-batch-call (ns per batched call), e.g. ucx=76,cuda-batch=150.
+    #[arg(long, value_name = "KEY=NS", value_delimiter = ',', help_heading = "Posting cost")]
+    pub post_ns: Vec<String>,
+    /// Bandwidth ceilings replacing the defaults, in GB/s: ucx, cuda-ipc, cuda-batch.
+    #[arg(long, value_name = "KEY=GBPS", value_delimiter = ',', help_heading = "Posting cost")]
+    pub ceiling_gbps: Vec<String>,
+    /// Output format; json prints every uncoalesced pair.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+/// The request `kvx plan` lists: the engine pair, its block ids and notification ids.
+#[derive(Debug, Clone)]
+pub struct DescriptorPlan {
+    pub pair: PairSpec,
+    pub blocks: RequestBlocks,
+    pub ids: RequestIds,
+}
+
+/// Resolves `kvx plan`'s flags: from a scenario file, from explicit block ids, or from a
+/// prompt length whose blocks are allocated with `--alloc`.
+pub fn resolve_descriptor_plan(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {
+    let plan = request(args)?;
+    // Push mode WRITEs into decode ranks: the one to show must exist.
+    if args.mode == TransferMode::Push {
+        plan.pair.validate_push()?;
+        if let Some(d) = args.d_rank
+            && d >= plan.pair.d.tp
+        {
+            return Err(ConfigError::new(
+                "--d-rank",
+                format!("decode rank {d} does not exist (decode TP is {})", plan.pair.d.tp),
+            ));
+        }
+    }
+    Ok(plan)
+}
+
+fn request(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {
+    if let Some(path) = &args.scenario {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new("--scenario", format!("cannot read {}: {e}", path.display())))?;
+        let sc = PlanScenario::parse(&text, &path.display().to_string())?;
+        return Ok(DescriptorPlan { pair: sc.pair()?, blocks: sc.blocks()?, ids: sc.ids() });
+    }
+    if !(0.0..1.0).contains(&args.prefix_hit) || args.prefix_hit.is_nan() {
+        return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {}", args.prefix_hit)));
+    }
+    let ids = RequestIds { p_request_id: args.p_request_id.clone(), d_request_id: "req-D".into() };
+    let p_bs = args.pair.p_block_size.unwrap_or(args.pair.block_size()).max(1);
+    let d_bs = args.pair.d_block_size.unwrap_or(args.pair.block_size()).max(1);
+    match (&args.local_blocks, &args.remote_blocks, args.prompt_len) {
+        (Some(local), Some(remote), _) => {
+            let p_pool = args.p_num_blocks.unwrap_or_else(|| remote.iter().max().map_or(1, |m| m + 1));
+            let d_pool = args.d_num_blocks.unwrap_or_else(|| local.iter().max().map_or(1, |m| m + 1));
+            let pair = scenario::resolve_pair(&args.model, &args.pair, p_pool, d_pool)?;
+            Ok(DescriptorPlan {
+                pair,
+                blocks: RequestBlocks { local: local.clone(), remote: remote.clone() },
+                ids,
+            })
+        }
+        (_, _, Some(tokens)) => {
+            if tokens == 0 || tokens > MAX_PROMPT {
+                return Err(ConfigError::new(
+                    "--prompt-len",
+                    format!("a prompt is 1..={MAX_PROMPT} tokens, got {tokens}"),
+                ));
+            }
+            let n_p = tokens.div_ceil(p_bs);
+            let n_d = tokens.div_ceil(d_bs);
+            let p_pool = args.p_num_blocks.unwrap_or(n_p.saturating_mul(2));
+            let d_pool = args.d_num_blocks.unwrap_or(n_d.saturating_mul(2));
+            let pair = scenario::resolve_pair(&args.model, &args.pair, p_pool, d_pool)?;
+            let remote = allocate(args.alloc, n_p, p_pool, args.seed, "--p-num-blocks")?;
+            let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;
+            let local = allocate(args.alloc, n_d - hit, d_pool, args.seed ^ 0x5eed, "--d-num-blocks")?;
+            check_listable(&pair, args.mode, remote.len(), tokens)?;
+            Ok(DescriptorPlan { pair, blocks: RequestBlocks { local, remote }, ids })
+        }
+        _ => Err(ConfigError::new(
+            "--prompt-len",
+            "give the request as --prompt-len TOKENS, as --local-blocks and --remote-blocks, or as --scenario FILE",
+        )),
+    }
+}
+
+/// Most descriptors `kvx plan` lists for one request (its JSON alone is about 30 bytes each).
+const MAX_LISTED_DESCRIPTORS: u64 = 1 << 25;
+
+/// Refuses a request whose plan is too large to list, before any of it is built (an upper
+/// bound: every block of every region, read from every rank of the larger engine).
+fn check_listable(
+    pair: &PairSpec,
+    mode: TransferMode,
+    blocks: usize,
+    tokens: u32,
+) -> Result<(), ConfigError> {
+    // Geometry needs a valid pair (a TP of 0 has none): its own errors come first.
+    match mode {
+        TransferMode::Pull => pair.validate().map(|_| ())?,
+        TransferMode::Push => pair.validate_push().map(|_| ())?,
+    }
+    let regions = pair.p_geometry(0).regions().len().max(pair.d_geometry(0).regions().len()) as u64;
+    let ranks = u64::from(pair.p.tp.max(pair.d.tp));
+    let bound = (blocks as u64).saturating_mul(regions).saturating_mul(ranks);
+    if bound > MAX_LISTED_DESCRIPTORS {
+        return Err(ConfigError::new(
+            "--prompt-len",
+            format!(
+                "a request of {tokens} tokens can take up to {bound} descriptors, more than the \
+                 {MAX_LISTED_DESCRIPTORS} kvx plan lists; give a shorter prompt (descriptor counts grow \
+                 linearly with it)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;
@@ -112,7 +308,7 @@ mod tests {
     #[test]
     fn plans_resolve_every_run_first() {
         let flags = BenchFlags {
-            compare_transports: Some(vec!["ucx".into(), "storage".into()]),
+            compare_transports: Some(vec![TransportKind::Ucx, TransportKind::Storage]),
             ..Default::default()
         };
         let BenchPlan::CompareTransports(runs) = resolve_plan(&flags, &env()).expect("valid") else {
@@ -120,13 +316,10 @@ mod tests {
         };
         let kinds: Vec<_> = runs.iter().map(|r| r.workers.transport.kind).collect();
         assert_eq!(kinds, [TransportKind::Ucx, TransportKind::Storage]);
-        let bad =
-            BenchFlags { compare_transports: Some(vec!["ucx".into(), "nccl".into()]), ..Default::default() };
-        assert_eq!(resolve_plan(&bad, &env()).expect_err("nccl").flag, "--compare-transports");
         // cuda-batch is a valid value, resolved (and refused) as --transport cuda-batch is.
         let gpu = BenchFlags {
-            compare_transports: Some(vec!["ucx".into(), "cuda-batch".into()]),
-            mem: Some("cuda".into()),
+            compare_transports: Some(vec![TransportKind::Ucx, TransportKind::CudaBatch]),
+            mem: Some(crate::transfer::memory::MemKind::Cuda),
             ..Default::default()
         };
         match resolve_plan(&gpu, &env()) {
@@ -149,7 +342,7 @@ mod tests {
             Err(e) => assert!(!cfg!(feature = "cuda") && e.flag == "--transport", "{e:?}"),
         }
         let no_batch = BenchFlags {
-            compare_transports: Some(vec!["ucx".into(), "storage".into()]),
+            compare_transports: Some(vec![TransportKind::Ucx, TransportKind::Storage]),
             batch_copy: Some(BatchCopy::Kernel),
             ..Default::default()
         };
@@ -160,7 +353,7 @@ mod tests {
             if cfg!(feature = "cuda") { "--mem" } else { "--transport" }
         );
         let serve = BenchFlags { serve: true, ..Default::default() };
-        assert!(matches!(resolve_plan(&serve, &env()), Ok(BenchPlan::Serve(_))));
+        assert!(matches!(resolve_plan(&serve, &env()), Ok(BenchPlan::Serve(..))));
         assert!(matches!(resolve_plan(&BenchFlags::default(), &env()), Ok(BenchPlan::Single(_))));
     }
 }

@@ -33,8 +33,8 @@ pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
         shape.num_layers = l;
         overridden.push(format!("layers={l}"));
     }
-    if let Some(t) = &args.dtype {
-        shape.dtype = t.parse::<Dtype>().map_err(|e| ConfigError::new("--dtype", e))?;
+    if let Some(t) = args.dtype {
+        shape.dtype = t;
         overridden.push(format!("dtype={}", shape.dtype));
     }
     if let Some(n) = args.mla_dim {
@@ -56,11 +56,6 @@ pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
     Ok(shape)
 }
 
-/// Parses `--vllm`.
-pub fn resolve_version(s: &str) -> Result<VllmVersion, ConfigError> {
-    s.parse().map_err(|e| ConfigError::new("--vllm", e))
-}
-
 fn layout(
     flag: &str,
     value: Option<&str>,
@@ -80,7 +75,7 @@ pub fn resolve_pair(
     p_blocks: u32,
     d_blocks: u32,
 ) -> Result<PairSpec, ConfigError> {
-    let version = resolve_version(pair.vllm.as_deref().unwrap_or("0.33"))?;
+    let version = pair.vllm.unwrap_or_default();
     let model = resolve_model(model_args)?;
     let block_size = pair.block_size();
     if block_size == 0 || block_size > crate::layouts::compat::MAX_BLOCK_TOKENS {
@@ -132,8 +127,7 @@ pub fn resolve_ports(args: &PortFlags) -> Result<Ports, ConfigError> {
             return Err(ConfigError::new(flag, format!("data-parallel size must be 1..1024, got {v}")));
         }
     }
-    let scheme = args.port_scheme.parse().map_err(|e| ConfigError::new("--port-scheme", e))?;
-    Ok(Ports { p_dp: args.p_dp, d_dp: args.d_dp, base: args.side_channel_port, scheme })
+    Ok(Ports { p_dp: args.p_dp, d_dp: args.d_dp, base: args.side_channel_port, scheme: args.port_scheme })
 }
 
 /// `kvx plan --scenario FILE`: the `model` and `request` objects of a case in the oracle's

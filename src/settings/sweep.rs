@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::bench::{BenchFile, BenchFlags, resolve};
+use super::bench::{BenchFlags, resolve};
 use super::env::ProcessEnv;
+use super::layer;
 use crate::error::ConfigError;
 use crate::pipeline::bench::BenchSettings;
 use crate::report::files::results_root;
@@ -71,8 +72,15 @@ pub fn text(v: &Value) -> String {
 
 /// The points of a sweep file, and the axis that names chart series.
 pub fn points(path: &Path) -> Result<(Vec<Point>, Option<String>), ConfigError> {
-    let file = BenchFile::load(path).map_err(|e| ConfigError::new("--sweep", e.reason))?;
-    let Some(table) = file.sweep else {
+    // A value the file refuses would refuse every point.
+    let file: BenchFlags = layer::load(path, "--sweep").map_err(|e| match e.flag.as_str() {
+        "--sweep" => e,
+        _ => ConfigError::new(
+            "--sweep",
+            format!("every point of {} is rejected; the first: {e}", path.display()),
+        ),
+    })?;
+    let Some(table) = file.sweep_axes else {
         return Err(ConfigError::new("--sweep", format!("{} has no [sweep] table of axes", path.display())));
     };
     let mut series = None;
@@ -145,7 +153,7 @@ fn flags_for(base: &BenchFlags, path: &Path, point: &Point) -> Result<BenchFlags
             "layout" => a.pair.layout = Some(t),
             "block_size" => a.pair.block_size = Some(num("block_size")?),
             "prompt_len" => a.prompt_len = Some(t),
-            "alloc" => a.alloc = Some(t),
+            "alloc" => a.alloc = Some(t.parse().map_err(|e| ConfigError::new("--alloc", e))?),
             "prefix_hit" => {
                 a.prefix_hit =
                     Some(t.parse().map_err(|_| ConfigError::new("--sweep", format!("prefix_hit '{t}'")))?);

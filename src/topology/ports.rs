@@ -7,8 +7,8 @@ use serde::Serialize;
 
 use crate::error::ConfigError;
 
-/// How side-channel ports are assigned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+/// How side-channel ports are assigned (`--port-scheme`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum PortScheme {
     /// One ROUTER per engine at `base + dp_rank`, serving every (pp, tp) rank (vLLM >= 0.11).

@@ -76,6 +76,9 @@ pub enum XferError {
     TargetEnded { status: String, stage: &'static str },
     #[error("{0}")]
     Config(#[from] crate::error::ConfigError),
+    /// A configuration `settings::xfer` refuses reached the measurement (a bug).
+    #[error("internal error: {0}")]
+    Internal(&'static str),
 }
 
 pub type Result<T, E = XferError> = std::result::Result<T, E>;
@@ -517,7 +520,10 @@ fn prepare_target(req: &TargetRequest, opts: &TargetOptions) -> Result<(TargetHe
 fn prepare_batch_target(req: &TargetRequest) -> Result<(BatchHello, CudaBuffer)> {
     check_mem(req.mem)?;
     let MemPlace::Cuda { device } = req.mem else {
-        return Err(crate::error::ConfigError::new("--mem", "--transport cuda-batch needs --mem cuda").into());
+        return Err(XferError::Protocol {
+            stage: "target: request",
+            reason: "a cuda-batch request names host memory".into(),
+        });
     };
     let len =
         usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
@@ -1013,20 +1019,12 @@ fn run_batch(
     target: &TargetSpec,
     on_result: impl FnMut(&XferResult),
 ) -> Result<XferReport> {
+    // `settings::xfer` refuses cuda-batch over host memory or to a remote target.
     let MemPlace::Cuda { device } = cfg.mem else {
-        return Err(crate::error::ConfigError::new(
-            "--mem",
-            "--transport cuda-batch copies device memory: pass --mem cuda",
-        )
-        .into());
+        return Err(XferError::Internal("cuda-batch measures device memory, not host memory"));
     };
     let TargetSpec::Local { exe } = target else {
-        return Err(crate::error::ConfigError::new(
-            "--connect",
-            "--transport cuda-batch maps the target's GPU memory with CUDA IPC, which works only between \
-             processes of one machine: drop --connect (kvx xfer starts its own target)",
-        )
-        .into());
+        return Err(XferError::Internal("cuda-batch needs a target process of this machine"));
     };
     let max_size = cfg.sizes.iter().copied().max().unwrap_or(4096);
     let ws = if cfg.hot { max_size } else { cfg.working_set_bytes.max(max_size) };

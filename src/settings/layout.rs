@@ -1,0 +1,72 @@
+//! `kvx layout`: its flags ([`LayoutFlags`]) resolved into one engine and the geometry of
+//! one of its ranks. Must not print anything.
+
+use clap::Args;
+
+use super::flags::{Format, ModelFlags};
+use super::scenario;
+use crate::error::ConfigError;
+use crate::layouts::compat::PairSpec;
+use crate::layouts::{EngineSpec, Layout, RankGeometry};
+use crate::topology::VllmVersion;
+
+/// `kvx layout`'s flags.
+#[derive(Debug, Clone, Args)]
+pub struct LayoutFlags {
+    #[command(flatten)]
+    pub model: ModelFlags,
+    /// Tensor-parallel size of the engine.
+    #[arg(long, default_value_t = 1)]
+    pub tp: u32,
+    /// Which rank of the engine.
+    #[arg(long, default_value_t = 0)]
+    pub rank: u32,
+    /// Which vLLM release's layouts: 0.33 (default) or 0.19.
+    #[arg(long, default_value = "0.33")]
+    pub vllm: VllmVersion,
+    /// KV cache layout (0.33: LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC; 0.19: HND, NHD, FI-HND,
+    /// FI-NHD, FA-HND-XL, FI-HND-XL).
+    #[arg(long)]
+    pub layout: Option<String>,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// Blocks in the rank's pool.
+    #[arg(long, default_value_t = 1024)]
+    pub num_blocks: u32,
+    /// Request size for the per-request figures.
+    #[arg(long, default_value_t = 8192)]
+    pub tokens: u32,
+    /// Regions to list in the table view (the rest are summarised).
+    #[arg(long, default_value_t = 6)]
+    pub show_regions: usize,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+/// Checks `kvx layout`'s flags: the engine (a homogeneous pair) and the geometry of its rank.
+pub fn resolve(args: &LayoutFlags) -> Result<(PairSpec, RankGeometry), ConfigError> {
+    let version = args.vllm;
+    let model = scenario::resolve_model(&args.model)?;
+    let layout = match &args.layout {
+        Some(l) => Layout::parse_for(l, version).map_err(|e| ConfigError::new("--layout", e))?,
+        None => Layout::default_for(version),
+    };
+    if args.tokens == 0 {
+        return Err(ConfigError::new("--tokens", "a request needs at least 1 token"));
+    }
+    let engine =
+        EngineSpec { tp: args.tp, block_tokens: args.block_size, num_blocks: args.num_blocks, layout };
+    let pair = PairSpec { version, model, p: engine, d: engine, permute: false };
+    // Same checks as a homogeneous pair: TP vs heads, block size, layout version.
+    pair.validate()
+        .map_err(|e| ConfigError::new(e.flag.replace("--p-", "--").replace("--d-", "--"), e.reason))?;
+    if args.rank >= args.tp {
+        return Err(ConfigError::new(
+            "--rank",
+            format!("rank {} does not exist with --tp {}", args.rank, args.tp),
+        ));
+    }
+    let geom = pair.p_geometry(args.rank);
+    Ok((pair, geom))
+}

@@ -1,0 +1,304 @@
+//! `kvx serve-proxy`: its flags ([`ServeProxyFlags`]: those of vLLM's `toy_proxy_server.py`
+//! and the P/D flags of vLLM's Rust router, `vllm-router --vllm-pd-disaggregation --prefill
+//! URL [BOOTSTRAP_PORT] --decode URL --policy round_robin|random|power_of_two`), resolved into
+//! the proxy's settings (`serve::proxy::ProxyConfig`). Must not bind or connect anything.
+
+use std::time::Duration;
+
+use clap::{ArgAction, Args};
+
+use crate::error::ConfigError;
+use crate::pipeline::proto::Dispatch;
+use crate::serve::proxy::{BackendAddr, Policy, ProxyConfig};
+
+/// `kvx serve-proxy`'s flags (host, port and threads are the process's own: `cli` binds and
+/// starts the runtime with them).
+#[derive(Debug, Clone, Args)]
+pub struct ServeProxyFlags {
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to bind; 0 picks a free one (read it from the first stdout line).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Prefill engine hosts (one per port in --prefiller-ports).
+    #[arg(long = "prefiller-hosts", visible_alias = "prefiller-host", num_args = 1.., default_values_t = [String::from("localhost")])]
+    pub prefiller_hosts: Vec<String>,
+    /// Prefill engine ports.
+    #[arg(long = "prefiller-ports", visible_alias = "prefiller-port", num_args = 1.., default_values_t = [8100u16])]
+    pub prefiller_ports: Vec<u16>,
+    /// Decode engine hosts (one per port in --decoder-ports).
+    #[arg(long = "decoder-hosts", visible_alias = "decoder-host", num_args = 1.., default_values_t = [String::from("localhost")])]
+    pub decoder_hosts: Vec<String>,
+    /// Decode engine ports.
+    #[arg(long = "decoder-ports", visible_alias = "decoder-port", num_args = 1.., default_values_t = [8200u16])]
+    pub decoder_ports: Vec<u16>,
+    /// vLLM router: accepted for compatibility (kvx serve-proxy always disaggregates P/D).
+    #[arg(long, help_heading = "vLLM router flags")]
+    pub vllm_pd_disaggregation: bool,
+    /// vLLM router: a prefill engine's URL, optionally followed by its bootstrap port (unused by
+    /// NIXL's pull mode; a number or `none`). Repeat for several engines.
+    #[arg(long = "prefill", num_args = 1..=2, action = ArgAction::Append, value_names = ["URL", "BOOTSTRAP_PORT"],
+          conflicts_with_all = ["prefiller_hosts", "prefiller_ports"], help_heading = "vLLM router flags")]
+    pub prefill: Vec<String>,
+    /// vLLM router: a decode engine's URL. Repeat for several engines.
+    #[arg(long = "decode", value_name = "URL", action = ArgAction::Append,
+          conflicts_with_all = ["decoder_hosts", "decoder_ports"], help_heading = "vLLM router flags")]
+    pub decode: Vec<String>,
+    /// How an engine is chosen within each pool (vLLM router's names round_robin, random,
+    /// power_of_two work too).
+    #[arg(long, value_enum, default_value = "round-robin")]
+    pub policy: Policy,
+    /// How a request's legs are sent: sequential (prefill, then decode with its answer, as the
+    /// toy proxy) or concurrent (push mode: both at once, decode registering its blocks while
+    /// prefill computes, once a prefill engine's first push answer gave its identity).
+    #[arg(long, value_enum, default_value = "sequential")]
+    pub dispatch: Dispatch,
+    /// Policy of the prefill pool [default: --policy].
+    #[arg(long, value_enum, help_heading = "vLLM router flags")]
+    pub prefill_policy: Option<Policy>,
+    /// Policy of the decode pool [default: --policy].
+    #[arg(long, value_enum, help_heading = "vLLM router flags")]
+    pub decode_policy: Option<Policy>,
+    /// TCP connect timeout per attempt, in seconds.
+    #[arg(long, default_value_t = 2.0, value_name = "SECONDS")]
+    pub connect_timeout: f64,
+    /// Prefill: whole response; decode: until response headers. Seconds.
+    #[arg(long, visible_alias = "request-timeout-secs", default_value_t = 300.0, value_name = "SECONDS")]
+    pub request_timeout: f64,
+    /// Require `Authorization: Bearer <KEY>` from clients on /v1/*.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Bearer token sent to the engines (default: --api-key).
+    #[arg(long, env = crate::settings::env::OPENAI_API_KEY, hide_env_values = true)]
+    pub backend_api_key: Option<String>,
+    /// Seconds between background `GET /health` probes of every engine (0 = off). A down
+    /// engine is routed to again within one interval of its recovery.
+    #[arg(long, visible_alias = "health-check-interval-secs", default_value_t = 2.0, value_name = "SECONDS")]
+    pub health_interval: f64,
+    /// Timeout of one health probe, in seconds.
+    #[arg(long, visible_alias = "health-check-timeout-secs", default_value_t = 2.0, value_name = "SECONDS")]
+    pub health_timeout: f64,
+    /// Runtime worker threads (default: one per CPU).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+}
+
+fn seconds(flag: &str, v: f64, allow_zero: bool) -> Result<Duration, ConfigError> {
+    if v.is_finite() && (v > 0.0 || (allow_zero && v == 0.0)) && v <= 86_400.0 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        let min = if allow_zero { ">= 0" } else { "> 0" };
+        Err(ConfigError::new(flag, format!("must be a number of seconds {min} and at most 86400, got {v}")))
+    }
+}
+
+fn pair(hosts: &[String], ports: &[u16], what: &str, flags: &str) -> Result<Vec<BackendAddr>, ConfigError> {
+    if hosts.len() != ports.len() {
+        return Err(ConfigError::new(
+            flags,
+            format!(
+                "Number of {what} hosts must match number of {what} ports ({} hosts, {} ports)",
+                hosts.len(),
+                ports.len()
+            ),
+        ));
+    }
+    Ok(hosts.iter().zip(ports).map(|(h, &p)| BackendAddr { host: h.clone(), port: p }).collect())
+}
+
+/// A vLLM router backend URL (`http://host:port[/]`) as an address.
+fn router_url(flag: &str, url: &str) -> Result<BackendAddr, ConfigError> {
+    let bad = |why: &str| ConfigError::new(flag, format!("{url:?} is not an http://HOST:PORT URL: {why}"));
+    let uri: http::Uri = url.parse().map_err(|e: http::uri::InvalidUri| bad(&e.to_string()))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(bad("only http:// is supported"));
+    }
+    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+        return Err(bad("give the engine's base URL, without a path"));
+    }
+    let host = uri.host().filter(|h| !h.is_empty()).ok_or_else(|| bad("no host"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+    Ok(BackendAddr { host, port: uri.port_u16().unwrap_or(80) })
+}
+
+/// The values of every `--prefill URL [BOOTSTRAP_PORT]`, flattened: each URL may be
+/// followed by a bootstrap port (a number or `none`, unused by NIXL's pull mode).
+fn router_prefills(values: &[String]) -> Result<Vec<BackendAddr>, ConfigError> {
+    let mut out = Vec::new();
+    let mut last_url: Option<&str> = None;
+    for v in values {
+        if v.contains("://") {
+            out.push(router_url("--prefill", v)?);
+            last_url = Some(v);
+        } else if let Some(url) = last_url.take()
+            && (v.eq_ignore_ascii_case("none") || v.parse::<u16>().is_ok())
+        {
+            tracing::debug!(url, bootstrap_port = %v, "--prefill bootstrap port ignored (NIXL pull mode)");
+        } else {
+            return Err(ConfigError::new(
+                "--prefill",
+                format!(
+                    "{v:?} is neither an http://HOST:PORT URL nor a bootstrap port (a number or `none`) after one"
+                ),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Checks the flags and builds the proxy settings.
+pub fn resolve(a: &ServeProxyFlags) -> Result<ProxyConfig, ConfigError> {
+    let (prefill, decode) = if a.prefill.is_empty() && a.decode.is_empty() {
+        if a.vllm_pd_disaggregation {
+            return Err(ConfigError::new(
+                "--prefill/--decode",
+                "--vllm-pd-disaggregation needs the engines: --prefill URL and --decode URL",
+            ));
+        }
+        (
+            pair(&a.prefiller_hosts, &a.prefiller_ports, "prefiller", "--prefiller-hosts/--prefiller-ports")?,
+            pair(&a.decoder_hosts, &a.decoder_ports, "decoder", "--decoder-hosts/--decoder-ports")?,
+        )
+    } else {
+        if a.prefill.is_empty() || a.decode.is_empty() {
+            return Err(ConfigError::new(
+                "--prefill/--decode",
+                "P/D routing needs both: at least one --prefill URL and one --decode URL",
+            ));
+        }
+        let prefill = router_prefills(&a.prefill)?;
+        let decode = a.decode.iter().map(|u| router_url("--decode", u)).collect::<Result<Vec<_>, _>>()?;
+        (prefill, decode)
+    };
+    if a.threads == Some(0) {
+        return Err(ConfigError::new("--threads", "must be at least 1"));
+    }
+    Ok(ProxyConfig {
+        prefill,
+        decode,
+        policy: a.prefill_policy.unwrap_or(a.policy),
+        decode_policy: Some(a.decode_policy.unwrap_or(a.policy)),
+        connect_timeout: seconds("--connect-timeout", a.connect_timeout, false)?,
+        request_timeout: seconds("--request-timeout", a.request_timeout, false)?,
+        api_key: a.api_key.clone(),
+        backend_api_key: a.backend_api_key.clone().or_else(|| a.api_key.clone()),
+        health_interval: seconds("--health-interval", a.health_interval, true)?,
+        health_timeout: seconds("--health-timeout", a.health_timeout, false)?,
+        dispatch: a.dispatch,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+    use crate::serve::proxy::Policy;
+
+    fn parse(args: &[&str]) -> ServeProxyFlags {
+        let mut v = vec!["kvx", "serve-proxy"];
+        v.extend_from_slice(args);
+        match Cli::try_parse_from(v).expect("parses").command {
+            Command::ServeProxy(a) => a.settings,
+            _ => panic!("wrong subcommand"),
+        }
+    }
+
+    #[test]
+    fn toy_proxy_flags_parse_with_both_spellings() {
+        let a = parse(&[
+            "--prefiller-host",
+            "h1",
+            "h2",
+            "--prefiller-port",
+            "8100",
+            "8101",
+            "--decoder-hosts",
+            "d1",
+            "--decoder-ports",
+            "8200",
+            "--port",
+            "8192",
+        ]);
+        let cfg = resolve(&a).expect("valid");
+        assert_eq!(cfg.prefill.len(), 2);
+        assert_eq!(cfg.decode[0], BackendAddr { host: "d1".into(), port: 8200 });
+        let d = parse(&[]);
+        let cfg = resolve(&d).expect("defaults");
+        assert_eq!(cfg.prefill[0], BackendAddr { host: "localhost".into(), port: 8100 });
+        assert_eq!((d.host.as_str(), d.port), ("127.0.0.1", 8000));
+    }
+
+    #[test]
+    fn vllm_router_flags_parse() {
+        let a = parse(&[
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            "http://p1:8100",
+            "8998",
+            "--prefill",
+            "http://[::1]:8101/",
+            "--decode",
+            "http://d1:8200",
+            "--policy",
+            "power_of_two",
+            "--decode-policy",
+            "round_robin",
+            "--request-timeout-secs",
+            "30",
+        ]);
+        let cfg = resolve(&a).expect("valid");
+        assert_eq!(
+            cfg.prefill,
+            vec![
+                BackendAddr { host: "p1".into(), port: 8100 },
+                BackendAddr { host: "::1".into(), port: 8101 }
+            ]
+        );
+        assert_eq!(cfg.decode, vec![BackendAddr { host: "d1".into(), port: 8200 }]);
+        assert_eq!((cfg.policy, cfg.decode_policy), (Policy::PowerOfTwo, Some(Policy::RoundRobin)));
+        assert_eq!(cfg.request_timeout, Duration::from_secs(30));
+        for policy in ["random", "round_robin", "round-robin", "least-loaded", "power-of-two"] {
+            let a = parse(&["--prefill", "http://p:1", "none", "--decode", "http://d:2", "--policy", policy]);
+            assert!(resolve(&a).is_ok(), "{policy}");
+        }
+    }
+
+    #[test]
+    fn bad_vllm_router_flags_name_the_flag() {
+        for (args, flag) in [
+            (&["--prefill", "http://p:1"][..], "--prefill/--decode"),
+            (&["--vllm-pd-disaggregation"][..], "--prefill/--decode"),
+            (&["--prefill", "https://p:1", "--decode", "http://d:2"][..], "--prefill"),
+            (&["--prefill", "http://p:1", "x", "--decode", "http://d:2"][..], "--prefill"),
+            (&["--prefill", "http://p:1", "--decode", "http://d:2/v1"][..], "--decode"),
+        ] {
+            let e = resolve(&parse(args)).expect_err("invalid");
+            assert_eq!(e.flag, flag, "{args:?}: {e}");
+        }
+        // The toy proxy's flags and the router's name the same engines: not both.
+        let v = [
+            "kvx",
+            "serve-proxy",
+            "--prefill",
+            "http://p:1",
+            "--prefiller-hosts",
+            "h",
+            "--decode",
+            "http://d:2",
+        ];
+        assert!(Cli::try_parse_from(v).is_err());
+        let v = ["kvx", "serve-proxy", "--policy", "cache_aware"];
+        assert!(Cli::try_parse_from(v).is_err(), "only kvx's policies are accepted");
+    }
+
+    #[test]
+    fn mismatched_counts_name_the_flags() {
+        let a = parse(&["--prefiller-hosts", "a", "b", "--prefiller-ports", "1"]);
+        let e = resolve(&a).expect_err("mismatch");
+        assert_eq!(e.flag, "--prefiller-hosts/--prefiller-ports");
+        assert!(e.reason.contains("Number of prefiller hosts must match number of prefiller ports"));
+    }
+}
