@@ -62,8 +62,12 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     if let Some(sig) = interrupted {
         return Ok(Outcome::Interrupted(sig));
     }
+    // The run completed: failed requests are its verdict (exit 1), not an error (exit 2).
     if let Some(t) = run.summary.targets.iter().find(|t| t.ok == 0) {
-        anyhow::bail!("no request to target `{}` ({}) succeeded; errors: {:?}", t.name, t.url, t.errors);
+        return Ok(Outcome::Failed(format!(
+            "kvx load: no request to target `{}` ({}) succeeded; errors: {:?}",
+            t.name, t.url, t.errors
+        )));
     }
     Ok(Outcome::of_run("kvx load", &summary))
 }

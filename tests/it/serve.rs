@@ -1007,7 +1007,7 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
             0.0
         );
 
-        // A dead target: errors by cause, exit 2.
+        // A dead target: errors by cause; the run completed with every request failed: exit 1.
         let args: Vec<String> = [
             "load",
             "--url",
@@ -1025,7 +1025,7 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
         .map(ToString::to_string)
         .collect();
         let (code, out, err) = run_kvx(&args).await;
-        assert_eq!(code, Some(2), "{out}");
+        assert_eq!(code, Some(1), "{out}");
         assert!(out.contains("connect: 4"), "{out}");
         assert!(err.contains("no request to target `url`"), "{err}");
     })
