@@ -12,7 +12,11 @@
 //! | 0 | ok: every request succeeded and verified; the gate passed; stdout closed by its reader (runs and the gate keep their verdict) |
 //! | 1 | the run completed with failed, recomputed or unverified requests (or, under `--fault`, the failure policy did not hold); a gate regression |
 //! | 2 | bad input, configuration or runtime error |
-//! | 130, 143 | interrupted by SIGINT, SIGTERM |
+//! | 130, 143 | a run (bench, load, xfer) interrupted by SIGINT, SIGTERM |
+//!
+//! Servers (`serve-engine`, `serve-proxy`) exit 0 after a clean shutdown on SIGTERM or SIGINT
+//! (what systemd and Kubernetes count as a normal stop), and 2 when they cannot go on (an
+//! engine whose KV worker died exits at once, so a supervisor restarts it).
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
@@ -36,7 +40,9 @@ pub mod exit {
 /// The text of the exit codes for `--help`.
 pub const EXIT_CODES_HELP: &str = "Exit status: 0 ok (every request succeeded and verified; gate passed); \
 1 the run completed with failed or unverified requests, or the gate found a regression; \
-2 bad input, configuration or runtime error; 130/143 interrupted (SIGINT/SIGTERM). \
+2 bad input, configuration or runtime error; 130/143 a run interrupted (SIGINT/SIGTERM). \
+Servers (serve-engine, serve-proxy) exit 0 after a clean shutdown on SIGTERM/SIGINT, and 2 when \
+they cannot go on (an engine whose KV worker died). \
 A closed stdout (kvx ... | head) ends a command quietly: exit 0, or the run's or the gate's verdict.";
 
 /// A configuration the user asked for that kvx refuses, with the flag to change.

@@ -78,7 +78,7 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
                 let kv =
                     Arc::new(started.context("starting the KV workers")?.context("starting the KV workers")?);
                 if stopped {
-                    return Ok::<_, anyhow::Error>(Some(kv));
+                    return Ok::<_, anyhow::Error>((Some(kv), None));
                 }
                 let info = kv.info();
                 let side_channel = match cfg.role {
@@ -100,11 +100,31 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
             }
         };
         let listener = tokio::net::TcpListener::from_std(std_listener).context("listener")?;
-        let state = EngineState::new(cfg, backend);
+        let state = EngineState::new(cfg, backend.clone());
+        // A KV worker that dies ends the engine too (exit 2, below): an engine answering 503
+        // for ever would never be restarted by its supervisor.
+        let died: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+        let watch = {
+            let died = died.clone();
+            async move {
+                let why = worker_death(backend.as_ref()).await;
+                if let Ok(mut d) = died.lock() {
+                    *d = Some(why);
+                }
+            }
+        };
+        let stop = async move {
+            tokio::select! {
+                () = stop => {},
+                () = watch => {},
+            }
+        };
         engine::serve(listener, state, stop).await.context("serving HTTP")?;
-        Ok(workers)
+        let died = died.lock().ok().and_then(|mut d| d.take());
+        Ok((workers, died))
     })?;
     drop(rt);
+    let (workers, died) = workers;
     if let Some(kv) = workers
         && let Some(fin) = kv.shutdown()
     {
@@ -115,8 +135,28 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
             "KV workers stopped"
         );
     }
+    if let Some(why) = died {
+        anyhow::bail!(
+            "a KV worker died ({why}): kvx serve-engine stopped serving so that its supervisor can restart it"
+        );
+    }
     Ok(Outcome::Ok)
 }
+
+/// Resolves once the backend reports that it cannot serve any more (a worker process died),
+/// with why; never for a backend that stays healthy. Checked every [`WORKER_WATCH`].
+async fn worker_death(backend: &dyn KvBackend) -> String {
+    loop {
+        if let Err(why) = backend.health() {
+            return why;
+        }
+        tokio::time::sleep(WORKER_WATCH).await;
+    }
+}
+
+/// How often the engine checks that its KV workers are alive: a death ends it within this
+/// (plus the engine's own detection of the dead process, which is immediate).
+const WORKER_WATCH: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// A multi-threaded tokio runtime with `threads` workers (default: one per CPU; settings
 /// refused `--threads 0`).

@@ -596,3 +596,47 @@ async fn bench_serve_serves_vllm_metrics_while_it_runs() {
     })
     .await;
 }
+
+/// A KV worker killed outright (OOM, `kill -9`) takes its engine down with exit 2 within 2 s,
+/// saying so, so that a supervisor (systemd, Kubernetes) restarts it; an engine answering 503
+/// for ever would never be restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_ends_its_engine_with_exit_2() {
+    within(async {
+        let mut p = Command::new(env!("CARGO_BIN_EXE_kvx"));
+        p.args(["serve-engine", "--role", "prefill", "--port", "0", "--tp", "1", "--max-model-len", "1024"])
+            .args(MODEL)
+            .args(["--side-channel-port", "0", "--timeout", "10s"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let mut child = p.spawn().expect("spawn kvx");
+        let mut line = String::new();
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        out.read_line(&mut line).expect("first line");
+        assert!(line.starts_with("listening on http://"), "{line}");
+        let addr = line.trim().trim_start_matches("listening on http://").to_string();
+        let (status, _, _) = send("GET", &format!("http://{addr}/health"), &[], "").await;
+        assert_eq!(status, StatusCode::OK, "the workers are up");
+        // The engine's one worker: its child process (spawned by any of its threads).
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", child.id())).expect("the engine's threads");
+        let worker = tasks
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+            .find_map(|c| c.split_whitespace().next().map(str::to_string))
+            .expect("a worker process");
+        let killed = Instant::now();
+        assert!(Command::new("kill").args(["-s", "KILL", &worker]).status().expect("kill").success());
+        let status = child.wait_timeout(Duration::from_secs(10)).expect("wait").unwrap_or_else(|| {
+            let _ = child.kill();
+            panic!("the engine still runs 10 s after its worker was killed")
+        });
+        let took = killed.elapsed();
+        let mut err = String::new();
+        let _ = std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err);
+        assert_eq!(status.code(), Some(2), "{err}");
+        assert!(took <= Duration::from_secs(2), "took {took:?}: {err}");
+        assert!(err.contains("a KV worker died"), "{err}");
+    })
+    .await;
+}
