@@ -36,6 +36,7 @@ use super::ucx::{
     PackedRkey, ProgressMode, ProtoReport, ReadDesc, ReadOptions, Registrable, RemoteRegion, Rma, ServeEnd,
     Ucx, UcxAllocated, UcxError, Worker, wait_readable,
 };
+use crate::layouts::pattern::{check_at, fill_at};
 
 /// Errors of `kvx xfer` and of the target/initiator pair behind it.
 #[derive(Debug, thiserror::Error)]
@@ -84,7 +85,8 @@ pub type Result<T, E = XferError> = std::result::Result<T, E>;
 const MAX_FRAME: usize = 1 << 20;
 /// How long a spawned target may take to start, load UCX and connect back.
 const TARGET_START_TIMEOUT: Duration = Duration::from_secs(30);
-/// Seed of the byte pattern the target fills its region with.
+/// Key of the byte pattern the target fills its region with (`layouts::pattern`: one run of
+/// words over the whole region, so that any read can be checked at its remote offset).
 pub const PATTERN_SEED: u64 = 0x6b76_7820_7866_6572;
 
 /// What the initiator asks the target to set up.
@@ -182,64 +184,6 @@ fn read_frame<T: for<'de> Deserialize<'de>>(
 }
 
 // ---------------------------------------------------------------------------------------
-// Byte pattern
-
-/// The 8-byte word at `word_index` of the pattern (splitmix64 of seed and index).
-#[inline]
-pub fn pattern_word(seed: u64, word_index: u64) -> u64 {
-    let mut z = seed ^ word_index.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// Fills `buf` (which starts at pattern offset 0) with the pattern.
-pub fn fill_pattern(buf: &mut [u8], seed: u64) {
-    let mut chunks = buf.chunks_exact_mut(8);
-    for (i, c) in (&mut chunks).enumerate() {
-        c.copy_from_slice(&pattern_word(seed, i as u64).to_le_bytes());
-    }
-    let tail_start = buf.len() / 8 * 8;
-    let w = pattern_word(seed, (buf.len() / 8) as u64).to_le_bytes();
-    for (j, b) in buf[tail_start..].iter_mut().enumerate() {
-        *b = w[j];
-    }
-}
-
-/// Fills `buf` with the pattern as it is at offset `pattern_off` (a multiple of 8).
-pub fn fill_pattern_at(buf: &mut [u8], pattern_off: u64, seed: u64) {
-    debug_assert!(pattern_off.is_multiple_of(8));
-    let first = pattern_off / 8;
-    for (i, c) in buf.chunks_mut(8).enumerate() {
-        let w = pattern_word(seed, first + i as u64).to_le_bytes();
-        c.copy_from_slice(&w[..c.len()]);
-    }
-}
-
-/// Checks that `got` equals the pattern at offset `pattern_off`; returns the offset of the
-/// first wrong byte. Any offset and length: bytes up to the first multiple of 8, then whole
-/// pattern words, then the bytes left.
-pub fn check_pattern(got: &[u8], pattern_off: u64, seed: u64) -> Result<(), u64> {
-    let byte_at = |off: u64| pattern_word(seed, off / 8).to_le_bytes()[(off % 8) as usize];
-    let check_bytes =
-        |bytes: &[u8], first: u64| match bytes.iter().zip(first..).find(|&(&b, off)| b != byte_at(off)) {
-            Some((_, off)) => Err(off),
-            None => Ok(()),
-        };
-    let head = ((8 - pattern_off % 8) % 8).min(got.len() as u64) as usize;
-    check_bytes(&got[..head], pattern_off)?;
-    let body_off = pattern_off + head as u64;
-    let mut words = got[head..].chunks_exact(8);
-    for (i, c) in (&mut words).enumerate() {
-        if c != pattern_word(seed, body_off / 8 + i as u64).to_le_bytes() {
-            return check_bytes(c, body_off + 8 * i as u64);
-        }
-    }
-    let rest = words.remainder();
-    check_bytes(rest, pattern_off + (got.len() - rest.len()) as u64)
-}
-
-// ---------------------------------------------------------------------------------------
 // Memory both roles use
 
 /// What `kvx xfer` needs of a registered buffer besides its registration: filling it
@@ -282,7 +226,7 @@ macro_rules! host_access {
     ($t:ty) => {
         impl BufferAccess for $t {
             fn fill_with_pattern(&mut self, seed: u64) -> Result<()> {
-                fill_pattern(self.as_mut_slice(), seed);
+                fill_at(self.as_mut_slice(), seed, 0);
                 Ok(())
             }
             fn zero_ranges(&mut self, ranges: &[Range<u64>]) -> Result<()> {
@@ -323,7 +267,7 @@ impl BufferAccess for CudaBuffer {
         let len = CudaBuffer::len(self) as u64;
         let ranges: Vec<std::ops::Range<u64>> =
             (0..len.div_ceil(PIECE)).map(|i| i * PIECE..((i + 1) * PIECE).min(len)).collect();
-        self.write_ranges(&ranges, |i, bytes| fill_pattern_at(bytes, ranges[i].start, seed))?;
+        self.write_ranges(&ranges, |i, bytes| fill_at(bytes, seed, ranges[i].start))?;
         Ok(())
     }
     fn zero_ranges(&mut self, ranges: &[Range<u64>]) -> Result<()> {
@@ -1357,7 +1301,7 @@ impl Ceiling {
             MemPlace::Host => {
                 let pages = if pages == PageSize::Normal { PageSize::Normal } else { PageSize::Huge };
                 let mut src = HostBuffer::alloc(ws as usize, pages)?;
-                fill_pattern(src.as_mut_slice(), PATTERN_SEED);
+                fill_at(src.as_mut_slice(), PATTERN_SEED, 0);
                 let mut dst = HostBuffer::alloc(ws as usize, pages)?;
                 dst.prefault();
                 Ceiling::Memcpy { src, dst }
@@ -1642,7 +1586,7 @@ fn check_destinations<M: BufferAccess>(
     scratch: &mut Vec<u8>,
 ) -> Result<u64> {
     let ranges: Vec<Range<u64>> = checks.iter().map(|d| d.local_off..d.local_off + d.len).collect();
-    let check = |i: usize, got: &[u8]| check_pattern(got, checks[i].remote_off, seed).err();
+    let check = |i: usize, got: &[u8]| check_at(got, seed, checks[i].remote_off).err();
     match mem.check_ranges(&ranges, scratch, &check)? {
         None => Ok(checks.iter().map(|d| d.len).sum()),
         Some((i, off)) => {
@@ -1835,40 +1779,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pattern_checks_catch_shifted_and_damaged_bytes() {
-        let mut buf = vec![0u8; 4096 + 13];
-        fill_pattern(&mut buf, 7);
-        assert_eq!(check_pattern(&buf, 0, 7), Ok(()));
-        assert_eq!(check_pattern(&buf[64..128], 64, 7), Ok(()));
-        assert_eq!(check_pattern(&buf[3..1000], 3, 7), Ok(()));
-        assert_eq!(check_pattern(&buf[64..128], 72, 7), Err(72));
-        assert!(check_pattern(&buf[0..64], 0, 8).is_err());
-        buf[100] ^= 1;
-        assert_eq!(check_pattern(&buf[96..200], 96, 7), Err(100), "the byte, not its word");
-        assert_eq!(check_pattern(&buf[97..200], 97, 7), Err(100));
-        buf[100] ^= 1;
-        // Every start and length around the word boundaries, and a wrong last byte.
-        for start in 0..24 {
-            for end in start..start + 40 {
-                assert_eq!(check_pattern(&buf[start..end], start as u64, 7), Ok(()), "{start}..{end}");
-                if end > start {
-                    buf[end - 1] ^= 0x80;
-                    assert_eq!(check_pattern(&buf[start..end], start as u64, 7), Err(end as u64 - 1));
-                    buf[end - 1] ^= 0x80;
-                }
-            }
-        }
-    }
-
-    #[test]
     fn a_parallel_check_reports_the_first_failing_range() {
         // 64 ranges of 64 KiB (4 MiB: checked in parallel), two of them damaged.
         let mut buf = vec![0u8; 4 << 20];
-        fill_pattern(&mut buf, 7);
+        fill_at(&mut buf, 7, 0);
         buf[(40 << 16) + 9] ^= 1;
         buf[(9 << 16) + 100] ^= 1;
         let items: Vec<(usize, &[u8])> = buf.chunks(1 << 16).enumerate().collect();
-        let check = |i: usize, got: &[u8]| check_pattern(got, (i as u64) << 16, 7).err();
+        let check = |i: usize, got: &[u8]| check_at(got, 7, (i as u64) << 16).err();
         assert_eq!(first_failure(&items, &check), Some((9, (9 << 16) + 100)));
         assert_eq!(first_failure(&items[..9], &check), None, "small: on this thread");
     }
@@ -1983,7 +1901,7 @@ mod tests {
 
     fn copying(damage_batch: Option<u64>, shift: Misalign) -> Copying {
         let mut src = vec![0u8; (64 << 10) + 64];
-        fill_pattern(&mut src, 7);
+        fill_at(&mut src, 7, 0);
         let dst = HostBuffer::alloc((64 << 10) + 64, PageSize::Normal).expect("a host buffer");
         let layout = ReadLayout {
             size: 4096,
