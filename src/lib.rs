@@ -40,6 +40,8 @@ pub mod cli;
 #[forbid(unsafe_code)]
 pub mod clock;
 pub mod error;
+#[forbid(unsafe_code)]
+pub mod host;
 pub mod interrupt;
 #[forbid(unsafe_code)]
 pub mod layouts;

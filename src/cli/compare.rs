@@ -102,7 +102,7 @@ pub fn run(
     };
     let mut summary = Summary::new(run_id, crate::report::summary::now_rfc3339(), first.scenario());
     summary.scenario.name = Some(what.flag().trim_start_matches("--").into());
-    summary.environment = crate::report::summary::Environment::detect();
+    summary.environment = crate::host::Environment::detect();
     let mut points = Vec::new();
     let mut rows = Vec::new();
     for (i, (name, settings)) in plans.iter().enumerate() {

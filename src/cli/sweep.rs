@@ -18,7 +18,7 @@ pub fn run(plan: &SweepPlan, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
     };
     let mut summary = Summary::new(run_id, crate::report::summary::now_rfc3339(), first.scenario());
     summary.scenario.name = Some(plan.name.clone());
-    summary.environment = crate::report::summary::Environment::detect();
+    summary.environment = crate::host::Environment::detect();
     let mut out = Vec::new();
     let n = plan.points.len();
     for (i, planned) in plan.points.iter().enumerate() {

@@ -25,8 +25,8 @@ use crate::report::bandwidth::{BandwidthTally, RankTransfer};
 use crate::report::files::RunWriter;
 use crate::report::recorder::StageRecorder;
 use crate::report::summary::{
-    Calibration, Environment, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow,
-    RequestTotals, Scenario, Stage, Summary, UcxInfo,
+    Calibration, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals,
+    Scenario, Stage, Summary, UcxInfo,
 };
 use crate::report::verdict::{FAILURES_AFTER_FAULT, FAULT_CAUSES, FAULT_INJECTED};
 
@@ -682,7 +682,7 @@ fn calibration_samples(s: &BenchSettings) -> Vec<Calibration> {
 pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Summary, BenchError> {
     let started = crate::report::summary::now_rfc3339();
     let mut summary = Summary::new(run_id, started, s.scenario());
-    summary.environment = Environment::detect();
+    summary.environment = crate::host::Environment::detect();
     summary.partial = true;
     writer.write_partial(&summary)?;
     let mut calibration = calibration_samples(s);
