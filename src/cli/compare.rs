@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use serde_json::json;
 
+use crate::diagnose::xfer::run_for_calibration;
 use crate::pipeline::bench;
 use crate::pipeline::bench::BenchSettings;
 use crate::report::chart::{Bars, bars_svg};
@@ -114,7 +115,7 @@ pub fn run(
         }
         crate::output::note!("kvx bench {}: {name} ({}/{})", what.flag(), i + 1, plans.len());
         let cpu0 = cpu_seconds();
-        let s = bench::run(settings, writer, &format!("{run_id}-{name}"))?;
+        let s = bench::run(settings, writer, &format!("{run_id}-{name}"), run_for_calibration)?;
         summary.partial |= s.partial;
         let cpu = cpu_seconds() - cpu0;
         let gb = s.bytes_read as f64 / 1e9;

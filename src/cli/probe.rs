@@ -6,9 +6,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
+use crate::diagnose::probe::{self, LatencySummary, ProbeFraming, ProbeOptions};
 use crate::error::ConfigError;
 use crate::transfer::handshake::Framing;
-use crate::transfer::probe::{self, LatencySummary, ProbeFraming, ProbeOptions};
 use crate::{Outcome, output};
 
 /// Framing to speak (`--vllm`).

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
+use crate::diagnose::xfer::run_for_calibration;
 use crate::pipeline::bench;
 use crate::report::files::RunWriter;
 use crate::report::summary::{Summary, SweepPoint};
@@ -39,7 +40,7 @@ pub fn run(plan: &SweepPlan, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
                 continue;
             }
         };
-        let s = bench::run(settings, writer, &format!("{run_id}-p{i}"))?;
+        let s = bench::run(settings, writer, &format!("{run_id}-p{i}"), run_for_calibration)?;
         summary.absorb(&s);
         summary.partial |= s.partial;
         let descs = s.descriptors_per_request;

@@ -1,17 +1,19 @@
-//! `kvx xfer`: flags, resolution into an `XferConfig`, and rendering of the report.
+//! `kvx xfer`: flags, resolution into an `XferConfig`, and printing of the report
+//! (`diagnose::xfer` measures, `report::xfer` renders).
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
+use crate::diagnose::xfer::{
+    self, Misalign, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferError,
+};
 use crate::error::{AlreadyReported, ConfigError};
+use crate::report::xfer::render_table;
 pub use crate::settings::parse::parse_duration;
 use crate::transfer::memory::MemPlace;
 use crate::transfer::ucx::{ErrMode, ProgressMode, proto_capture_dir, proto_capture_env, ucx_log_messages};
-use crate::transfer::xfer::{
-    self, Misalign, SessionOptions, TargetOptions, TargetSpec, XferConfig, XferError, XferReport,
-};
 use crate::{Outcome, output};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
@@ -381,127 +383,6 @@ fn resolve(args: &XferArgs) -> Result<XferConfig, ConfigError> {
 /// for any unit a transport copies in).
 const MAX_MISALIGN: u64 = 4096;
 
-/// Human-readable size: 4KiB, 64MiB.
-pub fn fmt_size(b: u64) -> String {
-    const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
-    for (m, u) in UNITS {
-        if b >= m && b.is_multiple_of(m) {
-            return format!("{}{u}", b / m);
-        }
-    }
-    format!("{b}B")
-}
-
-fn render_table(r: &XferReport) -> String {
-    let mut out = String::new();
-    let memory = match r.memory.device {
-        Some(d) => format!("{} (device {d})", r.memory.kind),
-        None => format!("{} ({})", r.memory.kind, r.memory.pages),
-    };
-    if let Some(b) = &r.cuda_batch {
-        out.push_str(&format!(
-            "cuda-batch: {} ({}), {:.0} driver call(s) per batch, CUDA IPC between two processes\n\
-             memory {memory}  {}  working set {}\n",
-            b.driver_call,
-            b.path,
-            b.calls_per_batch,
-            r.memory.residency,
-            fmt_size(r.memory.working_set_bytes),
-        ));
-        return out + &misalign_line(r) + &results_table(r) + &verification_line(r);
-    }
-    out.push_str(&format!(
-        "UCX {} ({}, {})  transports: {}\nerr-mode {}  progress {}  memory {memory}  {}  working set {}\n",
-        r.ucx.version,
-        r.ucx.library,
-        r.ucx.source,
-        r.ucx.transports,
-        r.ucx.err_mode,
-        r.ucx.progress,
-        r.memory.residency,
-        fmt_size(r.memory.working_set_bytes),
-    ));
-    out.push_str(&format!("protocols: {}\n", r.ucx.protocols.summary()));
-    for e in &r.ucx.env {
-        out.push_str(&format!("ucx setting: {e}\n"));
-    }
-    for w in &r.warnings {
-        out.push_str(&format!("warning: {w}\n"));
-    }
-    if r.memory.kind == "ucx-alloc" || r.memory.residency == "hot" {
-        out.push_str(
-            "note: hot and/or UCX-allocated buffers flatter the numbers; a KV cache is cold user memory\n",
-        );
-    }
-    out + &misalign_line(r) + &results_table(r) + &verification_line(r)
-}
-
-/// `--misalign`'s shift, when there is one.
-fn misalign_line(r: &XferReport) -> String {
-    if r.misalign.is_none() {
-        return String::new();
-    }
-    format!(
-        "misaligned: every read's local offset +{} B, remote offset +{} B\n",
-        r.misalign.local_bytes, r.misalign.remote_bytes
-    )
-}
-
-/// What the `verified` columns mean.
-fn verification_line(r: &XferReport) -> String {
-    format!("verified: {}\n", r.verification)
-}
-
-/// The per-case rows.
-fn results_table(r: &XferReport) -> String {
-    let mut out = String::new();
-    let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::ASCII_BORDERS_ONLY_CONDENSED);
-    let (ceiling, ratio) = if r.ceiling == "device_copy" {
-        ("device copy GB/s", "vs device copy")
-    } else {
-        ("memcpy GB/s", "ratio")
-    };
-    // Device memory also names the GPU's bandwidth for each batch's bytes (one copy).
-    let bulk = r.results.iter().any(|x| x.bulk_copy_gbps.is_some());
-    let mut header = vec!["size", "inflight", "GB/s", ceiling, ratio];
-    if bulk {
-        header.extend(["bulk copy GB/s", "vs bulk"]);
-    }
-    header.extend(["p50 us", "p99 us", "post us", "done us", "msgs/s"]);
-    // Unaligned descriptors per batch: always with cuda-batch (the kernel's path depends on
-    // it), elsewhere when there are any.
-    let unaligned = r.cuda_batch.is_some() || r.results.iter().any(|x| x.unaligned_descriptors > 0);
-    if unaligned {
-        header.push("unaligned/batch");
-    }
-    header.extend(["verified batches", "verified"]);
-    t.set_header(header);
-    for x in &r.results {
-        let mut row = vec![fmt_size(x.size_bytes), x.inflight.to_string(), format!("{:.2}", x.gbps)];
-        row.extend([format!("{:.2}", x.ceiling_gbps), format!("{:.2}", x.ratio_to_ceiling)]);
-        if bulk {
-            let f = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.2}"));
-            row.extend([f(x.bulk_copy_gbps), f(x.ratio_to_bulk_copy)]);
-        }
-        row.extend([
-            format!("{:.1}", x.p50_us),
-            format!("{:.1}", x.p99_us),
-            format!("{:.1}", x.post_us),
-            format!("{:.1}", x.complete_us),
-            format!("{:.0}", x.msgs_per_sec),
-        ]);
-        if unaligned {
-            row.push(format!("{:.0}", x.unaligned_descriptors as f64 / x.timed_batches.max(1) as f64));
-        }
-        row.extend([format!("{} of {}", x.verified_batches, x.timed_batches), fmt_size(x.verified_bytes)]);
-        t.add_row(row);
-    }
-    out.push_str(&t.to_string());
-    out.push('\n');
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -517,87 +398,6 @@ mod tests {
         assert!(parse_size("12XB").is_err());
         assert!(parse_size("KiB").is_err());
         assert!(parse_size("99999999999999GiB").is_err());
-    }
-
-    use crate::transfer::xfer::XferResult;
-
-    fn result(size: u64, inflight: usize, gbps: f64, bulk: Option<f64>) -> XferResult {
-        XferResult {
-            size_bytes: size,
-            inflight,
-            gbps,
-            ceiling_gbps: 2.0,
-            ratio_to_ceiling: gbps / 2.0,
-            memcpy_gbps: None,
-            ratio_to_memcpy: None,
-            bulk_copy_gbps: bulk,
-            ratio_to_bulk_copy: bulk.map(|b| gbps / b),
-            p50_us: 100.0,
-            p99_us: 110.0,
-            max_us: 120.0,
-            post_us: 25.0,
-            complete_us: 104.0,
-            msgs_per_sec: 1e6,
-            batches: 3,
-            bytes: size * inflight as u64 * 3,
-            verified_bytes: size * inflight as u64,
-            verified_batches: 1,
-            timed_batches: 3,
-            unaligned_descriptors: 0,
-        }
-    }
-
-    fn report(memory: &str, ceiling: &str, results: Vec<XferResult>) -> XferReport {
-        XferReport {
-            ucx: crate::transfer::xfer::UcxReport {
-                library: "libucp.so.0".into(),
-                version: "1.22.0".into(),
-                transports: "cuda_ipc/cuda".into(),
-                source: "--ucx-lib".into(),
-                err_mode: ErrMode::None,
-                progress: ProgressMode::default(),
-                target_library: "libucp.so.0".into(),
-                target_version: "1.22.0".into(),
-                protocols: crate::transfer::ucx::ProtoReport { uses: Vec::new(), note: Some("test".into()) },
-                env: Vec::new(),
-            },
-            memory: crate::transfer::xfer::MemoryReport {
-                kind: memory.into(),
-                device: (memory == "cuda").then_some(0),
-                huge_pages: false,
-                pages: "4KiB".into(),
-                working_set_bytes: 1 << 30,
-                residency: "cold".into(),
-            },
-            ceiling: ceiling.into(),
-            warnings: Vec::new(),
-            results,
-            transport: "ucx".into(),
-            cuda_batch: None,
-            verification: crate::transfer::xfer::verification_rule(),
-            misalign: Misalign::default(),
-        }
-    }
-
-    #[test]
-    fn device_memory_tables_add_the_bulk_copy_and_host_tables_do_not() {
-        let cuda = render_table(&report(
-            "cuda",
-            "device_copy",
-            vec![result(8192, 10_240, 497.0, Some(1277.0)), result(8192, 1, 0.7, None)],
-        ));
-        let header = cuda.lines().find(|l| l.contains("inflight")).expect("a header");
-        for col in ["device copy GB/s", "vs device copy", "bulk copy GB/s", "vs bulk"] {
-            assert!(header.contains(col), "{col} missing from {header}");
-        }
-        let row = cuda.lines().find(|l| l.contains("10240")).expect("the 10,240 row");
-        assert!(row.contains("1277.00") && row.contains("0.39"), "{row}");
-        // A case without the figure shows a dash, not a zero.
-        let one = cuda.lines().find(|l| l.contains("0.70")).expect("the batch-of-1 row");
-        assert!(one.contains(" - "), "{one}");
-        let host = render_table(&report("host", "memcpy", vec![result(65536, 32, 5.0, None)]));
-        assert!(!host.contains("bulk"), "{host}");
-        assert!(host.contains("memcpy GB/s"), "{host}");
     }
 
     fn parse(args: &[&str]) -> Result<XferConfig, String> {
@@ -637,33 +437,5 @@ mod tests {
                 arg.get_possible_values().iter().map(|v| v.get_name().to_string()).collect();
             assert_eq!(values, ["api", "api-v2", "api-v1", "per-copy", "kernel"], "kvx {sub}");
         }
-    }
-
-    #[test]
-    fn tables_say_how_many_timed_batches_were_verified_and_how() {
-        let mut r = result(8192, 64, 5.0, None);
-        (r.verified_batches, r.timed_batches, r.unaligned_descriptors) = (5, 70, 0);
-        let host = render_table(&report("host", "memcpy", vec![r.clone()]));
-        assert!(host.contains("verified batches") && host.contains("5 of 70"), "{host}");
-        assert!(host.contains("verified: in place, on the timed reads: 1 timed batch in 16"), "{host}");
-        assert!(!host.contains("unaligned"), "no column without unaligned reads: {host}");
-        r.unaligned_descriptors = 70 * 64;
-        let mut rep = report("host", "memcpy", vec![r]);
-        rep.misalign = Misalign { local_bytes: 3, remote_bytes: 3 };
-        let shifted = render_table(&rep);
-        assert!(shifted.contains("unaligned/batch"), "{shifted}");
-        assert!(
-            shifted.contains("misaligned: every read's local offset +3 B, remote offset +3 B"),
-            "{shifted}"
-        );
-        let row = shifted.lines().find(|l| l.contains("8KiB")).expect("the row");
-        assert!(row.contains(" 64 "), "64 unaligned reads per batch: {row}");
-    }
-
-    #[test]
-    fn sizes_format_back() {
-        assert_eq!(fmt_size(64 << 10), "64KiB");
-        assert_eq!(fmt_size(3 << 30), "3GiB");
-        assert_eq!(fmt_size(1000), "1000B");
     }
 }

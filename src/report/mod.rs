@@ -15,6 +15,8 @@
 //! - [`compare`]: two runs side by side (`kvx report A B`).
 //! - [`gate`] and [`stats`]: the noise-aware regression gate (`kvx gate`).
 //! - [`verdict`]: whether a finished run was clean (the rule behind exit code 1).
+//! - [`xfer`]: what `kvx xfer` is asked to measure and what it found (also bench's
+//!   calibration), its table, and the advice for device memory UCX emulates.
 //! - [`files`]: the one place that touches the file system: [`RunWriter`] (a run directory
 //!   written as the run goes), loading saved runs and summaries, atomic writes.
 //!
@@ -37,6 +39,7 @@ pub mod summary;
 pub mod table;
 pub mod verdict;
 pub mod waterfall;
+pub mod xfer;
 
 pub use files::{RunData, RunWriter, load_run, load_summary};
 pub use recorder::StageRecorder;

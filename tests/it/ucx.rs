@@ -184,10 +184,10 @@ fn scatter_child() {
 }
 
 fn scatter_child_body(lib: &Path) {
+    use kvx::diagnose::xfer::{LocalTarget, Session, SessionOptions, TargetOptions, TargetRequest};
     use kvx::layouts::pattern::check_at;
     use kvx::transfer::memory::{HostBuffer, MemPlace, PageSize};
     use kvx::transfer::ucx::{MemRegion, PackedRkey, ReadDesc, ReadOptions, UcxError};
-    use kvx::transfer::xfer::{LocalTarget, Session, SessionOptions, TargetOptions, TargetRequest};
 
     const REGION: u64 = 4 << 20;
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_kvx"));
