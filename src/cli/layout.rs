@@ -5,10 +5,11 @@ use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
 use super::common::{Format, ModelArgs};
-use super::topo::{bytes_text, reject};
+use super::topo::reject;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::{EngineSpec, Layout, RankGeometry, Region};
+use crate::report::numbers::bytes_text;
 use crate::settings::scenario;
 use crate::{Outcome, output};
 

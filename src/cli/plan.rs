@@ -9,7 +9,7 @@ use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
 use super::common::{Format, ModelArgs, PairArgs};
-use super::topo::{bytes_text, reject};
+use super::topo::reject;
 use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
@@ -17,6 +17,7 @@ use crate::layouts::plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
 use crate::layouts::posting::{PathCost, PostRates, ReadShape, request_costs};
 use crate::layouts::push::{PRankPlan, PushPlanner};
 use crate::pipeline::workload::MAX_PROMPT;
+use crate::report::numbers::bytes_text;
 use crate::settings::scenario::{self, PlanScenario};
 use crate::topology::TransferMode;
 use crate::topology::push::DRankPushView;

@@ -15,6 +15,8 @@
 //! - [`compare`]: two runs side by side (`kvx report A B`).
 //! - [`gate`] and [`stats`]: the noise-aware regression gate (`kvx gate`).
 //! - [`verdict`]: whether a finished run was clean (the rule behind exit code 1).
+//! - [`topo`], [`plan`]: the rank map of a pair (`kvx topo`) and a request's descriptor plan
+//!   and posting cost (`kvx plan`) as text tables; `cli` builds what they render.
 //! - [`xfer`]: what `kvx xfer` is asked to measure and what it found (also bench's
 //!   calibration), its table, and the advice for device memory UCX emulates.
 //! - [`files`]: the one place that touches the file system: [`RunWriter`] (a run directory
@@ -37,6 +39,7 @@ pub mod slo;
 pub mod stats;
 pub mod summary;
 pub mod table;
+pub mod topo;
 pub mod verdict;
 pub mod waterfall;
 pub mod xfer;
