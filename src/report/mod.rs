@@ -34,6 +34,7 @@ pub mod export;
 pub mod files;
 pub mod gate;
 pub mod numbers;
+pub mod plan;
 pub mod recorder;
 pub mod slo;
 pub mod stats;
