@@ -161,6 +161,19 @@ pub struct TargetOptions {
     pub ucx_config: Vec<(String, String)>,
 }
 
+/// The UCX context of either role: its progress mode and settings, with the device's CUDA
+/// context current when the memory is a GPU's.
+pub(super) fn context(
+    ucx: &Ucx,
+    progress: ProgressMode,
+    config: &[(String, String)],
+    mem: MemPlace,
+) -> Result<Context> {
+    let opts =
+        ContextOptions { progress, config: config.to_vec(), cuda_device: mem.device(), ..Default::default() };
+    Ok(Context::new(ucx, &opts)?)
+}
+
 /// A target process this process started, with its control stream.
 pub struct LocalTarget {
     pub child: Child,
@@ -268,15 +281,7 @@ impl Session {
                 });
             }
         };
-        let ctx = Context::new(
-            &ucx,
-            &ContextOptions {
-                progress: opts.progress,
-                config: opts.ucx_config.clone(),
-                cuda_device: req.mem.device(),
-                ..Default::default()
-            },
-        )?;
+        let ctx = context(&ucx, opts.progress, &opts.ucx_config, req.mem)?;
         let worker = Worker::new(&ctx)?;
         let endpoint = Endpoint::connect(&worker, &hello.worker_address, opts.err_mode)?;
         let rkey = PackedRkey::from_bytes(&hello.rkey)?;

@@ -65,22 +65,13 @@ impl BatchMeasure<'_> {
         ceiling_gbps: f64,
     ) -> Result<XferResult> {
         let cfg = self.cfg;
-        let slots = (ws / size).max(1);
-        let local_slots = (local.len() as u64).saturating_sub(cfg.misalign.local_bytes) / size;
         // Remote offsets rotate forward over the working set as a UCX case's do, local ones
         // backward, so no two reads of a batch are contiguous on both sides and the batch
         // keeps `inflight` copies (vLLM's descriptors are strided too); coalesced, a cold batch
         // would be one large copy and measure nothing of posting.
-        let layout = ReadLayout {
-            size,
-            remote_slots: slots,
-            local_slots: local_slots.max(1),
-            hot: cfg.hot,
-            local_backward: true,
-            shift: cfg.misalign,
-        };
+        let layout = ReadLayout::of_case(cfg, size, ws, local.len() as u64, true);
         let mut case = BatchCase { m: self, local, layout, per_batch: inflight as u64 };
-        let timed = timed_batches(cfg, inflight as u64, slots, &mut case)?;
+        let timed = timed_batches(cfg, inflight as u64, layout.remote_slots, &mut case)?;
         Ok(timed.result(size, inflight, ceiling_gbps))
     }
 }
@@ -321,16 +312,7 @@ fn measure_case<M: BufferAccess>(
     ws: u64,
     ceiling_gbps: f64,
 ) -> Result<XferResult> {
-    let slots = (ws / size).max(1);
-    let local_slots = (local.len() as u64).saturating_sub(cfg.misalign.local_bytes) / size;
-    let layout = ReadLayout {
-        size,
-        remote_slots: slots,
-        local_slots: local_slots.max(1),
-        hot: cfg.hot,
-        local_backward: false,
-        shift: cfg.misalign,
-    };
+    let layout = ReadLayout::of_case(cfg, size, ws, local.len() as u64, false);
     let (local_base, remote_base) = (local.addr(), s.remote.base());
     let mut case = UcxCase {
         s,
@@ -340,7 +322,7 @@ fn measure_case<M: BufferAccess>(
         opts: ReadOptions { max_inflight: inflight, timeout: cfg.timeout },
         scratch: Vec::new(),
     };
-    let mut timed = timed_batches(cfg, inflight as u64, slots, &mut case)?;
+    let mut timed = timed_batches(cfg, inflight as u64, layout.remote_slots, &mut case)?;
     timed.unaligned =
         layout.unaligned(timed.first_read, timed.batches * inflight as u64, local_base, remote_base);
     Ok(timed.result(size, inflight, ceiling_gbps))
@@ -368,6 +350,19 @@ pub struct ReadLayout {
 }
 
 impl ReadLayout {
+    /// The layout of a case of `size`-byte reads over `ws` remote bytes into a local buffer of
+    /// `local_len` bytes, as `cfg` asks (hot or cold, `--misalign`).
+    fn of_case(cfg: &XferConfig, size: u64, ws: u64, local_len: u64, local_backward: bool) -> ReadLayout {
+        ReadLayout {
+            size,
+            remote_slots: (ws / size).max(1),
+            local_slots: (local_len.saturating_sub(cfg.misalign.local_bytes) / size).max(1),
+            hot: cfg.hot,
+            local_backward,
+            shift: cfg.misalign,
+        }
+    }
+
     /// Read `i`.
     pub fn read(&self, i: u64) -> ReadDesc {
         let local = match (self.hot, self.local_backward) {

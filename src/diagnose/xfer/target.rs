@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 use super::buffers::{AnyRegion, BufferAccess, check_mem, make_region};
 use super::control::{
     BatchHello, Control, PATTERN_SEED, TARGET_START_TIMEOUT, TargetHello, TargetOptions, TargetReply,
-    TargetRequest, accept_with_timeout, read_frame, write_frame,
+    TargetRequest, accept_with_timeout, context, read_frame, write_frame,
 };
 use super::{Result, XferError};
 use crate::transfer::cuda::{CudaBuffer, CudaDevice};
 use crate::transfer::memory::MemPlace;
-use crate::transfer::ucx::{Context, ContextOptions, ServeEnd, Ucx, Worker};
+use crate::transfer::ucx::{Context, ServeEnd, Ucx, Worker};
 
 /// What a target serves until it is told to stop.
 enum Served {
@@ -66,21 +66,9 @@ struct TargetState {
 
 fn prepare_target(req: &TargetRequest, opts: &TargetOptions) -> Result<(TargetHello, TargetState)> {
     check_mem(req.mem)?;
-    let len =
-        usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
-            stage: "target: request",
-            reason: format!("bad region size {}", req.region_bytes),
-        })?;
+    let len = region_len(req)?;
     let ucx = Ucx::load(opts.ucx_lib.as_deref())?;
-    let ctx = Context::new(
-        &ucx,
-        &ContextOptions {
-            progress: opts.progress,
-            config: opts.ucx_config.clone(),
-            cuda_device: req.mem.device(),
-            ..Default::default()
-        },
-    )?;
+    let ctx = context(&ucx, opts.progress, &opts.ucx_config, req.mem)?;
     let worker = Worker::new(&ctx)?;
     let mut region = make_region(&ctx, len, req)?;
     region.fill(PATTERN_SEED)?;
@@ -96,17 +84,21 @@ fn prepare_target(req: &TargetRequest, opts: &TargetOptions) -> Result<(TargetHe
     Ok((hello, TargetState { region, worker, _ctx: ctx }))
 }
 
+/// The region size asked for, as a length this process can allocate.
+fn region_len(req: &TargetRequest) -> Result<usize> {
+    usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
+        stage: "target: request",
+        reason: format!("bad region size {}", req.region_bytes),
+    })
+}
+
 /// A cuda-batch target: device memory filled with the pattern and exported for CUDA IPC.
 fn prepare_batch_target(req: &TargetRequest) -> Result<(BatchHello, CudaBuffer)> {
     check_mem(req.mem)?;
     let MemPlace::Cuda { device } = req.mem else {
         return Err(crate::error::ConfigError::new("--mem", "--transport cuda-batch needs --mem cuda").into());
     };
-    let len =
-        usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
-            stage: "target: request",
-            reason: format!("bad region size {}", req.region_bytes),
-        })?;
+    let len = region_len(req)?;
     let dev = CudaDevice::open(device)?;
     let mut buf = CudaBuffer::alloc(&dev, len)?;
     buf.fill_with_pattern(PATTERN_SEED)?;
