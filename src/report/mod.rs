@@ -23,7 +23,8 @@
 //!   written as the run goes), loading saved runs and summaries, atomic writes.
 //!
 //! `report` never measures and never runs transfers; `kvx bench` measures and hands figures
-//! over. Nothing here reads the environment (callers pass `KVX_RESULTS_DIR` in).
+//! over. Nothing here reads the environment (callers pass `KVX_RESULTS_DIR` in) or the system:
+//! the machine and the time a summary carries come from `host` and `clock`.
 
 use std::path::PathBuf;
 

@@ -783,10 +783,8 @@ pub fn vllm_metrics_line(s: &Summary) -> Option<String> {
     ))
 }
 
-/// The current time as RFC 3339 (UTC, seconds), for `started_at`.
-pub fn now_rfc3339() -> String {
-    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
-}
+// The current time as RFC 3339, for `started_at`: `clock` reads it, the summary only carries it.
+pub use crate::clock::now_rfc3339;
 
 /// A fresh run id: UTC start time plus a short random suffix, sortable and unique, e.g.
 /// `20250102T030405Z-1a2b3c`.
