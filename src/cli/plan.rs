@@ -246,7 +246,6 @@ fn check_listable(
 }
 
 /// Plans every requested decode rank.
-
 fn plan_all(args: &PlanArgs, r: &Resolved) -> Result<Vec<RankPlan>, ConfigError> {
     let map = r.pair.validate()?;
     let ranks: Vec<u32> = match args.d_rank {
