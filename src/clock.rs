@@ -1,4 +1,5 @@
-//! One clock for the processes of a host: `CLOCK_MONOTONIC`, and the boot it counts from.
+//! One clock for the processes of a host: `CLOCK_MONOTONIC`, and the boot it counts from; and
+//! the wall-clock time a run's summary is stamped with ([`now_rfc3339`]).
 //!
 //! `Instant` reads the same clock on Linux but hides its value, so a time taken in one worker
 //! process cannot be set beside another's. A request read by several ranks has a wall span
@@ -16,6 +17,11 @@ use serde::{Deserialize, Serialize};
 pub fn now_ns() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     (t.tv_sec.max(0) as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec.max(0) as u64)
+}
+
+/// The current wall-clock time as RFC 3339 (UTC, seconds), for a run's `started_at`.
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
 
 /// Which clock [`now_ns`] reads: a hash of this boot's id (`/proc/sys/kernel/random/boot_id`),

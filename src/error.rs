@@ -2,7 +2,7 @@
 //!
 //! Owns: [`ConfigError`] (a refused setting, with the flag or key to change), the exit codes
 //! ([`exit`]) and how an error is printed ([`render`]). Each layer has its own typed error
-//! (`transfer::xfer::XferError`, `pipeline::worker::WorkerError`, `report::ReportError`, ...);
+//! (`diagnose::xfer::XferError`, `pipeline::worker::WorkerError`, `report::ReportError`, ...);
 //! the CLI joins them with `anyhow` and the binary calls [`finish`] once.
 //!
 //! Exit codes are API (also in `kvx --help` and the README):

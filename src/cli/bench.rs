@@ -9,6 +9,7 @@ use clap::Args;
 
 use super::common::Format;
 use super::compare::Compared;
+use crate::diagnose::xfer::run_for_calibration;
 use crate::pipeline::bench;
 use crate::report::files::RunWriter;
 use crate::report::summary::{new_run_id, now_rfc3339};
@@ -66,7 +67,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
                 settings.lens,
                 writer.dir().display()
             );
-            let summary = bench::run(&settings, &mut writer, &run_id)?;
+            let summary = bench::run(&settings, &mut writer, &run_id, run_for_calibration)?;
             for w in &summary.warnings {
                 output::note!("kvx bench: WARNING: {w}");
             }

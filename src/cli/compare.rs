@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use serde_json::json;
 
+use crate::diagnose::xfer::run_for_calibration;
 use crate::pipeline::bench;
 use crate::pipeline::bench::BenchSettings;
 use crate::report::chart::{Bars, bars_svg};
@@ -102,7 +103,7 @@ pub fn run(
     };
     let mut summary = Summary::new(run_id, crate::report::summary::now_rfc3339(), first.scenario());
     summary.scenario.name = Some(what.flag().trim_start_matches("--").into());
-    summary.environment = crate::report::summary::Environment::detect();
+    summary.environment = crate::host::Environment::detect();
     let mut points = Vec::new();
     let mut rows = Vec::new();
     for (i, (name, settings)) in plans.iter().enumerate() {
@@ -114,7 +115,7 @@ pub fn run(
         }
         crate::output::note!("kvx bench {}: {name} ({}/{})", what.flag(), i + 1, plans.len());
         let cpu0 = cpu_seconds();
-        let s = bench::run(settings, writer, &format!("{run_id}-{name}"))?;
+        let s = bench::run(settings, writer, &format!("{run_id}-{name}"), run_for_calibration)?;
         summary.partial |= s.partial;
         let cpu = cpu_seconds() - cpu0;
         let gb = s.bytes_read as f64 / 1e9;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use crate::cli::xfer::Format;
-use crate::transfer::doctor::{self, DoctorOptions, DoctorReport};
+use crate::diagnose::doctor::{self, DoctorOptions, DoctorReport};
 use crate::{Outcome, output};
 
 /// What kvx sees on this host, one line per item: verdict, detail, hint.
@@ -71,7 +71,7 @@ fn render(r: &DoctorReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transfer::doctor::{Check, Verdict};
+    use crate::diagnose::doctor::{Check, Verdict};
 
     #[test]
     fn names_and_details_line_up_whatever_the_verdict() {

@@ -5,9 +5,10 @@ use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
 use super::common::Format;
-use super::topo::{bytes_text, reject};
+use super::topo::reject;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::{RankGeometry, Region};
+use crate::report::numbers::bytes_text;
 use crate::settings::layout::{LayoutFlags, resolve};
 use crate::{Outcome, output};
 

@@ -7,11 +7,12 @@ use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
 use super::common::Format;
-use super::topo::{bytes_text, reject};
+use super::topo::reject;
 use crate::error::ConfigError;
 use crate::layouts::plan::{DRankPlan, Pair, Planner};
 use crate::layouts::posting::{PathCost, PostRates, ReadShape, request_costs};
 use crate::layouts::push::{PRankPlan, PushPlanner};
+use crate::report::numbers::bytes_text;
 use crate::settings::plan::{DescriptorPlan, PlanFlags, resolve_descriptor_plan};
 use crate::topology::TransferMode;
 use crate::topology::push::DRankPushView;

@@ -4,9 +4,9 @@
 use anyhow::Context as _;
 use clap::Args;
 
+use crate::diagnose::probe::{self, LatencySummary};
 use crate::settings::probe::{ProbeFlags, resolve};
 pub use crate::settings::probe::{ProbeFormat, VllmFraming};
-use crate::transfer::probe::{self, LatencySummary};
 use crate::{Outcome, output};
 
 #[derive(Debug, Args)]

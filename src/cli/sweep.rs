@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
+use crate::diagnose::xfer::run_for_calibration;
 use crate::pipeline::bench;
 use crate::report::files::RunWriter;
 use crate::report::summary::{Summary, SweepPoint};
@@ -18,7 +19,7 @@ pub fn run(plan: &SweepPlan, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
     };
     let mut summary = Summary::new(run_id, crate::report::summary::now_rfc3339(), first.scenario());
     summary.scenario.name = Some(plan.name.clone());
-    summary.environment = crate::report::summary::Environment::detect();
+    summary.environment = crate::host::Environment::detect();
     let mut out = Vec::new();
     let n = plan.points.len();
     for (i, planned) in plan.points.iter().enumerate() {
@@ -39,7 +40,7 @@ pub fn run(plan: &SweepPlan, writer: &mut RunWriter, run_id: &str) -> anyhow::Re
                 continue;
             }
         };
-        let s = bench::run(settings, writer, &format!("{run_id}-p{i}"))?;
+        let s = bench::run(settings, writer, &format!("{run_id}-p{i}"), run_for_calibration)?;
         summary.absorb(&s);
         summary.partial |= s.partial;
         let descs = s.descriptors_per_request;

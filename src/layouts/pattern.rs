@@ -38,8 +38,23 @@ fn word(key: u64, w: u64) -> u64 {
 /// Writes one vector.
 #[inline]
 pub fn fill_vector(buf: &mut [u8], key: u64) {
+    fill_at(buf, key, 0);
+}
+
+/// Returns the index of the first byte that differs from the pattern, if any.
+#[inline]
+pub fn check_vector(buf: &[u8], key: u64) -> Option<usize> {
+    check_at(buf, key, 0).err().map(|off| off as usize)
+}
+
+/// Writes the words of `key` into `buf` as they stand from byte `offset` on (a multiple of
+/// 8): byte `i` of `buf` gets byte `offset + i` of the run. A vector is the run from 0; a
+/// buffer `kvx xfer` reads is one run over its whole length, written piece by piece.
+#[inline]
+pub fn fill_at(buf: &mut [u8], key: u64, offset: u64) {
+    debug_assert!(offset.is_multiple_of(8));
     let mut chunks = buf.chunks_exact_mut(8);
-    let mut acc = 0u64;
+    let mut acc = (offset / 8).wrapping_mul(STEP);
     for c in &mut chunks {
         c.copy_from_slice(&(key ^ acc).to_le_bytes());
         acc = acc.wrapping_add(STEP);
@@ -51,11 +66,16 @@ pub fn fill_vector(buf: &mut [u8], key: u64) {
     }
 }
 
-/// Returns the index of the first byte that differs from the pattern, if any.
+/// Checks that `buf` holds the run of `key` from byte `offset` on (any offset, any length:
+/// bytes up to the first multiple of 8, then whole words, then the bytes left); `Err` holds
+/// the offset in the run of the first byte that differs.
 #[inline]
-pub fn check_vector(buf: &[u8], key: u64) -> Option<usize> {
-    let mut chunks = buf.chunks_exact(8);
-    let mut acc = 0u64;
+pub fn check_at(buf: &[u8], key: u64, offset: u64) -> Result<(), u64> {
+    let byte_at = |off: u64| word(key, off / 8).to_le_bytes()[(off % 8) as usize];
+    let head = ((8 - offset % 8) % 8).min(buf.len() as u64) as usize;
+    let body_off = offset + head as u64;
+    let mut chunks = buf[head..].chunks_exact(8);
+    let mut acc = (body_off / 8).wrapping_mul(STEP);
     let mut bad = false;
     for c in &mut chunks {
         let got = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
@@ -63,13 +83,16 @@ pub fn check_vector(buf: &[u8], key: u64) -> Option<usize> {
         acc = acc.wrapping_add(STEP);
     }
     let tail = chunks.remainder();
-    let n = buf.len() / 8;
-    if !bad {
-        let want = word(key, n as u64).to_le_bytes();
-        return tail.iter().zip(want).position(|(a, b)| *a != b).map(|i| n * 8 + i);
+    let tail_off = offset + (buf.len() - tail.len()) as u64;
+    let edge_ok = |bytes: &[u8], first: u64| bytes.iter().zip(first..).all(|(&b, off)| b == byte_at(off));
+    if !bad && edge_ok(&buf[..head], offset) && edge_ok(tail, tail_off) {
+        return Ok(());
     }
     // Slow path only on a mismatch: find the first differing byte.
-    (0..buf.len()).find(|&i| buf[i] != word(key, (i / 8) as u64).to_le_bytes()[i % 8])
+    match buf.iter().zip(offset..).find(|&(&b, off)| b != byte_at(off)) {
+        Some((_, off)) => Err(off),
+        None => Ok(()),
+    }
 }
 
 /// Where a block's content sits in the request: global head of local head 0, and the
@@ -175,6 +198,42 @@ mod tests {
         assert_ne!(a, vector_key(1, 1, 0, 0, 0));
         assert_ne!(a, vector_key(1, 0, 0, 0, 1));
         assert_ne!(a, vector_key(2, 0, 0, 0, 0));
+    }
+
+    #[test]
+    fn runs_check_at_any_offset_and_catch_shifted_and_damaged_bytes() {
+        let mut buf = vec![0u8; 4096 + 13];
+        fill_at(&mut buf, 7, 0);
+        assert_eq!(check_at(&buf, 7, 0), Ok(()));
+        assert_eq!(check_at(&buf[64..128], 7, 64), Ok(()));
+        assert_eq!(check_at(&buf[3..1000], 7, 3), Ok(()));
+        assert_eq!(check_at(&buf[64..128], 7, 72), Err(72));
+        assert!(check_at(&buf[0..64], 8, 0).is_err());
+        buf[100] ^= 1;
+        assert_eq!(check_at(&buf[96..200], 7, 96), Err(100), "the byte, not its word");
+        assert_eq!(check_at(&buf[97..200], 7, 97), Err(100));
+        buf[100] ^= 1;
+        // Every start and length around the word boundaries, and a wrong last byte.
+        for start in 0..24 {
+            for end in start..start + 40 {
+                assert_eq!(check_at(&buf[start..end], 7, start as u64), Ok(()), "{start}..{end}");
+                if end > start {
+                    buf[end - 1] ^= 0x80;
+                    assert_eq!(check_at(&buf[start..end], 7, start as u64), Err(end as u64 - 1));
+                    buf[end - 1] ^= 0x80;
+                }
+            }
+        }
+        // Written piece by piece, a run is the run written at once; a vector is the run from 0.
+        let mut pieces = vec![0u8; buf.len()];
+        for (i, c) in pieces.chunks_mut(64).enumerate() {
+            fill_at(c, 7, 64 * i as u64);
+        }
+        assert_eq!(pieces, buf);
+        let mut v = vec![0u8; 21];
+        fill_vector(&mut v, 7);
+        assert_eq!(v, buf[..21]);
+        assert_eq!(check_vector(&buf[..21], 7), None);
     }
 
     #[test]

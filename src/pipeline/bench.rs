@@ -25,10 +25,11 @@ use crate::report::bandwidth::{BandwidthTally, RankTransfer};
 use crate::report::files::RunWriter;
 use crate::report::recorder::StageRecorder;
 use crate::report::summary::{
-    Calibration, Environment, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow,
-    RequestTotals, Scenario, Stage, Summary, UcxInfo,
+    Calibration, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals,
+    Scenario, Stage, Summary, UcxInfo,
 };
 use crate::report::verdict::{FAILURES_AFTER_FAULT, FAULT_CAUSES, FAULT_INJECTED};
+use crate::report::xfer::{SessionOptions, TargetSpec, XferConfig, XferReport};
 
 /// What to do when a load fails (vLLM's `kv_load_failure_policy`, `--on-load-failure`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -465,7 +466,7 @@ impl UcxSeen {
                 super::proto::TransferMode::Pull => crate::transfer::ucx::Rma::Get,
                 super::proto::TransferMode::Push => crate::transfer::ucx::Rma::Put,
             };
-            summary.warnings.extend(crate::transfer::xfer::protocol_warnings(
+            summary.warnings.extend(crate::report::xfer::protocol_warnings(
                 d_place,
                 op,
                 &p,
@@ -581,9 +582,9 @@ fn calibration_sample_count(s: &BenchSettings) -> usize {
 /// Device-memory runs measure in the first decode rank's memory (`kvx xfer --mem cuda
 /// --device N`); there the ceiling is a device-to-device copy of the descriptor size and
 /// batch (`device_copy_gbps`), not a host memcpy.
-pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration> {
+pub fn calibrate(s: &BenchSettings, xfer: XferRunner, descriptor_bytes: u64) -> Option<Calibration> {
+    use crate::transfer::cuda;
     use crate::transfer::ucx::ProgressMode;
-    use crate::transfer::xfer::{self, SessionOptions, TargetSpec, XferConfig};
     const FIXED_INFLIGHT: usize = 64;
     let mut sizes = vec![CALIBRATION_READ_BYTES];
     if descriptor_bytes != CALIBRATION_READ_BYTES {
@@ -616,7 +617,7 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
         cuda_batch: None,
         misalign: Default::default(),
     };
-    match xfer::run(&cfg, &TargetSpec::Local { exe: s.workers.exe.clone() }, |_| {}) {
+    match xfer(&cfg, &TargetSpec::Local { exe: s.workers.exe.clone() }) {
         Ok(rep) => {
             let at = |size: u64, depth: usize| {
                 rep.results.iter().find(|r| r.size_bytes == size && r.inflight == depth)
@@ -638,12 +639,12 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
                 // The GPU's own bandwidth: what a transport that moves a request's descriptors
                 // without a copy each (cuda-batch) is measured against.
                 if let Some(device) = mem.device() {
-                    match xfer::device_bandwidth_gbps(device, Duration::from_millis(200)) {
+                    match cuda::device_bandwidth_gbps(device, Duration::from_millis(200)) {
                         Ok(g) => {
                             c.extra.insert("device_bandwidth_gbps".into(), serde_json::json!(g));
                             c.extra.insert(
                                 "device_bandwidth_bytes".into(),
-                                serde_json::json!(xfer::DEVICE_BANDWIDTH_BYTES),
+                                serde_json::json!(cuda::DEVICE_BANDWIDTH_BYTES),
                             );
                         }
                         Err(e) => tracing::warn!("device bandwidth not measured: {e}"),
@@ -661,24 +662,35 @@ pub fn calibrate(s: &BenchSettings, descriptor_bytes: u64) -> Option<Calibration
 
 /// [`calibration_sample_count`] calibration samples, taken while no kvx worker runs (a change that
 /// makes idle workers burn CPU must not slow its own yardstick).
-fn calibration_samples(s: &BenchSettings) -> Vec<Calibration> {
+fn calibration_samples(s: &BenchSettings, xfer: XferRunner) -> Vec<Calibration> {
     if !s.calibrate {
         return Vec::new();
     }
     (0..calibration_sample_count(s))
         .take_while(|_| crate::interrupt::requested().is_none())
-        .filter_map(|_| calibrate(s, calibration_size(s)))
+        .filter_map(|_| calibrate(s, xfer, calibration_size(s)))
         .collect()
 }
 
-/// Runs the bench and writes the run directory; returns the final summary.
-pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Summary, BenchError> {
+/// Runs a `kvx xfer` measurement for the calibration: `diagnose::xfer::run_for_calibration`,
+/// handed in by the caller since `pipeline` sits below `diagnose`. `Err` says why the sample
+/// is skipped.
+pub type XferRunner = fn(&XferConfig, &TargetSpec) -> Result<XferReport, String>;
+
+/// Runs the bench and writes the run directory; returns the final summary. `xfer` measures
+/// the calibration samples (taken unless `s.calibrate` is off).
+pub fn run(
+    s: &BenchSettings,
+    writer: &mut RunWriter,
+    run_id: &str,
+    xfer: XferRunner,
+) -> Result<Summary, BenchError> {
     let started = crate::report::summary::now_rfc3339();
     let mut summary = Summary::new(run_id, started, s.scenario());
-    summary.environment = Environment::detect();
+    summary.environment = crate::host::Environment::detect();
     summary.partial = true;
     writer.write_partial(&summary)?;
-    let mut calibration = calibration_samples(s);
+    let mut calibration = calibration_samples(s, xfer);
 
     // An interrupt before the first request ends the run here, its summary empty but written.
     let started = match crate::interrupt::requested() {
@@ -797,7 +809,7 @@ pub fn run(s: &BenchSettings, writer: &mut RunWriter, run_id: &str) -> Result<Su
     let p_fin: EngineFinal = prefill.shutdown();
     let interrupted = crate::interrupt::requested();
     if interrupted.is_none() {
-        calibration.extend(calibration_samples(s));
+        calibration.extend(calibration_samples(s, xfer));
     }
 
     all.totals.apply(&mut summary, wall);

@@ -3,7 +3,9 @@
 //!
 //! Owns: worker processes, block pools, the control protocol, workloads, the request
 //! lifecycle (fill, hold under a lease, read, verify, notify, free). Uses `layouts` for
-//! plans and `transfer` for bytes on the wire; hands measurements to `report`.
+//! plans and `transfer` for bytes on the wire; hands measurements to `report`. `kvx bench`'s
+//! calibration is a `kvx xfer` measurement, run through the runner `cli` hands it
+//! (`bench::XferRunner`): `pipeline` never imports `diagnose`.
 
 pub mod batch;
 pub mod bench;

@@ -15,11 +15,16 @@
 //! - [`compare`]: two runs side by side (`kvx report A B`).
 //! - [`gate`] and [`stats`]: the noise-aware regression gate (`kvx gate`).
 //! - [`verdict`]: whether a finished run was clean (the rule behind exit code 1).
+//! - [`topo`], [`plan`]: the rank map of a pair (`kvx topo`) and a request's descriptor plan
+//!   and posting cost (`kvx plan`) as text tables; `cli` builds what they render.
+//! - [`xfer`]: what `kvx xfer` is asked to measure and what it found (also bench's
+//!   calibration), its table, and the advice for device memory UCX emulates.
 //! - [`files`]: the one place that touches the file system: [`RunWriter`] (a run directory
 //!   written as the run goes), loading saved runs and summaries, atomic writes.
 //!
 //! `report` never measures and never runs transfers; `kvx bench` measures and hands figures
-//! over. Nothing here reads the environment (callers pass `KVX_RESULTS_DIR` in).
+//! over. Nothing here reads the environment (callers pass `KVX_RESULTS_DIR` in) or the system:
+//! the machine and the time a summary carries come from `host` and `clock`.
 
 use std::path::PathBuf;
 
@@ -30,13 +35,16 @@ pub mod export;
 pub mod files;
 pub mod gate;
 pub mod numbers;
+pub mod plan;
 pub mod recorder;
 pub mod slo;
 pub mod stats;
 pub mod summary;
 pub mod table;
+pub mod topo;
 pub mod verdict;
 pub mod waterfall;
+pub mod xfer;
 
 pub use files::{RunData, RunWriter, load_run, load_summary};
 pub use recorder::StageRecorder;

@@ -35,6 +35,19 @@ pub fn fmt_bytes(v: f64) -> String {
     if i == 0 { format!("{x:.0} B") } else { format!("{x:.2} {}", UNITS[i]) }
 }
 
+/// Bytes in binary units, whole where they are: 8192 -> `8 KiB`, 12800 -> `12.5 KiB` (the
+/// plan views: `kvx topo`, `kvx plan`, `kvx layout`).
+pub fn bytes_text(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if (v.fract()).abs() < 1e-9 { format!("{v:.0} {}", UNITS[u]) } else { format!("{v:.1} {}", UNITS[u]) }
+}
+
 /// A ratio as `0.853x`.
 pub fn fmt_ratio(v: f64) -> String {
     if v.is_finite() { format!("{v:.3}x") } else { "-".into() }

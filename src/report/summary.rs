@@ -379,53 +379,8 @@ pub fn display_value(v: &serde_json::Value) -> String {
     }
 }
 
-/// The machine the run ran on.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct Environment {
-    pub hostname: String,
-    pub cpu_model: String,
-    pub cores: u32,
-    pub memory_bytes: u64,
-    pub os: String,
-    pub kernel: String,
-    pub kvx_version: String,
-}
-
-impl Environment {
-    /// Describes this host from `/proc` and `/etc/os-release`; unknown fields stay empty.
-    pub fn detect() -> Self {
-        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-        let cpuinfo = read("/proc/cpuinfo");
-        let cpu_model = cpuinfo
-            .lines()
-            .find_map(|l| {
-                let (k, v) = l.split_once(':')?;
-                matches!(k.trim(), "model name" | "Model" | "cpu model").then(|| v.trim().to_string())
-            })
-            .unwrap_or_default();
-        let memory_bytes = read("/proc/meminfo")
-            .lines()
-            .find_map(|l| l.strip_prefix("MemTotal:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map_or(0, |kib| kib * 1024);
-        let os = read("/etc/os-release")
-            .lines()
-            .find_map(|l| l.strip_prefix("PRETTY_NAME="))
-            .map(|v| v.trim_matches('"').to_string())
-            .unwrap_or_else(|| std::env::consts::OS.to_string());
-        Environment {
-            hostname: read("/proc/sys/kernel/hostname").trim().to_string(),
-            cpu_model,
-            cores: std::thread::available_parallelism()
-                .map_or(0, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
-            memory_bytes,
-            os,
-            kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
-            kvx_version: env!("CARGO_PKG_VERSION").to_string(),
-        }
-    }
-}
+// The machine the run ran on: `host` reads it from the system, the summary only carries it.
+pub use crate::host::Environment;
 
 /// How a cuda-batch run moved its bytes: the driver path (the batch API or the per-copy
 /// fallback) and what posting cost, per request (all its decode ranks together).
@@ -828,10 +783,8 @@ pub fn vllm_metrics_line(s: &Summary) -> Option<String> {
     ))
 }
 
-/// The current time as RFC 3339 (UTC, seconds), for `started_at`.
-pub fn now_rfc3339() -> String {
-    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
-}
+// The current time as RFC 3339, for `started_at`: `clock` reads it, the summary only carries it.
+pub use crate::clock::now_rfc3339;
 
 /// A fresh run id: UTC start time plus a short random suffix, sortable and unique, e.g.
 /// `20250102T030405Z-1a2b3c`.
@@ -1020,12 +973,5 @@ mod tests {
         assert!(a.starts_with("20250102T030405Z-"), "{a}");
         assert_eq!(a.len(), "20250102T030405Z-".len() + 6);
         assert!(now_rfc3339().ends_with('Z'));
-    }
-
-    #[test]
-    fn environment_detect_fills_what_this_host_has() {
-        let e = Environment::detect();
-        assert!(e.cores >= 1);
-        assert_eq!(e.kvx_version, env!("CARGO_PKG_VERSION"));
     }
 }

@@ -38,6 +38,15 @@ pub fn new_table(style: Style, header: &[&str]) -> Table {
     t
 }
 
+/// A table of `kvx topo` and `kvx plan`: UTF-8 condensed, cells wrapped to the terminal's width
+/// when stdout is one (left as they are on a pipe).
+pub fn wrapped_table(header: Vec<&str>) -> Table {
+    let mut t = Table::new();
+    t.load_style(presets::UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
+    t.set_header(header);
+    t
+}
+
 /// Right-aligns columns `from..` (the numbers).
 pub fn align_numbers(t: &mut Table, from: usize) {
     for c in t.column_iter_mut().skip(from) {

@@ -18,9 +18,7 @@ use comfy_table::Table;
 use super::load::{Arrival, LoadConfig, LoadRun, LoadSummary, prompt_len_label};
 use crate::report::ReportError;
 use crate::report::files::{RunWriter, write_atomic};
-use crate::report::summary::{
-    Environment, RequestOutcome, RequestRow, Scenario, StageStats, Summary, now_rfc3339,
-};
+use crate::report::summary::{RequestOutcome, RequestRow, Scenario, StageStats, Summary, now_rfc3339};
 use crate::report::table::goodput_table;
 use crate::report::table::{Style, align_numbers, fmt_f, new_table, scenario_table, section, stage_table};
 use crate::report::table::{waterfall_note, waterfall_table};
@@ -93,7 +91,7 @@ pub fn stages(run: &LoadRun) -> BTreeMap<String, StageStats> {
 /// every target, token throughput and overheads as notes.
 pub fn summary(run: &LoadRun, cfg: &LoadConfig, run_id: &str, started_at: &str, name: &str) -> Summary {
     let mut s = Summary::new(run_id, started_at, scenario(cfg, name));
-    s.environment = Environment::detect();
+    s.environment = crate::host::Environment::detect();
     s.stages = stages(run);
     if let Some(t) = run.summary.targets.first() {
         s.requests_ok = t.ok;

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
+use crate::diagnose::probe::{ProbeFraming, ProbeOptions};
 use crate::error::ConfigError;
 use crate::transfer::handshake::Framing;
-use crate::transfer::probe::{ProbeFraming, ProbeOptions};
 
 /// Framing to speak (`--vllm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -11,12 +11,13 @@ use clap::{Args, ValueEnum};
 
 use super::engine::check_mem_transport;
 use super::parse::{parse_duration, parse_size};
+use crate::diagnose::xfer::TargetOptions;
 use crate::error::ConfigError;
 use crate::pipeline::proto::TransportKind;
+use crate::report::xfer::{Misalign, SessionOptions, XferConfig};
 use crate::transfer::cuda_batch::BatchCopy;
 use crate::transfer::memory::{MemKind, MemPlace};
 use crate::transfer::ucx::{ErrMode, ProgressMode};
-use crate::transfer::xfer::{Misalign, SessionOptions, TargetOptions, XferConfig};
 
 /// Output format of `kvx xfer` (and `kvx doctor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]

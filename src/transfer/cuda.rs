@@ -1,7 +1,7 @@
 //! CUDA for kvx: a device's primary context, retained once per process and made current
 //! before UCX starts; device memory that CUDA IPC can export; staged copies of byte ranges
 //! between host and device; the device-to-device copy that is `kvx xfer`'s ceiling for
-//! device memory; and what the driver (and NVML) say about the devices, for `kvx doctor`.
+//! device memory and, at a fixed size, the device's bandwidth; and what the driver (and NVML) say about the devices, for `kvx doctor`.
 //!
 //! Owns: every CUDA driver and NVML call in kvx but those of the cuda-batch transport (IPC
 //! export and mapping, batched copies: `cuda_batch`, which borrows this module's devices and
@@ -148,6 +148,22 @@ pub const STAGING_BYTES: u64 = 64 << 20;
 #[cfg(feature = "cuda")]
 pub use imp::Pinned;
 pub use imp::{CudaBuffer, CudaDevice, device_count, driver_info, dtod_copy_gbps};
+
+/// The bytes of [`device_bandwidth_gbps`]'s copy: well above an H100's or H200's L2 (50-60 MB),
+/// so the copy measures device memory, not the cache.
+pub const DEVICE_BANDWIDTH_BYTES: u64 = 256 << 20;
+
+/// The device's copy bandwidth, GB/s: one `cuMemcpyDtoDAsync` of [`DEVICE_BANDWIDTH_BYTES`]
+/// between two buffers on `device`, repeated for at least `min_time`. The ceiling of any
+/// transport between ranks on that GPU, however it posts its copies (`kvx bench`'s
+/// calibration records it).
+pub fn device_bandwidth_gbps(device: u32, min_time: std::time::Duration) -> Result<f64, CudaError> {
+    let dev = CudaDevice::open(device)?;
+    let len = DEVICE_BANDWIDTH_BYTES as usize;
+    let src = CudaBuffer::alloc(&dev, len)?;
+    let mut dst = CudaBuffer::alloc(&dev, len)?;
+    dtod_copy_gbps(&src, &mut dst, DEVICE_BANDWIDTH_BYTES, 1, true, min_time, 3)
+}
 
 #[cfg(feature = "cuda")]
 mod imp {

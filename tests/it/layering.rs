@@ -1,5 +1,6 @@
-//! The module layout holds: no two files import each other (directly or around a circle), and
-//! nothing below `cli` imports `cli`. Reads `src/` as text: every `use` and every inline
+//! The module layout holds: no two files import each other (directly or around a circle),
+//! nothing below `cli` imports `cli`, and nothing but `cli` and `settings` (which resolves its
+//! commands' settings) imports `diagnose`. Reads `src/` as text: every `use` and every inline
 //! `crate::`/`super::` path, resolved to the file that defines the module it names. A
 //! folder's `mod.rs` (and `lib.rs`) declares its children, so references to it are not
 //! counted as imports.
@@ -192,6 +193,23 @@ fn nothing_below_cli_imports_cli() {
         .map(|(m, _)| m.join("/"))
         .collect();
     assert!(offenders.is_empty(), "these import cli (settings take plain inputs instead): {offenders:?}");
+}
+
+#[test]
+fn nothing_but_cli_and_settings_imports_diagnose() {
+    let graph = imports(&src());
+    let offenders: Vec<String> = graph
+        .iter()
+        .filter(|(m, _)| {
+            !matches!(m.first().map(String::as_str), Some("cli" | "bin" | "settings" | "diagnose"))
+        })
+        .filter(|(_, to)| to.iter().any(|t| t.first().is_some_and(|s| s == "diagnose")))
+        .map(|(m, _)| m.join("/"))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "these import diagnose (move what they share below it, into transfer/ or report/): {offenders:?}"
+    );
 }
 
 #[test]

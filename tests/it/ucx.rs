@@ -184,11 +184,10 @@ fn scatter_child() {
 }
 
 fn scatter_child_body(lib: &Path) {
+    use kvx::diagnose::xfer::{LocalTarget, Session, SessionOptions, TargetOptions, TargetRequest};
+    use kvx::layouts::pattern::check_at;
     use kvx::transfer::memory::{HostBuffer, MemPlace, PageSize};
     use kvx::transfer::ucx::{MemRegion, PackedRkey, ReadDesc, ReadOptions, UcxError};
-    use kvx::transfer::xfer::{
-        LocalTarget, Session, SessionOptions, TargetOptions, TargetRequest, check_pattern,
-    };
 
     const REGION: u64 = 4 << 20;
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_kvx"));
@@ -247,7 +246,7 @@ fn scatter_child_body(lib: &Path) {
     let mut covered = vec![false; REGION as usize];
     for d in &descs {
         let (a, b) = (d.local_off as usize, (d.local_off + d.len) as usize);
-        if let Err(off) = check_pattern(&bytes[a..b], d.remote_off, session.hello.pattern_seed) {
+        if let Err(off) = check_at(&bytes[a..b], session.hello.pattern_seed, d.remote_off) {
             panic!("descriptor {d:?}: first wrong byte at remote offset {off}");
         }
         covered[a..b].iter_mut().for_each(|c| *c = true);
@@ -321,7 +320,7 @@ fn scatter_child_body(lib: &Path) {
         let bytes = local.memory().expect("not poisoned").as_slice();
         for d in a.iter().chain(&b) {
             let (lo, hi) = (d.local_off as usize, (d.local_off + d.len) as usize);
-            if let Err(off) = check_pattern(&bytes[lo..hi], d.remote_off, session.hello.pattern_seed) {
+            if let Err(off) = check_at(&bytes[lo..hi], session.hello.pattern_seed, d.remote_off) {
                 panic!("multi descriptor {d:?}: first wrong byte at remote offset {off}");
             }
         }

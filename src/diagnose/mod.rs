@@ -1,0 +1,12 @@
+//! Commands that probe a host or a link: `kvx xfer` (the transport microbenchmark between two
+//! processes), `kvx doctor` (what kvx sees on this host, with a verdict per item) and `kvx
+//! probe` (what a peer's side channel advertises).
+//!
+//! A layer above the transports, like `pipeline` and `serve`: it may use `transfer`,
+//! `layouts`, `topology`, `report` and the leaves, holds no `unsafe` (what needs it stays
+//! behind a safe type in `transfer`), and nothing but `cli` imports it
+//! (`tests/it/layering.rs`). Must not print: `cli` prints what these return.
+
+pub mod doctor;
+pub mod probe;
+pub mod xfer;

@@ -1,0 +1,66 @@
+//! The machine kvx runs on, as a run's summary records it: host name, CPU, memory, OS and
+//! kernel, read from `/proc` and `/etc/os-release`. A leaf every layer may use: the layers
+//! that run something (`pipeline`, `serve`, `diagnose`, and `cli` for runs it assembles) fill a
+//! summary's [`Environment`] from here, so `report` carries it without reading the system.
+
+use serde::{Deserialize, Serialize};
+
+/// The machine the run ran on.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Environment {
+    pub hostname: String,
+    pub cpu_model: String,
+    pub cores: u32,
+    pub memory_bytes: u64,
+    pub os: String,
+    pub kernel: String,
+    pub kvx_version: String,
+}
+
+impl Environment {
+    /// Describes this host from `/proc` and `/etc/os-release`; unknown fields stay empty.
+    pub fn detect() -> Self {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let cpuinfo = read("/proc/cpuinfo");
+        let cpu_model = cpuinfo
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                matches!(k.trim(), "model name" | "Model" | "cpu model").then(|| v.trim().to_string())
+            })
+            .unwrap_or_default();
+        let memory_bytes = read("/proc/meminfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024);
+        let os = read("/etc/os-release")
+            .lines()
+            .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+            .map(|v| v.trim_matches('"').to_string())
+            .unwrap_or_else(|| std::env::consts::OS.to_string());
+        Environment {
+            hostname: read("/proc/sys/kernel/hostname").trim().to_string(),
+            cpu_model,
+            cores: std::thread::available_parallelism()
+                .map_or(0, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
+            memory_bytes,
+            os,
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
+            kvx_version: env!("CARGO_PKG_VERSION").to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn environment_detect_fills_what_this_host_has() {
+        let e = Environment::detect();
+        assert!(e.cores >= 1);
+        assert_eq!(e.kvx_version, env!("CARGO_PKG_VERSION"));
+    }
+}

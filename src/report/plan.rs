@@ -1,0 +1,263 @@
+//! `kvx plan`'s table views: the descriptor pairs each decode rank posts for one request (or,
+//! with `--mode push`, each prefill rank's WRITEs into the decode ranks' blocks), and what
+//! posting them costs on each transport. Pure: `cli::plan` plans the request and prints these.
+
+use super::numbers::bytes_text;
+use super::table::wrapped_table;
+use crate::layouts::compat::PairSpec;
+use crate::layouts::plan::{DRankPlan, Pair, RequestBlocks};
+use crate::layouts::posting::{PathCost, PostRates};
+use crate::layouts::push::PRankPlan;
+use crate::topology::push::DRankPushView;
+
+/// A decode rank's plan with its coalesced pairs per READ.
+pub type RankPlan = (DRankPlan, Vec<Vec<Pair>>);
+
+/// A prefill rank's push plan with its coalesced pairs per WRITE.
+pub type PushRankPlan = (PRankPlan, Vec<Vec<Pair>>);
+
+/// The pull view: one row per READ (and per notification-only peer), then the totals.
+pub fn render_pull(pair: &PairSpec, blocks: &RequestBlocks, plans: &[RankPlan], show_pairs: usize) -> String {
+    let mut out = heading(
+        pair,
+        blocks,
+        "kvx plan",
+        "",
+        "to fill",
+        if blocks.local.is_empty() { " (full prefix hit: notifications only)" } else { "" },
+    );
+    let mut table = wrapped_table(vec![
+        "D rank",
+        "P rank",
+        "descriptors",
+        "coalesced",
+        "bytes",
+        "notif",
+        "first pairs (local, remote, len)",
+    ]);
+    let mut totals = Totals::default();
+    for (plan, co) in plans {
+        for (i, read) in plan.reads.iter().enumerate() {
+            let n_co = co.get(i).map_or(0, Vec::len);
+            let notif = read.notif_msg.clone();
+            table.add_row(totals.row([plan.d_rank, read.p_rank], &read.pairs, n_co, notif, show_pairs));
+        }
+        for n in &plan.notifs_only {
+            table.add_row(vec![
+                plan.d_rank.to_string(),
+                n.p_rank.to_string(),
+                "0".into(),
+                "0".into(),
+                "-".into(),
+                format!("{} (notification only)", n.msg),
+                String::new(),
+            ]);
+        }
+    }
+    out.push_str(&table.to_string());
+    out.push_str(&totals.line());
+    out
+}
+
+/// The push view: one row per WRITE, the totals, then what each decode rank waits for.
+pub fn render_push(
+    pair: &PairSpec,
+    blocks: &RequestBlocks,
+    plans: &[PushRankPlan],
+    views: &[DRankPushView],
+    show_pairs: usize,
+) -> String {
+    let mut out = heading(
+        pair,
+        blocks,
+        "kvx plan --mode push",
+        " (NixlPushConnector)",
+        "registered",
+        if blocks.local.is_empty() {
+            " (full prefix hit: decode registers nothing, prefill writes nothing and frees on lease expiry)"
+        } else {
+            ""
+        },
+    );
+    let mut table = wrapped_table(vec![
+        "P rank",
+        "D rank",
+        "descriptors",
+        "coalesced",
+        "bytes",
+        "notif",
+        "first pairs (local = P, remote = D, len)",
+    ]);
+    let mut totals = Totals::default();
+    for (plan, co) in plans {
+        for (i, w) in plan.writes.iter().enumerate() {
+            let n_co = co.get(i).map_or(0, Vec::len);
+            let notif = match w.duplicate_of {
+                Some(o) => format!("{} (same bytes as P{o})", w.notif_msg),
+                None => w.notif_msg.clone(),
+            };
+            table.add_row(totals.row([plan.p_rank, w.d_rank], &w.pairs, n_co, notif, show_pairs));
+        }
+    }
+    out.push_str(&table.to_string());
+    out.push_str(&totals.line());
+    let waits: Vec<String> = views
+        .iter()
+        .map(|d| {
+            let writers: Vec<String> = d.writers.iter().map(|p| format!("P{p}")).collect();
+            format!("D{} <- {} ({} notifications)", d.d_rank, writers.join(","), d.expected_notifs)
+        })
+        .collect();
+    out.push_str(&format!("decode waits: {}\n", waits.join("; ")));
+    out
+}
+
+/// The two lines both views open with: the pair and its rules, then the request's blocks
+/// (`decode` says what the decode blocks are for, `empty` what an empty request means).
+fn heading(
+    pair: &PairSpec,
+    blocks: &RequestBlocks,
+    command: &str,
+    rules: &str,
+    decode: &str,
+    empty: &str,
+) -> String {
+    format!(
+        "{command}: P tp {} -> D tp {}  |  {}  |  layouts {} / {}  |  vLLM {} rules{rules}\n\
+         request: {} prefill blocks, {} decode blocks {decode}{empty}\n",
+        pair.p.tp,
+        pair.d.tp,
+        pair.model.name,
+        pair.p.layout,
+        pair.d.layout,
+        pair.version,
+        blocks.remote.len(),
+        blocks.local.len(),
+    )
+}
+
+/// Descriptors, coalesced descriptors and bytes over a view's rows.
+#[derive(Default)]
+struct Totals {
+    descriptors: usize,
+    coalesced: usize,
+    bytes: u64,
+}
+
+impl Totals {
+    /// A READ's or WRITE's row (`ranks`: the posting rank, then its peer), counted.
+    fn row(
+        &mut self,
+        ranks: [u32; 2],
+        pairs: &[Pair],
+        coalesced: usize,
+        notif: String,
+        show: usize,
+    ) -> Vec<String> {
+        let bytes: u64 = pairs.iter().map(|p| p.len).sum();
+        self.descriptors += pairs.len();
+        self.coalesced += coalesced;
+        self.bytes += bytes;
+        let first: Vec<String> =
+            pairs.iter().take(show).map(|p| format!("({}, {}, {})", p.local, p.remote, p.len)).collect();
+        let more = pairs.len().saturating_sub(show);
+        vec![
+            ranks[0].to_string(),
+            ranks[1].to_string(),
+            pairs.len().to_string(),
+            coalesced.to_string(),
+            bytes_text(bytes),
+            notif,
+            if more > 0 { format!("{} ... +{more}", first.join(" ")) } else { first.join(" ") },
+        ]
+    }
+
+    fn line(&self) -> String {
+        let (raw, co) = (self.descriptors, self.coalesced);
+        format!(
+            "\ntotal: {raw} descriptors ({co} coalesced, {:.1}x fewer), {}\n",
+            if co > 0 { raw as f64 / co as f64 } else { 1.0 },
+            bytes_text(self.bytes)
+        )
+    }
+}
+
+/// `850 ns`, `12.3 us`, `4.56 ms`, `1.23 s`.
+fn time_text(ns: f64) -> String {
+    if ns < 1e3 {
+        format!("{ns:.0} ns")
+    } else if ns < 1e6 {
+        format!("{:.1} us", ns / 1e3)
+    } else if ns < 1e9 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.2} s", ns / 1e9)
+    }
+}
+
+/// A rate as it reads: three significant digits, no trailing zeros.
+fn num_text(v: f64) -> String {
+    let digits = if v >= 100.0 {
+        0
+    } else if v >= 10.0 {
+        1
+    } else {
+        2
+    };
+    let s = format!("{v:.digits$}");
+    if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s }
+}
+
+/// The posting-cost section of the table view: per transport, the busiest decode rank's
+/// descriptors, posting time and bytes at the ceiling, then where each rate comes from.
+pub fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
+    let mut out = String::from(
+        "\nposting cost per request (the busiest decode rank; each posts its own reads in parallel):\n",
+    );
+    let mut table = wrapped_table(vec![
+        "transport",
+        "memory",
+        "D rank",
+        "descriptors",
+        "calls",
+        "ns/desc",
+        "post",
+        "bytes at ceiling",
+        "post-bound",
+        "GB/s at most",
+    ]);
+    for c in costs {
+        let rate = rates.of(c.transport);
+        table.add_row(vec![
+            c.transport.key().to_string(),
+            c.memory.to_string(),
+            c.d_rank.to_string(),
+            c.descriptors.to_string(),
+            c.calls.to_string(),
+            num_text(rate.ns_per_descriptor),
+            time_text(c.post_ns),
+            format!("{} ({} GB/s)", time_text(c.copy_ns), num_text(rate.ceiling_gbps)),
+            if c.post_bound { "yes".into() } else { "no".into() },
+            format!("{:.2}", c.bound_gbps),
+        ]);
+    }
+    out.push_str(&table.to_string());
+    out.push('\n');
+    for c in costs {
+        let r = rates.of(c.transport);
+        let call = if r.ns_per_call > 0.0 {
+            format!(" + {} ns/call", num_text(r.ns_per_call))
+        } else {
+            String::new()
+        };
+        out.push_str(&format!(
+            "{}: {} ns/desc{call} (from {}); ceiling {} GB/s (from {})\n",
+            c.transport.key(),
+            num_text(r.ns_per_descriptor),
+            r.post_source.text(),
+            num_text(r.ceiling_gbps),
+            r.ceiling_source.text()
+        ));
+    }
+    out
+}

@@ -1,0 +1,368 @@
+//! `kvx topo`'s report: the rank map of a P/D pair in the oracle's field names ([`TopoJson`];
+//! [`PushTopoJson`] for `--mode push`: which prefill rank WRITEs which bytes into which decode
+//! rank's blocks), and their table views. Pure: `cli::topo` builds the values from a validated
+//! pair and prints them; `--format json` is these types as they serialize.
+
+use serde::Serialize;
+
+use super::numbers::bytes_text;
+use super::table::wrapped_table;
+use crate::layouts::compat::PairSpec;
+
+/// What both maps say about the pair, flattened into [`TopoJson`] and [`PushTopoJson`].
+#[derive(Debug, Serialize)]
+pub struct PairJson {
+    pub vllm_version: &'static str,
+    pub model: String,
+    pub p_tp: u32,
+    pub d_tp: u32,
+    pub num_kv_heads: u32,
+    pub use_mla: bool,
+    /// vLLM's `tp_ratio`, from the side that posts the transfers (decode in pull, prefill in
+    /// push: the local side).
+    pub tp_ratio: i64,
+    pub p_layout: String,
+    pub d_layout: String,
+    pub p_block_size: u32,
+    pub d_block_size: u32,
+    pub p_heads_per_rank: u32,
+    pub d_heads_per_rank: u32,
+    /// Bytes of one block of one region (one layer for layer-wise regions).
+    pub p_block_len_bytes: u64,
+    pub d_block_len_bytes: u64,
+    /// Bytes of one block over all layers.
+    pub p_block_bytes_all_layers: u64,
+    pub d_block_bytes_all_layers: u64,
+    /// Prefill ranks per decode rank, at most (those it reads from in pull, those writing into
+    /// it in push).
+    pub fan_in: usize,
+}
+
+impl PairJson {
+    /// The pair's part of a map: its shape from `pair`, the rest from the rank map.
+    pub fn new(pair: &PairSpec, tp_ratio: i64, heads_per_rank: [u32; 2], fan_in: usize) -> PairJson {
+        let (pg, dg) = (pair.p_geometry(0), pair.d_geometry(0));
+        let (pr, dr) = (pg.regions(), dg.regions());
+        PairJson {
+            vllm_version: pair.version.as_str(),
+            model: pair.model.name.clone(),
+            p_tp: pair.p.tp,
+            d_tp: pair.d.tp,
+            num_kv_heads: pair.model.num_kv_heads,
+            use_mla: pair.model.is_mla(),
+            tp_ratio,
+            p_layout: pair.p.layout.to_string(),
+            d_layout: pair.d.layout.to_string(),
+            p_block_size: pair.p.block_tokens,
+            d_block_size: pair.d.block_tokens,
+            p_heads_per_rank: heads_per_rank[0],
+            d_heads_per_rank: heads_per_rank[1],
+            p_block_len_bytes: pr.first().map_or(0, |x| x.block_len),
+            d_block_len_bytes: dr.first().map_or(0, |x| x.block_len),
+            p_block_bytes_all_layers: pg.block_bytes_all_layers(),
+            d_block_bytes_all_layers: dg.block_bytes_all_layers(),
+            fan_in,
+        }
+    }
+}
+
+/// One read in the oracle's vocabulary.
+#[derive(Debug, Serialize)]
+pub struct ReadJson {
+    pub p_rank: u32,
+    pub remote_offset_in_block: u64,
+    pub local_offset_in_block: u64,
+    pub length: u64,
+    pub p_local_head_slice: [u32; 2],
+    pub d_local_head_slice: [u32; 2],
+    pub global_heads: Vec<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ExtraNotifJson {
+    pub p_rank: u32,
+    /// vLLM 0.19.1 keys these by the decode request id, which P does not recognise.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub uses_decode_request_id: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DRankJson {
+    pub d_rank: u32,
+    pub heads: Vec<u32>,
+    pub handshake_ranks: Vec<u32>,
+    pub read_ranks: Vec<u32>,
+    pub rank_offset_factor: u32,
+    pub expected_consumers_in_notif: u32,
+    pub p_waits_for_notifs: u32,
+    pub reads: Vec<ReadJson>,
+    pub extra_notifs: Vec<ExtraNotifJson>,
+    pub side_channel_ports: Vec<u16>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PRankJson {
+    pub p_rank: u32,
+    pub heads: Vec<u32>,
+    pub block_len_bytes: u64,
+    pub readers: usize,
+    pub side_channel_port: u16,
+}
+
+/// The whole `kvx topo --format json` object.
+#[derive(Debug, Serialize)]
+pub struct TopoJson {
+    pub status: &'static str,
+    #[serde(flatten)]
+    pub pair: PairJson,
+    pub port_scheme: String,
+    pub p_ranks: Vec<PRankJson>,
+    pub d_ranks: Vec<DRankJson>,
+}
+
+/// One push WRITE in the vocabulary of the pull report (local = prefill, remote = decode).
+#[derive(Debug, Serialize)]
+pub struct WriteJson {
+    pub d_rank: u32,
+    pub slot: u32,
+    /// Byte offset inside one prefill block where the written bytes start.
+    pub local_offset_in_block: u64,
+    /// Byte offset inside one decode block where they land.
+    pub remote_offset_in_block: u64,
+    pub length: u64,
+    pub p_local_head_slice: [u32; 2],
+    pub d_local_head_slice: [u32; 2],
+    pub global_heads: Vec<u32>,
+    /// The prefill rank that already writes these bytes to this place, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub duplicate_of: Option<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PushPRankJson {
+    pub p_rank: u32,
+    pub heads: Vec<u32>,
+    /// Decode ranks this prefill rank handshakes with (it fetches their block addresses).
+    pub handshake_ranks: Vec<u32>,
+    pub write_ranks: Vec<u32>,
+    pub rank_offset_factor: u32,
+    /// The `n` of `"<decode request id>:<n>"` on every WRITE (the prefill TP size).
+    pub notif_count: u32,
+    pub writes: Vec<WriteJson>,
+    pub side_channel_port: u16,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PushDRankJson {
+    pub d_rank: u32,
+    pub heads: Vec<u32>,
+    /// Prefill ranks this decode rank sends its `PUSH_REG` block registration to.
+    pub registers_with: Vec<u32>,
+    /// Prefill ranks whose WRITEs land in this decode rank.
+    pub writers: Vec<u32>,
+    /// Notifications this decode rank counts before the request's KV is complete.
+    pub expected_notifs: u32,
+    pub side_channel_ports: Vec<u16>,
+}
+
+/// The whole `kvx topo --mode push --format json` object.
+#[derive(Debug, Serialize)]
+pub struct PushTopoJson {
+    pub status: &'static str,
+    pub mode: &'static str,
+    #[serde(flatten)]
+    pub pair: PairJson,
+    /// WRITEs that repeat bytes another prefill rank writes to the same place.
+    pub duplicate_writes: usize,
+    pub port_scheme: String,
+    pub p_ranks: Vec<PushPRankJson>,
+    pub d_ranks: Vec<PushDRankJson>,
+}
+
+/// The three lines both maps open with: the pair and its rules, layouts, heads and fan-in
+/// (`fan_in` names what it counts), bytes per block.
+fn heading(p: &PairJson, command: &str, rules: &str, fan_in: &str) -> String {
+    format!(
+        "{command}: P tp {} -> D tp {}  |  {}  |  {} KV heads{}  |  vLLM {} rules{rules}\n\
+         layouts P {} / D {}  |  block {} / {} tokens  |  heads per rank P {} / D {}  |  fan-in {} {fan_in}\n\
+         bytes per block per rank: P {} per region block, {} over all layers; D {} / {}\n",
+        p.p_tp,
+        p.d_tp,
+        p.model,
+        p.num_kv_heads,
+        if p.use_mla { " (MLA: one latent head)" } else { "" },
+        p.vllm_version,
+        p.p_layout,
+        p.d_layout,
+        p.p_block_size,
+        p.d_block_size,
+        p.p_heads_per_rank,
+        p.d_heads_per_rank,
+        p.fan_in,
+        bytes_text(p.p_block_len_bytes),
+        bytes_text(p.p_block_bytes_all_layers),
+        bytes_text(p.d_block_len_bytes),
+        bytes_text(p.d_block_bytes_all_layers)
+    )
+}
+
+/// The table view.
+pub fn render_table(t: &TopoJson) -> String {
+    let mut out = heading(&t.pair, "kvx topo", "", "P ranks per D rank");
+    let mut table = wrapped_table(vec![
+        "D rank",
+        "heads",
+        "handshake",
+        "reads (P rank: bytes of a P block -> D offset)",
+        "notif",
+        "notif-only",
+    ]);
+    for d in &t.d_ranks {
+        let reads: Vec<String> = d
+            .reads
+            .iter()
+            .map(|r| {
+                format!(
+                    "P{}: [{}, {}) heads {} -> @{}",
+                    r.p_rank,
+                    r.remote_offset_in_block,
+                    r.remote_offset_in_block + r.length,
+                    heads_text(&r.global_heads),
+                    r.local_offset_in_block
+                )
+            })
+            .collect();
+        let extra: Vec<u32> = d.extra_notifs.iter().map(|e| e.p_rank).collect();
+        table.add_row(vec![
+            d.d_rank.to_string(),
+            heads_text(&d.heads),
+            ranks_text(&d.handshake_ranks),
+            reads.join("\n"),
+            format!("<id>:{}", d.expected_consumers_in_notif),
+            ranks_text(&extra),
+        ]);
+    }
+    out.push_str(&table.to_string());
+    out.push('\n');
+    let mut ports = wrapped_table(vec![
+        "P rank",
+        "heads",
+        "block bytes",
+        "D readers (fan-out)",
+        "side-channel port (dp 0)",
+    ]);
+    for p in &t.p_ranks {
+        ports.add_row(vec![
+            p.p_rank.to_string(),
+            heads_text(&p.heads),
+            bytes_text(p.block_len_bytes),
+            p.readers.to_string(),
+            p.side_channel_port.to_string(),
+        ]);
+    }
+    out.push_str(&ports.to_string());
+    out.push_str(&format!("\nports: {} scheme; D ranks listen on ", t.port_scheme));
+    let d_ports: Vec<String> = t
+        .d_ranks
+        .iter()
+        .map(|d| {
+            format!(
+                "D{}={}",
+                d.d_rank,
+                ranks_text(&d.side_channel_ports.iter().map(|&p| u32::from(p)).collect::<Vec<_>>())
+            )
+        })
+        .collect();
+    out.push_str(&d_ports.join(" "));
+    out.push('\n');
+    out
+}
+
+/// The table view of a push map.
+pub fn render_push_table(t: &PushTopoJson) -> String {
+    let mut out =
+        heading(&t.pair, "kvx topo --mode push", " (NixlPushConnector)", "prefill writers per D rank");
+    let mut table = wrapped_table(vec![
+        "P rank",
+        "heads",
+        "handshake (D ranks)",
+        "WRITEs (D rank: bytes of the P block -> D block offset)",
+        "notif",
+    ]);
+    for p in &t.p_ranks {
+        let writes: Vec<String> = p
+            .writes
+            .iter()
+            .map(|w| {
+                format!(
+                    "D{}: [{}, {}) heads {} -> @{}{}",
+                    w.d_rank,
+                    w.local_offset_in_block,
+                    w.local_offset_in_block + w.length,
+                    heads_text(&w.global_heads),
+                    w.remote_offset_in_block,
+                    w.duplicate_of.map(|o| format!(" (same bytes as P{o})")).unwrap_or_default()
+                )
+            })
+            .collect();
+        table.add_row(vec![
+            p.p_rank.to_string(),
+            heads_text(&p.heads),
+            ranks_text(&p.handshake_ranks),
+            writes.join("\n"),
+            format!("<D id>:{}", p.notif_count),
+        ]);
+    }
+    out.push_str(&table.to_string());
+    out.push('\n');
+    let mut dt =
+        wrapped_table(vec!["D rank", "heads", "PUSH_REG to (P ranks)", "written by", "waits for notifs"]);
+    for d in &t.d_ranks {
+        dt.add_row(vec![
+            d.d_rank.to_string(),
+            heads_text(&d.heads),
+            ranks_text(&d.registers_with),
+            ranks_text(&d.writers),
+            d.expected_notifs.to_string(),
+        ]);
+    }
+    out.push_str(&dt.to_string());
+    out.push('\n');
+    if t.duplicate_writes > 0 {
+        out.push_str(&format!(
+            "note: {} WRITEs repeat bytes another prefill rank writes to the same place (replicated heads or MLA); \
+             vLLM posts them all and decode counts each notification\n",
+            t.duplicate_writes
+        ));
+    }
+    // Distinct ports only: under the engine scheme every rank of an engine shares one.
+    let distinct = |ports: Vec<u16>| {
+        let mut ports = ports;
+        ports.sort_unstable();
+        ports.dedup();
+        ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",")
+    };
+    out.push_str(&format!(
+        "ports ({} scheme): decode ranks handshake with prefill's side channel on {} (notification-only, to send \
+         PUSH_REG); prefill ranks handshake with decode's on {} (to learn its block addresses)\n",
+        t.port_scheme,
+        distinct(t.p_ranks.iter().map(|p| p.side_channel_port).collect()),
+        distinct(t.d_ranks.iter().flat_map(|d| d.side_channel_ports.iter().copied()).collect())
+    ));
+    out
+}
+
+fn heads_text(h: &[u32]) -> String {
+    match (h.first(), h.last()) {
+        (Some(a), Some(b)) if a == b => format!("{a}"),
+        (Some(a), Some(b)) => format!("{a}-{b}"),
+        _ => "-".into(),
+    }
+}
+
+fn ranks_text(r: &[u32]) -> String {
+    if r.is_empty() {
+        return "-".into();
+    }
+    r.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
