@@ -42,7 +42,7 @@ pub const EXIT_CODES_HELP: &str = "Exit status: 0 ok (every request succeeded an
 1 the run completed with failed or unverified requests, or the gate found a regression; \
 2 bad input, configuration or runtime error; 130/143 a run interrupted (SIGINT/SIGTERM). \
 Servers (serve-engine, serve-proxy) exit 0 after a clean shutdown on SIGTERM/SIGINT, and 2 when \
-they cannot go on (an engine whose KV worker died). \
+they cannot go on (an engine that lost one of its KV rank processes). \
 A closed stdout (kvx ... | head) ends a command quietly: exit 0, or the run's or the gate's verdict.";
 
 /// A configuration the user asked for that kvx refuses, with the flag to change.
