@@ -21,7 +21,23 @@
 
 use std::process::ExitCode;
 
-use crate::Outcome;
+/// What a finished command asks the process to exit with ([`exit`] has the codes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Exit 0: every request succeeded and verified, or the gate passed.
+    Ok,
+    /// Exit 1: the run completed, but some requests failed, were recomputed or did not verify
+    /// (or, under `--fault`, the failure policy did not hold). Says how many and why, starting
+    /// with the command (`kvx bench: 3 of 20 requests failed ...`); printed on stderr as is.
+    Failed(String),
+    /// Exit 1: a performance gate found a regression.
+    Regression,
+    /// Exit 130 (SIGINT) or 143 (SIGTERM): the run was interrupted.
+    Interrupted(Signal),
+    /// Exit with the status of a kvx process that ran in this one's place (`kvx xfer`
+    /// re-runs itself to record UCX's protocols); it printed its own error.
+    Exit(u8),
+}
 
 /// The exit codes of `kvx`.
 pub mod exit {

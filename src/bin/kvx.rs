@@ -6,5 +6,5 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = kvx::cli::Cli::parse();
-    kvx::error::finish(kvx::run(cli))
+    kvx::error::finish(kvx::cli::run(cli))
 }

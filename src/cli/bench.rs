@@ -10,6 +10,8 @@ use clap::Args;
 use super::common::Format;
 use super::compare::Compared;
 use crate::diagnose::xfer::run_for_calibration;
+use crate::error::Outcome;
+use crate::output;
 use crate::pipeline::bench;
 use crate::report::files::RunWriter;
 use crate::report::summary::{new_run_id, now_rfc3339};
@@ -17,7 +19,6 @@ use crate::report::table::{Style, render_summary};
 use crate::settings::bench::BenchFlags;
 use crate::settings::env::ProcessEnv;
 use crate::settings::plan::{BenchPlan, resolve_plan};
-use crate::{Outcome, output};
 
 #[derive(Debug, Clone, Args)]
 #[command(after_help = "Examples:\n  kvx bench --p-tp 8 --d-tp 2\n  \
@@ -105,7 +106,7 @@ fn compare(
 fn verdict(what: &str, summary: &crate::report::Summary) -> Outcome {
     match crate::interrupt::requested() {
         Some(sig) => Outcome::Interrupted(sig),
-        None => Outcome::of_run(what, summary),
+        None => crate::report::verdict::outcome(what, summary),
     }
 }
 

@@ -2,7 +2,7 @@
 use clap::{Args, CommandFactory};
 use clap_complete::Shell;
 
-use crate::Outcome;
+use crate::error::Outcome;
 
 #[derive(Debug, Args)]
 #[command(after_help = "Example:\n  kvx completions bash > /etc/bash_completion.d/kvx")]

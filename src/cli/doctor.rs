@@ -5,7 +5,8 @@ use clap::Args;
 
 use crate::cli::xfer::Format;
 use crate::diagnose::doctor::{self, DoctorOptions, DoctorReport};
-use crate::{Outcome, output};
+use crate::error::Outcome;
+use crate::output;
 
 /// What kvx sees on this host, one line per item: verdict, detail, hint.
 #[derive(Debug, Args)]

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
 
-use crate::Outcome;
+use crate::error::Outcome;
 use crate::output::{self, OutputError, note};
 use crate::report::gate::{self, Doc, GateReport, Thresholds, Verdict};
 use crate::report::{ReportError, files};

@@ -6,11 +6,12 @@ use serde::Serialize;
 
 use super::common::Format;
 use super::topo::reject;
+use crate::error::Outcome;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::{RankGeometry, Region};
+use crate::output;
 use crate::report::numbers::bytes_text;
 use crate::settings::layout::{LayoutFlags, resolve};
-use crate::{Outcome, output};
 
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  kvx layout --model llama-3.1-70b --tp 8\n  \

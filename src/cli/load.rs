@@ -4,7 +4,7 @@
 
 use clap::Args;
 
-use crate::Outcome;
+use crate::error::Outcome;
 use crate::report::files::RunWriter;
 use crate::report::summary::{new_run_id, now_rfc3339};
 use crate::report::table::Style;
@@ -69,7 +69,7 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
             t.name, t.url, t.errors
         )));
     }
-    Ok(Outcome::of_run("kvx load", &summary))
+    Ok(crate::report::verdict::outcome("kvx load", &summary))
 }
 
 #[cfg(test)]

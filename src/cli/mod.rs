@@ -5,7 +5,7 @@
 
 use clap::{Parser, Subcommand};
 
-use crate::Outcome;
+use crate::error::Outcome;
 
 pub mod bench;
 pub mod common;
@@ -94,10 +94,10 @@ fn after_help() -> String {
 
 impl Command {
     /// The logging a command starts with when `KVX_LOG` is not set.
-    pub fn log_default(&self) -> crate::LogDefault {
+    pub fn log_default(&self) -> LogDefault {
         match self {
-            Command::ServeEngine(_) | Command::ServeProxy(_) => crate::LogDefault::Service,
-            _ => crate::LogDefault::Command,
+            Command::ServeEngine(_) | Command::ServeProxy(_) => LogDefault::Service,
+            _ => LogDefault::Command,
         }
     }
 }
@@ -132,4 +132,42 @@ mod tests {
     fn clap_definition_is_consistent() {
         Cli::command().debug_assert();
     }
+}
+
+/// Runs one parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
+    init_logging(cli.command.log_default());
+    dispatch(cli)
+}
+
+/// Warnings and errors of kvx (and of its workers, which the engines forward) on stderr;
+/// `KVX_LOG` sets the filter, e.g. `kvx=debug`. Long-running services (`serve-engine`,
+/// `serve-proxy`) default to `kvx=info` with timestamps, everything else to `kvx=warn`.
+/// The first call wins.
+pub fn init_logging(default: LogDefault) {
+    let fallback = match default {
+        LogDefault::Command => "kvx=warn",
+        LogDefault::Service => "kvx=info",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env(crate::settings::env::KVX_LOG)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(fallback));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_target(false)
+        .with_writer(std::io::stderr);
+    let _ = match default {
+        LogDefault::Command => builder.without_time().try_init(),
+        LogDefault::Service => builder.try_init(),
+    };
+}
+
+/// Which logging a command starts with when `KVX_LOG` is not set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogDefault {
+    /// A command that runs and ends: warnings and errors, no timestamps.
+    Command,
+    /// A long-running service: info and above, with timestamps.
+    Service,
 }

@@ -9,14 +9,15 @@ use serde::Serialize;
 use super::common::Format;
 use super::topo::reject;
 use crate::error::ConfigError;
+use crate::error::Outcome;
 use crate::layouts::plan::{DRankPlan, Pair, Planner};
 use crate::layouts::posting::{PathCost, PostRates, ReadShape, request_costs};
 use crate::layouts::push::{PRankPlan, PushPlanner};
+use crate::output;
 use crate::report::numbers::bytes_text;
 use crate::settings::plan::{DescriptorPlan, PlanFlags, resolve_descriptor_plan};
 use crate::topology::TransferMode;
 use crate::topology::push::DRankPushView;
-use crate::{Outcome, output};
 
 #[derive(Debug, Args)]
 #[command(

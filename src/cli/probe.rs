@@ -5,9 +5,10 @@ use anyhow::Context as _;
 use clap::Args;
 
 use crate::diagnose::probe::{self, LatencySummary};
+use crate::error::Outcome;
+use crate::output;
 use crate::settings::probe::{ProbeFlags, resolve};
 pub use crate::settings::probe::{ProbeFormat, VllmFraming};
-use crate::{Outcome, output};
 
 #[derive(Debug, Args)]
 pub struct ProbeArgs {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
-use crate::Outcome;
+use crate::error::Outcome;
 use crate::output::{self, note};
 use crate::report::table::{Style, render_summary};
 use crate::report::{compare, export, files};

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::Args;
 
-use crate::Outcome;
 use crate::error::ConfigError;
+use crate::error::Outcome;
 use crate::serve::engine::{self, EngineState, Role};
 use crate::serve::kv::{KvBackend, NullKv};
 use crate::serve::workers::WorkerKv;

@@ -8,8 +8,8 @@ use anyhow::Context as _;
 use clap::Args;
 
 use super::serve_engine::{announce, bind, runtime, shutdown_signal};
-use crate::Outcome;
 use crate::error::ConfigError;
+use crate::error::Outcome;
 use crate::serve::proxy::{self, BackendAddr, ProxyState};
 use crate::settings::proxy::{ServeProxyFlags, resolve};
 

@@ -9,9 +9,11 @@ use clap::Args;
 
 use super::common::{Format, ModelFlags, PairFlags, PortFlags};
 use crate::error::ConfigError;
+use crate::error::Outcome;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::Planner;
 use crate::layouts::push::PushPlanner;
+use crate::output;
 use crate::report::topo::{
     DRankJson, ExtraNotifJson, PRankJson, PairJson, PushDRankJson, PushPRankJson, PushTopoJson, ReadJson,
     TopoJson, WriteJson, render_push_table, render_table,
@@ -20,7 +22,6 @@ use crate::settings::scenario::{self, Ports};
 use crate::topology::ports::engine_ports;
 use crate::topology::push::PushRankMap;
 use crate::topology::{RankMap, TransferMode};
-use crate::{Outcome, output};
 
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  kvx topo --p-tp 8 --d-tp 2 --model llama-3.1-70b\n  \

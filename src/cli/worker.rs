@@ -2,7 +2,7 @@
 
 use clap::{Args, ValueEnum};
 
-use crate::Outcome;
+use crate::error::Outcome;
 use crate::pipeline::proto::Role;
 use crate::pipeline::worker::launcher_rank;
 

@@ -5,12 +5,13 @@ use clap::Args;
 
 use crate::diagnose::xfer::{self, TargetSpec, XferError};
 use crate::error::AlreadyReported;
+use crate::error::Outcome;
+use crate::output;
 use crate::report::xfer::render_table;
 pub use crate::settings::parse::{parse_duration, parse_size};
 pub use crate::settings::xfer::Format;
 use crate::settings::xfer::{XferFlags, XferRun, resolve};
 use crate::transfer::ucx::{proto_capture_dir, proto_capture_env, ucx_log_messages};
-use crate::{Outcome, output};
 
 /// One-sided UCX reads between two processes: GB/s, latency, ratio to memcpy.
 #[derive(Debug, Args)]

@@ -10,6 +10,7 @@
 //! failure is one of those, no read returned wrong bytes, and no block leaked.
 
 use super::Summary;
+use crate::error::Outcome;
 
 /// Counter: 1 when a `--fault` was injected during the run (summed over sweep points).
 pub const FAULT_INJECTED: &str = "fault_injected";
@@ -18,6 +19,15 @@ pub const FAILURES_AFTER_FAULT: &str = "failures_after_fault";
 
 /// Failure causes a killed or lost peer produces; any other cause is never the fault's doing.
 pub const FAULT_CAUSES: &[&str] = &["peer_gone", "transfer", "timeout", "handshake", "notify"];
+
+/// The outcome of a run from what its summary counted: [`Outcome::Failed`] with the counts
+/// and causes when the run was not clean ([`problems`] has the rule), else `Ok`.
+pub fn outcome(what: &str, summary: &Summary) -> Outcome {
+    match problems(summary) {
+        None => Outcome::Ok,
+        Some(why) => Outcome::Failed(format!("{what}: {why}")),
+    }
+}
 
 /// What makes the run unclean, in one line (`None`: clean).
 pub fn problems(s: &Summary) -> Option<String> {

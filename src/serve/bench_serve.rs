@@ -37,7 +37,7 @@ use super::metrics::{Exposition, PROMETHEUS_CONTENT_TYPE};
 use super::openai::Endpoint;
 use super::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
 use super::workers::{KvRequestRecord, KvStats, WorkerKv};
-use crate::Outcome;
+use crate::error::Outcome;
 use crate::pipeline::bench::BenchSettings;
 use crate::pipeline::engine::{EngineError, EngineFinal};
 use crate::pipeline::proto::Role;
@@ -211,7 +211,7 @@ pub fn run(s: &BenchSettings, json: bool, opts: &ServeOptions) -> Result<Outcome
     if summary.requests_ok == 0 {
         return Err(BenchServeError::NothingSucceeded(summary.failures_by_cause));
     }
-    Ok(Outcome::of_run("kvx bench --serve", &summary))
+    Ok(crate::report::verdict::outcome("kvx bench --serve", &summary))
 }
 
 /// Serves the engines' and the proxy's metrics in one exposition.
