@@ -1,0 +1,1 @@
+//! Byte-meaning check of hybrid plans (filled in below).
