@@ -1,0 +1,377 @@
+//! Hybrid models against vLLM 0.33's own code (`hybrid_v033.json`), and properties of the
+//! hybrid planner over many models, TP pairs, prompt lengths and prefix hits.
+//!
+//! Each oracle case is rebuilt from its inputs only (`vllm_version`, `model`, `p`, `d`,
+//! `scheduler.prompt_tokens`, `p_raw_block_ids`, `d_raw_unhashed_block_ids`); everything else
+//! in the case is what kvx must reproduce.
+
+use std::path::PathBuf;
+
+use kvx::layouts::hybrid::descriptors::{DescList, HybridPlanner, HybridRequest, PairConfig};
+use kvx::layouts::hybrid::geometry::{
+    DEFAULT_BLOCK_TOKENS, EngineConfig, EngineGeometry, KvBufferDevice, MemKind, Side,
+};
+use kvx::layouts::hybrid::model::{
+    AttentionShape, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba2Spec, StateSpec,
+};
+use kvx::layouts::hybrid::GdnPrefillBackend;
+use serde_json::Value;
+
+/// Host buffers sit this far above each rank's KV base in the oracle's addresses.
+const HOST_BASE: u64 = 0x8000_0000_0000;
+
+/// `KVX_ORACLE_DIR` if set, else `../shared/oracle` beside the crate, else the committed copy.
+fn oracle_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KVX_ORACLE_DIR") {
+        return PathBuf::from(dir);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let shared = root.join("../shared/oracle");
+    if shared.join("hybrid_v033.json").exists() { shared } else { root.join("tests/fixtures/oracle") }
+}
+
+fn oracle() -> Value {
+    let path = oracle_dir().join("hybrid_v033.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+#[test]
+fn hybrid_oracle_copy_matches_shared() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let shared = root.join("../shared/oracle/hybrid_v033.json");
+    if !shared.exists() {
+        return;
+    }
+    let a = std::fs::read(&shared).expect("shared oracle readable");
+    let b = std::fs::read(root.join("tests/fixtures/oracle/hybrid_v033.json")).expect("fixture readable");
+    assert!(a == b, "tests/fixtures/oracle/hybrid_v033.json differs from ../shared/oracle: refresh the copy");
+}
+
+fn u64_of(v: &Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} missing in {v}"))
+}
+
+fn u32_of(v: &Value, key: &str) -> u32 {
+    u32::try_from(u64_of(v, key)).expect("fits u32")
+}
+
+fn lists(v: &Value) -> Vec<Vec<u32>> {
+    v.as_array()
+        .expect("list of lists")
+        .iter()
+        .map(|g| g.as_array().expect("list").iter().map(|b| b.as_u64().expect("id") as u32).collect())
+        .collect()
+}
+
+fn dtype(v: &Value) -> Dtype {
+    v.as_str().expect("dtype").parse().expect("known dtype")
+}
+
+/// `model.layers.7.mixer.attn` -> (7, `model.layers.{i}.mixer.attn`).
+fn split_name(name: &str) -> (u32, String) {
+    let parts: Vec<&str> = name.split('.').collect();
+    let pos = parts.iter().position(|p| p.parse::<u32>().is_ok()).expect("layer index in name");
+    let mut t = parts.clone();
+    t[pos] = "{i}";
+    (parts[pos].parse().expect("index"), t.join("."))
+}
+
+/// The hybrid model of a case, from its `model` description and `p`'s groups.
+fn case_model(case: &Value) -> HybridModel {
+    let m = &case["model"];
+    let p = &case["p"];
+    let att_dtype = m.get("dtype").map_or(Dtype::Bf16, dtype);
+    let state_dtypes: Vec<Dtype> = m
+        .get("mamba_dtypes")
+        .or_else(|| m.get("dtypes"))
+        .or_else(|| p.get("mamba_state_dtypes"))
+        .map(|v| v.as_array().expect("dtypes").iter().map(dtype).collect())
+        .unwrap_or_default();
+    let state = if let Some(mm) = m.get("mamba") {
+        Some(StateSpec::Mamba2(Mamba2Spec {
+            num_heads: u32_of(mm, "num_heads"),
+            head_dim: u32_of(mm, "head_dim"),
+            d_state: u32_of(mm, "state_size"),
+            n_groups: u32_of(mm, "n_groups"),
+            conv_kernel: u32_of(mm, "conv_kernel"),
+            conv_dtype: state_dtypes[0],
+            ssm_dtype: state_dtypes[1],
+        }))
+    } else {
+        m.get("gdn").map(|g| {
+            StateSpec::Gdn(GdnSpec {
+                num_k_heads: u32_of(g, "num_k_heads"),
+                num_v_heads: u32_of(g, "num_v_heads"),
+                head_k_dim: u32_of(g, "head_k_dim"),
+                head_v_dim: u32_of(g, "head_v_dim"),
+                conv_kernel: u32_of(g, "conv_kernel"),
+                conv_dtype: state_dtypes[0],
+                ssm_dtype: state_dtypes[1],
+            })
+        })
+    };
+    let state_kind = state.map(|s| s.kind());
+    let mut layers: Vec<Layer> = Vec::new();
+    let mut names = LayerNames::default();
+    for g in p["groups"].as_array().expect("groups") {
+        for name in g["layers"].as_array().expect("layers") {
+            let (i, template) = split_name(name.as_str().expect("name"));
+            if layers.len() <= i as usize {
+                layers.resize(i as usize + 1, Layer::MLP);
+            }
+            let l = &mut layers[i as usize];
+            match g["spec"].as_str().expect("spec") {
+                "FullAttentionSpec" => {
+                    *l = Layer { attention: Some(kvx::layouts::hybrid::model::AttnKind::Full), state: l.state };
+                    names.attention = template;
+                }
+                "SlidingWindowSpec" => {
+                    *l = Layer { state: l.state, ..Layer::swa(u32_of(m, "sliding_window")) };
+                    names.attention = template;
+                }
+                "MambaSpec" => {
+                    l.state = state_kind;
+                    names.state = template;
+                }
+                other => panic!("unknown spec {other}"),
+            }
+        }
+    }
+    // The attention shape; the host-buffer Nemotron case names only the state, so its head
+    // size comes from prefill's page and heads.
+    let kv_heads = m.get("kv_heads").or_else(|| m.get("attn_kv_heads")).map_or_else(
+        || u32_of(p, "local_kv_heads") * u32_of(p, "tp"),
+        |v| v.as_u64().expect("heads") as u32,
+    );
+    let head_dim = m.get("head_dim").or_else(|| m.get("attn_head_dim")).map_or_else(
+        || {
+            let per_token = u64_of(p, "page_bytes") / u64_of(p, "block_size_tokens");
+            (per_token / (2 * u64_of(p, "local_kv_heads") * u64::from(att_dtype.bytes()))) as u32
+        },
+        |v| v.as_u64().expect("head_dim") as u32,
+    );
+    HybridModel {
+        name: case["name"].as_str().expect("name").to_string(),
+        layers,
+        attention: AttentionShape { num_kv_heads: kv_heads, head_dim, dtype: att_dtype },
+        state,
+        names,
+    }
+}
+
+fn engine(e: &Value) -> EngineConfig {
+    EngineConfig {
+        kv_buffer_device: match e["kv_buffer_device"].as_str() {
+            Some("cpu") => KvBufferDevice::Cpu,
+            _ => KvBufferDevice::Cuda,
+        },
+        // The oracle aligned GDN blocks as triton does (its README).
+        gdn_prefill: GdnPrefillBackend::Triton,
+        block_tokens: DEFAULT_BLOCK_TOKENS,
+        ..EngineConfig::new(u32_of(e, "tp"), u32_of(e, "num_blocks"))
+    }
+}
+
+fn abs_off(mem: MemKind, off: u64) -> u64 {
+    match mem {
+        MemKind::Vram => off,
+        MemKind::Dram => off + HOST_BASE,
+    }
+}
+
+fn check_engine(label: &str, want: &Value, g: &EngineGeometry) {
+    assert_eq!(u64_of(want, "block_size_tokens"), u64::from(g.sizing.block_tokens), "{label}: aligned block size");
+    assert_eq!(u64_of(want, "page_bytes"), g.sizing.page_bytes, "{label}: page bytes");
+    assert_eq!(u64_of(want, "local_kv_heads"), u64::from(g.heads_per_rank), "{label}: KV heads per rank");
+    let groups = want["groups"].as_array().expect("groups");
+    assert_eq!(groups.len(), g.groups.len(), "{label}: groups");
+    for (w, got) in groups.iter().zip(&g.groups) {
+        assert_eq!(w["spec"].as_str(), Some(got.kind.vllm_spec()), "{label}: group {} spec", got.index);
+        let names: Vec<&str> = got.layers.iter().map(|l| l.name.as_str()).collect();
+        let want_names: Vec<&str> = w["layers"].as_array().expect("layers").iter().map(|n| n.as_str().expect("n")).collect();
+        assert_eq!(want_names, names, "{label}: group {} layers", got.index);
+    }
+    if let Some(shapes) = want.get("mamba_state_shapes_local") {
+        let s = g.state.as_ref().expect("state");
+        let shapes: Vec<Vec<u64>> =
+            shapes.as_array().expect("shapes").iter().map(|v| lists(&Value::Array(vec![v.clone()]))[0].iter().map(|&x| u64::from(x)).collect()).collect();
+        assert_eq!(shapes[0], s.conv_shape.to_vec(), "{label}: conv shape");
+        assert_eq!(shapes[1], s.ssm_shape, "{label}: SSM shape");
+        assert_eq!(Some(u64_of(want, "mamba_real_page_bytes")), g.sizing.state_page_bytes, "{label}: real page");
+        assert_eq!(u64_of(want, "mamba_page_size_padded"), g.sizing.page_bytes, "{label}: padded page");
+    }
+}
+
+fn check_regions(label: &str, want_regions: &Value, want_reg: &Value, g: &EngineGeometry) {
+    let want = want_regions.as_array().expect("regions");
+    assert_eq!(want.len(), g.regions.len(), "{label}: regions");
+    for (w, r) in want.iter().zip(&g.regions) {
+        let l = format!("{label} region {}", r.index);
+        assert_eq!(w["name"].as_str(), Some(r.name.as_str()), "{l}: name");
+        assert_eq!(w["group_id"].as_i64(), Some(i64::from(r.group_id)), "{l}: group id");
+        assert_eq!(u64_of(w, "base_off"), abs_off(r.mem, r.base_off), "{l}: base");
+        assert_eq!(u64_of(w, "block_len"), r.block_len, "{l}: block_len");
+        assert_eq!(u64_of(w, "block_stride"), r.block_stride, "{l}: stride");
+        assert_eq!(u64_of(w, "num_blocks"), r.num_blocks, "{l}: blocks");
+    }
+    let got: Vec<(u64, u64, &str)> = g
+        .registrations
+        .iter()
+        .map(|x| (abs_off(x.mem, x.off), x.len, if x.mem == MemKind::Vram { "VRAM" } else { "DRAM" }))
+        .collect();
+    let want: Vec<(u64, u64, &str)> = want_reg
+        .as_array()
+        .expect("registered_memory")
+        .iter()
+        .map(|m| (u64_of(m, "off"), u64_of(m, "len"), m["mem_type"].as_str().expect("mem")))
+        .collect();
+    assert_eq!(want, got, "{label}: registered memory");
+}
+
+fn check_rows(label: &str, want: &Value, got: &DescList) {
+    let want = want.as_array().expect("rows");
+    assert_eq!(want.len(), got.rows.len(), "{label}: rows");
+    for (w, r) in want.iter().zip(&got.rows) {
+        let l = format!("{label} {}", r.label);
+        assert_eq!(w["label"].as_str(), Some(r.label.to_string().as_str()), "{label}: row label");
+        assert_eq!(u64_of(w, "addr_off"), r.addr_off, "{l}: addr");
+        assert_eq!(u64_of(w, "len"), r.len, "{l}: len");
+        assert_eq!(u64_of(w, "stride"), r.stride, "{l}: stride");
+        assert_eq!(u64_of(w, "count"), r.count, "{l}: count");
+    }
+}
+
+fn request_of(case: &Value) -> HybridRequest {
+    let s = &case["scheduler"];
+    HybridRequest {
+        prompt_tokens: u32_of(s, "prompt_tokens"),
+        p_raw_block_ids: lists(&s["p_raw_block_ids"]),
+        d_raw_unhashed_block_ids: lists(&s["d_raw_unhashed_block_ids"]),
+        d_hit_tokens: 0,
+    }
+}
+
+/// Checks one case; returns its name and how many descriptor pairs were compared.
+fn check_case(case: &Value) -> (String, usize) {
+    let name = case["name"].as_str().expect("name").to_string();
+    assert_eq!(case["vllm_version"].as_str(), Some("0.33.0"), "{name}: kvx follows vLLM 0.33");
+    let model = case_model(case);
+    let config = PairConfig { model: model.clone(), p: engine(&case["p"]), d: engine(&case["d"]), permute_local_kv: false };
+    let pg = EngineGeometry::new(&model, &config.p, Side::Prefill).expect("prefill geometry");
+    let dg = EngineGeometry::new(&model, &config.d, Side::Decode).expect("decode geometry");
+    check_engine(&format!("{name} P"), &case["p"], &pg);
+    check_engine(&format!("{name} D"), &case["d"], &dg);
+    for pr in case["p_ranks"].as_array().expect("p_ranks") {
+        let l = format!("{name} P{}", pr["p_rank"]);
+        check_regions(&l, &pr["regions"], &pr["registered_memory"], &pg);
+        let meta = &pr["agent_metadata"];
+        let sizes = lists(&Value::Array(vec![meta["ssm_sizes(conv_bytes,ssm_bytes)"].clone()]))[0].clone();
+        let got = pg.state.as_ref().map_or((0, 0), |s| s.ssm_sizes());
+        assert_eq!((u64::from(sizes[0]), u64::from(sizes[1])), got, "{l}: ssm_sizes");
+        assert_eq!(u64_of(meta, "block_size"), u64::from(pg.kernel_block_tokens), "{l}: metadata block size");
+    }
+    for dr in case["d_ranks"].as_array().expect("d_ranks") {
+        check_regions(&format!("{name} D{}", dr["d_rank"]), &dr["regions"], &dr["registered_memory"], &dg);
+    }
+    let planner = match HybridPlanner::new(&config) {
+        Ok(p) => p,
+        Err(e) => {
+            let rejected = case["d_ranks"]
+                .as_array()
+                .and_then(|d| d.iter().find_map(|r| r.get("handshake_rejected")))
+                .unwrap_or_else(|| panic!("{name}: vLLM accepts, kvx refused: {e}"));
+            let msg = rejected["error"].as_str().expect("error");
+            let refusal = e.refusal().unwrap_or_else(|| panic!("{name}: not a vLLM refusal: {e}"));
+            assert_eq!(refusal.vllm_message, msg, "{name}: vLLM's condition text");
+            assert!(e.to_string().contains(msg), "{name}: message quotes vLLM: {e}");
+            assert!(e.flag().starts_with("--"), "{name}: names a flag: {e}");
+            return (name, 0);
+        }
+    };
+    assert!(
+        case["d_ranks"].as_array().expect("d_ranks").iter().all(|r| r.get("handshake_rejected").is_none()),
+        "{name}: vLLM refuses, kvx accepted"
+    );
+    let s = &case["scheduler"];
+    let plan = planner.plan(&request_of(case), "req-P").expect("plan");
+    assert_eq!(u64_of(s, "p_prefill_backoff_tokens"), u64::from(plan.tokens.backoff_tokens), "{name}: backoff");
+    assert_eq!(u64_of(s, "p_num_computed_tokens_at_finish"), u64::from(plan.tokens.p_computed_tokens), "{name}");
+    assert_eq!(u64_of(s, "d_num_external_tokens"), u64::from(plan.tokens.d_external_tokens), "{name}");
+    let window = kvx::layouts::hybrid::blocks::window_blocks(&pg.groups, pg.sizing.block_tokens);
+    assert_eq!(lists(&Value::Array(vec![s["p_blocks_per_sw"].clone()]))[0], window, "{name}: blocks per window");
+    assert_eq!(lists(&s["remote_block_ids_sent"]), plan.blocks.remote_block_ids, "{name}: remote_block_ids_sent");
+    assert_eq!(lists(&s["d_local_block_ids_after_clip"]), plan.blocks.local_block_ids, "{name}: local blocks");
+    let mut compared = 0;
+    let want_ranks = case["d_ranks"].as_array().expect("d_ranks");
+    assert_eq!(want_ranks.len(), plan.d_ranks.len(), "{name}: decode ranks");
+    for ((w, got), setup) in want_ranks.iter().zip(&plan.d_ranks).zip(&planner.d_ranks) {
+        let l = format!("{name} D{}", got.d_rank);
+        assert_eq!(lists(&Value::Array(vec![w["handshake_ranks"].clone()]))[0], got.handshake_ranks, "{l}");
+        let tm = &w["tp_mapping"];
+        assert_eq!(lists(&tm["source_ranks_per_group"]), got.mapping.source_ranks_per_group, "{l}: sources");
+        assert_eq!(u64_of(tm, "rank_offset_factor"), u64::from(got.mapping.rank_offset_factor), "{l}");
+        assert_eq!(
+            u64_of(tm, "local_consumers(notif count P waits for)"),
+            u64::from(got.mapping.local_consumers),
+            "{l}: consumers"
+        );
+        assert_eq!(w["tp_ratio"].as_i64(), Some(planner.tp_ratio), "{l}: tp_ratio");
+        assert_eq!(u64_of(w, "block_size_ratio"), u64::from(planner.block_size_ratio), "{l}: block_size_ratio");
+        let local = &w["local_dlists(strided rows)"];
+        check_rows(&format!("{l} local"), &local[format!("local_block_size_{}", dg.kernel_block_tokens)], &setup.local);
+        for (key, rows) in w["remote_dlists(strided rows)"].as_object().expect("remote dlists") {
+            assert!(key.starts_with("remote_p_rank_"), "{l}: {key}");
+            check_rows(&format!("{l} {key}"), rows, &setup.remote);
+        }
+        let reads = w["reads"].as_array().expect("reads");
+        assert_eq!(reads.len(), got.reads.len(), "{l}: READs");
+        for (wr, gr) in reads.iter().zip(&got.reads) {
+            assert_eq!(wr["remote_dlist"].as_str(), Some(format!("remote_p_rank_{}", gr.p_rank).as_str()), "{l}");
+            assert_eq!(wr["notif_msg"].as_str(), Some(gr.notif_msg.as_str()), "{l}: notification");
+            assert_eq!(u64_of(wr, "num_descs") as usize, gr.pairs.len(), "{l}: descriptors");
+            let want: Vec<(String, u64, u64, u64)> = wr["pairs[label,local_off,remote_off,len]"]
+                .as_array()
+                .expect("pairs")
+                .iter()
+                .map(|t| {
+                    let t = t.as_array().expect("quad");
+                    let n = |i: usize| t[i].as_u64().expect("number");
+                    (t[0].as_str().expect("label").to_string(), n(1), n(2), n(3))
+                })
+                .collect();
+            let got_pairs: Vec<(String, u64, u64, u64)> =
+                gr.pairs.iter().map(|p| (p.label.to_string(), p.local, p.remote, p.len)).collect();
+            assert_eq!(want, got_pairs, "{l}: every pair, in posting order");
+            compared += want.len();
+        }
+        assert!(w["notifs_only"].as_array().expect("notifs").is_empty() && got.notifs_only.is_empty(), "{l}");
+        if let Some(h2d) = w.get("h2d_copy_plan(sync_recved_kv_to_device)") {
+            let copy = plan.d_sync_to_device.as_ref().expect("h2d copy");
+            let h = &h2d[0];
+            let layers: Vec<&str> = h["layers_in_copy_order"].as_array().expect("l").iter().map(|x| x.as_str().expect("s")).collect();
+            assert_eq!(layers, copy.layers_in_copy_order, "{l}: h2d layer order");
+            assert_eq!(lists(&Value::Array(vec![h["block_ids"].clone()]))[0], copy.block_ids, "{l}: h2d blocks");
+        }
+    }
+    for pr in case["p_ranks"].as_array().expect("p_ranks") {
+        if let Some(d2h) = pr["agent_metadata"].get("d2h_copy_plan(save_kv_to_host)") {
+            let copy = plan.p_save_to_host.as_ref().expect("d2h copy");
+            let h = &d2h[0];
+            let layers: Vec<&str> = h["layers_in_copy_order"].as_array().expect("l").iter().map(|x| x.as_str().expect("s")).collect();
+            assert_eq!(layers, copy.layers_in_copy_order, "{name}: d2h layer order");
+            assert_eq!(lists(&Value::Array(vec![h["block_ids"].clone()]))[0], copy.block_ids, "{name}: d2h blocks");
+        }
+    }
+    (name, compared)
+}
+
+#[test]
+fn hybrid_oracle_reproduces_every_case() {
+    let doc = oracle();
+    assert_eq!(doc["vllm_version"].as_str(), Some("0.33.0"));
+    let checked: Vec<(String, usize)> = doc["cases"].as_array().expect("cases").iter().map(check_case).collect();
+    assert_eq!(checked.len(), 8, "{checked:?}");
+    assert_eq!(checked.iter().map(|c| c.1).sum::<usize>(), 352, "every descriptor pair of the file compared");
+    assert_eq!(checked.iter().filter(|c| c.1 == 0).count(), 1, "one refusal: {checked:?}");
+}
