@@ -7,14 +7,17 @@
 
 use std::path::PathBuf;
 
-use kvx::layouts::hybrid::descriptors::{DescList, HybridPlanner, HybridRequest, PairConfig};
+use kvx::layouts::hybrid::blocks::{BlockSim, TokenCounts};
+use kvx::layouts::hybrid::coverage::check_plan;
+use kvx::layouts::hybrid::descriptors::{DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig};
 use kvx::layouts::hybrid::geometry::{
     DEFAULT_BLOCK_TOKENS, EngineConfig, EngineGeometry, KvBufferDevice, MemKind, Side,
 };
 use kvx::layouts::hybrid::model::{
-    AttentionShape, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba2Spec, StateSpec,
+    AttentionShape, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba2Spec, PRESETS, StateSpec, preset,
 };
-use kvx::layouts::hybrid::GdnPrefillBackend;
+use kvx::layouts::hybrid::{GdnPrefillBackend, HybridError};
+use proptest::prelude::*;
 use serde_json::Value;
 
 /// Host buffers sit this far above each rank's KV base in the oracle's addresses.
@@ -374,4 +377,238 @@ fn hybrid_oracle_reproduces_every_case() {
     assert_eq!(checked.len(), 8, "{checked:?}");
     assert_eq!(checked.iter().map(|c| c.1).sum::<usize>(), 352, "every descriptor pair of the file compared");
     assert_eq!(checked.iter().filter(|c| c.1 == 0).count(), 1, "one refusal: {checked:?}");
+}
+
+/// A request of `prompt_tokens` with decode holding its first `hit_blocks` blocks, its block
+/// lists allocated as vLLM's allocator leaves them.
+fn simulated(planner: &HybridPlanner, prompt_tokens: u32, hit_blocks: u32) -> HybridRequest {
+    let t = TokenCounts::new(planner.d.has_state(), prompt_tokens, 0);
+    let (bp, bd) = (planner.p.sizing.block_tokens, planner.d.sizing.block_tokens);
+    let hit_blocks = hit_blocks.min(t.p_computed_tokens.saturating_sub(1) / bd);
+    let mut next = 1;
+    let p_raw = BlockSim { tokens: t.p_computed_tokens, block_tokens: bp, hit_blocks: 0 }.raw_block_ids(&planner.p.groups, &mut next);
+    let mut next = 1;
+    let d_raw = BlockSim { tokens: t.p_computed_tokens, block_tokens: bd, hit_blocks }.raw_block_ids(&planner.d.groups, &mut next);
+    HybridRequest { prompt_tokens, p_raw_block_ids: p_raw, d_raw_unhashed_block_ids: d_raw, d_hit_tokens: hit_blocks * bd }
+}
+
+/// Pools big enough for a prompt of `max_tokens` on the engine's smallest block.
+fn pool_blocks(model: &HybridModel, max_tokens: u32) -> u32 {
+    let groups = kvx::layouts::hybrid::geometry::kv_groups(model).len() as u32;
+    groups * (max_tokens / 16 + 2) + 2
+}
+
+fn planner(model: &HybridModel, p: EngineConfig, d: EngineConfig) -> Result<HybridPlanner, HybridError> {
+    HybridPlanner::new(&PairConfig { model: model.clone(), p, d, permute_local_kv: false })
+}
+
+/// Pairs outside registered memory, counted from the geometry alone.
+fn outside(planner: &HybridPlanner, plan: &HybridPlan) -> usize {
+    let (p, d) = (&planner.p, &planner.d);
+    plan.d_ranks
+        .iter()
+        .flat_map(|r| &r.reads)
+        .flat_map(|r| &r.pairs)
+        .map(|x| usize::from(!d.registered(d.mem(), x.local, x.len)) + usize::from(!p.registered(p.mem(), x.remote, x.len)))
+        .sum()
+}
+
+fn shift_found(plan: &HybridPlan) -> bool {
+    plan.findings.iter().any(|f| matches!(f, Finding::AttentionTokensShifted { .. }))
+}
+
+fn misread_found(plan: &HybridPlan) -> bool {
+    plan.findings.iter().any(|f| matches!(f, Finding::StateSliceMisread { .. }))
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    model: &'static str,
+    p_tp: u32,
+    d_tp: u32,
+    prompt_tokens: u32,
+    hit_blocks: u32,
+    flashinfer: bool,
+    host: bool,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        prop::sample::select(PRESETS.to_vec()),
+        prop::sample::select(vec![1u32, 2, 4, 8]),
+        prop::sample::select(vec![1u32, 2, 4, 8]),
+        1u32..12_000,
+        0u32..6,
+        any::<bool>(),
+        prop::bool::weighted(0.15),
+    )
+        .prop_map(|(model, p_tp, d_tp, prompt_tokens, hit_blocks, flashinfer, host)| Case {
+            model,
+            p_tp,
+            d_tp,
+            prompt_tokens,
+            hit_blocks,
+            flashinfer,
+            host,
+        })
+}
+
+fn run_case(c: &Case) -> Result<(), TestCaseError> {
+    let model = preset(c.model).expect("preset");
+    let blocks = pool_blocks(&model, c.prompt_tokens);
+    let cfg = |tp| EngineConfig {
+        gdn_prefill: if c.flashinfer { GdnPrefillBackend::FlashInfer } else { GdnPrefillBackend::Triton },
+        kv_buffer_device: if c.host { KvBufferDevice::Cpu } else { KvBufferDevice::Cuda },
+        ..EngineConfig::new(tp, blocks)
+    };
+    let pl = match planner(&model, cfg(c.p_tp), cfg(c.d_tp)) {
+        Ok(p) => p,
+        Err(e) => {
+            // A refusal is vLLM's, names a setting and quotes vLLM's condition.
+            let r = e.refusal().ok_or_else(|| TestCaseError::fail(format!("not a vLLM refusal: {e}")))?;
+            prop_assert!(r.flag.starts_with("--") && !r.vllm_message.is_empty(), "{e}");
+            return Ok(());
+        }
+    };
+    let req = simulated(&pl, c.prompt_tokens, c.hit_blocks);
+    let plan = pl.plan(&req, "req").map_err(|e| TestCaseError::fail(format!("{c:?}: {e}")))?;
+    // Every descriptor outside registered memory is reported, and only those.
+    let reported = plan.findings.iter().filter(|f| matches!(f, Finding::OutsideRegistration { .. })).count();
+    prop_assert_eq!(reported, outside(&pl, &plan), "{:?}", c);
+    if c.host {
+        let padded = pl.p.sizing.padding_bytes() > 0 || pl.d.sizing.padding_bytes() > 0;
+        let says = plan.findings.iter().any(|f| matches!(f, Finding::HostStatePagePadded { .. }));
+        prop_assert_eq!(padded, says, "{:?}", c);
+        return Ok(());
+    }
+    prop_assert_eq!(reported, 0, "device plans stay inside registered memory: {:?}", c);
+    let report = check_plan(&pl, &plan);
+    prop_assert!(report.checked);
+    // Wrong bytes only where vLLM's own rules move them, and then the plan says which rule:
+    // conv B/C slices (Mamba2 with n_groups below TP) or shifted attention tokens (block-size
+    // ratio with a decode prefix hit).
+    let shifted = shift_found(&plan);
+    for e in &report.errors {
+        let explained = ((e.contains("Conv(B)") || e.contains("Conv(C)")) && misread_found(&plan))
+            || (e.contains("Attn") && shifted);
+        prop_assert!(explained, "{:?}: {} (findings {:?})", c, e, plan.findings);
+    }
+    if report.is_ok() {
+        prop_assert!(!shifted, "{:?}: shift reported but bytes are right", c);
+        prop_assert!(!misread_found(&plan) || plan.blocks.full_hit(), "{:?}: misread reported but bytes are right", c);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Over presets, TP pairs, prompt lengths and prefix hits: every accepted pair reads each
+    /// attention head's bytes and each state part's slice exactly once (or the plan names
+    /// vLLM's misread), and nothing outside registered memory goes unreported.
+    #[test]
+    fn hybrid_plans_move_each_byte_once(c in case()) {
+        run_case(&c)?;
+    }
+}
+
+#[test]
+fn sliding_window_bytes_stop_growing_past_the_window() {
+    let model = preset("gpt-oss-120b").expect("preset");
+    let blocks = pool_blocks(&model, 33_000);
+    for (p_tp, d_tp) in [(1, 1), (1, 2), (2, 1), (2, 8), (8, 8)] {
+        let pl = planner(&model, EngineConfig::new(p_tp, blocks), EngineConfig::new(d_tp, blocks)).expect("accepted");
+        let bytes = |tokens| -> Vec<Vec<u64>> {
+            let plan = pl.plan(&simulated(&pl, tokens, 0), "req").expect("plan");
+            assert!(check_plan(&pl, &plan).is_ok());
+            plan.d_ranks.iter().map(|r| r.bytes_by_group(2)).collect()
+        };
+        let (short, long) = (bytes(4096), bytes(32_768));
+        for (s, l) in short.iter().zip(&long) {
+            assert_eq!(s[0], l[0], "P{p_tp} D{d_tp}: window group bytes at 4k and 32k tokens");
+            assert!(l[1] > 7 * s[1], "P{p_tp} D{d_tp}: full attention grows with the prompt");
+        }
+        // At most cdiv(128, 16) + 1 = 9 blocks of the window over 18 layers; at these lengths
+        // the first of the 9 is already out of the window (a null block) and is not read.
+        let page = pl.d.sizing.page_bytes;
+        assert_eq!(short[0][0], 8 * 18 * page, "P{p_tp} D{d_tp}");
+    }
+}
+
+#[test]
+fn vllm_misreads_replicated_mamba2_groups() {
+    // Falcon-H1 P1 -> D2 (the reference's finding 3): x and the SSM state are right, B and C
+    // are not; the plan says so and the byte check agrees.
+    let model = preset("falcon-h1-7b").expect("preset");
+    let pl = planner(&model, EngineConfig::new(1, 64), EngineConfig::new(2, 64)).expect("accepted");
+    let parts: Vec<(u32, String)> = pl
+        .findings
+        .iter()
+        .filter_map(|f| match f {
+            Finding::StateSliceMisread { d_rank, part, .. } => Some((*d_rank, part.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        parts,
+        vec![(0, "mamba_conv_C".into()), (1, "mamba_conv_B".into()), (1, "mamba_conv_C".into())]
+    );
+    let plan = pl.plan(&simulated(&pl, 5000, 0), "req").expect("plan");
+    let report = check_plan(&pl, &plan);
+    assert!(!report.is_ok());
+    assert!(report.errors.iter().all(|e| e.contains("Conv(B)") || e.contains("Conv(C)")));
+    // Nemotron-H (n_groups 8 divides every TP here) reads every slice right.
+    let nem = preset("nemotron-h-8b").expect("preset");
+    for (p, d) in [(1, 2), (1, 8), (8, 1), (2, 4), (4, 2)] {
+        let pl = planner(&nem, EngineConfig::new(p, 64), EngineConfig::new(d, 64)).expect("accepted");
+        assert!(pl.findings.is_empty(), "P{p} D{d}: {:?}", pl.findings);
+        let plan = pl.plan(&simulated(&pl, 9000, 2), "req").expect("plan");
+        let report = check_plan(&pl, &plan);
+        assert!(report.is_ok(), "P{p} D{d}: {:?}", &report.errors[..report.errors.len().min(3)]);
+    }
+}
+
+#[test]
+fn host_buffer_findings() {
+    // gpt-oss P1 -> D1 with kv_buffer_device=cpu: the window group's blocks are overwritten by
+    // the full-attention layers' host bytes in the host-to-device copy (9 of 9).
+    let model = preset("gpt-oss-120b").expect("preset");
+    let cpu = |tp| EngineConfig { kv_buffer_device: KvBufferDevice::Cpu, ..EngineConfig::new(tp, 200) };
+    let pl = planner(&model, cpu(1), cpu(1)).expect("accepted");
+    let plan = pl.plan(&simulated(&pl, 200, 0), "req").expect("plan");
+    let lost: Vec<(u32, u64, u64)> = plan
+        .findings
+        .iter()
+        .filter_map(|f| match f {
+            Finding::HostCopyOverwrites { group, lost_blocks, blocks, .. } => Some((*group, *lost_blocks, *blocks)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(lost, vec![(0, 9, 9)]);
+    // Nemotron-H: the padded state page runs the last host block past the registration.
+    let nem = preset("nemotron-h-8b").expect("preset");
+    // Prefill's pool of 10 blocks ends with the attention group's third block (ids 1-6 go to
+    // the six state groups).
+    let pl = planner(&nem, EngineConfig { num_blocks: 10, ..cpu(1) }, EngineConfig { num_blocks: 10, ..cpu(1) })
+        .expect("accepted");
+    assert!(pl.findings.iter().any(|f| matches!(
+        f,
+        Finding::HostStatePagePadded { real_page_bytes: 4_255_744, padded_page_bytes: 4_259_840, .. }
+    )));
+    let plan = pl.plan(&simulated(&pl, 2500, 0), "req").expect("plan");
+    let out: Vec<&Finding> =
+        plan.findings.iter().filter(|f| matches!(f, Finding::OutsideRegistration { side: Side::Prefill, .. })).collect();
+    assert!(!out.is_empty(), "prefill block 7 of 8 ends past the unpadded host tensor");
+}
+
+#[test]
+fn full_prefix_hit_only_notifies() {
+    let model = preset("nemotron-h-8b").expect("preset");
+    let pl = planner(&model, EngineConfig::new(4, 64), EngineConfig::new(1, 64)).expect("accepted");
+    let mut req = simulated(&pl, 3000, 0);
+    req.d_hit_tokens = 2999;
+    let plan = pl.plan(&req, "req-P").expect("plan");
+    assert!(plan.blocks.full_hit());
+    assert!(plan.d_ranks[0].reads.is_empty());
+    assert_eq!(plan.d_ranks[0].notifs_only.len(), 4, "every prefill rank of the slice frees its blocks");
 }

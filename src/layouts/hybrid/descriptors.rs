@@ -243,6 +243,11 @@ pub enum Finding {
     HostCopyOverwrites { d_rank: u32, group: u32, lost_blocks: u64, blocks: u64 },
     /// A READ reads prefill's null block (id 0).
     NullBlockRead { d_rank: u32, p_rank: u32, group: u32 },
+    /// An attention group's first decode block receives prefill tokens from another position:
+    /// with a block-size ratio and a decode prefix hit, prefill's list is trimmed to the count of
+    /// decode sub-blocks, which includes the unfilled tail of decode's last block, so every token
+    /// lands `local_token - remote_token` positions off.
+    AttentionTokensShifted { d_rank: u32, p_rank: u32, group: u32, local_token: u64, remote_token: u64 },
 }
 
 /// The plan of one decode rank.
@@ -452,7 +457,7 @@ impl HybridPlanner {
         let mut findings = self.findings.clone();
         let mut d_ranks = Vec::with_capacity(self.d_ranks.len());
         for setup in &self.d_ranks {
-            d_ranks.push(self.plan_rank(setup, &blocks, p_request_id, &mut findings)?);
+            d_ranks.push(self.plan_rank(setup, &blocks, tokens.p_computed_tokens, p_request_id, &mut findings)?);
         }
         let (mut p_save, mut d_sync) = (None, None);
         if self.p.config.kv_buffer_device == KvBufferDevice::Cpu {
@@ -497,6 +502,7 @@ impl HybridPlanner {
         &self,
         setup: &DRankSetup,
         blocks: &ExchangedBlocks,
+        computed_tokens: u32,
         p_request_id: &str,
         findings: &mut Vec<Finding>,
     ) -> Result<DRankPlan, HybridError> {
@@ -547,6 +553,7 @@ impl HybridPlanner {
                 self.d.physical_per_logical,
                 self.p.physical_per_logical,
             )?;
+            findings.extend(self.token_shifts(setup.d_rank, p_rank, blocks, &remote_k, &local, &remote, computed_tokens));
             let rids = desc_ids(&self.p, &remote, 1);
             let lids = desc_ids(&self.d, &local, self.block_size_ratio);
             if rids.len() != lids.len() {
@@ -614,6 +621,48 @@ impl HybridPlanner {
             reads,
             notifs_only,
         })
+    }
+
+    /// Attention groups whose first paired blocks hold different token positions. A group's
+    /// list is the tail of the blocks covering the computed tokens; trimming only shortens
+    /// decode's list at its end, prefill's at either end.
+    #[expect(clippy::too_many_arguments, reason = "the lists of one READ at each stage")]
+    fn token_shifts(
+        &self,
+        d_rank: u32,
+        p_rank: u32,
+        blocks: &ExchangedBlocks,
+        remote_k: &[Vec<u64>],
+        local: &[Vec<u64>],
+        remote: &[Vec<u64>],
+        computed_tokens: u32,
+    ) -> Vec<Finding> {
+        let (p, d) = (&self.p, &self.d);
+        let tokens = u64::from(computed_tokens);
+        let mut out = Vec::new();
+        for (gi, grp) in d.groups.iter().enumerate() {
+            if grp.kind.is_state() || local[gi].is_empty() {
+                continue;
+            }
+            let (Some(&r0), Some(ld)) = (remote[gi].first(), blocks.local_block_ids.get(gi)) else { continue };
+            let (bd, bp) = (u64::from(d.sizing.block_tokens), u64::from(p.sizing.block_tokens));
+            let d_first = tokens.div_ceil(bd).saturating_sub(ld.len() as u64) * bd;
+            let lp = blocks.remote_block_ids[gi].len() as u64;
+            let pos = remote_k[gi].iter().position(|&b| b == r0).unwrap_or(0) as u64;
+            let p_first =
+                (tokens.div_ceil(bp).saturating_sub(lp) * u64::from(p.physical_per_logical) + pos)
+                    * u64::from(p.kernel_block_tokens);
+            if d_first != p_first {
+                out.push(Finding::AttentionTokensShifted {
+                    d_rank,
+                    p_rank,
+                    group: grp.index,
+                    local_token: d_first,
+                    remote_token: p_first,
+                });
+            }
+        }
+        out
     }
 
     /// Host buffer: which decode blocks the host-to-device copy overwrites with bytes the
@@ -1031,3 +1080,100 @@ mod tests {
         assert_eq!(remote_conv_offsets(&parts[..1], 0, -2), vec![(parts[0].0, 0, 50)]);
     }
 }
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::*;
+    use crate::layouts::hybrid::geometry::GdnPrefillBackend;
+    use crate::layouts::hybrid::model::preset;
+
+    fn pair(model: &str, p: EngineConfig, d: EngineConfig) -> Result<HybridPlanner, HybridError> {
+        HybridPlanner::new(&PairConfig { model: preset(model).expect("preset"), p, d, permute_local_kv: false })
+    }
+
+    fn refusal(r: Result<HybridPlanner, HybridError>) -> (RefusalKind, String, String) {
+        let e = r.expect_err("vLLM refuses");
+        let f = e.refusal().unwrap_or_else(|| panic!("not a refusal: {e}"));
+        (f.kind, f.vllm_message.clone(), f.flag.clone())
+    }
+
+    #[test]
+    fn block_sizes_that_do_not_divide_are_refused_one_way() {
+        let e = |tp| EngineConfig::new(tp, 64);
+        let (k, msg, flag) = refusal(pair("qwen3-next-80b-a3b", e(2), e(4)));
+        assert_eq!(k, RefusalKind::BlockSizeNotDivisible);
+        assert_eq!(msg, "Local block size 272 is not divisible by remote block size 544 or vice versa.");
+        assert_eq!(flag, "--block-size");
+        // P4 -> D2 works with triton (544 is a multiple of 272) ...
+        let ok = pair("qwen3-next-80b-a3b", e(4), e(2)).expect("accepted");
+        assert_eq!(ok.block_size_ratio, 2);
+        // ... and fails on H100-class GPUs (FlashInfer GDN prefill: 576 vs 320 tokens).
+        let fi = |tp| EngineConfig { gdn_prefill: GdnPrefillBackend::FlashInfer, ..e(tp) };
+        assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(4), fi(2))).0, RefusalKind::BlockSizeNotDivisible);
+        assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(2), fi(4))).0, RefusalKind::BlockSizeNotDivisible);
+        // The suggested common --block-size makes the pair work.
+        let b = |tp| EngineConfig { block_tokens: 544, ..e(tp) };
+        assert!(pair("qwen3-next-80b-a3b", b(2), b(4)).is_ok());
+    }
+
+    #[test]
+    fn every_vllm_refusal_names_its_setting() {
+        let e = |tp| EngineConfig::new(tp, 64);
+        let cases: Vec<(Result<HybridPlanner, HybridError>, RefusalKind, &str)> = vec![
+            (pair("nemotron-h-8b", e(3), e(2)), RefusalKind::ModelNotDivisible, "--p-tp"),
+            // TP sizes that each split the model's 8 KV heads but not each other.
+            (pair("gpt-oss-120b", e(16), e(24)), RefusalKind::TpNotDivisible, "--d-tp"),
+            (pair("nemotron-h-8b", EngineConfig { pp: 2, ..e(1) }, e(1)), RefusalKind::PipelineParallel, "--p-pp"),
+            (
+                pair("nemotron-h-8b", e(1), EngineConfig { conv_state_layout: ConvStateLayout::Sd, ..e(1) }),
+                RefusalKind::ConvStateLayout,
+                "--conv-state-layout",
+            ),
+            (
+                pair("qwen3-next-80b-a3b", e(4), EngineConfig { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) }),
+                RefusalKind::HostBufferBlockSizes,
+                "--kv-buffer-device",
+            ),
+            (pair("qwen3-next-80b-a3b", e(4), e(1)), RefusalKind::HeadShardedBlockSizes, "--d-tp"),
+            (
+                // 16-token kernel blocks under 272- and 544-token blocks: 17 vs 34 per block.
+                pair(
+                    "qwen3-next-80b-a3b",
+                    EngineConfig { kernel_block_tokens: Some(16), ..e(4) },
+                    EngineConfig { kernel_block_tokens: Some(16), ..e(2) },
+                ),
+                RefusalKind::PrefixCachingKernelBlocks,
+                "--no-prefix-caching",
+            ),
+            (
+                pair("gpt-oss-120b", e(1), EngineConfig { layout: Layout::Lbnhc, ..e(1) }),
+                RefusalKind::LayoutMismatch,
+                "--d-layout",
+            ),
+            (
+                pair("gpt-oss-120b", EngineConfig { layout: Layout::Lbnhc, ..e(1) }, EngineConfig { layout: Layout::Lbnhc, ..e(2) }),
+                RefusalKind::NonContiguousHeads,
+                "--layout",
+            ),
+            (pair("gpt-oss-120b", e(16), e(8)), RefusalKind::ReplicatedKvPrefillAboveDecode, "--p-tp"),
+            (
+                pair("granite-4.0-h-tiny", e(1), e(4)).and_then(|_| pair("granite-4.0-h-tiny", e(1), e(3))),
+                RefusalKind::ModelNotDivisible,
+                "--d-tp",
+            ),
+        ];
+        for (r, kind, flag) in cases {
+            let (k, msg, f) = refusal(r);
+            assert_eq!((k, f.as_str()), (kind, flag), "{msg}");
+            assert!(!msg.is_empty());
+        }
+        let permuted = HybridPlanner::new(&PairConfig {
+            model: preset("gpt-oss-120b").expect("preset"),
+            p: e(1),
+            d: EngineConfig { layout: Layout::Lbnhc, ..e(1) },
+            permute_local_kv: true,
+        });
+        assert_eq!(refusal(permuted).0, RefusalKind::PermuteWithHma);
+    }
+}
+
