@@ -612,3 +612,124 @@ fn full_prefix_hit_only_notifies() {
     assert!(plan.d_ranks[0].reads.is_empty());
     assert_eq!(plan.d_ranks[0].notifs_only.len(), 4, "every prefill rank of the slice frees its blocks");
 }
+
+#[test]
+fn every_preset_at_every_tp_pair() {
+    // Which pairs vLLM accepts, and that every accepted one moves the right bytes (or names
+    // the rule that does not), at a prompt past the window and with a decode prefix hit.
+    let mut accepted = 0;
+    let mut refused = std::collections::BTreeMap::new();
+    for name in PRESETS {
+        let model = preset(name).expect("preset");
+        let blocks = pool_blocks(&model, 6000);
+        for p_tp in [1, 2, 4, 8] {
+            for d_tp in [1, 2, 4, 8] {
+                match planner(&model, EngineConfig::new(p_tp, blocks), EngineConfig::new(d_tp, blocks)) {
+                    Err(e) => {
+                        let r = e.refusal().unwrap_or_else(|| panic!("{name} P{p_tp} D{d_tp}: {e}"));
+                        *refused.entry(format!("{:?}", r.kind)).or_insert(0) += 1;
+                    }
+                    Ok(pl) => {
+                        accepted += 1;
+                        for hit in [0, 1] {
+                            let c = Case { model: name, p_tp, d_tp, prompt_tokens: 5000, hit_blocks: hit, flashinfer: false, host: false };
+                            run_case(&c).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+                        }
+                        let _ = pl;
+                    }
+                }
+            }
+        }
+    }
+    // Aligned blocks per TP 1/2/4/8: Qwen3-Next 544/544/272/144 (triton), granite
+    // 400/400/400/208, Falcon-H1 1568/1568/784/400: a pair passes when decode's block is a
+    // multiple of prefill's (8 + 6 + 8 refused), and with P > D and a ratio only if each decode
+    // rank reads attention from one prefill rank (Qwen3-Next and Falcon-H1 P4 -> D1 refused).
+    // Gemma-3 (4 KV heads) refuses P8 -> D1/2/4; Nemotron-H, Jamba and gpt-oss accept all 16.
+    let want: std::collections::BTreeMap<String, i32> =
+        [("BlockSizeNotDivisible", 22), ("HeadShardedBlockSizes", 2), ("ReplicatedKvPrefillAboveDecode", 3)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+    assert_eq!(refused, want);
+    assert_eq!(accepted, 85);
+}
+
+#[test]
+fn block_size_ratio_with_a_prefix_hit_shifts_attention_tokens() {
+    // Falcon-H1 P4 (784-token blocks) -> D2 (1568): decode holds its first block; its two
+    // remaining blocks hold 4 sub-blocks but prefill has only 3 more blocks of data, so vLLM
+    // trims prefill's list to its last 4 blocks and every token lands one prefill block early.
+    let model = preset("falcon-h1-7b").expect("preset");
+    let pl = planner(&model, EngineConfig::new(4, 64), EngineConfig::new(2, 64)).expect("accepted");
+    assert_eq!(pl.block_size_ratio, 2);
+    let plan = pl.plan(&simulated(&pl, 3138, 1), "req").expect("plan");
+    let shifts: Vec<(u32, u64, u64)> = plan
+        .findings
+        .iter()
+        .filter_map(|f| match f {
+            Finding::AttentionTokensShifted { d_rank, local_token, remote_token, .. } => {
+                Some((*d_rank, *local_token, *remote_token))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(shifts, vec![(0, 1568, 784), (1, 1568, 784)]);
+    assert!(!check_plan(&pl, &plan).is_ok());
+    // Without the hit, or when decode's blocks are full, the same pair is right.
+    for (tokens, hit) in [(3138, 0), (4705, 1)] {
+        let plan = pl.plan(&simulated(&pl, tokens, hit), "req").expect("plan");
+        assert!(!shift_found(&plan), "{tokens} tokens, hit {hit}");
+        assert!(check_plan(&pl, &plan).errors.iter().all(|e| !e.contains("Attn")));
+    }
+}
+
+#[test]
+fn window_with_different_block_sizes() {
+    // gpt-oss with 16-token prefill blocks and 32-token decode blocks: the window keeps 9
+    // prefill blocks (144 tokens) and 5 decode blocks (160): does vLLM pair the right tokens?
+    let model = preset("gpt-oss-120b").expect("preset");
+    let d = EngineConfig { block_tokens: 32, ..EngineConfig::new(1, 800) };
+    let pl = planner(&model, EngineConfig::new(1, 800), d).expect("accepted");
+    let mut shifted = Vec::new();
+    for tokens in 129..1200 {
+        let plan = pl.plan(&simulated(&pl, tokens, 0), "req").expect("plan");
+        let report = check_plan(&pl, &plan);
+        assert_eq!(report.is_ok(), !shift_found(&plan), "{tokens}: {:?}", plan.findings);
+        if !report.is_ok() {
+            shifted.push(tokens);
+        }
+    }
+    // At 210 tokens prefill keeps blocks 5..13 (tokens 80..224) and decode blocks 2..6
+    // (64..224): vLLM clips decode's 10 sub-blocks to the first 9 and so pairs tokens 64..208
+    // with 80..224. Whenever decode's window starts a prefill block earlier than prefill's.
+    assert!(shifted.contains(&210) && !shifted.contains(&200) && !shifted.contains(&1001), "{shifted:?}");
+    assert!(shifted.len() > 200, "{} of 1071 lengths shift", shifted.len());
+}
+
+#[test]
+fn models_read_from_toml() {
+    let text = r#"
+        name = "tiny-hybrid"
+        layers = ["mamba2", "full", "mamba2", "swa:64", "mlp", "full+mamba2"]
+        [attention]
+        num_kv_heads = 4
+        head_dim = 64
+        dtype = "bf16"
+        [state]
+        kind = "mamba2"
+        num_heads = 8
+        head_dim = 32
+        d_state = 16
+        n_groups = 2
+        conv_kernel = 4
+        conv_dtype = "bf16"
+        ssm_dtype = "fp32"
+    "#;
+    let model: HybridModel = toml::from_str(text).expect("parses");
+    model.validate().expect("valid");
+    assert_eq!(model.layers[5].to_string(), "full+mamba2");
+    let pl = planner(&model, EngineConfig::new(1, 256), EngineConfig::new(2, 256)).expect("accepted");
+    let plan = pl.plan(&simulated(&pl, 900, 0), "req").expect("plan");
+    assert!(check_plan(&pl, &plan).is_ok());
+}
