@@ -41,7 +41,8 @@ impl TokenCounts {
     /// Counts for a prompt of `prompt_tokens` with a decode prefix hit of `d_hit_tokens`.
     pub fn new(has_state: bool, prompt_tokens: u32, d_hit_tokens: u32) -> Self {
         let backoff = u32::from(has_state);
-        let computed = if backoff > 0 && prompt_tokens > backoff { prompt_tokens - backoff } else { prompt_tokens };
+        let computed =
+            if backoff > 0 && prompt_tokens > backoff { prompt_tokens - backoff } else { prompt_tokens };
         TokenCounts {
             prompt_tokens,
             backoff_tokens: prompt_tokens - computed,
@@ -174,6 +175,9 @@ pub fn map_block_size_ratio(groups: &[KvGroup], local: &[Vec<u64>], bsr: u32) ->
         .collect()
 }
 
+/// Decode's and prefill's block lists, one per group, to pair 1:1.
+pub type PairedLists = (Vec<Vec<u64>>, Vec<Vec<u64>>);
+
 /// Prefix-cache trimming (`_apply_prefix_caching`), after the ratio mapping. Returns the
 /// (decode, prefill) lists to pair 1:1 per group.
 pub fn apply_prefix_caching(
@@ -183,7 +187,7 @@ pub fn apply_prefix_caching(
     prefill: &[Vec<u64>],
     d_ppl: u32,
     p_ppl: u32,
-) -> Result<(Vec<Vec<u64>>, Vec<Vec<u64>>), HybridError> {
+) -> Result<PairedLists, HybridError> {
     let mut d: Vec<Vec<u64>> = decode.to_vec();
     let mut p: Vec<Vec<u64>> = prefill.to_vec();
     for (i, g) in groups.iter().enumerate() {
@@ -263,8 +267,11 @@ impl BlockSim {
                 GroupKind::Full => (self.hit_blocks.min(n)..n).map(|_| fresh()).collect(),
                 GroupKind::SlidingWindow { window_tokens } => {
                     let skipped = (i64::from(self.tokens) - i64::from(window_tokens) + 1).max(0);
-                    let skipped_blocks = u32::try_from(skipped / i64::from(self.block_tokens.max(1))).unwrap_or(0);
-                    (self.hit_blocks.min(n)..n).map(|b| if b < skipped_blocks { NULL_BLOCK } else { fresh() }).collect()
+                    let skipped_blocks =
+                        u32::try_from(skipped / i64::from(self.block_tokens.max(1))).unwrap_or(0);
+                    (self.hit_blocks.min(n)..n)
+                        .map(|b| if b < skipped_blocks { NULL_BLOCK } else { fresh() })
+                        .collect()
                 }
                 GroupKind::State(_) => (self.hit_blocks.min(n)..n)
                     .map(|b| if b + 1 == n { fresh() } else { NULL_BLOCK })

@@ -102,12 +102,14 @@ impl Side<'_> {
         };
         let kernel_in_logical = (rel / region.block_stride) % ppl;
         let id = u32::try_from(logical).map_err(|_| "block id overflows".to_string())?;
-        let &(group, abs) = self.pos.by_id.get(&id).ok_or_else(|| format!("block {id} is not in the request"))?;
+        let &(group, abs) =
+            self.pos.by_id.get(&id).ok_or_else(|| format!("block {id} is not in the request"))?;
         let grp = &g.groups[group as usize];
         let layer = grp.layers.get(region.index as usize).map(|l| l.name.clone());
         let page_left = |unit: u64| unit - intra % unit;
         match (kind, grp.kind) {
-            (RowKind::AttnPage, GroupKind::State(_)) | (RowKind::State(_), GroupKind::Full | GroupKind::SlidingWindow { .. }) => {
+            (RowKind::AttnPage, GroupKind::State(_))
+            | (RowKind::State(_), GroupKind::Full | GroupKind::SlidingWindow { .. }) => {
                 Err(format!("{kind:?} row reads block {id} of a {:?} group", grp.kind))
             }
             (RowKind::AttnPage, _) => {
@@ -129,7 +131,8 @@ impl Side<'_> {
                         (o / run, (o % run) / c, o % c, run - o % run)
                     }
                 };
-                let token = abs * u64::from(g.sizing.block_tokens) + kernel_in_logical * ktok + sub * sub_tok + t;
+                let token =
+                    abs * u64::from(g.sizing.block_tokens) + kernel_in_logical * ktok + sub * sub_tok + t;
                 let head = g.rank_heads(self.rank).start + u32::try_from(h).unwrap_or(u32::MAX);
                 Ok(Run {
                     meaning: layer.map(|layer| Meaning::Attn { layer, head }),
@@ -144,7 +147,8 @@ impl Side<'_> {
                     .iter()
                     .find(|p| p.offset_bytes <= intra && intra < p.offset_bytes + p.len_bytes)
                     .ok_or_else(|| format!("state byte {intra} is padding"))?;
-                let (part, gbyte, _) = s.global_span(self.rank, intra, 1).ok_or("state byte outside parts")?;
+                let (part, gbyte, _) =
+                    s.global_span(self.rank, intra, 1).ok_or("state byte outside parts")?;
                 Ok(Run {
                     meaning: layer.map(|layer| Meaning::State { layer, part }),
                     pos: gbyte,
@@ -176,7 +180,12 @@ pub fn check_plan(planner: &HybridPlanner, plan: &HybridPlan) -> CoverageReport 
                 pos: Positions::new(d, &plan.blocks.local_block_ids, tokens),
                 sub_blocks: u64::from(planner.block_size_ratio),
             };
-            let remote = Side { geo: p, rank: read.p_rank, pos: Positions::new(p, &plan.blocks.remote_block_ids, tokens), sub_blocks: 1 };
+            let remote = Side {
+                geo: p,
+                rank: read.p_rank,
+                pos: Positions::new(p, &plan.blocks.remote_block_ids, tokens),
+                sub_blocks: 1,
+            };
             for pair in &read.pairs {
                 report.pairs += 1;
                 if let Err(e) = check_pair(&local, &remote, pair, &mut got, &mut report.padding_bytes) {
@@ -190,7 +199,11 @@ pub fn check_plan(planner: &HybridPlanner, plan: &HybridPlan) -> CoverageReport 
         v.sort_unstable();
         for w in v.windows(2) {
             if w[1].0 < w[0].1 {
-                report.errors.push(format!("D{r} {m:?}: bytes {}..{} read twice", w[1].0, w[0].1.min(w[1].1)));
+                report.errors.push(format!(
+                    "D{r} {m:?}: bytes {}..{} read twice",
+                    w[1].0,
+                    w[0].1.min(w[1].1)
+                ));
             }
         }
     }
@@ -231,7 +244,13 @@ fn merged(v: &[(u64, u64)]) -> Vec<(u64, u64)> {
     out
 }
 
-fn check_pair(local: &Side, remote: &Side, pair: &LabeledPair, got: &mut Cover, padding: &mut u64) -> Result<(), String> {
+fn check_pair(
+    local: &Side,
+    remote: &Side,
+    pair: &LabeledPair,
+    got: &mut Cover,
+    padding: &mut u64,
+) -> Result<(), String> {
     for (side, off) in [(local, pair.local), (remote, pair.remote)] {
         if !side.geo.registered(side.geo.mem(), off, pair.len) {
             return Err(format!("{off}+{} is outside registered memory", pair.len));
@@ -273,7 +292,8 @@ fn expected(planner: &HybridPlanner, plan: &HybridPlan, d_rank: u32) -> Vec<(Mea
         return out;
     }
     for (gi, grp) in d.groups.iter().enumerate() {
-        let (Some(local), Some(remote)) = (plan.blocks.local_block_ids.get(gi), plan.blocks.remote_block_ids.get(gi))
+        let (Some(local), Some(remote)) =
+            (plan.blocks.local_block_ids.get(gi), plan.blocks.remote_block_ids.get(gi))
         else {
             continue;
         };

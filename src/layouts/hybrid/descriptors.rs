@@ -28,7 +28,9 @@ use super::blocks::{
     ExchangedBlocks, NULL_BLOCK, TokenCounts, apply_prefix_caching, logical_to_kernel, map_block_size_ratio,
 };
 use super::error::{HybridError, RefusalKind};
-use super::geometry::{ConvStateLayout, EngineConfig, EngineGeometry, KvBufferDevice, MemKind, Side, StatePart};
+use super::geometry::{
+    ConvStateLayout, EngineConfig, EngineGeometry, KvBufferDevice, MemKind, Side, StatePart,
+};
 use super::model::HybridModel;
 use crate::layouts::Layout;
 
@@ -359,7 +361,8 @@ impl HybridPlanner {
         let is_state: Vec<bool> = d.groups.iter().map(|g| g.kind.is_state()).collect();
         let mut d_ranks = Vec::new();
         for d_rank in 0..config.d.tp {
-            let mapping = tp_mapping(config.p.tp, config.d.tp, d_rank, model.attention.num_kv_heads, &is_state);
+            let mapping =
+                tp_mapping(config.p.tp, config.d.tp, d_rank, model.attention.num_kv_heads, &is_state);
             if ratio < 0 && bsr != 1 {
                 let fa = is_state.iter().position(|&s| !s).unwrap_or(0);
                 if mapping.source_ranks_per_group[fa].len() > 1 {
@@ -381,8 +384,15 @@ impl HybridPlanner {
             }
             d_ranks.push(build_rank(&p, &d, d_rank, ratio, bsr, mapping));
         }
-        let mut planner =
-            HybridPlanner { config: config.clone(), p, d, tp_ratio: ratio, block_size_ratio: bsr, d_ranks, findings: Vec::new() };
+        let mut planner = HybridPlanner {
+            config: config.clone(),
+            p,
+            d,
+            tp_ratio: ratio,
+            block_size_ratio: bsr,
+            d_ranks,
+            findings: Vec::new(),
+        };
         planner.findings = planner.static_findings();
         Ok(planner)
     }
@@ -411,9 +421,10 @@ impl HybridPlanner {
                 let (lrows, rrows) = (state_rows(local), state_rows(&setup.remote));
                 let mut reported: Vec<RowKind> = Vec::new();
                 for (lr, rr) in lrows.iter().zip(&rrows) {
-                    let (Some(lregion), Some(rregion)) =
-                        (self.d.regions.get(lr.label.region as usize), self.p.regions.get(rr.label.region as usize))
-                    else {
+                    let (Some(lregion), Some(rregion)) = (
+                        self.d.regions.get(lr.label.region as usize),
+                        self.p.regions.get(rr.label.region as usize),
+                    ) else {
                         continue;
                     };
                     // Offsets inside the page: every row starts at its region's block 0.
@@ -457,7 +468,13 @@ impl HybridPlanner {
         let mut findings = self.findings.clone();
         let mut d_ranks = Vec::with_capacity(self.d_ranks.len());
         for setup in &self.d_ranks {
-            d_ranks.push(self.plan_rank(setup, &blocks, tokens.p_computed_tokens, p_request_id, &mut findings)?);
+            d_ranks.push(self.plan_rank(
+                setup,
+                &blocks,
+                tokens.p_computed_tokens,
+                p_request_id,
+                &mut findings,
+            )?);
         }
         let (mut p_save, mut d_sync) = (None, None);
         if self.p.config.kv_buffer_device == KvBufferDevice::Cpu {
@@ -525,13 +542,16 @@ impl HybridPlanner {
         let local_k = logical_to_kernel(groups, &blocks.local_block_ids, self.d.physical_per_logical);
         let remote_k = logical_to_kernel(groups, &blocks.remote_block_ids, self.p.physical_per_logical);
         for (i, &p_rank) in m.all_source_ranks.iter().enumerate() {
-            let keep = |lists: &[Vec<u64>]| -> Vec<Vec<u64>> {
-                lists
-                    .iter()
-                    .enumerate()
-                    .map(|(g, l)| if m.source_ranks_per_group[g].contains(&p_rank) { l.clone() } else { Vec::new() })
-                    .collect()
-            };
+            let keep =
+                |lists: &[Vec<u64>]| -> Vec<Vec<u64>> {
+                    lists
+                        .iter()
+                        .enumerate()
+                        .map(|(g, l)| {
+                            if m.source_ranks_per_group[g].contains(&p_rank) { l.clone() } else { Vec::new() }
+                        })
+                        .collect()
+                };
             let (mut local, remote) = (keep(&local_k), keep(&remote_k));
             if self.block_size_ratio > 1 {
                 local = map_block_size_ratio(groups, &local, self.block_size_ratio);
@@ -553,7 +573,15 @@ impl HybridPlanner {
                 self.d.physical_per_logical,
                 self.p.physical_per_logical,
             )?;
-            findings.extend(self.token_shifts(setup.d_rank, p_rank, blocks, &remote_k, &local, &remote, computed_tokens));
+            findings.extend(self.token_shifts(
+                setup.d_rank,
+                p_rank,
+                blocks,
+                &remote_k,
+                &local,
+                &remote,
+                computed_tokens,
+            ));
             let rids = desc_ids(&self.p, &remote, 1);
             let lids = desc_ids(&self.d, &local, self.block_size_ratio);
             if rids.len() != lids.len() {
@@ -571,7 +599,8 @@ impl HybridPlanner {
             let llist = &setup.local_for_source[i.min(setup.local_for_source.len() - 1)];
             let mut pairs = Vec::with_capacity(lids.len());
             for (&(g, lb, lid), &(_, rb, rid)) in lids.iter().zip(&rids) {
-                let (Some((label, loff, llen)), Some((_, roff, rlen))) = (llist.resolve(lid), setup.remote.resolve(rid))
+                let (Some((label, loff, llen)), Some((_, roff, rlen))) =
+                    (llist.resolve(lid), setup.remote.resolve(rid))
                 else {
                     return Err(HybridError::request(
                         "--scenario",
@@ -585,8 +614,10 @@ impl HybridPlanner {
                     ));
                 }
                 if rb == u64::from(NULL_BLOCK)
-                    && !findings.iter().any(|f| matches!(f, Finding::NullBlockRead { d_rank, p_rank: pr, group }
-                        if *d_rank == setup.d_rank && *pr == p_rank && *group == g))
+                    && !findings.iter().any(|f| {
+                        matches!(f, Finding::NullBlockRead { d_rank, p_rank: pr, group }
+                        if *d_rank == setup.d_rank && *pr == p_rank && *group == g)
+                    })
                 {
                     findings.push(Finding::NullBlockRead { d_rank: setup.d_rank, p_rank, group: g });
                 }
@@ -644,14 +675,15 @@ impl HybridPlanner {
             if grp.kind.is_state() || local[gi].is_empty() {
                 continue;
             }
-            let (Some(&r0), Some(ld)) = (remote[gi].first(), blocks.local_block_ids.get(gi)) else { continue };
+            let (Some(&r0), Some(ld)) = (remote[gi].first(), blocks.local_block_ids.get(gi)) else {
+                continue;
+            };
             let (bd, bp) = (u64::from(d.sizing.block_tokens), u64::from(p.sizing.block_tokens));
             let d_first = tokens.div_ceil(bd).saturating_sub(ld.len() as u64) * bd;
             let lp = blocks.remote_block_ids[gi].len() as u64;
             let pos = remote_k[gi].iter().position(|&b| b == r0).unwrap_or(0) as u64;
-            let p_first =
-                (tokens.div_ceil(bp).saturating_sub(lp) * u64::from(p.physical_per_logical) + pos)
-                    * u64::from(p.kernel_block_tokens);
+            let p_first = (tokens.div_ceil(bp).saturating_sub(lp) * u64::from(p.physical_per_logical) + pos)
+                * u64::from(p.kernel_block_tokens);
             if d_first != p_first {
                 out.push(Finding::AttentionTokensShifted {
                     d_rank,
@@ -686,7 +718,8 @@ impl HybridPlanner {
                     let last = d.host_slots.iter().rev().find(|s| s.position == k);
                     // Its host bytes are right only if a READ wrote them (device memory is
                     // aliased, so any group's layer at this position carries the same page).
-                    let ok = last.is_some_and(|s| region_of(&s.layer).is_some_and(|r| written.contains(&(r, kb))));
+                    let ok =
+                        last.is_some_and(|s| region_of(&s.layer).is_some_and(|r| written.contains(&(r, kb))));
                     bad |= !ok;
                 }
                 lost += u64::from(bad);
@@ -706,7 +739,9 @@ impl HybridPlanner {
 
 fn describe_span(s: Option<&(StatePart, u64, u64)>) -> String {
     match s {
-        Some((part, first, n)) => format!("{} bytes {first}..{} of the model's part", part.label(), first + n),
+        Some((part, first, n)) => {
+            format!("{} bytes {first}..{} of the model's part", part.label(), first + n)
+        }
         None => "bytes across parts or outside the state".into(),
     }
 }
@@ -736,7 +771,7 @@ fn check_pair(config: &PairConfig, p: &EngineGeometry, d: &EngineGeometry) -> Re
         }
     }
     let (pt, dt) = (config.p.tp, config.d.tp);
-    if dt >= pt && dt % pt != 0 {
+    if dt >= pt && !dt.is_multiple_of(pt) {
         return Err(HybridError::refused(
             RefusalKind::TpNotDivisible,
             format!("Local tensor parallel size {dt} is not divisible by remote tensor parallel size {pt}."),
@@ -745,7 +780,7 @@ fn check_pair(config: &PairConfig, p: &EngineGeometry, d: &EngineGeometry) -> Re
             "use TP sizes that divide each other",
         ));
     }
-    if pt > dt && pt % dt != 0 {
+    if pt > dt && !pt.is_multiple_of(dt) {
         return Err(HybridError::refused(
             RefusalKind::TpNotDivisible,
             format!("Remote tensor parallel size {pt} is not divisible by local tensor parallel size {dt}."),
@@ -756,7 +791,7 @@ fn check_pair(config: &PairConfig, p: &EngineGeometry, d: &EngineGeometry) -> Re
     }
     let ratio = tp_ratio(pt, dt);
     let (lk, rk) = (d.kernel_block_tokens, p.kernel_block_tokens);
-    if lk % rk != 0 {
+    if !lk.is_multiple_of(rk) {
         let common = d.sizing.block_tokens.max(p.sizing.block_tokens);
         return Err(HybridError::refused(
             RefusalKind::BlockSizeNotDivisible,
@@ -777,13 +812,12 @@ fn check_pair(config: &PairConfig, p: &EngineGeometry, d: &EngineGeometry) -> Re
             "assert not (tp_ratio < 0 and self.transfer_topo.is_kv_replicated(remote_engine_id))",
             "nixl/base_worker.py:2728 (_validate_remote_agent_handshake)",
             "--p-tp",
-            format!("with prefill TP {pt} above the model's {h} KV heads, decode TP must be at least prefill TP"),
+            format!(
+                "with prefill TP {pt} above the model's {h} KV heads, decode TP must be at least prefill TP"
+            ),
         ));
     }
-    if has_state
-        && config.d.prefix_caching
-        && p.physical_per_logical != d.physical_per_logical
-    {
+    if has_state && config.d.prefix_caching && p.physical_per_logical != d.physical_per_logical {
         return Err(HybridError::refused(
             RefusalKind::PrefixCachingKernelBlocks,
             format!(
@@ -853,12 +887,25 @@ fn check_pair(config: &PairConfig, p: &EngineGeometry, d: &EngineGeometry) -> Re
 }
 
 /// vLLM's `_block_strided_descs`: `num_blocks` blocks split in `bsr` sub-blocks each.
-fn block_rows(label: RowLabel, base: u64, sub_len: u64, stride: u64, num_blocks: u64, bsr: u64) -> Vec<DescRow> {
+fn block_rows(
+    label: RowLabel,
+    base: u64,
+    sub_len: u64,
+    stride: u64,
+    num_blocks: u64,
+    bsr: u64,
+) -> Vec<DescRow> {
     if bsr == 1 || stride == bsr * sub_len {
         vec![DescRow { label, addr_off: base, len: sub_len, stride: stride / bsr, count: num_blocks * bsr }]
     } else {
         (0..num_blocks)
-            .map(|b| DescRow { label, addr_off: base + b * stride, len: sub_len, stride: sub_len, count: bsr })
+            .map(|b| DescRow {
+                label,
+                addr_off: base + b * stride,
+                len: sub_len,
+                stride: sub_len,
+                count: bsr,
+            })
             .collect()
     }
 }
@@ -889,7 +936,11 @@ fn local_rows(d: &EngineGeometry, bsr: u64) -> Vec<DescRow> {
 
 /// vLLM's `remote_conv_offsets`: where decode's slice of each conv part sits in a prefill
 /// page, assuming every part is sharded like `x`.
-fn remote_conv_offsets(d_parts: &[(StatePart, u64)], local_offset: u64, ratio: i64) -> Vec<(StatePart, u64, u64)> {
+fn remote_conv_offsets(
+    d_parts: &[(StatePart, u64)],
+    local_offset: u64,
+    ratio: i64,
+) -> Vec<(StatePart, u64, u64)> {
     let mut out = Vec::new();
     let mut base = 0;
     for &(part, size) in d_parts {
@@ -905,7 +956,14 @@ fn remote_conv_offsets(d_parts: &[(StatePart, u64)], local_offset: u64, ratio: i
     out
 }
 
-fn build_rank(p: &EngineGeometry, d: &EngineGeometry, d_rank: u32, ratio: i64, bsr: u32, m: TpMapping) -> DRankSetup {
+fn build_rank(
+    p: &EngineGeometry,
+    d: &EngineGeometry,
+    d_rank: u32,
+    ratio: i64,
+    bsr: u32,
+    m: TpMapping,
+) -> DRankSetup {
     let bsr64 = u64::from(bsr);
     let local = DescList::new(d.mem(), local_rows(d, 1));
     let at_remote = DescList::new(d.mem(), local_rows(d, bsr64));
@@ -1088,7 +1146,12 @@ mod refusal_tests {
     use crate::layouts::hybrid::model::preset;
 
     fn pair(model: &str, p: EngineConfig, d: EngineConfig) -> Result<HybridPlanner, HybridError> {
-        HybridPlanner::new(&PairConfig { model: preset(model).expect("preset"), p, d, permute_local_kv: false })
+        HybridPlanner::new(&PairConfig {
+            model: preset(model).expect("preset"),
+            p,
+            d,
+            permute_local_kv: false,
+        })
     }
 
     fn refusal(r: Result<HybridPlanner, HybridError>) -> (RefusalKind, String, String) {
@@ -1123,14 +1186,22 @@ mod refusal_tests {
             (pair("nemotron-h-8b", e(3), e(2)), RefusalKind::ModelNotDivisible, "--p-tp"),
             // TP sizes that each split the model's 8 KV heads but not each other.
             (pair("gpt-oss-120b", e(16), e(24)), RefusalKind::TpNotDivisible, "--d-tp"),
-            (pair("nemotron-h-8b", EngineConfig { pp: 2, ..e(1) }, e(1)), RefusalKind::PipelineParallel, "--p-pp"),
+            (
+                pair("nemotron-h-8b", EngineConfig { pp: 2, ..e(1) }, e(1)),
+                RefusalKind::PipelineParallel,
+                "--p-pp",
+            ),
             (
                 pair("nemotron-h-8b", e(1), EngineConfig { conv_state_layout: ConvStateLayout::Sd, ..e(1) }),
                 RefusalKind::ConvStateLayout,
                 "--conv-state-layout",
             ),
             (
-                pair("qwen3-next-80b-a3b", e(4), EngineConfig { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) }),
+                pair(
+                    "qwen3-next-80b-a3b",
+                    e(4),
+                    EngineConfig { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) },
+                ),
                 RefusalKind::HostBufferBlockSizes,
                 "--kv-buffer-device",
             ),
@@ -1151,7 +1222,11 @@ mod refusal_tests {
                 "--d-layout",
             ),
             (
-                pair("gpt-oss-120b", EngineConfig { layout: Layout::Lbnhc, ..e(1) }, EngineConfig { layout: Layout::Lbnhc, ..e(2) }),
+                pair(
+                    "gpt-oss-120b",
+                    EngineConfig { layout: Layout::Lbnhc, ..e(1) },
+                    EngineConfig { layout: Layout::Lbnhc, ..e(2) },
+                ),
                 RefusalKind::NonContiguousHeads,
                 "--layout",
             ),
@@ -1176,4 +1251,3 @@ mod refusal_tests {
         assert_eq!(refusal(permuted).0, RefusalKind::PermuteWithHma);
     }
 }
-

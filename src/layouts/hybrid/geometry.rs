@@ -289,7 +289,7 @@ impl StateLayout {
     pub fn new(spec: &StateSpec, tp: u32, side: Side) -> Result<Self, HybridError> {
         let t = u64::from(tp);
         let div = |what: &str, n: u64| -> Result<u64, HybridError> {
-            if n % t == 0 {
+            if n.is_multiple_of(t) {
                 Ok(n / t)
             } else {
                 Err(HybridError::refused(
@@ -318,7 +318,7 @@ impl StateLayout {
                 ssm_global_units = i;
             }
             StateSpec::Mamba2(m) => {
-                if m.num_heads % tp != 0 {
+                if !m.num_heads.is_multiple_of(tp) {
                     return Err(HybridError::refused(
                         RefusalKind::ModelNotDivisible,
                         "Tensor parallel world size must divide num heads.",
@@ -327,7 +327,7 @@ impl StateLayout {
                         format!("{} Mamba2 heads must split evenly over TP {tp}", m.num_heads),
                     ));
                 }
-                if m.n_groups % tp != 0 && m.n_groups != 1 {
+                if !m.n_groups.is_multiple_of(tp) && m.n_groups != 1 {
                     return Err(HybridError::refused(
                         RefusalKind::Mamba2Groups,
                         "If tensor parallel world size does not divide num_groups, then num_groups must equal 1.",
@@ -336,7 +336,7 @@ impl StateLayout {
                         format!("use a TP size that divides n_groups = {}", m.n_groups),
                     ));
                 }
-                let replicated = m.n_groups % tp != 0;
+                let replicated = !m.n_groups.is_multiple_of(tp);
                 // vLLM extends the groups to TP so each head shard carries its group.
                 let groups = if replicated { u64::from(tp) } else { u64::from(m.n_groups) };
                 let i = m.intermediate_size();
@@ -420,7 +420,10 @@ impl StateLayout {
     /// global byte range of that part (unit index times unit bytes, plus the byte inside the
     /// unit). `None` when the range leaves one part.
     pub fn global_span(&self, rank: u32, page_off: u64, len: u64) -> Option<(StatePart, u64, u64)> {
-        let p = self.parts.iter().find(|p| p.offset_bytes <= page_off && page_off < p.offset_bytes + p.len_bytes)?;
+        let p = self
+            .parts
+            .iter()
+            .find(|p| p.offset_bytes <= page_off && page_off < p.offset_bytes + p.len_bytes)?;
         if page_off + len > p.offset_bytes + p.len_bytes {
             return None;
         }
@@ -508,15 +511,18 @@ pub fn block_sizing(
     let state_page = state.real_page_bytes();
     let mut align = u64::from(DEFAULT_BLOCK_TOKENS.max(user));
     // Prefix caching puts Mamba caching in "align" mode: blocks land on prefill checkpoints.
-    if engine.prefix_caching && state.kind == StateKind::Gdn && engine.gdn_prefill == GdnPrefillBackend::FlashInfer
+    if engine.prefix_caching
+        && state.kind == StateKind::Gdn
+        && engine.gdn_prefill == GdnPrefillBackend::FlashInfer
     {
         align = lcm(align, u64::from(FLASHINFER_GDN_ALIGNMENT_TOKENS));
     }
     let needed = align * state_page.div_ceil(align * per_token);
     let needed = needed.div_ceil(u64::from(DEFAULT_BLOCK_TOKENS)) * u64::from(DEFAULT_BLOCK_TOKENS);
     let block = needed.max(u64::from(user));
-    let block_tokens = u32::try_from(block)
-        .map_err(|_| HybridError::request("--block-size", format!("aligned block of {block} tokens is too large")))?;
+    let block_tokens = u32::try_from(block).map_err(|_| {
+        HybridError::request("--block-size", format!("aligned block of {block} tokens is too large"))
+    })?;
     Ok(BlockSizing {
         block_tokens,
         alignment_tokens: u32::try_from(align).unwrap_or(u32::MAX),
@@ -600,7 +606,10 @@ pub fn cmp_layer_names(a: &str, b: &str) -> Ordering {
         let bytes = s.as_bytes();
         while start < bytes.len() {
             let digit = bytes[start].is_ascii_digit();
-            let end = bytes[start..].iter().position(|c| c.is_ascii_digit() != digit).map_or(bytes.len(), |p| start + p);
+            let end = bytes[start..]
+                .iter()
+                .position(|c| c.is_ascii_digit() != digit)
+                .map_or(bytes.len(), |p| start + p);
             let run = &s[start..end];
             out.push(if digit { Part::Num(run.parse().unwrap_or(u128::MAX)) } else { Part::Text(run) });
             start = end;
@@ -644,13 +653,16 @@ impl EngineGeometry {
         }
         if !matches!(config.layout, Layout::Lbhnc | Layout::Lbnhc) {
             return Err(HybridError::unsupported(
-                format!("layout {} with a hybrid model (kvx plans layer-outer LBHNC and LBNHC)", config.layout),
+                format!(
+                    "layout {} with a hybrid model (kvx plans layer-outer LBHNC and LBNHC)",
+                    config.layout
+                ),
                 &format!("--{}-layout", side.prefix()),
             ));
         }
         let h = model.attention.num_kv_heads;
         let tp = config.tp;
-        if (tp <= h && h % tp != 0) || (tp > h && tp % h != 0) {
+        if (tp <= h && !h.is_multiple_of(tp)) || (tp > h && !tp.is_multiple_of(h)) {
             let (n, d) = if tp <= h { (h, tp) } else { (tp, h) };
             return Err(HybridError::refused(
                 RefusalKind::ModelNotDivisible,
@@ -667,7 +679,7 @@ impl EngineGeometry {
         let sizing = block_sizing(model, config, state.as_ref())?;
         let (kernel_block_tokens, ppl) = match config.kernel_block_tokens {
             None => (sizing.block_tokens, 1),
-            Some(k) if k > 0 && sizing.block_tokens % k == 0 => (k, sizing.block_tokens / k),
+            Some(k) if k > 0 && sizing.block_tokens.is_multiple_of(k) => (k, sizing.block_tokens / k),
             Some(k) => {
                 return Err(HybridError::unsupported(
                     format!("a {k}-token kernel block under {}-token blocks", sizing.block_tokens),
@@ -809,7 +821,11 @@ impl EngineGeometry {
                         holds_state: is_state,
                     });
                     if mem == MemKind::Dram {
-                        let bytes = self.host_slots.iter().find(|s| s.layer == layer.name).map_or(0, |s| s.tensor_bytes);
+                        let bytes = self
+                            .host_slots
+                            .iter()
+                            .find(|s| s.layer == layer.name)
+                            .map_or(0, |s| s.tensor_bytes);
                         registrations.push(Registration { mem, off: base, len: bytes });
                     }
                 }
@@ -895,14 +911,20 @@ mod tests {
         assert!(q[..3].iter().all(|&(k, n)| k == GroupKind::State(StateKind::Gdn) && n == 12));
         assert_eq!(q[3], (GroupKind::Full, 12));
         assert_eq!(sizes("nemotron-h-8b").len(), 7);
-        assert_eq!(sizes("gpt-oss-120b"), vec![(GroupKind::SlidingWindow { window_tokens: 128 }, 18), (GroupKind::Full, 18)]);
+        assert_eq!(
+            sizes("gpt-oss-120b"),
+            vec![(GroupKind::SlidingWindow { window_tokens: 128 }, 18), (GroupKind::Full, 18)]
+        );
         // Gemma-3-4b: 29 local in groups of 5 (the last one padded), then the 5 global.
         let g = sizes("gemma-3-4b");
         assert_eq!(g.len(), 7);
         assert_eq!(g[5].1, 4);
         assert_eq!(g[6], (GroupKind::Full, 5));
         // Falcon-H1: attention and state in every layer, one group each; attention first.
-        assert_eq!(sizes("falcon-h1-7b"), vec![(GroupKind::Full, 44), (GroupKind::State(StateKind::Mamba2), 44)]);
+        assert_eq!(
+            sizes("falcon-h1-7b"),
+            vec![(GroupKind::Full, 44), (GroupKind::State(StateKind::Mamba2), 44)]
+        );
         // Strided membership: group j of a bucket takes layers j, j + n, ...
         let m = preset("qwen3-next-80b-a3b").expect("preset");
         let gr = kv_groups(&m);

@@ -239,7 +239,10 @@ pub struct LayerNames {
 
 impl Default for LayerNames {
     fn default() -> Self {
-        LayerNames { attention: "model.layers.{i}.self_attn.attn".into(), state: "model.layers.{i}.mixer".into() }
+        LayerNames {
+            attention: "model.layers.{i}.self_attn.attn".into(),
+            state: "model.layers.{i}.mixer".into(),
+        }
     }
 }
 
@@ -306,10 +309,18 @@ impl HybridModel {
         let mut out = Vec::new();
         for (i, l) in (0u32..).zip(&self.layers) {
             if let Some(a) = l.attention {
-                out.push(CacheLayer { layer: i, kind: CacheKind::Attention(a), name: self.names.attention_name(i, n) });
+                out.push(CacheLayer {
+                    layer: i,
+                    kind: CacheKind::Attention(a),
+                    name: self.names.attention_name(i, n),
+                });
             }
             if let Some(s) = l.state {
-                out.push(CacheLayer { layer: i, kind: CacheKind::State(s), name: self.names.state_name(i, n) });
+                out.push(CacheLayer {
+                    layer: i,
+                    kind: CacheKind::State(s),
+                    name: self.names.state_name(i, n),
+                });
             }
         }
         out
@@ -335,7 +346,10 @@ impl HybridModel {
         let kinds: Vec<StateKind> = self.layers.iter().filter_map(|l| l.state).collect();
         match (&self.state, kinds.first()) {
             (None, Some(k)) => {
-                return bad("state", format!("layers keep {} state but the model gives no state parameters", k.name()));
+                return bad(
+                    "state",
+                    format!("layers keep {} state but the model gives no state parameters", k.name()),
+                );
             }
             (Some(s), Some(_)) => {
                 if let Some(k) = kinds.iter().find(|&&k| k != s.kind()) {
@@ -355,7 +369,9 @@ impl HybridModel {
             let positive = match s {
                 StateSpec::Mamba1(m) => [m.intermediate_size, m.d_state, m.conv_kernel, 1, 1],
                 StateSpec::Mamba2(m) => [m.num_heads, m.head_dim, m.d_state, m.n_groups, m.conv_kernel],
-                StateSpec::Gdn(g) => [g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim, g.conv_kernel],
+                StateSpec::Gdn(g) => {
+                    [g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim, g.conv_kernel]
+                }
             };
             if positive.contains(&0) {
                 return bad("state", "every state dimension must be positive".into());
@@ -366,7 +382,10 @@ impl HybridModel {
             if let StateSpec::Mamba2(m) = s
                 && m.num_heads % m.n_groups != 0
             {
-                return bad("state.n_groups", format!("{} heads do not split into {} groups", m.num_heads, m.n_groups));
+                return bad(
+                    "state.n_groups",
+                    format!("{} heads do not split into {} groups", m.num_heads, m.n_groups),
+                );
             }
         }
         Ok(())
@@ -405,7 +424,10 @@ pub fn preset(name: &str) -> Result<HybridModel, HybridError> {
         // `linear_conv_kernel_dim` 4, bf16. Names as in vLLM's qwen3_next.py and the oracle.
         "qwen3-next-80b-a3b" | "qwen3-next-80b-a3b-instruct" | "qwen3-next-80b-a3b-thinking" => HybridModel {
             name: "qwen3-next-80b-a3b".into(),
-            layers: pattern(48, |i| if (i + 1) % 4 == 0 { Layer::FULL } else { Layer::state(StateKind::Gdn) }),
+            layers: pattern(
+                48,
+                |i| if (i + 1) % 4 == 0 { Layer::FULL } else { Layer::state(StateKind::Gdn) },
+            ),
             attention: AttentionShape { num_kv_heads: 2, head_dim: 256, dtype: bf16 },
             state: Some(StateSpec::Gdn(GdnSpec {
                 num_k_heads: 16,
@@ -489,7 +511,10 @@ pub fn preset(name: &str) -> Result<HybridModel, HybridError> {
         // vLLM's falcon_h1.py names the SSM modules `model.{44+i}.mixer`.
         "falcon-h1-7b" | "falcon-h1-7b-instruct" | "falcon-h1-7b-base" => HybridModel {
             name: "falcon-h1-7b".into(),
-            layers: pattern(44, |_| Layer { attention: Some(AttnKind::Full), state: Some(StateKind::Mamba2) }),
+            layers: pattern(44, |_| Layer {
+                attention: Some(AttnKind::Full),
+                state: Some(StateKind::Mamba2),
+            }),
             attention: AttentionShape { num_kv_heads: 2, head_dim: 128, dtype: bf16 },
             state: Some(StateSpec::Mamba2(Mamba2Spec {
                 num_heads: 24,
@@ -557,7 +582,10 @@ mod tests {
         let q = preset("Qwen/Qwen3-Next-80B-A3B-Instruct").expect("qwen");
         assert_eq!((count(&q, |l| l.state.is_some()), count(&q, |l| l.attention.is_some())), (36, 12));
         let n = preset("nemotron-h-8b").expect("nemotron");
-        assert_eq!((n.layers.len(), count(&n, |l| l.state.is_some()), count(&n, |l| l.attention.is_some())), (52, 24, 4));
+        assert_eq!(
+            (n.layers.len(), count(&n, |l| l.state.is_some()), count(&n, |l| l.attention.is_some())),
+            (52, 24, 4)
+        );
         let g = preset("gemma-3-4b").expect("gemma");
         assert_eq!(count(&g, |l| l.attention == Some(AttnKind::Full)), 5);
         let f = preset("falcon-h1-7b").expect("falcon");
