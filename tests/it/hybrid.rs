@@ -399,8 +399,11 @@ fn check_case(case: &Value) -> (String, usize) {
                     (t[0].as_str().expect("label").to_string(), n(1), n(2), n(3))
                 })
                 .collect();
-            let got_pairs: Vec<(String, u64, u64, u64)> =
-                gr.pairs.iter().map(|p| (p.label.to_string(), p.local, p.remote, p.len)).collect();
+            let got_pairs: Vec<(String, u64, u64, u64)> = gr
+                .pairs
+                .iter()
+                .map(|p| (p.label.to_string(), p.pair.local, p.pair.remote, p.pair.len))
+                .collect();
             assert_eq!(want, got_pairs, "{l}: every pair, in posting order");
             compared += want.len();
         }
@@ -416,7 +419,10 @@ fn check_case(case: &Value) -> (String, usize) {
                 .collect();
             assert_eq!(layers, copy.layers_in_copy_order, "{l}: h2d layer order");
             assert_eq!(
-                lists(&Value::Array(vec![h["block_ids"].clone()]))[0],
+                lists(&Value::Array(vec![h["block_ids"].clone()]))[0]
+                    .iter()
+                    .map(|&b| u64::from(b))
+                    .collect::<Vec<_>>(),
                 copy.block_ids,
                 "{l}: h2d blocks"
             );
@@ -434,7 +440,10 @@ fn check_case(case: &Value) -> (String, usize) {
                 .collect();
             assert_eq!(layers, copy.layers_in_copy_order, "{name}: d2h layer order");
             assert_eq!(
-                lists(&Value::Array(vec![h["block_ids"].clone()]))[0],
+                lists(&Value::Array(vec![h["block_ids"].clone()]))[0]
+                    .iter()
+                    .map(|&b| u64::from(b))
+                    .collect::<Vec<_>>(),
                 copy.block_ids,
                 "{name}: d2h blocks"
             );
@@ -492,8 +501,8 @@ fn outside(planner: &HybridPlanner, plan: &HybridPlan) -> usize {
         .flat_map(|r| &r.reads)
         .flat_map(|r| &r.pairs)
         .map(|x| {
-            usize::from(!d.registered(d.mem(), x.local, x.len))
-                + usize::from(!p.registered(p.mem(), x.remote, x.len))
+            usize::from(!d.registered(d.mem(), x.pair.local, x.pair.len))
+                + usize::from(!p.registered(p.mem(), x.pair.remote, x.pair.len))
         })
         .sum()
 }

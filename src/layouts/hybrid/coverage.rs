@@ -251,6 +251,8 @@ fn check_pair(
     got: &mut Cover,
     padding: &mut u64,
 ) -> Result<(), String> {
+    let lp = pair;
+    let pair = &lp.pair;
     for (side, off) in [(local, pair.local), (remote, pair.remote)] {
         if !side.geo.registered(side.geo.mem(), off, pair.len) {
             return Err(format!("{off}+{} is outside registered memory", pair.len));
@@ -258,8 +260,8 @@ fn check_pair(
     }
     let mut done = 0;
     while done < pair.len {
-        let l = local.decode(pair.label.kind, pair.local + done)?;
-        let r = remote.decode(pair.label.kind, pair.remote + done)?;
+        let l = local.decode(lp.label.kind, pair.local + done)?;
+        let r = remote.decode(lp.label.kind, pair.remote + done)?;
         let n = l.left.min(r.left).min(pair.len - done);
         match (&l.meaning, &r.meaning) {
             (None, None) => *padding += n,

@@ -33,6 +33,7 @@ use super::geometry::{
 };
 use super::model::HybridModel;
 use crate::layouts::Layout;
+use crate::layouts::plan::Pair;
 
 /// A P/D pair of one hybrid model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -202,16 +203,14 @@ pub fn tp_mapping(p_tp: u32, d_tp: u32, d_rank: u32, total_heads: u32, group_is_
 }
 
 /// One descriptor pair of a READ: `len` bytes at `remote` (prefill rank) to `local` (decode
-/// rank), offsets from each rank's registered memory base.
+/// rank), offsets from each rank's registered memory base, with what it reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct LabeledPair {
     /// The local row's label.
     pub label: RowLabel,
     /// The KV cache group whose block this is.
     pub group: u32,
-    pub local: u64,
-    pub remote: u64,
-    pub len: u64,
+    pub pair: Pair,
     /// Kernel block ids on both sides.
     pub local_block: u64,
     pub remote_block: u64,
@@ -269,7 +268,7 @@ impl DRankPlan {
     }
 
     pub fn bytes(&self) -> u64 {
-        self.reads.iter().flat_map(|r| &r.pairs).map(|p| p.len).sum()
+        self.reads.iter().flat_map(|r| &r.pairs).map(|p| p.pair.len).sum()
     }
 
     /// Bytes read per group.
@@ -277,7 +276,7 @@ impl DRankPlan {
         let mut out = vec![0; groups];
         for p in self.reads.iter().flat_map(|r| &r.pairs) {
             if let Some(b) = out.get_mut(p.group as usize) {
-                *b += p.len;
+                *b += p.pair.len;
             }
         }
         out
@@ -285,11 +284,11 @@ impl DRankPlan {
 }
 
 /// A host-buffer copy (`save_kv_to_host` on prefill, `sync_recved_kv_to_device` on decode):
-/// the block ids copied through every layer, in layer order.
+/// the (kernel) block ids of every group, copied through every layer, in layer order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HostCopy {
     pub layers_in_copy_order: Vec<String>,
-    pub block_ids: Vec<u32>,
+    pub block_ids: Vec<u64>,
 }
 
 /// The request, as the oracle's cases give it.
@@ -486,13 +485,18 @@ impl HybridPlanner {
             )?;
             p_save = Some(HostCopy {
                 layers_in_copy_order: self.p.host_slots.iter().map(|s| s.layer.clone()).collect(),
-                block_ids: saved.concat(),
+                block_ids: logical_to_kernel(&self.p.groups, &saved, self.p.physical_per_logical).concat(),
             });
         }
         if self.d.config.kv_buffer_device == KvBufferDevice::Cpu && !blocks.full_hit() {
             d_sync = Some(HostCopy {
                 layers_in_copy_order: self.d.host_slots.iter().map(|s| s.layer.clone()).collect(),
-                block_ids: blocks.local_block_ids.concat(),
+                block_ids: logical_to_kernel(
+                    &self.d.groups,
+                    &blocks.local_block_ids,
+                    self.d.physical_per_logical,
+                )
+                .concat(),
             });
             for rank in &d_ranks {
                 findings.extend(self.host_copy_losses(rank, &blocks));
@@ -636,9 +640,7 @@ impl HybridPlanner {
                 pairs.push(LabeledPair {
                     label,
                     group: g,
-                    local: loff,
-                    remote: roff,
-                    len: llen,
+                    pair: Pair { local: loff, remote: roff, len: llen },
                     local_block: lb,
                     remote_block: rb,
                 });
@@ -1076,8 +1078,7 @@ fn desc_ids(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32) -> Vec<(u32, u
         distinct.dedup();
         if distinct.len() <= 1 {
             // Shared regions: every group's blocks over every region.
-            for (r, off) in offsets.iter().enumerate() {
-                let _ = r;
+            for off in &offsets {
                 for (gi, ids) in block_ids.iter().enumerate() {
                     out.extend(ids.iter().map(|&b| (gi as u32, b, off + b)));
                 }
