@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use kvx::layouts::hybrid::blocks::{BlockSim, TokenCounts};
 use kvx::layouts::hybrid::coverage::check_plan;
 use kvx::layouts::hybrid::descriptors::{
-    DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig,
+    DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
 };
 use kvx::layouts::hybrid::geometry::{
     DEFAULT_BLOCK_TOKENS, EngineConfig, EngineGeometry, KvBufferDevice, MemKind, Side,
@@ -845,4 +845,28 @@ fn models_read_from_toml() {
     let pl = planner(&model, EngineConfig::new(1, 256), EngineConfig::new(2, 256)).expect("accepted");
     let plan = pl.plan(&simulated(&pl, 900, 0), "req").expect("plan");
     assert!(check_plan(&pl, &plan).is_ok());
+}
+
+#[test]
+fn kernel_blocks_smaller_than_the_block() {
+    // 16-token kernel blocks under Nemotron-H's 1040-token blocks (65 per block) on both sides:
+    // attention moves at kernel granularity, state slots stay whole.
+    let model = preset("nemotron-h-8b").expect("preset");
+    let k = |tp| EngineConfig { kernel_block_tokens: Some(16), ..EngineConfig::new(tp, 64) };
+    for (p, d) in [(1, 1), (1, 2), (2, 1)] {
+        let pl = planner(&model, k(p), k(d)).expect("accepted");
+        assert_eq!((pl.p.physical_per_logical, pl.d.kernel_block_tokens), (65, 16));
+        let plan = pl.plan(&simulated(&pl, 5000, 1), "req").expect("plan");
+        let report = check_plan(&pl, &plan);
+        assert!(report.is_ok(), "P{p} D{d}: {:?}", &report.errors[..report.errors.len().min(3)]);
+        let attn =
+            plan.d_ranks[0].reads[0].pairs.iter().find(|x| x.label.kind == RowKind::AttnPage).expect("attn");
+        // A head slice of a kernel page: the smaller of the two sides' kernel pages.
+        assert_eq!(attn.pair.len, pl.d.kernel_page_bytes().min(pl.p.kernel_page_bytes()));
+    }
+    // What clipping saved: the state groups send one slot of their 5.
+    let pl = planner(&model, k(1), k(1)).expect("accepted");
+    let plan = pl.plan(&simulated(&pl, 5000, 0), "req").expect("plan");
+    assert!(plan.clipping.iter().take(6).all(|c| (c.raw_blocks, c.sent_blocks) == (5, 1)));
+    assert_eq!((plan.clipping[6].raw_blocks, plan.clipping[6].sent_blocks), (5, 5));
 }

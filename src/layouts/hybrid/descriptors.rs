@@ -304,11 +304,23 @@ pub struct HybridRequest {
     pub d_hit_tokens: u32,
 }
 
+/// What clipping left of one group's blocks at prefill's exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct GroupClipping {
+    pub group: u32,
+    /// Blocks in prefill's list before clipping (nulls included).
+    pub raw_blocks: u64,
+    /// Blocks prefill sends.
+    pub sent_blocks: u64,
+}
+
 /// Everything planned for one request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HybridPlan {
     pub tokens: TokenCounts,
     pub blocks: ExchangedBlocks,
+    /// Per group: blocks before and after the window and state-slot clipping.
+    pub clipping: Vec<GroupClipping>,
     pub d_ranks: Vec<DRankPlan>,
     /// Prefill's device-to-host copy (host buffer only).
     pub p_save_to_host: Option<HostCopy>,
@@ -502,7 +514,23 @@ impl HybridPlanner {
                 findings.extend(self.host_copy_losses(rank, &blocks));
             }
         }
-        Ok(HybridPlan { tokens, blocks, d_ranks, p_save_to_host: p_save, d_sync_to_device: d_sync, findings })
+        let clipping = (0u32..)
+            .zip(request.p_raw_block_ids.iter().zip(&blocks.remote_block_ids))
+            .map(|(group, (raw, sent))| GroupClipping {
+                group,
+                raw_blocks: raw.len() as u64,
+                sent_blocks: sent.len() as u64,
+            })
+            .collect();
+        Ok(HybridPlan {
+            tokens,
+            blocks,
+            clipping,
+            d_ranks,
+            p_save_to_host: p_save,
+            d_sync_to_device: d_sync,
+            findings,
+        })
     }
 
     fn check_pools(&self, blocks: &ExchangedBlocks) -> Result<(), HybridError> {

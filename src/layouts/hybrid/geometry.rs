@@ -581,6 +581,24 @@ impl Registration {
     }
 }
 
+/// What a span of a page holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum PageContent {
+    /// K and V of the rank's heads for the block's tokens (`[H, N, C]` under LBHNC).
+    Attention,
+    State(StatePart),
+    /// The state page's padding up to the attention page.
+    Padding,
+}
+
+/// One span of a page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PageSpan {
+    pub what: PageContent,
+    pub offset_bytes: u64,
+    pub len_bytes: u64,
+}
+
 /// A layer's place in the host buffer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HostSlot {
@@ -838,6 +856,36 @@ impl EngineGeometry {
         self.registrations = registrations;
     }
 
+    /// What one page (one layer, one logical block) holds for a group of kind `kind`, part by
+    /// part with byte ranges: the attention page, or the conv parts, the SSM state and the
+    /// padding up to the attention page.
+    pub fn page_map(&self, kind: GroupKind) -> Vec<PageSpan> {
+        let page = self.sizing.page_bytes;
+        match (&self.state, kind) {
+            (Some(s), GroupKind::State(_)) => {
+                let mut out: Vec<PageSpan> = s
+                    .parts
+                    .iter()
+                    .map(|p| PageSpan {
+                        what: PageContent::State(p.part),
+                        offset_bytes: p.offset_bytes,
+                        len_bytes: p.len_bytes,
+                    })
+                    .collect();
+                let real = s.real_page_bytes();
+                if real < page {
+                    out.push(PageSpan {
+                        what: PageContent::Padding,
+                        offset_bytes: real,
+                        len_bytes: page - real,
+                    });
+                }
+                out
+            }
+            _ => vec![PageSpan { what: PageContent::Attention, offset_bytes: 0, len_bytes: page }],
+        }
+    }
+
     /// Whether `[off, off + len)` of `mem` lies inside one registration.
     pub fn registered(&self, mem: MemKind, off: u64, len: u64) -> bool {
         self.registrations.iter().any(|r| r.mem == mem && r.off <= off && off + len <= r.end())
@@ -929,6 +977,19 @@ mod tests {
         let m = preset("qwen3-next-80b-a3b").expect("preset");
         let gr = kv_groups(&m);
         assert_eq!(gr[0].layers.iter().take(3).map(|l| l.layer).collect::<Vec<_>>(), vec![0, 4, 8]);
+    }
+
+    #[test]
+    fn page_maps_show_parts_and_padding() {
+        let m = preset("nemotron-h-8b").expect("preset");
+        let g = EngineGeometry::new(&m, &EngineConfig::new(1, 8), Side::Prefill).expect("geometry");
+        let spans: Vec<(u64, u64)> = g
+            .page_map(GroupKind::State(StateKind::Mamba2))
+            .iter()
+            .map(|s| (s.offset_bytes, s.len_bytes))
+            .collect();
+        assert_eq!(spans, vec![(0, 49152), (49152, 6144), (55296, 6144), (61440, 4194304), (4255744, 4096)]);
+        assert_eq!(g.page_map(GroupKind::Full).len(), 1);
     }
 
     #[test]
