@@ -524,6 +524,28 @@ struct Case {
     hit_blocks: u32,
     flashinfer: bool,
     host: bool,
+    /// 16-token attention kernel blocks on both sides.
+    kernel16: bool,
+    prefix_caching: bool,
+    /// LBNHC on both sides (vLLM refuses it with heterogeneous TP).
+    nhd: bool,
+}
+
+impl Case {
+    fn simple(model: &'static str, p_tp: u32, d_tp: u32, prompt_tokens: u32, hit_blocks: u32) -> Self {
+        Case {
+            model,
+            p_tp,
+            d_tp,
+            prompt_tokens,
+            hit_blocks,
+            flashinfer: false,
+            host: false,
+            kernel16: false,
+            prefix_caching: true,
+            nhd: false,
+        }
+    }
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -535,16 +557,35 @@ fn case() -> impl Strategy<Value = Case> {
         0u32..6,
         any::<bool>(),
         prop::bool::weighted(0.15),
+        prop::bool::weighted(0.2),
+        prop::bool::weighted(0.85),
+        prop::bool::weighted(0.1),
     )
-        .prop_map(|(model, p_tp, d_tp, prompt_tokens, hit_blocks, flashinfer, host)| Case {
-            model,
-            p_tp,
-            d_tp,
-            prompt_tokens,
-            hit_blocks,
-            flashinfer,
-            host,
-        })
+        .prop_map(
+            |(
+                model,
+                p_tp,
+                d_tp,
+                prompt_tokens,
+                hit_blocks,
+                flashinfer,
+                host,
+                kernel16,
+                prefix_caching,
+                nhd,
+            )| Case {
+                model,
+                p_tp,
+                d_tp,
+                prompt_tokens,
+                hit_blocks,
+                flashinfer,
+                host,
+                kernel16,
+                prefix_caching,
+                nhd,
+            },
+        )
 }
 
 fn run_case(c: &Case) -> Result<(), TestCaseError> {
@@ -553,6 +594,9 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
     let cfg = |tp| EngineConfig {
         gdn_prefill: if c.flashinfer { GdnPrefillBackend::FlashInfer } else { GdnPrefillBackend::Triton },
         kv_buffer_device: if c.host { KvBufferDevice::Cpu } else { KvBufferDevice::Cuda },
+        kernel_block_tokens: c.kernel16.then_some(16),
+        prefix_caching: c.prefix_caching,
+        layout: if c.nhd { kvx::layouts::Layout::Lbnhc } else { kvx::layouts::Layout::Lbhnc },
         ..EngineConfig::new(tp, blocks)
     };
     let pl = match planner(&model, cfg(c.p_tp), cfg(c.d_tp)) {
@@ -564,7 +608,8 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
             return Ok(());
         }
     };
-    let req = simulated(&pl, c.prompt_tokens, c.hit_blocks);
+    // No prefix hit without prefix caching.
+    let req = simulated(&pl, c.prompt_tokens, if c.prefix_caching { c.hit_blocks } else { 0 });
     let plan = pl.plan(&req, "req").map_err(|e| TestCaseError::fail(format!("{c:?}: {e}")))?;
     // Every descriptor outside registered memory is reported, and only those.
     let reported = plan.findings.iter().filter(|f| matches!(f, Finding::OutsideRegistration { .. })).count();
@@ -734,21 +779,12 @@ fn every_preset_at_every_tp_pair() {
                         let r = e.refusal().unwrap_or_else(|| panic!("{name} P{p_tp} D{d_tp}: {e}"));
                         *refused.entry(format!("{:?}", r.kind)).or_insert(0) += 1;
                     }
-                    Ok(pl) => {
+                    Ok(_) => {
                         accepted += 1;
                         for hit in [0, 1] {
-                            let c = Case {
-                                model: name,
-                                p_tp,
-                                d_tp,
-                                prompt_tokens: 5000,
-                                hit_blocks: hit,
-                                flashinfer: false,
-                                host: false,
-                            };
+                            let c = Case::simple(name, p_tp, d_tp, 5000, hit);
                             run_case(&c).unwrap_or_else(|e| panic!("{c:?}: {e}"));
                         }
-                        let _ = pl;
                     }
                 }
             }

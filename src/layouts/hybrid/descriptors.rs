@@ -466,6 +466,12 @@ impl HybridPlanner {
 
     /// Plans one request for every decode rank.
     pub fn plan(&self, request: &HybridRequest, p_request_id: &str) -> Result<HybridPlan, HybridError> {
+        if request.d_hit_tokens > 0 && !self.config.d.prefix_caching {
+            return Err(HybridError::request(
+                "--prefix-hit",
+                "decode cannot hold a prefix-cache hit with prefix caching off",
+            ));
+        }
         let tokens = TokenCounts::new(self.d.has_state(), request.prompt_tokens, request.d_hit_tokens);
         let blocks = ExchangedBlocks::new(
             &self.p.groups,
