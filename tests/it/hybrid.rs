@@ -13,7 +13,7 @@ use kvx::layouts::hybrid::descriptors::{
     DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
 };
 use kvx::layouts::hybrid::geometry::{
-    DEFAULT_BLOCK_TOKENS, EngineConfig, EngineGeometry, KvBufferDevice, MemKind, Side,
+    DEFAULT_BLOCK_TOKENS, EngineConfig, EngineGeometry, GroupKind, KvBufferDevice, MemKind, Side,
 };
 use kvx::layouts::hybrid::model::{
     AttentionShape, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba2Spec, PRESETS, StateSpec, preset,
@@ -652,6 +652,35 @@ proptest! {
     #[test]
     fn hybrid_plans_move_each_byte_once(c in case()) {
         run_case(&c)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Past the window, a sliding-window group's bytes per request depend only on where the
+    /// prompt ends inside a block, never on its length.
+    #[test]
+    fn window_bytes_do_not_grow(
+        model in prop::sample::select(vec!["gpt-oss-120b", "gemma-3-4b"]),
+        p_tp in prop::sample::select(vec![1u32, 2, 4]),
+        d_tp in prop::sample::select(vec![1u32, 2, 4]),
+        tokens in 2100u32..6000,
+        more_blocks in 1u32..400,
+    ) {
+        let m = preset(model).expect("preset");
+        let blocks = pool_blocks(&m, tokens + 16 * more_blocks);
+        let pl = planner(&m, EngineConfig::new(p_tp, blocks), EngineConfig::new(d_tp, blocks)).expect("accepted");
+        let window_groups: Vec<usize> =
+            pl.d.groups.iter().enumerate().filter(|(_, g)| !g.kind.is_state() && g.kind != GroupKind::Full).map(|(i, _)| i).collect();
+        let bytes = |t: u32| -> Vec<u64> {
+            let plan = pl.plan(&simulated(&pl, t, 0), "req").expect("plan");
+            plan.d_ranks.iter().flat_map(|r| {
+                let b = r.bytes_by_group(pl.d.groups.len());
+                window_groups.iter().map(move |&g| b[g]).collect::<Vec<_>>()
+            }).collect()
+        };
+        prop_assert_eq!(bytes(tokens), bytes(tokens + 16 * more_blocks));
     }
 }
 
