@@ -188,6 +188,17 @@ pub fn apply_prefix_caching(
     d_ppl: u32,
     p_ppl: u32,
 ) -> Result<PairedLists, HybridError> {
+    if decode.len() != groups.len() || prefill.len() != groups.len() {
+        return Err(HybridError::request(
+            "--scenario",
+            format!(
+                "{} decode and {} prefill block lists for {} KV cache groups",
+                decode.len(),
+                prefill.len(),
+                groups.len()
+            ),
+        ));
+    }
     let mut d: Vec<Vec<u64>> = decode.to_vec();
     let mut p: Vec<Vec<u64>> = prefill.to_vec();
     for (i, g) in groups.iter().enumerate() {
