@@ -778,6 +778,19 @@ fn host_buffer_findings() {
         .filter(|f| matches!(f, Finding::OutsideRegistration { side: Side::Prefill, .. }))
         .collect();
     assert!(!out.is_empty(), "prefill block 7 of 8 ends past the unpadded host tensor");
+    // The attention group is copied last: at every device position its host layer, which never
+    // received the state slots, overwrites them (each state group loses its one slot).
+    let lost: Vec<(u32, u64, u64)> = plan
+        .findings
+        .iter()
+        .filter_map(|f| match f {
+            Finding::HostCopyOverwrites { group, lost_blocks, blocks, .. } => {
+                Some((*group, *lost_blocks, *blocks))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(lost, (0..6).map(|g| (g, 1, 1)).collect::<Vec<_>>());
 }
 
 #[test]
