@@ -13,6 +13,7 @@
 pub mod alloc;
 pub mod compat;
 pub mod geometry;
+pub mod hybrid;
 pub mod pattern;
 pub mod plan;
 pub mod posting;

@@ -10,6 +10,7 @@ mod golden;
 mod gpu;
 mod handshake;
 mod hostile;
+mod hybrid;
 mod interrupt;
 mod kv_buffer;
 mod layering;

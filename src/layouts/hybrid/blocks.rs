@@ -1,0 +1,353 @@
+//! Which blocks of a request move, as vLLM 0.33's scheduler and pull worker decide it.
+//!
+//! - Backoff: with state, prefill computes N-1 of N prompt tokens and decode loads N-1
+//!   (`_prefill_backoff`), so decode derives the last state itself.
+//! - Clipping at every exchange (`get_exchange_clipped_blocks`): a sliding-window group keeps
+//!   its last `cdiv(window, block) + 1` blocks, a state group its last slot.
+//! - Decode's local blocks are its unhashed ones, leading and null (id 0) blocks dropped
+//!   (`get_unhashed_block_ids_all_groups`); a full prefix hit sends nothing.
+//! - In the worker: logical ids expand to kernel blocks, attention ids to remote-block
+//!   granularity (the block-size ratio), then prefix-cache trimming per group
+//!   (`_apply_prefix_caching`): attention groups keep prefill's tail, state groups pair slots
+//!   by position.
+//!
+//! Block ids are `u32` as vLLM hands them over; kernel and sub-block ids are `u64`. Id 0 is
+//! vLLM's null block.
+
+use serde::Serialize;
+
+use super::error::HybridError;
+use super::geometry::{GroupKind, KvGroup};
+
+/// vLLM's null block id: placeholders for blocks a group does not keep.
+pub const NULL_BLOCK: u32 = 0;
+
+/// Token counts of one request through the pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TokenCounts {
+    pub prompt_tokens: u32,
+    /// Trailing prompt tokens prefill does not compute (1 with state, else 0).
+    pub backoff_tokens: u32,
+    /// Tokens prefill computes (`num_computed_tokens` at `request_finished`), which it
+    /// reports as `remote_num_tokens`.
+    pub p_computed_tokens: u32,
+    /// Tokens decode already holds (its local prefix hit).
+    pub d_hit_tokens: u32,
+    /// Tokens decode loads (`num_external_tokens`; 0 on a full hit).
+    pub d_external_tokens: u32,
+}
+
+impl TokenCounts {
+    /// Counts for a prompt of `prompt_tokens` with a decode prefix hit of `d_hit_tokens`.
+    pub fn new(has_state: bool, prompt_tokens: u32, d_hit_tokens: u32) -> Self {
+        let backoff = u32::from(has_state);
+        let computed =
+            if backoff > 0 && prompt_tokens > backoff { prompt_tokens - backoff } else { prompt_tokens };
+        TokenCounts {
+            prompt_tokens,
+            backoff_tokens: prompt_tokens - computed,
+            p_computed_tokens: computed,
+            d_hit_tokens,
+            d_external_tokens: computed.saturating_sub(d_hit_tokens),
+        }
+    }
+}
+
+/// Blocks each group keeps at an exchange: `cdiv(window, block) + 1` for a sliding window
+/// (vLLM `blocks_per_sw`), 0 (all) otherwise.
+pub fn window_blocks(groups: &[KvGroup], block_tokens: u32) -> Vec<u32> {
+    groups
+        .iter()
+        .map(|g| match g.kind {
+            GroupKind::SlidingWindow { window_tokens } => window_tokens.div_ceil(block_tokens.max(1)) + 1,
+            _ => 0,
+        })
+        .collect()
+}
+
+/// vLLM's `get_exchange_clipped_blocks`: sliding-window groups keep their tail, state groups
+/// (with `clip_state`) their last slot. An empty list (full prefix hit) stays empty.
+pub fn clip_for_exchange(
+    groups: &[KvGroup],
+    block_tokens: u32,
+    block_ids: &[Vec<u32>],
+    clip_state: bool,
+) -> Result<Vec<Vec<u32>>, HybridError> {
+    if block_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    if block_ids.len() != groups.len() {
+        return Err(HybridError::request(
+            "--scenario",
+            format!("{} block lists for {} KV cache groups", block_ids.len(), groups.len()),
+        ));
+    }
+    let sw = window_blocks(groups, block_tokens);
+    Ok(groups
+        .iter()
+        .zip(block_ids)
+        .zip(sw)
+        .map(|((g, ids), n_sw)| {
+            if n_sw > 0 {
+                ids[ids.len().saturating_sub(n_sw as usize)..].to_vec()
+            } else if clip_state && g.kind.is_state() {
+                ids[ids.len().saturating_sub(1)..].to_vec()
+            } else {
+                ids.clone()
+            }
+        })
+        .collect())
+}
+
+/// Decode's unhashed blocks as vLLM 0.33 hands them to the connector: null placeholders
+/// dropped.
+pub fn unhashed(block_ids: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    block_ids.iter().map(|g| g.iter().copied().filter(|&b| b != NULL_BLOCK).collect()).collect()
+}
+
+/// The block lists the two schedulers exchange for one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ExchangedBlocks {
+    /// What prefill sends in `kv_transfer_params.remote_block_ids` (one list per group).
+    pub remote_block_ids: Vec<Vec<u32>>,
+    /// Decode's blocks to fill, after clipping; empty on a full prefix hit.
+    pub local_block_ids: Vec<Vec<u32>>,
+}
+
+impl ExchangedBlocks {
+    /// Clips prefill's raw lists and decode's unhashed lists as the two schedulers do.
+    /// `d_external_tokens == 0` is a full prefix hit: decode reads nothing.
+    pub fn new(
+        p_groups: &[KvGroup],
+        p_block_tokens: u32,
+        d_block_tokens: u32,
+        p_raw_block_ids: &[Vec<u32>],
+        d_raw_unhashed_block_ids: &[Vec<u32>],
+        d_external_tokens: u32,
+    ) -> Result<Self, HybridError> {
+        let remote = clip_for_exchange(p_groups, p_block_tokens, p_raw_block_ids, true)?;
+        let local = if d_external_tokens == 0 {
+            Vec::new()
+        } else {
+            clip_for_exchange(p_groups, d_block_tokens, &unhashed(d_raw_unhashed_block_ids), true)?
+        };
+        Ok(ExchangedBlocks { remote_block_ids: remote, local_block_ids: local })
+    }
+
+    /// Whether decode already holds everything (a notification is all that is sent).
+    pub fn full_hit(&self) -> bool {
+        self.local_block_ids.iter().all(Vec::is_empty)
+    }
+}
+
+/// Logical ids to kernel ids (`_logical_to_kernel_block_ids`): attention ids expand by
+/// `ppl`, state ids stay (a state slot is one block whatever the kernel).
+pub fn logical_to_kernel(groups: &[KvGroup], block_ids: &[Vec<u32>], ppl: u32) -> Vec<Vec<u64>> {
+    let r = u64::from(ppl.max(1));
+    groups
+        .iter()
+        .zip(block_ids)
+        .map(|(g, ids)| {
+            if g.kind.is_state() || r == 1 {
+                ids.iter().map(|&b| u64::from(b)).collect()
+            } else {
+                ids.iter().flat_map(|&b| (0..r).map(move |k| u64::from(b) * r + k)).collect()
+            }
+        })
+        .collect()
+}
+
+/// Attention ids to remote-block granularity (`_map_block_ids_for_block_size_ratio`): each
+/// local block splits into `bsr` sub-blocks, clipped to the remote list's length. Returns
+/// empty local lists when nothing is left (a full hit).
+pub fn map_block_size_ratio(groups: &[KvGroup], local: &[Vec<u64>], bsr: u32) -> Vec<Vec<u64>> {
+    let r = u64::from(bsr.max(1));
+    groups
+        .iter()
+        .zip(local)
+        .map(|(g, ids)| {
+            if g.kind.is_state() || r == 1 {
+                ids.clone()
+            } else {
+                ids.iter().flat_map(|&b| (0..r).map(move |k| b * r + k)).collect()
+            }
+        })
+        .collect()
+}
+
+/// Decode's and prefill's block lists, one per group, to pair 1:1.
+pub type PairedLists = (Vec<Vec<u64>>, Vec<Vec<u64>>);
+
+/// Prefix-cache trimming (`_apply_prefix_caching`), after the ratio mapping. Returns the
+/// (decode, prefill) lists to pair 1:1 per group.
+pub fn apply_prefix_caching(
+    groups: &[KvGroup],
+    has_state: bool,
+    decode: &[Vec<u64>],
+    prefill: &[Vec<u64>],
+    d_ppl: u32,
+    p_ppl: u32,
+) -> Result<PairedLists, HybridError> {
+    if decode.len() != groups.len() || prefill.len() != groups.len() {
+        return Err(HybridError::request(
+            "--scenario",
+            format!(
+                "{} decode and {} prefill block lists for {} KV cache groups",
+                decode.len(),
+                prefill.len(),
+                groups.len()
+            ),
+        ));
+    }
+    let mut d: Vec<Vec<u64>> = decode.to_vec();
+    let mut p: Vec<Vec<u64>> = prefill.to_vec();
+    for (i, g) in groups.iter().enumerate() {
+        let (nd, np) = (d[i].len(), p[i].len());
+        if !has_state {
+            // vLLM asserts decode never holds more blocks than prefill here.
+            if nd > np {
+                return Err(HybridError::request(
+                    "--scenario",
+                    format!(
+                        "group {i}: decode has {nd} blocks to fill but prefill sent {np} \
+                         (vLLM asserts num_decode_blocks <= len(prefill_group))"
+                    ),
+                ));
+            }
+            if nd < np {
+                p[i].drain(..np - nd);
+            }
+        } else if g.kind.is_state() {
+            if nd == np {
+                continue;
+            }
+            if nd > np + 1 {
+                return Err(HybridError::request(
+                    "--scenario",
+                    format!("group {i}: unpairable SSM state slots, decode={nd} prefill={np}"),
+                ));
+            }
+            let n = nd.min(np);
+            if nd < np {
+                p[i].drain(..np - n);
+            } else {
+                d[i].truncate(n);
+            }
+        } else if d_ppl == p_ppl && nd < np {
+            p[i].drain(..np - nd);
+        } else {
+            let max_padding = (d_ppl + p_ppl) as usize;
+            if nd.abs_diff(np) > max_padding {
+                return Err(HybridError::request(
+                    "--scenario",
+                    format!("group {i}: |{nd} - {np}| > {max_padding} blocks"),
+                ));
+            }
+            let n = nd.min(np);
+            d[i].truncate(n);
+            p[i].truncate(n);
+        }
+    }
+    Ok((d, p))
+}
+
+/// Allocates raw block lists the way vLLM's allocator leaves them, for planning requests
+/// that are not in an oracle file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BlockSim {
+    /// Tokens in the request's blocks (prefill: what it computed).
+    pub tokens: u32,
+    pub block_tokens: u32,
+    /// Leading blocks already held (decode's prefix hit); they are not in an unhashed list.
+    pub hit_blocks: u32,
+}
+
+impl BlockSim {
+    /// One list per group; ids are fresh from `next_id` upwards, 0 marks a block outside a
+    /// sliding window or an earlier state slot.
+    pub fn raw_block_ids(&self, groups: &[KvGroup], next_id: &mut u32) -> Vec<Vec<u32>> {
+        let n = self.tokens.div_ceil(self.block_tokens.max(1));
+        let mut fresh = || {
+            let id = *next_id;
+            *next_id += 1;
+            id
+        };
+        groups
+            .iter()
+            .map(|g| match g.kind {
+                GroupKind::Full => (self.hit_blocks.min(n)..n).map(|_| fresh()).collect(),
+                GroupKind::SlidingWindow { window_tokens } => {
+                    let skipped = (i64::from(self.tokens) - i64::from(window_tokens) + 1).max(0);
+                    let skipped_blocks =
+                        u32::try_from(skipped / i64::from(self.block_tokens.max(1))).unwrap_or(0);
+                    (self.hit_blocks.min(n)..n)
+                        .map(|b| if b < skipped_blocks { NULL_BLOCK } else { fresh() })
+                        .collect()
+                }
+                GroupKind::State(_) => (self.hit_blocks.min(n)..n)
+                    .map(|b| if b + 1 == n { fresh() } else { NULL_BLOCK })
+                    .collect(),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layouts::hybrid::geometry::kv_groups;
+    use crate::layouts::hybrid::model::preset;
+
+    #[test]
+    fn window_keeps_cdiv_plus_one_and_state_its_last_slot() {
+        let gpt = kv_groups(&preset("gpt-oss-120b").expect("preset"));
+        assert_eq!(window_blocks(&gpt, 16), vec![9, 0]);
+        let raw = vec![vec![0, 0, 0, 0, 20, 21, 22, 23, 24, 25, 26, 27, 28], (1..=13).collect()];
+        let clipped = clip_for_exchange(&gpt, 16, &raw, true).expect("clip");
+        assert_eq!(clipped[0], (20..=28).collect::<Vec<u32>>());
+        assert_eq!(clipped[1].len(), 13);
+        let q = kv_groups(&preset("qwen3-next-80b-a3b").expect("preset"));
+        let raw = vec![vec![0, 0, 7]; 4];
+        let clipped = clip_for_exchange(&q, 544, &raw, true).expect("clip");
+        assert_eq!(clipped[0], vec![7]);
+        assert_eq!(clipped[3], vec![0, 0, 7]);
+        // Host-buffer saves do not strip the state (clip_ssm=False).
+        assert_eq!(clip_for_exchange(&q, 544, &raw, false).expect("clip")[0], vec![0, 0, 7]);
+    }
+
+    #[test]
+    fn backoff_only_with_state() {
+        let t = TokenCounts::new(true, 2500, 0);
+        assert_eq!((t.backoff_tokens, t.p_computed_tokens, t.d_external_tokens), (1, 2499, 2499));
+        let t = TokenCounts::new(false, 200, 64);
+        assert_eq!((t.backoff_tokens, t.p_computed_tokens, t.d_external_tokens), (0, 200, 136));
+        assert_eq!(TokenCounts::new(true, 1, 0).p_computed_tokens, 1);
+    }
+
+    #[test]
+    fn prefix_trimming_per_group() {
+        let q = kv_groups(&preset("qwen3-next-80b-a3b").expect("preset"));
+        let d = vec![vec![7], vec![8], vec![9], vec![3, 4]];
+        let p = vec![vec![17], vec![18], vec![19], vec![11, 12, 13]];
+        let (d2, p2) = apply_prefix_caching(&q, true, &d, &p, 1, 1).expect("trim");
+        assert_eq!(d2, d);
+        assert_eq!(p2[3], vec![12, 13]);
+        // Decode one state slot longer: it keeps the first.
+        let d = vec![vec![7, 70], vec![8], vec![9], vec![3]];
+        let (d2, _) = apply_prefix_caching(&q, true, &d, &p, 1, 1).expect("trim");
+        assert_eq!(d2[0], vec![7]);
+    }
+
+    #[test]
+    fn simulated_lists_look_like_vllms() {
+        let gpt = kv_groups(&preset("gpt-oss-120b").expect("preset"));
+        let mut next = 1;
+        let raw = BlockSim { tokens: 200, block_tokens: 16, hit_blocks: 0 }.raw_block_ids(&gpt, &mut next);
+        assert_eq!(raw[0].iter().filter(|&&b| b == NULL_BLOCK).count(), 4);
+        assert_eq!(raw[1].len(), 13);
+        let n = kv_groups(&preset("nemotron-h-8b").expect("preset"));
+        let raw = BlockSim { tokens: 2499, block_tokens: 1040, hit_blocks: 0 }.raw_block_ids(&n, &mut next);
+        assert_eq!(raw[0].len(), 3);
+        assert_eq!(raw[0][..2], [0, 0]);
+    }
+}

@@ -1,0 +1,337 @@
+//! What a hybrid plan's bytes mean, checked: every descriptor pair is decoded on both sides
+//! into (layer, global KV head, token, byte) for attention and (layer, state part, global byte
+//! of that part) for state, the two must agree, and each decode rank must receive each of its
+//! heads' tokens and each of its state parts exactly once.
+//!
+//! Independent of how the planner computed offsets: it reads only the engines' geometry, the
+//! request's block lists and token counts, and the pairs. Device plans only (with a host
+//! buffer the bytes reach the KV cache through the copies, which `descriptors` judges).
+//!
+//! Token positions: a group's block list is the tail of the blocks covering the computed
+//! tokens, so entry `j` of an `L`-long list is block `cdiv(tokens, block) - L + j`. Decode
+//! blocks that run past prefill's last block are not written (vLLM zeroes that tail).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::descriptors::{HybridPlan, HybridPlanner, LabeledPair, RowKind};
+use super::geometry::{EngineGeometry, GroupKind, HybridRegion, MemKind, StatePart};
+use crate::layouts::Layout;
+
+/// What a byte range holds.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub enum Meaning {
+    /// Attention: `pos = token * cell_bytes + byte` of one layer and global KV head.
+    Attn { layer: String, head: u32 },
+    /// State: `pos` = byte of the model's (global) part.
+    State { layer: String, part: StatePart },
+}
+
+/// The result of checking a plan.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct CoverageReport {
+    /// Bytes whose source and destination mean different things, bytes read twice or never,
+    /// descriptors outside registered memory. Empty when the plan moves the right bytes.
+    pub errors: Vec<String>,
+    /// Bytes read for a group's block into a region where the group has no layer (a group
+    /// padded to the group size): harmless, but moved.
+    pub padding_bytes: u64,
+    /// Pairs decoded.
+    pub pairs: usize,
+    /// Whether the plan was checkable (device memory on both sides).
+    pub checked: bool,
+}
+
+impl CoverageReport {
+    pub fn is_ok(&self) -> bool {
+        self.errors.is_empty()
+    }
+}
+
+/// Where each block id of a side sits: `(group, absolute block index)`.
+struct Positions {
+    by_id: BTreeMap<u32, (u32, u64)>,
+}
+
+impl Positions {
+    fn new(geo: &EngineGeometry, lists: &[Vec<u32>], tokens: u32) -> Self {
+        let n = u64::from(tokens.div_ceil(geo.sizing.block_tokens));
+        let mut by_id = BTreeMap::new();
+        for (g, ids) in lists.iter().enumerate() {
+            let first = n.saturating_sub(ids.len() as u64);
+            for (j, &b) in ids.iter().enumerate() {
+                by_id.insert(b, (g as u32, first + j as u64));
+            }
+        }
+        Positions { by_id }
+    }
+}
+
+/// One decoded run: what it holds and where it starts in that meaning's positions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Run {
+    meaning: Option<Meaning>,
+    pos: u64,
+    /// Bytes left in this run from the decoded offset.
+    left: u64,
+}
+
+struct Side<'a> {
+    geo: &'a EngineGeometry,
+    rank: u32,
+    pos: Positions,
+    /// Sub-blocks per kernel block the bytes arrive in (decode with a block-size ratio).
+    sub_blocks: u64,
+}
+
+fn region_at(geo: &EngineGeometry, off: u64) -> Option<&HybridRegion> {
+    geo.regions.iter().find(|r| r.base_off <= off && off < r.base_off + r.num_blocks * r.block_stride)
+}
+
+impl Side<'_> {
+    /// Decodes the byte at `off` read by a row of kind `kind`.
+    fn decode(&self, kind: RowKind, off: u64) -> Result<Run, String> {
+        let g = self.geo;
+        let region = region_at(g, off).ok_or_else(|| format!("offset {off} is in no region"))?;
+        let rel = off - region.base_off;
+        let ppl = u64::from(g.physical_per_logical);
+        let (logical, intra) = match kind {
+            RowKind::AttnPage => (rel / region.block_stride / ppl, rel % region.block_stride),
+            RowKind::State(_) => (rel / (region.block_stride * ppl), rel % (region.block_stride * ppl)),
+        };
+        let kernel_in_logical = (rel / region.block_stride) % ppl;
+        let id = u32::try_from(logical).map_err(|_| "block id overflows".to_string())?;
+        let &(group, abs) =
+            self.pos.by_id.get(&id).ok_or_else(|| format!("block {id} is not in the request"))?;
+        let grp = &g.groups[group as usize];
+        let layer = grp.layers.get(region.index as usize).map(|l| l.name.clone());
+        let page_left = |unit: u64| unit - intra % unit;
+        match (kind, grp.kind) {
+            (RowKind::AttnPage, GroupKind::State(_))
+            | (RowKind::State(_), GroupKind::Full | GroupKind::SlidingWindow { .. }) => {
+                Err(format!("{kind:?} row reads block {id} of a {:?} group", grp.kind))
+            }
+            (RowKind::AttnPage, _) => {
+                let kpage = g.kernel_page_bytes();
+                let sub_len = kpage / self.sub_blocks;
+                let (sub, o) = (intra / sub_len, intra % sub_len);
+                let c = g.cell_bytes;
+                let heads = u64::from(g.heads_per_rank);
+                let ktok = u64::from(g.kernel_block_tokens);
+                let sub_tok = ktok / self.sub_blocks;
+                let (h, t, byte, left) = match g.config.layout {
+                    Layout::Lbnhc => {
+                        let t = o / (heads * c);
+                        let h = (o % (heads * c)) / c;
+                        (h, t, o % c, c - o % c)
+                    }
+                    _ => {
+                        let run = sub_tok * c;
+                        (o / run, (o % run) / c, o % c, run - o % run)
+                    }
+                };
+                let token =
+                    abs * u64::from(g.sizing.block_tokens) + kernel_in_logical * ktok + sub * sub_tok + t;
+                let head = g.rank_heads(self.rank).start + u32::try_from(h).unwrap_or(u32::MAX);
+                Ok(Run {
+                    meaning: layer.map(|layer| Meaning::Attn { layer, head }),
+                    pos: token * c + byte,
+                    left: left.min(page_left(sub_len)),
+                })
+            }
+            (RowKind::State(_), GroupKind::State(_)) => {
+                let s = g.state.as_ref().ok_or("state row without state")?;
+                let p = s
+                    .parts
+                    .iter()
+                    .find(|p| p.offset_bytes <= intra && intra < p.offset_bytes + p.len_bytes)
+                    .ok_or_else(|| format!("state byte {intra} is padding"))?;
+                let (part, gbyte, _) =
+                    s.global_span(self.rank, intra, 1).ok_or("state byte outside parts")?;
+                Ok(Run {
+                    meaning: layer.map(|layer| Meaning::State { layer, part }),
+                    pos: gbyte,
+                    left: p.offset_bytes + p.len_bytes - intra,
+                })
+            }
+        }
+    }
+}
+
+/// Intervals recorded per meaning: `(start, end)`.
+type Cover = BTreeMap<(u32, Meaning), Vec<(u64, u64)>>;
+
+/// Checks every decode rank of `plan` (see the module docs).
+pub fn check_plan(planner: &HybridPlanner, plan: &HybridPlan) -> CoverageReport {
+    let mut report = CoverageReport::default();
+    let (p, d) = (&planner.p, &planner.d);
+    if p.mem() != MemKind::Vram || d.mem() != MemKind::Vram {
+        return report;
+    }
+    report.checked = true;
+    let tokens = plan.tokens.p_computed_tokens;
+    let mut got: Cover = BTreeMap::new();
+    for rank in &plan.d_ranks {
+        for read in &rank.reads {
+            let local = Side {
+                geo: d,
+                rank: rank.d_rank,
+                pos: Positions::new(d, &plan.blocks.local_block_ids, tokens),
+                sub_blocks: u64::from(planner.block_size_ratio),
+            };
+            let remote = Side {
+                geo: p,
+                rank: read.p_rank,
+                pos: Positions::new(p, &plan.blocks.remote_block_ids, tokens),
+                sub_blocks: 1,
+            };
+            for pair in &read.pairs {
+                report.pairs += 1;
+                if let Err(e) = check_pair(&local, &remote, pair, &mut got, &mut report.padding_bytes) {
+                    report.errors.push(format!("D{} from P{} {}: {e}", rank.d_rank, read.p_rank, pair.label));
+                }
+            }
+        }
+    }
+    // Overlaps: a byte read twice.
+    for ((r, m), v) in &mut got {
+        v.sort_unstable();
+        for w in v.windows(2) {
+            if w[1].0 < w[0].1 {
+                report.errors.push(format!(
+                    "D{r} {m:?}: bytes {}..{} read twice",
+                    w[1].0,
+                    w[0].1.min(w[1].1)
+                ));
+            }
+        }
+    }
+    // What each decode rank must receive.
+    for rank in &plan.d_ranks {
+        for (meaning, want) in expected(planner, plan, rank.d_rank) {
+            let have = merged(got.get(&(rank.d_rank, meaning.clone())).map_or(&[][..], Vec::as_slice));
+            if have != want {
+                report.errors.push(format!(
+                    "D{} {meaning:?}: must receive {}, received {}",
+                    rank.d_rank,
+                    show(&want),
+                    show(&have)
+                ));
+            }
+        }
+    }
+    report
+}
+
+fn show(v: &[(u64, u64)]) -> String {
+    if v.is_empty() {
+        return "nothing".into();
+    }
+    v.iter().map(|(a, b)| format!("{a}..{b}")).collect::<Vec<_>>().join(", ")
+}
+
+fn merged(v: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut v = v.to_vec();
+    v.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (a, b) in v {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
+fn check_pair(
+    local: &Side,
+    remote: &Side,
+    pair: &LabeledPair,
+    got: &mut Cover,
+    padding: &mut u64,
+) -> Result<(), String> {
+    let lp = pair;
+    let pair = &lp.pair;
+    for (side, off) in [(local, pair.local), (remote, pair.remote)] {
+        if !side.geo.registered(side.geo.mem(), off, pair.len) {
+            return Err(format!("{off}+{} is outside registered memory", pair.len));
+        }
+    }
+    let mut done = 0;
+    while done < pair.len {
+        let l = local.decode(lp.label.kind, pair.local + done)?;
+        let r = remote.decode(lp.label.kind, pair.remote + done)?;
+        let n = l.left.min(r.left).min(pair.len - done);
+        match (&l.meaning, &r.meaning) {
+            (None, None) => *padding += n,
+            (Some(lm), Some(rm)) if lm == rm && l.pos == r.pos => {
+                got.entry((local.rank, lm.clone())).or_default().push((l.pos, l.pos + n));
+            }
+            _ => {
+                return Err(format!(
+                    "bytes {}..{} land as {:?}@{} but hold {:?}@{}",
+                    done,
+                    done + n,
+                    l.meaning,
+                    l.pos,
+                    r.meaning,
+                    r.pos
+                ));
+            }
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+/// The meanings decode rank `d_rank` must receive, with their position ranges.
+fn expected(planner: &HybridPlanner, plan: &HybridPlan, d_rank: u32) -> Vec<(Meaning, Vec<(u64, u64)>)> {
+    let (p, d) = (&planner.p, &planner.d);
+    let tokens = u64::from(plan.tokens.p_computed_tokens);
+    let mut out = Vec::new();
+    if plan.blocks.full_hit() {
+        return out;
+    }
+    for (gi, grp) in d.groups.iter().enumerate() {
+        let (Some(local), Some(remote)) =
+            (plan.blocks.local_block_ids.get(gi), plan.blocks.remote_block_ids.get(gi))
+        else {
+            continue;
+        };
+        if local.is_empty() || remote.is_empty() {
+            continue;
+        }
+        match grp.kind {
+            GroupKind::State(_) => {
+                let Some(s) = &d.state else { continue };
+                for layer in &grp.layers {
+                    for part in &s.parts {
+                        let start = part.first_global_unit(d_rank) * part.unit_bytes;
+                        out.push((
+                            Meaning::State { layer: layer.name.clone(), part: part.part },
+                            vec![(start, start + part.len_bytes)],
+                        ));
+                    }
+                }
+            }
+            _ => {
+                let (bd, bp) = (u64::from(d.sizing.block_tokens), u64::from(p.sizing.block_tokens));
+                let (nd, np) = (tokens.div_ceil(bd), tokens.div_ceil(bp));
+                let d_first = (nd - local.len() as u64) * bd;
+                let p_first = (np - remote.len() as u64) * bp;
+                let (lo, hi) = (d_first.max(p_first), (nd * bd).min(np * bp));
+                if lo >= hi {
+                    continue;
+                }
+                let c = d.cell_bytes;
+                for layer in &grp.layers {
+                    for head in d.rank_heads(d_rank) {
+                        out.push((Meaning::Attn { layer: layer.name.clone(), head }, vec![(lo * c, hi * c)]));
+                    }
+                }
+            }
+        }
+    }
+    out
+}

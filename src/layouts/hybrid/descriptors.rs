@@ -1,0 +1,1288 @@
+//! The READs a decode rank posts for one request of a hybrid model, as vLLM 0.33's pull worker
+//! builds them: TP mapping per group, strided descriptor lists (attention pages; conv parts
+//! and SSM state per state region), descriptor ids per group, and the (local offset, remote
+//! offset, length) pairs in posting order. Also where those rules read bytes that are not
+//! what the decode rank needs, or outside what is registered ([`Finding`]).
+//!
+//! Rules (vLLM 0.33.0, `nixl/base_worker.py` unless named):
+//! - TP mapping (`tp_mapping.py`): attention reads one prefill rank when D >= P, else the
+//!   ranks of the slice deduplicated by KV head; state reads every prefill rank of the slice.
+//!   One READ per source rank, in rank order, each notifying `"<req>:<max(1, D/P)>"`.
+//! - Local rows (`_build_fa_local`, `_build_mamba_local`): one attention row per region at
+//!   the remote block granularity, then per state region one row per conv part and one for the
+//!   SSM state at `conv_bytes`. With P > D each source gets a split of every row
+//!   (`_build_local_splits_from_plan`): attention by its head slot, state by its position.
+//! - Remote rows (`_build_fa_remote`, `_build_mamba_remote`): attention at the decode rank's
+//!   head offset; conv parts at `remote_conv_offsets` (which assume every part is sharded
+//!   like `x`); the SSM state at `conv_remote + local_offset * ssm_local`.
+//! - Descriptor ids (`_compute_desc_ids`): without state, all groups' blocks over every
+//!   region when regions are shared (device), else each group over its own regions (host
+//!   buffer); with state, attention groups over every region at kernel granularity and state
+//!   groups over the state rows, past the attention descriptors.
+
+use std::fmt;
+
+use serde::Serialize;
+
+use super::blocks::{
+    ExchangedBlocks, NULL_BLOCK, TokenCounts, apply_prefix_caching, logical_to_kernel, map_block_size_ratio,
+};
+use super::error::{HybridError, RefusalKind};
+use super::geometry::{
+    ConvStateLayout, EngineConfig, EngineGeometry, KvBufferDevice, MemKind, Side, StatePart,
+};
+use super::model::HybridModel;
+use crate::layouts::Layout;
+use crate::layouts::plan::Pair;
+
+/// A P/D pair of one hybrid model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct PairConfig {
+    pub model: HybridModel,
+    pub p: EngineConfig,
+    pub d: EngineConfig,
+    /// vLLM's `enable_permute_local_kv` (`--permute`).
+    #[serde(default)]
+    pub permute_local_kv: bool,
+}
+
+/// What a descriptor row reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum RowKind {
+    /// A whole (kernel) attention page, or a head slice of it.
+    AttnPage,
+    /// A part of a state slot.
+    State(StatePart),
+}
+
+/// A descriptor row's label as the oracle writes it: `attn_page:region0`,
+/// `mamba_conv_x:region1`, `mamba_ssm:region0`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct RowLabel {
+    pub kind: RowKind,
+    pub region: u32,
+}
+
+impl fmt::Display for RowLabel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            RowKind::AttnPage => write!(f, "attn_page:region{}", self.region),
+            RowKind::State(p) => write!(f, "{}:region{}", p.label(), self.region),
+        }
+    }
+}
+
+/// One strided descriptor row (NIXL >= 1.5): `count` descriptors of `len` bytes, `stride`
+/// apart from `addr_off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct DescRow {
+    pub label: RowLabel,
+    pub addr_off: u64,
+    pub len: u64,
+    pub stride: u64,
+    pub count: u64,
+}
+
+/// A prepared descriptor list: rows in id order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DescList {
+    pub mem: MemKind,
+    pub rows: Vec<DescRow>,
+    #[serde(skip)]
+    starts: Vec<u64>,
+}
+
+impl DescList {
+    fn new(mem: MemKind, rows: Vec<DescRow>) -> Self {
+        let mut starts = Vec::with_capacity(rows.len());
+        let mut n = 0;
+        for r in &rows {
+            starts.push(n);
+            n += r.count;
+        }
+        DescList { mem, rows, starts }
+    }
+
+    /// Descriptors in the list.
+    pub fn len(&self) -> u64 {
+        self.rows.iter().map(|r| r.count).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The row and address of descriptor `id`.
+    pub fn resolve(&self, id: u64) -> Option<(RowLabel, u64, u64)> {
+        let i = self.starts.partition_point(|&s| s <= id).checked_sub(1)?;
+        let row = &self.rows[i];
+        let k = id - self.starts[i];
+        (k < row.count).then(|| (row.label, row.addr_off + k * row.stride, row.len))
+    }
+}
+
+/// How one decode rank maps onto prefill ranks (vLLM `TPMapping`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TpMapping {
+    /// Prefill ranks read, per group, in slot order.
+    pub source_ranks_per_group: Vec<Vec<u32>>,
+    /// Every prefill rank read (one READ each), ascending.
+    pub all_source_ranks: Vec<u32>,
+    /// `(prefill rank, attention head slot)`.
+    pub rank_to_attention_slot: Vec<(u32, u32)>,
+    /// Which head slice of a prefill block this rank reads when D > P.
+    pub rank_offset_factor: u32,
+    /// Notifications each prefill rank waits for.
+    pub local_consumers: u32,
+}
+
+/// vLLM's signed TP ratio from the decode side: `D/P` when D >= P, else `-(P/D)`.
+pub fn tp_ratio(p_tp: u32, d_tp: u32) -> i64 {
+    if d_tp >= p_tp { i64::from(d_tp / p_tp) } else { -i64::from(p_tp / d_tp) }
+}
+
+/// The prefill ranks decode rank `d_rank` handshakes with.
+pub fn handshake_ranks(p_tp: u32, d_tp: u32, d_rank: u32) -> Vec<u32> {
+    if d_tp >= p_tp {
+        vec![d_rank / (d_tp / p_tp)]
+    } else {
+        let k = p_tp / d_tp;
+        (d_rank * k..(d_rank + 1) * k).collect()
+    }
+}
+
+/// vLLM's `compute_tp_mapping` for a hybrid model (no MLA, no DCP).
+pub fn tp_mapping(p_tp: u32, d_tp: u32, d_rank: u32, total_heads: u32, group_is_state: &[bool]) -> TpMapping {
+    let head = |r: u32| u64::from(r) * u64::from(total_heads) / u64::from(p_tp);
+    let attn: Vec<u32> = if d_tp >= p_tp {
+        vec![d_rank * p_tp / d_tp]
+    } else {
+        let k = p_tp / d_tp;
+        let mut seen = Vec::new();
+        let mut out = Vec::new();
+        for r in d_rank * k..(d_rank + 1) * k {
+            if !seen.contains(&head(r)) {
+                seen.push(head(r));
+                out.push(r);
+            }
+        }
+        out
+    };
+    let has_state = group_is_state.iter().any(|&s| s);
+    let state: Vec<u32> = match (has_state, d_tp < p_tp) {
+        (false, _) => Vec::new(),
+        (true, true) => {
+            let k = p_tp / d_tp;
+            (d_rank * k..(d_rank + 1) * k).collect()
+        }
+        (true, false) => attn.clone(),
+    };
+    let mut all: Vec<u32> = attn.iter().chain(&state).copied().collect();
+    all.sort_unstable();
+    all.dedup();
+    let slot_of_head = |h: u64| attn.iter().position(|&r| head(r) == h).map_or(0, |i| i as u32);
+    let rank_offset_factor = if d_tp <= p_tp {
+        0
+    } else if d_tp > total_heads {
+        let remote = d_rank * p_tp / d_tp;
+        let local_head = u64::from(d_rank) * u64::from(total_heads) / u64::from(d_tp);
+        u32::try_from(local_head - head(remote)).unwrap_or(0)
+    } else {
+        d_rank % (d_tp / p_tp)
+    };
+    TpMapping {
+        source_ranks_per_group: group_is_state
+            .iter()
+            .map(|&s| if s { state.clone() } else { attn.clone() })
+            .collect(),
+        rank_to_attention_slot: all.iter().map(|&r| (r, slot_of_head(head(r)))).collect(),
+        all_source_ranks: all,
+        rank_offset_factor,
+        local_consumers: if d_tp >= p_tp { d_tp / p_tp } else { 1 },
+    }
+}
+
+/// One descriptor pair of a READ: `len` bytes at `remote` (prefill rank) to `local` (decode
+/// rank), offsets from each rank's registered memory base, with what it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LabeledPair {
+    /// The local row's label.
+    pub label: RowLabel,
+    /// The KV cache group whose block this is.
+    pub group: u32,
+    pub pair: Pair,
+    /// Kernel block ids on both sides.
+    pub local_block: u64,
+    pub remote_block: u64,
+}
+
+/// One READ: every pair a decode rank reads from one prefill rank, in posting order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HybridRead {
+    pub p_rank: u32,
+    pub notif_msg: String,
+    pub pairs: Vec<LabeledPair>,
+}
+
+/// Something vLLM 0.33's rules do that moves the wrong bytes or reaches outside registered
+/// memory. kvx plans as vLLM does and says so.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum Finding {
+    /// A descriptor reaches outside every memory registration of its rank.
+    OutsideRegistration { d_rank: u32, p_rank: u32, side: Side, label: String, off: u64, len: u64 },
+    /// A state row reads bytes that are not the decode rank's slice of that part (Mamba2 with
+    /// `n_groups` below TP: B and C are replicated, but the remote conv offsets assume they are
+    /// sharded like `x`).
+    StateSliceMisread { d_rank: u32, p_rank: u32, part: String, reads: String },
+    /// Host buffer with a padded state page: host tensors hold unpadded pages while regions
+    /// use the padded page as block length and stride, so block `b` sits `b * padding_bytes`
+    /// off and the last block runs past the tensor.
+    HostStatePagePadded { side: Side, real_page_bytes: u64, padded_page_bytes: u64 },
+    /// Host buffer with several groups: the host-to-device copy passes every group's block
+    /// ids through every layer in group order, so a later group's layer, aliasing the same
+    /// device memory, overwrites blocks with host bytes it never received.
+    HostCopyOverwrites { d_rank: u32, group: u32, lost_blocks: u64, blocks: u64 },
+    /// A READ reads prefill's null block (id 0).
+    NullBlockRead { d_rank: u32, p_rank: u32, group: u32 },
+    /// An attention group's first decode block receives prefill tokens from another position:
+    /// with a block-size ratio and a decode prefix hit, prefill's list is trimmed to the count of
+    /// decode sub-blocks, which includes the unfilled tail of decode's last block, so every token
+    /// lands `local_token - remote_token` positions off.
+    AttentionTokensShifted { d_rank: u32, p_rank: u32, group: u32, local_token: u64, remote_token: u64 },
+}
+
+/// The plan of one decode rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DRankPlan {
+    pub d_rank: u32,
+    pub handshake_ranks: Vec<u32>,
+    pub mapping: TpMapping,
+    pub reads: Vec<HybridRead>,
+    /// Notification-only messages (full prefix hit): `(prefill rank, message)`.
+    pub notifs_only: Vec<(u32, String)>,
+}
+
+impl DRankPlan {
+    pub fn descriptor_count(&self) -> usize {
+        self.reads.iter().map(|r| r.pairs.len()).sum()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.reads.iter().flat_map(|r| &r.pairs).map(|p| p.pair.len).sum()
+    }
+
+    /// Bytes read per group.
+    pub fn bytes_by_group(&self, groups: usize) -> Vec<u64> {
+        let mut out = vec![0; groups];
+        for p in self.reads.iter().flat_map(|r| &r.pairs) {
+            if let Some(b) = out.get_mut(p.group as usize) {
+                *b += p.pair.len;
+            }
+        }
+        out
+    }
+}
+
+/// A host-buffer copy (`save_kv_to_host` on prefill, `sync_recved_kv_to_device` on decode):
+/// the (kernel) block ids of every group, copied through every layer, in layer order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HostCopy {
+    pub layers_in_copy_order: Vec<String>,
+    pub block_ids: Vec<u64>,
+}
+
+/// The request, as the oracle's cases give it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct HybridRequest {
+    pub prompt_tokens: u32,
+    /// Prefill's block lists at `request_finished`, one per group, nulls included.
+    pub p_raw_block_ids: Vec<Vec<u32>>,
+    /// Decode's newly allocated (unhashed) blocks, one per group.
+    pub d_raw_unhashed_block_ids: Vec<Vec<u32>>,
+    /// Tokens decode already holds (its local prefix hit).
+    #[serde(default)]
+    pub d_hit_tokens: u32,
+}
+
+/// What clipping left of one group's blocks at prefill's exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct GroupClipping {
+    pub group: u32,
+    /// Blocks in prefill's list before clipping (nulls included).
+    pub raw_blocks: u64,
+    /// Blocks prefill sends.
+    pub sent_blocks: u64,
+}
+
+/// Everything planned for one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HybridPlan {
+    pub tokens: TokenCounts,
+    pub blocks: ExchangedBlocks,
+    /// Per group: blocks before and after the window and state-slot clipping.
+    pub clipping: Vec<GroupClipping>,
+    pub d_ranks: Vec<DRankPlan>,
+    /// Prefill's device-to-host copy (host buffer only).
+    pub p_save_to_host: Option<HostCopy>,
+    /// Decode's host-to-device copy (host buffer only).
+    pub d_sync_to_device: Option<HostCopy>,
+    pub findings: Vec<Finding>,
+}
+
+/// What one decode rank prepares at handshake time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DRankSetup {
+    pub d_rank: u32,
+    pub handshake_ranks: Vec<u32>,
+    pub mapping: TpMapping,
+    /// Local rows at decode's own block size (what it registers first).
+    pub local: DescList,
+    /// Local rows the READs use: one list, or one split per source rank (P > D).
+    pub local_for_source: Vec<DescList>,
+    /// Remote rows (the same for every prefill rank, relative to its base).
+    pub remote: DescList,
+}
+
+/// Plans requests for every decode rank of a pair; build once (the handshake), plan many.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HybridPlanner {
+    pub config: PairConfig,
+    pub p: EngineGeometry,
+    pub d: EngineGeometry,
+    pub tp_ratio: i64,
+    /// Decode kernel block / prefill kernel block.
+    pub block_size_ratio: u32,
+    pub d_ranks: Vec<DRankSetup>,
+    /// Findings that hold for every request (slice misreads, host page padding).
+    pub findings: Vec<Finding>,
+}
+
+fn region_sizes(g: &EngineGeometry) -> Vec<u64> {
+    g.regions.iter().map(|r| r.num_blocks).collect()
+}
+
+impl HybridPlanner {
+    /// Builds both engines and every decode rank's descriptor lists, or vLLM's refusal.
+    pub fn new(config: &PairConfig) -> Result<Self, HybridError> {
+        let model = &config.model;
+        let p = EngineGeometry::new(model, &config.p, Side::Prefill)?;
+        let d = EngineGeometry::new(model, &config.d, Side::Decode)?;
+        let ratio = check_pair(config, &p, &d)?;
+        let bsr = d.kernel_block_tokens / p.kernel_block_tokens;
+        let is_state: Vec<bool> = d.groups.iter().map(|g| g.kind.is_state()).collect();
+        let mut d_ranks = Vec::new();
+        for d_rank in 0..config.d.tp {
+            let mapping =
+                tp_mapping(config.p.tp, config.d.tp, d_rank, model.attention.num_kv_heads, &is_state);
+            if ratio < 0 && bsr != 1 {
+                let fa = is_state.iter().position(|&s| !s).unwrap_or(0);
+                if mapping.source_ranks_per_group[fa].len() > 1 {
+                    return Err(HybridError::refused(
+                        RefusalKind::HeadShardedBlockSizes,
+                        "Head-sharded attention reads with P_TP > D_TP and heterogeneous block sizes are not supported",
+                        "nixl/base_worker.py:323 (_build_local_splits_from_plan)",
+                        "--d-tp",
+                        format!(
+                            "decode rank {d_rank} would gather {} attention heads from different prefill ranks \
+                             into {}-token blocks from {}-token ones; use equal TP sizes or TP sizes with equal \
+                             hybrid block sizes",
+                            mapping.source_ranks_per_group[fa].len(),
+                            d.kernel_block_tokens,
+                            p.kernel_block_tokens
+                        ),
+                    ));
+                }
+            }
+            d_ranks.push(build_rank(&p, &d, d_rank, ratio, bsr, mapping));
+        }
+        let mut planner = HybridPlanner {
+            config: config.clone(),
+            p,
+            d,
+            tp_ratio: ratio,
+            block_size_ratio: bsr,
+            d_ranks,
+            findings: Vec::new(),
+        };
+        planner.findings = planner.static_findings();
+        Ok(planner)
+    }
+
+    fn static_findings(&self) -> Vec<Finding> {
+        let mut out = Vec::new();
+        for g in [&self.p, &self.d] {
+            if g.config.kv_buffer_device == KvBufferDevice::Cpu
+                && let Some(real) = g.sizing.state_page_bytes
+                && real != g.sizing.page_bytes
+            {
+                out.push(Finding::HostStatePagePadded {
+                    side: g.side,
+                    real_page_bytes: real,
+                    padded_page_bytes: g.sizing.page_bytes,
+                });
+            }
+        }
+        let (Some(ps), Some(ds)) = (&self.p.state, &self.d.state) else { return out };
+        for setup in &self.d_ranks {
+            for (i, &p_rank) in setup.mapping.all_source_ranks.iter().enumerate() {
+                let local = &setup.local_for_source[i.min(setup.local_for_source.len() - 1)];
+                let state_rows = |l: &DescList| -> Vec<DescRow> {
+                    l.rows.iter().filter(|r| matches!(r.label.kind, RowKind::State(_))).copied().collect()
+                };
+                let (lrows, rrows) = (state_rows(local), state_rows(&setup.remote));
+                let mut reported: Vec<RowKind> = Vec::new();
+                for (lr, rr) in lrows.iter().zip(&rrows) {
+                    let (Some(lregion), Some(rregion)) = (
+                        self.d.regions.get(lr.label.region as usize),
+                        self.p.regions.get(rr.label.region as usize),
+                    ) else {
+                        continue;
+                    };
+                    // Offsets inside the page: every row starts at its region's block 0.
+                    let want = ds.global_span(setup.d_rank, lr.addr_off - lregion.base_off, lr.len);
+                    let got = ps.global_span(p_rank, rr.addr_off - rregion.base_off, rr.len);
+                    if (want != got || want.is_none()) && !reported.contains(&lr.label.kind) {
+                        reported.push(lr.label.kind);
+                        let part = match lr.label.kind {
+                            RowKind::State(p) => p.label(),
+                            RowKind::AttnPage => "attn".into(),
+                        };
+                        out.push(Finding::StateSliceMisread {
+                            d_rank: setup.d_rank,
+                            p_rank,
+                            part,
+                            reads: format!(
+                                "needs {}, reads {}",
+                                describe_span(want.as_ref()),
+                                describe_span(got.as_ref())
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Plans one request for every decode rank.
+    pub fn plan(&self, request: &HybridRequest, p_request_id: &str) -> Result<HybridPlan, HybridError> {
+        if request.d_hit_tokens > 0 && !self.config.d.prefix_caching {
+            return Err(HybridError::request(
+                "--prefix-hit",
+                "decode cannot hold a prefix-cache hit with prefix caching off",
+            ));
+        }
+        let tokens = TokenCounts::new(self.d.has_state(), request.prompt_tokens, request.d_hit_tokens);
+        let blocks = ExchangedBlocks::new(
+            &self.p.groups,
+            self.p.sizing.block_tokens,
+            self.d.sizing.block_tokens,
+            &request.p_raw_block_ids,
+            &request.d_raw_unhashed_block_ids,
+            tokens.d_external_tokens,
+        )?;
+        self.check_pools(&blocks)?;
+        let mut findings = self.findings.clone();
+        let mut d_ranks = Vec::with_capacity(self.d_ranks.len());
+        for setup in &self.d_ranks {
+            d_ranks.push(self.plan_rank(
+                setup,
+                &blocks,
+                tokens.p_computed_tokens,
+                p_request_id,
+                &mut findings,
+            )?);
+        }
+        let (mut p_save, mut d_sync) = (None, None);
+        if self.p.config.kv_buffer_device == KvBufferDevice::Cpu {
+            let saved = super::blocks::clip_for_exchange(
+                &self.p.groups,
+                self.p.sizing.block_tokens,
+                &request.p_raw_block_ids,
+                false,
+            )?;
+            p_save = Some(HostCopy {
+                layers_in_copy_order: self.p.host_slots.iter().map(|s| s.layer.clone()).collect(),
+                block_ids: logical_to_kernel(&self.p.groups, &saved, self.p.physical_per_logical).concat(),
+            });
+        }
+        if self.d.config.kv_buffer_device == KvBufferDevice::Cpu && !blocks.full_hit() {
+            d_sync = Some(HostCopy {
+                layers_in_copy_order: self.d.host_slots.iter().map(|s| s.layer.clone()).collect(),
+                block_ids: logical_to_kernel(
+                    &self.d.groups,
+                    &blocks.local_block_ids,
+                    self.d.physical_per_logical,
+                )
+                .concat(),
+            });
+            for rank in &d_ranks {
+                findings.extend(self.host_copy_losses(rank, &blocks));
+            }
+        }
+        let clipping = (0u32..)
+            .zip(request.p_raw_block_ids.iter().zip(&blocks.remote_block_ids))
+            .map(|(group, (raw, sent))| GroupClipping {
+                group,
+                raw_blocks: raw.len() as u64,
+                sent_blocks: sent.len() as u64,
+            })
+            .collect();
+        Ok(HybridPlan {
+            tokens,
+            blocks,
+            clipping,
+            d_ranks,
+            p_save_to_host: p_save,
+            d_sync_to_device: d_sync,
+            findings,
+        })
+    }
+
+    fn check_pools(&self, blocks: &ExchangedBlocks) -> Result<(), HybridError> {
+        let check = |lists: &[Vec<u32>], pool: u32, flag: &str, who: &str| -> Result<(), HybridError> {
+            match lists.iter().flatten().find(|&&b| b >= pool) {
+                Some(b) => Err(HybridError::request(
+                    flag,
+                    format!("{who} block id {b} is outside the {who} pool of {pool} blocks"),
+                )),
+                None => Ok(()),
+            }
+        };
+        check(&blocks.remote_block_ids, self.config.p.num_blocks, "--p-num-blocks", "prefill")?;
+        check(&blocks.local_block_ids, self.config.d.num_blocks, "--d-num-blocks", "decode")
+    }
+
+    fn plan_rank(
+        &self,
+        setup: &DRankSetup,
+        blocks: &ExchangedBlocks,
+        computed_tokens: u32,
+        p_request_id: &str,
+        findings: &mut Vec<Finding>,
+    ) -> Result<DRankPlan, HybridError> {
+        let m = &setup.mapping;
+        let notif = format!("{p_request_id}:{}", m.local_consumers);
+        let mut reads = Vec::new();
+        let mut notifs_only = Vec::new();
+        let groups = &self.d.groups;
+        let has_state = self.d.has_state();
+        if blocks.full_hit() {
+            notifs_only = m.all_source_ranks.iter().map(|&r| (r, notif.clone())).collect();
+            return Ok(DRankPlan {
+                d_rank: setup.d_rank,
+                handshake_ranks: setup.handshake_ranks.clone(),
+                mapping: m.clone(),
+                reads,
+                notifs_only,
+            });
+        }
+        let local_k = logical_to_kernel(groups, &blocks.local_block_ids, self.d.physical_per_logical);
+        let remote_k = logical_to_kernel(groups, &blocks.remote_block_ids, self.p.physical_per_logical);
+        for (i, &p_rank) in m.all_source_ranks.iter().enumerate() {
+            let keep =
+                |lists: &[Vec<u64>]| -> Vec<Vec<u64>> {
+                    lists
+                        .iter()
+                        .enumerate()
+                        .map(|(g, l)| {
+                            if m.source_ranks_per_group[g].contains(&p_rank) { l.clone() } else { Vec::new() }
+                        })
+                        .collect()
+                };
+            let (mut local, remote) = (keep(&local_k), keep(&remote_k));
+            if self.block_size_ratio > 1 {
+                local = map_block_size_ratio(groups, &local, self.block_size_ratio);
+                for ((l, r), g) in local.iter_mut().zip(&remote).zip(groups) {
+                    if g.kind.is_attention() {
+                        l.truncate(r.len());
+                    }
+                }
+            }
+            if local.iter().all(Vec::is_empty) {
+                notifs_only.push((p_rank, notif.clone()));
+                continue;
+            }
+            let (local, remote) = apply_prefix_caching(
+                groups,
+                has_state,
+                &local,
+                &remote,
+                self.d.physical_per_logical,
+                self.p.physical_per_logical,
+            )?;
+            findings.extend(self.token_shifts(
+                setup.d_rank,
+                p_rank,
+                blocks,
+                &remote_k,
+                &local,
+                &remote,
+                computed_tokens,
+            ));
+            let rids = desc_ids(&self.p, &remote, 1);
+            let lids = desc_ids(&self.d, &local, self.block_size_ratio);
+            if rids.len() != lids.len() {
+                return Err(HybridError::request(
+                    "--scenario",
+                    format!(
+                        "decode rank {} from prefill rank {p_rank}: {} local and {} remote descriptors \
+                         (vLLM asserts they match)",
+                        setup.d_rank,
+                        lids.len(),
+                        rids.len()
+                    ),
+                ));
+            }
+            let llist = &setup.local_for_source[i.min(setup.local_for_source.len() - 1)];
+            let mut pairs = Vec::with_capacity(lids.len());
+            for (&(g, lb, lid), &(_, rb, rid)) in lids.iter().zip(&rids) {
+                let (Some((label, loff, llen)), Some((_, roff, rlen))) =
+                    (llist.resolve(lid), setup.remote.resolve(rid))
+                else {
+                    return Err(HybridError::request(
+                        "--scenario",
+                        format!("descriptor id {lid} or {rid} outside the prepared lists"),
+                    ));
+                };
+                if llen != rlen {
+                    return Err(HybridError::request(
+                        "--scenario",
+                        format!("descriptor lengths differ ({label}: local {llen}, remote {rlen})"),
+                    ));
+                }
+                if rb == u64::from(NULL_BLOCK)
+                    && !findings.iter().any(|f| {
+                        matches!(f, Finding::NullBlockRead { d_rank, p_rank: pr, group }
+                        if *d_rank == setup.d_rank && *pr == p_rank && *group == g)
+                    })
+                {
+                    findings.push(Finding::NullBlockRead { d_rank: setup.d_rank, p_rank, group: g });
+                }
+                for (side, geo, off) in [(Side::Decode, &self.d, loff), (Side::Prefill, &self.p, roff)] {
+                    if !geo.registered(geo.mem(), off, llen) {
+                        findings.push(Finding::OutsideRegistration {
+                            d_rank: setup.d_rank,
+                            p_rank,
+                            side,
+                            label: label.to_string(),
+                            off,
+                            len: llen,
+                        });
+                    }
+                }
+                pairs.push(LabeledPair {
+                    label,
+                    group: g,
+                    pair: Pair { local: loff, remote: roff, len: llen },
+                    local_block: lb,
+                    remote_block: rb,
+                });
+            }
+            reads.push(HybridRead { p_rank, notif_msg: notif.clone(), pairs });
+        }
+        Ok(DRankPlan {
+            d_rank: setup.d_rank,
+            handshake_ranks: setup.handshake_ranks.clone(),
+            mapping: m.clone(),
+            reads,
+            notifs_only,
+        })
+    }
+
+    /// Attention groups whose first paired blocks hold different token positions. A group's
+    /// list is the tail of the blocks covering the computed tokens; trimming only shortens
+    /// decode's list at its end, prefill's at either end.
+    #[expect(clippy::too_many_arguments, reason = "the lists of one READ at each stage")]
+    fn token_shifts(
+        &self,
+        d_rank: u32,
+        p_rank: u32,
+        blocks: &ExchangedBlocks,
+        remote_k: &[Vec<u64>],
+        local: &[Vec<u64>],
+        remote: &[Vec<u64>],
+        computed_tokens: u32,
+    ) -> Vec<Finding> {
+        let (p, d) = (&self.p, &self.d);
+        let tokens = u64::from(computed_tokens);
+        let mut out = Vec::new();
+        for (gi, grp) in d.groups.iter().enumerate() {
+            if grp.kind.is_state() || local[gi].is_empty() {
+                continue;
+            }
+            let (Some(&r0), Some(ld)) = (remote[gi].first(), blocks.local_block_ids.get(gi)) else {
+                continue;
+            };
+            let (bd, bp) = (u64::from(d.sizing.block_tokens), u64::from(p.sizing.block_tokens));
+            let d_first = tokens.div_ceil(bd).saturating_sub(ld.len() as u64) * bd;
+            let lp = blocks.remote_block_ids[gi].len() as u64;
+            let pos = remote_k[gi].iter().position(|&b| b == r0).unwrap_or(0) as u64;
+            let p_first = (tokens.div_ceil(bp).saturating_sub(lp) * u64::from(p.physical_per_logical) + pos)
+                * u64::from(p.kernel_block_tokens);
+            if d_first != p_first {
+                out.push(Finding::AttentionTokensShifted {
+                    d_rank,
+                    p_rank,
+                    group: grp.index,
+                    local_token: d_first,
+                    remote_token: p_first,
+                });
+            }
+        }
+        out
+    }
+
+    /// Host buffer: which decode blocks the host-to-device copy overwrites with bytes the
+    /// host layer never received (the last layer copied at a device region wins).
+    fn host_copy_losses(&self, rank: &DRankPlan, blocks: &ExchangedBlocks) -> Vec<Finding> {
+        let d = &self.d;
+        // (host region, block) pairs some READ wrote.
+        let mut written = std::collections::HashSet::new();
+        for p in rank.reads.iter().flat_map(|r| &r.pairs) {
+            written.insert((p.label.region, p.local_block));
+        }
+        let region_of = |layer: &str| d.regions.iter().find(|r| r.name == layer).map(|r| r.index);
+        let mut out = Vec::new();
+        for (g, ids) in d.groups.iter().zip(&blocks.local_block_ids) {
+            let mut lost = 0;
+            for &b in ids {
+                let kb = u64::from(b) * if g.kind.is_state() { 1 } else { u64::from(d.physical_per_logical) };
+                let mut bad = false;
+                for k in 0..u32::try_from(g.layers.len()).unwrap_or(0) {
+                    // The last layer at device position k in copy order writes last.
+                    let last = d.host_slots.iter().rev().find(|s| s.position == k);
+                    // Its host bytes are right only if a READ wrote them (device memory is
+                    // aliased, so any group's layer at this position carries the same page).
+                    let ok =
+                        last.is_some_and(|s| region_of(&s.layer).is_some_and(|r| written.contains(&(r, kb))));
+                    bad |= !ok;
+                }
+                lost += u64::from(bad);
+            }
+            if lost > 0 {
+                out.push(Finding::HostCopyOverwrites {
+                    d_rank: rank.d_rank,
+                    group: g.index,
+                    lost_blocks: lost,
+                    blocks: ids.len() as u64,
+                });
+            }
+        }
+        out
+    }
+}
+
+fn describe_span(s: Option<&(StatePart, u64, u64)>) -> String {
+    match s {
+        Some((part, first, n)) => {
+            format!("{} bytes {first}..{} of the model's part", part.label(), first + n)
+        }
+        None => "bytes across parts or outside the state".into(),
+    }
+}
+
+/// vLLM's pair-level checks, in the order vLLM makes them; returns the TP ratio.
+fn check_pair(config: &PairConfig, p: &EngineGeometry, d: &EngineGeometry) -> Result<i64, HybridError> {
+    let has_state = d.has_state();
+    for (g, side) in [(d, Side::Decode), (p, Side::Prefill)] {
+        if has_state && g.config.conv_state_layout == ConvStateLayout::Sd {
+            return Err(HybridError::refused(
+                RefusalKind::ConvStateLayout,
+                "3-read Mamba conv transfer requires DS conv state layout. Set VLLM_SSM_CONV_STATE_LAYOUT=DS",
+                "nixl/base_worker.py:705 (NixlBaseConnectorWorker.__init__)",
+                "--conv-state-layout",
+                format!("set VLLM_SSM_CONV_STATE_LAYOUT=DS on the {} engine", side.prefix()),
+            ));
+        }
+        if g.config.pp > 1 {
+            return Err(HybridError::refused(
+                RefusalKind::PipelineParallel,
+                "NixlConnector (pull) does not support pipeline_parallel_size > 1 with hybrid KV cache \
+                 layouts (HMA); use NixlPushConnector for PP + HMA.",
+                "nixl/base_worker.py:872",
+                format!("--{}-pp", side.prefix()),
+                "use pipeline-parallel size 1 (hybrid models always use HMA)",
+            ));
+        }
+    }
+    let (pt, dt) = (config.p.tp, config.d.tp);
+    if dt >= pt && !dt.is_multiple_of(pt) {
+        return Err(HybridError::refused(
+            RefusalKind::TpNotDivisible,
+            format!("Local tensor parallel size {dt} is not divisible by remote tensor parallel size {pt}."),
+            "kv_connector/utils.py:530 (TransferTopology.tp_ratio)",
+            "--d-tp",
+            "use TP sizes that divide each other",
+        ));
+    }
+    if pt > dt && !pt.is_multiple_of(dt) {
+        return Err(HybridError::refused(
+            RefusalKind::TpNotDivisible,
+            format!("Remote tensor parallel size {pt} is not divisible by local tensor parallel size {dt}."),
+            "kv_connector/utils.py:535 (TransferTopology.tp_ratio)",
+            "--d-tp",
+            "use TP sizes that divide each other",
+        ));
+    }
+    let ratio = tp_ratio(pt, dt);
+    let (lk, rk) = (d.kernel_block_tokens, p.kernel_block_tokens);
+    if !lk.is_multiple_of(rk) {
+        let common = d.sizing.block_tokens.max(p.sizing.block_tokens);
+        return Err(HybridError::refused(
+            RefusalKind::BlockSizeNotDivisible,
+            format!("Local block size {lk} is not divisible by remote block size {rk} or vice versa."),
+            "kv_connector/utils.py:543 (TransferTopology.block_size_ratio)",
+            "--block-size",
+            format!(
+                "the hybrid block size follows TP ({rk} tokens at prefill TP {pt}, {lk} at decode TP {dt}); \
+                 choose TP sizes whose block sizes divide, or set --block-size {common} on both engines"
+            ),
+        ));
+    }
+    let bsr = lk / rk;
+    let h = config.model.attention.num_kv_heads;
+    if !has_state && ratio < 0 && pt > h {
+        return Err(HybridError::refused(
+            RefusalKind::ReplicatedKvPrefillAboveDecode,
+            "assert not (tp_ratio < 0 and self.transfer_topo.is_kv_replicated(remote_engine_id))",
+            "nixl/base_worker.py:2728 (_validate_remote_agent_handshake)",
+            "--p-tp",
+            format!(
+                "with prefill TP {pt} above the model's {h} KV heads, decode TP must be at least prefill TP"
+            ),
+        ));
+    }
+    if has_state && config.d.prefix_caching && p.physical_per_logical != d.physical_per_logical {
+        return Err(HybridError::refused(
+            RefusalKind::PrefixCachingKernelBlocks,
+            format!(
+                "Prefix caching with heterogeneous physical_blocks_per_logical is not supported for Mamba hybrid \
+                 models. Local: {}, Remote: {}. Disable prefix caching with --disable-prefix-caching.",
+                d.physical_per_logical, p.physical_per_logical
+            ),
+            "nixl/base_worker.py:2766",
+            "--no-prefix-caching",
+            "disable prefix caching, or use the same kernel block size per logical block on both engines",
+        ));
+    }
+    if bsr != 1 && config.d.kv_buffer_device == KvBufferDevice::Cpu {
+        return Err(HybridError::refused(
+            RefusalKind::HostBufferBlockSizes,
+            "Heterogeneous block sizes are not supported with host buffer",
+            "nixl/base_worker.py:2785",
+            "--kv-buffer-device",
+            format!("use --kv-buffer-device cuda, or TP sizes with equal block sizes ({rk} vs {lk} tokens)"),
+        ));
+    }
+    let (ll, rl) = (config.d.layout, config.p.layout);
+    if ll != rl {
+        if config.permute_local_kv && rl == Layout::Lbhnc && ll == Layout::Lbnhc {
+            return Err(HybridError::refused(
+                RefusalKind::PermuteWithHma,
+                "HMA does not support block size post processing",
+                "nixl/base_worker.py:2803",
+                "--permute",
+                "hybrid models always use HMA: use the same layout (LBHNC) on both engines without --permute",
+            ));
+        }
+        return Err(HybridError::refused(
+            RefusalKind::LayoutMismatch,
+            format!(
+                "Heterogeneous TP expects same kv_cache_layout (local {}, remote {}). Or enable experimental \
+                 feature to receive LBHNC into a local LBNHC cache by setting 'enable_permute_local_kv'=True in \
+                 --kv-transfer-config.",
+                ll.vllm_name(),
+                rl.vllm_name()
+            ),
+            "nixl/base_worker.py:2808",
+            "--d-layout",
+            "use the same layout on both engines",
+        ));
+    }
+    if ratio.abs() != 1 && pt <= h && !ll.heads_contiguous() {
+        return Err(HybridError::refused(
+            RefusalKind::NonContiguousHeads,
+            "Heterogeneous TP head-dimension splitting requires contiguous heads. Use a block-contiguous layout \
+             (e.g. LBHNC) on the prefill side.",
+            "nixl/base_worker.py:2841",
+            "--layout",
+            "use LBHNC, or equal TP sizes",
+        ));
+    }
+    if !has_state && ratio < 0 && bsr != 1 {
+        return Err(HybridError::refused(
+            RefusalKind::HeadShardedBlockSizes,
+            "Different local/remote block sizes are not supported when P TP > D TP.",
+            "nixl/base_worker.py:2914 (_validate_remote_agent_handshake)",
+            "--block-size",
+            "use the same block size on both engines when prefill TP exceeds decode TP",
+        ));
+    }
+    Ok(ratio)
+}
+
+/// vLLM's `_block_strided_descs`: `num_blocks` blocks split in `bsr` sub-blocks each.
+fn block_rows(
+    label: RowLabel,
+    base: u64,
+    sub_len: u64,
+    stride: u64,
+    num_blocks: u64,
+    bsr: u64,
+) -> Vec<DescRow> {
+    if bsr == 1 || stride == bsr * sub_len {
+        vec![DescRow { label, addr_off: base, len: sub_len, stride: stride / bsr, count: num_blocks * bsr }]
+    } else {
+        (0..num_blocks)
+            .map(|b| DescRow {
+                label,
+                addr_off: base + b * stride,
+                len: sub_len,
+                stride: sub_len,
+                count: bsr,
+            })
+            .collect()
+    }
+}
+
+/// Local rows of a decode rank at `bsr` sub-blocks per block: attention, then state.
+fn local_rows(d: &EngineGeometry, bsr: u64) -> Vec<DescRow> {
+    let mut rows = Vec::new();
+    for r in &d.regions {
+        let label = RowLabel { kind: RowKind::AttnPage, region: r.index };
+        rows.extend(block_rows(label, r.base_off, r.block_len / bsr, r.block_stride, r.num_blocks, bsr));
+    }
+    if let Some(s) = &d.state {
+        let ppl = u64::from(d.physical_per_logical);
+        for r in d.regions.iter().filter(|r| r.holds_state) {
+            for part in &s.parts {
+                rows.push(DescRow {
+                    label: RowLabel { kind: RowKind::State(part.part), region: r.index },
+                    addr_off: r.base_off + part.offset_bytes,
+                    len: part.len_bytes,
+                    stride: r.block_stride * ppl,
+                    count: d.num_blocks(),
+                });
+            }
+        }
+    }
+    rows
+}
+
+/// vLLM's `remote_conv_offsets`: where decode's slice of each conv part sits in a prefill
+/// page, assuming every part is sharded like `x`.
+fn remote_conv_offsets(
+    d_parts: &[(StatePart, u64)],
+    local_offset: u64,
+    ratio: i64,
+) -> Vec<(StatePart, u64, u64)> {
+    let mut out = Vec::new();
+    let mut base = 0;
+    for &(part, size) in d_parts {
+        if ratio >= 1 {
+            out.push((part, base + local_offset * size, size));
+            base += size * ratio.unsigned_abs();
+        } else {
+            let s = size / ratio.unsigned_abs();
+            out.push((part, base, s));
+            base += s;
+        }
+    }
+    out
+}
+
+fn build_rank(
+    p: &EngineGeometry,
+    d: &EngineGeometry,
+    d_rank: u32,
+    ratio: i64,
+    bsr: u32,
+    m: TpMapping,
+) -> DRankSetup {
+    let bsr64 = u64::from(bsr);
+    let local = DescList::new(d.mem(), local_rows(d, 1));
+    let at_remote = DescList::new(d.mem(), local_rows(d, bsr64));
+    let fa = d.groups.iter().position(|g| g.kind.is_attention()).unwrap_or(0);
+    let st = d.groups.iter().position(|g| g.kind.is_state());
+    let fa_splits = m.source_ranks_per_group[fa].len().max(1) as u64;
+    let local_for_source = if ratio < 0 {
+        let ssm_splits = st.map_or(1, |s| m.source_ranks_per_group[s].len().max(1)) as u64;
+        m.all_source_ranks
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| {
+                let slot = m.rank_to_attention_slot.iter().find(|(x, _)| *x == r).map_or(0, |&(_, s)| s);
+                let rows = at_remote
+                    .rows
+                    .iter()
+                    .map(|row| {
+                        let mut row = *row;
+                        match row.label.kind {
+                            RowKind::AttnPage => {
+                                row.len /= fa_splits;
+                                row.addr_off += u64::from(slot) * row.len;
+                            }
+                            RowKind::State(_) => {
+                                row.len /= ssm_splits;
+                                row.addr_off += i as u64 * row.len;
+                            }
+                        }
+                        row
+                    })
+                    .collect();
+                DescList::new(d.mem(), rows)
+            })
+            .collect()
+    } else {
+        vec![at_remote]
+    };
+    // Remote rows, from this decode rank's point of view.
+    let mut rows = Vec::new();
+    for (lr, rr) in d.regions.iter().zip(&p.regions) {
+        let mut len = lr.block_len;
+        let remote_kv_block_len = len / bsr64;
+        if bsr64 > 1 {
+            len = remote_kv_block_len;
+        }
+        let offset = u64::from(m.rank_offset_factor) * remote_kv_block_len;
+        rows.push(DescRow {
+            label: RowLabel { kind: RowKind::AttnPage, region: rr.index },
+            addr_off: rr.base_off + offset,
+            len: len / fa_splits,
+            stride: rr.block_stride,
+            count: rr.num_blocks,
+        });
+    }
+    if let (Some(ds), Some(ps)) = (&d.state, &p.state) {
+        let local_offset = u64::from(d_rank) % u64::try_from(ratio.max(1)).unwrap_or(1);
+        let parts: Vec<(StatePart, u64)> = ds.conv_parts().map(|x| (x.part, x.len_bytes)).collect();
+        let conv = remote_conv_offsets(&parts, local_offset, ratio);
+        let ssm_read = if ratio >= 1 { ds.ssm_bytes } else { ps.ssm_bytes };
+        let ppl = u64::from(p.physical_per_logical);
+        // vLLM indexes the remote regions with the decode side's state region indices.
+        for idx in d.state_region_indices() {
+            let Some(r) = p.regions.get(idx as usize) else { continue };
+            let stride = r.block_stride * ppl;
+            for &(part, off, size) in &conv {
+                rows.push(DescRow {
+                    label: RowLabel { kind: RowKind::State(part), region: r.index },
+                    addr_off: r.base_off + off,
+                    len: size,
+                    stride,
+                    count: p.num_blocks(),
+                });
+            }
+            rows.push(DescRow {
+                label: RowLabel { kind: RowKind::State(StatePart::Ssm), region: r.index },
+                addr_off: r.base_off + ps.conv_bytes + local_offset * ssm_read,
+                len: ssm_read,
+                stride,
+                count: p.num_blocks(),
+            });
+        }
+    }
+    DRankSetup {
+        d_rank,
+        handshake_ranks: handshake_ranks(p.config.tp, d.config.tp, d_rank),
+        mapping: m,
+        local,
+        local_for_source,
+        remote: DescList::new(p.mem(), rows),
+    }
+}
+
+/// vLLM's `_compute_desc_ids` for one side: `(group, kernel block, descriptor id)` in posting
+/// order. `bsr` expands the attention descriptors (local side).
+fn desc_ids(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32) -> Vec<(u32, u64, u64)> {
+    let bsr = u64::from(bsr.max(1));
+    let sizes: Vec<u64> = region_sizes(g).iter().map(|n| n * bsr).collect();
+    let mut offsets = Vec::with_capacity(sizes.len());
+    let mut acc = 0;
+    for s in &sizes {
+        offsets.push(acc);
+        acc += s;
+    }
+    let num_fa = acc;
+    let mut out = Vec::new();
+    let Some(state) = &g.state else {
+        let gids: Vec<i32> = g.regions.iter().map(|r| r.group_id).collect();
+        let mut distinct = gids.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() <= 1 {
+            // Shared regions: every group's blocks over every region.
+            for off in &offsets {
+                for (gi, ids) in block_ids.iter().enumerate() {
+                    out.extend(ids.iter().map(|&b| (gi as u32, b, off + b)));
+                }
+            }
+        } else {
+            for (gi, ids) in block_ids.iter().enumerate() {
+                for (r, off) in offsets.iter().enumerate() {
+                    let gid = gids[r];
+                    if gid == gi as i32 || gid == -1 {
+                        out.extend(ids.iter().map(|&b| (gi as u32, b, off + b)));
+                    }
+                }
+            }
+        }
+        return out;
+    };
+    let num_blocks = g.kernel_blocks() * bsr;
+    let logical = g.num_blocks();
+    let state_rows = g.state_region_indices().len() as u64 * state.parts.len() as u64;
+    for (gi, (grp, ids)) in g.groups.iter().zip(block_ids).enumerate() {
+        if grp.kind.is_attention() {
+            for r in 0..g.regions.len() as u64 {
+                out.extend(ids.iter().map(|&b| (gi as u32, b, r * num_blocks + b)));
+            }
+        } else {
+            for row in 0..state_rows {
+                out.extend(ids.iter().map(|&b| (gi as u32, b, num_fa + row * logical + b)));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tp_mapping_dedups_attention_but_not_state() {
+        // Qwen3-Next (2 KV heads), P4 -> D1: attention from ranks 0 and 2, state from all four.
+        let m = tp_mapping(4, 1, 0, 2, &[true, false]);
+        assert_eq!(m.source_ranks_per_group, vec![vec![0, 1, 2, 3], vec![0, 2]]);
+        assert_eq!(m.all_source_ranks, vec![0, 1, 2, 3]);
+        assert_eq!(m.rank_to_attention_slot, vec![(0, 0), (1, 0), (2, 1), (3, 1)]);
+        assert_eq!(m.local_consumers, 1);
+        // D > P: one source, head offset by rank.
+        let m = tp_mapping(1, 2, 1, 8, &[true, false]);
+        assert_eq!((m.all_source_ranks.clone(), m.rank_offset_factor, m.local_consumers), (vec![0], 1, 2));
+        // D beyond the heads: replicas read the same head.
+        let m = tp_mapping(1, 4, 3, 2, &[false, false]);
+        assert_eq!(m.rank_offset_factor, 1);
+    }
+
+    #[test]
+    fn remote_conv_offsets_assume_sharding() {
+        let parts = [(StatePart::Conv(super::super::geometry::ConvPart::X), 100), (StatePart::Ssm, 10)];
+        assert_eq!(remote_conv_offsets(&parts[..1], 1, 2), vec![(parts[0].0, 100, 100)]);
+        assert_eq!(remote_conv_offsets(&parts[..1], 0, -2), vec![(parts[0].0, 0, 50)]);
+    }
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::*;
+    use crate::layouts::hybrid::geometry::GdnPrefillBackend;
+    use crate::layouts::hybrid::model::preset;
+
+    fn pair(model: &str, p: EngineConfig, d: EngineConfig) -> Result<HybridPlanner, HybridError> {
+        HybridPlanner::new(&PairConfig {
+            model: preset(model).expect("preset"),
+            p,
+            d,
+            permute_local_kv: false,
+        })
+    }
+
+    fn refusal(r: Result<HybridPlanner, HybridError>) -> (RefusalKind, String, String) {
+        let e = r.expect_err("vLLM refuses");
+        let f = e.refusal().unwrap_or_else(|| panic!("not a refusal: {e}"));
+        (f.kind, f.vllm_message.clone(), f.flag.clone())
+    }
+
+    #[test]
+    fn block_sizes_that_do_not_divide_are_refused_one_way() {
+        let e = |tp| EngineConfig::new(tp, 64);
+        let (k, msg, flag) = refusal(pair("qwen3-next-80b-a3b", e(2), e(4)));
+        assert_eq!(k, RefusalKind::BlockSizeNotDivisible);
+        assert_eq!(msg, "Local block size 272 is not divisible by remote block size 544 or vice versa.");
+        assert_eq!(flag, "--block-size");
+        // P4 -> D2 works with triton (544 is a multiple of 272) ...
+        let ok = pair("qwen3-next-80b-a3b", e(4), e(2)).expect("accepted");
+        assert_eq!(ok.block_size_ratio, 2);
+        // ... and fails on H100-class GPUs (FlashInfer GDN prefill: 576 vs 320 tokens).
+        let fi = |tp| EngineConfig { gdn_prefill: GdnPrefillBackend::FlashInfer, ..e(tp) };
+        assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(4), fi(2))).0, RefusalKind::BlockSizeNotDivisible);
+        assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(2), fi(4))).0, RefusalKind::BlockSizeNotDivisible);
+        // The suggested common --block-size makes the pair work.
+        let b = |tp| EngineConfig { block_tokens: 544, ..e(tp) };
+        assert!(pair("qwen3-next-80b-a3b", b(2), b(4)).is_ok());
+    }
+
+    #[test]
+    fn every_vllm_refusal_names_its_setting() {
+        let e = |tp| EngineConfig::new(tp, 64);
+        let cases: Vec<(Result<HybridPlanner, HybridError>, RefusalKind, &str)> = vec![
+            (pair("nemotron-h-8b", e(3), e(2)), RefusalKind::ModelNotDivisible, "--p-tp"),
+            // TP sizes that each split the model's 8 KV heads but not each other.
+            (pair("gpt-oss-120b", e(16), e(24)), RefusalKind::TpNotDivisible, "--d-tp"),
+            (
+                pair("nemotron-h-8b", EngineConfig { pp: 2, ..e(1) }, e(1)),
+                RefusalKind::PipelineParallel,
+                "--p-pp",
+            ),
+            (
+                pair("nemotron-h-8b", e(1), EngineConfig { conv_state_layout: ConvStateLayout::Sd, ..e(1) }),
+                RefusalKind::ConvStateLayout,
+                "--conv-state-layout",
+            ),
+            (
+                pair(
+                    "qwen3-next-80b-a3b",
+                    e(4),
+                    EngineConfig { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) },
+                ),
+                RefusalKind::HostBufferBlockSizes,
+                "--kv-buffer-device",
+            ),
+            (pair("qwen3-next-80b-a3b", e(4), e(1)), RefusalKind::HeadShardedBlockSizes, "--d-tp"),
+            (
+                // 16-token kernel blocks under 272- and 544-token blocks: 17 vs 34 per block.
+                pair(
+                    "qwen3-next-80b-a3b",
+                    EngineConfig { kernel_block_tokens: Some(16), ..e(4) },
+                    EngineConfig { kernel_block_tokens: Some(16), ..e(2) },
+                ),
+                RefusalKind::PrefixCachingKernelBlocks,
+                "--no-prefix-caching",
+            ),
+            (
+                pair("gpt-oss-120b", e(1), EngineConfig { layout: Layout::Lbnhc, ..e(1) }),
+                RefusalKind::LayoutMismatch,
+                "--d-layout",
+            ),
+            (
+                pair(
+                    "gpt-oss-120b",
+                    EngineConfig { layout: Layout::Lbnhc, ..e(1) },
+                    EngineConfig { layout: Layout::Lbnhc, ..e(2) },
+                ),
+                RefusalKind::NonContiguousHeads,
+                "--layout",
+            ),
+            (pair("gpt-oss-120b", e(16), e(8)), RefusalKind::ReplicatedKvPrefillAboveDecode, "--p-tp"),
+            (
+                pair("granite-4.0-h-tiny", e(1), e(4)).and_then(|_| pair("granite-4.0-h-tiny", e(1), e(3))),
+                RefusalKind::ModelNotDivisible,
+                "--d-tp",
+            ),
+        ];
+        for (r, kind, flag) in cases {
+            let (k, msg, f) = refusal(r);
+            assert_eq!((k, f.as_str()), (kind, flag), "{msg}");
+            assert!(!msg.is_empty());
+        }
+        let permuted = HybridPlanner::new(&PairConfig {
+            model: preset("gpt-oss-120b").expect("preset"),
+            p: e(1),
+            d: EngineConfig { layout: Layout::Lbnhc, ..e(1) },
+            permute_local_kv: true,
+        });
+        assert_eq!(refusal(permuted).0, RefusalKind::PermuteWithHma);
+    }
+}

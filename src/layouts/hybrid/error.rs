@@ -1,0 +1,134 @@
+//! Typed errors of the hybrid planner: vLLM's own refusals (with the text vLLM raises, where
+//! it raises it, and the kvx setting to change), invalid model descriptions, configurations
+//! kvx does not model, and bad block lists.
+
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::error::ConfigError;
+
+/// Which of vLLM 0.33's checks refused a pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum RefusalKind {
+    /// TP sizes do not divide each other (`TransferTopology.tp_ratio`).
+    TpNotDivisible,
+    /// The (hybrid-aligned) block sizes do not divide each other (`block_size_ratio`).
+    BlockSizeNotDivisible,
+    /// Attention-only model, prefill TP above decode TP and above the KV heads (bare assert).
+    ReplicatedKvPrefillAboveDecode,
+    /// A model dimension (KV heads, state heads or channels) does not split over the TP size: vLLM fails loading the model.
+    ModelNotDivisible,
+    /// Mamba2 with `n_groups` neither 1 nor divisible by TP.
+    Mamba2Groups,
+    /// Pipeline parallelism with HMA in pull mode, or with Mamba.
+    PipelineParallel,
+    /// `enable_permute_local_kv` with HMA (always the case for a hybrid model).
+    PermuteWithHma,
+    /// Different `kv_cache_layout` on the two sides.
+    LayoutMismatch,
+    /// Heterogeneous TP on a layout whose heads are not contiguous in a block.
+    NonContiguousHeads,
+    /// Host buffer with heterogeneous block sizes.
+    HostBufferBlockSizes,
+    /// Mamba with prefix caching and different kernel blocks per logical block.
+    PrefixCachingKernelBlocks,
+    /// Head-sharded attention reads with P TP > D TP and heterogeneous block sizes.
+    HeadShardedBlockSizes,
+    /// The conv state layout is not DS (`VLLM_SSM_CONV_STATE_LAYOUT`).
+    ConvStateLayout,
+}
+
+/// A pair vLLM 0.33 refuses, as vLLM refuses it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Refusal {
+    pub kind: RefusalKind,
+    /// What vLLM raises: its message, or the asserted condition for a bare `assert`.
+    pub vllm_message: String,
+    /// Where vLLM raises it (0.33.0 source).
+    pub vllm_site: &'static str,
+    /// The kvx setting to change (`--d-tp`, `--kv-buffer-device`, ...).
+    pub flag: String,
+    /// What to change it to, in words.
+    pub hint: String,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "vLLM 0.33 refuses this pair: {} [{}]; change {}: {}",
+            self.vllm_message, self.vllm_site, self.flag, self.hint
+        )
+    }
+}
+
+/// Errors of the hybrid planning core.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HybridError {
+    /// vLLM itself would refuse this configuration.
+    #[error("{0}")]
+    Refused(Box<Refusal>),
+    /// The model description is incomplete or inconsistent.
+    #[error("invalid hybrid model ({field}): {reason}")]
+    Model { field: String, reason: String },
+    /// A configuration vLLM may accept but kvx's hybrid planner does not model.
+    #[error("{what} is not modelled by kvx's hybrid planner (change {flag})")]
+    Unsupported { what: String, flag: String },
+    /// A request's block lists or token counts do not fit the engines.
+    #[error("{reason} (change {flag})")]
+    Request { flag: String, reason: String },
+}
+
+impl HybridError {
+    pub(crate) fn model(field: &str, reason: String) -> Self {
+        HybridError::Model { field: field.to_string(), reason }
+    }
+
+    pub(crate) fn refused(
+        kind: RefusalKind,
+        vllm_message: impl Into<String>,
+        vllm_site: &'static str,
+        flag: impl Into<String>,
+        hint: impl Into<String>,
+    ) -> Self {
+        HybridError::Refused(Box::new(Refusal {
+            kind,
+            vllm_message: vllm_message.into(),
+            vllm_site,
+            flag: flag.into(),
+            hint: hint.into(),
+        }))
+    }
+
+    pub(crate) fn unsupported(what: impl Into<String>, flag: &str) -> Self {
+        HybridError::Unsupported { what: what.into(), flag: flag.to_string() }
+    }
+
+    pub(crate) fn request(flag: &str, reason: impl Into<String>) -> Self {
+        HybridError::Request { flag: flag.to_string(), reason: reason.into() }
+    }
+
+    /// The refusal, when vLLM would refuse.
+    pub fn refusal(&self) -> Option<&Refusal> {
+        match self {
+            HybridError::Refused(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The setting to change.
+    pub fn flag(&self) -> &str {
+        match self {
+            HybridError::Refused(r) => &r.flag,
+            HybridError::Model { .. } => "--model",
+            HybridError::Unsupported { flag, .. } | HybridError::Request { flag, .. } => flag,
+        }
+    }
+}
+
+impl From<HybridError> for ConfigError {
+    fn from(e: HybridError) -> Self {
+        ConfigError::new(e.flag().to_string(), e.to_string())
+    }
+}

@@ -1,0 +1,1016 @@
+//! A hybrid engine's cache as vLLM 0.33 builds it: KV cache groups (HMA), the hybrid-aligned
+//! block size and padded page, the state layout of one TP rank (conv parts and SSM state with
+//! their byte ranges and the global channels or heads each rank holds), and the NIXL regions and
+//! memory registrations, aliased on the device or per layer in a host buffer.
+//!
+//! Rules (vLLM 0.33.0):
+//! - Groups: layers bucketed by cache spec in registration order; group size is the smallest
+//!   bucket (the largest when it is under 1.5x the smallest); bucket `i`'s group `j` takes
+//!   `layers[j::num_groups]` (`kv_cache_planning.py`, `_get_kv_cache_groups_uniform_page_size`).
+//! - Block size: the attention block grows until one attention page holds one state slot,
+//!   in steps of `lcm(max(16, --block-size), prefill checkpoint alignment)`; the state page is
+//!   then padded to the attention page (`Platform._align_hybrid_block_size`).
+//! - State shapes: `MambaStateShapeCalculator` (DS conv layout: `(channels, kernel - 1)`).
+//! - Regions: every group's tensor starts at byte 0 of one allocation (layer-outer layouts), so
+//!   layer `k` of every group shares region `k`; regions are named by the first layer in
+//!   numeric name order and carry group id -1 when shared (`register_kv_caches`). With
+//!   `kv_buffer_device = cpu` each layer has its own host tensor and region.
+//!
+//! Offsets are bytes from the base of the memory the rank registers: its KV allocation
+//! (device), or its host buffer (host), where layer tensors sit in group order, one slot of
+//! `num_blocks * page_bytes` each (the oracle's convention).
+
+use std::cmp::Ordering;
+
+use serde::{Deserialize, Serialize};
+
+use super::error::{HybridError, RefusalKind};
+use super::model::{AttnKind, CacheKind, CacheLayer, HybridModel, StateKind, StateSpec};
+use crate::layouts::Layout;
+use crate::topology;
+
+/// vLLM's default `--block-size`, and the smallest FLASH_ATTN kernel block (`MultipleOf(16)`).
+pub const DEFAULT_BLOCK_TOKENS: u32 = 16;
+/// FlashInfer's GDN prefill checkpoints land on 64-token boundaries
+/// (`FLASHINFER_GDN_CHECKPOINT_ALIGNMENT`).
+pub const FLASHINFER_GDN_ALIGNMENT_TOKENS: u32 = 64;
+
+/// vLLM's `kv_buffer_device`: where NIXL registers and reads the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvBufferDevice {
+    /// The device KV cache itself.
+    #[default]
+    Cuda,
+    /// A host staging buffer, one tensor per layer.
+    Cpu,
+}
+
+/// Which kernel runs Qwen3-Next's GDN prefill. FlashInfer (chosen automatically on SM90 and
+/// SM10x: H100, H200, B200) checkpoints state every 64 tokens, which aligns the block size to 64;
+/// triton (SM80) does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GdnPrefillBackend {
+    /// What the oracle used (SM80-class GPUs).
+    #[default]
+    Triton,
+    FlashInfer,
+}
+
+/// `VLLM_SSM_CONV_STATE_LAYOUT`: DS is `(channels, kernel - 1)`, SD the transpose. vLLM's
+/// default is SD, and its NIXL connector refuses it; kvx defaults to DS (a working deployment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum ConvStateLayout {
+    #[default]
+    #[serde(rename = "DS")]
+    Ds,
+    #[serde(rename = "SD")]
+    Sd,
+}
+
+/// Which memory a region lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum MemKind {
+    /// Device memory (NIXL `VRAM`).
+    Vram,
+    /// Host memory (NIXL `DRAM`).
+    Dram,
+}
+
+/// One engine's settings (prefill or decode) that shape its cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EngineConfig {
+    /// Tensor-parallel size (`--p-tp`, `--d-tp`).
+    pub tp: u32,
+    /// Pipeline-parallel size (vLLM refuses PP > 1 with HMA in pull mode).
+    pub pp: u32,
+    /// Logical blocks in each rank's pool.
+    pub num_blocks: u32,
+    /// `--block-size` as given; hybrid alignment may raise it.
+    pub block_tokens: u32,
+    /// The attention kernel's block size when smaller than the logical block (vLLM's
+    /// `physical_blocks_per_logical_kv_block`); `None`: the logical block (FLASH_ATTN).
+    pub kernel_block_tokens: Option<u32>,
+    pub kv_buffer_device: KvBufferDevice,
+    pub layout: Layout,
+    pub gdn_prefill: GdnPrefillBackend,
+    /// Prefix caching (on by default for hybrid models; puts Mamba caching in "align" mode).
+    pub prefix_caching: bool,
+    pub conv_state_layout: ConvStateLayout,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            tp: 1,
+            pp: 1,
+            num_blocks: 1024,
+            block_tokens: DEFAULT_BLOCK_TOKENS,
+            kernel_block_tokens: None,
+            kv_buffer_device: KvBufferDevice::Cuda,
+            layout: Layout::Lbhnc,
+            gdn_prefill: GdnPrefillBackend::Triton,
+            prefix_caching: true,
+            conv_state_layout: ConvStateLayout::Ds,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Defaults with the given TP size and pool size.
+    pub fn new(tp: u32, num_blocks: u32) -> Self {
+        EngineConfig { tp, num_blocks, ..EngineConfig::default() }
+    }
+}
+
+/// What a KV cache group holds (vLLM's group spec).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum GroupKind {
+    Full,
+    SlidingWindow { window_tokens: u32 },
+    State(StateKind),
+}
+
+impl GroupKind {
+    fn of(kind: CacheKind) -> Self {
+        match kind {
+            CacheKind::Attention(AttnKind::Full) => GroupKind::Full,
+            CacheKind::Attention(AttnKind::SlidingWindow { window_tokens }) => {
+                GroupKind::SlidingWindow { window_tokens }
+            }
+            CacheKind::State(s) => GroupKind::State(s),
+        }
+    }
+
+    pub fn is_state(self) -> bool {
+        matches!(self, GroupKind::State(_))
+    }
+
+    pub fn is_attention(self) -> bool {
+        !self.is_state()
+    }
+
+    /// vLLM's spec class name.
+    pub fn vllm_spec(self) -> &'static str {
+        match self {
+            GroupKind::Full => "FullAttentionSpec",
+            GroupKind::SlidingWindow { .. } => "SlidingWindowSpec",
+            GroupKind::State(_) => "MambaSpec",
+        }
+    }
+}
+
+/// One KV cache group: layers of one kind that share block ids. Position `k` in `layers`
+/// is the region the layer aliases on the device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KvGroup {
+    pub index: u32,
+    pub kind: GroupKind,
+    pub layers: Vec<CacheLayer>,
+}
+
+/// The KV cache groups vLLM's hybrid allocator forms for `model`.
+pub fn kv_groups(model: &HybridModel) -> Vec<KvGroup> {
+    let mut buckets: Vec<(GroupKind, Vec<CacheLayer>)> = Vec::new();
+    for layer in model.cache_layers() {
+        let kind = GroupKind::of(layer.kind);
+        match buckets.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, v)) => v.push(layer),
+            None => buckets.push((kind, vec![layer])),
+        }
+    }
+    let min = buckets.iter().map(|(_, v)| v.len()).min().unwrap_or(0);
+    let max = buckets.iter().map(|(_, v)| v.len()).max().unwrap_or(0);
+    // vLLM: `max < 1.5 * min` uses the largest bucket as the group size.
+    let group_size = if 2 * max < 3 * min { max } else { min }.max(1);
+    let mut groups = Vec::new();
+    for (kind, layers) in buckets {
+        let num_groups = layers.len().div_ceil(group_size);
+        for j in 0..num_groups {
+            groups.push(KvGroup {
+                index: u32::try_from(groups.len()).unwrap_or(u32::MAX),
+                kind,
+                layers: layers.iter().skip(j).step_by(num_groups).cloned().collect(),
+            });
+        }
+    }
+    groups
+}
+
+/// The conv sub-projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+pub enum ConvPart {
+    X,
+    B,
+    C,
+    Q,
+    K,
+    V,
+}
+
+impl ConvPart {
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvPart::X => "x",
+            ConvPart::B => "B",
+            ConvPart::C => "C",
+            ConvPart::Q => "Q",
+            ConvPart::K => "K",
+            ConvPart::V => "V",
+        }
+    }
+}
+
+/// A part of one state slot: a conv sub-projection or the SSM (temporal) state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+pub enum StatePart {
+    Conv(ConvPart),
+    Ssm,
+}
+
+impl StatePart {
+    /// vLLM's descriptor label stem (`mamba_conv_x`, `mamba_ssm`).
+    pub fn label(self) -> String {
+        match self {
+            StatePart::Conv(c) => format!("mamba_conv_{}", c.name()),
+            StatePart::Ssm => "mamba_ssm".to_string(),
+        }
+    }
+}
+
+/// One part of a rank's state slot: where it sits in the page and which global units (conv
+/// channels, or SSM heads/rows) it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PartLayout {
+    pub part: StatePart,
+    /// Byte offset inside the page.
+    pub offset_bytes: u64,
+    pub len_bytes: u64,
+    /// Bytes of one unit: a conv channel (`(kernel - 1) * dtype`), an SSM head (Mamba2:
+    /// `head_dim * d_state * dtype`; GDN: `v_dim * k_dim * dtype`) or SSM row (Mamba1:
+    /// `d_state * dtype`).
+    pub unit_bytes: u64,
+    /// Units this rank holds.
+    pub units: u64,
+    /// Units of the whole model (before TP).
+    pub global_units: u64,
+    /// Whether every rank holds the same units (Mamba2 B and C when TP does not divide
+    /// `n_groups`).
+    pub replicated: bool,
+}
+
+impl PartLayout {
+    /// The first global unit rank `rank` holds.
+    pub fn first_global_unit(&self, rank: u32) -> u64 {
+        if self.replicated { 0 } else { u64::from(rank) * self.units }
+    }
+}
+
+/// The state slot of one TP rank, in DS conv layout: conv parts, then the SSM state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StateLayout {
+    pub kind: StateKind,
+    /// `conv_kernel - 1`.
+    pub conv_rows: u64,
+    pub parts: Vec<PartLayout>,
+    /// The conv parts (`parts` without the SSM state).
+    pub conv_bytes: u64,
+    pub ssm_bytes: u64,
+    /// Shapes as vLLM reports them (`mamba_state_shapes_local`).
+    pub conv_shape: [u64; 2],
+    pub ssm_shape: Vec<u64>,
+}
+
+impl StateLayout {
+    /// The state slot of a rank of a `tp`-rank engine, or vLLM's refusal when the model does
+    /// not split over `tp`.
+    pub fn new(spec: &StateSpec, tp: u32, side: Side) -> Result<Self, HybridError> {
+        let t = u64::from(tp);
+        let div = |what: &str, n: u64| -> Result<u64, HybridError> {
+            if n.is_multiple_of(t) {
+                Ok(n / t)
+            } else {
+                Err(HybridError::refused(
+                    RefusalKind::ModelNotDivisible,
+                    format!("{n} is not divisible by {t}"),
+                    "vllm/distributed/utils.py:53 (divide)",
+                    side.tp_flag(),
+                    format!("the model's {what} ({n}) must split evenly over TP {t}"),
+                ))
+            }
+        };
+        let (conv_dt, ssm_dt) = spec.dtypes();
+        let (conv_b, ssm_b) = (u64::from(conv_dt.bytes()), u64::from(ssm_dt.bytes()));
+        let rows = u64::from(spec.conv_kernel()) - 1;
+        let chan = rows * conv_b;
+        // (part, local channels, global channels, replicated)
+        let conv: Vec<(ConvPart, u64, u64, bool)>;
+        let ssm_shape: Vec<u64>;
+        let ssm_global_units: u64;
+        match spec {
+            StateSpec::Mamba1(m) => {
+                let i = u64::from(m.intermediate_size);
+                let local = div("intermediate size", i)?;
+                conv = vec![(ConvPart::X, local, i, false)];
+                ssm_shape = vec![local, u64::from(m.d_state)];
+                ssm_global_units = i;
+            }
+            StateSpec::Mamba2(m) => {
+                if !m.num_heads.is_multiple_of(tp) {
+                    return Err(HybridError::refused(
+                        RefusalKind::ModelNotDivisible,
+                        "Tensor parallel world size must divide num heads.",
+                        "vllm/model_executor/layers/mamba/mamba_mixer2.py:316",
+                        side.tp_flag(),
+                        format!("{} Mamba2 heads must split evenly over TP {tp}", m.num_heads),
+                    ));
+                }
+                if !m.n_groups.is_multiple_of(tp) && m.n_groups != 1 {
+                    return Err(HybridError::refused(
+                        RefusalKind::Mamba2Groups,
+                        "If tensor parallel world size does not divide num_groups, then num_groups must equal 1.",
+                        "vllm/model_executor/layers/mamba/mamba_mixer2.py:320",
+                        side.tp_flag(),
+                        format!("use a TP size that divides n_groups = {}", m.n_groups),
+                    ));
+                }
+                let replicated = !m.n_groups.is_multiple_of(tp);
+                // vLLM extends the groups to TP so each head shard carries its group.
+                let groups = if replicated { u64::from(tp) } else { u64::from(m.n_groups) };
+                let i = m.intermediate_size();
+                let bc = groups * u64::from(m.d_state);
+                let x_local = div("Mamba2 intermediate size", i)?;
+                let bc_local = div("Mamba2 group channels", bc)?;
+                let bc_global = u64::from(m.n_groups) * u64::from(m.d_state);
+                conv = vec![
+                    (ConvPart::X, x_local, i, false),
+                    (ConvPart::B, bc_local, bc_global, replicated),
+                    (ConvPart::C, bc_local, bc_global, replicated),
+                ];
+                ssm_shape = vec![u64::from(m.num_heads) / t, u64::from(m.head_dim), u64::from(m.d_state)];
+                ssm_global_units = u64::from(m.num_heads);
+            }
+            StateSpec::Gdn(g) => {
+                let key = u64::from(g.num_k_heads) * u64::from(g.head_k_dim);
+                let value = u64::from(g.num_v_heads) * u64::from(g.head_v_dim);
+                div("GDN conv channels", 2 * key + value)?;
+                let v_heads = div("GDN value heads", u64::from(g.num_v_heads))?;
+                let key_local = div("GDN key channels", key)?;
+                let value_local = v_heads * u64::from(g.head_v_dim);
+                conv = vec![
+                    (ConvPart::Q, key_local, key, false),
+                    (ConvPart::K, key_local, key, false),
+                    (ConvPart::V, value_local, value, false),
+                ];
+                ssm_shape = vec![v_heads, u64::from(g.head_v_dim), u64::from(g.head_k_dim)];
+                ssm_global_units = u64::from(g.num_v_heads);
+            }
+        }
+        let mut parts = Vec::with_capacity(conv.len() + 1);
+        let mut off = 0;
+        for &(p, local, global, replicated) in &conv {
+            parts.push(PartLayout {
+                part: StatePart::Conv(p),
+                offset_bytes: off,
+                len_bytes: local * chan,
+                unit_bytes: chan,
+                units: local,
+                global_units: global,
+                replicated,
+            });
+            off += local * chan;
+        }
+        let conv_bytes = off;
+        let ssm_units = ssm_shape[0];
+        let unit_bytes = ssm_shape[1..].iter().product::<u64>() * ssm_b;
+        parts.push(PartLayout {
+            part: StatePart::Ssm,
+            offset_bytes: conv_bytes,
+            len_bytes: ssm_units * unit_bytes,
+            unit_bytes,
+            units: ssm_units,
+            global_units: ssm_global_units,
+            replicated: false,
+        });
+        let conv_channels: u64 = conv.iter().map(|c| c.1).sum();
+        Ok(StateLayout {
+            kind: spec.kind(),
+            conv_rows: rows,
+            conv_bytes,
+            ssm_bytes: ssm_units * unit_bytes,
+            conv_shape: [conv_channels, rows],
+            ssm_shape,
+            parts,
+        })
+    }
+
+    /// Bytes of one state slot before padding.
+    pub fn real_page_bytes(&self) -> u64 {
+        self.conv_bytes + self.ssm_bytes
+    }
+
+    /// vLLM's `ssm_sizes`: `(conv_bytes, ssm_bytes)` of one rank.
+    pub fn ssm_sizes(&self) -> (u64, u64) {
+        (self.conv_bytes, self.ssm_bytes)
+    }
+
+    /// What `[page_off, page_off + len)` of rank `rank`'s state slot holds: its part and the
+    /// global byte range of that part (unit index times unit bytes, plus the byte inside the
+    /// unit). `None` when the range leaves one part.
+    pub fn global_span(&self, rank: u32, page_off: u64, len: u64) -> Option<(StatePart, u64, u64)> {
+        let p = self
+            .parts
+            .iter()
+            .find(|p| p.offset_bytes <= page_off && page_off < p.offset_bytes + p.len_bytes)?;
+        if page_off + len > p.offset_bytes + p.len_bytes {
+            return None;
+        }
+        Some((p.part, p.first_global_unit(rank) * p.unit_bytes + page_off - p.offset_bytes, len))
+    }
+
+    /// The conv parts only.
+    pub fn conv_parts(&self) -> impl Iterator<Item = &PartLayout> {
+        self.parts.iter().filter(|p| p.part != StatePart::Ssm)
+    }
+
+    pub fn part(&self, part: StatePart) -> Option<&PartLayout> {
+        self.parts.iter().find(|p| p.part == part)
+    }
+}
+
+/// Which engine of the pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum Side {
+    Prefill,
+    Decode,
+}
+
+impl Side {
+    pub fn tp_flag(self) -> &'static str {
+        match self {
+            Side::Prefill => "--p-tp",
+            Side::Decode => "--d-tp",
+        }
+    }
+
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Side::Prefill => "p",
+            Side::Decode => "d",
+        }
+    }
+}
+
+/// Block size and page sizes of an engine after vLLM's hybrid alignment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BlockSizing {
+    /// Tokens per (logical) block: vLLM's `block_size` after alignment.
+    pub block_tokens: u32,
+    /// The step the block size grows in (`kernel block alignment`).
+    pub alignment_tokens: u32,
+    /// One token of attention KV on one rank (K and V, all local heads).
+    pub attn_bytes_per_token: u64,
+    /// Bytes of one page (one layer, one block): the attention page, which the state page is
+    /// padded to.
+    pub page_bytes: u64,
+    /// One state slot before padding (`mamba_real_page_bytes`), if the model keeps state.
+    pub state_page_bytes: Option<u64>,
+}
+
+impl BlockSizing {
+    /// Padding of the state page (0 without state).
+    pub fn padding_bytes(&self) -> u64 {
+        self.state_page_bytes.map_or(0, |s| self.page_bytes - s)
+    }
+}
+
+/// The block size and pages vLLM settles on for one engine (`_align_hybrid_block_size`).
+pub fn block_sizing(
+    model: &HybridModel,
+    engine: &EngineConfig,
+    state: Option<&StateLayout>,
+) -> Result<BlockSizing, HybridError> {
+    let a = &model.attention;
+    let heads = u64::from(topology::heads_per_rank(a.num_kv_heads, engine.tp.max(1)));
+    let per_token = 2 * heads * u64::from(a.head_dim) * u64::from(a.dtype.bytes());
+    let user = engine.block_tokens;
+    if user == 0 {
+        return Err(HybridError::request("--block-size", "a block of 0 tokens holds nothing"));
+    }
+    let Some(state) = state else {
+        return Ok(BlockSizing {
+            block_tokens: user,
+            alignment_tokens: user,
+            attn_bytes_per_token: per_token,
+            page_bytes: u64::from(user) * per_token,
+            state_page_bytes: None,
+        });
+    };
+    let state_page = state.real_page_bytes();
+    let mut align = u64::from(DEFAULT_BLOCK_TOKENS.max(user));
+    // Prefix caching puts Mamba caching in "align" mode: blocks land on prefill checkpoints.
+    if engine.prefix_caching
+        && state.kind == StateKind::Gdn
+        && engine.gdn_prefill == GdnPrefillBackend::FlashInfer
+    {
+        align = lcm(align, u64::from(FLASHINFER_GDN_ALIGNMENT_TOKENS));
+    }
+    let needed = align * state_page.div_ceil(align * per_token);
+    let needed = needed.div_ceil(u64::from(DEFAULT_BLOCK_TOKENS)) * u64::from(DEFAULT_BLOCK_TOKENS);
+    let block = needed.max(u64::from(user));
+    let block_tokens = u32::try_from(block).map_err(|_| {
+        HybridError::request("--block-size", format!("aligned block of {block} tokens is too large"))
+    })?;
+    Ok(BlockSizing {
+        block_tokens,
+        alignment_tokens: u32::try_from(align).unwrap_or(u32::MAX),
+        attn_bytes_per_token: per_token,
+        page_bytes: block * per_token,
+        state_page_bytes: Some(state_page),
+    })
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    a / gcd(a, b) * b
+}
+
+/// One region a rank registers with NIXL.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HybridRegion {
+    pub index: u32,
+    /// The first layer (numeric name order) at this region's base.
+    pub name: String,
+    /// The owning group, or -1 when several groups share the region.
+    pub group_id: i32,
+    pub mem: MemKind,
+    /// Offset of block 0 from the base of `mem`.
+    pub base_off: u64,
+    pub block_len: u64,
+    pub block_stride: u64,
+    /// Blocks in the region (kernel blocks).
+    pub num_blocks: u64,
+    /// Every layer at this base, in numeric name order.
+    pub layers: Vec<String>,
+    /// Whether a state layer registered here (vLLM `_ssm_region_indices`).
+    pub holds_state: bool,
+}
+
+impl HybridRegion {
+    pub fn block_off(&self, block: u64) -> u64 {
+        self.base_off + block * self.block_stride
+    }
+}
+
+/// A memory registration: `len` bytes at `off` of `mem`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Registration {
+    pub mem: MemKind,
+    pub off: u64,
+    pub len: u64,
+}
+
+impl Registration {
+    pub fn end(&self) -> u64 {
+        self.off + self.len
+    }
+}
+
+/// What a span of a page holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum PageContent {
+    /// K and V of the rank's heads for the block's tokens (`[H, N, C]` under LBHNC).
+    Attention,
+    State(StatePart),
+    /// The state page's padding up to the attention page.
+    Padding,
+}
+
+/// One span of a page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PageSpan {
+    pub what: PageContent,
+    pub offset_bytes: u64,
+    pub len_bytes: u64,
+}
+
+/// A layer's place in the host buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HostSlot {
+    pub layer: String,
+    pub group: u32,
+    /// Position in its group (the device region it aliases).
+    pub position: u32,
+    pub off: u64,
+    /// Bytes of the host tensor (`num_blocks` unpadded state pages for a state layer).
+    pub tensor_bytes: u64,
+}
+
+/// Numeric-aware order of layer names (vLLM `_region_sort_key`).
+pub fn cmp_layer_names(a: &str, b: &str) -> Ordering {
+    #[derive(PartialEq, Eq, PartialOrd, Ord)]
+    enum Part<'a> {
+        Num(u128),
+        Text(&'a str),
+    }
+    fn parts(s: &str) -> Vec<Part<'_>> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        let bytes = s.as_bytes();
+        while start < bytes.len() {
+            let digit = bytes[start].is_ascii_digit();
+            let end = bytes[start..]
+                .iter()
+                .position(|c| c.is_ascii_digit() != digit)
+                .map_or(bytes.len(), |p| start + p);
+            let run = &s[start..end];
+            out.push(if digit { Part::Num(run.parse().unwrap_or(u128::MAX)) } else { Part::Text(run) });
+            start = end;
+        }
+        out
+    }
+    parts(a).cmp(&parts(b))
+}
+
+/// The cache geometry of one engine (every rank of it: ranks differ only in which global
+/// heads and state units they hold).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EngineGeometry {
+    pub side: Side,
+    pub config: EngineConfig,
+    pub groups: Vec<KvGroup>,
+    pub sizing: BlockSizing,
+    /// Tokens per kernel block (the block size NIXL sees).
+    pub kernel_block_tokens: u32,
+    /// Kernel blocks per logical block.
+    pub physical_per_logical: u32,
+    /// Model KV heads and this engine's heads per rank.
+    pub total_kv_heads: u32,
+    pub heads_per_rank: u32,
+    /// One attention cell: K and V of one head and one token.
+    pub cell_bytes: u64,
+    pub state: Option<StateLayout>,
+    pub regions: Vec<HybridRegion>,
+    pub registrations: Vec<Registration>,
+    /// Host buffer layout in copy order, when `kv_buffer_device = cpu`.
+    pub host_slots: Vec<HostSlot>,
+}
+
+impl EngineGeometry {
+    /// Builds an engine's geometry; errors are vLLM's load-time refusals (a TP that does not
+    /// split the model) or what kvx does not model.
+    pub fn new(model: &HybridModel, config: &EngineConfig, side: Side) -> Result<Self, HybridError> {
+        model.validate()?;
+        if config.tp == 0 || config.num_blocks == 0 {
+            return Err(HybridError::request(side.tp_flag(), "TP size and pool size must be positive"));
+        }
+        if !matches!(config.layout, Layout::Lbhnc | Layout::Lbnhc) {
+            return Err(HybridError::unsupported(
+                format!(
+                    "layout {} with a hybrid model (kvx plans layer-outer LBHNC and LBNHC)",
+                    config.layout
+                ),
+                &format!("--{}-layout", side.prefix()),
+            ));
+        }
+        let h = model.attention.num_kv_heads;
+        let tp = config.tp;
+        if (tp <= h && !h.is_multiple_of(tp)) || (tp > h && !tp.is_multiple_of(h)) {
+            let (n, d) = if tp <= h { (h, tp) } else { (tp, h) };
+            return Err(HybridError::refused(
+                RefusalKind::ModelNotDivisible,
+                format!("{n} is not divisible by {d}"),
+                "vllm/distributed/utils.py:53 (divide)",
+                side.tp_flag(),
+                format!("{h} KV heads must split evenly over TP {tp} (or TP over the heads)"),
+            ));
+        }
+        let state = match &model.state {
+            Some(spec) if model.has_state() => Some(StateLayout::new(spec, tp, side)?),
+            _ => None,
+        };
+        let sizing = block_sizing(model, config, state.as_ref())?;
+        let (kernel_block_tokens, ppl) = match config.kernel_block_tokens {
+            None => (sizing.block_tokens, 1),
+            Some(k) if k > 0 && sizing.block_tokens.is_multiple_of(k) => (k, sizing.block_tokens / k),
+            Some(k) => {
+                return Err(HybridError::unsupported(
+                    format!("a {k}-token kernel block under {}-token blocks", sizing.block_tokens),
+                    "--kernel-block-size",
+                ));
+            }
+        };
+        let groups = kv_groups(model);
+        let heads_per_rank = topology::heads_per_rank(h, tp);
+        let cell_bytes = 2 * u64::from(model.attention.head_dim) * u64::from(model.attention.dtype.bytes());
+        let mut geom = EngineGeometry {
+            side,
+            config: *config,
+            groups,
+            sizing,
+            kernel_block_tokens,
+            physical_per_logical: ppl,
+            total_kv_heads: h,
+            heads_per_rank,
+            cell_bytes,
+            state,
+            regions: Vec::new(),
+            registrations: Vec::new(),
+            host_slots: Vec::new(),
+        };
+        geom.build_regions();
+        Ok(geom)
+    }
+
+    /// Whether the model keeps Mamba/GDN state (vLLM `_has_mamba`).
+    pub fn has_state(&self) -> bool {
+        self.state.is_some()
+    }
+
+    pub fn mem(&self) -> MemKind {
+        match self.config.kv_buffer_device {
+            KvBufferDevice::Cuda => MemKind::Vram,
+            KvBufferDevice::Cpu => MemKind::Dram,
+        }
+    }
+
+    /// Layers per group (the number of device regions).
+    pub fn group_size(&self) -> u32 {
+        self.groups.iter().map(|g| u32::try_from(g.layers.len()).unwrap_or(u32::MAX)).max().unwrap_or(0)
+    }
+
+    /// Logical blocks per rank.
+    pub fn num_blocks(&self) -> u64 {
+        u64::from(self.config.num_blocks)
+    }
+
+    /// Kernel blocks per rank (vLLM's `num_blocks` after the kernel split).
+    pub fn kernel_blocks(&self) -> u64 {
+        self.num_blocks() * u64::from(self.physical_per_logical)
+    }
+
+    /// Bytes of one kernel block of one layer.
+    pub fn kernel_page_bytes(&self) -> u64 {
+        self.sizing.page_bytes / u64::from(self.physical_per_logical)
+    }
+
+    /// The global KV heads rank `rank` holds.
+    pub fn rank_heads(&self, rank: u32) -> std::ops::Range<u32> {
+        topology::rank_heads(self.total_kv_heads, self.config.tp, rank)
+    }
+
+    /// Indices of the regions state layers registered (vLLM `_ssm_region_indices`).
+    pub fn state_region_indices(&self) -> Vec<u32> {
+        self.regions.iter().filter(|r| r.holds_state).map(|r| r.index).collect()
+    }
+
+    /// Every cache layer with its group and position.
+    fn placed_layers(&self) -> Vec<(&CacheLayer, u32, u32)> {
+        let mut out: Vec<(&CacheLayer, u32, u32)> = self
+            .groups
+            .iter()
+            .flat_map(|g| (0u32..).zip(&g.layers).map(move |(k, l)| (l, g.index, k)))
+            .collect();
+        out.sort_by(|a, b| cmp_layer_names(&a.0.name, &b.0.name));
+        out
+    }
+
+    fn build_regions(&mut self) {
+        let nb = self.num_blocks();
+        let page = self.sizing.page_bytes;
+        let kpage = self.kernel_page_bytes();
+        let kblocks = self.kernel_blocks();
+        let mem = self.mem();
+        // Where each (group, position) layer's tensor starts.
+        let mut host_off = std::collections::HashMap::new();
+        if mem == MemKind::Dram {
+            let mut off = 0;
+            for g in &self.groups {
+                for (k, l) in (0u32..).zip(&g.layers) {
+                    let tensor_bytes = match (l.kind, &self.state) {
+                        (CacheKind::State(_), Some(s)) => nb * s.real_page_bytes(),
+                        _ => nb * page,
+                    };
+                    self.host_slots.push(HostSlot {
+                        layer: l.name.clone(),
+                        group: g.index,
+                        position: k,
+                        off,
+                        tensor_bytes,
+                    });
+                    host_off.insert(l.name.clone(), off);
+                    off += nb * page;
+                }
+            }
+        }
+        let mut regions: Vec<HybridRegion> = Vec::new();
+        let mut registrations = Vec::new();
+        for (layer, group, k) in self.placed_layers() {
+            let base = match mem {
+                MemKind::Vram => u64::from(k) * nb * page,
+                MemKind::Dram => host_off.get(&layer.name).copied().unwrap_or(0),
+            };
+            let is_state = matches!(layer.kind, CacheKind::State(_));
+            let gid = i32::try_from(group).unwrap_or(i32::MAX);
+            match regions.iter_mut().find(|r| r.base_off == base) {
+                Some(r) => {
+                    if r.group_id != gid {
+                        r.group_id = -1;
+                    }
+                    r.layers.push(layer.name.clone());
+                    r.holds_state |= is_state;
+                }
+                None => {
+                    regions.push(HybridRegion {
+                        index: u32::try_from(regions.len()).unwrap_or(u32::MAX),
+                        name: layer.name.clone(),
+                        group_id: gid,
+                        mem,
+                        base_off: base,
+                        block_len: kpage,
+                        block_stride: kpage,
+                        num_blocks: kblocks,
+                        layers: vec![layer.name.clone()],
+                        holds_state: is_state,
+                    });
+                    if mem == MemKind::Dram {
+                        let bytes = self
+                            .host_slots
+                            .iter()
+                            .find(|s| s.layer == layer.name)
+                            .map_or(0, |s| s.tensor_bytes);
+                        registrations.push(Registration { mem, off: base, len: bytes });
+                    }
+                }
+            }
+        }
+        if mem == MemKind::Vram {
+            registrations.push(Registration { mem, off: 0, len: u64::from(self.group_size()) * nb * page });
+        }
+        self.regions = regions;
+        self.registrations = registrations;
+    }
+
+    /// What one page (one layer, one logical block) holds for a group of kind `kind`, part by
+    /// part with byte ranges: the attention page, or the conv parts, the SSM state and the
+    /// padding up to the attention page.
+    pub fn page_map(&self, kind: GroupKind) -> Vec<PageSpan> {
+        let page = self.sizing.page_bytes;
+        match (&self.state, kind) {
+            (Some(s), GroupKind::State(_)) => {
+                let mut out: Vec<PageSpan> = s
+                    .parts
+                    .iter()
+                    .map(|p| PageSpan {
+                        what: PageContent::State(p.part),
+                        offset_bytes: p.offset_bytes,
+                        len_bytes: p.len_bytes,
+                    })
+                    .collect();
+                let real = s.real_page_bytes();
+                if real < page {
+                    out.push(PageSpan {
+                        what: PageContent::Padding,
+                        offset_bytes: real,
+                        len_bytes: page - real,
+                    });
+                }
+                out
+            }
+            _ => vec![PageSpan { what: PageContent::Attention, offset_bytes: 0, len_bytes: page }],
+        }
+    }
+
+    /// Whether `[off, off + len)` of `mem` lies inside one registration.
+    pub fn registered(&self, mem: MemKind, off: u64, len: u64) -> bool {
+        self.registrations.iter().any(|r| r.mem == mem && r.off <= off && off + len <= r.end())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layouts::hybrid::model::preset;
+
+    fn aligned(model: &str, tp: u32, backend: GdnPrefillBackend) -> u32 {
+        let m = preset(model).expect("preset");
+        let cfg = EngineConfig { gdn_prefill: backend, ..EngineConfig::new(tp, 8) };
+        EngineGeometry::new(&m, &cfg, Side::Decode).expect("geometry").sizing.block_tokens
+    }
+
+    #[test]
+    fn aligned_block_sizes_match_vllm() {
+        let tri = GdnPrefillBackend::Triton;
+        let fi = GdnPrefillBackend::FlashInfer;
+        let tps = [1, 2, 4, 8];
+        let table: [(&str, GdnPrefillBackend, [u32; 4]); 6] = [
+            ("qwen3-next-80b-a3b", tri, [544, 544, 272, 144]),
+            ("qwen3-next-80b-a3b", fi, [576, 576, 320, 192]),
+            ("nemotron-h-8b", tri, [1040; 4]),
+            ("granite-4.0-h-tiny", tri, [400, 400, 400, 208]),
+            ("jamba-v0.1", tri, [80; 4]),
+            ("falcon-h1-7b", tri, [1568, 1568, 784, 400]),
+        ];
+        for (model, backend, want) in table {
+            let got: Vec<u32> = tps.iter().map(|&tp| aligned(model, tp, backend)).collect();
+            assert_eq!(got, want, "{model} {backend:?}");
+        }
+        // Prefix caching off: no checkpoint alignment, FlashInfer or not.
+        let m = preset("qwen3-next-80b-a3b").expect("preset");
+        let cfg = EngineConfig { gdn_prefill: fi, prefix_caching: false, ..EngineConfig::new(4, 8) };
+        assert_eq!(EngineGeometry::new(&m, &cfg, Side::Decode).expect("geometry").sizing.block_tokens, 272);
+        // Attention-only models keep --block-size.
+        assert_eq!(aligned("gpt-oss-120b", 2, tri), 16);
+    }
+
+    #[test]
+    fn state_layouts_match_the_oracle_shapes() {
+        let m = preset("nemotron-h-8b").expect("preset");
+        let s = StateLayout::new(m.state.as_ref().expect("state"), 2, Side::Decode).expect("state");
+        assert_eq!(s.conv_shape, [5120, 3]);
+        assert_eq!(s.ssm_shape, vec![64, 64, 128]);
+        assert_eq!(s.ssm_sizes(), (30720, 2097152));
+        let lens: Vec<(u64, u64)> = s.parts.iter().map(|p| (p.offset_bytes, p.len_bytes)).collect();
+        assert_eq!(lens, vec![(0, 24576), (24576, 3072), (27648, 3072), (30720, 2097152)]);
+        let q = preset("qwen3-next-80b-a3b").expect("preset");
+        let s = StateLayout::new(q.state.as_ref().expect("state"), 1, Side::Prefill).expect("state");
+        assert_eq!((s.conv_shape, s.ssm_sizes()), ([8192, 3], (49152, 1048576)));
+        // granite: n_groups 1 < TP 2, so B and C are replicated, one group's channels each.
+        let g = preset("granite-4.0-h-tiny").expect("preset");
+        let s = StateLayout::new(g.state.as_ref().expect("state"), 2, Side::Decode).expect("state");
+        let b = s.part(StatePart::Conv(ConvPart::B)).expect("B");
+        assert!(b.replicated);
+        assert_eq!((b.units, b.global_units, b.first_global_unit(1)), (128, 128, 0));
+    }
+
+    #[test]
+    fn groups_follow_the_hybrid_allocator() {
+        let sizes = |name: &str| -> Vec<(GroupKind, usize)> {
+            let m = preset(name).expect("preset");
+            kv_groups(&m).iter().map(|g| (g.kind, g.layers.len())).collect()
+        };
+        let q = sizes("qwen3-next-80b-a3b");
+        assert_eq!(q.len(), 4);
+        assert!(q[..3].iter().all(|&(k, n)| k == GroupKind::State(StateKind::Gdn) && n == 12));
+        assert_eq!(q[3], (GroupKind::Full, 12));
+        assert_eq!(sizes("nemotron-h-8b").len(), 7);
+        assert_eq!(
+            sizes("gpt-oss-120b"),
+            vec![(GroupKind::SlidingWindow { window_tokens: 128 }, 18), (GroupKind::Full, 18)]
+        );
+        // Gemma-3-4b: 29 local in groups of 5 (the last one padded), then the 5 global.
+        let g = sizes("gemma-3-4b");
+        assert_eq!(g.len(), 7);
+        assert_eq!(g[5].1, 4);
+        assert_eq!(g[6], (GroupKind::Full, 5));
+        // Falcon-H1: attention and state in every layer, one group each; attention first.
+        assert_eq!(
+            sizes("falcon-h1-7b"),
+            vec![(GroupKind::Full, 44), (GroupKind::State(StateKind::Mamba2), 44)]
+        );
+        // Strided membership: group j of a bucket takes layers j, j + n, ...
+        let m = preset("qwen3-next-80b-a3b").expect("preset");
+        let gr = kv_groups(&m);
+        assert_eq!(gr[0].layers.iter().take(3).map(|l| l.layer).collect::<Vec<_>>(), vec![0, 4, 8]);
+    }
+
+    #[test]
+    fn page_maps_show_parts_and_padding() {
+        let m = preset("nemotron-h-8b").expect("preset");
+        let g = EngineGeometry::new(&m, &EngineConfig::new(1, 8), Side::Prefill).expect("geometry");
+        let spans: Vec<(u64, u64)> = g
+            .page_map(GroupKind::State(StateKind::Mamba2))
+            .iter()
+            .map(|s| (s.offset_bytes, s.len_bytes))
+            .collect();
+        assert_eq!(spans, vec![(0, 49152), (49152, 6144), (55296, 6144), (61440, 4194304), (4255744, 4096)]);
+        assert_eq!(g.page_map(GroupKind::Full).len(), 1);
+    }
+
+    #[test]
+    fn layer_names_sort_numerically() {
+        assert_eq!(cmp_layer_names("model.layers.10.mixer", "model.layers.9.mixer"), Ordering::Greater);
+        assert_eq!(cmp_layer_names("model.layers.3.mixer", "model.layers.3.mixer.attn"), Ordering::Less);
+        assert_eq!(cmp_layer_names("model.44.mixer", "model.layers.0.attn"), Ordering::Less);
+    }
+
+    #[test]
+    fn device_regions_alias_and_host_regions_do_not() {
+        let m = preset("gpt-oss-120b").expect("preset");
+        let g = EngineGeometry::new(&m, &EngineConfig::new(1, 40), Side::Prefill).expect("geometry");
+        assert_eq!(g.regions.len(), 18);
+        assert!(g.regions.iter().all(|r| r.group_id == -1 && r.layers.len() == 2));
+        assert_eq!(g.registrations, vec![Registration { mem: MemKind::Vram, off: 0, len: 18 * 40 * 32768 }]);
+        let cfg = EngineConfig { kv_buffer_device: KvBufferDevice::Cpu, ..EngineConfig::new(1, 40) };
+        let h = EngineGeometry::new(&m, &cfg, Side::Prefill).expect("geometry");
+        assert_eq!(h.regions.len(), 36);
+        assert_eq!((h.regions[1].name.as_str(), h.regions[1].group_id), ("model.layers.1.attn.attn", 1));
+        // Layer 1 is the first of group 1, after group 0's 18 layers.
+        assert_eq!(h.regions[1].base_off, 18 * 40 * 32768);
+    }
+}
