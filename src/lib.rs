@@ -69,5 +69,7 @@ pub mod settings;
 #[forbid(unsafe_code)]
 pub mod topology;
 pub mod transfer;
+#[forbid(unsafe_code)]
+pub mod vocab;
 
 pub use error::{Outcome, Signal};

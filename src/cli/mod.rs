@@ -149,7 +149,7 @@ pub fn init_logging(default: LogDefault) {
         LogDefault::Command => "kvx=warn",
         LogDefault::Service => "kvx=info",
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_env(crate::settings::env::KVX_LOG)
+    let filter = tracing_subscriber::EnvFilter::try_from_env(crate::vocab::env::KVX_LOG)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(fallback));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()

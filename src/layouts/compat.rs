@@ -9,9 +9,9 @@ use serde::{Deserialize, Serialize};
 use super::Layout;
 use super::geometry::{Axis, EngineSpec, RankGeometry};
 use crate::error::ConfigError;
-use crate::settings::model::ModelShape;
 use crate::topology::push::{PushRankMap, push_rank_map};
 use crate::topology::{self, RankMap, TpSpec, VllmVersion};
+use crate::vocab::model::ModelShape;
 
 /// Largest block size (tokens) kvx accepts.
 pub const MAX_BLOCK_TOKENS: u32 = 1 << 16;

@@ -12,8 +12,8 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use super::Layout;
-use crate::settings::model::ModelShape;
 use crate::topology::{self, VllmVersion};
+use crate::vocab::model::ModelShape;
 
 /// Per-engine settings that shape each rank's cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -520,7 +520,7 @@ fn unreachable_v033() -> Vec<Region> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::settings::model::{Dtype, ModelShape};
+    use crate::vocab::model::{Dtype, ModelShape};
 
     fn toy(heads: u32) -> ModelShape {
         ModelShape {

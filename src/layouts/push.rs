@@ -238,8 +238,8 @@ impl PushPlanner {
 mod tests {
     use super::*;
     use crate::layouts::{EngineSpec, Layout};
-    use crate::settings::model::{Dtype, ModelShape};
     use crate::topology::VllmVersion;
+    use crate::vocab::model::{Dtype, ModelShape};
 
     fn pair(p: u32, d: u32, heads: u32) -> PairSpec {
         PairSpec {

@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 use super::proto::{self, FromWorker, ToWorker, TransferMode, WorkerConfig};
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
-use crate::settings::model::ModelShape;
 use crate::topology::VllmVersion;
 use crate::transfer::handshake::compat::{CompatFactors, KvxFactors};
 use crate::transfer::handshake::meta::KVX_METADATA_FORMAT;
 use crate::transfer::handshake::zmq_context;
 use crate::transfer::memory::{HostBuffer, KvBuffer, MemPlace};
+use crate::vocab::model::ModelShape;
 
 /// A worker's fatal error: reported to the engine (which names the rank and fails the
 /// requests that need it), then the process exits 2.

@@ -1,32 +1,8 @@
-//! Every environment variable kvx reads, in one place. Precedence everywhere:
-//! defaults < config file < environment < flags.
+//! Reading the environment: the one place kvx reads its `KVX_*` variables (their names are
+//! ground-floor vocabulary, `vocab::env`). Precedence everywhere: defaults < config file <
+//! environment < flags.
 
-/// Path of the `libucp.so` to load (same as `--ucx-lib`).
-pub const KVX_UCX_LIB: &str = "KVX_UCX_LIB";
-/// Root of a UCX install to prefer over the system's (holds `libucx/lib/libucp.so.0` or
-/// `lib/libucp.so.0`; `scripts/setup-ucx.sh` creates one as `.ucx/`).
-pub const KVX_UCX_DIR: &str = "KVX_UCX_DIR";
-/// Directory runs are written under (default `results/`).
-pub const KVX_RESULTS_DIR: &str = "KVX_RESULTS_DIR";
-/// tracing filter for kvx's logs on stderr (e.g. `kvx=debug`).
-pub const KVX_LOG: &str = "KVX_LOG";
-
-/// Directory of the vLLM oracle vectors the tests read (tests only; default
-/// `../shared/oracle` beside the project root).
-pub const KVX_ORACLE_DIR: &str = "KVX_ORACLE_DIR";
-/// Bearer token `kvx serve-proxy` sends to the engines (same as `--backend-api-key`; the
-/// variable vLLM's toy proxy reads, so its scripts work unchanged).
-pub const OPENAI_API_KEY: &str = "OPENAI_API_KEY";
-
-/// All documented variables with their one-line meaning (printed by `kvx doctor`).
-pub const ALL: &[(&str, &str)] = &[
-    (KVX_UCX_LIB, "path of the libucp.so to load (same as --ucx-lib)"),
-    (KVX_UCX_DIR, "root of a UCX install preferred over the system's (default: .ucx/ of the project)"),
-    (KVX_RESULTS_DIR, "directory runs are written under (default results/)"),
-    (KVX_LOG, "log filter for stderr, e.g. kvx=debug"),
-    (KVX_ORACLE_DIR, "tests only: directory of the vLLM oracle vectors (default ../shared/oracle)"),
-    (OPENAI_API_KEY, "bearer token serve-proxy sends to engines (same as --backend-api-key)"),
-];
+pub use crate::vocab::env::*;
 
 /// What resolution reads from the process's surroundings, read once per run (tests build
 /// their own): `KVX_RESULTS_DIR`, whether stderr is a terminal (the progress bar), and the

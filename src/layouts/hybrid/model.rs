@@ -13,7 +13,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use super::error::HybridError;
-pub use crate::settings::model::Dtype;
+pub use crate::vocab::model::Dtype;
 
 /// The attention cache a layer keeps, if any.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -176,7 +176,7 @@ mod oracle_tests {
     fn oracle() -> Value {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let shared = root.join("../shared/oracle");
-        let dir = std::env::var_os(crate::settings::env::KVX_ORACLE_DIR).map_or_else(
+        let dir = std::env::var_os(crate::vocab::env::KVX_ORACLE_DIR).map_or_else(
             || {
                 if shared.join("descriptors.json").exists() {
                     shared

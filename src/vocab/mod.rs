@@ -1,0 +1,8 @@
+//! Ground floor: the words every layer shares, as plain data. Nothing here reads, measures or
+//! moves anything, and nothing here imports kvx above the other leaves (`error`).
+//!
+//! - [`model`]: the shape of a model's KV cache ([`model::ModelShape`], dtypes, MLA).
+//! - [`env`]: the names of kvx's environment variables.
+
+pub mod env;
+pub mod model;
