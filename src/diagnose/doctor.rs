@@ -19,13 +19,13 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::xfer::{self, Control, LocalTarget, Session, SessionOptions, TargetOptions, TargetRequest};
-use crate::settings::env;
 use crate::transfer::cuda::{self, DriverInfo};
 use crate::transfer::memory::{self, MemPlace};
 use crate::transfer::ucx::{
     CUDA_IPC_GET_ZCOPY_ENV, Context, ContextOptions, Endpoint, ErrMode, MemRegion, ProtoReport, ReadDesc,
     ReadOptions, Ucx, UcxError,
 };
+use crate::vocab::env;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -66,6 +66,9 @@ fn is_ident(c: char) -> bool {
 
 /// Every path a file's code names: `use` trees, and inline `crate::...`/`super::...` paths.
 fn paths(code: &str) -> Vec<String> {
+    // A file's unit tests may reach anywhere (a settings test parses the real command line);
+    // the layers are about the code that ships.
+    let code = code.split("#[cfg(test)]\nmod tests").next().unwrap_or(code);
     let code: String =
         code.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
     let mut out = Vec::new();
@@ -236,4 +239,88 @@ fn the_scan_sees_circles_and_imports() {
     assert!(find_cycle(&circle).is_some());
     let line: BTreeMap<_, _> = [(x, BTreeSet::from([y.clone()])), (y, BTreeSet::new())].into();
     assert_eq!(find_cycle(&line), None);
+}
+
+/// The floors of the house, lowest first: a file may import files of its own folder and of
+/// the floors below its own, never above (STYLE.md's module map; lib.rs's `# Layout`).
+const FLOORS: &[&[&str]] = &[
+    &["vocab", "error", "output", "interrupt", "clock", "host"],
+    &["topology"],
+    &["layouts"],
+    &["transfer"],
+    &["report"],
+    &["pipeline"],
+    &["serve", "diagnose"],
+    &["settings"],
+    &["cli"],
+    &["bin"],
+];
+
+fn floor(m: &[String]) -> Option<usize> {
+    let top = m.first()?;
+    FLOORS.iter().position(|f| f.contains(&top.as_str()))
+}
+
+/// The top-level module a path names (`crate::report::Summary` -> `report`), relative paths
+/// resolved from `from`; `None` for paths outside the crate.
+fn top_module(path: &str, from: &[String]) -> Option<String> {
+    let segs: Vec<&str> = path.split("::").map(str::trim).collect();
+    let mut at: Vec<String> = match segs.first() {
+        Some(&"crate") => return segs.get(1).map(|s| s.to_string()),
+        Some(&"super" | &"self") => from.to_vec(),
+        _ => return None,
+    };
+    for s in &segs {
+        match *s {
+            "super" => {
+                at.pop();
+            }
+            "self" => {}
+            other => {
+                at.push(other.to_string());
+                break;
+            }
+        }
+    }
+    at.first().cloned()
+}
+
+#[test]
+fn imports_point_down_the_floors() {
+    let src = src();
+    let mut unknown = BTreeSet::new();
+    let mut up = BTreeSet::new();
+    for (m, rel) in modules(&src) {
+        if rel.ends_with("lib.rs") {
+            continue;
+        }
+        let Some(from) = floor(&m) else {
+            unknown.insert(m.join("/"));
+            continue;
+        };
+        let code = std::fs::read_to_string(src.join(&rel)).expect("readable source");
+        // A folder's mod.rs speaks for the folder: `super::` from it starts at the folder.
+        let here: Vec<String> = if rel.ends_with("mod.rs") {
+            m.iter().cloned().chain([String::new()]).collect()
+        } else {
+            m.clone()
+        };
+        for p in paths(&code) {
+            let Some(top) = top_module(&p, &here) else { continue };
+            if top.is_empty() || Some(&top) == m.first() {
+                continue;
+            }
+            match FLOORS.iter().position(|f| f.contains(&top.as_str())) {
+                Some(f) if f > from || (f == from && from > 0) => {
+                    up.insert(format!("{} -> {top}", m.join("/")));
+                }
+                Some(_) => {}
+                None => {
+                    unknown.insert(top);
+                }
+            }
+        }
+    }
+    assert!(unknown.is_empty(), "modules on no floor (add them to FLOORS): {unknown:?}");
+    assert!(up.is_empty(), "imports pointing up (move the shared piece down): {up:#?}");
 }

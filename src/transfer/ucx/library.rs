@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::{Result, UcxError};
 use super::sys::{self, Api};
-use crate::settings::env;
+use crate::vocab::env;
 
 /// The system library's soname, resolved by the dynamic linker's own search path.
 pub const SYSTEM_SONAME: &str = "libucp.so.0";
