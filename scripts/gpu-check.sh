@@ -23,7 +23,20 @@
 #   6. every --batch-copy path (kernel, api, api-v2, api-v1, per-copy) at 8 KiB x 10,240, verified,
 #      16-byte aligned and not (--misalign 3: both sides agree modulo 16; --misalign 0,1: they
 #      differ), with the unaligned/aligned ratios; a path this driver lacks is recorded skipped
-#   7. kvx bench --mem cuda --p-tp 8 --d-tp 2 --mode push (prefill ranks WRITE)
+#   7. kvx bench --mem cuda --p-tp 8 --d-tp 2 --mode push (prefill ranks WRITE), against the
+#      same shape pulled (step 3)
+#   8. launches: cuda-batch P8->D2 Llama-3.1-70B (8 KiB descriptors) with one batch per request
+#      per decode rank (--batch-launch rank) and one per peer (peer), at --concurrency 1 and 2,
+#      and the same at concurrency 2 under MPS when nvidia-cuda-mps-control can start it
+#   9. serve: kvx serve-engine --mem cuda (prefill and decode, TP 2 each, short leases) behind
+#      kvx serve-proxy, driven by kvx load for GPU_CHECK_SERVE_SECONDS, while prefill legs that
+#      no decode ever reads are sent straight to the prefill engine (their leases expire and
+#      their blocks are reused); then each engine's /metrics: KV usage, blocks held, leases
+#      expired, bytes verified and verify failures, and the leaks each engine reports on exit
+#  10. gate: the GPU preset (bench-configs/gpu.toml) run as a baseline, again unchanged, and
+#      again with --slowdown 0.15, each judged by kvx gate --thresholds bench-configs/gates-gpu.toml
+#      (and against results/baseline-gpu.json when it exists)
+#  11. mps: step 8's concurrency-2 runs under the MPS control daemon, when it starts
 # and prints a table of ratios: kvx vs NIXL and ucx_perftest (like for like), kvx vs the same-run
 # device copy at 16 MiB, bench vs xfer, cuda-batch vs UCX cuda_ipc, a request's span-based
 # bandwidth (summary.json's transfer_bandwidth.span_gbps: all ranks' bytes over the wall span
@@ -47,6 +60,9 @@
 #   GPU_CHECK_OUT  where reports go; default: target/gpu-check/<time>
 #   GPU_CHECK_BATCH_COPIES  which --batch-copy ways step 5 measures; default: "kernel api"
 #   GPU_CHECK_PATHS  which --batch-copy paths step 6 measures; default: "kernel api api-v2 api-v1 per-copy"
+#   GPU_CHECK_STEPS  which steps to run, by name: doctor xfer bench perftest nixl batch paths push
+#                  launch serve gate mps (default: all of them, in that order)
+#   GPU_CHECK_SERVE_SECONDS  how long step 9's load runs (default: 600)
 #   GPU_CHECK_BUDGET  seconds: steps that would start later than this are skipped (default: none).
 #                  Every kvx step also has its own time limit, after which it gets SIGINT (kvx
 #                  then keeps what it measured) and, 5 s later, SIGKILL.
@@ -113,6 +129,8 @@ record build ok 0 "" "$KVX" ""
 
 START=$SECONDS
 BUDGET="${GPU_CHECK_BUDGET:-0}"
+STEPS=" ${GPU_CHECK_STEPS:-doctor xfer bench perftest nixl batch paths push launch serve gate mps} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 k() { # $1 time limit in seconds, then kvx's arguments
   local limit="$1"; shift
   timeout -s INT -k 5 "$limit" "$KVX" "$@"
@@ -154,18 +172,18 @@ step() {
 }
 
 # 1. doctor
-step doctor 60 "$OUT/doctor.json" doctor "${UCX_FLAGS[@]}" --format json
-k 30 doctor "${UCX_FLAGS[@]}" --no-self-test 2>/dev/null | grep -E '^(ok|warn|missing|fail) +cuda' || true
+want doctor && step doctor 60 "$OUT/doctor.json" doctor "${UCX_FLAGS[@]}" --format json
+want doctor && { k 30 doctor "${UCX_FLAGS[@]}" --no-self-test 2>/dev/null | grep -E '^(ok|warn|missing|fail) +cuda' || true; }
 
 # 2. xfer on device memory
-step "xfer --mem cuda" 90 "$OUT/xfer.json" xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" \
+want xfer && step "xfer --mem cuda" 90 "$OUT/xfer.json" xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" \
   --sizes 8KiB,64KiB,256KiB,1MiB,16MiB --inflight 1,32,64,128 --duration 500ms --format json
 
 # 3. bench on device memory: KV pools on GPU 0 (every rank, as on a one-GPU host)
-if step "bench --mem cuda --p-tp 8 --d-tp 2" 120 "$OUT/bench.json" bench --mem cuda --p-tp 8 --d-tp 2 \
+if (want bench || want push) && step "bench --mem cuda --p-tp 8 --d-tp 2" 120 "$OUT/bench.json" bench --mem cuda --p-tp 8 --d-tp 2 \
   "${UCX_FLAGS[@]}" --results-dir "$OUT/bench" --format json; then
   desc="$("$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(int(((d.get("calibration") or {}).get("descriptor_bytes")) or 0))' "$OUT/bench.json" 2>/dev/null || echo 0)"
-  if [ "${desc:-0}" -gt 0 ]; then
+  if [ "${desc:-0}" -gt 0 ] && want bench; then
     step "xfer --mem cuda at the bench's descriptor size ($desc B)" 60 "$OUT/xfer-bench-size.json" \
       xfer --mem cuda --device 0 "${UCX_FLAGS[@]}" --sizes "$desc" --inflight 64 --format json
   fi
@@ -175,6 +193,7 @@ fi
 #     the same way (--hot --inflight 1) on the library beside that ucx_perftest.
 PERFTEST="${UCX_PERFTEST:-}"
 perftest_skipped=0
+want perftest || { perftest_skipped=1; PERFTEST=/nonexistent; }
 over "ucx_perftest" "ucx_perftest -t ucp_get -m cuda,cuda" && perftest_skipped=1 && PERFTEST=/nonexistent
 for lib in "$UCX_LIB" .ucx/libucx/lib/libucp.so.0; do
   [ -n "$PERFTEST" ] && break
@@ -225,7 +244,7 @@ fi
 NIXL_SIZES="8192 65536 262144 1048576 16777216"
 NIXL_XFER=67108864
 nixl_ok=0
-if over "nixl" "scripts/peers/nixl_peer.py"; then
+if ! want nixl || over "nixl" "scripts/peers/nixl_peer.py"; then
   :
 elif "$PY" -c 'import torch, sys; import importlib.util as u; sys.exit(0 if torch.cuda.is_available() and any(u.find_spec(m) for m in ("nixl", "nixl_cu13", "nixl_cu12")) else 1)' 2>/dev/null; then
   t0=$(now_ms)
@@ -271,9 +290,9 @@ fi
 
 # 5. cuda-batch: each batch one batched copy from the peer's pool mapped with CUDA IPC (no UCX),
 #    at the same depths as step 2, then the P8->D2 request against UCX in one comparison.
-step "bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --verify full" 120 "$OUT/verify.json" \
+want batch && step "bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --verify full" 120 "$OUT/verify.json" \
   bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --verify full --results-dir "$OUT/verify" --format json
-for copy in ${GPU_CHECK_BATCH_COPIES:-kernel api}; do
+want batch && for copy in ${GPU_CHECK_BATCH_COPIES:-kernel api}; do
   sfx=""; [ "$copy" = kernel ] && sfx="-kernel"
   step "xfer --transport cuda-batch --batch-copy $copy --mem cuda" 90 "$OUT/xfer-batch$sfx.json" \
     xfer --transport cuda-batch --batch-copy "$copy" --mem cuda --device 0 --sizes 8KiB,64KiB,1MiB,16MiB \
@@ -285,14 +304,14 @@ done
 
 # Each request alone (--concurrency 1): no other request's fill or reads share the GPU with
 # its reads, which on a one-GPU host all ranks do.
-step "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --concurrency 1" 150 \
+want batch && step "bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --concurrency 1" 150 \
   "$OUT/compare-c1.json" bench --mem cuda --p-tp 8 --d-tp 2 --compare-transports ucx,cuda-batch --concurrency 1 \
   "${UCX_FLAGS[@]}" --results-dir "$OUT/compare-c1" --format json
 
 # 6. Every batch-copy path, forced, at 8 KiB x 10,240 (a P8->D2 request's reads per peer),
 #    verified, aligned and not: --misalign 3 (local and remote agree modulo 16: the kernel's byte
 #    head and tail around a 16-byte body) and --misalign 0,1 (they differ: narrower units).
-for copy in ${GPU_CHECK_PATHS:-kernel api api-v2 api-v1 per-copy}; do
+want paths && for copy in ${GPU_CHECK_PATHS:-kernel api api-v2 api-v1 per-copy}; do
   for align in aligned 3 0,1; do
     mis=(); label="16-byte aligned"
     [ "$align" != aligned ] && mis=(--misalign "$align") && label="--misalign $align"
@@ -304,8 +323,205 @@ done
 
 # 7. Push mode on device memory: prefill ranks WRITE with ucp_put (cuda_ipc PUT zero-copy is on
 #    by default, with or without NVLink).
-step "bench --mem cuda --p-tp 8 --d-tp 2 --mode push" 120 "$OUT/push.json" \
+want push && step "bench --mem cuda --p-tp 8 --d-tp 2 --mode push" 120 "$OUT/push.json" \
   bench --mem cuda --p-tp 8 --d-tp 2 --mode push "${UCX_FLAGS[@]}" --results-dir "$OUT/push" --format json
+
+# 8. Launches per request: cuda-batch P8->D2 Llama-3.1-70B (8 KiB descriptors, two decode
+#    ranks sharing the one GPU), one batch per request per decode rank (rank, the default) or
+#    one per prefill peer (peer), each request alone and two at a time. Each summary carries the
+#    request's wall-span bandwidth and the same-run device bandwidth (calibration).
+launch_bench() { # NAME-SUFFIX LAUNCH CONCURRENCY
+  step "bench cuda-batch P8->D2 70B --batch-launch $2 --concurrency $3$4" 150 "$OUT/launch-$2-c$3$1.json" \
+    bench --mem cuda --p-tp 8 --d-tp 2 --model llama-3.1-70b --transport cuda-batch --batch-launch "$2" \
+    --concurrency "$3" --requests 40 --warmup 4 --results-dir "$OUT/launch-$2-c$3$1" --format json
+}
+if want launch; then
+  for c in 1 2; do
+    for launch in rank peer; do launch_bench "" "$launch" "$c" ""; done
+  done
+fi
+
+# 9. serve-engine --mem cuda behind serve-proxy under kvx load, with orphaned prefill legs whose
+#    leases expire (2 s) so that their blocks are reused.
+SERVE_S="${GPU_CHECK_SERVE_SECONDS:-600}"
+SERVE_MEM="${GPU_CHECK_SERVE_MEM:-cuda}" # host: the same step without a GPU (to try the script)
+serve_step() {
+  local d="$OUT/serve" t0 pids=() p_url d_url x_url rc status note
+  mkdir -p "$d"
+  t0=$(now_ms)
+  # url FILE: the address a server printed as its first stdout line, waited for up to 60 s.
+  url() {
+    local i line
+    for i in $(seq 1 600); do
+      line="$(head -n1 "$1" 2>/dev/null)"
+      [[ "$line" == "listening on "* ]] && { echo "${line#listening on }"; return 0; }
+      sleep 0.1 # the server binds asynchronously; bounded
+    done
+    return 1
+  }
+  local common=(--tp 2 --mem "$SERVE_MEM" "${UCX_FLAGS[@]}" --port 0)
+  "$KVX" serve-engine --role prefill --side-channel-port 0 --lease 2s "${common[@]}" >"$d/prefill.out" 2>"$d/prefill.err" &
+  pids+=($!)
+  "$KVX" serve-engine --role decode --verify full "${common[@]}" >"$d/decode.out" 2>"$d/decode.err" &
+  pids+=($!)
+  p_url="$(url "$d/prefill.out")" && d_url="$(url "$d/decode.out")"
+  if [ -n "${p_url:-}" ] && [ -n "${d_url:-}" ]; then
+    "$KVX" serve-proxy --port 0 --prefiller-hosts "$(echo "$p_url" | sed 's#http://##; s#:.*##')" \
+      --prefiller-ports "${p_url##*:}" --decoder-hosts "$(echo "$d_url" | sed 's#http://##; s#:.*##')" \
+      --decoder-ports "${d_url##*:}" >"$d/proxy.out" 2>"$d/proxy.err" &
+    pids+=($!)
+    x_url="$(url "$d/proxy.out")"
+  fi
+  if [ -z "${x_url:-}" ]; then
+    record "serve-engine --mem $SERVE_MEM behind serve-proxy" failed $(($(now_ms) - t0)) "" \
+      "a server did not start: see $d/*.err" "kvx serve-engine/serve-proxy"
+    kill -INT "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null
+    return 1
+  fi
+  # Orphans: prefill legs sent straight to the prefill engine, never read by a decode engine.
+  "$PY" - "$p_url" "$d/orphans.stop" >"$d/orphans.txt" 2>&1 <<'EOF' &
+import json, os, sys, time, urllib.request
+url, stop = sys.argv[1], sys.argv[2]
+body = json.dumps({"prompt": "orphan " * 200, "max_tokens": 1,
+                   "kv_transfer_params": {"do_remote_decode": True}}).encode()
+sent = ok = 0
+while not os.path.exists(stop):
+    sent += 1
+    try:
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            ok += r.status == 200
+    except Exception as e:
+        print("orphan request failed:", e)
+    time.sleep(0.5)
+print(f"orphans sent {sent}, accepted {ok}")
+EOF
+  local orphans=$!
+  k $((SERVE_S + 60)) load --url "$x_url" --duration "$SERVE_S" --concurrency 4 --format json \
+    --results-dir "$d/load" >"$d/load.json" 2>"$d/load.err"
+  rc=$?
+  touch "$d/orphans.stop"; wait "$orphans"
+  sleep 4 # past the last orphan's 2 s lease, so its blocks are back
+  for e in prefill:"$p_url" decode:"$d_url"; do
+    "$PY" - "${e#*:}" >"$d/${e%%:*}.metrics" 2>&1 <<'EOF' || true
+import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1] + "/metrics", timeout=10).read().decode())
+EOF
+  done
+  kill -TERM "${pids[@]}" 2>/dev/null
+  local p rcs=()
+  for p in "${pids[@]}"; do wait "$p"; rcs+=($?); done
+  "$PY" - "$d" "$rc" "${rcs[*]}" >"$d/serve.json" <<'EOF'
+import json, os, re, sys
+d, load_rc, server_rcs = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].split()]
+def metrics(role):
+    out = {}
+    try:
+        for line in open(os.path.join(d, role + ".metrics")):
+            m = re.match(r'^([a-z_:]+)(\{[^}]*\})?\s+([-0-9.eE+naif]+)$', line.strip())
+            if m and not line.startswith("#"):
+                out.setdefault(m.group(1), 0.0)
+                out[m.group(1)] += float(m.group(3))
+    except OSError:
+        pass
+    return out
+def stopped(role):
+    # "KV workers stopped blocks_leaked=N leases_expired=M" on the engine's stderr at exit.
+    try:
+        text = open(os.path.join(d, role + ".err")).read()
+    except OSError:
+        return {}
+    m = re.findall(r"KV workers stopped blocks_leaked=(\d+) leases_expired=(\d+)", text)
+    return {"blocks_leaked": int(m[-1][0]), "leases_expired": int(m[-1][1])} if m else {}
+try:
+    load = json.load(open(os.path.join(d, "load.json")))
+except Exception:
+    load = {}
+keys = ["vllm:kv_cache_usage_perc", "kvx:kv_blocks_held", "kvx:kv_blocks_in_use", "kvx:kv_leases_expired_total",
+        "kvx:kv_blocks_read_total", "kvx:kv_bytes_read_total", "kvx:kv_bytes_verified_total", "kvx:kv_verify_failures_total", "kvx:kv_loads_total",
+        "kvx:kv_load_failures_total", "kvx:request_errors_total"]
+out = {"load_exit": load_rc, "server_exits": server_rcs,
+       "requests_ok": load.get("requests_ok"), "requests_failed": load.get("requests_failed"),
+       "duration_s": load.get("duration_s"),
+       "orphans": open(os.path.join(d, "orphans.txt")).read().strip().splitlines()[-1:],
+       "prefill": {"metrics_at_end": {k: v for k, v in metrics("prefill").items() if k in keys}, "at_exit": stopped("prefill")},
+       "decode": {"metrics_at_end": {k: v for k, v in metrics("decode").items() if k in keys}, "at_exit": stopped("decode")}}
+problems = []
+if load_rc != 0 or (out["requests_failed"] or 0) > 0 or not out["requests_ok"]:
+    problems.append(f"load exit {load_rc}, {out['requests_failed']} failed, {out['requests_ok']} ok")
+for role in ("prefill", "decode"):
+    m, x = out[role]["metrics_at_end"], out[role]["at_exit"]
+    if m.get("vllm:kv_cache_usage_perc", 1.0) != 0.0:
+        problems.append(f"{role}: KV usage {m.get('vllm:kv_cache_usage_perc')} at the end, not idle")
+    if m.get("kvx:kv_verify_failures_total", 0) > 0:
+        problems.append(f"{role}: {m['kvx:kv_verify_failures_total']:.0f} verify failures")
+    if x.get("blocks_leaked", 1) != 0:
+        problems.append(f"{role}: blocks leaked at exit: {x.get('blocks_leaked', 'not reported')}")
+if out["prefill"]["at_exit"].get("leases_expired", 0) == 0:
+    problems.append("no lease expired (the orphaned prefill legs did not reach the prefill engine)")
+if out["decode"]["metrics_at_end"].get("kvx:kv_bytes_verified_total", 0) <= 0:
+    problems.append("the decode engine verified no bytes")
+if any(server_rcs):
+    problems.append(f"servers exited {server_rcs} on SIGTERM (0 expected)")
+out["problems"] = problems
+json.dump(out, sys.stdout, indent=1)
+print()
+sys.exit(1 if problems else 0)
+EOF
+  rc=$?
+  status=ok; note=""
+  [ "$rc" -ne 0 ] && status=failed && note="$("$PY" -c 'import json,sys; print("; ".join(json.load(open(sys.argv[1]))["problems"]))' "$d/serve.json" 2>/dev/null)"
+  record "serve-engine --mem $SERVE_MEM behind serve-proxy, kvx load ${SERVE_S}s + orphaned prefill legs" "$status" \
+    $(($(now_ms) - t0)) "$d/serve.json" "$note" \
+    "kvx serve-engine --role prefill|decode --tp 2 --mem $SERVE_MEM --lease 2s; kvx serve-proxy; kvx load --duration ${SERVE_S}s --concurrency 4"
+}
+if want serve && ! over serve "kvx serve-engine --mem $SERVE_MEM"; then serve_step; fi
+
+# 10. The GPU gate: the preset as a baseline (more repeats), again unchanged, and again slowed
+#     by 15% (--slowdown 0.15); kvx gate with the GPU thresholds must pass the first and flag
+#     the second. Against a committed results/baseline-gpu.json too, when there is one.
+gate_judge() { # NAME BASELINE CURRENT EXPECTED-EXIT
+  local t0 rc status note
+  [ -s "$2" ] && [ -s "$3" ] || { record "$1" skipped 0 "" "skipped: a run it needs did not finish" ""; return; }
+  t0=$(now_ms)
+  "$KVX" gate --baseline "$2" --current "$3" --thresholds bench-configs/gates-gpu.toml --format json \
+    >"$OUT/$(basename "${3%.json}")-verdict.json" 2>"$OUT/$(basename "${3%.json}")-verdict.err"
+  rc=$?
+  status=ok; note="kvx gate exit $rc, as expected"
+  [ "$rc" -ne "$4" ] && status=failed && note="kvx gate exit $rc, expected $4"
+  record "$1" "$status" $(($(now_ms) - t0)) "$OUT/$(basename "${3%.json}")-verdict.json" "$note" \
+    "kvx gate --baseline $2 --current $3 --thresholds bench-configs/gates-gpu.toml"
+}
+if want gate; then
+  G=(bench --config bench-configs/gpu.toml "${UCX_FLAGS[@]}" --format json)
+  step "gate: GPU preset as the baseline (--repeat 8)" 240 "$OUT/gate-base.json" "${G[@]}" --repeat 8 \
+    --results-dir "$OUT/gate-base"
+  step "gate: GPU preset, unchanged" 200 "$OUT/gate-same.json" "${G[@]}" --results-dir "$OUT/gate-same"
+  step "gate: GPU preset, --slowdown 0.15" 200 "$OUT/gate-slow.json" "${G[@]}" --slowdown 0.15 \
+    --results-dir "$OUT/gate-slow"
+  gate_judge "kvx gate: unchanged vs the same-session baseline (pass expected)" "$OUT/gate-base.json" "$OUT/gate-same.json" 0
+  gate_judge "kvx gate: --slowdown 0.15 vs the same-session baseline (regression expected)" "$OUT/gate-base.json" "$OUT/gate-slow.json" 1
+  if [ -f results/baseline-gpu.json ]; then
+    gate_judge "kvx gate: unchanged vs results/baseline-gpu.json (pass expected)" results/baseline-gpu.json "$OUT/gate-same.json" 0
+  fi
+fi
+
+# 11. MPS (last: a daemon that misbehaves must not cost the steps above): step 8's concurrency-2
+#     runs again with the MPS control daemon started, when it can be; then it is stopped.
+if want mps && ! over mps "nvidia-cuda-mps-control -d"; then
+  MPS_DIR="$(mktemp -d)"
+  export CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d 2>"$OUT/mps.err"; then
+    record "MPS control daemon started" ok 0 "" "" "nvidia-cuda-mps-control -d"
+    for launch in rank peer; do launch_bench "-mps" "$launch" 2 " under MPS"; done
+    echo quit | timeout 20 nvidia-cuda-mps-control >/dev/null 2>&1
+    cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$OUT/mps-control.log" 2>/dev/null
+  else
+    record "MPS" skipped 0 "" "skipped: nvidia-cuda-mps-control $(command -v nvidia-cuda-mps-control >/dev/null && echo "could not start: $(head -c 200 "$OUT/mps.err")" || echo "not found")" ""
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
 
 # The card, for the results file's name.
 CARD="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)"

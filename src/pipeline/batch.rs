@@ -1,7 +1,7 @@
 //! The cuda-batch transport in a worker: what a prefill rank advertises (its pool's CUDA IPC
 //! export), what a decode rank keeps (one copier on its device, each peer's pool mapped once
-//! per handshake), how one request's reads from one peer become one batched copy, and how a
-//! run's batches are summed up for the summary.
+//! per handshake), how one request's reads become batched copies (one over all peers, or one
+//! per peer: `--batch-launch`), and how a run's batches are summed up for the summary.
 //!
 //! Owns: the glue between `transfer::cuda_batch` and the decode and prefill ranks, and the
 //! failure causes its errors map to. Must not know the request lifecycle beyond one read
@@ -16,7 +16,7 @@ use crate::layouts::plan::Pair;
 use crate::report::summary::{CudaBatchInfo, Summary};
 use crate::transfer::cuda::CudaDevice;
 use crate::transfer::cuda_batch::{
-    BatchCopier, BatchCopy, BatchPath, CopyBatch, CudaBatchError, PeerMapping, export,
+    BatchCopier, BatchCopy, BatchLaunch, BatchPath, CopyBatch, CudaBatchError, PeerMapping, export,
 };
 use crate::transfer::handshake::meta::{CudaIpcExport, KvxMetadata};
 use crate::transfer::memory::{KvBuffer, MemPlace};
@@ -40,11 +40,15 @@ pub struct BatchSide {
     dev: Arc<CudaDevice>,
     /// Reused for every batch, so a request allocates nothing.
     scratch: CopyBatch,
+    launch: BatchLaunch,
+    /// `--batch-launch rank`: the peers whose pairs `scratch` holds, posted by `finish`.
+    staged: Vec<Arc<PeerMapping>>,
 }
 
 impl BatchSide {
-    /// A copier on the device the rank's pool lives on, issuing batches as `copy` says.
-    pub fn new(place: MemPlace, copy: BatchCopy) -> Result<BatchSide, WorkerError> {
+    /// A copier on the device the rank's pool lives on, issuing batches as `copy` says, one
+    /// per request or one per peer as `launch` says.
+    pub fn new(place: MemPlace, copy: BatchCopy, launch: BatchLaunch) -> Result<BatchSide, WorkerError> {
         // `settings::engine::check_mem_transport` refuses cuda-batch over host memory.
         let device = place.device().ok_or_else(|| WorkerError::Stage {
             stage: "start the cuda-batch copier".into(),
@@ -58,7 +62,7 @@ impl BatchSide {
             BatchCopy::Kernel => "cuda-batch stream, event and gather kernel (cuModuleLoadData of its PTX)",
         };
         let copier = BatchCopier::new(&dev, copy).stage(what)?;
-        Ok(BatchSide { copier, dev, scratch: CopyBatch::default() })
+        Ok(BatchSide { copier, dev, scratch: CopyBatch::default(), launch, staged: Vec::new() })
     }
 
     /// Maps a prefill rank's advertised pool into this process.
@@ -72,8 +76,9 @@ impl BatchSide {
         format!("cuda-batch/{}", self.copier.path())
     }
 
-    /// Posts one request's `pairs` from one prefill rank into `local` as one batched copy,
-    /// adding what it cost to `r`; [`finish`](Self::finish) waits for the request's batches.
+    /// Takes one request's `pairs` from one prefill rank into `local`: posted at once as one
+    /// batched copy (`--batch-launch peer`), or added to the request's one batch that
+    /// [`finish`](Self::finish) posts (`rank`). What it cost goes to `r`.
     pub fn read(
         &mut self,
         local: &mut KvBuffer,
@@ -86,32 +91,81 @@ impl BatchSide {
         let who = format!("prefill rank {p_rank}");
         let peer = peer
             .ok_or_else(|| (FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")))?;
-        let buf = local.as_cuda_mut().ok_or_else(|| {
-            (
-                FailureCause::Internal,
-                "the cuda-batch transport needs this rank's KV pool in device memory".into(),
-            )
-        })?;
-        let local_span = crate::transfer::cuda_batch::Span {
-            base: crate::transfer::ucx::Registrable::addr(&*buf),
-            len: buf.len() as u64,
-        };
-        self.scratch.pack(pairs.iter().copied(), local_span, peer.span()).map_err(|e| failure(&who, e))?;
-        let st = self.copier.enqueue(buf, peer, &mut self.scratch, timeout).map_err(|e| failure(&who, e))?;
-        r.post_ns += st.post_ns;
-        r.bytes += st.bytes;
-        r.batch_path = Some(self.copier.path());
-        r.batch_calls += st.calls;
-        r.batch_copies += st.copies;
-        r.batch_unaligned += st.unaligned_descriptors;
+        let (buf, local_span) = device_pool(local)?;
+        let pairs = pairs.iter().copied();
+        match self.launch {
+            BatchLaunch::Peer => {
+                self.scratch.pack(pairs, local_span, peer.span()).map_err(|e| failure(&who, e))?;
+                let st = self
+                    .copier
+                    .enqueue(buf, std::slice::from_ref(peer), &mut self.scratch, timeout)
+                    .map_err(|e| failure(&who, e))?;
+                self.count(&st, r);
+            }
+            BatchLaunch::Rank => {
+                let added = if self.staged.is_empty() {
+                    self.scratch.pack(pairs, local_span, peer.span())
+                } else {
+                    self.scratch.add(pairs, local_span, peer.span())
+                };
+                if let Err(e) = added {
+                    // The batch was emptied: nothing of this request is posted.
+                    self.staged.clear();
+                    return Err(failure(&who, e));
+                }
+                self.staged.push(Arc::clone(peer));
+            }
+        }
         Ok(())
     }
 
-    /// Waits for every batch [`read`](Self::read) posted (one event: one stream runs them in
-    /// order).
-    pub fn finish(&mut self, timeout: Duration) -> Result<(), Failure> {
-        self.copier.finish(timeout).map(|_| ()).map_err(|e| failure("the prefill ranks", e))
+    /// Posts the request's one batch (`--batch-launch rank`), then waits for every batch
+    /// posted (one event: one stream runs them in order).
+    pub fn finish(
+        &mut self,
+        local: &mut KvBuffer,
+        timeout: Duration,
+        r: &mut LoadResult,
+    ) -> Result<(), Failure> {
+        let posted = if self.staged.is_empty() {
+            Ok(())
+        } else {
+            let peers = std::mem::take(&mut self.staged);
+            let who = if peers.len() == 1 { "its prefill rank" } else { "its prefill ranks" };
+            let st = device_pool(local).and_then(|(buf, _)| {
+                self.copier.enqueue(buf, &peers, &mut self.scratch, timeout).map_err(|e| failure(who, e))
+            });
+            st.map(|st| self.count(&st, r))
+        };
+        // Waited for even when the batch could not be posted: nothing of this request may
+        // still be copying when the next one posts.
+        let waited = self.copier.finish(timeout).map(|_| ()).map_err(|e| failure("the prefill ranks", e));
+        posted.and(waited)
     }
+
+    fn count(&self, st: &crate::transfer::cuda_batch::BatchStats, r: &mut LoadResult) {
+        r.post_ns += st.post_ns;
+        r.bytes += st.bytes;
+        r.batch_path = Some(self.copier.path());
+        r.batch_launch = Some(self.launch);
+        r.batch_calls += st.calls;
+        r.batch_copies += st.copies;
+        r.batch_unaligned += st.unaligned_descriptors;
+    }
+}
+
+/// This rank's pool in device memory, and its span.
+fn device_pool(
+    local: &mut KvBuffer,
+) -> Result<(&mut crate::transfer::cuda::CudaBuffer, crate::transfer::cuda_batch::Span), Failure> {
+    let buf = local.as_cuda_mut().ok_or_else(|| {
+        (FailureCause::Internal, "the cuda-batch transport needs this rank's KV pool in device memory".into())
+    })?;
+    let span = crate::transfer::cuda_batch::Span {
+        base: crate::transfer::ucx::Registrable::addr(&*buf),
+        len: buf.len() as u64,
+    };
+    Ok((buf, span))
 }
 
 /// The failure cause of a cuda-batch error: what cannot work between these two ranks is an
@@ -137,6 +191,7 @@ fn failure(who: &str, e: CudaBatchError) -> Failure {
 #[derive(Debug, Clone, Default)]
 pub struct BatchTally {
     paths: Vec<BatchPath>,
+    launches: Vec<BatchLaunch>,
     requests: u64,
     calls: u64,
     copies: u64,
@@ -153,6 +208,9 @@ impl BatchTally {
             let Some(path) = r.batch_path else { continue };
             if !self.paths.contains(&path) {
                 self.paths.push(path);
+            }
+            if let Some(launch) = r.batch_launch.filter(|l| !self.launches.contains(l)) {
+                self.launches.push(launch);
             }
             counted = true;
             self.calls += r.batch_calls;
@@ -174,6 +232,7 @@ impl BatchTally {
         summary.cuda_batch = Some(CudaBatchInfo {
             paths: self.paths.iter().map(|p| p.as_str().to_string()).collect(),
             driver_calls: self.paths.iter().map(|p| p.driver_call().to_string()).collect(),
+            launches: self.launches.iter().map(|l| l.as_str().to_string()).collect(),
             calls_per_request: per_request(self.calls),
             copies_per_request: per_request(self.copies),
             descriptors_per_request: per_request(self.descriptors),

@@ -164,7 +164,9 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         (Local::Plain(mem), (format!("(not loaded: {} transport)", kind.as_str()), String::new()))
     };
     let batch = match kind {
-        TransportKind::CudaBatch => Some(super::batch::BatchSide::new(cfg.mem, cfg.transport.batch_copy)?),
+        TransportKind::CudaBatch => {
+            Some(super::batch::BatchSide::new(cfg.mem, cfg.transport.batch_copy, cfg.transport.batch_launch)?)
+        }
         _ => None,
     };
     let storage = if uses_storage {
@@ -482,8 +484,9 @@ impl Decoder<'_> {
         let tt_mono = crate::clock::now_ns();
         let ucx_first =
             matches!(self.cfg.transport.kind, TransportKind::Ucx | TransportKind::Multi) && !eng.ucx_broken;
-        // cuda-batch: one batched copy per source rank, from its mapped pool, each posted
-        // while the ones before it copy; then one wait for all of them.
+        // cuda-batch: one batched copy over all source ranks' mapped pools (`--batch-launch
+        // rank`), or one per source rank, each posted while the ones before it copy; then one
+        // wait for all of them.
         if let Some(side) = self.batch.as_mut() {
             let mem = self.local.memory_mut()?;
             let mut posted = Ok(());
@@ -497,7 +500,7 @@ impl Decoder<'_> {
             }
             // Waited for even when a later batch could not be posted: nothing of this
             // request may still be copying when the next one posts.
-            let waited = side.finish(timeout);
+            let waited = side.finish(mem, timeout, r);
             posted?;
             waited?;
             r.transport = Some(TransportKind::CudaBatch);

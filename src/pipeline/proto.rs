@@ -144,6 +144,10 @@ pub struct TransportConfig {
     /// `--transport cuda-batch`: how a batch's copies are issued (`--batch-copy`).
     #[serde(default)]
     pub batch_copy: crate::transfer::cuda_batch::BatchCopy,
+    /// `--transport cuda-batch`: one batch per request per decode rank, or one per peer
+    /// (`--batch-launch`).
+    #[serde(default)]
+    pub batch_launch: crate::transfer::cuda_batch::BatchLaunch,
     /// Gate testing only (`kvx bench --slowdown F`): each read is made F times its own duration
     /// slower by waiting after it completes, so a regression of known size can be staged.
     #[serde(default)]
@@ -360,6 +364,9 @@ pub struct LoadResult {
     /// and the copies after coalescing (`descs_raw` counts the plan's descriptors).
     #[serde(default)]
     pub batch_path: Option<crate::transfer::cuda_batch::BatchPath>,
+    /// One batch per request over all peers, or one per peer (`--batch-launch`).
+    #[serde(default)]
+    pub batch_launch: Option<crate::transfer::cuda_batch::BatchLaunch>,
     #[serde(default)]
     pub batch_calls: u64,
     #[serde(default)]

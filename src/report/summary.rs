@@ -391,7 +391,11 @@ pub struct CudaBatchInfo {
     pub paths: Vec<String>,
     /// The driver functions behind them (`cuMemcpyBatchAsync_v2`, ...).
     pub driver_calls: Vec<String>,
-    /// Driver calls per request (one per peer with the batch API).
+    /// `rank` (one batch per request per decode rank, over all its peers) or `peer` (one per
+    /// peer): `--batch-launch`.
+    pub launches: Vec<String>,
+    /// Driver calls per request (with the batch API or the kernel: one per decode rank with
+    /// `--batch-launch rank`, one per peer with `peer`).
     pub calls_per_request: f64,
     /// Copies per request after coalescing.
     pub copies_per_request: f64,

@@ -122,10 +122,11 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
         t.add_row(vec![
             "cuda-batch".to_string(),
             format!(
-                "{} ({}): {:.1} calls, {:.0} copies, {:.0} descriptors ({:.0} not 16-byte aligned) per \
-                 request; posting {:.0} ns per descriptor, {:.1} us per call",
+                "{} ({}), one batch per {}: {:.1} calls, {:.0} copies, {:.0} descriptors ({:.0} not \
+                 16-byte aligned) per request; posting {:.0} ns per descriptor, {:.1} us per call",
                 b.paths.join(", "),
                 b.driver_calls.join(", "),
+                if b.launches.is_empty() { "peer".to_string() } else { b.launches.join(", ") },
                 b.calls_per_request,
                 b.copies_per_request,
                 b.descriptors_per_request,

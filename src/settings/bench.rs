@@ -34,7 +34,7 @@ use crate::pipeline::proto::{
 use crate::pipeline::setup::WorkerSettings;
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::results_root;
-use crate::transfer::cuda_batch::BatchCopy;
+use crate::transfer::cuda_batch::{BatchCopy, BatchLaunch};
 use crate::transfer::memory::MemKind;
 use crate::transfer::notify::NotifyTransport;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
@@ -241,6 +241,12 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport", help = BatchCopy::help())]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub batch_copy: Option<BatchCopy>,
+        /// How many batches --transport cuda-batch posts per request on a decode rank: rank
+        /// (one over all its prefill peers: one kernel launch) or peer (one per prefill peer)
+        /// [default: rank].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub batch_launch: Option<BatchLaunch>,
         /// Wait for external `kvx worker --connect` processes: prefill on this endpoint's port, decode on
         /// port + 1.
         #[arg(long, value_name = "tcp://HOST:PORT", help_heading = "Across hosts")]
@@ -500,6 +506,12 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
             "applies to --transport cuda-batch (or --compare-transports with cuda-batch)",
         ));
     }
+    if s.batch_launch.is_some() && kind != TransportKind::CudaBatch {
+        return Err(ConfigError::new(
+            "--batch-launch",
+            "applies to --transport cuda-batch (or --compare-transports with cuda-batch)",
+        ));
+    }
     Ok(TransportConfig {
         kind,
         chain: if kind == TransportKind::Multi { chain } else { vec![] },
@@ -516,6 +528,7 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
         storage_direct_io: s.storage_direct_io,
         storage_fsync: s.storage_fsync,
         batch_copy: s.batch_copy.unwrap_or_default(),
+        batch_launch: s.batch_launch.unwrap_or_default(),
         slowdown,
     })
 }

@@ -420,6 +420,7 @@ fn serve_engine_workers(
             storage_direct_io: false,
             storage_fsync: false,
             batch_copy: Default::default(),
+            batch_launch: Default::default(),
             slowdown: 0.0,
         },
         verify: a.verify,

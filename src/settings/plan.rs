@@ -64,11 +64,17 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
     }
     if let Some(kinds) = &flags.compare_transports {
         let mut runs = Vec::new();
-        if flags.batch_copy.is_some() && !kinds.contains(&TransportKind::CudaBatch) {
-            return Err(ConfigError::new(
-                "--batch-copy",
-                "applies to --transport cuda-batch: add cuda-batch to --compare-transports, or drop --batch-copy",
-            ));
+        for (given, flag) in
+            [(flags.batch_copy.is_some(), "--batch-copy"), (flags.batch_launch.is_some(), "--batch-launch")]
+        {
+            if given && !kinds.contains(&TransportKind::CudaBatch) {
+                return Err(ConfigError::new(
+                    flag,
+                    format!(
+                        "applies to --transport cuda-batch: add cuda-batch to --compare-transports, or drop {flag}"
+                    ),
+                ));
+            }
         }
         for &kind in kinds {
             let one = BenchFlags {
@@ -76,6 +82,7 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
                 transport: Some(kind),
                 // How cuda-batch copies is its run's alone.
                 batch_copy: flags.batch_copy.filter(|_| kind == TransportKind::CudaBatch),
+                batch_launch: flags.batch_launch.filter(|_| kind == TransportKind::CudaBatch),
                 ..flags.clone()
             };
             runs.push(resolve(&one, env)?);

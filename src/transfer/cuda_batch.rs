@@ -167,6 +167,29 @@ impl BatchCopy {
     }
 }
 
+/// How many batches `--transport cuda-batch` posts per request on a decode rank
+/// (`--batch-launch`). Two decode ranks on one GPU take turns on it, so every launch of one
+/// waits behind the other's: fewer launches, fewer turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum BatchLaunch {
+    /// One batch per request per decode rank, over all its prefill peers (one kernel launch
+    /// with `--batch-copy kernel`).
+    #[default]
+    Rank,
+    /// One batch per prefill peer, each posted while the one before it copies.
+    Peer,
+}
+
+impl BatchLaunch {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BatchLaunch::Rank => "rank",
+            BatchLaunch::Peer => "peer",
+        }
+    }
+}
+
 /// Which driver entry point moved a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -237,18 +260,21 @@ impl Span {
     }
 }
 
-/// One request's copies from one peer, in the `(dst, src, size)` arrays a batched copy takes:
-/// absolute device addresses inside `local` (destination) and `peer` (the mapped source),
-/// each range checked against its buffer when packed, and ranges that continue the previous
-/// one on both sides merged into it. The fields are private, so a batch only exists as
-/// [`CopyBatch::pack`] built it: the copier relies on that to know every address is in bounds.
+/// One request's copies from one peer (or, with `--batch-launch rank`, from every peer of a
+/// decode rank), in the `(dst, src, size)` arrays a batched copy takes: absolute device
+/// addresses inside `local` (destination) and the peers' mapped sources, each range checked
+/// against its buffer when packed, and ranges that continue the previous one on both sides
+/// (from the same peer) merged into it. The fields are private, so a batch only exists as
+/// [`CopyBatch::pack`] and [`CopyBatch::add`] built it: the copier relies on that to know
+/// every address is in bounds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CopyBatch {
     dsts: Vec<u64>,
     srcs: Vec<u64>,
     sizes: Vec<usize>,
     local: Span,
-    peer: Span,
+    /// The peer spans the copies read from, in the order they were added.
+    peers: Vec<Span>,
     descriptors: u64,
     bytes: u64,
     unaligned: u64,
@@ -266,8 +292,28 @@ impl CopyBatch {
         peer: Span,
     ) -> Result<(), CudaBatchError> {
         self.clear();
-        self.local = local;
-        self.peer = peer;
+        self.add(pairs, local, peer)
+    }
+
+    /// Adds one more peer's pairs behind what the batch holds (into the same `local`), so
+    /// that one batched call reads from several peers. Copies are never merged across two
+    /// peers. Fails on the first pair outside either buffer (its index counts from this
+    /// call's first pair), or when `local` is not the batch's; the batch is then empty.
+    pub fn add(
+        &mut self,
+        pairs: impl IntoIterator<Item = Pair>,
+        local: Span,
+        peer: Span,
+    ) -> Result<(), CudaBatchError> {
+        if self.peers.is_empty() {
+            self.local = local;
+        } else if self.local != local {
+            self.clear();
+            return Err(CudaBatchError::WrongBuffers);
+        }
+        self.peers.push(peer);
+        // Copies of this peer start here: none merges into the previous peer's last copy.
+        let first = self.sizes.len();
         for (index, p) in pairs.into_iter().enumerate() {
             self.descriptors += 1;
             if p.len == 0 {
@@ -295,7 +341,11 @@ impl CopyBatch {
                 self.unaligned += 1;
             }
             match (self.dsts.last(), self.srcs.last(), self.sizes.last_mut()) {
-                (Some(&d), Some(&s), Some(n)) if d + *n as u64 == dst && s + *n as u64 == src => *n += size,
+                (Some(&d), Some(&s), Some(n))
+                    if self.dsts.len() > first && d + *n as u64 == dst && s + *n as u64 == src =>
+                {
+                    *n += size
+                }
                 _ => {
                     self.dsts.push(dst);
                     self.srcs.push(src);
@@ -307,6 +357,7 @@ impl CopyBatch {
     }
 
     fn clear(&mut self) {
+        self.peers.clear();
         self.dsts.clear();
         self.srcs.clear();
         self.sizes.clear();
@@ -796,25 +847,25 @@ mod imp {
             timeout: Duration,
         ) -> Result<BatchStats, CudaBatchError> {
             let t0 = Instant::now();
-            let mut st = self.enqueue(local, peer, batch, timeout)?;
+            let mut st = self.enqueue(local, std::slice::from_ref(peer), batch, timeout)?;
             self.finish(timeout)?;
             st.complete_ns = t0.elapsed().as_nanos() as u64;
             Ok(st)
         }
 
-        /// Posts `batch` (packed against `local` and `peer`) behind the batches posted since
-        /// the last [`finish`](Self::finish), on the one stream, and returns without waiting:
-        /// the host packs and posts the next peer's batch while this one copies. Its stats
-        /// have `complete_ns` 0.
+        /// Posts `batch` (packed against `local` and, in order, `peers`) behind the batches
+        /// posted since the last [`finish`](Self::finish), on the one stream, and returns
+        /// without waiting: the host packs and posts the next batch while this one copies. Its
+        /// stats have `complete_ns` 0.
         pub fn enqueue(
             &mut self,
             local: &mut CudaBuffer,
-            peer: &Arc<PeerMapping>,
+            peers: &[Arc<PeerMapping>],
             batch: &mut CopyBatch,
             timeout: Duration,
         ) -> Result<BatchStats, CudaBatchError> {
             let local_span = Span { base: local.addr(), len: local.len() as u64 };
-            if batch.local != local_span || batch.peer != peer.span() {
+            if batch.local != local_span || !batch.peers.iter().copied().eq(peers.iter().map(|p| p.span())) {
                 return Err(CudaBatchError::WrongBuffers);
             }
             if local.device() != self.dev.ordinal() {
@@ -841,7 +892,7 @@ mod imp {
             // SAFETY: event and stream belong to this copier and the current context.
             call("cuEventRecord", unsafe { result::event::record(self.event, self.stream) })?;
             let post_ns = t0.elapsed().as_nanos() as u64;
-            self.in_flight.push(Arc::clone(peer));
+            self.in_flight.extend(peers.iter().cloned());
             self.posted += 1;
             self.posted_copies += n;
             Ok(BatchStats {
@@ -1126,7 +1177,7 @@ mod imp {
         pub fn enqueue(
             &mut self,
             _local: &mut CudaBuffer,
-            _peer: &Arc<PeerMapping>,
+            _peers: &[Arc<PeerMapping>],
             _batch: &mut CopyBatch,
             _timeout: Duration,
         ) -> Result<BatchStats, CudaBatchError> {
@@ -1225,6 +1276,32 @@ mod tests {
         // The last byte of each buffer is fine.
         b.pack([pair(L.len - 1, P.len - 1, 1)], L, P).expect("last byte");
         assert_eq!(b.copies(), 1);
+    }
+
+    #[test]
+    fn adding_peers_makes_one_batch_that_never_merges_across_them() {
+        const Q: Span = Span { base: P.base + P.len, len: 1 << 20 };
+        let mut b = CopyBatch::default();
+        // P's last 8 bytes and Q's first 8 are contiguous in the address space, and so are
+        // the two destinations: still two copies, one per peer.
+        b.pack([pair(0, P.len - 8, 8)], L, P).expect("first peer");
+        b.add([pair(8, 0, 8), pair(16, 8, 8)], L, Q).expect("second peer");
+        assert_eq!(
+            b.entries().collect::<Vec<_>>(),
+            vec![(L.base, P.base + P.len - 8, 8), (L.base + 8, Q.base, 16)],
+            "within Q the two pairs merge"
+        );
+        assert_eq!((b.descriptors(), b.bytes()), (3, 24));
+        assert_eq!(b.peers, vec![P, Q]);
+        // An out-of-bounds pair names its index within its own peer's pairs, and empties the batch.
+        let e = b.add([pair(0, 0, 8), pair(0, Q.len, 1)], L, Q).expect_err("peer overflow");
+        assert!(matches!(e, CudaBatchError::OutOfBounds { index: 1, side: "peer", .. }), "{e:?}");
+        assert!(b.is_empty() && b.peers.is_empty());
+        // Another local buffer cannot join a batch.
+        b.pack([pair(0, 0, 8)], L, P).expect("first");
+        let other = Span { base: L.base + L.len, len: 4096 };
+        assert!(matches!(b.add([pair(0, 0, 8)], other, Q), Err(CudaBatchError::WrongBuffers)));
+        assert!(b.is_empty());
     }
 
     #[test]
