@@ -39,6 +39,10 @@ cp target/release/kvx "$root/kvx"
 cp -a .ucx "$root/.ucx"
 cp scripts/gpu-check.sh "$root/scripts/"
 cp scripts/peers/nixl_peer.py "$root/scripts/peers/"
+# The GPU gate's preset and thresholds (gpu-check.sh step "gate"), and its committed baseline.
+mkdir -p "$root/bench-configs" "$root/results"
+cp bench-configs/gpu.toml bench-configs/gates-gpu.toml "$root/bench-configs/"
+[ -f results/baseline-gpu.json ] && cp results/baseline-gpu.json "$root/results/"
 # Debug info is most of the binary's and the libraries' size; nothing here needs it.
 if command -v strip >/dev/null; then
   strip "$root/kvx"

@@ -82,7 +82,9 @@ done
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 STATUS="$OUT/status.tsv"
-: > "$STATUS"
+# GPU_CHECK_STEPS=none runs nothing: it re-makes the ratio table and gpu-check.json from what
+# --out already holds (a run cut short before its summary, read back on another machine).
+[ "${GPU_CHECK_STEPS:-}" = none ] || : > "$STATUS"
 
 now_ms() { date +%s%3N; }
 
@@ -125,7 +127,7 @@ else
   fi
   KVX=target/release/kvx
 fi
-record build ok 0 "" "$KVX" ""
+[ "${GPU_CHECK_STEPS:-}" = none ] || record build ok 0 "" "$KVX" ""
 
 START=$SECONDS
 BUDGET="${GPU_CHECK_BUDGET:-0}"
@@ -736,6 +738,43 @@ for copy in (env("GPU_CHECK_PATHS") or "kernel api api-v2 api-v1 per-copy").spli
         row(f"cuda-batch {copy}{path} @ 8 KiB: {what} / aligned", r1.get("gbps"), r0.get("gbps"), ">= 0.5")
 
 push = load("push.json")
+if push and bench:
+    row("push / pull bench P8->D2 (same shape, UCX on device memory)", push.get("throughput_gbps"),
+        bench.get("throughput_gbps"), "0.9-1.1")
+    row("push / pull bench P8->D2 request span p50", span_p50(push), span_p50(bench), "")
+
+# Launches per request (step 8): a request's wall-span bandwidth against the same run's device
+# copy, one batch per decode rank (rank) and one per peer (peer), alone and two at a time, and
+# under MPS where it started.
+for sfx, how in (("", ""), ("-mps", " under MPS")):
+    for c, target in ((1, ">= 0.5"), (2, ">= 0.4")):
+        got = {}
+        for launch in ("rank", "peer"):
+            lb = load(f"launch-{launch}-c{c}{sfx}.json")
+            if not lb:
+                continue
+            dev = (lb.get("calibration") or {}).get("device_bandwidth_gbps")
+            got[launch] = span_p50(lb)
+            cbi = lb.get("cuda_batch") or {}
+            print(f"kvx bench cuda-batch --batch-launch {launch} --concurrency {c}{how}: {lb['requests_ok']} ok, "
+                  f"{lb['requests_failed']} failed, {lb['verify_failures']} verify failures, {lb['blocks_leaked']} leaked, "
+                  f"{cbi.get('calls_per_request', 0):.1f} calls per request, {fmt(lb.get('throughput_gbps'))} GB/s, "
+                  f"device {fmt(dev)} GB/s")
+            row(f"P8->D2 70B cuda-batch --batch-launch {launch} --concurrency {c}{how}: request span p50 / device bandwidth",
+                got[launch], dev, target)
+        if got.get("rank") and got.get("peer"):
+            row(f"P8->D2 70B cuda-batch --concurrency {c}{how}: span p50, launch rank / peer", got["rank"], got["peer"], "")
+
+serve = load("serve/serve.json")
+if serve:
+    print(f"serve-engine behind serve-proxy: load {serve.get('requests_ok')} ok, {serve.get('requests_failed')} failed "
+          f"in {fmt(serve.get('duration_s'))} s; {serve.get('orphans')}; prefill at exit {serve['prefill'].get('at_exit')}; "
+          f"decode at exit {serve['decode'].get('at_exit')}; problems: {serve.get('problems') or 'none'}")
+for name in ("gate-same", "gate-slow"):
+    v = load(f"{name}-verdict.json")
+    if v:
+        print(f"kvx gate {name}: {v.get('verdict')}")
+
 if push:
     print(f"kvx bench --mem cuda --mode push: {push['requests_ok']} ok, {push['requests_failed']} failed, "
           f"{push['verify_failures']} verify failures, {push['blocks_leaked']} blocks leaked, "
