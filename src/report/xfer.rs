@@ -135,6 +135,13 @@ pub struct XferResult {
     pub post_us: f64,
     /// Mean time from the start of a batch to its last completion.
     pub complete_us: f64,
+    /// cuda-batch: mean host time packing a batch (bounds checks, merging), before posting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pack_us: Option<f64>,
+    /// cuda-batch with the gather kernel: of `post_us`, the host's time writing the kernel's
+    /// descriptors into pinned memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fill_us: Option<f64>,
     pub msgs_per_sec: f64,
     pub batches: u64,
     pub bytes: u64,
@@ -387,6 +394,8 @@ mod tests {
             max_us: 120.0,
             post_us: 25.0,
             complete_us: 104.0,
+            pack_us: None,
+            fill_us: None,
             msgs_per_sec: 1e6,
             batches: 3,
             bytes: size * inflight as u64 * 3,

@@ -469,6 +469,10 @@ pub fn gather_split(dst: u64, src: u64, len: u64) -> GatherSplit {
 pub struct BatchStats {
     /// Time to issue the driver call(s) and record the event.
     pub post_ns: u64,
+    /// Of `post_ns`, the host's time writing the gather kernel's descriptors into pinned
+    /// memory (0 on the other paths).
+    #[serde(default)]
+    pub fill_ns: u64,
     /// From the start of posting to the event's completion.
     pub complete_ns: u64,
     /// Driver calls made (1 with the batch API, one per copy without it).
@@ -689,8 +693,10 @@ mod imp {
     /// The gather-copy kernel's PTX, NUL-terminated for `cuModuleLoadData`.
     const GATHER_PTX: &str = concat!(include_str!("gather.ptx"), "\0");
     /// Threads per block of the gather kernel: one block copies one piece (at most
-    /// [`GATHER_PIECE`] bytes, 16 bytes per thread per step).
-    const GATHER_THREADS: u32 = 256;
+    /// [`GATHER_PIECE`] bytes), each thread four 16-byte units per step, so an 8 KiB piece is
+    /// one step with all its loads in flight before its stores. 256 threads doing one unit per
+    /// step read P8->D2 8 KiB blocks at 0.27x of an H200's device copy (results/gpu-nvidia-h200-2026-11-27.json).
+    const GATHER_THREADS: u32 = 128;
     /// Most blocks one launch starts; the kernel's blocks loop over the pieces beyond.
     const GATHER_MAX_BLOCKS: usize = 1 << 20;
 
@@ -886,9 +892,7 @@ mod imp {
                 self.wait(t0 + timeout, timeout, 0)?;
             }
             let n = batch.copies();
-            if n > 0 {
-                self.post(batch)?;
-            }
+            let fill_ns = if n > 0 { self.post(batch)? } else { 0 };
             // SAFETY: event and stream belong to this copier and the current context.
             call("cuEventRecord", unsafe { result::event::record(self.event, self.stream) })?;
             let post_ns = t0.elapsed().as_nanos() as u64;
@@ -897,6 +901,7 @@ mod imp {
             self.posted_copies += n;
             Ok(BatchStats {
                 post_ns,
+                fill_ns,
                 complete_ns: 0,
                 calls: self.path.calls(n),
                 copies: n as u64,
@@ -923,7 +928,8 @@ mod imp {
         /// Issues the batch's copies on the stream, by the copier's path. With `--batch-copy api`
         /// a batch entry point that says it is not supported makes this copier fall back to one
         /// call per copy, for good; a forced path fails instead, naming the flag.
-        fn post(&mut self, batch: &mut CopyBatch) -> Result<(), CudaBatchError> {
+        /// Returns the host's nanoseconds writing kernel descriptors (0 on the other paths).
+        fn post(&mut self, batch: &mut CopyBatch) -> Result<u64, CudaBatchError> {
             let n = batch.copies();
             let here = sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -961,10 +967,10 @@ mod imp {
                     }
                     rc
                 }
-                _ => return self.post_each(batch),
+                _ => return self.post_each(batch).map(|()| 0),
             };
             match rc {
-                sys::CUresult::CUDA_SUCCESS => Ok(()),
+                sys::CUresult::CUDA_SUCCESS => Ok(0),
                 sys::CUresult::CUDA_ERROR_NOT_SUPPORTED if self.forced => {
                     let (call, since, flag) = match self.path {
                         BatchPath::BatchV2 => ("cuMemcpyBatchAsync_v2", "13.0", "--batch-copy api-v2"),
@@ -983,7 +989,7 @@ mod imp {
                         self.path.driver_call()
                     );
                     self.path = BatchPath::PerDescriptor;
-                    self.post_each(batch)
+                    self.post_each(batch).map(|()| 0)
                 }
                 rc => Err(CudaBatchError::Call {
                     op: if self.path == BatchPath::BatchV2 {
@@ -1001,7 +1007,7 @@ mod imp {
         /// them all, both on the stream. Slot `posted` is free: the batches before it in this
         /// round use lower slots, and every earlier round has completed (`finish`, or the wait
         /// in `enqueue` after a timeout), so it may be written and grown.
-        fn post_kernel(&mut self, batch: &CopyBatch) -> Result<(), CudaBatchError> {
+        fn post_kernel(&mut self, batch: &CopyBatch) -> Result<u64, CudaBatchError> {
             let Some(g) = self.gather.as_mut() else {
                 return Err(CudaBatchError::Call {
                     op: "cuda-batch kernel",
@@ -1018,7 +1024,9 @@ mod imp {
             }
             let slot = &mut g.slots[i];
             let host = &mut slot.host.words()[..words];
+            let t_fill = Instant::now();
             let n = super::gather_into(batch, GATHER_PIECE, host);
+            let fill_ns = t_fill.elapsed().as_nanos() as u64;
             debug_assert_eq!(n, pieces);
             let descs = slot.descs.addr();
             // SAFETY: `descs` holds at least `words` u64 of this context; the source is this
@@ -1042,7 +1050,8 @@ mod imp {
                     self.stream,
                     &mut params,
                 )
-            })
+            })?;
+            Ok(fill_ns)
         }
 
         /// One `cuMemcpyDtoDAsync` per copy on the stream (a driver without the batch API).
@@ -1473,6 +1482,9 @@ mod tests {
         ];
         run_kernel(&pairs, 3, 64);
         run_kernel(&pairs, 1, 256);
+        // The launcher's block size: 8 KiB is one step of four units per thread.
+        run_kernel(&pairs, 2, 128);
+        run_kernel(&[pair(0, 0, 8192), pair(8192, 16_384, 8192), pair(16_384, 40_000, 8192 + 48)], 2, 128);
         // Fewer threads than a head or tail has bytes: the byte loops still cover them.
         run_kernel(&pairs[..2], 2, 4);
     }

@@ -92,12 +92,16 @@ impl CaseRunner for BatchCase<'_, '_> {
             len: d.len,
         });
         let span = Span { base: Registrable::addr(&*self.local), len: self.local.len() as u64 };
+        let t_pack = std::time::Instant::now();
         self.m.batch.pack(pairs, span, self.m.peer.span())?;
+        let pack_ns = t_pack.elapsed().as_nanos() as u64;
         let st = self.m.copier.copy(self.local, self.m.peer, &mut self.m.batch, self.m.cfg.timeout)?;
         Ok(BatchTimes {
             bytes: st.bytes,
             post_ns: st.post_ns,
             complete_ns: st.complete_ns,
+            pack_ns,
+            fill_ns: st.fill_ns,
             unaligned: st.unaligned_descriptors,
         })
     }
@@ -449,6 +453,10 @@ struct BatchTimes {
     bytes: u64,
     post_ns: u64,
     complete_ns: u64,
+    /// cuda-batch: the host's time packing the batch, and writing the gather kernel's
+    /// descriptors (part of `post_ns`); 0 elsewhere.
+    pack_ns: u64,
+    fill_ns: u64,
     /// Descriptors of the batch that are not 16-byte aligned, where the transport counts them.
     unaligned: u64,
 }
@@ -476,7 +484,14 @@ struct UcxCase<'a, M: BufferAccess> {
 impl<M: BufferAccess> CaseRunner for UcxCase<'_, M> {
     fn batch(&mut self, k: u64) -> Result<BatchTimes> {
         let st = self.s.remote.read_batch(self.local, self.layout.batch(k, self.per_batch), &self.opts)?;
-        Ok(BatchTimes { bytes: st.bytes, post_ns: st.post_ns, complete_ns: st.complete_ns, unaligned: 0 })
+        Ok(BatchTimes {
+            bytes: st.bytes,
+            post_ns: st.post_ns,
+            complete_ns: st.complete_ns,
+            pack_ns: 0,
+            fill_ns: 0,
+            unaligned: 0,
+        })
     }
     fn clear(&mut self, k: u64) -> Result<()> {
         clear_destinations(self.local.memory_mut()?, &self.layout.checks(k, self.per_batch))
@@ -498,6 +513,8 @@ struct Timed {
     hist: hdrhistogram::Histogram<u64>,
     post_ns: u64,
     complete_ns: u64,
+    pack_ns: u64,
+    fill_ns: u64,
     bytes: u64,
     batches: u64,
     per_batch: u64,
@@ -538,6 +555,8 @@ fn timed_batches(cfg: &XferConfig, per_batch: u64, slots: u64, run: &mut impl Ca
         hist,
         post_ns: 0,
         complete_ns: 0,
+        pack_ns: 0,
+        fill_ns: 0,
         bytes: 0,
         batches: 0,
         per_batch,
@@ -569,6 +588,8 @@ fn timed_batches(cfg: &XferConfig, per_batch: u64, slots: u64, run: &mut impl Ca
         t.bytes += b.bytes;
         t.post_ns += b.post_ns;
         t.complete_ns += b.complete_ns;
+        t.pack_ns += b.pack_ns;
+        t.fill_ns += b.fill_ns;
         t.unaligned += b.unaligned;
         t.hist.saturating_record(b.complete_ns.max(1));
         let done = match cfg.iters {
@@ -607,6 +628,8 @@ impl Timed {
             max_us: us(self.hist.max()),
             post_us: us(self.post_ns) / batches as f64,
             complete_us: us(self.complete_ns) / batches as f64,
+            pack_us: (self.pack_ns > 0).then(|| us(self.pack_ns) / batches as f64),
+            fill_us: (self.fill_ns > 0).then(|| us(self.fill_ns) / batches as f64),
             msgs_per_sec: (self.batches * self.per_batch) as f64 / self.secs,
             batches: self.batches,
             bytes: self.bytes,
