@@ -338,6 +338,11 @@ launch_bench() { # NAME-SUFFIX LAUNCH CONCURRENCY
     --concurrency "$3" --requests 40 --warmup 4 --results-dir "$OUT/launch-$2-c$3$1" --format json
 }
 if want launch; then
+  # Where a rank's time goes at 8 KiB (pack, fill, post, complete), at a P8->D2 70B request's
+  # descriptors per peer (10,240) and per decode rank (40,960).
+  step "xfer --transport cuda-batch --batch-copy kernel 8KiB x1024,10240,40960 (posting breakdown)" 60 \
+    "$OUT/xfer-post-breakdown.json" xfer --transport cuda-batch --batch-copy kernel --mem cuda --device 0 \
+    --sizes 8KiB --inflight 1024,10240,40960 --duration 300ms --format json
   for c in 1 2; do
     for launch in rank peer; do launch_bench "" "$launch" "$c" ""; done
   done
@@ -482,16 +487,21 @@ if want serve && ! over serve "kvx serve-engine --mem $SERVE_MEM"; then serve_st
 # 10. The GPU gate: the preset as a baseline (more repeats), again unchanged, and again slowed
 #     by 15% (--slowdown 0.15); kvx gate with the GPU thresholds must pass the first and flag
 #     the second. Against a committed results/baseline-gpu.json too, when there is one.
-gate_judge() { # NAME BASELINE CURRENT EXPECTED-EXIT
-  local t0 rc status note
+gate_judge() { # NAME TAG BASELINE CURRENT EXPECTED-EXIT (- for none): verdict in $OUT/TAG-verdict.json
+  local t0 rc status note v="$OUT/$2-verdict"
+  shift
   [ -s "$2" ] && [ -s "$3" ] || { record "$1" skipped 0 "" "skipped: a run it needs did not finish" ""; return; }
   t0=$(now_ms)
   "$KVX" gate --baseline "$2" --current "$3" --thresholds bench-configs/gates-gpu.toml --format json \
-    >"$OUT/$(basename "${3%.json}")-verdict.json" 2>"$OUT/$(basename "${3%.json}")-verdict.err"
+    >"$v.json" 2>"$v.err"
   rc=$?
   status=ok; note="kvx gate exit $rc, as expected"
-  [ "$rc" -ne "$4" ] && status=failed && note="kvx gate exit $rc, expected $4"
-  record "$1" "$status" $(($(now_ms) - t0)) "$OUT/$(basename "${3%.json}")-verdict.json" "$note" \
+  if [ "$4" = "-" ]; then
+    note="kvx gate exit $rc (0 pass, 1 regression): informational"
+  elif [ "$rc" -ne "$4" ]; then
+    status=failed; note="kvx gate exit $rc, expected $4"
+  fi
+  record "$1" "$status" $(($(now_ms) - t0)) "$v.json" "$note" \
     "kvx gate --baseline $2 --current $3 --thresholds bench-configs/gates-gpu.toml"
 }
 if want gate; then
@@ -501,10 +511,16 @@ if want gate; then
   step "gate: GPU preset, unchanged" 200 "$OUT/gate-same.json" "${G[@]}" --results-dir "$OUT/gate-same"
   step "gate: GPU preset, --slowdown 0.15" 200 "$OUT/gate-slow.json" "${G[@]}" --slowdown 0.15 \
     --results-dir "$OUT/gate-slow"
-  gate_judge "kvx gate: unchanged vs the same-session baseline (pass expected)" "$OUT/gate-base.json" "$OUT/gate-same.json" 0
-  gate_judge "kvx gate: --slowdown 0.15 vs the same-session baseline (regression expected)" "$OUT/gate-base.json" "$OUT/gate-slow.json" 1
+  gate_judge "kvx gate: unchanged vs the same-session baseline (pass expected)" gate-same \
+    "$OUT/gate-base.json" "$OUT/gate-same.json" 0
+  gate_judge "kvx gate: --slowdown 0.15 vs the same-session baseline (regression expected)" gate-slow \
+    "$OUT/gate-base.json" "$OUT/gate-slow.json" 1
+  # The committed baseline was made on another machine (of the same kind, at best): its verdict
+  # is shown, not judged (on two H200s the unchanged preset differed by 11-17%: a GPU host's CI
+  # makes its own baseline with `kvx gate --update`).
   if [ -f results/baseline-gpu.json ]; then
-    gate_judge "kvx gate: unchanged vs results/baseline-gpu.json (pass expected)" results/baseline-gpu.json "$OUT/gate-same.json" 0
+    gate_judge "kvx gate: unchanged vs results/baseline-gpu.json (made on another machine)" gate-committed \
+      results/baseline-gpu.json "$OUT/gate-same.json" -
   fi
 fi
 
@@ -770,7 +786,7 @@ if serve:
     print(f"serve-engine behind serve-proxy: load {serve.get('requests_ok')} ok, {serve.get('requests_failed')} failed "
           f"in {fmt(serve.get('duration_s'))} s; {serve.get('orphans')}; prefill at exit {serve['prefill'].get('at_exit')}; "
           f"decode at exit {serve['decode'].get('at_exit')}; problems: {serve.get('problems') or 'none'}")
-for name in ("gate-same", "gate-slow"):
+for name in ("gate-same", "gate-slow", "gate-committed"):
     v = load(f"{name}-verdict.json")
     if v:
         print(f"kvx gate {name}: {v.get('verdict')}")

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""The GPU figures the README and docs quote, derived from committed gpu-check results.
+
+    scripts/gpu-figures.py results/gpu-<card>-<date>.json [...] > results/gpu-figures.json
+
+Each input is a scripts/gpu-check.sh results file (gpu-check.json as committed); the output
+maps `<card-slug>-<date>[-runN]` to flat figures whose names carry no spaces, so the docs'
+`<!--fig results/gpu-figures.json#RUN.FIGURE FMT-->` markers can name them. Figures are only
+copied or divided here, never typed: tests/it/docs.rs checks every marker against this file.
+A `-xfer-post.json` input (kvx xfer output wrapped with its command) adds the posting breakdown.
+"""
+import json, os, re, sys
+
+
+def span_p50(d):
+    t = (d or {}).get("transfer_bandwidth") or {}
+    return ((t.get("span_gbps") or {}).get("p50")) if isinstance(t, dict) else None
+
+
+def run_key(path, doc):
+    base = os.path.basename(path)[: -len(".json")]
+    return base[len("gpu-"):] if base.startswith("gpu-") else base
+
+
+def figures(doc):
+    steps = {s["step"]: s for s in doc.get("steps", [])}
+    out = {"card": doc.get("card"), "date": doc.get("date"), "commit": doc.get("commit")}
+
+    def output(name):
+        s = steps.get(name)
+        return s.get("output") if s and s.get("status") == "ok" else None
+
+    for name, s in steps.items():
+        m = re.match(r"bench cuda-batch P8->D2 70B --batch-launch (\w+) --concurrency (\d)( under MPS)?$", name)
+        if m and s.get("status") == "ok":
+            d = s["output"]
+            key = f"launch_{m[1]}_c{m[2]}" + ("_mps" if m[3] else "")
+            dev = (d.get("calibration") or {}).get("device_bandwidth_gbps")
+            out[key] = {
+                "span_gbps_p50": span_p50(d),
+                "device_gbps": dev,
+                "share_of_device": span_p50(d) / dev if span_p50(d) and dev else None,
+                "transfer_p50_us": d["stages"]["transfer"]["p50_us"],
+                "post_p50_us": d["stages"]["post"]["p50_us"],
+                "requests_ok": d["requests_ok"],
+                "requests_failed": d["requests_failed"],
+                "verify_failures": d["verify_failures"],
+                "blocks_leaked": d["blocks_leaked"],
+                "calls_per_request": (d.get("cuda_batch") or {}).get("calls_per_request"),
+            }
+        m = re.match(r"xfer --transport cuda-batch --batch-copy ([\w-]+) 8KiB (16-byte aligned|--misalign 3|--misalign 0,1)$", name)
+        if m and s.get("status") == "ok":
+            r = s["output"]["results"][0]
+            tag = {"16-byte aligned": "aligned", "--misalign 3": "misalign_3", "--misalign 0,1": "misalign_0_1"}[m[2]]
+            out.setdefault("paths", {}).setdefault(m[1].replace("-", "_"), {})[tag] = {
+                "gbps": r["gbps"], "verified_batches": r["verified_batches"], "timed_batches": r["timed_batches"]}
+    for p in out.get("paths", {}).values():
+        for tag in ("misalign_3", "misalign_0_1"):
+            if tag in p and "aligned" in p:
+                p[tag]["over_aligned"] = p[tag]["gbps"] / p["aligned"]["gbps"]
+    pull, push = output("bench --mem cuda --p-tp 8 --d-tp 2"), output("bench --mem cuda --p-tp 8 --d-tp 2 --mode push")
+    if pull and push:
+        out["push_pull"] = {
+            "pull_gbps": pull["throughput_gbps"], "push_gbps": push["throughput_gbps"],
+            "push_over_pull": push["throughput_gbps"] / pull["throughput_gbps"],
+            "push_requests_ok": push["requests_ok"], "push_verify_failures": push["verify_failures"],
+            "push_blocks_leaked": push["blocks_leaked"]}
+    for name, s in steps.items():
+        if name.startswith("serve-engine --mem cuda") and s.get("status") == "ok":
+            d = s["output"]
+            out["serve"] = {
+                "seconds": d["duration_s"], "requests_ok": d["requests_ok"], "requests_failed": d["requests_failed"],
+                "leases_expired": d["prefill"]["at_exit"]["leases_expired"],
+                "blocks_leaked": d["prefill"]["at_exit"]["blocks_leaked"] + d["decode"]["at_exit"]["blocks_leaked"],
+                "verify_failures": d["decode"]["metrics_at_end"].get("kvx:kv_verify_failures_total"),
+                "bytes_verified": d["decode"]["metrics_at_end"].get("kvx:kv_bytes_verified_total"),
+                "kv_usage_at_end_prefill": d["prefill"]["metrics_at_end"].get("vllm:kv_cache_usage_perc"),
+                "kv_usage_at_end_decode": d["decode"]["metrics_at_end"].get("vllm:kv_cache_usage_perc")}
+    for name, s in steps.items():
+        if name.startswith("kvx gate:"):
+            tag = "same" if "unchanged vs the same-session" in name else "slow" if "--slowdown" in name else "committed"
+            out.setdefault("gate", {})[tag + "_exit"] = int(re.search(r"exit (\d)", s.get("note", "")).group(1))
+    return out
+
+
+def main():
+    res = {}
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            doc = json.load(f)
+        if path.endswith("-xfer-post.json"):
+            key = run_key(path, doc)[: -len("-xfer-post")]
+            post = {}
+            for r in doc["output"]["results"]:
+                n = r["inflight"]
+                post[f"x{n}"] = {k: r.get(k) for k in ("gbps", "post_us", "pack_us", "fill_us", "complete_us", "bulk_copy_gbps")}
+                post[f"x{n}"]["pack_ns_per_desc"] = r["pack_us"] * 1e3 / n
+                post[f"x{n}"]["fill_ns_per_desc"] = r["fill_us"] * 1e3 / n
+                post[f"x{n}"]["post_ns_per_desc"] = r["post_us"] * 1e3 / n
+                # What the GPU took: from the end of posting to the event (complete less post).
+                gpu_us = r["complete_us"] - r["post_us"]
+                post[f"x{n}"]["gpu_us"] = gpu_us
+                post[f"x{n}"]["gpu_share_of_bulk"] = (8192 * n / gpu_us / 1e3) / r["bulk_copy_gbps"]
+            res.setdefault(key + "-run2", {})["xfer_post"] = post
+            continue
+        res.setdefault(run_key(path, doc), {}).update(figures(doc))
+    json.dump(res, sys.stdout, indent=1, sort_keys=True)
+    print()
+
+
+main()
