@@ -3,18 +3,17 @@
 //! `--mode push`, the WRITEs each prefill rank posts into the decode ranks' blocks.
 
 use clap::Args;
-use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
 use super::common::Format;
 use super::topo::reject;
 use crate::error::ConfigError;
 use crate::error::Outcome;
-use crate::layouts::plan::{DRankPlan, Pair, Planner};
+use crate::layouts::plan::Planner;
 use crate::layouts::posting::{PathCost, PostRates, ReadShape, request_costs};
-use crate::layouts::push::{PRankPlan, PushPlanner};
+use crate::layouts::push::PushPlanner;
 use crate::output;
-use crate::report::numbers::bytes_text;
+use crate::report::plan::{self as plan_report, PushRankPlan, RankPlan};
 use crate::settings::plan::{DescriptorPlan, PlanFlags, resolve_descriptor_plan};
 use crate::topology::TransferMode;
 use crate::topology::push::DRankPushView;
@@ -83,10 +82,6 @@ struct PathCostJson {
     #[serde(flatten)]
     rate: crate::layouts::posting::PathRate,
 }
-
-/// Plans every requested decode rank.
-/// A decode rank's plan with its coalesced pairs per READ.
-type RankPlan = (DRankPlan, Vec<Vec<Pair>>);
 
 fn plan_all(args: &PlanFlags, r: &DescriptorPlan) -> Result<Vec<RankPlan>, ConfigError> {
     let map = r.pair.validate()?;
@@ -161,8 +156,9 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
             output::stdout_line(serde_json::to_string(&out)?)?;
         }
         Format::Table => {
-            let mut text = render(args, &resolved, &plans);
-            text.push_str(&render_posting(&costs, &rates));
+            let mut text =
+                plan_report::render_pull(&resolved.pair, &resolved.blocks, &plans, args.show_pairs);
+            text.push_str(&plan_report::render_posting(&costs, &rates));
             output::stdout(text)?
         }
     }
@@ -189,160 +185,6 @@ fn posting_costs(plans: &[RankPlan], rates: &PostRates) -> Vec<PathCost> {
         .collect();
     request_costs(&ranks, rates)
 }
-
-/// `850 ns`, `12.3 us`, `4.56 ms`, `1.23 s`.
-fn time_text(ns: f64) -> String {
-    if ns < 1e3 {
-        format!("{ns:.0} ns")
-    } else if ns < 1e6 {
-        format!("{:.1} us", ns / 1e3)
-    } else if ns < 1e9 {
-        format!("{:.2} ms", ns / 1e6)
-    } else {
-        format!("{:.2} s", ns / 1e9)
-    }
-}
-
-/// A rate as it reads: three significant digits, no trailing zeros.
-fn num_text(v: f64) -> String {
-    let digits = if v >= 100.0 {
-        0
-    } else if v >= 10.0 {
-        1
-    } else {
-        2
-    };
-    let s = format!("{v:.digits$}");
-    if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s }
-}
-
-fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
-    let mut out = String::from(
-        "\nposting cost per request (the busiest decode rank; each posts its own reads in parallel):\n",
-    );
-    let mut table = Table::new();
-    table.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
-    table.set_header(vec![
-        "transport",
-        "memory",
-        "D rank",
-        "descriptors",
-        "calls",
-        "ns/desc",
-        "post",
-        "bytes at ceiling",
-        "post-bound",
-        "GB/s at most",
-    ]);
-    for c in costs {
-        let rate = rates.of(c.transport);
-        table.add_row(vec![
-            c.transport.key().to_string(),
-            c.memory.to_string(),
-            c.d_rank.to_string(),
-            c.descriptors.to_string(),
-            c.calls.to_string(),
-            num_text(rate.ns_per_descriptor),
-            time_text(c.post_ns),
-            format!("{} ({} GB/s)", time_text(c.copy_ns), num_text(rate.ceiling_gbps)),
-            if c.post_bound { "yes".into() } else { "no".into() },
-            format!("{:.2}", c.bound_gbps),
-        ]);
-    }
-    out.push_str(&table.to_string());
-    out.push('\n');
-    for c in costs {
-        let r = rates.of(c.transport);
-        let call = if r.ns_per_call > 0.0 {
-            format!(" + {} ns/call", num_text(r.ns_per_call))
-        } else {
-            String::new()
-        };
-        out.push_str(&format!(
-            "{}: {} ns/desc{call} (from {}); ceiling {} GB/s (from {})\n",
-            c.transport.key(),
-            num_text(r.ns_per_descriptor),
-            r.post_source.text(),
-            num_text(r.ceiling_gbps),
-            r.ceiling_source.text()
-        ));
-    }
-    out
-}
-
-fn render(args: &PlanFlags, r: &DescriptorPlan, plans: &[RankPlan]) -> String {
-    let mut out = format!(
-        "kvx plan: P tp {} -> D tp {}  |  {}  |  layouts {} / {}  |  vLLM {} rules\n\
-         request: {} prefill blocks, {} decode blocks to fill{}\n",
-        r.pair.p.tp,
-        r.pair.d.tp,
-        r.pair.model.name,
-        r.pair.p.layout,
-        r.pair.d.layout,
-        r.pair.version,
-        r.blocks.remote.len(),
-        r.blocks.local.len(),
-        if r.blocks.local.is_empty() { " (full prefix hit: notifications only)" } else { "" }
-    );
-    let mut table = Table::new();
-    table.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
-    table.set_header(vec![
-        "D rank",
-        "P rank",
-        "descriptors",
-        "coalesced",
-        "bytes",
-        "notif",
-        "first pairs (local, remote, len)",
-    ]);
-    let (mut total_raw, mut total_co, mut total_bytes) = (0usize, 0usize, 0u64);
-    for (plan, co) in plans {
-        for (i, read) in plan.reads.iter().enumerate() {
-            let n_co = co.get(i).map_or(0, Vec::len);
-            let bytes: u64 = read.pairs.iter().map(|p| p.len).sum();
-            total_raw += read.pairs.len();
-            total_co += n_co;
-            total_bytes += bytes;
-            let first: Vec<String> = read
-                .pairs
-                .iter()
-                .take(args.show_pairs)
-                .map(|p| format!("({}, {}, {})", p.local, p.remote, p.len))
-                .collect();
-            let more = read.pairs.len().saturating_sub(args.show_pairs);
-            table.add_row(vec![
-                plan.d_rank.to_string(),
-                read.p_rank.to_string(),
-                read.pairs.len().to_string(),
-                n_co.to_string(),
-                bytes_text(bytes),
-                read.notif_msg.clone(),
-                if more > 0 { format!("{} ... +{more}", first.join(" ")) } else { first.join(" ") },
-            ]);
-        }
-        for n in &plan.notifs_only {
-            table.add_row(vec![
-                plan.d_rank.to_string(),
-                n.p_rank.to_string(),
-                "0".into(),
-                "0".into(),
-                "-".into(),
-                format!("{} (notification only)", n.msg),
-                String::new(),
-            ]);
-        }
-    }
-    out.push_str(&table.to_string());
-    out.push_str(&format!(
-        "\ntotal: {total_raw} descriptors ({total_co} coalesced, {:.1}x fewer), {}\n",
-        if total_co > 0 { total_raw as f64 / total_co as f64 } else { 1.0 },
-        bytes_text(total_bytes)
-    ));
-    out
-}
-
-/// A prefill rank's push plan with its coalesced pairs per WRITE.
-type PushRankPlan = (PRankPlan, Vec<Vec<Pair>>);
 
 /// Plans every prefill rank's WRITEs (only those into `--d-rank` when given).
 fn plan_all_push(
@@ -463,87 +305,13 @@ fn run_push(args: &PlanFlags, resolved: &DescriptorPlan) -> anyhow::Result<Outco
             };
             output::stdout_line(serde_json::to_string(&out)?)?;
         }
-        Format::Table => output::stdout(render_push(args, resolved, &plans, &views))?,
+        Format::Table => output::stdout(plan_report::render_push(
+            &resolved.pair,
+            &resolved.blocks,
+            &plans,
+            &views,
+            args.show_pairs,
+        ))?,
     }
     Ok(Outcome::Ok)
-}
-
-fn render_push(
-    args: &PlanFlags,
-    r: &DescriptorPlan,
-    plans: &[PushRankPlan],
-    views: &[DRankPushView],
-) -> String {
-    let mut out = format!(
-        "kvx plan --mode push: P tp {} -> D tp {}  |  {}  |  layouts {} / {}  |  vLLM {} rules (NixlPushConnector)\n\
-         request: {} prefill blocks, {} decode blocks registered{}\n",
-        r.pair.p.tp,
-        r.pair.d.tp,
-        r.pair.model.name,
-        r.pair.p.layout,
-        r.pair.d.layout,
-        r.pair.version,
-        r.blocks.remote.len(),
-        r.blocks.local.len(),
-        if r.blocks.local.is_empty() {
-            " (full prefix hit: decode registers nothing, prefill writes nothing and frees on lease expiry)"
-        } else {
-            ""
-        }
-    );
-    let mut table = Table::new();
-    table.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
-    table.set_header(vec![
-        "P rank",
-        "D rank",
-        "descriptors",
-        "coalesced",
-        "bytes",
-        "notif",
-        "first pairs (local = P, remote = D, len)",
-    ]);
-    let (mut total_raw, mut total_co, mut total_bytes) = (0usize, 0usize, 0u64);
-    for (plan, co) in plans {
-        for (i, w) in plan.writes.iter().enumerate() {
-            let n_co = co.get(i).map_or(0, Vec::len);
-            let bytes: u64 = w.pairs.iter().map(|p| p.len).sum();
-            total_raw += w.pairs.len();
-            total_co += n_co;
-            total_bytes += bytes;
-            let first: Vec<String> = w
-                .pairs
-                .iter()
-                .take(args.show_pairs)
-                .map(|p| format!("({}, {}, {})", p.local, p.remote, p.len))
-                .collect();
-            let more = w.pairs.len().saturating_sub(args.show_pairs);
-            table.add_row(vec![
-                plan.p_rank.to_string(),
-                w.d_rank.to_string(),
-                w.pairs.len().to_string(),
-                n_co.to_string(),
-                bytes_text(bytes),
-                match w.duplicate_of {
-                    Some(o) => format!("{} (same bytes as P{o})", w.notif_msg),
-                    None => w.notif_msg.clone(),
-                },
-                if more > 0 { format!("{} ... +{more}", first.join(" ")) } else { first.join(" ") },
-            ]);
-        }
-    }
-    out.push_str(&table.to_string());
-    out.push_str(&format!(
-        "\ntotal: {total_raw} descriptors ({total_co} coalesced, {:.1}x fewer), {}\n",
-        if total_co > 0 { total_raw as f64 / total_co as f64 } else { 1.0 },
-        bytes_text(total_bytes)
-    ));
-    let waits: Vec<String> = views
-        .iter()
-        .map(|d| {
-            let writers: Vec<String> = d.writers.iter().map(|p| format!("P{p}")).collect();
-            format!("D{} <- {} ({} notifications)", d.d_rank, writers.join(","), d.expected_notifs)
-        })
-        .collect();
-    out.push_str(&format!("decode waits: {}\n", waits.join("; ")));
-    out
 }
