@@ -4,7 +4,7 @@ use clap::{Args, ValueEnum};
 
 use crate::error::Outcome;
 use crate::pipeline::proto::Role;
-use crate::pipeline::worker::launcher_rank;
+use crate::settings::env::launcher_rank;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum RoleArg {

@@ -131,21 +131,6 @@ impl Control {
     }
 }
 
-/// The rank a launcher gave this process, from its environment.
-pub fn launcher_rank() -> Option<(u32, u32)> {
-    let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
-    for (rank, size) in [
-        ("SLURM_PROCID", "SLURM_NTASKS"),
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-        ("RANK", "WORLD_SIZE"),
-    ] {
-        if let (Some(r), Some(n)) = (get(rank), get(size)) {
-            return Some((r, n));
-        }
-    }
-    None
-}
-
 /// Peak resident set size of this process in bytes (`VmHWM`), so a report shows the most a
 /// worker ever held, not what it holds at the moment of asking.
 pub fn rss_bytes() -> u64 {

@@ -26,3 +26,19 @@ impl ProcessEnv {
         }
     }
 }
+
+/// The rank a launcher gave this process (`kvx worker` without `--role`), from its
+/// environment: Slurm's, Open MPI's, or torchrun's `RANK`/`WORLD_SIZE`, the first pair set.
+pub fn launcher_rank() -> Option<(u32, u32)> {
+    let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+    for (rank, size) in [
+        ("SLURM_PROCID", "SLURM_NTASKS"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("RANK", "WORLD_SIZE"),
+    ] {
+        if let (Some(r), Some(n)) = (get(rank), get(size)) {
+            return Some((r, n));
+        }
+    }
+    None
+}

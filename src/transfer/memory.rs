@@ -36,27 +36,7 @@ pub enum MemoryError {
     Range { start: u64, end: u64, len: usize },
 }
 
-/// Which memory buffers live in (`--mem`), before a device is chosen: the kind of a
-/// [`MemPlace`] (and of a run's `pipeline::setup::KvMemory`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum MemKind {
-    /// The user's own host allocation (what a KV cache is without GPUs).
-    #[default]
-    Host,
-    /// CUDA device memory (cuMemAlloc): needs libcuda, a GPU and, for UCX, a UCX built with CUDA.
-    Cuda,
-}
-
-impl MemKind {
-    /// `host` or `cuda`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            MemKind::Host => "host",
-            MemKind::Cuda => "cuda",
-        }
-    }
-}
+pub use crate::vocab::kinds::MemKind;
 
 /// Where one rank's KV buffers live, resolved once from `--mem`/`--devices`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

@@ -3,6 +3,8 @@
 //!
 //! - [`model`]: the shape of a model's KV cache ([`model::ModelShape`], dtypes, MLA).
 //! - [`env`]: the names of kvx's environment variables.
+//! - [`kinds`]: roles, verification modes, transports and memory kinds (typed choices).
 
 pub mod env;
+pub mod kinds;
 pub mod model;

@@ -1,0 +1,117 @@
+//! The kinds every layer names: which side of a pair a rank serves ([`Role`]), how much of a
+//! request is checked ([`VerifyMode`]), which transport moves the bytes ([`TransportKind`]) and
+//! which memory they live in ([`MemKind`]). Each is a clap `ValueEnum` and a serde enum, so a
+//! choice is typed from the flag (or file key) on.
+
+use serde::{Deserialize, Serialize};
+
+/// Which side of a P/D pair an engine (and its workers) serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    pub fn letter(self) -> char {
+        match self {
+            Role::Prefill => 'P',
+            Role::Decode => 'D',
+        }
+    }
+}
+
+/// How much of each request a decode rank checks (`--verify`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum VerifyMode {
+    /// Every byte.
+    Full,
+    /// One block (of one region) in 16, whole.
+    #[default]
+    Sample,
+    /// No check.
+    Off,
+}
+
+/// The stride of `VerifyMode::Sample`.
+pub const SAMPLE_STRIDE: u32 = 16;
+
+impl VerifyMode {
+    /// The vector stride to check, if any.
+    pub fn stride(self) -> Option<u32> {
+        match self {
+            VerifyMode::Full => Some(1),
+            VerifyMode::Sample => Some(SAMPLE_STRIDE),
+            VerifyMode::Off => None,
+        }
+    }
+}
+
+impl VerifyMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VerifyMode::Full => "full",
+            VerifyMode::Sample => "sample",
+            VerifyMode::Off => "off",
+        }
+    }
+}
+
+/// Which transport moves the bytes (`--transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// One-sided UCX GETs (NixlConnector's model).
+    #[default]
+    Ucx,
+    /// Files in a shared directory (SharedStorageConnector's model).
+    Storage,
+    /// An ordered list: a load that fails on one is retried on the next (MultiConnector).
+    Multi,
+    /// GPUs of one machine: the prefill pool mapped with CUDA IPC, one batched copy per peer
+    /// and request; notifications over ZMQ. Pull mode only.
+    #[serde(rename = "cuda-batch")]
+    CudaBatch,
+}
+
+impl TransportKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Ucx => "ucx",
+            TransportKind::Storage => "storage",
+            TransportKind::Multi => "multi",
+            TransportKind::CudaBatch => "cuda-batch",
+        }
+    }
+}
+
+/// Which memory buffers live in (`--mem`), before a device is chosen: the kind of a
+/// `transfer::memory::MemPlace` (and of a run's `pipeline::setup::KvMemory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum MemKind {
+    /// The user's own host allocation (what a KV cache is without GPUs).
+    #[default]
+    Host,
+    /// CUDA device memory (cuMemAlloc): needs libcuda, a GPU and, for UCX, a UCX built with CUDA.
+    Cuda,
+}
+
+impl MemKind {
+    /// `host` or `cuda`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemKind::Host => "host",
+            MemKind::Cuda => "cuda",
+        }
+    }
+}
