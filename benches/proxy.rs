@@ -12,7 +12,7 @@ use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http_body_util::{BodyExt as _, Full};
 use kvx::serve::client::{HttpClient, http_client};
-use kvx::serve::engine::{self, EngineConfig, EngineState, Role};
+use kvx::serve::http_engine::{self, EngineState, HttpEngineConfig, Role};
 use kvx::serve::kv::{EngineIdentity, NullKv};
 use kvx::serve::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
 use kvx::serve::rewrite::{self, RawObject};
@@ -33,9 +33,9 @@ async fn start_engine(role: Role) -> u16 {
         side_channel_port: 5600,
         tp_size: 1,
     });
-    let st = EngineState::new(EngineConfig::new(role, "stub-model"), Arc::new(kv));
+    let st = EngineState::new(HttpEngineConfig::new(role, "stub-model"), Arc::new(kv));
     let (l, port) = bind().await;
-    tokio::spawn(engine::serve(l, st, std::future::pending()));
+    tokio::spawn(http_engine::serve(l, st, std::future::pending()));
     port
 }
 

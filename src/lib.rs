@@ -3,43 +3,39 @@
 //!
 //! # Layout
 //!
-//! Dependencies point down only, and no two files import each other (`tests/it/layering.rs`):
+//! Floors: a file imports its own folder and the floors below, never above, and no two files
+//! import each other (`tests/it/layering.rs` checks both). Highest first:
 //!
 //! ```text
-//! bin/kvx.rs     parse args, call `kvx::run`, map the result to an exit code (`error::finish`)
-//! clock.rs       CLOCK_MONOTONIC stamps every process of a host shares (wall spans); a run's
-//!                wall-clock start
-//! error.rs       ConfigError, exit codes (0 ok, 1 failed run or regression, 2 error, 130/143)
-//! host.rs        the machine a run ran on (host, CPU, memory, OS), read from /proc
-//! output.rs      the one place stdout and stderr are written; a closed stdout ends the run
+//! bin/kvx.rs     parse args, call `kvx::cli::run`, map the outcome to an exit code
 //! cli/           one file per subcommand: its examples, the parsed flags handed to settings,
 //!                the resolved run started and printed
 //! settings/      one struct per command = clap flags + config-file keys; flags + config files
-//!                + env (KVX_*) + defaults -> typed, validated settings (BenchSettings,
-//!                ServeEngineSettings, XferRun, ...); model presets
+//!                + the environment (env.rs: KVX_*, a launcher's rank) + defaults -> typed,
+//!                validated settings (BenchJob, BenchSettings, ServeEngineSettings, XferRun, ...)
+//! serve/         reference engine (http_engine), proxy and load generator (HTTP), bench --serve
 //! diagnose/      commands that probe a host or a link: `kvx xfer` (control, target, buffers,
 //!                measure), `kvx doctor`, `kvx probe`
-//! serve/         reference engine, proxy and load generator (HTTP), `kvx bench --serve`
 //! pipeline/      engines of worker processes, the worker process and its role loops, the
-//!                control protocol (typed worker settings), the engine builder, `kvx bench`
-//! report/        summaries, tables (bench, topo, plan, xfer), JSON/CSV/SVG export,
-//!                comparison and gate
+//!                engine-worker messages (wire: typed worker settings), the engine builder,
+//!                the cuda-batch transport in a rank, `kvx bench`
+//! report/        summaries, tables (bench, topo, plan, xfer), JSON/CSV/SVG export, the
+//!                run's verdict, comparison and gate
 //! transfer/      moving bytes: memory, UCX (the only FFI), CUDA (cuda, cuda_batch), ZMQ
 //!                handshake, notifications, shared storage
-//! layouts/       KV layouts, regions, descriptor plans, byte patterns        (pure)
-//! topology/      TP rank maps, P->D pairing, side-channel ports              (pure)
+//! layouts/       KV layouts, regions, descriptor plans, hybrid groups, byte patterns   (pure)
+//! topology/      TP rank maps, P->D pairing, side-channel ports                       (pure)
+//! ground floor   vocab/ (model shapes, dtypes, kinds of role/verify/transport/memory,
+//!                KVX_* names), error.rs (typed errors, Outcome, exit codes), output.rs
+//!                (stdout; a closed stdout ends the run quietly), interrupt.rs (Ctrl-C),
+//!                clock.rs (CLOCK_MONOTONIC stamps every process of a host shares), host.rs
+//!                (the machine a run ran on, read from /proc)
 //! ```
 //!
-//! Nothing below `cli` imports `cli`; `settings` builds the values the layers below take and
-//! none of them imports its resolution. `diagnose`, `serve` and `pipeline` are rooms above the
-//! transports: `diagnose` may use `transfer`, `layouts`, `topology`, `report` and the leaves,
-//! and nothing but `cli` and `settings` import it (what `pipeline` shares with `kvx xfer` lives below both, in
-//! `report::xfer` and `transfer`). `settings::model`, `settings::env`, `clock`, `host`, `error`
-//! and `output` are leaves every layer may use. `topology` and `layouts` use nothing of kvx but
-//! each other and those leaves; `report` never measures, never runs transfers and reads nothing
-//! from the system. `unsafe` lives only in `transfer::ucx` and the transfer layer's memory and
-//! CUDA modules (`cuda`, `cuda_batch`); every other module is declared (or declares itself)
-//! `forbid(unsafe_code)`, and `tests/it/edge.rs` checks the sources.
+//! `report` never measures, never runs transfers and reads nothing from the system. `unsafe`
+//! lives only in `transfer::ucx` and the transfer layer's memory and CUDA modules (`cuda`,
+//! `cuda_batch`); every other module is declared (or declares itself) `forbid(unsafe_code)`,
+//! and `tests/it/edge.rs` checks the sources.
 
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 

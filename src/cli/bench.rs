@@ -18,7 +18,7 @@ use crate::report::summary::{new_run_id, now_rfc3339};
 use crate::report::table::{Style, render_summary};
 use crate::settings::bench::BenchFlags;
 use crate::settings::env::ProcessEnv;
-use crate::settings::plan::{BenchPlan, resolve_plan};
+use crate::settings::plan::{BenchJob, resolve_bench_job};
 
 #[derive(Debug, Clone, Args)]
 #[command(after_help = "Examples:\n  kvx bench --p-tp 8 --d-tp 2\n  \
@@ -34,7 +34,7 @@ pub struct BenchArgs {
 
 /// Resolves the flags (every run of the plan, before anything starts), runs, prints.
 pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
-    let plan = resolve_plan(&args.settings, &ProcessEnv::read())?;
+    let plan = resolve_bench_job(&args.settings, &ProcessEnv::read())?;
     // From here on Ctrl-C (or SIGTERM) ends the run cleanly with its partial results.
     crate::interrupt::arm();
     let format = args.settings.format.unwrap_or_default();
@@ -42,20 +42,20 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
     let root = plan.results_root().to_path_buf();
     let run_id = new_run_id(&now_rfc3339());
     match plan {
-        BenchPlan::Serve(settings, opts) => {
+        BenchJob::Serve(settings, opts) => {
             check_ucx(&settings)?;
             Ok(crate::serve::bench_serve::run(&settings, json, &opts)?)
         }
-        BenchPlan::CompareTransports(runs) => compare(format, Compared::Transports, &runs, &root, &run_id),
-        BenchPlan::CompareModes(runs) => compare(format, Compared::Modes, &runs, &root, &run_id),
-        BenchPlan::Sweep(sweep) => {
+        BenchJob::CompareTransports(runs) => compare(format, Compared::Transports, &runs, &root, &run_id),
+        BenchJob::CompareModes(runs) => compare(format, Compared::Modes, &runs, &root, &run_id),
+        BenchJob::Sweep(sweep) => {
             let mut writer = RunWriter::create(&root, &run_id)?;
             let summary = super::sweep::run(&sweep, &mut writer, &run_id)?;
             let files = writer.finish(&summary)?;
             output::keep_verdict(output::stdout(summary_text(format, &summary, &files)?))?;
             Ok(verdict("kvx bench --sweep", &summary))
         }
-        BenchPlan::Single(settings) => {
+        BenchJob::Single(settings) => {
             check_ucx(&settings)?;
             let mut writer = RunWriter::create(&root, &run_id)?;
             let pair = settings.pair();
@@ -115,7 +115,7 @@ fn verdict(what: &str, summary: &crate::report::Summary) -> Outcome {
 /// run directory exists (every worker would fail the same way, and say so in its own words).
 /// The storage and cuda-batch transports load no UCX.
 fn check_ucx(s: &bench::BenchSettings) -> anyhow::Result<()> {
-    use crate::pipeline::proto::TransportKind;
+    use crate::pipeline::wire::TransportKind;
     let kind = s.workers.transport.kind;
     if kind == TransportKind::CudaBatch {
         s.workers.mem.check_available().context(

@@ -1,4 +1,4 @@
-//! `kvx serve-engine`: flags, validation, and the process around `serve::engine`.
+//! `kvx serve-engine`: flags, validation, and the process around `serve::http_engine`.
 //!
 //! Prints `listening on http://HOST:PORT` as the first line on stdout once the socket is
 //! bound (with `--port 0` this is how tests and orchestrators learn the port), then starts
@@ -14,15 +14,15 @@ use clap::Args;
 
 use crate::error::ConfigError;
 use crate::error::Outcome;
-use crate::serve::engine::{self, EngineState, Role};
+use crate::serve::http_engine::{self, EngineState, Role};
 use crate::serve::kv::{KvBackend, NullKv};
 use crate::serve::workers::WorkerKv;
-pub use crate::settings::engine::{KvBackendKind, KvSettings, ServeEngineSettings};
-use crate::settings::engine::{ServeEngineFlags, resolve_serve_engine};
 use crate::settings::env::ProcessEnv;
+pub use crate::settings::workers::{KvBackendKind, KvSettings, ServeEngineSettings};
+use crate::settings::workers::{ServeEngineFlags, resolve_serve_engine};
 
-/// `--itl-ms` default: [`crate::serve::engine::DEFAULT_ITL`] in milliseconds.
-pub use crate::settings::engine::DEFAULT_ITL_MS;
+/// `--itl-ms` default: [`crate::serve::http_engine::DEFAULT_ITL`] in milliseconds.
+pub use crate::settings::workers::DEFAULT_ITL_MS;
 
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  \
@@ -34,7 +34,7 @@ pub struct ServeEngineArgs {
     pub settings: ServeEngineFlags,
 }
 
-/// Checks the flags and builds the engine settings (`settings::engine`).
+/// Checks the flags and builds the engine settings (`settings::workers`).
 pub fn resolve(a: &ServeEngineArgs) -> Result<ServeEngineSettings, ConfigError> {
     resolve_serve_engine(&a.settings, &ProcessEnv::read().exe)
 }
@@ -119,7 +119,7 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
                 () = watch => {},
             }
         };
-        engine::serve(listener, state, stop).await.context("serving HTTP")?;
+        http_engine::serve(listener, state, stop).await.context("serving HTTP")?;
         let died = died.lock().ok().and_then(|mut d| d.take());
         Ok((workers, died))
     })?;
@@ -251,7 +251,7 @@ mod tests {
         assert_eq!(s.http.model_name, "llama-3.1-8b", "served under the preset's name");
         let w = workers(&s);
         assert_eq!((w.tp, w.block_tokens, w.worker.pair.p.tp, w.worker.pair.p.block_tokens), (2, 32, 2, 32));
-        assert_eq!(w.worker.role, crate::pipeline::proto::Role::Prefill);
+        assert_eq!(w.worker.role, crate::pipeline::wire::Role::Prefill);
         assert_eq!(w.side_channel_bind.as_deref(), Some("tcp://127.0.0.1:5600"), "localhost binds loopback");
         // 8192 tokens / 32 = 256 blocks per prompt; 4 prompts of 4 MiB blocks exceed 512 MiB.
         let block = w.worker.pair.p_geometry(0).block_bytes_all_layers();
@@ -277,7 +277,7 @@ mod tests {
     #[test]
     fn default_pacing_is_a_real_decode_step() {
         let s = resolve(&parse(&["--role", "decode", "--kv-backend", "null"])).expect("valid");
-        assert_eq!(s.http.itl, engine::DEFAULT_ITL);
+        assert_eq!(s.http.itl, http_engine::DEFAULT_ITL);
         assert!(s.http.itl >= Duration::from_millis(10) && s.http.itl <= Duration::from_millis(30));
         let s =
             resolve(&parse(&["--role", "decode", "--kv-backend", "null", "--itl-ms", "0"])).expect("valid");

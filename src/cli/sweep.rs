@@ -10,10 +10,10 @@ use crate::diagnose::xfer::run_for_calibration;
 use crate::pipeline::bench;
 use crate::report::files::RunWriter;
 use crate::report::summary::{Summary, SweepPoint};
-use crate::settings::sweep::{SweepPlan, text};
+use crate::settings::sweep::{SweepJob, text};
 
 /// Runs every point; returns the sweep summary.
-pub fn run(plan: &SweepPlan, writer: &mut RunWriter, run_id: &str) -> anyhow::Result<Summary> {
+pub fn run(plan: &SweepJob, writer: &mut RunWriter, run_id: &str) -> anyhow::Result<Summary> {
     let Some(first) = plan.points.iter().find_map(|p| p.settings.as_ref().ok()) else {
         anyhow::bail!("every point of the sweep is rejected");
     };

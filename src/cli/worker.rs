@@ -3,7 +3,7 @@
 use clap::{Args, ValueEnum};
 
 use crate::error::Outcome;
-use crate::pipeline::proto::Role;
+use crate::pipeline::wire::Role;
 use crate::settings::env::launcher_rank;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -71,7 +71,7 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
     crate::interrupt::arm();
     if proto_capture_dir().is_none() && cfg.cuda_batch.is_none() {
         // UCX reports the protocols it selects only through settings read when it loads:
-        // run the measurement in a child started with them (see `ucx::proto`).
+        // run the measurement in a child started with them (see `ucx::protocols`).
         match tempfile::Builder::new().prefix("kvx-xfer-").tempdir() {
             Ok(dir) => match proto_capture_env(dir.path()) {
                 Ok(env) => return rerun_recording_protocols(env, dir.path()),

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::proto::{FailureCause, LoadResult};
+use super::wire::{FailureCause, LoadResult};
 use super::worker::{Stage as _, WorkerError};
 use crate::layouts::plan::Pair;
 use crate::report::summary::{CudaBatchInfo, Summary};
@@ -25,7 +25,7 @@ type Failure = (FailureCause, String);
 
 /// A prefill rank's export of its pool, for its handshake metadata.
 pub fn export_pool(mem: &KvBuffer) -> Result<CudaIpcExport, WorkerError> {
-    // `settings::engine::check_mem_transport` refuses cuda-batch over host memory.
+    // `settings::workers::check_mem_transport` refuses cuda-batch over host memory.
     let buf = mem.as_cuda().ok_or_else(|| WorkerError::Stage {
         stage: "export the KV pool for CUDA IPC".into(),
         source: format!("internal error: the cuda-batch transport got a KV pool in {} memory", mem.place())
@@ -49,7 +49,7 @@ impl BatchSide {
     /// A copier on the device the rank's pool lives on, issuing batches as `copy` says, one
     /// per request or one per peer as `launch` says.
     pub fn new(place: MemPlace, copy: BatchCopy, launch: BatchLaunch) -> Result<BatchSide, WorkerError> {
-        // `settings::engine::check_mem_transport` refuses cuda-batch over host memory.
+        // `settings::workers::check_mem_transport` refuses cuda-batch over host memory.
         let device = place.device().ok_or_else(|| WorkerError::Stage {
             stage: "start the cuda-batch copier".into(),
             source: "internal error: the cuda-batch transport got a KV pool in host memory".into(),

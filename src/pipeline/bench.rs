@@ -17,8 +17,8 @@ use futures::stream::FuturesUnordered;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::engine::{Engine, EngineConfig, EngineError, EngineFinal};
-use super::proto::{LoadResult, Role};
 use super::setup::{EngineSlot, WorkerSettings};
+use super::wire::{LoadResult, Role};
 use super::workload::{Arrival, Generator, PromptLens};
 use crate::layouts::compat::PairSpec;
 use crate::report::bandwidth::{BandwidthTally, RankTransfer};
@@ -53,7 +53,7 @@ impl FailurePolicy {
 /// A fault to inject during a run: `fault` into `role` rank `rank` after `after` measured requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FaultPlan {
-    pub fault: super::proto::Fault,
+    pub fault: super::wire::Fault,
     pub role: Role,
     pub rank: u32,
     pub after: u64,
@@ -66,7 +66,7 @@ pub struct BenchSettings {
     /// What every worker of both engines shares (the pair, transport, memory, deadlines).
     pub workers: WorkerSettings,
     /// How a request's two legs are sent (concurrent: push mode only).
-    pub dispatch: super::proto::Dispatch,
+    pub dispatch: super::wire::Dispatch,
     pub lens: PromptLens,
     pub arrival: Arrival,
     pub requests: Option<u64>,
@@ -148,7 +148,7 @@ impl BenchSettings {
         }
         s.extra.insert("progress".into(), serde_json::json!(w.transport.progress.to_string()));
         s.extra.insert("mode".into(), serde_json::json!(w.transport.mode.as_str()));
-        if w.transport.mode == super::proto::TransferMode::Push {
+        if w.transport.mode == super::wire::TransferMode::Push {
             s.extra.insert("dispatch".into(), serde_json::json!(self.dispatch.as_str()));
             s.extra.insert("overlap".into(), serde_json::json!(w.prefill.overlap.as_str()));
         }
@@ -264,7 +264,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.workers.pair));
     // Concurrent dispatch (push): decode registers its blocks while prefill computes; it needs
     // only the prefill engine's identity, not its answer.
-    let early_load = (s.dispatch == super::proto::Dispatch::Concurrent).then(|| {
+    let early_load = (s.dispatch == super::wire::Dispatch::Concurrent).then(|| {
         let params = engines.prefill.info().kv_params(&p_request_id, tokens, &[], s.workers.transport.mode);
         engines.decode.load(req, d_request_id.clone(), params, n_d - hit, seed)
     });
@@ -320,7 +320,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     row.transfer_us = Some(us(max(|r| r.transfer_ns)));
     // Pull: the decode ranks' reads are the transfer (push: the prefill ranks' WRITEs, which
     // they report at the end, `push_stages`).
-    let transfers: Vec<RankTransfer> = if s.workers.transport.mode == super::proto::TransferMode::Pull {
+    let transfers: Vec<RankTransfer> = if s.workers.transport.mode == super::wire::TransferMode::Pull {
         ranks
             .iter()
             .map(|r| RankTransfer {
@@ -397,7 +397,7 @@ impl Tally {
             if f.ranks.iter().any(|r| r.fallbacks > 0) {
                 self.fallbacks += 1;
             }
-            if f.ranks.iter().any(|r| r.transport == Some(super::proto::TransportKind::Storage)) {
+            if f.ranks.iter().any(|r| r.transport == Some(super::wire::TransportKind::Storage)) {
                 self.via_storage += 1;
             }
             self.batch.add(&f.ranks);
@@ -441,7 +441,7 @@ impl UcxSeen {
     }
 
     /// What a prefill rank reported of its WRITEs (push mode).
-    pub fn see_writes(&mut self, c: &super::proto::UcxChoices) {
+    pub fn see_writes(&mut self, c: &super::wire::UcxChoices) {
         self.transports = self.transports.take().or_else(|| c.transports.clone());
         self.protocols = self.protocols.take().or_else(|| Some(c.protocols.clone()));
         self.settings = self.settings.take().or_else(|| Some(c.settings.clone()));
@@ -463,8 +463,8 @@ impl UcxSeen {
             // The decode ranks' first slot follows the prefill ranks' (`KvMemory`'s rule).
             let d_place = s.mem.place(s.pair.p.tp);
             let op = match s.transport.mode {
-                super::proto::TransferMode::Pull => crate::transfer::ucx::Rma::Get,
-                super::proto::TransferMode::Push => crate::transfer::ucx::Rma::Put,
+                super::wire::TransferMode::Pull => crate::transfer::ucx::Rma::Get,
+                super::wire::TransferMode::Push => crate::transfer::ucx::Rma::Put,
             };
             summary.warnings.extend(crate::report::xfer::protocol_warnings(
                 d_place,
@@ -502,7 +502,7 @@ async fn drive(
         // Push mode: decode ranks wait for WRITE notifications; once a prefill rank is gone,
         // tell them, so the requests waiting for it fail now rather than at their deadline.
         if !told_gone
-            && s.workers.transport.mode == super::proto::TransferMode::Push
+            && s.workers.transport.mode == super::wire::TransferMode::Push
             && c.engines.prefill.gone().is_some()
         {
             c.engines.decode.peer_gone(c.engines.prefill.info().engine_id.clone());
@@ -814,7 +814,7 @@ pub fn run(
 
     all.totals.apply(&mut summary, wall);
     let _ = all.recorder.merge(&handshakes);
-    if s.workers.transport.mode == super::proto::TransferMode::Push {
+    if s.workers.transport.mode == super::wire::TransferMode::Push {
         push_stages(s, &p_fin.pushes, &mut all.recorder, &mut summary);
     }
     summary.set_stages(all.recorder.stats());
@@ -824,7 +824,7 @@ pub fn run(
     summary.bytes_verified = all.bytes_verified;
     if matches!(
         s.workers.transport.kind,
-        super::proto::TransportKind::Storage | super::proto::TransportKind::Multi
+        super::wire::TransportKind::Storage | super::wire::TransportKind::Multi
     ) {
         summary.counters.insert("requests_via_storage".into(), all.via_storage);
         summary.counters.insert("fallbacks_to_storage".into(), all.fallbacks);
@@ -940,7 +940,7 @@ fn push_stages(
     }
     for (write, hid, n) in per_req.values() {
         rec.record_ns("push_write", *write);
-        if s.workers.prefill.overlap == super::proto::Overlap::Layers {
+        if s.workers.prefill.overlap == super::wire::Overlap::Layers {
             rec.record_ns("push_hidden", hid / u64::from((*n).max(1)));
         }
     }

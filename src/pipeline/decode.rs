@@ -10,10 +10,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::params::KvTransferParams;
-use super::proto::{
+use super::push::{Landed, PushWaiter};
+use super::wire::{
     FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig,
 };
-use super::push::{Landed, PushWaiter};
 use super::worker::{
     Control, Stage as _, WorkerError, advertised_payload, classify_ucx, compat_factors, host_pool_mut,
     peer_pair, rss_bytes,
@@ -264,7 +264,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 }
                 d.released.insert(p_request_id);
             }
-            ToWorker::Fault(super::proto::Fault::Exit) => std::process::exit(3),
+            ToWorker::Fault(super::wire::Fault::Exit) => std::process::exit(3),
             _ => {}
         }
     }

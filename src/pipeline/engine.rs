@@ -28,7 +28,7 @@ use tracing::{debug, warn};
 
 use super::params::KvTransferParams;
 use super::pool::BlockPool;
-use super::proto::{
+use super::wire::{
     self, FailureCause, Fault, FromWorker, LoadResult, PushStats, ReadyInfo, Role, ToWorker, TransferMode,
     TransportKind, WorkerConfig,
 };
@@ -178,7 +178,7 @@ pub struct EngineFinal {
     pub pushes: Vec<PushRecord>,
     /// Push mode, prefill engine: what UCX chose for the WRITEs, as the first rank that
     /// wrote reported it.
-    pub push_ucx: Option<super::proto::UcxChoices>,
+    pub push_ucx: Option<super::wire::UcxChoices>,
 }
 
 /// One prefill rank's WRITE of one request (push mode).
@@ -734,7 +734,7 @@ impl EngineLoop {
     /// Workers started elsewhere have no stderr pipe whose closing says they died; one that
     /// stopped saying it is alive for longer than any request may take is declared gone.
     fn check_silent(&mut self) {
-        let silence = (self.cfg.timeout * 2).max(proto::ALIVE_EVERY * 3);
+        let silence = (self.cfg.timeout * 2).max(wire::ALIVE_EVERY * 3);
         let silent: Vec<u32> = (0..self.cfg.tp)
             .filter(|&r| {
                 let rank = &self.ranks[r as usize];
@@ -920,12 +920,12 @@ impl EngineLoop {
     fn send_to(&mut self, rank: u32, msg: &ToWorker) -> bool {
         let Some(r) = self.ranks.get(rank as usize) else { return false };
         let Some(id) = r.identity.clone() else { return false };
-        let body = proto::encode(msg);
+        let body = wire::encode(msg);
         self.ctl.send_multipart([id.as_slice(), body.as_slice()], 0).is_ok()
     }
 
     fn on_message(&mut self, identity: &[u8], body: &[u8]) {
-        let msg: FromWorker = match proto::decode(body) {
+        let msg: FromWorker = match wire::decode(body) {
             Ok(m) => m,
             Err(e) => {
                 warn!("{} engine: dropping a message from a worker: {e}", self.role_str());

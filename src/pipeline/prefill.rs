@@ -15,11 +15,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::proto::{
+use super::push::{PushJob, Pusher};
+use super::wire::{
     FailureCause, Fault, FromWorker, Overlap, PushStats, ReadyInfo, ToWorker, TransferMode, TransportKind,
     UcxChoices, WorkerConfig,
 };
-use super::push::{PushJob, Pusher};
 use super::worker::{Control, Stage as _, WorkerError, advertised_payload_with, host_pool, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::params::base_request_id;
-use super::proto::{FailureCause, PushStats, TransportKind, WorkerConfig};
+use super::wire::{FailureCause, PushStats, TransportKind, WorkerConfig};
 use super::worker::{classify_ucx, compat_factors};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{RequestBlocks, RequestIds};

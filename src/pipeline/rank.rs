@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::proto::{FromWorker, Role, ToWorker, WorkerConfig};
+use super::wire::{FromWorker, Role, ToWorker, WorkerConfig};
 use super::worker::{Control, WorkerError, rss_bytes};
 
 /// How long a worker waits for its configuration after saying hello.

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::engine::{EngineConfig, Launch, split_endpoint};
-use super::proto::{PrefillSim, Role, TransferMode, TransportConfig, VerifyMode, WorkerConfig};
+use super::wire::{PrefillSim, Role, TransferMode, TransportConfig, VerifyMode, WorkerConfig};
 use crate::layouts::alloc::AllocPattern;
 use crate::layouts::compat::PairSpec;
 use crate::transfer::memory::{MemPlace, MemoryError};

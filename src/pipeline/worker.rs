@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::proto::{self, FromWorker, ToWorker, TransferMode, WorkerConfig};
+use super::wire::{self, FromWorker, ToWorker, TransferMode, WorkerConfig};
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::topology::VllmVersion;
@@ -84,7 +84,7 @@ impl Control {
     pub fn connect(endpoint: &str) -> Result<Self, WorkerError> {
         let sock = zmq_context().socket(zmq::DEALER).stage("control socket")?;
         let _ = sock.set_linger(1000);
-        let _ = sock.set_maxmsgsize(proto::MAX_CONTROL_BYTES as i64);
+        let _ = sock.set_maxmsgsize(wire::MAX_CONTROL_BYTES as i64);
         sock.connect(endpoint).stage(format!("connect to the engine at {endpoint}"))?;
         let parent = endpoint.starts_with("ipc://").then(std::os::unix::process::parent_id);
         Ok(Control { sock, parent, next_check: std::cell::Cell::new(Instant::now()) })
@@ -95,7 +95,7 @@ impl Control {
     }
 
     pub fn send(&self, msg: &FromWorker) -> Result<(), WorkerError> {
-        self.sock.send(proto::encode(msg), 0).stage("send to the engine")
+        self.sock.send(wire::encode(msg), 0).stage("send to the engine")
     }
 
     /// Next message, waiting at most `timeout` (`None`: nothing arrived).
@@ -112,7 +112,7 @@ impl Control {
     /// call this at least every 100 ms between requests).
     pub fn try_recv(&self) -> Result<Option<ToWorker>, WorkerError> {
         if self.parent.is_none() && Instant::now() >= self.next_check.get() {
-            self.next_check.set(Instant::now() + proto::ALIVE_EVERY);
+            self.next_check.set(Instant::now() + wire::ALIVE_EVERY);
             self.send(&FromWorker::Alive)?;
         }
         if let Some(parent) = self.parent
@@ -124,7 +124,7 @@ impl Control {
             }
         }
         match self.sock.recv_bytes(zmq::DONTWAIT) {
-            Ok(b) => proto::decode(&b).map(Some).map_err(|reason| WorkerError::Protocol { reason }),
+            Ok(b) => wire::decode(&b).map(Some).map_err(|reason| WorkerError::Protocol { reason }),
             Err(zmq::Error::EAGAIN) => Ok(None),
             Err(e) => Err(e).stage("receive from the engine"),
         }
@@ -195,9 +195,9 @@ pub fn storage_options(cfg: &WorkerConfig) -> crate::transfer::storage::StorageO
 }
 
 /// The failure cause of a UCX error in a transfer.
-pub fn classify_ucx(e: &crate::transfer::ucx::UcxError) -> proto::FailureCause {
+pub fn classify_ucx(e: &crate::transfer::ucx::UcxError) -> wire::FailureCause {
     use crate::transfer::ucx::UcxError;
-    use proto::FailureCause;
+    use wire::FailureCause;
     match e {
         UcxError::Timeout { .. } => FailureCause::Timeout,
         UcxError::Status { name, .. } if name.contains("UNREACHABLE") || name.contains("CONNECTION") => {

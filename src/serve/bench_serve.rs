@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::engine::{self, DEFAULT_ITL, EngineConfig as HttpEngineConfig, EngineState, Role as HttpRole};
+use super::http_engine::{self, DEFAULT_ITL, EngineState, HttpEngineConfig, Role as HttpRole};
 use super::load::{self, Arrival as LoadArrival, LoadConfig, LoadProgress, LoadRun, ProgressDisplay, Target};
 use super::load_report;
 use super::metrics::{Exposition, PROMETHEUS_CONTENT_TYPE};
@@ -40,7 +40,7 @@ use super::workers::{KvRequestRecord, KvStats, WorkerKv};
 use crate::error::Outcome;
 use crate::pipeline::bench::BenchSettings;
 use crate::pipeline::engine::{EngineError, EngineFinal};
-use crate::pipeline::proto::Role;
+use crate::pipeline::wire::Role;
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::ReportError;
 use crate::report::files::{RunWriter, write_atomic};
@@ -226,7 +226,7 @@ fn metrics_router(p: Arc<EngineState>, d: Arc<EngineState>, x: Arc<ProxyState>) 
     };
     axum::Router::new()
         .route("/metrics", axum::routing::get(move || std::future::ready(render())))
-        .fallback(engine::not_found)
+        .fallback(http_engine::not_found)
 }
 
 /// Starts everything, drives the load, stops everything.
@@ -253,8 +253,8 @@ fn measure(s: &BenchSettings, opts: &ServeOptions) -> Result<Measured, BenchServ
     let (p_st, d_st) = (p_state.clone(), d_state.clone());
     let metrics_bind = opts.metrics_port.map(|port| (s.workers.bind_host.clone(), port));
     let started = servers.block_on(async {
-        let (p_addr, p_task) = spawn_server(&stop_rx, |l, stop| engine::serve(l, p_state, stop)).await?;
-        let (d_addr, d_task) = spawn_server(&stop_rx, |l, stop| engine::serve(l, d_state, stop)).await?;
+        let (p_addr, p_task) = spawn_server(&stop_rx, |l, stop| http_engine::serve(l, p_state, stop)).await?;
+        let (d_addr, d_task) = spawn_server(&stop_rx, |l, stop| http_engine::serve(l, d_state, stop)).await?;
         let mut pcfg = ProxyConfig::new(
             vec![BackendAddr { host: "127.0.0.1".into(), port: p_addr.port() }],
             vec![BackendAddr { host: "127.0.0.1".into(), port: d_addr.port() }],
@@ -276,7 +276,7 @@ fn measure(s: &BenchSettings, opts: &ServeOptions) -> Result<Measured, BenchServ
                 let shutdown = async move {
                     let _ = rx.wait_for(|v| *v).await;
                 };
-                if let Err(e) = engine::serve_router(listener, router, shutdown).await {
+                if let Err(e) = http_engine::serve_router(listener, router, shutdown).await {
                     tracing::warn!("metrics server on {addr}: {e}");
                 }
             }));
@@ -441,15 +441,15 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
             .to_string(),
     );
     let kv_path = match (s.workers.transport.mode, s.dispatch) {
-        (crate::pipeline::proto::TransferMode::Pull, _) => {
+        (crate::pipeline::wire::TransferMode::Pull, _) => {
             "client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (handshake, UCX reads, \
              verify {verify}, notify)"
         }
-        (_, crate::pipeline::proto::Dispatch::Sequential) => {
+        (_, crate::pipeline::wire::Dispatch::Sequential) => {
             "client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (registers its blocks; \
              prefill ranks WRITE, flush, notify; verify {verify})"
         }
-        (_, crate::pipeline::proto::Dispatch::Concurrent) => {
+        (_, crate::pipeline::wire::Dispatch::Concurrent) => {
             "client -> proxy -> both engines at once (the first request leg after leg, to learn the prefill \
              engine's identity): decode registers its blocks while prefill fills; prefill ranks WRITE, flush, \
              notify; verify {verify}"

@@ -2,7 +2,7 @@
 //! backend that moves no KV at all (for measuring pure HTTP and proxy overhead). The
 //! worker-backed backend, with real UCX reads, is [`super::workers::WorkerKv`].
 //!
-//! Owns the contract between `serve::engine` and whatever holds KV blocks. Must not do HTTP
+//! Owns the contract between `serve::http_engine` and whatever holds KV blocks. Must not do HTTP
 //! and must not know about OpenAI request shapes: the engine translates requests into
 //! [`PrefillJob`] / [`LoadJob`] and back. `kv_transfer_params` is the pipeline's
 //! [`KvTransferParams`] (one type for the bench driver, the engines and the wire).

@@ -41,7 +41,7 @@ use hyper::body::Incoming;
 use tokio::net::TcpListener;
 
 use super::client::{HttpClient, http_client};
-use super::engine::{
+use super::http_engine::{
     authorized, check_json_content_type, error_response, method_not_allowed, not_found, serve_router,
     unauthorized,
 };
@@ -49,7 +49,7 @@ use super::metrics::{Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_T
 use super::openai::{ApiError, Endpoint};
 use super::rewrite::{self, RawObject};
 use super::timing::{self, ServerTiming};
-use crate::pipeline::proto::Dispatch;
+use crate::pipeline::wire::Dispatch;
 
 /// With health checks off, how long a backend that refused a connection is left alone before
 /// a request tries it again.

@@ -31,7 +31,7 @@ use super::kv::{
 use super::metrics::{Histogram, KV_STAGE_BUCKETS_S};
 use crate::pipeline::engine::{Engine, EngineConfig, EngineError, EngineFinal, EngineInfo, LoadDone};
 use crate::pipeline::params::base_request_id;
-use crate::pipeline::proto::{FailureCause, LoadResult, Role, TransferMode};
+use crate::pipeline::wire::{FailureCause, LoadResult, Role, TransferMode};
 use crate::report::recorder::StageRecorder;
 
 /// Decode-side stages recorded per load (slowest rank), in report order.

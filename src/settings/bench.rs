@@ -18,20 +18,20 @@ use std::time::Duration;
 use clap::Args;
 use serde::Deserialize;
 
-use super::engine::{check_inflight, check_mem_transport, resolve_mem};
 use super::env::ProcessEnv;
 use super::flags::{Format, ModelFlags, PairFlags};
 use super::layer::{self, Layered, layered};
 use super::parse::parse_duration;
 use super::scenario;
+use super::workers::{check_inflight, check_mem_transport, resolve_mem};
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
 use crate::pipeline::bench::{BenchSettings, FailurePolicy, FaultPlan};
 use crate::pipeline::engine::split_endpoint;
-use crate::pipeline::proto::{
+use crate::pipeline::setup::WorkerSettings;
+use crate::pipeline::wire::{
     Dispatch, Fault, Overlap, PrefillSim, Role, TransferMode, TransportConfig, TransportKind, VerifyMode,
 };
-use crate::pipeline::setup::WorkerSettings;
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::results_root;
 use crate::transfer::cuda_batch::{BatchCopy, BatchLaunch};
@@ -436,7 +436,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
     let worker_env: Vec<(String, String)> =
         s.ucx_tls.clone().map(|tls| ("UCX_TLS".to_string(), tls)).into_iter().collect();
     let (listen, bind_host, advertise_host) = hosts(s)?;
-    super::engine::check_one_machine(transport.kind, listen.as_deref(), &advertise_host)?;
+    super::workers::check_one_machine(transport.kind, listen.as_deref(), &advertise_host)?;
     let name = s
         .name
         .clone()
@@ -688,8 +688,8 @@ mod tests {
     use clap::{Args as _, FromArgMatches as _};
 
     use super::*;
-    use crate::pipeline::proto::{self, ToWorker};
     use crate::pipeline::setup::KvMemory;
+    use crate::pipeline::wire::{self, ToWorker};
     use crate::settings::layer::Layer as _;
     use crate::transfer::memory::MemPlace;
 
@@ -1120,7 +1120,7 @@ mod tests {
         cfg.rank = 1;
         cfg.mem = MemPlace::Cuda { device: 3 };
         let msg = ToWorker::Init(Box::new(cfg.clone()));
-        let back: ToWorker = proto::decode(&proto::encode(&msg)).expect("decodes");
+        let back: ToWorker = wire::decode(&wire::encode(&msg)).expect("decodes");
         assert_eq!(back, msg);
         let ToWorker::Init(got) = back else { panic!("an Init") };
         assert_eq!(got.transport.err_mode, ErrMode::Peer);
@@ -1130,7 +1130,7 @@ mod tests {
         assert_eq!(got.transport.mode, TransferMode::Pull);
         assert_eq!(got.mem, MemPlace::Cuda { device: 3 });
         // Enums travel as names, not as strings kvx parses again: a wrong name does not decode.
-        let text = String::from_utf8_lossy(&proto::encode(&msg)).into_owned();
+        let text = String::from_utf8_lossy(&wire::encode(&msg)).into_owned();
         assert!(text.contains("busy") && text.contains("peer") && text.contains("cuda"), "{text}");
     }
 

@@ -24,7 +24,6 @@
 //! `cli` and must not run anything.
 
 pub mod bench;
-pub mod engine;
 pub mod env;
 pub mod flags;
 pub mod layer;
@@ -38,4 +37,5 @@ pub mod probe;
 pub mod proxy;
 pub mod scenario;
 pub mod sweep;
+pub mod workers;
 pub mod xfer;

@@ -142,7 +142,7 @@ mod tests {
 
     #[test]
     fn choices_name_the_alternatives() {
-        use crate::pipeline::proto::VerifyMode;
+        use crate::pipeline::wire::VerifyMode;
         use crate::transfer::ucx::ErrMode;
         assert_eq!(named::<VerifyMode>("sample"), Ok(VerifyMode::Sample));
         assert_eq!(named::<VerifyMode>(" off "), Ok(VerifyMode::Off));
@@ -153,7 +153,7 @@ mod tests {
 
     #[test]
     fn choices_of_a_value_enum_use_the_flag_s_spellings() {
-        use crate::pipeline::proto::TransportKind;
+        use crate::pipeline::wire::TransportKind;
         assert_eq!(named::<TransportKind>("cuda-batch"), Ok(TransportKind::CudaBatch));
         assert_eq!(named::<TransportKind>(" ucx "), Ok(TransportKind::Ucx));
         assert_eq!(

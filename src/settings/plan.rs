@@ -1,6 +1,7 @@
-//! Two resolutions named "plan" (issue 24 item 5 renames one of them):
+//! `kvx bench`'s job and `kvx plan`'s request ("plan" means descriptor planning only: the
+//! `kvx plan` command and `layouts::plan::Planner`; what `kvx bench` runs is a job):
 //!
-//! - [`BenchPlan`]: what `kvx bench` was asked to run (one bench, `--serve`,
+//! - [`BenchJob`]: what `kvx bench` was asked to run (one bench, `--serve`,
 //!   `--compare-transports` or `--sweep`), with every bench of it resolved before the first
 //!   starts, so a bad flag or a bad point fails before any worker process exists;
 //! - [`PlanFlags`]: `kvx plan`'s flags, resolved ([`resolve_descriptor_plan`]) into the engine
@@ -14,20 +15,20 @@ use super::bench::{BenchFlags, resolve};
 use super::env::ProcessEnv;
 use super::flags::{Format, ModelFlags, PairFlags};
 use super::scenario::{self, PlanScenario};
-use super::sweep::{self, SweepPlan};
+use super::sweep::{self, SweepJob};
 use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{RequestBlocks, RequestIds};
 use crate::pipeline::bench::BenchSettings;
-use crate::pipeline::proto::TransportKind;
+use crate::pipeline::wire::TransportKind;
 use crate::pipeline::workload::MAX_PROMPT;
 use crate::serve::bench_serve::ServeOptions;
 use crate::topology::TransferMode;
 
 /// What `kvx bench` was asked to do, with every run resolved before any starts.
 #[derive(Debug, Clone)]
-pub enum BenchPlan {
+pub enum BenchJob {
     /// One bench.
     Single(Box<BenchSettings>),
     /// `--serve`: the bench's workload through HTTP engines and the proxy.
@@ -37,30 +38,30 @@ pub enum BenchPlan {
     /// `--compare-modes`: the same workload in each transfer mode (pull, push), in order.
     CompareModes(Vec<BenchSettings>),
     /// `--sweep`: one bench per point of the file's axes.
-    Sweep(SweepPlan),
+    Sweep(SweepJob),
 }
 
-impl BenchPlan {
+impl BenchJob {
     /// Directory the run is written under.
     pub fn results_root(&self) -> &Path {
         match self {
-            BenchPlan::Single(s) | BenchPlan::Serve(s, _) => &s.results_root,
-            BenchPlan::CompareTransports(runs) | BenchPlan::CompareModes(runs) => {
+            BenchJob::Single(s) | BenchJob::Serve(s, _) => &s.results_root,
+            BenchJob::CompareTransports(runs) | BenchJob::CompareModes(runs) => {
                 runs.first().map_or(Path::new(""), |s| &s.results_root)
             }
-            BenchPlan::Sweep(plan) => &plan.results_root,
+            BenchJob::Sweep(plan) => &plan.results_root,
         }
     }
 }
 
 /// Resolves `kvx bench`'s flags into what to run.
-pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, ConfigError> {
+pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJob, ConfigError> {
     if flags.serve {
         let opts = ServeOptions {
             slo: super::load::parse_slo(flags.slo.as_deref())?,
             metrics_port: flags.metrics_port,
         };
-        return Ok(BenchPlan::Serve(Box::new(resolve(flags, env)?), opts));
+        return Ok(BenchJob::Serve(Box::new(resolve(flags, env)?), opts));
     }
     if let Some(kinds) = &flags.compare_transports {
         let mut runs = Vec::new();
@@ -93,7 +94,7 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
                 "needs at least one of ucx, storage, multi, cuda-batch",
             ));
         }
-        return Ok(BenchPlan::CompareTransports(runs));
+        return Ok(BenchJob::CompareTransports(runs));
     }
     if let Some(modes) = &flags.compare_modes {
         let mut runs = Vec::new();
@@ -109,12 +110,12 @@ pub fn resolve_plan(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchPlan, C
         if runs.is_empty() {
             return Err(ConfigError::new("--compare-modes", "needs at least one of pull, push"));
         }
-        return Ok(BenchPlan::CompareModes(runs));
+        return Ok(BenchJob::CompareModes(runs));
     }
     if let Some(path) = &flags.sweep {
-        return Ok(BenchPlan::Sweep(sweep::plan(flags, path, env)?));
+        return Ok(BenchJob::Sweep(sweep::resolve_job(flags, path, env)?));
     }
-    Ok(BenchPlan::Single(Box::new(resolve(flags, env)?)))
+    Ok(BenchJob::Single(Box::new(resolve(flags, env)?)))
 }
 
 /// `kvx plan`'s flags.
@@ -318,7 +319,7 @@ mod tests {
             compare_transports: Some(vec![TransportKind::Ucx, TransportKind::Storage]),
             ..Default::default()
         };
-        let BenchPlan::CompareTransports(runs) = resolve_plan(&flags, &env()).expect("valid") else {
+        let BenchJob::CompareTransports(runs) = resolve_bench_job(&flags, &env()).expect("valid") else {
             panic!("a comparison")
         };
         let kinds: Vec<_> = runs.iter().map(|r| r.workers.transport.kind).collect();
@@ -329,8 +330,8 @@ mod tests {
             mem: Some(crate::transfer::memory::MemKind::Cuda),
             ..Default::default()
         };
-        match resolve_plan(&gpu, &env()) {
-            Ok(BenchPlan::CompareTransports(runs)) => {
+        match resolve_bench_job(&gpu, &env()) {
+            Ok(BenchJob::CompareTransports(runs)) => {
                 let kinds: Vec<_> = runs.iter().map(|r| r.workers.transport.kind).collect();
                 assert_eq!(kinds, [TransportKind::Ucx, TransportKind::CudaBatch]);
             }
@@ -340,8 +341,8 @@ mod tests {
         // --batch-copy goes to the cuda-batch run only, and needs one.
         // (The UCX run keeps the default, the kernel.)
         let api = BenchFlags { batch_copy: Some(BatchCopy::Api), ..gpu.clone() };
-        match resolve_plan(&api, &env()) {
-            Ok(BenchPlan::CompareTransports(runs)) => {
+        match resolve_bench_job(&api, &env()) {
+            Ok(BenchJob::CompareTransports(runs)) => {
                 let copies: Vec<_> = runs.iter().map(|r| r.workers.transport.batch_copy).collect();
                 assert_eq!(copies, [BatchCopy::Kernel, BatchCopy::Api]);
             }
@@ -353,14 +354,14 @@ mod tests {
             batch_copy: Some(BatchCopy::Kernel),
             ..Default::default()
         };
-        assert_eq!(resolve_plan(&no_batch, &env()).expect_err("no cuda-batch run").flag, "--batch-copy");
+        assert_eq!(resolve_bench_job(&no_batch, &env()).expect_err("no cuda-batch run").flag, "--batch-copy");
         let host = BenchFlags { mem: None, ..gpu };
         assert_eq!(
-            resolve_plan(&host, &env()).expect_err("host pools").flag,
+            resolve_bench_job(&host, &env()).expect_err("host pools").flag,
             if cfg!(feature = "cuda") { "--mem" } else { "--transport" }
         );
         let serve = BenchFlags { serve: true, ..Default::default() };
-        assert!(matches!(resolve_plan(&serve, &env()), Ok(BenchPlan::Serve(..))));
-        assert!(matches!(resolve_plan(&BenchFlags::default(), &env()), Ok(BenchPlan::Single(_))));
+        assert!(matches!(resolve_bench_job(&serve, &env()), Ok(BenchJob::Serve(..))));
+        assert!(matches!(resolve_bench_job(&BenchFlags::default(), &env()), Ok(BenchJob::Single(_))));
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{ArgAction, Args};
 
 use crate::error::ConfigError;
-use crate::pipeline::proto::Dispatch;
+use crate::pipeline::wire::Dispatch;
 use crate::serve::proxy::{BackendAddr, Policy, ProxyConfig};
 
 /// `kvx serve-proxy`'s flags (host, port and threads are the process's own: `cli` binds and

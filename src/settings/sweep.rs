@@ -34,24 +34,24 @@ pub type Point = Vec<(String, Value)>;
 
 /// A sweep, every point resolved.
 #[derive(Debug, Clone)]
-pub struct SweepPlan {
+pub struct SweepJob {
     /// The file's stem: the name of the run.
     pub name: String,
     /// The axis that names chart series (`series = "tp"`).
     pub series_axis: Option<String>,
-    pub points: Vec<PlannedPoint>,
+    pub points: Vec<SweepPoint>,
     /// Directory the run is written under.
     pub results_root: PathBuf,
 }
 
 /// One point of a sweep and its settings, or why they were rejected.
 #[derive(Debug, Clone)]
-pub struct PlannedPoint {
+pub struct SweepPoint {
     pub point: Point,
     pub settings: Result<BenchSettings, ConfigError>,
 }
 
-impl PlannedPoint {
+impl SweepPoint {
     /// `tp=8:2 alloc=random`.
     pub fn label(&self) -> String {
         self.point.iter().map(|(k, v)| format!("{k}={}", text(v))).collect::<Vec<_>>().join(" ")
@@ -167,13 +167,13 @@ fn flags_for(base: &BenchFlags, path: &Path, point: &Point) -> Result<BenchFlags
 }
 
 /// Resolves every point of the sweep file at `path` with the other flags as given.
-pub fn plan(flags: &BenchFlags, path: &Path, env: &ProcessEnv) -> Result<SweepPlan, ConfigError> {
+pub fn resolve_job(flags: &BenchFlags, path: &Path, env: &ProcessEnv) -> Result<SweepJob, ConfigError> {
     let (points, series_axis) = points(path)?;
-    let points: Vec<PlannedPoint> = points
+    let points: Vec<SweepPoint> = points
         .into_iter()
         .map(|point| {
             let settings = flags_for(flags, path, &point).and_then(|f| resolve(&f, env));
-            PlannedPoint { point, settings }
+            SweepPoint { point, settings }
         })
         .collect();
     if let Some(first) = points.iter().find_map(|p| p.settings.as_ref().err())
@@ -184,7 +184,7 @@ pub fn plan(flags: &BenchFlags, path: &Path, env: &ProcessEnv) -> Result<SweepPl
             format!("every point of {} is rejected; the first: {first}", path.display()),
         ));
     }
-    Ok(SweepPlan {
+    Ok(SweepJob {
         name: path.file_stem().map_or_else(|| "sweep".into(), |s| s.to_string_lossy().to_string()),
         series_axis,
         points,
@@ -216,7 +216,7 @@ mod tests {
         );
         let plan = plan(&BenchFlags::default(), f.path(), &env()).expect("a plan");
         assert_eq!(plan.series_axis.as_deref(), Some("tp"));
-        let labels: Vec<String> = plan.points.iter().map(PlannedPoint::label).collect();
+        let labels: Vec<String> = plan.points.iter().map(SweepPoint::label).collect();
         assert_eq!(
             labels,
             ["tp=2:2 layout=LBHNC", "tp=2:2 layout=XYZ", "tp=8:2 layout=LBHNC", "tp=8:2 layout=XYZ"]

@@ -2,18 +2,18 @@
 //! serve as the target of an initiator, serve a region to a remote initiator (`--listen`), or
 //! measure (`transfer::xfer::XferConfig`). Every rule between its flags is checked here, before
 //! anything starts; the transport and memory rules it shares with `kvx bench` are
-//! `settings::engine`'s. Must not start anything.
+//! `settings::workers`'s. Must not start anything.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
-use super::engine::check_mem_transport;
 use super::parse::{parse_duration, parse_size};
+use super::workers::check_mem_transport;
 use crate::diagnose::xfer::TargetOptions;
 use crate::error::ConfigError;
-use crate::pipeline::proto::TransportKind;
+use crate::pipeline::wire::TransportKind;
 use crate::report::xfer::{Misalign, SessionOptions, XferConfig};
 use crate::transfer::cuda_batch::BatchCopy;
 use crate::transfer::memory::{MemKind, MemPlace};
@@ -308,7 +308,7 @@ mod tests {
             let e = parse(args).expect_err(flag);
             assert!(e.contains(flag), "{args:?}: {e}");
         }
-        // cuda-batch: the rule `kvx bench` has too (settings::engine), then its own.
+        // cuda-batch: the rule `kvx bench` has too (settings::workers), then its own.
         let e = parse(&["--transport", "cuda-batch"]).expect_err("host memory");
         assert!(e.contains("(change --mem)") || e.contains("`cuda` feature"), "{e}");
         if cfg!(feature = "cuda") {

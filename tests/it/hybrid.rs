@@ -13,7 +13,7 @@ use kvx::layouts::hybrid::descriptors::{
     DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
 };
 use kvx::layouts::hybrid::geometry::{
-    DEFAULT_BLOCK_TOKENS, EngineConfig, EngineGeometry, GroupKind, KvBufferDevice, MemKind, Side,
+    DEFAULT_BLOCK_TOKENS, EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, MemKind, Side,
 };
 use kvx::layouts::hybrid::model::{
     AttentionShape, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba2Spec, PRESETS, StateSpec, preset,
@@ -169,8 +169,8 @@ fn case_model(case: &Value) -> HybridModel {
     }
 }
 
-fn engine(e: &Value) -> EngineConfig {
-    EngineConfig {
+fn engine(e: &Value) -> HybridEngine {
+    HybridEngine {
         kv_buffer_device: match e["kv_buffer_device"].as_str() {
             Some("cpu") => KvBufferDevice::Cpu,
             _ => KvBufferDevice::Cuda,
@@ -178,7 +178,7 @@ fn engine(e: &Value) -> EngineConfig {
         // The oracle aligned GDN blocks as triton does (its README).
         gdn_prefill: GdnPrefillBackend::Triton,
         block_tokens: DEFAULT_BLOCK_TOKENS,
-        ..EngineConfig::new(u32_of(e, "tp"), u32_of(e, "num_blocks"))
+        ..HybridEngine::new(u32_of(e, "tp"), u32_of(e, "num_blocks"))
     }
 }
 
@@ -489,7 +489,7 @@ fn pool_blocks(model: &HybridModel, max_tokens: u32) -> u32 {
     groups * (max_tokens / 16 + 2) + 2
 }
 
-fn planner(model: &HybridModel, p: EngineConfig, d: EngineConfig) -> Result<HybridPlanner, HybridError> {
+fn planner(model: &HybridModel, p: HybridEngine, d: HybridEngine) -> Result<HybridPlanner, HybridError> {
     HybridPlanner::new(&PairConfig { model: model.clone(), p, d, permute_local_kv: false })
 }
 
@@ -591,13 +591,13 @@ fn case() -> impl Strategy<Value = Case> {
 fn run_case(c: &Case) -> Result<(), TestCaseError> {
     let model = preset(c.model).expect("preset");
     let blocks = pool_blocks(&model, c.prompt_tokens);
-    let cfg = |tp| EngineConfig {
+    let cfg = |tp| HybridEngine {
         gdn_prefill: if c.flashinfer { GdnPrefillBackend::FlashInfer } else { GdnPrefillBackend::Triton },
         kv_buffer_device: if c.host { KvBufferDevice::Cpu } else { KvBufferDevice::Cuda },
         kernel_block_tokens: c.kernel16.then_some(16),
         prefix_caching: c.prefix_caching,
         layout: if c.nhd { kvx::layouts::Layout::Lbnhc } else { kvx::layouts::Layout::Lbhnc },
-        ..EngineConfig::new(tp, blocks)
+        ..HybridEngine::new(tp, blocks)
     };
     let pl = match planner(&model, cfg(c.p_tp), cfg(c.d_tp)) {
         Ok(p) => p,
@@ -670,7 +670,7 @@ proptest! {
     ) {
         let m = preset(model).expect("preset");
         let blocks = pool_blocks(&m, tokens + 16 * more_blocks);
-        let pl = planner(&m, EngineConfig::new(p_tp, blocks), EngineConfig::new(d_tp, blocks)).expect("accepted");
+        let pl = planner(&m, HybridEngine::new(p_tp, blocks), HybridEngine::new(d_tp, blocks)).expect("accepted");
         let window_groups: Vec<usize> =
             pl.d.groups.iter().enumerate().filter(|(_, g)| !g.kind.is_state() && g.kind != GroupKind::Full).map(|(i, _)| i).collect();
         let bytes = |t: u32| -> Vec<u64> {
@@ -689,7 +689,7 @@ fn sliding_window_bytes_stop_growing_past_the_window() {
     let model = preset("gpt-oss-120b").expect("preset");
     let blocks = pool_blocks(&model, 33_000);
     for (p_tp, d_tp) in [(1, 1), (1, 2), (2, 1), (2, 8), (8, 8)] {
-        let pl = planner(&model, EngineConfig::new(p_tp, blocks), EngineConfig::new(d_tp, blocks))
+        let pl = planner(&model, HybridEngine::new(p_tp, blocks), HybridEngine::new(d_tp, blocks))
             .expect("accepted");
         let bytes = |tokens| -> Vec<Vec<u64>> {
             let plan = pl.plan(&simulated(&pl, tokens, 0), "req").expect("plan");
@@ -713,7 +713,7 @@ fn vllm_misreads_replicated_mamba2_groups() {
     // Falcon-H1 P1 -> D2 (the reference's finding 3): x and the SSM state are right, B and C
     // are not; the plan says so and the byte check agrees.
     let model = preset("falcon-h1-7b").expect("preset");
-    let pl = planner(&model, EngineConfig::new(1, 64), EngineConfig::new(2, 64)).expect("accepted");
+    let pl = planner(&model, HybridEngine::new(1, 64), HybridEngine::new(2, 64)).expect("accepted");
     let parts: Vec<(u32, String)> = pl
         .findings
         .iter()
@@ -733,7 +733,7 @@ fn vllm_misreads_replicated_mamba2_groups() {
     // Nemotron-H (n_groups 8 divides every TP here) reads every slice right.
     let nem = preset("nemotron-h-8b").expect("preset");
     for (p, d) in [(1, 2), (1, 8), (8, 1), (2, 4), (4, 2)] {
-        let pl = planner(&nem, EngineConfig::new(p, 64), EngineConfig::new(d, 64)).expect("accepted");
+        let pl = planner(&nem, HybridEngine::new(p, 64), HybridEngine::new(d, 64)).expect("accepted");
         assert!(pl.findings.is_empty(), "P{p} D{d}: {:?}", pl.findings);
         let plan = pl.plan(&simulated(&pl, 9000, 2), "req").expect("plan");
         let report = check_plan(&pl, &plan);
@@ -746,7 +746,7 @@ fn host_buffer_findings() {
     // gpt-oss P1 -> D1 with kv_buffer_device=cpu: the window group's blocks are overwritten by
     // the full-attention layers' host bytes in the host-to-device copy (9 of 9).
     let model = preset("gpt-oss-120b").expect("preset");
-    let cpu = |tp| EngineConfig { kv_buffer_device: KvBufferDevice::Cpu, ..EngineConfig::new(tp, 200) };
+    let cpu = |tp| HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngine::new(tp, 200) };
     let pl = planner(&model, cpu(1), cpu(1)).expect("accepted");
     let plan = pl.plan(&simulated(&pl, 200, 0), "req").expect("plan");
     let lost: Vec<(u32, u64, u64)> = plan
@@ -765,7 +765,7 @@ fn host_buffer_findings() {
     // Prefill's pool of 10 blocks ends with the attention group's third block (ids 1-6 go to
     // the six state groups).
     let pl =
-        planner(&nem, EngineConfig { num_blocks: 10, ..cpu(1) }, EngineConfig { num_blocks: 10, ..cpu(1) })
+        planner(&nem, HybridEngine { num_blocks: 10, ..cpu(1) }, HybridEngine { num_blocks: 10, ..cpu(1) })
             .expect("accepted");
     assert!(pl.findings.iter().any(|f| matches!(
         f,
@@ -796,7 +796,7 @@ fn host_buffer_findings() {
 #[test]
 fn full_prefix_hit_only_notifies() {
     let model = preset("nemotron-h-8b").expect("preset");
-    let pl = planner(&model, EngineConfig::new(4, 64), EngineConfig::new(1, 64)).expect("accepted");
+    let pl = planner(&model, HybridEngine::new(4, 64), HybridEngine::new(1, 64)).expect("accepted");
     let mut req = simulated(&pl, 3000, 0);
     req.d_hit_tokens = 2999;
     let plan = pl.plan(&req, "req-P").expect("plan");
@@ -816,7 +816,7 @@ fn every_preset_at_every_tp_pair() {
         let blocks = pool_blocks(&model, 6000);
         for p_tp in [1, 2, 4, 8] {
             for d_tp in [1, 2, 4, 8] {
-                match planner(&model, EngineConfig::new(p_tp, blocks), EngineConfig::new(d_tp, blocks)) {
+                match planner(&model, HybridEngine::new(p_tp, blocks), HybridEngine::new(d_tp, blocks)) {
                     Err(e) => {
                         let r = e.refusal().unwrap_or_else(|| panic!("{name} P{p_tp} D{d_tp}: {e}"));
                         *refused.entry(format!("{:?}", r.kind)).or_insert(0) += 1;
@@ -852,7 +852,7 @@ fn block_size_ratio_with_a_prefix_hit_shifts_attention_tokens() {
     // remaining blocks hold 4 sub-blocks but prefill has only 3 more blocks of data, so vLLM
     // trims prefill's list to its last 4 blocks and every token lands one prefill block early.
     let model = preset("falcon-h1-7b").expect("preset");
-    let pl = planner(&model, EngineConfig::new(4, 64), EngineConfig::new(2, 64)).expect("accepted");
+    let pl = planner(&model, HybridEngine::new(4, 64), HybridEngine::new(2, 64)).expect("accepted");
     assert_eq!(pl.block_size_ratio, 2);
     let plan = pl.plan(&simulated(&pl, 3138, 1), "req").expect("plan");
     let shifts: Vec<(u32, u64, u64)> = plan
@@ -880,8 +880,8 @@ fn window_with_different_block_sizes() {
     // gpt-oss with 16-token prefill blocks and 32-token decode blocks: the window keeps 9
     // prefill blocks (144 tokens) and 5 decode blocks (160): does vLLM pair the right tokens?
     let model = preset("gpt-oss-120b").expect("preset");
-    let d = EngineConfig { block_tokens: 32, ..EngineConfig::new(1, 800) };
-    let pl = planner(&model, EngineConfig::new(1, 800), d).expect("accepted");
+    let d = HybridEngine { block_tokens: 32, ..HybridEngine::new(1, 800) };
+    let pl = planner(&model, HybridEngine::new(1, 800), d).expect("accepted");
     let mut shifted = Vec::new();
     for tokens in 129..1200 {
         let plan = pl.plan(&simulated(&pl, tokens, 0), "req").expect("plan");
@@ -920,7 +920,7 @@ fn models_read_from_toml() {
     let model: HybridModel = toml::from_str(text).expect("parses");
     model.validate().expect("valid");
     assert_eq!(model.layers[5].to_string(), "full+mamba2");
-    let pl = planner(&model, EngineConfig::new(1, 256), EngineConfig::new(2, 256)).expect("accepted");
+    let pl = planner(&model, HybridEngine::new(1, 256), HybridEngine::new(2, 256)).expect("accepted");
     let plan = pl.plan(&simulated(&pl, 900, 0), "req").expect("plan");
     assert!(check_plan(&pl, &plan).is_ok());
 }
@@ -930,7 +930,7 @@ fn kernel_blocks_smaller_than_the_block() {
     // 16-token kernel blocks under Nemotron-H's 1040-token blocks (65 per block) on both sides:
     // attention moves at kernel granularity, state slots stay whole.
     let model = preset("nemotron-h-8b").expect("preset");
-    let k = |tp| EngineConfig { kernel_block_tokens: Some(16), ..EngineConfig::new(tp, 64) };
+    let k = |tp| HybridEngine { kernel_block_tokens: Some(16), ..HybridEngine::new(tp, 64) };
     for (p, d) in [(1, 1), (1, 2), (2, 1)] {
         let pl = planner(&model, k(p), k(d)).expect("accepted");
         assert_eq!((pl.p.physical_per_logical, pl.d.kernel_block_tokens), (65, 16));

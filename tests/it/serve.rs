@@ -16,7 +16,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt as _, Full};
 use kvx::serve::client::http_client;
-use kvx::serve::engine::{self, EngineConfig, EngineState, Role};
+use kvx::serve::http_engine::{self, EngineState, HttpEngineConfig, Role};
 use kvx::serve::kv::{EngineIdentity, NullKv};
 use kvx::serve::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -95,16 +95,16 @@ fn null_kv(engine_id: &str) -> Arc<NullKv> {
     }))
 }
 
-async fn start_engine(cfg: EngineConfig) -> (Server, Arc<EngineState>) {
+async fn start_engine(cfg: HttpEngineConfig) -> (Server, Arc<EngineState>) {
     let id = format!("{}-engine", cfg.role.as_str());
     let state = EngineState::new(cfg, null_kv(&id));
     let st = state.clone();
-    let server = Server::start(move |l, rx| engine::serve(l, st, shutdown(rx))).await;
+    let server = Server::start(move |l, rx| http_engine::serve(l, st, shutdown(rx))).await;
     (server, state)
 }
 
-fn engine_cfg(role: Role) -> EngineConfig {
-    EngineConfig::new(role, "stub-model")
+fn engine_cfg(role: Role) -> HttpEngineConfig {
+    HttpEngineConfig::new(role, "stub-model")
 }
 
 fn proxy_cfg(p: Vec<BackendAddr>, d: Vec<BackendAddr>) -> ProxyConfig {
@@ -182,7 +182,7 @@ pub(crate) struct Stack {
     d_state: Arc<EngineState>,
 }
 
-async fn stack_with(p_cfg: EngineConfig, d_cfg: EngineConfig) -> Stack {
+async fn stack_with(p_cfg: HttpEngineConfig, d_cfg: HttpEngineConfig) -> Stack {
     let (p, p_state) = start_engine(p_cfg).await;
     let (d, d_state) = start_engine(d_cfg).await;
     let (proxy, proxy_state) = start_proxy(proxy_cfg(vec![p.backend()], vec![d.backend()])).await;
@@ -194,7 +194,7 @@ async fn stack() -> Stack {
 }
 
 /// The stack with a decode engine of `d_cfg`.
-pub(crate) async fn stack_with_cfg(d_cfg: EngineConfig) -> Stack {
+pub(crate) async fn stack_with_cfg(d_cfg: HttpEngineConfig) -> Stack {
     stack_with(engine_cfg(Role::Prefill), d_cfg).await
 }
 
@@ -376,7 +376,7 @@ async fn start_recorder(act: Act) -> (Server, Recorder) {
         }
     };
     let router = Router::new().fallback(handler);
-    let server = Server::start(move |l, rx| engine::serve_router(l, router, shutdown(rx))).await;
+    let server = Server::start(move |l, rx| http_engine::serve_router(l, router, shutdown(rx))).await;
     (server, rec)
 }
 
@@ -1090,7 +1090,7 @@ async fn health_checks_mark_backends_down_and_up_again() {
         let listener = TcpListener::bind(("127.0.0.1", port)).await.expect("rebind the freed port");
         let st = EngineState::new(engine_cfg(Role::Prefill), null_kv("late"));
         let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
+        let task = tokio::spawn(http_engine::serve(listener, st, shutdown(rx)));
         eventually("the engine marked healthy again", || metric(&pst.render_metrics(), &healthy) == 1.0)
             .await;
         let _ = tx.send(());
@@ -1145,7 +1145,7 @@ async fn decode_down_answers_503_at_once_without_loading_prefill_and_recovers() 
         let listener = TcpListener::bind(("127.0.0.1", port)).await.expect("rebind the freed port");
         let st = EngineState::new(engine_cfg(Role::Decode), null_kv("late-decode"));
         let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
+        let task = tokio::spawn(http_engine::serve(listener, st, shutdown(rx)));
         eventually("the decode engine marked healthy again", || {
             metric(&pst.render_metrics(), &healthy) == 1.0
         })
@@ -1277,7 +1277,7 @@ async fn vllm_router_flags_run_the_same_proxy_and_it_logs_backend_transitions() 
         let listener = TcpListener::bind(("127.0.0.1", down)).await.expect("rebind the freed port");
         let st = EngineState::new(engine_cfg(Role::Decode), null_kv("late"));
         let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(engine::serve(listener, st, shutdown(rx)));
+        let task = tokio::spawn(http_engine::serve(listener, st, shutdown(rx)));
         let line = wait_line(&log, "backend healthy again");
         assert!(line.contains(&format!("127.0.0.1:{down}")), "{line}");
         let _ = tx.send(());

@@ -29,7 +29,7 @@ use super::blocks::{
 };
 use super::error::{HybridError, RefusalKind};
 use super::geometry::{
-    ConvStateLayout, EngineConfig, EngineGeometry, KvBufferDevice, MemKind, Side, StatePart,
+    ConvStateLayout, EngineGeometry, HybridEngine, KvBufferDevice, MemKind, Side, StatePart,
 };
 use super::model::HybridModel;
 use crate::layouts::Layout;
@@ -39,8 +39,8 @@ use crate::layouts::plan::Pair;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct PairConfig {
     pub model: HybridModel,
-    pub p: EngineConfig,
-    pub d: EngineConfig,
+    pub p: HybridEngine,
+    pub d: HybridEngine,
     /// vLLM's `enable_permute_local_kv` (`--permute`).
     #[serde(default)]
     pub permute_local_kv: bool,
@@ -1180,7 +1180,7 @@ mod refusal_tests {
     use crate::layouts::hybrid::geometry::GdnPrefillBackend;
     use crate::layouts::hybrid::model::preset;
 
-    fn pair(model: &str, p: EngineConfig, d: EngineConfig) -> Result<HybridPlanner, HybridError> {
+    fn pair(model: &str, p: HybridEngine, d: HybridEngine) -> Result<HybridPlanner, HybridError> {
         HybridPlanner::new(&PairConfig {
             model: preset(model).expect("preset"),
             p,
@@ -1197,7 +1197,7 @@ mod refusal_tests {
 
     #[test]
     fn block_sizes_that_do_not_divide_are_refused_one_way() {
-        let e = |tp| EngineConfig::new(tp, 64);
+        let e = |tp| HybridEngine::new(tp, 64);
         let (k, msg, flag) = refusal(pair("qwen3-next-80b-a3b", e(2), e(4)));
         assert_eq!(k, RefusalKind::BlockSizeNotDivisible);
         assert_eq!(msg, "Local block size 272 is not divisible by remote block size 544 or vice versa.");
@@ -1206,28 +1206,28 @@ mod refusal_tests {
         let ok = pair("qwen3-next-80b-a3b", e(4), e(2)).expect("accepted");
         assert_eq!(ok.block_size_ratio, 2);
         // ... and fails on H100-class GPUs (FlashInfer GDN prefill: 576 vs 320 tokens).
-        let fi = |tp| EngineConfig { gdn_prefill: GdnPrefillBackend::FlashInfer, ..e(tp) };
+        let fi = |tp| HybridEngine { gdn_prefill: GdnPrefillBackend::FlashInfer, ..e(tp) };
         assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(4), fi(2))).0, RefusalKind::BlockSizeNotDivisible);
         assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(2), fi(4))).0, RefusalKind::BlockSizeNotDivisible);
         // The suggested common --block-size makes the pair work.
-        let b = |tp| EngineConfig { block_tokens: 544, ..e(tp) };
+        let b = |tp| HybridEngine { block_tokens: 544, ..e(tp) };
         assert!(pair("qwen3-next-80b-a3b", b(2), b(4)).is_ok());
     }
 
     #[test]
     fn every_vllm_refusal_names_its_setting() {
-        let e = |tp| EngineConfig::new(tp, 64);
+        let e = |tp| HybridEngine::new(tp, 64);
         let cases: Vec<(Result<HybridPlanner, HybridError>, RefusalKind, &str)> = vec![
             (pair("nemotron-h-8b", e(3), e(2)), RefusalKind::ModelNotDivisible, "--p-tp"),
             // TP sizes that each split the model's 8 KV heads but not each other.
             (pair("gpt-oss-120b", e(16), e(24)), RefusalKind::TpNotDivisible, "--d-tp"),
             (
-                pair("nemotron-h-8b", EngineConfig { pp: 2, ..e(1) }, e(1)),
+                pair("nemotron-h-8b", HybridEngine { pp: 2, ..e(1) }, e(1)),
                 RefusalKind::PipelineParallel,
                 "--p-pp",
             ),
             (
-                pair("nemotron-h-8b", e(1), EngineConfig { conv_state_layout: ConvStateLayout::Sd, ..e(1) }),
+                pair("nemotron-h-8b", e(1), HybridEngine { conv_state_layout: ConvStateLayout::Sd, ..e(1) }),
                 RefusalKind::ConvStateLayout,
                 "--conv-state-layout",
             ),
@@ -1235,7 +1235,7 @@ mod refusal_tests {
                 pair(
                     "qwen3-next-80b-a3b",
                     e(4),
-                    EngineConfig { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) },
+                    HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) },
                 ),
                 RefusalKind::HostBufferBlockSizes,
                 "--kv-buffer-device",
@@ -1245,22 +1245,22 @@ mod refusal_tests {
                 // 16-token kernel blocks under 272- and 544-token blocks: 17 vs 34 per block.
                 pair(
                     "qwen3-next-80b-a3b",
-                    EngineConfig { kernel_block_tokens: Some(16), ..e(4) },
-                    EngineConfig { kernel_block_tokens: Some(16), ..e(2) },
+                    HybridEngine { kernel_block_tokens: Some(16), ..e(4) },
+                    HybridEngine { kernel_block_tokens: Some(16), ..e(2) },
                 ),
                 RefusalKind::PrefixCachingKernelBlocks,
                 "--no-prefix-caching",
             ),
             (
-                pair("gpt-oss-120b", e(1), EngineConfig { layout: Layout::Lbnhc, ..e(1) }),
+                pair("gpt-oss-120b", e(1), HybridEngine { layout: Layout::Lbnhc, ..e(1) }),
                 RefusalKind::LayoutMismatch,
                 "--d-layout",
             ),
             (
                 pair(
                     "gpt-oss-120b",
-                    EngineConfig { layout: Layout::Lbnhc, ..e(1) },
-                    EngineConfig { layout: Layout::Lbnhc, ..e(2) },
+                    HybridEngine { layout: Layout::Lbnhc, ..e(1) },
+                    HybridEngine { layout: Layout::Lbnhc, ..e(2) },
                 ),
                 RefusalKind::NonContiguousHeads,
                 "--layout",
@@ -1280,7 +1280,7 @@ mod refusal_tests {
         let permuted = HybridPlanner::new(&PairConfig {
             model: preset("gpt-oss-120b").expect("preset"),
             p: e(1),
-            d: EngineConfig { layout: Layout::Lbnhc, ..e(1) },
+            d: HybridEngine { layout: Layout::Lbnhc, ..e(1) },
             permute_local_kv: true,
         });
         assert_eq!(refusal(permuted).0, RefusalKind::PermuteWithHma);

@@ -81,7 +81,7 @@ pub enum MemKind {
 /// One engine's settings (prefill or decode) that shape its cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
-pub struct EngineConfig {
+pub struct HybridEngine {
     /// Tensor-parallel size (`--p-tp`, `--d-tp`).
     pub tp: u32,
     /// Pipeline-parallel size (vLLM refuses PP > 1 with HMA in pull mode).
@@ -101,9 +101,9 @@ pub struct EngineConfig {
     pub conv_state_layout: ConvStateLayout,
 }
 
-impl Default for EngineConfig {
+impl Default for HybridEngine {
     fn default() -> Self {
-        EngineConfig {
+        HybridEngine {
             tp: 1,
             pp: 1,
             num_blocks: 1024,
@@ -118,10 +118,10 @@ impl Default for EngineConfig {
     }
 }
 
-impl EngineConfig {
+impl HybridEngine {
     /// Defaults with the given TP size and pool size.
     pub fn new(tp: u32, num_blocks: u32) -> Self {
-        EngineConfig { tp, num_blocks, ..EngineConfig::default() }
+        HybridEngine { tp, num_blocks, ..HybridEngine::default() }
     }
 }
 
@@ -489,7 +489,7 @@ impl BlockSizing {
 /// The block size and pages vLLM settles on for one engine (`_align_hybrid_block_size`).
 pub fn block_sizing(
     model: &HybridModel,
-    engine: &EngineConfig,
+    engine: &HybridEngine,
     state: Option<&StateLayout>,
 ) -> Result<BlockSizing, HybridError> {
     let a = &model.attention;
@@ -642,7 +642,7 @@ pub fn cmp_layer_names(a: &str, b: &str) -> Ordering {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct EngineGeometry {
     pub side: Side,
-    pub config: EngineConfig,
+    pub config: HybridEngine,
     pub groups: Vec<KvGroup>,
     pub sizing: BlockSizing,
     /// Tokens per kernel block (the block size NIXL sees).
@@ -664,7 +664,7 @@ pub struct EngineGeometry {
 impl EngineGeometry {
     /// Builds an engine's geometry; errors are vLLM's load-time refusals (a TP that does not
     /// split the model) or what kvx does not model.
-    pub fn new(model: &HybridModel, config: &EngineConfig, side: Side) -> Result<Self, HybridError> {
+    pub fn new(model: &HybridModel, config: &HybridEngine, side: Side) -> Result<Self, HybridError> {
         model.validate()?;
         if config.tp == 0 || config.num_blocks == 0 {
             return Err(HybridError::request(side.tp_flag(), "TP size and pool size must be positive"));
@@ -899,7 +899,7 @@ mod tests {
 
     fn aligned(model: &str, tp: u32, backend: GdnPrefillBackend) -> u32 {
         let m = preset(model).expect("preset");
-        let cfg = EngineConfig { gdn_prefill: backend, ..EngineConfig::new(tp, 8) };
+        let cfg = HybridEngine { gdn_prefill: backend, ..HybridEngine::new(tp, 8) };
         EngineGeometry::new(&m, &cfg, Side::Decode).expect("geometry").sizing.block_tokens
     }
 
@@ -922,7 +922,7 @@ mod tests {
         }
         // Prefix caching off: no checkpoint alignment, FlashInfer or not.
         let m = preset("qwen3-next-80b-a3b").expect("preset");
-        let cfg = EngineConfig { gdn_prefill: fi, prefix_caching: false, ..EngineConfig::new(4, 8) };
+        let cfg = HybridEngine { gdn_prefill: fi, prefix_caching: false, ..HybridEngine::new(4, 8) };
         assert_eq!(EngineGeometry::new(&m, &cfg, Side::Decode).expect("geometry").sizing.block_tokens, 272);
         // Attention-only models keep --block-size.
         assert_eq!(aligned("gpt-oss-120b", 2, tri), 16);
@@ -982,7 +982,7 @@ mod tests {
     #[test]
     fn page_maps_show_parts_and_padding() {
         let m = preset("nemotron-h-8b").expect("preset");
-        let g = EngineGeometry::new(&m, &EngineConfig::new(1, 8), Side::Prefill).expect("geometry");
+        let g = EngineGeometry::new(&m, &HybridEngine::new(1, 8), Side::Prefill).expect("geometry");
         let spans: Vec<(u64, u64)> = g
             .page_map(GroupKind::State(StateKind::Mamba2))
             .iter()
@@ -1002,11 +1002,11 @@ mod tests {
     #[test]
     fn device_regions_alias_and_host_regions_do_not() {
         let m = preset("gpt-oss-120b").expect("preset");
-        let g = EngineGeometry::new(&m, &EngineConfig::new(1, 40), Side::Prefill).expect("geometry");
+        let g = EngineGeometry::new(&m, &HybridEngine::new(1, 40), Side::Prefill).expect("geometry");
         assert_eq!(g.regions.len(), 18);
         assert!(g.regions.iter().all(|r| r.group_id == -1 && r.layers.len() == 2));
         assert_eq!(g.registrations, vec![Registration { mem: MemKind::Vram, off: 0, len: 18 * 40 * 32768 }]);
-        let cfg = EngineConfig { kv_buffer_device: KvBufferDevice::Cpu, ..EngineConfig::new(1, 40) };
+        let cfg = HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngine::new(1, 40) };
         let h = EngineGeometry::new(&m, &cfg, Side::Prefill).expect("geometry");
         assert_eq!(h.regions.len(), 36);
         assert_eq!((h.regions[1].name.as_str(), h.regions[1].group_id), ("model.layers.1.attn.attn", 1));

@@ -13,7 +13,7 @@
 //! cache group or with state, and reproduces `../shared/oracle/hybrid_v033.json`.
 //!
 //! Use: build a [`PairConfig`] (a [`HybridModel`], e.g. from [`preset`], and an
-//! [`EngineConfig`] per side), [`HybridPlanner::new`] it (vLLM's handshake: geometry, TP mapping,
+//! [`HybridEngine`] per side), [`HybridPlanner::new`] it (vLLM's handshake: geometry, TP mapping,
 //! descriptor lists, or a [`Refusal`]), then [`HybridPlanner::plan`] each [`HybridRequest`].
 
 pub mod blocks;
@@ -25,5 +25,5 @@ pub mod model;
 
 pub use descriptors::{Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig};
 pub use error::{HybridError, Refusal, RefusalKind};
-pub use geometry::{EngineConfig, EngineGeometry, GdnPrefillBackend, KvBufferDevice};
+pub use geometry::{EngineGeometry, GdnPrefillBackend, HybridEngine, KvBufferDevice};
 pub use model::{HybridModel, preset};

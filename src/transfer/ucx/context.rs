@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::{Result, UcxError};
 use super::library::Ucx;
-use super::proto::{self, ProtoReport};
+use super::protocols::{self, ProtoReport};
 use super::sys::{self, UcpContextH, UcpWorkerH};
 use crate::transfer::cuda::CudaDevice;
 
@@ -199,12 +199,12 @@ impl Context {
 
     /// The protocols this process's UCX selected so far (call it after the operations of
     /// interest ran), or why they are unknown. They are recorded only in processes started
-    /// with [`proto::capture_env`] (or by a user who set `UCX_PROTO_INFO` and
+    /// with [`protocols::capture_env`] (or by a user who set `UCX_PROTO_INFO` and
     /// `UCX_PROTO_INFO_DIR`).
     pub fn protocols(&self) -> ProtoReport {
-        match proto::capture_dir() {
+        match protocols::capture_dir() {
             Some(dir) => {
-                let uses = proto::summarize(&proto::read_dir(&dir));
+                let uses = protocols::summarize(&protocols::read_dir(&dir));
                 let note = uses.is_empty().then(|| {
                     format!(
                         "UCX {} reported no protocol selection (UCX 1.13's protocol layer does not report them)",
@@ -217,8 +217,8 @@ impl Context {
                 uses: Vec::new(),
                 note: Some(format!(
                     "not recorded: this process was not started with {} and {} set",
-                    proto::PROTO_INFO_ENV,
-                    proto::PROTO_INFO_DIR_ENV
+                    protocols::PROTO_INFO_ENV,
+                    protocols::PROTO_INFO_DIR_ENV
                 )),
             },
         }

@@ -35,7 +35,7 @@ mod context;
 mod endpoint;
 mod error;
 mod library;
-mod proto;
+mod protocols;
 mod region;
 pub mod sys;
 
@@ -50,7 +50,7 @@ pub use endpoint::{
 };
 pub use error::{Result, UcxError};
 pub use library::{LibInfo, LibSearch, LibSource, SYSTEM_SONAME, Ucx};
-pub use proto::{
+pub use protocols::{
     LOG_FILE_ENV, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV, ProtoChoice, ProtoReport, ProtoSelection, ProtoUse,
     Rma, capture_dir as proto_capture_dir, capture_env as proto_capture_env,
     log_messages as ucx_log_messages, memory_kind, parse_dot, parse_log, read_dir as read_proto_dir,

@@ -42,14 +42,14 @@ use super::openai::{
 use super::timing::{self, ServerTiming};
 
 /// Which half of a P/D pair this engine plays (the pipeline's role of its workers).
-pub use crate::pipeline::proto::Role;
+pub use crate::pipeline::wire::Role;
 
 /// Default time between generated tokens: a realistic decode step (see the module docs).
 pub const DEFAULT_ITL: Duration = Duration::from_millis(15);
 
 /// Validated engine settings.
 #[derive(Debug, Clone)]
-pub struct EngineConfig {
+pub struct HttpEngineConfig {
     pub role: Role,
     /// Served model id (`--model-name`); requests naming another model get a 404.
     pub model_name: String,
@@ -68,7 +68,7 @@ pub struct EngineConfig {
     pub eos_at: Option<u64>,
 }
 
-impl EngineConfig {
+impl HttpEngineConfig {
     /// Defaults suited to tests: instant prefill, no ITL, NullKv-friendly sizes. The CLI's
     /// default ITL is [`DEFAULT_ITL`].
     pub fn new(role: Role, model_name: impl Into<String>) -> Self {
@@ -151,7 +151,7 @@ impl EngineMetrics {
 
 /// Shared state of one engine.
 pub struct EngineState {
-    cfg: EngineConfig,
+    cfg: HttpEngineConfig,
     backend: Arc<dyn KvBackend>,
     seqs: Arc<Semaphore>,
     metrics: EngineMetrics,
@@ -170,7 +170,7 @@ fn unix_now_s() -> u64 {
 }
 
 impl EngineState {
-    pub fn new(cfg: EngineConfig, backend: Arc<dyn KvBackend>) -> Arc<Self> {
+    pub fn new(cfg: HttpEngineConfig, backend: Arc<dyn KvBackend>) -> Arc<Self> {
         use sha2::Digest as _;
         let digest = sha2::Sha256::digest(
             format!("{}|{}|{}|{}", cfg.model_name, cfg.tp_size, cfg.block_size_tokens, cfg.max_model_len)
@@ -188,7 +188,7 @@ impl EngineState {
         })
     }
 
-    pub fn config(&self) -> &EngineConfig {
+    pub fn config(&self) -> &HttpEngineConfig {
         &self.cfg
     }
 
@@ -1156,7 +1156,7 @@ mod tests {
             side_channel_port: 5600,
             tp_size: 1,
         });
-        EngineState::new(EngineConfig::new(role, "m"), Arc::new(kv))
+        EngineState::new(HttpEngineConfig::new(role, "m"), Arc::new(kv))
     }
 
     async fn call(
@@ -1368,7 +1368,7 @@ mod tests {
             side_channel_port: 1,
             tp_size: 1,
         });
-        let mut cfg = EngineConfig::new(Role::Decode, "m");
+        let mut cfg = HttpEngineConfig::new(Role::Decode, "m");
         cfg.api_key = Some("k".into());
         let st = EngineState::new(cfg, Arc::new(kv));
         let (s, _, body) = call(&st, "POST", "/v1/completions", r#"{"prompt":"a"}"#).await;

@@ -15,9 +15,9 @@ use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
 use crate::pipeline::engine::EngineConfig;
-use crate::pipeline::proto::{Role, TransferMode, TransportConfig, TransportKind, VerifyMode};
 use crate::pipeline::setup::{EngineSlot, KvMemory, WorkerSettings};
-use crate::serve::engine::{EngineConfig as HttpEngineConfig, Role as HttpRole};
+use crate::pipeline::wire::{Role, TransferMode, TransportConfig, TransportKind, VerifyMode};
+use crate::serve::http_engine::{HttpEngineConfig, Role as HttpRole};
 use crate::serve::kv::EngineIdentity;
 use crate::topology::VllmVersion;
 use crate::transfer::memory::MemKind;
@@ -140,7 +140,7 @@ pub enum KvBackendKind {
 /// Per-rank pool budget used when `--pool-blocks` is not given.
 pub const DEFAULT_POOL_BYTES_PER_RANK: u64 = 512 << 20;
 
-/// `--itl-ms` default: [`crate::serve::engine::DEFAULT_ITL`] in milliseconds.
+/// `--itl-ms` default: [`crate::serve::http_engine::DEFAULT_ITL`] in milliseconds.
 pub const DEFAULT_ITL_MS: f64 = 15.0;
 
 /// `kvx serve-engine`'s flags (clap supplies the defaults). Host, port and threads are the
