@@ -214,7 +214,7 @@ mod tests {
             "model = \"llama-3.1-8b\"\nprompt_len = 256\n[sweep]\ntp = [\"2:2\", \"8:2\"]\n\
              layout = [\"LBHNC\", \"XYZ\"]\nseries = \"tp\"\n",
         );
-        let plan = plan(&BenchFlags::default(), f.path(), &env()).expect("a plan");
+        let plan = resolve_job(&BenchFlags::default(), f.path(), &env()).expect("a plan");
         assert_eq!(plan.series_axis.as_deref(), Some("tp"));
         let labels: Vec<String> = plan.points.iter().map(SweepPoint::label).collect();
         assert_eq!(
@@ -234,7 +234,7 @@ mod tests {
     fn bad_files_fail_before_anything_runs() {
         for text in ["[sweep]\nwidth = [1]", "name = \"x\"", "[sweep]\ntp = []", "[sweep]\ntp = [\"8-2\"]"] {
             let f = sweep_file(text);
-            let e = plan(&BenchFlags::default(), f.path(), &env()).expect_err(text);
+            let e = resolve_job(&BenchFlags::default(), f.path(), &env()).expect_err(text);
             assert_eq!(e.flag, "--sweep", "{text}: {e}");
         }
     }
