@@ -11,7 +11,7 @@ use crate::layouts::compat::PairSpec;
 use crate::layouts::{RankGeometry, Region};
 use crate::output;
 use crate::report::numbers::bytes_text;
-use crate::settings::layout::{LayoutFlags, resolve};
+use crate::settings::layout::{LayoutFlags, resolve, resolve_hybrid};
 
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  kvx layout --model llama-3.1-70b --tp 8\n  \
@@ -110,6 +110,29 @@ fn build(args: &LayoutFlags, pair: &PairSpec, g: &RankGeometry) -> LayoutJson {
 
 pub fn run(args: &LayoutArgs) -> anyhow::Result<Outcome> {
     let args = &args.settings;
+    if let Some((model, geom)) = resolve_hybrid(args).map_err(|e| reject(args.format, e))? {
+        match args.format {
+            Format::Json => output::stdout_json(&HybridLayoutJson {
+                status: "ok",
+                model: &model.name,
+                tp: args.tp,
+                rank: args.rank,
+                vllm_version: "0.33",
+                block_size: geom.sizing.block_tokens,
+                kernel_block_size: geom.kernel_block_tokens,
+                page_bytes: geom.sizing.page_bytes,
+                padding_bytes: geom.sizing.padding_bytes(),
+                geometry: &geom,
+            })?,
+            Format::Table => output::stdout(crate::report::layout::render_hybrid(
+                &model.name,
+                args.rank,
+                &geom,
+                args.show_regions,
+            ))?,
+        }
+        return Ok(Outcome::Ok);
+    }
     let (pair, geom) = resolve(args).map_err(|e| reject(args.format, e))?;
     let report = build(args, &pair, &geom);
     match args.format {
@@ -201,4 +224,21 @@ fn render(args: &LayoutFlags, t: &LayoutJson) -> String {
         }
     ));
     out
+}
+
+/// `kvx layout --format json` of a hybrid preset: vLLM's aligned block size and padded page up
+/// front, then the whole geometry (groups, state parts, regions, registrations).
+#[derive(Debug, Serialize)]
+struct HybridLayoutJson<'a> {
+    status: &'static str,
+    model: &'a str,
+    tp: u32,
+    rank: u32,
+    vllm_version: &'static str,
+    /// Tokens per block after vLLM's hybrid alignment.
+    block_size: u32,
+    kernel_block_size: u32,
+    page_bytes: u64,
+    padding_bytes: u64,
+    geometry: &'a crate::layouts::hybrid::EngineGeometry,
 }

@@ -9,12 +9,14 @@ use super::common::Format;
 use super::topo::reject;
 use crate::error::ConfigError;
 use crate::error::Outcome;
+use crate::layouts::hybrid::HybridPlanner;
 use crate::layouts::plan::Planner;
 use crate::layouts::posting::{PathCost, PostRates, ReadShape, request_costs};
 use crate::layouts::push::PushPlanner;
 use crate::output;
 use crate::report::plan::{self as plan_report, PushRankPlan, RankPlan};
-use crate::settings::plan::{DescriptorPlan, PlanFlags, resolve_descriptor_plan};
+use crate::settings::hybrid_case::{HYBRID_VLLM, HybridCase};
+use crate::settings::plan::{DescriptorPlan, PlanFlags, resolve_descriptor_plan, resolve_hybrid_scenario};
 use crate::topology::TransferMode;
 use crate::topology::push::DRankPushView;
 
@@ -103,6 +105,9 @@ fn plan_all(args: &PlanFlags, r: &DescriptorPlan) -> Result<Vec<RankPlan>, Confi
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
     let args = &args.settings;
+    if let Some(case) = resolve_hybrid_scenario(args).map_err(|e| reject(args.format, e))? {
+        return run_hybrid(args, &case);
+    }
     let resolved = resolve_descriptor_plan(args).map_err(|e| reject(args.format, e))?;
     if args.mode == TransferMode::Push {
         return run_push(args, &resolved);
@@ -312,6 +317,111 @@ fn run_push(args: &PlanFlags, resolved: &DescriptorPlan) -> anyhow::Result<Outco
             &views,
             args.show_pairs,
         ))?,
+    }
+    Ok(Outcome::Ok)
+}
+
+#[derive(Debug, Serialize)]
+struct HybridReadJson<'a> {
+    p_rank: u32,
+    notif_msg: &'a str,
+    num_descs: usize,
+    bytes: u64,
+    /// `[label, local offset, remote offset, length]`, in posting order.
+    pairs: Vec<(String, u64, u64, u64)>,
+}
+
+#[derive(Debug, Serialize)]
+struct HybridDRankJson<'a> {
+    d_rank: u32,
+    handshake_ranks: &'a [u32],
+    reads: Vec<HybridReadJson<'a>>,
+    notifs_only: &'a [(u32, String)],
+}
+
+#[derive(Debug, Serialize)]
+struct HybridPlanJson<'a> {
+    status: &'static str,
+    name: &'a str,
+    vllm_version: &'static str,
+    /// Prefill's and decode's aligned block size (tokens) and padded page (bytes).
+    p_block_size: u32,
+    d_block_size: u32,
+    p_page_bytes: u64,
+    d_page_bytes: u64,
+    tokens: &'a crate::layouts::hybrid::blocks::TokenCounts,
+    /// What prefill sends (one list per KV cache group) and decode fills, after clipping.
+    remote_block_ids: &'a [Vec<u32>],
+    local_block_ids: &'a [Vec<u32>],
+    clipping: &'a [crate::layouts::hybrid::descriptors::GroupClipping],
+    d_ranks: Vec<HybridDRankJson<'a>>,
+    /// Where vLLM's rules move the wrong bytes or reach outside registered memory.
+    findings: Vec<&'a crate::layouts::hybrid::Finding>,
+}
+
+/// `kvx plan --scenario` of a hybrid case: vLLM's handshake (or its refusal), then the READs.
+fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
+    let refused = |e: crate::layouts::hybrid::HybridError| {
+        let by_vllm = e.refusal().is_some();
+        let err = ConfigError::new(e.flag().to_string(), e.to_string());
+        if args.format == Format::Json && by_vllm {
+            // vLLM's own refusal, as the oracle records it.
+            let body = serde_json::json!({"status": "rejected", "by": "vllm", "error": err.to_string(), "flag": err.flag});
+            let _ = output::stdout_line(body);
+            return anyhow::Error::from(err);
+        }
+        reject(args.format, err)
+    };
+    let planner = HybridPlanner::new(&case.pair).map_err(refused)?;
+    let plan = planner.plan(&case.request, &args.p_request_id).map_err(refused)?;
+    let findings: Vec<_> = planner.findings.iter().chain(&plan.findings).collect();
+    match args.format {
+        Format::Json => {
+            let d_ranks = plan
+                .d_ranks
+                .iter()
+                .filter(|d| args.d_rank.is_none_or(|r| r == d.d_rank))
+                .map(|d| HybridDRankJson {
+                    d_rank: d.d_rank,
+                    handshake_ranks: &d.handshake_ranks,
+                    reads: d
+                        .reads
+                        .iter()
+                        .map(|r| HybridReadJson {
+                            p_rank: r.p_rank,
+                            notif_msg: &r.notif_msg,
+                            num_descs: r.pairs.len(),
+                            bytes: r.pairs.iter().map(|p| p.pair.len).sum(),
+                            pairs: r
+                                .pairs
+                                .iter()
+                                .map(|p| (p.label.to_string(), p.pair.local, p.pair.remote, p.pair.len))
+                                .collect(),
+                        })
+                        .collect(),
+                    notifs_only: &d.notifs_only,
+                })
+                .collect();
+            let out = HybridPlanJson {
+                status: "ok",
+                name: &case.name,
+                vllm_version: HYBRID_VLLM,
+                p_block_size: planner.p.sizing.block_tokens,
+                d_block_size: planner.d.sizing.block_tokens,
+                p_page_bytes: planner.p.sizing.page_bytes,
+                d_page_bytes: planner.d.sizing.page_bytes,
+                tokens: &plan.tokens,
+                remote_block_ids: &plan.blocks.remote_block_ids,
+                local_block_ids: &plan.blocks.local_block_ids,
+                clipping: &plan.clipping,
+                d_ranks,
+                findings,
+            };
+            output::stdout_line(serde_json::to_string(&out)?)?;
+        }
+        Format::Table => {
+            output::stdout(plan_report::render_hybrid(&case.name, &planner, &plan, args.d_rank))?
+        }
     }
     Ok(Outcome::Ok)
 }

@@ -34,6 +34,7 @@ pub mod compare;
 pub mod export;
 pub mod files;
 pub mod gate;
+pub mod layout;
 pub mod numbers;
 pub mod plan;
 pub mod recorder;

@@ -261,3 +261,83 @@ pub fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
     }
     out
 }
+
+/// `kvx plan --scenario` of a hybrid case: the pair's block sizes, per KV cache group what
+/// clipping kept of prefill's blocks, each decode rank's READs, and what vLLM's rules get wrong.
+pub fn render_hybrid(
+    name: &str,
+    planner: &crate::layouts::hybrid::HybridPlanner,
+    plan: &crate::layouts::hybrid::HybridPlan,
+    only_d_rank: Option<u32>,
+) -> String {
+    let (p, d) = (&planner.p, &planner.d);
+    let mut out = format!(
+        "kvx plan: {name}  |  P tp {} -> D tp {}  |  vLLM 0.33 rules (hybrid)\n\
+         block size P {} / D {} tokens (kernel blocks {} / {}), page P {} / D {}; {} prompt tokens, {} read\n",
+        p.config.tp,
+        d.config.tp,
+        p.sizing.block_tokens,
+        d.sizing.block_tokens,
+        p.kernel_block_tokens,
+        d.kernel_block_tokens,
+        bytes_text(p.sizing.page_bytes),
+        bytes_text(d.sizing.page_bytes),
+        plan.tokens.prompt_tokens,
+        plan.tokens.d_external_tokens,
+    );
+    let mut groups = wrapped_table(vec!["group", "kind", "layers", "prefill blocks", "sent", "clipped"]);
+    for c in &plan.clipping {
+        let g = p.groups.iter().find(|g| g.index == c.group);
+        let kind = g.map_or_else(String::new, |g| match g.kind {
+            crate::layouts::hybrid::geometry::GroupKind::SlidingWindow { window_tokens } => {
+                format!("sliding window ({window_tokens} tokens)")
+            }
+            k => k.vllm_spec().trim_end_matches("Spec").to_string(),
+        });
+        groups.add_row(vec![
+            c.group.to_string(),
+            kind,
+            g.map_or(0, |g| g.layers.len()).to_string(),
+            c.raw_blocks.to_string(),
+            c.sent_blocks.to_string(),
+            c.raw_blocks.saturating_sub(c.sent_blocks).to_string(),
+        ]);
+    }
+    out.push_str(&groups.to_string());
+    out.push('\n');
+    let mut reads = wrapped_table(vec!["D rank", "P rank", "descriptors", "bytes", "notif"]);
+    let (mut total_descs, mut total_bytes) = (0usize, 0u64);
+    for dr in plan.d_ranks.iter().filter(|d| only_d_rank.is_none_or(|r| r == d.d_rank)) {
+        for r in &dr.reads {
+            let bytes: u64 = r.pairs.iter().map(|p| p.pair.len).sum();
+            total_descs += r.pairs.len();
+            total_bytes += bytes;
+            reads.add_row(vec![
+                dr.d_rank.to_string(),
+                r.p_rank.to_string(),
+                r.pairs.len().to_string(),
+                bytes_text(bytes),
+                r.notif_msg.clone(),
+            ]);
+        }
+        for (p_rank, msg) in &dr.notifs_only {
+            reads.add_row(vec![
+                dr.d_rank.to_string(),
+                p_rank.to_string(),
+                "0".into(),
+                "-".into(),
+                format!("{msg} (notification only)"),
+            ]);
+        }
+    }
+    out.push_str(&reads.to_string());
+    out.push_str(&format!("\ntotal: {total_descs} descriptors, {}\n", bytes_text(total_bytes)));
+    let findings: Vec<_> = planner.findings.iter().chain(&plan.findings).collect();
+    if !findings.is_empty() {
+        out.push_str(&format!("\nwhere vLLM 0.33's rules move the wrong bytes ({}):\n", findings.len()));
+        for f in findings {
+            out.push_str(&format!("  {f:?}\n"));
+        }
+    }
+    out
+}

@@ -7,6 +7,8 @@ use super::flags::{Format, ModelFlags};
 use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
+use crate::layouts::hybrid::geometry::{EngineGeometry, HybridEngine, KvBufferDevice, Side};
+use crate::layouts::hybrid::{HybridModel, preset as hybrid_preset};
 use crate::layouts::{EngineSpec, Layout, RankGeometry};
 use crate::topology::VllmVersion;
 
@@ -40,12 +42,64 @@ pub struct LayoutFlags {
     /// Regions to list in the table view (the rest are summarised).
     #[arg(long, default_value_t = 6)]
     pub show_regions: usize,
+    /// Hybrid models: where NIXL registers the KV cache (vLLM's `kv_buffer_device`): cuda (the
+    /// device cache) or cpu (a host buffer, one tensor per layer) [default: cuda].
+    #[arg(long, value_enum)]
+    pub kv_buffer_device: Option<KvBufferDevice>,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
 }
 
+/// `kvx layout --model` of a hybrid preset (Mamba/GDN state or sliding windows beside
+/// attention, not a uniform preset): the model and its engine's geometry as vLLM 0.33 builds
+/// it. `None` for every other model.
+pub fn resolve_hybrid(args: &LayoutFlags) -> Result<Option<(HybridModel, EngineGeometry)>, ConfigError> {
+    let m = &args.model;
+    let Some(name) = &m.model else { return Ok(None) };
+    if m.model_config.is_some() || crate::settings::model::preset(name).is_ok() {
+        return Ok(None);
+    }
+    let Ok(model) = hybrid_preset(name) else { return Ok(None) };
+    let shape_flag = [
+        (m.num_kv_heads.is_some(), "--num-kv-heads"),
+        (m.head_dim.is_some(), "--head-dim"),
+        (m.layers.is_some(), "--layers"),
+        (m.dtype.is_some(), "--dtype"),
+        (m.mla || m.mla_dim.is_some(), "--mla"),
+    ]
+    .into_iter()
+    .find_map(|(given, flag)| given.then_some(flag));
+    if let Some(flag) = shape_flag {
+        return Err(ConfigError::new(flag, format!("{name} is a hybrid preset: its shape is the preset's")));
+    }
+    if args.vllm != VllmVersion::V0_33 {
+        return Err(ConfigError::new("--vllm", "hybrid models follow vLLM 0.33's rules"));
+    }
+    if args.rank >= args.tp {
+        return Err(ConfigError::new(
+            "--rank",
+            format!("rank {} does not exist with --tp {}", args.rank, args.tp),
+        ));
+    }
+    let mut engine = HybridEngine::new(args.tp, args.num_blocks);
+    engine.block_tokens = args.block_size;
+    engine.kv_buffer_device = args.kv_buffer_device.unwrap_or_default();
+    if let Some(l) = &args.layout {
+        engine.layout = Layout::parse_for(l, args.vllm).map_err(|e| ConfigError::new("--layout", e))?;
+    }
+    let g = EngineGeometry::new(&model, &engine, Side::Prefill)
+        .map_err(|e| ConfigError::new(e.flag().replace("--p-", "--"), e.to_string()))?;
+    Ok(Some((model, g)))
+}
+
 /// Checks `kvx layout`'s flags: the engine (a homogeneous pair) and the geometry of its rank.
 pub fn resolve(args: &LayoutFlags) -> Result<(PairSpec, RankGeometry), ConfigError> {
+    if args.kv_buffer_device.is_some() {
+        return Err(ConfigError::new(
+            "--kv-buffer-device",
+            "applies to hybrid models (a hybrid preset with --model, e.g. nemotron-h-8b)",
+        ));
+    }
     let version = args.vllm;
     let model = scenario::resolve_model(&args.model)?;
     let layout = match &args.layout {

@@ -26,6 +26,7 @@
 pub mod bench;
 pub mod env;
 pub mod flags;
+pub mod hybrid_case;
 pub mod layer;
 pub mod layout;
 pub mod load;

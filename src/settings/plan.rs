@@ -14,6 +14,7 @@ use clap::Args;
 use super::bench::{BenchFlags, resolve};
 use super::env::ProcessEnv;
 use super::flags::{Format, ModelFlags, PairFlags};
+use super::hybrid_case::{self, HybridCase};
 use super::scenario::{self, PlanScenario};
 use super::sweep::{self, SweepJob};
 use crate::error::ConfigError;
@@ -219,6 +220,27 @@ pub fn resolve_descriptor_plan(args: &PlanFlags) -> Result<DescriptorPlan, Confi
         }
     }
     Ok(plan)
+}
+
+/// `kvx plan --scenario FILE` when FILE is one case of vLLM's hybrid oracle
+/// (`hybrid_v033.json`): its pair and request, planned by `layouts::hybrid` (pull only). `None`
+/// when there is no scenario or it is a uniform one.
+pub fn resolve_hybrid_scenario(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
+    let Some(path) = &args.scenario else { return Ok(None) };
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::new("--scenario", format!("cannot read {}: {e}", path.display())))?;
+    // Not JSON at all: the uniform scenario reader says what is wrong with it.
+    let Ok(doc) = serde_json::from_str::<serde_json::Value>(&text) else { return Ok(None) };
+    if !hybrid_case::is_hybrid_case(&doc) {
+        return Ok(None);
+    }
+    if args.mode == TransferMode::Push {
+        return Err(ConfigError::new(
+            "--mode",
+            "hybrid models are planned in pull mode, as vLLM 0.33's NixlConnector moves them",
+        ));
+    }
+    hybrid_case::parse(&doc).map(Some)
 }
 
 fn request(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {

@@ -55,6 +55,19 @@ fn layout_outputs() {
     golden("layout_json", &kvx(&["layout", "--model", "qwen3-8b", "--tp", "2", "--format", "json"]));
 }
 
+/// Hybrid models (issue 25): a Mamba2/attention preset's groups, aligned block size, state
+/// parts and regions, and one case of vLLM's hybrid oracle planned from the file as it stands.
+#[test]
+fn hybrid_outputs() {
+    let a = ["layout", "--model", "nemotron-h-8b", "--tp", "2", "--show-regions", "3"];
+    golden("hybrid_layout_table", &kvx(&a));
+    let case = fixture("hybrid-case-nemotronh-p1-d2.json");
+    golden("hybrid_plan_table", &kvx(&["plan", "--scenario", &case]));
+    let json = kvx(&["plan", "--scenario", &case, "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_str(&json).expect("json");
+    golden("hybrid_plan_json", &serde_json::to_string_pretty(&v).expect("pretty"));
+}
+
 #[test]
 fn plan_outputs() {
     let a = ["plan", "--p-tp", "4", "--d-tp", "2", "--model", "llama-3.1-8b", "--prompt-len", "64"];

@@ -13,11 +13,9 @@ use kvx::layouts::hybrid::descriptors::{
     DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
 };
 use kvx::layouts::hybrid::geometry::{
-    DEFAULT_BLOCK_TOKENS, EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, MemKind, Side,
+    EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, MemKind, Side,
 };
-use kvx::layouts::hybrid::model::{
-    AttentionShape, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba2Spec, PRESETS, StateSpec, preset,
-};
+use kvx::layouts::hybrid::model::{HybridModel, PRESETS, preset};
 use kvx::layouts::hybrid::{GdnPrefillBackend, HybridError};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -58,128 +56,12 @@ fn u64_of(v: &Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("{key} missing in {v}"))
 }
 
-fn u32_of(v: &Value, key: &str) -> u32 {
-    u32::try_from(u64_of(v, key)).expect("fits u32")
-}
-
 fn lists(v: &Value) -> Vec<Vec<u32>> {
     v.as_array()
         .expect("list of lists")
         .iter()
         .map(|g| g.as_array().expect("list").iter().map(|b| b.as_u64().expect("id") as u32).collect())
         .collect()
-}
-
-fn dtype(v: &Value) -> Dtype {
-    v.as_str().expect("dtype").parse().expect("known dtype")
-}
-
-/// `model.layers.7.mixer.attn` -> (7, `model.layers.{i}.mixer.attn`).
-fn split_name(name: &str) -> (u32, String) {
-    let parts: Vec<&str> = name.split('.').collect();
-    let pos = parts.iter().position(|p| p.parse::<u32>().is_ok()).expect("layer index in name");
-    let mut t = parts.clone();
-    t[pos] = "{i}";
-    (parts[pos].parse().expect("index"), t.join("."))
-}
-
-/// The hybrid model of a case, from its `model` description and `p`'s groups.
-fn case_model(case: &Value) -> HybridModel {
-    let m = &case["model"];
-    let p = &case["p"];
-    let att_dtype = m.get("dtype").map_or(Dtype::Bf16, dtype);
-    let state_dtypes: Vec<Dtype> = m
-        .get("mamba_dtypes")
-        .or_else(|| m.get("dtypes"))
-        .or_else(|| p.get("mamba_state_dtypes"))
-        .map(|v| v.as_array().expect("dtypes").iter().map(dtype).collect())
-        .unwrap_or_default();
-    let state = if let Some(mm) = m.get("mamba") {
-        Some(StateSpec::Mamba2(Mamba2Spec {
-            num_heads: u32_of(mm, "num_heads"),
-            head_dim: u32_of(mm, "head_dim"),
-            d_state: u32_of(mm, "state_size"),
-            n_groups: u32_of(mm, "n_groups"),
-            conv_kernel: u32_of(mm, "conv_kernel"),
-            conv_dtype: state_dtypes[0],
-            ssm_dtype: state_dtypes[1],
-        }))
-    } else {
-        m.get("gdn").map(|g| {
-            StateSpec::Gdn(GdnSpec {
-                num_k_heads: u32_of(g, "num_k_heads"),
-                num_v_heads: u32_of(g, "num_v_heads"),
-                head_k_dim: u32_of(g, "head_k_dim"),
-                head_v_dim: u32_of(g, "head_v_dim"),
-                conv_kernel: u32_of(g, "conv_kernel"),
-                conv_dtype: state_dtypes[0],
-                ssm_dtype: state_dtypes[1],
-            })
-        })
-    };
-    let state_kind = state.map(|s| s.kind());
-    let mut layers: Vec<Layer> = Vec::new();
-    let mut names = LayerNames::default();
-    for g in p["groups"].as_array().expect("groups") {
-        for name in g["layers"].as_array().expect("layers") {
-            let (i, template) = split_name(name.as_str().expect("name"));
-            if layers.len() <= i as usize {
-                layers.resize(i as usize + 1, Layer::MLP);
-            }
-            let l = &mut layers[i as usize];
-            match g["spec"].as_str().expect("spec") {
-                "FullAttentionSpec" => {
-                    *l = Layer {
-                        attention: Some(kvx::layouts::hybrid::model::AttnKind::Full),
-                        state: l.state,
-                    };
-                    names.attention = template;
-                }
-                "SlidingWindowSpec" => {
-                    *l = Layer { state: l.state, ..Layer::swa(u32_of(m, "sliding_window")) };
-                    names.attention = template;
-                }
-                "MambaSpec" => {
-                    l.state = state_kind;
-                    names.state = template;
-                }
-                other => panic!("unknown spec {other}"),
-            }
-        }
-    }
-    // The attention shape; the host-buffer Nemotron case names only the state, so its head
-    // size comes from prefill's page and heads.
-    let kv_heads = m
-        .get("kv_heads")
-        .or_else(|| m.get("attn_kv_heads"))
-        .map_or_else(|| u32_of(p, "local_kv_heads") * u32_of(p, "tp"), |v| v.as_u64().expect("heads") as u32);
-    let head_dim = m.get("head_dim").or_else(|| m.get("attn_head_dim")).map_or_else(
-        || {
-            let per_token = u64_of(p, "page_bytes") / u64_of(p, "block_size_tokens");
-            (per_token / (2 * u64_of(p, "local_kv_heads") * u64::from(att_dtype.bytes()))) as u32
-        },
-        |v| v.as_u64().expect("head_dim") as u32,
-    );
-    HybridModel {
-        name: case["name"].as_str().expect("name").to_string(),
-        layers,
-        attention: AttentionShape { num_kv_heads: kv_heads, head_dim, dtype: att_dtype },
-        state,
-        names,
-    }
-}
-
-fn engine(e: &Value) -> HybridEngine {
-    HybridEngine {
-        kv_buffer_device: match e["kv_buffer_device"].as_str() {
-            Some("cpu") => KvBufferDevice::Cpu,
-            _ => KvBufferDevice::Cuda,
-        },
-        // The oracle aligned GDN blocks as triton does (its README).
-        gdn_prefill: GdnPrefillBackend::Triton,
-        block_tokens: DEFAULT_BLOCK_TOKENS,
-        ..HybridEngine::new(u32_of(e, "tp"), u32_of(e, "num_blocks"))
-    }
 }
 
 fn abs_off(mem: MemKind, off: u64) -> u64 {
@@ -264,27 +146,14 @@ fn check_rows(label: &str, want: &Value, got: &DescList) {
     }
 }
 
-fn request_of(case: &Value) -> HybridRequest {
-    let s = &case["scheduler"];
-    HybridRequest {
-        prompt_tokens: u32_of(s, "prompt_tokens"),
-        p_raw_block_ids: lists(&s["p_raw_block_ids"]),
-        d_raw_unhashed_block_ids: lists(&s["d_raw_unhashed_block_ids"]),
-        d_hit_tokens: 0,
-    }
-}
-
 /// Checks one case; returns its name and how many descriptor pairs were compared.
 fn check_case(case: &Value) -> (String, usize) {
     let name = case["name"].as_str().expect("name").to_string();
     assert_eq!(case["vllm_version"].as_str(), Some("0.33.0"), "{name}: kvx follows vLLM 0.33");
-    let model = case_model(case);
-    let config = PairConfig {
-        model: model.clone(),
-        p: engine(&case["p"]),
-        d: engine(&case["d"]),
-        permute_local_kv: false,
-    };
+    // The library's reader of a case (what `kvx plan --scenario` uses), from its inputs only.
+    let parsed = kvx::settings::hybrid_case::parse(case).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model = parsed.pair.model.clone();
+    let config = parsed.pair.clone();
     let pg = EngineGeometry::new(&model, &config.p, Side::Prefill).expect("prefill geometry");
     let dg = EngineGeometry::new(&model, &config.d, Side::Decode).expect("decode geometry");
     check_engine(&format!("{name} P"), &case["p"], &pg);
@@ -321,7 +190,7 @@ fn check_case(case: &Value) -> (String, usize) {
         "{name}: vLLM refuses, kvx accepted"
     );
     let s = &case["scheduler"];
-    let plan = planner.plan(&request_of(case), "req-P").expect("plan");
+    let plan = planner.plan(&parsed.request, "req-P").expect("plan");
     assert_eq!(
         u64_of(s, "p_prefill_backoff_tokens"),
         u64::from(plan.tokens.backoff_tokens),
@@ -947,4 +816,58 @@ fn kernel_blocks_smaller_than_the_block() {
     let plan = pl.plan(&simulated(&pl, 5000, 0), "req").expect("plan");
     assert!(plan.clipping.iter().take(6).all(|c| (c.raw_blocks, c.sent_blocks) == (5, 1)));
     assert_eq!((plan.clipping[6].raw_blocks, plan.clipping[6].sent_blocks), (5, 5));
+}
+
+/// `kvx plan --scenario CASE --format json` on every case of the oracle, each written to a file
+/// as it stands: the blocks after clipping and every READ's pairs are vLLM's, or the refusal is
+/// vLLM's (exit 2, JSON status `rejected`, its condition quoted).
+#[test]
+fn kvx_plan_scenario_reproduces_every_hybrid_case() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let doc = oracle();
+    let cases = doc["cases"].as_array().expect("cases");
+    let mut compared = 0;
+    for (i, case) in cases.iter().enumerate() {
+        let name = case["name"].as_str().expect("name");
+        let path = dir.path().join(format!("case-{i}.json"));
+        std::fs::write(&path, serde_json::to_vec(case).expect("json")).expect("write case");
+        let out = crate::common::kvx()
+            .args(["plan", "--scenario"])
+            .arg(&path)
+            .args(["--format", "json"])
+            .output()
+            .expect("kvx runs");
+        let got: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!("{name}: stdout is not JSON ({e}): {}", String::from_utf8_lossy(&out.stderr))
+        });
+        let rejected =
+            case["d_ranks"].as_array().and_then(|d| d.iter().find_map(|r| r.get("handshake_rejected")));
+        if let Some(r) = rejected {
+            assert_eq!(out.status.code(), Some(2), "{name}: a refusal exits 2");
+            assert_eq!(got["status"], "rejected", "{name}");
+            assert!(
+                got["error"].as_str().expect("error").contains(r["error"].as_str().expect("vLLM's error")),
+                "{name}: quotes vLLM's condition: {got}"
+            );
+            continue;
+        }
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let s = &case["scheduler"];
+        assert_eq!(got["remote_block_ids"], s["remote_block_ids_sent"], "{name}: remote_block_ids");
+        assert_eq!(got["local_block_ids"], s["d_local_block_ids_after_clip"], "{name}: local_block_ids");
+        let want_ranks = case["d_ranks"].as_array().expect("d_ranks");
+        let got_ranks = got["d_ranks"].as_array().expect("d_ranks");
+        assert_eq!(want_ranks.len(), got_ranks.len(), "{name}: decode ranks");
+        for (w, g) in want_ranks.iter().zip(got_ranks) {
+            let want_reads = w["reads"].as_array().expect("reads");
+            let got_reads = g["reads"].as_array().expect("reads");
+            assert_eq!(want_reads.len(), got_reads.len(), "{name}: READs");
+            for (wr, gr) in want_reads.iter().zip(got_reads) {
+                assert_eq!(wr["notif_msg"], gr["notif_msg"], "{name}: notification");
+                assert_eq!(wr["pairs[label,local_off,remote_off,len]"], gr["pairs"], "{name}: every pair");
+                compared += gr["pairs"].as_array().expect("pairs").len();
+            }
+        }
+    }
+    assert!(compared > 0, "no descriptor pair compared");
 }

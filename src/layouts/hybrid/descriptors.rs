@@ -636,6 +636,8 @@ impl HybridPlanner {
             }
             let llist = &setup.local_for_source[i.min(setup.local_for_source.len() - 1)];
             let mut pairs = Vec::with_capacity(lids.len());
+            // The registration the last descriptor fell in, per side.
+            let mut near = [0usize; 2];
             for (&(g, lb, lid), &(_, rb, rid)) in lids.iter().zip(&rids) {
                 let (Some((label, loff, llen)), Some((_, roff, rlen))) =
                     (llist.resolve(lid), setup.remote.resolve(rid))
@@ -659,8 +661,10 @@ impl HybridPlanner {
                 {
                     findings.push(Finding::NullBlockRead { d_rank: setup.d_rank, p_rank, group: g });
                 }
-                for (side, geo, off) in [(Side::Decode, &self.d, loff), (Side::Prefill, &self.p, roff)] {
-                    if !geo.registered(geo.mem(), off, llen) {
+                for (k, side, geo, off) in
+                    [(0, Side::Decode, &self.d, loff), (1, Side::Prefill, &self.p, roff)]
+                {
+                    if !geo.registered_near(geo.mem(), off, llen, &mut near[k]) {
                         findings.push(Finding::OutsideRegistration {
                             d_rank: setup.d_rank,
                             p_rank,
@@ -1104,7 +1108,11 @@ fn desc_ids(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32) -> Vec<(u32, u
         acc += s;
     }
     let num_fa = acc;
-    let mut out = Vec::new();
+    // At most every block over every region (state groups: over their rows), reserved once so
+    // that a long request's list is not regrown (and its pages faulted in) several times.
+    let rows =
+        g.regions.len().max(g.state.as_ref().map_or(0, |s| g.state_region_indices().len() * s.parts.len()));
+    let mut out = Vec::with_capacity(block_ids.iter().map(Vec::len).sum::<usize>() * rows);
     let Some(state) = &g.state else {
         let gids: Vec<i32> = g.regions.iter().map(|r| r.group_id).collect();
         let mut distinct = gids.clone();

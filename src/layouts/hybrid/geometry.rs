@@ -36,7 +36,7 @@ pub const DEFAULT_BLOCK_TOKENS: u32 = 16;
 pub const FLASHINFER_GDN_ALIGNMENT_TOKENS: u32 = 64;
 
 /// vLLM's `kv_buffer_device`: where NIXL registers and reads the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum KvBufferDevice {
     /// The device KV cache itself.
@@ -888,7 +888,24 @@ impl EngineGeometry {
 
     /// Whether `[off, off + len)` of `mem` lies inside one registration.
     pub fn registered(&self, mem: MemKind, off: u64, len: u64) -> bool {
-        self.registrations.iter().any(|r| r.mem == mem && r.off <= off && off + len <= r.end())
+        self.registered_near(mem, off, len, &mut 0)
+    }
+
+    /// [`registered`](Self::registered), trying registration `*hint` first and leaving there
+    /// the one that held the range: a request's consecutive descriptors mostly fall in the
+    /// same registration, so a plan checks each in constant time instead of scanning them all.
+    pub fn registered_near(&self, mem: MemKind, off: u64, len: u64, hint: &mut usize) -> bool {
+        let holds = |r: &Registration| r.mem == mem && r.off <= off && off.saturating_add(len) <= r.end();
+        if self.registrations.get(*hint).is_some_and(holds) {
+            return true;
+        }
+        match self.registrations.iter().position(holds) {
+            Some(i) => {
+                *hint = i;
+                true
+            }
+            None => false,
+        }
     }
 }
 

@@ -1,0 +1,97 @@
+//! Hybrid planning speed against pure attention, per descriptor (issue 25's target: hybrid
+//! plans within 0.9x of pure-attention plans). Each bench plans one whole request for every
+//! decode rank from scratch (blocks clipped, TP mapping, every (local, remote, len) pair
+//! materialised with its label), so the figure is descriptors per second of a full plan:
+//!
+//! - `attention/llama-3.1-8b`: `layouts::plan::Planner` (the uniform planner), P2 -> D2 at
+//!   32k tokens, block 16;
+//! - `hybrid/gpt-oss-120b`: sliding-window and full-attention groups, P1 -> D2 at 32k tokens;
+//! - `hybrid/qwen3-next-80b-a3b`: GDN state and full attention, P1 -> D2 at 32k tokens.
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kvx::layouts::alloc::{AllocPattern, allocate};
+use kvx::layouts::compat::PairSpec;
+use kvx::layouts::hybrid::blocks::{BlockSim, TokenCounts};
+use kvx::layouts::hybrid::geometry::kv_groups;
+use kvx::layouts::hybrid::{HybridEngine, HybridPlanner, HybridRequest, PairConfig, preset};
+use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
+use kvx::layouts::{EngineSpec, Layout};
+use kvx::settings::model;
+
+const TOKENS: u32 = 32_768;
+
+fn hybrid(name: &str) -> (HybridPlanner, HybridRequest) {
+    let model = preset(name).expect("hybrid preset");
+    let pool = kv_groups(&model).len() as u32 * (TOKENS / 16 + 2) + 2;
+    let config = PairConfig {
+        model,
+        p: HybridEngine::new(1, pool),
+        d: HybridEngine::new(2, pool),
+        permute_local_kv: false,
+    };
+    let planner = HybridPlanner::new(&config).expect("accepted pair");
+    let t = TokenCounts::new(planner.d.has_state(), TOKENS, 0);
+    let (bp, bd) = (planner.p.sizing.block_tokens, planner.d.sizing.block_tokens);
+    let mut next = 1;
+    let p_raw = BlockSim { tokens: t.p_computed_tokens, block_tokens: bp, hit_blocks: 0 }
+        .raw_block_ids(&planner.p.groups, &mut next);
+    let mut next = 1;
+    let d_raw = BlockSim { tokens: t.p_computed_tokens, block_tokens: bd, hit_blocks: 0 }
+        .raw_block_ids(&planner.d.groups, &mut next);
+    let req = HybridRequest {
+        prompt_tokens: TOKENS,
+        p_raw_block_ids: p_raw,
+        d_raw_unhashed_block_ids: d_raw,
+        d_hit_tokens: 0,
+    };
+    (planner, req)
+}
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("plan_32k_per_descriptor");
+    g.sample_size(20);
+
+    // Pure attention: the uniform planner, every decode rank.
+    let shape = model::preset("llama-3.1-8b").expect("preset");
+    let blocks = TOKENS / 16;
+    let engine = |tp| EngineSpec { tp, block_tokens: 16, num_blocks: blocks * 2, layout: Layout::Lbhnc };
+    let pair = PairSpec {
+        version: Layout::Lbhnc.version(),
+        model: shape,
+        p: engine(2),
+        d: engine(2),
+        permute: false,
+    };
+    let map = pair.validate().expect("valid pair");
+    let planners: Vec<Planner> = (0..2).map(|d| Planner::new(&pair, &map, d).expect("planner")).collect();
+    let req = RequestBlocks {
+        local: allocate(AllocPattern::Random, blocks, blocks * 2, 1, "--d").expect("alloc"),
+        remote: allocate(AllocPattern::Random, blocks, blocks * 2, 2, "--p").expect("alloc"),
+    };
+    let ids = RequestIds { p_request_id: "req-P".into(), d_request_id: "req-D".into() };
+    let n: usize = planners.iter().map(|p| p.plan(&req, &ids).expect("plan").descriptor_count()).sum();
+    g.throughput(Throughput::Elements(n as u64));
+    g.bench_function("attention/llama-3.1-8b", |b| {
+        b.iter(|| {
+            for p in &planners {
+                black_box(p.plan(black_box(&req), &ids).expect("plan"));
+            }
+        })
+    });
+
+    for name in ["gpt-oss-120b", "qwen3-next-80b-a3b"] {
+        let (planner, req) = hybrid(name);
+        let plan = planner.plan(&req, "req-P").expect("plan");
+        let n: usize = plan.d_ranks.iter().map(|d| d.descriptor_count()).sum();
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(format!("hybrid/{name}"), |b| {
+            b.iter(|| black_box(planner.plan(black_box(&req), "req-P").expect("plan")))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
