@@ -52,7 +52,8 @@ impl Slo {
             })?;
             let value = value.trim();
             let d = match value.parse::<f64>() {
-                Ok(ms) if ms.is_finite() && ms > 0.0 => Duration::from_secs_f64(ms / 1e3),
+                Ok(ms) if ms.is_finite() && ms > 0.0 => Duration::try_from_secs_f64(ms / 1e3)
+                    .map_err(|_| format!("`{item}`: {ms:e} ms is beyond any run"))?,
                 Ok(_) => return Err(format!("`{item}`: the limit must be above zero")),
                 Err(_) => humantime::parse_duration(value)
                     .map_err(|e| format!("`{item}`: `{value}` is not a duration like 200ms ({e})"))?,

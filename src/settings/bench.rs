@@ -331,13 +331,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         return Err(ConfigError::new("--concurrency", format!("must be 1..4096, got {concurrency}")));
     }
     let arrival = match s.rate {
-        Some(r) if r.is_finite() && r > 0.0 && r <= 1e6 => Arrival::Poisson { rate: r },
-        Some(r) => {
-            return Err(ConfigError::new(
-                "--rate",
-                format!("must be a positive rate up to 1e6 per second, got {r}"),
-            ));
-        }
+        Some(r) => Arrival::Poisson { rate: super::parse::rate("--rate", r)? },
         None => Arrival::Closed { concurrency },
     };
     let duration = s.duration;

@@ -3,7 +3,6 @@
 //! `kvx bench --serve` takes too. Must not send anything.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use clap::{ArgAction, Args, ValueEnum};
 
@@ -149,16 +148,11 @@ pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigEr
         targets.push(Target { name: name.into(), url: parse_url("--baseline-url", b)?, prefill_url });
     }
     let arrival = match (a.rate, a.concurrency) {
-        (Some(r), _) if r.is_finite() && r > 0.0 => Arrival::Rate(r),
-        (Some(r), _) => return Err(ConfigError::new("--rate", format!("must be > 0 requests/s, got {r}"))),
+        (Some(r), _) => Arrival::Rate(super::parse::rate("--rate", r)?),
         (None, Some(c)) if c > 0 => Arrival::Concurrency(c),
         (None, _) => return Err(ConfigError::new("--concurrency", "must be at least 1 (or use --rate)")),
     };
-    let duration = match a.duration {
-        Some(d) if d.is_finite() && d > 0.0 => Some(Duration::from_secs_f64(d)),
-        Some(d) => return Err(ConfigError::new("--duration", format!("must be > 0 seconds, got {d}"))),
-        None => None,
-    };
+    let duration = a.duration.map(|d| super::parse::seconds("--duration", d)).transpose()?;
     let requests = match (a.requests, duration) {
         (Some(0), _) => return Err(ConfigError::new("--requests", "must be at least 1")),
         (Some(n), _) => Some(n),
@@ -168,9 +162,7 @@ pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigEr
     if a.max_tokens == 0 {
         return Err(ConfigError::new("--max-tokens", "must be at least 1"));
     }
-    if !(a.timeout.is_finite() && a.timeout > 0.0) {
-        return Err(ConfigError::new("--timeout", "must be > 0 seconds"));
-    }
+    let timeout = super::parse::seconds("--timeout", a.timeout)?;
     let load = LoadConfig {
         targets,
         arrival,
@@ -187,7 +179,7 @@ pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigEr
         model: a.model.clone(),
         ignore_eos: a.ignore_eos,
         api_key: a.api_key.clone(),
-        timeout: Duration::from_secs_f64(a.timeout),
+        timeout,
         seed: a.seed,
         slo: parse_slo(a.slo.as_deref())?,
     };

@@ -29,6 +29,43 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// Longest time any flag takes, in seconds (about 116 days): what `parse_duration` accepts.
+pub const MAX_SECONDS: f64 = 1e7;
+
+/// A flag given in seconds (a number): finite, at least a nanosecond and at most [`MAX_SECONDS`], as a
+/// `Duration` (a larger one would overflow it, and no run waits that long on purpose).
+pub fn seconds(flag: &str, v: f64) -> Result<Duration, crate::error::ConfigError> {
+    // Below a nanosecond a Duration is zero: no wait at all, which no flag means.
+    if v.is_finite() && v >= 1e-9 && v <= MAX_SECONDS {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(crate::error::ConfigError::new(
+            flag,
+            format!("must be > 0 and at most {MAX_SECONDS:e} seconds, got {v:e}"),
+        ))
+    }
+}
+
+/// Slowest and fastest open-loop arrival rate, requests per second: a slower one would put
+/// its first request days away (and its gaps past what a `Duration` holds).
+pub const RATE_RANGE: std::ops::RangeInclusive<f64> = 1e-3..=1e6;
+
+/// An open-loop rate flag (`--rate`), checked against [`RATE_RANGE`].
+pub fn rate(flag: &str, r: f64) -> Result<f64, crate::error::ConfigError> {
+    if r.is_finite() && RATE_RANGE.contains(&r) {
+        Ok(r)
+    } else {
+        Err(crate::error::ConfigError::new(
+            flag,
+            format!(
+                "must be {:e} to {:e} requests per second, got {r:e}",
+                RATE_RANGE.start(),
+                RATE_RANGE.end()
+            ),
+        ))
+    }
+}
+
 /// Parses `64KiB`, `1MiB`, `4096`, `1M`, `2GB`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
@@ -116,6 +153,31 @@ pub fn one_of<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any number given to a seconds or rate flag is a clear error or a value in range:
+        /// never a panic (a Duration overflow), never out of range.
+        #[test]
+        fn numeric_flags_never_panic(v in prop_oneof![
+            any::<f64>(),
+            -1e12f64..1e12,
+            Just(f64::MIN_POSITIVE), Just(1e-300), Just(1e300), Just(f64::NAN), Just(f64::INFINITY), Just(0.0), Just(-0.0),
+        ]) {
+            match seconds("--timeout", v) {
+                Ok(d) => prop_assert!(d.as_secs_f64() > 0.0 && d.as_secs_f64() <= MAX_SECONDS),
+                Err(e) => prop_assert!(e.to_string().contains("--timeout"), "{}", e),
+            }
+            match rate("--rate", v) {
+                Ok(r) => prop_assert!(RATE_RANGE.contains(&r)),
+                Err(e) => prop_assert!(e.to_string().contains("--rate"), "{}", e),
+            }
+            if let Ok(d) = parse_duration(&format!("{v}s")) {
+                prop_assert!(d.as_secs_f64() <= 1e7);
+            }
+        }
+    }
     use super::*;
 
     #[test]

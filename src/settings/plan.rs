@@ -57,6 +57,20 @@ impl BenchJob {
 
 /// Resolves `kvx bench`'s flags into what to run.
 pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJob, ConfigError> {
+    // One kind of job per run: a flag of another kind is refused, never ignored.
+    let kinds = [
+        (flags.serve, "--serve"),
+        (flags.compare_transports.is_some(), "--compare-transports"),
+        (flags.compare_modes.is_some(), "--compare-modes"),
+        (flags.sweep.is_some(), "--sweep"),
+    ];
+    let given: Vec<&str> = kinds.iter().filter(|(on, _)| *on).map(|(_, f)| *f).collect();
+    if let [first, second, ..] = given.as_slice() {
+        return Err(ConfigError::new(
+            *second,
+            format!("{first} and {second} are different kinds of run: give one of them"),
+        ));
+    }
     if flags.serve {
         let opts = ServeOptions {
             slo: super::load::parse_slo(flags.slo.as_deref())?,
@@ -333,6 +347,24 @@ mod tests {
 
     fn env() -> ProcessEnv {
         ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok(PathBuf::from("/usr/bin/kvx")) }
+    }
+
+    #[test]
+    fn two_kinds_of_run_are_refused_not_ignored() {
+        let serve_compare = BenchFlags {
+            serve: true,
+            compare_transports: Some(vec![TransportKind::Ucx, TransportKind::Storage]),
+            ..BenchFlags::default()
+        };
+        let e = resolve_bench_job(&serve_compare, &env()).expect_err("serve and compare");
+        assert_eq!(e.flag, "--compare-transports", "{e}");
+        let sweep_modes = BenchFlags {
+            sweep: Some(PathBuf::from("bench-configs/layout-sweep.toml")),
+            compare_modes: Some(vec![TransferMode::Pull, TransferMode::Push]),
+            ..BenchFlags::default()
+        };
+        let e = resolve_bench_job(&sweep_modes, &env()).expect_err("sweep and compare");
+        assert!(e.to_string().contains("--compare-modes and --sweep"), "{e}");
     }
 
     #[test]

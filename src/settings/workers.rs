@@ -298,8 +298,15 @@ pub fn resolve_serve_engine(
     if a.max_model_len < 2 {
         return Err(ConfigError::new("--max-model-len", "context must hold a prompt and one token (>= 2)"));
     }
-    if !(a.prefill_tokens_per_s.is_finite() && a.prefill_tokens_per_s >= 0.0) {
-        return Err(ConfigError::new("--prefill-tokens-per-s", "must be a finite number >= 0 (0 = instant)"));
+    // A positive rate below one token per second would make a prefill take longer than a run
+    // can wait (and a long prompt's time overflow a Duration).
+    if !(a.prefill_tokens_per_s.is_finite()
+        && (a.prefill_tokens_per_s == 0.0 || a.prefill_tokens_per_s >= 1.0))
+    {
+        return Err(ConfigError::new(
+            "--prefill-tokens-per-s",
+            format!("must be 0 (instant) or at least 1 token per second, got {:e}", a.prefill_tokens_per_s),
+        ));
     }
     if !(a.itl_ms.is_finite() && (0.0..=60_000.0).contains(&a.itl_ms)) {
         return Err(ConfigError::new("--itl-ms", "must be between 0 and 60000 milliseconds"));
