@@ -36,7 +36,7 @@ pub const MAX_SECONDS: f64 = 1e7;
 /// `Duration` (a larger one would overflow it, and no run waits that long on purpose).
 pub fn seconds(flag: &str, v: f64) -> Result<Duration, crate::error::ConfigError> {
     // Below a nanosecond a Duration is zero: no wait at all, which no flag means.
-    if v.is_finite() && v >= 1e-9 && v <= MAX_SECONDS {
+    if v.is_finite() && (1e-9..=MAX_SECONDS).contains(&v) {
         Ok(Duration::from_secs_f64(v))
     } else {
         Err(crate::error::ConfigError::new(
