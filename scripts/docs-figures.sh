@@ -6,5 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
+# The GPU figures: derived from the committed gpu-check results (scripts/gpu-figures.py).
+gpu=(results/gpu-*-[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]*.json)
+if [ -e "${gpu[0]}" ] && command -v python3 >/dev/null; then
+  python3 scripts/gpu-figures.py "${gpu[@]}" > results/gpu-figures.json
+fi
 KVX_DOCS_UPDATE=1 cargo test --release --locked --test it -- docs:: --quiet
 git --no-pager diff --stat -- README.md docs/
