@@ -88,6 +88,23 @@ impl BatchSide {
         timeout: Duration,
         r: &mut LoadResult,
     ) -> Result<(), Failure> {
+        let done = self.take(local, p_rank, peer, pairs, timeout, r);
+        if done.is_err() {
+            // A request that failed on one peer posts nothing of the others' staged pairs.
+            self.staged.clear();
+        }
+        done
+    }
+
+    fn take(
+        &mut self,
+        local: &mut KvBuffer,
+        p_rank: u32,
+        peer: Option<&Arc<PeerMapping>>,
+        pairs: &[Pair],
+        timeout: Duration,
+        r: &mut LoadResult,
+    ) -> Result<(), Failure> {
         let who = format!("prefill rank {p_rank}");
         let peer = peer
             .ok_or_else(|| (FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")))?;
@@ -108,11 +125,8 @@ impl BatchSide {
                 } else {
                     self.scratch.add(pairs, local_span, peer.span())
                 };
-                if let Err(e) = added {
-                    // The batch was emptied: nothing of this request is posted.
-                    self.staged.clear();
-                    return Err(failure(&who, e));
-                }
+                // On an error the batch was emptied (and `read` clears the staged peers).
+                added.map_err(|e| failure(&who, e))?;
                 self.staged.push(Arc::clone(peer));
             }
         }
