@@ -13,7 +13,6 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvx::layouts::alloc::{AllocPattern, allocate};
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::hybrid::blocks::{BlockSim, TokenCounts};
 use kvx::layouts::hybrid::geometry::kv_groups;
 use kvx::layouts::hybrid::{HybridEngine, HybridPlanner, HybridRequest, PairConfig, preset};
 use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
@@ -32,20 +31,7 @@ fn hybrid(name: &str) -> (HybridPlanner, HybridRequest) {
         permute_local_kv: false,
     };
     let planner = HybridPlanner::new(&config).expect("accepted pair");
-    let t = TokenCounts::new(planner.d.has_state(), TOKENS, 0);
-    let (bp, bd) = (planner.p.sizing.block_tokens, planner.d.sizing.block_tokens);
-    let mut next = 1;
-    let p_raw = BlockSim { tokens: t.p_computed_tokens, block_tokens: bp, hit_blocks: 0 }
-        .raw_block_ids(&planner.p.groups, &mut next);
-    let mut next = 1;
-    let d_raw = BlockSim { tokens: t.p_computed_tokens, block_tokens: bd, hit_blocks: 0 }
-        .raw_block_ids(&planner.d.groups, &mut next);
-    let req = HybridRequest {
-        prompt_tokens: TOKENS,
-        p_raw_block_ids: p_raw,
-        d_raw_unhashed_block_ids: d_raw,
-        d_hit_tokens: 0,
-    };
+    let req = HybridRequest::simulated(&planner, TOKENS, 0);
     (planner, req)
 }
 

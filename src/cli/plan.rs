@@ -16,7 +16,7 @@ use crate::layouts::push::PushPlanner;
 use crate::output;
 use crate::report::plan::{self as plan_report, PushRankPlan, RankPlan};
 use crate::settings::hybrid_case::{HYBRID_VLLM, HybridCase};
-use crate::settings::plan::{DescriptorPlan, PlanFlags, resolve_descriptor_plan, resolve_hybrid_scenario};
+use crate::settings::plan::{DescriptorPlan, PlanFlags, resolve_descriptor_plan, resolve_hybrid};
 use crate::topology::TransferMode;
 use crate::topology::push::DRankPushView;
 
@@ -105,7 +105,7 @@ fn plan_all(args: &PlanFlags, r: &DescriptorPlan) -> Result<Vec<RankPlan>, Confi
 
 pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
     let args = &args.settings;
-    if let Some(case) = resolve_hybrid_scenario(args).map_err(|e| reject(args.format, e))? {
+    if let Some(case) = resolve_hybrid(args).map_err(|e| reject(args.format, e))? {
         return run_hybrid(args, &case);
     }
     let resolved = resolve_descriptor_plan(args).map_err(|e| reject(args.format, e))?;
@@ -357,6 +357,8 @@ struct HybridPlanJson<'a> {
     d_ranks: Vec<HybridDRankJson<'a>>,
     /// Where vLLM's rules move the wrong bytes or reach outside registered memory.
     findings: Vec<&'a crate::layouts::hybrid::Finding>,
+    /// What posting the busiest decode rank's descriptors costs on each transport.
+    posting: PostingJson,
 }
 
 /// `kvx plan --scenario` of a hybrid case: vLLM's handshake (or its refusal), then the READs.
@@ -372,9 +374,31 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
         }
         reject(args.format, err)
     };
+    let rates =
+        crate::settings::posting::resolve_rates(args.rates.as_deref(), &args.post_ns, &args.ceiling_gbps)
+            .map_err(|e| reject(args.format, e))?;
     let planner = HybridPlanner::new(&case.pair).map_err(refused)?;
-    let plan = planner.plan(&case.request, &args.p_request_id).map_err(refused)?;
+    let plan = planner.plan(&case.request.for_planner(&planner), &args.p_request_id).map_err(refused)?;
     let findings: Vec<_> = planner.findings.iter().chain(&plan.findings).collect();
+    // Posting cost: every descriptor a decode rank posts, state rows included (vLLM merges
+    // none of them, so each counts as its own copy).
+    let ranks: Vec<(u32, Vec<ReadShape>)> = plan
+        .d_ranks
+        .iter()
+        .map(|d| {
+            let reads = d
+                .reads
+                .iter()
+                .map(|r| ReadShape {
+                    descriptors: r.pairs.len() as u64,
+                    coalesced: r.pairs.len() as u64,
+                    bytes: r.pairs.iter().map(|p| p.pair.len).sum(),
+                })
+                .collect();
+            (d.d_rank, reads)
+        })
+        .collect();
+    let costs = request_costs(&ranks, &rates);
     match args.format {
         Format::Json => {
             let d_ranks = plan
@@ -416,11 +440,19 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
                 clipping: &plan.clipping,
                 d_ranks,
                 findings,
+                posting: PostingJson {
+                    paths: costs
+                        .iter()
+                        .map(|c| PathCostJson { cost: c.clone(), rate: rates.of(c.transport).clone() })
+                        .collect(),
+                },
             };
             output::stdout_line(serde_json::to_string(&out)?)?;
         }
         Format::Table => {
-            output::stdout(plan_report::render_hybrid(&case.name, &planner, &plan, args.d_rank))?
+            let mut text = plan_report::render_hybrid(&case.name, &planner, &plan, args.d_rank);
+            text.push_str(&plan_report::render_posting(&costs, &rates));
+            output::stdout(text)?
         }
     }
     Ok(Outcome::Ok)

@@ -29,7 +29,31 @@ pub fn is_hybrid_case(doc: &Value) -> bool {
 pub struct HybridCase {
     pub name: String,
     pub pair: PairConfig,
-    pub request: HybridRequest,
+    pub request: RequestSource,
+}
+
+/// Where a hybrid request's block lists come from.
+#[derive(Debug, Clone)]
+pub enum RequestSource {
+    /// An oracle case's own lists.
+    Case(HybridRequest),
+    /// `--prompt-len` (and `--prefix-hit`): lists allocated as vLLM's allocator leaves them,
+    /// once the pair's aligned block sizes are known.
+    Prompt { tokens: u32, prefix_hit: f64 },
+}
+
+impl RequestSource {
+    /// The request, for the planner of this case's pair.
+    pub fn for_planner(&self, planner: &crate::layouts::hybrid::HybridPlanner) -> HybridRequest {
+        match self {
+            RequestSource::Case(r) => r.clone(),
+            RequestSource::Prompt { tokens, prefix_hit } => {
+                let d_blocks = tokens.div_ceil(planner.d.sizing.block_tokens.max(1));
+                let hit = (f64::from(d_blocks) * prefix_hit).floor() as u32;
+                HybridRequest::simulated(planner, *tokens, hit)
+            }
+        }
+    }
 }
 
 fn bad(what: impl std::fmt::Display) -> ConfigError {
@@ -230,7 +254,7 @@ pub fn parse(case: &Value) -> Result<HybridCase, ConfigError> {
         )?,
         d_hit_tokens: 0,
     };
-    Ok(HybridCase { name, pair, request })
+    Ok(HybridCase { name, pair, request: RequestSource::Case(request) })
 }
 
 #[cfg(test)]

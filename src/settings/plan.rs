@@ -14,7 +14,7 @@ use clap::Args;
 use super::bench::{BenchFlags, resolve};
 use super::env::ProcessEnv;
 use super::flags::{Format, ModelFlags, PairFlags};
-use super::hybrid_case::{self, HybridCase};
+use super::hybrid_case::{self, HybridCase, RequestSource};
 use super::scenario::{self, PlanScenario};
 use super::sweep::{self, SweepJob};
 use crate::error::ConfigError;
@@ -234,6 +234,79 @@ pub fn resolve_descriptor_plan(args: &PlanFlags) -> Result<DescriptorPlan, Confi
         }
     }
     Ok(plan)
+}
+
+/// `kvx plan` of a hybrid model: a case of vLLM's hybrid oracle (`--scenario`), or a hybrid
+/// preset (`--model qwen3-next-80b-a3b`, not a uniform preset) with `--prompt-len`. `None` for
+/// every other request.
+pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
+    if args.scenario.is_some() {
+        return resolve_hybrid_scenario(args);
+    }
+    let m = &args.model;
+    let Some(name) = &m.model else { return Ok(None) };
+    if m.model_config.is_some() || super::model::preset(name).is_ok() {
+        return Ok(None);
+    }
+    let Ok(model) = crate::layouts::hybrid::preset(name) else { return Ok(None) };
+    let refused = [
+        (m.num_kv_heads.is_some(), "--num-kv-heads"),
+        (m.head_dim.is_some(), "--head-dim"),
+        (m.layers.is_some(), "--layers"),
+        (m.dtype.is_some(), "--dtype"),
+        (m.mla || m.mla_dim.is_some(), "--mla"),
+        (args.local_blocks.is_some(), "--local-blocks"),
+        (args.pair.vllm.is_some_and(|v| v != crate::topology::VllmVersion::V0_33), "--vllm"),
+    ];
+    if let Some((_, flag)) = refused.iter().find(|(given, _)| *given) {
+        return Err(ConfigError::new(
+            *flag,
+            format!(
+                "{name} is a hybrid preset, planned by vLLM 0.33's rules from --prompt-len (its shape is the preset's)"
+            ),
+        ));
+    }
+    if args.mode == TransferMode::Push {
+        return Err(ConfigError::new(
+            "--mode",
+            "hybrid models are planned in pull mode, as vLLM 0.33's NixlConnector moves them",
+        ));
+    }
+    let tokens = args.prompt_len.ok_or_else(|| {
+        ConfigError::new(
+            "--prompt-len",
+            format!("give {name}'s request as --prompt-len TOKENS (or --scenario CASE)"),
+        )
+    })?;
+    if tokens == 0 || tokens > MAX_PROMPT {
+        return Err(ConfigError::new(
+            "--prompt-len",
+            format!("must be 1..={MAX_PROMPT} tokens, got {tokens}"),
+        ));
+    }
+    if !(0.0..1.0).contains(&args.prefix_hit) {
+        return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {}", args.prefix_hit)));
+    }
+    let groups = crate::layouts::hybrid::geometry::kv_groups(&model).len() as u32;
+    // Room for the request in every group, twice over (block ids are fresh per group).
+    let pool =
+        groups.saturating_mul(tokens.div_ceil(16).saturating_add(2)).saturating_mul(2).saturating_add(2);
+    let engine = |tp: Option<u32>, block: Option<u32>, layout: &Option<String>, blocks: Option<u32>| {
+        let mut e = crate::layouts::hybrid::HybridEngine::new(tp.unwrap_or(1), blocks.unwrap_or(pool));
+        e.block_tokens = block.or(args.pair.block_size).unwrap_or(super::flags::DEFAULT_BLOCK_SIZE);
+        if let Some(l) = layout.as_ref().or(args.pair.layout.as_ref()) {
+            e.layout = crate::layouts::Layout::parse_for(l, crate::topology::VllmVersion::V0_33)
+                .map_err(|e| ConfigError::new("--layout", e))?;
+        }
+        Ok::<_, ConfigError>(e)
+    };
+    let p = engine(args.pair.p_tp, args.pair.p_block_size, &args.pair.p_layout, args.p_num_blocks)?;
+    let d = engine(args.pair.d_tp, args.pair.d_block_size, &args.pair.d_layout, args.d_num_blocks)?;
+    Ok(Some(HybridCase {
+        name: model.name.clone(),
+        pair: crate::layouts::hybrid::PairConfig { model, p, d, permute_local_kv: args.pair.permute },
+        request: RequestSource::Prompt { tokens, prefix_hit: args.prefix_hit },
+    }))
 }
 
 /// `kvx plan --scenario FILE` when FILE is one case of vLLM's hybrid oracle

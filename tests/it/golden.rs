@@ -66,6 +66,10 @@ fn hybrid_outputs() {
     let json = kvx(&["plan", "--scenario", &case, "--format", "json"]);
     let v: serde_json::Value = serde_json::from_str(&json).expect("json");
     golden("hybrid_plan_json", &serde_json::to_string_pretty(&v).expect("pretty"));
+    // From flags: a GDN preset, its request allocated as vLLM's allocator leaves it.
+    let flags =
+        ["plan", "--model", "qwen3-next-80b-a3b", "--p-tp", "1", "--d-tp", "2", "--prompt-len", "4096"];
+    golden("hybrid_plan_flags_table", &kvx(&flags));
 }
 
 #[test]

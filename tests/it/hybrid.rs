@@ -7,7 +7,6 @@
 
 use std::path::PathBuf;
 
-use kvx::layouts::hybrid::blocks::{BlockSim, TokenCounts};
 use kvx::layouts::hybrid::coverage::check_plan;
 use kvx::layouts::hybrid::descriptors::{
     DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
@@ -190,7 +189,7 @@ fn check_case(case: &Value) -> (String, usize) {
         "{name}: vLLM refuses, kvx accepted"
     );
     let s = &case["scheduler"];
-    let plan = planner.plan(&parsed.request, "req-P").expect("plan");
+    let plan = planner.plan(&parsed.request.for_planner(&planner), "req-P").expect("plan");
     assert_eq!(
         u64_of(s, "p_prefill_backoff_tokens"),
         u64::from(plan.tokens.backoff_tokens),
@@ -335,21 +334,7 @@ fn hybrid_oracle_reproduces_every_case() {
 /// A request of `prompt_tokens` with decode holding its first `hit_blocks` blocks, its block
 /// lists allocated as vLLM's allocator leaves them.
 fn simulated(planner: &HybridPlanner, prompt_tokens: u32, hit_blocks: u32) -> HybridRequest {
-    let t = TokenCounts::new(planner.d.has_state(), prompt_tokens, 0);
-    let (bp, bd) = (planner.p.sizing.block_tokens, planner.d.sizing.block_tokens);
-    let hit_blocks = hit_blocks.min(t.p_computed_tokens.saturating_sub(1) / bd);
-    let mut next = 1;
-    let p_raw = BlockSim { tokens: t.p_computed_tokens, block_tokens: bp, hit_blocks: 0 }
-        .raw_block_ids(&planner.p.groups, &mut next);
-    let mut next = 1;
-    let d_raw = BlockSim { tokens: t.p_computed_tokens, block_tokens: bd, hit_blocks }
-        .raw_block_ids(&planner.d.groups, &mut next);
-    HybridRequest {
-        prompt_tokens,
-        p_raw_block_ids: p_raw,
-        d_raw_unhashed_block_ids: d_raw,
-        d_hit_tokens: hit_blocks * bd,
-    }
+    HybridRequest::simulated(planner, prompt_tokens, hit_blocks)
 }
 
 /// Pools big enough for a prompt of `max_tokens` on the engine's smallest block.
@@ -870,4 +855,38 @@ fn kvx_plan_scenario_reproduces_every_hybrid_case() {
         }
     }
     assert!(compared > 0, "no descriptor pair compared");
+}
+
+/// `kvx plan --model <hybrid preset>` from flags: planned from --prompt-len; a flag that does
+/// not apply to a hybrid preset is refused (exit 2, naming it), never ignored.
+#[test]
+fn kvx_plan_of_a_hybrid_preset_from_flags() {
+    let base = ["plan", "--model", "nemotron-h-8b", "--p-tp", "1", "--d-tp", "2"];
+    let out = crate::common::kvx()
+        .args(base)
+        .args(["--prompt-len", "3000", "--format", "json"])
+        .output()
+        .expect("kvx runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["d_block_size"], 1040, "Nemotron-H's aligned block size");
+    let descs: u64 = v["d_ranks"]
+        .as_array()
+        .expect("d_ranks")
+        .iter()
+        .flat_map(|d| d["reads"].as_array().expect("reads"))
+        .map(|r| r["num_descs"].as_u64().expect("n"))
+        .sum();
+    assert!(descs > 0, "{v}");
+    assert!(v["posting"]["paths"].as_array().is_some_and(|p| !p.is_empty()), "posting cost");
+    for (extra, flag) in [
+        (&["--prompt-len", "3000", "--mode", "push"][..], "--mode"),
+        (&["--prompt-len", "3000", "--layers", "4"][..], "--layers"),
+        (&[][..], "--prompt-len"),
+    ] {
+        let out = crate::common::kvx().args(base).args(extra).output().expect("kvx runs");
+        assert_eq!(out.status.code(), Some(2), "{extra:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{extra:?} names {flag}: {err}");
+    }
 }

@@ -304,6 +304,31 @@ pub struct HybridRequest {
     pub d_hit_tokens: u32,
 }
 
+impl HybridRequest {
+    /// A request of `prompt_tokens` through `planner`'s pair, its block lists allocated as
+    /// vLLM's allocator leaves them (fresh ids per group, null blocks outside a window and
+    /// before the last state slot), decode already holding its first `hit_blocks` blocks (at
+    /// most all but the last): what `kvx plan --model <hybrid preset>` plans and the property
+    /// tests run, for requests that are not in an oracle file.
+    pub fn simulated(planner: &HybridPlanner, prompt_tokens: u32, hit_blocks: u32) -> HybridRequest {
+        let t = TokenCounts::new(planner.d.has_state(), prompt_tokens, 0);
+        let (bp, bd) = (planner.p.sizing.block_tokens, planner.d.sizing.block_tokens);
+        let hit_blocks = hit_blocks.min(t.p_computed_tokens.saturating_sub(1) / bd.max(1));
+        let mut next = 1;
+        let p_raw = super::blocks::BlockSim { tokens: t.p_computed_tokens, block_tokens: bp, hit_blocks: 0 }
+            .raw_block_ids(&planner.p.groups, &mut next);
+        let mut next = 1;
+        let d_raw = super::blocks::BlockSim { tokens: t.p_computed_tokens, block_tokens: bd, hit_blocks }
+            .raw_block_ids(&planner.d.groups, &mut next);
+        HybridRequest {
+            prompt_tokens,
+            p_raw_block_ids: p_raw,
+            d_raw_unhashed_block_ids: d_raw,
+            d_hit_tokens: hit_blocks * bd,
+        }
+    }
+}
+
 /// What clipping left of one group's blocks at prefill's exchange.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct GroupClipping {
