@@ -42,6 +42,7 @@ pub struct Spawned {
     stderr: Arc<Mutex<String>>,
     stdout: Arc<Mutex<Vec<u8>>>,
     stdout_done: mpsc::Receiver<()>,
+    stderr_done: mpsc::Receiver<()>,
 }
 
 impl Spawned {
@@ -54,11 +55,13 @@ impl Spawned {
         let stderr = Arc::new(Mutex::new(String::new()));
         let (line_tx, lines) = mpsc::channel();
         let log = stderr.clone();
+        let (err_done_tx, stderr_done) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(err).lines().map_while(Result::ok) {
                 log.lock().expect("log").push_str(&format!("{line}\n"));
                 let _ = line_tx.send(line);
             }
+            let _ = err_done_tx.send(());
         });
         let stdout = Arc::new(Mutex::new(Vec::new()));
         let (done_tx, stdout_done) = mpsc::channel();
@@ -79,13 +82,29 @@ impl Spawned {
                 let _ = exit_tx.send(status);
             }
         });
-        Spawned { name: name.to_string(), pid, exit, status: None, lines, stderr, stdout, stdout_done }
+        Spawned {
+            name: name.to_string(),
+            pid,
+            exit,
+            status: None,
+            lines,
+            stderr,
+            stdout,
+            stdout_done,
+            stderr_done,
+        }
     }
 
     /// Waits at most `timeout` for the process to exit.
+    /// Once it has, what it wrote last is in [`stderr`](Self::stderr): the reader is waited
+    /// for until it reaches the end of the pipe (at most 5 s, should a worker of the group
+    /// still hold it open).
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         if self.status.is_none() {
             self.status = self.exit.recv_timeout(timeout).ok();
+            if self.status.is_some() {
+                let _ = self.stderr_done.recv_timeout(Duration::from_secs(5));
+            }
         }
         self.status
     }
