@@ -42,13 +42,7 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     })?;
     drop(display);
     let mut summary = load_report::summary(&run, &cfg, &run_id, &started_at, &args.name);
-    let interrupted = crate::interrupt::requested();
-    if let Some(sig) = interrupted {
-        summary.partial = true;
-        summary
-            .notes
-            .push(format!("interrupted by {}: the figures cover the requests that finished", sig.name()));
-    }
+    let interrupted = load_report::mark_interrupted(&mut summary);
     let files = load_report::write_run(writer, &summary, &run)?;
     let out = match args.format {
         Format::Table => {

@@ -26,7 +26,7 @@ use crate::topology::{self, TpSpec};
 use crate::transfer::handshake::HandshakeError;
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
 use crate::transfer::handshake::meta::KvxMetadata;
-use crate::transfer::memory::{KvBuffer, PageSize};
+use crate::transfer::memory::KvBuffer;
 use crate::transfer::notify::{
     Notification, NotifyError, NotifyListener, NotifySender, NotifyTransport, PushRegistration,
     UcxNotifyReceiver, UcxNotifySender, heartbeat_interval,
@@ -135,16 +135,10 @@ struct Decoder<'a> {
 
 pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.d_geometry(cfg.rank);
-    let regions = geom.regions();
-    let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
     let (progress, err_mode) = (cfg.transport.progress, cfg.transport.err_mode);
     let kind = cfg.transport.kind;
-    let uses_ucx = !matches!(kind, TransportKind::Storage | TransportKind::CudaBatch);
-    let uses_storage = kind == TransportKind::Storage
-        || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
-    let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
-    let mem = KvBuffer::alloc(cfg.mem, total, pages)
-        .stage(format!("allocate the {total}-byte KV pool in {} memory", cfg.mem))?;
+    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem } =
+        super::worker::rank_pool(&cfg, &geom)?;
     let (local, lib) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx

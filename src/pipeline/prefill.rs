@@ -23,7 +23,7 @@ use super::wire::{
 use super::worker::{Control, Stage as _, WorkerError, advertised_payload_with, host_pool, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;
-use crate::transfer::memory::{KvBuffer, PageSize};
+use crate::transfer::memory::KvBuffer;
 use crate::transfer::notify::{LeaseTable, Notification, NotifyListener, UcxNotifyReceiver};
 use crate::transfer::storage::StoragePublisher;
 use crate::transfer::ucx::{Context, ContextOptions, HYBRID_SPIN, MemRegion, ProgressMode, Ucx, Worker};
@@ -190,16 +190,10 @@ fn defer_wakeups() {
 pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     defer_wakeups();
     let geom = cfg.pair.p_geometry(cfg.rank);
-    let regions = geom.regions();
-    let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
     let progress = cfg.transport.progress;
     let kind = cfg.transport.kind;
-    let uses_ucx = !matches!(kind, TransportKind::Storage | TransportKind::CudaBatch);
-    let uses_storage = kind == TransportKind::Storage
-        || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
-    let pages = if cfg.transport.huge_pages { PageSize::Huge } else { PageSize::Normal };
-    let mem = KvBuffer::alloc(cfg.mem, total, pages)
-        .stage(format!("allocate the {total}-byte KV pool in {} memory", cfg.mem))?;
+    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem } =
+        super::worker::rank_pool(&cfg, &geom)?;
     let mut ucx_lib = None;
     let (mut pool, worker_address, rkey, base) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;

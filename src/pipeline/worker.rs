@@ -283,3 +283,37 @@ fn device_pool_refused(place: MemPlace) -> WorkerError {
     )
     .into()
 }
+
+/// A rank's KV pool, allocated where `--mem` says, and what its transport needs beside it.
+pub(super) struct RankPool {
+    pub regions: Vec<crate::layouts::Region>,
+    /// The pool's bytes.
+    pub total: usize,
+    /// UCX is loaded (every transport but storage and cuda-batch).
+    pub uses_ucx: bool,
+    /// The shared-storage transport, alone or in a multi chain.
+    pub uses_storage: bool,
+    pub mem: crate::transfer::memory::KvBuffer,
+}
+
+/// Allocates the pool of a rank of `geom` (prefill and decode alike).
+pub(super) fn rank_pool(
+    cfg: &WorkerConfig,
+    geom: &crate::layouts::RankGeometry,
+) -> Result<RankPool, WorkerError> {
+    use super::wire::TransportKind;
+    let regions = geom.regions();
+    let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
+    let kind = cfg.transport.kind;
+    let uses_ucx = !matches!(kind, TransportKind::Storage | TransportKind::CudaBatch);
+    let uses_storage = kind == TransportKind::Storage
+        || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
+    let pages = if cfg.transport.huge_pages {
+        crate::transfer::memory::PageSize::Huge
+    } else {
+        crate::transfer::memory::PageSize::Normal
+    };
+    let mem = crate::transfer::memory::KvBuffer::alloc(cfg.mem, total, pages)
+        .stage(format!("allocate the {total}-byte KV pool in {} memory", cfg.mem))?;
+    Ok(RankPool { regions, total, uses_ucx, uses_storage, mem })
+}

@@ -188,13 +188,7 @@ pub fn run(s: &BenchSettings, json: bool, opts: &ServeOptions) -> Result<Outcome
     );
     let m = measure(s, opts)?;
     let mut summary = build_summary(s, &m, &run_id, &started_at);
-    let interrupted = crate::interrupt::requested();
-    if let Some(sig) = interrupted {
-        summary.partial = true;
-        summary
-            .notes
-            .push(format!("interrupted by {}: the figures cover the requests that finished", sig.name()));
-    }
+    let interrupted = load_report::mark_interrupted(&mut summary);
     let rows = request_rows(&m.run, &m.records);
     let files = write(writer, &summary, &rows, &m.run)?;
     let out = if json {

@@ -22,6 +22,17 @@ use crate::report::summary::{RequestOutcome, RequestRow, Scenario, StageStats, S
 use crate::report::table::goodput_table;
 use crate::report::table::{Style, align_numbers, fmt_f, new_table, scenario_table, section, stage_table};
 use crate::report::table::{waterfall_note, waterfall_table};
+
+/// Marks a serving run's summary partial when Ctrl-C or SIGTERM ended it, saying so in its
+/// notes; returns the signal.
+pub fn mark_interrupted(summary: &mut Summary) -> Option<crate::error::Signal> {
+    let sig = crate::interrupt::requested()?;
+    summary.partial = true;
+    summary
+        .notes
+        .push(format!("interrupted by {}: the figures cover the requests that finished", sig.name()));
+    Some(sig)
+}
 use crate::report::waterfall;
 
 /// Every target's figures as `kvx.load/v1` JSON.
