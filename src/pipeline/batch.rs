@@ -78,7 +78,8 @@ impl BatchSide {
 
     /// Takes one request's `pairs` from one prefill rank into `local`: posted at once as one
     /// batched copy (`--batch-launch peer`), or added to the request's one batch that
-    /// [`finish`](Self::finish) posts (`rank`). What it cost goes to `r`.
+    /// [`finish`](Self::finish) posts (`rank`). What it cost goes to `r`. A request that fails
+    /// on one peer posts nothing of the others' staged pairs.
     pub fn read(
         &mut self,
         local: &mut KvBuffer,
@@ -88,27 +89,15 @@ impl BatchSide {
         timeout: Duration,
         r: &mut LoadResult,
     ) -> Result<(), Failure> {
-        let done = self.take(local, p_rank, peer, pairs, timeout, r);
-        if done.is_err() {
-            // A request that failed on one peer posts nothing of the others' staged pairs.
-            self.staged.clear();
-        }
-        done
-    }
-
-    fn take(
-        &mut self,
-        local: &mut KvBuffer,
-        p_rank: u32,
-        peer: Option<&Arc<PeerMapping>>,
-        pairs: &[Pair],
-        timeout: Duration,
-        r: &mut LoadResult,
-    ) -> Result<(), Failure> {
         let who = format!("prefill rank {p_rank}");
-        let peer = peer
-            .ok_or_else(|| (FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")))?;
-        let (buf, local_span) = device_pool(local)?;
+        let Some(peer) = peer else {
+            return self
+                .abandon((FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")));
+        };
+        let (buf, local_span) = match device_pool(local) {
+            Ok(pool) => pool,
+            Err(f) => return self.abandon(f),
+        };
         let pairs = pairs.iter().copied();
         match self.launch {
             BatchLaunch::Peer => {
@@ -125,12 +114,20 @@ impl BatchSide {
                 } else {
                     self.scratch.add(pairs, local_span, peer.span())
                 };
-                // On an error the batch was emptied (and `read` clears the staged peers).
-                added.map_err(|e| failure(&who, e))?;
+                // On an error the batch was emptied.
+                if let Err(e) = added {
+                    return self.abandon(failure(&who, e));
+                }
                 self.staged.push(Arc::clone(peer));
             }
         }
         Ok(())
+    }
+
+    /// Drops the request's staged peers (nothing of it is posted) and fails with `f`.
+    fn abandon(&mut self, f: Failure) -> Result<(), Failure> {
+        self.staged.clear();
+        Err(f)
     }
 
     /// Posts the request's one batch (`--batch-launch rank`), then waits for every batch
