@@ -44,7 +44,7 @@ pub struct LoadFlags {
     #[arg(long, requires = "baseline_url")]
     pub baseline_prefill_url: Option<String>,
     /// Open loop: Poisson arrivals at R requests/s (per target).
-    #[arg(long, value_name = "R", conflicts_with = "concurrency", required_unless_present = "concurrency")]
+    #[arg(long, value_name = "R", conflicts_with = "concurrency")]
     pub rate: Option<f64>,
     /// Closed loop: C requests in flight (per target).
     #[arg(long, value_name = "C")]
@@ -150,7 +150,13 @@ pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigEr
     let arrival = match (a.rate, a.concurrency) {
         (Some(r), _) => Arrival::Rate(super::parse::rate("--rate", r)?),
         (None, Some(c)) if c > 0 => Arrival::Concurrency(c),
-        (None, _) => return Err(ConfigError::new("--concurrency", "must be at least 1 (or use --rate)")),
+        (None, Some(_)) => return Err(ConfigError::new("--concurrency", "must be at least 1 (or use --rate)")),
+        (None, None) => {
+            return Err(ConfigError::new(
+                "--rate or --concurrency",
+                "give --rate R (open loop: R requests per second) or --concurrency C (closed loop: C in flight)",
+            ));
+        }
     };
     let duration = a.duration.map(|d| super::parse::seconds("--duration", d)).transpose()?;
     let requests = match (a.requests, duration) {
