@@ -150,7 +150,9 @@ pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigEr
     let arrival = match (a.rate, a.concurrency) {
         (Some(r), _) => Arrival::Rate(super::parse::rate("--rate", r)?),
         (None, Some(c)) if c > 0 => Arrival::Concurrency(c),
-        (None, Some(_)) => return Err(ConfigError::new("--concurrency", "must be at least 1 (or use --rate)")),
+        (None, Some(_)) => {
+            return Err(ConfigError::new("--concurrency", "must be at least 1 (or use --rate)"));
+        }
         (None, None) => {
             return Err(ConfigError::new(
                 "--rate or --concurrency",
