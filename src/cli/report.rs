@@ -42,6 +42,24 @@ pub struct ReportArgs {
 }
 
 pub fn run(args: &ReportArgs) -> anyhow::Result<Outcome> {
+    if args.runs.len() == 2 && (args.charts_dir.is_some() || args.no_charts) {
+        let flag = if args.no_charts { "--no-charts" } else { "--charts-dir" };
+        return Err(crate::error::ConfigError::new(
+            flag,
+            "a comparison of two runs draws no charts: give one run, or drop the flag",
+        )
+        .into());
+    }
+    if let Some(dir) = &args.charts_dir
+        && dir.exists()
+        && !dir.is_dir()
+    {
+        return Err(crate::error::ConfigError::new(
+            "--charts-dir",
+            format!("{} is a file; give a directory (it is created when missing)", dir.display()),
+        )
+        .into());
+    }
     let runs = args
         .runs
         .iter()

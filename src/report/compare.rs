@@ -97,7 +97,16 @@ pub fn compare(a: &Summary, b: &Summary) -> Comparison {
         }
     }
     let to_value = |s: &Summary| serde_json::to_value(s).unwrap_or(Value::Null);
-    let notes = super::gate::context_notes(&to_value(a), &to_value(b));
+    let mut notes = Vec::new();
+    if a.run_kind() != b.run_kind() {
+        notes.push(format!(
+            "A is a {} run and B a {} run: they measure different things (kvx bench: KV reads \
+             between ranks; kvx load: HTTP requests end to end), so their ratios mean little",
+            a.run_kind(),
+            b.run_kind()
+        ));
+    }
+    notes.extend(super::gate::context_notes(&to_value(a), &to_value(b)));
     Comparison { a_run: a.run_id.clone(), b_run: b.run_id.clone(), rows, notes }
 }
 
@@ -154,5 +163,16 @@ mod tests {
         assert!(c.notes.iter().any(|n| n.contains("p_tp 8 -> 4")), "{:?}", c.notes);
         let text = render(&c, Style::Terminal);
         assert!(text.contains("A: a") && text.contains("B: b") && text.contains("0.500x"), "{text}");
+    }
+
+    #[test]
+    fn a_bench_run_against_a_load_run_says_so() {
+        let bench = Summary::new("a", "t", Scenario { p_tp: Some(8), ..Default::default() });
+        let mut load = Summary::new("b", "t", Scenario::default());
+        load.scenario.extra.insert("endpoint".into(), serde_json::json!("/v1/completions"));
+        assert_eq!((bench.run_kind(), load.run_kind()), ("kvx bench", "kvx load"));
+        let c = compare(&bench, &load);
+        assert!(c.notes.first().is_some_and(|n| n.contains("A is a kvx bench run and B a kvx load run")), "{:?}", c.notes);
+        assert!(!compare(&bench, &bench).notes.iter().any(|n| n.contains("kvx load")));
     }
 }

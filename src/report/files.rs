@@ -225,8 +225,27 @@ pub fn check_schema(path: &Path, value: &serde_json::Value) -> Result<(), Report
 
 /// Turns a schema-checked document into a [`Summary`].
 pub fn summary_from_value(path: &Path, value: serde_json::Value) -> Result<Summary, ReportError> {
-    serde_json::from_value(value)
-        .map_err(|e| ReportError::NotASummary { path: path.to_path_buf(), reason: e.to_string() })
+    let s: Summary = serde_json::from_value(value)
+        .map_err(|e| ReportError::NotASummary { path: path.to_path_buf(), reason: e.to_string() })?;
+    // Measured figures are never negative: such a file was edited or is not kvx's.
+    let mut figures = vec![
+        ("throughput_gbps".to_string(), s.throughput_gbps),
+        ("requests_per_s".to_string(), s.requests_per_s),
+        ("duration_s".to_string(), s.duration_s),
+        ("bytes_per_request".to_string(), s.bytes_per_request),
+    ];
+    for (name, st) in &s.stages {
+        for (stat, v) in [("mean_us", st.mean_us), ("p50_us", st.p50_us), ("p99_us", st.p99_us), ("max_us", st.max_us)] {
+            figures.push((format!("stages.{name}.{stat}"), v));
+        }
+    }
+    if let Some((name, v)) = figures.into_iter().find(|(_, v)| *v < 0.0) {
+        return Err(ReportError::NotASummary {
+            path: path.to_path_buf(),
+            reason: format!("`{name}` is {v}, and a measured figure cannot be negative"),
+        });
+    }
+    Ok(s)
 }
 
 /// Reads and checks a `summary.json`.
@@ -308,6 +327,17 @@ mod tests {
         let names: Vec<_> =
             std::fs::read_dir(tmp.path()).expect("ls").map(|e| e.expect("e").file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("f.json")]);
+    }
+
+    #[test]
+    fn negative_figures_are_refused_by_name() {
+        let mut s = Summary::new("r", "t", Default::default());
+        s.throughput_gbps = -3.5;
+        let v = serde_json::to_value(&s).expect("json");
+        let e = summary_from_value(Path::new("s.json"), v).expect_err("negative");
+        assert!(e.to_string().contains("`throughput_gbps` is -3.5"), "{e}");
+        s.throughput_gbps = 3.5;
+        summary_from_value(Path::new("s.json"), serde_json::to_value(&s).expect("json")).expect("positive");
     }
 
     #[test]

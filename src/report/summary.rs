@@ -166,6 +166,16 @@ pub struct Summary {
 }
 
 impl Summary {
+    /// The command that wrote the run: `kvx load` (an HTTP endpoint driven, no ranks) or
+    /// `kvx bench` (ranks, with or without its serving path).
+    pub fn run_kind(&self) -> &'static str {
+        if self.scenario.p_tp.is_none() && self.scenario.extra.contains_key("endpoint") {
+            "kvx load"
+        } else {
+            "kvx bench"
+        }
+    }
+
     /// Whether the run measured KV transfers (a `kvx load` run of an HTTP endpoint did not:
     /// its reports leave the KV figures out rather than print zeros).
     pub fn measured_kv(&self) -> bool {

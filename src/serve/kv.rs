@@ -339,84 +339,142 @@ pub enum KvIntent {
     Incomplete { reason: String },
 }
 
+/// A `kv_transfer_params` field that is present but unusable: the request is refused (400)
+/// rather than silently prefilled locally, as a missing field is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvParamError {
+    /// The field, `kv_transfer_params.<name>` (the error's `param`).
+    pub param: String,
+    pub message: String,
+}
+
+impl KvParamError {
+    fn new(field: &str, message: impl Into<String>) -> Self {
+        let param = if field.is_empty() { "kv_transfer_params".to_string() } else { format!("kv_transfer_params.{field}") };
+        KvParamError { param, message: message.into() }
+    }
+}
+
 impl KvIntent {
     /// Reads incoming params the way vLLM's decode scheduler does: the transfer happens only
     /// when `remote_block_ids` and `remote_engine_id/request_id/host/port` are all present.
-    /// Accepts the older flat `remote_block_ids: [int]` and missing newer fields.
-    pub fn from_json(v: Option<&serde_json::Value>) -> KvIntent {
+    /// Accepts the older flat `remote_block_ids: [int]` and missing newer fields. A field that
+    /// is present with the wrong type or an impossible value (`tp_size: 0`, a block id that
+    /// is not an integer) is an error naming it, not a silent local prefill.
+    pub fn from_json(v: Option<&serde_json::Value>) -> Result<KvIntent, KvParamError> {
         use serde_json::Value;
-        let Some(Value::Object(m)) = v else {
-            return KvIntent::None;
+        let m = match v {
+            None | Some(Value::Null) => return Ok(KvIntent::None),
+            Some(Value::Object(m)) => m,
+            Some(_) => return Err(KvParamError::new("", "`kv_transfer_params` must be an object")),
         };
-        let flag = |k: &str| m.get(k).and_then(Value::as_bool).unwrap_or(false);
-        if flag("do_remote_decode") {
-            return KvIntent::RemoteDecode;
+        let flag = |k: &str| match m.get(k) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => Err(KvParamError::new(k, format!("`{k}` must be true or false"))),
+        };
+        if flag("do_remote_decode")? {
+            return Ok(KvIntent::RemoteDecode);
         }
-        if !flag("do_remote_prefill") {
-            return KvIntent::None;
+        if !flag("do_remote_prefill")? {
+            return Ok(KvIntent::None);
         }
+        // A present field of the wrong type is an error; a missing (or null) one is None.
+        let text = |k: &'static str| match m.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(KvParamError::new(k, format!("`{k}` must be a string"))),
+        };
+        let int = |k: &'static str, min: u64, max: u64| match m.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => match x.as_u64() {
+                Some(n) if (min..=max).contains(&n) => Ok(Some(n)),
+                _ => Err(KvParamError::new(k, format!("`{k}` must be an integer from {min} to {max}, got {x}"))),
+            },
+        };
         // Push (vLLM's NixlPushConnector): decode registers its blocks with prefill, which
         // writes into them; decode needs only prefill's identity, so the proxy may send it
         // before prefill answered, without block ids or prefill's request id.
-        let transfer_mode = m.get("transfer_mode").and_then(Value::as_str).unwrap_or("pull").to_string();
+        let transfer_mode = match text("transfer_mode")?.as_deref() {
+            None | Some("pull") => "pull",
+            Some("push") => "push",
+            Some(other) => {
+                return Err(KvParamError::new("transfer_mode", format!("`transfer_mode` is pull or push, got {other:?}")));
+            }
+        };
         let push = transfer_mode == "push";
-        let mut missing = Vec::new();
-        let s = |k: &'static str, missing: &mut Vec<&'static str>| match m.get(k).and_then(Value::as_str) {
-            Some(s) => s.to_string(),
-            None => {
-                missing.push(k);
-                String::new()
-            }
-        };
-        let engine_id = s("remote_engine_id", &mut missing);
-        let request_id = match m.get("remote_request_id").and_then(Value::as_str) {
-            Some(id) => id.to_string(),
-            None if push => String::new(),
-            None => s("remote_request_id", &mut missing),
-        };
-        let host = s("remote_host", &mut missing);
-        let port = match m.get("remote_port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()) {
-            Some(p) => p,
-            None => {
-                missing.push("remote_port");
-                0
-            }
-        };
         let blocks = match m.get("remote_block_ids") {
-            Some(Value::Array(a)) if a.iter().all(Value::is_array) => a
-                .iter()
-                .map(|g| {
-                    g.as_array().map(|g| g.iter().filter_map(Value::as_u64).collect()).unwrap_or_default()
-                })
-                .collect(),
-            Some(Value::Array(a)) => vec![a.iter().filter_map(Value::as_u64).collect()],
-            _ if push => Vec::new(),
-            _ => {
-                missing.push("remote_block_ids");
-                Vec::new()
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) => {
+                let ids = |list: &[Value]| -> Result<Vec<u64>, KvParamError> {
+                    list.iter()
+                        .map(|b| {
+                            b.as_u64().ok_or_else(|| {
+                                KvParamError::new("remote_block_ids", format!("block ids are non-negative integers, got {b}"))
+                            })
+                        })
+                        .collect()
+                };
+                if a.iter().all(Value::is_array) {
+                    Some(a.iter().map(|g| ids(g.as_array().map(Vec::as_slice).unwrap_or_default())).collect::<Result<_, _>>()?)
+                } else {
+                    Some(vec![ids(a)?])
+                }
+            }
+            Some(other) => {
+                return Err(KvParamError::new(
+                    "remote_block_ids",
+                    format!("`remote_block_ids` must be a list of block ids (or one list per group), got {other}"),
+                ));
             }
         };
-        if !missing.is_empty() {
-            return KvIntent::Incomplete { reason: format!("missing or invalid: {}", missing.join(", ")) };
+        let engine_id = text("remote_engine_id")?;
+        let request_id = text("remote_request_id")?;
+        let host = text("remote_host")?;
+        let port = int("remote_port", 1, u64::from(u16::MAX))?;
+        let sizes = |k: &'static str| int(k, 1, 1 << 16).map(|n| n.map_or(1, |n| n as u32));
+        let (tp_size, dcp_size, pp_size) = (sizes("tp_size")?, sizes("dcp_size")?, sizes("pp_size")?);
+        let remote_num_tokens = int("remote_num_tokens", 0, u64::MAX)?.unwrap_or(0);
+        let remote_registration_generation = int("remote_registration_generation", 0, u64::MAX)?.unwrap_or(0);
+        let remote_blocks_expiry_time = match m.get("remote_blocks_expiry_time") {
+            None | Some(Value::Null) => None,
+            Some(x) => match x.as_f64() {
+                Some(t) if t.is_finite() => Some(t),
+                _ => return Err(KvParamError::new("remote_blocks_expiry_time", "must be a number of seconds")),
+            },
+        };
+        let mut missing = Vec::new();
+        for (k, absent) in [
+            ("remote_engine_id", engine_id.is_none()),
+            ("remote_request_id", request_id.is_none() && !push),
+            ("remote_host", host.is_none()),
+            ("remote_port", port.is_none()),
+            ("remote_block_ids", blocks.is_none() && !push),
+        ] {
+            if absent {
+                missing.push(k);
+            }
         }
-        let num = |k: &str, d: u64| m.get(k).and_then(Value::as_u64).unwrap_or(d);
+        if !missing.is_empty() {
+            return Ok(KvIntent::Incomplete { reason: format!("missing: {}", missing.join(", ")) });
+        }
         let params = KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
-            remote_block_ids: blocks,
-            remote_engine_id: engine_id,
-            remote_request_id: request_id,
-            remote_host: host,
-            remote_port: port,
-            tp_size: u32::try_from(num("tp_size", 1)).unwrap_or(1),
-            dcp_size: u32::try_from(num("dcp_size", 1)).unwrap_or(1),
-            pp_size: u32::try_from(num("pp_size", 1)).unwrap_or(1),
-            remote_num_tokens: num("remote_num_tokens", 0),
-            remote_blocks_expiry_time: m.get("remote_blocks_expiry_time").and_then(Value::as_f64),
-            remote_registration_generation: num("remote_registration_generation", 0),
-            transfer_mode,
+            remote_block_ids: blocks.unwrap_or_default(),
+            remote_engine_id: engine_id.unwrap_or_default(),
+            remote_request_id: request_id.unwrap_or_default(),
+            remote_host: host.unwrap_or_default(),
+            remote_port: port.map_or(0, |p| p as u16),
+            tp_size,
+            dcp_size,
+            pp_size,
+            remote_num_tokens,
+            remote_blocks_expiry_time,
+            remote_registration_generation,
+            transfer_mode: transfer_mode.to_string(),
         };
-        KvIntent::RemotePrefill(Box::new(params))
+        Ok(KvIntent::RemotePrefill(Box::new(params)))
     }
 }
 
@@ -462,13 +520,13 @@ mod tests {
 
     #[test]
     fn intent_reads_proxy_and_prefill_params() {
-        assert_eq!(KvIntent::from_json(None), KvIntent::None);
-        assert_eq!(KvIntent::from_json(Some(&json!(null))), KvIntent::None);
+        assert_eq!(KvIntent::from_json(None), Ok(KvIntent::None));
+        assert_eq!(KvIntent::from_json(Some(&json!(null))), Ok(KvIntent::None));
         let p_leg = json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null});
-        assert_eq!(KvIntent::from_json(Some(&p_leg)), KvIntent::RemoteDecode);
+        assert_eq!(KvIntent::from_json(Some(&p_leg)), Ok(KvIntent::RemoteDecode));
         let flat = json!({"do_remote_prefill": true, "remote_block_ids": [0, 1], "remote_engine_id": "e",
             "remote_request_id": "r", "remote_host": "h", "remote_port": 5600, "tp_size": 4});
-        match KvIntent::from_json(Some(&flat)) {
+        match KvIntent::from_json(Some(&flat)).expect("flat") {
             KvIntent::RemotePrefill(p) => {
                 assert_eq!(p.remote_block_ids, vec![vec![0, 1]]);
                 assert_eq!(p.tp_size, 4);
@@ -478,7 +536,7 @@ mod tests {
         // Push: the identity alone (sent before prefill answered) is enough.
         let push = json!({"do_remote_prefill": true, "remote_engine_id": "e", "remote_host": "h",
             "remote_port": 5600, "tp_size": 2, "transfer_mode": "push"});
-        match KvIntent::from_json(Some(&push)) {
+        match KvIntent::from_json(Some(&push)).expect("push") {
             KvIntent::RemotePrefill(p) => {
                 assert_eq!((p.remote_request_id.as_str(), p.tp_size), ("", 2));
                 assert!(p.remote_block_ids.is_empty());
@@ -486,11 +544,37 @@ mod tests {
             other => panic!("push identity: {other:?}"),
         }
         let partial = json!({"do_remote_prefill": true, "remote_block_ids": [[0]], "remote_engine_id": "e"});
-        match KvIntent::from_json(Some(&partial)) {
+        match KvIntent::from_json(Some(&partial)).expect("partial") {
             KvIntent::Incomplete { reason } => {
                 assert!(reason.contains("remote_request_id") && reason.contains("remote_port"), "{reason}");
             }
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn present_but_unusable_params_name_the_field() {
+        let base = json!({"do_remote_prefill": true, "remote_block_ids": [[0]], "remote_engine_id": "e",
+            "remote_request_id": "r", "remote_host": "h", "remote_port": 5600, "tp_size": 1});
+        for (field, value) in [
+            ("remote_block_ids", json!("x")),
+            ("remote_block_ids", json!([1, -2])),
+            ("remote_block_ids", json!([[1], ["a"]])),
+            ("tp_size", json!(0)),
+            ("tp_size", json!(-1)),
+            ("tp_size", json!("2")),
+            ("remote_port", json!(70000)),
+            ("remote_host", json!(5)),
+            ("transfer_mode", json!("teleport")),
+            ("do_remote_prefill", json!("yes")),
+        ] {
+            let mut v = base.clone();
+            v[field] = value.clone();
+            match KvIntent::from_json(Some(&v)) {
+                Err(e) => assert_eq!(e.param, format!("kv_transfer_params.{field}"), "{field}={value}: {e:?}"),
+                Ok(i) => panic!("{field}={value} accepted as {i:?}"),
+            }
+        }
+        assert!(KvIntent::from_json(Some(&json!([1]))).is_err());
     }
 }

@@ -231,6 +231,10 @@ fn words(s: &str) -> u64 {
     s.split_whitespace().count() as u64
 }
 
+/// The message roles of OpenAI's chat API (vLLM renders others only through a model's own
+/// chat template; kvx has none, so it refuses them).
+const CHAT_ROLES: [&str; 6] = ["system", "user", "assistant", "tool", "developer", "function"];
+
 /// Counts the tokens of a chat `messages` list (words of every text content).
 fn chat_tokens(messages: &Value) -> Result<u64, ApiError> {
     let bad = |m: &str| ApiError::bad_request(m, Some("messages"));
@@ -241,12 +245,17 @@ fn chat_tokens(messages: &Value) -> Result<u64, ApiError> {
         return Err(bad("`messages` must not be empty"));
     }
     let mut n = 0;
-    for m in list {
+    for (i, m) in list.iter().enumerate() {
+        let at = |field: &str, message: String| ApiError::bad_request(message, Some(&format!("messages.{i}.{field}")));
         let Value::Object(m) = m else {
             return Err(bad("each message must be an object with `role` and `content`"));
         };
-        if !m.get("role").is_some_and(Value::is_string) {
-            return Err(bad("each message needs a string `role`"));
+        match m.get("role").and_then(Value::as_str) {
+            Some(r) if CHAT_ROLES.contains(&r) => {}
+            Some(r) => {
+                return Err(at("role", format!("unknown message role {r:?}; kvx knows {}", CHAT_ROLES.join(", "))));
+            }
+            None => return Err(at("role", "each message needs a string `role`".to_string())),
         }
         match m.get("content") {
             Some(Value::String(s)) => n += words(s),
@@ -257,7 +266,10 @@ fn chat_tokens(messages: &Value) -> Result<u64, ApiError> {
                     }
                 }
             }
-            _ => {}
+            None | Some(Value::Null) => {}
+            Some(other) => {
+                return Err(at("content", format!("`content` must be a string or a list of content parts, got {other}")));
+            }
         }
     }
     Ok(n)
@@ -443,6 +455,8 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8], max_model_len: u64) -> Res
             Some("min_tokens"),
         ));
     }
+    let kv = KvIntent::from_json(raw.kv_transfer_params.as_ref())
+        .map_err(|e| ApiError::bad_request(e.message, Some(&e.param)))?;
     let opts = raw.stream_options.unwrap_or_default();
     let include_usage = stream && opts.include_usage.unwrap_or(false);
     Ok(GenRequest {
@@ -455,7 +469,7 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8], max_model_len: u64) -> Res
         stream,
         include_usage,
         continuous_usage: include_usage && opts.continuous_usage_stats.unwrap_or(false),
-        kv: KvIntent::from_json(raw.kv_transfer_params.as_ref()),
+        kv,
         body_request_id: raw.request_id,
     })
 }

@@ -149,11 +149,11 @@ layered! {
             help_heading = "Transport",
             conflicts_with = "compare_modes"
         )]
-        #[serde(skip)]
+        #[serde(default, deserialize_with = "super::parse::opt_choices")]
         pub compare_transports: Option<Vec<TransportKind>>,
         /// Run the same workload in each transfer mode and print one comparison table: pull,push.
         #[arg(long, value_enum, value_delimiter = ',', help_heading = "Transport", conflicts_with = "mode")]
-        #[serde(skip)]
+        #[serde(default, deserialize_with = "super::parse::opt_choices")]
         pub compare_modes: Option<Vec<TransferMode>>,
         /// Inject a fault to test resilience: kill-ucx:pR@N (tear down prefill rank R's UCX side after N
         /// measured requests) or exit:pR@N / exit:dR@N (the worker exits). The run exits 0 when the

@@ -10,18 +10,22 @@ use std::time::Duration;
 use clap::ValueEnum;
 use serde::{Deserialize, Deserializer};
 
-/// Parses `200ms`, `1s`, `1.5s`, `2m`, or plain seconds.
+/// What [`parse_duration`] takes, for its errors.
+pub const DURATION_UNITS: &str = "units: ns, us, ms, s, m; a bare number is seconds";
+
+/// Parses `250ns`, `200us`, `200ms`, `1s`, `1.5s`, `2m`, or plain seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 200ms or 2s"))?;
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 200ms or 2s ({DURATION_UNITS})"))?;
     let secs = match unit.trim() {
         "" | "s" => n,
         "ms" => n / 1e3,
         "us" => n / 1e6,
+        "ns" => n / 1e9,
         "m" | "min" => n * 60.0,
-        other => return Err(format!("unknown duration unit {other:?} in {s:?} (use ms, s, m)")),
+        other => return Err(format!("unknown duration unit {other:?} in {s:?} ({DURATION_UNITS})")),
     };
     if !secs.is_finite() || !(0.0..=1e7).contains(&secs) {
         return Err(format!("{s:?} is out of range"));
@@ -187,6 +191,13 @@ mod tests {
         assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
         assert!(parse_duration("-1s").is_err());
         assert!(parse_duration("1h").is_err());
+        assert_eq!(parse_duration("250ns"), Ok(Duration::from_nanos(250)));
+        assert_eq!(parse_duration("250us"), Ok(Duration::from_micros(250)));
+        assert_eq!(parse_duration("250"), Ok(Duration::from_secs(250)));
+        let hint = parse_duration("5h").expect_err("hours");
+        for unit in ["ns", "us", "ms", "s", "m", "bare number is seconds"] {
+            assert!(hint.contains(unit), "{hint}");
+        }
     }
 
     #[test]

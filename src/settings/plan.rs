@@ -55,8 +55,21 @@ impl BenchJob {
     }
 }
 
+/// The names of a list of choices, as its flag spells them.
+fn names<T: clap::ValueEnum>(list: &[T]) -> Vec<String> {
+    list.iter().filter_map(|c| c.to_possible_value().map(|v| v.get_name().to_string())).collect()
+}
+
 /// Resolves `kvx bench`'s flags into what to run.
 pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJob, ConfigError> {
+    // The compare lists are config keys too: the job's kind comes from flags over the file.
+    let flags = &match &flags.config {
+        Some(_) => {
+            let merged = super::bench::layers(flags)?.values;
+            BenchFlags { compare_transports: merged.compare_transports, compare_modes: merged.compare_modes, ..flags.clone() }
+        }
+        None => flags.clone(),
+    };
     // One kind of job per run: a flag of another kind is refused, never ignored.
     let kinds = [
         (flags.serve, "--serve"),
@@ -70,6 +83,17 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
             *second,
             format!("{first} and {second} are different kinds of run: give one of them"),
         ));
+    }
+    // A compare list runs each entry once. It sets --transport or --mode for each of its runs,
+    // over a value a config file gives (flags override files; clap refuses both as flags).
+    for (list, flag) in [
+        (flags.compare_transports.as_deref().map(names), "--compare-transports"),
+        (flags.compare_modes.as_deref().map(names), "--compare-modes"),
+    ] {
+        let Some(list) = list else { continue };
+        if let Some(twice) = list.iter().enumerate().find_map(|(i, n)| list[..i].contains(n).then_some(n)) {
+            return Err(ConfigError::new(flag, format!("lists {twice} twice: give each once")));
+        }
     }
     if flags.serve {
         let opts = ServeOptions {
@@ -438,6 +462,23 @@ mod tests {
         };
         let e = resolve_bench_job(&sweep_modes, &env()).expect_err("sweep and compare");
         assert!(e.to_string().contains("--compare-modes and --sweep"), "{e}");
+    }
+
+    #[test]
+    fn compare_lists_are_config_keys_and_name_each_choice_once() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let file = dir.path().join("modes.toml");
+        std::fs::write(&file, "compare_modes = [\"pull\", \"push\"]\nmode = \"pull\"\n").expect("write");
+        let flags = BenchFlags { config: Some(file), ..BenchFlags::default() };
+        match resolve_bench_job(&flags, &env()).expect("compare from the file") {
+            BenchJob::CompareModes(runs) => {
+                assert_eq!(runs.iter().map(|r| r.workers.transport.mode).collect::<Vec<_>>(), [TransferMode::Pull, TransferMode::Push]);
+            }
+            other => panic!("one run, not a comparison: {other:?}"),
+        }
+        let twice = BenchFlags { compare_modes: Some(vec![TransferMode::Pull, TransferMode::Pull]), ..BenchFlags::default() };
+        let e = resolve_bench_job(&twice, &env()).expect_err("pull twice");
+        assert_eq!(e.flag, "--compare-modes", "{e}");
     }
 
     #[test]

@@ -335,6 +335,28 @@ pub fn resolve_serve_engine(
         max_num_seqs: a.max_num_seqs,
         eos_at: a.eos_at,
     };
+    if a.kv_backend == KvBackendKind::Null {
+        // The KV workers' flags size and steer workers that a null backend never starts.
+        let given = [
+            (a.vllm.is_some(), "--vllm"),
+            (a.layout.is_some(), "--layout"),
+            (a.pool_blocks.is_some(), "--pool-blocks"),
+            (a.ucx_lib.is_some(), "--ucx-lib"),
+            (a.ucx_tls.is_some(), "--ucx-tls"),
+            (a.coalesce, "--coalesce"),
+            (a.huge_pages, "--huge-pages"),
+            (a.mem != MemKind::Host, "--mem"),
+            (a.devices.is_some(), "--devices"),
+            (a.device.is_some(), "--device"),
+            (a.mode.is_some(), "--mode"),
+        ];
+        if let Some((_, flag)) = given.iter().find(|(on, _)| *on) {
+            return Err(ConfigError::new(
+                *flag,
+                "applies to --kv-backend workers; --kv-backend null moves no KV: drop the flag or use workers",
+            ));
+        }
+    }
     let kv = match a.kv_backend {
         KvBackendKind::Null => KvSettings::Null(EngineIdentity {
             engine_id,

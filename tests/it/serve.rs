@@ -680,6 +680,40 @@ async fn malformed_json_and_unknown_routes() {
     .await;
 }
 
+/// Bodies that parse but mean nothing: each is a 400 naming the field (`param`), at the
+/// engine and through the proxy, never a 500, a 200 or a silent local prefill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unusable_fields_are_refused_naming_the_field() {
+    within(async {
+        let s = stack().await;
+        let kv = |field: &str, value: &str| {
+            let mut p = serde_json::json!({"do_remote_prefill": true, "remote_block_ids": [[0]],
+                "remote_engine_id": "P0", "remote_request_id": "r", "remote_host": "127.0.0.1",
+                "remote_port": 5600, "tp_size": 1});
+            p[field] = serde_json::from_str(value).expect("value");
+            format!(r#"{{"prompt":"a b","max_tokens":1,"kv_transfer_params":{p}}}"#)
+        };
+        let cases = [
+            ("/v1/chat/completions", r#"{"messages":[{"role":"user","content":5}],"max_tokens":1}"#.to_string(), "messages.0.content"),
+            ("/v1/chat/completions", r#"{"messages":[{"role":"wizard","content":"hi"}],"max_tokens":1}"#.to_string(), "messages.0.role"),
+            ("/v1/completions", kv("tp_size", "0"), "kv_transfer_params.tp_size"),
+            ("/v1/completions", kv("remote_block_ids", r#""x""#), "kv_transfer_params.remote_block_ids"),
+            ("/v1/completions", kv("remote_port", "70000"), "kv_transfer_params.remote_port"),
+        ];
+        for (path, body, param) in &cases {
+            // The proxy writes kv_transfer_params itself (the client's are replaced).
+            let urls = if param.starts_with("kv_") { vec![s.d_url(path)] } else { vec![s.d_url(path), s.proxy.url(path)] };
+            for url in urls {
+                let (status, _, text) = post(&url, &[], body).await;
+                assert_eq!(status, StatusCode::BAD_REQUEST, "{url} {body}: {text}");
+                let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+                assert_eq!(v["error"]["param"], *param, "{url} {body}: {text}");
+            }
+        }
+    })
+    .await;
+}
+
 /// Sends a request on a raw socket and returns it (and what was read) once `read_until`
 /// appears in the response; dropping the socket is the client disconnect.
 pub(crate) async fn raw_request(
