@@ -172,7 +172,11 @@ mod tests {
         load.scenario.extra.insert("endpoint".into(), serde_json::json!("/v1/completions"));
         assert_eq!((bench.run_kind(), load.run_kind()), ("kvx bench", "kvx load"));
         let c = compare(&bench, &load);
-        assert!(c.notes.first().is_some_and(|n| n.contains("A is a kvx bench run and B a kvx load run")), "{:?}", c.notes);
+        assert!(
+            c.notes.first().is_some_and(|n| n.contains("A is a kvx bench run and B a kvx load run")),
+            "{:?}",
+            c.notes
+        );
         assert!(!compare(&bench, &bench).notes.iter().any(|n| n.contains("kvx load")));
     }
 }

@@ -235,7 +235,9 @@ pub fn summary_from_value(path: &Path, value: serde_json::Value) -> Result<Summa
         ("bytes_per_request".to_string(), s.bytes_per_request),
     ];
     for (name, st) in &s.stages {
-        for (stat, v) in [("mean_us", st.mean_us), ("p50_us", st.p50_us), ("p99_us", st.p99_us), ("max_us", st.max_us)] {
+        for (stat, v) in
+            [("mean_us", st.mean_us), ("p50_us", st.p50_us), ("p99_us", st.p99_us), ("max_us", st.max_us)]
+        {
             figures.push((format!("stages.{name}.{stat}"), v));
         }
     }

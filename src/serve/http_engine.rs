@@ -18,6 +18,7 @@
 //! its logits); after a local prefill it follows the prefill directly. `--itl-ms 0` turns
 //! pacing off, and the engine says so in its `Server-Timing` (`itl;dur=0`).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -153,6 +154,10 @@ impl EngineMetrics {
 pub struct EngineState {
     cfg: HttpEngineConfig,
     backend: Arc<dyn KvBackend>,
+    /// Prefill role: the internal id of each recent prefill leg by the X-Request-Id it came
+    /// with, so `/abort_requests` takes either (a proxy whose client left before the leg's
+    /// answer knows only the header). Entries older than [`HANDOFF_IDS_KEPT`] are dropped.
+    handoff_ids: std::sync::Mutex<HashMap<String, HandoffId>>,
     seqs: Arc<Semaphore>,
     metrics: EngineMetrics,
     system_fingerprint: String,
@@ -182,6 +187,7 @@ impl EngineState {
             seqs: Arc::new(Semaphore::new(cfg.max_num_seqs.max(1))),
             cfg,
             backend,
+            handoff_ids: std::sync::Mutex::new(HashMap::new()),
             metrics: EngineMetrics::new(),
             system_fingerprint,
             started_unix_s: unix_now_s(),
@@ -190,6 +196,26 @@ impl EngineState {
 
     pub fn config(&self) -> &HttpEngineConfig {
         &self.cfg
+    }
+
+    fn handoff_ids(&self) -> std::sync::MutexGuard<'_, HashMap<String, HandoffId>> {
+        self.handoff_ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Remembers a prefill leg's internal id under its X-Request-Id (and forgets old ones).
+    fn remember_handoff(&self, x_request_id: &str, internal_id: &str) {
+        let now = Instant::now();
+        let mut ids = self.handoff_ids();
+        ids.retain(|_, h| now.duration_since(h.at) < HANDOFF_IDS_KEPT);
+        ids.insert(
+            x_request_id.to_string(),
+            HandoffId { internal_id: internal_id.to_string(), at: now, aborted: false },
+        );
+    }
+
+    /// Whether an abort named this prefill leg (by either id) since it began.
+    fn handoff_aborted(&self, x_request_id: &str) -> bool {
+        self.handoff_ids().get(x_request_id).is_some_and(|h| h.aborted)
     }
 
     /// Renders `/metrics`: vLLM's families under vLLM's names and labels (`model_name`,
@@ -694,10 +720,25 @@ async fn detokenize(State(st): State<Arc<EngineState>>, headers: HeaderMap, body
     }
 }
 
+/// How long a prefill leg's X-Request-Id still aborts it: far longer than a proxy takes to
+/// notice its client left, and it bounds the map.
+const HANDOFF_IDS_KEPT: Duration = Duration::from_secs(60);
+
+/// A prefill leg's internal id, when it began, and whether an abort named it (a leg aborted
+/// before its blocks were held does not hold them).
+#[derive(Debug)]
+struct HandoffId {
+    internal_id: String,
+    at: Instant,
+    aborted: bool,
+}
+
 /// `POST /abort_requests` `{"request_ids": [...]}` as vLLM's disaggregated setups use it: the
 /// ids are engine-internal ids (a prefill handoff's `remote_request_id`). A prefill engine
 /// frees their held KV blocks now rather than at lease expiry; the proxy sends this when a
-/// request's decode leg failed. Answers 200 with an empty body; unknown ids are ignored.
+/// request's decode leg failed, or its client left. kvx also takes the X-Request-Id a prefill
+/// leg came with (a proxy whose client left before prefill answered knows no other). Answers
+/// 200 with an empty body; unknown ids are ignored.
 async fn abort_requests(State(st): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
     if !authorized(st.cfg.api_key.as_deref(), &headers) {
         return unauthorized();
@@ -709,7 +750,17 @@ async fn abort_requests(State(st): State<Arc<EngineState>>, headers: HeaderMap, 
     match serde_json::from_slice::<Abort>(&body) {
         Ok(Abort { request_ids: Some(ids) }) => {
             for id in &ids {
-                st.backend.abort(id);
+                // An X-Request-Id names its leg's internal id; one already aborted (its
+                // handler ended when the proxy left) has nothing left to free.
+                let internal = match st.handoff_ids().get_mut(id) {
+                    Some(h) if h.aborted => continue,
+                    Some(h) => {
+                        h.aborted = true;
+                        h.internal_id.clone()
+                    }
+                    None => id.clone(),
+                };
+                st.backend.abort(&internal);
             }
             tracing::debug!(count = ids.len(), "requests aborted by id");
             StatusCode::OK.into_response()
@@ -751,6 +802,7 @@ impl Drop for GaugeGuard<'_> {
 struct InFlight {
     st: Arc<EngineState>,
     internal_id: String,
+    x_request_id: String,
     _permit: OwnedSemaphorePermit,
     started: Instant,
     finished: bool,
@@ -785,7 +837,15 @@ impl Drop for InFlight {
         self.st.metrics.running.dec();
         if !self.finished {
             self.st.metrics.aborted.inc();
-            self.st.backend.abort(&self.internal_id);
+            // One abort per request, whichever comes first: this one, or a proxy's by
+            // X-Request-Id (which then finds nothing left to free).
+            let already = match self.st.handoff_ids().get_mut(&self.x_request_id) {
+                Some(h) if h.internal_id == self.internal_id => std::mem::replace(&mut h.aborted, true),
+                _ => false,
+            };
+            if !already {
+                self.st.backend.abort(&self.internal_id);
+            }
             tracing::debug!(request_id = %self.internal_id, "client went away; request aborted");
         }
     }
@@ -839,8 +899,14 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
     };
     let admitted = Instant::now();
     st.metrics.running.inc();
-    let inflight =
-        InFlight { st: st.clone(), internal_id, _permit: permit, started: arrived, finished: false };
+    let inflight = InFlight {
+        st: st.clone(),
+        internal_id,
+        x_request_id: x_request_id.clone(),
+        _permit: permit,
+        started: arrived,
+        finished: false,
+    };
     st.metrics.prompt_tokens.add(req.prompt_tokens);
 
     let (kv_out, mut timing) = match kv_phase(&st, &req, &x_request_id, &inflight.internal_id).await {
@@ -967,6 +1033,7 @@ async fn kv_phase(
     };
     match (cfg.role, &req.kv) {
         (Role::Prefill, KvIntent::RemoteDecode) => {
+            st.remember_handoff(x_request_id, internal_id);
             local_prefill().await;
             let job = PrefillJob {
                 request_id: internal_id.to_string(),
@@ -974,11 +1041,21 @@ async fn kv_phase(
                 prompt_tokens: req.prompt_tokens,
                 block_size_tokens: cfg.block_size_tokens,
             };
+            let aborted =
+                || ApiError::new(499, "the request was aborted (POST /abort_requests) before its handoff");
+            if st.handoff_aborted(x_request_id) {
+                return Err(aborted());
+            }
             let params = st
                 .backend
                 .prefill(job)
                 .await
                 .map_err(|e| ApiError::new(e.http_status(), format!("KV prefill handoff failed: {e}")))?;
+            // An abort that came while the blocks were filled finds them held only now.
+            if st.handoff_aborted(x_request_id) {
+                st.backend.abort(internal_id);
+                return Err(aborted());
+            }
             m.kv_handoffs.inc();
             let mut s = ServerTiming::new();
             s.push(timing::PREFILL_COMPUTE, t0.elapsed());

@@ -350,7 +350,11 @@ pub struct KvParamError {
 
 impl KvParamError {
     fn new(field: &str, message: impl Into<String>) -> Self {
-        let param = if field.is_empty() { "kv_transfer_params".to_string() } else { format!("kv_transfer_params.{field}") };
+        let param = if field.is_empty() {
+            "kv_transfer_params".to_string()
+        } else {
+            format!("kv_transfer_params.{field}")
+        };
         KvParamError { param, message: message.into() }
     }
 }
@@ -389,7 +393,10 @@ impl KvIntent {
             None | Some(Value::Null) => Ok(None),
             Some(x) => match x.as_u64() {
                 Some(n) if (min..=max).contains(&n) => Ok(Some(n)),
-                _ => Err(KvParamError::new(k, format!("`{k}` must be an integer from {min} to {max}, got {x}"))),
+                _ => Err(KvParamError::new(
+                    k,
+                    format!("`{k}` must be an integer from {min} to {max}, got {x}"),
+                )),
             },
         };
         // Push (vLLM's NixlPushConnector): decode registers its blocks with prefill, which
@@ -399,7 +406,10 @@ impl KvIntent {
             None | Some("pull") => "pull",
             Some("push") => "push",
             Some(other) => {
-                return Err(KvParamError::new("transfer_mode", format!("`transfer_mode` is pull or push, got {other:?}")));
+                return Err(KvParamError::new(
+                    "transfer_mode",
+                    format!("`transfer_mode` is pull or push, got {other:?}"),
+                ));
             }
         };
         let push = transfer_mode == "push";
@@ -410,13 +420,20 @@ impl KvIntent {
                     list.iter()
                         .map(|b| {
                             b.as_u64().ok_or_else(|| {
-                                KvParamError::new("remote_block_ids", format!("block ids are non-negative integers, got {b}"))
+                                KvParamError::new(
+                                    "remote_block_ids",
+                                    format!("block ids are non-negative integers, got {b}"),
+                                )
                             })
                         })
                         .collect()
                 };
                 if a.iter().all(Value::is_array) {
-                    Some(a.iter().map(|g| ids(g.as_array().map(Vec::as_slice).unwrap_or_default())).collect::<Result<_, _>>()?)
+                    Some(
+                        a.iter()
+                            .map(|g| ids(g.as_array().map(Vec::as_slice).unwrap_or_default()))
+                            .collect::<Result<_, _>>()?,
+                    )
                 } else {
                     Some(vec![ids(a)?])
                 }
@@ -424,7 +441,9 @@ impl KvIntent {
             Some(other) => {
                 return Err(KvParamError::new(
                     "remote_block_ids",
-                    format!("`remote_block_ids` must be a list of block ids (or one list per group), got {other}"),
+                    format!(
+                        "`remote_block_ids` must be a list of block ids (or one list per group), got {other}"
+                    ),
                 ));
             }
         };
@@ -440,7 +459,9 @@ impl KvIntent {
             None | Some(Value::Null) => None,
             Some(x) => match x.as_f64() {
                 Some(t) if t.is_finite() => Some(t),
-                _ => return Err(KvParamError::new("remote_blocks_expiry_time", "must be a number of seconds")),
+                _ => {
+                    return Err(KvParamError::new("remote_blocks_expiry_time", "must be a number of seconds"));
+                }
             },
         };
         let mut missing = Vec::new();
@@ -571,7 +592,9 @@ mod tests {
             let mut v = base.clone();
             v[field] = value.clone();
             match KvIntent::from_json(Some(&v)) {
-                Err(e) => assert_eq!(e.param, format!("kv_transfer_params.{field}"), "{field}={value}: {e:?}"),
+                Err(e) => {
+                    assert_eq!(e.param, format!("kv_transfer_params.{field}"), "{field}={value}: {e:?}")
+                }
                 Ok(i) => panic!("{field}={value} accepted as {i:?}"),
             }
         }

@@ -246,14 +246,19 @@ fn chat_tokens(messages: &Value) -> Result<u64, ApiError> {
     }
     let mut n = 0;
     for (i, m) in list.iter().enumerate() {
-        let at = |field: &str, message: String| ApiError::bad_request(message, Some(&format!("messages.{i}.{field}")));
+        let at = |field: &str, message: String| {
+            ApiError::bad_request(message, Some(&format!("messages.{i}.{field}")))
+        };
         let Value::Object(m) = m else {
             return Err(bad("each message must be an object with `role` and `content`"));
         };
         match m.get("role").and_then(Value::as_str) {
             Some(r) if CHAT_ROLES.contains(&r) => {}
             Some(r) => {
-                return Err(at("role", format!("unknown message role {r:?}; kvx knows {}", CHAT_ROLES.join(", "))));
+                return Err(at(
+                    "role",
+                    format!("unknown message role {r:?}; kvx knows {}", CHAT_ROLES.join(", ")),
+                ));
             }
             None => return Err(at("role", "each message needs a string `role`".to_string())),
         }
@@ -268,7 +273,10 @@ fn chat_tokens(messages: &Value) -> Result<u64, ApiError> {
             }
             None | Some(Value::Null) => {}
             Some(other) => {
-                return Err(at("content", format!("`content` must be a string or a list of content parts, got {other}")));
+                return Err(at(
+                    "content",
+                    format!("`content` must be a string or a list of content parts, got {other}"),
+                ));
             }
         }
     }

@@ -463,7 +463,7 @@ impl ProxyState {
         }
         e.counter(
             "kvx:proxy_prefill_aborts_total",
-            "Prefill handoffs aborted on the prefill engine (POST /abort_requests) because the decode leg failed.",
+            "Prefill legs aborted on the prefill engine (POST /abort_requests): the decode leg failed or the client left first.",
             &[],
             m.prefill_aborts.get(),
         );
@@ -639,7 +639,7 @@ async fn forward_json(st: &ProxyState, headers: &HeaderMap, path: &'static str, 
 
 /// Sends one request to a decode engine and passes its answer back whole.
 async fn forward(st: &ProxyState, method: Method, path: &'static str, body: Bytes) -> Response {
-    let leg = match send_leg(st, LegRole::Decode, method, path, body, None, None).await {
+    let leg = match send_leg(st, LegRole::Decode, method, path, body, None, None, None).await {
         Ok(l) => l,
         Err(e) => return error_response(&e),
     };
@@ -686,6 +686,7 @@ async fn send_leg(
     body: Bytes,
     x_request_id: Option<&HeaderValue>,
     only: Option<usize>,
+    sent_to: Option<&BackendSlot>,
 ) -> Result<Leg, ApiError> {
     let pool = st.pool(role);
     let mut tried: Vec<usize> = Vec::new();
@@ -720,6 +721,9 @@ async fn send_leg(
             .body(Full::new(body.clone()))
             .map_err(|e| ApiError::new(500, format!("building the {} request: {e}", role.as_str())))?;
         let guard = InFlightGuard::new(b);
+        if let Some(slot) = sent_to {
+            slot.set(b);
+        }
         let sent_at = Instant::now();
         match tokio::time::timeout(st.cfg.request_timeout, st.client.request(req)).await {
             Ok(Ok(resp))
@@ -785,16 +789,40 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Marks a request as abandoned by its client if dropped before `done`.
+/// The prefill backend a leg went to, shared with the guard that cleans up after a client
+/// that left.
+#[derive(Default)]
+struct BackendSlot(std::sync::Mutex<Option<Arc<Backend>>>);
+
+impl BackendSlot {
+    fn set(&self, b: &Arc<Backend>) {
+        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(b.clone());
+    }
+
+    fn take(&self) -> Option<Arc<Backend>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
+    }
+}
+
+/// Marks a request as abandoned by its client if dropped before `done`. While the prefill
+/// leg is out (or answered, before the decode leg took over), a client that leaves gets its
+/// prefill aborted on that engine by the X-Request-Id the leg carried: the engine frees
+/// blocks it already held, or refuses to hold them when its fill ends.
 struct DisconnectWatch<'a> {
-    st: &'a ProxyState,
+    st: &'a Arc<ProxyState>,
     done: bool,
+    x_request_id: HeaderValue,
+    prefill: BackendSlot,
 }
 
 impl Drop for DisconnectWatch<'_> {
     fn drop(&mut self) {
-        if !self.done {
-            self.st.metrics.client_disconnects.inc();
+        if self.done {
+            return;
+        }
+        self.st.metrics.client_disconnects.inc();
+        if let (Some(b), Ok(id)) = (self.prefill.take(), self.x_request_id.to_str()) {
+            abort_prefill(self.st, &b, id.to_string());
         }
     }
 }
@@ -835,7 +863,12 @@ async fn proxy_inner(
     let x_request_id = headers.get("x-request-id").filter(|v| !v.is_empty()).cloned().unwrap_or_else(|| {
         HeaderValue::from_str(&uuid::Uuid::new_v4().to_string()).unwrap_or(HeaderValue::from_static("kvx"))
     });
-    let mut watch = DisconnectWatch { st, done: false };
+    let mut watch = DisconnectWatch {
+        st,
+        done: false,
+        x_request_id: x_request_id.clone(),
+        prefill: BackendSlot::default(),
+    };
 
     // Concurrent dispatch (push): both legs at once, to a prefill engine whose identity an
     // earlier push answer gave; decode registers its blocks while prefill computes.
@@ -847,9 +880,17 @@ async fn proxy_inner(
         Some((i, identity)) => {
             st.metrics.concurrent_dispatches.inc();
             let d_body = Bytes::from(rewrite::decode_body(&client, body, Some(&identity)));
-            let p_fut = prefill_leg(st, ep, &client, &x_request_id, Some(i));
-            let d_fut =
-                send_leg(st, LegRole::Decode, Method::POST, ep.path(), d_body, Some(&x_request_id), None);
+            let p_fut = prefill_leg(st, ep, &client, &x_request_id, Some(i), &watch.prefill);
+            let d_fut = send_leg(
+                st,
+                LegRole::Decode,
+                Method::POST,
+                ep.path(),
+                d_body,
+                Some(&x_request_id),
+                None,
+                None,
+            );
             tokio::pin!(p_fut, d_fut);
             let mut early_d = None;
             let p = loop {
@@ -864,6 +905,9 @@ async fn proxy_inner(
                         Some(d) => d,
                         None => d_fut.await,
                     };
+                    watch.prefill.take();
+                    let handoff = p.params.as_deref().and_then(remote_request_id);
+                    settle_decode(st, &d, &p.backend, handoff);
                     (p, d)
                 }
                 // The decode leg is dropped with its future: its engine sees the client go.
@@ -874,7 +918,7 @@ async fn proxy_inner(
             }
         }
         None => {
-            let p = match prefill_leg(st, ep, &client, &x_request_id, None).await {
+            let p = match prefill_leg(st, ep, &client, &x_request_id, None, &watch.prefill).await {
                 Ok(p) => p,
                 Err(resp) => {
                     watch.done = true;
@@ -882,36 +926,47 @@ async fn proxy_inner(
                 }
             };
             // Decode leg: original body plus P's params verbatim, streamed back as it arrives.
+            // P now holds blocks for the decode engine. The leg runs on its own task, so a
+            // client that leaves cannot strand them: a decode engine that answers has loaded
+            // the KV (and its notifications freed P's blocks; the answer is then dropped,
+            // which ends its stream), and one that fails or refuses gets P told to free them
+            // now. (Aborting P while the decode engine reads would pull blocks from under
+            // its reads.)
             let d_body = Bytes::from(rewrite::decode_body(&client, body, p.params.as_deref()));
-            let d = send_leg(st, LegRole::Decode, Method::POST, ep.path(), d_body, Some(&x_request_id), None)
+            let handoff = p.params.as_deref().and_then(remote_request_id);
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let (task_st, p_backend, xid) = (st.clone(), p.backend.clone(), x_request_id.clone());
+            tokio::spawn(async move {
+                let d = send_leg(
+                    &task_st,
+                    LegRole::Decode,
+                    Method::POST,
+                    ep.path(),
+                    d_body,
+                    Some(&xid),
+                    None,
+                    None,
+                )
                 .await;
+                settle_decode(&task_st, &d, &p_backend, handoff);
+                let _ = tx.send(d);
+            });
+            watch.prefill.take();
+            let d = rx
+                .await
+                .unwrap_or_else(|_| Err(ApiError::new(500, "the decode leg's task ended without an answer")));
             (p, d)
         }
     };
     let mut server_timing = p.server_timing;
-    // P now holds blocks for the decode engine: if the decode leg fails, P is told to free
-    // them now. (A client that leaves meanwhile is the decode engine's to handle: its load,
-    // once started, notifies P when it is done; freeing them here could pull blocks away
-    // from under its reads.)
-    let handoff = p.params.as_deref().and_then(remote_request_id);
     let d = match d {
         Ok(l) => l,
         Err(e) => {
             watch.done = true;
-            if let Some(rid) = handoff {
-                abort_prefill(st, &p.backend, rid);
-            }
             return error_response(&e);
         }
     };
-    d.backend.latency.observe(d.sent_at.elapsed());
     st.metrics.time_to_headers.observe(started.elapsed());
-    if !d.resp.status().is_success() {
-        d.backend.error(Cause::Status);
-        if let Some(rid) = handoff {
-            abort_prefill(st, &p.backend, rid);
-        }
-    }
     watch.done = true;
     let (parts, incoming) = d.resp.into_parts();
     server_timing.extend_from(&parts.headers);
@@ -944,6 +999,30 @@ async fn proxy_inner(
     resp
 }
 
+/// Books the decode leg's answer on its backend and, when it failed or refused (no decode
+/// engine will read the handoff), tells the prefill engine to free its blocks now.
+fn settle_decode(
+    st: &Arc<ProxyState>,
+    d: &Result<Leg, ApiError>,
+    p_backend: &Arc<Backend>,
+    handoff: Option<String>,
+) {
+    let failed = match d {
+        Ok(l) => {
+            l.backend.latency.observe(l.sent_at.elapsed());
+            let ok = l.resp.status().is_success();
+            if !ok {
+                l.backend.error(Cause::Status);
+            }
+            !ok
+        }
+        Err(_) => true,
+    };
+    if failed && let Some(rid) = handoff {
+        abort_prefill(st, p_backend, rid);
+    }
+}
+
 /// What the prefill leg answered: its backend, its `kv_transfer_params` (raw JSON, if any)
 /// and its Server-Timing stages.
 struct PrefillAnswer {
@@ -961,11 +1040,21 @@ async fn prefill_leg(
     client: &RawObject<'_>,
     x_request_id: &HeaderValue,
     only: Option<usize>,
+    sent_to: &BackendSlot,
 ) -> Result<PrefillAnswer, Response> {
     let p_body = Bytes::from(rewrite::prefill_body(client));
-    let p = send_leg(st, LegRole::Prefill, Method::POST, ep.path(), p_body, Some(x_request_id), only)
-        .await
-        .map_err(|e| error_response(&e))?;
+    let p = send_leg(
+        st,
+        LegRole::Prefill,
+        Method::POST,
+        ep.path(),
+        p_body,
+        Some(x_request_id),
+        only,
+        Some(sent_to),
+    )
+    .await
+    .map_err(|e| error_response(&e))?;
     let p_status = p.resp.status();
     let mut server_timing = ServerTiming::new();
     server_timing.extend_from(p.resp.headers());

@@ -18,7 +18,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 200ms or 2s ({DURATION_UNITS})"))?;
+    let n: f64 =
+        num.parse().map_err(|_| format!("{s:?} is not a duration like 200ms or 2s ({DURATION_UNITS})"))?;
     let secs = match unit.trim() {
         "" | "s" => n,
         "ms" => n / 1e3,

@@ -66,7 +66,11 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
     let flags = &match &flags.config {
         Some(_) => {
             let merged = super::bench::layers(flags)?.values;
-            BenchFlags { compare_transports: merged.compare_transports, compare_modes: merged.compare_modes, ..flags.clone() }
+            BenchFlags {
+                compare_transports: merged.compare_transports,
+                compare_modes: merged.compare_modes,
+                ..flags.clone()
+            }
         }
         None => flags.clone(),
     };
@@ -472,11 +476,17 @@ mod tests {
         let flags = BenchFlags { config: Some(file), ..BenchFlags::default() };
         match resolve_bench_job(&flags, &env()).expect("compare from the file") {
             BenchJob::CompareModes(runs) => {
-                assert_eq!(runs.iter().map(|r| r.workers.transport.mode).collect::<Vec<_>>(), [TransferMode::Pull, TransferMode::Push]);
+                assert_eq!(
+                    runs.iter().map(|r| r.workers.transport.mode).collect::<Vec<_>>(),
+                    [TransferMode::Pull, TransferMode::Push]
+                );
             }
             other => panic!("one run, not a comparison: {other:?}"),
         }
-        let twice = BenchFlags { compare_modes: Some(vec![TransferMode::Pull, TransferMode::Pull]), ..BenchFlags::default() };
+        let twice = BenchFlags {
+            compare_modes: Some(vec![TransferMode::Pull, TransferMode::Pull]),
+            ..BenchFlags::default()
+        };
         let e = resolve_bench_job(&twice, &env()).expect_err("pull twice");
         assert_eq!(e.flag, "--compare-modes", "{e}");
     }

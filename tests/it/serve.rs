@@ -694,15 +694,27 @@ async fn unusable_fields_are_refused_naming_the_field() {
             format!(r#"{{"prompt":"a b","max_tokens":1,"kv_transfer_params":{p}}}"#)
         };
         let cases = [
-            ("/v1/chat/completions", r#"{"messages":[{"role":"user","content":5}],"max_tokens":1}"#.to_string(), "messages.0.content"),
-            ("/v1/chat/completions", r#"{"messages":[{"role":"wizard","content":"hi"}],"max_tokens":1}"#.to_string(), "messages.0.role"),
+            (
+                "/v1/chat/completions",
+                r#"{"messages":[{"role":"user","content":5}],"max_tokens":1}"#.to_string(),
+                "messages.0.content",
+            ),
+            (
+                "/v1/chat/completions",
+                r#"{"messages":[{"role":"wizard","content":"hi"}],"max_tokens":1}"#.to_string(),
+                "messages.0.role",
+            ),
             ("/v1/completions", kv("tp_size", "0"), "kv_transfer_params.tp_size"),
             ("/v1/completions", kv("remote_block_ids", r#""x""#), "kv_transfer_params.remote_block_ids"),
             ("/v1/completions", kv("remote_port", "70000"), "kv_transfer_params.remote_port"),
         ];
         for (path, body, param) in &cases {
             // The proxy writes kv_transfer_params itself (the client's are replaced).
-            let urls = if param.starts_with("kv_") { vec![s.d_url(path)] } else { vec![s.d_url(path), s.proxy.url(path)] };
+            let urls = if param.starts_with("kv_") {
+                vec![s.d_url(path)]
+            } else {
+                vec![s.d_url(path), s.proxy.url(path)]
+            };
             for url in urls {
                 let (status, _, text) = post(&url, &[], body).await;
                 assert_eq!(status, StatusCode::BAD_REQUEST, "{url} {body}: {text}");
