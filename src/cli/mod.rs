@@ -132,6 +132,89 @@ mod tests {
     fn clap_definition_is_consistent() {
         Cli::command().debug_assert();
     }
+
+    /// Values that break naive arithmetic: zero, negatives, NaN and infinities, the tiniest
+    /// and largest floats, integers one past each width.
+    const HOSTILE: [&str; 14] = [
+        "0",
+        "-0",
+        "1",
+        "-1",
+        "0.5",
+        "1e-300",
+        "1e300",
+        "NaN",
+        "inf",
+        "-inf",
+        "4294967296",
+        "18446744073709551616",
+        "99999999999999999999999999",
+        "1e-9",
+    ];
+
+    /// Resolves a parsed command line as `run` would before starting anything: `Ok(())`, or
+    /// the flag a refusal names.
+    fn resolve_only(cli: Cli) -> Result<(), String> {
+        use crate::settings::{env::ProcessEnv, load, probe, proxy, xfer};
+        let env = ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok("/usr/bin/kvx".into()) };
+        let flag = |e: crate::error::ConfigError| e.flag;
+        match cli.command {
+            Command::Bench(a) => {
+                crate::settings::plan::resolve_bench_job(&a.settings, &env).map(drop).map_err(flag)
+            }
+            Command::Load(a) => load::resolve(&a.settings, &env).map(drop).map_err(flag),
+            Command::ServeEngine(a) => serve_engine::resolve(&a).map(drop).map_err(flag),
+            Command::ServeProxy(a) => proxy::resolve(&a.settings).map(drop).map_err(flag),
+            Command::Xfer(a) => xfer::resolve(&a.settings).map(drop).map_err(flag),
+            Command::Probe(a) => probe::resolve(&a.settings).map(drop).map_err(flag),
+            _ => Ok(()),
+        }
+    }
+
+    /// Issue 23's target: every flag that takes a value, of every command that runs
+    /// something (bench, load, serve-engine, serve-proxy, xfer, probe), given each hostile
+    /// number, is refused by clap or by the settings naming a flag, or resolves; never a
+    /// panic. (topo, layout and plan, which only compute, are run whole by tests/it/hostile.rs.)
+    #[test]
+    fn every_flag_of_every_command_takes_hostile_numbers_without_a_panic() {
+        let bases: [&[&str]; 6] = [
+            &["bench"],
+            &["load", "--url", "http://127.0.0.1:9", "--concurrency", "2"],
+            &["serve-engine", "--role", "prefill"],
+            &["serve-proxy", "--prefiller-host", "127.0.0.1", "--decoder-host", "127.0.0.1"],
+            &["xfer"],
+            &["probe", "127.0.0.1:5600"],
+        ];
+        let root = Cli::command();
+        let mut tried = 0;
+        for base in bases {
+            let sub = root.find_subcommand(base[0]).expect("subcommand");
+            let flags: Vec<String> = sub
+                .get_arguments()
+                .filter(|a| a.get_action().takes_values() && a.get_long().is_some())
+                .map(|a| format!("--{}", a.get_long().unwrap_or_default()))
+                .filter(|f| !matches!(f.as_str(), "--config" | "--sweep" | "--model-config" | "--scenario"))
+                .collect();
+            assert!(flags.len() > 3, "{}: {flags:?}", base[0]);
+            for flag in &flags {
+                for v in HOSTILE {
+                    let mut line = vec!["kvx"];
+                    line.extend_from_slice(base);
+                    line.extend_from_slice(&[flag.as_str(), v]);
+                    let Ok(cli) = Cli::try_parse_from(&line) else { continue };
+                    tried += 1;
+                    match std::panic::catch_unwind(|| resolve_only(cli)) {
+                        Ok(Ok(())) => {}
+                        Ok(Err(named)) => {
+                            assert!(named.contains("--"), "{line:?}: refused without a flag: {named:?}")
+                        }
+                        Err(_) => panic!("{line:?} panicked"),
+                    }
+                }
+            }
+        }
+        assert!(tried > 200, "only {tried} command lines parsed");
+    }
 }
 
 /// Runs one parsed command line.

@@ -67,6 +67,8 @@ pub struct HttpEngineConfig {
     pub max_num_seqs: usize,
     /// The synthetic model samples EOS as this token (see `openai::plan_generation`).
     pub eos_at: Option<u64>,
+    /// Largest request body taken (`--max-body-size`); a larger one is answered 413.
+    pub max_body_bytes: usize,
 }
 
 impl HttpEngineConfig {
@@ -84,6 +86,7 @@ impl HttpEngineConfig {
             api_key: None,
             max_num_seqs: 256,
             eos_at: None,
+            max_body_bytes: crate::settings::parse::DEFAULT_BODY_LIMIT,
         }
     }
 
@@ -487,6 +490,7 @@ impl EngineState {
 
 /// The engine's routes. Pure: no sockets, testable with `tower::ServiceExt::oneshot`.
 pub fn router(state: Arc<EngineState>) -> Router {
+    let limit = state.cfg.max_body_bytes;
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -498,8 +502,8 @@ pub fn router(state: Arc<EngineState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        // Token-id prompts of long contexts exceed axum's 2 MiB default.
-        .layer(DefaultBodyLimit::max(64 << 20))
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::map_response(json_body_limit(limit)))
         .with_state(state)
 }
 
@@ -530,6 +534,21 @@ pub async fn serve(
 pub fn error_response(e: &ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], e.body()).into_response()
+}
+
+/// Turns axum's plain-text 413 (a body over `--max-body-size`) into a JSON error naming the
+/// limit and the flag that raises it; every other response passes unchanged.
+pub fn json_body_limit(limit: usize) -> impl Fn(Response) -> std::future::Ready<Response> + Clone {
+    move |r: Response| {
+        std::future::ready(if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            error_response(&ApiError::http(
+                413,
+                format!("Request body is larger than {limit} bytes (raise it with --max-body-size)"),
+            ))
+        } else {
+            r
+        })
+    }
 }
 
 /// vLLM's answer to a route that does not exist (its `HTTPException` handler: the status

@@ -460,7 +460,10 @@ impl KvIntent {
             Some(x) => match x.as_f64() {
                 Some(t) if t.is_finite() => Some(t),
                 _ => {
-                    return Err(KvParamError::new("remote_blocks_expiry_time", "must be a number of seconds"));
+                    return Err(KvParamError::new(
+                        "remote_blocks_expiry_time",
+                        "must be a number of seconds",
+                    ));
                 }
             },
         };

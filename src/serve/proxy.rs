@@ -102,6 +102,8 @@ pub struct ProxyConfig {
     /// Sequential (prefill, then decode with its answer) or concurrent (push mode: both legs
     /// at once, once a prefill engine's identity is known from an earlier answer).
     pub dispatch: Dispatch,
+    /// Largest request body taken (`--max-body-size`); a larger one is answered 413.
+    pub max_body_bytes: usize,
 }
 
 impl ProxyConfig {
@@ -118,6 +120,7 @@ impl ProxyConfig {
             health_interval: Duration::from_secs(2),
             health_timeout: Duration::from_secs(2),
             dispatch: Dispatch::Sequential,
+            max_body_bytes: crate::settings::parse::DEFAULT_BODY_LIMIT,
         }
     }
 }
@@ -526,6 +529,7 @@ impl ProxyState {
 
 /// The proxy's routes. Pure; health checks run only under [`serve`].
 pub fn router(state: Arc<ProxyState>) -> Router {
+    let limit = state.cfg.max_body_bytes;
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -537,7 +541,8 @@ pub fn router(state: Arc<ProxyState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(64 << 20))
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::map_response(super::http_engine::json_body_limit(limit)))
         .with_state(state)
 }
 

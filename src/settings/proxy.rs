@@ -79,6 +79,9 @@ pub struct ServeProxyFlags {
     /// Timeout of one health probe, in seconds.
     #[arg(long, visible_alias = "health-check-timeout-secs", default_value_t = 2.0, value_name = "SECONDS")]
     pub health_timeout: f64,
+    /// Largest request body taken, e.g. 64MiB, 1GiB; a larger one is answered 413.
+    #[arg(long, value_name = "SIZE", value_parser = crate::settings::parse::parse_size, default_value = "64MiB")]
+    pub max_body_size: u64,
     /// Runtime worker threads (default: one per CPU).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
@@ -186,6 +189,7 @@ pub fn resolve(a: &ServeProxyFlags) -> Result<ProxyConfig, ConfigError> {
         health_interval: seconds("--health-interval", a.health_interval, true)?,
         health_timeout: seconds("--health-timeout", a.health_timeout, false)?,
         dispatch: a.dispatch,
+        max_body_bytes: crate::settings::parse::body_limit("--max-body-size", a.max_body_size)?,
     })
 }
 

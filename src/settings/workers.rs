@@ -10,7 +10,7 @@ use std::time::Duration;
 use clap::Args;
 
 use super::flags::{ModelFlags, PairFlags};
-use super::parse::parse_duration;
+use super::parse::{parse_duration, parse_size};
 use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
@@ -183,6 +183,9 @@ pub struct ServeEngineFlags {
     /// Requests generating at once; more wait (vllm:num_requests_waiting).
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
+    /// Largest request body taken, e.g. 64MiB, 1GiB; a larger one is answered 413.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, default_value = "64MiB")]
+    pub max_body_size: u64,
     /// The synthetic model samples EOS as its N-th token (unless ignore_eos); default never.
     #[arg(long, value_name = "N")]
     pub eos_at: Option<u64>,
@@ -314,6 +317,7 @@ pub fn resolve_serve_engine(
     if a.max_num_seqs == 0 {
         return Err(ConfigError::new("--max-num-seqs", "must be at least 1"));
     }
+    let max_body_bytes = super::parse::body_limit("--max-body-size", a.max_body_size)?;
     if a.eos_at == Some(0) {
         return Err(ConfigError::new("--eos-at", "EOS position counts from 1"));
     }
@@ -334,6 +338,7 @@ pub fn resolve_serve_engine(
         api_key: a.api_key.clone(),
         max_num_seqs: a.max_num_seqs,
         eos_at: a.eos_at,
+        max_body_bytes,
     };
     if a.kv_backend == KvBackendKind::Null {
         // The KV workers' flags size and steer workers that a null backend never starts.

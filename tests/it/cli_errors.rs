@@ -51,6 +51,11 @@ const CASES: &[(&[&str], &str)] = &[
     (&["serve-engine", "--role", "decode", "--kv-backend", "null", "--mode", "push"], "--mode"),
     (&["report", "Cargo.toml", "--charts-dir", "Cargo.toml"], "--charts-dir"),
     (&["bench", "--timeout", "5h"], "ns, us, ms, s, m"),
+    (&["serve-engine", "--role", "decode", "--max-body-size", "10"], "--max-body-size"),
+    (
+        &["serve-proxy", "--prefiller-host", "h", "--decoder-host", "h", "--max-body-size", "5GiB"],
+        "--max-body-size",
+    ),
     (&["plan", "--model", "nemotron-h-8b", "--prompt-len", "100", "--mode", "push"], "--mode"),
     (&["layout", "--model", "llama-3.1-8b", "--kv-buffer-device", "cpu"], "--kv-buffer-device"),
     (&["plan"], "--prompt-len"),

@@ -726,6 +726,31 @@ async fn unusable_fields_are_refused_naming_the_field() {
     .await;
 }
 
+/// Request bodies are capped (`--max-body-size`): one over the cap is a JSON 413 naming the
+/// flag, at an engine and at the proxy; one under it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_the_cap_are_refused_with_413() {
+    within(async {
+        let mut d_cfg = engine_cfg(Role::Decode);
+        d_cfg.max_body_bytes = 1024;
+        let (d, _d_state) = start_engine(d_cfg).await;
+        let (p, _p_state) = start_engine(engine_cfg(Role::Prefill)).await;
+        let mut x_cfg = proxy_cfg(vec![p.backend()], vec![d.backend()]);
+        x_cfg.max_body_bytes = 1024;
+        let (x, _x_state) = start_proxy(x_cfg).await;
+        let body = |words: usize| format!(r#"{{"prompt":"{}","max_tokens":1}}"#, "w1 ".repeat(words));
+        for url in [d.url("/v1/completions"), x.url("/v1/completions")] {
+            let (status, h, text) = post(&url, &[], &body(1000)).await;
+            assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{url}: {text}");
+            assert_eq!(h["content-type"], "application/json");
+            assert!(text.contains("--max-body-size") && text.contains("1024 bytes"), "{text}");
+            let (status, _, text) = post(&url, &[], &body(10)).await;
+            assert_eq!(status, StatusCode::OK, "{url}: {text}");
+        }
+    })
+    .await;
+}
+
 /// Sends a request on a raw socket and returns it (and what was read) once `read_until`
 /// appears in the response; dropping the socket is the client disconnect.
 pub(crate) async fn raw_request(
