@@ -24,6 +24,15 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     let args = &args.settings;
     let settings = resolve(args, &ProcessEnv::read())?;
     let (mut cfg, root) = (settings.load, settings.results_root);
+    // A slow open loop waits long before its first request: say how long, up front.
+    if let load::Arrival::Rate(r) = cfg.arrival
+        && r < 1.0
+    {
+        crate::output::note!(
+            "kvx load: open loop at {r} requests/s per target: about {:.0} s between requests (Poisson)",
+            1.0 / r
+        );
+    }
     let started_at = now_rfc3339();
     let run_id = new_run_id(&started_at);
     let writer = RunWriter::create(&root, &run_id)?;
