@@ -644,7 +644,7 @@ async fn forward_json(st: &ProxyState, headers: &HeaderMap, path: &'static str, 
 
 /// Sends one request to a decode engine and passes its answer back whole.
 async fn forward(st: &ProxyState, method: Method, path: &'static str, body: Bytes) -> Response {
-    let leg = match send_leg(st, LegRole::Decode, method, path, body, None, None, None).await {
+    let leg = match send_leg(st, LegRole::Decode, method, path, body, Route::default()).await {
         Ok(l) => l,
         Err(e) => return error_response(&e),
     };
@@ -683,16 +683,32 @@ struct Leg {
 
 /// Sends one leg, trying other healthy backends of the pool only while nothing could have
 /// reached the engine (connect failures) or the engine refused with 503.
+/// Where a leg goes and what it carries besides its body.
+#[derive(Default, Clone, Copy)]
+struct Route<'a> {
+    /// Sent as the leg's X-Request-Id.
+    x_request_id: Option<&'a HeaderValue>,
+    /// The one backend of the pool to use (no retry elsewhere).
+    only: Option<usize>,
+    /// Told which backend the leg went to, before it is sent.
+    sent_to: Option<&'a BackendSlot>,
+}
+
+impl<'a> Route<'a> {
+    fn tagged(x_request_id: &'a HeaderValue) -> Self {
+        Route { x_request_id: Some(x_request_id), ..Route::default() }
+    }
+}
+
 async fn send_leg(
     st: &ProxyState,
     role: LegRole,
     method: Method,
     path: &'static str,
     body: Bytes,
-    x_request_id: Option<&HeaderValue>,
-    only: Option<usize>,
-    sent_to: Option<&BackendSlot>,
+    route: Route<'_>,
 ) -> Result<Leg, ApiError> {
+    let Route { x_request_id, only, sent_to } = route;
     let pool = st.pool(role);
     let mut tried: Vec<usize> = Vec::new();
     let mut last_err: Option<ApiError> = None;
@@ -886,16 +902,8 @@ async fn proxy_inner(
             st.metrics.concurrent_dispatches.inc();
             let d_body = Bytes::from(rewrite::decode_body(&client, body, Some(&identity)));
             let p_fut = prefill_leg(st, ep, &client, &x_request_id, Some(i), &watch.prefill);
-            let d_fut = send_leg(
-                st,
-                LegRole::Decode,
-                Method::POST,
-                ep.path(),
-                d_body,
-                Some(&x_request_id),
-                None,
-                None,
-            );
+            let d_fut =
+                send_leg(st, LegRole::Decode, Method::POST, ep.path(), d_body, Route::tagged(&x_request_id));
             tokio::pin!(p_fut, d_fut);
             let mut early_d = None;
             let p = loop {
@@ -942,17 +950,9 @@ async fn proxy_inner(
             let (tx, rx) = tokio::sync::oneshot::channel();
             let (task_st, p_backend, xid) = (st.clone(), p.backend.clone(), x_request_id.clone());
             tokio::spawn(async move {
-                let d = send_leg(
-                    &task_st,
-                    LegRole::Decode,
-                    Method::POST,
-                    ep.path(),
-                    d_body,
-                    Some(&xid),
-                    None,
-                    None,
-                )
-                .await;
+                let d =
+                    send_leg(&task_st, LegRole::Decode, Method::POST, ep.path(), d_body, Route::tagged(&xid))
+                        .await;
                 settle_decode(&task_st, &d, &p_backend, handoff);
                 let _ = tx.send(d);
             });
@@ -1048,18 +1048,10 @@ async fn prefill_leg(
     sent_to: &BackendSlot,
 ) -> Result<PrefillAnswer, Response> {
     let p_body = Bytes::from(rewrite::prefill_body(client));
-    let p = send_leg(
-        st,
-        LegRole::Prefill,
-        Method::POST,
-        ep.path(),
-        p_body,
-        Some(x_request_id),
-        only,
-        Some(sent_to),
-    )
-    .await
-    .map_err(|e| error_response(&e))?;
+    let route = Route { only, sent_to: Some(sent_to), ..Route::tagged(x_request_id) };
+    let p = send_leg(st, LegRole::Prefill, Method::POST, ep.path(), p_body, route)
+        .await
+        .map_err(|e| error_response(&e))?;
     let p_status = p.resp.status();
     let mut server_timing = ServerTiming::new();
     server_timing.extend_from(p.resp.headers());

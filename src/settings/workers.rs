@@ -534,6 +534,7 @@ mod tests {
             itl_ms: 0.0,
             api_key: None,
             max_num_seqs: 256,
+            max_body_size: 64 << 20,
             eos_at: None,
             engine_id: Some("e1".into()),
             side_channel_host: "localhost".into(),
