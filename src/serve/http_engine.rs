@@ -86,7 +86,7 @@ impl HttpEngineConfig {
             api_key: None,
             max_num_seqs: 256,
             eos_at: None,
-            max_body_bytes: crate::settings::parse::DEFAULT_BODY_LIMIT,
+            max_body_bytes: DEFAULT_BODY_LIMIT,
         }
     }
 
@@ -738,6 +738,10 @@ async fn detokenize(State(st): State<Arc<EngineState>>, headers: HeaderMap, body
         }
     }
 }
+
+/// The default request body limit of `serve-engine` and `serve-proxy` (`--max-body-size`,
+/// 64MiB: token-id prompts of long contexts exceed axum's 2 MiB default).
+pub const DEFAULT_BODY_LIMIT: usize = 64 << 20;
 
 /// How long a prefill leg's X-Request-Id still aborts it: far longer than a proxy takes to
 /// notice its client left, and it bounds the map.

@@ -120,7 +120,7 @@ impl ProxyConfig {
             health_interval: Duration::from_secs(2),
             health_timeout: Duration::from_secs(2),
             dispatch: Dispatch::Sequential,
-            max_body_bytes: crate::settings::parse::DEFAULT_BODY_LIMIT,
+            max_body_bytes: super::http_engine::DEFAULT_BODY_LIMIT,
         }
     }
 }

@@ -71,10 +71,6 @@ pub fn rate(flag: &str, r: f64) -> Result<f64, crate::error::ConfigError> {
     }
 }
 
-/// The default request body limit of `serve-engine` and `serve-proxy` (token-id prompts of
-/// long contexts exceed axum's 2 MiB default).
-pub const DEFAULT_BODY_LIMIT: usize = 64 << 20;
-
 /// A request body limit (`--max-body-size`): from 1 KiB (an empty chat request fits) to 4 GiB.
 pub fn body_limit(flag: &str, bytes: u64) -> Result<usize, crate::error::ConfigError> {
     match usize::try_from(bytes) {

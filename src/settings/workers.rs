@@ -534,7 +534,7 @@ mod tests {
             itl_ms: 0.0,
             api_key: None,
             max_num_seqs: 256,
-            max_body_size: 64 << 20,
+            max_body_size: crate::serve::http_engine::DEFAULT_BODY_LIMIT as u64,
             eos_at: None,
             engine_id: Some("e1".into()),
             side_channel_host: "localhost".into(),

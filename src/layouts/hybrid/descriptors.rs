@@ -249,6 +249,11 @@ pub enum Finding {
     /// decode sub-blocks, which includes the unfilled tail of decode's last block, so every token
     /// lands `local_token - remote_token` positions off.
     AttentionTokensShifted { d_rank: u32, p_rank: u32, group: u32, local_token: u64, remote_token: u64 },
+    /// A decode rank gathers its attention heads from several prefill ranks (prefill TP above
+    /// decode TP, prefill heads replicated, so vLLM does not refuse the layout) into head
+    /// slots of its blocks, but the layout keeps a block's heads interleaved with its tokens
+    /// (LBNHC): each slot's bytes are rows of tokens of every head, not one head's.
+    HeadSlotsNotContiguous { d_rank: u32, layout: String, source_ranks: u32 },
 }
 
 /// The plan of one decode rank.
@@ -445,6 +450,19 @@ impl HybridPlanner {
                     real_page_bytes: real,
                     padded_page_bytes: g.sizing.page_bytes,
                 });
+            }
+        }
+        if !self.d.config.layout.heads_contiguous() {
+            let attention = self.d.groups.iter().position(|g| g.kind.is_attention());
+            for setup in &self.d_ranks {
+                let sources = attention.map_or(0, |g| setup.mapping.source_ranks_per_group[g].len());
+                if sources > 1 {
+                    out.push(Finding::HeadSlotsNotContiguous {
+                        d_rank: setup.d_rank,
+                        layout: self.d.config.layout.vllm_name().to_string(),
+                        source_ranks: sources as u32,
+                    });
+                }
             }
         }
         let (Some(ps), Some(ds)) = (&self.p.state, &self.d.state) else { return out };
