@@ -114,9 +114,19 @@ impl DescList {
 
     /// The row and address of descriptor `id`.
     pub fn resolve(&self, id: u64) -> Option<(RowLabel, u64, u64)> {
-        let i = self.starts.partition_point(|&s| s <= id).checked_sub(1)?;
-        let row = &self.rows[i];
-        let k = id - self.starts[i];
+        let mut hint = 0;
+        self.resolve_near(id, &mut hint)
+    }
+
+    /// [`resolve`](Self::resolve), trying row `hint` first and leaving the row found there:
+    /// descriptor ids come row by row, so a plan's walk rarely searches.
+    pub fn resolve_near(&self, id: u64, hint: &mut usize) -> Option<(RowLabel, u64, u64)> {
+        let holds = |i: usize| self.starts.get(i).is_some_and(|&s| s <= id && id - s < self.rows[i].count);
+        if !holds(*hint) {
+            *hint = self.starts.partition_point(|&s| s <= id).checked_sub(1)?;
+        }
+        let row = &self.rows[*hint];
+        let k = id - self.starts[*hint];
         (k < row.count).then(|| (row.label, row.addr_off + k * row.stride, row.len))
     }
 }
@@ -527,15 +537,19 @@ impl HybridPlanner {
         self.check_pools(&blocks)?;
         let mut findings = self.findings.clone();
         let mut d_ranks = Vec::with_capacity(self.d_ranks.len());
-        for setup in &self.d_ranks {
-            d_ranks.push(self.plan_rank(
-                setup,
-                &blocks,
-                tokens.p_computed_tokens,
-                p_request_id,
-                &mut findings,
-            )?);
-        }
+        SCRATCH.with_borrow_mut(|scratch| {
+            for setup in &self.d_ranks {
+                d_ranks.push(self.plan_rank(
+                    setup,
+                    &blocks,
+                    tokens.p_computed_tokens,
+                    p_request_id,
+                    &mut findings,
+                    scratch,
+                )?);
+            }
+            Ok::<_, HybridError>(())
+        })?;
         let (mut p_save, mut d_sync) = (None, None);
         if self.p.config.kv_buffer_device == KvBufferDevice::Cpu {
             let saved = super::blocks::clip_for_exchange(
@@ -603,6 +617,7 @@ impl HybridPlanner {
         computed_tokens: u32,
         p_request_id: &str,
         findings: &mut Vec<Finding>,
+        scratch: &mut DescIdScratch,
     ) -> Result<DRankPlan, HybridError> {
         let m = &setup.mapping;
         let notif = format!("{p_request_id}:{}", m.local_consumers);
@@ -663,8 +678,9 @@ impl HybridPlanner {
                 &remote,
                 computed_tokens,
             ));
-            let rids = desc_ids(&self.p, &remote, 1);
-            let lids = desc_ids(&self.d, &local, self.block_size_ratio);
+            let (rids, lids) = (&mut scratch.0, &mut scratch.1);
+            desc_ids_into(&self.p, &remote, 1, rids);
+            desc_ids_into(&self.d, &local, self.block_size_ratio, lids);
             if rids.len() != lids.len() {
                 return Err(HybridError::request(
                     "--scenario",
@@ -679,11 +695,11 @@ impl HybridPlanner {
             }
             let llist = &setup.local_for_source[i.min(setup.local_for_source.len() - 1)];
             let mut pairs = Vec::with_capacity(lids.len());
-            // The registration the last descriptor fell in, per side.
-            let mut near = [0usize; 2];
-            for (&(g, lb, lid), &(_, rb, rid)) in lids.iter().zip(&rids) {
+            // The registration and the row the last descriptor fell in, per side.
+            let (mut near, mut rows) = ([0usize; 2], [0usize; 2]);
+            for (&(g, lb, lid), &(_, rb, rid)) in lids.iter().zip(rids.iter()) {
                 let (Some((label, loff, llen)), Some((_, roff, rlen))) =
-                    (llist.resolve(lid), setup.remote.resolve(rid))
+                    (llist.resolve_near(lid, &mut rows[0]), setup.remote.resolve_near(rid, &mut rows[1]))
                 else {
                     return Err(HybridError::request(
                         "--scenario",
@@ -1139,29 +1155,44 @@ fn build_rank(
     }
 }
 
+/// The remote and local descriptor ids of one READ, reused for every READ of a plan.
+type DescIdScratch = (Vec<(u32, u64, u64)>, Vec<(u32, u64, u64)>);
+
+thread_local! {
+    /// Each thread's descriptor-id lists, kept between plans: a planner serving request
+    /// after request does not allocate (and fault in) them anew. They hold as much as the
+    /// largest READ planned on the thread.
+    static SCRATCH: std::cell::RefCell<DescIdScratch> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// vLLM's `_compute_desc_ids` for one side: `(group, kernel block, descriptor id)` in posting
-/// order. `bsr` expands the attention descriptors (local side).
-fn desc_ids(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32) -> Vec<(u32, u64, u64)> {
+/// order, into `out` (cleared first; its capacity is reused across READs). `bsr` expands the
+/// attention descriptors (local side).
+fn desc_ids_into(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32, out: &mut Vec<(u32, u64, u64)>) {
+    out.clear();
     let bsr = u64::from(bsr.max(1));
-    let sizes: Vec<u64> = region_sizes(g).iter().map(|n| n * bsr).collect();
-    let mut offsets = Vec::with_capacity(sizes.len());
+    let mut offsets = Vec::with_capacity(g.regions.len());
     let mut acc = 0;
-    for s in &sizes {
+    for n in region_sizes(g) {
         offsets.push(acc);
-        acc += s;
+        acc += n * bsr;
     }
     let num_fa = acc;
-    // At most every block over every region (state groups: over their rows), reserved once so
-    // that a long request's list is not regrown (and its pages faulted in) several times.
-    let rows =
-        g.regions.len().max(g.state.as_ref().map_or(0, |s| g.state_region_indices().len() * s.parts.len()));
-    let mut out = Vec::with_capacity(block_ids.iter().map(Vec::len).sum::<usize>() * rows);
     let Some(state) = &g.state else {
         let gids: Vec<i32> = g.regions.iter().map(|r| r.group_id).collect();
-        let mut distinct = gids.clone();
-        distinct.sort_unstable();
-        distinct.dedup();
-        if distinct.len() <= 1 {
+        let shared = gids.iter().all(|&x| x == gids[0]);
+        // Reserved exactly: a long request's list is neither regrown nor over-allocated.
+        let n: usize = if shared {
+            offsets.len() * block_ids.iter().map(Vec::len).sum::<usize>()
+        } else {
+            block_ids
+                .iter()
+                .enumerate()
+                .map(|(gi, ids)| ids.len() * gids.iter().filter(|&&x| x == gi as i32 || x == -1).count())
+                .sum()
+        };
+        out.reserve(n);
+        if shared {
             // Shared regions: every group's blocks over every region.
             for off in &offsets {
                 for (gi, ids) in block_ids.iter().enumerate() {
@@ -1178,11 +1209,20 @@ fn desc_ids(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32) -> Vec<(u32, u
                 }
             }
         }
-        return out;
+        return;
     };
     let num_blocks = g.kernel_blocks() * bsr;
     let logical = g.num_blocks();
     let state_rows = g.state_region_indices().len() as u64 * state.parts.len() as u64;
+    let n: usize = g
+        .groups
+        .iter()
+        .zip(block_ids)
+        .map(|(grp, ids)| {
+            ids.len() * if grp.kind.is_attention() { g.regions.len() } else { state_rows as usize }
+        })
+        .sum();
+    out.reserve(n);
     for (gi, (grp, ids)) in g.groups.iter().zip(block_ids).enumerate() {
         if grp.kind.is_attention() {
             for r in 0..g.regions.len() as u64 {
@@ -1194,7 +1234,6 @@ fn desc_ids(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32) -> Vec<(u32, u
             }
         }
     }
-    out
 }
 
 #[cfg(test)]
