@@ -409,6 +409,17 @@ impl Decoder<'_> {
         Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None, ucx_broken })
     }
 
+    /// The result of request `req` as its load starts: this rank, the time it queued.
+    fn started(&self, req: u64, received: Instant) -> LoadResult {
+        LoadResult {
+            req,
+            d_rank: self.cfg.rank,
+            queue_ns: received.elapsed().as_nanos() as u64,
+            transport: Some(TransportKind::Ucx),
+            ..LoadResult::default()
+        }
+    }
+
     fn load(
         &mut self,
         received: Instant,
@@ -418,13 +429,7 @@ impl Decoder<'_> {
         local_blocks: Vec<u32>,
         seed: u64,
     ) -> LoadResult {
-        let mut r = LoadResult {
-            req,
-            d_rank: self.cfg.rank,
-            queue_ns: received.elapsed().as_nanos() as u64,
-            transport: Some(TransportKind::Ucx),
-            ..LoadResult::default()
-        };
+        let mut r = self.started(req, received);
         let t0 = Instant::now();
         if let Err((cause, msg)) = self.load_inner(&mut r, t0, d_request_id, params, local_blocks, seed) {
             // A broken connection is re-established on the next request.
@@ -680,7 +685,7 @@ fn push_side(
         ),
         Local::Plain(m) => (Vec::new(), Vec::new(), m.addr(), None),
     };
-    let payload = advertised_payload(cfg, &cfg.pair.d, regions, base, address, &rkey, &notify_ep)?;
+    let payload = advertised_payload(cfg, &cfg.pair.d, regions, base, address, &rkey, &notify_ep, None)?;
     Ok((PushSide { waiter: PushWaiter::new(timeout), listener, am }, payload))
 }
 
@@ -699,13 +704,7 @@ impl Decoder<'_> {
         seed: u64,
         side_channel: Option<(String, u16)>,
     ) -> LoadResult {
-        let mut r = LoadResult {
-            req,
-            d_rank: self.cfg.rank,
-            queue_ns: received.elapsed().as_nanos() as u64,
-            transport: Some(TransportKind::Ucx),
-            ..LoadResult::default()
-        };
+        let mut r = self.started(req, received);
         let t0 = Instant::now();
         if let Err((cause, msg)) =
             self.push_load_inner(ctl, &mut r, t0, d_request_id, params, local_blocks, seed, side_channel)

@@ -20,7 +20,7 @@ use super::wire::{
     FailureCause, Fault, FromWorker, Overlap, PushStats, ReadyInfo, ToWorker, TransferMode, TransportKind,
     UcxChoices, WorkerConfig,
 };
-use super::worker::{Control, Stage as _, WorkerError, advertised_payload_with, host_pool, rss_bytes};
+use super::worker::{Control, Stage as _, WorkerError, advertised_payload, host_pool, rss_bytes};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;
 use crate::transfer::memory::KvBuffer;
@@ -232,7 +232,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     // UCX side is gone (`Fault::KillUcx`), so decode ranks fail fast instead of timing out.
     let payload_of = |worker_address: Vec<u8>, rkey: &[u8]| {
         let ipc = cuda_ipc.clone();
-        advertised_payload_with(&cfg, &cfg.pair.p, &regions, base, worker_address, rkey, &notify_ep, ipc)
+        advertised_payload(&cfg, &cfg.pair.p, &regions, base, worker_address, rkey, &notify_ep, ipc)
     };
     let payload = payload_of(worker_address, &rkey)?;
     let mut storage = if uses_storage {

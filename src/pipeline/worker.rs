@@ -210,22 +210,10 @@ pub fn classify_ucx(e: &crate::transfer::ucx::UcxError) -> wire::FailureCause {
 
 /// The handshake payload a rank advertises on its engine's side channel: its UCX worker
 /// address (empty once its UCX side is gone), its pool's regions at `base` behind remote key
-/// `rkey`, its engine side (`spec`: TP, layout, block size) and its notification endpoint.
-pub fn advertised_payload(
-    cfg: &WorkerConfig,
-    spec: &crate::layouts::EngineSpec,
-    regions: &[crate::layouts::Region],
-    base: u64,
-    worker_address: Vec<u8>,
-    rkey: &[u8],
-    notify_ep: &str,
-) -> Result<Vec<u8>, WorkerError> {
-    advertised_payload_with(cfg, spec, regions, base, worker_address, rkey, notify_ep, None)
-}
-
-/// [`advertised_payload`] with the pool's CUDA IPC export (`--transport cuda-batch`).
+/// `rkey`, its engine side (`spec`: TP, layout, block size), its notification endpoint and,
+/// for `--transport cuda-batch`, its pool's CUDA IPC export.
 #[expect(clippy::too_many_arguments, reason = "advertised_payload's fields and the export")]
-pub fn advertised_payload_with(
+pub fn advertised_payload(
     cfg: &WorkerConfig,
     spec: &crate::layouts::EngineSpec,
     regions: &[crate::layouts::Region],

@@ -24,9 +24,9 @@ use sha2::{Digest, Sha256};
 #[serde(transparent)]
 pub struct CompatFactors(BTreeMap<String, Value>);
 
-/// Inputs of vLLM 0.33's `compute_nixl_compatibility_hash`.
+/// The model and engine factors every vLLM version's compatibility hash takes.
 #[derive(Debug, Clone, PartialEq)]
-pub struct VllmFactorsV033 {
+pub struct VllmModelFactors {
     pub vllm_version: String,
     pub nixl_connector_version: u64,
     pub model: String,
@@ -38,6 +38,12 @@ pub struct VllmFactorsV033 {
     pub num_hidden_layers: u64,
     pub attn_backend_name: String,
     pub cache_dtype: String,
+}
+
+/// Inputs of vLLM 0.33's `compute_nixl_compatibility_hash`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmFactorsV033 {
+    pub common: VllmModelFactors,
     pub is_hma_enabled: bool,
     /// `None` hashes as JSON `null`, as vLLM does without speculative decoding.
     pub speculative_config: Option<Value>,
@@ -49,15 +55,7 @@ pub struct VllmFactorsV033 {
 /// `speculative_config` and `transfer_mode`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct VllmFactorsV019 {
-    pub vllm_version: String,
-    pub nixl_connector_version: u64,
-    pub model: String,
-    pub dtype: String,
-    pub num_kv_heads: u64,
-    pub head_size: u64,
-    pub num_hidden_layers: u64,
-    pub attn_backend_name: String,
-    pub cache_dtype: String,
+    pub common: VllmModelFactors,
     pub cross_layers_blocks: bool,
     pub is_hma_enabled: bool,
 }
@@ -120,7 +118,8 @@ impl CompatFactors {
         self
     }
 
-    pub fn vllm_v0_33(f: &VllmFactorsV033) -> Self {
+    /// The factors every vLLM version hashes.
+    fn vllm_common(f: &VllmModelFactors) -> Self {
         Self::new()
             .with("vllm_version", f.vllm_version.as_str())
             .with("nixl_connector_version", f.nixl_connector_version)
@@ -131,22 +130,17 @@ impl CompatFactors {
             .with("num_hidden_layers", f.num_hidden_layers)
             .with("attn_backend_name", f.attn_backend_name.as_str())
             .with("cache_dtype", f.cache_dtype.as_str())
+    }
+
+    pub fn vllm_v0_33(f: &VllmFactorsV033) -> Self {
+        Self::vllm_common(&f.common)
             .with("is_hma_enabled", f.is_hma_enabled)
             .with("speculative_config", f.speculative_config.clone().unwrap_or(Value::Null))
             .with("transfer_mode", f.transfer_mode.as_str())
     }
 
     pub fn vllm_v0_19(f: &VllmFactorsV019) -> Self {
-        Self::new()
-            .with("vllm_version", f.vllm_version.as_str())
-            .with("nixl_connector_version", f.nixl_connector_version)
-            .with("model", f.model.as_str())
-            .with("dtype", f.dtype.as_str())
-            .with("num_kv_heads", f.num_kv_heads)
-            .with("head_size", f.head_size)
-            .with("num_hidden_layers", f.num_hidden_layers)
-            .with("attn_backend_name", f.attn_backend_name.as_str())
-            .with("cache_dtype", f.cache_dtype.as_str())
+        Self::vllm_common(&f.common)
             .with("cross_layers_blocks", f.cross_layers_blocks)
             .with("is_hma_enabled", f.is_hma_enabled)
     }

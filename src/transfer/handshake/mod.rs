@@ -27,7 +27,9 @@ pub mod wire;
 use std::time::Duration;
 
 pub use client::{FetchOptions, HandshakeClient, PeerMetadata, RawReply, RetryEvent, RetryHook};
-pub use compat::{CompatFactors, FactorDiff, KvxFactors, VllmFactorsV019, VllmFactorsV033, diff};
+pub use compat::{
+    CompatFactors, FactorDiff, KvxFactors, VllmFactorsV019, VllmFactorsV033, VllmModelFactors, diff,
+};
 pub use meta::{
     AgentMetadata, KVX_METADATA_FORMAT, KVX_METADATA_TAG, KvxMetadata, KvxRegion, VllmAgentMetadata,
 };
@@ -200,12 +202,9 @@ mod oracle_tests {
         CompatFactors::from_json(&v.to_string()).expect("factors object")
     }
 
-    #[test]
-    fn v0_33_hash_and_canonical_json() {
-        let o = oracle();
-        let h = &o["handshake_and_lifecycle"]["vllm_0.33.0"]["handshake"]["compat_hash"];
-        let f = &h["factors"];
-        let typed = CompatFactors::vllm_v0_33(&VllmFactorsV033 {
+    /// The factors every version hashes, from an oracle case's `factors`.
+    fn common_factors(f: &serde_json::Value) -> VllmModelFactors {
+        VllmModelFactors {
             vllm_version: f["vllm_version"].as_str().expect("str").into(),
             nixl_connector_version: f["nixl_connector_version"].as_u64().expect("int"),
             model: f["model"].as_str().expect("str").into(),
@@ -215,6 +214,16 @@ mod oracle_tests {
             num_hidden_layers: f["num_hidden_layers"].as_u64().expect("int"),
             attn_backend_name: f["attn_backend_name"].as_str().expect("str").into(),
             cache_dtype: f["cache_dtype"].as_str().expect("str").into(),
+        }
+    }
+
+    #[test]
+    fn v0_33_hash_and_canonical_json() {
+        let o = oracle();
+        let h = &o["handshake_and_lifecycle"]["vllm_0.33.0"]["handshake"]["compat_hash"];
+        let f = &h["factors"];
+        let typed = CompatFactors::vllm_v0_33(&VllmFactorsV033 {
+            common: common_factors(f),
             is_hma_enabled: f["is_hma_enabled"].as_bool().expect("bool"),
             speculative_config: None,
             transfer_mode: f["transfer_mode"].as_str().expect("str").into(),
@@ -230,15 +239,7 @@ mod oracle_tests {
         let h = &o["handshake_and_lifecycle"]["vllm_0.19.1"]["compat_hash"];
         let f = &h["factors"];
         let typed = CompatFactors::vllm_v0_19(&VllmFactorsV019 {
-            vllm_version: f["vllm_version"].as_str().expect("str").into(),
-            nixl_connector_version: f["nixl_connector_version"].as_u64().expect("int"),
-            model: f["model"].as_str().expect("str").into(),
-            dtype: f["dtype"].as_str().expect("str").into(),
-            num_kv_heads: f["num_kv_heads"].as_u64().expect("int"),
-            head_size: f["head_size"].as_u64().expect("int"),
-            num_hidden_layers: f["num_hidden_layers"].as_u64().expect("int"),
-            attn_backend_name: f["attn_backend_name"].as_str().expect("str").into(),
-            cache_dtype: f["cache_dtype"].as_str().expect("str").into(),
+            common: common_factors(f),
             cross_layers_blocks: f["cross_layers_blocks"].as_bool().expect("bool"),
             is_hma_enabled: f["is_hma_enabled"].as_bool().expect("bool"),
         });
