@@ -123,6 +123,11 @@ pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
     if args.mode == TransferMode::Push {
         return run_push(args);
     }
+    if let Some(model) = crate::settings::plan::hybrid_preset_of(&args.model, args.pair.vllm, &[])
+        .map_err(|e| reject(args.format, e))?
+    {
+        return run_hybrid(args, model);
+    }
     let result = (|| {
         let pair = scenario::resolve_pair(&args.model, &args.pair, 1, 1)?;
         let ports = scenario::resolve_ports(&args.ports)?;
@@ -133,6 +138,62 @@ pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
     match args.format {
         Format::Json => output::stdout_json(&report)?,
         Format::Table => output::stdout(render_table(&report))?,
+    }
+    Ok(Outcome::Ok)
+}
+
+/// `kvx topo` of a hybrid preset: vLLM 0.33's handshake (or its refusal) and each decode
+/// rank's sources per KV cache group.
+fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> anyhow::Result<Outcome> {
+    use crate::layouts::hybrid::geometry::GroupKind;
+    use crate::report::topo::{HybridDRankJson, HybridGroupJson, HybridTopoJson, render_hybrid_table};
+    let result = (|| {
+        // The rank map does not depend on the pool: a small one serves.
+        let (p, d) = crate::settings::plan::hybrid_engines(&args.pair, 64, None, None)?;
+        let config = crate::layouts::hybrid::PairConfig { model, p, d, permute_local_kv: args.pair.permute };
+        let planner = crate::layouts::hybrid::HybridPlanner::new(&config)
+            .map_err(|e| ConfigError::new(e.flag().to_string(), e.to_string()))?;
+        let groups = planner
+            .d
+            .groups
+            .iter()
+            .map(|g| HybridGroupJson {
+                group: g.index,
+                kind: match g.kind {
+                    GroupKind::Full => "full".to_string(),
+                    GroupKind::SlidingWindow { window_tokens } => format!("sliding_window({window_tokens})"),
+                    GroupKind::State(k) => k.name().to_string(),
+                },
+                layers: g.layers.len(),
+            })
+            .collect();
+        let d_ranks = planner
+            .d_ranks
+            .iter()
+            .map(|r| HybridDRankJson {
+                d_rank: r.d_rank,
+                handshake_ranks: r.handshake_ranks.clone(),
+                read_ranks: r.mapping.all_source_ranks.clone(),
+                source_ranks_per_group: r.mapping.source_ranks_per_group.clone(),
+                rank_offset_factor: r.mapping.rank_offset_factor,
+                expected_consumers_in_notif: r.mapping.local_consumers,
+            })
+            .collect();
+        Ok::<_, ConfigError>(HybridTopoJson {
+            status: "ok",
+            model: config.model.name.clone(),
+            p_tp: config.p.tp,
+            d_tp: config.d.tp,
+            tp_ratio: planner.tp_ratio,
+            block_size: [planner.p.sizing.block_tokens, planner.d.sizing.block_tokens],
+            groups,
+            d_ranks,
+        })
+    })();
+    let report = result.map_err(|e| reject(args.format, e))?;
+    match args.format {
+        Format::Json => output::stdout_json(&report)?,
+        Format::Table => output::stdout(render_hybrid_table(&report))?,
     }
     Ok(Outcome::Ok)
 }

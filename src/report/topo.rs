@@ -366,3 +366,70 @@ fn ranks_text(r: &[u32]) -> String {
     }
     r.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
+
+/// `kvx topo` of a hybrid model: per decode rank and KV cache group, the prefill ranks it
+/// reads (attention deduplicated by head, state from every prefill rank of its slice), as
+/// vLLM 0.33's `TPMapping` gives them.
+#[derive(Debug, Serialize)]
+pub struct HybridTopoJson {
+    pub status: &'static str,
+    pub model: String,
+    pub p_tp: u32,
+    pub d_tp: u32,
+    /// vLLM's signed ratio from the decode side: `D/P` when D >= P, else `-(P/D)`.
+    pub tp_ratio: i64,
+    /// Tokens per block after vLLM's hybrid alignment, per side.
+    pub block_size: [u32; 2],
+    pub groups: Vec<HybridGroupJson>,
+    pub d_ranks: Vec<HybridDRankJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct HybridGroupJson {
+    pub group: u32,
+    /// `full`, `sliding_window(N)`, or the state kind (`mamba2`, `gdn`, ...).
+    pub kind: String,
+    pub layers: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct HybridDRankJson {
+    pub d_rank: u32,
+    pub handshake_ranks: Vec<u32>,
+    /// Every prefill rank read (one READ each).
+    pub read_ranks: Vec<u32>,
+    /// Prefill ranks read, per group (index = group).
+    pub source_ranks_per_group: Vec<Vec<u32>>,
+    /// Which head slice of a prefill block this rank reads when D > P.
+    pub rank_offset_factor: u32,
+    /// Notifications each prefill rank waits for.
+    pub expected_consumers_in_notif: u32,
+}
+
+/// The table view of a hybrid pair's rank map.
+pub fn render_hybrid_table(t: &HybridTopoJson) -> String {
+    let mut out = format!(
+        "kvx topo: {} P{} -> D{} (tp_ratio {}), aligned block size P {} / D {} tokens\n",
+        t.model, t.p_tp, t.d_tp, t.tp_ratio, t.block_size[0], t.block_size[1]
+    );
+    let mut table =
+        wrapped_table(vec!["D rank", "group", "kind", "layers", "reads P ranks", "handshake", "notif"]);
+    for d in &t.d_ranks {
+        for g in &t.groups {
+            let sources =
+                d.source_ranks_per_group.get(g.group as usize).map(Vec::as_slice).unwrap_or_default();
+            table.add_row(vec![
+                d.d_rank.to_string(),
+                g.group.to_string(),
+                g.kind.clone(),
+                g.layers.to_string(),
+                ranks_text(sources),
+                ranks_text(&d.handshake_ranks),
+                format!("<id>:{}", d.expected_consumers_in_notif),
+            ]);
+        }
+    }
+    out.push_str(&table.to_string());
+    out.push('\n');
+    out
+}

@@ -70,6 +70,12 @@ fn hybrid_outputs() {
     let flags =
         ["plan", "--model", "qwen3-next-80b-a3b", "--p-tp", "1", "--d-tp", "2", "--prompt-len", "4096"];
     golden("hybrid_plan_flags_table", &kvx(&flags));
+    // Per group sources: GDN state from both prefill ranks of the slice, attention from one.
+    let topo = ["topo", "--model", "qwen3-next-80b-a3b", "--p-tp", "4", "--d-tp", "2"];
+    golden("hybrid_topo_table", &kvx(&topo));
+    let json = kvx(&[&topo[..], &["--format", "json"]].concat());
+    let v: serde_json::Value = serde_json::from_str(&json).expect("json");
+    golden("hybrid_topo_json", &serde_json::to_string_pretty(&v).expect("pretty"));
 }
 
 #[test]
