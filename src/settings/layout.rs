@@ -7,8 +7,8 @@ use super::flags::{Format, ModelFlags};
 use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
+use crate::layouts::hybrid::HybridModel;
 use crate::layouts::hybrid::geometry::{EngineGeometry, HybridEngine, KvBufferDevice, Side};
-use crate::layouts::hybrid::{HybridModel, preset as hybrid_preset};
 use crate::layouts::{EngineSpec, Layout, RankGeometry};
 use crate::topology::VllmVersion;
 
@@ -56,10 +56,11 @@ pub struct LayoutFlags {
 pub fn resolve_hybrid(args: &LayoutFlags) -> Result<Option<(HybridModel, EngineGeometry)>, ConfigError> {
     let m = &args.model;
     let Some(name) = &m.model else { return Ok(None) };
-    if m.model_config.is_some() || crate::settings::model::preset(name).is_ok() {
+    if m.model_config.is_some() {
         return Ok(None);
     }
-    let Ok(model) = hybrid_preset(name) else { return Ok(None) };
+    let Some(model) = crate::settings::model::hybrid_model(name)? else { return Ok(None) };
+    let name = &model.name;
     let shape_flag = [
         (m.num_kv_heads.is_some(), "--num-kv-heads"),
         (m.head_dim.is_some(), "--head-dim"),

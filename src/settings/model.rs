@@ -172,6 +172,24 @@ pub fn from_config_file(path: &Path) -> Result<ModelShape, ConfigError> {
     cfg.to_shape(&stem, "--model-config")
 }
 
+/// The hybrid model `--model` names: a model TOML (a path ending in `.toml`, read by
+/// `layouts::hybrid::model`: its layer pattern, attention shape and state), or a hybrid preset
+/// (a name no uniform preset has). `None` for a uniform model.
+pub fn hybrid_model(name: &str) -> Result<Option<crate::layouts::hybrid::HybridModel>, ConfigError> {
+    if name.to_ascii_lowercase().ends_with(".toml") {
+        let text = std::fs::read_to_string(name)
+            .map_err(|e| ConfigError::new("--model", format!("cannot read the model file {name}: {e}")))?;
+        let model: crate::layouts::hybrid::HybridModel = toml::from_str(&text)
+            .map_err(|e| ConfigError::new("--model", format!("{name} is not a hybrid model TOML: {e}")))?;
+        model.validate().map_err(|e| ConfigError::new("--model", format!("{name}: {e}")))?;
+        return Ok(Some(model));
+    }
+    if preset(name).is_ok() {
+        return Ok(None);
+    }
+    Ok(crate::layouts::hybrid::preset(name).ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -273,10 +273,11 @@ pub fn hybrid_preset_of(
     refused: &[(bool, &'static str)],
 ) -> Result<Option<crate::layouts::hybrid::HybridModel>, ConfigError> {
     let Some(name) = &m.model else { return Ok(None) };
-    if m.model_config.is_some() || super::model::preset(name).is_ok() {
+    if m.model_config.is_some() {
         return Ok(None);
     }
-    let Ok(model) = crate::layouts::hybrid::preset(name) else { return Ok(None) };
+    let Some(model) = super::model::hybrid_model(name)? else { return Ok(None) };
+    let name = &model.name;
     let shape = [
         (m.num_kv_heads.is_some(), "--num-kv-heads"),
         (m.head_dim.is_some(), "--head-dim"),
@@ -288,7 +289,9 @@ pub fn hybrid_preset_of(
     if let Some((_, flag)) = shape.iter().chain(refused).find(|(given, _)| *given) {
         return Err(ConfigError::new(
             *flag,
-            format!("{name} is a hybrid preset, planned by vLLM 0.33's rules (its shape is the preset's)"),
+            format!(
+                "{name} is a hybrid model, planned by vLLM 0.33's rules (its shape is its file's or preset's)"
+            ),
         ));
     }
     Ok(Some(model))

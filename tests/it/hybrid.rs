@@ -897,3 +897,34 @@ fn kvx_plan_of_a_hybrid_preset_from_flags() {
         assert!(err.contains(flag), "{extra:?} names {flag}: {err}");
     }
 }
+
+/// A hybrid model of one's own: `--model FILE.toml` (the TOML `layouts::hybrid::model` reads)
+/// works wherever a hybrid preset does (layout, topo, plan), and a file that is not one is
+/// refused naming `--model`.
+#[test]
+fn a_model_toml_runs_layout_topo_and_plan() {
+    let file = format!("{}/tests/fixtures/hybrid-model-tiny.toml", env!("CARGO_MANIFEST_DIR"));
+    let json = |args: &[&str]| -> Value {
+        let out = crate::common::kvx()
+            .args(args)
+            .args(["--model", &file, "--format", "json"])
+            .output()
+            .expect("kvx");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let topo = json(&["topo", "--p-tp", "1", "--d-tp", "2"]);
+    assert_eq!(topo["model"], "tiny-hybrid");
+    // Three Mamba2 groups, two full-attention groups and a sliding window of 64 tokens.
+    let kinds: Vec<&str> =
+        topo["groups"].as_array().expect("groups").iter().filter_map(|g| g["kind"].as_str()).collect();
+    assert_eq!(kinds, ["mamba2", "mamba2", "mamba2", "full", "full", "sliding_window(64)"]);
+    let layout = json(&["layout", "--tp", "2"]);
+    assert_eq!(layout["block_size"], 32, "{layout}");
+    let plan = json(&["plan", "--p-tp", "2", "--d-tp", "1", "--prompt-len", "500"]);
+    assert!(plan["d_ranks"][0]["reads"].as_array().is_some_and(|r| !r.is_empty()), "{plan}");
+    let bad = format!("{}/Cargo.toml", env!("CARGO_MANIFEST_DIR"));
+    let out = crate::common::kvx().args(["topo", "--model", &bad]).output().expect("kvx");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--model"));
+}
