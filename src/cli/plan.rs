@@ -379,7 +379,8 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
             .map_err(|e| reject(args.format, e))?;
     let planner = HybridPlanner::new(&case.pair).map_err(refused)?;
     let plan = planner.plan(&case.request.for_planner(&planner), &args.p_request_id).map_err(refused)?;
-    let findings: Vec<_> = planner.findings.iter().chain(&plan.findings).collect();
+    // The plan's findings include the planner's (those that hold for every request).
+    let findings: Vec<_> = plan.findings.iter().collect();
     // Posting cost: every descriptor a decode rank posts, state rows included (vLLM merges
     // none of them, so each counts as its own copy).
     let ranks: Vec<(u32, Vec<ReadShape>)> = plan

@@ -332,7 +332,8 @@ pub fn render_hybrid(
     }
     out.push_str(&reads.to_string());
     out.push_str(&format!("\ntotal: {total_descs} descriptors, {}\n", bytes_text(total_bytes)));
-    let findings: Vec<_> = planner.findings.iter().chain(&plan.findings).collect();
+    // The plan's findings include the planner's (those that hold for every request).
+    let findings: Vec<_> = plan.findings.iter().collect();
     if !findings.is_empty() {
         out.push_str(&format!("\nwhere vLLM 0.33's rules move the wrong bytes ({}):\n", findings.len()));
         for f in findings {

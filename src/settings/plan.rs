@@ -202,6 +202,11 @@ pub struct PlanFlags {
     /// Fraction of the prompt already cached on decode (only the rest is read).
     #[arg(long, value_name = "FRACTION", default_value_t = 0.0, help_heading = "Request")]
     pub prefix_hit: f64,
+    /// Hybrid models: where both engines register the KV cache (vLLM's `kv_buffer_device`):
+    /// cuda (the device cache) or cpu (a host buffer: prefill copies to it, decode reads it and
+    /// copies back) [default: cuda].
+    #[arg(long, value_enum)]
+    pub kv_buffer_device: Option<crate::layouts::hybrid::geometry::KvBufferDevice>,
     /// Prefill pool size in blocks (default: enough for the request, at least 2x).
     #[arg(long, value_name = "N", help_heading = "Request")]
     pub p_num_blocks: Option<u32>,
@@ -325,11 +330,23 @@ pub fn hybrid_engines(
 /// every other request.
 pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
     if args.scenario.is_some() {
+        if args.kv_buffer_device.is_some() {
+            return Err(ConfigError::new(
+                "--kv-buffer-device",
+                "a --scenario case names its own engines' buffers",
+            ));
+        }
         return resolve_hybrid_scenario(args);
     }
     let Some(model) =
         hybrid_preset_of(&args.model, args.pair.vllm, &[(args.local_blocks.is_some(), "--local-blocks")])?
     else {
+        if args.kv_buffer_device.is_some() {
+            return Err(ConfigError::new(
+                "--kv-buffer-device",
+                "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b)",
+            ));
+        }
         return Ok(None);
     };
     let name = &model.name;
@@ -358,7 +375,10 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
     // Room for the request in every group, twice over (block ids are fresh per group).
     let pool =
         groups.saturating_mul(tokens.div_ceil(16).saturating_add(2)).saturating_mul(2).saturating_add(2);
-    let (p, d) = hybrid_engines(&args.pair, pool, args.p_num_blocks, args.d_num_blocks)?;
+    let (mut p, mut d) = hybrid_engines(&args.pair, pool, args.p_num_blocks, args.d_num_blocks)?;
+    if let Some(device) = args.kv_buffer_device {
+        (p.kv_buffer_device, d.kv_buffer_device) = (device, device);
+    }
     Ok(Some(HybridCase {
         name: model.name.clone(),
         pair: crate::layouts::hybrid::PairConfig { model, p, d, permute_local_kv: args.pair.permute },

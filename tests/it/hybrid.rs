@@ -928,3 +928,63 @@ fn a_model_toml_runs_layout_topo_and_plan() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--model"));
 }
+
+/// `docs/hybrid-findings.md`: each documented command gives the findings the page describes.
+#[test]
+fn documented_findings_hold() {
+    let findings = |args: &[&str]| -> Vec<Value> {
+        let out = crate::common::kvx().args(["plan", "--format", "json"]).args(args).output().expect("kvx");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+        v["findings"].as_array().cloned().unwrap_or_default()
+    };
+    let named =
+        |f: &[Value], name: &str| -> Vec<Value> { f.iter().filter_map(|x| x.get(name).cloned()).collect() };
+    // 1. Host buffer with several groups: every group of Gemma-3 loses every block.
+    let gemma = findings(&[
+        "--model",
+        "gemma-3-4b",
+        "--p-tp",
+        "1",
+        "--d-tp",
+        "1",
+        "--prompt-len",
+        "2000",
+        "--kv-buffer-device",
+        "cpu",
+    ]);
+    let lost = named(&gemma, "HostCopyOverwrites");
+    assert!(lost.len() > 1, "{gemma:?}");
+    assert!(lost.iter().all(|l| l["lost_blocks"] == l["blocks"]), "{lost:?}");
+    // 2. Host buffer with a padded state page: 4,096 bytes per block on Nemotron-H.
+    let nemo = findings(&[
+        "--model",
+        "nemotron-h-8b",
+        "--p-tp",
+        "1",
+        "--d-tp",
+        "1",
+        "--prompt-len",
+        "2000",
+        "--kv-buffer-device",
+        "cpu",
+    ]);
+    let padded = named(&nemo, "HostStatePagePadded");
+    assert_eq!(padded.len(), 2, "{nemo:?}");
+    for p in &padded {
+        assert_eq!(
+            p["padded_page_bytes"].as_u64().zip(p["real_page_bytes"].as_u64()).map(|(a, b)| a - b),
+            Some(4096)
+        );
+    }
+    // 3. Mamba2 with n_groups below decode TP: Falcon-H1 P1 -> D2 misreads B and C only.
+    let falcon = findings(&["--model", "falcon-h1-7b", "--p-tp", "1", "--d-tp", "2", "--prompt-len", "2000"]);
+    let misread = named(&falcon, "StateSliceMisread");
+    let parts: Vec<(u64, &str)> =
+        misread.iter().filter_map(|m| Some((m["d_rank"].as_u64()?, m["part"].as_str()?))).collect();
+    assert_eq!(parts, [(0, "mamba_conv_C"), (1, "mamba_conv_B"), (1, "mamba_conv_C")], "{falcon:?}");
+    assert!(
+        misread[0]["reads"].as_str().is_some_and(|r| r.contains("reads mamba_ssm bytes 0..")),
+        "{misread:?}"
+    );
+}
