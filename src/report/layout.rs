@@ -1,6 +1,9 @@
-//! `kvx layout`'s view of a hybrid model's engine: the KV cache groups, vLLM's aligned block
+//! `kvx layout`'s views: a uniform engine's rank (its JSON shape and table) and a hybrid model's engine: the KV cache groups, vLLM's aligned block
 //! size and padded page, the state slot's parts with their byte ranges, and the regions. Pure:
 //! `cli::layout` resolves the geometry and prints this.
+
+use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
+use serde::Serialize;
 
 use super::numbers::bytes_text;
 use super::table::wrapped_table;
@@ -95,5 +98,150 @@ pub fn render_hybrid(model: &str, rank: u32, g: &EngineGeometry, show_regions: u
         out.push_str(&format!("\n... {} more regions ({n} in all; --show-regions N)", n - show_regions));
     }
     out.push_str(&format!("\nmemory registrations: {}\n", g.registrations.len()));
+    out
+}
+
+#[derive(Debug, Serialize)]
+pub struct AxisJson {
+    pub axis: &'static str,
+    pub size: u64,
+    pub stride_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RegionJson {
+    pub name: String,
+    pub base_offset: u64,
+    pub block_len: u64,
+    pub block_stride: u64,
+    pub num_blocks: u64,
+    pub block_content: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LayoutJson {
+    pub status: &'static str,
+    pub model: String,
+    pub vllm_version: &'static str,
+    pub layout: String,
+    pub layout_description: &'static str,
+    pub tp: u32,
+    pub rank: u32,
+    pub kv_heads_on_rank: u32,
+    pub global_heads: Vec<u32>,
+    pub block_size: u32,
+    pub num_blocks: u32,
+    pub bytes_per_token: u64,
+    pub bytes_per_block_per_layer: u64,
+    pub bytes_per_block: u64,
+    pub allocation_bytes: u64,
+    pub request_tokens: u32,
+    pub request_blocks: u32,
+    pub bytes_per_request: u64,
+    pub descriptors_per_request: u64,
+    pub physical_axes: Vec<AxisJson>,
+    pub regions: Vec<RegionJson>,
+    pub registrations: Vec<[u64; 2]>,
+}
+
+/// `kvx layout --format json` of a hybrid preset: vLLM's aligned block size and padded page up
+/// front, then the whole geometry (groups, state parts, regions, registrations).
+#[derive(Debug, Serialize)]
+pub struct HybridLayoutJson<'a> {
+    pub status: &'static str,
+    pub model: &'a str,
+    pub tp: u32,
+    pub rank: u32,
+    pub vllm_version: &'static str,
+    /// Tokens per block after vLLM's hybrid alignment.
+    pub block_size: u32,
+    pub kernel_block_size: u32,
+    pub page_bytes: u64,
+    pub padding_bytes: u64,
+    pub geometry: &'a crate::layouts::hybrid::EngineGeometry,
+}
+
+/// The table view of a uniform engine's rank; `show_regions` rows of regions at most.
+pub fn render_uniform(t: &LayoutJson, show_regions: usize) -> String {
+    let mut out = format!(
+        "kvx layout: {} | tp {} rank {} ({} KV heads: {:?}) | {} ({}) | vLLM {}\n",
+        t.model,
+        t.tp,
+        t.rank,
+        t.kv_heads_on_rank,
+        t.global_heads,
+        t.layout,
+        t.layout_description,
+        t.vllm_version
+    );
+    let axes: Vec<String> = t
+        .physical_axes
+        .iter()
+        .map(|a| format!("{}={} (stride {})", a.axis, a.size, bytes_text(a.stride_bytes)))
+        .collect();
+    out.push_str(&format!("physical axes, outermost first: {}\n", axes.join(", ")));
+    out.push_str(&format!(
+        "bytes: {} per token, {} per block per layer, {} per block ({} tokens), {} allocated for {} blocks\n",
+        bytes_text(t.bytes_per_token),
+        bytes_text(t.bytes_per_block_per_layer),
+        bytes_text(t.bytes_per_block),
+        t.block_size,
+        bytes_text(t.allocation_bytes),
+        t.num_blocks
+    ));
+    out.push_str(&format!(
+        "a request of {} tokens: {} blocks, {}, {} descriptors per source rank ({} regions x {} blocks)\n",
+        t.request_tokens,
+        t.request_blocks,
+        bytes_text(t.bytes_per_request),
+        t.descriptors_per_request,
+        t.regions.len(),
+        t.request_blocks
+    ));
+    let mut table = Table::new();
+    table.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic);
+    table.set_header(vec![
+        "region",
+        "name",
+        "base offset",
+        "block len",
+        "block stride",
+        "blocks",
+        "block holds",
+    ]);
+    let n = t.regions.len();
+    for (i, r) in t.regions.iter().enumerate() {
+        if n > show_regions && i >= show_regions.saturating_sub(1) && i + 1 < n {
+            if i == show_regions.saturating_sub(1) {
+                table.add_row(vec![
+                    "...".to_string(),
+                    format!("{} more regions", n - show_regions),
+                    String::new(),
+                ]);
+            }
+            continue;
+        }
+        table.add_row(vec![
+            i.to_string(),
+            r.name.clone(),
+            r.base_offset.to_string(),
+            r.block_len.to_string(),
+            r.block_stride.to_string(),
+            r.num_blocks.to_string(),
+            r.block_content.clone(),
+        ]);
+    }
+    out.push_str(&table.to_string());
+    let regs: Vec<String> =
+        t.registrations.iter().take(4).map(|[o, n]| format!("[{o}, +{})", bytes_text(*n))).collect();
+    out.push_str(&format!(
+        "\nmemory registrations: {}{}\n",
+        regs.join(" "),
+        if t.registrations.len() > 4 {
+            format!(" ... ({} in all)", t.registrations.len())
+        } else {
+            String::new()
+        }
+    ));
     out
 }
