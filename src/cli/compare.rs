@@ -11,9 +11,9 @@ use crate::diagnose::xfer::run_for_calibration;
 use crate::pipeline::bench;
 use crate::pipeline::bench::BenchSettings;
 use crate::report::chart::{Bars, bars_svg};
+use crate::report::compare_runs::{RunRow, modes_table, transports_table};
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{Summary, SweepPoint};
-use crate::report::table::{Style, new_table};
 
 /// CPU seconds (user + system) of this process and of its reaped children so far (0 for
 /// what `getrusage` cannot tell).
@@ -26,26 +26,6 @@ fn cpu_seconds() -> f64 {
         .map(|u| secs(u.user_time()) + secs(u.system_time()))
         .sum()
 }
-
-/// What a connector needs, for the table.
-fn needs(kind: &str) -> &'static str {
-    match kind {
-        "ucx" => "UCX (RDMA NIC, NVLink or shared memory); a side channel (ZMQ) to handshake",
-        "storage" => "a directory both sides reach (local disk, NFS, Lustre); no NIC or service",
-        "multi" => "both of the above; storage is used only when UCX fails",
-        "cuda-batch" => {
-            "GPUs of one machine (CUDA IPC), a CUDA 12.8+ driver for the batch API; ZMQ to notify"
-        }
-        _ => "",
-    }
-}
-
-/// Connectors of vLLM's guide kvx does not measure here, with the reason.
-const NOT_MEASURED: &[(&str, &str, &str)] = &[
-    ("PyNcclConnector", "medium (vLLM's guide)", "needs NVIDIA GPUs and NCCL: no GPU on this machine"),
-    ("P2pNcclConnector", "medium (vLLM's guide)", "needs NVIDIA GPUs and NCCL: no GPU on this machine"),
-    ("LMCacheConnectorV1", "variable (vLLM's guide)", "needs an LMCache server (external service) and GPUs"),
-];
 
 /// What a comparison compares: the runs differ in this one setting only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,23 +50,6 @@ impl Compared {
             Compared::Modes => s.workers.transport.mode.as_str().to_string(),
         }
     }
-}
-
-/// One run's figures for the table.
-struct Row {
-    name: String,
-    transfer: (f64, f64),
-    e2e: (f64, f64),
-    /// Prefill start to the KV in decode's blocks (`kv_ready`), p50 and p99.
-    ready: (f64, f64),
-    /// Push: the WRITE time hidden behind prefill (`push_hidden`), p50.
-    hidden_p50: Option<f64>,
-    post_p50: f64,
-    notify_p50: f64,
-    descriptors: f64,
-    gbps: f64,
-    cpu_per_gb: f64,
-    failed: u64,
 }
 
 /// Runs the same workload once per setting compared (`runs`, resolved by `settings::bench`);
@@ -124,7 +87,7 @@ pub fn run(
         let (t50, t99) = stage("transfer");
         let (e50, e99) = stage("e2e");
         summary.absorb(&s);
-        rows.push(Row {
+        rows.push(RunRow {
             name: name.clone(),
             transfer: (t50, t99),
             e2e: (e50, e99),
@@ -190,93 +153,4 @@ pub fn run(
     summary.sweep = Some(points);
     summary.finished_at = Some(crate::report::summary::now_rfc3339());
     Ok((summary, table))
-}
-
-fn failed_suffix(failed: u64) -> String {
-    if failed > 0 { format!(" ({failed} failed)") } else { String::new() }
-}
-
-/// The connector table in the shape of vLLM's guide, measured, plus what is not measured.
-fn transports_table(rows: &[Row]) -> String {
-    let mut t = new_table(
-        Style::Terminal,
-        &["connector", "transfer p50/p99 ms", "e2e p50/p99 ms", "throughput GB/s", "CPU s per GB", "needs"],
-    );
-    for r in rows {
-        let label = match r.name.as_str() {
-            "ucx" => "ucx (NixlConnector's model)",
-            "storage" => "storage (SharedStorageConnector's model)",
-            "multi" => "multi: ucx, then storage (MultiConnector's model)",
-            "cuda-batch" => "cuda-batch (one batched copy per peer)",
-            other => other,
-        };
-        t.add_row(vec![
-            format!("{label}{}", failed_suffix(r.failed)),
-            format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
-            format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
-            format!("{:.3}", r.gbps),
-            format!("{:.2}", r.cpu_per_gb),
-            needs(&r.name).to_string(),
-        ]);
-    }
-    for (name, guide, why) in NOT_MEASURED {
-        t.add_row(vec![
-            (*name).to_string(),
-            "not measured".into(),
-            "not measured".into(),
-            (*guide).to_string(),
-            "-".into(),
-            (*why).to_string(),
-        ]);
-    }
-    format!("\nConnectors, measured on this machine (same workload each)\n{t}\n")
-}
-
-/// Pull against push: what each moves and how fast, and the ratio to the first run.
-fn modes_table(rows: &[Row]) -> String {
-    let mut t = new_table(
-        Style::Terminal,
-        &[
-            "mode",
-            "throughput GB/s",
-            "vs first",
-            "KV ready p50/p99 ms",
-            "transfer p50/p99 ms",
-            "hidden p50 ms",
-            "e2e p50/p99 ms",
-            "post p50 ms",
-            "notify p50 ms",
-            "descriptors/request",
-            "CPU s per GB",
-        ],
-    );
-    let base = rows.first().map_or(0.0, |r| r.gbps);
-    for r in rows {
-        let label = match r.name.as_str() {
-            "pull" => "pull (NixlConnector: decode READs)",
-            "push" => "push (NixlPushConnector: prefill WRITEs)",
-            other => other,
-        };
-        t.add_row(vec![
-            format!("{label}{}", failed_suffix(r.failed)),
-            format!("{:.3}", r.gbps),
-            if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
-            format!("{:.2} / {:.2}", r.ready.0, r.ready.1),
-            format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
-            r.hidden_p50.map_or_else(|| "-".into(), |h| format!("{h:.2}")),
-            format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
-            format!("{:.3}", r.post_p50),
-            format!("{:.3}", r.notify_p50),
-            format!("{:.0}", r.descriptors),
-            format!("{:.2}", r.cpu_per_gb),
-        ]);
-    }
-    format!(
-        "\nPull and push, measured on this machine (same workload each). KV ready = from sending the \
-         prefill leg to the KV in every decode rank's blocks (prefill, handoff, transfer): the figure that \
-         compares the modes. Push: post = decode's registration, transfer = registration to the last \
-         WRITE's notification (the prefill ranks' posting, transfer, flush and notification inside it), \
-         hidden = WRITE time spent while prefill still computed (--overlap layers), notify = 0 (the \
-         notifications are part of the transfer); descriptors count duplicate WRITEs of replicated heads.\n{t}\n"
-    )
 }

@@ -31,6 +31,7 @@ use std::path::PathBuf;
 pub mod bandwidth;
 pub mod chart;
 pub mod compare;
+pub mod compare_runs;
 pub mod export;
 pub mod files;
 pub mod gate;

@@ -1,0 +1,131 @@
+//! The tables of `kvx bench --compare-transports` (connectors in the shape of vLLM's guide,
+//! measured, and those not measured here with the reason) and `--compare-modes` (pull against
+//! push). Pure: `cli::compare` runs the workloads and fills the rows.
+
+use super::table::{Style, new_table};
+
+/// One run's figures for the table.
+pub struct RunRow {
+    pub name: String,
+    pub transfer: (f64, f64),
+    pub e2e: (f64, f64),
+    /// Prefill start to the KV in decode's blocks (`kv_ready`), p50 and p99.
+    pub ready: (f64, f64),
+    /// Push: the WRITE time hidden behind prefill (`push_hidden`), p50.
+    pub hidden_p50: Option<f64>,
+    pub post_p50: f64,
+    pub notify_p50: f64,
+    pub descriptors: f64,
+    pub gbps: f64,
+    pub cpu_per_gb: f64,
+    pub failed: u64,
+}
+
+/// What a connector needs, for the table.
+fn needs(kind: &str) -> &'static str {
+    match kind {
+        "ucx" => "UCX (RDMA NIC, NVLink or shared memory); a side channel (ZMQ) to handshake",
+        "storage" => "a directory both sides reach (local disk, NFS, Lustre); no NIC or service",
+        "multi" => "both of the above; storage is used only when UCX fails",
+        "cuda-batch" => {
+            "GPUs of one machine (CUDA IPC), a CUDA 12.8+ driver for the batch API; ZMQ to notify"
+        }
+        _ => "",
+    }
+}
+
+/// Connectors of vLLM's guide kvx does not measure here, with the reason.
+const NOT_MEASURED: &[(&str, &str, &str)] = &[
+    ("PyNcclConnector", "medium (vLLM's guide)", "needs NVIDIA GPUs and NCCL: no GPU on this machine"),
+    ("P2pNcclConnector", "medium (vLLM's guide)", "needs NVIDIA GPUs and NCCL: no GPU on this machine"),
+    ("LMCacheConnectorV1", "variable (vLLM's guide)", "needs an LMCache server (external service) and GPUs"),
+];
+
+fn failed_suffix(failed: u64) -> String {
+    if failed > 0 { format!(" ({failed} failed)") } else { String::new() }
+}
+
+/// The connector table in the shape of vLLM's guide, measured, plus what is not measured.
+pub fn transports_table(rows: &[RunRow]) -> String {
+    let mut t = new_table(
+        Style::Terminal,
+        &["connector", "transfer p50/p99 ms", "e2e p50/p99 ms", "throughput GB/s", "CPU s per GB", "needs"],
+    );
+    for r in rows {
+        let label = match r.name.as_str() {
+            "ucx" => "ucx (NixlConnector's model)",
+            "storage" => "storage (SharedStorageConnector's model)",
+            "multi" => "multi: ucx, then storage (MultiConnector's model)",
+            "cuda-batch" => "cuda-batch (one batched copy per peer)",
+            other => other,
+        };
+        t.add_row(vec![
+            format!("{label}{}", failed_suffix(r.failed)),
+            format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
+            format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
+            format!("{:.3}", r.gbps),
+            format!("{:.2}", r.cpu_per_gb),
+            needs(&r.name).to_string(),
+        ]);
+    }
+    for (name, guide, why) in NOT_MEASURED {
+        t.add_row(vec![
+            (*name).to_string(),
+            "not measured".into(),
+            "not measured".into(),
+            (*guide).to_string(),
+            "-".into(),
+            (*why).to_string(),
+        ]);
+    }
+    format!("\nConnectors, measured on this machine (same workload each)\n{t}\n")
+}
+
+/// Pull against push: what each moves and how fast, and the ratio to the first run.
+pub fn modes_table(rows: &[RunRow]) -> String {
+    let mut t = new_table(
+        Style::Terminal,
+        &[
+            "mode",
+            "throughput GB/s",
+            "vs first",
+            "KV ready p50/p99 ms",
+            "transfer p50/p99 ms",
+            "hidden p50 ms",
+            "e2e p50/p99 ms",
+            "post p50 ms",
+            "notify p50 ms",
+            "descriptors/request",
+            "CPU s per GB",
+        ],
+    );
+    let base = rows.first().map_or(0.0, |r| r.gbps);
+    for r in rows {
+        let label = match r.name.as_str() {
+            "pull" => "pull (NixlConnector: decode READs)",
+            "push" => "push (NixlPushConnector: prefill WRITEs)",
+            other => other,
+        };
+        t.add_row(vec![
+            format!("{label}{}", failed_suffix(r.failed)),
+            format!("{:.3}", r.gbps),
+            if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
+            format!("{:.2} / {:.2}", r.ready.0, r.ready.1),
+            format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
+            r.hidden_p50.map_or_else(|| "-".into(), |h| format!("{h:.2}")),
+            format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
+            format!("{:.3}", r.post_p50),
+            format!("{:.3}", r.notify_p50),
+            format!("{:.0}", r.descriptors),
+            format!("{:.2}", r.cpu_per_gb),
+        ]);
+    }
+    format!(
+        "\nPull and push, measured on this machine (same workload each). KV ready = from sending the \
+         prefill leg to the KV in every decode rank's blocks (prefill, handoff, transfer): the figure that \
+         compares the modes. Push: post = decode's registration, transfer = registration to the last \
+         WRITE's notification (the prefill ranks' posting, transfer, flush and notification inside it), \
+         hidden = WRITE time spent while prefill still computed (--overlap layers), notify = 0 (the \
+         notifications are part of the transfer); descriptors count duplicate WRITEs of replicated heads.\n{t}\n"
+    )
+}
