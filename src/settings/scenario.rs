@@ -17,7 +17,24 @@ pub const DEFAULT_MODEL: &str = "llama-3.1-70b";
 pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
     let mut shape = match (&args.model, &args.model_config) {
         (_, Some(path)) => model::from_config_file(path)?,
-        (Some(name), None) => model::preset(name)?,
+        (Some(name), None) => match model::preset(name) {
+            Ok(shape) => shape,
+            // A hybrid model where only uniform attention models run: say so, not "unknown".
+            Err(e) => match model::hybrid_model(name) {
+                Ok(Some(h)) => {
+                    return Err(ConfigError::new(
+                        "--model",
+                        format!(
+                            "{} is a hybrid model: kvx plan, topo and layout plan it by vLLM 0.33's rules, but \
+                             this command moves uniform attention models only so far (hybrid models \
+                             through the pipeline are not built yet)",
+                            h.name
+                        ),
+                    ));
+                }
+                _ => return Err(e),
+            },
+        },
         (None, None) => model::preset(DEFAULT_MODEL)?,
     };
     let mut overridden = Vec::new();

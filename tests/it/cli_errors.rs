@@ -52,6 +52,12 @@ const CASES: &[(&[&str], &str)] = &[
     (&["report", "Cargo.toml", "--charts-dir", "Cargo.toml"], "--charts-dir"),
     (&["bench", "--timeout", "5h"], "ns, us, ms, s, m"),
     (&["serve-engine", "--role", "decode", "--max-body-size", "10"], "--max-body-size"),
+    // A hybrid model where only uniform ones run: named as hybrid, not "unknown".
+    (&["bench", "--model", "qwen3-next-80b-a3b"], "is a hybrid model"),
+    (
+        &["plan", "--model", "llama-3.1-8b", "--prompt-len", "64", "--kv-buffer-device", "cpu"],
+        "--kv-buffer-device",
+    ),
     (
         &["serve-proxy", "--prefiller-host", "h", "--decoder-host", "h", "--max-body-size", "5GiB"],
         "--max-body-size",
