@@ -160,7 +160,7 @@ pub struct EngineState {
     /// Prefill role: the internal id of each recent prefill leg by the X-Request-Id it came
     /// with, so `/abort_requests` takes either (a proxy whose client left before the leg's
     /// answer knows only the header). Entries older than [`HANDOFF_IDS_KEPT`] are dropped.
-    handoff_ids: std::sync::Mutex<HashMap<String, HandoffId>>,
+    handoff_ids: std::sync::Mutex<HandoffIds>,
     seqs: Arc<Semaphore>,
     metrics: EngineMetrics,
     system_fingerprint: String,
@@ -190,7 +190,7 @@ impl EngineState {
             seqs: Arc::new(Semaphore::new(cfg.max_num_seqs.max(1))),
             cfg,
             backend,
-            handoff_ids: std::sync::Mutex::new(HashMap::new()),
+            handoff_ids: std::sync::Mutex::new(HandoffIds::default()),
             metrics: EngineMetrics::new(),
             system_fingerprint,
             started_unix_s: unix_now_s(),
@@ -201,16 +201,26 @@ impl EngineState {
         &self.cfg
     }
 
-    fn handoff_ids(&self) -> std::sync::MutexGuard<'_, HashMap<String, HandoffId>> {
+    fn handoff_ids(&self) -> std::sync::MutexGuard<'_, HandoffIds> {
         self.handoff_ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Remembers a prefill leg's internal id under its X-Request-Id (and forgets old ones).
+    /// Remembers a prefill leg's internal id under its X-Request-Id (and forgets those older
+    /// than [`HANDOFF_IDS_KEPT`], oldest first: a few per call, never a scan of the map).
     fn remember_handoff(&self, x_request_id: &str, internal_id: &str) {
         let now = Instant::now();
         let mut ids = self.handoff_ids();
-        ids.retain(|_, h| now.duration_since(h.at) < HANDOFF_IDS_KEPT);
-        ids.insert(
+        while let Some((at, _)) = ids.order.front()
+            && now.duration_since(*at) >= HANDOFF_IDS_KEPT
+        {
+            if let Some((at, key)) = ids.order.pop_front()
+                && ids.by_x.get(&key).is_some_and(|h| h.at == at)
+            {
+                ids.by_x.remove(&key);
+            }
+        }
+        ids.order.push_back((now, x_request_id.to_string()));
+        ids.by_x.insert(
             x_request_id.to_string(),
             HandoffId { internal_id: internal_id.to_string(), at: now, aborted: false },
         );
@@ -218,7 +228,7 @@ impl EngineState {
 
     /// Whether an abort named this prefill leg (by either id) since it began.
     fn handoff_aborted(&self, x_request_id: &str) -> bool {
-        self.handoff_ids().get(x_request_id).is_some_and(|h| h.aborted)
+        self.handoff_ids().by_x.get(x_request_id).is_some_and(|h| h.aborted)
     }
 
     /// Renders `/metrics`: vLLM's families under vLLM's names and labels (`model_name`,
@@ -747,6 +757,13 @@ pub const DEFAULT_BODY_LIMIT: usize = 64 << 20;
 /// notice its client left, and it bounds the map.
 const HANDOFF_IDS_KEPT: Duration = Duration::from_secs(60);
 
+/// Recent prefill legs by X-Request-Id, and the order they came in (to forget old ones).
+#[derive(Debug, Default)]
+struct HandoffIds {
+    by_x: HashMap<String, HandoffId>,
+    order: std::collections::VecDeque<(Instant, String)>,
+}
+
 /// A prefill leg's internal id, when it began, and whether an abort named it (a leg aborted
 /// before its blocks were held does not hold them).
 #[derive(Debug)]
@@ -775,7 +792,7 @@ async fn abort_requests(State(st): State<Arc<EngineState>>, headers: HeaderMap, 
             for id in &ids {
                 // An X-Request-Id names its leg's internal id; one already aborted (its
                 // handler ended when the proxy left) has nothing left to free.
-                let internal = match st.handoff_ids().get_mut(id) {
+                let internal = match st.handoff_ids().by_x.get_mut(id) {
                     Some(h) if h.aborted => continue,
                     Some(h) => {
                         h.aborted = true;
@@ -862,7 +879,7 @@ impl Drop for InFlight {
             self.st.metrics.aborted.inc();
             // One abort per request, whichever comes first: this one, or a proxy's by
             // X-Request-Id (which then finds nothing left to free).
-            let already = match self.st.handoff_ids().get_mut(&self.x_request_id) {
+            let already = match self.st.handoff_ids().by_x.get_mut(&self.x_request_id) {
                 Some(h) if h.internal_id == self.internal_id => std::mem::replace(&mut h.aborted, true),
                 _ => false,
             };

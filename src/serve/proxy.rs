@@ -681,8 +681,6 @@ struct Leg {
     sent_at: Instant,
 }
 
-/// Sends one leg, trying other healthy backends of the pool only while nothing could have
-/// reached the engine (connect failures) or the engine refused with 503.
 /// Where a leg goes and what it carries besides its body.
 #[derive(Default, Clone, Copy)]
 struct Route<'a> {
@@ -700,6 +698,8 @@ impl<'a> Route<'a> {
     }
 }
 
+/// Sends one leg, trying other healthy backends of the pool only while nothing could have
+/// reached the engine (connect failures) or the engine refused with 503.
 async fn send_leg(
     st: &ProxyState,
     role: LegRole,
