@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use kvx::layouts::alloc::{AllocPattern, allocate};
 use kvx::layouts::compat::PairSpec;
 use kvx::layouts::plan::{DRankPlan, Planner, RequestBlocks, RequestIds};
-use kvx::layouts::verify::{fill_request, verify_request};
+use kvx::layouts::verify::{VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout, Region};
 use kvx::settings::model;
 use kvx::transfer::memory::{HostBuffer, PageSize};
@@ -244,7 +244,9 @@ fn run_kvx(s: &mut Scenario, k: &mut Kvx, m: Mode, id: &str, verify: bool) -> (D
         for (d, ((planner, _), alloc)) in s.d_plans.iter().zip(&s.d_allocs).enumerate() {
             let g = s.pair.d_geometry(d as u32);
             let bp = planner.pair_blocks(&s.req).expect("pairs");
-            verify_request(&g, &g.regions(), &bp, 1, false, 16, 7, alloc.as_slice(), 16).expect("verified");
+            VerifyPlan::new(&g, &g.regions(), &bp, 1, false, 16, 7, 16)
+                .verify_in(alloc.as_slice())
+                .expect("verified");
         }
     }
     for p in &mut k.pubs {

@@ -298,17 +298,25 @@ impl RankGeometry {
         format!("model.layers.{l}.self_attn.attn")
     }
 
-    /// The tokens-and-bytes tail of a page, in the layout's head/token order.
-    fn page_axes(&self, hnd: bool) -> Vec<(Axis, u32)> {
+    /// Heads (when there are several) and tokens of a block, in the layout's order: heads
+    /// first for HND, tokens first for NHD.
+    fn head_token_axes(&self, hnd: bool) -> Vec<(Axis, u32)> {
         let mut axes = Vec::with_capacity(4);
         let heads = (self.heads > 1).then_some((Axis::Head, self.heads));
+        let tokens = (Axis::Token, self.block_tokens);
         if hnd {
             axes.extend(heads);
-            axes.push((Axis::Token, self.block_tokens));
+            axes.push(tokens);
         } else {
-            axes.push((Axis::Token, self.block_tokens));
+            axes.push(tokens);
             axes.extend(heads);
         }
+        axes
+    }
+
+    /// The tokens-and-bytes tail of a page, in the layout's head/token order.
+    fn page_axes(&self, hnd: bool) -> Vec<(Axis, u32)> {
+        let mut axes = self.head_token_axes(hnd);
         if !self.mla {
             axes.push((Axis::Kv, 2));
         }
@@ -397,14 +405,7 @@ impl RankGeometry {
         let nb = u64::from(self.num_blocks);
         let heads = (self.heads > 1).then_some((Axis::Head, self.heads));
         let hn = |hnd: bool| -> Vec<(Axis, u32)> {
-            let mut axes = Vec::with_capacity(3);
-            if hnd {
-                axes.extend(heads);
-                axes.push((Axis::Token, self.block_tokens));
-            } else {
-                axes.push((Axis::Token, self.block_tokens));
-                axes.extend(heads);
-            }
+            let mut axes = self.head_token_axes(hnd);
             axes.push((Axis::Bytes, self.vec_bytes));
             axes
         };
@@ -431,39 +432,32 @@ impl RankGeometry {
         let kv_name =
             |l: u32, kv: u32| format!("{}.{}", Self::layer_name(l), if kv == 0 { "k" } else { "v" });
         match self.layout {
-            Layout::FaHnd | Layout::FaNhd => {
-                let hnd = self.layout == Layout::FaHnd;
+            Layout::FaHnd | Layout::FaNhd | Layout::FiHnd | Layout::FiNhd => {
+                let hnd = matches!(self.layout, Layout::FaHnd | Layout::FiHnd);
+                // FlashAttention: one tensor per layer and K/V; FlashInfer: K and V
+                // interleaved in each block of one tensor per layer.
+                let fi = matches!(self.layout, Layout::FiHnd | Layout::FiNhd);
                 (0..self.num_layers * 2)
-                    .map(|i| Region {
-                        name: kv_name(i / 2, i % 2),
-                        base_off: u64::from(i) * nb * half,
-                        block_len: half,
-                        block_stride: half,
-                        num_blocks: nb,
-                        content: BlockContent {
-                            layer: Some(i / 2),
-                            head: None,
-                            kv: Some(i % 2),
-                            axes: hn(hnd),
-                        },
-                    })
-                    .collect()
-            }
-            Layout::FiHnd | Layout::FiNhd => {
-                let hnd = self.layout == Layout::FiHnd;
-                (0..self.num_layers * 2)
-                    .map(|i| Region {
-                        name: kv_name(i / 2, i % 2),
-                        base_off: u64::from(i / 2) * nb * 2 * half + u64::from(i % 2) * half,
-                        block_len: half,
-                        block_stride: 2 * half,
-                        num_blocks: nb,
-                        content: BlockContent {
-                            layer: Some(i / 2),
-                            head: None,
-                            kv: Some(i % 2),
-                            axes: hn(hnd),
-                        },
+                    .map(|i| {
+                        let (layer, kv) = (i / 2, i % 2);
+                        let (base_off, block_stride) = if fi {
+                            (u64::from(layer) * nb * 2 * half + u64::from(kv) * half, 2 * half)
+                        } else {
+                            (u64::from(i) * nb * half, half)
+                        };
+                        Region {
+                            name: kv_name(layer, kv),
+                            base_off,
+                            block_len: half,
+                            block_stride,
+                            num_blocks: nb,
+                            content: BlockContent {
+                                layer: Some(layer),
+                                head: None,
+                                kv: Some(kv),
+                                axes: hn(hnd),
+                            },
+                        }
                     })
                     .collect()
             }
@@ -520,17 +514,10 @@ fn unreachable_v033() -> Vec<Region> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::vocab::model::{Dtype, ModelShape};
+    use crate::vocab::model::ModelShape;
 
     fn toy(heads: u32) -> ModelShape {
-        ModelShape {
-            name: "toy".into(),
-            num_layers: 2,
-            num_kv_heads: heads,
-            head_dim: 64,
-            dtype: Dtype::Bf16,
-            mla: None,
-        }
+        ModelShape::toy(heads)
     }
 
     fn geom(layout: Layout, tp: u32, blocks: u32) -> RankGeometry {

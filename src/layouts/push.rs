@@ -239,19 +239,12 @@ mod tests {
     use super::*;
     use crate::layouts::{EngineSpec, Layout};
     use crate::topology::VllmVersion;
-    use crate::vocab::model::{Dtype, ModelShape};
+    use crate::vocab::model::ModelShape;
 
     fn pair(p: u32, d: u32, heads: u32) -> PairSpec {
         PairSpec {
             version: VllmVersion::V0_33,
-            model: ModelShape {
-                name: "toy".into(),
-                num_layers: 2,
-                num_kv_heads: heads,
-                head_dim: 64,
-                dtype: Dtype::Bf16,
-                mla: None,
-            },
+            model: ModelShape::toy(heads),
             p: EngineSpec { tp: p, block_tokens: 16, num_blocks: 8, layout: Layout::Lbhnc },
             d: EngineSpec { tp: d, block_tokens: 16, num_blocks: 8, layout: Layout::Lbhnc },
             permute: false,

@@ -6,7 +6,7 @@
 //! plan, so a wrong map, offset or layout is caught as a mismatch.
 //!
 //! Both come in two forms: over a whole allocation as one byte slice ([`fill_request`],
-//! [`verify_request`]), and as a list of byte ranges with what each must hold
+//! [`VerifyPlan::verify_in`]), and as a list of byte ranges with what each must hold
 //! ([`FillPlan`], [`VerifyPlan`]), for memory that is reached one range at a time (device
 //! memory, staged through the host). The slice forms are the plans applied in place.
 
@@ -147,6 +147,17 @@ impl VerifyPlan {
         VerifyPlan { contents, jobs }
     }
 
+    /// Checks the sub-blocks a decode rank received for one request in its whole allocation
+    /// `alloc` (the plan applied in place).
+    pub fn verify_in(&self, alloc: &[u8]) -> Result<Verified, Mismatch> {
+        let mut bytes = 0;
+        for (i, j) in self.jobs.iter().enumerate() {
+            let block = alloc.get(j.range.start as usize..j.range.end as usize).unwrap_or(&[]);
+            bytes += self.check(i, block)?;
+        }
+        Ok(Verified { bytes })
+    }
+
     /// The byte ranges to check, in the order [`VerifyPlan::check`] numbers them.
     pub fn ranges(&self) -> Vec<Range<u64>> {
         self.jobs.iter().map(|j| j.range.clone()).collect()
@@ -160,27 +171,4 @@ impl VerifyPlan {
         verify_block(&self.contents[j.content], j.origin, bytes, 1)
             .map_err(|m| Mismatch { offset: j.range.start + m.offset, ..m })
     }
-}
-
-/// Checks the sub-blocks a decode rank received for one request in its whole allocation
-/// `alloc` ([`VerifyPlan`] applied in place).
-#[expect(clippy::too_many_arguments, reason = "each is an independent fact of the request")]
-pub fn verify_request(
-    geom: &RankGeometry,
-    regions: &[Region],
-    bp: &BlockPairs,
-    bsr: u32,
-    permutes: bool,
-    p_block_tokens: u32,
-    seed: u64,
-    alloc: &[u8],
-    sample: u32,
-) -> Result<Verified, Mismatch> {
-    let plan = VerifyPlan::new(geom, regions, bp, bsr, permutes, p_block_tokens, seed, sample);
-    let mut bytes = 0;
-    for (i, j) in plan.jobs.iter().enumerate() {
-        let block = alloc.get(j.range.start as usize..j.range.end as usize).unwrap_or(&[]);
-        bytes += plan.check(i, block)?;
-    }
-    Ok(Verified { bytes })
 }

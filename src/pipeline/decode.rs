@@ -15,15 +15,14 @@ use super::wire::{
     FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig,
 };
 use super::worker::{
-    Control, Stage as _, WorkerError, advertised_payload, classify_ucx, compat_factors, host_pool_mut,
-    peer_pair, rss_bytes,
+    Control, Stage as _, WorkerError, advertised_payload, classify_ucx, compat_factors, fetch_peers,
+    first_region, host_pool_mut, peer_pair, rss_bytes,
 };
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{BlockPairs, Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
 use crate::layouts::verify::VerifyPlan;
 use crate::topology::{self, TpSpec};
-use crate::transfer::handshake::HandshakeError;
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::KvBuffer;
@@ -227,22 +226,22 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let Some((received, msg)) = queue.pop_front() else { continue };
         match msg {
             ToWorker::Load { req, d_request_id, params, local_blocks, seed, side_channel } => {
-                let r = if params.transfer_mode == TransferMode::Push.as_str() {
-                    let r = d.push_load(
-                        ctl,
-                        received,
-                        req,
-                        &d_request_id,
-                        &params,
-                        local_blocks,
-                        seed,
-                        side_channel,
-                    );
+                let push = params.transfer_mode == TransferMode::Push.as_str();
+                let job = LoadJob {
+                    received,
+                    req,
+                    d_request_id: &d_request_id,
+                    params: &params,
+                    local_blocks,
+                    seed,
+                };
+                let r = if push {
+                    let r = d.push_load(ctl, job, side_channel);
                     let now = Instant::now();
                     queue.extend(d.deferred.drain(..).map(|m| (now, m)));
                     r
                 } else {
-                    d.load(received, req, &d_request_id, &params, local_blocks, seed)
+                    d.load(job)
                 };
                 ctl.send(&FromWorker::Loaded(Box::new(r)))?;
             }
@@ -262,6 +261,17 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             _ => {}
         }
     }
+}
+
+/// One `Load` message as a decode rank works on it.
+struct LoadJob<'m> {
+    /// When the message was queued.
+    received: Instant,
+    req: u64,
+    d_request_id: &'m str,
+    params: &'m KvTransferParams,
+    local_blocks: Vec<u32>,
+    seed: u64,
 }
 
 impl Decoder<'_> {
@@ -326,18 +336,8 @@ impl Decoder<'_> {
             let pair = peer_pair(&cfg.pair, meta)?;
             pair.validate().map(|_| ()).map_err(|e| e.to_string())
         };
-        let peers =
-            self.client.fetch_metadata_many(&endpoint, &ranks, Some(&factors), validate).map_err(|e| {
-                let cause = match e {
-                    HandshakeError::HashMismatch { .. }
-                    | HandshakeError::Rejected { .. }
-                    | HandshakeError::NotKvx { .. } => FailureCause::Incompatible,
-                    _ => FailureCause::Handshake,
-                };
-                (cause, e.to_string())
-            })?;
-        let first =
-            peers.first().ok_or((FailureCause::Handshake, format!("{endpoint} returned no metadata")))?;
+        let peers = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
+        let first = &peers[0];
         let pair = peer_pair(&cfg.pair, &first.metadata).map_err(|e| (FailureCause::Incompatible, e))?;
         let map = pair.validate().map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
         let planner =
@@ -348,10 +348,7 @@ impl Decoder<'_> {
         let mut out = BTreeMap::new();
         for peer in &peers {
             let meta = &peer.metadata;
-            let r0 = meta
-                .regions
-                .first()
-                .ok_or((FailureCause::Incompatible, "peer advertises no regions".into()))?;
+            let r0 = first_region(meta, "peer")?;
             let base = r0.base_addr - p_regions.first().map_or(0, |r| r.base_off);
             let ucx_err = |what: &str, e: UcxError| {
                 (classify_ucx(&e), format!("{what} with prefill rank {}: {e}", meta.tp_rank))
@@ -420,18 +417,11 @@ impl Decoder<'_> {
         }
     }
 
-    fn load(
-        &mut self,
-        received: Instant,
-        req: u64,
-        d_request_id: &str,
-        params: &KvTransferParams,
-        local_blocks: Vec<u32>,
-        seed: u64,
-    ) -> LoadResult {
-        let mut r = self.started(req, received);
+    fn load(&mut self, job: LoadJob<'_>) -> LoadResult {
+        let params = job.params;
+        let mut r = self.started(job.req, job.received);
         let t0 = Instant::now();
-        if let Err((cause, msg)) = self.load_inner(&mut r, t0, d_request_id, params, local_blocks, seed) {
+        if let Err((cause, msg)) = self.load_inner(&mut r, t0, job) {
             // A broken connection is re-established on the next request.
             if matches!(cause, FailureCause::PeerGone | FailureCause::Timeout | FailureCause::Transfer) {
                 self.engines.remove(&params.remote_engine_id);
@@ -441,15 +431,8 @@ impl Decoder<'_> {
         r
     }
 
-    fn load_inner(
-        &mut self,
-        r: &mut LoadResult,
-        t0: Instant,
-        d_request_id: &str,
-        params: &KvTransferParams,
-        local_blocks: Vec<u32>,
-        seed: u64,
-    ) -> Result<(), Failure> {
+    fn load_inner(&mut self, r: &mut LoadResult, t0: Instant, job: LoadJob<'_>) -> Result<(), Failure> {
+        let LoadJob { d_request_id, params, local_blocks, seed, .. } = job;
         if !self.engines.contains_key(&params.remote_engine_id) {
             let th = Instant::now();
             let engine = self.handshake(params)?;
@@ -692,23 +675,16 @@ fn push_side(
 impl Decoder<'_> {
     /// Push mode: registers the request's blocks with the prefill ranks, waits for every
     /// WRITE's notification (or a failure notification, or the deadline), then verifies.
-    #[expect(clippy::too_many_arguments, reason = "the fields of one Load message")]
     fn push_load(
         &mut self,
         ctl: &Control,
-        received: Instant,
-        req: u64,
-        d_request_id: &str,
-        params: &KvTransferParams,
-        local_blocks: Vec<u32>,
-        seed: u64,
+        job: LoadJob<'_>,
         side_channel: Option<(String, u16)>,
     ) -> LoadResult {
-        let mut r = self.started(req, received);
+        let (d_request_id, params) = (job.d_request_id, job.params);
+        let mut r = self.started(job.req, job.received);
         let t0 = Instant::now();
-        if let Err((cause, msg)) =
-            self.push_load_inner(ctl, &mut r, t0, d_request_id, params, local_blocks, seed, side_channel)
-        {
+        if let Err((cause, msg)) = self.push_load_inner(ctl, &mut r, t0, job, side_channel) {
             if let Some(p) = self.push.as_mut() {
                 p.waiter.forget(d_request_id);
                 if matches!(cause, FailureCause::PeerGone | FailureCause::Timeout | FailureCause::Transfer) {
@@ -720,18 +696,15 @@ impl Decoder<'_> {
         r
     }
 
-    #[expect(clippy::too_many_arguments, reason = "the fields of one Load message")]
     fn push_load_inner(
         &mut self,
         ctl: &Control,
         r: &mut LoadResult,
         t0: Instant,
-        d_request_id: &str,
-        params: &KvTransferParams,
-        local_blocks: Vec<u32>,
-        seed: u64,
+        job: LoadJob<'_>,
         side_channel: Option<(String, u16)>,
     ) -> Result<(), Failure> {
+        let LoadJob { d_request_id, params, local_blocks, seed, .. } = job;
         let cfg = self.cfg;
         let timeout = self.timeout;
         let gone = |engine: &str| {

@@ -21,13 +21,11 @@ use std::time::{Duration, Instant};
 
 use super::params::base_request_id;
 use super::wire::{FailureCause, PushStats, TransportKind, WorkerConfig};
-use super::worker::{classify_ucx, compat_factors};
+use super::worker::{classify_ucx, compat_factors, fetch_peers, first_region, peer_spec};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{RequestBlocks, RequestIds};
 use crate::layouts::push::PushPlanner;
-use crate::layouts::{EngineSpec, Layout};
 use crate::topology::push::PushRankMap;
-use crate::transfer::handshake::HandshakeError;
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient, PeerMetadata};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::KvBuffer;
@@ -78,27 +76,6 @@ fn notify_path(
         _ => None,
     };
     Ok(NotifyPath { am, zmq })
-}
-
-fn handshake_cause(e: &HandshakeError) -> FailureCause {
-    match e {
-        HandshakeError::HashMismatch { .. }
-        | HandshakeError::Rejected { .. }
-        | HandshakeError::NotKvx { .. } => FailureCause::Incompatible,
-        _ => FailureCause::Handshake,
-    }
-}
-
-/// The engine spec a rank's metadata describes (TP, block size, pool, layout).
-fn spec_of(meta: &KvxMetadata, local: &PairSpec) -> Result<EngineSpec, String> {
-    let layout = Layout::parse_for(&meta.layout, local.version).map_err(|e| format!("peer layout: {e}"))?;
-    let num_blocks = meta.regions.first().map_or(0, |r| r.num_blocks);
-    Ok(EngineSpec {
-        tp: meta.tp_size,
-        block_tokens: meta.block_size_tokens,
-        num_blocks: u32::try_from(num_blocks).map_err(|_| format!("peer advertises {num_blocks} blocks"))?,
-        layout,
-    })
 }
 
 /// The push map of a pair, with push's refusals as the reason.
@@ -478,16 +455,12 @@ impl Pusher {
         let local = cfg.pair.clone();
         let validate = |meta: &KvxMetadata| -> Result<(), String> {
             let mut p = local.clone();
-            p.d = spec_of(meta, &local)?;
+            p.d = peer_spec(meta, &local)?;
             p.validate_push().map(|_| ()).map_err(|e| e.to_string())
         };
-        let peers: Vec<PeerMetadata> = self
-            .client
-            .fetch_metadata_many(&endpoint, &ranks, Some(&factors), validate)
-            .map_err(|e| (handshake_cause(&e), e.to_string()))?;
-        let first =
-            peers.first().ok_or((FailureCause::Handshake, format!("{endpoint} returned no metadata")))?;
-        pair.d = spec_of(&first.metadata, &cfg.pair).map_err(|e| (FailureCause::Incompatible, e))?;
+        let peers: Vec<PeerMetadata> = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
+        let first = &peers[0];
+        pair.d = peer_spec(&first.metadata, &cfg.pair).map_err(|e| (FailureCause::Incompatible, e))?;
         let map = push_map(&pair)?;
         let planner = PushPlanner::new(&pair, &map, cfg.rank)
             .map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
@@ -496,10 +469,7 @@ impl Pusher {
         let mut out = BTreeMap::new();
         for peer in &peers {
             let meta = &peer.metadata;
-            let r0 = meta
-                .regions
-                .first()
-                .ok_or((FailureCause::Incompatible, "decode rank advertises no regions".into()))?;
+            let r0 = first_region(meta, "decode rank")?;
             if meta.worker_address.is_empty() {
                 return Err((
                     FailureCause::PeerGone,
@@ -675,16 +645,12 @@ impl PushWaiter {
         let local = cfg.pair.clone();
         let validate = |meta: &KvxMetadata| -> Result<(), String> {
             let mut p = local.clone();
-            p.p = spec_of(meta, &local)?;
+            p.p = peer_spec(meta, &local)?;
             p.validate_push().map(|_| ()).map_err(|e| e.to_string())
         };
-        let peers = self
-            .client
-            .fetch_metadata_many(&endpoint, &ranks, Some(&factors), validate)
-            .map_err(|e| (handshake_cause(&e), e.to_string()))?;
-        let first =
-            peers.first().ok_or((FailureCause::Handshake, format!("{endpoint} returned no metadata")))?;
-        pair.p = spec_of(&first.metadata, &cfg.pair).map_err(|e| (FailureCause::Incompatible, e))?;
+        let peers = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
+        let first = &peers[0];
+        pair.p = peer_spec(&first.metadata, &cfg.pair).map_err(|e| (FailureCause::Incompatible, e))?;
         let map = push_map(&pair)?;
         let view = map
             .d_ranks

@@ -9,8 +9,9 @@ use super::wire::{self, FromWorker, ToWorker, TransferMode, WorkerConfig};
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::topology::VllmVersion;
+use crate::transfer::handshake::client::{HandshakeClient, PeerMetadata};
 use crate::transfer::handshake::compat::{CompatFactors, KvxFactors};
-use crate::transfer::handshake::meta::KVX_METADATA_FORMAT;
+use crate::transfer::handshake::meta::{KVX_METADATA_FORMAT, KvxMetadata, KvxRegion};
 use crate::transfer::handshake::zmq_context;
 use crate::transfer::memory::{HostBuffer, KvBuffer, MemPlace};
 use crate::vocab::model::ModelShape;
@@ -163,22 +164,62 @@ pub fn compat_factors(model: &ModelShape, version: VllmVersion, mode: TransferMo
     })
 }
 
-/// The engine spec of the other side of a pair, as the peer's metadata describes it.
-pub fn peer_pair(
-    local: &PairSpec,
-    meta: &crate::transfer::handshake::meta::KvxMetadata,
-) -> Result<PairSpec, String> {
+/// The failure cause of a handshake error: the peer refused us or is not kvx (incompatible),
+/// or the handshake itself failed.
+pub fn handshake_cause(e: &crate::transfer::handshake::HandshakeError) -> wire::FailureCause {
+    use crate::transfer::handshake::HandshakeError;
+    match e {
+        HandshakeError::HashMismatch { .. }
+        | HandshakeError::Rejected { .. }
+        | HandshakeError::NotKvx { .. } => wire::FailureCause::Incompatible,
+        _ => wire::FailureCause::Handshake,
+    }
+}
+
+/// Fetches the metadata of `ranks` from `endpoint`, each peer checked by `validate`: at
+/// least one peer, or the failure's cause and message.
+pub fn fetch_peers<E: std::fmt::Display>(
+    client: &HandshakeClient,
+    endpoint: &str,
+    ranks: &[(u32, u32)],
+    factors: &CompatFactors,
+    validate: impl Fn(&KvxMetadata) -> Result<(), E>,
+) -> Result<Vec<PeerMetadata>, (wire::FailureCause, String)> {
+    let peers = client
+        .fetch_metadata_many(endpoint, ranks, Some(factors), validate)
+        .map_err(|e| (handshake_cause(&e), e.to_string()))?;
+    if peers.is_empty() {
+        return Err((wire::FailureCause::Handshake, format!("{endpoint} returned no metadata")));
+    }
+    Ok(peers)
+}
+
+/// A peer's first advertised region (`who` names the peer's side in the error).
+pub fn first_region<'m>(
+    meta: &'m KvxMetadata,
+    who: &str,
+) -> Result<&'m KvxRegion, (wire::FailureCause, String)> {
+    meta.regions
+        .first()
+        .ok_or_else(|| (wire::FailureCause::Incompatible, format!("{who} advertises no regions")))
+}
+
+/// The engine spec a peer's metadata describes (TP, block size, pool, layout).
+pub fn peer_spec(meta: &KvxMetadata, local: &PairSpec) -> Result<crate::layouts::EngineSpec, String> {
     let layout = crate::layouts::Layout::parse_for(&meta.layout, local.version)
         .map_err(|e| format!("peer layout: {e}"))?;
     let num_blocks = meta.regions.first().map_or(0, |r| r.num_blocks);
-    let mut pair = local.clone();
-    pair.p = crate::layouts::EngineSpec {
+    Ok(crate::layouts::EngineSpec {
         tp: meta.tp_size,
         block_tokens: meta.block_size_tokens,
         num_blocks: u32::try_from(num_blocks).map_err(|_| format!("peer advertises {num_blocks} blocks"))?,
         layout,
-    };
-    Ok(pair)
+    })
+}
+
+/// The pair as a decode rank sees it: its prefill side from the peer's metadata.
+pub fn peer_pair(local: &PairSpec, meta: &KvxMetadata) -> Result<PairSpec, String> {
+    Ok(PairSpec { p: peer_spec(meta, local)?, ..local.clone() })
 }
 
 /// The storage transport's options from a worker's configuration.

@@ -112,7 +112,16 @@ pub fn latency_svg(summary: &Summary, rows: &[RequestRow]) -> Result<Option<Stri
         return Ok(None);
     }
     let title = format!("Latency by stage: {}", summary.run_id);
-    draw(&title, "percentile", "latency (us)", &series, Axis::Nines, Axis::Log, "latency").map(Some)
+    let plot = Plot {
+        title: &title,
+        x_desc: "percentile",
+        y_desc: "latency (us)",
+        series: &series,
+        x_axis: Axis::Nines,
+        y_axis: Axis::Log,
+        chart: "latency",
+    };
+    draw(&plot).map(Some)
 }
 
 /// Aggregate read throughput per time bucket, one series per repeat.
@@ -155,16 +164,16 @@ pub fn throughput_svg(rows: &[RequestRow]) -> Result<Option<String>, ReportError
     if series.is_empty() {
         return Ok(None);
     }
-    draw(
-        "Read throughput over time",
-        "time (s)",
-        "GB/s",
-        &series,
-        Axis::Linear,
-        Axis::LinearFromZero,
-        "throughput",
-    )
-    .map(Some)
+    let plot = Plot {
+        title: "Read throughput over time",
+        x_desc: "time (s)",
+        y_desc: "GB/s",
+        series: &series,
+        x_axis: Axis::Linear,
+        y_axis: Axis::LinearFromZero,
+        chart: "throughput",
+    };
+    draw(&plot).map(Some)
 }
 
 /// Sweep points as bandwidth against bytes per descriptor (or block size), one line per series.
@@ -200,8 +209,16 @@ pub fn sweep_svg(summary: &Summary) -> Result<Option<String>, ReportError> {
         return Ok(None);
     }
     let x_axis = if x_desc.starts_with("bytes") { Axis::LogBytes } else { Axis::Log };
-    draw("Bandwidth against message size", x_desc, "GB/s", &series, x_axis, Axis::LinearFromZero, "sweep")
-        .map(Some)
+    let plot = Plot {
+        title: "Bandwidth against message size",
+        x_desc,
+        y_desc: "GB/s",
+        series: &series,
+        x_axis,
+        y_axis: Axis::LinearFromZero,
+        chart: "sweep",
+    };
+    draw(&plot).map(Some)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -247,15 +264,20 @@ fn label(axis: Axis, v: f64) -> String {
     }
 }
 
-fn draw(
-    title: &str,
-    x_desc: &str,
-    y_desc: &str,
-    series: &[Series],
+/// One line chart: its words, its series and its axes.
+struct Plot<'s> {
+    title: &'s str,
+    x_desc: &'s str,
+    y_desc: &'s str,
+    series: &'s [Series],
     x_axis: Axis,
     y_axis: Axis,
+    /// The chart's name in errors.
     chart: &'static str,
-) -> Result<String, ReportError> {
+}
+
+fn draw(plot: &Plot<'_>) -> Result<String, ReportError> {
+    let Plot { title, series, x_axis, y_axis, chart, .. } = *plot;
     let (x0, x1) = range(x_axis, series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
     let (y0, y1) = range(y_axis, series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
     let x_log = matches!(x_axis, Axis::Log | Axis::LogBytes);
@@ -272,25 +294,25 @@ fn draw(
                 let c = base(&root, title)
                     .build_cartesian_2d(x0..x1, y0..y1)
                     .map_err(|e| chart_err(chart)(e.to_string()))?;
-                finish(c, x_desc, y_desc, series, x_axis, y_axis, chart)?
+                finish(c, plot)?
             }
             (false, true) => {
                 let c = base(&root, title)
                     .build_cartesian_2d(x0..x1, (y0..y1).log_scale())
                     .map_err(|e| chart_err(chart)(e.to_string()))?;
-                finish(c, x_desc, y_desc, series, x_axis, y_axis, chart)?
+                finish(c, plot)?
             }
             (true, false) => {
                 let c = base(&root, title)
                     .build_cartesian_2d((x0..x1).log_scale().base(x_base), y0..y1)
                     .map_err(|e| chart_err(chart)(e.to_string()))?;
-                finish(c, x_desc, y_desc, series, x_axis, y_axis, chart)?
+                finish(c, plot)?
             }
             (true, true) => {
                 let c = base(&root, title)
                     .build_cartesian_2d((x0..x1).log_scale().base(x_base), (y0..y1).log_scale())
                     .map_err(|e| chart_err(chart)(e.to_string()))?;
-                finish(c, x_desc, y_desc, series, x_axis, y_axis, chart)?
+                finish(c, plot)?
             }
         }
         root.present().map_err(|e| chart_err(chart)(e.to_string()))?;
@@ -313,17 +335,13 @@ fn base<'a, 'b>(
 
 fn finish<'a, X, Y>(
     mut c: ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, Y>>,
-    x_desc: &str,
-    y_desc: &str,
-    series: &[Series],
-    x_axis: Axis,
-    y_axis: Axis,
-    chart: &'static str,
+    plot: &Plot<'_>,
 ) -> Result<(), ReportError>
 where
     X: Ranged<ValueType = f64> + ValueFormatter<f64>,
     Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
 {
+    let Plot { x_desc, y_desc, series, x_axis, y_axis, chart, .. } = *plot;
     let err = chart_err(chart);
     let xf = move |v: &f64| label(x_axis, *v);
     let yf = move |v: &f64| label(y_axis, *v);

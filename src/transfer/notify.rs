@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use crate::transfer::handshake::zmq_context;
+use crate::transfer::handshake::{ZmqFailure, zmq_context};
 use crate::transfer::ucx::{AmReceiver, AmStats, Endpoint, UcxError, Worker};
 
 /// Prefix of heartbeat messages.
@@ -125,13 +125,8 @@ pub enum NotifyError {
         "notification to {endpoint} not delivered within {timeout:?}: is the prefill rank's notification listener up?"
     )]
     NotDelivered { endpoint: String, timeout: Duration },
-    #[error("ZMQ {op} on {endpoint} failed: {source}")]
-    Zmq {
-        op: &'static str,
-        endpoint: String,
-        #[source]
-        source: zmq::Error,
-    },
+    #[error(transparent)]
+    Zmq(#[from] ZmqFailure),
     #[error("UCX notification {op} ({peer}) failed: {source}")]
     Ucx {
         op: &'static str,
@@ -257,10 +252,7 @@ impl std::fmt::Debug for NotifyListener {
 impl NotifyListener {
     /// Binds at `bind` (`tcp://127.0.0.1:0` style: see [`NotifyListener::endpoint`]).
     pub fn bind(bind: &str) -> Result<Self, NotifyError> {
-        let zerr = |op| {
-            let endpoint = bind.to_owned();
-            move |source| NotifyError::Zmq { op, endpoint, source }
-        };
+        let zerr = |op| ZmqFailure::of(op, bind);
         let sock = zmq_context().socket(zmq::PULL).map_err(zerr("socket"))?;
         sock.set_linger(0).map_err(zerr("setsockopt LINGER"))?;
         // Twice the parse limit: oversized messages below it get a precise error; beyond
@@ -288,10 +280,7 @@ impl NotifyListener {
     /// [`NotifyError::Malformed`] leaves the listener usable: log it and call again.
     pub fn recv(&self, timeout: Duration) -> Result<Option<Notification>, NotifyError> {
         let ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
-        let zerr = |op| {
-            let endpoint = self.endpoint.clone();
-            move |source| NotifyError::Zmq { op, endpoint, source }
-        };
+        let zerr = |op| ZmqFailure::of(op, &self.endpoint);
         if self.sock.poll(zmq::POLLIN, ms).map_err(zerr("poll"))? == 0 {
             return Ok(None);
         }
@@ -304,7 +293,7 @@ impl NotifyListener {
                 }),
             },
             Err(zmq::Error::EAGAIN) => Ok(None),
-            Err(e) => Err(zerr("recv")(e)),
+            Err(e) => Err(zerr("recv")(e).into()),
         }
     }
 
@@ -344,10 +333,7 @@ impl NotifySender {
     /// Connects to a listener. Sends wait up to `timeout` for the connection, then fail
     /// with [`NotifyError::NotDelivered`] rather than queue for a peer that is not there.
     pub fn connect(endpoint: &str, timeout: Duration) -> Result<Self, NotifyError> {
-        let zerr = |op| {
-            let endpoint = endpoint.to_owned();
-            move |source| NotifyError::Zmq { op, endpoint, source }
-        };
+        let zerr = |op| ZmqFailure::of(op, endpoint);
         let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
         let sock = zmq_context().socket(zmq::PUSH).map_err(zerr("socket"))?;
         sock.set_immediate(true).map_err(zerr("setsockopt IMMEDIATE"))?;
@@ -369,7 +355,7 @@ impl NotifySender {
             Err(zmq::Error::EAGAIN) => {
                 Err(NotifyError::NotDelivered { endpoint: self.endpoint.clone(), timeout: self.timeout })
             }
-            Err(source) => Err(NotifyError::Zmq { op: "send", endpoint: self.endpoint.clone(), source }),
+            Err(source) => Err(ZmqFailure::of("send", &self.endpoint)(source).into()),
         }
     }
 

@@ -98,6 +98,19 @@ pub struct ModelShape {
 }
 
 impl ModelShape {
+    /// A two-layer bf16 model with 64-wide heads, for tests of geometry and plans.
+    #[cfg(test)]
+    pub(crate) fn toy(num_kv_heads: u32) -> ModelShape {
+        ModelShape {
+            name: "toy".into(),
+            num_layers: 2,
+            num_kv_heads,
+            head_dim: 64,
+            dtype: Dtype::Bf16,
+            mla: None,
+        }
+    }
+
     pub fn is_mla(&self) -> bool {
         self.mla.is_some()
     }

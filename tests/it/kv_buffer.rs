@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use kvx::layouts::compat::PairSpec;
 use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
-use kvx::layouts::verify::{FillPlan, VerifyPlan, fill_request, verify_request};
+use kvx::layouts::verify::{FillPlan, VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, ModelShape};
 use kvx::transfer::memory::{KvBuffer, MemPlace, PageSize};
@@ -82,7 +82,9 @@ fn plans_match_the_slice_forms(place: MemPlace) {
             }
         }
         let bp = planner.pair_blocks(&req).expect("pairs");
-        let whole = verify_request(&dg, &dg.regions(), &bp, 1, false, 4, seed, &d_host, 1).expect("verified");
+        let whole = VerifyPlan::new(&dg, &dg.regions(), &bp, 1, false, 4, seed, 1)
+            .verify_in(&d_host)
+            .expect("verified");
         let mut d_buf = KvBuffer::alloc(place, d_len as usize, PageSize::Normal).expect("decode pool");
         d_buf
             .write_ranges(&[Range { start: 0, end: d_len }], |_, b| b.copy_from_slice(&d_host))
@@ -110,7 +112,9 @@ fn plans_match_the_slice_forms(place: MemPlace) {
         assert_eq!(m.offset, at, "{layout:?} in {place}: {m}");
         let mut bad = d_host.clone();
         bad[at as usize] ^= 0xFF;
-        let slice = verify_request(&dg, &dg.regions(), &bp, 1, false, 4, seed, &bad, 1).expect_err("caught");
+        let slice = VerifyPlan::new(&dg, &dg.regions(), &bp, 1, false, 4, seed, 1)
+            .verify_in(&bad)
+            .expect_err("caught");
         assert_eq!(slice, m, "both forms report the same mismatch");
     }
 }

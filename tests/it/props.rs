@@ -8,7 +8,7 @@
 
 use kvx::layouts::compat::PairSpec;
 use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
-use kvx::layouts::verify::{fill_request, verify_request};
+use kvx::layouts::verify::{VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, Mla, ModelShape};
 use kvx::topology::VllmVersion;
@@ -246,7 +246,7 @@ fn execute(c: &Case, pair: &PairSpec) -> Result<u64, TestCaseError> {
             prop_assert!(w[0].1 <= w[1].0, "reads overlap at {:?}", w);
         }
         let bp = planner.pair_blocks(&req).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let verified = verify_request(
+        let verified = VerifyPlan::new(
             &g,
             &g.regions(),
             &bp,
@@ -254,9 +254,9 @@ fn execute(c: &Case, pair: &PairSpec) -> Result<u64, TestCaseError> {
             pair.permutes(),
             pair.p.block_tokens,
             c.seed,
-            &d_alloc,
             1,
         )
+        .verify_in(&d_alloc)
         .map_err(|m| TestCaseError::fail(format!("decode rank {}: {m}", dm.d_rank)))?;
         let copied: u64 = intervals.iter().map(|(a, b)| b - a).sum();
         prop_assert_eq!(verified.bytes, copied, "every copied byte verified, nothing missing");
@@ -321,7 +321,8 @@ fn verification_catches_a_wrong_head_offset() {
             .copy_from_slice(&src[wrong as usize..(wrong + p.len) as usize]);
     }
     let bp = planner.pair_blocks(&req).expect("pairs");
-    let err =
-        verify_request(&g, &g.regions(), &bp, 1, false, 4, c.seed, &dst, 1).expect_err("wrong head detected");
+    let err = VerifyPlan::new(&g, &g.regions(), &bp, 1, false, 4, c.seed, 1)
+        .verify_in(&dst)
+        .expect_err("wrong head detected");
     assert_eq!(err.global_head, 1, "{err}");
 }

@@ -13,7 +13,7 @@
 use kvx::layouts::compat::PairSpec;
 use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
 use kvx::layouts::push::PushPlanner;
-use kvx::layouts::verify::{fill_request, verify_request};
+use kvx::layouts::verify::{VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, Mla, ModelShape};
 use kvx::topology::VllmVersion;
@@ -243,9 +243,9 @@ fn execute_push(c: &Case, pair: &PairSpec) -> Result<Vec<Vec<u8>>, TestCaseError
             prop_assert!(w[0].1 <= w[1].0, "writes overlap at {:?}", w);
         }
         let g = pair.d_geometry(dv.d_rank);
-        let verified =
-            verify_request(&g, &g.regions(), &bp, 1, false, pair.p.block_tokens, c.seed, &d_allocs[d], 1)
-                .map_err(|m| fail(format!("decode rank {d}: {m}")))?;
+        let verified = VerifyPlan::new(&g, &g.regions(), &bp, 1, false, pair.p.block_tokens, c.seed, 1)
+            .verify_in(&d_allocs[d])
+            .map_err(|m| fail(format!("decode rank {d}: {m}")))?;
         let written: u64 = iv.iter().map(|(a, b)| b - a).sum();
         prop_assert_eq!(verified.bytes, written, "every written byte verified, nothing missing");
     }
@@ -361,8 +361,9 @@ fn verification_catches_a_wrong_push_slot() {
         }
     }
     let bp = bp.expect("two prefill ranks");
-    let err =
-        verify_request(&g, &g.regions(), &bp, 1, false, c.p_block, c.seed, &dst, 1).expect_err("caught");
+    let err = VerifyPlan::new(&g, &g.regions(), &bp, 1, false, c.p_block, c.seed, 1)
+        .verify_in(&dst)
+        .expect_err("caught");
     assert_eq!(err.global_head, 0, "{err}");
 }
 

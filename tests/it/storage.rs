@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use kvx::layouts::compat::PairSpec;
 use kvx::layouts::plan::{Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
-use kvx::layouts::verify::{fill_request, verify_request};
+use kvx::layouts::verify::{VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, ModelShape};
 use kvx::topology::VllmVersion;
@@ -106,7 +106,7 @@ fn fetch_and_verify(
         assert_eq!(st.bytes, plan.bytes(), "decode rank {d}: every planned byte delivered");
         assert_eq!(st.files as usize, plan.reads.len());
         let bp = planner.pair_blocks(req).expect("pairs");
-        let v = verify_request(
+        let v = VerifyPlan::new(
             &g,
             &g.regions(),
             &bp,
@@ -114,9 +114,9 @@ fn fetch_and_verify(
             pair.permutes(),
             pair.p.block_tokens,
             seed,
-            &alloc,
             1,
         )
+        .verify_in(&alloc)
         .unwrap_or_else(|m| panic!("decode rank {d} of {pair:?}: {m}"));
         assert_eq!(v.bytes, plan.bytes(), "decode rank {d}: verified what was planned");
         assert_untouched_outside(&alloc, &plan.reads);
@@ -270,7 +270,8 @@ fn direct_io_goes_straight_to_aligned_memory_and_stages_otherwise() {
                     .expect("fetch");
                 assert_eq!(st.staged_bytes, if in_place { 0 } else { plan.bytes() }, "{st:?}");
                 let bp = planner.pair_blocks(&req).expect("pairs");
-                verify_request(&g, &g.regions(), &bp, 1, false, 16, 3, alloc, 1)
+                VerifyPlan::new(&g, &g.regions(), &bp, 1, false, 16, 3, 1)
+                    .verify_in(alloc)
                     .unwrap_or_else(|m| panic!("{p_tp}->{d_tp} rank {d} misalign {misalign}: {m}"));
                 assert_untouched_outside(alloc, &plan.reads);
             }
@@ -315,7 +316,7 @@ fn coalesced_plans_read_the_same_bytes() {
                 TIMEOUT,
             )
             .expect("fetch");
-        verify_request(&g, &g.regions(), &bp, 1, false, 4, 5, &alloc, 1).expect("verified");
+        VerifyPlan::new(&g, &g.regions(), &bp, 1, false, 4, 5, 1).verify_in(&alloc).expect("verified");
         assert_untouched_outside(&alloc, &reads);
     }
 }
@@ -400,9 +401,9 @@ fn a_reader_sees_no_file_or_a_complete_one() {
             alloc.fill(SENTINEL);
             f.fetch(ENGINE, "race", &plan.reads, &g.regions(), &req.remote, alloc, TIMEOUT)
                 .expect("complete file");
-            let ok = seeds
-                .iter()
-                .any(|&seed| verify_request(&dg, &dg.regions(), &bp, 1, false, 16, seed, alloc, 1).is_ok());
+            let ok = seeds.iter().any(|&seed| {
+                VerifyPlan::new(&dg, &dg.regions(), &bp, 1, false, 16, seed, 1).verify_in(alloc).is_ok()
+            });
             assert!(ok, "the bytes read match neither publish: a torn file");
         };
         // Before the first publish lands: no file, or (if it landed) a complete one.

@@ -24,7 +24,7 @@ use tracing::debug;
 use super::compat::{self, CompatFactors};
 use super::meta::{self, AgentMetadata, KvxMetadata};
 use super::wire::{self, Framing, MetaRequest, Payload, Reply};
-use super::{HandshakeError, zmq_context};
+use super::{HandshakeError, ZmqFailure, zmq_context};
 
 /// Largest message libzmq accepts on the REQ socket. Twice the codec's limit, so a frame
 /// moderately over the limit reaches the codec and gets a precise error, while a peer
@@ -283,10 +283,7 @@ impl HandshakeClient {
     }
 
     fn open(&self, endpoint: &str) -> Result<zmq::Socket, HandshakeError> {
-        let zerr = |op: &'static str| {
-            let endpoint = endpoint.to_owned();
-            move |source| HandshakeError::Zmq { op, endpoint, source }
-        };
+        let zerr = |op| ZmqFailure::of(op, endpoint);
         let s = zmq_context().socket(zmq::REQ).map_err(zerr("socket"))?;
         s.set_linger(0).map_err(zerr("setsockopt LINGER"))?;
         s.set_immediate(true).map_err(zerr("setsockopt IMMEDIATE"))?;
@@ -308,9 +305,9 @@ fn exchange(
     request: &[u8],
     until: Instant,
 ) -> Result<Vec<Vec<u8>>, Failure> {
-    let fatal = |op: &'static str| {
-        let endpoint = endpoint.to_owned();
-        move |source| Failure::Fatal(HandshakeError::Zmq { op, endpoint, source })
+    let fatal = |op| {
+        let failure = ZmqFailure::of(op, endpoint);
+        move |source| Failure::Fatal(failure(source).into())
     };
     s.set_sndtimeo(remaining_ms(until)).map_err(fatal("setsockopt SNDTIMEO"))?;
     match s.send(request, 0) {

@@ -47,13 +47,8 @@ pub enum HandshakeError {
         #[source]
         source: WireError,
     },
-    #[error("ZMQ {op} on {endpoint} failed: {source}")]
-    Zmq {
-        op: &'static str,
-        endpoint: String,
-        #[source]
-        source: zmq::Error,
-    },
+    #[error(transparent)]
+    Zmq(#[from] ZmqFailure),
     #[error(
         "no connection to {endpoint} after {waited:?} ({attempts} attempts): is the prefill engine up, and are the side-channel host and port right? (raise the timeout to wait longer)"
     )]
@@ -127,6 +122,24 @@ impl PortScheme {
 }
 
 /// The process-wide ZMQ context kvx's sockets share (one I/O thread, created lazily).
+/// A ZMQ call that failed: which, on which endpoint, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("ZMQ {op} on {endpoint} failed: {source}")]
+pub struct ZmqFailure {
+    pub op: &'static str,
+    pub endpoint: String,
+    #[source]
+    pub source: zmq::Error,
+}
+
+impl ZmqFailure {
+    /// For `map_err`: the failure of call `op` on `endpoint`.
+    pub fn of(op: &'static str, endpoint: &str) -> impl FnOnce(zmq::Error) -> ZmqFailure {
+        let endpoint = endpoint.to_owned();
+        move |source| ZmqFailure { op, endpoint, source }
+    }
+}
+
 pub fn zmq_context() -> &'static zmq::Context {
     static CTX: std::sync::OnceLock<zmq::Context> = std::sync::OnceLock::new();
     CTX.get_or_init(zmq::Context::new)

@@ -19,7 +19,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tracing::{debug, warn};
 
 use super::wire::{Framing, MetaRequest, Payload, Reply};
-use super::{HandshakeError, zmq_context};
+use super::{HandshakeError, ZmqFailure, zmq_context};
 
 /// Largest inbound message libzmq accepts on the ROUTER before it drops the peer; the
 /// codec's own limit (`wire::MAX_REQUEST_FRAME_BYTES`) is far below this and answers with
@@ -92,10 +92,7 @@ impl HandshakeServer {
     /// `table` from a new thread. Bind errors are returned here, not from the thread.
     pub fn start(bind: &str, table: PayloadTable) -> Result<Self, HandshakeError> {
         let ctx = zmq_context();
-        let zerr = |op: &'static str| {
-            let endpoint = bind.to_owned();
-            move |source| HandshakeError::Zmq { op, endpoint, source }
-        };
+        let zerr = |op| ZmqFailure::of(op, bind);
         let router = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
         router.set_linger(0).map_err(zerr("setsockopt LINGER"))?;
         router.set_maxmsgsize(ROUTER_MAX_MSG_BYTES).map_err(zerr("setsockopt MAXMSGSIZE"))?;
@@ -282,7 +279,7 @@ mod tests {
     #[test]
     fn bind_errors_are_returned_not_panicked() {
         let err = HandshakeServer::start("tcp://256.1.1.1:0", PayloadTable::new()).expect_err("bad address");
-        assert!(matches!(err, HandshakeError::Zmq { op: "bind", .. }), "{err}");
+        assert!(matches!(err, HandshakeError::Zmq(ZmqFailure { op: "bind", .. })), "{err}");
         let ok = HandshakeServer::start("tcp://127.0.0.1:0", PayloadTable::new()).expect("binds");
         assert!(ok.endpoint().starts_with("tcp://127.0.0.1:"));
         assert!(!ok.endpoint().ends_with(":0"), "{}", ok.endpoint());
