@@ -393,7 +393,7 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
                 .map(|r| ReadShape {
                     descriptors: r.pairs.len() as u64,
                     coalesced: r.pairs.len() as u64,
-                    bytes: r.pairs.iter().map(|p| p.pair.len).sum(),
+                    bytes: r.bytes(),
                 })
                 .collect();
             (d.d_rank, reads)
@@ -416,10 +416,9 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
                             p_rank: r.p_rank,
                             notif_msg: &r.notif_msg,
                             num_descs: r.pairs.len(),
-                            bytes: r.pairs.iter().map(|p| p.pair.len).sum(),
+                            bytes: r.bytes(),
                             pairs: r
-                                .pairs
-                                .iter()
+                                .labeled()
                                 .map(|p| (p.label.to_string(), p.pair.local, p.pair.remote, p.pair.len))
                                 .collect(),
                         })

@@ -309,7 +309,7 @@ pub fn render_hybrid(
     let (mut total_descs, mut total_bytes) = (0usize, 0u64);
     for dr in plan.d_ranks.iter().filter(|d| only_d_rank.is_none_or(|r| r == d.d_rank)) {
         for r in &dr.reads {
-            let bytes: u64 = r.pairs.iter().map(|p| p.pair.len).sum();
+            let bytes = r.bytes();
             total_descs += r.pairs.len();
             total_bytes += bytes;
             reads.add_row(vec![

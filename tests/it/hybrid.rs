@@ -268,8 +268,7 @@ fn check_case(case: &Value) -> (String, usize) {
                 })
                 .collect();
             let got_pairs: Vec<(String, u64, u64, u64)> = gr
-                .pairs
-                .iter()
+                .labeled()
                 .map(|p| (p.label.to_string(), p.pair.local, p.pair.remote, p.pair.len))
                 .collect();
             assert_eq!(want, got_pairs, "{l}: every pair, in posting order");
@@ -353,7 +352,7 @@ fn outside(planner: &HybridPlanner, plan: &HybridPlan) -> usize {
     plan.d_ranks
         .iter()
         .flat_map(|r| &r.reads)
-        .flat_map(|r| &r.pairs)
+        .flat_map(|r| r.labeled())
         .map(|x| {
             usize::from(!d.registered(d.mem(), x.pair.local, x.pair.len))
                 + usize::from(!p.registered(p.mem(), x.pair.remote, x.pair.len))
@@ -799,7 +798,7 @@ fn kernel_blocks_smaller_than_the_block() {
         let report = check_plan(&pl, &plan);
         assert!(report.is_ok(), "P{p} D{d}: {:?}", &report.errors[..report.errors.len().min(3)]);
         let attn =
-            plan.d_ranks[0].reads[0].pairs.iter().find(|x| x.label.kind == RowKind::AttnPage).expect("attn");
+            plan.d_ranks[0].reads[0].labeled().find(|x| x.label.kind == RowKind::AttnPage).expect("attn");
         // A head slice of a kernel page: the smaller of the two sides' kernel pages.
         assert_eq!(attn.pair.len, pl.d.kernel_page_bytes().min(pl.p.kernel_page_bytes()));
     }

@@ -186,9 +186,9 @@ pub fn check_plan(planner: &HybridPlanner, plan: &HybridPlan) -> CoverageReport 
                 pos: Positions::new(p, &plan.blocks.remote_block_ids, tokens),
                 sub_blocks: 1,
             };
-            for pair in &read.pairs {
+            for pair in read.labeled() {
                 report.pairs += 1;
-                if let Err(e) = check_pair(&local, &remote, pair, &mut got, &mut report.padding_bytes) {
+                if let Err(e) = check_pair(&local, &remote, &pair, &mut got, &mut report.padding_bytes) {
                     report.errors.push(format!("D{} from P{} {}: {e}", rank.d_rank, read.p_rank, pair.label));
                 }
             }

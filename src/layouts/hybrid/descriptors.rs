@@ -90,17 +90,34 @@ pub struct DescList {
     pub rows: Vec<DescRow>,
     #[serde(skip)]
     starts: Vec<u64>,
+    /// Per row: every descriptor of the row lies in one registration of its memory.
+    #[serde(skip)]
+    registered: Vec<bool>,
 }
 
 impl DescList {
-    fn new(mem: MemKind, rows: Vec<DescRow>) -> Self {
+    /// The rows of a list over `geo`'s memory.
+    fn new(geo: &EngineGeometry, rows: Vec<DescRow>) -> Self {
+        let mem = geo.mem();
         let mut starts = Vec::with_capacity(rows.len());
         let mut n = 0;
         for r in &rows {
             starts.push(n);
             n += r.count;
         }
-        DescList { mem, rows, starts }
+        // A strided row's first and last descriptor bound it: both in one registration puts
+        // every descriptor inside it.
+        let registered = rows
+            .iter()
+            .map(|r| {
+                let mut near = 0;
+                let last = r.addr_off.saturating_add(r.count.saturating_sub(1).saturating_mul(r.stride));
+                let first = geo.registered_near(mem, r.addr_off, r.len, &mut near);
+                let hint = near;
+                first && geo.registered_near(mem, last, r.len, &mut near) && near == hint
+            })
+            .collect();
+        DescList { mem, rows, starts, registered }
     }
 
     /// Descriptors in the list.
@@ -116,6 +133,20 @@ impl DescList {
     pub fn resolve(&self, id: u64) -> Option<(RowLabel, u64, u64)> {
         let mut hint = 0;
         self.resolve_near(id, &mut hint)
+    }
+
+    /// The row holding every id from `lo` to `hi` (`lo <= hi`), with the id of its first
+    /// descriptor, trying row `hint` first and leaving there the row that holds `lo`.
+    fn row_spanning(&self, lo: u64, hi: u64, hint: &mut usize) -> Option<(&DescRow, u64, bool)> {
+        let holds = |i: usize| self.starts.get(i).is_some_and(|&s| s <= lo && lo - s < self.rows[i].count);
+        // Runs mostly go row after row: the hint's row, then the next, then a search.
+        if holds(*hint + 1) {
+            *hint += 1;
+        } else if !holds(*hint) {
+            *hint = self.starts.partition_point(|&s| s <= lo).checked_sub(1)?;
+        }
+        let (row, start) = (&self.rows[*hint], self.starts[*hint]);
+        (lo - start < row.count && hi - start < row.count).then_some((row, start, self.registered[*hint]))
     }
 
     /// [`resolve`](Self::resolve), trying row `hint` first and leaving the row found there:
@@ -226,12 +257,74 @@ pub struct LabeledPair {
     pub remote_block: u64,
 }
 
-/// One READ: every pair a decode rank reads from one prefill rank, in posting order.
+/// Consecutive pairs of one READ that read one row over consecutive blocks of one group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PairRun {
+    /// The local row's label.
+    pub label: RowLabel,
+    /// The KV cache group whose blocks the run reads (decode's list; `remote_group` prefill's).
+    pub group: u32,
+    pub remote_group: u32,
+    /// The run's first pair in [`HybridRead::pairs`], and how many pairs it has.
+    pub start: usize,
+    pub count: usize,
+    /// Where the run's blocks start in `local_blocks[group]` and `remote_blocks[remote_group]`.
+    pub local_at: usize,
+    pub remote_at: usize,
+}
+
+/// One READ: every pair a decode rank reads from one prefill rank, in posting order. The
+/// pairs are plain (as the uniform planner's); what each reads is kept per run of a row
+/// ([`PairRun`]) and [`HybridRead::labeled`] gives it back pair by pair.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HybridRead {
     pub p_rank: u32,
     pub notif_msg: String,
-    pub pairs: Vec<LabeledPair>,
+    pub pairs: Vec<Pair>,
+    /// What the pairs read: runs covering `pairs` in order.
+    pub runs: Vec<PairRun>,
+    /// Kernel block ids per group on each side, as the READ's descriptor ids take them.
+    pub local_blocks: Vec<Vec<u64>>,
+    pub remote_blocks: Vec<Vec<u64>>,
+}
+
+impl HybridRead {
+    /// Every pair with what it reads, in posting order.
+    pub fn labeled(&self) -> impl Iterator<Item = LabeledPair> + '_ {
+        self.runs.iter().flat_map(move |r| {
+            let local = &self.local_blocks[r.group as usize][r.local_at..r.local_at + r.count];
+            let remote = &self.remote_blocks[r.remote_group as usize][r.remote_at..r.remote_at + r.count];
+            self.pairs[r.start..r.start + r.count].iter().zip(local.iter().zip(remote)).map(
+                move |(&pair, (&local_block, &remote_block))| LabeledPair {
+                    label: r.label,
+                    group: r.group,
+                    pair,
+                    local_block,
+                    remote_block,
+                },
+            )
+        })
+    }
+
+    /// Bytes the READ moves.
+    pub fn bytes(&self) -> u64 {
+        self.pairs.iter().map(|p| p.len).sum()
+    }
+
+    /// Appends `count` pairs starting at `start` to the runs, extending the last run when
+    /// they continue it.
+    fn push_run(&mut self, run: PairRun) {
+        if let Some(last) = self.runs.last_mut()
+            && (last.label, last.group, last.remote_group) == (run.label, run.group, run.remote_group)
+            && last.start + last.count == run.start
+            && last.local_at + last.count == run.local_at
+            && last.remote_at + last.count == run.remote_at
+        {
+            last.count += run.count;
+            return;
+        }
+        self.runs.push(run);
+    }
 }
 
 /// Something vLLM 0.33's rules do that moves the wrong bytes or reaches outside registered
@@ -283,15 +376,17 @@ impl DRankPlan {
     }
 
     pub fn bytes(&self) -> u64 {
-        self.reads.iter().flat_map(|r| &r.pairs).map(|p| p.pair.len).sum()
+        self.reads.iter().map(HybridRead::bytes).sum()
     }
 
     /// Bytes read per group.
     pub fn bytes_by_group(&self, groups: usize) -> Vec<u64> {
         let mut out = vec![0; groups];
-        for p in self.reads.iter().flat_map(|r| &r.pairs) {
-            if let Some(b) = out.get_mut(p.group as usize) {
-                *b += p.pair.len;
+        for read in &self.reads {
+            for run in &read.runs {
+                if let Some(b) = out.get_mut(run.group as usize) {
+                    *b += read.pairs[run.start..run.start + run.count].iter().map(|p| p.len).sum::<u64>();
+                }
             }
         }
         out
@@ -678,71 +773,60 @@ impl HybridPlanner {
                 &remote,
                 computed_tokens,
             ));
-            let (rids, lids) = (&mut scratch.0, &mut scratch.1);
-            desc_ids_into(&self.p, &remote, 1, rids);
-            desc_ids_into(&self.d, &local, self.block_size_ratio, lids);
-            if rids.len() != lids.len() {
+            let (rruns, lruns) = (&mut scratch.0, &mut scratch.1);
+            desc_id_runs(&self.p, &remote, 1, rruns);
+            desc_id_runs(&self.d, &local, self.block_size_ratio, lruns);
+            let count = |runs: &[IdRun], lists: &[Vec<u64>]| -> usize {
+                runs.iter().map(|r| lists[r.group as usize].len()).sum()
+            };
+            let (nl, nr) = (count(lruns, &local), count(rruns, &remote));
+            if nl != nr {
                 return Err(HybridError::request(
                     "--scenario",
                     format!(
-                        "decode rank {} from prefill rank {p_rank}: {} local and {} remote descriptors \
+                        "decode rank {} from prefill rank {p_rank}: {nl} local and {nr} remote descriptors \
                          (vLLM asserts they match)",
                         setup.d_rank,
-                        lids.len(),
-                        rids.len()
                     ),
                 ));
             }
             let llist = &setup.local_for_source[i.min(setup.local_for_source.len() - 1)];
-            let mut pairs = Vec::with_capacity(lids.len());
-            // The registration and the row the last descriptor fell in, per side.
-            let (mut near, mut rows) = ([0usize; 2], [0usize; 2]);
-            for (&(g, lb, lid), &(_, rb, rid)) in lids.iter().zip(rids.iter()) {
-                let (Some((label, loff, llen)), Some((_, roff, rlen))) =
-                    (llist.resolve_near(lid, &mut rows[0]), setup.remote.resolve_near(rid, &mut rows[1]))
-                else {
-                    return Err(HybridError::request(
-                        "--scenario",
-                        format!("descriptor id {lid} or {rid} outside the prepared lists"),
-                    ));
-                };
-                if llen != rlen {
-                    return Err(HybridError::request(
-                        "--scenario",
-                        format!("descriptor lengths differ ({label}: local {llen}, remote {rlen})"),
-                    ));
+            let mut read = HybridRead {
+                p_rank,
+                notif_msg: notif.clone(),
+                pairs: Vec::with_capacity(nl),
+                runs: Vec::with_capacity(lruns.len()),
+                local_blocks: Vec::new(),
+                remote_blocks: Vec::new(),
+            };
+            let mut walk = ReadWalk {
+                d_rank: setup.d_rank,
+                p_rank,
+                llist,
+                rlist: &setup.remote,
+                near: [0; 2],
+                rows: [0; 2],
+                // Each group's list is walked once per region: its bounds once per READ.
+                bounds: [&local, &remote].map(|lists| lists.iter().map(|l| (min_max(l), l.len())).collect()),
+            };
+            // Both sides' id runs walked together, cut where either side's run ends.
+            let (mut li, mut lpos, mut ri, mut rpos) = (0, 0, 0, 0);
+            loop {
+                while li < lruns.len() && lpos == local[lruns[li].group as usize].len() {
+                    (li, lpos) = (li + 1, 0);
                 }
-                if rb == u64::from(NULL_BLOCK)
-                    && !findings.iter().any(|f| {
-                        matches!(f, Finding::NullBlockRead { d_rank, p_rank: pr, group }
-                        if *d_rank == setup.d_rank && *pr == p_rank && *group == g)
-                    })
-                {
-                    findings.push(Finding::NullBlockRead { d_rank: setup.d_rank, p_rank, group: g });
+                while ri < rruns.len() && rpos == remote[rruns[ri].group as usize].len() {
+                    (ri, rpos) = (ri + 1, 0);
                 }
-                for (k, side, geo, off) in
-                    [(0, Side::Decode, &self.d, loff), (1, Side::Prefill, &self.p, roff)]
-                {
-                    if !geo.registered_near(geo.mem(), off, llen, &mut near[k]) {
-                        findings.push(Finding::OutsideRegistration {
-                            d_rank: setup.d_rank,
-                            p_rank,
-                            side,
-                            label: label.to_string(),
-                            off,
-                            len: llen,
-                        });
-                    }
-                }
-                pairs.push(LabeledPair {
-                    label,
-                    group: g,
-                    pair: Pair { local: loff, remote: roff, len: llen },
-                    local_block: lb,
-                    remote_block: rb,
-                });
+                let (Some(&lr), Some(&rr)) = (lruns.get(li), rruns.get(ri)) else { break };
+                let (ls, rs) = (&local[lr.group as usize][lpos..], &remote[rr.group as usize][rpos..]);
+                let n = ls.len().min(rs.len());
+                let chunk = Chunk { local: lr, remote: rr, local_at: lpos, remote_at: rpos, n };
+                self.plan_chunk(&mut walk, &mut read, chunk, (&ls[..n], &rs[..n]), findings)?;
+                (lpos, rpos) = (lpos + n, rpos + n);
             }
-            reads.push(HybridRead { p_rank, notif_msg: notif.clone(), pairs });
+            (read.local_blocks, read.remote_blocks) = (local, remote);
+            reads.push(read);
         }
         Ok(DRankPlan {
             d_rank: setup.d_rank,
@@ -751,6 +835,129 @@ impl HybridPlanner {
             reads,
             notifs_only,
         })
+    }
+
+    /// The pairs of one chunk of a READ (one id run on each side): a row on each side that
+    /// holds the whole chunk, inside one registration each, with no null block, takes the
+    /// fast way (pairs computed in one pass, nothing to report); anything else goes pair by
+    /// pair, resolving each id and reporting what it finds.
+    fn plan_chunk(
+        &self,
+        walk: &mut ReadWalk<'_>,
+        read: &mut HybridRead,
+        chunk: Chunk,
+        (ls, rs): (&[u64], &[u64]),
+        findings: &mut Vec<Finding>,
+    ) -> Result<(), HybridError> {
+        let Chunk { local: lr, remote: rr, n, .. } = chunk;
+        let start = read.pairs.len();
+        let run = |label| PairRun {
+            label,
+            group: lr.group,
+            remote_group: rr.group,
+            start,
+            count: n,
+            local_at: chunk.local_at,
+            remote_at: chunk.remote_at,
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let bounds = |side: usize, run: IdRun, at: usize, xs: &[u64]| match walk.bounds[side]
+            .get(run.group as usize)
+        {
+            Some(&(whole, len)) if at == 0 && len == n => whole,
+            _ => min_max(xs),
+        };
+        let (lmin, lmax) = bounds(0, lr, chunk.local_at, ls);
+        let (rmin, rmax) = bounds(1, rr, chunk.remote_at, rs);
+        let rows = (
+            walk.llist.row_spanning(lr.base + lmin, lr.base + lmax, &mut walk.rows[0]),
+            walk.rlist.row_spanning(rr.base + rmin, rr.base + rmax, &mut walk.rows[1]),
+        );
+        if let (Some((lrow, lstart, l_in)), Some((rrow, rstart, r_in))) = rows
+            && lrow.len == rrow.len
+            && rmin != u64::from(NULL_BLOCK)
+        {
+            // Offsets are `row.addr_off + (base + b - start) * row.stride`; the row's base may
+            // lie before the run's (wrapping arithmetic is exact: every result fits).
+            let at = |row: &DescRow, base: u64, start: u64| {
+                row.addr_off.wrapping_add(base.wrapping_sub(start).wrapping_mul(row.stride))
+            };
+            let (l0, r0) = (at(lrow, lr.base, lstart), at(rrow, rr.base, rstart));
+            let (lst, rst, len) = (lrow.stride, rrow.stride, lrow.len);
+            // Strided rows: the lowest and the highest block bound the chunk's addresses, so
+            // both in one registration puts every descriptor inside it.
+            let inside = |geo: &EngineGeometry, o0: u64, st: u64, (lo, hi): (u64, u64), near: &mut usize| {
+                let at = |b: u64| o0.wrapping_add(b.wrapping_mul(st));
+                let first = geo.registered_near(geo.mem(), at(lo), len, near);
+                let hint = *near;
+                first && (lo == hi || geo.registered_near(geo.mem(), at(hi), len, near) && *near == hint)
+            };
+            let [ln, rn] = &mut walk.near;
+            if (l_in || inside(&self.d, l0, lst, (lmin, lmax), ln))
+                && (r_in || inside(&self.p, r0, rst, (rmin, rmax), rn))
+            {
+                let r = run(lrow.label);
+                read.pairs.extend(ls.iter().zip(rs).map(|(&lb, &rb)| Pair {
+                    local: l0.wrapping_add(lb.wrapping_mul(lst)),
+                    remote: r0.wrapping_add(rb.wrapping_mul(rst)),
+                    len,
+                }));
+                read.push_run(r);
+                return Ok(());
+            }
+        }
+        for (j, (&lb, &rb)) in ls.iter().zip(rs).enumerate() {
+            let (lid, rid) = (lr.base + lb, rr.base + rb);
+            let (Some((label, loff, llen)), Some((_, roff, rlen))) = (
+                walk.llist.resolve_near(lid, &mut walk.rows[0]),
+                walk.rlist.resolve_near(rid, &mut walk.rows[1]),
+            ) else {
+                return Err(HybridError::request(
+                    "--scenario",
+                    format!("descriptor id {lid} or {rid} outside the prepared lists"),
+                ));
+            };
+            if llen != rlen {
+                return Err(HybridError::request(
+                    "--scenario",
+                    format!("descriptor lengths differ ({label}: local {llen}, remote {rlen})"),
+                ));
+            }
+            let (d_rank, p_rank, g) = (walk.d_rank, walk.p_rank, lr.group);
+            if rb == u64::from(NULL_BLOCK)
+                && !findings.iter().any(|f| {
+                    matches!(f, Finding::NullBlockRead { d_rank: d, p_rank: pr, group }
+                    if *d == d_rank && *pr == p_rank && *group == g)
+                })
+            {
+                findings.push(Finding::NullBlockRead { d_rank, p_rank, group: g });
+            }
+            for (k, side, geo, off) in [(0, Side::Decode, &self.d, loff), (1, Side::Prefill, &self.p, roff)] {
+                if !geo.registered_near(geo.mem(), off, llen, &mut walk.near[k]) {
+                    findings.push(Finding::OutsideRegistration {
+                        d_rank,
+                        p_rank,
+                        side,
+                        label: label.to_string(),
+                        off,
+                        len: llen,
+                    });
+                }
+            }
+            let one = PairRun {
+                label,
+                count: 1,
+                start: read.pairs.len(),
+                local_at: chunk.local_at + j,
+                remote_at: chunk.remote_at + j,
+                ..run(label)
+            };
+            read.pairs.push(Pair { local: loff, remote: roff, len: llen });
+            read.push_run(one);
+        }
+        Ok(())
     }
 
     /// Attention groups whose first paired blocks hold different token positions. A group's
@@ -802,7 +1009,7 @@ impl HybridPlanner {
         let d = &self.d;
         // (host region, block) pairs some READ wrote.
         let mut written = std::collections::HashSet::new();
-        for p in rank.reads.iter().flat_map(|r| &r.pairs) {
+        for p in rank.reads.iter().flat_map(HybridRead::labeled) {
             written.insert((p.label.region, p.local_block));
         }
         let region_of = |layer: &str| d.regions.iter().find(|r| r.name == layer).map(|r| r.index);
@@ -1064,8 +1271,8 @@ fn build_rank(
     m: TpMapping,
 ) -> DRankSetup {
     let bsr64 = u64::from(bsr);
-    let local = DescList::new(d.mem(), local_rows(d, 1));
-    let at_remote = DescList::new(d.mem(), local_rows(d, bsr64));
+    let local = DescList::new(d, local_rows(d, 1));
+    let at_remote = DescList::new(d, local_rows(d, bsr64));
     let fa = d.groups.iter().position(|g| g.kind.is_attention()).unwrap_or(0);
     let st = d.groups.iter().position(|g| g.kind.is_state());
     let fa_splits = m.source_ranks_per_group[fa].len().max(1) as u64;
@@ -1094,7 +1301,7 @@ fn build_rank(
                         row
                     })
                     .collect();
-                DescList::new(d.mem(), rows)
+                DescList::new(d, rows)
             })
             .collect()
     } else {
@@ -1151,24 +1358,56 @@ fn build_rank(
         mapping: m,
         local,
         local_for_source,
-        remote: DescList::new(p.mem(), rows),
+        remote: DescList::new(p, rows),
     }
 }
 
 /// The remote and local descriptor ids of one READ, reused for every READ of a plan.
-type DescIdScratch = (Vec<(u32, u64, u64)>, Vec<(u32, u64, u64)>);
+type DescIdScratch = (Vec<IdRun>, Vec<IdRun>);
 
 thread_local! {
-    /// Each thread's descriptor-id lists, kept between plans: a planner serving request
-    /// after request does not allocate (and fault in) them anew. They hold as much as the
-    /// largest READ planned on the thread.
+    /// Per-thread id runs, reused across READs and plans.
     static SCRATCH: std::cell::RefCell<DescIdScratch> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// vLLM's `_compute_desc_ids` for one side: `(group, kernel block, descriptor id)` in posting
-/// order, into `out` (cleared first; its capacity is reused across READs). `bsr` expands the
-/// attention descriptors (local side).
-fn desc_ids_into(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32, out: &mut Vec<(u32, u64, u64)>) {
+/// Descriptor ids `base + b` for every block `b` of one group's list, in list order.
+#[derive(Debug, Clone, Copy)]
+struct IdRun {
+    group: u32,
+    base: u64,
+}
+
+/// Where one READ's walk stands: the lists it resolves ids in, and the registration and
+/// row the last descriptor fell in, per side.
+struct ReadWalk<'a> {
+    d_rank: u32,
+    p_rank: u32,
+    llist: &'a DescList,
+    rlist: &'a DescList,
+    near: [usize; 2],
+    rows: [usize; 2],
+    /// The lowest and highest block of each group's whole list, and its length, per side.
+    bounds: [Vec<((u64, u64), usize)>; 2],
+}
+
+/// Equal stretches of one id run on each side (`n` blocks from `local_at` / `remote_at`).
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    local: IdRun,
+    remote: IdRun,
+    local_at: usize,
+    remote_at: usize,
+    n: usize,
+}
+
+fn min_max(xs: &[u64]) -> (u64, u64) {
+    xs.iter().fold((u64::MAX, 0), |(lo, hi), &x| (lo.min(x), hi.max(x)))
+}
+
+/// vLLM's `_compute_desc_ids` for one side, as runs: for each run, in posting order, the ids
+/// `base + b` of one group's blocks `b` (into `out`, cleared first, its capacity reused
+/// across READs). `bsr` expands the attention descriptors (local side).
+fn desc_id_runs(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32, out: &mut Vec<IdRun>) {
     out.clear();
     let bsr = u64::from(bsr.max(1));
     let mut offsets = Vec::with_capacity(g.regions.len());
@@ -1178,33 +1417,19 @@ fn desc_ids_into(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32, out: &mut
         acc += n * bsr;
     }
     let num_fa = acc;
+    let groups = 0..block_ids.len() as u32;
     let Some(state) = &g.state else {
         let gids: Vec<i32> = g.regions.iter().map(|r| r.group_id).collect();
-        let shared = gids.iter().all(|&x| x == gids[0]);
-        // Reserved exactly: a long request's list is neither regrown nor over-allocated.
-        let n: usize = if shared {
-            offsets.len() * block_ids.iter().map(Vec::len).sum::<usize>()
-        } else {
-            block_ids
-                .iter()
-                .enumerate()
-                .map(|(gi, ids)| ids.len() * gids.iter().filter(|&&x| x == gi as i32 || x == -1).count())
-                .sum()
-        };
-        out.reserve(n);
-        if shared {
+        if gids.iter().all(|&x| x == gids[0]) {
             // Shared regions: every group's blocks over every region.
-            for off in &offsets {
-                for (gi, ids) in block_ids.iter().enumerate() {
-                    out.extend(ids.iter().map(|&b| (gi as u32, b, off + b)));
-                }
+            for &base in &offsets {
+                out.extend(groups.clone().map(|group| IdRun { group, base }));
             }
         } else {
-            for (gi, ids) in block_ids.iter().enumerate() {
-                for (r, off) in offsets.iter().enumerate() {
-                    let gid = gids[r];
-                    if gid == gi as i32 || gid == -1 {
-                        out.extend(ids.iter().map(|&b| (gi as u32, b, off + b)));
+            for group in groups {
+                for (&gid, &base) in gids.iter().zip(&offsets) {
+                    if gid == group as i32 || gid == -1 {
+                        out.push(IdRun { group, base });
                     }
                 }
             }
@@ -1214,24 +1439,11 @@ fn desc_ids_into(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32, out: &mut
     let num_blocks = g.kernel_blocks() * bsr;
     let logical = g.num_blocks();
     let state_rows = g.state_region_indices().len() as u64 * state.parts.len() as u64;
-    let n: usize = g
-        .groups
-        .iter()
-        .zip(block_ids)
-        .map(|(grp, ids)| {
-            ids.len() * if grp.kind.is_attention() { g.regions.len() } else { state_rows as usize }
-        })
-        .sum();
-    out.reserve(n);
-    for (gi, (grp, ids)) in g.groups.iter().zip(block_ids).enumerate() {
+    for (group, grp) in groups.zip(&g.groups) {
         if grp.kind.is_attention() {
-            for r in 0..g.regions.len() as u64 {
-                out.extend(ids.iter().map(|&b| (gi as u32, b, r * num_blocks + b)));
-            }
+            out.extend((0..g.regions.len() as u64).map(|r| IdRun { group, base: r * num_blocks }));
         } else {
-            for row in 0..state_rows {
-                out.extend(ids.iter().map(|&b| (gi as u32, b, num_fa + row * logical + b)));
-            }
+            out.extend((0..state_rows).map(|row| IdRun { group, base: num_fa + row * logical }));
         }
     }
 }
