@@ -48,6 +48,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         }
         BenchJob::CompareTransports(runs) => compare(format, Compared::Transports, &runs, &root, &run_id),
         BenchJob::CompareModes(runs) => compare(format, Compared::Modes, &runs, &root, &run_id),
+        BenchJob::CompareKvBuffer(runs) => compare(format, Compared::KvBuffer, &runs, &root, &run_id),
         BenchJob::Sweep(sweep) => {
             let mut writer = RunWriter::create(&root, &run_id)?;
             let summary = super::sweep::run(&sweep, &mut writer, &run_id)?;

@@ -11,7 +11,7 @@ use crate::diagnose::xfer::run_for_calibration;
 use crate::pipeline::bench;
 use crate::pipeline::bench::BenchSettings;
 use crate::report::chart::{Bars, bars_svg};
-use crate::report::compare_runs::{RunRow, modes_table, transports_table};
+use crate::report::compare_runs::{RunRow, kv_buffer_table, modes_table, transports_table};
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{Summary, SweepPoint};
 
@@ -34,6 +34,8 @@ pub enum Compared {
     Transports,
     /// `--compare-modes`: pull (decode READs) and push (prefill WRITEs).
     Modes,
+    /// `--compare-kv-buffer-device`: reads of the KV pool itself, and through host buffers.
+    KvBuffer,
 }
 
 impl Compared {
@@ -41,6 +43,7 @@ impl Compared {
         match self {
             Compared::Transports => "--compare-transports",
             Compared::Modes => "--compare-modes",
+            Compared::KvBuffer => "--compare-kv-buffer-device",
         }
     }
 
@@ -48,6 +51,7 @@ impl Compared {
         match self {
             Compared::Transports => s.workers.transport.kind.as_str().to_string(),
             Compared::Modes => s.workers.transport.mode.as_str().to_string(),
+            Compared::KvBuffer => s.workers.transport.kv_buffer.as_str().to_string(),
         }
     }
 }
@@ -95,6 +99,8 @@ pub fn run(
             hidden_p50: s.stages.get("push_hidden").map(|x| x.p50_us / 1e3),
             post_p50: stage("post").0,
             notify_p50: stage("notify").0,
+            save_p50: s.stages.get(bench::SAVE_TO_HOST).map(|x| x.p50_us / 1e3),
+            sync_p50: s.stages.get(bench::SYNC_TO_DEVICE).map(|x| x.p50_us / 1e3),
             descriptors: s.descriptors_per_request.raw,
             gbps: s.throughput_gbps,
             cpu_per_gb,
@@ -104,6 +110,7 @@ pub fn run(
         let key = match what {
             Compared::Transports => "transport",
             Compared::Modes => "mode",
+            Compared::KvBuffer => "kv_buffer_device",
         };
         params.insert(key.into(), json!(name));
         params.insert("cpu_s_per_gb".into(), json!(cpu_per_gb));
@@ -130,6 +137,7 @@ pub fn run(
     let table = match what {
         Compared::Transports => transports_table(&rows),
         Compared::Modes => modes_table(&rows),
+        Compared::KvBuffer => kv_buffer_table(&rows),
     };
     let groups: Vec<Bars> = rows
         .iter()
@@ -147,6 +155,7 @@ pub fn run(
     let (title, file) = match what {
         Compared::Transports => ("Transports on the same workload", "transports.svg"),
         Compared::Modes => ("Pull and push on the same workload", "modes.svg"),
+        Compared::KvBuffer => ("The KV pool and a host buffer on the same workload", "kv-buffer.svg"),
     };
     let svg = bars_svg(title, &groups)?;
     write_atomic(&writer.dir().join(file), svg.as_bytes())?;

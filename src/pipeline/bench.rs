@@ -152,6 +152,15 @@ impl BenchSettings {
             s.extra.insert("dispatch".into(), serde_json::json!(self.dispatch.as_str()));
             s.extra.insert("overlap".into(), serde_json::json!(w.prefill.overlap.as_str()));
         }
+        if w.transport.kv_buffer == super::wire::KvBufferDevice::Cpu {
+            // What the two staged copies are on this memory (stages save_to_host, sync_to_device).
+            let how = if w.mem.kind() == crate::transfer::memory::MemKind::Cuda {
+                "cpu: a host buffer per rank; device/host copies through pinned staging"
+            } else {
+                "cpu: a host buffer per rank, apart from its host KV pool; the copies are memcpy"
+            };
+            s.extra.insert("kv_buffer_device".into(), serde_json::json!(how));
+        }
         if w.prefill.per_layer_ns > 0 {
             s.extra.insert(
                 "prefill_time_per_layer_us".into(),
@@ -179,6 +188,8 @@ struct Finished {
     /// From sending the prefill leg to the KV landed on every decode rank (0: failed).
     ready_ns: u64,
     publish_ns: u64,
+    /// `--kv-buffer-device cpu`: the slowest prefill rank's copy to its host buffer.
+    save_ns: u64,
     ranks: Vec<LoadResult>,
     /// Each rank's part of the transfer, for the wall-span bandwidth (pull mode).
     transfers: Vec<RankTransfer>,
@@ -193,6 +204,7 @@ impl Finished {
             row,
             ready_ns: 0,
             publish_ns: 0,
+            save_ns: 0,
             ranks: vec![],
             transfers: vec![],
             verify_failures: 0,
@@ -269,8 +281,8 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         engines.decode.load(req, d_request_id.clone(), params, n_d - hit, seed)
     });
     let prefill = prefill.await;
-    let (params, publish_ns) = match prefill {
-        Ok(Ok(done)) => (done.params, done.publish_ns),
+    let (params, publish_ns, save_ns) = match prefill {
+        Ok(Ok(done)) => (done.params, done.publish_ns, done.save_ns),
         Ok(Err(e)) => {
             fail(&mut row, e.cause().as_str());
             tracing::warn!("request {req}: prefill failed: {e}");
@@ -353,7 +365,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     let bytes_verified = ranks.iter().map(|r| r.bytes_verified).sum();
     // Prefill start to the KV in decode's blocks, as the driver saw it (verification excluded).
     let ready_ns = ready_ns.saturating_sub(ranks.iter().map(|r| r.verify_ns).max().unwrap_or(0));
-    Finished { row, publish_ns, ranks, transfers, verify_failures, bytes_verified, ready_ns }
+    Finished { row, publish_ns, save_ns, ranks, transfers, verify_failures, bytes_verified, ready_ns }
 }
 
 /// Accumulates one measured repeat.
@@ -390,6 +402,14 @@ impl Tally {
             }
             if f.publish_ns > 0 {
                 self.recorder.record_ns("publish", f.publish_ns);
+            }
+            // Host buffer: its two copies, each the slowest rank's.
+            if f.save_ns > 0 {
+                self.recorder.record_ns(SAVE_TO_HOST, f.save_ns);
+            }
+            let sync = f.ranks.iter().map(|r| r.sync_ns).max().unwrap_or(0);
+            if sync > 0 {
+                self.recorder.record_ns(SYNC_TO_DEVICE, sync);
             }
             if f.ready_ns > 0 {
                 self.recorder.record_ns(READY, f.ready_ns);
@@ -552,6 +572,14 @@ async fn drive(
 /// (prefill, handoff and transfer; verification excluded): the KV part of TTFT, and the one
 /// figure that compares pull and push whatever the dispatch.
 pub const READY: &str = "kv_ready";
+
+/// `--kv-buffer-device cpu`: prefill's copy of a request's blocks from its KV pool to its host
+/// buffer (vLLM's `save_kv_to_host`), the slowest rank's.
+pub const SAVE_TO_HOST: &str = "save_to_host";
+
+/// `--kv-buffer-device cpu`: decode's copy of the received blocks from its host buffer into its
+/// KV pool (vLLM's `sync_recved_kv_to_device`), the slowest rank's.
+pub const SYNC_TO_DEVICE: &str = "sync_to_device";
 
 /// How long requests in flight get to finish after an interrupt before the run stops
 /// waiting for them (the engines' teardown and the report must fit in the 2 s a user waits).

@@ -122,6 +122,8 @@ struct Decoder<'a> {
     /// The cuda-batch transport's copier; dropped (its stream drained) before the pool.
     batch: Option<super::batch::BatchSide>,
     local: Local,
+    /// `--kv-buffer-device cpu`: the KV pool, behind the host buffer `local` registers.
+    staged: Option<crate::transfer::memory::KvBuffer>,
     storage: Option<StorageFetcher>,
     geom: crate::layouts::RankGeometry,
     regions: Vec<Region>,
@@ -136,7 +138,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.d_geometry(cfg.rank);
     let (progress, err_mode) = (cfg.transport.progress, cfg.transport.err_mode);
     let kind = cfg.transport.kind;
-    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem } =
+    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem, staged } =
         super::worker::rank_pool(&cfg, &geom)?;
     let (local, lib) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
@@ -182,7 +184,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         handshake_payload,
         ucx_library: lib.0,
         ucx_version: lib.1,
-        pool_bytes: total as u64,
+        // With a host buffer the rank holds the pool twice over (pool and buffer).
+        pool_bytes: total as u64 * if staged.is_some() { 2 } else { 1 },
         rss_bytes: rss_bytes(),
     })))?;
     let client = HandshakeClient::new(FetchOptions {
@@ -198,6 +201,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         released: Default::default(),
         batch,
         local,
+        staged,
         storage,
         geom,
         regions,
@@ -300,17 +304,20 @@ impl Decoder<'_> {
     /// memory); the bytes verified, or the first byte that differs, go into `r`.
     fn verify(&self, r: &mut LoadResult, plan: &VerifyPlan) -> Result<(), Failure> {
         let (mut bytes, mut mismatch) = (0, None);
-        self.local
-            .memory()?
-            .read_ranges(&plan.ranges(), |i, got| {
-                if mismatch.is_none() {
-                    match plan.check(i, got) {
-                        Ok(n) => bytes += n,
-                        Err(m) => mismatch = Some(m),
-                    }
+        // With a host buffer, what the model sees is the pool the buffer was copied into.
+        let kv = match &self.staged {
+            Some(pool) => pool,
+            None => self.local.memory()?,
+        };
+        kv.read_ranges(&plan.ranges(), |i, got| {
+            if mismatch.is_none() {
+                match plan.check(i, got) {
+                    Ok(n) => bytes += n,
+                    Err(m) => mismatch = Some(m),
                 }
-            })
-            .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+            }
+        })
+        .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
         match mismatch {
             None => r.bytes_verified = bytes,
             Some(m) => r.verify_failure = Some(m.to_string()),
@@ -626,6 +633,20 @@ impl Decoder<'_> {
         }
         r.notify_ns = tn.elapsed().as_nanos() as u64;
         r.e2e_ns = t0.elapsed().as_nanos() as u64;
+        // Host buffer: the received blocks into the KV pool (vLLM's `sync_recved_kv_to_device`),
+        // every layer of each block, timed as its own stage.
+        if let Some(pool) = self.staged.as_mut() {
+            let ts = Instant::now();
+            crate::transfer::memory::copy_ranges(
+                self.local.memory()?,
+                pool,
+                &super::worker::block_ranges(&self.regions, &blocks.local),
+            )
+            .map_err(|e| {
+                (FailureCause::Internal, format!("copy the received blocks into the KV pool: {e}"))
+            })?;
+            r.sync_ns = ts.elapsed().as_nanos() as u64;
+        }
         // Verify (outside the timed path).
         if let Some(stride) = self.cfg.verify.stride() {
             let tv = Instant::now();

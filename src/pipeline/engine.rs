@@ -153,6 +153,8 @@ pub struct PrefillDone {
     pub fill_ns: u64,
     /// Slowest rank's storage publish time (storage transport; 0 otherwise).
     pub publish_ns: u64,
+    /// Slowest rank's copy to its host buffer (`--kv-buffer-device cpu`; 0 otherwise).
+    pub save_ns: u64,
 }
 
 /// The decode side's answer: one result per decode rank.
@@ -448,6 +450,7 @@ struct PendingPrefill {
     freed: BTreeSet<u32>,
     fill_ns: u64,
     publish_ns: u64,
+    save_ns: u64,
     deadline: Instant,
     reply: Reply<PrefillDone>,
 }
@@ -965,13 +968,14 @@ impl EngineLoop {
                     self.ranks[i].ready = Some(*info);
                 }
             }
-            FromWorker::Filled { req, fill_ns, publish_ns } => {
+            FromWorker::Filled { req, fill_ns, publish_ns, save_ns } => {
                 let Some(rank) = rank_of(&self.ranks) else { return };
                 let done = match self.prefills.get_mut(&req) {
                     Some(p) => {
                         p.waiting.remove(&(rank as u32));
                         p.fill_ns = p.fill_ns.max(fill_ns);
                         p.publish_ns = p.publish_ns.max(publish_ns);
+                        p.save_ns = p.save_ns.max(save_ns);
                         p.waiting.is_empty()
                     }
                     None => false,
@@ -987,6 +991,7 @@ impl EngineLoop {
                         params,
                         fill_ns: p.fill_ns,
                         publish_ns: p.publish_ns,
+                        save_ns: p.save_ns,
                     }));
                 }
             }
@@ -1182,6 +1187,7 @@ impl EngineLoop {
                         freed: BTreeSet::new(),
                         fill_ns: 0,
                         publish_ns: 0,
+                        save_ns: 0,
                         deadline: Instant::now() + timeout,
                         reply,
                     },

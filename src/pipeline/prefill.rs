@@ -20,7 +20,9 @@ use super::wire::{
     FailureCause, Fault, FromWorker, Overlap, PushStats, ReadyInfo, ToWorker, TransferMode, TransportKind,
     UcxChoices, WorkerConfig,
 };
-use super::worker::{Control, Stage as _, WorkerError, advertised_payload, host_pool, rss_bytes};
+use super::worker::{
+    Control, Stage as _, WorkerError, advertised_payload, block_ranges, host_pool, rss_bytes,
+};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;
 use crate::transfer::memory::KvBuffer;
@@ -115,6 +117,7 @@ struct Compute {
     start: Instant,
     fill_ns: u64,
     publish_ns: u64,
+    save_ns: u64,
 }
 
 /// The simulated prefill of a rank: its settings and the end of the last request queued (one
@@ -141,10 +144,10 @@ impl Prefill {
     }
 
     /// Queues a request's computation behind the ones before it.
-    fn start(&mut self, now: Instant, fill_ns: u64, publish_ns: u64) -> Compute {
+    fn start(&mut self, now: Instant, fill_ns: u64, publish_ns: u64, save_ns: u64) -> Compute {
         let start = self.busy_until.max(now);
         self.busy_until = start + self.total();
-        Compute { start, fill_ns, publish_ns }
+        Compute { start, fill_ns, publish_ns, save_ns }
     }
 
     fn total(&self) -> Duration {
@@ -192,7 +195,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.p_geometry(cfg.rank);
     let progress = cfg.transport.progress;
     let kind = cfg.transport.kind;
-    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem } =
+    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem, mut staged } =
         super::worker::rank_pool(&cfg, &geom)?;
     let mut ucx_lib = None;
     let (mut pool, worker_address, rkey, base) = if uses_ucx {
@@ -248,7 +251,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         handshake_payload: Some(payload),
         ucx_library: lib,
         ucx_version: version,
-        pool_bytes: total as u64,
+        // With a host buffer the rank holds the pool twice over (pool and buffer).
+        pool_bytes: total as u64 * if staged.is_some() { 2 } else { 1 },
         rss_bytes: rss_bytes(),
     })))?;
 
@@ -288,10 +292,25 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 ToWorker::Fill { req, p_request_id, blocks, seed, expected_notifs } => {
                     let t0 = Instant::now();
                     let plan = FillPlan::new(&geom, &regions, &blocks, seed);
-                    pool.memory_mut()?
+                    // With a host buffer the KV pool is filled (the prefill's output), then the
+                    // request's blocks are copied to the buffer decode reads (vLLM's
+                    // `save_kv_to_host`), timed as their own stage.
+                    let filled = staged.as_mut().map_or_else(|| pool.memory_mut(), Ok)?;
+                    filled
                         .write_ranges(&plan.ranges(), |i, bytes| plan.fill(i, bytes))
                         .stage("fill the request's blocks")?;
                     let fill_ns = t0.elapsed().as_nanos() as u64;
+                    let mut save_ns = 0;
+                    if let Some(kv) = staged.as_ref() {
+                        let ts = Instant::now();
+                        crate::transfer::memory::copy_ranges(
+                            kv,
+                            pool.memory_mut()?,
+                            &block_ranges(&regions, &blocks),
+                        )
+                        .stage("copy the request's blocks to the host buffer")?;
+                        save_ns = ts.elapsed().as_nanos() as u64;
+                    }
                     let mut publish_ns = 0;
                     if eager_publish && let Some(s) = storage.as_mut() {
                         let t1 = Instant::now();
@@ -303,7 +322,8 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     let expected = (expected_notifs > 0).then_some(expected_notifs);
                     // The simulated prefill (if any) starts now; the request is reported
                     // filled when it is done.
-                    let compute = sim.simulated().then(|| sim.start(Instant::now(), fill_ns, publish_ns));
+                    let compute =
+                        sim.simulated().then(|| sim.start(Instant::now(), fill_ns, publish_ns, save_ns));
                     // The lease runs from the end of the prefill, as vLLM's abort timeout runs
                     // from the request's finish: a request still computing (or queued behind
                     // another on this rank) is not freed under its reader.
@@ -324,7 +344,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                         Err(e) => tracing::warn!("{e}"),
                     }
                     if compute.is_none() {
-                        ctl.send(&FromWorker::Filled { req, fill_ns, publish_ns })?;
+                        ctl.send(&FromWorker::Filled { req, fill_ns, publish_ns, save_ns })?;
                         // Push: the registration may have come first.
                         if let Some(p) = pusher.as_mut()
                             && p.is_registered(&p_request_id)
@@ -587,6 +607,7 @@ fn advance(
             req: h.req,
             fill_ns: c.fill_ns + compute_ns,
             publish_ns: c.publish_ns,
+            save_ns: c.save_ns,
         })?;
         let Some(p) = pusher.as_mut() else { continue };
         if let Some(job) = h.job.take() {

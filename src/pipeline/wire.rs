@@ -21,7 +21,7 @@ pub const MAX_CONTROL_BYTES: usize = 64 << 20;
 /// it is alive. Such a worker has no pipe to the engine whose closing would say it died.
 pub const ALIVE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
-pub use crate::vocab::kinds::{Role, SAMPLE_STRIDE, TransportKind, VerifyMode};
+pub use crate::vocab::kinds::{KvBufferDevice, Role, SAMPLE_STRIDE, TransportKind, VerifyMode};
 
 /// Who moves the bytes (defined with the rank maps it selects; pull only in the pipeline so far).
 pub use crate::topology::TransferMode;
@@ -65,6 +65,10 @@ pub struct TransportConfig {
     /// slower by waiting after it completes, so a regression of known size can be staged.
     #[serde(default)]
     pub slowdown: f64,
+    /// Where ranks register the KV for transfers (vLLM's `kv_buffer_device`): the pool itself,
+    /// or a host buffer the pool is copied through (`--kv-buffer-device cpu`).
+    #[serde(default)]
+    pub kv_buffer: KvBufferDevice,
 }
 
 /// How prefill ranks hand KV to decode in push mode: after the whole prefill, or layer by
@@ -261,6 +265,9 @@ pub struct LoadResult {
     /// From taking the request to notifications sent (verification excluded).
     pub e2e_ns: u64,
     pub verify_ns: u64,
+    /// `--kv-buffer-device cpu`: the copy of the received blocks into the KV pool.
+    #[serde(default)]
+    pub sync_ns: u64,
     pub bytes: u64,
     pub descs_raw: u64,
     pub descs_coalesced: u64,
@@ -333,6 +340,9 @@ pub enum FromWorker {
         req: u64,
         fill_ns: u64,
         publish_ns: u64,
+        /// `--kv-buffer-device cpu`: the copy of the request's blocks to the host buffer.
+        #[serde(default)]
+        save_ns: u64,
     },
     /// A prefill rank released a request's blocks: all notifications arrived, or the lease expired.
     Freed {
@@ -394,7 +404,7 @@ mod tests {
 
     #[test]
     fn messages_round_trip_and_garbage_is_an_error() {
-        let m = FromWorker::Filled { req: 3, fill_ns: 99, publish_ns: 0 };
+        let m = FromWorker::Filled { req: 3, fill_ns: 99, publish_ns: 0, save_ns: 7 };
         assert_eq!(decode::<FromWorker>(&encode(&m)), Ok(m));
         assert!(decode::<FromWorker>(b"\xc1garbage").is_err());
         assert!(decode::<ToWorker>(&[]).is_err());

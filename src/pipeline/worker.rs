@@ -322,7 +322,11 @@ pub(super) struct RankPool {
     pub uses_ucx: bool,
     /// The shared-storage transport, alone or in a multi chain.
     pub uses_storage: bool,
+    /// The memory transports move: the KV pool, or its host buffer (`--kv-buffer-device cpu`).
     pub mem: crate::transfer::memory::KvBuffer,
+    /// With a host buffer: the KV pool itself, which the rank fills (prefill) or checks
+    /// (decode), copied to or from `mem`.
+    pub staged: Option<crate::transfer::memory::KvBuffer>,
 }
 
 /// Allocates the pool of a rank of `geom` (prefill and decode alike).
@@ -344,5 +348,24 @@ pub(super) fn rank_pool(
     };
     let mem = crate::transfer::memory::KvBuffer::alloc(cfg.mem, total, pages)
         .stage(format!("allocate the {total}-byte KV pool in {} memory", cfg.mem))?;
-    Ok(RankPool { regions, total, uses_ucx, uses_storage, mem })
+    if cfg.transport.kv_buffer == super::wire::KvBufferDevice::Cpu {
+        // vLLM's host buffer has the pool's layout (one host tensor per device tensor).
+        let host = crate::transfer::memory::KvBuffer::alloc(MemPlace::Host, total, pages)
+            .stage(format!("allocate the {total}-byte host buffer"))?;
+        return Ok(RankPool { regions, total, uses_ucx, uses_storage, mem: host, staged: Some(mem) });
+    }
+    Ok(RankPool { regions, total, uses_ucx, uses_storage, mem, staged: None })
+}
+
+/// The byte ranges of whole blocks `blocks` in every region (what vLLM's host-buffer copies
+/// move: every layer of each block).
+pub fn block_ranges(regions: &[crate::layouts::Region], blocks: &[u32]) -> Vec<std::ops::Range<u64>> {
+    let mut out = Vec::with_capacity(regions.len() * blocks.len());
+    for r in regions {
+        out.extend(blocks.iter().map(|&b| {
+            let off = r.base_off + u64::from(b) * r.block_stride;
+            off..off + r.block_len
+        }));
+    }
+    out
 }

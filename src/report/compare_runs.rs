@@ -15,6 +15,10 @@ pub struct RunRow {
     pub hidden_p50: Option<f64>,
     pub post_p50: f64,
     pub notify_p50: f64,
+    /// Host buffer: prefill's copy to it and decode's copy from it (`save_to_host`,
+    /// `sync_to_device`), p50.
+    pub save_p50: Option<f64>,
+    pub sync_p50: Option<f64>,
     pub descriptors: f64,
     pub gbps: f64,
     pub cpu_per_gb: f64,
@@ -82,6 +86,54 @@ pub fn transports_table(rows: &[RunRow]) -> String {
 }
 
 /// Pull against push: what each moves and how fast, and the ratio to the first run.
+/// `--compare-kv-buffer-device`: what staging through host buffers costs against reading the
+/// KV pool itself, on the same workload.
+pub fn kv_buffer_table(rows: &[RunRow]) -> String {
+    let mut t = new_table(
+        Style::Terminal,
+        &[
+            "KV buffer",
+            "throughput GB/s",
+            "vs first",
+            "KV ready p50/p99 ms",
+            "save_to_host p50 ms",
+            "transfer p50/p99 ms",
+            "sync_to_device p50 ms",
+            "e2e p50/p99 ms",
+            "descriptors/request",
+            "CPU s per GB",
+        ],
+    );
+    let base = rows.first().map_or(0.0, |r| r.gbps);
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.3}"));
+    for r in rows {
+        let label = match r.name.as_str() {
+            "cuda" => "cuda (the KV pool itself)",
+            "cpu" => "cpu (host buffers, two copies)",
+            other => other,
+        };
+        t.add_row(vec![
+            format!("{label}{}", failed_suffix(r.failed)),
+            format!("{:.3}", r.gbps),
+            if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
+            format!("{:.2} / {:.2}", r.ready.0, r.ready.1),
+            ms(r.save_p50),
+            format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
+            ms(r.sync_p50),
+            format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
+            format!("{:.0}", r.descriptors),
+            format!("{:.2}", r.cpu_per_gb),
+        ]);
+    }
+    format!(
+        "\nThe KV pool and a host buffer (vLLM's kv_buffer_device), measured on this machine (same workload \
+         each). save_to_host = prefill's copy of a request's blocks from its pool to its host buffer; \
+         sync_to_device = decode's copy of the received blocks into its pool (each the slowest rank's); \
+         transfer = the reads, host buffer to host buffer with cpu. KV ready (prefill leg sent to the KV in \
+         every decode rank's pool) includes both copies: the figure that compares the two.\n{t}\n"
+    )
+}
+
 pub fn modes_table(rows: &[RunRow]) -> String {
     let mut t = new_table(
         Style::Terminal,

@@ -354,8 +354,10 @@ impl WorkerKv {
             ("notify", |r| r.notify_ns),
             ("e2e", |r| r.e2e_ns),
             ("verify", |r| r.verify_ns),
+            (crate::pipeline::bench::SYNC_TO_DEVICE, |r| r.sync_ns),
         ] {
-            if name != "verify" || max(f) > 0 {
+            // Stages some runs have: recorded where they happened.
+            if !matches!(name, "verify" | crate::pipeline::bench::SYNC_TO_DEVICE) || max(f) > 0 {
                 self.stage(name, max(f));
             }
         }
@@ -421,6 +423,9 @@ impl KvBackend for WorkerKv {
                     guard.done = true;
                     self.counters.prefills.fetch_add(1, Ordering::Relaxed);
                     self.stage("fill", done.fill_ns);
+                    if done.save_ns > 0 {
+                        self.stage(crate::pipeline::bench::SAVE_TO_HOST, done.save_ns);
+                    }
                     Ok(done.params)
                 }
                 Ok(Ok(Err(e))) => Err(self.engine_error(e)),

@@ -23,14 +23,15 @@ use super::flags::{Format, ModelFlags, PairFlags};
 use super::layer::{self, Layered, layered};
 use super::parse::parse_duration;
 use super::scenario;
-use super::workers::{check_inflight, check_mem_transport, resolve_mem};
+use super::workers::{check_inflight, check_kv_buffer, check_mem_transport, resolve_mem};
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
 use crate::pipeline::bench::{BenchSettings, FailurePolicy, FaultPlan};
 use crate::pipeline::engine::split_endpoint;
 use crate::pipeline::setup::WorkerSettings;
 use crate::pipeline::wire::{
-    Dispatch, Fault, Overlap, PrefillSim, Role, TransferMode, TransportConfig, TransportKind, VerifyMode,
+    Dispatch, Fault, KvBufferDevice, Overlap, PrefillSim, Role, TransferMode, TransportConfig, TransportKind,
+    VerifyMode,
 };
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::results_root;
@@ -155,6 +156,17 @@ layered! {
         #[arg(long, value_enum, value_delimiter = ',', help_heading = "Transport", conflicts_with = "mode")]
         #[serde(default, deserialize_with = "super::parse::opt_choices")]
         pub compare_modes: Option<Vec<TransferMode>>,
+        /// Run the same workload with each KV buffer and print one comparison table of what the
+        /// host buffer's two copies cost against reading the pool directly: cuda,cpu.
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            help_heading = "Transport",
+            conflicts_with = "kv_buffer_device"
+        )]
+        #[serde(default, deserialize_with = "super::parse::opt_choices")]
+        pub compare_kv_buffer_device: Option<Vec<KvBufferDevice>>,
         /// Inject a fault to test resilience: kill-ucx:pR@N (tear down prefill rank R's UCX side after N
         /// measured requests) or exit:pR@N / exit:dR@N (the worker exits). The run exits 0 when the
         /// failure policy held: only requests after the fault failed, as a lost peer fails; no wrong
@@ -241,6 +253,12 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport", help = BatchCopy::help())]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub batch_copy: Option<BatchCopy>,
+        /// Where transfers read the KV (vLLM's kv_buffer_device): cuda (the pool itself) or cpu
+        /// (a host buffer: prefill copies a request's blocks into it, decode reads into its own
+        /// and copies them into its pool; both copies are timed stages) [default: cuda].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub kv_buffer_device: Option<KvBufferDevice>,
         /// How many batches --transport cuda-batch posts per request on a decode rank: rank
         /// (one over all its prefill peers: one kernel launch) or peer (one per prefill peer)
         /// [default: rank].
@@ -506,10 +524,13 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
             "applies to --transport cuda-batch (or --compare-transports with cuda-batch)",
         ));
     }
+    let mode = s.mode.unwrap_or_default();
+    let kv_buffer = s.kv_buffer_device.unwrap_or_default();
+    check_kv_buffer(kv_buffer, mode, kind)?;
     Ok(TransportConfig {
         kind,
         chain: if kind == TransportKind::Multi { chain } else { vec![] },
-        mode: s.mode.unwrap_or_default(),
+        mode,
         ucx_lib: s.ucx_lib.clone(),
         err_mode: s.err_mode.unwrap_or_default(),
         progress: s.progress.unwrap_or_default(),
@@ -524,6 +545,7 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
         batch_copy: s.batch_copy.unwrap_or_default(),
         batch_launch: s.batch_launch.unwrap_or_default(),
         slowdown,
+        kv_buffer,
     })
 }
 

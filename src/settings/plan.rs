@@ -38,6 +38,9 @@ pub enum BenchJob {
     CompareTransports(Vec<BenchSettings>),
     /// `--compare-modes`: the same workload in each transfer mode (pull, push), in order.
     CompareModes(Vec<BenchSettings>),
+    /// `--compare-kv-buffer-device`: the same workload with each KV buffer (the pool, a host
+    /// buffer), in order.
+    CompareKvBuffer(Vec<BenchSettings>),
     /// `--sweep`: one bench per point of the file's axes.
     Sweep(SweepJob),
 }
@@ -47,9 +50,9 @@ impl BenchJob {
     pub fn results_root(&self) -> &Path {
         match self {
             BenchJob::Single(s) | BenchJob::Serve(s, _) => &s.results_root,
-            BenchJob::CompareTransports(runs) | BenchJob::CompareModes(runs) => {
-                runs.first().map_or(Path::new(""), |s| &s.results_root)
-            }
+            BenchJob::CompareTransports(runs)
+            | BenchJob::CompareModes(runs)
+            | BenchJob::CompareKvBuffer(runs) => runs.first().map_or(Path::new(""), |s| &s.results_root),
             BenchJob::Sweep(plan) => &plan.results_root,
         }
     }
@@ -69,6 +72,7 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
             BenchFlags {
                 compare_transports: merged.compare_transports,
                 compare_modes: merged.compare_modes,
+                compare_kv_buffer_device: merged.compare_kv_buffer_device,
                 ..flags.clone()
             }
         }
@@ -79,6 +83,7 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
         (flags.serve, "--serve"),
         (flags.compare_transports.is_some(), "--compare-transports"),
         (flags.compare_modes.is_some(), "--compare-modes"),
+        (flags.compare_kv_buffer_device.is_some(), "--compare-kv-buffer-device"),
         (flags.sweep.is_some(), "--sweep"),
     ];
     let given: Vec<&str> = kinds.iter().filter(|(on, _)| *on).map(|(_, f)| *f).collect();
@@ -93,6 +98,7 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
     for (list, flag) in [
         (flags.compare_transports.as_deref().map(names), "--compare-transports"),
         (flags.compare_modes.as_deref().map(names), "--compare-modes"),
+        (flags.compare_kv_buffer_device.as_deref().map(names), "--compare-kv-buffer-device"),
     ] {
         let Some(list) = list else { continue };
         if let Some(twice) = list.iter().enumerate().find_map(|(i, n)| list[..i].contains(n).then_some(n)) {
@@ -154,6 +160,21 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
             return Err(ConfigError::new("--compare-modes", "needs at least one of pull, push"));
         }
         return Ok(BenchJob::CompareModes(runs));
+    }
+    if let Some(buffers) = &flags.compare_kv_buffer_device {
+        let mut runs = Vec::new();
+        for &buffer in buffers {
+            let one = BenchFlags {
+                compare_kv_buffer_device: None,
+                kv_buffer_device: Some(buffer),
+                ..flags.clone()
+            };
+            runs.push(resolve(&one, env)?);
+        }
+        if runs.is_empty() {
+            return Err(ConfigError::new("--compare-kv-buffer-device", "needs at least one of cuda, cpu"));
+        }
+        return Ok(BenchJob::CompareKvBuffer(runs));
     }
     if let Some(path) = &flags.sweep {
         return Ok(BenchJob::Sweep(sweep::resolve_job(flags, path, env)?));

@@ -16,7 +16,7 @@ use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
 use crate::pipeline::engine::EngineConfig;
 use crate::pipeline::setup::{EngineSlot, KvMemory, WorkerSettings};
-use crate::pipeline::wire::{Role, TransferMode, TransportConfig, TransportKind, VerifyMode};
+use crate::pipeline::wire::{KvBufferDevice, Role, TransferMode, TransportConfig, TransportKind, VerifyMode};
 use crate::serve::http_engine::{HttpEngineConfig, Role as HttpRole};
 use crate::serve::kv::EngineIdentity;
 use crate::topology::VllmVersion;
@@ -73,6 +73,36 @@ pub fn check_mem_transport(mem: MemKind, kind: TransportKind) -> Result<(), Conf
         )),
         _ => Ok(()),
     }
+}
+
+/// `--kv-buffer-device cpu` stages the KV through a host buffer for UCX reads in pull mode, as
+/// vLLM's NixlConnector does; the other transports and push mode move the pool itself.
+pub fn check_kv_buffer(
+    buf: KvBufferDevice,
+    mode: TransferMode,
+    kind: TransportKind,
+) -> Result<(), ConfigError> {
+    if buf == KvBufferDevice::Cuda {
+        return Ok(());
+    }
+    if mode != TransferMode::Pull {
+        return Err(ConfigError::new(
+            "--kv-buffer-device",
+            "a host buffer is staged for pull mode (decode reads it, as vLLM's NixlConnector): use --mode pull, \
+             or --kv-buffer-device cuda",
+        ));
+    }
+    if kind != TransportKind::Ucx {
+        return Err(ConfigError::new(
+            "--kv-buffer-device",
+            format!(
+                "a host buffer is read over UCX; --transport {} moves the pool itself: use --transport ucx, or \
+                 --kv-buffer-device cuda",
+                kind.as_str()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// `--transport cuda-batch` maps peers' GPU memory with CUDA IPC, which works between
@@ -266,6 +296,11 @@ pub struct ServeEngineFlags {
     /// the blocks decode registers, NixlPushConnector); both engines must use the same [default: pull].
     #[arg(long, value_enum, value_name = "pull|push", help_heading = "KV workers")]
     pub mode: Option<TransferMode>,
+    /// Where transfers read the KV (vLLM's kv_buffer_device): cuda (the pool itself) or cpu (a
+    /// host buffer: prefill copies a request's blocks into it, decode reads into its own and
+    /// copies them into its pool); pull mode over UCX.
+    #[arg(long, value_enum, default_value = "cuda", help_heading = "KV workers")]
+    pub kv_buffer_device: KvBufferDevice,
 }
 
 /// How `kvx serve-engine`'s KV side is built.
@@ -354,6 +389,7 @@ pub fn resolve_serve_engine(
             (a.devices.is_some(), "--devices"),
             (a.device.is_some(), "--device"),
             (a.mode.is_some(), "--mode"),
+            (a.kv_buffer_device != KvBufferDevice::Cuda, "--kv-buffer-device"),
         ];
         if let Some((_, flag)) = given.iter().find(|(on, _)| *on) {
             return Err(ConfigError::new(
@@ -428,6 +464,7 @@ fn serve_engine_workers(
         TransferMode::Push => pair.validate_push().map(|_| ()).map_err(own_flag)?,
     }
     let inflight = check_inflight(a.inflight)?;
+    check_kv_buffer(a.kv_buffer_device, mode, TransportKind::Ucx)?;
     if a.lease.is_zero() || a.timeout.is_zero() {
         return Err(ConfigError::new("--lease", "--lease and --timeout must be longer than 0"));
     }
@@ -456,6 +493,7 @@ fn serve_engine_workers(
             batch_copy: Default::default(),
             batch_launch: Default::default(),
             slowdown: 0.0,
+            kv_buffer: a.kv_buffer_device,
         },
         verify: a.verify,
         mem,
@@ -560,6 +598,7 @@ mod tests {
             devices: None,
             device: None,
             mode: None,
+            kv_buffer_device: KvBufferDevice::Cuda,
         }
     }
 
@@ -606,8 +645,15 @@ mod tests {
     fn bad_serve_engine_values_name_their_flag() {
         let exe = Ok(PathBuf::from("/bin/kvx"));
         type Set = fn(&mut ServeEngineFlags);
-        let cases: [(Set, &str); 7] = [
+        let cases: [(Set, &str); 8] = [
             (|f| f.devices = Some(vec![0]), "--devices"),
+            (
+                |f| {
+                    f.kv_buffer_device = KvBufferDevice::Cpu;
+                    f.mode = Some(TransferMode::Push);
+                },
+                "--kv-buffer-device",
+            ),
             (|f| f.device = Some(0), "--devices"),
             (|f| f.inflight = 0, "--inflight"),
             (|f| f.threads = Some(0), "--threads"),

@@ -34,6 +34,8 @@ pub enum MemoryError {
     Cuda(#[from] CudaError),
     #[error("byte range {start}..{end} is outside the {len}-byte buffer")]
     Range { start: u64, end: u64, len: usize },
+    #[error("a host-buffer copy needs host memory on one side: both are device buffers")]
+    DeviceToDevice,
 }
 
 pub use crate::vocab::kinds::MemKind;
@@ -382,6 +384,26 @@ impl KvBuffer {
     }
 }
 
+/// Copies byte ranges of `src` to the same offsets of `dst` (a host buffer and its KV pool):
+/// memcpy between host buffers, device copies through pinned staging otherwise. Every range is
+/// checked on both sides before anything is copied.
+pub fn copy_ranges(src: &KvBuffer, dst: &mut KvBuffer, ranges: &[Range<u64>]) -> Result<(), MemoryError> {
+    let at = |r: &Range<u64>| r.start as usize..r.end as usize;
+    match (src, dst) {
+        (KvBuffer::Host(s), d) => {
+            let from = s.as_slice();
+            check_host_ranges(ranges, from.len())?;
+            d.write_ranges(ranges, |i, out| out.copy_from_slice(&from[at(&ranges[i])]))
+        }
+        (s, KvBuffer::Host(d)) => {
+            let to = d.as_mut_slice();
+            check_host_ranges(ranges, to.len())?;
+            s.read_ranges(ranges, |i, bytes| to[at(&ranges[i])].copy_from_slice(bytes))
+        }
+        (KvBuffer::Cuda(_), KvBuffer::Cuda(_)) => Err(MemoryError::DeviceToDevice),
+    }
+}
+
 fn check_host_ranges(ranges: &[Range<u64>], len: usize) -> Result<(), MemoryError> {
     match ranges.iter().find(|r| r.start > r.end || r.end > len as u64) {
         Some(r) => Err(MemoryError::Range { start: r.start, end: r.end, len }),
@@ -415,6 +437,24 @@ unsafe impl Registrable for KvBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_buffer_copies_move_exactly_the_ranges_and_check_them_first() {
+        let mut src = KvBuffer::alloc(MemPlace::Host, 64, PageSize::Normal).expect("alloc");
+        src.write_ranges(&[0..64], |_, b| b.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8 + 1))
+            .expect("fill");
+        let mut dst = KvBuffer::alloc(MemPlace::Host, 64, PageSize::Normal).expect("alloc");
+        copy_ranges(&src, &mut dst, &[4..8, 32..40]).expect("copy");
+        let got = dst.as_host().expect("host").as_slice();
+        for (i, &b) in got.iter().enumerate() {
+            let copied = (4..8).contains(&i) || (32..40).contains(&i);
+            assert_eq!(b, if copied { i as u8 + 1 } else { 0 }, "byte {i}");
+        }
+        // A range past either end is refused before anything moves.
+        let err = copy_ranges(&src, &mut dst, &[0..4, 60..65]).expect_err("past the end");
+        assert!(matches!(err, MemoryError::Range { end: 65, .. }), "{err}");
+        assert_eq!(&dst.as_host().expect("host").as_slice()[..4], &[0; 4]);
+    }
 
     #[test]
     fn mem_places_serialize_tagged_and_display_short() {

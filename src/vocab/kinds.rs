@@ -115,3 +115,24 @@ impl MemKind {
         }
     }
 }
+
+/// vLLM's `kv_buffer_device`: where NIXL registers and reads the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum KvBufferDevice {
+    /// The KV cache itself (vLLM's name: its pool is on the GPU; kvx's may be host memory).
+    #[default]
+    Cuda,
+    /// A host staging buffer: prefill copies a request's blocks into it after computing them,
+    /// decode reads into its own and then copies them into its KV cache.
+    Cpu,
+}
+
+impl KvBufferDevice {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvBufferDevice::Cuda => "cuda",
+            KvBufferDevice::Cpu => "cpu",
+        }
+    }
+}

@@ -168,6 +168,38 @@ fn compare_modes_runs_pull_and_push_on_the_same_workload() {
     assert!(run.dir.join("modes.svg").exists(), "a chart of the comparison");
 }
 
+/// `--kv-buffer-device cpu` (vLLM's host buffer): prefill copies each request's blocks from its
+/// pool to a host buffer, decode reads host buffer to host buffer and copies into its pool, and
+/// every byte is verified in decode's pool (so a copy that missed a block fails the run). Both
+/// copies are their own stages, one per request; `--compare-kv-buffer-device` runs the direct
+/// path and the staged one on the same workload.
+#[test]
+fn host_buffers_stage_every_block_and_time_both_copies() {
+    let _turn = exclusive();
+    let a = args(&["--kv-buffer-device", "cpu", "--p-tp", "2", "--d-tp", "1"], TINY);
+    let run = run_bench("host buffer", &a);
+    check_clean("host buffer", &run, 6);
+    let s = &run.summary;
+    assert!(s["scenario"]["kv_buffer_device"].as_str().is_some_and(|t| t.contains("memcpy")), "{s}");
+    for stage in ["save_to_host", "sync_to_device"] {
+        assert_eq!(s["stages"][stage]["count"].as_u64(), Some(6), "{stage}: {s}");
+        assert!(s["stages"][stage]["min_us"].as_f64().is_some_and(|v| v > 0.0), "{stage}: {s}");
+    }
+
+    let a = args(&["--compare-kv-buffer-device", "cuda,cpu", "--p-tp", "2", "--d-tp", "1"], TINY);
+    let run = run_bench("compare kv buffer", &a);
+    let points = run.summary["sweep"].as_array().expect("one point per buffer").clone();
+    let labels: Vec<&str> = points.iter().filter_map(|p| p["label"].as_str()).collect();
+    assert_eq!(labels, ["cuda", "cpu"]);
+    for p in &points {
+        assert_eq!(p["requests_ok"], 6, "{p}");
+        assert_eq!(p["requests_failed"], 0, "{p}");
+    }
+    assert_eq!(n(&run.summary, "verify_failures"), 0);
+    assert_eq!(n(&run.summary, "bytes_verified"), n(&run.summary, "bytes_read"));
+    assert!(run.dir.join("kv-buffer.svg").exists(), "a chart of the comparison");
+}
+
 // Concurrent dispatch: decode registers before prefill answered (push needs only its identity).
 clean_case!(
     push_concurrent_dispatch,

@@ -52,6 +52,15 @@ const CASES: &[(&[&str], &str)] = &[
     (&["report", "Cargo.toml", "--charts-dir", "Cargo.toml"], "--charts-dir"),
     (&["bench", "--timeout", "5h"], "ns, us, ms, s, m"),
     (&["serve-engine", "--role", "decode", "--max-body-size", "10"], "--max-body-size"),
+    // A host buffer is staged for UCX reads in pull mode only; a comparison names each once.
+    (&["bench", "--kv-buffer-device", "cpu", "--mode", "push"], "--kv-buffer-device"),
+    (&["bench", "--kv-buffer-device", "cpu", "--transport", "storage"], "--kv-buffer-device"),
+    (&["bench", "--compare-kv-buffer-device", "cpu,cpu"], "--compare-kv-buffer-device"),
+    (&["bench", "--compare-kv-buffer-device", "cuda,cpu", "--mode", "push"], "--kv-buffer-device"),
+    (
+        &["serve-engine", "--role", "decode", "--kv-backend", "null", "--kv-buffer-device", "cpu"],
+        "--kv-buffer-device",
+    ),
     // A hybrid model where only uniform ones run: named as hybrid, not "unknown".
     (&["bench", "--model", "qwen3-next-80b-a3b"], "is a hybrid model"),
     (

@@ -28,23 +28,13 @@ use super::error::{HybridError, RefusalKind};
 use super::model::{AttnKind, CacheKind, CacheLayer, HybridModel, StateKind, StateSpec};
 use crate::layouts::Layout;
 use crate::topology;
+pub use crate::vocab::kinds::KvBufferDevice;
 
 /// vLLM's default `--block-size`, and the smallest FLASH_ATTN kernel block (`MultipleOf(16)`).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 16;
 /// FlashInfer's GDN prefill checkpoints land on 64-token boundaries
 /// (`FLASHINFER_GDN_CHECKPOINT_ALIGNMENT`).
 pub const FLASHINFER_GDN_ALIGNMENT_TOKENS: u32 = 64;
-
-/// vLLM's `kv_buffer_device`: where NIXL registers and reads the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum KvBufferDevice {
-    /// The device KV cache itself.
-    #[default]
-    Cuda,
-    /// A host staging buffer, one tensor per layer.
-    Cpu,
-}
 
 /// Which kernel runs Qwen3-Next's GDN prefill. FlashInfer (chosen automatically on SM90 and
 /// SM10x: H100, H200, B200) checkpoints state every 64 tokens, which aligns the block size to 64;
