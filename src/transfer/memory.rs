@@ -441,7 +441,8 @@ mod tests {
     #[test]
     fn host_buffer_copies_move_exactly_the_ranges_and_check_them_first() {
         let mut src = KvBuffer::alloc(MemPlace::Host, 64, PageSize::Normal).expect("alloc");
-        src.write_ranges(&[0..64], |_, b| b.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8 + 1))
+        let whole = vec![Range { start: 0, end: 64 }];
+        src.write_ranges(&whole, |_, b| b.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8 + 1))
             .expect("fill");
         let mut dst = KvBuffer::alloc(MemPlace::Host, 64, PageSize::Normal).expect("alloc");
         copy_ranges(&src, &mut dst, &[4..8, 32..40]).expect("copy");
