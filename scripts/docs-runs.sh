@@ -23,6 +23,7 @@ bench-p8d2|bench --p-tp 8 --d-tp 2
 verify-full|bench --p-tp 8 --d-tp 2 --verify full --repeat 5
 verify-sample|bench --p-tp 8 --d-tp 2 --verify sample --repeat 5
 compare-modes|bench --p-tp 8 --d-tp 2 --compare-modes pull,push --requests 20 --repeat 3
+kv-buffer|bench --p-tp 8 --d-tp 2 --compare-kv-buffer-device cuda,cpu --requests 20 --repeat 3
 overlap|bench --p-tp 8 --d-tp 2 --compare-modes pull,push --overlap layers --prefill-time-per-layer 2500us --concurrency 1 --requests 20 --repeat 3
 serve-pull|bench --serve --p-tp 2 --d-tp 2 --model llama-3.1-8b --prompt-len 1024 --requests 60
 serve-push-sequential|bench --serve --mode push --p-tp 2 --d-tp 2 --model llama-3.1-8b --prompt-len 1024 --requests 60

@@ -114,6 +114,12 @@ pub fn run(
         };
         params.insert(key.into(), json!(name));
         params.insert("cpu_s_per_gb".into(), json!(cpu_per_gb));
+        // A host buffer's copies, where the run made them.
+        for stage in [bench::SAVE_TO_HOST, bench::SYNC_TO_DEVICE] {
+            if let Some(t) = s.stages.get(stage) {
+                params.insert(format!("{stage}_p50_us"), json!(t.p50_us));
+            }
+        }
         if let Some(b) = &s.cuda_batch {
             params.insert("cuda_batch_paths".into(), json!(b.paths));
         }
