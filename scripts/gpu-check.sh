@@ -61,7 +61,7 @@
 #   GPU_CHECK_BATCH_COPIES  which --batch-copy ways step 5 measures; default: "kernel api"
 #   GPU_CHECK_PATHS  which --batch-copy paths step 6 measures; default: "kernel api api-v2 api-v1 per-copy"
 #   GPU_CHECK_STEPS  which steps to run, by name: doctor xfer bench perftest nixl batch paths push
-#                  launch serve gate mps (default: all of them, in that order)
+#                  hostbuf launch serve gate mps (default: all of them, in that order)
 #   GPU_CHECK_SERVE_SECONDS  how long step 9's load runs (default: 600)
 #   GPU_CHECK_BUDGET  seconds: steps that would start later than this are skipped (default: none).
 #                  Every kvx step also has its own time limit, after which it gets SIGINT (kvx
@@ -131,7 +131,7 @@ fi
 
 START=$SECONDS
 BUDGET="${GPU_CHECK_BUDGET:-0}"
-STEPS=" ${GPU_CHECK_STEPS:-doctor xfer bench perftest nixl batch paths push launch serve gate mps} "
+STEPS=" ${GPU_CHECK_STEPS:-doctor xfer bench perftest nixl batch paths push hostbuf launch serve gate mps} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 k() { # $1 time limit in seconds, then kvx's arguments
   local limit="$1"; shift
@@ -327,6 +327,14 @@ done
 #    by default, with or without NVLink).
 want push && step "bench --mem cuda --p-tp 8 --d-tp 2 --mode push" 120 "$OUT/push.json" \
   bench --mem cuda --p-tp 8 --d-tp 2 --mode push "${UCX_FLAGS[@]}" --results-dir "$OUT/push" --format json
+
+# 7b. Host buffers on device memory (--kv-buffer-device cpu): the pools on the GPU, each rank's
+#     host buffer beside it; the two copies (device to host on prefill, host to device on decode)
+#     are stages, against the direct path in the same invocation; every byte verified in decode's
+#     device pool.
+want hostbuf && step "bench --mem cuda --p-tp 8 --d-tp 2 --compare-kv-buffer-device cuda,cpu" 200 "$OUT/hostbuf.json" \
+  bench --mem cuda --p-tp 8 --d-tp 2 --compare-kv-buffer-device cuda,cpu --verify full --requests 20 \
+  "${UCX_FLAGS[@]}" --results-dir "$OUT/hostbuf" --format json
 
 # 8. Launches per request: cuda-batch P8->D2 Llama-3.1-70B (8 KiB descriptors, two decode
 #    ranks sharing the one GPU), one batch per request per decode rank (rank, the default) or
