@@ -365,8 +365,10 @@ fn kv_figures(run: &LoadRun, records: &[KvRequestRecord]) -> KvFigures {
             ("notify", k.notify_ns),
             ("e2e", k.e2e_ns),
             ("verify", k.verify_ns),
+            (crate::pipeline::bench::SYNC_TO_DEVICE, k.sync_ns),
         ] {
-            if stage != "verify" || ns > 0 {
+            // Stages some runs have: recorded where they happened.
+            if !matches!(stage, "verify" | crate::pipeline::bench::SYNC_TO_DEVICE) || ns > 0 {
                 f.recorder.record_ns(stage, ns);
             }
         }

@@ -85,6 +85,8 @@ pub struct KvRequestRecord {
     pub notify_ns: u64,
     pub e2e_ns: u64,
     pub verify_ns: u64,
+    /// `--kv-buffer-device cpu`: the slowest rank's copy from its host buffer into its pool.
+    pub sync_ns: u64,
     pub bytes_verified: u64,
     /// Decode ranks whose bytes differed from the pattern.
     pub verify_failures: u64,
@@ -311,6 +313,7 @@ impl WorkerKv {
             notify_ns: max(|r| r.notify_ns),
             e2e_ns: max(|r| r.e2e_ns),
             verify_ns: max(|r| r.verify_ns),
+            sync_ns: max(|r| r.sync_ns),
             bytes_verified,
             verify_failures,
             rank_bytes: ranks.iter().map(|r| (r.d_rank, r.bytes)).collect(),

@@ -368,6 +368,47 @@ async fn disconnects_and_abandoned_prefills_release_blocks() {
     .await;
 }
 
+/// The serving path with host buffers (`--kv-buffer-device cpu` on both engines): every byte
+/// verified in decode's pools, both copies reported as stages of the measured requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serving_through_host_buffers_verifies_and_times_both_copies() {
+    within(async {
+        let results = tempfile::tempdir().expect("tmp");
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvx"))
+            .args([
+                "bench",
+                "--serve",
+                "--kv-buffer-device",
+                "cpu",
+                "--verify",
+                "full",
+                "--p-tp",
+                "2",
+                "--d-tp",
+                "1",
+            ])
+            .args(["--model", "llama-3.1-8b", "--layers", "2", "--prompt-len", "64", "--requests", "4"])
+            .args(["--warmup", "1", "--no-calibrate", "--format", "json", "--results-dir"])
+            .arg(results.path())
+            .process_group(0)
+            .kill_on_drop(true)
+            .output()
+            .await
+            .expect("run kvx bench --serve");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary JSON on stdout");
+        assert_eq!((v["requests_ok"].as_u64(), v["requests_failed"].as_u64()), (Some(4), Some(0)), "{v}");
+        assert!(v["bytes_read"].as_u64().is_some_and(|b| b > 0), "{v}");
+        assert_eq!(v["bytes_verified"], v["bytes_read"], "{v}");
+        assert_eq!(v["verify_failures"], 0);
+        assert_eq!(v["blocks_leaked"], 0);
+        assert_eq!(v["stages"]["sync_to_device"]["count"], 4, "measured requests only: {v}");
+        assert!(v["stages"]["save_to_host"]["count"].as_u64().is_some_and(|c| c >= 4), "{v}");
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_serve_runs_the_whole_path_and_writes_its_summary() {
     within(async {
