@@ -29,6 +29,7 @@ fn hybrid(name: &str) -> (HybridPlanner, HybridRequest) {
         p: HybridEngine::new(1, pool),
         d: HybridEngine::new(2, pool),
         permute_local_kv: false,
+        state_slices: Default::default(),
     };
     let planner = HybridPlanner::new(&config).expect("accepted pair");
     let req = HybridRequest::simulated(&planner, TOKENS, 0);

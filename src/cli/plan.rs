@@ -355,6 +355,9 @@ struct HybridPlanJson<'a> {
     local_block_ids: &'a [Vec<u32>],
     clipping: &'a [crate::layouts::hybrid::descriptors::GroupClipping],
     d_ranks: Vec<HybridDRankJson<'a>>,
+    /// `--state-slices exact`: state slices read by kvx's rule, not vLLM's (absent: vLLM's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state_slices: Option<crate::layouts::hybrid::StateSlices>,
     /// Where vLLM's rules move the wrong bytes or reach outside registered memory.
     findings: Vec<&'a crate::layouts::hybrid::Finding>,
     /// What posting the busiest decode rank's descriptors costs on each transport.
@@ -365,7 +368,7 @@ struct HybridPlanJson<'a> {
 fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
     let refused = |e: crate::layouts::hybrid::HybridError| {
         let by_vllm = e.refusal().is_some();
-        let err = ConfigError::new(e.flag().to_string(), e.to_string());
+        let err = ConfigError::from(e);
         if args.format == Format::Json && by_vllm {
             // vLLM's own refusal, as the oracle records it.
             let body = serde_json::json!({"status": "rejected", "by": "vllm", "error": err.to_string(), "flag": err.flag});
@@ -439,6 +442,8 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
                 local_block_ids: &plan.blocks.local_block_ids,
                 clipping: &plan.clipping,
                 d_ranks,
+                state_slices: (case.pair.state_slices != crate::layouts::hybrid::StateSlices::Vllm)
+                    .then_some(case.pair.state_slices),
                 findings,
                 posting: PostingJson {
                     paths: costs

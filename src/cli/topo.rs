@@ -150,9 +150,14 @@ fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> an
     let result = (|| {
         // The rank map does not depend on the pool: a small one serves.
         let (p, d) = crate::settings::plan::hybrid_engines(&args.pair, 64, None, None)?;
-        let config = crate::layouts::hybrid::PairConfig { model, p, d, permute_local_kv: args.pair.permute };
-        let planner = crate::layouts::hybrid::HybridPlanner::new(&config)
-            .map_err(|e| ConfigError::new(e.flag().to_string(), e.to_string()))?;
+        let config = crate::layouts::hybrid::PairConfig {
+            model,
+            p,
+            d,
+            permute_local_kv: args.pair.permute,
+            state_slices: Default::default(),
+        };
+        let planner = crate::layouts::hybrid::HybridPlanner::new(&config).map_err(ConfigError::from)?;
         let groups = planner
             .d
             .groups

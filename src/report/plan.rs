@@ -271,8 +271,14 @@ pub fn render_hybrid(
     only_d_rank: Option<u32>,
 ) -> String {
     let (p, d) = (&planner.p, &planner.d);
+    let rules = match planner.config.state_slices {
+        crate::layouts::hybrid::StateSlices::Vllm => "vLLM 0.33 rules (hybrid)",
+        crate::layouts::hybrid::StateSlices::Exact => {
+            "vLLM 0.33 rules (hybrid), but state slices by kvx's exact rule (--state-slices exact)"
+        }
+    };
     let mut out = format!(
-        "kvx plan: {name}  |  P tp {} -> D tp {}  |  vLLM 0.33 rules (hybrid)\n\
+        "kvx plan: {name}  |  P tp {} -> D tp {}  |  {rules}\n\
          block size P {} / D {} tokens (kernel blocks {} / {}), page P {} / D {}; {} prompt tokens, {} read\n",
         p.config.tp,
         d.config.tp,

@@ -243,6 +243,7 @@ pub fn parse(case: &Value) -> Result<HybridCase, ConfigError> {
         p: engine(field(case, "p", "")?, "p")?,
         d: engine(field(case, "d", "")?, "d")?,
         permute_local_kv: false,
+        state_slices: Default::default(),
     };
     let s = field(case, "scheduler", "")?;
     let request = HybridRequest {

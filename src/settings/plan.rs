@@ -228,6 +228,12 @@ pub struct PlanFlags {
     /// copies back) [default: cuda].
     #[arg(long, value_enum)]
     pub kv_buffer_device: Option<crate::layouts::hybrid::geometry::KvBufferDevice>,
+    /// Hybrid models: where decode reads its slice of each state part: vllm (vLLM 0.33's
+    /// remote_conv_offsets, which assume every conv part is sharded like x) or exact (each
+    /// part as the model splits it: replicated Mamba2 B and C read whole; decode TP >= prefill
+    /// TP) [default: vllm].
+    #[arg(long, value_enum)]
+    pub state_slices: Option<crate::layouts::hybrid::StateSlices>,
     /// Prefill pool size in blocks (default: enough for the request, at least 2x).
     #[arg(long, value_name = "N", help_heading = "Request")]
     pub p_num_blocks: Option<u32>,
@@ -357,16 +363,31 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
                 "a --scenario case names its own engines' buffers",
             ));
         }
-        return resolve_hybrid_scenario(args);
+        return match resolve_hybrid_scenario(args)? {
+            Some(mut case) => {
+                case.pair.state_slices = args.state_slices.unwrap_or_default();
+                Ok(Some(case))
+            }
+            None if args.state_slices.is_some() => Err(ConfigError::new(
+                "--state-slices",
+                "applies to hybrid models; this --scenario is a uniform one",
+            )),
+            None => Ok(None),
+        };
     }
     let Some(model) =
         hybrid_preset_of(&args.model, args.pair.vllm, &[(args.local_blocks.is_some(), "--local-blocks")])?
     else {
-        if args.kv_buffer_device.is_some() {
-            return Err(ConfigError::new(
-                "--kv-buffer-device",
-                "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b)",
-            ));
+        for (given, flag) in [
+            (args.kv_buffer_device.is_some(), "--kv-buffer-device"),
+            (args.state_slices.is_some(), "--state-slices"),
+        ] {
+            if given {
+                return Err(ConfigError::new(
+                    flag,
+                    "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b)",
+                ));
+            }
         }
         return Ok(None);
     };
@@ -402,7 +423,13 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
     }
     Ok(Some(HybridCase {
         name: model.name.clone(),
-        pair: crate::layouts::hybrid::PairConfig { model, p, d, permute_local_kv: args.pair.permute },
+        pair: crate::layouts::hybrid::PairConfig {
+            model,
+            p,
+            d,
+            permute_local_kv: args.pair.permute,
+            state_slices: args.state_slices.unwrap_or_default(),
+        },
         request: RequestSource::Prompt { tokens, prefix_hit: args.prefix_hit },
     }))
 }

@@ -61,6 +61,24 @@ const CASES: &[(&[&str], &str)] = &[
         &["serve-engine", "--role", "decode", "--kv-backend", "null", "--kv-buffer-device", "cpu"],
         "--kv-buffer-device",
     ),
+    // kvx's switch for vLLM's conv-offset rule: hybrid models only, decode TP >= prefill TP.
+    (&["plan", "--model", "llama-3.1-8b", "--prompt-len", "64", "--state-slices", "exact"], "--state-slices"),
+    (
+        &[
+            "plan",
+            "--model",
+            "falcon-h1-7b",
+            "--p-tp",
+            "2",
+            "--d-tp",
+            "1",
+            "--prompt-len",
+            "64",
+            "--state-slices",
+            "exact",
+        ],
+        "--state-slices",
+    ),
     // A hybrid model where only uniform ones run: named as hybrid, not "unknown".
     (&["bench", "--model", "qwen3-next-80b-a3b"], "is a hybrid model"),
     (

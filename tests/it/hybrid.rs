@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use kvx::layouts::hybrid::coverage::check_plan;
 use kvx::layouts::hybrid::descriptors::{
-    DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
+    DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind, StateSlices,
 };
 use kvx::layouts::hybrid::geometry::{
     EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, MemKind, Side,
@@ -343,7 +343,13 @@ fn pool_blocks(model: &HybridModel, max_tokens: u32) -> u32 {
 }
 
 fn planner(model: &HybridModel, p: HybridEngine, d: HybridEngine) -> Result<HybridPlanner, HybridError> {
-    HybridPlanner::new(&PairConfig { model: model.clone(), p, d, permute_local_kv: false })
+    HybridPlanner::new(&PairConfig {
+        model: model.clone(),
+        p,
+        d,
+        permute_local_kv: false,
+        state_slices: Default::default(),
+    })
 }
 
 /// Pairs outside registered memory, counted from the geometry alone.
@@ -663,6 +669,58 @@ fn full_prefix_hit_only_notifies() {
     assert!(plan.blocks.full_hit());
     assert!(plan.d_ranks[0].reads.is_empty());
     assert_eq!(plan.d_ranks[0].notifs_only.len(), 4, "every prefill rank of the slice frees its blocks");
+}
+
+/// `--state-slices exact` (kvx's switch for the rule vLLM gets wrong): Falcon-H1's replicated B
+/// and C read whole, every byte where the model expects it, at every pair with decode TP at
+/// least prefill TP that vLLM accepts; the x and SSM rows, and every model whose parts are all
+/// sharded, read exactly as vLLM reads them; prefill TP above decode TP is refused naming the
+/// switch.
+#[test]
+fn exact_state_slices_move_the_right_bytes_where_vllm_misreads() {
+    let exact = |model: &HybridModel, p, d| {
+        HybridPlanner::new(&PairConfig {
+            model: model.clone(),
+            p: HybridEngine::new(p, pool_blocks(model, 6000)),
+            d: HybridEngine::new(d, pool_blocks(model, 6000)),
+            permute_local_kv: false,
+            state_slices: StateSlices::Exact,
+        })
+    };
+    let mut fixed = 0;
+    for name in PRESETS {
+        let model = preset(name).expect("preset");
+        for (p, d) in [(1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)] {
+            let Ok(vllm) = planner(
+                &model,
+                HybridEngine::new(p, pool_blocks(&model, 6000)),
+                HybridEngine::new(d, pool_blocks(&model, 6000)),
+            ) else {
+                continue;
+            };
+            let pl = exact(&model, p, d).unwrap_or_else(|e| panic!("{name} P{p} D{d}: {e}"));
+            assert!(
+                !pl.findings.iter().any(|f| matches!(f, Finding::StateSliceMisread { .. })),
+                "{name} P{p} D{d}: {:?}",
+                pl.findings
+            );
+            let plan = pl.plan(&simulated(&pl, 5000, 0), "req").expect("plan");
+            let report = check_plan(&pl, &plan);
+            assert!(report.is_ok(), "{name} P{p} D{d}: {:?}", &report.errors[..report.errors.len().min(3)]);
+            if vllm.findings.iter().any(|f| matches!(f, Finding::StateSliceMisread { .. })) {
+                fixed += 1;
+            } else {
+                // Nothing to fix: the same rows as vLLM's.
+                for (a, b) in vllm.d_ranks.iter().zip(&pl.d_ranks) {
+                    assert_eq!(a.remote, b.remote, "{name} P{p} D{d}");
+                }
+            }
+        }
+    }
+    assert!(fixed >= 3, "Falcon-H1's misread pairs are fixed: {fixed}");
+    let falcon = preset("falcon-h1-7b").expect("preset");
+    let e = exact(&falcon, 2, 1).expect_err("P > D");
+    assert_eq!(e.flag(), "--state-slices", "{e}");
 }
 
 #[test]
@@ -986,4 +1044,18 @@ fn documented_findings_hold() {
         misread[0]["reads"].as_str().is_some_and(|r| r.contains("reads mamba_ssm bytes 0..")),
         "{misread:?}"
     );
+    // The switch: the same request with exact state slices has nothing to report.
+    let exact = findings(&[
+        "--model",
+        "falcon-h1-7b",
+        "--p-tp",
+        "1",
+        "--d-tp",
+        "2",
+        "--prompt-len",
+        "2000",
+        "--state-slices",
+        "exact",
+    ]);
+    assert!(exact.is_empty(), "{exact:?}");
 }

@@ -44,6 +44,26 @@ pub struct PairConfig {
     /// vLLM's `enable_permute_local_kv` (`--permute`).
     #[serde(default)]
     pub permute_local_kv: bool,
+    /// Where decode reads its slice of each state part in a prefill page (`--state-slices`).
+    #[serde(default)]
+    pub state_slices: StateSlices,
+}
+
+/// Where a decode rank reads its slice of each state part in a prefill rank's page.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum StateSlices {
+    /// vLLM 0.33's `remote_conv_offsets`: every conv part sharded like `x`, so decode rank `d`
+    /// reads `d % (D/P)` slices in. Wrong for parts replicated across TP ranks (Mamba2 B and C
+    /// with `n_groups` below TP), which kvx reports ([`Finding::StateSliceMisread`]).
+    #[default]
+    Vllm,
+    /// Each part's offset from how the model really splits it: a sharded part as vLLM reads it,
+    /// a replicated part whole. Decode TP at least prefill TP (with prefill TP above decode TP
+    /// every source rank would need its own remote rows).
+    Exact,
 }
 
 /// What a descriptor row reads.
@@ -503,6 +523,17 @@ impl HybridPlanner {
         let p = EngineGeometry::new(model, &config.p, Side::Prefill)?;
         let d = EngineGeometry::new(model, &config.d, Side::Decode)?;
         let ratio = check_pair(config, &p, &d)?;
+        if config.state_slices == StateSlices::Exact && ratio < 0 && d.state.is_some() {
+            return Err(HybridError::request(
+                "--state-slices",
+                format!(
+                    "exact slices need decode TP >= prefill TP (P {} -> D {}): each prefill rank would have \
+                     to give a different slice of a replicated part, and a decode rank has one list of remote \
+                     rows for all of them; use --state-slices vllm",
+                    config.p.tp, config.d.tp
+                ),
+            ));
+        }
         let bsr = d.kernel_block_tokens / p.kernel_block_tokens;
         let is_state: Vec<bool> = d.groups.iter().map(|g| g.kind.is_state()).collect();
         let mut d_ranks = Vec::new();
@@ -528,7 +559,7 @@ impl HybridPlanner {
                     ));
                 }
             }
-            d_ranks.push(build_rank(&p, &d, d_rank, ratio, bsr, mapping));
+            d_ranks.push(build_rank(&p, &d, d_rank, ratio, bsr, mapping, config.state_slices));
         }
         let mut planner = HybridPlanner {
             config: config.clone(),
@@ -1269,6 +1300,7 @@ fn build_rank(
     ratio: i64,
     bsr: u32,
     m: TpMapping,
+    slices: StateSlices,
 ) -> DRankSetup {
     let bsr64 = u64::from(bsr);
     let local = DescList::new(d, local_rows(d, 1));
@@ -1327,7 +1359,28 @@ fn build_rank(
     if let (Some(ds), Some(ps)) = (&d.state, &p.state) {
         let local_offset = u64::from(d_rank) % u64::try_from(ratio.max(1)).unwrap_or(1);
         let parts: Vec<(StatePart, u64)> = ds.conv_parts().map(|x| (x.part, x.len_bytes)).collect();
-        let conv = remote_conv_offsets(&parts, local_offset, ratio);
+        let mut conv = remote_conv_offsets(&parts, local_offset, ratio);
+        if slices == StateSlices::Exact && ratio >= 1 {
+            // The one source rank's part holds global units from its first; decode's slice
+            // starts at its own first unit (0 for a replicated part on both sides).
+            let source = m.all_source_ranks.first().copied().unwrap_or(0);
+            conv = ds
+                .conv_parts()
+                .zip(conv)
+                .map(|(dp, vllm)| {
+                    let exact = ps.part(dp.part).and_then(|pp| {
+                        let d_start = dp.first_global_unit(d_rank) * dp.unit_bytes;
+                        let rel = d_start.checked_sub(pp.first_global_unit(source) * pp.unit_bytes)?;
+                        (rel + dp.len_bytes <= pp.len_bytes).then_some((
+                            dp.part,
+                            pp.offset_bytes + rel,
+                            dp.len_bytes,
+                        ))
+                    });
+                    exact.unwrap_or(vllm)
+                })
+                .collect();
+        }
         let ssm_read = if ratio >= 1 { ds.ssm_bytes } else { ps.ssm_bytes };
         let ppl = u64::from(p.physical_per_logical);
         // vLLM indexes the remote regions with the decode side's state region indices.
@@ -1488,6 +1541,7 @@ mod refusal_tests {
             p,
             d,
             permute_local_kv: false,
+            state_slices: Default::default(),
         })
     }
 
@@ -1584,6 +1638,7 @@ mod refusal_tests {
             p: e(1),
             d: HybridEngine { layout: Layout::Lbnhc, ..e(1) },
             permute_local_kv: true,
+            state_slices: Default::default(),
         });
         assert_eq!(refusal(permuted).0, RefusalKind::PermuteWithHma);
     }

@@ -129,6 +129,13 @@ impl HybridError {
 
 impl From<HybridError> for ConfigError {
     fn from(e: HybridError) -> Self {
-        ConfigError::new(e.flag().to_string(), e.to_string())
+        // A config error names its flag itself: the reason without the "(change FLAG)" tail.
+        match e {
+            HybridError::Request { flag, reason } => ConfigError::new(flag, reason),
+            HybridError::Unsupported { what, flag } => {
+                ConfigError::new(flag, format!("{what} is not modelled by kvx's hybrid planner"))
+            }
+            other => ConfigError::new(other.flag().to_string(), other.to_string()),
+        }
     }
 }

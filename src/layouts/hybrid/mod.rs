@@ -23,7 +23,7 @@ pub mod error;
 pub mod geometry;
 pub mod model;
 
-pub use descriptors::{Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig};
+pub use descriptors::{Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, StateSlices};
 pub use error::{HybridError, Refusal, RefusalKind};
 pub use geometry::{EngineGeometry, GdnPrefillBackend, HybridEngine, KvBufferDevice};
 pub use model::{HybridModel, preset};
