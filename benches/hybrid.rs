@@ -30,6 +30,7 @@ fn hybrid(name: &str) -> (HybridPlanner, HybridRequest) {
         d: HybridEngine::new(2, pool),
         permute_local_kv: false,
         state_slices: Default::default(),
+        host_copy: Default::default(),
     };
     let planner = HybridPlanner::new(&config).expect("accepted pair");
     let req = HybridRequest::simulated(&planner, TOKENS, 0);

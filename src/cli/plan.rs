@@ -358,6 +358,9 @@ struct HybridPlanJson<'a> {
     /// `--state-slices exact`: state slices read by kvx's rule, not vLLM's (absent: vLLM's).
     #[serde(skip_serializing_if = "Option::is_none")]
     state_slices: Option<crate::layouts::hybrid::StateSlices>,
+    /// `--host-copy per-group`: decode's host-to-device copy by kvx's rule (absent: vLLM's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host_copy: Option<crate::layouts::hybrid::descriptors::HostCopyRule>,
     /// Where vLLM's rules move the wrong bytes or reach outside registered memory.
     findings: Vec<&'a crate::layouts::hybrid::Finding>,
     /// What posting the busiest decode rank's descriptors costs on each transport.
@@ -444,6 +447,8 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
                 d_ranks,
                 state_slices: (case.pair.state_slices != crate::layouts::hybrid::StateSlices::Vllm)
                     .then_some(case.pair.state_slices),
+                host_copy: (case.pair.host_copy != crate::layouts::hybrid::descriptors::HostCopyRule::Vllm)
+                    .then_some(case.pair.host_copy),
                 findings,
                 posting: PostingJson {
                     paths: costs

@@ -86,6 +86,17 @@ pub fn transports_table(rows: &[RunRow]) -> String {
 }
 
 /// Pull against push: what each moves and how fast, and the ratio to the first run.
+/// A comparison row's first cells: the run (and its failures), throughput, throughput against
+/// the first run, KV ready p50/p99.
+fn lead_cells(r: &RunRow, label: &str, base: f64) -> Vec<String> {
+    vec![
+        format!("{label}{}", failed_suffix(r.failed)),
+        format!("{:.3}", r.gbps),
+        if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
+        format!("{:.2} / {:.2}", r.ready.0, r.ready.1),
+    ]
+}
+
 /// `--compare-kv-buffer-device`: what staging through host buffers costs against reading the
 /// KV pool itself, on the same workload.
 pub fn kv_buffer_table(rows: &[RunRow]) -> String {
@@ -112,11 +123,8 @@ pub fn kv_buffer_table(rows: &[RunRow]) -> String {
             "cpu" => "cpu (host buffers, two copies)",
             other => other,
         };
-        t.add_row(vec![
-            format!("{label}{}", failed_suffix(r.failed)),
-            format!("{:.3}", r.gbps),
-            if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
-            format!("{:.2} / {:.2}", r.ready.0, r.ready.1),
+        let mut row = lead_cells(r, label, base);
+        row.extend([
             ms(r.save_p50),
             format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
             ms(r.sync_p50),
@@ -124,6 +132,7 @@ pub fn kv_buffer_table(rows: &[RunRow]) -> String {
             format!("{:.0}", r.descriptors),
             format!("{:.2}", r.cpu_per_gb),
         ]);
+        t.add_row(row);
     }
     format!(
         "\nThe KV pool and a host buffer (vLLM's kv_buffer_device), measured on this machine (same workload \
@@ -158,11 +167,8 @@ pub fn modes_table(rows: &[RunRow]) -> String {
             "push" => "push (NixlPushConnector: prefill WRITEs)",
             other => other,
         };
-        t.add_row(vec![
-            format!("{label}{}", failed_suffix(r.failed)),
-            format!("{:.3}", r.gbps),
-            if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
-            format!("{:.2} / {:.2}", r.ready.0, r.ready.1),
+        let mut row = lead_cells(r, label, base);
+        row.extend([
             format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
             r.hidden_p50.map_or_else(|| "-".into(), |h| format!("{h:.2}")),
             format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
@@ -171,6 +177,7 @@ pub fn modes_table(rows: &[RunRow]) -> String {
             format!("{:.0}", r.descriptors),
             format!("{:.2}", r.cpu_per_gb),
         ]);
+        t.add_row(row);
     }
     format!(
         "\nPull and push, measured on this machine (same workload each). KV ready = from sending the \

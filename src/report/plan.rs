@@ -271,12 +271,13 @@ pub fn render_hybrid(
     only_d_rank: Option<u32>,
 ) -> String {
     let (p, d) = (&planner.p, &planner.d);
-    let rules = match planner.config.state_slices {
-        crate::layouts::hybrid::StateSlices::Vllm => "vLLM 0.33 rules (hybrid)",
-        crate::layouts::hybrid::StateSlices::Exact => {
-            "vLLM 0.33 rules (hybrid), but state slices by kvx's exact rule (--state-slices exact)"
-        }
-    };
+    let mut rules = "vLLM 0.33 rules (hybrid)".to_string();
+    if planner.config.state_slices == crate::layouts::hybrid::StateSlices::Exact {
+        rules.push_str(", but state slices by kvx's exact rule (--state-slices exact)");
+    }
+    if planner.config.host_copy == crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup {
+        rules.push_str(", but the host copy per group (--host-copy per-group)");
+    }
     let mut out = format!(
         "kvx plan: {name}  |  P tp {} -> D tp {}  |  {rules}\n\
          block size P {} / D {} tokens (kernel blocks {} / {}), page P {} / D {}; {} prompt tokens, {} read\n",

@@ -244,6 +244,7 @@ pub fn parse(case: &Value) -> Result<HybridCase, ConfigError> {
         d: engine(field(case, "d", "")?, "d")?,
         permute_local_kv: false,
         state_slices: Default::default(),
+        host_copy: Default::default(),
     };
     let s = field(case, "scheduler", "")?;
     let request = HybridRequest {

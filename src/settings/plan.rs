@@ -234,6 +234,11 @@ pub struct PlanFlags {
     /// TP) [default: vllm].
     #[arg(long, value_enum)]
     pub state_slices: Option<crate::layouts::hybrid::StateSlices>,
+    /// Hybrid models with --kv-buffer-device cpu: which blocks decode's host-to-device copy
+    /// passes through each layer: vllm (every group's through every layer, as vLLM 0.33) or
+    /// per-group (each layer its own group's) [default: vllm].
+    #[arg(long, value_enum)]
+    pub host_copy: Option<crate::layouts::hybrid::descriptors::HostCopyRule>,
     /// Prefill pool size in blocks (default: enough for the request, at least 2x).
     #[arg(long, value_name = "N", help_heading = "Request")]
     pub p_num_blocks: Option<u32>,
@@ -366,10 +371,11 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
         return match resolve_hybrid_scenario(args)? {
             Some(mut case) => {
                 case.pair.state_slices = args.state_slices.unwrap_or_default();
+                case.pair.host_copy = args.host_copy.unwrap_or_default();
                 Ok(Some(case))
             }
-            None if args.state_slices.is_some() => Err(ConfigError::new(
-                "--state-slices",
+            None if args.state_slices.is_some() || args.host_copy.is_some() => Err(ConfigError::new(
+                if args.state_slices.is_some() { "--state-slices" } else { "--host-copy" },
                 "applies to hybrid models; this --scenario is a uniform one",
             )),
             None => Ok(None),
@@ -381,6 +387,7 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
         for (given, flag) in [
             (args.kv_buffer_device.is_some(), "--kv-buffer-device"),
             (args.state_slices.is_some(), "--state-slices"),
+            (args.host_copy.is_some(), "--host-copy"),
         ] {
             if given {
                 return Err(ConfigError::new(
@@ -421,6 +428,12 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
     if let Some(device) = args.kv_buffer_device {
         (p.kv_buffer_device, d.kv_buffer_device) = (device, device);
     }
+    if args.host_copy.is_some() && d.kv_buffer_device != crate::layouts::hybrid::KvBufferDevice::Cpu {
+        return Err(ConfigError::new(
+            "--host-copy",
+            "applies to the host buffer's copy: add --kv-buffer-device cpu, or drop --host-copy",
+        ));
+    }
     Ok(Some(HybridCase {
         name: model.name.clone(),
         pair: crate::layouts::hybrid::PairConfig {
@@ -429,6 +442,7 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
             d,
             permute_local_kv: args.pair.permute,
             state_slices: args.state_slices.unwrap_or_default(),
+            host_copy: args.host_copy.unwrap_or_default(),
         },
         request: RequestSource::Prompt { tokens, prefix_hit: args.prefix_hit },
     }))

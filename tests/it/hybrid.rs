@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use kvx::layouts::hybrid::coverage::check_plan;
 use kvx::layouts::hybrid::descriptors::{
-    DescList, Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind, StateSlices,
+    DescList, Finding, HostCopyRule, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
+    StateSlices,
 };
 use kvx::layouts::hybrid::geometry::{
     EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, MemKind, Side,
@@ -349,6 +350,7 @@ fn planner(model: &HybridModel, p: HybridEngine, d: HybridEngine) -> Result<Hybr
         d,
         permute_local_kv: false,
         state_slices: Default::default(),
+        host_copy: Default::default(),
     })
 }
 
@@ -659,6 +661,42 @@ fn host_buffer_findings() {
     assert_eq!(lost, (0..6).map(|g| (g, 1, 1)).collect::<Vec<_>>());
 }
 
+/// `--host-copy per-group` (kvx's switch for finding 1): each layer copies only its own
+/// group's blocks from the host buffer, so no group's blocks are overwritten, for every preset
+/// with several KV cache groups; the copy says it is per group.
+#[test]
+fn per_group_host_copies_overwrite_nothing() {
+    let cpu =
+        |tp, blocks| HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngine::new(tp, blocks) };
+    let mut fixed = 0;
+    for name in PRESETS {
+        let model = preset(name).expect("preset");
+        let blocks = pool_blocks(&model, 6000);
+        let with = |rule| {
+            HybridPlanner::new(&PairConfig {
+                model: model.clone(),
+                p: cpu(1, blocks),
+                d: cpu(1, blocks),
+                permute_local_kv: false,
+                state_slices: Default::default(),
+                host_copy: rule,
+            })
+            .expect("accepted")
+        };
+        let overwrites = |pl: &HybridPlanner| {
+            let plan = pl.plan(&simulated(pl, 5000, 0), "req").expect("plan");
+            let n = plan.findings.iter().filter(|f| matches!(f, Finding::HostCopyOverwrites { .. })).count();
+            (n, plan.d_sync_to_device.map(|c| c.per_group))
+        };
+        let (vllm, _) = overwrites(&with(HostCopyRule::Vllm));
+        let (per_group, marked) = overwrites(&with(HostCopyRule::PerGroup));
+        assert_eq!(per_group, 0, "{name}");
+        assert_eq!(marked, Some(true), "{name}");
+        fixed += usize::from(vllm > 0);
+    }
+    assert!(fixed >= 2, "gpt-oss, Gemma-3 and the Mamba models lose blocks under vLLM's copy: {fixed}");
+}
+
 #[test]
 fn full_prefix_hit_only_notifies() {
     let model = preset("nemotron-h-8b").expect("preset");
@@ -685,6 +723,7 @@ fn exact_state_slices_move_the_right_bytes_where_vllm_misreads() {
             d: HybridEngine::new(d, pool_blocks(model, 6000)),
             permute_local_kv: false,
             state_slices: StateSlices::Exact,
+            host_copy: Default::default(),
         })
     };
     let mut fixed = 0;
@@ -1044,7 +1083,23 @@ fn documented_findings_hold() {
         misread[0]["reads"].as_str().is_some_and(|r| r.contains("reads mamba_ssm bytes 0..")),
         "{misread:?}"
     );
-    // The switch: the same request with exact state slices has nothing to report.
+    // The switches: Gemma-3's host copy per group loses nothing; the same Falcon-H1 request
+    // with exact state slices has nothing to report.
+    let per_group = findings(&[
+        "--model",
+        "gemma-3-4b",
+        "--p-tp",
+        "1",
+        "--d-tp",
+        "1",
+        "--prompt-len",
+        "2000",
+        "--kv-buffer-device",
+        "cpu",
+        "--host-copy",
+        "per-group",
+    ]);
+    assert!(named(&per_group, "HostCopyOverwrites").is_empty(), "{per_group:?}");
     let exact = findings(&[
         "--model",
         "falcon-h1-7b",

@@ -47,6 +47,25 @@ pub struct PairConfig {
     /// Where decode reads its slice of each state part in a prefill page (`--state-slices`).
     #[serde(default)]
     pub state_slices: StateSlices,
+    /// Which blocks decode's host-to-device copy passes through each layer (`--host-copy`).
+    #[serde(default)]
+    pub host_copy: HostCopyRule,
+}
+
+/// Which blocks decode's host-to-device copy (host buffer, `sync_recved_kv_to_device`) passes
+/// through each layer.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostCopyRule {
+    /// vLLM 0.33: every group's blocks through every layer, in layer order. With several KV
+    /// cache groups over aliased device memory, a later group's layer overwrites the blocks of
+    /// the others with host bytes it never received ([`Finding::HostCopyOverwrites`]).
+    #[default]
+    Vllm,
+    /// Each layer copies its own group's blocks only.
+    PerGroup,
 }
 
 /// Where a decode rank reads its slice of each state part in a prefill rank's page.
@@ -419,6 +438,9 @@ impl DRankPlan {
 pub struct HostCopy {
     pub layers_in_copy_order: Vec<String>,
     pub block_ids: Vec<u64>,
+    /// `--host-copy per-group`: each layer copies only the ids of its own group's blocks.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub per_group: bool,
 }
 
 /// The request, as the oracle's cases give it.
@@ -687,6 +709,7 @@ impl HybridPlanner {
             p_save = Some(HostCopy {
                 layers_in_copy_order: self.p.host_slots.iter().map(|s| s.layer.clone()).collect(),
                 block_ids: logical_to_kernel(&self.p.groups, &saved, self.p.physical_per_logical).concat(),
+                per_group: false,
             });
         }
         if self.d.config.kv_buffer_device == KvBufferDevice::Cpu && !blocks.full_hit() {
@@ -698,6 +721,7 @@ impl HybridPlanner {
                     self.d.physical_per_logical,
                 )
                 .concat(),
+                per_group: self.config.host_copy == HostCopyRule::PerGroup,
             });
             for rank in &d_ranks {
                 findings.extend(self.host_copy_losses(rank, &blocks));
@@ -1051,8 +1075,14 @@ impl HybridPlanner {
                 let kb = u64::from(b) * if g.kind.is_state() { 1 } else { u64::from(d.physical_per_logical) };
                 let mut bad = false;
                 for k in 0..u32::try_from(g.layers.len()).unwrap_or(0) {
-                    // The last layer at device position k in copy order writes last.
-                    let last = d.host_slots.iter().rev().find(|s| s.position == k);
+                    // The last layer at device position k in copy order writes last (per group:
+                    // the last of this group's layers there, the others do not copy block b).
+                    let per_group = self.config.host_copy == HostCopyRule::PerGroup;
+                    let last = d
+                        .host_slots
+                        .iter()
+                        .rev()
+                        .find(|s| s.position == k && (!per_group || s.group == g.index));
                     // Its host bytes are right only if a READ wrote them (device memory is
                     // aliased, so any group's layer at this position carries the same page).
                     let ok =
@@ -1542,6 +1572,7 @@ mod refusal_tests {
             d,
             permute_local_kv: false,
             state_slices: Default::default(),
+            host_copy: Default::default(),
         })
     }
 
@@ -1639,6 +1670,7 @@ mod refusal_tests {
             d: HybridEngine { layout: Layout::Lbnhc, ..e(1) },
             permute_local_kv: true,
             state_slices: Default::default(),
+            host_copy: Default::default(),
         });
         assert_eq!(refusal(permuted).0, RefusalKind::PermuteWithHma);
     }
