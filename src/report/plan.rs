@@ -278,6 +278,9 @@ pub fn render_hybrid(
     if planner.config.host_copy == crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup {
         rules.push_str(", but the host copy per group (--host-copy per-group)");
     }
+    if planner.config.d.host_state_page_padded {
+        rules.push_str(", but padded host state pages (--host-state-page padded)");
+    }
     let mut out = format!(
         "kvx plan: {name}  |  P tp {} -> D tp {}  |  {rules}\n\
          block size P {} / D {} tokens (kernel blocks {} / {}), page P {} / D {}; {} prompt tokens, {} read\n",

@@ -239,6 +239,11 @@ pub struct PlanFlags {
     /// per-group (each layer its own group's) [default: vllm].
     #[arg(long, value_enum)]
     pub host_copy: Option<crate::layouts::hybrid::descriptors::HostCopyRule>,
+    /// Hybrid models with --kv-buffer-device cpu: the host tensors' state pages: vllm
+    /// (unpadded, as vLLM 0.33 allocates them, while the regions assume padded ones) or padded
+    /// [default: vllm].
+    #[arg(long, value_enum)]
+    pub host_state_page: Option<HostStatePage>,
     /// Prefill pool size in blocks (default: enough for the request, at least 2x).
     #[arg(long, value_name = "N", help_heading = "Request")]
     pub p_num_blocks: Option<u32>,
@@ -357,6 +362,15 @@ pub fn hybrid_engines(
     ))
 }
 
+/// `--host-state-page`: how big a host buffer's state pages are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HostStatePage {
+    /// vLLM 0.33: unpadded state pages, under regions that step by padded ones.
+    Vllm,
+    /// Padded pages, as the regions assume.
+    Padded,
+}
+
 /// `kvx plan` of a hybrid model: a case of vLLM's hybrid oracle (`--scenario`), or a hybrid
 /// preset (`--model qwen3-next-80b-a3b`, not a uniform preset) with `--prompt-len`. `None` for
 /// every other request.
@@ -372,13 +386,24 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
             Some(mut case) => {
                 case.pair.state_slices = args.state_slices.unwrap_or_default();
                 case.pair.host_copy = args.host_copy.unwrap_or_default();
+                if args.host_state_page == Some(HostStatePage::Padded) {
+                    (case.pair.p.host_state_page_padded, case.pair.d.host_state_page_padded) = (true, true);
+                }
                 Ok(Some(case))
             }
-            None if args.state_slices.is_some() || args.host_copy.is_some() => Err(ConfigError::new(
-                if args.state_slices.is_some() { "--state-slices" } else { "--host-copy" },
-                "applies to hybrid models; this --scenario is a uniform one",
-            )),
-            None => Ok(None),
+            None => match [
+                (args.state_slices.is_some(), "--state-slices"),
+                (args.host_copy.is_some(), "--host-copy"),
+                (args.host_state_page.is_some(), "--host-state-page"),
+            ]
+            .into_iter()
+            .find(|(given, _)| *given)
+            {
+                Some((_, flag)) => {
+                    Err(ConfigError::new(flag, "applies to hybrid models; this --scenario is a uniform one"))
+                }
+                None => Ok(None),
+            },
         };
     }
     let Some(model) =
@@ -388,6 +413,7 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
             (args.kv_buffer_device.is_some(), "--kv-buffer-device"),
             (args.state_slices.is_some(), "--state-slices"),
             (args.host_copy.is_some(), "--host-copy"),
+            (args.host_state_page.is_some(), "--host-state-page"),
         ] {
             if given {
                 return Err(ConfigError::new(
@@ -428,12 +454,18 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
     if let Some(device) = args.kv_buffer_device {
         (p.kv_buffer_device, d.kv_buffer_device) = (device, device);
     }
-    if args.host_copy.is_some() && d.kv_buffer_device != crate::layouts::hybrid::KvBufferDevice::Cpu {
-        return Err(ConfigError::new(
-            "--host-copy",
-            "applies to the host buffer's copy: add --kv-buffer-device cpu, or drop --host-copy",
-        ));
+    for (given, flag) in
+        [(args.host_copy.is_some(), "--host-copy"), (args.host_state_page.is_some(), "--host-state-page")]
+    {
+        if given && d.kv_buffer_device != crate::layouts::hybrid::KvBufferDevice::Cpu {
+            return Err(ConfigError::new(
+                flag,
+                format!("applies to the host buffer: add --kv-buffer-device cpu, or drop {flag}"),
+            ));
+        }
     }
+    let padded = args.host_state_page == Some(HostStatePage::Padded);
+    (p.host_state_page_padded, d.host_state_page_padded) = (padded, padded);
     Ok(Some(HybridCase {
         name: model.name.clone(),
         pair: crate::layouts::hybrid::PairConfig {

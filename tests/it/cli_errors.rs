@@ -80,6 +80,10 @@ const CASES: &[(&[&str], &str)] = &[
         "--state-slices",
     ),
     (&["plan", "--model", "gemma-3-4b", "--prompt-len", "64", "--host-copy", "per-group"], "--host-copy"),
+    (
+        &["plan", "--model", "nemotron-h-8b", "--prompt-len", "64", "--host-state-page", "padded"],
+        "--host-state-page",
+    ),
     // A hybrid model where only uniform ones run: named as hybrid, not "unknown".
     (&["bench", "--model", "qwen3-next-80b-a3b"], "is a hybrid model"),
     (

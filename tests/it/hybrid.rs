@@ -661,6 +661,25 @@ fn host_buffer_findings() {
     assert_eq!(lost, (0..6).map(|g| (g, 1, 1)).collect::<Vec<_>>());
 }
 
+/// `--host-state-page padded` (kvx's switch for finding 2): host tensors of state layers hold
+/// padded pages, as their regions assume, so nothing is misplaced or reaches past a tensor.
+#[test]
+fn padded_host_state_pages_keep_every_block_inside() {
+    let nem = preset("nemotron-h-8b").expect("preset");
+    let e = |padded| HybridEngine {
+        kv_buffer_device: KvBufferDevice::Cpu,
+        host_state_page_padded: padded,
+        ..HybridEngine::new(1, 10)
+    };
+    for padded in [false, true] {
+        let pl = planner(&nem, e(padded), e(padded)).expect("accepted");
+        let plan = pl.plan(&simulated(&pl, 2500, 0), "req").expect("plan");
+        let page = pl.findings.iter().any(|f| matches!(f, Finding::HostStatePagePadded { .. }));
+        let outside = plan.findings.iter().any(|f| matches!(f, Finding::OutsideRegistration { .. }));
+        assert_eq!((page, outside), (!padded, !padded), "padded {padded}: {:?}", plan.findings);
+    }
+}
+
 /// `--host-copy per-group` (kvx's switch for finding 1): each layer copies only its own
 /// group's blocks from the host buffer, so no group's blocks are overwritten, for every preset
 /// with several KV cache groups; the copy says it is per group.
@@ -1100,6 +1119,21 @@ fn documented_findings_hold() {
         "per-group",
     ]);
     assert!(named(&per_group, "HostCopyOverwrites").is_empty(), "{per_group:?}");
+    let padded = findings(&[
+        "--model",
+        "nemotron-h-8b",
+        "--p-tp",
+        "1",
+        "--d-tp",
+        "1",
+        "--prompt-len",
+        "2000",
+        "--kv-buffer-device",
+        "cpu",
+        "--host-state-page",
+        "padded",
+    ]);
+    assert!(named(&padded, "HostStatePagePadded").is_empty(), "{padded:?}");
     let exact = findings(&[
         "--model",
         "falcon-h1-7b",

@@ -600,6 +600,7 @@ impl HybridPlanner {
         let mut out = Vec::new();
         for g in [&self.p, &self.d] {
             if g.config.kv_buffer_device == KvBufferDevice::Cpu
+                && !g.config.host_state_page_padded
                 && let Some(real) = g.sizing.state_page_bytes
                 && real != g.sizing.page_bytes
             {

@@ -89,6 +89,9 @@ pub struct HybridEngine {
     /// Prefix caching (on by default for hybrid models; puts Mamba caching in "align" mode).
     pub prefix_caching: bool,
     pub conv_state_layout: ConvStateLayout,
+    /// Host buffer: the host tensors of state layers hold padded state pages, as their regions
+    /// assume (kvx's `--host-state-page padded`); vLLM 0.33 allocates unpadded ones.
+    pub host_state_page_padded: bool,
 }
 
 impl Default for HybridEngine {
@@ -104,6 +107,7 @@ impl Default for HybridEngine {
             gdn_prefill: GdnPrefillBackend::Triton,
             prefix_caching: true,
             conv_state_layout: ConvStateLayout::Ds,
+            host_state_page_padded: false,
         }
     }
 }
@@ -783,7 +787,9 @@ impl EngineGeometry {
             for g in &self.groups {
                 for (k, l) in (0u32..).zip(&g.layers) {
                     let tensor_bytes = match (l.kind, &self.state) {
-                        (CacheKind::State(_), Some(s)) => nb * s.real_page_bytes(),
+                        (CacheKind::State(_), Some(s)) if !self.config.host_state_page_padded => {
+                            nb * s.real_page_bytes()
+                        }
                         _ => nb * page,
                     };
                     self.host_slots.push(HostSlot {
