@@ -1047,8 +1047,11 @@ fn a_model_toml_runs_layout_topo_and_plan() {
 /// `docs/hybrid-findings.md`: each documented command gives the findings the page describes.
 #[test]
 fn documented_findings_hold() {
-    let findings = |args: &[&str]| -> Vec<Value> {
-        let out = crate::common::kvx().args(["plan", "--format", "json"]).args(args).output().expect("kvx");
+    // `kvx plan` of `model`, P1 -> D`d_tp` at 2,000 tokens, with `extra` flags: its findings.
+    let findings = |model: &str, d_tp: &str, extra: &[&str]| -> Vec<Value> {
+        let args =
+            [&["--model", model, "--p-tp", "1", "--d-tp", d_tp, "--prompt-len", "2000"][..], extra].concat();
+        let out = crate::common::kvx().args(["plan", "--format", "json"]).args(&args).output().expect("kvx");
         assert_eq!(out.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
         let v: Value = serde_json::from_slice(&out.stdout).expect("json");
         v["findings"].as_array().cloned().unwrap_or_default()
@@ -1056,34 +1059,12 @@ fn documented_findings_hold() {
     let named =
         |f: &[Value], name: &str| -> Vec<Value> { f.iter().filter_map(|x| x.get(name).cloned()).collect() };
     // 1. Host buffer with several groups: every group of Gemma-3 loses every block.
-    let gemma = findings(&[
-        "--model",
-        "gemma-3-4b",
-        "--p-tp",
-        "1",
-        "--d-tp",
-        "1",
-        "--prompt-len",
-        "2000",
-        "--kv-buffer-device",
-        "cpu",
-    ]);
+    let gemma = findings("gemma-3-4b", "1", &["--kv-buffer-device", "cpu"]);
     let lost = named(&gemma, "HostCopyOverwrites");
     assert!(lost.len() > 1, "{gemma:?}");
     assert!(lost.iter().all(|l| l["lost_blocks"] == l["blocks"]), "{lost:?}");
     // 2. Host buffer with a padded state page: 4,096 bytes per block on Nemotron-H.
-    let nemo = findings(&[
-        "--model",
-        "nemotron-h-8b",
-        "--p-tp",
-        "1",
-        "--d-tp",
-        "1",
-        "--prompt-len",
-        "2000",
-        "--kv-buffer-device",
-        "cpu",
-    ]);
+    let nemo = findings("nemotron-h-8b", "1", &["--kv-buffer-device", "cpu"]);
     let padded = named(&nemo, "HostStatePagePadded");
     assert_eq!(padded.len(), 2, "{nemo:?}");
     for p in &padded {
@@ -1093,7 +1074,7 @@ fn documented_findings_hold() {
         );
     }
     // 3. Mamba2 with n_groups below decode TP: Falcon-H1 P1 -> D2 misreads B and C only.
-    let falcon = findings(&["--model", "falcon-h1-7b", "--p-tp", "1", "--d-tp", "2", "--prompt-len", "2000"]);
+    let falcon = findings("falcon-h1-7b", "2", &[]);
     let misread = named(&falcon, "StateSliceMisread");
     let parts: Vec<(u64, &str)> =
         misread.iter().filter_map(|m| Some((m["d_rank"].as_u64()?, m["part"].as_str()?))).collect();
@@ -1104,47 +1085,11 @@ fn documented_findings_hold() {
     );
     // The switches: Gemma-3's host copy per group loses nothing; the same Falcon-H1 request
     // with exact state slices has nothing to report.
-    let per_group = findings(&[
-        "--model",
-        "gemma-3-4b",
-        "--p-tp",
-        "1",
-        "--d-tp",
-        "1",
-        "--prompt-len",
-        "2000",
-        "--kv-buffer-device",
-        "cpu",
-        "--host-copy",
-        "per-group",
-    ]);
+    let per_group = findings("gemma-3-4b", "1", &["--kv-buffer-device", "cpu", "--host-copy", "per-group"]);
     assert!(named(&per_group, "HostCopyOverwrites").is_empty(), "{per_group:?}");
-    let padded = findings(&[
-        "--model",
-        "nemotron-h-8b",
-        "--p-tp",
-        "1",
-        "--d-tp",
-        "1",
-        "--prompt-len",
-        "2000",
-        "--kv-buffer-device",
-        "cpu",
-        "--host-state-page",
-        "padded",
-    ]);
+    let padded =
+        findings("nemotron-h-8b", "1", &["--kv-buffer-device", "cpu", "--host-state-page", "padded"]);
     assert!(named(&padded, "HostStatePagePadded").is_empty(), "{padded:?}");
-    let exact = findings(&[
-        "--model",
-        "falcon-h1-7b",
-        "--p-tp",
-        "1",
-        "--d-tp",
-        "2",
-        "--prompt-len",
-        "2000",
-        "--state-slices",
-        "exact",
-    ]);
+    let exact = findings("falcon-h1-7b", "2", &["--state-slices", "exact"]);
     assert!(exact.is_empty(), "{exact:?}");
 }

@@ -368,33 +368,34 @@ async fn disconnects_and_abandoned_prefills_release_blocks() {
     .await;
 }
 
+/// Runs `kvx bench --serve` of a 2-layer Llama-3.1-8B, 4 requests of 64 tokens after 1 warmup,
+/// JSON on stdout, results under `results`, with `extra` flags; in its own process group,
+/// killed if the test ends first.
+async fn bench_serve(extra: &[&str], results: &std::path::Path) -> std::process::Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_kvx"))
+        .args(["bench", "--serve", "--model", "llama-3.1-8b", "--layers", "2", "--prompt-len", "64"])
+        .args(["--requests", "4", "--warmup", "1", "--no-calibrate", "--format", "json"])
+        .args(extra)
+        .arg("--results-dir")
+        .arg(results)
+        .process_group(0)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .expect("run kvx bench --serve")
+}
+
 /// The serving path with host buffers (`--kv-buffer-device cpu` on both engines): every byte
 /// verified in decode's pools, both copies reported as stages of the measured requests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serving_through_host_buffers_verifies_and_times_both_copies() {
     within(async {
         let results = tempfile::tempdir().expect("tmp");
-        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvx"))
-            .args([
-                "bench",
-                "--serve",
-                "--kv-buffer-device",
-                "cpu",
-                "--verify",
-                "full",
-                "--p-tp",
-                "2",
-                "--d-tp",
-                "1",
-            ])
-            .args(["--model", "llama-3.1-8b", "--layers", "2", "--prompt-len", "64", "--requests", "4"])
-            .args(["--warmup", "1", "--no-calibrate", "--format", "json", "--results-dir"])
-            .arg(results.path())
-            .process_group(0)
-            .kill_on_drop(true)
-            .output()
-            .await
-            .expect("run kvx bench --serve");
+        let out = bench_serve(
+            &["--kv-buffer-device", "cpu", "--verify", "full", "--p-tp", "2", "--d-tp", "1"],
+            results.path(),
+        )
+        .await;
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary JSON on stdout");
@@ -413,37 +414,8 @@ async fn serving_through_host_buffers_verifies_and_times_both_copies() {
 async fn bench_serve_runs_the_whole_path_and_writes_its_summary() {
     within(async {
         let results = tempfile::tempdir().expect("tmp");
-        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_kvx"))
-            .args([
-                "bench",
-                "--serve",
-                "--p-tp",
-                "2",
-                "--d-tp",
-                "2",
-                "--model",
-                "llama-3.1-8b",
-                "--layers",
-                "2",
-                "--prompt-len",
-                "64",
-                "--requests",
-                "4",
-                "--warmup",
-                "1",
-                "--no-calibrate",
-                "--slo",
-                "ttft=30s,tpot=10s,e2el=60s",
-                "--format",
-                "json",
-                "--results-dir",
-            ])
-            .arg(results.path())
-            .process_group(0)
-            .kill_on_drop(true)
-            .output()
-            .await
-            .expect("run kvx bench --serve");
+        let slo = ["--slo", "ttft=30s,tpot=10s,e2el=60s"];
+        let out = bench_serve(&[&["--p-tp", "2", "--d-tp", "2"][..], &slo].concat(), results.path()).await;
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("summary JSON on stdout");
