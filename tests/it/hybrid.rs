@@ -1093,3 +1093,71 @@ fn documented_findings_hold() {
     let exact = findings("falcon-h1-7b", "2", &["--state-slices", "exact"]);
     assert!(exact.is_empty(), "{exact:?}");
 }
+
+/// Bytes moved for real (in one process): every prefill pool filled by meaning, each READ's
+/// pairs copied into its decode pool, every byte checked against what its position means. A
+/// tiny Mamba2 + attention model with `n_groups` 1 (B and C replicated), P1 -> D2: vLLM's conv
+/// offsets put other parts' bytes into B and C, named as such; `--state-slices exact` moves every
+/// byte right; with `n_groups` 4 (every TP here divides it) both rules move every byte right.
+#[test]
+fn moved_bytes_land_where_the_model_expects_them_or_say_what_they_hold() {
+    use kvx::layouts::hybrid::coverage::move_and_check;
+    let model = |n_groups: u32| -> HybridModel {
+        let text = format!(
+            r#"
+            name = "tiny-hybrid-g{n_groups}"
+            layers = ["mamba2", "full", "mamba2", "swa:64", "full+mamba2"]
+            [attention]
+            num_kv_heads = 4
+            head_dim = 64
+            dtype = "bf16"
+            [state]
+            kind = "mamba2"
+            num_heads = 8
+            head_dim = 32
+            d_state = 16
+            n_groups = {n_groups}
+            conv_kernel = 4
+            conv_dtype = "bf16"
+            ssm_dtype = "fp32"
+            "#
+        );
+        let m: HybridModel = toml::from_str(&text).expect("parses");
+        m.validate().expect("valid");
+        m
+    };
+    let run = |m: &HybridModel, p: u32, d: u32, slices| {
+        let pl = HybridPlanner::new(&PairConfig {
+            model: m.clone(),
+            p: HybridEngine::new(p, pool_blocks(m, 900)),
+            d: HybridEngine::new(d, pool_blocks(m, 900)),
+            permute_local_kv: false,
+            state_slices: slices,
+            host_copy: Default::default(),
+        })
+        .expect("accepted");
+        let plan = pl.plan(&simulated(&pl, 900, 0), "req").expect("plan");
+        move_and_check(&pl, &plan, 7)
+    };
+    let g1 = model(1);
+    let vllm = run(&g1, 1, 2, StateSlices::Vllm);
+    assert!(vllm.checked && vllm.bytes_moved > 0);
+    assert!(!vllm.wrong.is_empty(), "vLLM's offsets misplace B and C");
+    assert!(
+        vllm.wrong.iter().all(|w| w.contains("mamba_conv_B bytes") || w.contains("mamba_conv_C bytes")),
+        "only B and C land wrong: {:?}",
+        vllm.wrong
+    );
+    assert!(vllm.wrong.iter().any(|w| w.contains("holds prefill rank 0's")), "{:?}", vllm.wrong);
+    let exact = run(&g1, 1, 2, StateSlices::Exact);
+    assert!(exact.wrong.is_empty(), "{:?}", exact.wrong);
+    assert!(exact.bytes_checked > 0 && exact.bytes_checked <= exact.bytes_moved, "{exact:?}");
+    let g4 = model(4);
+    for (p, d) in [(1, 1), (1, 2), (2, 2), (2, 4), (1, 4)] {
+        for slices in [StateSlices::Vllm, StateSlices::Exact] {
+            let r = run(&g4, p, d, slices);
+            assert!(r.wrong.is_empty(), "P{p} D{d} {slices:?}: {:?}", &r.wrong[..r.wrong.len().min(3)]);
+            assert!(r.bytes_checked > 0, "P{p} D{d}");
+        }
+    }
+}

@@ -335,3 +335,187 @@ fn expected(planner: &HybridPlanner, plan: &HybridPlan, d_rank: u32) -> Vec<(Mea
     }
     out
 }
+
+/// What moving a plan's bytes did (see [`move_and_check`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ByteReport {
+    /// Bytes the prefill ranks' pools hold for the request (filled by meaning).
+    pub bytes_filled: u64,
+    /// Bytes the READs moved, and of those the bytes that mean something on decode (not padding).
+    pub bytes_moved: u64,
+    pub bytes_checked: u64,
+    /// Each range of wrong bytes, as what it is: where it landed and what it holds.
+    pub wrong: Vec<String>,
+    /// Whether the plan was movable here (device memory on both sides).
+    pub checked: bool,
+}
+
+/// The byte at position `pos` of `m` under `seed`: depends on the meaning and the position
+/// only, so it is the same whichever rank, TP size or layout holds it.
+fn pattern_byte(key: u64, pos: u64, seed: u64) -> u8 {
+    let mut x = key ^ seed.rotate_left(17) ^ (pos / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    (x >> (8 * (pos % 8))) as u8
+}
+
+/// A meaning's key for [`pattern_byte`] (FNV-1a of what it names).
+fn meaning_key(m: &Meaning) -> u64 {
+    let text = match m {
+        Meaning::Attn { layer, head } => format!("attn/{layer}/{head}"),
+        Meaning::State { layer, part } => format!("state/{layer}/{}", part.label()),
+    };
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Bytes of a rank's registered memory (every region's blocks).
+fn pool_len(geo: &EngineGeometry) -> u64 {
+    geo.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0)
+}
+
+/// Fills a prefill rank's pool with the request's blocks, every byte by what it means: for
+/// each region, each block the request holds, decoded as its group reads it. Padding stays 0.
+fn fill_pool(side: &Side, buf: &mut [u8], seed: u64) -> u64 {
+    let g = side.geo;
+    let ppl = u64::from(g.physical_per_logical);
+    let mut filled = 0;
+    for region in &g.regions {
+        for (&id, &(group, _)) in &side.pos.by_id {
+            let Some(grp) = g.groups.get(group as usize) else { continue };
+            let (kind, start, len) = if grp.kind.is_state() {
+                let Some(s) = &g.state else { continue };
+                let end = s.parts.iter().map(|p| p.offset_bytes + p.len_bytes).max().unwrap_or(0);
+                (RowKind::State(StatePart::Ssm), u64::from(id) * region.block_stride * ppl, end)
+            } else {
+                (RowKind::AttnPage, u64::from(id) * ppl * region.block_stride, ppl * region.block_stride)
+            };
+            let mut done = 0;
+            while done < len {
+                let off = region.base_off + start + done;
+                match side.decode(kind, off) {
+                    Ok(run) => {
+                        let n = run.left.min(len - done).max(1);
+                        if let Some(m) = &run.meaning {
+                            let key = meaning_key(m);
+                            for i in 0..n {
+                                if let Some(b) = buf.get_mut((off + i) as usize) {
+                                    *b = pattern_byte(key, run.pos + i, seed);
+                                }
+                            }
+                            filled += n;
+                        }
+                        done += n;
+                    }
+                    // Padding (a state page's tail, a kernel page's unused heads): left as 0.
+                    Err(_) => done += 1,
+                }
+            }
+        }
+    }
+    filled
+}
+
+/// Moves `plan`'s bytes for real, in this process: fills every prefill rank's pool with the
+/// request's blocks by meaning, copies each READ's pairs from it into its decode rank's pool,
+/// and checks every byte each decode rank received against what its position there means.
+/// Independent of how the planner computed offsets: only the pairs move bytes. A wrong byte
+/// range is reported as what it is: the decode rank, the meaning its position must hold, and
+/// the prefill rank and meaning of the bytes it holds.
+pub fn move_and_check(planner: &HybridPlanner, plan: &HybridPlan, seed: u64) -> ByteReport {
+    let mut report = ByteReport::default();
+    let (p, d) = (&planner.p, &planner.d);
+    if p.mem() != MemKind::Vram || d.mem() != MemKind::Vram {
+        return report;
+    }
+    report.checked = true;
+    let tokens = plan.tokens.p_computed_tokens;
+    let source = |rank| Side {
+        geo: p,
+        rank,
+        pos: Positions::new(p, &plan.blocks.remote_block_ids, tokens),
+        sub_blocks: 1,
+    };
+    let mut pools: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
+    for rank in &plan.d_ranks {
+        for read in &rank.reads {
+            if let std::collections::btree_map::Entry::Vacant(e) = pools.entry(read.p_rank) {
+                let mut buf = vec![0u8; pool_len(p) as usize];
+                report.bytes_filled += fill_pool(&source(read.p_rank), &mut buf, seed);
+                e.insert(buf);
+            }
+        }
+    }
+    for rank in &plan.d_ranks {
+        let local = Side {
+            geo: d,
+            rank: rank.d_rank,
+            pos: Positions::new(d, &plan.blocks.local_block_ids, tokens),
+            sub_blocks: u64::from(planner.block_size_ratio),
+        };
+        let mut pool = vec![0u8; pool_len(d) as usize];
+        // The READs, as a transport would run them.
+        for read in &rank.reads {
+            let Some(src) = pools.get(&read.p_rank) else { continue };
+            for pair in &read.pairs {
+                let (l, r, n) = (pair.local as usize, pair.remote as usize, pair.len as usize);
+                if let (Some(to), Some(from)) = (pool.get_mut(l..l + n), src.get(r..r + n)) {
+                    to.copy_from_slice(from);
+                    report.bytes_moved += pair.len;
+                }
+            }
+        }
+        // What landed, against what each position must hold.
+        for read in &rank.reads {
+            let remote = source(read.p_rank);
+            for pair in read.labeled() {
+                let mut done = 0;
+                while done < pair.pair.len {
+                    let off = pair.pair.local + done;
+                    let Ok(run) = local.decode(pair.label.kind, off) else {
+                        done += 1;
+                        continue;
+                    };
+                    let n = run.left.min(pair.pair.len - done).max(1);
+                    if let Some(m) = &run.meaning {
+                        let key = meaning_key(m);
+                        let got = pool.get(off as usize..(off + n) as usize).unwrap_or(&[]);
+                        let bad = (0..n)
+                            .find(|&i| got.get(i as usize) != Some(&pattern_byte(key, run.pos + i, seed)));
+                        report.bytes_checked += n;
+                        if let Some(i) = bad {
+                            let held = remote.decode(pair.label.kind, pair.pair.remote + done + i).ok();
+                            let held = held.map_or_else(
+                                || "bytes that mean nothing there".to_string(),
+                                |h| match h.meaning {
+                                    Some(hm) => format!("{} bytes from {}", describe(&hm), h.pos),
+                                    None => "padding".to_string(),
+                                },
+                            );
+                            report.wrong.push(format!(
+                                "decode rank {}, {} bytes {}..{}: holds prefill rank {}'s {held}",
+                                rank.d_rank,
+                                describe(m),
+                                run.pos + i,
+                                run.pos + n,
+                                read.p_rank
+                            ));
+                        }
+                    }
+                    done += n;
+                }
+            }
+        }
+    }
+    report
+}
+
+/// A meaning as a person reads it: `layer L conv C`, `layer L KV head 3`.
+fn describe(m: &Meaning) -> String {
+    match m {
+        Meaning::Attn { layer, head } => format!("{layer} KV head {head}"),
+        Meaning::State { layer, part } => format!("{layer} {}", part.label()),
+    }
+}
