@@ -217,11 +217,14 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     loop {
         if queue.is_empty()
             && let Some(m) = ctl.recv(Duration::from_millis(100))?
+            && let Some(m) = d.admit(m)
         {
             queue.push_back((Instant::now(), m));
         }
         while let Some(m) = ctl.try_recv()? {
-            queue.push_back((Instant::now(), m));
+            if let Some(m) = d.admit(m) {
+                queue.push_back((Instant::now(), m));
+            }
         }
         if last_hb.elapsed() >= hb_every {
             d.heartbeats(&queue);
@@ -242,7 +245,11 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 let r = if push {
                     let r = d.push_load(ctl, job, side_channel);
                     let now = Instant::now();
-                    queue.extend(d.deferred.drain(..).map(|m| (now, m)));
+                    for m in std::mem::take(&mut d.deferred) {
+                        if let Some(m) = d.admit(m) {
+                            queue.push_back((now, m));
+                        }
+                    }
                     r
                 } else {
                     d.load(job)
@@ -250,17 +257,6 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 ctl.send(&FromWorker::Loaded(Box::new(r)))?;
             }
             ToWorker::Shutdown => return Ok(()),
-            ToWorker::PeerGone { engine_id } => {
-                d.gone_engines.insert(engine_id);
-            }
-            ToWorker::Release { p_request_id } => {
-                // Bounded: an id is removed when its load arrives; ids of loads that never
-                // come (pull mode) are dropped wholesale past a cap.
-                if d.released.len() >= 4096 {
-                    d.released.clear();
-                }
-                d.released.insert(p_request_id);
-            }
             ToWorker::Fault(super::wire::Fault::Exit) => std::process::exit(3),
             _ => {}
         }
@@ -411,6 +407,28 @@ impl Decoder<'_> {
         }
         let ucx_broken = out.values().any(|r| r.region.is_none());
         Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None, ucx_broken })
+    }
+
+    /// Takes a control message as it arrives: word that a prefill engine's rank is gone, or that
+    /// a request's prefill was released, applies at once (a load queued before it must not wait
+    /// for WRITEs that will not come); anything else is returned to be queued in order.
+    fn admit(&mut self, m: ToWorker) -> Option<ToWorker> {
+        match m {
+            ToWorker::PeerGone { engine_id } => {
+                self.gone_engines.insert(engine_id);
+                None
+            }
+            ToWorker::Release { p_request_id } => {
+                // Bounded: an id is removed when its load arrives; ids of loads that never
+                // come (pull mode) are dropped wholesale past a cap.
+                if self.released.len() >= 4096 {
+                    self.released.clear();
+                }
+                self.released.insert(p_request_id);
+                None
+            }
+            other => Some(other),
+        }
     }
 
     /// The result of request `req` as its load starts: this rank, the time it queued.
