@@ -27,7 +27,8 @@
 #      same shape pulled (step 3)
 #   8. launches: cuda-batch P8->D2 Llama-3.1-70B (8 KiB descriptors) with one batch per request
 #      per decode rank (--batch-launch rank) and one per peer (peer), at --concurrency 1 and 2,
-#      and the same at concurrency 2 under MPS when nvidia-cuda-mps-control can start it
+#      and the same under MPS when nvidia-cuda-mps-control can start it; and P8->D1 (one decode
+#      rank alone on the GPU) for what sharing the GPU costs
 #   9. serve: kvx serve-engine --mem cuda (prefill and decode, TP 2 each, short leases) behind
 #      kvx serve-proxy, driven by kvx load for GPU_CHECK_SERVE_SECONDS, while prefill legs that
 #      no decode ever reads are sent straight to the prefill engine (their leases expire and
@@ -36,7 +37,7 @@
 #  10. gate: the GPU preset (bench-configs/gpu.toml) run as a baseline, again unchanged, and
 #      again with --slowdown 0.15, each judged by kvx gate --thresholds bench-configs/gates-gpu.toml
 #      (and against results/baseline-gpu.json when it exists)
-#  11. mps: step 8's concurrency-2 runs under the MPS control daemon, when it starts
+#  11. mps: step 8's runs (concurrency 1 and 2) under the MPS control daemon, when it starts
 # and prints a table of ratios: kvx vs NIXL and ucx_perftest (like for like), kvx vs the same-run
 # device copy at 16 MiB, bench vs xfer, cuda-batch vs UCX cuda_ipc, a request's span-based
 # bandwidth (summary.json's transfer_bandwidth.span_gbps: all ranks' bytes over the wall span
@@ -354,6 +355,12 @@ if want launch; then
   for c in 1 2; do
     for launch in rank peer; do launch_bench "" "$launch" "$c" ""; done
   done
+  # The same request read by one decode rank alone (P8->D1: no second process on the GPU), to
+  # tell what sharing the GPU costs from what the path costs.
+  step "bench cuda-batch P8->D1 70B --batch-launch rank --concurrency 1 (one decode rank)" 150 \
+    "$OUT/launch-rank-c1-d1.json" bench --mem cuda --p-tp 8 --d-tp 1 --model llama-3.1-70b \
+    --transport cuda-batch --batch-launch rank --concurrency 1 --requests 40 --warmup 4 \
+    --results-dir "$OUT/launch-rank-c1-d1" --format json
 fi
 
 # 9. serve-engine --mem cuda behind serve-proxy under kvx load, with orphaned prefill legs whose
@@ -532,15 +539,16 @@ if want gate; then
   fi
 fi
 
-# 11. MPS (last: a daemon that misbehaves must not cost the steps above): step 8's concurrency-2
-#     runs again with the MPS control daemon started, when it can be; then it is stopped.
+# 11. MPS (last: a daemon that misbehaves must not cost the steps above): step 8's runs again with the MPS control daemon started, when it can be; then it is stopped.
 if want mps && ! over mps "nvidia-cuda-mps-control -d"; then
   MPS_DIR="$(mktemp -d)"
   export CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d 2>"$OUT/mps.err"; then
     record "MPS control daemon started" ok 0 "" "" "nvidia-cuda-mps-control -d"
-    for launch in rank peer; do launch_bench "-mps" "$launch" 2 " under MPS"; done
+    for c in 1 2; do
+      for launch in rank peer; do launch_bench "-mps" "$launch" "$c" " under MPS"; done
+    done
     echo quit | timeout 20 nvidia-cuda-mps-control >/dev/null 2>&1
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$OUT/mps-control.log" 2>/dev/null
   else
@@ -767,6 +775,22 @@ if push and bench:
         bench.get("throughput_gbps"), "0.9-1.1")
     row("push / pull bench P8->D2 request span p50", span_p50(push), span_p50(bench), "")
 
+# Host buffers (step 7b): the two copies as stages, the staged run against the direct one.
+hb = load("hostbuf.json")
+if hb and hb.get("sweep"):
+    pts = {p.get("label"): p for p in hb["sweep"]}
+    for label, p in pts.items():
+        prm = p.get("params") or {}
+        print(f"kvx bench --mem cuda --kv-buffer-device {label}: {p.get('requests_ok')} ok, {p.get('requests_failed')} failed, "
+              f"{fmt(p.get('throughput_gbps'))} GB/s, KV ready p50 {fmt(p.get('kv_ready_p50_us'))} us"
+              + (f", save_to_host p50 {fmt(prm.get('save_to_host_p50_us'))} us, sync_to_device p50 "
+                 f"{fmt(prm.get('sync_to_device_p50_us'))} us" if label == "cpu" else ""))
+    print(f"  whole run: {hb.get('verify_failures')} verify failures, {hb.get('blocks_leaked')} leaked, "
+          f"{hb.get('bytes_verified')} bytes verified")
+    if "cpu" in pts and "cuda" in pts:
+        row("host buffer / direct (--kv-buffer-device cpu / cuda), throughput", pts["cpu"].get("throughput_gbps"),
+            pts["cuda"].get("throughput_gbps"), "")
+
 # Launches per request (step 8): a request's wall-span bandwidth against the same run's device
 # copy, one batch per decode rank (rank) and one per peer (peer), alone and two at a time, and
 # under MPS where it started.
@@ -783,11 +807,21 @@ for sfx, how in (("", ""), ("-mps", " under MPS")):
             print(f"kvx bench cuda-batch --batch-launch {launch} --concurrency {c}{how}: {lb['requests_ok']} ok, "
                   f"{lb['requests_failed']} failed, {lb['verify_failures']} verify failures, {lb['blocks_leaked']} leaked, "
                   f"{cbi.get('calls_per_request', 0):.1f} calls per request, {fmt(lb.get('throughput_gbps'))} GB/s, "
-                  f"device {fmt(dev)} GB/s")
+                  f"device {fmt(dev)} GB/s; per decode rank and request: pack {fmt(cbi.get('pack_us_per_rank'))} us, "
+                  f"post {fmt(cbi.get('post_us_per_rank'))} us, wait {fmt(cbi.get('wait_us_per_rank'))} us")
             row(f"P8->D2 70B cuda-batch --batch-launch {launch} --concurrency {c}{how}: request span p50 / device bandwidth",
                 got[launch], dev, target)
         if got.get("rank") and got.get("peer"):
             row(f"P8->D2 70B cuda-batch --concurrency {c}{how}: span p50, launch rank / peer", got["rank"], got["peer"], "")
+d1 = load("launch-rank-c1-d1.json")
+if d1:
+    cbi = d1.get("cuda_batch") or {}
+    dev = (d1.get("calibration") or {}).get("device_bandwidth_gbps")
+    print(f"kvx bench cuda-batch P8->D1 --batch-launch rank --concurrency 1: {d1['requests_ok']} ok, {d1['requests_failed']} failed, "
+          f"{d1['verify_failures']} verify failures, {d1['blocks_leaked']} leaked; per decode rank and request: pack "
+          f"{fmt(cbi.get('pack_us_per_rank'))} us, post {fmt(cbi.get('post_us_per_rank'))} us, wait {fmt(cbi.get('wait_us_per_rank'))} us")
+    row("P8->D1 70B cuda-batch --batch-launch rank --concurrency 1 (one decode rank): request span p50 / device bandwidth",
+        span_p50(d1), dev, "")
 
 serve = load("serve/serve.json")
 if serve:

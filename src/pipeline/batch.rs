@@ -8,7 +8,7 @@
 //! (notifications, leases and verification stay in `decode` and `prefill`, as for UCX).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::wire::{FailureCause, LoadResult};
 use super::worker::{Stage as _, WorkerError};
@@ -99,9 +99,12 @@ impl BatchSide {
             Err(f) => return self.abandon(f),
         };
         let pairs = pairs.iter().copied();
+        let t_pack = Instant::now();
         match self.launch {
             BatchLaunch::Peer => {
-                self.scratch.pack(pairs, local_span, peer.span()).map_err(|e| failure(&who, e))?;
+                let packed = self.scratch.pack(pairs, local_span, peer.span());
+                r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
+                packed.map_err(|e| failure(&who, e))?;
                 let st = self
                     .copier
                     .enqueue(buf, std::slice::from_ref(peer), &mut self.scratch, timeout)
@@ -114,6 +117,7 @@ impl BatchSide {
                 } else {
                     self.scratch.add(pairs, local_span, peer.span())
                 };
+                r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
                 // On an error the batch was emptied.
                 if let Err(e) = added {
                     return self.abandon(failure(&who, e));
@@ -150,8 +154,11 @@ impl BatchSide {
         };
         // Waited for even when the batch could not be posted: nothing of this request may
         // still be copying when the next one posts.
-        let waited = self.copier.finish(timeout).map(|_| ()).map_err(|e| failure("the prefill ranks", e));
-        posted.and(waited)
+        let waited = self.copier.finish(timeout).map_err(|e| failure("the prefill ranks", e));
+        if let Ok(ns) = waited {
+            r.batch_wait_ns += ns;
+        }
+        posted.and(waited.map(|_| ()))
     }
 
     fn count(&self, st: &crate::transfer::cuda_batch::BatchStats, r: &mut LoadResult) {
@@ -209,6 +216,10 @@ pub struct BatchTally {
     descriptors: u64,
     unaligned: u64,
     post_ns: u64,
+    /// Decode ranks' results counted (one per rank per request), and their host and wait time.
+    rank_requests: u64,
+    pack_ns: u64,
+    wait_ns: u64,
 }
 
 impl BatchTally {
@@ -229,6 +240,9 @@ impl BatchTally {
             self.descriptors += r.descs_raw;
             self.unaligned += r.batch_unaligned;
             self.post_ns += r.post_ns;
+            self.rank_requests += 1;
+            self.pack_ns += r.batch_pack_ns;
+            self.wait_ns += r.batch_wait_ns;
         }
         self.requests += u64::from(counted);
     }
@@ -250,6 +264,9 @@ impl BatchTally {
             unaligned_descriptors_per_request: per_request(self.unaligned),
             post_ns_per_descriptor: per(self.post_ns, self.descriptors),
             post_us_per_call: per(self.post_ns, self.calls) / 1e3,
+            pack_us_per_rank: per(self.pack_ns, self.rank_requests) / 1e3,
+            post_us_per_rank: per(self.post_ns, self.rank_requests) / 1e3,
+            wait_us_per_rank: per(self.wait_ns, self.rank_requests) / 1e3,
         });
     }
 }
@@ -280,6 +297,8 @@ mod tests {
             batch_copies: copies,
             descs_raw: descs,
             post_ns: post,
+            batch_pack_ns: 1_000,
+            batch_wait_ns: 2_000,
             ..LoadResult::default()
         };
         let mut t = BatchTally::default();
@@ -297,6 +316,9 @@ mod tests {
         assert_eq!(info.unaligned_descriptors_per_request, 15.0, "30 over two requests");
         assert_eq!(info.post_ns_per_descriptor, 100_000.0 / 1200.0);
         assert_eq!(info.post_us_per_call, 100_000.0 / 12.0 / 1e3);
+        assert_eq!(info.post_us_per_rank, 100_000.0 / 3.0 / 1e3, "three decode ranks' results");
+        assert_eq!(info.pack_us_per_rank, 3_000.0 / 3.0 / 1e3);
+        assert_eq!(info.wait_us_per_rank, 6_000.0 / 3.0 / 1e3);
         let mut none = Summary::new("r", "t", Default::default());
         BatchTally::default().report(&mut none);
         assert!(none.cuda_batch.is_none());

@@ -295,6 +295,12 @@ pub struct LoadResult {
     /// (`transfer::cuda_batch::CopyBatch::unaligned_descriptors`).
     #[serde(default)]
     pub batch_unaligned: u64,
+    /// Host time packing the plan's pairs into batches (bounds checked, merged, as the
+    /// kernel's descriptors), and waiting for the batches' copies after posting them.
+    #[serde(default)]
+    pub batch_pack_ns: u64,
+    #[serde(default)]
+    pub batch_wait_ns: u64,
 }
 
 /// What a rank's UCX chose for its one-sided operations, reported once: the transports of an

@@ -418,6 +418,12 @@ pub struct CudaBatchInfo {
     /// Of the plan's descriptors per request, those whose address (either side) or length is
     /// not a multiple of 16: the gather kernel copies a few bytes of each one by one.
     pub unaligned_descriptors_per_request: f64,
+    /// Per decode rank and request, us: packing the plan's pairs into its batches (host),
+    /// posting them (descriptors written and uploaded, the launch: host), and waiting for
+    /// their copies (the device, behind whatever else it runs).
+    pub pack_us_per_rank: f64,
+    pub post_us_per_rank: f64,
+    pub wait_us_per_rank: f64,
 }
 
 /// The UCX library a run loaded and what it selected.

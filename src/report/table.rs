@@ -123,7 +123,8 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
             "cuda-batch".to_string(),
             format!(
                 "{} ({}), one batch per {}: {:.1} calls, {:.0} copies, {:.0} descriptors ({:.0} not \
-                 16-byte aligned) per request; posting {:.0} ns per descriptor, {:.1} us per call",
+                 16-byte aligned) per request; posting {:.0} ns per descriptor, {:.1} us per call; \
+                 per decode rank and request: pack {:.0} us, post {:.0} us, wait {:.0} us",
                 b.paths.join(", "),
                 b.driver_calls.join(", "),
                 if b.launches.is_empty() { "peer".to_string() } else { b.launches.join(", ") },
@@ -132,7 +133,10 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
                 b.descriptors_per_request,
                 b.unaligned_descriptors_per_request,
                 b.post_ns_per_descriptor,
-                b.post_us_per_call
+                b.post_us_per_call,
+                b.pack_us_per_rank,
+                b.post_us_per_rank,
+                b.wait_us_per_rank
             ),
         ]);
     }

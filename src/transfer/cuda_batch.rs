@@ -252,17 +252,8 @@ pub struct Span {
     pub len: u64,
 }
 
-impl Span {
-    /// The absolute address of `len` bytes at `offset`, if they lie inside the span.
-    fn at(self, offset: u64, len: u64) -> Option<u64> {
-        let end = offset.checked_add(len)?;
-        (end <= self.len).then_some(())?;
-        self.base.checked_add(offset)
-    }
-}
-
 /// One request's copies from one peer (or, with `--batch-launch rank`, from every peer of a
-/// decode rank), in the `(dst, src, size)` arrays a batched copy takes: absolute device
+/// decode rank), as `(dst, src, size)` triples (the gather kernel's descriptors): absolute device
 /// addresses inside `local` (destination) and the peers' mapped sources, each range checked
 /// against its buffer when packed, and ranges that continue the previous one on both sides
 /// (from the same peer) merged into it. The fields are private, so a batch only exists as
@@ -270,15 +261,17 @@ impl Span {
 /// every address is in bounds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CopyBatch {
-    dsts: Vec<u64>,
-    srcs: Vec<u64>,
-    sizes: Vec<usize>,
+    /// `(dst, src, size)` of each copy, three u64 in a row: the gather kernel's descriptor
+    /// format, so a batch whose copies need no splitting is uploaded as it stands.
+    words: Vec<u64>,
     local: Span,
     /// The peer spans the copies read from, in the order they were added.
     peers: Vec<Span>,
     descriptors: u64,
     bytes: u64,
     unaligned: u64,
+    /// The longest copy (after merging).
+    longest: u64,
 }
 
 impl CopyBatch {
@@ -313,63 +306,74 @@ impl CopyBatch {
             return Err(CudaBatchError::WrongBuffers);
         }
         self.peers.push(peer);
-        // Copies of this peer start here: none merges into the previous peer's last copy.
-        let first = self.sizes.len();
-        for (index, p) in pairs.into_iter().enumerate() {
-            self.descriptors += 1;
+        // Copies of this peer start below (`ends`): none merges into the previous peer's last.
+        // One pass, bounds checked against both spans, written as the kernel's descriptors:
+        // what a decode rank does per descriptor before its launch (benches/batch.rs).
+        let (mut descriptors, mut bytes, mut unaligned, mut longest) = (0u64, 0u64, 0u64, self.longest);
+        // A span whose end overflows holds nothing: every pair is then out of bounds.
+        let room = |s: Span| if s.base.checked_add(s.len).is_some() { s.len } else { 0 };
+        let (l_room, p_room) = (room(local), room(peer));
+        // Where the last copy of this peer ends on both sides (none yet: no merge).
+        let mut ends: Option<(u64, u64)> = None;
+        let pairs = pairs.into_iter();
+        self.words.reserve(3 * pairs.size_hint().0);
+        let mut result = Ok(());
+        for (index, p) in pairs.enumerate() {
+            descriptors += 1;
             if p.len == 0 {
                 continue;
             }
-            let out = |side: &'static str, offset: u64, span: Span| CudaBatchError::OutOfBounds {
-                index,
-                side,
-                offset,
-                end: offset.saturating_add(p.len),
-                len: span.len,
-            };
-            let (Some(dst), Some(src), Ok(size)) =
-                (local.at(p.local, p.len), peer.at(p.remote, p.len), usize::try_from(p.len))
-            else {
-                let e = match local.at(p.local, p.len) {
-                    None => out("local", p.local, local),
-                    Some(_) => out("peer", p.remote, peer),
-                };
-                self.clear();
-                return Err(e);
-            };
-            self.bytes += p.len;
-            if !(dst | src | p.len).is_multiple_of(16) {
-                self.unaligned += 1;
+            let local_ok = p.local <= l_room && p.len <= l_room - p.local;
+            if !local_ok || p.remote > p_room || p.len > p_room - p.remote {
+                let (side, offset, span) =
+                    if local_ok { ("peer", p.remote, peer) } else { ("local", p.local, local) };
+                result = Err(CudaBatchError::OutOfBounds {
+                    index,
+                    side,
+                    offset,
+                    end: offset.saturating_add(p.len),
+                    len: span.len,
+                });
+                break;
             }
-            match (self.dsts.last(), self.srcs.last(), self.sizes.last_mut()) {
-                (Some(&d), Some(&s), Some(n))
-                    if self.dsts.len() > first && d + *n as u64 == dst && s + *n as u64 == src =>
-                {
-                    *n += size
-                }
-                _ => {
-                    self.dsts.push(dst);
-                    self.srcs.push(src);
-                    self.sizes.push(size);
-                }
+            // In bounds, and the span's end does not overflow: neither does this.
+            let (dst, src) = (local.base + p.local, peer.base + p.remote);
+            bytes += p.len;
+            unaligned += u64::from(!(dst | src | p.len).is_multiple_of(16));
+            let (d_end, s_end) = (dst + p.len, src + p.len);
+            if ends == Some((dst, src)) {
+                let w = self.words.len();
+                self.words[w - 1] += p.len;
+                longest = longest.max(self.words[w - 1]);
+            } else {
+                self.words.extend_from_slice(&[dst, src, p.len]);
+                longest = longest.max(p.len);
             }
+            ends = Some((d_end, s_end));
         }
+        if let Err(e) = result {
+            self.clear();
+            return Err(e);
+        }
+        self.descriptors += descriptors;
+        self.bytes += bytes;
+        self.unaligned += unaligned;
+        self.longest = longest;
         Ok(())
     }
 
     fn clear(&mut self) {
         self.peers.clear();
-        self.dsts.clear();
-        self.srcs.clear();
-        self.sizes.clear();
+        self.words.clear();
         self.descriptors = 0;
         self.bytes = 0;
         self.unaligned = 0;
+        self.longest = 0;
     }
 
     /// Copies after coalescing: the entries of one batched call.
     pub fn copies(&self) -> usize {
-        self.sizes.len()
+        self.words.len() / 3
     }
 
     /// Plan descriptors packed (before coalescing, zero-length ones included).
@@ -389,12 +393,20 @@ impl CopyBatch {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.sizes.is_empty()
+        self.words.is_empty()
     }
 
     /// `(dst, src, size)` of each copy.
     pub fn entries(&self) -> impl Iterator<Item = (u64, u64, usize)> + '_ {
-        self.dsts.iter().zip(&self.srcs).zip(&self.sizes).map(|((&d, &s), &n)| (d, s, n))
+        // kvx builds for 64-bit targets only: a u64 size is a usize.
+        self.words.chunks_exact(3).map(|c| (c[0], c[1], c[2] as usize))
+    }
+
+    /// Whether every copy is one piece of at most `piece` bytes ([`gather_into`]): the
+    /// batch's words are then the kernel's descriptors as they stand.
+    fn unsplit(&self, piece: u64) -> bool {
+        // A copy's first piece is `piece - dst % 16` long, at least `piece - 15`.
+        self.longest <= piece.saturating_sub(15)
     }
 }
 
@@ -416,6 +428,9 @@ pub fn gather_descriptors(batch: &CopyBatch, piece: u64, out: &mut Vec<u64>) -> 
 /// How many pieces [`gather_descriptors`] makes of `batch`.
 pub fn gather_pieces(batch: &CopyBatch, piece: u64) -> usize {
     let piece = (piece & !15).max(16);
+    if batch.unsplit(piece) {
+        return batch.copies();
+    }
     batch.entries().map(|(dst, _, n)| (n as u64 + dst % 16).div_ceil(piece) as usize).sum()
 }
 
@@ -423,6 +438,10 @@ pub fn gather_pieces(batch: &CopyBatch, piece: u64) -> usize {
 /// which holds at least `3 * gather_pieces(batch, piece)` words. Returns the piece count.
 pub fn gather_into(batch: &CopyBatch, piece: u64, out: &mut [u64]) -> usize {
     let piece = (piece & !15).max(16);
+    if batch.unsplit(piece) {
+        out[..batch.words.len()].copy_from_slice(&batch.words);
+        return batch.copies();
+    }
     let mut w = 0;
     for (dst, src, size) in batch.entries() {
         let size = size as u64;
@@ -769,6 +788,9 @@ mod imp {
         /// one that timed out): kept open until the event fires, or until Drop has
         /// synchronized the stream.
         in_flight: Vec<Arc<PeerMapping>>,
+        /// `(dst, src, size)` as the three arrays the batch entry points take, refilled per
+        /// batch.
+        arrays: (Vec<u64>, Vec<u64>, Vec<usize>),
         /// Batches posted since the last wait, and their copies.
         posted: usize,
         posted_copies: usize,
@@ -831,6 +853,7 @@ mod imp {
                 gather,
                 forced: copy.forced().is_some(),
                 in_flight: Vec::new(),
+                arrays: Default::default(),
                 posted: 0,
                 posted_copies: 0,
                 dev: Arc::clone(dev),
@@ -945,13 +968,24 @@ mod imp {
                 flags: 0,
             };
             let mut attr_idx: usize = 0;
-            let (dsts, srcs, sizes) =
-                (batch.dsts.as_mut_ptr(), batch.srcs.as_mut_ptr(), batch.sizes.as_mut_ptr());
+            if self.path == BatchPath::Kernel {
+                return self.post_kernel(batch);
+            }
+            // The batch entry points take three arrays (read during the call).
+            let (d, s, z) = &mut self.arrays;
+            d.clear();
+            s.clear();
+            z.clear();
+            for (dst, src, size) in batch.entries() {
+                d.push(dst);
+                s.push(src);
+                z.push(size);
+            }
+            let (dsts, srcs, sizes) = (d.as_mut_ptr(), s.as_mut_ptr(), z.as_mut_ptr());
             let rc = match (self.path, self.v2, self.v1) {
-                (BatchPath::Kernel, _, _) => return self.post_kernel(batch),
                 (BatchPath::BatchV2, Some(f), _) => {
-                    // SAFETY: the three arrays hold `n` entries each (one CopyBatch, exclusively
-                    // borrowed for the call); every (dst, src, size) lies inside the local pool
+                    // SAFETY: the three arrays hold `n` entries each (the copier's, filled from
+                    // one CopyBatch just above, not touched during the call); every (dst, src, size) lies inside the local pool
                     // and the mapped peer pool (checked by `pack`, and `copy` checked the batch
                     // was packed against these two); one attribute applies to all copies
                     // (index 0); the stream is this copier's, in the current context.
@@ -1286,6 +1320,29 @@ mod tests {
         // The last byte of each buffer is fine.
         b.pack([pair(L.len - 1, P.len - 1, 1)], L, P).expect("last byte");
         assert_eq!(b.copies(), 1);
+        // A span whose end would overflow the address space holds nothing.
+        let top = Span { base: u64::MAX - 8, len: 64 };
+        let e = b.pack([pair(0, 0, 1)], top, P).expect_err("span past the address space");
+        assert!(matches!(e, CudaBatchError::OutOfBounds { side: "local", .. }), "{e}");
+    }
+
+    #[test]
+    fn copies_that_fit_one_piece_are_the_kernels_descriptors_as_they_stand() {
+        // Copies of at most GATHER_PIECE - 15 bytes, at any alignment, are one piece each: the
+        // fast path (the batch's words uploaded as they are) must give what splitting gives.
+        let max = GATHER_PIECE - 15;
+        let pairs = [pair(3, 5, 100), pair(4096, 0, max), pair(1 << 19, 1 << 19, 8192), pair(77, 1 << 18, 1)];
+        let mut b = CopyBatch::default();
+        b.pack(pairs, L, P).expect("in bounds");
+        let mut out = Vec::new();
+        assert_eq!(gather_descriptors(&b, GATHER_PIECE, &mut out), 4);
+        let want: Vec<u64> = b.entries().flat_map(|(d, s, n)| [d, s, n as u64]).collect();
+        assert_eq!(out, want);
+        // One byte longer at a destination 15 bytes short of 16: two pieces (the slow path).
+        b.pack([pair(15, 15, max + 1)], L, P).expect("in bounds");
+        assert_eq!(gather_descriptors(&b, GATHER_PIECE, &mut out), 2);
+        assert_eq!(out[2] + out[5], max + 1);
+        assert_eq!(out[3], out[0] + out[2], "the second piece starts where the first ends");
     }
 
     #[test]
