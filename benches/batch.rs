@@ -3,8 +3,9 @@
 //! (80 layers, block 16: 10,240 descriptors of 8 KiB from each of a decode rank's 4 prefill
 //! ranks, 40,960 in all). `pack_4_peers` bounds-checks and merges them into the batch's
 //! (dst, src, size) arrays; `gather_into` writes the kernel's 24-byte descriptors (what goes
-//! to pinned memory and is uploaded). `reference/store_same_bytes` writes the same 24-byte
-//! records with no arithmetic: the store ceiling of this machine, measured in the same run.
+//! to pinned memory and is uploaded). `reference/copy_pairs` copies the plan's pairs into the
+//! same 24-byte records with no check and no arithmetic, and `reference/store_same_bytes`
+//! writes them with no load: the floors of this machine, measured in the same run.
 //! The H200 run (results/gpu-nvidia-h200-2026-11-27.json) spent about 290 us posting per
 //! request there, a quarter of the request's transfer span.
 
@@ -57,6 +58,18 @@ fn bench(c: &mut Criterion) {
     let mut words = vec![0u64; 3 * gather_pieces(&batch, GATHER_PIECE)];
     g.bench_function("gather_into", |b| {
         b.iter(|| black_box(gather_into(black_box(&batch), GATHER_PIECE, &mut words)))
+    });
+    g.bench_function("reference/copy_pairs", |b| {
+        b.iter(|| {
+            let mut o = 0;
+            for r in &reads {
+                for p in r {
+                    words[o..o + 3].copy_from_slice(&[p.local, p.remote, p.len]);
+                    o += 3;
+                }
+            }
+            black_box(&words);
+        })
     });
     g.bench_function("reference/store_same_bytes", |b| {
         b.iter(|| {

@@ -561,7 +561,10 @@ fi
 CARD="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)"
 DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1)"
 KVX_VERSION="$("$KVX" --version 2>/dev/null | head -n1)"
-COMMIT="$(git rev-parse --short HEAD 2>/dev/null || true)"
+# The commit the binary was built from: a bundle says so beside its kvx (BUNDLE.txt); else the
+# checkout's (a binary built from it).
+COMMIT="$(sed -n 's/.*(commit \([0-9a-f]*\)).*/\1/p' "$(dirname "$KVX")/BUNDLE.txt" 2>/dev/null | head -n1)"
+[ -n "$COMMIT" ] || COMMIT="$(git rev-parse --short HEAD 2>/dev/null || true)"
 
 # Ratios and the results file.
 GPU_CHECK_CARD="$CARD" GPU_CHECK_DRIVER="$DRIVER" GPU_CHECK_KVX="$KVX_VERSION" GPU_CHECK_COMMIT="$COMMIT" \

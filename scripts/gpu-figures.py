@@ -48,6 +48,45 @@ def figures(doc):
                 "blocks_leaked": d["blocks_leaked"],
                 "calls_per_request": (d.get("cuda_batch") or {}).get("calls_per_request"),
             }
+            # Per decode rank and request (kvx from fe8fc0c on): host packing, posting, waiting.
+            for k in ("pack_us_per_rank", "post_us_per_rank", "wait_us_per_rank"):
+                if k in (d.get("cuda_batch") or {}):
+                    out[key][k] = d["cuda_batch"][k]
+        if name.startswith("bench cuda-batch P8->D1 70B --batch-launch rank --concurrency 1") and s.get("status") == "ok":
+            d = s["output"]
+            dev = (d.get("calibration") or {}).get("device_bandwidth_gbps")
+            cb = d.get("cuda_batch") or {}
+            out["launch_rank_c1_d1"] = {
+                "span_gbps_p50": span_p50(d), "device_gbps": dev,
+                "share_of_device": span_p50(d) / dev if span_p50(d) and dev else None,
+                "requests_ok": d["requests_ok"], "verify_failures": d["verify_failures"],
+                "blocks_leaked": d["blocks_leaked"],
+                **{k: cb.get(k) for k in ("pack_us_per_rank", "post_us_per_rank", "wait_us_per_rank")}}
+        if name.startswith("bench --mem cuda --p-tp 8 --d-tp 2 --compare-kv-buffer-device") and s.get("status") == "ok":
+            d = s["output"]
+            pts = {p["label"]: p for p in d.get("sweep") or []}
+            hb = {"requests_ok": d["requests_ok"], "requests_failed": d["requests_failed"],
+                  "verify_failures": d["verify_failures"], "blocks_leaked": d["blocks_leaked"],
+                  "bytes_verified": d["bytes_verified"]}
+            for label, p in pts.items():
+                prm = p.get("params") or {}
+                hb[label] = {"throughput_gbps": p["throughput_gbps"], "kv_ready_p50_us": p["kv_ready_p50_us"],
+                             "transfer_p50_us": p["transfer_p50_us"]}
+                for k in ("save_to_host_p50_us", "sync_to_device_p50_us"):
+                    if k in prm:
+                        hb[label][k] = prm[k]
+            if "cpu" in pts and "cuda" in pts:
+                hb["throughput_cpu_over_cuda"] = pts["cpu"]["throughput_gbps"] / pts["cuda"]["throughput_gbps"]
+                hb["kv_ready_cpu_over_cuda"] = pts["cpu"]["kv_ready_p50_us"] / pts["cuda"]["kv_ready_p50_us"]
+            out["hostbuf"] = hb
+        m = re.match(r"xfer --transport cuda-batch --batch-copy kernel 8KiB x1024,10240,40960", name)
+        if m and s.get("status") == "ok":
+            post = {}
+            for r in s["output"]["results"]:
+                n = r["inflight"]
+                post[f"x{n}"] = {k: r.get(k) for k in ("gbps", "post_us", "pack_us", "fill_us", "complete_us", "bulk_copy_gbps")}
+                post[f"x{n}"]["fill_ns_per_desc"] = r["fill_us"] * 1e3 / n
+            out["xfer_post"] = post
         m = re.match(r"xfer --transport cuda-batch --batch-copy ([\w-]+) 8KiB (16-byte aligned|--misalign 3|--misalign 0,1)$", name)
         if m and s.get("status") == "ok":
             r = s["output"]["results"][0]
