@@ -16,7 +16,8 @@ use crate::layouts::plan::Pair;
 use crate::report::summary::{CudaBatchInfo, Summary};
 use crate::transfer::cuda::CudaDevice;
 use crate::transfer::cuda_batch::{
-    BatchCopier, BatchCopy, BatchLaunch, BatchPath, CopyBatch, CudaBatchError, PeerMapping, export,
+    BatchCopier, BatchCopy, BatchLaunch, BatchPath, CopyBatch, CudaBatchError, PeerMapping, Span, export,
+    pack_parts,
 };
 use crate::transfer::handshake::meta::{CudaIpcExport, KvxMetadata};
 use crate::transfer::memory::{KvBuffer, MemPlace};
@@ -38,12 +39,15 @@ pub fn export_pool(mem: &KvBuffer) -> Result<CudaIpcExport, WorkerError> {
 pub struct BatchSide {
     copier: BatchCopier,
     dev: Arc<CudaDevice>,
-    /// Reused for every batch, so a request allocates nothing.
-    scratch: CopyBatch,
+    /// One batch per source rank, reused for every request, so a request allocates nothing
+    /// but a list of its peers.
+    parts: Vec<CopyBatch>,
     launch: BatchLaunch,
-    /// `--batch-launch rank`: the peers whose pairs `scratch` holds, posted by `finish`.
-    staged: Vec<Arc<PeerMapping>>,
 }
+
+/// One READ of a request for [`BatchSide::read_all`]: the prefill rank, its mapped pool (none
+/// when it exported none) and the plan's pairs.
+pub type BatchRead<'a> = (u32, Option<&'a Arc<PeerMapping>>, &'a [Pair]);
 
 impl BatchSide {
     /// A copier on the device the rank's pool lives on, issuing batches as `copy` says, one
@@ -62,7 +66,7 @@ impl BatchSide {
             BatchCopy::Kernel => "cuda-batch stream, event and gather kernel (cuModuleLoadData of its PTX)",
         };
         let copier = BatchCopier::new(&dev, copy).stage(what)?;
-        Ok(BatchSide { copier, dev, scratch: CopyBatch::default(), launch, staged: Vec::new() })
+        Ok(BatchSide { copier, dev, parts: Vec::new(), launch })
     }
 
     /// Maps a prefill rank's advertised pool into this process.
@@ -76,89 +80,71 @@ impl BatchSide {
         format!("cuda-batch/{}", self.copier.path())
     }
 
-    /// Takes one request's `pairs` from one prefill rank into `local`: posted at once as one
-    /// batched copy (`--batch-launch peer`), or added to the request's one batch that
-    /// [`finish`](Self::finish) posts (`rank`). What it cost goes to `r`. A request that fails
-    /// on one peer posts nothing of the others' staged pairs.
-    pub fn read(
+    /// Takes one request's `reads` into `local`: with `--batch-launch peer`, each READ packed
+    /// and posted at once (the next packed while it copies); with `rank`, every READ packed
+    /// (on several threads when the request is large: `pack_parts`) into one batch, posted
+    /// once. [`finish`](Self::finish) then waits. What it cost goes to `r`. A prefill rank
+    /// that is not mapped fails the request before anything is posted.
+    pub fn read_all(
         &mut self,
         local: &mut KvBuffer,
-        p_rank: u32,
-        peer: Option<&Arc<PeerMapping>>,
-        pairs: &[Pair],
+        reads: &[BatchRead<'_>],
         timeout: Duration,
         r: &mut LoadResult,
     ) -> Result<(), Failure> {
-        let who = format!("prefill rank {p_rank}");
-        let Some(peer) = peer else {
-            return self
-                .abandon((FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")));
-        };
-        let (buf, local_span) = match device_pool(local) {
-            Ok(pool) => pool,
-            Err(f) => return self.abandon(f),
-        };
-        let pairs = pairs.iter().copied();
-        let t_pack = Instant::now();
+        let mut peers = Vec::with_capacity(reads.len());
+        for &(p_rank, peer, _) in reads {
+            let Some(peer) = peer else {
+                let who = format!("prefill rank {p_rank}");
+                return Err((FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")));
+            };
+            peers.push(Arc::clone(peer));
+        }
+        let (buf, local_span) = device_pool(local)?;
+        if self.parts.len() < reads.len() {
+            self.parts.resize_with(reads.len(), CopyBatch::default);
+        }
+        let who = |i: usize| format!("prefill rank {}", reads[i].0);
         match self.launch {
             BatchLaunch::Peer => {
-                let packed = self.scratch.pack(pairs, local_span, peer.span());
-                r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
-                packed.map_err(|e| failure(&who, e))?;
-                let st = self
-                    .copier
-                    .enqueue(buf, std::slice::from_ref(peer), &mut self.scratch, timeout)
-                    .map_err(|e| failure(&who, e))?;
-                self.count(&st, r);
+                for (i, ((_, _, pairs), peer)) in reads.iter().zip(&peers).enumerate() {
+                    let t_pack = Instant::now();
+                    let part = &mut self.parts[0];
+                    let packed = part.pack(pairs.iter().copied(), local_span, peer.span());
+                    r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
+                    packed.map_err(|e| failure(&who(i), e))?;
+                    let st = self
+                        .copier
+                        .enqueue(buf, std::slice::from_ref(peer), std::slice::from_mut(part), timeout)
+                        .map_err(|e| failure(&who(i), e))?;
+                    self.count(&st, r);
+                }
             }
             BatchLaunch::Rank => {
-                let added = if self.staged.is_empty() {
-                    self.scratch.pack(pairs, local_span, peer.span())
-                } else {
-                    self.scratch.add(pairs, local_span, peer.span())
-                };
+                let jobs: Vec<(&[Pair], Span)> =
+                    reads.iter().zip(&peers).map(|((_, _, pairs), peer)| (*pairs, peer.span())).collect();
+                let t_pack = Instant::now();
+                let packed = pack_parts(&mut self.parts, &jobs, local_span);
                 r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
-                // On an error the batch was emptied.
-                if let Err(e) = added {
-                    return self.abandon(failure(&who, e));
-                }
-                self.staged.push(Arc::clone(peer));
+                packed.map_err(|(i, e)| failure(&who(i), e))?;
+                let whom = if reads.len() == 1 { "its prefill rank" } else { "its prefill ranks" };
+                let st = self
+                    .copier
+                    .enqueue(buf, &peers, &mut self.parts[..reads.len()], timeout)
+                    .map_err(|e| failure(whom, e))?;
+                self.count(&st, r);
             }
         }
         Ok(())
     }
 
-    /// Drops the request's staged peers (nothing of it is posted) and fails with `f`.
-    fn abandon(&mut self, f: Failure) -> Result<(), Failure> {
-        self.staged.clear();
-        Err(f)
-    }
-
-    /// Posts the request's one batch (`--batch-launch rank`), then waits for every batch
-    /// posted (one event: one stream runs them in order).
-    pub fn finish(
-        &mut self,
-        local: &mut KvBuffer,
-        timeout: Duration,
-        r: &mut LoadResult,
-    ) -> Result<(), Failure> {
-        let posted = if self.staged.is_empty() {
-            Ok(())
-        } else {
-            let peers = std::mem::take(&mut self.staged);
-            let who = if peers.len() == 1 { "its prefill rank" } else { "its prefill ranks" };
-            let st = device_pool(local).and_then(|(buf, _)| {
-                self.copier.enqueue(buf, &peers, &mut self.scratch, timeout).map_err(|e| failure(who, e))
-            });
-            st.map(|st| self.count(&st, r))
-        };
-        // Waited for even when the batch could not be posted: nothing of this request may
-        // still be copying when the next one posts.
-        let waited = self.copier.finish(timeout).map_err(|e| failure("the prefill ranks", e));
-        if let Ok(ns) = waited {
-            r.batch_wait_ns += ns;
-        }
-        posted.and(waited.map(|_| ()))
+    /// Waits for every batch posted for the request (one event: one stream runs them in
+    /// order). Called even when posting failed: nothing of a request may still be copying
+    /// when the next one posts.
+    pub fn finish(&mut self, timeout: Duration, r: &mut LoadResult) -> Result<(), Failure> {
+        let ns = self.copier.finish(timeout).map_err(|e| failure("the prefill ranks", e))?;
+        r.batch_wait_ns += ns;
+        Ok(())
     }
 
     fn count(&self, st: &crate::transfer::cuda_batch::BatchStats, r: &mut LoadResult) {

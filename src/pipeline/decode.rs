@@ -496,18 +496,24 @@ impl Decoder<'_> {
         // wait for all of them.
         if let Some(side) = self.batch.as_mut() {
             let mem = self.local.memory_mut()?;
-            let mut posted = Ok(());
-            for (i, read) in eng.planner.reads.iter().enumerate() {
-                let pairs = coalesced.as_ref().map_or(&self.bufs[i], |c| &c[i]);
-                let peer = eng.ranks.get(&read.p_rank).and_then(|rk| rk.ipc.as_ref());
-                posted = side.read(mem, read.p_rank, peer, pairs, timeout, r);
-                if posted.is_err() {
-                    break;
-                }
-            }
+            let reads: Vec<super::batch::BatchRead<'_>> = eng
+                .planner
+                .reads
+                .iter()
+                .enumerate()
+                .map(|(i, read)| {
+                    let pairs = coalesced.as_ref().map_or(&self.bufs[i], |c| &c[i]);
+                    (
+                        read.p_rank,
+                        eng.ranks.get(&read.p_rank).and_then(|rk| rk.ipc.as_ref()),
+                        pairs.as_slice(),
+                    )
+                })
+                .collect();
+            let posted = side.read_all(mem, &reads, timeout, r);
             // Waited for even when a later batch could not be posted: nothing of this
             // request may still be copying when the next one posts.
-            let waited = side.finish(mem, timeout, r);
+            let waited = side.finish(timeout, r);
             posted?;
             waited?;
             r.transport = Some(TransportKind::CudaBatch);

@@ -484,6 +484,35 @@ pub fn gather_split(dst: u64, src: u64, len: u64) -> GatherSplit {
     GatherSplit { granule, head, body, tail: len - head - body }
 }
 
+/// Fewest pairs in one request's parts for [`pack_parts`] to pack them on several threads:
+/// below it, handing the parts to rayon's threads costs more than it saves.
+pub const PARALLEL_PAIRS: usize = 16_384;
+
+/// Packs each peer's pairs into its own batch (`parts[i]` from `jobs[i] = (pairs, peer)`, all
+/// into `local`), the parts on rayon's threads when there are at least [`PARALLEL_PAIRS`]
+/// pairs and four threads, else one after the other: a decode rank's packing per request,
+/// which bounds a request on a host whose cores are slow (results/gpu-nvidia-h200-2026-11-27-run3.json).
+/// `parts` must hold at least `jobs.len()` batches (reused, so nothing is allocated). On the
+/// first part that fails, returns its index and error.
+pub fn pack_parts(
+    parts: &mut [CopyBatch],
+    jobs: &[(&[Pair], Span)],
+    local: Span,
+) -> Result<(), (usize, CudaBatchError)> {
+    use rayon::prelude::*;
+    let parts = &mut parts[..jobs.len()];
+    let pack = |(i, (b, (pairs, peer))): (usize, (&mut CopyBatch, &(&[Pair], Span)))| {
+        b.pack(pairs.iter().copied(), local, *peer).map_err(|e| (i, e))
+    };
+    let pairs: usize = jobs.iter().map(|(p, _)| p.len()).sum();
+    if jobs.len() > 1 && pairs >= PARALLEL_PAIRS && rayon::current_num_threads() >= 4 {
+        let results: Vec<_> = parts.par_iter_mut().zip(jobs).enumerate().map(pack).collect();
+        results.into_iter().collect()
+    } else {
+        parts.iter_mut().zip(jobs).enumerate().try_for_each(pack)
+    }
+}
+
 /// What one batch cost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct BatchStats {
@@ -877,25 +906,28 @@ mod imp {
             timeout: Duration,
         ) -> Result<BatchStats, CudaBatchError> {
             let t0 = Instant::now();
-            let mut st = self.enqueue(local, std::slice::from_ref(peer), batch, timeout)?;
+            let mut st =
+                self.enqueue(local, std::slice::from_ref(peer), std::slice::from_mut(batch), timeout)?;
             self.finish(timeout)?;
             st.complete_ns = t0.elapsed().as_nanos() as u64;
             Ok(st)
         }
 
-        /// Posts `batch` (packed against `local` and, in order, `peers`) behind the batches
-        /// posted since the last [`finish`](Self::finish), on the one stream, and returns
-        /// without waiting: the host packs and posts the next batch while this one copies. Its
-        /// stats have `complete_ns` 0.
+        /// Posts one batch made of `parts` (packed against `local` and, in order, `peers`: the
+        /// parts' peers one after the other) behind the batches posted since the last
+        /// [`finish`](Self::finish), on the one stream, and returns without waiting: the host
+        /// packs and posts the next batch while this one copies. One upload and one launch
+        /// (or one batch call) for all parts. Its stats have `complete_ns` 0.
         pub fn enqueue(
             &mut self,
             local: &mut CudaBuffer,
             peers: &[Arc<PeerMapping>],
-            batch: &mut CopyBatch,
+            parts: &mut [CopyBatch],
             timeout: Duration,
         ) -> Result<BatchStats, CudaBatchError> {
             let local_span = Span { base: local.addr(), len: local.len() as u64 };
-            if batch.local != local_span || !batch.peers.iter().copied().eq(peers.iter().map(|p| p.span())) {
+            let packed = parts.iter().flat_map(|b| b.peers.iter().copied());
+            if parts.iter().any(|b| b.local != local_span) || !packed.eq(peers.iter().map(|p| p.span())) {
                 return Err(CudaBatchError::WrongBuffers);
             }
             if local.device() != self.dev.ordinal() {
@@ -915,8 +947,8 @@ mod imp {
             if self.posted == 0 && !self.in_flight.is_empty() {
                 self.wait(t0 + timeout, timeout, 0)?;
             }
-            let n = batch.copies();
-            let fill_ns = if n > 0 { self.post(batch)? } else { 0 };
+            let n: usize = parts.iter().map(CopyBatch::copies).sum();
+            let fill_ns = if n > 0 { self.post(parts)? } else { 0 };
             // SAFETY: event and stream belong to this copier and the current context.
             call("cuEventRecord", unsafe { result::event::record(self.event, self.stream) })?;
             let post_ns = t0.elapsed().as_nanos() as u64;
@@ -929,9 +961,9 @@ mod imp {
                 complete_ns: 0,
                 calls: self.path.calls(n),
                 copies: n as u64,
-                descriptors: batch.descriptors(),
-                bytes: batch.bytes(),
-                unaligned_descriptors: batch.unaligned_descriptors(),
+                descriptors: parts.iter().map(CopyBatch::descriptors).sum(),
+                bytes: parts.iter().map(CopyBatch::bytes).sum(),
+                unaligned_descriptors: parts.iter().map(CopyBatch::unaligned_descriptors).sum(),
             })
         }
 
@@ -953,8 +985,8 @@ mod imp {
         /// a batch entry point that says it is not supported makes this copier fall back to one
         /// call per copy, for good; a forced path fails instead, naming the flag.
         /// Returns the host's nanoseconds writing kernel descriptors (0 on the other paths).
-        fn post(&mut self, batch: &mut CopyBatch) -> Result<u64, CudaBatchError> {
-            let n = batch.copies();
+        fn post(&mut self, parts: &[CopyBatch]) -> Result<u64, CudaBatchError> {
+            let n: usize = parts.iter().map(CopyBatch::copies).sum();
             let here = sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
                 id: self.dev.ordinal() as std::ffi::c_int,
@@ -969,14 +1001,14 @@ mod imp {
             };
             let mut attr_idx: usize = 0;
             if self.path == BatchPath::Kernel {
-                return self.post_kernel(batch);
+                return self.post_kernel(parts);
             }
             // The batch entry points take three arrays (read during the call).
             let (d, s, z) = &mut self.arrays;
             d.clear();
             s.clear();
             z.clear();
-            for (dst, src, size) in batch.entries() {
+            for (dst, src, size) in parts.iter().flat_map(CopyBatch::entries) {
                 d.push(dst);
                 s.push(src);
                 z.push(size);
@@ -1002,7 +1034,7 @@ mod imp {
                     }
                     rc
                 }
-                _ => return self.post_each(batch).map(|()| 0),
+                _ => return self.post_each(parts).map(|()| 0),
             };
             match rc {
                 sys::CUresult::CUDA_SUCCESS => Ok(0),
@@ -1024,7 +1056,7 @@ mod imp {
                         self.path.driver_call()
                     );
                     self.path = BatchPath::PerDescriptor;
-                    self.post_each(batch).map(|()| 0)
+                    self.post_each(parts).map(|()| 0)
                 }
                 rc => Err(CudaBatchError::Call {
                     op: if self.path == BatchPath::BatchV2 {
@@ -1042,14 +1074,15 @@ mod imp {
         /// them all, both on the stream. Slot `posted` is free: the batches before it in this
         /// round use lower slots, and every earlier round has completed (`finish`, or the wait
         /// in `enqueue` after a timeout), so it may be written and grown.
-        fn post_kernel(&mut self, batch: &CopyBatch) -> Result<u64, CudaBatchError> {
+        fn post_kernel(&mut self, parts: &[CopyBatch]) -> Result<u64, CudaBatchError> {
             let Some(g) = self.gather.as_mut() else {
                 return Err(CudaBatchError::Call {
                     op: "cuda-batch kernel",
                     reason: "the kernel is not loaded".into(),
                 });
             };
-            let pieces = super::gather_pieces(batch, GATHER_PIECE);
+            let counts: Vec<usize> = parts.iter().map(|b| super::gather_pieces(b, GATHER_PIECE)).collect();
+            let pieces: usize = counts.iter().sum();
             let words = 3 * pieces;
             let i = self.posted;
             if g.slots.len() <= i {
@@ -1060,7 +1093,24 @@ mod imp {
             let slot = &mut g.slots[i];
             let host = &mut slot.host.words()[..words];
             let t_fill = Instant::now();
-            let n = super::gather_into(batch, GATHER_PIECE, host);
+            // Each part's pieces into its own stretch of the slot, in order (on rayon's threads
+            // when the parts are large, as they were packed: `pack_parts`).
+            let n: usize = {
+                let mut stretches = Vec::with_capacity(parts.len());
+                let mut rest = &mut *host;
+                for &c in &counts {
+                    let (head, tail) = rest.split_at_mut(3 * c);
+                    stretches.push(head);
+                    rest = tail;
+                }
+                let fill = |(b, out): (&CopyBatch, &mut &mut [u64])| super::gather_into(b, GATHER_PIECE, out);
+                if parts.len() > 1 && pieces >= super::PARALLEL_PAIRS && rayon::current_num_threads() >= 4 {
+                    use rayon::prelude::*;
+                    parts.par_iter().zip(stretches.par_iter_mut()).map(fill).sum()
+                } else {
+                    parts.iter().zip(stretches.iter_mut()).map(fill).sum()
+                }
+            };
             let fill_ns = t_fill.elapsed().as_nanos() as u64;
             debug_assert_eq!(n, pieces);
             let descs = slot.descs.addr();
@@ -1090,8 +1140,8 @@ mod imp {
         }
 
         /// One `cuMemcpyDtoDAsync` per copy on the stream (a driver without the batch API).
-        fn post_each(&self, batch: &CopyBatch) -> Result<(), CudaBatchError> {
-            for (dst, src, size) in batch.entries() {
+        fn post_each(&self, parts: &[CopyBatch]) -> Result<(), CudaBatchError> {
+            for (dst, src, size) in parts.iter().flat_map(CopyBatch::entries) {
                 // SAFETY: as in `post`: both ranges lie inside their pools, ordered on this
                 // copier's stream in the current context.
                 call("cuMemcpyDtoDAsync", unsafe { result::memcpy_dtod_async(dst, src, size, self.stream) })?;
@@ -1222,7 +1272,7 @@ mod imp {
             &mut self,
             _local: &mut CudaBuffer,
             _peers: &[Arc<PeerMapping>],
-            _batch: &mut CopyBatch,
+            _parts: &mut [CopyBatch],
             _timeout: Duration,
         ) -> Result<BatchStats, CudaBatchError> {
             match self.never {}
@@ -1324,6 +1374,33 @@ mod tests {
         let top = Span { base: u64::MAX - 8, len: 64 };
         let e = b.pack([pair(0, 0, 1)], top, P).expect_err("span past the address space");
         assert!(matches!(e, CudaBatchError::OutOfBounds { side: "local", .. }), "{e}");
+    }
+
+    #[test]
+    fn parts_packed_on_several_threads_are_the_parts_packed_one_by_one() {
+        // Four peers of 5,000 pairs each (above PARALLEL_PAIRS together), packed on a pool of
+        // four threads (where `pack_parts` goes parallel) and one by one.
+        let peers: Vec<Span> = (0..4).map(|i| Span { base: P.base + (i << 24), len: 1 << 20 }).collect();
+        let lists: Vec<Vec<Pair>> = (0..4u64)
+            .map(|i| (0..5_000u64).map(|k| pair((k * 97 + i) % 8000 * 128, k % 4000 * 256, 64 + i)).collect())
+            .collect();
+        let jobs: Vec<(&[Pair], Span)> = lists.iter().map(Vec::as_slice).zip(peers.iter().copied()).collect();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().expect("pool");
+        let mut parallel = vec![CopyBatch::default(); 4];
+        pool.install(|| pack_parts(&mut parallel, &jobs, L)).expect("in bounds");
+        let mut serial = vec![CopyBatch::default(); 5];
+        pack_parts(&mut serial[..1], &jobs[..1], L).expect("one part");
+        for (b, (pairs, peer)) in serial.iter_mut().zip(&jobs).skip(1) {
+            b.pack(pairs.iter().copied(), L, *peer).expect("in bounds");
+        }
+        assert_eq!(parallel[..], serial[..4]);
+        assert_eq!(parallel.iter().map(CopyBatch::descriptors).sum::<u64>(), 20_000);
+        // A pair out of bounds in the third part names that part.
+        let mut bad = lists.clone();
+        bad[2][10] = pair(L.len, 0, 8);
+        let jobs: Vec<(&[Pair], Span)> = bad.iter().map(Vec::as_slice).zip(peers.iter().copied()).collect();
+        let e = pool.install(|| pack_parts(&mut parallel, &jobs, L)).expect_err("out of bounds");
+        assert!(matches!(e, (2, CudaBatchError::OutOfBounds { index: 10, side: "local", .. })), "{e:?}");
     }
 
     #[test]
