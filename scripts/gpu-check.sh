@@ -63,7 +63,11 @@
 #   GPU_CHECK_PATHS  which --batch-copy paths step 6 measures; default: "kernel api api-v2 api-v1 per-copy"
 #   GPU_CHECK_STEPS  which steps to run, by name: doctor xfer bench perftest nixl batch paths push
 #                  hostbuf launch serve gate mps (default: all of them, in that order)
-#   GPU_CHECK_SERVE_SECONDS  how long step 9's load runs (default: 600)
+#   GPU_CHECK_SERVE_SECONDS  how long step 9's load runs (default: 600). Where one command may
+#                  run 10 minutes at most, 600 s of load does not fit beside the engines' start:
+#                  start the step detached (setsid bash -c 'GPU_CHECK_STEPS=serve scripts/gpu-check.sh
+#                  --out D; touch D.done' &) and wait in that command, then wait for D.done in the
+#                  next one, issued while the machine is still held
 #   GPU_CHECK_BUDGET  seconds: steps that would start later than this are skipped (default: none).
 #                  Every kvx step also has its own time limit, after which it gets SIGINT (kvx
 #                  then keeps what it measured) and, 5 s later, SIGKILL.
