@@ -66,6 +66,8 @@ impl BatchSide {
             BatchCopy::Kernel => "cuda-batch stream, event and gather kernel (cuModuleLoadData of its PTX)",
         };
         let copier = BatchCopier::new(&dev, copy).stage(what)?;
+        // `auto` is settled here, once: the summary reports the launch each rank used.
+        let launch = launch.resolve(launch == BatchLaunch::Auto && copier.under_mps());
         Ok(BatchSide { copier, dev, parts: Vec::new(), launch })
     }
 
@@ -120,7 +122,8 @@ impl BatchSide {
                     self.count(&st, r);
                 }
             }
-            BatchLaunch::Rank => {
+            // `Auto` was resolved in `new`.
+            BatchLaunch::Rank | BatchLaunch::Auto => {
                 let jobs: Vec<(&[Pair], Span)> =
                     reads.iter().zip(&peers).map(|((_, _, pairs), peer)| (*pairs, peer.span())).collect();
                 let t_pack = Instant::now();

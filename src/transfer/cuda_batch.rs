@@ -170,17 +170,20 @@ impl BatchCopy {
 
 /// How many batches `--transport cuda-batch` posts per request on a decode rank
 /// (`--batch-launch`). Without MPS, two decode ranks on one GPU take turns on it, so every
-/// launch of one waits behind the other's: fewer launches, fewer turns (`rank`, the default).
+/// launch of one waits behind the other's: fewer launches, fewer turns (`rank`).
 /// Under MPS their kernels run side by side, and posting each peer's batch while the last one
 /// copies wins (`peer`): on an H200, P8->D2 70B at 8 KiB, a request's span share was 0.32x
 /// (`rank`) against 0.21x (`peer`) without MPS and 0.40x against 0.53x under it
-/// (results/gpu-nvidia-h200-2026-11-27-run4.json).
+/// (results/gpu-nvidia-h200-2026-11-27-run4.json). `auto`, the default, picks by that rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum BatchLaunch {
+    /// `peer` when the device's contexts are shared through MPS (the driver's
+    /// CU_DEVICE_ATTRIBUTE_MPS_ENABLED), else `rank`; the summary names the one used.
+    #[default]
+    Auto,
     /// One batch per request per decode rank, over all its prefill peers (one kernel launch
     /// with `--batch-copy kernel`).
-    #[default]
     Rank,
     /// One batch per prefill peer, each posted while the one before it copies (faster under
     /// MPS).
@@ -190,8 +193,18 @@ pub enum BatchLaunch {
 impl BatchLaunch {
     pub fn as_str(self) -> &'static str {
         match self {
+            BatchLaunch::Auto => "auto",
             BatchLaunch::Rank => "rank",
             BatchLaunch::Peer => "peer",
+        }
+    }
+
+    /// The launch a decode rank uses: `auto` resolved by whether its device runs under MPS.
+    pub fn resolve(self, under_mps: bool) -> BatchLaunch {
+        match self {
+            BatchLaunch::Auto if under_mps => BatchLaunch::Peer,
+            BatchLaunch::Auto => BatchLaunch::Rank,
+            chosen => chosen,
         }
     }
 }
@@ -899,6 +912,20 @@ mod imp {
             self.path
         }
 
+        /// Whether the device's contexts are shared through MPS, as the driver reports it
+        /// (CU_DEVICE_ATTRIBUTE_MPS_ENABLED); a driver that does not know the attribute says
+        /// no.
+        pub fn under_mps(&self) -> bool {
+            let Ok(dev) = result::device::get(self.dev.ordinal() as std::ffi::c_int) else {
+                return false;
+            };
+            // SAFETY: `dev` was just returned by cuDeviceGet.
+            let on = unsafe {
+                result::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
+            };
+            on.is_ok_and(|v| v != 0)
+        }
+
         /// Copies `batch` (packed against `local` and `peer`) with one batched call, records
         /// one event and waits for it until `timeout`. On a timeout the copies may still land
         /// in `local` later (the request has failed; its bytes are not used), and `peer` stays
@@ -1264,6 +1291,9 @@ mod imp {
         pub fn path(&self) -> BatchPath {
             match self.never {}
         }
+        pub fn under_mps(&self) -> bool {
+            match self.never {}
+        }
         pub fn copy(
             &mut self,
             _local: &mut CudaBuffer,
@@ -1406,6 +1436,17 @@ mod tests {
         let jobs: Vec<(&[Pair], Span)> = bad.iter().map(Vec::as_slice).zip(peers.iter().copied()).collect();
         let e = pool.install(|| pack_parts(&mut parallel, &jobs, L)).expect_err("out of bounds");
         assert!(matches!(e, (2, CudaBatchError::OutOfBounds { index: 10, side: "local", .. })), "{e:?}");
+    }
+
+    #[test]
+    fn auto_launch_is_peer_under_mps_and_rank_without() {
+        assert_eq!(BatchLaunch::default(), BatchLaunch::Auto);
+        assert_eq!(BatchLaunch::Auto.resolve(true), BatchLaunch::Peer);
+        assert_eq!(BatchLaunch::Auto.resolve(false), BatchLaunch::Rank);
+        for chosen in [BatchLaunch::Rank, BatchLaunch::Peer] {
+            assert_eq!(chosen.resolve(true), chosen, "an explicit choice stands");
+            assert_eq!(chosen.resolve(false), chosen);
+        }
     }
 
     #[test]
