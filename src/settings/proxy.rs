@@ -195,19 +195,22 @@ pub fn resolve(a: &ServeProxyFlags) -> Result<ProxyConfig, ConfigError> {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser as _;
+    use clap::Parser;
 
     use super::*;
-    use crate::cli::{Cli, Command};
     use crate::serve::proxy::Policy;
 
+    /// The flags alone, parsed as `kvx serve-proxy` parses them (it flattens them too).
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        settings: ServeProxyFlags,
+    }
+
     fn parse(args: &[&str]) -> ServeProxyFlags {
-        let mut v = vec!["kvx", "serve-proxy"];
+        let mut v = vec!["serve-proxy"];
         v.extend_from_slice(args);
-        match Cli::try_parse_from(v).expect("parses").command {
-            Command::ServeProxy(a) => a.settings,
-            _ => panic!("wrong subcommand"),
-        }
+        Flags::try_parse_from(v).expect("parses").settings
     }
 
     #[test]
@@ -283,19 +286,11 @@ mod tests {
             assert_eq!(e.flag, flag, "{args:?}: {e}");
         }
         // The toy proxy's flags and the router's name the same engines: not both.
-        let v = [
-            "kvx",
-            "serve-proxy",
-            "--prefill",
-            "http://p:1",
-            "--prefiller-hosts",
-            "h",
-            "--decode",
-            "http://d:2",
-        ];
-        assert!(Cli::try_parse_from(v).is_err());
-        let v = ["kvx", "serve-proxy", "--policy", "cache_aware"];
-        assert!(Cli::try_parse_from(v).is_err(), "only kvx's policies are accepted");
+        let v =
+            ["serve-proxy", "--prefill", "http://p:1", "--prefiller-hosts", "h", "--decode", "http://d:2"];
+        assert!(Flags::try_parse_from(v).is_err());
+        let v = ["serve-proxy", "--policy", "cache_aware"];
+        assert!(Flags::try_parse_from(v).is_err(), "only kvx's policies are accepted");
     }
 
     #[test]
