@@ -103,8 +103,10 @@ impl BatchSide {
             peers.push(Arc::clone(peer));
         }
         let (buf, local_span) = device_pool(local)?;
-        if self.parts.len() < reads.len() {
-            self.parts.resize_with(reads.len(), CopyBatch::default);
+        // One part per READ with `rank`; `peer` reuses the first for each READ in turn.
+        let parts = if self.launch == BatchLaunch::Peer { 1 } else { reads.len() };
+        if self.parts.len() < parts {
+            self.parts.resize_with(parts, CopyBatch::default);
         }
         let who = |i: usize| format!("prefill rank {}", reads[i].0);
         match self.launch {
