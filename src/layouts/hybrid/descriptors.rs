@@ -188,21 +188,6 @@ impl DescList {
         (lo - start < row.count && hi - start < row.count).then_some((row, start, self.registered[*hint]))
     }
 
-    /// The row holding descriptor `id` (trying row `hint`, then the next, then a search, and
-    /// leaving the row found in `hint`), `id`'s index in it, and whether the whole row lies in
-    /// one registration.
-    fn row_at(&self, id: u64, hint: &mut usize) -> Option<(&DescRow, u64, bool)> {
-        let holds = |i: usize| self.starts.get(i).is_some_and(|&s| s <= id && id - s < self.rows[i].count);
-        if holds(*hint + 1) {
-            *hint += 1;
-        } else if !holds(*hint) {
-            *hint = self.starts.partition_point(|&s| s <= id).checked_sub(1)?;
-        }
-        let k = id - self.starts[*hint];
-        let row = &self.rows[*hint];
-        (k < row.count).then_some((row, k, self.registered[*hint]))
-    }
-
     /// [`resolve`](Self::resolve), trying row `hint` first and leaving the row found there:
     /// descriptor ids come row by row, so a plan's walk rarely searches.
     pub fn resolve_near(&self, id: u64, hint: &mut usize) -> Option<(RowLabel, u64, u64)> {
@@ -939,15 +924,16 @@ impl HybridPlanner {
         // it, with nothing else to work out.
         if let ([lb], [rb]) = (ls, rs)
             && *rb != u64::from(NULL_BLOCK)
-            && let (Some((lrow, lk, true)), Some((rrow, rk, true))) = (
-                walk.llist.row_at(lr.base + lb, &mut walk.rows[0]),
-                walk.rlist.row_at(rr.base + rb, &mut walk.rows[1]),
+            && let (lid, rid) = (lr.base + lb, rr.base + rb)
+            && let (Some((lrow, lstart, true)), Some((rrow, rstart, true))) = (
+                walk.llist.row_spanning(lid, lid, &mut walk.rows[0]),
+                walk.rlist.row_spanning(rid, rid, &mut walk.rows[1]),
             )
             && lrow.len == rrow.len
         {
             read.pairs.push(Pair {
-                local: lrow.addr_off + lk * lrow.stride,
-                remote: rrow.addr_off + rk * rrow.stride,
+                local: lrow.addr_off + (lid - lstart) * lrow.stride,
+                remote: rrow.addr_off + (rid - rstart) * rrow.stride,
                 len: lrow.len,
             });
             read.push_run(run(lrow.label));
