@@ -6,7 +6,11 @@
 //! - `attention/llama-3.1-8b`: `layouts::plan::Planner` (the uniform planner), P2 -> D2 at
 //!   32k tokens, block 16;
 //! - `hybrid/gpt-oss-120b`: sliding-window and full-attention groups, P1 -> D2 at 32k tokens;
-//! - `hybrid/qwen3-next-80b-a3b`: GDN state and full attention, P1 -> D2 at 32k tokens.
+//! - `hybrid/qwen3-next-80b-a3b`: GDN state and full attention, P1 -> D2 at 32k tokens;
+//! - `attention/llama-3.1-8b-as-qwen3-next`: the uniform planner again, on a request of as
+//!   many descriptors as the Qwen3-Next plan (its hybrid blocks are 34x larger, so 32k tokens
+//!   make a small plan, where the fixed cost of a request weighs more per descriptor): the
+//!   like-with-like reference for that plan.
 
 use std::hint::black_box;
 
@@ -41,7 +45,6 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("plan_32k_per_descriptor");
     g.sample_size(20);
 
-    // Pure attention: the uniform planner, every decode rank.
     let shape = model::preset("llama-3.1-8b").expect("preset");
     let blocks = TOKENS / 16;
     let engine = |tp| EngineSpec { tp, block_tokens: 16, num_blocks: blocks * 2, layout: Layout::Lbhnc };
@@ -54,30 +57,41 @@ fn bench(c: &mut Criterion) {
     };
     let map = pair.validate().expect("valid pair");
     let planners: Vec<Planner> = (0..2).map(|d| Planner::new(&pair, &map, d).expect("planner")).collect();
-    let req = RequestBlocks {
-        local: allocate(AllocPattern::Random, blocks, blocks * 2, 1, "--d").expect("alloc"),
-        remote: allocate(AllocPattern::Random, blocks, blocks * 2, 2, "--p").expect("alloc"),
-    };
     let ids = RequestIds { p_request_id: "req-P".into(), d_request_id: "req-D".into() };
-    let n: usize = planners.iter().map(|p| p.plan(&req, &ids).expect("plan").descriptor_count()).sum();
-    g.throughput(Throughput::Elements(n as u64));
-    g.bench_function("attention/llama-3.1-8b", |b| {
-        b.iter(|| {
-            for p in &planners {
-                black_box(p.plan(black_box(&req), &ids).expect("plan"));
-            }
-        })
-    });
+    let uniform = |g: &mut criterion::BenchmarkGroup<'_, _>, name: &str, n_blocks: u32| {
+        let req = RequestBlocks {
+            local: allocate(AllocPattern::Random, n_blocks, blocks * 2, 1, "--d").expect("alloc"),
+            remote: allocate(AllocPattern::Random, n_blocks, blocks * 2, 2, "--p").expect("alloc"),
+        };
+        let n: usize = planners.iter().map(|p| p.plan(&req, &ids).expect("plan").descriptor_count()).sum();
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                for p in &planners {
+                    black_box(p.plan(black_box(&req), &ids).expect("plan"));
+                }
+            })
+        });
+        n
+    };
+    // Pure attention: the uniform planner, every decode rank.
+    let per_block = uniform(&mut g, "attention/llama-3.1-8b", blocks) / blocks as usize;
 
+    let mut qwen_descriptors = 0;
     for name in ["gpt-oss-120b", "qwen3-next-80b-a3b"] {
         let (planner, req) = hybrid(name);
         let plan = planner.plan(&req, "req-P").expect("plan");
         let n: usize = plan.d_ranks.iter().map(|d| d.descriptor_count()).sum();
+        qwen_descriptors = n;
         g.throughput(Throughput::Elements(n as u64));
         g.bench_function(format!("hybrid/{name}"), |b| {
             b.iter(|| black_box(planner.plan(black_box(&req), "req-P").expect("plan")))
         });
     }
+    // The same planner on a request the size of the Qwen3-Next plan (whole blocks: at least
+    // as many descriptors).
+    let small = u32::try_from(qwen_descriptors.div_ceil(per_block)).expect("small request");
+    uniform(&mut g, "attention/llama-3.1-8b-as-qwen3-next", small);
     g.finish();
 }
 

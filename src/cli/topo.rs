@@ -178,7 +178,7 @@ fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> an
             .iter()
             .map(|r| HybridDRankJson {
                 d_rank: r.d_rank,
-                handshake_ranks: r.handshake_ranks.clone(),
+                handshake_ranks: r.handshake_ranks.to_vec(),
                 read_ranks: r.mapping.all_source_ranks.clone(),
                 source_ranks_per_group: r.mapping.source_ranks_per_group.clone(),
                 rank_offset_factor: r.mapping.rank_offset_factor,

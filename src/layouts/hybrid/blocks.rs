@@ -188,67 +188,83 @@ pub fn apply_prefix_caching(
     d_ppl: u32,
     p_ppl: u32,
 ) -> Result<PairedLists, HybridError> {
-    if decode.len() != groups.len() || prefill.len() != groups.len() {
-        return Err(HybridError::request(
-            "--scenario",
-            format!(
-                "{} decode and {} prefill block lists for {} KV cache groups",
-                decode.len(),
-                prefill.len(),
-                groups.len()
-            ),
-        ));
-    }
+    list_counts(groups.len(), decode.len(), prefill.len())?;
     let mut d: Vec<Vec<u64>> = decode.to_vec();
     let mut p: Vec<Vec<u64>> = prefill.to_vec();
     for (i, g) in groups.iter().enumerate() {
-        let (nd, np) = (d[i].len(), p[i].len());
-        if !has_state {
-            // vLLM asserts decode never holds more blocks than prefill here.
-            if nd > np {
-                return Err(HybridError::request(
-                    "--scenario",
-                    format!(
-                        "group {i}: decode has {nd} blocks to fill but prefill sent {np} \
-                         (vLLM asserts num_decode_blocks <= len(prefill_group))"
-                    ),
-                ));
-            }
-            if nd < np {
-                p[i].drain(..np - nd);
-            }
-        } else if g.kind.is_state() {
-            if nd == np {
-                continue;
-            }
-            if nd > np + 1 {
-                return Err(HybridError::request(
-                    "--scenario",
-                    format!("group {i}: unpairable SSM state slots, decode={nd} prefill={np}"),
-                ));
-            }
-            let n = nd.min(np);
-            if nd < np {
-                p[i].drain(..np - n);
-            } else {
-                d[i].truncate(n);
-            }
-        } else if d_ppl == p_ppl && nd < np {
-            p[i].drain(..np - nd);
-        } else {
-            let max_padding = (d_ppl + p_ppl) as usize;
-            if nd.abs_diff(np) > max_padding {
-                return Err(HybridError::request(
-                    "--scenario",
-                    format!("group {i}: |{nd} - {np}| > {max_padding} blocks"),
-                ));
-            }
-            let n = nd.min(np);
-            d[i].truncate(n);
-            p[i].truncate(n);
-        }
+        pair_group(i, g, has_state, (&mut d[i], &mut p[i]), d_ppl, p_ppl)?;
     }
     Ok((d, p))
+}
+
+/// One block list per group on each side, or the request's error.
+pub fn list_counts(groups: usize, decode: usize, prefill: usize) -> Result<(), HybridError> {
+    if decode != groups || prefill != groups {
+        return Err(HybridError::request(
+            "--scenario",
+            format!("{decode} decode and {prefill} prefill block lists for {groups} KV cache groups"),
+        ));
+    }
+    Ok(())
+}
+
+/// [`apply_prefix_caching`] for group `i` alone: trims its (decode, prefill) lists in place.
+/// Each group pairs on its own, so a planner can pair a request's groups once and hand them
+/// to every READ that reads them.
+pub fn pair_group(
+    i: usize,
+    g: &KvGroup,
+    has_state: bool,
+    (d, p): (&mut Vec<u64>, &mut Vec<u64>),
+    d_ppl: u32,
+    p_ppl: u32,
+) -> Result<(), HybridError> {
+    let (nd, np) = (d.len(), p.len());
+    if !has_state {
+        // vLLM asserts decode never holds more blocks than prefill here.
+        if nd > np {
+            return Err(HybridError::request(
+                "--scenario",
+                format!(
+                    "group {i}: decode has {nd} blocks to fill but prefill sent {np} \
+                     (vLLM asserts num_decode_blocks <= len(prefill_group))"
+                ),
+            ));
+        }
+        if nd < np {
+            p.drain(..np - nd);
+        }
+    } else if g.kind.is_state() {
+        if nd == np {
+            return Ok(());
+        }
+        if nd > np + 1 {
+            return Err(HybridError::request(
+                "--scenario",
+                format!("group {i}: unpairable SSM state slots, decode={nd} prefill={np}"),
+            ));
+        }
+        let n = nd.min(np);
+        if nd < np {
+            p.drain(..np - n);
+        } else {
+            d.truncate(n);
+        }
+    } else if d_ppl == p_ppl && nd < np {
+        p.drain(..np - nd);
+    } else {
+        let max_padding = (d_ppl + p_ppl) as usize;
+        if nd.abs_diff(np) > max_padding {
+            return Err(HybridError::request(
+                "--scenario",
+                format!("group {i}: |{nd} - {np}| > {max_padding} blocks"),
+            ));
+        }
+        let n = nd.min(np);
+        d.truncate(n);
+        p.truncate(n);
+    }
+    Ok(())
 }
 
 /// Allocates raw block lists the way vLLM's allocator leaves them, for planning requests

@@ -21,11 +21,13 @@
 //!   groups over the state rows, past the attention descriptors.
 
 use std::fmt;
+use std::sync::Arc;
 
 use serde::Serialize;
 
 use super::blocks::{
-    ExchangedBlocks, NULL_BLOCK, TokenCounts, apply_prefix_caching, logical_to_kernel, map_block_size_ratio,
+    ExchangedBlocks, NULL_BLOCK, TokenCounts, list_counts, logical_to_kernel, map_block_size_ratio,
+    pair_group,
 };
 use super::error::{HybridError, RefusalKind};
 use super::geometry::{
@@ -188,6 +190,13 @@ impl DescList {
         (lo - start < row.count && hi - start < row.count).then_some((row, start, self.registered[*hint]))
     }
 
+    /// The row holding descriptor `id`, and how far into the row `id` is.
+    fn row_of(&self, id: u64) -> RowAt {
+        let i = self.starts.partition_point(|&s| s <= id).checked_sub(1)?;
+        let k = id - self.starts[i];
+        (k < self.rows[i].count).then_some((i, k))
+    }
+
     /// [`resolve`](Self::resolve), trying row `hint` first and leaving the row found there:
     /// descriptor ids come row by row, so a plan's walk rarely searches.
     pub fn resolve_near(&self, id: u64, hint: &mut usize) -> Option<(RowLabel, u64, u64)> {
@@ -322,9 +331,11 @@ pub struct HybridRead {
     pub pairs: Vec<Pair>,
     /// What the pairs read: runs covering `pairs` in order.
     pub runs: Vec<PairRun>,
-    /// Kernel block ids per group on each side, as the READ's descriptor ids take them.
-    pub local_blocks: Vec<Vec<u64>>,
-    pub remote_blocks: Vec<Vec<u64>>,
+    /// Kernel block ids per group on each side, as the READs' descriptor ids take them: the
+    /// request's paired lists, shared by every READ of the plan (a READ's runs reach only the
+    /// groups its prefill rank serves).
+    pub local_blocks: Arc<[Vec<u64>]>,
+    pub remote_blocks: Arc<[Vec<u64>]>,
 }
 
 impl HybridRead {
@@ -402,8 +413,9 @@ pub enum Finding {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DRankPlan {
     pub d_rank: u32,
-    pub handshake_ranks: Vec<u32>,
-    pub mapping: TpMapping,
+    /// The planner's, shared.
+    pub handshake_ranks: Arc<[u32]>,
+    pub mapping: Arc<TpMapping>,
     pub reads: Vec<HybridRead>,
     /// Notification-only messages (full prefix hit): `(prefill rank, message)`.
     pub notifs_only: Vec<(u32, String)>,
@@ -510,14 +522,161 @@ pub struct HybridPlan {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DRankSetup {
     pub d_rank: u32,
-    pub handshake_ranks: Vec<u32>,
-    pub mapping: TpMapping,
+    pub handshake_ranks: Arc<[u32]>,
+    pub mapping: Arc<TpMapping>,
     /// Local rows at decode's own block size (what it registers first).
     pub local: DescList,
     /// Local rows the READs use: one list, or one split per source rank (P > D).
     pub local_for_source: Vec<DescList>,
     /// Remote rows (the same for every prefill rank, relative to its base).
     pub remote: DescList,
+    /// Per source rank (in `mapping.all_source_ranks` order): what its READ's walk needs that
+    /// no request changes.
+    #[serde(skip)]
+    templates: Vec<ReadTemplate>,
+}
+
+/// What one READ's walk needs that no request changes: which groups its prefill rank serves,
+/// and per side (local, remote) the descriptor id runs of `_compute_desc_ids` (they depend on
+/// the geometry and the group count, not on the blocks), each with the row holding its first id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ReadTemplate {
+    keeps: Vec<bool>,
+    runs: [Vec<RunRow>; 2],
+    /// Per side and group: how many of the side's runs read the group (a READ's descriptor
+    /// count is the sum over its groups of this times the group's list length).
+    runs_per_group: [Vec<usize>; 2],
+    /// When both sides' runs go group for group (the k-th local run reads the same group as
+    /// the k-th remote run, as `_compute_desc_ids` lays them out whenever both engines have
+    /// the same groups): each run pair with both rows resolved, ready to emit whole lists.
+    aligned: Option<Vec<RowPair>>,
+}
+
+/// A local and a remote run of one group, with what their pairs are made of: block `lb` on
+/// the local side is at `local + lb * lstride`, `rb` remote at `remote + rb * rstride`, while
+/// `lb < lcap` and `rb < rcap` (inside the rows), `len` bytes each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RowPair {
+    group: u32,
+    label: RowLabel,
+    local: u64,
+    lstride: u64,
+    lcap: u64,
+    remote: u64,
+    rstride: u64,
+    rcap: u64,
+    len: u64,
+    /// Both rows lie in one registration each and have the same length: whole lists inside
+    /// the caps go the fast way.
+    fast: bool,
+}
+
+impl RowPair {
+    /// The pairs of whole lists `ls` and `rs` (bounds `lb`, `rb`: lowest, highest, length),
+    /// when both fit inside the rows and read no null block; false (nothing pushed) otherwise.
+    #[inline]
+    fn emit(
+        &self,
+        read: &mut HybridRead,
+        (&((_, lmax), _), &((rmin, rmax), _)): (&ListBounds, &ListBounds),
+        (ls, rs): (&[u64], &[u64]),
+    ) -> bool {
+        if lmax >= self.lcap || rmax >= self.rcap || rmin == u64::from(NULL_BLOCK) {
+            return false;
+        }
+        let start = read.pairs.len();
+        let at = |o: u64, b: u64, st: u64| o.wrapping_add(b.wrapping_mul(st));
+        if let ([lb], [rb]) = (ls, rs) {
+            read.pairs.push(Pair {
+                local: at(self.local, *lb, self.lstride),
+                remote: at(self.remote, *rb, self.rstride),
+                len: self.len,
+            });
+        } else {
+            read.pairs.extend(ls.iter().zip(rs).map(|(&lb, &rb)| Pair {
+                local: at(self.local, lb, self.lstride),
+                remote: at(self.remote, rb, self.rstride),
+                len: self.len,
+            }));
+        }
+        // Whole lists start at their first block: nothing to merge with the run before.
+        read.runs.push(PairRun {
+            label: self.label,
+            group: self.group,
+            remote_group: self.group,
+            start,
+            count: ls.len(),
+            local_at: 0,
+            remote_at: 0,
+        });
+        true
+    }
+
+    fn new(l: RunRow, r: RunRow, llist: &DescList, rlist: &DescList) -> Option<RowPair> {
+        if l.run.group != r.run.group {
+            return None;
+        }
+        let (Some((li, loff)), Some((ri, roff))) = (l.row, r.row) else {
+            return Some(RowPair { group: l.run.group, fast: false, ..RowPair::NONE });
+        };
+        let (lrow, rrow) = (&llist.rows[li], &rlist.rows[ri]);
+        Some(RowPair {
+            group: l.run.group,
+            label: lrow.label,
+            local: lrow.addr_off.wrapping_add(loff.wrapping_mul(lrow.stride)),
+            lstride: lrow.stride,
+            lcap: lrow.count - loff,
+            remote: rrow.addr_off.wrapping_add(roff.wrapping_mul(rrow.stride)),
+            rstride: rrow.stride,
+            rcap: rrow.count - roff,
+            len: lrow.len,
+            fast: llist.registered[li] && rlist.registered[ri] && lrow.len == rrow.len,
+        })
+    }
+
+    const NONE: RowPair = RowPair {
+        group: 0,
+        label: RowLabel { kind: RowKind::AttnPage, region: 0 },
+        local: 0,
+        lstride: 0,
+        lcap: 0,
+        remote: 0,
+        rstride: 0,
+        rcap: 0,
+        len: 0,
+        fast: false,
+    };
+}
+
+/// An id run and the row of its side's list holding id `run.base`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RunRow {
+    run: IdRun,
+    row: RowAt,
+}
+
+/// A row of a descriptor list and how far into it an id is: `(row, id - row start)`.
+type RowAt = Option<(usize, u64)>;
+
+/// A block list's lowest and highest block, and its length.
+type ListBounds = ((u64, u64), usize);
+
+/// One request's block lists per group, paired as every READ that reads the group pairs them
+/// (the TP mapping decides only which READs read a group): worked out once per request.
+struct RequestLists {
+    /// Per group: the local list after the block-size-ratio mapping is empty.
+    mapped_empty: Vec<bool>,
+    /// The request's lists do not match the groups (vLLM's shape assertion).
+    shape: Option<HybridError>,
+    /// Per group: vLLM's pairing assertion, for the first READ of the group to report.
+    errors: Vec<Option<HybridError>>,
+    /// (decode, prefill) lists per group, paired 1:1.
+    lists: [Arc<[Vec<u64>]>; 2],
+    /// Per side and group: the lowest and highest block of the list, and its length.
+    bounds: [Vec<ListBounds>; 2],
+    /// Per group: the attention group's first paired blocks hold different token positions
+    /// (decode's first token, prefill's).
+    shifts: Vec<Option<(u64, u64)>>,
 }
 
 /// Plans requests for every decode rank of a pair; build once (the handshake), plan many.
@@ -685,20 +844,11 @@ impl HybridPlanner {
         )?;
         self.check_pools(&blocks)?;
         let mut findings = self.findings.clone();
+        let lists = (!blocks.full_hit()).then(|| self.request_lists(&blocks, tokens.p_computed_tokens));
         let mut d_ranks = Vec::with_capacity(self.d_ranks.len());
-        SCRATCH.with_borrow_mut(|scratch| {
-            for setup in &self.d_ranks {
-                d_ranks.push(self.plan_rank(
-                    setup,
-                    &blocks,
-                    tokens.p_computed_tokens,
-                    p_request_id,
-                    &mut findings,
-                    scratch,
-                )?);
-            }
-            Ok::<_, HybridError>(())
-        })?;
+        for setup in &self.d_ranks {
+            d_ranks.push(self.plan_rank(setup, lists.as_ref(), p_request_id, &mut findings)?);
+        }
         let (mut p_save, mut d_sync) = (None, None);
         if self.p.config.kv_buffer_device == KvBufferDevice::Cpu {
             let saved = super::blocks::clip_for_exchange(
@@ -761,22 +911,56 @@ impl HybridPlanner {
         check(&blocks.local_block_ids, self.config.d.num_blocks, "--d-num-blocks", "decode")
     }
 
+    /// The request's lists per group, paired once for every READ (vLLM pairs them per READ,
+    /// over the groups its prefill rank serves; each group pairs on its own, so the result is
+    /// the same).
+    fn request_lists(&self, blocks: &ExchangedBlocks, computed_tokens: u32) -> RequestLists {
+        let groups = &self.d.groups;
+        let local_k = logical_to_kernel(groups, &blocks.local_block_ids, self.d.physical_per_logical);
+        let remote_k = logical_to_kernel(groups, &blocks.remote_block_ids, self.p.physical_per_logical);
+        let mut local = if self.block_size_ratio > 1 {
+            let mut local = map_block_size_ratio(groups, &local_k, self.block_size_ratio);
+            for ((l, r), g) in local.iter_mut().zip(&remote_k).zip(groups) {
+                if g.kind.is_attention() {
+                    l.truncate(r.len());
+                }
+            }
+            local
+        } else {
+            local_k
+        };
+        let mapped_empty = (0..groups.len()).map(|g| local.get(g).is_none_or(Vec::is_empty)).collect();
+        let shape = list_counts(groups.len(), local.len(), remote_k.len()).err();
+        let mut remote = remote_k.clone();
+        let (d_ppl, p_ppl) = (self.d.physical_per_logical, self.p.physical_per_logical);
+        let errors = (0..groups.len())
+            .map(|i| match (local.get_mut(i), remote.get_mut(i)) {
+                (Some(l), Some(r)) => {
+                    pair_group(i, &groups[i], self.d.has_state(), (l, r), d_ppl, p_ppl).err()
+                }
+                _ => None,
+            })
+            .collect();
+        let bounds = [&local, &remote].map(|lists| lists.iter().map(|l| (min_max(l), l.len())).collect());
+        let shifts = (0..groups.len())
+            .map(|g| self.token_shift(g, blocks, &remote_k, &local, &remote, computed_tokens))
+            .collect();
+        RequestLists { mapped_empty, shape, errors, lists: [local.into(), remote.into()], bounds, shifts }
+    }
+
     fn plan_rank(
         &self,
         setup: &DRankSetup,
-        blocks: &ExchangedBlocks,
-        computed_tokens: u32,
+        lists: Option<&RequestLists>,
         p_request_id: &str,
         findings: &mut Vec<Finding>,
-        scratch: &mut DescIdScratch,
     ) -> Result<DRankPlan, HybridError> {
         let m = &setup.mapping;
         let notif = format!("{p_request_id}:{}", m.local_consumers);
         let mut reads = Vec::new();
         let mut notifs_only = Vec::new();
-        let groups = &self.d.groups;
-        let has_state = self.d.has_state();
-        if blocks.full_hit() {
+        let groups = self.d.groups.len();
+        let Some(lists) = lists else {
             notifs_only = m.all_source_ranks.iter().map(|&r| (r, notif.clone())).collect();
             return Ok(DRankPlan {
                 d_rank: setup.d_rank,
@@ -785,57 +969,38 @@ impl HybridPlanner {
                 reads,
                 notifs_only,
             });
-        }
-        let local_k = logical_to_kernel(groups, &blocks.local_block_ids, self.d.physical_per_logical);
-        let remote_k = logical_to_kernel(groups, &blocks.remote_block_ids, self.p.physical_per_logical);
+        };
         for (i, &p_rank) in m.all_source_ranks.iter().enumerate() {
-            let keep =
-                |lists: &[Vec<u64>]| -> Vec<Vec<u64>> {
-                    lists
-                        .iter()
-                        .enumerate()
-                        .map(|(g, l)| {
-                            if m.source_ranks_per_group[g].contains(&p_rank) { l.clone() } else { Vec::new() }
-                        })
-                        .collect()
-                };
-            let (mut local, remote) = (keep(&local_k), keep(&remote_k));
-            if self.block_size_ratio > 1 {
-                local = map_block_size_ratio(groups, &local, self.block_size_ratio);
-                for ((l, r), g) in local.iter_mut().zip(&remote).zip(groups) {
-                    if g.kind.is_attention() {
-                        l.truncate(r.len());
-                    }
-                }
-            }
-            if local.iter().all(Vec::is_empty) {
+            let t = &setup.templates[i];
+            let kept = |g: usize| t.keeps.get(g).copied().unwrap_or(false);
+            if (0..groups).all(|g| !kept(g) || lists.mapped_empty[g]) {
                 notifs_only.push((p_rank, notif.clone()));
                 continue;
             }
-            let (local, remote) = apply_prefix_caching(
-                groups,
-                has_state,
-                &local,
-                &remote,
-                self.d.physical_per_logical,
-                self.p.physical_per_logical,
-            )?;
-            findings.extend(self.token_shifts(
-                setup.d_rank,
-                p_rank,
-                blocks,
-                &remote_k,
-                &local,
-                &remote,
-                computed_tokens,
-            ));
-            let (rruns, lruns) = (&mut scratch.0, &mut scratch.1);
-            desc_id_runs(&self.p, &remote, 1, rruns);
-            desc_id_runs(&self.d, &local, self.block_size_ratio, lruns);
-            let count = |runs: &[IdRun], lists: &[Vec<u64>]| -> usize {
-                runs.iter().map(|r| lists[r.group as usize].len()).sum()
+            if let Some(e) = &lists.shape {
+                return Err(e.clone());
+            }
+            if let Some(e) = (0..groups).filter(|&g| kept(g)).find_map(|g| lists.errors[g].clone()) {
+                return Err(e);
+            }
+            for g in (0..groups).filter(|&g| kept(g)) {
+                if let Some((local_token, remote_token)) = lists.shifts[g] {
+                    findings.push(Finding::AttentionTokensShifted {
+                        d_rank: setup.d_rank,
+                        p_rank,
+                        group: self.d.groups[g].index,
+                        local_token,
+                        remote_token,
+                    });
+                }
+            }
+            // A group this READ does not read has an empty list here.
+            let len =
+                |side: usize, g: u32| if kept(g as usize) { lists.lists[side][g as usize].len() } else { 0 };
+            let count = |side: usize| -> usize {
+                t.runs_per_group[side].iter().zip(0u32..).map(|(&n, g)| n * len(side, g)).sum()
             };
-            let (nl, nr) = (count(lruns, &local), count(rruns, &remote));
+            let (nl, nr) = (count(0), count(1));
             if nl != nr {
                 return Err(HybridError::request(
                     "--scenario",
@@ -846,42 +1011,65 @@ impl HybridPlanner {
                     ),
                 ));
             }
-            let llist = &setup.local_for_source[i.min(setup.local_for_source.len() - 1)];
             let mut read = HybridRead {
                 p_rank,
                 notif_msg: notif.clone(),
                 pairs: Vec::with_capacity(nl),
-                runs: Vec::with_capacity(lruns.len()),
-                local_blocks: Vec::new(),
-                remote_blocks: Vec::new(),
+                runs: Vec::with_capacity(t.runs[0].len()),
+                local_blocks: lists.lists[0].clone(),
+                remote_blocks: lists.lists[1].clone(),
             };
             let mut walk = ReadWalk {
                 d_rank: setup.d_rank,
                 p_rank,
-                llist,
+                llist: &setup.local_for_source[i.min(setup.local_for_source.len() - 1)],
                 rlist: &setup.remote,
                 near: [0; 2],
                 rows: [0; 2],
-                // Each group's list is walked once per region: its bounds once per READ.
-                bounds: [&local, &remote].map(|lists| lists.iter().map(|l| (min_max(l), l.len())).collect()),
+                bounds: [&lists.bounds[0], &lists.bounds[1]],
             };
+            let (local, remote) = (&lists.lists[0], &lists.lists[1]);
+            if let Some(pairs) = &t.aligned
+                && (0..groups).all(|g| !kept(g) || local[g].len() == remote[g].len())
+            {
+                // Run k of one side pairs with run k of the other, whole lists each.
+                for (k, rp) in pairs.iter().enumerate() {
+                    let g = rp.group as usize;
+                    if !kept(g) || local[g].is_empty() {
+                        continue;
+                    }
+                    let (ls, rs) = (&local[g][..], &remote[g][..]);
+                    if !(rp.fast && rp.emit(&mut read, (&lists.bounds[0][g], &lists.bounds[1][g]), (ls, rs)))
+                    {
+                        let (lr, rr) = (t.runs[0][k].run, t.runs[1][k].run);
+                        let chunk = Chunk { local: lr, remote: rr, local_at: 0, remote_at: 0, n: ls.len() };
+                        self.plan_chunk(&mut walk, &mut read, chunk, (ls, rs), findings)?;
+                    }
+                }
+                reads.push(read);
+                continue;
+            }
+            let (lruns, rruns) = (&t.runs[0], &t.runs[1]);
             // Both sides' id runs walked together, cut where either side's run ends.
             let (mut li, mut lpos, mut ri, mut rpos) = (0, 0, 0, 0);
             loop {
-                while li < lruns.len() && lpos == local[lruns[li].group as usize].len() {
+                while li < lruns.len() && lpos == len(0, lruns[li].run.group) {
                     (li, lpos) = (li + 1, 0);
                 }
-                while ri < rruns.len() && rpos == remote[rruns[ri].group as usize].len() {
+                while ri < rruns.len() && rpos == len(1, rruns[ri].run.group) {
                     (ri, rpos) = (ri + 1, 0);
                 }
                 let (Some(&lr), Some(&rr)) = (lruns.get(li), rruns.get(ri)) else { break };
-                let (ls, rs) = (&local[lr.group as usize][lpos..], &remote[rr.group as usize][rpos..]);
+                let (lg, rg) = (lr.run.group as usize, rr.run.group as usize);
+                let (ls, rs) = (&local[lg][lpos..], &remote[rg][rpos..]);
                 let n = ls.len().min(rs.len());
-                let chunk = Chunk { local: lr, remote: rr, local_at: lpos, remote_at: rpos, n };
-                self.plan_chunk(&mut walk, &mut read, chunk, (&ls[..n], &rs[..n]), findings)?;
+                let chunk = Chunk { local: lr.run, remote: rr.run, local_at: lpos, remote_at: rpos, n };
+                let whole = lpos == 0 && rpos == 0 && n == ls.len() && n == rs.len();
+                if !(whole && whole_lists(&walk, &mut read, chunk, (lr.row, rr.row), (ls, rs))) {
+                    self.plan_chunk(&mut walk, &mut read, chunk, (&ls[..n], &rs[..n]), findings)?;
+                }
                 (lpos, rpos) = (lpos + n, rpos + n);
             }
-            (read.local_blocks, read.remote_blocks) = (local, remote);
             reads.push(read);
         }
         Ok(DRankPlan {
@@ -1036,47 +1224,31 @@ impl HybridPlanner {
         Ok(())
     }
 
-    /// Attention groups whose first paired blocks hold different token positions. A group's
-    /// list is the tail of the blocks covering the computed tokens; trimming only shortens
-    /// decode's list at its end, prefill's at either end.
-    #[expect(clippy::too_many_arguments, reason = "the lists of one READ at each stage")]
-    fn token_shifts(
+    /// Whether attention group `gi`'s first paired blocks hold different token positions:
+    /// (decode's first token, prefill's). A group's list is the tail of the blocks covering the
+    /// computed tokens; trimming only shortens decode's list at its end, prefill's at either end.
+    fn token_shift(
         &self,
-        d_rank: u32,
-        p_rank: u32,
+        gi: usize,
         blocks: &ExchangedBlocks,
         remote_k: &[Vec<u64>],
         local: &[Vec<u64>],
         remote: &[Vec<u64>],
         computed_tokens: u32,
-    ) -> Vec<Finding> {
+    ) -> Option<(u64, u64)> {
         let (p, d) = (&self.p, &self.d);
         let tokens = u64::from(computed_tokens);
-        let mut out = Vec::new();
-        for (gi, grp) in d.groups.iter().enumerate() {
-            if grp.kind.is_state() || local[gi].is_empty() {
-                continue;
-            }
-            let (Some(&r0), Some(ld)) = (remote[gi].first(), blocks.local_block_ids.get(gi)) else {
-                continue;
-            };
-            let (bd, bp) = (u64::from(d.sizing.block_tokens), u64::from(p.sizing.block_tokens));
-            let d_first = tokens.div_ceil(bd).saturating_sub(ld.len() as u64) * bd;
-            let lp = blocks.remote_block_ids[gi].len() as u64;
-            let pos = remote_k[gi].iter().position(|&b| b == r0).unwrap_or(0) as u64;
-            let p_first = (tokens.div_ceil(bp).saturating_sub(lp) * u64::from(p.physical_per_logical) + pos)
-                * u64::from(p.kernel_block_tokens);
-            if d_first != p_first {
-                out.push(Finding::AttentionTokensShifted {
-                    d_rank,
-                    p_rank,
-                    group: grp.index,
-                    local_token: d_first,
-                    remote_token: p_first,
-                });
-            }
+        if d.groups[gi].kind.is_state() || local.get(gi).is_none_or(Vec::is_empty) {
+            return None;
         }
-        out
+        let (&r0, ld) = (remote.get(gi)?.first()?, blocks.local_block_ids.get(gi)?);
+        let (bd, bp) = (u64::from(d.sizing.block_tokens), u64::from(p.sizing.block_tokens));
+        let d_first = tokens.div_ceil(bd).saturating_sub(ld.len() as u64) * bd;
+        let lp = blocks.remote_block_ids[gi].len() as u64;
+        let pos = remote_k[gi].iter().position(|&b| b == r0).unwrap_or(0) as u64;
+        let p_first = (tokens.div_ceil(bp).saturating_sub(lp) * u64::from(p.physical_per_logical) + pos)
+            * u64::from(p.kernel_block_tokens);
+        (d_first != p_first).then_some((d_first, p_first))
     }
 
     /// Host buffer: which decode blocks the host-to-device copy overwrites with bytes the
@@ -1123,6 +1295,58 @@ impl HybridPlanner {
         }
         out
     }
+}
+
+/// A chunk covering whole lists on both sides, each side's ids inside the row its template
+/// found, both rows inside one registration, no null block read: its pairs in one pass, as
+/// [`HybridPlanner::plan_chunk`] computes them. False (nothing pushed) when anything else
+/// holds: the general way decides.
+fn whole_lists(
+    walk: &ReadWalk<'_>,
+    read: &mut HybridRead,
+    chunk: Chunk,
+    rows: (RowAt, RowAt),
+    (ls, rs): (&[u64], &[u64]),
+) -> bool {
+    let (Some((li, loff)), Some((ri, roff))) = rows else { return false };
+    let ((_, lmax), _) = walk.bounds[0][chunk.local.group as usize];
+    let ((rmin, rmax), _) = walk.bounds[1][chunk.remote.group as usize];
+    let (lrow, rrow) = (&walk.llist.rows[li], &walk.rlist.rows[ri]);
+    if !(walk.llist.registered[li] && walk.rlist.registered[ri])
+        || lrow.len != rrow.len
+        || rmin == u64::from(NULL_BLOCK)
+        || loff.saturating_add(lmax) >= lrow.count
+        || roff.saturating_add(rmax) >= rrow.count
+    {
+        return false;
+    }
+    let l0 = lrow.addr_off.wrapping_add(loff.wrapping_mul(lrow.stride));
+    let r0 = rrow.addr_off.wrapping_add(roff.wrapping_mul(rrow.stride));
+    let (lst, rst, len) = (lrow.stride, rrow.stride, lrow.len);
+    let run = PairRun {
+        label: lrow.label,
+        group: chunk.local.group,
+        remote_group: chunk.remote.group,
+        start: read.pairs.len(),
+        count: chunk.n,
+        local_at: 0,
+        remote_at: 0,
+    };
+    if let ([lb], [rb]) = (ls, rs) {
+        read.pairs.push(Pair {
+            local: l0.wrapping_add(lb.wrapping_mul(lst)),
+            remote: r0.wrapping_add(rb.wrapping_mul(rst)),
+            len,
+        });
+    } else {
+        read.pairs.extend(ls.iter().zip(rs).map(|(&lb, &rb)| Pair {
+            local: l0.wrapping_add(lb.wrapping_mul(lst)),
+            remote: r0.wrapping_add(rb.wrapping_mul(rst)),
+            len,
+        }));
+    }
+    read.push_run(run);
+    true
 }
 
 fn describe_span(s: Option<&(StatePart, u64, u64)>) -> String {
@@ -1456,26 +1680,54 @@ fn build_rank(
             });
         }
     }
+    let remote = DescList::new(p, rows);
+    let groups = d.groups.len();
+    let (lruns, rruns) = (desc_id_runs(d, groups, bsr), desc_id_runs(p, groups, 1));
+    let templates = m
+        .all_source_ranks
+        .iter()
+        .enumerate()
+        .map(|(i, p_rank)| {
+            let llist = &local_for_source[i.min(local_for_source.len() - 1)];
+            let with_rows = |runs: &[IdRun], list: &DescList| {
+                runs.iter().map(|&run| RunRow { run, row: list.row_of(run.base) }).collect()
+            };
+            let runs: [Vec<RunRow>; 2] = [with_rows(&lruns, llist), with_rows(&rruns, &remote)];
+            let aligned = (runs[0].len() == runs[1].len())
+                .then(|| {
+                    runs[0].iter().zip(&runs[1]).map(|(&l, &r)| RowPair::new(l, r, llist, &remote)).collect()
+                })
+                .flatten();
+            let runs_per_group = [&lruns, &rruns].map(|runs| {
+                let mut n = vec![0; groups];
+                for r in runs.iter() {
+                    if let Some(x) = n.get_mut(r.group as usize) {
+                        *x += 1;
+                    }
+                }
+                n
+            });
+            ReadTemplate {
+                keeps: m.source_ranks_per_group.iter().map(|s| s.contains(p_rank)).collect(),
+                runs,
+                runs_per_group,
+                aligned,
+            }
+        })
+        .collect();
     DRankSetup {
         d_rank,
-        handshake_ranks: handshake_ranks(p.config.tp, d.config.tp, d_rank),
-        mapping: m,
+        handshake_ranks: handshake_ranks(p.config.tp, d.config.tp, d_rank).into(),
+        mapping: Arc::new(m),
         local,
         local_for_source,
-        remote: DescList::new(p, rows),
+        remote,
+        templates,
     }
 }
 
-/// The remote and local descriptor ids of one READ, reused for every READ of a plan.
-type DescIdScratch = (Vec<IdRun>, Vec<IdRun>);
-
-thread_local! {
-    /// Per-thread id runs, reused across READs and plans.
-    static SCRATCH: std::cell::RefCell<DescIdScratch> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-}
-
 /// Descriptor ids `base + b` for every block `b` of one group's list, in list order.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct IdRun {
     group: u32,
     base: u64,
@@ -1491,7 +1743,7 @@ struct ReadWalk<'a> {
     near: [usize; 2],
     rows: [usize; 2],
     /// The lowest and highest block of each group's whole list, and its length, per side.
-    bounds: [Vec<((u64, u64), usize)>; 2],
+    bounds: [&'a [ListBounds]; 2],
 }
 
 /// Equal stretches of one id run on each side (`n` blocks from `local_at` / `remote_at`).
@@ -1508,11 +1760,11 @@ fn min_max(xs: &[u64]) -> (u64, u64) {
     xs.iter().fold((u64::MAX, 0), |(lo, hi), &x| (lo.min(x), hi.max(x)))
 }
 
-/// vLLM's `_compute_desc_ids` for one side, as runs: for each run, in posting order, the ids
-/// `base + b` of one group's blocks `b` (into `out`, cleared first, its capacity reused
-/// across READs). `bsr` expands the attention descriptors (local side).
-fn desc_id_runs(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32, out: &mut Vec<IdRun>) {
-    out.clear();
+/// vLLM's `_compute_desc_ids` for one side over `groups` block lists, as runs: for each run,
+/// in posting order, the ids `base + b` of one group's blocks `b`. `bsr` expands the attention
+/// descriptors (local side).
+fn desc_id_runs(g: &EngineGeometry, groups: usize, bsr: u32) -> Vec<IdRun> {
+    let mut out = Vec::new();
     let bsr = u64::from(bsr.max(1));
     let mut offsets = Vec::with_capacity(g.regions.len());
     let mut acc = 0;
@@ -1521,7 +1773,7 @@ fn desc_id_runs(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32, out: &mut 
         acc += n * bsr;
     }
     let num_fa = acc;
-    let groups = 0..block_ids.len() as u32;
+    let groups = 0..groups as u32;
     let Some(state) = &g.state else {
         let gids: Vec<i32> = g.regions.iter().map(|r| r.group_id).collect();
         if gids.iter().all(|&x| x == gids[0]) {
@@ -1538,7 +1790,7 @@ fn desc_id_runs(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32, out: &mut 
                 }
             }
         }
-        return;
+        return out;
     };
     let num_blocks = g.kernel_blocks() * bsr;
     let logical = g.num_blocks();
@@ -1550,6 +1802,7 @@ fn desc_id_runs(g: &EngineGeometry, block_ids: &[Vec<u64>], bsr: u32, out: &mut 
             out.extend((0..state_rows).map(|row| IdRun { group, base: num_fa + row * logical }));
         }
     }
+    out
 }
 
 #[cfg(test)]
@@ -1570,6 +1823,59 @@ mod tests {
         // D beyond the heads: replicas read the same head.
         let m = tp_mapping(1, 4, 3, 2, &[false, false]);
         assert_eq!(m.rank_offset_factor, 1);
+    }
+
+    /// The planner with no templates' shortcuts: every chunk goes the general way.
+    fn general(planner: &HybridPlanner) -> HybridPlanner {
+        let mut slow = planner.clone();
+        for setup in &mut slow.d_ranks {
+            for t in &mut setup.templates {
+                t.aligned = None;
+                for r in t.runs.iter_mut().flatten() {
+                    r.row = None;
+                }
+            }
+        }
+        slow
+    }
+
+    #[test]
+    fn templates_plan_exactly_what_the_general_walk_plans() {
+        use super::super::model::{PRESETS, preset};
+        let mut planned = 0;
+        for name in PRESETS {
+            for (p_tp, d_tp) in [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 8), (8, 2)] {
+                for (kernel, cpu) in [(None, false), (Some(16), false), (None, true)] {
+                    let engine = |tp| HybridEngine {
+                        tp,
+                        num_blocks: 4096,
+                        kernel_block_tokens: kernel,
+                        kv_buffer_device: if cpu { KvBufferDevice::Cpu } else { KvBufferDevice::Cuda },
+                        ..HybridEngine::default()
+                    };
+                    let config = PairConfig {
+                        model: preset(name).expect("preset"),
+                        p: engine(p_tp),
+                        d: engine(d_tp),
+                        permute_local_kv: false,
+                        state_slices: StateSlices::Vllm,
+                        host_copy: HostCopyRule::Vllm,
+                    };
+                    let Ok(planner) = HybridPlanner::new(&config) else { continue };
+                    let slow = general(&planner);
+                    for (tokens, hit) in [(1, 0), (700, 0), (5000, 2), (20_000, 0), (20_000, 7)] {
+                        let req = HybridRequest::simulated(&planner, tokens, hit);
+                        let (fast, general) = (planner.plan(&req, "r"), slow.plan(&req, "r"));
+                        assert_eq!(
+                            fast, general,
+                            "{name} P{p_tp} D{d_tp} kernel {kernel:?} cpu {cpu} {tokens} tokens hit {hit}"
+                        );
+                        planned += usize::from(fast.is_ok());
+                    }
+                }
+            }
+        }
+        assert!(planned > 200, "only {planned} plans compared");
     }
 
     #[test]
