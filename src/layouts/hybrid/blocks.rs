@@ -267,6 +267,61 @@ pub fn pair_group(
     Ok(())
 }
 
+/// A hybrid engine's requests as its block allocator sees them: per group, one block per
+/// block position of the tokens it holds (flat: group after group), of which vLLM's lists keep
+/// what each group needs (nulls outside a window and before the last state slot).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestShape {
+    pub groups: Vec<KvGroup>,
+    pub block_tokens: u32,
+    pub has_state: bool,
+}
+
+impl RequestShape {
+    pub fn of(geo: &super::geometry::EngineGeometry) -> Self {
+        RequestShape {
+            groups: geo.groups.clone(),
+            block_tokens: geo.sizing.block_tokens,
+            has_state: geo.has_state(),
+        }
+    }
+
+    /// The request's token counts (with state, prefill computes all but the last token).
+    pub fn tokens(&self, prompt_tokens: u32, d_hit_tokens: u32) -> TokenCounts {
+        TokenCounts::new(self.has_state, prompt_tokens, d_hit_tokens)
+    }
+
+    fn sim(&self, prompt_tokens: u32, hit_blocks: u32) -> BlockSim {
+        BlockSim {
+            tokens: self.tokens(prompt_tokens, 0).p_computed_tokens,
+            block_tokens: self.block_tokens,
+            hit_blocks,
+        }
+    }
+
+    /// Block positions of the computed tokens (before any hit).
+    pub fn positions(&self, prompt_tokens: u32) -> u32 {
+        self.tokens(prompt_tokens, 0).p_computed_tokens.div_ceil(self.block_tokens.max(1))
+    }
+
+    /// Blocks to allocate for a request of `prompt_tokens` whose first `hit_blocks` are held.
+    pub fn blocks(&self, prompt_tokens: u32, hit_blocks: u32) -> u32 {
+        self.groups.len() as u32 * self.sim(prompt_tokens, hit_blocks).blocks_per_group()
+    }
+
+    /// The raw lists (vLLM's shape) of a flat allocation of [`blocks`](Self::blocks) ids.
+    pub fn lists(&self, prompt_tokens: u32, hit_blocks: u32, flat: &[u32]) -> Option<Vec<Vec<u32>>> {
+        self.sim(prompt_tokens, hit_blocks).lists_from_flat(&self.groups, flat)
+    }
+
+    /// The hit a flat allocation of `flat_len` ids implies for a prompt (every group holds
+    /// the same number of positions).
+    pub fn hit_blocks(&self, prompt_tokens: u32, flat_len: usize) -> Option<u32> {
+        let per_group = u32::try_from(flat_len / self.groups.len().max(1)).ok()?;
+        self.positions(prompt_tokens).checked_sub(per_group)
+    }
+}
+
 /// Allocates raw block lists the way vLLM's allocator leaves them, for planning requests
 /// that are not in an oracle file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -282,27 +337,56 @@ impl BlockSim {
     /// One list per group; ids are fresh from `next_id` upwards, 0 marks a block outside a
     /// sliding window or an earlier state slot.
     pub fn raw_block_ids(&self, groups: &[KvGroup], next_id: &mut u32) -> Vec<Vec<u32>> {
-        let n = self.tokens.div_ceil(self.block_tokens.max(1));
-        let mut fresh = || {
+        let mut fresh = |_: usize| {
             let id = *next_id;
             *next_id += 1;
             id
         };
+        self.lists(groups, &mut fresh)
+    }
+
+    /// Blocks an engine allocates per group for such a request: one per block position
+    /// past the hit (a flat allocation holds this many for each group, group after group).
+    pub fn blocks_per_group(&self) -> u32 {
+        let n = self.tokens.div_ceil(self.block_tokens.max(1));
+        n - self.hit_blocks.min(n)
+    }
+
+    /// [`raw_block_ids`](Self::raw_block_ids) from a flat allocation: group `g`'s block at
+    /// list position `j` is `flat[g * m + j]` (`m` = [`blocks_per_group`](Self::blocks_per_group)),
+    /// where vLLM's allocator holds a block there (positions it leaves null keep their id
+    /// allocated but unused). `None` when `flat` is not `groups.len() * m` long.
+    pub fn lists_from_flat(&self, groups: &[KvGroup], flat: &[u32]) -> Option<Vec<Vec<u32>>> {
+        let m = self.blocks_per_group() as usize;
+        if flat.len() != groups.len() * m {
+            return None;
+        }
+        let out = groups
+            .iter()
+            .zip(flat.chunks(m.max(1)).chain(std::iter::repeat(&[][..])))
+            .flat_map(|(g, ids)| self.lists(std::slice::from_ref(g), &mut |j| ids[j]))
+            .collect();
+        Some(out)
+    }
+
+    /// Each group's list; `id(j)` gives the block at list position `j` that is not null.
+    fn lists(&self, groups: &[KvGroup], id: &mut dyn FnMut(usize) -> u32) -> Vec<Vec<u32>> {
+        let n = self.tokens.div_ceil(self.block_tokens.max(1));
+        let first = self.hit_blocks.min(n);
+        let mut fresh = |b: u32| id((b - first) as usize);
         groups
             .iter()
             .map(|g| match g.kind {
-                GroupKind::Full => (self.hit_blocks.min(n)..n).map(|_| fresh()).collect(),
+                GroupKind::Full => (first..n).map(&mut fresh).collect(),
                 GroupKind::SlidingWindow { window_tokens } => {
                     let skipped = (i64::from(self.tokens) - i64::from(window_tokens) + 1).max(0);
                     let skipped_blocks =
                         u32::try_from(skipped / i64::from(self.block_tokens.max(1))).unwrap_or(0);
-                    (self.hit_blocks.min(n)..n)
-                        .map(|b| if b < skipped_blocks { NULL_BLOCK } else { fresh() })
-                        .collect()
+                    (first..n).map(|b| if b < skipped_blocks { NULL_BLOCK } else { fresh(b) }).collect()
                 }
-                GroupKind::State(_) => (self.hit_blocks.min(n)..n)
-                    .map(|b| if b + 1 == n { fresh() } else { NULL_BLOCK })
-                    .collect(),
+                GroupKind::State(_) => {
+                    (first..n).map(|b| if b + 1 == n { fresh(b) } else { NULL_BLOCK }).collect()
+                }
             })
             .collect()
     }

@@ -350,19 +350,7 @@ pub struct ByteReport {
     pub checked: bool,
 }
 
-/// The byte at position `pos` of `m` under `seed`: depends on the meaning and the position
-/// only, so it is the same whichever rank, TP size or layout holds it.
-fn pattern_byte(key: u64, pos: u64, seed: u64) -> u8 {
-    let mut x = key ^ seed.rotate_left(17) ^ (pos / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    x ^= x >> 30;
-    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^= x >> 31;
-    (x >> (8 * (pos % 8))) as u8
-}
-
-/// A meaning's key for [`pattern_byte`] (FNV-1a of what it names).
+/// A meaning's key for [`pattern_into`] (FNV-1a of what it names).
 fn meaning_key(m: &Meaning) -> u64 {
     let text = match m {
         Meaning::Attn { layer, head } => format!("attn/{layer}/{head}"),
@@ -376,46 +364,162 @@ fn pool_len(geo: &EngineGeometry) -> u64 {
     geo.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0)
 }
 
-/// Fills a prefill rank's pool with the request's blocks, every byte by what it means: for
-/// each region, each block the request holds, decoded as its group reads it. Padding stays 0.
-fn fill_pool(side: &Side, buf: &mut [u8], seed: u64) -> u64 {
-    let g = side.geo;
-    let ppl = u64::from(g.physical_per_logical);
-    let mut filled = 0;
-    for region in &g.regions {
-        for (&id, &(group, _)) in &side.pos.by_id {
-            let Some(grp) = g.groups.get(group as usize) else { continue };
-            let (kind, start, len) = if grp.kind.is_state() {
-                let Some(s) = &g.state else { continue };
-                let end = s.parts.iter().map(|p| p.offset_bytes + p.len_bytes).max().unwrap_or(0);
-                (RowKind::State(StatePart::Ssm), u64::from(id) * region.block_stride * ppl, end)
-            } else {
-                (RowKind::AttnPage, u64::from(id) * ppl * region.block_stride, ppl * region.block_stride)
-            };
-            let mut done = 0;
-            while done < len {
-                let off = region.base_off + start + done;
-                match side.decode(kind, off) {
-                    Ok(run) => {
-                        let n = run.left.min(len - done).max(1);
-                        if let Some(m) = &run.meaning {
-                            let key = meaning_key(m);
-                            for i in 0..n {
-                                if let Some(b) = buf.get_mut((off + i) as usize) {
-                                    *b = pattern_byte(key, run.pos + i, seed);
-                                }
-                            }
-                            filled += n;
-                        }
-                        done += n;
-                    }
-                    // Padding (a state page's tail, a kernel page's unused heads): left as 0.
-                    Err(_) => done += 1,
+/// The pattern bytes of the meaning keyed `key` from position `pos` into `out`: each byte
+/// depends on the meaning and its position only, so it is the same whichever rank, TP size or
+/// layout holds it (one hash per 8 positions).
+fn pattern_into(key: u64, pos: u64, seed: u64, out: &mut [u8]) {
+    let mut i = 0;
+    while i < out.len() {
+        let p = pos + i as u64;
+        let word = pattern_word(key, p / 8, seed);
+        let lane = (p % 8) as usize;
+        let n = (8 - lane).min(out.len() - i);
+        out[i..i + n].copy_from_slice(&word.to_le_bytes()[lane..lane + n]);
+        i += n;
+    }
+}
+
+/// The 8 pattern bytes of positions `8 * w .. 8 * w + 8`, little-endian.
+fn pattern_word(key: u64, w: u64, seed: u64) -> u64 {
+    let mut x = key ^ seed.rotate_left(17) ^ w.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    x
+}
+
+/// What a prefill rank writes for one request: every block the request holds in every region,
+/// each byte by what it means there (its layer, KV head and token, or state part and global
+/// byte), padding left as it is. Ranges are offsets from the rank's registered base.
+pub struct RequestFill<'a> {
+    side: Side<'a>,
+    seed: u64,
+    /// Per range: its offset, length and how its group reads it.
+    ranges: Vec<(u64, u64, RowKind)>,
+}
+
+impl<'a> RequestFill<'a> {
+    /// `lists`: the request's block lists per group as the rank holds them (nulls included),
+    /// for `tokens` computed tokens.
+    pub fn new(geo: &'a EngineGeometry, rank: u32, lists: &[Vec<u32>], tokens: u32, seed: u64) -> Self {
+        let side = Side { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
+        let ppl = u64::from(geo.physical_per_logical);
+        let mut ranges = Vec::new();
+        for region in &geo.regions {
+            for (&id, &(group, _)) in &side.pos.by_id {
+                let Some(grp) = geo.groups.get(group as usize) else { continue };
+                let start = region.base_off + u64::from(id) * region.block_stride * ppl;
+                if grp.kind.is_state() {
+                    let Some(s) = &geo.state else { continue };
+                    let end = s.parts.iter().map(|p| p.offset_bytes + p.len_bytes).max().unwrap_or(0);
+                    ranges.push((start, end, RowKind::State(StatePart::Ssm)));
+                } else {
+                    ranges.push((start, ppl * region.block_stride, RowKind::AttnPage));
                 }
             }
         }
+        RequestFill { side, seed, ranges }
     }
-    filled
+
+    /// The byte ranges written, in order.
+    pub fn ranges(&self) -> Vec<std::ops::Range<u64>> {
+        self.ranges.iter().map(|&(off, len, _)| off..off + len).collect()
+    }
+
+    /// Writes range `i`'s bytes into `buf` (its length); returns the bytes that mean something.
+    pub fn fill(&self, i: usize, buf: &mut [u8]) -> u64 {
+        let Some(&(off, _, kind)) = self.ranges.get(i) else { return 0 };
+        let mut filled = 0;
+        let mut done = 0;
+        while done < buf.len() {
+            match self.side.decode(kind, off + done as u64) {
+                Ok(run) => {
+                    let n = (run.left as usize).min(buf.len() - done).max(1);
+                    if let Some(m) = &run.meaning {
+                        pattern_into(meaning_key(m), run.pos, self.seed, &mut buf[done..done + n]);
+                        filled += n as u64;
+                    }
+                    done += n;
+                }
+                // Padding (a state page's tail, a kernel page's unused heads): left as it is.
+                Err(_) => done += 1,
+            }
+        }
+        filled
+    }
+}
+
+/// Checks the bytes a decode rank received for a request against what each position means.
+pub struct LandedCheck<'a> {
+    local: Side<'a>,
+    /// Prefill's side, for saying what wrong bytes hold instead.
+    remote: Side<'a>,
+    seed: u64,
+}
+
+impl<'a> LandedCheck<'a> {
+    /// Decode rank `d_rank` of `planner`'s pair, receiving `plan`'s request.
+    pub fn new(planner: &'a HybridPlanner, plan: &HybridPlan, d_rank: u32, seed: u64) -> Self {
+        let tokens = plan.tokens.p_computed_tokens;
+        LandedCheck {
+            local: Side {
+                geo: &planner.d,
+                rank: d_rank,
+                pos: Positions::new(&planner.d, &plan.blocks.local_block_ids, tokens),
+                sub_blocks: u64::from(planner.block_size_ratio),
+            },
+            remote: Side {
+                geo: &planner.p,
+                rank: 0,
+                pos: Positions::new(&planner.p, &plan.blocks.remote_block_ids, tokens),
+                sub_blocks: 1,
+            },
+            seed,
+        }
+    }
+
+    /// Checks the `got` bytes a pair from prefill rank `p_rank` wrote (the pair's local range),
+    /// adding to `report`: bytes checked, and each wrong range as what it is.
+    pub fn check(&mut self, p_rank: u32, pair: &LabeledPair, got: &[u8], report: &mut ByteReport) {
+        self.remote.rank = p_rank;
+        let mut want = Vec::new();
+        let mut done = 0;
+        while done < pair.pair.len {
+            let off = pair.pair.local + done;
+            let Ok(run) = self.local.decode(pair.label.kind, off) else {
+                done += 1;
+                continue;
+            };
+            let n = run.left.min(pair.pair.len - done).max(1);
+            if let Some(m) = &run.meaning {
+                want.resize(n as usize, 0);
+                pattern_into(meaning_key(m), run.pos, self.seed, &mut want);
+                let have = got.get(done as usize..(done + n) as usize).unwrap_or(&[]);
+                report.bytes_checked += n;
+                if have != want.as_slice() {
+                    let i = (0..n).find(|&i| have.get(i as usize) != want.get(i as usize)).unwrap_or(0);
+                    let held = self.remote.decode(pair.label.kind, pair.pair.remote + done + i).ok();
+                    let held = held.map_or_else(
+                        || "bytes that mean nothing there".to_string(),
+                        |h| match h.meaning {
+                            Some(hm) => format!("{} bytes from {}", describe(&hm), h.pos),
+                            None => "padding".to_string(),
+                        },
+                    );
+                    report.wrong.push(format!(
+                        "decode rank {}, {} bytes {}..{}: holds prefill rank {p_rank}'s {held}",
+                        self.local.rank,
+                        describe(m),
+                        run.pos + i,
+                        run.pos + n,
+                    ));
+                }
+            }
+            done += n;
+        }
+    }
 }
 
 /// Moves `plan`'s bytes for real, in this process: fills every prefill rank's pool with the
@@ -432,29 +536,22 @@ pub fn move_and_check(planner: &HybridPlanner, plan: &HybridPlan, seed: u64) -> 
     }
     report.checked = true;
     let tokens = plan.tokens.p_computed_tokens;
-    let source = |rank| Side {
-        geo: p,
-        rank,
-        pos: Positions::new(p, &plan.blocks.remote_block_ids, tokens),
-        sub_blocks: 1,
-    };
     let mut pools: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
     for rank in &plan.d_ranks {
         for read in &rank.reads {
             if let std::collections::btree_map::Entry::Vacant(e) = pools.entry(read.p_rank) {
                 let mut buf = vec![0u8; pool_len(p) as usize];
-                report.bytes_filled += fill_pool(&source(read.p_rank), &mut buf, seed);
+                let fill = RequestFill::new(p, read.p_rank, &plan.blocks.remote_block_ids, tokens, seed);
+                for (i, r) in fill.ranges().into_iter().enumerate() {
+                    if let Some(bytes) = buf.get_mut(r.start as usize..r.end as usize) {
+                        report.bytes_filled += fill.fill(i, bytes);
+                    }
+                }
                 e.insert(buf);
             }
         }
     }
     for rank in &plan.d_ranks {
-        let local = Side {
-            geo: d,
-            rank: rank.d_rank,
-            pos: Positions::new(d, &plan.blocks.local_block_ids, tokens),
-            sub_blocks: u64::from(planner.block_size_ratio),
-        };
         let mut pool = vec![0u8; pool_len(d) as usize];
         // The READs, as a transport would run them.
         for read in &rank.reads {
@@ -468,44 +565,12 @@ pub fn move_and_check(planner: &HybridPlanner, plan: &HybridPlan, seed: u64) -> 
             }
         }
         // What landed, against what each position must hold.
+        let mut check = LandedCheck::new(planner, plan, rank.d_rank, seed);
         for read in &rank.reads {
-            let remote = source(read.p_rank);
             for pair in read.labeled() {
-                let mut done = 0;
-                while done < pair.pair.len {
-                    let off = pair.pair.local + done;
-                    let Ok(run) = local.decode(pair.label.kind, off) else {
-                        done += 1;
-                        continue;
-                    };
-                    let n = run.left.min(pair.pair.len - done).max(1);
-                    if let Some(m) = &run.meaning {
-                        let key = meaning_key(m);
-                        let got = pool.get(off as usize..(off + n) as usize).unwrap_or(&[]);
-                        let bad = (0..n)
-                            .find(|&i| got.get(i as usize) != Some(&pattern_byte(key, run.pos + i, seed)));
-                        report.bytes_checked += n;
-                        if let Some(i) = bad {
-                            let held = remote.decode(pair.label.kind, pair.pair.remote + done + i).ok();
-                            let held = held.map_or_else(
-                                || "bytes that mean nothing there".to_string(),
-                                |h| match h.meaning {
-                                    Some(hm) => format!("{} bytes from {}", describe(&hm), h.pos),
-                                    None => "padding".to_string(),
-                                },
-                            );
-                            report.wrong.push(format!(
-                                "decode rank {}, {} bytes {}..{}: holds prefill rank {}'s {held}",
-                                rank.d_rank,
-                                describe(m),
-                                run.pos + i,
-                                run.pos + n,
-                                read.p_rank
-                            ));
-                        }
-                    }
-                    done += n;
-                }
+                let (l, n) = (pair.pair.local as usize, pair.pair.len as usize);
+                let got = pool.get(l..l + n).unwrap_or(&[]);
+                check.check(read.p_rank, &pair, got, &mut report);
             }
         }
     }

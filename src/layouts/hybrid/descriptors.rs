@@ -842,6 +842,20 @@ impl HybridPlanner {
             &request.d_raw_unhashed_block_ids,
             tokens.d_external_tokens,
         )?;
+        self.plan_exchanged(tokens, blocks, Some(&request.p_raw_block_ids), p_request_id)
+    }
+
+    /// Plans a request whose block lists were already exchanged (what a decode engine holds:
+    /// prefill's lists as `kv_transfer_params` carried them, its own after clipping).
+    /// `p_raw`: prefill's lists before clipping, when known (the clipping figures and
+    /// prefill's host-buffer copy need them).
+    pub fn plan_exchanged(
+        &self,
+        tokens: TokenCounts,
+        blocks: ExchangedBlocks,
+        p_raw: Option<&[Vec<u32>]>,
+        p_request_id: &str,
+    ) -> Result<HybridPlan, HybridError> {
         self.check_pools(&blocks)?;
         let mut findings = self.findings.clone();
         let lists = (!blocks.full_hit()).then(|| self.request_lists(&blocks, tokens.p_computed_tokens));
@@ -850,13 +864,11 @@ impl HybridPlanner {
             d_ranks.push(self.plan_rank(setup, lists.as_ref(), p_request_id, &mut findings)?);
         }
         let (mut p_save, mut d_sync) = (None, None);
-        if self.p.config.kv_buffer_device == KvBufferDevice::Cpu {
-            let saved = super::blocks::clip_for_exchange(
-                &self.p.groups,
-                self.p.sizing.block_tokens,
-                &request.p_raw_block_ids,
-                false,
-            )?;
+        if self.p.config.kv_buffer_device == KvBufferDevice::Cpu
+            && let Some(p_raw) = p_raw
+        {
+            let saved =
+                super::blocks::clip_for_exchange(&self.p.groups, self.p.sizing.block_tokens, p_raw, false)?;
             p_save = Some(HostCopy {
                 layers_in_copy_order: self.p.host_slots.iter().map(|s| s.layer.clone()).collect(),
                 block_ids: logical_to_kernel(&self.p.groups, &saved, self.p.physical_per_logical).concat(),
@@ -879,10 +891,10 @@ impl HybridPlanner {
             }
         }
         let clipping = (0u32..)
-            .zip(request.p_raw_block_ids.iter().zip(&blocks.remote_block_ids))
-            .map(|(group, (raw, sent))| GroupClipping {
+            .zip(&blocks.remote_block_ids)
+            .map(|(group, sent)| GroupClipping {
                 group,
-                raw_blocks: raw.len() as u64,
+                raw_blocks: p_raw.and_then(|r| r.get(group as usize)).map_or(sent.len(), Vec::len) as u64,
                 sent_blocks: sent.len() as u64,
             })
             .collect();
