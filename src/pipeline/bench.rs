@@ -248,8 +248,15 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     let Ctx { engines, s, run_id, t_start, repeat } = c;
     let p_request_id = format!("cmpl-{run_id}-{req}-0");
     let d_request_id = format!("cmpl-{run_id}-{req}-d");
-    let n_d = tokens.div_ceil(s.workers.pair.d.block_tokens);
+    let d_info = engines.decode.info();
+    let n_d = match &d_info.hybrid {
+        // A hybrid model's block positions: of the tokens prefill computes.
+        Some(shape) => shape.positions(tokens),
+        None => tokens.div_ceil(s.workers.pair.d.block_tokens),
+    };
     let hit = (f64::from(n_d) * s.prefix_hit).floor() as u32;
+    // Blocks decode allocates (a hybrid model: one per group and position).
+    let local_blocks = d_info.request_blocks(tokens, s.workers.pair.d.block_tokens, hit);
     let mut row = RequestRow {
         request_id: p_request_id.clone(),
         repeat,
@@ -278,7 +285,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     // only the prefill engine's identity, not its answer.
     let early_load = (s.dispatch == super::wire::Dispatch::Concurrent).then(|| {
         let params = engines.prefill.info().kv_params(&p_request_id, tokens, &[], s.workers.transport.mode);
-        engines.decode.load(req, d_request_id.clone(), params, n_d - hit, seed)
+        engines.decode.load(req, d_request_id.clone(), params, local_blocks, seed)
     });
     let prefill = prefill.await;
     let (params, publish_ns, save_ns) = match prefill {
@@ -302,7 +309,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     };
     let load = match early_load {
         Some(load) => load.await,
-        None => engines.decode.load(req, d_request_id, params, n_d - hit, seed).await,
+        None => engines.decode.load(req, d_request_id, params, local_blocks, seed).await,
     };
     let ready_ns = dispatched.elapsed().as_nanos() as u64;
     let ranks = match load {

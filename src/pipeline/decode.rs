@@ -36,6 +36,8 @@ use crate::transfer::ucx::{
     Ucx, UcxError, Worker,
 };
 
+mod hybrid;
+
 type Failure = (FailureCause, String);
 
 struct RemoteRank {
@@ -132,14 +134,24 @@ struct Decoder<'a> {
     bufs: Vec<Vec<Pair>>,
     err_mode: ErrMode,
     timeout: Duration,
+    /// A hybrid model: its planner and the prefill engines handshaked with.
+    hybrid: Option<hybrid::HybridDecode>,
 }
 
 pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.d_geometry(cfg.rank);
+    let hybrid_geom = super::worker::hybrid_geometry(&cfg)?;
+    let hybrid = cfg
+        .hybrid
+        .as_deref()
+        .map(hybrid::HybridDecode::new)
+        .transpose()
+        .stage("the hybrid model's descriptor lists")?;
     let (progress, err_mode) = (cfg.transport.progress, cfg.transport.err_mode);
     let kind = cfg.transport.kind;
+    let (regions, total) = super::worker::rank_regions(&geom, hybrid_geom.as_ref());
     let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem, staged } =
-        super::worker::rank_pool(&cfg, &geom)?;
+        super::worker::rank_pool(&cfg, regions, total)?;
     let (local, lib) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx
@@ -210,6 +222,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         bufs: Vec::new(),
         err_mode,
         timeout,
+        hybrid,
     };
     let hb_every = heartbeat_interval(Duration::from_millis(cfg.lease_ms));
     let mut queue: VecDeque<(Instant, ToWorker)> = VecDeque::new();
@@ -350,63 +363,76 @@ impl Decoder<'_> {
         let p_len = p_geom.total_bytes();
         let mut out = BTreeMap::new();
         for peer in &peers {
-            let meta = &peer.metadata;
-            let r0 = first_region(meta, "peer")?;
-            let base = r0.base_addr - p_regions.first().map_or(0, |r| r.base_off);
-            let ucx_err = |what: &str, e: UcxError| {
-                (classify_ucx(&e), format!("{what} with prefill rank {}: {e}", meta.tp_rank))
-            };
-            // Multi: a UCX connection that cannot be made leaves the next transport to serve.
-            let region = match &self.local {
-                Local::Ucx(u) => {
-                    let connect = || -> Result<RemoteRegion, Failure> {
-                        if meta.worker_address.is_empty() {
-                            return Err((
-                                FailureCause::PeerGone,
-                                format!(
-                                    "prefill rank {} advertises no UCX side (it was torn down): its blocks \
-                                     cannot be read over UCX",
-                                    meta.tp_rank
-                                ),
-                            ));
-                        }
-                        let ep = Endpoint::connect(&u.worker, &meta.worker_address, self.err_mode)
-                            .map_err(|e| ucx_err("UCX endpoint", e))?;
-                        let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
-                        ep.unpack_rkey(&rkey, base, p_len).map_err(|e| ucx_err("unpack remote key", e))
-                    };
-                    match connect() {
-                        Ok(r) => Some(r),
-                        Err(e) if self.storage.is_some() => {
-                            tracing::warn!("{}; falling back to storage", e.1);
-                            None
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
-                Local::Plain(_) => None,
-            };
-            let notify_ep = meta.notify_endpoint.clone().ok_or((
-                FailureCause::Incompatible,
-                format!("prefill rank {} has no notification endpoint", meta.tp_rank),
-            ))?;
-            let zmq = NotifySender::connect(&notify_ep, self.timeout)
-                .map_err(|e| (FailureCause::Handshake, format!("notification channel {notify_ep}: {e}")))?;
-            // Multi keeps notifications on ZMQ: a channel that shares UCX's fate would lose
-            // them exactly when the fallback is needed.
-            let am = match (&region, cfg.transport.notify, cfg.transport.kind) {
-                (Some(rg), NotifyTransport::Ucx, TransportKind::Ucx) => Some(UcxNotifySender::new(
-                    rg.endpoint().clone(),
-                    format!("prefill rank {}", meta.tp_rank),
-                    self.timeout,
-                )),
-                _ => None,
-            };
-            let ipc = self.batch.as_ref().map(|b| b.open(meta)).transpose()?;
-            out.insert(meta.tp_rank, RemoteRank { region, ipc, am, zmq });
+            let first = p_regions.first().map_or(0, |r| r.base_off);
+            out.insert(peer.metadata.tp_rank, self.connect_peer(&peer.metadata, first, p_len)?);
         }
         let ucx_broken = out.values().any(|r| r.region.is_none());
         Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None, ucx_broken })
+    }
+
+    /// Connects to one prefill rank from its metadata: UCX endpoint and remote key (the
+    /// rank's pool of `p_len` bytes, its first region `first_base_off` past the base), its
+    /// notification channels, its CUDA IPC mapping (cuda-batch).
+    fn connect_peer(
+        &self,
+        meta: &KvxMetadata,
+        first_base_off: u64,
+        p_len: u64,
+    ) -> Result<RemoteRank, Failure> {
+        let cfg = self.cfg;
+        let r0 = first_region(meta, "peer")?;
+        let base = r0.base_addr - first_base_off;
+        let ucx_err = |what: &str, e: UcxError| {
+            (classify_ucx(&e), format!("{what} with prefill rank {}: {e}", meta.tp_rank))
+        };
+        // Multi: a UCX connection that cannot be made leaves the next transport to serve.
+        let region = match &self.local {
+            Local::Ucx(u) => {
+                let connect = || -> Result<RemoteRegion, Failure> {
+                    if meta.worker_address.is_empty() {
+                        return Err((
+                            FailureCause::PeerGone,
+                            format!(
+                                "prefill rank {} advertises no UCX side (it was torn down): its blocks \
+                                 cannot be read over UCX",
+                                meta.tp_rank
+                            ),
+                        ));
+                    }
+                    let ep = Endpoint::connect(&u.worker, &meta.worker_address, self.err_mode)
+                        .map_err(|e| ucx_err("UCX endpoint", e))?;
+                    let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
+                    ep.unpack_rkey(&rkey, base, p_len).map_err(|e| ucx_err("unpack remote key", e))
+                };
+                match connect() {
+                    Ok(r) => Some(r),
+                    Err(e) if self.storage.is_some() => {
+                        tracing::warn!("{}; falling back to storage", e.1);
+                        None
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Local::Plain(_) => None,
+        };
+        let notify_ep = meta.notify_endpoint.clone().ok_or((
+            FailureCause::Incompatible,
+            format!("prefill rank {} has no notification endpoint", meta.tp_rank),
+        ))?;
+        let zmq = NotifySender::connect(&notify_ep, self.timeout)
+            .map_err(|e| (FailureCause::Handshake, format!("notification channel {notify_ep}: {e}")))?;
+        // Multi keeps notifications on ZMQ: a channel that shares UCX's fate would lose
+        // them exactly when the fallback is needed.
+        let am = match (&region, cfg.transport.notify, cfg.transport.kind) {
+            (Some(rg), NotifyTransport::Ucx, TransportKind::Ucx) => Some(UcxNotifySender::new(
+                rg.endpoint().clone(),
+                format!("prefill rank {}", meta.tp_rank),
+                self.timeout,
+            )),
+            _ => None,
+        };
+        let ipc = self.batch.as_ref().map(|b| b.open(meta)).transpose()?;
+        Ok(RemoteRank { region, ipc, am, zmq })
     }
 
     /// Takes a control message as it arrives: word that a prefill engine's rank is gone, or that
@@ -446,7 +472,20 @@ impl Decoder<'_> {
         let params = job.params;
         let mut r = self.started(job.req, job.received);
         let t0 = Instant::now();
-        if let Err((cause, msg)) = self.load_inner(&mut r, t0, job) {
+        let result = match self.hybrid.take() {
+            Some(mut h) => {
+                let result = self.load_hybrid(&mut h, &mut r, t0, job);
+                if let Err((FailureCause::PeerGone | FailureCause::Timeout | FailureCause::Transfer, _)) =
+                    &result
+                {
+                    h.forget(&params.remote_engine_id);
+                }
+                self.hybrid = Some(h);
+                result
+            }
+            None => self.load_inner(&mut r, t0, job),
+        };
+        if let Err((cause, msg)) = result {
             // A broken connection is re-established on the next request.
             if matches!(cause, FailureCause::PeerGone | FailureCause::Timeout | FailureCause::Transfer) {
                 self.engines.remove(&params.remote_engine_id);

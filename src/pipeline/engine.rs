@@ -113,9 +113,34 @@ pub struct EngineInfo {
     pub pool_blocks: u32,
     pub pool_bytes_per_rank: u64,
     pub worker_rss_bytes: Vec<u64>,
+    /// A hybrid model: how this engine's requests take blocks (per group, from one pool).
+    #[serde(skip)]
+    pub hybrid: Option<crate::layouts::hybrid::blocks::RequestShape>,
+}
+
+/// How an engine of `role` of a hybrid pair lays a request's blocks out.
+pub fn request_shape(
+    config: &crate::layouts::hybrid::PairConfig,
+    role: Role,
+) -> Result<crate::layouts::hybrid::blocks::RequestShape, crate::layouts::hybrid::HybridError> {
+    use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
+    let (engine, side) = match role {
+        Role::Prefill => (&config.p, Side::Prefill),
+        Role::Decode => (&config.d, Side::Decode),
+    };
+    Ok(crate::layouts::hybrid::blocks::RequestShape::of(&EngineGeometry::new(&config.model, engine, side)?))
 }
 
 impl EngineInfo {
+    /// Blocks a request of `tokens` prompt tokens takes on this engine when its first
+    /// `hit_blocks` blocks are already held (a hybrid model: one per group and position).
+    pub fn request_blocks(&self, tokens: u32, block_tokens: u32, hit_blocks: u32) -> u32 {
+        match &self.hybrid {
+            Some(shape) => shape.blocks(tokens, hit_blocks),
+            None => tokens.div_ceil(block_tokens.max(1)).saturating_sub(hit_blocks),
+        }
+    }
+
     /// The `kv_transfer_params` a prefill engine answers a request with: where its blocks
     /// are (`blocks`) and who it is. A push-mode decode leg sent before prefill answered (the
     /// concurrent dispatch) needs only the identity: `blocks` empty.
@@ -126,10 +151,30 @@ impl EngineInfo {
         blocks: &[u32],
         mode: TransferMode,
     ) -> KvTransferParams {
+        // A hybrid model: each group's list, clipped as vLLM's scheduler sends it (a window's
+        // tail, the last state slot).
+        let remote_block_ids = match &self.hybrid {
+            Some(shape) if !blocks.is_empty() => shape
+                .lists(tokens, 0, blocks)
+                .and_then(|raw| {
+                    crate::layouts::hybrid::blocks::clip_for_exchange(
+                        &shape.groups,
+                        shape.block_tokens,
+                        &raw,
+                        true,
+                    )
+                    .ok()
+                })
+                .unwrap_or_default()
+                .into_iter()
+                .map(|l| l.into_iter().map(u64::from).collect())
+                .collect(),
+            _ => vec![blocks.iter().map(|&b| u64::from(b)).collect()],
+        };
         KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
-            remote_block_ids: vec![blocks.iter().map(|&b| u64::from(b)).collect()],
+            remote_block_ids,
             remote_engine_id: self.engine_id.clone(),
             remote_request_id: p_request_id.to_string(),
             remote_host: self.side_channel_host.clone(),
@@ -608,8 +653,19 @@ impl EngineLoop {
                 rank.child = Some(child);
             }
         }
-        let pool = BlockPool::new(cfg.pool_blocks, cfg.alloc, cfg.seed);
+        let mut pool = BlockPool::new(cfg.pool_blocks, cfg.alloc, cfg.seed);
+        let hybrid = cfg
+            .worker
+            .hybrid
+            .as_deref()
+            .map(|h| request_shape(h, role))
+            .transpose()
+            .map_err(|e| startup(&cfg, format!("the hybrid model's geometry: {e}")))?;
+        if hybrid.is_some() {
+            pool = pool.reserving_null();
+        }
         let info = EngineInfo {
+            hybrid,
             engine_id: cfg.worker.engine_id.clone(),
             role,
             tp: cfg.tp,
@@ -1096,7 +1152,7 @@ impl EngineLoop {
 
     fn blocks_needed(&self, cmd: &Cmd) -> u32 {
         match cmd {
-            Cmd::Prefill { tokens, .. } => tokens.div_ceil(self.cfg.block_tokens),
+            Cmd::Prefill { tokens, .. } => self.info.request_blocks(*tokens, self.cfg.block_tokens, 0),
             Cmd::Load { local_blocks, .. } => *local_blocks,
             Cmd::Release { .. } | Cmd::PeerGone { .. } | Cmd::Fault { .. } => 0,
         }
@@ -1171,6 +1227,7 @@ impl EngineLoop {
                         &ToWorker::Fill {
                             req,
                             p_request_id: p_request_id.clone(),
+                            tokens,
                             blocks: blocks.clone(),
                             seed,
                             expected_notifs,

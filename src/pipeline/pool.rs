@@ -18,6 +18,8 @@ use crate::layouts::alloc::AllocPattern;
 #[derive(Debug)]
 pub struct BlockPool {
     num_blocks: u32,
+    /// Ids never handed out (vLLM's null block, id 0, in a hybrid engine's pool).
+    reserved: u32,
     pattern: AllocPattern,
     free: Free,
     rng: StdRng,
@@ -49,11 +51,23 @@ impl BlockPool {
                 Free::Queue(runs.into_iter().flatten().collect())
             }
         };
-        BlockPool { num_blocks, pattern, free, rng }
+        BlockPool { num_blocks, reserved: 0, pattern, free, rng }
+    }
+
+    /// The pool without id 0, which vLLM's hybrid allocator keeps as its null block (the id a
+    /// block list holds where a group keeps no block).
+    pub fn reserving_null(mut self) -> Self {
+        let held = match &mut self.free {
+            Free::Sorted(s) => s.remove(&0),
+            Free::Queue(q) => q.iter().position(|&b| b == 0).and_then(|i| q.remove(i)).is_some(),
+            Free::Bag(b) => b.iter().position(|&x| x == 0).map(|i| b.swap_remove(i)).is_some(),
+        };
+        self.reserved = u32::from(held);
+        self
     }
 
     pub fn capacity(&self) -> u32 {
-        self.num_blocks
+        self.num_blocks - self.reserved
     }
 
     pub fn pattern(&self) -> AllocPattern {
@@ -69,7 +83,7 @@ impl BlockPool {
     }
 
     pub fn in_use(&self) -> u32 {
-        self.num_blocks - self.free_count()
+        self.capacity() - self.free_count()
     }
 
     /// Takes `n` ids, or `None` when fewer than `n` are free (the caller waits).

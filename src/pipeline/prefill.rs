@@ -193,10 +193,12 @@ fn defer_wakeups() {
 pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     defer_wakeups();
     let geom = cfg.pair.p_geometry(cfg.rank);
+    let hybrid = super::worker::hybrid_geometry(&cfg)?;
     let progress = cfg.transport.progress;
     let kind = cfg.transport.kind;
+    let (regions, total) = super::worker::rank_regions(&geom, hybrid.as_ref());
     let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem, mut staged } =
-        super::worker::rank_pool(&cfg, &geom)?;
+        super::worker::rank_pool(&cfg, regions, total)?;
     let mut ucx_lib = None;
     let (mut pool, worker_address, rkey, base) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
@@ -289,16 +291,22 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         while let Some(msg) = ctl.try_recv()? {
             last_work = Instant::now();
             match msg {
-                ToWorker::Fill { req, p_request_id, blocks, seed, expected_notifs } => {
+                ToWorker::Fill { req, p_request_id, tokens, blocks, seed, expected_notifs } => {
                     let t0 = Instant::now();
-                    let plan = FillPlan::new(&geom, &regions, &blocks, seed);
                     // With a host buffer the KV pool is filled (the prefill's output), then the
                     // request's blocks are copied to the buffer decode reads (vLLM's
                     // `save_kv_to_host`), timed as their own stage.
                     let filled = staged.as_mut().map_or_else(|| pool.memory_mut(), Ok)?;
-                    filled
-                        .write_ranges(&plan.ranges(), |i, bytes| plan.fill(i, bytes))
-                        .stage("fill the request's blocks")?;
+                    match &hybrid {
+                        // Every block of every group, each byte by what it means.
+                        Some(g) => fill_hybrid(filled, g, cfg.rank, tokens, &blocks, seed)?,
+                        None => {
+                            let plan = FillPlan::new(&geom, &regions, &blocks, seed);
+                            filled
+                                .write_ranges(&plan.ranges(), |i, bytes| plan.fill(i, bytes))
+                                .stage("fill the request's blocks")?;
+                        }
+                    }
                     let fill_ns = t0.elapsed().as_nanos() as u64;
                     let mut save_ns = 0;
                     if let Some(kv) = staged.as_ref() {
@@ -534,6 +542,33 @@ fn abandon(pusher: &mut Option<Pusher>, h: &mut Held, why: &str) {
     if let (Some(p), Some(job)) = (pusher.as_mut(), h.job.take()) {
         p.fail(job, (FailureCause::Transfer, format!("prefill rank stopped writing: {why}")));
     }
+}
+
+/// Fills a hybrid request's blocks (a flat allocation of `blocks`, group after group) by
+/// meaning: the per-group lists vLLM's allocator holds for `tokens` prompt tokens.
+fn fill_hybrid(
+    pool: &mut KvBuffer,
+    g: &crate::layouts::hybrid::geometry::EngineGeometry,
+    rank: u32,
+    tokens: u32,
+    blocks: &[u32],
+    seed: u64,
+) -> Result<(), WorkerError> {
+    use crate::layouts::hybrid::blocks::RequestShape;
+    use crate::layouts::hybrid::coverage::RequestFill;
+    let shape = RequestShape::of(g);
+    let lists = shape.lists(tokens, 0, blocks).ok_or_else(|| WorkerError::Protocol {
+        reason: format!(
+            "a {tokens}-token request of a hybrid model needs {} blocks; the engine sent {}",
+            shape.blocks(tokens, 0),
+            blocks.len()
+        ),
+    })?;
+    let fill = RequestFill::new(g, rank, &lists, shape.tokens(tokens, 0).p_computed_tokens, seed);
+    pool.write_ranges(&fill.ranges(), |i, bytes| {
+        fill.fill(i, bytes);
+    })
+    .stage("fill the request's blocks")
 }
 
 /// Moves the simulated prefills on: with `--overlap layers`, WRITEs the layers computed since

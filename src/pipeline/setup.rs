@@ -92,6 +92,10 @@ impl fmt::Display for KvMemory {
 #[derive(Debug, Clone)]
 pub struct WorkerSettings {
     pub pair: PairSpec,
+    /// A hybrid model (Mamba/GDN state, sliding windows): the pair as vLLM 0.33 builds it.
+    /// `pair` then carries what the engines share with uniform models (TP sizes, the aligned
+    /// block sizes, pool sizes, the model's name and layer count).
+    pub hybrid: Option<crate::layouts::hybrid::PairConfig>,
     pub transport: TransportConfig,
     pub verify: VerifyMode,
     pub mem: KvMemory,
@@ -151,6 +155,7 @@ impl WorkerSettings {
                 rank: 0,
                 engine_id,
                 pair: self.pair.clone(),
+                hybrid: self.hybrid.clone().map(Box::new),
                 transport: self.transport.clone(),
                 // Filled per rank from `mem` below.
                 mem: MemPlace::Host,

@@ -137,6 +137,9 @@ pub struct WorkerConfig {
     pub rank: u32,
     pub engine_id: String,
     pub pair: PairSpec,
+    /// A hybrid model's pair (see `setup::WorkerSettings::hybrid`).
+    #[serde(default)]
+    pub hybrid: Option<Box<crate::layouts::hybrid::PairConfig>>,
     pub transport: TransportConfig,
     /// Where this rank's KV pool lives (the engine fills it per rank).
     pub mem: MemPlace,
@@ -162,6 +165,9 @@ pub enum ToWorker {
     Fill {
         req: u64,
         p_request_id: String,
+        /// The prompt's tokens (a hybrid model's ranks lay the blocks out per group from it).
+        #[serde(default)]
+        tokens: u32,
         blocks: Vec<u32>,
         seed: u64,
         expected_notifs: u32,

@@ -329,14 +329,57 @@ pub(super) struct RankPool {
     pub staged: Option<crate::transfer::memory::KvBuffer>,
 }
 
-/// Allocates the pool of a rank of `geom` (prefill and decode alike).
+/// A hybrid model's rank geometry as vLLM lays it out (`None` for a uniform model).
+pub(super) fn hybrid_geometry(
+    cfg: &WorkerConfig,
+) -> Result<Option<crate::layouts::hybrid::geometry::EngineGeometry>, WorkerError> {
+    use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
+    let Some(h) = cfg.hybrid.as_deref() else { return Ok(None) };
+    let (engine, side) = match cfg.role {
+        super::wire::Role::Prefill => (&h.p, Side::Prefill),
+        super::wire::Role::Decode => (&h.d, Side::Decode),
+    };
+    EngineGeometry::new(&h.model, engine, side).map(Some).stage("the hybrid model's geometry")
+}
+
+/// A rank's regions and the bytes its pool spans: a uniform model's from `geom`, a hybrid
+/// model's from vLLM's layout (several layers' tensors aliased at one base, padded pages; no
+/// `content`, as hybrid blocks are filled and checked by meaning, `layouts::hybrid::coverage`).
+pub(super) fn rank_regions(
+    geom: &crate::layouts::RankGeometry,
+    hybrid: Option<&crate::layouts::hybrid::geometry::EngineGeometry>,
+) -> (Vec<crate::layouts::Region>, u64) {
+    let Some(g) = hybrid else { return (geom.regions(), geom.total_bytes()) };
+    let regions = g
+        .regions
+        .iter()
+        .map(|r| crate::layouts::Region {
+            name: r.name.clone(),
+            base_off: r.base_off,
+            block_len: r.block_len,
+            block_stride: r.block_stride,
+            num_blocks: r.num_blocks,
+            content: crate::layouts::geometry::BlockContent {
+                layer: None,
+                head: None,
+                kv: None,
+                axes: Vec::new(),
+            },
+        })
+        .collect();
+    let total = g.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0);
+    (regions, total)
+}
+
+/// Allocates the pool of a rank laid out as `regions` over `total` bytes (prefill and decode
+/// alike).
 pub(super) fn rank_pool(
     cfg: &WorkerConfig,
-    geom: &crate::layouts::RankGeometry,
+    regions: Vec<crate::layouts::Region>,
+    total: u64,
 ) -> Result<RankPool, WorkerError> {
     use super::wire::TransportKind;
-    let regions = geom.regions();
-    let total = usize::try_from(geom.total_bytes()).stage("pool size")?;
+    let total = usize::try_from(total).stage("pool size")?;
     let kind = cfg.transport.kind;
     let uses_ucx = !matches!(kind, TransportKind::Storage | TransportKind::CudaBatch);
     let uses_storage = kind == TransportKind::Storage

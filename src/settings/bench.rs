@@ -380,6 +380,22 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         return Err(ConfigError::new("--slowdown", format!("must be a fraction in 0..=10, got {slowdown}")));
     }
     let transport = transport(s, slowdown)?;
+    if let Some(model) = super::plan::hybrid_preset_of(&s.model, s.pair.vllm, &[])? {
+        let (pair, hybrid, bytes_per_request) = hybrid_pair(s, model, max_tokens, in_flight, &transport)?;
+        return finish(
+            s,
+            env,
+            lens,
+            arrival,
+            requests,
+            duration,
+            prefix_hit,
+            alloc,
+            transport,
+            pair,
+            Some((hybrid, bytes_per_request)),
+        );
+    }
     let pair = scenario::resolve_pair(&s.model, &s.pair, pool_p, pool_d)?;
     match transport.mode {
         TransferMode::Pull => pair.validate().map(|_| ())?,
@@ -406,9 +422,130 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
             ),
         ));
     }
-    let bytes_per_request = pair.d_geometry(0).block_bytes_all_layers()
-        * u64::from(max_tokens.div_ceil(d_bs))
-        * u64::from(pair.d.tp);
+    finish(s, env, lens, arrival, requests, duration, prefix_hit, alloc, transport, pair, None)
+}
+
+/// A hybrid model's bench pair: its engines from the pair flags, block sizes aligned as vLLM
+/// aligns them, pools sized for the workload (one block per group and position, plus vLLM's
+/// null block), vLLM's refusals; with the pair the engines share with uniform models and the
+/// bytes a request of `max_tokens` moves. What the hybrid pipeline does not do yet is refused
+/// here, naming the flag.
+fn hybrid_pair(
+    s: &BenchFlags,
+    model: crate::layouts::hybrid::HybridModel,
+    max_tokens: u32,
+    in_flight: u32,
+    transport: &TransportConfig,
+) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::PairConfig, u64), ConfigError> {
+    use crate::layouts::hybrid::blocks::RequestShape;
+    use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
+    use crate::layouts::hybrid::{HybridPlanner, HybridRequest, PairConfig};
+    let name = model.name.clone();
+    if transport.mode == TransferMode::Push {
+        return Err(ConfigError::new(
+            "--mode",
+            format!("{name} is a hybrid model: kvx moves hybrid models in pull mode (use --mode pull)"),
+        ));
+    }
+    if transport.kind != TransportKind::Ucx {
+        return Err(ConfigError::new(
+            "--transport",
+            format!(
+                "{name} is a hybrid model: kvx moves hybrid models over UCX so far (use --transport ucx, not {})",
+                transport.kind.as_str()
+            ),
+        ));
+    }
+    if transport.kv_buffer == KvBufferDevice::Cpu {
+        return Err(ConfigError::new(
+            "--kv-buffer-device",
+            format!(
+                "{name} is a hybrid model: its host-buffer staging runs in kvx plan (findings) but not \
+                 through kvx bench yet (use --kv-buffer-device cuda)"
+            ),
+        ));
+    }
+    let (mut p, mut d) = super::plan::hybrid_engines(&s.pair, 16, None, None)?;
+    let pool = |e: &crate::layouts::hybrid::HybridEngine, side: Side| -> Result<u32, ConfigError> {
+        let shape = RequestShape::of(&EngineGeometry::new(&model, e, side)?);
+        let per_request = shape.blocks(max_tokens, 0);
+        let pool = match s.pool_blocks {
+            Some(n) if n <= per_request => {
+                return Err(ConfigError::new(
+                    "--pool-blocks",
+                    format!(
+                        "a {max_tokens}-token prompt of {name} needs {per_request} blocks ({} per KV cache \
+                         group) plus vLLM's null block, but the pool has {n}",
+                        per_request / shape.groups.len().max(1) as u32
+                    ),
+                ));
+            }
+            Some(n) => n,
+            None => per_request.saturating_mul(in_flight + 2).saturating_add(1),
+        };
+        Ok(pool)
+    };
+    (p.num_blocks, d.num_blocks) = (pool(&p, Side::Prefill)?, pool(&d, Side::Decode)?);
+    let config = PairConfig {
+        model,
+        p,
+        d,
+        permute_local_kv: s.pair.permute,
+        state_slices: Default::default(),
+        host_copy: Default::default(),
+    };
+    let planner = HybridPlanner::new(&config)?;
+    let plan = planner.plan(&HybridRequest::simulated(&planner, max_tokens, 0), "sizing")?;
+    let bytes_per_request = plan.d_ranks.iter().map(|d| d.bytes()).sum();
+    let m = &config.model;
+    let engine = |e: &crate::layouts::hybrid::HybridEngine, g: &EngineGeometry| crate::layouts::EngineSpec {
+        tp: e.tp,
+        block_tokens: g.sizing.block_tokens,
+        num_blocks: e.num_blocks,
+        layout: e.layout,
+    };
+    let pair = crate::layouts::compat::PairSpec {
+        version: crate::topology::VllmVersion::V0_33,
+        model: crate::settings::model::ModelShape {
+            name: m.name.clone(),
+            num_layers: m.num_layers(),
+            num_kv_heads: m.attention.num_kv_heads,
+            head_dim: m.attention.head_dim,
+            dtype: m.attention.dtype,
+            mla: None,
+        },
+        p: engine(&config.p, &planner.p),
+        d: engine(&config.d, &planner.d),
+        permute: config.permute_local_kv,
+    };
+    Ok((pair, config, bytes_per_request))
+}
+
+/// The settings past the pair: verification, prefill simulation, faults, memory, deadlines,
+/// hosts. `hybrid`: a hybrid model's pair and the bytes a request of the longest prompt moves.
+#[expect(clippy::too_many_arguments, reason = "the settings resolved before the pair")]
+fn finish(
+    s: &BenchFlags,
+    env: &ProcessEnv,
+    lens: PromptLens,
+    arrival: Arrival,
+    requests: Option<u64>,
+    duration: Option<Duration>,
+    prefix_hit: f64,
+    alloc: AllocPattern,
+    transport: TransportConfig,
+    pair: crate::layouts::compat::PairSpec,
+    hybrid: Option<(crate::layouts::hybrid::PairConfig, u64)>,
+) -> Result<BenchSettings, ConfigError> {
+    let max_tokens = lens.max();
+    let bytes_per_request = match &hybrid {
+        Some((_, bytes)) => *bytes,
+        None => {
+            pair.d_geometry(0).block_bytes_all_layers()
+                * u64::from(max_tokens.div_ceil(pair.d.block_tokens.max(1)))
+                * u64::from(pair.d.tp)
+        }
+    };
     let total_bytes = bytes_per_request.saturating_mul(requests.unwrap_or(1000));
     let verify = match s.verify {
         Some(v) => v,
@@ -458,6 +595,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         name,
         workers: WorkerSettings {
             pair,
+            hybrid: hybrid.map(|(h, _)| h),
             transport,
             verify,
             mem,

@@ -475,6 +475,7 @@ fn serve_engine_workers(
     let mem = resolve_mem(a.mem, a.devices.clone().or(a.device.map(|d| vec![d])))?;
     Ok(WorkerSettings {
         pair,
+        hybrid: None,
         transport: TransportConfig {
             kind: TransportKind::Ucx,
             chain: vec![],

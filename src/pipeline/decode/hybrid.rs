@@ -1,0 +1,240 @@
+//! A decode rank of a hybrid model (Mamba/GDN state beside attention, sliding windows): the
+//! same lifecycle as a uniform model's (handshake on first contact, one-sided GETs to every
+//! source rank, notifications, verification), with vLLM 0.33's hybrid rules in the middle:
+//! per-group block lists (a window's tail, the last state slot), the hybrid TP mapping, its
+//! descriptor rules (`layouts::hybrid::HybridPlanner`), and a check of every byte read against
+//! what its position means (`layouts::hybrid::coverage::LandedCheck`).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::{Decoder, Failure, LoadJob, Local, RemoteRank};
+use crate::layouts::hybrid::blocks::{ExchangedBlocks, RequestShape};
+use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck};
+use crate::layouts::hybrid::{HybridPlanner, PairConfig};
+use crate::pipeline::params::KvTransferParams;
+use crate::pipeline::wire::{FailureCause, LoadResult, TransportKind};
+use crate::pipeline::worker::{classify_ucx, compat_factors, fetch_peers, first_region};
+use crate::transfer::handshake::meta::KvxMetadata;
+use crate::transfer::notify::Notification;
+use crate::transfer::ucx::{ReadDesc, ReadOptions};
+
+/// What a decode rank of a hybrid pair prepares once: the planner (every rank's descriptor
+/// lists, built as vLLM builds them at handshake time) and how its engine lays requests out.
+pub(super) struct HybridDecode {
+    planner: HybridPlanner,
+    shape: RequestShape,
+    /// Prefill engines handshaked with, by engine id.
+    engines: BTreeMap<String, HybridRemote>,
+}
+
+/// A prefill engine this rank has handshaked with.
+struct HybridRemote {
+    ranks: BTreeMap<u32, RemoteRank>,
+    transports: Option<String>,
+}
+
+impl HybridDecode {
+    pub(super) fn new(config: &PairConfig) -> Result<Self, crate::layouts::hybrid::HybridError> {
+        let planner = HybridPlanner::new(config)?;
+        let shape = RequestShape::of(&planner.d);
+        Ok(HybridDecode { planner, shape, engines: BTreeMap::new() })
+    }
+
+    /// Forgets a prefill engine (its connection broke): the next request handshakes again.
+    pub(super) fn forget(&mut self, engine_id: &str) {
+        self.engines.remove(engine_id);
+    }
+}
+
+fn incompatible(msg: impl Into<String>) -> Failure {
+    (FailureCause::Incompatible, msg.into())
+}
+
+impl Decoder<'_> {
+    /// Handshakes with the prefill ranks this rank reads from (vLLM's handshake set).
+    fn hybrid_handshake(&self, h: &HybridDecode, params: &KvTransferParams) -> Result<HybridRemote, Failure> {
+        let cfg = self.cfg;
+        let p_tp = h.planner.config.p.tp;
+        if params.tp_size != p_tp {
+            return Err(incompatible(format!(
+                "prefill engine {} runs TP {}, and this decode engine was planned for prefill TP {p_tp}",
+                params.remote_engine_id, params.tp_size
+            )));
+        }
+        let endpoint = format!("tcp://{}:{}", params.remote_host, params.remote_port);
+        let setup = h
+            .planner
+            .d_ranks
+            .get(cfg.rank as usize)
+            .ok_or_else(|| incompatible(format!("decode rank {} is not in the plan", cfg.rank)))?;
+        let ranks: Vec<(u32, u32)> = setup.handshake_ranks.iter().map(|&r| (0, r)).collect();
+        let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
+        let validate = |meta: &KvxMetadata| -> Result<(), String> {
+            if meta.tp_size == p_tp {
+                Ok(())
+            } else {
+                Err(format!("TP {} where {p_tp} was planned", meta.tp_size))
+            }
+        };
+        let peers = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
+        let p = &h.planner.p;
+        let first = p.regions.first().map_or(0, |r| r.base_off);
+        let p_len = p.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0);
+        let mut out = BTreeMap::new();
+        for peer in &peers {
+            first_region(&peer.metadata, "peer")?;
+            out.insert(peer.metadata.tp_rank, self.connect_peer(&peer.metadata, first, p_len)?);
+        }
+        Ok(HybridRemote { ranks: out, transports: None })
+    }
+
+    /// One request of a hybrid model: plan by vLLM's hybrid rules, read, notify, verify.
+    pub(super) fn load_hybrid(
+        &mut self,
+        h: &mut HybridDecode,
+        r: &mut LoadResult,
+        t0: Instant,
+        job: LoadJob<'_>,
+    ) -> Result<(), Failure> {
+        let LoadJob { params, local_blocks, seed, .. } = job;
+        let cfg = self.cfg;
+        if !h.engines.contains_key(&params.remote_engine_id) {
+            let th = Instant::now();
+            let engine = self.hybrid_handshake(h, params)?;
+            r.handshake_ns = Some(th.elapsed().as_nanos() as u64);
+            h.engines.insert(params.remote_engine_id.clone(), engine);
+        }
+        // Plan: prefill's lists as it sent them, this engine's own from its allocation.
+        let tp = Instant::now();
+        let prompt = u32::try_from(params.remote_num_tokens).map_err(|_| {
+            incompatible(format!("remote_num_tokens {} is out of range", params.remote_num_tokens))
+        })?;
+        let shape = &h.shape;
+        let hit = shape.hit_blocks(prompt, local_blocks.len()).ok_or_else(|| {
+            incompatible(format!("{} local blocks for a {prompt}-token request", local_blocks.len()))
+        })?;
+        let d_raw = shape.lists(prompt, hit, &local_blocks).ok_or_else(|| {
+            incompatible(format!(
+                "{} local blocks do not split into {} KV cache groups",
+                local_blocks.len(),
+                shape.groups.len()
+            ))
+        })?;
+        let remote = params
+            .remote_block_ids
+            .iter()
+            .map(|l| l.iter().map(|&b| u32::try_from(b)).collect::<Result<Vec<u32>, _>>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| incompatible("remote_block_ids: a block id is out of range"))?;
+        let planner = &h.planner;
+        let tokens = shape.tokens(prompt, hit * shape.block_tokens);
+        let blocks = ExchangedBlocks::new(
+            &planner.p.groups,
+            planner.p.sizing.block_tokens,
+            planner.d.sizing.block_tokens,
+            &remote,
+            &d_raw,
+            tokens.d_external_tokens,
+        )
+        .map_err(|e| incompatible(e.to_string()))?;
+        let plan = planner
+            .plan_exchanged(tokens, blocks, None, &params.remote_request_id)
+            .map_err(|e| incompatible(e.to_string()))?;
+        let Some(mine) = plan.d_ranks.iter().find(|d| d.d_rank == cfg.rank) else {
+            return Err(incompatible(format!("decode rank {} is not in the plan", cfg.rank)));
+        };
+        r.plan_ns = tp.elapsed().as_nanos() as u64;
+        r.descs_raw = mine.descriptor_count() as u64;
+        r.descs_coalesced = r.descs_raw;
+        // Read.
+        let Some(eng) = h.engines.get_mut(&params.remote_engine_id) else {
+            return Err((FailureCause::Internal, "engine vanished from the cache".into()));
+        };
+        let tt = Instant::now();
+        let tt_mono = crate::clock::now_ns();
+        let Local::Ucx(u) = &mut self.local else {
+            return Err((
+                FailureCause::Internal,
+                "a hybrid model moves over UCX; this rank has no UCX side".into(),
+            ));
+        };
+        let opts =
+            ReadOptions { max_inflight: cfg.transport.inflight.max(1) as usize, timeout: self.timeout };
+        for read in &mine.reads {
+            let region = eng.ranks.get(&read.p_rank).and_then(|rk| rk.region.as_ref()).ok_or((
+                FailureCause::PeerGone,
+                format!("no UCX connection to prefill rank {}", read.p_rank),
+            ))?;
+            let descs =
+                read.pairs.iter().map(|p| ReadDesc { local_off: p.local, remote_off: p.remote, len: p.len });
+            let stats = region
+                .read_batch(&mut u.local, descs, &opts)
+                .map_err(|e| (classify_ucx(&e), format!("read from prefill rank {}: {e}", read.p_rank)))?;
+            r.post_ns += stats.post_ns;
+            r.bytes += stats.bytes;
+        }
+        if eng.transports.is_none() {
+            eng.transports = eng
+                .ranks
+                .values()
+                .filter_map(|rk| rk.region.as_ref().and_then(|rg| rg.endpoint().transports().ok()))
+                .next();
+            r.protocols = Some(u.ctx.protocols().only(crate::transfer::ucx::Rma::Get));
+            r.ucx_settings = Some(u.ctx.env_notes().to_vec());
+        }
+        r.transfer_ns = tt.elapsed().as_nanos() as u64;
+        r.transfer_span = Some(crate::clock::ClockSpan::since(tt_mono));
+        r.transport = Some(TransportKind::Ucx);
+        r.transports = eng.transports.clone();
+        // Notify every prefill rank of the handshake set: those read from, and those that
+        // hold blocks this rank did not need (a full hit, heads another rank reads).
+        let tn = Instant::now();
+        let count = mine.mapping.local_consumers;
+        let setup = &planner.d_ranks[cfg.rank as usize];
+        let done = Notification::Notif { p_request_id: params.remote_request_id.clone(), count };
+        let mut notified = Vec::new();
+        for &p_rank in setup.handshake_ranks.iter().chain(&mine.mapping.all_source_ranks) {
+            if notified.contains(&p_rank) {
+                continue;
+            }
+            notified.push(p_rank);
+            if let Some(rank) = eng.ranks.get(&p_rank) {
+                rank.send(&done, true)
+                    .map_err(|e| (FailureCause::Notify, format!("notify prefill rank {p_rank}: {e}")))?;
+            }
+        }
+        r.notify_ns = tn.elapsed().as_nanos() as u64;
+        r.e2e_ns = t0.elapsed().as_nanos() as u64;
+        // Verify (outside the timed path): every byte of each checked pair against what its
+        // position means on this rank.
+        if let Some(stride) = cfg.verify.stride() {
+            let tv = Instant::now();
+            let mut check = LandedCheck::new(planner, &plan, cfg.rank, seed);
+            let pairs: Vec<(u32, crate::layouts::hybrid::descriptors::LabeledPair)> = mine
+                .reads
+                .iter()
+                .flat_map(|read| read.labeled().map(move |p| (read.p_rank, p)))
+                .step_by(stride.max(1) as usize)
+                .collect();
+            let ranges: Vec<std::ops::Range<u64>> =
+                pairs.iter().map(|(_, p)| p.pair.local..p.pair.local + p.pair.len).collect();
+            let mut report = ByteReport::default();
+            self.local
+                .memory()?
+                .read_ranges(&ranges, |i, got| {
+                    let (p_rank, pair) = &pairs[i];
+                    check.check(*p_rank, pair, got, &mut report);
+                })
+                .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+            match report.wrong.first() {
+                None => r.bytes_verified = report.bytes_checked,
+                Some(first) => {
+                    r.verify_failure = Some(format!("{first} ({} wrong ranges in all)", report.wrong.len()));
+                }
+            }
+            r.verify_ns = tv.elapsed().as_nanos() as u64;
+        }
+        Ok(())
+    }
+}
