@@ -259,6 +259,13 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub kv_buffer_device: Option<KvBufferDevice>,
+        /// Hybrid models: where decode reads its slice of each state part: vllm (vLLM 0.33's
+        /// remote_conv_offsets, which assume every conv part is sharded like x) or exact (each
+        /// part as the model splits it: replicated Mamba2 B and C read whole; decode TP >=
+        /// prefill TP) [default: vllm].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub state_slices: Option<crate::layouts::hybrid::StateSlices>,
         /// How many batches --transport cuda-batch posts per request on a decode rank: rank
         /// (one over all its prefill peers: one kernel launch) or peer (one per prefill peer)
         /// [default: rank].
@@ -380,7 +387,14 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         return Err(ConfigError::new("--slowdown", format!("must be a fraction in 0..=10, got {slowdown}")));
     }
     let transport = transport(s, slowdown)?;
-    if let Some(model) = super::plan::hybrid_preset_of(&s.model, s.pair.vllm, &[])? {
+    let hybrid_model = super::plan::hybrid_preset_of(&s.model, s.pair.vllm, &[])?;
+    if hybrid_model.is_none() && s.state_slices.is_some() {
+        return Err(ConfigError::new(
+            "--state-slices",
+            "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b)",
+        ));
+    }
+    if let Some(model) = hybrid_model {
         let (pair, hybrid, bytes_per_request) = hybrid_pair(s, model, max_tokens, in_flight, &transport)?;
         return finish(
             s,
@@ -491,7 +505,7 @@ fn hybrid_pair(
         p,
         d,
         permute_local_kv: s.pair.permute,
-        state_slices: Default::default(),
+        state_slices: s.state_slices.unwrap_or_default(),
         host_copy: Default::default(),
     };
     let planner = HybridPlanner::new(&config)?;

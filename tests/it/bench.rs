@@ -28,6 +28,12 @@ const TINY8: &[&str] = &["--num-kv-heads", "8", "--layers", "2", "--head-dim", "
 /// Hard limit on one bench run (debug builds on a loaded two-core machine).
 const RUN_TIMEOUT: Duration = Duration::from_secs(180);
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/bench");
+/// A small hybrid model (Mamba2 state, full attention, a sliding window; `n_groups` 2).
+const TINY_HYBRID: &[&str] =
+    &["--model", concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hybrid-model-tiny.toml")];
+/// [`TINY_HYBRID`] with `n_groups` 1: its B and C are replicated across TP ranks.
+const TINY_HYBRID_G1: &[&str] =
+    &["--model", concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hybrid-model-tiny-g1.toml")];
 
 /// A finished run: its JSON summary (stdout), its run directory, and the temp dir holding it.
 struct Run {
@@ -668,7 +674,7 @@ fn a_fault_that_explains_every_failure_exits_0() {
 #[test]
 fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
     const OVERLAP: &[&str] = &["--mode", "push", "--overlap", "layers", "--prefill-time-per-layer", "1ms"];
-    let cases: [(&str, Vec<&str>); 10] = [
+    let cases: [(&str, Vec<&str>); 13] = [
         ("kill-ucx:p1@5, err-mode none", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "none"]),
         ("kill-ucx:p1@5, err-mode peer", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "peer"]),
         ("exit:p0@5", vec!["--fault", "exit:p0@5"]),
@@ -680,6 +686,10 @@ fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
         ("push overlap, kill-ucx:p1@5", [OVERLAP, &["--fault", "kill-ucx:p1@5"]].concat()),
         ("push overlap, exit:p0@5", [OVERLAP, &["--fault", "exit:p0@5"]].concat()),
         ("push overlap, exit:d1@5", [OVERLAP, &["--fault", "exit:d1@5"]].concat()),
+        // A hybrid model (state and attention groups from one pool, vLLM's hybrid descriptors).
+        ("hybrid, kill-ucx:p1@5", [TINY_HYBRID, &["--fault", "kill-ucx:p1@5"]].concat()),
+        ("hybrid, exit:p0@5", [TINY_HYBRID, &["--fault", "exit:p0@5"]].concat()),
+        ("hybrid, exit:d1@5", [TINY_HYBRID, &["--fault", "exit:d1@5"]].concat()),
     ];
     for (case, fault) in cases {
         let _turn = exclusive();
@@ -690,7 +700,9 @@ fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
         // A lease and a timeout far above the bound: waiting out either would fail it.
         a.extend_from_slice(&["--p-tp", "2", "--d-tp", "2", "--timeout", "10s", "--lease", "30s"]);
         a.extend_from_slice(&fault);
-        a.extend_from_slice(TINY);
+        if !case.starts_with("hybrid") {
+            a.extend_from_slice(TINY);
+        }
         let mut cmd = bench_cmd(results.path(), &a);
         cmd.env("TMPDIR", tmp.path());
         let mut bench = Spawned::start(case, cmd);
@@ -715,4 +727,55 @@ fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
             std::fs::read_dir(tmp.path()).expect("tmp").flatten().map(|e| e.file_name()).collect();
         assert!(left.is_empty(), "{case}: temp files left behind: {left:?}");
     }
+}
+
+/// Hybrid models through real processes: at each TP pair vLLM accepts for the tiny hybrid
+/// model (Mamba2 `n_groups` 2, full attention, a 64-token window), with prefix hits and
+/// prompts over several blocks, every request is read by vLLM's hybrid descriptors and every
+/// byte read is checked against what its position means; nothing leaks. A pair vLLM refuses
+/// exits 2 naming the flag.
+#[test]
+fn hybrid_models_move_verified_at_every_accepted_tp_pair() {
+    for (p, d) in [(1, 1), (1, 2), (2, 1), (2, 2)] {
+        let case = format!("tiny hybrid P{p} D{d}");
+        let (p, d) = (p.to_string(), d.to_string());
+        let mut a =
+            vec!["--requests", "6", "--prompt-len", "100..1200", "--prefix-hit", "0.3", "--verify", "full"];
+        a.extend_from_slice(&["--p-tp", &p, "--d-tp", &d]);
+        a.extend_from_slice(TINY_HYBRID);
+        let run = run_bench(&case, &a);
+        check_clean(&case, &run, 6);
+    }
+    let out = kvx()
+        .args(["bench", "--p-tp", "1", "--d-tp", "4", "--requests", "1"])
+        .args(TINY_HYBRID)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--d-tp") && err.contains("n_groups"), "{err}");
+}
+
+/// vLLM 0.33's `remote_conv_offsets` on a Mamba2 model with `n_groups` below decode TP, moved
+/// between real processes: B and C land wrong, and the run says so and exits 1, naming the
+/// bytes; `--state-slices exact` reads each part as the model splits it, and every byte lands.
+#[test]
+fn replicated_mamba2_groups_land_wrong_by_vllm_rules_and_right_with_exact_slices() {
+    let a = ["--p-tp", "1", "--d-tp", "2", "--requests", "3", "--warmup", "0", "--prompt-len", "300"];
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut bench =
+        Spawned::start("vllm slices", bench_cmd(results.path(), &[&a[..], TINY_HYBRID_G1].concat()));
+    let status = bench.expect_exit(RUN_TIMEOUT);
+    assert_eq!(status.code(), Some(1), "wrong bytes fail the run: {}", bench.stderr());
+    let s = summary_json(&bench);
+    assert_eq!(n(&s, "requests_ok"), 0, "{s}");
+    assert!(n(&s, "verify_failures") > 0, "{s}");
+    let err = bench.stderr();
+    assert!(
+        err.contains("mamba_conv_C bytes 0..96: holds prefill rank 0's model.layers.0.mixer mamba_ssm"),
+        "the wrong bytes are named: {err}"
+    );
+    let run = run_bench("exact slices", &[&a[..], TINY_HYBRID_G1, &["--state-slices", "exact"]].concat());
+    check_clean("exact slices", &run, 3);
 }
