@@ -195,6 +195,7 @@ struct Finished {
     transfers: Vec<RankTransfer>,
     verify_failures: u64,
     bytes_verified: u64,
+    bytes_padding: u64,
 }
 
 impl Finished {
@@ -209,6 +210,7 @@ impl Finished {
             transfers: vec![],
             verify_failures: 0,
             bytes_verified: 0,
+            bytes_padding: 0,
         }
     }
 }
@@ -370,9 +372,20 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         }
     }
     let bytes_verified = ranks.iter().map(|r| r.bytes_verified).sum();
+    let bytes_padding = ranks.iter().map(|r| r.bytes_padding).sum();
     // Prefill start to the KV in decode's blocks, as the driver saw it (verification excluded).
     let ready_ns = ready_ns.saturating_sub(ranks.iter().map(|r| r.verify_ns).max().unwrap_or(0));
-    Finished { row, publish_ns, save_ns, ranks, transfers, verify_failures, bytes_verified, ready_ns }
+    Finished {
+        row,
+        publish_ns,
+        save_ns,
+        ranks,
+        transfers,
+        verify_failures,
+        bytes_verified,
+        bytes_padding,
+        ready_ns,
+    }
 }
 
 /// Accumulates one measured repeat.
@@ -382,6 +395,7 @@ struct Tally {
     recorder: StageRecorder,
     verify_failures: u64,
     bytes_verified: u64,
+    bytes_padding: u64,
     per_rank_bytes: BTreeMap<u32, (u64, u64)>,
     ucx: UcxSeen,
     handshake: StageRecorder,
@@ -400,6 +414,7 @@ impl Tally {
         self.totals.add(&f.row);
         self.verify_failures += f.verify_failures;
         self.bytes_verified += f.bytes_verified;
+        self.bytes_padding += f.bytes_padding;
         if f.row.outcome == RequestOutcome::Ok {
             // Every known stage but the handshake, which only some requests have (below).
             for stage in Stage::ALL.into_iter().filter(|s| *s != Stage::Handshake) {
@@ -857,6 +872,7 @@ pub fn run(
         summary.transfer_bandwidth = all.bandwidth.summary();
     }
     summary.bytes_verified = all.bytes_verified;
+    summary.bytes_padding_read = all.bytes_padding;
     if matches!(
         s.workers.transport.kind,
         super::wire::TransportKind::Storage | super::wire::TransportKind::Multi

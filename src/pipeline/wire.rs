@@ -278,6 +278,10 @@ pub struct LoadResult {
     pub descs_raw: u64,
     pub descs_coalesced: u64,
     pub bytes_verified: u64,
+    /// Bytes read that hold no layer's data (a hybrid model: a group's block in a region where
+    /// the group has no layer; vLLM reads them too), so none to verify.
+    #[serde(default)]
+    pub bytes_padding: u64,
     pub verify_failure: Option<String>,
     /// UCX transports per endpoint, filled on the first request after a handshake.
     pub transports: Option<String>,

@@ -116,6 +116,9 @@ pub struct Summary {
     pub failures_by_cause: BTreeMap<String, u64>,
     pub bytes_read: u64,
     pub bytes_verified: u64,
+    /// Bytes read that hold no layer's data (a hybrid model's group padding): not verifiable.
+    #[serde(default, skip_serializing_if = "crate::report::summary::is_zero")]
+    pub bytes_padding_read: u64,
     pub verify_failures: u64,
     pub blocks_leaked: u64,
     #[serde(default)]
@@ -201,6 +204,7 @@ impl Summary {
             failures_by_cause: BTreeMap::new(),
             bytes_read: 0,
             bytes_verified: 0,
+            bytes_padding_read: 0,
             verify_failures: 0,
             blocks_leaked: 0,
             blocks_expired: 0,
@@ -237,6 +241,7 @@ impl Summary {
         self.requests_recomputed += other.requests_recomputed;
         self.bytes_read += other.bytes_read;
         self.bytes_verified += other.bytes_verified;
+        self.bytes_padding_read += other.bytes_padding_read;
         self.verify_failures += other.verify_failures;
         self.blocks_leaked += other.blocks_leaked;
         self.blocks_expired += other.blocks_expired;
@@ -870,6 +875,11 @@ pub struct Waterfall {
     /// The p50 request's `other` stage as a fraction of its TTFT: what the named stages leave
     /// unexplained.
     pub unattributed_share_p50: f64,
+}
+
+/// Whether a count is 0 (fields written only when something happened).
+pub(crate) fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[cfg(test)]

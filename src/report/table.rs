@@ -269,6 +269,12 @@ pub fn failures_table(s: &Summary, style: Style) -> Table {
         verified_label(s),
         format!("{} of {}", fmt_bytes(s.bytes_verified as f64), fmt_bytes(s.bytes_read as f64)),
     ]);
+    if s.bytes_padding_read > 0 {
+        t.add_row(vec![
+            "  read as group padding (no layer's data)".to_string(),
+            fmt_bytes(s.bytes_padding_read as f64),
+        ]);
+    }
     t.add_row(vec!["verify failures".to_string(), s.verify_failures.to_string()]);
     t.add_row(vec!["blocks leaked".to_string(), s.blocks_leaked.to_string()]);
     t.add_row(vec!["blocks freed by lease expiry".to_string(), s.blocks_expired.to_string()]);

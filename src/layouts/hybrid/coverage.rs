@@ -344,6 +344,9 @@ pub struct ByteReport {
     /// Bytes the READs moved, and of those the bytes that mean something on decode (not padding).
     pub bytes_moved: u64,
     pub bytes_checked: u64,
+    /// Bytes of the pairs checked that hold no layer's data (a group's block in a region where
+    /// the group has no layer).
+    pub bytes_padding: u64,
     /// Each range of wrong bytes, as what it is: where it landed and what it holds.
     pub wrong: Vec<String>,
     /// Whether the plan was movable here (device memory on both sides).
@@ -493,6 +496,9 @@ impl<'a> LandedCheck<'a> {
                 continue;
             };
             let n = run.left.min(pair.pair.len - done).max(1);
+            if run.meaning.is_none() {
+                report.bytes_padding += n;
+            }
             if let Some(m) = &run.meaning {
                 want.resize(n as usize, 0);
                 pattern_into(meaning_key(m), run.pos, self.seed, &mut want);

@@ -227,6 +227,7 @@ impl Decoder<'_> {
                     check.check(*p_rank, pair, got, &mut report);
                 })
                 .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+            r.bytes_padding = report.bytes_padding;
             match report.wrong.first() {
                 None => r.bytes_verified = report.bytes_checked,
                 Some(first) => {
