@@ -16,7 +16,9 @@ KVX=${KVX:-target/release/kvx}
 OUT=results/docs
 root=$(pwd)
 
-# name | kvx arguments (the results dir and output format are added)
+# name | kvx arguments (the results dir and output format are added) | the exit status the run
+# must end with (default 0; a run that shows wrong bytes ends with 1, and its stderr is kept in
+# `err.txt`)
 runs() {
   cat <<'EOF'
 bench-p8d2|bench --p-tp 8 --d-tp 2
@@ -33,11 +35,13 @@ waterfall|bench --serve --p-tp 1 --d-tp 1 --model llama-3.1-8b --layers 2 --prom
 xfer|xfer --sizes 64KiB,1MiB --inflight 1,8
 xfer-rates|xfer --sizes 8KiB,1MiB --inflight 64 --duration 1s --format json
 plan-p8d2|plan --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 4096
+hybrid-falcon-vllm|bench --model falcon-h1-7b --p-tp 1 --d-tp 2 --prompt-len 2000 --requests 2 --warmup 0|1
+hybrid-falcon-exact|bench --model falcon-h1-7b --p-tp 1 --d-tp 2 --prompt-len 2000 --requests 2 --warmup 0 --state-slices exact
 EOF
 }
 
 want=("$@")
-runs | while IFS='|' read -r name args; do
+runs | while IFS='|' read -r name args expect; do
   if [ ${#want[@]} -gt 0 ] && [[ ! " ${want[*]} " == *" $name "* ]]; then continue; fi
   dir="$OUT/$name"
   rm -rf "$dir" && mkdir -p "$dir/run"
@@ -47,7 +51,14 @@ runs | while IFS='|' read -r name args; do
   if [[ $args == xfer* || $args == plan* ]]; then
     $KVX $args >"$dir/out.txt"
   else
-    $KVX $args --results-dir "$dir/run" >"$dir/out.txt"
+    status=0
+    $KVX $args --results-dir "$dir/run" >"$dir/out.txt" 2>"$dir/err.txt" || status=$?
+    if [ "$status" != "${expect:-0}" ]; then
+      echo "docs-runs: $name exited $status, not ${expect:-0}" >&2
+      cat "$dir/err.txt" >&2
+      exit 1
+    fi
+    [ "$status" = 0 ] && rm -f "$dir/err.txt"
     # One run directory, or one per compared mode or transport (named after its directory).
     mapfile -t sums < <(find "$dir/run" -name summary.json | sort)
     if [ ${#sums[@]} -eq 1 ]; then

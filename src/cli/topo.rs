@@ -123,7 +123,7 @@ pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
     if args.mode == TransferMode::Push {
         return run_push(args);
     }
-    if let Some(model) = crate::settings::plan::hybrid_preset_of(&args.model, args.pair.vllm, &[])
+    if let Some(model) = crate::settings::hybrid_flags::hybrid_preset_of(&args.model, args.pair.vllm, &[])
         .map_err(|e| reject(args.format, e))?
     {
         return run_hybrid(args, model);
@@ -149,7 +149,7 @@ fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> an
     use crate::report::topo::{HybridDRankJson, HybridGroupJson, HybridTopoJson, render_hybrid_table};
     let result = (|| {
         // The rank map does not depend on the pool: a small one serves.
-        let (p, d) = crate::settings::plan::hybrid_engines(&args.pair, 64, None, None)?;
+        let (p, d) = crate::settings::hybrid_flags::hybrid_engines(&args.pair, 64, None, None)?;
         let config = crate::layouts::hybrid::PairConfig {
             model,
             p,

@@ -396,6 +396,8 @@ struct Tally {
     verify_failures: u64,
     bytes_verified: u64,
     bytes_padding: u64,
+    /// A hybrid model: bytes and descriptors per group and part of the requests that ended ok.
+    parts: Vec<crate::report::summary::PartBytes>,
     per_rank_bytes: BTreeMap<u32, (u64, u64)>,
     ucx: UcxSeen,
     handshake: StageRecorder,
@@ -416,6 +418,9 @@ impl Tally {
         self.bytes_verified += f.bytes_verified;
         self.bytes_padding += f.bytes_padding;
         if f.row.outcome == RequestOutcome::Ok {
+            for r in &f.ranks {
+                crate::report::summary::add_parts(&mut self.parts, &r.parts);
+            }
             // Every known stage but the handshake, which only some requests have (below).
             for stage in Stage::ALL.into_iter().filter(|s| *s != Stage::Handshake) {
                 if let Some(v) = f.row.stage_us(stage) {
@@ -873,6 +878,7 @@ pub fn run(
     }
     summary.bytes_verified = all.bytes_verified;
     summary.bytes_padding_read = all.bytes_padding;
+    summary.hybrid_parts = all.parts.clone();
     if matches!(
         s.workers.transport.kind,
         super::wire::TransportKind::Storage | super::wire::TransportKind::Multi

@@ -282,6 +282,9 @@ pub struct LoadResult {
     /// the group has no layer; vLLM reads them too), so none to verify.
     #[serde(default)]
     pub bytes_padding: u64,
+    /// A hybrid model: what this rank read per KV cache group and part.
+    #[serde(default)]
+    pub parts: Vec<crate::report::summary::PartBytes>,
     pub verify_failure: Option<String>,
     /// UCX transports per endpoint, filled on the first request after a handshake.
     pub transports: Option<String>,

@@ -159,6 +159,10 @@ pub struct Summary {
     /// `--transport cuda-batch`: how the decode ranks' batched copies went.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda_batch: Option<CudaBatchInfo>,
+    /// A hybrid model: bytes and descriptors per KV cache group and part, summed over the
+    /// measured requests that ended ok (every decode rank).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hybrid_parts: Vec<PartBytes>,
     /// Serving runs: the client-side TTFT split into the stages of the P/D path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waterfall: Option<Waterfall>,
@@ -222,6 +226,7 @@ impl Summary {
             counters: BTreeMap::new(),
             transfer_bandwidth: None,
             cuda_batch: None,
+            hybrid_parts: Vec::new(),
             waterfall: None,
             goodput: None,
         }
@@ -875,6 +880,32 @@ pub struct Waterfall {
     /// The p50 request's `other` stage as a fraction of its TTFT: what the named stages leave
     /// unexplained.
     pub unattributed_share_p50: f64,
+}
+
+/// Bytes and descriptors of one part of one KV cache group (a hybrid model): attention pages,
+/// or one state part (`mamba_conv_x`, `mamba_ssm`, ...).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartBytes {
+    pub group: u32,
+    /// The group's kind as vLLM names its spec (`FullAttention`, `SlidingWindow`, `Mamba`).
+    pub kind: String,
+    pub part: String,
+    pub bytes: u64,
+    pub descriptors: u64,
+}
+
+/// Adds `more` into `into`, part by part (same group and part: summed).
+pub fn add_parts(into: &mut Vec<PartBytes>, more: &[PartBytes]) {
+    for m in more {
+        match into.iter_mut().find(|p| p.group == m.group && p.part == m.part) {
+            Some(p) => {
+                p.bytes += m.bytes;
+                p.descriptors += m.descriptors;
+            }
+            None => into.push(m.clone()),
+        }
+    }
+    into.sort_by(|a, b| (a.group, &a.part).cmp(&(b.group, &b.part)));
 }
 
 /// Whether a count is 0 (fields written only when something happened).

@@ -282,6 +282,32 @@ pub fn failures_table(s: &Summary, style: Style) -> Table {
     t
 }
 
+/// A hybrid model: what a request read per KV cache group and part (attention pages, each
+/// state part), averaged over the requests that ended ok, with each part's share of the bytes.
+pub fn hybrid_parts_table(s: &Summary, style: Style) -> Option<Table> {
+    if s.hybrid_parts.is_empty() || s.requests_ok == 0 {
+        return None;
+    }
+    let total: u64 = s.hybrid_parts.iter().map(|p| p.bytes).sum();
+    let n = s.requests_ok as f64;
+    let mut t = new_table(
+        style,
+        &["group", "kind", "part", "bytes/request", "descriptors/request", "share of bytes"],
+    );
+    for p in &s.hybrid_parts {
+        t.add_row(vec![
+            p.group.to_string(),
+            p.kind.clone(),
+            p.part.clone(),
+            fmt_bytes(p.bytes as f64 / n),
+            format!("{:.1}", p.descriptors as f64 / n),
+            format!("{:.1}%", 100.0 * ratio(p.bytes as f64, total as f64)),
+        ]);
+    }
+    align_numbers(&mut t, 3);
+    Some(t)
+}
+
 /// Throughput per rank, when the run reports it.
 pub fn per_rank_table(s: &Summary, style: Style) -> Option<Table> {
     if s.per_rank.is_empty() {
@@ -395,6 +421,10 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         }
     }
     out.push_str(&section("Outcomes and verification", &failures_table(s, style), style));
+    if let Some(t) = hybrid_parts_table(s, style) {
+        out.push('\n');
+        out.push_str(&section("KV cache groups and parts (per request, every decode rank)", &t, style));
+    }
     if let Some(t) = per_rank_table(s, style) {
         out.push('\n');
         out.push_str(&section("Per rank", &t, style));

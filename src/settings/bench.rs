@@ -387,7 +387,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         return Err(ConfigError::new("--slowdown", format!("must be a fraction in 0..=10, got {slowdown}")));
     }
     let transport = transport(s, slowdown)?;
-    let hybrid_model = super::plan::hybrid_preset_of(&s.model, s.pair.vllm, &[])?;
+    let hybrid_model = super::hybrid_flags::hybrid_preset_of(&s.model, s.pair.vllm, &[])?;
     if hybrid_model.is_none() && s.state_slices.is_some() {
         return Err(ConfigError::new(
             "--state-slices",
@@ -479,7 +479,7 @@ fn hybrid_pair(
             ),
         ));
     }
-    let (mut p, mut d) = super::plan::hybrid_engines(&s.pair, 16, None, None)?;
+    let (mut p, mut d) = super::hybrid_flags::hybrid_engines(&s.pair, 16, None, None)?;
     let pool = |e: &crate::layouts::hybrid::HybridEngine, side: Side| -> Result<u32, ConfigError> {
         let shape = RequestShape::of(&EngineGeometry::new(&model, e, side)?);
         let per_request = shape.blocks(max_tokens, 0);
@@ -1221,6 +1221,48 @@ mod tests {
             let file: BenchFlags = layer::load(&path, "--config").unwrap_or_else(|e| panic!("{name}: {e}"));
             assert!(file.gives("p_tp").is_some(), "{name}");
         }
+        // The hybrid ones resolve to a hybrid pair (vLLM's planner accepts them).
+        for name in ["hybrid-qwen3-next", "hybrid-nemotron-h", "sliding-gpt-oss"] {
+            let flags = BenchFlags { config: Some(dir.join(format!("{name}.toml"))), ..Default::default() };
+            let s = resolve(&flags, &env()).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let h = s.workers.hybrid.as_ref().unwrap_or_else(|| panic!("{name}: a hybrid pair"));
+            assert_eq!(s.workers.pair.model.name, h.model.name, "{name}");
+            assert!(h.p.num_blocks > 1 && h.d.num_blocks > 1, "{name}");
+        }
+    }
+
+    /// What kvx bench does not move for hybrid models yet is refused, naming the flag; a flag
+    /// that applies only to hybrid models is refused for a uniform one.
+    #[test]
+    fn hybrid_bench_refusals_name_their_flags() {
+        let hybrid = |extra: BenchFlags| BenchFlags {
+            model: ModelFlags { model: Some("nemotron-h-8b".into()), ..ModelFlags::default() },
+            prompt_len: Some("512".into()),
+            ..extra
+        };
+        let refused = |flags: BenchFlags| resolve(&flags, &env()).expect_err("refused").flag;
+        assert_eq!(
+            refused(hybrid(BenchFlags { mode: Some(TransferMode::Push), ..Default::default() })),
+            "--mode"
+        );
+        let storage = BenchFlags { transport: Some(TransportKind::Storage), ..Default::default() };
+        assert_eq!(refused(hybrid(storage)), "--transport");
+        let cpu = BenchFlags { kv_buffer_device: Some(KvBufferDevice::Cpu), ..Default::default() };
+        assert_eq!(refused(hybrid(cpu)), "--kv-buffer-device");
+        // vLLM's own refusal: Nemotron-H's 8 groups do not split over TP 3... nor do its heads.
+        let tp3 =
+            BenchFlags { pair: PairFlags { d_tp: Some(3), ..PairFlags::default() }, ..Default::default() };
+        assert_eq!(refused(hybrid(tp3)), "--d-tp");
+        let exact = BenchFlags {
+            state_slices: Some(crate::layouts::hybrid::StateSlices::Exact),
+            ..Default::default()
+        };
+        assert_eq!(refused(exact), "--state-slices");
+        // A pool too small for one request.
+        let small = BenchFlags { pool_blocks: Some(2), ..Default::default() };
+        assert_eq!(refused(hybrid(small)), "--pool-blocks");
+        let ok = resolve(&hybrid(BenchFlags::default()), &env()).expect("a hybrid bench");
+        assert!(ok.workers.hybrid.is_some());
     }
 
     #[test]

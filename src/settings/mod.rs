@@ -11,6 +11,8 @@
 //!   engine pair, ports) and the output format.
 //! - [`model`]: model shapes (presets, Hugging Face configs); a leaf `topology` and `layouts` use.
 //! - [`scenario`]: model and engine-pair flags into a `PairSpec`; `kvx plan --scenario` files.
+//! - [`hybrid_flags`]: the hybrid model the flags name and its engines (`kvx plan`, `topo`,
+//!   `bench`); [`hybrid_case`]: `kvx plan --scenario` cases of vLLM's hybrid oracle.
 //! - [`bench`](mod@bench): `kvx bench`'s settings into `BenchSettings`; [`sweep`]: the points of
 //!   `--sweep`; [`plan`]: which of them a command line asks for, all resolved (and `kvx plan`'s
 //!   flags).
@@ -27,6 +29,7 @@ pub mod bench;
 pub mod env;
 pub mod flags;
 pub mod hybrid_case;
+pub mod hybrid_flags;
 pub mod layer;
 pub mod layout;
 pub mod load;

@@ -184,6 +184,16 @@ pub fn hybrid_model(name: &str) -> Result<Option<crate::layouts::hybrid::HybridM
         model.validate().map_err(|e| ConfigError::new("--model", format!("{name}: {e}")))?;
         return Ok(Some(model));
     }
+    // `NAME:hma`: the hybrid preset of a model that also has a uniform one (gpt-oss-120b: its
+    // window groups under vLLM's hybrid KV cache manager, not every layer's full blocks).
+    if let Some(base) = name.strip_suffix(":hma") {
+        return crate::layouts::hybrid::preset(base).map(Some).map_err(|_| {
+            ConfigError::new(
+                "--model",
+                format!("{base} has no hybrid preset (see kvx plan --help for the list)"),
+            )
+        });
+    }
     if preset(name).is_ok() {
         return Ok(None);
     }

@@ -25,9 +25,8 @@ pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
                     return Err(ConfigError::new(
                         "--model",
                         format!(
-                            "{} is a hybrid model: kvx plan, topo and layout plan it by vLLM 0.33's rules, but \
-                             this command moves uniform attention models only so far (hybrid models \
-                             through the pipeline are not built yet)",
+                            "{} is a hybrid model: kvx plan, topo and layout plan it by vLLM 0.33's rules and \
+                             kvx bench moves it, but this command takes uniform attention models only so far",
                             h.name
                         ),
                     ));

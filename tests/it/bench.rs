@@ -745,6 +745,13 @@ fn hybrid_models_move_verified_at_every_accepted_tp_pair() {
         a.extend_from_slice(TINY_HYBRID);
         let run = run_bench(&case, &a);
         check_clean(&case, &run, 6);
+        // What was read, per group and part: state and attention both, adding up to the bytes.
+        let parts = run.summary["hybrid_parts"].as_array().cloned().unwrap_or_default();
+        let sum: u64 = parts.iter().filter_map(|p| p["bytes"].as_u64()).sum();
+        assert_eq!(sum, n(&run.summary, "bytes_read"), "{case}: {parts:?}");
+        for part in ["attention", "mamba_conv_x", "mamba_ssm"] {
+            assert!(parts.iter().any(|p| p["part"] == part), "{case}: {part} in {parts:?}");
+        }
     }
     let out = kvx()
         .args(["bench", "--p-tp", "1", "--d-tp", "4", "--requests", "1"])

@@ -85,7 +85,7 @@ const CASES: &[(&[&str], &str)] = &[
         "--host-state-page",
     ),
     // A hybrid model where only uniform ones run: named as hybrid, not "unknown".
-    (&["bench", "--model", "qwen3-next-80b-a3b"], "is a hybrid model"),
+    (&["serve-engine", "--role", "prefill", "--model", "qwen3-next-80b-a3b"], "is a hybrid model"),
     (
         &["plan", "--model", "llama-3.1-8b", "--prompt-len", "64", "--kv-buffer-device", "cpu"],
         "--kv-buffer-device",

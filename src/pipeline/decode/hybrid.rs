@@ -47,6 +47,36 @@ impl HybridDecode {
     }
 }
 
+/// What a decode rank's READs read per KV cache group and part.
+fn parts_read(
+    planner: &HybridPlanner,
+    rank: &crate::layouts::hybrid::descriptors::DRankPlan,
+) -> Vec<crate::report::summary::PartBytes> {
+    use crate::layouts::hybrid::descriptors::RowKind;
+    let mut out = Vec::new();
+    for read in &rank.reads {
+        for run in &read.runs {
+            let part = match run.label.kind {
+                RowKind::AttnPage => "attention".to_string(),
+                RowKind::State(p) => p.label(),
+            };
+            let kind = planner.d.groups.get(run.group as usize).map_or("", |g| g.kind.vllm_spec());
+            let bytes = read.pairs[run.start..run.start + run.count].iter().map(|p| p.len).sum();
+            crate::report::summary::add_parts(
+                &mut out,
+                &[crate::report::summary::PartBytes {
+                    group: run.group,
+                    kind: kind.to_string(),
+                    part,
+                    bytes,
+                    descriptors: run.count as u64,
+                }],
+            );
+        }
+    }
+    out
+}
+
 fn incompatible(msg: impl Into<String>) -> Failure {
     (FailureCause::Incompatible, msg.into())
 }
@@ -145,6 +175,7 @@ impl Decoder<'_> {
             return Err(incompatible(format!("decode rank {} is not in the plan", cfg.rank)));
         };
         r.plan_ns = tp.elapsed().as_nanos() as u64;
+        r.parts = parts_read(planner, mine);
         r.descs_raw = mine.descriptor_count() as u64;
         r.descs_coalesced = r.descs_raw;
         // Read.

@@ -1,0 +1,61 @@
+//! The hybrid model a command's flags name, and its engines from the pair flags: shared by
+//! the commands that plan hybrid models (`kvx plan`, `kvx topo`) and the one that moves them
+//! (`kvx bench`).
+
+use crate::error::ConfigError;
+
+/// The hybrid preset `--model` names (a name no uniform preset has, no `--model-config`), or
+/// `None`. A shape flag, or one of `refused` given, is refused: a hybrid preset's shape is
+/// the preset's, and vLLM 0.33's rules plan it.
+pub fn hybrid_preset_of(
+    m: &super::flags::ModelFlags,
+    vllm: Option<crate::topology::VllmVersion>,
+    refused: &[(bool, &'static str)],
+) -> Result<Option<crate::layouts::hybrid::HybridModel>, ConfigError> {
+    let Some(name) = &m.model else { return Ok(None) };
+    if m.model_config.is_some() {
+        return Ok(None);
+    }
+    let Some(model) = super::model::hybrid_model(name)? else { return Ok(None) };
+    let name = &model.name;
+    let shape = [
+        (m.num_kv_heads.is_some(), "--num-kv-heads"),
+        (m.head_dim.is_some(), "--head-dim"),
+        (m.layers.is_some(), "--layers"),
+        (m.dtype.is_some(), "--dtype"),
+        (m.mla || m.mla_dim.is_some(), "--mla"),
+        (vllm.is_some_and(|v| v != crate::topology::VllmVersion::V0_33), "--vllm"),
+    ];
+    if let Some((_, flag)) = shape.iter().chain(refused).find(|(given, _)| *given) {
+        return Err(ConfigError::new(
+            *flag,
+            format!(
+                "{name} is a hybrid model, planned by vLLM 0.33's rules (its shape is its file's or preset's)"
+            ),
+        ));
+    }
+    Ok(Some(model))
+}
+
+/// The prefill and decode engines of a hybrid pair from the pair flags; `pool` blocks each
+/// unless `p_blocks` / `d_blocks` say otherwise.
+pub fn hybrid_engines(
+    pair: &super::flags::PairFlags,
+    pool: u32,
+    p_blocks: Option<u32>,
+    d_blocks: Option<u32>,
+) -> Result<(crate::layouts::hybrid::HybridEngine, crate::layouts::hybrid::HybridEngine), ConfigError> {
+    let engine = |tp: Option<u32>, block: Option<u32>, layout: &Option<String>, blocks: Option<u32>| {
+        let mut e = crate::layouts::hybrid::HybridEngine::new(tp.unwrap_or(1), blocks.unwrap_or(pool));
+        e.block_tokens = block.or(pair.block_size).unwrap_or(super::flags::DEFAULT_BLOCK_SIZE);
+        if let Some(l) = layout.as_ref().or(pair.layout.as_ref()) {
+            e.layout = crate::layouts::Layout::parse_for(l, crate::topology::VllmVersion::V0_33)
+                .map_err(|e| ConfigError::new("--layout", e))?;
+        }
+        Ok::<_, ConfigError>(e)
+    };
+    Ok((
+        engine(pair.p_tp, pair.p_block_size, &pair.p_layout, p_blocks)?,
+        engine(pair.d_tp, pair.d_block_size, &pair.d_layout, d_blocks)?,
+    ))
+}
