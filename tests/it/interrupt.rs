@@ -17,6 +17,9 @@ const PROMPT_EXIT: Duration = Duration::from_secs(2);
 /// Hard limit before the test gives up on a run that ignores the signal.
 const HARD: Duration = Duration::from_secs(60);
 const TINY: &[&str] = &["--num-kv-heads", "4", "--layers", "2", "--head-dim", "64"];
+/// A small hybrid model (Mamba2 state, full attention, a sliding window).
+const TINY_HYBRID: &[&str] =
+    &["--model", concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hybrid-model-tiny.toml")];
 
 /// Where the signal is sent.
 #[derive(Debug, Clone, Copy)]
@@ -30,10 +33,10 @@ enum When {
 }
 
 /// A long bench in its own process group, its temp files under `tmp`.
-fn long_bench(results: &Path, tmp: &Path, when: When) -> Command {
+fn long_bench(results: &Path, tmp: &Path, when: When, model: &[&str]) -> Command {
     let mut cmd = Command::new(kvx_path());
     cmd.arg("bench").args(["--p-tp", "2", "--d-tp", "1", "--requests", "100000", "--prompt-len", "1024"]);
-    cmd.args(TINY).arg("--results-dir").arg(results).args(["--format", "json"]);
+    cmd.args(model).arg("--results-dir").arg(results).args(["--format", "json"]);
     if !matches!(when, When::Calibration) {
         cmd.arg("--no-calibrate");
     }
@@ -42,10 +45,14 @@ fn long_bench(results: &Path, tmp: &Path, when: When) -> Command {
 }
 
 fn interrupt(case: &str, when: When, sig: i32, code: i32) {
+    interrupt_model(case, when, sig, code, TINY);
+}
+
+fn interrupt_model(case: &str, when: When, sig: i32, code: i32, model: &[&str]) {
     let _turn = exclusive();
     let results = tempfile::tempdir().expect("results dir");
     let tmp = tempfile::tempdir().expect("TMPDIR of the bench");
-    let mut bench = Spawned::start(case, long_bench(results.path(), tmp.path(), when));
+    let mut bench = Spawned::start(case, long_bench(results.path(), tmp.path(), when, model));
     match when {
         When::StartUp | When::Calibration => {
             let started = bench.wait_line(HARD, |l| l.starts_with("kvx bench: P tp"));
@@ -109,4 +116,9 @@ fn ctrl_c_mid_run_ends_the_bench_cleanly_with_partial_results() {
 #[test]
 fn sigterm_mid_run_ends_the_bench_cleanly_with_partial_results() {
     interrupt("SIGTERM mid-run", When::MidRun, libc::SIGTERM, 143);
+}
+
+#[test]
+fn ctrl_c_mid_run_of_a_hybrid_model_ends_the_bench_cleanly_with_partial_results() {
+    interrupt_model("SIGINT mid-run, hybrid model", When::MidRun, libc::SIGINT, 130, TINY_HYBRID);
 }
