@@ -371,14 +371,24 @@ fn pool_len(geo: &EngineGeometry) -> u64 {
 /// depends on the meaning and its position only, so it is the same whichever rank, TP size or
 /// layout holds it (one hash per 8 positions).
 fn pattern_into(key: u64, pos: u64, seed: u64, out: &mut [u8]) {
-    let mut i = 0;
-    while i < out.len() {
-        let p = pos + i as u64;
-        let word = pattern_word(key, p / 8, seed);
-        let lane = (p % 8) as usize;
-        let n = (8 - lane).min(out.len() - i);
-        out[i..i + n].copy_from_slice(&word.to_le_bytes()[lane..lane + n]);
-        i += n;
+    // A leading part word, then whole words, then a trailing part word.
+    let lane = (pos % 8) as usize;
+    let head = if lane == 0 { 0 } else { (8 - lane).min(out.len()) };
+    let (first, rest) = out.split_at_mut(head);
+    if head > 0 {
+        first.copy_from_slice(&pattern_word(key, pos / 8, seed).to_le_bytes()[lane..lane + head]);
+    }
+    let w0 = (pos + head as u64) / 8;
+    let whole = (rest.len() / 8) as u64;
+    let mut words = rest.chunks_exact_mut(8);
+    for (w, chunk) in (w0..).zip(&mut words) {
+        chunk.copy_from_slice(&pattern_word(key, w, seed).to_le_bytes());
+    }
+    let tail = words.into_remainder();
+    if !tail.is_empty() {
+        let w = w0 + whole;
+        let n = tail.len();
+        tail.copy_from_slice(&pattern_word(key, w, seed).to_le_bytes()[..n]);
     }
 }
 
@@ -588,5 +598,24 @@ fn describe(m: &Meaning) -> String {
     match m {
         Meaning::Attn { layer, head } => format!("{layer} KV head {head}"),
         Meaning::State { layer, part } => format!("{layer} {}", part.label()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Word by word or byte by byte, every position gets its own byte of its word.
+    #[test]
+    fn pattern_bytes_depend_on_the_position_only() {
+        let byte = |pos: u64| (pattern_word(7, pos / 8, 3) >> (8 * (pos % 8))) as u8;
+        for start in 0..17u64 {
+            for len in 0..40usize {
+                let mut out = vec![0u8; len];
+                pattern_into(7, start, 3, &mut out);
+                let want: Vec<u8> = (start..start + len as u64).map(byte).collect();
+                assert_eq!(out, want, "from {start}, {len} bytes");
+            }
+        }
     }
 }
