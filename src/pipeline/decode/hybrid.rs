@@ -169,7 +169,7 @@ impl Decoder<'_> {
         )
         .map_err(|e| incompatible(e.to_string()))?;
         let plan = planner
-            .plan_exchanged(tokens, blocks, None, &params.remote_request_id)
+            .plan_exchanged_rank(tokens, blocks, cfg.rank, &params.remote_request_id)
             .map_err(|e| incompatible(e.to_string()))?;
         let Some(mine) = plan.d_ranks.iter().find(|d| d.d_rank == cfg.rank) else {
             return Err(incompatible(format!("decode rank {} is not in the plan", cfg.rank)));
