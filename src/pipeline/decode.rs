@@ -588,14 +588,7 @@ impl Decoder<'_> {
                 }
             }
             if ucx_error.is_none() && eng.transports.is_none() {
-                eng.transports = eng
-                    .ranks
-                    .values()
-                    .filter_map(|rk| rk.region.as_ref().and_then(|rg| rg.endpoint().transports().ok()))
-                    .next();
-                // UCX chose its protocols at these first reads; say which, once per engine.
-                r.protocols = Some(u.ctx.protocols().only(crate::transfer::ucx::Rma::Get));
-                r.ucx_settings = Some(u.ctx.env_notes().to_vec());
+                eng.transports = ucx_choices(&eng.ranks, &u.ctx, r);
             }
         }
         if (!ucx_first || ucx_error.is_some()) && self.batch.is_none() {
@@ -728,6 +721,14 @@ impl Decoder<'_> {
         }
         Ok(())
     }
+}
+
+/// What UCX chose at an engine's first reads, said once per engine: its protocols and settings
+/// (into `r`), and the transports of its endpoints (returned).
+fn ucx_choices(ranks: &BTreeMap<u32, RemoteRank>, ctx: &Context, r: &mut LoadResult) -> Option<String> {
+    r.protocols = Some(ctx.protocols().only(crate::transfer::ucx::Rma::Get));
+    r.ucx_settings = Some(ctx.env_notes().to_vec());
+    ranks.values().filter_map(|rk| rk.region.as_ref().and_then(|rg| rg.endpoint().transports().ok())).next()
 }
 
 /// Push mode: binds the notification listener, registers the active-message handler, and

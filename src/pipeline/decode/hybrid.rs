@@ -206,13 +206,7 @@ impl Decoder<'_> {
             r.bytes += stats.bytes;
         }
         if eng.transports.is_none() {
-            eng.transports = eng
-                .ranks
-                .values()
-                .filter_map(|rk| rk.region.as_ref().and_then(|rg| rg.endpoint().transports().ok()))
-                .next();
-            r.protocols = Some(u.ctx.protocols().only(crate::transfer::ucx::Rma::Get));
-            r.ucx_settings = Some(u.ctx.env_notes().to_vec());
+            eng.transports = super::ucx_choices(&eng.ranks, &u.ctx, r);
         }
         r.transfer_ns = tt.elapsed().as_nanos() as u64;
         r.transfer_span = Some(crate::clock::ClockSpan::since(tt_mono));
