@@ -247,7 +247,9 @@ fn verified_label(s: &Summary) -> String {
     match s.scenario.verify.as_deref() {
         Some("full") => "bytes verified (every byte read)".to_string(),
         Some("sample") => format!(
-            "bytes verified (sampled blocks, {:.1}% of bytes read)",
+            // A hybrid model's decode ranks sample descriptors (every Nth), not blocks.
+            "bytes verified (sampled {}, {:.1}% of bytes read)",
+            if s.hybrid_parts.is_empty() { "blocks" } else { "descriptors" },
             100.0 * ratio(s.bytes_verified as f64, s.bytes_read as f64)
         ),
         Some("off") => "bytes verified (verification off)".to_string(),
