@@ -470,6 +470,8 @@ pub struct LandedCheck<'a> {
     /// Prefill's side, for saying what wrong bytes hold instead.
     remote: Side<'a>,
     seed: u64,
+    /// The bytes a run must hold, reused from pair to pair.
+    want: Vec<u8>,
 }
 
 impl<'a> LandedCheck<'a> {
@@ -490,6 +492,7 @@ impl<'a> LandedCheck<'a> {
                 sub_blocks: 1,
             },
             seed,
+            want: Vec::new(),
         }
     }
 
@@ -497,7 +500,7 @@ impl<'a> LandedCheck<'a> {
     /// adding to `report`: bytes checked, and each wrong range as what it is.
     pub fn check(&mut self, p_rank: u32, pair: &LabeledPair, got: &[u8], report: &mut ByteReport) {
         self.remote.rank = p_rank;
-        let mut want = Vec::new();
+        let want = &mut self.want;
         let mut done = 0;
         while done < pair.pair.len {
             let off = pair.pair.local + done;
@@ -511,7 +514,7 @@ impl<'a> LandedCheck<'a> {
             }
             if let Some(m) = &run.meaning {
                 want.resize(n as usize, 0);
-                pattern_into(meaning_key(m), run.pos, self.seed, &mut want);
+                pattern_into(meaning_key(m), run.pos, self.seed, want);
                 let have = got.get(done as usize..(done + n) as usize).unwrap_or(&[]);
                 report.bytes_checked += n;
                 if have != want.as_slice() {

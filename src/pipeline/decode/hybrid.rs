@@ -14,7 +14,7 @@ use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck};
 use crate::layouts::hybrid::{HybridPlanner, PairConfig};
 use crate::pipeline::params::KvTransferParams;
 use crate::pipeline::wire::{FailureCause, LoadResult, TransportKind};
-use crate::pipeline::worker::{classify_ucx, compat_factors, fetch_peers, first_region};
+use crate::pipeline::worker::{classify_ucx, compat_factors, fetch_peers};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::notify::Notification;
 use crate::transfer::ucx::{ReadDesc, ReadOptions};
@@ -53,7 +53,7 @@ fn parts_read(
     rank: &crate::layouts::hybrid::descriptors::DRankPlan,
 ) -> Vec<crate::report::summary::PartBytes> {
     use crate::layouts::hybrid::descriptors::RowKind;
-    let mut out = Vec::new();
+    let mut runs = Vec::new();
     for read in &rank.reads {
         for run in &read.runs {
             let part = match run.label.kind {
@@ -62,18 +62,18 @@ fn parts_read(
             };
             let kind = planner.d.groups.get(run.group as usize).map_or("", |g| g.kind.vllm_spec());
             let bytes = read.pairs[run.start..run.start + run.count].iter().map(|p| p.len).sum();
-            crate::report::summary::add_parts(
-                &mut out,
-                &[crate::report::summary::PartBytes {
-                    group: run.group,
-                    kind: kind.to_string(),
-                    part,
-                    bytes,
-                    descriptors: run.count as u64,
-                }],
-            );
+            runs.push(crate::report::summary::PartBytes {
+                group: run.group,
+                kind: kind.to_string(),
+                part,
+                bytes,
+                descriptors: run.count as u64,
+            });
         }
     }
+    // Summed per group and part, sorted once.
+    let mut out = Vec::new();
+    crate::report::summary::add_parts(&mut out, &runs);
     out
 }
 
@@ -113,7 +113,6 @@ impl Decoder<'_> {
         let p_len = p.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0);
         let mut out = BTreeMap::new();
         for peer in &peers {
-            first_region(&peer.metadata, "peer")?;
             out.insert(peer.metadata.tp_rank, self.connect_peer(&peer.metadata, first, p_len)?);
         }
         Ok(HybridRemote { ranks: out, transports: None })
