@@ -73,6 +73,18 @@ pub fn clip_for_exchange(
     block_ids: &[Vec<u32>],
     clip_state: bool,
 ) -> Result<Vec<Vec<u32>>, HybridError> {
+    clip_filtered(groups, block_tokens, block_ids, clip_state, |_| true)
+}
+
+/// [`clip_for_exchange`] of the lists with only the ids `keep` keeps (in one pass: no list
+/// of the kept ids is made first).
+fn clip_filtered(
+    groups: &[KvGroup],
+    block_tokens: u32,
+    block_ids: &[Vec<u32>],
+    clip_state: bool,
+    keep: impl Fn(u32) -> bool + Copy,
+) -> Result<Vec<Vec<u32>>, HybridError> {
     if block_ids.is_empty() {
         return Ok(Vec::new());
     }
@@ -82,27 +94,33 @@ pub fn clip_for_exchange(
             format!("{} block lists for {} KV cache groups", block_ids.len(), groups.len()),
         ));
     }
-    let sw = window_blocks(groups, block_tokens);
     Ok(groups
         .iter()
         .zip(block_ids)
-        .zip(sw)
-        .map(|((g, ids), n_sw)| {
-            if n_sw > 0 {
-                ids[ids.len().saturating_sub(n_sw as usize)..].to_vec()
+        .map(|(g, ids)| {
+            let tail = if let GroupKind::SlidingWindow { window_tokens } = g.kind {
+                window_tokens.div_ceil(block_tokens.max(1)) as usize + 1
             } else if clip_state && g.kind.is_state() {
-                ids[ids.len().saturating_sub(1)..].to_vec()
+                1
             } else {
-                ids.clone()
+                usize::MAX
+            };
+            if tail == usize::MAX && ids.iter().all(|&b| keep(b)) {
+                return ids.clone();
             }
+            // The last `tail` kept ids, in order.
+            let mut from = ids.len();
+            let mut kept = 0;
+            while from > 0 && kept < tail {
+                from -= 1;
+                kept += usize::from(keep(ids[from]));
+            }
+            if kept == ids.len() - from {
+                return ids[from..].to_vec();
+            }
+            ids[from..].iter().copied().filter(|&b| keep(b)).collect()
         })
         .collect())
-}
-
-/// Decode's unhashed blocks as vLLM 0.33 hands them to the connector: null placeholders
-/// dropped.
-pub fn unhashed(block_ids: &[Vec<u32>]) -> Vec<Vec<u32>> {
-    block_ids.iter().map(|g| g.iter().copied().filter(|&b| b != NULL_BLOCK).collect()).collect()
 }
 
 /// The block lists the two schedulers exchange for one request.
@@ -129,7 +147,7 @@ impl ExchangedBlocks {
         let local = if d_external_tokens == 0 {
             Vec::new()
         } else {
-            clip_for_exchange(p_groups, d_block_tokens, &unhashed(d_raw_unhashed_block_ids), true)?
+            clip_filtered(p_groups, d_block_tokens, d_raw_unhashed_block_ids, true, |b| b != NULL_BLOCK)?
         };
         Ok(ExchangedBlocks { remote_block_ids: remote, local_block_ids: local })
     }
@@ -208,18 +226,37 @@ pub fn list_counts(groups: usize, decode: usize, prefill: usize) -> Result<(), H
     Ok(())
 }
 
-/// [`apply_prefix_caching`] for group `i` alone: trims its (decode, prefill) lists in place.
-/// Each group pairs on its own, so a planner can pair a request's groups once and hand them
-/// to every READ that reads them.
-pub fn pair_group(
+/// How prefix-cache trimming cuts one group's lists: decode keeps its first `d_len` blocks,
+/// prefill its `p_len` blocks from `p_front`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trim {
+    pub d_len: usize,
+    pub p_front: usize,
+    pub p_len: usize,
+}
+
+impl Trim {
+    /// Applies the trim to the group's (decode, prefill) lists in place.
+    pub fn apply<T>(self, (d, p): (&mut Vec<T>, &mut Vec<T>)) {
+        d.truncate(self.d_len);
+        p.drain(..self.p_front.min(p.len()));
+        p.truncate(self.p_len);
+    }
+}
+
+/// [`apply_prefix_caching`] for group `i` alone, from its list lengths (`nd` decode, `np`
+/// prefill blocks): how to trim them, or vLLM's assertion. Each group pairs on its own, so a
+/// planner can pair a request's groups once and hand them to every READ that reads them.
+pub fn group_trim(
     i: usize,
     g: &KvGroup,
     has_state: bool,
-    (d, p): (&mut Vec<u64>, &mut Vec<u64>),
+    (nd, np): (usize, usize),
     d_ppl: u32,
     p_ppl: u32,
-) -> Result<(), HybridError> {
-    let (nd, np) = (d.len(), p.len());
+) -> Result<Trim, HybridError> {
+    // Keep the last `n` of prefill's blocks and decode's first `n`.
+    let tail = |n: usize| Trim { d_len: n, p_front: np - n, p_len: n };
     if !has_state {
         // vLLM asserts decode never holds more blocks than prefill here.
         if nd > np {
@@ -231,12 +268,10 @@ pub fn pair_group(
                 ),
             ));
         }
-        if nd < np {
-            p.drain(..np - nd);
-        }
+        Ok(tail(nd))
     } else if g.kind.is_state() {
         if nd == np {
-            return Ok(());
+            return Ok(tail(nd));
         }
         if nd > np + 1 {
             return Err(HybridError::request(
@@ -244,14 +279,9 @@ pub fn pair_group(
                 format!("group {i}: unpairable SSM state slots, decode={nd} prefill={np}"),
             ));
         }
-        let n = nd.min(np);
-        if nd < np {
-            p.drain(..np - n);
-        } else {
-            d.truncate(n);
-        }
+        Ok(tail(nd.min(np)))
     } else if d_ppl == p_ppl && nd < np {
-        p.drain(..np - nd);
+        Ok(tail(nd))
     } else {
         let max_padding = (d_ppl + p_ppl) as usize;
         if nd.abs_diff(np) > max_padding {
@@ -261,9 +291,20 @@ pub fn pair_group(
             ));
         }
         let n = nd.min(np);
-        d.truncate(n);
-        p.truncate(n);
+        Ok(Trim { d_len: n, p_front: 0, p_len: n })
     }
+}
+
+/// [`group_trim`] applied: trims group `i`'s (decode, prefill) lists in place.
+pub fn pair_group(
+    i: usize,
+    g: &KvGroup,
+    has_state: bool,
+    (d, p): (&mut Vec<u64>, &mut Vec<u64>),
+    d_ppl: u32,
+    p_ppl: u32,
+) -> Result<(), HybridError> {
+    group_trim(i, g, has_state, (d.len(), p.len()), d_ppl, p_ppl)?.apply((d, p));
     Ok(())
 }
 

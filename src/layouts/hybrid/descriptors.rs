@@ -26,8 +26,8 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::blocks::{
-    ExchangedBlocks, NULL_BLOCK, TokenCounts, list_counts, logical_to_kernel, map_block_size_ratio,
-    pair_group,
+    ExchangedBlocks, NULL_BLOCK, TokenCounts, group_trim, list_counts, logical_to_kernel,
+    map_block_size_ratio,
 };
 use super::error::{HybridError, RefusalKind};
 use super::geometry::{
@@ -534,6 +534,9 @@ pub struct DRankSetup {
     /// no request changes.
     #[serde(skip)]
     templates: Vec<ReadTemplate>,
+    /// What follows the request id in every notification: `":<consumers>"`.
+    #[serde(skip)]
+    notif_suffix: String,
 }
 
 /// What one READ's walk needs that no request changes: which groups its prefill rank serves,
@@ -550,6 +553,91 @@ struct ReadTemplate {
     /// the k-th remote run, as `_compute_desc_ids` lays them out whenever both engines have
     /// the same groups): each run pair with both rows resolved, ready to emit whole lists.
     aligned: Option<Vec<RowPair>>,
+    /// The aligned run pairs cut into spans of consecutive pairs of one group (a state
+    /// group's rows, an attention group's layers): one check per span, then every pair of
+    /// the span in one pass.
+    spans: Vec<Span>,
+}
+
+/// Consecutive aligned run pairs `start..end` of one group, and what whole lists must stay
+/// under to take the fast way for all of them at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Span {
+    group: u32,
+    start: usize,
+    end: usize,
+    /// Every run pair of the span takes the fast way (see [`RowPair::fast`]).
+    fast: bool,
+    /// The lowest `lcap` and `rcap` over the span.
+    lcap: u64,
+    rcap: u64,
+}
+
+impl Span {
+    /// The spans of `pairs`, cut where the group changes.
+    fn cut(pairs: &[RowPair]) -> Vec<Span> {
+        let mut out: Vec<Span> = Vec::new();
+        for (k, rp) in pairs.iter().enumerate() {
+            match out.last_mut() {
+                Some(s) if s.group == rp.group => {
+                    s.end = k + 1;
+                    s.fast &= rp.fast;
+                    s.lcap = s.lcap.min(rp.lcap);
+                    s.rcap = s.rcap.min(rp.rcap);
+                }
+                _ => out.push(Span {
+                    group: rp.group,
+                    start: k,
+                    end: k + 1,
+                    fast: rp.fast,
+                    lcap: rp.lcap,
+                    rcap: rp.rcap,
+                }),
+            }
+        }
+        out
+    }
+
+    /// Whether whole lists of these bounds fit every run pair of the span and read no null
+    /// block.
+    #[inline]
+    fn fits(&self, (&((_, lmax), _), &((rmin, rmax), _)): (&ListBounds, &ListBounds)) -> bool {
+        self.fast && lmax < self.lcap && rmax < self.rcap && rmin != u64::from(NULL_BLOCK)
+    }
+
+    /// Every pair of the span's run pairs `rps` over whole lists `ls` and `rs` (which
+    /// [`fits`](Self::fits)), run pair by run pair, with one run each.
+    #[inline]
+    fn emit(rps: &[RowPair], read: &mut HybridRead, (ls, rs): (&[u64], &[u64])) {
+        let start = read.pairs.len();
+        let n = ls.len();
+        let at = |o: u64, b: u64, st: u64| o.wrapping_add(b.wrapping_mul(st));
+        if let ([lb], [rb]) = (ls, rs) {
+            read.pairs.extend(rps.iter().map(|rp| Pair {
+                local: at(rp.local, *lb, rp.lstride),
+                remote: at(rp.remote, *rb, rp.rstride),
+                len: rp.len,
+            }));
+        } else {
+            for rp in rps {
+                read.pairs.extend(ls.iter().zip(rs).map(|(&lb, &rb)| Pair {
+                    local: at(rp.local, lb, rp.lstride),
+                    remote: at(rp.remote, rb, rp.rstride),
+                    len: rp.len,
+                }));
+            }
+        }
+        // Whole lists start at their first block: nothing to merge with the run before.
+        read.runs.extend(rps.iter().enumerate().map(|(j, rp)| PairRun {
+            label: rp.label,
+            group: rp.group,
+            remote_group: rp.group,
+            start: start + j * n,
+            count: n,
+            local_at: 0,
+            remote_at: 0,
+        }));
+    }
 }
 
 /// A local and a remote run of one group, with what their pairs are made of: block `lb` on
@@ -966,20 +1054,32 @@ impl HybridPlanner {
         };
         let mapped_empty = (0..groups.len()).map(|g| local.get(g).is_none_or(Vec::is_empty)).collect();
         let shape = list_counts(groups.len(), local.len(), remote_k.len()).err();
-        let mut remote = remote_k.clone();
+        let mut remote = remote_k;
         let (d_ppl, p_ppl) = (self.d.physical_per_logical, self.p.physical_per_logical);
-        let errors = (0..groups.len())
-            .map(|i| match (local.get_mut(i), remote.get_mut(i)) {
-                (Some(l), Some(r)) => {
-                    pair_group(i, &groups[i], self.d.has_state(), (l, r), d_ppl, p_ppl).err()
+        let has_state = self.d.has_state();
+        let mut errors = Vec::with_capacity(groups.len());
+        let mut shifts = Vec::with_capacity(groups.len());
+        for (i, group) in groups.iter().enumerate() {
+            let (Some(l), Some(r)) = (local.get_mut(i), remote.get_mut(i)) else {
+                errors.push(None);
+                shifts.push(None);
+                continue;
+            };
+            match group_trim(i, group, has_state, (l.len(), r.len()), d_ppl, p_ppl) {
+                Ok(trim) => {
+                    // Where prefill's first paired block first appears in its whole list.
+                    let first = r.get(trim.p_front).and_then(|&b0| r.iter().position(|&b| b == b0));
+                    trim.apply((l, r));
+                    errors.push(None);
+                    shifts.push(self.token_shift(i, blocks, first, l, r, computed_tokens));
                 }
-                _ => None,
-            })
-            .collect();
+                Err(e) => {
+                    errors.push(Some(e));
+                    shifts.push(self.token_shift(i, blocks, r.first().map(|_| 0), l, r, computed_tokens));
+                }
+            }
+        }
         let bounds = [&local, &remote].map(|lists| lists.iter().map(|l| (min_max(l), l.len())).collect());
-        let shifts = (0..groups.len())
-            .map(|g| self.token_shift(g, blocks, &remote_k, &local, &remote, computed_tokens))
-            .collect();
         RequestLists { mapped_empty, shape, errors, lists: [local.into(), remote.into()], bounds, shifts }
     }
 
@@ -991,7 +1091,7 @@ impl HybridPlanner {
         findings: &mut Vec<Finding>,
     ) -> Result<DRankPlan, HybridError> {
         let m = &setup.mapping;
-        let notif = format!("{p_request_id}:{}", m.local_consumers);
+        let notif = [p_request_id, &setup.notif_suffix].concat();
         let mut reads = Vec::new();
         let mut notifs_only = Vec::new();
         let groups = self.d.groups.len();
@@ -1068,17 +1168,25 @@ impl HybridPlanner {
                 && (0..groups).all(|g| !kept(g) || local[g].len() == remote[g].len())
             {
                 // Run k of one side pairs with run k of the other, whole lists each.
-                for (k, rp) in pairs.iter().enumerate() {
-                    let g = rp.group as usize;
+                for span in &t.spans {
+                    let g = span.group as usize;
                     if !kept(g) || local[g].is_empty() {
                         continue;
                     }
                     let (ls, rs) = (&local[g][..], &remote[g][..]);
-                    if !(rp.fast && rp.emit(&mut read, (&lists.bounds[0][g], &lists.bounds[1][g]), (ls, rs)))
-                    {
-                        let (lr, rr) = (t.runs[0][k].run, t.runs[1][k].run);
-                        let chunk = Chunk { local: lr, remote: rr, local_at: 0, remote_at: 0, n: ls.len() };
-                        self.plan_chunk(&mut walk, &mut read, chunk, (ls, rs), findings)?;
+                    let bounds = (&lists.bounds[0][g], &lists.bounds[1][g]);
+                    let rps = &pairs[span.start..span.end];
+                    if span.fits(bounds) {
+                        Span::emit(rps, &mut read, (ls, rs));
+                        continue;
+                    }
+                    for (k, rp) in (span.start..).zip(rps) {
+                        if !(rp.fast && rp.emit(&mut read, bounds, (ls, rs))) {
+                            let (lr, rr) = (t.runs[0][k].run, t.runs[1][k].run);
+                            let chunk =
+                                Chunk { local: lr, remote: rr, local_at: 0, remote_at: 0, n: ls.len() };
+                            self.plan_chunk(&mut walk, &mut read, chunk, (ls, rs), findings)?;
+                        }
                     }
                 }
                 reads.push(read);
@@ -1262,25 +1370,27 @@ impl HybridPlanner {
     /// Whether attention group `gi`'s first paired blocks hold different token positions:
     /// (decode's first token, prefill's). A group's list is the tail of the blocks covering the
     /// computed tokens; trimming only shortens decode's list at its end, prefill's at either end.
+    /// `first_at`: where prefill's first paired block first appears in its untrimmed list.
     fn token_shift(
         &self,
         gi: usize,
         blocks: &ExchangedBlocks,
-        remote_k: &[Vec<u64>],
-        local: &[Vec<u64>],
-        remote: &[Vec<u64>],
+        first_at: Option<usize>,
+        local: &[u64],
+        remote: &[u64],
         computed_tokens: u32,
     ) -> Option<(u64, u64)> {
         let (p, d) = (&self.p, &self.d);
         let tokens = u64::from(computed_tokens);
-        if d.groups[gi].kind.is_state() || local.get(gi).is_none_or(Vec::is_empty) {
+        if d.groups[gi].kind.is_state() || local.is_empty() {
             return None;
         }
-        let (&r0, ld) = (remote.get(gi)?.first()?, blocks.local_block_ids.get(gi)?);
+        remote.first()?;
+        let ld = blocks.local_block_ids.get(gi)?;
         let (bd, bp) = (u64::from(d.sizing.block_tokens), u64::from(p.sizing.block_tokens));
         let d_first = tokens.div_ceil(bd).saturating_sub(ld.len() as u64) * bd;
         let lp = blocks.remote_block_ids[gi].len() as u64;
-        let pos = remote_k[gi].iter().position(|&b| b == r0).unwrap_or(0) as u64;
+        let pos = first_at.unwrap_or(0) as u64;
         let p_first = (tokens.div_ceil(bp).saturating_sub(lp) * u64::from(p.physical_per_logical) + pos)
             * u64::from(p.kernel_block_tokens);
         (d_first != p_first).then_some((d_first, p_first))
@@ -1733,6 +1843,7 @@ fn build_rank(
                     runs[0].iter().zip(&runs[1]).map(|(&l, &r)| RowPair::new(l, r, llist, &remote)).collect()
                 })
                 .flatten();
+            let spans = aligned.as_deref().map(Span::cut).unwrap_or_default();
             let runs_per_group = [&lruns, &rruns].map(|runs| {
                 let mut n = vec![0; groups];
                 for r in runs.iter() {
@@ -1747,12 +1858,14 @@ fn build_rank(
                 runs,
                 runs_per_group,
                 aligned,
+                spans,
             }
         })
         .collect();
     DRankSetup {
         d_rank,
         handshake_ranks: handshake_ranks(p.config.tp, d.config.tp, d_rank).into(),
+        notif_suffix: format!(":{}", m.local_consumers),
         mapping: Arc::new(m),
         local,
         local_for_source,
