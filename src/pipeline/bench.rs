@@ -160,6 +160,23 @@ impl BenchSettings {
                 "cpu: a host buffer per rank, apart from its host KV pool; the copies are memcpy"
             };
             s.extra.insert("kv_buffer_device".into(), serde_json::json!(how));
+            if let Some(h) = w.hybrid.as_ref() {
+                // Which of vLLM 0.33's host-buffer rules ran (or the switch that replaced it).
+                let copy = match h.host_copy {
+                    crate::layouts::hybrid::descriptors::HostCopyRule::Vllm => "vllm",
+                    crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup => "per-group",
+                };
+                let page = if h.d.host_state_page_padded { "padded" } else { "vllm" };
+                s.extra.insert("host_copy".into(), serde_json::json!(copy));
+                s.extra.insert("host_state_page".into(), serde_json::json!(page));
+            }
+        }
+        if let Some(h) = w.hybrid.as_ref() {
+            let slices = match h.state_slices {
+                crate::layouts::hybrid::StateSlices::Vllm => "vllm",
+                crate::layouts::hybrid::StateSlices::Exact => "exact",
+            };
+            s.extra.insert("state_slices".into(), serde_json::json!(slices));
         }
         if w.prefill.per_layer_ns > 0 {
             s.extra.insert(

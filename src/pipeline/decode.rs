@@ -141,17 +141,20 @@ struct Decoder<'a> {
 pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.d_geometry(cfg.rank);
     let hybrid_geom = super::worker::hybrid_geometry(&cfg)?;
+    let hybrid_cache = super::worker::hybrid_cache_geometry(&cfg)?;
+    let cache_span = hybrid_cache.as_ref().map(super::worker::hybrid_span);
     let hybrid = cfg
         .hybrid
         .as_deref()
-        .map(hybrid::HybridDecode::new)
+        .map(|c| hybrid::HybridDecode::new(c, hybrid_cache))
         .transpose()
         .stage("the hybrid model's descriptor lists")?;
     let (progress, err_mode) = (cfg.transport.progress, cfg.transport.err_mode);
     let kind = cfg.transport.kind;
     let (regions, total) = super::worker::rank_regions(&geom, hybrid_geom.as_ref());
+    let cache_bytes = cache_span.unwrap_or(total);
     let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem, staged } =
-        super::worker::rank_pool(&cfg, regions, total)?;
+        super::worker::rank_pool(&cfg, regions, total, cache_bytes)?;
     let (local, lib) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx
@@ -197,7 +200,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         ucx_library: lib.0,
         ucx_version: lib.1,
         // With a host buffer the rank holds the pool twice over (pool and buffer).
-        pool_bytes: total as u64 * if staged.is_some() { 2 } else { 1 },
+        pool_bytes: total as u64 + if staged.is_some() { cache_bytes } else { 0 },
         rss_bytes: rss_bytes(),
     })))?;
     let client = HandshakeClient::new(FetchOptions {

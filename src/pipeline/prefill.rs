@@ -194,11 +194,13 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     defer_wakeups();
     let geom = cfg.pair.p_geometry(cfg.rank);
     let hybrid = super::worker::hybrid_geometry(&cfg)?;
+    let hybrid_cache = super::worker::hybrid_cache_geometry(&cfg)?;
     let progress = cfg.transport.progress;
     let kind = cfg.transport.kind;
     let (regions, total) = super::worker::rank_regions(&geom, hybrid.as_ref());
+    let cache_total = hybrid_cache.as_ref().map_or(total, super::worker::hybrid_span);
     let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem, mut staged } =
-        super::worker::rank_pool(&cfg, regions, total)?;
+        super::worker::rank_pool(&cfg, regions, total, cache_total)?;
     let mut ucx_lib = None;
     let (mut pool, worker_address, rkey, base) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
@@ -254,7 +256,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         ucx_library: lib,
         ucx_version: version,
         // With a host buffer the rank holds the pool twice over (pool and buffer).
-        pool_bytes: total as u64 * if staged.is_some() { 2 } else { 1 },
+        pool_bytes: total as u64 + if staged.is_some() { cache_total } else { 0 },
         rss_bytes: rss_bytes(),
     })))?;
 
@@ -297,9 +299,14 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     // request's blocks are copied to the buffer decode reads (vLLM's
                     // `save_kv_to_host`), timed as their own stage.
                     let filled = staged.as_mut().map_or_else(|| pool.memory_mut(), Ok)?;
+                    let mut lists = None;
                     match &hybrid {
-                        // Every block of every group, each byte by what it means.
-                        Some(g) => fill_hybrid(filled, g, cfg.rank, tokens, &blocks, seed)?,
+                        // Every block of every group, each byte by what it means (in the KV
+                        // cache's layout, which a host buffer does not share).
+                        Some(g) => {
+                            let cache = hybrid_cache.as_ref().unwrap_or(g);
+                            lists = Some(fill_hybrid(filled, cache, cfg.rank, tokens, &blocks, seed)?);
+                        }
                         None => {
                             let plan = FillPlan::new(&geom, &regions, &blocks, seed);
                             filled
@@ -311,11 +318,17 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     let mut save_ns = 0;
                     if let Some(kv) = staged.as_ref() {
                         let ts = Instant::now();
-                        crate::transfer::memory::copy_ranges(
-                            kv,
-                            pool.memory_mut()?,
-                            &block_ranges(&regions, &blocks),
-                        )
+                        match (&hybrid, &hybrid_cache, &lists) {
+                            (Some(host), Some(cache), Some(lists)) => {
+                                let (from, to) = hybrid_save_moves(cache, host, lists)?;
+                                crate::transfer::memory::copy_moved(kv, &from, pool.memory_mut()?, &to)
+                            }
+                            _ => crate::transfer::memory::copy_ranges(
+                                kv,
+                                pool.memory_mut()?,
+                                &block_ranges(&regions, &blocks),
+                            ),
+                        }
                         .stage("copy the request's blocks to the host buffer")?;
                         save_ns = ts.elapsed().as_nanos() as u64;
                     }
@@ -545,7 +558,7 @@ fn abandon(pusher: &mut Option<Pusher>, h: &mut Held, why: &str) {
 }
 
 /// Fills a hybrid request's blocks (a flat allocation of `blocks`, group after group) by
-/// meaning: the per-group lists vLLM's allocator holds for `tokens` prompt tokens.
+/// meaning: the per-group lists vLLM's allocator holds for `tokens` prompt tokens (returned).
 fn fill_hybrid(
     pool: &mut KvBuffer,
     g: &crate::layouts::hybrid::geometry::EngineGeometry,
@@ -553,7 +566,7 @@ fn fill_hybrid(
     tokens: u32,
     blocks: &[u32],
     seed: u64,
-) -> Result<(), WorkerError> {
+) -> Result<Vec<Vec<u32>>, WorkerError> {
     use crate::layouts::hybrid::blocks::RequestShape;
     use crate::layouts::hybrid::coverage::RequestFill;
     let shape = RequestShape::of(g);
@@ -568,7 +581,24 @@ fn fill_hybrid(
     pool.write_ranges(&fill.ranges(), |i, bytes| {
         fill.fill(i, bytes);
     })
-    .stage("fill the request's blocks")
+    .stage("fill the request's blocks")?;
+    Ok(lists)
+}
+
+/// vLLM's `save_kv_to_host` of a hybrid request whose per-group lists are `lists`: its blocks
+/// (a window's tail, every state slot: vLLM saves before clipping state) through every layer,
+/// as (KV cache ranges, host buffer ranges).
+fn hybrid_save_moves(
+    cache: &crate::layouts::hybrid::geometry::EngineGeometry,
+    host: &crate::layouts::hybrid::geometry::EngineGeometry,
+    lists: &[Vec<u32>],
+) -> Result<super::worker::Moves, WorkerError> {
+    use crate::layouts::hybrid::blocks::{clip_for_exchange, logical_to_kernel};
+    let saved = clip_for_exchange(&cache.groups, cache.sizing.block_tokens, lists, false)
+        .map_err(|e| WorkerError::Protocol { reason: e.to_string() })?;
+    let kernel = logical_to_kernel(&cache.groups, &saved, cache.physical_per_logical);
+    let moves = crate::layouts::hybrid::staging::host_copy_moves(cache, host, &kernel, false);
+    Ok(super::worker::split_moves(&moves, true))
 }
 
 /// Moves the simulated prefills on: with `--overlap layers`, WRITEs the layers computed since

@@ -342,6 +342,31 @@ pub(super) fn hybrid_geometry(
     EngineGeometry::new(&h.model, engine, side).map(Some).stage("the hybrid model's geometry")
 }
 
+/// With a host buffer (`--kv-buffer-device cpu`), a hybrid model's KV cache as vLLM lays it out
+/// on the device (the geometry [`hybrid_geometry`] gives is the host buffer's: one tensor per
+/// layer); `None` otherwise.
+pub(super) fn hybrid_cache_geometry(
+    cfg: &WorkerConfig,
+) -> Result<Option<crate::layouts::hybrid::geometry::EngineGeometry>, WorkerError> {
+    use crate::layouts::hybrid::geometry::{EngineGeometry, KvBufferDevice, Side};
+    let Some(h) = cfg.hybrid.as_deref() else { return Ok(None) };
+    let (engine, side) = match cfg.role {
+        super::wire::Role::Prefill => (&h.p, Side::Prefill),
+        super::wire::Role::Decode => (&h.d, Side::Decode),
+    };
+    if engine.kv_buffer_device != KvBufferDevice::Cpu {
+        return Ok(None);
+    }
+    let cache =
+        crate::layouts::hybrid::HybridEngine { kv_buffer_device: KvBufferDevice::Cuda, ..engine.clone() };
+    EngineGeometry::new(&h.model, &cache, side).map(Some).stage("the hybrid model's KV cache geometry")
+}
+
+/// The bytes a hybrid geometry's regions span.
+pub(super) fn hybrid_span(g: &crate::layouts::hybrid::geometry::EngineGeometry) -> u64 {
+    g.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0)
+}
+
 /// A rank's regions and the bytes its pool spans: a uniform model's from `geom`, a hybrid
 /// model's from vLLM's layout (several layers' tensors aliased at one base, padded pages; no
 /// `content`, as hybrid blocks are filled and checked by meaning, `layouts::hybrid::coverage`).
@@ -367,16 +392,17 @@ pub(super) fn rank_regions(
             },
         })
         .collect();
-    let total = g.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0);
-    (regions, total)
+    (regions, hybrid_span(g))
 }
 
 /// Allocates the pool of a rank laid out as `regions` over `total` bytes (prefill and decode
-/// alike).
+/// alike). With a host buffer, `total` is the buffer's and `cache_total` the KV pool's (a
+/// hybrid model's host buffer is laid out otherwise than its pool).
 pub(super) fn rank_pool(
     cfg: &WorkerConfig,
     regions: Vec<crate::layouts::Region>,
     total: u64,
+    cache_total: u64,
 ) -> Result<RankPool, WorkerError> {
     use super::wire::TransportKind;
     let total = usize::try_from(total).stage("pool size")?;
@@ -389,10 +415,13 @@ pub(super) fn rank_pool(
     } else {
         crate::transfer::memory::PageSize::Normal
     };
-    let mem = crate::transfer::memory::KvBuffer::alloc(cfg.mem, total, pages)
-        .stage(format!("allocate the {total}-byte KV pool in {} memory", cfg.mem))?;
-    if cfg.transport.kv_buffer == super::wire::KvBufferDevice::Cpu {
-        // vLLM's host buffer has the pool's layout (one host tensor per device tensor).
+    let staging = cfg.transport.kv_buffer == super::wire::KvBufferDevice::Cpu;
+    let pool_bytes = if staging { usize::try_from(cache_total).stage("pool size")? } else { total };
+    let mem = crate::transfer::memory::KvBuffer::alloc(cfg.mem, pool_bytes, pages)
+        .stage(format!("allocate the {pool_bytes}-byte KV pool in {} memory", cfg.mem))?;
+    if staging {
+        // vLLM's host buffer: one host tensor per device tensor (a uniform model: the pool's
+        // layout; a hybrid model: one per layer, where the pool aliases them).
         let host = crate::transfer::memory::KvBuffer::alloc(MemPlace::Host, total, pages)
             .stage(format!("allocate the {total}-byte host buffer"))?;
         return Ok(RankPool { regions, total, uses_ucx, uses_storage, mem: host, staged: Some(mem) });
@@ -411,4 +440,19 @@ pub fn block_ranges(regions: &[crate::layouts::Region], blocks: &[u32]) -> Vec<s
         }));
     }
     out
+}
+
+/// Source and destination ranges of a host buffer's copy.
+pub(super) type Moves = (Vec<std::ops::Range<u64>>, Vec<std::ops::Range<u64>>);
+
+/// `moves` as (from, to) ranges: KV cache to host buffer (`to_host`, prefill's save) or host
+/// buffer to KV cache (decode's sync).
+pub(super) fn split_moves(moves: &[crate::layouts::hybrid::staging::Move], to_host: bool) -> Moves {
+    moves
+        .iter()
+        .map(|m| {
+            let (cache, host) = (m.device..m.device + m.len, m.host..m.host + m.len);
+            if to_host { (cache, host) } else { (host, cache) }
+        })
+        .unzip()
 }

@@ -244,7 +244,17 @@ pub fn bandwidth_table(s: &Summary, style: Style) -> Option<Table> {
 
 /// What the verification row claims, as strong as the check: the mode that chose the bytes.
 fn verified_label(s: &Summary) -> String {
+    // A hybrid model through host buffers is checked in each decode rank's KV cache after the
+    // copy into it: every block of the request, not the bytes the READs moved.
+    let cache = !s.hybrid_parts.is_empty() && s.scenario.extra.contains_key("kv_buffer_device");
     match s.scenario.verify.as_deref() {
+        Some("full") if cache => {
+            "bytes verified (every byte of the request's blocks in the KV caches)".to_string()
+        }
+        Some("sample") if cache => format!(
+            "bytes verified (sampled layer blocks of the KV caches; {:.1}% as many bytes as read)",
+            100.0 * ratio(s.bytes_verified as f64, s.bytes_read as f64)
+        ),
         Some("full") => "bytes verified (every byte read)".to_string(),
         Some("sample") => format!(
             // A hybrid model's decode ranks sample descriptors (every Nth), not blocks.

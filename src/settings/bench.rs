@@ -266,6 +266,18 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub state_slices: Option<crate::layouts::hybrid::StateSlices>,
+        /// Hybrid models with --kv-buffer-device cpu: which blocks decode's host-to-device copy
+        /// passes through each layer: vllm (every group's through every layer, as vLLM 0.33) or
+        /// per-group (each layer its own group's) [default: vllm].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub host_copy: Option<crate::layouts::hybrid::descriptors::HostCopyRule>,
+        /// Hybrid models with --kv-buffer-device cpu: the host tensors' state pages: vllm
+        /// (unpadded, as vLLM 0.33 allocates them, while the regions assume padded ones) or
+        /// padded [default: vllm].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub host_state_page: Option<super::plan::HostStatePage>,
         /// How many batches --transport cuda-batch posts per request on a decode rank: rank
         /// (one over all its prefill peers: one kernel launch) or peer (one per prefill peer)
         /// [default: rank].
@@ -388,10 +400,29 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
     }
     let transport = transport(s, slowdown)?;
     let hybrid_model = super::hybrid_flags::hybrid_preset_of(&s.model, s.pair.vllm, &[])?;
-    if hybrid_model.is_none() && s.state_slices.is_some() {
+    if hybrid_model.is_none()
+        && let Some((_, flag)) = [
+            (s.state_slices.is_some(), "--state-slices"),
+            (s.host_copy.is_some(), "--host-copy"),
+            (s.host_state_page.is_some(), "--host-state-page"),
+        ]
+        .into_iter()
+        .find(|(given, _)| *given)
+    {
         return Err(ConfigError::new(
-            "--state-slices",
+            flag,
             "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b)",
+        ));
+    }
+    if transport.kv_buffer != KvBufferDevice::Cpu
+        && let Some((_, flag)) =
+            [(s.host_copy.is_some(), "--host-copy"), (s.host_state_page.is_some(), "--host-state-page")]
+                .into_iter()
+                .find(|(given, _)| *given)
+    {
+        return Err(ConfigError::new(
+            flag,
+            "applies to the host buffer's copies: add --kv-buffer-device cpu (or --compare-kv-buffer-device cuda,cpu)",
         ));
     }
     if let Some(model) = hybrid_model {
@@ -470,16 +501,13 @@ fn hybrid_pair(
             ),
         ));
     }
-    if transport.kv_buffer == KvBufferDevice::Cpu {
-        return Err(ConfigError::new(
-            "--kv-buffer-device",
-            format!(
-                "{name} is a hybrid model: its host-buffer staging runs in kvx plan (findings) but not \
-                 through kvx bench yet (use --kv-buffer-device cuda)"
-            ),
-        ));
-    }
     let (mut p, mut d) = super::hybrid_flags::hybrid_engines(&s.pair, 16, None, None)?;
+    if transport.kv_buffer == KvBufferDevice::Cpu {
+        for e in [&mut p, &mut d] {
+            e.kv_buffer_device = KvBufferDevice::Cpu;
+            e.host_state_page_padded = s.host_state_page == Some(super::plan::HostStatePage::Padded);
+        }
+    }
     let pool = |e: &crate::layouts::hybrid::HybridEngine, side: Side| -> Result<u32, ConfigError> {
         let shape = RequestShape::of(&EngineGeometry::new(&model, e, side)?);
         let per_request = shape.blocks(max_tokens, 0);
@@ -506,7 +534,7 @@ fn hybrid_pair(
         d,
         permute_local_kv: s.pair.permute,
         state_slices: s.state_slices.unwrap_or_default(),
-        host_copy: Default::default(),
+        host_copy: s.host_copy.unwrap_or_default(),
     };
     let planner = HybridPlanner::new(&config)?;
     let plan = planner.plan(&HybridRequest::simulated(&planner, max_tokens, 0), "sizing")?;
@@ -1247,8 +1275,20 @@ mod tests {
         );
         let storage = BenchFlags { transport: Some(TransportKind::Storage), ..Default::default() };
         assert_eq!(refused(hybrid(storage)), "--transport");
-        let cpu = BenchFlags { kv_buffer_device: Some(KvBufferDevice::Cpu), ..Default::default() };
-        assert_eq!(refused(hybrid(cpu)), "--kv-buffer-device");
+        let copy = BenchFlags {
+            host_copy: Some(crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup),
+            ..Default::default()
+        };
+        assert_eq!(refused(hybrid(copy.clone())), "--host-copy");
+        assert_eq!(refused(copy), "--host-copy");
+        let cpu = BenchFlags {
+            kv_buffer_device: Some(KvBufferDevice::Cpu),
+            host_state_page: Some(super::super::plan::HostStatePage::Padded),
+            ..Default::default()
+        };
+        let staged = resolve(&hybrid(cpu), &env()).expect("a hybrid bench through host buffers");
+        let pair = staged.workers.hybrid.as_deref().expect("hybrid");
+        assert!(pair.d.host_state_page_padded && pair.d.kv_buffer_device == KvBufferDevice::Cpu);
         // vLLM's own refusal: Nemotron-H's 8 groups do not split over TP 3... nor do its heads.
         let tp3 =
             BenchFlags { pair: PairFlags { d_tp: Some(3), ..PairFlags::default() }, ..Default::default() };

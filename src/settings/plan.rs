@@ -162,11 +162,28 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
         return Ok(BenchJob::CompareModes(runs));
     }
     if let Some(buffers) = &flags.compare_kv_buffer_device {
+        let cpu = crate::vocab::kinds::KvBufferDevice::Cpu;
+        for (given, flag) in [
+            (flags.host_copy.is_some(), "--host-copy"),
+            (flags.host_state_page.is_some(), "--host-state-page"),
+        ] {
+            if given && !buffers.contains(&cpu) {
+                return Err(ConfigError::new(
+                    flag,
+                    format!(
+                        "applies to the host buffer's copies: add cpu to --compare-kv-buffer-device, or drop {flag}"
+                    ),
+                ));
+            }
+        }
         let mut runs = Vec::new();
         for &buffer in buffers {
             let one = BenchFlags {
                 compare_kv_buffer_device: None,
                 kv_buffer_device: Some(buffer),
+                // How the host buffer copies is its run's alone.
+                host_copy: flags.host_copy.filter(|_| buffer == cpu),
+                host_state_page: flags.host_state_page.filter(|_| buffer == cpu),
                 ..flags.clone()
             };
             runs.push(resolve(&one, env)?);

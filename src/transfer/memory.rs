@@ -34,6 +34,8 @@ pub enum MemoryError {
     Cuda(#[from] CudaError),
     #[error("byte range {start}..{end} is outside the {len}-byte buffer")]
     Range { start: u64, end: u64, len: usize },
+    #[error("copy {index}: the source and destination ranges differ in length (or in number)")]
+    Lengths { index: usize },
     #[error("a host-buffer copy needs host memory on one side: both are device buffers")]
     DeviceToDevice,
 }
@@ -388,17 +390,33 @@ impl KvBuffer {
 /// memcpy between host buffers, device copies through pinned staging otherwise. Every range is
 /// checked on both sides before anything is copied.
 pub fn copy_ranges(src: &KvBuffer, dst: &mut KvBuffer, ranges: &[Range<u64>]) -> Result<(), MemoryError> {
+    copy_moved(src, ranges, dst, ranges)
+}
+
+/// Copies each range `from[i]` of `src` to `to[i]` of `dst` (equal lengths: a KV cache laid
+/// out otherwise than its host buffer), as [`copy_ranges`] copies.
+pub fn copy_moved(
+    src: &KvBuffer,
+    from: &[Range<u64>],
+    dst: &mut KvBuffer,
+    to: &[Range<u64>],
+) -> Result<(), MemoryError> {
     let at = |r: &Range<u64>| r.start as usize..r.end as usize;
+    if let Some(i) = (0..from.len().max(to.len()))
+        .find(|&i| from.get(i).map(|r| r.end - r.start) != to.get(i).map(|r| r.end - r.start))
+    {
+        return Err(MemoryError::Lengths { index: i });
+    }
     match (src, dst) {
         (KvBuffer::Host(s), d) => {
-            let from = s.as_slice();
-            check_host_ranges(ranges, from.len())?;
-            d.write_ranges(ranges, |i, out| out.copy_from_slice(&from[at(&ranges[i])]))
+            let bytes = s.as_slice();
+            check_host_ranges(from, bytes.len())?;
+            d.write_ranges(to, |i, out| out.copy_from_slice(&bytes[at(&from[i])]))
         }
         (s, KvBuffer::Host(d)) => {
-            let to = d.as_mut_slice();
-            check_host_ranges(ranges, to.len())?;
-            s.read_ranges(ranges, |i, bytes| to[at(&ranges[i])].copy_from_slice(bytes))
+            let bytes = d.as_mut_slice();
+            check_host_ranges(to, bytes.len())?;
+            s.read_ranges(from, |i, got| bytes[at(&to[i])].copy_from_slice(got))
         }
         (KvBuffer::Cuda(_), KvBuffer::Cuda(_)) => Err(MemoryError::DeviceToDevice),
     }

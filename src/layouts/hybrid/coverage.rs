@@ -5,7 +5,8 @@
 //!
 //! Independent of how the planner computed offsets: it reads only the engines' geometry, the
 //! request's block lists and token counts, and the pairs. Device plans only (with a host
-//! buffer the bytes reach the KV cache through the copies, which `descriptors` judges).
+//! buffer the bytes reach the KV cache through the copies: [`PoolCheck`] checks the cache
+//! after them).
 //!
 //! Token positions: a group's block list is the tail of the blocks covering the computed
 //! tokens, so entry `j` of an `L`-long list is block `cdiv(tokens, block) - L + j`. Decode
@@ -403,6 +404,28 @@ fn pattern_word(key: u64, w: u64, seed: u64) -> u64 {
     x
 }
 
+/// Every block of `side`'s request in every region: `(offset, length, how its group reads it)`
+/// (a state block's parts, an attention block's kernel pages).
+fn block_ranges(side: &Side<'_>) -> Vec<(u64, u64, RowKind)> {
+    let geo = side.geo;
+    let ppl = u64::from(geo.physical_per_logical);
+    let mut ranges = Vec::new();
+    for region in &geo.regions {
+        for (&id, &(group, _)) in &side.pos.by_id {
+            let Some(grp) = geo.groups.get(group as usize) else { continue };
+            let start = region.base_off + u64::from(id) * region.block_stride * ppl;
+            if grp.kind.is_state() {
+                let Some(s) = &geo.state else { continue };
+                let end = s.parts.iter().map(|p| p.offset_bytes + p.len_bytes).max().unwrap_or(0);
+                ranges.push((start, end, RowKind::State(StatePart::Ssm)));
+            } else {
+                ranges.push((start, ppl * region.block_stride, RowKind::AttnPage));
+            }
+        }
+    }
+    ranges
+}
+
 /// What a prefill rank writes for one request: every block the request holds in every region,
 /// each byte by what it means there (its layer, KV head and token, or state part and global
 /// byte), padding left as it is. Ranges are offsets from the rank's registered base.
@@ -418,21 +441,7 @@ impl<'a> RequestFill<'a> {
     /// for `tokens` computed tokens.
     pub fn new(geo: &'a EngineGeometry, rank: u32, lists: &[Vec<u32>], tokens: u32, seed: u64) -> Self {
         let side = Side { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
-        let ppl = u64::from(geo.physical_per_logical);
-        let mut ranges = Vec::new();
-        for region in &geo.regions {
-            for (&id, &(group, _)) in &side.pos.by_id {
-                let Some(grp) = geo.groups.get(group as usize) else { continue };
-                let start = region.base_off + u64::from(id) * region.block_stride * ppl;
-                if grp.kind.is_state() {
-                    let Some(s) = &geo.state else { continue };
-                    let end = s.parts.iter().map(|p| p.offset_bytes + p.len_bytes).max().unwrap_or(0);
-                    ranges.push((start, end, RowKind::State(StatePart::Ssm)));
-                } else {
-                    ranges.push((start, ppl * region.block_stride, RowKind::AttnPage));
-                }
-            }
-        }
+        let ranges = block_ranges(&side);
         RequestFill { side, seed, ranges }
     }
 
@@ -535,6 +544,88 @@ impl<'a> LandedCheck<'a> {
                         run.pos + n,
                     ));
                 }
+            }
+            done += n;
+        }
+    }
+}
+
+/// Checks a decode rank's KV cache after a host buffer's copy into it (vLLM's
+/// `sync_recved_kv_to_device`): every block of the request's lists in every region where its
+/// group has a layer, against what each position means. The cache is laid out as `geo` (the
+/// engine with `kv_buffer_device = cuda`), whatever the READs read.
+pub struct PoolCheck<'a> {
+    side: Side<'a>,
+    seed: u64,
+    ranges: Vec<(u64, u64, RowKind)>,
+    /// Attention tokens prefill wrote (its blocks' end): later tokens of decode's last block
+    /// are not compared.
+    attn_tokens: u64,
+    want: Vec<u8>,
+}
+
+impl<'a> PoolCheck<'a> {
+    /// Decode rank `rank`'s blocks `lists` (per group, as decode loads them) of a request of
+    /// `tokens` computed tokens, of which prefill's blocks hold the first `attn_tokens`.
+    pub fn new(
+        geo: &'a EngineGeometry,
+        rank: u32,
+        lists: &[Vec<u32>],
+        tokens: u32,
+        attn_tokens: u64,
+        seed: u64,
+    ) -> Self {
+        let side = Side { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
+        let ranges = block_ranges(&side);
+        PoolCheck { side, seed, ranges, attn_tokens, want: Vec::new() }
+    }
+
+    /// The byte ranges to read back, in order.
+    pub fn ranges(&self) -> Vec<std::ops::Range<u64>> {
+        self.ranges.iter().map(|&(off, len, _)| off..off + len).collect()
+    }
+
+    /// Checks range `i`'s bytes `got`, adding to `report`.
+    pub fn check(&mut self, i: usize, got: &[u8], report: &mut ByteReport) {
+        let Some(&(off, _, kind)) = self.ranges.get(i) else { return };
+        let cell = self.side.geo.cell_bytes.max(1);
+        let mut done = 0;
+        while done < got.len() {
+            let Ok(run) = self.side.decode(kind, off + done as u64) else {
+                done += 1;
+                continue;
+            };
+            let mut n = (run.left as usize).min(got.len() - done).max(1);
+            let Some(m) = &run.meaning else {
+                done += n;
+                continue;
+            };
+            if matches!(m, Meaning::Attn { .. }) {
+                let limit = self.attn_tokens * cell;
+                if run.pos >= limit {
+                    done += n;
+                    continue;
+                }
+                n = n.min(usize::try_from(limit - run.pos).unwrap_or(usize::MAX));
+            }
+            self.want.resize(n, 0);
+            pattern_into(meaning_key(m), run.pos, self.seed, &mut self.want);
+            let have = &got[done..done + n];
+            report.bytes_checked += n as u64;
+            if have != self.want.as_slice() {
+                let k = (0..n).find(|&k| have[k] != self.want[k]).unwrap_or(0);
+                let held = if have[k..].iter().all(|&b| b == 0) {
+                    "zeros (no copy brought its bytes)"
+                } else {
+                    "other bytes (a copy put something else there)"
+                };
+                report.wrong.push(format!(
+                    "decode rank {}, {} bytes {}..{} in its KV cache after the host-to-device copy: holds {held}",
+                    self.side.rank,
+                    describe(m),
+                    run.pos + k as u64,
+                    run.pos + n as u64,
+                ));
             }
             done += n;
         }

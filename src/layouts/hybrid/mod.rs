@@ -6,7 +6,8 @@
 //! layout of a TP rank, regions and registrations, device-aliased or per layer in a host
 //! buffer), which blocks of a request move (`blocks`), the READs every decode rank posts and
 //! where vLLM's rules move the wrong bytes (`descriptors`), vLLM's refusals and kvx's own errors
-//! (`error`), and a byte-meaning check of a plan (`coverage`).
+//! (`error`), a byte-meaning check of a plan (`coverage`), and the host-buffer copies as byte
+//! moves (`staging`).
 //!
 //! Pure arithmetic over plain data: no I/O, no environment, no CLI. Attention-only models with
 //! one group stay with `layouts::plan`; this module takes every model with more than one KV
@@ -22,6 +23,7 @@ pub mod descriptors;
 pub mod error;
 pub mod geometry;
 pub mod model;
+pub mod staging;
 
 pub use descriptors::{Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, StateSlices};
 pub use error::{HybridError, Refusal, RefusalKind};

@@ -9,9 +9,11 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use super::{Decoder, Failure, LoadJob, Local, RemoteRank};
-use crate::layouts::hybrid::blocks::{ExchangedBlocks, RequestShape};
-use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck};
-use crate::layouts::hybrid::{HybridPlanner, PairConfig};
+use crate::layouts::hybrid::blocks::{ExchangedBlocks, RequestShape, logical_to_kernel};
+use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck, PoolCheck};
+use crate::layouts::hybrid::descriptors::{HostCopyRule, HybridPlan};
+use crate::layouts::hybrid::staging::host_copy_moves;
+use crate::layouts::hybrid::{EngineGeometry, HybridPlanner, PairConfig};
 use crate::pipeline::params::KvTransferParams;
 use crate::pipeline::wire::{FailureCause, LoadResult, TransportKind};
 use crate::pipeline::worker::{classify_ucx, compat_factors, fetch_peers};
@@ -23,6 +25,8 @@ use crate::transfer::ucx::{ReadDesc, ReadOptions};
 /// lists, built as vLLM builds them at handshake time) and how its engine lays requests out.
 pub(super) struct HybridDecode {
     planner: HybridPlanner,
+    /// With a host buffer: the KV cache's layout (the planner's geometry is the buffer's).
+    cache: Option<EngineGeometry>,
     shape: RequestShape,
     /// Prefill engines handshaked with, by engine id.
     engines: BTreeMap<String, HybridRemote>,
@@ -35,10 +39,13 @@ struct HybridRemote {
 }
 
 impl HybridDecode {
-    pub(super) fn new(config: &PairConfig) -> Result<Self, crate::layouts::hybrid::HybridError> {
+    pub(super) fn new(
+        config: &PairConfig,
+        cache: Option<EngineGeometry>,
+    ) -> Result<Self, crate::layouts::hybrid::HybridError> {
         let planner = HybridPlanner::new(config)?;
         let shape = RequestShape::of(&planner.d);
-        Ok(HybridDecode { planner, shape, engines: BTreeMap::new() })
+        Ok(HybridDecode { planner, cache, shape, engines: BTreeMap::new() })
     }
 
     /// Forgets a prefill engine (its connection broke): the next request handshakes again.
@@ -74,6 +81,43 @@ fn parts_read(
     // Summed per group and part, sorted once.
     let mut out = Vec::new();
     crate::report::summary::add_parts(&mut out, &runs);
+    out
+}
+
+/// The host-buffer rules of vLLM 0.33 a plan's findings say move wrong bytes on decode rank
+/// `rank`, each with the switch that moves the right ones.
+fn staging_rules(findings: &[crate::layouts::hybrid::Finding], rank: u32) -> Vec<String> {
+    use crate::layouts::hybrid::Finding;
+    use crate::layouts::hybrid::geometry::Side;
+    let (mut lost, mut pages) = (Vec::new(), Vec::new());
+    for f in findings {
+        match *f {
+            Finding::HostCopyOverwrites { d_rank, group, lost_blocks, blocks } if d_rank == rank => {
+                lost.push(format!("group {group}: {lost_blocks} of {blocks}"));
+            }
+            Finding::HostStatePagePadded { side, real_page_bytes, padded_page_bytes } => {
+                let who = if side == Side::Prefill { "prefill" } else { "decode" };
+                pages.push(format!("{who} {real_page_bytes} of {padded_page_bytes} bytes"));
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    if !pages.is_empty() {
+        out.push(format!(
+            "host tensors hold unpadded state pages while the regions step by padded ones ({}; \
+             --host-state-page padded pads them)",
+            pages.join(", ")
+        ));
+    }
+    if !lost.is_empty() {
+        out.push(format!(
+            "the host-to-device copy passes every group's blocks through every layer, and a later group's \
+             layer overwrites the others' blocks with bytes it never received (blocks lost: {}; \
+             --host-copy per-group copies each layer's own)",
+            lost.join(", ")
+        ));
+    }
     out
 }
 
@@ -230,36 +274,96 @@ impl Decoder<'_> {
         }
         r.notify_ns = tn.elapsed().as_nanos() as u64;
         r.e2e_ns = t0.elapsed().as_nanos() as u64;
-        // Verify (outside the timed path): every byte of each checked pair against what its
-        // position means on this rank.
+        // Host buffer: the received blocks into the KV cache (vLLM's
+        // `sync_recved_kv_to_device`: layer by layer, the blocks `--host-copy` says), timed as
+        // its own stage.
+        if let (Some(pool), Some(cache)) = (self.staged.as_mut(), h.cache.as_ref()) {
+            let ts = Instant::now();
+            let d = &planner.d;
+            let kernel = logical_to_kernel(&d.groups, &plan.blocks.local_block_ids, d.physical_per_logical);
+            let per_group = planner.config.host_copy == HostCopyRule::PerGroup;
+            let moves = host_copy_moves(cache, d, &kernel, per_group);
+            let (from, to) = crate::pipeline::worker::split_moves(&moves, false);
+            crate::transfer::memory::copy_moved(self.local.memory()?, &from, pool, &to).map_err(|e| {
+                (FailureCause::Internal, format!("copy the received blocks into the KV cache: {e}"))
+            })?;
+            r.sync_ns = ts.elapsed().as_nanos() as u64;
+        }
+        // Verify (outside the timed path).
         if let Some(stride) = cfg.verify.stride() {
             let tv = Instant::now();
-            let mut check = LandedCheck::new(planner, &plan, cfg.rank, seed);
-            let pairs: Vec<(u32, crate::layouts::hybrid::descriptors::LabeledPair)> = mine
-                .reads
-                .iter()
-                .flat_map(|read| read.labeled().map(move |p| (read.p_rank, p)))
-                .step_by(stride.max(1) as usize)
-                .collect();
-            let ranges: Vec<std::ops::Range<u64>> =
-                pairs.iter().map(|(_, p)| p.pair.local..p.pair.local + p.pair.len).collect();
-            let mut report = ByteReport::default();
-            self.local
-                .memory()?
-                .read_ranges(&ranges, |i, got| {
-                    let (p_rank, pair) = &pairs[i];
-                    check.check(*p_rank, pair, got, &mut report);
-                })
-                .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+            let report = match (self.staged.as_ref(), h.cache.as_ref()) {
+                (Some(pool), Some(cache)) => self.check_cache(planner, cache, pool, &plan, seed, stride)?,
+                _ => self.check_landed(planner, &plan, mine, seed, stride)?,
+            };
             r.bytes_padding = report.bytes_padding;
             match report.wrong.first() {
                 None => r.bytes_verified = report.bytes_checked,
                 Some(first) => {
-                    r.verify_failure = Some(format!("{first} ({} wrong ranges in all)", report.wrong.len()));
+                    let mut why = format!("{first} ({} wrong ranges in all)", report.wrong.len());
+                    let rules = staging_rules(&plan.findings, cfg.rank);
+                    if !rules.is_empty() {
+                        why = format!("{why}; vLLM 0.33's rules here: {}", rules.join("; "));
+                    }
+                    r.verify_failure = Some(why);
                 }
             }
             r.verify_ns = tv.elapsed().as_nanos() as u64;
         }
         Ok(())
+    }
+
+    /// Every byte of every `stride`-th pair this rank read, against what its position means.
+    fn check_landed(
+        &self,
+        planner: &HybridPlanner,
+        plan: &HybridPlan,
+        mine: &crate::layouts::hybrid::descriptors::DRankPlan,
+        seed: u64,
+        stride: u32,
+    ) -> Result<ByteReport, Failure> {
+        let mut check = LandedCheck::new(planner, plan, self.cfg.rank, seed);
+        let pairs: Vec<(u32, crate::layouts::hybrid::descriptors::LabeledPair)> = mine
+            .reads
+            .iter()
+            .flat_map(|read| read.labeled().map(move |p| (read.p_rank, p)))
+            .step_by(stride.max(1) as usize)
+            .collect();
+        let ranges: Vec<std::ops::Range<u64>> =
+            pairs.iter().map(|(_, p)| p.pair.local..p.pair.local + p.pair.len).collect();
+        let mut report = ByteReport::default();
+        self.local
+            .memory()?
+            .read_ranges(&ranges, |i, got| {
+                let (p_rank, pair) = &pairs[i];
+                check.check(*p_rank, pair, got, &mut report);
+            })
+            .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+        Ok(report)
+    }
+
+    /// With a host buffer: every `stride`-th block range (one layer's block) of the request in
+    /// the KV cache, after the copy into it, against what its position means.
+    fn check_cache(
+        &self,
+        planner: &HybridPlanner,
+        cache: &EngineGeometry,
+        pool: &crate::transfer::memory::KvBuffer,
+        plan: &HybridPlan,
+        seed: u64,
+        stride: u32,
+    ) -> Result<ByteReport, Failure> {
+        let tokens = plan.tokens.p_computed_tokens;
+        let bp = u64::from(planner.p.sizing.block_tokens);
+        let written = u64::from(tokens).div_ceil(bp.max(1)) * bp;
+        let mut check =
+            PoolCheck::new(cache, self.cfg.rank, &plan.blocks.local_block_ids, tokens, written, seed);
+        let all = check.ranges();
+        let picked: Vec<usize> = (0..all.len()).step_by(stride.max(1) as usize).collect();
+        let ranges: Vec<std::ops::Range<u64>> = picked.iter().map(|&i| all[i].clone()).collect();
+        let mut report = ByteReport::default();
+        pool.read_ranges(&ranges, |i, got| check.check(picked[i], got, &mut report))
+            .map_err(|e| (FailureCause::Internal, format!("read back the KV cache: {e}")))?;
+        Ok(report)
     }
 }
