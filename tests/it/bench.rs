@@ -786,3 +786,69 @@ fn replicated_mamba2_groups_land_wrong_by_vllm_rules_and_right_with_exact_slices
     let run = run_bench("exact slices", &[&a[..], TINY_HYBRID_G1, &["--state-slices", "exact"]].concat());
     check_clean("exact slices", &run, 3);
 }
+
+/// Hybrid models through host buffers (`--kv-buffer-device cpu`) between real processes:
+/// vLLM 0.33's two host-buffer rules put bytes wrong in decode's KV cache (the host-to-device
+/// copy passes every group's blocks through every layer; host tensors hold unpadded state
+/// pages under regions that step by padded ones). Each run under one of them exits 1 naming
+/// the rule and its switch, and only the rules that ran; with both switches every block of
+/// every request checks out in each decode rank's KV cache, and the two copies are their own
+/// stages.
+#[test]
+fn hybrid_host_buffers_land_wrong_by_vllm_rules_and_right_with_both_switches() {
+    let a = [
+        "--p-tp",
+        "1",
+        "--d-tp",
+        "2",
+        "--requests",
+        "3",
+        "--warmup",
+        "0",
+        "--prompt-len",
+        "300..900",
+        "--prefix-hit",
+        "0.3",
+        "--kv-buffer-device",
+        "cpu",
+        "--verify",
+        "full",
+    ];
+    let page = "--host-state-page padded pads them";
+    let copy = "--host-copy per-group copies each layer's own";
+    for (case, extra, named, not_named) in [
+        ("vllm rules", &[][..], &[page, copy][..], None),
+        ("per-group copy", &["--host-copy", "per-group"][..], &[page][..], Some(copy)),
+        ("padded pages", &["--host-state-page", "padded"][..], &[copy][..], Some(page)),
+    ] {
+        let results = tempfile::tempdir().expect("temp dir");
+        let mut bench =
+            Spawned::start(case, bench_cmd(results.path(), &[&a[..], TINY_HYBRID, extra].concat()));
+        let status = bench.expect_exit(RUN_TIMEOUT);
+        let err = bench.stderr();
+        assert_eq!(status.code(), Some(1), "{case}: wrong bytes fail the run: {err}");
+        let s = summary_json(&bench);
+        assert_eq!(n(&s, "requests_ok"), 0, "{case}: {s}");
+        assert!(n(&s, "verify_failures") > 0, "{case}: {s}");
+        assert_eq!(n(&s, "blocks_leaked"), 0, "{case}: {s}");
+        assert!(err.contains("in its KV cache after the host-to-device copy: holds"), "{case}: {err}");
+        for rule in named {
+            assert!(err.contains(rule), "{case}: names {rule}: {err}");
+        }
+        if let Some(rule) = not_named {
+            assert!(!err.contains(rule), "{case}: the switched rule is not blamed: {err}");
+        }
+    }
+    let fixed = [&a[..], TINY_HYBRID, &["--host-copy", "per-group", "--host-state-page", "padded"]].concat();
+    let run = run_bench("both switches", &fixed);
+    let s = &run.summary;
+    assert_eq!(n(s, "requests_ok"), 3, "{s}");
+    assert_eq!(n(s, "verify_failures"), 0, "{s}");
+    assert_eq!(n(s, "blocks_leaked"), 0, "{s}");
+    assert!(n(s, "bytes_verified") > 0, "{s}");
+    for stage in ["save_to_host", "sync_to_device"] {
+        assert_eq!(s["stages"][stage]["count"].as_u64(), Some(3), "{stage}: {s}");
+    }
+    assert_eq!(s["scenario"]["host_copy"], "per-group", "{s}");
+    assert_eq!(s["scenario"]["host_state_page"], "padded", "{s}");
+}
