@@ -1287,7 +1287,7 @@ mod tests {
             ..Default::default()
         };
         let staged = resolve(&hybrid(cpu), &env()).expect("a hybrid bench through host buffers");
-        let pair = staged.workers.hybrid.as_deref().expect("hybrid");
+        let pair = staged.workers.hybrid.as_ref().expect("hybrid");
         assert!(pair.d.host_state_page_padded && pair.d.kv_buffer_device == KvBufferDevice::Cpu);
         // vLLM's own refusal: Nemotron-H's 8 groups do not split over TP 3... nor do its heads.
         let tp3 =
