@@ -892,6 +892,11 @@ pub struct PartBytes {
     pub part: String,
     pub bytes: u64,
     pub descriptors: u64,
+    /// Bytes the part would also have moved had the group sent every block of the prompt
+    /// instead of clipping (a window's tail, the last state slot), at the bytes per block it
+    /// moved.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub clipped_bytes: u64,
 }
 
 /// Adds `more` into `into`, part by part (same group and part: summed).
@@ -901,6 +906,7 @@ pub fn add_parts(into: &mut Vec<PartBytes>, more: &[PartBytes]) {
             Some(p) => {
                 p.bytes += m.bytes;
                 p.descriptors += m.descriptors;
+                p.clipped_bytes += m.clipped_bytes;
             }
             None => into.push(m.clone()),
         }

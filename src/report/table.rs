@@ -302,19 +302,25 @@ pub fn hybrid_parts_table(s: &Summary, style: Style) -> Option<Table> {
     }
     let total: u64 = s.hybrid_parts.iter().map(|p| p.bytes).sum();
     let n = s.requests_ok as f64;
-    let mut t = new_table(
-        style,
-        &["group", "kind", "part", "bytes/request", "descriptors/request", "share of bytes"],
-    );
+    let clipped = s.hybrid_parts.iter().any(|p| p.clipped_bytes > 0);
+    let mut head = vec!["group", "kind", "part", "bytes/request", "descriptors/request", "share of bytes"];
+    if clipped {
+        head.push("not sent (clipping)/request");
+    }
+    let mut t = new_table(style, &head);
     for p in &s.hybrid_parts {
-        t.add_row(vec![
+        let mut row = vec![
             p.group.to_string(),
             p.kind.clone(),
             p.part.clone(),
             fmt_bytes(p.bytes as f64 / n),
             format!("{:.1}", p.descriptors as f64 / n),
             format!("{:.1}%", 100.0 * ratio(p.bytes as f64, total as f64)),
-        ]);
+        ];
+        if clipped {
+            row.push(fmt_bytes(p.clipped_bytes as f64 / n));
+        }
+        t.add_row(row);
     }
     align_numbers(&mut t, 3);
     Some(t)

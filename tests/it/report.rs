@@ -277,6 +277,26 @@ fn report_json_is_the_summary() {
     assert_eq!(printed, saved);
 }
 
+/// A hybrid model's run through host buffers: the groups-and-parts table (with what clipping
+/// kept off the wire), the two copies as stages, the host-buffer rules that ran, and what the
+/// verification checked (the KV caches, not the bytes read).
+#[test]
+fn report_renders_a_hybrid_run() {
+    let a = kvx().arg("report").arg(fixture_run("run-hybrid")).arg("--no-charts").assert().code(0);
+    let out = stdout(&a);
+    for want in [
+        "KV cache groups and parts",
+        "not sent (clipping)/request",
+        "save_to_host",
+        "sync_to_device",
+        "host_copy",
+        "every byte of the request's blocks in the KV caches",
+    ] {
+        assert!(out.contains(want), "{want}: {out}");
+    }
+    insta::assert_snapshot!("report_hybrid_table", out);
+}
+
 #[test]
 fn report_markdown() {
     let a = kvx()

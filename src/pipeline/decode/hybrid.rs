@@ -54,10 +54,14 @@ impl HybridDecode {
     }
 }
 
-/// What a decode rank's READs read per KV cache group and part.
+/// What a decode rank's READs read per KV cache group and part, with what clipping kept off
+/// the wire: a group that sent fewer of its blocks than the `every` blocks decode loads
+/// without clipping would have moved the rest at the bytes per block it moved.
 fn parts_read(
     planner: &HybridPlanner,
     rank: &crate::layouts::hybrid::descriptors::DRankPlan,
+    blocks: &ExchangedBlocks,
+    every: u64,
 ) -> Vec<crate::report::summary::PartBytes> {
     use crate::layouts::hybrid::descriptors::RowKind;
     let mut runs = Vec::new();
@@ -68,13 +72,19 @@ fn parts_read(
                 RowKind::State(p) => p.label(),
             };
             let kind = planner.d.groups.get(run.group as usize).map_or("", |g| g.kind.vllm_spec());
-            let bytes = read.pairs[run.start..run.start + run.count].iter().map(|p| p.len).sum();
+            let bytes: u64 = read.pairs[run.start..run.start + run.count].iter().map(|p| p.len).sum();
+            let sent = blocks.local_block_ids.get(run.group as usize).map_or(0, |l| l.len() as u64);
+            let clipped_bytes = match sent {
+                0 => 0,
+                n => (u128::from(bytes) * u128::from(every.saturating_sub(n)) / u128::from(n)) as u64,
+            };
             runs.push(crate::report::summary::PartBytes {
                 group: run.group,
                 kind: kind.to_string(),
                 part,
                 bytes,
                 descriptors: run.count as u64,
+                clipped_bytes,
             });
         }
     }
@@ -218,7 +228,10 @@ impl Decoder<'_> {
             return Err(incompatible(format!("decode rank {} is not in the plan", cfg.rank)));
         };
         r.plan_ns = tp.elapsed().as_nanos() as u64;
-        r.parts = parts_read(planner, mine);
+        // Without clipping decode would load every block from its prefix hit to the last.
+        let bd = planner.d.sizing.block_tokens.max(1);
+        let every = u64::from(tokens.p_computed_tokens.div_ceil(bd).saturating_sub(hit));
+        r.parts = parts_read(planner, mine, &plan.blocks, every);
         r.descs_raw = mine.descriptor_count() as u64;
         r.descs_coalesced = r.descs_raw;
         // Read.
