@@ -40,7 +40,7 @@ hybrid-falcon-exact|bench --model falcon-h1-7b --p-tp 1 --d-tp 2 --prompt-len 20
 hybrid-hostbuf-vllm|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --kv-buffer-device cpu|1
 hybrid-hostbuf-per-group|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --kv-buffer-device cpu --host-copy per-group|1
 hybrid-hostbuf-fixed|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --kv-buffer-device cpu --host-copy per-group --host-state-page padded
-hybrid-kv-buffer|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 8 --compare-kv-buffer-device cuda,cpu --host-copy per-group --host-state-page padded
+hybrid-kv-buffer|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 8 --concurrency 1 --compare-kv-buffer-device cuda,cpu --host-copy per-group --host-state-page padded
 EOF
 }
 

@@ -1096,6 +1096,22 @@ fn documented_findings_hold() {
     assert!(named(&padded, "HostStatePagePadded").is_empty(), "{padded:?}");
     let exact = findings("falcon-h1-7b", "2", &["--state-slices", "exact"]);
     assert!(exact.is_empty(), "{exact:?}");
+    // 5. Host buffers with state: attention blocks read from every layer's host tensor (the
+    // plan's total line, as the page shows it); without state, the same either way.
+    let total = |model: &str, extra: &[&str]| -> String {
+        let args =
+            [&["plan", "--model", model, "--p-tp", "1", "--d-tp", "1", "--prompt-len", "4096"][..], extra]
+                .concat();
+        let out = crate::common::kvx().args(&args).output().expect("kvx");
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.lines().find(|l| l.starts_with("total:")).unwrap_or_default().to_string()
+    };
+    let cpu = ["--kv-buffer-device", "cpu"];
+    assert_eq!(total("nemotron-h-8b", &[]), "total: 112 descriptors, 162.4 MiB");
+    assert_eq!(total("nemotron-h-8b", &cpu), "total: 688 descriptors, 1.0 GiB");
+    assert_eq!(total("gpt-oss-120b:hma", &[]), total("gpt-oss-120b:hma", &cpu));
+    assert!(total("gpt-oss-120b:hma", &[]).starts_with("total: 4752 descriptors"));
 }
 
 /// Bytes moved for real (in one process): every prefill pool filled by meaning, each READ's
