@@ -264,6 +264,10 @@ impl Decoder<'_> {
         if eng.transports.is_none() {
             eng.transports = super::ucx_choices(&eng.ranks, &u.ctx, r);
         }
+        if cfg.transport.slowdown > 0.0 {
+            // A staged regression for testing gates (`--slowdown`): the read takes longer.
+            std::thread::sleep(tt.elapsed().mul_f64(cfg.transport.slowdown));
+        }
         r.transfer_ns = tt.elapsed().as_nanos() as u64;
         r.transfer_span = Some(crate::clock::ClockSpan::since(tt_mono));
         r.transport = Some(TransportKind::Ucx);
