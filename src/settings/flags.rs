@@ -88,6 +88,16 @@ layered! {
         /// Decode tokens per block (overrides --block-size); must be a multiple of the prefill's.
         #[arg(long, value_name = "N", help_heading = "Engines")]
         pub d_block_size: Option<u32>,
+        /// Hybrid models: tokens per attention kernel block on both engines (the block the
+        /// attention backend sees, e.g. 16; it divides the hybrid block, whose attention pages
+        /// split into kernel blocks) [default: the hybrid block size].
+        #[arg(long, value_name = "N", help_heading = "Engines")]
+        pub kernel_block_size: Option<u32>,
+        /// Hybrid models: prefix caching off on both engines (vLLM's
+        /// --no-enable-prefix-caching), which vLLM requires for some kernel block sizes.
+        #[arg(long, help_heading = "Engines")]
+        #[serde(default)]
+        pub no_prefix_caching: bool,
         /// Receive prefill HND blocks into a decode NHD cache (vLLM's enable_permute_local_kv).
         #[arg(long, help_heading = "Engines")]
         #[serde(default)]

@@ -92,6 +92,20 @@ pub fn resolve_pair(
     d_blocks: u32,
 ) -> Result<PairSpec, ConfigError> {
     let version = pair.vllm.unwrap_or_default();
+    if let Some(flag) = [
+        (pair.kernel_block_size.is_some(), "--kernel-block-size"),
+        (pair.no_prefix_caching, "--no-prefix-caching"),
+    ]
+    .into_iter()
+    .find_map(|(given, flag)| given.then_some(flag))
+    {
+        return Err(ConfigError::new(
+            flag,
+            "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b): \
+             a uniform model's kernel block is its block (--block-size), and its prefix cache is the \
+             request's --prefix-hit",
+        ));
+    }
     let model = resolve_model(model_args)?;
     let block_size = pair.block_size();
     if block_size == 0 || block_size > crate::layouts::compat::MAX_BLOCK_TOKENS {

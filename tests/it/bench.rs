@@ -31,6 +31,9 @@ const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/benc
 /// A small hybrid model (Mamba2 state, full attention, a sliding window; `n_groups` 2).
 const TINY_HYBRID: &[&str] =
     &["--model", concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hybrid-model-tiny.toml")];
+/// [`TINY_HYBRID`] with `n_groups` 8 and no window: at prefill TP 8 its KV heads are replicated.
+const TINY_HYBRID_G8: &[&str] =
+    &["--model", concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hybrid-model-tiny-g8.toml")];
 /// [`TINY_HYBRID`] with `n_groups` 1: its B and C are replicated across TP ranks.
 const TINY_HYBRID_G1: &[&str] =
     &["--model", concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hybrid-model-tiny-g1.toml")];
@@ -851,4 +854,47 @@ fn hybrid_host_buffers_land_wrong_by_vllm_rules_and_right_with_both_switches() {
     }
     assert_eq!(s["scenario"]["host_copy"], "per-group", "{s}");
     assert_eq!(s["scenario"]["host_state_page"], "padded", "{s}");
+}
+
+/// Finding 4 between real processes: with more prefill ranks than KV heads (heads replicated)
+/// vLLM lets an LBNHC decode cache gather its heads from several prefill ranks into head slots
+/// of its blocks, where a slot's bytes are token rows of every head: the run exits 1 naming a
+/// head that holds another head's bytes. The same pair with LBHNC (heads contiguous in a
+/// block) verifies. 16-token kernel blocks and prefix caching off, as vLLM requires for these
+/// TP sizes' hybrid block sizes.
+#[test]
+fn lbnhc_head_slots_from_replicated_prefill_ranks_land_wrong_and_lbhnc_lands_right() {
+    let a = [
+        "--p-tp",
+        "8",
+        "--d-tp",
+        "1",
+        "--kernel-block-size",
+        "16",
+        "--no-prefix-caching",
+        "--prompt-len",
+        "600",
+        "--requests",
+        "2",
+        "--warmup",
+        "0",
+        "--verify",
+        "full",
+    ];
+    let results = tempfile::tempdir().expect("temp dir");
+    let args = [&a[..], TINY_HYBRID_G8, &["--layout", "LBNHC"]].concat();
+    let mut bench = Spawned::start("lbnhc", bench_cmd(results.path(), &args));
+    let status = bench.expect_exit(RUN_TIMEOUT);
+    let err = bench.stderr();
+    assert_eq!(status.code(), Some(1), "wrong bytes fail the run: {err}");
+    assert!(
+        err.contains("self_attn.attn KV head 1 bytes 0..256: holds prefill rank 0's model.layers.1.self_attn.attn KV head 0"),
+        "a head holds another head's bytes: {err}"
+    );
+    let s = summary_json(&bench);
+    assert_eq!(n(&s, "blocks_leaked"), 0, "{s}");
+    let run = run_bench("lbhnc", &[&a[..], TINY_HYBRID_G8, &["--layout", "LBHNC"]].concat());
+    assert_eq!(n(&run.summary, "requests_ok"), 2, "{}", run.summary);
+    assert_eq!(n(&run.summary, "verify_failures"), 0, "{}", run.summary);
+    assert_eq!(n(&run.summary, "blocks_leaked"), 0, "{}", run.summary);
 }

@@ -84,6 +84,17 @@ const CASES: &[(&[&str], &str)] = &[
         &["plan", "--model", "nemotron-h-8b", "--prompt-len", "64", "--host-state-page", "padded"],
         "--host-state-page",
     ),
+    // Hybrid engine flags on a uniform model, and the host buffer's switches without it.
+    (
+        &["plan", "--p-tp", "2", "--d-tp", "2", "--prompt-len", "64", "--kernel-block-size", "16"],
+        "--kernel-block-size",
+    ),
+    (&["bench", "--requests", "1", "--no-prefix-caching"], "--no-prefix-caching"),
+    (&["bench", "--model", "nemotron-h-8b", "--requests", "1", "--host-copy", "per-group"], "--host-copy"),
+    (
+        &["bench", "--model", "nemotron-h-8b", "--requests", "1", "--kernel-block-size", "7"],
+        "--kernel-block-size",
+    ),
     // A hybrid model where only uniform ones run: named as hybrid, not "unknown".
     (&["serve-engine", "--role", "prefill", "--model", "qwen3-next-80b-a3b"], "is a hybrid model"),
     (
