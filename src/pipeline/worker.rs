@@ -357,8 +357,7 @@ pub(super) fn hybrid_cache_geometry(
     if engine.kv_buffer_device != KvBufferDevice::Cpu {
         return Ok(None);
     }
-    let cache =
-        crate::layouts::hybrid::HybridEngine { kv_buffer_device: KvBufferDevice::Cuda, ..engine.clone() };
+    let cache = crate::layouts::hybrid::HybridEngine { kv_buffer_device: KvBufferDevice::Cuda, ..*engine };
     EngineGeometry::new(&h.model, &cache, side).map(Some).stage("the hybrid model's KV cache geometry")
 }
 

@@ -42,7 +42,7 @@ pub fn host_copy_moves(
     let nb = device.num_blocks();
     let mut out = Vec::new();
     for slot in &host.host_slots {
-        let Some(region) = device.regions.iter().find(|r| r.layers.iter().any(|l| *l == slot.layer)) else {
+        let Some(region) = device.regions.iter().find(|r| r.layers.contains(&slot.layer)) else {
             continue;
         };
         let Some(group) = device.groups.get(slot.group as usize) else { continue };
