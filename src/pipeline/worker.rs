@@ -329,16 +329,28 @@ pub(super) struct RankPool {
     pub staged: Option<crate::transfer::memory::KvBuffer>,
 }
 
+/// A hybrid model's pair and this rank's engine and side (`None` for a uniform model).
+fn hybrid_engine(
+    cfg: &WorkerConfig,
+) -> Option<(
+    &crate::layouts::hybrid::PairConfig,
+    &crate::layouts::hybrid::HybridEngine,
+    crate::layouts::hybrid::geometry::Side,
+)> {
+    use crate::layouts::hybrid::geometry::Side;
+    let h = cfg.hybrid.as_deref()?;
+    Some(match cfg.role {
+        super::wire::Role::Prefill => (h, &h.p, Side::Prefill),
+        super::wire::Role::Decode => (h, &h.d, Side::Decode),
+    })
+}
+
 /// A hybrid model's rank geometry as vLLM lays it out (`None` for a uniform model).
 pub(super) fn hybrid_geometry(
     cfg: &WorkerConfig,
 ) -> Result<Option<crate::layouts::hybrid::geometry::EngineGeometry>, WorkerError> {
-    use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
-    let Some(h) = cfg.hybrid.as_deref() else { return Ok(None) };
-    let (engine, side) = match cfg.role {
-        super::wire::Role::Prefill => (&h.p, Side::Prefill),
-        super::wire::Role::Decode => (&h.d, Side::Decode),
-    };
+    use crate::layouts::hybrid::geometry::EngineGeometry;
+    let Some((h, engine, side)) = hybrid_engine(cfg) else { return Ok(None) };
     EngineGeometry::new(&h.model, engine, side).map(Some).stage("the hybrid model's geometry")
 }
 
@@ -348,12 +360,8 @@ pub(super) fn hybrid_geometry(
 pub(super) fn hybrid_cache_geometry(
     cfg: &WorkerConfig,
 ) -> Result<Option<crate::layouts::hybrid::geometry::EngineGeometry>, WorkerError> {
-    use crate::layouts::hybrid::geometry::{EngineGeometry, KvBufferDevice, Side};
-    let Some(h) = cfg.hybrid.as_deref() else { return Ok(None) };
-    let (engine, side) = match cfg.role {
-        super::wire::Role::Prefill => (&h.p, Side::Prefill),
-        super::wire::Role::Decode => (&h.d, Side::Decode),
-    };
+    use crate::layouts::hybrid::geometry::{EngineGeometry, KvBufferDevice};
+    let Some((h, engine, side)) = hybrid_engine(cfg) else { return Ok(None) };
     if engine.kv_buffer_device != KvBufferDevice::Cpu {
         return Ok(None);
     }

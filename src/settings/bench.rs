@@ -277,7 +277,7 @@ layered! {
         /// padded [default: vllm].
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub host_state_page: Option<super::plan::HostStatePage>,
+        pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
         /// How many batches --transport cuda-batch posts per request on a decode rank: rank
         /// (one over all its prefill peers: one kernel launch) or peer (one per prefill peer)
         /// [default: rank].
@@ -505,7 +505,7 @@ fn hybrid_pair(
     if transport.kv_buffer == KvBufferDevice::Cpu {
         for e in [&mut p, &mut d] {
             e.kv_buffer_device = KvBufferDevice::Cpu;
-            e.host_state_page_padded = s.host_state_page == Some(super::plan::HostStatePage::Padded);
+            e.host_state_page_padded = s.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
         }
     }
     let pool = |e: &crate::layouts::hybrid::HybridEngine, side: Side| -> Result<u32, ConfigError> {
@@ -1283,7 +1283,7 @@ mod tests {
         assert_eq!(refused(copy), "--host-copy");
         let cpu = BenchFlags {
             kv_buffer_device: Some(KvBufferDevice::Cpu),
-            host_state_page: Some(super::super::plan::HostStatePage::Padded),
+            host_state_page: Some(super::super::hybrid_flags::HostStatePage::Padded),
             ..Default::default()
         };
         let staged = resolve(&hybrid(cpu), &env()).expect("a hybrid bench through host buffers");

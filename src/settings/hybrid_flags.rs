@@ -61,3 +61,12 @@ pub fn hybrid_engines(
         engine(pair.d_tp, pair.d_block_size, &pair.d_layout, d_blocks)?,
     ))
 }
+
+/// `--host-state-page`: how big a host buffer's state pages are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HostStatePage {
+    /// vLLM 0.33: unpadded state pages, under regions that step by padded ones.
+    Vllm,
+    /// Padded pages, as the regions assume.
+    Padded,
+}

@@ -15,6 +15,7 @@ use super::bench::{BenchFlags, resolve};
 use super::env::ProcessEnv;
 use super::flags::{Format, ModelFlags, PairFlags};
 use super::hybrid_case::{self, HybridCase, RequestSource};
+use super::hybrid_flags::HostStatePage;
 use super::scenario::{self, PlanScenario};
 use super::sweep::{self, SweepJob};
 use crate::error::ConfigError;
@@ -321,15 +322,6 @@ pub fn resolve_descriptor_plan(args: &PlanFlags) -> Result<DescriptorPlan, Confi
         }
     }
     Ok(plan)
-}
-
-/// `--host-state-page`: how big a host buffer's state pages are.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum HostStatePage {
-    /// vLLM 0.33: unpadded state pages, under regions that step by padded ones.
-    Vllm,
-    /// Padded pages, as the regions assume.
-    Padded,
 }
 
 /// `kvx plan` of a hybrid model: a case of vLLM's hybrid oracle (`--scenario`), or a hybrid
