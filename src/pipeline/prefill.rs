@@ -585,20 +585,17 @@ fn fill_hybrid(
     Ok(lists)
 }
 
-/// vLLM's `save_kv_to_host` of a hybrid request whose per-group lists are `lists`: its blocks
-/// (a window's tail, every state slot: vLLM saves before clipping state) through every layer,
-/// as (KV cache ranges, host buffer ranges).
+/// vLLM's `save_kv_to_host` of a hybrid request whose per-group lists are `lists`, as (KV
+/// cache ranges, host buffer ranges).
 fn hybrid_save_moves(
     cache: &crate::layouts::hybrid::geometry::EngineGeometry,
     host: &crate::layouts::hybrid::geometry::EngineGeometry,
     lists: &[Vec<u32>],
 ) -> Result<super::worker::Moves, WorkerError> {
-    use crate::layouts::hybrid::blocks::{clip_for_exchange, logical_to_kernel};
-    let saved = clip_for_exchange(&cache.groups, cache.sizing.block_tokens, lists, false)
-        .map_err(|e| WorkerError::Protocol { reason: e.to_string() })?;
-    let kernel = logical_to_kernel(&cache.groups, &saved, cache.physical_per_logical);
-    let moves = crate::layouts::hybrid::staging::host_copy_moves(cache, host, &kernel, false);
-    Ok(super::worker::split_moves(&moves, true))
+    use crate::layouts::hybrid::staging::{host_copy_moves, saved_kernel_ids};
+    let kernel =
+        saved_kernel_ids(cache, lists).map_err(|e| WorkerError::Protocol { reason: e.to_string() })?;
+    Ok(super::worker::split_moves(&host_copy_moves(cache, host, &kernel, false), true))
 }
 
 /// Moves the simulated prefills on: with `--overlap layers`, WRITEs the layers computed since

@@ -56,13 +56,15 @@ impl TokenCounts {
 /// Blocks each group keeps at an exchange: `cdiv(window, block) + 1` for a sliding window
 /// (vLLM `blocks_per_sw`), 0 (all) otherwise.
 pub fn window_blocks(groups: &[KvGroup], block_tokens: u32) -> Vec<u32> {
-    groups
-        .iter()
-        .map(|g| match g.kind {
-            GroupKind::SlidingWindow { window_tokens } => window_tokens.div_ceil(block_tokens.max(1)) + 1,
-            _ => 0,
-        })
-        .collect()
+    groups.iter().map(|g| blocks_per_window(g.kind, block_tokens).unwrap_or(0)).collect()
+}
+
+/// vLLM's `blocks_per_sw` of a group: `cdiv(window, block) + 1`, for a sliding window only.
+fn blocks_per_window(kind: GroupKind, block_tokens: u32) -> Option<u32> {
+    match kind {
+        GroupKind::SlidingWindow { window_tokens } => Some(window_tokens.div_ceil(block_tokens.max(1)) + 1),
+        _ => None,
+    }
 }
 
 /// vLLM's `get_exchange_clipped_blocks`: sliding-window groups keep their tail, state groups
@@ -98,16 +100,11 @@ fn clip_filtered(
         .iter()
         .zip(block_ids)
         .map(|(g, ids)| {
-            let tail = if let GroupKind::SlidingWindow { window_tokens } = g.kind {
-                window_tokens.div_ceil(block_tokens.max(1)) as usize + 1
-            } else if clip_state && g.kind.is_state() {
-                1
-            } else {
-                usize::MAX
+            let tail = match blocks_per_window(g.kind, block_tokens) {
+                Some(n) => n as usize,
+                None if clip_state && g.kind.is_state() => 1,
+                None => usize::MAX,
             };
-            if tail == usize::MAX && ids.iter().all(|&b| keep(b)) {
-                return ids.clone();
-            }
             // The last `tail` kept ids, in order.
             let mut from = ids.len();
             let mut kept = 0;

@@ -978,11 +978,9 @@ impl HybridPlanner {
         if self.p.config.kv_buffer_device == KvBufferDevice::Cpu
             && let Some(p_raw) = p_raw
         {
-            let saved =
-                super::blocks::clip_for_exchange(&self.p.groups, self.p.sizing.block_tokens, p_raw, false)?;
             p_save = Some(HostCopy {
                 layers_in_copy_order: self.p.host_slots.iter().map(|s| s.layer.clone()).collect(),
-                block_ids: logical_to_kernel(&self.p.groups, &saved, self.p.physical_per_logical).concat(),
+                block_ids: super::staging::saved_kernel_ids(&self.p, p_raw)?.concat(),
                 per_group: false,
             });
         }
@@ -1074,8 +1072,9 @@ impl HybridPlanner {
                     shifts.push(self.token_shift(i, blocks, first, l, r, computed_tokens));
                 }
                 Err(e) => {
+                    // The group's READs report the error; no shift is looked at.
                     errors.push(Some(e));
-                    shifts.push(self.token_shift(i, blocks, r.first().map(|_| 0), l, r, computed_tokens));
+                    shifts.push(None);
                 }
             }
         }

@@ -15,7 +15,17 @@
 //! engine's blocks apart: vLLM's unpadded page unless `host_state_page_padded`); a state block
 //! copies the state's bytes, not the padding. Ids past a tensor's blocks are skipped.
 
+use super::blocks::{clip_for_exchange, logical_to_kernel};
+use super::error::HybridError;
 use super::geometry::EngineGeometry;
+
+/// The kernel block ids per group prefill's `save_kv_to_host` copies for a request whose raw
+/// lists (nulls included) are `lists`: a window's tail, every state slot (vLLM saves before
+/// clipping state).
+pub fn saved_kernel_ids(geo: &EngineGeometry, lists: &[Vec<u32>]) -> Result<Vec<Vec<u64>>, HybridError> {
+    let saved = clip_for_exchange(&geo.groups, geo.sizing.block_tokens, lists, false)?;
+    Ok(logical_to_kernel(&geo.groups, &saved, geo.physical_per_logical))
+}
 
 /// One contiguous copy: `len` bytes at `device` in the KV cache and at `host` in the host
 /// buffer (offsets from each allocation's base).
