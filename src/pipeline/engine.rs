@@ -141,6 +141,15 @@ impl EngineInfo {
         }
     }
 
+    /// Tokens of a `tokens`-token prompt a prefill engine computes (vLLM's
+    /// `num_computed_tokens`): with state, all but the last (the backoff); else all.
+    pub fn computed_tokens(&self, tokens: u32) -> u32 {
+        match &self.hybrid {
+            Some(shape) => shape.tokens(tokens, 0).p_computed_tokens,
+            None => tokens,
+        }
+    }
+
     /// The `kv_transfer_params` a prefill engine answers a request with: where its blocks
     /// are (`blocks`) and who it is. A push-mode decode leg sent before prefill answered (the
     /// concurrent dispatch) needs only the identity: `blocks` empty.
@@ -182,7 +191,9 @@ impl EngineInfo {
             tp_size: self.tp,
             dcp_size: 1,
             pp_size: 1,
-            remote_num_tokens: u64::from(tokens),
+            // What prefill computed (vLLM's `num_computed_tokens`): with state, one short of
+            // the prompt (the backoff).
+            remote_num_tokens: u64::from(self.computed_tokens(tokens)),
             remote_blocks_expiry_time: None,
             remote_registration_generation: 0,
             transfer_mode: mode.as_str().into(),

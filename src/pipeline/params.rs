@@ -32,6 +32,21 @@ pub struct KvTransferParams {
 }
 
 impl KvTransferParams {
+    /// Checks the per-group block lists of a hybrid model's prefill engine: one list per KV
+    /// cache group (`groups`), every id a `u32`.
+    pub fn check_group_block_ids(&self, groups: usize) -> Result<(), String> {
+        if self.remote_block_ids.len() != groups {
+            return Err(format!(
+                "remote_block_ids has {} lists; this model has {groups} KV cache groups",
+                self.remote_block_ids.len()
+            ));
+        }
+        match self.remote_block_ids.iter().flatten().find(|&&b| u32::try_from(b).is_err()) {
+            Some(b) => Err(format!("remote_block_ids: block id {b} is out of range")),
+            None => Ok(()),
+        }
+    }
+
     /// The prefill block ids of the single KV cache group, as `u32`, checked.
     pub fn block_ids(&self) -> Result<Vec<u32>, String> {
         match self.remote_block_ids.as_slice() {

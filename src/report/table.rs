@@ -246,7 +246,10 @@ pub fn bandwidth_table(s: &Summary, style: Style) -> Option<Table> {
 fn verified_label(s: &Summary) -> String {
     // A hybrid model through host buffers is checked in each decode rank's KV cache after the
     // copy into it: every block of the request, not the bytes the READs moved.
-    let cache = !s.hybrid_parts.is_empty() && s.scenario.extra.contains_key("kv_buffer_device");
+    // (`host_copy` is a scenario extra of exactly those runs; `state_slices` of every hybrid
+    // run, the serving path's too, which reports no parts.)
+    let cache = s.scenario.extra.contains_key("host_copy");
+    let hybrid = !s.hybrid_parts.is_empty() || s.scenario.extra.contains_key("state_slices");
     match s.scenario.verify.as_deref() {
         Some("full") if cache => {
             "bytes verified (every byte of the request's blocks in the KV caches)".to_string()
@@ -259,7 +262,7 @@ fn verified_label(s: &Summary) -> String {
         Some("sample") => format!(
             // A hybrid model's decode ranks sample descriptors (every Nth), not blocks.
             "bytes verified (sampled {}, {:.1}% of bytes read)",
-            if s.hybrid_parts.is_empty() { "blocks" } else { "descriptors" },
+            if hybrid { "descriptors" } else { "blocks" },
             100.0 * ratio(s.bytes_verified as f64, s.bytes_read as f64)
         ),
         Some("off") => "bytes verified (verification off)".to_string(),

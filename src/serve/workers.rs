@@ -452,9 +452,11 @@ impl KvBackend for WorkerKv {
             // its block ids nor (sent before prefill answered) its request id.
             let push = params.transfer_mode == TransferMode::Push.as_str();
             if !push {
-                params
-                    .block_ids()
-                    .map_err(|reason| KvError::InvalidParams { field: "remote_block_ids", reason })?;
+                match &self.info.hybrid {
+                    Some(shape) => params.check_group_block_ids(shape.groups.len()).map(|_| ()),
+                    None => params.block_ids().map(|_| ()),
+                }
+                .map_err(|reason| KvError::InvalidParams { field: "remote_block_ids", reason })?;
                 if params.remote_request_id.is_empty() {
                     return Err(KvError::InvalidParams {
                         field: "remote_request_id",
@@ -463,14 +465,19 @@ impl KvBackend for WorkerKv {
                 }
             }
             if params.remote_num_tokens == 0 {
-                params.remote_num_tokens = job.prompt_tokens;
+                params.remote_num_tokens = match u32::try_from(job.prompt_tokens) {
+                    Ok(tokens) => u64::from(self.info.computed_tokens(tokens)),
+                    Err(_) => job.prompt_tokens,
+                };
             }
             let params = &params;
-            let n = blocks_for_tokens(job.prompt_tokens, self.block_tokens);
-            let local_blocks = u32::try_from(n).map_err(|_| KvError::PoolTooSmall {
-                needed: n,
-                capacity: u64::from(self.info.pool_blocks),
-            })?;
+            let too_large = |needed| KvError::PoolTooSmall { needed, capacity: u64::from(self.info.pool_blocks) };
+            // Blocks this engine allocates (a hybrid model: one per KV cache group and position
+            // of the tokens prefill computed).
+            let local_blocks = match u32::try_from(job.prompt_tokens) {
+                Ok(tokens) => self.info.request_blocks(tokens, self.block_tokens, 0),
+                Err(_) => return Err(too_large(blocks_for_tokens(job.prompt_tokens, self.block_tokens))),
+            };
             let req = self.next_req.fetch_add(1, Ordering::Relaxed);
             let shared_id =
                 if params.remote_request_id.is_empty() { &job.request_id } else { &params.remote_request_id };

@@ -484,7 +484,7 @@ fn hybrid_pair(
 ) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::PairConfig, u64), ConfigError> {
     use crate::layouts::hybrid::blocks::RequestShape;
     use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
-    use crate::layouts::hybrid::{HybridPlanner, HybridRequest, PairConfig};
+    use crate::layouts::hybrid::{HybridRequest, PairConfig};
     let name = model.name.clone();
     if transport.mode == TransferMode::Push {
         return Err(ConfigError::new(
@@ -536,30 +536,9 @@ fn hybrid_pair(
         state_slices: s.state_slices.unwrap_or_default(),
         host_copy: s.host_copy.unwrap_or_default(),
     };
-    let planner = HybridPlanner::new(&config)?;
+    let (pair, planner) = super::hybrid_flags::hybrid_pair_spec(&config)?;
     let plan = planner.plan(&HybridRequest::simulated(&planner, max_tokens, 0), "sizing")?;
     let bytes_per_request = plan.d_ranks.iter().map(|d| d.bytes()).sum();
-    let m = &config.model;
-    let engine = |e: &crate::layouts::hybrid::HybridEngine, g: &EngineGeometry| crate::layouts::EngineSpec {
-        tp: e.tp,
-        block_tokens: g.sizing.block_tokens,
-        num_blocks: e.num_blocks,
-        layout: e.layout,
-    };
-    let pair = crate::layouts::compat::PairSpec {
-        version: crate::topology::VllmVersion::V0_33,
-        model: crate::settings::model::ModelShape {
-            name: m.name.clone(),
-            num_layers: m.num_layers(),
-            num_kv_heads: m.attention.num_kv_heads,
-            head_dim: m.attention.head_dim,
-            dtype: m.attention.dtype,
-            mla: None,
-        },
-        p: engine(&config.p, &planner.p),
-        d: engine(&config.d, &planner.d),
-        permute: config.permute_local_kv,
-    };
     Ok((pair, config, bytes_per_request))
 }
 

@@ -62,6 +62,38 @@ pub fn hybrid_engines(
     ))
 }
 
+/// A hybrid pair's planner (vLLM's refusals of the pair) and the pair its engines share with
+/// uniform models (what the workers' common code reads: TP, the aligned block size, the pool,
+/// the layout).
+pub fn hybrid_pair_spec(
+    config: &crate::layouts::hybrid::PairConfig,
+) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::HybridPlanner), ConfigError> {
+    use crate::layouts::hybrid::geometry::EngineGeometry;
+    let planner = crate::layouts::hybrid::HybridPlanner::new(config)?;
+    let m = &config.model;
+    let engine = |e: &crate::layouts::hybrid::HybridEngine, g: &EngineGeometry| crate::layouts::EngineSpec {
+        tp: e.tp,
+        block_tokens: g.sizing.block_tokens,
+        num_blocks: e.num_blocks,
+        layout: e.layout,
+    };
+    let pair = crate::layouts::compat::PairSpec {
+        version: crate::topology::VllmVersion::V0_33,
+        model: crate::settings::model::ModelShape {
+            name: m.name.clone(),
+            num_layers: m.num_layers(),
+            num_kv_heads: m.attention.num_kv_heads,
+            head_dim: m.attention.head_dim,
+            dtype: m.attention.dtype,
+            mla: None,
+        },
+        p: engine(&config.p, &planner.p),
+        d: engine(&config.d, &planner.d),
+        permute: config.permute_local_kv,
+    };
+    Ok((pair, planner))
+}
+
 /// `--host-state-page`: how big a host buffer's state pages are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum HostStatePage {

@@ -301,6 +301,16 @@ pub struct ServeEngineFlags {
     /// copies them into its pool); pull mode over UCX.
     #[arg(long, value_enum, default_value = "cuda", help_heading = "KV workers")]
     pub kv_buffer_device: KvBufferDevice,
+    /// Hybrid models with --kv-buffer-device cpu: which blocks a decode engine's host-to-device
+    /// copy passes through each layer: vllm (every group's through every layer, as vLLM 0.33) or
+    /// per-group (each layer its own group's) [default: vllm].
+    #[arg(long, value_enum, help_heading = "KV workers")]
+    pub host_copy: Option<crate::layouts::hybrid::descriptors::HostCopyRule>,
+    /// Hybrid models with --kv-buffer-device cpu: the host tensors' state pages: vllm
+    /// (unpadded, as vLLM 0.33 allocates them, while the regions assume padded ones) or padded
+    /// [default: vllm]. Both engines must use the same.
+    #[arg(long, value_enum, help_heading = "KV workers")]
+    pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
 }
 
 /// How `kvx serve-engine`'s KV side is built.
@@ -390,6 +400,8 @@ pub fn resolve_serve_engine(
             (a.device.is_some(), "--device"),
             (a.mode.is_some(), "--mode"),
             (a.kv_buffer_device != KvBufferDevice::Cuda, "--kv-buffer-device"),
+            (a.host_copy.is_some(), "--host-copy"),
+            (a.host_state_page.is_some(), "--host-state-page"),
         ];
         if let Some((_, flag)) = given.iter().find(|(on, _)| *on) {
             return Err(ConfigError::new(
@@ -444,8 +456,44 @@ fn serve_engine_workers(
         };
         ConfigError { flag, reason: e.reason }
     };
+    let hybrid_model = super::hybrid_flags::hybrid_preset_of(&a.model, a.vllm, &[])?;
+    if hybrid_model.is_none()
+        && let Some((_, flag)) =
+            [(a.host_copy.is_some(), "--host-copy"), (a.host_state_page.is_some(), "--host-state-page")]
+                .into_iter()
+                .find(|(given, _)| *given)
+    {
+        return Err(ConfigError::new(
+            flag,
+            "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b)",
+        ));
+    }
+    if a.kv_buffer_device != KvBufferDevice::Cpu
+        && let Some((_, flag)) =
+            [(a.host_copy.is_some(), "--host-copy"), (a.host_state_page.is_some(), "--host-state-page")]
+                .into_iter()
+                .find(|(given, _)| *given)
+    {
+        return Err(ConfigError::new(flag, "applies to the host buffer's copies: add --kv-buffer-device cpu"));
+    }
+    let (pair, hybrid) = match hybrid_model {
+        Some(model) => {
+            let (pair, config) = serve_engine_hybrid(a, model, &pair_flags).map_err(own_flag)?;
+            (pair, Some(config))
+        }
+        None => (serve_engine_pair(a, &pair_flags).map_err(own_flag)?, None),
+    };
+    finish_serve_engine(a, exe, pair, hybrid)
+}
+
+/// A uniform model's pair for one serving engine (both sides its own), its pool sized for
+/// `--max-model-len` prompts, vLLM's checks of the mode.
+fn serve_engine_pair(
+    a: &ServeEngineFlags,
+    pair_flags: &PairFlags,
+) -> Result<crate::layouts::compat::PairSpec, ConfigError> {
     // Pool size needs the block size in bytes, which needs the shape: resolve once to size.
-    let probe = scenario::resolve_pair(&a.model, &pair_flags, 1, 1).map_err(own_flag)?;
+    let probe = scenario::resolve_pair(&a.model, pair_flags, 1, 1)?;
     let blocks_per_prompt = u32::try_from(a.max_model_len.div_ceil(u64::from(a.block_size)))
         .map_err(|_| ConfigError::new("--max-model-len", "too many blocks per prompt"))?;
     let block_bytes = probe.p_geometry(0).block_bytes_all_layers().max(1);
@@ -457,12 +505,82 @@ fn serve_engine_workers(
             blocks_per_prompt.saturating_mul(4).min(budget).max(blocks_per_prompt).max(1)
         }
     };
-    let pair = scenario::resolve_pair(&a.model, &pair_flags, pool, pool).map_err(own_flag)?;
-    let mode = a.mode.unwrap_or_default();
-    match mode {
-        TransferMode::Pull => pair.validate().map(|_| ()).map_err(own_flag)?,
-        TransferMode::Push => pair.validate_push().map(|_| ()).map_err(own_flag)?,
+    let pair = scenario::resolve_pair(&a.model, pair_flags, pool, pool)?;
+    match a.mode.unwrap_or_default() {
+        TransferMode::Pull => pair.validate().map(|_| ())?,
+        TransferMode::Push => pair.validate_push().map(|_| ())?,
     }
+    Ok(pair)
+}
+
+/// A hybrid model's pair for one serving engine: its engine from its own flags on both sides
+/// (a decode engine plans each prefill engine at handshake, from its TP and pool), block
+/// sizes aligned as vLLM aligns them, the pool sized for `--max-model-len` prompts (one block
+/// per KV cache group and position, plus vLLM's null block).
+fn serve_engine_hybrid(
+    a: &ServeEngineFlags,
+    model: crate::layouts::hybrid::HybridModel,
+    pair_flags: &PairFlags,
+) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::PairConfig), ConfigError> {
+    use crate::layouts::hybrid::blocks::RequestShape;
+    use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
+    let name = model.name.clone();
+    if a.mode == Some(TransferMode::Push) {
+        return Err(ConfigError::new(
+            "--mode",
+            format!("{name} is a hybrid model: kvx moves hybrid models in pull mode (use --mode pull)"),
+        ));
+    }
+    let (mut own, _) = super::hybrid_flags::hybrid_engines(pair_flags, 1, None, None)?;
+    if a.kv_buffer_device == KvBufferDevice::Cpu {
+        own.kv_buffer_device = KvBufferDevice::Cpu;
+        own.host_state_page_padded = a.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
+    }
+    let one = EngineGeometry::new(&model, &own, Side::Prefill)?;
+    let shape = RequestShape::of(&one);
+    let max_tokens = u32::try_from(a.max_model_len)
+        .map_err(|_| ConfigError::new("--max-model-len", "too many tokens for a hybrid model's block tables"))?;
+    let per_request = shape.blocks(max_tokens, 0);
+    own.num_blocks = match a.pool_blocks {
+        Some(n) if n <= per_request => {
+            return Err(ConfigError::new(
+                "--pool-blocks",
+                format!(
+                    "a {max_tokens}-token prompt (--max-model-len) of {name} needs {per_request} blocks ({} per \
+                     KV cache group) plus vLLM's null block, but the pool has {n}",
+                    per_request / shape.groups.len().max(1) as u32
+                ),
+            ));
+        }
+        Some(n) => n,
+        None => {
+            // The bytes one logical block spans in a rank's pool (every group's layers).
+            let per_block =
+                one.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(1).max(1);
+            let budget = u32::try_from(DEFAULT_POOL_BYTES_PER_RANK / per_block).unwrap_or(u32::MAX);
+            per_request.saturating_mul(4).min(budget).max(per_request).saturating_add(1)
+        }
+    };
+    let config = crate::layouts::hybrid::PairConfig {
+        model,
+        p: own,
+        d: own,
+        permute_local_kv: false,
+        state_slices: Default::default(),
+        host_copy: a.host_copy.unwrap_or_default(),
+    };
+    let (pair, _) = super::hybrid_flags::hybrid_pair_spec(&config)?;
+    Ok((pair, config))
+}
+
+/// The rest of a serving engine's worker settings, past its pair.
+fn finish_serve_engine(
+    a: &ServeEngineFlags,
+    exe: &Result<PathBuf, String>,
+    pair: crate::layouts::compat::PairSpec,
+    hybrid: Option<crate::layouts::hybrid::PairConfig>,
+) -> Result<WorkerSettings, ConfigError> {
+    let mode = a.mode.unwrap_or_default();
     let inflight = check_inflight(a.inflight)?;
     check_kv_buffer(a.kv_buffer_device, mode, TransportKind::Ucx)?;
     if a.lease.is_zero() || a.timeout.is_zero() {
@@ -475,7 +593,7 @@ fn serve_engine_workers(
     let mem = resolve_mem(a.mem, a.devices.clone().or(a.device.map(|d| vec![d])))?;
     Ok(WorkerSettings {
         pair,
-        hybrid: None,
+        hybrid,
         transport: TransportConfig {
             kind: TransportKind::Ucx,
             chain: vec![],

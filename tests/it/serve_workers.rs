@@ -107,10 +107,23 @@ async fn wait_metric(url: &str, name: &str, limit: Duration, cond: impl Fn(f64) 
     }
 }
 
+/// A small hybrid model (Mamba2 state, full attention, a 64-token sliding window).
+const TINY_HYBRID: &[&str] = &[
+    "--model",
+    concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hybrid-model-tiny.toml"),
+    "--model-name",
+    "stub-model",
+];
+
 /// An engine with the workers backend; returns once it answers `/health` (its workers are up).
 async fn engine(role: &str, tp: &str, extra: &[&str]) -> Proc {
+    engine_of(MODEL, role, tp, extra).await
+}
+
+/// [`engine`] of `model`.
+async fn engine_of(model: &[&str], role: &str, tp: &str, extra: &[&str]) -> Proc {
     let mut args = vec!["serve-engine", "--role", role, "--port", "0", "--tp", tp, "--max-model-len", "1024"];
-    args.extend_from_slice(MODEL);
+    args.extend_from_slice(model);
     args.extend_from_slice(&["--side-channel-port", "0", "--verify", "full", "--timeout", "10s"]);
     args.extend_from_slice(extra);
     let p = Proc::spawn(&args);
@@ -271,6 +284,72 @@ async fn completions_and_chat_through_the_proxy_read_verified_kv() {
             assert!(Instant::now() < deadline, "a decode worker outlived its killed engine");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    })
+    .await;
+}
+
+/// A hybrid model through the serving path between engines of different TP (prefill 2,
+/// decode 1): the decode engine plans the prefill engine at handshake (its TP from
+/// `kv_transfer_params`, its pool from its metadata); prefill computes all but the last
+/// prompt token and says so (vLLM's backoff: `remote_num_tokens` N-1) with one block list per
+/// KV cache group, a window's and the state's clipped; every byte decode reads lands where the
+/// model puts it, and every prefill block comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hybrid_model_serves_between_engines_of_different_tp() {
+    within(async {
+        let p = engine_of(TINY_HYBRID, "prefill", "2", &[]).await;
+        let d = engine_of(TINY_HYBRID, "decode", "1", &["--itl-ms", "1"]).await;
+
+        // Prefill on its own, as the proxy's first leg: its answer as vLLM's for a hybrid model.
+        let prompt = words(600);
+        let body = format!(
+            r#"{{"prompt":"{prompt}","max_tokens":1,"kv_transfer_params":{{"do_remote_decode":true,"do_remote_prefill":false}}}}"#
+        );
+        let (status, _, text) = post(&p.url("/v1/completions"), &[], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        let kv = &v["kv_transfer_params"];
+        assert_eq!(kv["remote_num_tokens"], 599, "the backoff: {kv}");
+        assert_eq!(kv["tp_size"], 2);
+        // 599 tokens in 32-token blocks: 19 per group; the state groups send their last slot,
+        // the 64-token window its last cdiv(64, 32) + 1, full attention every block.
+        let lens: Vec<usize> = kv["remote_block_ids"]
+            .as_array()
+            .expect("lists")
+            .iter()
+            .map(|l| l.as_array().expect("a list").len())
+            .collect();
+        assert_eq!(lens, [1, 1, 1, 19, 19, 3], "{kv}");
+
+        // Decode with prefill's answer, as the proxy's second leg.
+        let body = format!(r#"{{"prompt":"{prompt}","max_tokens":2,"kv_transfer_params":{kv}}}"#);
+        let (status, _, text) = post(&d.url("/v1/completions"), &[], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+
+        // Through the proxy: a one-token prompt (nothing to back off) and two more lengths.
+        let x = proxy(&p, &d);
+        for n in [1, 100, 333] {
+            let body = format!(r#"{{"prompt":"{}","max_tokens":2}}"#, words(n));
+            let (status, _, text) = post(&x.url("/v1/completions"), &[], &body).await;
+            assert_eq!(status, StatusCode::OK, "{n} tokens: {text}");
+        }
+
+        let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 4.0, "{m}");
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"error\"}"), 0.0);
+        let read = metric(&m, &format!("kvx:kv_bytes_read_total{D_LABELS}"));
+        assert!(read > 0.0, "{m}");
+        assert_eq!(metric(&m, &format!("kvx:kv_bytes_verified_total{D_LABELS}")), read, "every byte read checked");
+        assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0);
+        assert_eq!(metric(&m, &format!("kvx:kv_handshakes_total{D_LABELS}")), 1.0);
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &format!("kvx:kv_prefills_total{P_LABELS}")), 4.0, "{m}");
+        wait_metric(&p.url("/metrics"), &format!("kvx:kv_blocks_held{P_LABELS}"), Duration::from_secs(5), |v| {
+            v == 0.0
+        })
+        .await;
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0);
     })
     .await;
 }

@@ -337,6 +337,13 @@ impl RequestShape {
         }
     }
 
+    /// The prompt behind a prefill engine's `remote_num_tokens` (the tokens it computed): one
+    /// token more with state (the backoff); a one-token prompt, which backs off nothing, reads
+    /// as two, which computes the same one token.
+    pub fn prompt_of_computed(&self, computed: u32) -> u32 {
+        computed.saturating_add(u32::from(self.has_state))
+    }
+
     /// Block positions of the computed tokens (before any hit).
     pub fn positions(&self, prompt_tokens: u32) -> u32 {
         self.tokens(prompt_tokens, 0).p_computed_tokens.div_ceil(self.block_tokens.max(1))

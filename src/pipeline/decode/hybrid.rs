@@ -6,6 +6,7 @@
 //! what its position means (`layouts::hybrid::coverage::LandedCheck`).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Decoder, Failure, LoadJob, Local, RemoteRank};
@@ -21,10 +22,11 @@ use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::notify::Notification;
 use crate::transfer::ucx::{ReadDesc, ReadOptions};
 
-/// What a decode rank of a hybrid pair prepares once: the planner (every rank's descriptor
-/// lists, built as vLLM builds them at handshake time) and how its engine lays requests out.
+/// What a decode rank of a hybrid pair prepares once: the planner for the prefill engine it
+/// was configured with (every rank's descriptor lists, built as vLLM builds them at handshake
+/// time) and how its engine lays requests out.
 pub(super) struct HybridDecode {
-    planner: HybridPlanner,
+    planner: Arc<HybridPlanner>,
     /// With a host buffer: the KV cache's layout (the planner's geometry is the buffer's).
     cache: Option<EngineGeometry>,
     shape: RequestShape,
@@ -32,8 +34,10 @@ pub(super) struct HybridDecode {
     engines: BTreeMap<String, HybridRemote>,
 }
 
-/// A prefill engine this rank has handshaked with.
+/// A prefill engine this rank has handshaked with, and the plan for it (vLLM plans a remote
+/// engine at handshake: its TP from `kv_transfer_params`, its pool from its metadata).
 struct HybridRemote {
+    planner: Arc<HybridPlanner>,
     ranks: BTreeMap<u32, RemoteRank>,
     transports: Option<String>,
 }
@@ -43,9 +47,25 @@ impl HybridDecode {
         config: &PairConfig,
         cache: Option<EngineGeometry>,
     ) -> Result<Self, crate::layouts::hybrid::HybridError> {
-        let planner = HybridPlanner::new(config)?;
+        let planner = Arc::new(HybridPlanner::new(config)?);
         let shape = RequestShape::of(&planner.d);
         Ok(HybridDecode { planner, cache, shape, engines: BTreeMap::new() })
+    }
+
+    /// The planner for a prefill engine of `tp` ranks of `num_blocks` logical blocks each, its
+    /// other settings as this engine's (the configured one when it is that engine), or vLLM's
+    /// refusal of the pair.
+    fn planner_for(&self, tp: u32, num_blocks: u32, engine_id: &str) -> Result<Arc<HybridPlanner>, Failure> {
+        let planned = &self.planner.config.p;
+        if planned.tp == tp && planned.num_blocks == num_blocks {
+            return Ok(Arc::clone(&self.planner));
+        }
+        let mut config = self.planner.config.clone();
+        config.p.tp = tp;
+        config.p.num_blocks = num_blocks;
+        HybridPlanner::new(&config)
+            .map(Arc::new)
+            .map_err(|e| incompatible(format!("prefill engine {engine_id} (TP {tp}): {e}")))
     }
 
     /// Forgets a prefill engine (its connection broke): the next request handshakes again.
@@ -139,37 +159,49 @@ impl Decoder<'_> {
     /// Handshakes with the prefill ranks this rank reads from (vLLM's handshake set).
     fn hybrid_handshake(&self, h: &HybridDecode, params: &KvTransferParams) -> Result<HybridRemote, Failure> {
         let cfg = self.cfg;
-        let p_tp = h.planner.config.p.tp;
-        if params.tp_size != p_tp {
-            return Err(incompatible(format!(
-                "prefill engine {} runs TP {}, and this decode engine was planned for prefill TP {p_tp}",
-                params.remote_engine_id, params.tp_size
-            )));
-        }
+        let p_tp = params.tp_size;
+        let engine_id = &params.remote_engine_id;
+        // Planned first for the prefill pool this engine was configured with; the pool the
+        // prefill ranks advertise replaces it below.
+        let mut planner = h.planner_for(p_tp, h.planner.config.p.num_blocks, engine_id)?;
         let endpoint = format!("tcp://{}:{}", params.remote_host, params.remote_port);
-        let setup = h
-            .planner
+        let setup = planner
             .d_ranks
             .get(cfg.rank as usize)
             .ok_or_else(|| incompatible(format!("decode rank {} is not in the plan", cfg.rank)))?;
         let ranks: Vec<(u32, u32)> = setup.handshake_ranks.iter().map(|&r| (0, r)).collect();
         let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
+        let block_tokens = planner.p.sizing.block_tokens;
         let validate = |meta: &KvxMetadata| -> Result<(), String> {
-            if meta.tp_size == p_tp {
-                Ok(())
-            } else {
+            if meta.tp_size != p_tp {
                 Err(format!("TP {} where {p_tp} was planned", meta.tp_size))
+            } else if meta.block_size_tokens != block_tokens {
+                Err(format!(
+                    "{}-token blocks where {block_tokens} were planned for prefill TP {p_tp} (give both \
+                     engines the same --block-size and --kernel-block-size)",
+                    meta.block_size_tokens
+                ))
+            } else {
+                Ok(())
             }
         };
         let peers = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
-        let p = &h.planner.p;
+        // The prefill pool: its ranks' first region holds one kernel block per logical block's
+        // kernel split.
+        if let Some(r0) = peers.first().and_then(|p| p.metadata.regions.first()) {
+            let blocks = r0.num_blocks / u64::from(planner.p.physical_per_logical.max(1));
+            let blocks = u32::try_from(blocks)
+                .map_err(|_| incompatible(format!("prefill engine {engine_id}: {blocks} blocks per rank")))?;
+            planner = h.planner_for(p_tp, blocks, engine_id)?;
+        }
+        let p = &planner.p;
         let first = p.regions.first().map_or(0, |r| r.base_off);
         let p_len = p.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0);
         let mut out = BTreeMap::new();
         for peer in &peers {
             out.insert(peer.metadata.tp_rank, self.connect_peer(&peer.metadata, first, p_len)?);
         }
-        Ok(HybridRemote { ranks: out, transports: None })
+        Ok(HybridRemote { planner, ranks: out, transports: None })
     }
 
     /// One request of a hybrid model: plan by vLLM's hybrid rules, read, notify, verify.
@@ -190,10 +222,13 @@ impl Decoder<'_> {
         }
         // Plan: prefill's lists as it sent them, this engine's own from its allocation.
         let tp = Instant::now();
-        let prompt = u32::try_from(params.remote_num_tokens).map_err(|_| {
+        let computed = u32::try_from(params.remote_num_tokens).map_err(|_| {
             incompatible(format!("remote_num_tokens {} is out of range", params.remote_num_tokens))
         })?;
         let shape = &h.shape;
+        // `remote_num_tokens` is what prefill computed (vLLM: `num_computed_tokens`, one short
+        // of the prompt with state, the backoff).
+        let prompt = shape.prompt_of_computed(computed);
         let hit = shape.hit_blocks(prompt, local_blocks.len()).ok_or_else(|| {
             incompatible(format!("{} local blocks for a {prompt}-token request", local_blocks.len()))
         })?;
@@ -210,7 +245,11 @@ impl Decoder<'_> {
             .map(|l| l.iter().map(|&b| u32::try_from(b)).collect::<Result<Vec<u32>, _>>())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|_| incompatible("remote_block_ids: a block id is out of range"))?;
-        let planner = &h.planner;
+        let planner = match h.engines.get(&params.remote_engine_id) {
+            Some(eng) => Arc::clone(&eng.planner),
+            None => return Err((FailureCause::Internal, "engine vanished from the cache".into())),
+        };
+        let planner = &*planner;
         let tokens = shape.tokens(prompt, hit * shape.block_tokens);
         let blocks = ExchangedBlocks::new(
             &planner.p.groups,
