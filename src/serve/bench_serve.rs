@@ -466,6 +466,9 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
     }
     if d.loads_failed > 0 {
         sum.notes.push(format!("KV loads failed by cause (warm-up included): {:?}", d.failures_by_cause));
+        if let Some(first) = &d.first_failure {
+            sum.notes.push(format!("first KV load failure: {first}"));
+        }
     }
     if s.prefix_hit > 0.0 {
         sum.notes

@@ -65,6 +65,8 @@ pub struct KvStats {
     pub per_rank: BTreeMap<u32, (u64, u64)>,
     /// UCX transports and protocols of the first connection (`cma`, `posix`, `tcp`, ...).
     pub ucx: crate::pipeline::bench::UcxSeen,
+    /// What the first failed load said (a wrong range and the vLLM rule behind it, a refusal).
+    pub first_failure: Option<String>,
 }
 
 /// One load as the decode ranks measured it (slowest rank per stage), kept while
@@ -286,13 +288,15 @@ impl WorkerKv {
                         e.1 += 1;
                     }
                 }
-                (Some((cause, _)), _) => {
+                (Some((cause, reason)), _) => {
                     st.loads_failed += 1;
                     *st.failures_by_cause.entry(cause.as_str().to_string()).or_default() += 1;
+                    st.first_failure.get_or_insert_with(|| format!("{}: {reason}", cause.as_str()));
                 }
-                (None, Some(_)) => {
+                (None, Some(reason)) => {
                     st.loads_failed += 1;
                     *st.failures_by_cause.entry("verify".to_string()).or_default() += 1;
+                    st.first_failure.get_or_insert_with(|| format!("verify: {reason}"));
                 }
             }
         }
@@ -471,7 +475,8 @@ impl KvBackend for WorkerKv {
                 };
             }
             let params = &params;
-            let too_large = |needed| KvError::PoolTooSmall { needed, capacity: u64::from(self.info.pool_blocks) };
+            let too_large =
+                |needed| KvError::PoolTooSmall { needed, capacity: u64::from(self.info.pool_blocks) };
             // Blocks this engine allocates (a hybrid model: one per KV cache group and position
             // of the tokens prefill computed).
             let local_blocks = match u32::try_from(job.prompt_tokens) {
@@ -496,6 +501,7 @@ impl KvBackend for WorkerKv {
                     let mut st = lock(&self.stats);
                     st.loads_failed += 1;
                     *st.failures_by_cause.entry(cause.to_string()).or_default() += 1;
+                    st.first_failure.get_or_insert_with(|| format!("{cause}: {e}"));
                 }
                 self.keep(|| KvRequestRecord {
                     x_request_id: job.x_request_id.clone(),

@@ -26,7 +26,7 @@ pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
                         "--model",
                         format!(
                             "{} is a hybrid model: kvx plan, topo and layout plan it by vLLM 0.33's rules and \
-                             kvx bench moves it, but this command takes uniform attention models only so far",
+                             kvx bench and serve-engine move it, but this command takes uniform attention models only so far",
                             h.name
                         ),
                     ));

@@ -474,7 +474,10 @@ fn serve_engine_workers(
                 .into_iter()
                 .find(|(given, _)| *given)
     {
-        return Err(ConfigError::new(flag, "applies to the host buffer's copies: add --kv-buffer-device cpu"));
+        return Err(ConfigError::new(
+            flag,
+            "applies to the host buffer's copies: add --kv-buffer-device cpu",
+        ));
     }
     let (pair, hybrid) = match hybrid_model {
         Some(model) => {
@@ -538,8 +541,9 @@ fn serve_engine_hybrid(
     }
     let one = EngineGeometry::new(&model, &own, Side::Prefill)?;
     let shape = RequestShape::of(&one);
-    let max_tokens = u32::try_from(a.max_model_len)
-        .map_err(|_| ConfigError::new("--max-model-len", "too many tokens for a hybrid model's block tables"))?;
+    let max_tokens = u32::try_from(a.max_model_len).map_err(|_| {
+        ConfigError::new("--max-model-len", "too many tokens for a hybrid model's block tables")
+    })?;
     let per_request = shape.blocks(max_tokens, 0);
     own.num_blocks = match a.pool_blocks {
         Some(n) if n <= per_request => {
@@ -555,8 +559,13 @@ fn serve_engine_hybrid(
         Some(n) => n,
         None => {
             // The bytes one logical block spans in a rank's pool (every group's layers).
-            let per_block =
-                one.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(1).max(1);
+            let per_block = one
+                .regions
+                .iter()
+                .map(|r| r.base_off + r.num_blocks * r.block_stride)
+                .max()
+                .unwrap_or(1)
+                .max(1);
             let budget = u32::try_from(DEFAULT_POOL_BYTES_PER_RANK / per_block).unwrap_or(u32::MAX);
             per_request.saturating_mul(4).min(budget).max(per_request).saturating_add(1)
         }

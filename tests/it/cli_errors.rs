@@ -95,8 +95,14 @@ const CASES: &[(&[&str], &str)] = &[
         &["bench", "--model", "nemotron-h-8b", "--requests", "1", "--kernel-block-size", "7"],
         "--kernel-block-size",
     ),
-    // A hybrid model where only uniform ones run: named as hybrid, not "unknown".
-    (&["serve-engine", "--role", "prefill", "--model", "qwen3-next-80b-a3b"], "is a hybrid model"),
+    // What the serving path does not do with hybrid models, and the host buffer's switches
+    // where they do not apply.
+    (&["serve-engine", "--role", "prefill", "--model", "qwen3-next-80b-a3b", "--mode", "push"], "--mode"),
+    (&["serve-engine", "--role", "decode", "--host-copy", "per-group"], "--host-copy"),
+    (
+        &["serve-engine", "--role", "decode", "--model", "nemotron-h-8b", "--host-state-page", "padded"],
+        "--host-state-page",
+    ),
     (
         &["plan", "--model", "llama-3.1-8b", "--prompt-len", "64", "--kv-buffer-device", "cpu"],
         "--kv-buffer-device",

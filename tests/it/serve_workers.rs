@@ -451,8 +451,14 @@ async fn disconnects_and_abandoned_prefills_release_blocks() {
 /// JSON on stdout, results under `results`, with `extra` flags; in its own process group,
 /// killed if the test ends first.
 async fn bench_serve(extra: &[&str], results: &std::path::Path) -> std::process::Output {
+    bench_serve_of(&["--model", "llama-3.1-8b", "--layers", "2", "--prompt-len", "64"], extra, results).await
+}
+
+/// [`bench_serve`] of `model` (its flags and the prompt length).
+async fn bench_serve_of(model: &[&str], extra: &[&str], results: &std::path::Path) -> std::process::Output {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_kvx"))
-        .args(["bench", "--serve", "--model", "llama-3.1-8b", "--layers", "2", "--prompt-len", "64"])
+        .args(["bench", "--serve"])
+        .args(model)
         .args(["--requests", "4", "--warmup", "1", "--no-calibrate", "--format", "json"])
         .args(extra)
         .arg("--results-dir")
@@ -485,6 +491,46 @@ async fn serving_through_host_buffers_verifies_and_times_both_copies() {
         assert_eq!(v["blocks_leaked"], 0);
         assert_eq!(v["stages"]["sync_to_device"]["count"], 4, "measured requests only: {v}");
         assert!(v["stages"]["save_to_host"]["count"].as_u64().is_some_and(|c| c >= 4), "{v}");
+    })
+    .await;
+}
+
+/// A hybrid model served through host buffers (P1 -> D2, Mamba2 state, a window): by vLLM
+/// 0.33's rules every load lands wrong bytes in decode's KV cache, and the run says which rules
+/// put them there, naming both switches; with both switches every block of every request is
+/// verified in decode's KV caches and both copies are timed stages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serving_a_hybrid_model_through_host_buffers_lands_wrong_by_vllm_rules_and_right_with_both_switches()
+{
+    within(async {
+        let model = [TINY_HYBRID[0], TINY_HYBRID[1], "--prompt-len", "600"];
+        let run = |extra: &'static [&'static str]| async move {
+            let results = tempfile::tempdir().expect("tmp");
+            let mut args =
+                vec!["--kv-buffer-device", "cpu", "--verify", "full", "--p-tp", "1", "--d-tp", "2"];
+            args.extend_from_slice(extra);
+            let out = bench_serve_of(&model, &args, results.path()).await;
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+                .unwrap_or_else(|_| panic!("summary JSON; stderr: {}", String::from_utf8_lossy(&out.stderr)));
+            (out.status.code(), v)
+        };
+        let (code, v) = run(&[]).await;
+        assert_ne!(code, Some(0), "{v}");
+        assert_eq!(v["requests_ok"], 0, "{v}");
+        let notes = v["notes"].to_string();
+        assert!(notes.contains("first KV load failure: verify: decode rank"), "{notes}");
+        for named in ["--host-state-page padded", "--host-copy per-group"] {
+            assert!(notes.contains(named), "the rule behind it and its switch, {named}: {notes}");
+        }
+        let (code, v) = run(&["--host-copy", "per-group", "--host-state-page", "padded"]).await;
+        assert_eq!(code, Some(0), "{v}");
+        assert_eq!((v["requests_ok"].as_u64(), v["requests_failed"].as_u64()), (Some(4), Some(0)), "{v}");
+        assert!(v["bytes_verified"].as_u64().is_some_and(|b| b > 0), "{v}");
+        assert_eq!(v["verify_failures"], 0);
+        assert_eq!(v["blocks_leaked"], 0);
+        assert_eq!(v["stages"]["sync_to_device"]["count"], 4, "{v}");
+        assert!(v["stages"]["save_to_host"]["count"].as_u64().is_some_and(|c| c >= 4), "{v}");
+        assert_eq!(v["scenario"]["host_copy"], "per-group", "{v}");
     })
     .await;
 }
