@@ -767,9 +767,10 @@ fn hybrid_models_move_verified_at_every_accepted_tp_pair() {
     assert!(err.contains("--d-tp") && err.contains("n_groups"), "{err}");
 }
 
-/// vLLM 0.33's `remote_conv_offsets` on a Mamba2 model with `n_groups` below decode TP, moved
-/// between real processes: B and C land wrong, and the run says so and exits 1, naming the
-/// bytes; `--state-slices exact` reads each part as the model splits it, and every byte lands.
+/// vLLM 0.33's `remote_conv_offsets` on a Mamba2 model with `n_groups` below a TP size, moved
+/// between real processes (P1 -> D2 and P2 -> D1): B and C land wrong, and the run says so and
+/// exits 1, naming the bytes; `--state-slices exact` reads each part as the model splits it,
+/// and every byte lands.
 #[test]
 fn replicated_mamba2_groups_land_wrong_by_vllm_rules_and_right_with_exact_slices() {
     let a = ["--p-tp", "1", "--d-tp", "2", "--requests", "3", "--warmup", "0", "--prompt-len", "300"];
@@ -788,6 +789,16 @@ fn replicated_mamba2_groups_land_wrong_by_vllm_rules_and_right_with_exact_slices
     );
     let run = run_bench("exact slices", &[&a[..], TINY_HYBRID_G1, &["--state-slices", "exact"]].concat());
     check_clean("exact slices", &run, 3);
+    // Prefill TP above decode TP: each prefill rank gives its piece of decode's slice.
+    let a = ["--p-tp", "2", "--d-tp", "1", "--requests", "3", "--warmup", "0", "--prompt-len", "300"];
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut bench =
+        Spawned::start("vllm slices, P > D", bench_cmd(results.path(), &[&a[..], TINY_HYBRID_G1].concat()));
+    let status = bench.expect_exit(RUN_TIMEOUT);
+    assert_eq!(status.code(), Some(1), "wrong bytes fail the run: {}", bench.stderr());
+    let run =
+        run_bench("exact slices, P > D", &[&a[..], TINY_HYBRID_G1, &["--state-slices", "exact"]].concat());
+    check_clean("exact slices, P > D", &run, 3);
 }
 
 /// Hybrid models through host buffers (`--kv-buffer-device cpu`) between real processes:

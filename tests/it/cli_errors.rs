@@ -61,24 +61,8 @@ const CASES: &[(&[&str], &str)] = &[
         &["serve-engine", "--role", "decode", "--kv-backend", "null", "--kv-buffer-device", "cpu"],
         "--kv-buffer-device",
     ),
-    // kvx's switch for vLLM's conv-offset rule: hybrid models only, decode TP >= prefill TP.
+    // kvx's switch for vLLM's conv-offset rule: hybrid models only.
     (&["plan", "--model", "llama-3.1-8b", "--prompt-len", "64", "--state-slices", "exact"], "--state-slices"),
-    (
-        &[
-            "plan",
-            "--model",
-            "falcon-h1-7b",
-            "--p-tp",
-            "2",
-            "--d-tp",
-            "1",
-            "--prompt-len",
-            "64",
-            "--state-slices",
-            "exact",
-        ],
-        "--state-slices",
-    ),
     (&["plan", "--model", "gemma-3-4b", "--prompt-len", "64", "--host-copy", "per-group"], "--host-copy"),
     (
         &["plan", "--model", "nemotron-h-8b", "--prompt-len", "64", "--host-state-page", "padded"],

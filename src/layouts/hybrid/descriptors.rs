@@ -530,6 +530,11 @@ pub struct DRankSetup {
     pub local_for_source: Vec<DescList>,
     /// Remote rows (the same for every prefill rank, relative to its base).
     pub remote: DescList,
+    /// `--state-slices exact` with P > D: remote rows per source rank (in
+    /// `mapping.all_source_ranks` order), each rank's state rows where that rank holds the
+    /// piece of decode's slice its READ fills; empty otherwise (every rank reads `remote`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub remote_for_source: Vec<DescList>,
     /// Per source rank (in `mapping.all_source_ranks` order): what its READ's walk needs that
     /// no request changes.
     #[serde(skip)]
@@ -537,6 +542,13 @@ pub struct DRankSetup {
     /// What follows the request id in every notification: `":<consumers>"`.
     #[serde(skip)]
     notif_suffix: String,
+}
+
+impl DRankSetup {
+    /// The remote rows the READ from source rank `i` (in `mapping.all_source_ranks` order) uses.
+    pub fn remote_of(&self, i: usize) -> &DescList {
+        self.remote_for_source.get(i).unwrap_or(&self.remote)
+    }
 }
 
 /// What one READ's walk needs that no request changes: which groups its prefill rank serves,
@@ -792,17 +804,6 @@ impl HybridPlanner {
         let p = EngineGeometry::new(model, &config.p, Side::Prefill)?;
         let d = EngineGeometry::new(model, &config.d, Side::Decode)?;
         let ratio = check_pair(config, &p, &d)?;
-        if config.state_slices == StateSlices::Exact && ratio < 0 && d.state.is_some() {
-            return Err(HybridError::request(
-                "--state-slices",
-                format!(
-                    "exact slices need decode TP >= prefill TP (P {} -> D {}): each prefill rank would have \
-                     to give a different slice of a replicated part, and a decode rank has one list of remote \
-                     rows for all of them; use --state-slices vllm",
-                    config.p.tp, config.d.tp
-                ),
-            ));
-        }
         let bsr = d.kernel_block_tokens / p.kernel_block_tokens;
         let is_state: Vec<bool> = d.groups.iter().map(|g| g.kind.is_state()).collect();
         let mut d_ranks = Vec::new();
@@ -878,7 +879,7 @@ impl HybridPlanner {
                 let state_rows = |l: &DescList| -> Vec<DescRow> {
                     l.rows.iter().filter(|r| matches!(r.label.kind, RowKind::State(_))).copied().collect()
                 };
-                let (lrows, rrows) = (state_rows(local), state_rows(&setup.remote));
+                let (lrows, rrows) = (state_rows(local), state_rows(setup.remote_of(i)));
                 let mut reported: Vec<RowKind> = Vec::new();
                 for (lr, rr) in lrows.iter().zip(&rrows) {
                     let (Some(lregion), Some(rregion)) = (
@@ -1157,7 +1158,7 @@ impl HybridPlanner {
                 d_rank: setup.d_rank,
                 p_rank,
                 llist: &setup.local_for_source[i.min(setup.local_for_source.len() - 1)],
-                rlist: &setup.remote,
+                rlist: setup.remote_of(i),
                 near: [0; 2],
                 rows: [0; 2],
                 bounds: [&lists.bounds[0], &lists.bounds[1]],
@@ -1775,10 +1776,68 @@ fn build_rank(
             count: rr.num_blocks,
         });
     }
+    let mut remote_for_source = Vec::new();
     if let (Some(ds), Some(ps)) = (&d.state, &p.state) {
         let local_offset = u64::from(d_rank) % u64::try_from(ratio.max(1)).unwrap_or(1);
         let parts: Vec<(StatePart, u64)> = ds.conv_parts().map(|x| (x.part, x.len_bytes)).collect();
         let mut conv = remote_conv_offsets(&parts, local_offset, ratio);
+        let ssm_read = if ratio >= 1 { ds.ssm_bytes } else { ps.ssm_bytes };
+        let ppl = u64::from(p.physical_per_logical);
+        // vLLM indexes the remote regions with the decode side's state region indices.
+        let state_rows = |conv: &[(StatePart, u64, u64)]| {
+            let mut rows = Vec::new();
+            for idx in d.state_region_indices() {
+                let Some(r) = p.regions.get(idx as usize) else { continue };
+                let stride = r.block_stride * ppl;
+                for &(part, off, size) in conv {
+                    rows.push(DescRow {
+                        label: RowLabel { kind: RowKind::State(part), region: r.index },
+                        addr_off: r.base_off + off,
+                        len: size,
+                        stride,
+                        count: p.num_blocks(),
+                    });
+                }
+                rows.push(DescRow {
+                    label: RowLabel { kind: RowKind::State(StatePart::Ssm), region: r.index },
+                    addr_off: r.base_off + ps.conv_bytes + local_offset * ssm_read,
+                    len: ssm_read,
+                    stride,
+                    count: p.num_blocks(),
+                });
+            }
+            rows
+        };
+        if slices == StateSlices::Exact && ratio < 0 {
+            // Source rank i fills piece i of each of decode's parts (vLLM's local split); it
+            // reads that piece where it holds those global units (a replicated part: the
+            // piece's own offset in it, not the part's start).
+            let k = ratio.unsigned_abs();
+            remote_for_source = m
+                .all_source_ranks
+                .iter()
+                .enumerate()
+                .map(|(i, &source)| {
+                    let exact: Vec<(StatePart, u64, u64)> = ds
+                        .conv_parts()
+                        .zip(&conv)
+                        .map(|(dp, &vllm)| {
+                            let piece = dp.len_bytes / k;
+                            ps.part(dp.part)
+                                .and_then(|pp| {
+                                    let start = dp.first_global_unit(d_rank) * dp.unit_bytes + i as u64 * piece;
+                                    let rel = start.checked_sub(pp.first_global_unit(source) * pp.unit_bytes)?;
+                                    (rel + piece <= pp.len_bytes).then_some((dp.part, pp.offset_bytes + rel, piece))
+                                })
+                                .unwrap_or(vllm)
+                        })
+                        .collect();
+                    let mut rows = rows.clone();
+                    rows.extend(state_rows(&exact));
+                    DescList::new(p, rows)
+                })
+                .collect();
+        }
         if slices == StateSlices::Exact && ratio >= 1 {
             // The one source rank's part holds global units from its first; decode's slice
             // starts at its own first unit (0 for a replicated part on both sides).
@@ -1800,29 +1859,7 @@ fn build_rank(
                 })
                 .collect();
         }
-        let ssm_read = if ratio >= 1 { ds.ssm_bytes } else { ps.ssm_bytes };
-        let ppl = u64::from(p.physical_per_logical);
-        // vLLM indexes the remote regions with the decode side's state region indices.
-        for idx in d.state_region_indices() {
-            let Some(r) = p.regions.get(idx as usize) else { continue };
-            let stride = r.block_stride * ppl;
-            for &(part, off, size) in &conv {
-                rows.push(DescRow {
-                    label: RowLabel { kind: RowKind::State(part), region: r.index },
-                    addr_off: r.base_off + off,
-                    len: size,
-                    stride,
-                    count: p.num_blocks(),
-                });
-            }
-            rows.push(DescRow {
-                label: RowLabel { kind: RowKind::State(StatePart::Ssm), region: r.index },
-                addr_off: r.base_off + ps.conv_bytes + local_offset * ssm_read,
-                len: ssm_read,
-                stride,
-                count: p.num_blocks(),
-            });
-        }
+        rows.extend(state_rows(&conv));
     }
     let remote = DescList::new(p, rows);
     let groups = d.groups.len();
@@ -1833,13 +1870,14 @@ fn build_rank(
         .enumerate()
         .map(|(i, p_rank)| {
             let llist = &local_for_source[i.min(local_for_source.len() - 1)];
+            let rlist = remote_for_source.get(i).unwrap_or(&remote);
             let with_rows = |runs: &[IdRun], list: &DescList| {
                 runs.iter().map(|&run| RunRow { run, row: list.row_of(run.base) }).collect()
             };
-            let runs: [Vec<RunRow>; 2] = [with_rows(&lruns, llist), with_rows(&rruns, &remote)];
+            let runs: [Vec<RunRow>; 2] = [with_rows(&lruns, llist), with_rows(&rruns, rlist)];
             let aligned = (runs[0].len() == runs[1].len())
                 .then(|| {
-                    runs[0].iter().zip(&runs[1]).map(|(&l, &r)| RowPair::new(l, r, llist, &remote)).collect()
+                    runs[0].iter().zip(&runs[1]).map(|(&l, &r)| RowPair::new(l, r, llist, rlist)).collect()
                 })
                 .flatten();
             let spans = aligned.as_deref().map(Span::cut).unwrap_or_default();
@@ -1869,6 +1907,7 @@ fn build_rank(
         local,
         local_for_source,
         remote,
+        remote_for_source,
         templates,
     }
 }
