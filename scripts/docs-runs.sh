@@ -37,6 +37,9 @@ xfer-rates|xfer --sizes 8KiB,1MiB --inflight 64 --duration 1s --format json
 plan-p8d2|plan --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 4096
 hybrid-falcon-vllm|bench --model falcon-h1-7b --p-tp 1 --d-tp 2 --prompt-len 2000 --requests 2 --warmup 0|1
 hybrid-falcon-exact|bench --model falcon-h1-7b --p-tp 1 --d-tp 2 --prompt-len 2000 --requests 2 --warmup 0 --state-slices exact
+hybrid-falcon-p2d1-vllm|bench --model falcon-h1-7b --p-tp 2 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0|1
+hybrid-falcon-p2d1-exact|bench --model falcon-h1-7b --p-tp 2 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --state-slices exact
+serve-hybrid|bench --serve --model qwen3-next-80b-a3b --p-tp 2 --d-tp 1 --prompt-len 2048 --requests 40
 hybrid-head-slots-lbnhc|bench --model tests/fixtures/hybrid-model-tiny-g8.toml --p-tp 8 --d-tp 1 --layout LBNHC --kernel-block-size 16 --no-prefix-caching --prompt-len 600 --requests 2 --warmup 0 --verify full|1
 hybrid-head-slots-lbhnc|bench --model tests/fixtures/hybrid-model-tiny-g8.toml --p-tp 8 --d-tp 1 --layout LBHNC --kernel-block-size 16 --no-prefix-caching --prompt-len 600 --requests 2 --warmup 0 --verify full
 hybrid-hostbuf-vllm|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --kv-buffer-device cpu|1

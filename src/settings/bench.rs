@@ -261,8 +261,8 @@ layered! {
         pub kv_buffer_device: Option<KvBufferDevice>,
         /// Hybrid models: where decode reads its slice of each state part: vllm (vLLM 0.33's
         /// remote_conv_offsets, which assume every conv part is sharded like x) or exact (each
-        /// part as the model splits it: replicated Mamba2 B and C read whole; decode TP >=
-        /// prefill TP) [default: vllm].
+        /// part as the model splits it: replicated Mamba2 B and C read where each prefill rank
+        /// holds decode's slice of them) [default: vllm].
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub state_slices: Option<crate::layouts::hybrid::StateSlices>,

@@ -248,8 +248,8 @@ pub struct PlanFlags {
     pub kv_buffer_device: Option<crate::layouts::hybrid::geometry::KvBufferDevice>,
     /// Hybrid models: where decode reads its slice of each state part: vllm (vLLM 0.33's
     /// remote_conv_offsets, which assume every conv part is sharded like x) or exact (each
-    /// part as the model splits it: replicated Mamba2 B and C read whole; decode TP >= prefill
-    /// TP) [default: vllm].
+    /// part as the model splits it: replicated Mamba2 B and C read where each prefill rank
+    /// holds decode's slice of them) [default: vllm].
     #[arg(long, value_enum)]
     pub state_slices: Option<crate::layouts::hybrid::StateSlices>,
     /// Hybrid models with --kv-buffer-device cpu: which blocks decode's host-to-device copy

@@ -82,8 +82,9 @@ pub enum StateSlices {
     #[default]
     Vllm,
     /// Each part's offset from how the model really splits it: a sharded part as vLLM reads it,
-    /// a replicated part whole. Decode TP at least prefill TP (with prefill TP above decode TP
-    /// every source rank would need its own remote rows).
+    /// a replicated part where the source rank holds decode's slice of it (decode TP at least
+    /// prefill TP: whole; prefill TP above decode TP: each source rank's piece of the slice,
+    /// from remote rows of its own).
     Exact,
 }
 
