@@ -311,6 +311,14 @@ pub struct ServeEngineFlags {
     /// [default: vllm]. Both engines must use the same.
     #[arg(long, value_enum, help_heading = "KV workers")]
     pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
+    /// Hybrid models: tokens per attention kernel block (the block the attention backend sees,
+    /// e.g. 16; it divides the hybrid block) [default: the hybrid block size].
+    #[arg(long, value_name = "N", help_heading = "KV workers")]
+    pub kernel_block_size: Option<u32>,
+    /// Hybrid models: prefix caching off (vLLM's --no-enable-prefix-caching), which vLLM
+    /// requires for some kernel block sizes.
+    #[arg(long, help_heading = "KV workers")]
+    pub no_prefix_caching: bool,
 }
 
 /// How `kvx serve-engine`'s KV side is built.
@@ -402,6 +410,8 @@ pub fn resolve_serve_engine(
             (a.kv_buffer_device != KvBufferDevice::Cuda, "--kv-buffer-device"),
             (a.host_copy.is_some(), "--host-copy"),
             (a.host_state_page.is_some(), "--host-state-page"),
+            (a.kernel_block_size.is_some(), "--kernel-block-size"),
+            (a.no_prefix_caching, "--no-prefix-caching"),
         ];
         if let Some((_, flag)) = given.iter().find(|(on, _)| *on) {
             return Err(ConfigError::new(
@@ -444,6 +454,8 @@ fn serve_engine_workers(
         vllm: a.vllm,
         layout: a.layout.clone(),
         block_size: Some(a.block_size),
+        kernel_block_size: a.kernel_block_size,
+        no_prefix_caching: a.no_prefix_caching,
         ..PairFlags::default()
     };
     // The pair's checks speak of P and D; this engine is one side with its own flags.
@@ -727,6 +739,10 @@ mod tests {
             device: None,
             mode: None,
             kv_buffer_device: KvBufferDevice::Cuda,
+            host_copy: None,
+            host_state_page: None,
+            kernel_block_size: None,
+            no_prefix_caching: false,
         }
     }
 

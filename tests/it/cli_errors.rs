@@ -83,6 +83,7 @@ const CASES: &[(&[&str], &str)] = &[
     // where they do not apply.
     (&["serve-engine", "--role", "prefill", "--model", "qwen3-next-80b-a3b", "--mode", "push"], "--mode"),
     (&["serve-engine", "--role", "decode", "--host-copy", "per-group"], "--host-copy"),
+    (&["serve-engine", "--role", "decode", "--kernel-block-size", "16"], "--kernel-block-size"),
     (
         &["serve-engine", "--role", "decode", "--model", "nemotron-h-8b", "--host-state-page", "padded"],
         "--host-state-page",

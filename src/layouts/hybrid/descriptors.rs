@@ -1714,6 +1714,20 @@ fn remote_conv_offsets(
     out
 }
 
+/// Where prefill rank `source` holds `len` bytes of `part` from global byte `start` of the
+/// model's part: (part, offset in the page, len), or `None` when it does not hold them all.
+fn held_at(
+    ps: &super::geometry::StateLayout,
+    part: StatePart,
+    source: u32,
+    start: u64,
+    len: u64,
+) -> Option<(StatePart, u64, u64)> {
+    let pp = ps.part(part)?;
+    let rel = start.checked_sub(pp.first_global_unit(source) * pp.unit_bytes)?;
+    (rel + len <= pp.len_bytes).then_some((part, pp.offset_bytes + rel, len))
+}
+
 fn build_rank(
     p: &EngineGeometry,
     d: &EngineGeometry,
@@ -1824,13 +1838,8 @@ fn build_rank(
                         .zip(&conv)
                         .map(|(dp, &vllm)| {
                             let piece = dp.len_bytes / k;
-                            ps.part(dp.part)
-                                .and_then(|pp| {
-                                    let start = dp.first_global_unit(d_rank) * dp.unit_bytes + i as u64 * piece;
-                                    let rel = start.checked_sub(pp.first_global_unit(source) * pp.unit_bytes)?;
-                                    (rel + piece <= pp.len_bytes).then_some((dp.part, pp.offset_bytes + rel, piece))
-                                })
-                                .unwrap_or(vllm)
+                            let start = dp.first_global_unit(d_rank) * dp.unit_bytes + i as u64 * piece;
+                            held_at(ps, dp.part, source, start, piece).unwrap_or(vllm)
                         })
                         .collect();
                     let mut rows = rows.clone();
