@@ -169,6 +169,8 @@ impl BenchSettings {
                 let page = if h.d.host_state_page_padded { "padded" } else { "vllm" };
                 s.extra.insert("host_copy".into(), serde_json::json!(copy));
                 s.extra.insert("host_state_page".into(), serde_json::json!(page));
+                let descs = if h.d.host_descriptors_per_group { "per-group" } else { "vllm" };
+                s.extra.insert("host_descriptors".into(), serde_json::json!(descs));
             }
         }
         if let Some(h) = w.hybrid.as_ref() {

@@ -281,6 +281,9 @@ pub fn render_hybrid(
     if planner.config.d.host_state_page_padded {
         rules.push_str(", but padded host state pages (--host-state-page padded)");
     }
+    if planner.config.d.host_descriptors_per_group {
+        rules.push_str(", but host attention descriptors per group (--host-descriptors per-group)");
+    }
     let mut out = format!(
         "kvx plan: {name}  |  P tp {} -> D tp {}  |  {rules}\n\
          block size P {} / D {} tokens (kernel blocks {} / {}), page P {} / D {}; {} prompt tokens, {} read\n",

@@ -278,6 +278,12 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
+        /// Hybrid models with --kv-buffer-device cpu: which host tensors the attention
+        /// descriptors read: vllm (with state in the model, every layer's tensor, as vLLM 0.33)
+        /// or per-group (each attention group's own layers') [default: vllm].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
         /// How many batches --transport cuda-batch posts per request on a decode rank: rank
         /// (one over all its prefill peers: one kernel launch) or peer (one per prefill peer)
         /// [default: rank].
@@ -405,6 +411,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
             (s.state_slices.is_some(), "--state-slices"),
             (s.host_copy.is_some(), "--host-copy"),
             (s.host_state_page.is_some(), "--host-state-page"),
+            (s.host_descriptors.is_some(), "--host-descriptors"),
         ]
         .into_iter()
         .find(|(given, _)| *given)
@@ -415,10 +422,13 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         ));
     }
     if transport.kv_buffer != KvBufferDevice::Cpu
-        && let Some((_, flag)) =
-            [(s.host_copy.is_some(), "--host-copy"), (s.host_state_page.is_some(), "--host-state-page")]
-                .into_iter()
-                .find(|(given, _)| *given)
+        && let Some((_, flag)) = [
+            (s.host_copy.is_some(), "--host-copy"),
+            (s.host_state_page.is_some(), "--host-state-page"),
+            (s.host_descriptors.is_some(), "--host-descriptors"),
+        ]
+        .into_iter()
+        .find(|(given, _)| *given)
     {
         return Err(ConfigError::new(
             flag,
@@ -506,6 +516,8 @@ fn hybrid_pair(
         for e in [&mut p, &mut d] {
             e.kv_buffer_device = KvBufferDevice::Cpu;
             e.host_state_page_padded = s.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
+            e.host_descriptors_per_group =
+                s.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
         }
     }
     let pool = |e: &crate::layouts::hybrid::HybridEngine, side: Side| -> Result<u32, ConfigError> {

@@ -94,6 +94,16 @@ pub fn hybrid_pair_spec(
     Ok((pair, planner))
 }
 
+/// `--host-descriptors`: which host tensors a host buffer's attention descriptors read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostDescriptors {
+    /// vLLM 0.33: with state in the model, every layer's host tensor (state layers' included).
+    Vllm,
+    /// Each attention group's own layers' tensors only.
+    PerGroup,
+}
+
 /// `--host-state-page`: how big a host buffer's state pages are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum HostStatePage {

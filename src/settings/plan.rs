@@ -167,6 +167,7 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
         for (given, flag) in [
             (flags.host_copy.is_some(), "--host-copy"),
             (flags.host_state_page.is_some(), "--host-state-page"),
+            (flags.host_descriptors.is_some(), "--host-descriptors"),
         ] {
             if given && !buffers.contains(&cpu) {
                 return Err(ConfigError::new(
@@ -185,6 +186,7 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
                 // How the host buffer copies is its run's alone.
                 host_copy: flags.host_copy.filter(|_| buffer == cpu),
                 host_state_page: flags.host_state_page.filter(|_| buffer == cpu),
+                host_descriptors: flags.host_descriptors.filter(|_| buffer == cpu),
                 ..flags.clone()
             };
             runs.push(resolve(&one, env)?);
@@ -262,6 +264,11 @@ pub struct PlanFlags {
     /// [default: vllm].
     #[arg(long, value_enum)]
     pub host_state_page: Option<HostStatePage>,
+    /// Hybrid models with --kv-buffer-device cpu: which host tensors the attention descriptors
+    /// read: vllm (with state in the model, every layer's tensor, as vLLM 0.33) or per-group
+    /// (each attention group's own layers') [default: vllm].
+    #[arg(long, value_enum)]
+    pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
     /// Prefill pool size in blocks (default: enough for the request, at least 2x).
     #[arg(long, value_name = "N", help_heading = "Request")]
     pub p_num_blocks: Option<u32>,
@@ -342,12 +349,17 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
                 if args.host_state_page == Some(HostStatePage::Padded) {
                     (case.pair.p.host_state_page_padded, case.pair.d.host_state_page_padded) = (true, true);
                 }
+                if args.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup) {
+                    (case.pair.p.host_descriptors_per_group, case.pair.d.host_descriptors_per_group) =
+                        (true, true);
+                }
                 Ok(Some(case))
             }
             None => match [
                 (args.state_slices.is_some(), "--state-slices"),
                 (args.host_copy.is_some(), "--host-copy"),
                 (args.host_state_page.is_some(), "--host-state-page"),
+                (args.host_descriptors.is_some(), "--host-descriptors"),
             ]
             .into_iter()
             .find(|(given, _)| *given)
@@ -370,6 +382,7 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
             (args.state_slices.is_some(), "--state-slices"),
             (args.host_copy.is_some(), "--host-copy"),
             (args.host_state_page.is_some(), "--host-state-page"),
+            (args.host_descriptors.is_some(), "--host-descriptors"),
         ] {
             if given {
                 return Err(ConfigError::new(
@@ -411,9 +424,11 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
     if let Some(device) = args.kv_buffer_device {
         (p.kv_buffer_device, d.kv_buffer_device) = (device, device);
     }
-    for (given, flag) in
-        [(args.host_copy.is_some(), "--host-copy"), (args.host_state_page.is_some(), "--host-state-page")]
-    {
+    for (given, flag) in [
+        (args.host_copy.is_some(), "--host-copy"),
+        (args.host_state_page.is_some(), "--host-state-page"),
+        (args.host_descriptors.is_some(), "--host-descriptors"),
+    ] {
         if given && d.kv_buffer_device != crate::layouts::hybrid::KvBufferDevice::Cpu {
             return Err(ConfigError::new(
                 flag,
@@ -423,6 +438,8 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
     }
     let padded = args.host_state_page == Some(HostStatePage::Padded);
     (p.host_state_page_padded, d.host_state_page_padded) = (padded, padded);
+    let own = args.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
+    (p.host_descriptors_per_group, d.host_descriptors_per_group) = (own, own);
     Ok(Some(HybridCase {
         name: model.name.clone(),
         pair: crate::layouts::hybrid::PairConfig {

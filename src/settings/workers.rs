@@ -311,6 +311,11 @@ pub struct ServeEngineFlags {
     /// [default: vllm]. Both engines must use the same.
     #[arg(long, value_enum, help_heading = "KV workers")]
     pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
+    /// Hybrid models with --kv-buffer-device cpu: which host tensors the attention descriptors
+    /// read: vllm (with state in the model, every layer's tensor, as vLLM 0.33) or per-group
+    /// (each attention group's own layers') [default: vllm]. Both engines must use the same.
+    #[arg(long, value_enum, help_heading = "KV workers")]
+    pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
     /// Hybrid models: tokens per attention kernel block (the block the attention backend sees,
     /// e.g. 16; it divides the hybrid block) [default: the hybrid block size].
     #[arg(long, value_name = "N", help_heading = "KV workers")]
@@ -410,6 +415,7 @@ pub fn resolve_serve_engine(
             (a.kv_buffer_device != KvBufferDevice::Cuda, "--kv-buffer-device"),
             (a.host_copy.is_some(), "--host-copy"),
             (a.host_state_page.is_some(), "--host-state-page"),
+            (a.host_descriptors.is_some(), "--host-descriptors"),
             (a.kernel_block_size.is_some(), "--kernel-block-size"),
             (a.no_prefix_caching, "--no-prefix-caching"),
         ];
@@ -470,10 +476,13 @@ fn serve_engine_workers(
     };
     let hybrid_model = super::hybrid_flags::hybrid_preset_of(&a.model, a.vllm, &[])?;
     if hybrid_model.is_none()
-        && let Some((_, flag)) =
-            [(a.host_copy.is_some(), "--host-copy"), (a.host_state_page.is_some(), "--host-state-page")]
-                .into_iter()
-                .find(|(given, _)| *given)
+        && let Some((_, flag)) = [
+            (a.host_copy.is_some(), "--host-copy"),
+            (a.host_state_page.is_some(), "--host-state-page"),
+            (a.host_descriptors.is_some(), "--host-descriptors"),
+        ]
+        .into_iter()
+        .find(|(given, _)| *given)
     {
         return Err(ConfigError::new(
             flag,
@@ -481,10 +490,13 @@ fn serve_engine_workers(
         ));
     }
     if a.kv_buffer_device != KvBufferDevice::Cpu
-        && let Some((_, flag)) =
-            [(a.host_copy.is_some(), "--host-copy"), (a.host_state_page.is_some(), "--host-state-page")]
-                .into_iter()
-                .find(|(given, _)| *given)
+        && let Some((_, flag)) = [
+            (a.host_copy.is_some(), "--host-copy"),
+            (a.host_state_page.is_some(), "--host-state-page"),
+            (a.host_descriptors.is_some(), "--host-descriptors"),
+        ]
+        .into_iter()
+        .find(|(given, _)| *given)
     {
         return Err(ConfigError::new(
             flag,
@@ -550,6 +562,8 @@ fn serve_engine_hybrid(
     if a.kv_buffer_device == KvBufferDevice::Cpu {
         own.kv_buffer_device = KvBufferDevice::Cpu;
         own.host_state_page_padded = a.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
+        own.host_descriptors_per_group =
+            a.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
     }
     let one = EngineGeometry::new(&model, &own, Side::Prefill)?;
     let shape = RequestShape::of(&one);
@@ -741,6 +755,7 @@ mod tests {
             kv_buffer_device: KvBufferDevice::Cuda,
             host_copy: None,
             host_state_page: None,
+            host_descriptors: None,
             kernel_block_size: None,
             no_prefix_caching: false,
         }

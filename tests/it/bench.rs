@@ -865,6 +865,15 @@ fn hybrid_host_buffers_land_wrong_by_vllm_rules_and_right_with_both_switches() {
     }
     assert_eq!(s["scenario"]["host_copy"], "per-group", "{s}");
     assert_eq!(s["scenario"]["host_state_page"], "padded", "{s}");
+    // Finding 5's switch on top: each group's blocks read from its own layers' host tensors
+    // only; fewer bytes on the wire, the same blocks verified in the KV caches.
+    let own = [&fixed[..], &["--host-descriptors", "per-group"]].concat();
+    let own = run_bench("three switches", &own);
+    let o = &own.summary;
+    assert_eq!((n(o, "requests_ok"), n(o, "verify_failures"), n(o, "blocks_leaked")), (3, 0, 0), "{o}");
+    assert_eq!(n(o, "bytes_verified"), n(s, "bytes_verified"), "the same blocks checked: {o}");
+    assert!(n(o, "bytes_read") < n(s, "bytes_read"), "fewer bytes read: {o} vs {s}");
+    assert_eq!(o["scenario"]["host_descriptors"], "per-group", "{o}");
 }
 
 /// Finding 4 between real processes: with more prefill ranks than KV heads (heads replicated)

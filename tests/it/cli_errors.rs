@@ -85,6 +85,11 @@ const CASES: &[(&[&str], &str)] = &[
     (&["serve-engine", "--role", "decode", "--host-copy", "per-group"], "--host-copy"),
     (&["serve-engine", "--role", "decode", "--kernel-block-size", "16"], "--kernel-block-size"),
     (
+        &["bench", "--model", "nemotron-h-8b", "--requests", "1", "--host-descriptors", "per-group"],
+        "--host-descriptors",
+    ),
+    (&["plan", "--prompt-len", "64", "--host-descriptors", "per-group"], "--host-descriptors"),
+    (
         &["serve-engine", "--role", "decode", "--model", "nemotron-h-8b", "--host-state-page", "padded"],
         "--host-state-page",
     ),

@@ -1100,7 +1100,7 @@ fn documented_findings_hold() {
     assert!(named(&padded, "HostStatePagePadded").is_empty(), "{padded:?}");
     let exact = findings("falcon-h1-7b", "2", &["--state-slices", "exact"]);
     assert!(exact.is_empty(), "{exact:?}");
-    // 5. Host buffers with state: attention blocks read from every layer's host tensor (the
+    // 5. Host buffers with state: every group's blocks read from every layer's host tensor (the
     // plan's total line, as the page shows it); without state, the same either way.
     let total = |model: &str, extra: &[&str]| -> String {
         let args =
@@ -1114,6 +1114,10 @@ fn documented_findings_hold() {
     let cpu = ["--kv-buffer-device", "cpu"];
     assert_eq!(total("nemotron-h-8b", &[]), "total: 112 descriptors, 162.4 MiB");
     assert_eq!(total("nemotron-h-8b", &cpu), "total: 688 descriptors, 1.0 GiB");
+    // The switch: each group's blocks from its own layers' tensors, the same as direct.
+    let own = ["--kv-buffer-device", "cpu", "--host-descriptors", "per-group"];
+    assert_eq!(total("nemotron-h-8b", &own), "total: 112 descriptors, 162.4 MiB");
+    assert_eq!(total("gpt-oss-120b:hma", &[]), total("gpt-oss-120b:hma", &own));
     assert_eq!(total("gpt-oss-120b:hma", &[]), total("gpt-oss-120b:hma", &cpu));
     assert!(total("gpt-oss-120b:hma", &[]).starts_with("total: 4752 descriptors"));
 }

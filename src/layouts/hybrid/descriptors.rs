@@ -1990,12 +1990,31 @@ fn desc_id_runs(g: &EngineGeometry, groups: usize, bsr: u32) -> Vec<IdRun> {
     };
     let num_blocks = g.kernel_blocks() * bsr;
     let logical = g.num_blocks();
-    let state_rows = g.state_region_indices().len() as u64 * state.parts.len() as u64;
+    let state_regions: Vec<i32> = g.regions.iter().filter(|r| r.holds_state).map(|r| r.group_id).collect();
+    let parts = state.parts.len() as u64;
+    // `--host-descriptors per-group`: a host buffer's group over its own layers' tensors only
+    // (each host region is one layer's, of one group); vLLM's over every region (attention)
+    // and every state region (state).
+    let own = g.config.host_descriptors_per_group && g.mem() == MemKind::Dram;
+    let mine =
+        |gid: i32, grp: &super::geometry::KvGroup| !own || gid == i32::try_from(grp.index).unwrap_or(-1);
     for (group, grp) in groups.zip(&g.groups) {
         if grp.kind.is_attention() {
-            out.extend((0..g.regions.len() as u64).map(|r| IdRun { group, base: r * num_blocks }));
+            out.extend(
+                (0u64..)
+                    .zip(&g.regions)
+                    .filter(|(_, r)| mine(r.group_id, grp))
+                    .map(|(r, _)| IdRun { group, base: r * num_blocks }),
+            );
         } else {
-            out.extend((0..state_rows).map(|row| IdRun { group, base: num_fa + row * logical }));
+            // Rows run state region by state region, one per part (`local_rows`).
+            out.extend(
+                (0u64..)
+                    .zip(&state_regions)
+                    .filter(|&(_, &gid)| mine(gid, grp))
+                    .flat_map(|(si, _)| si * parts..(si + 1) * parts)
+                    .map(|row| IdRun { group, base: num_fa + row * logical }),
+            );
         }
     }
     out

@@ -92,6 +92,10 @@ pub struct HybridEngine {
     /// Host buffer: the host tensors of state layers hold padded state pages, as their regions
     /// assume (kvx's `--host-state-page padded`); vLLM 0.33 allocates unpadded ones.
     pub host_state_page_padded: bool,
+    /// Host buffer with state in the model: each attention group's descriptor ids over its own
+    /// layers' host tensors only (kvx's `--host-descriptors per-group`); vLLM 0.33 lays them over
+    /// every layer's tensor, state layers' included.
+    pub host_descriptors_per_group: bool,
 }
 
 impl Default for HybridEngine {
@@ -108,6 +112,7 @@ impl Default for HybridEngine {
             prefix_caching: true,
             conv_state_layout: ConvStateLayout::Ds,
             host_state_page_padded: false,
+            host_descriptors_per_group: false,
         }
     }
 }
