@@ -46,6 +46,7 @@ hybrid-hostbuf-vllm|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2
 hybrid-hostbuf-per-group|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --kv-buffer-device cpu --host-copy per-group|1
 hybrid-hostbuf-fixed|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --kv-buffer-device cpu --host-copy per-group --host-state-page padded
 hybrid-kv-buffer|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 8 --concurrency 1 --compare-kv-buffer-device cuda,cpu --host-copy per-group --host-state-page padded
+hybrid-kv-buffer-own|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 8 --concurrency 1 --compare-kv-buffer-device cuda,cpu --host-copy per-group --host-state-page padded --host-descriptors per-group
 EOF
 }
 
