@@ -586,7 +586,9 @@ fn fill_hybrid(
 }
 
 /// vLLM's `save_kv_to_host` of a hybrid request whose per-group lists are `lists`, as (KV
-/// cache ranges, host buffer ranges).
+/// cache ranges, host buffer ranges): every group's blocks through every layer, or with
+/// `--host-descriptors per-group` (decode reads each layer's own group's blocks only) each
+/// layer's own group's.
 fn hybrid_save_moves(
     cache: &crate::layouts::hybrid::geometry::EngineGeometry,
     host: &crate::layouts::hybrid::geometry::EngineGeometry,
@@ -595,7 +597,8 @@ fn hybrid_save_moves(
     use crate::layouts::hybrid::staging::{host_copy_moves, saved_kernel_ids};
     let kernel =
         saved_kernel_ids(cache, lists).map_err(|e| WorkerError::Protocol { reason: e.to_string() })?;
-    Ok(super::worker::split_moves(&host_copy_moves(cache, host, &kernel, false), true))
+    let per_group = host.config.host_descriptors_per_group;
+    Ok(super::worker::split_moves(&host_copy_moves(cache, host, &kernel, per_group), true))
 }
 
 /// Moves the simulated prefills on: with `--overlap layers`, WRITEs the layers computed since

@@ -278,9 +278,10 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
-        /// Hybrid models with --kv-buffer-device cpu: which host tensors the attention
+        /// Hybrid models with --kv-buffer-device cpu: which host tensors each group's
         /// descriptors read: vllm (with state in the model, every layer's tensor, as vLLM 0.33)
-        /// or per-group (each attention group's own layers') [default: vllm].
+        /// or per-group (each group's own layers'; prefill copies only those into the buffer)
+        /// [default: vllm].
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,

@@ -94,13 +94,14 @@ pub fn hybrid_pair_spec(
     Ok((pair, planner))
 }
 
-/// `--host-descriptors`: which host tensors a host buffer's attention descriptors read.
+/// `--host-descriptors`: which host tensors a host buffer's descriptors read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum HostDescriptors {
-    /// vLLM 0.33: with state in the model, every layer's host tensor (state layers' included).
+    /// vLLM 0.33: with state in the model, every layer's host tensor for attention, every state
+    /// layer's for state; prefill copies every group's blocks through every layer.
     Vllm,
-    /// Each attention group's own layers' tensors only.
+    /// Each group's own layers' tensors only, and prefill copies only those.
     PerGroup,
 }
 

@@ -264,9 +264,9 @@ pub struct PlanFlags {
     /// [default: vllm].
     #[arg(long, value_enum)]
     pub host_state_page: Option<HostStatePage>,
-    /// Hybrid models with --kv-buffer-device cpu: which host tensors the attention descriptors
+    /// Hybrid models with --kv-buffer-device cpu: which host tensors each group's descriptors
     /// read: vllm (with state in the model, every layer's tensor, as vLLM 0.33) or per-group
-    /// (each attention group's own layers') [default: vllm].
+    /// (each group's own layers'; prefill copies only those into the buffer) [default: vllm].
     #[arg(long, value_enum)]
     pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
     /// Prefill pool size in blocks (default: enough for the request, at least 2x).

@@ -311,9 +311,10 @@ pub struct ServeEngineFlags {
     /// [default: vllm]. Both engines must use the same.
     #[arg(long, value_enum, help_heading = "KV workers")]
     pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
-    /// Hybrid models with --kv-buffer-device cpu: which host tensors the attention descriptors
+    /// Hybrid models with --kv-buffer-device cpu: which host tensors each group's descriptors
     /// read: vllm (with state in the model, every layer's tensor, as vLLM 0.33) or per-group
-    /// (each attention group's own layers') [default: vllm]. Both engines must use the same.
+    /// (each group's own layers'; prefill copies only those into the buffer) [default: vllm].
+    /// Both engines must use the same.
     #[arg(long, value_enum, help_heading = "KV workers")]
     pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
     /// Hybrid models: tokens per attention kernel block (the block the attention backend sees,

@@ -92,9 +92,11 @@ pub struct HybridEngine {
     /// Host buffer: the host tensors of state layers hold padded state pages, as their regions
     /// assume (kvx's `--host-state-page padded`); vLLM 0.33 allocates unpadded ones.
     pub host_state_page_padded: bool,
-    /// Host buffer with state in the model: each attention group's descriptor ids over its own
-    /// layers' host tensors only (kvx's `--host-descriptors per-group`); vLLM 0.33 lays them over
-    /// every layer's tensor, state layers' included.
+    /// Host buffer with state in the model: each group's descriptor ids over its own layers'
+    /// host tensors only, and prefill's copy into the buffer of each layer's own group's blocks
+    /// (kvx's `--host-descriptors per-group`); vLLM 0.33 lays attention ids over every layer's
+    /// tensor and state ids over every state layer's, and copies every group's blocks through
+    /// every layer.
     pub host_descriptors_per_group: bool,
 }
 
