@@ -350,6 +350,20 @@ async fn a_hybrid_model_serves_between_engines_of_different_tp() {
         .await;
         let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
         assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0);
+
+        // A prefill engine laid out otherwise (a host buffer: one region per layer) is refused
+        // at handshake, naming the flags to align, rather than read where its bytes are not.
+        let other = engine_of(TINY_HYBRID, "prefill", "1", &["--kv-buffer-device", "cpu"]).await;
+        let body = format!(
+            r#"{{"prompt":"{prompt}","max_tokens":1,"kv_transfer_params":{{"do_remote_decode":true}}}}"#
+        );
+        let (status, _, text) = post(&other.url("/v1/completions"), &[], &body).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        let body = format!(r#"{{"prompt":"{prompt}","max_tokens":2,"kv_transfer_params":{}}}"#, v["kv_transfer_params"]);
+        let (status, _, text) = post(&d.url("/v1/completions"), &[], &body).await;
+        assert_ne!(status, StatusCode::OK, "{text}");
+        assert!(text.contains("regions that differ") && text.contains("--kv-buffer-device"), "{text}");
     })
     .await;
 }

@@ -197,6 +197,28 @@ impl Decoder<'_> {
         let p = &planner.p;
         let first = p.regions.first().map_or(0, |r| r.base_off);
         let p_len = p.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0);
+        // The plan assumes the prefill engine lays its pool out as this one would at its TP: its
+        // regions must be the planned ones, or the reads would land elsewhere.
+        for peer in &peers {
+            let meta = &peer.metadata;
+            let planned = |r: &crate::layouts::hybrid::geometry::HybridRegion| {
+                (r.base_off - first, r.block_len, r.block_stride, r.num_blocks)
+            };
+            let base = meta.regions.first().map_or(0, |r| r.base_addr);
+            let advertised = meta.regions.iter().map(|r| {
+                (r.base_addr.wrapping_sub(base), r.block_len_bytes, r.block_stride_bytes, r.num_blocks)
+            });
+            if !p.regions.iter().map(planned).eq(advertised) {
+                return Err(incompatible(format!(
+                    "prefill engine {engine_id} rank {} registers {} regions that differ from the {} this decode \
+                     engine plans for it at TP {p_tp} (give both engines the same --layout, --block-size, \
+                     --kernel-block-size, --kv-buffer-device, --host-state-page and --host-descriptors)",
+                    meta.tp_rank,
+                    meta.regions.len(),
+                    p.regions.len()
+                )));
+            }
+        }
         let mut out = BTreeMap::new();
         for peer in &peers {
             out.insert(peer.metadata.tp_rank, self.connect_peer(&peer.metadata, first, p_len)?);
