@@ -62,7 +62,7 @@
 #   GPU_CHECK_BATCH_COPIES  which --batch-copy ways step 5 measures; default: "kernel api"
 #   GPU_CHECK_PATHS  which --batch-copy paths step 6 measures; default: "kernel api api-v2 api-v1 per-copy"
 #   GPU_CHECK_STEPS  which steps to run, by name: doctor xfer bench perftest nixl batch paths push
-#                  hostbuf launch serve gate mps (default: all of them, in that order)
+#                  hostbuf hybrid launch serve gate mps (default: all of them, in that order)
 #   GPU_CHECK_SERVE_SECONDS  how long step 9's load runs (default: 600). Where one command may
 #                  run 10 minutes at most, 600 s of load does not fit beside the engines' start:
 #                  start the step detached (setsid bash -c 'GPU_CHECK_STEPS=serve scripts/gpu-check.sh
@@ -136,7 +136,7 @@ fi
 
 START=$SECONDS
 BUDGET="${GPU_CHECK_BUDGET:-0}"
-STEPS=" ${GPU_CHECK_STEPS:-doctor xfer bench perftest nixl batch paths push hostbuf launch serve gate mps} "
+STEPS=" ${GPU_CHECK_STEPS:-doctor xfer bench perftest nixl batch paths push hostbuf hybrid launch serve gate mps} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 k() { # $1 time limit in seconds, then kvx's arguments
   local limit="$1"; shift
@@ -340,6 +340,19 @@ want push && step "bench --mem cuda --p-tp 8 --d-tp 2 --mode push" 120 "$OUT/pus
 want hostbuf && step "bench --mem cuda --p-tp 8 --d-tp 2 --compare-kv-buffer-device cuda,cpu" 200 "$OUT/hostbuf.json" \
   bench --mem cuda --p-tp 8 --d-tp 2 --compare-kv-buffer-device cuda,cpu --verify full --requests 20 \
   "${UCX_FLAGS[@]}" --results-dir "$OUT/hostbuf" --format json
+
+# 7b. Hybrid models on device memory: Qwen3-Next P4->D2 (GDN state beside attention) read
+#     from the KV cache, every byte checked; Nemotron-H through host buffers (device/host copies
+#     through pinned memory) with kvx's three switches against the direct path in one run, every
+#     block checked in decode's KV cache after the copy.
+want hybrid && step "bench --mem cuda hybrid-qwen3-next P4->D2" 200 "$OUT/hybrid.json" \
+  bench --mem cuda --config bench-configs/hybrid-qwen3-next.toml --verify full "${UCX_FLAGS[@]}" \
+  --results-dir "$OUT/hybrid" --format json
+want hybrid && step "bench --mem cuda nemotron-h-8b --compare-kv-buffer-device cuda,cpu (three switches)" 200 \
+  "$OUT/hybrid-hostbuf.json" bench --mem cuda --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 \
+  --requests 8 --concurrency 1 --compare-kv-buffer-device cuda,cpu --host-copy per-group \
+  --host-state-page padded --host-descriptors per-group --verify full "${UCX_FLAGS[@]}" \
+  --results-dir "$OUT/hybrid-hostbuf" --format json
 
 # 8. Launches per request: cuda-batch P8->D2 Llama-3.1-70B (8 KiB descriptors, two decode
 #    ranks sharing the one GPU), one batch per request per decode rank (rank, the default) or
