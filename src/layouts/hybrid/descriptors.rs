@@ -633,10 +633,12 @@ impl Span {
             }));
         } else {
             for rp in rps {
+                // In locals, so the loop keeps them in registers.
+                let RowPair { local, lstride, remote, rstride, len, .. } = *rp;
                 read.pairs.extend(ls.iter().zip(rs).map(|(&lb, &rb)| Pair {
-                    local: at(rp.local, lb, rp.lstride),
-                    remote: at(rp.remote, rb, rp.rstride),
-                    len: rp.len,
+                    local: at(local, lb, lstride),
+                    remote: at(remote, rb, rstride),
+                    len,
                 }));
             }
         }
@@ -694,10 +696,11 @@ impl RowPair {
                 len: self.len,
             });
         } else {
+            let RowPair { local, lstride, remote, rstride, len, .. } = *self;
             read.pairs.extend(ls.iter().zip(rs).map(|(&lb, &rb)| Pair {
-                local: at(self.local, lb, self.lstride),
-                remote: at(self.remote, rb, self.rstride),
-                len: self.len,
+                local: at(local, lb, lstride),
+                remote: at(remote, rb, rstride),
+                len,
             }));
         }
         // Whole lists start at their first block: nothing to merge with the run before.
