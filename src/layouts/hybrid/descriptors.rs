@@ -625,10 +625,10 @@ impl Span {
         let start = read.pairs.len();
         let n = ls.len();
         let at = |o: u64, b: u64, st: u64| o.wrapping_add(b.wrapping_mul(st));
-        if let ([lb], [rb]) = (ls, rs) {
+        if let (&[lb], &[rb]) = (ls, rs) {
             read.pairs.extend(rps.iter().map(|rp| Pair {
-                local: at(rp.local, *lb, rp.lstride),
-                remote: at(rp.remote, *rb, rp.rstride),
+                local: at(rp.local, lb, rp.lstride),
+                remote: at(rp.remote, rb, rp.rstride),
                 len: rp.len,
             }));
         } else {
