@@ -407,35 +407,17 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
     }
     let transport = transport(s, slowdown)?;
     let hybrid_model = super::hybrid_flags::hybrid_preset_of(&s.model, s.pair.vllm, &[])?;
-    if hybrid_model.is_none()
-        && let Some((_, flag)) = [
-            (s.state_slices.is_some(), "--state-slices"),
+    super::hybrid_flags::check_host_switches(
+        hybrid_model.is_some(),
+        transport.kv_buffer == KvBufferDevice::Cpu,
+        &[(s.state_slices.is_some(), "--state-slices")],
+        &[
             (s.host_copy.is_some(), "--host-copy"),
             (s.host_state_page.is_some(), "--host-state-page"),
             (s.host_descriptors.is_some(), "--host-descriptors"),
-        ]
-        .into_iter()
-        .find(|(given, _)| *given)
-    {
-        return Err(ConfigError::new(
-            flag,
-            "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b)",
-        ));
-    }
-    if transport.kv_buffer != KvBufferDevice::Cpu
-        && let Some((_, flag)) = [
-            (s.host_copy.is_some(), "--host-copy"),
-            (s.host_state_page.is_some(), "--host-state-page"),
-            (s.host_descriptors.is_some(), "--host-descriptors"),
-        ]
-        .into_iter()
-        .find(|(given, _)| *given)
-    {
-        return Err(ConfigError::new(
-            flag,
-            "applies to the host buffer's copies: add --kv-buffer-device cpu (or --compare-kv-buffer-device cuda,cpu)",
-        ));
-    }
+        ],
+        "--kv-buffer-device cpu (or --compare-kv-buffer-device cuda,cpu)",
+    )?;
     if let Some(model) = hybrid_model {
         let (pair, hybrid, bytes_per_request) = hybrid_pair(s, model, max_tokens, in_flight, &transport)?;
         return finish(

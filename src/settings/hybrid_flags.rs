@@ -94,6 +94,29 @@ pub fn hybrid_pair_spec(
     Ok((pair, planner))
 }
 
+/// Refuses hybrid-only flags given for a uniform model (`hybrid_only`, then the host buffer's
+/// switches `host`), and the host buffer's switches without a host buffer (`add_buffer`: how
+/// to add one).
+pub fn check_host_switches(
+    hybrid: bool,
+    host_buffer: bool,
+    hybrid_only: &[(bool, &'static str)],
+    host: &[(bool, &'static str)],
+    add_buffer: &str,
+) -> Result<(), ConfigError> {
+    let given = |flags: &[(bool, &'static str)]| flags.iter().find(|(on, _)| *on).map(|&(_, flag)| flag);
+    if !hybrid && let Some(flag) = given(&[hybrid_only, host].concat()) {
+        return Err(ConfigError::new(
+            flag,
+            "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b)",
+        ));
+    }
+    if !host_buffer && let Some(flag) = given(host) {
+        return Err(ConfigError::new(flag, format!("applies to the host buffer's copies: add {add_buffer}")));
+    }
+    Ok(())
+}
+
 /// `--host-descriptors`: which host tensors a host buffer's descriptors read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]

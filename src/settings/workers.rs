@@ -476,34 +476,17 @@ fn serve_engine_workers(
         ConfigError { flag, reason: e.reason }
     };
     let hybrid_model = super::hybrid_flags::hybrid_preset_of(&a.model, a.vllm, &[])?;
-    if hybrid_model.is_none()
-        && let Some((_, flag)) = [
+    super::hybrid_flags::check_host_switches(
+        hybrid_model.is_some(),
+        a.kv_buffer_device == KvBufferDevice::Cpu,
+        &[],
+        &[
             (a.host_copy.is_some(), "--host-copy"),
             (a.host_state_page.is_some(), "--host-state-page"),
             (a.host_descriptors.is_some(), "--host-descriptors"),
-        ]
-        .into_iter()
-        .find(|(given, _)| *given)
-    {
-        return Err(ConfigError::new(
-            flag,
-            "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b)",
-        ));
-    }
-    if a.kv_buffer_device != KvBufferDevice::Cpu
-        && let Some((_, flag)) = [
-            (a.host_copy.is_some(), "--host-copy"),
-            (a.host_state_page.is_some(), "--host-state-page"),
-            (a.host_descriptors.is_some(), "--host-descriptors"),
-        ]
-        .into_iter()
-        .find(|(given, _)| *given)
-    {
-        return Err(ConfigError::new(
-            flag,
-            "applies to the host buffer's copies: add --kv-buffer-device cpu",
-        ));
-    }
+        ],
+        "--kv-buffer-device cpu",
+    )?;
     let (pair, hybrid) = match hybrid_model {
         Some(model) => {
             let (pair, config) = serve_engine_hybrid(a, model, &pair_flags).map_err(own_flag)?;

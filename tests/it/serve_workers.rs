@@ -132,6 +132,19 @@ async fn engine_of(model: &[&str], role: &str, tp: &str, extra: &[&str]) -> Proc
     p
 }
 
+/// A prefill engine made `prefills` holds and got every block back by notification (none by
+/// lease expiry).
+async fn prefill_got_every_block_back(p: &Proc, prefills: f64) {
+    let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+    assert_eq!(metric(&m, &format!("kvx:kv_prefills_total{P_LABELS}")), prefills, "{m}");
+    wait_metric(&p.url("/metrics"), &format!("kvx:kv_blocks_held{P_LABELS}"), Duration::from_secs(5), |v| {
+        v == 0.0
+    })
+    .await;
+    let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+    assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0);
+}
+
 fn proxy(p: &Proc, d: &Proc) -> Proc {
     proxy_with(p, d, &[])
 }
@@ -250,14 +263,7 @@ async fn completions_and_chat_through_the_proxy_read_verified_kv() {
         assert_eq!(count, 1 + 2 + 1 + 1, "one gap per token after the first of each request");
 
         // The prefill engine filled 4 holds and got every block back by notification.
-        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
-        assert_eq!(metric(&m, &format!("kvx:kv_prefills_total{P_LABELS}")), 4.0, "{m}");
-        wait_metric(&p.url("/metrics"), &format!("kvx:kv_blocks_held{P_LABELS}"), Duration::from_secs(5), |v| {
-            v == 0.0
-        })
-        .await;
-        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
-        assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0);
+        prefill_got_every_block_back(&p, 4.0).await;
 
         // A graceful stop ends the engine and its workers.
         drop(x);
@@ -342,14 +348,7 @@ async fn a_hybrid_model_serves_between_engines_of_different_tp() {
         assert_eq!(metric(&m, &format!("kvx:kv_bytes_verified_total{D_LABELS}")), read, "every byte read checked");
         assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0);
         assert_eq!(metric(&m, &format!("kvx:kv_handshakes_total{D_LABELS}")), 1.0);
-        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
-        assert_eq!(metric(&m, &format!("kvx:kv_prefills_total{P_LABELS}")), 4.0, "{m}");
-        wait_metric(&p.url("/metrics"), &format!("kvx:kv_blocks_held{P_LABELS}"), Duration::from_secs(5), |v| {
-            v == 0.0
-        })
-        .await;
-        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
-        assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0);
+        prefill_got_every_block_back(&p, 4.0).await;
 
         // A prefill engine laid out otherwise (a host buffer: one region per layer) is refused
         // at handshake, naming the flags to align, rather than read where its bytes are not.
