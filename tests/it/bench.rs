@@ -773,32 +773,25 @@ fn hybrid_models_move_verified_at_every_accepted_tp_pair() {
 /// and every byte lands.
 #[test]
 fn replicated_mamba2_groups_land_wrong_by_vllm_rules_and_right_with_exact_slices() {
-    let a = ["--p-tp", "1", "--d-tp", "2", "--requests", "3", "--warmup", "0", "--prompt-len", "300"];
-    let results = tempfile::tempdir().expect("temp dir");
-    let mut bench =
-        Spawned::start("vllm slices", bench_cmd(results.path(), &[&a[..], TINY_HYBRID_G1].concat()));
-    let status = bench.expect_exit(RUN_TIMEOUT);
-    assert_eq!(status.code(), Some(1), "wrong bytes fail the run: {}", bench.stderr());
-    let s = summary_json(&bench);
-    assert_eq!(n(&s, "requests_ok"), 0, "{s}");
-    assert!(n(&s, "verify_failures") > 0, "{s}");
-    let err = bench.stderr();
-    assert!(
-        err.contains("mamba_conv_C bytes 0..96: holds prefill rank 0's model.layers.0.mixer mamba_ssm"),
-        "the wrong bytes are named: {err}"
-    );
-    let run = run_bench("exact slices", &[&a[..], TINY_HYBRID_G1, &["--state-slices", "exact"]].concat());
-    check_clean("exact slices", &run, 3);
-    // Prefill TP above decode TP: each prefill rank gives its piece of decode's slice.
-    let a = ["--p-tp", "2", "--d-tp", "1", "--requests", "3", "--warmup", "0", "--prompt-len", "300"];
-    let results = tempfile::tempdir().expect("temp dir");
-    let mut bench =
-        Spawned::start("vllm slices, P > D", bench_cmd(results.path(), &[&a[..], TINY_HYBRID_G1].concat()));
-    let status = bench.expect_exit(RUN_TIMEOUT);
-    assert_eq!(status.code(), Some(1), "wrong bytes fail the run: {}", bench.stderr());
-    let run =
-        run_bench("exact slices, P > D", &[&a[..], TINY_HYBRID_G1, &["--state-slices", "exact"]].concat());
-    check_clean("exact slices, P > D", &run, 3);
+    // Prefill TP above decode TP too: each prefill rank gives its piece of decode's slice.
+    for (p, d, named) in [
+        ("1", "2", "mamba_conv_C bytes 0..96: holds prefill rank 0's model.layers.0.mixer mamba_ssm"),
+        ("2", "1", "mamba_conv_"),
+    ] {
+        let case = format!("P{p} -> D{d}");
+        let a = ["--p-tp", p, "--d-tp", d, "--requests", "3", "--warmup", "0", "--prompt-len", "300"];
+        let results = tempfile::tempdir().expect("temp dir");
+        let mut bench = Spawned::start(&case, bench_cmd(results.path(), &[&a[..], TINY_HYBRID_G1].concat()));
+        let status = bench.expect_exit(RUN_TIMEOUT);
+        assert_eq!(status.code(), Some(1), "{case}: wrong bytes fail the run: {}", bench.stderr());
+        let s = summary_json(&bench);
+        assert_eq!(n(&s, "requests_ok"), 0, "{case}: {s}");
+        assert!(n(&s, "verify_failures") > 0, "{case}: {s}");
+        let err = bench.stderr();
+        assert!(err.contains(named) && err.contains(": holds "), "{case}: the wrong bytes are named: {err}");
+        let run = run_bench(&case, &[&a[..], TINY_HYBRID_G1, &["--state-slices", "exact"]].concat());
+        check_clean(&case, &run, 3);
+    }
 }
 
 /// Hybrid models through host buffers (`--kv-buffer-device cpu`) between real processes:
