@@ -301,6 +301,11 @@ pub struct ServeEngineFlags {
     /// copies them into its pool); pull mode over UCX.
     #[arg(long, value_enum, default_value = "cuda", help_heading = "KV workers")]
     pub kv_buffer_device: KvBufferDevice,
+    /// Hybrid models: where a decode engine reads its slice of each state part: vllm (vLLM
+    /// 0.33's remote_conv_offsets, which assume every conv part is sharded like x) or exact
+    /// (each part as the model splits it) [default: vllm].
+    #[arg(long, value_enum, help_heading = "KV workers")]
+    pub state_slices: Option<crate::layouts::hybrid::StateSlices>,
     /// Hybrid models with --kv-buffer-device cpu: which blocks a decode engine's host-to-device
     /// copy passes through each layer: vllm (every group's through every layer, as vLLM 0.33) or
     /// per-group (each layer its own group's) [default: vllm].
@@ -417,6 +422,7 @@ pub fn resolve_serve_engine(
             (a.host_copy.is_some(), "--host-copy"),
             (a.host_state_page.is_some(), "--host-state-page"),
             (a.host_descriptors.is_some(), "--host-descriptors"),
+            (a.state_slices.is_some(), "--state-slices"),
             (a.kernel_block_size.is_some(), "--kernel-block-size"),
             (a.no_prefix_caching, "--no-prefix-caching"),
         ];
@@ -479,7 +485,7 @@ fn serve_engine_workers(
     super::hybrid_flags::check_host_switches(
         hybrid_model.is_some(),
         a.kv_buffer_device == KvBufferDevice::Cpu,
-        &[],
+        &[(a.state_slices.is_some(), "--state-slices")],
         &[
             (a.host_copy.is_some(), "--host-copy"),
             (a.host_state_page.is_some(), "--host-state-page"),
@@ -585,7 +591,7 @@ fn serve_engine_hybrid(
         p: own,
         d: own,
         permute_local_kv: false,
-        state_slices: Default::default(),
+        state_slices: a.state_slices.unwrap_or_default(),
         host_copy: a.host_copy.unwrap_or_default(),
     };
     let (pair, _) = super::hybrid_flags::hybrid_pair_spec(&config)?;
@@ -737,6 +743,7 @@ mod tests {
             device: None,
             mode: None,
             kv_buffer_device: KvBufferDevice::Cuda,
+            state_slices: None,
             host_copy: None,
             host_state_page: None,
             host_descriptors: None,

@@ -84,6 +84,7 @@ const CASES: &[(&[&str], &str)] = &[
     (&["serve-engine", "--role", "prefill", "--model", "qwen3-next-80b-a3b", "--mode", "push"], "--mode"),
     (&["serve-engine", "--role", "decode", "--host-copy", "per-group"], "--host-copy"),
     (&["serve-engine", "--role", "decode", "--kernel-block-size", "16"], "--kernel-block-size"),
+    (&["serve-engine", "--role", "decode", "--state-slices", "exact"], "--state-slices"),
     (
         &["bench", "--model", "nemotron-h-8b", "--requests", "1", "--host-descriptors", "per-group"],
         "--host-descriptors",

@@ -202,7 +202,7 @@ impl Decoder<'_> {
         for peer in &peers {
             let meta = &peer.metadata;
             let planned = |r: &crate::layouts::hybrid::geometry::HybridRegion| {
-                (r.base_off - first, r.block_len, r.block_stride, r.num_blocks)
+                (r.base_off.wrapping_sub(first), r.block_len, r.block_stride, r.num_blocks)
             };
             let base = meta.regions.first().map_or(0, |r| r.base_addr);
             let advertised = meta.regions.iter().map(|r| {
