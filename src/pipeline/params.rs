@@ -21,7 +21,8 @@ pub struct KvTransferParams {
     pub tp_size: u32,
     pub dcp_size: u32,
     pub pp_size: u32,
-    /// Tokens P computed (the prompt length).
+    /// Tokens P computed: the prompt length, or one short of it with Mamba/GDN state (vLLM's
+    /// backoff).
     pub remote_num_tokens: u64,
     /// `null` from P; a lease expiry only in bidirectional mode.
     pub remote_blocks_expiry_time: Option<f64>,
