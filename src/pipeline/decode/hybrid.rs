@@ -12,7 +12,7 @@ use std::time::Instant;
 use super::{Decoder, Failure, LoadJob, Local, RemoteRank};
 use crate::layouts::hybrid::blocks::{ExchangedBlocks, RequestShape, logical_to_kernel};
 use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck, PoolCheck};
-use crate::layouts::hybrid::descriptors::{HostCopyRule, HybridPlan};
+use crate::layouts::hybrid::descriptors::{HostCopyRule, HybridPlan, handshake_ranks};
 use crate::layouts::hybrid::staging::host_copy_moves;
 use crate::layouts::hybrid::{EngineGeometry, HybridPlanner, PairConfig};
 use crate::pipeline::params::KvTransferParams;
@@ -161,17 +161,20 @@ impl Decoder<'_> {
         let cfg = self.cfg;
         let p_tp = params.tp_size;
         let engine_id = &params.remote_engine_id;
-        // Planned first for the prefill pool this engine was configured with; the pool the
-        // prefill ranks advertise replaces it below.
-        let mut planner = h.planner_for(p_tp, h.planner.config.p.num_blocks, engine_id)?;
+        // The prefill engine's geometry at its TP (its block size and kernel split); the plan
+        // is built once its pool is known, from its metadata.
+        let config = &h.planner.config;
+        let p_geometry = EngineGeometry::new(
+            &config.model,
+            &crate::layouts::hybrid::HybridEngine { tp: p_tp, ..config.p },
+            crate::layouts::hybrid::geometry::Side::Prefill,
+        )
+        .map_err(|e| incompatible(format!("prefill engine {engine_id} (TP {p_tp}): {e}")))?;
         let endpoint = format!("tcp://{}:{}", params.remote_host, params.remote_port);
-        let setup = planner
-            .d_ranks
-            .get(cfg.rank as usize)
-            .ok_or_else(|| incompatible(format!("decode rank {} is not in the plan", cfg.rank)))?;
-        let ranks: Vec<(u32, u32)> = setup.handshake_ranks.iter().map(|&r| (0, r)).collect();
+        let ranks: Vec<(u32, u32)> =
+            handshake_ranks(p_tp, config.d.tp, cfg.rank).into_iter().map(|r| (0, r)).collect();
         let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
-        let block_tokens = planner.p.sizing.block_tokens;
+        let block_tokens = p_geometry.sizing.block_tokens;
         let validate = |meta: &KvxMetadata| -> Result<(), String> {
             if meta.tp_size != p_tp {
                 Err(format!("TP {} where {p_tp} was planned", meta.tp_size))
@@ -187,13 +190,17 @@ impl Decoder<'_> {
         };
         let peers = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
         // The prefill pool: its ranks' first region holds one kernel block per logical block's
-        // kernel split.
-        if let Some(r0) = peers.first().and_then(|p| p.metadata.regions.first()) {
-            let blocks = r0.num_blocks / u64::from(planner.p.physical_per_logical.max(1));
-            let blocks = u32::try_from(blocks)
-                .map_err(|_| incompatible(format!("prefill engine {engine_id}: {blocks} blocks per rank")))?;
-            planner = h.planner_for(p_tp, blocks, engine_id)?;
-        }
+        // kernel split (the configured pool when a rank advertises no region).
+        let blocks = match peers.first().and_then(|p| p.metadata.regions.first()) {
+            Some(r0) => {
+                let blocks = r0.num_blocks / u64::from(p_geometry.physical_per_logical.max(1));
+                u32::try_from(blocks).map_err(|_| {
+                    incompatible(format!("prefill engine {engine_id}: {blocks} blocks per rank"))
+                })?
+            }
+            None => config.p.num_blocks,
+        };
+        let planner = h.planner_for(p_tp, blocks, engine_id)?;
         let p = &planner.p;
         let first = p.regions.first().map_or(0, |r| r.base_off);
         let p_len = p.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0);
