@@ -63,6 +63,7 @@
 #   GPU_CHECK_PATHS  which --batch-copy paths step 6 measures; default: "kernel api api-v2 api-v1 per-copy"
 #   GPU_CHECK_STEPS  which steps to run, by name: doctor xfer bench perftest nixl batch paths push
 #                  hostbuf hybrid launch serve gate mps (default: all of them, in that order)
+#   GPU_CHECK_MPS_LAUNCHES  which --batch-launch ways step 11 runs under MPS; default: "rank peer auto"
 #   GPU_CHECK_SERVE_SECONDS  how long step 9's load runs (default: 600). Where one command may
 #                  run 10 minutes at most, 600 s of load does not fit beside the engines' start:
 #                  start the step detached (setsid bash -c 'GPU_CHECK_STEPS=serve scripts/gpu-check.sh
@@ -564,7 +565,7 @@ if want mps && ! over mps "nvidia-cuda-mps-control -d"; then
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d 2>"$OUT/mps.err"; then
     record "MPS control daemon started" ok 0 "" "" "nvidia-cuda-mps-control -d"
     for c in 1 2; do
-      for launch in rank peer; do launch_bench "-mps" "$launch" "$c" " under MPS"; done
+      for launch in ${GPU_CHECK_MPS_LAUNCHES:-rank peer auto}; do launch_bench "-mps" "$launch" "$c" " under MPS"; done
     done
     echo quit | timeout 20 nvidia-cuda-mps-control >/dev/null 2>&1
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$OUT/mps-control.log" 2>/dev/null
@@ -817,7 +818,7 @@ if hb and hb.get("sweep"):
 for sfx, how in (("", ""), ("-mps", " under MPS")):
     for c, target in ((1, ">= 0.5"), (2, ">= 0.4")):
         got = {}
-        for launch in ("rank", "peer"):
+        for launch in ("rank", "peer", "auto"):
             lb = load(f"launch-{launch}-c{c}{sfx}.json")
             if not lb:
                 continue
@@ -826,6 +827,7 @@ for sfx, how in (("", ""), ("-mps", " under MPS")):
             cbi = lb.get("cuda_batch") or {}
             print(f"kvx bench cuda-batch --batch-launch {launch} --concurrency {c}{how}: {lb['requests_ok']} ok, "
                   f"{lb['requests_failed']} failed, {lb['verify_failures']} verify failures, {lb['blocks_leaked']} leaked, "
+                  f"launch used {'/'.join(cbi.get('launches') or ['peer'])}, "
                   f"{cbi.get('calls_per_request', 0):.1f} calls per request, {fmt(lb.get('throughput_gbps'))} GB/s, "
                   f"device {fmt(dev)} GB/s; per decode rank and request: pack {fmt(cbi.get('pack_us_per_rank'))} us, "
                   f"post {fmt(cbi.get('post_us_per_rank'))} us, wait {fmt(cbi.get('wait_us_per_rank'))} us")
