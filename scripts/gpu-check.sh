@@ -49,7 +49,7 @@
 # never ok), seconds, and the JSON kvx printed, with the card's name, the driver and the ratio
 # table, go to one file, $OUT/gpu-check.json. It is meant to be committed as
 # results/gpu-<card>-<date>.json (the script prints that name); paths in it are made relative
-# ($OUT, the repository, $HOME).
+# ($OUT, a bundle's directory as kvx-bundle, the repository, $HOME).
 #
 # Environment:
 #   KVX_BIN        a kvx binary to use (the GPU host may have no Rust); default: ./kvx in a bundle
@@ -587,6 +587,7 @@ COMMIT="$(sed -n 's/.*(commit \([0-9a-f]*\)).*/\1/p' "$(dirname "$KVX")/BUNDLE.t
 # Ratios and the results file.
 GPU_CHECK_CARD="$CARD" GPU_CHECK_DRIVER="$DRIVER" GPU_CHECK_KVX="$KVX_VERSION" GPU_CHECK_COMMIT="$COMMIT" \
 GPU_CHECK_UCX="$UCX_LIB" GPU_CHECK_NIXL_XFER="$NIXL_XFER" GPU_CHECK_REPO="$PWD" \
+GPU_CHECK_BUNDLE="$([ -f "$(dirname "$KVX")/BUNDLE.txt" ] && cd "$(dirname "$KVX")" && pwd)" \
 "$PY" - "$OUT" <<'EOF' || echo "gpu-check: python3 is needed for the ratio table and gpu-check.json; reports are in $OUT"
 import csv, datetime, json, os, re, sys
 out = sys.argv[1]
@@ -884,8 +885,11 @@ for r in rows:
 
 # One results file: every step's command, status, seconds and kvx JSON.
 repo, home = env("GPU_CHECK_REPO", ""), os.path.expanduser("~")
+bundle = env("GPU_CHECK_BUNDLE", "")
 def rel(text):
     text = text.replace(os.path.abspath(out), "$OUT").replace(out, "$OUT")
+    if bundle:
+        text = text.replace(bundle, "kvx-bundle")
     if repo:
         text = text.replace(repo + "/", "").replace(repo, ".")
     return text.replace(home, "~") if home and home != "/" else text

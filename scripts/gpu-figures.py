@@ -115,6 +115,43 @@ def figures(doc):
                 "bytes_verified": d["decode"]["metrics_at_end"].get("kvx:kv_bytes_verified_total"),
                 "kv_usage_at_end_prefill": d["prefill"]["metrics_at_end"].get("vllm:kv_cache_usage_perc"),
                 "kv_usage_at_end_decode": d["decode"]["metrics_at_end"].get("vllm:kv_cache_usage_perc")}
+    # Hybrid models on device memory (gpu-check step "hybrid", and the by-hand runs of a
+    # -extra.json: vLLM's rule and --state-slices exact on Falcon-H1, gpt-oss, --batch-launch auto).
+    for name, s in steps.items():
+        d = s.get("output") or {}
+        if not d.get("run_id"):
+            continue
+        key = None
+        if name.startswith("bench --mem cuda hybrid-qwen3-next"):
+            key = "hybrid_qwen3_next"
+        elif name.startswith("bench --mem cuda nemotron-h-8b --compare-kv-buffer-device"):
+            key = "hybrid_nemotron_hostbuf"
+        elif re.match(r"(falcon-p\dd\d-(vllm|exact)|gptoss-p\dd\d|auto-c\d-nomps)$", name):
+            key = name.replace("-", "_")
+        if not key:
+            continue
+        tb = d.get("transfer_bandwidth") or {}
+        fig = {"status": s.get("status"), "requests_ok": d["requests_ok"], "requests_failed": d["requests_failed"],
+               "verify_failures": d["verify_failures"], "blocks_leaked": d["blocks_leaked"],
+               "bytes_read": d["bytes_read"], "bytes_verified": d["bytes_verified"],
+               "throughput_gbps": d["throughput_gbps"]}
+        if tb.get("rank_gbps"):
+            fig["rank_gbps_p50"] = tb["rank_gbps"]["p50"]
+        for st in ("transfer", "post", "kv_ready", "verify"):
+            if st in (d.get("stages") or {}):
+                fig[st + "_p50_us"] = d["stages"][st]["p50_us"]
+        if d.get("cuda_batch"):
+            fig["launches"] = d["cuda_batch"].get("launches")
+            fig["calls_per_request"] = d["cuda_batch"].get("calls_per_request")
+        pts = {p["label"]: p for p in d.get("sweep") or []}
+        for label, p in pts.items():
+            prm = p.get("params") or {}
+            fig[label] = {"kv_ready_p50_us": p["kv_ready_p50_us"], "transfer_p50_us": p["transfer_p50_us"],
+                          "descriptors": (p.get("descriptors_per_request") or {}).get("raw"),
+                          **{k: prm[k] for k in ("save_to_host_p50_us", "sync_to_device_p50_us") if k in prm}}
+        if "cpu" in pts and "cuda" in pts:
+            fig["kv_ready_cpu_over_cuda"] = pts["cpu"]["kv_ready_p50_us"] / pts["cuda"]["kv_ready_p50_us"]
+        out[key] = fig
     for name, s in steps.items():
         if name.startswith("kvx gate:"):
             tag = "same" if "unchanged vs the same-session" in name else "slow" if "--slowdown" in name else "committed"
