@@ -128,6 +128,10 @@ def figures(doc):
             key = "hybrid_nemotron_hostbuf"
         elif re.match(r"(falcon-p\dd\d-(vllm|exact)|gptoss-p\dd\d|auto-c\d-nomps)$", name):
             key = name.replace("-", "_")
+        elif m := re.match(r"bench --mem cuda falcon-h1-7b P(\d)->D(\d) (\(vLLM|--state-slices exact)", name):
+            key = f"falcon_p{m[1]}d{m[2]}_" + ("vllm" if m[3] == "(vLLM" else "exact")
+        elif re.match(r"bench --mem cuda gpt-oss-120b P2->D2", name):
+            key = "gptoss_p2d2"
         if not key:
             continue
         tb = d.get("transfer_bandwidth") or {}
