@@ -155,6 +155,100 @@ impl ExchangedBlocks {
     }
 }
 
+/// Kernel block ids, one list per group, held in one allocation (a planner builds two per
+/// request, and every READ shares them): group `g`'s ids are `self[g]`. Trimming a group
+/// narrows its range; nothing moves.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupIds {
+    ids: Vec<u64>,
+    ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl GroupIds {
+    /// [`logical_to_kernel`], flat: one list per group of `groups` that `block_ids` has.
+    pub fn kernel(groups: &[KvGroup], block_ids: &[Vec<u32>], ppl: u32) -> GroupIds {
+        let r = u64::from(ppl.max(1));
+        let pairs = groups.iter().zip(block_ids);
+        let total =
+            pairs.clone().map(|(g, ids)| if g.kind.is_state() { ids.len() } else { ids.len() * r as usize });
+        let mut out =
+            GroupIds { ids: Vec::with_capacity(total.sum()), ranges: Vec::with_capacity(groups.len()) };
+        for (g, ids) in pairs {
+            let start = out.ids.len();
+            if g.kind.is_state() || r == 1 {
+                out.ids.extend(ids.iter().map(|&b| u64::from(b)));
+            } else {
+                out.ids.extend(ids.iter().flat_map(|&b| (0..r).map(move |k| u64::from(b) * r + k)));
+            }
+            out.ranges.push(start..out.ids.len());
+        }
+        out
+    }
+
+    /// [`map_block_size_ratio`], flat: attention groups' ids split into `bsr` sub-blocks each.
+    pub fn ratio_mapped(&self, groups: &[KvGroup], bsr: u32) -> GroupIds {
+        let r = u64::from(bsr.max(1));
+        let mut out = GroupIds { ids: Vec::with_capacity(self.ids.len() * r as usize), ranges: Vec::new() };
+        out.ranges.reserve(self.ranges.len());
+        for (g, ids) in groups.iter().zip(self.iter()) {
+            let start = out.ids.len();
+            if g.kind.is_state() || r == 1 {
+                out.ids.extend_from_slice(ids);
+            } else {
+                out.ids.extend(ids.iter().flat_map(|&b| (0..r).map(move |k| b * r + k)));
+            }
+            out.ranges.push(start..out.ids.len());
+        }
+        out
+    }
+
+    /// How many groups' lists it holds.
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    pub fn get(&self, g: usize) -> Option<&[u64]> {
+        self.ranges.get(g).map(|r| &self.ids[r.clone()])
+    }
+
+    /// Every group's list, in group order.
+    pub fn iter(&self) -> impl Iterator<Item = &[u64]> + Clone + '_ {
+        self.ranges.iter().map(|r| &self.ids[r.clone()])
+    }
+
+    /// Keeps group `g`'s first `n` ids at most.
+    pub fn truncate(&mut self, g: usize, n: usize) {
+        if let Some(r) = self.ranges.get_mut(g) {
+            r.end = r.end.min(r.start + n);
+        }
+    }
+
+    /// Drops group `g`'s first `n` ids (all of them, if it holds fewer).
+    pub fn drop_front(&mut self, g: usize, n: usize) {
+        if let Some(r) = self.ranges.get_mut(g) {
+            r.start = r.end.min(r.start + n);
+        }
+    }
+}
+
+impl std::ops::Index<usize> for GroupIds {
+    type Output = [u64];
+    fn index(&self, g: usize) -> &[u64] {
+        &self.ids[self.ranges[g].clone()]
+    }
+}
+
+/// As a list per group (what the `Vec<Vec<u64>>` it replaces gave).
+impl Serialize for GroupIds {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
+    }
+}
+
 /// Logical ids to kernel ids (`_logical_to_kernel_block_ids`): attention ids expand by
 /// `ppl`, state ids stay (a state slot is one block whatever the kernel).
 pub fn logical_to_kernel(groups: &[KvGroup], block_ids: &[Vec<u32>], ppl: u32) -> Vec<Vec<u64>> {
@@ -238,6 +332,13 @@ impl Trim {
         d.truncate(self.d_len);
         p.drain(..self.p_front.min(p.len()));
         p.truncate(self.p_len);
+    }
+
+    /// [`apply`](Self::apply) to group `g` of (decode, prefill) lists held flat.
+    pub fn apply_group(self, g: usize, (d, p): (&mut GroupIds, &mut GroupIds)) {
+        d.truncate(g, self.d_len);
+        p.drop_front(g, self.p_front);
+        p.truncate(g, self.p_len);
     }
 }
 

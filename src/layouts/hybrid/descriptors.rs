@@ -26,8 +26,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::blocks::{
-    ExchangedBlocks, NULL_BLOCK, TokenCounts, group_trim, list_counts, logical_to_kernel,
-    map_block_size_ratio,
+    ExchangedBlocks, GroupIds, NULL_BLOCK, TokenCounts, group_trim, list_counts, logical_to_kernel,
 };
 use super::error::{HybridError, RefusalKind};
 use super::geometry::{
@@ -335,8 +334,8 @@ pub struct HybridRead {
     /// Kernel block ids per group on each side, as the READs' descriptor ids take them: the
     /// request's paired lists, shared by every READ of the plan (a READ's runs reach only the
     /// groups its prefill rank serves).
-    pub local_blocks: Arc<[Vec<u64>]>,
-    pub remote_blocks: Arc<[Vec<u64>]>,
+    pub local_blocks: Arc<GroupIds>,
+    pub remote_blocks: Arc<GroupIds>,
 }
 
 impl HybridRead {
@@ -768,19 +767,25 @@ type ListBounds = ((u64, u64), usize);
 /// One request's block lists per group, paired as every READ that reads the group pairs them
 /// (the TP mapping decides only which READs read a group): worked out once per request.
 struct RequestLists {
-    /// Per group: the local list after the block-size-ratio mapping is empty.
-    mapped_empty: Vec<bool>,
     /// The request's lists do not match the groups (vLLM's shape assertion).
     shape: Option<HybridError>,
-    /// Per group: vLLM's pairing assertion, for the first READ of the group to report.
-    errors: Vec<Option<HybridError>>,
+    /// What each group's pairing found (one entry per group).
+    paired: Vec<GroupPairing>,
     /// (decode, prefill) lists per group, paired 1:1.
-    lists: [Arc<[Vec<u64>]>; 2],
+    lists: [Arc<GroupIds>; 2],
     /// Per side and group: the lowest and highest block of the list, and its length.
     bounds: [Vec<ListBounds>; 2],
-    /// Per group: the attention group's first paired blocks hold different token positions
-    /// (decode's first token, prefill's).
-    shifts: Vec<Option<(u64, u64)>>,
+}
+
+/// One group of a request, paired.
+struct GroupPairing {
+    /// The local list after the block-size-ratio mapping is empty.
+    mapped_empty: bool,
+    /// vLLM's pairing assertion, for the first READ of the group to report.
+    error: Option<HybridError>,
+    /// The attention group's first paired blocks hold different token positions (decode's
+    /// first token, prefill's).
+    shift: Option<(u64, u64)>,
 }
 
 /// Plans requests for every decode rank of a pair; build once (the handshake), plan many.
@@ -1042,49 +1047,45 @@ impl HybridPlanner {
     /// the same).
     fn request_lists(&self, blocks: &ExchangedBlocks, computed_tokens: u32) -> RequestLists {
         let groups = &self.d.groups;
-        let local_k = logical_to_kernel(groups, &blocks.local_block_ids, self.d.physical_per_logical);
-        let remote_k = logical_to_kernel(groups, &blocks.remote_block_ids, self.p.physical_per_logical);
+        let local_k = GroupIds::kernel(groups, &blocks.local_block_ids, self.d.physical_per_logical);
+        let mut remote = GroupIds::kernel(groups, &blocks.remote_block_ids, self.p.physical_per_logical);
         let mut local = if self.block_size_ratio > 1 {
-            let mut local = map_block_size_ratio(groups, &local_k, self.block_size_ratio);
-            for ((l, r), g) in local.iter_mut().zip(&remote_k).zip(groups) {
-                if g.kind.is_attention() {
-                    l.truncate(r.len());
+            let mut local = local_k.ratio_mapped(groups, self.block_size_ratio);
+            for (g, group) in groups.iter().enumerate().take(remote.len()) {
+                if group.kind.is_attention() {
+                    local.truncate(g, remote[g].len());
                 }
             }
             local
         } else {
             local_k
         };
-        let mapped_empty = (0..groups.len()).map(|g| local.get(g).is_none_or(Vec::is_empty)).collect();
-        let shape = list_counts(groups.len(), local.len(), remote_k.len()).err();
-        let mut remote = remote_k;
+        let shape = list_counts(groups.len(), local.len(), remote.len()).err();
         let (d_ppl, p_ppl) = (self.d.physical_per_logical, self.p.physical_per_logical);
         let has_state = self.d.has_state();
-        let mut errors = Vec::with_capacity(groups.len());
-        let mut shifts = Vec::with_capacity(groups.len());
+        let mut paired = Vec::with_capacity(groups.len());
         for (i, group) in groups.iter().enumerate() {
-            let (Some(l), Some(r)) = (local.get_mut(i), remote.get_mut(i)) else {
-                errors.push(None);
-                shifts.push(None);
+            let mapped_empty = local.get(i).is_none_or(<[u64]>::is_empty);
+            let (Some(l), Some(r)) = (local.get(i), remote.get(i)) else {
+                paired.push(GroupPairing { mapped_empty, error: None, shift: None });
                 continue;
             };
             match group_trim(i, group, has_state, (l.len(), r.len()), d_ppl, p_ppl) {
                 Ok(trim) => {
                     // Where prefill's first paired block first appears in its whole list.
                     let first = r.get(trim.p_front).and_then(|&b0| r.iter().position(|&b| b == b0));
-                    trim.apply((l, r));
-                    errors.push(None);
-                    shifts.push(self.token_shift(i, blocks, first, l, r, computed_tokens));
+                    trim.apply_group(i, (&mut local, &mut remote));
+                    let shift = self.token_shift(i, blocks, first, &local[i], &remote[i], computed_tokens);
+                    paired.push(GroupPairing { mapped_empty, error: None, shift });
                 }
                 Err(e) => {
                     // The group's READs report the error; no shift is looked at.
-                    errors.push(Some(e));
-                    shifts.push(None);
+                    paired.push(GroupPairing { mapped_empty, error: Some(e), shift: None });
                 }
             }
         }
         let bounds = [&local, &remote].map(|lists| lists.iter().map(|l| (min_max(l), l.len())).collect());
-        RequestLists { mapped_empty, shape, errors, lists: [local.into(), remote.into()], bounds, shifts }
+        RequestLists { shape, paired, lists: [Arc::new(local), Arc::new(remote)], bounds }
     }
 
     fn plan_rank(
@@ -1112,18 +1113,18 @@ impl HybridPlanner {
         for (i, &p_rank) in m.all_source_ranks.iter().enumerate() {
             let t = &setup.templates[i];
             let kept = |g: usize| t.keeps.get(g).copied().unwrap_or(false);
-            if (0..groups).all(|g| !kept(g) || lists.mapped_empty[g]) {
+            if (0..groups).all(|g| !kept(g) || lists.paired[g].mapped_empty) {
                 notifs_only.push((p_rank, notif.clone()));
                 continue;
             }
             if let Some(e) = &lists.shape {
                 return Err(e.clone());
             }
-            if let Some(e) = (0..groups).filter(|&g| kept(g)).find_map(|g| lists.errors[g].clone()) {
+            if let Some(e) = (0..groups).filter(|&g| kept(g)).find_map(|g| lists.paired[g].error.clone()) {
                 return Err(e);
             }
             for g in (0..groups).filter(|&g| kept(g)) {
-                if let Some((local_token, remote_token)) = lists.shifts[g] {
+                if let Some((local_token, remote_token)) = lists.paired[g].shift {
                     findings.push(Finding::AttentionTokensShifted {
                         d_rank: setup.d_rank,
                         p_rank,
