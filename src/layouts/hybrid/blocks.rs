@@ -165,7 +165,9 @@ pub struct GroupIds {
 }
 
 impl GroupIds {
-    /// [`logical_to_kernel`], flat: one list per group of `groups` that `block_ids` has.
+    /// Logical ids to kernel ids (`_logical_to_kernel_block_ids`), one list per group of
+    /// `groups` that `block_ids` has: attention ids expand by `ppl`, state ids stay (a state
+    /// slot is one block whatever the kernel).
     pub fn kernel(groups: &[KvGroup], block_ids: &[Vec<u32>], ppl: u32) -> GroupIds {
         let r = u64::from(ppl.max(1));
         let pairs = groups.iter().zip(block_ids);
@@ -185,7 +187,9 @@ impl GroupIds {
         out
     }
 
-    /// [`map_block_size_ratio`], flat: attention groups' ids split into `bsr` sub-blocks each.
+    /// Attention ids to remote-block granularity (`_map_block_ids_for_block_size_ratio`): each
+    /// local block of an attention group splits into `bsr` sub-blocks (the caller clips them to
+    /// the remote list's length); state groups' ids stay.
     pub fn ratio_mapped(&self, groups: &[KvGroup], bsr: u32) -> GroupIds {
         let r = u64::from(bsr.max(1));
         let mut out = GroupIds { ids: Vec::with_capacity(self.ids.len() * r as usize), ranges: Vec::new() };
@@ -250,38 +254,10 @@ impl Serialize for GroupIds {
 }
 
 /// Logical ids to kernel ids (`_logical_to_kernel_block_ids`): attention ids expand by
-/// `ppl`, state ids stay (a state slot is one block whatever the kernel).
+/// `ppl`, state ids stay (a state slot is one block whatever the kernel). A list per group;
+/// [`GroupIds::kernel`] holds them flat.
 pub fn logical_to_kernel(groups: &[KvGroup], block_ids: &[Vec<u32>], ppl: u32) -> Vec<Vec<u64>> {
-    let r = u64::from(ppl.max(1));
-    groups
-        .iter()
-        .zip(block_ids)
-        .map(|(g, ids)| {
-            if g.kind.is_state() || r == 1 {
-                ids.iter().map(|&b| u64::from(b)).collect()
-            } else {
-                ids.iter().flat_map(|&b| (0..r).map(move |k| u64::from(b) * r + k)).collect()
-            }
-        })
-        .collect()
-}
-
-/// Attention ids to remote-block granularity (`_map_block_ids_for_block_size_ratio`): each
-/// local block splits into `bsr` sub-blocks, clipped to the remote list's length. Returns
-/// empty local lists when nothing is left (a full hit).
-pub fn map_block_size_ratio(groups: &[KvGroup], local: &[Vec<u64>], bsr: u32) -> Vec<Vec<u64>> {
-    let r = u64::from(bsr.max(1));
-    groups
-        .iter()
-        .zip(local)
-        .map(|(g, ids)| {
-            if g.kind.is_state() || r == 1 {
-                ids.clone()
-            } else {
-                ids.iter().flat_map(|&b| (0..r).map(move |k| b * r + k)).collect()
-            }
-        })
-        .collect()
+    GroupIds::kernel(groups, block_ids, ppl).iter().map(<[u64]>::to_vec).collect()
 }
 
 /// Decode's and prefill's block lists, one per group, to pair 1:1.
@@ -543,6 +519,41 @@ mod tests {
     use super::*;
     use crate::layouts::hybrid::geometry::kv_groups;
     use crate::layouts::hybrid::model::preset;
+
+    #[test]
+    fn flat_group_ids_trim_as_the_lists_they_hold() {
+        // Qwen3-Next: GDN state groups and one attention group; kernel blocks of 4 per block.
+        let groups = kv_groups(&preset("qwen3-next-80b-a3b").expect("preset"));
+        let ids: Vec<Vec<u32>> = (0..groups.len() as u32).map(|g| (10 * g..10 * g + 5).collect()).collect();
+        let mut flat = GroupIds::kernel(&groups, &ids, 4);
+        let mut lists = logical_to_kernel(&groups, &ids, 4);
+        assert_eq!(flat.iter().map(<[u64]>::to_vec).collect::<Vec<_>>(), lists);
+        let mut other = flat.clone();
+        let mut other_lists = lists.clone();
+        let trims = [
+            Trim { d_len: 3, p_front: 1, p_len: 2 },
+            Trim { d_len: 99, p_front: 99, p_len: 1 },
+            Trim { d_len: 0, p_front: 0, p_len: 99 },
+        ];
+        for (g, trim) in (0..groups.len()).zip(trims.iter().cycle()) {
+            trim.apply((&mut lists[g], &mut other_lists[g]));
+            trim.apply_group(g, (&mut flat, &mut other));
+            assert_eq!(&flat[g], &lists[g][..], "decode, group {g}, {trim:?}");
+            assert_eq!(&other[g], &other_lists[g][..], "prefill, group {g}, {trim:?}");
+        }
+        // Serialised as the lists.
+        assert_eq!(serde_json::to_string(&flat).expect("json"), serde_json::to_string(&lists).expect("json"));
+        // Attention ids split by the ratio, state ids as they are.
+        let split = GroupIds::kernel(&groups, &ids, 1).ratio_mapped(&groups, 2);
+        for (g, group) in groups.iter().enumerate() {
+            let want: Vec<u64> = if group.kind.is_state() {
+                ids[g].iter().map(|&b| u64::from(b)).collect()
+            } else {
+                ids[g].iter().flat_map(|&b| [2 * u64::from(b), 2 * u64::from(b) + 1]).collect()
+            };
+            assert_eq!(&split[g], &want[..], "group {g}");
+        }
+    }
 
     #[test]
     fn window_keeps_cdiv_plus_one_and_state_its_last_slot() {
