@@ -227,14 +227,14 @@ impl GroupIds {
     /// Keeps group `g`'s first `n` ids at most.
     pub fn truncate(&mut self, g: usize, n: usize) {
         if let Some(r) = self.ranges.get_mut(g) {
-            r.end = r.end.min(r.start + n);
+            r.end = r.end.min(r.start.saturating_add(n));
         }
     }
 
     /// Drops group `g`'s first `n` ids (all of them, if it holds fewer).
     pub fn drop_front(&mut self, g: usize, n: usize) {
         if let Some(r) = self.ranges.get_mut(g) {
-            r.start = r.end.min(r.start + n);
+            r.start = r.end.min(r.start.saturating_add(n));
         }
     }
 }
