@@ -72,9 +72,8 @@
 #   GPU_CHECK_MPS_LAUNCHES  which --batch-launch ways step 11 runs under MPS; default: "rank peer auto"
 #   GPU_CHECK_SERVE_SECONDS  how long step 9's load runs (default: 600). Where one command may
 #                  run 10 minutes at most, 600 s of load does not fit beside the engines' start:
-#                  start the step detached (setsid bash -c 'GPU_CHECK_STEPS=serve scripts/gpu-check.sh
-#                  --out D; touch D.done' &) and wait in that command, then wait for D.done in the
-#                  next one, issued while the machine is still held
+#                  scripts/gpu-session.sh starts the step detached in one command and collects it
+#                  in the next, issued while the machine is still held
 #   GPU_CHECK_BUDGET  seconds: steps that would start later than this are skipped (default: none).
 #                  Every kvx step also has its own time limit, after which it gets SIGINT (kvx
 #                  then keeps what it measured) and, 5 s later, SIGKILL.
