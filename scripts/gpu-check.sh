@@ -26,7 +26,8 @@
 #   7. kvx bench --mem cuda --p-tp 8 --d-tp 2 --mode push (prefill ranks WRITE), against the
 #      same shape pulled (step 3)
 #  7b. hostbuf and hybrid: host buffers on device memory (--compare-kv-buffer-device cuda,cpu);
-#      hybrid models on device memory (Qwen3-Next P4->D2 every byte checked; Nemotron-H direct
+#      hybrid models on device memory (Qwen3-Next P4->D2 every byte checked, over UCX and over
+#      --transport cuda-batch; Nemotron-H direct
 #      against host buffers with kvx's three switches; Falcon-H1 P1->D2 and P2->D1 by vLLM's
 #      state slices, where exit 1 naming the wrong bytes is the expected outcome, and with
 #      --state-slices exact; gpt-oss-120b's sliding window P2->D2)
@@ -357,6 +358,9 @@ want hostbuf && step "bench --mem cuda --p-tp 8 --d-tp 2 --compare-kv-buffer-dev
 want hybrid && step "bench --mem cuda hybrid-qwen3-next P4->D2" 200 "$OUT/hybrid.json" \
   bench --mem cuda --config bench-configs/hybrid-qwen3-next.toml --verify full "${UCX_FLAGS[@]}" \
   --results-dir "$OUT/hybrid" --format json
+want hybrid && step "bench --mem cuda hybrid-qwen3-next P4->D2 --transport cuda-batch" 200 "$OUT/hybrid-batch.json" \
+  bench --mem cuda --config bench-configs/hybrid-qwen3-next.toml --transport cuda-batch --verify full \
+  --results-dir "$OUT/hybrid-batch" --format json
 want hybrid && step "bench --mem cuda nemotron-h-8b --compare-kv-buffer-device cuda,cpu (three switches)" 200 \
   "$OUT/hybrid-hostbuf.json" bench --mem cuda --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 \
   --requests 8 --concurrency 1 --compare-kv-buffer-device cuda,cpu --host-copy per-group \

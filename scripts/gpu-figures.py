@@ -123,7 +123,7 @@ def figures(doc):
             continue
         key = None
         if name.startswith("bench --mem cuda hybrid-qwen3-next"):
-            key = "hybrid_qwen3_next"
+            key = "hybrid_qwen3_next" + ("_batch" if "cuda-batch" in name else "")
         elif name.startswith("bench --mem cuda nemotron-h-8b --compare-kv-buffer-device"):
             key = "hybrid_nemotron_hostbuf"
         elif re.match(r"(falcon-p\dd\d-(vllm|exact)|gptoss-p\dd\d|auto-c\d-nomps)$", name):

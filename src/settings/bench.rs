@@ -485,11 +485,13 @@ fn hybrid_pair(
             format!("{name} is a hybrid model: kvx moves hybrid models in pull mode (use --mode pull)"),
         ));
     }
-    if transport.kind != TransportKind::Ucx {
+    // UCX, or cuda-batch between device pools (its own checks: --mem cuda, no host buffer).
+    if !matches!(transport.kind, TransportKind::Ucx | TransportKind::CudaBatch) {
         return Err(ConfigError::new(
             "--transport",
             format!(
-                "{name} is a hybrid model: kvx moves hybrid models over UCX so far (use --transport ucx, not {})",
+                "{name} is a hybrid model: kvx moves hybrid models over UCX or cuda-batch (use --transport \
+                 ucx, not {})",
                 transport.kind.as_str()
             ),
         ));
@@ -1249,6 +1251,20 @@ mod tests {
         );
         let storage = BenchFlags { transport: Some(TransportKind::Storage), ..Default::default() };
         assert_eq!(refused(hybrid(storage)), "--transport");
+        // cuda-batch copies device pools: host pools and host buffers are refused as for a
+        // uniform model, device pools are taken.
+        let batch = |more: BenchFlags| BenchFlags { transport: Some(TransportKind::CudaBatch), ..more };
+        let cuda = || BenchFlags { mem: Some(MemKind::Cuda), ..Default::default() };
+        if cfg!(feature = "cuda") {
+            assert_eq!(refused(hybrid(batch(BenchFlags::default()))), "--mem");
+            let staged = BenchFlags { kv_buffer_device: Some(KvBufferDevice::Cpu), ..cuda() };
+            assert_eq!(refused(hybrid(batch(staged))), "--kv-buffer-device");
+            let s = resolve(&hybrid(batch(cuda())), &env()).expect("a hybrid model over cuda-batch");
+            assert_eq!(s.workers.transport.kind, TransportKind::CudaBatch);
+            assert!(s.workers.hybrid.is_some());
+        } else {
+            assert_eq!(refused(hybrid(batch(cuda()))), "--transport");
+        }
         let copy = BenchFlags {
             host_copy: Some(crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup),
             ..Default::default()

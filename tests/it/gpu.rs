@@ -393,6 +393,38 @@ fn bench_over_cuda_batch_without_a_gpu_exits_2_naming_what_is_missing() {
     assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "no run directory either");
 }
 
+/// A hybrid model over cuda-batch: every byte of attention KV and Mamba state copied between
+/// device pools and checked by meaning where a GPU is at hand; without one, exit 2 before any
+/// run, naming what is missing (not a refusal of the hybrid model).
+#[test]
+fn a_hybrid_model_over_cuda_batch_verifies_on_a_gpu_or_exits_2_naming_what_is_missing() {
+    let dir = tempfile::tempdir().expect("results dir");
+    let out = kvx()
+        .args(["bench", "--transport", "cuda-batch", "--mem", "cuda", "--p-tp", "2", "--d-tp", "1"])
+        .args(["--model", "nemotron-h-8b", "--requests", "2", "--prompt-len", "512", "--verify", "full"])
+        .args(["--no-calibrate", "--format", "json", "--results-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run kvx bench");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if out.status.success() {
+        skip("this host has a GPU: a hybrid bench over cuda-batch ran (see scripts/gpu-check.sh)");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(v["scenario"]["transport"], "cuda-batch");
+        assert_eq!(v["requests_ok"], 2, "{v}");
+        assert_eq!(v["verify_failures"], 0, "{v}");
+        assert_eq!(v["blocks_leaked"], 0, "{v}");
+        assert_eq!(v["bytes_verified"], v["bytes_read"], "every byte read is checked: {v}");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(BATCH_MISSING.iter().any(|m| stderr.contains(m)), "names what is missing: {stderr}");
+    assert!(!stderr.contains("is a hybrid model"), "the model is not what is refused: {stderr}");
+    assert!(out.stdout.is_empty(), "no report of a run that never started");
+    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "no run directory either");
+}
+
 #[test]
 fn comparing_ucx_with_cuda_batch_without_a_gpu_exits_2_before_any_run() {
     let dir = tempfile::tempdir().expect("results dir");

@@ -308,29 +308,56 @@ impl Decoder<'_> {
         };
         let tt = Instant::now();
         let tt_mono = crate::clock::now_ns();
-        let Local::Ucx(u) = &mut self.local else {
-            return Err((
-                FailureCause::Internal,
-                "a hybrid model moves over UCX; this rank has no UCX side".into(),
-            ));
-        };
-        let opts =
-            ReadOptions { max_inflight: cfg.transport.inflight.max(1) as usize, timeout: self.timeout };
-        for read in &mine.reads {
-            let region = eng.ranks.get(&read.p_rank).and_then(|rk| rk.region.as_ref()).ok_or((
-                FailureCause::PeerGone,
-                format!("no UCX connection to prefill rank {}", read.p_rank),
-            ))?;
-            let descs =
-                read.pairs.iter().map(|p| ReadDesc { local_off: p.local, remote_off: p.remote, len: p.len });
-            let stats = region
-                .read_batch(&mut u.local, descs, &opts)
-                .map_err(|e| (classify_ucx(&e), format!("read from prefill rank {}: {e}", read.p_rank)))?;
-            r.post_ns += stats.post_ns;
-            r.bytes += stats.bytes;
-        }
-        if eng.transports.is_none() {
-            eng.transports = super::ucx_choices(&eng.ranks, &u.ctx, r);
+        if let Some(side) = self.batch.as_mut() {
+            // cuda-batch: every READ's pairs copied from the prefill ranks' mapped pools, as
+            // for a uniform model (one batch per request, or one per prefill rank), one wait.
+            let mem = self.local.memory_mut()?;
+            let reads: Vec<super::super::batch::BatchRead<'_>> = mine
+                .reads
+                .iter()
+                .map(|read| {
+                    let ipc = eng.ranks.get(&read.p_rank).and_then(|rk| rk.ipc.as_ref());
+                    (read.p_rank, ipc, read.pairs.as_slice())
+                })
+                .collect();
+            let posted = side.read_all(mem, &reads, self.timeout, r);
+            // Waited for even when a later batch could not be posted: nothing of this
+            // request may still be copying when the next one posts.
+            let waited = side.finish(self.timeout, r);
+            posted?;
+            waited?;
+            r.transport = Some(TransportKind::CudaBatch);
+            r.transports = Some(side.label());
+        } else {
+            let Local::Ucx(u) = &mut self.local else {
+                return Err((
+                    FailureCause::Internal,
+                    "a hybrid model moves over UCX or cuda-batch; this rank has neither".into(),
+                ));
+            };
+            let opts =
+                ReadOptions { max_inflight: cfg.transport.inflight.max(1) as usize, timeout: self.timeout };
+            for read in &mine.reads {
+                let region = eng.ranks.get(&read.p_rank).and_then(|rk| rk.region.as_ref()).ok_or((
+                    FailureCause::PeerGone,
+                    format!("no UCX connection to prefill rank {}", read.p_rank),
+                ))?;
+                let descs = read.pairs.iter().map(|p| ReadDesc {
+                    local_off: p.local,
+                    remote_off: p.remote,
+                    len: p.len,
+                });
+                let stats = region.read_batch(&mut u.local, descs, &opts).map_err(|e| {
+                    (classify_ucx(&e), format!("read from prefill rank {}: {e}", read.p_rank))
+                })?;
+                r.post_ns += stats.post_ns;
+                r.bytes += stats.bytes;
+            }
+            if eng.transports.is_none() {
+                eng.transports = super::ucx_choices(&eng.ranks, &u.ctx, r);
+            }
+            r.transport = Some(TransportKind::Ucx);
+            r.transports = eng.transports.clone();
         }
         if cfg.transport.slowdown > 0.0 {
             // A staged regression for testing gates (`--slowdown`): the read takes longer.
@@ -338,8 +365,6 @@ impl Decoder<'_> {
         }
         r.transfer_ns = tt.elapsed().as_nanos() as u64;
         r.transfer_span = Some(crate::clock::ClockSpan::since(tt_mono));
-        r.transport = Some(TransportKind::Ucx);
-        r.transports = eng.transports.clone();
         // Notify every prefill rank of the handshake set: those read from, and those that
         // hold blocks this rank did not need (a full hit, heads another rank reads).
         let tn = Instant::now();
