@@ -18,6 +18,39 @@ fn kvx() -> Command {
     c
 }
 
+/// `kvx bench` with `args` (split at spaces) and its results in a fresh directory: its output,
+/// its stderr (never a panic), and the directory.
+fn bench(args: &str) -> (std::process::Output, String, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("results dir");
+    let out = kvx()
+        .arg("bench")
+        .args(args.split_whitespace())
+        .arg("--results-dir")
+        .arg(dir.path())
+        .output()
+        .expect("run kvx bench");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (out, stderr, dir)
+}
+
+/// A run refused before it started: exit 2, said once, no report and no run directory.
+fn assert_never_started(out: &std::process::Output, stderr: &str, dir: &tempfile::TempDir) {
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.matches("error:").count(), 1, "said once, before any worker: {stderr}");
+    assert!(out.stdout.is_empty(), "no report of a run that never started");
+    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "no run directory either");
+}
+
+/// A finished run's summary: `requests` ok, no wrong byte, no leaked block.
+fn assert_verified(out: &std::process::Output, requests: u64) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["requests_ok"], requests, "{v}");
+    assert_eq!(v["verify_failures"], 0, "{v}");
+    assert_eq!(v["blocks_leaked"], 0, "{v}");
+    v
+}
+
 /// What `--mem cuda` may name as missing: the feature, the driver, a device, a UCX with CUDA.
 const MISSING: &[&str] = &["`cuda` feature", "libcuda", "CUDA device", "cannot register CUDA memory"];
 
@@ -122,31 +155,13 @@ fn the_default_build_includes_cuda_support() {
 
 #[test]
 fn bench_on_device_memory_without_a_gpu_exits_2_naming_what_is_missing() {
-    let dir = tempfile::tempdir().expect("results dir");
-    let out = kvx()
-        .args(["bench", "--mem", "cuda", "--p-tp", "2", "--d-tp", "1", "--model", "llama-3.1-8b"])
-        .args([
-            "--requests",
-            "4",
-            "--prompt-len",
-            "256",
-            "--no-calibrate",
-            "--format",
-            "json",
-            "--results-dir",
-        ])
-        .arg(dir.path())
-        .output()
-        .expect("run kvx bench");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
+    let (out, stderr, dir) = bench(
+        "--mem cuda --p-tp 2 --d-tp 1 --model llama-3.1-8b --requests 4 --prompt-len 256 --no-calibrate --format json",
+    );
     if out.status.success() {
         skip("this host has a GPU and a UCX with CUDA: bench --mem cuda ran (see scripts/gpu-check.sh)");
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        let v = assert_verified(&out, 4);
         assert_eq!(v["scenario"]["mem"], "cuda:0");
-        assert_eq!(v["requests_ok"], 4, "{v}");
-        assert_eq!(v["verify_failures"], 0, "{v}");
-        assert_eq!(v["blocks_leaked"], 0, "{v}");
         let uses = v["ucx"]["protocols"]["uses"].as_array().cloned().unwrap_or_default();
         assert!(
             uses.iter()
@@ -154,11 +169,8 @@ fn bench_on_device_memory_without_a_gpu_exits_2_naming_what_is_missing() {
         );
         return;
     }
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(MISSING.iter().any(|m| stderr.contains(m)), "the message should name what is missing: {stderr}");
-    assert_eq!(stderr.matches("error:").count(), 1, "said once, before any worker: {stderr}");
-    assert!(out.stdout.is_empty(), "no report of a run that never started");
-    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "no run directory either");
+    assert_never_started(&out, &stderr, &dir);
 }
 
 /// Without a GPU: exit 2 naming what is missing, before serving. With one: prefill and
@@ -364,33 +376,20 @@ const BATCH_MISSING: &[&str] = &["`cuda` feature", "libcuda", "CUDA device"];
 
 #[test]
 fn bench_over_cuda_batch_without_a_gpu_exits_2_naming_what_is_missing() {
-    let dir = tempfile::tempdir().expect("results dir");
-    let out = kvx()
-        .args(["bench", "--transport", "cuda-batch", "--mem", "cuda", "--p-tp", "2", "--d-tp", "1"])
-        .args(["--model", "llama-3.1-8b", "--requests", "4", "--prompt-len", "256", "--no-calibrate"])
-        .args(["--format", "json", "--results-dir"])
-        .arg(dir.path())
-        .output()
-        .expect("run kvx bench");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
+    let (out, stderr, dir) = bench(
+        "--transport cuda-batch --mem cuda --p-tp 2 --d-tp 1 --model llama-3.1-8b --requests 4 --prompt-len 256 --no-calibrate --format json",
+    );
     if out.status.success() {
         skip("this host has a GPU: bench --transport cuda-batch ran (see scripts/gpu-check.sh)");
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        let v = assert_verified(&out, 4);
         assert_eq!(v["scenario"]["transport"], "cuda-batch");
-        assert_eq!(v["requests_ok"], 4, "{v}");
-        assert_eq!(v["verify_failures"], 0, "{v}");
-        assert_eq!(v["blocks_leaked"], 0, "{v}");
         let paths = v["cuda_batch"]["paths"].as_array().cloned().unwrap_or_default();
         assert!(!paths.is_empty(), "the summary names the batch path: {v}");
         return;
     }
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(BATCH_MISSING.iter().any(|m| stderr.contains(m)), "names what is missing: {stderr}");
     assert!(stderr.contains("cuda-batch"), "says which transport needs it: {stderr}");
-    assert_eq!(stderr.matches("error:").count(), 1, "said once, before any worker: {stderr}");
-    assert!(out.stdout.is_empty(), "no report of a run that never started");
-    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "no run directory either");
+    assert_never_started(&out, &stderr, &dir);
 }
 
 /// A hybrid model over cuda-batch: every byte of attention KV and Mamba state copied between
@@ -398,31 +397,19 @@ fn bench_over_cuda_batch_without_a_gpu_exits_2_naming_what_is_missing() {
 /// run, naming what is missing (not a refusal of the hybrid model).
 #[test]
 fn a_hybrid_model_over_cuda_batch_verifies_on_a_gpu_or_exits_2_naming_what_is_missing() {
-    let dir = tempfile::tempdir().expect("results dir");
-    let out = kvx()
-        .args(["bench", "--transport", "cuda-batch", "--mem", "cuda", "--p-tp", "2", "--d-tp", "1"])
-        .args(["--model", "nemotron-h-8b", "--requests", "2", "--prompt-len", "512", "--verify", "full"])
-        .args(["--no-calibrate", "--format", "json", "--results-dir"])
-        .arg(dir.path())
-        .output()
-        .expect("run kvx bench");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("panicked"), "{stderr}");
+    let (out, stderr, dir) = bench(
+        "--transport cuda-batch --mem cuda --p-tp 2 --d-tp 1 --model nemotron-h-8b --requests 2 --prompt-len 512 --verify full --no-calibrate --format json",
+    );
     if out.status.success() {
         skip("this host has a GPU: a hybrid bench over cuda-batch ran (see scripts/gpu-check.sh)");
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        let v = assert_verified(&out, 2);
         assert_eq!(v["scenario"]["transport"], "cuda-batch");
-        assert_eq!(v["requests_ok"], 2, "{v}");
-        assert_eq!(v["verify_failures"], 0, "{v}");
-        assert_eq!(v["blocks_leaked"], 0, "{v}");
         assert_eq!(v["bytes_verified"], v["bytes_read"], "every byte read is checked: {v}");
         return;
     }
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(BATCH_MISSING.iter().any(|m| stderr.contains(m)), "names what is missing: {stderr}");
     assert!(!stderr.contains("is a hybrid model"), "the model is not what is refused: {stderr}");
-    assert!(out.stdout.is_empty(), "no report of a run that never started");
-    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "no run directory either");
+    assert_never_started(&out, &stderr, &dir);
 }
 
 #[test]
