@@ -143,6 +143,24 @@ impl BatchSide {
         Ok(())
     }
 
+    /// One request's reads: [`read_all`](Self::read_all), then [`finish`](Self::finish) even
+    /// when posting failed (nothing of this request may still be copying when the next one
+    /// posts); posting's error first. The transport used goes to `r`.
+    pub fn read_request(
+        &mut self,
+        local: &mut KvBuffer,
+        reads: &[BatchRead<'_>],
+        timeout: Duration,
+        r: &mut LoadResult,
+    ) -> Result<(), Failure> {
+        let posted = self.read_all(local, reads, timeout, r);
+        let waited = self.finish(timeout, r);
+        posted.and(waited)?;
+        r.transport = Some(crate::pipeline::wire::TransportKind::CudaBatch);
+        r.transports = Some(self.label());
+        Ok(())
+    }
+
     /// Waits for every batch posted for the request (one event: one stream runs them in
     /// order). Called even when posting failed: nothing of a request may still be copying
     /// when the next one posts.

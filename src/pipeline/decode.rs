@@ -552,14 +552,7 @@ impl Decoder<'_> {
                     )
                 })
                 .collect();
-            let posted = side.read_all(mem, &reads, timeout, r);
-            // Waited for even when a later batch could not be posted: nothing of this
-            // request may still be copying when the next one posts.
-            let waited = side.finish(timeout, r);
-            posted?;
-            waited?;
-            r.transport = Some(TransportKind::CudaBatch);
-            r.transports = Some(side.label());
+            side.read_request(mem, &reads, timeout, r)?;
         }
         let mut ucx_error: Option<Failure> = None;
         if ucx_first {

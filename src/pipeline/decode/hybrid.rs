@@ -320,14 +320,7 @@ impl Decoder<'_> {
                     (read.p_rank, ipc, read.pairs.as_slice())
                 })
                 .collect();
-            let posted = side.read_all(mem, &reads, self.timeout, r);
-            // Waited for even when a later batch could not be posted: nothing of this
-            // request may still be copying when the next one posts.
-            let waited = side.finish(self.timeout, r);
-            posted?;
-            waited?;
-            r.transport = Some(TransportKind::CudaBatch);
-            r.transports = Some(side.label());
+            side.read_request(mem, &reads, self.timeout, r)?;
         } else {
             let Local::Ucx(u) = &mut self.local else {
                 return Err((
