@@ -679,6 +679,8 @@ async fn a_decode_leg_that_fails_frees_the_prefill_blocks_at_once() {
 struct Left {
     sent_whole: bool,
     saw_headers: bool,
+    /// The whole answer arrived: `[DONE]` and the chunked body's last chunk after it. A client
+    /// that read `[DONE]` and left before that last chunk left mid-answer: the proxy may count it.
     saw_end: bool,
 }
 
@@ -705,7 +707,11 @@ async fn drop_at(addr: SocketAddr, body: &str, partial: bool, after: Duration) -
     })
     .await;
     let text = String::from_utf8_lossy(&got);
-    Left { sent_whole: !partial, saw_headers: text.starts_with("HTTP/1.1"), saw_end: text.contains("[DONE]") }
+    Left {
+        sent_whole: !partial,
+        saw_headers: text.starts_with("HTTP/1.1"),
+        saw_end: text.contains("[DONE]") && text.ends_with("\r\n0\r\n\r\n"),
+    }
 }
 
 /// Issue 23's target: 500 clients that leave at random points (while sending, during the
