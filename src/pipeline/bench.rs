@@ -59,6 +59,14 @@ pub struct FaultPlan {
     pub after: u64,
 }
 
+/// One descriptor size of a run's reads, and the bytes per request that descriptors of that
+/// size carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DescriptorShare {
+    pub descriptor_bytes: u64,
+    pub bytes: u64,
+}
+
 /// Resolved settings of one bench run (`settings::bench` resolves them).
 #[derive(Debug, Clone)]
 pub struct BenchSettings {
@@ -78,6 +86,10 @@ pub struct BenchSettings {
     pub repeat: u32,
     /// Measure the same-run calibration (memcpy and a UCX loopback read).
     pub calibrate: bool,
+    /// A hybrid model's reads by descriptor size (a request of the longest prompt, every
+    /// decode rank), largest share of the bytes first: the calibration measures `kvx xfer` at
+    /// each size. Empty for a uniform model (one size, [`calibration_size`]).
+    pub descriptor_mix: Vec<DescriptorShare>,
     /// Show a progress bar (stderr is a terminal).
     pub progress_bar: bool,
     /// Directory runs are written under (`--results-dir`, `KVX_RESULTS_DIR`, `results/`).
@@ -660,10 +672,11 @@ pub fn calibrate(s: &BenchSettings, xfer: XferRunner, descriptor_bytes: u64) -> 
     use crate::transfer::cuda;
     use crate::transfer::ucx::ProgressMode;
     const FIXED_INFLIGHT: usize = 64;
-    let mut sizes = vec![CALIBRATION_READ_BYTES];
-    if descriptor_bytes != CALIBRATION_READ_BYTES {
-        sizes.push(descriptor_bytes);
-    }
+    let mix = calibration_mix(&s.descriptor_mix);
+    let mut sizes = vec![CALIBRATION_READ_BYTES, descriptor_bytes];
+    sizes.extend(mix.iter().map(|d| d.descriptor_bytes));
+    sizes.sort_unstable();
+    sizes.dedup();
     let own_inflight = (s.workers.transport.inflight as usize).max(1);
     let mut inflight = vec![FIXED_INFLIGHT];
     if own_inflight != FIXED_INFLIGHT {
@@ -706,6 +719,24 @@ pub fn calibrate(s: &BenchSettings, xfer: XferRunner, descriptor_bytes: u64) -> 
             c.extra.insert("loopback_bytes".into(), serde_json::json!(CALIBRATION_READ_BYTES));
             c.extra.insert("descriptor_bytes".into(), serde_json::json!(descriptor_bytes));
             c.extra.insert("xfer_same_size_gbps".into(), serde_json::json!(same.gbps));
+            // A hybrid run's reads mix sizes: xfer at each, weighted by the bytes each carries,
+            // is the reference its transfers are compared with.
+            let measured: Option<Vec<MixSize>> = mix
+                .iter()
+                .map(|d| {
+                    at(d.descriptor_bytes, own_inflight).map(|r| MixSize {
+                        descriptor_bytes: d.descriptor_bytes,
+                        bytes_per_request: d.bytes,
+                        gbps: r.gbps,
+                    })
+                })
+                .collect();
+            if let Some(measured) = measured.filter(|m| !m.is_empty()) {
+                let all: u64 = s.descriptor_mix.iter().map(|d| d.bytes).sum();
+                let kept: u64 = measured.iter().map(|m| m.bytes_per_request).sum();
+                c.extra.insert("xfer_mix_share".into(), serde_json::json!(kept as f64 / all.max(1) as f64));
+                insert_mix(&mut c, &measured);
+            }
             c.extra.insert("transports".into(), serde_json::json!(rep.ucx.transports));
             if mem.is_device() {
                 c.extra.insert("memory".into(), serde_json::json!(mem.to_string()));
@@ -1082,6 +1113,45 @@ fn write_as_it_goes(
     Ok(())
 }
 
+/// `kvx xfer` at one descriptor size of a hybrid run's mix (`summary.json`'s
+/// `calibration.xfer_mix`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MixSize {
+    pub descriptor_bytes: u64,
+    /// The bytes per request descriptors of this size carry.
+    pub bytes_per_request: u64,
+    pub gbps: f64,
+}
+
+/// The GB/s of moving the mix's bytes at each size's rate: its bytes over the time each
+/// size's bytes take (a harmonic mean weighted by bytes). `None` if a size moved nothing.
+pub fn mix_gbps(mix: &[MixSize]) -> Option<f64> {
+    let bytes: u64 = mix.iter().map(|m| m.bytes_per_request).sum();
+    if bytes == 0 || mix.iter().any(|m| m.gbps.is_nan() || m.gbps <= 0.0) {
+        return None;
+    }
+    Some(bytes as f64 / mix.iter().map(|m| m.bytes_per_request as f64 / m.gbps).sum::<f64>())
+}
+
+/// Records the mix's sizes and its weighted figure (`xfer_mix`, `xfer_mix_gbps`).
+fn insert_mix(c: &mut Calibration, mix: &[MixSize]) {
+    c.extra.insert("xfer_mix".into(), serde_json::json!(mix));
+    match mix_gbps(mix) {
+        Some(g) => c.extra.insert("xfer_mix_gbps".into(), serde_json::json!(g)),
+        None => c.extra.remove("xfer_mix_gbps"),
+    };
+}
+
+/// Most descriptor sizes of a hybrid run's mix the calibration measures (each costs a `kvx
+/// xfer` of 300 ms per sample): the sizes that carry the most bytes.
+const CALIBRATION_MIX_SIZES: usize = 6;
+
+/// The sizes of `mix` the calibration measures: the [`CALIBRATION_MIX_SIZES`] that carry the
+/// most bytes (`mix` is sorted so).
+fn calibration_mix(mix: &[DescriptorShare]) -> &[DescriptorShare] {
+    &mix[..mix.len().min(CALIBRATION_MIX_SIZES)]
+}
+
 /// The descriptor size the calibration reads: one block of the prefill side's first region.
 fn calibration_size(s: &BenchSettings) -> u64 {
     s.workers.pair.p_geometry(0).regions().first().map_or(65536, |r| r.block_len)
@@ -1101,6 +1171,53 @@ fn median_calibration(samples: &[Calibration]) -> Option<Calibration> {
     if let Some(x) = median("xfer_same_size_gbps") {
         c.extra.insert("xfer_same_size_gbps".into(), serde_json::json!(x));
     }
+    // The mix: each size's median, weighted again (every sample measured the same sizes).
+    let mixes: Vec<Vec<MixSize>> = samples
+        .iter()
+        .filter_map(|c| serde_json::from_value(c.extra.get("xfer_mix")?.clone()).ok())
+        .collect();
+    if let Some(first) = mixes.first() {
+        let mix: Vec<MixSize> = (0..first.len())
+            .map(|i| {
+                let mut v: Vec<f64> = mixes.iter().filter_map(|m| m.get(i)).map(|m| m.gbps).collect();
+                v.sort_by(f64::total_cmp);
+                MixSize { gbps: (v[(v.len() - 1) / 2] + v[v.len() / 2]) / 2.0, ..first[i] }
+            })
+            .collect();
+        insert_mix(&mut c, &mix);
+    }
     c.extra.insert("samples".into(), serde_json::json!(samples.len()));
     Some(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn size(descriptor_bytes: u64, gbps: f64) -> MixSize {
+        MixSize { descriptor_bytes, bytes_per_request: 1_000_000_000, gbps }
+    }
+
+    #[test]
+    fn a_mix_takes_the_time_each_size_takes() {
+        // Half the bytes at 1 GB/s, half at 3: 2 GB in 1 + 1/3 s is 1.5 GB/s, not the mean 2.
+        assert_eq!(mix_gbps(&[size(4096, 1.0), size(1 << 20, 3.0)]), Some(1.5));
+        assert_eq!(mix_gbps(&[size(4096, 1.0), size(1 << 20, 0.0)]), None, "a size that moved nothing");
+        assert_eq!(mix_gbps(&[]), None);
+    }
+
+    #[test]
+    fn the_median_calibration_weighs_each_sizes_median() {
+        let sample = |a: f64, b: f64| {
+            let mut c = Calibration::default();
+            insert_mix(&mut c, &[size(4096, a), size(1 << 20, b)]);
+            c
+        };
+        // Per size: medians 2 and 6 (an outlier in one sample moves neither).
+        let c =
+            median_calibration(&[sample(1.0, 6.0), sample(2.0, 100.0), sample(3.0, 5.0)]).expect("samples");
+        let mix: Vec<MixSize> = serde_json::from_value(c.extra["xfer_mix"].clone()).expect("mix");
+        assert_eq!(mix.iter().map(|m| m.gbps).collect::<Vec<_>>(), [2.0, 6.0]);
+        assert_eq!(c.figure("xfer_mix_gbps"), Some(3.0), "2 GB in 0.5 + 1/6 s");
+    }
 }

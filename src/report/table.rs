@@ -183,7 +183,9 @@ pub fn throughput_table(s: &Summary, style: Style) -> Table {
                 c.figure("device_bandwidth_gbps"),
             ),
             (loopback, c.ucx_loopback_gbps),
-            (same, c.figure("xfer_same_size_gbps")),
+            // A hybrid run's reads mix sizes: the mix is its like figure, not one region's block.
+            (same, c.figure("xfer_same_size_gbps").filter(|_| c.figure("xfer_mix_gbps").is_none())),
+            (xfer_mix_name(c), c.figure("xfer_mix_gbps")),
         ] {
             if let Some(v) = v.filter(|v| *v > 0.0) {
                 t.add_row(vec![
@@ -209,18 +211,48 @@ pub fn throughput_table(s: &Summary, style: Style) -> Table {
     t
 }
 
+/// The reference a hybrid run's transfers are compared with: `kvx xfer` at each descriptor
+/// size of the plan, weighted by the bytes each carries.
+fn xfer_mix_name(c: &super::summary::Calibration) -> String {
+    let sizes: Vec<u64> = c
+        .extra
+        .get("xfer_mix")
+        .and_then(serde_json::Value::as_array)
+        .map(|m| m.iter().filter_map(|d| d.get("descriptor_bytes")?.as_u64()).collect())
+        .unwrap_or_default();
+    let share =
+        c.figure("xfer_mix_share").filter(|s| *s < 0.9995).map(|s| format!(", {:.1}% of them", s * 100.0));
+    match (sizes.iter().min(), sizes.iter().max()) {
+        (Some(&lo), Some(&hi)) => format!(
+            "kvx xfer at the plan's {} descriptor sizes, {}-{}, by bytes{}",
+            sizes.len(),
+            fmt_bytes(lo as f64),
+            fmt_bytes(hi as f64),
+            share.unwrap_or_default()
+        ),
+        _ => "kvx xfer at the plan's descriptor sizes".to_string(),
+    }
+}
+
 /// Per-request transfer bandwidth by the wall-span rule, beside each rank's own (see
 /// [`super::bandwidth`]); with device memory, the request span's share of the device's
 /// bandwidth measured in the same run.
 pub fn bandwidth_table(s: &Summary, style: Style) -> Option<Table> {
     let b = s.transfer_bandwidth.as_ref()?;
     let device = s.calibration.as_ref().and_then(|c| c.figure("device_bandwidth_gbps"));
+    // One rank's reads against one `kvx xfer` pair at the same descriptor sizes (a request's
+    // span moves several ranks at once: no like figure).
+    let mix = s.calibration.as_ref().and_then(|c| c.figure("xfer_mix_gbps"));
     let mut head = vec!["GB/s per request", "count", "p10", "p50", "p90", "mean"];
     if device.is_some() {
         head.push("p50 vs device bandwidth");
     }
+    let mix_head = mix.map(|g| format!("p50 vs kvx xfer, plan's sizes ({} GB/s)", fmt_f(g)));
+    if let Some(h) = &mix_head {
+        head.push(h);
+    }
     let mut t = new_table(style, &head);
-    let mut row = |name: &str, x: &super::bandwidth::Spread| {
+    let mut row = |name: &str, x: &super::bandwidth::Spread, per_rank: bool| {
         let mut r = vec![
             name.to_string(),
             x.count.to_string(),
@@ -232,12 +264,15 @@ pub fn bandwidth_table(s: &Summary, style: Style) -> Option<Table> {
         if let Some(d) = device {
             r.push(fmt_ratio(ratio(x.p50, d)));
         }
+        if let Some(g) = mix {
+            r.push(if per_rank { fmt_ratio(ratio(x.p50, g)) } else { String::new() });
+        }
         t.add_row(r);
     };
     if let Some(x) = &b.span_gbps {
-        row("request: all ranks' bytes / wall span", x);
+        row("request: all ranks' bytes / wall span", x, false);
     }
-    row("each rank: its bytes / its own time", &b.rank_gbps);
+    row("each rank: its bytes / its own time", &b.rank_gbps, true);
     align_numbers(&mut t, 1);
     Some(t)
 }

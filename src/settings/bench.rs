@@ -26,7 +26,7 @@ use super::scenario;
 use super::workers::{check_inflight, check_kv_buffer, check_mem_transport, resolve_mem};
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
-use crate::pipeline::bench::{BenchSettings, FailurePolicy, FaultPlan};
+use crate::pipeline::bench::{BenchSettings, DescriptorShare, FailurePolicy, FaultPlan};
 use crate::pipeline::engine::split_endpoint;
 use crate::pipeline::setup::WorkerSettings;
 use crate::pipeline::wire::{
@@ -419,7 +419,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         "--kv-buffer-device cpu (or --compare-kv-buffer-device cuda,cpu)",
     )?;
     if let Some(model) = hybrid_model {
-        let (pair, hybrid, bytes_per_request) = hybrid_pair(s, model, max_tokens, in_flight, &transport)?;
+        let (pair, hybrid, sizing) = hybrid_pair(s, model, max_tokens, in_flight, &transport)?;
         return finish(
             s,
             env,
@@ -431,7 +431,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
             alloc,
             transport,
             pair,
-            Some((hybrid, bytes_per_request)),
+            Some((hybrid, sizing)),
         );
     }
     let pair = scenario::resolve_pair(&s.model, &s.pair, pool_p, pool_d)?;
@@ -474,7 +474,8 @@ fn hybrid_pair(
     max_tokens: u32,
     in_flight: u32,
     transport: &TransportConfig,
-) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::PairConfig, u64), ConfigError> {
+) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::PairConfig, HybridSizing), ConfigError>
+{
     use crate::layouts::hybrid::blocks::RequestShape;
     use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
     use crate::layouts::hybrid::{HybridRequest, PairConfig};
@@ -536,7 +537,23 @@ fn hybrid_pair(
     let (pair, planner) = super::hybrid_flags::hybrid_pair_spec(&config)?;
     let plan = planner.plan(&HybridRequest::simulated(&planner, max_tokens, 0), "sizing")?;
     let bytes_per_request = plan.d_ranks.iter().map(|d| d.bytes()).sum();
-    Ok((pair, config, bytes_per_request))
+    let mut by_size = std::collections::BTreeMap::<u64, u64>::new();
+    for pair in plan.d_ranks.iter().flat_map(|d| &d.reads).flat_map(|r| &r.pairs) {
+        *by_size.entry(pair.len).or_default() += pair.len;
+    }
+    let mut descriptor_mix: Vec<DescriptorShare> = by_size
+        .into_iter()
+        .map(|(descriptor_bytes, bytes)| DescriptorShare { descriptor_bytes, bytes })
+        .collect();
+    descriptor_mix.sort_by_key(|d| std::cmp::Reverse(d.bytes));
+    Ok((pair, config, HybridSizing { bytes_per_request, descriptor_mix }))
+}
+
+/// What a request of the longest prompt moves in a hybrid run: its bytes (every decode rank)
+/// and how they split by descriptor size.
+struct HybridSizing {
+    bytes_per_request: u64,
+    descriptor_mix: Vec<DescriptorShare>,
 }
 
 /// The settings past the pair: verification, prefill simulation, faults, memory, deadlines,
@@ -553,11 +570,11 @@ fn finish(
     alloc: AllocPattern,
     transport: TransportConfig,
     pair: crate::layouts::compat::PairSpec,
-    hybrid: Option<(crate::layouts::hybrid::PairConfig, u64)>,
+    hybrid: Option<(crate::layouts::hybrid::PairConfig, HybridSizing)>,
 ) -> Result<BenchSettings, ConfigError> {
     let max_tokens = lens.max();
     let bytes_per_request = match &hybrid {
-        Some((_, bytes)) => *bytes,
+        Some((_, sizing)) => sizing.bytes_per_request,
         None => {
             pair.d_geometry(0).block_bytes_all_layers()
                 * u64::from(max_tokens.div_ceil(pair.d.block_tokens.max(1)))
@@ -613,7 +630,7 @@ fn finish(
         name,
         workers: WorkerSettings {
             pair,
-            hybrid: hybrid.map(|(h, _)| h),
+            hybrid: hybrid.as_ref().map(|(h, _)| h.clone()),
             transport,
             verify,
             mem,
@@ -639,6 +656,7 @@ fn finish(
         fault,
         repeat,
         calibrate: !s.no_calibrate,
+        descriptor_mix: hybrid.map(|(_, sizing)| sizing.descriptor_mix).unwrap_or_default(),
         progress_bar: env.stderr_is_terminal,
         results_root: results_root(s.results_dir.as_deref(), env.results_dir.clone()),
     })

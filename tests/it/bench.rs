@@ -767,6 +767,62 @@ fn hybrid_models_move_verified_at_every_accepted_tp_pair() {
     assert!(err.contains("--d-tp") && err.contains("n_groups"), "{err}");
 }
 
+/// A hybrid run's reads mix descriptor sizes (attention pages, conv parts, SSM state): the
+/// calibration measures `kvx xfer` at each size of the plan and weighs them by the bytes each
+/// carries, and each rank's transfer bandwidth is shown against that, not against one
+/// region's block.
+#[test]
+fn a_hybrid_run_is_compared_with_kvx_xfer_at_its_own_descriptor_sizes() {
+    let results = tempfile::tempdir().expect("temp dir");
+    let out = kvx()
+        .args([
+            "bench",
+            "--p-tp",
+            "1",
+            "--d-tp",
+            "2",
+            "--requests",
+            "2",
+            "--warmup",
+            "0",
+            "--prompt-len",
+            "300",
+        ])
+        .args(TINY_HYBRID)
+        .arg("--results-dir")
+        .arg(results.path())
+        .timeout(Duration::from_secs(120))
+        .output()
+        .expect("runs");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        table.contains("vs kvx xfer at the plan's") && table.contains("p50 vs kvx xfer, plan's sizes"),
+        "{table}"
+    );
+    assert!(
+        !table.contains("vs kvx xfer of "),
+        "one region's block is not a hybrid run's reference: {table}"
+    );
+    let dir = run_dir(results.path()).expect("run directory");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).expect("summary"))
+        .expect("summary JSON");
+    let c = &s["calibration"];
+    let mix = c["xfer_mix"].as_array().expect("xfer_mix");
+    assert!(mix.len() >= 3, "attention, conv and SSM sizes: {c}");
+    // The sizes of every byte a request reads (every request here reads the same).
+    let bytes: u64 = mix.iter().filter_map(|m| m["bytes_per_request"].as_u64()).sum();
+    assert_eq!(bytes * 2, n(&s, "bytes_read"), "{c}");
+    assert_eq!(c["xfer_mix_share"].as_f64(), Some(1.0), "{c}");
+    let seconds: f64 = mix
+        .iter()
+        .map(|m| m["bytes_per_request"].as_f64().unwrap_or(0.0) / m["gbps"].as_f64().unwrap_or(f64::NAN))
+        .sum();
+    let want = bytes as f64 / seconds;
+    let got = c["xfer_mix_gbps"].as_f64().expect("xfer_mix_gbps");
+    assert!((got - want).abs() <= 1e-9 * want, "bytes over the time each size takes: {got} vs {want}");
+}
+
 /// vLLM 0.33's `remote_conv_offsets` on a Mamba2 model with `n_groups` below a TP size, moved
 /// between real processes (P1 -> D2 and P2 -> D1): B and C land wrong, and the run says so and
 /// exits 1, naming the bytes; `--state-slices exact` reads each part as the model splits it,
