@@ -376,6 +376,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         ranks
             .iter()
             .map(|r| RankTransfer {
+                rank: r.d_rank,
                 bytes: r.bytes,
                 transfer_ns: r.transfer_ns,
                 post_ns: r.post_ns,
@@ -1026,6 +1027,7 @@ fn push_stages(
         e.1 += p.stats.hidden_ns;
         e.2 += 1;
         writes.entry(p.req).or_default().push(RankTransfer {
+            rank: p.rank,
             bytes: p.stats.bytes,
             transfer_ns: p.stats.transfer_ns,
             post_ns: p.stats.post_ns,

@@ -16,6 +16,8 @@ use crate::clock::{ClockSpan, wall_span_ns};
 /// One rank's part of one request's transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RankTransfer {
+    /// The rank that moved it (decode rank in pull mode, prefill rank in push mode).
+    pub rank: u32,
     pub bytes: u64,
     /// The rank's own transfer time, and the part of it spent posting.
     pub transfer_ns: u64,
@@ -68,6 +70,12 @@ pub struct TransferBandwidth {
     pub span_gbps: Option<Spread>,
     /// Per rank and request: the rank's bytes over its own transfer time (GB/s).
     pub rank_gbps: Spread,
+    /// Per rank over the whole run: all its bytes over the time it spent transferring, its
+    /// requests' spans merged (requests in flight together count once, where `rank_gbps`
+    /// gives each request the whole of their shared time). Absent when no rank stamped its
+    /// spans.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank_busy_gbps: Option<Spread>,
     /// Per rank and request: the rank's own transfer time (us), and its posting part.
     pub rank_transfer_us: Spread,
     #[serde(default)]
@@ -88,6 +96,27 @@ pub struct BandwidthTally {
     rank_post_us: Vec<f64>,
     rank_bytes: u64,
     without_span: u64,
+    /// Per rank: its bytes and its transfers' spans (one rank's spans share its clock).
+    busy: std::collections::BTreeMap<u32, (u64, Vec<(u64, u64)>)>,
+}
+
+/// Nanoseconds covered by `spans` (any order), overlaps counted once.
+fn covered_ns(spans: &mut [(u64, u64)]) -> u64 {
+    spans.sort_unstable();
+    let mut total = 0;
+    let mut open: Option<(u64, u64)> = None;
+    for &(start, end) in spans.iter() {
+        match &mut open {
+            Some((_, e)) if start <= *e => *e = (*e).max(end),
+            _ => {
+                if let Some((s, e)) = open {
+                    total += e - s;
+                }
+                open = Some((start, end.max(start)));
+            }
+        }
+    }
+    total + open.map_or(0, |(s, e)| e - s)
 }
 
 /// GB/s of `bytes` over `ns` (0 for no time).
@@ -103,6 +132,11 @@ impl BandwidthTally {
             self.rank_us.push(r.transfer_ns as f64 / 1e3);
             self.rank_post_us.push(r.post_ns as f64 / 1e3);
             self.rank_bytes += r.bytes;
+            if let Some(span) = r.span {
+                let (bytes, spans) = self.busy.entry(r.rank).or_default();
+                *bytes += r.bytes;
+                spans.push((span.start_ns, span.end_ns));
+            }
         }
         let span = wall_span_ns(ranks.iter().map(|r| r.span)).filter(|&ns| ns > 0);
         match span {
@@ -122,10 +156,17 @@ impl BandwidthTally {
             (true, n) => format!("wall span on one host's CLOCK_MONOTONIC; {n} requests on several clocks"),
             (false, _) => "ranks on several clocks: per-rank figures only".to_string(),
         };
+        let busy: Vec<f64> = self
+            .busy
+            .values()
+            .map(|(bytes, spans)| gbps(*bytes, covered_ns(&mut spans.clone())))
+            .filter(|g| *g > 0.0)
+            .collect();
         Some(TransferBandwidth {
             clock,
             span_gbps,
             rank_gbps,
+            rank_busy_gbps: Spread::of(&busy),
             rank_transfer_us: Spread::of(&self.rank_us).unwrap_or_default(),
             rank_post_us: Spread::of(&self.rank_post_us).unwrap_or_default(),
             rank_bytes: self.rank_bytes,
@@ -140,6 +181,7 @@ mod tests {
 
     fn rank(bytes: u64, start_ns: u64, end_ns: u64) -> RankTransfer {
         RankTransfer {
+            rank: 0,
             bytes,
             transfer_ns: end_ns - start_ns,
             post_ns: 0,
@@ -163,6 +205,25 @@ mod tests {
         assert_eq!((a.rank_gbps.p50, s.rank_gbps.p50), (1.0, 1.0));
         assert_eq!(s.rank_transfer_us.p50, 1e6);
         assert_eq!(s.rank_bytes, 2_000_000_000);
+    }
+
+    #[test]
+    fn a_rank_with_requests_in_flight_together_counts_their_shared_time_once() {
+        // Rank 0 reads two requests of 1 GB at once over the same second, then one more alone:
+        // each request's own figure is 1 GB/s, the rank moved 3 GB in 2 s. Rank 1 reads one
+        // request of 1 GB in 0.5 s.
+        let on =
+            |r: u32, bytes: u64, start: u64, end: u64| RankTransfer { rank: r, ..rank(bytes, start, end) };
+        let s = 1_000_000_000;
+        let mut t = BandwidthTally::default();
+        t.add(&[on(0, s, 0, s), on(1, s, 0, s / 2)]);
+        t.add(&[on(0, s, 0, s)]);
+        t.add(&[on(0, s, s, 2 * s)]);
+        let b = t.summary().expect("figures");
+        let busy = b.rank_busy_gbps.expect("spans stamped");
+        assert_eq!((busy.count, busy.min, busy.max), (2, 1.5, 2.0));
+        assert_eq!(b.rank_gbps.p50, 1.0, "per request, each had the rank for the whole second");
+        assert_eq!(covered_ns(&mut [(5, 9), (0, 2), (1, 3), (9, 10)]), 8);
     }
 
     #[test]

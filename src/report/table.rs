@@ -273,6 +273,9 @@ pub fn bandwidth_table(s: &Summary, style: Style) -> Option<Table> {
         row("request: all ranks' bytes / wall span", x, false);
     }
     row("each rank: its bytes / its own time", &b.rank_gbps, true);
+    if let Some(x) = &b.rank_busy_gbps {
+        row("each rank, whole run: its bytes / its time transferring", x, true);
+    }
     align_numbers(&mut t, 1);
     Some(t)
 }

@@ -326,6 +326,7 @@ impl WorkerKv {
                 .iter()
                 .filter(|_| job.params.transfer_mode != TransferMode::Push.as_str())
                 .map(|r| crate::report::bandwidth::RankTransfer {
+                    rank: r.d_rank,
                     bytes: r.bytes,
                     transfer_ns: r.transfer_ns,
                     post_ns: r.post_ns,

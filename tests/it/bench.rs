@@ -821,6 +821,10 @@ fn a_hybrid_run_is_compared_with_kvx_xfer_at_its_own_descriptor_sizes() {
     let want = bytes as f64 / seconds;
     let got = c["xfer_mix_gbps"].as_f64().expect("xfer_mix_gbps");
     assert!((got - want).abs() <= 1e-9 * want, "bytes over the time each size takes: {got} vs {want}");
+    // Each decode rank over the whole run, beside its per-request figures.
+    let b = &s["transfer_bandwidth"];
+    assert_eq!(b["rank_busy_gbps"]["count"], 2, "one figure per decode rank: {b}");
+    assert!(table.contains("each rank, whole run"), "{table}");
 }
 
 /// vLLM 0.33's `remote_conv_offsets` on a Mamba2 model with `n_groups` below a TP size, moved
