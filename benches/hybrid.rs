@@ -7,6 +7,8 @@
 //!   32k tokens, block 16;
 //! - `hybrid/gpt-oss-120b`: sliding-window and full-attention groups, P1 -> D2 at 32k tokens;
 //! - `hybrid/qwen3-next-80b-a3b`: GDN state and full attention, P1 -> D2 at 32k tokens;
+//! - `hybrid/qwen3-next-80b-a3b-128k`: the same at 128k tokens (4x the attention descriptors,
+//!   the same state descriptors and per-request work);
 //! - `attention/llama-3.1-8b-as-qwen3-next`: the uniform planner again, on a request of as
 //!   many descriptors as the Qwen3-Next plan (its hybrid blocks are 34x larger, so 32k tokens
 //!   make a small plan, where the fixed cost of a request weighs more per descriptor): the
@@ -25,9 +27,9 @@ use kvx::settings::model;
 
 const TOKENS: u32 = 32_768;
 
-fn hybrid(name: &str) -> (HybridPlanner, HybridRequest) {
+fn hybrid(name: &str, tokens: u32) -> (HybridPlanner, HybridRequest) {
     let model = preset(name).expect("hybrid preset");
-    let pool = kv_groups(&model).len() as u32 * (TOKENS / 16 + 2) + 2;
+    let pool = kv_groups(&model).len() as u32 * (tokens / 16 + 2) + 2;
     let config = PairConfig {
         model,
         p: HybridEngine::new(1, pool),
@@ -37,7 +39,7 @@ fn hybrid(name: &str) -> (HybridPlanner, HybridRequest) {
         host_copy: Default::default(),
     };
     let planner = HybridPlanner::new(&config).expect("accepted pair");
-    let req = HybridRequest::simulated(&planner, TOKENS, 0);
+    let req = HybridRequest::simulated(&planner, tokens, 0);
     (planner, req)
 }
 
@@ -78,13 +80,21 @@ fn bench(c: &mut Criterion) {
     let per_block = uniform(&mut g, "attention/llama-3.1-8b", blocks) / blocks as usize;
 
     let mut qwen_descriptors = 0;
-    for name in ["gpt-oss-120b", "qwen3-next-80b-a3b"] {
-        let (planner, req) = hybrid(name);
+    for (name, tokens, label) in [
+        ("gpt-oss-120b", TOKENS, ""),
+        ("qwen3-next-80b-a3b", TOKENS, ""),
+        // The same model at 4x the tokens: the per-request cost spread over 4x the attention
+        // descriptors (how far the rate is fixed cost, not per-descriptor cost).
+        ("qwen3-next-80b-a3b", TOKENS * 4, "-128k"),
+    ] {
+        let (planner, req) = hybrid(name, tokens);
         let plan = planner.plan(&req, "req-P").expect("plan");
         let n: usize = plan.d_ranks.iter().map(|d| d.descriptor_count()).sum();
-        qwen_descriptors = n;
+        if tokens == TOKENS {
+            qwen_descriptors = n;
+        }
         g.throughput(Throughput::Elements(n as u64));
-        g.bench_function(format!("hybrid/{name}"), |b| {
+        g.bench_function(format!("hybrid/{name}{label}"), |b| {
             b.iter(|| black_box(planner.plan(black_box(&req), "req-P").expect("plan")))
         });
     }

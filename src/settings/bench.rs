@@ -483,7 +483,10 @@ fn hybrid_pair(
     if transport.mode == TransferMode::Push {
         return Err(ConfigError::new(
             "--mode",
-            format!("{name} is a hybrid model: kvx moves hybrid models in pull mode (use --mode pull)"),
+            format!(
+                "{name} is a hybrid model: kvx moves hybrid models in pull mode only (use --mode pull); \
+                 vLLM 0.33's NixlPushConnector accepts them, but kvx does not plan their WRITEs yet"
+            ),
         ));
     }
     // UCX, or cuda-batch between device pools (its own checks: --mem cuda, no host buffer).

@@ -545,7 +545,10 @@ fn serve_engine_hybrid(
     if a.mode == Some(TransferMode::Push) {
         return Err(ConfigError::new(
             "--mode",
-            format!("{name} is a hybrid model: kvx moves hybrid models in pull mode (use --mode pull)"),
+            format!(
+                "{name} is a hybrid model: kvx moves hybrid models in pull mode only (use --mode pull); \
+                 vLLM 0.33's NixlPushConnector accepts them, but kvx does not plan their WRITEs yet"
+            ),
         ));
     }
     let (mut own, _) = super::hybrid_flags::hybrid_engines(pair_flags, 1, None, None)?;

@@ -82,6 +82,7 @@ const CASES: &[(&[&str], &str)] = &[
     // What the serving path does not do with hybrid models, and the host buffer's switches
     // where they do not apply.
     (&["serve-engine", "--role", "prefill", "--model", "qwen3-next-80b-a3b", "--mode", "push"], "--mode"),
+    (&["bench", "--model", "nemotron-h-8b", "--mode", "push"], "--mode"),
     (&["serve-engine", "--role", "decode", "--host-copy", "per-group"], "--host-copy"),
     (&["serve-engine", "--role", "decode", "--kernel-block-size", "16"], "--kernel-block-size"),
     (&["serve-engine", "--role", "decode", "--state-slices", "exact"], "--state-slices"),
