@@ -12,7 +12,7 @@
 //! - `attention/llama-3.1-8b-as-qwen3-next`: the uniform planner again, on a request of as
 //!   many descriptors as the Qwen3-Next plan (its hybrid blocks are 34x larger, so 32k tokens
 //!   make a small plan, where the fixed cost of a request weighs more per descriptor): the
-//!   like-with-like reference for that plan.
+//!   like-with-like reference for that plan; `-128k` likewise for the 128k plan.
 
 use std::hint::black_box;
 
@@ -79,7 +79,7 @@ fn bench(c: &mut Criterion) {
     // Pure attention: the uniform planner, every decode rank.
     let per_block = uniform(&mut g, "attention/llama-3.1-8b", blocks) / blocks as usize;
 
-    let mut qwen_descriptors = 0;
+    let mut qwen_descriptors = Vec::new();
     for (name, tokens, label) in [
         ("gpt-oss-120b", TOKENS, ""),
         ("qwen3-next-80b-a3b", TOKENS, ""),
@@ -90,18 +90,20 @@ fn bench(c: &mut Criterion) {
         let (planner, req) = hybrid(name, tokens);
         let plan = planner.plan(&req, "req-P").expect("plan");
         let n: usize = plan.d_ranks.iter().map(|d| d.descriptor_count()).sum();
-        if tokens == TOKENS {
-            qwen_descriptors = n;
+        if name.starts_with("qwen3-next") {
+            qwen_descriptors.push((n, label));
         }
         g.throughput(Throughput::Elements(n as u64));
         g.bench_function(format!("hybrid/{name}{label}"), |b| {
             b.iter(|| black_box(planner.plan(black_box(&req), "req-P").expect("plan")))
         });
     }
-    // The same planner on a request the size of the Qwen3-Next plan (whole blocks: at least
+    // The same planner on requests the size of each Qwen3-Next plan (whole blocks: at least
     // as many descriptors).
-    let small = u32::try_from(qwen_descriptors.div_ceil(per_block)).expect("small request");
-    uniform(&mut g, "attention/llama-3.1-8b-as-qwen3-next", small);
+    for (n, label) in qwen_descriptors {
+        let blocks = u32::try_from(n.div_ceil(per_block)).expect("small request");
+        uniform(&mut g, &format!("attention/llama-3.1-8b-as-qwen3-next{label}"), blocks);
+    }
     g.finish();
 }
 
