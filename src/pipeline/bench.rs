@@ -1159,14 +1159,16 @@ fn calibration_size(s: &BenchSettings) -> u64 {
     s.workers.pair.p_geometry(0).regions().first().map_or(65536, |r| r.block_len)
 }
 
+/// The median of `v` (the mean of the middle two for an even count); `None` when empty.
+fn median_of(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    (n > 0).then(|| (v[(n - 1) / 2] + v[n / 2]) / 2.0)
+}
+
 /// Each figure's median over the samples (the first sample's descriptive fields).
 fn median_calibration(samples: &[Calibration]) -> Option<Calibration> {
-    let median = |name: &str| -> Option<f64> {
-        let mut v: Vec<f64> = samples.iter().filter_map(|c| c.figure(name)).collect();
-        v.sort_by(f64::total_cmp);
-        let n = v.len();
-        (n > 0).then(|| (v[(n - 1) / 2] + v[n / 2]) / 2.0)
-    };
+    let median = |name: &str| median_of(samples.iter().filter_map(|c| c.figure(name)).collect());
     let mut c = samples.first()?.clone();
     c.memcpy_gbps = median("memcpy_gbps");
     c.ucx_loopback_gbps = median("ucx_loopback_gbps");
@@ -1179,11 +1181,12 @@ fn median_calibration(samples: &[Calibration]) -> Option<Calibration> {
         .filter_map(|c| serde_json::from_value(c.extra.get("xfer_mix")?.clone()).ok())
         .collect();
     if let Some(first) = mixes.first() {
-        let mix: Vec<MixSize> = (0..first.len())
-            .map(|i| {
-                let mut v: Vec<f64> = mixes.iter().filter_map(|m| m.get(i)).map(|m| m.gbps).collect();
-                v.sort_by(f64::total_cmp);
-                MixSize { gbps: (v[(v.len() - 1) / 2] + v[v.len() / 2]) / 2.0, ..first[i] }
+        let mix: Vec<MixSize> = first
+            .iter()
+            .enumerate()
+            .map(|(i, size)| {
+                let gbps = median_of(mixes.iter().filter_map(|m| m.get(i)).map(|m| m.gbps).collect());
+                MixSize { gbps: gbps.unwrap_or(size.gbps), ..*size }
             })
             .collect();
         insert_mix(&mut c, &mix);

@@ -576,14 +576,16 @@ fn finish(
     hybrid: Option<(crate::layouts::hybrid::PairConfig, HybridSizing)>,
 ) -> Result<BenchSettings, ConfigError> {
     let max_tokens = lens.max();
-    let bytes_per_request = match &hybrid {
-        Some((_, sizing)) => sizing.bytes_per_request,
-        None => {
-            pair.d_geometry(0).block_bytes_all_layers()
-                * u64::from(max_tokens.div_ceil(pair.d.block_tokens.max(1)))
-                * u64::from(pair.d.tp)
-        }
+    // A hybrid model's pair and what its requests move, taken apart once.
+    let (hybrid, hybrid_bytes, descriptor_mix) = match hybrid {
+        Some((h, sizing)) => (Some(h), Some(sizing.bytes_per_request), sizing.descriptor_mix),
+        None => (None, None, Vec::new()),
     };
+    let bytes_per_request = hybrid_bytes.unwrap_or_else(|| {
+        pair.d_geometry(0).block_bytes_all_layers()
+            * u64::from(max_tokens.div_ceil(pair.d.block_tokens.max(1)))
+            * u64::from(pair.d.tp)
+    });
     let total_bytes = bytes_per_request.saturating_mul(requests.unwrap_or(1000));
     let verify = match s.verify {
         Some(v) => v,
@@ -633,7 +635,7 @@ fn finish(
         name,
         workers: WorkerSettings {
             pair,
-            hybrid: hybrid.as_ref().map(|(h, _)| h.clone()),
+            hybrid,
             transport,
             verify,
             mem,
@@ -659,7 +661,7 @@ fn finish(
         fault,
         repeat,
         calibrate: !s.no_calibrate,
-        descriptor_mix: hybrid.map(|(_, sizing)| sizing.descriptor_mix).unwrap_or_default(),
+        descriptor_mix,
         progress_bar: env.stderr_is_terminal,
         results_root: results_root(s.results_dir.as_deref(), env.results_dir.clone()),
     })
