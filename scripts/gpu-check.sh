@@ -35,6 +35,9 @@
 #      per decode rank (--batch-launch rank) and one per peer (peer), at --concurrency 1 and 2,
 #      and the same under MPS when nvidia-cuda-mps-control can start it; and P8->D1 (one decode
 #      rank alone on the GPU) for what sharing the GPU costs
+#  8b. device: step 8's runs (and P8->D2 every byte verified) with --batch-descriptors device:
+#      the plan's region table and block ids uploaded, a kernel makes the gather kernel's
+#      descriptors on the GPU
 #   9. serve: kvx serve-engine --mem cuda (prefill and decode, TP 2 each, short leases) behind
 #      kvx serve-proxy, driven by kvx load for GPU_CHECK_SERVE_SECONDS, while prefill legs that
 #      no decode ever reads are sent straight to the prefill engine (their leases expire and
@@ -69,8 +72,10 @@
 #   GPU_CHECK_BATCH_COPIES  which --batch-copy ways step 5 measures; default: "kernel api"
 #   GPU_CHECK_PATHS  which --batch-copy paths step 6 measures; default: "kernel api api-v2 api-v1 per-copy"
 #   GPU_CHECK_STEPS  which steps to run, by name: doctor xfer bench perftest nixl batch paths push
-#                  hostbuf hybrid launch serve gate mps (default: all of them, in that order)
+#                  hostbuf hybrid launch device serve gate mps (default: all of them, in that order)
 #   GPU_CHECK_MPS_LAUNCHES  which --batch-launch ways step 11 runs under MPS; default: "rank peer auto"
+#   GPU_CHECK_MPS_DESCRIPTORS  where step 11's runs make their descriptors: host, device or both
+#                  ("host device"); default: host
 #   GPU_CHECK_SERVE_SECONDS  how long step 9's load runs (default: 600). Where one command may
 #                  run 10 minutes at most, 600 s of load does not fit beside the engines' start:
 #                  scripts/gpu-session.sh starts the step detached in one command and collects it
@@ -143,7 +148,7 @@ fi
 
 START=$SECONDS
 BUDGET="${GPU_CHECK_BUDGET:-0}"
-STEPS=" ${GPU_CHECK_STEPS:-doctor xfer bench perftest nixl batch paths push hostbuf hybrid launch serve gate mps} "
+STEPS=" ${GPU_CHECK_STEPS:-doctor xfer bench perftest nixl batch paths push hostbuf hybrid launch device serve gate mps} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 k() { # $1 time limit in seconds, then kvx's arguments
   local limit="$1"; shift
@@ -388,10 +393,12 @@ fi
 #    ranks sharing the one GPU), one batch per request per decode rank (rank, the default) or
 #    one per prefill peer (peer), each request alone and two at a time. Each summary carries the
 #    request's wall-span bandwidth and the same-run device bandwidth (calibration).
-launch_bench() { # NAME-SUFFIX LAUNCH CONCURRENCY
-  step "bench cuda-batch P8->D2 70B --batch-launch $2 --concurrency $3$4" 150 "$OUT/launch-$2-c$3$1.json" \
-    bench --mem cuda --p-tp 8 --d-tp 2 --model llama-3.1-70b --transport cuda-batch --batch-launch "$2" \
-    --concurrency "$3" --requests 40 --warmup 4 --results-dir "$OUT/launch-$2-c$3$1" --format json
+launch_bench() { # NAME-SUFFIX LAUNCH CONCURRENCY LABEL [KVX-FLAG...]
+  local sfx="$1" launch="$2" c="$3" label="$4"
+  shift 4
+  step "bench cuda-batch P8->D2 70B --batch-launch $launch --concurrency $c$label" 150 "$OUT/launch-$launch-c$c$sfx.json" \
+    bench --mem cuda --p-tp 8 --d-tp 2 --model llama-3.1-70b --transport cuda-batch --batch-launch "$launch" \
+    --concurrency "$c" --requests 40 --warmup 4 "$@" --results-dir "$OUT/launch-$launch-c$c$sfx" --format json
 }
 if want launch; then
   # Where a rank's time goes at 8 KiB (pack, fill, post, complete), at a P8->D2 70B request's
@@ -408,6 +415,24 @@ if want launch; then
     "$OUT/launch-rank-c1-d1.json" bench --mem cuda --p-tp 8 --d-tp 1 --model llama-3.1-70b \
     --transport cuda-batch --batch-launch rank --concurrency 1 --requests 40 --warmup 4 \
     --results-dir "$OUT/launch-rank-c1-d1" --format json
+fi
+
+# 8b. Descriptors made on the device (--batch-descriptors device): the plan's region table and
+#     the request's block ids uploaded, kvx_grid_expand writes the gather kernel's descriptors.
+#     Every byte verified once, then step 8's runs with it.
+if want device; then
+  step "bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --batch-descriptors device --verify full" 120 \
+    "$OUT/device-verify.json" bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --batch-descriptors device \
+    --verify full --results-dir "$OUT/device-verify" --format json
+  for c in 1 2; do
+    for launch in rank peer; do
+      launch_bench "-dev" "$launch" "$c" " --batch-descriptors device" --batch-descriptors device
+    done
+  done
+  step "bench cuda-batch P8->D1 70B --batch-launch rank --concurrency 1 --batch-descriptors device (one decode rank)" 150 \
+    "$OUT/launch-rank-c1-d1-dev.json" bench --mem cuda --p-tp 8 --d-tp 1 --model llama-3.1-70b \
+    --transport cuda-batch --batch-launch rank --concurrency 1 --requests 40 --warmup 4 --batch-descriptors device \
+    --results-dir "$OUT/launch-rank-c1-d1-dev" --format json
 fi
 
 # 9. serve-engine --mem cuda behind serve-proxy under kvx load, with orphaned prefill legs whose
@@ -594,7 +619,15 @@ if want mps && ! over mps "nvidia-cuda-mps-control -d"; then
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d 2>"$OUT/mps.err"; then
     record "MPS control daemon started" ok 0 "" "" "nvidia-cuda-mps-control -d"
     for c in 1 2; do
-      for launch in ${GPU_CHECK_MPS_LAUNCHES:-rank peer auto}; do launch_bench "-mps" "$launch" "$c" " under MPS"; done
+      for launch in ${GPU_CHECK_MPS_LAUNCHES:-rank peer auto}; do
+        for made in ${GPU_CHECK_MPS_DESCRIPTORS:-host}; do
+          if [ "$made" = device ]; then
+            launch_bench "-dev-mps" "$launch" "$c" " --batch-descriptors device under MPS" --batch-descriptors device
+          else
+            launch_bench "-mps" "$launch" "$c" " under MPS"
+          fi
+        done
+      done
     done
     echo quit | timeout 20 nvidia-cuda-mps-control >/dev/null 2>&1
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$OUT/mps-control.log" 2>/dev/null
@@ -845,7 +878,8 @@ if hb and hb.get("sweep"):
 # Launches per request (step 8): a request's wall-span bandwidth against the same run's device
 # copy, one batch per decode rank (rank) and one per peer (peer), alone and two at a time, and
 # under MPS where it started.
-for sfx, how in (("", ""), ("-mps", " under MPS")):
+for sfx, how in (("", ""), ("-mps", " under MPS"), ("-dev", " --batch-descriptors device"),
+                 ("-dev-mps", " --batch-descriptors device under MPS")):
     for c, target in ((1, ">= 0.5"), (2, ">= 0.4")):
         got = {}
         for launch in ("rank", "peer", "auto"):
@@ -856,6 +890,7 @@ for sfx, how in (("", ""), ("-mps", " under MPS")):
             got[launch] = span_p50(lb)
             cbi = lb.get("cuda_batch") or {}
             print(f"kvx bench cuda-batch --batch-launch {launch} --concurrency {c}{how}: {lb['requests_ok']} ok, "
+                  f"descriptors made on {'/'.join(cbi.get('descriptors_made_on') or ['host'])}, "
                   f"{lb['requests_failed']} failed, {lb['verify_failures']} verify failures, {lb['blocks_leaked']} leaked, "
                   f"launch used {'/'.join(cbi.get('launches') or ['peer'])}, "
                   f"{cbi.get('calls_per_request', 0):.1f} calls per request, {fmt(lb.get('throughput_gbps'))} GB/s, "
@@ -865,15 +900,23 @@ for sfx, how in (("", ""), ("-mps", " under MPS")):
                 got[launch], dev, target)
         if got.get("rank") and got.get("peer"):
             row(f"P8->D2 70B cuda-batch --concurrency {c}{how}: span p50, launch rank / peer", got["rank"], got["peer"], "")
-d1 = load("launch-rank-c1-d1.json")
-if d1:
+for sfx, how in (("", ""), ("-dev", " --batch-descriptors device")):
+    d1 = load(f"launch-rank-c1-d1{sfx}.json")
+    if not d1:
+        continue
     cbi = d1.get("cuda_batch") or {}
     dev = (d1.get("calibration") or {}).get("device_bandwidth_gbps")
-    print(f"kvx bench cuda-batch P8->D1 --batch-launch rank --concurrency 1: {d1['requests_ok']} ok, {d1['requests_failed']} failed, "
+    print(f"kvx bench cuda-batch P8->D1 --batch-launch rank --concurrency 1{how}: {d1['requests_ok']} ok, {d1['requests_failed']} failed, "
           f"{d1['verify_failures']} verify failures, {d1['blocks_leaked']} leaked; per decode rank and request: pack "
           f"{fmt(cbi.get('pack_us_per_rank'))} us, post {fmt(cbi.get('post_us_per_rank'))} us, wait {fmt(cbi.get('wait_us_per_rank'))} us")
-    row("P8->D1 70B cuda-batch --batch-launch rank --concurrency 1 (one decode rank): request span p50 / device bandwidth",
+    row(f"P8->D1 70B cuda-batch --batch-launch rank --concurrency 1{how} (one decode rank): request span p50 / device bandwidth",
         span_p50(d1), dev, "")
+dv = load("device-verify.json")
+if dv:
+    print(f"kvx bench --transport cuda-batch --batch-descriptors device --verify full: {dv.get('requests_ok')} ok, "
+          f"{dv.get('requests_failed')} failed, {dv.get('verify_failures')} verify failures, "
+          f"{dv.get('bytes_verified')} bytes verified, {dv.get('blocks_leaked')} blocks leaked, "
+          f"descriptors made on {'/'.join((dv.get('cuda_batch') or {}).get('descriptors_made_on') or ['host'])}")
 
 serve = load("serve/serve.json")
 if serve:

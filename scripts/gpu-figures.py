@@ -31,10 +31,12 @@ def figures(doc):
         return s.get("output") if s and s.get("status") == "ok" else None
 
     for name, s in steps.items():
-        m = re.match(r"bench cuda-batch P8->D2 70B --batch-launch (\w+) --concurrency (\d)( under MPS)?$", name)
+        m = re.match(
+            r"bench cuda-batch P8->D2 70B --batch-launch (\w+) --concurrency (\d)( --batch-descriptors device)?"
+            r"( under MPS)?$", name)
         if m and s.get("status") == "ok":
             d = s["output"]
-            key = f"launch_{m[1]}_c{m[2]}" + ("_mps" if m[3] else "")
+            key = f"launch_{m[1]}_c{m[2]}" + ("_dev" if m[3] else "") + ("_mps" if m[4] else "")
             dev = (d.get("calibration") or {}).get("device_bandwidth_gbps")
             out[key] = {
                 "span_gbps_p50": span_p50(d),
@@ -56,7 +58,7 @@ def figures(doc):
             d = s["output"]
             dev = (d.get("calibration") or {}).get("device_bandwidth_gbps")
             cb = d.get("cuda_batch") or {}
-            out["launch_rank_c1_d1"] = {
+            out["launch_rank_c1_d1" + ("_dev" if "--batch-descriptors device" in name else "")] = {
                 "span_gbps_p50": span_p50(d), "device_gbps": dev,
                 "share_of_device": span_p50(d) / dev if span_p50(d) and dev else None,
                 "requests_ok": d["requests_ok"], "verify_failures": d["verify_failures"],

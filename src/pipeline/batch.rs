@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 
 use super::wire::{FailureCause, LoadResult};
 use super::worker::{Stage as _, WorkerError};
-use crate::layouts::plan::Pair;
+use crate::layouts::plan::{BlockPairs, Pair, RegionXfer};
 use crate::report::summary::{CudaBatchInfo, Summary};
 use crate::transfer::cuda::CudaDevice;
 use crate::transfer::cuda_batch::{
-    BatchCopier, BatchCopy, BatchLaunch, BatchPath, CopyBatch, CudaBatchError, PeerMapping, Span, export,
-    pack_parts,
+    BatchCopier, BatchCopy, BatchDescriptors, BatchLaunch, BatchPath, CopyBatch, CudaBatchError,
+    GATHER_PIECE, GridBatch, PeerMapping, Span, export, pack_parts,
 };
 use crate::transfer::handshake::meta::{CudaIpcExport, KvxMetadata};
 use crate::transfer::memory::{KvBuffer, MemPlace};
@@ -43,16 +43,28 @@ pub struct BatchSide {
     /// but a list of its peers.
     parts: Vec<CopyBatch>,
     launch: BatchLaunch,
+    descriptors: BatchDescriptors,
+    /// `--batch-descriptors device`: the request's grid, reused.
+    grid: GridBatch,
 }
 
 /// One READ of a request for [`BatchSide::read_all`]: the prefill rank, its mapped pool (none
 /// when it exported none) and the plan's pairs.
 pub type BatchRead<'a> = (u32, Option<&'a Arc<PeerMapping>>, &'a [Pair]);
 
+/// One READ of a request for [`BatchSide::read_grid`]: the prefill rank, its mapped pool and
+/// the READ's regions (the plan's grid, over the request's block pairs).
+pub type GridRead<'a> = (u32, Option<&'a Arc<PeerMapping>>, &'a [RegionXfer]);
+
 impl BatchSide {
     /// A copier on the device the rank's pool lives on, issuing batches as `copy` says, one
     /// per request or one per peer as `launch` says.
-    pub fn new(place: MemPlace, copy: BatchCopy, launch: BatchLaunch) -> Result<BatchSide, WorkerError> {
+    pub fn new(
+        place: MemPlace,
+        copy: BatchCopy,
+        launch: BatchLaunch,
+        descriptors: BatchDescriptors,
+    ) -> Result<BatchSide, WorkerError> {
         // `settings::workers::check_mem_transport` refuses cuda-batch over host memory.
         let device = place.device().ok_or_else(|| WorkerError::Stage {
             stage: "start the cuda-batch copier".into(),
@@ -68,7 +80,75 @@ impl BatchSide {
         let copier = BatchCopier::new(&dev, copy).stage(what)?;
         // `auto` is settled here, once: the summary reports the launch each rank used.
         let launch = launch.resolve(launch == BatchLaunch::Auto && copier.under_mps());
-        Ok(BatchSide { copier, dev, parts: Vec::new(), launch })
+        Ok(BatchSide { copier, dev, parts: Vec::new(), launch, descriptors, grid: GridBatch::default() })
+    }
+
+    /// Whether a plan whose READs have these regions has its descriptors made on the device:
+    /// `--batch-descriptors device` with the gather kernel, and no descriptor longer than one
+    /// piece (the host splits longer copies over many thread blocks).
+    pub fn device_descriptors<'a>(&self, mut regions: impl Iterator<Item = &'a RegionXfer>) -> bool {
+        self.descriptors == BatchDescriptors::Device
+            && self.copier.path() == BatchPath::Kernel
+            && regions.all(|x| x.len <= GATHER_PIECE)
+    }
+
+    /// One request's READs with their descriptors made on the device ([`GridBatch`]): with
+    /// `--batch-launch rank` one grid over all READs, posted once; with `peer` one per READ,
+    /// each posted while the one before copies. Then waits, as
+    /// [`read_request`](Self::read_request) does.
+    pub fn read_grid(
+        &mut self,
+        local: &mut KvBuffer,
+        reads: &[GridRead<'_>],
+        bp: &BlockPairs,
+        timeout: Duration,
+        r: &mut LoadResult,
+    ) -> Result<(), Failure> {
+        let posted = self.post_grid(local, reads, bp, timeout, r);
+        let waited = self.finish(timeout, r);
+        posted.and(waited)?;
+        r.transport = Some(crate::pipeline::wire::TransportKind::CudaBatch);
+        r.transports = Some(self.label());
+        r.batch_device_descriptors = true;
+        Ok(())
+    }
+
+    fn post_grid(
+        &mut self,
+        local: &mut KvBuffer,
+        reads: &[GridRead<'_>],
+        bp: &BlockPairs,
+        timeout: Duration,
+        r: &mut LoadResult,
+    ) -> Result<(), Failure> {
+        let mut peers = Vec::with_capacity(reads.len());
+        for &(p_rank, peer, _) in reads {
+            let Some(peer) = peer else {
+                let who = format!("prefill rank {p_rank}");
+                return Err((FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")));
+            };
+            peers.push(Arc::clone(peer));
+        }
+        let (buf, local_span) = device_pool(local)?;
+        let who = |i: usize| format!("prefill rank {}", reads[i].0);
+        let jobs: Vec<(&[RegionXfer], Span)> =
+            reads.iter().zip(&peers).map(|((_, _, regions), peer)| (*regions, peer.span())).collect();
+        // `Auto` was resolved in `new`: one grid over all READs, or one per READ.
+        let per = if self.launch == BatchLaunch::Peer { 1 } else { reads.len().max(1) };
+        for first in (0..reads.len()).step_by(per) {
+            let g = first..(first + per).min(reads.len());
+            let t_pack = Instant::now();
+            let packed = self.grid.pack(&jobs[g.clone()], &bp.local, &bp.remote, local_span);
+            r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
+            packed.map_err(|(i, e)| failure(&who(first + i), e))?;
+            let whom = if g.len() == 1 { who(first) } else { "its prefill ranks".to_string() };
+            let st = self
+                .copier
+                .enqueue_grid(buf, &peers[g], &self.grid, timeout)
+                .map_err(|e| failure(&whom, e))?;
+            self.count(&st, r);
+        }
+        Ok(())
     }
 
     /// Maps a prefill rank's advertised pool into this process.
@@ -219,6 +299,8 @@ fn failure(who: &str, e: CudaBatchError) -> Failure {
 pub struct BatchTally {
     paths: Vec<BatchPath>,
     launches: Vec<BatchLaunch>,
+    /// Where each counted rank result's descriptors were made: `host`, `device`.
+    made_on: Vec<BatchDescriptors>,
     requests: u64,
     calls: u64,
     copies: u64,
@@ -242,6 +324,11 @@ impl BatchTally {
             }
             if let Some(launch) = r.batch_launch.filter(|l| !self.launches.contains(l)) {
                 self.launches.push(launch);
+            }
+            let made =
+                if r.batch_device_descriptors { BatchDescriptors::Device } else { BatchDescriptors::Host };
+            if !self.made_on.contains(&made) {
+                self.made_on.push(made);
             }
             counted = true;
             self.calls += r.batch_calls;
@@ -267,6 +354,7 @@ impl BatchTally {
             paths: self.paths.iter().map(|p| p.as_str().to_string()).collect(),
             driver_calls: self.paths.iter().map(|p| p.driver_call().to_string()).collect(),
             launches: self.launches.iter().map(|l| l.as_str().to_string()).collect(),
+            descriptors_made_on: self.made_on.iter().map(|d| d.as_str().to_string()).collect(),
             calls_per_request: per_request(self.calls),
             copies_per_request: per_request(self.copies),
             descriptors_per_request: per_request(self.descriptors),

@@ -174,9 +174,12 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         (Local::Plain(mem), (format!("(not loaded: {} transport)", kind.as_str()), String::new()))
     };
     let batch = match kind {
-        TransportKind::CudaBatch => {
-            Some(super::batch::BatchSide::new(cfg.mem, cfg.transport.batch_copy, cfg.transport.batch_launch)?)
-        }
+        TransportKind::CudaBatch => Some(super::batch::BatchSide::new(
+            cfg.mem,
+            cfg.transport.batch_copy,
+            cfg.transport.batch_launch,
+            cfg.transport.batch_descriptors,
+        )?),
         _ => None,
     };
     let storage = if uses_storage {
@@ -519,7 +522,14 @@ impl Decoder<'_> {
         let bp = eng.planner.pair_blocks(&blocks).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
         self.bufs.resize_with(eng.planner.reads.len(), Vec::new);
         let coalesced = if coalesce { Some(eng.planner.coalesced(&bp)) } else { None };
-        if !coalesce {
+        // cuda-batch with --batch-descriptors device: the GPU makes the descriptors from the
+        // plan's grid, so the pairs are never materialised here.
+        let grid = !coalesce
+            && self
+                .batch
+                .as_ref()
+                .is_some_and(|b| b.device_descriptors(eng.planner.reads.iter().flat_map(|rd| &rd.regions)));
+        if !coalesce && !grid {
             eng.planner.plan_into(&bp, &mut self.bufs);
         }
         r.plan_ns = tp.elapsed().as_nanos() as u64;
@@ -536,7 +546,19 @@ impl Decoder<'_> {
         // cuda-batch: one batched copy over all source ranks' mapped pools (`--batch-launch
         // rank`), or one per source rank, each posted while the ones before it copy; then one
         // wait for all of them.
-        if let Some(side) = self.batch.as_mut() {
+        if let Some(side) = self.batch.as_mut().filter(|_| grid) {
+            let mem = self.local.memory_mut()?;
+            let reads: Vec<super::batch::GridRead<'_>> = eng
+                .planner
+                .reads
+                .iter()
+                .map(|read| {
+                    let ipc = eng.ranks.get(&read.p_rank).and_then(|rk| rk.ipc.as_ref());
+                    (read.p_rank, ipc, read.regions.as_slice())
+                })
+                .collect();
+            side.read_grid(mem, &reads, &bp, timeout, r)?;
+        } else if let Some(side) = self.batch.as_mut() {
             let mem = self.local.memory_mut()?;
             let reads: Vec<super::batch::BatchRead<'_>> = eng
                 .planner

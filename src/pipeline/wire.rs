@@ -61,6 +61,10 @@ pub struct TransportConfig {
     /// (`--batch-launch`).
     #[serde(default)]
     pub batch_launch: crate::transfer::cuda_batch::BatchLaunch,
+    /// `--transport cuda-batch` with the gather kernel: where the kernel's descriptors are
+    /// made (`--batch-descriptors`).
+    #[serde(default)]
+    pub batch_descriptors: crate::transfer::cuda_batch::BatchDescriptors,
     /// Gate testing only (`kvx bench --slowdown F`): each read is made F times its own duration
     /// slower by waiting after it completes, so a regression of known size can be staged.
     #[serde(default)]
@@ -314,6 +318,10 @@ pub struct LoadResult {
     pub batch_pack_ns: u64,
     #[serde(default)]
     pub batch_wait_ns: u64,
+    /// The kernel's descriptors were made on the device from the plan's grid
+    /// (`--batch-descriptors device`), not packed on the host.
+    #[serde(default)]
+    pub batch_device_descriptors: bool,
 }
 
 /// What a rank's UCX chose for its one-sided operations, reported once: the transports of an

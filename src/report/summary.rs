@@ -414,6 +414,11 @@ pub struct CudaBatchInfo {
     /// `rank` (one batch per request per decode rank, over all its peers) or `peer` (one per
     /// peer): `--batch-launch`.
     pub launches: Vec<String>,
+    /// Where the gather kernel's descriptors were made: `host` (packed from the plan's pairs)
+    /// or `device` (expanded from the plan's region table and block ids:
+    /// `--batch-descriptors device`).
+    #[serde(default)]
+    pub descriptors_made_on: Vec<String>,
     /// Driver calls per request (with the batch API or the kernel: one per decode rank with
     /// `--batch-launch rank`, one per peer with `peer`).
     pub calls_per_request: f64,

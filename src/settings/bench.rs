@@ -35,7 +35,7 @@ use crate::pipeline::wire::{
 };
 use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::files::results_root;
-use crate::transfer::cuda_batch::{BatchCopy, BatchLaunch};
+use crate::transfer::cuda_batch::{BatchCopy, BatchDescriptors, BatchLaunch};
 use crate::transfer::memory::MemKind;
 use crate::transfer::notify::NotifyTransport;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
@@ -291,6 +291,13 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub batch_launch: Option<BatchLaunch>,
+        /// Where --transport cuda-batch makes the gather kernel's descriptors: host (each of the
+        /// plan's pairs packed and uploaded) or device (the plan's region table and the request's
+        /// block ids uploaded, a kernel writes the descriptors; uniform models, --batch-copy
+        /// kernel, without --coalesce) [default: host].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub batch_descriptors: Option<BatchDescriptors>,
         /// Wait for external `kvx worker --connect` processes: prefill on this endpoint's port, decode on
         /// port + 1.
         #[arg(long, value_name = "tcp://HOST:PORT", help_heading = "Across hosts")]
@@ -703,6 +710,29 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
             "applies to --transport cuda-batch (or --compare-transports with cuda-batch)",
         ));
     }
+    let batch_descriptors = s.batch_descriptors.unwrap_or_default();
+    if s.batch_descriptors.is_some() && kind != TransportKind::CudaBatch {
+        return Err(ConfigError::new(
+            "--batch-descriptors",
+            "applies to --transport cuda-batch (or --compare-transports with cuda-batch)",
+        ));
+    }
+    if batch_descriptors == BatchDescriptors::Device {
+        if s.batch_copy.unwrap_or_default() != BatchCopy::Kernel {
+            return Err(ConfigError::new(
+                "--batch-descriptors",
+                "device descriptors are written for kvx's gather kernel: drop --batch-copy, or give \
+                 --batch-copy kernel, or --batch-descriptors host",
+            ));
+        }
+        if s.coalesce {
+            return Err(ConfigError::new(
+                "--batch-descriptors",
+                "device descriptors are the plan's as they stand, one per region and block: drop --coalesce, \
+                 or give --batch-descriptors host",
+            ));
+        }
+    }
     let mode = s.mode.unwrap_or_default();
     let kv_buffer = s.kv_buffer_device.unwrap_or_default();
     check_kv_buffer(kv_buffer, mode, kind)?;
@@ -723,6 +753,7 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
         storage_fsync: s.storage_fsync,
         batch_copy: s.batch_copy.unwrap_or_default(),
         batch_launch: s.batch_launch.unwrap_or_default(),
+        batch_descriptors,
         slowdown,
         kv_buffer,
     })
@@ -1104,6 +1135,38 @@ mod tests {
             assert_eq!(w.transport.kind, TransportKind::CudaBatch);
             assert_eq!(w.transport.batch_copy, BatchCopy::Kernel);
         }
+    }
+
+    #[test]
+    fn device_descriptors_need_cuda_batch_the_kernel_and_the_plans_own_pairs() {
+        let cuda = || BenchFlags {
+            mem: Some(MemKind::Cuda),
+            transport: Some(TransportKind::CudaBatch),
+            batch_descriptors: Some(BatchDescriptors::Device),
+            ..Default::default()
+        };
+        let e = resolve(
+            &BenchFlags { batch_descriptors: Some(BatchDescriptors::Device), ..Default::default() },
+            &env(),
+        )
+        .expect_err("ucx");
+        assert_eq!(e.flag, "--batch-descriptors", "{e}");
+        if !cfg!(feature = "cuda") {
+            return;
+        }
+        let s = resolve(&cuda(), &env()).expect("device descriptors with the default kernel");
+        assert_eq!(s.workers.transport.batch_descriptors, BatchDescriptors::Device);
+        let api = BenchFlags { batch_copy: Some(BatchCopy::Api), ..cuda() };
+        let e = resolve(&api, &env()).expect_err("the batch API takes no device descriptors");
+        assert_eq!(e.flag, "--batch-descriptors", "{e}");
+        assert!(e.to_string().contains("--batch-copy kernel"), "{e}");
+        let e = resolve(&BenchFlags { coalesce: true, ..cuda() }, &env()).expect_err("coalesced");
+        assert!(e.to_string().contains("--coalesce"), "{e}");
+        let host = BenchFlags { batch_descriptors: None, ..cuda() };
+        assert_eq!(
+            resolve(&host, &env()).expect("default").workers.transport.batch_descriptors,
+            BatchDescriptors::Host
+        );
     }
 
     #[test]

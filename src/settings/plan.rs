@@ -115,9 +115,11 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
     }
     if let Some(kinds) = &flags.compare_transports {
         let mut runs = Vec::new();
-        for (given, flag) in
-            [(flags.batch_copy.is_some(), "--batch-copy"), (flags.batch_launch.is_some(), "--batch-launch")]
-        {
+        for (given, flag) in [
+            (flags.batch_copy.is_some(), "--batch-copy"),
+            (flags.batch_launch.is_some(), "--batch-launch"),
+            (flags.batch_descriptors.is_some(), "--batch-descriptors"),
+        ] {
             if given && !kinds.contains(&TransportKind::CudaBatch) {
                 return Err(ConfigError::new(
                     flag,
@@ -134,6 +136,7 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
                 // How cuda-batch copies is its run's alone.
                 batch_copy: flags.batch_copy.filter(|_| kind == TransportKind::CudaBatch),
                 batch_launch: flags.batch_launch.filter(|_| kind == TransportKind::CudaBatch),
+                batch_descriptors: flags.batch_descriptors.filter(|_| kind == TransportKind::CudaBatch),
                 ..flags.clone()
             };
             runs.push(resolve(&one, env)?);

@@ -639,6 +639,7 @@ fn finish_serve_engine(
             storage_fsync: false,
             batch_copy: Default::default(),
             batch_launch: Default::default(),
+            batch_descriptors: Default::default(),
             slowdown: 0.0,
             kv_buffer: a.kv_buffer_device,
         },

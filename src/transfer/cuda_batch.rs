@@ -38,6 +38,9 @@ use serde::{Deserialize, Serialize};
 use super::handshake::meta::CudaIpcExport;
 use crate::layouts::plan::Pair;
 
+mod grid;
+pub use grid::GridBatch;
+
 /// What can go wrong with the cuda-batch transport, each saying what to change.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CudaBatchError {
@@ -205,6 +208,31 @@ impl BatchLaunch {
             BatchLaunch::Auto if under_mps => BatchLaunch::Peer,
             BatchLaunch::Auto => BatchLaunch::Rank,
             chosen => chosen,
+        }
+    }
+}
+
+/// Where `--transport cuda-batch` makes the gather kernel's descriptors
+/// (`--batch-descriptors`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum BatchDescriptors {
+    /// On the host: each of the plan's pairs bounds-checked, contiguous runs coalesced, long
+    /// copies split, written as `(dst, src, len)` and uploaded ([`CopyBatch`]).
+    #[default]
+    Host,
+    /// On the device: the plan's region table and the request's block pairs are uploaded (a
+    /// few KiB) and a kernel writes the descriptors ([`GridBatch`]); the host checks bounds
+    /// per region. Uniform plans with `--batch-copy kernel`, uncoalesced; a request whose
+    /// descriptors are longer than [`GATHER_PIECE`] is made on the host.
+    Device,
+}
+
+impl BatchDescriptors {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BatchDescriptors::Host => "host",
+            BatchDescriptors::Device => "device",
         }
     }
 }
@@ -608,7 +636,7 @@ mod imp {
     use cudarc::driver::{result, sys};
 
     use super::{
-        BatchCopy, BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, GATHER_PIECE,
+        BatchCopy, BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, GATHER_PIECE, GridBatch,
         IPC_HANDLE_BYTES, Span,
     };
     use crate::transfer::cuda::{CudaBuffer, CudaDevice};
@@ -766,12 +794,16 @@ mod imp {
     const GATHER_THREADS: u32 = 128;
     /// Most blocks one launch starts; the kernel's blocks loop over the pieces beyond.
     const GATHER_MAX_BLOCKS: usize = 1 << 20;
+    /// Threads per block of `kvx_grid_expand` (one descriptor each, then the grid's stride).
+    const EXPAND_THREADS: u32 = 256;
 
     /// kvx's gather-copy kernel, loaded into a copier's context, and one descriptor array per
     /// batch that may be in flight at once.
     struct Gather {
         module: sys::CUmodule,
         func: sys::CUfunction,
+        /// `kvx_grid_expand`: a grid batch's descriptors made on the device.
+        expand: sys::CUfunction,
         /// Slot `i` serves the `i`-th batch posted since the copier last waited, so a batch
         /// never writes descriptors that an earlier one's upload or kernel still reads.
         slots: Vec<Slot>,
@@ -807,10 +839,18 @@ mod imp {
             let module =
                 call("cuModuleLoadData", unsafe { result::module::load_data(GATHER_PTX.as_ptr().cast()) })?;
             // SAFETY: `module` was just loaded and is not unloaded before this returns.
-            match unsafe { result::module::get_function(module, c"kvx_gather_copy".to_owned()) } {
-                Ok(func) => Ok(Gather { module, func, slots: Vec::new() }),
+            let funcs = unsafe { result::module::get_function(module, c"kvx_gather_copy".to_owned()) }
+                .and_then(
+                    // SAFETY: as above.
+                    |func| {
+                        unsafe { result::module::get_function(module, c"kvx_grid_expand".to_owned()) }
+                            .map(|e| (func, e))
+                    },
+                );
+            match funcs {
+                Ok((func, expand)) => Ok(Gather { module, func, expand, slots: Vec::new() }),
                 Err(e) => {
-                    // SAFETY: nothing uses the module: its one function was not found.
+                    // SAFETY: nothing uses the module: a function of it was not found.
                     let _ = unsafe { result::module::unload(module) };
                     Err(CudaBatchError::Call { op: "cuModuleGetFunction", reason: e.to_string() })
                 }
@@ -1011,6 +1051,131 @@ mod imp {
             self.posted_copies = 0;
             self.wait(t0 + timeout, timeout, copies)?;
             Ok(t0.elapsed().as_nanos() as u64)
+        }
+
+        /// Posts one grid batch ([`GridBatch`], packed against `local` and, in order, `peers`)
+        /// as [`enqueue`](Self::enqueue) posts a batch: its table uploaded, one launch of
+        /// `kvx_grid_expand` writing the descriptors on the device, one of the gather kernel
+        /// copying them, then the event. Needs the gather kernel (`--batch-copy kernel`).
+        pub fn enqueue_grid(
+            &mut self,
+            local: &mut CudaBuffer,
+            peers: &[Arc<PeerMapping>],
+            grid: &GridBatch,
+            timeout: Duration,
+        ) -> Result<BatchStats, CudaBatchError> {
+            let local_span = Span { base: local.addr(), len: local.len() as u64 };
+            if grid.local() != local_span || !grid.peers().iter().copied().eq(peers.iter().map(|p| p.span()))
+            {
+                return Err(CudaBatchError::WrongBuffers);
+            }
+            if local.device() != self.dev.ordinal() {
+                return Err(CudaBatchError::Call {
+                    op: "cuda-batch copy",
+                    reason: format!(
+                        "the KV pool is on device {} but the copier on device {}",
+                        local.device(),
+                        self.dev.ordinal()
+                    ),
+                });
+            }
+            let _cur = self.dev.scoped()?;
+            let t0 = Instant::now();
+            if self.posted == 0 && !self.in_flight.is_empty() {
+                self.wait(t0 + timeout, timeout, 0)?;
+            }
+            let n = grid.descriptors() as usize;
+            let fill_ns = if n > 0 { self.post_grid(grid)? } else { 0 };
+            // SAFETY: event and stream belong to this copier and the current context.
+            call("cuEventRecord", unsafe { result::event::record(self.event, self.stream) })?;
+            let post_ns = t0.elapsed().as_nanos() as u64;
+            self.in_flight.extend(peers.iter().cloned());
+            self.posted += 1;
+            self.posted_copies += n;
+            Ok(BatchStats {
+                post_ns,
+                fill_ns,
+                complete_ns: 0,
+                calls: if n > 0 { 3 } else { 0 },
+                copies: n as u64,
+                descriptors: grid.descriptors(),
+                bytes: grid.bytes(),
+                unaligned_descriptors: grid.unaligned_descriptors(),
+            })
+        }
+
+        /// The grid's upload and two launches (see [`enqueue_grid`](Self::enqueue_grid)), in
+        /// slot `posted` as [`post_kernel`](Self::post_kernel) uses it: the descriptors first,
+        /// the table behind them.
+        fn post_grid(&mut self, grid: &GridBatch) -> Result<u64, CudaBatchError> {
+            let Some(g) = self.gather.as_mut().filter(|_| self.path == BatchPath::Kernel) else {
+                return Err(CudaBatchError::Call {
+                    op: "cuda-batch --batch-descriptors device",
+                    reason: "descriptors made on the device need the gather kernel (--batch-copy kernel)"
+                        .into(),
+                });
+            };
+            let count = grid.descriptors() as usize;
+            let table = grid.words();
+            let words = 3 * count + table.len();
+            let i = self.posted;
+            if g.slots.len() <= i {
+                g.slots.push(Slot::new(&self.dev, words)?);
+            } else if g.slots[i].words() < words {
+                g.slots[i] = Slot::new(&self.dev, words)?;
+            }
+            let slot = &mut g.slots[i];
+            let t_fill = Instant::now();
+            let host = &mut slot.host.words()[..table.len()];
+            host.copy_from_slice(table);
+            let fill_ns = t_fill.elapsed().as_nanos() as u64;
+            let descs = slot.descs.addr();
+            let table_at = descs + 8 * (3 * count) as u64;
+            // SAFETY: the slot's device array holds `words` u64, the table's `table.len()` of
+            // them from `table_at`; the pinned source is not written again before the copier
+            // has waited for this batch (slot discipline, as in `post_kernel`).
+            call("cuMemcpyHtoDAsync", unsafe { result::memcpy_htod_async(table_at, &*host, self.stream) })?;
+            let (mut p_regions, mut p_blocks) = (table_at, table_at + 8 * grid.table_words() as u64);
+            let (mut p_pairs, mut p_count, mut p_descs) = (grid.pairs(), count as u64, descs);
+            let mut params = [
+                (&raw mut p_regions).cast::<c_void>(),
+                (&raw mut p_blocks).cast::<c_void>(),
+                (&raw mut p_pairs).cast::<c_void>(),
+                (&raw mut p_count).cast::<c_void>(),
+                (&raw mut p_descs).cast::<c_void>(),
+            ];
+            let blocks = count.div_ceil(EXPAND_THREADS as usize).clamp(1, GATHER_MAX_BLOCKS) as u32;
+            // SAFETY: `kvx_grid_expand(u64 regions, u64 blocks, u64 nblocks, u64 count, u64
+            // descs)` takes the five u64 `params` point to; it reads the table just uploaded
+            // (regions x 5 and pairs x 2 u64) and writes `count` descriptors of three u64 from
+            // `descs`, all inside the slot, in stream order after the upload.
+            call("cuLaunchKernel", unsafe {
+                result::launch_kernel(
+                    g.expand,
+                    (blocks, 1, 1),
+                    (EXPAND_THREADS, 1, 1),
+                    0,
+                    self.stream,
+                    &mut params,
+                )
+            })?;
+            let (mut p_descs, mut p_count) = (descs, count as u64);
+            let mut params = [(&raw mut p_descs).cast::<c_void>(), (&raw mut p_count).cast::<c_void>()];
+            let blocks = count.clamp(1, GATHER_MAX_BLOCKS) as u32;
+            // SAFETY: as in `post_kernel`: the descriptors the launch before wrote on this
+            // stream each lie inside the local pool and the mapped peer pool (`GridBatch::pack`
+            // checked every region at its furthest block on both sides).
+            call("cuLaunchKernel", unsafe {
+                result::launch_kernel(
+                    g.func,
+                    (blocks, 1, 1),
+                    (GATHER_THREADS, 1, 1),
+                    0,
+                    self.stream,
+                    &mut params,
+                )
+            })?;
+            Ok(fill_ns)
         }
 
         /// Issues the batch's copies on the stream, by the copier's path. With `--batch-copy api`
@@ -1252,7 +1417,7 @@ mod imp {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use super::{BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, Span};
+    use super::{BatchPath, BatchStats, CopyBatch, CudaBatchError, CudaIpcExport, GridBatch, Span};
     use crate::transfer::cuda::{CudaBuffer, CudaDevice, CudaError};
 
     pub fn export(_buf: &CudaBuffer) -> Result<CudaIpcExport, CudaBatchError> {
@@ -1308,6 +1473,15 @@ mod imp {
             _local: &mut CudaBuffer,
             _peers: &[Arc<PeerMapping>],
             _parts: &mut [CopyBatch],
+            _timeout: Duration,
+        ) -> Result<BatchStats, CudaBatchError> {
+            match self.never {}
+        }
+        pub fn enqueue_grid(
+            &mut self,
+            _local: &mut CudaBuffer,
+            _peers: &[Arc<PeerMapping>],
+            _grid: &GridBatch,
             _timeout: Duration,
         ) -> Result<BatchStats, CudaBatchError> {
             match self.never {}
@@ -1632,6 +1806,7 @@ mod tests {
         let before = mem.clone();
         let kernel = ptx_sim::Kernel::parse(
             include_str!("gather.ptx"),
+            "kvx_gather_copy",
             &["kvx_gather_copy_descs", "kvx_gather_copy_count"],
         );
         kernel.run(blocks, threads, &[BASE, pieces as u64], &mut mem, BASE);
@@ -1671,16 +1846,76 @@ mod tests {
     }
 
     #[test]
-    fn the_launcher_and_the_ptx_agree_on_the_kernel() {
-        // The launcher passes (u64 descs, u64 count) to `kvx_gather_copy` and reads
-        // descriptors as three u64: the PTX must say the same.
+    fn the_launcher_and_the_ptx_agree_on_the_kernels() {
+        // The launcher passes (u64 descs, u64 count) to `kvx_gather_copy`, (u64 regions, u64
+        // blocks, u64 nblocks, u64 count, u64 descs) to `kvx_grid_expand`, and both read or
+        // write descriptors as three u64: the PTX must say the same.
         let ptx = include_str!("gather.ptx");
-        assert!(ptx.contains(".visible .entry kvx_gather_copy("), "the entry point's name");
-        let params: Vec<&str> = ptx.lines().filter(|l| l.trim_start().starts_with(".param")).collect();
-        assert_eq!(params.len(), 2, "{params:?}");
-        assert!(params.iter().all(|p| p.contains(".u64")), "{params:?}");
-        assert!(ptx.contains("mul.lo.u64 \t%rd7, %rd3, 24;"), "24-byte descriptors");
+        let params = |entry: &str| -> Vec<String> {
+            let (_, rest) = ptx.split_once(&format!(".visible .entry {entry}(")).expect("the entry point");
+            let (head, _) = rest.split_once(')').expect("its parameters");
+            head.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect()
+        };
+        let gather = params("kvx_gather_copy");
+        assert_eq!(gather, [".param .u64 kvx_gather_copy_descs,", ".param .u64 kvx_gather_copy_count"]);
+        let expand = params("kvx_grid_expand");
+        let names = ["regions", "blocks", "nblocks", "count", "descs"];
+        assert_eq!(expand.len(), names.len(), "{expand:?}");
+        for (p, n) in expand.iter().zip(names) {
+            assert!(p.starts_with(".param .u64 ") && p.contains(&format!("kvx_grid_expand_{n}")), "{p}");
+        }
+        assert!(ptx.contains("mul.lo.u64 \t%rd7, %rd3, 24;"), "24-byte descriptors read");
+        assert!(ptx.contains("mul.lo.u64 \t%rd23, %rd10, 24;"), "24-byte descriptors written");
+        assert!(ptx.contains("mul.lo.u64 \t%rd14, %rd12, 40;"), "five-word regions");
+        assert_eq!(grid::REGION_WORDS, 5);
         assert!(ptx.contains(".address_size 64"));
+    }
+
+    #[test]
+    fn the_expand_kernel_run_in_a_simulator_writes_the_grids_descriptors() {
+        use crate::layouts::plan::RegionXfer;
+        const BASE: u64 = 0x7f00_0000_0000;
+        let region = |l_base, r_base, len| RegionXfer { l_base, l_step: 8192, r_base, r_step: 16_384, len };
+        let a = [region(0, 0, 4096), region(1 << 19, 4096, 4096), region(4096, 8, 3)];
+        let b = [region(4096, 4096, 4096)];
+        let (l, r) = ([3u64, 0, 7, 5], [1u64, 5, 2, 60]);
+        let mut g = GridBatch::default();
+        g.pack(&[(&a, P), (&b, L)], &l, &r, L).expect("in bounds");
+        let count = g.descriptors() as usize;
+        let table_at = 24 * count;
+        let mut mem = vec![0xee_u8; table_at + 8 * g.words().len()];
+        for (i, w) in g.words().iter().enumerate() {
+            mem[table_at + 8 * i..table_at + 8 * i + 8].copy_from_slice(&w.to_le_bytes());
+        }
+        let kernel = ptx_sim::Kernel::parse(
+            include_str!("gather.ptx"),
+            "kvx_grid_expand",
+            &[
+                "kvx_grid_expand_regions",
+                "kvx_grid_expand_blocks",
+                "kvx_grid_expand_nblocks",
+                "kvx_grid_expand_count",
+                "kvx_grid_expand_descs",
+            ],
+        );
+        let regions = BASE + table_at as u64;
+        let blocks = regions + 8 * g.table_words() as u64;
+        let want: Vec<u64> = g.expand().flat_map(|(d, s, n)| [d, s, n]).collect();
+        assert_eq!(want.len(), 3 * 16);
+        // More threads than descriptors, fewer (the grid-stride loop), one.
+        for (grid_blocks, threads) in [(2, 32), (1, 5), (3, 2), (1, 1)] {
+            let mut m = mem.clone();
+            let params = [regions, blocks, g.pairs(), count as u64, BASE];
+            kernel.run(grid_blocks, threads, &params, &mut m, BASE);
+            let got: Vec<u64> =
+                m[..table_at].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8"))).collect();
+            assert_eq!(got, want, "{grid_blocks}x{threads}");
+            assert_eq!(m[table_at..], mem[table_at..], "the table is only read");
+        }
+        // No block pairs: nothing written, and no division by zero.
+        let mut m = mem.clone();
+        kernel.run(2, 4, &[regions, blocks, 0, 0, BASE], &mut m, BASE);
+        assert_eq!(m, mem);
     }
 
     #[test]

@@ -44,13 +44,18 @@ pub struct Kernel {
 }
 
 impl Kernel {
-    pub fn parse(ptx: &str, params: &[&str]) -> Kernel {
-        let body =
-            ptx.split_once(".entry").and_then(|(_, e)| e.split_once('{')).map(|(_, b)| b).expect("a body");
+    /// The entry point `entry` of `ptx`, whose parameters are named `params` in order.
+    pub fn parse(ptx: &str, entry: &str, params: &[&str]) -> Kernel {
+        let body = ptx
+            .split_once(&format!(".entry {entry}("))
+            .and_then(|(_, e)| e.split_once('{'))
+            .map(|(_, b)| b)
+            .unwrap_or_else(|| panic!("no entry {entry} with a body"));
         let lines: Vec<String> = body
             .lines()
             .map(|l| l.split("//").next().unwrap_or("").trim().to_string())
-            .filter(|l| !l.is_empty() && !l.starts_with(".reg") && l != "}")
+            .take_while(|l| l != "}")
+            .filter(|l| !l.is_empty() && !l.starts_with(".reg"))
             .collect();
         let mut labels = HashMap::new();
         let mut n = 0;
@@ -194,6 +199,11 @@ impl Kernel {
                 "mul.lo.u64" => r[dst(&a[0])] = val(&a[1], &r).wrapping_mul(val(&a[2], &r)),
                 "add.u64" => r[dst(&a[0])] = val(&a[1], &r).wrapping_add(val(&a[2], &r)),
                 "sub.u64" => r[dst(&a[0])] = val(&a[1], &r).wrapping_sub(val(&a[2], &r)),
+                "div.u64" => {
+                    let d = val(&a[2], &r);
+                    assert_ne!(d, 0, "a division by zero");
+                    r[dst(&a[0])] = val(&a[1], &r) / d;
+                }
                 "xor.b64" => r[dst(&a[0])] = val(&a[1], &r) ^ val(&a[2], &r),
                 "and.b64" => r[dst(&a[0])] = val(&a[1], &r) & val(&a[2], &r),
                 "min.u64" => r[dst(&a[0])] = val(&a[1], &r).min(val(&a[2], &r)),
