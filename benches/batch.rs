@@ -6,6 +6,9 @@
 //! to pinned memory and is uploaded). `reference/copy_pairs` copies the plan's pairs into the
 //! same 24-byte records with no check and no arithmetic, and `reference/store_same_bytes`
 //! writes them with no load: the floors of this machine, measured in the same run.
+//! `grid_pack_4_peers` is `--batch-descriptors device`'s host work for the same request: the
+//! four READs' region tables and the block pairs checked and written as the upload (the GPU
+//! then makes the 40,960 descriptors), per descriptor against `pack_4_peers`.
 //! The H200 run (results/gpu-nvidia-h200-2026-11-27.json) spent about 290 us posting per
 //! request there, a quarter of the request's transfer span.
 
@@ -14,10 +17,10 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvx::layouts::alloc::{AllocPattern, allocate};
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::plan::{Pair, Planner, RequestBlocks};
+use kvx::layouts::plan::{Pair, Planner, RegionXfer, RequestBlocks};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
-use kvx::transfer::cuda_batch::{CopyBatch, GATHER_PIECE, Span, gather_into, gather_pieces};
+use kvx::transfer::cuda_batch::{CopyBatch, GATHER_PIECE, GridBatch, Span, gather_into, gather_pieces};
 
 fn bench(c: &mut Criterion) {
     let model = model::preset("llama-3.1-70b").expect("preset");
@@ -55,6 +58,16 @@ fn bench(c: &mut Criterion) {
             black_box(batch.copies())
         })
     });
+    let jobs: Vec<(&[RegionXfer], Span)> =
+        planner.reads.iter().zip(&peers).map(|(r, &s)| (r.regions.as_slice(), s)).collect();
+    let mut grid = GridBatch::default();
+    g.bench_function("grid_pack_4_peers", |b| {
+        b.iter(|| {
+            grid.pack(black_box(&jobs), &bp.local, &bp.remote, local).expect("in bounds");
+            black_box(grid.words().len())
+        })
+    });
+    assert_eq!(grid.descriptors() as usize, n, "the grid makes the plan's descriptors");
     let mut words = vec![0u64; 3 * gather_pieces(&batch, GATHER_PIECE)];
     g.bench_function("gather_into", |b| {
         b.iter(|| black_box(gather_into(black_box(&batch), GATHER_PIECE, &mut words)))

@@ -158,6 +158,37 @@ def figures(doc):
         if "cpu" in pts and "cuda" in pts:
             fig["kv_ready_cpu_over_cuda"] = pts["cpu"]["kv_ready_p50_us"] / pts["cuda"]["kv_ready_p50_us"]
         out[key] = fig
+    # Every byte of a cuda-batch P8->D2 run checked (step "batch", and step "device"'s with
+    # --batch-descriptors device); a decode rank's rayon pool (by-hand runs of a -rayon.json).
+    for name, s in steps.items():
+        d = s.get("output") or {}
+        if s.get("status") != "ok" or not d.get("run_id"):
+            continue
+        key = None
+        if name == "bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --verify full":
+            key = "batch_verify"
+        elif name.startswith("bench --mem cuda --p-tp 8 --d-tp 2 --transport cuda-batch --batch-descriptors device"):
+            key = "device_verify"
+        elif m := re.match(r"rayon-(\d+)$", name):
+            key = f"rayon_{m[1]}"
+        if not key:
+            continue
+        cb = d.get("cuda_batch") or {}
+        dev = (d.get("calibration") or {}).get("device_bandwidth_gbps")
+        out[key] = {"requests_ok": d["requests_ok"], "requests_failed": d["requests_failed"],
+                    "verify_failures": d["verify_failures"], "blocks_leaked": d["blocks_leaked"],
+                    "bytes_read": d["bytes_read"], "bytes_verified": d["bytes_verified"],
+                    "span_gbps_p50": span_p50(d), "device_gbps": dev,
+                    "share_of_device": span_p50(d) / dev if span_p50(d) and dev else None,
+                    "descriptors_made_on": cb.get("descriptors_made_on") or ["host"],
+                    **{k: cb.get(k) for k in ("pack_us_per_rank", "post_us_per_rank", "wait_us_per_rank")}}
+    # The ratio table's rows gpu-check printed (ucx_perftest, the transports compared alone).
+    for r in doc.get("ratios") or []:
+        what = r.get("what", "")
+        if m := re.match(r"kvx / ucx_perftest ucp_get @ (\d+) KiB", what):
+            out.setdefault("perftest", {})[f"kib{m[1]}"] = {k: r.get(k) for k in ("kvx_gbps", "peer_gbps", "ratio")}
+        elif what.startswith("bench P8->D2 alone (--concurrency 1) request span p50: cuda-batch / ucx"):
+            out["compare_c1"] = {k: r.get(k) for k in ("kvx_gbps", "peer_gbps", "ratio")}
     for name, s in steps.items():
         if name.startswith("kvx gate:"):
             tag = "same" if "unchanged vs the same-session" in name else "slow" if "--slowdown" in name else "committed"

@@ -122,12 +122,18 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
         t.add_row(vec![
             "cuda-batch".to_string(),
             format!(
-                "{} ({}), one batch per {}: {:.1} calls, {:.0} copies, {:.0} descriptors ({:.0} not \
+                "{} ({}), one batch per {}{}: {:.1} calls, {:.0} copies, {:.0} descriptors ({:.0} not \
                  16-byte aligned) per request; posting {:.0} ns per descriptor, {:.1} us per call; \
                  per decode rank and request: pack {:.0} us, post {:.0} us, wait {:.0} us",
                 b.paths.join(", "),
                 b.driver_calls.join(", "),
                 if b.launches.is_empty() { "peer".to_string() } else { b.launches.join(", ") },
+                // Named only where some were made on the device (`--batch-descriptors device`).
+                if b.descriptors_made_on.iter().any(|d| d == "device") {
+                    format!(", descriptors made on the {}", b.descriptors_made_on.join(" and "))
+                } else {
+                    String::new()
+                },
                 b.calls_per_request,
                 b.copies_per_request,
                 b.descriptors_per_request,
