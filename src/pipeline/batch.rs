@@ -104,50 +104,36 @@ impl BatchSide {
         timeout: Duration,
         r: &mut LoadResult,
     ) -> Result<(), Failure> {
-        let posted = self.post_grid(local, reads, bp, timeout, r);
+        // Posting, then (even when posting failed) the wait, as `read_request`.
+        let mut post = || -> Result<(), Failure> {
+            let peers = mapped(reads.iter().map(|&(p_rank, peer, _)| (p_rank, peer)))?;
+            let (buf, local_span) = device_pool(local)?;
+            let who = |i: usize| format!("prefill rank {}", reads[i].0);
+            let jobs: Vec<(&[RegionXfer], Span)> =
+                reads.iter().zip(&peers).map(|((_, _, regions), peer)| (*regions, peer.span())).collect();
+            // `Auto` was resolved in `new`: one grid over all READs, or one per READ.
+            let per = if self.launch == BatchLaunch::Peer { 1 } else { reads.len().max(1) };
+            for first in (0..reads.len()).step_by(per) {
+                let g = first..(first + per).min(reads.len());
+                let t_pack = Instant::now();
+                let packed = self.grid.pack(&jobs[g.clone()], &bp.local, &bp.remote, local_span);
+                r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
+                packed.map_err(|(i, e)| failure(&who(first + i), e))?;
+                let whom = if g.len() == 1 { who(first) } else { "its prefill ranks".to_string() };
+                let st = self
+                    .copier
+                    .enqueue_grid(buf, &peers[g], &self.grid, timeout)
+                    .map_err(|e| failure(&whom, e))?;
+                self.count(&st, r);
+            }
+            Ok(())
+        };
+        let posted = post();
         let waited = self.finish(timeout, r);
         posted.and(waited)?;
         r.transport = Some(crate::pipeline::wire::TransportKind::CudaBatch);
         r.transports = Some(self.label());
         r.batch_device_descriptors = true;
-        Ok(())
-    }
-
-    fn post_grid(
-        &mut self,
-        local: &mut KvBuffer,
-        reads: &[GridRead<'_>],
-        bp: &BlockPairs,
-        timeout: Duration,
-        r: &mut LoadResult,
-    ) -> Result<(), Failure> {
-        let mut peers = Vec::with_capacity(reads.len());
-        for &(p_rank, peer, _) in reads {
-            let Some(peer) = peer else {
-                let who = format!("prefill rank {p_rank}");
-                return Err((FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")));
-            };
-            peers.push(Arc::clone(peer));
-        }
-        let (buf, local_span) = device_pool(local)?;
-        let who = |i: usize| format!("prefill rank {}", reads[i].0);
-        let jobs: Vec<(&[RegionXfer], Span)> =
-            reads.iter().zip(&peers).map(|((_, _, regions), peer)| (*regions, peer.span())).collect();
-        // `Auto` was resolved in `new`: one grid over all READs, or one per READ.
-        let per = if self.launch == BatchLaunch::Peer { 1 } else { reads.len().max(1) };
-        for first in (0..reads.len()).step_by(per) {
-            let g = first..(first + per).min(reads.len());
-            let t_pack = Instant::now();
-            let packed = self.grid.pack(&jobs[g.clone()], &bp.local, &bp.remote, local_span);
-            r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
-            packed.map_err(|(i, e)| failure(&who(first + i), e))?;
-            let whom = if g.len() == 1 { who(first) } else { "its prefill ranks".to_string() };
-            let st = self
-                .copier
-                .enqueue_grid(buf, &peers[g], &self.grid, timeout)
-                .map_err(|e| failure(&whom, e))?;
-            self.count(&st, r);
-        }
         Ok(())
     }
 
@@ -174,14 +160,7 @@ impl BatchSide {
         timeout: Duration,
         r: &mut LoadResult,
     ) -> Result<(), Failure> {
-        let mut peers = Vec::with_capacity(reads.len());
-        for &(p_rank, peer, _) in reads {
-            let Some(peer) = peer else {
-                let who = format!("prefill rank {p_rank}");
-                return Err((FailureCause::PeerGone, format!("{who} is not mapped (no CUDA IPC export)")));
-            };
-            peers.push(Arc::clone(peer));
-        }
+        let peers = mapped(reads.iter().map(|&(p_rank, peer, _)| (p_rank, peer)))?;
         let (buf, local_span) = device_pool(local)?;
         // One part per READ with `rank`; `peer` reuses the first for each READ in turn.
         let parts = if self.launch == BatchLaunch::Peer { 1 } else { reads.len() };
@@ -259,6 +238,24 @@ impl BatchSide {
         r.batch_copies += st.copies;
         r.batch_unaligned += st.unaligned_descriptors;
     }
+}
+
+/// The mapped pool of each READ's prefill rank, in order; a rank that is not mapped fails the
+/// request before anything is posted.
+fn mapped<'a>(
+    reads: impl ExactSizeIterator<Item = (u32, Option<&'a Arc<PeerMapping>>)>,
+) -> Result<Vec<Arc<PeerMapping>>, Failure> {
+    let mut peers = Vec::with_capacity(reads.len());
+    for (p_rank, peer) in reads {
+        let Some(peer) = peer else {
+            return Err((
+                FailureCause::PeerGone,
+                format!("prefill rank {p_rank} is not mapped (no CUDA IPC export)"),
+            ));
+        };
+        peers.push(Arc::clone(peer));
+    }
+    Ok(peers)
 }
 
 /// This rank's pool in device memory, and its span.

@@ -797,6 +797,30 @@ mod imp {
     /// Threads per block of `kvx_grid_expand` (one descriptor each, then the grid's stride).
     const EXPAND_THREADS: u32 = 256;
 
+    /// One launch of `kvx_gather_copy(u64 descs, u64 count)` on `stream`: `count` descriptors
+    /// of three u64 from device address `descs`, one thread block per descriptor (the grid
+    /// loops beyond [`GATHER_MAX_BLOCKS`]).
+    ///
+    /// # Safety
+    /// `func` is the gather kernel of the current context and `stream` one of its streams;
+    /// `descs` holds `count` descriptors by the time the launch runs in stream order, each
+    /// inside memory this context may read (source) and write (destination).
+    unsafe fn launch_gather(
+        func: sys::CUfunction,
+        stream: sys::CUstream,
+        descs: u64,
+        count: usize,
+    ) -> Result<(), CudaBatchError> {
+        let (mut p_descs, mut p_count) = (descs, count as u64);
+        let mut params = [(&raw mut p_descs).cast::<c_void>(), (&raw mut p_count).cast::<c_void>()];
+        let blocks = count.clamp(1, GATHER_MAX_BLOCKS) as u32;
+        // SAFETY: the kernel takes the two u64 `params` point to (read during the call); the
+        // rest is the caller's promise.
+        call("cuLaunchKernel", unsafe {
+            result::launch_kernel(func, (blocks, 1, 1), (GATHER_THREADS, 1, 1), 0, stream, &mut params)
+        })
+    }
+
     /// kvx's gather-copy kernel, loaded into a copier's context, and one descriptor array per
     /// batch that may be in flight at once.
     struct Gather {
@@ -832,6 +856,23 @@ mod imp {
     }
 
     impl Gather {
+        /// Slot `i` with room for `words` u64 (made or grown here). Slot `i` is free when the
+        /// copier posts its `i`-th batch of a round: the batches before it use lower slots,
+        /// and every earlier round has completed.
+        fn slot(
+            &mut self,
+            dev: &Arc<CudaDevice>,
+            i: usize,
+            words: usize,
+        ) -> Result<&mut Slot, CudaBatchError> {
+            if self.slots.len() <= i {
+                self.slots.push(Slot::new(dev, words)?);
+            } else if self.slots[i].words() < words {
+                self.slots[i] = Slot::new(dev, words)?;
+            }
+            Ok(&mut self.slots[i])
+        }
+
         /// JIT-compiles `gather.ptx` for this device (the current context's).
         fn load() -> Result<Gather, CudaBatchError> {
             // SAFETY: a NUL-terminated PTX image that outlives the call; the module belongs to
@@ -997,11 +1038,32 @@ mod imp {
             parts: &mut [CopyBatch],
             timeout: Duration,
         ) -> Result<BatchStats, CudaBatchError> {
-            let local_span = Span { base: local.addr(), len: local.len() as u64 };
             let packed = parts.iter().flat_map(|b| b.peers.iter().copied());
+            let local_span = Span { base: local.addr(), len: local.len() as u64 };
             if parts.iter().any(|b| b.local != local_span) || !packed.eq(peers.iter().map(|p| p.span())) {
                 return Err(CudaBatchError::WrongBuffers);
             }
+            let n: usize = parts.iter().map(CopyBatch::copies).sum();
+            let mut st = self.submit(local, peers, n, timeout, |c| c.post(parts))?;
+            st.calls = self.path.calls(n);
+            st.descriptors = parts.iter().map(CopyBatch::descriptors).sum();
+            st.bytes = parts.iter().map(CopyBatch::bytes).sum();
+            st.unaligned_descriptors = parts.iter().map(CopyBatch::unaligned_descriptors).sum();
+            Ok(st)
+        }
+
+        /// What both enqueues do around their posting: the pool's device checked, a batch
+        /// that timed out before waited for, `post` run when there are `copies`, the event
+        /// recorded, the peers kept mapped until it fires. Returns the posting's stats (its
+        /// counts are the caller's to fill).
+        fn submit(
+            &mut self,
+            local: &CudaBuffer,
+            peers: &[Arc<PeerMapping>],
+            copies: usize,
+            timeout: Duration,
+            post: impl FnOnce(&mut Self) -> Result<u64, CudaBatchError>,
+        ) -> Result<BatchStats, CudaBatchError> {
             if local.device() != self.dev.ordinal() {
                 return Err(CudaBatchError::Call {
                     op: "cuda-batch copy",
@@ -1012,31 +1074,22 @@ mod imp {
                     ),
                 });
             }
-            let _cur = self.dev.scoped()?;
+            let dev = Arc::clone(&self.dev);
+            let _cur = dev.scoped()?;
             let t0 = Instant::now();
             // A batch that timed out before must finish before this one can be told apart
             // (and before its descriptor slot is written again).
             if self.posted == 0 && !self.in_flight.is_empty() {
                 self.wait(t0 + timeout, timeout, 0)?;
             }
-            let n: usize = parts.iter().map(CopyBatch::copies).sum();
-            let fill_ns = if n > 0 { self.post(parts)? } else { 0 };
+            let fill_ns = if copies > 0 { post(self)? } else { 0 };
             // SAFETY: event and stream belong to this copier and the current context.
             call("cuEventRecord", unsafe { result::event::record(self.event, self.stream) })?;
             let post_ns = t0.elapsed().as_nanos() as u64;
             self.in_flight.extend(peers.iter().cloned());
             self.posted += 1;
-            self.posted_copies += n;
-            Ok(BatchStats {
-                post_ns,
-                fill_ns,
-                complete_ns: 0,
-                calls: self.path.calls(n),
-                copies: n as u64,
-                descriptors: parts.iter().map(CopyBatch::descriptors).sum(),
-                bytes: parts.iter().map(CopyBatch::bytes).sum(),
-                unaligned_descriptors: parts.iter().map(CopyBatch::unaligned_descriptors).sum(),
-            })
+            self.posted_copies += copies;
+            Ok(BatchStats { post_ns, fill_ns, copies: copies as u64, ..BatchStats::default() })
         }
 
         /// Waits until `timeout` for every batch posted since the last wait (the event
@@ -1069,39 +1122,14 @@ mod imp {
             {
                 return Err(CudaBatchError::WrongBuffers);
             }
-            if local.device() != self.dev.ordinal() {
-                return Err(CudaBatchError::Call {
-                    op: "cuda-batch copy",
-                    reason: format!(
-                        "the KV pool is on device {} but the copier on device {}",
-                        local.device(),
-                        self.dev.ordinal()
-                    ),
-                });
-            }
-            let _cur = self.dev.scoped()?;
-            let t0 = Instant::now();
-            if self.posted == 0 && !self.in_flight.is_empty() {
-                self.wait(t0 + timeout, timeout, 0)?;
-            }
             let n = grid.descriptors() as usize;
-            let fill_ns = if n > 0 { self.post_grid(grid)? } else { 0 };
-            // SAFETY: event and stream belong to this copier and the current context.
-            call("cuEventRecord", unsafe { result::event::record(self.event, self.stream) })?;
-            let post_ns = t0.elapsed().as_nanos() as u64;
-            self.in_flight.extend(peers.iter().cloned());
-            self.posted += 1;
-            self.posted_copies += n;
-            Ok(BatchStats {
-                post_ns,
-                fill_ns,
-                complete_ns: 0,
-                calls: if n > 0 { 3 } else { 0 },
-                copies: n as u64,
-                descriptors: grid.descriptors(),
-                bytes: grid.bytes(),
-                unaligned_descriptors: grid.unaligned_descriptors(),
-            })
+            let mut st = self.submit(local, peers, n, timeout, |c| c.post_grid(grid))?;
+            // The table's upload and the two launches.
+            st.calls = if n > 0 { 3 } else { 0 };
+            st.descriptors = grid.descriptors();
+            st.bytes = grid.bytes();
+            st.unaligned_descriptors = grid.unaligned_descriptors();
+            Ok(st)
         }
 
         /// The grid's upload and two launches (see [`enqueue_grid`](Self::enqueue_grid)), in
@@ -1118,13 +1146,7 @@ mod imp {
             let count = grid.descriptors() as usize;
             let table = grid.words();
             let words = 3 * count + table.len();
-            let i = self.posted;
-            if g.slots.len() <= i {
-                g.slots.push(Slot::new(&self.dev, words)?);
-            } else if g.slots[i].words() < words {
-                g.slots[i] = Slot::new(&self.dev, words)?;
-            }
-            let slot = &mut g.slots[i];
+            let slot = g.slot(&self.dev, self.posted, words)?;
             let t_fill = Instant::now();
             let host = &mut slot.host.words()[..table.len()];
             host.copy_from_slice(table);
@@ -1159,22 +1181,10 @@ mod imp {
                     &mut params,
                 )
             })?;
-            let (mut p_descs, mut p_count) = (descs, count as u64);
-            let mut params = [(&raw mut p_descs).cast::<c_void>(), (&raw mut p_count).cast::<c_void>()];
-            let blocks = count.clamp(1, GATHER_MAX_BLOCKS) as u32;
-            // SAFETY: as in `post_kernel`: the descriptors the launch before wrote on this
-            // stream each lie inside the local pool and the mapped peer pool (`GridBatch::pack`
-            // checked every region at its furthest block on both sides).
-            call("cuLaunchKernel", unsafe {
-                result::launch_kernel(
-                    g.func,
-                    (blocks, 1, 1),
-                    (GATHER_THREADS, 1, 1),
-                    0,
-                    self.stream,
-                    &mut params,
-                )
-            })?;
+            // SAFETY: the descriptors the launch before wrote on this stream each lie inside
+            // the local pool and the mapped peer pool (`GridBatch::pack` checked every region
+            // at its furthest block on both sides).
+            unsafe { launch_gather(g.func, self.stream, descs, count) }?;
             Ok(fill_ns)
         }
 
@@ -1281,13 +1291,7 @@ mod imp {
             let counts: Vec<usize> = parts.iter().map(|b| super::gather_pieces(b, GATHER_PIECE)).collect();
             let pieces: usize = counts.iter().sum();
             let words = 3 * pieces;
-            let i = self.posted;
-            if g.slots.len() <= i {
-                g.slots.push(Slot::new(&self.dev, words)?);
-            } else if g.slots[i].words() < words {
-                g.slots[i] = Slot::new(&self.dev, words)?;
-            }
-            let slot = &mut g.slots[i];
+            let slot = g.slot(&self.dev, self.posted, words)?;
             let host = &mut slot.host.words()[..words];
             let t_fill = Instant::now();
             // Each part's pieces into its own stretch of the slot, in order (on rayon's threads
@@ -1316,23 +1320,10 @@ mod imp {
             // for this batch (slot discipline above), so the asynchronous upload reads it
             // unchanged.
             call("cuMemcpyHtoDAsync", unsafe { result::memcpy_htod_async(descs, &*host, self.stream) })?;
-            let (mut p_descs, mut p_count) = (descs, pieces as u64);
-            let mut params = [(&raw mut p_descs).cast::<c_void>(), (&raw mut p_count).cast::<c_void>()];
-            let blocks = pieces.clamp(1, GATHER_MAX_BLOCKS) as u32;
-            // SAFETY: `kvx_gather_copy(u64 descs, u64 count)` takes the two u64 `params`
-            // point to (read during the call); every piece lies inside the local pool and the
-            // mapped peer pool (`pack` checked each copy, and pieces split copies without
-            // leaving them); the launch follows the descriptor upload on this stream.
-            call("cuLaunchKernel", unsafe {
-                result::launch_kernel(
-                    g.func,
-                    (blocks, 1, 1),
-                    (GATHER_THREADS, 1, 1),
-                    0,
-                    self.stream,
-                    &mut params,
-                )
-            })?;
+            // SAFETY: every piece lies inside the local pool and the mapped peer pool (`pack`
+            // checked each copy, and pieces split copies without leaving them); the launch
+            // follows the descriptor upload on this stream.
+            unsafe { launch_gather(g.func, self.stream, descs, pieces) }?;
             Ok(fill_ns)
         }
 
