@@ -496,6 +496,15 @@ fn hybrid_pair(
             ),
         ));
     }
+    if transport.batch_descriptors == BatchDescriptors::Device {
+        return Err(ConfigError::new(
+            "--batch-descriptors",
+            format!(
+                "{name} is a hybrid model: descriptors are made on the device from a uniform plan's region \
+                 table only (use --batch-descriptors host)"
+            ),
+        ));
+    }
     // UCX, or cuda-batch between device pools (its own checks: --mem cuda, no host buffer).
     if !matches!(transport.kind, TransportKind::Ucx | TransportKind::CudaBatch) {
         return Err(ConfigError::new(
@@ -1162,6 +1171,14 @@ mod tests {
         assert!(e.to_string().contains("--batch-copy kernel"), "{e}");
         let e = resolve(&BenchFlags { coalesce: true, ..cuda() }, &env()).expect_err("coalesced");
         assert!(e.to_string().contains("--coalesce"), "{e}");
+        let hybrid = BenchFlags {
+            model: ModelFlags { model: Some("nemotron-h-8b".into()), ..ModelFlags::default() },
+            prompt_len: Some("512".into()),
+            ..cuda()
+        };
+        let e = resolve(&hybrid, &env()).expect_err("a hybrid plan has no one region table");
+        assert_eq!(e.flag, "--batch-descriptors", "{e}");
+        assert!(e.to_string().contains("hybrid"), "{e}");
         let host = BenchFlags { batch_descriptors: None, ..cuda() };
         assert_eq!(
             resolve(&host, &env()).expect("default").workers.transport.batch_descriptors,
