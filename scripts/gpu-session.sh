@@ -21,10 +21,14 @@
 # scripts/gpu-check.sh's header. Steps run beside serve share the GPU with it: their times are
 # contended, say so with their numbers (serve's results record when it ran).
 #
+# The NIXL peer (step nixl) needs nixl_cu13 importable beside the host's torch: carry
+# .gpu/nixl-slim.tar.xz (scripts/nixl-slim.sh; 17 MB for nixl-cu13 1.5.1) and it is unpacked
+# once per machine and put on PYTHONPATH.
+#
 # Environment: GPU_CHECK_SERVE_SECONDS (default 600), GPU_CHECK_* as gpu-check.sh takes them
 # (GPU_CHECK_MPS_LAUNCHES, GPU_CHECK_PATHS, ...), GPU_SESSION_BUNDLE (default
-# .gpu/kvx-bundle.tar.xz), GPU_SESSION_SERVE_MEM (default cuda; host tries this script
-# without a GPU).
+# .gpu/kvx-bundle.tar.xz), GPU_SESSION_NIXL (default .gpu/nixl-slim.tar.xz),
+# GPU_SESSION_SERVE_MEM (default cuda; host tries this script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +41,7 @@ cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   start|collect|run) ;;
-  *) sed -n '2,27p' "$0"; exit 2 ;;
+  *) sed -n '2,31p' "$0"; exit 2 ;;
 esac
 
 if [ ! -x "$ROOT/kvx-bundle/kvx" ]; then
@@ -45,6 +49,12 @@ if [ ! -x "$ROOT/kvx-bundle/kvx" ]; then
   mkdir -p "$ROOT" && tar xf "$BUNDLE" -C "$ROOT" || exit 2
 fi
 export KVX_BIN="$ROOT/kvx-bundle/kvx" KVX_UCX_LIB="$ROOT/kvx-bundle/.ucx/libucx/lib/libucp.so.0"
+# The NIXL peer's Python package, when carried (scripts/nixl-slim.sh), on the Python path.
+NIXL_SLIM="${GPU_SESSION_NIXL:-.gpu/nixl-slim.tar.xz}"
+if [ -f "$NIXL_SLIM" ] && [ ! -d "$ROOT/nixl" ]; then
+  mkdir -p "$ROOT/nixl" && tar xf "$NIXL_SLIM" -C "$ROOT/nixl" || echo "gpu-session: could not unpack $NIXL_SLIM" >&2
+fi
+[ -d "$ROOT/nixl" ] && export PYTHONPATH="$ROOT/nixl${PYTHONPATH:+:$PYTHONPATH}"
 head -n1 "$ROOT/kvx-bundle/BUNDLE.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
 
