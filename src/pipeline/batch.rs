@@ -413,6 +413,12 @@ mod tests {
         assert_eq!(info.post_us_per_rank, 100_000.0 / 3.0 / 1e3, "three decode ranks' results");
         assert_eq!(info.pack_us_per_rank, 3_000.0 / 3.0 / 1e3);
         assert_eq!(info.wait_us_per_rank, 6_000.0 / 3.0 / 1e3);
+        assert_eq!(info.descriptors_made_on, ["host"]);
+        // A rank whose descriptors the GPU made is named beside the host's.
+        t.add(&[LoadResult { batch_device_descriptors: true, ..rank(3, 400, 400, 1_000) }]);
+        let mut s = Summary::new("r", "t", Default::default());
+        t.report(&mut s);
+        assert_eq!(s.cuda_batch.expect("reported").descriptors_made_on, ["host", "device"]);
         let mut none = Summary::new("r", "t", Default::default());
         BatchTally::default().report(&mut none);
         assert!(none.cuda_batch.is_none());

@@ -576,4 +576,26 @@ mod tests {
         assert!(md.contains("|---"), "{md}");
         assert!(!md.contains('│'));
     }
+
+    #[test]
+    fn the_cuda_batch_row_names_device_made_descriptors_only_when_there_are_some() {
+        use crate::report::summary::CudaBatchInfo;
+        let row = |made: &[&str]| {
+            let mut s = Summary::new("r1", "t", Default::default());
+            s.cuda_batch = Some(CudaBatchInfo {
+                paths: vec!["kernel".into()],
+                launches: vec!["rank".into()],
+                descriptors_made_on: made.iter().map(|m| m.to_string()).collect(),
+                ..CudaBatchInfo::default()
+            });
+            scenario_table(&s, Style::Markdown).to_string()
+        };
+        assert!(!row(&["host"]).contains("descriptors made on"), "{}", row(&["host"]));
+        assert!(
+            row(&["device"]).contains("one batch per rank, descriptors made on the device:"),
+            "{}",
+            row(&["device"])
+        );
+        assert!(row(&["host", "device"]).contains("made on the host and device"));
+    }
 }
