@@ -416,8 +416,8 @@ pub struct CudaBatchInfo {
     pub launches: Vec<String>,
     /// Where the gather kernel's descriptors were made: `host` (packed from the plan's pairs)
     /// or `device` (expanded from the plan's region table and block ids:
-    /// `--batch-descriptors device`).
-    #[serde(default)]
+    /// `--batch-descriptors device`). Absent from older summaries: empty (the struct's
+    /// `serde(default)`).
     pub descriptors_made_on: Vec<String>,
     /// Driver calls per request (with the batch API or the kernel: one per decode rank with
     /// `--batch-launch rank`, one per peer with `peer`).
