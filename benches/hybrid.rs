@@ -37,6 +37,7 @@ fn hybrid(name: &str, tokens: u32) -> (HybridPlanner, HybridRequest) {
         permute_local_kv: false,
         state_slices: Default::default(),
         host_copy: Default::default(),
+        push_attention: Default::default(),
     };
     let planner = HybridPlanner::new(&config).expect("accepted pair");
     let req = HybridRequest::simulated(&planner, tokens, 0);

@@ -157,6 +157,7 @@ fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> an
             permute_local_kv: args.pair.permute,
             state_slices: Default::default(),
             host_copy: Default::default(),
+            push_attention: Default::default(),
         };
         let planner = crate::layouts::hybrid::HybridPlanner::new(&config).map_err(ConfigError::from)?;
         let groups = planner

@@ -552,6 +552,7 @@ fn hybrid_pair(
         permute_local_kv: s.pair.permute,
         state_slices: s.state_slices.unwrap_or_default(),
         host_copy: s.host_copy.unwrap_or_default(),
+        push_attention: Default::default(),
     };
     let (pair, planner) = super::hybrid_flags::hybrid_pair_spec(&config)?;
     let plan = planner.plan(&HybridRequest::simulated(&planner, max_tokens, 0), "sizing")?;

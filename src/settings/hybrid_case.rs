@@ -245,6 +245,7 @@ pub fn parse(case: &Value) -> Result<HybridCase, ConfigError> {
         permute_local_kv: false,
         state_slices: Default::default(),
         host_copy: Default::default(),
+        push_attention: Default::default(),
     };
     let s = field(case, "scheduler", "")?;
     let request = HybridRequest {

@@ -452,6 +452,7 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
             permute_local_kv: args.pair.permute,
             state_slices: args.state_slices.unwrap_or_default(),
             host_copy: args.host_copy.unwrap_or_default(),
+            push_attention: Default::default(),
         },
         request: RequestSource::Prompt { tokens, prefix_hit: args.prefix_hit },
     }))

@@ -355,6 +355,7 @@ fn planner(model: &HybridModel, p: HybridEngine, d: HybridEngine) -> Result<Hybr
         permute_local_kv: false,
         state_slices: Default::default(),
         host_copy: Default::default(),
+        push_attention: Default::default(),
     })
 }
 
@@ -703,6 +704,7 @@ fn per_group_host_copies_overwrite_nothing() {
                 permute_local_kv: false,
                 state_slices: Default::default(),
                 host_copy: rule,
+                push_attention: Default::default(),
             })
             .expect("accepted")
         };
@@ -748,6 +750,7 @@ fn exact_state_slices_move_the_right_bytes_where_vllm_misreads() {
             permute_local_kv: false,
             state_slices: StateSlices::Exact,
             host_copy: Default::default(),
+            push_attention: Default::default(),
         })
     };
     let (mut fixed, mut fixed_above) = (0, 0);
@@ -1162,6 +1165,7 @@ fn moved_bytes_land_where_the_model_expects_them_or_say_what_they_hold() {
             permute_local_kv: false,
             state_slices: slices,
             host_copy: Default::default(),
+            push_attention: Default::default(),
         })
         .expect("accepted");
         let plan = pl.plan(&simulated(&pl, 900, 0), "req").expect("plan");

@@ -51,6 +51,10 @@ pub struct PairConfig {
     /// Which blocks decode's host-to-device copy passes through each layer (`--host-copy`).
     #[serde(default)]
     pub host_copy: HostCopyRule,
+    /// Push mode: which decode ranks get attention when several hold one head
+    /// (`--push-attention`).
+    #[serde(default)]
+    pub push_attention: super::push::PushAttention,
 }
 
 /// Which blocks decode's host-to-device copy (host buffer, `sync_recved_kv_to_device`) passes
@@ -2081,6 +2085,7 @@ mod tests {
                         permute_local_kv: false,
                         state_slices: StateSlices::Vllm,
                         host_copy: HostCopyRule::Vllm,
+                        push_attention: Default::default(),
                     };
                     let Ok(planner) = HybridPlanner::new(&config) else { continue };
                     let slow = general(&planner);
@@ -2121,6 +2126,7 @@ mod refusal_tests {
             permute_local_kv: false,
             state_slices: Default::default(),
             host_copy: Default::default(),
+            push_attention: Default::default(),
         })
     }
 
@@ -2219,6 +2225,7 @@ mod refusal_tests {
             permute_local_kv: true,
             state_slices: Default::default(),
             host_copy: Default::default(),
+            push_attention: Default::default(),
         });
         assert_eq!(refusal(permuted).0, RefusalKind::PermuteWithHma);
     }

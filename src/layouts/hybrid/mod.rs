@@ -23,6 +23,7 @@ pub mod descriptors;
 pub mod error;
 pub mod geometry;
 pub mod model;
+pub mod push;
 pub mod staging;
 
 pub use descriptors::{Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, StateSlices};
