@@ -832,13 +832,22 @@ impl Decoder<'_> {
             FailureCause::Internal,
             "push mode needs this decode engine's side channel, which it did not start".into(),
         ))?;
+        // A hybrid model: the lists per group its scheduler registers (clipped).
+        let hybrid = match &self.hybrid {
+            Some(h) => Some(h.push_lists(params, &local_blocks)?),
+            None => None,
+        };
+        let local_block_ids = match &hybrid {
+            Some((_, lists)) => lists.iter().map(|g| g.iter().map(|&b| u64::from(b)).collect()).collect(),
+            None => vec![local_blocks.iter().map(|&b| u64::from(b)).collect()],
+        };
         let reg = PushRegistration {
             request_id: d_request_id.to_string(),
             decode_engine_id: cfg.engine_id.clone(),
             decode_host,
             decode_port,
             decode_tp_size: cfg.pair.d.tp,
-            local_block_ids: vec![local_blocks.iter().map(|&b| u64::from(b)).collect()],
+            local_block_ids,
             remote_engine_id: params.remote_engine_id.clone(),
             remote_host: params.remote_host.clone(),
             remote_port: params.remote_port,
@@ -930,6 +939,12 @@ impl Decoder<'_> {
         }
         push.waiter.forget(d_request_id);
         r.transfer_ns = tw.elapsed().as_nanos() as u64;
+        if let (Some((tokens, lists)), Some(h)) = (hybrid, self.hybrid.take()) {
+            r.e2e_ns = t0.elapsed().as_nanos() as u64;
+            let result = self.push_landed(&h, r, params, (tokens, &lists), seed);
+            self.hybrid = Some(h);
+            return result;
+        }
         r.bytes = self.regions.iter().map(|x| x.block_len).sum::<u64>() * local_blocks.len() as u64;
         r.e2e_ns = t0.elapsed().as_nanos() as u64;
         // Verify: decode's blocks hold the prompt's last blocks (a prefix hit keeps the first).

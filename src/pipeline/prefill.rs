@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::push::{PushJob, Pusher};
+use super::push::{HybridHeld, PushJob, Pusher};
 use super::wire::{
     FailureCause, Fault, FromWorker, Overlap, PushStats, ReadyInfo, ToWorker, TransferMode, TransportKind,
     UcxChoices, WorkerConfig,
@@ -105,6 +105,8 @@ struct Held {
     compute: Option<Compute>,
     /// Push with `--overlap layers`: the WRITE under way while the prefill computes.
     job: Option<PushJob>,
+    /// A hybrid model: the request's per-group lists and tokens (push plans from them).
+    hybrid: Option<HybridHeld>,
     /// Notifications that free it (`None`: the count the first one names); its lease is
     /// taken when its prefill is done.
     expected: Option<u32>,
@@ -359,7 +361,15 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                         Ok(()) => {
                             held.insert(
                                 p_request_id.clone(),
-                                Held { req, blocks, published: eager_publish, compute, job: None, expected },
+                                Held {
+                                    req,
+                                    blocks,
+                                    published: eager_publish,
+                                    compute,
+                                    job: None,
+                                    hybrid: lists.map(|lists| HybridHeld { lists, tokens }),
+                                    expected,
+                                },
                             );
                         }
                         Err(e) => tracing::warn!("{e}"),
@@ -507,7 +517,7 @@ fn push_one(
     let result = match pool {
         Pool::Ucx(u) => {
             let UcxSide { region, worker, .. } = &mut **u;
-            pusher.push(cfg, worker, region, id, &h.blocks)
+            pusher.push(cfg, worker, region, id, &h.blocks, h.hybrid.as_ref())
         }
         _ => {
             pusher.give_up(id);
@@ -632,7 +642,7 @@ fn advance(
                     let UcxSide { region, worker, .. } = &mut **u;
                     let job = match h.job.take() {
                         Some(j) => Ok(j),
-                        None => p.begin(cfg, worker, &id, &h.blocks),
+                        None => p.begin(cfg, worker, &id, &h.blocks, h.hybrid.as_ref()),
                     };
                     job.and_then(|mut j| p.write_layers(cfg, &mut j, region, done, Some(end)).map(|()| j))
                 }

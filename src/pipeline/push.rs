@@ -17,12 +17,18 @@
 //! stripped).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::params::base_request_id;
 use super::wire::{FailureCause, PushStats, TransportKind, WorkerConfig};
 use super::worker::{classify_ucx, compat_factors, fetch_peers, first_region, peer_spec};
 use crate::layouts::compat::PairSpec;
+use crate::layouts::hybrid::blocks::{ExchangedBlocks, TokenCounts};
+use crate::layouts::hybrid::descriptors::handshake_ranks;
+use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
+use crate::layouts::hybrid::push as hybrid_push;
+use crate::layouts::hybrid::{HybridPlanner, PairConfig};
 use crate::layouts::plan::{RequestBlocks, RequestIds};
 use crate::layouts::push::PushPlanner;
 use crate::topology::push::PushRankMap;
@@ -92,10 +98,28 @@ struct DTarget {
     notify: NotifyPath,
 }
 
+/// How a decode engine's WRITEs are planned: one KV cache group (the uniform push planner), or
+/// a hybrid model's groups and state (from the pull plans of the decode ranks written into).
+enum WritePlanner {
+    Uniform(Box<PushPlanner>),
+    Hybrid(Arc<HybridPlanner>),
+}
+
 /// A decode engine a prefill rank has handshaked with.
 struct DEngine {
-    planner: PushPlanner,
+    planner: WritePlanner,
     ranks: BTreeMap<u32, DTarget>,
+    /// The decode ranks this rank writes into.
+    write_ranks: Vec<u32>,
+    /// What each of this rank's notifications names as the count (prefill TP).
+    notif_count: u32,
+}
+
+/// A hybrid request a prefill rank holds, as push plans it: its per-group lists (as its
+/// allocator holds them, before clipping) and its prompt's tokens.
+pub struct HybridHeld {
+    pub lists: Vec<Vec<u32>>,
+    pub tokens: u32,
 }
 
 /// One request being written by a prefill rank: where to, what per layer, how far.
@@ -208,7 +232,7 @@ impl Pusher {
         let Some(reg) = self.registrations.remove(&key) else { return };
         self.written.insert(key);
         if let Some(eng) = self.engines.get(&reg.decode_engine_id) {
-            let count = eng.planner.map.notif_count;
+            let count = eng.notif_count;
             let n = Notification::PushFailed { d_request_id: reg.request_id.clone(), count };
             for (d, t) in &eng.ranks {
                 if let Err(e) = t.notify.zmq.send(&n) {
@@ -228,8 +252,9 @@ impl Pusher {
         local: &mut MemRegion<KvBuffer>,
         p_request_id: &str,
         blocks: &[u32],
+        hybrid: Option<&HybridHeld>,
     ) -> Result<PushStats, Failure> {
-        let mut job = self.begin(cfg, worker, p_request_id, blocks)?;
+        let mut job = self.begin(cfg, worker, p_request_id, blocks, hybrid)?;
         let all = job.num_layers;
         self.write_layers(cfg, &mut job, local, all, None)?;
         self.finish(job)
@@ -244,6 +269,7 @@ impl Pusher {
         worker: &Worker,
         p_request_id: &str,
         blocks: &[u32],
+        hybrid: Option<&HybridHeld>,
     ) -> Result<PushJob, Failure> {
         let key = self
             .key_of(p_request_id)
@@ -263,6 +289,26 @@ impl Pusher {
         let Some(eng) = self.engines.get(&reg.decode_engine_id) else {
             return Err((FailureCause::Internal, "decode engine vanished from the cache".into()));
         };
+        if let WritePlanner::Hybrid(planner) = &eng.planner {
+            let planned = hybrid_writes(cfg, planner, &reg, p_request_id, hybrid);
+            let job = |layers, writes| PushJob {
+                engine: reg.decode_engine_id.clone(),
+                reg: reg.clone(),
+                layers,
+                writes,
+                // The whole request in one step: written after its prefill.
+                num_layers: 1,
+                next_layer: 0,
+                stats,
+            };
+            return match planned {
+                Ok((layers, writes)) => Ok(job(layers, writes)),
+                Err(e) => Err(self.fail(job(Vec::new(), Vec::new()), e)),
+            };
+        }
+        let WritePlanner::Uniform(planner) = &eng.planner else {
+            return Err((FailureCause::Internal, "no WRITE planner for the decode engine".into()));
+        };
         let num_layers = cfg.pair.model.num_layers.max(1);
         let planned = (|| {
             let d_blocks: Vec<u32> = reg
@@ -271,14 +317,14 @@ impl Pusher {
                 .map(|g| g.iter().map(|&b| u32::try_from(b).unwrap_or(u32::MAX)).collect())
                 .unwrap_or_default();
             let req = RequestBlocks { local: d_blocks, remote: blocks.to_vec() };
-            let plan = eng.planner.plan(
+            let plan = planner.plan(
                 &req,
                 &RequestIds { p_request_id: p_request_id.to_string(), d_request_id: reg.request_id.clone() },
             )?;
             let layers = if plan.writes.is_empty() {
                 Vec::new()
             } else {
-                eng.planner.layer_pairs(&eng.planner.pair_blocks(&req)?, cfg.transport.coalesce, num_layers)
+                planner.layer_pairs(&planner.pair_blocks(&req)?, cfg.transport.coalesce, num_layers)
             };
             Ok::<_, crate::error::ConfigError>((plan, layers))
         })();
@@ -413,11 +459,9 @@ impl Pusher {
 
     fn fail_in_place(&mut self, job: &mut PushJob, e: Failure) -> Failure {
         if let Some(eng) = self.engines.get(&job.engine) {
-            let n = Notification::PushFailed {
-                d_request_id: job.reg.request_id.clone(),
-                count: eng.planner.map.notif_count,
-            };
-            for w in &eng.planner.map.write_ranks {
+            let n =
+                Notification::PushFailed { d_request_id: job.reg.request_id.clone(), count: eng.notif_count };
+            for w in &eng.write_ranks {
                 if let Some(t) = eng.ranks.get(w)
                     && let Err(err) = t.notify.send(&n)
                 {
@@ -442,6 +486,9 @@ impl Pusher {
         worker: &Worker,
         reg: &PushRegistration,
     ) -> Result<DEngine, Failure> {
+        if let Some(config) = &cfg.hybrid {
+            return self.connect_hybrid(cfg, worker, reg, config);
+        }
         let endpoint = format!("tcp://{}:{}", reg.decode_host, reg.decode_port);
         let mut pair = cfg.pair.clone();
         pair.d.tp = reg.decode_tp_size;
@@ -487,8 +534,143 @@ impl Pusher {
             let notify = notify_path(cfg, meta, Some(ep), self.timeout)?;
             out.insert(meta.tp_rank, DTarget { region, notify });
         }
-        Ok(DEngine { planner, ranks: out })
+        let write_ranks = planner.map.write_ranks.clone();
+        let notif_count = planner.map.notif_count;
+        Ok(DEngine {
+            planner: WritePlanner::Uniform(Box::new(planner)),
+            ranks: out,
+            write_ranks,
+            notif_count,
+        })
     }
+
+    /// [`Self::connect`] for a hybrid model: handshakes with the decode ranks this rank writes
+    /// into (vLLM's `write_ranks`), learns decode's pool from their metadata, plans the pair
+    /// as vLLM's push connector does (or refuses it), checks their regions are the planned
+    /// ones, connects and unpacks their remote keys.
+    fn connect_hybrid(
+        &self,
+        cfg: &WorkerConfig,
+        worker: &Worker,
+        reg: &PushRegistration,
+        config: &PairConfig,
+    ) -> Result<DEngine, Failure> {
+        let incompatible = |e: String| (FailureCause::Incompatible, e);
+        let endpoint = format!("tcp://{}:{}", reg.decode_host, reg.decode_port);
+        let d_tp = reg.decode_tp_size;
+        let mut config = config.clone();
+        config.d.tp = d_tp;
+        let engine = &reg.decode_engine_id;
+        let d = EngineGeometry::new(&config.model, &config.d, Side::Decode)
+            .map_err(|e| incompatible(format!("decode engine {engine} (TP {d_tp}): {e}")))?;
+        let targets = hybrid_push::write_ranks(config.p.tp, d_tp, cfg.rank);
+        let ranks: Vec<(u32, u32)> = targets.iter().map(|&r| (0, r)).collect();
+        let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
+        let block_tokens = d.sizing.block_tokens;
+        let validate = |meta: &KvxMetadata| -> Result<(), String> {
+            if meta.tp_size != d_tp {
+                Err(format!("TP {} where the registration named {d_tp}", meta.tp_size))
+            } else if meta.block_size_tokens != block_tokens {
+                Err(format!(
+                    "{}-token blocks where {block_tokens} were planned for decode TP {d_tp} (give both engines \
+                     the same --block-size and --kernel-block-size)",
+                    meta.block_size_tokens
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let peers: Vec<PeerMetadata> = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
+        // Decode's pool: its ranks' first region holds one kernel block per logical block's
+        // kernel split.
+        if let Some(r0) = peers.first().and_then(|p| p.metadata.regions.first()) {
+            let blocks = r0.num_blocks / u64::from(d.physical_per_logical.max(1));
+            config.d.num_blocks = u32::try_from(blocks)
+                .map_err(|_| incompatible(format!("decode engine {engine}: {blocks} blocks per rank")))?;
+        }
+        let planner = HybridPlanner::new(&config)
+            .and_then(|p| hybrid_push::check_push(&p).map(|()| p))
+            .map_err(|e| incompatible(format!("decode engine {engine} (TP {d_tp}): {e}")))?;
+        let (first, d_len) = super::worker::hybrid_peer_regions(
+            &planner.d,
+            &peers,
+            &format!("decode engine {engine}"),
+            &format!("this prefill engine plans for it at TP {d_tp}"),
+        )?;
+        let mut out = BTreeMap::new();
+        for peer in &peers {
+            let meta = &peer.metadata;
+            let r0 = first_region(meta, "decode rank")?;
+            if meta.worker_address.is_empty() {
+                return Err((
+                    FailureCause::PeerGone,
+                    format!("decode rank {} advertises no UCX side", meta.tp_rank),
+                ));
+            }
+            let ucx_err = |what: &str, e: UcxError| {
+                (classify_ucx(&e), format!("{what} with decode rank {}: {e}", meta.tp_rank))
+            };
+            let ep = Endpoint::connect(worker, &meta.worker_address, cfg.transport.err_mode)
+                .map_err(|e| ucx_err("UCX endpoint", e))?;
+            let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
+            let region = ep
+                .unpack_rkey(&rkey, r0.base_addr - first, d_len)
+                .map_err(|e| ucx_err("unpack remote key", e))?;
+            let notify = notify_path(cfg, meta, Some(ep), self.timeout)?;
+            out.insert(meta.tp_rank, DTarget { region, notify });
+        }
+        let notif_count = config.p.tp;
+        Ok(DEngine {
+            planner: WritePlanner::Hybrid(Arc::new(planner)),
+            ranks: out,
+            write_ranks: targets,
+            notif_count,
+        })
+    }
+}
+
+/// A hybrid request's WRITEs from this prefill rank: the request planned for every decode rank
+/// from both sides' lists (prefill's as it holds them, decode's as registered), then this
+/// rank's WRITEs ([`hybrid_push::writes`]), each one step; with each its decode rank and
+/// notification (`"<decode request id>:<prefill TP>"`).
+fn hybrid_writes(
+    cfg: &WorkerConfig,
+    planner: &HybridPlanner,
+    reg: &PushRegistration,
+    p_request_id: &str,
+    held: Option<&HybridHeld>,
+) -> Result<(Vec<Vec<Vec<crate::layouts::plan::Pair>>>, Vec<(u32, String)>), Failure> {
+    let incompatible = |e: String| (FailureCause::Incompatible, e);
+    let held =
+        held.ok_or((FailureCause::Internal, format!("hybrid request {p_request_id} without its lists")))?;
+    let local = reg
+        .local_block_ids
+        .iter()
+        .map(|g| g.iter().map(|&b| u32::try_from(b)).collect::<Result<Vec<u32>, _>>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| incompatible("the registration's block ids are out of range".into()))?;
+    // Decode's prefix hit is in its lists (they hold only what it loads).
+    let tokens = TokenCounts::new(planner.d.has_state(), held.tokens, 0);
+    let blocks = ExchangedBlocks::new(
+        &planner.p.groups,
+        planner.p.sizing.block_tokens,
+        planner.d.sizing.block_tokens,
+        &held.lists,
+        &local,
+        tokens.d_external_tokens,
+    )
+    .map_err(|e| incompatible(e.to_string()))?;
+    let plan = planner
+        .plan_exchanged(tokens, blocks, Some(&held.lists), p_request_id)
+        .map_err(|e| incompatible(e.to_string()))?;
+    let notif = format!("{}:{}", reg.request_id, planner.config.p.tp);
+    let mut layers = Vec::new();
+    let mut writes = Vec::new();
+    for w in hybrid_push::writes(planner, &plan, cfg.rank) {
+        writes.push((w.d_rank, notif.clone()));
+        layers.push(vec![w.pairs]);
+    }
+    Ok((layers, writes))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -633,41 +815,63 @@ impl PushWaiter {
         timeout: Duration,
     ) -> Result<PEngine, Failure> {
         let endpoint = format!("tcp://{}:{}", reg.remote_host, reg.remote_port);
-        let mut pair = cfg.pair.clone();
-        pair.p.tp = reg.remote_tp_size;
-        let prelim = push_map(&pair)?;
-        let me = prelim
-            .d_ranks
-            .get(cfg.rank as usize)
-            .ok_or((FailureCause::Internal, format!("decode rank {} is not in the push map", cfg.rank)))?;
-        let ranks: Vec<(u32, u32)> = me.registers_with.iter().map(|&p| (0, p)).collect();
         let factors = compat_factors(&cfg.pair.model, cfg.pair.version, cfg.transport.mode);
-        let local = cfg.pair.clone();
-        let validate = |meta: &KvxMetadata| -> Result<(), String> {
-            let mut p = local.clone();
-            p.p = peer_spec(meta, &local)?;
-            p.validate_push().map(|_| ()).map_err(|e| e.to_string())
+        let (peers, expected, descs_per_block, pair) = match &cfg.hybrid {
+            // A hybrid model: vLLM's handshake set, one notification per WRITE into this rank;
+            // what the WRITEs hold this rank plans per request.
+            Some(config) => {
+                let p_tp = reg.remote_tp_size;
+                let ranks: Vec<(u32, u32)> =
+                    handshake_ranks(p_tp, config.d.tp, cfg.rank).into_iter().map(|r| (0, r)).collect();
+                let validate = |meta: &KvxMetadata| -> Result<(), String> {
+                    if meta.tp_size == p_tp {
+                        Ok(())
+                    } else {
+                        Err(format!("TP {} where the request named {p_tp}", meta.tp_size))
+                    }
+                };
+                let peers = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
+                (peers, hybrid_push::expected_notifs(p_tp, config.d.tp), 0, cfg.pair.clone())
+            }
+            None => {
+                let mut pair = cfg.pair.clone();
+                pair.p.tp = reg.remote_tp_size;
+                let prelim = push_map(&pair)?;
+                let me = prelim.d_ranks.get(cfg.rank as usize).ok_or((
+                    FailureCause::Internal,
+                    format!("decode rank {} is not in the push map", cfg.rank),
+                ))?;
+                let ranks: Vec<(u32, u32)> = me.registers_with.iter().map(|&p| (0, p)).collect();
+                let local = cfg.pair.clone();
+                let validate = |meta: &KvxMetadata| -> Result<(), String> {
+                    let mut p = local.clone();
+                    p.p = peer_spec(meta, &local)?;
+                    p.validate_push().map(|_| ()).map_err(|e| e.to_string())
+                };
+                let peers = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
+                let first = &peers[0];
+                pair.p =
+                    peer_spec(&first.metadata, &cfg.pair).map_err(|e| (FailureCause::Incompatible, e))?;
+                let map = push_map(&pair)?;
+                let view = map.d_ranks.get(cfg.rank as usize).ok_or((
+                    FailureCause::Internal,
+                    format!("decode rank {} is not in the push map", cfg.rank),
+                ))?;
+                // Descriptors per decode block: every WRITE into this rank has one pair per region.
+                let mut descs_per_block = 0u64;
+                for p in &view.writers {
+                    let planner = PushPlanner::new(&pair, &map, *p)
+                        .map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+                    descs_per_block += planner
+                        .writes
+                        .iter()
+                        .filter(|w| w.d_rank == cfg.rank)
+                        .map(|w| w.regions.len() as u64)
+                        .sum::<u64>();
+                }
+                (peers, view.expected_notifs, descs_per_block, pair)
+            }
         };
-        let peers = fetch_peers(&self.client, &endpoint, &ranks, &factors, validate)?;
-        let first = &peers[0];
-        pair.p = peer_spec(&first.metadata, &cfg.pair).map_err(|e| (FailureCause::Incompatible, e))?;
-        let map = push_map(&pair)?;
-        let view = map
-            .d_ranks
-            .get(cfg.rank as usize)
-            .ok_or((FailureCause::Internal, format!("decode rank {} is not in the push map", cfg.rank)))?;
-        // Descriptors per decode block: every WRITE into this rank has one pair per region.
-        let mut descs_per_block = 0u64;
-        for p in &view.writers {
-            let planner =
-                PushPlanner::new(&pair, &map, *p).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
-            descs_per_block += planner
-                .writes
-                .iter()
-                .filter(|w| w.d_rank == cfg.rank)
-                .map(|w| w.regions.len() as u64)
-                .sum::<u64>();
-        }
         let mut out = BTreeMap::new();
         let mut transports = None;
         for peer in &peers {
@@ -686,6 +890,6 @@ impl PushWaiter {
             }
             out.insert(meta.tp_rank, notify_path(cfg, meta, ep, timeout)?);
         }
-        Ok(PEngine { ranks: out, expected: view.expected_notifs, descs_per_block, pair, transports })
+        Ok(PEngine { ranks: out, expected, descs_per_block, pair, transports })
     }
 }

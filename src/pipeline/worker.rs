@@ -178,6 +178,46 @@ pub fn handshake_cause(e: &crate::transfer::handshake::HandshakeError) -> wire::
 
 /// Fetches the metadata of `ranks` from `endpoint`, each peer checked by `validate`: at
 /// least one peer, or the failure's cause and message.
+/// A hybrid engine's ranks as `g` plans their pools: each rank's regions (offsets from its
+/// first, lengths, strides, block counts) must be the planned ones, or descriptors would land
+/// elsewhere. `who`: the peer engine, for the message; `planned`: who planned it and at what TP.
+/// Returns the plan's first region offset and the span its regions reach (for the remote keys).
+pub fn hybrid_peer_regions(
+    g: &crate::layouts::hybrid::EngineGeometry,
+    peers: &[PeerMetadata],
+    who: &str,
+    planned: &str,
+) -> Result<(u64, u64), (wire::FailureCause, String)> {
+    let first = g.regions.first().map_or(0, |r| r.base_off);
+    let len = g.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0);
+    for peer in peers {
+        let meta = &peer.metadata;
+        let base = meta.regions.first().map_or(0, |r| r.base_addr);
+        let advertised = meta
+            .regions
+            .iter()
+            .map(|r| (r.base_addr.wrapping_sub(base), r.block_len_bytes, r.block_stride_bytes, r.num_blocks));
+        let plan = g
+            .regions
+            .iter()
+            .map(|r| (r.base_off.wrapping_sub(first), r.block_len, r.block_stride, r.num_blocks));
+        if !plan.eq(advertised) {
+            return Err((
+                wire::FailureCause::Incompatible,
+                format!(
+                    "{who} rank {} registers {} regions that differ from the {} {planned} (give both engines \
+                     the same --layout, --block-size, --kernel-block-size, --kv-buffer-device, \
+                     --host-state-page and --host-descriptors)",
+                    meta.tp_rank,
+                    meta.regions.len(),
+                    g.regions.len()
+                ),
+            ));
+        }
+    }
+    Ok((first, len))
+}
+
 pub fn fetch_peers<E: std::fmt::Display>(
     client: &HandshakeClient,
     endpoint: &str,

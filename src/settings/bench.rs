@@ -272,6 +272,13 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub host_copy: Option<crate::layouts::hybrid::descriptors::HostCopyRule>,
+        /// Hybrid models in push mode, decode TP above prefill TP and above the KV heads: which
+        /// decode ranks prefill writes attention into: vllm (the first of each head only, as
+        /// vLLM 0.33's push connector reads; the others get state but no attention) or
+        /// every-rank (each its head, as pull reads them) [default: vllm].
+        #[arg(long, value_enum, help_heading = "Transport")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub push_attention: Option<crate::layouts::hybrid::push::PushAttention>,
         /// Hybrid models with --kv-buffer-device cpu: the host tensors' state pages: vllm
         /// (unpadded, as vLLM 0.33 allocates them, while the regions assume padded ones) or
         /// padded [default: vllm].
@@ -417,7 +424,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
     super::hybrid_flags::check_host_switches(
         hybrid_model.is_some(),
         transport.kv_buffer == KvBufferDevice::Cpu,
-        &[(s.state_slices.is_some(), "--state-slices")],
+        &[(s.state_slices.is_some(), "--state-slices"), (s.push_attention.is_some(), "--push-attention")],
         &[
             (s.host_copy.is_some(), "--host-copy"),
             (s.host_state_page.is_some(), "--host-state-page"),
@@ -488,12 +495,29 @@ fn hybrid_pair(
     use crate::layouts::hybrid::{HybridRequest, PairConfig};
     let name = model.name.clone();
     if transport.mode == TransferMode::Push {
+        // Push WRITEs over UCX from the request's whole plan, once its prefill is done.
+        if transport.kind != TransportKind::Ucx {
+            return Err(ConfigError::new(
+                "--transport",
+                format!(
+                    "push mode WRITEs over UCX; '{}' is a pull-mode transport (use --mode pull)",
+                    transport.kind.as_str()
+                ),
+            ));
+        }
+        if s.overlap == Some(Overlap::Layers) {
+            return Err(ConfigError::new(
+                "--overlap",
+                format!(
+                    "{name} is a hybrid model: kvx writes a hybrid request after its whole prefill (its \
+                     WRITEs mix groups and state parts, not layers in order); drop --overlap layers"
+                ),
+            ));
+        }
+    } else if s.push_attention.is_some() {
         return Err(ConfigError::new(
-            "--mode",
-            format!(
-                "{name} is a hybrid model: kvx moves hybrid models in pull mode only (use --mode pull); \
-                 vLLM 0.33's NixlPushConnector accepts them, but kvx does not plan their WRITEs yet"
-            ),
+            "--push-attention",
+            "applies to push mode (which decode ranks prefill writes attention into): add --mode push or drop it",
         ));
     }
     if transport.batch_descriptors == BatchDescriptors::Device {
@@ -552,9 +576,12 @@ fn hybrid_pair(
         permute_local_kv: s.pair.permute,
         state_slices: s.state_slices.unwrap_or_default(),
         host_copy: s.host_copy.unwrap_or_default(),
-        push_attention: Default::default(),
+        push_attention: s.push_attention.unwrap_or_default(),
     };
     let (pair, planner) = super::hybrid_flags::hybrid_pair_spec(&config)?;
+    if transport.mode == TransferMode::Push {
+        crate::layouts::hybrid::push::check_push(&planner)?;
+    }
     let plan = planner.plan(&HybridRequest::simulated(&planner, max_tokens, 0), "sizing")?;
     let bytes_per_request = plan.d_ranks.iter().map(|d| d.bytes()).sum();
     let mut by_size = std::collections::BTreeMap::<u64, u64>::new();
@@ -1349,10 +1376,26 @@ mod tests {
             ..extra
         };
         let refused = |flags: BenchFlags| resolve(&flags, &env()).expect_err("refused").flag;
-        assert_eq!(
-            refused(hybrid(BenchFlags { mode: Some(TransferMode::Push), ..Default::default() })),
-            "--mode"
-        );
+        // Push: accepted over UCX, written after the whole prefill, its own refusals.
+        let push = |more: BenchFlags| BenchFlags { mode: Some(TransferMode::Push), ..more };
+        let s = resolve(&hybrid(push(BenchFlags::default())), &env()).expect("hybrid push");
+        assert_eq!(s.workers.transport.mode, TransferMode::Push);
+        let layers = BenchFlags { overlap: Some(Overlap::Layers), ..Default::default() };
+        assert_eq!(refused(hybrid(push(layers))), "--overlap");
+        let rule = || BenchFlags {
+            push_attention: Some(crate::layouts::hybrid::push::PushAttention::EveryRank),
+            ..Default::default()
+        };
+        assert_eq!(refused(hybrid(rule())), "--push-attention");
+        let gemma = BenchFlags {
+            model: ModelFlags { model: Some("gemma-3-4b".into()), ..ModelFlags::default() },
+            prompt_len: Some("512".into()),
+            pair: PairFlags { p_tp: Some(1), d_tp: Some(8), ..PairFlags::default() },
+            ..push(BenchFlags::default())
+        };
+        assert_eq!(refused(gemma), "--d-tp");
+        let uniform = BenchFlags { prompt_len: Some("512".into()), ..push(rule()) };
+        assert_eq!(refused(uniform), "--push-attention");
         let storage = BenchFlags { transport: Some(TransportKind::Storage), ..Default::default() };
         assert_eq!(refused(hybrid(storage)), "--transport");
         // cuda-batch copies device pools: host pools and host buffers are refused as for a

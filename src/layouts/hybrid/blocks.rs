@@ -78,6 +78,21 @@ pub fn clip_for_exchange(
     clip_filtered(groups, block_tokens, block_ids, clip_state, |_| true)
 }
 
+/// Decode's unhashed lists as its scheduler clips them for an exchange (what a push
+/// registration carries): the null block left out, a window's tail, the last state slot;
+/// nothing on a full prefix hit (`d_external_tokens == 0`).
+pub fn clip_local(
+    groups: &[KvGroup],
+    d_block_tokens: u32,
+    d_raw_unhashed_block_ids: &[Vec<u32>],
+    d_external_tokens: u32,
+) -> Result<Vec<Vec<u32>>, HybridError> {
+    if d_external_tokens == 0 {
+        return Ok(Vec::new());
+    }
+    clip_filtered(groups, d_block_tokens, d_raw_unhashed_block_ids, true, |b| b != NULL_BLOCK)
+}
+
 /// [`clip_for_exchange`] of the lists with only the ids `keep` keeps (in one pass: no list
 /// of the kept ids is made first).
 fn clip_filtered(
@@ -141,11 +156,7 @@ impl ExchangedBlocks {
         d_external_tokens: u32,
     ) -> Result<Self, HybridError> {
         let remote = clip_for_exchange(p_groups, p_block_tokens, p_raw_block_ids, true)?;
-        let local = if d_external_tokens == 0 {
-            Vec::new()
-        } else {
-            clip_filtered(p_groups, d_block_tokens, d_raw_unhashed_block_ids, true, |b| b != NULL_BLOCK)?
-        };
+        let local = clip_local(p_groups, d_block_tokens, d_raw_unhashed_block_ids, d_external_tokens)?;
         Ok(ExchangedBlocks { remote_block_ids: remote, local_block_ids: local })
     }
 

@@ -562,9 +562,18 @@ pub struct PoolCheck<'a> {
     /// are not compared.
     attn_tokens: u64,
     want: Vec<u8>,
+    /// Where the bytes were checked, for reports.
+    place: &'static str,
 }
 
 impl<'a> PoolCheck<'a> {
+    /// Names where the checked bytes are (default: "in its KV cache after the host-to-device
+    /// copy").
+    pub fn place(mut self, place: &'static str) -> Self {
+        self.place = place;
+        self
+    }
+
     /// Decode rank `rank`'s blocks `lists` (per group, as decode loads them) of a request of
     /// `tokens` computed tokens, of which prefill's blocks hold the first `attn_tokens`.
     pub fn new(
@@ -577,7 +586,14 @@ impl<'a> PoolCheck<'a> {
     ) -> Self {
         let side = Side { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
         let ranges = block_ranges(&side);
-        PoolCheck { side, seed, ranges, attn_tokens, want: Vec::new() }
+        PoolCheck {
+            side,
+            seed,
+            ranges,
+            attn_tokens,
+            want: Vec::new(),
+            place: "in its KV cache after the host-to-device copy",
+        }
     }
 
     /// The byte ranges to read back, in order.
@@ -620,11 +636,12 @@ impl<'a> PoolCheck<'a> {
                     "other bytes (a copy put something else there)"
                 };
                 report.wrong.push(format!(
-                    "decode rank {}, {} bytes {}..{} in its KV cache after the host-to-device copy: holds {held}",
+                    "decode rank {}, {} bytes {}..{} {}: holds {held}",
                     self.side.rank,
                     describe(m),
                     run.pos + k as u64,
                     run.pos + n as u64,
+                    self.place,
                 ));
             }
             done += n;

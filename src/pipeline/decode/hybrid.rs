@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Decoder, Failure, LoadJob, Local, RemoteRank};
-use crate::layouts::hybrid::blocks::{ExchangedBlocks, RequestShape, logical_to_kernel};
+use crate::layouts::hybrid::blocks::{
+    ExchangedBlocks, RequestShape, TokenCounts, clip_local, logical_to_kernel,
+};
 use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck, PoolCheck};
 use crate::layouts::hybrid::descriptors::{HostCopyRule, HybridPlan, handshake_ranks};
 use crate::layouts::hybrid::staging::host_copy_moves;
@@ -71,6 +73,47 @@ impl HybridDecode {
     /// Forgets a prefill engine (its connection broke): the next request handshakes again.
     pub(super) fn forget(&mut self, engine_id: &str) {
         self.engines.remove(engine_id);
+    }
+
+    /// Push mode: the request's token counts and this engine's lists per group as its
+    /// scheduler registers them (clipped: a window's tail, the last state slot; empty on a
+    /// full prefix hit), from its allocation `local_blocks`.
+    pub(super) fn push_lists(
+        &self,
+        params: &KvTransferParams,
+        local_blocks: &[u32],
+    ) -> Result<(TokenCounts, Vec<Vec<u32>>), Failure> {
+        let (tokens, d_raw) = self.request_lists(params, local_blocks)?;
+        let d = &self.planner.d;
+        let lists = clip_local(&d.groups, d.sizing.block_tokens, &d_raw, tokens.d_external_tokens)
+            .map_err(|e| incompatible(e.to_string()))?;
+        Ok((tokens, lists))
+    }
+
+    /// The request's token counts and this engine's raw lists per group: the prompt from what
+    /// prefill computed (`remote_num_tokens`: one short of the prompt with state, the backoff),
+    /// the prefix hit from how many blocks the engine allocated.
+    fn request_lists(
+        &self,
+        params: &KvTransferParams,
+        local_blocks: &[u32],
+    ) -> Result<(TokenCounts, Vec<Vec<u32>>), Failure> {
+        let computed = u32::try_from(params.remote_num_tokens).map_err(|_| {
+            incompatible(format!("remote_num_tokens {} is out of range", params.remote_num_tokens))
+        })?;
+        let shape = &self.shape;
+        let prompt = shape.prompt_of_computed(computed);
+        let hit = shape.hit_blocks(prompt, local_blocks.len()).ok_or_else(|| {
+            incompatible(format!("{} local blocks for a {prompt}-token request", local_blocks.len()))
+        })?;
+        let d_raw = shape.lists(prompt, hit, local_blocks).ok_or_else(|| {
+            incompatible(format!(
+                "{} local blocks do not split into {} KV cache groups",
+                local_blocks.len(),
+                shape.groups.len()
+            ))
+        })?;
+        Ok((shape.tokens(prompt, hit * shape.block_tokens), d_raw))
     }
 }
 
@@ -201,31 +244,13 @@ impl Decoder<'_> {
             None => config.p.num_blocks,
         };
         let planner = h.planner_for(p_tp, blocks, engine_id)?;
-        let p = &planner.p;
-        let first = p.regions.first().map_or(0, |r| r.base_off);
-        let p_len = p.regions.iter().map(|r| r.base_off + r.num_blocks * r.block_stride).max().unwrap_or(0);
-        // The plan assumes the prefill engine lays its pool out as this one would at its TP: its
-        // regions must be the planned ones, or the reads would land elsewhere.
-        for peer in &peers {
-            let meta = &peer.metadata;
-            let planned = |r: &crate::layouts::hybrid::geometry::HybridRegion| {
-                (r.base_off.wrapping_sub(first), r.block_len, r.block_stride, r.num_blocks)
-            };
-            let base = meta.regions.first().map_or(0, |r| r.base_addr);
-            let advertised = meta.regions.iter().map(|r| {
-                (r.base_addr.wrapping_sub(base), r.block_len_bytes, r.block_stride_bytes, r.num_blocks)
-            });
-            if !p.regions.iter().map(planned).eq(advertised) {
-                return Err(incompatible(format!(
-                    "prefill engine {engine_id} rank {} registers {} regions that differ from the {} this decode \
-                     engine plans for it at TP {p_tp} (give both engines the same --layout, --block-size, \
-                     --kernel-block-size, --kv-buffer-device, --host-state-page and --host-descriptors)",
-                    meta.tp_rank,
-                    meta.regions.len(),
-                    p.regions.len()
-                )));
-            }
-        }
+        // The plan assumes the prefill engine lays its pool out as this one would at its TP.
+        let (first, p_len) = crate::pipeline::worker::hybrid_peer_regions(
+            &planner.p,
+            &peers,
+            &format!("prefill engine {engine_id}"),
+            &format!("this decode engine plans for it at TP {p_tp}"),
+        )?;
         let mut out = BTreeMap::new();
         for peer in &peers {
             out.insert(peer.metadata.tp_rank, self.connect_peer(&peer.metadata, first, p_len)?);
@@ -251,23 +276,7 @@ impl Decoder<'_> {
         }
         // Plan: prefill's lists as it sent them, this engine's own from its allocation.
         let tp = Instant::now();
-        let computed = u32::try_from(params.remote_num_tokens).map_err(|_| {
-            incompatible(format!("remote_num_tokens {} is out of range", params.remote_num_tokens))
-        })?;
-        let shape = &h.shape;
-        // `remote_num_tokens` is what prefill computed (vLLM: `num_computed_tokens`, one short
-        // of the prompt with state, the backoff).
-        let prompt = shape.prompt_of_computed(computed);
-        let hit = shape.hit_blocks(prompt, local_blocks.len()).ok_or_else(|| {
-            incompatible(format!("{} local blocks for a {prompt}-token request", local_blocks.len()))
-        })?;
-        let d_raw = shape.lists(prompt, hit, &local_blocks).ok_or_else(|| {
-            incompatible(format!(
-                "{} local blocks do not split into {} KV cache groups",
-                local_blocks.len(),
-                shape.groups.len()
-            ))
-        })?;
+        let (tokens, d_raw) = h.request_lists(params, &local_blocks)?;
         let remote = params
             .remote_block_ids
             .iter()
@@ -279,7 +288,6 @@ impl Decoder<'_> {
             None => return Err((FailureCause::Internal, "engine vanished from the cache".into())),
         };
         let planner = &*planner;
-        let tokens = shape.tokens(prompt, hit * shape.block_tokens);
         let blocks = ExchangedBlocks::new(
             &planner.p.groups,
             planner.p.sizing.block_tokens,
@@ -298,6 +306,7 @@ impl Decoder<'_> {
         r.plan_ns = tp.elapsed().as_nanos() as u64;
         // Without clipping decode would load every block from its prefix hit to the last.
         let bd = planner.d.sizing.block_tokens.max(1);
+        let hit = tokens.d_hit_tokens / bd;
         let every = u64::from(tokens.p_computed_tokens.div_ceil(bd).saturating_sub(hit));
         r.parts = parts_read(planner, mine, &plan.blocks, every);
         r.descs_raw = mine.descriptor_count() as u64;
@@ -413,6 +422,112 @@ impl Decoder<'_> {
             }
             r.verify_ns = tv.elapsed().as_nanos() as u64;
         }
+        Ok(())
+    }
+
+    /// Push mode, once every WRITE into this rank arrived: what they held (planned from both
+    /// sides' lists, when prefill's came with the request) and every `stride`-th block range
+    /// of the request in this rank's pool against what its position means.
+    pub(super) fn push_landed(
+        &self,
+        h: &HybridDecode,
+        r: &mut LoadResult,
+        params: &KvTransferParams,
+        (tokens, lists): (TokenCounts, &[Vec<u32>]),
+        seed: u64,
+    ) -> Result<(), Failure> {
+        use crate::layouts::hybrid::push::{attention_skipped, writes};
+        let cfg = self.cfg;
+        let planner =
+            h.planner_for(params.tp_size, h.planner.config.p.num_blocks, &params.remote_engine_id)?;
+        let planner = &*planner;
+        // Prefill's lists come with its answer (not with a concurrent dispatch's decode leg).
+        let p_lists = params.remote_block_ids.len() == planner.p.groups.len();
+        if p_lists && !lists.is_empty() {
+            let remote = params
+                .remote_block_ids
+                .iter()
+                .map(|l| l.iter().map(|&b| u32::try_from(b)).collect::<Result<Vec<u32>, _>>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| incompatible("remote_block_ids: a block id is out of range"))?;
+            let blocks = ExchangedBlocks::new(
+                &planner.p.groups,
+                planner.p.sizing.block_tokens,
+                planner.d.sizing.block_tokens,
+                &remote,
+                lists,
+                tokens.d_external_tokens,
+            )
+            .map_err(|e| incompatible(e.to_string()))?;
+            let plan = planner
+                .plan_exchanged_rank(tokens, blocks, cfg.rank, &params.remote_request_id)
+                .map_err(|e| incompatible(e.to_string()))?;
+            let into_me: Vec<_> = handshake_ranks(planner.config.p.tp, planner.config.d.tp, cfg.rank)
+                .into_iter()
+                .flat_map(|p| writes(planner, &plan, p))
+                .filter(|w| w.d_rank == cfg.rank)
+                .collect();
+            r.bytes = into_me.iter().map(|w| w.bytes()).sum();
+            r.descs_raw = into_me.iter().map(|w| w.pairs.len() as u64).sum();
+            r.descs_coalesced = r.descs_raw;
+            // Parts as pull reads them, where push writes the same set.
+            if let Some(mine) = plan.d_ranks.iter().find(|d| d.d_rank == cfg.rank)
+                && into_me.iter().all(|w| w.duplicate_pairs == 0 && !w.attention_skipped)
+            {
+                let bd = planner.d.sizing.block_tokens.max(1);
+                let every =
+                    u64::from(tokens.p_computed_tokens.div_ceil(bd).saturating_sub(tokens.d_hit_tokens / bd));
+                r.parts = parts_read(planner, mine, &plan.blocks, every);
+            }
+        }
+        let bp = u64::from(planner.p.sizing.block_tokens.max(1));
+        let written = u64::from(tokens.p_computed_tokens).div_ceil(bp) * bp;
+        let mut check = PoolCheck::new(&planner.d, cfg.rank, lists, tokens.p_computed_tokens, written, seed)
+            .place("in its pool after the prefill ranks' WRITEs");
+        let all = check.ranges();
+        if !p_lists {
+            // Without prefill's lists: the request's blocks in this rank's pool.
+            r.bytes = all.iter().map(|x| x.end - x.start).sum();
+        }
+        let Some(stride) = cfg.verify.stride() else { return Ok(()) };
+        let tv = Instant::now();
+        let picked: Vec<usize> = (0..all.len()).step_by(stride.max(1) as usize).collect();
+        let ranges: Vec<std::ops::Range<u64>> = picked.iter().map(|&i| all[i].clone()).collect();
+        let mut report = ByteReport::default();
+        self.local
+            .memory()?
+            .read_ranges(&ranges, |i, got| check.check(picked[i], got, &mut report))
+            .map_err(|e| (FailureCause::Internal, format!("read back the written blocks: {e}")))?;
+        r.bytes_padding = report.bytes_padding;
+        match report.wrong.first() {
+            None => r.bytes_verified = report.bytes_checked,
+            Some(first) => {
+                let mut rules = Vec::new();
+                if attention_skipped(&planner.config, cfg.rank) {
+                    rules.push(
+                        "its push connector writes attention only into the first decode rank of each head when \
+                         decode TP is above prefill TP and the KV heads (as read from its code; --push-attention \
+                         every-rank writes each rank's)"
+                            .to_string(),
+                    );
+                }
+                if planner.findings.iter().any(|f| {
+                    matches!(f, crate::layouts::hybrid::Finding::StateSliceMisread { d_rank, .. } if *d_rank == cfg.rank)
+                }) {
+                    rules.push(
+                        "remote_conv_offsets assume every conv part is sharded like x (--state-slices exact moves \
+                         each part's own slice)"
+                            .to_string(),
+                    );
+                }
+                let mut why = format!("{first} ({} wrong ranges in all)", report.wrong.len());
+                if !rules.is_empty() {
+                    why = format!("{why}; vLLM 0.33's rules here: {}", rules.join("; "));
+                }
+                r.verify_failure = Some(why);
+            }
+        }
+        r.verify_ns = tv.elapsed().as_nanos() as u64;
         Ok(())
     }
 
