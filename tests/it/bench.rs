@@ -767,6 +767,77 @@ fn hybrid_models_move_verified_at_every_accepted_tp_pair() {
     assert!(err.contains("--d-tp") && err.contains("n_groups"), "{err}");
 }
 
+/// Hybrid models in push mode between real processes (vLLM 0.33's `NixlPushConnector`): decode
+/// registers its clipped per-group lists, each prefill rank plans and WRITEs them, decode
+/// checks every block of the request in its pool by meaning. At each TP pair of the tiny model,
+/// with prefix hits, every byte lands and nothing leaks. With heads replicated over prefill
+/// ranks every prefill rank writes its copy (more bytes written than the pool holds), and with
+/// decode TP above prefill TP and the KV heads vLLM's rule leaves decode ranks without
+/// attention: the run exits 1 naming the rule and its switch, and with the switch it is clean.
+#[test]
+fn hybrid_models_push_verified_and_vllms_attention_rule_is_named() {
+    let _turn = exclusive();
+    for (p, d) in [(1, 1), (2, 1), (1, 2)] {
+        let case = format!("tiny hybrid push P{p} D{d}");
+        let (p, d) = (p.to_string(), d.to_string());
+        let mut a = vec![
+            "--mode",
+            "push",
+            "--requests",
+            "6",
+            "--prompt-len",
+            "100..1200",
+            "--prefix-hit",
+            "0.3",
+            "--verify",
+            "full",
+        ];
+        a.extend_from_slice(&["--p-tp", &p, "--d-tp", &d]);
+        a.extend_from_slice(TINY_HYBRID);
+        let run = run_bench(&case, &a);
+        check_clean(&case, &run, 6);
+        let parts = run.summary["hybrid_parts"].as_array().cloned().unwrap_or_default();
+        let sum: u64 = parts.iter().filter_map(|p| p["bytes"].as_u64()).sum();
+        assert_eq!(sum, n(&run.summary, "bytes_read"), "{case}: {parts:?}");
+    }
+    let a =
+        ["--mode", "push", "--requests", "3", "--warmup", "0", "--prompt-len", "300", "--block-size", "64"];
+    // Prefill TP 8 over 4 KV heads: two prefill ranks write each head, the same bytes.
+    let case = "push P8 D1, replicated heads";
+    let run = run_bench(
+        case,
+        &[&a[..], TINY_HYBRID_G8, &["--p-tp", "8", "--d-tp", "1", "--verify", "full"]].concat(),
+    );
+    let s = &run.summary;
+    assert_eq!(
+        (n(s, "requests_ok"), n(s, "verify_failures"), n(s, "blocks_leaked")),
+        (3, 0, 0),
+        "{case}: {s}"
+    );
+    assert!(n(s, "bytes_read") > n(s, "bytes_verified"), "{case}: duplicate head writes: {s}");
+    // Decode TP 8 over 4 KV heads from one prefill rank: vLLM's rule, then the switch.
+    let case = "push P1 D8";
+    let d8 = [&a[..], TINY_HYBRID_G8, &["--p-tp", "1", "--d-tp", "8"]].concat();
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut bench = Spawned::start(case, bench_cmd(results.path(), &d8));
+    let status = bench.expect_exit(RUN_TIMEOUT);
+    assert_eq!(status.code(), Some(1), "{case}: decode ranks without attention fail: {}", bench.stderr());
+    let err = bench.stderr();
+    assert!(
+        err.contains("self_attn")
+            && err.contains("holds zeros")
+            && err.contains("--push-attention every-rank"),
+        "{case}: the missing bytes and the rule are named: {err}"
+    );
+    let run = run_bench(case, &[&d8[..], &["--push-attention", "every-rank", "--verify", "full"]].concat());
+    let s = &run.summary;
+    assert_eq!(
+        (n(s, "requests_ok"), n(s, "verify_failures"), n(s, "blocks_leaked")),
+        (3, 0, 0),
+        "{case}: {s}"
+    );
+}
+
 /// A hybrid run's reads mix descriptor sizes (attention pages, conv parts, SSM state): the
 /// calibration measures `kvx xfer` at each size of the plan and weighs them by the bytes each
 /// carries, and each rank's transfer bandwidth is shown against that, not against one
