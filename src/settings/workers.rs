@@ -542,15 +542,6 @@ fn serve_engine_hybrid(
     use crate::layouts::hybrid::blocks::RequestShape;
     use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
     let name = model.name.clone();
-    if a.mode == Some(TransferMode::Push) {
-        return Err(ConfigError::new(
-            "--mode",
-            format!(
-                "{name} is a hybrid model: kvx moves hybrid models in pull mode only (use --mode pull); \
-                 vLLM 0.33's NixlPushConnector accepts them, but kvx does not plan their WRITEs yet"
-            ),
-        ));
-    }
     let (mut own, _) = super::hybrid_flags::hybrid_engines(pair_flags, 1, None, None)?;
     if a.kv_buffer_device == KvBufferDevice::Cpu {
         own.kv_buffer_device = KvBufferDevice::Cpu;

@@ -410,6 +410,43 @@ async fn push_mode_serves_through_a_concurrent_proxy() {
     .await;
 }
 
+/// A hybrid model in push mode through a concurrent proxy (prefill 2, decode 1): decode
+/// registers its clipped per-group lists (before prefill answered, after the first request),
+/// each prefill rank WRITEs its slice of the state and its heads, decode checks every block of
+/// each request in its pool by meaning, and prefill frees on its WRITEs' completion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hybrid_model_pushes_through_a_concurrent_proxy() {
+    within(async {
+        let p = engine_of(TINY_HYBRID, "prefill", "2", &["--mode", "push"]).await;
+        let d = engine_of(TINY_HYBRID, "decode", "1", &["--mode", "push", "--itl-ms", "1"]).await;
+        let x = proxy_with(&p, &d, &["--dispatch", "concurrent"]);
+        for (i, n) in [600, 1, 333].into_iter().enumerate() {
+            let body = format!(r#"{{"prompt":"{}","max_tokens":2}}"#, words(n));
+            let id = format!("hybrid-push-{i}");
+            let (status, _, text) = post(&x.url("/v1/completions"), &[("x-request-id", &id)], &body).await;
+            assert_eq!(status, StatusCode::OK, "{n} tokens: {text}");
+        }
+        let (_, _, m) = send("GET", &x.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, "kvx:proxy_concurrent_dispatches_total"), 2.0, "{m}");
+        let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 3.0, "{m}");
+        assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"error\"}"), 0.0);
+        let verified = metric(&m, &format!("kvx:kv_bytes_verified_total{D_LABELS}"));
+        assert!(verified > 0.0, "{m}");
+        assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0, "{m}");
+        wait_metric(
+            &p.url("/metrics"),
+            &format!("kvx:kv_blocks_held{P_LABELS}"),
+            Duration::from_secs(5),
+            |v| v == 0.0,
+        )
+        .await;
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0, "{m}");
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnects_and_abandoned_prefills_release_blocks() {
     within(async {
