@@ -45,6 +45,10 @@ hybrid-head-slots-lbhnc|bench --model tests/fixtures/hybrid-model-tiny-g8.toml -
 hybrid-vs-xfer|bench --config bench-configs/hybrid-qwen3-next.toml
 hybrid-vs-xfer-c1|bench --config bench-configs/hybrid-qwen3-next.toml --concurrency 1
 hybrid-vs-xfer-c1-unverified|bench --config bench-configs/hybrid-qwen3-next.toml --concurrency 1 --verify off
+hybrid-compare-modes|bench --model nemotron-h-8b --p-tp 2 --d-tp 1 --prompt-len 2000 --compare-modes pull,push --requests 20 --repeat 3
+hybrid-push-attention-vllm|bench --mode push --model qwen3-next-80b-a3b --p-tp 1 --d-tp 4 --block-size 544 --prompt-len 2048 --requests 2 --warmup 0|1
+hybrid-push-attention-every-rank|bench --mode push --model qwen3-next-80b-a3b --p-tp 1 --d-tp 4 --block-size 544 --prompt-len 2048 --requests 2 --warmup 0 --push-attention every-rank --verify full
+hybrid-push-replicated-heads|bench --mode push --model qwen3-next-80b-a3b --p-tp 4 --d-tp 1 --block-size 544 --prompt-len 2048 --requests 2 --warmup 0 --verify full
 hybrid-hostbuf-vllm|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --kv-buffer-device cpu|1
 hybrid-hostbuf-per-group|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --kv-buffer-device cpu --host-copy per-group|1
 hybrid-hostbuf-fixed|bench --model nemotron-h-8b --p-tp 1 --d-tp 1 --prompt-len 2000 --requests 2 --warmup 0 --kv-buffer-device cpu --host-copy per-group --host-state-page padded

@@ -677,7 +677,7 @@ fn a_fault_that_explains_every_failure_exits_0() {
 #[test]
 fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
     const OVERLAP: &[&str] = &["--mode", "push", "--overlap", "layers", "--prefill-time-per-layer", "1ms"];
-    let cases: [(&str, Vec<&str>); 13] = [
+    let cases: [(&str, Vec<&str>); 16] = [
         ("kill-ucx:p1@5, err-mode none", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "none"]),
         ("kill-ucx:p1@5, err-mode peer", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "peer"]),
         ("exit:p0@5", vec!["--fault", "exit:p0@5"]),
@@ -693,6 +693,13 @@ fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
         ("hybrid, kill-ucx:p1@5", [TINY_HYBRID, &["--fault", "kill-ucx:p1@5"]].concat()),
         ("hybrid, exit:p0@5", [TINY_HYBRID, &["--fault", "exit:p0@5"]].concat()),
         ("hybrid, exit:d1@5", [TINY_HYBRID, &["--fault", "exit:d1@5"]].concat()),
+        // Its push mode: per-group registrations, WRITEs planned on the prefill side.
+        (
+            "hybrid push, kill-ucx:p1@5",
+            [TINY_HYBRID, &["--mode", "push", "--fault", "kill-ucx:p1@5"]].concat(),
+        ),
+        ("hybrid push, exit:p0@5", [TINY_HYBRID, &["--mode", "push", "--fault", "exit:p0@5"]].concat()),
+        ("hybrid push, exit:d1@5", [TINY_HYBRID, &["--mode", "push", "--fault", "exit:d1@5"]].concat()),
     ];
     for (case, fault) in cases {
         let _turn = exclusive();
