@@ -122,13 +122,20 @@ pub struct HybridHeld {
     pub tokens: u32,
 }
 
+/// One WRITE's pairs per layer.
+type WriteLayers = Vec<Vec<crate::layouts::plan::Pair>>;
+
+/// A request's WRITEs as a job takes them: pairs per WRITE and layer, and per WRITE its
+/// decode rank and notification.
+type Planned = (Vec<WriteLayers>, Vec<(u32, String)>);
+
 /// One request being written by a prefill rank: where to, what per layer, how far.
 pub struct PushJob {
     /// The decode engine written into.
     engine: String,
     reg: PushRegistration,
     /// Pairs per WRITE and per layer (`[write][layer]`).
-    layers: Vec<Vec<Vec<crate::layouts::plan::Pair>>>,
+    layers: Vec<WriteLayers>,
     /// Per WRITE: the decode rank and its notification.
     writes: Vec<(u32, String)>,
     num_layers: u32,
@@ -289,25 +296,25 @@ impl Pusher {
         let Some(eng) = self.engines.get(&reg.decode_engine_id) else {
             return Err((FailureCause::Internal, "decode engine vanished from the cache".into()));
         };
-        if let WritePlanner::Hybrid(planner) = &eng.planner {
-            let planned = hybrid_writes(cfg, planner, &reg, p_request_id, hybrid);
-            let job = |layers, writes| PushJob {
-                engine: reg.decode_engine_id.clone(),
-                reg: reg.clone(),
-                layers,
-                writes,
-                // The whole request in one step: written after its prefill.
-                num_layers: 1,
-                next_layer: 0,
-                stats,
-            };
-            return match planned {
-                Ok((layers, writes)) => Ok(job(layers, writes)),
-                Err(e) => Err(self.fail(job(Vec::new(), Vec::new()), e)),
-            };
-        }
-        let WritePlanner::Uniform(planner) = &eng.planner else {
-            return Err((FailureCause::Internal, "no WRITE planner for the decode engine".into()));
+        let planner = match &eng.planner {
+            WritePlanner::Uniform(planner) => planner,
+            WritePlanner::Hybrid(planner) => {
+                let planned = hybrid_writes(cfg, planner, &reg, p_request_id, hybrid);
+                let job = |layers, writes| PushJob {
+                    engine: reg.decode_engine_id.clone(),
+                    reg: reg.clone(),
+                    layers,
+                    writes,
+                    // The whole request in one step: written after its prefill.
+                    num_layers: 1,
+                    next_layer: 0,
+                    stats,
+                };
+                return match planned {
+                    Ok((layers, writes)) => Ok(job(layers, writes)),
+                    Err(e) => Err(self.fail(job(Vec::new(), Vec::new()), e)),
+                };
+            }
         };
         let num_layers = cfg.pair.model.num_layers.max(1);
         let planned = (|| {
@@ -512,9 +519,31 @@ impl Pusher {
         let planner = PushPlanner::new(&pair, &map, cfg.rank)
             .map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
         let d_regions = pair.d_geometry(0).regions();
-        let d_len = pair.d_geometry(0).total_bytes();
+        let first = d_regions.first().map_or(0, |r| r.base_off);
+        let out = self.targets(cfg, worker, &peers, first, pair.d_geometry(0).total_bytes())?;
+        let write_ranks = planner.map.write_ranks.clone();
+        let notif_count = planner.map.notif_count;
+        Ok(DEngine {
+            planner: WritePlanner::Uniform(Box::new(planner)),
+            ranks: out,
+            write_ranks,
+            notif_count,
+        })
+    }
+
+    /// Connects to each decode rank of `peers` and unpacks its remote key over the `len` bytes
+    /// its pool spans from the plan's offset 0 (`first`: the plan's offset of its first
+    /// region), with its notification path.
+    fn targets(
+        &self,
+        cfg: &WorkerConfig,
+        worker: &Worker,
+        peers: &[PeerMetadata],
+        first: u64,
+        len: u64,
+    ) -> Result<BTreeMap<u32, DTarget>, Failure> {
         let mut out = BTreeMap::new();
-        for peer in &peers {
+        for peer in peers {
             let meta = &peer.metadata;
             let r0 = first_region(meta, "decode rank")?;
             if meta.worker_address.is_empty() {
@@ -529,19 +558,13 @@ impl Pusher {
             let ep = Endpoint::connect(worker, &meta.worker_address, cfg.transport.err_mode)
                 .map_err(|e| ucx_err("UCX endpoint", e))?;
             let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
-            let base = r0.base_addr - d_regions.first().map_or(0, |r| r.base_off);
-            let region = ep.unpack_rkey(&rkey, base, d_len).map_err(|e| ucx_err("unpack remote key", e))?;
+            let region = ep
+                .unpack_rkey(&rkey, r0.base_addr - first, len)
+                .map_err(|e| ucx_err("unpack remote key", e))?;
             let notify = notify_path(cfg, meta, Some(ep), self.timeout)?;
             out.insert(meta.tp_rank, DTarget { region, notify });
         }
-        let write_ranks = planner.map.write_ranks.clone();
-        let notif_count = planner.map.notif_count;
-        Ok(DEngine {
-            planner: WritePlanner::Uniform(Box::new(planner)),
-            ranks: out,
-            write_ranks,
-            notif_count,
-        })
+        Ok(out)
     }
 
     /// [`Self::connect`] for a hybrid model: handshakes with the decode ranks this rank writes
@@ -597,28 +620,7 @@ impl Pusher {
             &format!("decode engine {engine}"),
             &format!("this prefill engine plans for it at TP {d_tp}"),
         )?;
-        let mut out = BTreeMap::new();
-        for peer in &peers {
-            let meta = &peer.metadata;
-            let r0 = first_region(meta, "decode rank")?;
-            if meta.worker_address.is_empty() {
-                return Err((
-                    FailureCause::PeerGone,
-                    format!("decode rank {} advertises no UCX side", meta.tp_rank),
-                ));
-            }
-            let ucx_err = |what: &str, e: UcxError| {
-                (classify_ucx(&e), format!("{what} with decode rank {}: {e}", meta.tp_rank))
-            };
-            let ep = Endpoint::connect(worker, &meta.worker_address, cfg.transport.err_mode)
-                .map_err(|e| ucx_err("UCX endpoint", e))?;
-            let rkey = PackedRkey::from_bytes(&r0.rkey).map_err(|e| ucx_err("remote key", e))?;
-            let region = ep
-                .unpack_rkey(&rkey, r0.base_addr - first, d_len)
-                .map_err(|e| ucx_err("unpack remote key", e))?;
-            let notify = notify_path(cfg, meta, Some(ep), self.timeout)?;
-            out.insert(meta.tp_rank, DTarget { region, notify });
-        }
+        let out = self.targets(cfg, worker, &peers, first, d_len)?;
         let notif_count = config.p.tp;
         Ok(DEngine {
             planner: WritePlanner::Hybrid(Arc::new(planner)),
@@ -639,7 +641,7 @@ fn hybrid_writes(
     reg: &PushRegistration,
     p_request_id: &str,
     held: Option<&HybridHeld>,
-) -> Result<(Vec<Vec<Vec<crate::layouts::plan::Pair>>>, Vec<(u32, String)>), Failure> {
+) -> Result<Planned, Failure> {
     let incompatible = |e: String| (FailureCause::Incompatible, e);
     let held =
         held.ok_or((FailureCause::Internal, format!("hybrid request {p_request_id} without its lists")))?;
