@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use super::push::{HybridHeld, PushJob, Pusher};
 use super::wire::{
     FailureCause, Fault, FromWorker, Overlap, PushStats, ReadyInfo, ToWorker, TransferMode, TransportKind,
-    UcxChoices, WorkerConfig,
+    UcxChoices, VerifyMode, WorkerConfig,
 };
 use super::worker::{
     Control, Stage as _, WorkerError, advertised_payload, block_ranges, host_pool, rss_bytes,
@@ -201,8 +201,16 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let kind = cfg.transport.kind;
     let (regions, total) = super::worker::rank_regions(&geom, hybrid.as_ref());
     let cache_total = hybrid_cache.as_ref().map_or(total, super::worker::hybrid_span);
-    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem, mut staged } =
+    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mut mem, mut staged } =
         super::worker::rank_pool(&cfg, regions, total, cache_total)?;
+    if cfg.verify == VerifyMode::Off {
+        // No fill will touch the pages (nothing checks the bytes): touched now, so that reads
+        // find real memory, not the kernel's shared zero page.
+        mem.prefault();
+        if let Some(s) = staged.as_mut() {
+            s.prefault();
+        }
+    }
     let mut ucx_lib = None;
     let (mut pool, worker_address, rkey, base) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
@@ -302,19 +310,24 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     // `save_kv_to_host`), timed as their own stage.
                     let filled = staged.as_mut().map_or_else(|| pool.memory_mut(), Ok)?;
                     let mut lists = None;
+                    // Nothing checks the bytes with --verify off: the pattern is not written, so
+                    // this rank's CPU (a GPU's work, in a real prefill) does not compete with
+                    // the reads of other requests.
+                    let write = cfg.verify != VerifyMode::Off;
                     match &hybrid {
                         // Every block of every group, each byte by what it means (in the KV
                         // cache's layout, which a host buffer does not share).
                         Some(g) => {
                             let cache = hybrid_cache.as_ref().unwrap_or(g);
-                            lists = Some(fill_hybrid(filled, cache, cfg.rank, tokens, &blocks, seed)?);
+                            lists = Some(fill_hybrid(filled, cache, cfg.rank, tokens, &blocks, seed, write)?);
                         }
-                        None => {
+                        None if write => {
                             let plan = FillPlan::new(&geom, &regions, &blocks, seed);
                             filled
                                 .write_ranges(&plan.ranges(), |i, bytes| plan.fill(i, bytes))
                                 .stage("fill the request's blocks")?;
                         }
+                        None => {}
                     }
                     let fill_ns = t0.elapsed().as_nanos() as u64;
                     let mut save_ns = 0;
@@ -568,7 +581,8 @@ fn abandon(pusher: &mut Option<Pusher>, h: &mut Held, why: &str) {
 }
 
 /// Fills a hybrid request's blocks (a flat allocation of `blocks`, group after group) by
-/// meaning: the per-group lists vLLM's allocator holds for `tokens` prompt tokens (returned).
+/// meaning (when `write`): the per-group lists vLLM's allocator holds for `tokens` prompt
+/// tokens (returned).
 fn fill_hybrid(
     pool: &mut KvBuffer,
     g: &crate::layouts::hybrid::geometry::EngineGeometry,
@@ -576,6 +590,7 @@ fn fill_hybrid(
     tokens: u32,
     blocks: &[u32],
     seed: u64,
+    write: bool,
 ) -> Result<Vec<Vec<u32>>, WorkerError> {
     use crate::layouts::hybrid::blocks::RequestShape;
     use crate::layouts::hybrid::coverage::RequestFill;
@@ -587,6 +602,9 @@ fn fill_hybrid(
             blocks.len()
         ),
     })?;
+    if !write {
+        return Ok(lists);
+    }
     let fill = RequestFill::new(g, rank, &lists, shape.tokens(tokens, 0).p_computed_tokens, seed);
     pool.write_ranges(&fill.ranges(), |i, bytes| {
         fill.fill(i, bytes);
