@@ -454,15 +454,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         // Push's own refusals (vLLM's push connector), each naming its flag.
         TransferMode::Push => {
             pair.validate_push()?;
-            if transport.kind != TransportKind::Ucx {
-                return Err(ConfigError::new(
-                    "--transport",
-                    format!(
-                        "push mode WRITEs over UCX; '{}' is a pull-mode transport (use --mode pull)",
-                        transport.kind.as_str()
-                    ),
-                ));
-            }
+            push_over_ucx(&transport)?;
         }
     }
     if max_tokens.div_ceil(p_bs) > pool_p {
@@ -475,6 +467,20 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         ));
     }
     finish(s, env, lens, arrival, requests, duration, prefix_hit, alloc, transport, pair, None)
+}
+
+/// Push mode WRITEs over UCX: another transport is refused, naming `--transport`.
+fn push_over_ucx(transport: &TransportConfig) -> Result<(), ConfigError> {
+    if transport.kind == TransportKind::Ucx {
+        return Ok(());
+    }
+    Err(ConfigError::new(
+        "--transport",
+        format!(
+            "push mode WRITEs over UCX; '{}' is a pull-mode transport (use --mode pull)",
+            transport.kind.as_str()
+        ),
+    ))
 }
 
 /// A hybrid model's bench pair: its engines from the pair flags, block sizes aligned as vLLM
@@ -496,15 +502,7 @@ fn hybrid_pair(
     let name = model.name.clone();
     if transport.mode == TransferMode::Push {
         // Push WRITEs over UCX from the request's whole plan, once its prefill is done.
-        if transport.kind != TransportKind::Ucx {
-            return Err(ConfigError::new(
-                "--transport",
-                format!(
-                    "push mode WRITEs over UCX; '{}' is a pull-mode transport (use --mode pull)",
-                    transport.kind.as_str()
-                ),
-            ));
-        }
+        push_over_ucx(&transport)?;
         if s.overlap == Some(Overlap::Layers) {
             return Err(ConfigError::new(
                 "--overlap",

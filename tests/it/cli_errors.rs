@@ -81,8 +81,11 @@ const CASES: &[(&[&str], &str)] = &[
     ),
     // What the serving path does not do with hybrid models, and the host buffer's switches
     // where they do not apply.
-    (&["serve-engine", "--role", "prefill", "--model", "qwen3-next-80b-a3b", "--mode", "push"], "--mode"),
-    (&["bench", "--model", "nemotron-h-8b", "--mode", "push"], "--mode"),
+    (&["bench", "--model", "nemotron-h-8b", "--mode", "push", "--overlap", "layers"], "--overlap"),
+    (&["bench", "--model", "gemma-3-4b", "--p-tp", "1", "--d-tp", "8", "--mode", "push"], "--d-tp"),
+    (&["bench", "--model", "qwen3-next-80b-a3b", "--p-tp", "4", "--d-tp", "2", "--mode", "push"], "--mode"),
+    (&["bench", "--mode", "push", "--push-attention", "every-rank"], "--push-attention"),
+    (&["bench", "--model", "nemotron-h-8b", "--push-attention", "every-rank"], "--push-attention"),
     (&["serve-engine", "--role", "decode", "--host-copy", "per-group"], "--host-copy"),
     (&["serve-engine", "--role", "decode", "--kernel-block-size", "16"], "--kernel-block-size"),
     (&["serve-engine", "--role", "decode", "--state-slices", "exact"], "--state-slices"),

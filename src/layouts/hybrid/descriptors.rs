@@ -54,7 +54,22 @@ pub struct PairConfig {
     /// Push mode: which decode ranks get attention when several hold one head
     /// (`--push-attention`).
     #[serde(default)]
-    pub push_attention: super::push::PushAttention,
+    pub push_attention: PushAttention,
+}
+
+/// Push mode: which decode ranks a prefill rank writes attention into when decode TP is above prefill TP
+/// and above the KV heads (several decode ranks hold one head).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum PushAttention {
+    /// vLLM 0.33 (as read): the first decode rank of each head only; the others receive state
+    /// but no attention.
+    #[default]
+    Vllm,
+    /// Every decode rank its head, as pull reads them.
+    EveryRank,
 }
 
 /// Which blocks decode's host-to-device copy (host buffer, `sync_recved_kv_to_device`) passes

@@ -17,24 +17,10 @@
 
 use serde::Serialize;
 
+pub use super::descriptors::PushAttention;
 use super::descriptors::{HybridPlan, HybridPlanner, PairConfig, RowKind};
 use super::error::{HybridError, RefusalKind};
 use crate::layouts::plan::Pair;
-
-/// Which decode ranks a prefill rank writes attention into when decode TP is above prefill TP
-/// and above the KV heads (several decode ranks hold one head).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum PushAttention {
-    /// vLLM 0.33 (as read): the first decode rank of each head only; the others receive state
-    /// but no attention.
-    #[default]
-    Vllm,
-    /// Every decode rank its head, as pull reads them.
-    EveryRank,
-}
 
 /// One WRITE: what a prefill rank puts into one decode rank. `pairs[i].local` is the offset in
 /// the prefill rank's registered memory, `remote` in the decode rank's.

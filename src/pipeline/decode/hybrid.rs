@@ -194,6 +194,16 @@ fn staging_rules(findings: &[crate::layouts::hybrid::Finding], rank: u32) -> Vec
     out
 }
 
+/// Prefill's block lists per group as its `kv_transfer_params` carried them.
+fn remote_lists(params: &KvTransferParams) -> Result<Vec<Vec<u32>>, Failure> {
+    params
+        .remote_block_ids
+        .iter()
+        .map(|l| l.iter().map(|&b| u32::try_from(b)).collect::<Result<Vec<u32>, _>>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| incompatible("remote_block_ids: a block id is out of range"))
+}
+
 fn incompatible(msg: impl Into<String>) -> Failure {
     (FailureCause::Incompatible, msg.into())
 }
@@ -277,12 +287,7 @@ impl Decoder<'_> {
         // Plan: prefill's lists as it sent them, this engine's own from its allocation.
         let tp = Instant::now();
         let (tokens, d_raw) = h.request_lists(params, &local_blocks)?;
-        let remote = params
-            .remote_block_ids
-            .iter()
-            .map(|l| l.iter().map(|&b| u32::try_from(b)).collect::<Result<Vec<u32>, _>>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|_| incompatible("remote_block_ids: a block id is out of range"))?;
+        let remote = remote_lists(params)?;
         let planner = match h.engines.get(&params.remote_engine_id) {
             Some(eng) => Arc::clone(&eng.planner),
             None => return Err((FailureCause::Internal, "engine vanished from the cache".into())),
@@ -444,12 +449,7 @@ impl Decoder<'_> {
         // Prefill's lists come with its answer (not with a concurrent dispatch's decode leg).
         let p_lists = params.remote_block_ids.len() == planner.p.groups.len();
         if p_lists && !lists.is_empty() {
-            let remote = params
-                .remote_block_ids
-                .iter()
-                .map(|l| l.iter().map(|&b| u32::try_from(b)).collect::<Result<Vec<u32>, _>>())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|_| incompatible("remote_block_ids: a block id is out of range"))?;
+            let remote = remote_lists(params)?;
             let blocks = ExchangedBlocks::new(
                 &planner.p.groups,
                 planner.p.sizing.block_tokens,
