@@ -502,7 +502,7 @@ fn hybrid_pair(
     let name = model.name.clone();
     if transport.mode == TransferMode::Push {
         // Push WRITEs over UCX from the request's whole plan, once its prefill is done.
-        push_over_ucx(&transport)?;
+        push_over_ucx(transport)?;
         if s.overlap == Some(Overlap::Layers) {
             return Err(ConfigError::new(
                 "--overlap",
