@@ -61,7 +61,7 @@ pub fn expected_notifs(p_tp: u32, d_tp: u32) -> u32 {
 
 /// Whether vLLM's push leaves decode rank `d_rank`'s attention out (decode TP above prefill
 /// TP and above the KV heads, and an earlier decode rank of the same prefill rank holds the
-/// same head), under `rule`.
+/// same head), under the pair's `--push-attention` rule.
 pub fn attention_skipped(config: &PairConfig, d_rank: u32) -> bool {
     let (p_tp, d_tp) = (config.p.tp, config.d.tp);
     let heads = config.model.attention.num_kv_heads;
