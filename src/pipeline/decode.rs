@@ -939,9 +939,9 @@ impl Decoder<'_> {
         }
         push.waiter.forget(d_request_id);
         r.transfer_ns = tw.elapsed().as_nanos() as u64;
-        if let (Some((tokens, lists)), Some(h)) = (hybrid, self.hybrid.take()) {
+        if let (Some((tokens, lists)), Some(mut h)) = (hybrid, self.hybrid.take()) {
             r.e2e_ns = t0.elapsed().as_nanos() as u64;
-            let result = self.push_landed(&h, r, params, (tokens, &lists), seed);
+            let result = self.push_landed(&mut h, r, params, (tokens, &lists), seed);
             self.hybrid = Some(h);
             return result;
         }

@@ -662,8 +662,10 @@ fn hybrid_writes(
         tokens.d_external_tokens,
     )
     .map_err(|e| incompatible(e.to_string()))?;
+    // Only the decode ranks this rank writes into.
+    let targets = hybrid_push::write_ranks(planner.config.p.tp, planner.config.d.tp, cfg.rank);
     let plan = planner
-        .plan_exchanged(tokens, blocks, Some(&held.lists), p_request_id)
+        .plan_exchanged_ranks(tokens, blocks, &targets, p_request_id)
         .map_err(|e| incompatible(e.to_string()))?;
     let notif = format!("{}:{}", reg.request_id, planner.config.p.tp);
     let mut layers = Vec::new();

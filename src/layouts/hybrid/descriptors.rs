@@ -978,16 +978,17 @@ impl HybridPlanner {
         self.plan_ranks(tokens, blocks, p_raw, p_request_id, None)
     }
 
-    /// [`plan_exchanged`](Self::plan_exchanged) for decode rank `d_rank` alone (what that
-    /// rank posts; the plan's `d_ranks` holds it only).
-    pub fn plan_exchanged_rank(
+    /// [`plan_exchanged`](Self::plan_exchanged) for decode ranks `d_ranks` alone (what a
+    /// decode rank posts, or what a prefill rank writes into in push mode; the plan's
+    /// `d_ranks` holds them only).
+    pub fn plan_exchanged_ranks(
         &self,
         tokens: TokenCounts,
         blocks: ExchangedBlocks,
-        d_rank: u32,
+        d_ranks: &[u32],
         p_request_id: &str,
     ) -> Result<HybridPlan, HybridError> {
-        self.plan_ranks(tokens, blocks, None, p_request_id, Some(d_rank))
+        self.plan_ranks(tokens, blocks, None, p_request_id, Some(d_ranks))
     }
 
     fn plan_ranks(
@@ -996,13 +997,13 @@ impl HybridPlanner {
         blocks: ExchangedBlocks,
         p_raw: Option<&[Vec<u32>]>,
         p_request_id: &str,
-        only: Option<u32>,
+        only: Option<&[u32]>,
     ) -> Result<HybridPlan, HybridError> {
         self.check_pools(&blocks)?;
         let mut findings = self.findings.clone();
         let lists = (!blocks.full_hit()).then(|| self.request_lists(&blocks, tokens.p_computed_tokens));
         let mut d_ranks = Vec::with_capacity(self.d_ranks.len());
-        for setup in self.d_ranks.iter().filter(|s| only.is_none_or(|r| r == s.d_rank)) {
+        for setup in self.d_ranks.iter().filter(|s| only.is_none_or(|r| r.contains(&s.d_rank))) {
             d_ranks.push(self.plan_rank(setup, lists.as_ref(), p_request_id, &mut findings)?);
         }
         let (mut p_save, mut d_sync) = (None, None);

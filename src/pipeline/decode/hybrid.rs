@@ -34,6 +34,9 @@ pub(super) struct HybridDecode {
     shape: RequestShape,
     /// Prefill engines handshaked with, by engine id.
     engines: BTreeMap<String, HybridRemote>,
+    /// Push mode: the planner for a prefill engine of each TP (what the WRITEs into this
+    /// rank hold), built once.
+    push_planners: BTreeMap<u32, Arc<HybridPlanner>>,
 }
 
 /// A prefill engine this rank has handshaked with, and the plan for it (vLLM plans a remote
@@ -51,7 +54,7 @@ impl HybridDecode {
     ) -> Result<Self, crate::layouts::hybrid::HybridError> {
         let planner = Arc::new(HybridPlanner::new(config)?);
         let shape = RequestShape::of(&planner.d);
-        Ok(HybridDecode { planner, cache, shape, engines: BTreeMap::new() })
+        Ok(HybridDecode { planner, cache, shape, engines: BTreeMap::new(), push_planners: BTreeMap::new() })
     }
 
     /// The planner for a prefill engine of `tp` ranks of `num_blocks` logical blocks each, its
@@ -73,6 +76,17 @@ impl HybridDecode {
     /// Forgets a prefill engine (its connection broke): the next request handshakes again.
     pub(super) fn forget(&mut self, engine_id: &str) {
         self.engines.remove(engine_id);
+    }
+
+    /// Push mode: the planner for a prefill engine of `tp` ranks (its pool as configured),
+    /// built on first use.
+    fn push_planner(&mut self, tp: u32, engine_id: &str) -> Result<Arc<HybridPlanner>, Failure> {
+        if let Some(p) = self.push_planners.get(&tp) {
+            return Ok(Arc::clone(p));
+        }
+        let planner = self.planner_for(tp, self.planner.config.p.num_blocks, engine_id)?;
+        self.push_planners.insert(tp, Arc::clone(&planner));
+        Ok(planner)
     }
 
     /// Push mode: the request's token counts and this engine's lists per group as its
@@ -303,7 +317,7 @@ impl Decoder<'_> {
         )
         .map_err(|e| incompatible(e.to_string()))?;
         let plan = planner
-            .plan_exchanged_rank(tokens, blocks, cfg.rank, &params.remote_request_id)
+            .plan_exchanged_ranks(tokens, blocks, &[cfg.rank], &params.remote_request_id)
             .map_err(|e| incompatible(e.to_string()))?;
         let Some(mine) = plan.d_ranks.iter().find(|d| d.d_rank == cfg.rank) else {
             return Err(incompatible(format!("decode rank {} is not in the plan", cfg.rank)));
@@ -435,7 +449,7 @@ impl Decoder<'_> {
     /// of the request in this rank's pool against what its position means.
     pub(super) fn push_landed(
         &self,
-        h: &HybridDecode,
+        h: &mut HybridDecode,
         r: &mut LoadResult,
         params: &KvTransferParams,
         (tokens, lists): (TokenCounts, &[Vec<u32>]),
@@ -443,8 +457,7 @@ impl Decoder<'_> {
     ) -> Result<(), Failure> {
         use crate::layouts::hybrid::push::{attention_skipped, writes};
         let cfg = self.cfg;
-        let planner =
-            h.planner_for(params.tp_size, h.planner.config.p.num_blocks, &params.remote_engine_id)?;
+        let planner = h.push_planner(params.tp_size, &params.remote_engine_id)?;
         let planner = &*planner;
         // Prefill's lists come with its answer (not with a concurrent dispatch's decode leg).
         let p_lists = params.remote_block_ids.len() == planner.p.groups.len();
@@ -460,7 +473,7 @@ impl Decoder<'_> {
             )
             .map_err(|e| incompatible(e.to_string()))?;
             let plan = planner
-                .plan_exchanged_rank(tokens, blocks, cfg.rank, &params.remote_request_id)
+                .plan_exchanged_ranks(tokens, blocks, &[cfg.rank], &params.remote_request_id)
                 .map_err(|e| incompatible(e.to_string()))?;
             let into_me: Vec<_> = handshake_ranks(planner.config.p.tp, planner.config.d.tp, cfg.rank)
                 .into_iter()
@@ -480,6 +493,10 @@ impl Decoder<'_> {
                 r.parts = parts_read(planner, mine, &plan.blocks, every);
             }
         }
+        let stride = cfg.verify.stride();
+        if p_lists && stride.is_none() {
+            return Ok(());
+        }
         let bp = u64::from(planner.p.sizing.block_tokens.max(1));
         let written = u64::from(tokens.p_computed_tokens).div_ceil(bp) * bp;
         let mut check = PoolCheck::new(&planner.d, cfg.rank, lists, tokens.p_computed_tokens, written, seed)
@@ -489,7 +506,7 @@ impl Decoder<'_> {
             // Without prefill's lists: the request's blocks in this rank's pool.
             r.bytes = all.iter().map(|x| x.end - x.start).sum();
         }
-        let Some(stride) = cfg.verify.stride() else { return Ok(()) };
+        let Some(stride) = stride else { return Ok(()) };
         let tv = Instant::now();
         let picked: Vec<usize> = (0..all.len()).step_by(stride.max(1) as usize).collect();
         let ranges: Vec<std::ops::Range<u64>> = picked.iter().map(|&i| all[i].clone()).collect();
