@@ -11,7 +11,7 @@ use super::geometry::{BlockContent, VecCoord};
 
 /// SplitMix64 finaliser: cheap, and every input bit affects every output bit.
 #[inline]
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
@@ -30,8 +30,9 @@ pub fn vector_key(seed: u64, layer: u32, global_head: u32, token: u32, kv: u32) 
     mix(seed ^ mix(id))
 }
 
+/// Word `w` of the run keyed `key`.
 #[inline]
-fn word(key: u64, w: u64) -> u64 {
+pub(crate) fn word_at(key: u64, w: u64) -> u64 {
     key ^ w.wrapping_mul(STEP)
 }
 
@@ -71,7 +72,7 @@ pub fn fill_at(buf: &mut [u8], key: u64, offset: u64) {
 /// the offset in the run of the first byte that differs.
 #[inline]
 pub fn check_at(buf: &[u8], key: u64, offset: u64) -> Result<(), u64> {
-    let byte_at = |off: u64| word(key, off / 8).to_le_bytes()[(off % 8) as usize];
+    let byte_at = |off: u64| word_at(key, off / 8).to_le_bytes()[(off % 8) as usize];
     let head = ((8 - offset % 8) % 8).min(buf.len() as u64) as usize;
     let body_off = offset + head as u64;
     let mut chunks = buf[head..].chunks_exact(8);

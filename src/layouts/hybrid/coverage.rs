@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use super::descriptors::{HybridPlan, HybridPlanner, LabeledPair, RowKind};
 use super::geometry::{EngineGeometry, GroupKind, HybridRegion, MemKind, StatePart};
-use crate::layouts::Layout;
+use crate::layouts::{Layout, pattern};
 
 /// What a byte range holds.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -370,38 +370,31 @@ fn pool_len(geo: &EngineGeometry) -> u64 {
 
 /// The pattern bytes of the meaning keyed `key` from position `pos` into `out`: each byte
 /// depends on the meaning and its position only, so it is the same whichever rank, TP size or
-/// layout holds it (one hash per 8 positions).
+/// layout holds it. One hash per run, then a cheap step per 8 positions (the uniform
+/// pattern's: [`pattern::word_at`]), so prefill fills and decode checks at close to memory
+/// speed.
 fn pattern_into(key: u64, pos: u64, seed: u64, out: &mut [u8]) {
+    let k = run_key(key, seed);
     // A leading part word, then whole words, then a trailing part word.
     let lane = (pos % 8) as usize;
     let head = if lane == 0 { 0 } else { (8 - lane).min(out.len()) };
     let (first, rest) = out.split_at_mut(head);
     if head > 0 {
-        first.copy_from_slice(&pattern_word(key, pos / 8, seed).to_le_bytes()[lane..lane + head]);
+        first.copy_from_slice(&pattern::word_at(k, pos / 8).to_le_bytes()[lane..lane + head]);
     }
-    let w0 = (pos + head as u64) / 8;
-    let whole = (rest.len() / 8) as u64;
-    let mut words = rest.chunks_exact_mut(8);
-    for (w, chunk) in (w0..).zip(&mut words) {
-        chunk.copy_from_slice(&pattern_word(key, w, seed).to_le_bytes());
-    }
-    let tail = words.into_remainder();
-    if !tail.is_empty() {
-        let w = w0 + whole;
-        let n = tail.len();
-        tail.copy_from_slice(&pattern_word(key, w, seed).to_le_bytes()[..n]);
-    }
+    pattern::fill_at(rest, k, pos + head as u64);
+}
+
+/// The key a meaning's words derive from under `seed`.
+#[inline]
+fn run_key(key: u64, seed: u64) -> u64 {
+    pattern::mix(key ^ seed.rotate_left(17))
 }
 
 /// The 8 pattern bytes of positions `8 * w .. 8 * w + 8`, little-endian.
+#[cfg(test)]
 fn pattern_word(key: u64, w: u64, seed: u64) -> u64 {
-    let mut x = key ^ seed.rotate_left(17) ^ w.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    x ^= x >> 30;
-    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^= x >> 31;
-    x
+    pattern::word_at(run_key(key, seed), w)
 }
 
 /// Every block of `side`'s request in every region: `(offset, length, how its group reads it)`
