@@ -385,6 +385,13 @@ fn pattern_into(key: u64, pos: u64, seed: u64, out: &mut [u8]) {
     pattern::fill_at(rest, k, pos + head as u64);
 }
 
+/// Whether `have` holds the pattern bytes of the meaning keyed `key` from position `pos` on
+/// (checked in place, word by word); `Err` holds the index in `have` of the first byte that
+/// differs.
+fn pattern_check(key: u64, pos: u64, seed: u64, have: &[u8]) -> Result<(), u64> {
+    pattern::check_at(have, run_key(key, seed), pos).map_err(|at| at - pos)
+}
+
 /// The key a meaning's words derive from under `seed`.
 #[inline]
 fn run_key(key: u64, seed: u64) -> u64 {
@@ -472,8 +479,6 @@ pub struct LandedCheck<'a> {
     /// Prefill's side, for saying what wrong bytes hold instead.
     remote: Side<'a>,
     seed: u64,
-    /// The bytes a run must hold, reused from pair to pair.
-    want: Vec<u8>,
 }
 
 impl<'a> LandedCheck<'a> {
@@ -494,7 +499,6 @@ impl<'a> LandedCheck<'a> {
                 sub_blocks: 1,
             },
             seed,
-            want: Vec::new(),
         }
     }
 
@@ -502,7 +506,6 @@ impl<'a> LandedCheck<'a> {
     /// adding to `report`: bytes checked, and each wrong range as what it is.
     pub fn check(&mut self, p_rank: u32, pair: &LabeledPair, got: &[u8], report: &mut ByteReport) {
         self.remote.rank = p_rank;
-        let want = &mut self.want;
         let mut done = 0;
         while done < pair.pair.len {
             let off = pair.pair.local + done;
@@ -515,12 +518,15 @@ impl<'a> LandedCheck<'a> {
                 report.bytes_padding += n;
             }
             if let Some(m) = &run.meaning {
-                want.resize(n as usize, 0);
-                pattern_into(meaning_key(m), run.pos, self.seed, want);
                 let have = got.get(done as usize..(done + n) as usize).unwrap_or(&[]);
                 report.bytes_checked += n;
-                if have != want.as_slice() {
-                    let i = (0..n).find(|&i| have.get(i as usize) != want.get(i as usize)).unwrap_or(0);
+                let first_wrong = if have.len() as u64 == n {
+                    pattern_check(meaning_key(m), run.pos, self.seed, have).err()
+                } else {
+                    // Fewer bytes than the pair's range: the first missing one is wrong.
+                    Some(have.len() as u64)
+                };
+                if let Some(i) = first_wrong {
                     let held = self.remote.decode(pair.label.kind, pair.pair.remote + done + i).ok();
                     let held = held.map_or_else(
                         || "bytes that mean nothing there".to_string(),
@@ -554,7 +560,6 @@ pub struct PoolCheck<'a> {
     /// Attention tokens prefill wrote (its blocks' end): later tokens of decode's last block
     /// are not compared.
     attn_tokens: u64,
-    want: Vec<u8>,
     /// Where the bytes were checked, for reports.
     place: &'static str,
 }
@@ -579,14 +584,7 @@ impl<'a> PoolCheck<'a> {
     ) -> Self {
         let side = Side { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
         let ranges = block_ranges(&side);
-        PoolCheck {
-            side,
-            seed,
-            ranges,
-            attn_tokens,
-            want: Vec::new(),
-            place: "in its KV cache after the host-to-device copy",
-        }
+        PoolCheck { side, seed, ranges, attn_tokens, place: "in its KV cache after the host-to-device copy" }
     }
 
     /// The byte ranges to read back, in order.
@@ -617,12 +615,10 @@ impl<'a> PoolCheck<'a> {
                 }
                 n = n.min(usize::try_from(limit - run.pos).unwrap_or(usize::MAX));
             }
-            self.want.resize(n, 0);
-            pattern_into(meaning_key(m), run.pos, self.seed, &mut self.want);
             let have = &got[done..done + n];
             report.bytes_checked += n as u64;
-            if have != self.want.as_slice() {
-                let k = (0..n).find(|&k| have[k] != self.want[k]).unwrap_or(0);
+            if let Err(k) = pattern_check(meaning_key(m), run.pos, self.seed, have) {
+                let k = k as usize;
                 let held = if have[k..].iter().all(|&b| b == 0) {
                     "zeros (no copy brought its bytes)"
                 } else {
@@ -719,6 +715,29 @@ mod tests {
                 pattern_into(7, start, 3, &mut out);
                 let want: Vec<u8> = (start..start + len as u64).map(byte).collect();
                 assert_eq!(out, want, "from {start}, {len} bytes");
+            }
+        }
+    }
+
+    /// The in-place check accepts exactly what the fill wrote and names the first wrong byte,
+    /// wherever the run starts and ends.
+    #[test]
+    fn pattern_check_finds_the_first_wrong_byte() {
+        for start in 0..17u64 {
+            for len in 1..40usize {
+                let mut buf = vec![0u8; len];
+                pattern_into(7, start, 3, &mut buf);
+                assert_eq!(pattern_check(7, start, 3, &buf), Ok(()), "from {start}, {len} bytes");
+                assert!(pattern_check(8, start, 3, &buf).is_err(), "another meaning's bytes");
+                for bad in [0, len / 2, len - 1] {
+                    let mut flipped = buf.clone();
+                    flipped[bad] ^= 0x10;
+                    assert_eq!(
+                        pattern_check(7, start, 3, &flipped),
+                        Err(bad as u64),
+                        "from {start}, byte {bad}"
+                    );
+                }
             }
         }
     }
