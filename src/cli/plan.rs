@@ -384,7 +384,17 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
         crate::settings::posting::resolve_rates(args.rates.as_deref(), &args.post_ns, &args.ceiling_gbps)
             .map_err(|e| reject(args.format, e))?;
     let planner = HybridPlanner::new(&case.pair).map_err(refused)?;
+    if let Some(d) = args.d_rank.filter(|&d| d >= planner.config.d.tp) {
+        let why = format!("decode rank {d} does not exist (decode TP is {})", planner.config.d.tp);
+        return Err(reject(args.format, ConfigError::new("--d-rank", why)));
+    }
+    if args.mode == TransferMode::Push {
+        crate::layouts::hybrid::push::check_push(&planner).map_err(refused)?;
+    }
     let plan = planner.plan(&case.request.for_planner(&planner), &args.p_request_id).map_err(refused)?;
+    if args.mode == TransferMode::Push {
+        return run_hybrid_push(args, case, &planner, &plan);
+    }
     // The plan's findings include the planner's (those that hold for every request).
     let findings: Vec<_> = plan.findings.iter().collect();
     // Posting cost: every descriptor a decode rank posts, state rows included (vLLM merges
@@ -463,6 +473,143 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
             let mut text = plan_report::render_hybrid(&case.name, &planner, &plan, args.d_rank);
             text.push_str(&plan_report::render_posting(&costs, &rates));
             output::stdout(text)?
+        }
+    }
+    Ok(Outcome::Ok)
+}
+
+#[derive(Debug, Serialize)]
+struct HybridWriteJson {
+    d_rank: u32,
+    notif_msg: String,
+    num_descs: usize,
+    bytes: u64,
+    /// Of `pairs`, how many (at the end) write a head another prefill rank writes too.
+    duplicate_pairs: usize,
+    /// vLLM's push rule left this decode rank's attention out (`--push-attention`).
+    attention_skipped: bool,
+    /// `[local (prefill offset), remote (decode offset), len]`, in posting order.
+    pairs: Vec<[u64; 3]>,
+}
+
+#[derive(Debug, Serialize)]
+struct HybridPRankJson {
+    p_rank: u32,
+    writes: Vec<HybridWriteJson>,
+}
+
+#[derive(Debug, Serialize)]
+struct HybridPushPlanJson<'a> {
+    status: &'static str,
+    mode: &'static str,
+    name: &'a str,
+    vllm_version: &'static str,
+    p_block_size: u32,
+    d_block_size: u32,
+    p_page_bytes: u64,
+    d_page_bytes: u64,
+    tokens: &'a crate::layouts::hybrid::blocks::TokenCounts,
+    /// Prefill's lists (its blocks, one list per group) and the lists decode registers, after
+    /// clipping.
+    remote_block_ids: &'a [Vec<u32>],
+    local_block_ids: &'a [Vec<u32>],
+    clipping: &'a [crate::layouts::hybrid::descriptors::GroupClipping],
+    p_ranks: Vec<HybridPRankJson>,
+    d_ranks: Vec<PushDRankJson>,
+    /// `--push-attention every-rank` (absent: vLLM's rule).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    push_attention: Option<crate::layouts::hybrid::push::PushAttention>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state_slices: Option<crate::layouts::hybrid::StateSlices>,
+    findings: Vec<&'a crate::layouts::hybrid::Finding>,
+}
+
+/// `kvx plan --mode push` of a hybrid model: each prefill rank's WRITEs, taken from the pull
+/// plan of the decode ranks it writes into (`layouts::hybrid::push`), and what each decode
+/// rank waits for.
+fn run_hybrid_push(
+    args: &PlanFlags,
+    case: &HybridCase,
+    planner: &HybridPlanner,
+    plan: &crate::layouts::hybrid::HybridPlan,
+) -> anyhow::Result<Outcome> {
+    use crate::layouts::hybrid::push::{self, PushAttention};
+    let (p_tp, d_tp) = (planner.config.p.tp, planner.config.d.tp);
+    let shown = |d: u32| args.d_rank.is_none_or(|r| r == d);
+    // Prefill names the request by decode's id and its own TP size (as kvx's push does).
+    let notif = format!("req-D:{p_tp}");
+    let per_p: Vec<(u32, Vec<push::HybridWrite>)> = (0..p_tp)
+        .map(|p| (p, push::writes(planner, plan, p).into_iter().filter(|w| shown(w.d_rank)).collect()))
+        .collect();
+    let waits: Vec<(u32, Vec<u32>, u32)> = (0..d_tp)
+        .filter(|&d| shown(d))
+        .map(|d| {
+            let writers = (0..p_tp).filter(|&p| push::write_ranks(p_tp, d_tp, p).contains(&d)).collect();
+            (d, writers, push::expected_notifs(p_tp, d_tp))
+        })
+        .collect();
+    match args.format {
+        Format::Json => {
+            let bytes_into = |d: u32| -> u64 {
+                per_p
+                    .iter()
+                    .flat_map(|(_, ws)| ws)
+                    .filter(|w| w.d_rank == d)
+                    .map(push::HybridWrite::bytes)
+                    .sum()
+            };
+            let out = HybridPushPlanJson {
+                status: "ok",
+                mode: "push",
+                name: &case.name,
+                vllm_version: HYBRID_VLLM,
+                p_block_size: planner.p.sizing.block_tokens,
+                d_block_size: planner.d.sizing.block_tokens,
+                p_page_bytes: planner.p.sizing.page_bytes,
+                d_page_bytes: planner.d.sizing.page_bytes,
+                tokens: &plan.tokens,
+                remote_block_ids: &plan.blocks.remote_block_ids,
+                local_block_ids: &plan.blocks.local_block_ids,
+                clipping: &plan.clipping,
+                p_ranks: per_p
+                    .iter()
+                    .map(|(p, ws)| HybridPRankJson {
+                        p_rank: *p,
+                        writes: ws
+                            .iter()
+                            .map(|w| HybridWriteJson {
+                                d_rank: w.d_rank,
+                                notif_msg: notif.clone(),
+                                num_descs: w.pairs.len(),
+                                bytes: w.bytes(),
+                                duplicate_pairs: w.duplicate_pairs,
+                                attention_skipped: w.attention_skipped,
+                                pairs: w.pairs.iter().map(|x| [x.local, x.remote, x.len]).collect(),
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+                d_ranks: waits
+                    .iter()
+                    .map(|(d, writers, n)| PushDRankJson {
+                        d_rank: *d,
+                        writers: writers.clone(),
+                        expected_notifs: *n,
+                        bytes_written: bytes_into(*d),
+                    })
+                    .collect(),
+                push_attention: (case.pair.push_attention != PushAttention::Vllm)
+                    .then_some(case.pair.push_attention),
+                state_slices: (case.pair.state_slices != crate::layouts::hybrid::StateSlices::Vllm)
+                    .then_some(case.pair.state_slices),
+                findings: plan.findings.iter().collect(),
+            };
+            output::stdout_line(serde_json::to_string(&out)?)?;
+        }
+        Format::Table => {
+            let rows: Vec<(u32, &push::HybridWrite)> =
+                per_p.iter().flat_map(|(p, ws)| ws.iter().map(move |w| (*p, w))).collect();
+            output::stdout(plan_report::render_hybrid_push(&case.name, planner, plan, &rows, &waits, &notif))?
         }
     }
     Ok(Outcome::Ok)

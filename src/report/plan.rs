@@ -270,54 +270,7 @@ pub fn render_hybrid(
     plan: &crate::layouts::hybrid::HybridPlan,
     only_d_rank: Option<u32>,
 ) -> String {
-    let (p, d) = (&planner.p, &planner.d);
-    let mut rules = "vLLM 0.33 rules (hybrid)".to_string();
-    if planner.config.state_slices == crate::layouts::hybrid::StateSlices::Exact {
-        rules.push_str(", but state slices by kvx's exact rule (--state-slices exact)");
-    }
-    if planner.config.host_copy == crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup {
-        rules.push_str(", but the host copy per group (--host-copy per-group)");
-    }
-    if planner.config.d.host_state_page_padded {
-        rules.push_str(", but padded host state pages (--host-state-page padded)");
-    }
-    if planner.config.d.host_descriptors_per_group {
-        rules.push_str(", but host attention descriptors per group (--host-descriptors per-group)");
-    }
-    let mut out = format!(
-        "kvx plan: {name}  |  P tp {} -> D tp {}  |  {rules}\n\
-         block size P {} / D {} tokens (kernel blocks {} / {}), page P {} / D {}; {} prompt tokens, {} read\n",
-        p.config.tp,
-        d.config.tp,
-        p.sizing.block_tokens,
-        d.sizing.block_tokens,
-        p.kernel_block_tokens,
-        d.kernel_block_tokens,
-        bytes_text(p.sizing.page_bytes),
-        bytes_text(d.sizing.page_bytes),
-        plan.tokens.prompt_tokens,
-        plan.tokens.d_external_tokens,
-    );
-    let mut groups = wrapped_table(vec!["group", "kind", "layers", "prefill blocks", "sent", "clipped"]);
-    for c in &plan.clipping {
-        let g = p.groups.iter().find(|g| g.index == c.group);
-        let kind = g.map_or_else(String::new, |g| match g.kind {
-            crate::layouts::hybrid::geometry::GroupKind::SlidingWindow { window_tokens } => {
-                format!("sliding window ({window_tokens} tokens)")
-            }
-            k => k.vllm_spec().trim_end_matches("Spec").to_string(),
-        });
-        groups.add_row(vec![
-            c.group.to_string(),
-            kind,
-            g.map_or(0, |g| g.layers.len()).to_string(),
-            c.raw_blocks.to_string(),
-            c.sent_blocks.to_string(),
-            c.raw_blocks.saturating_sub(c.sent_blocks).to_string(),
-        ]);
-    }
-    out.push_str(&groups.to_string());
-    out.push('\n');
+    let mut out = hybrid_heading("kvx plan", "hybrid", "read", name, planner, plan);
     let mut reads = wrapped_table(vec!["D rank", "P rank", "descriptors", "bytes", "notif"]);
     let (mut total_descs, mut total_bytes) = (0usize, 0u64);
     for dr in plan.d_ranks.iter().filter(|d| only_d_rank.is_none_or(|r| r == d.d_rank)) {
@@ -353,5 +306,138 @@ pub fn render_hybrid(
             out.push_str(&format!("  {f:?}\n"));
         }
     }
+    out
+}
+
+/// `kvx plan --mode push` of a hybrid model: each prefill rank's WRITEs (`writes`: prefill
+/// rank, its WRITE), then what each decode rank waits for (`waits`: decode rank, the prefill
+/// ranks that write into it, notifications it counts).
+pub fn render_hybrid_push(
+    name: &str,
+    planner: &crate::layouts::hybrid::HybridPlanner,
+    plan: &crate::layouts::hybrid::HybridPlan,
+    writes: &[(u32, &crate::layouts::hybrid::push::HybridWrite)],
+    waits: &[(u32, Vec<u32>, u32)],
+    notif: &str,
+) -> String {
+    let mut out =
+        hybrid_heading("kvx plan --mode push", "hybrid, NixlPushConnector", "written", name, planner, plan);
+    let mut table =
+        wrapped_table(vec!["P rank", "D rank", "descriptors", "bytes", "notif", "what differs from pull"]);
+    let (mut total_descs, mut total_bytes) = (0usize, 0u64);
+    let mut skipped = Vec::new();
+    for &(p_rank, w) in writes {
+        let bytes = w.bytes();
+        total_descs += w.pairs.len();
+        total_bytes += bytes;
+        let mut notes = Vec::new();
+        if w.attention_skipped {
+            notes.push("no attention (vLLM's rule, as read)".to_string());
+            skipped.push(w.d_rank);
+        }
+        if w.duplicate_pairs > 0 {
+            notes.push(format!("{} pairs write a head another prefill rank writes too", w.duplicate_pairs));
+        }
+        table.add_row(vec![
+            p_rank.to_string(),
+            w.d_rank.to_string(),
+            w.pairs.len().to_string(),
+            bytes_text(bytes),
+            notif.to_string(),
+            if notes.is_empty() { "-".to_string() } else { notes.join("; ") },
+        ]);
+    }
+    out.push_str(&table.to_string());
+    out.push_str(&format!("\ntotal: {total_descs} descriptors, {}\n", bytes_text(total_bytes)));
+    let waits: Vec<String> = waits
+        .iter()
+        .map(|(d, writers, n)| {
+            let writers: Vec<String> = writers.iter().map(|p| format!("P{p}")).collect();
+            format!("D{d} <- {} ({n} notifications)", writers.join(","))
+        })
+        .collect();
+    out.push_str(&format!("decode waits: {}\n", waits.join("; ")));
+    skipped.sort_unstable();
+    skipped.dedup();
+    if !skipped.is_empty() {
+        let ranks: Vec<String> = skipped.iter().map(|d| format!("D{d}")).collect();
+        out.push_str(&format!(
+            "\nvLLM 0.33's push writes attention into the first decode rank of each head only (as read from \
+             push_worker.py, not run on vLLM): {} get their state but no attention. \
+             --push-attention every-rank writes each rank's head, as pull reads it.\n",
+            ranks.join(", ")
+        ));
+    }
+    let findings: Vec<_> = plan.findings.iter().collect();
+    if !findings.is_empty() {
+        out.push_str(&format!("\nwhere vLLM 0.33's rules move the wrong bytes ({}):\n", findings.len()));
+        for f in findings {
+            out.push_str(&format!("  {f:?}\n"));
+        }
+    }
+    out
+}
+
+/// The lines every hybrid view opens with: the command, the pair and the rules, the block
+/// sizes and the request, then the groups and what clipping left out.
+fn hybrid_heading(
+    command: &str,
+    connector: &str,
+    moved: &str,
+    name: &str,
+    planner: &crate::layouts::hybrid::HybridPlanner,
+    plan: &crate::layouts::hybrid::HybridPlan,
+) -> String {
+    let (p, d) = (&planner.p, &planner.d);
+    let mut rules = format!("vLLM 0.33 rules ({connector})");
+    if planner.config.state_slices == crate::layouts::hybrid::StateSlices::Exact {
+        rules.push_str(", but state slices by kvx's exact rule (--state-slices exact)");
+    }
+    if planner.config.host_copy == crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup {
+        rules.push_str(", but the host copy per group (--host-copy per-group)");
+    }
+    if planner.config.d.host_state_page_padded {
+        rules.push_str(", but padded host state pages (--host-state-page padded)");
+    }
+    if planner.config.d.host_descriptors_per_group {
+        rules.push_str(", but host attention descriptors per group (--host-descriptors per-group)");
+    }
+    if planner.config.push_attention == crate::layouts::hybrid::push::PushAttention::EveryRank {
+        rules.push_str(", but attention written into every decode rank (--push-attention every-rank)");
+    }
+    let mut out = format!(
+        "{command}: {name}  |  P tp {} -> D tp {}  |  {rules}\n\
+         block size P {} / D {} tokens (kernel blocks {} / {}), page P {} / D {}; {} prompt tokens, {} {moved}\n",
+        p.config.tp,
+        d.config.tp,
+        p.sizing.block_tokens,
+        d.sizing.block_tokens,
+        p.kernel_block_tokens,
+        d.kernel_block_tokens,
+        bytes_text(p.sizing.page_bytes),
+        bytes_text(d.sizing.page_bytes),
+        plan.tokens.prompt_tokens,
+        plan.tokens.d_external_tokens,
+    );
+    let mut groups = wrapped_table(vec!["group", "kind", "layers", "prefill blocks", "sent", "clipped"]);
+    for c in &plan.clipping {
+        let g = p.groups.iter().find(|g| g.index == c.group);
+        let kind = g.map_or_else(String::new, |g| match g.kind {
+            crate::layouts::hybrid::geometry::GroupKind::SlidingWindow { window_tokens } => {
+                format!("sliding window ({window_tokens} tokens)")
+            }
+            k => k.vllm_spec().trim_end_matches("Spec").to_string(),
+        });
+        groups.add_row(vec![
+            c.group.to_string(),
+            kind,
+            g.map_or(0, |g| g.layers.len()).to_string(),
+            c.raw_blocks.to_string(),
+            c.sent_blocks.to_string(),
+            c.raw_blocks.saturating_sub(c.sent_blocks).to_string(),
+        ]);
+    }
+    out.push_str(&groups.to_string());
+    out.push('\n');
     out
 }

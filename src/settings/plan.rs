@@ -272,6 +272,12 @@ pub struct PlanFlags {
     /// (each group's own layers'; prefill copies only those into the buffer) [default: vllm].
     #[arg(long, value_enum)]
     pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
+    /// Hybrid models in push mode, decode TP above prefill TP and above the KV heads: which
+    /// decode ranks prefill writes attention into: vllm (the first of each head only, as vLLM
+    /// 0.33's push connector reads) or every-rank (each its head, as pull reads them)
+    /// [default: vllm].
+    #[arg(long, value_enum)]
+    pub push_attention: Option<crate::layouts::hybrid::push::PushAttention>,
     /// Prefill pool size in blocks (default: enough for the request, at least 2x).
     #[arg(long, value_name = "N", help_heading = "Request")]
     pub p_num_blocks: Option<u32>,
@@ -338,6 +344,36 @@ pub fn resolve_descriptor_plan(args: &PlanFlags) -> Result<DescriptorPlan, Confi
 /// preset (`--model qwen3-next-80b-a3b`, not a uniform preset) with `--prompt-len`. `None` for
 /// every other request.
 pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
+    let mut case = resolve_hybrid_case(args)?;
+    match case.as_mut() {
+        Some(c) if args.mode == TransferMode::Push => {
+            // vLLM's push connector writes the KV cache itself, as kvx bench's push does.
+            let staged = [c.pair.p.kv_buffer_device, c.pair.d.kv_buffer_device]
+                .into_iter()
+                .find(|&b| b != crate::layouts::hybrid::KvBufferDevice::Cuda);
+            if let Some(b) = staged {
+                super::workers::check_kv_buffer(
+                    b,
+                    TransferMode::Push,
+                    crate::pipeline::wire::TransportKind::Ucx,
+                )?;
+            }
+            c.pair.push_attention = args.push_attention.unwrap_or_default();
+        }
+        _ if args.push_attention.is_some() => {
+            return Err(ConfigError::new(
+                "--push-attention",
+                "applies to hybrid models in push mode (which decode ranks prefill writes attention into): add \
+                 --mode push with a hybrid --model, or drop it",
+            ));
+        }
+        _ => {}
+    }
+    Ok(case)
+}
+
+/// [`resolve_hybrid`]'s case, before the transfer mode's own rules.
+fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
     if args.scenario.is_some() {
         if args.kv_buffer_device.is_some() {
             return Err(ConfigError::new(
@@ -397,12 +433,6 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
         return Ok(None);
     };
     let name = &model.name;
-    if args.mode == TransferMode::Push {
-        return Err(ConfigError::new(
-            "--mode",
-            "hybrid models are planned in pull mode, as vLLM 0.33's NixlConnector moves them",
-        ));
-    }
     let tokens = args.prompt_len.ok_or_else(|| {
         ConfigError::new(
             "--prompt-len",
@@ -469,12 +499,6 @@ pub fn resolve_hybrid_scenario(args: &PlanFlags) -> Result<Option<HybridCase>, C
     let Ok(doc) = serde_json::from_str::<serde_json::Value>(&text) else { return Ok(None) };
     if !hybrid_case::is_hybrid_case(&doc) {
         return Ok(None);
-    }
-    if args.mode == TransferMode::Push {
-        return Err(ConfigError::new(
-            "--mode",
-            "hybrid models are planned in pull mode, as vLLM 0.33's NixlConnector moves them",
-        ));
     }
     hybrid_case::parse(&doc).map(Some)
 }

@@ -33,6 +33,8 @@ pub struct HybridWrite {
     pub duplicate_pairs: usize,
     /// vLLM's rule left this decode rank's attention out of the WRITE.
     pub attention_skipped: bool,
+    /// The KV cache groups the pairs write, ascending.
+    pub groups: Vec<u32>,
 }
 
 impl HybridWrite {
@@ -111,6 +113,35 @@ pub fn check_push(planner: &HybridPlanner) -> Result<(), HybridError> {
     Ok(())
 }
 
+/// The KV cache groups prefill rank `p_rank` writes into decode rank `d_rank` for any request
+/// (the rank map alone, as [`writes`] builds the WRITEs), ascending; empty when it writes into
+/// none of them.
+pub fn write_groups(planner: &HybridPlanner, p_rank: u32, d_rank: u32) -> Vec<u32> {
+    let config = &planner.config;
+    let (p_tp, d_tp) = (config.p.tp, config.d.tp);
+    let Some(setup) = planner.d_ranks.iter().find(|s| s.d_rank == d_rank) else { return Vec::new() };
+    if !write_ranks(p_tp, d_tp, p_rank).contains(&d_rank) {
+        return Vec::new();
+    }
+    let heads = u64::from(config.model.attention.num_kv_heads);
+    let head = |p: u32| u64::from(p) * heads / u64::from(p_tp);
+    let skip = attention_skipped(config, d_rank);
+    let sources = &setup.mapping.source_ranks_per_group;
+    let attention = |g: usize| planner.d.groups[g].kind.is_attention();
+    let reads = |g: usize| sources.get(g).is_some_and(|s| s.contains(&p_rank));
+    let groups = 0..planner.d.groups.len().min(sources.len());
+    // Heads replicated over prefill ranks: a rank that reads no attention of its own writes
+    // the copy another rank of its head is read for.
+    let own_attention = groups.clone().any(|g| attention(g) && reads(g));
+    let copies = |g: usize| {
+        !own_attention && p_tp > d_tp && sources[g].iter().any(|&r| r != p_rank && head(r) == head(p_rank))
+    };
+    groups
+        .filter(|&g| if attention(g) { !skip && (reads(g) || copies(g)) } else { reads(g) })
+        .map(|g| planner.d.groups[g].index)
+        .collect()
+}
+
 /// The WRITEs prefill rank `p_rank` posts for a request planned as `plan` (every decode
 /// rank's pull plan, from both sides' lists), in decode-rank order.
 pub fn writes(planner: &HybridPlanner, plan: &HybridPlan, p_rank: u32) -> Vec<HybridWrite> {
@@ -122,7 +153,13 @@ pub fn writes(planner: &HybridPlanner, plan: &HybridPlan, p_rank: u32) -> Vec<Hy
     for d_rank in write_ranks(p_tp, d_tp, p_rank) {
         let Some(rank) = plan.d_ranks.iter().find(|r| r.d_rank == d_rank) else { continue };
         let skip = attention_skipped(config, d_rank);
-        let mut w = HybridWrite { d_rank, pairs: Vec::new(), duplicate_pairs: 0, attention_skipped: skip };
+        let mut w = HybridWrite {
+            d_rank,
+            pairs: Vec::new(),
+            duplicate_pairs: 0,
+            attention_skipped: skip,
+            groups: Vec::new(),
+        };
         let transposed = |p: &Pair| Pair { local: p.remote, remote: p.local, len: p.len };
         let own = rank.reads.iter().find(|r| r.p_rank == p_rank);
         let mut own_attention = false;
@@ -133,6 +170,7 @@ pub fn writes(planner: &HybridPlanner, plan: &HybridPlan, p_rank: u32) -> Vec<Hy
                 if attention && skip {
                     continue;
                 }
+                w.groups.push(run.group);
                 w.pairs.extend(read.pairs[run.start..run.start + run.count].iter().map(transposed));
             }
         }
@@ -147,11 +185,14 @@ pub fn writes(planner: &HybridPlanner, plan: &HybridPlan, p_rank: u32) -> Vec<Hy
             if let Some(read) = reader {
                 let before = w.pairs.len();
                 for run in read.runs.iter().filter(|x| x.label.kind == RowKind::AttnPage) {
+                    w.groups.push(run.group);
                     w.pairs.extend(read.pairs[run.start..run.start + run.count].iter().map(transposed));
                 }
                 w.duplicate_pairs = w.pairs.len() - before;
             }
         }
+        w.groups.sort_unstable();
+        w.groups.dedup();
         out.push(w);
     }
     out
@@ -262,6 +303,41 @@ mod tests {
                     if p_tp == d_tp {
                         assert_eq!(push.len(), pull.len());
                         assert!(push.values().all(|&(_, n)| n == 1));
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 30, "{checked} pairs checked");
+    }
+
+    /// The rank map's groups (what `kvx topo --mode push` shows) are the groups a request's
+    /// WRITEs hold, for every pair push accepts; and the groups carry every byte written.
+    #[test]
+    fn write_groups_are_the_groups_the_writes_hold() {
+        let mut checked = 0;
+        for model in ["qwen3-next-80b-a3b", "nemotron-h-8b", "jamba-v0.1", "gpt-oss-120b", "falcon-h1-7b"] {
+            for (p_tp, d_tp) in [(1, 1), (2, 2), (1, 2), (2, 1), (4, 2), (2, 4), (8, 2), (1, 8), (4, 1)] {
+                for rule in [PushAttention::Vllm, PushAttention::EveryRank] {
+                    let Some(planner) = planner(model, p_tp, d_tp, rule) else { continue };
+                    if check_push(&planner).is_err() {
+                        continue;
+                    }
+                    let plan =
+                        planner.plan(&HybridRequest::simulated(&planner, 3000, 0), "req").expect("plan");
+                    for p in 0..p_tp {
+                        let ws = writes(&planner, &plan, p);
+                        for d in 0..d_tp {
+                            let from_plan = ws.iter().find(|w| w.d_rank == d).map(|w| w.groups.clone());
+                            assert_eq!(
+                                write_groups(&planner, p, d),
+                                from_plan.unwrap_or_default(),
+                                "{model} P{p_tp} D{d_tp} {rule:?}: P{p} -> D{d}"
+                            );
+                        }
+                        for w in &ws {
+                            assert_eq!(w.groups.is_empty(), w.pairs.is_empty(), "{model} P{p_tp} D{d_tp}");
+                        }
                     }
                     checked += 1;
                 }
