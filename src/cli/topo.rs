@@ -39,6 +39,12 @@ pub struct TopoArgs {
     /// decode's blocks, vLLM NixlPushConnector).
     #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
     pub mode: TransferMode,
+    /// Hybrid models in push mode, decode TP above prefill TP and above the KV heads: which
+    /// decode ranks prefill writes attention into: vllm (the first of each head only, as vLLM
+    /// 0.33's push connector reads) or every-rank (each its head, as pull reads them)
+    /// [default: vllm].
+    #[arg(long, value_enum)]
+    pub push_attention: Option<crate::layouts::hybrid::push::PushAttention>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
@@ -120,13 +126,18 @@ pub fn reject(format: Format, err: ConfigError) -> anyhow::Error {
 }
 
 pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
+    let hybrid = crate::settings::hybrid_flags::hybrid_preset_of(&args.model, args.pair.vllm, &[])
+        .map_err(|e| reject(args.format, e))?;
+    if args.push_attention.is_some() && (hybrid.is_none() || args.mode != TransferMode::Push) {
+        let why = "applies to hybrid models in push mode (which decode ranks prefill writes attention into): add \
+                   --mode push with a hybrid --model, or drop it";
+        return Err(reject(args.format, ConfigError::new("--push-attention", why)));
+    }
+    if let Some(model) = hybrid {
+        return run_hybrid(args, model);
+    }
     if args.mode == TransferMode::Push {
         return run_push(args);
-    }
-    if let Some(model) = crate::settings::hybrid_flags::hybrid_preset_of(&args.model, args.pair.vllm, &[])
-        .map_err(|e| reject(args.format, e))?
-    {
-        return run_hybrid(args, model);
     }
     let result = (|| {
         let pair = scenario::resolve_pair(&args.model, &args.pair, 1, 1)?;
@@ -157,9 +168,15 @@ fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> an
             permute_local_kv: args.pair.permute,
             state_slices: Default::default(),
             host_copy: Default::default(),
-            push_attention: Default::default(),
+            push_attention: args.push_attention.unwrap_or_default(),
         };
         let planner = crate::layouts::hybrid::HybridPlanner::new(&config).map_err(ConfigError::from)?;
+        let push = (args.mode == TransferMode::Push)
+            .then(|| {
+                crate::layouts::hybrid::push::check_push(&planner)?;
+                Ok::<_, ConfigError>(hybrid_push_map(&planner))
+            })
+            .transpose()?;
         let groups = planner
             .d
             .groups
@@ -195,6 +212,7 @@ fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> an
             block_size: [planner.p.sizing.block_tokens, planner.d.sizing.block_tokens],
             groups,
             d_ranks,
+            push,
         })
     })();
     let report = result.map_err(|e| reject(args.format, e))?;
@@ -203,6 +221,38 @@ fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> an
         Format::Table => output::stdout(render_hybrid_table(&report))?,
     }
     Ok(Outcome::Ok)
+}
+
+/// Who writes what in push mode for a hybrid pair `check_push` accepted: each prefill rank's
+/// decode ranks and the groups it writes into each, and what each decode rank waits for.
+fn hybrid_push_map(planner: &crate::layouts::hybrid::HybridPlanner) -> crate::report::topo::HybridPushJson {
+    use crate::layouts::hybrid::push;
+    use crate::report::topo::{
+        HybridPushDRankJson, HybridPushJson, HybridPushPRankJson, HybridPushWriteJson,
+    };
+    let config = &planner.config;
+    let (p_tp, d_tp) = (config.p.tp, config.d.tp);
+    let p_ranks = (0..p_tp)
+        .map(|p| HybridPushPRankJson {
+            p_rank: p,
+            writes: push::write_ranks(p_tp, d_tp, p)
+                .into_iter()
+                .map(|d| HybridPushWriteJson { d_rank: d, groups: push::write_groups(planner, p, d) })
+                .collect(),
+        })
+        .collect();
+    let d_ranks = planner
+        .d_ranks
+        .iter()
+        .map(|r| HybridPushDRankJson {
+            d_rank: r.d_rank,
+            registers_with: r.handshake_ranks.to_vec(),
+            written_by: (0..p_tp).filter(|&p| push::write_ranks(p_tp, d_tp, p).contains(&r.d_rank)).collect(),
+            expected_notifs: push::expected_notifs(p_tp, d_tp),
+            attention_skipped: push::attention_skipped(config, r.d_rank),
+        })
+        .collect();
+    HybridPushJson { push_attention: config.push_attention, p_ranks, d_ranks }
 }
 
 fn run_push(args: &TopoArgs) -> anyhow::Result<Outcome> {

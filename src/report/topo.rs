@@ -382,6 +382,44 @@ pub struct HybridTopoJson {
     pub block_size: [u32; 2],
     pub groups: Vec<HybridGroupJson>,
     pub d_ranks: Vec<HybridDRankJson>,
+    /// `--mode push`: who writes what (absent in pull mode).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub push: Option<HybridPushJson>,
+}
+
+/// A hybrid pair in push mode (vLLM 0.33's `NixlPushConnector`).
+#[derive(Debug, Serialize)]
+pub struct HybridPushJson {
+    /// Which decode ranks prefill writes attention into (`--push-attention`).
+    pub push_attention: crate::layouts::hybrid::push::PushAttention,
+    pub p_ranks: Vec<HybridPushPRankJson>,
+    pub d_ranks: Vec<HybridPushDRankJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct HybridPushPRankJson {
+    pub p_rank: u32,
+    /// The decode ranks it writes into (vLLM's `write_ranks`), each with the groups written.
+    pub writes: Vec<HybridPushWriteJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct HybridPushWriteJson {
+    pub d_rank: u32,
+    /// KV cache groups written (empty: a notification only).
+    pub groups: Vec<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct HybridPushDRankJson {
+    pub d_rank: u32,
+    /// The prefill ranks its registration (`PUSH_REG`) goes to: vLLM's handshake set.
+    pub registers_with: Vec<u32>,
+    pub written_by: Vec<u32>,
+    /// Notifications it counts per request (one per WRITE into it).
+    pub expected_notifs: u32,
+    /// vLLM's rule leaves its attention out (`--push-attention vllm`).
+    pub attention_skipped: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -409,9 +447,26 @@ pub struct HybridDRankJson {
 /// The table view of a hybrid pair's rank map.
 pub fn render_hybrid_table(t: &HybridTopoJson) -> String {
     let mut out = format!(
-        "kvx topo: {} P{} -> D{} (tp_ratio {}), aligned block size P {} / D {} tokens\n",
-        t.model, t.p_tp, t.d_tp, t.tp_ratio, t.block_size[0], t.block_size[1]
+        "kvx topo{}: {} P{} -> D{} (tp_ratio {}), aligned block size P {} / D {} tokens\n",
+        if t.push.is_some() { " --mode push" } else { "" },
+        t.model,
+        t.p_tp,
+        t.d_tp,
+        t.tp_ratio,
+        t.block_size[0],
+        t.block_size[1]
     );
+    if let Some(push) = &t.push {
+        // Push: the groups once, then who writes them (the READs of pull do not happen).
+        let mut groups = wrapped_table(vec!["group", "kind", "layers"]);
+        for g in &t.groups {
+            groups.add_row(vec![g.group.to_string(), g.kind.clone(), g.layers.to_string()]);
+        }
+        out.push_str(&groups.to_string());
+        out.push('\n');
+        out.push_str(&render_hybrid_push(t, push));
+        return out;
+    }
     let mut table =
         wrapped_table(vec!["D rank", "group", "kind", "layers", "reads P ranks", "handshake", "notif"]);
     for d in &t.d_ranks {
@@ -430,6 +485,58 @@ pub fn render_hybrid_table(t: &HybridTopoJson) -> String {
         }
     }
     out.push_str(&table.to_string());
+    out.push('\n');
+    out
+}
+
+/// The push half of a hybrid topology: who writes which groups into whom, and what each decode
+/// rank waits for.
+fn render_hybrid_push(t: &HybridTopoJson, push: &HybridPushJson) -> String {
+    let group_kinds = |groups: &[u32]| -> String {
+        if groups.is_empty() {
+            return "notification only".into();
+        }
+        let names: Vec<String> = groups
+            .iter()
+            .map(|g| match t.groups.iter().find(|x| x.group == *g) {
+                Some(x) => format!("{g} ({})", x.kind),
+                None => g.to_string(),
+            })
+            .collect();
+        names.join(", ")
+    };
+    let rule = match push.push_attention {
+        crate::layouts::hybrid::push::PushAttention::Vllm => {
+            "the first decode rank of each head only, where decode TP is above prefill TP and the KV heads \
+             (vLLM 0.33, as read; --push-attention every-rank: every rank)"
+        }
+        crate::layouts::hybrid::push::PushAttention::EveryRank => {
+            "every decode rank (--push-attention every-rank)"
+        }
+    };
+    let mut out = format!(
+        "push (NixlPushConnector): prefill WRITEs into the blocks decode registers; attention into {rule}\n"
+    );
+    let mut writes = wrapped_table(vec!["P rank", "writes D rank", "groups written"]);
+    for p in &push.p_ranks {
+        for w in &p.writes {
+            writes.add_row(vec![p.p_rank.to_string(), w.d_rank.to_string(), group_kinds(&w.groups)]);
+        }
+    }
+    out.push_str(&writes.to_string());
+    out.push('\n');
+    let mut waits =
+        wrapped_table(vec!["D rank", "PUSH_REG to (P ranks)", "written by", "waits for notifs", "attention"]);
+    for d in &push.d_ranks {
+        waits.add_row(vec![
+            d.d_rank.to_string(),
+            ranks_text(&d.registers_with),
+            ranks_text(&d.written_by),
+            d.expected_notifs.to_string(),
+            if d.attention_skipped { "none (vLLM's rule)".into() } else { "written".into() },
+        ]);
+    }
+    out.push_str(&waits.to_string());
     out.push('\n');
     out
 }

@@ -76,6 +76,21 @@ fn hybrid_outputs() {
     let json = kvx(&[&topo[..], &["--format", "json"]].concat());
     let v: serde_json::Value = serde_json::from_str(&json).expect("json");
     golden("hybrid_topo_json", &serde_json::to_string_pretty(&v).expect("pretty"));
+    // Push: each prefill rank's WRITEs, vLLM's attention rule named where it applies.
+    let push = [
+        "--model",
+        "qwen3-next-80b-a3b",
+        "--p-tp",
+        "1",
+        "--d-tp",
+        "4",
+        "--block-size",
+        "544",
+        "--mode",
+        "push",
+    ];
+    golden("hybrid_plan_push_table", &kvx(&[&["plan"][..], &push[..], &["--prompt-len", "2048"]].concat()));
+    golden("hybrid_topo_push_table", &kvx(&[&["topo"][..], &push[..]].concat()));
 }
 
 #[test]

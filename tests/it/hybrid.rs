@@ -1013,7 +1013,8 @@ fn kvx_plan_of_a_hybrid_preset_from_flags() {
     assert!(descs > 0, "{v}");
     assert!(v["posting"]["paths"].as_array().is_some_and(|p| !p.is_empty()), "posting cost");
     for (extra, flag) in [
-        (&["--prompt-len", "3000", "--mode", "push"][..], "--mode"),
+        (&["--prompt-len", "3000", "--push-attention", "every-rank"][..], "--push-attention"),
+        (&["--prompt-len", "3000", "--mode", "push", "--kv-buffer-device", "cpu"][..], "--kv-buffer-device"),
         (&["--prompt-len", "3000", "--layers", "4"][..], "--layers"),
         (&[][..], "--prompt-len"),
     ] {
@@ -1021,6 +1022,144 @@ fn kvx_plan_of_a_hybrid_preset_from_flags() {
         assert_eq!(out.status.code(), Some(2), "{extra:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(flag), "{extra:?} names {flag}: {err}");
+    }
+}
+
+/// `kvx plan --mode push` of a hybrid preset: every WRITE is a pull READ with its roles
+/// swapped (the same prefill bytes to the same decode place), except where vLLM's push differs
+/// (attention left out of decode ranks sharing a head, named, and written with
+/// `--push-attention every-rank`); `kvx topo --mode push` shows the same rank map; push's own
+/// refusal exits 2 naming `--mode`.
+#[test]
+fn kvx_plan_and_topo_of_a_hybrid_model_in_push_mode() {
+    let run = |args: &[&str]| -> Value {
+        let out = crate::common::kvx().args(args).args(["--format", "json"]).output().expect("kvx runs");
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    // (decode rank, decode offset, len) -> prefill offset, over every READ or WRITE.
+    type Landed = std::collections::BTreeMap<(u64, u64, u64), u64>;
+    let pulled = |v: &Value| -> Landed {
+        let mut out = Landed::new();
+        for d in v["d_ranks"].as_array().expect("d_ranks") {
+            for r in d["reads"].as_array().expect("reads") {
+                for p in r["pairs"].as_array().expect("pairs") {
+                    let n = |i: usize| p[i].as_u64().expect("number");
+                    out.insert((d["d_rank"].as_u64().expect("d"), n(1), n(3)), n(2));
+                }
+            }
+        }
+        out
+    };
+    let pushed = |v: &Value| -> Landed {
+        let mut out = Landed::new();
+        for p in v["p_ranks"].as_array().expect("p_ranks") {
+            for w in p["writes"].as_array().expect("writes") {
+                for x in w["pairs"].as_array().expect("pairs") {
+                    let n = |i: usize| x[i].as_u64().expect("number");
+                    out.insert((w["d_rank"].as_u64().expect("d"), n(1), n(2)), n(0));
+                }
+            }
+        }
+        out
+    };
+    // Nemotron-H P1 -> D2: more KV heads than decode ranks, so push writes what pull reads.
+    let base = ["plan", "--model", "nemotron-h-8b", "--p-tp", "1", "--d-tp", "2", "--prompt-len", "3000"];
+    let push = run(&[&base[..], &["--mode", "push"]].concat());
+    assert_eq!(push["mode"], "push");
+    let landed = pushed(&push);
+    assert!(!landed.is_empty());
+    assert_eq!(landed, pulled(&run(&base)), "every WRITE is a READ with its roles swapped");
+    for d in push["d_ranks"].as_array().expect("d_ranks") {
+        assert_eq!(d["writers"], serde_json::json!([0]), "{d}");
+        assert_eq!(d["expected_notifs"], 1);
+    }
+    // Qwen3-Next P1 -> D4 (2 KV heads): vLLM's push writes attention into decode ranks 0 and 2.
+    let base = [
+        "plan",
+        "--model",
+        "qwen3-next-80b-a3b",
+        "--p-tp",
+        "1",
+        "--d-tp",
+        "4",
+        "--block-size",
+        "544",
+        "--prompt-len",
+        "2048",
+    ];
+    let vllm = run(&[&base[..], &["--mode", "push"]].concat());
+    let skipped: Vec<bool> = vllm["p_ranks"][0]["writes"]
+        .as_array()
+        .expect("writes")
+        .iter()
+        .map(|w| w["attention_skipped"].as_bool().expect("bool"))
+        .collect();
+    assert_eq!(skipped, [false, true, false, true]);
+    let every = run(&[&base[..], &["--mode", "push", "--push-attention", "every-rank"]].concat());
+    assert_eq!(every["push_attention"], "every-rank");
+    let pull = pulled(&run(&base));
+    assert_eq!(pushed(&every), pull, "every rank's head written, as pull reads it");
+    let (with_rule, all) = (pushed(&vllm), pull);
+    assert!(with_rule.len() < all.len() && with_rule.iter().all(|(k, v)| all.get(k) == Some(v)));
+    let table = crate::common::kvx().args(&base).args(["--mode", "push"]).output().expect("kvx runs");
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("D1, D3 get their state but no attention"), "{text}");
+    // The rank map alone says the same.
+    let topo = run(&[
+        "topo",
+        "--model",
+        "qwen3-next-80b-a3b",
+        "--p-tp",
+        "1",
+        "--d-tp",
+        "4",
+        "--block-size",
+        "544",
+        "--mode",
+        "push",
+    ]);
+    let groups: Vec<Value> = topo["push"]["p_ranks"][0]["writes"]
+        .as_array()
+        .expect("writes")
+        .iter()
+        .map(|w| w["groups"].clone())
+        .collect();
+    let (all, state) = (serde_json::json!([0, 1, 2, 3]), serde_json::json!([0, 1, 2]));
+    assert_eq!(groups, [all.clone(), state.clone(), all, state]);
+    assert_eq!(topo["push"]["d_ranks"][1]["attention_skipped"], true);
+    // Push's own refusal (kernel blocks differ at P4 -> D2), and the switch where it does not apply.
+    for (args, flag) in [
+        (
+            &[
+                "plan",
+                "--model",
+                "qwen3-next-80b-a3b",
+                "--p-tp",
+                "4",
+                "--d-tp",
+                "2",
+                "--prompt-len",
+                "64",
+                "--mode",
+                "push",
+            ][..],
+            "--mode",
+        ),
+        (
+            &["topo", "--model", "qwen3-next-80b-a3b", "--p-tp", "4", "--d-tp", "2", "--mode", "push"][..],
+            "--mode",
+        ),
+        (
+            &["topo", "--model", "llama-3.1-8b", "--mode", "push", "--push-attention", "every-rank"][..],
+            "--push-attention",
+        ),
+        (&["topo", "--model", "nemotron-h-8b", "--push-attention", "every-rank"][..], "--push-attention"),
+    ] {
+        let out = crate::common::kvx().args(args).output().expect("kvx runs");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{args:?} names {flag}: {err}");
     }
 }
 
