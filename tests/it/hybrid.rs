@@ -1102,7 +1102,7 @@ fn kvx_plan_and_topo_of_a_hybrid_model_in_push_mode() {
     assert_eq!(pushed(&every), pull, "every rank's head written, as pull reads it");
     let (with_rule, all) = (pushed(&vllm), pull);
     assert!(with_rule.len() < all.len() && with_rule.iter().all(|(k, v)| all.get(k) == Some(v)));
-    let table = crate::common::kvx().args(&base).args(["--mode", "push"]).output().expect("kvx runs");
+    let table = crate::common::kvx().args(base).args(["--mode", "push"]).output().expect("kvx runs");
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(text.contains("D1, D3 get their state but no attention"), "{text}");
     // The rank map alone says the same.
