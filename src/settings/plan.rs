@@ -352,6 +352,13 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
                 .into_iter()
                 .find(|&b| b != crate::layouts::hybrid::KvBufferDevice::Cuda);
             if let Some(b) = staged {
+                if args.scenario.is_some() {
+                    return Err(ConfigError::new(
+                        "--mode",
+                        "this --scenario case stages the KV through a host buffer, which push does not (kvx \
+                         stages for pull mode only, as vLLM's NixlConnector): use --mode pull",
+                    ));
+                }
                 super::workers::check_kv_buffer(
                     b,
                     TransferMode::Push,

@@ -1128,6 +1128,26 @@ fn kvx_plan_and_topo_of_a_hybrid_model_in_push_mode() {
     let (all, state) = (serde_json::json!([0, 1, 2, 3]), serde_json::json!([0, 1, 2]));
     assert_eq!(groups, [all.clone(), state.clone(), all, state]);
     assert_eq!(topo["push"]["d_ranks"][1]["attention_skipped"], true);
+    // An oracle case read as push: the same bytes as its READs; a host-buffer case is refused.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let doc = oracle();
+    for (name, ok) in [("mamba2_nemotronh_P1_D2", true), ("mamba2_nemotronh_hostbuf_P1_D1", false)] {
+        let case = doc["cases"].as_array().expect("cases").iter().find(|c| c["name"] == name).expect("case");
+        let path = dir.path().join(format!("{name}.json"));
+        std::fs::write(&path, serde_json::to_vec(case).expect("json")).expect("write case");
+        let path = path.to_str().expect("utf-8 path");
+        if ok {
+            let push = run(&["plan", "--scenario", path, "--mode", "push"]);
+            assert_eq!(pushed(&push), pulled(&run(&["plan", "--scenario", path])), "{name}");
+        } else {
+            let out = crate::common::kvx()
+                .args(["plan", "--scenario", path, "--mode", "push"])
+                .output()
+                .expect("kvx");
+            assert_eq!(out.status.code(), Some(2), "{name}");
+            assert!(String::from_utf8_lossy(&out.stderr).contains("--mode"), "{name}");
+        }
+    }
     // Push's own refusal (kernel blocks differ at P4 -> D2), and the switch where it does not apply.
     for (args, flag) in [
         (
