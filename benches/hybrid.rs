@@ -13,12 +13,19 @@
 //!   many descriptors as the Qwen3-Next plan (its hybrid blocks are 34x larger, so 32k tokens
 //!   make a small plan, where the fixed cost of a request weighs more per descriptor): the
 //!   like-with-like reference for that plan; `-128k` likewise for the 128k plan.
+//!
+//! And the fill by meaning a hybrid bench's prefill writes and decode checks
+//! (`fill_by_meaning`): prefill rank 0's blocks of a 2,048-token Qwen3-Next request at P4 -> D2
+//! (`bench-configs/hybrid-qwen3-next.toml`), range by range into one buffer reused (so the
+//! figure is the pattern's cost, not memory's), against `memset` of the same ranges.
 
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvx::layouts::alloc::{AllocPattern, allocate};
 use kvx::layouts::compat::PairSpec;
+use kvx::layouts::hybrid::blocks::RequestShape;
+use kvx::layouts::hybrid::coverage::RequestFill;
 use kvx::layouts::hybrid::geometry::kv_groups;
 use kvx::layouts::hybrid::{HybridEngine, HybridPlanner, HybridRequest, PairConfig, preset};
 use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
@@ -108,5 +115,45 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+fn fill(c: &mut Criterion) {
+    let tokens = 2048;
+    let config = PairConfig {
+        model: preset("qwen3-next-80b-a3b").expect("preset"),
+        p: HybridEngine::new(4, 97),
+        d: HybridEngine::new(2, 49),
+        permute_local_kv: false,
+        state_slices: Default::default(),
+        host_copy: Default::default(),
+        push_attention: Default::default(),
+    };
+    let planner = HybridPlanner::new(&config).expect("accepted pair");
+    let shape = RequestShape::of(&planner.p);
+    let flat: Vec<u32> = (1..=shape.blocks(tokens, 0)).collect();
+    let lists = shape.lists(tokens, 0, &flat).expect("lists");
+    let request = RequestFill::new(&planner.p, 0, &lists, shape.tokens(tokens, 0).p_computed_tokens, 7);
+    let ranges = request.ranges();
+    let total: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+    let longest = ranges.iter().map(|r| r.end - r.start).max().unwrap_or(0) as usize;
+    let mut buf = vec![0u8; longest];
+    let mut g = c.benchmark_group("fill_by_meaning");
+    g.sample_size(20);
+    g.throughput(Throughput::Bytes(total));
+    g.bench_function("hybrid/qwen3-next-80b-a3b-p4-rank0", |b| {
+        b.iter(|| {
+            for (i, r) in ranges.iter().enumerate() {
+                black_box(request.fill(i, &mut buf[..(r.end - r.start) as usize]));
+            }
+        })
+    });
+    g.bench_function("memset/same-ranges", |b| {
+        b.iter(|| {
+            for r in &ranges {
+                black_box(&mut buf[..(r.end - r.start) as usize]).fill(0x5a);
+            }
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench, fill);
 criterion_main!(benches);
