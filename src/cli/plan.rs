@@ -339,9 +339,9 @@ struct HybridDRankJson<'a> {
     notifs_only: &'a [(u32, String)],
 }
 
+/// What both hybrid views' JSON open with: the pair's sizes and the request's lists.
 #[derive(Debug, Serialize)]
-struct HybridPlanJson<'a> {
-    status: &'static str,
+struct HybridRequestJson<'a> {
     name: &'a str,
     vllm_version: &'static str,
     /// Prefill's and decode's aligned block size (tokens) and padded page (bytes).
@@ -350,10 +350,35 @@ struct HybridPlanJson<'a> {
     p_page_bytes: u64,
     d_page_bytes: u64,
     tokens: &'a crate::layouts::hybrid::blocks::TokenCounts,
-    /// What prefill sends (one list per KV cache group) and decode fills, after clipping.
+    /// What prefill sends (one list per KV cache group) and decode fills (or, in push mode,
+    /// registers), after clipping.
     remote_block_ids: &'a [Vec<u32>],
     local_block_ids: &'a [Vec<u32>],
     clipping: &'a [crate::layouts::hybrid::descriptors::GroupClipping],
+}
+
+impl<'a> HybridRequestJson<'a> {
+    fn new(name: &'a str, planner: &HybridPlanner, plan: &'a crate::layouts::hybrid::HybridPlan) -> Self {
+        HybridRequestJson {
+            name,
+            vllm_version: HYBRID_VLLM,
+            p_block_size: planner.p.sizing.block_tokens,
+            d_block_size: planner.d.sizing.block_tokens,
+            p_page_bytes: planner.p.sizing.page_bytes,
+            d_page_bytes: planner.d.sizing.page_bytes,
+            tokens: &plan.tokens,
+            remote_block_ids: &plan.blocks.remote_block_ids,
+            local_block_ids: &plan.blocks.local_block_ids,
+            clipping: &plan.clipping,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct HybridPlanJson<'a> {
+    status: &'static str,
+    #[serde(flatten)]
+    request: HybridRequestJson<'a>,
     d_ranks: Vec<HybridDRankJson<'a>>,
     /// `--state-slices exact`: state slices read by kvx's rule, not vLLM's (absent: vLLM's).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -444,16 +469,7 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
                 .collect();
             let out = HybridPlanJson {
                 status: "ok",
-                name: &case.name,
-                vllm_version: HYBRID_VLLM,
-                p_block_size: planner.p.sizing.block_tokens,
-                d_block_size: planner.d.sizing.block_tokens,
-                p_page_bytes: planner.p.sizing.page_bytes,
-                d_page_bytes: planner.d.sizing.page_bytes,
-                tokens: &plan.tokens,
-                remote_block_ids: &plan.blocks.remote_block_ids,
-                local_block_ids: &plan.blocks.local_block_ids,
-                clipping: &plan.clipping,
+                request: HybridRequestJson::new(&case.name, &planner, &plan),
                 d_ranks,
                 state_slices: (case.pair.state_slices != crate::layouts::hybrid::StateSlices::Vllm)
                     .then_some(case.pair.state_slices),
@@ -502,18 +518,8 @@ struct HybridPRankJson {
 struct HybridPushPlanJson<'a> {
     status: &'static str,
     mode: &'static str,
-    name: &'a str,
-    vllm_version: &'static str,
-    p_block_size: u32,
-    d_block_size: u32,
-    p_page_bytes: u64,
-    d_page_bytes: u64,
-    tokens: &'a crate::layouts::hybrid::blocks::TokenCounts,
-    /// Prefill's lists (its blocks, one list per group) and the lists decode registers, after
-    /// clipping.
-    remote_block_ids: &'a [Vec<u32>],
-    local_block_ids: &'a [Vec<u32>],
-    clipping: &'a [crate::layouts::hybrid::descriptors::GroupClipping],
+    #[serde(flatten)]
+    request: HybridRequestJson<'a>,
     p_ranks: Vec<HybridPRankJson>,
     d_ranks: Vec<PushDRankJson>,
     /// `--push-attention every-rank` (absent: vLLM's rule).
@@ -561,16 +567,7 @@ fn run_hybrid_push(
             let out = HybridPushPlanJson {
                 status: "ok",
                 mode: "push",
-                name: &case.name,
-                vllm_version: HYBRID_VLLM,
-                p_block_size: planner.p.sizing.block_tokens,
-                d_block_size: planner.d.sizing.block_tokens,
-                p_page_bytes: planner.p.sizing.page_bytes,
-                d_page_bytes: planner.d.sizing.page_bytes,
-                tokens: &plan.tokens,
-                remote_block_ids: &plan.blocks.remote_block_ids,
-                local_block_ids: &plan.blocks.local_block_ids,
-                clipping: &plan.clipping,
+                request: HybridRequestJson::new(&case.name, planner, plan),
                 p_ranks: per_p
                     .iter()
                     .map(|(p, ws)| HybridPRankJson {

@@ -298,14 +298,7 @@ pub fn render_hybrid(
     }
     out.push_str(&reads.to_string());
     out.push_str(&format!("\ntotal: {total_descs} descriptors, {}\n", bytes_text(total_bytes)));
-    // The plan's findings include the planner's (those that hold for every request).
-    let findings: Vec<_> = plan.findings.iter().collect();
-    if !findings.is_empty() {
-        out.push_str(&format!("\nwhere vLLM 0.33's rules move the wrong bytes ({}):\n", findings.len()));
-        for f in findings {
-            out.push_str(&format!("  {f:?}\n"));
-        }
-    }
+    out.push_str(&findings_text(plan));
     out
 }
 
@@ -368,13 +361,7 @@ pub fn render_hybrid_push(
             ranks.join(", ")
         ));
     }
-    let findings: Vec<_> = plan.findings.iter().collect();
-    if !findings.is_empty() {
-        out.push_str(&format!("\nwhere vLLM 0.33's rules move the wrong bytes ({}):\n", findings.len()));
-        for f in findings {
-            out.push_str(&format!("  {f:?}\n"));
-        }
-    }
+    out.push_str(&findings_text(plan));
     out
 }
 
@@ -439,5 +426,18 @@ fn hybrid_heading(
     }
     out.push_str(&groups.to_string());
     out.push('\n');
+    out
+}
+
+/// Where vLLM's rules move the wrong bytes in `plan` (its findings include the planner's, those
+/// that hold for every request); empty when nowhere.
+fn findings_text(plan: &crate::layouts::hybrid::HybridPlan) -> String {
+    if plan.findings.is_empty() {
+        return String::new();
+    }
+    let mut out = format!("\nwhere vLLM 0.33's rules move the wrong bytes ({}):\n", plan.findings.len());
+    for f in &plan.findings {
+        out.push_str(&format!("  {f:?}\n"));
+    }
     out
 }
