@@ -550,7 +550,7 @@ fn run_hybrid_push(
     let waits: Vec<(u32, Vec<u32>, u32)> = (0..d_tp)
         .filter(|&d| shown(d))
         .map(|d| {
-            let writers = (0..p_tp).filter(|&p| push::write_ranks(p_tp, d_tp, p).contains(&d)).collect();
+            let writers = push::writers(p_tp, d_tp, d);
             (d, writers, push::expected_notifs(p_tp, d_tp))
         })
         .collect();

@@ -247,7 +247,7 @@ fn hybrid_push_map(planner: &crate::layouts::hybrid::HybridPlanner) -> crate::re
         .map(|r| HybridPushDRankJson {
             d_rank: r.d_rank,
             registers_with: r.handshake_ranks.to_vec(),
-            written_by: (0..p_tp).filter(|&p| push::write_ranks(p_tp, d_tp, p).contains(&r.d_rank)).collect(),
+            written_by: push::writers(p_tp, d_tp, r.d_rank),
             expected_notifs: push::expected_notifs(p_tp, d_tp),
             attention_skipped: push::attention_skipped(config, r.d_rank),
         })

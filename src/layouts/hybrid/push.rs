@@ -55,6 +55,12 @@ pub fn write_ranks(p_tp: u32, d_tp: u32, p_rank: u32) -> Vec<u32> {
     }
 }
 
+/// The prefill ranks that write into decode rank `d_rank` (those whose [`write_ranks`] hold it),
+/// ascending.
+pub fn writers(p_tp: u32, d_tp: u32, d_rank: u32) -> Vec<u32> {
+    (0..p_tp).filter(|&p| write_ranks(p_tp, d_tp, p).contains(&d_rank)).collect()
+}
+
 /// Notifications a decode rank counts per request (`pp * max(1, P_TP / D_TP)`, one per WRITE
 /// into it).
 pub fn expected_notifs(p_tp: u32, d_tp: u32) -> u32 {
