@@ -332,24 +332,85 @@ pub struct PairRun {
     /// The KV cache group whose blocks the run reads (decode's list; `remote_group` prefill's).
     pub group: u32,
     pub remote_group: u32,
-    /// The run's first pair in [`HybridRead::pairs`], and how many pairs it has.
-    pub start: usize,
-    pub count: usize,
+    /// The run's first pair in [`HybridRead::pairs`], and how many pairs it has (`u32`: a
+    /// READ of 2^32 pairs would hold 96 GiB of them; 32-byte runs are what a state group's
+    /// one-pair runs cost to write).
+    pub start: u32,
+    pub count: u32,
     /// Where the run's blocks start in `local_blocks[group]` and `remote_blocks[remote_group]`.
-    pub local_at: usize,
-    pub remote_at: usize,
+    pub local_at: u32,
+    pub remote_at: u32,
+}
+
+impl PairRun {
+    /// The run's pairs' indices in [`HybridRead::pairs`].
+    pub fn pairs(&self) -> std::ops::Range<usize> {
+        self.start as usize..(self.start + self.count) as usize
+    }
+
+    /// The run's blocks' indices in the local (`remote`: the remote) list of its group.
+    fn blocks(&self, remote: bool) -> std::ops::Range<usize> {
+        let at = if remote { self.remote_at } else { self.local_at } as usize;
+        at..at + self.count as usize
+    }
+}
+
+/// Runs of one READ as the planner writes them: one run (`rows` of one label), or one run per
+/// row of a template's span over whole lists (`rows` labels, `count` pairs each, one after
+/// the other). A span's labels are the planner's, shared: a state group's rows read one slot
+/// each, and writing a run per row cost what writing their pairs did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RunBatch {
+    rows: Rows,
+    group: u32,
+    remote_group: u32,
+    start: u32,
+    count: u32,
+    local_at: u32,
+    remote_at: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Rows {
+    One(RowLabel),
+    Span(Arc<[RowLabel]>),
+}
+
+impl RunBatch {
+    fn one(run: PairRun) -> RunBatch {
+        let PairRun { label, group, remote_group, start, count, local_at, remote_at } = run;
+        RunBatch { rows: Rows::One(label), group, remote_group, start, count, local_at, remote_at }
+    }
+
+    fn runs(&self) -> impl Iterator<Item = PairRun> + '_ {
+        let labels = match &self.rows {
+            Rows::One(label) => std::slice::from_ref(label),
+            Rows::Span(labels) => &labels[..],
+        };
+        (0u32..).zip(labels).map(move |(j, &label)| PairRun {
+            label,
+            group: self.group,
+            remote_group: self.remote_group,
+            start: self.start + j * self.count,
+            count: self.count,
+            local_at: self.local_at,
+            remote_at: self.remote_at,
+        })
+    }
 }
 
 /// One READ: every pair a decode rank reads from one prefill rank, in posting order. The
 /// pairs are plain (as the uniform planner's); what each reads is kept per run of a row
-/// ([`PairRun`]) and [`HybridRead::labeled`] gives it back pair by pair.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// ([`PairRun`], [`HybridRead::runs`]) and [`HybridRead::labeled`] gives it back pair by pair.
+/// Two READs are equal when they read the same pairs with the same runs, however batched.
+#[derive(Debug, Clone, Serialize)]
 pub struct HybridRead {
     pub p_rank: u32,
     pub notif_msg: String,
     pub pairs: Vec<Pair>,
-    /// What the pairs read: runs covering `pairs` in order.
-    pub runs: Vec<PairRun>,
+    /// What the pairs read: runs covering `pairs` in order, batched.
+    #[serde(rename = "runs", serialize_with = "serialize_runs")]
+    batches: Vec<RunBatch>,
     /// Kernel block ids per group on each side, as the READs' descriptor ids take them: the
     /// request's paired lists, shared by every READ of the plan (a READ's runs reach only the
     /// groups its prefill rank serves).
@@ -357,13 +418,32 @@ pub struct HybridRead {
     pub remote_blocks: Arc<GroupIds>,
 }
 
+fn serialize_runs<S: serde::Serializer>(batches: &[RunBatch], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(batches.iter().flat_map(RunBatch::runs))
+}
+
+impl PartialEq for HybridRead {
+    fn eq(&self, other: &Self) -> bool {
+        (self.p_rank, &self.notif_msg, &self.pairs, &self.local_blocks, &self.remote_blocks)
+            == (other.p_rank, &other.notif_msg, &other.pairs, &other.local_blocks, &other.remote_blocks)
+            && self.runs().eq(other.runs())
+    }
+}
+
+impl Eq for HybridRead {}
+
 impl HybridRead {
+    /// What the pairs read: runs covering `pairs` in order.
+    pub fn runs(&self) -> impl Iterator<Item = PairRun> + '_ {
+        self.batches.iter().flat_map(RunBatch::runs)
+    }
+
     /// Every pair with what it reads, in posting order.
     pub fn labeled(&self) -> impl Iterator<Item = LabeledPair> + '_ {
-        self.runs.iter().flat_map(move |r| {
-            let local = &self.local_blocks[r.group as usize][r.local_at..r.local_at + r.count];
-            let remote = &self.remote_blocks[r.remote_group as usize][r.remote_at..r.remote_at + r.count];
-            self.pairs[r.start..r.start + r.count].iter().zip(local.iter().zip(remote)).map(
+        self.runs().flat_map(move |r| {
+            let local = &self.local_blocks[r.group as usize][r.blocks(false)];
+            let remote = &self.remote_blocks[r.remote_group as usize][r.blocks(true)];
+            self.pairs[r.pairs()].iter().zip(local.iter().zip(remote)).map(
                 move |(&pair, (&local_block, &remote_block))| LabeledPair {
                     label: r.label,
                     group: r.group,
@@ -382,9 +462,12 @@ impl HybridRead {
 
     /// Appends `count` pairs starting at `start` to the runs, extending the last run when
     /// they continue it.
+    /// (A span's batch runs over whole lists: a run after it starts no further than the
+    /// list's end, so nothing continues it.)
     fn push_run(&mut self, run: PairRun) {
-        if let Some(last) = self.runs.last_mut()
-            && (last.label, last.group, last.remote_group) == (run.label, run.group, run.remote_group)
+        if let Some(last) = self.batches.last_mut()
+            && last.rows == Rows::One(run.label)
+            && (last.group, last.remote_group) == (run.group, run.remote_group)
             && last.start + last.count == run.start
             && last.local_at + last.count == run.local_at
             && last.remote_at + last.count == run.remote_at
@@ -392,7 +475,7 @@ impl HybridRead {
             last.count += run.count;
             return;
         }
-        self.runs.push(run);
+        self.batches.push(RunBatch::one(run));
     }
 }
 
@@ -453,9 +536,9 @@ impl DRankPlan {
     pub fn bytes_by_group(&self, groups: usize) -> Vec<u64> {
         let mut out = vec![0; groups];
         for read in &self.reads {
-            for run in &read.runs {
+            for run in read.runs() {
                 if let Some(b) = out.get_mut(run.group as usize) {
-                    *b += read.pairs[run.start..run.start + run.count].iter().map(|p| p.len).sum::<u64>();
+                    *b += read.pairs[run.pairs()].iter().map(|p| p.len).sum::<u64>();
                 }
             }
         }
@@ -592,11 +675,13 @@ struct ReadTemplate {
 
 /// Consecutive aligned run pairs `start..end` of one group, and what whole lists must stay
 /// under to take the fast way for all of them at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Span {
     group: u32,
     start: usize,
     end: usize,
+    /// The run pairs' labels, in order (what the span's runs read).
+    labels: Arc<[RowLabel]>,
     /// Every run pair of the span takes the fast way (see [`RowPair::fast`]).
     fast: bool,
     /// The lowest `lcap` and `rcap` over the span.
@@ -620,11 +705,16 @@ impl Span {
                     group: rp.group,
                     start: k,
                     end: k + 1,
+                    labels: Arc::new([]),
                     fast: rp.fast,
                     lcap: rp.lcap,
                     rcap: rp.rcap,
                 }),
             }
+        }
+        for s in &mut out {
+            let rps = &pairs[s.start..s.end];
+            s.labels = rps.iter().map(|rp| rp.label).collect();
         }
         out
     }
@@ -637,11 +727,11 @@ impl Span {
     }
 
     /// Every pair of the span's run pairs `rps` over whole lists `ls` and `rs` (which
-    /// [`fits`](Self::fits)), run pair by run pair, with one run each.
+    /// [`fits`](Self::fits)), run pair by run pair, with one run each (one batch).
     // Not inlined: inside `plan_ranks` the pair loop's values spilled to the stack (measured
     // in `benches/hybrid.rs`: Qwen3-Next 15% and gpt-oss 25% faster on their own).
     #[inline(never)]
-    fn emit(rps: &[RowPair], read: &mut HybridRead, (ls, rs): (&[u64], &[u64])) {
+    fn emit(&self, rps: &[RowPair], read: &mut HybridRead, (ls, rs): (&[u64], &[u64])) {
         let start = read.pairs.len();
         let n = ls.len();
         let at = |o: u64, b: u64, st: u64| o.wrapping_add(b.wrapping_mul(st));
@@ -653,24 +743,32 @@ impl Span {
             }));
         } else {
             for rp in rps {
-                // In locals, so the loop keeps them in registers.
-                let RowPair { local, lstride, remote, rstride, len, .. } = *rp;
-                read.pairs.extend(ls.iter().zip(rs).map(|(&lb, &rb)| Pair {
-                    local: at(local, lb, lstride),
-                    remote: at(remote, rb, rstride),
-                    len,
-                }));
+                Self::row(rp, read, (ls, rs));
             }
         }
         // Whole lists start at their first block: nothing to merge with the run before.
-        read.runs.extend(rps.iter().enumerate().map(|(j, rp)| PairRun {
-            label: rp.label,
-            group: rp.group,
-            remote_group: rp.group,
-            start: start + j * n,
-            count: n,
+        read.batches.push(RunBatch {
+            rows: Rows::Span(self.labels.clone()),
+            group: self.group,
+            remote_group: self.group,
+            start: start as u32,
+            count: n as u32,
             local_at: 0,
             remote_at: 0,
+        });
+    }
+}
+
+impl Span {
+    /// The pairs of run pair `rp` over whole lists `ls` and `rs`.
+    #[inline(always)]
+    fn row(rp: &RowPair, read: &mut HybridRead, (ls, rs): (&[u64], &[u64])) {
+        // In locals, so the loop keeps them in registers.
+        let RowPair { local, lstride, remote, rstride, len, .. } = *rp;
+        read.pairs.extend(ls.iter().zip(rs).map(|(&lb, &rb)| Pair {
+            local: local.wrapping_add(lb.wrapping_mul(lstride)),
+            remote: remote.wrapping_add(rb.wrapping_mul(rstride)),
+            len,
         }));
     }
 }
@@ -724,12 +822,12 @@ impl RowPair {
             }));
         }
         // Whole lists start at their first block: nothing to merge with the run before.
-        read.runs.push(PairRun {
-            label: self.label,
+        read.batches.push(RunBatch {
+            rows: Rows::One(self.label),
             group: self.group,
             remote_group: self.group,
-            start,
-            count: ls.len(),
+            start: start as u32,
+            count: ls.len() as u32,
             local_at: 0,
             remote_at: 0,
         });
@@ -1177,7 +1275,11 @@ impl HybridPlanner {
                 p_rank,
                 notif_msg: notif.clone(),
                 pairs: Vec::with_capacity(nl),
-                runs: Vec::with_capacity(t.runs[0].len()),
+                batches: Vec::with_capacity(if t.aligned.is_some() {
+                    t.spans.len()
+                } else {
+                    t.runs[0].len()
+                }),
                 local_blocks: lists.lists[0].clone(),
                 remote_blocks: lists.lists[1].clone(),
             };
@@ -1204,7 +1306,7 @@ impl HybridPlanner {
                     let bounds = (&lists.bounds[0][g], &lists.bounds[1][g]);
                     let rps = &pairs[span.start..span.end];
                     if span.fits(bounds) {
-                        Span::emit(rps, &mut read, (ls, rs));
+                        span.emit(rps, &mut read, (ls, rs));
                         continue;
                     }
                     for (k, rp) in (span.start..).zip(rps) {
@@ -1269,10 +1371,10 @@ impl HybridPlanner {
             label,
             group: lr.group,
             remote_group: rr.group,
-            start,
-            count: n,
-            local_at: chunk.local_at,
-            remote_at: chunk.remote_at,
+            start: start as u32,
+            count: n as u32,
+            local_at: chunk.local_at as u32,
+            remote_at: chunk.remote_at as u32,
         };
         if n == 0 {
             return Ok(());
@@ -1383,9 +1485,9 @@ impl HybridPlanner {
             let one = PairRun {
                 label,
                 count: 1,
-                start: read.pairs.len(),
-                local_at: chunk.local_at + j,
-                remote_at: chunk.remote_at + j,
+                start: read.pairs.len() as u32,
+                local_at: (chunk.local_at + j) as u32,
+                remote_at: (chunk.remote_at + j) as u32,
                 ..run(label)
             };
             read.pairs.push(Pair { local: loff, remote: roff, len: llen });
@@ -1499,8 +1601,8 @@ fn whole_lists(
         label: lrow.label,
         group: chunk.local.group,
         remote_group: chunk.remote.group,
-        start: read.pairs.len(),
-        count: chunk.n,
+        start: read.pairs.len() as u32,
+        count: chunk.n as u32,
         local_at: 0,
         remote_at: 0,
     };

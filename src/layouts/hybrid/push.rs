@@ -170,14 +170,14 @@ pub fn writes(planner: &HybridPlanner, plan: &HybridPlan, p_rank: u32) -> Vec<Hy
         let own = rank.reads.iter().find(|r| r.p_rank == p_rank);
         let mut own_attention = false;
         if let Some(read) = own {
-            for run in &read.runs {
+            for run in read.runs() {
                 let attention = run.label.kind == RowKind::AttnPage;
                 own_attention |= attention;
                 if attention && skip {
                     continue;
                 }
                 w.groups.push(run.group);
-                w.pairs.extend(read.pairs[run.start..run.start + run.count].iter().map(transposed));
+                w.pairs.extend(read.pairs[run.pairs()].iter().map(transposed));
             }
         }
         // Heads replicated over prefill ranks: pull reads the head from one of them, push has
@@ -186,13 +186,13 @@ pub fn writes(planner: &HybridPlanner, plan: &HybridPlan, p_rank: u32) -> Vec<Hy
             let reader = rank.reads.iter().find(|r| {
                 r.p_rank != p_rank
                     && head(r.p_rank) == head(p_rank)
-                    && r.runs.iter().any(|x| x.label.kind == RowKind::AttnPage)
+                    && r.runs().any(|x| x.label.kind == RowKind::AttnPage)
             });
             if let Some(read) = reader {
                 let before = w.pairs.len();
-                for run in read.runs.iter().filter(|x| x.label.kind == RowKind::AttnPage) {
+                for run in read.runs().filter(|x| x.label.kind == RowKind::AttnPage) {
                     w.groups.push(run.group);
-                    w.pairs.extend(read.pairs[run.start..run.start + run.count].iter().map(transposed));
+                    w.pairs.extend(read.pairs[run.pairs()].iter().map(transposed));
                 }
                 w.duplicate_pairs = w.pairs.len() - before;
             }

@@ -143,13 +143,13 @@ fn parts_read(
     use crate::layouts::hybrid::descriptors::RowKind;
     let mut runs = Vec::new();
     for read in &rank.reads {
-        for run in &read.runs {
+        for run in read.runs() {
             let part = match run.label.kind {
                 RowKind::AttnPage => "attention".to_string(),
                 RowKind::State(p) => p.label(),
             };
             let kind = planner.d.groups.get(run.group as usize).map_or("", |g| g.kind.vllm_spec());
-            let bytes: u64 = read.pairs[run.start..run.start + run.count].iter().map(|p| p.len).sum();
+            let bytes: u64 = read.pairs[run.pairs()].iter().map(|p| p.len).sum();
             let sent = blocks.local_block_ids.get(run.group as usize).map_or(0, |l| l.len() as u64);
             let clipped_bytes = match sent {
                 0 => 0,
@@ -160,7 +160,7 @@ fn parts_read(
                 kind: kind.to_string(),
                 part,
                 bytes,
-                descriptors: run.count as u64,
+                descriptors: u64::from(run.count),
                 clipped_bytes,
             });
         }
