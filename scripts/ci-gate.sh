@@ -15,12 +15,20 @@
 # 1.29x, see bench-configs/gates.toml). No fixed figure is every machine's yardstick, so the gate
 # rebuilds the commit that recorded BASELINE (`git log -1 -- BASELINE`), runs it and this build
 # alternately on this machine (reference first, then this build first, ...), and gates this
-# build against the reference run beside it, up to three pairs. The job fails only when every
-# pair regresses: a change that made kvx slower is slower next to its own past, on any machine.
+# build against the reference run beside it, raw (bench-configs/gates-beside.toml: the two runs
+# share the machine, so no calibration figure is divided by), up to three pairs. The job fails
+# only when every pair regresses: a change that made kvx slower is slower next to its own past,
+# on any machine. What one pair can tell apart on a shared 2-core machine
+# (results/docs/gate-beside, `REFERENCE=... THRESHOLDS="bench-configs/gates-beside.toml -"
+# scripts/gate-check.sh 6`): an unchanged build passed 5 of 6 pairs raw (4 of 6 normalised), a
+# staged `--slowdown 0.15` was flagged in 4 of 6 (5 of 6); so three pairs in a row fail an
+# unchanged build rarely, and catch a large regression more often than a marginal one.
 #
 # KVX (default ./target/release/kvx) is the build under test; CI_GATE_DIR (default
 # target/ci-gate) keeps every run, table and Markdown summary; CI_GATE_ATTEMPTS (default 3);
-# CI_GATE_BESIDE=1 skips step 1, to try step 2 on its own.
+# CI_GATE_BESIDE=1 skips step 1, to try step 2 on its own; CI_GATE_CURRENT_FLAGS adds flags to
+# this build's runs only (`--slowdown 0.15` stages a regression of known size, to see step 2
+# catch it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -ne 2 ]; then
@@ -36,13 +44,14 @@ ROOT=$PWD
 
 say() { echo "ci-gate ($(basename "$PRESET")): $*"; }
 
-bench() { # $1 = kvx binary, $2 = run directory; writes $2/summary.json
+read -r -a CURRENT_FLAGS <<< "${CI_GATE_CURRENT_FLAGS:-}"
+bench() { # $1 = kvx binary, $2 = run directory, rest = extra flags; writes $2/summary.json
   mkdir -p "$2"
-  "$1" bench --config "$PRESET" --results-dir "$2" --format json > "$2/summary.json"
+  "$1" bench --config "$PRESET" --results-dir "$2" --format json "${@:3}" > "$2/summary.json"
 }
 
-gate() { # $1 = baseline summary, $2 = run directory; prints the table, returns the gate's exit code
-  "$KVX" gate --baseline "$1" --current "$2/summary.json" --markdown "$2/gate.md"
+gate() { # $1 = baseline summary, $2 = run directory, rest = gate flags; prints the table, returns the gate's exit code
+  "$KVX" gate --baseline "$1" --current "$2/summary.json" --markdown "$2/gate.md" "${@:3}"
 }
 
 # Step 1: against the committed baseline.
@@ -50,7 +59,7 @@ rc=1
 [ "${CI_GATE_BESIDE:-0}" = 1 ] && ATTEMPTS_1=0 || ATTEMPTS_1=$ATTEMPTS
 for attempt in $(seq 1 "$ATTEMPTS_1"); do
   dir="$OUT/committed-$attempt"
-  if ! bench "$KVX" "$dir"; then
+  if ! bench "$KVX" "$dir" "${CURRENT_FLAGS[@]}"; then
     say "the benchmark failed (run kept in $dir)"
     exit 2
   fi
@@ -78,9 +87,9 @@ if [ "$sha" = "$(git rev-parse HEAD)" ] && git diff --quiet HEAD -- src Cargo.to
   exit 0
 fi
 short=$(git rev-parse --short=12 "$sha")
-say "rebuilding $short (the commit that recorded $BASELINE) to run beside this build"
 REF_BIN="$ROOT/target/ci-ref/kvx-$short"
 if [ ! -x "$REF_BIN" ]; then
+  say "building $short (the commit that recorded $BASELINE) to run beside this build"
   src=$(mktemp -d)
   trap 'git -C "$ROOT" worktree remove --force "$src" >/dev/null 2>&1; rm -rf "$src"' EXIT
   if ! git worktree add --quiet --detach "$src" "$sha" ||
@@ -102,11 +111,11 @@ for pair in $(seq 1 "$ATTEMPTS"); do
     if [ "$which" = ref ]; then
       bench "$REF_BIN" "$ref" || { say "the reference build $short failed to run the preset (kept in $ref)"; exit 2; }
     else
-      bench "$KVX" "$cur" || { say "the benchmark failed (run kept in $cur)"; exit 2; }
+      bench "$KVX" "$cur" "${CURRENT_FLAGS[@]}" || { say "the benchmark failed (run kept in $cur)"; exit 2; }
     fi
   done
   rc=0
-  gate "$ref/summary.json" "$cur" || rc=$?
+  gate "$ref/summary.json" "$cur" --thresholds bench-configs/gates-beside.toml || rc=$?
   if [ "$rc" -eq 0 ]; then
     say "no regression against $short run beside it (pair $pair): the committed baseline's machine differs from this one"
   fi
