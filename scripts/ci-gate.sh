@@ -31,6 +31,7 @@
 # catch it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PATH="$HOME/.cargo/bin:$PATH"
 if [ $# -ne 2 ]; then
   echo "usage: scripts/ci-gate.sh PRESET BASELINE" >&2
   exit 2
