@@ -25,12 +25,25 @@ struct BlockJob {
     origin: BlockOrigin,
 }
 
+/// Whether `--verify` with stride `stride` fills (prefill) and checks (decode) the block at
+/// position `pos` of the request's prompt in a region holding `content`: with stride 1 every
+/// block; otherwise one in `stride` of each region's blocks and of each position's regions,
+/// on a diagonal shifted by the request's seed. It depends only on what the block holds, so
+/// both sides choose the same blocks by themselves and prefill writes nothing decode does not
+/// read back.
+pub fn sampled(content: &BlockContent, pos: u64, seed: u64, stride: u32) -> bool {
+    let s = u64::from(stride.max(1));
+    let key = u64::from(content.layer.unwrap_or(0)) * 2 + u64::from(content.kv.unwrap_or(0));
+    s == 1 || (pos + key + seed % s) % s == 0
+}
+
 /// What a prefill rank writes for a request: the byte range of every (block, region) and
 /// the pattern it holds. Apply with [`FillPlan::fill`] to each range's bytes.
 #[derive(Debug, Clone)]
 pub struct FillPlan {
     contents: Vec<BlockContent>,
     jobs: Vec<BlockJob>,
+    block_tokens: u32,
 }
 
 impl FillPlan {
@@ -51,7 +64,21 @@ impl FillPlan {
                 jobs.push(BlockJob { range: off..off + r.block_len, content: ri, origin });
             }
         }
-        FillPlan { contents: regions.iter().map(|r| r.content.clone()).collect(), jobs }
+        FillPlan {
+            contents: regions.iter().map(|r| r.content.clone()).collect(),
+            jobs,
+            block_tokens: geom.block_tokens,
+        }
+    }
+
+    /// Only the blocks `--verify sample` with stride `stride` checks ([`sampled`]).
+    pub fn only(mut self, stride: u32) -> FillPlan {
+        let n = u64::from(self.block_tokens.max(1));
+        let contents = &self.contents;
+        self.jobs.retain(|j| {
+            sampled(&contents[j.content], u64::from(j.origin.first_token) / n, j.origin.seed, stride)
+        });
+        self
     }
 
     /// The byte ranges to write, in the order [`FillPlan::fill`] numbers them.
@@ -100,8 +127,8 @@ pub struct Verified {
 }
 
 /// What a decode rank checks for a request: the byte range of every (sub-block, region)
-/// it received, or every `sample`-th of them, and the pattern each must hold. Check with
-/// [`VerifyPlan::check`] against each range's bytes.
+/// it received, or with stride `sample` those [`sampled`] chooses, and the pattern each must
+/// hold. Check with [`VerifyPlan::check`] against each range's bytes.
 #[derive(Debug, Clone)]
 pub struct VerifyPlan {
     contents: Vec<BlockContent>,
@@ -110,8 +137,8 @@ pub struct VerifyPlan {
 
 impl VerifyPlan {
     /// `bp` pairs local sub-blocks with remote positions; `p_block_tokens` is the prefill
-    /// block size; with `sample` > 1 every `sample`-th (sub-block, region) is checked whole
-    /// (1 = everything), so sampling costs in proportion to what it checks.
+    /// block size; with `sample` > 1 the (sub-block, region)s [`sampled`] chooses are checked
+    /// whole (1 = everything), so sampling costs in proportion to what it checks.
     #[expect(clippy::too_many_arguments, reason = "each is an independent fact of the request")]
     pub fn new(
         geom: &RankGeometry,
@@ -124,14 +151,12 @@ impl VerifyPlan {
         sample: u32,
     ) -> VerifyPlan {
         let r = u64::from(bsr.max(1));
-        let sample = u64::from(sample.max(1));
-        let phase = seed % sample;
         let mut jobs = Vec::new();
         for (ri, region) in regions.iter().enumerate() {
             let sub_len = region.block_len / r;
             let sub_step = region.block_stride / r;
             for (i, &sub) in bp.local.iter().enumerate() {
-                if sample > 1 && (i as u64 * regions.len() as u64 + ri as u64) % sample != phase {
+                if !sampled(&region.content, (bp.first_remote_pos + i) as u64, seed, sample) {
                     continue;
                 }
                 let off = region.base_off + sub * sub_step;

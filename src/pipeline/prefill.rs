@@ -318,21 +318,23 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     // Nothing checks the bytes with --verify off: the pattern is not written, so
                     // this rank's CPU (a GPU's work, in a real prefill) does not compete with
                     // the reads of other requests.
-                    let write = cfg.verify != VerifyMode::Off;
-                    match &hybrid {
+                    // With --verify sample, only the blocks decode checks (the same set on both
+                    // sides: `coverage::Sample`, `verify::sampled`).
+                    let write = cfg.verify.stride();
+                    match (&hybrid, write) {
                         // Every block of every group, each byte by what it means (in the KV
                         // cache's layout, which a host buffer does not share).
-                        Some(g) => {
+                        (Some(g), _) => {
                             let cache = hybrid_cache.as_ref().unwrap_or(g);
                             lists = Some(fill_hybrid(filled, cache, cfg.rank, tokens, &blocks, seed, write)?);
                         }
-                        None if write => {
-                            let plan = FillPlan::new(&geom, &regions, &blocks, seed);
+                        (None, Some(stride)) => {
+                            let plan = FillPlan::new(&geom, &regions, &blocks, seed).only(stride);
                             filled
                                 .write_ranges(&plan.ranges(), |i, bytes| plan.fill(i, bytes))
                                 .stage("fill the request's blocks")?;
                         }
-                        None => {}
+                        (None, None) => {}
                     }
                     let fill_ns = t0.elapsed().as_nanos() as u64;
                     let mut save_ns = 0;
@@ -586,8 +588,8 @@ fn abandon(pusher: &mut Option<Pusher>, h: &mut Held, why: &str) {
 }
 
 /// Fills a hybrid request's blocks (a flat allocation of `blocks`, group after group) by
-/// meaning (when `write`): the per-group lists vLLM's allocator holds for `tokens` prompt
-/// tokens (returned).
+/// meaning, with `write` = `Some(stride)` the sample of one in `stride` that decode checks:
+/// the per-group lists vLLM's allocator holds for `tokens` prompt tokens (returned).
 fn fill_hybrid(
     pool: &mut KvBuffer,
     g: &crate::layouts::hybrid::geometry::EngineGeometry,
@@ -595,10 +597,10 @@ fn fill_hybrid(
     tokens: u32,
     blocks: &[u32],
     seed: u64,
-    write: bool,
+    write: Option<u32>,
 ) -> Result<Vec<Vec<u32>>, WorkerError> {
     use crate::layouts::hybrid::blocks::RequestShape;
-    use crate::layouts::hybrid::coverage::RequestFill;
+    use crate::layouts::hybrid::coverage::{RequestFill, Sample};
     let shape = RequestShape::of(g);
     let lists = shape.lists(tokens, 0, blocks).ok_or_else(|| WorkerError::Protocol {
         reason: format!(
@@ -607,10 +609,9 @@ fn fill_hybrid(
             blocks.len()
         ),
     })?;
-    if !write {
-        return Ok(lists);
-    }
-    let fill = RequestFill::new(g, rank, &lists, shape.tokens(tokens, 0).p_computed_tokens, seed);
+    let Some(stride) = write else { return Ok(lists) };
+    let fill = RequestFill::new(g, rank, &lists, shape.tokens(tokens, 0).p_computed_tokens, seed)
+        .only(&Sample::new(g, stride, seed));
     pool.write_ranges(&fill.ranges(), |i, bytes| {
         fill.fill(i, bytes);
     })

@@ -304,9 +304,9 @@ fn verified_label(s: &Summary) -> String {
         ),
         Some("full") => "bytes verified (every byte read)".to_string(),
         Some("sample") => format!(
-            // A hybrid model's decode ranks sample descriptors (every Nth), not blocks.
+            // A hybrid model's sample is one block in 16 of each layer (prefill fills those).
             "bytes verified (sampled {}, {:.1}% of bytes read)",
-            if hybrid { "descriptors" } else { "blocks" },
+            if hybrid { "layer blocks" } else { "blocks" },
             100.0 * ratio(s.bytes_verified as f64, s.bytes_read as f64)
         ),
         Some("off") => "bytes verified (verification off)".to_string(),

@@ -35,7 +35,8 @@ impl Role {
 pub enum VerifyMode {
     /// Every byte.
     Full,
-    /// One block (of one region) in 16, whole.
+    /// One block in 16, whole (hybrid models: 1 in 16 of each layer's blocks, the only ones
+    /// prefill fills).
     #[default]
     Sample,
     /// No check.

@@ -1292,30 +1292,7 @@ fn documented_findings_hold() {
 #[test]
 fn moved_bytes_land_where_the_model_expects_them_or_say_what_they_hold() {
     use kvx::layouts::hybrid::coverage::move_and_check;
-    let model = |n_groups: u32| -> HybridModel {
-        let text = format!(
-            r#"
-            name = "tiny-hybrid-g{n_groups}"
-            layers = ["mamba2", "full", "mamba2", "swa:64", "full+mamba2"]
-            [attention]
-            num_kv_heads = 4
-            head_dim = 64
-            dtype = "bf16"
-            [state]
-            kind = "mamba2"
-            num_heads = 8
-            head_dim = 32
-            d_state = 16
-            n_groups = {n_groups}
-            conv_kernel = 4
-            conv_dtype = "bf16"
-            ssm_dtype = "fp32"
-            "#
-        );
-        let m: HybridModel = toml::from_str(&text).expect("parses");
-        m.validate().expect("valid");
-        m
-    };
+    let model = tiny_mamba2;
     let run = |m: &HybridModel, p: u32, d: u32, slices| {
         let pl = HybridPlanner::new(&PairConfig {
             model: m.clone(),
@@ -1351,4 +1328,97 @@ fn moved_bytes_land_where_the_model_expects_them_or_say_what_they_hold() {
             assert!(r.bytes_checked > 0, "P{p} D{d}");
         }
     }
+}
+
+/// A tiny Mamba2 + attention model whose B and C have `n_groups` groups.
+fn tiny_mamba2(n_groups: u32) -> HybridModel {
+    let text = format!(
+        r#"
+        name = "tiny-hybrid-g{n_groups}"
+        layers = ["mamba2", "full", "mamba2", "swa:64", "full+mamba2"]
+        [attention]
+        num_kv_heads = 4
+        head_dim = 64
+        dtype = "bf16"
+        [state]
+        kind = "mamba2"
+        num_heads = 8
+        head_dim = 32
+        d_state = 16
+        n_groups = {n_groups}
+        conv_kernel = 4
+        conv_dtype = "bf16"
+        ssm_dtype = "fp32"
+        "#
+    );
+    let m: HybridModel = toml::from_str(&text).expect("parses");
+    m.validate().expect("valid");
+    m
+}
+
+/// `--verify sample` as the pipeline runs it: prefill fills only the sampled blocks (the rest
+/// of its pool stays zero) and decode checks only their pairs, each side choosing by itself.
+/// A plan that moves every byte right shows no wrong byte whatever the request's seed (the two
+/// sides agree on the sample), checks a small part of what `full` checks, and checks something
+/// over a few requests; a rule that misplaces bytes (vLLM's conv offsets with `n_groups` 1) is
+/// caught by some seeds, and only as what it is.
+#[test]
+fn a_sample_is_the_same_blocks_on_both_sides() {
+    use kvx::layouts::hybrid::coverage::{move_and_check, move_and_check_sampled};
+    let run = |m: &HybridModel, p: u32, d: u32, slices, seed: u64, stride: u32| {
+        let blocks = pool_blocks(m, 2200);
+        let pl = HybridPlanner::new(&PairConfig {
+            model: m.clone(),
+            p: HybridEngine::new(p, blocks),
+            d: HybridEngine::new(d, blocks),
+            permute_local_kv: false,
+            state_slices: slices,
+            host_copy: Default::default(),
+            push_attention: Default::default(),
+        })
+        .ok()?;
+        let plan = pl.plan(&simulated(&pl, 2100, 0), "req").expect("plan");
+        Some(if stride == 1 {
+            move_and_check(&pl, &plan, seed)
+        } else {
+            move_and_check_sampled(&pl, &plan, seed, stride)
+        })
+    };
+    let mut pairs_run = 0;
+    for name in ["qwen3-next-80b-a3b", "nemotron-h-8b", "falcon-h1-7b", "gpt-oss-120b", "granite-4.0-h-tiny"]
+    {
+        let m = preset(name).expect("preset");
+        for (p, d) in [(1, 2), (2, 1), (4, 2)] {
+            let Some(full) = run(&m, p, d, StateSlices::Exact, 1, 1) else { continue };
+            assert!(full.wrong.is_empty(), "{name} P{p} D{d}: {:?}", &full.wrong[..full.wrong.len().min(3)]);
+            let mut checked = 0;
+            for seed in 0..6 {
+                let r = run(&m, p, d, StateSlices::Exact, seed, 16).expect("accepted");
+                assert!(
+                    r.wrong.is_empty(),
+                    "{name} P{p} D{d} seed {seed}: {:?}",
+                    &r.wrong[..r.wrong.len().min(3)]
+                );
+                assert_eq!(r.bytes_moved, full.bytes_moved, "{name} P{p} D{d}: the same reads");
+                assert!(r.bytes_checked < full.bytes_checked / 4, "{name} P{p} D{d} seed {seed}: {r:?}");
+                checked += r.bytes_checked;
+            }
+            assert!(checked > 0, "{name} P{p} D{d}: six requests checked nothing");
+            pairs_run += 1;
+        }
+    }
+    assert!(pairs_run >= 10, "{pairs_run} model and TP pairs accepted");
+    let g1 = tiny_mamba2(1);
+    let caught: Vec<u64> = (0..16)
+        .filter(|&seed| {
+            let r = run(&g1, 1, 2, StateSlices::Vllm, seed, 16).expect("accepted");
+            assert!(
+                r.wrong.iter().all(|w| w.contains("mamba_conv_B bytes") || w.contains("mamba_conv_C bytes")),
+                "seed {seed}: only B and C land wrong: {:?}",
+                r.wrong
+            );
+            !r.wrong.is_empty()
+        })
+        .collect();
+    assert!(!caught.is_empty(), "no seed of 16 caught vLLM's conv offsets");
 }

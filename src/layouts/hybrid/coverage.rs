@@ -76,6 +76,8 @@ struct Run {
     pos: u64,
     /// Bytes left in this run from the decoded offset.
     left: u64,
+    /// The decoder layer of its meaning (0 without one).
+    layer: u32,
 }
 
 struct Side<'a> {
@@ -106,7 +108,9 @@ impl Side<'_> {
         let &(group, abs) =
             self.pos.by_id.get(&id).ok_or_else(|| format!("block {id} is not in the request"))?;
         let grp = &g.groups[group as usize];
-        let layer = grp.layers.get(region.index as usize).map(|l| l.name.clone());
+        let cache_layer = grp.layers.get(region.index as usize);
+        let layer = cache_layer.map(|l| l.name.clone());
+        let layer_index = cache_layer.map_or(0, |l| l.layer);
         let page_left = |unit: u64| unit - intra % unit;
         match (kind, grp.kind) {
             (RowKind::AttnPage, GroupKind::State(_))
@@ -139,6 +143,7 @@ impl Side<'_> {
                     meaning: layer.map(|layer| Meaning::Attn { layer, head }),
                     pos: token * c + byte,
                     left: left.min(page_left(sub_len)),
+                    layer: layer_index,
                 })
             }
             (RowKind::State(_), GroupKind::State(_)) => {
@@ -154,6 +159,7 @@ impl Side<'_> {
                     meaning: layer.map(|layer| Meaning::State { layer, part }),
                     pos: gbyte,
                     left: p.offset_bytes + p.len_bytes - intra,
+                    layer: layer_index,
                 })
             }
         }
@@ -404,26 +410,119 @@ fn pattern_word(key: u64, w: u64, seed: u64) -> u64 {
     pattern::word_at(run_key(key, seed), w)
 }
 
-/// Every block of `side`'s request in every region: `(offset, length, how its group reads it)`
-/// (a state block's parts, an attention block's kernel pages).
-fn block_ranges(side: &Side<'_>) -> Vec<(u64, u64, RowKind)> {
+/// One block of a side's request in one region.
+#[derive(Debug, Clone)]
+struct BlockRange {
+    off: u64,
+    len: u64,
+    /// How its group reads it: a state block's parts, an attention block's kernel pages.
+    kind: RowKind,
+    /// The decoder layer whose data it holds (`None`: its group has no layer in this region).
+    layer: Option<u32>,
+    /// The tokens it holds (attention).
+    tokens: std::ops::Range<u64>,
+}
+
+/// Every block of `side`'s request in every region.
+fn block_ranges(side: &Side<'_>) -> Vec<BlockRange> {
     let geo = side.geo;
     let ppl = u64::from(geo.physical_per_logical);
+    let bt = u64::from(geo.sizing.block_tokens);
     let mut ranges = Vec::new();
     for region in &geo.regions {
-        for (&id, &(group, _)) in &side.pos.by_id {
+        for (&id, &(group, abs)) in &side.pos.by_id {
             let Some(grp) = geo.groups.get(group as usize) else { continue };
-            let start = region.base_off + u64::from(id) * region.block_stride * ppl;
+            let off = region.base_off + u64::from(id) * region.block_stride * ppl;
+            let layer = grp.layers.get(region.index as usize).map(|l| l.layer);
+            let tokens = abs * bt..(abs + 1) * bt;
             if grp.kind.is_state() {
                 let Some(s) = &geo.state else { continue };
-                let end = s.parts.iter().map(|p| p.offset_bytes + p.len_bytes).max().unwrap_or(0);
-                ranges.push((start, end, RowKind::State(StatePart::Ssm)));
+                let len = s.parts.iter().map(|p| p.offset_bytes + p.len_bytes).max().unwrap_or(0);
+                ranges.push(BlockRange { off, len, kind: RowKind::State(StatePart::Ssm), layer, tokens });
             } else {
-                ranges.push((start, ppl * region.block_stride, RowKind::AttnPage));
+                let len = ppl * region.block_stride;
+                ranges.push(BlockRange { off, len, kind: RowKind::AttnPage, layer, tokens });
             }
         }
     }
     ranges
+}
+
+/// Which of a request's bytes `--verify` fills and checks, the same on both sides: with stride
+/// `s`, one unit in `s` of (layer, prefill block) for attention and of layers for state, on a
+/// diagonal (the units where the layer's ordinal among the model's cache layers plus the
+/// prefill block's index plus a shift drawn from the request's seed is a multiple of `s`).
+/// Every attention layer gets one block in `s`, and one state layer in `s` its whole state;
+/// prefill writes only those units' blocks and decode checks only them, so neither pays for
+/// the bytes nobody reads back. Stride 1 is every byte.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    stride: u64,
+    shift: u64,
+    /// Tokens of a prefill block, and bytes of one token of one KV head.
+    p_block_tokens: u64,
+    cell_bytes: u64,
+    /// Each cache layer's decoder index, in order (its position is its ordinal).
+    layers: Vec<u32>,
+}
+
+impl Sample {
+    /// Every byte.
+    pub fn every(p: &EngineGeometry) -> Self {
+        Self::new(p, 1, 0)
+    }
+
+    /// One unit in `stride` of a request whose pattern seed is `seed`, in prefill blocks of `p`
+    /// (the prefill engine's KV cache).
+    pub fn new(p: &EngineGeometry, stride: u32, seed: u64) -> Self {
+        let stride = u64::from(stride.max(1));
+        let mut layers: Vec<u32> = p.groups.iter().flat_map(|g| g.layers.iter().map(|l| l.layer)).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        Sample {
+            stride,
+            shift: pattern::mix(seed) % stride,
+            p_block_tokens: u64::from(p.sizing.block_tokens.max(1)),
+            cell_bytes: p.cell_bytes.max(1),
+            layers,
+        }
+    }
+
+    /// Whether every byte is in the sample.
+    pub fn is_every(&self) -> bool {
+        self.stride == 1
+    }
+
+    fn unit(&self, layer: u32, chunk: u64) -> bool {
+        let ordinal = self.layers.binary_search(&layer).map_or(u64::from(layer), |i| i as u64);
+        (ordinal + chunk + self.shift) % self.stride == 0
+    }
+
+    /// Whether a decoded run's bytes are in the sample.
+    fn run(&self, run: &Run) -> bool {
+        match &run.meaning {
+            _ if self.is_every() => true,
+            Some(Meaning::Attn { .. }) => {
+                self.unit(run.layer, run.pos / (self.cell_bytes * self.p_block_tokens))
+            }
+            Some(Meaning::State { .. }) => self.unit(run.layer, 0),
+            None => false,
+        }
+    }
+
+    /// Whether any byte of a block is in the sample.
+    fn block(&self, b: &BlockRange) -> bool {
+        let Some(layer) = b.layer else { return self.is_every() };
+        match b.kind {
+            _ if self.is_every() => true,
+            RowKind::State(_) => self.unit(layer, 0),
+            RowKind::AttnPage => {
+                let first = b.tokens.start / self.p_block_tokens;
+                let end = b.tokens.end.div_ceil(self.p_block_tokens);
+                end - first >= self.stride || (first..end).any(|c| self.unit(layer, c))
+            }
+        }
+    }
 }
 
 /// What a prefill rank writes for one request: every block the request holds in every region,
@@ -432,8 +531,7 @@ fn block_ranges(side: &Side<'_>) -> Vec<(u64, u64, RowKind)> {
 pub struct RequestFill<'a> {
     side: Side<'a>,
     seed: u64,
-    /// Per range: its offset, length and how its group reads it.
-    ranges: Vec<(u64, u64, RowKind)>,
+    ranges: Vec<BlockRange>,
 }
 
 impl<'a> RequestFill<'a> {
@@ -445,14 +543,20 @@ impl<'a> RequestFill<'a> {
         RequestFill { side, seed, ranges }
     }
 
+    /// Only the blocks `sample` holds (`--verify sample`: nothing reads the others back).
+    pub fn only(mut self, sample: &Sample) -> Self {
+        self.ranges.retain(|b| sample.block(b));
+        self
+    }
+
     /// The byte ranges written, in order.
     pub fn ranges(&self) -> Vec<std::ops::Range<u64>> {
-        self.ranges.iter().map(|&(off, len, _)| off..off + len).collect()
+        self.ranges.iter().map(|b| b.off..b.off + b.len).collect()
     }
 
     /// Writes range `i`'s bytes into `buf` (its length); returns the bytes that mean something.
     pub fn fill(&self, i: usize, buf: &mut [u8]) -> u64 {
-        let Some(&(off, _, kind)) = self.ranges.get(i) else { return 0 };
+        let Some(&BlockRange { off, kind, .. }) = self.ranges.get(i) else { return 0 };
         let mut filled = 0;
         let mut done = 0;
         while done < buf.len() {
@@ -479,6 +583,7 @@ pub struct LandedCheck<'a> {
     /// Prefill's side, for saying what wrong bytes hold instead.
     remote: Side<'a>,
     seed: u64,
+    sample: Sample,
 }
 
 impl<'a> LandedCheck<'a> {
@@ -499,7 +604,21 @@ impl<'a> LandedCheck<'a> {
                 sub_blocks: 1,
             },
             seed,
+            sample: Sample::every(&planner.p),
         }
+    }
+
+    /// Checks only the bytes `sample` holds (the blocks prefill filled).
+    pub fn only(mut self, sample: Sample) -> Self {
+        self.sample = sample;
+        self
+    }
+
+    /// Whether any byte of `pair` is in the sample (judged by its first byte: a pair lies in
+    /// one block of one layer on both sides).
+    pub fn wants(&self, pair: &LabeledPair) -> bool {
+        self.sample.is_every()
+            || self.local.decode(pair.label.kind, pair.pair.local).is_ok_and(|run| self.sample.run(&run))
     }
 
     /// Checks the `got` bytes a pair from prefill rank `p_rank` wrote (the pair's local range),
@@ -517,7 +636,7 @@ impl<'a> LandedCheck<'a> {
             if run.meaning.is_none() {
                 report.bytes_padding += n;
             }
-            if let Some(m) = &run.meaning {
+            if let Some(m) = run.meaning.as_ref().filter(|_| self.sample.run(&run)) {
                 let have = got.get(done as usize..(done + n) as usize).unwrap_or(&[]);
                 report.bytes_checked += n;
                 let first_wrong = if have.len() as u64 == n {
@@ -556,7 +675,8 @@ impl<'a> LandedCheck<'a> {
 pub struct PoolCheck<'a> {
     side: Side<'a>,
     seed: u64,
-    ranges: Vec<(u64, u64, RowKind)>,
+    ranges: Vec<BlockRange>,
+    sample: Option<Sample>,
     /// Attention tokens prefill wrote (its blocks' end): later tokens of decode's last block
     /// are not compared.
     attn_tokens: u64,
@@ -584,17 +704,31 @@ impl<'a> PoolCheck<'a> {
     ) -> Self {
         let side = Side { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
         let ranges = block_ranges(&side);
-        PoolCheck { side, seed, ranges, attn_tokens, place: "in its KV cache after the host-to-device copy" }
+        PoolCheck {
+            side,
+            seed,
+            ranges,
+            sample: None,
+            attn_tokens,
+            place: "in its KV cache after the host-to-device copy",
+        }
+    }
+
+    /// Only the blocks (and of them the bytes) `sample` holds.
+    pub fn only(mut self, sample: Sample) -> Self {
+        self.ranges.retain(|b| sample.block(b));
+        self.sample = Some(sample);
+        self
     }
 
     /// The byte ranges to read back, in order.
     pub fn ranges(&self) -> Vec<std::ops::Range<u64>> {
-        self.ranges.iter().map(|&(off, len, _)| off..off + len).collect()
+        self.ranges.iter().map(|b| b.off..b.off + b.len).collect()
     }
 
     /// Checks range `i`'s bytes `got`, adding to `report`.
     pub fn check(&mut self, i: usize, got: &[u8], report: &mut ByteReport) {
-        let Some(&(off, _, kind)) = self.ranges.get(i) else { return };
+        let Some(&BlockRange { off, kind, .. }) = self.ranges.get(i) else { return };
         let cell = self.side.geo.cell_bytes.max(1);
         let mut done = 0;
         while done < got.len() {
@@ -603,7 +737,8 @@ impl<'a> PoolCheck<'a> {
                 continue;
             };
             let mut n = (run.left as usize).min(got.len() - done).max(1);
-            let Some(m) = &run.meaning else {
+            let Some(m) = run.meaning.as_ref().filter(|_| self.sample.as_ref().is_none_or(|s| s.run(&run)))
+            else {
                 done += n;
                 continue;
             };
@@ -645,7 +780,20 @@ impl<'a> PoolCheck<'a> {
 /// range is reported as what it is: the decode rank, the meaning its position must hold, and
 /// the prefill rank and meaning of the bytes it holds.
 pub fn move_and_check(planner: &HybridPlanner, plan: &HybridPlan, seed: u64) -> ByteReport {
+    move_and_check_sampled(planner, plan, seed, 1)
+}
+
+/// [`move_and_check`] as `--verify sample` runs it with stride `stride`: prefill fills only the
+/// sampled blocks ([`Sample`]), the rest of its pool stays zero, and decode checks only the
+/// pairs of sampled blocks.
+pub fn move_and_check_sampled(
+    planner: &HybridPlanner,
+    plan: &HybridPlan,
+    seed: u64,
+    stride: u32,
+) -> ByteReport {
     let mut report = ByteReport::default();
+    let sample = Sample::new(&planner.p, stride, seed);
     let (p, d) = (&planner.p, &planner.d);
     if p.mem() != MemKind::Vram || d.mem() != MemKind::Vram {
         return report;
@@ -657,7 +805,8 @@ pub fn move_and_check(planner: &HybridPlanner, plan: &HybridPlan, seed: u64) -> 
         for read in &rank.reads {
             if let std::collections::btree_map::Entry::Vacant(e) = pools.entry(read.p_rank) {
                 let mut buf = vec![0u8; pool_len(p) as usize];
-                let fill = RequestFill::new(p, read.p_rank, &plan.blocks.remote_block_ids, tokens, seed);
+                let fill = RequestFill::new(p, read.p_rank, &plan.blocks.remote_block_ids, tokens, seed)
+                    .only(&sample);
                 for (i, r) in fill.ranges().into_iter().enumerate() {
                     if let Some(bytes) = buf.get_mut(r.start as usize..r.end as usize) {
                         report.bytes_filled += fill.fill(i, bytes);
@@ -681,9 +830,12 @@ pub fn move_and_check(planner: &HybridPlanner, plan: &HybridPlan, seed: u64) -> 
             }
         }
         // What landed, against what each position must hold.
-        let mut check = LandedCheck::new(planner, plan, rank.d_rank, seed);
+        let mut check = LandedCheck::new(planner, plan, rank.d_rank, seed).only(sample.clone());
         for read in &rank.reads {
             for pair in read.labeled() {
+                if !check.wants(&pair) {
+                    continue;
+                }
                 let (l, n) = (pair.pair.local as usize, pair.pair.len as usize);
                 let got = pool.get(l..l + n).unwrap_or(&[]);
                 check.check(read.p_rank, &pair, got, &mut report);

@@ -13,7 +13,7 @@ use super::{Decoder, Failure, LoadJob, Local, RemoteRank};
 use crate::layouts::hybrid::blocks::{
     ExchangedBlocks, RequestShape, TokenCounts, clip_local, logical_to_kernel,
 };
-use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck, PoolCheck};
+use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck, PoolCheck, Sample};
 use crate::layouts::hybrid::descriptors::{HostCopyRule, HybridPlan, handshake_ranks};
 use crate::layouts::hybrid::staging::host_copy_moves;
 use crate::layouts::hybrid::{EngineGeometry, HybridPlanner, PairConfig};
@@ -499,21 +499,21 @@ impl Decoder<'_> {
         }
         let bp = u64::from(planner.p.sizing.block_tokens.max(1));
         let written = u64::from(tokens.p_computed_tokens).div_ceil(bp) * bp;
-        let mut check = PoolCheck::new(&planner.d, cfg.rank, lists, tokens.p_computed_tokens, written, seed)
+        let check = PoolCheck::new(&planner.d, cfg.rank, lists, tokens.p_computed_tokens, written, seed)
             .place("in its pool after the prefill ranks' WRITEs");
-        let all = check.ranges();
         if !p_lists {
             // Without prefill's lists: the request's blocks in this rank's pool.
-            r.bytes = all.iter().map(|x| x.end - x.start).sum();
+            r.bytes = check.ranges().iter().map(|x| x.end - x.start).sum();
         }
         let Some(stride) = stride else { return Ok(()) };
         let tv = Instant::now();
-        let picked: Vec<usize> = (0..all.len()).step_by(stride.max(1) as usize).collect();
-        let ranges: Vec<std::ops::Range<u64>> = picked.iter().map(|&i| all[i].clone()).collect();
+        // The blocks prefill filled (`Sample`).
+        let mut check = check.only(Sample::new(&planner.p, stride, seed));
+        let ranges = check.ranges();
         let mut report = ByteReport::default();
         self.local
             .memory()?
-            .read_ranges(&ranges, |i, got| check.check(picked[i], got, &mut report))
+            .read_ranges(&ranges, |i, got| check.check(i, got, &mut report))
             .map_err(|e| (FailureCause::Internal, format!("read back the written blocks: {e}")))?;
         r.bytes_padding = report.bytes_padding;
         match report.wrong.first() {
@@ -557,12 +557,14 @@ impl Decoder<'_> {
         seed: u64,
         stride: u32,
     ) -> Result<ByteReport, Failure> {
-        let mut check = LandedCheck::new(planner, plan, self.cfg.rank, seed);
+        // The pairs of the blocks prefill filled (`Sample`).
+        let mut check =
+            LandedCheck::new(planner, plan, self.cfg.rank, seed).only(Sample::new(&planner.p, stride, seed));
         let pairs: Vec<(u32, crate::layouts::hybrid::descriptors::LabeledPair)> = mine
             .reads
             .iter()
             .flat_map(|read| read.labeled().map(move |p| (read.p_rank, p)))
-            .step_by(stride.max(1) as usize)
+            .filter(|(_, p)| check.wants(p))
             .collect();
         let ranges: Vec<std::ops::Range<u64>> =
             pairs.iter().map(|(_, p)| p.pair.local..p.pair.local + p.pair.len).collect();
@@ -592,12 +594,11 @@ impl Decoder<'_> {
         let bp = u64::from(planner.p.sizing.block_tokens);
         let written = u64::from(tokens).div_ceil(bp.max(1)) * bp;
         let mut check =
-            PoolCheck::new(cache, self.cfg.rank, &plan.blocks.local_block_ids, tokens, written, seed);
-        let all = check.ranges();
-        let picked: Vec<usize> = (0..all.len()).step_by(stride.max(1) as usize).collect();
-        let ranges: Vec<std::ops::Range<u64>> = picked.iter().map(|&i| all[i].clone()).collect();
+            PoolCheck::new(cache, self.cfg.rank, &plan.blocks.local_block_ids, tokens, written, seed)
+                .only(Sample::new(&planner.p, stride, seed));
+        let ranges = check.ranges();
         let mut report = ByteReport::default();
-        pool.read_ranges(&ranges, |i, got| check.check(picked[i], got, &mut report))
+        pool.read_ranges(&ranges, |i, got| check.check(i, got, &mut report))
             .map_err(|e| (FailureCause::Internal, format!("read back the KV cache: {e}")))?;
         Ok(report)
     }
