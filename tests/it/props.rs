@@ -8,7 +8,7 @@
 
 use kvx::layouts::compat::PairSpec;
 use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
-use kvx::layouts::verify::{VerifyPlan, fill_request};
+use kvx::layouts::verify::{FillPlan, VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, Mla, ModelShape};
 use kvx::topology::VllmVersion;
@@ -213,6 +213,18 @@ fn execute(c: &Case, pair: &PairSpec) -> Result<u64, TestCaseError> {
             a
         })
         .collect();
+    // As `--verify sample` runs: prefill fills only the sampled blocks, the rest stays zero.
+    let p_sampled: Vec<Vec<u8>> = (0..pair.p.tp)
+        .map(|r| {
+            let g = pair.p_geometry(r);
+            let mut a = vec![0u8; g.total_bytes() as usize];
+            let fill = FillPlan::new(&g, &g.regions(), &remote, c.seed).only(16);
+            for (i, range) in fill.ranges().into_iter().enumerate() {
+                fill.fill(i, &mut a[range.start as usize..range.end as usize]);
+            }
+            a
+        })
+        .collect();
     let mut total = 0;
     for dm in &map.d_ranks {
         // Every head of the rank is covered exactly once.
@@ -230,6 +242,7 @@ fn execute(c: &Case, pair: &PairSpec) -> Result<u64, TestCaseError> {
         let plan = planner.plan(&req, &ids).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let g = pair.d_geometry(dm.d_rank);
         let mut d_alloc = vec![0u8; g.total_bytes() as usize];
+        let mut d_sampled = vec![0u8; g.total_bytes() as usize];
         let mut intervals = Vec::new();
         for read in &plan.reads {
             let src = &p_allocs[read.p_rank as usize];
@@ -238,6 +251,7 @@ fn execute(c: &Case, pair: &PairSpec) -> Result<u64, TestCaseError> {
                 prop_assert!(r + n <= src.len(), "remote in bounds");
                 prop_assert!(l + n <= d_alloc.len(), "local in bounds");
                 d_alloc[l..l + n].copy_from_slice(&src[r..r + n]);
+                d_sampled[l..l + n].copy_from_slice(&p_sampled[read.p_rank as usize][r..r + n]);
                 intervals.push((p.local, p.local + p.len));
             }
         }
@@ -260,6 +274,20 @@ fn execute(c: &Case, pair: &PairSpec) -> Result<u64, TestCaseError> {
         .map_err(|m| TestCaseError::fail(format!("decode rank {}: {m}", dm.d_rank)))?;
         let copied: u64 = intervals.iter().map(|(a, b)| b - a).sum();
         prop_assert_eq!(verified.bytes, copied, "every copied byte verified, nothing missing");
+        // Decode checks the sample prefill filled, choosing it by itself.
+        let sampled = VerifyPlan::new(
+            &g,
+            &g.regions(),
+            &bp,
+            pair.block_size_ratio(),
+            pair.permutes(),
+            pair.p.block_tokens,
+            c.seed,
+            16,
+        )
+        .verify_in(&d_sampled)
+        .map_err(|m| TestCaseError::fail(format!("decode rank {}, sampled: {m}", dm.d_rank)))?;
+        prop_assert!(sampled.bytes <= copied);
         total += verified.bytes;
     }
     Ok(total)
