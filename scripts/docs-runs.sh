@@ -42,10 +42,11 @@ hybrid-falcon-p2d1-exact|bench --model falcon-h1-7b --p-tp 2 --d-tp 1 --prompt-l
 serve-hybrid|bench --serve --model qwen3-next-80b-a3b --p-tp 2 --d-tp 1 --prompt-len 2048 --requests 40
 hybrid-head-slots-lbnhc|bench --model tests/fixtures/hybrid-model-tiny-g8.toml --p-tp 8 --d-tp 1 --layout LBNHC --kernel-block-size 16 --no-prefix-caching --prompt-len 600 --requests 2 --warmup 0 --verify full|1
 hybrid-head-slots-lbhnc|bench --model tests/fixtures/hybrid-model-tiny-g8.toml --p-tp 8 --d-tp 1 --layout LBHNC --kernel-block-size 16 --no-prefix-caching --prompt-len 600 --requests 2 --warmup 0 --verify full
-hybrid-vs-xfer|bench --config bench-configs/hybrid-qwen3-next.toml --requests 400
+hybrid-vs-xfer|bench --config bench-configs/hybrid-qwen3-next.toml --requests 400 --verify full
 hybrid-vs-xfer-sample|bench --config bench-configs/hybrid-qwen3-next.toml --requests 400 --verify sample
 hybrid-vs-xfer-unverified|bench --config bench-configs/hybrid-qwen3-next.toml --requests 400 --verify off
-hybrid-vs-xfer-c1|bench --config bench-configs/hybrid-qwen3-next.toml --requests 400 --concurrency 1
+hybrid-vs-xfer-c1|bench --config bench-configs/hybrid-qwen3-next.toml --requests 400 --concurrency 1 --verify full
+hybrid-vs-xfer-c1-sample|bench --config bench-configs/hybrid-qwen3-next.toml --requests 400 --concurrency 1 --verify sample
 hybrid-vs-xfer-c1-unverified|bench --config bench-configs/hybrid-qwen3-next.toml --requests 400 --concurrency 1 --verify off
 hybrid-compare-modes|bench --model nemotron-h-8b --p-tp 2 --d-tp 1 --prompt-len 2000 --compare-modes pull,push --requests 20 --repeat 3
 hybrid-push-attention-vllm|bench --mode push --model qwen3-next-80b-a3b --p-tp 1 --d-tp 4 --block-size 544 --prompt-len 2048 --requests 2 --warmup 0|1
