@@ -14,8 +14,11 @@ fn closed_port() -> u16 {
 fn a_huge_concurrency_is_capped_by_the_requests_it_has_to_send() {
     // One worker per concurrency slot used to be spawned: 1e8 of them exhausted the memory.
     let url = format!("http://127.0.0.1:{}/", closed_port());
+    let results = tempfile::tempdir().expect("temp dir");
     let out = kvx()
         .args(["load", "--url", &url, "--requests", "10", "--concurrency", "100000000"])
+        .arg("--results-dir")
+        .arg(results.path())
         .timeout(Duration::from_secs(60))
         .output()
         .expect("run kvx load");
@@ -28,8 +31,11 @@ fn a_huge_concurrency_is_capped_by_the_requests_it_has_to_send() {
 #[test]
 fn a_failing_target_is_backed_off_not_hammered() {
     let url = format!("http://127.0.0.1:{}/", closed_port());
+    let results = tempfile::tempdir().expect("temp dir");
     let out = kvx()
         .args(["load", "--url", &url, "--duration", "2", "--concurrency", "4", "--format", "json"])
+        .arg("--results-dir")
+        .arg(results.path())
         .timeout(Duration::from_secs(60))
         .output()
         .expect("run kvx load");
