@@ -34,7 +34,7 @@ struct BlockJob {
 pub fn sampled(content: &BlockContent, pos: u64, seed: u64, stride: u32) -> bool {
     let s = u64::from(stride.max(1));
     let key = u64::from(content.layer.unwrap_or(0)) * 2 + u64::from(content.kv.unwrap_or(0));
-    s == 1 || (pos + key + seed % s) % s == 0
+    s == 1 || (pos + key + seed % s).is_multiple_of(s)
 }
 
 /// What a prefill rank writes for a request: the byte range of every (block, region) and

@@ -495,7 +495,7 @@ impl Sample {
 
     fn unit(&self, layer: u32, chunk: u64) -> bool {
         let ordinal = self.layers.binary_search(&layer).map_or(u64::from(layer), |i| i as u64);
-        (ordinal + chunk + self.shift) % self.stride == 0
+        (ordinal + chunk + self.shift).is_multiple_of(self.stride)
     }
 
     /// Whether a decoded run's bytes are in the sample.
