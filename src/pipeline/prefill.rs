@@ -203,9 +203,9 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let cache_total = hybrid_cache.as_ref().map_or(total, super::worker::hybrid_span);
     let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mut mem, mut staged } =
         super::worker::rank_pool(&cfg, regions, total, cache_total)?;
-    if cfg.verify == VerifyMode::Off {
-        // No fill will touch the pages (nothing checks the bytes): touched now, so that reads
-        // find real memory, not the kernel's shared zero page.
+    if cfg.verify != VerifyMode::Full {
+        // No fill will touch every page (nothing checks the bytes, or only the sample's):
+        // touched now, so that reads find real memory, not the kernel's shared zero page.
         mem.prefault();
         if let Some(s) = staged.as_mut() {
             s.prefault();
