@@ -260,33 +260,25 @@ fn execute(c: &Case, pair: &PairSpec) -> Result<u64, TestCaseError> {
             prop_assert!(w[0].1 <= w[1].0, "reads overlap at {:?}", w);
         }
         let bp = planner.pair_blocks(&req).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let verified = VerifyPlan::new(
-            &g,
-            &g.regions(),
-            &bp,
-            pair.block_size_ratio(),
-            pair.permutes(),
-            pair.p.block_tokens,
-            c.seed,
-            1,
-        )
-        .verify_in(&d_alloc)
-        .map_err(|m| TestCaseError::fail(format!("decode rank {}: {m}", dm.d_rank)))?;
+        let verify = |alloc: &[u8], stride: u32| {
+            let plan = VerifyPlan::new(
+                &g,
+                &g.regions(),
+                &bp,
+                pair.block_size_ratio(),
+                pair.permutes(),
+                pair.p.block_tokens,
+                c.seed,
+                stride,
+            );
+            plan.verify_in(alloc)
+                .map_err(|m| TestCaseError::fail(format!("decode rank {}, 1 in {stride}: {m}", dm.d_rank)))
+        };
+        let verified = verify(&d_alloc, 1)?;
         let copied: u64 = intervals.iter().map(|(a, b)| b - a).sum();
         prop_assert_eq!(verified.bytes, copied, "every copied byte verified, nothing missing");
         // Decode checks the sample prefill filled, choosing it by itself.
-        let sampled = VerifyPlan::new(
-            &g,
-            &g.regions(),
-            &bp,
-            pair.block_size_ratio(),
-            pair.permutes(),
-            pair.p.block_tokens,
-            c.seed,
-            16,
-        )
-        .verify_in(&d_sampled)
-        .map_err(|m| TestCaseError::fail(format!("decode rank {}, sampled: {m}", dm.d_rank)))?;
+        let sampled = verify(&d_sampled, 16)?;
         prop_assert!(sampled.bytes <= copied);
         total += verified.bytes;
     }
