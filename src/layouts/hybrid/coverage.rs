@@ -676,7 +676,7 @@ pub struct PoolCheck<'a> {
     side: Side<'a>,
     seed: u64,
     ranges: Vec<BlockRange>,
-    sample: Option<Sample>,
+    sample: Sample,
     /// Attention tokens prefill wrote (its blocks' end): later tokens of decode's last block
     /// are not compared.
     attn_tokens: u64,
@@ -708,7 +708,7 @@ impl<'a> PoolCheck<'a> {
             side,
             seed,
             ranges,
-            sample: None,
+            sample: Sample::every(geo),
             attn_tokens,
             place: "in its KV cache after the host-to-device copy",
         }
@@ -717,7 +717,7 @@ impl<'a> PoolCheck<'a> {
     /// Only the blocks (and of them the bytes) `sample` holds.
     pub fn only(mut self, sample: Sample) -> Self {
         self.ranges.retain(|b| sample.block(b));
-        self.sample = Some(sample);
+        self.sample = sample;
         self
     }
 
@@ -737,8 +737,7 @@ impl<'a> PoolCheck<'a> {
                 continue;
             };
             let mut n = (run.left as usize).min(got.len() - done).max(1);
-            let Some(m) = run.meaning.as_ref().filter(|_| self.sample.as_ref().is_none_or(|s| s.run(&run)))
-            else {
+            let Some(m) = run.meaning.as_ref().filter(|_| self.sample.run(&run)) else {
                 done += n;
                 continue;
             };
