@@ -288,14 +288,15 @@ pub fn staged_write(
         // Closing the channel ends the writer once it has written everything sent.
         drop(full_tx);
         let calls = writer.join().map_err(|_| io_thread_gone())?;
-        let mut first_err = filled.err();
+        // The writer's own error first: once it stops, `fill` can only see it gone.
+        let mut write_err = None;
         for r in empty_rx.try_iter() {
             match r {
                 Ok(b) => pool.push(b),
-                Err(e) => first_err = first_err.or(Some(e)),
+                Err(e) => write_err = write_err.or(Some(e)),
             }
         }
-        match first_err {
+        match write_err.or(filled.err()) {
             Some(e) => Err(e),
             None => Ok(calls),
         }
