@@ -45,6 +45,7 @@ fn hybrid(name: &str, tokens: u32) -> (HybridPlanner, HybridRequest) {
         state_slices: Default::default(),
         host_copy: Default::default(),
         push_attention: Default::default(),
+        stated: Default::default(),
     };
     let planner = HybridPlanner::new(&config).expect("accepted pair");
     let req = HybridRequest::simulated(&planner, tokens, 0);
@@ -125,6 +126,7 @@ fn fill(c: &mut Criterion) {
         state_slices: Default::default(),
         host_copy: Default::default(),
         push_attention: Default::default(),
+        stated: Default::default(),
     };
     let planner = HybridPlanner::new(&config).expect("accepted pair");
     let shape = RequestShape::of(&planner.p);

@@ -169,6 +169,7 @@ fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> an
             state_slices: Default::default(),
             host_copy: Default::default(),
             push_attention: args.push_attention.unwrap_or_default(),
+            stated: Default::default(),
         };
         let planner = crate::layouts::hybrid::HybridPlanner::new(&config).map_err(ConfigError::from)?;
         let push = (args.mode == TransferMode::Push)

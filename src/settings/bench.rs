@@ -575,6 +575,7 @@ fn hybrid_pair(
         state_slices: s.state_slices.unwrap_or_default(),
         host_copy: s.host_copy.unwrap_or_default(),
         push_attention: s.push_attention.unwrap_or_default(),
+        stated: Default::default(),
     };
     let (pair, planner) = super::hybrid_flags::hybrid_pair_spec(&config)?;
     if transport.mode == TransferMode::Push {

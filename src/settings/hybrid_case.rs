@@ -8,12 +8,17 @@ use serde_json::Value;
 
 use crate::error::ConfigError;
 use crate::layouts::hybrid::geometry::{
-    DEFAULT_BLOCK_TOKENS, GdnPrefillBackend, HybridEngine, KvBufferDevice,
+    AttentionBackend, ConvPart, DEFAULT_BLOCK_TOKENS, EngineGeometry, GdnPrefillBackend, GroupKind, HybridEngine,
+    KvBufferDevice, Side, StateLayout, StatePart, StateShapes, StatedEngine, StatedGroup, StatedState,
 };
 use crate::layouts::hybrid::model::{
-    AttentionShape, AttnKind, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba2Spec, StateSpec,
+    AttentionShape, AttnKind, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba1Spec, Mamba2Spec, StateKind,
+    StateSpec,
 };
-use crate::layouts::hybrid::{HybridRequest, PairConfig};
+use crate::layouts::hybrid::{HybridRequest, PairConfig, StatedPair};
+
+/// Layers a case may name (kvx's bound on models: `--layers` stops there too).
+const MAX_CASE_LAYERS: usize = 4096;
 
 /// The vLLM version whose rules the hybrid planner follows.
 pub const HYBRID_VLLM: &str = "0.33.0";
@@ -105,102 +110,255 @@ fn split_name(name: &str) -> Result<(u32, String), ConfigError> {
     Ok((index, parts.join(".")))
 }
 
-/// The model of a case: its `model` section and prefill's groups.
-fn model(case: &Value, name: &str) -> Result<HybridModel, ConfigError> {
+/// The state kind of a case: a group's `mamba_type`, the `model` section's key (`gdn`,
+/// `mamba1`, `mamba2`, or `mamba` with `num_heads` for Mamba2), or the shapes (a 2-D SSM
+/// state is Mamba1's) and the layer names (GDN layers are `linear_attn`).
+fn state_kind(case: &Value, shapes: &Value, names: &[String]) -> Result<StateKind, ConfigError> {
+    let named = |s: &str| match s.to_ascii_lowercase().replace(['_', '-'], "").as_str() {
+        "mamba1" | "mamba" => Some(StateKind::Mamba1),
+        "mamba2" => Some(StateKind::Mamba2),
+        "gdn" | "gdnattn" | "gateddeltanet" | "linearattention" => Some(StateKind::Gdn),
+        _ => None,
+    };
+    let groups = case.get("p").and_then(|p| p.get("groups")).and_then(Value::as_array);
+    if let Some(k) = groups
+        .into_iter()
+        .flatten()
+        .filter_map(|g| g.get("mamba_type").and_then(Value::as_str))
+        .find_map(|t| named(t.rsplit('.').next().unwrap_or(t).trim_end_matches("AttentionBackend")))
+    {
+        return Ok(k);
+    }
+    let m = case.get("model");
+    let has = |k: &str| m.and_then(|m| m.get(k)).is_some();
+    if has("gdn") || has("linear_attention") {
+        return Ok(StateKind::Gdn);
+    }
+    if has("mamba1") {
+        return Ok(StateKind::Mamba1);
+    }
+    if has("mamba2") {
+        return Ok(StateKind::Mamba2);
+    }
+    if let Some(t) = m.and_then(|m| m.get("mamba_type").or_else(|| m.get("state_kind"))).and_then(Value::as_str) {
+        return named(t).ok_or_else(|| bad(format!("`model.mamba_type` {t} is not mamba1, mamba2 or gdn")));
+    }
+    let ssm_dims = shapes.get(1).and_then(Value::as_array).map_or(0, Vec::len);
+    if ssm_dims == 2 {
+        return Ok(StateKind::Mamba1);
+    }
+    if let Some(mm) = m.and_then(|m| m.get("mamba")) {
+        return Ok(if mm.get("num_heads").is_some() { StateKind::Mamba2 } else { StateKind::Mamba1 });
+    }
+    Ok(if names.iter().any(|n| n.contains("linear_attn")) { StateKind::Gdn } else { StateKind::Mamba2 })
+}
+
+fn shapes_of(e: &Value, side: &str, kind: StateKind) -> Result<StateShapes, ConfigError> {
+    let at = format!("{side}.");
+    let sh = field(e, "mamba_state_shapes_local", &at)?;
+    let dims = |i: usize| -> Result<Vec<u64>, ConfigError> {
+        sh.get(i)
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad(format!("`{side}.mamba_state_shapes_local[{i}]` is not a shape")))?
+            .iter()
+            .map(|d| d.as_u64().ok_or_else(|| bad(format!("`{side}.mamba_state_shapes_local[{i}]` holds a non-number"))))
+            .collect()
+    };
+    let conv = dims(0)?;
+    let conv: [u64; 2] = conv
+        .try_into()
+        .map_err(|_| bad(format!("`{side}.mamba_state_shapes_local[0]` is not a 2-D conv shape (channels, kernel - 1)")))?;
+    let dt = field(e, "mamba_state_dtypes", &at)?
+        .as_array()
+        .ok_or_else(|| bad(format!("`{side}.mamba_state_dtypes` is not a list")))?;
+    let dtype_at = |i: usize| {
+        dt.get(i)
+            .ok_or_else(|| bad(format!("`{side}.mamba_state_dtypes` needs the conv and the SSM dtype")))
+            .and_then(|d| dtype(d, &format!("{side}.mamba_state_dtypes[{i}]")))
+    };
+    Ok(StateShapes { kind, conv, ssm: dims(1)?, dtypes: (dtype_at(0)?, dtype_at(1)?) })
+}
+
+/// The window of a sliding-window group: its own `sliding_window`, or the model's.
+fn window_of(group: &Value, model: &Value) -> Result<u32, ConfigError> {
+    let w = group
+        .get("sliding_window")
+        .or_else(|| group.get("window"))
+        .or_else(|| model.get("sliding_window"))
+        .ok_or_else(|| bad("a SlidingWindowSpec group needs `model.sliding_window` (or the group's `sliding_window`)"))?;
+    w.as_u64()
+        .and_then(|w| u32::try_from(w).ok())
+        .filter(|&w| w > 0)
+        .ok_or_else(|| bad("`model.sliding_window` is not a positive token count"))
+}
+
+/// An engine as the case states it (`p` or `d`).
+fn stated(e: &Value, side: &str, case: &Value, kind: Option<StateKind>) -> Result<StatedEngine, ConfigError> {
+    let at = format!("{side}.");
     let m = field(case, "model", "")?;
-    let p = field(case, "p", "")?;
-    let att_dtype = m.get("dtype").map_or(Ok(Dtype::Bf16), |d| dtype(d, "model.dtype"))?;
-    let state_dtypes: Vec<Dtype> =
-        match m.get("mamba_dtypes").or_else(|| m.get("dtypes")).or_else(|| p.get("mamba_state_dtypes")) {
-            Some(v) => v
-                .as_array()
-                .ok_or_else(|| bad("`model.mamba_dtypes` is not a list"))?
-                .iter()
-                .map(|d| dtype(d, "model.mamba_dtypes[]"))
-                .collect::<Result<_, _>>()?,
-            None => Vec::new(),
+    let groups = field(e, "groups", &at)?.as_array().ok_or_else(|| bad(format!("`{side}.groups` is not a list")))?;
+    let mut out = Vec::with_capacity(groups.len());
+    for g in groups {
+        let spec = field(g, "spec", &format!("{side}.groups[]."))?.as_str().unwrap_or_default();
+        let kind = match spec {
+            "FullAttentionSpec" => GroupKind::Full,
+            "SlidingWindowSpec" => GroupKind::SlidingWindow { window_tokens: window_of(g, m)? },
+            "MambaSpec" => GroupKind::State(kind.ok_or_else(|| bad("a MambaSpec group in a model without state"))?),
+            other => {
+                return Err(bad(format!(
+                    "group spec `{other}` is not one kvx knows (FullAttentionSpec, SlidingWindowSpec, MambaSpec)"
+                )));
+            }
         };
-    let state_dtype = |i: usize| {
-        state_dtypes
-            .get(i)
-            .copied()
-            .ok_or_else(|| bad("the state's dtypes (`model.mamba_dtypes`: conv, SSM) are missing"))
+        let layers = field(g, "layers", &format!("{side}.groups[]."))?
+            .as_array()
+            .ok_or_else(|| bad(format!("`{side}.groups[].layers` is not a list")))?
+            .iter()
+            .map(|l| l.as_str().map(str::to_string).ok_or_else(|| bad("a layer name is not a string")))
+            .collect::<Result<_, _>>()?;
+        out.push(StatedGroup { kind, layers });
+    }
+    let page_bytes = field(e, "page_bytes", &at)?.as_u64().ok_or_else(|| bad(format!("`{side}.page_bytes` is not a number")))?;
+    let state = match kind {
+        Some(k) => {
+            let shapes = shapes_of(e, side, k)?;
+            let real = e.get("mamba_real_page_bytes").and_then(Value::as_u64).unwrap_or_else(|| shapes.page_bytes());
+            let padded = e.get("mamba_page_size_padded").and_then(Value::as_u64).unwrap_or(page_bytes);
+            Some(StatedState { shapes, real_page_bytes: real, padded_page_bytes: padded })
+        }
+        None => None,
     };
-    let state = if let Some(mm) = m.get("mamba") {
-        Some(StateSpec::Mamba2(Mamba2Spec {
-            num_heads: num(mm, "num_heads", "model.mamba.")?,
-            head_dim: num(mm, "head_dim", "model.mamba.")?,
-            d_state: num(mm, "state_size", "model.mamba.")?,
-            n_groups: num(mm, "n_groups", "model.mamba.")?,
-            conv_kernel: num(mm, "conv_kernel", "model.mamba.")?,
-            conv_dtype: state_dtype(0)?,
-            ssm_dtype: state_dtype(1)?,
-        }))
-    } else if let Some(g) = m.get("gdn") {
-        Some(StateSpec::Gdn(GdnSpec {
-            num_k_heads: num(g, "num_k_heads", "model.gdn.")?,
-            num_v_heads: num(g, "num_v_heads", "model.gdn.")?,
-            head_k_dim: num(g, "head_k_dim", "model.gdn.")?,
-            head_v_dim: num(g, "head_v_dim", "model.gdn.")?,
-            conv_kernel: num(g, "conv_kernel", "model.gdn.")?,
-            conv_dtype: state_dtype(0)?,
-            ssm_dtype: state_dtype(1)?,
-        }))
-    } else {
-        None
+    Ok(StatedEngine {
+        block_tokens: num(e, "block_size_tokens", &at)?,
+        page_bytes,
+        local_kv_heads: num(e, "local_kv_heads", &at)?,
+        groups: out,
+        state,
+    })
+}
+
+/// The state parameters of the model, recovered from prefill's shapes at prefill's TP as
+/// vLLM's connector recovers them (`derive_mamba_conv_split`), with Mamba2's `n_groups` from
+/// the `model` section, or from how the conv width differs between the two sides.
+fn state_spec(case: &Value, p: &StateShapes, p_tp: u32, d: Option<(&StateShapes, u32)>) -> Result<StateSpec, ConfigError> {
+    let t = u64::from(p_tp.max(1));
+    let small = |v: u64, what: &str| u32::try_from(v).map_err(|_| bad(format!("the state's {what} ({v}) is too large")));
+    let kernel = small(p.conv[1] + 1, "conv kernel")?;
+    let layout = StateLayout::from_shapes(p, p_tp, None).map_err(|e| bad(format!("`p.mamba_state_shapes_local`: {e}")))?;
+    let (conv_dtype, ssm_dtype) = p.dtypes;
+    Ok(match p.kind {
+        StateKind::Mamba1 => StateSpec::Mamba1(Mamba1Spec {
+            intermediate_size: small(p.conv[0] * t, "intermediate size")?,
+            d_state: small(p.ssm[1], "state size")?,
+            conv_kernel: kernel,
+            conv_dtype,
+            ssm_dtype,
+        }),
+        StateKind::Mamba2 => {
+            let d_state = p.ssm[2];
+            let bc_global = layout.part(StatePart::Conv(ConvPart::B)).map_or(0, |b| b.global_units);
+            let extended = if d_state > 0 { bc_global / d_state } else { 0 };
+            let stated_groups = case
+                .get("model")
+                .and_then(|m| m.get("mamba").or_else(|| m.get("mamba2")))
+                .and_then(|mm| mm.get("n_groups").or_else(|| mm.get("ngroups")))
+                .and_then(Value::as_u64);
+            // vLLM grows n_groups to TP when TP does not divide it (n_groups must then be 1):
+            // the two sides' widths tell which, when the case does not say.
+            let n_groups = match (stated_groups, d) {
+                (Some(g), _) => g,
+                (None, Some((ds, d_tp))) if d_tp != p_tp => {
+                    let dl = StateLayout::from_shapes(ds, d_tp, None).ok();
+                    let d_ext = dl
+                        .and_then(|l| l.part(StatePart::Conv(ConvPart::B)).map(|b| b.global_units))
+                        .map_or(extended, |g| if d_state > 0 { g / d_state } else { 0 });
+                    if d_ext != extended { 1 } else { extended }
+                }
+                _ => extended,
+            };
+            StateSpec::Mamba2(Mamba2Spec {
+                num_heads: small(p.ssm[0] * t, "Mamba2 heads")?,
+                head_dim: small(p.ssm[1], "Mamba2 head dim")?,
+                d_state: small(d_state, "state size")?,
+                n_groups: small(n_groups.max(1), "n_groups")?,
+                conv_kernel: kernel,
+                conv_dtype,
+                ssm_dtype,
+            })
+        }
+        StateKind::Gdn => {
+            let key_global = layout.part(StatePart::Conv(ConvPart::Q)).map_or(0, |q| q.global_units);
+            let k_dim = p.ssm[2];
+            StateSpec::Gdn(GdnSpec {
+                num_k_heads: small(if k_dim > 0 { key_global / k_dim } else { 0 }, "GDN key heads")?,
+                num_v_heads: small(p.ssm[0] * t, "GDN value heads")?,
+                head_k_dim: small(k_dim, "GDN key dim")?,
+                head_v_dim: small(p.ssm[1], "GDN value dim")?,
+                conv_kernel: kernel,
+                conv_dtype,
+                ssm_dtype,
+            })
+        }
+    })
+}
+
+/// The model of a case: prefill's groups (which layers keep what, and their names), the
+/// attention shape from the `model` section or prefill's page, and the state from prefill's
+/// shapes.
+fn model(case: &Value, name: &str, kind: Option<StateKind>, p: &StatedEngine, d: &StatedEngine) -> Result<HybridModel, ConfigError> {
+    let m = field(case, "model", "")?;
+    let pv = field(case, "p", "")?;
+    let p_tp = num(pv, "tp", "p.")?;
+    let d_tp = num(field(case, "d", "")?, "tp", "d.")?;
+    let att_dtype = match m.get("dtype").or_else(|| m.get("attn_dtype")) {
+        Some(d) => dtype(d, "model.dtype")?,
+        None => Dtype::Bf16,
     };
-    let state_kind = state.map(|s| s.kind());
     let mut layers: Vec<Layer> = Vec::new();
     let mut names = LayerNames::default();
-    let groups = field(p, "groups", "p.")?.as_array().ok_or_else(|| bad("`p.groups` is not a list"))?;
-    for g in groups {
-        let spec = field(g, "spec", "p.groups[].")?.as_str().unwrap_or_default();
-        let group_layers = field(g, "layers", "p.groups[].")?
-            .as_array()
-            .ok_or_else(|| bad("`p.groups[].layers` is not a list"))?;
-        for layer in group_layers {
-            let (i, template) =
-                split_name(layer.as_str().ok_or_else(|| bad("a layer name is not a string"))?)?;
+    for g in &p.groups {
+        for layer in &g.layers {
+            let (i, template) = split_name(layer)?;
+            if i as usize >= MAX_CASE_LAYERS {
+                return Err(bad(format!("layer name `{layer}`: layer {i} is past kvx's {MAX_CASE_LAYERS}-layer bound")));
+            }
             if layers.len() <= i as usize {
                 layers.resize(i as usize + 1, Layer::MLP);
             }
             let l = &mut layers[i as usize];
-            match spec {
-                "FullAttentionSpec" => {
+            match g.kind {
+                GroupKind::Full => {
                     *l = Layer { attention: Some(AttnKind::Full), state: l.state };
                     names.attention = template;
                 }
-                "SlidingWindowSpec" => {
-                    *l = Layer { state: l.state, ..Layer::swa(num(m, "sliding_window", "model.")?) };
+                GroupKind::SlidingWindow { window_tokens } => {
+                    *l = Layer { state: l.state, ..Layer::swa(window_tokens) };
                     names.attention = template;
                 }
-                "MambaSpec" => {
-                    l.state = state_kind;
+                GroupKind::State(k) => {
+                    l.state = Some(k);
                     names.state = template;
-                }
-                other => {
-                    return Err(bad(format!(
-                        "group spec `{other}` is not one kvx knows (FullAttentionSpec, SlidingWindowSpec, MambaSpec)"
-                    )));
                 }
             }
         }
     }
-    // The attention shape; a case may name only the state (the host-buffer Nemotron case), so
-    // the head size can come from prefill's page and heads.
-    let kv_heads = match m.get("kv_heads").or_else(|| m.get("attn_kv_heads")) {
+    let kv_heads = match m.get("kv_heads").or_else(|| m.get("attn_kv_heads")).or_else(|| m.get("num_kv_heads")) {
         Some(v) => v.as_u64().and_then(|h| u32::try_from(h).ok()).ok_or_else(|| bad("`model.kv_heads`"))?,
-        None => num(p, "local_kv_heads", "p.")? * num(p, "tp", "p.")?,
+        // Heads split over TP, or replicated once TP passes them: the smaller count is the
+        // model's when one side has a single head per rank.
+        None => (p.local_kv_heads * p_tp).min(d.local_kv_heads * d_tp),
     };
     let head_dim = match m.get("head_dim").or_else(|| m.get("attn_head_dim")) {
         Some(v) => v.as_u64().and_then(|h| u32::try_from(h).ok()).ok_or_else(|| bad("`model.head_dim`"))?,
         None => {
-            let per_token =
-                u64::from(num(p, "page_bytes", "p.")?) / u64::from(num(p, "block_size_tokens", "p.")?.max(1));
-            let per_head =
-                2 * u64::from(num(p, "local_kv_heads", "p.")?.max(1)) * u64::from(att_dtype.bytes());
+            let per_token = p.page_bytes / u64::from(p.block_tokens.max(1));
+            let per_head = 2 * u64::from(p.local_kv_heads.max(1)) * u64::from(att_dtype.bytes());
             u32::try_from(per_token / per_head).map_err(|_| bad("the head size from `p.page_bytes`"))?
         }
+    };
+    let state = match (kind, &p.state) {
+        (Some(_), Some(ps)) => Some(state_spec(case, &ps.shapes, p_tp, d.state.as_ref().map(|s| (&s.shapes, d_tp)))?),
+        _ => None,
     };
     Ok(HybridModel {
         name: name.to_string(),
@@ -211,18 +369,45 @@ fn model(case: &Value, name: &str) -> Result<HybridModel, ConfigError> {
     })
 }
 
-fn engine(e: &Value, side: &str) -> Result<HybridEngine, ConfigError> {
+/// The engine settings of a side: its TP, pool, buffer device and attention backend, and
+/// the GDN prefill backend under which kvx's derivation reproduces the stated block size
+/// (FlashInfer, vLLM's choice on H100-class GPUs, when neither does).
+fn engine(e: &Value, side: &str, model: &HybridModel, stated: &StatedEngine) -> Result<HybridEngine, ConfigError> {
     let at = format!("{side}.");
-    Ok(HybridEngine {
+    let mut engine = HybridEngine {
         kv_buffer_device: match e.get("kv_buffer_device").and_then(Value::as_str) {
             Some("cpu") => KvBufferDevice::Cpu,
-            _ => KvBufferDevice::Cuda,
+            Some("cuda") | None => KvBufferDevice::Cuda,
+            Some(other) => return Err(bad(format!("`{side}.kv_buffer_device` {other} is not cuda or cpu"))),
         },
-        // The oracle aligned GDN blocks as triton does (its README).
-        gdn_prefill: GdnPrefillBackend::Triton,
         block_tokens: DEFAULT_BLOCK_TOKENS,
         ..HybridEngine::new(num(e, "tp", &at)?, num(e, "num_blocks", &at)?)
-    })
+    };
+    if let Some(b) = e.get("attn_backend").or_else(|| e.get("attention_backend")).and_then(Value::as_str) {
+        engine.attention_backend = match b.to_ascii_uppercase().as_str() {
+            "FLASH_ATTN" => AttentionBackend::FlashAttn,
+            "FLASHINFER" => AttentionBackend::FlashInfer,
+            "TRITON_ATTN" => AttentionBackend::Triton,
+            other => return Err(bad(format!("`{side}.attn_backend` {other} is not FLASH_ATTN, FLASHINFER or TRITON_ATTN"))),
+        };
+    }
+    if let Some(k) = e.get("kernel_block_size_tokens").or_else(|| e.get("kernel_block_size")) {
+        engine.kernel_block_tokens =
+            Some(k.as_u64().and_then(|k| u32::try_from(k).ok()).ok_or_else(|| bad(format!("`{side}.kernel_block_size`")))?);
+    }
+    if let Some(pc) = e.get("enable_prefix_caching").and_then(Value::as_bool) {
+        engine.prefix_caching = pc;
+    }
+    let side_of = if side == "p" { Side::Prefill } else { Side::Decode };
+    let derives = |backend: GdnPrefillBackend| {
+        let cfg = HybridEngine { gdn_prefill: backend, ..engine };
+        EngineGeometry::new(model, &cfg, side_of).is_ok_and(|g| g.sizing.block_tokens == stated.block_tokens)
+    };
+    engine.gdn_prefill = [GdnPrefillBackend::FlashInfer, GdnPrefillBackend::Triton]
+        .into_iter()
+        .find(|&b| derives(b))
+        .unwrap_or_default();
+    Ok(engine)
 }
 
 /// Reads one hybrid case (see the module docs).
@@ -237,15 +422,34 @@ pub fn parse(case: &Value) -> Result<HybridCase, ConfigError> {
         }
         None => return Err(bad("`vllm_version` is missing")),
     }
-    let model = model(case, &name)?;
+    let (pv, dv) = (field(case, "p", "")?, field(case, "d", "")?);
+    let layer_names: Vec<String> = pv
+        .get("groups")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|g| g.get("spec").and_then(Value::as_str) == Some("MambaSpec"))
+        .filter_map(|g| g.get("layers").and_then(Value::as_array))
+        .flatten()
+        .filter_map(|l| l.as_str().map(str::to_string))
+        .collect();
+    let kind = if layer_names.is_empty() {
+        None
+    } else {
+        Some(state_kind(case, field(pv, "mamba_state_shapes_local", "p.")?, &layer_names)?)
+    };
+    let p_stated = stated(pv, "p", case, kind)?;
+    let d_stated = stated(dv, "d", case, kind)?;
+    let model = model(case, &name, kind, &p_stated, &d_stated)?;
     let pair = PairConfig {
+        p: engine(pv, "p", &model, &p_stated)?,
+        d: engine(dv, "d", &model, &d_stated)?,
         model,
-        p: engine(field(case, "p", "")?, "p")?,
-        d: engine(field(case, "d", "")?, "d")?,
         permute_local_kv: false,
         state_slices: Default::default(),
         host_copy: Default::default(),
         push_attention: Default::default(),
+        stated: StatedPair { p: Some(p_stated), d: Some(d_stated) },
     };
     let s = field(case, "scheduler", "")?;
     let request = HybridRequest {

@@ -490,6 +490,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
             state_slices: args.state_slices.unwrap_or_default(),
             host_copy: args.host_copy.unwrap_or_default(),
             push_attention: Default::default(),
+            stated: Default::default(),
         },
         request: RequestSource::Prompt { tokens, prefix_hit: args.prefix_hit },
     }))

@@ -588,6 +588,7 @@ fn serve_engine_hybrid(
         state_slices: a.state_slices.unwrap_or_default(),
         host_copy: a.host_copy.unwrap_or_default(),
         push_attention: Default::default(),
+        stated: Default::default(),
     };
     let (pair, _) = super::hybrid_flags::hybrid_pair_spec(&config)?;
     Ok((pair, config))

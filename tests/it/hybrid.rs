@@ -154,8 +154,18 @@ fn check_case(case: &Value) -> (String, usize) {
     let parsed = kvx::settings::hybrid_case::parse(case).unwrap_or_else(|e| panic!("{name}: {e}"));
     let model = parsed.pair.model.clone();
     let config = parsed.pair.clone();
-    let pg = EngineGeometry::new(&model, &config.p, Side::Prefill).expect("prefill geometry");
-    let dg = EngineGeometry::new(&model, &config.d, Side::Decode).expect("decode geometry");
+    // The engines as the case states them (what kvx plans with), and kvx's own derivation of
+    // them from the model, which must agree on every public case.
+    let stated = |e: &Option<kvx::layouts::hybrid::StatedEngine>| e.clone().expect("a case states both engines");
+    let pg = EngineGeometry::from_stated(&model, &config.p, &stated(&config.stated.p), Side::Prefill)
+        .expect("prefill geometry");
+    let dg = EngineGeometry::from_stated(&model, &config.d, &stated(&config.stated.d), Side::Decode)
+        .expect("decode geometry");
+    for (label, g, e, side) in [("P", &pg, &config.p, Side::Prefill), ("D", &dg, &config.d, Side::Decode)] {
+        let derived = EngineGeometry::new(&model, e, side).unwrap_or_else(|e| panic!("{name} {label}: derive: {e}"));
+        let diff = kvx::layouts::hybrid::descriptors::compare_stated(&g.stated(), &derived.stated());
+        assert!(diff.is_empty(), "{name} {label}: kvx derives another engine than vLLM built: {diff:?}");
+    }
     check_engine(&format!("{name} P"), &case["p"], &pg);
     check_engine(&format!("{name} D"), &case["d"], &dg);
     for pr in case["p_ranks"].as_array().expect("p_ranks") {
@@ -356,6 +366,7 @@ fn planner(model: &HybridModel, p: HybridEngine, d: HybridEngine) -> Result<Hybr
         state_slices: Default::default(),
         host_copy: Default::default(),
         push_attention: Default::default(),
+        stated: Default::default(),
     })
 }
 
@@ -705,6 +716,7 @@ fn per_group_host_copies_overwrite_nothing() {
                 state_slices: Default::default(),
                 host_copy: rule,
                 push_attention: Default::default(),
+                stated: Default::default(),
             })
             .expect("accepted")
         };
@@ -751,6 +763,7 @@ fn exact_state_slices_move_the_right_bytes_where_vllm_misreads() {
             state_slices: StateSlices::Exact,
             host_copy: Default::default(),
             push_attention: Default::default(),
+            stated: Default::default(),
         })
     };
     let (mut fixed, mut fixed_above) = (0, 0);
@@ -1302,6 +1315,7 @@ fn moved_bytes_land_where_the_model_expects_them_or_say_what_they_hold() {
             state_slices: slices,
             host_copy: Default::default(),
             push_attention: Default::default(),
+            stated: Default::default(),
         })
         .expect("accepted");
         let plan = pl.plan(&simulated(&pl, 900, 0), "req").expect("plan");
@@ -1375,6 +1389,7 @@ fn a_sample_is_the_same_blocks_on_both_sides() {
             state_slices: slices,
             host_copy: Default::default(),
             push_attention: Default::default(),
+            stated: Default::default(),
         })
         .ok()?;
         let plan = pl.plan(&simulated(&pl, 2100, 0), "req").expect("plan");

@@ -30,7 +30,7 @@ use super::blocks::{
 };
 use super::error::{HybridError, RefusalKind};
 use super::geometry::{
-    ConvStateLayout, EngineGeometry, HybridEngine, KvBufferDevice, MemKind, Side, StatePart,
+    ConvStateLayout, EngineGeometry, HybridEngine, KvBufferDevice, MemKind, Side, StatePart, StatedEngine,
 };
 use super::model::HybridModel;
 use crate::layouts::Layout;
@@ -55,6 +55,91 @@ pub struct PairConfig {
     /// (`--push-attention`).
     #[serde(default)]
     pub push_attention: PushAttention,
+    /// The engines as vLLM built them, where a case states them: planned as given, and
+    /// compared with what kvx derives ([`GeometrySource`]).
+    #[serde(default)]
+    pub stated: StatedPair,
+}
+
+/// A pair's engines as a case states them (`p`, `d`); `None`: derived from the model.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct StatedPair {
+    pub p: Option<StatedEngine>,
+    pub d: Option<StatedEngine>,
+}
+
+/// Where an engine's geometry came from, and what kvx's own derivation says about it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GeometrySource {
+    pub side: Side,
+    /// The case stated it (planned as given) rather than kvx deriving it.
+    pub stated: bool,
+    /// kvx's derivation under the engine's settings: each field where it differs from what
+    /// was stated, naming both values. Empty when they agree or nothing was stated.
+    pub differences: Vec<GeometryDifference>,
+    /// Why kvx could not derive the engine from the model (a refusal), when it could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub underivable: Option<String>,
+}
+
+/// One field where the stated engine and kvx's derivation differ.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GeometryDifference {
+    pub field: &'static str,
+    pub stated: String,
+    pub derived: String,
+}
+
+impl GeometrySource {
+    /// Builds the engine of `side`: as stated when stated (then compared with kvx's
+    /// derivation), else derived.
+    fn build(
+        model: &HybridModel,
+        config: &HybridEngine,
+        stated: Option<&StatedEngine>,
+        side: Side,
+    ) -> Result<(EngineGeometry, GeometrySource), HybridError> {
+        let Some(stated) = stated else {
+            let g = EngineGeometry::new(model, config, side)?;
+            return Ok((g, GeometrySource { side, stated: false, differences: Vec::new(), underivable: None }));
+        };
+        let g = EngineGeometry::from_stated(model, config, stated, side)?;
+        let (differences, underivable) = match EngineGeometry::new(model, config, side) {
+            Ok(derived) => (compare_stated(stated, &derived.stated()), None),
+            Err(e) => (Vec::new(), Some(e.to_string())),
+        };
+        Ok((g, GeometrySource { side, stated: true, differences, underivable }))
+    }
+}
+
+/// Where `derived` differs from `stated`, field by field.
+pub fn compare_stated(stated: &StatedEngine, derived: &StatedEngine) -> Vec<GeometryDifference> {
+    let mut out = Vec::new();
+    let mut diff = |field: &'static str, a: String, b: String| {
+        if a != b {
+            out.push(GeometryDifference { field, stated: a, derived: b });
+        }
+    };
+    diff("block_size_tokens", stated.block_tokens.to_string(), derived.block_tokens.to_string());
+    diff("page_bytes", stated.page_bytes.to_string(), derived.page_bytes.to_string());
+    diff("local_kv_heads", stated.local_kv_heads.to_string(), derived.local_kv_heads.to_string());
+    let groups = |e: &StatedEngine| {
+        e.groups
+            .iter()
+            .map(|g| format!("{}[{}]", g.kind.vllm_spec(), g.layers.join(",")))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    diff("groups", groups(stated), groups(derived));
+    let shapes = |e: &StatedEngine| {
+        e.state.as_ref().map_or_else(|| "none".to_string(), |s| format!("{:?} {:?}", s.shapes.conv, s.shapes.ssm))
+    };
+    diff("mamba_state_shapes_local", shapes(stated), shapes(derived));
+    let dtypes = |e: &StatedEngine| {
+        e.state.as_ref().map_or_else(|| "none".to_string(), |s| format!("{}, {}", s.shapes.dtypes.0, s.shapes.dtypes.1))
+    };
+    diff("mamba_state_dtypes", dtypes(stated), dtypes(derived));
+    out
 }
 
 /// Push mode: which decode ranks a prefill rank writes attention into when decode TP is above prefill TP
@@ -919,6 +1004,8 @@ pub struct HybridPlanner {
     pub d_ranks: Vec<DRankSetup>,
     /// Findings that hold for every request (slice misreads, host page padding).
     pub findings: Vec<Finding>,
+    /// Where each engine's geometry came from (prefill, decode).
+    pub sources: [GeometrySource; 2],
 }
 
 fn region_sizes(g: &EngineGeometry) -> Vec<u64> {
@@ -929,8 +1016,8 @@ impl HybridPlanner {
     /// Builds both engines and every decode rank's descriptor lists, or vLLM's refusal.
     pub fn new(config: &PairConfig) -> Result<Self, HybridError> {
         let model = &config.model;
-        let p = EngineGeometry::new(model, &config.p, Side::Prefill)?;
-        let d = EngineGeometry::new(model, &config.d, Side::Decode)?;
+        let (p, p_source) = GeometrySource::build(model, &config.p, config.stated.p.as_ref(), Side::Prefill)?;
+        let (d, d_source) = GeometrySource::build(model, &config.d, config.stated.d.as_ref(), Side::Decode)?;
         let ratio = check_pair(config, &p, &d)?;
         let bsr = d.kernel_block_tokens / p.kernel_block_tokens;
         let is_state: Vec<bool> = d.groups.iter().map(|g| g.kind.is_state()).collect();
@@ -967,6 +1054,7 @@ impl HybridPlanner {
             block_size_ratio: bsr,
             d_ranks,
             findings: Vec::new(),
+            sources: [p_source, d_source],
         };
         planner.findings = planner.static_findings();
         Ok(planner)
@@ -2204,6 +2292,7 @@ mod tests {
                         state_slices: StateSlices::Vllm,
                         host_copy: HostCopyRule::Vllm,
                         push_attention: Default::default(),
+                        stated: Default::default(),
                     };
                     let Ok(planner) = HybridPlanner::new(&config) else { continue };
                     let slow = general(&planner);
@@ -2245,6 +2334,7 @@ mod refusal_tests {
             state_slices: Default::default(),
             host_copy: Default::default(),
             push_attention: Default::default(),
+            stated: Default::default(),
         })
     }
 
@@ -2344,6 +2434,7 @@ mod refusal_tests {
             state_slices: Default::default(),
             host_copy: Default::default(),
             push_attention: Default::default(),
+            stated: Default::default(),
         });
         assert_eq!(refusal(permuted).0, RefusalKind::PermuteWithHma);
     }

@@ -37,6 +37,10 @@ pub enum RefusalKind {
     HeadShardedBlockSizes,
     /// The conv state layout is not DS (`VLLM_SSM_CONV_STATE_LAYOUT`).
     ConvStateLayout,
+    /// The attention backend runs no kernel block that divides the block size.
+    NoKernelBlock,
+    /// Mamba or GDN state without the hybrid KV cache manager.
+    StateWithoutHma,
 }
 
 /// A pair vLLM 0.33 refuses, as vLLM refuses it.

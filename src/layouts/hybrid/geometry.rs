@@ -25,7 +25,7 @@ use std::cmp::Ordering;
 use serde::{Deserialize, Serialize};
 
 use super::error::{HybridError, RefusalKind};
-use super::model::{AttnKind, CacheKind, CacheLayer, HybridModel, StateKind, StateSpec};
+use super::model::{AttnKind, CacheKind, CacheLayer, Dtype, HybridModel, StateKind, StateSpec};
 use crate::layouts::Layout;
 use crate::topology;
 pub use crate::vocab::kinds::KvBufferDevice;
@@ -36,16 +36,84 @@ pub const DEFAULT_BLOCK_TOKENS: u32 = 16;
 /// (`FLASHINFER_GDN_CHECKPOINT_ALIGNMENT`).
 pub const FLASHINFER_GDN_ALIGNMENT_TOKENS: u32 = 64;
 
-/// Which kernel runs Qwen3-Next's GDN prefill. FlashInfer (chosen automatically on SM90 and
-/// SM10x: H100, H200, B200) checkpoints state every 64 tokens, which aligns the block size to 64;
-/// triton (SM80) does not.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+/// Which kernel runs a GDN model's prefill (vLLM's `gdn_prefill_backend`, `auto` by default).
+/// vLLM picks FlashInfer on Hopper (SM90) and, with 128-wide key heads and CUDA 13, on
+/// Blackwell (SM10x, SM12x): the GPUs P/D deployments run on, so kvx's default. FlashInfer
+/// checkpoints state every 64 tokens, which (with prefix caching on) aligns the hybrid block
+/// size to 64 tokens; triton (SM80-class GPUs, or asked for) does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum GdnPrefillBackend {
-    /// What the oracle used (SM80-class GPUs).
+    /// vLLM's choice on H100, H200, B200 (64-token checkpoint alignment).
     #[default]
-    Triton,
+    #[value(name = "flashinfer")]
     FlashInfer,
+    /// vLLM's choice on A100-class GPUs (no checkpoint alignment).
+    Triton,
+}
+
+impl GdnPrefillBackend {
+    pub fn name(self) -> &'static str {
+        match self {
+            GdnPrefillBackend::FlashInfer => "flashinfer",
+            GdnPrefillBackend::Triton => "triton",
+        }
+    }
+}
+
+/// The attention backend of an engine: which kernel block sizes it takes. vLLM's
+/// FLASH_ATTN (its default on Hopper) and TRITON_ATTN take any multiple of 16 tokens, so the
+/// kernel block is the block; FLASHINFER takes 16, 32 or 64, so a larger (hybrid-aligned)
+/// block splits into the largest of those that divides it (`select_common_block_size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttentionBackend {
+    /// FLASH_ATTN: kernel blocks of any multiple of 16 tokens.
+    #[default]
+    FlashAttn,
+    /// FLASHINFER: kernel blocks of 16, 32 or 64 tokens.
+    #[value(name = "flashinfer")]
+    #[serde(rename = "flashinfer")]
+    FlashInfer,
+    /// TRITON_ATTN: kernel blocks of any multiple of 16 tokens.
+    Triton,
+}
+
+impl AttentionBackend {
+    /// vLLM's name (`--attention-backend`).
+    pub fn vllm_name(self) -> &'static str {
+        match self {
+            AttentionBackend::FlashAttn => "FLASH_ATTN",
+            AttentionBackend::FlashInfer => "FLASHINFER",
+            AttentionBackend::Triton => "TRITON_ATTN",
+        }
+    }
+
+    /// The smallest kernel block the backend supports (the base of the hybrid alignment).
+    pub fn min_kernel_block(self) -> u32 {
+        DEFAULT_BLOCK_TOKENS
+    }
+
+    /// The kernel block vLLM runs a `block_tokens` block with, or `None` when the backend
+    /// supports no kernel block that divides it (vLLM: "No common block size").
+    pub fn kernel_block(self, block_tokens: u32) -> Option<u32> {
+        match self {
+            AttentionBackend::FlashAttn | AttentionBackend::Triton => {
+                (block_tokens > 0 && block_tokens.is_multiple_of(DEFAULT_BLOCK_TOKENS)).then_some(block_tokens)
+            }
+            AttentionBackend::FlashInfer => {
+                [64, 32, 16].into_iter().find(|&k| block_tokens > 0 && block_tokens.is_multiple_of(k))
+            }
+        }
+    }
+
+    /// What the backend takes, as vLLM prints it.
+    pub fn supported_sizes(self) -> &'static str {
+        match self {
+            AttentionBackend::FlashAttn | AttentionBackend::Triton => "[MultipleOf(16)]",
+            AttentionBackend::FlashInfer => "[16, 32, 64]",
+        }
+    }
 }
 
 /// `VLLM_SSM_CONV_STATE_LAYOUT`: DS is `(channels, kernel - 1)`, SD the transpose. vLLM's
@@ -86,6 +154,8 @@ pub struct HybridEngine {
     pub kv_buffer_device: KvBufferDevice,
     pub layout: Layout,
     pub gdn_prefill: GdnPrefillBackend,
+    /// The attention backend: which kernel blocks the block splits into.
+    pub attention_backend: AttentionBackend,
     /// Prefix caching (on by default for hybrid models; puts Mamba caching in "align" mode).
     pub prefix_caching: bool,
     pub conv_state_layout: ConvStateLayout,
@@ -110,7 +180,8 @@ impl Default for HybridEngine {
             kernel_block_tokens: None,
             kv_buffer_device: KvBufferDevice::Cuda,
             layout: Layout::Lbhnc,
-            gdn_prefill: GdnPrefillBackend::Triton,
+            gdn_prefill: GdnPrefillBackend::FlashInfer,
+            attention_backend: AttentionBackend::FlashAttn,
             prefix_caching: true,
             conv_state_layout: ConvStateLayout::Ds,
             host_state_page_padded: false,
@@ -127,7 +198,7 @@ impl HybridEngine {
 }
 
 /// What a KV cache group holds (vLLM's group spec).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum GroupKind {
     Full,
     SlidingWindow { window_tokens: u32 },
@@ -135,7 +206,7 @@ pub enum GroupKind {
 }
 
 impl GroupKind {
-    fn of(kind: CacheKind) -> Self {
+    pub fn of(kind: CacheKind) -> Self {
         match kind {
             CacheKind::Attention(AttnKind::Full) => GroupKind::Full,
             CacheKind::Attention(AttnKind::SlidingWindow { window_tokens }) => {
@@ -282,15 +353,28 @@ pub struct StateLayout {
     /// Shapes as vLLM reports them (`mamba_state_shapes_local`).
     pub conv_shape: [u64; 2],
     pub ssm_shape: Vec<u64>,
+    /// Element types of the conv and the SSM state (`mamba_state_dtypes`).
+    pub dtypes: (Dtype, Dtype),
 }
 
-impl StateLayout {
-    /// The state slot of a rank of a `tp`-rank engine, or vLLM's refusal when the model does
-    /// not split over `tp`.
-    pub fn new(spec: &StateSpec, tp: u32, side: Side) -> Result<Self, HybridError> {
+/// A state layer's shapes on one rank as vLLM's `MambaStateShapeCalculator` gives them (DS
+/// conv layout: `(channels, kernel - 1)`), with their element types: the `MambaSpec`'s
+/// `shapes` and `dtypes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateShapes {
+    pub kind: StateKind,
+    pub conv: [u64; 2],
+    pub ssm: Vec<u64>,
+    pub dtypes: (Dtype, Dtype),
+}
+
+impl StateShapes {
+    /// vLLM's shapes for `spec` on a rank of a `tp`-rank engine, or its refusal when the model
+    /// does not split over `tp` (`divide`, and Mamba2's head and group checks).
+    pub fn of(spec: &StateSpec, tp: u32, side: Side) -> Result<Self, HybridError> {
         let t = u64::from(tp);
         let div = |what: &str, n: u64| -> Result<u64, HybridError> {
-            if n.is_multiple_of(t) {
+            if t > 0 && n.is_multiple_of(t) {
                 Ok(n / t)
             } else {
                 Err(HybridError::refused(
@@ -302,21 +386,12 @@ impl StateLayout {
                 ))
             }
         };
-        let (conv_dt, ssm_dt) = spec.dtypes();
-        let (conv_b, ssm_b) = (u64::from(conv_dt.bytes()), u64::from(ssm_dt.bytes()));
         let rows = u64::from(spec.conv_kernel()) - 1;
-        let chan = rows * conv_b;
-        // (part, local channels, global channels, replicated)
-        let conv: Vec<(ConvPart, u64, u64, bool)>;
-        let ssm_shape: Vec<u64>;
-        let ssm_global_units: u64;
-        match spec {
+        let (conv, ssm) = match spec {
             StateSpec::Mamba1(m) => {
                 let i = u64::from(m.intermediate_size);
                 let local = div("intermediate size", i)?;
-                conv = vec![(ConvPart::X, local, i, false)];
-                ssm_shape = vec![local, u64::from(m.d_state)];
-                ssm_global_units = i;
+                ([local, rows], vec![div("intermediate size", i)?, u64::from(m.d_state)])
             }
             StateSpec::Mamba2(m) => {
                 if !m.num_heads.is_multiple_of(tp) {
@@ -337,38 +412,129 @@ impl StateLayout {
                         format!("use a TP size that divides n_groups = {}", m.n_groups),
                     ));
                 }
-                let replicated = !m.n_groups.is_multiple_of(tp);
-                // vLLM extends the groups to TP so each head shard carries its group.
-                let groups = if replicated { u64::from(tp) } else { u64::from(m.n_groups) };
-                let i = m.intermediate_size();
-                let bc = groups * u64::from(m.d_state);
-                let x_local = div("Mamba2 intermediate size", i)?;
-                let bc_local = div("Mamba2 group channels", bc)?;
-                let bc_global = u64::from(m.n_groups) * u64::from(m.d_state);
-                conv = vec![
-                    (ConvPart::X, x_local, i, false),
-                    (ConvPart::B, bc_local, bc_global, replicated),
-                    (ConvPart::C, bc_local, bc_global, replicated),
-                ];
-                ssm_shape = vec![u64::from(m.num_heads) / t, u64::from(m.head_dim), u64::from(m.d_state)];
-                ssm_global_units = u64::from(m.num_heads);
+                // `extra_groups_for_head_shards`: groups grow to TP so each head shard
+                // carries its group.
+                let groups =
+                    if m.n_groups.is_multiple_of(tp) { u64::from(m.n_groups) } else { u64::from(tp) };
+                let conv_dim = m.intermediate_size() + 2 * groups * u64::from(m.d_state);
+                (
+                    [div("Mamba2 conv channels", conv_dim)?, rows],
+                    vec![div("Mamba2 heads", u64::from(m.num_heads))?, u64::from(m.head_dim), u64::from(m.d_state)],
+                )
             }
             StateSpec::Gdn(g) => {
                 let key = u64::from(g.num_k_heads) * u64::from(g.head_k_dim);
                 let value = u64::from(g.num_v_heads) * u64::from(g.head_v_dim);
-                div("GDN conv channels", 2 * key + value)?;
-                let v_heads = div("GDN value heads", u64::from(g.num_v_heads))?;
-                let key_local = div("GDN key channels", key)?;
-                let value_local = v_heads * u64::from(g.head_v_dim);
-                conv = vec![
-                    (ConvPart::Q, key_local, key, false),
-                    (ConvPart::K, key_local, key, false),
-                    (ConvPart::V, value_local, value, false),
-                ];
-                ssm_shape = vec![v_heads, u64::from(g.head_v_dim), u64::from(g.head_k_dim)];
-                ssm_global_units = u64::from(g.num_v_heads);
+                (
+                    [div("GDN conv channels", 2 * key + value)?, rows],
+                    vec![
+                        div("GDN value heads", u64::from(g.num_v_heads))?,
+                        u64::from(g.head_v_dim),
+                        u64::from(g.head_k_dim),
+                    ],
+                )
             }
+        };
+        Ok(StateShapes { kind: spec.kind(), conv, ssm, dtypes: spec.dtypes() })
+    }
+
+    /// Bytes of one state slot (`MambaSpec.page_size_bytes` before padding).
+    pub fn page_bytes(&self) -> u64 {
+        self.conv[0] * self.conv[1] * u64::from(self.dtypes.0.bytes())
+            + self.ssm.iter().product::<u64>() * u64::from(self.dtypes.1.bytes())
+    }
+}
+
+impl StateLayout {
+    /// The state slot of a rank of a `tp`-rank engine, or vLLM's refusal when the model does
+    /// not split over `tp`: the shapes `MambaStateShapeCalculator` gives, split into parts as
+    /// the connector splits them ([`StateLayout::from_shapes`]).
+    pub fn new(spec: &StateSpec, tp: u32, side: Side) -> Result<Self, HybridError> {
+        let shapes = StateShapes::of(spec, tp, side)?;
+        let n_groups = match spec {
+            StateSpec::Mamba2(m) => Some(m.n_groups),
+            _ => None,
+        };
+        StateLayout::from_shapes(&shapes, tp, n_groups).map_err(|e| HybridError::model("state", e))
+    }
+
+    /// The state slot of a rank from its shapes (what an engine reports, or a case states), as
+    /// vLLM's connector decomposes them (`derive_mamba_conv_split`): Mamba1's conv is `x`;
+    /// Mamba2's is `x` (heads x head_dim of the SSM shape, times TP) then B and C of equal
+    /// size; GDN's is Q and K of equal size then V (value heads x value dim). `n_groups`
+    /// (Mamba2) says whether B and C are replicated on every rank (below TP) rather than
+    /// sharded; unknown, they are taken as sharded, as vLLM's offsets take them.
+    pub fn from_shapes(shapes: &StateShapes, tp: u32, n_groups: Option<u32>) -> Result<Self, String> {
+        let t = u64::from(tp.max(1));
+        let [conv_dim, rows] = shapes.conv;
+        let ssm = &shapes.ssm;
+        let (conv_b, ssm_b) = (u64::from(shapes.dtypes.0.bytes()), u64::from(shapes.dtypes.1.bytes()));
+        if conv_dim == 0 || rows == 0 || ssm.is_empty() || ssm.contains(&0) {
+            return Err(format!("state shapes {:?} and {:?} hold nothing", shapes.conv, shapes.ssm));
         }
+        let want_dims = if shapes.kind == StateKind::Mamba1 { 2 } else { 3 };
+        if ssm.len() != want_dims {
+            return Err(format!(
+                "a {} SSM state has {want_dims} dimensions, not {} ({:?})",
+                shapes.kind.name(),
+                ssm.len(),
+                ssm
+            ));
+        }
+        let chan = rows * conv_b;
+        // (part, local channels, global channels, replicated)
+        let conv: Vec<(ConvPart, u64, u64, bool)> = match shapes.kind {
+            StateKind::Mamba1 => {
+                if ssm[0] != conv_dim {
+                    return Err(format!(
+                        "Mamba1 temporal state dim ({}) doesn't match conv dim ({conv_dim}); both should be \
+                         intermediate_size/TP",
+                        ssm[0]
+                    ));
+                }
+                vec![(ConvPart::X, conv_dim, conv_dim * t, false)]
+            }
+            StateKind::Mamba2 => {
+                let (local_heads, head_dim, d_state) = (ssm[0], ssm[1], ssm[2]);
+                let x_global = local_heads * t * head_dim;
+                let total = conv_dim * t;
+                let remainder = total.checked_sub(x_global).unwrap_or(0);
+                if remainder == 0 || !remainder.is_multiple_of(2) {
+                    return Err(format!(
+                        "Conv dim ({conv_dim}*tp={tp}) doesn't decompose into intermediate_size={x_global} + \
+                         2*groups_ss. remainder={remainder}"
+                    ));
+                }
+                let groups_ss = remainder / 2;
+                let replicated = n_groups.is_some_and(|g| !g.is_multiple_of(tp.max(1)));
+                let bc_global = match n_groups {
+                    Some(g) if replicated => u64::from(g) * d_state,
+                    _ => groups_ss,
+                };
+                let (x_local, bc_local) = (x_global / t, groups_ss / t);
+                vec![
+                    (ConvPart::X, x_local, x_global, false),
+                    (ConvPart::B, bc_local, bc_global, replicated),
+                    (ConvPart::C, bc_local, bc_global, replicated),
+                ]
+            }
+            StateKind::Gdn => {
+                let value_local = ssm[0] * ssm[1];
+                let remainder = conv_dim.checked_sub(value_local).unwrap_or(0);
+                if remainder == 0 || !remainder.is_multiple_of(2) {
+                    return Err(format!(
+                        "GDN conv dim ({conv_dim}) doesn't decompose into 2*key_dim_local + \
+                         value_dim_local={value_local}. remainder={remainder}"
+                    ));
+                }
+                let key_local = remainder / 2;
+                vec![
+                    (ConvPart::Q, key_local, key_local * t, false),
+                    (ConvPart::K, key_local, key_local * t, false),
+                    (ConvPart::V, value_local, value_local * t, false),
+                ]
+            }
+        };
         let mut parts = Vec::with_capacity(conv.len() + 1);
         let mut off = 0;
         for &(p, local, global, replicated) in &conv {
@@ -384,27 +550,37 @@ impl StateLayout {
             off += local * chan;
         }
         let conv_bytes = off;
-        let ssm_units = ssm_shape[0];
-        let unit_bytes = ssm_shape[1..].iter().product::<u64>() * ssm_b;
+        let ssm_units = ssm[0];
+        let unit_bytes = ssm[1..].iter().product::<u64>() * ssm_b;
         parts.push(PartLayout {
             part: StatePart::Ssm,
             offset_bytes: conv_bytes,
             len_bytes: ssm_units * unit_bytes,
             unit_bytes,
             units: ssm_units,
-            global_units: ssm_global_units,
+            global_units: ssm_units * t,
             replicated: false,
         });
-        let conv_channels: u64 = conv.iter().map(|c| c.1).sum();
         Ok(StateLayout {
-            kind: spec.kind(),
+            kind: shapes.kind,
             conv_rows: rows,
             conv_bytes,
             ssm_bytes: ssm_units * unit_bytes,
-            conv_shape: [conv_channels, rows],
-            ssm_shape,
+            conv_shape: shapes.conv,
+            ssm_shape: ssm.clone(),
+            dtypes: shapes.dtypes,
             parts,
         })
+    }
+
+    /// The shapes and dtypes this slot was built from.
+    pub fn shapes(&self) -> StateShapes {
+        StateShapes {
+            kind: self.kind,
+            conv: self.conv_shape,
+            ssm: self.ssm_shape.clone(),
+            dtypes: self.dtypes,
+        }
     }
 
     /// Bytes of one state slot before padding.
@@ -510,7 +686,8 @@ pub fn block_sizing(
         });
     };
     let state_page = state.real_page_bytes();
-    let mut align = u64::from(DEFAULT_BLOCK_TOKENS.max(user));
+    let kernel_min = engine.attention_backend.min_kernel_block();
+    let mut align = u64::from(kernel_min.max(user));
     // Prefix caching puts Mamba caching in "align" mode: blocks land on prefill checkpoints.
     if engine.prefix_caching
         && state.kind == StateKind::Gdn
@@ -519,7 +696,7 @@ pub fn block_sizing(
         align = lcm(align, u64::from(FLASHINFER_GDN_ALIGNMENT_TOKENS));
     }
     let needed = align * state_page.div_ceil(align * per_token);
-    let needed = needed.div_ceil(u64::from(DEFAULT_BLOCK_TOKENS)) * u64::from(DEFAULT_BLOCK_TOKENS);
+    let needed = needed.div_ceil(u64::from(kernel_min)) * u64::from(kernel_min);
     let block = needed.max(u64::from(user));
     let block_tokens = u32::try_from(block).map_err(|_| {
         HybridError::request("--block-size", format!("aligned block of {block} tokens is too large"))
@@ -638,6 +815,38 @@ pub fn cmp_layer_names(a: &str, b: &str) -> Ordering {
     parts(a).cmp(&parts(b))
 }
 
+/// An engine's cache as a vLLM engine built it, in the terms a case states it (`p` and `d`
+/// of `hybrid_v033.json`): block size, page, local KV heads, KV cache groups with their
+/// layers, and the state's shapes and pages. [`EngineGeometry::from_stated`] plans with it as
+/// given; [`EngineGeometry::stated`] writes a derived engine the same way.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatedEngine {
+    /// `block_size_tokens`: the (hybrid-aligned) logical block.
+    pub block_tokens: u32,
+    /// `page_bytes`: one layer's page of one block.
+    pub page_bytes: u64,
+    /// `local_kv_heads`: attention heads on one rank.
+    pub local_kv_heads: u32,
+    pub groups: Vec<StatedGroup>,
+    pub state: Option<StatedState>,
+}
+
+/// One KV cache group as stated: its spec and its layers' names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatedGroup {
+    pub kind: GroupKind,
+    pub layers: Vec<String>,
+}
+
+/// The state as stated: `mamba_state_shapes_local` and `mamba_state_dtypes`,
+/// `mamba_real_page_bytes`, `mamba_page_size_padded`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatedState {
+    pub shapes: StateShapes,
+    pub real_page_bytes: u64,
+    pub padded_page_bytes: u64,
+}
+
 /// The cache geometry of one engine (every rank of it: ranks differ only in which global
 /// heads and state units they hold).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -663,22 +872,11 @@ pub struct EngineGeometry {
 }
 
 impl EngineGeometry {
-    /// Builds an engine's geometry; errors are vLLM's load-time refusals (a TP that does not
-    /// split the model) or what kvx does not model.
+    /// Builds an engine's geometry as vLLM derives it from the model and the engine's
+    /// settings; errors are vLLM's load-time refusals (a TP that does not split the model, a
+    /// block no kernel block divides) or what kvx does not model.
     pub fn new(model: &HybridModel, config: &HybridEngine, side: Side) -> Result<Self, HybridError> {
-        model.validate()?;
-        if config.tp == 0 || config.num_blocks == 0 {
-            return Err(HybridError::request(side.tp_flag(), "TP size and pool size must be positive"));
-        }
-        if !matches!(config.layout, Layout::Lbhnc | Layout::Lbnhc) {
-            return Err(HybridError::unsupported(
-                format!(
-                    "layout {} with a hybrid model (kvx plans layer-outer LBHNC and LBNHC)",
-                    config.layout
-                ),
-                &format!("--{}-layout", side.prefix()),
-            ));
-        }
+        Self::check_engine(model, config, side)?;
         let h = model.attention.num_kv_heads;
         let tp = config.tp;
         if (tp <= h && !h.is_multiple_of(tp)) || (tp > h && !tp.is_multiple_of(h)) {
@@ -696,27 +894,166 @@ impl EngineGeometry {
             _ => None,
         };
         let sizing = block_sizing(model, config, state.as_ref())?;
-        let (kernel_block_tokens, ppl) = match config.kernel_block_tokens {
-            None => (sizing.block_tokens, 1),
-            Some(k) if k > 0 && sizing.block_tokens.is_multiple_of(k) => (k, sizing.block_tokens / k),
-            Some(k) => {
-                return Err(HybridError::unsupported(
-                    format!("a {k}-token kernel block under {}-token blocks", sizing.block_tokens),
-                    "--kernel-block-size",
-                ));
+        let groups = kv_groups(model);
+        Self::assemble(model, config, side, groups, sizing, state, topology::heads_per_rank(h, tp))
+    }
+
+    /// Builds an engine's geometry from what a vLLM engine actually built (a case's `p` or
+    /// `d`): its block size, page, groups and state shapes as given, never re-derived. Errors
+    /// name the stated field that contradicts itself or the model.
+    pub fn from_stated(
+        model: &HybridModel,
+        config: &HybridEngine,
+        stated: &StatedEngine,
+        side: Side,
+    ) -> Result<Self, HybridError> {
+        Self::check_engine(model, config, side)?;
+        let at = |field: &str| format!("{}.{field}", side.prefix());
+        let bad = |field: &str, reason: String| HybridError::model(&at(field), reason);
+        let (block, page) = (stated.block_tokens, stated.page_bytes);
+        if block == 0 || page == 0 || stated.local_kv_heads == 0 {
+            return Err(bad("block_size_tokens", "block size, page bytes and local KV heads must be positive".into()));
+        }
+        let cell = 2 * u64::from(model.attention.head_dim) * u64::from(model.attention.dtype.bytes());
+        let per_token = u64::from(stated.local_kv_heads) * cell;
+        if u64::from(block) * per_token != page {
+            return Err(bad(
+                "page_bytes",
+                format!(
+                    "{page} bytes is not {block} tokens x {} local KV heads x {cell} bytes (K and V of one head, \
+                     one token)",
+                    stated.local_kv_heads
+                ),
+            ));
+        }
+        let state = match (&stated.state, model.has_state()) {
+            (Some(s), true) => {
+                let n_groups = match &model.state {
+                    Some(StateSpec::Mamba2(m)) => Some(m.n_groups),
+                    _ => None,
+                };
+                let layout = StateLayout::from_shapes(&s.shapes, config.tp, n_groups)
+                    .map_err(|e| bad("mamba_state_shapes_local", e))?;
+                if layout.real_page_bytes() != s.real_page_bytes {
+                    return Err(bad(
+                        "mamba_real_page_bytes",
+                        format!(
+                            "{} bytes, but the stated shapes hold {}",
+                            s.real_page_bytes,
+                            layout.real_page_bytes()
+                        ),
+                    ));
+                }
+                if s.padded_page_bytes != page {
+                    return Err(bad(
+                        "mamba_page_size_padded",
+                        format!("{} bytes, but the attention page is {page}", s.padded_page_bytes),
+                    ));
+                }
+                Some(layout)
+            }
+            (None, false) => None,
+            (None, true) => {
+                return Err(bad("mamba_state_shapes_local", "the model keeps state but no state shapes are given".into()));
+            }
+            (Some(_), false) => {
+                return Err(bad("mamba_state_shapes_local", "state shapes given for a model without state layers".into()));
             }
         };
-        let groups = kv_groups(model);
-        let heads_per_rank = topology::heads_per_rank(h, tp);
+        let layers = model.cache_layers();
+        let mut groups = Vec::with_capacity(stated.groups.len());
+        let mut seen = std::collections::HashSet::new();
+        for (i, g) in stated.groups.iter().enumerate() {
+            let mut members = Vec::with_capacity(g.layers.len());
+            for name in &g.layers {
+                let layer = layers.iter().find(|l| &l.name == name && GroupKind::of(l.kind) == g.kind).ok_or_else(|| {
+                    bad(&format!("groups[{i}].layers"), format!("{name} is not a {} layer of the model", g.kind.vllm_spec()))
+                })?;
+                if !seen.insert(name.as_str()) {
+                    return Err(bad(&format!("groups[{i}].layers"), format!("{name} is in two groups")));
+                }
+                members.push(layer.clone());
+            }
+            if members.is_empty() {
+                return Err(bad(&format!("groups[{i}].layers"), "a group without layers".into()));
+            }
+            groups.push(KvGroup { index: u32::try_from(i).unwrap_or(u32::MAX), kind: g.kind, layers: members });
+        }
+        if let Some(missing) = layers.iter().find(|l| !seen.contains(l.name.as_str())) {
+            return Err(bad("groups", format!("{} is in no group", missing.name)));
+        }
+        let sizing = BlockSizing {
+            block_tokens: block,
+            alignment_tokens: block,
+            attn_bytes_per_token: per_token,
+            page_bytes: page,
+            state_page_bytes: state.as_ref().map(StateLayout::real_page_bytes),
+        };
+        Self::assemble(model, config, side, groups, sizing, state, stated.local_kv_heads)
+    }
+
+    /// What every engine needs whatever says its geometry: a valid model, a TP size and a
+    /// pool, a layer-outer layout.
+    fn check_engine(model: &HybridModel, config: &HybridEngine, side: Side) -> Result<(), HybridError> {
+        model.validate()?;
+        if config.tp == 0 || config.num_blocks == 0 {
+            return Err(HybridError::request(side.tp_flag(), "TP size and pool size must be positive"));
+        }
+        if !matches!(config.layout, Layout::Lbhnc | Layout::Lbnhc) {
+            return Err(HybridError::unsupported(
+                format!(
+                    "layout {} with a hybrid model (kvx plans layer-outer LBHNC and LBNHC)",
+                    config.layout
+                ),
+                &format!("--{}-layout", side.prefix()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The geometry of groups, block sizing and state decided: kernel blocks, regions,
+    /// registrations.
+    fn assemble(
+        model: &HybridModel,
+        config: &HybridEngine,
+        side: Side,
+        groups: Vec<KvGroup>,
+        sizing: BlockSizing,
+        state: Option<StateLayout>,
+        heads_per_rank: u32,
+    ) -> Result<Self, HybridError> {
+        let block = sizing.block_tokens;
+        let kernel = match config.kernel_block_tokens {
+            Some(k) => (k > 0 && block.is_multiple_of(k)).then_some(k).ok_or_else(|| {
+                HybridError::unsupported(format!("a {k}-token kernel block under {block}-token blocks"), "--kernel-block-size")
+            })?,
+            None => config.attention_backend.kernel_block(block).ok_or_else(|| {
+                HybridError::refused(
+                    RefusalKind::NoKernelBlock,
+                    format!(
+                        "No common block size for {block} ({}: {})",
+                        config.attention_backend.vllm_name(),
+                        config.attention_backend.supported_sizes()
+                    ),
+                    "vllm/v1/worker/utils.py:554 (select_common_block_size)",
+                    "--block-size",
+                    format!(
+                        "{} runs blocks of {}; pick a block size it divides",
+                        config.attention_backend.vllm_name(),
+                        config.attention_backend.supported_sizes()
+                    ),
+                )
+            })?,
+        };
         let cell_bytes = 2 * u64::from(model.attention.head_dim) * u64::from(model.attention.dtype.bytes());
         let mut geom = EngineGeometry {
             side,
             config: *config,
             groups,
             sizing,
-            kernel_block_tokens,
-            physical_per_logical: ppl,
-            total_kv_heads: h,
+            kernel_block_tokens: kernel,
+            physical_per_logical: block / kernel,
+            total_kv_heads: model.attention.num_kv_heads,
             heads_per_rank,
             cell_bytes,
             state,
@@ -726,6 +1063,25 @@ impl EngineGeometry {
         };
         geom.build_regions();
         Ok(geom)
+    }
+
+    /// The engine as the case format states it (`kvx layout`'s `engine`, a case's `p`/`d`).
+    pub fn stated(&self) -> StatedEngine {
+        StatedEngine {
+            block_tokens: self.sizing.block_tokens,
+            page_bytes: self.sizing.page_bytes,
+            local_kv_heads: self.heads_per_rank,
+            groups: self
+                .groups
+                .iter()
+                .map(|g| StatedGroup { kind: g.kind, layers: g.layers.iter().map(|l| l.name.clone()).collect() })
+                .collect(),
+            state: self.state.as_ref().map(|s| StatedState {
+                shapes: s.shapes(),
+                real_page_bytes: s.real_page_bytes(),
+                padded_page_bytes: self.sizing.page_bytes,
+            }),
+        }
     }
 
     /// Whether the model keeps Mamba/GDN state (vLLM `_has_mamba`).

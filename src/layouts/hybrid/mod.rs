@@ -26,7 +26,12 @@ pub mod model;
 pub mod push;
 pub mod staging;
 
-pub use descriptors::{Finding, HybridPlan, HybridPlanner, HybridRequest, PairConfig, StateSlices};
+pub use descriptors::{
+    Finding, GeometryDifference, GeometrySource, HybridPlan, HybridPlanner, HybridRequest, PairConfig, StateSlices,
+    StatedPair,
+};
 pub use error::{HybridError, Refusal, RefusalKind};
-pub use geometry::{EngineGeometry, GdnPrefillBackend, HybridEngine, KvBufferDevice};
+pub use geometry::{
+    AttentionBackend, EngineGeometry, GdnPrefillBackend, HybridEngine, KvBufferDevice, StateShapes, StatedEngine,
+};
 pub use model::{HybridModel, preset};

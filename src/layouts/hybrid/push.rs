@@ -224,6 +224,7 @@ mod tests {
             state_slices: Default::default(),
             host_copy: Default::default(),
             push_attention: rule,
+            stated: Default::default(),
         };
         HybridPlanner::new(&config).ok()
     }
