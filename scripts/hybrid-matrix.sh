@@ -18,7 +18,7 @@ OUT=results/docs/hybrid-matrix
 [ "$MODE" = pull ] || OUT=results/docs/hybrid-matrix-$MODE
 mkdir -p "$OUT"
 presets=("$@")
-[ ${#presets[@]} -gt 0 ] || presets=(qwen3-next-80b-a3b nemotron-h-8b granite-4.0-h-tiny jamba-v0.1 falcon-h1-7b gpt-oss-120b:hma gemma-3-4b)
+[ ${#presets[@]} -gt 0 ] || presets=(qwen3-next-80b-a3b nemotron-h-8b granite-4.0-h-tiny jamba-v0.1 falcon-h1-7b gpt-oss-120b gemma-3-4b)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "preset p_tp d_tp state_slices exit ok failed verify_failures leaked verified/read first_error" >"$OUT/out.txt"

@@ -61,6 +61,21 @@ fn build(args: &LayoutFlags, pair: &PairSpec, g: &RankGeometry) -> LayoutJson {
             })
             .collect(),
         registrations: g.registrations().into_iter().map(|(o, n)| [o, n]).collect(),
+        engine: serde_json::json!({
+            "tp": args.tp,
+            "block_size_tokens": g.block_tokens,
+            "num_blocks": g.num_blocks,
+            "local_kv_heads": g.heads,
+            "page_bytes": g.page_bytes(),
+            "kv_buffer_device": "cuda",
+            "groups": [{
+                "group": 0,
+                "spec": if pair.model.is_mla() { "MLAAttentionSpec" } else { "FullAttentionSpec" },
+                "layers": (0..pair.model.num_layers)
+                    .map(|i| format!("model.layers.{i}.self_attn.attn"))
+                    .collect::<Vec<_>>(),
+            }],
+        }),
     }
 }
 
@@ -78,6 +93,7 @@ pub fn run(args: &LayoutArgs) -> anyhow::Result<Outcome> {
                 kernel_block_size: geom.kernel_block_tokens,
                 page_bytes: geom.sizing.page_bytes,
                 padding_bytes: geom.sizing.padding_bytes(),
+                engine: geom.stated().case_json(args.tp, args.num_blocks, geom.config.kv_buffer_device),
                 geometry: &geom,
             })?,
             Format::Table => output::stdout(crate::report::layout::render_hybrid(

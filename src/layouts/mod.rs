@@ -14,6 +14,7 @@ pub mod alloc;
 pub mod compat;
 pub mod geometry;
 pub mod hybrid;
+pub mod model_config;
 pub mod pattern;
 pub mod plan;
 pub mod posting;

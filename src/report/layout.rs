@@ -142,6 +142,8 @@ pub struct LayoutJson {
     pub physical_axes: Vec<AxisJson>,
     pub regions: Vec<RegionJson>,
     pub registrations: Vec<[u64; 2]>,
+    /// The engine in the terms of a case's `p`/`d` (one KV cache group of every layer).
+    pub engine: serde_json::Value,
 }
 
 /// `kvx layout --format json` of a hybrid preset: vLLM's aligned block size and padded page up
@@ -158,6 +160,9 @@ pub struct HybridLayoutJson<'a> {
     pub kernel_block_size: u32,
     pub page_bytes: u64,
     pub padding_bytes: u64,
+    /// The engine in the terms of a case's `p`/`d` (what vLLM's engine reports: groups, block
+    /// size, pages, state shapes), as `kvx plan --scenario` reads it.
+    pub engine: serde_json::Value,
     pub geometry: &'a crate::layouts::hybrid::EngineGeometry,
 }
 

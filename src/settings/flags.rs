@@ -21,13 +21,23 @@ layered! {
     /// (which override the preset or config).
     #[derive(Debug, Clone, Default, PartialEq, Args, Deserialize)]
     pub struct ModelFlags {
-        /// Model preset: llama-3.1-8b|70b|405b, qwen3-0.6b|8b|32b|235b-a22b, mistral-7b, gpt-oss-120b,
-        /// deepseek-v3 (= deepseek-r1). Default: llama-3.1-70b.
-        #[arg(long, short = 'm', value_name = "NAME", help_heading = "Model")]
+        /// Model: a preset (llama-3.1-8b|70b|405b, qwen3-0.6b|8b|32b|235b-a22b, mistral-7b,
+        /// deepseek-v3 = deepseek-r1, gpt-oss-120b, qwen3-next-80b-a3b, nemotron-h-8b,
+        /// granite-4.0-h-tiny, jamba-v0.1, falcon-h1-7b, gemma-3-4b, or a Hugging Face id of
+        /// one), a config.json or the folder holding it, or a model TOML. Default: llama-3.1-70b.
+        #[arg(long, short = 'm', value_name = "NAME|PATH", help_heading = "Model")]
         pub model: Option<String>,
-        /// Read the shape from a Hugging Face config.json.
+        /// Read the model from a Hugging Face config.json (or the folder holding it), as vLLM
+        /// reads it for its architecture.
         #[arg(long, value_name = "PATH", conflicts_with = "model", help_heading = "Model")]
         pub model_config: Option<PathBuf>,
+        /// vLLM's hybrid KV cache manager: on (vLLM's default with the NixlConnector: sliding
+        /// windows and Mamba/GDN state keep their own KV cache groups) or off
+        /// (--disable-hybrid-kv-cache-manager: windowed layers keep every block; state models
+        /// cannot run) [default: on].
+        #[arg(long, value_enum, value_name = "on|off", help_heading = "Model")]
+        #[serde(default)]
+        pub hma: Option<super::model::Hma>,
         /// Total KV heads of the model (overrides the preset).
         #[arg(long, value_name = "H", help_heading = "Model")]
         pub num_kv_heads: Option<u32>,
@@ -98,6 +108,20 @@ layered! {
         #[arg(long, help_heading = "Engines")]
         #[serde(default)]
         pub no_prefix_caching: bool,
+        /// Hybrid models with GDN state (Qwen3-Next): the GDN prefill kernel on both engines.
+        /// flashinfer is vLLM's choice on H100, H200 and B200 (SM90; SM100 with CUDA 13): with
+        /// prefix caching on, it aligns hybrid blocks to its 64-token checkpoints; triton
+        /// (A100-class GPUs) does not [default: flashinfer].
+        #[arg(long, value_enum, value_name = "BACKEND", help_heading = "Engines")]
+        #[serde(default)]
+        pub gdn_prefill: Option<crate::layouts::hybrid::GdnPrefillBackend>,
+        /// Hybrid models: the attention backend on both engines (vLLM's --attention-backend).
+        /// flash-attn (vLLM's default on Hopper) and triton run the whole block as one kernel
+        /// block; flashinfer splits it into kernel blocks of 64, 32 or 16 tokens, which NIXL
+        /// then reads [default: flash-attn].
+        #[arg(long, value_enum, value_name = "BACKEND", help_heading = "Engines")]
+        #[serde(default)]
+        pub attention_backend: Option<crate::layouts::hybrid::AttentionBackend>,
         /// Receive prefill HND blocks into a decode NHD cache (vLLM's enable_permute_local_kv).
         #[arg(long, help_heading = "Engines")]
         #[serde(default)]

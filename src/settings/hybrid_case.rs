@@ -8,12 +8,13 @@ use serde_json::Value;
 
 use crate::error::ConfigError;
 use crate::layouts::hybrid::geometry::{
-    AttentionBackend, ConvPart, DEFAULT_BLOCK_TOKENS, EngineGeometry, GdnPrefillBackend, GroupKind, HybridEngine,
-    KvBufferDevice, Side, StateLayout, StatePart, StateShapes, StatedEngine, StatedGroup, StatedState,
+    AttentionBackend, ConvPart, DEFAULT_BLOCK_TOKENS, EngineGeometry, GdnPrefillBackend, GroupKind,
+    HybridEngine, KvBufferDevice, Side, StateLayout, StatePart, StateShapes, StatedEngine, StatedGroup,
+    StatedState,
 };
 use crate::layouts::hybrid::model::{
-    AttentionShape, AttnKind, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba1Spec, Mamba2Spec, StateKind,
-    StateSpec,
+    AttentionShape, AttnKind, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba1Spec, Mamba2Spec,
+    StateKind, StateSpec,
 };
 use crate::layouts::hybrid::{HybridRequest, PairConfig, StatedPair};
 
@@ -140,7 +141,9 @@ fn state_kind(case: &Value, shapes: &Value, names: &[String]) -> Result<StateKin
     if has("mamba2") {
         return Ok(StateKind::Mamba2);
     }
-    if let Some(t) = m.and_then(|m| m.get("mamba_type").or_else(|| m.get("state_kind"))).and_then(Value::as_str) {
+    if let Some(t) =
+        m.and_then(|m| m.get("mamba_type").or_else(|| m.get("state_kind"))).and_then(Value::as_str)
+    {
         return named(t).ok_or_else(|| bad(format!("`model.mamba_type` {t} is not mamba1, mamba2 or gdn")));
     }
     let ssm_dims = shapes.get(1).and_then(Value::as_array).map_or(0, Vec::len);
@@ -161,13 +164,16 @@ fn shapes_of(e: &Value, side: &str, kind: StateKind) -> Result<StateShapes, Conf
             .and_then(Value::as_array)
             .ok_or_else(|| bad(format!("`{side}.mamba_state_shapes_local[{i}]` is not a shape")))?
             .iter()
-            .map(|d| d.as_u64().ok_or_else(|| bad(format!("`{side}.mamba_state_shapes_local[{i}]` holds a non-number"))))
+            .map(|d| {
+                d.as_u64()
+                    .ok_or_else(|| bad(format!("`{side}.mamba_state_shapes_local[{i}]` holds a non-number")))
+            })
             .collect()
     };
     let conv = dims(0)?;
-    let conv: [u64; 2] = conv
-        .try_into()
-        .map_err(|_| bad(format!("`{side}.mamba_state_shapes_local[0]` is not a 2-D conv shape (channels, kernel - 1)")))?;
+    let conv: [u64; 2] = conv.try_into().map_err(|_| {
+        bad(format!("`{side}.mamba_state_shapes_local[0]` is not a 2-D conv shape (channels, kernel - 1)"))
+    })?;
     let dt = field(e, "mamba_state_dtypes", &at)?
         .as_array()
         .ok_or_else(|| bad(format!("`{side}.mamba_state_dtypes` is not a list")))?;
@@ -185,7 +191,9 @@ fn window_of(group: &Value, model: &Value) -> Result<u32, ConfigError> {
         .get("sliding_window")
         .or_else(|| group.get("window"))
         .or_else(|| model.get("sliding_window"))
-        .ok_or_else(|| bad("a SlidingWindowSpec group needs `model.sliding_window` (or the group's `sliding_window`)"))?;
+        .ok_or_else(|| {
+            bad("a SlidingWindowSpec group needs `model.sliding_window` (or the group's `sliding_window`)")
+        })?;
     w.as_u64()
         .and_then(|w| u32::try_from(w).ok())
         .filter(|&w| w > 0)
@@ -196,14 +204,17 @@ fn window_of(group: &Value, model: &Value) -> Result<u32, ConfigError> {
 fn stated(e: &Value, side: &str, case: &Value, kind: Option<StateKind>) -> Result<StatedEngine, ConfigError> {
     let at = format!("{side}.");
     let m = field(case, "model", "")?;
-    let groups = field(e, "groups", &at)?.as_array().ok_or_else(|| bad(format!("`{side}.groups` is not a list")))?;
+    let groups =
+        field(e, "groups", &at)?.as_array().ok_or_else(|| bad(format!("`{side}.groups` is not a list")))?;
     let mut out = Vec::with_capacity(groups.len());
     for g in groups {
         let spec = field(g, "spec", &format!("{side}.groups[]."))?.as_str().unwrap_or_default();
         let kind = match spec {
             "FullAttentionSpec" => GroupKind::Full,
             "SlidingWindowSpec" => GroupKind::SlidingWindow { window_tokens: window_of(g, m)? },
-            "MambaSpec" => GroupKind::State(kind.ok_or_else(|| bad("a MambaSpec group in a model without state"))?),
+            "MambaSpec" => {
+                GroupKind::State(kind.ok_or_else(|| bad("a MambaSpec group in a model without state"))?)
+            }
             other => {
                 return Err(bad(format!(
                     "group spec `{other}` is not one kvx knows (FullAttentionSpec, SlidingWindowSpec, MambaSpec)"
@@ -218,11 +229,14 @@ fn stated(e: &Value, side: &str, case: &Value, kind: Option<StateKind>) -> Resul
             .collect::<Result<_, _>>()?;
         out.push(StatedGroup { kind, layers });
     }
-    let page_bytes = field(e, "page_bytes", &at)?.as_u64().ok_or_else(|| bad(format!("`{side}.page_bytes` is not a number")))?;
+    let page_bytes = field(e, "page_bytes", &at)?
+        .as_u64()
+        .ok_or_else(|| bad(format!("`{side}.page_bytes` is not a number")))?;
     let state = match kind {
         Some(k) => {
             let shapes = shapes_of(e, side, k)?;
-            let real = e.get("mamba_real_page_bytes").and_then(Value::as_u64).unwrap_or_else(|| shapes.page_bytes());
+            let real =
+                e.get("mamba_real_page_bytes").and_then(Value::as_u64).unwrap_or_else(|| shapes.page_bytes());
             let padded = e.get("mamba_page_size_padded").and_then(Value::as_u64).unwrap_or(page_bytes);
             Some(StatedState { shapes, real_page_bytes: real, padded_page_bytes: padded })
         }
@@ -240,11 +254,19 @@ fn stated(e: &Value, side: &str, case: &Value, kind: Option<StateKind>) -> Resul
 /// The state parameters of the model, recovered from prefill's shapes at prefill's TP as
 /// vLLM's connector recovers them (`derive_mamba_conv_split`), with Mamba2's `n_groups` from
 /// the `model` section, or from how the conv width differs between the two sides.
-fn state_spec(case: &Value, p: &StateShapes, p_tp: u32, d: Option<(&StateShapes, u32)>) -> Result<StateSpec, ConfigError> {
+fn state_spec(
+    case: &Value,
+    p: &StateShapes,
+    p_tp: u32,
+    d: Option<(&StateShapes, u32)>,
+) -> Result<StateSpec, ConfigError> {
     let t = u64::from(p_tp.max(1));
-    let small = |v: u64, what: &str| u32::try_from(v).map_err(|_| bad(format!("the state's {what} ({v}) is too large")));
+    let small = |v: u64, what: &str| {
+        u32::try_from(v).map_err(|_| bad(format!("the state's {what} ({v}) is too large")))
+    };
     let kernel = small(p.conv[1] + 1, "conv kernel")?;
-    let layout = StateLayout::from_shapes(p, p_tp, None).map_err(|e| bad(format!("`p.mamba_state_shapes_local`: {e}")))?;
+    let layout = StateLayout::from_shapes(p, p_tp, None)
+        .map_err(|e| bad(format!("`p.mamba_state_shapes_local`: {e}")))?;
     let (conv_dtype, ssm_dtype) = p.dtypes;
     Ok(match p.kind {
         StateKind::Mamba1 => StateSpec::Mamba1(Mamba1Spec {
@@ -305,7 +327,13 @@ fn state_spec(case: &Value, p: &StateShapes, p_tp: u32, d: Option<(&StateShapes,
 /// The model of a case: prefill's groups (which layers keep what, and their names), the
 /// attention shape from the `model` section or prefill's page, and the state from prefill's
 /// shapes.
-fn model(case: &Value, name: &str, kind: Option<StateKind>, p: &StatedEngine, d: &StatedEngine) -> Result<HybridModel, ConfigError> {
+fn model(
+    case: &Value,
+    name: &str,
+    kind: Option<StateKind>,
+    p: &StatedEngine,
+    d: &StatedEngine,
+) -> Result<HybridModel, ConfigError> {
     let m = field(case, "model", "")?;
     let pv = field(case, "p", "")?;
     let p_tp = num(pv, "tp", "p.")?;
@@ -320,7 +348,9 @@ fn model(case: &Value, name: &str, kind: Option<StateKind>, p: &StatedEngine, d:
         for layer in &g.layers {
             let (i, template) = split_name(layer)?;
             if i as usize >= MAX_CASE_LAYERS {
-                return Err(bad(format!("layer name `{layer}`: layer {i} is past kvx's {MAX_CASE_LAYERS}-layer bound")));
+                return Err(bad(format!(
+                    "layer name `{layer}`: layer {i} is past kvx's {MAX_CASE_LAYERS}-layer bound"
+                )));
             }
             if layers.len() <= i as usize {
                 layers.resize(i as usize + 1, Layer::MLP);
@@ -342,12 +372,15 @@ fn model(case: &Value, name: &str, kind: Option<StateKind>, p: &StatedEngine, d:
             }
         }
     }
-    let kv_heads = match m.get("kv_heads").or_else(|| m.get("attn_kv_heads")).or_else(|| m.get("num_kv_heads")) {
-        Some(v) => v.as_u64().and_then(|h| u32::try_from(h).ok()).ok_or_else(|| bad("`model.kv_heads`"))?,
-        // Heads split over TP, or replicated once TP passes them: the smaller count is the
-        // model's when one side has a single head per rank.
-        None => (p.local_kv_heads * p_tp).min(d.local_kv_heads * d_tp),
-    };
+    let kv_heads =
+        match m.get("kv_heads").or_else(|| m.get("attn_kv_heads")).or_else(|| m.get("num_kv_heads")) {
+            Some(v) => {
+                v.as_u64().and_then(|h| u32::try_from(h).ok()).ok_or_else(|| bad("`model.kv_heads`"))?
+            }
+            // Heads split over TP, or replicated once TP passes them: the smaller count is the
+            // model's when one side has a single head per rank.
+            None => (p.local_kv_heads * p_tp).min(d.local_kv_heads * d_tp),
+        };
     let head_dim = match m.get("head_dim").or_else(|| m.get("attn_head_dim")) {
         Some(v) => v.as_u64().and_then(|h| u32::try_from(h).ok()).ok_or_else(|| bad("`model.head_dim`"))?,
         None => {
@@ -357,7 +390,9 @@ fn model(case: &Value, name: &str, kind: Option<StateKind>, p: &StatedEngine, d:
         }
     };
     let state = match (kind, &p.state) {
-        (Some(_), Some(ps)) => Some(state_spec(case, &ps.shapes, p_tp, d.state.as_ref().map(|s| (&s.shapes, d_tp)))?),
+        (Some(_), Some(ps)) => {
+            Some(state_spec(case, &ps.shapes, p_tp, d.state.as_ref().map(|s| (&s.shapes, d_tp)))?)
+        }
         _ => None,
     };
     Ok(HybridModel {
@@ -372,7 +407,12 @@ fn model(case: &Value, name: &str, kind: Option<StateKind>, p: &StatedEngine, d:
 /// The engine settings of a side: its TP, pool, buffer device and attention backend, and
 /// the GDN prefill backend under which kvx's derivation reproduces the stated block size
 /// (FlashInfer, vLLM's choice on H100-class GPUs, when neither does).
-fn engine(e: &Value, side: &str, model: &HybridModel, stated: &StatedEngine) -> Result<HybridEngine, ConfigError> {
+fn engine(
+    e: &Value,
+    side: &str,
+    model: &HybridModel,
+    stated: &StatedEngine,
+) -> Result<HybridEngine, ConfigError> {
     let at = format!("{side}.");
     let mut engine = HybridEngine {
         kv_buffer_device: match e.get("kv_buffer_device").and_then(Value::as_str) {
@@ -388,12 +428,19 @@ fn engine(e: &Value, side: &str, model: &HybridModel, stated: &StatedEngine) -> 
             "FLASH_ATTN" => AttentionBackend::FlashAttn,
             "FLASHINFER" => AttentionBackend::FlashInfer,
             "TRITON_ATTN" => AttentionBackend::Triton,
-            other => return Err(bad(format!("`{side}.attn_backend` {other} is not FLASH_ATTN, FLASHINFER or TRITON_ATTN"))),
+            other => {
+                return Err(bad(format!(
+                    "`{side}.attn_backend` {other} is not FLASH_ATTN, FLASHINFER or TRITON_ATTN"
+                )));
+            }
         };
     }
     if let Some(k) = e.get("kernel_block_size_tokens").or_else(|| e.get("kernel_block_size")) {
-        engine.kernel_block_tokens =
-            Some(k.as_u64().and_then(|k| u32::try_from(k).ok()).ok_or_else(|| bad(format!("`{side}.kernel_block_size`")))?);
+        engine.kernel_block_tokens = Some(
+            k.as_u64()
+                .and_then(|k| u32::try_from(k).ok())
+                .ok_or_else(|| bad(format!("`{side}.kernel_block_size`")))?,
+        );
     }
     if let Some(pc) = e.get("enable_prefix_caching").and_then(Value::as_bool) {
         engine.prefix_caching = pc;

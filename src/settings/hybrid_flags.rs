@@ -4,19 +4,21 @@
 
 use crate::error::ConfigError;
 
-/// The hybrid preset `--model` names (a name no uniform preset has, no `--model-config`), or
-/// `None`. A shape flag, or one of `refused` given, is refused: a hybrid preset's shape is
-/// the preset's, and vLLM 0.33's rules plan it.
+/// The hybrid model `--model`/`--model-config` name (state, or windows under `--hma on`), or
+/// `None` for a uniform one. A shape flag, or one of `refused` given, is refused: a hybrid
+/// model's shape is its config's, and vLLM 0.33's rules plan it.
 pub fn hybrid_preset_of(
     m: &super::flags::ModelFlags,
     vllm: Option<crate::topology::VllmVersion>,
     refused: &[(bool, &'static str)],
 ) -> Result<Option<crate::layouts::hybrid::HybridModel>, ConfigError> {
-    let Some(name) = &m.model else { return Ok(None) };
-    if m.model_config.is_some() {
-        return Ok(None);
-    }
-    let Some(model) = super::model::hybrid_model(name)? else { return Ok(None) };
+    let resolved = super::model::resolve(
+        m.model.as_deref(),
+        m.model_config.as_deref(),
+        m.hma.unwrap_or_default(),
+        super::scenario::DEFAULT_MODEL,
+    )?;
+    let crate::layouts::model_config::PlanModel::Hybrid(model) = resolved.plan else { return Ok(None) };
     let name = &model.name;
     let shape = [
         (m.num_kv_heads.is_some(), "--num-kv-heads"),
@@ -50,6 +52,8 @@ pub fn hybrid_engines(
         e.block_tokens = block.or(pair.block_size).unwrap_or(super::flags::DEFAULT_BLOCK_SIZE);
         e.kernel_block_tokens = pair.kernel_block_size;
         e.prefix_caching = !pair.no_prefix_caching;
+        e.gdn_prefill = pair.gdn_prefill.unwrap_or_default();
+        e.attention_backend = pair.attention_backend.unwrap_or_default();
         if let Some(l) = layout.as_ref().or(pair.layout.as_ref()) {
             e.layout = crate::layouts::Layout::parse_for(l, crate::topology::VllmVersion::V0_33)
                 .map_err(|e| ConfigError::new("--layout", e))?;

@@ -46,6 +46,19 @@ pub struct LayoutFlags {
     /// device cache) or cpu (a host buffer, one tensor per layer) [default: cuda].
     #[arg(long, value_enum)]
     pub kv_buffer_device: Option<KvBufferDevice>,
+    /// Hybrid models with GDN state: the GDN prefill kernel (flashinfer: vLLM's choice on
+    /// H100/H200/B200, aligning blocks to 64-token checkpoints with prefix caching; triton:
+    /// A100-class GPUs) [default: flashinfer].
+    #[arg(long, value_enum, value_name = "BACKEND")]
+    pub gdn_prefill: Option<crate::layouts::hybrid::GdnPrefillBackend>,
+    /// Hybrid models: the attention backend (flash-attn, triton: kernel block = block;
+    /// flashinfer: kernel blocks of 64, 32 or 16 tokens) [default: flash-attn].
+    #[arg(long, value_enum, value_name = "BACKEND")]
+    pub attention_backend: Option<crate::layouts::hybrid::AttentionBackend>,
+    /// Hybrid models: prefix caching off (vLLM's --no-enable-prefix-caching: no checkpoint
+    /// alignment of the block size).
+    #[arg(long)]
+    pub no_prefix_caching: bool,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
 }
@@ -55,11 +68,13 @@ pub struct LayoutFlags {
 /// it. `None` for every other model.
 pub fn resolve_hybrid(args: &LayoutFlags) -> Result<Option<(HybridModel, EngineGeometry)>, ConfigError> {
     let m = &args.model;
-    let Some(name) = &m.model else { return Ok(None) };
-    if m.model_config.is_some() {
-        return Ok(None);
-    }
-    let Some(model) = crate::settings::model::hybrid_model(name)? else { return Ok(None) };
+    let resolved = crate::settings::model::resolve(
+        m.model.as_deref(),
+        m.model_config.as_deref(),
+        m.hma.unwrap_or_default(),
+        scenario::DEFAULT_MODEL,
+    )?;
+    let crate::layouts::model_config::PlanModel::Hybrid(model) = resolved.plan else { return Ok(None) };
     let name = &model.name;
     let shape_flag = [
         (m.num_kv_heads.is_some(), "--num-kv-heads"),
@@ -85,6 +100,9 @@ pub fn resolve_hybrid(args: &LayoutFlags) -> Result<Option<(HybridModel, EngineG
     let mut engine = HybridEngine::new(args.tp, args.num_blocks);
     engine.block_tokens = args.block_size;
     engine.kv_buffer_device = args.kv_buffer_device.unwrap_or_default();
+    engine.gdn_prefill = args.gdn_prefill.unwrap_or_default();
+    engine.attention_backend = args.attention_backend.unwrap_or_default();
+    engine.prefix_caching = !args.no_prefix_caching;
     if let Some(l) = &args.layout {
         engine.layout = Layout::parse_for(l, args.vllm).map_err(|e| ConfigError::new("--layout", e))?;
     }
@@ -95,11 +113,18 @@ pub fn resolve_hybrid(args: &LayoutFlags) -> Result<Option<(HybridModel, EngineG
 
 /// Checks `kvx layout`'s flags: the engine (a homogeneous pair) and the geometry of its rank.
 pub fn resolve(args: &LayoutFlags) -> Result<(PairSpec, RankGeometry), ConfigError> {
-    if args.kv_buffer_device.is_some() {
-        return Err(ConfigError::new(
-            "--kv-buffer-device",
-            "applies to hybrid models (a hybrid preset with --model, e.g. nemotron-h-8b)",
-        ));
+    for (given, flag) in [
+        (args.kv_buffer_device.is_some(), "--kv-buffer-device"),
+        (args.gdn_prefill.is_some(), "--gdn-prefill"),
+        (args.attention_backend.is_some(), "--attention-backend"),
+        (args.no_prefix_caching, "--no-prefix-caching"),
+    ] {
+        if given {
+            return Err(ConfigError::new(
+                flag,
+                "applies to hybrid models (state or sliding windows: --model nemotron-h-8b, a config.json of one)",
+            ));
+        }
     }
     let version = args.vllm;
     let model = scenario::resolve_model(&args.model)?;

@@ -1,203 +1,232 @@
-//! Model shapes from a preset, a Hugging Face `config.json`, or flags: resolution into
-//! [`ModelShape`] (the type itself is ground-floor vocabulary, `vocab::model`). Only the fields
-//! that size the KV cache matter here.
+//! The model `--model` or `--model-config` names, read: a preset (by name, alias or Hugging
+//! Face id), a Hugging Face `config.json` (the file, or the folder that holds it), or a kvx
+//! model TOML (a layer pattern). Configs and presets are read by `layouts::model_config`, as
+//! vLLM reads them; `--hma` says whether vLLM's hybrid KV cache manager lays the model out.
+//! Errors name the flag and, for a config, the field.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde_json::Value;
 
 use crate::error::ConfigError;
+use crate::layouts::hybrid::HybridModel;
+use crate::layouts::model_config::{self, ArchModel, MAX_LAYERS, PlanModel};
 
 pub use crate::vocab::model::{Dtype, Mla, ModelShape};
 
-/// Fields of a Hugging Face `config.json` (and of kvx's preset files, which use the same
-/// names) that size the KV cache.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct HfConfig {
-    #[serde(default)]
-    pub name: Option<String>,
-    #[serde(default)]
-    pub aliases: Vec<String>,
-    #[serde(default)]
-    pub hf_id: Option<String>,
-    #[serde(default, alias = "_name_or_path")]
-    pub name_or_path: Option<String>,
-    #[serde(default)]
-    pub num_hidden_layers: Option<u32>,
-    #[serde(default)]
-    pub num_attention_heads: Option<u32>,
-    #[serde(default)]
-    pub num_key_value_heads: Option<u32>,
-    #[serde(default)]
-    pub head_dim: Option<u32>,
-    #[serde(default)]
-    pub hidden_size: Option<u32>,
-    #[serde(default)]
-    pub torch_dtype: Option<String>,
-    /// Newer transformers write `dtype` instead of `torch_dtype`.
-    #[serde(default)]
-    pub dtype: Option<String>,
-    #[serde(default)]
-    pub kv_lora_rank: Option<u32>,
-    #[serde(default)]
-    pub qk_rope_head_dim: Option<u32>,
-    /// Multimodal configs nest the language model here.
-    #[serde(default)]
-    pub text_config: Option<Box<HfConfig>>,
+/// The largest config file kvx reads (a real `config.json` is a few KiB).
+const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// `--hma`: vLLM's hybrid KV cache manager.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hma {
+    /// On (vLLM's default with the NixlConnector, which supports it): sliding-window and
+    /// state layers keep their own KV cache groups; a window group sends its window only.
+    #[default]
+    On,
+    /// Off (`--disable-hybrid-kv-cache-manager`): windowed layers allocate every token's
+    /// blocks like full attention; models with Mamba/GDN state do not run.
+    Off,
 }
 
-impl HfConfig {
-    /// Turns the config into a shape, naming the field that is missing or wrong.
-    pub fn to_shape(&self, fallback_name: &str, source: &str) -> Result<ModelShape, ConfigError> {
-        if self.num_hidden_layers.is_none()
-            && let Some(text) = &self.text_config
-        {
-            return text.to_shape(fallback_name, source);
-        }
-        let missing = |field: &str| {
-            ConfigError::new(
-                source,
-                format!(
-                    "{source} has no '{field}'; pass it with the matching flag (--layers, --num-kv-heads, --head-dim)"
-                ),
-            )
-        };
-        let num_layers = self.num_hidden_layers.ok_or_else(|| missing("num_hidden_layers"))?;
-        let mla = self
-            .kv_lora_rank
-            .map(|r| Mla { kv_lora_rank: r, qk_rope_head_dim: self.qk_rope_head_dim.unwrap_or(0) });
-        let num_kv_heads = match (self.num_key_value_heads, self.num_attention_heads) {
-            (Some(h), _) | (None, Some(h)) => h,
-            (None, None) => return Err(missing("num_key_value_heads")),
-        };
-        let head_dim = match (self.head_dim, self.hidden_size, self.num_attention_heads) {
-            (Some(d), _, _) => d,
-            (None, Some(hs), Some(nh)) if nh > 0 => hs / nh,
-            _ if mla.is_some() => mla.map_or(0, |m| m.qk_rope_head_dim),
-            _ => return Err(missing("head_dim")),
-        };
-        let dtype = match self.torch_dtype.as_deref().or(self.dtype.as_deref()) {
-            Some(s) => s.parse::<Dtype>().map_err(|e| ConfigError::new(source, e))?,
-            None => Dtype::Bf16,
-        };
-        let name = self
-            .name
-            .clone()
-            .or_else(|| self.hf_id.clone())
-            .or_else(|| self.name_or_path.clone())
-            .unwrap_or_else(|| fallback_name.to_string());
-        Ok(ModelShape { name, num_layers, num_kv_heads, head_dim, dtype, mla })
+/// Where a model came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    Preset(&'static str),
+    File(PathBuf),
+}
+
+/// A model read from its source, before `--hma` lays it out.
+#[derive(Debug, Clone)]
+pub enum ReadModel {
+    /// A preset or a `config.json`, read by its architecture.
+    Config(Box<ArchModel>),
+    /// A kvx model TOML: a hybrid layer pattern.
+    Pattern(HybridModel),
+}
+
+/// A model laid out: the model and how kvx plans it.
+#[derive(Debug, Clone)]
+pub struct ResolvedModel {
+    pub source: ModelSource,
+    pub plan: PlanModel,
+    /// The architecture, for a config or preset.
+    pub architecture: Option<String>,
+    /// Config fields left out, with the architecture's default taken for each.
+    pub defaults: Vec<(String, String)>,
+}
+
+fn config_error(flag: &str, what: &str, e: model_config::ConfigFieldError) -> ConfigError {
+    ConfigError::new(flag, format!("{what}: {e}"))
+}
+
+/// Whether `s` reads as a filesystem path rather than a preset name or Hugging Face id.
+fn looks_like_path(s: &str) -> bool {
+    let lower = s.to_ascii_lowercase();
+    s.starts_with('/')
+        || s.starts_with("./")
+        || s.starts_with("../")
+        || s.starts_with('~')
+        || s.starts_with('.')
+        || lower.ends_with(".json")
+        || lower.ends_with(".toml")
+        || s.matches('/').count() > 1
+}
+
+/// Reads a config file (or the `config.json` in a folder): JSON, or TOML in the same terms.
+fn read_config_file(flag: &str, path: &Path) -> Result<ReadModel, ConfigError> {
+    let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+    let meta = std::fs::metadata(&file)
+        .map_err(|e| ConfigError::new(flag, format!("cannot read {}: {e}", file.display())))?;
+    if !meta.is_file() {
+        return Err(ConfigError::new(flag, format!("{} is not a file", file.display())));
     }
-}
-
-/// A preset shipped with kvx (the files under `bench-configs/models/`, embedded).
-pub struct Preset {
-    pub name: &'static str,
-    pub toml: &'static str,
-}
-
-macro_rules! preset {
-    ($name:literal) => {
-        Preset { name: $name, toml: include_str!(concat!("../../bench-configs/models/", $name, ".toml")) }
+    if meta.len() > MAX_CONFIG_BYTES {
+        return Err(ConfigError::new(
+            flag,
+            format!(
+                "{} is {} bytes: a model config is at most {MAX_CONFIG_BYTES}",
+                file.display(),
+                meta.len()
+            ),
+        ));
+    }
+    let text = std::fs::read_to_string(&file)
+        .map_err(|e| ConfigError::new(flag, format!("cannot read {}: {e}", file.display())))?;
+    let shown = file.display().to_string();
+    let is_toml = file.extension().is_some_and(|x| x.eq_ignore_ascii_case("toml"));
+    let value: Value = if is_toml {
+        toml::from_str(&text)
+            .map_err(|e| ConfigError::new(flag, format!("{shown} is not valid TOML: {e}")))?
+    } else {
+        serde_json::from_str(&text)
+            .map_err(|e| ConfigError::new(flag, format!("{shown} is not valid JSON: {e}")))?
     };
-}
-
-/// Every embedded preset.
-pub const PRESETS: &[Preset] = &[
-    preset!("llama-3.1-8b"),
-    preset!("llama-3.1-70b"),
-    preset!("llama-3.1-405b"),
-    preset!("qwen3-0.6b"),
-    preset!("qwen3-8b"),
-    preset!("qwen3-32b"),
-    preset!("qwen3-235b-a22b"),
-    preset!("mistral-7b"),
-    preset!("gpt-oss-120b"),
-    preset!("deepseek-v3"),
-];
-
-fn normalize(name: &str) -> String {
-    name.trim().to_ascii_lowercase().replace(['_', ' '], "-")
-}
-
-/// Parses one preset file.
-pub fn parse_preset(p: &Preset) -> Result<(HfConfig, ModelShape), ConfigError> {
-    let cfg: HfConfig = toml::from_str(p.toml)
-        .map_err(|e| ConfigError::new("--model", format!("preset {} is malformed: {e}", p.name)))?;
-    let shape = cfg.to_shape(p.name, "--model")?;
-    Ok((cfg, shape))
-}
-
-/// Looks a preset up by name, alias or Hugging Face id (case-insensitive).
-pub fn preset(name: &str) -> Result<ModelShape, ConfigError> {
-    let want = normalize(name);
-    for p in PRESETS {
-        let (cfg, shape) = parse_preset(p)?;
-        let hf = cfg.hf_id.as_deref().map(normalize);
-        let hf_tail = hf.as_deref().and_then(|h| h.rsplit('/').next().map(str::to_string));
-        if normalize(p.name) == want
-            || cfg.aliases.iter().any(|a| normalize(a) == want)
-            || hf.as_deref() == Some(want.as_str())
-            || hf_tail.as_deref() == Some(want.as_str())
-        {
-            let mut shape = shape;
-            if cfg.aliases.iter().any(|a| normalize(a) == want) {
-                shape.name = want;
-            }
-            return Ok(shape);
+    // A kvx model TOML lists its layers as strings ("full", "swa:128", "mamba2", ...).
+    if is_toml && value.get("layers").is_some_and(Value::is_array) {
+        if value["layers"].as_array().is_some_and(|l| l.len() > MAX_LAYERS as usize) {
+            return Err(ConfigError::new(
+                flag,
+                format!("{shown}: `layers` lists more than {MAX_LAYERS} layers"),
+            ));
         }
+        let model: HybridModel = toml::from_str(&text)
+            .map_err(|e| ConfigError::new(flag, format!("{shown} is not a hybrid model TOML: {e}")))?;
+        model.validate().map_err(|e| ConfigError::new(flag, format!("{shown}: {e}")))?;
+        return Ok(ReadModel::Pattern(model));
     }
-    let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
-    Err(ConfigError::new(
-        "--model",
-        format!(
-            "unknown model '{name}'; presets: {} (or pass --model-config PATH to a config.json)",
-            names.join(", ")
-        ),
-    ))
-}
-
-/// Reads a Hugging Face `config.json`.
-pub fn from_config_file(path: &Path) -> Result<ModelShape, ConfigError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| ConfigError::new("--model-config", format!("cannot read {}: {e}", path.display())))?;
-    let cfg: HfConfig = serde_json::from_str(&text).map_err(|e| {
-        ConfigError::new("--model-config", format!("{} is not a valid config.json: {e}", path.display()))
-    })?;
-    let stem = path
+    let fallback = file
         .parent()
         .and_then(|p| p.file_name())
         .map(|s| s.to_string_lossy().to_string())
+        .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "custom".to_string());
-    cfg.to_shape(&stem, "--model-config")
+    let arch = model_config::read(&value, &fallback).map_err(|e| config_error(flag, &shown, e))?;
+    Ok(ReadModel::Config(Box::new(arch)))
 }
 
-/// The hybrid model `--model` names: a model TOML (a path ending in `.toml`, read by
-/// `layouts::hybrid::model`: its layer pattern, attention shape and state), or a hybrid preset
-/// (a name no uniform preset has). `None` for a uniform model.
-pub fn hybrid_model(name: &str) -> Result<Option<crate::layouts::hybrid::HybridModel>, ConfigError> {
-    if name.to_ascii_lowercase().ends_with(".toml") {
-        let text = std::fs::read_to_string(name)
-            .map_err(|e| ConfigError::new("--model", format!("cannot read the model file {name}: {e}")))?;
-        let model: crate::layouts::hybrid::HybridModel = toml::from_str(&text)
-            .map_err(|e| ConfigError::new("--model", format!("{name} is not a hybrid model TOML: {e}")))?;
-        model.validate().map_err(|e| ConfigError::new("--model", format!("{name}: {e}")))?;
-        return Ok(Some(model));
+/// A preset by name, alias or Hugging Face id; an alias names the model.
+pub fn read_preset(name: &str) -> Result<(&'static str, ArchModel), ConfigError> {
+    let p = model_config::find_preset(name).ok_or_else(|| {
+        ConfigError::new(
+            "--model",
+            format!(
+                "unknown model '{name}'; presets: {} (or a config.json: --model PATH or --model-config PATH)",
+                model_config::preset_names()
+            ),
+        )
+    })?;
+    let mut arch = p.read().map_err(|e| config_error("--model", &format!("preset {}", p.name), e))?;
+    let want = name.trim().to_ascii_lowercase();
+    let is_alias = p.config().ok().and_then(|c| c.get("aliases").cloned()).is_some_and(|a| {
+        a.as_array()
+            .is_some_and(|a| a.iter().filter_map(Value::as_str).any(|x| x.to_ascii_lowercase() == want))
+    });
+    if is_alias {
+        arch.model.name = want;
     }
-    // `NAME:hma`: the hybrid preset of a model that also has a uniform one (gpt-oss-120b: its
-    // window groups under vLLM's hybrid KV cache manager, not every layer's full blocks).
+    Ok((p.name, arch))
+}
+
+/// Reads what `--model` (a preset, a config file or folder, a model TOML) or
+/// `--model-config` (a config file or folder) names; the default preset when neither.
+pub fn read_model(
+    model: Option<&str>,
+    model_config: Option<&Path>,
+    default: &str,
+) -> Result<(ModelSource, ReadModel), ConfigError> {
+    if let Some(path) = model_config {
+        return Ok((ModelSource::File(path.to_path_buf()), read_config_file("--model-config", path)?));
+    }
+    let name = model.unwrap_or(default);
     if let Some(base) = name.strip_suffix(":hma") {
-        return crate::layouts::hybrid::preset(base).map(Some).map_err(|_| {
-            ConfigError::new(
-                "--model",
-                format!("{base} has no hybrid preset (see kvx plan --help for the list)"),
-            )
-        });
+        return Err(ConfigError::new(
+            "--model",
+            format!(
+                "'{name}': the :hma suffix is gone; {base} runs with vLLM's hybrid KV cache manager by default (--hma on), and --hma off lays out every layer's full blocks"
+            ),
+        ));
     }
-    if preset(name).is_ok() {
-        return Ok(None);
+    let path = Path::new(name);
+    if path.exists() {
+        return Ok((ModelSource::File(path.to_path_buf()), read_config_file("--model", path)?));
     }
-    Ok(crate::layouts::hybrid::preset(name).ok())
+    if looks_like_path(name) {
+        return Err(ConfigError::new(
+            "--model",
+            format!(
+                "{name} does not exist (a path is read as a config.json, a folder holding one, or a model TOML)"
+            ),
+        ));
+    }
+    let (preset, arch) = read_preset(name)?;
+    Ok((ModelSource::Preset(preset), ReadModel::Config(Box::new(arch))))
+}
+
+/// The model `--model`/`--model-config` name, laid out under `--hma`.
+pub fn resolve(
+    model: Option<&str>,
+    model_config: Option<&Path>,
+    hma: Hma,
+    default: &str,
+) -> Result<ResolvedModel, ConfigError> {
+    let (source, read) = read_model(model, model_config, default)?;
+    let flag = if model_config.is_some() { "--model-config" } else { "--model" };
+    match read {
+        ReadModel::Pattern(m) => {
+            if hma == Hma::Off {
+                return Err(ConfigError::new(
+                    "--hma",
+                    "a model TOML is a hybrid layer pattern: it runs with --hma on",
+                ));
+            }
+            Ok(ResolvedModel { source, plan: PlanModel::Hybrid(m), architecture: None, defaults: Vec::new() })
+        }
+        ReadModel::Config(arch) => {
+            let plan = arch.plan_model(hma == Hma::On).map_err(|e| {
+                ConfigError::new(
+                    if hma == Hma::Off { "--hma" } else { flag },
+                    format!("{}: {e}", arch.model.name),
+                )
+            })?;
+            Ok(ResolvedModel {
+                source,
+                plan,
+                architecture: Some(arch.architecture.clone()),
+                defaults: arch.defaults.clone(),
+            })
+        }
+    }
+}
+
+/// A uniform preset's shape (tests, benches): what `--model NAME` plans for a model of one
+/// full-attention group.
+pub fn preset(name: &str) -> Result<ModelShape, ConfigError> {
+    match resolve(Some(name), None, Hma::On, name)?.plan {
+        PlanModel::Uniform(s) => Ok(s),
+        PlanModel::Hybrid(m) => Err(ConfigError::new("--model", format!("{} is a hybrid model", m.name))),
+    }
 }
 
 #[cfg(test)]
@@ -205,10 +234,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_preset_parses() {
-        for p in PRESETS {
-            let (_, shape) = parse_preset(p).expect("preset parses");
-            assert!(shape.num_layers > 0 && shape.num_kv_heads > 0, "{}", p.name);
+    fn every_preset_reads() {
+        for p in model_config::PRESETS {
+            let arch = p.read().unwrap_or_else(|e| panic!("{}: {e}", p.name));
+            assert!(
+                arch.defaults.iter().all(|(k, _)| k != "num_hidden_layers"),
+                "{}: {:?}",
+                p.name,
+                arch.defaults
+            );
         }
     }
 
@@ -229,13 +263,25 @@ mod tests {
     }
 
     #[test]
-    fn hf_config_head_dim_from_hidden_size() {
-        let cfg: HfConfig = serde_json::from_str(
-            r#"{"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 1024, "dtype": "float16"}"#,
-        )
-        .expect("json");
-        let s = cfg.to_shape("x", "--model-config").expect("shape");
-        assert_eq!((s.num_kv_heads, s.head_dim, s.dtype), (8, 128, Dtype::Fp16));
+    fn a_path_is_never_a_preset() {
+        let e = resolve(Some("/no/such/dir/jamba"), None, Hma::On, "x").expect_err("missing path");
+        assert!(e.to_string().contains("does not exist"), "{e}");
+        let e = resolve(Some("gpt-oss-120b:hma"), None, Hma::On, "x").expect_err("suffix");
+        assert!(e.to_string().contains("--hma"), "{e}");
+    }
+
+    #[test]
+    fn gpt_oss_follows_hma() {
+        assert!(matches!(
+            resolve(Some("gpt-oss-120b"), None, Hma::On, "x").expect("on").plan,
+            PlanModel::Hybrid(_)
+        ));
+        match resolve(Some("gpt-oss-120b"), None, Hma::Off, "x").expect("off").plan {
+            PlanModel::Uniform(s) => assert_eq!(s.num_layers, 36),
+            other => panic!("{other:?}"),
+        }
+        let e = resolve(Some("jamba-v0.1"), None, Hma::Off, "x").expect_err("state needs HMA");
+        assert_eq!(e.flag, "--hma");
     }
 
     #[test]

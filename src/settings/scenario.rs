@@ -5,6 +5,7 @@
 use super::flags::{ModelFlags, PairFlags, PortFlags};
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
+use crate::layouts::model_config::PlanModel;
 use crate::layouts::{EngineSpec, Layout};
 use crate::settings::model::{self, Dtype, Mla, ModelShape};
 use crate::topology::VllmVersion;
@@ -13,28 +14,27 @@ use crate::topology::ports::PortScheme;
 /// The model used when no model flag is given.
 pub const DEFAULT_MODEL: &str = "llama-3.1-70b";
 
-/// Resolves the model shape: preset or config file, then shape flags.
+/// Resolves the model shape of a uniform model: preset or config file, then shape flags.
 pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
-    let mut shape = match (&args.model, &args.model_config) {
-        (_, Some(path)) => model::from_config_file(path)?,
-        (Some(name), None) => match model::preset(name) {
-            Ok(shape) => shape,
-            // A hybrid model where only uniform attention models run: say so, not "unknown".
-            Err(e) => match model::hybrid_model(name) {
-                Ok(Some(h)) => {
-                    return Err(ConfigError::new(
-                        "--model",
-                        format!(
-                            "{} is a hybrid model: kvx plan, topo and layout plan it by vLLM 0.33's rules and \
-                             kvx bench and serve-engine move it, but this command takes uniform attention models only so far",
-                            h.name
-                        ),
-                    ));
-                }
-                _ => return Err(e),
-            },
-        },
-        (None, None) => model::preset(DEFAULT_MODEL)?,
+    let resolved = model::resolve(
+        args.model.as_deref(),
+        args.model_config.as_deref(),
+        args.hma.unwrap_or_default(),
+        DEFAULT_MODEL,
+    )?;
+    let mut shape = match resolved.plan {
+        PlanModel::Uniform(shape) => shape,
+        // A hybrid model where only uniform attention models run: say so, not "unknown".
+        PlanModel::Hybrid(h) => {
+            return Err(ConfigError::new(
+                "--model",
+                format!(
+                    "{} is a hybrid model: kvx plan, topo and layout plan it by vLLM 0.33's rules and \
+                     kvx bench and serve-engine move it, but this command takes uniform attention models only so far",
+                    h.name
+                ),
+            ));
+        }
     };
     let mut overridden = Vec::new();
     if let Some(h) = args.num_kv_heads {
@@ -95,15 +95,17 @@ pub fn resolve_pair(
     if let Some(flag) = [
         (pair.kernel_block_size.is_some(), "--kernel-block-size"),
         (pair.no_prefix_caching, "--no-prefix-caching"),
+        (pair.gdn_prefill.is_some(), "--gdn-prefill"),
+        (pair.attention_backend.is_some(), "--attention-backend"),
     ]
     .into_iter()
     .find_map(|(given, flag)| given.then_some(flag))
     {
         return Err(ConfigError::new(
             flag,
-            "applies to hybrid models (a hybrid preset or model TOML with --model, e.g. nemotron-h-8b): \
-             a uniform model's kernel block is its block (--block-size), and its prefix cache is the \
-             request's --prefix-hit",
+            "applies to hybrid models (state or sliding windows: --model nemotron-h-8b, a config.json \
+             of one, a model TOML): a uniform model's kernel block is its block (--block-size), and its \
+             prefix cache is the request's --prefix-hit",
         ));
     }
     let model = resolve_model(model_args)?;

@@ -15,7 +15,8 @@ use kvx::layouts::hybrid::descriptors::{
 use kvx::layouts::hybrid::geometry::{
     EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, MemKind, Side,
 };
-use kvx::layouts::hybrid::model::{HybridModel, PRESETS, preset};
+use kvx::layouts::hybrid::model::{HybridModel, PRESETS};
+use kvx::layouts::hybrid::preset;
 use kvx::layouts::hybrid::{GdnPrefillBackend, HybridError};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -156,13 +157,15 @@ fn check_case(case: &Value) -> (String, usize) {
     let config = parsed.pair.clone();
     // The engines as the case states them (what kvx plans with), and kvx's own derivation of
     // them from the model, which must agree on every public case.
-    let stated = |e: &Option<kvx::layouts::hybrid::StatedEngine>| e.clone().expect("a case states both engines");
+    let stated =
+        |e: &Option<kvx::layouts::hybrid::StatedEngine>| e.clone().expect("a case states both engines");
     let pg = EngineGeometry::from_stated(&model, &config.p, &stated(&config.stated.p), Side::Prefill)
         .expect("prefill geometry");
     let dg = EngineGeometry::from_stated(&model, &config.d, &stated(&config.stated.d), Side::Decode)
         .expect("decode geometry");
     for (label, g, e, side) in [("P", &pg, &config.p, Side::Prefill), ("D", &dg, &config.d, Side::Decode)] {
-        let derived = EngineGeometry::new(&model, e, side).unwrap_or_else(|e| panic!("{name} {label}: derive: {e}"));
+        let derived =
+            EngineGeometry::new(&model, e, side).unwrap_or_else(|e| panic!("{name} {label}: derive: {e}"));
         let diff = kvx::layouts::hybrid::descriptors::compare_stated(&g.stated(), &derived.stated());
         assert!(diff.is_empty(), "{name} {label}: kvx derives another engine than vLLM built: {diff:?}");
     }
@@ -1292,9 +1295,9 @@ fn documented_findings_hold() {
     // The switch: each group's blocks from its own layers' tensors, the same as direct.
     let own = ["--kv-buffer-device", "cpu", "--host-descriptors", "per-group"];
     assert_eq!(total("nemotron-h-8b", &own), "total: 112 descriptors, 162.4 MiB");
-    assert_eq!(total("gpt-oss-120b:hma", &[]), total("gpt-oss-120b:hma", &own));
-    assert_eq!(total("gpt-oss-120b:hma", &[]), total("gpt-oss-120b:hma", &cpu));
-    assert!(total("gpt-oss-120b:hma", &[]).starts_with("total: 4752 descriptors"));
+    assert_eq!(total("gpt-oss-120b", &[]), total("gpt-oss-120b", &own));
+    assert_eq!(total("gpt-oss-120b", &[]), total("gpt-oss-120b", &cpu));
+    assert!(total("gpt-oss-120b", &[]).starts_with("total: 4752 descriptors"));
 }
 
 /// Bytes moved for real (in one process): every prefill pool filled by meaning, each READ's

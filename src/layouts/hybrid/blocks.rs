@@ -529,7 +529,7 @@ impl BlockSim {
 mod tests {
     use super::*;
     use crate::layouts::hybrid::geometry::kv_groups;
-    use crate::layouts::hybrid::model::preset;
+    use crate::layouts::hybrid::preset;
 
     #[test]
     fn flat_group_ids_trim_as_the_lists_they_hold() {

@@ -101,7 +101,10 @@ impl GeometrySource {
     ) -> Result<(EngineGeometry, GeometrySource), HybridError> {
         let Some(stated) = stated else {
             let g = EngineGeometry::new(model, config, side)?;
-            return Ok((g, GeometrySource { side, stated: false, differences: Vec::new(), underivable: None }));
+            return Ok((
+                g,
+                GeometrySource { side, stated: false, differences: Vec::new(), underivable: None },
+            ));
         };
         let g = EngineGeometry::from_stated(model, config, stated, side)?;
         let (differences, underivable) = match EngineGeometry::new(model, config, side) {
@@ -132,11 +135,15 @@ pub fn compare_stated(stated: &StatedEngine, derived: &StatedEngine) -> Vec<Geom
     };
     diff("groups", groups(stated), groups(derived));
     let shapes = |e: &StatedEngine| {
-        e.state.as_ref().map_or_else(|| "none".to_string(), |s| format!("{:?} {:?}", s.shapes.conv, s.shapes.ssm))
+        e.state
+            .as_ref()
+            .map_or_else(|| "none".to_string(), |s| format!("{:?} {:?}", s.shapes.conv, s.shapes.ssm))
     };
     diff("mamba_state_shapes_local", shapes(stated), shapes(derived));
     let dtypes = |e: &StatedEngine| {
-        e.state.as_ref().map_or_else(|| "none".to_string(), |s| format!("{}, {}", s.shapes.dtypes.0, s.shapes.dtypes.1))
+        e.state
+            .as_ref()
+            .map_or_else(|| "none".to_string(), |s| format!("{}, {}", s.shapes.dtypes.0, s.shapes.dtypes.1))
     };
     diff("mamba_state_dtypes", dtypes(stated), dtypes(derived));
     out
@@ -2272,7 +2279,8 @@ mod tests {
 
     #[test]
     fn templates_plan_exactly_what_the_general_walk_plans() {
-        use super::super::model::{PRESETS, preset};
+        use super::super::model::PRESETS;
+        use crate::layouts::hybrid::preset;
         let mut planned = 0;
         for name in PRESETS {
             for (p_tp, d_tp) in [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 8), (8, 2)] {
@@ -2323,7 +2331,7 @@ mod tests {
 mod refusal_tests {
     use super::*;
     use crate::layouts::hybrid::geometry::GdnPrefillBackend;
-    use crate::layouts::hybrid::model::preset;
+    use crate::layouts::hybrid::preset;
 
     fn pair(model: &str, p: HybridEngine, d: HybridEngine) -> Result<HybridPlanner, HybridError> {
         HybridPlanner::new(&PairConfig {
@@ -2346,7 +2354,7 @@ mod refusal_tests {
 
     #[test]
     fn block_sizes_that_do_not_divide_are_refused_one_way() {
-        let e = |tp| HybridEngine::new(tp, 64);
+        let e = |tp| HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(tp, 64) };
         let (k, msg, flag) = refusal(pair("qwen3-next-80b-a3b", e(2), e(4)));
         assert_eq!(k, RefusalKind::BlockSizeNotDivisible);
         assert_eq!(msg, "Local block size 272 is not divisible by remote block size 544 or vice versa.");
@@ -2365,7 +2373,7 @@ mod refusal_tests {
 
     #[test]
     fn every_vllm_refusal_names_its_setting() {
-        let e = |tp| HybridEngine::new(tp, 64);
+        let e = |tp| HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(tp, 64) };
         let cases: Vec<(Result<HybridPlanner, HybridError>, RefusalKind, &str)> = vec![
             (pair("nemotron-h-8b", e(3), e(2)), RefusalKind::ModelNotDivisible, "--p-tp"),
             // TP sizes that each split the model's 8 KV heads but not each other.

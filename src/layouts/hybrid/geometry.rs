@@ -98,9 +98,9 @@ impl AttentionBackend {
     /// supports no kernel block that divides it (vLLM: "No common block size").
     pub fn kernel_block(self, block_tokens: u32) -> Option<u32> {
         match self {
-            AttentionBackend::FlashAttn | AttentionBackend::Triton => {
-                (block_tokens > 0 && block_tokens.is_multiple_of(DEFAULT_BLOCK_TOKENS)).then_some(block_tokens)
-            }
+            AttentionBackend::FlashAttn | AttentionBackend::Triton => (block_tokens > 0
+                && block_tokens.is_multiple_of(DEFAULT_BLOCK_TOKENS))
+            .then_some(block_tokens),
             AttentionBackend::FlashInfer => {
                 [64, 32, 16].into_iter().find(|&k| block_tokens > 0 && block_tokens.is_multiple_of(k))
             }
@@ -419,7 +419,11 @@ impl StateShapes {
                 let conv_dim = m.intermediate_size() + 2 * groups * u64::from(m.d_state);
                 (
                     [div("Mamba2 conv channels", conv_dim)?, rows],
-                    vec![div("Mamba2 heads", u64::from(m.num_heads))?, u64::from(m.head_dim), u64::from(m.d_state)],
+                    vec![
+                        div("Mamba2 heads", u64::from(m.num_heads))?,
+                        u64::from(m.head_dim),
+                        u64::from(m.d_state),
+                    ],
                 )
             }
             StateSpec::Gdn(g) => {
@@ -831,6 +835,40 @@ pub struct StatedEngine {
     pub state: Option<StatedState>,
 }
 
+impl StatedEngine {
+    /// The engine in the terms of a case's `p` or `d` (`hybrid_v033.json`): what
+    /// `kvx layout --format json` prints as `engine`, and what `kvx plan --scenario` reads.
+    pub fn case_json(&self, tp: u32, num_blocks: u32, kv_buffer_device: KvBufferDevice) -> serde_json::Value {
+        let torch = |d: Dtype| d.torch_name().trim_start_matches("torch.").to_string();
+        let mut out = serde_json::json!({
+            "tp": tp,
+            "block_size_tokens": self.block_tokens,
+            "num_blocks": num_blocks,
+            "local_kv_heads": self.local_kv_heads,
+            "page_bytes": self.page_bytes,
+            "kv_buffer_device": kv_buffer_device.as_str(),
+            "groups": self.groups.iter().enumerate().map(|(i, g)| {
+                let mut v = serde_json::json!({"group": i, "spec": g.kind.vllm_spec(), "layers": g.layers});
+                if let GroupKind::SlidingWindow { window_tokens } = g.kind {
+                    v["sliding_window"] = window_tokens.into();
+                }
+                if let GroupKind::State(k) = g.kind {
+                    v["mamba_type"] = k.name().into();
+                }
+                v
+            }).collect::<Vec<_>>(),
+        });
+        if let Some(s) = &self.state {
+            out["mamba_state_shapes_local"] = serde_json::json!([s.shapes.conv, s.shapes.ssm]);
+            out["mamba_state_dtypes"] =
+                serde_json::json!([torch(s.shapes.dtypes.0), torch(s.shapes.dtypes.1)]);
+            out["mamba_real_page_bytes"] = s.real_page_bytes.into();
+            out["mamba_page_size_padded"] = s.padded_page_bytes.into();
+        }
+        out
+    }
+}
+
 /// One KV cache group as stated: its spec and its layers' names.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StatedGroup {
@@ -912,7 +950,10 @@ impl EngineGeometry {
         let bad = |field: &str, reason: String| HybridError::model(&at(field), reason);
         let (block, page) = (stated.block_tokens, stated.page_bytes);
         if block == 0 || page == 0 || stated.local_kv_heads == 0 {
-            return Err(bad("block_size_tokens", "block size, page bytes and local KV heads must be positive".into()));
+            return Err(bad(
+                "block_size_tokens",
+                "block size, page bytes and local KV heads must be positive".into(),
+            ));
         }
         let cell = 2 * u64::from(model.attention.head_dim) * u64::from(model.attention.dtype.bytes());
         let per_token = u64::from(stated.local_kv_heads) * cell;
@@ -954,10 +995,16 @@ impl EngineGeometry {
             }
             (None, false) => None,
             (None, true) => {
-                return Err(bad("mamba_state_shapes_local", "the model keeps state but no state shapes are given".into()));
+                return Err(bad(
+                    "mamba_state_shapes_local",
+                    "the model keeps state but no state shapes are given".into(),
+                ));
             }
             (Some(_), false) => {
-                return Err(bad("mamba_state_shapes_local", "state shapes given for a model without state layers".into()));
+                return Err(bad(
+                    "mamba_state_shapes_local",
+                    "state shapes given for a model without state layers".into(),
+                ));
             }
         };
         let layers = model.cache_layers();
@@ -966,9 +1013,15 @@ impl EngineGeometry {
         for (i, g) in stated.groups.iter().enumerate() {
             let mut members = Vec::with_capacity(g.layers.len());
             for name in &g.layers {
-                let layer = layers.iter().find(|l| &l.name == name && GroupKind::of(l.kind) == g.kind).ok_or_else(|| {
-                    bad(&format!("groups[{i}].layers"), format!("{name} is not a {} layer of the model", g.kind.vllm_spec()))
-                })?;
+                let layer = layers
+                    .iter()
+                    .find(|l| &l.name == name && GroupKind::of(l.kind) == g.kind)
+                    .ok_or_else(|| {
+                        bad(
+                            &format!("groups[{i}].layers"),
+                            format!("{name} is not a {} layer of the model", g.kind.vllm_spec()),
+                        )
+                    })?;
                 if !seen.insert(name.as_str()) {
                     return Err(bad(&format!("groups[{i}].layers"), format!("{name} is in two groups")));
                 }
@@ -977,7 +1030,11 @@ impl EngineGeometry {
             if members.is_empty() {
                 return Err(bad(&format!("groups[{i}].layers"), "a group without layers".into()));
             }
-            groups.push(KvGroup { index: u32::try_from(i).unwrap_or(u32::MAX), kind: g.kind, layers: members });
+            groups.push(KvGroup {
+                index: u32::try_from(i).unwrap_or(u32::MAX),
+                kind: g.kind,
+                layers: members,
+            });
         }
         if let Some(missing) = layers.iter().find(|l| !seen.contains(l.name.as_str())) {
             return Err(bad("groups", format!("{} is in no group", missing.name)));
@@ -1025,7 +1082,10 @@ impl EngineGeometry {
         let block = sizing.block_tokens;
         let kernel = match config.kernel_block_tokens {
             Some(k) => (k > 0 && block.is_multiple_of(k)).then_some(k).ok_or_else(|| {
-                HybridError::unsupported(format!("a {k}-token kernel block under {block}-token blocks"), "--kernel-block-size")
+                HybridError::unsupported(
+                    format!("a {k}-token kernel block under {block}-token blocks"),
+                    "--kernel-block-size",
+                )
             })?,
             None => config.attention_backend.kernel_block(block).ok_or_else(|| {
                 HybridError::refused(
@@ -1074,7 +1134,10 @@ impl EngineGeometry {
             groups: self
                 .groups
                 .iter()
-                .map(|g| StatedGroup { kind: g.kind, layers: g.layers.iter().map(|l| l.name.clone()).collect() })
+                .map(|g| StatedGroup {
+                    kind: g.kind,
+                    layers: g.layers.iter().map(|l| l.name.clone()).collect(),
+                })
                 .collect(),
             state: self.state.as_ref().map(|s| StatedState {
                 shapes: s.shapes(),
@@ -1271,7 +1334,7 @@ impl EngineGeometry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layouts::hybrid::model::preset;
+    use crate::layouts::hybrid::preset;
 
     fn aligned(model: &str, tp: u32, backend: GdnPrefillBackend) -> u32 {
         let m = preset(model).expect("preset");

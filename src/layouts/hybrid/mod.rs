@@ -26,12 +26,14 @@ pub mod model;
 pub mod push;
 pub mod staging;
 
+pub use crate::layouts::model_config::hybrid_preset as preset;
 pub use descriptors::{
-    Finding, GeometryDifference, GeometrySource, HybridPlan, HybridPlanner, HybridRequest, PairConfig, StateSlices,
-    StatedPair,
+    Finding, GeometryDifference, GeometrySource, HybridPlan, HybridPlanner, HybridRequest, PairConfig,
+    StateSlices, StatedPair,
 };
 pub use error::{HybridError, Refusal, RefusalKind};
 pub use geometry::{
-    AttentionBackend, EngineGeometry, GdnPrefillBackend, HybridEngine, KvBufferDevice, StateShapes, StatedEngine,
+    AttentionBackend, EngineGeometry, GdnPrefillBackend, HybridEngine, KvBufferDevice, StateShapes,
+    StatedEngine,
 };
-pub use model::{HybridModel, preset};
+pub use model::HybridModel;

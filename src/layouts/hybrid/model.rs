@@ -392,7 +392,9 @@ impl HybridModel {
     }
 }
 
-/// The names of the built-in hybrid presets.
+/// The presets that are hybrid models under vLLM's hybrid KV cache manager (state, or
+/// sliding windows beside full attention): data under `bench-configs/models/`, read as their
+/// architecture's config (`layouts::model_config`).
 pub const PRESETS: [&str; 7] = [
     "qwen3-next-80b-a3b",
     "nemotron-h-8b",
@@ -403,163 +405,10 @@ pub const PRESETS: [&str; 7] = [
     "gemma-3-4b",
 ];
 
-fn pattern(n: u32, f: impl Fn(u32) -> Layer) -> Vec<Layer> {
-    (0..n).map(f).collect()
-}
-
-fn names(attention: &str, state: &str) -> LayerNames {
-    LayerNames { attention: attention.into(), state: state.into() }
-}
-
-/// A built-in hybrid model by name (case-insensitive; `Qwen/Qwen3-Next-80B-A3B-Instruct`
-/// style ids work too).
-pub fn preset(name: &str) -> Result<HybridModel, HybridError> {
-    let key = name.trim().to_ascii_lowercase();
-    let key = key.rsplit('/').next().unwrap_or(&key);
-    let bf16 = Dtype::Bf16;
-    let model = match key {
-        // Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 48 layers, `full_attention_interval` 4
-        // (layer i is full attention when (i + 1) % 4 == 0, GDN otherwise), 2 KV heads x 256,
-        // `linear_num_key_heads` 16, `linear_num_value_heads` 32, key/value head dims 128,
-        // `linear_conv_kernel_dim` 4, bf16. Names as in vLLM's qwen3_next.py and the oracle.
-        "qwen3-next-80b-a3b" | "qwen3-next-80b-a3b-instruct" | "qwen3-next-80b-a3b-thinking" => HybridModel {
-            name: "qwen3-next-80b-a3b".into(),
-            layers: pattern(
-                48,
-                |i| if (i + 1) % 4 == 0 { Layer::FULL } else { Layer::state(StateKind::Gdn) },
-            ),
-            attention: AttentionShape { num_kv_heads: 2, head_dim: 256, dtype: bf16 },
-            state: Some(StateSpec::Gdn(GdnSpec {
-                num_k_heads: 16,
-                num_v_heads: 32,
-                head_k_dim: 128,
-                head_v_dim: 128,
-                conv_kernel: 4,
-                conv_dtype: bf16,
-                ssm_dtype: bf16,
-            })),
-            names: names("model.layers.{i}.self_attn.attn", "model.layers.{i}.linear_attn"),
-        },
-        // nvidia/Nemotron-H-8B-Base-8K config.json: `hybrid_override_pattern` (52 layers: 24 M
-        // Mamba2, 4 * attention, 24 - MLP), 8 KV heads x 128, `mamba_num_heads` 128 x
-        // `mamba_head_dim` 64, `ssm_state_size` 128, `n_groups` 8, `conv_kernel` 4. vLLM keeps
-        // Nemotron-H's SSM state in fp32 (`mamba_ssm_cache_dtype`, config.py). Names as in the oracle.
-        "nemotron-h-8b" | "nemotron-h-8b-base-8k" => {
-            let p = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
-            HybridModel {
-                name: "nemotron-h-8b".into(),
-                layers: p
-                    .chars()
-                    .map(|c| match c {
-                        'M' => Layer::state(StateKind::Mamba2),
-                        '*' => Layer::FULL,
-                        _ => Layer::MLP,
-                    })
-                    .collect(),
-                attention: AttentionShape { num_kv_heads: 8, head_dim: 128, dtype: bf16 },
-                state: Some(StateSpec::Mamba2(Mamba2Spec {
-                    num_heads: 128,
-                    head_dim: 64,
-                    d_state: 128,
-                    n_groups: 8,
-                    conv_kernel: 4,
-                    conv_dtype: bf16,
-                    ssm_dtype: Dtype::Fp32,
-                })),
-                names: names("model.layers.{i}.mixer.attn", "model.layers.{i}.mixer"),
-            }
-        }
-        // ibm-granite/granite-4.0-h-tiny config.json: 40 layers, 4 attention (`layer_types`;
-        // the 9:1 Granite-4.0-H pattern puts them at 5, 15, 25, 35 — the positions only order
-        // the groups), 4 KV heads x 128 (hidden 1536 / 12 heads), `mamba_n_heads` 48 x
-        // `mamba_d_head` 64, `mamba_d_state` 128, `mamba_n_groups` 1, `mamba_d_conv` 4, bf16.
-        "granite-4.0-h-tiny" | "granite-4.0-h-tiny-base" => HybridModel {
-            name: "granite-4.0-h-tiny".into(),
-            layers: pattern(40, |i| if i % 10 == 5 { Layer::FULL } else { Layer::state(StateKind::Mamba2) }),
-            attention: AttentionShape { num_kv_heads: 4, head_dim: 128, dtype: bf16 },
-            state: Some(StateSpec::Mamba2(Mamba2Spec {
-                num_heads: 48,
-                head_dim: 64,
-                d_state: 128,
-                n_groups: 1,
-                conv_kernel: 4,
-                conv_dtype: bf16,
-                ssm_dtype: bf16,
-            })),
-            names: names("model.layers.{i}.self_attn.attn", "model.layers.{i}.mixer"),
-        },
-        // ai21labs/Jamba-v0.1 config.json: 32 layers, `attn_layer_period` 8 and
-        // `attn_layer_offset` 4 (attention at 4, 12, 20, 28), 8 KV heads x 128 (4096 / 32),
-        // `mamba_expand` 2 x hidden 4096 = intermediate 8192, `mamba_d_state` 16,
-        // `mamba_d_conv` 4, bf16 state (vLLM's default `mamba_ssm_cache_dtype` auto).
-        "jamba-v0.1" | "jamba" => HybridModel {
-            name: "jamba-v0.1".into(),
-            layers: pattern(32, |i| if i % 8 == 4 { Layer::FULL } else { Layer::state(StateKind::Mamba1) }),
-            attention: AttentionShape { num_kv_heads: 8, head_dim: 128, dtype: bf16 },
-            state: Some(StateSpec::Mamba1(Mamba1Spec {
-                intermediate_size: 8192,
-                d_state: 16,
-                conv_kernel: 4,
-                conv_dtype: bf16,
-                ssm_dtype: bf16,
-            })),
-            names: names("model.layers.{i}.attn", "model.layers.{i}.mixer"),
-        },
-        // tiiuae/Falcon-H1-7B-Instruct config.json: 44 layers, each with attention and Mamba2
-        // side by side, 2 KV heads x 128, `mamba_d_ssm` 3072 = `mamba_n_heads` 24 x
-        // `mamba_d_head` 128, `mamba_d_state` 256, `mamba_n_groups` 1, `mamba_d_conv` 4, bf16.
-        // vLLM's falcon_h1.py names the SSM modules `model.{44+i}.mixer`.
-        "falcon-h1-7b" | "falcon-h1-7b-instruct" | "falcon-h1-7b-base" => HybridModel {
-            name: "falcon-h1-7b".into(),
-            layers: pattern(44, |_| Layer {
-                attention: Some(AttnKind::Full),
-                state: Some(StateKind::Mamba2),
-            }),
-            attention: AttentionShape { num_kv_heads: 2, head_dim: 128, dtype: bf16 },
-            state: Some(StateSpec::Mamba2(Mamba2Spec {
-                num_heads: 24,
-                head_dim: 128,
-                d_state: 256,
-                n_groups: 1,
-                conv_kernel: 4,
-                conv_dtype: bf16,
-                ssm_dtype: bf16,
-            })),
-            names: names("model.layers.{i}.attn", "model.{L+i}.mixer"),
-        },
-        // openai/gpt-oss-120b config.json: 36 layers, `layer_types` alternating
-        // sliding_attention / full_attention from layer 0, `sliding_window` 128, 8 KV heads x
-        // 64, bf16 cache. Names as in the oracle.
-        "gpt-oss-120b" => HybridModel {
-            name: "gpt-oss-120b".into(),
-            layers: pattern(36, |i| if i % 2 == 0 { Layer::swa(128) } else { Layer::FULL }),
-            attention: AttentionShape { num_kv_heads: 8, head_dim: 64, dtype: bf16 },
-            state: None,
-            names: names("model.layers.{i}.attn.attn", "model.layers.{i}.mixer"),
-        },
-        // google/gemma-3-4b-it config.json (text_config): 34 layers, `sliding_window` 1024,
-        // `sliding_window_pattern` 6 (layer i is global when (i + 1) % 6 == 0: 29 local, 5
-        // global), 4 KV heads x 256, bf16.
-        "gemma-3-4b" | "gemma-3-4b-it" | "gemma-3-4b-pt" => HybridModel {
-            name: "gemma-3-4b".into(),
-            layers: pattern(34, |i| if (i + 1) % 6 == 0 { Layer::FULL } else { Layer::swa(1024) }),
-            attention: AttentionShape { num_kv_heads: 4, head_dim: 256, dtype: bf16 },
-            state: None,
-            names: names("model.layers.{i}.self_attn.attn", "model.layers.{i}.mixer"),
-        },
-        _ => {
-            return Err(HybridError::model(
-                "--model",
-                format!("unknown hybrid model '{name}'; presets: {}", PRESETS.join(", ")),
-            ));
-        }
-    };
-    Ok(model)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layouts::hybrid::preset;
 
     #[test]
     fn layer_strings_round_trip() {

@@ -387,8 +387,10 @@ mod tests {
         assert_eq!(e.flag(), "--d-tp");
         // Different kernel block sizes (Qwen3-Next at its TP-dependent sizes: 272 at TP 4).
         let mut config = planner("qwen3-next-80b-a3b", 2, 2, PushAttention::Vllm).expect("pair").config;
-        config.p = HybridEngine { tp: 4, block_tokens: 16, ..config.p };
-        config.d = HybridEngine { tp: 2, block_tokens: 16, ..config.d };
+        // Triton GDN prefill (A100-class): 272 and 544 tokens divide; FlashInfer's 320 and 576 do not.
+        let triton = crate::layouts::hybrid::GdnPrefillBackend::Triton;
+        config.p = HybridEngine { tp: 4, block_tokens: 16, gdn_prefill: triton, ..config.p };
+        config.d = HybridEngine { tp: 2, block_tokens: 16, gdn_prefill: triton, ..config.d };
         let qwen = HybridPlanner::new(&config).expect("pull accepts P4 -> D2");
         let e = check_push(&qwen).expect_err("push refuses it");
         assert_eq!(e.flag(), "--mode");
