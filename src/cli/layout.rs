@@ -21,7 +21,7 @@ pub struct LayoutArgs {
     pub settings: LayoutFlags,
 }
 
-fn build(args: &LayoutFlags, pair: &PairSpec, g: &RankGeometry) -> LayoutJson {
+fn build(args: &LayoutFlags, pair: &PairSpec, g: &RankGeometry, names: &[String]) -> LayoutJson {
     let regions: Vec<Region> = g.regions();
     let request_blocks = args.tokens.div_ceil(args.block_size);
     LayoutJson {
@@ -71,9 +71,12 @@ fn build(args: &LayoutFlags, pair: &PairSpec, g: &RankGeometry) -> LayoutJson {
             "groups": [{
                 "group": 0,
                 "spec": if pair.model.is_mla() { "MLAAttentionSpec" } else { "FullAttentionSpec" },
-                "layers": (0..pair.model.num_layers)
-                    .map(|i| format!("model.layers.{i}.self_attn.attn"))
-                    .collect::<Vec<_>>(),
+                // vLLM's names where the model has them (a `--layers` override renumbers).
+                "layers": if names.len() == pair.model.num_layers as usize {
+                    names.to_vec()
+                } else {
+                    (0..pair.model.num_layers).map(|i| format!("model.layers.{i}.self_attn.attn")).collect()
+                },
             }],
         }),
     }
@@ -105,8 +108,8 @@ pub fn run(args: &LayoutArgs) -> anyhow::Result<Outcome> {
         }
         return Ok(Outcome::Ok);
     }
-    let (pair, geom) = resolve(args).map_err(|e| reject(args.format, e))?;
-    let report = build(args, &pair, &geom);
+    let (pair, geom, names) = resolve(args).map_err(|e| reject(args.format, e))?;
+    let report = build(args, &pair, &geom, &names);
     match args.format {
         Format::Json => output::stdout_json(&report)?,
         Format::Table => output::stdout(render_uniform(&report, args.show_regions))?,

@@ -180,8 +180,9 @@ pub enum PlanModel {
 impl ArchModel {
     /// The model as vLLM's KV cache manager lays it out. With the hybrid KV cache manager
     /// (`hma`, vLLM's default with the NixlConnector), sliding windows and state keep their
-    /// own groups; without it, windowed layers are allocated as full attention, and state
-    /// is refused (vLLM: hybrid SSM models require HMA).
+    /// own groups; without it, windowed layers beside full attention are allocated as full
+    /// attention (one window at most), windowed layers alone stay windowed, and state is
+    /// refused (vLLM: hybrid SSM models require HMA).
     pub fn plan_model(&self, hma: bool) -> Result<PlanModel, ConfigFieldError> {
         let m = &self.model;
         if m.has_state() && !hma {
@@ -194,8 +195,30 @@ impl ArchModel {
                 ),
             ));
         }
-        let windowed = m.layers.iter().any(|l| matches!(l.attention, Some(AttnKind::SlidingWindow { .. })));
-        if self.mla.is_some() || (!m.has_state() && (!windowed || !hma)) {
+        let windows: std::collections::BTreeSet<u32> = m
+            .layers
+            .iter()
+            .filter_map(|l| match l.attention {
+                Some(AttnKind::SlidingWindow { window_tokens }) => Some(window_tokens),
+                _ => None,
+            })
+            .collect();
+        let full = m.layers.iter().any(|l| l.attention == Some(AttnKind::Full));
+        // Without HMA, vLLM makes every layer one kind of spec (`unify_hybrid_kv_cache_specs`):
+        // windowed layers beside full attention become full attention, windowed layers alone
+        // stay windowed; several windows cannot become one kind either way.
+        if !hma && windows.len() > 1 {
+            return Err(err(
+                "sliding_window",
+                format!(
+                    "windows of {windows:?} tokens: with HMA off vLLM cannot make them one kind of KV cache \
+                     (\"Failed to promote local KV cache specs to one unified type.\", or several windows in one \
+                     full-attention group); run with HMA on"
+                ),
+            ));
+        }
+        let promoted = !hma && full;
+        if self.mla.is_some() || (!m.has_state() && (windows.is_empty() || promoted)) {
             let attention_layers = m.layers.iter().filter(|l| l.attention.is_some()).count();
             return Ok(PlanModel::Uniform(ModelShape {
                 name: m.name.clone(),
@@ -308,40 +331,69 @@ impl<'a> Fields<'a> {
         Ok(n)
     }
 
-    /// `num_key_value_heads`, which defaults to `num_attention_heads` where the class leaves
-    /// it `None`.
+    /// `num_key_value_heads`: the class's default when the key is missing; an explicit null
+    /// (or a class default of `None`) means one KV head per attention head.
     fn kv_heads(&mut self, heads: u32, default: Option<u32>) -> Result<u32, ConfigFieldError> {
-        match (self.opt_u32("num_key_value_heads")?, default) {
-            (Some(h), _) => Ok(h),
+        let key = "num_key_value_heads";
+        match (self.obj.get(key), default) {
+            (Some(Value::Null), _) | (None, None) => Ok(heads),
             (None, Some(d)) => {
-                self.defaults.push((self.name("num_key_value_heads"), d.to_string()));
+                self.defaults.push((self.name(key), d.to_string()));
                 Ok(d)
             }
-            (None, None) => Ok(heads),
+            (Some(_), _) => self.u32_req(key),
         }
     }
+}
 
-    /// `head_dim`, or `hidden_size / num_attention_heads` (the vLLM model's fallback) when the
-    /// config gives none and the class has no default.
-    fn head_dim(&mut self, default: Option<u32>, hidden: u32, heads: u32) -> Result<u32, ConfigFieldError> {
-        match (self.opt_u32("head_dim")?, default) {
-            (Some(d), _) => Ok(d),
-            (None, Some(d)) => {
-                self.defaults.push((self.name("head_dim"), d.to_string()));
-                Ok(d)
-            }
-            (None, None) => {
-                let d = hidden / heads;
-                if d == 0 {
-                    return Err(err(
-                        &self.name("hidden_size"),
-                        format!("is {hidden}: below num_attention_heads ({heads}), so no head_dim follows"),
-                    ));
-                }
-                Ok(d)
-            }
-        }
+/// How an architecture's vLLM model sizes its attention heads.
+#[derive(Clone, Copy)]
+enum HeadDim {
+    /// `head_dim`, or the class's default when the key is missing; `hidden_size /
+    /// num_attention_heads` when null.
+    Class(u32),
+    /// `head_dim`, else `hidden_size / num_attention_heads`.
+    Derived,
+    /// `hidden_size / num_attention_heads`, whatever `head_dim` says (the model ignores it).
+    Hidden,
+}
+
+/// An architecture's attention defaults: heads, KV heads (`None`: as many as heads), head
+/// dim, hidden size.
+#[derive(Clone, Copy)]
+struct AttnDefaults {
+    heads: u32,
+    kv: Option<u32>,
+    head_dim: HeadDim,
+    hidden: u32,
+}
+
+/// The architectures whose configuration class refuses a hidden size that the attention
+/// heads do not divide (transformers' `validate_architecture`).
+const CHECKS_HIDDEN: [&str; 5] = [
+    "LlamaForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+    "DeepseekV2ForCausalLM",
+    "DeepseekForCausalLM",
+];
+
+/// Transformers' check of `hidden_size` against `num_attention_heads` for `arch`.
+fn check_hidden(f: &mut Fields<'_>, arch: &str, hidden_default: u32) -> Result<(), ConfigFieldError> {
+    if !CHECKS_HIDDEN.contains(&arch) {
+        return Ok(());
     }
+    let heads = f.opt_u32("num_attention_heads")?.unwrap_or(32);
+    let hidden = f.opt_u32("hidden_size")?.unwrap_or(hidden_default);
+    if !hidden.is_multiple_of(heads) {
+        return Err(err(
+            &f.name("hidden_size"),
+            format!(
+                "is {hidden}: not a multiple of num_attention_heads ({heads}), which {arch}'s config refuses"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A dtype name as configs write it (`bfloat16`, `torch.float16`, `float32`).
@@ -399,6 +451,17 @@ pub fn read(config: &Value, fallback: &str) -> Result<ArchModel, ConfigFieldErro
         .to_string();
     let (model, mla, defaults) = match arch.as_str() {
         "Gemma3ForConditionalGeneration" => {
+            let text_obj = obj.get("text_config").and_then(Value::as_object).ok_or_else(|| {
+                err(
+                    "text_config",
+                    "is missing: Gemma3ForConditionalGeneration keeps its language model there",
+                )
+            })?;
+            check_hidden(
+                &mut Fields { obj: text_obj, prefix: "text_config.", defaults: Vec::new() },
+                &arch,
+                2304,
+            )?;
             let text = obj.get("text_config").and_then(Value::as_object).ok_or_else(|| {
                 err(
                     "text_config",
@@ -412,6 +475,11 @@ pub fn read(config: &Value, fallback: &str) -> Result<ArchModel, ConfigFieldErro
         }
         _ => {
             let mut f = top;
+            let hidden_default = match arch.as_str() {
+                "Gemma3ForCausalLM" => 2304,
+                _ => 4096,
+            };
+            check_hidden(&mut f, &arch, hidden_default)?;
             let dtype = kv_dtype(&[&f])?;
             let (m, mla) = match arch.as_str() {
                 "Qwen3NextForCausalLM" => (qwen3_next(&mut f, dtype)?, None),
@@ -430,6 +498,9 @@ pub fn read(config: &Value, fallback: &str) -> Result<ArchModel, ConfigFieldErro
         }
     };
     let model = HybridModel { name, ..model };
+    let mut defaults = defaults;
+    let mut seen = std::collections::HashSet::new();
+    defaults.retain(|(k, _)| seen.insert(k.clone()));
     if model.layers.is_empty() {
         return Err(err("num_hidden_layers", "gives no layers"));
     }
@@ -442,22 +513,27 @@ pub fn read(config: &Value, fallback: &str) -> Result<ArchModel, ConfigFieldErro
     Ok(ArchModel { architecture: arch, model, mla, defaults })
 }
 
-/// Attention shape of the Llama-style fields: `head_dim`, else the class's default, else
-/// `hidden_size / num_attention_heads`.
-fn attention(
-    f: &mut Fields<'_>,
-    dtype: Dtype,
-    (heads_default, kv_default, head_dim_default, hidden_default): (u32, Option<u32>, Option<u32>, u32),
-) -> Result<AttentionShape, ConfigFieldError> {
-    let heads = f.u32_or("num_attention_heads", heads_default)?;
-    let kv = f.kv_heads(heads, kv_default)?;
-    let head_dim = match (f.opt_u32("head_dim")?, head_dim_default) {
-        (Some(d), _) => d,
-        (None, Some(_)) => f.head_dim(head_dim_default, 0, heads)?,
-        (None, None) => {
-            let hidden = f.u32_or("hidden_size", hidden_default)?;
-            f.head_dim(None, hidden, heads)?
+/// The attention shape as the architecture's vLLM model builds it.
+fn attention(f: &mut Fields<'_>, dtype: Dtype, d: AttnDefaults) -> Result<AttentionShape, ConfigFieldError> {
+    let heads = f.u32_or("num_attention_heads", d.heads)?;
+    let kv = f.kv_heads(heads, d.kv)?;
+    let from_hidden = |f: &mut Fields<'_>| -> Result<u32, ConfigFieldError> {
+        let hidden = f.u32_or("hidden_size", d.hidden)?;
+        match hidden / heads {
+            0 => Err(err(
+                &f.name("hidden_size"),
+                format!("is {hidden}: below num_attention_heads ({heads}), so no head size follows"),
+            )),
+            h => Ok(h),
         }
+    };
+    let head_dim = match (d.head_dim, f.obj.get("head_dim")) {
+        (HeadDim::Hidden, _) | (_, Some(Value::Null)) | (HeadDim::Derived, None) => from_hidden(f)?,
+        (HeadDim::Class(c), None) => {
+            f.defaults.push((f.name("head_dim"), c.to_string()));
+            c
+        }
+        (_, Some(_)) => f.u32_req("head_dim")?,
     };
     Ok(AttentionShape { num_kv_heads: kv, head_dim, dtype })
 }
@@ -496,7 +572,11 @@ fn from_layer_types(
 
 fn qwen3_next(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFieldError> {
     let n = f.layers_or(48)?;
-    let attention = attention(f, dtype, (16, Some(2), Some(256), 2048))?;
+    let attention = attention(
+        f,
+        dtype,
+        AttnDefaults { heads: 16, kv: Some(2), head_dim: HeadDim::Class(256), hidden: 2048 },
+    )?;
     let layers = match f.opt_strs("layer_types")? {
         Some(types) => from_layer_types(
             f,
@@ -595,7 +675,11 @@ fn nemotron_h(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFie
             _ => Layer::MLP,
         })
         .collect();
-    let attention = attention(f, dtype, (32, Some(8), Some(128), 4096))?;
+    let attention = attention(
+        f,
+        dtype,
+        AttnDefaults { heads: 32, kv: Some(8), head_dim: HeadDim::Class(128), hidden: 4096 },
+    )?;
     let ssm_dtype = match f.opt_str("mamba_ssm_cache_dtype")? {
         Some(s) => parse_dtype(&f.name("mamba_ssm_cache_dtype"), s)?,
         None => Dtype::Fp32,
@@ -747,7 +831,11 @@ fn jamba(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFieldErr
 
 fn falcon_h1(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFieldError> {
     let n = f.layers_or(32)?;
-    let attention = attention(f, dtype, (32, Some(8), None, 4096))?;
+    let attention = attention(
+        f,
+        dtype,
+        AttnDefaults { heads: 32, kv: Some(8), head_dim: HeadDim::Derived, hidden: 4096 },
+    )?;
     let hidden = f.u32_or("hidden_size", 4096)?;
     let expand = f.u32_or("mamba_expand", 2)?;
     let intermediate = match f.raw("mamba_d_ssm") {
@@ -779,7 +867,11 @@ fn falcon_h1(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFiel
 
 fn gpt_oss(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFieldError> {
     let n = f.layers_or(36)?;
-    let attention = attention(f, dtype, (64, Some(8), Some(64), 2880))?;
+    let attention = attention(
+        f,
+        dtype,
+        AttnDefaults { heads: 64, kv: Some(8), head_dim: HeadDim::Class(64), hidden: 2880 },
+    )?;
     let window = f.u32_or("sliding_window", 128)?;
     // vLLM's gpt_oss.py windows the even layers, whatever `layer_types` says.
     let layers = (0..n).map(|i| if i % 2 == 0 { Layer::swa(window) } else { Layer::FULL }).collect();
@@ -794,7 +886,11 @@ fn gpt_oss(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFieldE
 
 fn gemma3(f: &mut Fields<'_>, dtype: Dtype, attention_name: &str) -> Result<HybridModel, ConfigFieldError> {
     let n = f.layers_or(26)?;
-    let attention = attention(f, dtype, (8, Some(4), Some(256), 2304))?;
+    let attention = attention(
+        f,
+        dtype,
+        AttnDefaults { heads: 8, kv: Some(4), head_dim: HeadDim::Class(256), hidden: 2304 },
+    )?;
     let mut window = f.u32_or("sliding_window", 4096)?;
     if f.opt_bool("use_bidirectional_attention")? == Some(true) {
         window = window / 2 + 1;
@@ -833,23 +929,29 @@ fn deepseek(
     let v3 = arch == "DeepseekV3ForCausalLM";
     let n = f.layers_or(if v3 { 61 } else { 32 })?;
     let heads = f.u32_or("num_attention_heads", if v3 { 128 } else { 32 })?;
-    let kv = f.kv_heads(heads, None)?;
+    let kv = f.kv_heads(heads, if v3 { Some(128) } else { None })?;
     let mla = if arch == "DeepseekForCausalLM" {
         None
     } else {
-        match f.raw("kv_lora_rank") {
-            // DeepSeek-V2-Lite style configs without a latent rank run plain attention.
-            None if f.obj.contains_key("kv_lora_rank") => None,
+        match f.obj.get("kv_lora_rank") {
+            // DeepSeek-V2-Lite style configs with a null latent rank run plain attention.
+            Some(Value::Null) => None,
             _ => Some(Mla {
                 kv_lora_rank: f.u32_or("kv_lora_rank", 512)?,
                 qk_rope_head_dim: f.u32_or("qk_rope_head_dim", 64)?,
             }),
         }
     };
-    let hidden = f.u32_or("hidden_size", if v3 { 7168 } else { 4096 })?;
     let head_dim = match mla {
         Some(m) => m.qk_rope_head_dim,
-        None => f.head_dim(None, hidden, heads)?,
+        None => {
+            attention(
+                f,
+                dtype,
+                AttnDefaults { heads, kv: Some(kv), head_dim: HeadDim::Derived, hidden: 4096 },
+            )?
+            .head_dim
+        }
     };
     let model = HybridModel {
         name: String::new(),
@@ -865,16 +967,17 @@ fn deepseek(
 /// window the layers `layer_types` marks `sliding_attention` (vLLM's llama.py), Qwen models
 /// none (vLLM's qwen2.py passes no window).
 fn llama_like(f: &mut Fields<'_>, dtype: Dtype, arch: &str) -> Result<HybridModel, ConfigFieldError> {
-    // The configuration classes' defaults: (layers, heads, KV heads, head_dim, hidden).
-    let (layers, heads, kv, head_dim, hidden) = match arch {
-        "Qwen3ForCausalLM" => (32, 32, None, Some(128), 4096),
-        "Qwen3MoeForCausalLM" => (24, 32, Some(4), None, 2048),
-        "MistralForCausalLM" => (32, 32, Some(8), Some(128), 4096),
-        "MixtralForCausalLM" => (32, 32, Some(8), None, 4096),
-        _ => (32, 32, None, None, 4096),
+    // The configuration classes' defaults, and how each vLLM model sizes its heads.
+    let d = |kv, head_dim, hidden| AttnDefaults { heads: 32, kv, head_dim, hidden };
+    let (layers, defaults) = match arch {
+        "Qwen2ForCausalLM" => (32, d(Some(32), HeadDim::Hidden, 4096)),
+        "Qwen3ForCausalLM" => (32, d(Some(32), HeadDim::Class(128), 4096)),
+        "Qwen3MoeForCausalLM" => (24, d(Some(4), HeadDim::Derived, 2048)),
+        "MistralForCausalLM" | "MixtralForCausalLM" => (32, d(Some(8), HeadDim::Derived, 4096)),
+        _ => (32, d(None, HeadDim::Derived, 4096)),
     };
     let n = f.layers_or(layers)?;
-    let attention = attention(f, dtype, (heads, kv, head_dim, hidden))?;
+    let attention = attention(f, dtype, defaults)?;
     let windows = matches!(arch, "LlamaForCausalLM" | "MistralForCausalLM");
     let layers = match f.opt_strs("layer_types")? {
         Some(types) if windows => {

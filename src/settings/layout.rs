@@ -111,8 +111,9 @@ pub fn resolve_hybrid(args: &LayoutFlags) -> Result<Option<(HybridModel, EngineG
     Ok(Some((model, g)))
 }
 
-/// Checks `kvx layout`'s flags: the engine (a homogeneous pair) and the geometry of its rank.
-pub fn resolve(args: &LayoutFlags) -> Result<(PairSpec, RankGeometry), ConfigError> {
+/// Checks `kvx layout`'s flags: the engine (a homogeneous pair), the geometry of its rank, and
+/// vLLM's names of its attention layers.
+pub fn resolve(args: &LayoutFlags) -> Result<(PairSpec, RankGeometry, Vec<String>), ConfigError> {
     for (given, flag) in [
         (args.kv_buffer_device.is_some(), "--kv-buffer-device"),
         (args.gdn_prefill.is_some(), "--gdn-prefill"),
@@ -148,5 +149,13 @@ pub fn resolve(args: &LayoutFlags) -> Result<(PairSpec, RankGeometry), ConfigErr
         ));
     }
     let geom = pair.p_geometry(args.rank);
-    Ok((pair, geom))
+    let m = &args.model;
+    let names = crate::settings::model::resolve(
+        m.model.as_deref(),
+        m.model_config.as_deref(),
+        m.hma.unwrap_or_default(),
+        scenario::DEFAULT_MODEL,
+    )?
+    .attention_names;
+    Ok((pair, geom, names))
 }

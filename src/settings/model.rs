@@ -55,6 +55,8 @@ pub struct ResolvedModel {
     pub architecture: Option<String>,
     /// Config fields left out, with the architecture's default taken for each.
     pub defaults: Vec<(String, String)>,
+    /// vLLM's names of the layers that keep attention, in order: NIXL region names.
+    pub attention_names: Vec<String>,
 }
 
 fn config_error(flag: &str, what: &str, e: model_config::ConfigFieldError) -> ConfigError {
@@ -193,31 +195,28 @@ pub fn resolve(
 ) -> Result<ResolvedModel, ConfigError> {
     let (source, read) = read_model(model, model_config, default)?;
     let flag = if model_config.is_some() { "--model-config" } else { "--model" };
-    match read {
-        ReadModel::Pattern(m) => {
-            if hma == Hma::Off {
-                return Err(ConfigError::new(
-                    "--hma",
-                    "a model TOML is a hybrid layer pattern: it runs with --hma on",
-                ));
-            }
-            Ok(ResolvedModel { source, plan: PlanModel::Hybrid(m), architecture: None, defaults: Vec::new() })
+    let arch = match read {
+        ReadModel::Pattern(model) => {
+            ArchModel { architecture: "kvx model TOML".into(), model, mla: None, defaults: Vec::new() }
         }
-        ReadModel::Config(arch) => {
-            let plan = arch.plan_model(hma == Hma::On).map_err(|e| {
-                ConfigError::new(
-                    if hma == Hma::Off { "--hma" } else { flag },
-                    format!("{}: {e}", arch.model.name),
-                )
-            })?;
-            Ok(ResolvedModel {
-                source,
-                plan,
-                architecture: Some(arch.architecture.clone()),
-                defaults: arch.defaults.clone(),
-            })
-        }
-    }
+        ReadModel::Config(arch) => *arch,
+    };
+    let plan = arch.plan_model(hma == Hma::On).map_err(|e| {
+        ConfigError::new(if hma == Hma::Off { "--hma" } else { flag }, format!("{}: {e}", arch.model.name))
+    })?;
+    Ok(ResolvedModel {
+        source,
+        plan,
+        architecture: Some(arch.architecture.clone()),
+        attention_names: arch
+            .model
+            .cache_layers()
+            .into_iter()
+            .filter(|l| matches!(l.kind, crate::layouts::hybrid::model::CacheKind::Attention(_)))
+            .map(|l| l.name)
+            .collect(),
+        defaults: arch.defaults,
+    })
 }
 
 /// A uniform preset's shape (tests, benches): what `--model NAME` plans for a model of one

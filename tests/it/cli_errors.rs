@@ -83,7 +83,22 @@ const CASES: &[(&[&str], &str)] = &[
     // where they do not apply.
     (&["bench", "--model", "nemotron-h-8b", "--mode", "push", "--overlap", "layers"], "--overlap"),
     (&["bench", "--model", "gemma-3-4b", "--p-tp", "1", "--d-tp", "8", "--mode", "push"], "--d-tp"),
-    (&["bench", "--model", "qwen3-next-80b-a3b", "--p-tp", "4", "--d-tp", "2", "--mode", "push"], "--mode"),
+    (
+        &[
+            "bench",
+            "--model",
+            "qwen3-next-80b-a3b",
+            "--gdn-prefill",
+            "triton",
+            "--p-tp",
+            "4",
+            "--d-tp",
+            "2",
+            "--mode",
+            "push",
+        ],
+        "--mode",
+    ),
     (&["bench", "--mode", "push", "--push-attention", "every-rank"], "--push-attention"),
     (&["bench", "--model", "nemotron-h-8b", "--push-attention", "every-rank"], "--push-attention"),
     (&["serve-engine", "--role", "decode", "--host-copy", "per-group"], "--host-copy"),

@@ -1171,6 +1171,8 @@ fn kvx_plan_and_topo_of_a_hybrid_model_in_push_mode() {
                 "plan",
                 "--model",
                 "qwen3-next-80b-a3b",
+                "--gdn-prefill",
+                "triton",
                 "--p-tp",
                 "4",
                 "--d-tp",
@@ -1183,7 +1185,19 @@ fn kvx_plan_and_topo_of_a_hybrid_model_in_push_mode() {
             "--mode",
         ),
         (
-            &["topo", "--model", "qwen3-next-80b-a3b", "--p-tp", "4", "--d-tp", "2", "--mode", "push"][..],
+            &[
+                "topo",
+                "--model",
+                "qwen3-next-80b-a3b",
+                "--gdn-prefill",
+                "triton",
+                "--p-tp",
+                "4",
+                "--d-tp",
+                "2",
+                "--mode",
+                "push",
+            ][..],
             "--mode",
         ),
         (
@@ -1439,4 +1453,115 @@ fn a_sample_is_the_same_blocks_on_both_sides() {
         })
         .collect();
     assert!(!caught.is_empty(), "no seed of 16 caught vLLM's conv offsets");
+}
+
+/// The oracle case `name`, for the variants below.
+fn oracle_case(name: &str) -> Value {
+    oracle()["cases"].as_array().expect("cases").iter().find(|c| c["name"] == name).expect("case").clone()
+}
+
+/// A case of kvx's own writing: each engine as kvx derives it from `config` (in a case's
+/// terms, `StatedEngine::case_json`), with a `model` section that names nothing but the
+/// attention (as a case may), and block lists allocated as vLLM's allocator leaves them.
+fn written_case(config: Value, p_tp: u32, d_tp: u32, prompt_tokens: u32) -> Value {
+    let arch = kvx::layouts::model_config::read(&config, "written").expect("config reads");
+    let model = arch.model;
+    let p = HybridEngine::new(p_tp, 64);
+    let d = HybridEngine::new(d_tp, 64);
+    let planner = planner(&model, p, d).expect("pair");
+    let request = HybridRequest::simulated(&planner, prompt_tokens, 0);
+    let engine = |g: &EngineGeometry, tp| g.stated().case_json(tp, 64, KvBufferDevice::Cuda);
+    serde_json::json!({
+        "name": "written",
+        "vllm_version": "0.33.0",
+        "model": {"kv_heads": model.attention.num_kv_heads, "head_dim": model.attention.head_dim},
+        "p": engine(&planner.p, p_tp),
+        "d": engine(&planner.d, d_tp),
+        "scheduler": {
+            "prompt_tokens": prompt_tokens,
+            "p_raw_block_ids": request.p_raw_block_ids,
+            "d_raw_unhashed_block_ids": request.d_raw_unhashed_block_ids,
+        },
+    })
+}
+
+/// The classes of case the held-back oracle cases exercise: a case's engine geometry is what
+/// kvx plans with (64-token blocks, FlashInfer-aligned GDN blocks), groups come from any
+/// pattern (Mamba1 one attention layer in eight, attention and state in one layer), and a pair
+/// whose stated block sizes do not divide is refused as vLLM refuses it.
+#[test]
+fn a_case_is_planned_as_its_engines_state_it() {
+    use kvx::settings::hybrid_case::parse;
+    // gpt-oss at 64-token blocks: every pair one 64-token page; the window keeps
+    // cdiv(128, 64) + 1 = 3 blocks; kvx's own derivation (16-token blocks) is named, not used.
+    let mut c = oracle_case("swa_gptoss_P1_D1");
+    for side in ["p", "d"] {
+        c[side]["block_size_tokens"] = 64.into();
+        c[side]["page_bytes"] = (64 * 8 * 64 * 2 * 2).into();
+    }
+    c["scheduler"]["prompt_tokens"] = 400.into();
+    c["scheduler"]["p_raw_block_ids"] =
+        serde_json::json!([[0, 0, 21, 22, 23, 24, 25], [1, 2, 3, 4, 5, 6, 7]]);
+    c["scheduler"]["d_raw_unhashed_block_ids"] =
+        serde_json::json!([[0, 0, 31, 32, 33, 34, 35], [3, 4, 5, 6, 7, 8, 9]]);
+    let case = parse(&c).expect("parses");
+    let planner = HybridPlanner::new(&case.pair).expect("accepted");
+    let plan = planner.plan(&case.request.for_planner(&planner), "req-P").expect("plan");
+    assert_eq!(plan.blocks.remote_block_ids, vec![vec![23, 24, 25], (1..=7).collect::<Vec<u32>>()]);
+    assert!(
+        plan.d_ranks[0].reads[0].pairs.iter().all(|p| p.len == 64 * 8 * 64 * 2 * 2),
+        "whole 64-token pages"
+    );
+    let diff = &planner.sources[0].differences;
+    assert!(
+        diff.iter().any(|d| d.field == "block_size_tokens" && d.stated == "64" && d.derived == "16"),
+        "kvx's own derivation is named beside the stated one: {diff:?}"
+    );
+    // Qwen3-Next aligned for FlashInfer's GDN prefill (576 tokens at TP 2, 320 at TP 4): vLLM
+    // refuses the pair at the handshake, and so does kvx, from the stated sizes.
+    let mut c = oracle_case("gdn_qwen3next_P2_D4");
+    for (side, block, heads) in [("p", 576u64, 1u64), ("d", 320, 1)] {
+        let page = block * heads * 256 * 2 * 2;
+        c[side]["block_size_tokens"] = block.into();
+        c[side]["page_bytes"] = page.into();
+        c[side]["mamba_page_size_padded"] = page.into();
+    }
+    let case = parse(&c).expect("parses");
+    assert_eq!(
+        case.pair.p.gdn_prefill,
+        kvx::layouts::hybrid::GdnPrefillBackend::FlashInfer,
+        "derived as stated"
+    );
+    let e = HybridPlanner::new(&case.pair).expect_err("vLLM refuses 576 vs 320");
+    assert_eq!(
+        e.refusal().map(|r| r.vllm_message.as_str()),
+        Some("Local block size 320 is not divisible by remote block size 576 or vice versa.")
+    );
+    // Mamba1 with one attention layer in eight (Jamba's pattern at 8 layers), P1 -> D2: 7
+    // state groups of one layer and one attention group; the state read as Mamba1 from its
+    // shapes alone (the case's model section names no state).
+    let jamba = serde_json::json!({"architectures": ["JambaForCausalLM"], "num_hidden_layers": 8});
+    let case = parse(&written_case(jamba, 1, 2, 300)).expect("parses");
+    let planner = HybridPlanner::new(&case.pair).expect("accepted");
+    assert_eq!(planner.p.groups.len(), 8);
+    assert!(planner.sources.iter().all(|s| s.differences.is_empty()), "{:?}", planner.sources);
+    let plan = planner.plan(&case.request.for_planner(&planner), "req-P").expect("plan");
+    assert_eq!(plan.blocks.remote_block_ids.len(), 8);
+    // Falcon-H1 (attention and Mamba2 in every layer, n_groups 1), 4 layers, P1 -> D2: one
+    // attention and one state group, B and C replicated (recovered from how the conv width
+    // differs between the two TP sizes), which vLLM's offsets misread.
+    let falcon = serde_json::json!({
+        "architectures": ["FalconH1ForCausalLM"], "num_hidden_layers": 4, "num_attention_heads": 12,
+        "num_key_value_heads": 2, "head_dim": 128, "hidden_size": 3072, "mamba_d_ssm": 3072,
+        "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_d_state": 256, "mamba_n_groups": 1
+    });
+    let case = parse(&written_case(falcon, 1, 2, 3000)).expect("parses");
+    let planner = HybridPlanner::new(&case.pair).expect("accepted");
+    assert_eq!(planner.p.groups.len(), 2);
+    assert!(planner.sources.iter().all(|s| s.differences.is_empty()), "{:?}", planner.sources);
+    assert!(
+        planner.findings.iter().any(|f| matches!(f, kvx::layouts::hybrid::Finding::StateSliceMisread { .. })),
+        "{:?}",
+        planner.findings
+    );
 }

@@ -29,3 +29,4 @@ mod ucx;
 mod ucx_am;
 mod ucx_common;
 mod ucx_layout;
+mod vllm_diff;
