@@ -27,7 +27,9 @@ use kvx::layouts::compat::PairSpec;
 use kvx::layouts::hybrid::blocks::RequestShape;
 use kvx::layouts::hybrid::coverage::RequestFill;
 use kvx::layouts::hybrid::geometry::kv_groups;
-use kvx::layouts::hybrid::{HybridEngine, HybridPlanner, HybridRequest, PairConfig, preset};
+use kvx::layouts::hybrid::{
+    GdnPrefillBackend, HybridEngine, HybridPlanner, HybridRequest, PairConfig, preset,
+};
 use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
@@ -120,8 +122,10 @@ fn fill(c: &mut Criterion) {
     let tokens = 2048;
     let config = PairConfig {
         model: preset("qwen3-next-80b-a3b").expect("preset"),
-        p: HybridEngine::new(4, 97),
-        d: HybridEngine::new(2, 49),
+        // Triton GDN prefill, as bench-configs/hybrid-qwen3-next.toml (FlashInfer's 320- and
+        // 576-token blocks do not divide).
+        p: HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(4, 97) },
+        d: HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(2, 49) },
         permute_local_kv: false,
         state_slices: Default::default(),
         host_copy: Default::default(),

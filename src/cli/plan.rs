@@ -355,10 +355,23 @@ struct HybridRequestJson<'a> {
     remote_block_ids: &'a [Vec<u32>],
     local_block_ids: &'a [Vec<u32>],
     clipping: &'a [crate::layouts::hybrid::descriptors::GroupClipping],
+    /// Where each engine came from (derived, or as the case states it) and, for a stated one,
+    /// each field where kvx's own derivation differs.
+    engines: &'a [crate::layouts::hybrid::GeometrySource; 2],
+    /// The engine settings kvx derives with.
+    settings: EngineSettingsJson,
+}
+
+/// The engine settings a hybrid plan's derivation used.
+#[derive(Debug, Serialize)]
+struct EngineSettingsJson {
+    attention_backend: &'static str,
+    gdn_prefill: &'static str,
+    prefix_caching: bool,
 }
 
 impl<'a> HybridRequestJson<'a> {
-    fn new(name: &'a str, planner: &HybridPlanner, plan: &'a crate::layouts::hybrid::HybridPlan) -> Self {
+    fn new(name: &'a str, planner: &'a HybridPlanner, plan: &'a crate::layouts::hybrid::HybridPlan) -> Self {
         HybridRequestJson {
             name,
             vllm_version: HYBRID_VLLM,
@@ -370,6 +383,12 @@ impl<'a> HybridRequestJson<'a> {
             remote_block_ids: &plan.blocks.remote_block_ids,
             local_block_ids: &plan.blocks.local_block_ids,
             clipping: &plan.clipping,
+            engines: &planner.sources,
+            settings: EngineSettingsJson {
+                attention_backend: planner.config.p.attention_backend.vllm_name(),
+                gdn_prefill: planner.config.p.gdn_prefill.name(),
+                prefix_caching: planner.config.p.prefix_caching,
+            },
         }
     }
 }

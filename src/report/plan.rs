@@ -406,6 +406,7 @@ fn hybrid_heading(
         plan.tokens.prompt_tokens,
         plan.tokens.d_external_tokens,
     );
+    out.push_str(&engines_text(planner));
     let mut groups = wrapped_table(vec!["group", "kind", "layers", "prefill blocks", "sent", "clipped"]);
     for c in &plan.clipping {
         let g = p.groups.iter().find(|g| g.index == c.group);
@@ -426,6 +427,50 @@ fn hybrid_heading(
     }
     out.push_str(&groups.to_string());
     out.push('\n');
+    out
+}
+
+/// Where the two engines' geometry came from: derived by kvx (under which settings), or as a
+/// case states it, with each field where kvx's own derivation differs.
+pub fn engines_text(planner: &crate::layouts::hybrid::HybridPlanner) -> String {
+    use crate::layouts::hybrid::model::StateKind;
+    let e = &planner.config.p;
+    let gdn = planner.p.state.as_ref().is_some_and(|s| s.kind == StateKind::Gdn);
+    let mut settings = format!("{} attention", e.attention_backend.vllm_name());
+    if gdn {
+        settings.push_str(&format!(", GDN prefill {}", e.gdn_prefill.name()));
+    }
+    if planner.p.has_state() {
+        settings.push_str(if e.prefix_caching { ", prefix caching on" } else { ", prefix caching off" });
+    }
+    let [ps, ds] = &planner.sources;
+    if !ps.stated && !ds.stated {
+        return format!("engines derived by kvx from the model ({settings})\n");
+    }
+    let mut out = String::from("engines as the case states them (planned as given); ");
+    let diffs: Vec<String> = [ps, ds]
+        .iter()
+        .flat_map(|s| {
+            let side = if s.side == crate::layouts::hybrid::geometry::Side::Prefill { "P" } else { "D" };
+            let mut v: Vec<String> = s
+                .differences
+                .iter()
+                .map(|d| format!("{side} {}: stated {}, kvx derives {}", d.field, d.stated, d.derived))
+                .collect();
+            if let Some(why) = &s.underivable {
+                v.push(format!("{side}: kvx cannot derive it ({why})"));
+            }
+            v
+        })
+        .collect();
+    if diffs.is_empty() {
+        out.push_str(&format!("kvx derives the same ({settings})\n"));
+    } else {
+        out.push_str(&format!("kvx derives otherwise ({settings}):\n"));
+        for d in diffs {
+            out.push_str(&format!("  {d}\n"));
+        }
+    }
     out
 }
 

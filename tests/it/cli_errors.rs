@@ -121,13 +121,16 @@ const CASES: &[(&[&str], &str)] = &[
         &["serve-proxy", "--prefiller-host", "h", "--decoder-host", "h", "--max-body-size", "5GiB"],
         "--max-body-size",
     ),
-    // Push for hybrid models where vLLM's push refuses it (kernel blocks of 272 and 544 tokens),
+    // Push for hybrid models where vLLM's push refuses it (kernel blocks of 272 and 544 tokens,
+    // triton GDN prefill),
     // and its attention switch where it does not apply.
     (
         &[
             "plan",
             "--model",
             "qwen3-next-80b-a3b",
+            "--gdn-prefill",
+            "triton",
             "--p-tp",
             "4",
             "--d-tp",
@@ -214,4 +217,74 @@ fn help_lists_every_subcommand_and_examples() {
     }
     let out = kvx().args(["completions", "bash"]).output().expect("runs");
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("kvx"));
+}
+
+/// Bad model configs through `--model-config` and `--model PATH`: truncated JSON, wrong types,
+/// zero and negative sizes, a million layers, an unknown architecture, a path that does not
+/// exist: exit 2 naming the flag and the field, no panic; the million layers refused before any
+/// work (the hard timeout holds).
+#[test]
+fn bad_model_configs_exit_2_and_name_the_field() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let million: Vec<&str> = vec!["linear_attention"; 1_000_000];
+    let cases: Vec<(String, &str)> = vec![
+        (r#"{"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 4"#.into(), "not valid JSON"),
+        (r#"{"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": "four"}"#.into(), "`num_hidden_layers`"),
+        (r#"{"architectures": ["JambaForCausalLM"], "mamba_d_state": -16}"#.into(), "`mamba_d_state`"),
+        (r#"{"architectures": ["FalconH1ForCausalLM"], "num_attention_heads": 0}"#.into(), "`num_attention_heads`"),
+        (r#"{"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 1000000}"#.into(), "4096"),
+        (
+            serde_json::json!({"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 100_000, "layer_types": &million[..100_000]})
+                .to_string(),
+            "at most 4096",
+        ),
+        // A million layers listed is a 19 MB file: refused by its size before it is parsed.
+        (
+            serde_json::json!({"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 1_000_000, "layer_types": million})
+                .to_string(),
+            "a model config is at most",
+        ),
+        (r#"{"architectures": ["BertForMaskedLM"], "num_hidden_layers": 12}"#.into(), "`architectures`"),
+        (r#"{"num_hidden_layers": 12}"#.into(), "`architectures`"),
+        (r#"[1, 2, 3]"#.into(), "not a JSON object"),
+        (
+            r#"{"architectures": ["GraniteMoeHybridForCausalLM"], "num_hidden_layers": 2, "layer_types": ["mamba", "conv"]}"#
+                .into(),
+            "`layer_types`",
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("config-{i}.json"));
+        std::fs::write(&path, text).expect("write config");
+        for flag in ["--model-config", "--model"] {
+            let out = kvx().args(["layout", flag]).arg(&path).output().expect("kvx runs");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{flag} config {i}: {stderr}");
+            assert!(!stderr.contains("panicked"), "{flag} config {i} panicked: {stderr}");
+            assert!(
+                stderr.contains(flag) && stderr.contains(want),
+                "{flag} config {i} names {want}: {stderr}"
+            );
+        }
+    }
+    // A path that does not exist is never a preset's name, and the old suffix says what replaced it.
+    for (model, want) in [("/no/such/dir/jamba", "does not exist"), ("gpt-oss-120b:hma", "--hma")] {
+        let out = kvx().args(["layout", "--model", model]).output().expect("kvx runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{model}: {stderr}");
+        assert!(stderr.contains(want), "{model}: {stderr}");
+    }
+    // A folder holding a config.json reads as the config.
+    let folder = dir.path().join("Jamba-v0.1");
+    std::fs::create_dir(&folder).expect("folder");
+    std::fs::write(
+        folder.join("config.json"),
+        r#"{"architectures": ["JambaForCausalLM"], "num_hidden_layers": 8}"#,
+    )
+    .expect("write");
+    let out =
+        kvx().args(["layout", "--model"]).arg(&folder).args(["--format", "json"]).output().expect("kvx runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["engine"]["groups"].as_array().map(Vec::len), Some(8), "7 Mamba1 groups and 1 attention");
 }

@@ -71,7 +71,9 @@ fn hybrid_outputs() {
         ["plan", "--model", "qwen3-next-80b-a3b", "--p-tp", "1", "--d-tp", "2", "--prompt-len", "4096"];
     golden("hybrid_plan_flags_table", &kvx(&flags));
     // Per group sources: GDN state from both prefill ranks of the slice, attention from one.
-    let topo = ["topo", "--model", "qwen3-next-80b-a3b", "--p-tp", "4", "--d-tp", "2"];
+    // Triton GDN prefill: its 272- and 544-token blocks divide (FlashInfer's 320 and 576 do not).
+    let topo =
+        ["topo", "--model", "qwen3-next-80b-a3b", "--gdn-prefill", "triton", "--p-tp", "4", "--d-tp", "2"];
     golden("hybrid_topo_table", &kvx(&topo));
     let json = kvx(&[&topo[..], &["--format", "json"]].concat());
     let v: serde_json::Value = serde_json::from_str(&json).expect("json");
@@ -80,6 +82,8 @@ fn hybrid_outputs() {
     let push = [
         "--model",
         "qwen3-next-80b-a3b",
+        "--gdn-prefill",
+        "triton",
         "--p-tp",
         "1",
         "--d-tp",
