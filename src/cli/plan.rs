@@ -354,7 +354,7 @@ struct HybridRequestJson<'a> {
     /// registers), after clipping.
     remote_block_ids: &'a [Vec<u32>],
     local_block_ids: &'a [Vec<u32>],
-    clipping: &'a [crate::layouts::hybrid::descriptors::GroupClipping],
+    clipping: &'a [crate::layouts::hybrid::GroupClipping],
     /// Where each engine came from (derived, or as the case states it) and, for a stated one,
     /// each field where kvx's own derivation differs.
     engines: &'a [crate::layouts::hybrid::GeometrySource; 2],
@@ -404,7 +404,7 @@ struct HybridPlanJson<'a> {
     state_slices: Option<crate::layouts::hybrid::StateSlices>,
     /// `--host-copy per-group`: decode's host-to-device copy by kvx's rule (absent: vLLM's).
     #[serde(skip_serializing_if = "Option::is_none")]
-    host_copy: Option<crate::layouts::hybrid::descriptors::HostCopyRule>,
+    host_copy: Option<crate::layouts::hybrid::HostCopyRule>,
     /// Where vLLM's rules move the wrong bytes or reach outside registered memory.
     findings: Vec<&'a crate::layouts::hybrid::Finding>,
     /// What posting the busiest decode rank's descriptors costs on each transport.
@@ -492,7 +492,7 @@ fn run_hybrid(args: &PlanFlags, case: &HybridCase) -> anyhow::Result<Outcome> {
                 d_ranks,
                 state_slices: (case.pair.state_slices != crate::layouts::hybrid::StateSlices::Vllm)
                     .then_some(case.pair.state_slices),
-                host_copy: (case.pair.host_copy != crate::layouts::hybrid::descriptors::HostCopyRule::Vllm)
+                host_copy: (case.pair.host_copy != crate::layouts::hybrid::HostCopyRule::Vllm)
                     .then_some(case.pair.host_copy),
                 findings,
                 posting: PostingJson {

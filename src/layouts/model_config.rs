@@ -538,6 +538,39 @@ fn attention(f: &mut Fields<'_>, dtype: Dtype, d: AttnDefaults) -> Result<Attent
     Ok(AttentionShape { num_kv_heads: kv, head_dim, dtype })
 }
 
+/// Transformers' RoPE check (`validate_rope`): a config whose `head_dim` (given, or the
+/// class's) is odd and above 4 with the whole head rotated is refused. `class_head_dim`: the
+/// value the class keeps when the file gives none (`None`: the class keeps no `head_dim`);
+/// `partial`: the class's `partial_rotary_factor` default.
+fn check_rope(f: &Fields<'_>, class_head_dim: Option<u32>, partial: f64) -> Result<(), ConfigFieldError> {
+    let head_dim = match f.opt_u32("head_dim")? {
+        Some(h) => h,
+        None => match class_head_dim {
+            Some(h) => h,
+            None => return Ok(()),
+        },
+    };
+    let factor = f
+        .raw("rope_parameters")
+        .or_else(|| f.raw("rope_scaling"))
+        .and_then(|r| r.get("partial_rotary_factor"))
+        .or_else(|| f.raw("partial_rotary_factor"))
+        .and_then(Value::as_f64)
+        .unwrap_or(partial);
+    if head_dim > 4
+        && head_dim % 2 == 1
+        && (f64::from(head_dim) * factor).floor() as u64 == u64::from(head_dim)
+    {
+        return Err(err(
+            &f.name("head_dim"),
+            format!(
+                "is {head_dim}: RoPE needs an even rotary dimension, which transformers checks (validate_rope)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A `layer_types` entry as transformers reads it (legacy `mamba`/`attention` remapped).
 fn layer_type(s: &str) -> &str {
     match s {
@@ -577,6 +610,7 @@ fn qwen3_next(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFie
         dtype,
         AttnDefaults { heads: 16, kv: Some(2), head_dim: HeadDim::Class(256), hidden: 2048 },
     )?;
+    check_rope(f, Some(256), 0.25)?;
     let layers = match f.opt_strs("layer_types")? {
         Some(types) => from_layer_types(
             f,
@@ -836,6 +870,7 @@ fn falcon_h1(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFiel
         dtype,
         AttnDefaults { heads: 32, kv: Some(8), head_dim: HeadDim::Derived, hidden: 4096 },
     )?;
+    check_rope(f, None, 1.0)?;
     let hidden = f.u32_or("hidden_size", 4096)?;
     let expand = f.u32_or("mamba_expand", 2)?;
     let intermediate = match f.raw("mamba_d_ssm") {
@@ -872,6 +907,7 @@ fn gpt_oss(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFieldE
         dtype,
         AttnDefaults { heads: 64, kv: Some(8), head_dim: HeadDim::Class(64), hidden: 2880 },
     )?;
+    check_rope(f, Some(64), 1.0)?;
     let window = f.u32_or("sliding_window", 128)?;
     // vLLM's gpt_oss.py windows the even layers, whatever `layer_types` says.
     let layers = (0..n).map(|i| if i % 2 == 0 { Layer::swa(window) } else { Layer::FULL }).collect();
@@ -891,6 +927,7 @@ fn gemma3(f: &mut Fields<'_>, dtype: Dtype, attention_name: &str) -> Result<Hybr
         dtype,
         AttnDefaults { heads: 8, kv: Some(4), head_dim: HeadDim::Class(256), hidden: 2304 },
     )?;
+    check_rope(f, Some(256), 1.0)?;
     let mut window = f.u32_or("sliding_window", 4096)?;
     if f.opt_bool("use_bidirectional_attention")? == Some(true) {
         window = window / 2 + 1;
@@ -978,6 +1015,14 @@ fn llama_like(f: &mut Fields<'_>, dtype: Dtype, arch: &str) -> Result<HybridMode
     };
     let n = f.layers_or(layers)?;
     let attention = attention(f, dtype, defaults)?;
+    // The head_dim the configuration class keeps: derived (Llama, Mistral), its default
+    // (Qwen3), or none unless the file gives one.
+    let class_head_dim = match arch {
+        "LlamaForCausalLM" | "MistralForCausalLM" => Some(attention.head_dim),
+        "Qwen3ForCausalLM" => Some(128),
+        _ => None,
+    };
+    check_rope(f, class_head_dim, 1.0)?;
     let windows = matches!(arch, "LlamaForCausalLM" | "MistralForCausalLM");
     let layers = match f.opt_strs("layer_types")? {
         Some(types) if windows => {

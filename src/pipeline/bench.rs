@@ -175,8 +175,8 @@ impl BenchSettings {
             if let Some(h) = w.hybrid.as_ref() {
                 // Which of vLLM 0.33's host-buffer rules ran (or the switch that replaced it).
                 let copy = match h.host_copy {
-                    crate::layouts::hybrid::descriptors::HostCopyRule::Vllm => "vllm",
-                    crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup => "per-group",
+                    crate::layouts::hybrid::HostCopyRule::Vllm => "vllm",
+                    crate::layouts::hybrid::HostCopyRule::PerGroup => "per-group",
                 };
                 let page = if h.d.host_state_page_padded { "padded" } else { "vllm" };
                 s.extra.insert("host_copy".into(), serde_json::json!(copy));

@@ -380,7 +380,7 @@ fn hybrid_heading(
     if planner.config.state_slices == crate::layouts::hybrid::StateSlices::Exact {
         rules.push_str(", but state slices by kvx's exact rule (--state-slices exact)");
     }
-    if planner.config.host_copy == crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup {
+    if planner.config.host_copy == crate::layouts::hybrid::HostCopyRule::PerGroup {
         rules.push_str(", but the host copy per group (--host-copy per-group)");
     }
     if planner.config.d.host_state_page_padded {

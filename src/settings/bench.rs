@@ -271,7 +271,7 @@ layered! {
         /// per-group (each layer its own group's) [default: vllm].
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub host_copy: Option<crate::layouts::hybrid::descriptors::HostCopyRule>,
+        pub host_copy: Option<crate::layouts::hybrid::HostCopyRule>,
         /// Hybrid models in push mode, decode TP above prefill TP and above the KV heads: which
         /// decode ranks prefill writes attention into: vllm (the first of each head only, as
         /// vLLM 0.33's push connector reads; the others get state but no attention) or
@@ -1412,7 +1412,7 @@ mod tests {
             assert_eq!(refused(hybrid(batch(cuda()))), "--transport");
         }
         let copy = BenchFlags {
-            host_copy: Some(crate::layouts::hybrid::descriptors::HostCopyRule::PerGroup),
+            host_copy: Some(crate::layouts::hybrid::HostCopyRule::PerGroup),
             ..Default::default()
         };
         assert_eq!(refused(hybrid(copy.clone())), "--host-copy");

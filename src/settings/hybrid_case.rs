@@ -279,7 +279,7 @@ fn state_spec(
         StateKind::Mamba2 => {
             let d_state = p.ssm[2];
             let bc_global = layout.part(StatePart::Conv(ConvPart::B)).map_or(0, |b| b.global_units);
-            let extended = if d_state > 0 { bc_global / d_state } else { 0 };
+            let extended = bc_global.checked_div(d_state).unwrap_or(0);
             let stated_groups = case
                 .get("model")
                 .and_then(|m| m.get("mamba").or_else(|| m.get("mamba2")))
@@ -293,7 +293,7 @@ fn state_spec(
                     let dl = StateLayout::from_shapes(ds, d_tp, None).ok();
                     let d_ext = dl
                         .and_then(|l| l.part(StatePart::Conv(ConvPart::B)).map(|b| b.global_units))
-                        .map_or(extended, |g| if d_state > 0 { g / d_state } else { 0 });
+                        .map_or(extended, |g| g.checked_div(d_state).unwrap_or(0));
                     if d_ext != extended { 1 } else { extended }
                 }
                 _ => extended,
@@ -312,7 +312,7 @@ fn state_spec(
             let key_global = layout.part(StatePart::Conv(ConvPart::Q)).map_or(0, |q| q.global_units);
             let k_dim = p.ssm[2];
             StateSpec::Gdn(GdnSpec {
-                num_k_heads: small(if k_dim > 0 { key_global / k_dim } else { 0 }, "GDN key heads")?,
+                num_k_heads: small(key_global.checked_div(k_dim).unwrap_or(0), "GDN key heads")?,
                 num_v_heads: small(p.ssm[0] * t, "GDN value heads")?,
                 head_k_dim: small(k_dim, "GDN key dim")?,
                 head_v_dim: small(p.ssm[1], "GDN value dim")?,

@@ -261,7 +261,7 @@ pub struct PlanFlags {
     /// passes through each layer: vllm (every group's through every layer, as vLLM 0.33) or
     /// per-group (each layer its own group's) [default: vllm].
     #[arg(long, value_enum)]
-    pub host_copy: Option<crate::layouts::hybrid::descriptors::HostCopyRule>,
+    pub host_copy: Option<crate::layouts::hybrid::HostCopyRule>,
     /// Hybrid models with --kv-buffer-device cpu: the host tensors' state pages: vllm
     /// (unpadded, as vLLM 0.33 allocates them, while the regions assume padded ones) or padded
     /// [default: vllm].

@@ -8,15 +8,15 @@
 use std::path::PathBuf;
 
 use kvx::layouts::hybrid::coverage::check_plan;
-use kvx::layouts::hybrid::descriptors::{
-    DescList, Finding, HostCopyRule, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
-    StateSlices,
-};
 use kvx::layouts::hybrid::geometry::{
     EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, MemKind, Side,
 };
 use kvx::layouts::hybrid::model::{HybridModel, PRESETS};
 use kvx::layouts::hybrid::preset;
+use kvx::layouts::hybrid::{
+    DescList, Finding, HostCopyRule, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
+    StateSlices,
+};
 use kvx::layouts::hybrid::{GdnPrefillBackend, HybridError};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -166,7 +166,7 @@ fn check_case(case: &Value) -> (String, usize) {
     for (label, g, e, side) in [("P", &pg, &config.p, Side::Prefill), ("D", &dg, &config.d, Side::Decode)] {
         let derived =
             EngineGeometry::new(&model, e, side).unwrap_or_else(|e| panic!("{name} {label}: derive: {e}"));
-        let diff = kvx::layouts::hybrid::descriptors::compare_stated(&g.stated(), &derived.stated());
+        let diff = kvx::layouts::hybrid::compare_stated(&g.stated(), &derived.stated());
         assert!(diff.is_empty(), "{name} {label}: kvx derives another engine than vLLM built: {diff:?}");
     }
     check_engine(&format!("{name} P"), &case["p"], &pg);

@@ -16,8 +16,10 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::descriptors::{HybridPlan, HybridPlanner, LabeledPair, RowKind};
+use super::desc_lists::RowKind;
 use super::geometry::{EngineGeometry, GroupKind, HybridRegion, MemKind, StatePart};
+use super::planner::{HybridPlan, HybridPlanner};
+use super::runs::LabeledPair;
 use crate::layouts::{Layout, pattern};
 
 /// What a byte range holds.

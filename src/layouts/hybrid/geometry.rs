@@ -502,7 +502,7 @@ impl StateLayout {
                 let (local_heads, head_dim, d_state) = (ssm[0], ssm[1], ssm[2]);
                 let x_global = local_heads * t * head_dim;
                 let total = conv_dim * t;
-                let remainder = total.checked_sub(x_global).unwrap_or(0);
+                let remainder = total.saturating_sub(x_global);
                 if remainder == 0 || !remainder.is_multiple_of(2) {
                     return Err(format!(
                         "Conv dim ({conv_dim}*tp={tp}) doesn't decompose into intermediate_size={x_global} + \
@@ -524,7 +524,7 @@ impl StateLayout {
             }
             StateKind::Gdn => {
                 let value_local = ssm[0] * ssm[1];
-                let remainder = conv_dim.checked_sub(value_local).unwrap_or(0);
+                let remainder = conv_dim.saturating_sub(value_local);
                 if remainder == 0 || !remainder.is_multiple_of(2) {
                     return Err(format!(
                         "GDN conv dim ({conv_dim}) doesn't decompose into 2*key_dim_local + \

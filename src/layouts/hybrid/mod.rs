@@ -4,10 +4,13 @@
 //! Owns: what a hybrid model caches (`model`, with presets), an engine's cache as vLLM builds
 //! it (`geometry`: KV cache groups, the hybrid-aligned block size and padded page, the state
 //! layout of a TP rank, regions and registrations, device-aliased or per layer in a host
-//! buffer), which blocks of a request move (`blocks`), the READs every decode rank posts and
-//! where vLLM's rules move the wrong bytes (`descriptors`), vLLM's refusals and kvx's own errors
-//! (`error`), a byte-meaning check of a plan (`coverage`), and the host-buffer copies as byte
-//! moves (`staging`).
+//! buffer), which blocks of a request move (`blocks`), a pair of engines and vLLM's refusals of
+//! it (`pair`), which prefill ranks each decode rank reads (`tp_map`), the descriptor lists a
+//! rank registers (`desc_lists`), a READ's pairs and the runs that make them fast (`runs`), the
+//! READs every decode rank posts for a request (`planner`), where vLLM's rules move the wrong
+//! bytes (`findings`), vLLM's refusals and kvx's own errors (`error`), a byte-meaning check of
+//! a plan (`coverage`), push mode's WRITEs (`push`), and the host-buffer copies as byte moves
+//! (`staging`).
 //!
 //! Pure arithmetic over plain data: no I/O, no environment, no CLI. Attention-only models with
 //! one group stay with `layouts::plan`; this module takes every model with more than one KV
@@ -19,21 +22,31 @@
 
 pub mod blocks;
 pub mod coverage;
-pub mod descriptors;
+pub mod desc_lists;
 pub mod error;
+pub mod findings;
 pub mod geometry;
 pub mod model;
+pub mod pair;
+pub mod planner;
 pub mod push;
+pub mod runs;
 pub mod staging;
+pub mod tp_map;
 
 pub use crate::layouts::model_config::hybrid_preset as preset;
-pub use descriptors::{
-    Finding, GeometryDifference, GeometrySource, HybridPlan, HybridPlanner, HybridRequest, PairConfig,
-    StateSlices, StatedPair,
-};
+pub use desc_lists::{DescList, DescRow, RowKind, RowLabel};
 pub use error::{HybridError, Refusal, RefusalKind};
+pub use findings::Finding;
 pub use geometry::{
     AttentionBackend, EngineGeometry, GdnPrefillBackend, HybridEngine, KvBufferDevice, StateShapes,
     StatedEngine,
 };
 pub use model::HybridModel;
+pub use pair::{
+    GeometryDifference, GeometrySource, HostCopyRule, PairConfig, PushAttention, StateSlices, StatedPair,
+    compare_stated,
+};
+pub use planner::{DRankPlan, DRankSetup, GroupClipping, HostCopy, HybridPlan, HybridPlanner, HybridRequest};
+pub use runs::{HybridRead, LabeledPair, PairRun};
+pub use tp_map::{TpMapping, handshake_ranks, tp_mapping, tp_ratio};

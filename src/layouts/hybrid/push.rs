@@ -17,9 +17,11 @@
 
 use serde::Serialize;
 
-pub use super::descriptors::PushAttention;
-use super::descriptors::{HybridPlan, HybridPlanner, PairConfig, RowKind};
+use super::desc_lists::RowKind;
 use super::error::{HybridError, RefusalKind};
+use super::pair::PairConfig;
+pub use super::pair::PushAttention;
+use super::planner::{HybridPlan, HybridPlanner};
 use crate::layouts::plan::Pair;
 
 /// One WRITE: what a prefill rank puts into one decode rank. `pairs[i].local` is the offset in

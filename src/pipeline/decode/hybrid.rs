@@ -14,9 +14,9 @@ use crate::layouts::hybrid::blocks::{
     ExchangedBlocks, RequestShape, TokenCounts, clip_local, logical_to_kernel,
 };
 use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck, PoolCheck, Sample};
-use crate::layouts::hybrid::descriptors::{HostCopyRule, HybridPlan, handshake_ranks};
 use crate::layouts::hybrid::staging::host_copy_moves;
 use crate::layouts::hybrid::{EngineGeometry, HybridPlanner, PairConfig};
+use crate::layouts::hybrid::{HostCopyRule, HybridPlan, handshake_ranks};
 use crate::pipeline::params::KvTransferParams;
 use crate::pipeline::wire::{FailureCause, LoadResult, TransportKind};
 use crate::pipeline::worker::{classify_ucx, compat_factors, fetch_peers};
@@ -136,11 +136,11 @@ impl HybridDecode {
 /// without clipping would have moved the rest at the bytes per block it moved.
 fn parts_read(
     planner: &HybridPlanner,
-    rank: &crate::layouts::hybrid::descriptors::DRankPlan,
+    rank: &crate::layouts::hybrid::DRankPlan,
     blocks: &ExchangedBlocks,
     every: u64,
 ) -> Vec<crate::report::summary::PartBytes> {
-    use crate::layouts::hybrid::descriptors::RowKind;
+    use crate::layouts::hybrid::RowKind;
     let mut runs = Vec::new();
     for read in &rank.reads {
         for run in read.runs() {
@@ -553,14 +553,14 @@ impl Decoder<'_> {
         &self,
         planner: &HybridPlanner,
         plan: &HybridPlan,
-        mine: &crate::layouts::hybrid::descriptors::DRankPlan,
+        mine: &crate::layouts::hybrid::DRankPlan,
         seed: u64,
         stride: u32,
     ) -> Result<ByteReport, Failure> {
         // The pairs of the blocks prefill filled (`Sample`).
         let mut check =
             LandedCheck::new(planner, plan, self.cfg.rank, seed).only(Sample::new(&planner.p, stride, seed));
-        let pairs: Vec<(u32, crate::layouts::hybrid::descriptors::LabeledPair)> = mine
+        let pairs: Vec<(u32, crate::layouts::hybrid::LabeledPair)> = mine
             .reads
             .iter()
             .flat_map(|read| read.labeled().map(move |p| (read.p_rank, p)))
