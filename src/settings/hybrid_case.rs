@@ -412,6 +412,7 @@ fn engine(
     side: &str,
     model: &HybridModel,
     stated: &StatedEngine,
+    backend: Option<&str>,
 ) -> Result<HybridEngine, ConfigError> {
     let at = format!("{side}.");
     let mut engine = HybridEngine {
@@ -423,7 +424,9 @@ fn engine(
         block_tokens: DEFAULT_BLOCK_TOKENS,
         ..HybridEngine::new(num(e, "tp", &at)?, num(e, "num_blocks", &at)?)
     };
-    if let Some(b) = e.get("attn_backend").or_else(|| e.get("attention_backend")).and_then(Value::as_str) {
+    if let Some(b) =
+        e.get("attn_backend").or_else(|| e.get("attention_backend")).and_then(Value::as_str).or(backend)
+    {
         engine.attention_backend = match b.to_ascii_uppercase().as_str() {
             "FLASH_ATTN" => AttentionBackend::FlashAttn,
             "FLASHINFER" => AttentionBackend::FlashInfer,
@@ -485,12 +488,20 @@ pub fn parse(case: &Value) -> Result<HybridCase, ConfigError> {
     } else {
         Some(state_kind(case, field(pv, "mamba_state_shapes_local", "p.")?, &layer_names)?)
     };
+    // The attention backend the engines ran, where the case says (its prefill ranks' agent
+    // metadata): it decides the kernel block NIXL reads.
+    let backend = case
+        .get("p_ranks")
+        .and_then(|r| r.get(0))
+        .and_then(|r| r.get("agent_metadata"))
+        .and_then(|m| m.get("attn_backend_name"))
+        .and_then(Value::as_str);
     let p_stated = stated(pv, "p", case, kind)?;
     let d_stated = stated(dv, "d", case, kind)?;
     let model = model(case, &name, kind, &p_stated, &d_stated)?;
     let pair = PairConfig {
-        p: engine(pv, "p", &model, &p_stated)?,
-        d: engine(dv, "d", &model, &d_stated)?,
+        p: engine(pv, "p", &model, &p_stated, backend)?,
+        d: engine(dv, "d", &model, &d_stated, backend)?,
         model,
         permute_local_kv: false,
         state_slices: Default::default(),
