@@ -61,6 +61,7 @@ fn build(args: &LayoutFlags, pair: &PairSpec, g: &RankGeometry, names: &[String]
             })
             .collect(),
         registrations: g.registrations().into_iter().map(|(o, n)| [o, n]).collect(),
+        origin: serde_json::Value::Null,
         engine: serde_json::json!({
             "tp": args.tp,
             "block_size_tokens": g.block_tokens,
@@ -84,7 +85,7 @@ fn build(args: &LayoutFlags, pair: &PairSpec, g: &RankGeometry, names: &[String]
 
 pub fn run(args: &LayoutArgs) -> anyhow::Result<Outcome> {
     let args = &args.settings;
-    if let Some((model, geom)) = resolve_hybrid(args).map_err(|e| reject(args.format, e))? {
+    if let Some((model, geom, origin)) = resolve_hybrid(args).map_err(|e| reject(args.format, e))? {
         match args.format {
             Format::Json => output::stdout_json(&HybridLayoutJson {
                 status: "ok",
@@ -97,22 +98,28 @@ pub fn run(args: &LayoutArgs) -> anyhow::Result<Outcome> {
                 page_bytes: geom.sizing.page_bytes,
                 padding_bytes: geom.sizing.padding_bytes(),
                 engine: geom.stated().case_json(args.tp, args.num_blocks, geom.config.kv_buffer_device),
+                origin: serde_json::to_value(&origin)?,
                 geometry: &geom,
             })?,
-            Format::Table => output::stdout(crate::report::layout::render_hybrid(
-                &model.name,
-                args.rank,
-                &geom,
-                args.show_regions,
-            ))?,
+            Format::Table => {
+                let mut text =
+                    crate::report::layout::render_hybrid(&model.name, args.rank, &geom, args.show_regions);
+                text.push_str(&origin.text());
+                output::stdout(text)?
+            }
         }
         return Ok(Outcome::Ok);
     }
-    let (pair, geom, names) = resolve(args).map_err(|e| reject(args.format, e))?;
-    let report = build(args, &pair, &geom, &names);
+    let (pair, geom, names, origin) = resolve(args).map_err(|e| reject(args.format, e))?;
+    let mut report = build(args, &pair, &geom, &names);
+    report.origin = serde_json::to_value(&origin)?;
     match args.format {
         Format::Json => output::stdout_json(&report)?,
-        Format::Table => output::stdout(render_uniform(&report, args.show_regions))?,
+        Format::Table => {
+            let mut text = render_uniform(&report, args.show_regions);
+            text.push_str(&origin.text());
+            output::stdout(text)?
+        }
     }
     Ok(Outcome::Ok)
 }

@@ -30,6 +30,17 @@ pub fn render_hybrid(model: &str, rank: u32, g: &EngineGeometry, show_regions: u
             None => String::new(),
         },
     );
+    // The settings the block size follows, where they matter.
+    if let Some(state) = &g.state {
+        let mut why = vec![format!("{} attention", g.config.attention_backend.vllm_name())];
+        if state.kind == crate::layouts::hybrid::model::StateKind::Gdn {
+            why.push(format!("GDN prefill {}", g.config.gdn_prefill.name()));
+        }
+        why.push(
+            if g.config.prefix_caching { "prefix caching on" } else { "prefix caching off" }.to_string(),
+        );
+        out.push_str(&format!("aligned for {}\n", why.join(", ")));
+    }
     let mut groups = wrapped_table(vec!["group", "kind", "layers", "first layers"]);
     for grp in &g.groups {
         let kind = match grp.kind {
@@ -144,6 +155,8 @@ pub struct LayoutJson {
     pub registrations: Vec<[u64; 2]>,
     /// The engine in the terms of a case's `p`/`d` (one KV cache group of every layer).
     pub engine: serde_json::Value,
+    /// What the model was read as: its architecture and the config fields it left out.
+    pub origin: serde_json::Value,
 }
 
 /// `kvx layout --format json` of a hybrid preset: vLLM's aligned block size and padded page up
@@ -163,6 +176,8 @@ pub struct HybridLayoutJson<'a> {
     /// The engine in the terms of a case's `p`/`d` (what vLLM's engine reports: groups, block
     /// size, pages, state shapes), as `kvx plan --scenario` reads it.
     pub engine: serde_json::Value,
+    /// What the model was read as: its architecture and the config fields it left out.
+    pub origin: serde_json::Value,
     pub geometry: &'a crate::layouts::hybrid::EngineGeometry,
 }
 

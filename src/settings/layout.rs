@@ -66,7 +66,9 @@ pub struct LayoutFlags {
 /// `kvx layout --model` of a hybrid preset (Mamba/GDN state or sliding windows beside
 /// attention, not a uniform preset): the model and its engine's geometry as vLLM 0.33 builds
 /// it. `None` for every other model.
-pub fn resolve_hybrid(args: &LayoutFlags) -> Result<Option<(HybridModel, EngineGeometry)>, ConfigError> {
+pub fn resolve_hybrid(
+    args: &LayoutFlags,
+) -> Result<Option<(HybridModel, EngineGeometry, ModelOrigin)>, ConfigError> {
     let m = &args.model;
     let resolved = crate::settings::model::resolve(
         m.model.as_deref(),
@@ -74,6 +76,8 @@ pub fn resolve_hybrid(args: &LayoutFlags) -> Result<Option<(HybridModel, EngineG
         m.hma.unwrap_or_default(),
         scenario::DEFAULT_MODEL,
     )?;
+    let origin =
+        ModelOrigin { architecture: resolved.architecture.clone(), defaults: resolved.defaults.clone() };
     let crate::layouts::model_config::PlanModel::Hybrid(model) = resolved.plan else { return Ok(None) };
     let name = &model.name;
     let shape_flag = [
@@ -108,12 +112,38 @@ pub fn resolve_hybrid(args: &LayoutFlags) -> Result<Option<(HybridModel, EngineG
     }
     let g = EngineGeometry::new(&model, &engine, Side::Prefill)
         .map_err(|e| ConfigError::new(e.flag().replace("--p-", "--"), e.to_string()))?;
-    Ok(Some((model, g)))
+    Ok(Some((model, g, origin)))
+}
+
+/// What a model was read as: its architecture (a config or preset) and the config fields it
+/// left out, each with the architecture's default taken.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ModelOrigin {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<String>,
+    /// `[field, default]` pairs.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub defaults: Vec<(String, String)>,
+}
+
+impl ModelOrigin {
+    /// One line for the table view, or nothing when no default was taken.
+    pub fn text(&self) -> String {
+        match (&self.architecture, self.defaults.is_empty()) {
+            (Some(arch), false) => format!(
+                "read as {arch}; left out of the config, so its defaults (as transformers fills them for vLLM): {}\n",
+                self.defaults.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ")
+            ),
+            _ => String::new(),
+        }
+    }
 }
 
 /// Checks `kvx layout`'s flags: the engine (a homogeneous pair), the geometry of its rank, and
 /// vLLM's names of its attention layers.
-pub fn resolve(args: &LayoutFlags) -> Result<(PairSpec, RankGeometry, Vec<String>), ConfigError> {
+pub fn resolve(
+    args: &LayoutFlags,
+) -> Result<(PairSpec, RankGeometry, Vec<String>, ModelOrigin), ConfigError> {
     for (given, flag) in [
         (args.kv_buffer_device.is_some(), "--kv-buffer-device"),
         (args.gdn_prefill.is_some(), "--gdn-prefill"),
@@ -150,12 +180,12 @@ pub fn resolve(args: &LayoutFlags) -> Result<(PairSpec, RankGeometry, Vec<String
     }
     let geom = pair.p_geometry(args.rank);
     let m = &args.model;
-    let names = crate::settings::model::resolve(
+    let resolved = crate::settings::model::resolve(
         m.model.as_deref(),
         m.model_config.as_deref(),
         m.hma.unwrap_or_default(),
         scenario::DEFAULT_MODEL,
-    )?
-    .attention_names;
-    Ok((pair, geom, names))
+    )?;
+    let origin = ModelOrigin { architecture: resolved.architecture, defaults: resolved.defaults };
+    Ok((pair, geom, resolved.attention_names, origin))
 }
