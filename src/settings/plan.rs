@@ -213,8 +213,19 @@ pub struct PlanFlags {
     #[command(flatten)]
     pub pair: PairFlags,
     /// Read the model and request from a JSON scenario ({"vllm_version", "model", "request"},
-    /// the objects of a case in vLLM oracle descriptors.json).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["local_blocks", "prompt_len"])]
+    /// the objects of a case in vLLM oracle descriptors.json, or a hybrid case of
+    /// hybrid_v033.json): the scenario states the model and both engines, so no model or
+    /// engine flag goes with it.
+    #[arg(
+        long,
+        value_name = "FILE",
+        conflicts_with_all = [
+            "local_blocks", "prompt_len", "model", "model_config", "num_kv_heads", "head_dim", "layers",
+            "dtype", "mla", "mla_dim", "hma", "p_tp", "d_tp", "vllm", "layout", "p_layout", "d_layout",
+            "block_size", "p_block_size", "d_block_size", "kernel_block_size", "no_prefix_caching",
+            "gdn_prefill", "attention_backend", "permute", "p_num_blocks", "d_num_blocks",
+        ]
+    )]
     pub scenario: Option<PathBuf>,
     /// Decode block ids of the request (comma-separated).
     #[arg(
