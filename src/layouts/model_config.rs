@@ -771,6 +771,21 @@ fn mamba2_heads(
     Ok((heads, head))
 }
 
+/// The Mamba2 state of Granite-4.0-H and Falcon-H1 configs (`mamba_n_heads`, `mamba_d_head`,
+/// `mamba_d_state`, `mamba_n_groups`, `mamba_d_conv`), with their classes' defaults.
+fn mamba2_state(f: &mut Fields<'_>, intermediate: u32, dtype: Dtype) -> Result<StateSpec, ConfigFieldError> {
+    let (num_heads, head) = mamba2_heads(f, intermediate, 128)?;
+    Ok(StateSpec::Mamba2(Mamba2Spec {
+        num_heads,
+        head_dim: head,
+        d_state: f.u32_or("mamba_d_state", 256)?,
+        n_groups: f.u32_or("mamba_n_groups", 1)?,
+        conv_kernel: f.u32_or("mamba_d_conv", 4)?,
+        conv_dtype: dtype,
+        ssm_dtype: dtype,
+    }))
+}
+
 fn granite_hybrid(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFieldError> {
     let n = f.layers_or(32)?;
     let heads = f.u32_or("num_attention_heads", 32)?;
@@ -802,16 +817,7 @@ fn granite_hybrid(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, Confi
     let intermediate = expand
         .checked_mul(hidden)
         .ok_or_else(|| err(&f.name("mamba_expand"), "overflows with hidden_size"))?;
-    let (num_heads, head) = mamba2_heads(f, intermediate, 128)?;
-    let state = StateSpec::Mamba2(Mamba2Spec {
-        num_heads,
-        head_dim: head,
-        d_state: f.u32_or("mamba_d_state", 256)?,
-        n_groups: f.u32_or("mamba_n_groups", 1)?,
-        conv_kernel: f.u32_or("mamba_d_conv", 4)?,
-        conv_dtype: dtype,
-        ssm_dtype: dtype,
-    });
+    let state = mamba2_state(f, intermediate, dtype)?;
     Ok(HybridModel {
         name: String::new(),
         layers,
@@ -881,16 +887,7 @@ fn falcon_h1(f: &mut Fields<'_>, dtype: Dtype) -> Result<HybridModel, ConfigFiel
             .ok_or_else(|| err(&f.name("mamba_expand"), "overflows with hidden_size"))?,
         Some(_) => f.u32_req("mamba_d_ssm")?,
     };
-    let (num_heads, head) = mamba2_heads(f, intermediate, 128)?;
-    let state = StateSpec::Mamba2(Mamba2Spec {
-        num_heads,
-        head_dim: head,
-        d_state: f.u32_or("mamba_d_state", 256)?,
-        n_groups: f.u32_or("mamba_n_groups", 1)?,
-        conv_kernel: f.u32_or("mamba_d_conv", 4)?,
-        conv_dtype: dtype,
-        ssm_dtype: dtype,
-    });
+    let state = mamba2_state(f, intermediate, dtype)?;
     Ok(HybridModel {
         name: String::new(),
         layers: vec![Layer { attention: Some(AttnKind::Full), state: Some(StateKind::Mamba2) }; n as usize],

@@ -12,12 +12,7 @@ pub fn hybrid_preset_of(
     vllm: Option<crate::topology::VllmVersion>,
     refused: &[(bool, &'static str)],
 ) -> Result<Option<crate::layouts::hybrid::HybridModel>, ConfigError> {
-    let resolved = super::model::resolve(
-        m.model.as_deref(),
-        m.model_config.as_deref(),
-        m.hma.unwrap_or_default(),
-        super::scenario::DEFAULT_MODEL,
-    )?;
+    let resolved = crate::settings::model::resolve_flags(m)?;
     let crate::layouts::model_config::PlanModel::Hybrid(model) = resolved.plan else { return Ok(None) };
     let name = &model.name;
     let shape = [

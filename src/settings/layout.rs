@@ -70,12 +70,7 @@ pub fn resolve_hybrid(
     args: &LayoutFlags,
 ) -> Result<Option<(HybridModel, EngineGeometry, ModelOrigin)>, ConfigError> {
     let m = &args.model;
-    let resolved = crate::settings::model::resolve(
-        m.model.as_deref(),
-        m.model_config.as_deref(),
-        m.hma.unwrap_or_default(),
-        scenario::DEFAULT_MODEL,
-    )?;
+    let resolved = crate::settings::model::resolve_flags(m)?;
     let origin =
         ModelOrigin { architecture: resolved.architecture.clone(), defaults: resolved.defaults.clone() };
     let crate::layouts::model_config::PlanModel::Hybrid(model) = resolved.plan else { return Ok(None) };
@@ -180,12 +175,7 @@ pub fn resolve(
     }
     let geom = pair.p_geometry(args.rank);
     let m = &args.model;
-    let resolved = crate::settings::model::resolve(
-        m.model.as_deref(),
-        m.model_config.as_deref(),
-        m.hma.unwrap_or_default(),
-        scenario::DEFAULT_MODEL,
-    )?;
+    let resolved = crate::settings::model::resolve_flags(m)?;
     let origin = ModelOrigin { architecture: resolved.architecture, defaults: resolved.defaults };
     Ok((pair, geom, resolved.attention_names, origin))
 }

@@ -219,6 +219,16 @@ pub fn resolve(
     })
 }
 
+/// The model a command's model flags name (`--model`, `--model-config`, `--hma`), laid out.
+pub fn resolve_flags(m: &super::flags::ModelFlags) -> Result<ResolvedModel, ConfigError> {
+    resolve(
+        m.model.as_deref(),
+        m.model_config.as_deref(),
+        m.hma.unwrap_or_default(),
+        super::scenario::DEFAULT_MODEL,
+    )
+}
+
 /// A uniform preset's shape (tests, benches): what `--model NAME` plans for a model of one
 /// full-attention group.
 pub fn preset(name: &str) -> Result<ModelShape, ConfigError> {

@@ -7,7 +7,7 @@ use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::model_config::PlanModel;
 use crate::layouts::{EngineSpec, Layout};
-use crate::settings::model::{self, Dtype, Mla, ModelShape};
+use crate::settings::model::{Dtype, Mla, ModelShape};
 use crate::topology::VllmVersion;
 use crate::topology::ports::PortScheme;
 
@@ -16,12 +16,7 @@ pub const DEFAULT_MODEL: &str = "llama-3.1-70b";
 
 /// Resolves the model shape of a uniform model: preset or config file, then shape flags.
 pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
-    let resolved = model::resolve(
-        args.model.as_deref(),
-        args.model_config.as_deref(),
-        args.hma.unwrap_or_default(),
-        DEFAULT_MODEL,
-    )?;
+    let resolved = crate::settings::model::resolve_flags(args)?;
     let mut shape = match resolved.plan {
         PlanModel::Uniform(shape) => shape,
         // A hybrid model where only uniform attention models run: say so, not "unknown".
