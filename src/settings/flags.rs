@@ -12,9 +12,9 @@ use clap::{Args, ValueEnum};
 use serde::Deserialize;
 
 use super::layer::layered;
-use super::model::Dtype;
 use crate::topology::VllmVersion;
 use crate::topology::ports::PortScheme;
+use crate::vocab::model::Dtype;
 
 layered! {
     /// Which model's KV cache: a preset, a Hugging Face config.json, or explicit shape flags
@@ -37,7 +37,7 @@ layered! {
         /// cannot run) [default: on].
         #[arg(long, value_enum, value_name = "on|off", help_heading = "Model")]
         #[serde(default)]
-        pub hma: Option<super::model::Hma>,
+        pub hma: Option<Hma>,
         /// Total KV heads of the model (overrides the preset).
         #[arg(long, value_name = "H", help_heading = "Model")]
         pub num_kv_heads: Option<u32>,
@@ -127,6 +127,19 @@ layered! {
         #[serde(default)]
         pub permute: bool,
     }
+}
+
+/// `--hma`: vLLM's hybrid KV cache manager.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hma {
+    /// On (vLLM's default with the NixlConnector, which supports it): sliding-window and
+    /// state layers keep their own KV cache groups; a window group sends its window only.
+    #[default]
+    On,
+    /// Off (`--disable-hybrid-kv-cache-manager`): windowed layers allocate every token's
+    /// blocks like full attention; models with Mamba/GDN state do not run.
+    Off,
 }
 
 /// Tokens per block when `--block-size` is not given (vLLM's default).

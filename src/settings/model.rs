@@ -12,23 +12,14 @@ use crate::error::ConfigError;
 use crate::layouts::hybrid::HybridModel;
 use crate::layouts::model_config::{self, ArchModel, MAX_LAYERS, PlanModel};
 
+pub use super::flags::Hma;
 pub use crate::vocab::model::{Dtype, Mla, ModelShape};
+
+/// The model used when no model flag is given.
+pub const DEFAULT_MODEL: &str = "llama-3.1-70b";
 
 /// The largest config file kvx reads (a real `config.json` is a few KiB).
 const MAX_CONFIG_BYTES: u64 = 16 << 20;
-
-/// `--hma`: vLLM's hybrid KV cache manager.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Hma {
-    /// On (vLLM's default with the NixlConnector, which supports it): sliding-window and
-    /// state layers keep their own KV cache groups; a window group sends its window only.
-    #[default]
-    On,
-    /// Off (`--disable-hybrid-kv-cache-manager`): windowed layers allocate every token's
-    /// blocks like full attention; models with Mamba/GDN state do not run.
-    Off,
-}
 
 /// Where a model came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -221,12 +212,7 @@ pub fn resolve(
 
 /// The model a command's model flags name (`--model`, `--model-config`, `--hma`), laid out.
 pub fn resolve_flags(m: &super::flags::ModelFlags) -> Result<ResolvedModel, ConfigError> {
-    resolve(
-        m.model.as_deref(),
-        m.model_config.as_deref(),
-        m.hma.unwrap_or_default(),
-        super::scenario::DEFAULT_MODEL,
-    )
+    resolve(m.model.as_deref(), m.model_config.as_deref(), m.hma.unwrap_or_default(), DEFAULT_MODEL)
 }
 
 /// A uniform preset's shape (tests, benches): what `--model NAME` plans for a model of one

@@ -11,8 +11,7 @@ use crate::settings::model::{Dtype, Mla, ModelShape};
 use crate::topology::VllmVersion;
 use crate::topology::ports::PortScheme;
 
-/// The model used when no model flag is given.
-pub const DEFAULT_MODEL: &str = "llama-3.1-70b";
+pub use super::model::DEFAULT_MODEL;
 
 /// Resolves the model shape of a uniform model: preset or config file, then shape flags.
 pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
