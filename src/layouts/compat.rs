@@ -19,6 +19,9 @@ pub const MAX_BLOCK_TOKENS: u32 = 1 << 16;
 /// Largest KV pool of one rank kvx accepts (1 PiB): far above any GPU or host, far below
 /// where byte offsets overflow.
 pub const MAX_POOL_BYTES: u64 = 1 << 50;
+/// Most blocks in one rank's pool kvx accepts (2^24, about 16.8 M): above any engine's pool,
+/// and what keeps a pool's block list (4 bytes an id) at 64 MiB.
+pub const MAX_POOL_BLOCKS: u32 = 1 << 24;
 /// Largest number of layers kvx accepts.
 pub const MAX_LAYERS: u32 = 4096;
 
@@ -118,6 +121,7 @@ impl PairSpec {
     /// [`MAX_POOL_BYTES`], computed with checked arithmetic (a wrapped size would print as
     /// a small number and allocate the wrong amount).
     fn check_pool_bytes(&self) -> Result<(), ConfigError> {
+        self.check_pool_blocks()?;
         for (side, e, g) in
             [("prefill", &self.p, self.p_geometry(0)), ("decode", &self.d, self.d_geometry(0))]
         {
@@ -131,6 +135,23 @@ impl PairSpec {
                          (1 PiB) kvx accepts per rank; use fewer blocks (--num-blocks, --pool-blocks)",
                         e.num_blocks,
                         g.block_bytes_all_layers()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Each rank's pool has at most [`MAX_POOL_BLOCKS`] blocks: checked before any block list
+    /// of a pool is built.
+    pub fn check_pool_blocks(&self) -> Result<(), ConfigError> {
+        for (side, e) in [("p", &self.p), ("d", &self.d)] {
+            if e.num_blocks > MAX_POOL_BLOCKS {
+                return Err(ConfigError::new(
+                    format!("--{side}-num-blocks"),
+                    format!(
+                        "a pool of {} blocks: kvx takes at most {MAX_POOL_BLOCKS} blocks per rank",
+                        e.num_blocks
                     ),
                 ));
             }

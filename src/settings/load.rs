@@ -100,8 +100,8 @@ pub struct LoadFlags {
     /// Name of the run (the scenario name in reports).
     #[arg(long, default_value = "load")]
     pub name: String,
-    /// Runtime worker threads (default: one per CPU).
-    #[arg(long, value_name = "N")]
+    /// Runtime worker threads, 1 to 1024 (default: one per CPU).
+    #[arg(long, value_name = "N", value_parser = super::parse::parse_threads)]
     pub threads: Option<usize>,
 }
 

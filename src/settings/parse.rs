@@ -10,6 +10,19 @@ use std::time::Duration;
 use clap::ValueEnum;
 use serde::{Deserialize, Deserializer};
 
+/// Most runtime worker threads a serving or load process takes (`--threads`): far past any
+/// machine's cores, far below what spawning costs before the process can serve.
+pub const MAX_THREADS: usize = 1024;
+
+/// `--threads N`: 1 to [`MAX_THREADS`], refused at parse time (before a runtime is built for it).
+pub fn parse_threads(s: &str) -> Result<usize, String> {
+    let n: u128 = s.trim().parse().map_err(|_| format!("{s:?} is not a thread count"))?;
+    match usize::try_from(n) {
+        Ok(n) if (1..=MAX_THREADS).contains(&n) => Ok(n),
+        _ => Err(format!("{n} threads: give 1 to {MAX_THREADS} (the runtime's worker threads)")),
+    }
+}
+
 /// What [`parse_duration`] takes, for its errors.
 pub const DURATION_UNITS: &str = "units: ns, us, ms, s, m; a bare number is seconds";
 

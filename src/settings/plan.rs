@@ -558,6 +558,8 @@ fn request(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {
             let p_pool = args.p_num_blocks.unwrap_or(n_p.saturating_mul(2));
             let d_pool = args.d_num_blocks.unwrap_or(n_d.saturating_mul(2));
             let pair = scenario::resolve_pair(&args.model, &args.pair, p_pool, d_pool)?;
+            // Before the pools' block lists are built (`--alloc random` lists every block).
+            pair.check_pool_blocks()?;
             let remote = allocate(args.alloc, n_p, p_pool, args.seed, "--p-num-blocks")?;
             let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;
             let local = allocate(args.alloc, n_d - hit, d_pool, args.seed ^ 0x5eed, "--d-num-blocks")?;

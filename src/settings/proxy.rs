@@ -82,8 +82,8 @@ pub struct ServeProxyFlags {
     /// Largest request body taken, e.g. 64MiB, 1GiB; a larger one is answered 413.
     #[arg(long, value_name = "SIZE", value_parser = crate::settings::parse::parse_size, default_value = "64MiB")]
     pub max_body_size: u64,
-    /// Runtime worker threads (default: one per CPU).
-    #[arg(long, value_name = "N")]
+    /// Runtime worker threads, 1 to 1024 (default: one per CPU).
+    #[arg(long, value_name = "N", value_parser = super::parse::parse_threads)]
     pub threads: Option<usize>,
 }
 

@@ -234,8 +234,8 @@ pub struct ServeEngineFlags {
     /// KV backend: real worker processes and UCX reads, or none (HTTP-only measurements).
     #[arg(long, value_enum, default_value = "workers")]
     pub kv_backend: KvBackendKind,
-    /// Runtime worker threads (default: one per CPU).
-    #[arg(long, value_name = "N")]
+    /// Runtime worker threads, 1 to 1024 (default: one per CPU).
+    #[arg(long, value_name = "N", value_parser = super::parse::parse_threads)]
     pub threads: Option<usize>,
     #[command(flatten)]
     pub model: ModelFlags,

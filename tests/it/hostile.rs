@@ -86,3 +86,55 @@ proptest! {
         }
     }
 }
+
+/// Counts past their bound are refused before anything is built for them: `--threads` of a
+/// serving or load process (a runtime of 2^32 threads aborted with "memory allocation of
+/// 34359738360 bytes failed", exit 134), and a plan's pools of 2^32 blocks under
+/// `--alloc random` (which listed every block of the pool first, exit 134).
+#[test]
+fn counts_past_their_bound_are_refused_before_any_work() {
+    let cases: [(&[&str], &str); 5] = [
+        (&["serve-engine", "--threads", "4294967295"], "--threads"),
+        (&["serve-proxy", "--threads", "4294967295"], "--threads"),
+        (&["load", "--threads", "100000"], "--threads"),
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--prompt-len",
+                "64",
+                "--p-num-blocks",
+                "4294967295",
+                "--d-num-blocks",
+                "4294967295",
+                "--alloc",
+                "random",
+            ],
+            "--p-num-blocks",
+        ),
+        (
+            &[
+                "plan",
+                "--model",
+                "llama-3.1-8b",
+                "--prompt-len",
+                "64",
+                "--d-num-blocks",
+                "4294967295",
+                "--alloc",
+                "fragmented",
+            ],
+            "--d-num-blocks",
+        ),
+    ];
+    for (args, flag) in cases {
+        let out = kvx().args(args).env("RUST_BACKTRACE", "0").output().expect("kvx runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(flag) && !stderr.contains("memory allocation"),
+            "{args:?} names {flag}: {stderr}"
+        );
+    }
+}
