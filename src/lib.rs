@@ -29,7 +29,8 @@
 //!                KVX_* names), error.rs (typed errors, Outcome, exit codes), output.rs
 //!                (stdout; a closed stdout ends the run quietly), interrupt.rs (Ctrl-C),
 //!                clock.rs (CLOCK_MONOTONIC stamps every process of a host shares), host.rs
-//!                (the machine a run ran on, read from /proc)
+//!                (the machine a run ran on, read from /proc), input.rs (files a user names,
+//!                read with a bound)
 //! ```
 //!
 //! `report` never measures, never runs transfers and reads nothing from the system. `unsafe`
@@ -50,6 +51,8 @@ pub mod diagnose;
 pub mod error;
 #[forbid(unsafe_code)]
 pub mod host;
+#[forbid(unsafe_code)]
+pub mod input;
 pub mod interrupt;
 #[forbid(unsafe_code)]
 pub mod layouts;

@@ -92,7 +92,7 @@ fn thresholds(args: &GateArgs) -> Result<Thresholds, ReportError> {
         None => Thresholds::builtin(),
         Some(p) => {
             let text =
-                std::fs::read_to_string(p).map_err(|source| ReportError::Read { path: p.clone(), source })?;
+                crate::input::read_text(p).map_err(|source| ReportError::Read { path: p.clone(), source })?;
             Thresholds::with_file(&text, &p.display().to_string())
         }
     }

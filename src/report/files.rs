@@ -179,7 +179,7 @@ fn read_err(path: &Path) -> impl Fn(std::io::Error) -> ReportError + '_ {
 /// every field: the gate looks metrics up in the raw document first so a missing one is named
 /// precisely.
 pub fn read_summary_value(path: &Path) -> Result<serde_json::Value, ReportError> {
-    let bytes = std::fs::read(path).map_err(read_err(path))?;
+    let bytes = crate::input::read_bounded(path, crate::input::MAX_INPUT_BYTES).map_err(read_err(path))?;
     let value: serde_json::Value = serde_json::from_slice(&bytes)
         .map_err(|source| ReportError::Json { path: path.to_path_buf(), source })?;
     check_schema(path, &value)?;
@@ -257,7 +257,7 @@ pub fn load_summary(path: &Path) -> Result<Summary, ReportError> {
 
 /// `requests.csv` at `path`, or `None` when the run has none.
 fn read_requests(path: &Path) -> Result<Option<Vec<RequestRow>>, ReportError> {
-    match std::fs::read(path) {
+    match crate::input::read_bounded(path, crate::input::MAX_INPUT_BYTES) {
         Ok(bytes) => export::parse_requests_csv(&bytes)
             .map(Some)
             .map_err(|source| ReportError::Csv { path: path.to_path_buf(), source }),

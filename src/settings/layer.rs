@@ -186,7 +186,7 @@ pub fn key_of(flag: &str) -> String {
 /// a key no setting has, is refused whole (naming `flag`); a value refused at a key names the
 /// key and file (`verify in ci.toml`).
 pub fn load<T: Layer + DeserializeOwned>(path: &Path, flag: &str) -> Result<T, ConfigError> {
-    let text = std::fs::read_to_string(path)
+    let text = crate::input::read_text(path)
         .map_err(|e| ConfigError::new(flag, format!("cannot read {}: {e}", path.display())))?;
     let whole = |e: &dyn std::fmt::Display| ConfigError::new(flag, format!("{}: {e}", path.display()));
     let de = toml::Deserializer::parse(&text).map_err(|e| whole(&e))?;

@@ -512,7 +512,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
 /// when there is no scenario or it is a uniform one.
 pub fn resolve_hybrid_scenario(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
     let Some(path) = &args.scenario else { return Ok(None) };
-    let text = std::fs::read_to_string(path)
+    let text = crate::input::read_text(path)
         .map_err(|e| ConfigError::new("--scenario", format!("cannot read {}: {e}", path.display())))?;
     // Not JSON at all: the uniform scenario reader says what is wrong with it.
     let Ok(doc) = serde_json::from_str::<serde_json::Value>(&text) else { return Ok(None) };
@@ -524,7 +524,7 @@ pub fn resolve_hybrid_scenario(args: &PlanFlags) -> Result<Option<HybridCase>, C
 
 fn request(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {
     if let Some(path) = &args.scenario {
-        let text = std::fs::read_to_string(path)
+        let text = crate::input::read_text(path)
             .map_err(|e| ConfigError::new("--scenario", format!("cannot read {}: {e}", path.display())))?;
         let sc = PlanScenario::parse(&text, &path.display().to_string())?;
         return Ok(DescriptorPlan { pair: sc.pair()?, blocks: sc.blocks()?, ids: sc.ids() });

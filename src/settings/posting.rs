@@ -26,7 +26,7 @@ pub fn resolve_rates(
     let mut rates = PostRates::default();
     if let Some(path) = rates_file {
         let name = path.display().to_string();
-        let text = std::fs::read_to_string(path)
+        let text = crate::input::read_text(path)
             .map_err(|e| ConfigError::new("--rates", format!("cannot read {name}: {e}")))?;
         crate::layouts::rates::apply(&name, &text, &mut rates).map_err(|e| ConfigError::new("--rates", e))?;
     }

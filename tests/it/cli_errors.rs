@@ -288,3 +288,30 @@ fn bad_model_configs_exit_2_and_name_the_field() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(v["engine"]["groups"].as_array().map(Vec::len), Some(8), "7 Mamba1 groups and 1 attention");
 }
+
+/// Input files are regular files of a bounded size: a device (`/dev/zero`, which was read until
+/// memory ran out) or a directory given as a scenario, a rates file, a config or a gate's
+/// baseline is exit 2 naming the flag, at once.
+#[test]
+fn input_files_that_are_devices_are_refused_at_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let dir_path = dir.path().to_string_lossy().to_string();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["plan", "--scenario", "/dev/zero"], "--scenario"),
+        (vec!["plan", "--model", "llama-3.1-8b", "--prompt-len", "64", "--rates", "/dev/zero"], "--rates"),
+        (vec!["bench", "--config", "/dev/zero"], "--config"),
+        (vec!["layout", "--model-config", "/dev/zero"], "--model-config"),
+        (vec!["plan", "--scenario", &dir_path], "--scenario"),
+    ];
+    for (args, flag) in cases {
+        let out = kvx().args(&args).output().expect("kvx runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(flag), "{args:?} names {flag}: {stderr}");
+    }
+    let out =
+        kvx().args(["gate", "--baseline", "/dev/zero", "--current", "/dev/zero"]).output().expect("kvx runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "gate: {stderr}");
+    assert!(stderr.contains("not a regular file"), "gate says what is wrong: {stderr}");
+}

@@ -244,7 +244,7 @@ fn the_scan_sees_circles_and_imports() {
 /// The floors of the house, lowest first: a file may import files of its own folder and of
 /// the floors below its own, never above (STYLE.md's module map; lib.rs's `# Layout`).
 const FLOORS: &[&[&str]] = &[
-    &["vocab", "error", "output", "interrupt", "clock", "host"],
+    &["vocab", "error", "output", "interrupt", "clock", "host", "input"],
     &["topology"],
     &["layouts"],
     &["transfer"],
