@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 
@@ -23,6 +23,9 @@ struct State {
     signal: Arc<AtomicUsize>,
     pending: Arc<AtomicBool>,
 }
+
+/// The parent this process stops with ([`follow_parent`]; 0: none).
+static PARENT: AtomicU32 = AtomicU32::new(0);
 
 static STATE: OnceLock<State> = OnceLock::new();
 
@@ -49,12 +52,25 @@ pub fn arm() {
     });
 }
 
-/// The signal that asked the run to stop, if one did.
+/// Makes the run stop as if by SIGTERM when the process that started it ends. For a process
+/// that a kvx process runs in a process group of its own (so that a terminal's signals reach
+/// only the parent, which passes the first one on): should the parent be killed outright, its
+/// child does not run on for the rest of its measurement.
+pub fn follow_parent() {
+    PARENT.store(std::os::unix::process::parent_id(), Ordering::SeqCst);
+}
+
+/// The signal that asked the run to stop, if one did (a followed parent that ended reads as
+/// SIGTERM).
 pub fn requested() -> Option<Signal> {
     let sig = STATE.get()?.signal.load(Ordering::SeqCst);
     match sig {
         s if s == SIGINT as usize => Some(Signal::Interrupt),
         s if s == SIGTERM as usize => Some(Signal::Terminate),
-        _ => None,
+        _ => match PARENT.load(Ordering::Relaxed) {
+            0 => None,
+            parent if parent != std::os::unix::process::parent_id() => Some(Signal::Terminate),
+            _ => None,
+        },
     }
 }

@@ -69,7 +69,11 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
     };
     // Ctrl-C stops measuring; the cases measured so far are printed (exit 130/143).
     crate::interrupt::arm();
-    if proto_capture_dir().is_none() && cfg.cuda_batch.is_none() {
+    if proto_capture_dir().is_some() {
+        // The measuring child of `rerun_recording_protocols` (its own process group): it stops
+        // on the signal its parent passes on, or when that parent is gone.
+        crate::interrupt::follow_parent();
+    } else if cfg.cuda_batch.is_none() {
         // UCX reports the protocols it selects only through settings read when it loads:
         // run the measurement in a child started with them (see `ucx::protocols`).
         match tempfile::Builder::new().prefix("kvx-xfer-").tempdir() {
@@ -119,13 +123,23 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
 /// Runs this same `kvx xfer` command line again in a child process whose environment makes
 /// UCX record its protocols into `dir`, passes its stdout and stderr through, shows UCX's
 /// own log messages (redirected to `dir`) on stderr, and exits with the child's status.
+///
+/// The child runs in a process group of its own, so a terminal's Ctrl-C (or a signal to this
+/// process's group) reaches this process only, and the first SIGINT or SIGTERM is passed on
+/// to the child once: it stops measuring, stops its target and prints what it measured
+/// (exit 130/143, which this process returns). Sent to the whole group, the child would get
+/// the signal twice, and a second signal ends a run at once, without its clean-up.
 fn rerun_recording_protocols(env: Vec<(String, String)>, dir: &std::path::Path) -> anyhow::Result<Outcome> {
+    use std::os::unix::process::CommandExt as _;
     let exe = std::env::current_exe().context("finding the kvx executable to run the measurement")?;
-    let status = std::process::Command::new(&exe)
+    let mut child = std::process::Command::new(&exe)
         .args(std::env::args_os().skip(1))
         .envs(env)
-        .status()
+        .process_group(0)
+        .spawn()
         .with_context(|| format!("running {}", exe.display()))?;
+    let status =
+        wait_passing_signals_on(&mut child).with_context(|| format!("waiting for {}", exe.display()))?;
     for line in ucx_log_messages(dir) {
         output::note!("{line}");
     }
@@ -137,4 +151,43 @@ fn rerun_recording_protocols(env: Vec<(String, String)>, dir: &std::path::Path) 
             Outcome::Exit(2)
         }
     })
+}
+
+/// How long a child that was passed a signal has to end before it is killed (it stops within
+/// 2 s: this bounds a child that cannot).
+const CHILD_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Waits for `child`, passing the first SIGINT or SIGTERM this process gets on to it, and
+/// killing it should it not end within [`CHILD_STOP_GRACE`] of that.
+fn wait_passing_signals_on(child: &mut std::process::Child) -> std::io::Result<std::process::ExitStatus> {
+    use nix::sys::signal::{Signal as Sig, kill};
+    use nix::unistd::Pid;
+    let pid = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+    let mut passed_at = None;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        match (passed_at, crate::interrupt::requested()) {
+            (None, Some(sig)) => {
+                let sig = match sig {
+                    crate::error::Signal::Interrupt => Sig::SIGINT,
+                    crate::error::Signal::Terminate => Sig::SIGTERM,
+                };
+                if let Err(e) = kill(pid, sig) {
+                    tracing::debug!("cannot pass {sig} on to the kvx xfer process: {e}");
+                }
+                passed_at = Some(std::time::Instant::now());
+            }
+            (Some(at), _) if at.elapsed() > CHILD_STOP_GRACE => {
+                output::note!(
+                    "error: the kvx xfer process did not stop within {CHILD_STOP_GRACE:?} of the signal; killing it"
+                );
+                child.kill()?;
+                return child.wait();
+            }
+            _ => {}
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }

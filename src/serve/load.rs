@@ -626,7 +626,8 @@ async fn prefill_leg(
     Ok(Bytes::from(rewrite::decode_body(&obj, body, params)))
 }
 
-/// Asks `GET /v1/models` of a base URL for the first served model id.
+/// Asks `GET /v1/models` of a base URL for the first served model id: `None` when the server
+/// does not say within [`DISCOVERY_TIMEOUT`] (headers and body), or an interrupt comes first.
 pub async fn discover_model(base: &Uri, api_key: Option<&str>) -> Option<String> {
     let client = http_client(Some(Duration::from_secs(2)));
     // Even when a full endpoint URL was given, models live at the server root.
@@ -640,14 +641,27 @@ pub async fn discover_model(base: &Uri, api_key: Option<&str>) -> Option<String>
     if let Some(k) = api_key {
         req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
     }
-    let resp =
-        tokio::time::timeout(Duration::from_secs(5), client.request(req.body(Full::new(Bytes::new())).ok()?))
-            .await
-            .ok()?
-            .ok()?;
-    let bytes = resp.into_body().collect().await.ok()?.to_bytes();
+    let req = req.body(Full::new(Bytes::new())).ok()?;
+    let ask = async {
+        let resp = client.request(req).await.ok()?;
+        resp.into_body().collect().await.ok().map(|b| b.to_bytes())
+    };
+    let bytes = tokio::select! {
+        r = tokio::time::timeout(DISCOVERY_TIMEOUT, ask) => r.ok()??,
+        () = until_interrupted() => return None,
+    };
     let v: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
     v["data"][0]["id"].as_str().map(str::to_string)
+}
+
+/// How long `kvx load` waits for a server to name its model.
+const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Returns once an interrupt has been asked for (checked every [`INTERRUPT_POLL`]).
+async fn until_interrupted() {
+    while crate::interrupt::requested().is_none() {
+        tokio::time::sleep(INTERRUPT_POLL).await;
+    }
 }
 
 /// The `X-Request-Id` a request is sent with (both legs of a client-side P/D pair too, as

@@ -550,21 +550,18 @@ fn hybrid_pair(
     let pool = |e: &crate::layouts::hybrid::HybridEngine, side: Side| -> Result<u32, ConfigError> {
         let shape = RequestShape::of(&EngineGeometry::new(&model, e, side)?);
         let per_request = shape.blocks(max_tokens, 0);
-        let pool = match s.pool_blocks {
-            Some(n) if n <= per_request => {
-                return Err(ConfigError::new(
-                    "--pool-blocks",
-                    format!(
-                        "a {max_tokens}-token prompt of {name} needs {per_request} blocks ({} per KV cache \
-                         group) plus vLLM's null block, but the pool has {n}",
-                        per_request / shape.groups.len().max(1) as u32
-                    ),
-                ));
-            }
-            Some(n) => n,
-            None => per_request.saturating_mul(in_flight + 2).saturating_add(1),
-        };
-        Ok(pool)
+        match s.pool_blocks {
+            Some(n) if n <= per_request => Err(ConfigError::new(
+                "--pool-blocks",
+                format!(
+                    "a {max_tokens}-token prompt of {name} needs {per_request} blocks ({} per KV cache \
+                     group) plus vLLM's null block, but the pool has {n}",
+                    per_request / shape.groups.len().max(1) as u32
+                ),
+            )),
+            Some(n) => Ok(n),
+            None => super::hybrid_flags::request_pool(&model, e, side, max_tokens, in_flight + 2),
+        }
     };
     (p.num_blocks, d.num_blocks) = (pool(&p, Side::Prefill)?, pool(&d, Side::Decode)?);
     let config = PairConfig {

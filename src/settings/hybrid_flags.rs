@@ -61,6 +61,22 @@ pub fn hybrid_engines(
     ))
 }
 
+/// The pool an engine needs for `copies` requests of `tokens` prompt tokens on `side` (every
+/// KV cache group, at the engine's own block size), plus vLLM's null block: how `kvx bench`
+/// and `kvx plan` size a pool the user did not give.
+pub fn request_pool(
+    model: &crate::layouts::hybrid::HybridModel,
+    engine: &crate::layouts::hybrid::HybridEngine,
+    side: crate::layouts::hybrid::geometry::Side,
+    tokens: u32,
+    copies: u32,
+) -> Result<u32, ConfigError> {
+    use crate::layouts::hybrid::blocks::RequestShape;
+    use crate::layouts::hybrid::geometry::EngineGeometry;
+    let per_request = RequestShape::of(&EngineGeometry::new(model, engine, side)?).blocks(tokens, 0);
+    Ok(per_request.saturating_mul(copies).saturating_add(1))
+}
+
 /// A hybrid pair's planner (vLLM's refusals of the pair) and the pair its engines share with
 /// uniform models (what the workers' common code reads: TP, the aligned block size, the pool,
 /// the layout).

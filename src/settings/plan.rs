@@ -21,6 +21,7 @@ use super::sweep::{self, SweepJob};
 use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
+use crate::layouts::hybrid::geometry::Side;
 use crate::layouts::plan::{RequestBlocks, RequestIds};
 use crate::pipeline::bench::BenchSettings;
 use crate::pipeline::wire::TransportKind;
@@ -466,12 +467,17 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
     if !(0.0..1.0).contains(&args.prefix_hit) {
         return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {}", args.prefix_hit)));
     }
-    let groups = crate::layouts::hybrid::geometry::kv_groups(&model).len() as u32;
-    // Room for the request in every group, twice over (block ids are fresh per group).
-    let pool =
-        groups.saturating_mul(tokens.div_ceil(16).saturating_add(2)).saturating_mul(2).saturating_add(2);
     let (mut p, mut d) =
-        super::hybrid_flags::hybrid_engines(&args.pair, pool, args.p_num_blocks, args.d_num_blocks)?;
+        super::hybrid_flags::hybrid_engines(&args.pair, 1, args.p_num_blocks, args.d_num_blocks)?;
+    // A pool not given is sized from what the request needs on that side (its block size,
+    // every KV cache group), as `kvx bench` sizes its pools.
+    for (e, side, given) in
+        [(&mut p, Side::Prefill, args.p_num_blocks), (&mut d, Side::Decode, args.d_num_blocks)]
+    {
+        if given.is_none() {
+            e.num_blocks = super::hybrid_flags::request_pool(&model, e, side, tokens, 2)?;
+        }
+    }
     if let Some(device) = args.kv_buffer_device {
         (p.kv_buffer_device, d.kv_buffer_device) = (device, device);
     }

@@ -575,7 +575,9 @@ mod imp {
         }
         let start = Instant::now();
         let mut batches = 0u64;
-        while batches < min_batches.max(1) || start.elapsed() < min_time {
+        while batches < min_batches.max(1)
+            || (start.elapsed() < min_time && crate::interrupt::requested().is_none())
+        {
             batch(&mut k)?;
             batches += 1;
         }

@@ -1565,3 +1565,84 @@ fn a_case_is_planned_as_its_engines_state_it() {
         planner.findings
     );
 }
+
+/// Issue 47: `kvx plan` sized a window model's pools as if blocks were 16 tokens, so at block
+/// sizes under 16 (a kernel block given with `--kernel-block-size`) it refused a request that
+/// `kvx bench` moved ("prefill block id 254 is outside the prefill pool of 254 blocks"). For
+/// every block size 1..=64, both window presets, HMA on and off and three TP pairs, `plan`
+/// plans the request (or refuses it by a rule of vLLM's, naming --block-size); at a sample of
+/// block sizes, the bytes it plans are the bytes `kvx bench` moves for that request.
+#[test]
+fn window_models_plan_every_block_size_as_bench_moves_it() {
+    use crate::common::kvx;
+    let plan_bytes = |args: &[String]| -> Result<u64, String> {
+        let out = kvx().arg("plan").args(args).args(["--format", "json"]).output().expect("kvx plan");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        if out.status.code() != Some(0) {
+            return Err(stderr);
+        }
+        let v: Value = serde_json::from_slice(&out.stdout).expect("plan JSON");
+        let reads = v["d_ranks"].as_array().expect("d_ranks");
+        Ok(reads.iter().flat_map(|r| r["reads"].as_array().expect("reads")).map(|r| u64_of(r, "bytes")).sum())
+    };
+    let mut planned = 0;
+    let mut compared = 0;
+    for model in ["gemma-3-4b", "gpt-oss-120b"] {
+        for hma in ["on", "off"] {
+            for (p_tp, d_tp) in [(1, 1), (2, 1), (1, 2)] {
+                for bs in 1u32..=64 {
+                    // Prompts that end inside, at and past a block, and span the 128-token window.
+                    let prompt = [bs * 5 + 1, 256, 300][(bs % 3) as usize];
+                    let mut args: Vec<String> = [
+                        "--model",
+                        model,
+                        "--hma",
+                        hma,
+                        "--p-tp",
+                        &p_tp.to_string(),
+                        "--d-tp",
+                        &d_tp.to_string(),
+                        "--prompt-len",
+                        &prompt.to_string(),
+                        "--block-size",
+                        &bs.to_string(),
+                    ]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect();
+                    if hma == "on" {
+                        args.extend(["--kernel-block-size".to_string(), bs.to_string()]);
+                    }
+                    let what = format!("kvx plan {}", args.join(" "));
+                    let bytes = match plan_bytes(&args) {
+                        Ok(b) => b,
+                        Err(e) if e.contains("refuses this pair") && e.contains("--block-size") => continue,
+                        Err(e) => panic!("{what}: {e}"),
+                    };
+                    planned += 1;
+                    if (p_tp, d_tp) == (2, 1) && [1, 7, 16, 33, 64].contains(&bs) {
+                        let results = tempfile::tempdir().expect("results");
+                        let out = kvx()
+                            .arg("bench")
+                            .args(&args)
+                            .args(["--requests", "1", "--no-calibrate", "--format", "json", "--results-dir"])
+                            .arg(results.path())
+                            .output()
+                            .expect("kvx bench");
+                        let stderr = String::from_utf8_lossy(&out.stderr);
+                        assert_eq!(out.status.code(), Some(0), "{what}: bench: {stderr}");
+                        let s: Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+                        let moved = s["bytes_per_request"].as_f64().expect("bytes_per_request");
+                        assert_eq!(
+                            moved, bytes as f64,
+                            "{what}: bench moved {moved} bytes, plan says {bytes}"
+                        );
+                        compared += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(planned > 300, "only {planned} cases planned");
+    assert!(compared >= 15, "only {compared} cases compared with bench");
+}

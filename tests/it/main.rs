@@ -24,6 +24,7 @@ mod report;
 mod serve;
 mod serve_metrics;
 mod serve_workers;
+mod signals;
 mod storage;
 mod ucx;
 mod ucx_am;

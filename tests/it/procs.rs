@@ -133,6 +133,11 @@ impl Spawned {
         }
     }
 
+    /// What the process wrote to stdout so far (without waiting for it to close stdout).
+    pub fn stdout_so_far(&self) -> String {
+        String::from_utf8_lossy(&self.stdout.lock().expect("stdout")).into_owned()
+    }
+
     /// Everything the process wrote to stderr so far.
     pub fn stderr(&self) -> String {
         self.stderr.lock().expect("log").clone()
@@ -260,6 +265,19 @@ pub fn worker_of(bench_pid: u32, role: &str, rank: u32) -> Option<ProcInfo> {
         let has = |flag: &str, v: &str| p.argv.windows(2).any(|w| w[0] == flag && w[1] == v);
         p.argv.get(1).is_some_and(|a| a == "worker") && has("--role", role) && has("--rank", &rank)
     })
+}
+
+/// Every live descendant of `pid` (children, their children, ...), whatever their process group.
+pub fn descendants_of(pid: u32) -> Vec<ProcInfo> {
+    let mut found = Vec::new();
+    let mut next = vec![pid];
+    while let Some(p) = next.pop() {
+        for c in children_of(p) {
+            next.push(c.pid);
+            found.push(c);
+        }
+    }
+    found
 }
 
 /// True while the process exists and is not a zombie.

@@ -8,6 +8,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -201,7 +202,10 @@ impl LocalTarget {
         // The target posts no reads: keep protocol files to the measuring process.
         cmd.env_remove(PROTO_INFO_ENV).env_remove(PROTO_INFO_DIR_ENV);
         cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+        // A process group of its own: a terminal's Ctrl-C (or a signal to the initiator's
+        // group) reaches the initiator only, which stops measuring and then stops the target;
+        // killed first, the target would fail the reads in flight.
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit()).process_group(0);
         let mut child = cmd.spawn().map_err(|source| XferError::Spawn { exe: exe.to_path_buf(), source })?;
         let stream = accept_with_timeout(&listener, TARGET_START_TIMEOUT, || match child.try_wait() {
             Ok(Some(status)) => Err(XferError::TargetDied { status: status.to_string() }),

@@ -124,8 +124,14 @@ pub(super) fn measure(
     let local_len = (ws + cfg.misalign.local_bytes) as usize;
     let mut local = make_region(&s.ctx, local_len, req)?;
     let pages = local.page_size();
-    let mut ceiling = Ceiling::new(cfg.mem, ws, pages)?;
-    let results = with_region!(&mut local, r => measure_cases(s, cfg, ws, &mut ceiling, r, on_result)?);
+    // Making and filling the ceiling's buffers takes a second or more for a large working set:
+    // an interrupt that came while the region was made skips them (no case is measured).
+    let results = if crate::interrupt::requested().is_some() {
+        Vec::new()
+    } else {
+        let mut ceiling = Ceiling::new(cfg.mem, ws, pages)?;
+        with_region!(&mut local, r => measure_cases(s, cfg, ws, &mut ceiling, r, on_result)?)
+    };
     let info = s.ucx.info();
     let protocols = s.ctx.protocols().only(Rma::Get);
     let env = s.ctx.env_notes().to_vec();
@@ -155,7 +161,7 @@ pub(super) fn measure(
             working_set_bytes: ws,
             residency: if cfg.hot { "hot".into() } else { "cold".into() },
         },
-        ceiling: ceiling.kind().into(),
+        ceiling: Ceiling::kind_for(cfg.mem).into(),
         warnings,
         results,
         transport: "ucx".into(),
@@ -194,10 +200,11 @@ impl Ceiling {
         })
     }
 
-    fn kind(&self) -> &'static str {
-        match self {
-            Ceiling::Memcpy { .. } => "memcpy",
-            Ceiling::DeviceCopy { .. } => "device_copy",
+    /// The ceiling a run over `mem` measures.
+    fn kind_for(mem: MemPlace) -> &'static str {
+        match mem {
+            MemPlace::Host => "memcpy",
+            MemPlace::Cuda { .. } => "device_copy",
         }
     }
 
@@ -298,7 +305,8 @@ fn memcpy_ceiling(src: &HostBuffer, dst: &mut [u8], size: u64, ws: u64, cfg: &Xf
                 break 'outer;
             }
         }
-        if n >= min_copies && start.elapsed() >= cfg.duration {
+        // An interrupt ends the ceiling too (the case after it is not measured).
+        if n >= min_copies && (start.elapsed() >= cfg.duration || crate::interrupt::requested().is_some()) {
             break;
         }
     }
