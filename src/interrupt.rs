@@ -60,6 +60,17 @@ pub fn follow_parent() {
     PARENT.store(std::os::unix::process::parent_id(), Ordering::SeqCst);
 }
 
+/// Makes a write past the file-size limit (`ulimit -f`) fail with EFBIG, as a write to a
+/// full disk fails with ENOSPC, instead of ending kvx with SIGXFSZ: what a run measured is
+/// then kept and said (see `report::files::RunWriter`). The handler only stores to an atomic.
+pub fn survive_file_size_limit() {
+    static EXCEEDED: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+    let flag = Arc::clone(EXCEEDED.get_or_init(|| Arc::new(AtomicBool::new(false))));
+    if let Err(e) = signal_hook::flag::register(signal_hook::consts::SIGXFSZ, flag) {
+        tracing::debug!("cannot handle SIGXFSZ: {e}");
+    }
+}
+
 /// The signal that asked the run to stop, if one did (a followed parent that ended reads as
 /// SIGTERM).
 pub fn requested() -> Option<Signal> {

@@ -2,8 +2,6 @@
 //! how the result is printed; the run chosen there (one bench, `--serve`,
 //! `--compare-transports`, `--sweep`) is started and printed here.
 
-use std::path::PathBuf;
-
 use anyhow::Context as _;
 use clap::Args;
 
@@ -52,8 +50,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         BenchJob::Sweep(sweep) => {
             let mut writer = RunWriter::create(&root, &run_id)?;
             let summary = super::sweep::run(&sweep, &mut writer, &run_id)?;
-            let files = writer.finish(&summary)?;
-            output::keep_verdict(output::stdout(summary_text(format, &summary, &files)?))?;
+            // Printed before any file is written: a full disk does not hide what was measured.
+            output::keep_verdict(output::stdout(summary_text(format, &summary, writer.dir())?))?;
+            writer.finish(&summary)?;
             Ok(verdict("kvx bench --sweep", &summary))
         }
         BenchJob::Single(settings) => {
@@ -73,10 +72,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
             for w in &summary.warnings {
                 output::note!("kvx bench: WARNING: {w}");
             }
-            let files = writer.finish(&summary)?;
-            // The run is over and written; a closed stdout does not hide its failures from the
-            // exit code.
-            output::keep_verdict(output::stdout(summary_text(format, &summary, &files)?))?;
+            // The run is over: printed first (a full disk does not hide what was measured), then
+            // written; a closed stdout does not hide its failures from the exit code.
+            output::keep_verdict(output::stdout(summary_text(format, &summary, writer.dir())?))?;
+            writer.finish(&summary)?;
             Ok(verdict("kvx bench", &summary))
         }
     }
@@ -94,12 +93,12 @@ fn compare(
     runs.iter().try_for_each(check_ucx)?;
     let mut writer = RunWriter::create(root, run_id)?;
     let (summary, table) = super::compare::run(what, runs, &mut writer, run_id)?;
-    let files = writer.finish(&summary)?;
-    let mut text = summary_text(format, &summary, &files)?;
+    let mut text = summary_text(format, &summary, writer.dir())?;
     if format != Format::Json {
         text.push_str(&table);
     }
     output::keep_verdict(output::stdout(text))?;
+    writer.finish(&summary)?;
     Ok(verdict(&format!("kvx bench {}", what.flag()), &summary))
 }
 
@@ -135,19 +134,14 @@ fn check_ucx(s: &bench::BenchSettings) -> anyhow::Result<()> {
 fn summary_text(
     format: Format,
     summary: &crate::report::Summary,
-    files: &[PathBuf],
+    dir: &std::path::Path,
 ) -> anyhow::Result<String> {
     Ok(match format {
         Format::Json => {
             format!("{}\n", String::from_utf8_lossy(&crate::report::export::summary_json(summary)?))
         }
         Format::Table => {
-            let dir = files.first().and_then(|f| f.parent());
-            format!(
-                "{}results: {}\n",
-                render_summary(summary, Style::Terminal),
-                dir.map_or_else(String::new, |d| d.display().to_string())
-            )
+            format!("{}results: {}\n", render_summary(summary, Style::Terminal), dir.display())
         }
     })
 }

@@ -52,16 +52,17 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     drop(display);
     let mut summary = load_report::summary(&run, &cfg, &run_id, &started_at, &args.name);
     let interrupted = load_report::mark_interrupted(&mut summary);
-    let files = load_report::write_run(writer, &summary, &run)?;
     let out = match args.format {
-        Format::Table => {
-            let dir =
-                files.first().and_then(|f| f.parent()).map_or_else(String::new, |d| d.display().to_string());
-            format!("{}results: {dir}\n", load_report::render(&summary, &run.summary, Style::Terminal))
-        }
+        Format::Table => format!(
+            "{}results: {}\n",
+            load_report::render(&summary, &run.summary, Style::Terminal),
+            writer.dir().display()
+        ),
         Format::Json => String::from_utf8_lossy(&crate::report::export::summary_json(&summary)?).into_owned(),
     };
+    // Printed before any file is written: a full disk does not hide what was measured.
     crate::output::keep_verdict(crate::output::stdout(out))?;
+    load_report::write_run(writer, &summary, &run)?;
     if let Some(sig) = interrupted {
         return Ok(Outcome::Interrupted(sig));
     }

@@ -220,6 +220,7 @@ mod tests {
 /// Runs one parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<Outcome> {
     init_logging(cli.command.log_default());
+    crate::interrupt::survive_file_size_limit();
     dispatch(cli)
 }
 

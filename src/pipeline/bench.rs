@@ -795,7 +795,15 @@ pub fn run(
     let mut summary = Summary::new(run_id, started, s.scenario());
     summary.environment = crate::host::Environment::detect();
     summary.partial = true;
-    writer.write_partial(&summary)?;
+    // The first partial summary marks the directory as a run under way; a disk that cannot
+    // hold it does not stop the measurement (what cannot be written is said at the end, and
+    // the tables are printed first).
+    if let Err(e) = writer.write_partial(&summary) {
+        crate::output::note!(
+            "kvx bench: warning: {}: measuring anyway; the tables are printed at the end",
+            crate::report::files::error_chain(&e)
+        );
+    }
     let mut calibration = calibration_samples(s, xfer);
 
     // An interrupt before the first request ends the run here, its summary empty but written.

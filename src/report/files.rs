@@ -65,12 +65,27 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ReportError> {
 }
 
 /// Writes a run directory as the run goes. See the module docs.
+///
+/// A write that fails (a full disk) does not end the run: `requests.csv` is cut back to its
+/// last whole row, the rows that follow are kept in memory ([`MAX_HELD_ROWS`] at most), and
+/// [`finish`](Self::finish) writes every other file it can, then says what was kept and where
+/// and prints the rows not written on stderr, as CSV with its header.
 #[derive(Debug)]
 pub struct RunWriter {
     dir: PathBuf,
     requests: csv::Writer<File>,
     rows_written: u64,
+    /// `requests.csv`'s length after the last row written whole.
+    good_len: u64,
+    /// The first write of `requests.csv` that failed, and the rows since.
+    failed: Option<std::io::Error>,
+    held: Vec<RequestRow>,
+    dropped: u64,
 }
+
+/// Rows a writer keeps in memory once `requests.csv` cannot be written (about 200 bytes
+/// each); more are counted, not kept.
+pub const MAX_HELD_ROWS: usize = 1_000_000;
 
 impl RunWriter {
     /// Creates `results_root/run_id/` (and `results_root` if needed) and `requests.csv` with its
@@ -92,7 +107,8 @@ impl RunWriter {
         let file = File::create(&path).map_err(write_err(&path))?;
         let mut requests = export::requests_csv_writer(file).map_err(|e| csv_write_err(&path, e))?;
         requests.flush().map_err(write_err(&path))?;
-        Ok(RunWriter { dir, requests, rows_written: 0 })
+        let good_len = requests.get_ref().metadata().map_err(write_err(&path))?.len();
+        Ok(RunWriter { dir, requests, rows_written: 0, good_len, failed: None, held: Vec::new(), dropped: 0 })
     }
 
     /// The run directory.
@@ -104,12 +120,35 @@ impl RunWriter {
         self.rows_written
     }
 
-    /// Appends one request to `requests.csv` and flushes it to the OS.
+    /// Appends one request to `requests.csv` and flushes it to the OS. Once a write has
+    /// failed, the row is held in memory instead (see the type's docs); this does not fail.
     pub fn write_request(&mut self, row: &RequestRow) -> Result<(), ReportError> {
-        let path = self.dir.join(REQUESTS_FILE);
-        self.requests.serialize(row).map_err(|e| csv_write_err(&path, e))?;
-        self.requests.flush().map_err(write_err(&path))?;
-        self.rows_written += 1;
+        if self.failed.is_none() {
+            let written = self
+                .requests
+                .serialize(row)
+                .map_err(|e| std::io::Error::other(e.to_string()))
+                .and_then(|()| self.requests.flush())
+                .and_then(|()| self.requests.get_ref().metadata().map(|m| m.len()));
+            match written {
+                Ok(len) => {
+                    self.good_len = len;
+                    self.rows_written += 1;
+                    return Ok(());
+                }
+                Err(e) => {
+                    // What a failed flush left of the row (and the csv buffer) is cut off: the
+                    // file keeps whole rows only.
+                    let _ = self.requests.get_ref().set_len(self.good_len);
+                    self.failed = Some(e);
+                }
+            }
+        }
+        if self.held.len() < MAX_HELD_ROWS {
+            self.held.push(row.clone());
+        } else {
+            self.dropped += 1;
+        }
         Ok(())
     }
 
@@ -121,47 +160,115 @@ impl RunWriter {
     }
 
     /// Writes the final `summary.json` (not partial), `stages.csv`, `sweep.csv` for sweeps and
-    /// the charts (drawn from the rows written so far). Returns the files written.
+    /// the charts (drawn from the rows written so far), and syncs `requests.csv`. Returns the
+    /// files written. Each file is tried whatever happened to the others; when any could not
+    /// be written (or rows of `requests.csv` were not), the error names each, says what was
+    /// kept, and the rows not written have been printed on stderr.
     pub fn finish(mut self, summary: &Summary) -> Result<Vec<PathBuf>, ReportError> {
         let req_path = self.dir.join(REQUESTS_FILE);
-        self.requests.flush().map_err(write_err(&req_path))?;
+        if self.failed.is_none()
+            && let Err(e) = self.requests.flush().and_then(|()| self.requests.get_ref().sync_all())
+        {
+            self.failed = Some(e);
+        }
         // A run that was interrupted stays marked partial; a finished one says so itself.
         let done = summary;
         let mut written = Vec::new();
-        let summary_path = self.dir.join(SUMMARY_FILE);
-        write_atomic(&summary_path, &export::summary_json(done)?)?;
-        written.push(summary_path);
-        written.push(req_path.clone());
-        let stages_path = self.dir.join(STAGES_FILE);
-        write_atomic(&stages_path, &export::stages_csv(done)?)?;
-        written.push(stages_path);
+        let mut failed: Vec<String> = Vec::new();
+        let mut attempt = |path: PathBuf, bytes: Result<Option<Vec<u8>>, ReportError>| match bytes
+            .and_then(|b| b.map_or(Ok(false), |b| write_atomic(&path, &b).map(|()| true)))
+        {
+            Ok(true) => written.push(path),
+            Ok(false) => {}
+            Err(e) => failed.push(format!("{} ({})", file_name(&path), error_chain(&e))),
+        };
+        attempt(self.dir.join(SUMMARY_FILE), export::summary_json(done).map(Some));
+        attempt(self.dir.join(STAGES_FILE), export::stages_csv(done).map(Some));
         if done.sweep.is_some() {
-            let p = self.dir.join(SWEEP_FILE);
-            write_atomic(&p, &export::sweep_csv(done)?)?;
-            written.push(p);
+            attempt(self.dir.join(SWEEP_FILE), export::sweep_csv(done).map(Some));
         }
-        let rows = read_requests(&req_path)?.unwrap_or_default();
-        written.extend(write_charts(&self.dir, done, &rows)?);
-        Ok(written)
+        let mut rows = read_requests(&req_path).ok().flatten().unwrap_or_default();
+        rows.extend(self.held.iter().cloned());
+        for (name, svg) in charts(done, &rows) {
+            attempt(self.dir.join(name), svg.map(|s| s.map(String::into_bytes)));
+        }
+        written.insert(1.min(written.len()), req_path.clone());
+        let unwritten = self.held.len() as u64 + self.dropped;
+        if let Some(e) = &self.failed {
+            failed.insert(0, format!("{unwritten} rows of {REQUESTS_FILE} ({e})"));
+        }
+        if failed.is_empty() {
+            return Ok(written);
+        }
+        let mut kept: Vec<String> =
+            written.iter().filter(|p| **p != req_path).map(|p| file_name(p)).collect();
+        kept.push(format!(
+            "{REQUESTS_FILE} ({} of {} rows)",
+            self.rows_written,
+            self.rows_written + unwritten
+        ));
+        if !self.held.is_empty() {
+            crate::output::note!(
+                "kvx: the {} rows of {REQUESTS_FILE} that could not be written follow, as CSV:",
+                self.held.len()
+            );
+            if let Ok(csv) = export::requests_csv(&self.held) {
+                crate::output::note!("{}", String::from_utf8_lossy(&csv).trim_end());
+            }
+        }
+        if self.dropped > 0 {
+            crate::output::note!(
+                "kvx: {} more rows were measured but neither written nor kept (past {MAX_HELD_ROWS} held)",
+                self.dropped
+            );
+        }
+        Err(ReportError::Incomplete {
+            dir: self.dir.clone(),
+            failed: failed.join(", "),
+            kept: kept.join(", "),
+        })
     }
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name().map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// An error with its causes, on one line (`cannot write X: No space left on device`).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
 }
 
 fn csv_write_err(path: &Path, e: csv::Error) -> ReportError {
     ReportError::Write { path: path.to_path_buf(), source: std::io::Error::other(e.to_string()) }
 }
 
+/// The charts of a run: each file name and its SVG, `None` where the run has no data for it.
+fn charts(
+    summary: &Summary,
+    rows: &[RequestRow],
+) -> [(&'static str, Result<Option<String>, ReportError>); 4] {
+    [
+        (LATENCY_SVG, chart::latency_svg(summary, rows)),
+        (THROUGHPUT_SVG, chart::throughput_svg(rows)),
+        (SWEEP_SVG, chart::sweep_svg(summary)),
+        (WATERFALL_SVG, chart::waterfall_svg(summary)),
+    ]
+}
+
 /// Draws the charts a run has data for into `dir`; returns the files written.
 pub fn write_charts(dir: &Path, summary: &Summary, rows: &[RequestRow]) -> Result<Vec<PathBuf>, ReportError> {
     std::fs::create_dir_all(dir).map_err(write_err(dir))?;
     let mut written = Vec::new();
-    let charts = [
-        (LATENCY_SVG, chart::latency_svg(summary, rows)?),
-        (THROUGHPUT_SVG, chart::throughput_svg(rows)?),
-        (SWEEP_SVG, chart::sweep_svg(summary)?),
-        (WATERFALL_SVG, chart::waterfall_svg(summary)?),
-    ];
-    for (name, svg) in charts {
-        if let Some(svg) = svg {
+    for (name, svg) in charts(summary, rows) {
+        if let Some(svg) = svg? {
             let p = dir.join(name);
             write_atomic(&p, svg.as_bytes())?;
             written.push(p);

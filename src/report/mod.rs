@@ -63,6 +63,11 @@ pub enum ReportError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("cannot write {}", path.display())]
     Write { path: PathBuf, source: std::io::Error },
+    #[error(
+        "the run was measured, but not all of it could be written to {}: {failed}; kept there: {kept}",
+        dir.display()
+    )]
+    Incomplete { dir: PathBuf, failed: String, kept: String },
     #[error("{} is not valid JSON", path.display())]
     Json { path: PathBuf, source: serde_json::Error },
     #[error(

@@ -5,6 +5,7 @@ mod cli_errors;
 mod common;
 mod docs;
 mod edge;
+mod full_disk;
 mod gate;
 mod golden;
 mod gpu;
