@@ -1,6 +1,7 @@
 //! `kvx gate`: compare a run with a baseline; exit 0 on pass, 1 on a regression, 2 when it
-//! cannot decide. `--update` makes the current run the new baseline, on purpose only. The
-//! policy lives in `report::gate`; this file loads, prints and writes.
+//! cannot decide (or must not: a partial run without `--allow-partial`). `--update` makes the
+//! current run the new baseline, on purpose only. The policy lives in `report::gate`; this file
+//! loads, prints and writes.
 //!
 //! The verdict is the exit code whatever happens to stdout: a closed stdout (`kvx gate ... |
 //! head`) does not turn a regression into a pass or a pass into an error.
@@ -23,11 +24,10 @@ pub enum GateFormat {
 }
 
 #[derive(Debug, Args)]
-#[command(
-    after_help = "Exit status: 0 pass, 1 regression, 2 error (unreadable file, schema mismatch, missing metric).\n\n\
+#[command(after_help = "Exit status: 0 pass, 1 regression, 2 error (unreadable file, schema mismatch, \
+missing metric, implausible calibration figure, a partial run without --allow-partial).\n\n\
 Examples:\n  kvx gate --baseline results/baseline.json --current results/<run>/summary.json\n  \
-kvx gate --baseline results/baseline.json --current results/<run> --update   # accept this run as the baseline"
-)]
+kvx gate --baseline results/baseline.json --current results/<run> --update   # accept this run as the baseline")]
 pub struct GateArgs {
     /// The baseline summary (a summary.json, usually committed as results/baseline.json).
     #[arg(long, value_name = "FILE")]
@@ -45,12 +45,19 @@ pub struct GateArgs {
     #[arg(long, value_enum, default_value_t = GateFormat::Table)]
     pub format: GateFormat,
     /// Write the current run as the new baseline (prints what changed). Refused for a run with
-    /// failures, verification failures, leaked blocks or no successful request, unless --force.
+    /// failures, verification failures, leaked blocks or no successful request, unless --force;
+    /// for a partial run, unless --allow-partial.
     #[arg(long)]
     pub update: bool,
-    /// With --update: accept a run that is not clean.
+    /// With --update: accept a run that is not clean (a partial run needs --allow-partial).
     #[arg(long, requires = "update")]
     pub force: bool,
+    /// Judge a partial run (its summary says "partial": true: it was interrupted or failed
+    /// half-way, so it measured fewer requests than its scenario asks for) as if it were whole,
+    /// with a note, instead of refusing it (exit 2). Applies to the baseline and the current
+    /// run, and with --update to the run that becomes the baseline.
+    #[arg(long)]
+    pub allow_partial: bool,
 }
 
 pub fn run(args: &GateArgs) -> anyhow::Result<Outcome> {
@@ -107,11 +114,13 @@ fn judge(args: &GateArgs) -> anyhow::Result<Outcome> {
     }
     let baseline_path = summary_path(&args.baseline);
     let baseline = files::read_summary_value(&baseline_path)?;
-    let report = gate::evaluate(
-        Doc { path: &baseline_path, value: &baseline },
-        Doc { path: &current_path, value: &current },
-        &th,
-    )?;
+    let (baseline, current) =
+        (Doc { path: &baseline_path, value: &baseline }, Doc { path: &current_path, value: &current });
+    if !args.allow_partial {
+        gate::refuse_partial("baseline", baseline)?;
+        gate::refuse_partial("current", current)?;
+    }
+    let report = gate::evaluate(baseline, current, &th)?;
     print(args, &report);
     if let Some(md) = &args.markdown {
         files::write_atomic(md, gate::render_markdown(&report).as_bytes())?;
@@ -136,6 +145,9 @@ fn update(
     current: serde_json::Value,
 ) -> anyhow::Result<Outcome> {
     let summary = files::summary_from_value(current_path, current.clone())?;
+    if !args.allow_partial {
+        gate::refuse_partial("current", Doc { path: current_path, value: &current })?;
+    }
     if let Some(reason) = gate::update_refusal(&summary)
         && !args.force
     {
@@ -174,6 +186,9 @@ fn update(
         }
     } else {
         notes.push(format!("no baseline at {}: creating it", baseline_path.display()));
+    }
+    if gate::is_partial(&current) {
+        notes.push("the new baseline is a partial run: gates against it need --allow-partial".into());
     }
     let mut bytes = serde_json::to_vec_pretty(&current)?;
     bytes.push(b'\n');

@@ -22,6 +22,19 @@
 //! calibration (older summaries), each repeat is normalised by its own. Absolute metrics
 //! (failure counts) compare run totals, raw.
 //!
+//! # What is refused, not judged
+//!
+//! Exit 2 rather than a verdict, because a verdict on these would be made up:
+//!
+//! - **A partial run** (`"partial": true`, baseline or current): it was interrupted or failed
+//!   half-way, so it measured fewer requests than its scenario asks for, and often only the
+//!   start of the run. Judged only with `--allow-partial` (the verdict then carries a note);
+//!   [`refuse_partial`] is the check, `--update` applies it to the run it would make the baseline.
+//! - **An implausible calibration figure**: every figure the gate divides by must be a normal
+//!   number (finite, not zero, not subnormal) within [`CALIBRATION_MIN_GBPS`]`..=`
+//!   [`CALIBRATION_MAX_GBPS`]. A figure of 1e-320 once passed and normalised every metric into
+//!   "machine speed 0.000x, improved -100%".
+//!
 //! The comparison is between medians: `ratio = median(current) / median(baseline)` (raw and
 //! normalised), and `change` is how much worse that is (positive = worse), as a fraction.
 //!
@@ -94,6 +107,17 @@ use super::table::{Style, fmt_f, fmt_ratio, new_table};
 /// The built-in thresholds: `bench-configs/gates.toml`, compiled in.
 pub const BUILTIN_THRESHOLDS: &str = include_str!("../../bench-configs/gates.toml");
 const BUILTIN_NAME: &str = "built-in defaults (bench-configs/gates.toml)";
+
+/// The slowest calibration figure the gate believes, in GB/s. Calibration figures are
+/// bandwidths (`*_gbps`: a UCX loopback read, a memcpy, a device copy); a 2-core VM's loopback
+/// read is a few GB/s, and 10 MB/s is far below any machine kvx runs on, so a figure under it is
+/// a broken measurement or a unit error, and dividing by it would call any run a huge
+/// improvement.
+pub const CALIBRATION_MIN_GBPS: f64 = 0.01;
+/// The fastest calibration figure the gate believes, in GB/s: 20x the HBM bandwidth of the
+/// fastest GPU measured here (an H200's device copy read about 2 TB/s, its HBM is rated at
+/// 4.8 TB/s). Above it a figure is corrupt, and dividing by it would call any run a regression.
+pub const CALIBRATION_MAX_GBPS: f64 = 100_000.0;
 
 /// Which way is better.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -695,14 +719,20 @@ fn work_differences(baseline: &Value, current: &Value) -> Vec<String> {
 }
 
 /// Every calibration figure the gate divides by must be in the run (and in each repeat that
-/// carries its own calibration), finite and above zero.
+/// carries its own calibration), a normal number (finite, not zero, not subnormal) and within
+/// [`CALIBRATION_MIN_GBPS`]`..=`[`CALIBRATION_MAX_GBPS`].
 fn check_calibration(side: &'static str, doc: &Doc<'_>, figures: &[String]) -> Result<(), ReportError> {
     let bad = |cal: Option<&Value>, name: &str| -> Option<String> {
         match cal.and_then(|c| c.get(name)) {
             None | Some(Value::Null) => Some("missing".into()),
             Some(v) => match v.as_f64() {
-                Some(x) if x.is_finite() && x > 0.0 => None,
-                Some(x) => Some(format!("{x} (not a positive finite number)")),
+                Some(x) if x.is_normal() && (CALIBRATION_MIN_GBPS..=CALIBRATION_MAX_GBPS).contains(&x) => {
+                    None
+                }
+                // `{:?}` keeps 1e-320 and 1e308 short; `{}` would print every digit.
+                Some(x) => Some(format!(
+                    "{x:?}, outside the plausible range {CALIBRATION_MIN_GBPS}..={CALIBRATION_MAX_GBPS} GB/s"
+                )),
                 None => Some(format!("{v} (not a number)")),
             },
         }
@@ -728,13 +758,41 @@ fn check_calibration(side: &'static str, doc: &Doc<'_>, figures: &[String]) -> R
     Ok(())
 }
 
+/// A partial run offered to the gate without `--allow-partial`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the {side} summary {} is a partial run (\"partial\": true): it was interrupted or failed \
+     half-way, so it measured fewer requests than its scenario asks for and its figures are not a \
+     whole run's; gate a run that finished, or pass --allow-partial to use it anyway",
+    path.display()
+)]
+pub struct PartialRun {
+    /// `baseline` or `current`.
+    pub side: &'static str,
+    pub path: std::path::PathBuf,
+}
+
+/// Refuses a summary marked `"partial": true`; the caller skips this under `--allow-partial`
+/// (and `context_notes` then says the run is partial).
+pub fn refuse_partial(side: &'static str, doc: Doc<'_>) -> Result<(), PartialRun> {
+    if is_partial(doc.value) {
+        return Err(PartialRun { side, path: doc.path.to_path_buf() });
+    }
+    Ok(())
+}
+
+/// True when a summary says it is partial.
+pub fn is_partial(doc: &Value) -> bool {
+    doc.get("partial").and_then(Value::as_bool) == Some(true)
+}
+
 /// Differences between the runs that a reader of the verdict should know about.
 pub(crate) fn context_notes(baseline: &Value, current: &Value) -> Vec<String> {
     let mut notes = Vec::new();
-    if current.get("partial").and_then(Value::as_bool) == Some(true) {
+    if is_partial(current) {
         notes.push("the current run is partial (it did not finish)".into());
     }
-    if baseline.get("partial").and_then(Value::as_bool) == Some(true) {
+    if is_partial(baseline) {
         notes.push("the baseline is a partial run".into());
     }
     let empty = serde_json::Map::new();
@@ -776,12 +834,10 @@ pub(crate) fn context_notes(baseline: &Value, current: &Value) -> Vec<String> {
     notes
 }
 
-/// Why a run must not become the baseline without `--force`, if it must not.
+/// Why a run must not become the baseline without `--force`, if it must not. A partial run is
+/// not judged here: it needs `--allow-partial` ([`refuse_partial`]), not `--force`.
 pub fn update_refusal(current: &Summary) -> Option<String> {
     let mut why = Vec::new();
-    if current.partial {
-        why.push("it is partial (did not finish)".to_string());
-    }
     if current.requests_ok == 0 {
         why.push("it has no successful request".to_string());
     }
@@ -1219,17 +1275,43 @@ mod tests {
     #[test]
     fn invalid_calibration_figures_are_refused_not_read_as_none() {
         let b = doc(&[10.0, 10.2, 9.9, 10.1, 9.8], 10.0);
-        for bad in [json!(0.0), json!(-1.0), json!("fast"), Value::Null] {
-            let mut c = doc(&[7.8, 7.9, 7.7, 8.0, 7.8], 10.0);
-            c["calibration"]["ucx_loopback_gbps"] = bad.clone();
-            let e = evaluate(
-                Doc { path: Path::new("b"), value: &b },
-                Doc { path: Path::new("c"), value: &c },
-                &th(),
-            )
-            .expect_err("invalid calibration");
-            assert!(matches!(e, ReportError::BadCalibration { side: "current", .. }), "{bad}: {e}");
+        for bad in [
+            json!(0.0),
+            json!(-1.0),
+            json!("fast"),
+            Value::Null,
+            json!(1e-320),
+            json!(f64::MIN_POSITIVE),
+            json!(0.009),
+            json!(100_000.5),
+            json!(1e308),
+        ] {
+            for side in ["baseline", "current"] {
+                let (mut b, mut c) = (b.clone(), doc(&[7.8, 7.9, 7.7, 8.0, 7.8], 10.0));
+                let target = if side == "current" { &mut c } else { &mut b };
+                target["calibration"]["ucx_loopback_gbps"] = bad.clone();
+                let e = evaluate(
+                    Doc { path: Path::new("b"), value: &b },
+                    Doc { path: Path::new("c"), value: &c },
+                    &th(),
+                )
+                .expect_err("invalid calibration");
+                assert!(
+                    matches!(&e, ReportError::BadCalibration { side: s, figure, .. }
+                        if *s == side && figure == "ucx_loopback_gbps"),
+                    "{bad}: {e}"
+                );
+                if bad.is_number() {
+                    assert!(e.to_string().contains("0.01..=100000 GB/s"), "{bad}: {e}");
+                }
+            }
         }
+        let mut c = doc(&[7.8, 7.9, 7.7, 8.0, 7.8], 10.0);
+        c["calibration"]["ucx_loopback_gbps"] = json!(1e-320);
+        let e =
+            evaluate(Doc { path: Path::new("b"), value: &b }, Doc { path: Path::new("c"), value: &c }, &th())
+                .expect_err("subnormal");
+        assert!(e.to_string().contains("is 1e-320, outside the plausible range"), "{e}");
         // A repeat's own calibration is checked too.
         let mut c = doc(&[7.8, 7.9, 7.7, 8.0, 7.8], 10.0);
         c["repeats"][2]["calibration"] = json!({"ucx_loopback_gbps": 0.0});
@@ -1454,9 +1536,41 @@ mod tests {
         assert!(update_refusal(&s).is_some_and(|w| w.contains("no successful request")));
         s.requests_ok = 10;
         assert_eq!(update_refusal(&s), None);
-        s.verify_failures = 2;
+        // Partial is --allow-partial's business (refuse_partial), not --force's.
         s.partial = true;
+        assert_eq!(update_refusal(&s), None);
+        s.verify_failures = 2;
         let why = update_refusal(&s).expect("refused");
-        assert!(why.contains("2 verification failures") && why.contains("partial"), "{why}");
+        assert!(why.contains("2 verification failures") && !why.contains("partial"), "{why}");
+    }
+
+    #[test]
+    fn partial_runs_are_refused_naming_the_file_and_the_flag() {
+        let mut d = doc(&[10.0], 10.0);
+        assert_eq!(refuse_partial("current", Doc { path: Path::new("c.json"), value: &d }), Ok(()));
+        d["partial"] = json!(false);
+        assert_eq!(refuse_partial("current", Doc { path: Path::new("c.json"), value: &d }), Ok(()));
+        d["partial"] = json!(true);
+        let e = refuse_partial("baseline", Doc { path: Path::new("dir/b.json"), value: &d })
+            .expect_err("partial");
+        assert_eq!(e.side, "baseline");
+        let text = e.to_string();
+        assert!(text.starts_with("the baseline summary dir/b.json is a partial run"), "{text}");
+        assert!(text.contains("fewer requests") && text.contains("--allow-partial"), "{text}");
+        // Allowed, it is judged, with a note.
+        let r = gate(&d, &doc(&[10.0], 10.0));
+        assert!(r.notes.iter().any(|n| n == "the baseline is a partial run"), "{:?}", r.notes);
+    }
+
+    #[test]
+    fn the_calibration_range_is_inclusive_and_plausible() {
+        assert!(CALIBRATION_MIN_GBPS.is_normal() && CALIBRATION_MIN_GBPS < CALIBRATION_MAX_GBPS);
+        let b = doc(&[10.0, 10.2, 9.9], 10.0);
+        for ok in [CALIBRATION_MIN_GBPS, 4.48, 1959.8, CALIBRATION_MAX_GBPS] {
+            let mut c = doc(&[10.0, 10.2, 9.9], 10.0);
+            c["calibration"]["ucx_loopback_gbps"] = json!(ok);
+            evaluate(Doc { path: Path::new("b"), value: &b }, Doc { path: Path::new("c"), value: &c }, &th())
+                .unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! `kvx gate` run as a real process on fixture summaries (tests/fixtures/gate/, described in
-//! its README): verdicts, exit codes, JSON and Markdown output, thresholds files, `--update`.
+//! its README) and edited copies of them: verdicts, exit codes, JSON and Markdown output,
+//! thresholds files, `--update`, and what is refused (partial runs, implausible calibration).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -275,4 +276,122 @@ fn update_refuses_a_run_missing_a_gated_metric() {
 #[test]
 fn force_needs_update() {
     gate("pass.json", &["--force"]).code(2);
+}
+
+/// A copy of fixture `name` in `dir`, as `out`, with `edit` applied to its JSON.
+fn edited(dir: &Path, name: &str, out: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let mut v = json_file(&fixture(name));
+    edit(&mut v);
+    let p = dir.join(out);
+    std::fs::write(&p, serde_json::to_vec_pretty(&v).expect("encode")).expect("write");
+    p
+}
+
+fn gate_files(baseline: &Path, current: &Path, extra: &[&str]) -> assert_cmd::assert::Assert {
+    kvx().arg("gate").arg("--baseline").arg(baseline).arg("--current").arg(current).args(extra).assert()
+}
+
+#[test]
+fn a_partial_baseline_is_refused_unless_allowed() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = edited(dir.path(), "baseline.json", "partial-baseline.json", |v| v["partial"] = true.into());
+    let a = gate_files(&base, &fixture("pass.json"), &[]).code(2);
+    let err = stderr(&a);
+    assert!(err.contains("partial-baseline.json") && err.contains("baseline"), "{err}");
+    assert!(err.contains("interrupted or failed half-way"), "{err}");
+    assert!(err.contains("--allow-partial"), "{err}");
+    assert!(stdout(&a).is_empty(), "no verdict printed: {}", stdout(&a));
+    // With --allow-partial it is judged as before, with a note.
+    let a = gate_files(&base, &fixture("pass.json"), &["--allow-partial"]).code(0);
+    let out = stdout(&a);
+    assert!(out.contains("note: the baseline is a partial run"), "{out}");
+    assert!(out.contains("verdict: PASS"), "{out}");
+}
+
+#[test]
+fn a_partial_current_is_refused_unless_allowed() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let cur = edited(dir.path(), "regress.json", "partial-current.json", |v| v["partial"] = true.into());
+    let a = gate_files(&fixture("baseline.json"), &cur, &[]).code(2);
+    let err = stderr(&a);
+    assert!(err.contains("current") && err.contains("partial-current.json"), "{err}");
+    assert!(err.contains("fewer requests"), "{err}");
+    assert!(err.contains("--allow-partial"), "{err}");
+    // The JSON verdict of a refusal is an error, not a pass.
+    let a = gate_files(&fixture("baseline.json"), &cur, &["--format", "json"]).code(2);
+    let v: Value = serde_json::from_str(&stdout(&a)).expect("JSON on stdout");
+    assert_eq!(v["verdict"], "error");
+    assert!(v["error"].as_str().is_some_and(|e| e.contains("--allow-partial")), "{v}");
+    // Allowed, a partial run's regression is still a regression.
+    let a = gate_files(&fixture("baseline.json"), &cur, &["--allow-partial"]).code(1);
+    let out = stdout(&a);
+    assert!(out.contains("note: the current run is partial"), "{out}");
+    assert!(out.contains("verdict: REGRESSION"), "{out}");
+}
+
+#[test]
+fn update_refuses_a_partial_run_unless_allowed() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let base = dir.path().join("baseline.json");
+    std::fs::copy(fixture("baseline.json"), &base).expect("copy");
+    let cur = edited(dir.path(), "pass.json", "partial-pass.json", |v| v["partial"] = true.into());
+    for extra in [&[][..], &["--force"][..]] {
+        let a = gate_files(&base, &cur, &[&["--update"][..], extra].concat()).code(2);
+        let err = stderr(&a);
+        assert!(err.contains("partial-pass.json") && err.contains("--allow-partial"), "{extra:?}: {err}");
+        assert_eq!(json_file(&base), json_file(&fixture("baseline.json")), "baseline untouched");
+    }
+    let a = gate_files(&base, &cur, &["--update", "--allow-partial"]).code(0);
+    assert!(stdout(&a).contains("baseline updated"), "{}", stdout(&a));
+    assert_eq!(json_file(&base), json_file(&cur));
+}
+
+#[test]
+fn implausible_calibration_is_refused_on_either_side() {
+    let dir = tempfile::tempdir().expect("tmp");
+    // 1e-320 is subnormal: the gate once printed "machine speed 0.000x" and "improved -100%".
+    for (i, (bad, shown)) in [
+        (serde_json::json!(1e-320), Some("1e-320")),
+        (serde_json::json!(1e308), Some("1e308")),
+        (serde_json::json!(0.001), Some("0.001")),
+        (serde_json::json!(200_000.0), Some("200000")),
+        (serde_json::json!(0.0), None),
+        (serde_json::json!(-4.0), None),
+        (serde_json::json!("NaN"), None),
+        (Value::Null, None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let name = format!("cal-{i}.json");
+        let set = |v: &mut Value| v["calibration"]["ucx_loopback_gbps"] = bad.clone();
+        let cur = edited(dir.path(), "pass.json", &name, set);
+        let base = edited(dir.path(), "baseline.json", &format!("base-{name}"), set);
+        for (side, b, c) in
+            [("current", fixture("baseline.json"), cur), ("baseline", base, fixture("pass.json"))]
+        {
+            let a = gate_files(&b, &c, &[]).code(2);
+            let err = stderr(&a);
+            let file = if side == "current" { &c } else { &b };
+            assert!(err.contains(&file.display().to_string()), "{bad}: {err}");
+            // A string where the schema has a number is refused by the summary reader already.
+            if !bad.is_string() {
+                assert!(err.contains(&format!("of the {side} summary")), "{bad}: {err}");
+                assert!(err.contains("`ucx_loopback_gbps`"), "{bad}: {err}");
+            }
+            if let Some(shown) = shown {
+                assert!(err.contains(shown), "{bad}: {err}");
+                assert!(err.contains("0.01") && err.contains("100000 GB/s"), "{bad}: {err}");
+            }
+            assert!(!stdout(&a).contains("verdict: PASS"), "{bad}: {}", stdout(&a));
+        }
+    }
+    // The edges of the range are plausible.
+    for ok in [0.01, 100_000.0] {
+        let cur = edited(dir.path(), "pass.json", "edge.json", |v| {
+            v["calibration"]["ucx_loopback_gbps"] = ok.into();
+        });
+        let a = gate_files(&fixture("baseline.json"), &cur, &[]);
+        assert_ne!(a.get_output().status.code(), Some(2), "{ok}: {}", stderr(&a));
+    }
 }
