@@ -125,7 +125,22 @@ fn check_ucx(s: &bench::BenchSettings) -> anyhow::Result<()> {
     }
     s.workers.mem.check_available()?;
     if kind != TransportKind::Storage {
-        crate::transfer::ucx::Ucx::load(s.workers.transport.ucx_lib.as_deref())?;
+        let ucx = crate::transfer::ucx::Ucx::load(s.workers.transport.ucx_lib.as_deref())?;
+        // A UCX_TLS that leaves UCX no transport fails every worker's ucp_init: said once,
+        // here, naming the flag.
+        if let Some((_, tls)) = s.workers.worker_env.iter().find(|(k, _)| k == "UCX_TLS") {
+            let opts = crate::transfer::ucx::ContextOptions {
+                config: vec![("TLS".into(), tls.clone())],
+                ..Default::default()
+            };
+            if let Err(e) = crate::transfer::ucx::Context::new(&ucx, &opts) {
+                return Err(crate::error::ConfigError::new(
+                    "--ucx-tls",
+                    format!("UCX cannot start with transports {tls:?}: {e} (`kvx doctor` lists this host's)"),
+                )
+                .into());
+            }
+        }
     }
     Ok(())
 }

@@ -135,7 +135,9 @@ mod tests {
 
     /// Values that break naive arithmetic: zero, negatives, NaN and infinities, the tiniest
     /// and largest floats, integers one past each width.
-    const HOSTILE: [&str; 14] = [
+    const HOSTILE: [&str; 16] = [
+        "4294967295",
+        "1e308",
         "0",
         "-0",
         "1",

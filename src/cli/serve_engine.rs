@@ -4,7 +4,8 @@
 //! bound (with `--port 0` this is how tests and orchestrators learn the port), then starts
 //! the KV workers (one `kvx worker` process per TP rank, `--kv-backend workers`), and only
 //! then accepts requests. Logs to stderr; on Ctrl-C / SIGTERM drains in-flight requests and
-//! stops the workers (a prefill engine waits at most one lease for blocks still held).
+//! stops the workers (a prefill engine waits at most one lease for blocks still held). Raises
+//! its open-file limit so that `--max-connections` connections fit (as the proxy does).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -47,15 +48,19 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
         crate::pipeline::setup::check_places(w.mem.iter().copied())?;
     }
     let cfg = settings.http;
+    fit_open_files(cfg.conn.max_connections);
     let std_listener = std::net::TcpListener::bind((args.host.as_str(), args.port)).map_err(|e| {
         ConfigError::new("--host/--port", format!("cannot bind {}:{}: {e}", args.host, args.port))
     })?;
     std_listener.set_nonblocking(true).context("listener")?;
-    announce_addr(std_listener.local_addr().context("reading the bound address")?)?;
+    let addr = std_listener.local_addr().context("reading the bound address")?;
     let rt = runtime(args.threads)?;
     let workers = rt.block_on(async move {
-        // Registered before the workers start, so a SIGTERM during startup still stops them.
+        // Registered before the workers start, so a SIGTERM during startup still stops them,
+        // and before the address is announced: a signal sent once the engine said where it
+        // listens is a clean shutdown, never the default action.
         let mut stop = Box::pin(shutdown_signal());
+        announce_addr(addr)?;
         let (backend, workers): (Arc<dyn KvBackend>, Option<Arc<WorkerKv>>) = match settings.kv {
             KvSettings::Null(identity) => {
                 tracing::info!(
@@ -157,6 +162,36 @@ async fn worker_death(backend: &dyn KvBackend) -> String {
 /// How often the engine checks that its KV workers are alive: a death ends it within this
 /// (plus the engine's own detection of the dead process, which is immediate).
 const WORKER_WATCH: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// File descriptors kept for what a serving process opens besides its clients' connections:
+/// its listener, its connections to the engines (proxy) or its KV workers' sockets (engine),
+/// logs and libraries.
+const FD_RESERVE: u64 = 256;
+
+/// Raises the soft open-file limit (up to the hard one) so that `max_connections` client
+/// connections fit beside [`FD_RESERVE`]; warns when they cannot: past the limit a connection
+/// cannot be accepted and waits in the listen backlog instead of getting its 503.
+pub(crate) fn fit_open_files(max_connections: usize) {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let want = u64::try_from(max_connections).unwrap_or(u64::MAX).saturating_add(FD_RESERVE);
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else { return };
+    if soft >= want {
+        return;
+    }
+    let raised = want.min(hard);
+    let limit = if setrlimit(Resource::RLIMIT_NOFILE, raised, hard).is_ok() { raised } else { soft };
+    if limit < want {
+        tracing::warn!(
+            open_file_limit = limit,
+            max_connections,
+            "the open-file limit leaves room for about {} connections, fewer than --max-connections: \
+             raise it (ulimit -n) or lower --max-connections",
+            limit.saturating_sub(FD_RESERVE)
+        );
+    } else {
+        tracing::debug!(from = soft, to = limit, "open-file limit raised for --max-connections");
+    }
+}
 
 /// A multi-threaded tokio runtime with `threads` workers (default: one per CPU; settings
 /// refused `--threads 0`).

@@ -7,7 +7,7 @@
 use anyhow::Context as _;
 use clap::Args;
 
-use super::serve_engine::{announce, bind, runtime, shutdown_signal};
+use super::serve_engine::{announce, bind, fit_open_files, runtime, shutdown_signal};
 use crate::error::ConfigError;
 use crate::error::Outcome;
 use crate::serve::proxy::{self, BackendAddr, ProxyState};
@@ -25,11 +25,14 @@ pub struct ServeProxyArgs {
 pub fn run(args: &ServeProxyArgs) -> anyhow::Result<Outcome> {
     let args = &args.settings;
     let cfg = resolve(args)?;
+    fit_open_files(cfg.conn.max_connections);
     let state = ProxyState::new(cfg.clone())
         .map_err(|e| ConfigError::new("--prefiller-hosts/--decoder-hosts", e.message))?;
     let rt = runtime(args.threads)?;
     rt.block_on(async move {
         let listener = bind(&args.host, args.port).await?;
+        // Handlers first, then the address: a signal once it is announced is a clean shutdown.
+        let stop = shutdown_signal();
         announce(&listener)?;
         let list = |v: &[BackendAddr]| {
             v.iter().map(|b| format!("{}:{}", b.host, b.port)).collect::<Vec<_>>().join(",")
@@ -40,7 +43,7 @@ pub fn run(args: &ServeProxyArgs) -> anyhow::Result<Outcome> {
             policy = ?cfg.policy,
             "kvx serve-proxy ready"
         );
-        proxy::serve(listener, state, shutdown_signal()).await.context("serving HTTP")
+        proxy::serve(listener, state, stop).await.context("serving HTTP")
     })?;
     Ok(Outcome::Ok)
 }

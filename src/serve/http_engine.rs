@@ -3,7 +3,7 @@
 //! at a fixed inter-token latency, and the KV side is whatever [`KvBackend`] it is given.
 //!
 //! Owns the engine's HTTP surface (`router`), request lifecycle (admission, prefill/load,
-//! generation, abort on disconnect), its `/metrics` (vLLM's families with vLLM's names, types,
+//! generation, abort on disconnect or by X-Request-Id), its `/metrics` (vLLM's families with vLLM's names, types,
 //! labels and buckets, plus kvx's own `kvx:*`) and the `Server-Timing` stages of every answer
 //! (`serve::timing`). Must not know how KV moves: all of that is behind the backend. Wire
 //! shapes come from `serve::openai`.
@@ -30,8 +30,9 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
+use super::conn::{self, ConnLimits};
 use super::kv::{KvBackend, KvIntent, KvTransferParams, LoadJob, PrefillJob};
 use super::metrics::{
     Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_TYPE, VLLM_ITL_BUCKETS_S,
@@ -69,6 +70,9 @@ pub struct HttpEngineConfig {
     pub eos_at: Option<u64>,
     /// Largest request body taken (`--max-body-size`); a larger one is answered 413.
     pub max_body_bytes: usize,
+    /// Read timeouts and the connection cap (`--header-read-timeout`, `--body-read-timeout`,
+    /// `--max-connections`).
+    pub conn: ConnLimits,
 }
 
 impl HttpEngineConfig {
@@ -87,6 +91,7 @@ impl HttpEngineConfig {
             max_num_seqs: 256,
             eos_at: None,
             max_body_bytes: DEFAULT_BODY_LIMIT,
+            conn: ConnLimits::default(),
         }
     }
 
@@ -161,6 +166,10 @@ pub struct EngineState {
     /// with, so `/abort_requests` takes either (a proxy whose client left before the leg's
     /// answer knows only the header). Entries older than [`HANDOFF_IDS_KEPT`] are dropped.
     handoff_ids: std::sync::Mutex<HandoffIds>,
+    /// Generation requests in progress by X-Request-Id, so `/abort_requests` ends them too: a
+    /// proxy whose client left before this engine answered (a non-streaming answer comes only
+    /// at the end of its generation) knows no other id.
+    live: std::sync::Mutex<HashMap<String, Live>>,
     seqs: Arc<Semaphore>,
     metrics: EngineMetrics,
     system_fingerprint: String,
@@ -191,6 +200,7 @@ impl EngineState {
             cfg,
             backend,
             handoff_ids: std::sync::Mutex::new(HandoffIds::default()),
+            live: std::sync::Mutex::new(HashMap::new()),
             metrics: EngineMetrics::new(),
             system_fingerprint,
             started_unix_s: unix_now_s(),
@@ -229,6 +239,34 @@ impl EngineState {
     /// Whether an abort named this prefill leg (by either id) since it began.
     fn handoff_aborted(&self, x_request_id: &str) -> bool {
         self.handoff_ids().by_x.get(x_request_id).is_some_and(|h| h.aborted)
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Live>> {
+        self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Registers a generation request under its X-Request-Id until the returned guard drops.
+    fn register_live(self: &Arc<Self>, x_request_id: &str) -> LiveRequest {
+        let mut live = self.live();
+        let l = live
+            .entry(x_request_id.to_string())
+            .or_insert_with(|| Live { count: 0, abort: Arc::new(watch::channel(false).0) });
+        l.count += 1;
+        LiveRequest {
+            st: self.clone(),
+            x_request_id: x_request_id.to_string(),
+            abort: l.abort.clone(),
+            aborted: l.abort.subscribe(),
+        }
+    }
+
+    /// Aborts the generation requests in progress under `x_request_id` (each at its next
+    /// point where stopping is safe); whether there were any. A request that comes later
+    /// under the same id is not affected.
+    fn abort_live(&self, x_request_id: &str) -> bool {
+        let Some(l) = self.live().remove(x_request_id) else { return false };
+        l.abort.send_replace(true);
+        true
     }
 
     /// Renders `/metrics`: vLLM's families under vLLM's names and labels (`model_name`,
@@ -517,27 +555,25 @@ pub fn router(state: Arc<EngineState>) -> Router {
         .with_state(state)
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves, then drains open requests.
-/// Sets `TCP_NODELAY` on every connection: SSE chunks must not wait for Nagle.
+/// Serves `router` on `listener` with the default [`ConnLimits`] until `shutdown` resolves,
+/// then drains open requests (`serve::conn`).
 pub async fn serve_router(
     listener: TcpListener,
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt as _;
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+    conn::serve(listener, router, ConnLimits::default(), shutdown).await
 }
 
-/// Runs the engine on `listener` until `shutdown` resolves.
+/// Runs the engine on `listener`, within its configured [`ConnLimits`], until `shutdown`
+/// resolves.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<EngineState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    serve_router(listener, router(state), shutdown).await
+    let limits = state.cfg.conn;
+    conn::serve(listener, router(state), limits, shutdown).await
 }
 
 /// Turns an [`ApiError`] into vLLM's JSON error response.
@@ -757,6 +793,59 @@ pub const DEFAULT_BODY_LIMIT: usize = 64 << 20;
 /// notice its client left, and it bounds the map.
 const HANDOFF_IDS_KEPT: Duration = Duration::from_secs(60);
 
+/// The generation requests in progress under one X-Request-Id (a client may send several
+/// under one): how many, and the switch that aborts them all.
+#[derive(Debug)]
+struct Live {
+    count: usize,
+    abort: Arc<watch::Sender<bool>>,
+}
+
+/// A generation request registered under its X-Request-Id while it runs (unregistered on
+/// drop). Its handler waits on [`aborted`](Self::aborted) where stopping is safe: while it
+/// waits for admission, after its KV phase (a KV load is never cut short: the prefill engine's
+/// blocks are freed by its notifications, never pulled from under its reads) and between a
+/// non-streaming answer's tokens.
+struct LiveRequest {
+    st: Arc<EngineState>,
+    x_request_id: String,
+    abort: Arc<watch::Sender<bool>>,
+    aborted: watch::Receiver<bool>,
+}
+
+impl LiveRequest {
+    fn is_aborted(&self) -> bool {
+        *self.aborted.borrow()
+    }
+
+    /// Resolves once `/abort_requests` names this request.
+    async fn aborted(&mut self) {
+        if self.aborted.wait_for(|a| *a).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+impl Drop for LiveRequest {
+    fn drop(&mut self) {
+        let mut live = self.st.live();
+        // An abort took the entry out; a later request under the id may have put a new one.
+        if let Some(l) = live.get_mut(&self.x_request_id)
+            && Arc::ptr_eq(&l.abort, &self.abort)
+        {
+            l.count -= 1;
+            if l.count == 0 {
+                live.remove(&self.x_request_id);
+            }
+        }
+    }
+}
+
+/// The answer to a generation request `/abort_requests` named (its client, a proxy, left).
+fn aborted_by_id() -> ApiError {
+    ApiError::new(499, "the request was aborted (POST /abort_requests)")
+}
+
 /// Recent prefill legs by X-Request-Id, and the order they came in (to forget old ones).
 #[derive(Debug, Default)]
 struct HandoffIds {
@@ -777,8 +866,10 @@ struct HandoffId {
 /// ids are engine-internal ids (a prefill handoff's `remote_request_id`). A prefill engine
 /// frees their held KV blocks now rather than at lease expiry; the proxy sends this when a
 /// request's decode leg failed, or its client left. kvx also takes the X-Request-Id a prefill
-/// leg came with (a proxy whose client left before prefill answered knows no other). Answers
-/// 200 with an empty body; unknown ids are ignored.
+/// leg came with (a proxy whose client left before prefill answered knows no other), and that
+/// of any generation request in progress, which then ends where stopping is safe
+/// ([`LiveRequest`]): a proxy whose client left before the decode leg answered sends it.
+/// Answers 200 with an empty body; unknown ids are ignored.
 async fn abort_requests(State(st): State<Arc<EngineState>>, headers: HeaderMap, body: Bytes) -> Response {
     if !authorized(st.cfg.api_key.as_deref(), &headers) {
         return unauthorized();
@@ -790,6 +881,7 @@ async fn abort_requests(State(st): State<Arc<EngineState>>, headers: HeaderMap, 
     match serde_json::from_slice::<Abort>(&body) {
         Ok(Abort { request_ids: Some(ids) }) => {
             for id in &ids {
+                let was_live = st.abort_live(id);
                 // An X-Request-Id names its leg's internal id; one already aborted (its
                 // handler ended when the proxy left) has nothing left to free.
                 let internal = match st.handoff_ids().by_x.get_mut(id) {
@@ -798,6 +890,8 @@ async fn abort_requests(State(st): State<Arc<EngineState>>, headers: HeaderMap, 
                         h.aborted = true;
                         h.internal_id.clone()
                     }
+                    // A request in progress tells the backend itself as it ends.
+                    None if was_live => continue,
                     None => id.clone(),
                 };
                 st.backend.abort(&internal);
@@ -930,11 +1024,18 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
         Endpoint::Chat => format!("{id}-{rand8}"),
     };
 
+    let mut live = st.register_live(&x_request_id);
     let permit = {
         let _waiting = GaugeGuard::new(&st.metrics.waiting);
-        match st.seqs.clone().acquire_owned().await {
-            Ok(p) => p,
-            Err(_) => return error_response(&ApiError::new(503, "engine is shutting down")),
+        tokio::select! {
+            p = st.seqs.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => return error_response(&ApiError::new(503, "engine is shutting down")),
+            },
+            () = live.aborted() => {
+                st.metrics.aborted.inc();
+                return error_response(&aborted_by_id());
+            }
         }
     };
     let admitted = Instant::now();
@@ -956,6 +1057,11 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
             return error_response(&e);
         }
     };
+    if live.is_aborted() {
+        // Dropping `inflight` counts the abort (and releases a prefill handoff, if any).
+        drop(inflight);
+        return error_response(&aborted_by_id());
+    }
     let kv_done = Instant::now();
     let (queue_name, total_name) = match timing.kind {
         PhaseKind::Prefill => (timing::PREFILL_QUEUE, timing::PREFILL_TOTAL),
@@ -979,7 +1085,13 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
     let created = unix_now_s();
     if !req.stream {
         let last = first_token_at + st.cfg.itl * u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX);
-        sleep_until(last).await;
+        tokio::select! {
+            () = sleep_until(last) => {}
+            () = live.aborted() => {
+                drop(inflight);
+                return error_response(&aborted_by_id());
+            }
+        }
         if n > 1 {
             let step = first_token_at.elapsed() / u32::try_from(n - 1).unwrap_or(u32::MAX);
             for _ in 1..n {
@@ -1411,6 +1523,72 @@ mod tests {
             "{}",
             st.render_metrics()
         );
+    }
+
+    /// Sends one request under its own X-Request-Id and returns its status.
+    async fn call_as(st: &Arc<EngineState>, x_request_id: &str, path: &str, body: &str) -> StatusCode {
+        let req = axum::http::Request::post(path)
+            .header("x-request-id", x_request_id)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .expect("request");
+        router(st.clone()).oneshot(req).await.expect("infallible").status()
+    }
+
+    /// Polls the engine's metrics (every 5 ms, 5 s at most) until `line` is in them.
+    async fn metrics_show(st: &EngineState, line: &str) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !st.render_metrics().lines().any(|l| l == line) {
+            assert!(Instant::now() < deadline, "no {line:?} in:\n{}", st.render_metrics());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn abort_by_x_request_id_ends_requests_in_progress() {
+        let kv = NullKv::new(EngineIdentity {
+            engine_id: "D0".into(),
+            side_channel_host: "localhost".into(),
+            side_channel_port: 5600,
+            tp_size: 1,
+        });
+        let mut cfg = HttpEngineConfig::new(Role::Decode, "m");
+        cfg.itl = Duration::from_millis(50);
+        cfg.max_num_seqs = 1;
+        let st = EngineState::new(cfg, Arc::new(kv));
+        // 1,000 tokens 50 ms apart: 50 s unless aborted.
+        let body = r#"{"model":"m","prompt":"a b","max_tokens":1000}"#;
+        let start = |xid: &'static str| {
+            let st = st.clone();
+            tokio::spawn(async move { call_as(&st, xid, "/v1/completions", body).await })
+        };
+        let generating = start("leg-1");
+        metrics_show(&st, r#"vllm:num_requests_running{model_name="m",engine="0"} 1.0"#).await;
+        let queued = start("leg-2");
+        metrics_show(&st, r#"vllm:num_requests_waiting{model_name="m",engine="0"} 1.0"#).await;
+        let abort = |id: &str| format!(r#"{{"request_ids":["{id}"]}}"#);
+        // Waiting for admission: answered at once; the one generating goes on.
+        assert_eq!(call_as(&st, "x", "/abort_requests", &abort("leg-2")).await, StatusCode::OK);
+        let s =
+            tokio::time::timeout(Duration::from_secs(1), queued).await.expect("within 1 s").expect("join");
+        assert_eq!(s.as_u16(), 499);
+        metrics_show(&st, r#"vllm:num_requests_running{model_name="m",engine="0"} 1.0"#).await;
+        // Generating a non-streaming answer: ended between its tokens, counted as an abort.
+        assert_eq!(call_as(&st, "x", "/abort_requests", &abort("leg-1")).await, StatusCode::OK);
+        let s = tokio::time::timeout(Duration::from_secs(1), generating)
+            .await
+            .expect("within 1 s")
+            .expect("join");
+        assert_eq!(s.as_u16(), 499);
+        metrics_show(&st, r#"vllm:num_requests_running{model_name="m",engine="0"} 0.0"#).await;
+        let m = st.render_metrics();
+        let aborted = r#"vllm:request_success_total{model_name="m",engine="0",finished_reason="abort"} 2.0"#;
+        assert!(m.lines().any(|l| l == aborted), "{m}");
+        assert!(st.live().is_empty(), "nothing left registered");
+        // A later request under an aborted id runs as any other.
+        let s =
+            call_as(&st, "leg-1", "/v1/completions", r#"{"model":"m","prompt":"a b","max_tokens":1}"#).await;
+        assert_eq!(s, StatusCode::OK);
     }
 
     #[tokio::test]

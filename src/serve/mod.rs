@@ -12,6 +12,7 @@
 //! http_engine.rs  the engine: router(state), serve(listener, state, shutdown)
 //! rewrite.rs   the toy proxy's body rewriting on raw, order-preserving JSON
 //! client.rs    pooled keep-alive HTTP/1.1 client (proxy legs, load generator)
+//! conn.rs      the server loop under both: read timeouts, connection cap, graceful shutdown
 //! proxy.rs     the P/D proxy: router(state), serve(listener, state, shutdown)
 //! load.rs      the load generator: open/closed loop, TTFT/ITL/TPOT/E2E hdrhistograms
 //! load_report.rs  a load run as a report Summary: stages, rows, tables, run directory
@@ -25,6 +26,7 @@
 
 pub mod bench_serve;
 pub mod client;
+pub mod conn;
 pub mod http_engine;
 pub mod kv;
 pub mod load;

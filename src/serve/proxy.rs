@@ -41,9 +41,9 @@ use hyper::body::Incoming;
 use tokio::net::TcpListener;
 
 use super::client::{HttpClient, http_client};
+use super::conn::{self, ConnLimits};
 use super::http_engine::{
-    authorized, check_json_content_type, error_response, method_not_allowed, not_found, serve_router,
-    unauthorized,
+    authorized, check_json_content_type, error_response, method_not_allowed, not_found, unauthorized,
 };
 use super::metrics::{Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_TYPE};
 use super::openai::{ApiError, Endpoint};
@@ -104,6 +104,9 @@ pub struct ProxyConfig {
     pub dispatch: Dispatch,
     /// Largest request body taken (`--max-body-size`); a larger one is answered 413.
     pub max_body_bytes: usize,
+    /// Read timeouts and the connection cap of the proxy's own clients
+    /// (`--header-read-timeout`, `--body-read-timeout`, `--max-connections`).
+    pub conn: ConnLimits,
 }
 
 impl ProxyConfig {
@@ -121,6 +124,7 @@ impl ProxyConfig {
             health_timeout: Duration::from_secs(2),
             dispatch: Dispatch::Sequential,
             max_body_bytes: super::http_engine::DEFAULT_BODY_LIMIT,
+            conn: ConnLimits::default(),
         }
     }
 }
@@ -344,6 +348,8 @@ struct ProxyMetrics {
     no_healthy: [Counter; 2],
     /// Prefill handoffs the proxy aborted on the prefill engine (decode leg failed).
     prefill_aborts: Counter,
+    /// Decode legs the proxy asked their engine to abort (client gone before the answer).
+    decode_aborts: Counter,
     /// Requests whose two legs were sent at once (`--dispatch concurrent`, push mode).
     concurrent_dispatches: Counter,
     /// From the client's request to the decode response headers.
@@ -383,6 +389,7 @@ impl ProxyState {
                 client_disconnects: Counter::default(),
                 no_healthy: Default::default(),
                 prefill_aborts: Counter::default(),
+                decode_aborts: Counter::default(),
                 concurrent_dispatches: Counter::default(),
                 time_to_headers: Histogram::latency(),
             },
@@ -470,6 +477,12 @@ impl ProxyState {
             &[],
             m.prefill_aborts.get(),
         );
+        e.counter(
+            "kvx:proxy_decode_aborts_total",
+            "Decode legs the proxy asked their engine to abort (POST /abort_requests with the leg's X-Request-Id): the client left before the decode engine answered.",
+            &[],
+            m.decode_aborts.get(),
+        );
         e.histogram(
             "kvx:proxy_time_to_headers_seconds",
             "From the client's request to the decode engine's response headers (prefill leg included).",
@@ -546,14 +559,16 @@ pub fn router(state: Arc<ProxyState>) -> Router {
         .with_state(state)
 }
 
-/// Runs the proxy on `listener` (with background health checks) until `shutdown` resolves.
+/// Runs the proxy on `listener` (with background health checks), within its configured
+/// [`ConnLimits`], until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     state: Arc<ProxyState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let checker = (!state.cfg.health_interval.is_zero()).then(|| tokio::spawn(health_loop(state.clone())));
-    let r = serve_router(listener, router(state), shutdown).await;
+    let limits = state.cfg.conn;
+    let r = conn::serve(listener, router(state), limits, shutdown).await;
     if let Some(h) = checker {
         h.abort();
     }
@@ -823,6 +838,10 @@ impl BackendSlot {
     fn take(&self) -> Option<Arc<Backend>> {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
     }
+
+    fn get(&self) -> Option<Arc<Backend>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
 }
 
 /// Marks a request as abandoned by its client if dropped before `done`. While the prefill
@@ -920,7 +939,7 @@ async fn proxy_inner(
                     };
                     watch.prefill.take();
                     let handoff = p.params.as_deref().and_then(remote_request_id);
-                    settle_decode(st, &d, &p.backend, handoff);
+                    settle_decode(st, &d, &p.backend, handoff, false);
                     (p, d)
                 }
                 // The decode leg is dropped with its future: its engine sees the client go.
@@ -944,22 +963,29 @@ async fn proxy_inner(
             // the KV (and its notifications freed P's blocks; the answer is then dropped,
             // which ends its stream), and one that fails or refuses gets P told to free them
             // now. (Aborting P while the decode engine reads would pull blocks from under
-            // its reads.)
+            // its reads, and dropping the leg before the engine took it would leave them to
+            // P's lease.) A client that leaves before the answer gets the leg aborted on its
+            // engine instead (`AbandonedDecode`): a non-streaming answer comes only at the end
+            // of the generation, which must not run on for nobody.
             let d_body = Bytes::from(rewrite::decode_body(&client, body, p.params.as_deref()));
             let handoff = p.params.as_deref().and_then(remote_request_id);
+            let leg = Arc::new(DecodeLeg::default());
             let (tx, rx) = tokio::sync::oneshot::channel();
-            let (task_st, p_backend, xid) = (st.clone(), p.backend.clone(), x_request_id.clone());
+            let (task_st, task_leg, p_backend, xid) =
+                (st.clone(), leg.clone(), p.backend.clone(), x_request_id.clone());
             tokio::spawn(async move {
-                let d =
-                    send_leg(&task_st, LegRole::Decode, Method::POST, ep.path(), d_body, Route::tagged(&xid))
-                        .await;
-                settle_decode(&task_st, &d, &p_backend, handoff);
+                let route = Route { sent_to: Some(&task_leg.sent_to), ..Route::tagged(&xid) };
+                let d = send_leg(&task_st, LegRole::Decode, Method::POST, ep.path(), d_body, route).await;
+                task_leg.answered.store(true, Ordering::Release);
+                settle_decode(&task_st, &d, &p_backend, handoff, tx.is_closed());
                 let _ = tx.send(d);
             });
             watch.prefill.take();
+            let abandoned = AbandonedDecode { st, leg, x_request_id: x_request_id.clone() };
             let d = rx
                 .await
                 .unwrap_or_else(|_| Err(ApiError::new(500, "the decode leg's task ended without an answer")));
+            drop(abandoned);
             (p, d)
         }
     };
@@ -1005,19 +1031,22 @@ async fn proxy_inner(
 }
 
 /// Books the decode leg's answer on its backend and, when it failed or refused (no decode
-/// engine will read the handoff), tells the prefill engine to free its blocks now.
+/// engine will read the handoff), tells the prefill engine to free its blocks now. A leg
+/// whose client left (`client_left`) and that failed was most likely aborted for it: it is
+/// booked as a cancellation, not as the engine's error.
 fn settle_decode(
     st: &Arc<ProxyState>,
     d: &Result<Leg, ApiError>,
     p_backend: &Arc<Backend>,
     handoff: Option<String>,
+    client_left: bool,
 ) {
     let failed = match d {
         Ok(l) => {
             l.backend.latency.observe(l.sent_at.elapsed());
             let ok = l.resp.status().is_success();
             if !ok {
-                l.backend.error(Cause::Status);
+                l.backend.error(if client_left { Cause::Cancelled } else { Cause::Status });
             }
             !ok
         }
@@ -1122,36 +1151,88 @@ fn abort_prefill(st: &Arc<ProxyState>, backend: &Arc<Backend>, rid: String) {
     let (st, backend) = (st.clone(), backend.clone());
     st.metrics.prefill_aborts.inc();
     rt.spawn(async move {
-        let body = serde_json::json!({ "request_ids": [rid] }).to_string();
-        let mut req = Request::post(backend.uri("/abort_requests"))
-            .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if let Some(auth) = &st.backend_auth {
-            req = req.header(header::AUTHORIZATION, auth.clone());
-        }
-        let Ok(req) = req.body(Full::new(Bytes::from(body))) else { return };
-        match tokio::time::timeout(st.cfg.health_timeout, st.client.request(req)).await {
-            Ok(Ok(resp)) if resp.status().is_success() => {
-                tracing::debug!(backend = %backend.label, request_id = %rid, "prefill handoff aborted");
-            }
-            Ok(Ok(resp)) => tracing::warn!(
+        match post_abort(&st, &backend, &rid).await {
+            Ok(()) => tracing::debug!(backend = %backend.label, request_id = %rid, "prefill handoff aborted"),
+            Err(why) => tracing::warn!(
                 backend = %backend.label,
                 request_id = %rid,
-                status = %resp.status(),
-                "prefill engine refused to abort a handoff; its blocks go at lease expiry"
-            ),
-            Ok(Err(e)) => tracing::warn!(
-                backend = %backend.label,
-                request_id = %rid,
-                "cannot abort a prefill handoff ({}); its blocks go at lease expiry",
-                error_chain(&e)
-            ),
-            Err(_) => tracing::warn!(
-                backend = %backend.label,
-                request_id = %rid,
-                "aborting a prefill handoff timed out; its blocks go at lease expiry"
+                "cannot abort a prefill handoff ({why}); its blocks go at lease expiry"
             ),
         }
     });
+}
+
+/// Sends `POST /abort_requests {"request_ids": [id]}` to `backend`; why it failed, if it did.
+async fn post_abort(st: &ProxyState, backend: &Backend, id: &str) -> Result<(), String> {
+    let body = serde_json::json!({ "request_ids": [id] }).to_string();
+    let mut req = Request::post(backend.uri("/abort_requests"))
+        .header(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(auth) = &st.backend_auth {
+        req = req.header(header::AUTHORIZATION, auth.clone());
+    }
+    let req = req.body(Full::new(Bytes::from(body))).map_err(|e| e.to_string())?;
+    match tokio::time::timeout(st.cfg.health_timeout, st.client.request(req)).await {
+        Ok(Ok(resp)) if resp.status().is_success() => {
+            let _ = resp.into_body().collect().await;
+            Ok(())
+        }
+        Ok(Ok(resp)) => Err(format!("it answered {}", resp.status())),
+        Ok(Err(e)) => Err(error_chain(&e)),
+        Err(_) => Err("no answer within --health-timeout".into()),
+    }
+}
+
+/// How often the proxy tells a decode engine again to abort a leg whose client left, while
+/// the leg's answer has not come: the abort can overtake the leg on its way to the engine
+/// (which then does not know the id yet). It stops as soon as the leg answers.
+const DECODE_ABORT_RETRY: Duration = Duration::from_millis(100);
+
+/// How many times at most (one second's worth): an engine that knows the id by then has had
+/// it, and one that ignores aborts by X-Request-Id is not asked for ever.
+const DECODE_ABORT_TRIES: u32 = 10;
+
+/// A decode leg running on its own task: which backend it went to, and whether it answered.
+#[derive(Default)]
+struct DecodeLeg {
+    sent_to: BackendSlot,
+    answered: AtomicBool,
+}
+
+/// Dropped with the request's handler: if the client left before the decode leg answered,
+/// asks the leg's engine to abort it by the X-Request-Id it carries (kvx's engines end it where
+/// that is safe, after a KV load in progress; one still waiting for admission answers at once,
+/// and its failure gets P told to free the handoff). The leg's task waits for that answer.
+struct AbandonedDecode<'a> {
+    st: &'a Arc<ProxyState>,
+    leg: Arc<DecodeLeg>,
+    x_request_id: HeaderValue,
+}
+
+impl Drop for AbandonedDecode<'_> {
+    fn drop(&mut self) {
+        if self.leg.answered.load(Ordering::Acquire) {
+            return;
+        }
+        let (Ok(rt), Ok(id)) = (tokio::runtime::Handle::try_current(), self.x_request_id.to_str()) else {
+            return;
+        };
+        let (st, leg, id) = (self.st.clone(), self.leg.clone(), id.to_string());
+        st.metrics.decode_aborts.inc();
+        rt.spawn(async move {
+            for _ in 0..DECODE_ABORT_TRIES {
+                if leg.answered.load(Ordering::Acquire) {
+                    return;
+                }
+                // None: the leg's task has not picked its engine yet.
+                if let Some(backend) = leg.sent_to.get()
+                    && let Err(why) = post_abort(&st, &backend, &id).await
+                {
+                    tracing::debug!(backend = %backend.label, request_id = %id, "cannot abort a decode leg: {why}");
+                }
+                tokio::time::sleep(DECODE_ABORT_RETRY).await;
+            }
+        });
+    }
 }
 
 /// Answers a failed prefill: the engine's own JSON error (status kept) when it sent one,

@@ -412,6 +412,14 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         Arrival::Poisson { rate } => (rate.ceil() as u32).clamp(2, 64),
     };
     let max_tokens = lens.max();
+    if let Some(n) = s.pool_blocks
+        && !(1..=crate::layouts::compat::MAX_POOL_BLOCKS).contains(&n)
+    {
+        return Err(ConfigError::new(
+            "--pool-blocks",
+            format!("must be 1..={} blocks per rank, got {n}", crate::layouts::compat::MAX_POOL_BLOCKS),
+        ));
+    }
     let default_pool = |bs: u32| max_tokens.div_ceil(bs).saturating_mul(in_flight + 2).max(16);
     let pool_p = s.pool_blocks.unwrap_or_else(|| default_pool(p_bs));
     let pool_d = s.pool_blocks.unwrap_or_else(|| default_pool(d_bs));

@@ -105,8 +105,10 @@ pub fn resolve_hybrid(
     if let Some(l) = &args.layout {
         engine.layout = Layout::parse_for(l, args.vllm).map_err(|e| ConfigError::new("--layout", e))?;
     }
-    let g = EngineGeometry::new(&model, &engine, Side::Prefill)
-        .map_err(|e| ConfigError::new(e.flag().replace("--p-", "--"), e.to_string()))?;
+    let g = EngineGeometry::new(&model, &engine, Side::Prefill).map_err(|e| {
+        let e = ConfigError::from(e);
+        ConfigError::new(e.flag.replace("--p-", "--"), e.reason)
+    })?;
     Ok(Some((model, g, origin)))
 }
 

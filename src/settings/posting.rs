@@ -15,6 +15,9 @@ use crate::layouts::posting::{PostPath, PostRates, RateSource};
 const MAX_NS: f64 = 1e9;
 /// Highest bandwidth ceiling accepted, GB/s.
 const MAX_GBPS: f64 = 1e5;
+/// Smallest cost or ceiling accepted (1 ps per descriptor, 1 MB/s): a smaller one, down to
+/// 1e-320, would print transfer times of "inf s".
+const MIN_VALUE: f64 = 1e-3;
 const CALL_KEY: &str = "cuda-batch-call";
 
 /// The built-in rates with the given measurements in their place.
@@ -78,12 +81,14 @@ fn entries<'a>(
             return Err(ConfigError::new(flag, format!("'{key}' is given twice")));
         }
         let v: f64 =
-            value.parse().ok().filter(|v: &f64| v.is_finite() && *v > 0.0 && *v <= max).ok_or_else(|| {
-                ConfigError::new(
-                    flag,
-                    format!("{key}={value}: give a number of {unit} above 0 and up to {max}"),
-                )
-            })?;
+            value.parse().ok().filter(|v: &f64| v.is_finite() && (MIN_VALUE..=max).contains(v)).ok_or_else(
+                || {
+                    ConfigError::new(
+                        flag,
+                        format!("{key}={value}: give a number of {unit} from {MIN_VALUE} up to {max}"),
+                    )
+                },
+            )?;
         out.push((key, v));
     }
     Ok(out)
@@ -156,11 +161,14 @@ mod tests {
                 "'nccl' is not ucx, cuda-ipc, cuda-batch or cuda-batch-call",
             ),
             (list("ucx"), vec![], "--post-ns", "not KEY=NUMBER"),
-            (list("ucx=-1"), vec![], "--post-ns", "above 0"),
-            (list("ucx=NaN"), vec![], "--post-ns", "above 0"),
+            (list("ucx=-1"), vec![], "--post-ns", "from 0.001"),
+            (list("ucx=NaN"), vec![], "--post-ns", "from 0.001"),
             (list("ucx=1,ucx=2"), vec![], "--post-ns", "twice"),
             (vec![], list("cuda-batch-call=5"), "--ceiling-gbps", "is not ucx, cuda-ipc or cuda-batch"),
             (vec![], list("cuda-ipc=1e9"), "--ceiling-gbps", "up to"),
+            (vec![], list("ucx=1e-320"), "--ceiling-gbps", "from 0.001"),
+            (vec![], list("ucx=1e308"), "--ceiling-gbps", "up to"),
+            (list("ucx=1e-320"), vec![], "--post-ns", "from 0.001"),
         ];
         for (post, ceiling, flag, why) in cases {
             let e = resolve_rates(None, &post, &ceiling).expect_err(why);

@@ -1,15 +1,74 @@
 //! `kvx serve-proxy`: its flags ([`ServeProxyFlags`]: those of vLLM's `toy_proxy_server.py`
 //! and the P/D flags of vLLM's Rust router, `vllm-router --vllm-pd-disaggregation --prefill
 //! URL [BOOTSTRAP_PORT] --decode URL --policy round_robin|random|power_of_two`), resolved into
-//! the proxy's settings (`serve::proxy::ProxyConfig`). Must not bind or connect anything.
+//! the proxy's settings (`serve::proxy::ProxyConfig`); and the connection flags it shares with
+//! `kvx serve-engine` ([`ServeConnFlags`]). Must not bind or connect anything.
 
 use std::time::Duration;
 
 use clap::{ArgAction, Args};
 
+use super::parse::parse_duration;
 use crate::error::ConfigError;
 use crate::pipeline::wire::Dispatch;
+use crate::serve::conn::{ConnLimits, MAX_CONNECTIONS};
 use crate::serve::proxy::{BackendAddr, Policy, ProxyConfig};
+
+/// How long `kvx serve-engine` and `kvx serve-proxy` wait on their clients, and how many they
+/// hold at once (`serve::conn`): a client that sends nothing, or trickles its request, cannot
+/// hold a connection and its buffers for ever.
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct ServeConnFlags {
+    /// Time a client has to send a request's headers, e.g. 10s, 500ms; a connection that takes
+    /// longer (or stays idle that long between requests) is closed.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "10s")]
+    pub header_read_timeout: Duration,
+    /// Time a client has to send a request's whole body once its headers are in; a slower one
+    /// is answered 408 and its connection closed.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, default_value = "60s")]
+    pub body_read_timeout: Duration,
+    /// Connections open at once, 1 to 1048576; past it a new connection is answered 503 and
+    /// closed. Each takes a file descriptor (the process raises its open-file limit to fit).
+    #[arg(long, value_name = "N", default_value_t = crate::serve::conn::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+}
+
+impl Default for ServeConnFlags {
+    /// The flags' defaults (as clap gives them).
+    fn default() -> Self {
+        let d = ConnLimits::default();
+        Self {
+            header_read_timeout: d.header_read_timeout,
+            body_read_timeout: d.body_read_timeout,
+            max_connections: d.max_connections,
+        }
+    }
+}
+
+/// Checks the connection flags: both timeouts above zero, the cap within 1..=[`MAX_CONNECTIONS`].
+pub fn resolve_conn(a: &ServeConnFlags) -> Result<ConnLimits, ConfigError> {
+    for (flag, d) in
+        [("--header-read-timeout", a.header_read_timeout), ("--body-read-timeout", a.body_read_timeout)]
+    {
+        if d.is_zero() {
+            return Err(ConfigError::new(
+                flag,
+                "must be above zero (a client needs some time to send a request)",
+            ));
+        }
+    }
+    if !(1..=MAX_CONNECTIONS).contains(&a.max_connections) {
+        return Err(ConfigError::new(
+            "--max-connections",
+            format!("must be 1 to {MAX_CONNECTIONS} (one file descriptor each), got {}", a.max_connections),
+        ));
+    }
+    Ok(ConnLimits {
+        header_read_timeout: a.header_read_timeout,
+        body_read_timeout: a.body_read_timeout,
+        max_connections: a.max_connections,
+    })
+}
 
 /// `kvx serve-proxy`'s flags (host, port and threads are the process's own: `cli` binds and
 /// starts the runtime with them).
@@ -85,6 +144,8 @@ pub struct ServeProxyFlags {
     /// Runtime worker threads, 1 to 1024 (default: one per CPU).
     #[arg(long, value_name = "N", value_parser = super::parse::parse_threads)]
     pub threads: Option<usize>,
+    #[command(flatten, next_help_heading = "Connections")]
+    pub conn: ServeConnFlags,
 }
 
 fn seconds(flag: &str, v: f64, allow_zero: bool) -> Result<Duration, ConfigError> {
@@ -106,6 +167,13 @@ fn pair(hosts: &[String], ports: &[u16], what: &str, flags: &str) -> Result<Vec<
                 ports.len()
             ),
         ));
+    }
+    let (host_flag, port_flag) = flags.split_once('/').unwrap_or((flags, flags));
+    if let Some(h) = hosts.iter().find(|h| h.trim().is_empty() || h.contains(['/', ' ', '@', '?', '#'])) {
+        return Err(ConfigError::new(host_flag, format!("{h:?} is not a {what} host name or address")));
+    }
+    if ports.contains(&0) {
+        return Err(ConfigError::new(port_flag, format!("a {what} port must be 1..=65535, got 0")));
     }
     Ok(hosts.iter().zip(ports).map(|(h, &p)| BackendAddr { host: h.clone(), port: p }).collect())
 }
@@ -190,6 +258,7 @@ pub fn resolve(a: &ServeProxyFlags) -> Result<ProxyConfig, ConfigError> {
         health_timeout: seconds("--health-timeout", a.health_timeout, false)?,
         dispatch: a.dispatch,
         max_body_bytes: crate::settings::parse::body_limit("--max-body-size", a.max_body_size)?,
+        conn: resolve_conn(&a.conn)?,
     })
 }
 
@@ -291,6 +360,34 @@ mod tests {
         assert!(Flags::try_parse_from(v).is_err());
         let v = ["serve-proxy", "--policy", "cache_aware"];
         assert!(Flags::try_parse_from(v).is_err(), "only kvx's policies are accepted");
+    }
+
+    #[test]
+    fn connection_flags_resolve_to_typed_limits_and_bad_ones_name_the_flag() {
+        assert_eq!(parse(&[]).conn, ServeConnFlags::default(), "clap's defaults are the constants");
+        let cfg = resolve(&parse(&[])).expect("defaults");
+        assert_eq!(cfg.conn, ConnLimits::default());
+        assert_eq!(
+            (cfg.conn.header_read_timeout, cfg.conn.body_read_timeout, cfg.conn.max_connections),
+            (Duration::from_secs(10), Duration::from_secs(60), 4096)
+        );
+        let a =
+            parse(&["--header-read-timeout", "500ms", "--body-read-timeout", "2m", "--max-connections", "8"]);
+        let cfg = resolve(&a).expect("valid");
+        assert_eq!(cfg.conn.header_read_timeout, Duration::from_millis(500));
+        assert_eq!(cfg.conn.body_read_timeout, Duration::from_secs(120));
+        assert_eq!(cfg.conn.max_connections, 8);
+        for (args, flag) in [
+            (&["--header-read-timeout", "0s"][..], "--header-read-timeout"),
+            (&["--body-read-timeout", "0"][..], "--body-read-timeout"),
+            (&["--max-connections", "0"][..], "--max-connections"),
+            (&["--max-connections", "1048577"][..], "--max-connections"),
+        ] {
+            let e = resolve(&parse(args)).expect_err("invalid");
+            assert_eq!(e.flag, flag, "{args:?}: {e}");
+        }
+        let v = ["serve-proxy", "--header-read-timeout", "soon"];
+        assert!(Flags::try_parse_from(v).is_err(), "a duration, as --timeout takes it");
     }
 
     #[test]

@@ -48,6 +48,9 @@ pub fn resolve_model(args: &ModelFlags) -> Result<ModelShape, ConfigError> {
         overridden.push(format!("dtype={}", shape.dtype));
     }
     if let Some(n) = args.mla_dim {
+        if n == 0 || n > 65_536 {
+            return Err(ConfigError::new("--mla-dim", format!("must be 1..=65536 elements, got {n}")));
+        }
         shape.mla = Some(Mla { kv_lora_rank: n, qk_rope_head_dim: 0 });
         overridden.push(format!("mla={n}"));
     } else if args.mla && shape.mla.is_none() {

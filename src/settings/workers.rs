@@ -237,6 +237,8 @@ pub struct ServeEngineFlags {
     /// Runtime worker threads, 1 to 1024 (default: one per CPU).
     #[arg(long, value_name = "N", value_parser = super::parse::parse_threads)]
     pub threads: Option<usize>,
+    #[command(flatten, next_help_heading = "Connections")]
+    pub conn: super::proxy::ServeConnFlags,
     #[command(flatten)]
     pub model: ModelFlags,
     /// Which vLLM release's rules to follow: 0.33 or 0.19 [default: 0.33].
@@ -347,6 +349,25 @@ pub struct ServeEngineSettings {
 }
 
 /// A bind address for ZMQ, which does not resolve host names when binding.
+/// A side-channel host ZMQ can bind: an IP address, `*`, an interface of this host, or a
+/// name that resolves (said here, naming the flag, rather than as a worker's ZMQ error).
+fn check_side_channel_host(host: &str) -> Result<(), ConfigError> {
+    let ok = host == "*"
+        || host.parse::<std::net::IpAddr>().is_ok()
+        || (!host.is_empty()
+            && !host.contains(['/', '\0'])
+            && std::path::Path::new("/sys/class/net").join(host).exists())
+        || std::net::ToSocketAddrs::to_socket_addrs(&(host, 0)).is_ok_and(|mut a| a.next().is_some());
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            "--side-channel-host",
+            format!("{host:?} is not an IP address, `*`, an interface of this host or a name that resolves"),
+        ))
+    }
+}
+
 fn bind_host(host: &str) -> String {
     if host == "localhost" { "127.0.0.1".to_string() } else { host.to_string() }
 }
@@ -403,6 +424,7 @@ pub fn resolve_serve_engine(
         max_num_seqs: a.max_num_seqs,
         eos_at: a.eos_at,
         max_body_bytes,
+        conn: super::proxy::resolve_conn(&a.conn)?,
     };
     if a.kv_backend == KvBackendKind::Null {
         // The KV workers' flags size and steer workers that a null backend never starts.
@@ -604,11 +626,14 @@ fn finish_serve_engine(
     let mode = a.mode.unwrap_or_default();
     let inflight = check_inflight(a.inflight)?;
     check_kv_buffer(a.kv_buffer_device, mode, TransportKind::Ucx)?;
-    if a.lease.is_zero() || a.timeout.is_zero() {
-        return Err(ConfigError::new("--lease", "--lease and --timeout must be longer than 0"));
+    for (d, flag) in [(a.lease, "--lease"), (a.timeout, "--timeout")] {
+        if d.is_zero() {
+            return Err(ConfigError::new(flag, "must be longer than 0"));
+        }
     }
     let exe =
         exe.clone().map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
+    check_side_channel_host(&a.side_channel_host)?;
     let host = bind_host(&a.side_channel_host);
     // `--device N` is `--devices N`.
     let mem = resolve_mem(a.mem, a.devices.clone().or(a.device.map(|d| vec![d])))?;
@@ -720,6 +745,7 @@ mod tests {
             side_channel_port: 0,
             kv_backend: KvBackendKind::Workers,
             threads: None,
+            conn: crate::settings::proxy::ServeConnFlags::default(),
             model: ModelFlags { model: Some("llama-3.1-8b".into()), ..ModelFlags::default() },
             vllm: None,
             layout: None,

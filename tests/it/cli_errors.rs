@@ -315,3 +315,80 @@ fn input_files_that_are_devices_are_refused_at_once() {
     assert_eq!(out.status.code(), Some(2), "gate: {stderr}");
     assert!(stderr.contains("not a regular file"), "gate says what is wrong: {stderr}");
 }
+
+/// Issue 47: each error names the flag the user typed, once: `--pool-blocks` (was "change
+/// --p-num-blocks", not a bench flag), `--mla-dim` (was `--mla`), `--timeout` (was
+/// `--lease`), `--ucx-tls` (was ucp_init's status from a worker), `--side-channel-host` (was a
+/// worker's ZMQ error), `--ceiling-gbps` of 1e-320 (was accepted: "inf s"), and a refusal by
+/// vLLM's rules or an oversized model state (was "(change --block-size)" twice); an empty
+/// proxy backend host and port 0 (were accepted).
+#[test]
+fn errors_name_the_flag_the_user_typed_once() {
+    let dir = tempfile::tempdir().expect("dir");
+    let fixture = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hybrid-model-tiny.toml"
+    ))
+    .expect("fixture");
+    let huge_state = dir.path().join("huge-state.toml");
+    std::fs::write(&huge_state, fixture.replace("d_state = 16", "d_state = 4294967295")).expect("write");
+    let huge_state = huge_state.display().to_string();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["bench", "--pool-blocks", "0", "--requests", "1"], "--pool-blocks"),
+        (vec!["bench", "--pool-blocks", "4294967295", "--requests", "1"], "--pool-blocks"),
+        (vec!["bench", "--mla-dim", "0", "--requests", "1"], "--mla-dim"),
+        (vec!["plan", "--mla-dim", "4294967295", "--prompt-len", "64"], "--mla-dim"),
+        (vec!["serve-engine", "--role", "decode", "--timeout", "0", "--port", "0"], "--timeout"),
+        (
+            vec!["serve-engine", "--role", "prefill", "--side-channel-host", "ü日本", "--port", "0"],
+            "--side-channel-host",
+        ),
+        (vec!["bench", "--ucx-tls", "0", "--requests", "1", "--no-calibrate"], "--ucx-tls"),
+        (
+            vec!["plan", "--model", "llama-3.1-8b", "--prompt-len", "64", "--ceiling-gbps", "ucx=1e-320"],
+            "--ceiling-gbps",
+        ),
+        (
+            vec!["plan", "--model", "llama-3.1-8b", "--prompt-len", "64", "--post-ns", "ucx=1e308"],
+            "--post-ns",
+        ),
+        (vec!["plan", "--model", "gemma-3-4b", "--prompt-len", "64", "--block-size", "4"], "--block-size"),
+        (vec!["layout", "--model", &huge_state], "--block-size"),
+        (
+            vec![
+                "serve-proxy",
+                "--prefiller-hosts",
+                "",
+                "--prefiller-ports",
+                "8100",
+                "--decoder-hosts",
+                "d",
+                "--decoder-ports",
+                "8200",
+            ],
+            "--prefiller-hosts",
+        ),
+        (
+            vec![
+                "serve-proxy",
+                "--prefiller-hosts",
+                "p",
+                "--prefiller-ports",
+                "0",
+                "--decoder-hosts",
+                "d",
+                "--decoder-ports",
+                "8200",
+            ],
+            "--prefiller-ports",
+        ),
+    ];
+    for (args, flag) in cases {
+        let out = kvx().args(&args).env("RUST_BACKTRACE", "0").output().expect("kvx runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(&format!("(change {flag})")), "{args:?} names {flag}: {stderr}");
+        assert_eq!(stderr.matches("change --").count(), 1, "{args:?} names one flag, once: {stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("rank 0 died"), "{args:?}: {stderr}");
+    }
+}

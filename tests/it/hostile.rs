@@ -90,7 +90,9 @@ proptest! {
 /// Counts past their bound are refused before anything is built for them: `--threads` of a
 /// serving or load process (a runtime of 2^32 threads aborted with "memory allocation of
 /// 34359738360 bytes failed", exit 134), and a plan's pools of 2^32 blocks under
-/// `--alloc random` (which listed every block of the pool first, exit 134).
+/// `--alloc random` (which listed every block of the pool first, exit 134); a bench's pool
+/// and block size, a layout's pool past 2^64, a ceiling of 1e308 GB/s. Each under a 4 GiB
+/// address-space cap, and a model file of 10^6 layers within 1 s.
 #[test]
 fn counts_past_their_bound_are_refused_before_any_work() {
     let cases: [(&[&str], &str); 5] = [
@@ -128,13 +130,58 @@ fn counts_past_their_bound_are_refused_before_any_work() {
             "--d-num-blocks",
         ),
     ];
-    for (args, flag) in cases {
-        let out = kvx().args(args).env("RUST_BACKTRACE", "0").output().expect("kvx runs");
+    let more: [(&[&str], &str); 5] = [
+        (&["bench", "--pool-blocks", "4294967295", "--requests", "1"], "--pool-blocks"),
+        (&["bench", "--block-size", "4294967295", "--requests", "1"], "--block-size"),
+        (&["bench", "--model", "gemma-3-4b", "--hma", "off", "--block-size", "4294967295"], "--block-size"),
+        (&["layout", "--model", "llama-3.1-405b", "--num-blocks", "18446744073709551616"], "--num-blocks"),
+        (
+            &["plan", "--model", "llama-3.1-8b", "--prompt-len", "64", "--ceiling-gbps", "ucx=1e308"],
+            "--ceiling-gbps",
+        ),
+    ];
+    for (args, flag) in cases.into_iter().chain(more) {
+        // Under a 4 GiB address-space cap: a count that reached an allocation would abort.
+        let out = assert_cmd::Command::new("bash")
+            .args(["-c", "ulimit -v 4194304 && exec \"$0\" \"$@\""])
+            .arg(crate::procs::kvx_path())
+            .args(args)
+            .env("RUST_BACKTRACE", "0")
+            .timeout(std::time::Duration::from_secs(60))
+            .output()
+            .expect("kvx runs");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(
             stderr.contains(flag) && !stderr.contains("memory allocation"),
             "{args:?} names {flag}: {stderr}"
         );
+    }
+}
+
+/// A model file of 10^6 layers is refused at once (exit 2 within 1 s, naming the file), as
+/// `--layers` past its bound is: it kept `layout`, `plan` and `topo` busy past 60 s.
+#[test]
+fn a_model_file_of_a_million_layers_is_refused_within_1_s() {
+    let dir = tempfile::tempdir().expect("dir");
+    let fixture = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hybrid-model-tiny.toml"
+    ))
+    .expect("fixture");
+    let layers = vec!["\"full+mamba2\""; 1_000_000].join(",");
+    let start = fixture.find("layers = [").expect("layers");
+    let end = start + fixture[start..].find(']').expect("]") + 1;
+    let big = dir.path().join("big.toml");
+    std::fs::write(&big, format!("{}layers = [{layers}]{}", &fixture[..start], &fixture[end..]))
+        .expect("write");
+    for cmd in [&["layout"][..], &["plan", "--prompt-len", "64"], &["topo"]] {
+        let t = std::time::Instant::now();
+        let out = kvx().args(cmd).arg("--model").arg(&big).output().expect("kvx runs");
+        let took = t.elapsed();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{cmd:?}: {stderr}");
+        assert!(stderr.contains("4096 layers") && stderr.contains("(change --model)"), "{cmd:?}: {stderr}");
+        assert!(took < std::time::Duration::from_secs(1), "{cmd:?} took {took:?}");
     }
 }

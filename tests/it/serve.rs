@@ -22,6 +22,7 @@ use kvx::serve::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
+use wait_timeout::ChildExt as _;
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/serve");
 const HARD_TIMEOUT: Duration = Duration::from_secs(30);
@@ -1417,6 +1418,229 @@ async fn load_says_when_pacing_is_off_and_shows_progress_on_a_terminal() {
         let tty = String::from_utf8_lossy(&out.stdout);
         assert!(tty.contains("requests ok "), "no progress bar on a terminal:\n{tty}");
         assert!(tty.contains("| ttft p50 "), "{tty}");
+    })
+    .await;
+}
+
+/// Polls a metric of a server in another process until `cond` holds (every 20 ms, up to
+/// `limit`) and returns how long that took: a value behind an HTTP scrape has no change
+/// notification to wait on.
+async fn wait_remote_metric(url: &str, name: &str, limit: Duration, cond: impl Fn(f64) -> bool) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let (_, _, m) = send("GET", url, &[], "").await;
+        let v = metric(&m, name);
+        if cond(v) {
+            return t0.elapsed();
+        }
+        assert!(t0.elapsed() < limit, "{name} is still {v} after {limit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Reads until the peer closes (or resets) the connection, for at most `limit`: what was
+/// read, or `None` when the connection was still open at the limit.
+async fn read_until_closed(sock: &mut tokio::net::TcpStream, limit: Duration) -> Option<String> {
+    let mut got = Vec::new();
+    let read = async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match sock.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(limit, read).await.ok()?;
+    Some(String::from_utf8_lossy(&got).into_owned())
+}
+
+/// `GET path` on a new connection that asks to be closed after the answer; the whole answer
+/// (empty when the server closed without one). Fails if the connection is still open after 5 s.
+async fn get_closing(addr: SocketAddr, path: &str) -> String {
+    let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let req = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n");
+    // A server refusing the connection may close it before the request is written.
+    let _ = sock.write_all(req.as_bytes()).await;
+    read_until_closed(&mut sock, Duration::from_secs(5))
+        .await
+        .unwrap_or_else(|| panic!("GET {path} on {addr}: connection still open after 5 s"))
+}
+
+/// Starts a null-KV decode engine and a proxy in front of it (health checks off, so the proxy
+/// opens no connection of its own), both with `extra` flags.
+fn engine_and_proxy(extra: &[&str]) -> (Proc, Proc) {
+    let d = spawn_kvx(
+        &[
+            &[
+                "serve-engine",
+                "--role",
+                "decode",
+                "--port",
+                "0",
+                "--model-name",
+                "stub-model",
+                "--kv-backend",
+                "null",
+            ],
+            extra,
+        ]
+        .concat(),
+    );
+    let dp = d.addr.port().to_string();
+    let x = spawn_kvx(
+        &[
+            &["serve-proxy", "--port", "0", "--prefiller-host", "127.0.0.1", "--prefiller-port", &dp][..],
+            &["--decoder-host", "127.0.0.1", "--decoder-port", &dp, "--health-interval", "0"],
+            extra,
+        ]
+        .concat(),
+    );
+    (d, x)
+}
+
+/// Issue 47 item 7: a non-streaming client that leaves through the proxy ends the decode
+/// engine's generation. A non-streaming decode engine answers only when its generation ends,
+/// so the proxy is still waiting for the decode leg's response headers when the client goes:
+/// the leg must not outlive the client's connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streaming_client_disconnect_through_the_proxy_stops_decode() {
+    within(async {
+        let p = spawn_kvx(&[
+            "serve-engine",
+            "--role",
+            "prefill",
+            "--port",
+            "0",
+            "--model-name",
+            "stub-model",
+            "--kv-backend",
+            "null",
+        ]);
+        // 1,000 tokens 20 ms apart: 20 s of generation, far past every deadline below.
+        let d = spawn_kvx(&[
+            "serve-engine",
+            "--role",
+            "decode",
+            "--port",
+            "0",
+            "--model-name",
+            "stub-model",
+            "--itl-ms",
+            "20",
+            "--kv-backend",
+            "null",
+        ]);
+        let (pp, dp) = (p.addr.port().to_string(), d.addr.port().to_string());
+        let x = spawn_kvx(&[
+            "serve-proxy",
+            "--port",
+            "0",
+            "--prefiller-host",
+            "127.0.0.1",
+            "--prefiller-port",
+            &pp,
+            "--decoder-host",
+            "127.0.0.1",
+            "--decoder-port",
+            &dp,
+            "--health-interval",
+            "0",
+        ]);
+        let d_metrics = format!("http://{}/metrics", d.addr);
+        let running = "vllm:num_requests_running{model_name=\"stub-model\",engine=\"0\"}";
+        let aborted =
+            "vllm:request_success_total{model_name=\"stub-model\",engine=\"0\",finished_reason=\"abort\"}";
+        let body = r#"{"model":"stub-model","prompt":"a b","max_tokens":1000}"#;
+        let sock = raw_request(x.addr, "/v1/completions", body, None).await;
+        wait_remote_metric(&d_metrics, running, Duration::from_secs(5), |v| v == 1.0).await;
+        drop(sock);
+        let took = wait_remote_metric(&d_metrics, running, Duration::from_secs(1), |v| v == 0.0).await;
+        eprintln!("decode's num_requests_running back to 0 {took:?} after the client left");
+        wait_remote_metric(&d_metrics, aborted, Duration::from_secs(1), |v| v == 1.0).await;
+        let x_metrics = format!("http://{}/metrics", x.addr);
+        wait_remote_metric(&x_metrics, "kvx:proxy_client_disconnects_total", Duration::from_secs(1), |v| {
+            v == 1.0
+        })
+        .await;
+    })
+    .await;
+}
+
+/// Issue 47 item 7: a client that sends part of a request and then nothing is cut off, by the
+/// proxy and by an engine: a partial header line within --header-read-timeout, a partial body
+/// within --body-read-timeout (answered 408, naming the flag).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_partial_requests_are_closed_within_the_read_timeouts() {
+    within(async {
+        let (d, x) = engine_and_proxy(&["--header-read-timeout", "1s", "--body-read-timeout", "1s"]);
+        for (what, addr) in [("proxy", x.addr), ("engine", d.addr)] {
+            let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            sock.write_all(b"GET /health HTTP/1.1\r\nhost: kvx\r\nx-slow: ").await.expect("write");
+            let t0 = Instant::now();
+            let got = read_until_closed(&mut sock, Duration::from_secs(4))
+                .await
+                .unwrap_or_else(|| panic!("{what}: a partial header line still open after 4 s"));
+            assert!(!got.starts_with("HTTP/1.1 2"), "{what}: {got}");
+            eprintln!("{what}: partial header closed after {:?}", t0.elapsed());
+
+            let mut sock = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            let head = "POST /v1/completions HTTP/1.1\r\nhost: kvx\r\ncontent-type: application/json\r\n\
+                        content-length: 100\r\n\r\n{\"prompt\":";
+            sock.write_all(head.as_bytes()).await.expect("write");
+            let t0 = Instant::now();
+            let got = read_until_closed(&mut sock, Duration::from_secs(4))
+                .await
+                .unwrap_or_else(|| panic!("{what}: a partial body still open after 4 s"));
+            assert!(got.starts_with("HTTP/1.1 408"), "{what}: {got}");
+            assert!(got.contains("--body-read-timeout"), "{what}: {got}");
+            eprintln!("{what}: partial body answered 408 and closed after {:?}", t0.elapsed());
+        }
+    })
+    .await;
+}
+
+/// Issue 47 item 7: past --max-connections a new connection is answered 503 (or closed) at
+/// once, by the proxy and by an engine, and once the held connections go the server answers
+/// again. A graceful stop (SIGTERM, exit 0 within 2 s) is not held up by a client stuck in
+/// its request headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_are_refused_until_the_held_ones_go() {
+    within(async {
+        let (d, x) = engine_and_proxy(&["--max-connections", "8", "--header-read-timeout", "30s"]);
+        for (what, addr) in [("proxy", x.addr), ("engine", d.addr)] {
+            // Accepted in the order they connected: these 8 fill the cap.
+            let mut held = Vec::new();
+            for _ in 0..8 {
+                held.push(tokio::net::TcpStream::connect(addr).await.expect("connect"));
+            }
+            let answer = get_closing(addr, "/health").await;
+            assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 503"), "{what}: {answer}");
+            assert!(answer.is_empty() || answer.contains("--max-connections"), "{what}: {answer}");
+            drop(held);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let answer = get_closing(addr, "/health").await;
+                if answer.starts_with("HTTP/1.1 200") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{what}: still refused after the held connections went: {answer}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        for (what, mut proc) in [("proxy", x), ("engine", d)] {
+            let mut stuck = tokio::net::TcpStream::connect(proc.addr).await.expect("connect");
+            stuck.write_all(b"GET /health HTTP/1.1\r\nhost: kvx\r\nx-slow: ").await.expect("write");
+            let _ = Command::new("kill").args(["-s", "TERM", &proc.child.id().to_string()]).status();
+            let status = tokio::task::block_in_place(|| proc.child.wait_timeout(Duration::from_secs(2)))
+                .expect("wait")
+                .unwrap_or_else(|| panic!("{what} still running 2 s after SIGTERM"));
+            assert!(status.success(), "{what}: {status}");
+            drop(stuck);
+        }
     })
     .await;
 }

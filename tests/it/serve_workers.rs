@@ -811,6 +811,65 @@ async fn clients_that_leave_anywhere_release_every_block_within_a_second() {
     .await;
 }
 
+/// Issue 47 item 7 with real KV: 300 non-streaming clients that leave at random points
+/// (while sending, during the prefill leg, between the legs, during the generation), 16 at a
+/// time. A non-streaming decode engine answers only at the end of its generation, so the proxy
+/// has it aborted by X-Request-Id instead of waiting (or dropping the leg under a KV load):
+/// within 1 s of the last client nothing runs on the decode engine and no block is held on
+/// either engine, no block was freed under a read, and none went by lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streaming_clients_that_leave_anywhere_stop_decode_and_release_every_block() {
+    within(async {
+        let p = engine("prefill", "2", &["--lease", "30s", "--prefill-tokens-per-s", "2000"]).await;
+        let d = engine("decode", "2", &["--itl-ms", "20"]).await;
+        let x = proxy(&p, &d);
+        // 20 tokens 20 ms apart: most clients leave while the decode engine generates.
+        let body = format!(r#"{{"prompt":"{}","max_tokens":20}}"#, words(40));
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..300u32 {
+            if set.len() == 16 {
+                set.join_next().await.expect("task").expect("join");
+            }
+            let (r, partial) = (next(), i % 10 == 9);
+            let after = Duration::from_micros(r % 400_000);
+            let (addr, body) = (x.addr, body.clone());
+            set.spawn(async move { drop_at(addr, &body, partial, after).await });
+        }
+        while let Some(r) = set.join_next().await {
+            r.expect("join");
+        }
+        let last = Instant::now();
+        let running = "vllm:num_requests_running{model_name=\"stub-model\",engine=\"0\"}";
+        wait_metric(&d.url("/metrics"), running, Duration::from_secs(1), |v| v == 0.0).await;
+        let held = format!("kvx:kv_blocks_held{P_LABELS}");
+        wait_metric(&p.url("/metrics"), &held, Duration::from_secs(1), |v| v == 0.0).await;
+        let in_use = format!("kvx:kv_blocks_in_use{D_LABELS}");
+        wait_metric(&d.url("/metrics"), &in_use, Duration::from_secs(1), |v| v == 0.0).await;
+        assert!(
+            last.elapsed() < Duration::from_millis(1500),
+            "stopped and released within a second of the last drop"
+        );
+        let (_, _, dm) = send("GET", &d.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&dm, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0, "{dm}");
+        let aborted =
+            "vllm:request_success_total{model_name=\"stub-model\",engine=\"0\",finished_reason=\"abort\"}";
+        assert!(metric(&dm, aborted) >= 50.0, "generations cut short: {dm}");
+        let (_, _, pm) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&pm, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0, "{pm}");
+        assert_eq!(metric(&pm, &format!("kvx:kv_blocks_in_use{P_LABELS}")), 0.0, "{pm}");
+        let (_, _, xm) = send("GET", &x.url("/metrics"), &[], "").await;
+        assert!(metric(&xm, "kvx:proxy_decode_aborts_total") >= 50.0, "{xm}");
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_serve_serves_vllm_metrics_while_it_runs() {
     within(async {

@@ -136,6 +136,10 @@ impl From<HybridError> for ConfigError {
         // A config error names its flag itself: the reason without the "(change FLAG)" tail.
         match e {
             HybridError::Request { flag, reason } => ConfigError::new(flag, reason),
+            HybridError::Refused(r) => ConfigError::new(
+                r.flag.clone(),
+                format!("vLLM 0.33 refuses this pair: {} [{}]; {}", r.vllm_message, r.vllm_site, r.hint),
+            ),
             HybridError::Unsupported { what, flag } => {
                 ConfigError::new(flag, format!("{what} is not modelled by kvx's hybrid planner"))
             }

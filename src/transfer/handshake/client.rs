@@ -251,12 +251,22 @@ impl HandshakeClient {
                                     waited,
                                     attempts: total_attempts,
                                 },
-                                Transient::NoReply => HandshakeError::NoReply {
-                                    endpoint: endpoint.to_owned(),
-                                    pp_rank,
-                                    tp_rank,
-                                    waited,
-                                    attempts: total_attempts,
+                                // ZMQ queues a request for a peer it never reached as it does
+                                // for one that stays silent: a TCP connect tells them apart.
+                                Transient::NoReply => match tcp_unreachable(endpoint) {
+                                    Some(why) => HandshakeError::Unreachable {
+                                        endpoint: endpoint.to_owned(),
+                                        why,
+                                        waited,
+                                        attempts: total_attempts,
+                                    },
+                                    None => HandshakeError::NoReply {
+                                        endpoint: endpoint.to_owned(),
+                                        pp_rank,
+                                        tp_rank,
+                                        waited,
+                                        attempts: total_attempts,
+                                    },
                                 },
                             });
                         }
@@ -394,4 +404,24 @@ fn check_reply(
         latency: raw.latency,
         attempts: raw.attempts,
     })
+}
+
+/// Why a `tcp://HOST:PORT` endpoint cannot be reached by TCP (`connect timed out`, `no route
+/// to host`, `connection refused`, a name that does not resolve), or `None` when a connection
+/// opens (or the endpoint is not TCP).
+fn tcp_unreachable(endpoint: &str) -> Option<String> {
+    let addr = endpoint.strip_prefix("tcp://")?;
+    let addrs: Vec<std::net::SocketAddr> = match std::net::ToSocketAddrs::to_socket_addrs(addr) {
+        Ok(a) => a.collect(),
+        Err(e) => return Some(format!("{addr} does not resolve: {e}")),
+    };
+    let mut last = None;
+    for a in &addrs {
+        match std::net::TcpStream::connect_timeout(a, Duration::from_secs(1)) {
+            Ok(_) => return None,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => last = Some("connect timed out".to_owned()),
+            Err(e) => last = Some(e.to_string()),
+        }
+    }
+    last
 }

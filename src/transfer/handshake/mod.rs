@@ -57,6 +57,10 @@ pub enum HandshakeError {
         "{endpoint} accepted the connection but sent no reply for (pp_rank {pp_rank}, tp_rank {tp_rank}) within {waited:?} ({attempts} attempts); a vLLM 0.19 engine does not answer 0.33 requests for ranks it lacks: check the rank and the framing"
     )]
     NoReply { endpoint: String, pp_rank: u32, tp_rank: u32, waited: Duration, attempts: u32 },
+    #[error(
+        "{endpoint} cannot be reached: {why} (no reply after {waited:?}, {attempts} attempts): is the address right, and is there a route to it?"
+    )]
+    Unreachable { endpoint: String, why: String, waited: Duration, attempts: u32 },
     #[error("{endpoint} refused the request: {message}")]
     PeerError { endpoint: String, message: String },
     #[error("{}", mismatch_message(.endpoint, .local, .remote, .diffs.as_deref()))]
