@@ -520,8 +520,19 @@ pub fn resolve_hybrid_scenario(args: &PlanFlags) -> Result<Option<HybridCase>, C
     let Some(path) = &args.scenario else { return Ok(None) };
     let text = crate::input::read_text(path)
         .map_err(|e| ConfigError::new("--scenario", format!("cannot read {}: {e}", path.display())))?;
-    // Not JSON at all: the uniform scenario reader says what is wrong with it.
-    let Ok(doc) = serde_json::from_str::<serde_json::Value>(&text) else { return Ok(None) };
+    let doc = match serde_json::from_str::<serde_json::Value>(&text) {
+        Ok(doc) => doc,
+        // JSON that stops short (a file cut off): say where it ends, not what a reader of a
+        // shorter document would miss.
+        Err(e) if e.is_eof() => {
+            return Err(ConfigError::new(
+                "--scenario",
+                format!("{}: the file ends early, inside its JSON ({e}): it is cut off", path.display()),
+            ));
+        }
+        // Not JSON at all: the uniform scenario reader says what is wrong with it.
+        Err(_) => return Ok(None),
+    };
     if !hybrid_case::is_hybrid_case(&doc) {
         return Ok(None);
     }

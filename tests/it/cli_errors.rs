@@ -392,3 +392,26 @@ fn errors_name_the_flag_the_user_typed_once() {
         assert!(!stderr.contains("panicked") && !stderr.contains("rank 0 died"), "{args:?}: {stderr}");
     }
 }
+
+/// Issue 47: a hybrid scenario cut off anywhere says that the file ends early (it said
+/// "missing field `num_layers`", a field the cut-off document has, further on).
+#[test]
+fn a_cut_off_scenario_says_the_file_ends_early() {
+    let dir = tempfile::tempdir().expect("dir");
+    let whole = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hybrid-case-nemotronh-p1-d2.json"
+    ))
+    .expect("fixture");
+    for cut in [100, whole.len() / 2, whole.len() - 10] {
+        let path = dir.path().join(format!("cut-{cut}.json"));
+        std::fs::write(&path, &whole[..cut]).expect("write");
+        let out = kvx().args(["plan", "--scenario"]).arg(&path).output().expect("kvx runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "cut at {cut}: {stderr}");
+        assert!(
+            stderr.contains("ends early") && stderr.contains("(change --scenario)"),
+            "cut at {cut}: {stderr}"
+        );
+    }
+}
