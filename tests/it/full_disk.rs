@@ -69,14 +69,18 @@ fn a_load_run_past_the_file_size_limit_keeps_every_row() {
     let mut engine = Command::new(kvx_path());
     engine.args(["serve-engine", "--role", "decode", "--port", "0", "--kv-backend", "null", "--itl-ms", "0"]);
     let engine = Spawned::start("engine", engine);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let addr = loop {
-        if let Some(a) = engine.stdout_so_far().lines().next().and_then(|l| l.strip_prefix("listening on ")) {
-            break a.trim().to_string();
-        }
-        assert!(std::time::Instant::now() < deadline, "engine never listened:\n{}", engine.stderr());
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let listening = engine
+        .wait_stdout(Duration::from_secs(30), |t| {
+            t.lines().next().is_some_and(|l| l.starts_with("listening on "))
+        })
+        .unwrap_or_else(|| panic!("engine never listened:\n{}", engine.stderr()));
+    let addr = listening
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("listening on "))
+        .expect("address")
+        .trim()
+        .to_string();
     let results = tempfile::tempdir().expect("results");
     // 8 KiB per file: room for a few dozen of the 300 rows.
     let script = format!(

@@ -42,6 +42,8 @@ pub struct Spawned {
     stderr: Arc<Mutex<String>>,
     stdout: Arc<Mutex<Vec<u8>>>,
     stdout_done: mpsc::Receiver<()>,
+    /// Signalled each time stdout grows.
+    stdout_grew: mpsc::Receiver<()>,
     stderr_done: mpsc::Receiver<()>,
 }
 
@@ -65,6 +67,7 @@ impl Spawned {
         });
         let stdout = Arc::new(Mutex::new(Vec::new()));
         let (done_tx, stdout_done) = mpsc::channel();
+        let (grew_tx, stdout_grew) = mpsc::channel();
         let buf = stdout.clone();
         std::thread::spawn(move || {
             let mut chunk = [0u8; 65536];
@@ -73,6 +76,7 @@ impl Spawned {
                     break;
                 }
                 buf.lock().expect("stdout").extend_from_slice(&chunk[..n]);
+                let _ = grew_tx.send(());
             }
             let _ = done_tx.send(());
         });
@@ -91,6 +95,7 @@ impl Spawned {
             stderr,
             stdout,
             stdout_done,
+            stdout_grew,
             stderr_done,
         }
     }
@@ -136,6 +141,20 @@ impl Spawned {
     /// What the process wrote to stdout so far (without waiting for it to close stdout).
     pub fn stdout_so_far(&self) -> String {
         String::from_utf8_lossy(&self.stdout.lock().expect("stdout")).into_owned()
+    }
+
+    /// Waits (on each write to stdout, at most `timeout`) until what stdout holds satisfies
+    /// `pred`; returns that text.
+    pub fn wait_stdout(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let text = self.stdout_so_far();
+            if pred(&text) {
+                return Some(text);
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            self.stdout_grew.recv_timeout(left).ok()?;
+        }
     }
 
     /// Everything the process wrote to stderr so far.

@@ -147,10 +147,12 @@ fn every_subcommand_is_classified() {
     );
 }
 
-/// A loopback listener that accepts connections and never answers (counted, held open).
+/// A loopback listener that accepts connections and never answers (counted, held open; each
+/// accept is also sent on `events`).
 struct Silent {
     addr: String,
     accepted: Arc<AtomicUsize>,
+    events: std::sync::mpsc::Receiver<()>,
 }
 
 impl Silent {
@@ -159,18 +161,21 @@ impl Silent {
         let addr = listener.local_addr().expect("addr").to_string();
         let accepted = Arc::new(AtomicUsize::new(0));
         let count = Arc::clone(&accepted);
+        let (tx, events) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let mut held = Vec::new();
             for s in listener.incoming().flatten() {
                 held.push(s);
                 count.fetch_add(1, Ordering::SeqCst);
+                let _ = tx.send(());
             }
         });
-        Silent { addr, accepted }
+        Silent { addr, accepted, events }
     }
 }
 
-/// Polls `cond` every 10 ms until it holds or `timeout` passes.
+/// Polls `cond` every 10 ms until it holds or `timeout` passes: for `/proc`, where processes
+/// that are not our children give no event to wait on.
 fn poll_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
@@ -195,8 +200,17 @@ fn one(name: &str, to_group: bool, sig: i32) -> Result<(), String> {
     let mut run = Spawned::start(&case, cmd);
     let ready = match long.ready {
         Ready::StderrLine(prefix) => run.wait_line(HARD, |l| l.starts_with(prefix)).is_some(),
-        Ready::Stdout(needle) => poll_until(HARD, || run.stdout_so_far().contains(needle)),
-        Ready::Connections(n) => poll_until(HARD, || silent.accepted.load(Ordering::SeqCst) >= n),
+        Ready::Stdout(needle) => run.wait_stdout(HARD, |t| t.contains(needle)).is_some(),
+        Ready::Connections(n) => {
+            let deadline = Instant::now() + HARD;
+            while silent.accepted.load(Ordering::SeqCst) < n {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if silent.events.recv_timeout(left).is_err() {
+                    break;
+                }
+            }
+            silent.accepted.load(Ordering::SeqCst) >= n
+        }
         Ready::Descendant(a, b) => poll_until(HARD, || {
             descendants_of(run.pid).iter().any(|p| p.argv.windows(2).any(|w| w[0] == a && w[1] == b))
         }),
