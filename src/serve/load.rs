@@ -982,16 +982,9 @@ async fn join_all<T: 'static>(set: &mut tokio::task::JoinSet<T>) {
 
 /// Sleeps until `at`; `false` if an interrupt came first.
 async fn sleep_until_unless_interrupted(at: Instant) -> bool {
-    let sleep = tokio::time::sleep_until(at.into());
-    tokio::pin!(sleep);
-    loop {
-        if crate::interrupt::requested().is_some() {
-            return false;
-        }
-        tokio::select! {
-            () = &mut sleep => return true,
-            () = tokio::time::sleep(INTERRUPT_POLL) => {}
-        }
+    tokio::select! {
+        () = tokio::time::sleep_until(at.into()) => crate::interrupt::requested().is_none(),
+        () = until_interrupted() => false,
     }
 }
 
