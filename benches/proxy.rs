@@ -11,11 +11,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
 use http_body_util::{BodyExt as _, Full};
+use kvx::config::serve::EngineIdentity;
+use kvx::config::serve::HttpEngineConfig;
+use kvx::config::serve::{BackendAddr, ProxyConfig};
 use kvx::serve::client::{HttpClient, http_client};
-use kvx::serve::http_engine::{self, EngineState, HttpEngineConfig, Role};
-use kvx::serve::kv::{EngineIdentity, NullKv};
-use kvx::serve::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
+use kvx::serve::http_engine::{self, EngineState};
+use kvx::serve::kv::NullKv;
+use kvx::serve::proxy::{self, ProxyState};
 use kvx::serve::rewrite::{self, RawObject};
+use kvx::vocab::kinds::Role;
 use tokio::net::TcpListener;
 
 const BODY: &str = r#"{"model":"stub-model","prompt":"w0 w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15","max_tokens":4,"ignore_eos":true}"#;

@@ -47,6 +47,8 @@ pub mod cli;
 #[forbid(unsafe_code)]
 pub mod clock;
 #[forbid(unsafe_code)]
+pub mod config;
+#[forbid(unsafe_code)]
 pub mod diagnose;
 pub mod error;
 #[forbid(unsafe_code)]

@@ -85,7 +85,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
 fn compare(
     format: Format,
     what: Compared,
-    runs: &[bench::BenchSettings],
+    runs: &[crate::config::bench::BenchSettings],
     root: &std::path::Path,
     run_id: &str,
 ) -> anyhow::Result<Outcome> {
@@ -114,8 +114,8 @@ fn verdict(what: &str, summary: &crate::report::Summary) -> Outcome {
 /// UCX that cannot be loaded (a bad `--ucx-lib`) are said once, first, before any worker or
 /// run directory exists (every worker would fail the same way, and say so in its own words).
 /// The storage and cuda-batch transports load no UCX.
-fn check_ucx(s: &bench::BenchSettings) -> anyhow::Result<()> {
-    use crate::pipeline::wire::TransportKind;
+fn check_ucx(s: &crate::config::bench::BenchSettings) -> anyhow::Result<()> {
+    use crate::vocab::kinds::TransportKind;
     let kind = s.workers.transport.kind;
     if kind == TransportKind::CudaBatch {
         s.workers.mem.check_available().context(

@@ -7,9 +7,9 @@ use std::collections::BTreeMap;
 
 use serde_json::json;
 
+use crate::config::bench::BenchSettings;
 use crate::diagnose::xfer::run_for_calibration;
 use crate::pipeline::bench;
-use crate::pipeline::bench::BenchSettings;
 use crate::report::chart::{Bars, bars_svg};
 use crate::report::compare_runs::{RunRow, kv_buffer_table, modes_table, transports_table};
 use crate::report::files::{RunWriter, write_atomic};
@@ -68,7 +68,11 @@ pub fn run(
     let Some((_, first)) = plans.first() else {
         anyhow::bail!("{} needs at least one run", what.flag());
     };
-    let mut summary = Summary::new(run_id, crate::report::summary::now_rfc3339(), first.scenario());
+    let mut summary = Summary::new(
+        run_id,
+        crate::report::summary::now_rfc3339(),
+        crate::report::scenario::bench_scenario(first),
+    );
     summary.scenario.name = Some(what.flag().trim_start_matches("--").into());
     summary.environment = crate::host::Environment::detect();
     let mut points = Vec::new();

@@ -15,14 +15,15 @@ use clap::Args;
 
 use crate::error::ConfigError;
 use crate::error::Outcome;
-use crate::serve::http_engine::{self, EngineState, Role};
+use crate::serve::http_engine::{self, EngineState};
 use crate::serve::kv::{KvBackend, NullKv};
 use crate::serve::workers::WorkerKv;
 use crate::settings::env::ProcessEnv;
 pub use crate::settings::workers::{KvBackendKind, KvSettings, ServeEngineSettings};
 use crate::settings::workers::{ServeEngineFlags, resolve_serve_engine};
+use crate::vocab::kinds::Role;
 
-/// `--itl-ms` default: [`crate::serve::http_engine::DEFAULT_ITL`] in milliseconds.
+/// `--itl-ms` default: [`crate::config::serve::DEFAULT_ITL`] in milliseconds.
 pub use crate::settings::workers::DEFAULT_ITL_MS;
 
 #[derive(Debug, Args)]
@@ -45,7 +46,7 @@ pub fn run(args: &ServeEngineArgs) -> anyhow::Result<Outcome> {
     let args = &args.settings;
     if let KvSettings::Workers(w) = &settings.kv {
         // What this host lacks for device pools is said before anything starts.
-        crate::pipeline::setup::check_places(w.mem.iter().copied())?;
+        crate::config::engine::check_places(w.mem.iter().copied())?;
     }
     let cfg = settings.http;
     fit_open_files(cfg.conn.max_connections);
@@ -272,7 +273,7 @@ mod tests {
         try_parse(args).expect("parses")
     }
 
-    fn workers(s: &ServeEngineSettings) -> &crate::pipeline::engine::EngineConfig {
+    fn workers(s: &ServeEngineSettings) -> &crate::config::engine::EngineConfig {
         match &s.kv {
             KvSettings::Workers(w) => w,
             KvSettings::Null(_) => panic!("expected the workers backend"),
@@ -286,7 +287,7 @@ mod tests {
         assert_eq!(s.http.model_name, "llama-3.1-8b", "served under the preset's name");
         let w = workers(&s);
         assert_eq!((w.tp, w.block_tokens, w.worker.pair.p.tp, w.worker.pair.p.block_tokens), (2, 32, 2, 32));
-        assert_eq!(w.worker.role, crate::pipeline::wire::Role::Prefill);
+        assert_eq!(w.worker.role, crate::vocab::kinds::Role::Prefill);
         assert_eq!(w.side_channel_bind.as_deref(), Some("tcp://127.0.0.1:5600"), "localhost binds loopback");
         // 8192 tokens / 32 = 256 blocks per prompt; 4 prompts of 4 MiB blocks exceed 512 MiB.
         let block = w.worker.pair.p_geometry(0).block_bytes_all_layers();
@@ -312,7 +313,7 @@ mod tests {
     #[test]
     fn default_pacing_is_a_real_decode_step() {
         let s = resolve(&parse(&["--role", "decode", "--kv-backend", "null"])).expect("valid");
-        assert_eq!(s.http.itl, http_engine::DEFAULT_ITL);
+        assert_eq!(s.http.itl, crate::config::serve::DEFAULT_ITL);
         assert!(s.http.itl >= Duration::from_millis(10) && s.http.itl <= Duration::from_millis(30));
         let s =
             resolve(&parse(&["--role", "decode", "--kv-backend", "null", "--itl-ms", "0"])).expect("valid");

@@ -8,9 +8,10 @@ use anyhow::Context as _;
 use clap::Args;
 
 use super::serve_engine::{announce, bind, fit_open_files, runtime, shutdown_signal};
+use crate::config::serve::BackendAddr;
 use crate::error::ConfigError;
 use crate::error::Outcome;
-use crate::serve::proxy::{self, BackendAddr, ProxyState};
+use crate::serve::proxy::{self, ProxyState};
 use crate::settings::proxy::{ServeProxyFlags, resolve};
 
 #[derive(Debug, Args)]

@@ -17,7 +17,11 @@ pub fn run(plan: &SweepJob, writer: &mut RunWriter, run_id: &str) -> anyhow::Res
     let Some(first) = plan.points.iter().find_map(|p| p.settings.as_ref().ok()) else {
         anyhow::bail!("every point of the sweep is rejected");
     };
-    let mut summary = Summary::new(run_id, crate::report::summary::now_rfc3339(), first.scenario());
+    let mut summary = Summary::new(
+        run_id,
+        crate::report::summary::now_rfc3339(),
+        crate::report::scenario::bench_scenario(first),
+    );
     summary.scenario.name = Some(plan.name.clone());
     summary.environment = crate::host::Environment::detect();
     let mut out = Vec::new();

@@ -3,8 +3,8 @@
 use clap::{Args, ValueEnum};
 
 use crate::error::Outcome;
-use crate::pipeline::wire::Role;
 use crate::settings::env::launcher_rank;
+use crate::vocab::kinds::Role;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum RoleArg {

@@ -3,7 +3,8 @@
 use anyhow::Context as _;
 use clap::Args;
 
-use crate::diagnose::xfer::{self, TargetSpec, XferError};
+use crate::config::xfer::TargetSpec;
+use crate::diagnose::xfer::{self, XferError};
 use crate::error::AlreadyReported;
 use crate::error::Outcome;
 use crate::output;

@@ -18,7 +18,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::xfer::{self, Control, LocalTarget, Session, SessionOptions, TargetOptions, TargetRequest};
+use super::xfer::{self, Control, LocalTarget, Session, TargetRequest};
+use crate::config::xfer::SessionOptions;
+use crate::config::xfer::TargetOptions;
 use crate::transfer::cuda::{self, DriverInfo};
 use crate::transfer::memory::{self, MemPlace};
 use crate::transfer::ucx::{

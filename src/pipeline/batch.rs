@@ -131,7 +131,7 @@ impl BatchSide {
         let posted = post();
         let waited = self.finish(timeout, r);
         posted.and(waited)?;
-        r.transport = Some(crate::pipeline::wire::TransportKind::CudaBatch);
+        r.transport = Some(crate::vocab::kinds::TransportKind::CudaBatch);
         r.transports = Some(self.label());
         r.batch_device_descriptors = true;
         Ok(())
@@ -215,7 +215,7 @@ impl BatchSide {
         let posted = self.read_all(local, reads, timeout, r);
         let waited = self.finish(timeout, r);
         posted.and(waited)?;
-        r.transport = Some(crate::pipeline::wire::TransportKind::CudaBatch);
+        r.transport = Some(crate::vocab::kinds::TransportKind::CudaBatch);
         r.transports = Some(self.label());
         Ok(())
     }

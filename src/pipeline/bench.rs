@@ -8,7 +8,6 @@
 //! transfer time.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -16,191 +15,24 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::engine::{Engine, EngineConfig, EngineError, EngineFinal};
-use super::setup::{EngineSlot, WorkerSettings};
-use super::wire::{LoadResult, Role};
-use super::workload::{Arrival, Generator, PromptLens};
+use super::engine::{Engine, EngineError, EngineFinal};
+use super::wire::LoadResult;
+use super::workload::Generator;
+use crate::config::bench::Arrival;
+use crate::config::bench::{BenchSettings, DescriptorShare, FailurePolicy};
+use crate::config::engine::WorkerSettings;
+use crate::config::xfer::{SessionOptions, TargetSpec, XferConfig};
 use crate::layouts::compat::PairSpec;
 use crate::report::bandwidth::{BandwidthTally, RankTransfer};
 use crate::report::files::RunWriter;
 use crate::report::recorder::StageRecorder;
 use crate::report::summary::{
-    Calibration, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals,
-    Scenario, Stage, Summary, UcxInfo,
+    Calibration, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals, Stage,
+    Summary, UcxInfo,
 };
 use crate::report::verdict::{FAILURES_AFTER_FAULT, FAULT_CAUSES, FAULT_INJECTED};
-use crate::report::xfer::{SessionOptions, TargetSpec, XferConfig, XferReport};
-
-/// What to do when a load fails (vLLM's `kv_load_failure_policy`, `--on-load-failure`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum FailurePolicy {
-    /// The request ends with an error.
-    #[default]
-    Fail,
-    /// The decode side recomputes the prompt locally; counted apart.
-    Recompute,
-}
-
-impl FailurePolicy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailurePolicy::Fail => "fail",
-            FailurePolicy::Recompute => "recompute",
-        }
-    }
-}
-
-/// A fault to inject during a run: `fault` into `role` rank `rank` after `after` measured requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FaultPlan {
-    pub fault: super::wire::Fault,
-    pub role: Role,
-    pub rank: u32,
-    pub after: u64,
-}
-
-/// One descriptor size of a run's reads, and the bytes per request that descriptors of that
-/// size carry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DescriptorShare {
-    pub descriptor_bytes: u64,
-    pub bytes: u64,
-}
-
-/// Resolved settings of one bench run (`settings::bench` resolves them).
-#[derive(Debug, Clone)]
-pub struct BenchSettings {
-    pub name: String,
-    /// What every worker of both engines shares (the pair, transport, memory, deadlines).
-    pub workers: WorkerSettings,
-    /// How a request's two legs are sent (concurrent: push mode only).
-    pub dispatch: super::wire::Dispatch,
-    pub lens: PromptLens,
-    pub arrival: Arrival,
-    pub requests: Option<u64>,
-    pub duration: Option<Duration>,
-    pub warmup: u64,
-    pub prefix_hit: f64,
-    pub on_failure: FailurePolicy,
-    pub fault: Option<FaultPlan>,
-    pub repeat: u32,
-    /// Measure the same-run calibration (memcpy and a UCX loopback read).
-    pub calibrate: bool,
-    /// A hybrid model's reads by descriptor size (a request of the longest prompt, every
-    /// decode rank), largest share of the bytes first: the calibration measures `kvx xfer` at
-    /// each size. Empty for a uniform model (one size, [`calibration_size`]).
-    pub descriptor_mix: Vec<DescriptorShare>,
-    /// Show a progress bar (stderr is a terminal).
-    pub progress_bar: bool,
-    /// Directory runs are written under (`--results-dir`, `KVX_RESULTS_DIR`, `results/`).
-    pub results_root: PathBuf,
-}
-
-impl BenchSettings {
-    /// The engine pair.
-    pub fn pair(&self) -> &crate::layouts::compat::PairSpec {
-        &self.workers.pair
-    }
-
-    /// The worker engine of `role`, as every bench starts it (a fresh engine id, a free
-    /// side-channel port; decode ranks placed after the prefill ranks).
-    pub fn engine(&self, role: Role) -> EngineConfig {
-        let first_device_slot = match role {
-            Role::Prefill => 0,
-            Role::Decode => self.workers.pair.p.tp,
-        };
-        self.workers.engine(EngineSlot {
-            role,
-            engine_id: format!("kvx-{}-{}", role.as_str(), uuid::Uuid::new_v4().simple()),
-            side_channel_port: 0,
-            first_device_slot,
-        })
-    }
-
-    /// The scenario as the summary records it.
-    pub fn scenario(&self) -> Scenario {
-        let (concurrency, rate) = match self.arrival {
-            Arrival::Closed { concurrency } => (Some(concurrency), None),
-            Arrival::Poisson { rate } => (None, Some(rate)),
-        };
-        let w = &self.workers;
-        let pair = &w.pair;
-        let mut s = Scenario {
-            name: Some(self.name.clone()),
-            model: Some(pair.model.name.clone()),
-            p_tp: Some(pair.p.tp),
-            d_tp: Some(pair.d.tp),
-            p_layout: Some(pair.p.layout.to_string()),
-            d_layout: Some(pair.d.layout.to_string()),
-            p_block_size: Some(pair.p.block_tokens),
-            d_block_size: Some(pair.d.block_tokens),
-            prompt_len: Some(self.lens.to_string()),
-            prefix_hit: Some(self.prefix_hit),
-            alloc: Some(w.alloc.to_string()),
-            requests: self.requests,
-            duration_s: self.duration.map(|d| d.as_secs_f64()),
-            warmup: Some(self.warmup),
-            concurrency,
-            rate_rps: rate,
-            inflight: Some(w.transport.inflight),
-            repeat: Some(self.repeat),
-            verify: Some(w.verify.as_str().to_string()),
-            transport: Some(w.transport.kind.as_str().to_string()),
-            mem: Some(w.mem.to_string()),
-            on_load_failure: Some(self.on_failure.as_str().to_string()),
-            seed: Some(w.seed),
-            extra: BTreeMap::new(),
-        };
-        s.extra.insert("vllm_rules".into(), serde_json::json!(pair.version.as_str()));
-        s.extra.insert("pool_blocks_p".into(), serde_json::json!(pair.p.num_blocks));
-        s.extra.insert("pool_blocks_d".into(), serde_json::json!(pair.d.num_blocks));
-        s.extra.insert("coalesce".into(), serde_json::json!(w.transport.coalesce));
-        if w.transport.slowdown > 0.0 {
-            s.extra.insert("slowdown".into(), serde_json::json!(w.transport.slowdown));
-        }
-        s.extra.insert("progress".into(), serde_json::json!(w.transport.progress.to_string()));
-        s.extra.insert("mode".into(), serde_json::json!(w.transport.mode.as_str()));
-        if w.transport.mode == super::wire::TransferMode::Push {
-            s.extra.insert("dispatch".into(), serde_json::json!(self.dispatch.as_str()));
-            s.extra.insert("overlap".into(), serde_json::json!(w.prefill.overlap.as_str()));
-        }
-        if w.transport.kv_buffer == super::wire::KvBufferDevice::Cpu {
-            // What the two staged copies are on this memory (stages save_to_host, sync_to_device).
-            let how = if w.mem.kind() == crate::transfer::memory::MemKind::Cuda {
-                "cpu: a host buffer per rank; device/host copies through pinned staging"
-            } else {
-                "cpu: a host buffer per rank, apart from its host KV pool; the copies are memcpy"
-            };
-            s.extra.insert("kv_buffer_device".into(), serde_json::json!(how));
-            if let Some(h) = w.hybrid.as_ref() {
-                // Which of vLLM 0.33's host-buffer rules ran (or the switch that replaced it).
-                let copy = match h.host_copy {
-                    crate::layouts::hybrid::HostCopyRule::Vllm => "vllm",
-                    crate::layouts::hybrid::HostCopyRule::PerGroup => "per-group",
-                };
-                let page = if h.d.host_state_page_padded { "padded" } else { "vllm" };
-                s.extra.insert("host_copy".into(), serde_json::json!(copy));
-                s.extra.insert("host_state_page".into(), serde_json::json!(page));
-                let descs = if h.d.host_descriptors_per_group { "per-group" } else { "vllm" };
-                s.extra.insert("host_descriptors".into(), serde_json::json!(descs));
-            }
-        }
-        if let Some(h) = w.hybrid.as_ref() {
-            let slices = match h.state_slices {
-                crate::layouts::hybrid::StateSlices::Vllm => "vllm",
-                crate::layouts::hybrid::StateSlices::Exact => "exact",
-            };
-            s.extra.insert("state_slices".into(), serde_json::json!(slices));
-        }
-        if w.prefill.per_layer_ns > 0 {
-            s.extra.insert(
-                "prefill_time_per_layer_us".into(),
-                serde_json::json!(w.prefill.per_layer_ns as f64 / 1e3),
-            );
-        }
-        s
-    }
-}
+use crate::report::xfer::XferReport;
+use crate::vocab::kinds::Role;
 
 /// Why a bench could not run.
 #[derive(Debug, thiserror::Error)]
@@ -316,7 +148,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         engines.prefill.prefill(req, p_request_id.clone(), tokens, seed, expected_notifs(&s.workers.pair));
     // Concurrent dispatch (push): decode registers its blocks while prefill computes; it needs
     // only the prefill engine's identity, not its answer.
-    let early_load = (s.dispatch == super::wire::Dispatch::Concurrent).then(|| {
+    let early_load = (s.dispatch == crate::config::worker::Dispatch::Concurrent).then(|| {
         let params = engines.prefill.info().kv_params(&p_request_id, tokens, &[], s.workers.transport.mode);
         engines.decode.load(req, d_request_id.clone(), params, local_blocks, seed)
     });
@@ -372,7 +204,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
     row.transfer_us = Some(us(max(|r| r.transfer_ns)));
     // Pull: the decode ranks' reads are the transfer (push: the prefill ranks' WRITEs, which
     // they report at the end, `push_stages`).
-    let transfers: Vec<RankTransfer> = if s.workers.transport.mode == super::wire::TransferMode::Pull {
+    let transfers: Vec<RankTransfer> = if s.workers.transport.mode == crate::topology::TransferMode::Pull {
         ranks
             .iter()
             .map(|r| RankTransfer {
@@ -476,7 +308,7 @@ impl Tally {
             if f.ranks.iter().any(|r| r.fallbacks > 0) {
                 self.fallbacks += 1;
             }
-            if f.ranks.iter().any(|r| r.transport == Some(super::wire::TransportKind::Storage)) {
+            if f.ranks.iter().any(|r| r.transport == Some(crate::vocab::kinds::TransportKind::Storage)) {
                 self.via_storage += 1;
             }
             self.batch.add(&f.ranks);
@@ -542,8 +374,8 @@ impl UcxSeen {
             // The decode ranks' first slot follows the prefill ranks' (`KvMemory`'s rule).
             let d_place = s.mem.place(s.pair.p.tp);
             let op = match s.transport.mode {
-                super::wire::TransferMode::Pull => crate::transfer::ucx::Rma::Get,
-                super::wire::TransferMode::Push => crate::transfer::ucx::Rma::Put,
+                crate::topology::TransferMode::Pull => crate::transfer::ucx::Rma::Get,
+                crate::topology::TransferMode::Push => crate::transfer::ucx::Rma::Put,
             };
             summary.warnings.extend(crate::report::xfer::protocol_warnings(
                 d_place,
@@ -581,7 +413,7 @@ async fn drive(
         // Push mode: decode ranks wait for WRITE notifications; once a prefill rank is gone,
         // tell them, so the requests waiting for it fail now rather than at their deadline.
         if !told_gone
-            && s.workers.transport.mode == super::wire::TransferMode::Push
+            && s.workers.transport.mode == crate::topology::TransferMode::Push
             && c.engines.prefill.gone().is_some()
         {
             c.engines.decode.peer_gone(c.engines.prefill.info().engine_id.clone());
@@ -792,7 +624,7 @@ pub fn run(
     xfer: XferRunner,
 ) -> Result<Summary, BenchError> {
     let started = crate::report::summary::now_rfc3339();
-    let mut summary = Summary::new(run_id, started, s.scenario());
+    let mut summary = Summary::new(run_id, started, crate::report::scenario::bench_scenario(s));
     summary.environment = crate::host::Environment::detect();
     summary.partial = true;
     // The first partial summary marks the directory as a run under way; a disk that cannot
@@ -928,7 +760,7 @@ pub fn run(
 
     all.totals.apply(&mut summary, wall);
     let _ = all.recorder.merge(&handshakes);
-    if s.workers.transport.mode == super::wire::TransferMode::Push {
+    if s.workers.transport.mode == crate::topology::TransferMode::Push {
         push_stages(s, &p_fin.pushes, &mut all.recorder, &mut summary);
     }
     summary.set_stages(all.recorder.stats());
@@ -940,7 +772,7 @@ pub fn run(
     summary.hybrid_parts = all.parts.clone();
     if matches!(
         s.workers.transport.kind,
-        super::wire::TransportKind::Storage | super::wire::TransportKind::Multi
+        crate::vocab::kinds::TransportKind::Storage | crate::vocab::kinds::TransportKind::Multi
     ) {
         summary.counters.insert("requests_via_storage".into(), all.via_storage);
         summary.counters.insert("fallbacks_to_storage".into(), all.fallbacks);
@@ -1057,7 +889,7 @@ fn push_stages(
     }
     for (write, hid, n) in per_req.values() {
         rec.record_ns("push_write", *write);
-        if s.workers.prefill.overlap == super::wire::Overlap::Layers {
+        if s.workers.prefill.overlap == crate::config::worker::Overlap::Layers {
             rec.record_ns("push_hidden", hid / u64::from((*n).max(1)));
         }
     }

@@ -11,17 +11,17 @@ use std::time::{Duration, Instant};
 
 use super::params::KvTransferParams;
 use super::push::{Landed, PushWaiter};
-use super::wire::{
-    FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker, TransferMode, TransportKind, WorkerConfig,
-};
+use super::wire::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker};
 use super::worker::{
     Control, Stage as _, WorkerError, advertised_payload, classify_ucx, compat_factors, fetch_peers,
     first_region, host_pool_mut, peer_pair, rss_bytes,
 };
+use crate::config::worker::WorkerConfig;
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::plan::{BlockPairs, Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
 use crate::layouts::verify::VerifyPlan;
+use crate::topology::TransferMode;
 use crate::topology::{self, TpSpec};
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};
 use crate::transfer::handshake::meta::KvxMetadata;
@@ -35,6 +35,7 @@ use crate::transfer::ucx::{
     Context, ContextOptions, Endpoint, ErrMode, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion,
     Ucx, UcxError, Worker,
 };
+use crate::vocab::kinds::TransportKind;
 
 mod hybrid;
 
@@ -276,7 +277,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 ctl.send(&FromWorker::Loaded(Box::new(r)))?;
             }
             ToWorker::Shutdown => return Ok(()),
-            ToWorker::Fault(super::wire::Fault::Exit) => std::process::exit(3),
+            ToWorker::Fault(crate::config::worker::Fault::Exit) => std::process::exit(3),
             _ => {}
         }
     }

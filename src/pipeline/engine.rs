@@ -15,7 +15,6 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
 use std::process::{Child, ChildStderr, Command, Stdio};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
@@ -28,14 +27,13 @@ use tracing::{debug, warn};
 
 use super::params::KvTransferParams;
 use super::pool::BlockPool;
-use super::wire::{
-    self, FailureCause, Fault, FromWorker, LoadResult, PushStats, ReadyInfo, Role, ToWorker, TransferMode,
-    TransportKind, WorkerConfig,
-};
-use crate::layouts::alloc::AllocPattern;
+use super::wire::{self, FailureCause, FromWorker, LoadResult, PushStats, ReadyInfo, ToWorker};
+use crate::config::engine::{EngineConfig, Launch, split_endpoint};
+use crate::config::worker::Fault;
+use crate::topology::TransferMode;
 use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
 use crate::transfer::handshake::zmq_context;
-use crate::transfer::memory::MemPlace;
+use crate::vocab::kinds::{Role, TransportKind};
 
 /// How long workers get to come up (allocate, register, bind) before the engine gives up.
 pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -69,35 +67,6 @@ impl EngineError {
             _ => FailureCause::Internal,
         }
     }
-}
-
-/// Where the workers come from.
-#[derive(Debug, Clone)]
-pub enum Launch {
-    /// Spawn `exe worker ...` locally, one process per rank.
-    Spawn { exe: PathBuf, env: Vec<(String, String)> },
-    /// Wait for `kvx worker --connect` processes started elsewhere (Slurm, mpirun, by hand)
-    /// on this control endpoint.
-    External { bind: String },
-}
-
-/// How to start an engine.
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// The worker config template; `rank` is filled per worker.
-    pub worker: WorkerConfig,
-    pub tp: u32,
-    pub pool_blocks: u32,
-    pub block_tokens: u32,
-    pub alloc: AllocPattern,
-    pub seed: u64,
-    /// Where each rank's KV pool lives, by rank (`tp` entries; settings place them).
-    pub mem: Vec<MemPlace>,
-    pub launch: Launch,
-    /// Prefill engines: the side-channel bind endpoint, e.g. `tcp://127.0.0.1:0`.
-    pub side_channel_bind: Option<String>,
-    /// Per-request deadline for worker answers.
-    pub timeout: Duration,
 }
 
 /// What callers learn about a running engine.
@@ -1407,15 +1376,6 @@ fn set_nonblocking(err: &ChildStderr) {
     use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
     if let Err(e) = fcntl_getfl(err).and_then(|flags| fcntl_setfl(err, flags | OFlags::NONBLOCK)) {
         tracing::debug!("O_NONBLOCK on a worker's stderr pipe: {e}");
-    }
-}
-
-/// `tcp://host:port` to `(host, port)`.
-pub fn split_endpoint(ep: &str) -> (String, u16) {
-    let rest = ep.split_once("://").map_or(ep, |(_, r)| r);
-    match rest.rsplit_once(':') {
-        Some((h, p)) => (h.trim_matches(['[', ']']).to_string(), p.parse().unwrap_or(0)),
-        None => (rest.to_string(), 0),
     }
 }
 

@@ -16,7 +16,6 @@ pub mod pool;
 pub mod prefill;
 pub mod push;
 pub mod rank;
-pub mod setup;
 pub mod wire;
 pub mod worker;
 pub mod workload;

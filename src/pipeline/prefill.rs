@@ -16,19 +16,19 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::push::{HybridHeld, PushJob, Pusher};
-use super::wire::{
-    FailureCause, Fault, FromWorker, Overlap, PushStats, ReadyInfo, ToWorker, TransferMode, TransportKind,
-    UcxChoices, VerifyMode, WorkerConfig,
-};
+use super::wire::{FailureCause, FromWorker, PushStats, ReadyInfo, ToWorker, UcxChoices};
 use super::worker::{
     Control, Stage as _, WorkerError, advertised_payload, block_ranges, host_pool, rss_bytes,
 };
+use crate::config::worker::{Fault, Overlap, WorkerConfig};
 use crate::layouts::Region;
 use crate::layouts::verify::FillPlan;
+use crate::topology::TransferMode;
 use crate::transfer::memory::KvBuffer;
 use crate::transfer::notify::{LeaseTable, Notification, NotifyListener, UcxNotifyReceiver};
 use crate::transfer::storage::StoragePublisher;
 use crate::transfer::ucx::{Context, ContextOptions, HYBRID_SPIN, MemRegion, ProgressMode, Ucx, Worker};
+use crate::vocab::kinds::{TransportKind, VerifyMode};
 
 /// Upper bound of one wait, so leases are checked even when nothing happens.
 const MAX_WAIT: Duration = Duration::from_millis(100);
@@ -750,7 +750,7 @@ fn release(storage: &mut Option<StoragePublisher>, id: &str, published: bool) {
 
 /// Replaces a wildcard bind host in an endpoint with the host peers should dial.
 pub(super) fn advertise(endpoint: &str, host: &str) -> String {
-    let (h, port) = super::engine::split_endpoint(endpoint);
+    let (h, port) = crate::config::engine::split_endpoint(endpoint);
     if h == "0.0.0.0" || h == "*" || h.is_empty() {
         format!("tcp://{host}:{port}")
     } else {

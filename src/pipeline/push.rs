@@ -21,8 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::params::base_request_id;
-use super::wire::{FailureCause, PushStats, TransportKind, WorkerConfig};
+use super::wire::{FailureCause, PushStats};
 use super::worker::{classify_ucx, compat_factors, fetch_peers, first_region, peer_spec};
+use crate::config::worker::WorkerConfig;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::blocks::{ExchangedBlocks, TokenCounts};
 use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
@@ -41,6 +42,7 @@ use crate::transfer::notify::{
 use crate::transfer::ucx::{
     Endpoint, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion, UcxError, Worker, write_batch_multi,
 };
+use crate::vocab::kinds::TransportKind;
 
 /// A failed step: its cause and what happened.
 pub type Failure = (FailureCause, String);

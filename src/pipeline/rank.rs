@@ -5,8 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use super::wire::{FromWorker, Role, ToWorker, WorkerConfig};
+use super::wire::{FromWorker, ToWorker};
 use super::worker::{Control, WorkerError, rss_bytes};
+use crate::config::worker::WorkerConfig;
+use crate::vocab::kinds::Role;
 
 /// How long a worker waits for its configuration after saying hello.
 pub const INIT_TIMEOUT: Duration = Duration::from_secs(60);

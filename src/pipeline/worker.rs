@@ -5,9 +5,11 @@
 
 use std::time::{Duration, Instant};
 
-use super::wire::{self, FromWorker, ToWorker, TransferMode, WorkerConfig};
+use super::wire::{self, FromWorker, ToWorker};
+use crate::config::worker::WorkerConfig;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
+use crate::topology::TransferMode;
 use crate::topology::VllmVersion;
 use crate::transfer::handshake::client::{HandshakeClient, PeerMetadata};
 use crate::transfer::handshake::compat::{CompatFactors, KvxFactors};
@@ -380,8 +382,8 @@ fn hybrid_engine(
     use crate::layouts::hybrid::geometry::Side;
     let h = cfg.hybrid.as_deref()?;
     Some(match cfg.role {
-        super::wire::Role::Prefill => (h, &h.p, Side::Prefill),
-        super::wire::Role::Decode => (h, &h.d, Side::Decode),
+        crate::vocab::kinds::Role::Prefill => (h, &h.p, Side::Prefill),
+        crate::vocab::kinds::Role::Decode => (h, &h.d, Side::Decode),
     })
 }
 
@@ -451,7 +453,7 @@ pub(super) fn rank_pool(
     total: u64,
     cache_total: u64,
 ) -> Result<RankPool, WorkerError> {
-    use super::wire::TransportKind;
+    use crate::vocab::kinds::TransportKind;
     let total = usize::try_from(total).stage("pool size")?;
     let kind = cfg.transport.kind;
     let uses_ucx = !matches!(kind, TransportKind::Storage | TransportKind::CudaBatch);
@@ -462,7 +464,7 @@ pub(super) fn rank_pool(
     } else {
         crate::transfer::memory::PageSize::Normal
     };
-    let staging = cfg.transport.kv_buffer == super::wire::KvBufferDevice::Cpu;
+    let staging = cfg.transport.kv_buffer == crate::vocab::kinds::KvBufferDevice::Cpu;
     let pool_bytes = if staging { usize::try_from(cache_total).stage("pool size")? } else { total };
     let mem = crate::transfer::memory::KvBuffer::alloc(cfg.mem, pool_bytes, pages)
         .stage(format!("allocate the {pool_bytes}-byte KV pool in {} memory", cfg.mem))?;

@@ -7,7 +7,6 @@
 //! and summaries (with the schema check) and atomic writes for the gate's baseline live here
 //! too. What the files contain is decided by the pure exporters; this module only moves bytes.
 
-use std::ffi::OsString;
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -24,19 +23,6 @@ pub const THROUGHPUT_SVG: &str = "throughput-over-time.svg";
 pub const SWEEP_SVG: &str = "bandwidth-vs-size.svg";
 /// The TTFT waterfall of a serving run (`kvx load`, `kvx bench --serve`).
 pub const WATERFALL_SVG: &str = "ttft-waterfall.svg";
-
-/// Default directory runs are written under.
-pub const DEFAULT_RESULTS_DIR: &str = "results";
-
-/// Where runs go: the flag if given, else the value of `KVX_RESULTS_DIR` (read by the caller,
-/// see `settings::env`), else `results/`.
-pub fn results_root(flag: Option<&Path>, env_value: Option<OsString>) -> PathBuf {
-    match (flag, env_value) {
-        (Some(p), _) => p.to_path_buf(),
-        (None, Some(v)) if !v.is_empty() => PathBuf::from(v),
-        _ => PathBuf::from(DEFAULT_RESULTS_DIR),
-    }
-}
 
 fn write_err(path: &Path) -> impl Fn(std::io::Error) -> ReportError + '_ {
     move |source| ReportError::Write { path: path.to_path_buf(), source }
@@ -406,14 +392,6 @@ pub fn load_run(path: &Path) -> Result<RunData, ReportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn results_root_precedence() {
-        assert_eq!(results_root(Some(Path::new("f")), Some("e".into())), PathBuf::from("f"));
-        assert_eq!(results_root(None, Some("e".into())), PathBuf::from("e"));
-        assert_eq!(results_root(None, Some("".into())), PathBuf::from("results"));
-        assert_eq!(results_root(None, None), PathBuf::from("results"));
-    }
 
     #[test]
     fn bad_run_ids_are_refused() {

@@ -39,6 +39,7 @@ pub mod layout;
 pub mod numbers;
 pub mod plan;
 pub mod recorder;
+pub mod scenario;
 pub mod slo;
 pub mod stats;
 pub mod summary;

@@ -9,20 +9,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::config::load::Slo;
 use serde::{Deserialize, Serialize};
-
-/// Latency limits a request must meet; unset ones are not checked.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Slo {
-    /// Time to first token.
-    pub ttft: Option<Duration>,
-    /// Time per output token after the first: `(e2el - ttft) / (tokens - 1)`.
-    pub tpot: Option<Duration>,
-    /// Inter-token latency: every gap between streamed tokens.
-    pub itl: Option<Duration>,
-    /// End-to-end latency.
-    pub e2el: Option<Duration>,
-}
 
 /// What one request measured, as the SLO check needs it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

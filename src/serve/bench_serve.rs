@@ -30,22 +30,24 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::http_engine::{self, DEFAULT_ITL, EngineState, HttpEngineConfig, Role as HttpRole};
-use super::load::{self, Arrival as LoadArrival, LoadConfig, LoadProgress, LoadRun, ProgressDisplay, Target};
+use super::http_engine::{self, EngineState};
+use super::load::{self, LoadProgress, LoadRun, ProgressDisplay};
 use super::load_report;
 use super::metrics::{Exposition, PROMETHEUS_CONTENT_TYPE};
-use super::openai::Endpoint;
-use super::proxy::{self, BackendAddr, ProxyConfig, ProxyState};
+use super::proxy::{self, ProxyState};
 use super::workers::{KvRequestRecord, KvStats, WorkerKv};
+use crate::config::bench::BenchSettings;
+use crate::config::bench::ServeOptions;
+use crate::config::bench::{Arrival, PromptLens};
+use crate::config::load::Slo;
+use crate::config::load::{Arrival as LoadArrival, LoadConfig, Target};
+use crate::config::serve::{BackendAddr, ProxyConfig};
+use crate::config::serve::{DEFAULT_ITL, HttpEngineConfig};
 use crate::error::Outcome;
-use crate::pipeline::bench::BenchSettings;
 use crate::pipeline::engine::{EngineError, EngineFinal};
-use crate::pipeline::wire::Role;
-use crate::pipeline::workload::{Arrival, PromptLens};
 use crate::report::ReportError;
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::recorder::StageRecorder;
-use crate::report::slo::Slo;
 use crate::report::summary::{
     DescriptorsPerRequest, RankList, RankThroughput, RequestOutcome, RequestRow, Summary, UcxInfo,
     new_run_id, now_rfc3339, ratio, vllm_metrics_line,
@@ -53,6 +55,9 @@ use crate::report::summary::{
 use crate::report::table::{
     Style, failures_table, per_rank_table, scenario_table, section, stage_table, throughput_table,
 };
+use crate::vocab::kinds::Endpoint;
+use crate::vocab::kinds::Role as HttpRole;
+use crate::vocab::kinds::Role;
 
 /// Tokens generated per request: enough for ITL and TPOT to mean something.
 pub const MAX_TOKENS: u64 = 16;
@@ -68,15 +73,6 @@ fn http_config(s: &BenchSettings, role: HttpRole) -> HttpEngineConfig {
     c.tp_size = spec.tp;
     c.itl = DEFAULT_ITL;
     c
-}
-
-/// What `kvx bench --serve` adds to the bench settings.
-#[derive(Debug, Clone, Default)]
-pub struct ServeOptions {
-    /// Objectives for goodput (`--slo`).
-    pub slo: Option<Slo>,
-    /// Serve `/metrics` on this port while the run goes (`--metrics-port`; 0: any free port).
-    pub metrics_port: Option<u16>,
 }
 
 /// Why `kvx bench --serve` could not run.
@@ -388,7 +384,7 @@ fn kv_figures(run: &LoadRun, records: &[KvRequestRecord]) -> KvFigures {
 /// figures of the same requests from the decode ranks, block accounting from both engines.
 fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str) -> Summary {
     let mut sum = load_report::summary(&m.run, &m.load_cfg, run_id, started_at, &s.name);
-    let mut scenario = s.scenario();
+    let mut scenario = crate::report::scenario::bench_scenario(s);
     scenario.extra.extend(sum.scenario.extra.clone());
     scenario.extra.insert("serve".into(), serde_json::json!(true));
     sum.scenario = scenario;
@@ -437,15 +433,15 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
             .to_string(),
     );
     let kv_path = match (s.workers.transport.mode, s.dispatch) {
-        (crate::pipeline::wire::TransferMode::Pull, _) => {
+        (crate::topology::TransferMode::Pull, _) => {
             "client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (handshake, UCX reads, \
              verify {verify}, notify)"
         }
-        (_, crate::pipeline::wire::Dispatch::Sequential) => {
+        (_, crate::config::worker::Dispatch::Sequential) => {
             "client -> proxy -> prefill engine (fill, hold) -> proxy -> decode engine (registers its blocks; \
              prefill ranks WRITE, flush, notify; verify {verify})"
         }
-        (_, crate::pipeline::wire::Dispatch::Concurrent) => {
+        (_, crate::config::worker::Dispatch::Concurrent) => {
             "client -> proxy -> both engines at once (the first request leg after leg, to learn the prefill \
              engine's identity): decode registers its blocks while prefill fills; prefill ranks WRITE, flush, \
              notify; verify {verify}"

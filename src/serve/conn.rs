@@ -34,23 +34,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
 use super::openai::ApiError;
-
-/// `--header-read-timeout` default: far longer than any client on a working network takes to
-/// send its headers (a few hundred bytes), short enough that a silent connection is gone
-/// before many more pile up. Also how long an idle kept-alive connection is kept.
-pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// `--body-read-timeout` default: a 64 MiB body (the default `--max-body-size`) at about
-/// 10 Mbit/s; prompts are a few KiB to a few MiB.
-pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// `--max-connections` default: far above what a load generator opens (one connection per
-/// request in flight), well below the file descriptors a process may raise its limit to.
-pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
-
-/// Largest `--max-connections`: Linux's default ceiling on open files per process
-/// (`fs.nr_open`), each connection being one.
-pub const MAX_CONNECTIONS: usize = 1 << 20;
+use crate::config::serve::{ConnLimits, MAX_CONNECTIONS};
 
 /// After shutdown, how long a connection with no request in progress is given to end on its
 /// own (a client reading the last bytes of an answer) before it is closed.
@@ -69,27 +53,6 @@ const REFUSAL_WARN_EVERY: Duration = Duration::from_secs(10);
 /// How long accepting pauses after an error that is not about one connection (`EMFILE`: out
 /// of file descriptors; closing connections frees some).
 const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
-
-/// How long a server waits on its clients, and how many it holds at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConnLimits {
-    /// Time to send a request's headers, from the connection's start or the previous answer.
-    pub header_read_timeout: Duration,
-    /// Time to send a request's whole body, from the end of its headers.
-    pub body_read_timeout: Duration,
-    /// Connections open at once; one more is answered 503 and closed.
-    pub max_connections: usize,
-}
-
-impl Default for ConnLimits {
-    fn default() -> Self {
-        Self {
-            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
-            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
-            max_connections: DEFAULT_MAX_CONNECTIONS,
-        }
-    }
-}
 
 /// Serves `router` on `listener` within `limits` until `shutdown` resolves, then stops
 /// accepting and waits for the open connections as the module docs say. Sets `TCP_NODELAY`

@@ -32,48 +32,19 @@ use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 
-use super::conn::{self, ConnLimits};
+use super::conn;
 use super::kv::{KvBackend, KvIntent, KvTransferParams, LoadJob, PrefillJob};
 use super::metrics::{
     Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_TYPE, VLLM_ITL_BUCKETS_S,
     VLLM_REQUEST_LATENCY_BUCKETS_S, VLLM_TTFT_BUCKETS_S,
 };
-use super::openai::{
-    self, ApiError, Endpoint, FinishReason, GenRequest, ResponseCtx, SSE_CONTENT_TYPE, Usage,
-};
+use super::openai::{self, ApiError, FinishReason, GenRequest, ResponseCtx, SSE_CONTENT_TYPE, Usage};
 use super::timing::{self, ServerTiming};
+use crate::config::serve::ConnLimits;
+use crate::vocab::kinds::Endpoint;
 
-/// Which half of a P/D pair this engine plays (the pipeline's role of its workers).
-pub use crate::pipeline::wire::Role;
-
-/// Default time between generated tokens: a realistic decode step (see the module docs).
-pub const DEFAULT_ITL: Duration = Duration::from_millis(15);
-
-/// Validated engine settings.
-#[derive(Debug, Clone)]
-pub struct HttpEngineConfig {
-    pub role: Role,
-    /// Served model id (`--model-name`); requests naming another model get a 404.
-    pub model_name: String,
-    pub max_model_len: u64,
-    pub block_size_tokens: u32,
-    pub tp_size: u32,
-    /// Simulated prefill throughput; `0` means prefill is instant.
-    pub prefill_tokens_per_s: f64,
-    /// Time between generated tokens (one decode step); zero turns pacing off.
-    pub itl: Duration,
-    /// When set, `/v1/*` requires `Authorization: Bearer <key>` (vLLM's `--api-key`).
-    pub api_key: Option<String>,
-    /// Requests generating at once (vLLM's `--max-num-seqs`); the rest wait.
-    pub max_num_seqs: usize,
-    /// The synthetic model samples EOS as this token (see `openai::plan_generation`).
-    pub eos_at: Option<u64>,
-    /// Largest request body taken (`--max-body-size`); a larger one is answered 413.
-    pub max_body_bytes: usize,
-    /// Read timeouts and the connection cap (`--header-read-timeout`, `--body-read-timeout`,
-    /// `--max-connections`).
-    pub conn: ConnLimits,
-}
+use crate::config::serve::{DEFAULT_BODY_LIMIT, HttpEngineConfig};
+use crate::vocab::kinds::Role;
 
 impl HttpEngineConfig {
     /// Defaults suited to tests: instant prefill, no ITL, NullKv-friendly sizes. The CLI's
@@ -785,10 +756,6 @@ async fn detokenize(State(st): State<Arc<EngineState>>, headers: HeaderMap, body
     }
 }
 
-/// The default request body limit of `serve-engine` and `serve-proxy` (`--max-body-size`,
-/// 64MiB: token-id prompts of long contexts exceed axum's 2 MiB default).
-pub const DEFAULT_BODY_LIMIT: usize = 64 << 20;
-
 /// How long a prefill leg's X-Request-Id still aborts it: far longer than a proxy takes to
 /// notice its client left, and it bounds the map.
 const HANDOFF_IDS_KEPT: Duration = Duration::from_secs(60);
@@ -1376,7 +1343,8 @@ mod tests {
     use tower::ServiceExt as _;
 
     use super::*;
-    use crate::serve::kv::{EngineIdentity, NullKv};
+    use crate::config::serve::EngineIdentity;
+    use crate::serve::kv::NullKv;
 
     fn engine(role: Role) -> Arc<EngineState> {
         let kv = NullKv::new(EngineIdentity {

@@ -16,6 +16,7 @@ use super::metrics::{
     Histogram, HistogramSnapshot, NIXL_BYTES_BUCKETS, NIXL_DESCRIPTORS_BUCKETS, NIXL_POST_TIME_BUCKETS_S,
     NIXL_XFER_TIME_BUCKETS_S,
 };
+use crate::config::serve::EngineIdentity;
 pub use crate::pipeline::params::KvTransferParams;
 
 /// What the prefill engine asks its backend for: compute and hold the KV of one prompt.
@@ -235,15 +236,6 @@ pub trait KvBackend: Send + Sync + 'static {
     fn health(&self) -> Result<(), String> {
         Ok(())
     }
-}
-
-/// Identity of the engine that a backend advertises in `kv_transfer_params`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EngineIdentity {
-    pub engine_id: String,
-    pub side_channel_host: String,
-    pub side_channel_port: u16,
-    pub tp_size: u32,
 }
 
 /// A backend that transfers nothing. The prefill role still computes a real block-id list

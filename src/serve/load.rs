@@ -31,13 +31,15 @@ use rand::{RngExt as _, SeedableRng};
 use serde::Serialize;
 
 use super::client::{HttpClient, http_client};
-use super::openai::Endpoint;
 use super::rewrite::{self, RawObject};
 use super::timing;
+use crate::config::load::Slo;
+use crate::config::load::{Arrival, LoadConfig, Target, endpoint_uri};
 use crate::report::recorder::{StageRecorder, new_auto_histogram, record_into};
-use crate::report::slo::{Goodput, RequestTimes, Slo};
+use crate::report::slo::{Goodput, RequestTimes};
 use crate::report::summary::StageStats;
 use crate::report::waterfall::{Breakdown, Waterfall, WaterfallBuilder};
+use crate::vocab::kinds::Endpoint;
 
 /// Stage names of the client-side latencies (vLLM benchmark_serving's names).
 pub const TTFT: &str = "ttft";
@@ -47,53 +49,6 @@ pub const TPOT: &str = "tpot";
 pub const E2EL: &str = "e2el";
 /// Open loop: how late a request left relative to its Poisson schedule.
 pub const SEND_LAG: &str = "send_lag";
-
-/// Where requests go.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Target {
-    /// Name in the report (`url`, `baseline`).
-    pub name: String,
-    /// Base URL (`http://host:port`) or a full endpoint URL.
-    pub url: Uri,
-    /// If set, the generator does the prefill leg against this base URL first and sends
-    /// `url` the decode leg (a client-side P/D pair, no proxy).
-    pub prefill_url: Option<Uri>,
-}
-
-/// How requests arrive.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Arrival {
-    /// Open loop: Poisson arrivals at this many requests/s per target.
-    Rate(f64),
-    /// Closed loop: this many workers per target, each sending its next request when the
-    /// previous one finished.
-    Concurrency(usize),
-}
-
-/// Validated load settings.
-#[derive(Debug, Clone)]
-pub struct LoadConfig {
-    pub targets: Vec<Target>,
-    pub arrival: Arrival,
-    /// Measured requests per target (after warmup); `None` = until `duration`.
-    pub requests: Option<u64>,
-    pub duration: Option<Duration>,
-    /// Requests per target sent first and left out of every statistic.
-    pub warmup: u64,
-    /// Prompt length in tokens (words of kvx's synthetic tokenizer), uniform in `min..=max`.
-    pub prompt_len: (u64, u64),
-    pub max_tokens: u64,
-    pub stream: bool,
-    pub endpoint: Endpoint,
-    pub model: Option<String>,
-    pub ignore_eos: bool,
-    pub api_key: Option<String>,
-    /// Per-request limit (whole response).
-    pub timeout: Duration,
-    pub seed: u64,
-    /// Objectives for goodput (`--slo`).
-    pub slo: Option<Slo>,
-}
 
 /// Live counts of a run for a progress display, updated as samples arrive (outside any
 /// request's timed region).
@@ -356,23 +311,6 @@ fn is_zero(n: &u64) -> bool {
 pub enum LoadError {
     #[error("invalid URL {url}: {reason} (change {flag})")]
     Url { flag: &'static str, url: String, reason: String },
-}
-
-/// Resolves `base` + endpoint path: a bare `http://host:port[/]` gets the endpoint's path,
-/// a URL with a path is used as given.
-pub fn endpoint_uri(base: &Uri, path: &str) -> Result<Uri, String> {
-    if base.scheme_str() != Some("http") {
-        return Err("only http:// URLs are supported".into());
-    }
-    let authority = base.authority().ok_or("missing host:port")?.clone();
-    let p = base.path();
-    let path = if p.is_empty() || p == "/" { path } else { p };
-    Uri::builder()
-        .scheme("http")
-        .authority(authority)
-        .path_and_query(path.to_string())
-        .build()
-        .map_err(|e| e.to_string())
 }
 
 struct Prepared {

@@ -15,7 +15,8 @@ use std::path::PathBuf;
 
 use comfy_table::Table;
 
-use super::load::{Arrival, LoadConfig, LoadRun, LoadSummary, prompt_len_label};
+use super::load::{LoadRun, LoadSummary, prompt_len_label};
+use crate::config::load::{Arrival, LoadConfig};
 use crate::report::ReportError;
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{RequestOutcome, RequestRow, Scenario, StageStats, Summary, now_rfc3339};
@@ -314,9 +315,10 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::config::load::Target;
     use crate::report::recorder::StageRecorder;
-    use crate::serve::load::{E2EL, ITL, LatencyMs, RequestRecord, TPOT, TTFT, Target, TargetSummary};
-    use crate::serve::openai::Endpoint;
+    use crate::serve::load::{E2EL, ITL, LatencyMs, RequestRecord, TPOT, TTFT, TargetSummary};
+    use crate::vocab::kinds::Endpoint;
 
     fn target(name: &str, ok: u64) -> TargetSummary {
         TargetSummary {

@@ -19,13 +19,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::kv::{KvIntent, KvTransferParams};
-
-/// The two generation endpoints.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
-    Completions,
-    Chat,
-}
+use crate::vocab::kinds::Endpoint;
 
 impl Endpoint {
     pub fn path(self) -> &'static str {

@@ -41,93 +41,21 @@ use hyper::body::Incoming;
 use tokio::net::TcpListener;
 
 use super::client::{HttpClient, http_client};
-use super::conn::{self, ConnLimits};
+use super::conn;
 use super::http_engine::{
     authorized, check_json_content_type, error_response, method_not_allowed, not_found, unauthorized,
 };
 use super::metrics::{Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_TYPE};
-use super::openai::{ApiError, Endpoint};
+use super::openai::ApiError;
 use super::rewrite::{self, RawObject};
 use super::timing::{self, ServerTiming};
-use crate::pipeline::wire::Dispatch;
+use crate::config::serve::{BackendAddr, Policy, ProxyConfig};
+use crate::config::worker::Dispatch;
+use crate::vocab::kinds::Endpoint;
 
 /// With health checks off, how long a backend that refused a connection is left alone before
 /// a request tries it again.
 pub const RETRY_DOWN_AFTER: Duration = Duration::from_secs(1);
-
-/// How a backend is chosen from its pool (P and D pools are chosen independently). The
-/// names of vLLM's router (`round_robin`, `random`, `power_of_two`) are accepted too.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Policy {
-    /// Next healthy backend in turn (the toy proxy's `itertools.cycle`, minus the unhealthy).
-    #[value(alias = "round_robin")]
-    RoundRobin,
-    /// Healthy backend with the fewest requests in flight from this proxy.
-    #[value(alias = "least_loaded")]
-    LeastLoaded,
-    /// A healthy backend at random.
-    Random,
-    /// The less loaded (fewer requests in flight) of two healthy backends drawn at random.
-    #[value(alias = "power_of_two")]
-    PowerOfTwo,
-}
-
-/// One engine address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BackendAddr {
-    pub host: String,
-    pub port: u16,
-}
-
-/// Validated proxy settings.
-#[derive(Debug, Clone)]
-pub struct ProxyConfig {
-    pub prefill: Vec<BackendAddr>,
-    pub decode: Vec<BackendAddr>,
-    /// Policy of the prefill pool.
-    pub policy: Policy,
-    /// Policy of the decode pool (vLLM router's `--decode-policy`); `None`: `policy`.
-    pub decode_policy: Option<Policy>,
-    /// TCP connect timeout per attempt.
-    pub connect_timeout: Duration,
-    /// Prefill leg: whole response. Decode leg: until its response headers.
-    pub request_timeout: Duration,
-    /// Clients must send `Authorization: Bearer <key>` on `/v1/*` when set.
-    pub api_key: Option<String>,
-    /// Bearer token sent to the engines on both legs (the toy proxy's `$OPENAI_API_KEY`).
-    pub backend_api_key: Option<String>,
-    /// Period of the background `GET /health` probes; zero disables them.
-    pub health_interval: Duration,
-    pub health_timeout: Duration,
-    /// Sequential (prefill, then decode with its answer) or concurrent (push mode: both legs
-    /// at once, once a prefill engine's identity is known from an earlier answer).
-    pub dispatch: Dispatch,
-    /// Largest request body taken (`--max-body-size`); a larger one is answered 413.
-    pub max_body_bytes: usize,
-    /// Read timeouts and the connection cap of the proxy's own clients
-    /// (`--header-read-timeout`, `--body-read-timeout`, `--max-connections`).
-    pub conn: ConnLimits,
-}
-
-impl ProxyConfig {
-    pub fn new(prefill: Vec<BackendAddr>, decode: Vec<BackendAddr>) -> Self {
-        Self {
-            prefill,
-            decode,
-            policy: Policy::RoundRobin,
-            decode_policy: None,
-            connect_timeout: Duration::from_secs(2),
-            request_timeout: Duration::from_secs(300),
-            api_key: None,
-            backend_api_key: None,
-            health_interval: Duration::from_secs(2),
-            health_timeout: Duration::from_secs(2),
-            dispatch: Dispatch::Sequential,
-            max_body_bytes: super::http_engine::DEFAULT_BODY_LIMIT,
-            conn: ConnLimits::default(),
-        }
-    }
-}
 
 /// Which leg a backend serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

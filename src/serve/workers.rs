@@ -29,10 +29,13 @@ use super::kv::{
     blocks_for_tokens,
 };
 use super::metrics::{Histogram, KV_STAGE_BUCKETS_S};
-use crate::pipeline::engine::{Engine, EngineConfig, EngineError, EngineFinal, EngineInfo, LoadDone};
+use crate::config::engine::EngineConfig;
+use crate::pipeline::engine::{Engine, EngineError, EngineFinal, EngineInfo, LoadDone};
 use crate::pipeline::params::base_request_id;
-use crate::pipeline::wire::{FailureCause, LoadResult, Role, TransferMode};
+use crate::pipeline::wire::{FailureCause, LoadResult};
 use crate::report::recorder::StageRecorder;
+use crate::topology::TransferMode;
+use crate::vocab::kinds::Role;
 
 /// Decode-side stages recorded per load (slowest rank), in report order.
 pub const LOAD_STAGES: [&str; 8] =

@@ -19,26 +19,25 @@ use clap::Args;
 use serde::Deserialize;
 
 use super::env::ProcessEnv;
+use super::env::results_root;
 use super::flags::{Format, ModelFlags, PairFlags};
 use super::layer::{self, Layered, layered};
 use super::parse::parse_duration;
 use super::scenario;
 use super::workers::{check_inflight, check_kv_buffer, check_mem_transport, resolve_mem};
+use crate::config::bench::{Arrival, PromptLens};
+use crate::config::bench::{BenchSettings, DescriptorShare, FailurePolicy, FaultPlan};
+use crate::config::engine::WorkerSettings;
+use crate::config::engine::split_endpoint;
+use crate::config::worker::{Dispatch, Fault, Overlap, PrefillSim, TransportConfig};
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
-use crate::pipeline::bench::{BenchSettings, DescriptorShare, FailurePolicy, FaultPlan};
-use crate::pipeline::engine::split_endpoint;
-use crate::pipeline::setup::WorkerSettings;
-use crate::pipeline::wire::{
-    Dispatch, Fault, KvBufferDevice, Overlap, PrefillSim, Role, TransferMode, TransportConfig, TransportKind,
-    VerifyMode,
-};
-use crate::pipeline::workload::{Arrival, PromptLens};
-use crate::report::files::results_root;
+use crate::topology::TransferMode;
 use crate::transfer::cuda_batch::{BatchCopy, BatchDescriptors, BatchLaunch};
 use crate::transfer::memory::MemKind;
 use crate::transfer::notify::NotifyTransport;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
+use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind, VerifyMode};
 
 layered! {
     /// `kvx bench`'s settings as given: each field is a flag (clap) and, unless `serde(skip)`,
@@ -719,7 +718,7 @@ fn finish(
 fn prompt_lens(s: &BenchFlags) -> Result<PromptLens, ConfigError> {
     Ok(match (&s.prompt_len, &s.prompt_lens) {
         (Some(text), _) => text.parse::<PromptLens>().map_err(|e| ConfigError::new("--prompt-len", e))?,
-        (None, Some(path)) => PromptLens::from_file(path)?,
+        (None, Some(path)) => super::parse::prompt_lens_file(path)?,
         (None, None) => PromptLens::Fixed(2048),
     })
 }
@@ -955,7 +954,7 @@ mod tests {
     use clap::{Args as _, FromArgMatches as _};
 
     use super::*;
-    use crate::pipeline::setup::KvMemory;
+    use crate::config::engine::KvMemory;
     use crate::pipeline::wire::{self, ToWorker};
     use crate::settings::layer::Layer as _;
     use crate::transfer::memory::MemPlace;
@@ -1480,10 +1479,10 @@ mod tests {
         assert_eq!(p.mem, [MemPlace::Host; 2]);
         assert_eq!(p.worker.transport.progress, ProgressMode::Wait);
         assert!(
-            matches!(&p.launch, crate::pipeline::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:7000")
+            matches!(&p.launch, crate::config::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:7000")
         );
         assert!(
-            matches!(&d.launch, crate::pipeline::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:7001")
+            matches!(&d.launch, crate::config::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:7001")
         );
         assert_eq!(p.side_channel_bind.as_deref(), Some("tcp://0.0.0.0:0"));
         assert_eq!(d.side_channel_bind, None);
@@ -1492,7 +1491,7 @@ mod tests {
         let zero = BenchFlags { listen: Some("tcp://0.0.0.0:0".into()), ..flags };
         let d = resolve(&zero, &env()).expect("valid").engine(Role::Decode);
         assert!(
-            matches!(&d.launch, crate::pipeline::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:0")
+            matches!(&d.launch, crate::config::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:0")
         );
     }
 
@@ -1532,7 +1531,7 @@ mod tests {
             &env(),
         )
         .expect("valid");
-        let sc = s.scenario();
+        let sc = crate::report::scenario::bench_scenario(&s);
         assert_eq!(sc.verify.as_deref(), Some("sample"), "20 requests of 640 MiB: more than 2 GiB");
         assert_eq!(sc.transport.as_deref(), Some("ucx"));
         assert_eq!(sc.mem.as_deref(), Some("host"));
@@ -1556,7 +1555,7 @@ mod tests {
         let s = resolve(&layers, &env()).expect("overlap");
         assert_eq!((s.workers.prefill.per_layer_ns, s.workers.prefill.overlap), (500_000, Overlap::Layers));
         assert_eq!(s.dispatch, Dispatch::Concurrent);
-        assert_eq!(s.scenario().extra["overlap"], "layers");
+        assert_eq!(crate::report::scenario::bench_scenario(&s).extra["overlap"], "layers");
         let refused = |f: BenchFlags| resolve(&f, &env()).expect_err("refused").flag;
         assert_eq!(
             refused(BenchFlags { dispatch: Some(Dispatch::Sequential), ..layers.clone() }),

@@ -2,6 +2,9 @@
 //! ground-floor vocabulary, `vocab::env`). Precedence everywhere: defaults < config file <
 //! environment < flags.
 
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
 pub use crate::vocab::env::*;
 
 /// What resolution reads from the process's surroundings, read once per run (tests build
@@ -41,4 +44,30 @@ pub fn launcher_rank() -> Option<(u32, u32)> {
         }
     }
     None
+}
+
+/// Default directory runs are written under.
+pub const DEFAULT_RESULTS_DIR: &str = "results";
+
+/// Where runs go: the flag if given, else the value of `KVX_RESULTS_DIR` (read by the caller,
+/// see `settings::env`), else `results/`.
+pub fn results_root(flag: Option<&Path>, env_value: Option<OsString>) -> PathBuf {
+    match (flag, env_value) {
+        (Some(p), _) => p.to_path_buf(),
+        (None, Some(v)) if !v.is_empty() => PathBuf::from(v),
+        _ => PathBuf::from(DEFAULT_RESULTS_DIR),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn results_root_precedence() {
+        assert_eq!(results_root(Some(Path::new("f")), Some("e".into())), PathBuf::from("f"));
+        assert_eq!(results_root(None, Some("e".into())), PathBuf::from("e"));
+        assert_eq!(results_root(None, Some("".into())), PathBuf::from("results"));
+        assert_eq!(results_root(None, None), PathBuf::from("results"));
+    }
 }

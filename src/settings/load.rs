@@ -1,5 +1,5 @@
 //! `kvx load`: its flags ([`LoadFlags`]) resolved into the load generator's settings
-//! (`serve::load::LoadConfig`) and where the run is written; and `--slo`, which
+//! (`config::load::LoadConfig`) and where the run is written; and `--slo`, which
 //! `kvx bench --serve` takes too. Must not send anything.
 
 use std::path::PathBuf;
@@ -7,11 +7,12 @@ use std::path::PathBuf;
 use clap::{ArgAction, Args, ValueEnum};
 
 use super::env::ProcessEnv;
+use super::env::results_root;
+use crate::config::load::Slo;
 use crate::error::ConfigError;
-use crate::report::files::results_root;
-use crate::report::slo::Slo;
-use crate::serve::load::{self, Arrival, LoadConfig, Target};
-use crate::serve::openai::Endpoint;
+
+use crate::config::load::{Arrival, LoadConfig, Target};
+use crate::vocab::kinds::Endpoint;
 
 /// The API `kvx load` calls (`--endpoint`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -131,7 +132,8 @@ fn parse_prompt_len(s: &str) -> Result<(u64, u64), ConfigError> {
 
 fn parse_url(flag: &str, s: &str) -> Result<http::Uri, ConfigError> {
     let u: http::Uri = s.parse().map_err(|e| ConfigError::new(flag, format!("invalid URL {s:?}: {e}")))?;
-    load::endpoint_uri(&u, "/").map_err(|reason| ConfigError::new(flag, format!("{s}: {reason}")))?;
+    crate::config::load::endpoint_uri(&u, "/")
+        .map_err(|reason| ConfigError::new(flag, format!("{s}: {reason}")))?;
     Ok(u)
 }
 

@@ -10,6 +10,9 @@ use std::time::Duration;
 use clap::ValueEnum;
 use serde::{Deserialize, Deserializer};
 
+use crate::config::bench::{MAX_PROMPT, PromptLens};
+use crate::error::ConfigError;
+
 /// Most runtime worker threads a serving or load process takes (`--threads`): far past any
 /// machine's cores, far below what spawning costs before the process can serve.
 pub const MAX_THREADS: usize = 1024;
@@ -180,6 +183,62 @@ pub fn one_of<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
     }
 }
 
+/// `--prompt-len`: `N` or `A..B` tokens.
+impl FromStr for PromptLens {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let parse = |t: &str| -> Result<u32, String> {
+            let n: u32 =
+                t.trim().replace('_', "").parse().map_err(|_| format!("'{t}' is not a token count"))?;
+            if n == 0 || n > MAX_PROMPT {
+                return Err(format!("prompt length {n} is outside 1..={MAX_PROMPT}"));
+            }
+            Ok(n)
+        };
+        match s.split_once("..") {
+            Some((a, b)) => {
+                let (a, b) = (parse(a)?, parse(b.trim_start_matches('='))?);
+                if a > b {
+                    return Err(format!("range {a}..{b} is empty"));
+                }
+                Ok(if a == b { PromptLens::Fixed(a) } else { PromptLens::Uniform(a, b) })
+            }
+            None => Ok(PromptLens::Fixed(parse(s)?)),
+        }
+    }
+}
+
+/// `--prompt-lens FILE`: one length per line (blank lines and `#` comments skipped).
+pub fn prompt_lens_file(path: &std::path::Path) -> Result<PromptLens, ConfigError> {
+    let flag = "--prompt-lens";
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::new(flag, format!("cannot read {}: {e}", path.display())))?;
+    let mut v = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let t = line.split('#').next().unwrap_or("").trim();
+        if t.is_empty() {
+            continue;
+        }
+        match t.parse::<PromptLens>() {
+            Ok(PromptLens::Fixed(n)) => v.push(n),
+            _ => {
+                return Err(ConfigError::new(
+                    flag,
+                    format!(
+                        "{} line {}: '{t}' is not a prompt length (1..={MAX_PROMPT})",
+                        path.display(),
+                        i + 1
+                    ),
+                ));
+            }
+        }
+    }
+    if v.is_empty() {
+        return Err(ConfigError::new(flag, format!("{} has no prompt lengths", path.display())));
+    }
+    Ok(PromptLens::List(v))
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -240,8 +299,8 @@ mod tests {
 
     #[test]
     fn choices_name_the_alternatives() {
-        use crate::pipeline::wire::VerifyMode;
         use crate::transfer::ucx::ErrMode;
+        use crate::vocab::kinds::VerifyMode;
         assert_eq!(named::<VerifyMode>("sample"), Ok(VerifyMode::Sample));
         assert_eq!(named::<VerifyMode>(" off "), Ok(VerifyMode::Off));
         assert_eq!(named::<VerifyMode>("maybe"), Err("'maybe' is not full, sample or off".to_string()));
@@ -251,7 +310,7 @@ mod tests {
 
     #[test]
     fn choices_of_a_value_enum_use_the_flag_s_spellings() {
-        use crate::pipeline::wire::TransportKind;
+        use crate::vocab::kinds::TransportKind;
         assert_eq!(named::<TransportKind>("cuda-batch"), Ok(TransportKind::CudaBatch));
         assert_eq!(named::<TransportKind>(" ucx "), Ok(TransportKind::Ucx));
         assert_eq!(

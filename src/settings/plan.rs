@@ -18,16 +18,16 @@ use super::hybrid_case::{self, HybridCase, RequestSource};
 use super::hybrid_flags::HostStatePage;
 use super::scenario::{self, PlanScenario};
 use super::sweep::{self, SweepJob};
+use crate::config::bench::BenchSettings;
+use crate::config::bench::MAX_PROMPT;
+use crate::config::bench::ServeOptions;
 use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::geometry::Side;
 use crate::layouts::plan::{RequestBlocks, RequestIds};
-use crate::pipeline::bench::BenchSettings;
-use crate::pipeline::wire::TransportKind;
-use crate::pipeline::workload::MAX_PROMPT;
-use crate::serve::bench_serve::ServeOptions;
 use crate::topology::TransferMode;
+use crate::vocab::kinds::TransportKind;
 
 /// What `kvx bench` was asked to do, with every run resolved before any starts.
 #[derive(Debug, Clone)]
@@ -374,7 +374,7 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
                 super::workers::check_kv_buffer(
                     b,
                     TransferMode::Push,
-                    crate::pipeline::wire::TransportKind::Ucx,
+                    crate::vocab::kinds::TransportKind::Ucx,
                 )?;
             }
             c.pair.push_attention = args.push_attention.unwrap_or_default();

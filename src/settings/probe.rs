@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
-use crate::diagnose::probe::{ProbeFraming, ProbeOptions};
+use crate::config::probe::{ProbeFraming, ProbeOptions};
 use crate::error::ConfigError;
 use crate::transfer::handshake::Framing;
 

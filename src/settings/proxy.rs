@@ -9,10 +9,10 @@ use std::time::Duration;
 use clap::{ArgAction, Args};
 
 use super::parse::parse_duration;
+use crate::config::serve::{BackendAddr, Policy, ProxyConfig};
+use crate::config::serve::{ConnLimits, MAX_CONNECTIONS};
+use crate::config::worker::Dispatch;
 use crate::error::ConfigError;
-use crate::pipeline::wire::Dispatch;
-use crate::serve::conn::{ConnLimits, MAX_CONNECTIONS};
-use crate::serve::proxy::{BackendAddr, Policy, ProxyConfig};
 
 /// How long `kvx serve-engine` and `kvx serve-proxy` wait on their clients, and how many they
 /// hold at once (`serve::conn`): a client that sends nothing, or trickles its request, cannot
@@ -29,7 +29,7 @@ pub struct ServeConnFlags {
     pub body_read_timeout: Duration,
     /// Connections open at once, 1 to 1048576; past it a new connection is answered 503 and
     /// closed. Each takes a file descriptor (the process raises its open-file limit to fit).
-    #[arg(long, value_name = "N", default_value_t = crate::serve::conn::DEFAULT_MAX_CONNECTIONS)]
+    #[arg(long, value_name = "N", default_value_t = crate::config::serve::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
 }
 
@@ -267,7 +267,7 @@ mod tests {
     use clap::Parser;
 
     use super::*;
-    use crate::serve::proxy::Policy;
+    use crate::config::serve::Policy;
 
     /// The flags alone, parsed as `kvx serve-proxy` parses them (it flattens them too).
     #[derive(Parser)]

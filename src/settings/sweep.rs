@@ -10,9 +10,9 @@ use serde_json::Value;
 use super::bench::{BenchFlags, resolve};
 use super::env::ProcessEnv;
 use super::layer;
+use crate::config::bench::BenchSettings;
 use crate::error::ConfigError;
-use crate::pipeline::bench::BenchSettings;
-use crate::report::files::results_root;
+use crate::settings::env::results_root;
 
 /// The axes a sweep may vary, in the order points are enumerated.
 pub const AXES: &[&str] = &[

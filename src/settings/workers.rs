@@ -12,16 +12,19 @@ use clap::Args;
 use super::flags::{ModelFlags, PairFlags};
 use super::parse::{parse_duration, parse_size};
 use super::scenario;
+use crate::config::engine::EngineConfig;
+use crate::config::engine::{EngineSlot, KvMemory, WorkerSettings};
+use crate::config::serve::EngineIdentity;
+use crate::config::serve::HttpEngineConfig;
+use crate::config::worker::TransportConfig;
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
-use crate::pipeline::engine::EngineConfig;
-use crate::pipeline::setup::{EngineSlot, KvMemory, WorkerSettings};
-use crate::pipeline::wire::{KvBufferDevice, Role, TransferMode, TransportConfig, TransportKind, VerifyMode};
-use crate::serve::http_engine::{HttpEngineConfig, Role as HttpRole};
-use crate::serve::kv::EngineIdentity;
+use crate::topology::TransferMode;
 use crate::topology::VllmVersion;
 use crate::transfer::memory::MemKind;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
+use crate::vocab::kinds::Role as HttpRole;
+use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind, VerifyMode};
 
 /// Resolves `--mem` (host or cuda) and `--devices` into where a run's KV pools live. The
 /// devices are a round-robin list ([`KvMemory`]'s placement rule), device 0 when none is
@@ -118,7 +121,7 @@ pub fn check_one_machine(
     }
     let why = "--transport cuda-batch needs every rank on this machine (CUDA IPC does not cross machines)";
     if let Some(ep) = listen {
-        let (host, _) = crate::pipeline::engine::split_endpoint(ep);
+        let (host, _) = crate::config::engine::split_endpoint(ep);
         if !is_loopback(&host) {
             return Err(ConfigError::new(
                 "--listen",
@@ -170,7 +173,7 @@ pub enum KvBackendKind {
 /// Per-rank pool budget used when `--pool-blocks` is not given.
 pub const DEFAULT_POOL_BYTES_PER_RANK: u64 = 512 << 20;
 
-/// `--itl-ms` default: [`crate::serve::http_engine::DEFAULT_ITL`] in milliseconds.
+/// `--itl-ms` default: [`crate::config::serve::DEFAULT_ITL`] in milliseconds.
 pub const DEFAULT_ITL_MS: f64 = 15.0;
 
 /// `kvx serve-engine`'s flags (clap supplies the defaults). Host, port and threads are the
@@ -679,7 +682,7 @@ fn finish_serve_engine(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::engine::Launch;
+    use crate::config::engine::Launch;
     use crate::transfer::memory::MemPlace;
 
     #[test]
@@ -738,7 +741,7 @@ mod tests {
             itl_ms: 0.0,
             api_key: None,
             max_num_seqs: 256,
-            max_body_size: crate::serve::http_engine::DEFAULT_BODY_LIMIT as u64,
+            max_body_size: crate::config::serve::DEFAULT_BODY_LIMIT as u64,
             eos_at: None,
             engine_id: Some("e1".into()),
             side_channel_host: "localhost".into(),

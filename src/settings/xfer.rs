@@ -11,13 +11,13 @@ use clap::{Args, ValueEnum};
 
 use super::parse::{parse_duration, parse_size};
 use super::workers::check_mem_transport;
-use crate::diagnose::xfer::TargetOptions;
+use crate::config::xfer::TargetOptions;
+use crate::config::xfer::{Misalign, SessionOptions, XferConfig};
 use crate::error::ConfigError;
-use crate::pipeline::wire::TransportKind;
-use crate::report::xfer::{Misalign, SessionOptions, XferConfig};
 use crate::transfer::cuda_batch::BatchCopy;
 use crate::transfer::memory::{MemKind, MemPlace};
 use crate::transfer::ucx::{ErrMode, ProgressMode};
+use crate::vocab::kinds::TransportKind;
 
 /// Output format of `kvx xfer` (and `kvx doctor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]

@@ -137,3 +137,10 @@ impl KvBufferDevice {
         }
     }
 }
+
+/// The two generation endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}

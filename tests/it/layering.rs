@@ -248,6 +248,7 @@ const FLOORS: &[&[&str]] = &[
     &["topology"],
     &["layouts"],
     &["transfer"],
+    &["config"],
     &["report"],
     &["pipeline"],
     &["serve", "diagnose"],

@@ -146,10 +146,8 @@ pub(crate) fn check_vllm_families(f: &Families) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_and_proxy_serve_vllm_families_a_parser_reads() {
     tokio::time::timeout(HARD_TIMEOUT, async {
-        let mut d_cfg = kvx::serve::http_engine::HttpEngineConfig::new(
-            kvx::serve::http_engine::Role::Decode,
-            "stub-model",
-        );
+        let mut d_cfg =
+            kvx::config::serve::HttpEngineConfig::new(kvx::vocab::kinds::Role::Decode, "stub-model");
         d_cfg.itl = Duration::from_millis(2);
         let s = crate::serve::stack_with_cfg(d_cfg).await;
         let body = r#"{"model":"stub-model","prompt":"a b c d","max_tokens":3,"stream":true}"#;

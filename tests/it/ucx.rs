@@ -184,7 +184,9 @@ fn scatter_child() {
 }
 
 fn scatter_child_body(lib: &Path) {
-    use kvx::diagnose::xfer::{LocalTarget, Session, SessionOptions, TargetOptions, TargetRequest};
+    use kvx::config::xfer::SessionOptions;
+    use kvx::config::xfer::TargetOptions;
+    use kvx::diagnose::xfer::{LocalTarget, Session, TargetRequest};
     use kvx::layouts::pattern::check_at;
     use kvx::transfer::memory::{HostBuffer, MemPlace, PageSize};
     use kvx::transfer::ucx::{MemRegion, PackedRkey, ReadDesc, ReadOptions, UcxError};

@@ -9,14 +9,15 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use super::{Result, XferError};
-use crate::report::xfer::SessionOptions;
+use crate::config::xfer::SessionOptions;
+use crate::config::xfer::TargetOptions;
 use crate::transfer::handshake::meta::CudaIpcExport;
 use crate::transfer::memory::MemPlace;
 use crate::transfer::ucx::{
@@ -152,14 +153,6 @@ pub(super) fn accept_with_timeout(
             Err(source) => return Err(XferError::Control { stage: "accept", source }),
         }
     }
-}
-
-/// Settings of the target process that are its own (not asked for by the initiator).
-#[derive(Debug, Clone, Default)]
-pub struct TargetOptions {
-    pub ucx_lib: Option<PathBuf>,
-    pub progress: ProgressMode,
-    pub ucx_config: Vec<(String, String)>,
 }
 
 /// The UCX context of either role: its progress mode and settings, with the device's CUDA

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 use super::buffers::{BufferAccess, make_region, with_region};
 use super::control::{PATTERN_SEED, Session, TargetRequest};
 use super::{Result, XferError};
+use crate::config::xfer::{Misalign, XferConfig};
 use crate::layouts::pattern::{check_at, fill_at};
 use crate::report::xfer::{
-    MemoryReport, Misalign, UcxReport, VERIFY_EVERY, XferConfig, XferReport, XferResult, protocol_warnings,
-    verification_rule,
+    MemoryReport, UcxReport, VERIFY_EVERY, XferReport, XferResult, protocol_warnings, verification_rule,
 };
 use crate::transfer::cuda::{self, CudaBuffer, CudaDevice};
 use crate::transfer::cuda_batch::{BatchCopier, CopyBatch, PeerMapping, Span};
@@ -652,7 +652,7 @@ impl Timed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::xfer::SessionOptions;
+    use crate::config::xfer::SessionOptions;
 
     #[test]
     fn one_timed_batch_in_16_is_sampled_starting_with_the_first_and_a_known_last() {

@@ -34,13 +34,12 @@ use std::process::Child;
 use std::time::Duration;
 
 pub use self::control::{
-    BatchHello, Control, LocalTarget, PATTERN_SEED, Session, TargetHello, TargetOptions, TargetRequest,
-    connect_target, reap,
+    BatchHello, Control, LocalTarget, PATTERN_SEED, Session, TargetHello, TargetRequest, connect_target, reap,
 };
 pub use self::target::{listen_and_serve, run_target};
+use crate::config::xfer::{TargetOptions, TargetSpec, XferConfig};
 pub use crate::report::xfer::{
-    MemoryReport, Misalign, SessionOptions, TargetSpec, UcxReport, XferBatchReport, XferConfig, XferReport,
-    XferResult, verification_rule,
+    MemoryReport, UcxReport, XferBatchReport, XferReport, XferResult, verification_rule,
 };
 
 use self::buffers::check_mem;

@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use super::buffers::{AnyRegion, BufferAccess, check_mem, make_region};
 use super::control::{
-    BatchHello, Control, PATTERN_SEED, TARGET_START_TIMEOUT, TargetHello, TargetOptions, TargetReply,
-    TargetRequest, accept_with_timeout, context, read_frame, write_frame,
+    BatchHello, Control, PATTERN_SEED, TARGET_START_TIMEOUT, TargetHello, TargetReply, TargetRequest,
+    accept_with_timeout, context, read_frame, write_frame,
 };
 use super::{Result, XferError};
+use crate::config::xfer::TargetOptions;
 use crate::transfer::cuda::{CudaBuffer, CudaDevice};
 use crate::transfer::memory::MemPlace;
 use crate::transfer::ucx::{Context, ServeEnd, Ucx, Worker};

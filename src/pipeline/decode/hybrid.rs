@@ -18,11 +18,12 @@ use crate::layouts::hybrid::staging::host_copy_moves;
 use crate::layouts::hybrid::{EngineGeometry, HybridPlanner, PairConfig};
 use crate::layouts::hybrid::{HostCopyRule, HybridPlan, handshake_ranks};
 use crate::pipeline::params::KvTransferParams;
-use crate::pipeline::wire::{FailureCause, LoadResult, TransportKind};
+use crate::pipeline::wire::{FailureCause, LoadResult};
 use crate::pipeline::worker::{classify_ucx, compat_factors, fetch_peers};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::notify::Notification;
 use crate::transfer::ucx::{ReadDesc, ReadOptions};
+use crate::vocab::kinds::TransportKind;
 
 /// What a decode rank of a hybrid pair prepares once: the planner for the prefill engine it
 /// was configured with (every rank's descriptor lists, built as vLLM builds them at handshake

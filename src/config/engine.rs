@@ -8,11 +8,12 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::engine::{EngineConfig, Launch, split_endpoint};
-use super::wire::{PrefillSim, Role, TransferMode, TransportConfig, VerifyMode, WorkerConfig};
+use super::worker::{PrefillSim, TransportConfig, WorkerConfig};
 use crate::layouts::alloc::AllocPattern;
 use crate::layouts::compat::PairSpec;
+use crate::topology::TransferMode;
 use crate::transfer::memory::{MemPlace, MemoryError};
+use crate::vocab::kinds::{Role, VerifyMode};
 
 /// Memory of a run's KV pools, resolved once from `--mem` and `--devices` (or `--device`).
 ///
@@ -215,5 +216,43 @@ mod tests {
         assert_eq!(KvMemory::Host.places(0, 3), [MemPlace::Host; 3]);
         assert_eq!(KvMemory::Cuda { devices: vec![0, 1] }.to_string(), "cuda:0,1");
         assert_eq!(KvMemory::Host.to_string(), "host");
+    }
+}
+
+/// Where the workers come from.
+#[derive(Debug, Clone)]
+pub enum Launch {
+    /// Spawn `exe worker ...` locally, one process per rank.
+    Spawn { exe: PathBuf, env: Vec<(String, String)> },
+    /// Wait for `kvx worker --connect` processes started elsewhere (Slurm, mpirun, by hand)
+    /// on this control endpoint.
+    External { bind: String },
+}
+
+/// How to start an engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The worker config template; `rank` is filled per worker.
+    pub worker: WorkerConfig,
+    pub tp: u32,
+    pub pool_blocks: u32,
+    pub block_tokens: u32,
+    pub alloc: AllocPattern,
+    pub seed: u64,
+    /// Where each rank's KV pool lives, by rank (`tp` entries; settings place them).
+    pub mem: Vec<MemPlace>,
+    pub launch: Launch,
+    /// Prefill engines: the side-channel bind endpoint, e.g. `tcp://127.0.0.1:0`.
+    pub side_channel_bind: Option<String>,
+    /// Per-request deadline for worker answers.
+    pub timeout: Duration,
+}
+
+/// `tcp://host:port` to `(host, port)`.
+pub fn split_endpoint(ep: &str) -> (String, u16) {
+    let rest = ep.split_once("://").map_or(ep, |(_, r)| r);
+    match rest.rsplit_once(':') {
+        Some((h, p)) => (h.trim_matches(['[', ']']).to_string(), p.parse().unwrap_or(0)),
+        None => (rest.to_string(), 0),
     }
 }
