@@ -217,6 +217,112 @@ mod tests {
         }
         assert!(tried > 200, "only {tried} command lines parsed");
     }
+
+    /// One definition per setting: a flag that several commands take means the same in each,
+    /// with one default and one help text (a shared flag group, flattened where it is taken).
+    #[test]
+    fn every_flag_shared_by_commands_has_one_default_and_one_help() {
+        use std::collections::BTreeMap;
+        fn walk(
+            cmd: &clap::Command,
+            path: String,
+            out: &mut BTreeMap<String, Vec<(String, String, String)>>,
+        ) {
+            for a in cmd.get_arguments() {
+                let Some(long) = a.get_long() else { continue };
+                if matches!(long, "help" | "version") {
+                    continue;
+                }
+                let default: Vec<String> =
+                    a.get_default_values().iter().map(|v| v.to_string_lossy().into_owned()).collect();
+                let help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+                out.entry(format!("--{long}")).or_default().push((path.clone(), default.join(","), help));
+            }
+            for s in cmd.get_subcommands() {
+                walk(s, format!("{path} {}", s.get_name()), out);
+            }
+        }
+        let mut flags = BTreeMap::new();
+        walk(&Cli::command(), "kvx".into(), &mut flags);
+        // Flags that today still differ between the commands taking them (a default or a help
+        // text): each is to become one shared group or two names. The list only shrinks: a
+        // flag that no longer differs must leave it, one that starts to differ fails.
+        const STILL_DIFFER: &[&str] = &[
+            "--alloc",
+            "--api-key",
+            "--attention-backend",
+            "--block-size",
+            "--concurrency",
+            "--connect",
+            "--device",
+            "--devices",
+            "--dispatch",
+            "--duration",
+            "--err-mode",
+            "--format",
+            "--gdn-prefill",
+            "--host-copy",
+            "--host-descriptors",
+            "--host-state-page",
+            "--huge-pages",
+            "--inflight",
+            "--kernel-block-size",
+            "--layout",
+            "--lease",
+            "--listen",
+            "--mem",
+            "--mode",
+            "--model",
+            "--name",
+            "--no-prefix-caching",
+            "--p-tp",
+            "--pool-blocks",
+            "--prefix-hit",
+            "--progress",
+            "--prompt-len",
+            "--push-attention",
+            "--rank",
+            "--rate",
+            "--repeat",
+            "--requests",
+            "--role",
+            "--seed",
+            "--side-channel-port",
+            "--slo",
+            "--state-slices",
+            "--timeout",
+            "--tp",
+            "--transport",
+            "--ucx-lib",
+            "--ucx-tls",
+            "--vllm",
+            "--warmup",
+        ];
+        let mut differ = Vec::new();
+        let mut still = std::collections::BTreeSet::new();
+        for (flag, uses) in &flags {
+            let (_, d0, h0) = &uses[0];
+            for (cmd, d, h) in &uses[1..] {
+                if (d != d0 || h != h0) && STILL_DIFFER.contains(&flag.as_str()) {
+                    still.insert(flag.as_str());
+                    continue;
+                }
+                if d != d0 {
+                    differ.push(format!("{flag}: default '{d0}' in `{}`, '{d}' in `{cmd}`", uses[0].0));
+                }
+                if h != h0 {
+                    differ.push(format!(
+                        "{flag}: help differs between `{}` and `{cmd}`:\n  {h0}\n  {h}",
+                        uses[0].0
+                    ));
+                }
+            }
+        }
+        assert!(flags.len() > 100, "only {} flags listed", flags.len());
+        let unified: Vec<_> = STILL_DIFFER.iter().filter(|f| !still.contains(**f)).collect();
+        assert!(unified.is_empty(), "these now have one definition: take them off STILL_DIFFER: {unified:?}");
+        assert!(differ.is_empty(), "{} flags differ between commands:\n{}", differ.len(), differ.join("\n"));
+    }
 }
 
 /// Runs one parsed command line.

@@ -33,7 +33,7 @@ pub fn bench_scenario(b: &BenchSettings) -> Scenario {
         rate_rps: rate,
         inflight: Some(w.transport.inflight),
         repeat: Some(b.repeat),
-        verify: Some(w.verify.as_str().to_string()),
+        verify: Some(w.verify),
         transport: Some(w.transport.kind.as_str().to_string()),
         mem: Some(w.mem.to_string()),
         on_load_failure: Some(b.on_failure.as_str().to_string()),

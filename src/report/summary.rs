@@ -326,9 +326,8 @@ pub struct Scenario {
     pub inflight: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub repeat: Option<u32>,
-    /// `full`, `sample` or `off`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub verify: Option<String>,
+    pub verify: Option<crate::vocab::kinds::VerifyMode>,
     /// Transports asked for (`UCX_TLS`), as opposed to the ones UCX selected (`ucx.transports`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub transport: Option<String>,

@@ -4,6 +4,7 @@
 //! Owns how figures read to a person (units, precision, order). Must not do I/O: callers print
 //! or write the returned strings.
 
+use crate::vocab::kinds::VerifyMode;
 use comfy_table::{CellAlignment, ContentArrangement, Table, TableStyle, presets};
 
 pub use super::numbers::{fmt_bytes, fmt_f, fmt_ratio};
@@ -294,23 +295,22 @@ fn verified_label(s: &Summary) -> String {
     // run, the serving path's too, which reports no parts.)
     let cache = s.scenario.extra.contains_key("host_copy");
     let hybrid = !s.hybrid_parts.is_empty() || s.scenario.extra.contains_key("state_slices");
-    match s.scenario.verify.as_deref() {
-        Some("full") if cache => {
+    match s.scenario.verify {
+        Some(VerifyMode::Full) if cache => {
             "bytes verified (every byte of the request's blocks in the KV caches)".to_string()
         }
-        Some("sample") if cache => format!(
+        Some(VerifyMode::Sample) if cache => format!(
             "bytes verified (sampled layer blocks of the KV caches; {:.1}% as many bytes as read)",
             100.0 * ratio(s.bytes_verified as f64, s.bytes_read as f64)
         ),
-        Some("full") => "bytes verified (every byte read)".to_string(),
-        Some("sample") => format!(
+        Some(VerifyMode::Full) => "bytes verified (every byte read)".to_string(),
+        Some(VerifyMode::Sample) => format!(
             // A hybrid model's sample is one block in 16 of each layer (prefill fills those).
             "bytes verified (sampled {}, {:.1}% of bytes read)",
             if hybrid { "layer blocks" } else { "blocks" },
             100.0 * ratio(s.bytes_verified as f64, s.bytes_read as f64)
         ),
-        Some("off") => "bytes verified (verification off)".to_string(),
-        Some(other) => format!("bytes verified (--verify {other})"),
+        Some(VerifyMode::Off) => "bytes verified (verification off)".to_string(),
         None => "bytes verified".to_string(),
     }
 }

@@ -20,7 +20,7 @@ use serde::Deserialize;
 
 use super::env::ProcessEnv;
 use super::env::results_root;
-use super::flags::{Format, ModelFlags, PairFlags};
+use super::flags::{Format, KvBufferFlags, ModelFlags, PairFlags, VerifyFlags};
 use super::layer::{self, Layered, layered};
 use super::parse::parse_duration;
 use super::scenario;
@@ -37,7 +37,7 @@ use crate::transfer::cuda_batch::{BatchCopy, BatchDescriptors, BatchLaunch};
 use crate::transfer::memory::MemKind;
 use crate::transfer::notify::NotifyTransport;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
-use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind, VerifyMode};
+use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind};
 
 layered! {
     /// `kvx bench`'s settings as given: each field is a flag (clap) and, unless `serde(skip)`,
@@ -105,10 +105,9 @@ layered! {
         /// Run the measured part this many times (for noise-aware gates) [default: 1].
         #[arg(long, help_heading = "Workload")]
         pub repeat: Option<u32>,
-        /// Check received bytes: full, sample, off [default: full for runs under 2 GiB, else sample].
-        #[arg(long, value_enum, help_heading = "Checks")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub verify: Option<VerifyMode>,
+        #[command(flatten, next_help_heading = "Checks")]
+        #[serde(flatten)]
+        pub verify: VerifyFlags,
         /// When a load fails: fail, or recompute (vLLM's kv_load_failure_policy) [default: fail].
         #[arg(long, value_enum, help_heading = "Checks")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
@@ -252,12 +251,9 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport", help = BatchCopy::help())]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub batch_copy: Option<BatchCopy>,
-        /// Where transfers read the KV (vLLM's kv_buffer_device): cuda (the pool itself) or cpu
-        /// (a host buffer: prefill copies a request's blocks into it, decode reads into its own
-        /// and copies them into its pool; both copies are timed stages) [default: cuda].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub kv_buffer_device: Option<KvBufferDevice>,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub kv_buffer: KvBufferFlags,
         /// Hybrid models: where decode reads its slice of each state part: vllm (vLLM 0.33's
         /// remote_conv_offsets, which assume every conv part is sharded like x) or exact (each
         /// part as the model splits it: replicated Mamba2 B and C read where each prefill rank
@@ -634,11 +630,7 @@ fn finish(
             * u64::from(pair.d.tp)
     });
     let total_bytes = bytes_per_request.saturating_mul(requests.unwrap_or(1000));
-    let verify = match s.verify {
-        Some(v) => v,
-        None if total_bytes <= 2 << 30 => VerifyMode::Full,
-        None => VerifyMode::Sample,
-    };
+    let verify = s.verify.resolve(Some(total_bytes));
     let (prefill, dispatch) = prefill_sim(s, transport.mode, &pair)?;
     let fault = s.fault.as_deref().map(parse_fault).transpose()?;
     if let Some(plan) = fault {
@@ -774,7 +766,7 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
         }
     }
     let mode = s.mode.unwrap_or_default();
-    let kv_buffer = s.kv_buffer_device.unwrap_or_default();
+    let kv_buffer = s.kv_buffer.device();
     check_kv_buffer(kv_buffer, mode, kind)?;
     Ok(TransportConfig {
         kind,
@@ -958,6 +950,7 @@ mod tests {
     use crate::pipeline::wire::{self, ToWorker};
     use crate::settings::layer::Layer as _;
     use crate::transfer::memory::MemPlace;
+    use crate::vocab::kinds::VerifyMode;
 
     fn env() -> ProcessEnv {
         ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok(PathBuf::from("/usr/bin/kvx")) }
@@ -1028,7 +1021,7 @@ mod tests {
             inflight: Some(16),
             progress: Some(ProgressMode::Busy),
             err_mode: Some(ErrMode::None),
-            verify: Some(VerifyMode::Full),
+            verify: VerifyFlags { verify: Some(VerifyMode::Full) },
             lease: Some(Duration::from_secs(3)),
             prompt_len: Some("1024".into()),
             concurrency: Some(1),
@@ -1293,7 +1286,7 @@ mod tests {
         .expect("valid");
         assert_eq!((f.mem, f.transport), (Some(MemKind::Cuda), Some(TransportKind::CudaBatch)));
         assert_eq!(
-            (f.verify, f.err_mode, f.progress),
+            (f.verify.verify, f.err_mode, f.progress),
             (Some(VerifyMode::Sample), Some(ErrMode::Peer), Some(ProgressMode::Busy))
         );
         assert_eq!(
@@ -1407,7 +1400,10 @@ mod tests {
         let cuda = || BenchFlags { mem: Some(MemKind::Cuda), ..Default::default() };
         if cfg!(feature = "cuda") {
             assert_eq!(refused(hybrid(batch(BenchFlags::default()))), "--mem");
-            let staged = BenchFlags { kv_buffer_device: Some(KvBufferDevice::Cpu), ..cuda() };
+            let staged = BenchFlags {
+                kv_buffer: KvBufferFlags { kv_buffer_device: Some(KvBufferDevice::Cpu) },
+                ..cuda()
+            };
             assert_eq!(refused(hybrid(batch(staged))), "--kv-buffer-device");
             let s = resolve(&hybrid(batch(cuda())), &env()).expect("a hybrid model over cuda-batch");
             assert_eq!(s.workers.transport.kind, TransportKind::CudaBatch);
@@ -1422,7 +1418,7 @@ mod tests {
         assert_eq!(refused(hybrid(copy.clone())), "--host-copy");
         assert_eq!(refused(copy), "--host-copy");
         let cpu = BenchFlags {
-            kv_buffer_device: Some(KvBufferDevice::Cpu),
+            kv_buffer: KvBufferFlags { kv_buffer_device: Some(KvBufferDevice::Cpu) },
             host_state_page: Some(super::super::hybrid_flags::HostStatePage::Padded),
             ..Default::default()
         };
@@ -1501,7 +1497,7 @@ mod tests {
             transport: Some(TransportKind::Multi),
             err_mode: Some(ErrMode::Peer),
             progress: Some(ProgressMode::Busy),
-            verify: Some(VerifyMode::Sample),
+            verify: VerifyFlags { verify: Some(VerifyMode::Sample) },
             notify: Some(NotifyTransport::Zmq),
             ..BenchFlags::default()
         };
@@ -1532,7 +1528,7 @@ mod tests {
         )
         .expect("valid");
         let sc = crate::report::scenario::bench_scenario(&s);
-        assert_eq!(sc.verify.as_deref(), Some("sample"), "20 requests of 640 MiB: more than 2 GiB");
+        assert_eq!(sc.verify, Some(VerifyMode::Sample), "20 requests of 640 MiB: more than 2 GiB");
         assert_eq!(sc.transport.as_deref(), Some("ucx"));
         assert_eq!(sc.mem.as_deref(), Some("host"));
         assert_eq!(sc.on_load_failure.as_deref(), Some("recompute"));

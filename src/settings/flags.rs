@@ -14,6 +14,7 @@ use serde::Deserialize;
 use super::layer::layered;
 use crate::topology::VllmVersion;
 use crate::topology::ports::PortScheme;
+use crate::vocab::kinds::{KvBufferDevice, VerifyMode};
 use crate::vocab::model::Dtype;
 
 layered! {
@@ -177,4 +178,56 @@ pub struct PortFlags {
     /// Port scheme: engine (base + dp_rank, vLLM >= 0.11) or worker (base + dp_rank*tp + tp_rank).
     #[arg(long, value_name = "SCHEME", value_enum, default_value = "engine", help_heading = "Ports")]
     pub port_scheme: PortScheme,
+}
+
+layered! {
+    /// `--verify`: how decode checks the bytes it read, one definition for every command that
+    /// takes it (`kvx bench`, `kvx serve-engine`); the default is resolved by
+    /// [`super::workers::verify_or_default`].
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Args, Deserialize)]
+    pub struct VerifyFlags {
+        /// Check the bytes decode read: full, sample (1 block in 16), off [default: full for a
+        /// bench run moving up to 2 GiB, else sample].
+        #[arg(long, value_enum)]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub verify: Option<VerifyMode>,
+    }
+}
+
+layered! {
+    /// `--kv-buffer-device`: where transfers read the KV, one definition for every command that
+    /// takes it (`kvx bench`, `kvx serve-engine`, `kvx plan`, `kvx layout`).
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Args, Deserialize)]
+    pub struct KvBufferFlags {
+        /// Where transfers read the KV (vLLM's kv_buffer_device): cuda (the KV pool itself) or cpu
+        /// (a host buffer: prefill copies a request's blocks into it, decode reads into its own
+        /// and copies them into its pool; both copies are timed stages; pull mode over UCX)
+        /// [default: cuda].
+        #[arg(long, value_enum)]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub kv_buffer_device: Option<KvBufferDevice>,
+    }
+}
+
+/// Runs moving at most this many bytes check every byte by default (`--verify full`).
+pub const VERIFY_FULL_UP_TO_BYTES: u64 = 2 << 30;
+
+impl VerifyFlags {
+    /// `--verify` as given, else the one default rule: full for a run moving at most
+    /// [`VERIFY_FULL_UP_TO_BYTES`], else sample. A serving engine (`run_bytes` unknown: it runs
+    /// until stopped) samples.
+    pub fn resolve(self, run_bytes: Option<u64>) -> VerifyMode {
+        match (self.verify, run_bytes) {
+            (Some(v), _) => v,
+            (None, Some(bytes)) if bytes <= VERIFY_FULL_UP_TO_BYTES => VerifyMode::Full,
+            (None, _) => VerifyMode::Sample,
+        }
+    }
+}
+
+impl KvBufferFlags {
+    /// `--kv-buffer-device` as given, else cuda (the KV pool itself, vLLM's default).
+    pub fn device(self) -> KvBufferDevice {
+        self.kv_buffer_device.unwrap_or_default()
+    }
 }

@@ -8,7 +8,7 @@ use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::HybridModel;
-use crate::layouts::hybrid::geometry::{EngineGeometry, HybridEngine, KvBufferDevice, Side};
+use crate::layouts::hybrid::geometry::{EngineGeometry, HybridEngine, Side};
 use crate::layouts::{EngineSpec, Layout, RankGeometry};
 use crate::topology::VllmVersion;
 
@@ -42,10 +42,8 @@ pub struct LayoutFlags {
     /// Regions to list in the table view (the rest are summarised).
     #[arg(long, default_value_t = 6)]
     pub show_regions: usize,
-    /// Hybrid models: where NIXL registers the KV cache (vLLM's `kv_buffer_device`): cuda (the
-    /// device cache) or cpu (a host buffer, one tensor per layer) [default: cuda].
-    #[arg(long, value_enum)]
-    pub kv_buffer_device: Option<KvBufferDevice>,
+    #[command(flatten)]
+    pub kv_buffer: super::flags::KvBufferFlags,
     /// Hybrid models with GDN state: the GDN prefill kernel (flashinfer: vLLM's choice on
     /// H100/H200/B200, aligning blocks to 64-token checkpoints with prefix caching; triton:
     /// A100-class GPUs) [default: flashinfer].
@@ -98,7 +96,7 @@ pub fn resolve_hybrid(
     }
     let mut engine = HybridEngine::new(args.tp, args.num_blocks);
     engine.block_tokens = args.block_size;
-    engine.kv_buffer_device = args.kv_buffer_device.unwrap_or_default();
+    engine.kv_buffer_device = args.kv_buffer.device();
     engine.gdn_prefill = args.gdn_prefill.unwrap_or_default();
     engine.attention_backend = args.attention_backend.unwrap_or_default();
     engine.prefix_caching = !args.no_prefix_caching;
@@ -142,7 +140,7 @@ pub fn resolve(
     args: &LayoutFlags,
 ) -> Result<(PairSpec, RankGeometry, Vec<String>, ModelOrigin), ConfigError> {
     for (given, flag) in [
-        (args.kv_buffer_device.is_some(), "--kv-buffer-device"),
+        (args.kv_buffer.kv_buffer_device.is_some(), "--kv-buffer-device"),
         (args.gdn_prefill.is_some(), "--gdn-prefill"),
         (args.attention_backend.is_some(), "--attention-backend"),
         (args.no_prefix_caching, "--no-prefix-caching"),

@@ -186,7 +186,7 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
         for &buffer in buffers {
             let one = BenchFlags {
                 compare_kv_buffer_device: None,
-                kv_buffer_device: Some(buffer),
+                kv_buffer: super::flags::KvBufferFlags { kv_buffer_device: Some(buffer) },
                 // How the host buffer copies is its run's alone.
                 host_copy: flags.host_copy.filter(|_| buffer == cpu),
                 host_state_page: flags.host_state_page.filter(|_| buffer == cpu),
@@ -258,11 +258,8 @@ pub struct PlanFlags {
     /// Fraction of the prompt already cached on decode (only the rest is read).
     #[arg(long, value_name = "FRACTION", default_value_t = 0.0, help_heading = "Request")]
     pub prefix_hit: f64,
-    /// Hybrid models: where both engines register the KV cache (vLLM's `kv_buffer_device`):
-    /// cuda (the device cache) or cpu (a host buffer: prefill copies to it, decode reads it and
-    /// copies back) [default: cuda].
-    #[arg(long, value_enum)]
-    pub kv_buffer_device: Option<crate::layouts::hybrid::geometry::KvBufferDevice>,
+    #[command(flatten)]
+    pub kv_buffer: super::flags::KvBufferFlags,
     /// Hybrid models: where decode reads its slice of each state part: vllm (vLLM 0.33's
     /// remote_conv_offsets, which assume every conv part is sharded like x) or exact (each
     /// part as the model splits it: replicated Mamba2 B and C read where each prefill rank
@@ -394,7 +391,7 @@ pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErro
 /// [`resolve_hybrid`]'s case, before the transfer mode's own rules.
 fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
     if args.scenario.is_some() {
-        if args.kv_buffer_device.is_some() {
+        if args.kv_buffer.kv_buffer_device.is_some() {
             return Err(ConfigError::new(
                 "--kv-buffer-device",
                 "a --scenario case names its own engines' buffers",
@@ -436,7 +433,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
     )?
     else {
         for (given, flag) in [
-            (args.kv_buffer_device.is_some(), "--kv-buffer-device"),
+            (args.kv_buffer.kv_buffer_device.is_some(), "--kv-buffer-device"),
             (args.state_slices.is_some(), "--state-slices"),
             (args.host_copy.is_some(), "--host-copy"),
             (args.host_state_page.is_some(), "--host-state-page"),
@@ -478,7 +475,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
             e.num_blocks = super::hybrid_flags::request_pool(&model, e, side, tokens, 2)?;
         }
     }
-    if let Some(device) = args.kv_buffer_device {
+    if let Some(device) = args.kv_buffer.kv_buffer_device {
         (p.kv_buffer_device, d.kv_buffer_device) = (device, device);
     }
     for (given, flag) in [

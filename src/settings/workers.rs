@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::flags::{ModelFlags, PairFlags};
+use super::flags::{KvBufferFlags, ModelFlags, PairFlags, VerifyFlags};
 use super::parse::{parse_duration, parse_size};
 use super::scenario;
 use crate::config::engine::EngineConfig;
@@ -24,7 +24,7 @@ use crate::topology::VllmVersion;
 use crate::transfer::memory::MemKind;
 use crate::transfer::ucx::{ErrMode, ProgressMode};
 use crate::vocab::kinds::Role as HttpRole;
-use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind, VerifyMode};
+use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind};
 
 /// Resolves `--mem` (host or cuda) and `--devices` into where a run's KV pools live. The
 /// devices are a round-robin list ([`KvMemory`]'s placement rule), device 0 when none is
@@ -264,9 +264,8 @@ pub struct ServeEngineFlags {
     /// Deadline of every KV wait: handshake, reads, notifications.
     #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "5s", help_heading = "KV workers")]
     pub timeout: Duration,
-    /// Check the bytes a decode engine read: full, sample, off.
-    #[arg(long, value_enum, default_value = "sample", help_heading = "KV workers")]
-    pub verify: VerifyMode,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub verify: VerifyFlags,
     /// libucp.so to load (default: KVX_UCX_LIB, then .ucx/, then the system's).
     #[arg(long, help_heading = "KV workers")]
     pub ucx_lib: Option<PathBuf>,
@@ -301,11 +300,8 @@ pub struct ServeEngineFlags {
     /// the blocks decode registers, NixlPushConnector); both engines must use the same [default: pull].
     #[arg(long, value_enum, value_name = "pull|push", help_heading = "KV workers")]
     pub mode: Option<TransferMode>,
-    /// Where transfers read the KV (vLLM's kv_buffer_device): cuda (the pool itself) or cpu (a
-    /// host buffer: prefill copies a request's blocks into it, decode reads into its own and
-    /// copies them into its pool); pull mode over UCX.
-    #[arg(long, value_enum, default_value = "cuda", help_heading = "KV workers")]
-    pub kv_buffer_device: KvBufferDevice,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub kv_buffer: KvBufferFlags,
     /// Hybrid models: where a decode engine reads its slice of each state part: vllm (vLLM
     /// 0.33's remote_conv_offsets, which assume every conv part is sharded like x) or exact
     /// (each part as the model splits it) [default: vllm].
@@ -443,7 +439,7 @@ pub fn resolve_serve_engine(
             (a.devices.is_some(), "--devices"),
             (a.device.is_some(), "--device"),
             (a.mode.is_some(), "--mode"),
-            (a.kv_buffer_device != KvBufferDevice::Cuda, "--kv-buffer-device"),
+            (a.kv_buffer.device() != KvBufferDevice::Cuda, "--kv-buffer-device"),
             (a.host_copy.is_some(), "--host-copy"),
             (a.host_state_page.is_some(), "--host-state-page"),
             (a.host_descriptors.is_some(), "--host-descriptors"),
@@ -509,7 +505,7 @@ fn serve_engine_workers(
     let hybrid_model = super::hybrid_flags::hybrid_preset_of(&a.model, a.vllm, &[])?;
     super::hybrid_flags::check_host_switches(
         hybrid_model.is_some(),
-        a.kv_buffer_device == KvBufferDevice::Cpu,
+        a.kv_buffer.device() == KvBufferDevice::Cpu,
         &[(a.state_slices.is_some(), "--state-slices")],
         &[
             (a.host_copy.is_some(), "--host-copy"),
@@ -568,7 +564,7 @@ fn serve_engine_hybrid(
     use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
     let name = model.name.clone();
     let (mut own, _) = super::hybrid_flags::hybrid_engines(pair_flags, 1, None, None)?;
-    if a.kv_buffer_device == KvBufferDevice::Cpu {
+    if a.kv_buffer.device() == KvBufferDevice::Cpu {
         own.kv_buffer_device = KvBufferDevice::Cpu;
         own.host_state_page_padded = a.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
         own.host_descriptors_per_group =
@@ -628,7 +624,7 @@ fn finish_serve_engine(
 ) -> Result<WorkerSettings, ConfigError> {
     let mode = a.mode.unwrap_or_default();
     let inflight = check_inflight(a.inflight)?;
-    check_kv_buffer(a.kv_buffer_device, mode, TransportKind::Ucx)?;
+    check_kv_buffer(a.kv_buffer.device(), mode, TransportKind::Ucx)?;
     for (d, flag) in [(a.lease, "--lease"), (a.timeout, "--timeout")] {
         if d.is_zero() {
             return Err(ConfigError::new(flag, "must be longer than 0"));
@@ -662,9 +658,9 @@ fn finish_serve_engine(
             batch_launch: Default::default(),
             batch_descriptors: Default::default(),
             slowdown: 0.0,
-            kv_buffer: a.kv_buffer_device,
+            kv_buffer: a.kv_buffer.device(),
         },
-        verify: a.verify,
+        verify: a.verify.resolve(None),
         mem,
         lease: a.lease,
         timeout: a.timeout,
@@ -756,7 +752,7 @@ mod tests {
             alloc: AllocPattern::Contiguous,
             lease: Duration::from_secs(30),
             timeout: Duration::from_secs(5),
-            verify: VerifyMode::Sample,
+            verify: VerifyFlags::default(),
             ucx_lib: None,
             ucx_tls: Some("tcp".into()),
             err_mode: ErrMode::Peer,
@@ -768,7 +764,7 @@ mod tests {
             devices: None,
             device: None,
             mode: None,
-            kv_buffer_device: KvBufferDevice::Cuda,
+            kv_buffer: KvBufferFlags::default(),
             state_slices: None,
             host_copy: None,
             host_state_page: None,
@@ -825,7 +821,7 @@ mod tests {
             (|f| f.devices = Some(vec![0]), "--devices"),
             (
                 |f| {
-                    f.kv_buffer_device = KvBufferDevice::Cpu;
+                    f.kv_buffer.kv_buffer_device = Some(KvBufferDevice::Cpu);
                     f.mode = Some(TransferMode::Push);
                 },
                 "--kv-buffer-device",

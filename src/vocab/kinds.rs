@@ -46,6 +46,12 @@ pub enum VerifyMode {
 /// The stride of `VerifyMode::Sample`.
 pub const SAMPLE_STRIDE: u32 = 16;
 
+impl std::fmt::Display for VerifyMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl VerifyMode {
     /// The vector stride to check, if any.
     pub fn stride(self) -> Option<u32> {

@@ -224,7 +224,10 @@ fn settings_import_nothing_that_runs_or_reports() {
         .flat_map(|(m, to)| {
             to.iter()
                 .filter(|t| {
-                    matches!(t.first().map(String::as_str), Some("pipeline" | "serve" | "report" | "diagnose"))
+                    matches!(
+                        t.first().map(String::as_str),
+                        Some("pipeline" | "serve" | "report" | "diagnose")
+                    )
                 })
                 .map(move |t| format!("{} -> {}", m.join("/"), t.join("/")))
         })
