@@ -417,9 +417,9 @@ fn engine(
     let at = format!("{side}.");
     let mut engine = HybridEngine {
         kv_buffer_device: match e.get("kv_buffer_device").and_then(Value::as_str) {
-            Some("cpu") => KvBufferDevice::Cpu,
-            Some("cuda") | None => KvBufferDevice::Cuda,
-            Some(other) => return Err(bad(format!("`{side}.kv_buffer_device` {other} is not cuda or cpu"))),
+            Some(name) => super::parse::named::<KvBufferDevice>(name)
+                .map_err(|why| bad(format!("`{side}.kv_buffer_device`: {why}")))?,
+            None => KvBufferDevice::default(),
         },
         block_tokens: DEFAULT_BLOCK_TOKENS,
         ..HybridEngine::new(num(e, "tp", &at)?, num(e, "num_blocks", &at)?)
