@@ -51,7 +51,7 @@ impl TransportArg {
 
 /// Which side of a measurement this process is (`--role`, internal).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Role {
+pub enum XferRole {
     Initiator,
     Target,
 }
@@ -129,8 +129,8 @@ pub struct XferFlags {
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
     /// Internal: the role of this process.
-    #[arg(long, value_enum, default_value_t = Role::Initiator, hide = true)]
-    pub role: Role,
+    #[arg(long, value_enum, default_value_t = XferRole::Initiator, hide = true)]
+    pub role: XferRole,
     /// Internal: where a spawned target connects back to.
     #[arg(long, hide = true)]
     pub connect_back: Option<String>,
@@ -164,7 +164,7 @@ pub fn resolve(args: &XferFlags) -> Result<XferRun, ConfigError> {
         progress: args.progress,
         ucx_config: ucx_config(args),
     };
-    if args.role == Role::Target {
+    if args.role == XferRole::Target {
         let addr = args.connect_back.clone().ok_or_else(|| {
             ConfigError::new("--connect-back", "the target role needs the initiator's address")
         })?;
