@@ -35,6 +35,27 @@ pub struct HttpEngineConfig {
     pub conn: ConnLimits,
 }
 
+impl HttpEngineConfig {
+    /// Defaults suited to tests: instant prefill, no ITL, NullKv-friendly sizes. The CLI's
+    /// default ITL is [`DEFAULT_ITL`].
+    pub fn new(role: Role, model_name: impl Into<String>) -> Self {
+        Self {
+            role,
+            model_name: model_name.into(),
+            max_model_len: 8192,
+            block_size_tokens: 16,
+            tp_size: 1,
+            prefill_tokens_per_s: 0.0,
+            itl: Duration::ZERO,
+            api_key: None,
+            max_num_seqs: 256,
+            eos_at: None,
+            max_body_bytes: DEFAULT_BODY_LIMIT,
+            conn: ConnLimits::default(),
+        }
+    }
+}
+
 /// The default request body limit of `serve-engine` and `serve-proxy` (`--max-body-size`,
 /// 64MiB: token-id prompts of long contexts exceed axum's 2 MiB default).
 pub const DEFAULT_BODY_LIMIT: usize = 64 << 20;

@@ -1,5 +1,5 @@
 //! Robust statistics over a handful of repeats: median, MAD, and the noise figures the gate
-//! derives from them. Pure arithmetic; owns no policy (thresholds live in `gate.rs`).
+//! derives from them. Pure arithmetic; owns no policy (thresholds live in `gate/`).
 
 /// Scales a MAD to a standard deviation for normally distributed data.
 pub const MAD_TO_SD: f64 = 1.4826;

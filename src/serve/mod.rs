@@ -9,7 +9,7 @@
 //! workers.rs   WorkerKv: the KvBackend over a pipeline engine of worker processes (real UCX)
 //! metrics.rs   counters/gauges/histograms and the Prometheus text exposition (vLLM's buckets)
 //! timing.rs    per-request stage timings in the `Server-Timing` header (the TTFT waterfall)
-//! http_engine.rs  the engine: router(state), serve(listener, state, shutdown)
+//! http_engine/  the engine: router(state), serve(listener, state, shutdown)
 //! rewrite.rs   the toy proxy's body rewriting on raw, order-preserving JSON
 //! client.rs    pooled keep-alive HTTP/1.1 client (proxy legs, load generator)
 //! conn.rs      the server loop under both: read timeouts, connection cap, graceful shutdown

@@ -4,6 +4,9 @@
 //! `src/` as text: every `use` and every inline `crate::`/`super::` path, resolved to the file that defines the module it names. A
 //! folder's `mod.rs` (and `lib.rs`) declares its children, so references to it are not
 //! counted as imports.
+//!
+//! And the files stay readable: none is over [`MAX_LINES`] lines, and every module with
+//! children is a folder with a `mod.rs` (never an `x.rs` beside a folder `x/`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -16,7 +19,9 @@ fn modules(src: &Path) -> BTreeMap<Vec<String>, PathBuf> {
             let p = e.path();
             if p.is_dir() {
                 walk(&p, src, out);
-            } else if p.extension().is_some_and(|x| x == "rs") {
+            } else if p.extension().is_some_and(|x| x == "rs") && !p.ends_with("tests.rs") {
+                // A `tests.rs` is a folder's unit tests (`#[cfg(test)] mod tests;`), which may
+                // reach anywhere, as inline test modules may.
                 let rel = p.strip_prefix(src).expect("under src").to_path_buf();
                 let mut m: Vec<String> =
                     rel.with_extension("").iter().map(|c| c.to_string_lossy().into_owned()).collect();
@@ -344,4 +349,97 @@ fn imports_point_down_the_floors() {
     }
     assert!(unknown.is_empty(), "modules on no floor (add them to FLOORS): {unknown:?}");
     assert!(up.is_empty(), "imports pointing up (move the shared piece down): {up:#?}");
+}
+
+/// The longest a source file may be: past it, split the file along what its parts do.
+const MAX_LINES: usize = 1_500;
+
+/// Files over [`MAX_LINES`] whose split is under way elsewhere. Each must still be over the
+/// limit: once it is split, take it off this list.
+const SPLIT_PENDING: &[&str] = &[];
+
+/// Every `.rs` file under `dir`, as paths relative to `src`.
+fn rust_files(dir: &Path, src: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            rust_files(&p, src, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p.strip_prefix(src).expect("under src").to_path_buf());
+        }
+    }
+}
+
+/// The files over `max` lines (with their counts), and the pending ones that are not.
+fn too_long(src: &Path, max: usize, pending: &[&str]) -> (Vec<String>, Vec<String>) {
+    let mut files = Vec::new();
+    rust_files(src, src, &mut files);
+    files.sort();
+    let mut over = Vec::new();
+    let mut split = Vec::new();
+    for rel in files {
+        let lines = std::fs::read_to_string(src.join(&rel)).expect("readable source").lines().count();
+        let name = rel.to_string_lossy().replace('\\', "/");
+        match (lines > max, pending.contains(&name.as_str())) {
+            (true, false) => over.push(format!("{name} ({lines} lines)")),
+            (false, true) => split.push(name),
+            _ => {}
+        }
+    }
+    (over, split)
+}
+
+/// Folders `x/` with a file `x.rs` beside them (relative to `src`).
+fn mixed_module_styles(src: &Path) -> Vec<String> {
+    fn walk(dir: &Path, src: &Path, out: &mut Vec<String>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                if p.with_extension("rs").is_file() {
+                    let rel = p.strip_prefix(src).expect("under src").to_string_lossy().replace('\\', "/");
+                    out.push(format!("{rel}.rs beside {rel}/"));
+                }
+                walk(&p, src, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(src, src, &mut out);
+    out.sort();
+    out
+}
+
+#[test]
+fn no_source_file_is_over_the_line_limit() {
+    let (over, split) = too_long(&src(), MAX_LINES, SPLIT_PENDING);
+    assert!(
+        over.is_empty(),
+        "files over {MAX_LINES} lines (split each into a folder of files cut along what the code does): \
+         {over:?}"
+    );
+    assert!(split.is_empty(), "split already, take them off SPLIT_PENDING: {split:?}");
+}
+
+#[test]
+fn one_module_style_folder_and_mod_rs() {
+    let mixed = mixed_module_styles(&src());
+    assert!(mixed.is_empty(), "move each x.rs to x/mod.rs (`git mv`), as the rest of the crate: {mixed:?}");
+}
+
+#[test]
+fn the_size_and_style_checks_see_what_they_look_for() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let root = dir.path();
+    std::fs::create_dir_all(root.join("a/b")).expect("folders");
+    std::fs::write(root.join("a.rs"), "mod b;\n").expect("a.rs");
+    std::fs::write(root.join("a/b.rs"), "fn f() {}\n".repeat(11)).expect("a/b.rs");
+    std::fs::write(root.join("a/b/mod.rs"), "").expect("a/b/mod.rs");
+    std::fs::write(root.join("short.rs"), "fn f() {}\n".repeat(10)).expect("short.rs");
+    assert_eq!(mixed_module_styles(root), ["a.rs beside a/", "a/b.rs beside a/b/"]);
+    let (over, split) = too_long(root, 10, &["short.rs"]);
+    assert_eq!(over, ["a/b.rs (11 lines)"]);
+    assert_eq!(split, ["short.rs"], "a pending file under the limit is reported");
+    assert_eq!(too_long(root, 11, &[]), (Vec::new(), Vec::new()));
 }

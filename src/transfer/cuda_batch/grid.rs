@@ -13,7 +13,8 @@
 //! Owns: the host side of the grid (its table, bounds, counts) and [`GridBatch::expand`], the
 //! kernel's arithmetic in Rust, which the tests hold the PTX to.
 
-use super::{CudaBatchError, Span};
+use super::error::CudaBatchError;
+use super::pack::Span;
 use crate::layouts::plan::RegionXfer;
 
 /// Words per region in the table: dst base, dst step, src base, src step, len.
