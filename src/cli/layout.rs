@@ -4,7 +4,7 @@
 use clap::Args;
 
 use super::common::Format;
-use super::topo::reject;
+use super::common::reject;
 use crate::error::Outcome;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::{RankGeometry, Region};

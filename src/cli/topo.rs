@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use clap::Args;
 
-use super::common::{Format, ModelFlags, PairFlags, PortFlags};
+use super::common::{Format, ModelFlags, PairFlags, PortFlags, reject};
 use crate::error::ConfigError;
 use crate::error::Outcome;
 use crate::layouts::compat::PairSpec;
@@ -113,16 +113,6 @@ pub fn build(pair: &PairSpec, map: &RankMap, ports: &Ports) -> Result<TopoJson, 
         p_ranks,
         d_ranks,
     })
-}
-
-/// Prints a rejection in the requested format; the caller turns it into exit code 2.
-pub fn reject(format: Format, err: ConfigError) -> anyhow::Error {
-    if format == Format::Json {
-        let body = serde_json::json!({"status": "rejected", "error": err.to_string(), "flag": err.flag});
-        // The rejection is the error either way; a closed stdout changes nothing.
-        let _ = output::stdout_line(body);
-    }
-    err.into()
 }
 
 pub fn run(args: &TopoArgs) -> anyhow::Result<Outcome> {
