@@ -9,7 +9,7 @@
 //! prefill rank); `pattern` fills and verifies blocks; `posting` says what posting a plan's
 //! descriptors costs on each transport (the post-bound check of `kvx plan`), with `rates` reading
 //! its rates from results files; `request` plans `kvx plan`'s request whole (uniform or hybrid,
-//! pull or push) into one typed answer.
+//! pull or push) into one typed answer, and `rank_maps` maps `kvx topo`'s pair the same way.
 
 pub mod alloc;
 pub mod compat;
@@ -20,6 +20,7 @@ pub mod pattern;
 pub mod plan;
 pub mod posting;
 pub mod push;
+pub mod rank_maps;
 pub mod rates;
 pub mod request;
 pub mod verify;
