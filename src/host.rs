@@ -1,7 +1,8 @@
 //! The machine kvx runs on, as a run's summary records it: host name, CPU, memory, OS and
-//! kernel, read from `/proc` and `/etc/os-release`. A leaf every layer may use: the layers
-//! that run something (`pipeline`, `serve`, `diagnose`, and `cli` for runs it assembles) fill a
-//! summary's [`Environment`] from here, so `report` carries it without reading the system.
+//! kernel, read from `/proc` and `/etc/os-release`; and the CPU time this process has spent
+//! ([`cpu_seconds`]). A leaf every layer may use: the layers that run something (`pipeline`,
+//! `serve`, `diagnose`) fill a summary's [`Environment`] from here, so `report` carries it
+//! without reading the system.
 
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +54,18 @@ impl Environment {
     }
 }
 
+/// CPU seconds (user + system) of this process and of its reaped children so far (0 for
+/// what `getrusage` cannot tell).
+pub fn cpu_seconds() -> f64 {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+    [UsageWho::RUSAGE_SELF, UsageWho::RUSAGE_CHILDREN]
+        .into_iter()
+        .filter_map(|who| getrusage(who).ok())
+        .map(|u| secs(u.user_time()) + secs(u.system_time()))
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -62,5 +75,15 @@ mod tests {
         let e = Environment::detect();
         assert!(e.cores >= 1);
         assert_eq!(e.kvx_version, env!("CARGO_PKG_VERSION"));
+    }
+
+    #[test]
+    fn cpu_seconds_grow_with_work() {
+        let before = cpu_seconds();
+        let mut x = 0u64;
+        for i in 0..5_000_000u64 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+        }
+        assert!(cpu_seconds() >= before, "{x}");
     }
 }

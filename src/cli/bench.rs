@@ -6,11 +6,11 @@ use anyhow::Context as _;
 use clap::Args;
 
 use super::common::Format;
-use super::compare::Compared;
 use crate::diagnose::xfer::run_for_calibration;
 use crate::error::Outcome;
 use crate::output;
 use crate::pipeline::bench;
+use crate::pipeline::compare::{self, Compared};
 use crate::report::files::RunWriter;
 use crate::report::summary::{new_run_id, now_rfc3339};
 use crate::report::table::{Style, render_summary};
@@ -49,7 +49,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         BenchJob::CompareKvBuffer(runs) => compare(format, Compared::KvBuffer, &runs, &root, &run_id),
         BenchJob::Sweep(sweep) => {
             let mut writer = RunWriter::create(&root, &run_id)?;
-            let summary = super::sweep::run(&sweep, &mut writer, &run_id)?;
+            let summary = crate::pipeline::sweep::run(&sweep, &mut writer, &run_id, run_for_calibration)?;
             // Printed before any file is written: a full disk does not hide what was measured.
             output::keep_verdict(output::stdout(summary_text(format, &summary, writer.dir())?))?;
             writer.finish(&summary)?;
@@ -92,7 +92,7 @@ fn compare(
     // What one run cannot have (device memory, a UCX, the CUDA driver) is said before any starts.
     runs.iter().try_for_each(check_ucx)?;
     let mut writer = RunWriter::create(root, run_id)?;
-    let (summary, table) = super::compare::run(what, runs, &mut writer, run_id)?;
+    let (summary, table) = compare::run(what, runs, &mut writer, run_id, run_for_calibration)?;
     let mut text = summary_text(format, &summary, writer.dir())?;
     if format != Format::Json {
         text.push_str(&table);

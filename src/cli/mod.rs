@@ -9,7 +9,6 @@ use crate::error::Outcome;
 
 pub mod bench;
 pub mod common;
-pub mod compare;
 pub mod completions;
 pub mod doctor;
 pub mod gate;
@@ -20,7 +19,6 @@ pub mod probe;
 pub mod report;
 pub mod serve_engine;
 pub mod serve_proxy;
-pub mod sweep;
 pub mod topo;
 pub mod worker;
 pub mod xfer;

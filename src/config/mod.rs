@@ -14,8 +14,10 @@
 
 pub mod bench;
 pub mod engine;
+pub mod layout;
 pub mod load;
 pub mod probe;
 pub mod serve;
+pub mod sweep;
 pub mod worker;
 pub mod xfer;

@@ -8,7 +8,8 @@
 //! and coalesces them; `push` does the same for push mode (prefill WRITEs, so local is the
 //! prefill rank); `pattern` fills and verifies blocks; `posting` says what posting a plan's
 //! descriptors costs on each transport (the post-bound check of `kvx plan`), with `rates` reading
-//! its rates from results files.
+//! its rates from results files; `request` plans `kvx plan`'s request whole (uniform or hybrid,
+//! pull or push) into one typed answer, and `rank_maps` maps `kvx topo`'s pair the same way.
 
 pub mod alloc;
 pub mod compat;
@@ -19,7 +20,9 @@ pub mod pattern;
 pub mod plan;
 pub mod posting;
 pub mod push;
+pub mod rank_maps;
 pub mod rates;
+pub mod request;
 pub mod verify;
 
 use std::fmt;

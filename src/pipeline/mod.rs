@@ -1,5 +1,6 @@
 //! The P/D pipeline: engines made of worker processes (one per TP rank), the request
-//! lifecycle between them, and the `kvx bench` driver on top.
+//! lifecycle between them, and the `kvx bench` driver on top (one bench, a sweep, a
+//! comparison of runs that differ in one setting).
 //!
 //! Owns: worker processes, block pools, the control protocol, workloads, the request
 //! lifecycle (fill, hold under a lease, read, verify, notify, free). Uses `layouts` for
@@ -9,6 +10,7 @@
 
 pub mod batch;
 pub mod bench;
+pub mod compare;
 pub mod decode;
 pub mod engine;
 pub mod params;
@@ -16,6 +18,7 @@ pub mod pool;
 pub mod prefill;
 pub mod push;
 pub mod rank;
+pub mod sweep;
 pub mod wire;
 pub mod worker;
 pub mod workload;

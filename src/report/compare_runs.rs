@@ -1,6 +1,6 @@
 //! The tables of `kvx bench --compare-transports` (connectors in the shape of vLLM's guide,
 //! measured, and those not measured here with the reason) and `--compare-modes` (pull against
-//! push). Pure: `cli::compare` runs the workloads and fills the rows.
+//! push). Pure: `pipeline::compare` runs the workloads and fills the rows.
 
 use super::table::{Style, new_table};
 

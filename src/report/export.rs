@@ -9,6 +9,13 @@ use serde::Serialize;
 use super::ReportError;
 use super::summary::{RequestRow, Summary, ordered_stage_names};
 
+/// A report's JSON as a command prints it: pretty, with a newline.
+pub fn pretty_json(value: &impl Serialize) -> serde_json::Result<String> {
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    Ok(text)
+}
+
 /// The summary as pretty JSON with a trailing newline.
 ///
 /// Refuses a summary that would not read back: JSON has no NaN or infinity (serde_json writes

@@ -1,17 +1,77 @@
-//! `kvx layout`'s views: a uniform engine's rank (its JSON shape and table) and a hybrid model's engine: the KV cache groups, vLLM's aligned block
+//! `kvx layout`'s views ([`render`] of an [`EngineLayout`]): a uniform engine's rank (its JSON
+//! shape and table) and a hybrid model's engine: the KV cache groups, vLLM's aligned block
 //! size and padded page, the state slot's parts with their byte ranges, and the regions. Pure:
-//! `cli::layout` resolves the geometry and prints this.
+//! `settings::layout` resolves the geometry, `cli::layout` prints what [`render`] returns.
 
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use serde::Serialize;
 
+use super::export::pretty_json as pretty;
 use super::numbers::bytes_text;
 use super::table::wrapped_table;
+use crate::config::layout::{EngineLayout, ModelOrigin};
+use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::EngineGeometry;
 use crate::layouts::hybrid::geometry::GroupKind;
+use crate::layouts::{RankGeometry, Region};
+
+/// How `kvx layout` shows an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayoutView {
+    /// Pretty JSON.
+    Json,
+    /// The tables, with at most `show_regions` rows of regions.
+    Table { show_regions: usize },
+}
+
+/// The engine as `view` asks, ready to print.
+pub fn render(engine: &EngineLayout, view: LayoutView) -> serde_json::Result<String> {
+    Ok(match (engine, view) {
+        (EngineLayout::Uniform { pair, rank, geom, layer_names, request_tokens, origin }, view) => {
+            let mut report = LayoutJson::new(pair, *rank, geom, layer_names, *request_tokens);
+            report.origin = serde_json::to_value(origin)?;
+            match view {
+                LayoutView::Json => pretty(&report)?,
+                LayoutView::Table { show_regions } => render_uniform(&report, show_regions) + &origin.text(),
+            }
+        }
+        (EngineLayout::Hybrid { model, tp, rank, num_blocks, geom, origin }, LayoutView::Json) => {
+            pretty(&HybridLayoutJson {
+                status: "ok",
+                model: &model.name,
+                tp: *tp,
+                rank: *rank,
+                vllm_version: "0.33",
+                block_size: geom.sizing.block_tokens,
+                kernel_block_size: geom.kernel_block_tokens,
+                page_bytes: geom.sizing.page_bytes,
+                padding_bytes: geom.sizing.padding_bytes(),
+                engine: geom.stated().case_json(*tp, *num_blocks, geom.config.kv_buffer_device),
+                origin: serde_json::to_value(origin)?,
+                geometry: geom,
+            })?
+        }
+        (EngineLayout::Hybrid { model, rank, geom, origin, .. }, LayoutView::Table { show_regions }) => {
+            render_hybrid(&model.name, *rank, geom, show_regions) + &origin.text()
+        }
+    })
+}
+
+impl ModelOrigin {
+    /// One line for the table view, or nothing when no default was taken.
+    pub fn text(&self) -> String {
+        match (&self.architecture, self.defaults.is_empty()) {
+            (Some(arch), false) => format!(
+                "read as {arch}; left out of the config, so its defaults (as transformers fills them for vLLM): {}\n",
+                self.defaults.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ")
+            ),
+            _ => String::new(),
+        }
+    }
+}
 
 /// The table view of a hybrid engine's rank.
-pub fn render_hybrid(model: &str, rank: u32, g: &EngineGeometry, show_regions: usize) -> String {
+fn render_hybrid(model: &str, rank: u32, g: &EngineGeometry, show_regions: usize) -> String {
     let s = &g.sizing;
     let mut out = format!(
         "kvx layout: {model} | tp {} rank {rank} ({} KV heads on the rank) | {} | vLLM 0.33 (hybrid)\n\
@@ -159,6 +219,79 @@ pub struct LayoutJson {
     pub origin: serde_json::Value,
 }
 
+impl LayoutJson {
+    /// The report of rank `rank` of `pair`'s (prefill) engine, with the per-request figures for
+    /// a request of `request_tokens`; `origin` is left null.
+    fn new(
+        pair: &PairSpec,
+        rank: u32,
+        g: &RankGeometry,
+        names: &[String],
+        request_tokens: u32,
+    ) -> LayoutJson {
+        let (tp, block_size) = (pair.p.tp, pair.p.block_tokens);
+        let regions: Vec<Region> = g.regions();
+        let request_blocks = request_tokens.div_ceil(block_size);
+        LayoutJson {
+            status: "ok",
+            model: pair.model.name.clone(),
+            vllm_version: pair.version.as_str(),
+            layout: g.layout.to_string(),
+            layout_description: g.layout.describe(),
+            tp,
+            rank,
+            kv_heads_on_rank: g.heads,
+            global_heads: g.global_heads.clone().collect(),
+            block_size: g.block_tokens,
+            num_blocks: g.num_blocks,
+            bytes_per_token: g.bytes_per_token(),
+            bytes_per_block_per_layer: g.page_bytes(),
+            bytes_per_block: g.block_bytes_all_layers(),
+            allocation_bytes: g.total_bytes(),
+            request_tokens,
+            request_blocks,
+            bytes_per_request: g.block_bytes_all_layers() * u64::from(request_blocks),
+            descriptors_per_request: regions.len() as u64 * u64::from(request_blocks),
+            physical_axes: g
+                .physical_axes()
+                .into_iter()
+                .map(|(axis, size, stride)| AxisJson { axis, size, stride_bytes: stride })
+                .collect(),
+            regions: regions
+                .iter()
+                .map(|r| RegionJson {
+                    name: r.name.clone(),
+                    base_offset: r.base_off,
+                    block_len: r.block_len,
+                    block_stride: r.block_stride,
+                    num_blocks: r.num_blocks,
+                    block_content: r.content.shape_string(),
+                })
+                .collect(),
+            registrations: g.registrations().into_iter().map(|(o, n)| [o, n]).collect(),
+            origin: serde_json::Value::Null,
+            engine: serde_json::json!({
+                "tp": tp,
+                "block_size_tokens": g.block_tokens,
+                "num_blocks": g.num_blocks,
+                "local_kv_heads": g.heads,
+                "page_bytes": g.page_bytes(),
+                "kv_buffer_device": "cuda",
+                "groups": [{
+                    "group": 0,
+                    "spec": if pair.model.is_mla() { "MLAAttentionSpec" } else { "FullAttentionSpec" },
+                    // vLLM's names where the model has them (a `--layers` override renumbers).
+                    "layers": if names.len() == pair.model.num_layers as usize {
+                        names.to_vec()
+                    } else {
+                        (0..pair.model.num_layers).map(|i| format!("model.layers.{i}.self_attn.attn")).collect()
+                    },
+                }],
+            }),
+        }
+    }
+}
+
 /// `kvx layout --format json` of a hybrid preset: vLLM's aligned block size and padded page up
 /// front, then the whole geometry (groups, state parts, regions, registrations).
 #[derive(Debug, Serialize)]
@@ -182,7 +315,7 @@ pub struct HybridLayoutJson<'a> {
 }
 
 /// The table view of a uniform engine's rank; `show_regions` rows of regions at most.
-pub fn render_uniform(t: &LayoutJson, show_regions: usize) -> String {
+fn render_uniform(t: &LayoutJson, show_regions: usize) -> String {
     let mut out = format!(
         "kvx layout: {} | tp {} rank {} ({} KV heads: {:?}) | {} ({}) | vLLM {}\n",
         t.model,

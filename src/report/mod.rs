@@ -38,6 +38,7 @@ pub mod gate;
 pub mod layout;
 pub mod numbers;
 pub mod plan;
+pub mod plan_json;
 pub mod recorder;
 pub mod scenario;
 pub mod slo;

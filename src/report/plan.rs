@@ -1,23 +1,55 @@
-//! `kvx plan`'s table views: the descriptor pairs each decode rank posts for one request (or,
-//! with `--mode push`, each prefill rank's WRITEs into the decode ranks' blocks), and what
-//! posting them costs on each transport. Pure: `cli::plan` plans the request and prints these.
+//! `kvx plan`'s views of a planned request ([`render`]): the descriptor pairs each decode rank
+//! posts for one request (or, with `--mode push`, each prefill rank's WRITEs into the decode
+//! ranks' blocks), and what posting them costs on each transport; as tables here, as JSON in
+//! `plan_json`. Pure: `layouts::request` plans the request, `cli::plan` prints what this returns.
 
 use super::numbers::bytes_text;
 use super::table::wrapped_table;
 use crate::layouts::compat::PairSpec;
-use crate::layouts::plan::{DRankPlan, Pair, RequestBlocks};
+use crate::layouts::plan::{Pair, RequestBlocks};
 use crate::layouts::posting::{PathCost, PostRates};
-use crate::layouts::push::PRankPlan;
+use crate::layouts::request::{Planned, PushRankPlan, RankPlan};
 use crate::topology::push::DRankPushView;
 
-/// A decode rank's plan with its coalesced pairs per READ.
-pub type RankPlan = (DRankPlan, Vec<Vec<Pair>>);
+/// How `kvx plan` shows a planned request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanView {
+    /// One line of JSON.
+    Json,
+    /// The tables, with at most `show_pairs` pairs per READ or WRITE of a uniform plan.
+    Table { show_pairs: usize },
+}
 
-/// A prefill rank's push plan with its coalesced pairs per WRITE.
-pub type PushRankPlan = (PRankPlan, Vec<Vec<Pair>>);
+/// The planned request as `view` asks, ready to print.
+pub fn render(planned: &Planned, view: PlanView) -> serde_json::Result<String> {
+    let show_pairs = match view {
+        PlanView::Json => return Ok(format!("{}\n", super::plan_json::json(planned)?)),
+        PlanView::Table { show_pairs } => show_pairs,
+    };
+    Ok(match planned {
+        Planned::UniformPull(p) => {
+            let mut text = render_pull(&p.request.pair, &p.request.blocks, &p.plans, show_pairs);
+            text.push_str(&render_posting(&p.costs, &p.rates));
+            text
+        }
+        Planned::UniformPush(p) => {
+            render_push(&p.request.pair, &p.request.blocks, &p.plans, &p.views, show_pairs)
+        }
+        Planned::HybridPull(p) => {
+            let mut text = render_hybrid(&p.name, &p.planner, &p.plan, p.d_rank);
+            text.push_str(&render_posting(&p.costs, &p.rates));
+            text
+        }
+        Planned::HybridPush(p) => {
+            let rows: Vec<(u32, &crate::layouts::hybrid::push::HybridWrite)> =
+                p.writes.iter().flat_map(|(pr, ws)| ws.iter().map(move |w| (*pr, w))).collect();
+            render_hybrid_push(&p.name, &p.planner, &p.plan, &rows, &p.waits, &p.notif)
+        }
+    })
+}
 
 /// The pull view: one row per READ (and per notification-only peer), then the totals.
-pub fn render_pull(pair: &PairSpec, blocks: &RequestBlocks, plans: &[RankPlan], show_pairs: usize) -> String {
+fn render_pull(pair: &PairSpec, blocks: &RequestBlocks, plans: &[RankPlan], show_pairs: usize) -> String {
     let mut out = heading(
         pair,
         blocks,
@@ -60,7 +92,7 @@ pub fn render_pull(pair: &PairSpec, blocks: &RequestBlocks, plans: &[RankPlan], 
 }
 
 /// The push view: one row per WRITE, the totals, then what each decode rank waits for.
-pub fn render_push(
+fn render_push(
     pair: &PairSpec,
     blocks: &RequestBlocks,
     plans: &[PushRankPlan],
@@ -210,7 +242,7 @@ fn num_text(v: f64) -> String {
 
 /// The posting-cost section of the table view: per transport, the busiest decode rank's
 /// descriptors, posting time and bytes at the ceiling, then where each rate comes from.
-pub fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
+fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
     let mut out = String::from(
         "\nposting cost per request (the busiest decode rank; each posts its own reads in parallel):\n",
     );
@@ -264,7 +296,7 @@ pub fn render_posting(costs: &[PathCost], rates: &PostRates) -> String {
 
 /// `kvx plan --scenario` of a hybrid case: the pair's block sizes, per KV cache group what
 /// clipping kept of prefill's blocks, each decode rank's READs, and what vLLM's rules get wrong.
-pub fn render_hybrid(
+fn render_hybrid(
     name: &str,
     planner: &crate::layouts::hybrid::HybridPlanner,
     plan: &crate::layouts::hybrid::HybridPlan,
@@ -305,7 +337,7 @@ pub fn render_hybrid(
 /// `kvx plan --mode push` of a hybrid model: each prefill rank's WRITEs (`writes`: prefill
 /// rank, its WRITE), then what each decode rank waits for (`waits`: decode rank, the prefill
 /// ranks that write into it, notifications it counts).
-pub fn render_hybrid_push(
+fn render_hybrid_push(
     name: &str,
     planner: &crate::layouts::hybrid::HybridPlanner,
     plan: &crate::layouts::hybrid::HybridPlan,

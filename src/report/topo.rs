@@ -1,13 +1,45 @@
 //! `kvx topo`'s report: the rank map of a P/D pair in the oracle's field names ([`TopoJson`];
 //! [`PushTopoJson`] for `--mode push`: which prefill rank WRITEs which bytes into which decode
-//! rank's blocks), and their table views. Pure: `cli::topo` builds the values from a validated
-//! pair and prints them; `--format json` is these types as they serialize.
+//! rank's blocks; [`HybridTopoJson`] for a hybrid pair), and their table views ([`render`]).
+//! Pure: `layouts::rank_maps` maps the pair, this builds the report from the map, `cli::topo`
+//! prints what [`render`] returns; `--format json` is these types as they serialize.
+
+use std::ops::Range;
 
 use serde::Serialize;
 
+use super::export::pretty_json as pretty;
 use super::numbers::bytes_text;
 use super::table::wrapped_table;
 use crate::layouts::compat::PairSpec;
+use crate::layouts::hybrid::geometry::GroupKind;
+use crate::layouts::rank_maps::{HybridMap, HybridPushMap, PullMap, PushMap, TopoMap};
+use crate::topology::TransferMode;
+
+/// How `kvx topo` shows a map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopoView {
+    /// Pretty JSON.
+    Json,
+    /// The table view.
+    Table,
+}
+
+/// The map as `view` asks, ready to print.
+pub fn render(map: &TopoMap, view: TopoView) -> serde_json::Result<String> {
+    Ok(match (map, view) {
+        (TopoMap::UniformPull(m), TopoView::Json) => pretty(&TopoJson::new(m))?,
+        (TopoMap::UniformPull(m), TopoView::Table) => render_table(&TopoJson::new(m)),
+        (TopoMap::UniformPush(m), TopoView::Json) => pretty(&PushTopoJson::new(m))?,
+        (TopoMap::UniformPush(m), TopoView::Table) => render_push_table(&PushTopoJson::new(m)),
+        (TopoMap::Hybrid(m), TopoView::Json) => pretty(&HybridTopoJson::new(m))?,
+        (TopoMap::Hybrid(m), TopoView::Table) => render_hybrid_table(&HybridTopoJson::new(m)),
+    })
+}
+
+fn slice(r: &Range<u32>) -> [u32; 2] {
+    [r.start, r.end]
+}
 
 /// What both maps say about the pair, flattened into [`TopoJson`] and [`PushTopoJson`].
 #[derive(Debug, Serialize)]
@@ -120,6 +152,77 @@ pub struct TopoJson {
     pub d_ranks: Vec<DRankJson>,
 }
 
+impl TopoJson {
+    /// The report of a uniform pair's pull map.
+    pub fn new(m: &PullMap) -> TopoJson {
+        let (pair, map) = (&m.pair, &m.map);
+        let pr = pair.p_geometry(0).regions();
+        let fan_out = map.fan_out();
+        let d_ranks = map
+            .d_ranks
+            .iter()
+            .zip(&m.reads)
+            .map(|(d, geoms)| DRankJson {
+                d_rank: d.d_rank,
+                heads: d.d_heads.clone().collect(),
+                handshake_ranks: d.handshake_ranks.clone(),
+                read_ranks: d.read_ranks.clone(),
+                rank_offset_factor: d.rank_offset_factor,
+                expected_consumers_in_notif: d.notif_count,
+                p_waits_for_notifs: d.p_waits_for,
+                reads: d
+                    .reads
+                    .iter()
+                    .zip(geoms)
+                    .map(|(hr, g)| ReadJson {
+                        p_rank: hr.p_rank,
+                        remote_offset_in_block: g.remote_offset_in_block,
+                        local_offset_in_block: g.local_offset_in_block,
+                        length: g.length,
+                        p_local_head_slice: slice(&hr.p_heads),
+                        d_local_head_slice: slice(&hr.d_heads),
+                        global_heads: hr.global_heads.clone().collect(),
+                    })
+                    .collect(),
+                extra_notifs: d
+                    .extra_notifs
+                    .iter()
+                    .map(|&p| ExtraNotifJson {
+                        p_rank: p,
+                        uses_decode_request_id: d.extra_notif_uses_d_request_id,
+                    })
+                    .collect(),
+                side_channel_ports: m
+                    .d_ports
+                    .iter()
+                    .filter_map(|dp| dp.get(d.d_rank as usize).copied())
+                    .collect(),
+            })
+            .collect();
+        let p_ranks = (0..pair.p.tp)
+            .map(|r| PRankJson {
+                p_rank: r,
+                heads: pair.p_geometry(r).global_heads.collect(),
+                block_len_bytes: pr.first().map_or(0, |x| x.block_len),
+                readers: fan_out.get(r as usize).copied().unwrap_or(0),
+                side_channel_port: m.p_ports.first().and_then(|p| p.get(r as usize)).copied().unwrap_or(0),
+            })
+            .collect();
+        TopoJson {
+            status: "ok",
+            pair: PairJson::new(
+                pair,
+                map.tp_ratio,
+                [map.p_heads_per_rank, map.d_heads_per_rank],
+                map.fan_in(),
+            ),
+            port_scheme: m.scheme.to_string(),
+            p_ranks,
+            d_ranks,
+        }
+    }
+}
+
 /// One push WRITE in the vocabulary of the pull report (local = prefill, remote = decode).
 #[derive(Debug, Serialize)]
 pub struct WriteJson {
@@ -177,6 +280,78 @@ pub struct PushTopoJson {
     pub port_scheme: String,
     pub p_ranks: Vec<PushPRankJson>,
     pub d_ranks: Vec<PushDRankJson>,
+}
+
+impl PushTopoJson {
+    /// The report of a uniform pair's push map.
+    pub fn new(m: &PushMap) -> PushTopoJson {
+        let (pair, map) = (&m.pair, &m.map);
+        let p_ranks = map
+            .p_ranks
+            .iter()
+            .zip(&m.writes)
+            .map(|(pm, geoms)| PushPRankJson {
+                p_rank: pm.p_rank,
+                heads: pm.p_heads.clone().collect(),
+                handshake_ranks: pm.handshake_ranks.clone(),
+                write_ranks: pm.write_ranks.clone(),
+                rank_offset_factor: pm.rank_offset_factor,
+                notif_count: pm.notif_count,
+                writes: pm
+                    .writes
+                    .iter()
+                    .zip(geoms)
+                    .map(|(hw, g)| WriteJson {
+                        d_rank: hw.d_rank,
+                        slot: hw.slot,
+                        local_offset_in_block: g.local_offset_in_block,
+                        remote_offset_in_block: g.remote_offset_in_block,
+                        length: g.length,
+                        p_local_head_slice: slice(&hw.p_heads),
+                        d_local_head_slice: slice(&hw.d_heads),
+                        global_heads: hw.global_heads.clone().collect(),
+                        duplicate_of: hw.duplicate_of,
+                    })
+                    .collect(),
+                side_channel_port: m
+                    .p_ports
+                    .first()
+                    .and_then(|p| p.get(pm.p_rank as usize))
+                    .copied()
+                    .unwrap_or(0),
+            })
+            .collect();
+        let d_ranks = map
+            .d_ranks
+            .iter()
+            .map(|d| PushDRankJson {
+                d_rank: d.d_rank,
+                heads: d.d_heads.clone().collect(),
+                registers_with: d.registers_with.clone(),
+                writers: d.writers.clone(),
+                expected_notifs: d.expected_notifs,
+                side_channel_ports: m
+                    .d_ports
+                    .iter()
+                    .filter_map(|dp| dp.get(d.d_rank as usize).copied())
+                    .collect(),
+            })
+            .collect();
+        PushTopoJson {
+            status: "ok",
+            mode: TransferMode::Push.as_str(),
+            pair: PairJson::new(
+                pair,
+                map.tp_ratio,
+                [map.p_heads_per_rank, map.d_heads_per_rank],
+                map.fan_in(),
+            ),
+            duplicate_writes: map.duplicate_writes(),
+            port_scheme: m.scheme.to_string(),
+            p_ranks,
+            d_ranks,
+        }
+    }
 }
 
 /// The three lines both maps open with: the pair and its rules, layouts, heads and fan-in
@@ -385,6 +560,80 @@ pub struct HybridTopoJson {
     /// `--mode push`: who writes what (absent in pull mode).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub push: Option<HybridPushJson>,
+}
+
+impl HybridTopoJson {
+    /// The report of a hybrid pair's map.
+    pub fn new(m: &HybridMap) -> HybridTopoJson {
+        let (planner, config) = (&m.planner, &m.planner.config);
+        let groups = planner
+            .d
+            .groups
+            .iter()
+            .map(|g| HybridGroupJson {
+                group: g.index,
+                kind: match g.kind {
+                    GroupKind::Full => "full".to_string(),
+                    GroupKind::SlidingWindow { window_tokens } => format!("sliding_window({window_tokens})"),
+                    GroupKind::State(k) => k.name().to_string(),
+                },
+                layers: g.layers.len(),
+            })
+            .collect();
+        let d_ranks = planner
+            .d_ranks
+            .iter()
+            .map(|r| HybridDRankJson {
+                d_rank: r.d_rank,
+                handshake_ranks: r.handshake_ranks.to_vec(),
+                read_ranks: r.mapping.all_source_ranks.clone(),
+                source_ranks_per_group: r.mapping.source_ranks_per_group.clone(),
+                rank_offset_factor: r.mapping.rank_offset_factor,
+                expected_consumers_in_notif: r.mapping.local_consumers,
+            })
+            .collect();
+        HybridTopoJson {
+            status: "ok",
+            model: config.model.name.clone(),
+            p_tp: config.p.tp,
+            d_tp: config.d.tp,
+            tp_ratio: planner.tp_ratio,
+            block_size: [planner.p.sizing.block_tokens, planner.d.sizing.block_tokens],
+            groups,
+            d_ranks,
+            push: m.push.as_ref().map(|p| HybridPushJson::new(config.push_attention, p)),
+        }
+    }
+}
+
+impl HybridPushJson {
+    fn new(push_attention: crate::layouts::hybrid::push::PushAttention, m: &HybridPushMap) -> HybridPushJson {
+        HybridPushJson {
+            push_attention,
+            p_ranks: m
+                .p_ranks
+                .iter()
+                .map(|(p, writes)| HybridPushPRankJson {
+                    p_rank: *p,
+                    writes: writes
+                        .iter()
+                        .map(|(d, groups)| HybridPushWriteJson { d_rank: *d, groups: groups.clone() })
+                        .collect(),
+                })
+                .collect(),
+            d_ranks: m
+                .d_ranks
+                .iter()
+                .map(|w| HybridPushDRankJson {
+                    d_rank: w.d_rank,
+                    registers_with: w.registers_with.clone(),
+                    written_by: w.written_by.clone(),
+                    expected_notifs: w.expected_notifs,
+                    attention_skipped: w.attention_skipped,
+                })
+                .collect(),
+        }
+    }
 }
 
 /// A hybrid pair in push mode (vLLM 0.33's `NixlPushConnector`).

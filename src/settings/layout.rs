@@ -1,10 +1,13 @@
-//! `kvx layout`: its flags ([`LayoutFlags`]) resolved into one engine and the geometry of
-//! one of its ranks. Must not print anything.
+//! `kvx layout`: its flags ([`LayoutFlags`]) resolved once ([`resolve_layout`]) into one
+//! engine and the geometry of one of its ranks (`report::layout::EngineLayout`). Must not
+//! print anything.
 
 use clap::Args;
 
 use super::flags::{Format, ModelFlags};
 use super::scenario;
+use crate::config::layout::EngineLayout;
+use crate::config::layout::ModelOrigin;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::HybridModel;
@@ -61,6 +64,24 @@ pub struct LayoutFlags {
     pub format: Format,
 }
 
+/// Resolves `kvx layout`'s flags into the engine it shows: a hybrid preset's, else one rank of
+/// a uniform engine.
+pub fn resolve_layout(args: &LayoutFlags) -> Result<EngineLayout, ConfigError> {
+    if let Some((model, geom, origin)) = resolve_hybrid(args)? {
+        let (tp, rank, num_blocks) = (args.tp, args.rank, args.num_blocks);
+        return Ok(EngineLayout::Hybrid { model, tp, rank, num_blocks, geom, origin });
+    }
+    let (pair, geom, layer_names, origin) = resolve(args)?;
+    Ok(EngineLayout::Uniform {
+        pair,
+        rank: args.rank,
+        geom,
+        layer_names,
+        request_tokens: args.tokens,
+        origin,
+    })
+}
+
 /// `kvx layout --model` of a hybrid preset (Mamba/GDN state or sliding windows beside
 /// attention, not a uniform preset): the model and its engine's geometry as vLLM 0.33 builds
 /// it. `None` for every other model.
@@ -108,30 +129,6 @@ pub fn resolve_hybrid(
         ConfigError::new(e.flag.replace("--p-", "--"), e.reason)
     })?;
     Ok(Some((model, g, origin)))
-}
-
-/// What a model was read as: its architecture (a config or preset) and the config fields it
-/// left out, each with the architecture's default taken.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct ModelOrigin {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub architecture: Option<String>,
-    /// `[field, default]` pairs.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub defaults: Vec<(String, String)>,
-}
-
-impl ModelOrigin {
-    /// One line for the table view, or nothing when no default was taken.
-    pub fn text(&self) -> String {
-        match (&self.architecture, self.defaults.is_empty()) {
-            (Some(arch), false) => format!(
-                "read as {arch}; left out of the config, so its defaults (as transformers fills them for vLLM): {}\n",
-                self.defaults.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ")
-            ),
-            _ => String::new(),
-        }
-    }
 }
 
 /// Checks `kvx layout`'s flags: the engine (a homogeneous pair), the geometry of its rank, and

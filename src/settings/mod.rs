@@ -17,8 +17,8 @@
 //!   `--sweep`; [`plan`]: which of them a command line asks for, all resolved (and `kvx plan`'s
 //!   flags).
 //! - [`engine`]: memory placement, the transport rules, `kvx serve-engine`'s settings.
-//! - [`xfer`], [`load`], [`proxy`], [`probe`], [`layout`](mod@layout): the flags of `kvx xfer`,
-//!   `kvx load`, `kvx serve-proxy`, `kvx probe` and `kvx layout`, checked.
+//! - [`xfer`], [`load`], [`proxy`], [`probe`], [`layout`](mod@layout), [`topo`]: the flags of
+//!   `kvx xfer`, `kvx load`, `kvx serve-proxy`, `kvx probe`, `kvx layout` and `kvx topo`, checked.
 //! - [`parse`]: value syntaxes flags and files share (durations, sizes, named choices).
 //! - [`posting`]: `kvx plan`'s measured posting costs and ceilings (`--post-ns`, `--ceiling-gbps`).
 //!
@@ -41,5 +41,6 @@ pub mod probe;
 pub mod proxy;
 pub mod scenario;
 pub mod sweep;
+pub mod topo;
 pub mod workers;
 pub mod xfer;

@@ -4,8 +4,10 @@
 //! - [`BenchJob`]: what `kvx bench` was asked to run (one bench, `--serve`,
 //!   `--compare-transports` or `--sweep`), with every bench of it resolved before the first
 //!   starts, so a bad flag or a bad point fails before any worker process exists;
-//! - [`PlanFlags`]: `kvx plan`'s flags, resolved ([`resolve_descriptor_plan`]) into the engine
-//!   pair and the one request whose descriptors it lists.
+//! - [`PlanFlags`]: `kvx plan`'s flags, resolved once ([`resolve_plan`]) into the one request
+//!   it plans (`layouts::request::PlanRequest`: a uniform or a hybrid pair, pulled or pushed,
+//!   with the posting rates of a pull plan); [`plan_error`] names the flag a planning error is
+//!   about.
 
 use std::path::{Path, PathBuf};
 
@@ -14,18 +16,22 @@ use clap::Args;
 use super::bench::{BenchFlags, resolve};
 use super::env::ProcessEnv;
 use super::flags::{Format, ModelFlags, PairFlags};
-use super::hybrid_case::{self, HybridCase, RequestSource};
+use super::hybrid_case::{self, HYBRID_VLLM, HybridCase, RequestSource};
 use super::hybrid_flags::HostStatePage;
 use super::scenario::{self, PlanScenario};
-use super::sweep::{self, SweepJob};
+use super::sweep;
 use crate::config::bench::BenchSettings;
 use crate::config::bench::MAX_PROMPT;
 use crate::config::bench::ServeOptions;
+use crate::config::sweep::SweepJob;
 use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::geometry::Side;
 use crate::layouts::plan::{RequestBlocks, RequestIds};
+use crate::layouts::request::{
+    HybridPlanRequest, HybridSource, PlanCase, PlanError, PlanRequest, UniformRequest,
+};
 use crate::topology::TransferMode;
 use crate::vocab::kinds::TransportKind;
 
@@ -322,17 +328,57 @@ pub struct PlanFlags {
     pub format: Format,
 }
 
-/// The request `kvx plan` lists: the engine pair, its block ids and notification ids.
-#[derive(Debug, Clone)]
-pub struct DescriptorPlan {
-    pub pair: PairSpec,
-    pub blocks: RequestBlocks,
-    pub ids: RequestIds,
+/// Resolves `kvx plan`'s flags into the one request it plans: a hybrid model's (a case of
+/// vLLM's hybrid oracle, or a hybrid preset with a prompt), else a uniform pair's; pulled or
+/// pushed. A pull plan carries the posting rates (`--rates`, `--post-ns`, `--ceiling-gbps`);
+/// a hybrid push resolves them too, so a bad one is refused in either mode.
+pub fn resolve_plan(args: &PlanFlags) -> Result<PlanRequest, ConfigError> {
+    let rates = || super::posting::resolve_rates(args.rates.as_deref(), &args.post_ns, &args.ceiling_gbps);
+    let case = match resolve_hybrid(args)? {
+        Some(case) => {
+            let rates = rates()?;
+            let request = HybridPlanRequest {
+                name: case.name,
+                pair: case.pair,
+                source: match case.request {
+                    RequestSource::Case(r) => HybridSource::Case(r),
+                    RequestSource::Prompt { tokens, prefix_hit } => {
+                        HybridSource::Prompt { tokens, prefix_hit }
+                    }
+                },
+                p_request_id: args.p_request_id.clone(),
+                vllm_version: HYBRID_VLLM,
+            };
+            match args.mode {
+                TransferMode::Pull => PlanCase::HybridPull { request, rates },
+                TransferMode::Push => PlanCase::HybridPush { request },
+            }
+        }
+        None => {
+            let request = resolve_uniform(args)?;
+            match args.mode {
+                TransferMode::Pull => PlanCase::UniformPull { rates: rates()?, request },
+                TransferMode::Push => PlanCase::UniformPush { request },
+            }
+        }
+    };
+    Ok(PlanRequest { case, d_rank: args.d_rank })
 }
 
-/// Resolves `kvx plan`'s flags: from a scenario file, from explicit block ids, or from a
-/// prompt length whose blocks are allocated with `--alloc`.
-pub fn resolve_descriptor_plan(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {
+/// A planning error in the words of `kvx plan`'s flags.
+pub fn plan_error(e: PlanError) -> ConfigError {
+    match e {
+        PlanError::Uniform(e) => e,
+        PlanError::Hybrid(e) => ConfigError::from(e),
+        PlanError::NoDecodeRank { d_rank, d_tp } => {
+            ConfigError::new("--d-rank", format!("decode rank {d_rank} does not exist (decode TP is {d_tp})"))
+        }
+    }
+}
+
+/// A uniform pair's request: from a scenario file, from explicit block ids, or from a prompt
+/// length whose blocks are allocated with `--alloc`.
+fn resolve_uniform(args: &PlanFlags) -> Result<UniformRequest, ConfigError> {
     let plan = request(args)?;
     // Push mode WRITEs into decode ranks: the one to show must exist.
     if args.mode == TransferMode::Push {
@@ -352,7 +398,7 @@ pub fn resolve_descriptor_plan(args: &PlanFlags) -> Result<DescriptorPlan, Confi
 /// `kvx plan` of a hybrid model: a case of vLLM's hybrid oracle (`--scenario`), or a hybrid
 /// preset (`--model qwen3-next-80b-a3b`, not a uniform preset) with `--prompt-len`. `None` for
 /// every other request.
-pub fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
+fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
     let mut case = resolve_hybrid_case(args)?;
     match case.as_mut() {
         Some(c) if args.mode == TransferMode::Push => {
@@ -536,12 +582,12 @@ pub fn resolve_hybrid_scenario(args: &PlanFlags) -> Result<Option<HybridCase>, C
     hybrid_case::parse(&doc).map(Some)
 }
 
-fn request(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {
+fn request(args: &PlanFlags) -> Result<UniformRequest, ConfigError> {
     if let Some(path) = &args.scenario {
         let text = crate::input::read_text(path)
             .map_err(|e| ConfigError::new("--scenario", format!("cannot read {}: {e}", path.display())))?;
         let sc = PlanScenario::parse(&text, &path.display().to_string())?;
-        return Ok(DescriptorPlan { pair: sc.pair()?, blocks: sc.blocks()?, ids: sc.ids() });
+        return Ok(UniformRequest { pair: sc.pair()?, blocks: sc.blocks()?, ids: sc.ids() });
     }
     if !(0.0..1.0).contains(&args.prefix_hit) || args.prefix_hit.is_nan() {
         return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {}", args.prefix_hit)));
@@ -554,7 +600,7 @@ fn request(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {
             let p_pool = args.p_num_blocks.unwrap_or_else(|| remote.iter().max().map_or(1, |m| m + 1));
             let d_pool = args.d_num_blocks.unwrap_or_else(|| local.iter().max().map_or(1, |m| m + 1));
             let pair = scenario::resolve_pair(&args.model, &args.pair, p_pool, d_pool)?;
-            Ok(DescriptorPlan {
+            Ok(UniformRequest {
                 pair,
                 blocks: RequestBlocks { local: local.clone(), remote: remote.clone() },
                 ids,
@@ -578,7 +624,7 @@ fn request(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {
             let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;
             let local = allocate(args.alloc, n_d - hit, d_pool, args.seed ^ 0x5eed, "--d-num-blocks")?;
             check_listable(&pair, args.mode, remote.len(), tokens)?;
-            Ok(DescriptorPlan { pair, blocks: RequestBlocks { local, remote }, ids })
+            Ok(UniformRequest { pair, blocks: RequestBlocks { local, remote }, ids })
         }
         _ => Err(ConfigError::new(
             "--prompt-len",

@@ -6,10 +6,10 @@ use super::flags::{ModelFlags, PairFlags, PortFlags};
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::model_config::PlanModel;
+pub use crate::layouts::rank_maps::Ports;
 use crate::layouts::{EngineSpec, Layout};
 use crate::settings::model::{Dtype, Mla, ModelShape};
 use crate::topology::VllmVersion;
-use crate::topology::ports::PortScheme;
 
 pub use super::model::DEFAULT_MODEL;
 
@@ -138,15 +138,6 @@ pub fn resolve_pair(
         permute: pair.permute,
     };
     Ok(spec)
-}
-
-/// Resolved data-parallel and port settings.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ports {
-    pub p_dp: u32,
-    pub d_dp: u32,
-    pub base: u16,
-    pub scheme: PortScheme,
 }
 
 /// Resolves `--p-dp`, `--d-dp`, `--side-channel-port`, `--port-scheme`.

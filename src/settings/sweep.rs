@@ -1,16 +1,17 @@
 //! `kvx bench --sweep FILE`: the cartesian product of the axes in a config file's `[sweep]`
-//! table, each point resolved into its own [`BenchSettings`] before anything runs. A point
-//! the planning core rejects is kept with its reason (the run reports it); a bad file, or a
-//! file whose every point is rejected, is an error.
+//! table, each point resolved into its own bench settings before anything runs (the job,
+//! [`SweepJob`], is `pipeline::sweep`'s, which runs it). A point the planning core rejects is
+//! kept with its reason (the run reports it); a bad file, or a file whose every point is
+//! rejected, is an error.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 
 use super::bench::{BenchFlags, resolve};
 use super::env::ProcessEnv;
 use super::layer;
-use crate::config::bench::BenchSettings;
+use crate::config::sweep::{Point, SweepJob, SweepPoint, text};
 use crate::error::ConfigError;
 use crate::settings::env::results_root;
 
@@ -29,45 +30,8 @@ pub const AXES: &[&str] = &[
     "inflight",
 ];
 
-/// One point: axis name to value.
-pub type Point = Vec<(String, Value)>;
-
-/// A sweep, every point resolved.
-#[derive(Debug, Clone)]
-pub struct SweepJob {
-    /// The file's stem: the name of the run.
-    pub name: String,
-    /// The axis that names chart series (`series = "tp"`).
-    pub series_axis: Option<String>,
-    pub points: Vec<SweepPoint>,
-    /// Directory the run is written under.
-    pub results_root: PathBuf,
-}
-
-/// One point of a sweep and its settings, or why they were rejected.
-#[derive(Debug, Clone)]
-pub struct SweepPoint {
-    pub point: Point,
-    pub settings: Result<BenchSettings, ConfigError>,
-}
-
-impl SweepPoint {
-    /// `tp=8:2 alloc=random`.
-    pub fn label(&self) -> String {
-        self.point.iter().map(|(k, v)| format!("{k}={}", text(v))).collect::<Vec<_>>().join(" ")
-    }
-}
-
 fn to_json(v: &toml::Value) -> Value {
     serde_json::to_value(v).unwrap_or(Value::Null)
-}
-
-/// A point's value as text (strings without quotes).
-pub fn text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
 }
 
 /// The points of a sweep file, and the axis that names chart series.
@@ -195,6 +159,7 @@ pub fn resolve_job(flags: &BenchFlags, path: &Path, env: &ProcessEnv) -> Result<
 #[cfg(test)]
 mod tests {
     use std::io::Write as _;
+    use std::path::PathBuf;
 
     use super::*;
 

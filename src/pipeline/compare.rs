@@ -7,25 +7,13 @@ use std::collections::BTreeMap;
 
 use serde_json::json;
 
+use super::bench::{self, XferRunner};
 use crate::config::bench::BenchSettings;
-use crate::diagnose::xfer::run_for_calibration;
-use crate::pipeline::bench;
+use crate::host::cpu_seconds;
 use crate::report::chart::{Bars, bars_svg};
 use crate::report::compare_runs::{RunRow, kv_buffer_table, modes_table, transports_table};
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{Summary, SweepPoint};
-
-/// CPU seconds (user + system) of this process and of its reaped children so far (0 for
-/// what `getrusage` cannot tell).
-fn cpu_seconds() -> f64 {
-    use nix::sys::resource::{UsageWho, getrusage};
-    let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
-    [UsageWho::RUSAGE_SELF, UsageWho::RUSAGE_CHILDREN]
-        .into_iter()
-        .filter_map(|who| getrusage(who).ok())
-        .map(|u| secs(u.user_time()) + secs(u.system_time()))
-        .sum()
-}
 
 /// What a comparison compares: the runs differ in this one setting only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,13 +44,15 @@ impl Compared {
     }
 }
 
-/// Runs the same workload once per setting compared (`runs`, resolved by `settings::bench`);
-/// returns the comparison summary (one sweep point per run) and its table.
+/// Runs the same workload once per setting compared (`runs`, resolved by `settings::bench`;
+/// `xfer` measures each bench's calibration); returns the comparison summary (one sweep point
+/// per run) and its table.
 pub fn run(
     what: Compared,
     runs: &[BenchSettings],
     writer: &mut RunWriter,
     run_id: &str,
+    xfer: XferRunner,
 ) -> anyhow::Result<(Summary, String)> {
     let plans: Vec<(String, &BenchSettings)> = runs.iter().map(|s| (what.name_of(s), s)).collect();
     let Some((_, first)) = plans.first() else {
@@ -86,7 +76,7 @@ pub fn run(
         }
         crate::output::note!("kvx bench {}: {name} ({}/{})", what.flag(), i + 1, plans.len());
         let cpu0 = cpu_seconds();
-        let s = bench::run(settings, writer, &format!("{run_id}-{name}"), run_for_calibration)?;
+        let s = bench::run(settings, writer, &format!("{run_id}-{name}"), xfer)?;
         summary.partial |= s.partial;
         let cpu = cpu_seconds() - cpu0;
         let gb = s.bytes_read as f64 / 1e9;
@@ -99,7 +89,7 @@ pub fn run(
             name: name.clone(),
             transfer: (t50, t99),
             e2e: (e50, e99),
-            ready: stage(crate::pipeline::bench::READY),
+            ready: stage(bench::READY),
             hidden_p50: s.stages.get("push_hidden").map(|x| x.p50_us / 1e3),
             post_p50: stage("post").0,
             notify_p50: stage("notify").0,
@@ -137,7 +127,7 @@ pub fn run(
             requests_per_s: s.requests_per_s,
             transfer_p50_us: Some(t50 * 1e3),
             e2e_p50_us: Some(e50 * 1e3),
-            kv_ready_p50_us: s.stages.get(crate::pipeline::bench::READY).map(|t| t.p50_us),
+            kv_ready_p50_us: s.stages.get(bench::READY).map(|t| t.p50_us),
             transfer_bandwidth: s.transfer_bandwidth.clone(),
             descriptors_per_request: Some(s.descriptors_per_request),
             requests_ok: s.requests_ok,

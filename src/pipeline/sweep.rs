@@ -1,19 +1,24 @@
-//! `kvx bench --sweep FILE`: one bench per point of the plan `settings::sweep` resolved, one
-//! row per point in the report (plus a chart of bandwidth against message size). A point the
+//! `kvx bench --sweep FILE`: the job `settings::sweep` resolved ([`SweepJob`]: every point
+//! with its settings, or why they were rejected) and its runner: one bench per point, one row
+//! per point in the report (plus a chart of bandwidth against message size). A point the
 //! planning core rejected is reported, not fatal.
 
 use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use crate::diagnose::xfer::run_for_calibration;
-use crate::pipeline::bench;
+use super::bench::{self, XferRunner};
+use crate::config::sweep::{SweepJob, text};
 use crate::report::files::RunWriter;
-use crate::report::summary::{Summary, SweepPoint};
-use crate::settings::sweep::{SweepJob, text};
+use crate::report::summary::Summary;
 
-/// Runs every point; returns the sweep summary.
-pub fn run(plan: &SweepJob, writer: &mut RunWriter, run_id: &str) -> anyhow::Result<Summary> {
+/// Runs every point (`xfer` measures each bench's calibration); returns the sweep summary.
+pub fn run(
+    plan: &SweepJob,
+    writer: &mut RunWriter,
+    run_id: &str,
+    xfer: XferRunner,
+) -> anyhow::Result<Summary> {
     let Some(first) = plan.points.iter().find_map(|p| p.settings.as_ref().ok()) else {
         anyhow::bail!("every point of the sweep is rejected");
     };
@@ -44,11 +49,11 @@ pub fn run(plan: &SweepJob, writer: &mut RunWriter, run_id: &str) -> anyhow::Res
                 continue;
             }
         };
-        let s = bench::run(settings, writer, &format!("{run_id}-p{i}"), run_for_calibration)?;
+        let s = bench::run(settings, writer, &format!("{run_id}-p{i}"), xfer)?;
         summary.absorb(&s);
         summary.partial |= s.partial;
         let descs = s.descriptors_per_request;
-        out.push(SweepPoint {
+        out.push(crate::report::summary::SweepPoint {
             label,
             series,
             params,
@@ -58,7 +63,7 @@ pub fn run(plan: &SweepJob, writer: &mut RunWriter, run_id: &str) -> anyhow::Res
             requests_per_s: s.requests_per_s,
             transfer_p50_us: s.stages.get("transfer").map(|t| t.p50_us),
             e2e_p50_us: s.stages.get("e2e").map(|t| t.p50_us),
-            kv_ready_p50_us: s.stages.get(crate::pipeline::bench::READY).map(|t| t.p50_us),
+            kv_ready_p50_us: s.stages.get(bench::READY).map(|t| t.p50_us),
             transfer_bandwidth: s.transfer_bandwidth.clone(),
             descriptors_per_request: Some(descs),
             requests_ok: s.requests_ok,
