@@ -33,6 +33,7 @@ use kvx::layouts::hybrid::{
 use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
+use kvx::vocab::knob::Knob;
 
 const TOKENS: u32 = 32_768;
 
@@ -73,8 +74,8 @@ fn bench(c: &mut Criterion) {
     let ids = RequestIds { p_request_id: "req-P".into(), d_request_id: "req-D".into() };
     let uniform = |g: &mut criterion::BenchmarkGroup<'_, _>, name: &str, n_blocks: u32| {
         let req = RequestBlocks {
-            local: allocate(AllocPattern::Random, n_blocks, blocks * 2, 1, "--d").expect("alloc"),
-            remote: allocate(AllocPattern::Random, n_blocks, blocks * 2, 2, "--p").expect("alloc"),
+            local: allocate(AllocPattern::Random, n_blocks, blocks * 2, 1, Knob::DNumBlocks).expect("alloc"),
+            remote: allocate(AllocPattern::Random, n_blocks, blocks * 2, 2, Knob::PNumBlocks).expect("alloc"),
         };
         let n: usize = planners.iter().map(|p| p.plan(&req, &ids).expect("plan").descriptor_count()).sum();
         g.throughput(Throughput::Elements(n as u64));

@@ -4,6 +4,7 @@
 use clap::Args;
 
 use super::flags::{Format, ModelFlags};
+use super::knobs;
 use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
@@ -105,10 +106,7 @@ pub fn resolve_hybrid(
     if let Some(l) = &args.layout {
         engine.layout = Layout::parse_for(l, args.vllm).map_err(|e| ConfigError::new("--layout", e))?;
     }
-    let g = EngineGeometry::new(&model, &engine, Side::Prefill).map_err(|e| {
-        let e = ConfigError::from(e);
-        ConfigError::new(e.flag.replace("--p-", "--"), e.reason)
-    })?;
+    let g = EngineGeometry::new(&model, &engine, Side::Prefill).map_err(knobs::for_one_engine)?;
     Ok(Some((model, g, origin)))
 }
 
@@ -167,8 +165,7 @@ pub fn resolve(
         EngineSpec { tp: args.tp, block_tokens: args.block_size, num_blocks: args.num_blocks, layout };
     let pair = PairSpec { version, model, p: engine, d: engine, permute: false };
     // Same checks as a homogeneous pair: TP vs heads, block size, layout version.
-    pair.validate()
-        .map_err(|e| ConfigError::new(e.flag.replace("--p-", "--").replace("--d-", "--"), e.reason))?;
+    pair.validate().map_err(knobs::for_one_engine)?;
     if args.rank >= args.tp {
         return Err(ConfigError::new(
             "--rank",

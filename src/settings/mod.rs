@@ -21,6 +21,8 @@
 //!   `kvx load`, `kvx serve-proxy`, `kvx probe` and `kvx layout`, checked.
 //! - [`parse`]: value syntaxes flags and files share (durations, sizes, named choices).
 //! - [`posting`]: `kvx plan`'s measured posting costs and ceilings (`--post-ns`, `--ceiling-gbps`).
+//! - [`knobs`]: the flag each of the core's knobs is (the core refuses with a `Knob`, never a
+//!   flag).
 //!
 //! May use every layer below `cli` to build the values those layers take; must not import
 //! `cli` and must not run anything.
@@ -30,6 +32,7 @@ pub mod env;
 pub mod flags;
 pub mod hybrid_case;
 pub mod hybrid_flags;
+pub mod knobs;
 pub mod layer;
 pub mod layout;
 pub mod load;

@@ -28,6 +28,7 @@ use crate::pipeline::wire::TransportKind;
 use crate::pipeline::workload::MAX_PROMPT;
 use crate::serve::bench_serve::ServeOptions;
 use crate::topology::TransferMode;
+use crate::vocab::knob::Knob;
 
 /// What `kvx bench` was asked to do, with every run resolved before any starts.
 #[derive(Debug, Clone)]
@@ -577,9 +578,9 @@ fn request(args: &PlanFlags) -> Result<DescriptorPlan, ConfigError> {
             let pair = scenario::resolve_pair(&args.model, &args.pair, p_pool, d_pool)?;
             // Before the pools' block lists are built (`--alloc random` lists every block).
             pair.check_pool_blocks()?;
-            let remote = allocate(args.alloc, n_p, p_pool, args.seed, "--p-num-blocks")?;
+            let remote = allocate(args.alloc, n_p, p_pool, args.seed, Knob::PNumBlocks)?;
             let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;
-            let local = allocate(args.alloc, n_d - hit, d_pool, args.seed ^ 0x5eed, "--d-num-blocks")?;
+            let local = allocate(args.alloc, n_d - hit, d_pool, args.seed ^ 0x5eed, Knob::DNumBlocks)?;
             check_listable(&pair, args.mode, remote.len(), tokens)?;
             Ok(DescriptorPlan { pair, blocks: RequestBlocks { local, remote }, ids })
         }

@@ -194,7 +194,7 @@ fn check_case(case: &Value) -> (String, usize) {
             let refusal = e.refusal().unwrap_or_else(|| panic!("{name}: not a vLLM refusal: {e}"));
             assert_eq!(refusal.vllm_message, msg, "{name}: vLLM's condition text");
             assert!(e.to_string().contains(msg), "{name}: message quotes vLLM: {e}");
-            assert!(e.flag().starts_with("--"), "{name}: names a flag: {e}");
+            assert!(e.knob().to_string().starts_with("--"), "{name}: names a flag: {e}");
             return (name, 0);
         }
     };
@@ -484,7 +484,7 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
         Err(e) => {
             // A refusal is vLLM's, names a setting and quotes vLLM's condition.
             let r = e.refusal().ok_or_else(|| TestCaseError::fail(format!("not a vLLM refusal: {e}")))?;
-            prop_assert!(r.flag.starts_with("--") && !r.vllm_message.is_empty(), "{e}");
+            prop_assert!(r.knob.to_string().starts_with("--") && !r.vllm_message.is_empty(), "{e}");
             return Ok(());
         }
     };

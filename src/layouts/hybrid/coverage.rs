@@ -450,13 +450,15 @@ fn block_ranges(side: &Side<'_>) -> Vec<BlockRange> {
     ranges
 }
 
-/// Which of a request's bytes `--verify` fills and checks, the same on both sides: with stride
+/// Which of a request's bytes [verification] fills and checks, the same on both sides: with stride
 /// `s`, one unit in `s` of (layer, prefill block) for attention and of layers for state, on a
 /// diagonal (the units where the layer's ordinal among the model's cache layers plus the
 /// prefill block's index plus a shift drawn from the request's seed is a multiple of `s`).
 /// Every attention layer gets one block in `s`, and one state layer in `s` its whole state;
 /// prefill writes only those units' blocks and decode checks only them, so neither pays for
 /// the bytes nobody reads back. Stride 1 is every byte.
+///
+/// [verification]: crate::vocab::knob::Knob::Verify
 #[derive(Debug, Clone)]
 pub struct Sample {
     stride: u64,
@@ -545,7 +547,9 @@ impl<'a> RequestFill<'a> {
         RequestFill { side, seed, ranges }
     }
 
-    /// Only the blocks `sample` holds (`--verify sample`: nothing reads the others back).
+    /// Only the blocks `sample` holds ([verification] `sample`: nothing reads the others back).
+    ///
+    /// [verification]: crate::vocab::knob::Knob::Verify
     pub fn only(mut self, sample: &Sample) -> Self {
         self.ranges.retain(|b| sample.block(b));
         self
@@ -784,9 +788,11 @@ pub fn move_and_check(planner: &HybridPlanner, plan: &HybridPlan, seed: u64) -> 
     move_and_check_sampled(planner, plan, seed, 1)
 }
 
-/// [`move_and_check`] as `--verify sample` runs it with stride `stride`: prefill fills only the
+/// [`move_and_check`] as [verification] `sample` runs it with stride `stride`: prefill fills only the
 /// sampled blocks ([`Sample`]), the rest of its pool stays zero, and decode checks only the
 /// pairs of sampled blocks.
+///
+/// [verification]: crate::vocab::knob::Knob::Verify
 pub fn move_and_check_sampled(
     planner: &HybridPlanner,
     plan: &HybridPlan,

@@ -8,7 +8,7 @@
 //!   bucket (the largest when it is under 1.5x the smallest); bucket `i`'s group `j` takes
 //!   `layers[j::num_groups]` (`kv_cache_planning.py`, `_get_kv_cache_groups_uniform_page_size`).
 //! - Block size: the attention block grows until one attention page holds one state slot,
-//!   in steps of `lcm(max(16, --block-size), prefill checkpoint alignment)`; the state page is
+//!   in steps of `lcm(max(16, block size), prefill checkpoint alignment)`; the state page is
 //!   then padded to the attention page (`Platform._align_hybrid_block_size`).
 //! - State shapes: `MambaStateShapeCalculator` (DS conv layout: `(channels, kernel - 1)`).
 //! - Regions: every group's tensor starts at byte 0 of one allocation (layer-outer layouts), so
@@ -29,8 +29,10 @@ use super::model::{AttnKind, CacheKind, CacheLayer, Dtype, HybridModel, StateKin
 use crate::layouts::Layout;
 use crate::topology;
 pub use crate::vocab::kinds::KvBufferDevice;
+use crate::vocab::kinds::Role;
+use crate::vocab::knob::Knob;
 
-/// vLLM's default `--block-size`, and the smallest FLASH_ATTN kernel block (`MultipleOf(16)`).
+/// vLLM's default block size, and the smallest FLASH_ATTN kernel block (`MultipleOf(16)`).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 16;
 /// FlashInfer's GDN prefill checkpoints land on 64-token boundaries
 /// (`FLASHINFER_GDN_CHECKPOINT_ALIGNMENT`).
@@ -80,7 +82,7 @@ pub enum AttentionBackend {
 }
 
 impl AttentionBackend {
-    /// vLLM's name (`--attention-backend`).
+    /// vLLM's name of the backend (what its attention backend setting takes).
     pub fn vllm_name(self) -> &'static str {
         match self {
             AttentionBackend::FlashAttn => "FLASH_ATTN",
@@ -140,13 +142,13 @@ pub enum MemKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct HybridEngine {
-    /// Tensor-parallel size (`--p-tp`, `--d-tp`).
+    /// Tensor-parallel size ([`Knob::PTp`], [`Knob::DTp`]).
     pub tp: u32,
     /// Pipeline-parallel size (vLLM refuses PP > 1 with HMA in pull mode).
     pub pp: u32,
     /// Logical blocks in each rank's pool.
     pub num_blocks: u32,
-    /// `--block-size` as given; hybrid alignment may raise it.
+    /// The block size as given ([`Knob::BlockSize`]); hybrid alignment may raise it.
     pub block_tokens: u32,
     /// The attention kernel's block size when smaller than the logical block (vLLM's
     /// `physical_blocks_per_logical_kv_block`); `None`: the logical block (FLASH_ATTN).
@@ -160,11 +162,11 @@ pub struct HybridEngine {
     pub prefix_caching: bool,
     pub conv_state_layout: ConvStateLayout,
     /// Host buffer: the host tensors of state layers hold padded state pages, as their regions
-    /// assume (kvx's `--host-state-page padded`); vLLM 0.33 allocates unpadded ones.
+    /// assume (kvx's [`Knob::HostStatePage`] `padded`); vLLM 0.33 allocates unpadded ones.
     pub host_state_page_padded: bool,
     /// Host buffer with state in the model: each group's descriptor ids over its own layers'
     /// host tensors only, and prefill's copy into the buffer of each layer's own group's blocks
-    /// (kvx's `--host-descriptors per-group`); vLLM 0.33 lays attention ids over every layer's
+    /// (kvx's [`Knob::HostDescriptors`] `per-group`); vLLM 0.33 lays attention ids over every layer's
     /// tensor and state ids over every state layer's, and copies every group's blocks through
     /// every layer.
     pub host_descriptors_per_group: bool,
@@ -381,7 +383,7 @@ impl StateShapes {
                     RefusalKind::ModelNotDivisible,
                     format!("{n} is not divisible by {t}"),
                     "vllm/distributed/utils.py:53 (divide)",
-                    side.tp_flag(),
+                    Knob::tp(side.role()),
                     format!("the model's {what} ({n}) must split evenly over TP {t}"),
                 ))
             }
@@ -399,7 +401,7 @@ impl StateShapes {
                         RefusalKind::ModelNotDivisible,
                         "Tensor parallel world size must divide num heads.",
                         "vllm/model_executor/layers/mamba/mamba_mixer2.py:316",
-                        side.tp_flag(),
+                        Knob::tp(side.role()),
                         format!("{} Mamba2 heads must split evenly over TP {tp}", m.num_heads),
                     ));
                 }
@@ -408,7 +410,7 @@ impl StateShapes {
                         RefusalKind::Mamba2Groups,
                         "If tensor parallel world size does not divide num_groups, then num_groups must equal 1.",
                         "vllm/model_executor/layers/mamba/mamba_mixer2.py:320",
-                        side.tp_flag(),
+                        Knob::tp(side.role()),
                         format!("use a TP size that divides n_groups = {}", m.n_groups),
                     ));
                 }
@@ -629,10 +631,11 @@ pub enum Side {
 }
 
 impl Side {
-    pub fn tp_flag(self) -> &'static str {
+    /// The role of the engine on this side.
+    pub fn role(self) -> Role {
         match self {
-            Side::Prefill => "--p-tp",
-            Side::Decode => "--d-tp",
+            Side::Prefill => Role::Prefill,
+            Side::Decode => Role::Decode,
         }
     }
 
@@ -678,7 +681,7 @@ pub fn block_sizing(
     let per_token = 2 * heads * u64::from(a.head_dim) * u64::from(a.dtype.bytes());
     let user = engine.block_tokens;
     if user == 0 {
-        return Err(HybridError::request("--block-size", "a block of 0 tokens holds nothing"));
+        return Err(HybridError::request(Knob::BlockSize, "a block of 0 tokens holds nothing"));
     }
     let Some(state) = state else {
         return Ok(BlockSizing {
@@ -703,7 +706,7 @@ pub fn block_sizing(
     let needed = needed.div_ceil(u64::from(kernel_min)) * u64::from(kernel_min);
     let block = needed.max(u64::from(user));
     let block_tokens = u32::try_from(block).map_err(|_| {
-        HybridError::request("--block-size", format!("aligned block of {block} tokens is too large"))
+        HybridError::request(Knob::BlockSize, format!("aligned block of {block} tokens is too large"))
     })?;
     Ok(BlockSizing {
         block_tokens,
@@ -837,7 +840,7 @@ pub struct StatedEngine {
 
 impl StatedEngine {
     /// The engine in the terms of a case's `p` or `d` (`hybrid_v033.json`): what
-    /// `kvx layout --format json` prints as `engine`, and what `kvx plan --scenario` reads.
+    /// `kvx layout` prints as `engine` in JSON, and what a `kvx plan` scenario file holds.
     pub fn case_json(&self, tp: u32, num_blocks: u32, kv_buffer_device: KvBufferDevice) -> serde_json::Value {
         let torch = |d: Dtype| d.torch_name().trim_start_matches("torch.").to_string();
         let mut out = serde_json::json!({
@@ -923,7 +926,7 @@ impl EngineGeometry {
                 RefusalKind::ModelNotDivisible,
                 format!("{n} is not divisible by {d}"),
                 "vllm/distributed/utils.py:53 (divide)",
-                side.tp_flag(),
+                Knob::tp(side.role()),
                 format!("{h} KV heads must split evenly over TP {tp} (or TP over the heads)"),
             ));
         }
@@ -1054,7 +1057,10 @@ impl EngineGeometry {
     fn check_engine(model: &HybridModel, config: &HybridEngine, side: Side) -> Result<(), HybridError> {
         model.validate()?;
         if config.tp == 0 || config.num_blocks == 0 {
-            return Err(HybridError::request(side.tp_flag(), "TP size and pool size must be positive"));
+            return Err(HybridError::request(
+                Knob::tp(side.role()),
+                "TP size and pool size must be positive",
+            ));
         }
         if !matches!(config.layout, Layout::Lbhnc | Layout::Lbnhc) {
             return Err(HybridError::unsupported(
@@ -1062,7 +1068,7 @@ impl EngineGeometry {
                     "layout {} with a hybrid model (kvx plans layer-outer LBHNC and LBNHC)",
                     config.layout
                 ),
-                &format!("--{}-layout", side.prefix()),
+                Knob::layout(side.role()),
             ));
         }
         Ok(())
@@ -1084,7 +1090,7 @@ impl EngineGeometry {
             Some(k) => (k > 0 && block.is_multiple_of(k)).then_some(k).ok_or_else(|| {
                 HybridError::unsupported(
                     format!("a {k}-token kernel block under {block}-token blocks"),
-                    "--kernel-block-size",
+                    Knob::KernelBlockSize,
                 )
             })?,
             None => config.attention_backend.kernel_block(block).ok_or_else(|| {
@@ -1096,7 +1102,7 @@ impl EngineGeometry {
                         config.attention_backend.supported_sizes()
                     ),
                     "vllm/v1/worker/utils.py:554 (select_common_block_size)",
-                    "--block-size",
+                    Knob::BlockSize,
                     format!(
                         "{} runs blocks of {}; pick a block size it divides",
                         config.attention_backend.vllm_name(),

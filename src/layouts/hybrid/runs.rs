@@ -481,7 +481,7 @@ pub(super) fn desc_id_runs(g: &EngineGeometry, groups: usize, bsr: u32) -> Vec<I
     let logical = g.num_blocks();
     let state_regions: Vec<i32> = g.regions.iter().filter(|r| r.holds_state).map(|r| r.group_id).collect();
     let parts = state.parts.len() as u64;
-    // `--host-descriptors per-group`: a host buffer's group over its own layers' tensors only
+    // Host descriptors per group: a host buffer's group over its own layers' tensors only
     // (each host region is one layer's, of one group); vLLM's over every region (attention)
     // and every state region (state).
     let own = g.config.host_descriptors_per_group && g.mem() == MemKind::Dram;
