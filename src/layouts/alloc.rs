@@ -13,7 +13,7 @@ use crate::error::KnobError;
 use crate::vocab::knob::Knob;
 
 /// How a request's blocks are picked from a pool ([`Knob::Alloc`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum AllocPattern {
     /// One run of consecutive block ids.

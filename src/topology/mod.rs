@@ -78,7 +78,7 @@ impl FromStr for VllmVersion {
 }
 
 /// Which way KV blocks move between the engines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TransferMode {
     /// Decode READs prefill's blocks (vLLM `NixlConnector` / `NixlPullConnector`).

@@ -9,7 +9,7 @@ use crate::error::KnobError;
 use crate::vocab::knob::Knob;
 
 /// How side-channel ports are assigned ([`Knob::PortScheme`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum PortScheme {
     /// One ROUTER per engine at `base + dp_rank`, serving every (pp, tp) rank (vLLM >= 0.11).

@@ -43,12 +43,11 @@ pub const FLASHINFER_GDN_ALIGNMENT_TOKENS: u32 = 64;
 /// Blackwell (SM10x, SM12x): the GPUs P/D deployments run on, so kvx's default. FlashInfer
 /// checkpoints state every 64 tokens, which (with prefix caching on) aligns the hybrid block
 /// size to 64 tokens; triton (SM80-class GPUs, or asked for) does not.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GdnPrefillBackend {
     /// vLLM's choice on H100, H200, B200 (64-token checkpoint alignment).
     #[default]
-    #[value(name = "flashinfer")]
     FlashInfer,
     /// vLLM's choice on A100-class GPUs (no checkpoint alignment).
     Triton,
@@ -67,14 +66,13 @@ impl GdnPrefillBackend {
 /// FLASH_ATTN (its default on Hopper) and TRITON_ATTN take any multiple of 16 tokens, so the
 /// kernel block is the block; FLASHINFER takes 16, 32 or 64, so a larger (hybrid-aligned)
 /// block splits into the largest of those that divides it (`select_common_block_size`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum AttentionBackend {
     /// FLASH_ATTN: kernel blocks of any multiple of 16 tokens.
     #[default]
     FlashAttn,
     /// FLASHINFER: kernel blocks of 16, 32 or 64 tokens.
-    #[value(name = "flashinfer")]
     #[serde(rename = "flashinfer")]
     FlashInfer,
     /// TRITON_ATTN: kernel blocks of any multiple of 16 tokens.

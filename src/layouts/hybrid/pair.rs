@@ -128,9 +128,7 @@ pub fn compare_stated(stated: &StatedEngine, derived: &StatedEngine) -> Vec<Geom
 
 /// Push mode: which decode ranks a prefill rank writes attention into when decode TP is above prefill TP
 /// and above the KV heads (several decode ranks hold one head).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PushAttention {
     /// vLLM 0.33 (as read): the first decode rank of each head only; the others receive state
@@ -143,9 +141,7 @@ pub enum PushAttention {
 
 /// Which blocks decode's host-to-device copy (host buffer, `sync_recved_kv_to_device`) passes
 /// through each layer.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum HostCopyRule {
     /// vLLM 0.33: every group's blocks through every layer, in layer order. With several KV
@@ -158,9 +154,7 @@ pub enum HostCopyRule {
 }
 
 /// Where a decode rank reads its slice of each state part in a prefill rank's page.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StateSlices {
     /// vLLM 0.33's `remote_conv_offsets`: every conv part sharded like `x`, so decode rank `d`
