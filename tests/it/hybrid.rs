@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use kvx::layouts::hybrid::coverage::check_plan;
 use kvx::layouts::hybrid::geometry::{
-    EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, MemKind, Side,
+    EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, RegionMem, Side,
 };
 use kvx::layouts::hybrid::model::{HybridModel, PRESETS};
 use kvx::layouts::hybrid::preset;
@@ -65,10 +65,10 @@ fn lists(v: &Value) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn abs_off(mem: MemKind, off: u64) -> u64 {
+fn abs_off(mem: RegionMem, off: u64) -> u64 {
     match mem {
-        MemKind::Vram => off,
-        MemKind::Dram => off + HOST_BASE,
+        RegionMem::Vram => off,
+        RegionMem::Dram => off + HOST_BASE,
     }
 }
 
@@ -123,7 +123,7 @@ fn check_regions(label: &str, want_regions: &Value, want_reg: &Value, g: &Engine
     let got: Vec<(u64, u64, &str)> = g
         .registrations
         .iter()
-        .map(|x| (abs_off(x.mem, x.off), x.len, if x.mem == MemKind::Vram { "VRAM" } else { "DRAM" }))
+        .map(|x| (abs_off(x.mem, x.off), x.len, if x.mem == RegionMem::Vram { "VRAM" } else { "DRAM" }))
         .collect();
     let want: Vec<(u64, u64, &str)> = want_reg
         .as_array()

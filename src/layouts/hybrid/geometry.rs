@@ -127,9 +127,10 @@ pub enum ConvStateLayout {
     Sd,
 }
 
-/// Which memory a region lives in.
+/// Which memory a region (and its registration) lives in, in NIXL's terms: where vLLM's KV
+/// buffer is, not where kvx allocates a run's pools (`vocab::kinds::MemKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-pub enum MemKind {
+pub enum RegionMem {
     /// Device memory (NIXL `VRAM`).
     Vram,
     /// Host memory (NIXL `DRAM`).
@@ -731,7 +732,7 @@ pub struct HybridRegion {
     pub name: String,
     /// The owning group, or -1 when several groups share the region.
     pub group_id: i32,
-    pub mem: MemKind,
+    pub mem: RegionMem,
     /// Offset of block 0 from the base of `mem`.
     pub base_off: u64,
     pub block_len: u64,
@@ -753,7 +754,7 @@ impl HybridRegion {
 /// A memory registration: `len` bytes at `off` of `mem`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Registration {
-    pub mem: MemKind,
+    pub mem: RegionMem,
     pub off: u64,
     pub len: u64,
 }
@@ -1156,10 +1157,10 @@ impl EngineGeometry {
         self.state.is_some()
     }
 
-    pub fn mem(&self) -> MemKind {
+    pub fn mem(&self) -> RegionMem {
         match self.config.kv_buffer_device {
-            KvBufferDevice::Cuda => MemKind::Vram,
-            KvBufferDevice::Cpu => MemKind::Dram,
+            KvBufferDevice::Cuda => RegionMem::Vram,
+            KvBufferDevice::Cpu => RegionMem::Dram,
         }
     }
 
@@ -1212,7 +1213,7 @@ impl EngineGeometry {
         let mem = self.mem();
         // Where each (group, position) layer's tensor starts.
         let mut host_off = std::collections::HashMap::new();
-        if mem == MemKind::Dram {
+        if mem == RegionMem::Dram {
             let mut off = 0;
             for g in &self.groups {
                 for (k, l) in (0u32..).zip(&g.layers) {
@@ -1238,8 +1239,8 @@ impl EngineGeometry {
         let mut registrations = Vec::new();
         for (layer, group, k) in self.placed_layers() {
             let base = match mem {
-                MemKind::Vram => u64::from(k) * nb * page,
-                MemKind::Dram => host_off.get(&layer.name).copied().unwrap_or(0),
+                RegionMem::Vram => u64::from(k) * nb * page,
+                RegionMem::Dram => host_off.get(&layer.name).copied().unwrap_or(0),
             };
             let is_state = matches!(layer.kind, CacheKind::State(_));
             let gid = i32::try_from(group).unwrap_or(i32::MAX);
@@ -1264,7 +1265,7 @@ impl EngineGeometry {
                         layers: vec![layer.name.clone()],
                         holds_state: is_state,
                     });
-                    if mem == MemKind::Dram {
+                    if mem == RegionMem::Dram {
                         let bytes = self
                             .host_slots
                             .iter()
@@ -1275,7 +1276,7 @@ impl EngineGeometry {
                 }
             }
         }
-        if mem == MemKind::Vram {
+        if mem == RegionMem::Vram {
             registrations.push(Registration { mem, off: 0, len: u64::from(self.group_size()) * nb * page });
         }
         self.regions = regions;
@@ -1313,14 +1314,14 @@ impl EngineGeometry {
     }
 
     /// Whether `[off, off + len)` of `mem` lies inside one registration.
-    pub fn registered(&self, mem: MemKind, off: u64, len: u64) -> bool {
+    pub fn registered(&self, mem: RegionMem, off: u64, len: u64) -> bool {
         self.registered_near(mem, off, len, &mut 0)
     }
 
     /// [`registered`](Self::registered), trying registration `*hint` first and leaving there
     /// the one that held the range: a request's consecutive descriptors mostly fall in the
     /// same registration, so a plan checks each in constant time instead of scanning them all.
-    pub fn registered_near(&self, mem: MemKind, off: u64, len: u64, hint: &mut usize) -> bool {
+    pub fn registered_near(&self, mem: RegionMem, off: u64, len: u64, hint: &mut usize) -> bool {
         let holds = |r: &Registration| r.mem == mem && r.off <= off && off.saturating_add(len) <= r.end();
         if self.registrations.get(*hint).is_some_and(holds) {
             return true;
@@ -1448,7 +1449,10 @@ mod tests {
         let g = EngineGeometry::new(&m, &HybridEngine::new(1, 40), Side::Prefill).expect("geometry");
         assert_eq!(g.regions.len(), 18);
         assert!(g.regions.iter().all(|r| r.group_id == -1 && r.layers.len() == 2));
-        assert_eq!(g.registrations, vec![Registration { mem: MemKind::Vram, off: 0, len: 18 * 40 * 32768 }]);
+        assert_eq!(
+            g.registrations,
+            vec![Registration { mem: RegionMem::Vram, off: 0, len: 18 * 40 * 32768 }]
+        );
         let cfg = HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngine::new(1, 40) };
         let h = EngineGeometry::new(&m, &cfg, Side::Prefill).expect("geometry");
         assert_eq!(h.regions.len(), 36);

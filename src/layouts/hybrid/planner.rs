@@ -43,7 +43,7 @@ use super::runs::ReadTemplate;
 use super::runs::ReadWalk;
 use super::runs::RowPair;
 use super::runs::RunRow;
-use super::runs::Span;
+use super::runs::RunSpan;
 use super::runs::desc_id_runs;
 use super::runs::min_max;
 use super::tp_map::TpMapping;
@@ -1095,7 +1095,7 @@ fn build_rank(
                     runs[0].iter().zip(&runs[1]).map(|(&l, &r)| RowPair::new(l, r, llist, rlist)).collect()
                 })
                 .flatten();
-            let spans = aligned.as_deref().map(Span::cut).unwrap_or_default();
+            let spans = aligned.as_deref().map(RunSpan::cut).unwrap_or_default();
             let runs_per_group = [&lruns, &rruns].map(|runs| {
                 let mut n = vec![0; groups];
                 for r in runs.iter() {
