@@ -161,7 +161,7 @@ fn run_hybrid(args: &TopoArgs, model: crate::layouts::hybrid::HybridModel) -> an
     let result = (|| {
         // The rank map does not depend on the pool: a small one serves.
         let (p, d) = crate::settings::hybrid_flags::hybrid_engines(&args.pair, 64, None, None)?;
-        let config = crate::layouts::hybrid::PairConfig {
+        let config = crate::layouts::hybrid::HybridPairSpec {
             model,
             p,
             d,

@@ -27,7 +27,8 @@ pub const MAX_POOL_BLOCKS: u32 = 1 << 24;
 /// Largest number of layers kvx accepts.
 pub const MAX_LAYERS: u32 = 4096;
 
-/// A prefill engine, a decode engine, and the model they serve.
+/// A prefill engine, a decode engine, and the model they serve (one KV cache group; a hybrid
+/// model's pair is a [`HybridPairSpec`](crate::layouts::hybrid::HybridPairSpec)).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PairSpec {
     pub version: VllmVersion,

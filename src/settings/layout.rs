@@ -9,7 +9,7 @@ use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::HybridModel;
-use crate::layouts::hybrid::geometry::{EngineGeometry, HybridEngine, KvBufferDevice, Side};
+use crate::layouts::hybrid::geometry::{EngineGeometry, HybridEngineSpec, KvBufferDevice, Side};
 use crate::layouts::{EngineSpec, Layout, RankGeometry};
 use crate::topology::VllmVersion;
 
@@ -97,7 +97,7 @@ pub fn resolve_hybrid(
             format!("rank {} does not exist with --tp {}", args.rank, args.tp),
         ));
     }
-    let mut engine = HybridEngine::new(args.tp, args.num_blocks);
+    let mut engine = HybridEngineSpec::new(args.tp, args.num_blocks);
     engine.block_tokens = args.block_size;
     engine.kv_buffer_device = args.kv_buffer_device.unwrap_or_default();
     engine.gdn_prefill = args.gdn_prefill.unwrap_or_default();

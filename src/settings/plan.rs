@@ -500,7 +500,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
     (p.host_descriptors_per_group, d.host_descriptors_per_group) = (own, own);
     Ok(Some(HybridCase {
         name: model.name.clone(),
-        pair: crate::layouts::hybrid::PairConfig {
+        pair: crate::layouts::hybrid::HybridPairSpec {
             model,
             p,
             d,

@@ -137,10 +137,12 @@ pub enum RegionMem {
     Dram,
 }
 
-/// One engine's settings (prefill or decode) that shape its cache.
+/// One engine's settings (prefill or decode) that shape its cache: the hybrid counterpart of
+/// [`EngineSpec`](crate::layouts::EngineSpec), from which vLLM's rules derive its
+/// [`EngineGeometry`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
-pub struct HybridEngine {
+pub struct HybridEngineSpec {
     /// Tensor-parallel size ([`Knob::PTp`], [`Knob::DTp`]).
     pub tp: u32,
     /// Pipeline-parallel size (vLLM refuses PP > 1 with HMA in pull mode).
@@ -171,9 +173,9 @@ pub struct HybridEngine {
     pub host_descriptors_per_group: bool,
 }
 
-impl Default for HybridEngine {
+impl Default for HybridEngineSpec {
     fn default() -> Self {
-        HybridEngine {
+        HybridEngineSpec {
             tp: 1,
             pp: 1,
             num_blocks: 1024,
@@ -191,10 +193,10 @@ impl Default for HybridEngine {
     }
 }
 
-impl HybridEngine {
+impl HybridEngineSpec {
     /// Defaults with the given TP size and pool size.
     pub fn new(tp: u32, num_blocks: u32) -> Self {
-        HybridEngine { tp, num_blocks, ..HybridEngine::default() }
+        HybridEngineSpec { tp, num_blocks, ..HybridEngineSpec::default() }
     }
 }
 
@@ -672,7 +674,7 @@ impl BlockSizing {
 /// The block size and pages vLLM settles on for one engine (`_align_hybrid_block_size`).
 pub fn block_sizing(
     model: &HybridModel,
-    engine: &HybridEngine,
+    engine: &HybridEngineSpec,
     state: Option<&StateLayout>,
 ) -> Result<BlockSizing, HybridError> {
     let a = &model.attention;
@@ -892,7 +894,7 @@ pub struct StatedState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct EngineGeometry {
     pub side: Side,
-    pub config: HybridEngine,
+    pub config: HybridEngineSpec,
     pub groups: Vec<KvGroup>,
     pub sizing: BlockSizing,
     /// Tokens per kernel block (the block size NIXL sees).
@@ -915,7 +917,7 @@ impl EngineGeometry {
     /// Builds an engine's geometry as vLLM derives it from the model and the engine's
     /// settings; errors are vLLM's load-time refusals (a TP that does not split the model, a
     /// block no kernel block divides) or what kvx does not model.
-    pub fn new(model: &HybridModel, config: &HybridEngine, side: Side) -> Result<Self, HybridError> {
+    pub fn new(model: &HybridModel, config: &HybridEngineSpec, side: Side) -> Result<Self, HybridError> {
         Self::check_engine(model, config, side)?;
         let h = model.attention.num_kv_heads;
         let tp = config.tp;
@@ -943,7 +945,7 @@ impl EngineGeometry {
     /// name the stated field that contradicts itself or the model.
     pub fn from_stated(
         model: &HybridModel,
-        config: &HybridEngine,
+        config: &HybridEngineSpec,
         stated: &StatedEngine,
         side: Side,
     ) -> Result<Self, HybridError> {
@@ -1053,7 +1055,7 @@ impl EngineGeometry {
 
     /// What every engine needs whatever says its geometry: a valid model, a TP size and a
     /// pool, a layer-outer layout.
-    fn check_engine(model: &HybridModel, config: &HybridEngine, side: Side) -> Result<(), HybridError> {
+    fn check_engine(model: &HybridModel, config: &HybridEngineSpec, side: Side) -> Result<(), HybridError> {
         model.validate()?;
         if config.tp == 0 || config.num_blocks == 0 {
             return Err(HybridError::request(
@@ -1077,7 +1079,7 @@ impl EngineGeometry {
     /// registrations.
     fn assemble(
         model: &HybridModel,
-        config: &HybridEngine,
+        config: &HybridEngineSpec,
         side: Side,
         groups: Vec<KvGroup>,
         sizing: BlockSizing,
@@ -1343,7 +1345,7 @@ mod tests {
 
     fn aligned(model: &str, tp: u32, backend: GdnPrefillBackend) -> u32 {
         let m = preset(model).expect("preset");
-        let cfg = HybridEngine { gdn_prefill: backend, ..HybridEngine::new(tp, 8) };
+        let cfg = HybridEngineSpec { gdn_prefill: backend, ..HybridEngineSpec::new(tp, 8) };
         EngineGeometry::new(&m, &cfg, Side::Decode).expect("geometry").sizing.block_tokens
     }
 
@@ -1366,7 +1368,7 @@ mod tests {
         }
         // Prefix caching off: no checkpoint alignment, FlashInfer or not.
         let m = preset("qwen3-next-80b-a3b").expect("preset");
-        let cfg = HybridEngine { gdn_prefill: fi, prefix_caching: false, ..HybridEngine::new(4, 8) };
+        let cfg = HybridEngineSpec { gdn_prefill: fi, prefix_caching: false, ..HybridEngineSpec::new(4, 8) };
         assert_eq!(EngineGeometry::new(&m, &cfg, Side::Decode).expect("geometry").sizing.block_tokens, 272);
         // Attention-only models keep --block-size.
         assert_eq!(aligned("gpt-oss-120b", 2, tri), 16);
@@ -1426,7 +1428,7 @@ mod tests {
     #[test]
     fn page_maps_show_parts_and_padding() {
         let m = preset("nemotron-h-8b").expect("preset");
-        let g = EngineGeometry::new(&m, &HybridEngine::new(1, 8), Side::Prefill).expect("geometry");
+        let g = EngineGeometry::new(&m, &HybridEngineSpec::new(1, 8), Side::Prefill).expect("geometry");
         let spans: Vec<(u64, u64)> = g
             .page_map(GroupKind::State(StateKind::Mamba2))
             .iter()
@@ -1446,14 +1448,14 @@ mod tests {
     #[test]
     fn device_regions_alias_and_host_regions_do_not() {
         let m = preset("gpt-oss-120b").expect("preset");
-        let g = EngineGeometry::new(&m, &HybridEngine::new(1, 40), Side::Prefill).expect("geometry");
+        let g = EngineGeometry::new(&m, &HybridEngineSpec::new(1, 40), Side::Prefill).expect("geometry");
         assert_eq!(g.regions.len(), 18);
         assert!(g.regions.iter().all(|r| r.group_id == -1 && r.layers.len() == 2));
         assert_eq!(
             g.registrations,
             vec![Registration { mem: RegionMem::Vram, off: 0, len: 18 * 40 * 32768 }]
         );
-        let cfg = HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngine::new(1, 40) };
+        let cfg = HybridEngineSpec { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngineSpec::new(1, 40) };
         let h = EngineGeometry::new(&m, &cfg, Side::Prefill).expect("geometry");
         assert_eq!(h.regions.len(), 36);
         assert_eq!((h.regions[1].name.as_str(), h.regions[1].group_id), ("model.layers.1.attn.attn", 1));

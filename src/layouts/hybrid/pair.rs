@@ -7,18 +7,21 @@
 use serde::Serialize;
 
 use super::error::{HybridError, RefusalKind};
-use super::geometry::{ConvStateLayout, EngineGeometry, HybridEngine, KvBufferDevice, Side, StatedEngine};
+use super::geometry::{
+    ConvStateLayout, EngineGeometry, HybridEngineSpec, KvBufferDevice, Side, StatedEngine,
+};
 use super::model::HybridModel;
 use super::tp_map::tp_ratio;
 use crate::layouts::Layout;
 use crate::vocab::knob::Knob;
 
-/// A P/D pair of one hybrid model.
+/// A P/D pair of one hybrid model: the hybrid counterpart of
+/// [`PairSpec`](crate::layouts::compat::PairSpec).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct PairConfig {
+pub struct HybridPairSpec {
     pub model: HybridModel,
-    pub p: HybridEngine,
-    pub d: HybridEngine,
+    pub p: HybridEngineSpec,
+    pub d: HybridEngineSpec,
     /// vLLM's `enable_permute_local_kv` ([`Knob::Permute`]).
     #[serde(default)]
     pub permute_local_kv: bool,
@@ -72,7 +75,7 @@ impl GeometrySource {
     /// derivation), else derived.
     pub(super) fn build(
         model: &HybridModel,
-        config: &HybridEngine,
+        config: &HybridEngineSpec,
         stated: Option<&StatedEngine>,
         side: Side,
     ) -> Result<(EngineGeometry, GeometrySource), HybridError> {
@@ -171,7 +174,7 @@ pub enum StateSlices {
 
 /// vLLM's pair-level checks, in the order vLLM makes them; returns the TP ratio.
 pub(super) fn check_pair(
-    config: &PairConfig,
+    config: &HybridPairSpec,
     p: &EngineGeometry,
     d: &EngineGeometry,
 ) -> Result<i64, HybridError> {

@@ -31,7 +31,7 @@ use super::findings::describe_span;
 use super::geometry::{EngineGeometry, KvBufferDevice, Side, StatePart};
 use super::pair::GeometrySource;
 use super::pair::HostCopyRule;
-use super::pair::PairConfig;
+use super::pair::HybridPairSpec;
 use super::pair::StateSlices;
 use super::pair::check_pair;
 use super::runs::Chunk;
@@ -221,7 +221,7 @@ struct GroupPairing {
 /// Plans requests for every decode rank of a pair; build once (the handshake), plan many.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HybridPlanner {
-    pub config: PairConfig,
+    pub config: HybridPairSpec,
     pub p: EngineGeometry,
     pub d: EngineGeometry,
     pub tp_ratio: i64,
@@ -236,7 +236,7 @@ pub struct HybridPlanner {
 
 impl HybridPlanner {
     /// Builds both engines and every decode rank's descriptor lists, or vLLM's refusal.
-    pub fn new(config: &PairConfig) -> Result<Self, HybridError> {
+    pub fn new(config: &HybridPairSpec) -> Result<Self, HybridError> {
         let model = &config.model;
         let (p, p_source) = GeometrySource::build(model, &config.p, config.stated.p.as_ref(), Side::Prefill)?;
         let (d, d_source) = GeometrySource::build(model, &config.d, config.stated.d.as_ref(), Side::Decode)?;
@@ -1130,7 +1130,7 @@ fn build_rank(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layouts::hybrid::geometry::HybridEngine;
+    use crate::layouts::hybrid::geometry::HybridEngineSpec;
 
     #[test]
     fn tp_mapping_dedups_attention_but_not_state() {
@@ -1170,14 +1170,14 @@ mod tests {
         for name in PRESETS {
             for (p_tp, d_tp) in [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 8), (8, 2)] {
                 for (kernel, cpu) in [(None, false), (Some(16), false), (None, true)] {
-                    let engine = |tp| HybridEngine {
+                    let engine = |tp| HybridEngineSpec {
                         tp,
                         num_blocks: 4096,
                         kernel_block_tokens: kernel,
                         kv_buffer_device: if cpu { KvBufferDevice::Cpu } else { KvBufferDevice::Cuda },
-                        ..HybridEngine::default()
+                        ..HybridEngineSpec::default()
                     };
-                    let config = PairConfig {
+                    let config = HybridPairSpec {
                         model: preset(name).expect("preset"),
                         p: engine(p_tp),
                         d: engine(d_tp),
@@ -1216,11 +1216,11 @@ mod tests {
 mod refusal_tests {
     use super::*;
     use crate::layouts::Layout;
-    use crate::layouts::hybrid::geometry::{ConvStateLayout, GdnPrefillBackend, HybridEngine};
+    use crate::layouts::hybrid::geometry::{ConvStateLayout, GdnPrefillBackend, HybridEngineSpec};
     use crate::layouts::hybrid::preset;
 
-    fn pair(model: &str, p: HybridEngine, d: HybridEngine) -> Result<HybridPlanner, HybridError> {
-        HybridPlanner::new(&PairConfig {
+    fn pair(model: &str, p: HybridEngineSpec, d: HybridEngineSpec) -> Result<HybridPlanner, HybridError> {
+        HybridPlanner::new(&HybridPairSpec {
             model: preset(model).expect("preset"),
             p,
             d,
@@ -1240,7 +1240,8 @@ mod refusal_tests {
 
     #[test]
     fn block_sizes_that_do_not_divide_are_refused_one_way() {
-        let e = |tp| HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(tp, 64) };
+        let e =
+            |tp| HybridEngineSpec { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngineSpec::new(tp, 64) };
         let (k, msg, flag) = refusal(pair("qwen3-next-80b-a3b", e(2), e(4)));
         assert_eq!(k, RefusalKind::BlockSizeNotDivisible);
         assert_eq!(msg, "Local block size 272 is not divisible by remote block size 544 or vice versa.");
@@ -1249,28 +1250,33 @@ mod refusal_tests {
         let ok = pair("qwen3-next-80b-a3b", e(4), e(2)).expect("accepted");
         assert_eq!(ok.block_size_ratio, 2);
         // ... and fails on H100-class GPUs (FlashInfer GDN prefill: 576 vs 320 tokens).
-        let fi = |tp| HybridEngine { gdn_prefill: GdnPrefillBackend::FlashInfer, ..e(tp) };
+        let fi = |tp| HybridEngineSpec { gdn_prefill: GdnPrefillBackend::FlashInfer, ..e(tp) };
         assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(4), fi(2))).0, RefusalKind::BlockSizeNotDivisible);
         assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(2), fi(4))).0, RefusalKind::BlockSizeNotDivisible);
         // The suggested common block size makes the pair work.
-        let b = |tp| HybridEngine { block_tokens: 544, ..e(tp) };
+        let b = |tp| HybridEngineSpec { block_tokens: 544, ..e(tp) };
         assert!(pair("qwen3-next-80b-a3b", b(2), b(4)).is_ok());
     }
 
     #[test]
     fn every_vllm_refusal_names_its_setting() {
-        let e = |tp| HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(tp, 64) };
+        let e =
+            |tp| HybridEngineSpec { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngineSpec::new(tp, 64) };
         let cases: Vec<(Result<HybridPlanner, HybridError>, RefusalKind, Knob)> = vec![
             (pair("nemotron-h-8b", e(3), e(2)), RefusalKind::ModelNotDivisible, Knob::PTp),
             // TP sizes that each split the model's 8 KV heads but not each other.
             (pair("gpt-oss-120b", e(16), e(24)), RefusalKind::TpNotDivisible, Knob::DTp),
             (
-                pair("nemotron-h-8b", HybridEngine { pp: 2, ..e(1) }, e(1)),
+                pair("nemotron-h-8b", HybridEngineSpec { pp: 2, ..e(1) }, e(1)),
                 RefusalKind::PipelineParallel,
                 Knob::PPp,
             ),
             (
-                pair("nemotron-h-8b", e(1), HybridEngine { conv_state_layout: ConvStateLayout::Sd, ..e(1) }),
+                pair(
+                    "nemotron-h-8b",
+                    e(1),
+                    HybridEngineSpec { conv_state_layout: ConvStateLayout::Sd, ..e(1) },
+                ),
                 RefusalKind::ConvStateLayout,
                 Knob::ConvStateLayout,
             ),
@@ -1278,7 +1284,7 @@ mod refusal_tests {
                 pair(
                     "qwen3-next-80b-a3b",
                     e(4),
-                    HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) },
+                    HybridEngineSpec { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) },
                 ),
                 RefusalKind::HostBufferBlockSizes,
                 Knob::KvBufferDevice,
@@ -1288,22 +1294,22 @@ mod refusal_tests {
                 // 16-token kernel blocks under 272- and 544-token blocks: 17 vs 34 per block.
                 pair(
                     "qwen3-next-80b-a3b",
-                    HybridEngine { kernel_block_tokens: Some(16), ..e(4) },
-                    HybridEngine { kernel_block_tokens: Some(16), ..e(2) },
+                    HybridEngineSpec { kernel_block_tokens: Some(16), ..e(4) },
+                    HybridEngineSpec { kernel_block_tokens: Some(16), ..e(2) },
                 ),
                 RefusalKind::PrefixCachingKernelBlocks,
                 Knob::NoPrefixCaching,
             ),
             (
-                pair("gpt-oss-120b", e(1), HybridEngine { layout: Layout::Lbnhc, ..e(1) }),
+                pair("gpt-oss-120b", e(1), HybridEngineSpec { layout: Layout::Lbnhc, ..e(1) }),
                 RefusalKind::LayoutMismatch,
                 Knob::DLayout,
             ),
             (
                 pair(
                     "gpt-oss-120b",
-                    HybridEngine { layout: Layout::Lbnhc, ..e(1) },
-                    HybridEngine { layout: Layout::Lbnhc, ..e(2) },
+                    HybridEngineSpec { layout: Layout::Lbnhc, ..e(1) },
+                    HybridEngineSpec { layout: Layout::Lbnhc, ..e(2) },
                 ),
                 RefusalKind::NonContiguousHeads,
                 Knob::Layout,
@@ -1320,10 +1326,10 @@ mod refusal_tests {
             assert_eq!((k, f), (kind, flag), "{msg}");
             assert!(!msg.is_empty());
         }
-        let permuted = HybridPlanner::new(&PairConfig {
+        let permuted = HybridPlanner::new(&HybridPairSpec {
             model: preset("gpt-oss-120b").expect("preset"),
             p: e(1),
-            d: HybridEngine { layout: Layout::Lbnhc, ..e(1) },
+            d: HybridEngineSpec { layout: Layout::Lbnhc, ..e(1) },
             permute_local_kv: true,
             state_slices: Default::default(),
             host_copy: Default::default(),

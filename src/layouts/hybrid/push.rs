@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use super::desc_lists::RowKind;
 use super::error::{HybridError, RefusalKind};
-use super::pair::PairConfig;
+use super::pair::HybridPairSpec;
 pub use super::pair::PushAttention;
 use super::planner::{HybridPlan, HybridPlanner};
 use crate::layouts::plan::Pair;
@@ -73,7 +73,7 @@ pub fn expected_notifs(p_tp: u32, d_tp: u32) -> u32 {
 /// Whether vLLM's push leaves decode rank `d_rank`'s attention out (decode TP above prefill
 /// TP and above the KV heads, and an earlier decode rank of the same prefill rank holds the
 /// same head), under the pair's [`Knob::PushAttention`] rule.
-pub fn attention_skipped(config: &PairConfig, d_rank: u32) -> bool {
+pub fn attention_skipped(config: &HybridPairSpec, d_rank: u32) -> bool {
     let (p_tp, d_tp) = (config.p.tp, config.d.tp);
     let heads = config.model.attention.num_kv_heads;
     if config.push_attention == PushAttention::EveryRank || d_tp <= p_tp || d_tp <= heads {
@@ -217,14 +217,15 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::layouts::hybrid::{HybridEngine, HybridRequest, preset};
+    use crate::layouts::hybrid::{HybridEngineSpec, HybridRequest, preset};
 
     fn planner(model: &str, p_tp: u32, d_tp: u32, rule: PushAttention) -> Option<HybridPlanner> {
         // Qwen3-Next's hybrid block size follows TP: one size on both sides, so more TP pairs
         // are accepted.
         let block_tokens = if model.starts_with("qwen3-next") { 544 } else { 16 };
-        let engine = |tp| HybridEngine { tp, num_blocks: 400, block_tokens, ..HybridEngine::default() };
-        let config = PairConfig {
+        let engine =
+            |tp| HybridEngineSpec { tp, num_blocks: 400, block_tokens, ..HybridEngineSpec::default() };
+        let config = HybridPairSpec {
             model: preset(model).expect("preset"),
             p: engine(p_tp),
             d: engine(d_tp),
@@ -397,8 +398,8 @@ mod tests {
         let mut config = planner("qwen3-next-80b-a3b", 2, 2, PushAttention::Vllm).expect("pair").config;
         // Triton GDN prefill (A100-class): 272 and 544 tokens divide; FlashInfer's 320 and 576 do not.
         let triton = crate::layouts::hybrid::GdnPrefillBackend::Triton;
-        config.p = HybridEngine { tp: 4, block_tokens: 16, gdn_prefill: triton, ..config.p };
-        config.d = HybridEngine { tp: 2, block_tokens: 16, gdn_prefill: triton, ..config.d };
+        config.p = HybridEngineSpec { tp: 4, block_tokens: 16, gdn_prefill: triton, ..config.p };
+        config.d = HybridEngineSpec { tp: 2, block_tokens: 16, gdn_prefill: triton, ..config.d };
         let qwen = HybridPlanner::new(&config).expect("pull accepts P4 -> D2");
         let e = check_push(&qwen).expect_err("push refuses it");
         assert_eq!(e.knob(), Knob::Mode);
