@@ -21,6 +21,7 @@ use kvx::layouts::plan::{Pair, Planner, RegionXfer, RequestBlocks};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
 use kvx::transfer::cuda_batch::{CopyBatch, GATHER_PIECE, GridBatch, Span, gather_into, gather_pieces};
+use kvx::vocab::knob::Knob;
 
 fn bench(c: &mut Criterion) {
     let model = model::preset("llama-3.1-70b").expect("preset");
@@ -31,8 +32,8 @@ fn bench(c: &mut Criterion) {
     let map = pair.validate().expect("valid pair");
     let planner = Planner::new(&pair, &map, 0).expect("planner");
     let req = RequestBlocks {
-        local: allocate(AllocPattern::Random, blocks, 1024, 1, "--d").expect("alloc"),
-        remote: allocate(AllocPattern::Random, blocks, 1024, 2, "--p").expect("alloc"),
+        local: allocate(AllocPattern::Random, blocks, 1024, 1, Knob::DNumBlocks).expect("alloc"),
+        remote: allocate(AllocPattern::Random, blocks, 1024, 2, Knob::PNumBlocks).expect("alloc"),
     };
     let bp = planner.pair_blocks(&req).expect("pairs");
     let mut reads = vec![Vec::<Pair>::new(); planner.reads.len()];

@@ -28,21 +28,22 @@ use kvx::layouts::hybrid::blocks::RequestShape;
 use kvx::layouts::hybrid::coverage::RequestFill;
 use kvx::layouts::hybrid::geometry::kv_groups;
 use kvx::layouts::hybrid::{
-    GdnPrefillBackend, HybridEngine, HybridPlanner, HybridRequest, PairConfig, preset,
+    GdnPrefillBackend, HybridEngineSpec, HybridPairSpec, HybridPlanner, HybridRequest, preset,
 };
 use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
+use kvx::vocab::knob::Knob;
 
 const TOKENS: u32 = 32_768;
 
 fn hybrid(name: &str, tokens: u32) -> (HybridPlanner, HybridRequest) {
     let model = preset(name).expect("hybrid preset");
     let pool = kv_groups(&model).len() as u32 * (tokens / 16 + 2) + 2;
-    let config = PairConfig {
+    let config = HybridPairSpec {
         model,
-        p: HybridEngine::new(1, pool),
-        d: HybridEngine::new(2, pool),
+        p: HybridEngineSpec::new(1, pool),
+        d: HybridEngineSpec::new(2, pool),
         permute_local_kv: false,
         state_slices: Default::default(),
         host_copy: Default::default(),
@@ -73,8 +74,8 @@ fn bench(c: &mut Criterion) {
     let ids = RequestIds { p_request_id: "req-P".into(), d_request_id: "req-D".into() };
     let uniform = |g: &mut criterion::BenchmarkGroup<'_, _>, name: &str, n_blocks: u32| {
         let req = RequestBlocks {
-            local: allocate(AllocPattern::Random, n_blocks, blocks * 2, 1, "--d").expect("alloc"),
-            remote: allocate(AllocPattern::Random, n_blocks, blocks * 2, 2, "--p").expect("alloc"),
+            local: allocate(AllocPattern::Random, n_blocks, blocks * 2, 1, Knob::DNumBlocks).expect("alloc"),
+            remote: allocate(AllocPattern::Random, n_blocks, blocks * 2, 2, Knob::PNumBlocks).expect("alloc"),
         };
         let n: usize = planners.iter().map(|p| p.plan(&req, &ids).expect("plan").descriptor_count()).sum();
         g.throughput(Throughput::Elements(n as u64));
@@ -120,12 +121,12 @@ fn bench(c: &mut Criterion) {
 
 fn fill(c: &mut Criterion) {
     let tokens = 2048;
-    let config = PairConfig {
+    let config = HybridPairSpec {
         model: preset("qwen3-next-80b-a3b").expect("preset"),
         // Triton GDN prefill, as bench-configs/hybrid-qwen3-next.toml (FlashInfer's 320- and
         // 576-token blocks do not divide).
-        p: HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(4, 97) },
-        d: HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(2, 49) },
+        p: HybridEngineSpec { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngineSpec::new(4, 97) },
+        d: HybridEngineSpec { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngineSpec::new(2, 49) },
         permute_local_kv: false,
         state_slices: Default::default(),
         host_copy: Default::default(),

@@ -13,6 +13,7 @@ use kvx::layouts::compat::PairSpec;
 use kvx::layouts::plan::{BlockPairs, Pair, Planner, RequestBlocks};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
+use kvx::vocab::knob::Knob;
 
 const TOKENS: u32 = 131_072;
 
@@ -25,8 +26,8 @@ fn setup(layout: Layout, pattern: AllocPattern, p_tp: u32, d_tp: u32) -> (Planne
     let map = pair.validate().expect("valid pair");
     let planner = Planner::new(&pair, &map, 0).expect("planner");
     let req = RequestBlocks {
-        local: allocate(pattern, blocks, blocks * 2, 1, "--d").expect("alloc"),
-        remote: allocate(pattern, blocks, blocks * 2, 2, "--p").expect("alloc"),
+        local: allocate(pattern, blocks, blocks * 2, 1, Knob::DNumBlocks).expect("alloc"),
+        remote: allocate(pattern, blocks, blocks * 2, 2, Knob::PNumBlocks).expect("alloc"),
     };
     let bp = planner.pair_blocks(&req).expect("pairs");
     (planner, bp)

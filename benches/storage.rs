@@ -45,6 +45,7 @@ use kvx::settings::model;
 use kvx::transfer::memory::{HostBuffer, PageSize};
 use kvx::transfer::storage::io::{carve, preadv_all, pwritev_all};
 use kvx::transfer::storage::{StorageFetcher, StorageOptions, StoragePublisher};
+use kvx::vocab::knob::Knob;
 
 const ENGINE: &str = "bench-prefill";
 const CHUNK: usize = 8 << 20;
@@ -138,8 +139,8 @@ fn scenario(tokens: u32, pattern: AllocPattern, pages: PageSize) -> Scenario {
         PairSpec { version: Layout::Lbhnc.version(), model, p: engine(8), d: engine(2), permute: false };
     let map = pair.validate().expect("valid pair");
     let req = RequestBlocks {
-        local: allocate(pattern, blocks, blocks, 1, "--d").expect("alloc"),
-        remote: allocate(pattern, blocks, blocks, 2, "--p").expect("alloc"),
+        local: allocate(pattern, blocks, blocks, 1, Knob::DNumBlocks).expect("alloc"),
+        remote: allocate(pattern, blocks, blocks, 2, Knob::PNumBlocks).expect("alloc"),
     };
     let p_regions = pair.p_geometry(0).regions();
     let p_allocs: Vec<HostBuffer> = (0..pair.p.tp)

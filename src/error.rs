@@ -1,6 +1,7 @@
 //! Errors shared by kvx's layers and the one mapping of a command's result to an exit code.
 //!
-//! Owns: [`ConfigError`] (a refused setting, with the flag or key to change), the exit codes
+//! Owns: [`ConfigError`] (a refused setting, with the flag or key to change), [`KnobError`]
+//! (the core's refusal, with the [`Knob`] to change, which settings spells), the exit codes
 //! ([`exit`]) and how an error is printed ([`render`]). Each layer has its own typed error
 //! (`diagnose::xfer::XferError`, `pipeline::worker::WorkerError`, `report::ReportError`, ...);
 //! the CLI joins them with `anyhow` and the binary calls [`finish`] once.
@@ -20,6 +21,8 @@
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
+
+use crate::vocab::knob::Knob;
 
 /// What a finished command asks the process to exit with ([`exit`] has the codes).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +77,30 @@ pub struct ConfigError {
 impl ConfigError {
     pub fn new(flag: impl Into<String>, reason: impl Into<String>) -> Self {
         Self { flag: flag.into(), reason: reason.into() }
+    }
+}
+
+/// A value the core (`topology`, `layouts`) refuses, with the setting to change as a typed
+/// [`Knob`]: the core never spells a flag. The message names the knob as settings spells it
+/// (`Knob`'s `Display` is `settings::knobs`'), the same text a [`ConfigError`] for its flag has.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason} (change {knob})")]
+pub struct KnobError {
+    /// The setting the user should change.
+    pub knob: Knob,
+    /// What is wrong and why (knobs in it written as `{knob}`, so spelled by settings too).
+    pub reason: String,
+}
+
+impl KnobError {
+    pub fn new(knob: Knob, reason: impl Into<String>) -> Self {
+        Self { knob, reason: reason.into() }
+    }
+}
+
+impl From<KnobError> for ConfigError {
+    fn from(e: KnobError) -> Self {
+        ConfigError::new(e.knob.to_string(), e.reason)
     }
 }
 

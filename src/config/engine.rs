@@ -96,7 +96,7 @@ pub struct WorkerSettings {
     /// A hybrid model (Mamba/GDN state, sliding windows): the pair as vLLM 0.33 builds it.
     /// `pair` then carries what the engines share with uniform models (TP sizes, the aligned
     /// block sizes, pool sizes, the model's name and layer count).
-    pub hybrid: Option<crate::layouts::hybrid::PairConfig>,
+    pub hybrid: Option<crate::layouts::hybrid::HybridPairSpec>,
     pub transport: TransportConfig,
     pub verify: VerifyMode,
     pub mem: KvMemory,

@@ -130,7 +130,7 @@ pub struct WorkerConfig {
     pub pair: PairSpec,
     /// A hybrid model's pair (see `setup::WorkerSettings::hybrid`).
     #[serde(default)]
-    pub hybrid: Option<Box<crate::layouts::hybrid::PairConfig>>,
+    pub hybrid: Option<Box<crate::layouts::hybrid::HybridPairSpec>>,
     pub transport: TransportConfig,
     /// Where this rank's KV pool lives (the engine fills it per rank).
     pub mem: MemPlace,

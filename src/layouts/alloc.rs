@@ -9,10 +9,11 @@ use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use crate::error::ConfigError;
+use crate::error::KnobError;
+use crate::vocab::knob::Knob;
 
-/// How a request's blocks are picked from a pool (`--alloc`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+/// How a request's blocks are picked from a pool ([`Knob::Alloc`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum AllocPattern {
     /// One run of consecutive block ids.
@@ -46,19 +47,19 @@ impl fmt::Display for AllocPattern {
     }
 }
 
-/// Picks `n` distinct block ids out of a pool of `pool` blocks.
+/// Picks `n` distinct block ids out of a pool of `pool` blocks; `pool_knob` sets the pool.
 pub fn allocate(
     pattern: AllocPattern,
     n: u32,
     pool: u32,
     seed: u64,
-    flag: &str,
-) -> Result<Vec<u32>, ConfigError> {
+    pool_knob: Knob,
+) -> Result<Vec<u32>, KnobError> {
     if n > pool {
-        return Err(ConfigError::new(
-            flag,
+        return Err(KnobError::new(
+            pool_knob,
             format!(
-                "the request needs {n} blocks but the pool has only {pool}; raise {flag} or shorten the prompt"
+                "the request needs {n} blocks but the pool has only {pool}; raise {pool_knob} or shorten the prompt"
             ),
         ));
     }
@@ -95,13 +96,13 @@ mod tests {
     #[test]
     fn patterns_give_distinct_in_range_ids() {
         for p in [AllocPattern::Contiguous, AllocPattern::Fragmented, AllocPattern::Random] {
-            let ids = allocate(p, 100, 1000, 3, "--x").expect("fits");
+            let ids = allocate(p, 100, 1000, 3, Knob::PNumBlocks).expect("fits");
             let mut sorted = ids.clone();
             sorted.sort_unstable();
             sorted.dedup();
             assert_eq!(sorted.len(), 100, "{p}");
             assert!(ids.iter().all(|&b| b < 1000));
         }
-        assert!(allocate(AllocPattern::Random, 10, 5, 0, "--x").is_err());
+        assert!(allocate(AllocPattern::Random, 10, 5, 0, Knob::PNumBlocks).is_err());
     }
 }

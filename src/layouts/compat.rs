@@ -2,15 +2,17 @@
 //! vLLM decides at handshake time (`add_remote_agent` / `_validate_remote_agent_handshake`),
 //! plus the configurations vLLM accepts but reads wrong data for, which kvx rejects.
 //!
-//! Every rejection is a `ConfigError` naming the flag to change and the reason.
+//! Every rejection is a `KnobError` naming the setting to change (a [`Knob`]) and the reason.
 
 use serde::{Deserialize, Serialize};
 
 use super::Layout;
 use super::geometry::{Axis, EngineSpec, RankGeometry};
-use crate::error::ConfigError;
+use crate::error::KnobError;
 use crate::topology::push::{PushRankMap, push_rank_map};
 use crate::topology::{self, RankMap, TpSpec, VllmVersion};
+use crate::vocab::kinds::Role;
+use crate::vocab::knob::Knob;
 use crate::vocab::model::ModelShape;
 
 /// Largest block size (tokens) kvx accepts.
@@ -25,7 +27,8 @@ pub const MAX_POOL_BLOCKS: u32 = 1 << 24;
 /// Largest number of layers kvx accepts.
 pub const MAX_LAYERS: u32 = 4096;
 
-/// A prefill engine, a decode engine, and the model they serve.
+/// A prefill engine, a decode engine, and the model they serve (one KV cache group; a hybrid
+/// model's pair is a [`HybridPairSpec`](crate::layouts::hybrid::HybridPairSpec)).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PairSpec {
     pub version: VllmVersion,
@@ -67,14 +70,14 @@ impl PairSpec {
     }
 
     /// Validates the pair in vLLM's order and returns its rank map.
-    pub fn validate(&self) -> Result<RankMap, ConfigError> {
+    pub fn validate(&self) -> Result<RankMap, KnobError> {
         check_model(&self.model)?;
-        check_engine(&self.p, "--p-block-size", "--p-layout", self.version)?;
-        check_engine(&self.d, "--d-block-size", "--d-layout", self.version)?;
+        check_engine(&self.p, Role::Prefill, self.version)?;
+        check_engine(&self.d, Role::Decode, self.version)?;
         let (pb, db) = (self.p.block_tokens, self.d.block_tokens);
         if db % pb != 0 {
-            return Err(ConfigError::new(
-                "--d-block-size",
+            return Err(KnobError::new(
+                Knob::DBlockSize,
                 format!(
                     "decode block size {db} is not a multiple of prefill block size {pb} (vLLM: \"Local block size {db} is \
                      not divisible by remote block size {pb} or vice versa.\"); decode blocks must be 1, 2, 4, ... prefill blocks long"
@@ -85,8 +88,8 @@ impl PairSpec {
         self.check_layouts(&map)?;
         let bsr = db / pb;
         if bsr != 1 && self.p.tp > self.d.tp {
-            return Err(ConfigError::new(
-                "--d-block-size",
+            return Err(KnobError::new(
+                Knob::DBlockSize,
                 format!(
                     "decode block size {db} differs from prefill block size {pb} while prefill TP {} > decode TP {}; \
                      vLLM: \"Different local/remote block sizes are not supported when P TP > D TP.\"",
@@ -101,8 +104,8 @@ impl PairSpec {
                 r.block_stride != r.block_len || r.content.axes.iter().any(|(a, _)| *a == Axis::Layer)
             });
         if bsr != 1 && strided {
-            return Err(ConfigError::new(
-                "--d-block-size",
+            return Err(KnobError::new(
+                Knob::DBlockSize,
                 format!(
                     "decode blocks of {bsr} prefill blocks with layout {}, whose blocks are strided (block stride != block \
                      length): vLLM places decode sub-block j at base + j*block_stride/{bsr}, which then lands in another \
@@ -120,21 +123,24 @@ impl PairSpec {
     /// A rank's pool must have a size kvx can represent and allocate: at most
     /// [`MAX_POOL_BYTES`], computed with checked arithmetic (a wrapped size would print as
     /// a small number and allocate the wrong amount).
-    fn check_pool_bytes(&self) -> Result<(), ConfigError> {
+    fn check_pool_bytes(&self) -> Result<(), KnobError> {
         self.check_pool_blocks()?;
-        for (side, e, g) in
-            [("prefill", &self.p, self.p_geometry(0)), ("decode", &self.d, self.d_geometry(0))]
+        for (role, e, g) in
+            [(Role::Prefill, &self.p, self.p_geometry(0)), (Role::Decode, &self.d, self.d_geometry(0))]
         {
             let bytes = g.checked_total_bytes();
             if bytes.is_none_or(|b| b > MAX_POOL_BYTES) {
                 let size = bytes.map_or_else(|| "more than 2^64 bytes".to_string(), |b| format!("{b} bytes"));
-                return Err(ConfigError::new(
-                    format!("--{}-num-blocks", &side[..1]),
+                return Err(KnobError::new(
+                    Knob::num_blocks(role),
                     format!(
-                        "a {side} rank's pool of {} blocks of {} bytes is {size}, over the {MAX_POOL_BYTES} bytes \
-                         (1 PiB) kvx accepts per rank; use fewer blocks (--num-blocks, --pool-blocks)",
+                        "a {} rank's pool of {} blocks of {} bytes is {size}, over the {MAX_POOL_BYTES} bytes \
+                         (1 PiB) kvx accepts per rank; use fewer blocks ({}, {})",
+                        role.as_str(),
                         e.num_blocks,
-                        g.block_bytes_all_layers()
+                        g.block_bytes_all_layers(),
+                        Knob::NumBlocks,
+                        Knob::PoolBlocks,
                     ),
                 ));
             }
@@ -144,11 +150,11 @@ impl PairSpec {
 
     /// Each rank's pool has at most [`MAX_POOL_BLOCKS`] blocks: checked before any block list
     /// of a pool is built.
-    pub fn check_pool_blocks(&self) -> Result<(), ConfigError> {
-        for (side, e) in [("p", &self.p), ("d", &self.d)] {
+    pub fn check_pool_blocks(&self) -> Result<(), KnobError> {
+        for (role, e) in [(Role::Prefill, &self.p), (Role::Decode, &self.d)] {
             if e.num_blocks > MAX_POOL_BLOCKS {
-                return Err(ConfigError::new(
-                    format!("--{side}-num-blocks"),
+                return Err(KnobError::new(
+                    Knob::num_blocks(role),
                     format!(
                         "a pool of {} blocks: kvx takes at most {MAX_POOL_BLOCKS} blocks per rank",
                         e.num_blocks
@@ -168,10 +174,10 @@ impl PairSpec {
     /// slices, and the decode worker fails the same assertion when the request completes),
     /// and layouts must be equal (nobody permutes in push: the receive-side permute of pull
     /// runs on the decode side, which in push never validates or post-processes layouts).
-    pub fn validate_push(&self) -> Result<PushRankMap, ConfigError> {
+    pub fn validate_push(&self) -> Result<PushRankMap, KnobError> {
         check_model(&self.model)?;
-        check_engine(&self.p, "--p-block-size", "--p-layout", self.version)?;
-        check_engine(&self.d, "--d-block-size", "--d-layout", self.version)?;
+        check_engine(&self.p, Role::Prefill, self.version)?;
+        check_engine(&self.d, Role::Decode, self.version)?;
         let map = push_rank_map(&self.tp_spec())?;
         let (pb, db) = (self.p.block_tokens, self.d.block_tokens);
         if pb != db {
@@ -189,30 +195,33 @@ impl PairSpec {
                     pb / db.max(1)
                 )
             };
-            return Err(ConfigError::new(
-                "--d-block-size",
+            return Err(KnobError::new(
+                Knob::DBlockSize,
                 format!(
                     "push mode needs equal block sizes, but prefill uses {pb} tokens and decode {db}: {what}; \
-                     use the same --block-size on both sides, or --mode pull (which reads smaller prefill blocks \
-                     into larger decode blocks)"
+                     use the same {} on both sides, or {} pull (which reads smaller prefill blocks \
+                     into larger decode blocks)",
+                    Knob::BlockSize,
+                    Knob::Mode,
                 ),
             ));
         }
         let (pl, dl) = (self.p.layout, self.d.layout);
         let mla = self.model.is_mla();
         if pl != dl && !mla && self.permute {
-            return Err(ConfigError::new(
-                "--permute",
+            return Err(KnobError::new(
+                Knob::Permute,
                 format!(
                     "push mode cannot permute layouts: vLLM permutes received blocks on the receiving side, and in \
                      push the decode side never validates or post-processes layouts (prefill {pl} into decode {dl} \
-                     is either refused by the prefill side or written unpermuted); drop --permute and use one layout"
+                     is either refused by the prefill side or written unpermuted); drop {} and use one layout",
+                    Knob::Permute,
                 ),
             ));
         }
         if pl != dl && !mla {
-            return Err(ConfigError::new(
-                "--d-layout",
+            return Err(KnobError::new(
+                Knob::DLayout,
                 format!(
                     "prefill layout {pl} differs from decode layout {dl}; vLLM's push connector checks on the prefill \
                      side: \"Heterogeneous TP expects same kv_cache_layout (local {}, remote {}).\" Use {pl} on the \
@@ -227,8 +236,8 @@ impl PairSpec {
         let hetero = map.tp_ratio.abs() != 1;
         let d_replicated = self.d.tp > map.spec.effective_heads();
         if hetero && !mla && !d_replicated && !pl.heads_contiguous() {
-            return Err(ConfigError::new(
-                "--layout",
+            return Err(KnobError::new(
+                Knob::Layout,
                 format!(
                     "heterogeneous TP ({} -> {}) splits heads inside each block, but {pl} does not keep a block's heads \
                      contiguous; vLLM: \"Heterogeneous TP head-dimension splitting requires contiguous heads. Use a \
@@ -243,12 +252,12 @@ impl PairSpec {
         Ok(map)
     }
 
-    fn check_layouts(&self, map: &RankMap) -> Result<(), ConfigError> {
+    fn check_layouts(&self, map: &RankMap) -> Result<(), KnobError> {
         let (pl, dl) = (self.p.layout, self.d.layout);
         let mla = self.model.is_mla();
         if mla && matches!(pl, Layout::FaCrossLayers | Layout::FiCrossLayers) {
-            return Err(ConfigError::new(
-                "--layout",
+            return Err(KnobError::new(
+                Knob::Layout,
                 "vLLM 0.19 cross-layer blocks exist only for FlashAttention/FlashInfer, not MLA; drop the cross-layer layout",
             ));
         }
@@ -258,8 +267,8 @@ impl PairSpec {
             _ => None,
         };
         if !mla && backend(pl) != backend(dl) {
-            return Err(ConfigError::new(
-                "--d-layout",
+            return Err(KnobError::new(
+                Knob::DLayout,
                 format!(
                     "prefill uses {} and decode {}: different attention backends ({} vs {}) change vLLM's compatibility hash, \
                      so the handshake is refused; use the same backend on both sides",
@@ -273,13 +282,15 @@ impl PairSpec {
         let permute_ok = self.permute && is_permute_pair(pl, dl);
         if pl != dl && !mla && !permute_ok {
             let hint = if is_permute_pair(pl, dl) {
-                " or pass --permute (vLLM's enable_permute_local_kv) to receive HND into the local NHD cache"
-                    .to_string()
+                format!(
+                    " or pass {} (vLLM's enable_permute_local_kv) to receive HND into the local NHD cache",
+                    Knob::Permute
+                )
             } else {
                 format!(" or use {pl} on the decode side")
             };
-            return Err(ConfigError::new(
-                "--d-layout",
+            return Err(KnobError::new(
+                Knob::DLayout,
                 format!(
                     "prefill layout {pl} differs from decode layout {dl}; vLLM: \"Heterogeneous TP expects same \
                      kv_cache_layout (local {}, remote {}).\"{hint}",
@@ -289,17 +300,18 @@ impl PairSpec {
             ));
         }
         if self.permute && !is_permute_pair(pl, dl) && pl != dl {
-            return Err(ConfigError::new(
-                "--permute",
+            return Err(KnobError::new(
+                Knob::Permute,
                 format!(
-                    "--permute only receives HND (prefill) into NHD (decode); prefill is {pl}, decode is {dl}"
+                    "{} only receives HND (prefill) into NHD (decode); prefill is {pl}, decode is {dl}",
+                    Knob::Permute
                 ),
             ));
         }
         let spec = map.spec;
         let hetero = map.tp_ratio.abs() != 1;
         if hetero && !mla && !spec.prefill_replicated() && !permute_ok {
-            for (layout, side) in [(dl, "--d-layout"), (pl, "--p-layout")] {
+            for (layout, knob) in [(dl, Knob::DLayout), (pl, Knob::PLayout)] {
                 if !layout.heads_contiguous() {
                     let why = if self.version == VllmVersion::V0_19 {
                         " (vLLM 0.19.1 accepts this and splits each block's bytes in halves, which in NHD are token \
@@ -307,8 +319,8 @@ impl PairSpec {
                     } else {
                         ""
                     };
-                    return Err(ConfigError::new(
-                        side,
+                    return Err(KnobError::new(
+                        knob,
                         format!(
                             "heterogeneous TP ({} -> {}) splits heads inside each block, but {layout} does not keep a \
                              block's heads contiguous{why}; vLLM: \"Heterogeneous TP head-dimension splitting requires \
@@ -326,12 +338,12 @@ impl PairSpec {
 
     /// vLLM's block-length invariants between the two sides' regions, given the KV heads
     /// each side's ranks hold.
-    fn check_block_lens(&self, p_heads_per_rank: u32, d_heads_per_rank: u32) -> Result<(), ConfigError> {
+    fn check_block_lens(&self, p_heads_per_rank: u32, d_heads_per_rank: u32) -> Result<(), KnobError> {
         let (pg, dg) = (self.p_geometry(0), self.d_geometry(0));
         let (pr, dr) = (pg.regions(), dg.regions());
         if pr.len() != dr.len() {
-            return Err(ConfigError::new(
-                "--d-layout",
+            return Err(KnobError::new(
+                Knob::DLayout,
                 format!(
                     "prefill registers {} regions per rank ({}) and decode {} ({}); vLLM: \"Number of KV layers must \
                      match between prefill and decode\"",
@@ -348,8 +360,8 @@ impl PairSpec {
             // local_len // bsr == remote_len scaled by the heads each side holds.
             let expect_remote = d.block_len * hp / hd / bsr;
             if p.block_len != expect_remote {
-                return Err(ConfigError::new(
-                    "--d-layout",
+                return Err(KnobError::new(
+                    Knob::DLayout,
                     format!(
                         "region {}: prefill block is {} bytes but decode expects {} ({} heads x {} tokens); the two \
                          layouts do not describe the same blocks",
@@ -367,24 +379,24 @@ fn is_permute_pair(p: Layout, d: Layout) -> bool {
     matches!((p, d), (Layout::Lbhnc, Layout::Lbnhc) | (Layout::FaHnd, Layout::FaNhd))
 }
 
-fn check_model(m: &ModelShape) -> Result<(), ConfigError> {
+fn check_model(m: &ModelShape) -> Result<(), KnobError> {
     if m.num_layers == 0 || m.num_layers > MAX_LAYERS {
-        return Err(ConfigError::new(
-            "--layers",
+        return Err(KnobError::new(
+            Knob::Layers,
             format!("number of layers must be between 1 and {MAX_LAYERS}, got {}", m.num_layers),
         ));
     }
     if !m.is_mla() && (m.head_dim == 0 || m.head_dim > 65_536) {
-        return Err(ConfigError::new(
-            "--head-dim",
+        return Err(KnobError::new(
+            Knob::HeadDim,
             format!("head dimension must be between 1 and 65536, got {}", m.head_dim),
         ));
     }
     if let Some(mla) = m.mla
         && (mla.head_size() == 0 || mla.head_size() > 65_536)
     {
-        return Err(ConfigError::new(
-            "--mla",
+        return Err(KnobError::new(
+            Knob::Mla,
             format!(
                 "MLA latent size kv_lora_rank + qk_rope_head_dim must be 1..65536, got {}",
                 mla.head_size()
@@ -394,31 +406,25 @@ fn check_model(m: &ModelShape) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn check_engine(
-    e: &EngineSpec,
-    block_flag: &str,
-    layout_flag: &str,
-    version: VllmVersion,
-) -> Result<(), ConfigError> {
+/// One engine's own ranges: block size, pool, and a layout of the vLLM release in force.
+fn check_engine(e: &EngineSpec, role: Role, version: VllmVersion) -> Result<(), KnobError> {
     if e.block_tokens == 0 || e.block_tokens > MAX_BLOCK_TOKENS {
-        return Err(ConfigError::new(
-            block_flag,
+        return Err(KnobError::new(
+            Knob::block_size(role),
             format!("block size must be between 1 and {MAX_BLOCK_TOKENS} tokens, got {}", e.block_tokens),
         ));
     }
     if e.num_blocks == 0 {
-        return Err(ConfigError::new(
-            block_flag.replace("block-size", "num-blocks"),
-            "a pool needs at least 1 block",
-        ));
+        return Err(KnobError::new(Knob::num_blocks(role), "a pool needs at least 1 block"));
     }
     if e.layout.version() != version {
-        return Err(ConfigError::new(
-            layout_flag,
+        return Err(KnobError::new(
+            Knob::layout(role),
             format!(
-                "layout {} belongs to vLLM {}, but the rules in force are vLLM {version} (--vllm); pick a {version} layout",
+                "layout {} belongs to vLLM {}, but the rules in force are vLLM {version} ({}); pick a {version} layout",
                 e.layout,
-                e.layout.version()
+                e.layout.version(),
+                Knob::Vllm,
             ),
         ));
     }

@@ -15,7 +15,8 @@ use super::Layout;
 use crate::topology::{self, VllmVersion};
 use crate::vocab::model::ModelShape;
 
-/// Per-engine settings that shape each rank's cache.
+/// Per-engine settings that shape each rank's cache (one KV cache group; a hybrid model's
+/// engine is a [`HybridEngineSpec`](crate::layouts::hybrid::HybridEngineSpec)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineSpec {
     pub tp: u32,

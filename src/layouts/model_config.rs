@@ -31,7 +31,7 @@ use super::hybrid::model::{
 };
 use crate::vocab::model::{Mla, ModelShape};
 
-/// The most layers a model may have (`--layers` stops there too): bounds the work a config
+/// The most layers a model may have (the layers knob stops there too): bounds the work a config
 /// can ask for.
 pub const MAX_LAYERS: u32 = 4096;
 
@@ -137,14 +137,11 @@ pub fn find_preset(name: &str) -> Option<&'static Preset> {
 /// A hybrid preset (one of [`HYBRID_PRESETS`]) by name, alias or Hugging Face id
 /// (case-insensitive), as vLLM lays it out with its hybrid KV cache manager.
 pub fn hybrid_preset(name: &str) -> Result<HybridModel, HybridError> {
-    let unknown = || {
-        HybridError::model(
-            "--model",
-            format!("unknown hybrid model '{name}'; presets: {}", HYBRID_PRESETS.join(", ")),
-        )
+    let unknown = || HybridError::Preset {
+        reason: format!("unknown hybrid model '{name}'; presets: {}", HYBRID_PRESETS.join(", ")),
     };
     let p = find_preset(name).ok_or_else(unknown)?;
-    let arch = p.read().map_err(|e| HybridError::model("--model", format!("preset {}: {e}", p.name)))?;
+    let arch = p.read().map_err(|e| HybridError::Preset { reason: format!("preset {}: {e}", p.name) })?;
     match arch.plan_model(true) {
         Ok(PlanModel::Hybrid(m)) => Ok(m),
         _ => Err(unknown()),

@@ -18,8 +18,9 @@ use serde::Serialize;
 
 use super::compat::PairSpec;
 use super::geometry::Region;
-use crate::error::ConfigError;
+use crate::error::KnobError;
 use crate::topology::{DRankMap, RankMap, VllmVersion};
+use crate::vocab::knob::Knob;
 
 /// One descriptor pair: read `len` bytes at `remote` (P rank offset) into `local` (D rank
 /// offset).
@@ -75,16 +76,16 @@ pub fn pair_blocks(
     bsr: u32,
     local_pool: u32,
     remote_pool: u32,
-) -> Result<BlockPairs, ConfigError> {
+) -> Result<BlockPairs, KnobError> {
     if let Some(&b) = req.local.iter().find(|&&b| b >= local_pool) {
-        return Err(ConfigError::new(
-            "--local-blocks",
+        return Err(KnobError::new(
+            Knob::LocalBlocks,
             format!("decode block id {b} is outside the decode pool of {local_pool} blocks"),
         ));
     }
     if let Some(&b) = req.remote.iter().find(|&&b| b >= remote_pool) {
-        return Err(ConfigError::new(
-            "--remote-blocks",
+        return Err(KnobError::new(
+            Knob::RemoteBlocks,
             format!("prefill block id {b} is outside the prefill pool of {remote_pool} blocks"),
         ));
     }
@@ -181,10 +182,10 @@ pub struct Planner {
 
 impl Planner {
     /// Builds the planner of `d_rank`; `pair` must have been validated into `map`.
-    pub fn new(pair: &PairSpec, map: &RankMap, d_rank: u32) -> Result<Self, ConfigError> {
+    pub fn new(pair: &PairSpec, map: &RankMap, d_rank: u32) -> Result<Self, KnobError> {
         let dmap = map.d_ranks.get(d_rank as usize).cloned().ok_or_else(|| {
-            ConfigError::new(
-                "--d-rank",
+            KnobError::new(
+                Knob::DRank,
                 format!("decode rank {d_rank} does not exist (decode TP is {})", map.spec.d_tp),
             )
         })?;
@@ -237,7 +238,7 @@ impl Planner {
     }
 
     /// Pairs the request's block ids for this planner's pools.
-    pub fn pair_blocks(&self, req: &RequestBlocks) -> Result<BlockPairs, ConfigError> {
+    pub fn pair_blocks(&self, req: &RequestBlocks) -> Result<BlockPairs, KnobError> {
         pair_blocks(req, self.bsr, self.local_pool, self.remote_pool)
     }
 
@@ -264,7 +265,7 @@ impl Planner {
     }
 
     /// Descriptor pairs of one request, per READ.
-    pub fn plan(&self, req: &RequestBlocks, ids: &RequestIds) -> Result<DRankPlan, ConfigError> {
+    pub fn plan(&self, req: &RequestBlocks, ids: &RequestIds) -> Result<DRankPlan, KnobError> {
         let bp = self.pair_blocks(req)?;
         let full_hit = req.local.is_empty();
         let mut reads = Vec::new();
@@ -464,7 +465,7 @@ mod tests {
     #[test]
     fn out_of_pool_block_names_flag() {
         let req = RequestBlocks { local: vec![9], remote: vec![0] };
-        assert_eq!(pair_blocks(&req, 1, 8, 8).expect_err("out of range").flag, "--local-blocks");
+        assert_eq!(pair_blocks(&req, 1, 8, 8).expect_err("out of range").knob, Knob::LocalBlocks);
     }
 
     #[test]

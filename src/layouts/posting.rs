@@ -9,12 +9,15 @@
 //! its busiest decode rank, which is the one reported.
 //!
 //! The rates are data ([`PostRates`]): built in from committed results files (each rate names
-//! its file and line; `rates` implements the default), replaced by the user's own measurements (`kvx plan
-//! --rates FILE`, `--post-ns`, `--ceiling-gbps`, resolved in `settings`).
+//! its file and line; `rates` implements the default), replaced by the user's own measurements (a
+//! results file of the user's, or figures given one by one: [`Knob::Rates`], [`Knob::PostNs`],
+//! [`Knob::CeilingGbps`], resolved in `settings`).
 //!
 //! Owns: the cost arithmetic. Pure: no I/O.
 
 use serde::Serialize;
+
+use crate::vocab::knob::Knob;
 
 /// A way of posting a request's descriptors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -25,7 +28,7 @@ pub enum PostPath {
     /// UCX cuda_ipc on device memory (what NIXL uses between GPUs of one machine): one
     /// `cuMemcpyAsync` plus an event per GET, one GET per vLLM descriptor.
     CudaIpc,
-    /// kvx's `--transport cuda-batch`: a request's descriptors from one peer, coalesced where
+    /// kvx's `cuda-batch` transport: a request's descriptors from one peer, coalesced where
     /// contiguous, in one `cuMemcpyBatchAsync` call.
     CudaBatch,
 }
@@ -33,7 +36,7 @@ pub enum PostPath {
 impl PostPath {
     pub const ALL: [PostPath; 3] = [PostPath::Ucx, PostPath::CudaIpc, PostPath::CudaBatch];
 
-    /// The key `--post-ns` and `--ceiling-gbps` name it by.
+    /// The key [`Knob::PostNs`] and [`Knob::CeilingGbps`] name it by.
     pub fn key(self) -> &'static str {
         match self {
             PostPath::Ucx => "ucx",
@@ -55,7 +58,7 @@ impl PostPath {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum RateSource {
-    /// A results file (built in, or `kvx plan --rates`): its path, the line the figure stands
+    /// A results file (built in, or the user's, [`Knob::Rates`]): its path, the line the figure stands
     /// on, and what was derived from it and how.
     File { path: String, line: usize, detail: String },
     /// Given on the command line.
@@ -66,7 +69,7 @@ impl RateSource {
     pub fn text(&self) -> String {
         match self {
             RateSource::File { path, line, detail } => format!("{path}:{line}: {detail}"),
-            RateSource::User => "given with --post-ns/--ceiling-gbps".into(),
+            RateSource::User => format!("given with {}/{}", Knob::PostNs, Knob::CeilingGbps),
         }
     }
 }

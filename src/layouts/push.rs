@@ -19,8 +19,9 @@ use super::geometry::Region;
 use super::plan::{
     BlockPairs, Pair, RegionXfer, RequestBlocks, RequestIds, best_order, coalesce_regions, pair_blocks,
 };
-use crate::error::ConfigError;
+use crate::error::KnobError;
 use crate::topology::push::{PRankPushMap, PushRankMap};
+use crate::vocab::knob::Knob;
 
 /// The precomputed geometry of one WRITE (one target decode rank).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -87,10 +88,10 @@ pub struct PushPlanner {
 impl PushPlanner {
     /// Builds the planner of `p_rank`; `pair` must have been validated into `map` (by
     /// `PairSpec::validate_push`).
-    pub fn new(pair: &PairSpec, map: &PushRankMap, p_rank: u32) -> Result<Self, ConfigError> {
+    pub fn new(pair: &PairSpec, map: &PushRankMap, p_rank: u32) -> Result<Self, KnobError> {
         let pmap = map.p_ranks.get(p_rank as usize).cloned().ok_or_else(|| {
-            ConfigError::new(
-                "--p-rank",
+            KnobError::new(
+                Knob::PRank,
                 format!("prefill rank {p_rank} does not exist (prefill TP is {})", map.spec.p_tp),
             )
         })?;
@@ -141,10 +142,10 @@ impl PushPlanner {
     /// Pairs the request's block ids (decode-centric, as in pull: `local` = decode blocks,
     /// `remote` = prefill blocks). Decode must not register more blocks than prefill holds:
     /// vLLM asserts it (`_apply_prefix_caching`).
-    pub fn pair_blocks(&self, req: &RequestBlocks) -> Result<BlockPairs, ConfigError> {
+    pub fn pair_blocks(&self, req: &RequestBlocks) -> Result<BlockPairs, KnobError> {
         if req.local.len() > req.remote.len() {
-            return Err(ConfigError::new(
-                "--local-blocks",
+            return Err(KnobError::new(
+                Knob::LocalBlocks,
                 format!(
                     "decode registers {} blocks but prefill holds only {}: in push mode prefill writes its blocks \
                      into decode's, and vLLM asserts decode allocated no more than prefill supplied",
@@ -163,7 +164,7 @@ impl PushPlanner {
 
     /// Descriptor pairs of one request, per WRITE. A full prefix hit on decode (no decode
     /// blocks) means no registration and so no WRITE: prefill frees on lease expiry.
-    pub fn plan(&self, req: &RequestBlocks, ids: &RequestIds) -> Result<PRankPlan, ConfigError> {
+    pub fn plan(&self, req: &RequestBlocks, ids: &RequestIds) -> Result<PRankPlan, KnobError> {
         let bp = self.pair_blocks(req)?;
         let mut writes = Vec::new();
         if !req.local.is_empty() {
@@ -198,7 +199,7 @@ impl PushPlanner {
     }
 
     /// The pairs of one request cut by model layer, `[write][layer]`, for WRITEs that start as
-    /// each layer is computed (`--overlap layers`, vllm-project/vllm#56874): layer `l` holds the
+    /// each layer is computed ([`Knob::Overlap`] `layers`, vllm-project/vllm#56874): layer `l` holds the
     /// pairs of the regions of layer `l`, region-major, coalesced inside the layer when
     /// `coalesce`. Regions that hold several layers (block-outer and cross-layer layouts) go
     /// with the last layer: they can only be written once the whole prefill is done. Together
@@ -309,7 +310,7 @@ mod tests {
         let map = pair.validate_push().expect("valid");
         let planner = PushPlanner::new(&pair, &map, 0).expect("planner");
         let req = RequestBlocks { local: vec![0, 1], remote: vec![3] };
-        assert_eq!(planner.plan(&req, &ids()).expect_err("refused").flag, "--local-blocks");
+        assert_eq!(planner.plan(&req, &ids()).expect_err("refused").knob, Knob::LocalBlocks);
         let full_hit = RequestBlocks { local: vec![], remote: vec![3] };
         assert!(planner.plan(&full_hit, &ids()).expect("plan").writes.is_empty());
     }

@@ -7,7 +7,7 @@
 
 use super::compat::PairSpec;
 use super::hybrid::push as hybrid_push;
-use super::hybrid::{HybridPlanner, PairConfig};
+use super::hybrid::{HybridPairSpec, HybridPlanner};
 use super::plan::{Planner, ReadGeom};
 use super::push::{PushPlanner, WriteGeom};
 use crate::error::ConfigError;
@@ -40,7 +40,7 @@ pub enum TopoRequest {
     /// A uniform pair, prefill writing.
     UniformPush { pair: PairSpec, ports: Ports },
     /// A hybrid pair; `push`: prefill writing.
-    Hybrid { pair: PairConfig, push: bool },
+    Hybrid { pair: HybridPairSpec, push: bool },
 }
 
 /// A mapped pair, one variant per kind of [`TopoRequest`].

@@ -1,14 +1,14 @@
 //! Posting rates and ceilings read from results files, each with the file and line it stands on.
 //!
 //! `kvx plan`'s rates are data from measurements, never constants typed in: the built-in ones
-//! come from two committed files compiled into kvx ([`BUILTIN`]), and `kvx plan --rates FILE`
-//! reads a user's own. Two kinds of file are understood, found anywhere inside the JSON (so a
+//! come from two committed files compiled into kvx ([`BUILTIN`]), and a user's own file
+//! ([`Knob::Rates`]) is read the same way. Two kinds of file are understood, found anywhere inside the JSON (so a
 //! `scripts/gpu-check.sh` JSON that holds `kvx xfer` reports works as it stands):
 //!
-//! - a `kvx xfer --format json` report (`results[]` with `size_bytes`, `inflight`, `post_us`,
+//! - a `kvx xfer` report in JSON (`results[]` with `size_bytes`, `inflight`, `post_us`,
 //!   `gbps`): over UCX, the posting cost per GET is the smallest size's `post_us / inflight`
 //!   (host memory: `ucx`; device memory: `cuda-ipc`) and the ceiling is the largest size's
-//!   `gbps`; over `--transport cuda-batch`, the cost per descriptor and per batch are the
+//!   `gbps`; over the `cuda-batch` transport, the cost per descriptor and per batch are the
 //!   slope and intercept of `post_us` against `inflight` at the smallest size, and the ceiling
 //!   is the largest size's `bulk_copy_gbps` (else `gbps`).
 //! - a rates file (`{"paths": {"cuda-batch": {"ns_per_descriptor": .., "ns_per_call": ..,
@@ -21,6 +21,7 @@
 use serde_json::Value;
 
 use super::posting::{PathRate, PostPath, PostRates, RateSource};
+use crate::vocab::knob::Knob;
 
 /// The files the built-in rates come from, as committed (path, text).
 pub const BUILTIN: [(&str, &str); 2] = [
@@ -183,7 +184,8 @@ fn apply_xfer(path: &str, text: &str, r: &Value, rates: &mut PostRates) -> Resul
             path,
             line_of(text, result_line(text, smallest, depth(a)), "post_us", pa / 1e3),
             format!(
-                "kvx xfer --transport cuda-batch at {}: post_us {:.2} at {} descriptors, {:.2} at {}",
+                "kvx xfer {} cuda-batch at {}: post_us {:.2} at {} descriptors, {:.2} at {}",
+                Knob::Transport,
                 kib(smallest),
                 pa / 1e3,
                 da,

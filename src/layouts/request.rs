@@ -3,7 +3,7 @@
 //! typed answer, [`Planned`], that `report::plan` renders.
 //!
 //! Owns: which planner each case takes and what it is asked (every decode rank's READs or
-//! every prefill rank's WRITEs, only those of `--d-rank` where one is given) and the posting
+//! every prefill rank's WRITEs, only those into one decode rank where the request names one) and the posting
 //! cost of a pull plan. Pure: no I/O, no flag names (a [`PlanError`] says what is wrong;
 //! `settings` names the flag to change).
 
@@ -11,7 +11,7 @@ use thiserror::Error;
 
 use super::compat::PairSpec;
 use super::hybrid::push::{self as hybrid_push, HybridWrite};
-use super::hybrid::{HybridError, HybridPlan, HybridPlanner, HybridRequest, PairConfig};
+use super::hybrid::{HybridError, HybridPairSpec, HybridPlan, HybridPlanner, HybridRequest};
 use super::plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
 use super::posting::{PathCost, PostRates, ReadShape, request_costs};
 use super::push::{PRankPlan, PushPlanner};
@@ -56,7 +56,7 @@ pub struct UniformRequest {
 pub struct HybridPlanRequest {
     /// The case's name (the model's, for a preset).
     pub name: String,
-    pub pair: PairConfig,
+    pub pair: HybridPairSpec,
     pub source: HybridSource,
     /// The prefill request id in notifications.
     pub p_request_id: String,

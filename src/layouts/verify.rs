@@ -25,12 +25,14 @@ struct BlockJob {
     origin: BlockOrigin,
 }
 
-/// Whether `--verify` with stride `stride` fills (prefill) and checks (decode) the block at
+/// Whether [verification] with stride `stride` fills (prefill) and checks (decode) the block at
 /// position `pos` of the request's prompt in a region holding `content`: with stride 1 every
 /// block; otherwise one in `stride` of each region's blocks and of each position's regions,
 /// on a diagonal shifted by the request's seed. It depends only on what the block holds, so
 /// both sides choose the same blocks by themselves and prefill writes nothing decode does not
 /// read back.
+///
+/// [verification]: crate::vocab::knob::Knob::Verify
 pub fn sampled(content: &BlockContent, pos: u64, seed: u64, stride: u32) -> bool {
     let s = u64::from(stride.max(1));
     let key = u64::from(content.layer.unwrap_or(0)) * 2 + u64::from(content.kv.unwrap_or(0));
@@ -71,7 +73,9 @@ impl FillPlan {
         }
     }
 
-    /// Only the blocks `--verify sample` with stride `stride` checks ([`sampled`]).
+    /// Only the blocks [verification] `sample` with stride `stride` checks ([`sampled`]).
+    ///
+    /// [verification]: crate::vocab::knob::Knob::Verify
     pub fn only(mut self, stride: u32) -> FillPlan {
         let n = u64::from(self.block_tokens.max(1));
         let contents = &self.contents;

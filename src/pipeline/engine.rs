@@ -89,7 +89,7 @@ pub struct EngineInfo {
 
 /// How an engine of `role` of a hybrid pair lays a request's blocks out.
 pub fn request_shape(
-    config: &crate::layouts::hybrid::PairConfig,
+    config: &crate::layouts::hybrid::HybridPairSpec,
     role: Role,
 ) -> Result<crate::layouts::hybrid::blocks::RequestShape, crate::layouts::hybrid::HybridError> {
     use crate::layouts::hybrid::geometry::{EngineGeometry, Side};

@@ -29,7 +29,7 @@ use crate::layouts::hybrid::blocks::{ExchangedBlocks, TokenCounts};
 use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
 use crate::layouts::hybrid::handshake_ranks;
 use crate::layouts::hybrid::push as hybrid_push;
-use crate::layouts::hybrid::{HybridPlanner, PairConfig};
+use crate::layouts::hybrid::{HybridPairSpec, HybridPlanner};
 use crate::layouts::plan::{RequestBlocks, RequestIds};
 use crate::layouts::push::PushPlanner;
 use crate::topology::push::PushRankMap;
@@ -578,7 +578,7 @@ impl Pusher {
         cfg: &WorkerConfig,
         worker: &Worker,
         reg: &PushRegistration,
-        config: &PairConfig,
+        config: &HybridPairSpec,
     ) -> Result<DEngine, Failure> {
         let incompatible = |e: String| (FailureCause::Incompatible, e);
         let endpoint = format!("tcp://{}:{}", reg.decode_host, reg.decode_port);

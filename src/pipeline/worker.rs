@@ -375,8 +375,8 @@ pub(super) struct RankPool {
 fn hybrid_engine(
     cfg: &WorkerConfig,
 ) -> Option<(
-    &crate::layouts::hybrid::PairConfig,
-    &crate::layouts::hybrid::HybridEngine,
+    &crate::layouts::hybrid::HybridPairSpec,
+    &crate::layouts::hybrid::HybridEngineSpec,
     crate::layouts::hybrid::geometry::Side,
 )> {
     use crate::layouts::hybrid::geometry::Side;
@@ -407,7 +407,8 @@ pub(super) fn hybrid_cache_geometry(
     if engine.kv_buffer_device != KvBufferDevice::Cpu {
         return Ok(None);
     }
-    let cache = crate::layouts::hybrid::HybridEngine { kv_buffer_device: KvBufferDevice::Cuda, ..*engine };
+    let cache =
+        crate::layouts::hybrid::HybridEngineSpec { kv_buffer_device: KvBufferDevice::Cuda, ..*engine };
     EngineGeometry::new(&h.model, &cache, side).map(Some).stage("the hybrid model's KV cache geometry")
 }
 

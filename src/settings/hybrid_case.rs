@@ -9,14 +9,14 @@ use serde_json::Value;
 use crate::error::ConfigError;
 use crate::layouts::hybrid::geometry::{
     AttentionBackend, ConvPart, DEFAULT_BLOCK_TOKENS, EngineGeometry, GdnPrefillBackend, GroupKind,
-    HybridEngine, KvBufferDevice, Side, StateLayout, StatePart, StateShapes, StatedEngine, StatedGroup,
+    HybridEngineSpec, KvBufferDevice, Side, StateLayout, StatePart, StateShapes, StatedEngine, StatedGroup,
     StatedState,
 };
 use crate::layouts::hybrid::model::{
     AttentionShape, AttnKind, Dtype, GdnSpec, HybridModel, Layer, LayerNames, Mamba1Spec, Mamba2Spec,
     StateKind, StateSpec,
 };
-use crate::layouts::hybrid::{HybridRequest, PairConfig, StatedPair};
+use crate::layouts::hybrid::{HybridPairSpec, HybridRequest, StatedPair};
 
 /// Layers a case may name (kvx's bound on models: `--layers` stops there too).
 const MAX_CASE_LAYERS: usize = 4096;
@@ -34,7 +34,7 @@ pub fn is_hybrid_case(doc: &Value) -> bool {
 #[derive(Debug, Clone)]
 pub struct HybridCase {
     pub name: String,
-    pub pair: PairConfig,
+    pub pair: HybridPairSpec,
     pub request: RequestSource,
 }
 
@@ -413,16 +413,16 @@ fn engine(
     model: &HybridModel,
     stated: &StatedEngine,
     backend: Option<&str>,
-) -> Result<HybridEngine, ConfigError> {
+) -> Result<HybridEngineSpec, ConfigError> {
     let at = format!("{side}.");
-    let mut engine = HybridEngine {
+    let mut engine = HybridEngineSpec {
         kv_buffer_device: match e.get("kv_buffer_device").and_then(Value::as_str) {
             Some(name) => super::parse::named::<KvBufferDevice>(name)
                 .map_err(|why| bad(format!("`{side}.kv_buffer_device`: {why}")))?,
             None => KvBufferDevice::default(),
         },
         block_tokens: DEFAULT_BLOCK_TOKENS,
-        ..HybridEngine::new(num(e, "tp", &at)?, num(e, "num_blocks", &at)?)
+        ..HybridEngineSpec::new(num(e, "tp", &at)?, num(e, "num_blocks", &at)?)
     };
     if let Some(b) =
         e.get("attn_backend").or_else(|| e.get("attention_backend")).and_then(Value::as_str).or(backend)
@@ -450,7 +450,7 @@ fn engine(
     }
     let side_of = if side == "p" { Side::Prefill } else { Side::Decode };
     let derives = |backend: GdnPrefillBackend| {
-        let cfg = HybridEngine { gdn_prefill: backend, ..engine };
+        let cfg = HybridEngineSpec { gdn_prefill: backend, ..engine };
         EngineGeometry::new(model, &cfg, side_of).is_ok_and(|g| g.sizing.block_tokens == stated.block_tokens)
     };
     engine.gdn_prefill = [GdnPrefillBackend::FlashInfer, GdnPrefillBackend::Triton]
@@ -499,7 +499,7 @@ pub fn parse(case: &Value) -> Result<HybridCase, ConfigError> {
     let p_stated = stated(pv, "p", case, kind)?;
     let d_stated = stated(dv, "d", case, kind)?;
     let model = model(case, &name, kind, &p_stated, &d_stated)?;
-    let pair = PairConfig {
+    let pair = HybridPairSpec {
         p: engine(pv, "p", &model, &p_stated, backend)?,
         d: engine(dv, "d", &model, &d_stated, backend)?,
         model,

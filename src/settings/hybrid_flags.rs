@@ -41,9 +41,10 @@ pub fn hybrid_engines(
     pool: u32,
     p_blocks: Option<u32>,
     d_blocks: Option<u32>,
-) -> Result<(crate::layouts::hybrid::HybridEngine, crate::layouts::hybrid::HybridEngine), ConfigError> {
+) -> Result<(crate::layouts::hybrid::HybridEngineSpec, crate::layouts::hybrid::HybridEngineSpec), ConfigError>
+{
     let engine = |tp: Option<u32>, block: Option<u32>, layout: &Option<String>, blocks: Option<u32>| {
-        let mut e = crate::layouts::hybrid::HybridEngine::new(tp.unwrap_or(1), blocks.unwrap_or(pool));
+        let mut e = crate::layouts::hybrid::HybridEngineSpec::new(tp.unwrap_or(1), blocks.unwrap_or(pool));
         e.block_tokens = block.or(pair.block_size).unwrap_or(super::flags::DEFAULT_BLOCK_SIZE);
         e.kernel_block_tokens = pair.kernel_block_size;
         e.prefix_caching = !pair.no_prefix_caching;
@@ -66,7 +67,7 @@ pub fn hybrid_engines(
 /// and `kvx plan` size a pool the user did not give.
 pub fn request_pool(
     model: &crate::layouts::hybrid::HybridModel,
-    engine: &crate::layouts::hybrid::HybridEngine,
+    engine: &crate::layouts::hybrid::HybridEngineSpec,
     side: crate::layouts::hybrid::geometry::Side,
     tokens: u32,
     copies: u32,
@@ -81,17 +82,18 @@ pub fn request_pool(
 /// uniform models (what the workers' common code reads: TP, the aligned block size, the pool,
 /// the layout).
 pub fn hybrid_pair_spec(
-    config: &crate::layouts::hybrid::PairConfig,
+    config: &crate::layouts::hybrid::HybridPairSpec,
 ) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::HybridPlanner), ConfigError> {
     use crate::layouts::hybrid::geometry::EngineGeometry;
     let planner = crate::layouts::hybrid::HybridPlanner::new(config)?;
     let m = &config.model;
-    let engine = |e: &crate::layouts::hybrid::HybridEngine, g: &EngineGeometry| crate::layouts::EngineSpec {
-        tp: e.tp,
-        block_tokens: g.sizing.block_tokens,
-        num_blocks: e.num_blocks,
-        layout: e.layout,
-    };
+    let engine =
+        |e: &crate::layouts::hybrid::HybridEngineSpec, g: &EngineGeometry| crate::layouts::EngineSpec {
+            tp: e.tp,
+            block_tokens: g.sizing.block_tokens,
+            num_blocks: e.num_blocks,
+            layout: e.layout,
+        };
     let pair = crate::layouts::compat::PairSpec {
         version: crate::topology::VllmVersion::V0_33,
         model: crate::settings::model::ModelShape {

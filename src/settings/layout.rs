@@ -5,13 +5,14 @@
 use clap::Args;
 
 use super::flags::{Format, ModelFlags};
+use super::knobs;
 use super::scenario;
 use crate::config::layout::EngineLayout;
 use crate::config::layout::ModelOrigin;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::HybridModel;
-use crate::layouts::hybrid::geometry::{EngineGeometry, HybridEngine, Side};
+use crate::layouts::hybrid::geometry::{EngineGeometry, HybridEngineSpec, Side};
 use crate::layouts::{EngineSpec, Layout, RankGeometry};
 use crate::topology::VllmVersion;
 
@@ -115,7 +116,7 @@ pub fn resolve_hybrid(
             format!("rank {} does not exist with --tp {}", args.rank, args.tp),
         ));
     }
-    let mut engine = HybridEngine::new(args.tp, args.num_blocks);
+    let mut engine = HybridEngineSpec::new(args.tp, args.num_blocks);
     engine.block_tokens = args.block_size;
     engine.kv_buffer_device = args.kv_buffer.device();
     engine.gdn_prefill = args.gdn_prefill.unwrap_or_default();
@@ -124,10 +125,7 @@ pub fn resolve_hybrid(
     if let Some(l) = &args.layout {
         engine.layout = Layout::parse_for(l, args.vllm).map_err(|e| ConfigError::new("--layout", e))?;
     }
-    let g = EngineGeometry::new(&model, &engine, Side::Prefill).map_err(|e| {
-        let e = ConfigError::from(e);
-        ConfigError::new(e.flag.replace("--p-", "--"), e.reason)
-    })?;
+    let g = EngineGeometry::new(&model, &engine, Side::Prefill).map_err(knobs::for_one_engine)?;
     Ok(Some((model, g, origin)))
 }
 
@@ -162,8 +160,7 @@ pub fn resolve(
         EngineSpec { tp: args.tp, block_tokens: args.block_size, num_blocks: args.num_blocks, layout };
     let pair = PairSpec { version, model, p: engine, d: engine, permute: false };
     // Same checks as a homogeneous pair: TP vs heads, block size, layout version.
-    pair.validate()
-        .map_err(|e| ConfigError::new(e.flag.replace("--p-", "--").replace("--d-", "--"), e.reason))?;
+    pair.validate().map_err(knobs::for_one_engine)?;
     if args.rank >= args.tp {
         return Err(ConfigError::new(
             "--rank",

@@ -21,15 +21,19 @@
 //!   `kvx xfer`, `kvx load`, `kvx serve-proxy`, `kvx probe`, `kvx layout` and `kvx topo`, checked.
 //! - [`parse`]: value syntaxes flags and files share (durations, sizes, named choices).
 //! - [`posting`]: `kvx plan`'s measured posting costs and ceilings (`--post-ns`, `--ceiling-gbps`).
+//! - [`knobs`]: the flag each of the core's knobs is (the core refuses with a `Knob`, never a
+//!   flag); [`choices`]: the core's enums as clap values (the core has no clap).
 //!
 //! May use every layer below `cli` to build the values those layers take; must not import
 //! `cli` and must not run anything.
 
 pub mod bench;
+pub mod choices;
 pub mod env;
 pub mod flags;
 pub mod hybrid_case;
 pub mod hybrid_flags;
+pub mod knobs;
 pub mod layer;
 pub mod layout;
 pub mod load;

@@ -34,6 +34,7 @@ use crate::layouts::request::{
 };
 use crate::topology::TransferMode;
 use crate::vocab::kinds::TransportKind;
+use crate::vocab::knob::Knob;
 
 /// What `kvx bench` was asked to do, with every run resolved before any starts.
 #[derive(Debug, Clone)]
@@ -542,7 +543,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
     (p.host_descriptors_per_group, d.host_descriptors_per_group) = (own, own);
     Ok(Some(HybridCase {
         name: model.name.clone(),
-        pair: crate::layouts::hybrid::PairConfig {
+        pair: crate::layouts::hybrid::HybridPairSpec {
             model,
             p,
             d,
@@ -620,9 +621,9 @@ fn request(args: &PlanFlags) -> Result<UniformRequest, ConfigError> {
             let pair = scenario::resolve_pair(&args.model, &args.pair, p_pool, d_pool)?;
             // Before the pools' block lists are built (`--alloc random` lists every block).
             pair.check_pool_blocks()?;
-            let remote = allocate(args.alloc, n_p, p_pool, args.seed, "--p-num-blocks")?;
+            let remote = allocate(args.alloc, n_p, p_pool, args.seed, Knob::PNumBlocks)?;
             let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;
-            let local = allocate(args.alloc, n_d - hit, d_pool, args.seed ^ 0x5eed, "--d-num-blocks")?;
+            let local = allocate(args.alloc, n_d - hit, d_pool, args.seed ^ 0x5eed, Knob::DNumBlocks)?;
             check_listable(&pair, args.mode, remote.len(), tokens)?;
             Ok(UniformRequest { pair, blocks: RequestBlocks { local, remote }, ids })
         }

@@ -8,7 +8,7 @@ use super::flags::{Format, ModelFlags, PairFlags, PortFlags};
 use super::hybrid_flags::{hybrid_engines, hybrid_preset_of};
 use super::scenario;
 use crate::error::ConfigError;
-use crate::layouts::hybrid::PairConfig;
+use crate::layouts::hybrid::HybridPairSpec;
 use crate::layouts::hybrid::push::PushAttention;
 use crate::layouts::rank_maps::TopoRequest;
 use crate::topology::TransferMode;
@@ -49,7 +49,7 @@ pub fn resolve_topo(args: &TopoFlags) -> Result<TopoRequest, ConfigError> {
     if let Some(model) = hybrid {
         // The rank map does not depend on the pool: a small one serves.
         let (p, d) = hybrid_engines(&args.pair, 64, None, None)?;
-        let pair = PairConfig {
+        let pair = HybridPairSpec {
             model,
             p,
             d,

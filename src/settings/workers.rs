@@ -559,7 +559,7 @@ fn serve_engine_hybrid(
     a: &ServeEngineFlags,
     model: crate::layouts::hybrid::HybridModel,
     pair_flags: &PairFlags,
-) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::PairConfig), ConfigError> {
+) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::HybridPairSpec), ConfigError> {
     use crate::layouts::hybrid::blocks::RequestShape;
     use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
     let name = model.name.clone();
@@ -601,7 +601,7 @@ fn serve_engine_hybrid(
             per_request.saturating_mul(4).min(budget).max(per_request).saturating_add(1)
         }
     };
-    let config = crate::layouts::hybrid::PairConfig {
+    let config = crate::layouts::hybrid::HybridPairSpec {
         model,
         p: own,
         d: own,
@@ -620,7 +620,7 @@ fn finish_serve_engine(
     a: &ServeEngineFlags,
     exe: &Result<PathBuf, String>,
     pair: crate::layouts::compat::PairSpec,
-    hybrid: Option<crate::layouts::hybrid::PairConfig>,
+    hybrid: Option<crate::layouts::hybrid::HybridPairSpec>,
 ) -> Result<WorkerSettings, ConfigError> {
     let mode = a.mode.unwrap_or_default();
     let inflight = check_inflight(a.inflight)?;

@@ -8,8 +8,8 @@
 //!
 //! Pure arithmetic: no I/O. Rules follow vLLM 0.33 (`TransferTopology`, `compute_tp_mapping`)
 //! by default and vLLM 0.19.1 (`TpKVTopology`) on request; where the two differ the
-//! difference is spelled out next to the rule. Rejections are `ConfigError`s that name the
-//! flag to change and say why.
+//! difference is spelled out next to the rule. Rejections are `KnobError`s that name the
+//! setting to change (a [`Knob`]) and say why.
 //!
 //! This file holds pull mode (decode READs); `push` holds push mode (prefill WRITEs into
 //! decode's blocks, vLLM's `NixlPushConnector`), which shares the TP checks below.
@@ -23,7 +23,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::ConfigError;
+use crate::error::KnobError;
+use crate::vocab::knob::Knob;
 
 /// Upper bound on TP sizes kvx accepts; larger values are typos, not deployments.
 pub const MAX_TP: u32 = 1024;
@@ -77,7 +78,7 @@ impl FromStr for VllmVersion {
 }
 
 /// Which way KV blocks move between the engines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TransferMode {
     /// Decode READs prefill's blocks (vLLM `NixlConnector` / `NixlPullConnector`).
@@ -225,13 +226,13 @@ impl RankMap {
     }
 }
 
-fn check_range(flag: &str, what: &str, value: u32, max: u32) -> Result<(), ConfigError> {
+fn check_range(knob: Knob, what: &str, value: u32, max: u32) -> Result<(), KnobError> {
     if value == 0 {
-        return Err(ConfigError::new(flag, format!("{what} must be at least 1, got 0")));
+        return Err(KnobError::new(knob, format!("{what} must be at least 1, got 0")));
     }
     if value > max {
-        return Err(ConfigError::new(
-            flag,
+        return Err(KnobError::new(
+            knob,
             format!("{what} of {value} is beyond anything kvx models (at most {max})"),
         ));
     }
@@ -240,16 +241,16 @@ fn check_range(flag: &str, what: &str, value: u32, max: u32) -> Result<(), Confi
 
 /// Checks that an engine of `tp` ranks can shard `heads` KV heads the way vLLM requires:
 /// `H % tp == 0` when `tp <= H`, else `tp % H == 0` (each head replicated equally).
-fn check_head_sharding(flag: &str, tp: u32, heads: u32) -> Result<(), ConfigError> {
+fn check_head_sharding(knob: Knob, tp: u32, heads: u32) -> Result<(), KnobError> {
     if tp <= heads && !heads.is_multiple_of(tp) {
-        return Err(ConfigError::new(
-            flag,
+        return Err(KnobError::new(
+            knob,
             format!("TP {tp} does not divide the model's {heads} KV heads; pick a TP that divides {heads}"),
         ));
     }
     if tp > heads && !tp.is_multiple_of(heads) {
-        return Err(ConfigError::new(
-            flag,
+        return Err(KnobError::new(
+            knob,
             format!(
                 "TP {tp} is larger than the model's {heads} KV heads but not a multiple of it, so heads cannot be replicated evenly"
             ),
@@ -260,22 +261,22 @@ fn check_head_sharding(flag: &str, tp: u32, heads: u32) -> Result<(), ConfigErro
 
 /// The checks pull and push share: sizes in range, one TP dividing the other (vLLM's
 /// `TransferTopology.tp_ratio` asserts), and heads sharded evenly on both sides.
-pub(crate) fn check_tp_pair(spec: &TpSpec) -> Result<(), ConfigError> {
-    check_range("--p-tp", "prefill TP size", spec.p_tp, MAX_TP)?;
-    check_range("--d-tp", "decode TP size", spec.d_tp, MAX_TP)?;
-    check_range("--num-kv-heads", "number of KV heads", spec.num_kv_heads, MAX_KV_HEADS)?;
+pub(crate) fn check_tp_pair(spec: &TpSpec) -> Result<(), KnobError> {
+    check_range(Knob::PTp, "prefill TP size", spec.p_tp, MAX_TP)?;
+    check_range(Knob::DTp, "decode TP size", spec.d_tp, MAX_TP)?;
+    check_range(Knob::NumKvHeads, "number of KV heads", spec.num_kv_heads, MAX_KV_HEADS)?;
     let (p, d) = (spec.p_tp, spec.d_tp);
     if d >= p && d % p != 0 {
-        return Err(ConfigError::new(
-            "--d-tp",
+        return Err(KnobError::new(
+            Knob::DTp,
             format!(
                 "decode TP {d} is not a multiple of prefill TP {p}; vLLM requires one TP size to divide the other"
             ),
         ));
     }
     if p > d && p % d != 0 {
-        return Err(ConfigError::new(
-            "--p-tp",
+        return Err(KnobError::new(
+            Knob::PTp,
             format!(
                 "prefill TP {p} is not a multiple of decode TP {d}; vLLM requires one TP size to divide the other"
             ),
@@ -283,14 +284,14 @@ pub(crate) fn check_tp_pair(spec: &TpSpec) -> Result<(), ConfigError> {
     }
     let h = spec.effective_heads();
     if !spec.use_mla {
-        check_head_sharding("--p-tp", p, h)?;
-        check_head_sharding("--d-tp", d, h)?;
+        check_head_sharding(Knob::PTp, p, h)?;
+        check_head_sharding(Knob::DTp, d, h)?;
     }
     Ok(())
 }
 
 /// Validates the TP pair and computes the rank map.
-pub fn rank_map(spec: &TpSpec) -> Result<RankMap, ConfigError> {
+pub fn rank_map(spec: &TpSpec) -> Result<RankMap, KnobError> {
     check_tp_pair(spec)?;
     let (p, d) = (spec.p_tp, spec.d_tp);
     let h = spec.effective_heads();
@@ -299,26 +300,30 @@ pub fn rank_map(spec: &TpSpec) -> Result<RankMap, ConfigError> {
             VllmVersion::V0_33 => "more prefill ranks than KV heads",
             VllmVersion::V0_19 => "at least as many prefill ranks as KV heads (vLLM 0.19 rule)",
         };
-        return Err(ConfigError::new(
-            "--p-tp",
+        return Err(KnobError::new(
+            Knob::PTp,
             format!(
                 "prefill TP {p} > decode TP {d} with {rule} ({} KV heads): prefill ranks hold replicated heads \
-                 and vLLM cannot map them onto fewer decode ranks (it fails a bare assertion); lower --p-tp to at most {} or raise --d-tp to {p}",
+                 and vLLM cannot map them onto fewer decode ranks (it fails a bare assertion); lower {} to at most {} or raise {} to {p}",
                 spec.num_kv_heads,
+                Knob::PTp,
                 match spec.version {
                     VllmVersion::V0_33 => h,
                     VllmVersion::V0_19 => spec.num_kv_heads.saturating_sub(1).max(1),
-                }
+                },
+                Knob::DTp,
             ),
         ));
     }
     if spec.version == VllmVersion::V0_19 && !spec.use_mla && d > p && p < h && h < d {
-        return Err(ConfigError::new(
-            "--d-tp",
+        return Err(KnobError::new(
+            Knob::DTp,
             format!(
                 "vLLM 0.19 cannot read from prefill TP {p} into decode TP {d} when {p} < {h} KV heads < {d} \
                  (its block-length check fails: 'Remote P worker KV layer cache must be of shape ...'); \
-                 use --vllm 0.33, or keep --d-tp at most {h}"
+                 use {} 0.33, or keep {} at most {h}",
+                Knob::Vllm,
+                Knob::DTp,
             ),
         ));
     }
@@ -442,15 +447,15 @@ mod tests {
     #[test]
     fn p_gt_d_and_p_gt_h_rejected_names_flag() {
         let e = rank_map(&spec(8, 2, 4, false)).expect_err("rejected");
-        assert_eq!(e.flag, "--p-tp");
+        assert_eq!(e.knob, Knob::PTp);
         assert!(rank_map(&spec(8, 2, 4, true)).is_ok(), "MLA is exempt in 0.33");
     }
 
     #[test]
     fn non_dividing_tp_rejected() {
-        assert_eq!(rank_map(&spec(3, 2, 6, false)).expect_err("rejected").flag, "--p-tp");
-        assert_eq!(rank_map(&spec(2, 3, 6, false)).expect_err("rejected").flag, "--d-tp");
-        assert_eq!(rank_map(&spec(0, 2, 8, false)).expect_err("rejected").flag, "--p-tp");
-        assert_eq!(rank_map(&spec(4, 4, 6, false)).expect_err("rejected").flag, "--p-tp");
+        assert_eq!(rank_map(&spec(3, 2, 6, false)).expect_err("rejected").knob, Knob::PTp);
+        assert_eq!(rank_map(&spec(2, 3, 6, false)).expect_err("rejected").knob, Knob::DTp);
+        assert_eq!(rank_map(&spec(0, 2, 8, false)).expect_err("rejected").knob, Knob::PTp);
+        assert_eq!(rank_map(&spec(4, 4, 6, false)).expect_err("rejected").knob, Knob::PTp);
     }
 }

@@ -5,10 +5,11 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-use crate::error::ConfigError;
+use crate::error::KnobError;
+use crate::vocab::knob::Knob;
 
-/// How side-channel ports are assigned (`--port-scheme`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default, clap::ValueEnum)]
+/// How side-channel ports are assigned ([`Knob::PortScheme`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 #[serde(rename_all = "kebab-case")]
 pub enum PortScheme {
     /// One ROUTER per engine at `base + dp_rank`, serving every (pp, tp) rank (vLLM >= 0.11).
@@ -45,22 +46,22 @@ pub fn side_channel_port(
     dp_rank: u32,
     tp: u32,
     tp_rank: u32,
-) -> Result<u16, ConfigError> {
+) -> Result<u16, KnobError> {
     let offset = match scheme {
         PortScheme::Engine => u64::from(dp_rank),
         PortScheme::Worker => u64::from(dp_rank) * u64::from(tp) + u64::from(tp_rank),
     };
     let port = u64::from(base) + offset;
     u16::try_from(port).map_err(|_| {
-        ConfigError::new(
-            "--side-channel-port",
+        KnobError::new(
+            Knob::SideChannelPort,
             format!("base port {base} + offset {offset} exceeds 65535; pick a lower base port"),
         )
     })
 }
 
 /// Ports of every rank of a `dp x tp` engine group, indexed `[dp_rank][tp_rank]`.
-pub fn engine_ports(scheme: PortScheme, base: u16, dp: u32, tp: u32) -> Result<Vec<Vec<u16>>, ConfigError> {
+pub fn engine_ports(scheme: PortScheme, base: u16, dp: u32, tp: u32) -> Result<Vec<Vec<u16>>, KnobError> {
     (0..dp)
         .map(|dp_rank| (0..tp).map(|r| side_channel_port(scheme, base, dp_rank, tp, r)).collect())
         .collect()

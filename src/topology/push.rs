@@ -28,7 +28,8 @@ use std::ops::Range;
 use serde::Serialize;
 
 use super::{TpSpec, VllmVersion, check_tp_pair, heads_per_rank, rank_heads};
-use crate::error::ConfigError;
+use crate::error::KnobError;
+use crate::vocab::knob::Knob;
 
 /// One WRITE a prefill rank posts: which decode rank, and which heads of its own block
 /// land where in the decode block.
@@ -130,14 +131,16 @@ fn head_offset(p_rank: u32, p: u32, d: u32, h: u32) -> u32 {
 }
 
 /// Validates the TP pair for push mode and computes its rank map.
-pub fn push_rank_map(spec: &TpSpec) -> Result<PushRankMap, ConfigError> {
+pub fn push_rank_map(spec: &TpSpec) -> Result<PushRankMap, KnobError> {
     if spec.version != VllmVersion::V0_33 {
-        return Err(ConfigError::new(
-            "--vllm",
+        return Err(KnobError::new(
+            Knob::Vllm,
             format!(
-                "vLLM {} has no push connector (NixlPushConnector came later); use --vllm 0.33 with \
-                 --mode push, or --mode pull",
-                spec.version
+                "vLLM {} has no push connector (NixlPushConnector came later); use {vllm} 0.33 with \
+                 {mode} push, or {mode} pull",
+                spec.version,
+                vllm = Knob::Vllm,
+                mode = Knob::Mode,
             ),
         ));
     }
@@ -145,13 +148,15 @@ pub fn push_rank_map(spec: &TpSpec) -> Result<PushRankMap, ConfigError> {
     let (p, d) = (spec.p_tp, spec.d_tp);
     let h = spec.effective_heads();
     if !spec.use_mla && d > p && d > h {
-        return Err(ConfigError::new(
-            "--d-tp",
+        return Err(KnobError::new(
+            Knob::DTp,
             format!(
                 "decode TP {d} > prefill TP {p} with more decode ranks than KV heads ({h}): decode ranks hold \
                  replicated heads, and vLLM's push connector refuses this (a bare assertion in the prefill \
                  side's _validate_remote_agent_handshake, so its handshake with decode fails and the request \
-                 waits out its lease); lower --d-tp to at most {h}, or use --mode pull, which accepts it"
+                 waits out its lease); lower {} to at most {h}, or use {} pull, which accepts it",
+                Knob::DTp,
+                Knob::Mode,
             ),
         ));
     }
@@ -310,7 +315,7 @@ mod tests {
     #[test]
     fn replicated_decode_refused_replicated_prefill_accepted() {
         let e = push_rank_map(&spec(2, 8, 4, false)).expect_err("D > P and D > H");
-        assert_eq!(e.flag, "--d-tp");
+        assert_eq!(e.knob, Knob::DTp);
         // P 8 -> D 2 with 4 heads: prefill ranks 0 and 1 both hold head 0 and both write it.
         let m = push_rank_map(&spec(8, 2, 4, false)).expect("accepted in push");
         let f: Vec<u32> = m.p_ranks.iter().map(|p| p.rank_offset_factor).collect();
@@ -334,6 +339,6 @@ mod tests {
     fn push_needs_vllm_033() {
         let mut s = spec(2, 2, 8, false);
         s.version = VllmVersion::V0_19;
-        assert_eq!(push_rank_map(&s).expect_err("0.19").flag, "--vllm");
+        assert_eq!(push_rank_map(&s).expect_err("0.19").knob, Knob::Vllm);
     }
 }

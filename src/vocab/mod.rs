@@ -4,7 +4,9 @@
 //! - [`model`]: the shape of a model's KV cache ([`model::ModelShape`], dtypes, MLA).
 //! - [`env`]: the names of kvx's environment variables.
 //! - [`kinds`]: roles, verification modes, transports and memory kinds (typed choices).
+//! - [`knob`]: the settings a core rule may ask the user to change ([`knob::Knob`]), unspelled.
 
 pub mod env;
 pub mod kinds;
+pub mod knob;
 pub mod model;

@@ -9,12 +9,12 @@ use std::path::PathBuf;
 
 use kvx::layouts::hybrid::coverage::check_plan;
 use kvx::layouts::hybrid::geometry::{
-    EngineGeometry, GroupKind, HybridEngine, KvBufferDevice, MemKind, Side,
+    EngineGeometry, GroupKind, HybridEngineSpec, KvBufferDevice, RegionMem, Side,
 };
 use kvx::layouts::hybrid::model::{HybridModel, PRESETS};
 use kvx::layouts::hybrid::preset;
 use kvx::layouts::hybrid::{
-    DescList, Finding, HostCopyRule, HybridPlan, HybridPlanner, HybridRequest, PairConfig, RowKind,
+    DescList, Finding, HostCopyRule, HybridPairSpec, HybridPlan, HybridPlanner, HybridRequest, RowKind,
     StateSlices,
 };
 use kvx::layouts::hybrid::{GdnPrefillBackend, HybridError};
@@ -65,10 +65,10 @@ fn lists(v: &Value) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn abs_off(mem: MemKind, off: u64) -> u64 {
+fn abs_off(mem: RegionMem, off: u64) -> u64 {
     match mem {
-        MemKind::Vram => off,
-        MemKind::Dram => off + HOST_BASE,
+        RegionMem::Vram => off,
+        RegionMem::Dram => off + HOST_BASE,
     }
 }
 
@@ -123,7 +123,7 @@ fn check_regions(label: &str, want_regions: &Value, want_reg: &Value, g: &Engine
     let got: Vec<(u64, u64, &str)> = g
         .registrations
         .iter()
-        .map(|x| (abs_off(x.mem, x.off), x.len, if x.mem == MemKind::Vram { "VRAM" } else { "DRAM" }))
+        .map(|x| (abs_off(x.mem, x.off), x.len, if x.mem == RegionMem::Vram { "VRAM" } else { "DRAM" }))
         .collect();
     let want: Vec<(u64, u64, &str)> = want_reg
         .as_array()
@@ -194,7 +194,7 @@ fn check_case(case: &Value) -> (String, usize) {
             let refusal = e.refusal().unwrap_or_else(|| panic!("{name}: not a vLLM refusal: {e}"));
             assert_eq!(refusal.vllm_message, msg, "{name}: vLLM's condition text");
             assert!(e.to_string().contains(msg), "{name}: message quotes vLLM: {e}");
-            assert!(e.flag().starts_with("--"), "{name}: names a flag: {e}");
+            assert!(e.knob().to_string().starts_with("--"), "{name}: names a flag: {e}");
             return (name, 0);
         }
     };
@@ -360,8 +360,12 @@ fn pool_blocks(model: &HybridModel, max_tokens: u32) -> u32 {
     groups * (max_tokens / 16 + 2) + 2
 }
 
-fn planner(model: &HybridModel, p: HybridEngine, d: HybridEngine) -> Result<HybridPlanner, HybridError> {
-    HybridPlanner::new(&PairConfig {
+fn planner(
+    model: &HybridModel,
+    p: HybridEngineSpec,
+    d: HybridEngineSpec,
+) -> Result<HybridPlanner, HybridError> {
+    HybridPlanner::new(&HybridPairSpec {
         model: model.clone(),
         p,
         d,
@@ -471,20 +475,20 @@ fn case() -> impl Strategy<Value = Case> {
 fn run_case(c: &Case) -> Result<(), TestCaseError> {
     let model = preset(c.model).expect("preset");
     let blocks = pool_blocks(&model, c.prompt_tokens);
-    let cfg = |tp| HybridEngine {
+    let cfg = |tp| HybridEngineSpec {
         gdn_prefill: if c.flashinfer { GdnPrefillBackend::FlashInfer } else { GdnPrefillBackend::Triton },
         kv_buffer_device: if c.host { KvBufferDevice::Cpu } else { KvBufferDevice::Cuda },
         kernel_block_tokens: c.kernel16.then_some(16),
         prefix_caching: c.prefix_caching,
         layout: if c.nhd { kvx::layouts::Layout::Lbnhc } else { kvx::layouts::Layout::Lbhnc },
-        ..HybridEngine::new(tp, blocks)
+        ..HybridEngineSpec::new(tp, blocks)
     };
     let pl = match planner(&model, cfg(c.p_tp), cfg(c.d_tp)) {
         Ok(p) => p,
         Err(e) => {
             // A refusal is vLLM's, names a setting and quotes vLLM's condition.
             let r = e.refusal().ok_or_else(|| TestCaseError::fail(format!("not a vLLM refusal: {e}")))?;
-            prop_assert!(r.flag.starts_with("--") && !r.vllm_message.is_empty(), "{e}");
+            prop_assert!(r.knob.to_string().starts_with("--") && !r.vllm_message.is_empty(), "{e}");
             return Ok(());
         }
     };
@@ -557,7 +561,7 @@ proptest! {
     ) {
         let m = preset(model).expect("preset");
         let blocks = pool_blocks(&m, tokens + 16 * more_blocks);
-        let pl = planner(&m, HybridEngine::new(p_tp, blocks), HybridEngine::new(d_tp, blocks)).expect("accepted");
+        let pl = planner(&m, HybridEngineSpec::new(p_tp, blocks), HybridEngineSpec::new(d_tp, blocks)).expect("accepted");
         let window_groups: Vec<usize> =
             pl.d.groups.iter().enumerate().filter(|(_, g)| !g.kind.is_state() && g.kind != GroupKind::Full).map(|(i, _)| i).collect();
         let bytes = |t: u32| -> Vec<u64> {
@@ -576,7 +580,7 @@ fn sliding_window_bytes_stop_growing_past_the_window() {
     let model = preset("gpt-oss-120b").expect("preset");
     let blocks = pool_blocks(&model, 33_000);
     for (p_tp, d_tp) in [(1, 1), (1, 2), (2, 1), (2, 8), (8, 8)] {
-        let pl = planner(&model, HybridEngine::new(p_tp, blocks), HybridEngine::new(d_tp, blocks))
+        let pl = planner(&model, HybridEngineSpec::new(p_tp, blocks), HybridEngineSpec::new(d_tp, blocks))
             .expect("accepted");
         let bytes = |tokens| -> Vec<Vec<u64>> {
             let plan = pl.plan(&simulated(&pl, tokens, 0), "req").expect("plan");
@@ -600,7 +604,7 @@ fn vllm_misreads_replicated_mamba2_groups() {
     // Falcon-H1 P1 -> D2 (the reference's finding 3): x and the SSM state are right, B and C
     // are not; the plan says so and the byte check agrees.
     let model = preset("falcon-h1-7b").expect("preset");
-    let pl = planner(&model, HybridEngine::new(1, 64), HybridEngine::new(2, 64)).expect("accepted");
+    let pl = planner(&model, HybridEngineSpec::new(1, 64), HybridEngineSpec::new(2, 64)).expect("accepted");
     let parts: Vec<(u32, String)> = pl
         .findings
         .iter()
@@ -620,7 +624,7 @@ fn vllm_misreads_replicated_mamba2_groups() {
     // Nemotron-H (n_groups 8 divides every TP here) reads every slice right.
     let nem = preset("nemotron-h-8b").expect("preset");
     for (p, d) in [(1, 2), (1, 8), (8, 1), (2, 4), (4, 2)] {
-        let pl = planner(&nem, HybridEngine::new(p, 64), HybridEngine::new(d, 64)).expect("accepted");
+        let pl = planner(&nem, HybridEngineSpec::new(p, 64), HybridEngineSpec::new(d, 64)).expect("accepted");
         assert!(pl.findings.is_empty(), "P{p} D{d}: {:?}", pl.findings);
         let plan = pl.plan(&simulated(&pl, 9000, 2), "req").expect("plan");
         let report = check_plan(&pl, &plan);
@@ -633,7 +637,8 @@ fn host_buffer_findings() {
     // gpt-oss P1 -> D1 with kv_buffer_device=cpu: the window group's blocks are overwritten by
     // the full-attention layers' host bytes in the host-to-device copy (9 of 9).
     let model = preset("gpt-oss-120b").expect("preset");
-    let cpu = |tp| HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngine::new(tp, 200) };
+    let cpu =
+        |tp| HybridEngineSpec { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngineSpec::new(tp, 200) };
     let pl = planner(&model, cpu(1), cpu(1)).expect("accepted");
     let plan = pl.plan(&simulated(&pl, 200, 0), "req").expect("plan");
     let lost: Vec<(u32, u64, u64)> = plan
@@ -651,9 +656,12 @@ fn host_buffer_findings() {
     let nem = preset("nemotron-h-8b").expect("preset");
     // Prefill's pool of 10 blocks ends with the attention group's third block (ids 1-6 go to
     // the six state groups).
-    let pl =
-        planner(&nem, HybridEngine { num_blocks: 10, ..cpu(1) }, HybridEngine { num_blocks: 10, ..cpu(1) })
-            .expect("accepted");
+    let pl = planner(
+        &nem,
+        HybridEngineSpec { num_blocks: 10, ..cpu(1) },
+        HybridEngineSpec { num_blocks: 10, ..cpu(1) },
+    )
+    .expect("accepted");
     assert!(pl.findings.iter().any(|f| matches!(
         f,
         Finding::HostStatePagePadded { real_page_bytes: 4_255_744, padded_page_bytes: 4_259_840, .. }
@@ -685,10 +693,10 @@ fn host_buffer_findings() {
 #[test]
 fn padded_host_state_pages_keep_every_block_inside() {
     let nem = preset("nemotron-h-8b").expect("preset");
-    let e = |padded| HybridEngine {
+    let e = |padded| HybridEngineSpec {
         kv_buffer_device: KvBufferDevice::Cpu,
         host_state_page_padded: padded,
-        ..HybridEngine::new(1, 10)
+        ..HybridEngineSpec::new(1, 10)
     };
     for padded in [false, true] {
         let pl = planner(&nem, e(padded), e(padded)).expect("accepted");
@@ -704,14 +712,16 @@ fn padded_host_state_pages_keep_every_block_inside() {
 /// with several KV cache groups; the copy says it is per group.
 #[test]
 fn per_group_host_copies_overwrite_nothing() {
-    let cpu =
-        |tp, blocks| HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngine::new(tp, blocks) };
+    let cpu = |tp, blocks| HybridEngineSpec {
+        kv_buffer_device: KvBufferDevice::Cpu,
+        ..HybridEngineSpec::new(tp, blocks)
+    };
     let mut fixed = 0;
     for name in PRESETS {
         let model = preset(name).expect("preset");
         let blocks = pool_blocks(&model, 6000);
         let with = |rule| {
-            HybridPlanner::new(&PairConfig {
+            HybridPlanner::new(&HybridPairSpec {
                 model: model.clone(),
                 p: cpu(1, blocks),
                 d: cpu(1, blocks),
@@ -740,7 +750,7 @@ fn per_group_host_copies_overwrite_nothing() {
 #[test]
 fn full_prefix_hit_only_notifies() {
     let model = preset("nemotron-h-8b").expect("preset");
-    let pl = planner(&model, HybridEngine::new(4, 64), HybridEngine::new(1, 64)).expect("accepted");
+    let pl = planner(&model, HybridEngineSpec::new(4, 64), HybridEngineSpec::new(1, 64)).expect("accepted");
     let mut req = simulated(&pl, 3000, 0);
     req.d_hit_tokens = 2999;
     let plan = pl.plan(&req, "req-P").expect("plan");
@@ -758,10 +768,10 @@ fn full_prefix_hit_only_notifies() {
 #[test]
 fn exact_state_slices_move_the_right_bytes_where_vllm_misreads() {
     let exact = |model: &HybridModel, p, d| {
-        HybridPlanner::new(&PairConfig {
+        HybridPlanner::new(&HybridPairSpec {
             model: model.clone(),
-            p: HybridEngine::new(p, pool_blocks(model, 6000)),
-            d: HybridEngine::new(d, pool_blocks(model, 6000)),
+            p: HybridEngineSpec::new(p, pool_blocks(model, 6000)),
+            d: HybridEngineSpec::new(d, pool_blocks(model, 6000)),
             permute_local_kv: false,
             state_slices: StateSlices::Exact,
             host_copy: Default::default(),
@@ -775,8 +785,8 @@ fn exact_state_slices_move_the_right_bytes_where_vllm_misreads() {
         for (p, d) in [1, 2, 4, 8].into_iter().flat_map(|p| [1, 2, 4, 8].map(|d| (p, d))) {
             let Ok(vllm) = planner(
                 &model,
-                HybridEngine::new(p, pool_blocks(&model, 6000)),
-                HybridEngine::new(d, pool_blocks(&model, 6000)),
+                HybridEngineSpec::new(p, pool_blocks(&model, 6000)),
+                HybridEngineSpec::new(d, pool_blocks(&model, 6000)),
             ) else {
                 continue;
             };
@@ -819,7 +829,11 @@ fn every_preset_at_every_tp_pair() {
         let blocks = pool_blocks(&model, 6000);
         for p_tp in [1, 2, 4, 8] {
             for d_tp in [1, 2, 4, 8] {
-                match planner(&model, HybridEngine::new(p_tp, blocks), HybridEngine::new(d_tp, blocks)) {
+                match planner(
+                    &model,
+                    HybridEngineSpec::new(p_tp, blocks),
+                    HybridEngineSpec::new(d_tp, blocks),
+                ) {
                     Err(e) => {
                         let r = e.refusal().unwrap_or_else(|| panic!("{name} P{p_tp} D{d_tp}: {e}"));
                         *refused.entry(format!("{:?}", r.kind)).or_insert(0) += 1;
@@ -855,7 +869,7 @@ fn block_size_ratio_with_a_prefix_hit_shifts_attention_tokens() {
     // remaining blocks hold 4 sub-blocks but prefill has only 3 more blocks of data, so vLLM
     // trims prefill's list to its last 4 blocks and every token lands one prefill block early.
     let model = preset("falcon-h1-7b").expect("preset");
-    let pl = planner(&model, HybridEngine::new(4, 64), HybridEngine::new(2, 64)).expect("accepted");
+    let pl = planner(&model, HybridEngineSpec::new(4, 64), HybridEngineSpec::new(2, 64)).expect("accepted");
     assert_eq!(pl.block_size_ratio, 2);
     let plan = pl.plan(&simulated(&pl, 3138, 1), "req").expect("plan");
     let shifts: Vec<(u32, u64, u64)> = plan
@@ -883,8 +897,8 @@ fn window_with_different_block_sizes() {
     // gpt-oss with 16-token prefill blocks and 32-token decode blocks: the window keeps 9
     // prefill blocks (144 tokens) and 5 decode blocks (160): does vLLM pair the right tokens?
     let model = preset("gpt-oss-120b").expect("preset");
-    let d = HybridEngine { block_tokens: 32, ..HybridEngine::new(1, 800) };
-    let pl = planner(&model, HybridEngine::new(1, 800), d).expect("accepted");
+    let d = HybridEngineSpec { block_tokens: 32, ..HybridEngineSpec::new(1, 800) };
+    let pl = planner(&model, HybridEngineSpec::new(1, 800), d).expect("accepted");
     let mut shifted = Vec::new();
     for tokens in 129..1200 {
         let plan = pl.plan(&simulated(&pl, tokens, 0), "req").expect("plan");
@@ -923,7 +937,7 @@ fn models_read_from_toml() {
     let model: HybridModel = toml::from_str(text).expect("parses");
     model.validate().expect("valid");
     assert_eq!(model.layers[5].to_string(), "full+mamba2");
-    let pl = planner(&model, HybridEngine::new(1, 256), HybridEngine::new(2, 256)).expect("accepted");
+    let pl = planner(&model, HybridEngineSpec::new(1, 256), HybridEngineSpec::new(2, 256)).expect("accepted");
     let plan = pl.plan(&simulated(&pl, 900, 0), "req").expect("plan");
     assert!(check_plan(&pl, &plan).is_ok());
 }
@@ -933,7 +947,7 @@ fn kernel_blocks_smaller_than_the_block() {
     // 16-token kernel blocks under Nemotron-H's 1040-token blocks (65 per block) on both sides:
     // attention moves at kernel granularity, state slots stay whole.
     let model = preset("nemotron-h-8b").expect("preset");
-    let k = |tp| HybridEngine { kernel_block_tokens: Some(16), ..HybridEngine::new(tp, 64) };
+    let k = |tp| HybridEngineSpec { kernel_block_tokens: Some(16), ..HybridEngineSpec::new(tp, 64) };
     for (p, d) in [(1, 1), (1, 2), (2, 1)] {
         let pl = planner(&model, k(p), k(d)).expect("accepted");
         assert_eq!((pl.p.physical_per_logical, pl.d.kernel_block_tokens), (65, 16));
@@ -1324,10 +1338,10 @@ fn moved_bytes_land_where_the_model_expects_them_or_say_what_they_hold() {
     use kvx::layouts::hybrid::coverage::move_and_check;
     let model = tiny_mamba2;
     let run = |m: &HybridModel, p: u32, d: u32, slices| {
-        let pl = HybridPlanner::new(&PairConfig {
+        let pl = HybridPlanner::new(&HybridPairSpec {
             model: m.clone(),
-            p: HybridEngine::new(p, pool_blocks(m, 900)),
-            d: HybridEngine::new(d, pool_blocks(m, 900)),
+            p: HybridEngineSpec::new(p, pool_blocks(m, 900)),
+            d: HybridEngineSpec::new(d, pool_blocks(m, 900)),
             permute_local_kv: false,
             state_slices: slices,
             host_copy: Default::default(),
@@ -1398,10 +1412,10 @@ fn a_sample_is_the_same_blocks_on_both_sides() {
     use kvx::layouts::hybrid::coverage::{move_and_check, move_and_check_sampled};
     let run = |m: &HybridModel, p: u32, d: u32, slices, seed: u64, stride: u32| {
         let blocks = pool_blocks(m, 2200);
-        let pl = HybridPlanner::new(&PairConfig {
+        let pl = HybridPlanner::new(&HybridPairSpec {
             model: m.clone(),
-            p: HybridEngine::new(p, blocks),
-            d: HybridEngine::new(d, blocks),
+            p: HybridEngineSpec::new(p, blocks),
+            d: HybridEngineSpec::new(d, blocks),
             permute_local_kv: false,
             state_slices: slices,
             host_copy: Default::default(),
@@ -1466,8 +1480,8 @@ fn oracle_case(name: &str) -> Value {
 fn written_case(config: Value, p_tp: u32, d_tp: u32, prompt_tokens: u32) -> Value {
     let arch = kvx::layouts::model_config::read(&config, "written").expect("config reads");
     let model = arch.model;
-    let p = HybridEngine::new(p_tp, 64);
-    let d = HybridEngine::new(d_tp, 64);
+    let p = HybridEngineSpec::new(p_tp, 64);
+    let d = HybridEngineSpec::new(d_tp, 64);
     let planner = planner(&model, p, d).expect("pair");
     let request = HybridRequest::simulated(&planner, prompt_tokens, 0);
     let engine = |g: &EngineGeometry, tp| g.stated().case_json(tp, 64, KvBufferDevice::Cuda);

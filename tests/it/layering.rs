@@ -1,8 +1,8 @@
 //! The module layout holds: no two files import each other (directly or around a circle),
 //! nothing below `cli` imports `cli`, nothing but `cli` imports `diagnose`, and `settings`
 //! imports nothing that runs or reports (`pipeline`, `serve`, `report`, `diagnose`). Reads
-//! `src/` as text: every `use` and every inline `crate::`/`super::` path, resolved to the file that defines the module it names. A
-//! folder's `mod.rs` (and `lib.rs`) declares its children, so references to it are not
+//! `src/` as text: every `use` and every inline `crate::`/`super::` path, resolved to the file
+//! that defines the module it names. A folder's `mod.rs` (and `lib.rs`) declares its children, so references to it are not
 //! counted as imports.
 //!
 //! And the files stay readable: none is over [`MAX_LINES`] lines, and every module with
@@ -442,4 +442,72 @@ fn the_size_and_style_checks_see_what_they_look_for() {
     assert_eq!(over, ["a/b.rs (11 lines)"]);
     assert_eq!(split, ["short.rs"], "a pending file under the limit is reported");
     assert_eq!(too_long(root, 11, &[]), (Vec::new(), Vec::new()));
+}
+
+/// Flags of vLLM's own CLI that vLLM's messages name, which the core quotes word for word
+/// (`Refusal::vllm_message`): vLLM's words, not kvx's flags.
+const VLLM_FLAGS: &[&str] = &["--disable-prefix-caching", "--kv-transfer-config"];
+
+/// The flag names (`--word`) a text spells, in order.
+fn flag_names(text: &str) -> Vec<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    for (i, _) in text.match_indices("--") {
+        let before = i.checked_sub(1).map(|j| bytes[j]);
+        let starts = before.is_none_or(|b| b != b'-' && !b.is_ascii_alphanumeric());
+        if starts && bytes.get(i + 2).is_some_and(u8::is_ascii_lowercase) {
+            let len = text[i + 2..]
+                .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'))
+                .unwrap_or(text.len() - i - 2);
+            out.push(text[i..i + 2 + len].to_string());
+        }
+    }
+    out
+}
+
+/// The code of a file that ships: all of it up to its unit tests (`#[cfg(test)] mod ...`).
+fn shipped(code: &str) -> &str {
+    code.split("#[cfg(test)]\nmod ").next().unwrap_or(code)
+}
+
+/// The core speaks in kvx's types, not flags: a rule of `topology` or `layouts` that must name
+/// what the user can change returns a `Knob`, which settings spells as a flag, and the core's
+/// choices get their clap parsers in settings. So no flag name and no `clap` in the code of
+/// either (comments and doc text included: they are read as the core's word on a setting).
+#[test]
+fn the_core_names_no_flag_and_no_clap() {
+    let src = src();
+    let mut offenders = Vec::new();
+    let mut scanned = 0;
+    for (m, rel) in modules(&src) {
+        if !matches!(m.first().map(String::as_str), Some("topology" | "layouts")) {
+            continue;
+        }
+        scanned += 1;
+        let code = std::fs::read_to_string(src.join(&rel)).expect("readable source");
+        for (n, line) in shipped(&code).lines().enumerate() {
+            let flags: Vec<String> =
+                flag_names(line).into_iter().filter(|f| !VLLM_FLAGS.contains(&f.as_str())).collect();
+            let clap = line.split(|c: char| !is_ident(c)).any(|w| w == "clap");
+            if !flags.is_empty() || clap {
+                offenders.push(format!("{}:{}: {}", rel.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(scanned > 20, "the scan found the core's files ({scanned})");
+    assert!(
+        offenders.is_empty(),
+        "the core names flags or clap (return a vocab::knob::Knob, which settings::knobs spells; \
+         give a choice its clap::ValueEnum in settings::choices):\n{}",
+        offenders.join("\n")
+    );
+}
+
+#[test]
+fn the_flag_scan_sees_flags() {
+    assert_eq!(flag_names("raise --p-tp to 4, or --mode pull"), ["--p-tp", "--mode"]);
+    assert_eq!(flag_names("\"--d-block-size\","), ["--d-block-size"]);
+    assert!(flag_names("// ---- a--b --X -- 2").is_empty());
+    let code = "fn f() {}\n#[cfg(test)]\nmod tests {\n    const F: &str = \"--tp\";\n}\n";
+    assert!(flag_names(shipped(code)).is_empty());
 }

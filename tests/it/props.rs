@@ -294,7 +294,7 @@ proptest! {
         match pair.validate() {
             Err(e) => {
                 prop_assert!(!accepted(&c), "kvx rejected a case the rules accept: {e}");
-                prop_assert!(e.flag.starts_with("--"), "rejection names a flag: {e}");
+                prop_assert!(e.knob.to_string().starts_with("--"), "rejection names a flag: {e}");
             }
             Ok(_) => {
                 prop_assert!(accepted(&c), "kvx accepted a case the rules reject");

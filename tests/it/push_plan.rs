@@ -296,7 +296,7 @@ proptest! {
         match pair.validate_push() {
             Err(e) => {
                 prop_assert!(!push_accepted(&c), "kvx refused a case vLLM's push connector accepts: {e}");
-                prop_assert!(e.flag.starts_with("--"), "refusal names a flag: {e}");
+                prop_assert!(e.knob.to_string().starts_with("--"), "refusal names a flag: {e}");
             }
             Ok(_) => {
                 prop_assert!(push_accepted(&c), "kvx accepted a case vLLM's push connector refuses");
@@ -438,12 +438,12 @@ fn block_sizes_that_differ_are_pulled_but_not_pushed() {
     let pair = pair_of(&c);
     pair.validate().expect("pull accepts differing block sizes");
     let e = pair.validate_push().expect_err("push refuses");
-    assert_eq!(e.flag, "--d-block-size", "{e}");
+    assert_eq!(e.knob.to_string(), "--d-block-size", "{e}");
     assert!(e.reason.contains("Local block size 4 is not divisible by remote block size 8"), "{e}");
     // Prefill blocks larger: the decode worker's assertion when the request completes.
     c.p_block = 16;
     let e = pair_of(&c).validate_push().expect_err("push refuses");
-    assert_eq!(e.flag, "--d-block-size", "{e}");
+    assert_eq!(e.knob.to_string(), "--d-block-size", "{e}");
     assert!(e.reason.contains("Local block size 8 is not divisible by remote block size 16"), "{e}");
     // Equal block sizes: fine, and the same bytes as pull.
     c.p_block = 8;
@@ -459,7 +459,7 @@ fn vllm_replicated_decode_is_refused_in_push_only() {
     let c = Case::new(2, 8, 4, false);
     let pair = pair_of(&c);
     pair.validate().expect("pull accepts P2 -> D8 with 4 heads");
-    assert_eq!(pair.validate_push().expect_err("push refuses").flag, "--d-tp");
+    assert_eq!(pair.validate_push().expect_err("push refuses").knob.to_string(), "--d-tp");
 }
 
 /// `tp_mapping.compute_head_offset(tp_rank, tp_size, remote_tp_size, H)` with the prefill
@@ -471,7 +471,7 @@ fn vllm_replicated_decode_is_refused_in_push_only() {
 fn vllm_replicated_prefill_is_pushed_with_duplicate_writes() {
     let c = Case::new(8, 2, 4, false);
     let pair = pair_of(&c);
-    assert_eq!(pair.validate().expect_err("pull refuses").flag, "--p-tp");
+    assert_eq!(pair.validate().expect_err("pull refuses").knob.to_string(), "--p-tp");
     let map = pair.validate_push().expect("push accepts");
     let f: Vec<u32> = map.p_ranks.iter().map(|p| p.rank_offset_factor).collect();
     assert_eq!(f, vec![0, 0, 1, 1, 0, 0, 1, 1]);
@@ -531,7 +531,7 @@ fn vllm_prefix_hit_writes_only_the_tail() {
     let first = plan.writes[0].pairs[0];
     assert_eq!((first.local, first.remote), (l0.block_off(2), r0.block_off(9)));
     let too_many = RequestBlocks { local: vec![1, 2, 3, 4], remote: vec![1, 2, 3] };
-    assert_eq!(planner.plan(&too_many, &ids()).expect_err("refused").flag, "--local-blocks");
+    assert_eq!(planner.plan(&too_many, &ids()).expect_err("refused").knob.to_string(), "--local-blocks");
 }
 
 /// `base_worker._validate_remote_agent_handshake` with prefill local: layouts must match
@@ -544,14 +544,14 @@ fn vllm_layouts_must_match_in_push() {
     c.permute = true;
     let pair = pair_of(&c);
     pair.validate().expect("pull permutes HND into NHD");
-    assert_eq!(pair.validate_push().expect_err("push refuses").flag, "--permute");
+    assert_eq!(pair.validate_push().expect_err("push refuses").knob.to_string(), "--permute");
     c.permute = false;
-    assert_eq!(pair_of(&c).validate_push().expect_err("push refuses").flag, "--d-layout");
+    assert_eq!(pair_of(&c).validate_push().expect_err("push refuses").knob.to_string(), "--d-layout");
     // Heterogeneous TP needs contiguous heads on the prefill side.
     let mut c = Case::new(2, 4, 8, false);
     c.p_layout = Layout::Lbnhc;
     c.d_layout = Layout::Lbnhc;
-    assert_eq!(pair_of(&c).validate_push().expect_err("push refuses").flag, "--layout");
+    assert_eq!(pair_of(&c).validate_push().expect_err("push refuses").knob.to_string(), "--layout");
 }
 
 fn json(args: &[&str]) -> serde_json::Value {

@@ -18,6 +18,7 @@ use serde::Serialize;
 
 use super::error::HybridError;
 use super::geometry::{GroupKind, KvGroup};
+use crate::vocab::knob::Knob;
 
 /// vLLM's null block id: placeholders for blocks a group does not keep.
 pub const NULL_BLOCK: u32 = 0;
@@ -107,7 +108,7 @@ fn clip_filtered(
     }
     if block_ids.len() != groups.len() {
         return Err(HybridError::request(
-            "--scenario",
+            Knob::Scenario,
             format!("{} block lists for {} KV cache groups", block_ids.len(), groups.len()),
         ));
     }
@@ -297,7 +298,7 @@ pub fn apply_prefix_caching(
 pub fn list_counts(groups: usize, decode: usize, prefill: usize) -> Result<(), HybridError> {
     if decode != groups || prefill != groups {
         return Err(HybridError::request(
-            "--scenario",
+            Knob::Scenario,
             format!("{decode} decode and {prefill} prefill block lists for {groups} KV cache groups"),
         ));
     }
@@ -346,7 +347,7 @@ pub fn group_trim(
         // vLLM asserts decode never holds more blocks than prefill here.
         if nd > np {
             return Err(HybridError::request(
-                "--scenario",
+                Knob::Scenario,
                 format!(
                     "group {i}: decode has {nd} blocks to fill but prefill sent {np} \
                      (vLLM asserts num_decode_blocks <= len(prefill_group))"
@@ -360,7 +361,7 @@ pub fn group_trim(
         }
         if nd > np + 1 {
             return Err(HybridError::request(
-                "--scenario",
+                Knob::Scenario,
                 format!("group {i}: unpairable SSM state slots, decode={nd} prefill={np}"),
             ));
         }
@@ -371,7 +372,7 @@ pub fn group_trim(
         let max_padding = (d_ppl + p_ppl) as usize;
         if nd.abs_diff(np) > max_padding {
             return Err(HybridError::request(
-                "--scenario",
+                Knob::Scenario,
                 format!("group {i}: |{nd} - {np}| > {max_padding} blocks"),
             ));
         }

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::desc_lists::RowKind;
-use super::geometry::{EngineGeometry, GroupKind, HybridRegion, MemKind, StatePart};
+use super::geometry::{EngineGeometry, GroupKind, HybridRegion, RegionMem, StatePart};
 use super::planner::{HybridPlan, HybridPlanner};
 use super::runs::LabeledPair;
 use crate::layouts::{Layout, pattern};
@@ -82,7 +82,9 @@ struct Run {
     layer: u32,
 }
 
-struct Side<'a> {
+/// One rank of one side of a pair, as the check reads its bytes: its engine, its rank and the
+/// prompt positions its blocks hold.
+struct SideView<'a> {
     geo: &'a EngineGeometry,
     rank: u32,
     pos: Positions,
@@ -94,7 +96,7 @@ fn region_at(geo: &EngineGeometry, off: u64) -> Option<&HybridRegion> {
     geo.regions.iter().find(|r| r.base_off <= off && off < r.base_off + r.num_blocks * r.block_stride)
 }
 
-impl Side<'_> {
+impl SideView<'_> {
     /// Decodes the byte at `off` read by a row of kind `kind`.
     fn decode(&self, kind: RowKind, off: u64) -> Result<Run, String> {
         let g = self.geo;
@@ -175,7 +177,7 @@ type Cover = BTreeMap<(u32, Meaning), Vec<(u64, u64)>>;
 pub fn check_plan(planner: &HybridPlanner, plan: &HybridPlan) -> CoverageReport {
     let mut report = CoverageReport::default();
     let (p, d) = (&planner.p, &planner.d);
-    if p.mem() != MemKind::Vram || d.mem() != MemKind::Vram {
+    if p.mem() != RegionMem::Vram || d.mem() != RegionMem::Vram {
         return report;
     }
     report.checked = true;
@@ -183,13 +185,13 @@ pub fn check_plan(planner: &HybridPlanner, plan: &HybridPlan) -> CoverageReport 
     let mut got: Cover = BTreeMap::new();
     for rank in &plan.d_ranks {
         for read in &rank.reads {
-            let local = Side {
+            let local = SideView {
                 geo: d,
                 rank: rank.d_rank,
                 pos: Positions::new(d, &plan.blocks.local_block_ids, tokens),
                 sub_blocks: u64::from(planner.block_size_ratio),
             };
-            let remote = Side {
+            let remote = SideView {
                 geo: p,
                 rank: read.p_rank,
                 pos: Positions::new(p, &plan.blocks.remote_block_ids, tokens),
@@ -254,8 +256,8 @@ fn merged(v: &[(u64, u64)]) -> Vec<(u64, u64)> {
 }
 
 fn check_pair(
-    local: &Side,
-    remote: &Side,
+    local: &SideView,
+    remote: &SideView,
     pair: &LabeledPair,
     got: &mut Cover,
     padding: &mut u64,
@@ -426,7 +428,7 @@ struct BlockRange {
 }
 
 /// Every block of `side`'s request in every region.
-fn block_ranges(side: &Side<'_>) -> Vec<BlockRange> {
+fn block_ranges(side: &SideView<'_>) -> Vec<BlockRange> {
     let geo = side.geo;
     let ppl = u64::from(geo.physical_per_logical);
     let bt = u64::from(geo.sizing.block_tokens);
@@ -450,13 +452,15 @@ fn block_ranges(side: &Side<'_>) -> Vec<BlockRange> {
     ranges
 }
 
-/// Which of a request's bytes `--verify` fills and checks, the same on both sides: with stride
+/// Which of a request's bytes [verification] fills and checks, the same on both sides: with stride
 /// `s`, one unit in `s` of (layer, prefill block) for attention and of layers for state, on a
 /// diagonal (the units where the layer's ordinal among the model's cache layers plus the
 /// prefill block's index plus a shift drawn from the request's seed is a multiple of `s`).
 /// Every attention layer gets one block in `s`, and one state layer in `s` its whole state;
 /// prefill writes only those units' blocks and decode checks only them, so neither pays for
 /// the bytes nobody reads back. Stride 1 is every byte.
+///
+/// [verification]: crate::vocab::knob::Knob::Verify
 #[derive(Debug, Clone)]
 pub struct Sample {
     stride: u64,
@@ -531,7 +535,7 @@ impl Sample {
 /// each byte by what it means there (its layer, KV head and token, or state part and global
 /// byte), padding left as it is. Ranges are offsets from the rank's registered base.
 pub struct RequestFill<'a> {
-    side: Side<'a>,
+    side: SideView<'a>,
     seed: u64,
     ranges: Vec<BlockRange>,
 }
@@ -540,12 +544,14 @@ impl<'a> RequestFill<'a> {
     /// `lists`: the request's block lists per group as the rank holds them (nulls included),
     /// for `tokens` computed tokens.
     pub fn new(geo: &'a EngineGeometry, rank: u32, lists: &[Vec<u32>], tokens: u32, seed: u64) -> Self {
-        let side = Side { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
+        let side = SideView { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
         let ranges = block_ranges(&side);
         RequestFill { side, seed, ranges }
     }
 
-    /// Only the blocks `sample` holds (`--verify sample`: nothing reads the others back).
+    /// Only the blocks `sample` holds ([verification] `sample`: nothing reads the others back).
+    ///
+    /// [verification]: crate::vocab::knob::Knob::Verify
     pub fn only(mut self, sample: &Sample) -> Self {
         self.ranges.retain(|b| sample.block(b));
         self
@@ -581,9 +587,9 @@ impl<'a> RequestFill<'a> {
 
 /// Checks the bytes a decode rank received for a request against what each position means.
 pub struct LandedCheck<'a> {
-    local: Side<'a>,
+    local: SideView<'a>,
     /// Prefill's side, for saying what wrong bytes hold instead.
-    remote: Side<'a>,
+    remote: SideView<'a>,
     seed: u64,
     sample: Sample,
 }
@@ -593,13 +599,13 @@ impl<'a> LandedCheck<'a> {
     pub fn new(planner: &'a HybridPlanner, plan: &HybridPlan, d_rank: u32, seed: u64) -> Self {
         let tokens = plan.tokens.p_computed_tokens;
         LandedCheck {
-            local: Side {
+            local: SideView {
                 geo: &planner.d,
                 rank: d_rank,
                 pos: Positions::new(&planner.d, &plan.blocks.local_block_ids, tokens),
                 sub_blocks: u64::from(planner.block_size_ratio),
             },
-            remote: Side {
+            remote: SideView {
                 geo: &planner.p,
                 rank: 0,
                 pos: Positions::new(&planner.p, &plan.blocks.remote_block_ids, tokens),
@@ -675,7 +681,7 @@ impl<'a> LandedCheck<'a> {
 /// group has a layer, against what each position means. The cache is laid out as `geo` (the
 /// engine with `kv_buffer_device = cuda`), whatever the READs read.
 pub struct PoolCheck<'a> {
-    side: Side<'a>,
+    side: SideView<'a>,
     seed: u64,
     ranges: Vec<BlockRange>,
     sample: Sample,
@@ -704,7 +710,7 @@ impl<'a> PoolCheck<'a> {
         attn_tokens: u64,
         seed: u64,
     ) -> Self {
-        let side = Side { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
+        let side = SideView { geo, rank, pos: Positions::new(geo, lists, tokens), sub_blocks: 1 };
         let ranges = block_ranges(&side);
         PoolCheck {
             side,
@@ -784,9 +790,11 @@ pub fn move_and_check(planner: &HybridPlanner, plan: &HybridPlan, seed: u64) -> 
     move_and_check_sampled(planner, plan, seed, 1)
 }
 
-/// [`move_and_check`] as `--verify sample` runs it with stride `stride`: prefill fills only the
+/// [`move_and_check`] as [verification] `sample` runs it with stride `stride`: prefill fills only the
 /// sampled blocks ([`Sample`]), the rest of its pool stays zero, and decode checks only the
 /// pairs of sampled blocks.
+///
+/// [verification]: crate::vocab::knob::Knob::Verify
 pub fn move_and_check_sampled(
     planner: &HybridPlanner,
     plan: &HybridPlan,
@@ -796,7 +804,7 @@ pub fn move_and_check_sampled(
     let mut report = ByteReport::default();
     let sample = Sample::new(&planner.p, stride, seed);
     let (p, d) = (&planner.p, &planner.d);
-    if p.mem() != MemKind::Vram || d.mem() != MemKind::Vram {
+    if p.mem() != RegionMem::Vram || d.mem() != RegionMem::Vram {
         return report;
     }
     report.checked = true;

@@ -8,7 +8,7 @@ use std::fmt;
 
 use serde::Serialize;
 
-use super::geometry::{EngineGeometry, MemKind, StatePart};
+use super::geometry::{EngineGeometry, RegionMem, StatePart};
 
 /// What a descriptor row reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -50,7 +50,7 @@ pub struct DescRow {
 /// A prepared descriptor list: rows in id order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DescList {
-    pub mem: MemKind,
+    pub mem: RegionMem,
     pub rows: Vec<DescRow>,
     #[serde(skip)]
     pub(super) starts: Vec<u64>,

@@ -1,12 +1,13 @@
 //! Typed errors of the hybrid planner: vLLM's own refusals (with the text vLLM raises, where
-//! it raises it, and the kvx setting to change), invalid model descriptions, configurations
-//! kvx does not model, and bad block lists.
+//! it raises it, and the kvx setting to change, a [`Knob`]), invalid model descriptions,
+//! configurations kvx does not model, and bad block lists.
 
 use std::fmt;
 
 use serde::Serialize;
 
-use crate::error::ConfigError;
+use crate::error::{ConfigError, KnobError};
+use crate::vocab::knob::Knob;
 
 /// Which of vLLM 0.33's checks refused a pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -44,15 +45,15 @@ pub enum RefusalKind {
 }
 
 /// A pair vLLM 0.33 refuses, as vLLM refuses it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
     pub kind: RefusalKind,
     /// What vLLM raises: its message, or the asserted condition for a bare `assert`.
     pub vllm_message: String,
     /// Where vLLM raises it (0.33.0 source).
     pub vllm_site: &'static str,
-    /// The kvx setting to change (`--d-tp`, `--kv-buffer-device`, ...).
-    pub flag: String,
+    /// The kvx setting to change.
+    pub knob: Knob,
     /// What to change it to, in words.
     pub hint: String,
 }
@@ -62,7 +63,7 @@ impl fmt::Display for Refusal {
         write!(
             f,
             "vLLM 0.33 refuses this pair: {} [{}]; change {}: {}",
-            self.vllm_message, self.vllm_site, self.flag, self.hint
+            self.vllm_message, self.vllm_site, self.knob, self.hint
         )
     }
 }
@@ -73,15 +74,18 @@ pub enum HybridError {
     /// vLLM itself would refuse this configuration.
     #[error("{0}")]
     Refused(Box<Refusal>),
-    /// The model description is incomplete or inconsistent.
+    /// The model description is incomplete or inconsistent (`field`: the description's field).
     #[error("invalid hybrid model ({field}): {reason}")]
     Model { field: String, reason: String },
+    /// No hybrid preset answers to the name, or its config does not read.
+    #[error("invalid hybrid model ({}): {reason}", Knob::Model)]
+    Preset { reason: String },
     /// A configuration vLLM may accept but kvx's hybrid planner does not model.
-    #[error("{what} is not modelled by kvx's hybrid planner (change {flag})")]
-    Unsupported { what: String, flag: String },
+    #[error("{what} is not modelled by kvx's hybrid planner (change {knob})")]
+    Unsupported { what: String, knob: Knob },
     /// A request's block lists or token counts do not fit the engines.
-    #[error("{reason} (change {flag})")]
-    Request { flag: String, reason: String },
+    #[error("{reason} (change {knob})")]
+    Request { knob: Knob, reason: String },
 }
 
 impl HybridError {
@@ -93,24 +97,24 @@ impl HybridError {
         kind: RefusalKind,
         vllm_message: impl Into<String>,
         vllm_site: &'static str,
-        flag: impl Into<String>,
+        knob: Knob,
         hint: impl Into<String>,
     ) -> Self {
         HybridError::Refused(Box::new(Refusal {
             kind,
             vllm_message: vllm_message.into(),
             vllm_site,
-            flag: flag.into(),
+            knob,
             hint: hint.into(),
         }))
     }
 
-    pub(crate) fn unsupported(what: impl Into<String>, flag: &str) -> Self {
-        HybridError::Unsupported { what: what.into(), flag: flag.to_string() }
+    pub(crate) fn unsupported(what: impl Into<String>, knob: Knob) -> Self {
+        HybridError::Unsupported { what: what.into(), knob }
     }
 
-    pub(crate) fn request(flag: &str, reason: impl Into<String>) -> Self {
-        HybridError::Request { flag: flag.to_string(), reason: reason.into() }
+    pub(crate) fn request(knob: Knob, reason: impl Into<String>) -> Self {
+        HybridError::Request { knob, reason: reason.into() }
     }
 
     /// The refusal, when vLLM would refuse.
@@ -122,28 +126,34 @@ impl HybridError {
     }
 
     /// The setting to change.
-    pub fn flag(&self) -> &str {
+    pub fn knob(&self) -> Knob {
         match self {
-            HybridError::Refused(r) => &r.flag,
-            HybridError::Model { .. } => "--model",
-            HybridError::Unsupported { flag, .. } | HybridError::Request { flag, .. } => flag,
+            HybridError::Refused(r) => r.knob,
+            HybridError::Model { .. } | HybridError::Preset { .. } => Knob::Model,
+            HybridError::Unsupported { knob, .. } | HybridError::Request { knob, .. } => *knob,
+        }
+    }
+}
+
+impl From<HybridError> for KnobError {
+    fn from(e: HybridError) -> Self {
+        // A knob error names its knob itself: the reason without the "(change KNOB)" tail.
+        match e {
+            HybridError::Request { knob, reason } => KnobError::new(knob, reason),
+            HybridError::Refused(r) => KnobError::new(
+                r.knob,
+                format!("vLLM 0.33 refuses this pair: {} [{}]; {}", r.vllm_message, r.vllm_site, r.hint),
+            ),
+            HybridError::Unsupported { what, knob } => {
+                KnobError::new(knob, format!("{what} is not modelled by kvx's hybrid planner"))
+            }
+            other => KnobError::new(other.knob(), other.to_string()),
         }
     }
 }
 
 impl From<HybridError> for ConfigError {
     fn from(e: HybridError) -> Self {
-        // A config error names its flag itself: the reason without the "(change FLAG)" tail.
-        match e {
-            HybridError::Request { flag, reason } => ConfigError::new(flag, reason),
-            HybridError::Refused(r) => ConfigError::new(
-                r.flag.clone(),
-                format!("vLLM 0.33 refuses this pair: {} [{}]; {}", r.vllm_message, r.vllm_site, r.hint),
-            ),
-            HybridError::Unsupported { what, flag } => {
-                ConfigError::new(flag, format!("{what} is not modelled by kvx's hybrid planner"))
-            }
-            other => ConfigError::new(other.flag().to_string(), other.to_string()),
-        }
+        KnobError::from(e).into()
     }
 }

@@ -8,7 +8,7 @@
 //!   bucket (the largest when it is under 1.5x the smallest); bucket `i`'s group `j` takes
 //!   `layers[j::num_groups]` (`kv_cache_planning.py`, `_get_kv_cache_groups_uniform_page_size`).
 //! - Block size: the attention block grows until one attention page holds one state slot,
-//!   in steps of `lcm(max(16, --block-size), prefill checkpoint alignment)`; the state page is
+//!   in steps of `lcm(max(16, block size), prefill checkpoint alignment)`; the state page is
 //!   then padded to the attention page (`Platform._align_hybrid_block_size`).
 //! - State shapes: `MambaStateShapeCalculator` (DS conv layout: `(channels, kernel - 1)`).
 //! - Regions: every group's tensor starts at byte 0 of one allocation (layer-outer layouts), so
@@ -29,8 +29,10 @@ use super::model::{AttnKind, CacheKind, CacheLayer, Dtype, HybridModel, StateKin
 use crate::layouts::Layout;
 use crate::topology;
 pub use crate::vocab::kinds::KvBufferDevice;
+use crate::vocab::kinds::Role;
+use crate::vocab::knob::Knob;
 
-/// vLLM's default `--block-size`, and the smallest FLASH_ATTN kernel block (`MultipleOf(16)`).
+/// vLLM's default block size, and the smallest FLASH_ATTN kernel block (`MultipleOf(16)`).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 16;
 /// FlashInfer's GDN prefill checkpoints land on 64-token boundaries
 /// (`FLASHINFER_GDN_CHECKPOINT_ALIGNMENT`).
@@ -41,12 +43,11 @@ pub const FLASHINFER_GDN_ALIGNMENT_TOKENS: u32 = 64;
 /// Blackwell (SM10x, SM12x): the GPUs P/D deployments run on, so kvx's default. FlashInfer
 /// checkpoints state every 64 tokens, which (with prefix caching on) aligns the hybrid block
 /// size to 64 tokens; triton (SM80-class GPUs, or asked for) does not.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GdnPrefillBackend {
     /// vLLM's choice on H100, H200, B200 (64-token checkpoint alignment).
     #[default]
-    #[value(name = "flashinfer")]
     FlashInfer,
     /// vLLM's choice on A100-class GPUs (no checkpoint alignment).
     Triton,
@@ -65,14 +66,13 @@ impl GdnPrefillBackend {
 /// FLASH_ATTN (its default on Hopper) and TRITON_ATTN take any multiple of 16 tokens, so the
 /// kernel block is the block; FLASHINFER takes 16, 32 or 64, so a larger (hybrid-aligned)
 /// block splits into the largest of those that divides it (`select_common_block_size`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum AttentionBackend {
     /// FLASH_ATTN: kernel blocks of any multiple of 16 tokens.
     #[default]
     FlashAttn,
     /// FLASHINFER: kernel blocks of 16, 32 or 64 tokens.
-    #[value(name = "flashinfer")]
     #[serde(rename = "flashinfer")]
     FlashInfer,
     /// TRITON_ATTN: kernel blocks of any multiple of 16 tokens.
@@ -80,7 +80,7 @@ pub enum AttentionBackend {
 }
 
 impl AttentionBackend {
-    /// vLLM's name (`--attention-backend`).
+    /// vLLM's name of the backend (what its attention backend setting takes).
     pub fn vllm_name(self) -> &'static str {
         match self {
             AttentionBackend::FlashAttn => "FLASH_ATTN",
@@ -127,26 +127,29 @@ pub enum ConvStateLayout {
     Sd,
 }
 
-/// Which memory a region lives in.
+/// Which memory a region (and its registration) lives in, in NIXL's terms: where vLLM's KV
+/// buffer is, not where kvx allocates a run's pools (`vocab::kinds::MemKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-pub enum MemKind {
+pub enum RegionMem {
     /// Device memory (NIXL `VRAM`).
     Vram,
     /// Host memory (NIXL `DRAM`).
     Dram,
 }
 
-/// One engine's settings (prefill or decode) that shape its cache.
+/// One engine's settings (prefill or decode) that shape its cache: the hybrid counterpart of
+/// [`EngineSpec`](crate::layouts::EngineSpec), from which vLLM's rules derive its
+/// [`EngineGeometry`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
-pub struct HybridEngine {
-    /// Tensor-parallel size (`--p-tp`, `--d-tp`).
+pub struct HybridEngineSpec {
+    /// Tensor-parallel size ([`Knob::PTp`], [`Knob::DTp`]).
     pub tp: u32,
     /// Pipeline-parallel size (vLLM refuses PP > 1 with HMA in pull mode).
     pub pp: u32,
     /// Logical blocks in each rank's pool.
     pub num_blocks: u32,
-    /// `--block-size` as given; hybrid alignment may raise it.
+    /// The block size as given ([`Knob::BlockSize`]); hybrid alignment may raise it.
     pub block_tokens: u32,
     /// The attention kernel's block size when smaller than the logical block (vLLM's
     /// `physical_blocks_per_logical_kv_block`); `None`: the logical block (FLASH_ATTN).
@@ -160,19 +163,19 @@ pub struct HybridEngine {
     pub prefix_caching: bool,
     pub conv_state_layout: ConvStateLayout,
     /// Host buffer: the host tensors of state layers hold padded state pages, as their regions
-    /// assume (kvx's `--host-state-page padded`); vLLM 0.33 allocates unpadded ones.
+    /// assume (kvx's [`Knob::HostStatePage`] `padded`); vLLM 0.33 allocates unpadded ones.
     pub host_state_page_padded: bool,
     /// Host buffer with state in the model: each group's descriptor ids over its own layers'
     /// host tensors only, and prefill's copy into the buffer of each layer's own group's blocks
-    /// (kvx's `--host-descriptors per-group`); vLLM 0.33 lays attention ids over every layer's
+    /// (kvx's [`Knob::HostDescriptors`] `per-group`); vLLM 0.33 lays attention ids over every layer's
     /// tensor and state ids over every state layer's, and copies every group's blocks through
     /// every layer.
     pub host_descriptors_per_group: bool,
 }
 
-impl Default for HybridEngine {
+impl Default for HybridEngineSpec {
     fn default() -> Self {
-        HybridEngine {
+        HybridEngineSpec {
             tp: 1,
             pp: 1,
             num_blocks: 1024,
@@ -190,10 +193,10 @@ impl Default for HybridEngine {
     }
 }
 
-impl HybridEngine {
+impl HybridEngineSpec {
     /// Defaults with the given TP size and pool size.
     pub fn new(tp: u32, num_blocks: u32) -> Self {
-        HybridEngine { tp, num_blocks, ..HybridEngine::default() }
+        HybridEngineSpec { tp, num_blocks, ..HybridEngineSpec::default() }
     }
 }
 
@@ -381,7 +384,7 @@ impl StateShapes {
                     RefusalKind::ModelNotDivisible,
                     format!("{n} is not divisible by {t}"),
                     "vllm/distributed/utils.py:53 (divide)",
-                    side.tp_flag(),
+                    Knob::tp(side.role()),
                     format!("the model's {what} ({n}) must split evenly over TP {t}"),
                 ))
             }
@@ -399,7 +402,7 @@ impl StateShapes {
                         RefusalKind::ModelNotDivisible,
                         "Tensor parallel world size must divide num heads.",
                         "vllm/model_executor/layers/mamba/mamba_mixer2.py:316",
-                        side.tp_flag(),
+                        Knob::tp(side.role()),
                         format!("{} Mamba2 heads must split evenly over TP {tp}", m.num_heads),
                     ));
                 }
@@ -408,7 +411,7 @@ impl StateShapes {
                         RefusalKind::Mamba2Groups,
                         "If tensor parallel world size does not divide num_groups, then num_groups must equal 1.",
                         "vllm/model_executor/layers/mamba/mamba_mixer2.py:320",
-                        side.tp_flag(),
+                        Knob::tp(side.role()),
                         format!("use a TP size that divides n_groups = {}", m.n_groups),
                     ));
                 }
@@ -629,10 +632,11 @@ pub enum Side {
 }
 
 impl Side {
-    pub fn tp_flag(self) -> &'static str {
+    /// The role of the engine on this side.
+    pub fn role(self) -> Role {
         match self {
-            Side::Prefill => "--p-tp",
-            Side::Decode => "--d-tp",
+            Side::Prefill => Role::Prefill,
+            Side::Decode => Role::Decode,
         }
     }
 
@@ -670,7 +674,7 @@ impl BlockSizing {
 /// The block size and pages vLLM settles on for one engine (`_align_hybrid_block_size`).
 pub fn block_sizing(
     model: &HybridModel,
-    engine: &HybridEngine,
+    engine: &HybridEngineSpec,
     state: Option<&StateLayout>,
 ) -> Result<BlockSizing, HybridError> {
     let a = &model.attention;
@@ -678,7 +682,7 @@ pub fn block_sizing(
     let per_token = 2 * heads * u64::from(a.head_dim) * u64::from(a.dtype.bytes());
     let user = engine.block_tokens;
     if user == 0 {
-        return Err(HybridError::request("--block-size", "a block of 0 tokens holds nothing"));
+        return Err(HybridError::request(Knob::BlockSize, "a block of 0 tokens holds nothing"));
     }
     let Some(state) = state else {
         return Ok(BlockSizing {
@@ -703,7 +707,7 @@ pub fn block_sizing(
     let needed = needed.div_ceil(u64::from(kernel_min)) * u64::from(kernel_min);
     let block = needed.max(u64::from(user));
     let block_tokens = u32::try_from(block).map_err(|_| {
-        HybridError::request("--block-size", format!("aligned block of {block} tokens is too large"))
+        HybridError::request(Knob::BlockSize, format!("aligned block of {block} tokens is too large"))
     })?;
     Ok(BlockSizing {
         block_tokens,
@@ -730,7 +734,7 @@ pub struct HybridRegion {
     pub name: String,
     /// The owning group, or -1 when several groups share the region.
     pub group_id: i32,
-    pub mem: MemKind,
+    pub mem: RegionMem,
     /// Offset of block 0 from the base of `mem`.
     pub base_off: u64,
     pub block_len: u64,
@@ -752,7 +756,7 @@ impl HybridRegion {
 /// A memory registration: `len` bytes at `off` of `mem`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Registration {
-    pub mem: MemKind,
+    pub mem: RegionMem,
     pub off: u64,
     pub len: u64,
 }
@@ -837,7 +841,7 @@ pub struct StatedEngine {
 
 impl StatedEngine {
     /// The engine in the terms of a case's `p` or `d` (`hybrid_v033.json`): what
-    /// `kvx layout --format json` prints as `engine`, and what `kvx plan --scenario` reads.
+    /// `kvx layout` prints as `engine` in JSON, and what a `kvx plan` scenario file holds.
     pub fn case_json(&self, tp: u32, num_blocks: u32, kv_buffer_device: KvBufferDevice) -> serde_json::Value {
         let torch = |d: Dtype| d.torch_name().trim_start_matches("torch.").to_string();
         let mut out = serde_json::json!({
@@ -890,7 +894,7 @@ pub struct StatedState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct EngineGeometry {
     pub side: Side,
-    pub config: HybridEngine,
+    pub config: HybridEngineSpec,
     pub groups: Vec<KvGroup>,
     pub sizing: BlockSizing,
     /// Tokens per kernel block (the block size NIXL sees).
@@ -913,7 +917,7 @@ impl EngineGeometry {
     /// Builds an engine's geometry as vLLM derives it from the model and the engine's
     /// settings; errors are vLLM's load-time refusals (a TP that does not split the model, a
     /// block no kernel block divides) or what kvx does not model.
-    pub fn new(model: &HybridModel, config: &HybridEngine, side: Side) -> Result<Self, HybridError> {
+    pub fn new(model: &HybridModel, config: &HybridEngineSpec, side: Side) -> Result<Self, HybridError> {
         Self::check_engine(model, config, side)?;
         let h = model.attention.num_kv_heads;
         let tp = config.tp;
@@ -923,7 +927,7 @@ impl EngineGeometry {
                 RefusalKind::ModelNotDivisible,
                 format!("{n} is not divisible by {d}"),
                 "vllm/distributed/utils.py:53 (divide)",
-                side.tp_flag(),
+                Knob::tp(side.role()),
                 format!("{h} KV heads must split evenly over TP {tp} (or TP over the heads)"),
             ));
         }
@@ -941,7 +945,7 @@ impl EngineGeometry {
     /// name the stated field that contradicts itself or the model.
     pub fn from_stated(
         model: &HybridModel,
-        config: &HybridEngine,
+        config: &HybridEngineSpec,
         stated: &StatedEngine,
         side: Side,
     ) -> Result<Self, HybridError> {
@@ -1051,10 +1055,13 @@ impl EngineGeometry {
 
     /// What every engine needs whatever says its geometry: a valid model, a TP size and a
     /// pool, a layer-outer layout.
-    fn check_engine(model: &HybridModel, config: &HybridEngine, side: Side) -> Result<(), HybridError> {
+    fn check_engine(model: &HybridModel, config: &HybridEngineSpec, side: Side) -> Result<(), HybridError> {
         model.validate()?;
         if config.tp == 0 || config.num_blocks == 0 {
-            return Err(HybridError::request(side.tp_flag(), "TP size and pool size must be positive"));
+            return Err(HybridError::request(
+                Knob::tp(side.role()),
+                "TP size and pool size must be positive",
+            ));
         }
         if !matches!(config.layout, Layout::Lbhnc | Layout::Lbnhc) {
             return Err(HybridError::unsupported(
@@ -1062,7 +1069,7 @@ impl EngineGeometry {
                     "layout {} with a hybrid model (kvx plans layer-outer LBHNC and LBNHC)",
                     config.layout
                 ),
-                &format!("--{}-layout", side.prefix()),
+                Knob::layout(side.role()),
             ));
         }
         Ok(())
@@ -1072,7 +1079,7 @@ impl EngineGeometry {
     /// registrations.
     fn assemble(
         model: &HybridModel,
-        config: &HybridEngine,
+        config: &HybridEngineSpec,
         side: Side,
         groups: Vec<KvGroup>,
         sizing: BlockSizing,
@@ -1084,7 +1091,7 @@ impl EngineGeometry {
             Some(k) => (k > 0 && block.is_multiple_of(k)).then_some(k).ok_or_else(|| {
                 HybridError::unsupported(
                     format!("a {k}-token kernel block under {block}-token blocks"),
-                    "--kernel-block-size",
+                    Knob::KernelBlockSize,
                 )
             })?,
             None => config.attention_backend.kernel_block(block).ok_or_else(|| {
@@ -1096,7 +1103,7 @@ impl EngineGeometry {
                         config.attention_backend.supported_sizes()
                     ),
                     "vllm/v1/worker/utils.py:554 (select_common_block_size)",
-                    "--block-size",
+                    Knob::BlockSize,
                     format!(
                         "{} runs blocks of {}; pick a block size it divides",
                         config.attention_backend.vllm_name(),
@@ -1152,10 +1159,10 @@ impl EngineGeometry {
         self.state.is_some()
     }
 
-    pub fn mem(&self) -> MemKind {
+    pub fn mem(&self) -> RegionMem {
         match self.config.kv_buffer_device {
-            KvBufferDevice::Cuda => MemKind::Vram,
-            KvBufferDevice::Cpu => MemKind::Dram,
+            KvBufferDevice::Cuda => RegionMem::Vram,
+            KvBufferDevice::Cpu => RegionMem::Dram,
         }
     }
 
@@ -1208,7 +1215,7 @@ impl EngineGeometry {
         let mem = self.mem();
         // Where each (group, position) layer's tensor starts.
         let mut host_off = std::collections::HashMap::new();
-        if mem == MemKind::Dram {
+        if mem == RegionMem::Dram {
             let mut off = 0;
             for g in &self.groups {
                 for (k, l) in (0u32..).zip(&g.layers) {
@@ -1234,8 +1241,8 @@ impl EngineGeometry {
         let mut registrations = Vec::new();
         for (layer, group, k) in self.placed_layers() {
             let base = match mem {
-                MemKind::Vram => u64::from(k) * nb * page,
-                MemKind::Dram => host_off.get(&layer.name).copied().unwrap_or(0),
+                RegionMem::Vram => u64::from(k) * nb * page,
+                RegionMem::Dram => host_off.get(&layer.name).copied().unwrap_or(0),
             };
             let is_state = matches!(layer.kind, CacheKind::State(_));
             let gid = i32::try_from(group).unwrap_or(i32::MAX);
@@ -1260,7 +1267,7 @@ impl EngineGeometry {
                         layers: vec![layer.name.clone()],
                         holds_state: is_state,
                     });
-                    if mem == MemKind::Dram {
+                    if mem == RegionMem::Dram {
                         let bytes = self
                             .host_slots
                             .iter()
@@ -1271,7 +1278,7 @@ impl EngineGeometry {
                 }
             }
         }
-        if mem == MemKind::Vram {
+        if mem == RegionMem::Vram {
             registrations.push(Registration { mem, off: 0, len: u64::from(self.group_size()) * nb * page });
         }
         self.regions = regions;
@@ -1309,14 +1316,14 @@ impl EngineGeometry {
     }
 
     /// Whether `[off, off + len)` of `mem` lies inside one registration.
-    pub fn registered(&self, mem: MemKind, off: u64, len: u64) -> bool {
+    pub fn registered(&self, mem: RegionMem, off: u64, len: u64) -> bool {
         self.registered_near(mem, off, len, &mut 0)
     }
 
     /// [`registered`](Self::registered), trying registration `*hint` first and leaving there
     /// the one that held the range: a request's consecutive descriptors mostly fall in the
     /// same registration, so a plan checks each in constant time instead of scanning them all.
-    pub fn registered_near(&self, mem: MemKind, off: u64, len: u64, hint: &mut usize) -> bool {
+    pub fn registered_near(&self, mem: RegionMem, off: u64, len: u64, hint: &mut usize) -> bool {
         let holds = |r: &Registration| r.mem == mem && r.off <= off && off.saturating_add(len) <= r.end();
         if self.registrations.get(*hint).is_some_and(holds) {
             return true;
@@ -1338,7 +1345,7 @@ mod tests {
 
     fn aligned(model: &str, tp: u32, backend: GdnPrefillBackend) -> u32 {
         let m = preset(model).expect("preset");
-        let cfg = HybridEngine { gdn_prefill: backend, ..HybridEngine::new(tp, 8) };
+        let cfg = HybridEngineSpec { gdn_prefill: backend, ..HybridEngineSpec::new(tp, 8) };
         EngineGeometry::new(&m, &cfg, Side::Decode).expect("geometry").sizing.block_tokens
     }
 
@@ -1361,7 +1368,7 @@ mod tests {
         }
         // Prefix caching off: no checkpoint alignment, FlashInfer or not.
         let m = preset("qwen3-next-80b-a3b").expect("preset");
-        let cfg = HybridEngine { gdn_prefill: fi, prefix_caching: false, ..HybridEngine::new(4, 8) };
+        let cfg = HybridEngineSpec { gdn_prefill: fi, prefix_caching: false, ..HybridEngineSpec::new(4, 8) };
         assert_eq!(EngineGeometry::new(&m, &cfg, Side::Decode).expect("geometry").sizing.block_tokens, 272);
         // Attention-only models keep --block-size.
         assert_eq!(aligned("gpt-oss-120b", 2, tri), 16);
@@ -1421,7 +1428,7 @@ mod tests {
     #[test]
     fn page_maps_show_parts_and_padding() {
         let m = preset("nemotron-h-8b").expect("preset");
-        let g = EngineGeometry::new(&m, &HybridEngine::new(1, 8), Side::Prefill).expect("geometry");
+        let g = EngineGeometry::new(&m, &HybridEngineSpec::new(1, 8), Side::Prefill).expect("geometry");
         let spans: Vec<(u64, u64)> = g
             .page_map(GroupKind::State(StateKind::Mamba2))
             .iter()
@@ -1441,11 +1448,14 @@ mod tests {
     #[test]
     fn device_regions_alias_and_host_regions_do_not() {
         let m = preset("gpt-oss-120b").expect("preset");
-        let g = EngineGeometry::new(&m, &HybridEngine::new(1, 40), Side::Prefill).expect("geometry");
+        let g = EngineGeometry::new(&m, &HybridEngineSpec::new(1, 40), Side::Prefill).expect("geometry");
         assert_eq!(g.regions.len(), 18);
         assert!(g.regions.iter().all(|r| r.group_id == -1 && r.layers.len() == 2));
-        assert_eq!(g.registrations, vec![Registration { mem: MemKind::Vram, off: 0, len: 18 * 40 * 32768 }]);
-        let cfg = HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngine::new(1, 40) };
+        assert_eq!(
+            g.registrations,
+            vec![Registration { mem: RegionMem::Vram, off: 0, len: 18 * 40 * 32768 }]
+        );
+        let cfg = HybridEngineSpec { kv_buffer_device: KvBufferDevice::Cpu, ..HybridEngineSpec::new(1, 40) };
         let h = EngineGeometry::new(&m, &cfg, Side::Prefill).expect("geometry");
         assert_eq!(h.regions.len(), 36);
         assert_eq!((h.regions[1].name.as_str(), h.regions[1].group_id), ("model.layers.1.attn.attn", 1));

@@ -16,9 +16,10 @@
 //! one group stay with `layouts::plan`; this module takes every model with more than one KV
 //! cache group or with state, and reproduces `../shared/oracle/hybrid_v033.json`.
 //!
-//! Use: build a [`PairConfig`] (a [`HybridModel`], e.g. from [`preset`], and an
-//! [`HybridEngine`] per side), [`HybridPlanner::new`] it (vLLM's handshake: geometry, TP mapping,
-//! descriptor lists, or a [`Refusal`]), then [`HybridPlanner::plan`] each [`HybridRequest`].
+//! Use: build a [`HybridPairSpec`] (a [`HybridModel`], e.g. from [`preset`], and a
+//! [`HybridEngineSpec`] per side: the hybrid counterparts of `layouts`' `PairSpec` and
+//! `EngineSpec`), [`HybridPlanner::new`] it (vLLM's handshake: geometry, TP mapping, descriptor
+//! lists, or a [`Refusal`]), then [`HybridPlanner::plan`] each [`HybridRequest`].
 
 pub mod blocks;
 pub mod coverage;
@@ -39,12 +40,12 @@ pub use desc_lists::{DescList, DescRow, RowKind, RowLabel};
 pub use error::{HybridError, Refusal, RefusalKind};
 pub use findings::Finding;
 pub use geometry::{
-    AttentionBackend, EngineGeometry, GdnPrefillBackend, HybridEngine, KvBufferDevice, StateShapes,
+    AttentionBackend, EngineGeometry, GdnPrefillBackend, HybridEngineSpec, KvBufferDevice, StateShapes,
     StatedEngine,
 };
 pub use model::HybridModel;
 pub use pair::{
-    GeometryDifference, GeometrySource, HostCopyRule, PairConfig, PushAttention, StateSlices, StatedPair,
+    GeometryDifference, GeometrySource, HostCopyRule, HybridPairSpec, PushAttention, StateSlices, StatedPair,
     compare_stated,
 };
 pub use planner::{DRankPlan, DRankSetup, GroupClipping, HostCopy, HybridPlan, HybridPlanner, HybridRequest};

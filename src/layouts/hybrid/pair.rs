@@ -7,28 +7,32 @@
 use serde::Serialize;
 
 use super::error::{HybridError, RefusalKind};
-use super::geometry::{ConvStateLayout, EngineGeometry, HybridEngine, KvBufferDevice, Side, StatedEngine};
+use super::geometry::{
+    ConvStateLayout, EngineGeometry, HybridEngineSpec, KvBufferDevice, Side, StatedEngine,
+};
 use super::model::HybridModel;
 use super::tp_map::tp_ratio;
 use crate::layouts::Layout;
+use crate::vocab::knob::Knob;
 
-/// A P/D pair of one hybrid model.
+/// A P/D pair of one hybrid model: the hybrid counterpart of
+/// [`PairSpec`](crate::layouts::compat::PairSpec).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct PairConfig {
+pub struct HybridPairSpec {
     pub model: HybridModel,
-    pub p: HybridEngine,
-    pub d: HybridEngine,
-    /// vLLM's `enable_permute_local_kv` (`--permute`).
+    pub p: HybridEngineSpec,
+    pub d: HybridEngineSpec,
+    /// vLLM's `enable_permute_local_kv` ([`Knob::Permute`]).
     #[serde(default)]
     pub permute_local_kv: bool,
-    /// Where decode reads its slice of each state part in a prefill page (`--state-slices`).
+    /// Where decode reads its slice of each state part in a prefill page ([`Knob::StateSlices`]).
     #[serde(default)]
     pub state_slices: StateSlices,
-    /// Which blocks decode's host-to-device copy passes through each layer (`--host-copy`).
+    /// Which blocks decode's host-to-device copy passes through each layer ([`Knob::HostCopy`]).
     #[serde(default)]
     pub host_copy: HostCopyRule,
     /// Push mode: which decode ranks get attention when several hold one head
-    /// (`--push-attention`).
+    /// ([`Knob::PushAttention`]).
     #[serde(default)]
     pub push_attention: PushAttention,
     /// The engines as vLLM built them, where a case states them: planned as given, and
@@ -71,7 +75,7 @@ impl GeometrySource {
     /// derivation), else derived.
     pub(super) fn build(
         model: &HybridModel,
-        config: &HybridEngine,
+        config: &HybridEngineSpec,
         stated: Option<&StatedEngine>,
         side: Side,
     ) -> Result<(EngineGeometry, GeometrySource), HybridError> {
@@ -127,9 +131,7 @@ pub fn compare_stated(stated: &StatedEngine, derived: &StatedEngine) -> Vec<Geom
 
 /// Push mode: which decode ranks a prefill rank writes attention into when decode TP is above prefill TP
 /// and above the KV heads (several decode ranks hold one head).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PushAttention {
     /// vLLM 0.33 (as read): the first decode rank of each head only; the others receive state
@@ -142,9 +144,7 @@ pub enum PushAttention {
 
 /// Which blocks decode's host-to-device copy (host buffer, `sync_recved_kv_to_device`) passes
 /// through each layer.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum HostCopyRule {
     /// vLLM 0.33: every group's blocks through every layer, in layer order. With several KV
@@ -157,9 +157,7 @@ pub enum HostCopyRule {
 }
 
 /// Where a decode rank reads its slice of each state part in a prefill rank's page.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize, clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StateSlices {
     /// vLLM 0.33's `remote_conv_offsets`: every conv part sharded like `x`, so decode rank `d`
@@ -176,7 +174,7 @@ pub enum StateSlices {
 
 /// vLLM's pair-level checks, in the order vLLM makes them; returns the TP ratio.
 pub(super) fn check_pair(
-    config: &PairConfig,
+    config: &HybridPairSpec,
     p: &EngineGeometry,
     d: &EngineGeometry,
 ) -> Result<i64, HybridError> {
@@ -187,7 +185,7 @@ pub(super) fn check_pair(
                 RefusalKind::ConvStateLayout,
                 "3-read Mamba conv transfer requires DS conv state layout. Set VLLM_SSM_CONV_STATE_LAYOUT=DS",
                 "nixl/base_worker.py:705 (NixlBaseConnectorWorker.__init__)",
-                "--conv-state-layout",
+                Knob::ConvStateLayout,
                 format!("set VLLM_SSM_CONV_STATE_LAYOUT=DS on the {} engine", side.prefix()),
             ));
         }
@@ -197,7 +195,7 @@ pub(super) fn check_pair(
                 "NixlConnector (pull) does not support pipeline_parallel_size > 1 with hybrid KV cache \
                  layouts (HMA); use NixlPushConnector for PP + HMA.",
                 "nixl/base_worker.py:872",
-                format!("--{}-pp", side.prefix()),
+                Knob::pp(side.role()),
                 "use pipeline-parallel size 1 (hybrid models always use HMA)",
             ));
         }
@@ -208,7 +206,7 @@ pub(super) fn check_pair(
             RefusalKind::TpNotDivisible,
             format!("Local tensor parallel size {dt} is not divisible by remote tensor parallel size {pt}."),
             "kv_connector/utils.py:530 (TransferTopology.tp_ratio)",
-            "--d-tp",
+            Knob::DTp,
             "use TP sizes that divide each other",
         ));
     }
@@ -217,7 +215,7 @@ pub(super) fn check_pair(
             RefusalKind::TpNotDivisible,
             format!("Remote tensor parallel size {pt} is not divisible by local tensor parallel size {dt}."),
             "kv_connector/utils.py:535 (TransferTopology.tp_ratio)",
-            "--d-tp",
+            Knob::DTp,
             "use TP sizes that divide each other",
         ));
     }
@@ -229,10 +227,11 @@ pub(super) fn check_pair(
             RefusalKind::BlockSizeNotDivisible,
             format!("Local block size {lk} is not divisible by remote block size {rk} or vice versa."),
             "kv_connector/utils.py:543 (TransferTopology.block_size_ratio)",
-            "--block-size",
+            Knob::BlockSize,
             format!(
                 "the hybrid block size follows TP ({rk} tokens at prefill TP {pt}, {lk} at decode TP {dt}); \
-                 choose TP sizes whose block sizes divide, or set --block-size {common} on both engines"
+                 choose TP sizes whose block sizes divide, or set {} {common} on both engines",
+                Knob::BlockSize,
             ),
         ));
     }
@@ -243,7 +242,7 @@ pub(super) fn check_pair(
             RefusalKind::ReplicatedKvPrefillAboveDecode,
             "assert not (tp_ratio < 0 and self.transfer_topo.is_kv_replicated(remote_engine_id))",
             "nixl/base_worker.py:2728 (_validate_remote_agent_handshake)",
-            "--p-tp",
+            Knob::PTp,
             format!(
                 "with prefill TP {pt} above the model's {h} KV heads, decode TP must be at least prefill TP"
             ),
@@ -258,7 +257,7 @@ pub(super) fn check_pair(
                 d.physical_per_logical, p.physical_per_logical
             ),
             "nixl/base_worker.py:2766",
-            "--no-prefix-caching",
+            Knob::NoPrefixCaching,
             "disable prefix caching, or use the same kernel block size per logical block on both engines",
         ));
     }
@@ -267,8 +266,11 @@ pub(super) fn check_pair(
             RefusalKind::HostBufferBlockSizes,
             "Heterogeneous block sizes are not supported with host buffer",
             "nixl/base_worker.py:2785",
-            "--kv-buffer-device",
-            format!("use --kv-buffer-device cuda, or TP sizes with equal block sizes ({rk} vs {lk} tokens)"),
+            Knob::KvBufferDevice,
+            format!(
+                "use {} cuda, or TP sizes with equal block sizes ({rk} vs {lk} tokens)",
+                Knob::KvBufferDevice
+            ),
         ));
     }
     let (ll, rl) = (config.d.layout, config.p.layout);
@@ -278,8 +280,11 @@ pub(super) fn check_pair(
                 RefusalKind::PermuteWithHma,
                 "HMA does not support block size post processing",
                 "nixl/base_worker.py:2803",
-                "--permute",
-                "hybrid models always use HMA: use the same layout (LBHNC) on both engines without --permute",
+                Knob::Permute,
+                format!(
+                    "hybrid models always use HMA: use the same layout (LBHNC) on both engines without {}",
+                    Knob::Permute
+                ),
             ));
         }
         return Err(HybridError::refused(
@@ -292,7 +297,7 @@ pub(super) fn check_pair(
                 rl.vllm_name()
             ),
             "nixl/base_worker.py:2808",
-            "--d-layout",
+            Knob::DLayout,
             "use the same layout on both engines",
         ));
     }
@@ -302,7 +307,7 @@ pub(super) fn check_pair(
             "Heterogeneous TP head-dimension splitting requires contiguous heads. Use a block-contiguous layout \
              (e.g. LBHNC) on the prefill side.",
             "nixl/base_worker.py:2841",
-            "--layout",
+            Knob::Layout,
             "use LBHNC, or equal TP sizes",
         ));
     }
@@ -311,7 +316,7 @@ pub(super) fn check_pair(
             RefusalKind::HeadShardedBlockSizes,
             "Different local/remote block sizes are not supported when P TP > D TP.",
             "nixl/base_worker.py:2914 (_validate_remote_agent_handshake)",
-            "--block-size",
+            Knob::BlockSize,
             "use the same block size on both engines when prefill TP exceeds decode TP",
         ));
     }

@@ -31,7 +31,7 @@ use super::findings::describe_span;
 use super::geometry::{EngineGeometry, KvBufferDevice, Side, StatePart};
 use super::pair::GeometrySource;
 use super::pair::HostCopyRule;
-use super::pair::PairConfig;
+use super::pair::HybridPairSpec;
 use super::pair::StateSlices;
 use super::pair::check_pair;
 use super::runs::Chunk;
@@ -43,13 +43,14 @@ use super::runs::ReadTemplate;
 use super::runs::ReadWalk;
 use super::runs::RowPair;
 use super::runs::RunRow;
-use super::runs::Span;
+use super::runs::RunSpan;
 use super::runs::desc_id_runs;
 use super::runs::min_max;
 use super::tp_map::TpMapping;
 use super::tp_map::handshake_ranks;
 use super::tp_map::tp_mapping;
 use crate::layouts::plan::Pair;
+use crate::vocab::knob::Knob;
 
 /// The plan of one decode rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -92,7 +93,7 @@ impl DRankPlan {
 pub struct HostCopy {
     pub layers_in_copy_order: Vec<String>,
     pub block_ids: Vec<u64>,
-    /// `--host-copy per-group`: each layer copies only the ids of its own group's blocks.
+    /// [`Knob::HostCopy`] `per-group`: each layer copies only the ids of its own group's blocks.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub per_group: bool,
 }
@@ -114,7 +115,7 @@ impl HybridRequest {
     /// A request of `prompt_tokens` through `planner`'s pair, its block lists allocated as
     /// vLLM's allocator leaves them (fresh ids per group, null blocks outside a window and
     /// before the last state slot), decode already holding its first `hit_blocks` blocks (at
-    /// most all but the last): what `kvx plan --model <hybrid preset>` plans and the property
+    /// most all but the last): what `kvx plan` plans for a hybrid preset and the property
     /// tests run, for requests that are not in an oracle file.
     pub fn simulated(planner: &HybridPlanner, prompt_tokens: u32, hit_blocks: u32) -> HybridRequest {
         let t = TokenCounts::new(planner.d.has_state(), prompt_tokens, 0);
@@ -172,7 +173,7 @@ pub struct DRankSetup {
     pub local_for_source: Vec<DescList>,
     /// Remote rows (the same for every prefill rank, relative to its base).
     pub remote: DescList,
-    /// `--state-slices exact` with P > D: remote rows per source rank (in
+    /// [`Knob::StateSlices`] `exact` with P > D: remote rows per source rank (in
     /// `mapping.all_source_ranks` order), each rank's state rows where that rank holds the
     /// piece of decode's slice its READ fills; empty otherwise (every rank reads `remote`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -220,7 +221,7 @@ struct GroupPairing {
 /// Plans requests for every decode rank of a pair; build once (the handshake), plan many.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HybridPlanner {
-    pub config: PairConfig,
+    pub config: HybridPairSpec,
     pub p: EngineGeometry,
     pub d: EngineGeometry,
     pub tp_ratio: i64,
@@ -235,7 +236,7 @@ pub struct HybridPlanner {
 
 impl HybridPlanner {
     /// Builds both engines and every decode rank's descriptor lists, or vLLM's refusal.
-    pub fn new(config: &PairConfig) -> Result<Self, HybridError> {
+    pub fn new(config: &HybridPairSpec) -> Result<Self, HybridError> {
         let model = &config.model;
         let (p, p_source) = GeometrySource::build(model, &config.p, config.stated.p.as_ref(), Side::Prefill)?;
         let (d, d_source) = GeometrySource::build(model, &config.d, config.stated.d.as_ref(), Side::Decode)?;
@@ -253,7 +254,7 @@ impl HybridPlanner {
                         RefusalKind::HeadShardedBlockSizes,
                         "Head-sharded attention reads with P_TP > D_TP and heterogeneous block sizes are not supported",
                         "nixl/base_worker.py:323 (_build_local_splits_from_plan)",
-                        "--d-tp",
+                        Knob::DTp,
                         format!(
                             "decode rank {d_rank} would gather {} attention heads from different prefill ranks \
                              into {}-token blocks from {}-token ones; use equal TP sizes or TP sizes with equal \
@@ -355,7 +356,7 @@ impl HybridPlanner {
     pub fn plan(&self, request: &HybridRequest, p_request_id: &str) -> Result<HybridPlan, HybridError> {
         if request.d_hit_tokens > 0 && !self.config.d.prefix_caching {
             return Err(HybridError::request(
-                "--prefix-hit",
+                Knob::PrefixHit,
                 "decode cannot hold a prefix-cache hit with prefix caching off",
             ));
         }
@@ -458,17 +459,17 @@ impl HybridPlanner {
     }
 
     fn check_pools(&self, blocks: &ExchangedBlocks) -> Result<(), HybridError> {
-        let check = |lists: &[Vec<u32>], pool: u32, flag: &str, who: &str| -> Result<(), HybridError> {
+        let check = |lists: &[Vec<u32>], pool: u32, knob: Knob, who: &str| -> Result<(), HybridError> {
             match lists.iter().flatten().find(|&&b| b >= pool) {
                 Some(b) => Err(HybridError::request(
-                    flag,
+                    knob,
                     format!("{who} block id {b} is outside the {who} pool of {pool} blocks"),
                 )),
                 None => Ok(()),
             }
         };
-        check(&blocks.remote_block_ids, self.config.p.num_blocks, "--p-num-blocks", "prefill")?;
-        check(&blocks.local_block_ids, self.config.d.num_blocks, "--d-num-blocks", "decode")
+        check(&blocks.remote_block_ids, self.config.p.num_blocks, Knob::PNumBlocks, "prefill")?;
+        check(&blocks.local_block_ids, self.config.d.num_blocks, Knob::DNumBlocks, "decode")
     }
 
     /// The request's lists per group, paired once for every READ (vLLM pairs them per READ,
@@ -572,7 +573,7 @@ impl HybridPlanner {
             let (nl, nr) = (count(0), count(1));
             if nl != nr {
                 return Err(HybridError::request(
-                    "--scenario",
+                    Knob::Scenario,
                     format!(
                         "decode rank {} from prefill rank {p_rank}: {nl} local and {nr} remote descriptors \
                          (vLLM asserts they match)",
@@ -760,13 +761,13 @@ impl HybridPlanner {
                 walk.rlist.resolve_near(rid, &mut walk.rows[1]),
             ) else {
                 return Err(HybridError::request(
-                    "--scenario",
+                    Knob::Scenario,
                     format!("descriptor id {lid} or {rid} outside the prepared lists"),
                 ));
             };
             if llen != rlen {
                 return Err(HybridError::request(
-                    "--scenario",
+                    Knob::Scenario,
                     format!("descriptor lengths differ ({label}: local {llen}, remote {rlen})"),
                 ));
             }
@@ -1094,7 +1095,7 @@ fn build_rank(
                     runs[0].iter().zip(&runs[1]).map(|(&l, &r)| RowPair::new(l, r, llist, rlist)).collect()
                 })
                 .flatten();
-            let spans = aligned.as_deref().map(Span::cut).unwrap_or_default();
+            let spans = aligned.as_deref().map(RunSpan::cut).unwrap_or_default();
             let runs_per_group = [&lruns, &rruns].map(|runs| {
                 let mut n = vec![0; groups];
                 for r in runs.iter() {
@@ -1129,7 +1130,7 @@ fn build_rank(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layouts::hybrid::geometry::HybridEngine;
+    use crate::layouts::hybrid::geometry::HybridEngineSpec;
 
     #[test]
     fn tp_mapping_dedups_attention_but_not_state() {
@@ -1169,14 +1170,14 @@ mod tests {
         for name in PRESETS {
             for (p_tp, d_tp) in [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (1, 8), (8, 2)] {
                 for (kernel, cpu) in [(None, false), (Some(16), false), (None, true)] {
-                    let engine = |tp| HybridEngine {
+                    let engine = |tp| HybridEngineSpec {
                         tp,
                         num_blocks: 4096,
                         kernel_block_tokens: kernel,
                         kv_buffer_device: if cpu { KvBufferDevice::Cpu } else { KvBufferDevice::Cuda },
-                        ..HybridEngine::default()
+                        ..HybridEngineSpec::default()
                     };
-                    let config = PairConfig {
+                    let config = HybridPairSpec {
                         model: preset(name).expect("preset"),
                         p: engine(p_tp),
                         d: engine(d_tp),
@@ -1215,11 +1216,11 @@ mod tests {
 mod refusal_tests {
     use super::*;
     use crate::layouts::Layout;
-    use crate::layouts::hybrid::geometry::{ConvStateLayout, GdnPrefillBackend, HybridEngine};
+    use crate::layouts::hybrid::geometry::{ConvStateLayout, GdnPrefillBackend, HybridEngineSpec};
     use crate::layouts::hybrid::preset;
 
-    fn pair(model: &str, p: HybridEngine, d: HybridEngine) -> Result<HybridPlanner, HybridError> {
-        HybridPlanner::new(&PairConfig {
+    fn pair(model: &str, p: HybridEngineSpec, d: HybridEngineSpec) -> Result<HybridPlanner, HybridError> {
+        HybridPlanner::new(&HybridPairSpec {
             model: preset(model).expect("preset"),
             p,
             d,
@@ -1231,98 +1232,104 @@ mod refusal_tests {
         })
     }
 
-    fn refusal(r: Result<HybridPlanner, HybridError>) -> (RefusalKind, String, String) {
+    fn refusal(r: Result<HybridPlanner, HybridError>) -> (RefusalKind, String, Knob) {
         let e = r.expect_err("vLLM refuses");
         let f = e.refusal().unwrap_or_else(|| panic!("not a refusal: {e}"));
-        (f.kind, f.vllm_message.clone(), f.flag.clone())
+        (f.kind, f.vllm_message.clone(), f.knob)
     }
 
     #[test]
     fn block_sizes_that_do_not_divide_are_refused_one_way() {
-        let e = |tp| HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(tp, 64) };
+        let e =
+            |tp| HybridEngineSpec { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngineSpec::new(tp, 64) };
         let (k, msg, flag) = refusal(pair("qwen3-next-80b-a3b", e(2), e(4)));
         assert_eq!(k, RefusalKind::BlockSizeNotDivisible);
         assert_eq!(msg, "Local block size 272 is not divisible by remote block size 544 or vice versa.");
-        assert_eq!(flag, "--block-size");
+        assert_eq!(flag, Knob::BlockSize);
         // P4 -> D2 works with triton (544 is a multiple of 272) ...
         let ok = pair("qwen3-next-80b-a3b", e(4), e(2)).expect("accepted");
         assert_eq!(ok.block_size_ratio, 2);
         // ... and fails on H100-class GPUs (FlashInfer GDN prefill: 576 vs 320 tokens).
-        let fi = |tp| HybridEngine { gdn_prefill: GdnPrefillBackend::FlashInfer, ..e(tp) };
+        let fi = |tp| HybridEngineSpec { gdn_prefill: GdnPrefillBackend::FlashInfer, ..e(tp) };
         assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(4), fi(2))).0, RefusalKind::BlockSizeNotDivisible);
         assert_eq!(refusal(pair("qwen3-next-80b-a3b", fi(2), fi(4))).0, RefusalKind::BlockSizeNotDivisible);
-        // The suggested common --block-size makes the pair work.
-        let b = |tp| HybridEngine { block_tokens: 544, ..e(tp) };
+        // The suggested common block size makes the pair work.
+        let b = |tp| HybridEngineSpec { block_tokens: 544, ..e(tp) };
         assert!(pair("qwen3-next-80b-a3b", b(2), b(4)).is_ok());
     }
 
     #[test]
     fn every_vllm_refusal_names_its_setting() {
-        let e = |tp| HybridEngine { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngine::new(tp, 64) };
-        let cases: Vec<(Result<HybridPlanner, HybridError>, RefusalKind, &str)> = vec![
-            (pair("nemotron-h-8b", e(3), e(2)), RefusalKind::ModelNotDivisible, "--p-tp"),
+        let e =
+            |tp| HybridEngineSpec { gdn_prefill: GdnPrefillBackend::Triton, ..HybridEngineSpec::new(tp, 64) };
+        let cases: Vec<(Result<HybridPlanner, HybridError>, RefusalKind, Knob)> = vec![
+            (pair("nemotron-h-8b", e(3), e(2)), RefusalKind::ModelNotDivisible, Knob::PTp),
             // TP sizes that each split the model's 8 KV heads but not each other.
-            (pair("gpt-oss-120b", e(16), e(24)), RefusalKind::TpNotDivisible, "--d-tp"),
+            (pair("gpt-oss-120b", e(16), e(24)), RefusalKind::TpNotDivisible, Knob::DTp),
             (
-                pair("nemotron-h-8b", HybridEngine { pp: 2, ..e(1) }, e(1)),
+                pair("nemotron-h-8b", HybridEngineSpec { pp: 2, ..e(1) }, e(1)),
                 RefusalKind::PipelineParallel,
-                "--p-pp",
+                Knob::PPp,
             ),
             (
-                pair("nemotron-h-8b", e(1), HybridEngine { conv_state_layout: ConvStateLayout::Sd, ..e(1) }),
+                pair(
+                    "nemotron-h-8b",
+                    e(1),
+                    HybridEngineSpec { conv_state_layout: ConvStateLayout::Sd, ..e(1) },
+                ),
                 RefusalKind::ConvStateLayout,
-                "--conv-state-layout",
+                Knob::ConvStateLayout,
             ),
             (
                 pair(
                     "qwen3-next-80b-a3b",
                     e(4),
-                    HybridEngine { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) },
+                    HybridEngineSpec { kv_buffer_device: KvBufferDevice::Cpu, ..e(2) },
                 ),
                 RefusalKind::HostBufferBlockSizes,
-                "--kv-buffer-device",
+                Knob::KvBufferDevice,
             ),
-            (pair("qwen3-next-80b-a3b", e(4), e(1)), RefusalKind::HeadShardedBlockSizes, "--d-tp"),
+            (pair("qwen3-next-80b-a3b", e(4), e(1)), RefusalKind::HeadShardedBlockSizes, Knob::DTp),
             (
                 // 16-token kernel blocks under 272- and 544-token blocks: 17 vs 34 per block.
                 pair(
                     "qwen3-next-80b-a3b",
-                    HybridEngine { kernel_block_tokens: Some(16), ..e(4) },
-                    HybridEngine { kernel_block_tokens: Some(16), ..e(2) },
+                    HybridEngineSpec { kernel_block_tokens: Some(16), ..e(4) },
+                    HybridEngineSpec { kernel_block_tokens: Some(16), ..e(2) },
                 ),
                 RefusalKind::PrefixCachingKernelBlocks,
-                "--no-prefix-caching",
+                Knob::NoPrefixCaching,
             ),
             (
-                pair("gpt-oss-120b", e(1), HybridEngine { layout: Layout::Lbnhc, ..e(1) }),
+                pair("gpt-oss-120b", e(1), HybridEngineSpec { layout: Layout::Lbnhc, ..e(1) }),
                 RefusalKind::LayoutMismatch,
-                "--d-layout",
+                Knob::DLayout,
             ),
             (
                 pair(
                     "gpt-oss-120b",
-                    HybridEngine { layout: Layout::Lbnhc, ..e(1) },
-                    HybridEngine { layout: Layout::Lbnhc, ..e(2) },
+                    HybridEngineSpec { layout: Layout::Lbnhc, ..e(1) },
+                    HybridEngineSpec { layout: Layout::Lbnhc, ..e(2) },
                 ),
                 RefusalKind::NonContiguousHeads,
-                "--layout",
+                Knob::Layout,
             ),
-            (pair("gpt-oss-120b", e(16), e(8)), RefusalKind::ReplicatedKvPrefillAboveDecode, "--p-tp"),
+            (pair("gpt-oss-120b", e(16), e(8)), RefusalKind::ReplicatedKvPrefillAboveDecode, Knob::PTp),
             (
                 pair("granite-4.0-h-tiny", e(1), e(4)).and_then(|_| pair("granite-4.0-h-tiny", e(1), e(3))),
                 RefusalKind::ModelNotDivisible,
-                "--d-tp",
+                Knob::DTp,
             ),
         ];
         for (r, kind, flag) in cases {
             let (k, msg, f) = refusal(r);
-            assert_eq!((k, f.as_str()), (kind, flag), "{msg}");
+            assert_eq!((k, f), (kind, flag), "{msg}");
             assert!(!msg.is_empty());
         }
-        let permuted = HybridPlanner::new(&PairConfig {
+        let permuted = HybridPlanner::new(&HybridPairSpec {
             model: preset("gpt-oss-120b").expect("preset"),
             p: e(1),
-            d: HybridEngine { layout: Layout::Lbnhc, ..e(1) },
+            d: HybridEngineSpec { layout: Layout::Lbnhc, ..e(1) },
             permute_local_kv: true,
             state_slices: Default::default(),
             host_copy: Default::default(),

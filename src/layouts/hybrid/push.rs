@@ -19,10 +19,11 @@ use serde::Serialize;
 
 use super::desc_lists::RowKind;
 use super::error::{HybridError, RefusalKind};
-use super::pair::PairConfig;
+use super::pair::HybridPairSpec;
 pub use super::pair::PushAttention;
 use super::planner::{HybridPlan, HybridPlanner};
 use crate::layouts::plan::Pair;
+use crate::vocab::knob::Knob;
 
 /// One WRITE: what a prefill rank puts into one decode rank. `pairs[i].local` is the offset in
 /// the prefill rank's registered memory, `remote` in the decode rank's.
@@ -71,8 +72,8 @@ pub fn expected_notifs(p_tp: u32, d_tp: u32) -> u32 {
 
 /// Whether vLLM's push leaves decode rank `d_rank`'s attention out (decode TP above prefill
 /// TP and above the KV heads, and an earlier decode rank of the same prefill rank holds the
-/// same head), under the pair's `--push-attention` rule.
-pub fn attention_skipped(config: &PairConfig, d_rank: u32) -> bool {
+/// same head), under the pair's [`Knob::PushAttention`] rule.
+pub fn attention_skipped(config: &HybridPairSpec, d_rank: u32) -> bool {
     let (p_tp, d_tp) = (config.p.tp, config.d.tp);
     let heads = config.model.attention.num_kv_heads;
     if config.push_attention == PushAttention::EveryRank || d_tp <= p_tp || d_tp <= heads {
@@ -96,11 +97,13 @@ pub fn check_push(planner: &HybridPlanner) -> Result<(), HybridError> {
             "assert not (tp_ratio < 0 and is_kv_replicated(remote_engine_id)) (push: prefill checks each decode \
              rank, so decode TP above prefill TP with replicated heads)",
             "nixl/base_worker.py:2728 (_validate_remote_agent_handshake)",
-            "--d-tp",
+            Knob::DTp,
             format!(
                 "with decode TP {} above the model's {heads} KV heads, push needs decode TP at most prefill TP \
-                 {} (or --mode pull)",
-                config.d.tp, config.p.tp
+                 {} (or {} pull)",
+                config.d.tp,
+                config.p.tp,
+                Knob::Mode,
             ),
         ));
     }
@@ -113,9 +116,12 @@ pub fn check_push(planner: &HybridPlanner) -> Result<(), HybridError> {
                  (get_transfer_results): kernel blocks of {p} and {d} tokens"
             ),
             "nixl/base_worker.py:2553, 3279",
-            "--mode",
-            "push needs equal kernel block sizes on both sides; use TP sizes with equal hybrid block \
-             sizes, or --mode pull",
+            Knob::Mode,
+            format!(
+                "push needs equal kernel block sizes on both sides; use TP sizes with equal hybrid block \
+                 sizes, or {} pull",
+                Knob::Mode
+            ),
         ));
     }
     Ok(())
@@ -211,14 +217,15 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::layouts::hybrid::{HybridEngine, HybridRequest, preset};
+    use crate::layouts::hybrid::{HybridEngineSpec, HybridRequest, preset};
 
     fn planner(model: &str, p_tp: u32, d_tp: u32, rule: PushAttention) -> Option<HybridPlanner> {
         // Qwen3-Next's hybrid block size follows TP: one size on both sides, so more TP pairs
         // are accepted.
         let block_tokens = if model.starts_with("qwen3-next") { 544 } else { 16 };
-        let engine = |tp| HybridEngine { tp, num_blocks: 400, block_tokens, ..HybridEngine::default() };
-        let config = PairConfig {
+        let engine =
+            |tp| HybridEngineSpec { tp, num_blocks: 400, block_tokens, ..HybridEngineSpec::default() };
+        let config = HybridPairSpec {
             model: preset(model).expect("preset"),
             p: engine(p_tp),
             d: engine(d_tp),
@@ -386,16 +393,16 @@ mod tests {
         // No state, decode TP above prefill TP and above the KV heads (gemma-3-4b: 4).
         let gemma = planner("gemma-3-4b", 1, 8, PushAttention::Vllm).expect("pull accepts it");
         let e = check_push(&gemma).expect_err("push refuses it");
-        assert_eq!(e.flag(), "--d-tp");
+        assert_eq!(e.knob(), Knob::DTp);
         // Different kernel block sizes (Qwen3-Next at its TP-dependent sizes: 272 at TP 4).
         let mut config = planner("qwen3-next-80b-a3b", 2, 2, PushAttention::Vllm).expect("pair").config;
         // Triton GDN prefill (A100-class): 272 and 544 tokens divide; FlashInfer's 320 and 576 do not.
         let triton = crate::layouts::hybrid::GdnPrefillBackend::Triton;
-        config.p = HybridEngine { tp: 4, block_tokens: 16, gdn_prefill: triton, ..config.p };
-        config.d = HybridEngine { tp: 2, block_tokens: 16, gdn_prefill: triton, ..config.d };
+        config.p = HybridEngineSpec { tp: 4, block_tokens: 16, gdn_prefill: triton, ..config.p };
+        config.d = HybridEngineSpec { tp: 2, block_tokens: 16, gdn_prefill: triton, ..config.d };
         let qwen = HybridPlanner::new(&config).expect("pull accepts P4 -> D2");
         let e = check_push(&qwen).expect_err("push refuses it");
-        assert_eq!(e.flag(), "--mode");
+        assert_eq!(e.knob(), Knob::Mode);
         assert!(e.to_string().contains("272"), "{e}");
     }
 }

@@ -12,7 +12,7 @@ use super::desc_lists::DescList;
 use super::desc_lists::RowAt;
 use super::desc_lists::RowKind;
 use super::desc_lists::RowLabel;
-use super::geometry::{EngineGeometry, MemKind};
+use super::geometry::{EngineGeometry, RegionMem};
 use crate::layouts::plan::Pair;
 
 /// One descriptor pair of a READ: `len` bytes at `remote` (prefill rank) to `local` (decode
@@ -201,13 +201,13 @@ pub(super) struct ReadTemplate {
     /// The aligned run pairs cut into spans of consecutive pairs of one group (a state
     /// group's rows, an attention group's layers): one check per span, then every pair of
     /// the span in one pass.
-    pub(super) spans: Vec<Span>,
+    pub(super) spans: Vec<RunSpan>,
 }
 
 /// Consecutive aligned run pairs `start..end` of one group, and what whole lists must stay
 /// under to take the fast way for all of them at once.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Span {
+pub(super) struct RunSpan {
     pub(super) group: u32,
     pub(super) start: usize,
     pub(super) end: usize,
@@ -220,10 +220,10 @@ pub(super) struct Span {
     pub(super) rcap: u64,
 }
 
-impl Span {
+impl RunSpan {
     /// The spans of `pairs`, cut where the group changes.
-    pub(super) fn cut(pairs: &[RowPair]) -> Vec<Span> {
-        let mut out: Vec<Span> = Vec::new();
+    pub(super) fn cut(pairs: &[RowPair]) -> Vec<RunSpan> {
+        let mut out: Vec<RunSpan> = Vec::new();
         for (k, rp) in pairs.iter().enumerate() {
             match out.last_mut() {
                 Some(s) if s.group == rp.group => {
@@ -232,7 +232,7 @@ impl Span {
                     s.lcap = s.lcap.min(rp.lcap);
                     s.rcap = s.rcap.min(rp.rcap);
                 }
-                _ => out.push(Span {
+                _ => out.push(RunSpan {
                     group: rp.group,
                     start: k,
                     end: k + 1,
@@ -290,7 +290,7 @@ impl Span {
     }
 }
 
-impl Span {
+impl RunSpan {
     /// The pairs of run pair `rp` over whole lists `ls` and `rs`.
     #[inline(always)]
     pub(super) fn row(rp: &RowPair, read: &mut HybridRead, (ls, rs): (&[u64], &[u64])) {
@@ -481,10 +481,10 @@ pub(super) fn desc_id_runs(g: &EngineGeometry, groups: usize, bsr: u32) -> Vec<I
     let logical = g.num_blocks();
     let state_regions: Vec<i32> = g.regions.iter().filter(|r| r.holds_state).map(|r| r.group_id).collect();
     let parts = state.parts.len() as u64;
-    // `--host-descriptors per-group`: a host buffer's group over its own layers' tensors only
+    // Host descriptors per group: a host buffer's group over its own layers' tensors only
     // (each host region is one layer's, of one group); vLLM's over every region (attention)
     // and every state region (state).
-    let own = g.config.host_descriptors_per_group && g.mem() == MemKind::Dram;
+    let own = g.config.host_descriptors_per_group && g.mem() == RegionMem::Dram;
     let mine =
         |gid: i32, grp: &super::geometry::KvGroup| !own || gid == i32::try_from(grp.index).unwrap_or(-1);
     for (group, grp) in groups.zip(&g.groups) {

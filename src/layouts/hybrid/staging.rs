@@ -77,12 +77,12 @@ pub fn host_copy_moves(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layouts::hybrid::geometry::{HybridEngine, KvBufferDevice, Side};
+    use crate::layouts::hybrid::geometry::{HybridEngineSpec, KvBufferDevice, Side};
     use crate::layouts::hybrid::preset;
 
     fn engines(padded: bool) -> (EngineGeometry, EngineGeometry) {
         let model = preset("nemotron-h-8b").expect("preset");
-        let mut e = HybridEngine::new(1, 8);
+        let mut e = HybridEngineSpec::new(1, 8);
         let device = EngineGeometry::new(&model, &e, Side::Decode).expect("device");
         e.kv_buffer_device = KvBufferDevice::Cpu;
         e.host_state_page_padded = padded;

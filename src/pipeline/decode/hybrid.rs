@@ -15,7 +15,7 @@ use crate::layouts::hybrid::blocks::{
 };
 use crate::layouts::hybrid::coverage::{ByteReport, LandedCheck, PoolCheck, Sample};
 use crate::layouts::hybrid::staging::host_copy_moves;
-use crate::layouts::hybrid::{EngineGeometry, HybridPlanner, PairConfig};
+use crate::layouts::hybrid::{EngineGeometry, HybridPairSpec, HybridPlanner};
 use crate::layouts::hybrid::{HostCopyRule, HybridPlan, handshake_ranks};
 use crate::pipeline::params::KvTransferParams;
 use crate::pipeline::wire::{FailureCause, LoadResult};
@@ -50,7 +50,7 @@ struct HybridRemote {
 
 impl HybridDecode {
     pub(super) fn new(
-        config: &PairConfig,
+        config: &HybridPairSpec,
         cache: Option<EngineGeometry>,
     ) -> Result<Self, crate::layouts::hybrid::HybridError> {
         let planner = Arc::new(HybridPlanner::new(config)?);
@@ -234,7 +234,7 @@ impl Decoder<'_> {
         let config = &h.planner.config;
         let p_geometry = EngineGeometry::new(
             &config.model,
-            &crate::layouts::hybrid::HybridEngine { tp: p_tp, ..config.p },
+            &crate::layouts::hybrid::HybridEngineSpec { tp: p_tp, ..config.p },
             crate::layouts::hybrid::geometry::Side::Prefill,
         )
         .map_err(|e| incompatible(format!("prefill engine {engine_id} (TP {p_tp}): {e}")))?;

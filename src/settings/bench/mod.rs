@@ -497,11 +497,13 @@ fn hybrid_pair(
     max_tokens: u32,
     in_flight: u32,
     transport: &TransportConfig,
-) -> Result<(crate::layouts::compat::PairSpec, crate::layouts::hybrid::PairConfig, HybridSizing), ConfigError>
-{
+) -> Result<
+    (crate::layouts::compat::PairSpec, crate::layouts::hybrid::HybridPairSpec, HybridSizing),
+    ConfigError,
+> {
     use crate::layouts::hybrid::blocks::RequestShape;
     use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
-    use crate::layouts::hybrid::{HybridRequest, PairConfig};
+    use crate::layouts::hybrid::{HybridPairSpec, HybridRequest};
     let name = model.name.clone();
     if transport.mode == TransferMode::Push {
         // Push WRITEs over UCX from the request's whole plan, once its prefill is done.
@@ -550,7 +552,7 @@ fn hybrid_pair(
                 s.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
         }
     }
-    let pool = |e: &crate::layouts::hybrid::HybridEngine, side: Side| -> Result<u32, ConfigError> {
+    let pool = |e: &crate::layouts::hybrid::HybridEngineSpec, side: Side| -> Result<u32, ConfigError> {
         let shape = RequestShape::of(&EngineGeometry::new(&model, e, side)?);
         let per_request = shape.blocks(max_tokens, 0);
         match s.pool_blocks {
@@ -567,7 +569,7 @@ fn hybrid_pair(
         }
     };
     (p.num_blocks, d.num_blocks) = (pool(&p, Side::Prefill)?, pool(&d, Side::Decode)?);
-    let config = PairConfig {
+    let config = HybridPairSpec {
         model,
         p,
         d,
@@ -616,7 +618,7 @@ fn finish(
     alloc: AllocPattern,
     transport: TransportConfig,
     pair: crate::layouts::compat::PairSpec,
-    hybrid: Option<(crate::layouts::hybrid::PairConfig, HybridSizing)>,
+    hybrid: Option<(crate::layouts::hybrid::HybridPairSpec, HybridSizing)>,
 ) -> Result<BenchSettings, ConfigError> {
     let max_tokens = lens.max();
     // A hybrid model's pair and what its requests move, taken apart once.
