@@ -10,20 +10,23 @@
 //! bin/kvx.rs     parse args, call `kvx::cli::run`, map the outcome to an exit code
 //! cli/           one file per subcommand: its examples, the parsed flags handed to settings,
 //!                the resolved run started and printed
-//! settings/      one struct per command = clap flags + config-file keys; flags + config files
-//!                + the environment (env.rs: KVX_*, a launcher's rank) + defaults -> typed,
-//!                validated settings (BenchJob, BenchSettings, ServeEngineSettings, XferRun, ...)
+//! settings/      one clap definition per setting (shared groups in flags.rs) + config-file
+//!                keys; flags + config files + the environment (env.rs: KVX_*, a launcher's
+//!                rank) + defaults -> config/'s typed values; imports nothing that runs
 //! serve/         reference engine (http_engine), proxy and load generator (HTTP), bench --serve
 //! diagnose/      commands that probe a host or a link: `kvx xfer` (control, target, buffers,
 //!                measure), `kvx doctor`, `kvx probe`
 //! pipeline/      engines of worker processes, the worker process and its role loops, the
-//!                engine-worker messages (wire: typed worker settings), the engine builder,
-//!                the cuda-batch transport in a rank, `kvx bench`
+//!                engine-worker messages (wire), the cuda-batch transport in a rank, `kvx
+//!                bench` with its sweep and compare runners
 //! report/        summaries, tables (bench, topo, plan, xfer), JSON/CSV/SVG export, the
 //!                run's verdict, comparison and gate
+//! config/        the resolved run configuration (worker, engine, bench, serve, load, xfer,
+//!                probe, sweep, layout): typed, no clap, no environment
 //! transfer/      moving bytes: memory, UCX (the only FFI), CUDA (cuda, cuda_batch), ZMQ
 //!                handshake, notifications, shared storage
-//! layouts/       KV layouts, regions, descriptor plans, hybrid groups, byte patterns   (pure)
+//! layouts/       KV layouts, regions, descriptor plans, hybrid groups, byte patterns   (pure,
+//!                no flag names: typed knobs, vocab::knob)
 //! topology/      TP rank maps, P->D pairing, side-channel ports                       (pure)
 //! ground floor   vocab/ (model shapes, dtypes, kinds of role/verify/transport/memory,
 //!                KVX_* names), error.rs (typed errors, Outcome, exit codes), output.rs
