@@ -10,7 +10,7 @@ use crate::diagnose::xfer::run_for_calibration;
 use crate::error::Outcome;
 use crate::output;
 use crate::pipeline::bench;
-use crate::pipeline::compare::{self, Compared};
+use crate::pipeline::bench::compare::{self, Compared};
 use crate::report::files::RunWriter;
 use crate::report::summary::{new_run_id, now_rfc3339};
 use crate::report::table::{Style, render_summary};
@@ -49,7 +49,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         BenchJob::CompareKvBuffer(runs) => compare(format, Compared::KvBuffer, &runs, &root, &run_id),
         BenchJob::Sweep(sweep) => {
             let mut writer = RunWriter::create(&root, &run_id)?;
-            let summary = crate::pipeline::sweep::run(&sweep, &mut writer, &run_id, run_for_calibration)?;
+            let summary = crate::pipeline::bench::sweep::run(&sweep, &mut writer, &run_id, run_for_calibration)?;
             // Printed before any file is written: a full disk does not hide what was measured.
             output::keep_verdict(output::stdout(summary_text(format, &summary, writer.dir())?))?;
             writer.finish(&summary)?;

@@ -53,7 +53,7 @@ pub fn run(args: &WorkerArgs) -> anyhow::Result<Outcome> {
             "pass --role prefill|decode, or run under a launcher (SLURM_PROCID, OMPI_COMM_WORLD_RANK or RANK) with --p-tp"
         ),
     };
-    crate::pipeline::rank::run(&endpoint, role, rank)?;
+    crate::pipeline::worker::run(&endpoint, role, rank)?;
     Ok(Outcome::Ok)
 }
 

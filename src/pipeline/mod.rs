@@ -8,17 +8,8 @@
 //! calibration is a `kvx xfer` measurement, run through the runner `cli` hands it
 //! (`bench::XferRunner`): `pipeline` never imports `diagnose`.
 
-pub mod batch;
 pub mod bench;
-pub mod compare;
-pub mod decode;
 pub mod engine;
 pub mod params;
-pub mod pool;
-pub mod prefill;
-pub mod push;
-pub mod rank;
-pub mod sweep;
 pub mod wire;
 pub mod worker;
-pub mod workload;

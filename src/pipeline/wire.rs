@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::params::KvTransferParams;
+use crate::pipeline::params::KvTransferParams;
 use crate::transfer::ucx::ProtoReport;
 
 /// Hard cap on one control message, checked before decoding.

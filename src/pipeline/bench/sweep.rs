@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use super::bench::{self, XferRunner};
+use crate::pipeline::bench::{self, XferRunner};
 use crate::config::sweep::{SweepJob, text};
 use crate::report::files::RunWriter;
 use crate::report::summary::Summary;

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::wire::{self, FromWorker, ToWorker};
+use crate::pipeline::wire::{self, FromWorker, ToWorker};
 use crate::config::worker::WorkerConfig;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;

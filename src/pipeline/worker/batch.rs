@@ -10,8 +10,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::wire::{FailureCause, LoadResult};
-use super::worker::{Stage as _, WorkerError};
+use crate::pipeline::wire::{FailureCause, LoadResult};
+use crate::pipeline::worker::plumbing::{Stage as _, WorkerError};
 use crate::layouts::plan::{BlockPairs, Pair, RegionXfer};
 use crate::report::summary::{CudaBatchInfo, Summary};
 use crate::transfer::cuda::CudaDevice;

@@ -3,10 +3,16 @@
 //! or `decode`) and says goodbye. Its rank comes from the flags, from a launcher's
 //! environment (Slurm, Open MPI, torchrun), or from the engine.
 
+pub mod batch;
+pub mod decode;
+pub mod plumbing;
+pub mod prefill;
+pub mod push;
+
 use std::time::{Duration, Instant};
 
-use super::wire::{FromWorker, ToWorker};
-use super::worker::{Control, WorkerError, rss_bytes};
+use crate::pipeline::wire::{FromWorker, ToWorker};
+use crate::pipeline::worker::plumbing::{Control, WorkerError, rss_bytes};
 use crate::config::worker::WorkerConfig;
 use crate::vocab::kinds::Role;
 
@@ -42,8 +48,8 @@ pub fn run(endpoint: &str, role: Role, rank: Option<u32>) -> Result<(), WorkerEr
         cfg.advertise_host = own;
     }
     let result = match cfg.role {
-        Role::Prefill => super::prefill::run(&ctl, cfg),
-        Role::Decode => super::decode::run(&ctl, cfg),
+        Role::Prefill => crate::pipeline::worker::prefill::run(&ctl, cfg),
+        Role::Decode => crate::pipeline::worker::decode::run(&ctl, cfg),
     };
     match &result {
         Ok(()) => {

@@ -20,9 +20,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::params::base_request_id;
-use super::wire::{FailureCause, PushStats};
-use super::worker::{classify_ucx, compat_factors, fetch_peers, first_region, peer_spec};
+use crate::pipeline::params::base_request_id;
+use crate::pipeline::wire::{FailureCause, PushStats};
+use crate::pipeline::worker::plumbing::{classify_ucx, compat_factors, fetch_peers, first_region, peer_spec};
 use crate::config::worker::WorkerConfig;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::blocks::{ExchangedBlocks, TokenCounts};
@@ -616,7 +616,7 @@ impl Pusher {
         let planner = HybridPlanner::new(&config)
             .and_then(|p| hybrid_push::check_push(&p).map(|()| p))
             .map_err(|e| incompatible(format!("decode engine {engine} (TP {d_tp}): {e}")))?;
-        let (first, d_len) = super::worker::hybrid_peer_regions(
+        let (first, d_len) = crate::pipeline::worker::plumbing::hybrid_peer_regions(
             &planner.d,
             &peers,
             &format!("decode engine {engine}"),

@@ -15,9 +15,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::push::{HybridHeld, PushJob, Pusher};
-use super::wire::{FailureCause, FromWorker, PushStats, ReadyInfo, ToWorker, UcxChoices};
-use super::worker::{
+use crate::pipeline::worker::push::{HybridHeld, PushJob, Pusher};
+use crate::pipeline::wire::{FailureCause, FromWorker, PushStats, ReadyInfo, ToWorker, UcxChoices};
+use crate::pipeline::worker::plumbing::{
     Control, Stage as _, WorkerError, advertised_payload, block_ranges, host_pool, rss_bytes,
 };
 use crate::config::worker::{Fault, Overlap, WorkerConfig};
@@ -195,14 +195,14 @@ fn defer_wakeups() {
 pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     defer_wakeups();
     let geom = cfg.pair.p_geometry(cfg.rank);
-    let hybrid = super::worker::hybrid_geometry(&cfg)?;
-    let hybrid_cache = super::worker::hybrid_cache_geometry(&cfg)?;
+    let hybrid = crate::pipeline::worker::plumbing::hybrid_geometry(&cfg)?;
+    let hybrid_cache = crate::pipeline::worker::plumbing::hybrid_cache_geometry(&cfg)?;
     let progress = cfg.transport.progress;
     let kind = cfg.transport.kind;
-    let (regions, total) = super::worker::rank_regions(&geom, hybrid.as_ref());
-    let cache_total = hybrid_cache.as_ref().map_or(total, super::worker::hybrid_span);
-    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mut mem, mut staged } =
-        super::worker::rank_pool(&cfg, regions, total, cache_total)?;
+    let (regions, total) = crate::pipeline::worker::plumbing::rank_regions(&geom, hybrid.as_ref());
+    let cache_total = hybrid_cache.as_ref().map_or(total, crate::pipeline::worker::plumbing::hybrid_span);
+    let crate::pipeline::worker::plumbing::RankPool { regions, total, uses_ucx, uses_storage, mut mem, mut staged } =
+        crate::pipeline::worker::plumbing::rank_pool(&cfg, regions, total, cache_total)?;
     if cfg.verify != VerifyMode::Full {
         // No fill will touch every page (nothing checks the bytes, or only the sample's):
         // touched now, so that reads find real memory, not the kernel's shared zero page.
@@ -239,7 +239,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     };
     // cuda-batch: the pool exported once; decode ranks map it and copy from it directly.
     let cuda_ipc = match kind {
-        TransportKind::CudaBatch => Some(super::batch::export_pool(pool.memory()?)?),
+        TransportKind::CudaBatch => Some(crate::pipeline::worker::batch::export_pool(pool.memory()?)?),
         _ => None,
     };
     let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
@@ -253,7 +253,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     };
     let payload = payload_of(worker_address, &rkey)?;
     let mut storage = if uses_storage {
-        let opts = super::worker::storage_options(&cfg);
+        let opts = crate::pipeline::worker::plumbing::storage_options(&cfg);
         Some(StoragePublisher::new(opts, &cfg.engine_id, cfg.rank).stage("storage transport")?)
     } else {
         None
@@ -558,7 +558,7 @@ fn pushed(
     id: &str,
     req: u64,
     compute_ns: u64,
-    result: Result<PushStats, super::push::Failure>,
+    result: Result<PushStats, crate::pipeline::worker::push::Failure>,
 ) -> Result<(), WorkerError> {
     leases.release(id);
     pusher.forget(id);
@@ -627,12 +627,12 @@ fn hybrid_save_moves(
     cache: &crate::layouts::hybrid::geometry::EngineGeometry,
     host: &crate::layouts::hybrid::geometry::EngineGeometry,
     lists: &[Vec<u32>],
-) -> Result<super::worker::Moves, WorkerError> {
+) -> Result<crate::pipeline::worker::plumbing::Moves, WorkerError> {
     use crate::layouts::hybrid::staging::{host_copy_moves, saved_kernel_ids};
     let kernel =
         saved_kernel_ids(cache, lists).map_err(|e| WorkerError::Protocol { reason: e.to_string() })?;
     let per_group = host.config.host_descriptors_per_group;
-    Ok(super::worker::split_moves(&host_copy_moves(cache, host, &kernel, per_group), true))
+    Ok(crate::pipeline::worker::plumbing::split_moves(&host_copy_moves(cache, host, &kernel, per_group), true))
 }
 
 /// Moves the simulated prefills on: with `--overlap layers`, WRITEs the layers computed since

@@ -19,7 +19,7 @@ use crate::layouts::hybrid::{EngineGeometry, HybridPairSpec, HybridPlanner};
 use crate::layouts::hybrid::{HostCopyRule, HybridPlan, handshake_ranks};
 use crate::pipeline::params::KvTransferParams;
 use crate::pipeline::wire::{FailureCause, LoadResult};
-use crate::pipeline::worker::{classify_ucx, compat_factors, fetch_peers};
+use crate::pipeline::worker::plumbing::{classify_ucx, compat_factors, fetch_peers};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::notify::Notification;
 use crate::transfer::ucx::{ReadDesc, ReadOptions};
@@ -270,7 +270,7 @@ impl Decoder<'_> {
         };
         let planner = h.planner_for(p_tp, blocks, engine_id)?;
         // The plan assumes the prefill engine lays its pool out as this one would at its TP.
-        let (first, p_len) = crate::pipeline::worker::hybrid_peer_regions(
+        let (first, p_len) = crate::pipeline::worker::plumbing::hybrid_peer_regions(
             &planner.p,
             &peers,
             &format!("prefill engine {engine_id}"),
@@ -341,7 +341,7 @@ impl Decoder<'_> {
             // cuda-batch: every READ's pairs copied from the prefill ranks' mapped pools, as
             // for a uniform model (one batch per request, or one per prefill rank), one wait.
             let mem = self.local.memory_mut()?;
-            let reads: Vec<super::super::batch::BatchRead<'_>> = mine
+            let reads: Vec<crate::pipeline::worker::batch::BatchRead<'_>> = mine
                 .reads
                 .iter()
                 .map(|read| {
@@ -415,7 +415,7 @@ impl Decoder<'_> {
             let kernel = logical_to_kernel(&d.groups, &plan.blocks.local_block_ids, d.physical_per_logical);
             let per_group = planner.config.host_copy == HostCopyRule::PerGroup;
             let moves = host_copy_moves(cache, d, &kernel, per_group);
-            let (from, to) = crate::pipeline::worker::split_moves(&moves, false);
+            let (from, to) = crate::pipeline::worker::plumbing::split_moves(&moves, false);
             crate::transfer::memory::copy_moved(self.local.memory()?, &from, pool, &to).map_err(|e| {
                 (FailureCause::Internal, format!("copy the received blocks into the KV cache: {e}"))
             })?;

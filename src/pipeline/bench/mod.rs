@@ -7,6 +7,10 @@
 //! the workers; the driver only aggregates them, so its own scheduling never shows up as
 //! transfer time.
 
+pub mod compare;
+pub mod sweep;
+pub mod workload;
+
 use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -15,9 +19,9 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use super::engine::{Engine, EngineError, EngineFinal};
-use super::wire::LoadResult;
-use super::workload::Generator;
+use crate::pipeline::engine::{Engine, EngineError, EngineFinal};
+use crate::pipeline::wire::LoadResult;
+use crate::pipeline::bench::workload::Generator;
 use crate::config::bench::Arrival;
 use crate::config::bench::{BenchSettings, DescriptorShare, FailurePolicy};
 use crate::config::engine::WorkerSettings;
@@ -270,7 +274,7 @@ struct Tally {
     /// Requests served by the storage transport.
     via_storage: u64,
     /// Batched copies of the cuda-batch transport.
-    batch: super::batch::BatchTally,
+    batch: crate::pipeline::worker::batch::BatchTally,
     /// Per-request bandwidth by the wall-span rule (pull mode; push tallies its WRITEs).
     bandwidth: BandwidthTally,
 }
@@ -352,7 +356,7 @@ impl UcxSeen {
     }
 
     /// What a prefill rank reported of its WRITEs (push mode).
-    pub fn see_writes(&mut self, c: &super::wire::UcxChoices) {
+    pub fn see_writes(&mut self, c: &crate::pipeline::wire::UcxChoices) {
         self.transports = self.transports.take().or_else(|| c.transports.clone());
         self.protocols = self.protocols.take().or_else(|| Some(c.protocols.clone()));
         self.settings = self.settings.take().or_else(|| Some(c.settings.clone()));
@@ -855,7 +859,7 @@ pub fn run(
 /// prefill still computed (their mean), and a note says which share of the WRITE time that is.
 fn push_stages(
     s: &BenchSettings,
-    pushes: &[super::engine::PushRecord],
+    pushes: &[crate::pipeline::engine::PushRecord],
     rec: &mut StageRecorder,
     summary: &mut Summary,
 ) {

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde_json::json;
 
-use super::bench::{self, XferRunner};
+use crate::pipeline::bench::{self, XferRunner};
 use crate::config::bench::BenchSettings;
 use crate::host::cpu_seconds;
 use crate::report::chart::{Bars, bars_svg};

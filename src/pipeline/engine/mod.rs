@@ -11,6 +11,8 @@
 //! A worker that dies is noticed at once (its stderr pipe closes): requests waiting on it
 //! fail with `PeerGone`, and the engine refuses new ones rather than hang.
 
+pub mod pool;
+
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -25,9 +27,9 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
-use super::params::KvTransferParams;
-use super::pool::BlockPool;
-use super::wire::{self, FailureCause, FromWorker, LoadResult, PushStats, ReadyInfo, ToWorker};
+use crate::pipeline::params::KvTransferParams;
+use crate::pipeline::engine::pool::BlockPool;
+use crate::pipeline::wire::{self, FailureCause, FromWorker, LoadResult, PushStats, ReadyInfo, ToWorker};
 use crate::config::engine::{EngineConfig, Launch, split_endpoint};
 use crate::config::worker::Fault;
 use crate::topology::TransferMode;
@@ -205,7 +207,7 @@ pub struct EngineFinal {
     pub pushes: Vec<PushRecord>,
     /// Push mode, prefill engine: what UCX chose for the WRITEs, as the first rank that
     /// wrote reported it.
-    pub push_ucx: Option<super::wire::UcxChoices>,
+    pub push_ucx: Option<crate::pipeline::wire::UcxChoices>,
 }
 
 /// One prefill rank's WRITE of one request (push mode).

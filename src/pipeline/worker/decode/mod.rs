@@ -9,10 +9,10 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::params::KvTransferParams;
-use super::push::{Landed, PushWaiter};
-use super::wire::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker};
-use super::worker::{
+use crate::pipeline::params::KvTransferParams;
+use crate::pipeline::worker::push::{Landed, PushWaiter};
+use crate::pipeline::wire::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker};
+use crate::pipeline::worker::plumbing::{
     Control, Stage as _, WorkerError, advertised_payload, classify_ucx, compat_factors, fetch_peers,
     first_region, host_pool_mut, peer_pair, rss_bytes,
 };
@@ -123,7 +123,7 @@ struct Decoder<'a> {
     /// of one fails at once instead of waiting for WRITEs that will not come.
     released: std::collections::HashSet<String>,
     /// The cuda-batch transport's copier; dropped (its stream drained) before the pool.
-    batch: Option<super::batch::BatchSide>,
+    batch: Option<crate::pipeline::worker::batch::BatchSide>,
     local: Local,
     /// `--kv-buffer-device cpu`: the KV pool, behind the host buffer `local` registers.
     staged: Option<crate::transfer::memory::KvBuffer>,
@@ -141,9 +141,9 @@ struct Decoder<'a> {
 
 pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let geom = cfg.pair.d_geometry(cfg.rank);
-    let hybrid_geom = super::worker::hybrid_geometry(&cfg)?;
-    let hybrid_cache = super::worker::hybrid_cache_geometry(&cfg)?;
-    let cache_span = hybrid_cache.as_ref().map(super::worker::hybrid_span);
+    let hybrid_geom = crate::pipeline::worker::plumbing::hybrid_geometry(&cfg)?;
+    let hybrid_cache = crate::pipeline::worker::plumbing::hybrid_cache_geometry(&cfg)?;
+    let cache_span = hybrid_cache.as_ref().map(crate::pipeline::worker::plumbing::hybrid_span);
     let hybrid = cfg
         .hybrid
         .as_deref()
@@ -152,10 +152,10 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         .stage("the hybrid model's descriptor lists")?;
     let (progress, err_mode) = (cfg.transport.progress, cfg.transport.err_mode);
     let kind = cfg.transport.kind;
-    let (regions, total) = super::worker::rank_regions(&geom, hybrid_geom.as_ref());
+    let (regions, total) = crate::pipeline::worker::plumbing::rank_regions(&geom, hybrid_geom.as_ref());
     let cache_bytes = cache_span.unwrap_or(total);
-    let super::worker::RankPool { regions, total, uses_ucx, uses_storage, mem, staged } =
-        super::worker::rank_pool(&cfg, regions, total, cache_bytes)?;
+    let crate::pipeline::worker::plumbing::RankPool { regions, total, uses_ucx, uses_storage, mem, staged } =
+        crate::pipeline::worker::plumbing::rank_pool(&cfg, regions, total, cache_bytes)?;
     let (local, lib) = if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx
@@ -175,7 +175,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         (Local::Plain(mem), (format!("(not loaded: {} transport)", kind.as_str()), String::new()))
     };
     let batch = match kind {
-        TransportKind::CudaBatch => Some(super::batch::BatchSide::new(
+        TransportKind::CudaBatch => Some(crate::pipeline::worker::batch::BatchSide::new(
             cfg.mem,
             cfg.transport.batch_copy,
             cfg.transport.batch_launch,
@@ -184,7 +184,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         _ => None,
     };
     let storage = if uses_storage {
-        let opts = super::worker::storage_options(&cfg);
+        let opts = crate::pipeline::worker::plumbing::storage_options(&cfg);
         Some(StorageFetcher::new(opts).stage("storage transport")?)
     } else {
         None
@@ -549,7 +549,7 @@ impl Decoder<'_> {
         // wait for all of them.
         if let Some(side) = self.batch.as_mut().filter(|_| grid) {
             let mem = self.local.memory_mut()?;
-            let reads: Vec<super::batch::GridRead<'_>> = eng
+            let reads: Vec<crate::pipeline::worker::batch::GridRead<'_>> = eng
                 .planner
                 .reads
                 .iter()
@@ -561,7 +561,7 @@ impl Decoder<'_> {
             side.read_grid(mem, &reads, &bp, timeout, r)?;
         } else if let Some(side) = self.batch.as_mut() {
             let mem = self.local.memory_mut()?;
-            let reads: Vec<super::batch::BatchRead<'_>> = eng
+            let reads: Vec<crate::pipeline::worker::batch::BatchRead<'_>> = eng
                 .planner
                 .reads
                 .iter()
@@ -715,7 +715,7 @@ impl Decoder<'_> {
             crate::transfer::memory::copy_ranges(
                 self.local.memory()?,
                 pool,
-                &super::worker::block_ranges(&self.regions, &blocks.local),
+                &crate::pipeline::worker::plumbing::block_ranges(&self.regions, &blocks.local),
             )
             .map_err(|e| {
                 (FailureCause::Internal, format!("copy the received blocks into the KV pool: {e}"))
@@ -762,7 +762,7 @@ fn push_side(
     use crate::transfer::ucx::Registrable as _;
     let listener = NotifyListener::bind(&format!("tcp://{}:0", cfg.bind_host))
         .stage("bind the push notification listener")?;
-    let notify_ep = super::prefill::advertise(listener.endpoint(), &cfg.advertise_host);
+    let notify_ep = crate::pipeline::worker::prefill::advertise(listener.endpoint(), &cfg.advertise_host);
     let (address, rkey, base, am) = match local {
         Local::Ucx(u) => (
             u.worker.address().stage("UCX worker address")?,
