@@ -12,7 +12,8 @@
 //!                the resolved run started and printed
 //! settings/      one struct per command = clap flags + config-file keys; flags + config files
 //!                + the environment (env.rs: KVX_*, a launcher's rank) + defaults -> typed,
-//!                validated settings (BenchJob, BenchSettings, ServeEngineSettings, XferRun, ...)
+//!                validated settings (BenchJob, BenchSettings, ServeEngineSettings, XferRun, ...);
+//!                the flag of each knob the core names (knobs.rs), clap for its enums (choices.rs)
 //! serve/         reference engine (http_engine), proxy and load generator (HTTP), bench --serve
 //! diagnose/      commands that probe a host or a link: `kvx xfer` (control, target, buffers,
 //!                measure), `kvx doctor`, `kvx probe`
@@ -26,7 +27,7 @@
 //! layouts/       KV layouts, regions, descriptor plans, hybrid groups, byte patterns   (pure)
 //! topology/      TP rank maps, P->D pairing, side-channel ports                       (pure)
 //! ground floor   vocab/ (model shapes, dtypes, kinds of role/verify/transport/memory,
-//!                KVX_* names), error.rs (typed errors, Outcome, exit codes), output.rs
+//!                knobs a core rule asks the user to change, KVX_* names), error.rs (typed errors, Outcome, exit codes), output.rs
 //!                (stdout; a closed stdout ends the run quietly), interrupt.rs (Ctrl-C),
 //!                clock.rs (CLOCK_MONOTONIC stamps every process of a host shares), host.rs
 //!                (the machine a run ran on, read from /proc), input.rs (files a user names,
