@@ -13,6 +13,7 @@
 //! settings/      one clap definition per setting (shared groups in flags.rs) + config-file
 //!                keys; flags + config files + the environment (env.rs: KVX_*, a launcher's
 //!                rank) + defaults -> config/'s typed values; imports nothing that runs
+//!                the flag of each knob the core names (knobs.rs), clap for its enums (choices.rs)
 //! serve/         reference engine (http_engine), proxy and load generator (HTTP), bench --serve
 //! diagnose/      commands that probe a host or a link: `kvx xfer` (control, target, buffers,
 //!                measure), `kvx doctor`, `kvx probe`
@@ -29,7 +30,7 @@
 //!                no flag names: typed knobs, vocab::knob)
 //! topology/      TP rank maps, P->D pairing, side-channel ports                       (pure)
 //! ground floor   vocab/ (model shapes, dtypes, kinds of role/verify/transport/memory,
-//!                KVX_* names), error.rs (typed errors, Outcome, exit codes), output.rs
+//!                knobs a core rule asks the user to change, KVX_* names), error.rs (typed errors, Outcome, exit codes), output.rs
 //!                (stdout; a closed stdout ends the run quietly), interrupt.rs (Ctrl-C),
 //!                clock.rs (CLOCK_MONOTONIC stamps every process of a host shares), host.rs
 //!                (the machine a run ran on, read from /proc), input.rs (files a user names,

@@ -174,9 +174,11 @@ impl RankGeometry {
     pub fn new(model: &ModelShape, engine: &EngineSpec, rank: u32) -> Self {
         let mla = model.is_mla();
         let total_heads = if mla { 1 } else { model.num_kv_heads };
+        // Saturating: callers size pools from a geometry before `PairSpec::validate` refuses
+        // an out-of-range head (a hostile head dimension must be refused, not overflow here).
         let vec_bytes = match model.mla {
-            Some(m) => m.head_size() * model.dtype.bytes(),
-            None => model.head_dim * model.dtype.bytes(),
+            Some(m) => m.head_size().saturating_mul(model.dtype.bytes()),
+            None => model.head_dim.saturating_mul(model.dtype.bytes()),
         };
         RankGeometry {
             layout: engine.layout,

@@ -392,7 +392,10 @@ fn pattern_into(key: u64, pos: u64, seed: u64, out: &mut [u8]) {
     if head > 0 {
         first.copy_from_slice(&pattern::word_at(k, pos / 8).to_le_bytes()[lane..lane + head]);
     }
-    pattern::fill_at(rest, k, pos + head as u64);
+    // Anything left starts on a word (`fill_at` takes word offsets only).
+    if !rest.is_empty() {
+        pattern::fill_at(rest, k, pos + head as u64);
+    }
 }
 
 /// Whether `have` holds the pattern bytes of the meaning keyed `key` from position `pos` on
