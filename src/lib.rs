@@ -17,9 +17,9 @@
 //! serve/         reference engine (http_engine), proxy and load generator (HTTP), bench --serve
 //! diagnose/      commands that probe a host or a link: `kvx xfer` (control, target, buffers,
 //!                measure), `kvx doctor`, `kvx probe`
-//! pipeline/      engines of worker processes, the worker process and its role loops, the
-//!                engine-worker messages (wire), the cuda-batch transport in a rank, `kvx
-//!                bench` with its sweep and compare runners
+//! pipeline/      by process: engine/ (an engine of ranks, its pool), worker/ (the worker
+//!                process, its role loops, cuda-batch, plumbing), bench/ (driver, workload,
+//!                sweep, compare); wire (engine-worker messages), params
 //! report/        summaries, tables (bench, topo, plan, xfer), JSON/CSV/SVG export, the
 //!                run's verdict, comparison and gate
 //! config/        the resolved run configuration (worker, engine, bench, serve, load, xfer,

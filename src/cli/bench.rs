@@ -49,7 +49,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<Outcome> {
         BenchJob::CompareKvBuffer(runs) => compare(format, Compared::KvBuffer, &runs, &root, &run_id),
         BenchJob::Sweep(sweep) => {
             let mut writer = RunWriter::create(&root, &run_id)?;
-            let summary = crate::pipeline::bench::sweep::run(&sweep, &mut writer, &run_id, run_for_calibration)?;
+            let summary =
+                crate::pipeline::bench::sweep::run(&sweep, &mut writer, &run_id, run_for_calibration)?;
             // Printed before any file is written: a full disk does not hide what was measured.
             output::keep_verdict(output::stdout(summary_text(format, &summary, writer.dir())?))?;
             writer.finish(&summary)?;

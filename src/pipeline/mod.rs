@@ -7,6 +7,10 @@
 //! plans and `transfer` for bytes on the wire; hands measurements to `report`. `kvx bench`'s
 //! calibration is a `kvx xfer` measurement, run through the runner `cli` hands it
 //! (`bench::XferRunner`): `pipeline` never imports `diagnose`.
+//!
+//! Cut along the processes that run: [`engine`] runs in the process that schedules (the
+//! bench, a serving engine), [`worker`] is each rank's own process, [`bench`] drives a run;
+//! [`wire`] is what the first two say to each other.
 
 pub mod bench;
 pub mod engine;

@@ -7,9 +7,9 @@ use std::collections::BTreeMap;
 
 use serde_json::json;
 
-use crate::pipeline::bench::{self, XferRunner};
 use crate::config::bench::BenchSettings;
 use crate::host::cpu_seconds;
+use crate::pipeline::bench::{self, XferRunner};
 use crate::report::chart::{Bars, bars_svg};
 use crate::report::compare_runs::{RunRow, kv_buffer_table, modes_table, transports_table};
 use crate::report::files::{RunWriter, write_atomic};

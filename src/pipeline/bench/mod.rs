@@ -19,14 +19,14 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::pipeline::engine::{Engine, EngineError, EngineFinal};
-use crate::pipeline::wire::LoadResult;
-use crate::pipeline::bench::workload::Generator;
 use crate::config::bench::Arrival;
 use crate::config::bench::{BenchSettings, DescriptorShare, FailurePolicy};
 use crate::config::engine::WorkerSettings;
 use crate::config::xfer::{SessionOptions, TargetSpec, XferConfig};
 use crate::layouts::compat::PairSpec;
+use crate::pipeline::bench::workload::Generator;
+use crate::pipeline::engine::{Engine, EngineError, EngineFinal};
+use crate::pipeline::wire::LoadResult;
 use crate::report::bandwidth::{BandwidthTally, RankTransfer};
 use crate::report::files::RunWriter;
 use crate::report::recorder::StageRecorder;

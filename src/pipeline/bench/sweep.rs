@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use crate::pipeline::bench::{self, XferRunner};
 use crate::config::sweep::{SweepJob, text};
+use crate::pipeline::bench::{self, XferRunner};
 use crate::report::files::RunWriter;
 use crate::report::summary::Summary;
 

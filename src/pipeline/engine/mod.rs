@@ -27,11 +27,11 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
-use crate::pipeline::params::KvTransferParams;
-use crate::pipeline::engine::pool::BlockPool;
-use crate::pipeline::wire::{self, FailureCause, FromWorker, LoadResult, PushStats, ReadyInfo, ToWorker};
 use crate::config::engine::{EngineConfig, Launch, split_endpoint};
 use crate::config::worker::Fault;
+use crate::pipeline::engine::pool::BlockPool;
+use crate::pipeline::params::KvTransferParams;
+use crate::pipeline::wire::{self, FailureCause, FromWorker, LoadResult, PushStats, ReadyInfo, ToWorker};
 use crate::topology::TransferMode;
 use crate::transfer::handshake::server::{HandshakeServer, PayloadTable};
 use crate::transfer::handshake::zmq_context;

@@ -10,9 +10,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::layouts::plan::{BlockPairs, Pair, RegionXfer};
 use crate::pipeline::wire::{FailureCause, LoadResult};
 use crate::pipeline::worker::plumbing::{Stage as _, WorkerError};
-use crate::layouts::plan::{BlockPairs, Pair, RegionXfer};
 use crate::report::summary::{CudaBatchInfo, Summary};
 use crate::transfer::cuda::CudaDevice;
 use crate::transfer::cuda_batch::{

@@ -11,9 +11,9 @@ pub mod push;
 
 use std::time::{Duration, Instant};
 
+use crate::config::worker::WorkerConfig;
 use crate::pipeline::wire::{FromWorker, ToWorker};
 use crate::pipeline::worker::plumbing::{Control, WorkerError, rss_bytes};
-use crate::config::worker::WorkerConfig;
 use crate::vocab::kinds::Role;
 
 /// How long a worker waits for its configuration after saying hello.

@@ -5,10 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use crate::pipeline::wire::{self, FromWorker, ToWorker};
 use crate::config::worker::WorkerConfig;
 use crate::error::ConfigError;
 use crate::layouts::compat::PairSpec;
+use crate::pipeline::wire::{self, FromWorker, ToWorker};
 use crate::topology::TransferMode;
 use crate::topology::VllmVersion;
 use crate::transfer::handshake::client::{HandshakeClient, PeerMetadata};

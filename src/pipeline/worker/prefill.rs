@@ -15,14 +15,14 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::pipeline::worker::push::{HybridHeld, PushJob, Pusher};
+use crate::config::worker::{Fault, Overlap, WorkerConfig};
+use crate::layouts::Region;
+use crate::layouts::verify::FillPlan;
 use crate::pipeline::wire::{FailureCause, FromWorker, PushStats, ReadyInfo, ToWorker, UcxChoices};
 use crate::pipeline::worker::plumbing::{
     Control, Stage as _, WorkerError, advertised_payload, block_ranges, host_pool, rss_bytes,
 };
-use crate::config::worker::{Fault, Overlap, WorkerConfig};
-use crate::layouts::Region;
-use crate::layouts::verify::FillPlan;
+use crate::pipeline::worker::push::{HybridHeld, PushJob, Pusher};
 use crate::topology::TransferMode;
 use crate::transfer::memory::KvBuffer;
 use crate::transfer::notify::{LeaseTable, Notification, NotifyListener, UcxNotifyReceiver};
@@ -201,8 +201,14 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let kind = cfg.transport.kind;
     let (regions, total) = crate::pipeline::worker::plumbing::rank_regions(&geom, hybrid.as_ref());
     let cache_total = hybrid_cache.as_ref().map_or(total, crate::pipeline::worker::plumbing::hybrid_span);
-    let crate::pipeline::worker::plumbing::RankPool { regions, total, uses_ucx, uses_storage, mut mem, mut staged } =
-        crate::pipeline::worker::plumbing::rank_pool(&cfg, regions, total, cache_total)?;
+    let crate::pipeline::worker::plumbing::RankPool {
+        regions,
+        total,
+        uses_ucx,
+        uses_storage,
+        mut mem,
+        mut staged,
+    } = crate::pipeline::worker::plumbing::rank_pool(&cfg, regions, total, cache_total)?;
     if cfg.verify != VerifyMode::Full {
         // No fill will touch every page (nothing checks the bytes, or only the sample's):
         // touched now, so that reads find real memory, not the kernel's shared zero page.
@@ -632,7 +638,10 @@ fn hybrid_save_moves(
     let kernel =
         saved_kernel_ids(cache, lists).map_err(|e| WorkerError::Protocol { reason: e.to_string() })?;
     let per_group = host.config.host_descriptors_per_group;
-    Ok(crate::pipeline::worker::plumbing::split_moves(&host_copy_moves(cache, host, &kernel, per_group), true))
+    Ok(crate::pipeline::worker::plumbing::split_moves(
+        &host_copy_moves(cache, host, &kernel, per_group),
+        true,
+    ))
 }
 
 /// Moves the simulated prefills on: with `--overlap layers`, WRITEs the layers computed since
