@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use http::Uri;
 
+use super::bench::Arrival;
 use crate::vocab::kinds::Endpoint;
 
 /// Where requests go.
@@ -17,16 +18,6 @@ pub struct Target {
     /// If set, the generator does the prefill leg against this base URL first and sends
     /// `url` the decode leg (a client-side P/D pair, no proxy).
     pub prefill_url: Option<Uri>,
-}
-
-/// How requests arrive.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Arrival {
-    /// Open loop: Poisson arrivals at this many requests/s per target.
-    Rate(f64),
-    /// Closed loop: this many workers per target, each sending its next request when the
-    /// previous one finished.
-    Concurrency(usize),
 }
 
 /// Validated load settings.

@@ -40,7 +40,7 @@ use crate::config::bench::BenchSettings;
 use crate::config::bench::ServeOptions;
 use crate::config::bench::{Arrival, PromptLens};
 use crate::config::load::Slo;
-use crate::config::load::{Arrival as LoadArrival, LoadConfig, Target};
+use crate::config::load::{LoadConfig, Target};
 use crate::config::serve::{BackendAddr, ProxyConfig};
 use crate::config::serve::{DEFAULT_ITL, HttpEngineConfig};
 use crate::error::Outcome;
@@ -110,8 +110,8 @@ fn load_config(
     Ok(LoadConfig {
         targets: vec![Target { name: "proxy".into(), url, prefill_url: None }],
         arrival: match s.arrival {
-            Arrival::Closed { concurrency } => LoadArrival::Concurrency(concurrency.max(1) as usize),
-            Arrival::Poisson { rate } => LoadArrival::Rate(rate),
+            Arrival::Closed { concurrency } => Arrival::Closed { concurrency: concurrency.max(1) },
+            poisson @ Arrival::Poisson { .. } => poisson,
         },
         requests: s.requests,
         duration: s.duration,

@@ -33,8 +33,9 @@ use serde::Serialize;
 use super::client::{HttpClient, http_client};
 use super::rewrite::{self, RawObject};
 use super::timing;
+use crate::config::bench::Arrival;
 use crate::config::load::Slo;
-use crate::config::load::{Arrival, LoadConfig, Target, endpoint_uri};
+use crate::config::load::{LoadConfig, Target, endpoint_uri};
 use crate::report::recorder::{StageRecorder, new_auto_histogram, record_into};
 use crate::report::slo::{Goodput, RequestTimes};
 use crate::report::summary::StageStats;
@@ -700,7 +701,7 @@ pub async fn run_with_progress(
     drop(tx);
 
     let n = sh.targets.len();
-    let open_loop = matches!(sh.cfg.arrival, Arrival::Rate(_));
+    let open_loop = matches!(sh.cfg.arrival, Arrival::Poisson { .. });
     let mut agg: Vec<Agg> = (0..n).map(|_| Agg { open_loop, slo: sh.cfg.slo, ..Agg::default() }).collect();
     let mut measured = Vec::new();
     while let Some(s) = rx.recv().await {
@@ -768,8 +769,8 @@ pub async fn run_with_progress(
     let summary = LoadSummary {
         schema: "kvx.load/v1",
         arrival: match cfg.arrival {
-            Arrival::Rate(r) => format!("poisson {r} req/s per target"),
-            Arrival::Concurrency(c) => format!("closed loop, {c} in flight per target"),
+            Arrival::Poisson { rate: r } => format!("poisson {r} req/s per target"),
+            Arrival::Closed { concurrency: c } => format!("closed loop, {c} in flight per target"),
         },
         endpoint: cfg.endpoint.path(),
         stream: cfg.stream,
@@ -800,7 +801,7 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
     };
     let seed = cfg.seed ^ ((t as u64 + 1) << 32);
     match cfg.arrival {
-        Arrival::Rate(rate) => {
+        Arrival::Poisson { rate } => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
             let mut tasks = tokio::task::JoinSet::new();
             let mut next = Instant::now();
@@ -840,11 +841,11 @@ async fn drive(sh: Arc<Shared>, t: usize, started: Instant, tx: tokio::sync::mps
             }
             join_all(&mut tasks).await;
         }
-        Arrival::Concurrency(c) => {
+        Arrival::Closed { concurrency: c } => {
             let counter = Arc::new(AtomicU64::new(0));
             let mut workers = tokio::task::JoinSet::new();
             // No more workers than requests: each would only find the counter spent.
-            let c = total.map_or(c, |n| c.min(usize::try_from(n).unwrap_or(usize::MAX)));
+            let c = total.map_or(c as usize, |n| (c as usize).min(usize::try_from(n).unwrap_or(usize::MAX)));
             for w in 0..c {
                 let (sh, tx, counter) = (sh.clone(), tx.clone(), counter.clone());
                 workers.spawn(async move {
@@ -1055,7 +1056,7 @@ mod tests {
     fn request_bodies_have_the_asked_prompt_length() {
         let cfg = LoadConfig {
             targets: vec![],
-            arrival: Arrival::Concurrency(1),
+            arrival: Arrival::Closed { concurrency: 1 },
             requests: Some(1),
             duration: None,
             warmup: 0,

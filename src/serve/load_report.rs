@@ -16,7 +16,8 @@ use std::path::PathBuf;
 use comfy_table::Table;
 
 use super::load::{LoadRun, LoadSummary, prompt_len_label};
-use crate::config::load::{Arrival, LoadConfig};
+use crate::config::bench::Arrival;
+use crate::config::load::LoadConfig;
 use crate::report::ReportError;
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{RequestOutcome, RequestRow, Scenario, StageStats, Summary, now_rfc3339};
@@ -65,8 +66,8 @@ pub fn scenario(cfg: &LoadConfig, name: &str) -> Scenario {
         ..Scenario::default()
     };
     match cfg.arrival {
-        Arrival::Rate(r) => s.rate_rps = Some(r),
-        Arrival::Concurrency(c) => s.concurrency = Some(u32::try_from(c).unwrap_or(u32::MAX)),
+        Arrival::Poisson { rate: r } => s.rate_rps = Some(r),
+        Arrival::Closed { concurrency: c } => s.concurrency = Some(c),
     }
     let x = &mut s.extra;
     x.insert("endpoint".into(), serde_json::json!(cfg.endpoint.path()));
@@ -353,7 +354,7 @@ mod tests {
                     prefill_url: None,
                 },
             ],
-            arrival: Arrival::Concurrency(3),
+            arrival: Arrival::Closed { concurrency: 3 },
             requests: Some(4),
             duration: None,
             warmup: 1,

@@ -11,7 +11,8 @@ use super::env::results_root;
 use crate::config::load::Slo;
 use crate::error::ConfigError;
 
-use crate::config::load::{Arrival, LoadConfig, Target};
+use crate::config::bench::Arrival;
+use crate::config::load::{LoadConfig, Target};
 use crate::vocab::kinds::Endpoint;
 
 /// The API `kvx load` calls (`--endpoint`).
@@ -150,8 +151,12 @@ pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigEr
         targets.push(Target { name: name.into(), url: parse_url("--baseline-url", b)?, prefill_url });
     }
     let arrival = match (a.rate, a.concurrency) {
-        (Some(r), _) => Arrival::Rate(super::parse::rate("--rate", r)?),
-        (None, Some(c)) if c > 0 => Arrival::Concurrency(c),
+        (Some(r), _) => Arrival::Poisson { rate: super::parse::rate("--rate", r)? },
+        (None, Some(c)) if c > 0 => Arrival::Closed {
+            concurrency: u32::try_from(c).map_err(|_| {
+                ConfigError::new("--concurrency", format!("{c} is more than {} requests in flight", u32::MAX))
+            })?,
+        },
         (None, Some(_)) => {
             return Err(ConfigError::new("--concurrency", "must be at least 1 (or use --rate)"));
         }
