@@ -132,15 +132,7 @@ pub(super) async fn tokenize(
     if let Some(r) = rejected(&st, &headers) {
         return r;
     }
-    let out = openai::tokenize(&body, st.cfg.max_model_len)
-        .and_then(|(model, out)| check_model(&st, model.as_deref()).map(|()| out));
-    match out {
-        Ok(b) => json_response(b),
-        Err(e) => {
-            st.metrics.errors.inc();
-            error_response(&e)
-        }
-    }
+    answer(&st, openai::tokenize(&body, st.cfg.max_model_len))
 }
 
 /// `POST /detokenize`: token ids back to text that tokenizes to the same count.
@@ -152,9 +144,13 @@ pub(super) async fn detokenize(
     if let Some(r) = rejected(&st, &headers) {
         return r;
     }
-    let out =
-        openai::detokenize(&body).and_then(|(model, out)| check_model(&st, model.as_deref()).map(|()| out));
-    match out {
+    answer(&st, openai::detokenize(&body))
+}
+
+/// A tokenizer route's answer: its JSON once the request named this engine's model, else the
+/// error (counted).
+fn answer(st: &EngineState, out: Result<(Option<String>, Vec<u8>), ApiError>) -> Response {
+    match out.and_then(|(model, out)| check_model(st, model.as_deref()).map(|()| out)) {
         Ok(b) => json_response(b),
         Err(e) => {
             st.metrics.errors.inc();
