@@ -17,7 +17,7 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvx::layouts::alloc::{AllocPattern, allocate};
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::plan::{Pair, Planner, RegionXfer, RequestBlocks};
+use kvx::layouts::read_plan::{Pair, Planner, RegionXfer, RequestBlocks};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
 use kvx::transfer::cuda_batch::{CopyBatch, GATHER_PIECE, GridBatch, Span, gather_into, gather_pieces};

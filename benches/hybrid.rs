@@ -3,7 +3,7 @@
 //! decode rank from scratch (blocks clipped, TP mapping, every (local, remote, len) pair
 //! materialised with its label), so the figure is descriptors per second of a full plan:
 //!
-//! - `attention/llama-3.1-8b`: `layouts::plan::Planner` (the uniform planner), P2 -> D2 at
+//! - `attention/llama-3.1-8b`: `layouts::read_plan::Planner` (the uniform planner), P2 -> D2 at
 //!   32k tokens, block 16;
 //! - `hybrid/gpt-oss-120b`: sliding-window and full-attention groups, P1 -> D2 at 32k tokens;
 //! - `hybrid/qwen3-next-80b-a3b`: GDN state and full attention, P1 -> D2 at 32k tokens;
@@ -30,7 +30,7 @@ use kvx::layouts::hybrid::geometry::kv_groups;
 use kvx::layouts::hybrid::{
     GdnPrefillBackend, HybridEngineSpec, HybridPairSpec, HybridPlanner, HybridRequest, preset,
 };
-use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
+use kvx::layouts::read_plan::{Planner, RequestBlocks, RequestIds};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
 use kvx::vocab::knob::Knob;

@@ -10,7 +10,7 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvx::layouts::alloc::{AllocPattern, allocate};
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::plan::{BlockPairs, Pair, Planner, RequestBlocks};
+use kvx::layouts::read_plan::{BlockPairs, Pair, Planner, RequestBlocks};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
 use kvx::vocab::knob::Knob;

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use kvx::layouts::alloc::{AllocPattern, allocate};
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::plan::{DRankPlan, Planner, RequestBlocks, RequestIds};
+use kvx::layouts::read_plan::{DRankPlan, Planner, RequestBlocks, RequestIds};
 use kvx::layouts::verify::{VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout, Region};
 use kvx::settings::model;

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::Layout;
 use super::geometry::{Axis, EngineSpec, RankGeometry};
 use crate::error::KnobError;
-use crate::topology::push::{PushRankMap, push_rank_map};
+use crate::topology::push_map::{PushRankMap, push_rank_map};
 use crate::topology::{self, RankMap, TpSpec, VllmVersion};
 use crate::vocab::kinds::Role;
 use crate::vocab::knob::Knob;

@@ -17,13 +17,13 @@ pub mod geometry;
 pub mod hybrid;
 pub mod model_config;
 pub mod pattern;
-pub mod plan;
 pub mod posting;
-pub mod push;
 pub mod rank_maps;
 pub mod rates;
+pub mod read_plan;
 pub mod request;
 pub mod verify;
+pub mod write_plan;
 
 use std::fmt;
 use std::str::FromStr;

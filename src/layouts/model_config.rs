@@ -168,7 +168,7 @@ pub struct ArchModel {
 /// How a model's KV cache is planned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PlanModel {
-    /// One KV cache group of full attention (or latent) layers: `layouts::plan`.
+    /// One KV cache group of full attention (or latent) layers: `layouts::read_plan`.
     Uniform(ModelShape),
     /// Several groups, a window, or state: `layouts::hybrid`.
     Hybrid(HybridModel),

@@ -6,14 +6,14 @@
 //! rank's side-channel port, and who writes what for a hybrid pair in push mode. Pure: no I/O.
 
 use super::compat::PairSpec;
-use super::hybrid::push as hybrid_push;
+use super::hybrid::write_plan as hybrid_push;
 use super::hybrid::{HybridPairSpec, HybridPlanner};
-use super::plan::{Planner, ReadGeom};
-use super::push::{PushPlanner, WriteGeom};
+use super::read_plan::{Planner, ReadGeom};
+use super::write_plan::{PushPlanner, WriteGeom};
 use crate::error::ConfigError;
 use crate::topology::RankMap;
 use crate::topology::ports::{PortScheme, engine_ports};
-use crate::topology::push::PushRankMap;
+use crate::topology::push_map::PushRankMap;
 
 /// Every rank's side-channel port of one engine, `[dp_rank][tp_rank]`.
 pub type EnginePorts = Vec<Vec<u16>>;

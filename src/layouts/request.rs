@@ -10,13 +10,13 @@
 use thiserror::Error;
 
 use super::compat::PairSpec;
-use super::hybrid::push::{self as hybrid_push, HybridWrite};
+use super::hybrid::write_plan::{self as hybrid_push, HybridWrite};
 use super::hybrid::{HybridError, HybridPairSpec, HybridPlan, HybridPlanner, HybridRequest};
-use super::plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
 use super::posting::{PathCost, PostRates, ReadShape, request_costs};
-use super::push::{PRankPlan, PushPlanner};
+use super::read_plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
+use super::write_plan::{PRankPlan, PushPlanner};
 use crate::error::ConfigError;
-use crate::topology::push::DRankPushView;
+use crate::topology::push_map::DRankPushView;
 
 /// A decode rank's plan with its coalesced pairs per READ.
 pub type RankPlan = (DRankPlan, Vec<Vec<Pair>>);
@@ -155,7 +155,7 @@ pub struct HybridPull {
 }
 
 /// Prefill's WRITEs on a hybrid pair: taken from the pull plan of the decode ranks each
-/// prefill rank writes into (`layouts::hybrid::push`).
+/// prefill rank writes into (`layouts::hybrid::write_plan`).
 #[derive(Debug)]
 pub struct HybridPushed {
     pub name: String,

@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use super::geometry::{Axis, BlockContent, RankGeometry, Region};
 use super::pattern::{BlockOrigin, Mismatch, fill_block, verify_block};
-use super::plan::BlockPairs;
+use super::read_plan::BlockPairs;
 
 /// One block of one region, at a byte range of the allocation, with its content.
 #[derive(Debug, Clone)]

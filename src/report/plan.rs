@@ -6,10 +6,10 @@
 use super::numbers::bytes_text;
 use super::table::wrapped_table;
 use crate::layouts::compat::PairSpec;
-use crate::layouts::plan::{Pair, RequestBlocks};
 use crate::layouts::posting::{PathCost, PostRates};
+use crate::layouts::read_plan::{Pair, RequestBlocks};
 use crate::layouts::request::{Planned, PushRankPlan, RankPlan};
-use crate::topology::push::DRankPushView;
+use crate::topology::push_map::DRankPushView;
 
 /// How `kvx plan` shows a planned request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,7 +41,7 @@ pub fn render(planned: &Planned, view: PlanView) -> serde_json::Result<String> {
             text
         }
         Planned::HybridPush(p) => {
-            let rows: Vec<(u32, &crate::layouts::hybrid::push::HybridWrite)> =
+            let rows: Vec<(u32, &crate::layouts::hybrid::write_plan::HybridWrite)> =
                 p.writes.iter().flat_map(|(pr, ws)| ws.iter().map(move |w| (*pr, w))).collect();
             render_hybrid_push(&p.name, &p.planner, &p.plan, &rows, &p.waits, &p.notif)
         }
@@ -341,7 +341,7 @@ fn render_hybrid_push(
     name: &str,
     planner: &crate::layouts::hybrid::HybridPlanner,
     plan: &crate::layouts::hybrid::HybridPlan,
-    writes: &[(u32, &crate::layouts::hybrid::push::HybridWrite)],
+    writes: &[(u32, &crate::layouts::hybrid::write_plan::HybridWrite)],
     waits: &[(u32, Vec<u32>, u32)],
     notif: &str,
 ) -> String {
@@ -421,7 +421,7 @@ fn hybrid_heading(
     if planner.config.d.host_descriptors_per_group {
         rules.push_str(", but host attention descriptors per group (--host-descriptors per-group)");
     }
-    if planner.config.push_attention == crate::layouts::hybrid::push::PushAttention::EveryRank {
+    if planner.config.push_attention == crate::layouts::hybrid::write_plan::PushAttention::EveryRank {
         rules.push_str(", but attention written into every decode rank (--push-attention every-rank)");
     }
     let mut out = format!(

@@ -607,7 +607,10 @@ impl HybridTopoJson {
 }
 
 impl HybridPushJson {
-    fn new(push_attention: crate::layouts::hybrid::push::PushAttention, m: &HybridPushMap) -> HybridPushJson {
+    fn new(
+        push_attention: crate::layouts::hybrid::write_plan::PushAttention,
+        m: &HybridPushMap,
+    ) -> HybridPushJson {
         HybridPushJson {
             push_attention,
             p_ranks: m
@@ -640,7 +643,7 @@ impl HybridPushJson {
 #[derive(Debug, Serialize)]
 pub struct HybridPushJson {
     /// Which decode ranks prefill writes attention into (`--push-attention`).
-    pub push_attention: crate::layouts::hybrid::push::PushAttention,
+    pub push_attention: crate::layouts::hybrid::write_plan::PushAttention,
     pub p_ranks: Vec<HybridPushPRankJson>,
     pub d_ranks: Vec<HybridPushDRankJson>,
 }
@@ -755,11 +758,11 @@ fn render_hybrid_push(t: &HybridTopoJson, push: &HybridPushJson) -> String {
         names.join(", ")
     };
     let rule = match push.push_attention {
-        crate::layouts::hybrid::push::PushAttention::Vllm => {
+        crate::layouts::hybrid::write_plan::PushAttention::Vllm => {
             "the first decode rank of each head only, where decode TP is above prefill TP and the KV heads \
              (vLLM 0.33, as read; --push-attention every-rank: every rank)"
         }
-        crate::layouts::hybrid::push::PushAttention::EveryRank => {
+        crate::layouts::hybrid::write_plan::PushAttention::EveryRank => {
             "every decode rank (--push-attention every-rank)"
         }
     };

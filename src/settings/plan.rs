@@ -1,5 +1,5 @@
 //! `kvx bench`'s job and `kvx plan`'s request ("plan" means descriptor planning only: the
-//! `kvx plan` command and `layouts::plan::Planner`; what `kvx bench` runs is a job):
+//! `kvx plan` command and `layouts::read_plan::Planner`; what `kvx bench` runs is a job):
 //!
 //! - [`BenchJob`]: what `kvx bench` was asked to run (one bench, `--serve`,
 //!   `--compare-transports` or `--sweep`), with every bench of it resolved before the first
@@ -28,7 +28,7 @@ use crate::error::ConfigError;
 use crate::layouts::alloc::{AllocPattern, allocate};
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::geometry::Side;
-use crate::layouts::plan::{RequestBlocks, RequestIds};
+use crate::layouts::read_plan::{RequestBlocks, RequestIds};
 use crate::layouts::request::{
     HybridPlanRequest, HybridSource, PlanCase, PlanError, PlanRequest, UniformRequest,
 };
@@ -293,7 +293,7 @@ pub struct PlanFlags {
     /// 0.33's push connector reads) or every-rank (each its head, as pull reads them)
     /// [default: vllm].
     #[arg(long, value_enum)]
-    pub push_attention: Option<crate::layouts::hybrid::push::PushAttention>,
+    pub push_attention: Option<crate::layouts::hybrid::write_plan::PushAttention>,
     /// Prefill pool size in blocks (default: enough for the request, at least 2x).
     #[arg(long, value_name = "N", help_heading = "Request")]
     pub p_num_blocks: Option<u32>,

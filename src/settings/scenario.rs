@@ -284,7 +284,7 @@ impl PlanScenario {
     }
 
     /// The request's block ids (one KV cache group).
-    pub fn blocks(&self) -> Result<crate::layouts::plan::RequestBlocks, ConfigError> {
+    pub fn blocks(&self) -> Result<crate::layouts::read_plan::RequestBlocks, ConfigError> {
         let r = &self.request;
         if r.local.len() > 1 || r.remote.len() > 1 {
             return Err(ConfigError::new(
@@ -292,14 +292,14 @@ impl PlanScenario {
                 "kvx models one KV cache group; give local and remote as [[ids...]] with a single list each",
             ));
         }
-        Ok(crate::layouts::plan::RequestBlocks {
+        Ok(crate::layouts::read_plan::RequestBlocks {
             local: r.local.first().cloned().unwrap_or_default(),
             remote: r.remote.first().cloned().unwrap_or_default(),
         })
     }
 
-    pub fn ids(&self) -> crate::layouts::plan::RequestIds {
-        crate::layouts::plan::RequestIds {
+    pub fn ids(&self) -> crate::layouts::read_plan::RequestIds {
+        crate::layouts::read_plan::RequestIds {
             p_request_id: self.request.p_request_id.clone().unwrap_or_else(|| "req-P".into()),
             d_request_id: self.request.name.clone(),
         }

@@ -9,7 +9,7 @@ use super::hybrid_flags::{hybrid_engines, hybrid_preset_of};
 use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::hybrid::HybridPairSpec;
-use crate::layouts::hybrid::push::PushAttention;
+use crate::layouts::hybrid::write_plan::PushAttention;
 use crate::layouts::rank_maps::TopoRequest;
 use crate::topology::TransferMode;
 

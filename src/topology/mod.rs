@@ -15,7 +15,7 @@
 //! decode's blocks, vLLM's `NixlPushConnector`), which shares the TP checks below.
 
 pub mod ports;
-pub mod push;
+pub mod push_map;
 
 use std::fmt;
 use std::ops::Range;

@@ -6,7 +6,7 @@
 use std::ops::Range;
 
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
+use kvx::layouts::read_plan::{Planner, RequestBlocks, RequestIds};
 use kvx::layouts::verify::{FillPlan, VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, ModelShape};

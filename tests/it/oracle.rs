@@ -1,7 +1,7 @@
 //! Every case of both oracle files (vectors produced by executing vLLM's own code).
 
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
+use kvx::layouts::read_plan::{Planner, RequestBlocks, RequestIds};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, Mla, ModelShape};
 use kvx::settings::scenario::PlanScenario;

@@ -7,7 +7,7 @@
 //! is checked on the bytes, not only on the plan's bookkeeping.
 
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
+use kvx::layouts::read_plan::{Planner, RequestBlocks, RequestIds};
 use kvx::layouts::verify::{FillPlan, VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, Mla, ModelShape};

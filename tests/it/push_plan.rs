@@ -11,9 +11,9 @@
 //! names the file and function it comes from. `docs/push-semantics.md` has the derivations.
 
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::plan::{Planner, RequestBlocks, RequestIds};
-use kvx::layouts::push::PushPlanner;
+use kvx::layouts::read_plan::{Planner, RequestBlocks, RequestIds};
 use kvx::layouts::verify::{VerifyPlan, fill_request};
+use kvx::layouts::write_plan::PushPlanner;
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, Mla, ModelShape};
 use kvx::topology::VllmVersion;

@@ -8,7 +8,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime};
 
 use kvx::layouts::compat::PairSpec;
-use kvx::layouts::plan::{Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
+use kvx::layouts::read_plan::{Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
 use kvx::layouts::verify::{VerifyPlan, fill_request};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, ModelShape};

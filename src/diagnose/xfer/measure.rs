@@ -86,7 +86,7 @@ struct BatchCase<'a, 'm> {
 
 impl CaseRunner for BatchCase<'_, '_> {
     fn batch(&mut self, k: u64) -> Result<BatchTimes> {
-        let pairs = self.layout.batch(k, self.per_batch).map(|d| crate::layouts::plan::Pair {
+        let pairs = self.layout.batch(k, self.per_batch).map(|d| crate::layouts::read_plan::Pair {
             local: d.local_off,
             remote: d.remote_off,
             len: d.len,

@@ -13,7 +13,7 @@
 //! (`staging`).
 //!
 //! Pure arithmetic over plain data: no I/O, no environment, no CLI. Attention-only models with
-//! one group stay with `layouts::plan`; this module takes every model with more than one KV
+//! one group stay with `layouts::read_plan`; this module takes every model with more than one KV
 //! cache group or with state, and reproduces `../shared/oracle/hybrid_v033.json`.
 //!
 //! Use: build a [`HybridPairSpec`] (a [`HybridModel`], e.g. from [`preset`], and a
@@ -30,10 +30,10 @@ pub mod geometry;
 pub mod model;
 pub mod pair;
 pub mod planner;
-pub mod push;
 pub mod runs;
 pub mod staging;
 pub mod tp_map;
+pub mod write_plan;
 
 pub use crate::layouts::model_config::hybrid_preset as preset;
 pub use desc_lists::{DescList, DescRow, RowKind, RowLabel};

@@ -49,7 +49,7 @@ use super::runs::min_max;
 use super::tp_map::TpMapping;
 use super::tp_map::handshake_ranks;
 use super::tp_map::tp_mapping;
-use crate::layouts::plan::Pair;
+use crate::layouts::read_plan::Pair;
 use crate::vocab::knob::Knob;
 
 /// The plan of one decode rank.

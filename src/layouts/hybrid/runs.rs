@@ -13,7 +13,7 @@ use super::desc_lists::RowAt;
 use super::desc_lists::RowKind;
 use super::desc_lists::RowLabel;
 use super::geometry::{EngineGeometry, RegionMem};
-use crate::layouts::plan::Pair;
+use crate::layouts::read_plan::Pair;
 
 /// One descriptor pair of a READ: `len` bytes at `remote` (prefill rank) to `local` (decode
 /// rank), offsets from each rank's registered memory base, with what it reads.

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::layouts::plan::{BlockPairs, Pair, RegionXfer};
+use crate::layouts::read_plan::{BlockPairs, Pair, RegionXfer};
 use crate::pipeline::wire::{FailureCause, LoadResult};
 use crate::pipeline::worker::plumbing::{Stage as _, WorkerError};
 use crate::report::summary::{CudaBatchInfo, Summary};

@@ -7,7 +7,7 @@ pub mod batch;
 pub mod decode;
 pub mod plumbing;
 pub mod prefill;
-pub mod push;
+pub mod pusher;
 
 use std::time::{Duration, Instant};
 

@@ -22,7 +22,7 @@ use crate::pipeline::wire::{FailureCause, FromWorker, PushStats, ReadyInfo, ToWo
 use crate::pipeline::worker::plumbing::{
     Control, Stage as _, WorkerError, advertised_payload, block_ranges, host_pool, rss_bytes,
 };
-use crate::pipeline::worker::push::{HybridHeld, PushJob, Pusher};
+use crate::pipeline::worker::pusher::{HybridHeld, PushJob, Pusher};
 use crate::topology::TransferMode;
 use crate::transfer::memory::KvBuffer;
 use crate::transfer::notify::{LeaseTable, Notification, NotifyListener, UcxNotifyReceiver};
@@ -564,7 +564,7 @@ fn pushed(
     id: &str,
     req: u64,
     compute_ns: u64,
-    result: Result<PushStats, crate::pipeline::worker::push::Failure>,
+    result: Result<PushStats, crate::pipeline::worker::pusher::Failure>,
 ) -> Result<(), WorkerError> {
     leases.release(id);
     pusher.forget(id);

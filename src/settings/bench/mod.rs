@@ -273,7 +273,7 @@ layered! {
         /// every-rank (each its head, as pull reads them) [default: vllm].
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub push_attention: Option<crate::layouts::hybrid::push::PushAttention>,
+        pub push_attention: Option<crate::layouts::hybrid::write_plan::PushAttention>,
         /// Hybrid models with --kv-buffer-device cpu: the host tensors' state pages: vllm
         /// (unpadded, as vLLM 0.33 allocates them, while the regions assume padded ones) or
         /// padded [default: vllm].
@@ -581,7 +581,7 @@ fn hybrid_pair(
     };
     let (pair, planner) = super::hybrid_flags::hybrid_pair_spec(&config)?;
     if transport.mode == TransferMode::Push {
-        crate::layouts::hybrid::push::check_push(&planner)?;
+        crate::layouts::hybrid::write_plan::check_push(&planner)?;
     }
     let plan = planner.plan(&HybridRequest::simulated(&planner, max_tokens, 0), "sizing")?;
     let bytes_per_request = plan.d_ranks.iter().map(|d| d.bytes()).sum();

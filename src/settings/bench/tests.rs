@@ -439,7 +439,7 @@ fn hybrid_bench_refusals_name_their_flags() {
     let layers = BenchFlags { overlap: Some(Overlap::Layers), ..Default::default() };
     assert_eq!(refused(hybrid(push(layers))), "--overlap");
     let rule = || BenchFlags {
-        push_attention: Some(crate::layouts::hybrid::push::PushAttention::EveryRank),
+        push_attention: Some(crate::layouts::hybrid::write_plan::PushAttention::EveryRank),
         ..Default::default()
     };
     assert_eq!(refused(hybrid(rule())), "--push-attention");

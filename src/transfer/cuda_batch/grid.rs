@@ -15,7 +15,7 @@
 
 use super::error::CudaBatchError;
 use super::pack::Span;
-use crate::layouts::plan::RegionXfer;
+use crate::layouts::read_plan::RegionXfer;
 
 /// Words per region in the table: dst base, dst step, src base, src step, len.
 pub const REGION_WORDS: usize = 5;
@@ -195,7 +195,7 @@ impl GridBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layouts::plan::Pair;
+    use crate::layouts::read_plan::Pair;
 
     const L: Span = Span { base: 0x7000_0000, len: 1 << 20 };
     const P: Span = Span { base: 0x9000_0000, len: 1 << 20 };
@@ -277,7 +277,7 @@ mod tests {
     #[test]
     fn a_decode_ranks_grid_is_its_planners_pairs_for_every_layout_and_tp_pair() {
         use crate::layouts::compat::PairSpec;
-        use crate::layouts::plan::{Planner, RequestBlocks};
+        use crate::layouts::read_plan::{Planner, RequestBlocks};
         use crate::layouts::{EngineSpec, Layout};
         use crate::topology::VllmVersion;
         use crate::vocab::model::ModelShape;

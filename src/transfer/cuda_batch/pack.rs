@@ -5,7 +5,7 @@
 //! kernel's per-copy arithmetic, kept here so it is tested). Pure: no CUDA.
 
 use super::error::CudaBatchError;
-use crate::layouts::plan::Pair;
+use crate::layouts::read_plan::Pair;
 
 /// A device buffer as the packer sees it: its device address and length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

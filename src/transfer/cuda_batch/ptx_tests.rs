@@ -5,7 +5,7 @@
 use super::grid::{self, GridBatch};
 use super::pack::{CopyBatch, GATHER_PIECE, Span, gather_descriptors};
 use super::ptx_sim;
-use crate::layouts::plan::Pair;
+use crate::layouts::read_plan::Pair;
 
 const L: Span = Span { base: 0x7000_0000, len: 1 << 20 };
 const P: Span = Span { base: 0x9000_0000, len: 1 << 20 };
@@ -104,7 +104,7 @@ fn the_launcher_and_the_ptx_agree_on_the_kernels() {
 
 #[test]
 fn the_expand_kernel_run_in_a_simulator_writes_the_grids_descriptors() {
-    use crate::layouts::plan::RegionXfer;
+    use crate::layouts::read_plan::RegionXfer;
     const BASE: u64 = 0x7f00_0000_0000;
     let region = |l_base, r_base, len| RegionXfer { l_base, l_step: 8192, r_base, r_step: 16_384, len };
     let a = [region(0, 0, 4096), region(1 << 19, 4096, 4096), region(4096, 8, 3)];

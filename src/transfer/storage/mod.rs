@@ -37,7 +37,7 @@ use io::AlignedBuf;
 pub use names::{MAX_ID_BYTES, SweepStats, request_path};
 
 use crate::layouts::Region;
-use crate::layouts::plan::ReadPlan;
+use crate::layouts::read_plan::ReadPlan;
 
 /// Everything that can go wrong storing or loading KV blocks; every I/O error names its
 /// path.

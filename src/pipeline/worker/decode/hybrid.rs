@@ -456,7 +456,7 @@ impl Decoder<'_> {
         (tokens, lists): (TokenCounts, &[Vec<u32>]),
         seed: u64,
     ) -> Result<(), Failure> {
-        use crate::layouts::hybrid::push::{attention_skipped, writes};
+        use crate::layouts::hybrid::write_plan::{attention_skipped, writes};
         let cfg = self.cfg;
         let planner = h.push_planner(params.tp_size, &params.remote_engine_id)?;
         let planner = &*planner;

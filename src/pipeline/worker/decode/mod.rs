@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::config::worker::WorkerConfig;
 use crate::layouts::Region;
 use crate::layouts::compat::PairSpec;
-use crate::layouts::plan::{BlockPairs, Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
+use crate::layouts::read_plan::{BlockPairs, Pair, Planner, ReadPlan, RequestBlocks, RequestIds};
 use crate::layouts::verify::VerifyPlan;
 use crate::pipeline::params::KvTransferParams;
 use crate::pipeline::wire::{FailureCause, FromWorker, LoadResult, ReadyInfo, ToWorker};
@@ -20,7 +20,7 @@ use crate::pipeline::worker::plumbing::{
     Control, Stage as _, WorkerError, advertised_payload, classify_ucx, compat_factors, fetch_peers,
     first_region, host_pool_mut, peer_pair, rss_bytes,
 };
-use crate::pipeline::worker::push::{Landed, PushWaiter};
+use crate::pipeline::worker::pusher::{Landed, PushWaiter};
 use crate::topology::TransferMode;
 use crate::topology::{self, TpSpec};
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient};

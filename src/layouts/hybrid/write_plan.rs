@@ -22,7 +22,7 @@ use super::error::{HybridError, RefusalKind};
 use super::pair::HybridPairSpec;
 pub use super::pair::PushAttention;
 use super::planner::{HybridPlan, HybridPlanner};
-use crate::layouts::plan::Pair;
+use crate::layouts::read_plan::Pair;
 use crate::vocab::knob::Knob;
 
 /// One WRITE: what a prefill rank puts into one decode rank. `pairs[i].local` is the offset in

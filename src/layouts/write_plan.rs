@@ -16,11 +16,11 @@ use serde::Serialize;
 
 use super::compat::PairSpec;
 use super::geometry::Region;
-use super::plan::{
+use super::read_plan::{
     BlockPairs, Pair, RegionXfer, RequestBlocks, RequestIds, best_order, coalesce_regions, pair_blocks,
 };
 use crate::error::KnobError;
-use crate::topology::push::{PRankPushMap, PushRankMap};
+use crate::topology::push_map::{PRankPushMap, PushRankMap};
 use crate::vocab::knob::Knob;
 
 /// The precomputed geometry of one WRITE (one target decode rank).

@@ -25,14 +25,14 @@ use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::blocks::{ExchangedBlocks, TokenCounts};
 use crate::layouts::hybrid::geometry::{EngineGeometry, Side};
 use crate::layouts::hybrid::handshake_ranks;
-use crate::layouts::hybrid::push as hybrid_push;
+use crate::layouts::hybrid::write_plan as hybrid_push;
 use crate::layouts::hybrid::{HybridPairSpec, HybridPlanner};
-use crate::layouts::plan::{RequestBlocks, RequestIds};
-use crate::layouts::push::PushPlanner;
+use crate::layouts::read_plan::{RequestBlocks, RequestIds};
+use crate::layouts::write_plan::PushPlanner;
 use crate::pipeline::params::base_request_id;
 use crate::pipeline::wire::{FailureCause, PushStats};
 use crate::pipeline::worker::plumbing::{classify_ucx, compat_factors, fetch_peers, first_region, peer_spec};
-use crate::topology::push::PushRankMap;
+use crate::topology::push_map::PushRankMap;
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient, PeerMetadata};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::KvBuffer;
@@ -125,7 +125,7 @@ pub struct HybridHeld {
 }
 
 /// One WRITE's pairs per layer.
-type WriteLayers = Vec<Vec<crate::layouts::plan::Pair>>;
+type WriteLayers = Vec<Vec<crate::layouts::read_plan::Pair>>;
 
 /// A request's WRITEs as a job takes them: pairs per WRITE and layer, and per WRITE its
 /// decode rank and notification.
