@@ -117,6 +117,9 @@ struct Decoder<'a> {
     push: Option<PushSide>,
     /// Control messages that arrived while a push request waited, for the main loop.
     deferred: Vec<ToWorker>,
+    /// The engine asked this rank to stop (the message may sit queued behind loads): a push
+    /// load waits for no WRITE after that.
+    stopping: bool,
     /// Prefill engines a rank of which is gone (push mode): their WRITEs are not waited for.
     gone_engines: std::collections::HashSet<String>,
     /// Push mode: prefill request ids whose prefill failed (the driver released them): a load
@@ -216,6 +219,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         cfg: &cfg,
         push,
         deferred: Vec::new(),
+        stopping: false,
         gone_engines: Default::default(),
         released: Default::default(),
         batch,
@@ -450,6 +454,10 @@ impl Decoder<'_> {
             ToWorker::PeerGone { engine_id } => {
                 self.gone_engines.insert(engine_id);
                 None
+            }
+            ToWorker::Shutdown => {
+                self.stopping = true;
+                Some(ToWorker::Shutdown)
             }
             ToWorker::Release { p_request_id } => {
                 // Bounded: an id is removed when its load arrives; ids of loads that never
@@ -877,6 +885,11 @@ impl Decoder<'_> {
         let tw = Instant::now();
         let deadline = tw + timeout;
         loop {
+            // A shutdown that came in behind this load (queued by the main loop, or read here
+            // and deferred) ends the wait: nobody will take the answer.
+            if self.stopping {
+                return Err((FailureCause::Internal, "the engine is shutting down".into()));
+            }
             let mut got = push.listener.drain().map_err(|e| (FailureCause::Notify, e.to_string()))?;
             if let Local::Ucx(u) = &self.local {
                 while u.worker.progress() > 0 {}
@@ -928,6 +941,7 @@ impl Decoder<'_> {
                         }
                     }
                     ToWorker::Shutdown => {
+                        self.stopping = true;
                         self.deferred.push(ToWorker::Shutdown);
                         return Err((FailureCause::Internal, "the engine is shutting down".into()));
                     }
