@@ -25,7 +25,7 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
     let settings = resolve(args, &ProcessEnv::read())?;
     let (mut cfg, root) = (settings.load, settings.results_root);
     // A slow open loop waits long before its first request: say how long, up front.
-    if let crate::config::bench::Arrival::Poisson { rate: r } = cfg.arrival
+    if let crate::config::arrival::Arrival::Poisson { rate: r } = cfg.arrival
         && r < 1.0
     {
         crate::output::note!(

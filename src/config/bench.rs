@@ -11,6 +11,7 @@ use std::fmt;
 
 use serde::Serialize;
 
+use super::arrival::Arrival;
 use super::load::Slo;
 
 /// What to do when a load fails (vLLM's `kv_load_failure_policy`, `--on-load-failure`).
@@ -137,15 +138,6 @@ impl PromptLens {
             PromptLens::List(v) => v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len().max(1) as f64,
         }
     }
-}
-
-/// How requests arrive.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub enum Arrival {
-    /// Keep `n` requests in flight.
-    Closed { concurrency: u32 },
-    /// Open loop, Poisson arrivals at `rate` requests per second.
-    Poisson { rate: f64 },
 }
 
 /// What `kvx bench --serve` adds to the bench settings.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use http::Uri;
 
-use super::bench::Arrival;
+use super::arrival::Arrival;
 use crate::vocab::kinds::Endpoint;
 
 /// Where requests go.

@@ -12,6 +12,7 @@
 //! - [`load`]: `kvx load` (targets, arrivals, objectives).
 //! - [`xfer`] and [`probe`]: the link diagnostics.
 
+pub mod arrival;
 pub mod bench;
 pub mod engine;
 pub mod layout;

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 
 use super::summary::Scenario;
-use crate::config::bench::{Arrival, BenchSettings};
+use crate::config::arrival::Arrival;
+use crate::config::bench::BenchSettings;
 
 /// A bench run's scenario as the summary records it.
 pub fn bench_scenario(b: &BenchSettings) -> Scenario {

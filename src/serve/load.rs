@@ -33,7 +33,7 @@ use serde::Serialize;
 use super::client::{HttpClient, http_client};
 use super::rewrite::{self, RawObject};
 use super::timing;
-use crate::config::bench::Arrival;
+use crate::config::arrival::Arrival;
 use crate::config::load::Slo;
 use crate::config::load::{LoadConfig, Target, endpoint_uri};
 use crate::report::recorder::{StageRecorder, new_auto_histogram, record_into};

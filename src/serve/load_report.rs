@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use comfy_table::Table;
 
 use super::load::{LoadRun, LoadSummary, prompt_len_label};
-use crate::config::bench::Arrival;
+use crate::config::arrival::Arrival;
 use crate::config::load::LoadConfig;
 use crate::report::ReportError;
 use crate::report::files::{RunWriter, write_atomic};

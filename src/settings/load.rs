@@ -11,7 +11,7 @@ use super::env::results_root;
 use crate::config::load::Slo;
 use crate::error::ConfigError;
 
-use crate::config::bench::Arrival;
+use crate::config::arrival::Arrival;
 use crate::config::load::{LoadConfig, Target};
 use crate::vocab::kinds::Endpoint;
 

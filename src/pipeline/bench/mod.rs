@@ -19,7 +19,7 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::config::bench::Arrival;
+use crate::config::arrival::Arrival;
 use crate::config::bench::{BenchSettings, DescriptorShare, FailurePolicy};
 use crate::config::engine::WorkerSettings;
 use crate::config::xfer::{SessionOptions, TargetSpec, XferConfig};
