@@ -7,6 +7,7 @@
 //! [`Format`] is the output choice of the report-like commands.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use serde::Deserialize;
@@ -14,6 +15,7 @@ use serde::Deserialize;
 use super::layer::layered;
 use crate::topology::VllmVersion;
 use crate::topology::ports::PortScheme;
+use crate::transfer::ucx::{ErrMode, ProgressMode};
 use crate::vocab::kinds::{KvBufferDevice, VerifyMode};
 use crate::vocab::model::Dtype;
 
@@ -229,5 +231,56 @@ impl KvBufferFlags {
     /// `--kv-buffer-device` as given, else cuda (the KV pool itself, vLLM's default).
     pub fn device(self) -> KvBufferDevice {
         self.kv_buffer_device.unwrap_or_default()
+    }
+}
+
+layered! {
+    /// How UCX treats a failed peer and how waiting ranks progress it, one definition for every
+    /// command that starts UCX (`kvx bench`, `kvx serve-engine`, `kvx xfer`).
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Args, Deserialize)]
+    pub struct UcxModeFlags {
+        /// UCX error-handling mode: none or peer (peer excludes the shared-memory transports)
+        /// [default: none].
+        #[arg(long, value_enum)]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub err_mode: Option<ErrMode>,
+        /// How waiting ranks progress UCX: busy, wait, hybrid [default: hybrid].
+        #[arg(long, value_enum)]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub progress: Option<ProgressMode>,
+    }
+}
+
+impl UcxModeFlags {
+    /// `--err-mode` as given, else none (UCX's default).
+    pub fn err_mode(self) -> ErrMode {
+        self.err_mode.unwrap_or_default()
+    }
+
+    /// `--progress` as given, else hybrid.
+    pub fn progress(self) -> ProgressMode {
+        self.progress.unwrap_or_default()
+    }
+}
+
+/// `--lease` when not given: vLLM's `kv_lease_duration` default.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+layered! {
+    /// `--lease`, one definition for the commands that run prefill engines (`kvx bench`,
+    /// `kvx serve-engine`).
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Args, Deserialize)]
+    pub struct LeaseFlags {
+        /// Lease prefill ranks hold blocks under (vLLM kv_lease_duration) [default: 30s].
+        #[arg(long, value_parser = super::parse::parse_duration, allow_hyphen_values = true)]
+        #[serde(default, deserialize_with = "super::parse::opt_duration")]
+        pub lease: Option<Duration>,
+    }
+}
+
+impl LeaseFlags {
+    /// `--lease` as given, else [`DEFAULT_LEASE`].
+    pub fn lease(self) -> Duration {
+        self.lease.unwrap_or(DEFAULT_LEASE)
     }
 }

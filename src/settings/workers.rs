@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::flags::{KvBufferFlags, ModelFlags, PairFlags, VerifyFlags};
+use super::flags::{KvBufferFlags, LeaseFlags, ModelFlags, PairFlags, UcxModeFlags, VerifyFlags};
 use super::parse::{parse_duration, parse_size};
 use super::scenario;
 use crate::config::engine::EngineConfig;
@@ -22,7 +22,6 @@ use crate::layouts::alloc::AllocPattern;
 use crate::topology::TransferMode;
 use crate::topology::VllmVersion;
 use crate::transfer::memory::MemKind;
-use crate::transfer::ucx::{ErrMode, ProgressMode};
 use crate::vocab::kinds::Role as HttpRole;
 use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind};
 
@@ -258,9 +257,8 @@ pub struct ServeEngineFlags {
     /// Block allocation pattern: contiguous, fragmented, random.
     #[arg(long, value_enum, default_value = "contiguous", help_heading = "KV workers")]
     pub alloc: AllocPattern,
-    /// Lease the prefill ranks hold blocks under (vLLM kv_lease_duration).
-    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "30s", help_heading = "KV workers")]
-    pub lease: Duration,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub lease: LeaseFlags,
     /// Deadline of every KV wait: handshake, reads, notifications.
     #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "5s", help_heading = "KV workers")]
     pub timeout: Duration,
@@ -272,12 +270,8 @@ pub struct ServeEngineFlags {
     /// UCX_TLS for the workers, e.g. posix,cma,self or tcp.
     #[arg(long, help_heading = "KV workers")]
     pub ucx_tls: Option<String>,
-    /// UCX error-handling mode: none or peer.
-    #[arg(long, value_enum, default_value = "none", help_heading = "KV workers")]
-    pub err_mode: ErrMode,
-    /// UCX progress: busy, wait, hybrid.
-    #[arg(long, value_enum, default_value = "hybrid", help_heading = "KV workers")]
-    pub progress: ProgressMode,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub ucx_mode: UcxModeFlags,
     /// GETs in flight per source rank.
     #[arg(long, default_value_t = 64, help_heading = "KV workers")]
     pub inflight: u32,
@@ -625,7 +619,7 @@ fn finish_serve_engine(
     let mode = a.mode.unwrap_or_default();
     let inflight = check_inflight(a.inflight)?;
     check_kv_buffer(a.kv_buffer.device(), mode, TransportKind::Ucx)?;
-    for (d, flag) in [(a.lease, "--lease"), (a.timeout, "--timeout")] {
+    for (d, flag) in [(a.lease.lease(), "--lease"), (a.timeout, "--timeout")] {
         if d.is_zero() {
             return Err(ConfigError::new(flag, "must be longer than 0"));
         }
@@ -644,8 +638,8 @@ fn finish_serve_engine(
             chain: vec![],
             mode,
             ucx_lib: a.ucx_lib.clone(),
-            err_mode: a.err_mode,
-            progress: a.progress,
+            err_mode: a.ucx_mode.err_mode(),
+            progress: a.ucx_mode.progress(),
             ucx_alloc: false,
             huge_pages: a.huge_pages,
             inflight,
@@ -662,7 +656,7 @@ fn finish_serve_engine(
         },
         verify: a.verify.resolve(None),
         mem,
-        lease: a.lease,
+        lease: a.lease.lease(),
         timeout: a.timeout,
         alloc: a.alloc,
         seed: 0,
@@ -680,6 +674,7 @@ mod tests {
     use super::*;
     use crate::config::engine::Launch;
     use crate::transfer::memory::MemPlace;
+    use crate::transfer::ucx::{ErrMode, ProgressMode};
 
     #[test]
     fn memory_and_the_transports_that_move_it() {
@@ -750,13 +745,12 @@ mod tests {
             layout: None,
             pool_blocks: None,
             alloc: AllocPattern::Contiguous,
-            lease: Duration::from_secs(30),
+            lease: LeaseFlags::default(),
             timeout: Duration::from_secs(5),
             verify: VerifyFlags::default(),
             ucx_lib: None,
             ucx_tls: Some("tcp".into()),
-            err_mode: ErrMode::Peer,
-            progress: ProgressMode::Wait,
+            ucx_mode: UcxModeFlags { err_mode: Some(ErrMode::Peer), progress: Some(ProgressMode::Wait) },
             inflight: 8,
             coalesce: false,
             huge_pages: false,
@@ -830,7 +824,7 @@ mod tests {
             (|f| f.inflight = 0, "--inflight"),
             (|f| f.threads = Some(0), "--threads"),
             (|f| f.tp = 3, "--tp"),
-            (|f| f.lease = Duration::ZERO, "--lease"),
+            (|f| f.lease.lease = Some(Duration::ZERO), "--lease"),
             (|f| f.block_size = 0, "--block-size"),
         ];
         for (set, flag) in cases {

@@ -16,7 +16,6 @@ use crate::config::xfer::{Misalign, SessionOptions, XferConfig};
 use crate::error::ConfigError;
 use crate::transfer::cuda_batch::BatchCopy;
 use crate::transfer::memory::{MemKind, MemPlace};
-use crate::transfer::ucx::{ErrMode, ProgressMode};
 use crate::vocab::kinds::TransportKind;
 
 /// Output format of `kvx xfer` (and `kvx doctor`).
@@ -95,12 +94,8 @@ pub struct XferFlags {
     /// CUDA device for --mem cuda [default: 0].
     #[arg(long)]
     pub device: Option<u32>,
-    /// UCX error-handling mode (peer excludes the shared-memory transports).
-    #[arg(long, value_enum, default_value_t = ErrMode::None)]
-    pub err_mode: ErrMode,
-    /// How waiting processes progress UCX.
-    #[arg(long, value_enum, default_value_t = ProgressMode::Hybrid)]
-    pub progress: ProgressMode,
+    #[command(flatten)]
+    pub ucx_mode: super::flags::UcxModeFlags,
     /// libucp.so to load (default: KVX_UCX_LIB, then .ucx/, then the system's).
     #[arg(long)]
     pub ucx_lib: Option<PathBuf>,
@@ -161,7 +156,7 @@ fn ucx_config(args: &XferFlags) -> Vec<(String, String)> {
 pub fn resolve(args: &XferFlags) -> Result<XferRun, ConfigError> {
     let opts = TargetOptions {
         ucx_lib: args.ucx_lib.clone(),
-        progress: args.progress,
+        progress: args.ucx_mode.progress(),
         ucx_config: ucx_config(args),
     };
     if args.role == XferRole::Target {
@@ -255,8 +250,8 @@ fn measurement(args: &XferFlags) -> Result<XferConfig, ConfigError> {
         peer_timeout: args.peer_timeout,
         session: SessionOptions {
             ucx_lib: args.ucx_lib.clone(),
-            progress: args.progress,
-            err_mode: args.err_mode,
+            progress: args.ucx_mode.progress(),
+            err_mode: args.ucx_mode.err_mode(),
             ucx_config: ucx_config(args),
         },
         cuda_batch,

@@ -20,7 +20,7 @@ use serde::Deserialize;
 
 use super::env::ProcessEnv;
 use super::env::results_root;
-use super::flags::{Format, KvBufferFlags, ModelFlags, PairFlags, VerifyFlags};
+use super::flags::{Format, KvBufferFlags, LeaseFlags, ModelFlags, PairFlags, UcxModeFlags, VerifyFlags};
 use super::layer::{self, Layered, layered};
 use super::parse::parse_duration;
 use super::scenario;
@@ -37,7 +37,6 @@ use crate::topology::TransferMode;
 use crate::transfer::cuda_batch::{BatchCopy, BatchDescriptors, BatchLaunch};
 use crate::transfer::memory::MemKind;
 use crate::transfer::notify::NotifyTransport;
-use crate::transfer::ucx::{ErrMode, ProgressMode};
 use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind};
 
 layered! {
@@ -113,10 +112,9 @@ layered! {
         #[arg(long, value_enum, help_heading = "Checks")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub on_load_failure: Option<FailurePolicy>,
-        /// Lease prefill ranks hold blocks under (vLLM kv_lease_duration) [default: 30s].
-        #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Checks")]
-        #[serde(default, deserialize_with = "super::parse::opt_duration")]
-        pub lease: Option<Duration>,
+        #[command(flatten, next_help_heading = "Checks")]
+        #[serde(flatten)]
+        pub lease: LeaseFlags,
         /// Deadline of every wait: handshake, reads, notifications [default: 5s].
         #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Checks")]
         #[serde(default, deserialize_with = "super::parse::opt_duration")]
@@ -218,14 +216,9 @@ layered! {
         /// UCX_TLS for the workers, e.g. posix,cma,self or tcp.
         #[arg(long, help_heading = "Transport")]
         pub ucx_tls: Option<String>,
-        /// UCX error-handling mode: none or peer (peer excludes shared-memory transports) [default: none].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub err_mode: Option<ErrMode>,
-        /// UCX progress: busy, wait, hybrid [default: hybrid].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub progress: Option<ProgressMode>,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub ucx_mode: UcxModeFlags,
         /// Back the KV pools with huge pages.
         #[arg(long, help_heading = "Transport")]
         #[serde(default)]
@@ -648,7 +641,7 @@ fn finish(
     }
     let mem = resolve_mem(s.mem.unwrap_or_default(), s.devices.clone())?;
     check_mem_transport(mem.kind(), transport.kind)?;
-    let lease = s.lease.unwrap_or(Duration::from_secs(30));
+    let lease = s.lease.lease();
     let timeout = s.timeout.unwrap_or(Duration::from_secs(5));
     if lease.is_zero() {
         return Err(ConfigError::new("--lease", "must be longer than 0"));
@@ -776,8 +769,8 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
         chain: if kind == TransportKind::Multi { chain } else { vec![] },
         mode,
         ucx_lib: s.ucx_lib.clone(),
-        err_mode: s.err_mode.unwrap_or_default(),
-        progress: s.progress.unwrap_or_default(),
+        err_mode: s.ucx_mode.err_mode(),
+        progress: s.ucx_mode.progress(),
         ucx_alloc: false,
         huge_pages: s.huge_pages,
         inflight: check_inflight(s.inflight.unwrap_or(64))?,

@@ -10,6 +10,7 @@ use crate::config::engine::KvMemory;
 use crate::pipeline::wire::{self, ToWorker};
 use crate::settings::layer::Layer as _;
 use crate::transfer::memory::MemPlace;
+use crate::transfer::ucx::{ErrMode, ProgressMode};
 use crate::vocab::kinds::VerifyMode;
 
 fn env() -> ProcessEnv {
@@ -79,10 +80,9 @@ fn flag_beats_file_beats_default() {
         name: Some("mine".into()),
         pair: PairFlags { d_tp: Some(2), ..PairFlags::default() },
         inflight: Some(16),
-        progress: Some(ProgressMode::Busy),
-        err_mode: Some(ErrMode::None),
+        ucx_mode: UcxModeFlags { progress: Some(ProgressMode::Busy), err_mode: Some(ErrMode::None) },
         verify: VerifyFlags { verify: Some(VerifyMode::Full) },
-        lease: Some(Duration::from_secs(3)),
+        lease: LeaseFlags { lease: Some(Duration::from_secs(3)) },
         prompt_len: Some("1024".into()),
         concurrency: Some(1),
         ..with_config(&file)
@@ -128,7 +128,7 @@ fn each_bad_flag_is_named() {
         (BenchFlags { requests: Some(0), ..Default::default() }, "--requests"),
         (BenchFlags { duration: Some(Duration::ZERO), ..Default::default() }, "--duration"),
         (BenchFlags { prefix_hit: Some(1.0), ..Default::default() }, "--prefix-hit"),
-        (BenchFlags { lease: Some(Duration::ZERO), ..Default::default() }, "--lease"),
+        (BenchFlags { lease: LeaseFlags { lease: Some(Duration::ZERO) }, ..Default::default() }, "--lease"),
         (BenchFlags { timeout: Some(Duration::ZERO), ..Default::default() }, "--timeout"),
         (BenchFlags { repeat: Some(0), ..Default::default() }, "--repeat"),
         (BenchFlags { slowdown: Some(f64::NAN), ..Default::default() }, "--slowdown"),
@@ -346,7 +346,7 @@ fn a_bad_choice_is_refused_by_the_parser_naming_its_flag() {
     .expect("valid");
     assert_eq!((f.mem, f.transport), (Some(MemKind::Cuda), Some(TransportKind::CudaBatch)));
     assert_eq!(
-        (f.verify.verify, f.err_mode, f.progress),
+        (f.verify.verify, f.ucx_mode.err_mode, f.ucx_mode.progress),
         (Some(VerifyMode::Sample), Some(ErrMode::Peer), Some(ProgressMode::Busy))
     );
     assert_eq!(
@@ -515,7 +515,7 @@ fn engines_carry_typed_settings_and_placements() {
     let flags = BenchFlags {
         pair: PairFlags { p_tp: Some(2), d_tp: Some(2), ..PairFlags::default() },
         model: ModelFlags { model: Some("llama-3.1-8b".into()), ..ModelFlags::default() },
-        progress: Some(ProgressMode::Wait),
+        ucx_mode: UcxModeFlags { progress: Some(ProgressMode::Wait), ..UcxModeFlags::default() },
         listen: Some("tcp://0.0.0.0:7000".into()),
         ..BenchFlags::default()
     };
@@ -545,8 +545,7 @@ fn engines_carry_typed_settings_and_placements() {
 fn typed_worker_config_round_trips_through_the_control_protocol() {
     let flags = BenchFlags {
         transport: Some(TransportKind::Multi),
-        err_mode: Some(ErrMode::Peer),
-        progress: Some(ProgressMode::Busy),
+        ucx_mode: UcxModeFlags { err_mode: Some(ErrMode::Peer), progress: Some(ProgressMode::Busy) },
         verify: VerifyFlags { verify: Some(VerifyMode::Sample) },
         notify: Some(NotifyTransport::Zmq),
         ..BenchFlags::default()
