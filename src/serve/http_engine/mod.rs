@@ -1,6 +1,7 @@
 //! `kvx serve-engine`: a vLLM-shaped OpenAI-compatible engine (prefill or decode role) with
 //! no model behind it. Prefill time comes from a cost model, tokens are synthetic and emitted
-//! at a fixed inter-token latency, and the KV side is whatever [`KvBackend`] it is given.
+//! at a fixed inter-token latency, and the KV side is whatever
+//! [`KvBackend`](super::kv::KvBackend) it is given.
 //!
 //! Owns the engine's HTTP surface (`router`), request lifecycle (admission, prefill/load,
 //! generation, abort on disconnect or by X-Request-Id), its `/metrics` (vLLM's families with vLLM's names, types,
