@@ -358,3 +358,85 @@ pub enum LogDefault {
     /// A long-running service: info and above, with timestamps.
     Service,
 }
+
+/// The core's knobs, spelled by `settings::knobs`, against the flags the commands take (here,
+/// where the command line is known: settings must not import it).
+#[cfg(test)]
+mod knob_flags {
+    use clap::CommandFactory;
+
+    use crate::settings::knobs::flag;
+    use crate::vocab::knob::Knob;
+
+    /// Every knob's flag is one some kvx command takes, except the few that name a setting
+    /// only a scenario file (pipeline parallelism), vLLM's environment (the conv state layout)
+    /// or kvx itself (the prefill rank a push plan is built for) holds.
+    #[test]
+    fn every_flag_exists() {
+        let cmd = super::Cli::command();
+        let mut longs = std::collections::BTreeSet::new();
+        for sub in cmd.get_subcommands() {
+            for arg in sub.get_arguments() {
+                if let Some(l) = arg.get_long() {
+                    longs.insert(format!("--{l}"));
+                }
+            }
+        }
+        let not_flags = [Knob::PPp, Knob::DPp, Knob::ConvStateLayout, Knob::PRank];
+        let wrong: Vec<_> =
+            ALL.into_iter().filter(|k| longs.contains(flag(*k)) == not_flags.contains(k)).collect();
+        assert!(wrong.is_empty(), "{wrong:?}");
+    }
+
+    const ALL: [Knob; 49] = [
+        Knob::Tp,
+        Knob::BlockSize,
+        Knob::NumBlocks,
+        Knob::Layout,
+        Knob::Rank,
+        Knob::PTp,
+        Knob::DTp,
+        Knob::PBlockSize,
+        Knob::DBlockSize,
+        Knob::PNumBlocks,
+        Knob::DNumBlocks,
+        Knob::PLayout,
+        Knob::DLayout,
+        Knob::PPp,
+        Knob::DPp,
+        Knob::PRank,
+        Knob::DRank,
+        Knob::PoolBlocks,
+        Knob::KernelBlockSize,
+        Knob::Model,
+        Knob::Layers,
+        Knob::HeadDim,
+        Knob::Mla,
+        Knob::NumKvHeads,
+        Knob::Vllm,
+        Knob::Mode,
+        Knob::Permute,
+        Knob::PushAttention,
+        Knob::StateSlices,
+        Knob::HostCopy,
+        Knob::HostDescriptors,
+        Knob::HostStatePage,
+        Knob::ConvStateLayout,
+        Knob::NoPrefixCaching,
+        Knob::KvBufferDevice,
+        Knob::AttentionBackend,
+        Knob::Scenario,
+        Knob::PrefixHit,
+        Knob::LocalBlocks,
+        Knob::RemoteBlocks,
+        Knob::Alloc,
+        Knob::Verify,
+        Knob::Overlap,
+        Knob::SideChannelPort,
+        Knob::PortScheme,
+        Knob::Transport,
+        Knob::PostNs,
+        Knob::CeilingGbps,
+        Knob::Rates,
+    ];
+}
