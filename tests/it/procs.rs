@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead as _, BufReader, Read as _};
+use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
@@ -304,17 +305,55 @@ pub fn alive(pid: u32) -> bool {
     proc_info(pid).is_some_and(|p| p.state != 'Z')
 }
 
-/// Waits until none of `pids` is alive; returns those still alive after `timeout`.
+/// Waits until none of `pids` is alive; returns those still alive after `timeout`. Waits on
+/// exit events: a pidfd (pidfd_open(2)) becomes readable when its process ends, whether or
+/// not it is our child (a zombie's at once, as [`alive`] counts it gone).
+#[expect(unsafe_code, reason = "poll(2) over pidfds has no safe wrapper in std")]
 pub fn wait_gone(pids: &[u32], timeout: Duration) -> Vec<u32> {
     let deadline = Instant::now() + timeout;
-    loop {
-        let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
-        if left.is_empty() || Instant::now() > deadline {
-            return left;
+    let mut fds: Vec<OwnedFd> = pids.iter().filter_map(|&p| pidfd(p)).collect();
+    while !fds.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut polls: Vec<libc::pollfd> = fds
+            .iter()
+            .map(|fd| libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 })
+            .collect();
+        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: `polls` is a live array of `polls.len()` pollfd structs for the whole call.
+        let n = unsafe { libc::poll(polls.as_mut_ptr(), polls.len() as libc::nfds_t, ms) };
+        if n == 0 || (n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted) {
+            break;
         }
-        // Processes that are not our children give no exit event to wait on.
-        std::thread::sleep(Duration::from_millis(10));
+        let mut ended = polls.iter().map(|p| p.revents != 0);
+        fds.retain(|_| !ended.next().unwrap_or(false));
     }
+    pids.iter().copied().filter(|&p| alive(p)).collect()
+}
+
+/// A pidfd of `pid`, or `None` when it is gone already.
+#[expect(unsafe_code, reason = "pidfd_open(2) has no wrapper in std or libc, only the raw syscall")]
+fn pidfd(pid: u32) -> Option<OwnedFd> {
+    let pid = libc::pid_t::try_from(pid).ok()?;
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = i32::try_from(fd).ok().filter(|&fd| fd >= 0)?;
+    // SAFETY: a non-negative return of pidfd_open is a new descriptor nobody else owns.
+    Some(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// The processes of process group `pgid` (its leader included).
+pub fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return vec![] };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().is_some_and(|stat| {
+                // Fields after the command name: state, ppid, pgrp.
+                let rest = stat.rfind(')').map_or("", |i| &stat[i + 1..]);
+                rest.split_whitespace().nth(2).and_then(|g| g.parse::<u32>().ok()) == Some(pgid)
+            })
+        })
+        .collect()
 }
 
 /// Parses a bench's stdout (the JSON summary).

@@ -17,6 +17,7 @@ use axum::http::StatusCode;
 
 use openmetrics_parser::PrometheusType;
 
+use crate::procs::{group_members, wait_gone};
 use crate::serve::{fixture, metric, normalise, post, raw_request, send};
 use crate::serve_metrics::{XFER_BUCKETS, check_vllm_families, family, histogram, number, scrape, value};
 
@@ -73,15 +74,6 @@ impl Proc {
             .args(["-s", sig, "--", &format!("-{}", self.child.id())])
             .stderr(Stdio::null())
             .status();
-    }
-
-    /// Whether any process of the group is alive.
-    fn group_alive(&self) -> bool {
-        Command::new("kill")
-            .args(["-s", "0", "--", &format!("-{}", self.child.id())])
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
     }
 }
 
@@ -268,28 +260,25 @@ async fn completions_and_chat_through_the_proxy_read_verified_kv() {
         // A graceful stop ends the engine and its workers.
         drop(x);
         let mut p = p;
+        let p_group = group_members(p.child.id());
+        assert!(p_group.len() > 1, "the prefill engine's workers are in its process group: {p_group:?}");
         let _ = Command::new("kill").args(["-s", "TERM", &p.child.id().to_string()]).status();
         let status = tokio::task::block_in_place(|| p.child.wait_timeout(Duration::from_secs(15)))
             .expect("wait")
             .unwrap_or_else(|| panic!("prefill engine still running 15 s after SIGTERM"));
         assert!(status.success(), "{status}");
-        // The workers are the engine's children, not ours: nothing here can wait on their exit,
-        // so their process group is checked until it is empty or the deadline passes.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while p.group_alive() {
-            assert!(Instant::now() < deadline, "a prefill worker outlived its engine");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        // The workers are the engine's children, not ours: their exits are waited on by pidfd.
+        let left = tokio::task::block_in_place(|| wait_gone(&p_group, Duration::from_secs(5)));
+        assert!(left.is_empty(), "a prefill worker outlived its engine: {left:?}");
 
         // An engine killed outright (SIGKILL, OOM) takes its workers with it.
         let mut d = d;
+        let d_group = group_members(d.child.id());
+        assert!(d_group.len() > 1, "the decode engine's workers are in its process group: {d_group:?}");
         let _ = Command::new("kill").args(["-s", "KILL", &d.child.id().to_string()]).status();
         let _ = d.child.wait();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while d.group_alive() {
-            assert!(Instant::now() < deadline, "a decode worker outlived its killed engine");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let left = tokio::task::block_in_place(|| wait_gone(&d_group, Duration::from_secs(5)));
+        assert!(left.is_empty(), "a decode worker outlived its killed engine: {left:?}");
     })
     .await;
 }
