@@ -15,7 +15,7 @@ use super::arrival::Arrival;
 use super::load::Slo;
 
 /// What to do when a load fails (vLLM's `kv_load_failure_policy`, `--on-load-failure`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FailurePolicy {
     /// The request ends with an error.
     #[default]

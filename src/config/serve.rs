@@ -71,18 +71,15 @@ pub struct EngineIdentity {
 
 /// How a backend is chosen from its pool (P and D pools are chosen independently). The
 /// names of vLLM's router (`round_robin`, `random`, `power_of_two`) are accepted too.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
     /// Next healthy backend in turn (the toy proxy's `itertools.cycle`, minus the unhealthy).
-    #[value(alias = "round_robin")]
     RoundRobin,
     /// Healthy backend with the fewest requests in flight from this proxy.
-    #[value(alias = "least_loaded")]
     LeastLoaded,
     /// A healthy backend at random.
     Random,
     /// The less loaded (fewer requests in flight) of two healthy backends drawn at random.
-    #[value(alias = "power_of_two")]
     PowerOfTwo,
 }
 

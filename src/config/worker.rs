@@ -64,7 +64,7 @@ pub struct TransportConfig {
 
 /// How prefill ranks hand KV to decode in push mode: after the whole prefill, or layer by
 /// layer as each is computed (vllm-project/vllm#56874).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Overlap {
     /// WRITE once the whole prefill is done.
@@ -84,7 +84,7 @@ impl Overlap {
 }
 
 /// How the orchestrator (the bench, or the serving proxy) sends a request's two legs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dispatch {
     /// Prefill first; decode once prefill answered (vLLM's toy proxy; pull needs it, since

@@ -1,11 +1,14 @@
-//! The core's typed choices as clap sees them: each enum of `topology` and `layouts` a flag
-//! takes gets its `clap::ValueEnum` here, with the name a user types and the line `--help`
+//! The core's and the run configuration's typed choices as clap sees them: each enum of
+//! `topology`, `layouts` and `config` a flag takes gets its `clap::ValueEnum` here, with the name a user types and the line `--help`
 //! shows for each value, so the core stays free of clap and the flags still parse straight into
 //! the core's enums (and config-file values through [`super::parse::named`]).
 
 use clap::ValueEnum;
 use clap::builder::PossibleValue;
 
+use crate::config::bench::FailurePolicy;
+use crate::config::serve::Policy;
+use crate::config::worker::{Dispatch, Overlap};
 use crate::layouts::alloc::AllocPattern;
 use crate::layouts::hybrid::{AttentionBackend, GdnPrefillBackend, HostCopyRule, PushAttention, StateSlices};
 use crate::topology::TransferMode;
@@ -78,6 +81,45 @@ choices!(StateSlices {
                        least prefill TP: whole; prefill TP above decode TP: each source rank's piece of the \
                        slice, from remote rows of its own)",
 });
+
+choices!(Overlap {
+    None => "none": "WRITE once the whole prefill is done",
+    Layers => "layers": "WRITE each layer's slice of the blocks as soon as that layer is computed",
+});
+
+choices!(Dispatch {
+    Sequential => "sequential": "Prefill first; decode once prefill answered (vLLM's toy proxy; pull needs it, since \
+                                 decode reads the blocks prefill names)",
+    Concurrent => "concurrent": "Both legs at once: in push mode decode needs only the prefill engine's identity, so \
+                                 it registers its blocks while prefill computes (ai-dynamo/dynamo#13327)",
+});
+
+choices!(FailurePolicy {
+    Fail => "fail": "The request ends with an error",
+    Recompute => "recompute": "The decode side recomputes the prompt locally; counted apart",
+});
+
+/// The proxy's `--policy`, with vLLM router's names (`round_robin`, ...) accepted too.
+impl ValueEnum for Policy {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[Policy::RoundRobin, Policy::LeastLoaded, Policy::Random, Policy::PowerOfTwo]
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        Some(match self {
+            Policy::RoundRobin => PossibleValue::new("round-robin").alias("round_robin").help(
+                "Next healthy backend in turn (the toy proxy's `itertools.cycle`, minus the unhealthy)",
+            ),
+            Policy::LeastLoaded => PossibleValue::new("least-loaded")
+                .alias("least_loaded")
+                .help("Healthy backend with the fewest requests in flight from this proxy"),
+            Policy::Random => PossibleValue::new("random").help("A healthy backend at random"),
+            Policy::PowerOfTwo => PossibleValue::new("power-of-two")
+                .alias("power_of_two")
+                .help("The less loaded (fewer requests in flight) of two healthy backends drawn at random"),
+        })
+    }
+}
 
 #[cfg(test)]
 mod tests {
