@@ -9,6 +9,8 @@
 //!
 //! A leaf: it uses nothing of kvx. Reading the clock is a syscall, not I/O on the environment.
 
+#![forbid(unsafe_code)]
+
 use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};

@@ -4,6 +4,8 @@
 //! `serve`, `diagnose`) fill a summary's [`Environment`] from here, so `report` carries it
 //! without reading the system.
 
+#![forbid(unsafe_code)]
+
 use serde::{Deserialize, Serialize};
 
 /// The machine the run ran on.

@@ -4,6 +4,8 @@
 //! use; errors are `std::io::Error`s whose message says what was wrong, for the caller to name
 //! its flag.
 
+#![forbid(unsafe_code)]
+
 use std::io::{self, Read};
 use std::path::Path;
 

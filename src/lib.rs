@@ -45,36 +45,23 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 // Only `transfer` (its UCX binding and memory modules) may hold `unsafe`; every other module
-// forbids it, which no inner `allow` can undo.
-#[forbid(unsafe_code)]
+// forbids it in its own root file (`#![forbid(unsafe_code)]`), which no inner `allow` can undo.
 pub mod cli;
-#[forbid(unsafe_code)]
 pub mod clock;
-#[forbid(unsafe_code)]
 pub mod config;
-#[forbid(unsafe_code)]
 pub mod diagnose;
 pub mod error;
-#[forbid(unsafe_code)]
 pub mod host;
-#[forbid(unsafe_code)]
 pub mod input;
 pub mod interrupt;
-#[forbid(unsafe_code)]
 pub mod layouts;
 pub mod output;
-#[forbid(unsafe_code)]
 pub mod pipeline;
-#[forbid(unsafe_code)]
 pub mod report;
-#[forbid(unsafe_code)]
 pub mod serve;
-#[forbid(unsafe_code)]
 pub mod settings;
-#[forbid(unsafe_code)]
 pub mod topology;
 pub mod transfer;
-#[forbid(unsafe_code)]
 pub mod vocab;
 
 pub use error::{Outcome, Signal};

@@ -24,6 +24,7 @@ use crate::settings::plan::{BenchJob, resolve_bench_job};
     kvx bench --config bench-configs/p8d2.toml --repeat 5 --format json\n  \
     kvx bench --sweep bench-configs/layout-sweep.toml\n  \
     kvx bench --p-tp 2 --d-tp 2 --rate 20 --duration 30s --prompt-len 1024..32768 --alloc fragmented")]
+#[command(allow_negative_numbers = true)]
 pub struct BenchArgs {
     // The settings: flags and config-file keys (`settings::bench`).
     #[command(flatten)]

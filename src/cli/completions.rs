@@ -6,6 +6,7 @@ use crate::error::Outcome;
 
 #[derive(Debug, Args)]
 #[command(after_help = "Example:\n  kvx completions bash > /etc/bash_completion.d/kvx")]
+#[command(allow_negative_numbers = true)]
 pub struct CompletionsArgs {
     /// Shell to generate completions for.
     pub shell: Shell,

@@ -1,5 +1,4 @@
 //! `kvx doctor`: flags and rendering of the host check.
-use std::path::PathBuf;
 
 use clap::Args;
 
@@ -17,30 +16,28 @@ Examples:
   kvx doctor --ucx-lib /usr/lib/x86_64-linux-gnu/libucp.so.0
 
 Exit code 0 unless something kvx needs is missing (then 2).")]
+#[command(allow_negative_numbers = true)]
 pub struct DoctorArgs {
-    /// libucp.so to check (default: KVX_UCX_LIB, then .ucx/, then the system's).
-    #[arg(long)]
-    pub ucx_lib: Option<PathBuf>,
-    /// First side-channel port to check (vLLM's default is 5600).
-    #[arg(long, default_value_t = 5600)]
-    pub side_channel_port: u16,
+    #[command(flatten)]
+    pub ucx_lib: crate::settings::flags::UcxLibFlags,
+    #[command(flatten)]
+    pub side_channel: crate::settings::flags::SideChannelPortFlags,
     /// How many side-channel ports to check from the first.
     #[arg(long, default_value_t = 8)]
     pub ports: u16,
     /// Skip the two-process zero-copy GET self-test.
     #[arg(long)]
     pub no_self_test: bool,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_enum, default_value_t = Format::Table, help = crate::settings::flags::FORMAT_HELP)]
     pub format: Format,
 }
 
 pub fn run(args: &DoctorArgs) -> anyhow::Result<Outcome> {
     let self_test_exe = if args.no_self_test { None } else { std::env::current_exe().ok() };
     let report = doctor::run(&DoctorOptions {
-        ucx_lib: args.ucx_lib.clone(),
+        ucx_lib: args.ucx_lib.clone().ucx_lib,
         self_test_exe,
-        side_channel_port: args.side_channel_port,
+        side_channel_port: args.side_channel.side_channel_port,
         ports: args.ports.max(1),
     });
     match args.format {

@@ -28,6 +28,7 @@ pub enum GateFormat {
 missing metric, implausible calibration figure, a partial run without --allow-partial).\n\n\
 Examples:\n  kvx gate --baseline results/baseline.json --current results/<run>/summary.json\n  \
 kvx gate --baseline results/baseline.json --current results/<run> --update   # accept this run as the baseline")]
+#[command(allow_negative_numbers = true)]
 pub struct GateArgs {
     /// The baseline summary (a summary.json, usually committed as results/baseline.json).
     #[arg(long, value_name = "FILE")]
@@ -41,8 +42,7 @@ pub struct GateArgs {
     /// Also write the verdict as Markdown to FILE (for a CI job summary or a PR comment).
     #[arg(long, value_name = "FILE")]
     pub markdown: Option<PathBuf>,
-    /// Output format on stdout.
-    #[arg(long, value_enum, default_value_t = GateFormat::Table)]
+    #[arg(long, value_enum, default_value_t = GateFormat::Table, help = crate::settings::flags::FORMAT_HELP)]
     pub format: GateFormat,
     /// Write the current run as the new baseline (prints what changed). Refused for a run with
     /// failures, verification failures, leaked blocks or no successful request, unless --force;

@@ -14,6 +14,7 @@ use crate::settings::layout::{LayoutFlags, resolve_layout};
 #[command(after_help = "Examples:\n  kvx layout --model llama-3.1-70b --tp 8\n  \
     kvx layout --model deepseek-v3 --layout BLHNC --tokens 32768\n  \
     kvx layout --model qwen3-8b --vllm 0.19 --layout NHD --format json")]
+#[command(allow_negative_numbers = true)]
 pub struct LayoutArgs {
     #[command(flatten)]
     pub settings: LayoutFlags,

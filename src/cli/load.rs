@@ -15,6 +15,7 @@ pub use crate::settings::load::{EndpointArg, Format};
 use crate::settings::load::{LoadFlags, resolve};
 
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 pub struct LoadArgs {
     #[command(flatten)]
     pub settings: LoadFlags,
@@ -50,7 +51,13 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<Outcome> {
         load::run_with_progress(cfg.clone(), Some(progress)).await.map(|r| (r, cfg))
     })?;
     drop(display);
-    let mut summary = load_report::summary(&run, &cfg, &run_id, &started_at, &args.name);
+    let mut summary = load_report::summary(
+        &run,
+        &cfg,
+        &run_id,
+        &started_at,
+        args.run_name.name.as_deref().unwrap_or("load"),
+    );
     let interrupted = load_report::mark_interrupted(&mut summary);
     let out = match args.format {
         Format::Table => format!(

@@ -3,6 +3,8 @@
 //! parsed flags to `settings` to resolve, calls the library and prints. Flag checks live in
 //! `settings`, not here.
 
+#![forbid(unsafe_code)]
+
 use clap::{Parser, Subcommand};
 
 use crate::error::Outcome;
@@ -38,47 +40,33 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Rank map: which decode rank reads which bytes from which prefill rank.
-    #[command(allow_negative_numbers = true)]
     Topo(topo::TopoArgs),
     /// KV cache layout of one rank: shape, strides, registered regions, bytes per token/block.
-    #[command(allow_negative_numbers = true)]
     Layout(layout::LayoutArgs),
     /// Descriptor plan of one request: (local, remote, length) pairs per decode rank.
-    #[command(allow_negative_numbers = true)]
     Plan(plan::PlanArgs),
     /// Transport microbenchmark: one-sided UCX reads between two processes.
-    #[command(allow_negative_numbers = true)]
     Xfer(Box<xfer::XferArgs>),
     /// Speak the side-channel protocol to a kvx or vLLM engine and show what it advertises.
-    #[command(allow_negative_numbers = true)]
     Probe(probe::ProbeArgs),
     /// Check this host: UCX library, transports, memory types, CUDA, ports.
-    #[command(allow_negative_numbers = true)]
     Doctor(doctor::DoctorArgs),
     /// Run the whole P/D pipeline: prefill and decode ranks, real reads, verified, reported.
-    #[command(allow_negative_numbers = true)]
     Bench(Box<bench::BenchArgs>),
     /// Re-render a saved run, or compare two runs side by side.
-    #[command(allow_negative_numbers = true)]
     Report(report::ReportArgs),
     /// Compare a run with a baseline; exit 1 on a performance regression.
-    #[command(allow_negative_numbers = true)]
     Gate(gate::GateArgs),
     /// Reference OpenAI-compatible engine (prefill or decode role) with real KV transfers.
-    #[command(allow_negative_numbers = true)]
     ServeEngine(Box<serve_engine::ServeEngineArgs>),
     /// P/D proxy with the flags of vLLM's toy proxy and of its Rust router (--vllm-pd-disaggregation).
-    #[command(allow_negative_numbers = true)]
     ServeProxy(serve_proxy::ServeProxyArgs),
     /// Load generator for any OpenAI-compatible endpoint.
-    #[command(allow_negative_numbers = true)]
     Load(load::LoadArgs),
     /// Print shell completions.
-    #[command(allow_negative_numbers = true)]
     Completions(completions::CompletionsArgs),
     /// One rank of a bench or engine (started by the orchestrator or a launcher).
     #[command(hide = true)]
-    #[command(allow_negative_numbers = true)]
     Worker(worker::WorkerArgs),
 }
 
@@ -242,66 +230,10 @@ mod tests {
         }
         let mut flags = BTreeMap::new();
         walk(&Cli::command(), "kvx".into(), &mut flags);
-        // Flags that today still differ between the commands taking them (a default or a help
-        // text): each is to become one shared group or two names. The list only shrinks: a
-        // flag that no longer differs must leave it, one that starts to differ fails.
-        const STILL_DIFFER: &[&str] = &[
-            "--alloc",
-            "--api-key",
-            "--attention-backend",
-            "--block-size",
-            "--concurrency",
-            "--connect",
-            "--device",
-            "--devices",
-            "--dispatch",
-            "--duration",
-            "--format",
-            "--gdn-prefill",
-            "--host-copy",
-            "--host-descriptors",
-            "--host-state-page",
-            "--huge-pages",
-            "--inflight",
-            "--kernel-block-size",
-            "--layout",
-            "--listen",
-            "--mem",
-            "--mode",
-            "--model",
-            "--name",
-            "--no-prefix-caching",
-            "--p-tp",
-            "--pool-blocks",
-            "--prefix-hit",
-            "--prompt-len",
-            "--push-attention",
-            "--rank",
-            "--rate",
-            "--repeat",
-            "--requests",
-            "--role",
-            "--seed",
-            "--side-channel-port",
-            "--slo",
-            "--state-slices",
-            "--timeout",
-            "--tp",
-            "--transport",
-            "--ucx-lib",
-            "--ucx-tls",
-            "--vllm",
-            "--warmup",
-        ];
         let mut differ = Vec::new();
-        let mut still = std::collections::BTreeSet::new();
         for (flag, uses) in &flags {
             let (_, d0, h0) = &uses[0];
             for (cmd, d, h) in &uses[1..] {
-                if (d != d0 || h != h0) && STILL_DIFFER.contains(&flag.as_str()) {
-                    still.insert(flag.as_str());
-                    continue;
-                }
                 if d != d0 {
                     differ.push(format!("{flag}: default '{d0}' in `{}`, '{d}' in `{cmd}`", uses[0].0));
                 }
@@ -314,8 +246,6 @@ mod tests {
             }
         }
         assert!(flags.len() > 100, "only {} flags listed", flags.len());
-        let unified: Vec<_> = STILL_DIFFER.iter().filter(|f| !still.contains(**f)).collect();
-        assert!(unified.is_empty(), "these now have one definition: take them off STILL_DIFFER: {unified:?}");
         assert!(differ.is_empty(), "{} flags differ between commands:\n{}", differ.len(), differ.join("\n"));
     }
 }

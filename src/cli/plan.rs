@@ -26,6 +26,7 @@ per-descriptor rate, and the time the bytes take at its bandwidth ceiling; a req
 posting takes longer is post-bound. Every rate names the results file and line it comes
 from; `--rates FILE` takes your own `kvx xfer --format json` (or gpu-check) JSON instead."
 )]
+#[command(allow_negative_numbers = true)]
 pub struct PlanArgs {
     #[command(flatten)]
     pub settings: PlanFlags,

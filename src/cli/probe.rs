@@ -11,6 +11,7 @@ use crate::settings::probe::{ProbeFlags, resolve};
 pub use crate::settings::probe::{ProbeFormat, VllmFraming};
 
 #[derive(Debug, Args)]
+#[command(allow_negative_numbers = true)]
 pub struct ProbeArgs {
     #[command(flatten)]
     pub settings: ProbeFlags,
@@ -20,15 +21,15 @@ pub fn run(args: &ProbeArgs) -> anyhow::Result<Outcome> {
     let args = &args.settings;
     let settings = resolve(args)?;
     let (endpoint, opts) = (settings.endpoint, settings.opts);
-    let mut samples = Vec::with_capacity(args.repeat as usize);
+    let mut samples = Vec::with_capacity(args.repeat.repeat() as usize);
     let mut last = None;
-    for _ in 0..args.repeat {
+    for _ in 0..args.repeat.repeat() {
         let report = probe::probe(&endpoint, &opts).with_context(|| format!("probing {endpoint}"))?;
         samples.push(report.latency_us);
         last = Some(report);
     }
     let report = last.context("no probe ran")?;
-    let latency = (args.repeat > 1).then(|| LatencySummary::of(&samples)).flatten();
+    let latency = (args.repeat.repeat() > 1).then(|| LatencySummary::of(&samples)).flatten();
     match args.format {
         ProbeFormat::Json => {
             let mut v = serde_json::to_value(&report)?;

@@ -25,13 +25,13 @@ pub enum ReportFormat {
 #[command(
     after_help = "Examples:\n  kvx report results/20250102T030405Z-1a2b3c\n  kvx report results/A results/B --format markdown"
 )]
+#[command(allow_negative_numbers = true)]
 pub struct ReportArgs {
     /// A run directory written by `kvx bench` (results/<run>) or its summary.json. Give two runs,
     /// A then B, to compare them side by side (ratio B/A).
     #[arg(required = true, num_args = 1..=2, value_name = "RUN")]
     pub runs: Vec<PathBuf>,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = ReportFormat::Table)]
+    #[arg(long, value_enum, default_value_t = ReportFormat::Table, help = crate::settings::flags::FORMAT_HELP)]
     pub format: ReportFormat,
     /// Write the re-rendered SVG charts here instead of into the run's own directory.
     #[arg(long, value_name = "DIR", conflicts_with = "no_charts")]

@@ -31,6 +31,7 @@ pub use crate::settings::workers::DEFAULT_ITL_MS;
     kvx serve-engine --role prefill --port 8100 --tp 2 --model llama-3.1-8b --side-channel-port 5600\n  \
     kvx serve-engine --role decode --port 8200 --tp 2 --model llama-3.1-8b --itl-ms 10\n  \
     kvx serve-engine --role decode --port 8200 --kv-backend null   # HTTP only, no KV moves")]
+#[command(allow_negative_numbers = true)]
 pub struct ServeEngineArgs {
     #[command(flatten)]
     pub settings: ServeEngineFlags,

@@ -18,6 +18,7 @@ use crate::settings::proxy::{ServeProxyFlags, resolve};
 #[command(after_help = "Examples:\n  \
     kvx serve-proxy --port 8192 --prefiller-hosts localhost --prefiller-ports 8100 --decoder-hosts localhost --decoder-ports 8200\n  \
     kvx serve-proxy --vllm-pd-disaggregation --prefill http://localhost:8100 --decode http://localhost:8200 --policy round_robin")]
+#[command(allow_negative_numbers = true)]
 pub struct ServeProxyArgs {
     #[command(flatten)]
     pub settings: ServeProxyFlags,

@@ -18,6 +18,7 @@ use crate::settings::topo::{TopoFlags, resolve_topo};
     kvx topo --p-tp 2 --d-tp 8 --num-kv-heads 4 --format json\n  \
     kvx topo --p-tp 4 --d-tp 1 --model deepseek-v3 --vllm 0.19\n  \
     kvx topo --mode push --p-tp 2 --d-tp 4 --model llama-3.1-70b")]
+#[command(allow_negative_numbers = true)]
 pub struct TopoArgs {
     #[command(flatten)]
     pub settings: TopoFlags,

@@ -1,16 +1,10 @@
 //! `kvx worker` (hidden): one rank of a prefill or decode engine.
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 
-use crate::error::Outcome;
+use crate::error::{ConfigError, Outcome};
 use crate::settings::env::launcher_rank;
 use crate::vocab::kinds::Role;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum RoleArg {
-    Prefill,
-    Decode,
-}
 
 #[derive(Debug, Args)]
 #[command(
@@ -18,17 +12,16 @@ pub enum RoleArg {
     Under Slurm or mpirun, omit --role/--rank and pass --p-tp: global ranks below it are prefill ranks,\n\
     the rest decode ranks; decode ranks connect to the given port + 1."
 )]
+#[command(allow_negative_numbers = true)]
 pub struct WorkerArgs {
-    /// The engine's control endpoint (printed by `kvx bench --listen`).
-    #[arg(long)]
-    pub connect: String,
-    #[arg(long, value_enum)]
-    pub role: Option<RoleArg>,
-    /// This worker's TP rank (default: from the launcher's environment, else assigned).
-    #[arg(long)]
-    pub rank: Option<u32>,
-    /// With a launcher: the prefill TP size, to split global ranks into prefill and decode.
-    #[arg(long)]
+    #[command(flatten)]
+    pub connect: crate::settings::flags::ConnectFlags,
+    #[command(flatten)]
+    pub role: crate::settings::flags::RoleFlags,
+    #[command(flatten)]
+    pub rank: crate::settings::flags::RankFlags,
+    /// Prefill tensor-parallel size [default: 1].
+    #[arg(long, value_name = "P")]
     pub p_tp: Option<u32>,
 }
 
@@ -38,17 +31,15 @@ pub fn run(args: &WorkerArgs) -> anyhow::Result<Outcome> {
     if let Err(e) = crate::transfer::ucx::ignore_sigint() {
         tracing::debug!("cannot ignore SIGINT: {e}");
     }
-    let (role, rank, endpoint) = match (args.role, launcher_rank(), args.p_tp) {
-        (Some(r), _, _) => {
-            let role = if r == RoleArg::Prefill { Role::Prefill } else { Role::Decode };
-            (role, args.rank, args.connect.clone())
-        }
-        (None, Some((global, _)), Some(p_tp)) if global < p_tp => {
-            (Role::Prefill, Some(global), args.connect.clone())
-        }
-        (None, Some((global, _)), Some(p_tp)) => {
-            (Role::Decode, Some(global - p_tp), bump_port(&args.connect)?)
-        }
+    let Some(connect) = args.connect.connect.clone() else {
+        return Err(
+            ConfigError::new("--connect", "is required: the endpoint `kvx bench --listen` printed").into()
+        );
+    };
+    let (role, rank, endpoint) = match (args.role.role, launcher_rank(), args.p_tp) {
+        (Some(role), _, _) => (role, args.rank.rank, connect),
+        (None, Some((global, _)), Some(p_tp)) if global < p_tp => (Role::Prefill, Some(global), connect),
+        (None, Some((global, _)), Some(p_tp)) => (Role::Decode, Some(global - p_tp), bump_port(&connect)?),
         _ => anyhow::bail!(
             "pass --role prefill|decode, or run under a launcher (SLURM_PROCID, OMPI_COMM_WORLD_RANK or RANK) with --p-tp"
         ),

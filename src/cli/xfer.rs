@@ -38,6 +38,7 @@ kernel, or with --batch-copy api one cuMemcpyBatchAsync; post us is one batch's 
 Verification checks what the timed reads wrote: 1 timed batch in 16 (the first included) has its
 destinations cleared before and every byte checked after (outside the measured time), and the
 last timed batch's destinations are checked at the end (\"verified batches\": N of M timed).")]
+#[command(allow_negative_numbers = true)]
 pub struct XferArgs {
     #[command(flatten)]
     pub settings: XferFlags,

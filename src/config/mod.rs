@@ -12,6 +12,8 @@
 //! - [`load`]: `kvx load` (targets, arrivals, objectives).
 //! - [`xfer`] and [`probe`]: the link diagnostics.
 
+#![forbid(unsafe_code)]
+
 pub mod arrival;
 pub mod bench;
 pub mod engine;

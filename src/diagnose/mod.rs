@@ -7,6 +7,8 @@
 //! behind a safe type in `transfer`), and nothing but `cli` imports it
 //! (`tests/it/layering.rs`). Must not print: `cli` prints what these return.
 
+#![forbid(unsafe_code)]
+
 pub mod doctor;
 pub mod probe;
 pub mod xfer;

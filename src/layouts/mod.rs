@@ -11,6 +11,8 @@
 //! its rates from results files; `request` plans `kvx plan`'s request whole (uniform or hybrid,
 //! pull or push) into one typed answer, and `rank_maps` maps `kvx topo`'s pair the same way.
 
+#![forbid(unsafe_code)]
+
 pub mod alloc;
 pub mod compat;
 pub mod geometry;

@@ -12,6 +12,8 @@
 //! bench, a serving engine), [`worker`] is each rank's own process, [`bench`] drives a run;
 //! [`wire`] is what the first two say to each other.
 
+#![forbid(unsafe_code)]
+
 pub mod bench;
 pub mod engine;
 pub mod params;

@@ -26,6 +26,8 @@
 //! over. Nothing here reads the environment (callers pass `KVX_RESULTS_DIR` in) or the system:
 //! the machine and the time a summary carries come from `host` and `clock`.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 
 pub mod bandwidth;

@@ -24,6 +24,8 @@
 //! (through its public engine API); nothing here touches `transfer/`. The HTTP side sees KV
 //! only through [`kv::KvBackend`].
 
+#![forbid(unsafe_code)]
+
 pub mod bench_serve;
 pub mod client;
 pub mod conn;

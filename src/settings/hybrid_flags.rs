@@ -45,12 +45,12 @@ pub fn hybrid_engines(
 {
     let engine = |tp: Option<u32>, block: Option<u32>, layout: &Option<String>, blocks: Option<u32>| {
         let mut e = crate::layouts::hybrid::HybridEngineSpec::new(tp.unwrap_or(1), blocks.unwrap_or(pool));
-        e.block_tokens = block.or(pair.block_size).unwrap_or(super::flags::DEFAULT_BLOCK_SIZE);
-        e.kernel_block_tokens = pair.kernel_block_size;
-        e.prefix_caching = !pair.no_prefix_caching;
-        e.gdn_prefill = pair.gdn_prefill.unwrap_or_default();
-        e.attention_backend = pair.attention_backend.unwrap_or_default();
-        if let Some(l) = layout.as_ref().or(pair.layout.as_ref()) {
+        e.block_tokens = block.unwrap_or(pair.block_size());
+        e.kernel_block_tokens = pair.engine.kernel_block_size;
+        e.prefix_caching = !pair.engine.no_prefix_caching;
+        e.gdn_prefill = pair.engine.gdn_prefill.unwrap_or_default();
+        e.attention_backend = pair.engine.attention_backend.unwrap_or_default();
+        if let Some(l) = layout.as_ref().or(pair.engine.layout.as_ref()) {
             e.layout = crate::layouts::Layout::parse_for(l, crate::topology::VllmVersion::V0_33)
                 .map_err(|e| ConfigError::new("--layout", e))?;
         }

@@ -21,22 +21,12 @@ use crate::topology::VllmVersion;
 pub struct LayoutFlags {
     #[command(flatten)]
     pub model: ModelFlags,
-    /// Tensor-parallel size of the engine.
-    #[arg(long, default_value_t = 1)]
-    pub tp: u32,
-    /// Which rank of the engine.
-    #[arg(long, default_value_t = 0)]
-    pub rank: u32,
-    /// Which vLLM release's layouts: 0.33 (default) or 0.19.
-    #[arg(long, default_value = "0.33")]
-    pub vllm: VllmVersion,
-    /// KV cache layout (0.33: LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC; 0.19: HND, NHD, FI-HND,
-    /// FI-NHD, FA-HND-XL, FI-HND-XL).
-    #[arg(long)]
-    pub layout: Option<String>,
-    /// Tokens per block.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: u32,
+    #[command(flatten)]
+    pub tp: super::flags::TpFlags,
+    #[command(flatten)]
+    pub rank: super::flags::RankFlags,
+    #[command(flatten)]
+    pub engine: super::flags::EngineFlags,
     /// Blocks in the rank's pool.
     #[arg(long, default_value_t = 1024)]
     pub num_blocks: u32,
@@ -48,34 +38,28 @@ pub struct LayoutFlags {
     pub show_regions: usize,
     #[command(flatten)]
     pub kv_buffer: super::flags::KvBufferFlags,
-    /// Hybrid models with GDN state: the GDN prefill kernel (flashinfer: vLLM's choice on
-    /// H100/H200/B200, aligning blocks to 64-token checkpoints with prefix caching; triton:
-    /// A100-class GPUs) [default: flashinfer].
-    #[arg(long, value_enum, value_name = "BACKEND")]
-    pub gdn_prefill: Option<crate::layouts::hybrid::GdnPrefillBackend>,
-    /// Hybrid models: the attention backend (flash-attn, triton: kernel block = block;
-    /// flashinfer: kernel blocks of 64, 32 or 16 tokens) [default: flash-attn].
-    #[arg(long, value_enum, value_name = "BACKEND")]
-    pub attention_backend: Option<crate::layouts::hybrid::AttentionBackend>,
-    /// Hybrid models: prefix caching off (vLLM's --no-enable-prefix-caching: no checkpoint
-    /// alignment of the block size).
-    #[arg(long)]
-    pub no_prefix_caching: bool,
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_enum, default_value_t = Format::Table, help = super::flags::FORMAT_HELP)]
     pub format: Format,
+}
+
+impl LayoutFlags {
+    /// `--rank`, or 0.
+    pub fn rank(&self) -> u32 {
+        self.rank.rank.unwrap_or(0)
+    }
 }
 
 /// Resolves `kvx layout`'s flags into the engine it shows: a hybrid preset's, else one rank of
 /// a uniform engine.
 pub fn resolve_layout(args: &LayoutFlags) -> Result<EngineLayout, ConfigError> {
     if let Some((model, geom, origin)) = resolve_hybrid(args)? {
-        let (tp, rank, num_blocks) = (args.tp, args.rank, args.num_blocks);
+        let (tp, rank, num_blocks) = (args.tp.tp, args.rank(), args.num_blocks);
         return Ok(EngineLayout::Hybrid { model, tp, rank, num_blocks, geom, origin });
     }
     let (pair, geom, layer_names, origin) = resolve(args)?;
     Ok(EngineLayout::Uniform {
         pair,
-        rank: args.rank,
+        rank: args.rank(),
         geom,
         layer_names,
         request_tokens: args.tokens,
@@ -107,23 +91,24 @@ pub fn resolve_hybrid(
     if let Some(flag) = shape_flag {
         return Err(ConfigError::new(flag, format!("{name} is a hybrid preset: its shape is the preset's")));
     }
-    if args.vllm != VllmVersion::V0_33 {
+    if args.engine.vllm() != VllmVersion::V0_33 {
         return Err(ConfigError::new("--vllm", "hybrid models follow vLLM 0.33's rules"));
     }
-    if args.rank >= args.tp {
+    if args.rank() >= args.tp.tp {
         return Err(ConfigError::new(
             "--rank",
-            format!("rank {} does not exist with --tp {}", args.rank, args.tp),
+            format!("rank {} does not exist with --tp {}", args.rank(), args.tp.tp),
         ));
     }
-    let mut engine = HybridEngineSpec::new(args.tp, args.num_blocks);
-    engine.block_tokens = args.block_size;
+    let mut engine = HybridEngineSpec::new(args.tp.tp, args.num_blocks);
+    engine.block_tokens = args.engine.block_size();
     engine.kv_buffer_device = args.kv_buffer.device();
-    engine.gdn_prefill = args.gdn_prefill.unwrap_or_default();
-    engine.attention_backend = args.attention_backend.unwrap_or_default();
-    engine.prefix_caching = !args.no_prefix_caching;
-    if let Some(l) = &args.layout {
-        engine.layout = Layout::parse_for(l, args.vllm).map_err(|e| ConfigError::new("--layout", e))?;
+    engine.gdn_prefill = args.engine.gdn_prefill.unwrap_or_default();
+    engine.attention_backend = args.engine.attention_backend.unwrap_or_default();
+    engine.prefix_caching = !args.engine.no_prefix_caching;
+    if let Some(l) = &args.engine.layout {
+        engine.layout =
+            Layout::parse_for(l, args.engine.vllm()).map_err(|e| ConfigError::new("--layout", e))?;
     }
     let g = EngineGeometry::new(&model, &engine, Side::Prefill).map_err(knobs::for_one_engine)?;
     Ok(Some((model, g, origin)))
@@ -136,9 +121,9 @@ pub fn resolve(
 ) -> Result<(PairSpec, RankGeometry, Vec<String>, ModelOrigin), ConfigError> {
     for (given, flag) in [
         (args.kv_buffer.kv_buffer_device.is_some(), "--kv-buffer-device"),
-        (args.gdn_prefill.is_some(), "--gdn-prefill"),
-        (args.attention_backend.is_some(), "--attention-backend"),
-        (args.no_prefix_caching, "--no-prefix-caching"),
+        (args.engine.gdn_prefill.is_some(), "--gdn-prefill"),
+        (args.engine.attention_backend.is_some(), "--attention-backend"),
+        (args.engine.no_prefix_caching, "--no-prefix-caching"),
     ] {
         if given {
             return Err(ConfigError::new(
@@ -147,27 +132,31 @@ pub fn resolve(
             ));
         }
     }
-    let version = args.vllm;
+    let version = args.engine.vllm();
     let model = scenario::resolve_model(&args.model)?;
-    let layout = match &args.layout {
+    let layout = match &args.engine.layout {
         Some(l) => Layout::parse_for(l, version).map_err(|e| ConfigError::new("--layout", e))?,
         None => Layout::default_for(version),
     };
     if args.tokens == 0 {
         return Err(ConfigError::new("--tokens", "a request needs at least 1 token"));
     }
-    let engine =
-        EngineSpec { tp: args.tp, block_tokens: args.block_size, num_blocks: args.num_blocks, layout };
+    let engine = EngineSpec {
+        tp: args.tp.tp,
+        block_tokens: args.engine.block_size(),
+        num_blocks: args.num_blocks,
+        layout,
+    };
     let pair = PairSpec { version, model, p: engine, d: engine, permute: false };
     // Same checks as a homogeneous pair: TP vs heads, block size, layout version.
     pair.validate().map_err(knobs::for_one_engine)?;
-    if args.rank >= args.tp {
+    if args.rank() >= args.tp.tp {
         return Err(ConfigError::new(
             "--rank",
-            format!("rank {} does not exist with --tp {}", args.rank, args.tp),
+            format!("rank {} does not exist with --tp {}", args.rank(), args.tp.tp),
         ));
     }
-    let geom = pair.p_geometry(args.rank);
+    let geom = pair.p_geometry(args.rank());
     let m = &args.model;
     let resolved = crate::settings::model::resolve_flags(m)?;
     let origin = ModelOrigin { architecture: resolved.architecture, defaults: resolved.defaults };

@@ -45,25 +45,12 @@ pub struct LoadFlags {
     /// does), decode leg to --baseline-url. Measures the proxy's work at zero proxy cost.
     #[arg(long, requires = "baseline_url")]
     pub baseline_prefill_url: Option<String>,
-    /// Open loop: Poisson arrivals at R requests/s (per target).
-    #[arg(long, value_name = "R", conflicts_with = "concurrency")]
-    pub rate: Option<f64>,
-    /// Closed loop: C requests in flight (per target).
-    #[arg(long, value_name = "C")]
-    pub concurrency: Option<usize>,
-    /// Measured requests per target (after --warmup). Default 100 unless --duration is set.
-    #[arg(long, value_name = "N")]
-    pub requests: Option<u64>,
-    /// Stop sending after S seconds.
-    #[arg(long, value_name = "S")]
-    pub duration: Option<f64>,
-    /// Requests per target sent first and left out of the statistics.
-    #[arg(long, default_value_t = 0)]
-    pub warmup: u64,
-    /// Prompt length in tokens: `N` or a uniform range `A..B` (kvx's synthetic tokenizer
-    /// counts whitespace-separated words).
-    #[arg(long, default_value = "16")]
-    pub prompt_len: String,
+    #[command(flatten)]
+    pub arrival: super::flags::ArrivalFlags,
+    #[command(flatten)]
+    pub duration: super::flags::DurationFlags,
+    #[command(flatten)]
+    pub prompt: super::flags::PromptLenFlags,
     /// Tokens to generate per request.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: u64,
@@ -73,35 +60,24 @@ pub struct LoadFlags {
     /// API to call.
     #[arg(long, value_enum, default_value = "completions")]
     pub endpoint: EndpointArg,
-    /// Model id to send (default: the first id from GET /v1/models of --url).
-    #[arg(long)]
-    pub model: Option<String>,
+    #[command(flatten)]
+    pub model_name: super::flags::ModelNameFlags,
     /// Send `ignore_eos` so every request generates exactly --max-tokens.
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     pub ignore_eos: bool,
-    /// Bearer token to send.
-    #[arg(long)]
-    pub api_key: Option<String>,
-    /// Per-request timeout in seconds (whole response).
-    #[arg(long, default_value_t = 60.0)]
-    pub timeout: f64,
-    /// Seed for prompts and arrival times.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Service-level objectives for goodput, e.g. ttft=200ms,tpot=50ms (also itl, e2el; a
-    /// bare number is milliseconds). Reports the share of requests within all of them and
-    /// goodput (requests/s within SLO).
-    #[arg(long, value_name = "NAME=LIMIT,...")]
-    pub slo: Option<String>,
-    /// Output format on stdout: tables, or the run's summary JSON.
-    #[arg(long, value_enum, default_value = "table")]
+    #[command(flatten)]
+    pub api_key: super::flags::ApiKeyFlags,
+    #[command(flatten)]
+    pub timeout: super::flags::TimeoutFlags,
+    #[command(flatten)]
+    pub seed: super::flags::SeedFlags,
+    #[command(flatten)]
+    pub run_name: super::flags::RunNameFlags,
+    #[arg(long, value_enum, default_value = "table", help = super::flags::FORMAT_HELP)]
     pub format: Format,
     /// Directory runs are written under [default: results/, or KVX_RESULTS_DIR].
     #[arg(long)]
     pub results_dir: Option<PathBuf>,
-    /// Name of the run (the scenario name in reports).
-    #[arg(long, default_value = "load")]
-    pub name: String,
     /// Runtime worker threads, 1 to 1024 (default: one per CPU).
     #[arg(long, value_name = "N", value_parser = super::parse::parse_threads)]
     pub threads: Option<usize>,
@@ -139,6 +115,20 @@ fn parse_url(flag: &str, s: &str) -> Result<http::Uri, ConfigError> {
 }
 
 /// Checks the flags and builds the load settings.
+/// `--timeout` of `kvx load` when not given: one whole response.
+pub const DEFAULT_LOAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// `--prompt-len` of `kvx load` when not given, in tokens.
+pub const DEFAULT_LOAD_PROMPT_LEN: &str = "16";
+
+/// A duration flag that must not be zero (no wait at all, which no flag means).
+fn nonzero(flag: &str, d: std::time::Duration) -> Result<std::time::Duration, ConfigError> {
+    if d.is_zero() {
+        return Err(ConfigError::new(flag, "must be > 0"));
+    }
+    Ok(d)
+}
+
 pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigError> {
     let mut targets =
         vec![Target { name: "url".into(), url: parse_url("--url", &a.url)?, prefill_url: None }];
@@ -150,13 +140,9 @@ pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigEr
         let name = if prefill_url.is_some() { "baseline-pd" } else { "baseline" };
         targets.push(Target { name: name.into(), url: parse_url("--baseline-url", b)?, prefill_url });
     }
-    let arrival = match (a.rate, a.concurrency) {
+    let arrival = match (a.arrival.rate, a.arrival.concurrency) {
         (Some(r), _) => Arrival::Poisson { rate: super::parse::rate("--rate", r)? },
-        (None, Some(c)) if c > 0 => Arrival::Closed {
-            concurrency: u32::try_from(c).map_err(|_| {
-                ConfigError::new("--concurrency", format!("{c} is more than {} requests in flight", u32::MAX))
-            })?,
-        },
+        (None, Some(c)) if c > 0 => Arrival::Closed { concurrency: c },
         (None, Some(_)) => {
             return Err(ConfigError::new("--concurrency", "must be at least 1 (or use --rate)"));
         }
@@ -167,8 +153,8 @@ pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigEr
             ));
         }
     };
-    let duration = a.duration.map(|d| super::parse::seconds("--duration", d)).transpose()?;
-    let requests = match (a.requests, duration) {
+    let duration = a.duration.duration.map(|d| nonzero("--duration", d)).transpose()?;
+    let requests = match (a.arrival.requests, duration) {
         (Some(0), _) => return Err(ConfigError::new("--requests", "must be at least 1")),
         (Some(n), _) => Some(n),
         (None, Some(_)) => None,
@@ -177,26 +163,26 @@ pub fn resolve(a: &LoadFlags, env: &ProcessEnv) -> Result<LoadSettings, ConfigEr
     if a.max_tokens == 0 {
         return Err(ConfigError::new("--max-tokens", "must be at least 1"));
     }
-    let timeout = super::parse::seconds("--timeout", a.timeout)?;
+    let timeout = nonzero("--timeout", a.timeout.or(DEFAULT_LOAD_TIMEOUT))?;
     let load = LoadConfig {
         targets,
         arrival,
         requests,
         duration,
-        warmup: a.warmup,
-        prompt_len: parse_prompt_len(&a.prompt_len)?,
+        warmup: a.arrival.warmup.unwrap_or(0),
+        prompt_len: parse_prompt_len(a.prompt.prompt_len.as_deref().unwrap_or(DEFAULT_LOAD_PROMPT_LEN))?,
         max_tokens: a.max_tokens,
         stream: a.stream,
         endpoint: match a.endpoint {
             EndpointArg::Completions => Endpoint::Completions,
             EndpointArg::Chat => Endpoint::Chat,
         },
-        model: a.model.clone(),
+        model: a.model_name.model_name.clone(),
         ignore_eos: a.ignore_eos,
-        api_key: a.api_key.clone(),
+        api_key: a.api_key.api_key.clone(),
         timeout,
-        seed: a.seed,
-        slo: parse_slo(a.slo.as_deref())?,
+        seed: a.seed.seed(),
+        slo: parse_slo(a.run_name.slo.as_deref())?,
     };
     if a.threads == Some(0) {
         return Err(ConfigError::new("--threads", "must be at least 1"));

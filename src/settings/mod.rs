@@ -27,6 +27,8 @@
 //! May use every layer below `cli` to build the values those layers take; must not import
 //! `cli` and must not run anything.
 
+#![forbid(unsafe_code)]
+
 pub mod bench;
 pub mod choices;
 pub mod env;

@@ -25,7 +25,7 @@ use crate::config::bench::MAX_PROMPT;
 use crate::config::bench::ServeOptions;
 use crate::config::sweep::SweepJob;
 use crate::error::ConfigError;
-use crate::layouts::alloc::{AllocPattern, allocate};
+use crate::layouts::alloc::allocate;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::geometry::Side;
 use crate::layouts::read_plan::{RequestBlocks, RequestIds};
@@ -116,7 +116,7 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
     }
     if flags.serve {
         let opts = ServeOptions {
-            slo: super::load::parse_slo(flags.slo.as_deref())?,
+            slo: super::load::parse_slo(flags.run_name.slo.as_deref())?,
             metrics_port: flags.metrics_port,
         };
         return Ok(BenchJob::Serve(Box::new(resolve(flags, env)?), opts));
@@ -162,7 +162,7 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
         for &mode in modes {
             let one = BenchFlags {
                 compare_modes: None,
-                mode: Some(mode),
+                mode: super::flags::ModeFlags { mode: Some(mode) },
                 in_mode_comparison: true,
                 ..flags.clone()
             };
@@ -176,9 +176,9 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
     if let Some(buffers) = &flags.compare_kv_buffer_device {
         let cpu = crate::vocab::kinds::KvBufferDevice::Cpu;
         for (given, flag) in [
-            (flags.host_copy.is_some(), "--host-copy"),
-            (flags.host_state_page.is_some(), "--host-state-page"),
-            (flags.host_descriptors.is_some(), "--host-descriptors"),
+            (flags.hybrid_rules.host_copy.is_some(), "--host-copy"),
+            (flags.hybrid_rules.host_state_page.is_some(), "--host-state-page"),
+            (flags.hybrid_rules.host_descriptors.is_some(), "--host-descriptors"),
         ] {
             if given && !buffers.contains(&cpu) {
                 return Err(ConfigError::new(
@@ -195,9 +195,12 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
                 compare_kv_buffer_device: None,
                 kv_buffer: super::flags::KvBufferFlags { kv_buffer_device: Some(buffer) },
                 // How the host buffer copies is its run's alone.
-                host_copy: flags.host_copy.filter(|_| buffer == cpu),
-                host_state_page: flags.host_state_page.filter(|_| buffer == cpu),
-                host_descriptors: flags.host_descriptors.filter(|_| buffer == cpu),
+                hybrid_rules: super::flags::HybridRuleFlags {
+                    host_copy: flags.hybrid_rules.host_copy.filter(|_| buffer == cpu),
+                    host_state_page: flags.hybrid_rules.host_state_page.filter(|_| buffer == cpu),
+                    host_descriptors: flags.hybrid_rules.host_descriptors.filter(|_| buffer == cpu),
+                    ..flags.hybrid_rules
+                },
                 ..flags.clone()
             };
             runs.push(resolve(&one, env)?);
@@ -253,47 +256,20 @@ pub struct PlanFlags {
         help_heading = "Request"
     )]
     pub remote_blocks: Option<Vec<u32>>,
-    /// Prompt length in tokens (blocks are then allocated with --alloc).
-    #[arg(long, value_name = "TOKENS", help_heading = "Request")]
-    pub prompt_len: Option<u32>,
-    /// Allocation pattern for --prompt-len: contiguous, fragmented, random.
-    #[arg(long, value_name = "PATTERN", value_enum, default_value = "contiguous", help_heading = "Request")]
-    pub alloc: AllocPattern,
-    /// Seed of the allocation pattern.
-    #[arg(long, default_value_t = 0, help_heading = "Request")]
-    pub seed: u64,
-    /// Fraction of the prompt already cached on decode (only the rest is read).
-    #[arg(long, value_name = "FRACTION", default_value_t = 0.0, help_heading = "Request")]
-    pub prefix_hit: f64,
+    #[command(flatten, next_help_heading = "Request")]
+    pub prompt: super::flags::PromptLenFlags,
+    #[command(flatten, next_help_heading = "Request")]
+    pub alloc: super::flags::AllocFlags,
+    #[command(flatten, next_help_heading = "Request")]
+    pub seed: super::flags::SeedFlags,
+    #[command(flatten, next_help_heading = "Request")]
+    pub prefix_hit: super::flags::PrefixHitFlags,
     #[command(flatten)]
     pub kv_buffer: super::flags::KvBufferFlags,
-    /// Hybrid models: where decode reads its slice of each state part: vllm (vLLM 0.33's
-    /// remote_conv_offsets, which assume every conv part is sharded like x) or exact (each
-    /// part as the model splits it: replicated Mamba2 B and C read where each prefill rank
-    /// holds decode's slice of them) [default: vllm].
-    #[arg(long, value_enum)]
-    pub state_slices: Option<crate::layouts::hybrid::StateSlices>,
-    /// Hybrid models with --kv-buffer-device cpu: which blocks decode's host-to-device copy
-    /// passes through each layer: vllm (every group's through every layer, as vLLM 0.33) or
-    /// per-group (each layer its own group's) [default: vllm].
-    #[arg(long, value_enum)]
-    pub host_copy: Option<crate::layouts::hybrid::HostCopyRule>,
-    /// Hybrid models with --kv-buffer-device cpu: the host tensors' state pages: vllm
-    /// (unpadded, as vLLM 0.33 allocates them, while the regions assume padded ones) or padded
-    /// [default: vllm].
-    #[arg(long, value_enum)]
-    pub host_state_page: Option<HostStatePage>,
-    /// Hybrid models with --kv-buffer-device cpu: which host tensors each group's descriptors
-    /// read: vllm (with state in the model, every layer's tensor, as vLLM 0.33) or per-group
-    /// (each group's own layers'; prefill copies only those into the buffer) [default: vllm].
-    #[arg(long, value_enum)]
-    pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
-    /// Hybrid models in push mode, decode TP above prefill TP and above the KV heads: which
-    /// decode ranks prefill writes attention into: vllm (the first of each head only, as vLLM
-    /// 0.33's push connector reads) or every-rank (each its head, as pull reads them)
-    /// [default: vllm].
-    #[arg(long, value_enum)]
-    pub push_attention: Option<crate::layouts::hybrid::write_plan::PushAttention>,
+    #[command(flatten)]
+    pub hybrid_rules: super::flags::HybridRuleFlags,
+    #[command(flatten)]
+    pub push_attention: super::flags::PushAttentionFlags,
     /// Prefill pool size in blocks (default: enough for the request, at least 2x).
     #[arg(long, value_name = "N", help_heading = "Request")]
     pub p_num_blocks: Option<u32>,
@@ -306,9 +282,8 @@ pub struct PlanFlags {
     /// Only this decode rank (default: all); in push mode, only the WRITEs into it.
     #[arg(long, value_name = "RANK")]
     pub d_rank: Option<u32>,
-    /// Transfer mode: pull (decode READs) or push (prefill WRITEs into decode's blocks).
-    #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
-    pub mode: TransferMode,
+    #[command(flatten)]
+    pub mode: super::flags::ModeFlags,
     /// Pairs to print per read in the table view.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub show_pairs: usize,
@@ -324,9 +299,27 @@ pub struct PlanFlags {
     /// Bandwidth ceilings replacing the defaults, in GB/s: ucx, cuda-ipc, cuda-batch.
     #[arg(long, value_name = "KEY=GBPS", value_delimiter = ',', help_heading = "Posting cost")]
     pub ceiling_gbps: Vec<String>,
-    /// Output format; json prints every uncoalesced pair.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    // json prints every uncoalesced pair (the command's long help says so).
+    #[arg(long, value_enum, default_value_t = Format::Table, help = super::flags::FORMAT_HELP)]
     pub format: Format,
+}
+
+impl PlanFlags {
+    /// `--prefix-hit`, or 0.
+    pub fn prefix_hit(&self) -> f64 {
+        self.prefix_hit.prefix_hit()
+    }
+
+    /// `--prompt-len` as the one length `kvx plan` plans (a range is refused: one request).
+    pub fn prompt_len(&self) -> Result<Option<u32>, ConfigError> {
+        let Some(text) = &self.prompt.prompt_len else { return Ok(None) };
+        text.trim().parse().map(Some).map_err(|_| {
+            ConfigError::new(
+                "--prompt-len",
+                format!("kvx plan plans one request: give one length in tokens, e.g. 8192, not {text:?}"),
+            )
+        })
+    }
 }
 
 /// Resolves `kvx plan`'s flags into the one request it plans: a hybrid model's (a case of
@@ -350,14 +343,14 @@ pub fn resolve_plan(args: &PlanFlags) -> Result<PlanRequest, ConfigError> {
                 p_request_id: args.p_request_id.clone(),
                 vllm_version: HYBRID_VLLM,
             };
-            match args.mode {
+            match args.mode.mode() {
                 TransferMode::Pull => PlanCase::HybridPull { request, rates },
                 TransferMode::Push => PlanCase::HybridPush { request },
             }
         }
         None => {
             let request = resolve_uniform(args)?;
-            match args.mode {
+            match args.mode.mode() {
                 TransferMode::Pull => PlanCase::UniformPull { rates: rates()?, request },
                 TransferMode::Push => PlanCase::UniformPush { request },
             }
@@ -382,7 +375,7 @@ pub fn plan_error(e: PlanError) -> ConfigError {
 fn resolve_uniform(args: &PlanFlags) -> Result<UniformRequest, ConfigError> {
     let plan = request(args)?;
     // Push mode WRITEs into decode ranks: the one to show must exist.
-    if args.mode == TransferMode::Push {
+    if args.mode.mode() == TransferMode::Push {
         plan.pair.validate_push()?;
         if let Some(d) = args.d_rank
             && d >= plan.pair.d.tp
@@ -402,7 +395,7 @@ fn resolve_uniform(args: &PlanFlags) -> Result<UniformRequest, ConfigError> {
 fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
     let mut case = resolve_hybrid_case(args)?;
     match case.as_mut() {
-        Some(c) if args.mode == TransferMode::Push => {
+        Some(c) if args.mode.mode() == TransferMode::Push => {
             // vLLM's push connector writes the KV cache itself, as kvx bench's push does.
             let staged = [c.pair.p.kv_buffer_device, c.pair.d.kv_buffer_device]
                 .into_iter()
@@ -421,9 +414,9 @@ fn resolve_hybrid(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigError> {
                     crate::vocab::kinds::TransportKind::Ucx,
                 )?;
             }
-            c.pair.push_attention = args.push_attention.unwrap_or_default();
+            c.pair.push_attention = args.push_attention.push_attention.unwrap_or_default();
         }
-        _ if args.push_attention.is_some() => {
+        _ if args.push_attention.push_attention.is_some() => {
             return Err(ConfigError::new(
                 "--push-attention",
                 "applies to hybrid models in push mode (which decode ranks prefill writes attention into): add \
@@ -446,22 +439,23 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
         }
         return match resolve_hybrid_scenario(args)? {
             Some(mut case) => {
-                case.pair.state_slices = args.state_slices.unwrap_or_default();
-                case.pair.host_copy = args.host_copy.unwrap_or_default();
-                if args.host_state_page == Some(HostStatePage::Padded) {
+                case.pair.state_slices = args.hybrid_rules.state_slices.unwrap_or_default();
+                case.pair.host_copy = args.hybrid_rules.host_copy.unwrap_or_default();
+                if args.hybrid_rules.host_state_page == Some(HostStatePage::Padded) {
                     (case.pair.p.host_state_page_padded, case.pair.d.host_state_page_padded) = (true, true);
                 }
-                if args.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup) {
+                if args.hybrid_rules.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup)
+                {
                     (case.pair.p.host_descriptors_per_group, case.pair.d.host_descriptors_per_group) =
                         (true, true);
                 }
                 Ok(Some(case))
             }
             None => match [
-                (args.state_slices.is_some(), "--state-slices"),
-                (args.host_copy.is_some(), "--host-copy"),
-                (args.host_state_page.is_some(), "--host-state-page"),
-                (args.host_descriptors.is_some(), "--host-descriptors"),
+                (args.hybrid_rules.state_slices.is_some(), "--state-slices"),
+                (args.hybrid_rules.host_copy.is_some(), "--host-copy"),
+                (args.hybrid_rules.host_state_page.is_some(), "--host-state-page"),
+                (args.hybrid_rules.host_descriptors.is_some(), "--host-descriptors"),
             ]
             .into_iter()
             .find(|(given, _)| *given)
@@ -475,16 +469,16 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
     }
     let Some(model) = super::hybrid_flags::hybrid_preset_of(
         &args.model,
-        args.pair.vllm,
+        args.pair.engine.vllm,
         &[(args.local_blocks.is_some(), "--local-blocks")],
     )?
     else {
         for (given, flag) in [
             (args.kv_buffer.kv_buffer_device.is_some(), "--kv-buffer-device"),
-            (args.state_slices.is_some(), "--state-slices"),
-            (args.host_copy.is_some(), "--host-copy"),
-            (args.host_state_page.is_some(), "--host-state-page"),
-            (args.host_descriptors.is_some(), "--host-descriptors"),
+            (args.hybrid_rules.state_slices.is_some(), "--state-slices"),
+            (args.hybrid_rules.host_copy.is_some(), "--host-copy"),
+            (args.hybrid_rules.host_state_page.is_some(), "--host-state-page"),
+            (args.hybrid_rules.host_descriptors.is_some(), "--host-descriptors"),
         ] {
             if given {
                 return Err(ConfigError::new(
@@ -496,7 +490,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
         return Ok(None);
     };
     let name = &model.name;
-    let tokens = args.prompt_len.ok_or_else(|| {
+    let tokens = args.prompt_len()?.ok_or_else(|| {
         ConfigError::new(
             "--prompt-len",
             format!("give {name}'s request as --prompt-len TOKENS (or --scenario CASE)"),
@@ -508,8 +502,11 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
             format!("must be 1..={MAX_PROMPT} tokens, got {tokens}"),
         ));
     }
-    if !(0.0..1.0).contains(&args.prefix_hit) {
-        return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {}", args.prefix_hit)));
+    if !(0.0..1.0).contains(&args.prefix_hit()) {
+        return Err(ConfigError::new(
+            "--prefix-hit",
+            format!("must be in [0, 1), got {}", args.prefix_hit()),
+        ));
     }
     let (mut p, mut d) =
         super::hybrid_flags::hybrid_engines(&args.pair, 1, args.p_num_blocks, args.d_num_blocks)?;
@@ -526,9 +523,9 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
         (p.kv_buffer_device, d.kv_buffer_device) = (device, device);
     }
     for (given, flag) in [
-        (args.host_copy.is_some(), "--host-copy"),
-        (args.host_state_page.is_some(), "--host-state-page"),
-        (args.host_descriptors.is_some(), "--host-descriptors"),
+        (args.hybrid_rules.host_copy.is_some(), "--host-copy"),
+        (args.hybrid_rules.host_state_page.is_some(), "--host-state-page"),
+        (args.hybrid_rules.host_descriptors.is_some(), "--host-descriptors"),
     ] {
         if given && d.kv_buffer_device != crate::layouts::hybrid::KvBufferDevice::Cpu {
             return Err(ConfigError::new(
@@ -537,9 +534,9 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
             ));
         }
     }
-    let padded = args.host_state_page == Some(HostStatePage::Padded);
+    let padded = args.hybrid_rules.host_state_page == Some(HostStatePage::Padded);
     (p.host_state_page_padded, d.host_state_page_padded) = (padded, padded);
-    let own = args.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
+    let own = args.hybrid_rules.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
     (p.host_descriptors_per_group, d.host_descriptors_per_group) = (own, own);
     Ok(Some(HybridCase {
         name: model.name.clone(),
@@ -548,12 +545,12 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
             p,
             d,
             permute_local_kv: args.pair.permute,
-            state_slices: args.state_slices.unwrap_or_default(),
-            host_copy: args.host_copy.unwrap_or_default(),
+            state_slices: args.hybrid_rules.state_slices.unwrap_or_default(),
+            host_copy: args.hybrid_rules.host_copy.unwrap_or_default(),
             push_attention: Default::default(),
             stated: Default::default(),
         },
-        request: RequestSource::Prompt { tokens, prefix_hit: args.prefix_hit },
+        request: RequestSource::Prompt { tokens, prefix_hit: args.prefix_hit() },
     }))
 }
 
@@ -590,13 +587,16 @@ fn request(args: &PlanFlags) -> Result<UniformRequest, ConfigError> {
         let sc = PlanScenario::parse(&text, &path.display().to_string())?;
         return Ok(UniformRequest { pair: sc.pair()?, blocks: sc.blocks()?, ids: sc.ids() });
     }
-    if !(0.0..1.0).contains(&args.prefix_hit) || args.prefix_hit.is_nan() {
-        return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {}", args.prefix_hit)));
+    if !(0.0..1.0).contains(&args.prefix_hit()) || args.prefix_hit().is_nan() {
+        return Err(ConfigError::new(
+            "--prefix-hit",
+            format!("must be in [0, 1), got {}", args.prefix_hit()),
+        ));
     }
     let ids = RequestIds { p_request_id: args.p_request_id.clone(), d_request_id: "req-D".into() };
     let p_bs = args.pair.p_block_size.unwrap_or(args.pair.block_size()).max(1);
     let d_bs = args.pair.d_block_size.unwrap_or(args.pair.block_size()).max(1);
-    match (&args.local_blocks, &args.remote_blocks, args.prompt_len) {
+    match (&args.local_blocks, &args.remote_blocks, args.prompt_len()?) {
         (Some(local), Some(remote), _) => {
             let p_pool = args.p_num_blocks.unwrap_or_else(|| remote.iter().max().map_or(1, |m| m + 1));
             let d_pool = args.d_num_blocks.unwrap_or_else(|| local.iter().max().map_or(1, |m| m + 1));
@@ -621,10 +621,11 @@ fn request(args: &PlanFlags) -> Result<UniformRequest, ConfigError> {
             let pair = scenario::resolve_pair(&args.model, &args.pair, p_pool, d_pool)?;
             // Before the pools' block lists are built (`--alloc random` lists every block).
             pair.check_pool_blocks()?;
-            let remote = allocate(args.alloc, n_p, p_pool, args.seed, Knob::PNumBlocks)?;
-            let hit = (f64::from(n_d) * args.prefix_hit).floor() as u32;
-            let local = allocate(args.alloc, n_d - hit, d_pool, args.seed ^ 0x5eed, Knob::DNumBlocks)?;
-            check_listable(&pair, args.mode, remote.len(), tokens)?;
+            let remote = allocate(args.alloc.alloc(), n_p, p_pool, args.seed.seed(), Knob::PNumBlocks)?;
+            let hit = (f64::from(n_d) * args.prefix_hit()).floor() as u32;
+            let local =
+                allocate(args.alloc.alloc(), n_d - hit, d_pool, args.seed.seed() ^ 0x5eed, Knob::DNumBlocks)?;
+            check_listable(&pair, args.mode.mode(), remote.len(), tokens)?;
             Ok(UniformRequest { pair, blocks: RequestBlocks { local, remote }, ids })
         }
         _ => Err(ConfigError::new(
@@ -732,7 +733,10 @@ mod tests {
         // cuda-batch is a valid value, resolved (and refused) as --transport cuda-batch is.
         let gpu = BenchFlags {
             compare_transports: Some(vec![TransportKind::Ucx, TransportKind::CudaBatch]),
-            mem: Some(crate::transfer::memory::MemKind::Cuda),
+            mem: crate::settings::flags::MemFlags {
+                mem: Some(crate::transfer::memory::MemKind::Cuda),
+                ..Default::default()
+            },
             ..Default::default()
         };
         match resolve_bench_job(&gpu, &env()) {
@@ -760,7 +764,8 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(resolve_bench_job(&no_batch, &env()).expect_err("no cuda-batch run").flag, "--batch-copy");
-        let host = BenchFlags { mem: None, ..gpu };
+        let host =
+            BenchFlags { mem: crate::settings::flags::MemFlags { mem: None, ..Default::default() }, ..gpu };
         assert_eq!(
             resolve_bench_job(&host, &env()).expect_err("host pools").flag,
             if cfg!(feature = "cuda") { "--mem" } else { "--transport" }

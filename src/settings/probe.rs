@@ -40,18 +40,14 @@ pub struct ProbeFlags {
     /// Pipeline-parallel rank to ask for (0.33 framing only).
     #[arg(long, default_value_t = 0)]
     pub pp_rank: u32,
-    /// Request framing: vLLM 0.33 (also kvx), 0.19, or auto-detect.
-    #[arg(long, value_enum, default_value_t = VllmFraming::Auto)]
-    pub vllm: VllmFraming,
-    /// Give up after this long (e.g. 500ms, 5s, 1m).
-    #[arg(long, default_value = "5s", value_parser = parse_duration, allow_hyphen_values = true)]
-    pub timeout: Duration,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = ProbeFormat::Table)]
+    #[arg(long, value_enum, help = super::flags::VLLM_HELP)]
+    pub vllm: Option<VllmFraming>,
+    #[command(flatten)]
+    pub timeout: super::flags::TimeoutFlags,
+    #[arg(long, value_enum, default_value_t = ProbeFormat::Table, help = super::flags::FORMAT_HELP)]
     pub format: ProbeFormat,
-    /// Probe this many times (a new connection each time) and report latency percentiles.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    pub repeat: u32,
+    #[command(flatten)]
+    pub repeat: super::flags::RepeatFlags,
 }
 
 /// Parses `250ms`, `5s`, `2m` or a bare number of seconds.
@@ -114,18 +110,18 @@ pub struct ProbeSettings {
 /// Checks `kvx probe`'s flags.
 pub fn resolve(args: &ProbeFlags) -> Result<ProbeSettings, ConfigError> {
     let endpoint = normalise_endpoint(&args.endpoint)?;
-    if args.timeout.is_zero() {
+    if args.timeout.or(super::flags::DEFAULT_TIMEOUT).is_zero() {
         return Err(ConfigError::new("--timeout", "must be above zero"));
     }
     let opts = ProbeOptions {
         pp_rank: args.pp_rank,
         tp_rank: args.tp_rank,
-        framing: match args.vllm {
+        framing: match args.vllm.unwrap_or(VllmFraming::Auto) {
             VllmFraming::Auto => ProbeFraming::Auto,
             VllmFraming::V033 => ProbeFraming::Fixed(Framing::V0_33),
             VllmFraming::V019 => ProbeFraming::Fixed(Framing::V0_19),
         },
-        timeout: args.timeout,
+        timeout: args.timeout.or(super::flags::DEFAULT_TIMEOUT),
     };
     Ok(ProbeSettings { endpoint, opts })
 }

@@ -11,7 +11,6 @@ use clap::{ArgAction, Args};
 use super::parse::parse_duration;
 use crate::config::serve::{BackendAddr, Policy, ProxyConfig};
 use crate::config::serve::{ConnLimits, MAX_CONNECTIONS};
-use crate::config::worker::Dispatch;
 use crate::error::ConfigError;
 
 /// How long `kvx serve-engine` and `kvx serve-proxy` wait on their clients, and how many they
@@ -108,11 +107,8 @@ pub struct ServeProxyFlags {
     /// power_of_two work too).
     #[arg(long, value_enum, default_value = "round-robin")]
     pub policy: Policy,
-    /// How a request's legs are sent: sequential (prefill, then decode with its answer, as the
-    /// toy proxy) or concurrent (push mode: both at once, decode registering its blocks while
-    /// prefill computes, once a prefill engine's first push answer gave its identity).
-    #[arg(long, value_enum, default_value = "sequential")]
-    pub dispatch: Dispatch,
+    #[command(flatten)]
+    pub dispatch: super::flags::DispatchFlags,
     /// Policy of the prefill pool [default: --policy].
     #[arg(long, value_enum, help_heading = "vLLM router flags")]
     pub prefill_policy: Option<Policy>,
@@ -125,9 +121,8 @@ pub struct ServeProxyFlags {
     /// Prefill: whole response; decode: until response headers. Seconds.
     #[arg(long, visible_alias = "request-timeout-secs", default_value_t = 300.0, value_name = "SECONDS")]
     pub request_timeout: f64,
-    /// Require `Authorization: Bearer <KEY>` from clients on /v1/*.
-    #[arg(long)]
-    pub api_key: Option<String>,
+    #[command(flatten)]
+    pub api_key: super::flags::ApiKeyFlags,
     /// Bearer token sent to the engines (default: --api-key).
     #[arg(long, env = crate::settings::env::OPENAI_API_KEY, hide_env_values = true)]
     pub backend_api_key: Option<String>,
@@ -252,11 +247,11 @@ pub fn resolve(a: &ServeProxyFlags) -> Result<ProxyConfig, ConfigError> {
         decode_policy: Some(a.decode_policy.unwrap_or(a.policy)),
         connect_timeout: seconds("--connect-timeout", a.connect_timeout, false)?,
         request_timeout: seconds("--request-timeout", a.request_timeout, false)?,
-        api_key: a.api_key.clone(),
-        backend_api_key: a.backend_api_key.clone().or_else(|| a.api_key.clone()),
+        api_key: a.api_key.api_key.clone(),
+        backend_api_key: a.backend_api_key.clone().or_else(|| a.api_key.api_key.clone()),
         health_interval: seconds("--health-interval", a.health_interval, true)?,
         health_timeout: seconds("--health-timeout", a.health_timeout, false)?,
-        dispatch: a.dispatch,
+        dispatch: a.dispatch.dispatch.unwrap_or_default(),
         max_body_bytes: crate::settings::parse::body_limit("--max-body-size", a.max_body_size)?,
         conn: resolve_conn(&a.conn)?,
     })

@@ -88,12 +88,12 @@ pub fn resolve_pair(
     p_blocks: u32,
     d_blocks: u32,
 ) -> Result<PairSpec, ConfigError> {
-    let version = pair.vllm.unwrap_or_default();
+    let version = pair.engine.vllm.unwrap_or_default();
     if let Some(flag) = [
-        (pair.kernel_block_size.is_some(), "--kernel-block-size"),
-        (pair.no_prefix_caching, "--no-prefix-caching"),
-        (pair.gdn_prefill.is_some(), "--gdn-prefill"),
-        (pair.attention_backend.is_some(), "--attention-backend"),
+        (pair.engine.kernel_block_size.is_some(), "--kernel-block-size"),
+        (pair.engine.no_prefix_caching, "--no-prefix-caching"),
+        (pair.engine.gdn_prefill.is_some(), "--gdn-prefill"),
+        (pair.engine.attention_backend.is_some(), "--attention-backend"),
     ]
     .into_iter()
     .find_map(|(given, flag)| given.then_some(flag))
@@ -117,7 +117,7 @@ pub fn resolve_pair(
             ),
         ));
     }
-    let both = layout("--layout", pair.layout.as_deref(), Layout::default_for(version), version)?;
+    let both = layout("--layout", pair.engine.layout.as_deref(), Layout::default_for(version), version)?;
     let p_layout = layout("--p-layout", pair.p_layout.as_deref(), both, version)?;
     let d_layout = layout("--d-layout", pair.d_layout.as_deref(), both, version)?;
     let spec = PairSpec {
@@ -147,7 +147,12 @@ pub fn resolve_ports(args: &PortFlags) -> Result<Ports, ConfigError> {
             return Err(ConfigError::new(flag, format!("data-parallel size must be 1..1024, got {v}")));
         }
     }
-    Ok(Ports { p_dp: args.p_dp, d_dp: args.d_dp, base: args.side_channel_port, scheme: args.port_scheme })
+    Ok(Ports {
+        p_dp: args.p_dp,
+        d_dp: args.d_dp,
+        base: args.side_channel.side_channel_port,
+        scheme: args.port_scheme,
+    })
 }
 
 /// `kvx plan --scenario FILE`: the `model` and `request` objects of a case in the oracle's

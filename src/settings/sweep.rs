@@ -114,15 +114,15 @@ fn flags_for(base: &BenchFlags, path: &Path, point: &Point) -> Result<BenchFlags
             }
             "p_tp" => a.pair.p_tp = Some(num("p_tp")?),
             "d_tp" => a.pair.d_tp = Some(num("d_tp")?),
-            "layout" => a.pair.layout = Some(t),
-            "block_size" => a.pair.block_size = Some(num("block_size")?),
-            "prompt_len" => a.prompt_len = Some(t),
-            "alloc" => a.alloc = Some(t.parse().map_err(|e| ConfigError::new("--alloc", e))?),
+            "layout" => a.pair.engine.layout = Some(t),
+            "block_size" => a.pair.engine.block_size = Some(num("block_size")?),
+            "prompt_len" => a.prompt.prompt_len = Some(t),
+            "alloc" => a.alloc.alloc = Some(t.parse().map_err(|e| ConfigError::new("--alloc", e))?),
             "prefix_hit" => {
-                a.prefix_hit =
+                a.prefix_hit.prefix_hit =
                     Some(t.parse().map_err(|_| ConfigError::new("--sweep", format!("prefix_hit '{t}'")))?);
             }
-            "concurrency" => a.concurrency = Some(num("concurrency")?),
+            "concurrency" => a.arrival.concurrency = Some(num("concurrency")?),
             "inflight" => a.inflight = Some(num("inflight")?),
             other => return Err(ConfigError::new("--sweep", format!("unknown axis {other}"))),
         }

@@ -9,7 +9,6 @@ use super::hybrid_flags::{hybrid_engines, hybrid_preset_of};
 use super::scenario;
 use crate::error::ConfigError;
 use crate::layouts::hybrid::HybridPairSpec;
-use crate::layouts::hybrid::write_plan::PushAttention;
 use crate::layouts::rank_maps::TopoRequest;
 use crate::topology::TransferMode;
 
@@ -22,26 +21,21 @@ pub struct TopoFlags {
     pub pair: PairFlags,
     #[command(flatten)]
     pub ports: PortFlags,
-    /// Transfer mode: pull (decode READs, vLLM NixlConnector) or push (prefill WRITEs into
-    /// decode's blocks, vLLM NixlPushConnector).
-    #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
-    pub mode: TransferMode,
-    /// Hybrid models in push mode, decode TP above prefill TP and above the KV heads: which
-    /// decode ranks prefill writes attention into: vllm (the first of each head only, as vLLM
-    /// 0.33's push connector reads) or every-rank (each its head, as pull reads them)
-    /// [default: vllm].
-    #[arg(long, value_enum)]
-    pub push_attention: Option<PushAttention>,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[command(flatten)]
+    pub mode: super::flags::ModeFlags,
+    #[command(flatten)]
+    pub push_attention: super::flags::PushAttentionFlags,
+    #[arg(long, value_enum, default_value_t = Format::Table, help = super::flags::FORMAT_HELP)]
     pub format: Format,
 }
 
 /// Resolves `kvx topo`'s flags into the pair it maps: a hybrid preset's (vLLM 0.33's rules),
 /// else a uniform pair with its ports.
 pub fn resolve_topo(args: &TopoFlags) -> Result<TopoRequest, ConfigError> {
-    let hybrid = hybrid_preset_of(&args.model, args.pair.vllm, &[])?;
-    if args.push_attention.is_some() && (hybrid.is_none() || args.mode != TransferMode::Push) {
+    let hybrid = hybrid_preset_of(&args.model, args.pair.engine.vllm, &[])?;
+    if args.push_attention.push_attention.is_some()
+        && (hybrid.is_none() || args.mode.mode() != TransferMode::Push)
+    {
         let why = "applies to hybrid models in push mode (which decode ranks prefill writes attention into): add \
                    --mode push with a hybrid --model, or drop it";
         return Err(ConfigError::new("--push-attention", why));
@@ -56,14 +50,14 @@ pub fn resolve_topo(args: &TopoFlags) -> Result<TopoRequest, ConfigError> {
             permute_local_kv: args.pair.permute,
             state_slices: Default::default(),
             host_copy: Default::default(),
-            push_attention: args.push_attention.unwrap_or_default(),
+            push_attention: args.push_attention.push_attention.unwrap_or_default(),
             stated: Default::default(),
         };
-        return Ok(TopoRequest::Hybrid { pair, push: args.mode == TransferMode::Push });
+        return Ok(TopoRequest::Hybrid { pair, push: args.mode.mode() == TransferMode::Push });
     }
     let pair = scenario::resolve_pair(&args.model, &args.pair, 1, 1)?;
     let ports = scenario::resolve_ports(&args.ports)?;
-    Ok(match args.mode {
+    Ok(match args.mode.mode() {
         TransferMode::Pull => TopoRequest::UniformPull { pair, ports },
         TransferMode::Push => TopoRequest::UniformPush { pair, ports },
     })

@@ -9,8 +9,12 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::flags::{KvBufferFlags, LeaseFlags, ModelFlags, PairFlags, UcxModeFlags, VerifyFlags};
-use super::parse::{parse_duration, parse_size};
+use super::flags::{
+    AllocFlags, ApiKeyFlags, DevicesFlags, EngineFlags, HybridRuleFlags, INFLIGHT_HELP, KvBufferFlags,
+    LeaseFlags, MemFlags, ModeFlags, ModelFlags, PairFlags, SideChannelPortFlags, TimeoutFlags, TpFlags,
+    UcxLibFlags, UcxModeFlags, VerifyFlags,
+};
+use super::parse::parse_size;
 use super::scenario;
 use crate::config::engine::EngineConfig;
 use crate::config::engine::{EngineSlot, KvMemory, WorkerSettings};
@@ -18,12 +22,9 @@ use crate::config::serve::EngineIdentity;
 use crate::config::serve::HttpEngineConfig;
 use crate::config::worker::TransportConfig;
 use crate::error::ConfigError;
-use crate::layouts::alloc::AllocPattern;
 use crate::topology::TransferMode;
-use crate::topology::VllmVersion;
 use crate::transfer::memory::MemKind;
-use crate::vocab::kinds::Role as HttpRole;
-use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind};
+use crate::vocab::kinds::{KvBufferDevice, TransportKind};
 
 /// Resolves `--mem` (host or cuda) and `--devices` into where a run's KV pools live. The
 /// devices are a round-robin list ([`KvMemory`]'s placement rule), device 0 when none is
@@ -179,25 +180,18 @@ pub const DEFAULT_ITL_MS: f64 = 15.0;
 /// process's own: `cli` binds and starts the runtime with them.
 #[derive(Debug, Clone, PartialEq, Args)]
 pub struct ServeEngineFlags {
-    /// Role in the P/D pair: `prefill` answers with kv_transfer_params, `decode` loads them.
-    #[arg(long, value_enum)]
-    pub role: HttpRole,
+    #[command(flatten)]
+    pub role: super::flags::RoleFlags,
     /// Address to bind.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port to bind; 0 picks a free one (read it from the first stdout line).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Model id served on /v1/models and checked against requests' `model` [default: the
-    /// --model preset's name, else kvx-synthetic].
-    #[arg(long, visible_alias = "served-model-name")]
-    pub model_name: Option<String>,
-    /// Tensor-parallel size: worker processes started, and `tp_size` in kv_transfer_params.
-    #[arg(long, default_value_t = 1)]
-    pub tp: u32,
-    /// KV block size in tokens (blocks per prompt = ceil(tokens / block size)).
-    #[arg(long, default_value_t = 16)]
-    pub block_size: u32,
+    #[command(flatten)]
+    pub model_name: super::flags::ModelNameFlags,
+    #[command(flatten)]
+    pub tp: TpFlags,
     /// Context length: prompt + max_tokens must fit; also the default max_tokens bound.
     #[arg(long, default_value_t = 8192)]
     pub max_model_len: u64,
@@ -209,9 +203,8 @@ pub struct ServeEngineFlags {
     /// ITL and TPOT of zero, and the engine's Server-Timing says pacing is off.
     #[arg(long, default_value_t = DEFAULT_ITL_MS)]
     pub itl_ms: f64,
-    /// Require `Authorization: Bearer <KEY>` on /v1/* (as vLLM's --api-key).
-    #[arg(long)]
-    pub api_key: Option<String>,
+    #[command(flatten)]
+    pub api_key: ApiKeyFlags,
     /// Requests generating at once; more wait (vllm:num_requests_waiting).
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
@@ -229,10 +222,8 @@ pub struct ServeEngineFlags {
     /// (vLLM: VLLM_NIXL_SIDE_CHANNEL_HOST).
     #[arg(long, default_value = "localhost")]
     pub side_channel_host: String,
-    /// Side-channel port of a prefill engine; 0 binds an ephemeral one, and `remote_port`
-    /// in kv_transfer_params carries the real port (vLLM: VLLM_NIXL_SIDE_CHANNEL_PORT).
-    #[arg(long, default_value_t = 5600)]
-    pub side_channel_port: u16,
+    #[command(flatten)]
+    pub side_channel: SideChannelPortFlags,
     /// KV backend: real worker processes and UCX reads, or none (HTTP-only measurements).
     #[arg(long, value_enum, default_value = "workers")]
     pub kv_backend: KvBackendKind,
@@ -243,88 +234,37 @@ pub struct ServeEngineFlags {
     pub conn: super::proxy::ServeConnFlags,
     #[command(flatten)]
     pub model: ModelFlags,
-    /// Which vLLM release's rules to follow: 0.33 or 0.19 [default: 0.33].
-    #[arg(long, value_name = "VERSION", help_heading = "KV workers")]
-    pub vllm: Option<VllmVersion>,
-    /// KV cache layout of this engine (0.33: LBHNC=HND, LBNHC=NHD, ...; 0.19: HND, NHD, ...).
-    /// A decode engine learns the prefill engine's layout at handshake time.
-    #[arg(long, value_name = "LAYOUT", help_heading = "KV workers")]
-    pub layout: Option<String>,
-    /// Blocks in the KV pool of each rank [default: 4 prompts of --max-model-len within 512
-    /// MiB per rank, and never less than one prompt; pages are touched only as blocks are used].
-    #[arg(long, value_name = "N", help_heading = "KV workers")]
-    pub pool_blocks: Option<u32>,
-    /// Block allocation pattern: contiguous, fragmented, random.
-    #[arg(long, value_enum, default_value = "contiguous", help_heading = "KV workers")]
-    pub alloc: AllocPattern,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub engine: EngineFlags,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub pool_blocks: super::flags::PoolBlocksFlags,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub alloc: AllocFlags,
     #[command(flatten, next_help_heading = "KV workers")]
     pub lease: LeaseFlags,
-    /// Deadline of every KV wait: handshake, reads, notifications.
-    #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, default_value = "5s", help_heading = "KV workers")]
-    pub timeout: Duration,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub timeout: TimeoutFlags,
     #[command(flatten, next_help_heading = "KV workers")]
     pub verify: VerifyFlags,
-    /// libucp.so to load (default: KVX_UCX_LIB, then .ucx/, then the system's).
-    #[arg(long, help_heading = "KV workers")]
-    pub ucx_lib: Option<PathBuf>,
-    /// UCX_TLS for the workers, e.g. posix,cma,self or tcp.
-    #[arg(long, help_heading = "KV workers")]
-    pub ucx_tls: Option<String>,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub ucx_lib: UcxLibFlags,
     #[command(flatten, next_help_heading = "KV workers")]
     pub ucx_mode: UcxModeFlags,
-    /// GETs in flight per source rank.
-    #[arg(long, default_value_t = 64, help_heading = "KV workers")]
-    pub inflight: u32,
+    #[arg(long, help_heading = "KV workers", help = INFLIGHT_HELP)]
+    pub inflight: Option<u32>,
     /// Post coalesced descriptors instead of vLLM's one per block and region.
     #[arg(long, help_heading = "KV workers")]
     pub coalesce: bool,
-    /// Back the KV pools with huge pages.
-    #[arg(long, help_heading = "KV workers")]
-    pub huge_pages: bool,
-    /// Memory of the KV pools: host or cuda.
-    #[arg(long, value_enum, default_value = "host", help_heading = "KV workers")]
-    pub mem: MemKind,
-    /// GPUs of --mem cuda, e.g. 0,1: this engine's ranks round-robin [default: 0].
-    #[arg(long, value_delimiter = ',', help_heading = "KV workers")]
-    pub devices: Option<Vec<u32>>,
-    /// One GPU for every rank of --mem cuda (--devices N).
-    #[arg(long, value_name = "N", conflicts_with = "devices", help_heading = "KV workers")]
-    pub device: Option<u32>,
-    /// Who moves the KV: pull (decode reads, vLLM's NixlConnector) or push (prefill writes into
-    /// the blocks decode registers, NixlPushConnector); both engines must use the same [default: pull].
-    #[arg(long, value_enum, value_name = "pull|push", help_heading = "KV workers")]
-    pub mode: Option<TransferMode>,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub mem: MemFlags,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub devices: DevicesFlags,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub mode: ModeFlags,
     #[command(flatten, next_help_heading = "KV workers")]
     pub kv_buffer: KvBufferFlags,
-    /// Hybrid models: where a decode engine reads its slice of each state part: vllm (vLLM
-    /// 0.33's remote_conv_offsets, which assume every conv part is sharded like x) or exact
-    /// (each part as the model splits it) [default: vllm].
-    #[arg(long, value_enum, help_heading = "KV workers")]
-    pub state_slices: Option<crate::layouts::hybrid::StateSlices>,
-    /// Hybrid models with --kv-buffer-device cpu: which blocks a decode engine's host-to-device
-    /// copy passes through each layer: vllm (every group's through every layer, as vLLM 0.33) or
-    /// per-group (each layer its own group's) [default: vllm].
-    #[arg(long, value_enum, help_heading = "KV workers")]
-    pub host_copy: Option<crate::layouts::hybrid::HostCopyRule>,
-    /// Hybrid models with --kv-buffer-device cpu: the host tensors' state pages: vllm
-    /// (unpadded, as vLLM 0.33 allocates them, while the regions assume padded ones) or padded
-    /// [default: vllm]. Both engines must use the same.
-    #[arg(long, value_enum, help_heading = "KV workers")]
-    pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
-    /// Hybrid models with --kv-buffer-device cpu: which host tensors each group's descriptors
-    /// read: vllm (with state in the model, every layer's tensor, as vLLM 0.33) or per-group
-    /// (each group's own layers'; prefill copies only those into the buffer) [default: vllm].
-    /// Both engines must use the same.
-    #[arg(long, value_enum, help_heading = "KV workers")]
-    pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
-    /// Hybrid models: tokens per attention kernel block (the block the attention backend sees,
-    /// e.g. 16; it divides the hybrid block) [default: the hybrid block size].
-    #[arg(long, value_name = "N", help_heading = "KV workers")]
-    pub kernel_block_size: Option<u32>,
-    /// Hybrid models: prefix caching off (vLLM's --no-enable-prefix-caching), which vLLM
-    /// requires for some kernel block sizes.
-    #[arg(long, help_heading = "KV workers")]
-    pub no_prefix_caching: bool,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub hybrid_rules: HybridRuleFlags,
 }
 
 /// How `kvx serve-engine`'s KV side is built.
@@ -370,10 +310,10 @@ pub fn resolve_serve_engine(
     a: &ServeEngineFlags,
     exe: &Result<PathBuf, String>,
 ) -> Result<ServeEngineSettings, ConfigError> {
-    if a.tp == 0 {
+    if a.tp.tp == 0 {
         return Err(ConfigError::new("--tp", "tensor-parallel size must be at least 1"));
     }
-    if a.block_size == 0 {
+    if a.engine.block_size() == 0 {
         return Err(ConfigError::new("--block-size", "block size must be at least 1 token"));
     }
     if a.max_model_len < 2 {
@@ -402,18 +342,25 @@ pub fn resolve_serve_engine(
     if a.threads == Some(0) {
         return Err(ConfigError::new("--threads", "must be at least 1"));
     }
+    let Some(role) = a.role.role else {
+        return Err(ConfigError::new("--role", "is required: prefill or decode"));
+    };
     let engine_id = a.engine_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-    let model_name =
-        a.model_name.clone().or_else(|| a.model.model.clone()).unwrap_or_else(|| "kvx-synthetic".to_string());
+    let model_name = a
+        .model_name
+        .model_name
+        .clone()
+        .or_else(|| a.model.model.clone())
+        .unwrap_or_else(|| "kvx-synthetic".to_string());
     let http = HttpEngineConfig {
-        role: a.role,
+        role,
         model_name,
         max_model_len: a.max_model_len,
-        block_size_tokens: a.block_size,
-        tp_size: a.tp,
+        block_size_tokens: a.engine.block_size(),
+        tp_size: a.tp.tp,
         prefill_tokens_per_s: a.prefill_tokens_per_s,
         itl: Duration::from_secs_f64(a.itl_ms / 1000.0),
-        api_key: a.api_key.clone(),
+        api_key: a.api_key.api_key.clone(),
         max_num_seqs: a.max_num_seqs,
         eos_at: a.eos_at,
         max_body_bytes,
@@ -422,24 +369,27 @@ pub fn resolve_serve_engine(
     if a.kv_backend == KvBackendKind::Null {
         // The KV workers' flags size and steer workers that a null backend never starts.
         let given = [
-            (a.vllm.is_some(), "--vllm"),
-            (a.layout.is_some(), "--layout"),
-            (a.pool_blocks.is_some(), "--pool-blocks"),
-            (a.ucx_lib.is_some(), "--ucx-lib"),
-            (a.ucx_tls.is_some(), "--ucx-tls"),
+            (a.engine.vllm.is_some(), "--vllm"),
+            (a.engine.layout.is_some(), "--layout"),
+            (a.pool_blocks.pool_blocks.is_some(), "--pool-blocks"),
+            (a.ucx_lib.ucx_lib.is_some(), "--ucx-lib"),
+            (a.ucx_mode.ucx_tls.is_some(), "--ucx-tls"),
             (a.coalesce, "--coalesce"),
-            (a.huge_pages, "--huge-pages"),
-            (a.mem != MemKind::Host, "--mem"),
-            (a.devices.is_some(), "--devices"),
-            (a.device.is_some(), "--device"),
-            (a.mode.is_some(), "--mode"),
+            (a.mem.huge_pages, "--huge-pages"),
+            (a.mem.mem() != MemKind::Host, "--mem"),
+            (a.devices.devices.is_some(), "--devices"),
+            (a.mem.device.is_some(), "--device"),
+            (a.mode.mode.is_some(), "--mode"),
             (a.kv_buffer.device() != KvBufferDevice::Cuda, "--kv-buffer-device"),
-            (a.host_copy.is_some(), "--host-copy"),
-            (a.host_state_page.is_some(), "--host-state-page"),
-            (a.host_descriptors.is_some(), "--host-descriptors"),
-            (a.state_slices.is_some(), "--state-slices"),
-            (a.kernel_block_size.is_some(), "--kernel-block-size"),
-            (a.no_prefix_caching, "--no-prefix-caching"),
+            (a.hybrid_rules.host_copy.is_some(), "--host-copy"),
+            (a.hybrid_rules.host_state_page.is_some(), "--host-state-page"),
+            (a.hybrid_rules.host_descriptors.is_some(), "--host-descriptors"),
+            (a.hybrid_rules.state_slices.is_some(), "--state-slices"),
+            (a.engine.kernel_block_size.is_some(), "--kernel-block-size"),
+            (a.engine.no_prefix_caching, "--no-prefix-caching"),
+            (a.engine.gdn_prefill.is_some(), "--gdn-prefill"),
+            (a.engine.attention_backend.is_some(), "--attention-backend"),
+            (a.inflight.is_some(), "--inflight"),
         ];
         if let Some((_, flag)) = given.iter().find(|(on, _)| *on) {
             return Err(ConfigError::new(
@@ -452,17 +402,17 @@ pub fn resolve_serve_engine(
         KvBackendKind::Null => KvSettings::Null(EngineIdentity {
             engine_id,
             side_channel_host: a.side_channel_host.clone(),
-            side_channel_port: a.side_channel_port,
-            tp_size: a.tp,
+            side_channel_port: a.side_channel.side_channel_port,
+            tp_size: a.tp.tp,
         }),
         KvBackendKind::Workers => {
-            let role = match a.role {
-                HttpRole::Prefill => Role::Prefill,
-                HttpRole::Decode => Role::Decode,
-            };
             let workers = serve_engine_workers(a, exe)?;
-            let slot =
-                EngineSlot { role, engine_id, side_channel_port: a.side_channel_port, first_device_slot: 0 };
+            let slot = EngineSlot {
+                role,
+                engine_id,
+                side_channel_port: a.side_channel.side_channel_port,
+                first_device_slot: 0,
+            };
             KvSettings::Workers(Box::new(workers.engine(slot)))
         }
     };
@@ -477,13 +427,9 @@ fn serve_engine_workers(
     exe: &Result<PathBuf, String>,
 ) -> Result<WorkerSettings, ConfigError> {
     let pair_flags = PairFlags {
-        p_tp: Some(a.tp),
-        d_tp: Some(a.tp),
-        vllm: a.vllm,
-        layout: a.layout.clone(),
-        block_size: Some(a.block_size),
-        kernel_block_size: a.kernel_block_size,
-        no_prefix_caching: a.no_prefix_caching,
+        p_tp: Some(a.tp.tp),
+        d_tp: Some(a.tp.tp),
+        engine: EngineFlags { block_size: Some(a.engine.block_size()), ..a.engine.clone() },
         ..PairFlags::default()
     };
     // The pair's checks speak of P and D; this engine is one side with its own flags.
@@ -496,15 +442,15 @@ fn serve_engine_workers(
         };
         ConfigError { flag, reason: e.reason }
     };
-    let hybrid_model = super::hybrid_flags::hybrid_preset_of(&a.model, a.vllm, &[])?;
+    let hybrid_model = super::hybrid_flags::hybrid_preset_of(&a.model, a.engine.vllm, &[])?;
     super::hybrid_flags::check_host_switches(
         hybrid_model.is_some(),
         a.kv_buffer.device() == KvBufferDevice::Cpu,
-        &[(a.state_slices.is_some(), "--state-slices")],
+        &[(a.hybrid_rules.state_slices.is_some(), "--state-slices")],
         &[
-            (a.host_copy.is_some(), "--host-copy"),
-            (a.host_state_page.is_some(), "--host-state-page"),
-            (a.host_descriptors.is_some(), "--host-descriptors"),
+            (a.hybrid_rules.host_copy.is_some(), "--host-copy"),
+            (a.hybrid_rules.host_state_page.is_some(), "--host-state-page"),
+            (a.hybrid_rules.host_descriptors.is_some(), "--host-descriptors"),
         ],
         "--kv-buffer-device cpu",
     )?;
@@ -526,10 +472,10 @@ fn serve_engine_pair(
 ) -> Result<crate::layouts::compat::PairSpec, ConfigError> {
     // Pool size needs the block size in bytes, which needs the shape: resolve once to size.
     let probe = scenario::resolve_pair(&a.model, pair_flags, 1, 1)?;
-    let blocks_per_prompt = u32::try_from(a.max_model_len.div_ceil(u64::from(a.block_size)))
+    let blocks_per_prompt = u32::try_from(a.max_model_len.div_ceil(u64::from(a.engine.block_size())))
         .map_err(|_| ConfigError::new("--max-model-len", "too many blocks per prompt"))?;
     let block_bytes = probe.p_geometry(0).block_bytes_all_layers().max(1);
-    let pool = match a.pool_blocks {
+    let pool = match a.pool_blocks.pool_blocks {
         Some(0) => return Err(ConfigError::new("--pool-blocks", "the pool needs at least 1 block")),
         Some(n) => n,
         None => {
@@ -538,7 +484,7 @@ fn serve_engine_pair(
         }
     };
     let pair = scenario::resolve_pair(&a.model, pair_flags, pool, pool)?;
-    match a.mode.unwrap_or_default() {
+    match a.mode.mode.unwrap_or_default() {
         TransferMode::Pull => pair.validate().map(|_| ())?,
         TransferMode::Push => pair.validate_push().map(|_| ())?,
     }
@@ -560,9 +506,10 @@ fn serve_engine_hybrid(
     let (mut own, _) = super::hybrid_flags::hybrid_engines(pair_flags, 1, None, None)?;
     if a.kv_buffer.device() == KvBufferDevice::Cpu {
         own.kv_buffer_device = KvBufferDevice::Cpu;
-        own.host_state_page_padded = a.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
+        own.host_state_page_padded =
+            a.hybrid_rules.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
         own.host_descriptors_per_group =
-            a.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
+            a.hybrid_rules.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
     }
     let one = EngineGeometry::new(&model, &own, Side::Prefill)?;
     let shape = RequestShape::of(&one);
@@ -570,7 +517,7 @@ fn serve_engine_hybrid(
         ConfigError::new("--max-model-len", "too many tokens for a hybrid model's block tables")
     })?;
     let per_request = shape.blocks(max_tokens, 0);
-    own.num_blocks = match a.pool_blocks {
+    own.num_blocks = match a.pool_blocks.pool_blocks {
         Some(n) if n <= per_request => {
             return Err(ConfigError::new(
                 "--pool-blocks",
@@ -600,8 +547,8 @@ fn serve_engine_hybrid(
         p: own,
         d: own,
         permute_local_kv: false,
-        state_slices: a.state_slices.unwrap_or_default(),
-        host_copy: a.host_copy.unwrap_or_default(),
+        state_slices: a.hybrid_rules.state_slices.unwrap_or_default(),
+        host_copy: a.hybrid_rules.host_copy.unwrap_or_default(),
         push_attention: Default::default(),
         stated: Default::default(),
     };
@@ -616,10 +563,12 @@ fn finish_serve_engine(
     pair: crate::layouts::compat::PairSpec,
     hybrid: Option<crate::layouts::hybrid::HybridPairSpec>,
 ) -> Result<WorkerSettings, ConfigError> {
-    let mode = a.mode.unwrap_or_default();
-    let inflight = check_inflight(a.inflight)?;
+    let mode = a.mode.mode.unwrap_or_default();
+    let inflight = check_inflight(a.inflight.unwrap_or(super::flags::DEFAULT_INFLIGHT))?;
     check_kv_buffer(a.kv_buffer.device(), mode, TransportKind::Ucx)?;
-    for (d, flag) in [(a.lease.lease(), "--lease"), (a.timeout, "--timeout")] {
+    for (d, flag) in
+        [(a.lease.lease(), "--lease"), (a.timeout.or(super::flags::DEFAULT_TIMEOUT), "--timeout")]
+    {
         if d.is_zero() {
             return Err(ConfigError::new(flag, "must be longer than 0"));
         }
@@ -629,7 +578,7 @@ fn finish_serve_engine(
     check_side_channel_host(&a.side_channel_host)?;
     let host = bind_host(&a.side_channel_host);
     // `--device N` is `--devices N`.
-    let mem = resolve_mem(a.mem, a.devices.clone().or(a.device.map(|d| vec![d])))?;
+    let mem = resolve_mem(a.mem.mem(), a.devices.clone().devices.or(a.mem.device.map(|d| vec![d])))?;
     Ok(WorkerSettings {
         pair,
         hybrid,
@@ -637,11 +586,11 @@ fn finish_serve_engine(
             kind: TransportKind::Ucx,
             chain: vec![],
             mode,
-            ucx_lib: a.ucx_lib.clone(),
+            ucx_lib: a.ucx_lib.clone().ucx_lib,
             err_mode: a.ucx_mode.err_mode(),
             progress: a.ucx_mode.progress(),
             ucx_alloc: false,
-            huge_pages: a.huge_pages,
+            huge_pages: a.mem.huge_pages,
             inflight,
             coalesce: a.coalesce,
             notify: Default::default(),
@@ -657,11 +606,11 @@ fn finish_serve_engine(
         verify: a.verify.resolve(None),
         mem,
         lease: a.lease.lease(),
-        timeout: a.timeout,
-        alloc: a.alloc,
+        timeout: a.timeout.or(super::flags::DEFAULT_TIMEOUT),
+        alloc: a.alloc.alloc(),
         seed: 0,
         exe,
-        worker_env: a.ucx_tls.iter().map(|t| ("UCX_TLS".to_string(), t.clone())).collect(),
+        worker_env: a.ucx_mode.ucx_tls.iter().map(|t| ("UCX_TLS".to_string(), t.clone())).collect(),
         listen: None,
         advertise_host: if host == "0.0.0.0" { "127.0.0.1".into() } else { host.clone() },
         bind_host: host,
@@ -719,71 +668,78 @@ mod tests {
         assert!(check_one_machine(TransportKind::Ucx, Some("tcp://0.0.0.0:1"), "10.0.0.7").is_ok());
     }
 
-    fn serve_flags(role: HttpRole) -> ServeEngineFlags {
+    use crate::topology::VllmVersion;
+    use crate::vocab::kinds::Role;
+
+    fn serve_flags(role: Role) -> ServeEngineFlags {
+        use crate::settings::flags::{ApiKeyFlags, ModelNameFlags, RoleFlags};
         ServeEngineFlags {
-            role,
+            role: RoleFlags { role: Some(role) },
             host: "127.0.0.1".into(),
             port: 0,
-            model_name: None,
-            tp: 2,
-            block_size: 16,
+            model_name: ModelNameFlags::default(),
+            tp: TpFlags { tp: 2 },
             max_model_len: 256,
             prefill_tokens_per_s: 0.0,
             itl_ms: 0.0,
-            api_key: None,
+            api_key: ApiKeyFlags::default(),
             max_num_seqs: 256,
             max_body_size: crate::config::serve::DEFAULT_BODY_LIMIT as u64,
             eos_at: None,
             engine_id: Some("e1".into()),
             side_channel_host: "localhost".into(),
-            side_channel_port: 0,
+            side_channel: SideChannelPortFlags { side_channel_port: 0 },
             kv_backend: KvBackendKind::Workers,
             threads: None,
             conn: crate::settings::proxy::ServeConnFlags::default(),
             model: ModelFlags { model: Some("llama-3.1-8b".into()), ..ModelFlags::default() },
-            vllm: None,
-            layout: None,
-            pool_blocks: None,
-            alloc: AllocPattern::Contiguous,
+            engine: EngineFlags::default(),
+            pool_blocks: Default::default(),
+            alloc: AllocFlags::default(),
             lease: LeaseFlags::default(),
-            timeout: Duration::from_secs(5),
+            timeout: TimeoutFlags::default(),
             verify: VerifyFlags::default(),
-            ucx_lib: None,
-            ucx_tls: Some("tcp".into()),
-            ucx_mode: UcxModeFlags { err_mode: Some(ErrMode::Peer), progress: Some(ProgressMode::Wait) },
-            inflight: 8,
+            ucx_lib: UcxLibFlags::default(),
+            ucx_mode: UcxModeFlags {
+                err_mode: Some(ErrMode::Peer),
+                progress: Some(ProgressMode::Wait),
+                ucx_tls: Some("tcp".into()),
+            },
+            inflight: Some(8),
             coalesce: false,
-            huge_pages: false,
-            mem: MemKind::Host,
-            devices: None,
-            device: None,
-            mode: None,
+            mem: MemFlags::default(),
+            devices: DevicesFlags::default(),
+            mode: ModeFlags::default(),
             kv_buffer: KvBufferFlags::default(),
-            state_slices: None,
-            host_copy: None,
-            host_state_page: None,
-            host_descriptors: None,
-            kernel_block_size: None,
-            no_prefix_caching: false,
+            hybrid_rules: HybridRuleFlags::default(),
         }
     }
 
     #[test]
     fn serve_engine_mode_is_typed_and_push_refusals_name_the_flag() {
         let exe = Ok(PathBuf::from("/bin/kvx"));
-        let push = ServeEngineFlags { mode: Some(TransferMode::Push), ..serve_flags(HttpRole::Decode) };
+        let push = ServeEngineFlags {
+            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+            ..serve_flags(Role::Decode)
+        };
         let KvSettings::Workers(w) = resolve_serve_engine(&push, &exe).expect("push").kv else {
             panic!("workers backend")
         };
         assert_eq!(w.worker.transport.mode, TransferMode::Push);
-        let v019 = ServeEngineFlags { vllm: Some(VllmVersion::V0_19), ..push };
+        let v019 = ServeEngineFlags {
+            engine: crate::settings::flags::EngineFlags {
+                vllm: Some(VllmVersion::V0_19),
+                ..Default::default()
+            },
+            ..push
+        };
         assert_eq!(resolve_serve_engine(&v019, &exe).map(|_| ()).expect_err("0.19 push").flag, "--vllm");
     }
 
     #[test]
     fn serve_engine_workers_come_from_the_shared_builder() {
         let exe = Ok(PathBuf::from("/bin/kvx"));
-        let s = resolve_serve_engine(&serve_flags(HttpRole::Prefill), &exe).expect("valid");
+        let s = resolve_serve_engine(&serve_flags(Role::Prefill), &exe).expect("valid");
         let KvSettings::Workers(w) = s.kv else { panic!("workers backend") };
         assert_eq!(w.worker.engine_id, "e1");
         assert_eq!(w.worker.transport.err_mode, ErrMode::Peer);
@@ -792,15 +748,15 @@ mod tests {
         assert_eq!(w.mem, [MemPlace::Host; 2], "one placement per rank");
         assert_eq!(w.side_channel_bind.as_deref(), Some("tcp://127.0.0.1:0"), "port 0: a free port");
         assert!(matches!(&w.launch, Launch::Spawn { env, .. } if env == &[("UCX_TLS".into(), "tcp".into())]));
-        let d = resolve_serve_engine(&serve_flags(HttpRole::Decode), &exe).expect("valid");
+        let d = resolve_serve_engine(&serve_flags(Role::Decode), &exe).expect("valid");
         let KvSettings::Workers(w) = d.kv else { panic!("workers backend") };
         assert_eq!(w.side_channel_bind, None);
         assert_eq!(w.worker.role, Role::Decode);
         // --mem cuda --devices 1,0: this engine's ranks from slot 0, round-robin.
         let flags = ServeEngineFlags {
-            mem: MemKind::Cuda,
-            devices: Some(vec![1, 0]),
-            ..serve_flags(HttpRole::Decode)
+            mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
+            devices: crate::settings::flags::DevicesFlags { devices: Some(vec![1, 0]), ..Default::default() },
+            ..serve_flags(Role::Decode)
         };
         let c = resolve_serve_engine(&flags, &exe).expect("cuda pools");
         let KvSettings::Workers(w) = c.kv else { panic!("workers backend") };
@@ -812,29 +768,28 @@ mod tests {
         let exe = Ok(PathBuf::from("/bin/kvx"));
         type Set = fn(&mut ServeEngineFlags);
         let cases: [(Set, &str); 8] = [
-            (|f| f.devices = Some(vec![0]), "--devices"),
+            (|f| f.devices.devices = Some(vec![0]), "--devices"),
             (
                 |f| {
                     f.kv_buffer.kv_buffer_device = Some(KvBufferDevice::Cpu);
-                    f.mode = Some(TransferMode::Push);
+                    f.mode.mode = Some(TransferMode::Push);
                 },
                 "--kv-buffer-device",
             ),
-            (|f| f.device = Some(0), "--devices"),
-            (|f| f.inflight = 0, "--inflight"),
+            (|f| f.mem.device = Some(0), "--devices"),
+            (|f| f.inflight = Some(0), "--inflight"),
             (|f| f.threads = Some(0), "--threads"),
-            (|f| f.tp = 3, "--tp"),
+            (|f| f.tp.tp = 3, "--tp"),
             (|f| f.lease.lease = Some(Duration::ZERO), "--lease"),
-            (|f| f.block_size = 0, "--block-size"),
+            (|f| f.engine.block_size = Some(0), "--block-size"),
         ];
         for (set, flag) in cases {
-            let mut f = serve_flags(HttpRole::Decode);
+            let mut f = serve_flags(Role::Decode);
             set(&mut f);
             let e = resolve_serve_engine(&f, &exe).expect_err(flag);
             assert_eq!(e.flag, flag, "{e}");
         }
-        let e =
-            resolve_serve_engine(&serve_flags(HttpRole::Decode), &Err("gone".into())).expect_err("no exe");
+        let e = resolve_serve_engine(&serve_flags(Role::Decode), &Err("gone".into())).expect_err("no exe");
         assert_eq!(e.flag, "(system)");
     }
 }

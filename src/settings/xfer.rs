@@ -4,7 +4,6 @@
 //! anything starts; the transport and memory rules it shares with `kvx bench` are
 //! `settings::workers`'s. Must not start anything.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -61,9 +60,8 @@ pub struct XferFlags {
     /// Message sizes to sweep (suffixes KiB/MiB/GiB or K/M/G = powers of 1024, kB/MB/GB = powers of 1000).
     #[arg(long, value_delimiter = ',', default_value = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB", value_parser = parse_size)]
     pub sizes: Vec<u64>,
-    /// GETs in flight per batch (each sample is one batch of this many reads).
-    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
-    pub inflight: Vec<usize>,
+    #[arg(long, value_delimiter = ',', help = super::flags::INFLIGHT_HELP)]
+    pub inflight: Option<Vec<usize>>,
     /// Bytes each side registers; reads rotate over it so they come from DRAM (cold mode).
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub working_set: u64,
@@ -73,15 +71,10 @@ pub struct XferFlags {
     /// Let UCX allocate the buffers (UCP_MEM_MAP_ALLOCATE): flattering, not what a KV cache is.
     #[arg(long)]
     pub ucx_alloc: bool,
-    /// Back host buffers with huge pages (MAP_HUGETLB; fails with a hint if none are reserved).
-    #[arg(long)]
-    pub huge_pages: bool,
-    /// Memory the buffers live in.
-    #[arg(long, value_enum, default_value_t = MemKind::Host)]
-    pub mem: MemKind,
-    /// What moves the bytes: ucx, or cuda-batch (device memory, one machine).
-    #[arg(long, value_enum, default_value_t = TransportArg::Ucx)]
-    pub transport: TransportArg,
+    #[command(flatten)]
+    pub mem: super::flags::MemFlags,
+    #[arg(long, value_enum, help = super::flags::TRANSPORT_HELP)]
+    pub transport: Option<TransportArg>,
     // The help names the default from `BatchCopy::default()` (the flag stays an Option so
     // that giving it without --transport cuda-batch can be refused).
     #[arg(long, value_enum, help = BatchCopy::help())]
@@ -91,40 +84,28 @@ pub struct XferFlags {
     /// 16: the gather kernel's byte head and tail) or 0,1 (they differ: its narrow units).
     #[arg(long, value_name = "BYTES[,BYTES]", value_delimiter = ',', num_args = 1)]
     pub misalign: Vec<u64>,
-    /// CUDA device for --mem cuda [default: 0].
-    #[arg(long)]
-    pub device: Option<u32>,
+    #[command(flatten)]
+    pub ucx_lib: super::flags::UcxLibFlags,
     #[command(flatten)]
     pub ucx_mode: super::flags::UcxModeFlags,
-    /// libucp.so to load (default: KVX_UCX_LIB, then .ucx/, then the system's).
-    #[arg(long)]
-    pub ucx_lib: Option<PathBuf>,
-    /// Restrict UCX transports (UCX_TLS), e.g. `posix,cma,self`.
-    #[arg(long)]
-    pub ucx_tls: Option<String>,
-    /// Minimum measuring time per case, e.g. 200ms, 1s.
-    #[arg(long, default_value = "200ms", value_parser = parse_duration, allow_hyphen_values = true)]
-    pub duration: Duration,
+    #[command(flatten)]
+    pub duration: super::flags::DurationFlags,
     /// Measure exactly this many batches per case (overrides --duration).
     #[arg(long)]
     pub iters: Option<u64>,
-    /// Deadline of one batch of reads.
-    #[arg(long, default_value = "10s", value_parser = parse_duration, allow_hyphen_values = true)]
-    pub timeout: Duration,
+    #[command(flatten)]
+    pub timeout: super::flags::TimeoutFlags,
     /// How long --listen waits for an initiator and --connect for a target.
     #[arg(long, default_value = "120s", value_parser = parse_duration, allow_hyphen_values = true)]
     pub peer_timeout: Duration,
-    /// Serve a region to one initiator on ADDR (two-host mode, target side).
-    #[arg(long, value_name = "ADDR", conflicts_with = "connect")]
-    pub listen: Option<String>,
-    /// Read from a target started with --listen at ADDR (two-host mode, initiator side).
-    #[arg(long, value_name = "ADDR")]
-    pub connect: Option<String>,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[command(flatten)]
+    pub listen: super::flags::ListenFlags,
+    #[command(flatten)]
+    pub connect: super::flags::ConnectFlags,
+    #[arg(long, value_enum, default_value_t = Format::Table, help = super::flags::FORMAT_HELP)]
     pub format: Format,
-    /// Internal: the role of this process.
-    #[arg(long, value_enum, default_value_t = XferRole::Initiator, hide = true)]
+    /// Internal: the role of this process (one of the two that measure).
+    #[arg(long = "xfer-role", value_enum, default_value_t = XferRole::Initiator, hide = true)]
     pub role: XferRole,
     /// Internal: where a spawned target connects back to.
     #[arg(long, hide = true)]
@@ -149,13 +130,13 @@ const MAX_MISALIGN: u64 = 4096;
 
 /// What UCX is configured with (`--ucx-tls`).
 fn ucx_config(args: &XferFlags) -> Vec<(String, String)> {
-    args.ucx_tls.iter().map(|t| ("TLS".to_string(), t.clone())).collect()
+    args.ucx_mode.ucx_tls.iter().map(|t| ("TLS".to_string(), t.clone())).collect()
 }
 
 /// Checks `kvx xfer`'s flags and says what this process does.
 pub fn resolve(args: &XferFlags) -> Result<XferRun, ConfigError> {
     let opts = TargetOptions {
-        ucx_lib: args.ucx_lib.clone(),
+        ucx_lib: args.ucx_lib.ucx_lib.clone(),
         progress: args.ucx_mode.progress(),
         ucx_config: ucx_config(args),
     };
@@ -165,8 +146,14 @@ pub fn resolve(args: &XferFlags) -> Result<XferRun, ConfigError> {
         })?;
         return Ok(XferRun::Target { addr, peer_timeout: args.peer_timeout, opts });
     }
-    if let Some(addr) = &args.listen {
-        if args.transport == TransportArg::CudaBatch {
+    if let Some(addr) = &args.listen.listen {
+        if args.connect.connect.is_some() {
+            return Err(ConfigError::new(
+                "--listen",
+                "a process either listens (the target) or connects (the initiator): drop --listen or --connect",
+            ));
+        }
+        if args.transport() == TransportArg::CudaBatch {
             return Err(ConfigError::new(
                 "--listen",
                 "--transport cuda-batch needs both processes on one machine (CUDA IPC): drop --listen, kvx xfer \
@@ -175,7 +162,23 @@ pub fn resolve(args: &XferFlags) -> Result<XferRun, ConfigError> {
         }
         return Ok(XferRun::Listen { addr: addr.clone(), peer_timeout: args.peer_timeout, opts });
     }
-    Ok(XferRun::Measure { cfg: Box::new(measurement(args)?), connect: args.connect.clone() })
+    Ok(XferRun::Measure { cfg: Box::new(measurement(args)?), connect: args.connect.connect.clone() })
+}
+
+/// `--inflight` of `kvx xfer` when not given: the depths it measures.
+pub const DEFAULT_XFER_INFLIGHT: [usize; 3] = [1, 8, 32];
+
+/// `--duration` of `kvx xfer` when not given: the least measuring time of a case.
+pub const DEFAULT_XFER_DURATION: Duration = Duration::from_millis(200);
+
+/// `--timeout` of `kvx xfer` when not given: the deadline of one batch of reads.
+pub const DEFAULT_XFER_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl XferFlags {
+    /// `--transport`, or ucx.
+    pub fn transport(&self) -> TransportArg {
+        self.transport.unwrap_or_default()
+    }
 }
 
 /// The measurement the flags ask for.
@@ -183,10 +186,11 @@ fn measurement(args: &XferFlags) -> Result<XferConfig, ConfigError> {
     if args.sizes.is_empty() {
         return Err(ConfigError::new("--sizes", "give at least one message size"));
     }
-    if args.inflight.is_empty() || args.inflight.contains(&0) {
+    let inflight = args.inflight.clone().unwrap_or_else(|| DEFAULT_XFER_INFLIGHT.to_vec());
+    if inflight.is_empty() || inflight.contains(&0) {
         return Err(ConfigError::new("--inflight", "in-flight counts must be at least 1"));
     }
-    if args.inflight.iter().any(|&n| n > 65_536) {
+    if inflight.iter().any(|&n| n > 65_536) {
         return Err(ConfigError::new("--inflight", "at most 65536 GETs in flight"));
     }
     let max = args.sizes.iter().copied().max().unwrap_or(0);
@@ -199,25 +203,27 @@ fn measurement(args: &XferFlags) -> Result<XferConfig, ConfigError> {
     if args.iters == Some(0) {
         return Err(ConfigError::new("--iters", "must be at least 1"));
     }
-    if args.timeout.is_zero() {
+    let timeout = args.timeout.or(DEFAULT_XFER_TIMEOUT);
+    if timeout.is_zero() {
         return Err(ConfigError::new("--timeout", "must be positive"));
     }
-    if args.mem == MemKind::Cuda && (args.ucx_alloc || args.huge_pages) {
+    if args.mem.mem() == MemKind::Cuda && (args.ucx_alloc || args.mem.huge_pages) {
         return Err(ConfigError::new("--mem", "--ucx-alloc and --huge-pages apply to host memory only"));
     }
-    let mem = match (args.mem, args.device) {
+    let mem = match (args.mem.mem(), args.mem.device) {
         (MemKind::Host, Some(_)) => {
             return Err(ConfigError::new("--device", "--device applies to --mem cuda only"));
         }
         (MemKind::Host, None) => MemPlace::Host,
         (MemKind::Cuda, device) => MemPlace::Cuda { device: device.unwrap_or(0) },
     };
-    let cuda_batch = (args.transport == TransportArg::CudaBatch).then(|| args.batch_copy.unwrap_or_default());
+    let cuda_batch =
+        (args.transport() == TransportArg::CudaBatch).then(|| args.batch_copy.unwrap_or_default());
     if cuda_batch.is_none() && args.batch_copy.is_some() {
         return Err(ConfigError::new("--batch-copy", "--batch-copy applies to --transport cuda-batch"));
     }
-    check_mem_transport(args.mem, args.transport.kind())?;
-    if cuda_batch.is_some() && args.connect.is_some() {
+    check_mem_transport(args.mem.mem(), args.transport().kind())?;
+    if cuda_batch.is_some() && args.connect.connect.is_some() {
         return Err(ConfigError::new(
             "--connect",
             "--transport cuda-batch maps the target's GPU memory with CUDA IPC, which works only between \
@@ -238,18 +244,18 @@ fn measurement(args: &XferFlags) -> Result<XferConfig, ConfigError> {
     }
     Ok(XferConfig {
         sizes: args.sizes.clone(),
-        inflight: args.inflight.clone(),
+        inflight,
         working_set_bytes: args.working_set,
         hot: args.hot,
         ucx_alloc: args.ucx_alloc,
-        huge_pages: args.huge_pages,
+        huge_pages: args.mem.huge_pages,
         mem,
-        duration: args.duration,
+        duration: args.duration.duration.unwrap_or(DEFAULT_XFER_DURATION),
         iters: args.iters,
-        timeout: args.timeout,
+        timeout,
         peer_timeout: args.peer_timeout,
         session: SessionOptions {
-            ucx_lib: args.ucx_lib.clone(),
+            ucx_lib: args.ucx_lib.ucx_lib.clone(),
             progress: args.ucx_mode.progress(),
             err_mode: args.ucx_mode.err_mode(),
             ucx_config: ucx_config(args),

@@ -14,6 +14,8 @@
 //! This file holds pull mode (decode READs); `push` holds push mode (prefill WRITEs into
 //! decode's blocks, vLLM's `NixlPushConnector`), which shares the TP checks below.
 
+#![forbid(unsafe_code)]
+
 pub mod ports;
 pub mod push_map;
 

@@ -6,6 +6,8 @@
 //! - [`kinds`]: roles, verification modes, transports and memory kinds (typed choices).
 //! - [`knob`]: the settings a core rule may ask the user to change ([`knob::Knob`]), unspelled.
 
+#![forbid(unsafe_code)]
+
 pub mod env;
 pub mod kinds;
 pub mod knob;

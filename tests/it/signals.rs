@@ -75,7 +75,7 @@ fn classify(name: &str, silent: &str, results: &Path) -> Option<Result<Long, &'s
         }
         "xfer" => Ok(Long {
             args: words(&["xfer", "--sizes", "64KiB,1MiB", "--inflight", "1,8", "--duration", "20s"]),
-            ready: Ready::Descendant("--role", "target"),
+            ready: Ready::Descendant("--xfer-role", "target"),
             ends: Ends::Interrupted { dies_ok: false },
         }),
         "load" => Ok(Long {

@@ -4,7 +4,7 @@
 //!
 //! UCX can be loaded only once per process, so each build's library-level checks run in
 //! a child copy of this test binary (`scatter_child`, selected by an environment
-//! variable); the target side is always the real `kvx xfer --role target`.
+//! variable); the target side is always the real `kvx xfer --xfer-role target`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -175,14 +175,14 @@ pub struct LocalTarget {
 }
 
 impl LocalTarget {
-    /// Starts `exe xfer --role target` connected back over loopback.
+    /// Starts `exe xfer --xfer-role target` connected back over loopback.
     pub fn spawn(exe: &Path, opts: &TargetOptions, env: &[(String, String)]) -> Result<LocalTarget> {
         let listener = TcpListener::bind("127.0.0.1:0")
             .map_err(|source| XferError::Control { stage: "bind loopback", source })?;
         let addr =
             listener.local_addr().map_err(|source| XferError::Control { stage: "bind loopback", source })?;
         let mut cmd = Command::new(exe);
-        cmd.arg("xfer").arg("--role").arg("target").arg("--connect-back").arg(addr.to_string());
+        cmd.arg("xfer").arg("--xfer-role").arg("target").arg("--connect-back").arg(addr.to_string());
         cmd.arg("--progress").arg(opts.progress.to_string());
         if let Some(lib) = &opts.ucx_lib {
             cmd.arg("--ucx-lib").arg(lib);

@@ -20,7 +20,12 @@ use serde::Deserialize;
 
 use super::env::ProcessEnv;
 use super::env::results_root;
-use super::flags::{Format, KvBufferFlags, LeaseFlags, ModelFlags, PairFlags, UcxModeFlags, VerifyFlags};
+use super::flags::{
+    AllocFlags, ArrivalFlags, DevicesFlags, DispatchFlags, DurationFlags, FORMAT_HELP, Format,
+    HybridRuleFlags, INFLIGHT_HELP, KvBufferFlags, LeaseFlags, ListenFlags, MemFlags, ModeFlags, ModelFlags,
+    PairFlags, PoolBlocksFlags, PrefixHitFlags, PromptLenFlags, PushAttentionFlags, RepeatFlags,
+    RunNameFlags, SeedFlags, TRANSPORT_HELP, TimeoutFlags, UcxLibFlags, UcxModeFlags, VerifyFlags,
+};
 use super::layer::{self, Layered, layered};
 use super::parse::parse_duration;
 use super::scenario;
@@ -35,7 +40,6 @@ use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
 use crate::topology::TransferMode;
 use crate::transfer::cuda_batch::{BatchCopy, BatchDescriptors, BatchLaunch};
-use crate::transfer::memory::MemKind;
 use crate::transfer::notify::NotifyTransport;
 use crate::vocab::kinds::{KvBufferDevice, Role, TransportKind};
 
@@ -45,6 +49,8 @@ layered! {
     /// `false`) when not given; defaults belong to [`settings`].
     #[derive(Debug, Clone, Default, PartialEq, Args, Deserialize)]
     #[serde(deny_unknown_fields)]
+    // --slo is shared with `kvx load`, where it needs no --serve.
+    #[command(mut_arg("slo", |a| a.requires("serve")))]
     pub struct BenchFlags {
         #[command(flatten)]
         #[serde(flatten)]
@@ -66,45 +72,33 @@ layered! {
         #[arg(skip)]
         #[serde(rename = "sweep")]
         pub sweep_axes: Option<toml::Table>,
-        /// Measured requests per repeat [default: 20 unless --duration].
-        #[arg(long, help_heading = "Workload")]
-        pub requests: Option<u64>,
-        /// Measure for this long per repeat instead of a request count (e.g. 30s).
-        #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Workload")]
-        #[serde(default, deserialize_with = "super::parse::opt_duration")]
-        pub duration: Option<Duration>,
-        /// Open loop: Poisson arrivals at this many requests per second.
-        #[arg(long, conflicts_with = "concurrency", allow_negative_numbers = true, help_heading = "Workload")]
-        pub rate: Option<f64>,
-        /// Closed loop: requests kept in flight [default: 2].
-        #[arg(long, help_heading = "Workload")]
-        pub concurrency: Option<u32>,
-        /// Prompt length in tokens, fixed (8192) or uniform over a range (1024..32768) [default: 2048].
-        #[arg(long, help_heading = "Workload")]
-        #[serde(default, deserialize_with = "super::parse::opt_text")]
-        pub prompt_len: Option<String>,
+        #[command(flatten, next_help_heading = "Workload")]
+        #[serde(flatten)]
+        pub arrival: ArrivalFlags,
+        #[command(flatten, next_help_heading = "Workload")]
+        #[serde(flatten)]
+        pub duration: DurationFlags,
+        #[command(flatten, next_help_heading = "Workload")]
+        #[serde(flatten)]
+        pub prompt: PromptLenFlags,
         /// File of prompt lengths, one per line, cycled.
         #[arg(long, value_name = "FILE", conflicts_with = "prompt_len", help_heading = "Workload")]
         pub prompt_lens: Option<PathBuf>,
-        /// Unmeasured requests before measuring [default: 2].
-        #[arg(long, help_heading = "Workload")]
-        pub warmup: Option<u64>,
-        /// Fraction of each prompt already cached on decode; only the rest is read.
-        #[arg(long, allow_negative_numbers = true, help_heading = "Workload")]
-        pub prefix_hit: Option<f64>,
-        /// Block allocation pattern: contiguous, fragmented, random [default: contiguous].
-        #[arg(long, value_enum, help_heading = "Workload")]
-        #[serde(default, deserialize_with = "super::parse::opt_parsed")]
-        pub alloc: Option<AllocPattern>,
-        /// Blocks in each engine's pool [default: enough for the concurrency].
-        #[arg(long, help_heading = "Workload")]
-        pub pool_blocks: Option<u32>,
-        /// Seed of prompt lengths, allocations and byte patterns [default: 0].
-        #[arg(long, help_heading = "Workload")]
-        pub seed: Option<u64>,
-        /// Run the measured part this many times (for noise-aware gates) [default: 1].
-        #[arg(long, help_heading = "Workload")]
-        pub repeat: Option<u32>,
+        #[command(flatten, next_help_heading = "Workload")]
+        #[serde(flatten)]
+        pub prefix_hit: PrefixHitFlags,
+        #[command(flatten, next_help_heading = "Workload")]
+        #[serde(flatten)]
+        pub alloc: AllocFlags,
+        #[command(flatten, next_help_heading = "Workload")]
+        #[serde(flatten)]
+        pub pool_blocks: PoolBlocksFlags,
+        #[command(flatten, next_help_heading = "Workload")]
+        #[serde(flatten)]
+        pub seed: SeedFlags,
+        #[command(flatten, next_help_heading = "Workload")]
+        #[serde(flatten)]
+        pub repeat: RepeatFlags,
         #[command(flatten, next_help_heading = "Checks")]
         #[serde(flatten)]
         pub verify: VerifyFlags,
@@ -115,12 +109,11 @@ layered! {
         #[command(flatten, next_help_heading = "Checks")]
         #[serde(flatten)]
         pub lease: LeaseFlags,
-        /// Deadline of every wait: handshake, reads, notifications [default: 5s].
-        #[arg(long, value_parser = parse_duration, allow_hyphen_values = true, help_heading = "Checks")]
-        #[serde(default, deserialize_with = "super::parse::opt_duration")]
-        pub timeout: Option<Duration>,
-        /// Transport: ucx, storage, multi, cuda-batch (GPUs of one machine, --mem cuda) [default: ucx].
-        #[arg(long, value_enum, help_heading = "Transport")]
+        #[command(flatten, next_help_heading = "Checks")]
+        #[serde(flatten)]
+        pub timeout: TimeoutFlags,
+        // Transports (value docs list them): ucx, storage, multi, cuda-batch (GPUs of one machine, --mem cuda) [default: ucx].
+        #[arg(long, value_enum, help_heading = "Transport", help = TRANSPORT_HELP)]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub transport: Option<TransportKind>,
         /// For --transport multi: the order to try, e.g. ucx,storage.
@@ -171,11 +164,9 @@ layered! {
         #[arg(long, value_name = "FAULT", help_heading = "Checks")]
         #[serde(skip)]
         pub fault: Option<String>,
-        /// Who moves the bytes: pull (the decode side reads, as vLLM's NixlConnector) or push (the
-        /// prefill side writes, as vLLM's NixlPushConnector) [default: pull].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub mode: Option<TransferMode>,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub mode: ModeFlags,
         /// Simulated prefill compute per model layer on each prefill rank, e.g. 200us (wall time a
         /// GPU would take; the rank's CPU stays free to move bytes) [default: 0].
         #[arg(
@@ -192,39 +183,22 @@ layered! {
         #[arg(long, value_enum, value_name = "none|layers", help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub overlap: Option<Overlap>,
-        /// How a request's legs are sent: sequential (prefill, then decode) or concurrent (both at
-        /// once; push mode, where decode registers while prefill computes) [default: sequential,
-        /// concurrent with --overlap layers].
-        #[arg(long, value_enum, value_name = "sequential|concurrent", help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub dispatch: Option<Dispatch>,
-        /// Memory of the KV pools: host or cuda [default: host].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub mem: Option<MemKind>,
-        /// GPUs of --mem cuda, e.g. 0,1,2,3: prefill ranks then decode ranks, round-robin [default: 0].
-        #[arg(long, value_delimiter = ',', help_heading = "Transport")]
-        pub devices: Option<Vec<u32>>,
-        /// One GPU for every rank of --mem cuda (--devices N).
-        #[arg(long, value_name = "N", conflicts_with = "devices", help_heading = "Transport")]
-        #[serde(skip)]
-        pub device: Option<u32>,
-        /// libucp.so to load (default: KVX_UCX_LIB, then .ucx/, then the system's).
-        #[arg(long, help_heading = "Transport")]
-        #[serde(skip)]
-        pub ucx_lib: Option<PathBuf>,
-        /// UCX_TLS for the workers, e.g. posix,cma,self or tcp.
-        #[arg(long, help_heading = "Transport")]
-        pub ucx_tls: Option<String>,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub dispatch: DispatchFlags,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub mem: MemFlags,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub devices: DevicesFlags,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub ucx_lib: UcxLibFlags,
         #[command(flatten, next_help_heading = "Transport")]
         #[serde(flatten)]
         pub ucx_mode: UcxModeFlags,
-        /// Back the KV pools with huge pages.
-        #[arg(long, help_heading = "Transport")]
-        #[serde(default)]
-        pub huge_pages: bool,
-        /// GETs in flight per source rank [default: 64].
-        #[arg(long, help_heading = "Transport")]
+        #[arg(long, help_heading = "Transport", help = INFLIGHT_HELP)]
         pub inflight: Option<u32>,
         /// Post coalesced descriptors instead of vLLM's one per block and region.
         #[arg(long, help_heading = "Transport")]
@@ -245,42 +219,16 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport", help = BatchCopy::help())]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub batch_copy: Option<BatchCopy>,
+
         #[command(flatten, next_help_heading = "Transport")]
         #[serde(flatten)]
         pub kv_buffer: KvBufferFlags,
-        /// Hybrid models: where decode reads its slice of each state part: vllm (vLLM 0.33's
-        /// remote_conv_offsets, which assume every conv part is sharded like x) or exact (each
-        /// part as the model splits it: replicated Mamba2 B and C read where each prefill rank
-        /// holds decode's slice of them) [default: vllm].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub state_slices: Option<crate::layouts::hybrid::StateSlices>,
-        /// Hybrid models with --kv-buffer-device cpu: which blocks decode's host-to-device copy
-        /// passes through each layer: vllm (every group's through every layer, as vLLM 0.33) or
-        /// per-group (each layer its own group's) [default: vllm].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub host_copy: Option<crate::layouts::hybrid::HostCopyRule>,
-        /// Hybrid models in push mode, decode TP above prefill TP and above the KV heads: which
-        /// decode ranks prefill writes attention into: vllm (the first of each head only, as
-        /// vLLM 0.33's push connector reads; the others get state but no attention) or
-        /// every-rank (each its head, as pull reads them) [default: vllm].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub push_attention: Option<crate::layouts::hybrid::write_plan::PushAttention>,
-        /// Hybrid models with --kv-buffer-device cpu: the host tensors' state pages: vllm
-        /// (unpadded, as vLLM 0.33 allocates them, while the regions assume padded ones) or
-        /// padded [default: vllm].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
-        /// Hybrid models with --kv-buffer-device cpu: which host tensors each group's
-        /// descriptors read: vllm (with state in the model, every layer's tensor, as vLLM 0.33)
-        /// or per-group (each group's own layers'; prefill copies only those into the buffer)
-        /// [default: vllm].
-        #[arg(long, value_enum, help_heading = "Transport")]
-        #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub hybrid_rules: HybridRuleFlags,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub push_attention: PushAttentionFlags,
         /// How many batches --transport cuda-batch posts per request on a decode rank: rank
         /// (one over all its prefill peers: one kernel launch) or peer (one per prefill peer)
         /// [default: rank].
@@ -294,11 +242,9 @@ layered! {
         #[arg(long, value_enum, help_heading = "Transport")]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub batch_descriptors: Option<BatchDescriptors>,
-        /// Wait for external `kvx worker --connect` processes: prefill on this endpoint's port, decode on
-        /// port + 1.
-        #[arg(long, value_name = "tcp://HOST:PORT", help_heading = "Across hosts")]
-        #[serde(skip)]
-        pub listen: Option<String>,
+        #[command(flatten, next_help_heading = "Across hosts")]
+        #[serde(flatten)]
+        pub listen: ListenFlags,
         /// Host other hosts reach this one at [default: 127.0.0.1, or the --listen host].
         #[arg(long, help_heading = "Across hosts")]
         #[serde(skip)]
@@ -307,15 +253,15 @@ layered! {
         #[arg(long, help_heading = "Output")]
         #[serde(skip)]
         pub results_dir: Option<PathBuf>,
-        /// Name of the run (the scenario name in reports) [default: the config file's name or "bench"].
-        #[arg(long, help_heading = "Output")]
-        pub name: Option<String>,
+        #[command(flatten, next_help_heading = "Output")]
+        #[serde(flatten)]
+        pub run_name: RunNameFlags,
         /// Skip the same-run calibration (memcpy and UCX loopback read).
         #[arg(long, help_heading = "Output")]
         #[serde(skip)]
         pub no_calibrate: bool,
-        /// Output format; json prints the summary to stdout as well.
-        #[arg(long, value_enum, default_value = "table", help_heading = "Output")]
+        // json prints the summary to stdout as well (the command's long help says so).
+        #[arg(long, value_enum, default_value = "table", help_heading = "Output", help = FORMAT_HELP)]
         #[serde(skip)]
         pub format: Option<Format>,
         /// Serve the workload over HTTP: a prefill engine, a decode engine and the P/D proxy,
@@ -324,10 +270,6 @@ layered! {
         #[arg(long, help_heading = "Workload")]
         #[serde(skip)]
         pub serve: bool,
-        /// With --serve: objectives for goodput, e.g. ttft=200ms,tpot=50ms (also itl, e2el).
-        #[arg(long, requires = "serve", value_name = "NAME=LIMIT,...", help_heading = "Workload")]
-        #[serde(skip)]
-        pub slo: Option<String>,
         /// With --serve: serve the engines' and proxy's Prometheus metrics (vLLM's families) on this
         /// port while the run goes; 0 picks a free one (its address is printed on stderr).
         #[arg(long, requires = "serve", value_name = "PORT", help_heading = "Output")]
@@ -352,15 +294,15 @@ pub fn resolve(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, Co
 pub fn layers(flags: &BenchFlags) -> Result<Layered<BenchFlags>, ConfigError> {
     let mut flags = flags.clone();
     // `--device N` is `--devices N`.
-    if flags.devices.is_none() {
-        flags.devices = flags.device.map(|d| vec![d]);
+    if flags.devices.devices.is_none() {
+        flags.devices.devices = flags.mem.device.map(|d| vec![d]);
     }
     let file = match &flags.config {
         Some(path) => {
             let mut file: BenchFlags = layer::load(path, "--config")?;
             // `--prompt-len` and `--prompt-lens` are one setting: either flag replaces both keys.
-            if flags.prompt_len.is_some() || flags.prompt_lens.is_some() {
-                (file.prompt_len, file.prompt_lens) = (None, None);
+            if flags.prompt.prompt_len.is_some() || flags.prompt_lens.is_some() {
+                (file.prompt.prompt_len, file.prompt_lens) = (None, None);
             }
             Some((path.clone(), file))
         }
@@ -373,27 +315,27 @@ pub fn layers(flags: &BenchFlags) -> Result<Layered<BenchFlags>, ConfigError> {
 /// values the flags and the file gave (`s`).
 fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigError> {
     let lens = prompt_lens(s)?;
-    let concurrency = s.concurrency.unwrap_or(2);
+    let concurrency = s.arrival.concurrency.unwrap_or(2);
     if concurrency == 0 || concurrency > 4096 {
         return Err(ConfigError::new("--concurrency", format!("must be 1..4096, got {concurrency}")));
     }
-    let arrival = match s.rate {
+    let arrival = match s.arrival.rate {
         Some(r) => Arrival::Poisson { rate: super::parse::rate("--rate", r)? },
         None => Arrival::Closed { concurrency },
     };
     let duration = s.duration;
-    if duration.is_some_and(|d| d.is_zero()) {
+    if duration.duration.is_some_and(|d| d.is_zero()) {
         return Err(ConfigError::new("--duration", "must be longer than 0"));
     }
-    let requests = s.requests.or(if duration.is_none() { Some(20) } else { None });
+    let requests = s.arrival.requests.or(if duration.duration.is_none() { Some(20) } else { None });
     if requests == Some(0) {
         return Err(ConfigError::new("--requests", "at least 1 request is needed"));
     }
-    let prefix_hit = s.prefix_hit.unwrap_or(0.0);
+    let prefix_hit = s.prefix_hit.prefix_hit.unwrap_or(0.0);
     if !(0.0..1.0).contains(&prefix_hit) {
         return Err(ConfigError::new("--prefix-hit", format!("must be in [0, 1), got {prefix_hit}")));
     }
-    let alloc = s.alloc.unwrap_or_default();
+    let alloc = s.alloc.alloc.unwrap_or_default();
     let p_bs = s.pair.p_block_size.unwrap_or(s.pair.block_size()).max(1);
     let d_bs = s.pair.d_block_size.unwrap_or(s.pair.block_size()).max(1);
     let in_flight = match arrival {
@@ -401,7 +343,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         Arrival::Poisson { rate } => (rate.ceil() as u32).clamp(2, 64),
     };
     let max_tokens = lens.max();
-    if let Some(n) = s.pool_blocks
+    if let Some(n) = s.pool_blocks.pool_blocks
         && !(1..=crate::layouts::compat::MAX_POOL_BLOCKS).contains(&n)
     {
         return Err(ConfigError::new(
@@ -410,22 +352,25 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         ));
     }
     let default_pool = |bs: u32| max_tokens.div_ceil(bs).saturating_mul(in_flight + 2).max(16);
-    let pool_p = s.pool_blocks.unwrap_or_else(|| default_pool(p_bs));
-    let pool_d = s.pool_blocks.unwrap_or_else(|| default_pool(d_bs));
+    let pool_p = s.pool_blocks.pool_blocks.unwrap_or_else(|| default_pool(p_bs));
+    let pool_d = s.pool_blocks.pool_blocks.unwrap_or_else(|| default_pool(d_bs));
     let slowdown = s.slowdown.unwrap_or(0.0);
     if !(0.0..=10.0).contains(&slowdown) {
         return Err(ConfigError::new("--slowdown", format!("must be a fraction in 0..=10, got {slowdown}")));
     }
     let transport = transport(s, slowdown)?;
-    let hybrid_model = super::hybrid_flags::hybrid_preset_of(&s.model, s.pair.vllm, &[])?;
+    let hybrid_model = super::hybrid_flags::hybrid_preset_of(&s.model, s.pair.engine.vllm, &[])?;
     super::hybrid_flags::check_host_switches(
         hybrid_model.is_some(),
         transport.kv_buffer == KvBufferDevice::Cpu,
-        &[(s.state_slices.is_some(), "--state-slices"), (s.push_attention.is_some(), "--push-attention")],
         &[
-            (s.host_copy.is_some(), "--host-copy"),
-            (s.host_state_page.is_some(), "--host-state-page"),
-            (s.host_descriptors.is_some(), "--host-descriptors"),
+            (s.hybrid_rules.state_slices.is_some(), "--state-slices"),
+            (s.push_attention.push_attention.is_some(), "--push-attention"),
+        ],
+        &[
+            (s.hybrid_rules.host_copy.is_some(), "--host-copy"),
+            (s.hybrid_rules.host_state_page.is_some(), "--host-state-page"),
+            (s.hybrid_rules.host_descriptors.is_some(), "--host-descriptors"),
         ],
         "--kv-buffer-device cpu (or --compare-kv-buffer-device cuda,cpu)",
     )?;
@@ -437,7 +382,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
             lens,
             arrival,
             requests,
-            duration,
+            duration.duration,
             prefix_hit,
             alloc,
             transport,
@@ -463,7 +408,7 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
             ),
         ));
     }
-    finish(s, env, lens, arrival, requests, duration, prefix_hit, alloc, transport, pair, None)
+    finish(s, env, lens, arrival, requests, duration.duration, prefix_hit, alloc, transport, pair, None)
 }
 
 /// Push mode WRITEs over UCX: another transport is refused, naming `--transport`.
@@ -511,7 +456,7 @@ fn hybrid_pair(
                 ),
             ));
         }
-    } else if s.push_attention.is_some() {
+    } else if s.push_attention.push_attention.is_some() {
         return Err(ConfigError::new(
             "--push-attention",
             "applies to push mode (which decode ranks prefill writes attention into): add --mode push or drop it",
@@ -541,15 +486,16 @@ fn hybrid_pair(
     if transport.kv_buffer == KvBufferDevice::Cpu {
         for e in [&mut p, &mut d] {
             e.kv_buffer_device = KvBufferDevice::Cpu;
-            e.host_state_page_padded = s.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
+            e.host_state_page_padded =
+                s.hybrid_rules.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
             e.host_descriptors_per_group =
-                s.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
+                s.hybrid_rules.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
         }
     }
     let pool = |e: &crate::layouts::hybrid::HybridEngineSpec, side: Side| -> Result<u32, ConfigError> {
         let shape = RequestShape::of(&EngineGeometry::new(&model, e, side)?);
         let per_request = shape.blocks(max_tokens, 0);
-        match s.pool_blocks {
+        match s.pool_blocks.pool_blocks {
             Some(n) if n <= per_request => Err(ConfigError::new(
                 "--pool-blocks",
                 format!(
@@ -568,9 +514,9 @@ fn hybrid_pair(
         p,
         d,
         permute_local_kv: s.pair.permute,
-        state_slices: s.state_slices.unwrap_or_default(),
-        host_copy: s.host_copy.unwrap_or_default(),
-        push_attention: s.push_attention.unwrap_or_default(),
+        state_slices: s.hybrid_rules.state_slices.unwrap_or_default(),
+        host_copy: s.hybrid_rules.host_copy.unwrap_or_default(),
+        push_attention: s.push_attention.push_attention.unwrap_or_default(),
         stated: Default::default(),
     };
     let (pair, planner) = super::hybrid_flags::hybrid_pair_spec(&config)?;
@@ -639,17 +585,17 @@ fn finish(
             ));
         }
     }
-    let mem = resolve_mem(s.mem.unwrap_or_default(), s.devices.clone())?;
+    let mem = resolve_mem(s.mem.mem.unwrap_or_default(), s.devices.clone().devices)?;
     check_mem_transport(mem.kind(), transport.kind)?;
     let lease = s.lease.lease();
-    let timeout = s.timeout.unwrap_or(Duration::from_secs(5));
+    let timeout = s.timeout.timeout.unwrap_or(Duration::from_secs(5));
     if lease.is_zero() {
         return Err(ConfigError::new("--lease", "must be longer than 0"));
     }
     if timeout.is_zero() {
         return Err(ConfigError::new("--timeout", "must be longer than 0"));
     }
-    let repeat = s.repeat.unwrap_or(1);
+    let repeat = s.repeat.repeat.unwrap_or(1);
     if repeat == 0 || repeat > 1000 {
         return Err(ConfigError::new("--repeat", format!("must be 1..1000, got {repeat}")));
     }
@@ -658,10 +604,11 @@ fn finish(
         .clone()
         .map_err(|e| ConfigError::new("(system)", format!("cannot find the kvx binary: {e}")))?;
     let worker_env: Vec<(String, String)> =
-        s.ucx_tls.clone().map(|tls| ("UCX_TLS".to_string(), tls)).into_iter().collect();
+        s.ucx_mode.ucx_tls.clone().map(|tls| ("UCX_TLS".to_string(), tls)).into_iter().collect();
     let (listen, bind_host, advertise_host) = hosts(s)?;
     super::workers::check_one_machine(transport.kind, listen.as_deref(), &advertise_host)?;
     let name = s
+        .run_name
         .name
         .clone()
         .or_else(|| s.config.as_deref().and_then(Path::file_stem).map(|s| s.to_string_lossy().to_string()))
@@ -677,7 +624,7 @@ fn finish(
             lease,
             timeout,
             alloc,
-            seed: s.seed.unwrap_or(0),
+            seed: s.seed.seed.unwrap_or(0),
             exe,
             worker_env,
             listen,
@@ -690,7 +637,7 @@ fn finish(
         arrival,
         requests,
         duration,
-        warmup: s.warmup.unwrap_or(2),
+        warmup: s.arrival.warmup.unwrap_or(2),
         prefix_hit,
         on_failure: s.on_load_failure.unwrap_or(FailurePolicy::Fail),
         fault,
@@ -704,7 +651,7 @@ fn finish(
 
 /// `--prompt-len` or `--prompt-lens` [default: 2048 tokens].
 fn prompt_lens(s: &BenchFlags) -> Result<PromptLens, ConfigError> {
-    Ok(match (&s.prompt_len, &s.prompt_lens) {
+    Ok(match (&s.prompt.prompt_len, &s.prompt_lens) {
         (Some(text), _) => text.parse::<PromptLens>().map_err(|e| ConfigError::new("--prompt-len", e))?,
         (None, Some(path)) => super::parse::prompt_lens_file(path)?,
         (None, None) => PromptLens::Fixed(2048),
@@ -761,18 +708,18 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
             ));
         }
     }
-    let mode = s.mode.unwrap_or_default();
+    let mode = s.mode.mode.unwrap_or_default();
     let kv_buffer = s.kv_buffer.device();
     check_kv_buffer(kv_buffer, mode, kind)?;
     Ok(TransportConfig {
         kind,
         chain: if kind == TransportKind::Multi { chain } else { vec![] },
         mode,
-        ucx_lib: s.ucx_lib.clone(),
+        ucx_lib: s.ucx_lib.clone().ucx_lib,
         err_mode: s.ucx_mode.err_mode(),
         progress: s.ucx_mode.progress(),
         ucx_alloc: false,
-        huge_pages: s.huge_pages,
+        huge_pages: s.mem.huge_pages,
         inflight: check_inflight(s.inflight.unwrap_or(64))?,
         coalesce: s.coalesce,
         notify: s.notify.unwrap_or_default(),
@@ -820,7 +767,7 @@ fn prefill_sim(
                  mode decode reads after prefill: add --mode push or drop --overlap",
             ));
         }
-        if s.dispatch == Some(Dispatch::Concurrent) {
+        if s.dispatch.dispatch == Some(Dispatch::Concurrent) {
             return Err(ConfigError::new(
                 "--dispatch",
                 "concurrent dispatch needs --mode push: in pull mode decode reads the blocks prefill \
@@ -828,7 +775,7 @@ fn prefill_sim(
             ));
         }
     }
-    let dispatch = match (s.dispatch, overlap) {
+    let dispatch = match (s.dispatch.dispatch, overlap) {
         (Some(Dispatch::Sequential), Overlap::Layers) => {
             return Err(ConfigError::new(
                 "--dispatch",
@@ -859,7 +806,7 @@ fn prefill_sim(
 
 /// `--listen` and `--advertise-host`: (listen, bind host, advertise host).
 fn hosts(s: &BenchFlags) -> Result<(Option<String>, String, String), ConfigError> {
-    if let Some(ep) = &s.listen {
+    if let Some(ep) = &s.listen.listen {
         let bad = || {
             ConfigError::new(
                 "--listen",
@@ -871,14 +818,14 @@ fn hosts(s: &BenchFlags) -> Result<(Option<String>, String, String), ConfigError
             return Err(bad());
         }
     }
-    let (bind_host, advertise_default) = match &s.listen {
+    let (bind_host, advertise_default) = match &s.listen.listen {
         Some(ep) => {
             let (h, _) = split_endpoint(ep);
             ("0.0.0.0".to_string(), if h == "0.0.0.0" || h == "*" { "127.0.0.1".to_string() } else { h })
         }
         None => ("127.0.0.1".to_string(), "127.0.0.1".to_string()),
     };
-    Ok((s.listen.clone(), bind_host, s.advertise_host.clone().unwrap_or(advertise_default)))
+    Ok((s.listen.listen.clone(), bind_host, s.advertise_host.clone().unwrap_or(advertise_default)))
 }
 
 /// Parses `--fault kill-ucx:p0@5`.

@@ -1,6 +1,7 @@
 //! `kvx bench`'s settings under test: flags, config files and the environment resolved, and
 //! every refusal naming its flag.
 
+use crate::transfer::memory::MemKind;
 use std::io::Write as _;
 
 use clap::{Args as _, FromArgMatches as _};
@@ -77,14 +78,21 @@ fn flag_beats_file_beats_default() {
     assert_eq!(w.timeout, Duration::from_secs(5), "the default where neither sets it");
 
     let flags = BenchFlags {
-        name: Some("mine".into()),
+        run_name: crate::settings::flags::RunNameFlags { name: Some("mine".into()), ..Default::default() },
         pair: PairFlags { d_tp: Some(2), ..PairFlags::default() },
         inflight: Some(16),
-        ucx_mode: UcxModeFlags { progress: Some(ProgressMode::Busy), err_mode: Some(ErrMode::None) },
+        ucx_mode: UcxModeFlags {
+            progress: Some(ProgressMode::Busy),
+            err_mode: Some(ErrMode::None),
+            ucx_tls: None,
+        },
         verify: VerifyFlags { verify: Some(VerifyMode::Full) },
         lease: LeaseFlags { lease: Some(Duration::from_secs(3)) },
-        prompt_len: Some("1024".into()),
-        concurrency: Some(1),
+        prompt: crate::settings::flags::PromptLenFlags {
+            prompt_len: Some("1024".into()),
+            ..Default::default()
+        },
+        arrival: crate::settings::flags::ArrivalFlags { concurrency: Some(1), ..Default::default() },
         ..with_config(&file)
     };
     let s = resolve(&flags, &env()).expect("valid");
@@ -118,22 +126,98 @@ fn environment_sits_between_defaults_and_flags() {
 fn each_bad_flag_is_named() {
     let cases: Vec<(BenchFlags, &str)> = vec![
         (BenchFlags { inflight: Some(0), ..Default::default() }, "--inflight"),
-        (BenchFlags { devices: Some(vec![0]), ..Default::default() }, "--devices"),
         (
-            BenchFlags { mem: Some(MemKind::Cuda), devices: Some(vec![1, 1]), ..Default::default() },
+            BenchFlags {
+                devices: crate::settings::flags::DevicesFlags {
+                    devices: Some(vec![0]),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
             "--devices",
         ),
-        (BenchFlags { concurrency: Some(0), ..Default::default() }, "--concurrency"),
-        (BenchFlags { rate: Some(-1.0), ..Default::default() }, "--rate"),
-        (BenchFlags { requests: Some(0), ..Default::default() }, "--requests"),
-        (BenchFlags { duration: Some(Duration::ZERO), ..Default::default() }, "--duration"),
-        (BenchFlags { prefix_hit: Some(1.0), ..Default::default() }, "--prefix-hit"),
+        (
+            BenchFlags {
+                mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
+                devices: crate::settings::flags::DevicesFlags {
+                    devices: Some(vec![1, 1]),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            "--devices",
+        ),
+        (
+            BenchFlags {
+                arrival: crate::settings::flags::ArrivalFlags { concurrency: Some(0), ..Default::default() },
+                ..Default::default()
+            },
+            "--concurrency",
+        ),
+        (
+            BenchFlags {
+                arrival: crate::settings::flags::ArrivalFlags { rate: Some(-1.0), ..Default::default() },
+                ..Default::default()
+            },
+            "--rate",
+        ),
+        (
+            BenchFlags {
+                arrival: crate::settings::flags::ArrivalFlags { requests: Some(0), ..Default::default() },
+                ..Default::default()
+            },
+            "--requests",
+        ),
+        (
+            BenchFlags {
+                duration: crate::settings::flags::DurationFlags {
+                    duration: Some(Duration::ZERO),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            "--duration",
+        ),
+        (
+            BenchFlags {
+                prefix_hit: crate::settings::flags::PrefixHitFlags {
+                    prefix_hit: Some(1.0),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            "--prefix-hit",
+        ),
         (BenchFlags { lease: LeaseFlags { lease: Some(Duration::ZERO) }, ..Default::default() }, "--lease"),
-        (BenchFlags { timeout: Some(Duration::ZERO), ..Default::default() }, "--timeout"),
-        (BenchFlags { repeat: Some(0), ..Default::default() }, "--repeat"),
+        (
+            BenchFlags {
+                timeout: crate::settings::flags::TimeoutFlags {
+                    timeout: Some(Duration::ZERO),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            "--timeout",
+        ),
+        (
+            BenchFlags {
+                repeat: crate::settings::flags::RepeatFlags { repeat: Some(0), ..Default::default() },
+                ..Default::default()
+            },
+            "--repeat",
+        ),
         (BenchFlags { slowdown: Some(f64::NAN), ..Default::default() }, "--slowdown"),
         (BenchFlags { fault: Some("kill-ucx:d0@1".into()), ..Default::default() }, "--fault"),
-        (BenchFlags { listen: Some("bogus".into()), ..Default::default() }, "--listen"),
+        (
+            BenchFlags {
+                listen: crate::settings::flags::ListenFlags {
+                    listen: Some("bogus".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            "--listen",
+        ),
         (
             BenchFlags {
                 transport: Some(TransportKind::Multi),
@@ -143,7 +227,14 @@ fn each_bad_flag_is_named() {
             "--transports",
         ),
         (
-            BenchFlags { pool_blocks: Some(1), prompt_len: Some("1024".into()), ..Default::default() },
+            BenchFlags {
+                pool_blocks: crate::settings::flags::PoolBlocksFlags { pool_blocks: Some(1) },
+                prompt: crate::settings::flags::PromptLenFlags {
+                    prompt_len: Some("1024".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
             "--pool-blocks",
         ),
         (
@@ -160,12 +251,18 @@ fn each_bad_flag_is_named() {
         assert_eq!(e.flag, flag, "{flags:?}: {e}");
     }
     // Push mode resolves, and refuses what vLLM's push connector refuses, naming the flag.
-    let push =
-        resolve(&BenchFlags { mode: Some(TransferMode::Push), ..Default::default() }, &env()).expect("push");
+    let push = resolve(
+        &BenchFlags {
+            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+            ..Default::default()
+        },
+        &env(),
+    )
+    .expect("push");
     assert_eq!(push.workers.transport.mode, TransferMode::Push);
     let e = resolve(
         &BenchFlags {
-            mode: Some(TransferMode::Push),
+            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
             pair: PairFlags { p_block_size: Some(16), d_block_size: Some(32), ..Default::default() },
             ..Default::default()
         },
@@ -175,7 +272,7 @@ fn each_bad_flag_is_named() {
     assert_eq!(e.flag, "--d-block-size", "{e}");
     let e = resolve(
         &BenchFlags {
-            mode: Some(TransferMode::Push),
+            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
             transport: Some(TransportKind::Multi),
             ..Default::default()
         },
@@ -185,7 +282,7 @@ fn each_bad_flag_is_named() {
     assert_eq!(e.flag, "--transport", "{e}");
     let e = resolve(
         &BenchFlags {
-            mem: Some(MemKind::Cuda),
+            mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
             transport: Some(TransportKind::Storage),
             ..Default::default()
         },
@@ -198,7 +295,10 @@ fn each_bad_flag_is_named() {
 #[test]
 fn cuda_batch_resolves_with_device_pools_and_refuses_what_it_cannot_do() {
     let batch = |more: BenchFlags| BenchFlags { transport: Some(TransportKind::CudaBatch), ..more };
-    let cuda = || BenchFlags { mem: Some(MemKind::Cuda), ..Default::default() };
+    let cuda = || BenchFlags {
+        mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
+        ..Default::default()
+    };
     if cfg!(feature = "cuda") {
         let s = resolve(&batch(cuda()), &env()).expect("cuda-batch on device pools");
         assert_eq!(s.workers.transport.kind, TransportKind::CudaBatch);
@@ -208,8 +308,26 @@ fn cuda_batch_resolves_with_device_pools_and_refuses_what_it_cannot_do() {
         assert_eq!(e.flag, "--transport", "{e}");
     }
     let cases = [
-        (BenchFlags { mode: Some(TransferMode::Push), ..cuda() }, "--transport"),
-        (BenchFlags { listen: Some("tcp://0.0.0.0:5700".into()), ..cuda() }, "--listen"),
+        (
+            BenchFlags {
+                mode: crate::settings::flags::ModeFlags {
+                    mode: Some(TransferMode::Push),
+                    ..Default::default()
+                },
+                ..cuda()
+            },
+            "--transport",
+        ),
+        (
+            BenchFlags {
+                listen: crate::settings::flags::ListenFlags {
+                    listen: Some("tcp://0.0.0.0:5700".into()),
+                    ..Default::default()
+                },
+                ..cuda()
+            },
+            "--listen",
+        ),
         (BenchFlags { advertise_host: Some("10.1.2.3".into()), ..cuda() }, "--advertise-host"),
         (BenchFlags { fault: Some("kill-ucx:p0@1".into()), ..cuda() }, "--fault"),
     ];
@@ -233,7 +351,7 @@ fn cuda_batch_resolves_with_device_pools_and_refuses_what_it_cannot_do() {
 #[test]
 fn device_descriptors_need_cuda_batch_the_kernel_and_the_plans_own_pairs() {
     let cuda = || BenchFlags {
-        mem: Some(MemKind::Cuda),
+        mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
         transport: Some(TransportKind::CudaBatch),
         batch_descriptors: Some(BatchDescriptors::Device),
         ..Default::default()
@@ -257,7 +375,10 @@ fn device_descriptors_need_cuda_batch_the_kernel_and_the_plans_own_pairs() {
     assert!(e.to_string().contains("--coalesce"), "{e}");
     let hybrid = BenchFlags {
         model: ModelFlags { model: Some("nemotron-h-8b".into()), ..ModelFlags::default() },
-        prompt_len: Some("512".into()),
+        prompt: crate::settings::flags::PromptLenFlags {
+            prompt_len: Some("512".into()),
+            ..Default::default()
+        },
         ..cuda()
     };
     let e = resolve(&hybrid, &env()).expect_err("a hybrid plan has no one region table");
@@ -272,7 +393,10 @@ fn device_descriptors_need_cuda_batch_the_kernel_and_the_plans_own_pairs() {
 
 #[test]
 fn batch_copy_is_cuda_batch_s_and_refused_elsewhere() {
-    let cuda = || BenchFlags { mem: Some(MemKind::Cuda), ..Default::default() };
+    let cuda = || BenchFlags {
+        mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
+        ..Default::default()
+    };
     let kernel = |more: BenchFlags| BenchFlags { batch_copy: Some(BatchCopy::Kernel), ..more };
     // Anywhere no cuda-batch run happens, by name (the flag, or its key in a file).
     let e = resolve(&kernel(BenchFlags::default()), &env()).expect_err("ucx");
@@ -344,21 +468,21 @@ fn a_bad_choice_is_refused_by_the_parser_naming_its_flag() {
         "bfloat16",
     ])
     .expect("valid");
-    assert_eq!((f.mem, f.transport), (Some(MemKind::Cuda), Some(TransportKind::CudaBatch)));
+    assert_eq!((f.mem.mem, f.transport), (Some(MemKind::Cuda), Some(TransportKind::CudaBatch)));
     assert_eq!(
         (f.verify.verify, f.ucx_mode.err_mode, f.ucx_mode.progress),
         (Some(VerifyMode::Sample), Some(ErrMode::Peer), Some(ProgressMode::Busy))
     );
     assert_eq!(
-        (f.alloc, f.on_load_failure),
+        (f.alloc.alloc, f.on_load_failure),
         (Some(AllocPattern::Fragmented), Some(FailurePolicy::Recompute))
     );
     assert_eq!(
-        (f.overlap, f.dispatch, f.mode),
+        (f.overlap, f.dispatch.dispatch, f.mode.mode),
         (Some(Overlap::Layers), Some(Dispatch::Concurrent), Some(TransferMode::Push))
     );
     assert_eq!(f.transports, Some(vec![TransportKind::Ucx, TransportKind::Storage]));
-    assert_eq!(f.pair.vllm, Some(crate::topology::VllmVersion::V0_19));
+    assert_eq!(f.pair.engine.vllm, Some(crate::topology::VllmVersion::V0_19));
     assert_eq!(f.model.dtype, Some(crate::settings::model::Dtype::Bf16));
     // --transports takes the members of multi's chain only.
     let e = resolve(&parse(&["--transports", "ucx,multi"]).expect("parses"), &env()).expect_err("multi");
@@ -428,36 +552,57 @@ fn the_shipped_bench_configs_parse_unchanged() {
 fn hybrid_bench_refusals_name_their_flags() {
     let hybrid = |extra: BenchFlags| BenchFlags {
         model: ModelFlags { model: Some("nemotron-h-8b".into()), ..ModelFlags::default() },
-        prompt_len: Some("512".into()),
+        prompt: crate::settings::flags::PromptLenFlags {
+            prompt_len: Some("512".into()),
+            ..Default::default()
+        },
         ..extra
     };
     let refused = |flags: BenchFlags| resolve(&flags, &env()).expect_err("refused").flag;
     // Push: accepted over UCX, written after the whole prefill, its own refusals.
-    let push = |more: BenchFlags| BenchFlags { mode: Some(TransferMode::Push), ..more };
+    let push = |more: BenchFlags| BenchFlags {
+        mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+        ..more
+    };
     let s = resolve(&hybrid(push(BenchFlags::default())), &env()).expect("hybrid push");
     assert_eq!(s.workers.transport.mode, TransferMode::Push);
     let layers = BenchFlags { overlap: Some(Overlap::Layers), ..Default::default() };
     assert_eq!(refused(hybrid(push(layers))), "--overlap");
     let rule = || BenchFlags {
-        push_attention: Some(crate::layouts::hybrid::write_plan::PushAttention::EveryRank),
+        push_attention: crate::settings::flags::PushAttentionFlags {
+            push_attention: Some(crate::layouts::hybrid::write_plan::PushAttention::EveryRank),
+            ..Default::default()
+        },
         ..Default::default()
     };
     assert_eq!(refused(hybrid(rule())), "--push-attention");
     let gemma = BenchFlags {
         model: ModelFlags { model: Some("gemma-3-4b".into()), ..ModelFlags::default() },
-        prompt_len: Some("512".into()),
+        prompt: crate::settings::flags::PromptLenFlags {
+            prompt_len: Some("512".into()),
+            ..Default::default()
+        },
         pair: PairFlags { p_tp: Some(1), d_tp: Some(8), ..PairFlags::default() },
         ..push(BenchFlags::default())
     };
     assert_eq!(refused(gemma), "--d-tp");
-    let uniform = BenchFlags { prompt_len: Some("512".into()), ..push(rule()) };
+    let uniform = BenchFlags {
+        prompt: crate::settings::flags::PromptLenFlags {
+            prompt_len: Some("512".into()),
+            ..Default::default()
+        },
+        ..push(rule())
+    };
     assert_eq!(refused(uniform), "--push-attention");
     let storage = BenchFlags { transport: Some(TransportKind::Storage), ..Default::default() };
     assert_eq!(refused(hybrid(storage)), "--transport");
     // cuda-batch copies device pools: host pools and host buffers are refused as for a
     // uniform model, device pools are taken.
     let batch = |more: BenchFlags| BenchFlags { transport: Some(TransportKind::CudaBatch), ..more };
-    let cuda = || BenchFlags { mem: Some(MemKind::Cuda), ..Default::default() };
+    let cuda = || BenchFlags {
+        mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
+        ..Default::default()
+    };
     if cfg!(feature = "cuda") {
         assert_eq!(refused(hybrid(batch(BenchFlags::default()))), "--mem");
         let staged =
@@ -469,13 +614,21 @@ fn hybrid_bench_refusals_name_their_flags() {
     } else {
         assert_eq!(refused(hybrid(batch(cuda()))), "--transport");
     }
-    let copy =
-        BenchFlags { host_copy: Some(crate::layouts::hybrid::HostCopyRule::PerGroup), ..Default::default() };
+    let copy = BenchFlags {
+        hybrid_rules: crate::settings::flags::HybridRuleFlags {
+            host_copy: Some(crate::layouts::hybrid::HostCopyRule::PerGroup),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
     assert_eq!(refused(hybrid(copy.clone())), "--host-copy");
     assert_eq!(refused(copy), "--host-copy");
     let cpu = BenchFlags {
         kv_buffer: KvBufferFlags { kv_buffer_device: Some(KvBufferDevice::Cpu) },
-        host_state_page: Some(super::super::hybrid_flags::HostStatePage::Padded),
+        hybrid_rules: crate::settings::flags::HybridRuleFlags {
+            host_state_page: Some(super::super::hybrid_flags::HostStatePage::Padded),
+            ..Default::default()
+        },
         ..Default::default()
     };
     let staged = resolve(&hybrid(cpu), &env()).expect("a hybrid bench through host buffers");
@@ -484,11 +637,19 @@ fn hybrid_bench_refusals_name_their_flags() {
     // vLLM's own refusal: Nemotron-H's 8 groups do not split over TP 3... nor do its heads.
     let tp3 = BenchFlags { pair: PairFlags { d_tp: Some(3), ..PairFlags::default() }, ..Default::default() };
     assert_eq!(refused(hybrid(tp3)), "--d-tp");
-    let exact =
-        BenchFlags { state_slices: Some(crate::layouts::hybrid::StateSlices::Exact), ..Default::default() };
+    let exact = BenchFlags {
+        hybrid_rules: crate::settings::flags::HybridRuleFlags {
+            state_slices: Some(crate::layouts::hybrid::StateSlices::Exact),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
     assert_eq!(refused(exact), "--state-slices");
     // A pool too small for one request.
-    let small = BenchFlags { pool_blocks: Some(2), ..Default::default() };
+    let small = BenchFlags {
+        pool_blocks: crate::settings::flags::PoolBlocksFlags { pool_blocks: Some(2) },
+        ..Default::default()
+    };
     assert_eq!(refused(hybrid(small)), "--pool-blocks");
     let ok = resolve(&hybrid(BenchFlags::default()), &env()).expect("a hybrid bench");
     assert!(ok.workers.hybrid.is_some());
@@ -496,14 +657,21 @@ fn hybrid_bench_refusals_name_their_flags() {
 
 #[test]
 fn memory_and_devices() {
-    let one = BenchFlags { mem: Some(MemKind::Cuda), devices: Some(vec![3]), ..Default::default() };
+    let one = BenchFlags {
+        mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
+        devices: crate::settings::flags::DevicesFlags { devices: Some(vec![3]), ..Default::default() },
+        ..Default::default()
+    };
     let s = resolve(&one, &env()).expect("cuda pools on device 3");
     assert_eq!(s.workers.mem, KvMemory::Cuda { devices: vec![3] });
     let file = config("mem = \"cuda\"\ndevices = [0, 1]");
     let s = resolve(&with_config(&file), &env()).expect("devices from the file");
     assert_eq!(s.workers.mem, KvMemory::Cuda { devices: vec![0, 1] });
     // A flag beats the file.
-    let flags = BenchFlags { devices: Some(vec![2]), ..with_config(&file) };
+    let flags = BenchFlags {
+        devices: crate::settings::flags::DevicesFlags { devices: Some(vec![2]), ..Default::default() },
+        ..with_config(&file)
+    };
     assert_eq!(resolve(&flags, &env()).expect("flag wins").workers.mem, KvMemory::Cuda { devices: vec![2] });
     let file = config("mem = \"cuda\"\ntransport = \"storage\"");
     let e = resolve(&with_config(&file), &env()).expect_err("device pools over files");
@@ -516,7 +684,10 @@ fn engines_carry_typed_settings_and_placements() {
         pair: PairFlags { p_tp: Some(2), d_tp: Some(2), ..PairFlags::default() },
         model: ModelFlags { model: Some("llama-3.1-8b".into()), ..ModelFlags::default() },
         ucx_mode: UcxModeFlags { progress: Some(ProgressMode::Wait), ..UcxModeFlags::default() },
-        listen: Some("tcp://0.0.0.0:7000".into()),
+        listen: crate::settings::flags::ListenFlags {
+            listen: Some("tcp://0.0.0.0:7000".into()),
+            ..Default::default()
+        },
         ..BenchFlags::default()
     };
     let s = resolve(&flags, &env()).expect("valid");
@@ -534,7 +705,13 @@ fn engines_carry_typed_settings_and_placements() {
     assert_eq!(d.side_channel_bind, None);
     assert_eq!((p.seed, d.seed), (0, 1));
     // Port 0: both engines take a free port (the same for bench and bench --serve).
-    let zero = BenchFlags { listen: Some("tcp://0.0.0.0:0".into()), ..flags };
+    let zero = BenchFlags {
+        listen: crate::settings::flags::ListenFlags {
+            listen: Some("tcp://0.0.0.0:0".into()),
+            ..Default::default()
+        },
+        ..flags
+    };
     let d = resolve(&zero, &env()).expect("valid").engine(Role::Decode);
     assert!(
         matches!(&d.launch, crate::config::engine::Launch::External { bind } if bind == "tcp://0.0.0.0:0")
@@ -545,7 +722,11 @@ fn engines_carry_typed_settings_and_placements() {
 fn typed_worker_config_round_trips_through_the_control_protocol() {
     let flags = BenchFlags {
         transport: Some(TransportKind::Multi),
-        ucx_mode: UcxModeFlags { err_mode: Some(ErrMode::Peer), progress: Some(ProgressMode::Busy) },
+        ucx_mode: UcxModeFlags {
+            err_mode: Some(ErrMode::Peer),
+            progress: Some(ProgressMode::Busy),
+            ucx_tls: None,
+        },
         verify: VerifyFlags { verify: Some(VerifyMode::Sample) },
         notify: Some(NotifyTransport::Zmq),
         ..BenchFlags::default()
@@ -586,7 +767,10 @@ fn scenario_records_the_choices_by_name() {
 
 #[test]
 fn prefill_simulation_overlap_and_dispatch_resolve_and_refuse_by_flag() {
-    let push = |f: BenchFlags| BenchFlags { mode: Some(TransferMode::Push), ..f };
+    let push = |f: BenchFlags| BenchFlags {
+        mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+        ..f
+    };
     // Defaults: no simulated prefill, no overlap, sequential.
     let s = resolve(&push(BenchFlags::default()), &env()).expect("push");
     assert_eq!((s.workers.prefill.per_layer_ns, s.workers.prefill.overlap), (0, Overlap::None));
@@ -602,7 +786,16 @@ fn prefill_simulation_overlap_and_dispatch_resolve_and_refuse_by_flag() {
     assert_eq!(s.dispatch, Dispatch::Concurrent);
     assert_eq!(crate::report::scenario::bench_scenario(&s).extra["overlap"], "layers");
     let refused = |f: BenchFlags| resolve(&f, &env()).expect_err("refused").flag;
-    assert_eq!(refused(BenchFlags { dispatch: Some(Dispatch::Sequential), ..layers.clone() }), "--dispatch");
+    assert_eq!(
+        refused(BenchFlags {
+            dispatch: crate::settings::flags::DispatchFlags {
+                dispatch: Some(Dispatch::Sequential),
+                ..Default::default()
+            },
+            ..layers.clone()
+        }),
+        "--dispatch"
+    );
     assert_eq!(
         refused(BenchFlags { prefill_time_per_layer: Some(Duration::from_secs(2)), ..layers.clone() }),
         "--prefill-time-per-layer"
@@ -610,16 +803,29 @@ fn prefill_simulation_overlap_and_dispatch_resolve_and_refuse_by_flag() {
     // BHLNC with several heads per rank keeps a block's layers inside each head: nothing to
     // cut per layer. BLHNC registers one strided region per layer, so it can.
     let layout = |l: &str| BenchFlags {
-        pair: PairFlags { layout: Some(l.into()), ..PairFlags::default() },
+        pair: PairFlags {
+            engine: crate::settings::flags::EngineFlags { layout: Some(l.into()), ..Default::default() },
+            ..PairFlags::default()
+        },
         ..layers.clone()
     };
     assert_eq!(refused(layout("BHLNC")), "--layout");
     assert!(resolve(&layout("BLHNC"), &env()).is_ok());
     // Pull refuses push's choices, except as the pull run of a mode comparison.
-    let pull = BenchFlags { mode: Some(TransferMode::Pull), ..layers.clone() };
+    let pull = BenchFlags {
+        mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Pull), ..Default::default() },
+        ..layers.clone()
+    };
     assert_eq!(refused(pull.clone()), "--overlap");
     assert_eq!(
-        refused(BenchFlags { mode: None, dispatch: Some(Dispatch::Concurrent), ..BenchFlags::default() }),
+        refused(BenchFlags {
+            mode: crate::settings::flags::ModeFlags { mode: None, ..Default::default() },
+            dispatch: crate::settings::flags::DispatchFlags {
+                dispatch: Some(Dispatch::Concurrent),
+                ..Default::default()
+            },
+            ..BenchFlags::default()
+        }),
         "--dispatch"
     );
     let leg = resolve(&BenchFlags { in_mode_comparison: true, ..pull }, &env()).expect("comparison leg");
