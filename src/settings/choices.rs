@@ -121,6 +121,26 @@ impl ValueEnum for Policy {
     }
 }
 
+/// `--host-descriptors`: which host tensors a host buffer's descriptors read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostDescriptors {
+    /// vLLM 0.33: with state in the model, every layer's host tensor for attention, every state
+    /// layer's for state; prefill copies every group's blocks through every layer.
+    Vllm,
+    /// Each group's own layers' tensors only, and prefill copies only those.
+    PerGroup,
+}
+
+/// `--host-state-page`: how big a host buffer's state pages are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HostStatePage {
+    /// vLLM 0.33: unpadded state pages, under regions that step by padded ones.
+    Vllm,
+    /// Padded pages, as the regions assume.
+    Padded,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -387,14 +387,14 @@ layered! {
         /// padded [default: vllm]. Both engines must use the same.
         #[arg(long, value_enum)]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub host_state_page: Option<super::hybrid_flags::HostStatePage>,
+        pub host_state_page: Option<super::choices::HostStatePage>,
         /// Hybrid models with --kv-buffer-device cpu: which host tensors each group's
         /// descriptors read: vllm (with state in the model, every layer's tensor, as vLLM 0.33)
         /// or per-group (each group's own layers'; prefill copies only those into the buffer)
         /// [default: vllm]. Both engines must use the same.
         #[arg(long, value_enum)]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub host_descriptors: Option<super::hybrid_flags::HostDescriptors>,
+        pub host_descriptors: Option<super::choices::HostDescriptors>,
     }
 }
 

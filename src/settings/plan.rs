@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 
 use super::bench::{BenchFlags, resolve};
+use super::choices::HostStatePage;
 use super::env::ProcessEnv;
 use super::flags::{Format, ModelFlags, PairFlags};
 use super::hybrid_case::{self, HYBRID_VLLM, HybridCase, RequestSource};
-use super::hybrid_flags::HostStatePage;
 use super::scenario::{self, PlanScenario};
 use super::sweep;
 use crate::config::bench::BenchSettings;
@@ -444,8 +444,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
                 if args.hybrid_rules.host_state_page == Some(HostStatePage::Padded) {
                     (case.pair.p.host_state_page_padded, case.pair.d.host_state_page_padded) = (true, true);
                 }
-                if args.hybrid_rules.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup)
-                {
+                if args.hybrid_rules.host_descriptors == Some(super::choices::HostDescriptors::PerGroup) {
                     (case.pair.p.host_descriptors_per_group, case.pair.d.host_descriptors_per_group) =
                         (true, true);
                 }
@@ -536,7 +535,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
     }
     let padded = args.hybrid_rules.host_state_page == Some(HostStatePage::Padded);
     (p.host_state_page_padded, d.host_state_page_padded) = (padded, padded);
-    let own = args.hybrid_rules.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
+    let own = args.hybrid_rules.host_descriptors == Some(super::choices::HostDescriptors::PerGroup);
     (p.host_descriptors_per_group, d.host_descriptors_per_group) = (own, own);
     Ok(Some(HybridCase {
         name: model.name.clone(),

@@ -507,9 +507,9 @@ fn serve_engine_hybrid(
     if a.kv_buffer.device() == KvBufferDevice::Cpu {
         own.kv_buffer_device = KvBufferDevice::Cpu;
         own.host_state_page_padded =
-            a.hybrid_rules.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
+            a.hybrid_rules.host_state_page == Some(super::choices::HostStatePage::Padded);
         own.host_descriptors_per_group =
-            a.hybrid_rules.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
+            a.hybrid_rules.host_descriptors == Some(super::choices::HostDescriptors::PerGroup);
     }
     let one = EngineGeometry::new(&model, &own, Side::Prefill)?;
     let shape = RequestShape::of(&one);
@@ -719,7 +719,7 @@ mod tests {
     fn serve_engine_mode_is_typed_and_push_refusals_name_the_flag() {
         let exe = Ok(PathBuf::from("/bin/kvx"));
         let push = ServeEngineFlags {
-            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push) },
             ..serve_flags(Role::Decode)
         };
         let KvSettings::Workers(w) = resolve_serve_engine(&push, &exe).expect("push").kv else {
@@ -755,7 +755,7 @@ mod tests {
         // --mem cuda --devices 1,0: this engine's ranks from slot 0, round-robin.
         let flags = ServeEngineFlags {
             mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
-            devices: crate::settings::flags::DevicesFlags { devices: Some(vec![1, 0]), ..Default::default() },
+            devices: crate::settings::flags::DevicesFlags { devices: Some(vec![1, 0]) },
             ..serve_flags(Role::Decode)
         };
         let c = resolve_serve_engine(&flags, &exe).expect("cuda pools");

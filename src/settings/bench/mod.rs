@@ -487,9 +487,9 @@ fn hybrid_pair(
         for e in [&mut p, &mut d] {
             e.kv_buffer_device = KvBufferDevice::Cpu;
             e.host_state_page_padded =
-                s.hybrid_rules.host_state_page == Some(super::hybrid_flags::HostStatePage::Padded);
+                s.hybrid_rules.host_state_page == Some(super::choices::HostStatePage::Padded);
             e.host_descriptors_per_group =
-                s.hybrid_rules.host_descriptors == Some(super::hybrid_flags::HostDescriptors::PerGroup);
+                s.hybrid_rules.host_descriptors == Some(super::choices::HostDescriptors::PerGroup);
         }
     }
     let pool = |e: &crate::layouts::hybrid::HybridEngineSpec, side: Side| -> Result<u32, ConfigError> {

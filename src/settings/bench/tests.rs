@@ -88,10 +88,7 @@ fn flag_beats_file_beats_default() {
         },
         verify: VerifyFlags { verify: Some(VerifyMode::Full) },
         lease: LeaseFlags { lease: Some(Duration::from_secs(3)) },
-        prompt: crate::settings::flags::PromptLenFlags {
-            prompt_len: Some("1024".into()),
-            ..Default::default()
-        },
+        prompt: crate::settings::flags::PromptLenFlags { prompt_len: Some("1024".into()) },
         arrival: crate::settings::flags::ArrivalFlags { concurrency: Some(1), ..Default::default() },
         ..with_config(&file)
     };
@@ -128,10 +125,7 @@ fn each_bad_flag_is_named() {
         (BenchFlags { inflight: Some(0), ..Default::default() }, "--inflight"),
         (
             BenchFlags {
-                devices: crate::settings::flags::DevicesFlags {
-                    devices: Some(vec![0]),
-                    ..Default::default()
-                },
+                devices: crate::settings::flags::DevicesFlags { devices: Some(vec![0]) },
                 ..Default::default()
             },
             "--devices",
@@ -139,10 +133,7 @@ fn each_bad_flag_is_named() {
         (
             BenchFlags {
                 mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
-                devices: crate::settings::flags::DevicesFlags {
-                    devices: Some(vec![1, 1]),
-                    ..Default::default()
-                },
+                devices: crate::settings::flags::DevicesFlags { devices: Some(vec![1, 1]) },
                 ..Default::default()
             },
             "--devices",
@@ -170,20 +161,14 @@ fn each_bad_flag_is_named() {
         ),
         (
             BenchFlags {
-                duration: crate::settings::flags::DurationFlags {
-                    duration: Some(Duration::ZERO),
-                    ..Default::default()
-                },
+                duration: crate::settings::flags::DurationFlags { duration: Some(Duration::ZERO) },
                 ..Default::default()
             },
             "--duration",
         ),
         (
             BenchFlags {
-                prefix_hit: crate::settings::flags::PrefixHitFlags {
-                    prefix_hit: Some(1.0),
-                    ..Default::default()
-                },
+                prefix_hit: crate::settings::flags::PrefixHitFlags { prefix_hit: Some(1.0) },
                 ..Default::default()
             },
             "--prefix-hit",
@@ -191,17 +176,14 @@ fn each_bad_flag_is_named() {
         (BenchFlags { lease: LeaseFlags { lease: Some(Duration::ZERO) }, ..Default::default() }, "--lease"),
         (
             BenchFlags {
-                timeout: crate::settings::flags::TimeoutFlags {
-                    timeout: Some(Duration::ZERO),
-                    ..Default::default()
-                },
+                timeout: crate::settings::flags::TimeoutFlags { timeout: Some(Duration::ZERO) },
                 ..Default::default()
             },
             "--timeout",
         ),
         (
             BenchFlags {
-                repeat: crate::settings::flags::RepeatFlags { repeat: Some(0), ..Default::default() },
+                repeat: crate::settings::flags::RepeatFlags { repeat: Some(0) },
                 ..Default::default()
             },
             "--repeat",
@@ -210,10 +192,7 @@ fn each_bad_flag_is_named() {
         (BenchFlags { fault: Some("kill-ucx:d0@1".into()), ..Default::default() }, "--fault"),
         (
             BenchFlags {
-                listen: crate::settings::flags::ListenFlags {
-                    listen: Some("bogus".into()),
-                    ..Default::default()
-                },
+                listen: crate::settings::flags::ListenFlags { listen: Some("bogus".into()) },
                 ..Default::default()
             },
             "--listen",
@@ -229,10 +208,7 @@ fn each_bad_flag_is_named() {
         (
             BenchFlags {
                 pool_blocks: crate::settings::flags::PoolBlocksFlags { pool_blocks: Some(1) },
-                prompt: crate::settings::flags::PromptLenFlags {
-                    prompt_len: Some("1024".into()),
-                    ..Default::default()
-                },
+                prompt: crate::settings::flags::PromptLenFlags { prompt_len: Some("1024".into()) },
                 ..Default::default()
             },
             "--pool-blocks",
@@ -253,7 +229,7 @@ fn each_bad_flag_is_named() {
     // Push mode resolves, and refuses what vLLM's push connector refuses, naming the flag.
     let push = resolve(
         &BenchFlags {
-            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push) },
             ..Default::default()
         },
         &env(),
@@ -262,7 +238,7 @@ fn each_bad_flag_is_named() {
     assert_eq!(push.workers.transport.mode, TransferMode::Push);
     let e = resolve(
         &BenchFlags {
-            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push) },
             pair: PairFlags { p_block_size: Some(16), d_block_size: Some(32), ..Default::default() },
             ..Default::default()
         },
@@ -272,7 +248,7 @@ fn each_bad_flag_is_named() {
     assert_eq!(e.flag, "--d-block-size", "{e}");
     let e = resolve(
         &BenchFlags {
-            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+            mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push) },
             transport: Some(TransportKind::Multi),
             ..Default::default()
         },
@@ -310,20 +286,14 @@ fn cuda_batch_resolves_with_device_pools_and_refuses_what_it_cannot_do() {
     let cases = [
         (
             BenchFlags {
-                mode: crate::settings::flags::ModeFlags {
-                    mode: Some(TransferMode::Push),
-                    ..Default::default()
-                },
+                mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push) },
                 ..cuda()
             },
             "--transport",
         ),
         (
             BenchFlags {
-                listen: crate::settings::flags::ListenFlags {
-                    listen: Some("tcp://0.0.0.0:5700".into()),
-                    ..Default::default()
-                },
+                listen: crate::settings::flags::ListenFlags { listen: Some("tcp://0.0.0.0:5700".into()) },
                 ..cuda()
             },
             "--listen",
@@ -375,10 +345,7 @@ fn device_descriptors_need_cuda_batch_the_kernel_and_the_plans_own_pairs() {
     assert!(e.to_string().contains("--coalesce"), "{e}");
     let hybrid = BenchFlags {
         model: ModelFlags { model: Some("nemotron-h-8b".into()), ..ModelFlags::default() },
-        prompt: crate::settings::flags::PromptLenFlags {
-            prompt_len: Some("512".into()),
-            ..Default::default()
-        },
+        prompt: crate::settings::flags::PromptLenFlags { prompt_len: Some("512".into()) },
         ..cuda()
     };
     let e = resolve(&hybrid, &env()).expect_err("a hybrid plan has no one region table");
@@ -552,16 +519,13 @@ fn the_shipped_bench_configs_parse_unchanged() {
 fn hybrid_bench_refusals_name_their_flags() {
     let hybrid = |extra: BenchFlags| BenchFlags {
         model: ModelFlags { model: Some("nemotron-h-8b".into()), ..ModelFlags::default() },
-        prompt: crate::settings::flags::PromptLenFlags {
-            prompt_len: Some("512".into()),
-            ..Default::default()
-        },
+        prompt: crate::settings::flags::PromptLenFlags { prompt_len: Some("512".into()) },
         ..extra
     };
     let refused = |flags: BenchFlags| resolve(&flags, &env()).expect_err("refused").flag;
     // Push: accepted over UCX, written after the whole prefill, its own refusals.
     let push = |more: BenchFlags| BenchFlags {
-        mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+        mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push) },
         ..more
     };
     let s = resolve(&hybrid(push(BenchFlags::default())), &env()).expect("hybrid push");
@@ -571,26 +535,19 @@ fn hybrid_bench_refusals_name_their_flags() {
     let rule = || BenchFlags {
         push_attention: crate::settings::flags::PushAttentionFlags {
             push_attention: Some(crate::layouts::hybrid::write_plan::PushAttention::EveryRank),
-            ..Default::default()
         },
         ..Default::default()
     };
     assert_eq!(refused(hybrid(rule())), "--push-attention");
     let gemma = BenchFlags {
         model: ModelFlags { model: Some("gemma-3-4b".into()), ..ModelFlags::default() },
-        prompt: crate::settings::flags::PromptLenFlags {
-            prompt_len: Some("512".into()),
-            ..Default::default()
-        },
+        prompt: crate::settings::flags::PromptLenFlags { prompt_len: Some("512".into()) },
         pair: PairFlags { p_tp: Some(1), d_tp: Some(8), ..PairFlags::default() },
         ..push(BenchFlags::default())
     };
     assert_eq!(refused(gemma), "--d-tp");
     let uniform = BenchFlags {
-        prompt: crate::settings::flags::PromptLenFlags {
-            prompt_len: Some("512".into()),
-            ..Default::default()
-        },
+        prompt: crate::settings::flags::PromptLenFlags { prompt_len: Some("512".into()) },
         ..push(rule())
     };
     assert_eq!(refused(uniform), "--push-attention");
@@ -626,7 +583,7 @@ fn hybrid_bench_refusals_name_their_flags() {
     let cpu = BenchFlags {
         kv_buffer: KvBufferFlags { kv_buffer_device: Some(KvBufferDevice::Cpu) },
         hybrid_rules: crate::settings::flags::HybridRuleFlags {
-            host_state_page: Some(super::super::hybrid_flags::HostStatePage::Padded),
+            host_state_page: Some(super::super::choices::HostStatePage::Padded),
             ..Default::default()
         },
         ..Default::default()
@@ -659,7 +616,7 @@ fn hybrid_bench_refusals_name_their_flags() {
 fn memory_and_devices() {
     let one = BenchFlags {
         mem: crate::settings::flags::MemFlags { mem: Some(MemKind::Cuda), ..Default::default() },
-        devices: crate::settings::flags::DevicesFlags { devices: Some(vec![3]), ..Default::default() },
+        devices: crate::settings::flags::DevicesFlags { devices: Some(vec![3]) },
         ..Default::default()
     };
     let s = resolve(&one, &env()).expect("cuda pools on device 3");
@@ -669,7 +626,7 @@ fn memory_and_devices() {
     assert_eq!(s.workers.mem, KvMemory::Cuda { devices: vec![0, 1] });
     // A flag beats the file.
     let flags = BenchFlags {
-        devices: crate::settings::flags::DevicesFlags { devices: Some(vec![2]), ..Default::default() },
+        devices: crate::settings::flags::DevicesFlags { devices: Some(vec![2]) },
         ..with_config(&file)
     };
     assert_eq!(resolve(&flags, &env()).expect("flag wins").workers.mem, KvMemory::Cuda { devices: vec![2] });
@@ -684,10 +641,7 @@ fn engines_carry_typed_settings_and_placements() {
         pair: PairFlags { p_tp: Some(2), d_tp: Some(2), ..PairFlags::default() },
         model: ModelFlags { model: Some("llama-3.1-8b".into()), ..ModelFlags::default() },
         ucx_mode: UcxModeFlags { progress: Some(ProgressMode::Wait), ..UcxModeFlags::default() },
-        listen: crate::settings::flags::ListenFlags {
-            listen: Some("tcp://0.0.0.0:7000".into()),
-            ..Default::default()
-        },
+        listen: crate::settings::flags::ListenFlags { listen: Some("tcp://0.0.0.0:7000".into()) },
         ..BenchFlags::default()
     };
     let s = resolve(&flags, &env()).expect("valid");
@@ -706,10 +660,7 @@ fn engines_carry_typed_settings_and_placements() {
     assert_eq!((p.seed, d.seed), (0, 1));
     // Port 0: both engines take a free port (the same for bench and bench --serve).
     let zero = BenchFlags {
-        listen: crate::settings::flags::ListenFlags {
-            listen: Some("tcp://0.0.0.0:0".into()),
-            ..Default::default()
-        },
+        listen: crate::settings::flags::ListenFlags { listen: Some("tcp://0.0.0.0:0".into()) },
         ..flags
     };
     let d = resolve(&zero, &env()).expect("valid").engine(Role::Decode);
@@ -768,7 +719,7 @@ fn scenario_records_the_choices_by_name() {
 #[test]
 fn prefill_simulation_overlap_and_dispatch_resolve_and_refuse_by_flag() {
     let push = |f: BenchFlags| BenchFlags {
-        mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push), ..Default::default() },
+        mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Push) },
         ..f
     };
     // Defaults: no simulated prefill, no overlap, sequential.
@@ -788,10 +739,7 @@ fn prefill_simulation_overlap_and_dispatch_resolve_and_refuse_by_flag() {
     let refused = |f: BenchFlags| resolve(&f, &env()).expect_err("refused").flag;
     assert_eq!(
         refused(BenchFlags {
-            dispatch: crate::settings::flags::DispatchFlags {
-                dispatch: Some(Dispatch::Sequential),
-                ..Default::default()
-            },
+            dispatch: crate::settings::flags::DispatchFlags { dispatch: Some(Dispatch::Sequential) },
             ..layers.clone()
         }),
         "--dispatch"
@@ -813,17 +761,14 @@ fn prefill_simulation_overlap_and_dispatch_resolve_and_refuse_by_flag() {
     assert!(resolve(&layout("BLHNC"), &env()).is_ok());
     // Pull refuses push's choices, except as the pull run of a mode comparison.
     let pull = BenchFlags {
-        mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Pull), ..Default::default() },
+        mode: crate::settings::flags::ModeFlags { mode: Some(TransferMode::Pull) },
         ..layers.clone()
     };
     assert_eq!(refused(pull.clone()), "--overlap");
     assert_eq!(
         refused(BenchFlags {
-            mode: crate::settings::flags::ModeFlags { mode: None, ..Default::default() },
-            dispatch: crate::settings::flags::DispatchFlags {
-                dispatch: Some(Dispatch::Concurrent),
-                ..Default::default()
-            },
+            mode: crate::settings::flags::ModeFlags { mode: None },
+            dispatch: crate::settings::flags::DispatchFlags { dispatch: Some(Dispatch::Concurrent) },
             ..BenchFlags::default()
         }),
         "--dispatch"
