@@ -113,7 +113,7 @@ pub struct WorkerSettings {
     pub worker_env: Vec<(String, String)>,
     /// `Some(tcp://HOST:PORT)`: wait for external `kvx worker --connect` processes instead of
     /// spawning them (prefill on PORT, decode on PORT + 1; port 0: each engine takes a free one).
-    pub listen: Option<String>,
+    pub listen: Option<TcpEndpoint>,
     /// Host workers bind their listeners on, and the one they advertise.
     pub bind_host: String,
     pub advertise_host: String,
@@ -143,10 +143,10 @@ impl WorkerSettings {
         };
         let launch = match &self.listen {
             Some(ep) => {
-                let (host, port) = split_endpoint(ep);
                 // Port 0: both engines take a free port (each prints its endpoint).
-                let port = if role == Role::Prefill || port == 0 { port } else { port.saturating_add(1) };
-                Launch::External { bind: format!("tcp://{host}:{port}") }
+                let port =
+                    if role == Role::Prefill || ep.port == 0 { ep.port } else { ep.port.saturating_add(1) };
+                Launch::External { bind: format!("tcp://{}:{port}", ep.host) }
             }
             None => Launch::Spawn { exe: self.exe.clone(), env: self.worker_env.clone() },
         };
@@ -248,7 +248,21 @@ pub struct EngineConfig {
     pub timeout: Duration,
 }
 
-/// `tcp://host:port` to `(host, port)`.
+/// `--listen`'s endpoint, `tcp://HOST:PORT`, as settings checked it: prefill's workers connect
+/// to PORT, decode's to PORT + 1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpEndpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+impl std::fmt::Display for TcpEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tcp://{}:{}", self.host, self.port)
+    }
+}
+
+/// `tcp://host:port` to `(host, port)`: an endpoint a socket reports once bound.
 pub fn split_endpoint(ep: &str) -> (String, u16) {
     let rest = ep.split_once("://").map_or(ep, |(_, r)| r);
     match rest.rsplit_once(':') {

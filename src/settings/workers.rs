@@ -113,7 +113,7 @@ pub fn check_kv_buffer(
 /// non-loopback `--listen`, or an advertised host other than loopback) are refused.
 pub fn check_one_machine(
     kind: TransportKind,
-    listen: Option<&str>,
+    listen: Option<&crate::config::engine::TcpEndpoint>,
     advertise_host: &str,
 ) -> Result<(), ConfigError> {
     if kind != TransportKind::CudaBatch {
@@ -121,8 +121,7 @@ pub fn check_one_machine(
     }
     let why = "--transport cuda-batch needs every rank on this machine (CUDA IPC does not cross machines)";
     if let Some(ep) = listen {
-        let (host, _) = crate::config::engine::split_endpoint(ep);
-        if !is_loopback(&host) {
+        if !is_loopback(&ep.host) {
             return Err(ConfigError::new(
                 "--listen",
                 format!(
@@ -656,16 +655,19 @@ mod tests {
             assert_eq!(e.flag, "--transport", "{e}");
             assert!(e.reason.contains("`cuda` feature"), "{e}");
         }
-        let ok = |listen: Option<&str>, adv: &str| check_one_machine(TransportKind::CudaBatch, listen, adv);
+        let ep = |host: &str, port| crate::config::engine::TcpEndpoint { host: host.into(), port };
+        let ok = |listen: Option<crate::config::engine::TcpEndpoint>, adv: &str| {
+            check_one_machine(TransportKind::CudaBatch, listen.as_ref(), adv)
+        };
         assert!(ok(None, "127.0.0.1").is_ok());
-        assert!(ok(Some("tcp://127.0.0.1:5700"), "localhost").is_ok());
-        assert!(ok(Some("tcp://[::1]:5700"), "::1").is_ok());
-        assert_eq!(ok(Some("tcp://0.0.0.0:5700"), "127.0.0.1").expect_err("any host").flag, "--listen");
+        assert!(ok(Some(ep("127.0.0.1", 5700)), "localhost").is_ok());
+        assert!(ok(Some(ep("::1", 5700)), "::1").is_ok());
+        assert_eq!(ok(Some(ep("0.0.0.0", 5700)), "127.0.0.1").expect_err("any host").flag, "--listen");
         let e = ok(None, "10.0.0.7").expect_err("advertised elsewhere");
         assert_eq!(e.flag, "--advertise-host");
         assert!(e.reason.contains("--transport ucx"), "{e}");
         // Other transports may span machines.
-        assert!(check_one_machine(TransportKind::Ucx, Some("tcp://0.0.0.0:1"), "10.0.0.7").is_ok());
+        assert!(check_one_machine(TransportKind::Ucx, Some(&ep("0.0.0.0", 1)), "10.0.0.7").is_ok());
     }
 
     use crate::topology::VllmVersion;

@@ -1092,7 +1092,7 @@ async fn load_measures_proxy_and_client_side_pd_baseline_in_one_run() {
             "2",
             "--requests",
             "4",
-            "--model",
+            "--model-name",
             "m",
             "--results-dir",
             &results.path().display().to_string(),

@@ -33,8 +33,8 @@ use super::workers::{check_inflight, check_kv_buffer, check_mem_transport, resol
 use crate::config::arrival::Arrival;
 use crate::config::bench::PromptLens;
 use crate::config::bench::{BenchSettings, DescriptorShare, FailurePolicy, FaultPlan};
+use crate::config::engine::TcpEndpoint;
 use crate::config::engine::WorkerSettings;
-use crate::config::engine::split_endpoint;
 use crate::config::worker::{Dispatch, Fault, Overlap, PrefillSim, TransportConfig};
 use crate::error::ConfigError;
 use crate::layouts::alloc::AllocPattern;
@@ -606,7 +606,7 @@ fn finish(
     let worker_env: Vec<(String, String)> =
         s.ucx_mode.ucx_tls.clone().map(|tls| ("UCX_TLS".to_string(), tls)).into_iter().collect();
     let (listen, bind_host, advertise_host) = hosts(s)?;
-    super::workers::check_one_machine(transport.kind, listen.as_deref(), &advertise_host)?;
+    super::workers::check_one_machine(transport.kind, listen.as_ref(), &advertise_host)?;
     let name = s
         .run_name
         .name
@@ -805,27 +805,32 @@ fn prefill_sim(
 }
 
 /// `--listen` and `--advertise-host`: (listen, bind host, advertise host).
-fn hosts(s: &BenchFlags) -> Result<(Option<String>, String, String), ConfigError> {
-    if let Some(ep) = &s.listen.listen {
-        let bad = || {
-            ConfigError::new(
-                "--listen",
-                format!("'{ep}' is not tcp://HOST:PORT (the decode engine takes PORT + 1)"),
-            )
-        };
-        let (host, port) = ep.strip_prefix("tcp://").and_then(|r| r.rsplit_once(':')).ok_or_else(bad)?;
-        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == u16::MAX) {
-            return Err(bad());
-        }
-    }
-    let (bind_host, advertise_default) = match &s.listen.listen {
+fn hosts(s: &BenchFlags) -> Result<(Option<TcpEndpoint>, String, String), ConfigError> {
+    let listen = match &s.listen.listen {
         Some(ep) => {
-            let (h, _) = split_endpoint(ep);
-            ("0.0.0.0".to_string(), if h == "0.0.0.0" || h == "*" { "127.0.0.1".to_string() } else { h })
+            let bad = || {
+                ConfigError::new(
+                    "--listen",
+                    format!("'{ep}' is not tcp://HOST:PORT (the decode engine takes PORT + 1)"),
+                )
+            };
+            let (host, port) = ep.strip_prefix("tcp://").and_then(|r| r.rsplit_once(':')).ok_or_else(bad)?;
+            let port = port.parse::<u16>().ok().filter(|&p| p != u16::MAX).ok_or_else(bad)?;
+            if host.is_empty() {
+                return Err(bad());
+            }
+            Some(TcpEndpoint { host: host.trim_matches(['[', ']']).to_string(), port })
         }
+        None => None,
+    };
+    let (bind_host, advertise_default) = match &listen {
+        Some(ep) if ep.host == "0.0.0.0" || ep.host == "*" => {
+            ("0.0.0.0".to_string(), "127.0.0.1".to_string())
+        }
+        Some(ep) => ("0.0.0.0".to_string(), ep.host.clone()),
         None => ("127.0.0.1".to_string(), "127.0.0.1".to_string()),
     };
-    Ok((s.listen.listen.clone(), bind_host, s.advertise_host.clone().unwrap_or(advertise_default)))
+    Ok((listen, bind_host, s.advertise_host.clone().unwrap_or(advertise_default)))
 }
 
 /// Parses `--fault kill-ucx:p0@5`.
