@@ -148,10 +148,7 @@ pub(super) async fn generate(
             system_fingerprint: &st.system_fingerprint,
         };
         let usage = Usage::new(req.prompt_tokens, n);
-        let body = match ep {
-            Endpoint::Completions => openai::completion_body(&ctx, &text, finish, usage, kv_out.as_ref()),
-            Endpoint::Chat => openai::chat_body(&ctx, &text, finish, usage, kv_out.as_ref()),
-        };
+        let body = openai::response_body(&ctx, ep, &text, finish, usage, kv_out.as_ref());
         st.metrics.generation_tokens.add(n);
         inflight.finish(finish, n, ttft);
         timing.st.push(total_name, arrived.elapsed());
