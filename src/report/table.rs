@@ -291,10 +291,10 @@ pub fn bandwidth_table(s: &Summary, style: Style) -> Option<Table> {
 fn verified_label(s: &Summary) -> String {
     // A hybrid model through host buffers is checked in each decode rank's KV cache after the
     // copy into it: every block of the request, not the bytes the READs moved.
-    // (`host_copy` is a scenario extra of exactly those runs; `state_slices` of every hybrid
-    // run, the serving path's too, which reports no parts.)
-    let cache = s.scenario.extra.contains_key("host_copy");
-    let hybrid = !s.hybrid_parts.is_empty() || s.scenario.extra.contains_key("state_slices");
+    // (`host_copy` is a setting of exactly those runs; `state_slices` of every hybrid run, the
+    // serving path's too, which reports no parts.)
+    let cache = s.scenario.extra.host_copy.is_some();
+    let hybrid = !s.hybrid_parts.is_empty() || s.scenario.extra.state_slices.is_some();
     match s.scenario.verify {
         Some(VerifyMode::Full) if cache => {
             "bytes verified (every byte of the request's blocks in the KV caches)".to_string()

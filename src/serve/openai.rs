@@ -22,12 +22,6 @@ use super::kv::{KvIntent, KvTransferParams};
 use crate::vocab::kinds::Endpoint;
 
 impl Endpoint {
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Chat => "/v1/chat/completions",
-        }
-    }
     /// Prefix of the response id (`cmpl-<X-Request-Id>` / `chatcmpl-<X-Request-Id>`).
     pub fn id_prefix(self) -> &'static str {
         match self {

@@ -73,8 +73,8 @@ pub fn api_router<S: OpenAiServer>(state: Arc<S>, limit: usize, own: Router<Arc<
             s.tokenizer(route, headers, body)
         })
     };
-    own.route("/v1/completions", generate(Endpoint::Completions))
-        .route("/v1/chat/completions", generate(Endpoint::Chat))
+    own.route(Endpoint::Completions.path(), generate(Endpoint::Completions))
+        .route(Endpoint::Chat.path(), generate(Endpoint::Chat))
         .route("/v1/models", get(|State(s): State<Arc<S>>, headers: HeaderMap| s.models(headers)))
         .route(TokenizerRoute::Tokenize.path(), tokenizer(TokenizerRoute::Tokenize))
         .route(TokenizerRoute::Detokenize.path(), tokenizer(TokenizerRoute::Detokenize))
