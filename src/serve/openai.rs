@@ -919,7 +919,7 @@ mod tests {
             remote_num_tokens: 17,
             remote_blocks_expiry_time: None,
             remote_registration_generation: 0,
-            transfer_mode: "pull".into(),
+            transfer_mode: crate::topology::TransferMode::Pull,
         };
         let got = response_body(
             &ctx("cmpl-0123456789abcdef"),
