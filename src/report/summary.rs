@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::transfer::cuda_batch::{BatchDescriptors, BatchLaunch, BatchPath};
 use crate::transfer::ucx::ProtoReport;
 
 /// Version of the `summary.json` schema this kvx writes and reads.
@@ -294,17 +295,17 @@ pub use crate::host::Environment;
 #[serde(default)]
 pub struct CudaBatchInfo {
     /// `batch-v2`, `batch-v1`, `per-descriptor` or `kernel`: every path a decode rank reported.
-    pub paths: Vec<String>,
+    pub paths: Vec<BatchPath>,
     /// The driver functions behind them (`cuMemcpyBatchAsync_v2`, ...).
     pub driver_calls: Vec<String>,
     /// `rank` (one batch per request per decode rank, over all its peers) or `peer` (one per
     /// peer): `--batch-launch`.
-    pub launches: Vec<String>,
+    pub launches: Vec<BatchLaunch>,
     /// Where the gather kernel's descriptors were made: `host` (packed from the plan's pairs)
     /// or `device` (expanded from the plan's region table and block ids:
     /// `--batch-descriptors device`). Absent from older summaries: empty (the struct's
     /// `serde(default)`).
-    pub descriptors_made_on: Vec<String>,
+    pub descriptors_made_on: Vec<BatchDescriptors>,
     /// Driver calls per request (with the batch API or the kernel: one per decode rank with
     /// `--batch-launch rank`, one per peer with `peer`).
     pub calls_per_request: f64,

@@ -352,10 +352,10 @@ impl BatchTally {
         let per_request = |n: u64| n as f64 / self.requests as f64;
         let per = |num: u64, den: u64| if den > 0 { num as f64 / den as f64 } else { 0.0 };
         summary.cuda_batch = Some(CudaBatchInfo {
-            paths: self.paths.iter().map(|p| p.as_str().to_string()).collect(),
+            paths: self.paths.clone(),
             driver_calls: self.paths.iter().map(|p| p.driver_call().to_string()).collect(),
-            launches: self.launches.iter().map(|l| l.as_str().to_string()).collect(),
-            descriptors_made_on: self.made_on.iter().map(|d| d.as_str().to_string()).collect(),
+            launches: self.launches.clone(),
+            descriptors_made_on: self.made_on.clone(),
             calls_per_request: per_request(self.calls),
             copies_per_request: per_request(self.copies),
             descriptors_per_request: per_request(self.descriptors),
@@ -406,7 +406,7 @@ mod tests {
         let mut s = Summary::new("r", "t", Default::default());
         t.report(&mut s);
         let info = s.cuda_batch.expect("reported");
-        assert_eq!(info.paths, ["batch-v2"]);
+        assert_eq!(info.paths, [BatchPath::BatchV2]);
         assert_eq!(info.driver_calls, ["cuMemcpyBatchAsync_v2"]);
         assert_eq!(info.calls_per_request, 6.0);
         assert_eq!(info.copies_per_request, 50.0);
@@ -417,12 +417,15 @@ mod tests {
         assert_eq!(info.post_us_per_rank, 100_000.0 / 3.0 / 1e3, "three decode ranks' results");
         assert_eq!(info.pack_us_per_rank, 3_000.0 / 3.0 / 1e3);
         assert_eq!(info.wait_us_per_rank, 6_000.0 / 3.0 / 1e3);
-        assert_eq!(info.descriptors_made_on, ["host"]);
+        assert_eq!(info.descriptors_made_on, [BatchDescriptors::Host]);
         // A rank whose descriptors the GPU made is named beside the host's.
         t.add(&[LoadResult { batch_device_descriptors: true, ..rank(3, 400, 400, 1_000) }]);
         let mut s = Summary::new("r", "t", Default::default());
         t.report(&mut s);
-        assert_eq!(s.cuda_batch.expect("reported").descriptors_made_on, ["host", "device"]);
+        assert_eq!(
+            s.cuda_batch.expect("reported").descriptors_made_on,
+            [BatchDescriptors::Host, BatchDescriptors::Device]
+        );
         let mut none = Summary::new("r", "t", Default::default());
         BatchTally::default().report(&mut none);
         assert!(none.cuda_batch.is_none());
