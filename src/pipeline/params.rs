@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::topology::TransferMode;
+
 /// `kv_transfer_params` as vLLM 0.33's NixlConnector (pull mode) returns them from the
 /// prefill engine. Field order is the wire order (`pull_scheduler.request_finished`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -28,8 +30,8 @@ pub struct KvTransferParams {
     pub remote_blocks_expiry_time: Option<f64>,
     /// Bumped when P re-registers its memory; D re-handshakes when it grows.
     pub remote_registration_generation: u64,
-    /// `"pull"` (D reads) for the NixlConnector.
-    pub transfer_mode: String,
+    /// `"pull"` (D reads) for the NixlConnector, `"push"` (P writes) for the NixlPushConnector.
+    pub transfer_mode: TransferMode,
 }
 
 impl KvTransferParams {

@@ -169,7 +169,7 @@ mod tests {
     fn a_bench_run_against_a_load_run_says_so() {
         let bench = Summary::new("a", "t", Scenario { p_tp: Some(8), ..Default::default() });
         let mut load = Summary::new("b", "t", Scenario::default());
-        load.scenario.extra.insert("endpoint".into(), serde_json::json!("/v1/completions"));
+        load.scenario.extra.endpoint = Some(crate::vocab::kinds::Endpoint::Completions);
         assert_eq!((bench.run_kind(), load.run_kind()), ("kvx bench", "kvx load"));
         let c = compare(&bench, &load);
         assert!(

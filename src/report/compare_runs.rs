@@ -3,10 +3,47 @@
 //! push). Pure: `pipeline::compare` runs the workloads and fills the rows.
 
 use super::table::{Style, new_table};
+use crate::topology::TransferMode;
+use crate::vocab::kinds::{KvBufferDevice, TransportKind};
+
+/// What a compared run was set to: the one setting the runs of a comparison differ in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunSetting {
+    Transport(TransportKind),
+    Mode(TransferMode),
+    KvBuffer(KvBufferDevice),
+}
+
+impl RunSetting {
+    /// As its flag names it: `ucx`, `push`, `cpu`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunSetting::Transport(t) => t.as_str(),
+            RunSetting::Mode(m) => m.as_str(),
+            RunSetting::KvBuffer(k) => k.as_str(),
+        }
+    }
+
+    /// The run's name in its table: the setting and what it models.
+    fn label(self) -> &'static str {
+        match self {
+            RunSetting::Transport(TransportKind::Ucx) => "ucx (NixlConnector's model)",
+            RunSetting::Transport(TransportKind::Storage) => "storage (SharedStorageConnector's model)",
+            RunSetting::Transport(TransportKind::Multi) => {
+                "multi: ucx, then storage (MultiConnector's model)"
+            }
+            RunSetting::Transport(TransportKind::CudaBatch) => "cuda-batch (one batched copy per peer)",
+            RunSetting::Mode(TransferMode::Pull) => "pull (NixlConnector: decode READs)",
+            RunSetting::Mode(TransferMode::Push) => "push (NixlPushConnector: prefill WRITEs)",
+            RunSetting::KvBuffer(KvBufferDevice::Cuda) => "cuda (the KV pool itself)",
+            RunSetting::KvBuffer(KvBufferDevice::Cpu) => "cpu (host buffers, two copies)",
+        }
+    }
+}
 
 /// One run's figures for the table.
 pub struct RunRow {
-    pub name: String,
+    pub setting: RunSetting,
     pub transfer: (f64, f64),
     pub e2e: (f64, f64),
     /// Prefill start to the KV in decode's blocks (`kv_ready`), p50 and p99.
@@ -26,15 +63,21 @@ pub struct RunRow {
 }
 
 /// What a connector needs, for the table.
-fn needs(kind: &str) -> &'static str {
-    match kind {
-        "ucx" => "UCX (RDMA NIC, NVLink or shared memory); a side channel (ZMQ) to handshake",
-        "storage" => "a directory both sides reach (local disk, NFS, Lustre); no NIC or service",
-        "multi" => "both of the above; storage is used only when UCX fails",
-        "cuda-batch" => {
+fn needs(setting: RunSetting) -> &'static str {
+    match setting {
+        RunSetting::Transport(TransportKind::Ucx) => {
+            "UCX (RDMA NIC, NVLink or shared memory); a side channel (ZMQ) to handshake"
+        }
+        RunSetting::Transport(TransportKind::Storage) => {
+            "a directory both sides reach (local disk, NFS, Lustre); no NIC or service"
+        }
+        RunSetting::Transport(TransportKind::Multi) => {
+            "both of the above; storage is used only when UCX fails"
+        }
+        RunSetting::Transport(TransportKind::CudaBatch) => {
             "GPUs of one machine (CUDA IPC), a CUDA 12.8+ driver for the batch API; ZMQ to notify"
         }
-        _ => "",
+        RunSetting::Mode(_) | RunSetting::KvBuffer(_) => "",
     }
 }
 
@@ -56,20 +99,13 @@ pub fn transports_table(rows: &[RunRow]) -> String {
         &["connector", "transfer p50/p99 ms", "e2e p50/p99 ms", "throughput GB/s", "CPU s per GB", "needs"],
     );
     for r in rows {
-        let label = match r.name.as_str() {
-            "ucx" => "ucx (NixlConnector's model)",
-            "storage" => "storage (SharedStorageConnector's model)",
-            "multi" => "multi: ucx, then storage (MultiConnector's model)",
-            "cuda-batch" => "cuda-batch (one batched copy per peer)",
-            other => other,
-        };
         t.add_row(vec![
-            format!("{label}{}", failed_suffix(r.failed)),
+            format!("{}{}", r.setting.label(), failed_suffix(r.failed)),
             format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
             format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
             format!("{:.3}", r.gbps),
             format!("{:.2}", r.cpu_per_gb),
-            needs(&r.name).to_string(),
+            needs(r.setting).to_string(),
         ]);
     }
     for (name, guide, why) in NOT_MEASURED {
@@ -88,9 +124,9 @@ pub fn transports_table(rows: &[RunRow]) -> String {
 /// Pull against push: what each moves and how fast, and the ratio to the first run.
 /// A comparison row's first cells: the run (and its failures), throughput, throughput against
 /// the first run, KV ready p50/p99.
-fn lead_cells(r: &RunRow, label: &str, base: f64) -> Vec<String> {
+fn lead_cells(r: &RunRow, base: f64) -> Vec<String> {
     vec![
-        format!("{label}{}", failed_suffix(r.failed)),
+        format!("{}{}", r.setting.label(), failed_suffix(r.failed)),
         format!("{:.3}", r.gbps),
         if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
         format!("{:.2} / {:.2}", r.ready.0, r.ready.1),
@@ -118,12 +154,7 @@ pub fn kv_buffer_table(rows: &[RunRow]) -> String {
     let base = rows.first().map_or(0.0, |r| r.gbps);
     let ms = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.3}"));
     for r in rows {
-        let label = match r.name.as_str() {
-            "cuda" => "cuda (the KV pool itself)",
-            "cpu" => "cpu (host buffers, two copies)",
-            other => other,
-        };
-        let mut row = lead_cells(r, label, base);
+        let mut row = lead_cells(r, base);
         row.extend([
             ms(r.save_p50),
             format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
@@ -162,12 +193,7 @@ pub fn modes_table(rows: &[RunRow]) -> String {
     );
     let base = rows.first().map_or(0.0, |r| r.gbps);
     for r in rows {
-        let label = match r.name.as_str() {
-            "pull" => "pull (NixlConnector: decode READs)",
-            "push" => "push (NixlPushConnector: prefill WRITEs)",
-            other => other,
-        };
-        let mut row = lead_cells(r, label, base);
+        let mut row = lead_cells(r, base);
         row.extend([
             format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
             r.hidden_p50.map_or_else(|| "-".into(), |h| format!("{h:.2}")),

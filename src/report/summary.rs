@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::transfer::cuda_batch::{BatchDescriptors, BatchLaunch, BatchPath};
 use crate::transfer::ucx::ProtoReport;
 
 /// Version of the `summary.json` schema this kvx writes and reads.
@@ -176,7 +177,7 @@ impl Summary {
     /// The command that wrote the run: `kvx load` (an HTTP endpoint driven, no ranks) or
     /// `kvx bench` (ranks, with or without its serving path).
     pub fn run_kind(&self) -> &'static str {
-        if self.scenario.p_tp.is_none() && self.scenario.extra.contains_key("endpoint") {
+        if self.scenario.p_tp.is_none() && self.scenario.extra.endpoint.is_some() {
             "kvx load"
         } else {
             "kvx bench"
@@ -282,121 +283,8 @@ impl Summary {
     }
 }
 
-/// What was run. Every field is optional so `kvx bench` can grow it; fields this kvx does not
-/// name are kept in `extra` and round-trip unchanged.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct Scenario {
-    /// Preset or config-file name.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub p_tp: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub d_tp: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub p_layout: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub d_layout: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub p_block_size: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub d_block_size: Option<u32>,
-    /// As given: `8192`, `1024..32768` or `file:NAME`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prompt_len: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prefix_hit: Option<f64>,
-    /// `contiguous`, `fragmented` or `random`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub alloc: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub requests: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub duration_s: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub warmup: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub concurrency: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub rate_rps: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub inflight: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub repeat: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub verify: Option<crate::vocab::kinds::VerifyMode>,
-    /// Transports asked for (`UCX_TLS`), as opposed to the ones UCX selected (`ucx.transports`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub transport: Option<String>,
-    /// `host` or `cuda`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub mem: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub on_load_failure: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub seed: Option<u64>,
-    /// Fields a newer bench writes that this kvx does not name yet.
-    #[serde(flatten)]
-    pub extra: BTreeMap<String, serde_json::Value>,
-}
-
-impl Scenario {
-    /// The set fields as `(name, value)` pairs, in schema order then `extra`, for headers.
-    pub fn fields(&self) -> Vec<(String, String)> {
-        let mut out = Vec::new();
-        macro_rules! push {
-            ($($f:ident),*) => {
-                $(if let Some(v) = &self.$f {
-                    out.push((stringify!($f).to_string(), v.to_string()));
-                })*
-            };
-        }
-        push!(
-            name,
-            model,
-            p_tp,
-            d_tp,
-            p_layout,
-            d_layout,
-            p_block_size,
-            d_block_size,
-            prompt_len,
-            prefix_hit,
-            alloc,
-            requests,
-            duration_s,
-            warmup,
-            concurrency,
-            rate_rps,
-            inflight,
-            repeat,
-            verify,
-            transport,
-            mem,
-            on_load_failure,
-            seed
-        );
-        out.extend(
-            self.extra.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), display_value(v))),
-        );
-        out
-    }
-}
-
-/// A JSON value as a reader would write it: strings without quotes.
-pub fn display_value(v: &serde_json::Value) -> String {
-    match v {
-        serde_json::Value::String(s) => s.clone(),
-        // Measured figures (not integers) read as the tables' other numbers do.
-        serde_json::Value::Number(n) if !n.is_i64() && !n.is_u64() => {
-            n.as_f64().map_or_else(|| n.to_string(), super::numbers::fmt_f)
-        }
-        other => other.to_string(),
-    }
-}
+// What was run: `scenario` owns its shape and how a bench run fills it.
+pub use super::scenario::{Scenario, ScenarioExtra, display_value};
 
 // The machine the run ran on: `host` reads it from the system, the summary only carries it.
 pub use crate::host::Environment;
@@ -407,17 +295,17 @@ pub use crate::host::Environment;
 #[serde(default)]
 pub struct CudaBatchInfo {
     /// `batch-v2`, `batch-v1`, `per-descriptor` or `kernel`: every path a decode rank reported.
-    pub paths: Vec<String>,
+    pub paths: Vec<BatchPath>,
     /// The driver functions behind them (`cuMemcpyBatchAsync_v2`, ...).
     pub driver_calls: Vec<String>,
     /// `rank` (one batch per request per decode rank, over all its peers) or `peer` (one per
     /// peer): `--batch-launch`.
-    pub launches: Vec<String>,
+    pub launches: Vec<BatchLaunch>,
     /// Where the gather kernel's descriptors were made: `host` (packed from the plan's pairs)
     /// or `device` (expanded from the plan's region table and block ids:
     /// `--batch-descriptors device`). Absent from older summaries: empty (the struct's
     /// `serde(default)`).
-    pub descriptors_made_on: Vec<String>,
+    pub descriptors_made_on: Vec<BatchDescriptors>,
     /// Driver calls per request (with the batch API or the kernel: one per decode rank with
     /// `--batch-launch rank`, one per peer with `peer`).
     pub calls_per_request: f64,
@@ -1006,24 +894,6 @@ mod tests {
                  Avg post time (ms)=0.050, P90 post time (ms)=0.080, Avg MB per transfer=4.000, \
                  Throughput (MB/s)=2000.000, Avg number of descriptors=12.2"
             )
-        );
-    }
-
-    #[test]
-    fn scenario_keeps_unknown_fields() {
-        let json = r#"{"model":"m","p_tp":8,"future_knob":{"a":1}}"#;
-        let sc: Scenario = serde_json::from_str(json).expect("parse");
-        assert_eq!(sc.p_tp, Some(8));
-        assert_eq!(sc.extra.get("future_knob"), Some(&serde_json::json!({"a": 1})));
-        let back = serde_json::to_value(&sc).expect("ser");
-        assert_eq!(back, serde_json::from_str::<serde_json::Value>(json).expect("v"));
-        assert_eq!(
-            sc.fields(),
-            vec![
-                ("model".to_string(), "m".to_string()),
-                ("p_tp".to_string(), "8".to_string()),
-                ("future_knob".to_string(), r#"{"a":1}"#.to_string())
-            ]
         );
     }
 

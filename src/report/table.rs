@@ -4,6 +4,7 @@
 //! Owns how figures read to a person (units, precision, order). Must not do I/O: callers print
 //! or write the returned strings.
 
+use crate::transfer::cuda_batch::{BatchDescriptors, BatchLaunch, BatchPath};
 use crate::vocab::kinds::VerifyMode;
 use comfy_table::{CellAlignment, ContentArrangement, Table, TableStyle, presets};
 
@@ -126,12 +127,19 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
                 "{} ({}), one batch per {}{}: {:.1} calls, {:.0} copies, {:.0} descriptors ({:.0} not \
                  16-byte aligned) per request; posting {:.0} ns per descriptor, {:.1} us per call; \
                  per decode rank and request: pack {:.0} us, post {:.0} us, wait {:.0} us",
-                b.paths.join(", "),
+                names(&b.paths, BatchPath::as_str, ", "),
                 b.driver_calls.join(", "),
-                if b.launches.is_empty() { "peer".to_string() } else { b.launches.join(", ") },
+                if b.launches.is_empty() {
+                    "peer".to_string()
+                } else {
+                    names(&b.launches, BatchLaunch::as_str, ", ")
+                },
                 // Named only where some were made on the device (`--batch-descriptors device`).
-                if b.descriptors_made_on.iter().any(|d| d == "device") {
-                    format!(", descriptors made on the {}", b.descriptors_made_on.join(" and "))
+                if b.descriptors_made_on.contains(&BatchDescriptors::Device) {
+                    format!(
+                        ", descriptors made on the {}",
+                        names(&b.descriptors_made_on, BatchDescriptors::as_str, " and ")
+                    )
                 } else {
                     String::new()
                 },
@@ -148,6 +156,11 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
         ]);
     }
     t
+}
+
+/// Typed values by name, joined.
+fn names<T: Copy>(values: &[T], name: fn(T) -> &'static str, sep: &str) -> String {
+    values.iter().map(|&v| name(v)).collect::<Vec<_>>().join(sep)
 }
 
 /// Latency percentiles per stage, in microseconds.
@@ -291,10 +304,10 @@ pub fn bandwidth_table(s: &Summary, style: Style) -> Option<Table> {
 fn verified_label(s: &Summary) -> String {
     // A hybrid model through host buffers is checked in each decode rank's KV cache after the
     // copy into it: every block of the request, not the bytes the READs moved.
-    // (`host_copy` is a scenario extra of exactly those runs; `state_slices` of every hybrid
-    // run, the serving path's too, which reports no parts.)
-    let cache = s.scenario.extra.contains_key("host_copy");
-    let hybrid = !s.hybrid_parts.is_empty() || s.scenario.extra.contains_key("state_slices");
+    // (`host_copy` is a setting of exactly those runs; `state_slices` of every hybrid run, the
+    // serving path's too, which reports no parts.)
+    let cache = s.scenario.extra.host_copy.is_some();
+    let hybrid = !s.hybrid_parts.is_empty() || s.scenario.extra.state_slices.is_some();
     match s.scenario.verify {
         Some(VerifyMode::Full) if cache => {
             "bytes verified (every byte of the request's blocks in the KV caches)".to_string()
@@ -580,22 +593,23 @@ mod tests {
     #[test]
     fn the_cuda_batch_row_names_device_made_descriptors_only_when_there_are_some() {
         use crate::report::summary::CudaBatchInfo;
-        let row = |made: &[&str]| {
+        use BatchDescriptors::{Device, Host};
+        let row = |made: &[BatchDescriptors]| {
             let mut s = Summary::new("r1", "t", Default::default());
             s.cuda_batch = Some(CudaBatchInfo {
-                paths: vec!["kernel".into()],
-                launches: vec!["rank".into()],
-                descriptors_made_on: made.iter().map(|m| m.to_string()).collect(),
+                paths: vec![BatchPath::Kernel],
+                launches: vec![BatchLaunch::Rank],
+                descriptors_made_on: made.to_vec(),
                 ..CudaBatchInfo::default()
             });
             scenario_table(&s, Style::Markdown).to_string()
         };
-        assert!(!row(&["host"]).contains("descriptors made on"), "{}", row(&["host"]));
+        assert!(!row(&[Host]).contains("descriptors made on"), "{}", row(&[Host]));
         assert!(
-            row(&["device"]).contains("one batch per rank, descriptors made on the device:"),
+            row(&[Device]).contains("one batch per rank, descriptors made on the device:"),
             "{}",
-            row(&["device"])
+            row(&[Device])
         );
-        assert!(row(&["host", "device"]).contains("made on the host and device"));
+        assert!(row(&[Host, Device]).contains("made on the host and device"));
     }
 }

@@ -13,7 +13,7 @@ use super::numbers::bytes_text;
 use super::table::wrapped_table;
 use crate::layouts::compat::PairSpec;
 use crate::layouts::hybrid::geometry::GroupKind;
-use crate::layouts::rank_maps::{HybridMap, HybridPushMap, PullMap, PushMap, TopoMap};
+use crate::layouts::rank_maps::{EnginePorts, HybridMap, HybridPushMap, PullMap, PushMap, TopoMap};
 use crate::topology::TransferMode;
 
 /// How `kvx topo` shows a map.
@@ -39,6 +39,16 @@ pub fn render(map: &TopoMap, view: TopoView) -> serde_json::Result<String> {
 
 fn slice(r: &Range<u32>) -> [u32; 2] {
     [r.start, r.end]
+}
+
+/// A rank's side-channel port in every engine (data-parallel rank) of its side.
+fn every_engine_port(ports: &EnginePorts, rank: u32) -> Vec<u16> {
+    ports.iter().filter_map(|engine| engine.get(rank as usize).copied()).collect()
+}
+
+/// A rank's side-channel port in the first engine of its side (0 if it has none).
+fn first_engine_port(ports: &EnginePorts, rank: u32) -> u16 {
+    ports.first().and_then(|engine| engine.get(rank as usize)).copied().unwrap_or(0)
 }
 
 /// What both maps say about the pair, flattened into [`TopoJson`] and [`PushTopoJson`].
@@ -192,11 +202,7 @@ impl TopoJson {
                         uses_decode_request_id: d.extra_notif_uses_d_request_id,
                     })
                     .collect(),
-                side_channel_ports: m
-                    .d_ports
-                    .iter()
-                    .filter_map(|dp| dp.get(d.d_rank as usize).copied())
-                    .collect(),
+                side_channel_ports: every_engine_port(&m.d_ports, d.d_rank),
             })
             .collect();
         let p_ranks = (0..pair.p.tp)
@@ -205,7 +211,7 @@ impl TopoJson {
                 heads: pair.p_geometry(r).global_heads.collect(),
                 block_len_bytes: pr.first().map_or(0, |x| x.block_len),
                 readers: fan_out.get(r as usize).copied().unwrap_or(0),
-                side_channel_port: m.p_ports.first().and_then(|p| p.get(r as usize)).copied().unwrap_or(0),
+                side_channel_port: first_engine_port(&m.p_ports, r),
             })
             .collect();
         TopoJson {
@@ -313,12 +319,7 @@ impl PushTopoJson {
                         duplicate_of: hw.duplicate_of,
                     })
                     .collect(),
-                side_channel_port: m
-                    .p_ports
-                    .first()
-                    .and_then(|p| p.get(pm.p_rank as usize))
-                    .copied()
-                    .unwrap_or(0),
+                side_channel_port: first_engine_port(&m.p_ports, pm.p_rank),
             })
             .collect();
         let d_ranks = map
@@ -330,11 +331,7 @@ impl PushTopoJson {
                 registers_with: d.registers_with.clone(),
                 writers: d.writers.clone(),
                 expected_notifs: d.expected_notifs,
-                side_channel_ports: m
-                    .d_ports
-                    .iter()
-                    .filter_map(|dp| dp.get(d.d_rank as usize).copied())
-                    .collect(),
+                side_channel_ports: every_engine_port(&m.d_ports, d.d_rank),
             })
             .collect();
         PushTopoJson {
@@ -397,13 +394,12 @@ pub fn render_table(t: &TopoJson) -> String {
             .reads
             .iter()
             .map(|r| {
-                format!(
-                    "P{}: [{}, {}) heads {} -> @{}",
-                    r.p_rank,
+                copy_text(
+                    &format!("P{}", r.p_rank),
                     r.remote_offset_in_block,
-                    r.remote_offset_in_block + r.length,
-                    heads_text(&r.global_heads),
-                    r.local_offset_in_block
+                    r.length,
+                    &r.global_heads,
+                    r.local_offset_in_block,
                 )
             })
             .collect();
@@ -469,15 +465,17 @@ pub fn render_push_table(t: &PushTopoJson) -> String {
             .writes
             .iter()
             .map(|w| {
-                format!(
-                    "D{}: [{}, {}) heads {} -> @{}{}",
-                    w.d_rank,
+                let copy = copy_text(
+                    &format!("D{}", w.d_rank),
                     w.local_offset_in_block,
-                    w.local_offset_in_block + w.length,
-                    heads_text(&w.global_heads),
+                    w.length,
+                    &w.global_heads,
                     w.remote_offset_in_block,
-                    w.duplicate_of.map(|o| format!(" (same bytes as P{o})")).unwrap_or_default()
-                )
+                );
+                match w.duplicate_of {
+                    Some(o) => format!("{copy} (same bytes as P{o})"),
+                    None => copy,
+                }
             })
             .collect();
         table.add_row(vec![
@@ -525,6 +523,12 @@ pub fn render_push_table(t: &PushTopoJson) -> String {
         distinct(t.d_ranks.iter().flat_map(|d| d.side_channel_ports.iter().copied()).collect())
     ));
     out
+}
+
+/// One READ or WRITE in a table cell: the peer, the bytes of the prefill block it moves
+/// (`[start, end)`), their heads, and where in the decode block they land.
+fn copy_text(peer: &str, p_offset: u64, length: u64, heads: &[u32], d_offset: u64) -> String {
+    format!("{peer}: [{p_offset}, {}) heads {} -> @{d_offset}", p_offset + length, heads_text(heads))
 }
 
 fn heads_text(h: &[u32]) -> String {

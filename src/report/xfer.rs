@@ -34,8 +34,7 @@ pub struct UcxReport {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct MemoryReport {
-    /// `host`, `ucx-alloc` (UCX-allocated, flattering: not what a KV cache is) or `cuda`.
-    pub kind: String,
+    pub kind: XferMemory,
     /// The CUDA device of device memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device: Option<u32>,
@@ -43,8 +42,80 @@ pub struct MemoryReport {
     /// The pages the initiator's buffers actually got.
     pub pages: String,
     pub working_set_bytes: u64,
-    /// `cold` (rotating offsets over the working set, DRAM) or `hot` (cache-resident).
-    pub residency: String,
+    pub residency: Residency,
+}
+
+/// What the initiator's buffers are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum XferMemory {
+    /// The user's own host allocation (what a KV cache is without GPUs).
+    Host,
+    /// Host memory UCX allocated (flattering: not what a KV cache is).
+    UcxAlloc,
+    /// Device memory.
+    Cuda,
+}
+
+impl XferMemory {
+    /// Buffers in `place`; `ucx_alloc`: host ones allocated by UCX.
+    pub fn of(place: MemPlace, ucx_alloc: bool) -> XferMemory {
+        match place {
+            MemPlace::Cuda { .. } => XferMemory::Cuda,
+            MemPlace::Host if ucx_alloc => XferMemory::UcxAlloc,
+            MemPlace::Host => XferMemory::Host,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            XferMemory::Host => "host",
+            XferMemory::UcxAlloc => "ucx-alloc",
+            XferMemory::Cuda => "cuda",
+        }
+    }
+}
+
+/// Where the bytes read sit when read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Residency {
+    /// Rotating offsets over the working set: DRAM, as a KV cache is.
+    Cold,
+    /// The same offsets every time: cache-resident (`--hot`).
+    Hot,
+}
+
+impl Residency {
+    pub fn of(hot: bool) -> Residency {
+        if hot { Residency::Hot } else { Residency::Cold }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Residency::Cold => "cold",
+            Residency::Hot => "hot",
+        }
+    }
+}
+
+/// What a report's `ceiling_gbps` measured: one thread's memcpy (host memory) or a device
+/// copy (device memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CeilingKind {
+    Memcpy,
+    DeviceCopy,
+}
+
+impl CeilingKind {
+    /// The ceiling of a run over memory in `place`.
+    pub fn over(place: MemPlace) -> CeilingKind {
+        match place {
+            MemPlace::Host => CeilingKind::Memcpy,
+            MemPlace::Cuda { .. } => CeilingKind::DeviceCopy,
+        }
+    }
 }
 
 /// One (size, in-flight) case.
@@ -103,8 +174,8 @@ pub struct XferResult {
 pub struct XferReport {
     pub ucx: UcxReport,
     pub memory: MemoryReport,
-    /// What `ceiling_gbps` measured: `memcpy` (host) or `device_copy`.
-    pub ceiling: String,
+    /// What `ceiling_gbps` measured.
+    pub ceiling: CeilingKind,
     /// A slow path or an unknown protocol for device memory, with the fix.
     pub warnings: Vec<String>,
     pub results: Vec<XferResult>,
@@ -209,8 +280,8 @@ pub fn fmt_size(b: u64) -> String {
 pub fn render_table(r: &XferReport) -> String {
     let mut out = String::new();
     let memory = match r.memory.device {
-        Some(d) => format!("{} (device {d})", r.memory.kind),
-        None => format!("{} ({})", r.memory.kind, r.memory.pages),
+        Some(d) => format!("{} (device {d})", r.memory.kind.as_str()),
+        None => format!("{} ({})", r.memory.kind.as_str(), r.memory.pages),
     };
     if let Some(b) = &r.cuda_batch {
         out.push_str(&format!(
@@ -219,7 +290,7 @@ pub fn render_table(r: &XferReport) -> String {
             b.driver_call,
             b.path,
             b.calls_per_batch,
-            r.memory.residency,
+            r.memory.residency.as_str(),
             fmt_size(r.memory.working_set_bytes),
         ));
         return out + &misalign_line(r) + &results_table(r) + &verification_line(r);
@@ -232,7 +303,7 @@ pub fn render_table(r: &XferReport) -> String {
         r.ucx.transports,
         r.ucx.err_mode,
         r.ucx.progress,
-        r.memory.residency,
+        r.memory.residency.as_str(),
         fmt_size(r.memory.working_set_bytes),
     ));
     out.push_str(&format!("protocols: {}\n", r.ucx.protocols.summary()));
@@ -242,7 +313,7 @@ pub fn render_table(r: &XferReport) -> String {
     for w in &r.warnings {
         out.push_str(&format!("warning: {w}\n"));
     }
-    if r.memory.kind == "ucx-alloc" || r.memory.residency == "hot" {
+    if r.memory.kind == XferMemory::UcxAlloc || r.memory.residency == Residency::Hot {
         out.push_str(
             "note: hot and/or UCX-allocated buffers flatter the numbers; a KV cache is cold user memory\n",
         );
@@ -271,10 +342,9 @@ fn results_table(r: &XferReport) -> String {
     let mut out = String::new();
     let mut t = comfy_table::Table::new();
     t.load_style(comfy_table::presets::ASCII_BORDERS_ONLY_CONDENSED);
-    let (ceiling, ratio) = if r.ceiling == "device_copy" {
-        ("device copy GB/s", "vs device copy")
-    } else {
-        ("memcpy GB/s", "ratio")
+    let (ceiling, ratio) = match r.ceiling {
+        CeilingKind::DeviceCopy => ("device copy GB/s", "vs device copy"),
+        CeilingKind::Memcpy => ("memcpy GB/s", "ratio"),
     };
     // Device memory also names the GPU's bandwidth for each batch's bytes (one copy).
     let bulk = r.results.iter().any(|x| x.bulk_copy_gbps.is_some());
@@ -348,7 +418,7 @@ mod tests {
         }
     }
 
-    fn report(memory: &str, ceiling: &str, results: Vec<XferResult>) -> XferReport {
+    fn report(memory: XferMemory, ceiling: CeilingKind, results: Vec<XferResult>) -> XferReport {
         XferReport {
             ucx: UcxReport {
                 library: "libucp.so.0".into(),
@@ -363,14 +433,14 @@ mod tests {
                 env: Vec::new(),
             },
             memory: MemoryReport {
-                kind: memory.into(),
-                device: (memory == "cuda").then_some(0),
+                kind: memory,
+                device: (memory == XferMemory::Cuda).then_some(0),
                 huge_pages: false,
                 pages: "4KiB".into(),
                 working_set_bytes: 1 << 30,
-                residency: "cold".into(),
+                residency: Residency::Cold,
             },
-            ceiling: ceiling.into(),
+            ceiling,
             warnings: Vec::new(),
             results,
             transport: "ucx".into(),
@@ -383,8 +453,8 @@ mod tests {
     #[test]
     fn device_memory_tables_add_the_bulk_copy_and_host_tables_do_not() {
         let cuda = render_table(&report(
-            "cuda",
-            "device_copy",
+            XferMemory::Cuda,
+            CeilingKind::DeviceCopy,
             vec![result(8192, 10_240, 497.0, Some(1277.0)), result(8192, 1, 0.7, None)],
         ));
         let header = cuda.lines().find(|l| l.contains("inflight")).expect("a header");
@@ -396,7 +466,8 @@ mod tests {
         // A case without the figure shows a dash, not a zero.
         let one = cuda.lines().find(|l| l.contains("0.70")).expect("the batch-of-1 row");
         assert!(one.contains(" - "), "{one}");
-        let host = render_table(&report("host", "memcpy", vec![result(65536, 32, 5.0, None)]));
+        let host =
+            render_table(&report(XferMemory::Host, CeilingKind::Memcpy, vec![result(65536, 32, 5.0, None)]));
         assert!(!host.contains("bulk"), "{host}");
         assert!(host.contains("memcpy GB/s"), "{host}");
     }
@@ -405,12 +476,12 @@ mod tests {
     fn tables_say_how_many_timed_batches_were_verified_and_how() {
         let mut r = result(8192, 64, 5.0, None);
         (r.verified_batches, r.timed_batches, r.unaligned_descriptors) = (5, 70, 0);
-        let host = render_table(&report("host", "memcpy", vec![r.clone()]));
+        let host = render_table(&report(XferMemory::Host, CeilingKind::Memcpy, vec![r.clone()]));
         assert!(host.contains("verified batches") && host.contains("5 of 70"), "{host}");
         assert!(host.contains("verified: in place, on the timed reads: 1 timed batch in 16"), "{host}");
         assert!(!host.contains("unaligned"), "no column without unaligned reads: {host}");
         r.unaligned_descriptors = 70 * 64;
-        let mut rep = report("host", "memcpy", vec![r]);
+        let mut rep = report(XferMemory::Host, CeilingKind::Memcpy, vec![r]);
         rep.misalign = Misalign { local_bytes: 3, remote_bytes: 3 };
         let shifted = render_table(&rep);
         assert!(shifted.contains("unaligned/batch"), "{shifted}");

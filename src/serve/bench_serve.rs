@@ -387,7 +387,7 @@ fn build_summary(s: &BenchSettings, m: &Measured, run_id: &str, started_at: &str
     let mut sum = load_report::summary(&m.run, &m.load_cfg, run_id, started_at, &s.name);
     let mut scenario = crate::report::scenario::bench_scenario(s);
     scenario.extra.extend(sum.scenario.extra.clone());
-    scenario.extra.insert("serve".into(), serde_json::json!(true));
+    scenario.extra.serve = Some(true);
     sum.scenario = scenario;
     let k = kv_figures(&m.run, &m.records);
     let mut kv = k.recorder.clone();

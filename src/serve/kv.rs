@@ -18,6 +18,7 @@ use super::metrics::{
 };
 use crate::config::serve::EngineIdentity;
 pub use crate::pipeline::params::KvTransferParams;
+use crate::topology::TransferMode;
 
 /// What the prefill engine asks its backend for: compute and hold the KV of one prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -292,7 +293,7 @@ impl KvBackend for NullKv {
             remote_num_tokens: job.prompt_tokens,
             remote_blocks_expiry_time: None,
             remote_registration_generation: 0,
-            transfer_mode: "pull".to_string(),
+            transfer_mode: TransferMode::Pull,
         };
         Box::pin(std::future::ready(Ok(params)))
     }
@@ -395,8 +396,8 @@ impl KvIntent {
         // writes into them; decode needs only prefill's identity, so the proxy may send it
         // before prefill answered, without block ids or prefill's request id.
         let transfer_mode = match text("transfer_mode")?.as_deref() {
-            None | Some("pull") => "pull",
-            Some("push") => "push",
+            None | Some("pull") => TransferMode::Pull,
+            Some("push") => TransferMode::Push,
             Some(other) => {
                 return Err(KvParamError::new(
                     "transfer_mode",
@@ -404,7 +405,7 @@ impl KvIntent {
                 ));
             }
         };
-        let push = transfer_mode == "push";
+        let push = transfer_mode == TransferMode::Push;
         let blocks = match m.get("remote_block_ids") {
             None | Some(Value::Null) => None,
             Some(Value::Array(a)) => {
@@ -488,7 +489,7 @@ impl KvIntent {
             remote_num_tokens,
             remote_blocks_expiry_time,
             remote_registration_generation,
-            transfer_mode: transfer_mode.to_string(),
+            transfer_mode,
         };
         Ok(KvIntent::RemotePrefill(Box::new(params)))
     }

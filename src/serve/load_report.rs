@@ -70,19 +70,17 @@ pub fn scenario(cfg: &LoadConfig, name: &str) -> Scenario {
         Arrival::Closed { concurrency: c } => s.concurrency = Some(c),
     }
     let x = &mut s.extra;
-    x.insert("endpoint".into(), serde_json::json!(cfg.endpoint.path()));
-    x.insert("stream".into(), serde_json::json!(cfg.stream));
-    x.insert("max_tokens".into(), serde_json::json!(cfg.max_tokens));
-    x.insert("ignore_eos".into(), serde_json::json!(cfg.ignore_eos));
-    if let Some(slo) = &cfg.slo {
-        x.insert("slo".into(), serde_json::json!(slo.describe()));
-    }
+    x.endpoint = Some(cfg.endpoint);
+    x.stream = Some(cfg.stream);
+    x.max_tokens = Some(cfg.max_tokens);
+    x.ignore_eos = Some(cfg.ignore_eos);
+    x.slo = cfg.slo.as_ref().map(|slo| slo.describe());
     for t in &cfg.targets {
         let url = match &t.prefill_url {
             Some(p) => format!("P {p} -> D {}", t.url),
             None => t.url.to_string(),
         };
-        x.insert(format!("target.{}", t.name), serde_json::json!(url));
+        x.other.insert(format!("target.{}", t.name), serde_json::json!(url));
     }
     s
 }
@@ -421,7 +419,7 @@ mod tests {
         assert_eq!(s.failures_by_cause.get("timeout"), Some(&1));
         assert_eq!(s.scenario.concurrency, Some(3));
         assert_eq!(s.scenario.prompt_len.as_deref(), Some("8..24"));
-        assert_eq!(s.scenario.extra["endpoint"], "/v1/chat/completions");
+        assert_eq!(s.scenario.extra.endpoint, Some(Endpoint::Chat));
         assert!(s.notes.iter().any(|n| n.starts_with("url: 16 output tokens")), "{:?}", s.notes);
         // It is a valid summary for every reader of summary.json.
         crate::report::export::summary_json(&s).expect("summary JSON reads back");

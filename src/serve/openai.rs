@@ -22,12 +22,6 @@ use super::kv::{KvIntent, KvTransferParams};
 use crate::vocab::kinds::Endpoint;
 
 impl Endpoint {
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Chat => "/v1/chat/completions",
-        }
-    }
     /// Prefix of the response id (`cmpl-<X-Request-Id>` / `chatcmpl-<X-Request-Id>`).
     pub fn id_prefix(self) -> &'static str {
         match self {
@@ -531,7 +525,7 @@ impl Usage {
     }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct UsageFull {
     prompt_tokens: u64,
     total_tokens: u64,
@@ -546,8 +540,7 @@ impl From<Usage> for UsageFull {
             prompt_tokens: u.prompt_tokens,
             total_tokens: u.total_tokens,
             completion_tokens: u.completion_tokens,
-            prompt_tokens_details: (),
-            completion_tokens_details: (),
+            ..Default::default()
         }
     }
 }
@@ -561,7 +554,10 @@ pub struct ResponseCtx<'a> {
     pub system_fingerprint: &'a str,
 }
 
-#[derive(Serialize)]
+// The wire structs below list vLLM's fields in vLLM's order; a `()` field is one vLLM sends as
+// `null`. They derive `Default` so that a body names only the fields it sets.
+
+#[derive(Serialize, Default)]
 struct CompletionChoice<'a> {
     index: u32,
     text: &'a str,
@@ -575,58 +571,53 @@ struct CompletionChoice<'a> {
     weight_versions: (),
 }
 
+/// vLLM's non-streaming envelope around one choice (`C`). `P` holds the prompt fields only
+/// chat sends ([`ChatPrompt`]; `()` for completions: none).
 #[derive(Serialize)]
-struct CompletionResponse<'a> {
+struct ResponseBody<'a, C, P> {
     id: &'a str,
     object: &'static str,
     created: u64,
     model: &'a str,
-    choices: [CompletionChoice<'a>; 1],
+    choices: [C; 1],
     service_tier: (),
     system_fingerprint: &'a str,
     usage: UsageFull,
+    #[serde(flatten)]
+    prompt: P,
     kv_transfer_params: Option<&'a KvTransferParams>,
     ec_transfer_params: (),
     metrics: (),
 }
 
-/// Non-streaming `/v1/completions` body (vLLM `CompletionResponse.model_dump()`; 0.33 adds
-/// `weight_versions` to each choice).
-pub fn completion_body(
-    ctx: &ResponseCtx<'_>,
-    text: &str,
-    finish: FinishReason,
-    usage: Usage,
-    kv: Option<&KvTransferParams>,
-) -> Vec<u8> {
-    let body = CompletionResponse {
-        id: ctx.id,
-        object: "text_completion",
-        created: ctx.created,
-        model: ctx.model,
-        choices: [CompletionChoice {
-            index: 0,
-            text,
-            logprobs: (),
-            finish_reason: finish.as_str(),
-            stop_reason: (),
-            token_ids: (),
-            prompt_logprobs: (),
-            prompt_token_ids: (),
-            routed_experts: (),
-            weight_versions: (),
-        }],
-        service_tier: (),
-        system_fingerprint: ctx.system_fingerprint,
-        usage: usage.into(),
-        kv_transfer_params: kv,
-        ec_transfer_params: (),
-        metrics: (),
-    };
-    serde_json::to_vec(&body).unwrap_or_default()
+impl<'a, C: Serialize, P: Serialize> ResponseBody<'a, C, P> {
+    fn json(
+        ctx: &ResponseCtx<'a>,
+        object: &'static str,
+        choice: C,
+        prompt: P,
+        usage: Usage,
+        kv: Option<&'a KvTransferParams>,
+    ) -> Vec<u8> {
+        let body = ResponseBody {
+            id: ctx.id,
+            object,
+            created: ctx.created,
+            model: ctx.model,
+            choices: [choice],
+            service_tier: (),
+            system_fingerprint: ctx.system_fingerprint,
+            usage: usage.into(),
+            prompt,
+            kv_transfer_params: kv,
+            ec_transfer_params: (),
+            metrics: (),
+        };
+        serde_json::to_vec(&body).unwrap_or_default()
+    }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct ChatMessage<'a> {
     role: &'static str,
     content: &'a str,
@@ -637,7 +628,7 @@ struct ChatMessage<'a> {
     reasoning: (),
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct ChatChoice<'a> {
     index: u32,
     message: ChatMessage<'a>,
@@ -649,69 +640,39 @@ struct ChatChoice<'a> {
     weight_versions: (),
 }
 
-#[derive(Serialize)]
-struct ChatResponse<'a> {
-    id: &'a str,
-    object: &'static str,
-    created: u64,
-    model: &'a str,
-    choices: [ChatChoice<'a>; 1],
-    service_tier: (),
-    system_fingerprint: &'a str,
-    usage: UsageFull,
+#[derive(Serialize, Default)]
+struct ChatPrompt {
     prompt_logprobs: (),
     prompt_token_ids: (),
     prompt_text: (),
-    kv_transfer_params: Option<&'a KvTransferParams>,
-    ec_transfer_params: (),
-    metrics: (),
 }
 
-/// Non-streaming `/v1/chat/completions` body (empty `tool_calls` omitted, as vLLM does).
-pub fn chat_body(
-    ctx: &ResponseCtx<'_>,
-    content: &str,
+/// The non-streaming body of `endpoint`: vLLM's `CompletionResponse.model_dump()` (0.33 adds
+/// `weight_versions` to each choice) or its chat completion (empty `tool_calls` omitted, as
+/// vLLM does), with `text` as the generated text.
+pub fn response_body<'a>(
+    ctx: &ResponseCtx<'a>,
+    endpoint: Endpoint,
+    text: &'a str,
     finish: FinishReason,
     usage: Usage,
-    kv: Option<&KvTransferParams>,
+    kv: Option<&'a KvTransferParams>,
 ) -> Vec<u8> {
-    let body = ChatResponse {
-        id: ctx.id,
-        object: "chat.completion",
-        created: ctx.created,
-        model: ctx.model,
-        choices: [ChatChoice {
-            index: 0,
-            message: ChatMessage {
-                role: "assistant",
-                content,
-                refusal: (),
-                annotations: (),
-                audio: (),
-                function_call: (),
-                reasoning: (),
-            },
-            logprobs: (),
-            finish_reason: finish.as_str(),
-            stop_reason: (),
-            token_ids: (),
-            routed_experts: (),
-            weight_versions: (),
-        }],
-        service_tier: (),
-        system_fingerprint: ctx.system_fingerprint,
-        usage: usage.into(),
-        prompt_logprobs: (),
-        prompt_token_ids: (),
-        prompt_text: (),
-        kv_transfer_params: kv,
-        ec_transfer_params: (),
-        metrics: (),
-    };
-    serde_json::to_vec(&body).unwrap_or_default()
+    let finish_reason = finish.as_str();
+    match endpoint {
+        Endpoint::Completions => {
+            let choice = CompletionChoice { text, finish_reason, ..Default::default() };
+            ResponseBody::json(ctx, "text_completion", choice, (), usage, kv)
+        }
+        Endpoint::Chat => {
+            let message = ChatMessage { role: "assistant", content: text, ..Default::default() };
+            let choice = ChatChoice { message, finish_reason, ..Default::default() };
+            ResponseBody::json(ctx, "chat.completion", choice, ChatPrompt::default(), usage, kv)
+        }
+    }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct CompletionStreamChoice<'a> {
     index: u32,
     text: &'a str,
@@ -735,6 +696,27 @@ struct StreamChunk<'a, C: Serialize> {
     system_fingerprint: Option<&'a str>,
 }
 
+impl<'a, C: Serialize> StreamChunk<'a, C> {
+    /// A chunk of the response `ctx` describes; `fingerprint` adds its system fingerprint.
+    fn new(
+        ctx: &ResponseCtx<'a>,
+        object: &'static str,
+        choices: C,
+        usage: Option<Usage>,
+        fingerprint: bool,
+    ) -> Self {
+        StreamChunk {
+            id: ctx.id,
+            object,
+            created: ctx.created,
+            model: ctx.model,
+            choices,
+            usage,
+            system_fingerprint: fingerprint.then_some(ctx.system_fingerprint),
+        }
+    }
+}
+
 fn push_event<T: Serialize>(out: &mut Vec<u8>, v: &T) {
     out.extend_from_slice(b"data: ");
     let _ = serde_json::to_writer(&mut *out, v);
@@ -751,41 +733,21 @@ pub fn push_completion_chunk(
     usage: Option<Usage>,
     fingerprint: bool,
 ) {
-    let chunk = StreamChunk {
-        id: ctx.id,
-        object: "text_completion",
-        created: ctx.created,
-        model: ctx.model,
-        choices: [CompletionStreamChoice {
-            index: 0,
-            text,
-            logprobs: (),
-            finish_reason: finish.map(FinishReason::as_str),
-            stop_reason: (),
-            prompt_token_ids: (),
-            token_ids: (),
-        }],
-        usage,
-        system_fingerprint: fingerprint.then_some(ctx.system_fingerprint),
+    let choice = CompletionStreamChoice {
+        text,
+        finish_reason: finish.map(FinishReason::as_str),
+        ..Default::default()
     };
-    push_event(out, &chunk);
+    push_event(out, &StreamChunk::new(ctx, "text_completion", [choice], usage, fingerprint));
 }
 
 /// The final usage chunk (`choices: []`), for either endpoint.
 pub fn push_usage_chunk(out: &mut Vec<u8>, ctx: &ResponseCtx<'_>, endpoint: Endpoint, usage: Usage) {
-    let chunk = StreamChunk {
-        id: ctx.id,
-        object: match endpoint {
-            Endpoint::Completions => "text_completion",
-            Endpoint::Chat => "chat.completion.chunk",
-        },
-        created: ctx.created,
-        model: ctx.model,
-        choices: [(); 0],
-        usage: Some(usage),
-        system_fingerprint: Some(ctx.system_fingerprint),
+    let object = match endpoint {
+        Endpoint::Completions => "text_completion",
+        Endpoint::Chat => "chat.completion.chunk",
     };
-    push_event(out, &chunk);
+    push_event(out, &StreamChunk::new(ctx, object, [(); 0], Some(usage), true));
 }
 
 #[derive(Serialize)]
@@ -794,7 +756,7 @@ struct RoleDelta {
     content: &'static str,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct ContentDelta<'a> {
     content: &'a str,
 }
@@ -840,7 +802,7 @@ pub fn push_chat_role_chunk(out: &mut Vec<u8>, ctx: &ResponseCtx<'_>, usage: Opt
     push_event(out, &chunk);
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct ChatContentChoice<'a> {
     index: u32,
     delta: ContentDelta<'a>,
@@ -849,7 +811,7 @@ struct ChatContentChoice<'a> {
     token_ids: (),
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct ChatFinalChoice<'a> {
     index: u32,
     delta: ContentDelta<'a>,
@@ -868,45 +830,17 @@ pub fn push_chat_chunk(
     usage: Option<Usage>,
     fingerprint: bool,
 ) {
-    let fp = fingerprint.then_some(ctx.system_fingerprint);
+    const OBJECT: &str = "chat.completion.chunk";
+    let delta = ContentDelta { content };
     match finish {
-        None => push_event(
-            out,
-            &StreamChunk {
-                id: ctx.id,
-                object: "chat.completion.chunk",
-                created: ctx.created,
-                model: ctx.model,
-                choices: [ChatContentChoice {
-                    index: 0,
-                    delta: ContentDelta { content },
-                    logprobs: (),
-                    finish_reason: (),
-                    token_ids: (),
-                }],
-                usage,
-                system_fingerprint: fp,
-            },
-        ),
-        Some(f) => push_event(
-            out,
-            &StreamChunk {
-                id: ctx.id,
-                object: "chat.completion.chunk",
-                created: ctx.created,
-                model: ctx.model,
-                choices: [ChatFinalChoice {
-                    index: 0,
-                    delta: ContentDelta { content },
-                    logprobs: (),
-                    finish_reason: f.as_str(),
-                    stop_reason: (),
-                    token_ids: (),
-                }],
-                usage,
-                system_fingerprint: fp,
-            },
-        ),
+        None => {
+            let choice = ChatContentChoice { delta, ..Default::default() };
+            push_event(out, &StreamChunk::new(ctx, OBJECT, [choice], usage, fingerprint));
+        }
+        Some(f) => {
+            let choice = ChatFinalChoice { delta, finish_reason: f.as_str(), ..Default::default() };
+            push_event(out, &StreamChunk::new(ctx, OBJECT, [choice], usage, fingerprint));
+        }
     }
 }
 
@@ -985,10 +919,11 @@ mod tests {
             remote_num_tokens: 17,
             remote_blocks_expiry_time: None,
             remote_registration_generation: 0,
-            transfer_mode: "pull".into(),
+            transfer_mode: crate::topology::TransferMode::Pull,
         };
-        let got = completion_body(
+        let got = response_body(
             &ctx("cmpl-0123456789abcdef"),
+            Endpoint::Completions,
             " Hello",
             FinishReason::Length,
             Usage::new(17, 1),
@@ -999,8 +934,9 @@ mod tests {
         let want = r#"{"id":"cmpl-0123456789abcdef","object":"text_completion","created":1795300000,"model":"stub-model","choices":[{"index":0,"text":" Hello","logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null,"prompt_logprobs":null,"prompt_token_ids":null,"routed_experts":null,"weight_versions":null}],"service_tier":null,"system_fingerprint":"vllm-0.32.0-abcd1234","usage":{"prompt_tokens":17,"total_tokens":18,"completion_tokens":1,"prompt_tokens_details":null,"completion_tokens_details":null},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[0,1]],"remote_engine_id":"e1","remote_request_id":"cmpl-0123456789abcdef-0","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":17,"remote_blocks_expiry_time":null,"remote_registration_generation":0,"transfer_mode":"pull"},"ec_transfer_params":null,"metrics":null}"#;
         assert_eq!(String::from_utf8(got).expect("utf8"), want);
 
-        let chat = chat_body(
+        let chat = response_body(
             &ctx("chatcmpl-0123456789abcdef"),
+            Endpoint::Chat,
             " Hello world",
             FinishReason::Length,
             Usage::new(9, 2),

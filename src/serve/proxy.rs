@@ -31,10 +31,10 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
@@ -43,9 +43,10 @@ use tokio::net::TcpListener;
 use super::client::{HttpClient, http_client};
 use super::conn;
 use super::http_engine::{
-    authorized, check_json_content_type, error_response, method_not_allowed, not_found, unauthorized,
+    OpenAiServer, TokenizerRoute, api_router, authorized, check_json_content_type, error_response,
+    unauthorized,
 };
-use super::metrics::{Counter, Exposition, Gauge, Histogram, PROMETHEUS_CONTENT_TYPE};
+use super::metrics::{Counter, Exposition, Gauge, Histogram};
 use super::openai::ApiError;
 use super::rewrite::{self, RawObject};
 use super::timing::{self, ServerTiming};
@@ -468,23 +469,11 @@ impl ProxyState {
     }
 }
 
-/// The proxy's routes. Pure; health checks run only under [`serve`].
+/// The proxy's routes: the ones it shares with the engine ([`api_router`]) and the toy
+/// proxy's `/healthcheck`. Pure; health checks run only under [`serve`].
 pub fn router(state: Arc<ProxyState>) -> Router {
     let limit = state.cfg.max_body_bytes;
-    Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
-        .route("/healthcheck", get(healthcheck))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(limit))
-        .layer(axum::middleware::map_response(super::http_engine::json_body_limit(limit)))
-        .with_state(state)
+    api_router(state, limit, Router::new().route("/healthcheck", get(healthcheck)))
 }
 
 /// Runs the proxy on `listener` (with background health checks), within its configured
@@ -542,37 +531,39 @@ async fn healthcheck(State(st): State<Arc<ProxyState>>) -> Response {
     .into_response()
 }
 
-async fn health(State(st): State<Arc<ProxyState>>) -> Response {
-    let (p, d) = (st.prefill.healthy_count(), st.decode.healthy_count());
-    if p > 0 && d > 0 {
-        StatusCode::OK.into_response()
-    } else {
-        error_response(&ApiError::new(
-            503,
-            format!("no healthy backend: {p} healthy prefill engine(s), {d} healthy decode engine(s)"),
-        ))
+impl OpenAiServer for ProxyState {
+    async fn generate(self: Arc<Self>, ep: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+        proxy_request(self, ep, headers, body).await
     }
-}
 
-async fn metrics(State(st): State<Arc<ProxyState>>) -> Response {
-    ([(header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)], st.render_metrics()).into_response()
-}
-
-async fn models(State(st): State<Arc<ProxyState>>, headers: HeaderMap) -> Response {
-    if !authorized(st.cfg.api_key.as_deref(), &headers) {
-        return unauthorized();
+    /// `/tokenize` and `/detokenize` go to a decode engine (`vllm bench serve` aligns prompt
+    /// lengths with them through whatever URL it was given).
+    async fn tokenizer(self: Arc<Self>, route: TokenizerRoute, headers: HeaderMap, body: Bytes) -> Response {
+        forward_json(&self, &headers, route.path(), body).await
     }
-    forward(&st, Method::GET, "/v1/models", Bytes::new()).await
-}
 
-/// `/tokenize` and `/detokenize` go to a decode engine (`vllm bench serve` aligns prompt
-/// lengths with them through whatever URL it was given).
-async fn tokenize(State(st): State<Arc<ProxyState>>, headers: HeaderMap, body: Bytes) -> Response {
-    forward_json(&st, &headers, "/tokenize", body).await
-}
+    async fn models(self: Arc<Self>, headers: HeaderMap) -> Response {
+        if !authorized(self.cfg.api_key.as_deref(), &headers) {
+            return unauthorized();
+        }
+        forward(&self, Method::GET, "/v1/models", Bytes::new()).await
+    }
 
-async fn detokenize(State(st): State<Arc<ProxyState>>, headers: HeaderMap, body: Bytes) -> Response {
-    forward_json(&st, &headers, "/detokenize", body).await
+    fn health(&self) -> Response {
+        let (p, d) = (self.prefill.healthy_count(), self.decode.healthy_count());
+        if p > 0 && d > 0 {
+            StatusCode::OK.into_response()
+        } else {
+            error_response(&ApiError::new(
+                503,
+                format!("no healthy backend: {p} healthy prefill engine(s), {d} healthy decode engine(s)"),
+            ))
+        }
+    }
+
+    fn metrics_text(&self) -> String {
+        self.render_metrics()
+    }
 }
 
 async fn forward_json(st: &ProxyState, headers: &HeaderMap, path: &'static str, body: Bytes) -> Response {
@@ -606,14 +597,6 @@ async fn forward(st: &ProxyState, method: Method, path: &'static str, body: Byte
             format!("decode engine {} failed to send {path}", leg.backend.label),
         )),
     }
-}
-
-async fn completions(State(st): State<Arc<ProxyState>>, headers: HeaderMap, body: Bytes) -> Response {
-    proxy_request(st, Endpoint::Completions, headers, body).await
-}
-
-async fn chat_completions(State(st): State<Arc<ProxyState>>, headers: HeaderMap, body: Bytes) -> Response {
-    proxy_request(st, Endpoint::Chat, headers, body).await
 }
 
 /// A leg that got response headers back.

@@ -327,7 +327,7 @@ impl WorkerKv {
             // Pull: the decode ranks' reads are the transfer; a push decode rank only waited.
             transfers: ranks
                 .iter()
-                .filter(|_| job.params.transfer_mode != TransferMode::Push.as_str())
+                .filter(|_| job.params.transfer_mode != TransferMode::Push)
                 .map(|r| crate::report::bandwidth::RankTransfer {
                     rank: r.d_rank,
                     bytes: r.bytes,
@@ -458,7 +458,7 @@ impl KvBackend for WorkerKv {
             let mut params = job.params.clone();
             // Push: prefill writes into the blocks decode registers, so decode needs neither
             // its block ids nor (sent before prefill answered) its request id.
-            let push = params.transfer_mode == TransferMode::Push.as_str();
+            let push = params.transfer_mode == TransferMode::Push;
             if !push {
                 match &self.info.hybrid {
                     Some(shape) => params.check_group_block_ids(shape.groups.len()).map(|_| ()),

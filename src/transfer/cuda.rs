@@ -142,6 +142,18 @@ fn copy_runs(ranges: &[Range<u64>]) -> Vec<CopyRun> {
     runs
 }
 
+/// Each range of `group` (indices into `ranges`) with the place of its bytes in staging,
+/// where the group's ranges lie packed one after another (as [`copy_runs`] moves them).
+#[cfg(any(feature = "cuda", test))]
+fn packed(ranges: &[Range<u64>], group: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+    let mut off = 0usize;
+    group.map(move |i| {
+        let n = (ranges[i].end - ranges[i].start) as usize;
+        off += n;
+        (i, off - n..off)
+    })
+}
+
 /// Most pinned host memory one buffer keeps for staging its range copies.
 pub const STAGING_BYTES: u64 = 64 << 20;
 
@@ -174,7 +186,9 @@ mod imp {
 
     use cudarc::driver::{CudaContext, CudaStream, result, sys};
 
-    use super::{CudaError, DeviceInfo, DriverInfo, STAGING_BYTES, check_ranges, copy_runs, staging_groups};
+    use super::{
+        CudaError, DeviceInfo, DriverInfo, STAGING_BYTES, check_ranges, copy_runs, packed, staging_groups,
+    };
     use crate::transfer::ucx::{MemType, Registrable};
 
     fn driver() -> Result<(), CudaError> {
@@ -433,6 +447,25 @@ mod imp {
             slot.as_mut().ok_or(CudaError::Call { op: "staging", reason: "no buffer".into() })
         }
 
+        /// Runs `each` over `ranges` one staging buffer's worth at a time (a group of
+        /// consecutive indices), with pinned staging that holds the group's bytes packed
+        /// ([`packed`]). Checks every range against the buffer first; the buffer's context is
+        /// current throughout.
+        fn staged(
+            &self,
+            ranges: &[Range<u64>],
+            mut each: impl FnMut(Range<usize>, &mut Pinned) -> Result<(), CudaError>,
+        ) -> Result<(), CudaError> {
+            check_ranges(ranges, self.len)?;
+            let _cur = self.dev.scoped()?;
+            let mut slot = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+            for group in staging_groups(ranges, STAGING_BYTES) {
+                let total: u64 = ranges[group.clone()].iter().map(|r| r.end - r.start).sum();
+                each(group, Self::staging(&mut slot, total as usize)?)?;
+            }
+            Ok(())
+        }
+
         /// Writes byte ranges of the buffer: `fill(i, bytes)` fills range `i` in pinned
         /// host staging, then one batch of `cuMemcpyHtoDAsync` per staging buffer's worth
         /// of ranges moves them, with one synchronize per batch.
@@ -441,17 +474,9 @@ mod imp {
             ranges: &[Range<u64>],
             mut fill: impl FnMut(usize, &mut [u8]),
         ) -> Result<(), CudaError> {
-            check_ranges(ranges, self.len)?;
-            let _cur = self.dev.scoped()?;
-            let mut slot = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-            for group in staging_groups(ranges, STAGING_BYTES) {
-                let total: u64 = ranges[group.clone()].iter().map(|r| r.end - r.start).sum();
-                let pinned = Self::staging(&mut slot, total as usize)?;
-                let mut off = 0usize;
-                for i in group.clone() {
-                    let n = (ranges[i].end - ranges[i].start) as usize;
-                    fill(i, pinned.bytes(off..off + n));
-                    off += n;
+            self.staged(ranges, |group, pinned| {
+                for (i, at) in packed(ranges, group.clone()) {
+                    fill(i, pinned.bytes(at));
                 }
                 for run in copy_runs(&ranges[group]) {
                     let src = pinned.bytes(run.staged..run.staged + run.len);
@@ -462,9 +487,8 @@ mod imp {
                         result::memcpy_htod_async(self.ptr + run.dev, &*src, self.stream.cu_stream())
                     })?;
                 }
-                self.sync("cuStreamSynchronize")?;
-            }
-            Ok(())
+                self.sync("cuStreamSynchronize")
+            })
         }
 
         /// Reads byte ranges of the buffer: batches of `cuMemcpyDtoHAsync` into pinned
@@ -474,12 +498,7 @@ mod imp {
             ranges: &[Range<u64>],
             mut visit: impl FnMut(usize, &[u8]),
         ) -> Result<(), CudaError> {
-            check_ranges(ranges, self.len)?;
-            let _cur = self.dev.scoped()?;
-            let mut slot = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-            for group in staging_groups(ranges, STAGING_BYTES) {
-                let total: u64 = ranges[group.clone()].iter().map(|r| r.end - r.start).sum();
-                let pinned = Self::staging(&mut slot, total as usize)?;
+            self.staged(ranges, |group, pinned| {
                 for run in copy_runs(&ranges[group.clone()]) {
                     let dst = pinned.bytes(run.staged..run.staged + run.len);
                     // SAFETY: a run spans ranges checked to lie inside this allocation; the
@@ -489,14 +508,11 @@ mod imp {
                     })?;
                 }
                 self.sync("cuStreamSynchronize")?;
-                let mut off = 0usize;
-                for i in group {
-                    let n = (ranges[i].end - ranges[i].start) as usize;
-                    visit(i, pinned.bytes(off..off + n));
-                    off += n;
+                for (i, at) in packed(ranges, group) {
+                    visit(i, pinned.bytes(at));
                 }
-            }
-            Ok(())
+                Ok(())
+            })
         }
     }
 
@@ -772,6 +788,14 @@ mod nvml {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packed_lays_a_group_out_back_to_back() {
+        let ranges: Vec<Range<u64>> = vec![0..10, 100..130, 40..45];
+        let got: Vec<(usize, Range<usize>)> = packed(&ranges, 1..3).collect();
+        assert_eq!(got, vec![(1, 0..30), (2, 30..35)]);
+        assert_eq!(packed(&ranges, 0..0).count(), 0);
+    }
 
     #[test]
     fn staging_groups_cover_every_range_once_within_the_cap() {

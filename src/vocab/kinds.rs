@@ -144,9 +144,20 @@ impl KvBufferDevice {
     }
 }
 
-/// The two generation endpoints.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The two generation endpoints, written as their paths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Endpoint {
+    #[serde(rename = "/v1/completions")]
     Completions,
+    #[serde(rename = "/v1/chat/completions")]
     Chat,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
 }

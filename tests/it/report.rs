@@ -219,7 +219,7 @@ fn summary_json_round_trips_with_every_section() {
     let mut s = built_summary(&rows);
     s.repeats = vec![RepeatMetrics { index: 0, throughput_gbps: 1.0, ..Default::default() }];
     s.sweep = Some(vec![SweepPoint { label: "x".into(), ..Default::default() }]);
-    s.scenario.extra.insert("new_knob".into(), serde_json::json!([1, 2]));
+    s.scenario.extra.other.insert("new_knob".into(), serde_json::json!([1, 2]));
     s.notes.push("cache-hot".into());
     let bytes = export::summary_json(&s).expect("json");
     let v: serde_json::Value = serde_json::from_slice(&bytes).expect("value");

@@ -294,7 +294,7 @@ fn scatter_child_body(lib: &Path) {
     // Several sources in one batch, interleaved under one window: a second endpoint (and
     // rkey) to the same target, plus a source with nothing to read.
     {
-        use kvx::transfer::ucx::{Context, ContextOptions, Endpoint, ErrMode, Worker, read_batch_multi};
+        use kvx::transfer::ucx::{Context, ContextOptions, Endpoint, ErrMode, Rma, Worker, rma_batch};
         let hello = &session.hello;
         let ep2 = Endpoint::connect(&session.worker, &hello.worker_address, ErrMode::None).expect("ep2");
         let rkey = PackedRkey::from_bytes(&hello.rkey).expect("rkey");
@@ -311,7 +311,8 @@ fn scatter_child_body(lib: &Path) {
             })
             .collect();
         local.memory_mut().expect("usable").as_mut_slice().fill(0);
-        let stats = read_batch_multi(
+        let stats = rma_batch(
+            Rma::Get,
             &mut local,
             [(&session.remote, a.clone()), (&remote2, b.clone()), (&session.remote, Vec::new())],
             &ReadOptions { max_inflight: 5, timeout: Duration::from_secs(20) },
@@ -328,7 +329,8 @@ fn scatter_child_body(lib: &Path) {
         }
         // A bad descriptor names its source; the region stays usable.
         let bad = [ReadDesc { local_off: 0, remote_off: REGION, len: 1 }];
-        let err = read_batch_multi(
+        let err = rma_batch(
+            Rma::Get,
             &mut local,
             [(&session.remote, a[..4].to_vec()), (&remote2, bad.to_vec())],
             &ReadOptions::default(),
@@ -340,7 +342,8 @@ fn scatter_child_body(lib: &Path) {
         let worker2 = Worker::new(&ctx2).expect("worker2");
         let ep3 = Endpoint::connect(&worker2, &hello.worker_address, ErrMode::None).expect("ep3");
         let remote3 = ep3.unpack_rkey(&rkey, hello.base, hello.len).expect("unpack on ep3");
-        let err = read_batch_multi(
+        let err = rma_batch(
+            Rma::Get,
             &mut local,
             [(&session.remote, a[..1].to_vec()), (&remote3, a[..1].to_vec())],
             &ReadOptions::default(),
@@ -355,10 +358,10 @@ fn scatter_child_body(lib: &Path) {
 
         // PUTs (push mode): write a local pattern into the peer through both endpoints,
         // flush them (remote completion), read it back and compare.
-        use kvx::transfer::ucx::write_batch_multi;
         let mine: Vec<u8> = (0..REGION).map(|i| (i.wrapping_mul(31) ^ 0x5a) as u8).collect();
         local.memory_mut().expect("usable").as_mut_slice().copy_from_slice(&mine);
-        let stats = write_batch_multi(
+        let stats = rma_batch(
+            Rma::Put,
             &mut local,
             [(&session.remote, a.clone()), (&remote2, b.clone())],
             &ReadOptions { max_inflight: 5, timeout: Duration::from_secs(20) },
@@ -368,7 +371,8 @@ fn scatter_child_body(lib: &Path) {
         session.remote.endpoint().flush(Duration::from_secs(20)).expect("flush");
         remote2.endpoint().flush(Duration::from_secs(20)).expect("flush");
         local.memory_mut().expect("usable").as_mut_slice().fill(0);
-        read_batch_multi(
+        rma_batch(
+            Rma::Get,
             &mut local,
             [(&session.remote, a.clone()), (&remote2, b.clone())],
             &ReadOptions { max_inflight: 5, timeout: Duration::from_secs(20) },
@@ -377,7 +381,7 @@ fn scatter_child_body(lib: &Path) {
         let bytes = local.memory().expect("not poisoned").as_slice();
         assert_eq!(bytes, &mine[..], "the peer holds what was written, where it was written");
         let bad = [ReadDesc { local_off: 0, remote_off: REGION, len: 1 }];
-        let err = write_batch_multi(&mut local, [(&remote2, bad.to_vec())], &ReadOptions::default())
+        let err = rma_batch(Rma::Put, &mut local, [(&remote2, bad.to_vec())], &ReadOptions::default())
             .expect_err("out of bounds");
         assert!(matches!(&err, UcxError::Invalid(m) if m.contains("write destination 0")), "{err}");
         println!("VERIFIED put {} + {} descriptors", a.len(), b.len());

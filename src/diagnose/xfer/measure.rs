@@ -13,7 +13,8 @@ use super::{Result, XferError};
 use crate::config::xfer::{Misalign, XferConfig};
 use crate::layouts::pattern::{check_at, fill_at};
 use crate::report::xfer::{
-    MemoryReport, UcxReport, VERIFY_EVERY, XferReport, XferResult, protocol_warnings, verification_rule,
+    CeilingKind, MemoryReport, Residency, UcxReport, VERIFY_EVERY, XferMemory, XferReport, XferResult,
+    protocol_warnings, verification_rule,
 };
 use crate::transfer::cuda::{self, CudaBuffer, CudaDevice};
 use crate::transfer::cuda_batch::{BatchCopier, CopyBatch, PeerMapping, Span};
@@ -150,18 +151,14 @@ pub(super) fn measure(
             env,
         },
         memory: MemoryReport {
-            kind: match cfg.mem {
-                MemPlace::Cuda { .. } => "cuda".into(),
-                MemPlace::Host if cfg.ucx_alloc => "ucx-alloc".into(),
-                MemPlace::Host => "host".into(),
-            },
+            kind: XferMemory::of(cfg.mem, cfg.ucx_alloc),
             device: cfg.mem.device(),
             huge_pages: cfg.huge_pages,
             pages: pages.to_string(),
             working_set_bytes: ws,
-            residency: if cfg.hot { "hot".into() } else { "cold".into() },
+            residency: Residency::of(cfg.hot),
         },
-        ceiling: Ceiling::kind_for(cfg.mem).into(),
+        ceiling: CeilingKind::over(cfg.mem),
         warnings,
         results,
         transport: "ucx".into(),
@@ -198,14 +195,6 @@ impl Ceiling {
                 }
             }
         })
-    }
-
-    /// The ceiling a run over `mem` measures.
-    fn kind_for(mem: MemPlace) -> &'static str {
-        match mem {
-            MemPlace::Host => "memcpy",
-            MemPlace::Cuda { .. } => "device_copy",
-        }
     }
 
     fn measure(&mut self, size: u64, inflight: usize, ws: u64, cfg: &XferConfig) -> Result<f64> {

@@ -39,7 +39,8 @@ pub use self::control::{
 pub use self::target::{listen_and_serve, run_target};
 use crate::config::xfer::{TargetOptions, TargetSpec, XferConfig};
 pub use crate::report::xfer::{
-    MemoryReport, UcxReport, XferBatchReport, XferReport, XferResult, verification_rule,
+    CeilingKind, MemoryReport, Residency, UcxReport, XferBatchReport, XferMemory, XferReport, XferResult,
+    verification_rule,
 };
 
 use self::buffers::check_mem;
@@ -253,14 +254,14 @@ fn run_batch(
                 env: Vec::new(),
             },
             memory: MemoryReport {
-                kind: "cuda".into(),
+                kind: XferMemory::Cuda,
                 device: Some(device),
                 huge_pages: false,
                 pages: PageSize::Normal.to_string(),
                 working_set_bytes: ws,
-                residency: if cfg.hot { "hot".into() } else { "cold".into() },
+                residency: Residency::of(cfg.hot),
             },
-            ceiling: "device_copy".into(),
+            ceiling: CeilingKind::DeviceCopy,
             warnings: Vec::new(),
             results,
             transport: "cuda-batch".into(),

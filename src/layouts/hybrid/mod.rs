@@ -45,8 +45,8 @@ pub use geometry::{
 };
 pub use model::HybridModel;
 pub use pair::{
-    GeometryDifference, GeometrySource, HostCopyRule, HybridPairSpec, PushAttention, StateSlices, StatedPair,
-    compare_stated,
+    GeometryDifference, GeometrySource, HostCopyRule, HostDescriptors, HostStatePage, HybridPairSpec,
+    PushAttention, StateSlices, StatedPair, compare_stated,
 };
 pub use planner::{DRankPlan, DRankSetup, GroupClipping, HostCopy, HybridPlan, HybridPlanner, HybridRequest};
 pub use runs::{HybridRead, LabeledPair, PairRun};

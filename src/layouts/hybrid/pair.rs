@@ -156,6 +156,41 @@ pub enum HostCopyRule {
     PerGroup,
 }
 
+/// How big a host buffer's state pages are ([`Knob::HostStatePage`]), as
+/// [`HybridEngineSpec::host_state_page_padded`] holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HostStatePage {
+    /// vLLM 0.33: unpadded state pages, under regions that step by padded ones.
+    #[default]
+    Vllm,
+    /// Padded pages, as the regions assume.
+    Padded,
+}
+
+/// Which host tensors a host buffer's descriptors read ([`Knob::HostDescriptors`]), as
+/// [`HybridEngineSpec::host_descriptors_per_group`] holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HostDescriptors {
+    /// vLLM 0.33: with state in the model, every layer's host tensor for attention, every state
+    /// layer's for state.
+    #[default]
+    Vllm,
+    /// Each group's own layers' tensors only.
+    PerGroup,
+}
+
+impl HybridEngineSpec {
+    pub fn host_state_page(&self) -> HostStatePage {
+        if self.host_state_page_padded { HostStatePage::Padded } else { HostStatePage::Vllm }
+    }
+
+    pub fn host_descriptors(&self) -> HostDescriptors {
+        if self.host_descriptors_per_group { HostDescriptors::PerGroup } else { HostDescriptors::Vllm }
+    }
+}
+
 /// Where a decode rank reads its slice of each state part in a prefill rank's page.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -11,7 +11,7 @@ use crate::config::bench::BenchSettings;
 use crate::host::cpu_seconds;
 use crate::pipeline::bench::{self, XferRunner};
 use crate::report::chart::{Bars, bars_svg};
-use crate::report::compare_runs::{RunRow, kv_buffer_table, modes_table, transports_table};
+use crate::report::compare_runs::{RunRow, RunSetting, kv_buffer_table, modes_table, transports_table};
 use crate::report::files::{RunWriter, write_atomic};
 use crate::report::summary::{Summary, SweepPoint};
 
@@ -35,11 +35,11 @@ impl Compared {
         }
     }
 
-    fn name_of(self, s: &BenchSettings) -> String {
+    fn setting_of(self, s: &BenchSettings) -> RunSetting {
         match self {
-            Compared::Transports => s.workers.transport.kind.as_str().to_string(),
-            Compared::Modes => s.workers.transport.mode.as_str().to_string(),
-            Compared::KvBuffer => s.workers.transport.kv_buffer.as_str().to_string(),
+            Compared::Transports => RunSetting::Transport(s.workers.transport.kind),
+            Compared::Modes => RunSetting::Mode(s.workers.transport.mode),
+            Compared::KvBuffer => RunSetting::KvBuffer(s.workers.transport.kv_buffer),
         }
     }
 }
@@ -54,7 +54,7 @@ pub fn run(
     run_id: &str,
     xfer: XferRunner,
 ) -> anyhow::Result<(Summary, String)> {
-    let plans: Vec<(String, &BenchSettings)> = runs.iter().map(|s| (what.name_of(s), s)).collect();
+    let plans: Vec<(RunSetting, &BenchSettings)> = runs.iter().map(|s| (what.setting_of(s), s)).collect();
     let Some((_, first)) = plans.first() else {
         anyhow::bail!("{} needs at least one run", what.flag());
     };
@@ -67,7 +67,8 @@ pub fn run(
     summary.environment = crate::host::Environment::detect();
     let mut points = Vec::new();
     let mut rows = Vec::new();
-    for (i, (name, settings)) in plans.iter().enumerate() {
+    for (i, &(setting, settings)) in plans.iter().enumerate() {
+        let name = setting.as_str();
         if let Some(sig) = crate::interrupt::requested() {
             let left: Vec<&str> = plans[i..].iter().map(|(n, _)| n.as_str()).collect();
             summary.notes.push(format!("interrupted by {}: {} did not run", sig.name(), left.join(", ")));
@@ -86,7 +87,7 @@ pub fn run(
         let (e50, e99) = stage("e2e");
         summary.absorb(&s);
         rows.push(RunRow {
-            name: name.clone(),
+            setting,
             transfer: (t50, t99),
             e2e: (e50, e99),
             ready: stage(bench::READY),
@@ -118,8 +119,8 @@ pub fn run(
             params.insert("cuda_batch_paths".into(), json!(b.paths));
         }
         points.push(SweepPoint {
-            label: name.clone(),
-            series: Some(name.clone()),
+            label: name.to_string(),
+            series: Some(name.to_string()),
             params,
             block_size: Some(settings.pair().p.block_tokens),
             bytes_per_descriptor: None,
@@ -142,7 +143,7 @@ pub fn run(
     let groups: Vec<Bars> = rows
         .iter()
         .map(|r| Bars {
-            label: r.name.clone(),
+            label: r.setting.as_str().to_string(),
             values: vec![
                 ("throughput GB/s".into(), r.gbps),
                 ("transfer p50 ms".into(), r.transfer.0),

@@ -167,7 +167,7 @@ impl EngineInfo {
             remote_num_tokens: u64::from(self.computed_tokens(tokens)),
             remote_blocks_expiry_time: None,
             remote_registration_generation: 0,
-            transfer_mode: mode.as_str().into(),
+            transfer_mode: mode,
         }
     }
 }

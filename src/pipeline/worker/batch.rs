@@ -14,7 +14,7 @@ use crate::layouts::read_plan::{BlockPairs, Pair, RegionXfer};
 use crate::pipeline::wire::{FailureCause, LoadResult};
 use crate::pipeline::worker::plumbing::{Stage as _, WorkerError};
 use crate::report::summary::{CudaBatchInfo, Summary};
-use crate::transfer::cuda::CudaDevice;
+use crate::transfer::cuda::{CudaBuffer, CudaDevice};
 use crate::transfer::cuda_batch::{
     BatchCopier, BatchCopy, BatchDescriptors, BatchLaunch, BatchPath, CopyBatch, CudaBatchError,
     GATHER_PIECE, GridBatch, PeerMapping, Span, export, pack_parts,
@@ -48,7 +48,7 @@ pub struct BatchSide {
     grid: GridBatch,
 }
 
-/// One READ of a request for [`BatchSide::read_all`]: the prefill rank, its mapped pool (none
+/// One READ of a request for [`BatchSide::read_request`]: the prefill rank, its mapped pool (none
 /// when it exported none) and the plan's pairs.
 pub type BatchRead<'a> = (u32, Option<&'a Arc<PeerMapping>>, &'a [Pair]);
 
@@ -94,8 +94,8 @@ impl BatchSide {
 
     /// One request's READs with their descriptors made on the device ([`GridBatch`]): with
     /// `--batch-launch rank` one grid over all READs, posted once; with `peer` one per READ,
-    /// each posted while the one before copies. Then waits, as
-    /// [`read_request`](Self::read_request) does.
+    /// each posted while the one before copies. Then waits, as [`request`](Self::request)
+    /// says.
     pub fn read_grid(
         &mut self,
         local: &mut KvBuffer,
@@ -104,35 +104,27 @@ impl BatchSide {
         timeout: Duration,
         r: &mut LoadResult,
     ) -> Result<(), Failure> {
-        // Posting, then (even when posting failed) the wait, as `read_request`.
-        let mut post = || -> Result<(), Failure> {
-            let peers = mapped(reads.iter().map(|&(p_rank, peer, _)| (p_rank, peer)))?;
-            let (buf, local_span) = device_pool(local)?;
+        self.request(local, reads, timeout, r, |me, buf, local_span, peers, r| {
             let who = |i: usize| format!("prefill rank {}", reads[i].0);
             let jobs: Vec<(&[RegionXfer], Span)> =
-                reads.iter().zip(&peers).map(|((_, _, regions), peer)| (*regions, peer.span())).collect();
+                reads.iter().zip(peers).map(|((_, _, regions), peer)| (*regions, peer.span())).collect();
             // `Auto` was resolved in `new`: one grid over all READs, or one per READ.
-            let per = if self.launch == BatchLaunch::Peer { 1 } else { reads.len().max(1) };
+            let per = if me.launch == BatchLaunch::Peer { 1 } else { reads.len().max(1) };
             for first in (0..reads.len()).step_by(per) {
                 let g = first..(first + per).min(reads.len());
                 let t_pack = Instant::now();
-                let packed = self.grid.pack(&jobs[g.clone()], &bp.local, &bp.remote, local_span);
+                let packed = me.grid.pack(&jobs[g.clone()], &bp.local, &bp.remote, local_span);
                 r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
                 packed.map_err(|(i, e)| failure(&who(first + i), e))?;
                 let whom = if g.len() == 1 { who(first) } else { "its prefill ranks".to_string() };
-                let st = self
+                let st = me
                     .copier
-                    .enqueue_grid(buf, &peers[g], &self.grid, timeout)
+                    .enqueue_grid(buf, &peers[g], &me.grid, timeout)
                     .map_err(|e| failure(&whom, e))?;
-                self.count(&st, r);
+                me.count(&st, r);
             }
             Ok(())
-        };
-        let posted = post();
-        let waited = self.finish(timeout, r);
-        posted.and(waited)?;
-        r.transport = Some(crate::vocab::kinds::TransportKind::CudaBatch);
-        r.transports = Some(self.label());
+        })?;
         r.batch_device_descriptors = true;
         Ok(())
     }
@@ -148,63 +140,10 @@ impl BatchSide {
         format!("cuda-batch/{}", self.copier.path())
     }
 
-    /// Takes one request's `reads` into `local`: with `--batch-launch peer`, each READ packed
-    /// and posted at once (the next packed while it copies); with `rank`, every READ packed
-    /// (on several threads when the request is large: `pack_parts`) into one batch, posted
-    /// once. [`finish`](Self::finish) then waits. What it cost goes to `r`. A prefill rank
-    /// that is not mapped fails the request before anything is posted.
-    pub fn read_all(
-        &mut self,
-        local: &mut KvBuffer,
-        reads: &[BatchRead<'_>],
-        timeout: Duration,
-        r: &mut LoadResult,
-    ) -> Result<(), Failure> {
-        let peers = mapped(reads.iter().map(|&(p_rank, peer, _)| (p_rank, peer)))?;
-        let (buf, local_span) = device_pool(local)?;
-        // One part per READ with `rank`; `peer` reuses the first for each READ in turn.
-        let parts = if self.launch == BatchLaunch::Peer { 1 } else { reads.len() };
-        if self.parts.len() < parts {
-            self.parts.resize_with(parts, CopyBatch::default);
-        }
-        let who = |i: usize| format!("prefill rank {}", reads[i].0);
-        match self.launch {
-            BatchLaunch::Peer => {
-                for (i, ((_, _, pairs), peer)) in reads.iter().zip(&peers).enumerate() {
-                    let t_pack = Instant::now();
-                    let part = &mut self.parts[0];
-                    let packed = part.pack(pairs.iter().copied(), local_span, peer.span());
-                    r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
-                    packed.map_err(|e| failure(&who(i), e))?;
-                    let st = self
-                        .copier
-                        .enqueue(buf, std::slice::from_ref(peer), std::slice::from_mut(part), timeout)
-                        .map_err(|e| failure(&who(i), e))?;
-                    self.count(&st, r);
-                }
-            }
-            // `Auto` was resolved in `new`.
-            BatchLaunch::Rank | BatchLaunch::Auto => {
-                let jobs: Vec<(&[Pair], Span)> =
-                    reads.iter().zip(&peers).map(|((_, _, pairs), peer)| (*pairs, peer.span())).collect();
-                let t_pack = Instant::now();
-                let packed = pack_parts(&mut self.parts, &jobs, local_span);
-                r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
-                packed.map_err(|(i, e)| failure(&who(i), e))?;
-                let whom = if reads.len() == 1 { "its prefill rank" } else { "its prefill ranks" };
-                let st = self
-                    .copier
-                    .enqueue(buf, &peers, &mut self.parts[..reads.len()], timeout)
-                    .map_err(|e| failure(whom, e))?;
-                self.count(&st, r);
-            }
-        }
-        Ok(())
-    }
-
-    /// One request's reads: [`read_all`](Self::read_all), then [`finish`](Self::finish) even
-    /// when posting failed (nothing of this request may still be copying when the next one
-    /// posts); posting's error first. The transport used goes to `r`.
+    /// One request's `reads` into `local`: with `--batch-launch peer`, each READ packed and
+    /// posted at once (the next packed while it copies); with `rank`, every READ packed (on
+    /// several threads when the request is large: `pack_parts`) into one batch, posted once.
+    /// Then waits, as [`request`](Self::request) says. What it cost goes to `r`.
     pub fn read_request(
         &mut self,
         local: &mut KvBuffer,
@@ -212,7 +151,72 @@ impl BatchSide {
         timeout: Duration,
         r: &mut LoadResult,
     ) -> Result<(), Failure> {
-        let posted = self.read_all(local, reads, timeout, r);
+        self.request(local, reads, timeout, r, |me, buf, local_span, peers, r| {
+            // One part per READ with `rank`; `peer` reuses the first for each READ in turn.
+            let parts = if me.launch == BatchLaunch::Peer { 1 } else { reads.len() };
+            if me.parts.len() < parts {
+                me.parts.resize_with(parts, CopyBatch::default);
+            }
+            let who = |i: usize| format!("prefill rank {}", reads[i].0);
+            match me.launch {
+                BatchLaunch::Peer => {
+                    for (i, ((_, _, pairs), peer)) in reads.iter().zip(peers).enumerate() {
+                        let t_pack = Instant::now();
+                        let part = &mut me.parts[0];
+                        let packed = part.pack(pairs.iter().copied(), local_span, peer.span());
+                        r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
+                        packed.map_err(|e| failure(&who(i), e))?;
+                        let st = me
+                            .copier
+                            .enqueue(buf, std::slice::from_ref(peer), std::slice::from_mut(part), timeout)
+                            .map_err(|e| failure(&who(i), e))?;
+                        me.count(&st, r);
+                    }
+                }
+                // `Auto` was resolved in `new`.
+                BatchLaunch::Rank | BatchLaunch::Auto => {
+                    let jobs: Vec<(&[Pair], Span)> =
+                        reads.iter().zip(peers).map(|((_, _, pairs), peer)| (*pairs, peer.span())).collect();
+                    let t_pack = Instant::now();
+                    let packed = pack_parts(&mut me.parts, &jobs, local_span);
+                    r.batch_pack_ns += t_pack.elapsed().as_nanos() as u64;
+                    packed.map_err(|(i, e)| failure(&who(i), e))?;
+                    let whom = if reads.len() == 1 { "its prefill rank" } else { "its prefill ranks" };
+                    let st = me
+                        .copier
+                        .enqueue(buf, peers, &mut me.parts[..reads.len()], timeout)
+                        .map_err(|e| failure(whom, e))?;
+                    me.count(&st, r);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// One request's READs from start to end: their prefill ranks' pools looked up (one not
+    /// mapped fails the request before anything is posted), `post` given them and this rank's
+    /// pool, then a wait for what was posted ([`finish`](Self::finish)) even when posting
+    /// failed (nothing of this request may still be copying when the next one posts).
+    /// Posting's error comes first; the transport used goes to `r`.
+    fn request<T>(
+        &mut self,
+        local: &mut KvBuffer,
+        reads: &[(u32, Option<&Arc<PeerMapping>>, T)],
+        timeout: Duration,
+        r: &mut LoadResult,
+        post: impl FnOnce(
+            &mut Self,
+            &mut CudaBuffer,
+            Span,
+            &[Arc<PeerMapping>],
+            &mut LoadResult,
+        ) -> Result<(), Failure>,
+    ) -> Result<(), Failure> {
+        let posted = (|| {
+            let peers = mapped(reads.iter().map(|(p_rank, peer, _)| (*p_rank, *peer)))?;
+            let (buf, local_span) = device_pool(local)?;
+            post(self, buf, local_span, &peers, r)
+        })();
         let waited = self.finish(timeout, r);
         posted.and(waited)?;
         r.transport = Some(crate::vocab::kinds::TransportKind::CudaBatch);
@@ -348,10 +352,10 @@ impl BatchTally {
         let per_request = |n: u64| n as f64 / self.requests as f64;
         let per = |num: u64, den: u64| if den > 0 { num as f64 / den as f64 } else { 0.0 };
         summary.cuda_batch = Some(CudaBatchInfo {
-            paths: self.paths.iter().map(|p| p.as_str().to_string()).collect(),
+            paths: self.paths.clone(),
             driver_calls: self.paths.iter().map(|p| p.driver_call().to_string()).collect(),
-            launches: self.launches.iter().map(|l| l.as_str().to_string()).collect(),
-            descriptors_made_on: self.made_on.iter().map(|d| d.as_str().to_string()).collect(),
+            launches: self.launches.clone(),
+            descriptors_made_on: self.made_on.clone(),
             calls_per_request: per_request(self.calls),
             copies_per_request: per_request(self.copies),
             descriptors_per_request: per_request(self.descriptors),
@@ -402,7 +406,7 @@ mod tests {
         let mut s = Summary::new("r", "t", Default::default());
         t.report(&mut s);
         let info = s.cuda_batch.expect("reported");
-        assert_eq!(info.paths, ["batch-v2"]);
+        assert_eq!(info.paths, [BatchPath::BatchV2]);
         assert_eq!(info.driver_calls, ["cuMemcpyBatchAsync_v2"]);
         assert_eq!(info.calls_per_request, 6.0);
         assert_eq!(info.copies_per_request, 50.0);
@@ -413,12 +417,15 @@ mod tests {
         assert_eq!(info.post_us_per_rank, 100_000.0 / 3.0 / 1e3, "three decode ranks' results");
         assert_eq!(info.pack_us_per_rank, 3_000.0 / 3.0 / 1e3);
         assert_eq!(info.wait_us_per_rank, 6_000.0 / 3.0 / 1e3);
-        assert_eq!(info.descriptors_made_on, ["host"]);
+        assert_eq!(info.descriptors_made_on, [BatchDescriptors::Host]);
         // A rank whose descriptors the GPU made is named beside the host's.
         t.add(&[LoadResult { batch_device_descriptors: true, ..rank(3, 400, 400, 1_000) }]);
         let mut s = Summary::new("r", "t", Default::default());
         t.report(&mut s);
-        assert_eq!(s.cuda_batch.expect("reported").descriptors_made_on, ["host", "device"]);
+        assert_eq!(
+            s.cuda_batch.expect("reported").descriptors_made_on,
+            [BatchDescriptors::Host, BatchDescriptors::Device]
+        );
         let mut none = Summary::new("r", "t", Default::default());
         BatchTally::default().report(&mut none);
         assert!(none.cuda_batch.is_none());

@@ -40,7 +40,7 @@ use crate::transfer::notify::{
     Notification, NotifyError, NotifySender, NotifyTransport, PushRegistration, UcxNotifySender,
 };
 use crate::transfer::ucx::{
-    Endpoint, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion, UcxError, Worker, write_batch_multi,
+    Endpoint, MemRegion, PackedRkey, ReadDesc, ReadOptions, RemoteRegion, Rma, UcxError, Worker, rma_batch,
 };
 use crate::vocab::kinds::TransportKind;
 
@@ -402,7 +402,7 @@ impl Pusher {
             let t_mono = crate::clock::now_ns();
             let opts =
                 ReadOptions { max_inflight: cfg.transport.inflight.max(1) as usize, timeout: self.timeout };
-            let st = write_batch_multi(local, dests, &opts)
+            let st = rma_batch(Rma::Put, local, dests, &opts)
                 .map_err(|e| (classify_ucx(&e), format!("write to the decode ranks: {e}")))?;
             let done = Instant::now();
             job.stats.transfer_ns += done.duration_since(t).as_nanos() as u64;

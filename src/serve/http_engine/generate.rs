@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
@@ -22,28 +21,18 @@ use crate::serve::timing::{self, ServerTiming};
 use crate::vocab::kinds::Endpoint;
 use crate::vocab::kinds::Role;
 
-pub(super) async fn completions(
-    State(st): State<Arc<EngineState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    generate(st, Endpoint::Completions, headers, body).await
-}
-
-pub(super) async fn chat_completions(
-    State(st): State<Arc<EngineState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    generate(st, Endpoint::Chat, headers, body).await
-}
-
 /// The answer to a generation request `/abort_requests` named (its client, a proxy, left).
 fn aborted_by_id() -> ApiError {
     ApiError::new(499, "the request was aborted (POST /abort_requests)")
 }
 
-async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+/// `/v1/completions` (`ep` `Completions`) or `/v1/chat/completions` (`Chat`).
+pub(super) async fn generate(
+    st: Arc<EngineState>,
+    ep: Endpoint,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let arrived = Instant::now();
     if let Some(r) = rejected(&st, &headers) {
         return r;
@@ -159,10 +148,7 @@ async fn generate(st: Arc<EngineState>, ep: Endpoint, headers: HeaderMap, body: 
             system_fingerprint: &st.system_fingerprint,
         };
         let usage = Usage::new(req.prompt_tokens, n);
-        let body = match ep {
-            Endpoint::Completions => openai::completion_body(&ctx, &text, finish, usage, kv_out.as_ref()),
-            Endpoint::Chat => openai::chat_body(&ctx, &text, finish, usage, kv_out.as_ref()),
-        };
+        let body = openai::response_body(&ctx, ep, &text, finish, usage, kv_out.as_ref());
         st.metrics.generation_tokens.add(n);
         inflight.finish(finish, n, ttft);
         timing.st.push(total_name, arrived.elapsed());

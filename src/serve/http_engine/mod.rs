@@ -24,9 +24,11 @@
 //! mod.rs         router(state), serve(listener, state, shutdown), serve_router
 //! config.rs      HttpEngineConfig, Role, DEFAULT_ITL, DEFAULT_BODY_LIMIT
 //! answers.rs     vLLM's error bodies and request checks, shared with the proxy
+//! api.rs         the routes shared with the proxy (OpenAiServer, api_router)
 //! state.rs       EngineState: backend, admission, counters, abort-by-id bookkeeping
 //! exposition.rs  /metrics: vLLM's families and kvx's own
-//! routes.rs      /health, /metrics, /v1/models, /tokenize, /detokenize, /abort_requests
+//! routes.rs      the engine's OpenAiServer (/health, /metrics, /v1/models, /tokenize,
+//!                /detokenize) and /abort_requests
 //! inflight.rs    a running request's permit and gauges (abort on drop), token sleeps
 //! generate.rs    /v1/completions and /v1/chat/completions: admission, KV phase, answer
 //! stream.rs      the SSE body of a streaming answer, paced token by token
@@ -36,14 +38,14 @@ use std::future::Future;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
+use axum::routing::post;
 use tokio::net::TcpListener;
 
 use super::conn;
 use crate::config::serve::ConnLimits;
 
 mod answers;
+mod api;
 mod config;
 mod exposition;
 mod generate;
@@ -57,28 +59,16 @@ pub use answers::{
     unauthorized,
 };
 
+pub use api::{OpenAiServer, TokenizerRoute, api_router};
 pub use state::EngineState;
 
-use generate::{chat_completions, completions};
-use routes::{abort_requests, detokenize, health, metrics, models, tokenize};
+use routes::abort_requests;
 
-/// The engine's routes. Pure: no sockets, testable with `tower::ServiceExt::oneshot`.
+/// The engine's routes: the shared ones ([`api_router`]) and `/abort_requests`. Pure: no
+/// sockets, testable with `tower::ServiceExt::oneshot`.
 pub fn router(state: Arc<EngineState>) -> Router {
     let limit = state.cfg.max_body_bytes;
-    Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
-        .route("/abort_requests", post(abort_requests))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(limit))
-        .layer(axum::middleware::map_response(json_body_limit(limit)))
-        .with_state(state)
+    api_router(state, limit, Router::new().route("/abort_requests", post(abort_requests)))
 }
 
 /// Serves `router` on `listener` with the default [`ConnLimits`] until `shutdown` resolves,

@@ -1,37 +1,64 @@
-//! The engine's routes other than generation: `/health`, `/metrics`, `/v1/models`,
-//! `/tokenize`, `/detokenize` and `/abort_requests`, and the checks every JSON route shares
-//! (API key, content type, model name). Generation is `generate.rs`; the router `mod.rs`.
+//! The engine's answers to the routes it shares with the proxy ([`OpenAiServer`]: `/health`,
+//! `/metrics`, `/v1/models`, `/tokenize`, `/detokenize`; generation is `generate.rs`), its own
+//! `/abort_requests`, and the checks every JSON route shares (API key, content type, model
+//! name). The router is `mod.rs`.
 
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::answers::{authorized, check_json_content_type, error_response, json_response, unauthorized};
+use super::api::{OpenAiServer, TokenizerRoute};
+use super::generate::generate;
 use super::state::EngineState;
-use crate::serve::metrics::PROMETHEUS_CONTENT_TYPE;
 use crate::serve::openai::{self, ApiError};
+use crate::vocab::kinds::Endpoint;
 
-/// 200 with an empty body while the engine can serve; 503 (empty body, as vLLM answers when
-/// its engine core is dead) once the KV backend cannot.
-pub(super) async fn health(State(st): State<Arc<EngineState>>) -> StatusCode {
-    match st.backend.health() {
-        Ok(()) => StatusCode::OK,
-        Err(why) => {
-            tracing::debug!(%why, "health check: unhealthy");
-            StatusCode::SERVICE_UNAVAILABLE
+impl OpenAiServer for EngineState {
+    async fn generate(self: Arc<Self>, ep: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+        generate(self, ep, headers, body).await
+    }
+
+    /// vLLM's tokenizer routes with vLLM's request and response fields (kvx's synthetic
+    /// tokenizer: one token per whitespace-separated word; detokenizing gives text that
+    /// tokenizes to the same count).
+    async fn tokenizer(self: Arc<Self>, route: TokenizerRoute, headers: HeaderMap, body: Bytes) -> Response {
+        if let Some(r) = rejected(&self, &headers) {
+            return r;
         }
+        let out = match route {
+            TokenizerRoute::Tokenize => openai::tokenize(&body, self.cfg.max_model_len),
+            TokenizerRoute::Detokenize => openai::detokenize(&body),
+        };
+        answer(&self, out)
+    }
+
+    async fn models(self: Arc<Self>, headers: HeaderMap) -> Response {
+        models(&self, &headers)
+    }
+
+    /// 200 with an empty body while the engine can serve; 503 (empty body, as vLLM answers
+    /// when its engine core is dead) once the KV backend cannot.
+    fn health(&self) -> Response {
+        match self.backend.health() {
+            Ok(()) => StatusCode::OK.into_response(),
+            Err(why) => {
+                tracing::debug!(%why, "health check: unhealthy");
+                StatusCode::SERVICE_UNAVAILABLE.into_response()
+            }
+        }
+    }
+
+    fn metrics_text(&self) -> String {
+        self.render_metrics()
     }
 }
 
-pub(super) async fn metrics(State(st): State<Arc<EngineState>>) -> Response {
-    ([(header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)], st.render_metrics()).into_response()
-}
-
-pub(super) async fn models(State(st): State<Arc<EngineState>>, headers: HeaderMap) -> Response {
-    if !authorized(st.cfg.api_key.as_deref(), &headers) {
+fn models(st: &EngineState, headers: &HeaderMap) -> Response {
+    if !authorized(st.cfg.api_key.as_deref(), headers) {
         return unauthorized();
     }
     let m = st.cfg.model_name.as_str();
@@ -120,31 +147,6 @@ pub(super) fn check_model(st: &EngineState, model: Option<&str>) -> Result<(), A
         }
         _ => Ok(()),
     }
-}
-
-/// `POST /tokenize` with vLLM's request and response fields (kvx's synthetic tokenizer: one
-/// token per whitespace-separated word).
-pub(super) async fn tokenize(
-    State(st): State<Arc<EngineState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Some(r) = rejected(&st, &headers) {
-        return r;
-    }
-    answer(&st, openai::tokenize(&body, st.cfg.max_model_len))
-}
-
-/// `POST /detokenize`: token ids back to text that tokenizes to the same count.
-pub(super) async fn detokenize(
-    State(st): State<Arc<EngineState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Some(r) = rejected(&st, &headers) {
-        return r;
-    }
-    answer(&st, openai::detokenize(&body))
 }
 
 /// A tokenizer route's answer: its JSON once the request named this engine's model, else the

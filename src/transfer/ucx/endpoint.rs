@@ -263,8 +263,8 @@ impl From<(u64, u64, u64)> for ReadDesc {
 /// Options of a batch read.
 #[derive(Debug, Clone, Copy)]
 pub struct ReadOptions {
-    /// Most GETs posted and not yet completed at any time (>= 1), over all sources of a
-    /// [`read_batch_multi`].
+    /// Most operations posted and not yet completed at any time (>= 1), over all peers of an
+    /// [`rma_batch`].
     pub max_inflight: usize,
     /// Deadline for the whole batch, posting included.
     pub timeout: Duration,
@@ -338,57 +338,29 @@ impl RemoteRegion {
         M: Registrable,
         I: IntoIterator<Item = ReadDesc>,
     {
-        read_batch_multi(local, [(self, descs)], opts)
+        rma_batch(Rma::Get, local, [(self, descs)], opts)
     }
 }
 
-/// Reads from several remote regions (e.g. the prefill ranks one decode rank pulls from)
-/// as one batch: GETs are posted round-robin, one descriptor per source in turn, under a
-/// single window of `opts.max_inflight` outstanding GETs, and the call returns when all
-/// have completed. Sources are not served one after the other, so a peer that must
-/// progress to answer (UCX builds that emulate GET in software) works while the others do.
-///
-/// Every source must be reached through the same worker. Checks and failures are as in
-/// [`RemoteRegion::read_batch`]; an out-of-bounds descriptor names its source's index.
-pub fn read_batch_multi<'r, M, I>(
-    local: &mut MemRegion<M>,
-    sources: impl IntoIterator<Item = (&'r RemoteRegion, I)>,
-    opts: &ReadOptions,
-) -> Result<ReadStats>
-where
-    M: Registrable,
-    I: IntoIterator<Item = ReadDesc>,
-{
-    rma_batch_multi(Rma::Get, local, sources, opts)
-}
-
-/// Writes into several remote regions (push mode: the decode ranks one prefill rank writes
-/// into) as one batch of `ucp_put_nbx`, with the window, bounds checks, deadline and
-/// failure rules of [`read_batch_multi`]; each descriptor's `local_off` is the source in
-/// `local`, `remote_off` the destination. A PUT's completion means its source may be reused,
-/// not that the bytes reached the peer: flush each endpoint ([`Endpoint::flush`]) before
-/// telling the peer they are there.
-pub fn write_batch_multi<'r, M, I>(
-    local: &mut MemRegion<M>,
-    destinations: impl IntoIterator<Item = (&'r RemoteRegion, I)>,
-    opts: &ReadOptions,
-) -> Result<ReadStats>
-where
-    M: Registrable,
-    I: IntoIterator<Item = ReadDesc>,
-{
-    rma_batch_multi(Rma::Put, local, destinations, opts)
-}
-
-/// The one-sided operation of a batch.
+/// The one-sided operation that moves KV blocks: decode's GET (pull mode, `kvx xfer`) or
+/// prefill's PUT (push mode).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rma {
+pub enum Rma {
     Get,
     Put,
 }
 
 impl Rma {
-    fn name(self) -> &'static str {
+    /// As UCX's protocol reports name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rma::Get => "get",
+            Rma::Put => "put",
+        }
+    }
+
+    /// The UCX call that posts one.
+    fn call_name(self) -> &'static str {
         match self {
             Rma::Get => "ucp_get_nbx",
             Rma::Put => "ucp_put_nbx",
@@ -396,10 +368,24 @@ impl Rma {
     }
 }
 
-fn rma_batch_multi<'r, M, I>(
+/// One batch of `op` between `local` and several remote regions, each with its descriptors:
+/// GETs read them into `local` (the prefill ranks one decode rank pulls from), PUTs write
+/// `local` into them (push mode: the decode ranks one prefill rank writes into). Each
+/// descriptor's `local_off` is its place in `local`, `remote_off` in its remote region.
+///
+/// Operations are posted round-robin, one descriptor per peer in turn, under a single window
+/// of `opts.max_inflight` outstanding, and the call returns when all have completed. Peers
+/// are not served one after the other, so a peer that must progress to answer (UCX builds
+/// that emulate GET in software) works while the others do. Every peer must be reached
+/// through the same worker. Checks and failures are as in [`RemoteRegion::read_batch`]; an
+/// out-of-bounds descriptor names its peer's index.
+///
+/// A PUT's completion means its source may be reused, not that the bytes reached the peer:
+/// flush each endpoint ([`Endpoint::flush`]) before telling the peer they are there.
+pub fn rma_batch<'r, M, I>(
     op: Rma,
     local: &mut MemRegion<M>,
-    sources: impl IntoIterator<Item = (&'r RemoteRegion, I)>,
+    peers: impl IntoIterator<Item = (&'r RemoteRegion, I)>,
     opts: &ReadOptions,
 ) -> Result<ReadStats>
 where
@@ -410,7 +396,7 @@ where
         return Err(UcxError::Poisoned);
     }
     let mut srcs: Vec<(&RemoteRegion, I::IntoIter)> =
-        sources.into_iter().map(|(r, d)| (r, d.into_iter())).collect();
+        peers.into_iter().map(|(r, d)| (r, d.into_iter())).collect();
     let Some(first) = srcs.first().map(|(r, _)| *r) else {
         return Ok(ReadStats::default());
     };
@@ -501,7 +487,7 @@ where
         if p.is_null() {
             completion.done.set(completion.done.get() + 1);
         } else if sys::ptr_is_err(p) {
-            stop = Some(ucx.status_error(op.name(), sys::ptr_status(p)));
+            stop = Some(ucx.status_error(op.call_name(), sys::ptr_status(p)));
             break;
         }
         posted += 1;

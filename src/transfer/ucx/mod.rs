@@ -3,8 +3,8 @@
 //! Owns: loading `libucp` ([`Ucx`]), the raw declarations (`sys`), and safe RAII owners
 //! for every UCX handle kvx uses — [`Context`], [`Worker`], [`Endpoint`], [`MemRegion`],
 //! [`PackedRkey`], [`RemoteRegion`] — plus the batches of one-sided GETs the pipeline
-//! posts ([`RemoteRegion::read_batch`], or [`read_batch_multi`] over several peers at
-//! once), and active messages on the same workers and endpoints ([`AmReceiver`],
+//! posts ([`RemoteRegion::read_batch`], or [`rma_batch`] of GETs or PUTs over several peers
+//! at once), and active messages on the same workers and endpoints ([`AmReceiver`],
 //! [`Endpoint::am_send`]), and the protocols UCX selected ([`Context::protocols`]). Must not know about KV layouts, handshakes or requests:
 //! callers pass worker addresses and packed rkeys around as opaque bytes.
 //!
@@ -45,15 +45,13 @@ pub use context::{
     defer_wakeups, ignore_sigint, wait_readable,
 };
 pub use endpoint::{
-    Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports, read_batch_multi,
-    write_batch_multi,
+    Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, Rma, parse_transports, rma_batch,
 };
 pub use error::{Result, UcxError};
 pub use library::{LibInfo, LibSearch, LibSource, SYSTEM_SONAME, Ucx};
 pub use protocols::{
     LOG_FILE_ENV, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV, ProtoChoice, ProtoReport, ProtoSelection, ProtoUse,
-    Rma, capture_dir as proto_capture_dir, capture_env as proto_capture_env,
-    log_messages as ucx_log_messages, memory_kind, parse_dot, parse_log, read_dir as read_proto_dir,
-    summarize as summarize_protocols,
+    capture_dir as proto_capture_dir, capture_env as proto_capture_env, log_messages as ucx_log_messages,
+    memory_kind, parse_dot, parse_log, read_dir as read_proto_dir, summarize as summarize_protocols,
 };
 pub use region::{MemRegion, MemType, PackedRkey, Registrable, UcxAllocated};

@@ -22,6 +22,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::endpoint::Rma;
+
 /// One protocol selection for a range of message sizes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProtoSelection {
@@ -325,24 +327,6 @@ impl ProtoReport {
             u.op == op.as_str()
                 && (memory_kind(&u.local).starts_with("cuda") || memory_kind(&u.remote).starts_with("cuda"))
         })
-    }
-}
-
-/// The one-sided operation that moves KV blocks: decode's GET (pull mode, `kvx xfer`) or
-/// prefill's PUT (push mode).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rma {
-    Get,
-    Put,
-}
-
-impl Rma {
-    /// As UCX's protocol reports name it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Rma::Get => "get",
-            Rma::Put => "put",
-        }
     }
 }
 

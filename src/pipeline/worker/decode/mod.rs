@@ -257,7 +257,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let Some((received, msg)) = queue.pop_front() else { continue };
         match msg {
             ToWorker::Load { req, d_request_id, params, local_blocks, seed, side_channel } => {
-                let push = params.transfer_mode == TransferMode::Push.as_str();
+                let push = params.transfer_mode == TransferMode::Push;
                 let job = LoadJob {
                     received,
                     req,
