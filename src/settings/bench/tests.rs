@@ -713,7 +713,7 @@ fn scenario_records_the_choices_by_name() {
     assert_eq!(sc.transport.as_deref(), Some("ucx"));
     assert_eq!(sc.mem.as_deref(), Some("host"));
     assert_eq!(sc.on_load_failure.as_deref(), Some("recompute"));
-    assert_eq!(sc.extra["progress"], "hybrid");
+    assert_eq!(sc.extra.progress, Some(crate::transfer::ucx::ProgressMode::Hybrid));
 }
 
 #[test]
@@ -735,7 +735,10 @@ fn prefill_simulation_overlap_and_dispatch_resolve_and_refuse_by_flag() {
     let s = resolve(&layers, &env()).expect("overlap");
     assert_eq!((s.workers.prefill.per_layer_ns, s.workers.prefill.overlap), (500_000, Overlap::Layers));
     assert_eq!(s.dispatch, Dispatch::Concurrent);
-    assert_eq!(crate::report::scenario::bench_scenario(&s).extra["overlap"], "layers");
+    assert_eq!(
+        crate::report::scenario::bench_scenario(&s).extra.overlap,
+        Some(crate::config::worker::Overlap::Layers)
+    );
     let refused = |f: BenchFlags| resolve(&f, &env()).expect_err("refused").flag;
     assert_eq!(
         refused(BenchFlags {
