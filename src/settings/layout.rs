@@ -106,6 +106,7 @@ pub fn resolve_hybrid(
     engine.gdn_prefill = args.engine.gdn_prefill.unwrap_or_default();
     engine.attention_backend = args.engine.attention_backend.unwrap_or_default();
     engine.prefix_caching = !args.engine.no_prefix_caching;
+    engine.kernel_block_tokens = args.engine.kernel_block_size;
     if let Some(l) = &args.engine.layout {
         engine.layout =
             Layout::parse_for(l, args.engine.vllm()).map_err(|e| ConfigError::new("--layout", e))?;
@@ -124,6 +125,7 @@ pub fn resolve(
         (args.engine.gdn_prefill.is_some(), "--gdn-prefill"),
         (args.engine.attention_backend.is_some(), "--attention-backend"),
         (args.engine.no_prefix_caching, "--no-prefix-caching"),
+        (args.engine.kernel_block_size.is_some(), "--kernel-block-size"),
     ] {
         if given {
             return Err(ConfigError::new(

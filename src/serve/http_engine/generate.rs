@@ -11,8 +11,8 @@ use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
 use super::answers::{error_response, json_response};
+use super::checks::{check_model, rejected};
 use super::inflight::{GaugeGuard, InFlight, sleep_until};
-use super::routes::{check_model, rejected};
 use super::state::{EngineState, unix_now_s};
 use super::stream::TokenStream;
 use crate::serve::kv::{KvIntent, KvTransferParams, LoadJob, PrefillJob};

@@ -46,6 +46,7 @@ use crate::config::serve::ConnLimits;
 
 mod answers;
 mod api;
+mod checks;
 mod config;
 mod exposition;
 mod generate;

@@ -1,7 +1,7 @@
 //! The engine's answers to the routes it shares with the proxy ([`OpenAiServer`]: `/health`,
 //! `/metrics`, `/v1/models`, `/tokenize`, `/detokenize`; generation is `generate.rs`), its own
-//! `/abort_requests`, and the checks every JSON route shares (API key, content type, model
-//! name). The router is `mod.rs`.
+//! `/abort_requests`. The checks every JSON route shares are `checks.rs`; the router is
+//! `mod.rs`.
 
 use std::sync::Arc;
 
@@ -10,8 +10,9 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use super::answers::{authorized, check_json_content_type, error_response, json_response, unauthorized};
+use super::answers::{authorized, error_response, json_response, unauthorized};
 use super::api::{OpenAiServer, TokenizerRoute};
+use super::checks::{check_model, rejected};
 use super::generate::generate;
 use super::state::EngineState;
 use crate::serve::openai::{self, ApiError};
@@ -126,27 +127,6 @@ struct ModelPermission<'a> {
     organization: &'static str,
     group: (),
     is_blocking: bool,
-}
-
-/// The checks every POST route with a JSON body shares (API key, content type): the answer
-/// to a request that fails them.
-pub(super) fn rejected(st: &EngineState, headers: &HeaderMap) -> Option<Response> {
-    if !authorized(st.cfg.api_key.as_deref(), headers) {
-        return Some(unauthorized());
-    }
-    check_json_content_type(headers).err().map(|e| {
-        st.metrics.errors.inc();
-        error_response(&e)
-    })
-}
-
-pub(super) fn check_model(st: &EngineState, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if m != st.cfg.model_name => {
-            Err(ApiError::new(404, format!("The model `{m}` does not exist.")).with_param("model"))
-        }
-        _ => Ok(()),
-    }
 }
 
 /// A tokenizer route's answer: its JSON once the request named this engine's model, else the

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::context::Worker;
 use super::error::{Result, UcxError};
+use super::protocols::Rma;
 use super::region::{MemRegion, PackedRkey, Registrable};
 use super::sys::{self, UcpEpH, UcpRkeyH, UcsStatus};
 
@@ -339,32 +340,6 @@ impl RemoteRegion {
         I: IntoIterator<Item = ReadDesc>,
     {
         rma_batch(Rma::Get, local, [(self, descs)], opts)
-    }
-}
-
-/// The one-sided operation that moves KV blocks: decode's GET (pull mode, `kvx xfer`) or
-/// prefill's PUT (push mode).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rma {
-    Get,
-    Put,
-}
-
-impl Rma {
-    /// As UCX's protocol reports name it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Rma::Get => "get",
-            Rma::Put => "put",
-        }
-    }
-
-    /// The UCX call that posts one.
-    fn call_name(self) -> &'static str {
-        match self {
-            Rma::Get => "ucp_get_nbx",
-            Rma::Put => "ucp_put_nbx",
-        }
     }
 }
 

@@ -45,13 +45,14 @@ pub use context::{
     defer_wakeups, ignore_sigint, wait_readable,
 };
 pub use endpoint::{
-    Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, Rma, parse_transports, rma_batch,
+    Endpoint, ErrMode, ReadDesc, ReadOptions, ReadStats, RemoteRegion, parse_transports, rma_batch,
 };
 pub use error::{Result, UcxError};
 pub use library::{LibInfo, LibSearch, LibSource, SYSTEM_SONAME, Ucx};
 pub use protocols::{
     LOG_FILE_ENV, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV, ProtoChoice, ProtoReport, ProtoSelection, ProtoUse,
-    capture_dir as proto_capture_dir, capture_env as proto_capture_env, log_messages as ucx_log_messages,
-    memory_kind, parse_dot, parse_log, read_dir as read_proto_dir, summarize as summarize_protocols,
+    Rma, capture_dir as proto_capture_dir, capture_env as proto_capture_env,
+    log_messages as ucx_log_messages, memory_kind, parse_dot, parse_log, read_dir as read_proto_dir,
+    summarize as summarize_protocols,
 };
 pub use region::{MemRegion, MemType, PackedRkey, Registrable, UcxAllocated};

@@ -22,7 +22,31 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::endpoint::Rma;
+/// The one-sided operation that moves KV blocks: decode's GET (pull mode, `kvx xfer`) or
+/// prefill's PUT (push mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rma {
+    Get,
+    Put,
+}
+
+impl Rma {
+    /// As UCX's protocol reports name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rma::Get => "get",
+            Rma::Put => "put",
+        }
+    }
+
+    /// The UCX call that posts one.
+    pub(super) fn call_name(self) -> &'static str {
+        match self {
+            Rma::Get => "ucp_get_nbx",
+            Rma::Put => "ucp_put_nbx",
+        }
+    }
+}
 
 /// One protocol selection for a range of message sizes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
