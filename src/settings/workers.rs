@@ -120,16 +120,16 @@ pub fn check_one_machine(
         return Ok(());
     }
     let why = "--transport cuda-batch needs every rank on this machine (CUDA IPC does not cross machines)";
-    if let Some(ep) = listen {
-        if !is_loopback(&ep.host) {
-            return Err(ConfigError::new(
-                "--listen",
-                format!(
-                    "{why}, but {ep} takes workers from other hosts: listen on tcp://127.0.0.1:PORT, or use \
-                     --transport ucx across machines"
-                ),
-            ));
-        }
+    if let Some(ep) = listen
+        && !is_loopback(&ep.host)
+    {
+        return Err(ConfigError::new(
+            "--listen",
+            format!(
+                "{why}, but {ep} takes workers from other hosts: listen on tcp://127.0.0.1:PORT, or use \
+                 --transport ucx across machines"
+            ),
+        ));
     }
     if !is_loopback(advertise_host) {
         return Err(ConfigError::new(
