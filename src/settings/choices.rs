@@ -10,7 +10,10 @@ use crate::config::bench::FailurePolicy;
 use crate::config::serve::Policy;
 use crate::config::worker::{Dispatch, Overlap};
 use crate::layouts::alloc::AllocPattern;
-use crate::layouts::hybrid::{AttentionBackend, GdnPrefillBackend, HostCopyRule, PushAttention, StateSlices};
+use crate::layouts::hybrid::{
+    AttentionBackend, GdnPrefillBackend, HostCopyRule, HostDescriptors, HostStatePage, PushAttention,
+    StateSlices,
+};
 use crate::topology::TransferMode;
 use crate::topology::ports::PortScheme;
 
@@ -121,25 +124,16 @@ impl ValueEnum for Policy {
     }
 }
 
-/// `--host-descriptors`: which host tensors a host buffer's descriptors read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum HostDescriptors {
-    /// vLLM 0.33: with state in the model, every layer's host tensor for attention, every state
-    /// layer's for state; prefill copies every group's blocks through every layer.
-    Vllm,
-    /// Each group's own layers' tensors only, and prefill copies only those.
-    PerGroup,
-}
+choices!(HostDescriptors {
+    Vllm => "vllm": "vLLM 0.33: with state in the model, every layer's host tensor for attention, every \
+                     state layer's for state; prefill copies every group's blocks through every layer",
+    PerGroup => "per-group": "Each group's own layers' tensors only, and prefill copies only those",
+});
 
-/// `--host-state-page`: how big a host buffer's state pages are.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum HostStatePage {
-    /// vLLM 0.33: unpadded state pages, under regions that step by padded ones.
-    Vllm,
-    /// Padded pages, as the regions assume.
-    Padded,
-}
+choices!(HostStatePage {
+    Vllm => "vllm": "vLLM 0.33: unpadded state pages, under regions that step by padded ones",
+    Padded => "padded": "Padded pages, as the regions assume",
+});
 
 #[cfg(test)]
 mod tests {
@@ -164,5 +158,7 @@ mod tests {
         check::<PushAttention>();
         check::<HostCopyRule>();
         check::<StateSlices>();
+        check::<HostDescriptors>();
+        check::<HostStatePage>();
     }
 }

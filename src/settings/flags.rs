@@ -387,14 +387,14 @@ layered! {
         /// padded [default: vllm]. Both engines must use the same.
         #[arg(long, value_enum)]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub host_state_page: Option<super::choices::HostStatePage>,
+        pub host_state_page: Option<crate::layouts::hybrid::HostStatePage>,
         /// Hybrid models with --kv-buffer-device cpu: which host tensors each group's
         /// descriptors read: vllm (with state in the model, every layer's tensor, as vLLM 0.33)
         /// or per-group (each group's own layers'; prefill copies only those into the buffer)
         /// [default: vllm]. Both engines must use the same.
         #[arg(long, value_enum)]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
-        pub host_descriptors: Option<super::choices::HostDescriptors>,
+        pub host_descriptors: Option<crate::layouts::hybrid::HostDescriptors>,
     }
 }
 

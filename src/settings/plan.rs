@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 
 use super::bench::{BenchFlags, resolve};
-use super::choices::HostStatePage;
 use super::env::ProcessEnv;
 use super::flags::{Format, ModelFlags, PairFlags};
 use super::hybrid_case::{self, HYBRID_VLLM, HybridCase, RequestSource};
@@ -27,6 +26,7 @@ use crate::config::sweep::SweepJob;
 use crate::error::ConfigError;
 use crate::layouts::alloc::allocate;
 use crate::layouts::compat::PairSpec;
+use crate::layouts::hybrid::HostStatePage;
 use crate::layouts::hybrid::geometry::Side;
 use crate::layouts::read_plan::{RequestBlocks, RequestIds};
 use crate::layouts::request::{
@@ -444,7 +444,9 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
                 if args.hybrid_rules.host_state_page == Some(HostStatePage::Padded) {
                     (case.pair.p.host_state_page_padded, case.pair.d.host_state_page_padded) = (true, true);
                 }
-                if args.hybrid_rules.host_descriptors == Some(super::choices::HostDescriptors::PerGroup) {
+                if args.hybrid_rules.host_descriptors
+                    == Some(crate::layouts::hybrid::HostDescriptors::PerGroup)
+                {
                     (case.pair.p.host_descriptors_per_group, case.pair.d.host_descriptors_per_group) =
                         (true, true);
                 }
@@ -535,7 +537,7 @@ fn resolve_hybrid_case(args: &PlanFlags) -> Result<Option<HybridCase>, ConfigErr
     }
     let padded = args.hybrid_rules.host_state_page == Some(HostStatePage::Padded);
     (p.host_state_page_padded, d.host_state_page_padded) = (padded, padded);
-    let own = args.hybrid_rules.host_descriptors == Some(super::choices::HostDescriptors::PerGroup);
+    let own = args.hybrid_rules.host_descriptors == Some(crate::layouts::hybrid::HostDescriptors::PerGroup);
     (p.host_descriptors_per_group, d.host_descriptors_per_group) = (own, own);
     Ok(Some(HybridCase {
         name: model.name.clone(),

@@ -110,7 +110,8 @@ pub struct ProbeSettings {
 /// Checks `kvx probe`'s flags.
 pub fn resolve(args: &ProbeFlags) -> Result<ProbeSettings, ConfigError> {
     let endpoint = normalise_endpoint(&args.endpoint)?;
-    if args.timeout.or(super::flags::DEFAULT_TIMEOUT).is_zero() {
+    let timeout = args.timeout.or(super::flags::DEFAULT_TIMEOUT);
+    if timeout.is_zero() {
         return Err(ConfigError::new("--timeout", "must be above zero"));
     }
     let opts = ProbeOptions {
@@ -121,7 +122,7 @@ pub fn resolve(args: &ProbeFlags) -> Result<ProbeSettings, ConfigError> {
             VllmFraming::V033 => ProbeFraming::Fixed(Framing::V0_33),
             VllmFraming::V019 => ProbeFraming::Fixed(Framing::V0_19),
         },
-        timeout: args.timeout.or(super::flags::DEFAULT_TIMEOUT),
+        timeout,
     };
     Ok(ProbeSettings { endpoint, opts })
 }

@@ -506,9 +506,9 @@ fn serve_engine_hybrid(
     if a.kv_buffer.device() == KvBufferDevice::Cpu {
         own.kv_buffer_device = KvBufferDevice::Cpu;
         own.host_state_page_padded =
-            a.hybrid_rules.host_state_page == Some(super::choices::HostStatePage::Padded);
+            a.hybrid_rules.host_state_page == Some(crate::layouts::hybrid::HostStatePage::Padded);
         own.host_descriptors_per_group =
-            a.hybrid_rules.host_descriptors == Some(super::choices::HostDescriptors::PerGroup);
+            a.hybrid_rules.host_descriptors == Some(crate::layouts::hybrid::HostDescriptors::PerGroup);
     }
     let one = EngineGeometry::new(&model, &own, Side::Prefill)?;
     let shape = RequestShape::of(&one);
@@ -565,9 +565,8 @@ fn finish_serve_engine(
     let mode = a.mode.mode.unwrap_or_default();
     let inflight = check_inflight(a.inflight.unwrap_or(super::flags::DEFAULT_INFLIGHT))?;
     check_kv_buffer(a.kv_buffer.device(), mode, TransportKind::Ucx)?;
-    for (d, flag) in
-        [(a.lease.lease(), "--lease"), (a.timeout.or(super::flags::DEFAULT_TIMEOUT), "--timeout")]
-    {
+    let timeout = a.timeout.or(super::flags::DEFAULT_TIMEOUT);
+    for (d, flag) in [(a.lease.lease(), "--lease"), (timeout, "--timeout")] {
         if d.is_zero() {
             return Err(ConfigError::new(flag, "must be longer than 0"));
         }
@@ -605,7 +604,7 @@ fn finish_serve_engine(
         verify: a.verify.resolve(None),
         mem,
         lease: a.lease.lease(),
-        timeout: a.timeout.or(super::flags::DEFAULT_TIMEOUT),
+        timeout,
         alloc: a.alloc.alloc(),
         seed: 0,
         exe,

@@ -487,9 +487,9 @@ fn hybrid_pair(
         for e in [&mut p, &mut d] {
             e.kv_buffer_device = KvBufferDevice::Cpu;
             e.host_state_page_padded =
-                s.hybrid_rules.host_state_page == Some(super::choices::HostStatePage::Padded);
+                s.hybrid_rules.host_state_page == Some(crate::layouts::hybrid::HostStatePage::Padded);
             e.host_descriptors_per_group =
-                s.hybrid_rules.host_descriptors == Some(super::choices::HostDescriptors::PerGroup);
+                s.hybrid_rules.host_descriptors == Some(crate::layouts::hybrid::HostDescriptors::PerGroup);
         }
     }
     let pool = |e: &crate::layouts::hybrid::HybridEngineSpec, side: Side| -> Result<u32, ConfigError> {
@@ -588,7 +588,7 @@ fn finish(
     let mem = resolve_mem(s.mem.mem.unwrap_or_default(), s.devices.clone().devices)?;
     check_mem_transport(mem.kind(), transport.kind)?;
     let lease = s.lease.lease();
-    let timeout = s.timeout.timeout.unwrap_or(Duration::from_secs(5));
+    let timeout = s.timeout.or(super::flags::DEFAULT_TIMEOUT);
     if lease.is_zero() {
         return Err(ConfigError::new("--lease", "must be longer than 0"));
     }
@@ -720,7 +720,7 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
         progress: s.ucx_mode.progress(),
         ucx_alloc: false,
         huge_pages: s.mem.huge_pages,
-        inflight: check_inflight(s.inflight.unwrap_or(64))?,
+        inflight: check_inflight(s.inflight.unwrap_or(super::flags::DEFAULT_INFLIGHT))?,
         coalesce: s.coalesce,
         notify: s.notify.unwrap_or_default(),
         storage_dir: s.storage_dir.clone(),

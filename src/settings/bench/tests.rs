@@ -583,7 +583,7 @@ fn hybrid_bench_refusals_name_their_flags() {
     let cpu = BenchFlags {
         kv_buffer: KvBufferFlags { kv_buffer_device: Some(KvBufferDevice::Cpu) },
         hybrid_rules: crate::settings::flags::HybridRuleFlags {
-            host_state_page: Some(super::super::choices::HostStatePage::Padded),
+            host_state_page: Some(crate::layouts::hybrid::HostStatePage::Padded),
             ..Default::default()
         },
         ..Default::default()
