@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod cuda_batch;
 pub mod handshake;
 pub mod memory;
+pub mod nixl;
 pub mod notify;
 pub mod storage;
 pub mod ucx;
