@@ -166,11 +166,16 @@ pub fn exit_code(result: &anyhow::Result<Outcome>) -> (u8, Option<String>) {
 /// Prints what a command's result calls for on stderr (once) and returns its exit code: the
 /// one place where results become exit codes.
 pub fn finish(result: anyhow::Result<Outcome>) -> ExitCode {
+    ExitCode::from(finish_code(result))
+}
+
+/// [`finish`]'s exit code as a number (the binary hands it to `transfer::nixl::leave`).
+pub fn finish_code(result: anyhow::Result<Outcome>) -> u8 {
     let (code, message) = exit_code(&result);
     if let Some(m) = message {
         crate::output::note!("{m}");
     }
-    ExitCode::from(code)
+    code
 }
 
 /// An error for a person: the cause first (the innermost kvx error, which names the flag or

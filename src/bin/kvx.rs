@@ -1,4 +1,4 @@
-//! The `kvx` binary: parse, run, map the result to an exit code (`kvx::error::finish`).
+//! The `kvx` binary: parse, run, map the result to an exit code (`kvx::error::finish_code`).
 #![forbid(unsafe_code)]
 use std::process::ExitCode;
 
@@ -6,5 +6,8 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = kvx::cli::Cli::parse();
-    kvx::error::finish(kvx::cli::run(cli))
+    let code = kvx::error::finish_code(kvx::cli::run(cli));
+    // A process that loaded NIXL ends without running the libraries' finalizers (see there).
+    kvx::transfer::nixl::leave(code);
+    ExitCode::from(code)
 }
