@@ -257,10 +257,13 @@ impl<'a> Cursor<'a> {
         };
         let len = le_u64(after_tag, 0).ok_or(BlobError::Truncated { tag, offset })?;
         let value_and_sep = &after_tag[8..];
-        let end = usize::try_from(len)
-            .ok()
-            .filter(|&l| l < value_and_sep.len())
-            .ok_or(BlobError::LengthPastEnd { tag, offset, len, left: value_and_sep.len() })?;
+        let left = value_and_sep.len();
+        let end = match usize::try_from(len) {
+            Ok(l) if l < left => l,
+            // The value is all there but its `|` is not: the blob was cut.
+            Ok(l) if l == left => return Err(BlobError::Truncated { tag, offset }),
+            _ => return Err(BlobError::LengthPastEnd { tag, offset, len, left }),
+        };
         if value_and_sep[end] != b'|' {
             return Err(BlobError::NoSeparator { tag, offset });
         }
@@ -368,7 +371,12 @@ mod tests {
             let mut decoded: Vec<Region> = got
                 .regions
                 .iter()
-                .map(|r| Region { dev_id: r.device_id, addr: r.addr, len: r.len_bytes, mem: r.mem_type.to_string() })
+                .map(|r| Region {
+                    dev_id: r.device_id,
+                    addr: r.addr,
+                    len: r.len_bytes,
+                    mem: r.mem_type.to_string(),
+                })
                 .collect();
             // NIXL keeps a section sorted by device id, then address: that is the blob order.
             assert!(decoded.is_sorted(), "{}: {decoded:?}", f.name);
@@ -383,7 +391,8 @@ mod tests {
     #[test]
     fn two_devices_come_in_device_order() {
         let got = decode(fixture!("agent-2-devices").blob).expect("decodes");
-        let devs: Vec<(u64, u64, MemType)> = got.regions.iter().map(|r| (r.device_id, r.len_bytes, r.mem_type)).collect();
+        let devs: Vec<(u64, u64, MemType)> =
+            got.regions.iter().map(|r| (r.device_id, r.len_bytes, r.mem_type)).collect();
         assert_eq!(devs, [(0, 16384, MemType::Dram), (1, 8192, MemType::Dram)]);
     }
 
@@ -437,7 +446,10 @@ mod tests {
         let mut b = INTRO.to_vec();
         push_field(&mut b, "Agent", b"a");
         push_field(&mut b, "Conns", &u64::MAX.to_le_bytes());
-        assert_eq!(decode(&b), Err(BlobError::TooMany { what: "backends", count: u64::MAX, max: MAX_BACKENDS }));
+        assert_eq!(
+            decode(&b),
+            Err(BlobError::TooMany { what: "backends", count: u64::MAX, max: MAX_BACKENDS })
+        );
 
         let mut b = INTRO.to_vec();
         b.extend_from_slice(b"Agent");
