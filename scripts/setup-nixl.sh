@@ -13,6 +13,7 @@
 #   .nixl/.nixl_cu12.mesonpy.libs/plugins/libplugin_UCX.so, libplugin_POSIX.so
 #   .nixl/nixl_cu12.libs/        NIXL's own UCX and the other bundled dependencies
 #   .nixl/nixl_cu12/             the Python package (PYTHONPATH=.nixl; it needs numpy)
+#   .nixl/nixl_cu12-<version>.dist-info/   the wheel's metadata (kvx reads the version from it)
 # The other backend plugins, the telemetry exporters and the expert-parallel extension
 # (nixl_ep_cu12) are left out: kvx and its peers only use UCX (POSIX is kept for file tests).
 set -euo pipefail
@@ -84,10 +85,10 @@ wheel=$(ls "$tmp"/nixl_cu12-*.whl)
 
 mkdir -p "$tmp/w"
 if command -v unzip >/dev/null; then
-  unzip -q -o "$wheel" "$LIBS/*" 'nixl_cu12.libs/*' 'nixl_cu12/*' -d "$tmp/w"
+  unzip -q -o "$wheel" "$LIBS/*" 'nixl_cu12.libs/*' 'nixl_cu12/*' 'nixl_cu12-*.dist-info/*' -d "$tmp/w"
 else
   python3 -m zipfile -e "$wheel" "$tmp/w"
-  rm -rf "$tmp"/w/nixl_ep_cu12* "$tmp"/w/nixl_cu12-*.dist-info "$tmp"/w/nixl_cu12-*.data "$tmp"/w/nixl_cu12.scripts
+  rm -rf "$tmp"/w/nixl_ep_cu12* "$tmp"/w/nixl_cu12-*.data "$tmp"/w/nixl_cu12.scripts
 fi
 # Plugins: UCX and POSIX only. The wheel carries a second copy of the plugins in
 # nixl_cu12.libs/nixl/ that libnixl.so does not load from; it is pruned the same way.
@@ -104,7 +105,7 @@ find "$tmp/w" -name '*.la' -delete
 
 rm -rf "$DEST.new"
 mkdir -p "$DEST.new"
-mv "$tmp/w/$LIBS" "$tmp/w/nixl_cu12.libs" "$tmp/w/nixl_cu12" "$DEST.new/"
+mv "$tmp/w/$LIBS" "$tmp/w/nixl_cu12.libs" "$tmp/w/nixl_cu12" "$tmp"/w/nixl_cu12-*.dist-info "$DEST.new/"
 rm -rf "$DEST"
 mv "$DEST.new" "$DEST"
 
