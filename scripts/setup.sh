@@ -34,5 +34,7 @@ fi
 
 # The modern UCX (zero-copy cma GET for user memory, CUDA transports) into .ucx/.
 if [ -x scripts/setup-ucx.sh ]; then scripts/setup-ucx.sh; fi
+# NIXL's C API (kvx --transport nixl) and Python package (the NIXL peers) into .nixl/.
+if [ -x scripts/setup-nixl.sh ]; then scripts/setup-nixl.sh; fi
 
 cargo build --release --locked --bins

@@ -22,6 +22,7 @@ use crate::transfer::handshake::{
     AgentMetadata, FetchOptions, Framing, HandshakeClient, HandshakeError, KvxMetadata, Payload,
     VllmAgentMetadata,
 };
+use crate::transfer::nixl::blob::{self, AgentBlob};
 
 /// What a side channel advertised for one rank.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -50,6 +51,9 @@ pub enum Advertised {
     },
     Vllm {
         metadata: Box<VllmAgentMetadata>,
+        /// `agent_metadata` decoded as a NIXL agent blob; `None` when it is not one (then
+        /// `opaque` says why).
+        nixl_agent: Option<Box<AgentBlob>>,
         /// Parts kvx cannot decode.
         opaque: Vec<OpaquePart>,
     },
@@ -136,15 +140,7 @@ pub fn probe(endpoint: &str, opts: &ProbeOptions) -> Result<ProbeReport, Handsha
                 Ok(AgentMetadata::Kvx(m)) => {
                     Advertised::Kvx { metadata: Box::new(kvx_view(&m, compatibility_hash)) }
                 }
-                Ok(AgentMetadata::Vllm(m)) => {
-                    let opaque = vec![OpaquePart {
-                        field: "agent_metadata".into(),
-                        bytes: m.agent_metadata.len(),
-                        preview: describe_bytes(&m.agent_metadata),
-                        note: "NIXL agent metadata (serialized nixlAgent: UCX worker address and packed rkeys in NIXL's format); opaque to kvx".into(),
-                    }];
-                    Advertised::Vllm { metadata: m, opaque }
-                }
+                Ok(AgentMetadata::Vllm(m)) => vllm_advertised(m),
                 Ok(AgentMetadata::Unknown { len, reason }) => Advertised::Unknown { len, reason },
                 Err(e) => Advertised::Unknown { len: agent_metadata_bytes.len(), reason: e.to_string() },
             };
@@ -165,6 +161,23 @@ pub fn probe(endpoint: &str, opts: &ProbeOptions) -> Result<ProbeReport, Handsha
         compatibility_hash,
         advertised,
     })
+}
+
+/// vLLM metadata with its NIXL agent blob decoded, or summarised with the reason it did not
+/// decode.
+fn vllm_advertised(m: Box<VllmAgentMetadata>) -> Advertised {
+    match blob::decode(&m.agent_metadata) {
+        Ok(b) => Advertised::Vllm { metadata: m, nixl_agent: Some(Box::new(b)), opaque: Vec::new() },
+        Err(e) => {
+            let opaque = vec![OpaquePart {
+                field: "agent_metadata".into(),
+                bytes: m.agent_metadata.len(),
+                preview: describe_bytes(&m.agent_metadata),
+                note: format!("NIXL agent metadata that kvx could not decode: {e}"),
+            }];
+            Advertised::Vllm { metadata: m, nixl_agent: None, opaque }
+        }
+    }
 }
 
 fn kvx_view(m: &KvxMetadata, advertised_hash: &str) -> KvxView {
@@ -230,6 +243,7 @@ pub fn render_table(report: &ProbeReport) -> String {
     head.add_row(["compatibility hash".to_owned(), opt(&report.compatibility_hash)]);
     let mut out = String::new();
     let mut regions: Option<Table> = None;
+    let mut nixl_regions: Option<Table> = None;
     let mut notes: Vec<String> = Vec::new();
     match &report.advertised {
         Advertised::PeerError { message } => {
@@ -275,7 +289,7 @@ pub fn render_table(report: &ProbeReport) -> String {
             }
             regions = Some(t);
         }
-        Advertised::Vllm { metadata: m, opaque } => {
+        Advertised::Vllm { metadata: m, nixl_agent, opaque } => {
             head.add_row(["advertised".to_owned(), "vLLM NixlAgentMetadata".to_owned()]);
             head.add_row(["engine id".to_owned(), opt(&m.engine_id)]);
             head.add_row(["layout".to_owned(), opt(&m.kv_cache_layout)]);
@@ -295,6 +309,9 @@ pub fn render_table(report: &ProbeReport) -> String {
             ]);
             for (k, v) in &m.other_fields {
                 head.add_row([k.clone(), v.to_string()]);
+            }
+            if let Some(b) = nixl_agent {
+                nixl_regions = nixl_rows(&mut head, &mut notes, b);
             }
             for (k, v) in &m.undecodable {
                 notes.push(format!("field {k}: unexpected {v}, not decoded"));
@@ -336,13 +353,53 @@ pub fn render_table(report: &ProbeReport) -> String {
         }
     }
     let _ = writeln!(out, "{head}");
-    if let Some(t) = regions {
+    for t in [regions, nixl_regions].into_iter().flatten() {
         let _ = writeln!(out, "{t}");
     }
     for n in notes {
         let _ = writeln!(out, "{n}");
     }
     out
+}
+
+/// The decoded NIXL agent blob: rows for the head table, and its regions as a table.
+fn nixl_rows(head: &mut Table, notes: &mut Vec<String>, b: &AgentBlob) -> Option<Table> {
+    head.add_row(["nixl agent".to_owned(), b.agent_name.clone()]);
+    if let Some(uuid) = &b.agent_uuid {
+        head.add_row(["nixl agent uuid".to_owned(), uuid.clone()]);
+    }
+    let backends: Vec<String> = b
+        .backends
+        .iter()
+        .map(|c| format!("{} (connection info {} bytes)", c.backend, c.conn_info_len_bytes))
+        .collect();
+    head.add_row([
+        "nixl backends".to_owned(),
+        if backends.is_empty() { "none".to_owned() } else { backends.join(", ") },
+    ]);
+    head.add_row(["nixl regions".to_owned(), b.regions.len().to_string()]);
+    if b.unparsed_tail > 0 {
+        notes.push(format!(
+            "nixl agent metadata: {} trailing bytes kvx does not know, not decoded",
+            b.unparsed_tail
+        ));
+    }
+    if b.regions.is_empty() {
+        return None;
+    }
+    let mut t = Table::new();
+    t.set_header(["nixl #", "backend", "mem", "addr", "len", "rkey"]);
+    for (i, r) in b.regions.iter().enumerate() {
+        t.add_row([
+            i.to_string(),
+            r.backend.clone(),
+            format!("{}:{}", r.mem_type, r.device_id),
+            format!("{:#x}", r.addr),
+            r.len_bytes.to_string(),
+            format!("{} bytes", r.rkey_len_bytes),
+        ]);
+    }
+    Some(t)
 }
 
 /// Latency summary of repeated probes, in microseconds.
@@ -386,5 +443,99 @@ mod tests {
         let hundred: Vec<f64> = (1..=100).map(f64::from).collect();
         let s = LatencySummary::of(&hundred).expect("non-empty");
         assert_eq!((s.p50_us, s.p99_us), (50.0, 99.0));
+    }
+
+    fn vllm_report(agent_metadata: &[u8]) -> ProbeReport {
+        let m = VllmAgentMetadata {
+            engine_id: Some("P-engine".into()),
+            agent_metadata: agent_metadata.to_vec(),
+            ..VllmAgentMetadata::default()
+        };
+        ProbeReport {
+            endpoint: "tcp://127.0.0.1:5600".into(),
+            pp_rank: 0,
+            tp_rank: 0,
+            framing: Framing::V0_33,
+            reply_frames: 2,
+            peer_clock_s: None,
+            latency_us: 100.0,
+            compatibility_hash: Some("ab".repeat(32)),
+            advertised: vllm_advertised(Box::new(m)),
+        }
+    }
+
+    #[test]
+    fn a_nixl_agent_blob_is_shown_decoded() {
+        let blob = include_bytes!("../../tests/fixtures/nixl/agent-3-regions.bin");
+        let registered: serde_json::Value =
+            serde_json::from_str(include_str!("../../tests/fixtures/nixl/agent-3-regions.json"))
+                .expect("JSON");
+        let report = vllm_report(blob);
+
+        let j: serde_json::Value = serde_json::from_str(&render_json(&report)).expect("JSON");
+        let agent = &j["advertised"]["nixl_agent"];
+        assert_eq!(agent["agent_name"], "kvx-agent-3-regions");
+        assert_eq!(agent["backends"][0]["backend"], "UCX");
+        assert_eq!(j["advertised"]["opaque"], serde_json::json!([]));
+        let regions = agent["regions"].as_array().expect("regions");
+        assert_eq!(regions.len(), 3);
+        // The blob lists a section by device id, then address.
+        let mut want = registered["registered"].as_array().expect("registered").clone();
+        want.sort_by_key(|r| (r["dev_id"].as_u64(), r["addr"].as_u64()));
+        for (got, want) in regions.iter().zip(&want) {
+            assert_eq!(
+                (&got["addr"], &got["len_bytes"], &got["device_id"], &got["mem_type"]),
+                (&want["addr"], &want["len"], &want["dev_id"], &want["mem"])
+            );
+        }
+
+        let table = render_table(&report);
+        let conn = match &report.advertised {
+            Advertised::Vllm { nixl_agent: Some(b), .. } => b.backends[0].conn_info_len_bytes,
+            other => panic!("not decoded: {other:?}"),
+        };
+        for needle in [
+            "kvx-agent-3-regions".to_owned(),
+            format!("UCX (connection info {conn} bytes)"),
+            "DRAM:0".to_owned(),
+            "1048576".to_owned(),
+        ] {
+            assert!(table.contains(&needle), "{needle} missing from\n{table}");
+        }
+        for r in registered["registered"].as_array().expect("registered") {
+            let addr = format!("{:#x}", r["addr"].as_u64().expect("addr"));
+            assert!(table.contains(&addr), "{addr} missing from\n{table}");
+        }
+        assert!(!table.contains("opaque: agent_metadata"), "{table}");
+    }
+
+    #[test]
+    fn an_agent_blob_without_regions_has_no_region_table() {
+        let report = vllm_report(include_bytes!("../../tests/fixtures/nixl/agent-0-regions.bin"));
+        let table = render_table(&report);
+        assert!(table.contains("kvx-agent-0-regions") && !table.contains("nixl #"), "{table}");
+    }
+
+    #[test]
+    fn an_undecodable_agent_blob_stays_opaque_with_the_reason() {
+        let report = vllm_report(b"agent-md:1e07837");
+        let j: serde_json::Value = serde_json::from_str(&render_json(&report)).expect("JSON");
+        assert_eq!(j["advertised"]["nixl_agent"], serde_json::Value::Null);
+        let opaque = &j["advertised"]["opaque"][0];
+        assert_eq!((opaque["field"].as_str(), opaque["bytes"].as_u64()), (Some("agent_metadata"), Some(16)));
+        let table = render_table(&report);
+        assert!(
+            table.contains("opaque: agent_metadata <16 bytes")
+                && table.contains("could not decode: not a NIXL agent blob"),
+            "{table}"
+        );
+
+        // A real blob cut short says where.
+        let blob = include_bytes!("../../tests/fixtures/nixl/agent-1-region.bin");
+        let report = vllm_report(&blob[..blob.len() - 1]);
+        let Advertised::Vllm { nixl_agent: None, opaque, .. } = &report.advertised else {
+            panic!("decoded a truncated blob");
+        };
+        assert!(opaque[0].note.contains("ends inside field"), "{}", opaque[0].note);
     }
 }
