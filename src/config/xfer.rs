@@ -30,8 +30,16 @@ pub struct XferConfig {
     /// reads is one batched copy from the target's pool mapped with CUDA IPC (local targets
     /// and device memory only). `None`: UCX.
     pub cuda_batch: Option<BatchCopy>,
+    /// `--transport nixl`: the reads go through NIXL (its C API and its own UCX), not kvx's UCX.
+    pub nixl: Option<NixlOptions>,
     /// `--misalign`: bytes added to every local and remote offset.
     pub misalign: Misalign,
+}
+
+/// How `--transport nixl` agents run (`--nixl-progress-thread`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct NixlOptions {
+    pub progress_thread: bool,
 }
 
 /// Initiator-side settings of a session.

@@ -195,6 +195,8 @@ fn self_test(ucx: &Ucx, exe: &Path, ucx_lib: Option<&Path>, checks: &mut Vec<Che
             progress: false,
             max_serve_secs: 60,
             cuda_batch: false,
+            nixl: false,
+            nixl_progress_thread: false,
         };
         let opts = SessionOptions { ucx_lib: ucx_lib.map(Path::to_path_buf), ..Default::default() };
         let out = (|| {

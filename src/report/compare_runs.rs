@@ -33,6 +33,7 @@ impl RunSetting {
                 "multi: ucx, then storage (MultiConnector's model)"
             }
             RunSetting::Transport(TransportKind::CudaBatch) => "cuda-batch (one batched copy per peer)",
+            RunSetting::Transport(TransportKind::Nixl) => "nixl (NixlConnector itself: NIXL's UCX)",
             RunSetting::Mode(TransferMode::Pull) => "pull (NixlConnector: decode READs)",
             RunSetting::Mode(TransferMode::Push) => "push (NixlPushConnector: prefill WRITEs)",
             RunSetting::KvBuffer(KvBufferDevice::Cuda) => "cuda (the KV pool itself)",
@@ -76,6 +77,9 @@ fn needs(setting: RunSetting) -> &'static str {
         }
         RunSetting::Transport(TransportKind::CudaBatch) => {
             "GPUs of one machine (CUDA IPC), a CUDA 12.8+ driver for the batch API; ZMQ to notify"
+        }
+        RunSetting::Transport(TransportKind::Nixl) => {
+            "NIXL (its wheel's C API and UCX); a side channel (ZMQ) carrying vLLM's handshake"
         }
         RunSetting::Mode(_) | RunSetting::KvBuffer(_) => "",
     }

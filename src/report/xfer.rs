@@ -155,6 +155,12 @@ pub struct XferResult {
     /// descriptors into pinned memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fill_us: Option<f64>,
+    /// nixl: NIXL's own telemetry per batch (`nixl_capi_get_xfer_telemetry`), means over the
+    /// timed batches: its post, and its transfer from post to completion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nixl_post_us: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nixl_xfer_us: Option<f64>,
     pub msgs_per_sec: f64,
     pub batches: u64,
     pub bytes: u64,
@@ -184,6 +190,9 @@ pub struct XferReport {
     /// `--transport cuda-batch`: the driver path that moved the batches.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cuda_batch: Option<XferBatchReport>,
+    /// `--transport nixl`: the NIXL that moved the batches and how it was driven.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nixl: Option<XferNixlReport>,
     /// What `verified_bytes` and `verified_batches` mean: which timed batches were checked, and how.
     pub verification: String,
     /// `--misalign`: bytes added to every read's local and remote offset.
@@ -209,6 +218,27 @@ pub struct XferBatchReport {
     pub driver_call: String,
     /// Driver calls per batch of `inflight` reads (1 with the batch API).
     pub calls_per_batch: f64,
+}
+
+/// How `kvx xfer --transport nixl` drove NIXL, and which NIXL it was.
+#[derive(Debug, Clone, Serialize)]
+pub struct XferNixlReport {
+    /// `libnixl_capi.so` as loaded.
+    pub library: String,
+    /// The wheel's version, where its `dist-info` says.
+    pub version: Option<String>,
+    /// NIXL's own UCX (not kvx's), and its version.
+    pub bundled_ucx: Option<String>,
+    pub bundled_ucx_version: Option<String>,
+    pub backend: String,
+    /// The backend's parameters after initialisation (NIXL's names and values).
+    pub backend_params: Vec<(String, String)>,
+    pub progress_thread: bool,
+    /// Whether NIXL merged descriptors contiguous on both sides (kvx xfer asks it not to, so
+    /// that each read stays one GET as with `--transport ucx`).
+    pub desc_merge: bool,
+    /// What one batch is: `make_xfer_req` on two prepared lists, post, poll, release.
+    pub per_batch: String,
 }
 
 /// One timed batch in this many has its destinations cleared before it is posted and every
@@ -295,6 +325,10 @@ pub fn render_table(r: &XferReport) -> String {
         ));
         return out + &misalign_line(r) + &results_table(r) + &verification_line(r);
     }
+    if let Some(n) = &r.nixl {
+        out.push_str(&nixl_header(n, &memory, r));
+        return out + &misalign_line(r) + &results_table(r) + &verification_line(r);
+    }
     out.push_str(&format!(
         "UCX {} ({}, {})  transports: {}\nerr-mode {}  progress {}  memory {memory}  {}  working set {}\n",
         r.ucx.version,
@@ -319,6 +353,28 @@ pub fn render_table(r: &XferReport) -> String {
         );
     }
     out + &misalign_line(r) + &results_table(r) + &verification_line(r)
+}
+
+/// What moved the bytes with `--transport nixl`, and how it was driven.
+fn nixl_header(n: &XferNixlReport, memory: &str, r: &XferReport) -> String {
+    let unknown = || "version unknown".to_owned();
+    let ucx = match (&n.bundled_ucx_version, &n.bundled_ucx) {
+        (Some(v), _) => format!("NIXL's own UCX {v}"),
+        (None, Some(p)) => format!("NIXL's own UCX ({p})"),
+        (None, None) => "NIXL's own UCX (not found)".to_owned(),
+    };
+    let params = n.backend_params.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ");
+    format!(
+        "NIXL {} ({})  backend {} over {ucx}  [{params}]\nprogress thread {}  descriptor merging {}  memory {memory}  {}  working set {}\nper batch: {}\n",
+        n.version.clone().unwrap_or_else(unknown),
+        n.library,
+        n.backend,
+        if n.progress_thread { "on" } else { "off (each side progresses NIXL when it polls)" },
+        if n.desc_merge { "on" } else { "off (one GET per read, as --transport ucx)" },
+        r.memory.residency.as_str(),
+        fmt_size(r.memory.working_set_bytes),
+        n.per_batch,
+    )
 }
 
 /// `--misalign`'s shift, when there is one.
@@ -408,6 +464,8 @@ mod tests {
             complete_us: 104.0,
             pack_us: None,
             fill_us: None,
+            nixl_post_us: None,
+            nixl_xfer_us: None,
             msgs_per_sec: 1e6,
             batches: 3,
             bytes: size * inflight as u64 * 3,

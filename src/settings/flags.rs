@@ -611,6 +611,21 @@ layered! {
     }
 }
 
+layered! {
+    /// `--nixl-progress-thread`: how `--transport nixl` agents are progressed (`kvx xfer`,
+    /// `kvx bench`, `kvx serve-engine`).
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Args, Deserialize)]
+    pub struct NixlFlags {
+        /// With --transport nixl: give each NIXL agent its progress thread, as vLLM does (the
+        /// Python API's default). Off, the rank progresses NIXL when it polls, as vLLM's worker
+        /// polls every step: on hosts with few cores a spinning progress thread per process
+        /// competes with the ranks themselves.
+        #[arg(long)]
+        #[serde(default)]
+        pub nixl_progress_thread: bool,
+    }
+}
+
 /// `--inflight`'s help: `kvx xfer` takes a list of depths (one case each), the engines one
 /// depth, so the two are two fields with one text.
 pub const INFLIGHT_HELP: &str = "GETs in flight per source rank (kvx xfer: a list of depths, one case each) [default: 64; kvx xfer: 1,8,32]";

@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use super::parse::{parse_duration, parse_size};
 use super::workers::check_mem_transport;
 use crate::config::xfer::TargetOptions;
-use crate::config::xfer::{Misalign, SessionOptions, XferConfig};
+use crate::config::xfer::{Misalign, NixlOptions, SessionOptions, XferConfig};
 use crate::error::ConfigError;
 use crate::transfer::cuda_batch::BatchCopy;
 use crate::transfer::memory::{MemKind, MemPlace};
@@ -35,6 +35,9 @@ pub enum TransportArg {
     /// GPUs of one machine: the target's device buffer mapped with CUDA IPC, each batch of
     /// reads one batched copy (see --batch-copy). Needs --mem cuda; no UCX.
     CudaBatch,
+    /// NIXL (what vLLM's NixlConnector uses), from its wheel's C API: prepared lists, one
+    /// transfer request per batch; host or device memory (NIXL's own UCX).
+    Nixl,
 }
 
 impl TransportArg {
@@ -43,6 +46,7 @@ impl TransportArg {
         match self {
             TransportArg::Ucx => TransportKind::Ucx,
             TransportArg::CudaBatch => TransportKind::CudaBatch,
+            TransportArg::Nixl => TransportKind::Nixl,
         }
     }
 }
@@ -86,6 +90,8 @@ pub struct XferFlags {
     pub misalign: Vec<u64>,
     #[command(flatten)]
     pub ucx_lib: super::flags::UcxLibFlags,
+    #[command(flatten)]
+    pub nixl: super::flags::NixlFlags,
     #[command(flatten)]
     pub ucx_mode: super::flags::UcxModeFlags,
     #[command(flatten)]
@@ -261,6 +267,8 @@ fn measurement(args: &XferFlags) -> Result<XferConfig, ConfigError> {
             ucx_config: ucx_config(args),
         },
         cuda_batch,
+        nixl: (args.transport() == TransportArg::Nixl)
+            .then_some(NixlOptions { progress_thread: args.nixl.nixl_progress_thread }),
         misalign,
     })
 }

@@ -88,6 +88,9 @@ pub enum TransportKind {
     /// and request; notifications over ZMQ. Pull mode only.
     #[serde(rename = "cuda-batch")]
     CudaBatch,
+    /// NIXL itself (the library vLLM's NixlConnector uses), loaded at run time from its
+    /// wheel's C API: vLLM's handshake payload, prepared lists, NIXL notifications.
+    Nixl,
 }
 
 impl TransportKind {
@@ -97,6 +100,7 @@ impl TransportKind {
             TransportKind::Storage => "storage",
             TransportKind::Multi => "multi",
             TransportKind::CudaBatch => "cuda-batch",
+            TransportKind::Nixl => "nixl",
         }
     }
 }

@@ -50,6 +50,13 @@ pub struct TargetRequest {
     /// (the target then loads no UCX).
     #[serde(default)]
     pub cuda_batch: bool,
+    /// `--transport nixl`: register the region with a NIXL agent and send its metadata (the
+    /// target then loads NIXL, not kvx's UCX).
+    #[serde(default)]
+    pub nixl: bool,
+    /// `--nixl-progress-thread`, for the target's agent.
+    #[serde(default)]
+    pub nixl_progress_thread: bool,
 }
 
 /// What the target sends back: everything an initiator needs to read its region.
@@ -78,6 +85,7 @@ pub struct BatchHello {
 pub(super) enum TargetReply {
     Ready(Box<TargetHello>),
     ReadyBatch(Box<BatchHello>),
+    ReadyNixl(Box<super::nixl::NixlHello>),
     Failed(String),
 }
 
@@ -271,10 +279,10 @@ impl Session {
         let hello = match read_frame(&mut stream, "initiator: read hello", TARGET_START_TIMEOUT)? {
             TargetReply::Ready(h) => *h,
             TargetReply::Failed(msg) => return Err(XferError::Target(msg)),
-            TargetReply::ReadyBatch(_) => {
+            TargetReply::ReadyBatch(_) | TargetReply::ReadyNixl(_) => {
                 return Err(XferError::Protocol {
                     stage: "initiator: read hello",
-                    reason: "the target exported CUDA IPC memory, not a UCX region".into(),
+                    reason: "the target served CUDA IPC memory or a NIXL agent, not a UCX region".into(),
                 });
             }
         };

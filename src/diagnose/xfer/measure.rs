@@ -104,6 +104,8 @@ impl CaseRunner for BatchCase<'_, '_> {
             pack_ns,
             fill_ns: st.fill_ns,
             unaligned: st.unaligned_descriptors,
+            nixl_post_ns: 0,
+            nixl_xfer_ns: 0,
         })
     }
     fn clear(&mut self, k: u64) -> Result<()> {
@@ -163,6 +165,7 @@ pub(super) fn measure(
         results,
         transport: "ucx".into(),
         cuda_batch: None,
+        nixl: None,
         verification: verification_rule(),
         misalign: cfg.misalign,
     })
@@ -197,7 +200,7 @@ impl Ceiling {
         })
     }
 
-    fn measure(&mut self, size: u64, inflight: usize, ws: u64, cfg: &XferConfig) -> Result<f64> {
+    pub(super) fn measure(&mut self, size: u64, inflight: usize, ws: u64, cfg: &XferConfig) -> Result<f64> {
         match self {
             Ceiling::Memcpy { src, dst } => Ok(memcpy_ceiling(src, dst.as_mut_slice(), size, ws, cfg)),
             Ceiling::DeviceCopy { src, dst } => {
@@ -208,7 +211,7 @@ impl Ceiling {
     }
 
     /// Device memory: `bytes` (at most the working set) moved by one device copy, GB/s.
-    fn bulk(&mut self, bytes: u64, ws: u64, cfg: &XferConfig) -> Result<Option<f64>> {
+    pub(super) fn bulk(&mut self, bytes: u64, ws: u64, cfg: &XferConfig) -> Result<Option<f64>> {
         match self {
             Ceiling::Memcpy { .. } => Ok(None),
             Ceiling::DeviceCopy { src, dst } => {
@@ -221,7 +224,7 @@ impl Ceiling {
 }
 
 impl XferResult {
-    fn set_bulk(&mut self, bulk_gbps: Option<f64>) {
+    pub(super) fn set_bulk(&mut self, bulk_gbps: Option<f64>) {
         self.bulk_copy_gbps = bulk_gbps;
         self.ratio_to_bulk_copy = bulk_gbps.filter(|&b| b > 0.0).map(|b| self.gbps / b);
     }
@@ -353,7 +356,13 @@ pub struct ReadLayout {
 impl ReadLayout {
     /// The layout of a case of `size`-byte reads over `ws` remote bytes into a local buffer of
     /// `local_len` bytes, as `cfg` asks (hot or cold, `--misalign`).
-    fn of_case(cfg: &XferConfig, size: u64, ws: u64, local_len: u64, local_backward: bool) -> ReadLayout {
+    pub(super) fn of_case(
+        cfg: &XferConfig,
+        size: u64,
+        ws: u64,
+        local_len: u64,
+        local_backward: bool,
+    ) -> ReadLayout {
         ReadLayout {
             size,
             remote_slots: (ws / size).max(1),
@@ -416,14 +425,14 @@ impl ReadLayout {
 }
 
 /// Clears `checks`' destinations in `mem` (before a sampled batch is posted).
-fn clear_destinations<M: BufferAccess>(mem: &mut M, checks: &[ReadDesc]) -> Result<()> {
+pub(super) fn clear_destinations<M: BufferAccess>(mem: &mut M, checks: &[ReadDesc]) -> Result<()> {
     let ranges: Vec<Range<u64>> = checks.iter().map(|d| d.local_off..d.local_off + d.len).collect();
     mem.zero_ranges(&ranges)
 }
 
 /// Checks every byte of `checks`' destinations in `mem` against the pattern at the remote
 /// offsets they came from; the bytes checked, or an error naming the first wrong read.
-fn check_destinations<M: BufferAccess>(
+pub(super) fn check_destinations<M: BufferAccess>(
     mem: &M,
     checks: &[ReadDesc],
     seed: u64,
@@ -446,20 +455,23 @@ fn check_destinations<M: BufferAccess>(
 
 /// What one batch did, as [`timed_batches`] records it.
 #[derive(Debug, Clone, Copy, Default)]
-struct BatchTimes {
-    bytes: u64,
-    post_ns: u64,
-    complete_ns: u64,
+pub(super) struct BatchTimes {
+    pub(super) bytes: u64,
+    pub(super) post_ns: u64,
+    pub(super) complete_ns: u64,
     /// cuda-batch: the host's time packing the batch, and writing the gather kernel's
     /// descriptors (part of `post_ns`); 0 elsewhere.
-    pack_ns: u64,
-    fill_ns: u64,
+    pub(super) pack_ns: u64,
+    pub(super) fill_ns: u64,
     /// Descriptors of the batch that are not 16-byte aligned, where the transport counts them.
-    unaligned: u64,
+    pub(super) unaligned: u64,
+    /// nixl: NIXL's telemetry of the batch (post, and post to completion); 0 elsewhere.
+    pub(super) nixl_post_ns: u64,
+    pub(super) nixl_xfer_ns: u64,
 }
 
 /// One case's batches on one transport, as [`timed_batches`] drives them.
-trait CaseRunner {
+pub(super) trait CaseRunner {
     /// Runs batch `k` (reads `k..k + per_batch`).
     fn batch(&mut self, k: u64) -> Result<BatchTimes>;
     /// Clears batch `k`'s destinations.
@@ -488,6 +500,8 @@ impl<M: BufferAccess> CaseRunner for UcxCase<'_, M> {
             pack_ns: 0,
             fill_ns: 0,
             unaligned: 0,
+            nixl_post_ns: 0,
+            nixl_xfer_ns: 0,
         })
     }
     fn clear(&mut self, k: u64) -> Result<()> {
@@ -506,12 +520,14 @@ impl<M: BufferAccess> CaseRunner for UcxCase<'_, M> {
 }
 
 /// What the timed batches of one case measured and verified.
-struct Timed {
+pub(super) struct Timed {
     hist: hdrhistogram::Histogram<u64>,
     post_ns: u64,
     complete_ns: u64,
     pack_ns: u64,
     fill_ns: u64,
+    nixl_post_ns: u64,
+    nixl_xfer_ns: u64,
     bytes: u64,
     batches: u64,
     per_batch: u64,
@@ -538,7 +554,12 @@ struct Timed {
 /// measured time. One bias stays: a cleared destination is cache-warm (host memory: in the
 /// CPU's caches; device memory: just written by a host-to-device copy), which may make a
 /// sampled batch a little faster, on 1 batch in 16.
-fn timed_batches(cfg: &XferConfig, per_batch: u64, slots: u64, run: &mut impl CaseRunner) -> Result<Timed> {
+pub(super) fn timed_batches(
+    cfg: &XferConfig,
+    per_batch: u64,
+    slots: u64,
+    run: &mut impl CaseRunner,
+) -> Result<Timed> {
     let mut k: u64 = 0;
     let warm_start = Instant::now();
     while k < per_batch * 3 || (warm_start.elapsed() < Duration::from_millis(20) && k < slots.max(per_batch))
@@ -554,6 +575,8 @@ fn timed_batches(cfg: &XferConfig, per_batch: u64, slots: u64, run: &mut impl Ca
         complete_ns: 0,
         pack_ns: 0,
         fill_ns: 0,
+        nixl_post_ns: 0,
+        nixl_xfer_ns: 0,
         bytes: 0,
         batches: 0,
         per_batch,
@@ -587,6 +610,8 @@ fn timed_batches(cfg: &XferConfig, per_batch: u64, slots: u64, run: &mut impl Ca
         t.complete_ns += b.complete_ns;
         t.pack_ns += b.pack_ns;
         t.fill_ns += b.fill_ns;
+        t.nixl_post_ns += b.nixl_post_ns;
+        t.nixl_xfer_ns += b.nixl_xfer_ns;
         t.unaligned += b.unaligned;
         t.hist.saturating_record(b.complete_ns.max(1));
         let done = match cfg.iters {
@@ -606,7 +631,7 @@ fn timed_batches(cfg: &XferConfig, per_batch: u64, slots: u64, run: &mut impl Ca
 }
 
 impl Timed {
-    fn result(&self, size: u64, inflight: usize, ceiling_gbps: f64) -> XferResult {
+    pub(super) fn result(&self, size: u64, inflight: usize, ceiling_gbps: f64) -> XferResult {
         let gbps = self.bytes as f64 / self.secs / 1e9;
         let us = |ns: u64| ns as f64 / 1e3;
         let batches = self.batches.max(1);
@@ -627,6 +652,8 @@ impl Timed {
             complete_us: us(self.complete_ns) / batches as f64,
             pack_us: (self.pack_ns > 0).then(|| us(self.pack_ns) / batches as f64),
             fill_us: (self.fill_ns > 0).then(|| us(self.fill_ns) / batches as f64),
+            nixl_post_us: (self.nixl_post_ns > 0).then(|| us(self.nixl_post_ns) / batches as f64),
+            nixl_xfer_us: (self.nixl_xfer_ns > 0).then(|| us(self.nixl_xfer_ns) / batches as f64),
             msgs_per_sec: (self.batches * self.per_batch) as f64 / self.secs,
             batches: self.batches,
             bytes: self.bytes,

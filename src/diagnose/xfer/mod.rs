@@ -27,6 +27,7 @@
 mod buffers;
 mod control;
 mod measure;
+mod nixl;
 mod target;
 
 use std::path::PathBuf;
@@ -58,6 +59,8 @@ pub enum XferError {
     Ucx(#[from] UcxError),
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Nixl(#[from] crate::transfer::nixl::NixlError),
     #[error(transparent)]
     Cuda(#[from] CudaError),
     #[error(transparent)]
@@ -108,6 +111,9 @@ pub fn run(
     if let Some(copy) = cfg.cuda_batch {
         return run_batch(cfg, copy, target, on_result);
     }
+    if let Some(opts) = cfg.nixl {
+        return nixl::run(cfg, opts, target, on_result);
+    }
     // A UCX the initiator cannot load is reported once, before a target process starts (which
     // would fail the same way, or see its initiator vanish, and say so first).
     Ucx::load(cfg.session.ucx_lib.as_deref())?;
@@ -121,6 +127,8 @@ pub fn run(
         progress: true,
         max_serve_secs: estimate_secs(cfg) + 600,
         cuda_batch: false,
+        nixl: false,
+        nixl_progress_thread: false,
     };
     let (mut child, stream) = match target {
         TargetSpec::Local { exe } => {
@@ -191,6 +199,8 @@ fn run_batch(
         progress: true,
         max_serve_secs: estimate_secs(cfg) + 600,
         cuda_batch: true,
+        nixl: false,
+        nixl_progress_thread: false,
     };
     // The target loads no UCX either; its options only name the flags it was started with.
     let t = LocalTarget::spawn(
@@ -208,10 +218,10 @@ fn run_batch(
         let hello = match read_frame(&mut stream, "initiator: read hello", TARGET_START_TIMEOUT)? {
             TargetReply::ReadyBatch(h) => *h,
             TargetReply::Failed(msg) => return Err(XferError::Target(msg)),
-            TargetReply::Ready(_) => {
+            TargetReply::Ready(_) | TargetReply::ReadyNixl(_) => {
                 return Err(XferError::Protocol {
                     stage: "initiator: read hello",
-                    reason: "the target served UCX, not a CUDA IPC export".into(),
+                    reason: "the target served UCX or NIXL, not a CUDA IPC export".into(),
                 });
             }
         };
@@ -270,6 +280,7 @@ fn run_batch(
                 driver_call: path.driver_call().into(),
                 calls_per_batch: if batches > 0 { calls as f64 / batches as f64 } else { 0.0 },
             }),
+            nixl: None,
             verification: verification_rule(),
             misalign: cfg.misalign,
         })

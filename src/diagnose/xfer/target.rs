@@ -22,6 +22,8 @@ use crate::transfer::ucx::{Context, ServeEnd, Ucx, Worker};
 /// What a target serves until it is told to stop.
 enum Served {
     Ucx(TargetState),
+    /// A NIXL agent and its registered region.
+    Nixl(crate::transfer::nixl::Agent, super::nixl::Served),
     /// The exported device buffer (freed after the initiator closed its mapping and said stop).
     Batch(CudaBuffer),
 }
@@ -37,6 +39,9 @@ pub fn run_target(mut stream: TcpStream, opts: &TargetOptions) -> Result<()> {
     };
     let prepared = if req.cuda_batch {
         prepare_batch_target(&req).map(|(h, buf)| (TargetReply::ReadyBatch(Box::new(h)), Served::Batch(buf)))
+    } else if req.nixl {
+        super::nixl::prepare_target(&req)
+            .map(|(h, agent, served)| (TargetReply::ReadyNixl(Box::new(h)), Served::Nixl(agent, served)))
     } else {
         prepare_target(&req, opts).map(|(h, state)| (TargetReply::Ready(Box::new(h)), Served::Ucx(state)))
     };
@@ -46,6 +51,7 @@ pub fn run_target(mut stream: TcpStream, opts: &TargetOptions) -> Result<()> {
             match served {
                 Served::Ucx(state) => serve_target(&mut stream, &req, state),
                 Served::Batch(buf) => serve_batch_target(&mut stream, &req, buf),
+                Served::Nixl(agent, served) => super::nixl::serve_target(&mut stream, &req, agent, served),
             }
         }
         Err(e) => {

@@ -539,6 +539,7 @@ pub fn calibrate(s: &BenchSettings, xfer: XferRunner, descriptor_bytes: u64) -> 
             ucx_config: vec![],
         },
         cuda_batch: None,
+        nixl: None,
         misalign: Default::default(),
     };
     match xfer(&cfg, &TargetSpec::Local { exe: s.workers.exe.clone() }) {

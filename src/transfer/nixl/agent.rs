@@ -90,7 +90,11 @@ fn cstring(what: &'static str, s: &str) -> Result<CString, NixlError> {
 
 impl Inner {
     fn check(&self, op: &'static str, s: Status) -> Result<(), NixlError> {
-        if s == sys::SUCCESS { Ok(()) } else { Err(NixlError::Status { op, code: s, name: sys::status_name(s) }) }
+        if s == sys::SUCCESS {
+            Ok(())
+        } else {
+            Err(NixlError::Status { op, code: s, name: sys::status_name(s) })
+        }
     }
 }
 
@@ -104,7 +108,9 @@ impl<'a> OptArgs<'a> {
     fn new(inner: &'a Inner) -> Result<Self, NixlError> {
         let mut h: OptArgsH = std::ptr::null_mut();
         // SAFETY: writes one handle.
-        inner.check("nixl_capi_create_opt_args", unsafe { (inner.nixl.api().nixl_capi_create_opt_args)(&mut h) })?;
+        inner.check("nixl_capi_create_opt_args", unsafe {
+            (inner.nixl.api().nixl_capi_create_opt_args)(&mut h)
+        })?;
         let args = OptArgs { inner, h };
         // SAFETY: both handles are live; NIXL copies the backend pointer into its list.
         inner.check("nixl_capi_opt_args_add_backend", unsafe {
@@ -146,7 +152,9 @@ fn read_string_list(inner: &Inner, list: sys::StringListH) -> Result<Vec<String>
     for i in 0..n {
         let mut p: *const c_char = std::ptr::null();
         // SAFETY: `i` is in range; the string stays valid until the list is destroyed.
-        inner.check("nixl_capi_string_list_get", unsafe { (api.nixl_capi_string_list_get)(list, i, &mut p) })?;
+        inner.check("nixl_capi_string_list_get", unsafe {
+            (api.nixl_capi_string_list_get)(list, i, &mut p)
+        })?;
         if !p.is_null() {
             // SAFETY: non-null, NUL-terminated, alive until the list is destroyed (after this copy).
             out.push(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned());
@@ -159,7 +167,8 @@ fn read_params(inner: &Inner, params: sys::ParamsH) -> Result<Vec<(String, Strin
     let api = inner.nixl.api();
     let mut empty = true;
     // SAFETY: a live parameter map; writes one bool.
-    inner.check("nixl_capi_params_is_empty", unsafe { (api.nixl_capi_params_is_empty)(params, &mut empty) })?;
+    inner
+        .check("nixl_capi_params_is_empty", unsafe { (api.nixl_capi_params_is_empty)(params, &mut empty) })?;
     let mut out = Vec::new();
     if empty {
         return Ok(out);
@@ -170,7 +179,8 @@ fn read_params(inner: &Inner, params: sys::ParamsH) -> Result<Vec<(String, Strin
         (api.nixl_capi_params_create_iterator)(params, &mut it)
     })?;
     loop {
-        let (mut k, mut v, mut more): (*const c_char, *const c_char, bool) = (std::ptr::null(), std::ptr::null(), false);
+        let (mut k, mut v, mut more): (*const c_char, *const c_char, bool) =
+            (std::ptr::null(), std::ptr::null(), false);
         // SAFETY: a live iterator; the strings stay valid while the map lives.
         let s = unsafe { (api.nixl_capi_params_iterator_next)(it, &mut k, &mut v, &mut more) };
         if s != sys::SUCCESS || k.is_null() || v.is_null() {
@@ -227,16 +237,25 @@ impl Agent {
         // SAFETY: `cname` and `cfg` outlive the call, which copies them; writes one handle.
         let s = unsafe { (api.nixl_capi_create_configured_agent)(cname.as_ptr(), &cfg, &mut h) };
         if s != sys::SUCCESS || h.is_null() {
-            return Err(NixlError::Status { op: "nixl_capi_create_configured_agent", code: s, name: sys::status_name(s) });
+            return Err(NixlError::Status {
+                op: "nixl_capi_create_configured_agent",
+                code: s,
+                name: sys::status_name(s),
+            });
         }
         let backend_name = cstring("backend", &opts.backend)?;
-        let (mut mems, mut params): (sys::MemListH, sys::ParamsH) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let (mut mems, mut params): (sys::MemListH, sys::ParamsH) =
+            (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: a live agent; writes two handles the caller destroys.
-        let s = unsafe { (api.nixl_capi_get_plugin_params)(h, backend_name.as_ptr(), &mut mems, &mut params) };
+        let s =
+            unsafe { (api.nixl_capi_get_plugin_params)(h, backend_name.as_ptr(), &mut mems, &mut params) };
         if s != sys::SUCCESS {
             // SAFETY: created above, destroyed once.
             unsafe { (api.nixl_capi_destroy_agent)(h) };
-            return Err(NixlError::Backend { backend: opts.backend.clone(), reason: format!("no such plugin ({})", sys::status_name(s)) });
+            return Err(NixlError::Backend {
+                backend: opts.backend.clone(),
+                reason: format!("no such plugin ({})", sys::status_name(s)),
+            });
         }
         if opts.num_threads > 0 {
             let k = cstring("param", "num_threads")?;
@@ -255,7 +274,10 @@ impl Agent {
         if s != sys::SUCCESS || backend.is_null() {
             // SAFETY: created above, destroyed once.
             unsafe { (api.nixl_capi_destroy_agent)(h) };
-            return Err(NixlError::Backend { backend: opts.backend.clone(), reason: sys::status_name(s).into() });
+            return Err(NixlError::Backend {
+                backend: opts.backend.clone(),
+                reason: sys::status_name(s).into(),
+            });
         }
         Ok(Agent {
             inner: Arc::new(Inner { nixl: nixl.clone(), h, backend, name: name.to_owned() }),
@@ -284,7 +306,8 @@ impl Agent {
     /// The backend's parameters after initialisation and the memory kinds it supports.
     pub fn backend_info(&self) -> Result<BackendInfo, NixlError> {
         let api = self.inner.nixl.api();
-        let (mut mems, mut params): (sys::MemListH, sys::ParamsH) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let (mut mems, mut params): (sys::MemListH, sys::ParamsH) =
+            (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: live agent and backend; writes two handles destroyed below.
         self.inner.check("nixl_capi_get_backend_params", unsafe {
             (api.nixl_capi_get_backend_params)(self.inner.h, self.inner.backend, &mut mems, &mut params)
@@ -373,10 +396,14 @@ impl Agent {
         let kind = seg(mem.mem_type());
         let mut list: sys::RegDlistH = std::ptr::null_mut();
         // SAFETY: writes one handle, destroyed by the region's drop.
-        self.inner.check("nixl_capi_create_reg_dlist", unsafe { (api.nixl_capi_create_reg_dlist)(kind, &mut list) })?;
-        let addr = usize::try_from(mem.addr()).map_err(|_| NixlError::Invalid("address out of range".into()))?;
+        self.inner.check("nixl_capi_create_reg_dlist", unsafe {
+            (api.nixl_capi_create_reg_dlist)(kind, &mut list)
+        })?;
+        let addr =
+            usize::try_from(mem.addr()).map_err(|_| NixlError::Invalid("address out of range".into()))?;
         // SAFETY: a live list; the descriptor names memory `mem` owns for the region's life.
-        let s = unsafe { (api.nixl_capi_reg_dlist_add_desc)(list, addr, mem.len(), dev, std::ptr::null(), 0) };
+        let s =
+            unsafe { (api.nixl_capi_reg_dlist_add_desc)(list, addr, mem.len(), dev, std::ptr::null(), 0) };
         let s = if s == sys::SUCCESS {
             let args = OptArgs::new(&self.inner)?;
             // SAFETY: live agent, list and arguments; the memory stays allocated until the
@@ -388,9 +415,21 @@ impl Agent {
         if s != sys::SUCCESS {
             // SAFETY: created above, destroyed once.
             unsafe { (api.nixl_capi_destroy_reg_dlist)(list) };
-            return Err(NixlError::Status { op: "nixl_capi_register_mem", code: s, name: sys::status_name(s) });
+            return Err(NixlError::Status {
+                op: "nixl_capi_register_mem",
+                code: s,
+                name: sys::status_name(s),
+            });
         }
-        Ok(Region { agent: self.inner.clone(), list, addr: mem.addr(), len: mem.len(), kind, dev, mem: ManuallyDrop::new(mem) })
+        Ok(Region {
+            agent: self.inner.clone(),
+            list,
+            addr: mem.addr(),
+            len: mem.len(),
+            kind,
+            dev,
+            mem: ManuallyDrop::new(mem),
+        })
     }
 
     /// Prepares a descriptor list on this agent's own memory (vLLM's `prep_xfer_dlist("NIXL_INIT_AGENT", ...)`).
@@ -417,7 +456,9 @@ impl Agent {
     }
 
     /// A transfer from two prepared lists and descriptor indices into them (vLLM's
-    /// `make_prepped_xfer`), with the notification the peer receives on completion.
+    /// `make_prepped_xfer`), with the notification the peer receives on completion. NIXL
+    /// merges descriptors contiguous on both sides unless `merge` is false (vLLM: merges).
+    #[expect(clippy::too_many_arguments, reason = "NIXL's make_xfer_req takes each of these")]
     pub fn make_xfer(
         &self,
         op: Op,
@@ -426,6 +467,7 @@ impl Agent {
         remote: &Prepped,
         remote_ids: &[i32],
         notif: Option<&[u8]>,
+        merge: bool,
     ) -> Result<Xfer, NixlError> {
         for (ids, p, side) in [(local_ids, local, "local"), (remote_ids, remote, "remote")] {
             if let Some(bad) = ids.iter().find(|&&i| i < 0 || i as usize >= p.count) {
@@ -444,6 +486,12 @@ impl Agent {
         }
         let api = self.inner.nixl.api();
         let args = OptArgs::new(&self.inner)?.notif(notif)?;
+        if !merge {
+            // SAFETY: sets a flag on a live handle.
+            self.inner.check("nixl_capi_opt_args_set_skip_desc_merge", unsafe {
+                (api.nixl_capi_opt_args_set_skip_desc_merge)(args.h, true)
+            })?;
+        }
         let mut h: XferReqH = std::ptr::null_mut();
         // SAFETY: live agent, prepared handles of this agent, arguments; indices checked
         // against the lists above; NIXL copies the index arrays. Writes one request handle.
@@ -493,7 +541,13 @@ impl Agent {
         let args = OptArgs::new(&self.inner)?;
         // SAFETY: live agent and arguments; NIXL copies `len` bytes.
         self.inner.check("nixl_capi_gen_notif", unsafe {
-            (self.inner.nixl.api().nixl_capi_gen_notif)(self.inner.h, c.as_ptr(), msg.as_ptr().cast(), msg.len(), args.h)
+            (self.inner.nixl.api().nixl_capi_gen_notif)(
+                self.inner.h,
+                c.as_ptr(),
+                msg.as_ptr().cast(),
+                msg.len(),
+                args.h,
+            )
         })
     }
 
@@ -502,7 +556,8 @@ impl Agent {
         let api = self.inner.nixl.api();
         let mut map: sys::NotifMapH = std::ptr::null_mut();
         // SAFETY: writes one handle destroyed below.
-        self.inner.check("nixl_capi_create_notif_map", unsafe { (api.nixl_capi_create_notif_map)(&mut map) })?;
+        self.inner
+            .check("nixl_capi_create_notif_map", unsafe { (api.nixl_capi_create_notif_map)(&mut map) })?;
         let out = self.drain(map);
         // SAFETY: created above, destroyed once.
         unsafe { (api.nixl_capi_destroy_notif_map)(map) };
@@ -513,10 +568,13 @@ impl Agent {
         let api = self.inner.nixl.api();
         let args = OptArgs::new(&self.inner)?;
         // SAFETY: live agent, map and arguments.
-        self.inner.check("nixl_capi_get_notifs", unsafe { (api.nixl_capi_get_notifs)(self.inner.h, map, args.h) })?;
+        self.inner.check("nixl_capi_get_notifs", unsafe {
+            (api.nixl_capi_get_notifs)(self.inner.h, map, args.h)
+        })?;
         let mut agents = 0usize;
         // SAFETY: a live map; writes one size.
-        self.inner.check("nixl_capi_notif_map_size", unsafe { (api.nixl_capi_notif_map_size)(map, &mut agents) })?;
+        self.inner
+            .check("nixl_capi_notif_map_size", unsafe { (api.nixl_capi_notif_map_size)(map, &mut agents) })?;
         let mut out = Vec::new();
         for a in 0..agents {
             let mut name: *const c_char = std::ptr::null();
@@ -588,10 +646,13 @@ impl<'a> XferList<'a> {
         let api = inner.nixl.api();
         let mut h: sys::XferDlistH = std::ptr::null_mut();
         // SAFETY: writes one handle destroyed on drop.
-        inner.check("nixl_capi_create_xfer_dlist", unsafe { (api.nixl_capi_create_xfer_dlist)(kind, &mut h) })?;
+        inner.check("nixl_capi_create_xfer_dlist", unsafe {
+            (api.nixl_capi_create_xfer_dlist)(kind, &mut h)
+        })?;
         let list = XferList { inner, h };
         for d in descs {
-            let addr = usize::try_from(d.addr).map_err(|_| NixlError::Invalid("address out of range".into()))?;
+            let addr =
+                usize::try_from(d.addr).map_err(|_| NixlError::Invalid("address out of range".into()))?;
             let len = usize::try_from(d.len).map_err(|_| NixlError::Invalid("length out of range".into()))?;
             // SAFETY: a live list; descriptors are plain values NIXL copies.
             inner.check("nixl_capi_xfer_dlist_add_desc", unsafe {
@@ -813,7 +874,10 @@ mod tests {
     /// NIXL is a part these tests need (scripts/setup-nixl.sh): missing, they fail.
     #[test]
     fn a_prepared_read_lands_every_byte_and_notifies_the_owner() {
-        in_child("transfer::nixl::agent::tests::a_prepared_read_lands_every_byte_and_notifies_the_owner", prepared_read);
+        in_child(
+            "transfer::nixl::agent::tests::a_prepared_read_lands_every_byte_and_notifies_the_owner",
+            prepared_read,
+        );
     }
 
     fn prepared_read() {
@@ -827,13 +891,18 @@ mod tests {
             *x = (i % 251) as u8;
         }
         let src = a.register(src, 0).expect("register A");
-        let dst = b.register(HostBuffer::alloc(1 << 16, PageSize::Normal).expect("alloc"), 0).expect("register B");
+        let dst =
+            b.register(HostBuffer::alloc(1 << 16, PageSize::Normal).expect("alloc"), 0).expect("register B");
         let name = b.load_remote(&a.local_metadata().expect("md")).expect("load A");
         assert_eq!(name, "kvx-test-A");
-        let blocks = |base: u64| (0..4u64).map(|k| Desc { addr: base + k * 4096, len: 4096, dev: 0 }).collect::<Vec<_>>();
+        let blocks = |base: u64| {
+            (0..4u64).map(|k| Desc { addr: base + k * 4096, len: 4096, dev: 0 }).collect::<Vec<_>>()
+        };
         let local = b.prep_local(&blocks(dst.addr()), MemType::Host).expect("prep local");
         let remote = b.prep_remote(&name, &blocks(src.addr()), MemType::Host).expect("prep remote");
-        let mut x = b.make_xfer(Op::Read, &local, &[0, 1, 2], &remote, &[3, 1, 0], Some(b"req-1:1")).expect("make");
+        let mut x = b
+            .make_xfer(Op::Read, &local, &[0, 1, 2], &remote, &[3, 1, 0], Some(b"req-1:1"), true)
+            .expect("make");
         let mut st = x.post().expect("post");
         let t0 = std::time::Instant::now();
         // Without progress threads the owner progresses only when asked (its notification
@@ -855,7 +924,7 @@ mod tests {
             notifs = a.notifs().expect("notifs");
         }
         assert_eq!(notifs, vec![("kvx-test-B".to_owned(), b"req-1:1".to_vec())]);
-        let bad = b.make_xfer(Op::Read, &local, &[4], &remote, &[0], None);
+        let bad = b.make_xfer(Op::Read, &local, &[4], &remote, &[0], None, true);
         assert!(matches!(bad, Err(NixlError::Invalid(_))), "an id past the list is refused before NIXL");
     }
 }

@@ -163,6 +163,26 @@ impl Nixl {
     pub fn info(&self) -> &NixlInfo {
         &self.inner.info
     }
+
+    /// The version of NIXL's own UCX, once its UCX backend loaded it (`None` before, or when
+    /// the wheel's layout is not the one kvx knows).
+    pub fn bundled_ucx_version(&self) -> Option<String> {
+        let path = self.inner.info.bundled_ucx.as_ref()?;
+        // SAFETY: RTLD_NOLOAD only returns a library already mapped (by NIXL's UCX plugin)
+        // and runs no initialisers; the handle is dropped (dlclose'd) below, leaving it mapped.
+        let lib = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL | libc::RTLD_NOLOAD) }.ok()?;
+        // SAFETY: `ucp_get_version_string` takes nothing and returns a static string.
+        let f = unsafe {
+            lib.get::<unsafe extern "C" fn() -> *const std::ffi::c_char>(b"ucp_get_version_string\0")
+        }
+        .ok()?;
+        // SAFETY: as above; the pointer is to a NUL-terminated string inside the library.
+        let p = unsafe { f() };
+        (!p.is_null()).then(|| {
+            // SAFETY: non-null, NUL-terminated, static in the still-mapped library.
+            unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        })
+    }
 }
 
 /// Whether this process loaded NIXL.
@@ -203,8 +223,11 @@ fn wheel_root(lib: &Path) -> Option<&Path> {
 /// `1.5.1` from `nixl_cu12-1.5.1.dist-info` (or the marker `scripts/setup-nixl.sh` leaves).
 fn wheel_version(lib: &Path) -> Option<String> {
     let root = wheel_root(lib)?;
-    let names: Vec<String> =
-        std::fs::read_dir(root).ok()?.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    let names: Vec<String> = std::fs::read_dir(root)
+        .ok()?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
     names.iter().find_map(|n| {
         let rest = n.strip_prefix("nixl_cu12-").or_else(|| n.strip_prefix("nixl_cu13-"))?;
         rest.strip_suffix(".dist-info").map(str::to_owned)
@@ -217,7 +240,9 @@ fn bundled_ucx(lib: &Path) -> Option<PathBuf> {
     ["nixl_cu12.libs", "nixl_cu13.libs"].iter().find_map(|d| {
         let dir = root.join(d);
         std::fs::read_dir(&dir).ok()?.flatten().map(|e| e.path()).find(|p| {
-            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libucp-") && n.contains(".so"))
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libucp-") && n.contains(".so"))
         })
     })
 }
@@ -228,7 +253,11 @@ mod tests {
 
     #[test]
     fn an_explicit_library_is_the_only_candidate() {
-        let s = LibSearch { env_lib: Some("/x/libnixl_capi.so".into()), env_dir: Some("/y".into()), ..Default::default() };
+        let s = LibSearch {
+            env_lib: Some("/x/libnixl_capi.so".into()),
+            env_dir: Some("/y".into()),
+            ..Default::default()
+        };
         assert_eq!(s.candidates(), vec![PathBuf::from("/x/libnixl_capi.so")]);
     }
 

@@ -5,16 +5,21 @@
 //! measured figure. Nothing about NIXL enters the build: the library is found and opened
 //! when `--transport nixl` (or `kvx doctor`, or `kvx probe` of a NIXL agent blob) needs it.
 
-#![allow(unsafe_code, reason = "kvx's NIXL binding: every unsafe block calls into libnixl_capi with a SAFETY note")]
+#![allow(
+    unsafe_code,
+    reason = "kvx's NIXL binding: every unsafe block calls into libnixl_capi with a SAFETY note"
+)]
 
-pub mod blob;
 pub mod agent;
+pub mod blob;
 pub mod library;
 mod sys;
 
 use std::path::PathBuf;
 
-pub use self::agent::{Agent, AgentOptions, BackendInfo, Desc, Op, Prepped, Region, Telemetry, Xfer, XferState};
+pub use self::agent::{
+    Agent, AgentOptions, BackendInfo, Desc, Op, Prepped, Region, Telemetry, Xfer, XferState,
+};
 pub use self::library::{Nixl, NixlInfo, TESTED_VERSION, leave, loaded};
 
 /// Errors of the NIXL binding.
@@ -27,7 +32,10 @@ pub enum NixlError {
     )]
     Load { tried: String, reason: String },
     /// The library opened but lacks a function kvx calls.
-    #[error("{path} is not a usable NIXL C API: symbol {symbol} is missing (kvx is tested with NIXL {})", library::TESTED_VERSION)]
+    #[error(
+        "{path} is not a usable NIXL C API: symbol {symbol} is missing (kvx is tested with NIXL {})",
+        library::TESTED_VERSION
+    )]
     Symbol { path: PathBuf, symbol: &'static str },
     /// A backend could not be created.
     #[error("NIXL could not create the {backend} backend: {reason}")]

@@ -151,6 +151,7 @@ api_table! {
     nixl_capi_opt_args_add_backend: fn(OptArgsH, BackendH) -> Status;
     nixl_capi_opt_args_set_notif_msg: fn(OptArgsH, *const c_void, usize) -> Status;
     nixl_capi_opt_args_set_has_notif: fn(OptArgsH, bool) -> Status;
+    nixl_capi_opt_args_set_skip_desc_merge: fn(OptArgsH, bool) -> Status;
     nixl_capi_register_mem: fn(AgentH, RegDlistH, OptArgsH) -> Status;
     nixl_capi_deregister_mem: fn(AgentH, RegDlistH, OptArgsH) -> Status;
     nixl_capi_agent_make_connection: fn(AgentH, *const c_char, OptArgsH) -> Status;
