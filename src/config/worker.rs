@@ -60,6 +60,9 @@ pub struct TransportConfig {
     /// or a host buffer the pool is copied through (`--kv-buffer-device cpu`).
     #[serde(default)]
     pub kv_buffer: KvBufferDevice,
+    /// `--transport nixl`: how the ranks' NIXL agents run (`--nixl-progress-thread`).
+    #[serde(default)]
+    pub nixl: crate::config::xfer::NixlOptions,
 }
 
 /// How prefill ranks hand KV to decode in push mode: after the whole prefill, or layer by

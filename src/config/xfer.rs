@@ -37,7 +37,7 @@ pub struct XferConfig {
 }
 
 /// How `--transport nixl` agents run (`--nixl-progress-thread`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct NixlOptions {
     pub progress_thread: bool,
 }

@@ -503,6 +503,7 @@ mod tests {
             results,
             transport: "ucx".into(),
             cuda_batch: None,
+            nixl: None,
             verification: verification_rule(),
             misalign: Misalign::default(),
         }

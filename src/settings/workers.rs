@@ -78,6 +78,26 @@ pub fn check_mem_transport(mem: MemKind, kind: TransportKind) -> Result<(), Conf
     }
 }
 
+/// `--transport` of a serving engine: what its KV workers move blocks with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum EngineTransport {
+    /// kvx's own UCX binding (one-sided GETs, kvx's metadata in vLLM's handshake framing).
+    #[default]
+    Ucx,
+    /// NIXL itself: vLLM's handshake payload and notifications, so vLLM's own NIXL workers
+    /// can read from this engine and be read from.
+    Nixl,
+}
+
+impl EngineTransport {
+    pub fn kind(self) -> TransportKind {
+        match self {
+            EngineTransport::Ucx => TransportKind::Ucx,
+            EngineTransport::Nixl => TransportKind::Nixl,
+        }
+    }
+}
+
 /// `--kv-buffer-device cpu` stages the KV through a host buffer for UCX reads in pull mode, as
 /// vLLM's NixlConnector does; the other transports and push mode move the pool itself.
 pub fn check_kv_buffer(
@@ -247,6 +267,10 @@ pub struct ServeEngineFlags {
     pub verify: VerifyFlags,
     #[command(flatten, next_help_heading = "KV workers")]
     pub ucx_lib: UcxLibFlags,
+    #[arg(long, value_enum, help_heading = "KV workers", help = super::flags::TRANSPORT_HELP)]
+    pub transport: Option<EngineTransport>,
+    #[command(flatten, next_help_heading = "KV workers")]
+    pub nixl: super::flags::NixlFlags,
     #[command(flatten, next_help_heading = "KV workers")]
     pub ucx_mode: UcxModeFlags,
     #[arg(long, help_heading = "KV workers", help = INFLIGHT_HELP)]
@@ -581,7 +605,7 @@ fn finish_serve_engine(
         pair,
         hybrid,
         transport: TransportConfig {
-            kind: TransportKind::Ucx,
+            kind: a.transport.unwrap_or_default().kind(),
             chain: vec![],
             mode,
             ucx_lib: a.ucx_lib.clone().ucx_lib,
@@ -600,6 +624,7 @@ fn finish_serve_engine(
             batch_descriptors: Default::default(),
             slowdown: 0.0,
             kv_buffer: a.kv_buffer.device(),
+            nixl: crate::config::xfer::NixlOptions { progress_thread: a.nixl.nixl_progress_thread },
         },
         verify: a.verify.resolve(None),
         mem,
@@ -701,6 +726,8 @@ mod tests {
             timeout: TimeoutFlags::default(),
             verify: VerifyFlags::default(),
             ucx_lib: UcxLibFlags::default(),
+            transport: None,
+            nixl: Default::default(),
             ucx_mode: UcxModeFlags {
                 err_mode: Some(ErrMode::Peer),
                 progress: Some(ProgressMode::Wait),

@@ -134,6 +134,12 @@ pub enum NotifyError {
         #[source]
         source: UcxError,
     },
+    #[error("NIXL notification to agent {peer} failed: {source}")]
+    Nixl {
+        peer: String,
+        #[source]
+        source: crate::transfer::nixl::NixlError,
+    },
 }
 
 impl Notification {

@@ -774,6 +774,7 @@ mod tests {
             peer_timeout: Duration::from_secs(1),
             session: SessionOptions::default(),
             cuda_batch: None,
+            nixl: None,
             misalign: Misalign::default(),
         }
     }

@@ -5,7 +5,8 @@
 
 pub mod batch;
 pub mod decode;
-pub mod plumbing;
+pub mod nixl;
+mod plumbing;
 pub mod prefill;
 pub mod pusher;
 

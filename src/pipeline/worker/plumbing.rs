@@ -457,7 +457,7 @@ pub(super) fn rank_pool(
     use crate::vocab::kinds::TransportKind;
     let total = usize::try_from(total).stage("pool size")?;
     let kind = cfg.transport.kind;
-    let uses_ucx = !matches!(kind, TransportKind::Storage | TransportKind::CudaBatch);
+    let uses_ucx = !matches!(kind, TransportKind::Storage | TransportKind::CudaBatch | TransportKind::Nixl);
     let uses_storage = kind == TransportKind::Storage
         || kind == TransportKind::Multi && cfg.transport.chain.contains(&TransportKind::Storage);
     let pages = if cfg.transport.huge_pages {

@@ -32,6 +32,9 @@ use crate::vocab::kinds::{TransportKind, VerifyMode};
 
 /// Upper bound of one wait, so leases are checked even when nothing happens.
 const MAX_WAIT: Duration = Duration::from_millis(100);
+/// How often a `--transport nixl` rank drains NIXL's notifications while idle (vLLM drains
+/// them once per engine step, a few milliseconds).
+const NIXL_POLL: Duration = Duration::from_millis(1);
 
 /// The rank's UCX side: context, worker and the registered pool. Field order is drop order.
 struct UcxSide {
@@ -42,9 +45,11 @@ struct UcxSide {
     ctx: Context,
 }
 
-/// The KV pool, registered with UCX or (after `Fault::KillUcx`, or without UCX) plain.
+/// The KV pool, registered with UCX or NIXL, or (after `Fault::KillUcx`, or without either)
+/// plain.
 enum Pool {
     Ucx(Box<UcxSide>),
+    Nixl(Box<crate::pipeline::worker::nixl::NixlSide>),
     Plain(KvBuffer),
     /// Transient state while switching.
     Gone,
@@ -54,6 +59,7 @@ impl Pool {
     fn memory(&self) -> Result<&KvBuffer, WorkerError> {
         match self {
             Pool::Ucx(u) => u.region.memory().stage("KV pool"),
+            Pool::Nixl(n) => Ok(n.region.memory()),
             Pool::Plain(m) => Ok(m),
             Pool::Gone => Err(WorkerError::PoolGone),
         }
@@ -62,6 +68,7 @@ impl Pool {
     fn memory_mut(&mut self) -> Result<&mut KvBuffer, WorkerError> {
         match self {
             Pool::Ucx(u) => u.region.memory_mut().stage("KV pool"),
+            Pool::Nixl(n) => Ok(n.region.memory_mut()),
             Pool::Plain(m) => Ok(m),
             Pool::Gone => Err(WorkerError::PoolGone),
         }
@@ -74,11 +81,13 @@ impl Pool {
         }
     }
 
-    /// Notifications received as UCX active messages since the last call.
-    fn drain_am(&mut self) -> Vec<Notification> {
+    /// Notifications received as UCX active messages (or through NIXL) since the last
+    /// call, and how many NIXL messages were not vLLM's.
+    fn drain_am(&mut self) -> (Vec<Notification>, u64) {
         match self {
-            Pool::Ucx(u) => u.am.drain(),
-            _ => Vec::new(),
+            Pool::Ucx(u) => (u.am.drain(), 0),
+            Pool::Nixl(n) => n.drain(),
+            _ => (Vec::new(), 0),
         }
     }
 
@@ -218,7 +227,12 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         }
     }
     let mut ucx_lib = None;
-    let (mut pool, worker_address, rkey, base) = if uses_ucx {
+    let (mut pool, worker_address, rkey, base) = if kind == TransportKind::Nixl {
+        let side = crate::pipeline::worker::nixl::NixlSide::new(&cfg, mem, "p")?;
+        ucx_lib = Some(side.library.clone());
+        let base = side.region.addr();
+        (Pool::Nixl(Box::new(side)), Vec::new(), Vec::new(), base)
+    } else if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         // Active messages always: decode ranks choose how to notify, this rank takes both.
         let ctx = Context::new(
@@ -257,7 +271,12 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let ipc = cuda_ipc.clone();
         advertised_payload(&cfg, &cfg.pair.p, &regions, base, worker_address, rkey, &notify_ep, ipc)
     };
-    let payload = payload_of(worker_address, &rkey)?;
+    let payload = match &pool {
+        Pool::Nixl(side) => {
+            crate::pipeline::worker::nixl::advertised_payload(&cfg, &cfg.pair.p, &regions, side)?
+        }
+        _ => payload_of(worker_address, &rkey)?,
+    };
     let mut storage = if uses_storage {
         let opts = crate::pipeline::worker::plumbing::storage_options(&cfg);
         Some(StoragePublisher::new(opts, &cfg.engine_id, cfg.rank).stage("storage transport")?)
@@ -438,7 +457,11 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         // Notifications, heartbeats and fallback requests.
         let now = Instant::now();
         let zmq_notifs = listener.drain().stage("notifications")?;
-        for n in pool.drain_am().into_iter().chain(zmq_notifs) {
+        let (drained, not_vllm) = pool.drain_am();
+        if not_vllm > 0 {
+            ctl.send(&FromWorker::Unrecognized { count: not_vllm })?;
+        }
+        for n in drained.into_iter().chain(zmq_notifs) {
             if let Notification::PushReg(reg) = n {
                 let matched = pusher.as_mut().and_then(|p| p.register(*reg));
                 // Written now if its prefill is done; while it computes, by `advance` below.
@@ -504,12 +527,15 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         let now = Instant::now();
         let next_compute =
             held.values().filter_map(|h| h.compute.as_ref()).map(|c| sim.next_event(c, now)).min();
+        // NIXL has no event to wait on: its notifications are polled, as vLLM's worker polls
+        // them every engine step.
+        let max_wait = if matches!(pool, Pool::Nixl(_)) { NIXL_POLL } else { MAX_WAIT };
         let wait = leases
             .next_deadline()
             .into_iter()
             .chain(next_compute)
             .min()
-            .map_or(MAX_WAIT, |d| d.saturating_duration_since(now).min(MAX_WAIT));
+            .map_or(max_wait, |d| d.saturating_duration_since(now).min(max_wait));
         // A layer due within a millisecond: poll's timeout is in milliseconds, so sleep to it.
         if next_compute.is_some() && wait < Duration::from_millis(1) {
             std::thread::sleep(wait);

@@ -198,6 +198,9 @@ layered! {
         #[command(flatten, next_help_heading = "Transport")]
         #[serde(flatten)]
         pub ucx_mode: UcxModeFlags,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub nixl: super::flags::NixlFlags,
         #[arg(long, help_heading = "Transport", help = INFLIGHT_HELP)]
         pub inflight: Option<u32>,
         /// Post coalesced descriptors instead of vLLM's one per block and region.
@@ -731,6 +734,7 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
         batch_descriptors,
         slowdown,
         kv_buffer,
+        nixl: crate::config::xfer::NixlOptions { progress_thread: s.nixl.nixl_progress_thread },
     })
 }
 

@@ -22,6 +22,7 @@ pub mod compat;
 pub mod meta;
 pub mod scan;
 pub mod server;
+pub mod vllm_meta;
 pub mod wire;
 
 use std::time::Duration;

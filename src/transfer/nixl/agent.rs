@@ -350,6 +350,13 @@ impl Agent {
         Ok(out)
     }
 
+    /// Loads a peer's metadata as a [`Peer`], which forgets it (`invalidate_remote_md`) when
+    /// dropped, so a later handshake with a restarted engine starts afresh.
+    pub fn load_peer(&self, metadata: &[u8]) -> Result<Peer, NixlError> {
+        let name = self.load_remote(metadata)?;
+        Ok(Peer { agent: self.inner.clone(), name })
+    }
+
     /// Loads a peer's metadata; returns the peer's agent name.
     pub fn load_remote(&self, metadata: &[u8]) -> Result<String, NixlError> {
         let api = self.inner.nixl.api();
@@ -608,6 +615,47 @@ impl Agent {
             }
         }
         Ok(out)
+    }
+}
+
+/// A remote agent loaded into this agent: notifications to it, and forgetting it on drop.
+pub struct Peer {
+    agent: Arc<Inner>,
+    name: String,
+}
+
+// SAFETY: as for `Region`.
+unsafe impl Send for Peer {}
+
+impl Peer {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `gen_notif` to this peer (vLLM's `send_notif`).
+    pub fn send_notif(&self, msg: &[u8]) -> Result<(), NixlError> {
+        let c = cstring("agent name", &self.name)?;
+        let args = OptArgs::new(&self.agent)?;
+        // SAFETY: live agent and arguments; NIXL copies `len` bytes.
+        self.agent.check("nixl_capi_gen_notif", unsafe {
+            (self.agent.nixl.api().nixl_capi_gen_notif)(
+                self.agent.h,
+                c.as_ptr(),
+                msg.as_ptr().cast(),
+                msg.len(),
+                args.h,
+            )
+        })
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if let Ok(c) = CString::new(self.name.as_str()) {
+            // SAFETY: a live agent and a NUL-terminated name; an unknown name is an error
+            // status, nothing more.
+            unsafe { (self.agent.nixl.api().nixl_capi_invalidate_remote_md)(self.agent.h, c.as_ptr()) };
+        }
     }
 }
 

@@ -18,7 +18,7 @@ mod sys;
 use std::path::PathBuf;
 
 pub use self::agent::{
-    Agent, AgentOptions, BackendInfo, Desc, Op, Prepped, Region, Telemetry, Xfer, XferState,
+    Agent, AgentOptions, BackendInfo, Desc, Op, Peer, Prepped, Region, Telemetry, Xfer, XferState,
 };
 pub use self::library::{Nixl, NixlInfo, TESTED_VERSION, leave, loaded};
 

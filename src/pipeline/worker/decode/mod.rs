@@ -50,15 +50,26 @@ struct RemoteRank {
     /// UCX transport).
     am: Option<UcxNotifySender>,
     /// Notifications over ZMQ: `notify = zmq`, and whenever UCX does not work (the
-    /// storage transport, a multi fallback).
-    zmq: NotifySender,
+    /// storage transport, a multi fallback). `None` with NIXL (vLLM's metadata names no
+    /// such endpoint).
+    zmq: Option<NotifySender>,
+    /// `--transport nixl`: the rank's NIXL agent, loaded into this rank's agent; its
+    /// notifications go through NIXL.
+    nixl: Option<crate::transfer::nixl::Peer>,
 }
 
 impl RemoteRank {
     fn send(&self, n: &Notification, ucx_ok: bool) -> Result<(), NotifyError> {
-        match &self.am {
-            Some(am) if ucx_ok => am.send(n),
-            _ => self.zmq.send(n),
+        if let Some(p) = &self.nixl {
+            return p
+                .send_notif(&n.encode()?)
+                .map_err(|source| NotifyError::Nixl { peer: p.name().to_owned(), source });
+        }
+        match (&self.am, &self.zmq) {
+            (Some(am), _) if ucx_ok => am.send(n),
+            (_, Some(zmq)) => zmq.send(n),
+            (Some(am), None) => am.send(n),
+            (None, None) => Ok(()),
         }
     }
 }
@@ -72,6 +83,8 @@ struct RemoteEngine {
     transports: Option<String>,
     /// Multi transport: UCX failed for this engine; go straight to the next transport.
     ucx_broken: bool,
+    /// `--transport nixl`: each READ's prepared lists (in the planner's read order).
+    nixl_lists: Vec<crate::pipeline::worker::nixl::ReadLists>,
 }
 
 /// The rank's UCX side. Field order is drop order.
@@ -84,6 +97,7 @@ struct UcxSide {
 /// The rank's KV pool: registered with UCX, or plain (storage transport).
 enum Local {
     Ucx(Box<UcxSide>),
+    Nixl(Box<crate::pipeline::worker::nixl::NixlSide>),
     Plain(KvBuffer),
 }
 
@@ -91,6 +105,7 @@ impl Local {
     fn memory(&self) -> Result<&KvBuffer, Failure> {
         match self {
             Local::Ucx(u) => u.local.memory().map_err(|e| (FailureCause::Internal, e.to_string())),
+            Local::Nixl(n) => Ok(n.region.memory()),
             Local::Plain(m) => Ok(m),
         }
     }
@@ -98,6 +113,7 @@ impl Local {
     fn memory_mut(&mut self) -> Result<&mut KvBuffer, Failure> {
         match self {
             Local::Ucx(u) => u.local.memory_mut().map_err(|e| (FailureCause::Internal, e.to_string())),
+            Local::Nixl(n) => Ok(n.region.memory_mut()),
             Local::Plain(m) => Ok(m),
         }
     }
@@ -159,7 +175,11 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let cache_bytes = cache_span.unwrap_or(total);
     let crate::pipeline::worker::plumbing::RankPool { regions, total, uses_ucx, uses_storage, mem, staged } =
         crate::pipeline::worker::plumbing::rank_pool(&cfg, regions, total, cache_bytes)?;
-    let (local, lib) = if uses_ucx {
+    let (local, lib) = if kind == TransportKind::Nixl {
+        let side = crate::pipeline::worker::nixl::NixlSide::new(&cfg, mem, "d")?;
+        let lib = side.library.clone();
+        (Local::Nixl(Box::new(side)), lib)
+    } else if uses_ucx {
         let ucx = Ucx::load(cfg.transport.ucx_lib.as_deref()).stage("load UCX")?;
         let active_messages = cfg.transport.notify == NotifyTransport::Ucx && kind == TransportKind::Ucx
             || cfg.transport.mode == TransferMode::Push;
@@ -346,6 +366,9 @@ impl Decoder<'_> {
     }
 
     fn handshake(&mut self, params: &KvTransferParams) -> Result<RemoteEngine, Failure> {
+        if let Local::Nixl(side) = &self.local {
+            return handshake_nixl(self.cfg, &self.client, side, params);
+        }
         let cfg = self.cfg;
         let endpoint = format!("tcp://{}:{}", params.remote_host, params.remote_port);
         let tp = TpSpec {
@@ -378,7 +401,15 @@ impl Decoder<'_> {
             out.insert(peer.metadata.tp_rank, self.connect_peer(&peer.metadata, first, p_len)?);
         }
         let ucx_broken = out.values().any(|r| r.region.is_none());
-        Ok(RemoteEngine { planner, pair, p_regions, ranks: out, transports: None, ucx_broken })
+        Ok(RemoteEngine {
+            planner,
+            pair,
+            p_regions,
+            ranks: out,
+            transports: None,
+            ucx_broken,
+            nixl_lists: Vec::new(),
+        })
     }
 
     /// Connects to one prefill rank from its metadata: UCX endpoint and remote key (the
@@ -424,7 +455,7 @@ impl Decoder<'_> {
                     Err(e) => return Err(e),
                 }
             }
-            Local::Plain(_) => None,
+            Local::Plain(_) | Local::Nixl(_) => None,
         };
         let notify_ep = meta.notify_endpoint.clone().ok_or((
             FailureCause::Incompatible,
@@ -443,7 +474,7 @@ impl Decoder<'_> {
             _ => None,
         };
         let ipc = self.batch.as_ref().map(|b| b.open(meta)).transpose()?;
-        Ok(RemoteRank { region, ipc, am, zmq })
+        Ok(RemoteRank { region, ipc, am, zmq: Some(zmq), nixl: None })
     }
 
     /// Takes a control message as it arrives: word that a prefill engine's rank is gone, or that
@@ -585,6 +616,31 @@ impl Decoder<'_> {
                 .collect();
             side.read_request(mem, &reads, timeout, r)?;
         }
+        if let (Local::Nixl(side), TransportKind::Nixl) = (&self.local, self.cfg.transport.kind) {
+            // The completion notification rides each READ, as vLLM's does.
+            let notif = Notification::Notif {
+                p_request_id: params.remote_request_id.clone(),
+                count: eng.planner.map.notif_count,
+            }
+            .encode()
+            .map_err(|e| (FailureCause::Notify, e.to_string()))?;
+            if !blocks.local.is_empty() {
+                let (bytes, post_ns) = crate::pipeline::worker::nixl::read_request(
+                    side,
+                    &eng.planner,
+                    &eng.nixl_lists,
+                    &bp,
+                    &notif,
+                    timeout,
+                )?;
+                r.bytes += bytes;
+                r.post_ns += post_ns;
+            }
+            r.transport = Some(TransportKind::Nixl);
+            if eng.transports.is_none() {
+                eng.transports = Some("nixl/UCX".into());
+            }
+        }
         let mut ucx_error: Option<Failure> = None;
         if ucx_first {
             let Local::Ucx(u) = &mut self.local else {
@@ -618,7 +674,8 @@ impl Decoder<'_> {
                 eng.transports = ucx_choices(&eng.ranks, &u.ctx, r);
             }
         }
-        if (!ucx_first || ucx_error.is_some()) && self.batch.is_none() {
+        let nixl = self.cfg.transport.kind == TransportKind::Nixl;
+        if (!ucx_first || ucx_error.is_some()) && self.batch.is_none() && !nixl {
             let Some(fetcher) = self.storage.as_mut() else {
                 return Err(ucx_error.unwrap_or((FailureCause::Internal, "no transport to read with".into())));
             };
@@ -692,7 +749,7 @@ impl Decoder<'_> {
         };
         let full_hit = blocks.local.is_empty();
         let ucx_ok = !eng.ucx_broken;
-        if !full_hit {
+        if !full_hit && !nixl {
             let done = Notification::Notif {
                 p_request_id: ids.p_request_id.clone(),
                 count: eng.planner.map.notif_count,
@@ -779,6 +836,7 @@ fn push_side(
             Some(UcxNotifyReceiver::new(&u.worker).stage("UCX notification handler")?),
         ),
         Local::Plain(m) => (Vec::new(), Vec::new(), m.addr(), None),
+        Local::Nixl(n) => (Vec::new(), Vec::new(), n.region.addr(), None),
     };
     let payload = advertised_payload(cfg, &cfg.pair.d, regions, base, address, &rkey, &notify_ep, None)?;
     Ok((PushSide { waiter: PushWaiter::new(timeout), listener, am }, payload))
@@ -869,7 +927,7 @@ impl Decoder<'_> {
         };
         let worker = match &self.local {
             Local::Ucx(u) => Some(&u.worker),
-            Local::Plain(_) => None,
+            Local::Plain(_) | Local::Nixl(_) => None,
         };
         let Some(push) = self.push.as_mut() else {
             return Err((FailureCause::Internal, "a push request reached a pull-mode decode rank".into()));
@@ -978,4 +1036,57 @@ impl Decoder<'_> {
         }
         Ok(())
     }
+}
+
+/// `--transport nixl`: the handshake as vLLM's decode worker makes it (vLLM's payload and
+/// hash from each source rank, the peers' agents loaded, each READ's lists prepared).
+fn handshake_nixl(
+    cfg: &WorkerConfig,
+    client: &HandshakeClient,
+    side: &crate::pipeline::worker::nixl::NixlSide,
+    params: &KvTransferParams,
+) -> Result<RemoteEngine, Failure> {
+    use crate::pipeline::worker::nixl;
+    let endpoint = format!("tcp://{}:{}", params.remote_host, params.remote_port);
+    let tp = TpSpec {
+        p_tp: params.tp_size,
+        d_tp: cfg.pair.d.tp,
+        num_kv_heads: cfg.pair.model.num_kv_heads,
+        use_mla: cfg.pair.model.is_mla(),
+        version: cfg.pair.version,
+    };
+    let prelim = topology::rank_map(&tp).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+    let ranks: Vec<(u32, u32)> =
+        prelim.d_ranks[cfg.rank as usize].handshake_ranks.iter().map(|&r| (0, r)).collect();
+    let hs = nixl::fetch(client, cfg, &endpoint, &ranks, params.tp_size, &params.remote_engine_id)?;
+    let pair = hs.pair;
+    let map = pair.validate().map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+    let planner =
+        Planner::new(&pair, &map, cfg.rank).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+    let p_regions = pair.p_geometry(0).regions();
+    let mut ranks = BTreeMap::new();
+    let mut peers = BTreeMap::new();
+    for (tp_rank, meta) in &hs.peers {
+        let who = format!("prefill rank {tp_rank} at {endpoint}");
+        let base = nixl::peer_base(meta, &p_regions, &who)?;
+        let peer = side
+            .agent
+            .load_peer(&meta.agent_metadata)
+            .map_err(|e| (FailureCause::Handshake, format!("load {who}'s NIXL agent: {e}")))?;
+        peers.insert(
+            *tp_rank,
+            (nixl::NixlPeer { agent: peer.name().to_owned() }, base, meta.device_id.unwrap_or(0)),
+        );
+        ranks.insert(*tp_rank, RemoteRank { region: None, ipc: None, am: None, zmq: None, nixl: Some(peer) });
+    }
+    let nixl_lists = nixl::prepare_reads(side, &planner, &peers)?;
+    Ok(RemoteEngine {
+        planner,
+        pair,
+        p_regions,
+        ranks,
+        transports: Some("nixl/UCX".into()),
+        ucx_broken: false,
+        nixl_lists,
+    })
 }
