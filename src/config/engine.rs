@@ -99,6 +99,8 @@ pub struct WorkerSettings {
     pub hybrid: Option<crate::layouts::hybrid::HybridPairSpec>,
     pub transport: TransportConfig,
     pub verify: VerifyMode,
+    /// What prefill ranks write and decode ranks check (`--fill`).
+    pub fill: crate::vocab::kinds::FillPattern,
     pub mem: KvMemory,
     /// Lease prefill ranks hold blocks under (vLLM `kv_lease_duration`).
     pub lease: Duration,
@@ -161,6 +163,7 @@ impl WorkerSettings {
                 // Filled per rank from `mem` below.
                 mem: MemPlace::Host,
                 verify: self.verify,
+                fill: self.fill,
                 lease_ms: self.lease.as_millis() as u64,
                 timeout_ms: self.timeout.as_millis() as u64,
                 bind_host: self.bind_host.clone(),

@@ -138,6 +138,9 @@ pub struct WorkerConfig {
     /// Where this rank's KV pool lives (the engine fills it per rank).
     pub mem: MemPlace,
     pub verify: VerifyMode,
+    /// What prefill ranks write and decode ranks check (`--fill`).
+    #[serde(default)]
+    pub fill: crate::vocab::kinds::FillPattern,
     /// Lease a prefill rank holds blocks under (vLLM `kv_lease_duration`).
     pub lease_ms: u64,
     /// Deadline of every wait (handshake, reads, notifications).

@@ -257,3 +257,51 @@ mod tests {
         assert!(verify_block(&content, shifted, &block, 1).is_err());
     }
 }
+
+/// The NIXL peers' byte (`--fill peer`; `scripts/peers/nixl_pd_peer.py` and vLLM's
+/// workers in `vllm-peer` write it): byte `offset` of block `block` in region `region` of a
+/// prefill rank's pool.
+#[inline]
+pub fn peer_byte(region: u64, block: u64, offset: u64) -> u8 {
+    ((region * 131 + block * 31 + offset) % 251) as u8
+}
+
+/// Writes the peer pattern into `bytes`, which start at byte `offset` of `block` in `region`.
+pub fn fill_peer(bytes: &mut [u8], region: u64, block: u64, offset: u64) {
+    let mut v = (region * 131 + block * 31 + offset) % 251;
+    for b in bytes {
+        *b = v as u8;
+        v = if v == 250 { 0 } else { v + 1 };
+    }
+}
+
+/// The first byte of `bytes` (which start at byte `offset` of `block` in `region`) that is not
+/// the peer pattern, as an index into `bytes`.
+pub fn check_peer(bytes: &[u8], region: u64, block: u64, offset: u64) -> Option<usize> {
+    let mut v = (region * 131 + block * 31 + offset) % 251;
+    for (i, &b) in bytes.iter().enumerate() {
+        if u64::from(b) != v {
+            return Some(i);
+        }
+        v = if v == 250 { 0 } else { v + 1 };
+    }
+    None
+}
+
+#[cfg(test)]
+mod peer_tests {
+    use super::*;
+
+    #[test]
+    fn the_peer_pattern_is_the_formula_byte_by_byte_and_a_changed_byte_is_found() {
+        let mut b = vec![0u8; 1000];
+        fill_peer(&mut b, 3, 7, 500);
+        for (i, &x) in b.iter().enumerate() {
+            assert_eq!(x, peer_byte(3, 7, 500 + i as u64));
+        }
+        assert_eq!(check_peer(&b, 3, 7, 500), None);
+        b[321] ^= 1;
+        assert_eq!(check_peer(&b, 3, 7, 500), Some(321));
+        assert_eq!(check_peer(&b, 3, 8, 500), Some(0), "another block's bytes differ");
+    }
+}

@@ -612,6 +612,21 @@ layered! {
 }
 
 layered! {
+    /// `--fill`: what prefill ranks write into a request's blocks and decode ranks check
+    /// (`kvx bench`, `kvx serve-engine`).
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Args, Deserialize)]
+    pub struct FillFlags {
+        /// What prefill ranks write into a request's blocks, and decode ranks check: kvx (each
+        /// K/V vector from its layer, head and token: a wrong rank map shows) or peer (the
+        /// NIXL peers' and vLLM peer scripts' bytes, (region*131 + block*31 + offset) mod 251
+        /// per prefill block, for reading from and being read by them) [default: kvx].
+        #[arg(long, value_enum)]
+        #[serde(default)]
+        pub fill: Option<crate::vocab::kinds::FillPattern>,
+    }
+}
+
+layered! {
     /// `--nixl-progress-thread`: how `--transport nixl` agents are progressed (`kvx xfer`,
     /// `kvx bench`, `kvx serve-engine`).
     #[derive(Debug, Clone, Copy, Default, PartialEq, Args, Deserialize)]

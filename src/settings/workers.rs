@@ -272,6 +272,8 @@ pub struct ServeEngineFlags {
     #[command(flatten, next_help_heading = "KV workers")]
     pub nixl: super::flags::NixlFlags,
     #[command(flatten, next_help_heading = "KV workers")]
+    pub fill: super::flags::FillFlags,
+    #[command(flatten, next_help_heading = "KV workers")]
     pub ucx_mode: UcxModeFlags,
     #[arg(long, help_heading = "KV workers", help = INFLIGHT_HELP)]
     pub inflight: Option<u32>,
@@ -627,6 +629,7 @@ fn finish_serve_engine(
             nixl: crate::config::xfer::NixlOptions { progress_thread: a.nixl.nixl_progress_thread },
         },
         verify: a.verify.resolve(None),
+        fill: a.fill.fill.unwrap_or_default(),
         mem,
         lease: a.lease.lease(),
         timeout,
@@ -728,6 +731,7 @@ mod tests {
             ucx_lib: UcxLibFlags::default(),
             transport: None,
             nixl: Default::default(),
+            fill: Default::default(),
             ucx_mode: UcxModeFlags {
                 err_mode: Some(ErrMode::Peer),
                 progress: Some(ProgressMode::Wait),

@@ -29,6 +29,30 @@ impl Role {
     }
 }
 
+/// What prefill ranks write into a request's blocks, and so what decode ranks check
+/// (`--fill`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum FillPattern {
+    /// kvx's pattern: every K/V vector's words derived from (layer, global head, token, K or
+    /// V), so a decode rank checks it holds the heads and tokens its layout says.
+    #[default]
+    Kvx,
+    /// The NIXL peers' pattern (`scripts/peers`, vLLM's workers in `vllm-peer`): byte =
+    /// (region × 131 + block × 31 + offset) mod 251 over each prefill block; a decode rank
+    /// checks each byte against the prefill block and offset its plan read it from.
+    Peer,
+}
+
+impl FillPattern {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FillPattern::Kvx => "kvx",
+            FillPattern::Peer => "peer",
+        }
+    }
+}
+
 /// How much of each request a decode rank checks (`--verify`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]

@@ -347,6 +347,26 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     // sides: `coverage::Sample`, `verify::sampled`).
                     let write = cfg.verify.stride();
                     match (&hybrid, write) {
+                        // The NIXL peers' bytes: every region of each block, whole (what a
+                        // peer's decode checks), whatever --verify says.
+                        (None, _) if cfg.fill == crate::vocab::kinds::FillPattern::Peer => {
+                            let ids: Vec<(u64, u64)> = blocks
+                                .iter()
+                                .flat_map(|&b| (0..regions.len() as u64).map(move |j| (j, u64::from(b))))
+                                .collect();
+                            let ranges: Vec<std::ops::Range<u64>> = ids
+                                .iter()
+                                .map(|&(j, b)| {
+                                    let r = &regions[j as usize];
+                                    r.block_off(b)..r.block_off(b) + r.block_len
+                                })
+                                .collect();
+                            filled
+                                .write_ranges(&ranges, |i, bytes| {
+                                    crate::layouts::pattern::fill_peer(bytes, ids[i].0, ids[i].1, 0)
+                                })
+                                .stage("fill the request's blocks with the peer pattern")?;
+                        }
                         // Every block of every group, each byte by what it means (in the KV
                         // cache's layout, which a host buffer does not share).
                         (Some(g), _) => {

@@ -201,6 +201,9 @@ layered! {
         #[command(flatten, next_help_heading = "Transport")]
         #[serde(flatten)]
         pub nixl: super::flags::NixlFlags,
+        #[command(flatten, next_help_heading = "Transport")]
+        #[serde(flatten)]
+        pub fill: super::flags::FillFlags,
         #[arg(long, help_heading = "Transport", help = INFLIGHT_HELP)]
         pub inflight: Option<u32>,
         /// Post coalesced descriptors instead of vLLM's one per block and region.
@@ -623,6 +626,7 @@ fn finish(
             hybrid,
             transport,
             verify,
+            fill: s.fill.fill.unwrap_or_default(),
             mem,
             lease,
             timeout,

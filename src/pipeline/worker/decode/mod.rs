@@ -788,7 +788,11 @@ impl Decoder<'_> {
             r.sync_ns = ts.elapsed().as_nanos() as u64;
         }
         // Verify (outside the timed path).
-        if let Some(stride) = self.cfg.verify.stride() {
+        if self.cfg.verify.stride().is_some() && self.cfg.fill == crate::vocab::kinds::FillPattern::Peer {
+            let tv = Instant::now();
+            verify_peer(self.local.memory()?, r, &eng.planner, &eng.p_regions, &bp)?;
+            r.verify_ns = tv.elapsed().as_nanos() as u64;
+        } else if let Some(stride) = self.cfg.verify.stride() {
             let tv = Instant::now();
             let plan = VerifyPlan::new(
                 &self.geom,
@@ -1089,4 +1093,58 @@ fn handshake_nixl(
         ucx_broken: false,
         nixl_lists,
     })
+}
+
+/// `--fill peer`: every byte the plan read, against the peer pattern at the prefill
+/// region, block and offset it came from.
+fn verify_peer(
+    mem: &KvBuffer,
+    r: &mut LoadResult,
+    planner: &Planner,
+    p_regions: &[Region],
+    bp: &BlockPairs,
+) -> Result<(), Failure> {
+    let mut bufs: Vec<Vec<Pair>> = Vec::new();
+    bufs.resize_with(planner.reads.len(), Vec::new);
+    planner.plan_into(bp, &mut bufs);
+    // Each pair cut at prefill block boundaries: (local range, region, block, offset).
+    let mut segs: Vec<(std::ops::Range<u64>, u64, u64, u64)> = Vec::new();
+    for p in bufs.iter().flatten() {
+        let (mut q, mut l, mut left) = (p.remote, p.local, p.len);
+        while left > 0 {
+            let Some((j, reg)) = p_regions
+                .iter()
+                .enumerate()
+                .find(|(_, g)| q >= g.base_off && q < g.base_off + g.num_blocks * g.block_stride)
+            else {
+                return Err((FailureCause::Internal, format!("prefill offset {q} is in no region")));
+            };
+            let (b, off) = ((q - reg.base_off) / reg.block_stride, (q - reg.base_off) % reg.block_stride);
+            let n = left.min(reg.block_stride - off);
+            segs.push((l..l + n, j as u64, b, off));
+            (q, l, left) = (q + n, l + n, left - n);
+        }
+    }
+    let ranges: Vec<std::ops::Range<u64>> = segs.iter().map(|s| s.0.clone()).collect();
+    let (mut bytes, mut mismatch) = (0u64, None);
+    mem.read_ranges(&ranges, |i, got| {
+            let (_, j, b, off) = &segs[i];
+            match crate::layouts::pattern::check_peer(got, *j, *b, *off) {
+                None => bytes += got.len() as u64,
+                Some(k) if mismatch.is_none() => {
+                    mismatch = Some(format!(
+                        "byte {} of prefill region {j} block {b} (local offset {}) is not the peer pattern",
+                        off + k as u64,
+                        segs[i].0.start + k as u64
+                    ));
+                }
+                Some(_) => {}
+            }
+        })
+        .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+    match mismatch {
+        None => r.bytes_verified = bytes,
+        Some(m) => r.verify_failure = Some(m),
+    }
+    Ok(())
 }
