@@ -4,7 +4,8 @@ NixlConnector wire (pull mode), written against NIXL's Python API.
 
 On the wire it does what vLLM 0.33.0's NixlPullConnectorWorker and its scheduler's handshake
 listener do, so kvx can be tested against it, and it can stand in for vLLM's own workers
-(/work/shared/vllm-peer/real_prefill.py, real_decode.py): same flags, same JSON lines.
+(`../shared/vllm-peer/real_prefill.py`, `real_decode.py` beside the project): same flags, same
+JSON lines.
 
   prefill --port 0 --request-id R [--tp 2 ...]
       One NIXL agent (UCX backend) and one host KV pool per TP rank, laid out as vLLM 0.33 lays
