@@ -8,15 +8,21 @@
 #
 #   scripts/setup-peers.sh            # install the pinned versions (idempotent, quiet)
 #   scripts/setup-peers.sh --force    # reinstall both
-#   PEERS_PYTHON=python3.11 scripts/setup-peers.sh   # the interpreter the venv is made from
+#   PEERS_PYTHON=/usr/bin/python3.11 scripts/setup-peers.sh   # the interpreter for the venv
 #
-# nixl-cu12's wheel is built for CPython 3.11 only, so the venv must be a 3.11 one.
+# nixl-cu12's wheel is built for CPython 3.11 only, so the venv must be a 3.11 one (python3.11
+# if there is one, else python3).
 # Versions are pinned to the ones checked together here; nixl-cu12 is installed without its
 # dependencies (they would pull torch and the CUDA wheels, which the peers do not use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY="${PEERS_PYTHON:-python3}"
+# python3.11 if there is one (python3 may be another version), else python3.
+PY="${PEERS_PYTHON:-}"
+if [ -z "$PY" ]; then
+  PY=python3
+  if command -v python3.11 >/dev/null; then PY=python3.11; fi
+fi
 VENV=.venv-peers
 VLLM_DEST=.vllm-033
 NIXL_VERSION=1.5.1
@@ -39,7 +45,7 @@ fi
 command -v "$PY" >/dev/null || { echo "setup-peers: $PY is required (apt-get install python3 python3-venv)" >&2; exit 1; }
 pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 if [ "$pyver" != 3.11 ]; then
-  echo "setup-peers: nixl-cu12==$NIXL_VERSION needs CPython 3.11, $PY is $pyver (set PEERS_PYTHON=python3.11)" >&2
+  echo "setup-peers: nixl-cu12==$NIXL_VERSION needs CPython 3.11, $PY is $pyver (install python3.11 or set PEERS_PYTHON)" >&2
   exit 1
 fi
 if ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
