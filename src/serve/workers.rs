@@ -140,6 +140,8 @@ pub struct WorkerKv {
     nixl: NixlHistograms,
     /// Whether the ranks post coalesced descriptors (what `vllm:nixl_num_descriptors` counts).
     coalesce: bool,
+    /// The transport's name for the `kv_transfer` label (`ucx`, `nixl`).
+    transport: &'static str,
 }
 
 impl std::fmt::Debug for WorkerKv {
@@ -160,6 +162,7 @@ impl WorkerKv {
         let role = cfg.worker.role;
         let block_tokens = cfg.block_tokens;
         let coalesce = cfg.worker.transport.coalesce;
+        let transport = cfg.worker.transport.kind.as_str();
         // Deadline of a started request, plus as long again queued behind others for blocks.
         let wait = cfg.timeout * 2;
         let engine = Engine::start(cfg)?;
@@ -183,6 +186,7 @@ impl WorkerKv {
             stage_seconds: stages.iter().map(|&s| (s, Histogram::new(KV_STAGE_BUCKETS_S))).collect(),
             nixl: NixlHistograms::default(),
             coalesce,
+            transport,
         })
     }
 
@@ -587,7 +591,7 @@ impl KvBackend for WorkerKv {
         }
         BackendMetrics {
             backend: "workers",
-            kv_transfer: "ucx",
+            kv_transfer: self.transport,
             prefills: c.prefills.load(Ordering::Relaxed),
             prefill_failures: c.prefill_failures.load(Ordering::Relaxed),
             loads_ok: st.loads_ok,
