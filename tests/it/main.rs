@@ -17,6 +17,7 @@ mod kv_buffer;
 mod layering;
 mod load_fail;
 mod netns;
+mod nixl;
 mod oracle;
 mod procs;
 mod props;

@@ -25,7 +25,7 @@ use crate::serve_metrics::{XFER_BUCKETS, check_vllm_families, family, histogram,
 /// still end in bounded time.
 const HARD_TIMEOUT: Duration = Duration::from_secs(120);
 
-async fn within<F: Future<Output = ()>>(f: F) {
+pub(crate) async fn within<F: Future<Output = ()>>(f: F) {
     tokio::time::timeout(HARD_TIMEOUT, f).await.expect("test exceeded its hard timeout");
 }
 
@@ -34,13 +34,13 @@ const MODEL: &[&str] = &["--model", "llama-3.1-8b", "--layers", "2", "--model-na
 
 /// A `kvx` process leading its own process group (its workers join it); the whole group is
 /// killed on drop.
-struct Proc {
+pub(crate) struct Proc {
     child: Child,
-    addr: SocketAddr,
+    pub(crate) addr: SocketAddr,
 }
 
 impl Proc {
-    fn spawn(args: &[&str]) -> Proc {
+    pub(crate) fn spawn(args: &[&str]) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvx"))
             .args(args)
             .stdout(Stdio::piped())
@@ -65,7 +65,7 @@ impl Proc {
         proc
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
 
@@ -86,7 +86,7 @@ impl Drop for Proc {
 
 /// Polls an engine's metric until `cond` holds (every 20 ms, up to `limit`): a value behind an
 /// HTTP scrape has no change notification to wait on.
-async fn wait_metric(url: &str, name: &str, limit: Duration, cond: impl Fn(f64) -> bool) -> f64 {
+pub(crate) async fn wait_metric(url: &str, name: &str, limit: Duration, cond: impl Fn(f64) -> bool) -> f64 {
     let deadline = Instant::now() + limit;
     loop {
         let (_, _, m) = send("GET", url, &[], "").await;
@@ -113,7 +113,7 @@ async fn engine(role: &str, tp: &str, extra: &[&str]) -> Proc {
 }
 
 /// [`engine`] of `model`.
-async fn engine_of(model: &[&str], role: &str, tp: &str, extra: &[&str]) -> Proc {
+pub(crate) async fn engine_of(model: &[&str], role: &str, tp: &str, extra: &[&str]) -> Proc {
     let mut args = vec!["serve-engine", "--role", role, "--port", "0", "--tp", tp, "--max-model-len", "1024"];
     args.extend_from_slice(model);
     args.extend_from_slice(&["--side-channel-port", "0", "--verify", "full", "--timeout", "10s"]);

@@ -208,6 +208,8 @@ fn scatter_child_body(lib: &Path) {
         progress: true,
         max_serve_secs: 120,
         cuda_batch: false,
+        nixl: false,
+        nixl_progress_thread: false,
     };
     let opts = SessionOptions { ucx_lib: Some(lib.to_path_buf()), ..Default::default() };
     let session = Session::establish(target.stream, &req, &opts).expect("session");

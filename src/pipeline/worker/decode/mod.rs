@@ -1128,20 +1128,20 @@ fn verify_peer(
     let ranges: Vec<std::ops::Range<u64>> = segs.iter().map(|s| s.0.clone()).collect();
     let (mut bytes, mut mismatch) = (0u64, None);
     mem.read_ranges(&ranges, |i, got| {
-            let (_, j, b, off) = &segs[i];
-            match crate::layouts::pattern::check_peer(got, *j, *b, *off) {
-                None => bytes += got.len() as u64,
-                Some(k) if mismatch.is_none() => {
-                    mismatch = Some(format!(
-                        "byte {} of prefill region {j} block {b} (local offset {}) is not the peer pattern",
-                        off + k as u64,
-                        segs[i].0.start + k as u64
-                    ));
-                }
-                Some(_) => {}
+        let (_, j, b, off) = &segs[i];
+        match crate::layouts::pattern::check_peer(got, *j, *b, *off) {
+            None => bytes += got.len() as u64,
+            Some(k) if mismatch.is_none() => {
+                mismatch = Some(format!(
+                    "byte {} of prefill region {j} block {b} (local offset {}) is not the peer pattern",
+                    off + k as u64,
+                    segs[i].0.start + k as u64
+                ));
             }
-        })
-        .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
+            Some(_) => {}
+        }
+    })
+    .map_err(|e| (FailureCause::Internal, format!("read back the received blocks: {e}")))?;
     match mismatch {
         None => r.bytes_verified = bytes,
         Some(m) => r.verify_failure = Some(m),
