@@ -56,10 +56,9 @@ impl LibSearch {
         for start in starts.into_iter().flatten() {
             if let Some(p) = start.ancestors().find_map(|dir| {
                 WHEEL_LIB_RELATIVE.iter().map(|rel| dir.join(".nixl").join(rel)).find(|p| p.is_file())
-            }) {
-                if !out.contains(&p) {
-                    out.push(p);
-                }
+            }) && !out.contains(&p)
+            {
+                out.push(p);
             }
         }
         out
