@@ -109,6 +109,7 @@ pub fn run(opts: &DoctorOptions) -> DoctorReport {
     checks.push(huge_pages_check());
     checks.push(ports_check(opts.side_channel_port, opts.ports));
     checks.push(zmq_check());
+    checks.extend(nixl_checks());
     checks.push(env_check());
     let needed_missing = checks.iter().any(|c| c.verdict == Verdict::Fail);
     DoctorReport { checks, needed_missing }
@@ -714,6 +715,61 @@ fn ports_check(base: u16, n: u16) -> Check {
             "pick another base with --side-channel-port (vLLM: VLLM_NIXL_SIDE_CHANNEL_PORT)",
         )
     }
+}
+
+/// NIXL (`--transport nixl`): found or not, its version against the one kvx is tested with,
+/// its plugins, and whether its UCX backend can be created (and with which parameters). NIXL
+/// is needed by `--transport nixl` only, so its absence is "missing", not a failure.
+fn nixl_checks() -> Vec<Check> {
+    use crate::transfer::nixl::{Agent, AgentOptions, Nixl, TESTED_VERSION};
+    let nixl = match Nixl::load() {
+        Ok(n) => n,
+        Err(e) => {
+            return vec![check(
+                "nixl.library",
+                Verdict::Missing,
+                e.to_string(),
+                "needed by --transport nixl only: run scripts/setup-nixl.sh (the nixl-cu12 wheel into .nixl/)",
+            )];
+        }
+    };
+    let info = nixl.info();
+    let version = info.version.clone().unwrap_or_else(|| "version unknown".into());
+    let mut out = vec![check(
+        "nixl.library",
+        if info.version.as_deref() == Some(TESTED_VERSION) { Verdict::Ok } else { Verdict::Warn },
+        format!("NIXL {version} from {}", info.library.display()),
+        if info.version.as_deref() == Some(TESTED_VERSION) {
+            String::new()
+        } else {
+            format!("kvx is tested with NIXL {TESTED_VERSION} (scripts/setup-nixl.sh installs it)")
+        },
+    )];
+    let opts = AgentOptions { progress_thread: false, ..AgentOptions::default() };
+    match Agent::new(&nixl, &format!("kvx-doctor-{}", std::process::id()), &opts) {
+        Ok(agent) => {
+            let plugins = agent.plugins().map(|p| p.join(", ")).unwrap_or_else(|e| e.to_string());
+            out.push(check("nixl.plugins", Verdict::Ok, plugins, ""));
+            let backend = match agent.backend_info() {
+                Ok(b) => {
+                    let params = b.params.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ");
+                    format!("UCX backend created: memory {}; {params}", b.mem_types.join(", "))
+                }
+                Err(e) => format!("UCX backend created; its parameters unreadable: {e}"),
+            };
+            let ucx = nixl
+                .bundled_ucx_version()
+                .map_or_else(|| "NIXL's own UCX: version unknown".into(), |v| format!("NIXL's own UCX {v}"));
+            out.push(check("nixl.backend", Verdict::Ok, format!("{backend}; {ucx}"), ""));
+        }
+        Err(e) => out.push(check(
+            "nixl.backend",
+            Verdict::Warn,
+            e.to_string(),
+            "NIXL loaded but its UCX backend could not be created: check UCX_* variables and the wheel's plugins",
+        )),
+    }
+    out
 }
 
 fn zmq_check() -> Check {
