@@ -141,7 +141,7 @@ pub fn advertised_payload(
                 num_blocks: r.num_blocks,
             })
             .collect(),
-        layout: spec.layout.name().to_string(),
+        layout: spec.layout.vllm_name().to_string(),
         block_size: u64::from(spec.block_tokens),
         attn_backend_name: DEFAULT_ATTN_BACKEND.into(),
     };
