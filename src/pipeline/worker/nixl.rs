@@ -375,6 +375,8 @@ pub fn read_request(
             ));
         }
         let mut i = 0;
+        // Polling is all NIXL offers; give the core to the ranks on it between rounds.
+        std::thread::yield_now();
         while i < xfers.len() {
             match xfers[i].1.status() {
                 Ok(XferState::Done) => {
