@@ -315,7 +315,7 @@ mod tests {
         assert_eq!(named::<TransportKind>(" ucx "), Ok(TransportKind::Ucx));
         assert_eq!(
             named::<TransportKind>("nccl"),
-            Err("'nccl' is not ucx, storage, multi or cuda-batch".to_string())
+            Err("'nccl' is not ucx, storage, multi, cuda-batch or nixl".to_string())
         );
     }
 }
