@@ -68,6 +68,7 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
             return Ok(Outcome::Ok);
         }
         XferRun::Measure { cfg, connect } => (cfg, connect),
+        XferRun::Compare { runs } => return compare(&runs, format),
     };
     // Ctrl-C stops measuring; the cases measured so far are printed (exit 130/143).
     crate::interrupt::arm();
@@ -120,6 +121,58 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
         Format::Table => output::stdout(render_table(&report))?,
     }
     Ok(interrupted.map_or(Outcome::Ok, Outcome::Interrupted))
+}
+
+/// `--compare-transports`: each transport's measurement in turn (a local target each), each
+/// report as it would print alone, then one table of every case's GB/s on each transport and
+/// its ratio to the first transport's. UCX's protocols are not recorded in this mode.
+fn compare(
+    runs: &[(crate::settings::xfer::TransportArg, crate::config::xfer::XferConfig)],
+    format: Format,
+) -> anyhow::Result<Outcome> {
+    crate::interrupt::arm();
+    let exe = std::env::current_exe().context("finding the kvx executable to start the target process")?;
+    let target = TargetSpec::Local { exe };
+    let mut reports = Vec::new();
+    for (t, cfg) in runs {
+        if crate::interrupt::requested().is_some() {
+            break;
+        }
+        let report = match xfer::run(cfg, &target, |_| {}) {
+            Ok(r) => r,
+            Err(XferError::Verify(why)) => {
+                return Ok(Outcome::Failed(format!("kvx xfer ({}): {why}", t.as_str())));
+            }
+            Err(e) => {
+                return Err(
+                    anyhow::Error::from(e).context(format!("--compare-transports: the {} run", t.as_str()))
+                );
+            }
+        };
+        reports.push((*t, report));
+    }
+    let rows =
+        crate::report::xfer::comparison(&reports.iter().map(|(t, r)| (t.as_str(), r)).collect::<Vec<_>>());
+    match format {
+        Format::Json => {
+            let runs: Vec<serde_json::Value> = reports
+                .iter()
+                .map(|(t, r)| serde_json::json!({ "transport": t.as_str(), "report": r }))
+                .collect();
+            output::stdout_json(&serde_json::json!({ "runs": runs, "comparison": rows }))?;
+        }
+        Format::Table => {
+            let mut text = String::new();
+            for (t, r) in &reports {
+                text.push_str(&format!("== --transport {} ==\n", t.as_str()));
+                text.push_str(&render_table(r));
+                text.push('\n');
+            }
+            text.push_str(&crate::report::xfer::render_comparison(&rows));
+            output::stdout(text)?;
+        }
+    }
+    Ok(crate::interrupt::requested().map_or(Outcome::Ok, Outcome::Interrupted))
 }
 
 /// Runs this same `kvx xfer` command line again in a child process whose environment makes

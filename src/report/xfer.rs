@@ -442,6 +442,73 @@ fn results_table(r: &XferReport) -> String {
     out
 }
 
+/// One case of `kvx xfer --compare-transports`: its GB/s on each transport (in the order
+/// given), and each one's ratio to the first transport's.
+#[derive(Debug, Clone, Serialize)]
+pub struct ComparisonRow {
+    pub size_bytes: u64,
+    pub inflight: usize,
+    /// `(transport, GB/s, ratio to the same run's ceiling)`.
+    pub gbps: Vec<(String, f64, f64)>,
+    /// Each transport's GB/s over the first's.
+    pub ratio_to_first: Vec<(String, f64)>,
+}
+
+/// The cases every report measured, side by side.
+pub fn comparison(reports: &[(&str, &XferReport)]) -> Vec<ComparisonRow> {
+    let Some((_, first)) = reports.first() else { return Vec::new() };
+    first
+        .results
+        .iter()
+        .map(|base| {
+            let same = |r: &XferReport| {
+                r.results
+                    .iter()
+                    .find(|x| x.size_bytes == base.size_bytes && x.inflight == base.inflight)
+                    .cloned()
+            };
+            let found: Vec<(String, Option<XferResult>)> =
+                reports.iter().map(|(t, r)| ((*t).to_owned(), same(r))).collect();
+            ComparisonRow {
+                size_bytes: base.size_bytes,
+                inflight: base.inflight,
+                gbps: found
+                    .iter()
+                    .filter_map(|(t, x)| x.as_ref().map(|x| (t.clone(), x.gbps, x.ratio_to_ceiling)))
+                    .collect(),
+                ratio_to_first: found
+                    .iter()
+                    .filter_map(|(t, x)| {
+                        x.as_ref().filter(|_| base.gbps > 0.0).map(|x| (t.clone(), x.gbps / base.gbps))
+                    })
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+/// The comparison as a table: one row per case, GB/s (and ratio to the ceiling) per transport,
+/// then each transport over the first.
+pub fn render_comparison(rows: &[ComparisonRow]) -> String {
+    let names: Vec<String> =
+        rows.first().map(|r| r.gbps.iter().map(|g| g.0.clone()).collect()).unwrap_or_default();
+    let mut header = vec!["size".to_string(), "inflight".to_string()];
+    header.extend(names.iter().map(|n| format!("{n} GB/s (vs ceiling)")));
+    header.extend(names.iter().skip(1).map(|n| format!("{n} / {}", names[0])));
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::ASCII_BORDERS_ONLY_CONDENSED);
+    t.set_header(header);
+    for r in rows {
+        let mut row = vec![fmt_size(r.size_bytes), r.inflight.to_string()];
+        row.extend(r.gbps.iter().map(|(_, g, c)| format!("{g:.2} ({c:.2})")));
+        row.extend(r.ratio_to_first.iter().skip(1).map(|(_, x)| format!("{x:.2}x")));
+        t.add_row(row);
+    }
+    format!(
+        "same cases, one transport after the other in this run (GB/s = 1e9 B/s; the ceiling is each run's own)\n{t}\n"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

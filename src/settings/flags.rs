@@ -641,6 +641,9 @@ layered! {
     }
 }
 
+/// `--compare-transports`' help (`kvx bench`: whole runs; `kvx xfer`: its cases).
+pub const COMPARE_TRANSPORTS_HELP: &str = "Run the same workload on each transport in turn and print one comparison table, e.g. ucx,nixl or ucx,storage,multi (ucx,cuda-batch with --mem cuda); kvx xfer gives each case's GB/s as a ratio to the first transport's";
+
 /// `--inflight`'s help: `kvx xfer` takes a list of depths (one case each), the engines one
 /// depth, so the two are two fields with one text.
 pub const INFLIGHT_HELP: &str = "GETs in flight per source rank (kvx xfer: a list of depths, one case each) [default: 64; kvx xfer: 1,8,32]";

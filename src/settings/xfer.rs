@@ -41,6 +41,10 @@ pub enum TransportArg {
 }
 
 impl TransportArg {
+    pub fn as_str(self) -> &'static str {
+        self.kind().as_str()
+    }
+
     /// The transport.
     pub fn kind(self) -> TransportKind {
         match self {
@@ -79,6 +83,14 @@ pub struct XferFlags {
     pub mem: super::flags::MemFlags,
     #[arg(long, value_enum, help = super::flags::TRANSPORT_HELP)]
     pub transport: Option<TransportArg>,
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        conflicts_with = "transport",
+        help = super::flags::COMPARE_TRANSPORTS_HELP
+    )]
+    pub compare_transports: Option<Vec<TransportArg>>,
     // The help names the default from `BatchCopy::default()` (the flag stays an Option so
     // that giving it without --transport cuda-batch can be refused).
     #[arg(long, value_enum, help = BatchCopy::help())]
@@ -128,6 +140,9 @@ pub enum XferRun {
     Listen { addr: String, peer_timeout: Duration, opts: TargetOptions },
     /// Measure: against a target process this one starts, or a remote one (`--connect`).
     Measure { cfg: Box<XferConfig>, connect: Option<String> },
+    /// `--compare-transports`: the same measurement on each transport, in order, against
+    /// target processes this one starts.
+    Compare { runs: Vec<(TransportArg, XferConfig)> },
 }
 
 /// `--misalign` shifts above this are refused (an offset's alignment repeats every 4096 bytes
@@ -167,6 +182,30 @@ pub fn resolve(args: &XferFlags) -> Result<XferRun, ConfigError> {
             ));
         }
         return Ok(XferRun::Listen { addr: addr.clone(), peer_timeout: args.peer_timeout, opts });
+    }
+    if let Some(list) = &args.compare_transports {
+        if list.len() < 2 {
+            return Err(ConfigError::new(
+                "--compare-transports",
+                "name at least two transports, e.g. ucx,nixl",
+            ));
+        }
+        if args.connect.connect.is_some() {
+            return Err(ConfigError::new(
+                "--compare-transports",
+                "a remote target serves one measurement: drop --connect (kvx xfer starts a target per transport)",
+            ));
+        }
+        let runs = list
+            .iter()
+            .map(|&t| {
+                let mut one = args.clone();
+                one.transport = Some(t);
+                one.compare_transports = None;
+                measurement(&one).map(|cfg| (t, cfg))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        return Ok(XferRun::Compare { runs });
     }
     Ok(XferRun::Measure { cfg: Box::new(measurement(args)?), connect: args.connect.connect.clone() })
 }

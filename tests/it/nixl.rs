@@ -348,24 +348,38 @@ fn bench_through_nixl_verifies_every_request_and_leaks_nothing() {
     }
 }
 
-/// `kvx xfer --transport nixl`: NIXL's reads verified in place, NIXL named in the report.
+/// `kvx xfer --compare-transports ucx,nixl`: both transports' reads verified in place in one
+/// run, NIXL named in its report, and the comparison holds each case's ratio.
 #[test]
-fn xfer_through_nixl_verifies_its_reads_and_names_nixl() {
+fn xfer_compares_nixl_with_ucx_in_one_run_every_case_verified() {
     let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_kvx"))
-        .args(["xfer", "--transport", "nixl", "--sizes", "64KiB", "--inflight", "1,8", "--iters", "40"])
-        .args(["--working-set", "8MiB", "--format", "json"])
+        .args(["xfer", "--compare-transports", "ucx,nixl", "--sizes", "64KiB", "--inflight", "1,8"])
+        .args(["--iters", "40", "--working-set", "8MiB", "--format", "json"])
         .env("NIXL_LOG_LEVEL", "WARN")
         .timeout(Duration::from_secs(120))
         .output()
         .expect("run kvx xfer");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    assert_eq!(v["transport"], "nixl");
-    assert_eq!(v["nixl"]["version"], "1.5.1", "{}", v["nixl"]);
-    assert_eq!(v["nixl"]["desc_merge"], false);
-    for r in v["results"].as_array().expect("results") {
-        assert!(r["verified_batches"].as_u64().is_some_and(|n| n >= 2), "{r}");
-        assert!(r["gbps"].as_f64().is_some_and(|g| g > 0.0), "{r}");
+    let runs = v["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0]["report"]["transport"], "ucx");
+    let nixl = &runs[1]["report"];
+    assert_eq!(nixl["transport"], "nixl");
+    assert_eq!(nixl["nixl"]["version"], "1.5.1", "{}", nixl["nixl"]);
+    assert_eq!(nixl["nixl"]["desc_merge"], false);
+    for run in runs {
+        for r in run["report"]["results"].as_array().expect("results") {
+            assert!(r["verified_batches"].as_u64().is_some_and(|n| n >= 2), "{r}");
+            assert!(r["gbps"].as_f64().is_some_and(|g| g > 0.0), "{r}");
+        }
+    }
+    let rows = v["comparison"].as_array().expect("comparison");
+    assert_eq!(rows.len(), 2, "one row per case: {v}");
+    for row in rows {
+        let ratios = row["ratio_to_first"].as_array().expect("ratios");
+        assert_eq!(ratios[0][1], 1.0, "the first transport is the reference: {row}");
+        assert!(ratios[1][1].as_f64().is_some_and(|x| x > 0.0), "{row}");
     }
 }
 

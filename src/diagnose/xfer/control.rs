@@ -73,6 +73,19 @@ pub struct TargetHello {
     pub pattern_seed: u64,
 }
 
+/// What a NIXL target sends back: its agent's metadata and where its region is.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NixlHello {
+    #[serde(with = "serde_bytes")]
+    pub agent_metadata: Vec<u8>,
+    pub base: u64,
+    pub len: u64,
+    pub dev: u64,
+    pub pid: u32,
+    pub pattern_seed: u64,
+    pub nixl: crate::transfer::nixl::NixlInfo,
+}
+
 /// What a cuda-batch target sends back: its device buffer exported for CUDA IPC.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BatchHello {
@@ -85,7 +98,7 @@ pub struct BatchHello {
 pub(super) enum TargetReply {
     Ready(Box<TargetHello>),
     ReadyBatch(Box<BatchHello>),
-    ReadyNixl(Box<super::nixl::NixlHello>),
+    ReadyNixl(Box<NixlHello>),
     Failed(String),
 }
 

@@ -13,12 +13,10 @@
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
 use super::buffers::BufferAccess;
 use super::control::{
-    Control, LocalTarget, PATTERN_SEED, TARGET_START_TIMEOUT, TargetReply, TargetRequest, connect_target,
-    read_frame, write_frame,
+    Control, LocalTarget, NixlHello, PATTERN_SEED, TARGET_START_TIMEOUT, TargetReply, TargetRequest,
+    connect_target, read_frame, write_frame,
 };
 use super::measure::{
     BatchTimes, CaseRunner, Ceiling, ReadLayout, check_destinations, clear_destinations, timed_batches,
@@ -31,21 +29,8 @@ use crate::report::xfer::{
 };
 use crate::transfer::cuda::{CudaBuffer, CudaDevice};
 use crate::transfer::memory::{HostBuffer, MemPlace, PageSize};
-use crate::transfer::nixl::{Agent, AgentOptions, Desc, Nixl, NixlInfo, Op, Prepped, Region, XferState};
+use crate::transfer::nixl::{Agent, AgentOptions, Desc, Nixl, Op, Prepped, Region, XferState};
 use crate::transfer::ucx::{MemType, ProtoReport};
-
-/// What a NIXL target sends back: its agent's metadata and where its region is.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct NixlHello {
-    #[serde(with = "serde_bytes")]
-    pub agent_metadata: Vec<u8>,
-    pub base: u64,
-    pub len: u64,
-    pub dev: u64,
-    pub pid: u32,
-    pub pattern_seed: u64,
-    pub nixl: NixlInfo,
-}
 
 /// The target's registered region (kept until the initiator says stop).
 pub(super) enum Served {

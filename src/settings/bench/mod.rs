@@ -131,14 +131,13 @@ layered! {
         #[arg(long, help_heading = "Transport")]
         #[serde(skip)]
         pub storage_fsync: bool,
-        /// Run the same workload on each transport and print one comparison table, e.g. ucx,storage,multi
-        /// (or ucx,cuda-batch with --mem cuda).
         #[arg(
             long,
             value_enum,
             value_delimiter = ',',
             help_heading = "Transport",
-            conflicts_with = "compare_modes"
+            conflicts_with = "compare_modes",
+            help = super::flags::COMPARE_TRANSPORTS_HELP
         )]
         #[serde(default, deserialize_with = "super::parse::opt_choices")]
         pub compare_transports: Option<Vec<TransportKind>>,
