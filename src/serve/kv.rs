@@ -123,6 +123,8 @@ pub struct BackendMetrics {
     pub backlog: u64,
     /// Holds released because their lease ran out before D read them (per rank).
     pub leases_expired: u64,
+    /// Notifications for requests no prefill rank held, or that were not vLLM's (per rank).
+    pub unrecognized_notifs: u64,
     pub aborts: u64,
     pub load_seconds: HistogramSnapshot,
     /// Per-stage times of loads (decode) or fills (prefill), slowest rank per request.

@@ -606,6 +606,7 @@ impl KvBackend for WorkerKv {
             blocks_in_use: u64::from(live.blocks_in_use),
             backlog: u64::from(live.backlog),
             leases_expired: live.leases_expired,
+            unrecognized_notifs: live.unrecognized_notifs,
             aborts: c.aborts.load(Ordering::Relaxed),
             load_seconds: self.load_seconds.snapshot(),
             stage_seconds: self.stage_seconds.iter().map(|(n, h)| (*n, h.snapshot())).collect(),

@@ -330,6 +330,44 @@ async fn tp_mismatch_both_ways_with_kvxs_nixl_peer() {
     .await;
 }
 
+/// A notification for a request no prefill rank holds (a stale or mistyped id, as vLLM's
+/// "Potentially invalid KV blocks for unrecognized request"): counted, nothing freed, and the
+/// request that is held is still read and freed by its own notification.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_for_an_unknown_request_is_counted_and_frees_nothing() {
+    within(async {
+        let p = engine_of(TOY, "prefill", "1", &[]).await;
+        let kv = prefill_leg(&p).await;
+        let held = wait_metric(&p.url("/metrics"), P_HELD, Duration::from_secs(5), |v| v > 0.0).await;
+        // A full prefix hit's notification-only message, for an id nobody holds.
+        let mut stray = decode_args(&kv);
+        let id = stray.iter().position(|a| a == "--request-id").expect("request id flag") + 1;
+        stray[id] = "no-such-request".into();
+        let blocks = stray.iter().position(|a| a == "--blocks").expect("blocks flag") + 1;
+        stray[blocks] = String::new();
+        let out = tokio::task::spawn_blocking(move || {
+            run_decode(&kvx_peer(), &["decode"].iter().copied().chain(strs(&stray)).collect::<Vec<_>>())
+        })
+        .await
+        .expect("join");
+        assert_eq!(out["notify_only"], true, "{out}");
+        let unknown = "kvx:kv_notifications_unrecognized_total{backend=\"workers\",kv_transfer=\"nixl\",role=\"prefill\"}";
+        wait_metric(&p.url("/metrics"), unknown, Duration::from_secs(5), |v| v == 1.0).await;
+        let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, P_HELD), held, "the stray notification freed nothing: {m}");
+        // The held request is still there to read, and its own notification frees it.
+        let args = decode_args(&kv);
+        let out = tokio::task::spawn_blocking(move || {
+            run_decode(&kvx_peer(), &["decode"].iter().copied().chain(strs(&args)).collect::<Vec<_>>())
+        })
+        .await
+        .expect("join");
+        assert_read_ok(&out);
+        all_blocks_back(&p).await;
+    })
+    .await;
+}
+
 /// `kvx bench --transport nixl` between kvx's own engines, across TP sizes both ways: every
 /// request verified, every block freed.
 #[test]

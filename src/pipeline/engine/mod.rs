@@ -228,6 +228,7 @@ pub struct EngineLive {
     requests_held: AtomicU32,
     backlog: AtomicU32,
     leases_expired: AtomicU64,
+    unrecognized_notifs: AtomicU64,
 }
 
 /// A snapshot of [`EngineLive`].
@@ -241,6 +242,9 @@ pub struct LiveCounts {
     pub backlog: u32,
     /// Rank leases that ran out before their notifications arrived.
     pub leases_expired: u64,
+    /// Notifications for requests no rank held (vLLM logs "Potentially invalid KV blocks for
+    /// unrecognized request"), and NIXL messages that were not vLLM's.
+    pub unrecognized_notifs: u64,
 }
 
 type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
@@ -345,6 +349,7 @@ impl Engine {
             requests_held: l.requests_held.load(Ordering::Relaxed),
             backlog: l.backlog.load(Ordering::Relaxed),
             leases_expired: l.leases_expired.load(Ordering::Relaxed),
+            unrecognized_notifs: l.unrecognized_notifs.load(Ordering::Relaxed),
         }
     }
 
@@ -797,6 +802,7 @@ impl EngineLoop {
         l.requests_held.store(self.held.len() as u32, Ordering::Relaxed);
         l.backlog.store(self.backlog.len() as u32, Ordering::Relaxed);
         l.leases_expired.store(self.fin.leases_expired, Ordering::Relaxed);
+        l.unrecognized_notifs.store(self.fin.unrecognized_notifs, Ordering::Relaxed);
     }
 
     fn next_deadline(&self) -> Option<Instant> {

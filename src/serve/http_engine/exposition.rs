@@ -269,6 +269,12 @@ impl EngineState {
             &bl,
             b.leases_expired,
         );
+        e.counter(
+            "kvx:kv_notifications_unrecognized_total",
+            "Notifications for requests no prefill rank held, or not in vLLM's format (per rank).",
+            &bl,
+            b.unrecognized_notifs,
+        );
         e.counter("kvx:kv_aborts_total", "Requests the backend was told to abort.", &bl, b.aborts);
     }
 }
