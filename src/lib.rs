@@ -38,13 +38,13 @@
 //! ```
 //!
 //! `report` never measures, never runs transfers and reads nothing from the system. `unsafe`
-//! lives only in `transfer::ucx` and the transfer layer's memory and CUDA modules (`cuda`,
+//! lives only in `transfer::ucx`, `transfer::nixl` and the transfer layer's memory and CUDA modules (`cuda`,
 //! `cuda_batch`); every other module is declared (or declares itself) `forbid(unsafe_code)`,
 //! and `tests/it/edge.rs` checks the sources.
 
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
-// Only `transfer` (its UCX binding and memory modules) may hold `unsafe`; every other module
+// Only `transfer` (its UCX and NIXL bindings and memory modules) may hold `unsafe`; every other module
 // forbids it in its own root file (`#![forbid(unsafe_code)]`), which no inner `allow` can undo.
 pub mod cli;
 pub mod clock;

@@ -21,6 +21,7 @@ use super::control::{
 use super::measure::{
     BatchTimes, CaseRunner, Ceiling, ReadLayout, check_destinations, clear_destinations, timed_batches,
 };
+use super::target::region_len;
 use super::{Result, XferError, end_local_target, estimate_secs};
 use crate::config::xfer::{NixlOptions, TargetOptions, TargetSpec, XferConfig};
 use crate::report::xfer::{
@@ -45,13 +46,6 @@ impl Served {
             Served::Cuda(r) => r.len(),
         }
     }
-}
-
-fn region_len(req: &TargetRequest) -> Result<usize> {
-    usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
-        stage: "target: request",
-        reason: format!("bad region size {}", req.region_bytes),
-    })
 }
 
 fn pages(huge: bool) -> PageSize {

@@ -92,7 +92,7 @@ fn prepare_target(req: &TargetRequest, opts: &TargetOptions) -> Result<(TargetHe
 }
 
 /// The region size asked for, as a length this process can allocate.
-fn region_len(req: &TargetRequest) -> Result<usize> {
+pub(super) fn region_len(req: &TargetRequest) -> Result<usize> {
     usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
         stage: "target: request",
         reason: format!("bad region size {}", req.region_bytes),

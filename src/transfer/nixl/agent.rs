@@ -375,25 +375,6 @@ impl Agent {
         Ok(s)
     }
 
-    /// Forgets a peer (its connection and remote keys); a later `load_remote` starts afresh.
-    pub fn invalidate_remote(&self, remote: &str) -> Result<(), NixlError> {
-        let c = cstring("agent name", remote)?;
-        // SAFETY: a live agent and a NUL-terminated name.
-        self.inner.check("nixl_capi_invalidate_remote_md", unsafe {
-            (self.inner.nixl.api().nixl_capi_invalidate_remote_md)(self.inner.h, c.as_ptr())
-        })
-    }
-
-    /// Opens the backend connection to a loaded peer now rather than on the first transfer.
-    pub fn connect(&self, remote: &str) -> Result<(), NixlError> {
-        let c = cstring("agent name", remote)?;
-        let args = OptArgs::new(&self.inner)?;
-        // SAFETY: live agent and arguments, NUL-terminated name.
-        self.inner.check("nixl_capi_agent_make_connection", unsafe {
-            (self.inner.nixl.api().nixl_capi_agent_make_connection)(self.inner.h, c.as_ptr(), args.h)
-        })
-    }
-
     /// Registers `mem` (one region, device `dev`) with the agent's backend.
     pub fn register<M: Registrable>(&self, mem: M, dev: u64) -> Result<Region<M>, NixlError> {
         if mem.is_empty() {
@@ -517,45 +498,6 @@ impl Agent {
             )
         })?;
         Ok(Xfer { agent: self.inner.clone(), h, posted: false })
-    }
-
-    /// A transfer from two plain descriptor lists (no preparation), for one-off requests.
-    pub fn create_xfer(
-        &self,
-        op: Op,
-        local: &[Desc],
-        remote: &[Desc],
-        remote_agent: &str,
-        mem: MemType,
-        notif: Option<&[u8]>,
-    ) -> Result<Xfer, NixlError> {
-        let api = self.inner.nixl.api();
-        let l = XferList::new(&self.inner, local, seg(mem))?;
-        let r = XferList::new(&self.inner, remote, seg(mem))?;
-        let who = cstring("agent name", remote_agent)?;
-        let args = OptArgs::new(&self.inner)?.notif(notif)?;
-        let mut h: XferReqH = std::ptr::null_mut();
-        // SAFETY: live agent, lists, name and arguments; writes one request handle.
-        self.inner.check("nixl_capi_create_xfer_req", unsafe {
-            (api.nixl_capi_create_xfer_req)(self.inner.h, op.raw(), l.h, r.h, who.as_ptr(), &mut h, args.h)
-        })?;
-        Ok(Xfer { agent: self.inner.clone(), h, posted: false })
-    }
-
-    /// Sends a notification without a transfer (`send_notif`: heartbeats, full prefix hits).
-    pub fn send_notif(&self, remote: &str, msg: &[u8]) -> Result<(), NixlError> {
-        let c = cstring("agent name", remote)?;
-        let args = OptArgs::new(&self.inner)?;
-        // SAFETY: live agent and arguments; NIXL copies `len` bytes.
-        self.inner.check("nixl_capi_gen_notif", unsafe {
-            (self.inner.nixl.api().nixl_capi_gen_notif)(
-                self.inner.h,
-                c.as_ptr(),
-                msg.as_ptr().cast(),
-                msg.len(),
-                args.h,
-            )
-        })
     }
 
     /// Notifications received since the last call, as (sender agent, message), in order per sender.

@@ -154,14 +154,12 @@ api_table! {
     nixl_capi_opt_args_set_skip_desc_merge: fn(OptArgsH, bool) -> Status;
     nixl_capi_register_mem: fn(AgentH, RegDlistH, OptArgsH) -> Status;
     nixl_capi_deregister_mem: fn(AgentH, RegDlistH, OptArgsH) -> Status;
-    nixl_capi_agent_make_connection: fn(AgentH, *const c_char, OptArgsH) -> Status;
     nixl_capi_prep_xfer_dlist: fn(AgentH, *const c_char, XferDlistH, *mut XferDlistHandleH, OptArgsH) -> Status;
     nixl_capi_release_xfer_dlist_handle: fn(AgentH, XferDlistHandleH) -> Status;
     nixl_capi_make_xfer_req: fn(
         AgentH, XferOp, XferDlistHandleH, *const c_int, usize, XferDlistHandleH, *const c_int, usize,
         *mut XferReqH, OptArgsH
     ) -> Status;
-    nixl_capi_create_xfer_req: fn(AgentH, XferOp, XferDlistH, XferDlistH, *const c_char, *mut XferReqH, OptArgsH) -> Status;
     nixl_capi_post_xfer_req: fn(AgentH, XferReqH, OptArgsH) -> Status;
     nixl_capi_get_xfer_status: fn(AgentH, XferReqH) -> Status;
     nixl_capi_get_xfer_telemetry: fn(AgentH, XferReqH, *mut XferTelemetry) -> Status;
