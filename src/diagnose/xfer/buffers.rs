@@ -6,8 +6,8 @@
 
 use std::ops::Range;
 
-use super::Result;
 use super::control::TargetRequest;
+use super::{Result, XferError};
 use crate::layouts::pattern::fill_at;
 use crate::transfer::cuda::{CudaBuffer, CudaDevice};
 use crate::transfer::memory::{HostBuffer, MemPlace, PageSize};
@@ -201,6 +201,14 @@ impl AnyRegion {
 /// (the cuda feature, libcuda, the device).
 pub(super) fn check_mem(mem: MemPlace) -> Result<()> {
     Ok(mem.check_available()?)
+}
+
+/// The region size asked for, as a length this process can allocate.
+pub(super) fn region_len(req: &TargetRequest) -> Result<usize> {
+    usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
+        stage: "target: request",
+        reason: format!("bad region size {}", req.region_bytes),
+    })
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use super::buffers::BufferAccess;
+use super::buffers::{BufferAccess, region_len};
 use super::control::{
     Control, LocalTarget, NixlHello, PATTERN_SEED, TARGET_START_TIMEOUT, TargetReply, TargetRequest,
     connect_target, read_frame, write_frame,
@@ -21,7 +21,6 @@ use super::control::{
 use super::measure::{
     BatchTimes, CaseRunner, Ceiling, ReadLayout, check_destinations, clear_destinations, timed_batches,
 };
-use super::target::region_len;
 use super::{Result, XferError, end_local_target, estimate_secs};
 use crate::config::xfer::{NixlOptions, TargetOptions, TargetSpec, XferConfig};
 use crate::report::xfer::{

@@ -8,7 +8,7 @@ use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use super::buffers::{AnyRegion, BufferAccess, check_mem, make_region};
+use super::buffers::{AnyRegion, BufferAccess, check_mem, make_region, region_len};
 use super::control::{
     BatchHello, Control, PATTERN_SEED, TARGET_START_TIMEOUT, TargetHello, TargetReply, TargetRequest,
     accept_with_timeout, context, read_frame, write_frame,
@@ -89,14 +89,6 @@ fn prepare_target(req: &TargetRequest, opts: &TargetOptions) -> Result<(TargetHe
         pattern_seed: PATTERN_SEED,
     };
     Ok((hello, TargetState { region, worker, _ctx: ctx }))
-}
-
-/// The region size asked for, as a length this process can allocate.
-pub(super) fn region_len(req: &TargetRequest) -> Result<usize> {
-    usize::try_from(req.region_bytes).ok().filter(|&l| l > 0).ok_or_else(|| XferError::Protocol {
-        stage: "target: request",
-        reason: format!("bad region size {}", req.region_bytes),
-    })
 }
 
 /// A cuda-batch target: device memory filled with the pattern and exported for CUDA IPC.
