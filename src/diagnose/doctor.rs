@@ -198,6 +198,7 @@ fn self_test(ucx: &Ucx, exe: &Path, ucx_lib: Option<&Path>, checks: &mut Vec<Che
             cuda_batch: false,
             nixl: false,
             nixl_progress_thread: false,
+            nixl_err_mode: ErrMode::None,
         };
         let opts = SessionOptions { ucx_lib: ucx_lib.map(Path::to_path_buf), ..Default::default() };
         let out = (|| {

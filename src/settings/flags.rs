@@ -258,8 +258,8 @@ layered! {
     /// command that starts UCX (`kvx bench`, `kvx serve-engine`, `kvx xfer`).
     #[derive(Debug, Clone, Default, PartialEq, Args, Deserialize)]
     pub struct UcxModeFlags {
-        /// UCX error-handling mode: none or peer (peer excludes the shared-memory transports)
-        /// [default: none].
+        /// UCX error-handling mode: none or peer (kvx's UCX then excludes the shared-memory
+        /// transports) [default: none; with --transport nixl: peer, NIXL's and vLLM's setting].
         #[arg(long, value_enum)]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub err_mode: Option<ErrMode>,
@@ -274,9 +274,10 @@ layered! {
 }
 
 impl UcxModeFlags {
-    /// `--err-mode` as given, else none (UCX's default).
-    pub fn err_mode(&self) -> ErrMode {
-        self.err_mode.unwrap_or_default()
+    /// `--err-mode` as given, else none (UCX's default), or peer for NIXL's UCX backend
+    /// (`nixl`: NIXL's default, which vLLM keeps).
+    pub fn err_mode(&self, nixl: bool) -> ErrMode {
+        self.err_mode.unwrap_or(if nixl { ErrMode::Peer } else { ErrMode::None })
     }
 
     /// `--progress` as given, else hybrid.

@@ -603,15 +603,16 @@ fn finish_serve_engine(
     let host = bind_host(&a.side_channel_host);
     // `--device N` is `--devices N`.
     let mem = resolve_mem(a.mem.mem(), a.devices.clone().devices.or(a.mem.device.map(|d| vec![d])))?;
+    let kind = a.transport.unwrap_or_default().kind();
     Ok(WorkerSettings {
         pair,
         hybrid,
         transport: TransportConfig {
-            kind: a.transport.unwrap_or_default().kind(),
+            kind,
             chain: vec![],
             mode,
             ucx_lib: a.ucx_lib.clone().ucx_lib,
-            err_mode: a.ucx_mode.err_mode(),
+            err_mode: a.ucx_mode.err_mode(kind == TransportKind::Nixl),
             progress: a.ucx_mode.progress(),
             ucx_alloc: false,
             huge_pages: a.mem.huge_pages,

@@ -302,7 +302,7 @@ fn measurement(args: &XferFlags) -> Result<XferConfig, ConfigError> {
         session: SessionOptions {
             ucx_lib: args.ucx_lib.ucx_lib.clone(),
             progress: args.ucx_mode.progress(),
-            err_mode: args.ucx_mode.err_mode(),
+            err_mode: args.ucx_mode.err_mode(args.transport() == TransportArg::Nixl),
             ucx_config: ucx_config(args),
         },
         cuda_batch,

@@ -210,6 +210,7 @@ fn scatter_child_body(lib: &Path) {
         cuda_batch: false,
         nixl: false,
         nixl_progress_thread: false,
+        nixl_err_mode: kvx::transfer::ucx::ErrMode::None,
     };
     let opts = SessionOptions { ucx_lib: Some(lib.to_path_buf()), ..Default::default() };
     let session = Session::establish(target.stream, &req, &opts).expect("session");

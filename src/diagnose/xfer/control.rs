@@ -21,8 +21,8 @@ use crate::config::xfer::TargetOptions;
 use crate::transfer::handshake::meta::CudaIpcExport;
 use crate::transfer::memory::MemPlace;
 use crate::transfer::ucx::{
-    Context, ContextOptions, Endpoint, LibInfo, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV, PackedRkey, ProgressMode,
-    RemoteRegion, Ucx, Worker, wait_readable,
+    Context, ContextOptions, Endpoint, ErrMode, LibInfo, PROTO_INFO_DIR_ENV, PROTO_INFO_ENV, PackedRkey,
+    ProgressMode, RemoteRegion, Ucx, Worker, wait_readable,
 };
 
 /// Largest control frame accepted (worker addresses and rkeys are a few hundred bytes).
@@ -57,6 +57,9 @@ pub struct TargetRequest {
     /// `--nixl-progress-thread`, for the target's agent.
     #[serde(default)]
     pub nixl_progress_thread: bool,
+    /// `--err-mode`, for the target's NIXL agent.
+    #[serde(default)]
+    pub nixl_err_mode: ErrMode,
 }
 
 /// What the target sends back: everything an initiator needs to read its region.

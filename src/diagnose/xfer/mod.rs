@@ -50,7 +50,7 @@ use self::measure::{BatchMeasure, Ceiling, measure};
 use crate::transfer::cuda::{CudaBuffer, CudaDevice, CudaError};
 use crate::transfer::cuda_batch::{BatchCopier, BatchCopy, CopyBatch, CudaBatchError, PeerMapping};
 use crate::transfer::memory::{MemPlace, MemoryError, PageSize};
-use crate::transfer::ucx::{ProtoReport, Ucx, UcxError};
+use crate::transfer::ucx::{ErrMode, ProtoReport, Ucx, UcxError};
 
 /// Errors of `kvx xfer` and of the target/initiator pair behind it.
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +129,7 @@ pub fn run(
         cuda_batch: false,
         nixl: false,
         nixl_progress_thread: false,
+        nixl_err_mode: ErrMode::None,
     };
     let (mut child, stream) = match target {
         TargetSpec::Local { exe } => {
@@ -201,6 +202,7 @@ fn run_batch(
         cuda_batch: true,
         nixl: false,
         nixl_progress_thread: false,
+        nixl_err_mode: ErrMode::None,
     };
     // The target loads no UCX either; its options only name the flags it was started with.
     let t = LocalTarget::spawn(

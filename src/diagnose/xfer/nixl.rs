@@ -30,7 +30,7 @@ use crate::report::xfer::{
 use crate::transfer::cuda::{CudaBuffer, CudaDevice};
 use crate::transfer::memory::{HostBuffer, MemPlace, PageSize};
 use crate::transfer::nixl::{Agent, AgentOptions, Desc, Nixl, Op, Prepped, Region, XferState};
-use crate::transfer::ucx::{MemType, ProtoReport};
+use crate::transfer::ucx::{ErrMode, MemType, ProtoReport};
 
 /// The target's registered region (kept until the initiator says stop).
 pub(super) enum Served {
@@ -57,7 +57,7 @@ pub(super) fn prepare_target(req: &TargetRequest) -> Result<(NixlHello, Agent, S
     let agent = Agent::new(
         &nixl,
         &format!("kvx-xfer-target-{}", std::process::id()),
-        &agent_options(req.nixl_progress_thread),
+        &agent_options(req.nixl_progress_thread, req.nixl_err_mode),
     )?;
     let len = region_len(req)?;
     let (served, base, dev) = match req.mem {
@@ -143,6 +143,7 @@ pub(super) fn run(
         cuda_batch: false,
         nixl: true,
         nixl_progress_thread: opts.progress_thread,
+        nixl_err_mode: cfg.session.err_mode,
     };
     let (mut child, mut stream) = match target {
         TargetSpec::Local { exe } => {
@@ -178,8 +179,8 @@ pub(super) fn run(
 }
 
 /// The agent's options in kvx xfer: vLLM's (progress thread, telemetry, UCX backend).
-fn agent_options(progress_thread: bool) -> AgentOptions {
-    AgentOptions { progress_thread, ..AgentOptions::default() }
+fn agent_options(progress_thread: bool, err_mode: ErrMode) -> AgentOptions {
+    AgentOptions { progress_thread, err_mode, ..AgentOptions::default() }
 }
 
 fn measure(
@@ -190,7 +191,7 @@ fn measure(
     ws: u64,
     on_result: impl FnMut(&XferResult),
 ) -> Result<XferReport> {
-    let opts = agent_options(nixl_opts.progress_thread);
+    let opts = agent_options(nixl_opts.progress_thread, cfg.session.err_mode);
     let agent = Agent::new(nixl, &format!("kvx-xfer-initiator-{}", std::process::id()), &opts)?;
     let remote = agent.load_remote(&hello.agent_metadata)?;
     let local_len = (ws + cfg.misalign.local_bytes) as usize;

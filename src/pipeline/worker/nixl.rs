@@ -57,8 +57,11 @@ impl NixlSide {
     /// Loads NIXL, creates the rank's agent (UCX backend) and registers `mem`.
     pub fn new(cfg: &WorkerConfig, mem: KvBuffer, role: &str) -> Result<NixlSide, WorkerError> {
         let nixl = Nixl::load().stage("load NIXL")?;
-        let opts =
-            AgentOptions { progress_thread: cfg.transport.nixl.progress_thread, ..AgentOptions::default() };
+        let opts = AgentOptions {
+            progress_thread: cfg.transport.nixl.progress_thread,
+            err_mode: cfg.transport.err_mode,
+            ..AgentOptions::default()
+        };
         let agent = Agent::new(&nixl, &agent_name(cfg, role), &opts).stage("NIXL agent")?;
         let dev = u64::from(cfg.mem.device().unwrap_or(0));
         let region = agent.register(mem, dev).stage("register the KV pool with NIXL")?;

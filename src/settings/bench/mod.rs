@@ -722,7 +722,7 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
         chain: if kind == TransportKind::Multi { chain } else { vec![] },
         mode,
         ucx_lib: s.ucx_lib.clone().ucx_lib,
-        err_mode: s.ucx_mode.err_mode(),
+        err_mode: s.ucx_mode.err_mode(kind == TransportKind::Nixl),
         progress: s.ucx_mode.progress(),
         ucx_alloc: false,
         huge_pages: s.mem.huge_pages,

@@ -59,6 +59,19 @@ fn defaults_fill_what_neither_flag_nor_file_sets() {
 }
 
 #[test]
+fn nixl_keeps_its_own_error_mode_unless_told() {
+    let nixl = |err_mode| BenchFlags {
+        transport: Some(TransportKind::Nixl),
+        ucx_mode: UcxModeFlags { err_mode, ..Default::default() },
+        ..Default::default()
+    };
+    let err = |f: &BenchFlags| resolve(f, &env()).expect("valid").workers.transport.err_mode;
+    assert_eq!(err(&nixl(None)), ErrMode::Peer, "NIXL's default, which vLLM keeps");
+    assert_eq!(err(&nixl(Some(ErrMode::None))), ErrMode::None, "--err-mode applies to NIXL's backend");
+    assert_eq!(err(&BenchFlags::default()), ErrMode::None, "kvx's UCX keeps UCX's default");
+}
+
+#[test]
 fn flag_beats_file_beats_default() {
     let file = config(
         "name = \"tiny\"\nmodel = \"llama-3.1-8b\"\np_tp = 2\nd_tp = 1\ninflight = 8\nprogress = \"wait\"\n\

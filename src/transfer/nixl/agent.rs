@@ -16,7 +16,7 @@ use std::sync::Arc;
 use super::NixlError;
 use super::library::Nixl;
 use super::sys::{self, AgentH, BackendH, OptArgsH, Status, XferReqH};
-use crate::transfer::ucx::{MemType, Registrable};
+use crate::transfer::ucx::{ErrMode, MemType, Registrable};
 
 /// The agent name NIXL reads as "this agent's own memory, as the initiator" when preparing a
 /// local list (NIXL's `NIXL_INIT_AGENT`, the empty string; vLLM writes "NIXL_INIT_AGENT",
@@ -34,11 +34,19 @@ pub struct AgentOptions {
     pub num_threads: u32,
     /// The backend plugin (vLLM's default: `UCX`).
     pub backend: String,
+    /// The UCX backend's `ucx_error_handling_mode` (NIXL's default and vLLM's: peer).
+    pub err_mode: ErrMode,
 }
 
 impl Default for AgentOptions {
     fn default() -> Self {
-        AgentOptions { progress_thread: true, telemetry: true, num_threads: 0, backend: "UCX".into() }
+        AgentOptions {
+            progress_thread: true,
+            telemetry: true,
+            num_threads: 0,
+            backend: "UCX".into(),
+            err_mode: ErrMode::Peer,
+        }
     }
 }
 
@@ -256,6 +264,12 @@ impl Agent {
                 backend: opts.backend.clone(),
                 reason: format!("no such plugin ({})", sys::status_name(s)),
             });
+        }
+        if opts.backend == "UCX" {
+            let k = cstring("param", "ucx_error_handling_mode")?;
+            let v = cstring("param", &opts.err_mode.to_string())?;
+            // SAFETY: a live map; NIXL copies both strings (an existing key is replaced).
+            unsafe { (api.nixl_capi_params_add)(params, k.as_ptr(), v.as_ptr()) };
         }
         if opts.num_threads > 0 {
             let k = cstring("param", "num_threads")?;
