@@ -677,7 +677,8 @@ fn a_fault_that_explains_every_failure_exits_0() {
 #[test]
 fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
     const OVERLAP: &[&str] = &["--mode", "push", "--overlap", "layers", "--prefill-time-per-layer", "1ms"];
-    let cases: [(&str, Vec<&str>); 16] = [
+    const NIXL: &[&str] = &["--transport", "nixl"];
+    let cases: [(&str, Vec<&str>); 19] = [
         ("kill-ucx:p1@5, err-mode none", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "none"]),
         ("kill-ucx:p1@5, err-mode peer", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "peer"]),
         ("exit:p0@5", vec!["--fault", "exit:p0@5"]),
@@ -700,6 +701,11 @@ fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
         ),
         ("hybrid push, exit:p0@5", [TINY_HYBRID, &["--mode", "push", "--fault", "exit:p0@5"]].concat()),
         ("hybrid push, exit:d1@5", [TINY_HYBRID, &["--mode", "push", "--fault", "exit:d1@5"]].concat()),
+        // Through NIXL (vLLM's transport): its UCX backend's own error mode (peer), its transfer
+        // state reporting the lost remote.
+        ("nixl, kill-ucx:p1@5", [NIXL, &["--fault", "kill-ucx:p1@5"]].concat()),
+        ("nixl, exit:p0@5", [NIXL, &["--fault", "exit:p0@5"]].concat()),
+        ("nixl, exit:d1@5", [NIXL, &["--fault", "exit:d1@5"]].concat()),
     ];
     for (case, fault) in cases {
         let _turn = exclusive();

@@ -454,7 +454,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                     pool.kill_ucx()?;
                     ctl.send(&FromWorker::Republish { payload: payload_of(Vec::new(), &[])? })?;
                 }
-                ToWorker::Fault(Fault::Exit) => std::process::exit(3),
+                ToWorker::Fault(Fault::Exit) => crate::transfer::nixl::exit(3),
                 // No decode engine will read these blocks (the request's decode leg failed, or
                 // its client left before the handoff): free them now, not at lease expiry.
                 ToWorker::Release { p_request_id } => {

@@ -208,6 +208,13 @@ pub fn leave(code: u8) {
     unsafe { libc::_exit(i32::from(code)) }
 }
 
+/// Ends the process with `code` now, as `std::process::exit` does, without running the exit
+/// finalizers NIXL's bundled libraries crash in (see [`leave`]).
+pub fn exit(code: u8) -> ! {
+    leave(code);
+    std::process::exit(i32::from(code))
+}
+
 impl std::fmt::Debug for Nixl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Nixl").field("library", &self.inner.info.library).finish()

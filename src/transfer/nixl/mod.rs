@@ -20,7 +20,7 @@ use std::path::PathBuf;
 pub use self::agent::{
     Agent, AgentOptions, BackendInfo, Desc, Op, Peer, Prepped, Region, Telemetry, Xfer, XferState,
 };
-pub use self::library::{Nixl, NixlInfo, TESTED_VERSION, leave, loaded};
+pub use self::library::{Nixl, NixlInfo, TESTED_VERSION, exit, leave, loaded};
 
 /// Errors of the NIXL binding.
 #[derive(Debug, thiserror::Error)]

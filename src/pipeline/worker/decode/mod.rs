@@ -301,7 +301,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                 ctl.send(&FromWorker::Loaded(Box::new(r)))?;
             }
             ToWorker::Shutdown => return Ok(()),
-            ToWorker::Fault(crate::config::worker::Fault::Exit) => std::process::exit(3),
+            ToWorker::Fault(crate::config::worker::Fault::Exit) => crate::transfer::nixl::exit(3),
             _ => {}
         }
     }
