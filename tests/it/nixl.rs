@@ -446,3 +446,65 @@ fn without_nixl_the_transport_is_refused_with_exit_2() {
         assert!(err.contains("NIXL") && err.contains("setup-nixl.sh"), "{cmd:?}: {err}");
     }
 }
+
+/// A decode request for blocks held by the prefill engine at `kv`, sent to `d`; its status,
+/// body and time taken.
+async fn decode_leg(d: &Proc, kv: &serde_json::Value) -> (StatusCode, String, Duration) {
+    let body = serde_json::json!({
+        "prompt": words(40),
+        "max_tokens": 2,
+        "kv_transfer_params": {
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_block_ids": kv["remote_block_ids"],
+            "remote_engine_id": kv["remote_engine_id"],
+            "remote_request_id": kv["remote_request_id"],
+            "remote_host": kv["remote_host"],
+            "remote_port": kv["remote_port"],
+            "tp_size": kv["tp_size"],
+        }
+    });
+    let at = std::time::Instant::now();
+    let (status, _, text) = post(&d.url("/v1/completions"), &[], &body.to_string()).await;
+    (status, text, at.elapsed())
+}
+
+/// A prefill engine that restarts at the same side-channel address (a pod restarted in place)
+/// is a new NIXL agent with a new engine id: the request it held when it died fails at once
+/// (not a hang, not a crash), and the next request the new engine prefills is handshaken
+/// afresh, read, verified and freed by the decode engine that read the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_engine_restarted_in_place_is_handshaken_afresh() {
+    within(async {
+        let p = engine_of(TOY, "prefill", "1", &[]).await;
+        let d = engine_of(TOY, "decode", "1", &["--itl-ms", "1"]).await;
+        let kv = prefill_leg(&p).await;
+        let (status, text, _) = decode_leg(&d, &kv).await;
+        assert_eq!(status, StatusCode::OK, "before the restart: {text}");
+        all_blocks_back(&p).await;
+        // Held when the engine dies: its blocks go with it.
+        let held = prefill_leg(&p).await;
+        let port = kv["remote_port"].to_string();
+        drop(p);
+
+        let mut args = vec!["serve-engine", "--role", "prefill", "--port", "0", "--tp", "1"];
+        args.extend_from_slice(&["--max-model-len", "1024", "--verify", "full", "--timeout", "10s"]);
+        args.extend_from_slice(&["--side-channel-port", &port]);
+        args.extend_from_slice(TOY);
+        let p = Proc::spawn(&args);
+        let kv2 = prefill_leg(&p).await;
+        assert_eq!(kv2["remote_port"], kv["remote_port"], "the same address");
+        assert_ne!(kv2["remote_engine_id"], kv["remote_engine_id"], "a new engine");
+
+        let (status, text, took) = decode_leg(&d, &held).await;
+        assert_ne!(status, StatusCode::OK, "the dead engine's request cannot be read: {text}");
+        assert!(took <= Duration::from_secs(5), "it failed in {took:?}: {text}");
+        let (status, text, _) = decode_leg(&d, &kv2).await;
+        assert_eq!(status, StatusCode::OK, "after the restart: {text}");
+        let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
+        assert_eq!(metric(&m, D_FAILURES), 0.0, "{m}");
+        assert_eq!(metric(&m, D_VERIFIED), metric(&m, D_READ), "every byte read checked: {m}");
+        all_blocks_back(&p).await;
+    })
+    .await;
+}
