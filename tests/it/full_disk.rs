@@ -13,7 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use crate::procs::{Spawned, exclusive, kvx_path};
-use crate::ucx_common::skip;
+use crate::ucx_common::{Part, skip};
 
 /// The request ids of CSV text whose header names `request_id` (any other lines skipped).
 fn ids(csv_text: &str) -> Vec<String> {
@@ -110,12 +110,17 @@ fn a_bench_into_a_full_tmpfs_keeps_every_row() {
     match mounted {
         Ok(o) if o.status.success() => {}
         Ok(o) => {
-            return skip(&format!(
-                "a_bench_into_a_full_tmpfs_keeps_every_row: cannot mount a tmpfs: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            ));
+            return skip(
+                Part::Tmpfs,
+                &format!(
+                    "a_bench_into_a_full_tmpfs_keeps_every_row: cannot mount a tmpfs: {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ),
+            );
         }
-        Err(e) => return skip(&format!("a_bench_into_a_full_tmpfs_keeps_every_row: no mount: {e}")),
+        Err(e) => {
+            return skip(Part::Tmpfs, &format!("a_bench_into_a_full_tmpfs_keeps_every_row: no mount: {e}"));
+        }
     }
     struct Unmount<'a>(&'a Path);
     impl Drop for Unmount<'_> {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use assert_cmd::Command;
 
-use crate::ucx_common::{project_root, skip, ucx_builds};
+use crate::ucx_common::{Part, project_root, skip, ucx_builds};
 
 const HARD_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -64,7 +64,10 @@ fn xfer_on_device_memory_without_a_gpu_exits_2_naming_what_is_missing() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     if out.status.success() {
-        skip("this host has a GPU and a UCX with CUDA: --mem cuda ran (see scripts/gpu-check.sh)");
+        skip(
+            Part::NoGpu,
+            "this host has a GPU and a UCX with CUDA: --mem cuda ran (see scripts/gpu-check.sh)",
+        );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
         assert_eq!(v["memory"]["kind"], "cuda");
         assert_eq!(v["ceiling"], "device_copy");
@@ -83,7 +86,7 @@ fn xfer_reports_name_the_protocol_ucx_chose_on_each_build() {
         let lib = match lib {
             Ok(p) => p,
             Err(why) => {
-                skip(&format!("{label} UCX build: {why}"));
+                skip(Part::of_build(label), &format!("{label} UCX build: {why}"));
                 continue;
             }
         };
@@ -125,7 +128,7 @@ fn xfer_reports_name_the_protocol_ucx_chose_on_each_build() {
 #[test]
 fn doctor_cuda_lines_say_what_is_missing_and_never_fail_it() {
     let Some((_, Ok(lib))) = ucx_builds().into_iter().find(|(_, l)| l.is_ok()) else {
-        skip("no UCX build on this host");
+        skip(Part::Ucx, "no UCX build on this host");
         return;
     };
     let out = kvx().args(["doctor", "--format", "json", "--ucx-lib"]).arg(&lib).output().expect("run doctor");
@@ -159,7 +162,10 @@ fn bench_on_device_memory_without_a_gpu_exits_2_naming_what_is_missing() {
         "--mem cuda --p-tp 2 --d-tp 1 --model llama-3.1-8b --requests 4 --prompt-len 256 --no-calibrate --format json",
     );
     if out.status.success() {
-        skip("this host has a GPU and a UCX with CUDA: bench --mem cuda ran (see scripts/gpu-check.sh)");
+        skip(
+            Part::NoGpu,
+            "this host has a GPU and a UCX with CUDA: bench --mem cuda ran (see scripts/gpu-check.sh)",
+        );
         let v = assert_verified(&out, 4);
         assert_eq!(v["scenario"]["mem"], "cuda:0");
         let uses = v["ucx"]["protocols"]["uses"].as_array().cloned().unwrap_or_default();
@@ -328,7 +334,7 @@ fn bench_reports_name_the_protocol_ucx_chose_for_the_reads_or_writes() {
         let lib = match lib {
             Ok(p) => p,
             Err(why) => {
-                skip(&format!("{label} UCX build: {why}"));
+                skip(Part::of_build(label), &format!("{label} UCX build: {why}"));
                 continue;
             }
         };
@@ -380,7 +386,7 @@ fn bench_over_cuda_batch_without_a_gpu_exits_2_naming_what_is_missing() {
         "--transport cuda-batch --mem cuda --p-tp 2 --d-tp 1 --model llama-3.1-8b --requests 4 --prompt-len 256 --no-calibrate --format json",
     );
     if out.status.success() {
-        skip("this host has a GPU: bench --transport cuda-batch ran (see scripts/gpu-check.sh)");
+        skip(Part::NoGpu, "this host has a GPU: bench --transport cuda-batch ran (see scripts/gpu-check.sh)");
         let v = assert_verified(&out, 4);
         assert_eq!(v["scenario"]["transport"], "cuda-batch");
         let paths = v["cuda_batch"]["paths"].as_array().cloned().unwrap_or_default();
@@ -401,7 +407,10 @@ fn a_hybrid_model_over_cuda_batch_verifies_on_a_gpu_or_exits_2_naming_what_is_mi
         "--transport cuda-batch --mem cuda --p-tp 2 --d-tp 1 --model nemotron-h-8b --requests 2 --prompt-len 512 --verify full --no-calibrate --format json",
     );
     if out.status.success() {
-        skip("this host has a GPU: a hybrid bench over cuda-batch ran (see scripts/gpu-check.sh)");
+        skip(
+            Part::NoGpu,
+            "this host has a GPU: a hybrid bench over cuda-batch ran (see scripts/gpu-check.sh)",
+        );
         let v = assert_verified(&out, 2);
         assert_eq!(v["scenario"]["transport"], "cuda-batch");
         assert_eq!(v["bytes_verified"], v["bytes_read"], "every byte read is checked: {v}");
@@ -424,7 +433,7 @@ fn comparing_ucx_with_cuda_batch_without_a_gpu_exits_2_before_any_run() {
         .expect("run kvx bench");
     let stderr = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
-        skip("this host has a GPU: the comparison ran (see scripts/gpu-check.sh)");
+        skip(Part::NoGpu, "this host has a GPU: the comparison ran (see scripts/gpu-check.sh)");
         return;
     }
     assert_eq!(out.status.code(), Some(2), "{stderr}");
@@ -443,7 +452,7 @@ fn xfer_over_cuda_batch_without_a_gpu_exits_2_naming_what_is_missing() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     if out.status.success() {
-        skip("this host has a GPU: xfer --transport cuda-batch ran (see scripts/gpu-check.sh)");
+        skip(Part::NoGpu, "this host has a GPU: xfer --transport cuda-batch ran (see scripts/gpu-check.sh)");
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
         assert_eq!(v["transport"], "cuda-batch");
         assert_eq!(v["ceiling"], "device_copy");

@@ -12,7 +12,7 @@ use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model::{Dtype, ModelShape};
 use kvx::transfer::memory::{KvBuffer, MemPlace, PageSize};
 
-use crate::ucx_common::skip;
+use crate::ucx_common::{Part, skip};
 
 fn pair(p_tp: u32, d_tp: u32, layout: Layout) -> PairSpec {
     PairSpec {
@@ -128,7 +128,7 @@ fn fill_and_verify_plans_match_the_slice_forms_in_host_memory() {
 fn fill_and_verify_plans_match_the_slice_forms_in_device_memory() {
     let place = MemPlace::Cuda { device: 0 };
     if let Err(e) = place.check_available() {
-        skip(&format!("device memory: {e}"));
+        skip(Part::Gpu, &format!("device memory: {e}"));
         return;
     }
     plans_match_the_slice_forms(place);

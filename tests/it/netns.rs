@@ -16,7 +16,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::procs::{Spawned, bench_cmd, exclusive, kvx_path, n, read_rows, run_dir, summary_json};
-use crate::ucx_common::skip;
+use crate::ucx_common::{Part, skip};
 
 const RUN_TIMEOUT: Duration = Duration::from_secs(180);
 const STEP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -147,7 +147,10 @@ fn bench_across_two_network_namespaces_over_ucx_tcp() {
     let hosts = match TwoHosts::create() {
         Ok(h) => h,
         Err(why) => {
-            skip(&format!("bench_across_two_network_namespaces_over_ucx_tcp: cannot make namespaces: {why}"));
+            skip(
+                Part::Netns,
+                &format!("bench_across_two_network_namespaces_over_ucx_tcp: cannot make namespaces: {why}"),
+            );
             return;
         }
     };
@@ -221,7 +224,10 @@ fn prefill_rank_killed_on_the_other_host_is_noticed() {
     let hosts = match TwoHosts::create() {
         Ok(h) => h,
         Err(why) => {
-            skip(&format!("prefill_rank_killed_on_the_other_host_is_noticed: cannot make namespaces: {why}"));
+            skip(
+                Part::Netns,
+                &format!("prefill_rank_killed_on_the_other_host_is_noticed: cannot make namespaces: {why}"),
+            );
             return;
         }
     };

@@ -18,6 +18,7 @@ use wait_timeout::ChildExt as _;
 
 use crate::serve::{metric, post, send};
 use crate::serve_workers::{Proc, engine_of, wait_metric, within};
+use crate::ucx_common::{Part, skip};
 
 const PEER_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -45,13 +46,16 @@ fn vllm_src() -> PathBuf {
 
 /// vLLM's own workers wrapped to run here (`../shared/vllm-peer` beside the project, or
 /// `KVX_SHARED_DIR`). They are not part of this repository (nor copied into it): where they are
-/// absent, the two tests that run them say so on stderr and check nothing; kvx's own NIXL peer
+/// absent, the two tests that run them say so ([`skip`]: counted, and a failure where required); kvx's own NIXL peer
 /// (scripts/peers, installed by scripts/setup-peers.sh) runs everywhere.
 fn vllm_peer(script: &str) -> Option<PathBuf> {
     let shared = std::env::var_os("KVX_SHARED_DIR").map_or_else(|| root().join("../shared"), PathBuf::from);
     let p = shared.join("vllm-peer").join(script);
     if !p.exists() {
-        eprintln!("NOT RUN: {} is absent (vLLM's own NIXL workers; set KVX_SHARED_DIR)", p.display());
+        skip(
+            Part::VllmPeer,
+            &format!("{} is absent (vLLM's own NIXL workers; set KVX_SHARED_DIR)", p.display()),
+        );
     }
     p.exists().then_some(p)
 }

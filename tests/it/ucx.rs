@@ -13,7 +13,7 @@ use assert_cmd::Command;
 use rand::{RngExt, SeedableRng};
 use wait_timeout::ChildExt as _;
 
-use crate::ucx_common::{skip, ucx_builds};
+use crate::ucx_common::{Part, skip, ucx_builds};
 
 const CHILD_ENV: &str = "KVX_IT_UCX_CHILD_LIB";
 const HARD_TIMEOUT: Duration = Duration::from_secs(120);
@@ -30,7 +30,7 @@ fn xfer_json_reports_ucx_and_verified_reads_on_each_build() {
         let lib = match lib {
             Ok(p) => p,
             Err(why) => {
-                skip(&format!("{label} UCX build: {why}"));
+                skip(Part::of_build(label), &format!("{label} UCX build: {why}"));
                 continue;
             }
         };
@@ -101,7 +101,7 @@ fn xfer_misaligned_reads_are_counted_and_verified_on_each_build() {
         let lib = match lib {
             Ok(p) => p,
             Err(why) => {
-                skip(&format!("{label} UCX build: {why}"));
+                skip(Part::of_build(label), &format!("{label} UCX build: {why}"));
                 continue;
             }
         };
@@ -148,7 +148,7 @@ fn scattered_reads_and_failure_paths_on_each_build() {
         let lib = match lib {
             Ok(p) => p,
             Err(why) => {
-                skip(&format!("{label} UCX build: {why}"));
+                skip(Part::of_build(label), &format!("{label} UCX build: {why}"));
                 continue;
             }
         };
@@ -451,7 +451,7 @@ fn doctor_reports_every_item_and_judges_zero_copy_per_build() {
         let lib = match lib {
             Ok(p) => p,
             Err(why) => {
-                skip(&format!("{label} UCX build: {why}"));
+                skip(Part::of_build(label), &format!("{label} UCX build: {why}"));
                 continue;
             }
         };
@@ -505,7 +505,7 @@ fn ten_processes_on_a_small_machine_all_make_progress() {
         let lib = match lib {
             Ok(p) => p,
             Err(why) => {
-                skip(&format!("{label} UCX build: {why}"));
+                skip(Part::of_build(label), &format!("{label} UCX build: {why}"));
                 continue;
             }
         };

@@ -15,7 +15,7 @@ use std::process::{ChildStdout, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::ucx_common::{skip, ucx_builds};
+use crate::ucx_common::{Part, skip, ucx_builds};
 
 const LIB_ENV: &str = "KVX_IT_UCX_AM_LIB";
 const HARD_TIMEOUT: Duration = Duration::from_secs(120);
@@ -41,7 +41,7 @@ fn notifications_over_active_messages_on_each_build() {
         let lib = match lib {
             Ok(p) => p,
             Err(why) => {
-                skip(&format!("{label} UCX build: {why}"));
+                skip(Part::of_build(label), &format!("{label} UCX build: {why}"));
                 continue;
             }
         };
@@ -358,7 +358,7 @@ fn bench_frees_every_block_through_active_message_notifications_on_each_build() 
         let lib = match lib {
             Ok(p) => p,
             Err(why) => {
-                skip(&format!("{label} UCX build: {why}"));
+                skip(Part::of_build(label), &format!("{label} UCX build: {why}"));
                 continue;
             }
         };

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use kvx::transfer::ucx::sys::*;
 
-use crate::ucx_common::{project_root, skip};
+use crate::ucx_common::{Part, project_root, skip};
 
 /// (C type, C field, Rust offset); a field of "" stands for `sizeof`.
 fn rust_layout() -> Vec<(&'static str, &'static str, usize)> {
@@ -190,6 +190,7 @@ fn structs_match_debian_ucx_headers_exactly() {
     let include = PathBuf::from("/usr/include");
     if !include.join("ucp/api/ucp.h").is_file() {
         skip(
+            Part::SystemUcx,
             "Debian's UCX headers (/usr/include/ucp/api/ucp.h) are not installed: apt-get install libucx-dev",
         );
         return;
@@ -201,7 +202,7 @@ fn structs_match_debian_ucx_headers_exactly() {
 fn structs_match_project_ucx_headers() {
     let include = project_root().join(".ucx/libucx/include");
     if !include.join("ucp/api/ucp.h").is_file() {
-        skip("the project's UCX (.ucx/) is not installed: run scripts/setup-ucx.sh");
+        skip(Part::Ucx, "the project's UCX (.ucx/) is not installed: run scripts/setup-ucx.sh");
         return;
     }
     check_against(&include, false);

@@ -9,6 +9,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
+use crate::ucx_common::{Part, skip};
+
 #[test]
 fn kvx_agrees_with_vllms_own_functions_on_generated_models() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
@@ -16,10 +18,13 @@ fn kvx_agrees_with_vllms_own_functions_on_generated_models() {
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join(".venv-vllm/bin/python"));
     if !python.exists() {
-        eprintln!(
-            "SKIPPED vllm_diff: no Python with vllm==0.33.0 at {} (set KVX_VLLM_PYTHON, or python3 -m venv \
+        skip(
+            Part::Vllm,
+            &format!(
+                "vllm_diff: no Python with vllm==0.33.0 at {} (set KVX_VLLM_PYTHON, or python3 -m venv \
              .venv-vllm && .venv-vllm/bin/pip install vllm==0.33.0)",
-            python.display()
+                python.display()
+            ),
         );
         return;
     }
@@ -29,7 +34,7 @@ fn kvx_agrees_with_vllms_own_functions_on_generated_models() {
         .status()
         .is_ok_and(|s| s.success());
     if !has_vllm {
-        eprintln!("SKIPPED vllm_diff: {} has no vllm 0.33.0", python.display());
+        skip(Part::Vllm, &format!("vllm_diff: {} has no vllm 0.33.0", python.display()));
         return;
     }
     let dir = tempfile::tempdir().expect("temp dir");
