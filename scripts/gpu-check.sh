@@ -52,7 +52,7 @@
 # device copy at 16 MiB, bench vs xfer, cuda-batch vs UCX cuda_ipc, a request's span-based
 # bandwidth (summary.json's transfer_bandwidth.span_gbps: all ranks' bytes over the wall span
 # from the first rank's start to the last rank's end) against the device's bandwidth, unaligned
-# vs aligned per batch-copy path. What one H100 gave: docs/gpu-h100.md.
+# vs aligned per batch-copy path. What one H100 gave: docs/gpu-h100.md (no figures kept); the H200 runs: results/gpu-nvidia-h200-*.
 # Needs no network.
 #
 # Results: every step's command, status (ok, failed or skipped: a step skipped for the budget is

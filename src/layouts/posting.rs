@@ -273,7 +273,8 @@ mod tests {
             assert!(matches!(r.of(p).post_source, RateSource::File { line, .. } if line > 0), "{p:?}");
         }
         assert!(
-            r.cuda_batch.post_source.text().starts_with("results/rates/gpu-h100-"),
+            r.cuda_batch.post_source.text().starts_with("results/gpu-nvidia-h200-")
+                && r.cuda_batch.post_source.text().ends_with("(on an NVIDIA H200)"),
             "{}",
             r.cuda_batch.post_source.text()
         );

@@ -1,7 +1,9 @@
 //! Posting rates and ceilings read from results files, each with the file and line it stands on.
 //!
 //! `kvx plan`'s rates are data from measurements, never constants typed in: the built-in ones
-//! come from two committed files compiled into kvx ([`BUILTIN`]), and a user's own file
+//! come from two committed results files compiled into kvx ([`BUILTIN`]: `kvx xfer` on this
+//! project's CPU host, and `scripts/gpu-check.sh` on an H200, whose card every GPU rate
+//! names), and a user's own file
 //! ([`Knob::Rates`]) is read the same way. Two kinds of file are understood, found anywhere inside the JSON (so a
 //! `scripts/gpu-check.sh` JSON that holds `kvx xfer` reports works as it stands):
 //!
@@ -26,7 +28,10 @@ use crate::vocab::knob::Knob;
 /// The files the built-in rates come from, as committed (path, text).
 pub const BUILTIN: [(&str, &str); 2] = [
     ("results/docs/xfer-rates/out.txt", include_str!("../../results/docs/xfer-rates/out.txt")),
-    ("results/rates/gpu-h100-2026-11-26.json", include_str!("../../results/rates/gpu-h100-2026-11-26.json")),
+    (
+        "results/gpu-nvidia-h200-2026-11-28b.json",
+        include_str!("../../results/gpu-nvidia-h200-2026-11-28b.json"),
+    ),
 ];
 
 /// The line (1-based) of the first line at or after `from` that holds `"key": ` and whose
@@ -101,6 +106,19 @@ pub fn apply(path: &str, text: &str, rates: &mut PostRates) -> Result<Vec<PostPa
     }
     set.sort();
     set.dedup();
+    // A GPU check's file names its card: every rate taken from it says which.
+    if let Some(card) = v.get("card").and_then(Value::as_str) {
+        for &p in &set {
+            let r = rates.of_mut(p);
+            for s in [&mut r.post_source, &mut r.ceiling_source] {
+                if let RateSource::File { path: from, detail, .. } = s
+                    && from == path
+                {
+                    detail.push_str(&format!(" (on an {card})"));
+                }
+            }
+        }
+    }
     Ok(set)
 }
 
@@ -201,10 +219,11 @@ fn apply_xfer(path: &str, text: &str, r: &Value, rates: &mut PostRates) -> Resul
             path,
             line_of(text, result_line(text, smallest, depth(a)), "post_us", us),
             format!(
-                "kvx xfer at {} x{}: post_us {us:.2} per batch of {} GETs",
+                "kvx xfer at {} x{}: post_us {us:.2} per batch of {} GET{}",
                 kib(smallest),
                 depth(a),
-                depth(a)
+                depth(a),
+                if depth(a) == 1 { "" } else { "s" }
             ),
         );
     }
