@@ -319,32 +319,41 @@ fn run_block(cmd: &str) -> Result<String, String> {
 }
 
 /// A document with each deterministic block (`$ kvx topo|layout|plan ...`, outside `figs`
-/// markers) as the current binary prints it, and the commands that could not run.
+/// markers) as the current binary prints it, and the commands that could not run. A block may
+/// hold several commands, each `$ ` line followed by its output.
 fn regenerated(doc: &str) -> (String, Vec<String>) {
     let mut problems = Vec::new();
-    let re = Regex::new(r"(?s)(<!--figs [^>]*-->\n)?```([^\n]*)\n\$ (kvx (?:topo|layout|plan)\b[^\n]*)\n(.*?)```")
+    let re = Regex::new(r"(?s)(<!--figs [^>]*-->\n)?```([^\n]*)\n(\$ kvx (?:topo|layout|plan)\b.*?)```")
         .expect("regex");
     let text = re
         .replace_all(doc, |c: &regex::Captures<'_>| {
             if c.get(1).is_some() {
                 return c[0].to_string();
             }
-            let cmd = &c[3];
-            let pipes_ok = cmd.split('|').skip(1).all(|p| {
-                let p = p.trim_start();
-                ["head", "tail", "sed", "grep"].iter().any(|t| p.starts_with(t))
-            });
-            if !pipes_ok {
-                problems.push(format!("`{cmd}`: a deterministic block may pipe only into head, tail, sed, grep"));
-                return c[0].to_string();
-            }
-            match run_block(cmd) {
-                Ok(body) => format!("```{}\n$ {cmd}\n{body}```", &c[2]),
-                Err(e) => {
-                    problems.push(e);
-                    c[0].to_string()
+            let mut out = format!("```{}\n", &c[2]);
+            for line in c[3].lines().filter(|l| l.starts_with("$ ")) {
+                let cmd = &line[2..];
+                let deterministic = ["kvx topo", "kvx layout", "kvx plan"].iter().any(|k| cmd.starts_with(k));
+                let pipes_ok = cmd.split('|').skip(1).all(|p| {
+                    let p = p.trim_start();
+                    ["head", "tail", "sed", "grep"].iter().any(|t| p.starts_with(t))
+                });
+                if !deterministic || !pipes_ok {
+                    problems.push(format!(
+                        "`{cmd}`: a deterministic block runs kvx topo, layout or plan, piped only into head, tail, sed, grep"
+                    ));
+                    return c[0].to_string();
+                }
+                match run_block(cmd) {
+                    Ok(body) => out.push_str(&format!("$ {cmd}\n{body}")),
+                    Err(e) => {
+                        problems.push(e);
+                        return c[0].to_string();
+                    }
                 }
             }
+            out.push_str("```");
+            out
         })
         .into_owned();
     (text, problems)
