@@ -151,10 +151,13 @@ fn number(src: &str) -> Result<f64, String> {
 /// hold.
 fn figure(spec: &str) -> Result<String, String> {
     let mut words: Vec<&str> = spec.split_whitespace().collect();
-    let claim = match words.last() {
+    let claim = match words.last().copied() {
         Some(w) if w.starts_with("meets=") || w.starts_with("misses=") => {
-            let w = words.pop().unwrap_or_default();
-            let (ge, t) = w.strip_prefix("meets=").map_or((false, &w["misses=".len()..]), |t| (true, t));
+            words.pop();
+            let (ge, t) = match w.strip_prefix("meets=") {
+                Some(t) => (true, t),
+                None => (false, &w["misses=".len()..]),
+            };
             let t: f64 = t.parse().map_err(|e| format!("claim `{w}` in `{spec}`: {e}"))?;
             Some((ge, t, w))
         }
@@ -497,7 +500,7 @@ fn a_claim_against_a_target_uses_the_unrounded_value() {
     assert_eq!(figure(&format!("{rel}#a / {rel}#b 2x")).as_deref(), Ok("0.50x"), "shown rounded up");
     assert!(figure(&format!("{rel}#a / {rel}#b 2x meets=0.5")).is_err(), "but it does not meet 0.5");
     assert_eq!(figure(&format!("{rel}#a / {rel}#b 2x misses=0.5")).as_deref(), Ok("0.50x"));
-    assert_eq!(figure(&format!("{rel}#a 1% meets=49.7")).as_deref(), Ok("49.8%"), "claims read the shown scale");
+    assert_eq!(figure(&format!("{rel}#a 2% meets=49.7")).as_deref(), Ok("49.75%"), "claims read the shown scale");
 }
 
 #[test]
