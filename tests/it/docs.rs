@@ -264,11 +264,7 @@ fn bad_givens(doc: &str) -> Vec<String> {
 
 /// Numbers with a unit of measurement in prose: outside markers, code spans and fences.
 fn unsourced(doc: &str) -> Vec<String> {
-    let strip = [
-        r"(?s)```.*?```",
-        r"(?s)<!--fig [^>]*?-->.*?<!--/fig-->",
-        r"`[^`]*`",
-    ];
+    let strip = [r"(?s)```.*?```", r"(?s)<!--fig [^>]*?-->.*?<!--/fig-->", r"`[^`]*`"];
     let keep_lines = |c: &regex::Captures<'_>| "\n".repeat(c[0].matches('\n').count());
     let mut prose = doc.to_string();
     for re in strip {
@@ -457,7 +453,11 @@ fn a_number_in_seconds_a_size_or_a_count_typed_or_changed_by_hand_is_caught() {
     assert_eq!(expected(&good), (good.clone(), vec![]));
     assert!(unsourced(&good).is_empty(), "{:?}", unsourced(&good));
     let changed = good.replace("-->150<", "-->151<");
-    assert_ne!(expected(&changed).0, changed, "a number in seconds changed by hand is restored, so the test fails");
+    assert_ne!(
+        expected(&changed).0,
+        changed,
+        "a number in seconds changed by hand is restored, so the test fails"
+    );
     for typed in [
         "runs end within 0.25 s of the fault",
         "it ran for 600 s",
@@ -472,7 +472,12 @@ fn a_number_in_seconds_a_size_or_a_count_typed_or_changed_by_hand_is_caught() {
     ] {
         assert_eq!(unsourced(typed).len(), 1, "`{typed}` is a typed figure");
     }
-    for fine in ["Llama-3.1-70B and 8B-70B models", "16-byte loads", "P8->D2, 2026-11-28, second session", "one block in 16"] {
+    for fine in [
+        "Llama-3.1-70B and 8B-70B models",
+        "16-byte loads",
+        "P8->D2, 2026-11-28, second session",
+        "one block in 16",
+    ] {
         assert!(unsourced(fine).is_empty(), "`{fine}`: {:?}", unsourced(fine));
     }
 }
@@ -500,7 +505,11 @@ fn a_claim_against_a_target_uses_the_unrounded_value() {
     assert_eq!(figure(&format!("{rel}#a / {rel}#b 2x")).as_deref(), Ok("0.50x"), "shown rounded up");
     assert!(figure(&format!("{rel}#a / {rel}#b 2x meets=0.5")).is_err(), "but it does not meet 0.5");
     assert_eq!(figure(&format!("{rel}#a / {rel}#b 2x misses=0.5")).as_deref(), Ok("0.50x"));
-    assert_eq!(figure(&format!("{rel}#a 2% meets=49.7")).as_deref(), Ok("49.75%"), "claims read the shown scale");
+    assert_eq!(
+        figure(&format!("{rel}#a 2% meets=49.7")).as_deref(),
+        Ok("49.75%"),
+        "claims read the shown scale"
+    );
 }
 
 #[test]
@@ -519,7 +528,8 @@ fn a_sample_block_drifting_from_its_file_or_from_the_binary_is_caught() {
     assert_eq!(regenerated(&block), (block.clone(), vec![]));
     let edited = block.replacen("D tp 1", "D tp 4", 1);
     assert_ne!(regenerated(&edited).0, edited, "a deterministic block that drifted from the binary's output");
-    let in_figs = format!("<!--figs {}-->\n```\n$ {cmd}\nrequests ok 40\n```\n<!--/figs-->\n", file.display());
+    let in_figs =
+        format!("<!--figs {}-->\n```\n$ {cmd}\nrequests ok 40\n```\n<!--/figs-->\n", file.display());
     assert_eq!(regenerated(&in_figs).0, in_figs, "a figs block is compared with its file, not run");
     assert_eq!(regenerated("```\n$ kvx topo --p-tp 2 | sh\n```\n").1.len(), 1, "only head, tail, sed, grep");
 }
@@ -573,7 +583,8 @@ fn the_guide_is_short_every_page_is_reachable_from_the_readme_and_every_link_res
         let doc = std::fs::read_to_string(&canon).expect("read");
         let name = canon.strip_prefix(root()).unwrap_or(&canon).display().to_string();
         for (target, anchor) in md_links(&doc) {
-            let t = if target.is_empty() { canon.clone() } else { canon.parent().expect("dir").join(&target) };
+            let t =
+                if target.is_empty() { canon.clone() } else { canon.parent().expect("dir").join(&target) };
             if !t.exists() {
                 failures.push(format!("{name}: link to `{target}`, which does not exist"));
                 continue;
