@@ -589,10 +589,10 @@ fn the_guide_is_short_every_page_is_reachable_from_the_readme_and_every_link_res
                 failures.push(format!("{name}: link to `{target}`, which does not exist"));
                 continue;
             }
-            if let Some(a) = anchor.filter(|a| !a.is_empty()) {
-                if !anchors(&t).contains(&a) {
-                    failures.push(format!("{name}: link to `{target}#{a}`: no such heading"));
-                }
+            if let Some(a) = anchor.filter(|a| !a.is_empty())
+                && !anchors(&t).contains(&a)
+            {
+                failures.push(format!("{name}: link to `{target}#{a}`: no such heading"));
             }
             if t.extension().is_some_and(|x| x == "md") {
                 todo.push(t);
