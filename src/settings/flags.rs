@@ -207,8 +207,10 @@ layered! {
     /// [`super::workers::verify_or_default`].
     #[derive(Debug, Clone, Copy, Default, PartialEq, Args, Deserialize)]
     pub struct VerifyFlags {
-        /// Check the bytes decode read: full, sample (1 block in 16), off [default: full for a
-        /// bench run moving up to 2 GiB, else sample].
+        /// Check the bytes decode read: full, sample (1 block in 16 of every layer), off
+        /// [default, for every command: full for a run moving up to 2 GiB, else sample; a serving
+        /// engine, whose run has no end, samples. Checking a byte costs about what copying it
+        /// does on a host, so long runs sample to keep the timing honest].
         #[arg(long, value_enum)]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]
         pub verify: Option<VerifyMode>,

@@ -33,6 +33,22 @@ pub fn signal(pid: i32, sig: i32) -> bool {
     unsafe { libc::kill(pid, sig) == 0 }
 }
 
+/// Starts `cmd` with SIGINT and SIGTERM at their default dispositions, whatever this process
+/// inherited: a suite started in the background by a non-interactive shell ignores SIGINT, and
+/// a command that keeps the default (kvx probe) would inherit the ignoring.
+#[expect(unsafe_code, reason = "pre_exec runs in the child between fork and exec")]
+pub fn default_signals(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt as _;
+    // SAFETY: signal(2) is async-signal-safe, and the closure touches nothing else.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            libc::signal(libc::SIGTERM, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+}
+
 /// A running process with its stdout collected and its stderr readable line by line.
 pub struct Spawned {
     pub name: String,

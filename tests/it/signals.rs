@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use clap::CommandFactory as _;
 
-use crate::procs::{Spawned, descendants_of, exclusive, kvx_path, signal, wait_gone};
+use crate::procs::{Spawned, default_signals, descendants_of, exclusive, kvx_path, signal, wait_gone};
 
 /// What the user waits for after Ctrl-C.
 const PROMPT_EXIT: Duration = Duration::from_secs(2);
@@ -197,6 +197,9 @@ fn one(name: &str, to_group: bool, sig: i32) -> Result<(), String> {
         format!("kvx {name}, {sig_name} to the {}", if to_group { "process group" } else { "process" });
     let mut cmd = Command::new(kvx_path());
     cmd.args(&long.args).env("TMPDIR", tmp.path()).env_remove("KVX_LOG");
+    // The child starts with the default dispositions, whatever this process inherited (a suite
+    // started in the background by a non-interactive shell ignores SIGINT).
+    default_signals(&mut cmd);
     let mut run = Spawned::start(&case, cmd);
     let ready = match long.ready {
         Ready::StderrLine(prefix) => run.wait_line(HARD, |l| l.starts_with(prefix)).is_some(),
