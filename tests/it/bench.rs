@@ -678,7 +678,8 @@ fn a_fault_that_explains_every_failure_exits_0() {
 fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
     const OVERLAP: &[&str] = &["--mode", "push", "--overlap", "layers", "--prefill-time-per-layer", "1ms"];
     const NIXL: &[&str] = &["--transport", "nixl"];
-    let cases: [(&str, Vec<&str>); 19] = [
+    const NIXL_PUSH: &[&str] = &["--transport", "nixl", "--mode", "push"];
+    let cases: [(&str, Vec<&str>); 22] = [
         ("kill-ucx:p1@5, err-mode none", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "none"]),
         ("kill-ucx:p1@5, err-mode peer", vec!["--fault", "kill-ucx:p1@5", "--err-mode", "peer"]),
         ("exit:p0@5", vec!["--fault", "exit:p0@5"]),
@@ -706,6 +707,11 @@ fn each_fault_ends_the_run_within_5_s_with_the_policy_held() {
         ("nixl, kill-ucx:p1@5", [NIXL, &["--fault", "kill-ucx:p1@5"]].concat()),
         ("nixl, exit:p0@5", [NIXL, &["--fault", "exit:p0@5"]].concat()),
         ("nixl, exit:d1@5", [NIXL, &["--fault", "exit:d1@5"]].concat()),
+        // Push through NIXL: WRITEs carrying vLLM's notification, registrations as NIXL
+        // notifications.
+        ("nixl push, kill-ucx:p1@5", [NIXL_PUSH, &["--fault", "kill-ucx:p1@5"]].concat()),
+        ("nixl push, exit:p0@5", [NIXL_PUSH, &["--fault", "exit:p0@5"]].concat()),
+        ("nixl push, exit:d1@5", [NIXL_PUSH, &["--fault", "exit:d1@5"]].concat()),
     ];
     for (case, fault) in cases {
         let _turn = exclusive();

@@ -397,6 +397,55 @@ fn bench_through_nixl_verifies_every_request_and_leaks_nothing() {
     }
 }
 
+/// Push mode through NIXL (vLLM's `NixlPushConnector`): decode ranks register their blocks
+/// with `PUSH_REG:` notifications, prefill ranks handshake with decode's side channel (vLLM's
+/// payload), WRITE from prepared lists and notify with the WRITE; across TP sizes both ways,
+/// every byte verified, nothing leaked. What push through NIXL does not cover is refused
+/// with exit 2, naming the flag.
+#[test]
+fn push_through_nixl_verifies_every_byte_and_refuses_what_it_does_not_cover() {
+    for (p_tp, d_tp) in [("2", "1"), ("1", "2"), ("4", "2")] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_kvx"))
+            .args(["bench", "--transport", "nixl", "--mode", "push", "--p-tp", p_tp, "--d-tp", d_tp])
+            .args(["--requests", "8", "--concurrency", "2", "--model", "llama-3.1-8b", "--layers", "2"])
+            .args(["--verify", "full", "--format", "json"])
+            .env("KVX_RESULTS_DIR", dir.path())
+            .env("NIXL_LOG_LEVEL", "WARN")
+            .timeout(Duration::from_secs(180))
+            .output()
+            .expect("run kvx bench");
+        let case = format!("push P{p_tp} -> D{d_tp}");
+        assert!(out.status.success(), "{case}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(v["requests_ok"], 8, "{case}: {v}");
+        assert_eq!(v["requests_failed"], 0, "{case}");
+        assert_eq!(v["blocks_leaked"], 0, "{case}");
+        assert_eq!(v["verify_failures"], 0, "{case}");
+        assert!(v["bytes_read"].as_u64().is_some_and(|b| b > 0), "{case}: {v}");
+        assert_eq!(v["bytes_verified"], v["bytes_read"], "{case}: --verify full checks every byte: {v}");
+        assert_eq!(v["scenario"]["transport"], "nixl", "{case}: {}", v["scenario"]);
+        assert_eq!(v["scenario"]["mode"], "push", "{case}: {}", v["scenario"]);
+    }
+    for (args, flag) in [
+        (&["--overlap", "layers", "--prefill-time-per-layer", "1ms"][..], "--overlap"),
+        (
+            &["--model", concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hybrid-model-tiny.toml")][..],
+            "--transport",
+        ),
+    ] {
+        let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_kvx"))
+            .args(["bench", "--transport", "nixl", "--mode", "push", "--requests", "1"])
+            .args(args)
+            .timeout(Duration::from_secs(60))
+            .output()
+            .expect("run kvx bench");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?} names {flag}: {err}");
+    }
+}
+
 /// `kvx xfer --compare-transports ucx,nixl`: both transports' reads verified in place in one
 /// run, NIXL named in its report, and the comparison holds each case's ratio.
 #[test]

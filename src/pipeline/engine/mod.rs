@@ -1095,9 +1095,12 @@ impl EngineLoop {
                 // Its process lives on, but with UCX the only transport nothing can read its
                 // blocks (shared-memory reads may still reach them, yet its notifications are
                 // lost): the rank is gone for this engine, as a dead process is, and requests
-                // that need it fail at once. With a fallback transport (multi) it still serves.
+                // that need it fail at once; so with NIXL, whose agent went. With a fallback
+                // transport (multi) it still serves.
                 if self.cfg.worker.transport.kind == TransportKind::Ucx {
                     self.rank_died(i as u32, "its UCX side was torn down".into());
+                } else if self.cfg.worker.transport.kind == TransportKind::Nixl {
+                    self.rank_died(i as u32, "its NIXL agent was torn down".into());
                 } else {
                     warn!(
                         "{} rank {i} has no UCX side any more; its fallback transport serves",

@@ -187,6 +187,20 @@ pub fn fetch(
     p_tp: u32,
     engine_id: &str,
 ) -> Result<NixlHandshake, Failure> {
+    let (p, peers) = fetch_engine(client, cfg, endpoint, ranks, p_tp, engine_id)?;
+    Ok(NixlHandshake { pair: PairSpec { p, ..cfg.pair.clone() }, peers })
+}
+
+/// [`fetch`] for either side: the engine (of TP `tp`) the metadata describes, and each
+/// rank's metadata. Push mode's prefill ranks fetch decode engines with it.
+pub fn fetch_engine(
+    client: &HandshakeClient,
+    cfg: &WorkerConfig,
+    endpoint: &str,
+    ranks: &[(u32, u32)],
+    tp: u32,
+    engine_id: &str,
+) -> Result<(crate::layouts::EngineSpec, Vec<(u32, VllmAgentMetadata)>), Failure> {
     let raws = client
         .fetch_raw_many(endpoint, ranks)
         .map_err(|e| (crate::pipeline::worker::plumbing::handshake_cause(&e), e.to_string()))?;
@@ -237,16 +251,13 @@ pub fn fetch(
     .map_err(|e| (FailureCause::Incompatible, format!("peer layout: {e}")))?;
     let num_blocks = first.num_blocks.ok_or_else(|| bad("num_blocks"))?;
     let block_size = first.block_size.ok_or_else(|| bad("block_size"))?;
-    let pair = PairSpec {
-        p: crate::layouts::EngineSpec {
-            tp: p_tp,
-            block_tokens: u32::try_from(block_size).map_err(|_| bad("usable block_size"))?,
-            num_blocks: u32::try_from(num_blocks).map_err(|_| bad("usable num_blocks"))?,
-            layout,
-        },
-        ..cfg.pair.clone()
+    let spec = crate::layouts::EngineSpec {
+        tp,
+        block_tokens: u32::try_from(block_size).map_err(|_| bad("usable block_size"))?,
+        num_blocks: u32::try_from(num_blocks).map_err(|_| bad("usable num_blocks"))?,
+        layout,
     };
-    Ok(NixlHandshake { pair, peers })
+    Ok((spec, peers))
 }
 
 /// Checks a peer's advertised regions against the prefill side kvx planned from its

@@ -91,15 +91,26 @@ impl Pool {
         }
     }
 
-    /// Tears the UCX side down and keeps the memory.
+    /// Tears the UCX side (or the NIXL agent) down and keeps the memory.
     fn kill_ucx(&mut self) -> Result<(), WorkerError> {
-        if let Pool::Ucx(u) = std::mem::replace(self, Pool::Gone) {
-            let UcxSide { am, region, worker, ctx } = *u;
-            drop(am);
-            let mem = region.deregister().stage("deregister the KV pool")?;
-            drop(worker);
-            drop(ctx);
-            *self = Pool::Plain(mem);
+        match std::mem::replace(self, Pool::Gone) {
+            Pool::Ucx(u) => {
+                let UcxSide { am, region, worker, ctx } = *u;
+                drop(am);
+                let mem = region.deregister().stage("deregister the KV pool")?;
+                drop(worker);
+                drop(ctx);
+                *self = Pool::Plain(mem);
+            }
+            Pool::Nixl(side) => {
+                let crate::pipeline::worker::nixl::NixlSide { region, agent, .. } = *side;
+                let mem = region.deregister();
+                // The agent goes with its last handle (push mode's WRITE targets hold it until
+                // they have told their decode ranks nothing more will be written).
+                drop(agent);
+                *self = Pool::Plain(mem);
+            }
+            other => *self = other,
         }
         Ok(())
     }
@@ -591,6 +602,7 @@ fn push_one(
             let UcxSide { region, worker, .. } = &mut **u;
             pusher.push(cfg, worker, region, id, &h.blocks, h.hybrid.as_ref())
         }
+        Pool::Nixl(side) => pusher.push_nixl(cfg, side, id, &h.blocks),
         _ => {
             pusher.give_up(id);
             Err((FailureCause::PeerGone, "this rank's UCX side is gone: nothing can be written".into()))

@@ -31,11 +31,13 @@ use crate::layouts::read_plan::{RequestBlocks, RequestIds};
 use crate::layouts::write_plan::PushPlanner;
 use crate::pipeline::params::base_request_id;
 use crate::pipeline::wire::{FailureCause, PushStats};
+use crate::pipeline::worker::nixl::{self, NixlSide};
 use crate::pipeline::worker::plumbing::{classify_ucx, compat_factors, fetch_peers, first_region, peer_spec};
 use crate::topology::push_map::PushRankMap;
 use crate::transfer::handshake::client::{FetchOptions, HandshakeClient, PeerMetadata};
 use crate::transfer::handshake::meta::KvxMetadata;
 use crate::transfer::memory::KvBuffer;
+use crate::transfer::nixl::{Desc, NixlError, Op, Peer, Prepped, XferState};
 use crate::transfer::notify::{
     Notification, NotifyError, NotifySender, NotifyTransport, PushRegistration, UcxNotifySender,
 };
@@ -48,19 +50,34 @@ use crate::vocab::kinds::TransportKind;
 pub type Failure = (FailureCause, String);
 
 /// How a rank reaches one peer rank's notification channel: UCX active messages on the
-/// endpoint to it (notify = ucx), or ZMQ.
-pub struct NotifyPath {
-    pub am: Option<UcxNotifySender>,
-    pub zmq: NotifySender,
+/// endpoint to it (notify = ucx), ZMQ, or (`--transport nixl`) NIXL's notifications to the
+/// peer's agent, as vLLM sends them.
+pub enum NotifyPath {
+    Kvx { am: Option<UcxNotifySender>, zmq: NotifySender },
+    Nixl(Peer),
 }
 
 impl NotifyPath {
     pub fn send(&self, n: &Notification) -> Result<(), NotifyError> {
-        match &self.am {
-            Some(am) => am.send(n),
-            None => self.zmq.send(n),
+        match self {
+            NotifyPath::Kvx { am: Some(am), .. } => am.send(n),
+            NotifyPath::Kvx { am: None, zmq } => zmq.send(n),
+            NotifyPath::Nixl(peer) => send_nixl(peer, n),
         }
     }
+
+    /// Sends without the UCX side (it may be gone): over ZMQ, or through NIXL.
+    pub fn send_beside_ucx(&self, n: &Notification) -> Result<(), NotifyError> {
+        match self {
+            NotifyPath::Kvx { zmq, .. } => zmq.send(n),
+            NotifyPath::Nixl(peer) => send_nixl(peer, n),
+        }
+    }
+}
+
+/// A notification to a NIXL peer's agent (vLLM's `send_notif`).
+fn send_nixl(peer: &Peer, n: &Notification) -> Result<(), NotifyError> {
+    peer.send_notif(&n.encode()?).map_err(|source| NotifyError::Nixl { peer: peer.name().to_owned(), source })
 }
 
 /// Connects the notification path to the rank `meta` describes, over `ep` when notifications
@@ -83,7 +100,7 @@ fn notify_path(
         }
         _ => None,
     };
-    Ok(NotifyPath { am, zmq })
+    Ok(NotifyPath::Kvx { am, zmq })
 }
 
 /// The push map of a pair, with push's refusals as the reason.
@@ -94,10 +111,29 @@ fn push_map(pair: &PairSpec) -> Result<PushRankMap, Failure> {
 // ---------------------------------------------------------------------------------------
 // Prefill side
 
-/// One decode rank a prefill rank writes into.
+/// One decode rank a prefill rank writes into: its pool (over kvx's UCX; `None` through
+/// NIXL, whose WRITEs go by the engine's prepared lists) and its notification path.
 struct DTarget {
-    region: RemoteRegion,
+    region: Option<RemoteRegion>,
     notify: NotifyPath,
+}
+
+impl DTarget {
+    fn region(&self, d_rank: u32) -> Result<&RemoteRegion, Failure> {
+        self.region
+            .as_ref()
+            .ok_or((FailureCause::Internal, format!("no UCX connection to decode rank {d_rank}")))
+    }
+}
+
+/// `--transport nixl`: one WRITE's prepared lists (this prefill rank's blocks, region-major,
+/// and the decode rank's), made at the handshake as vLLM's push worker makes them.
+struct WriteLists {
+    local: Prepped,
+    remote: Prepped,
+    /// Blocks per region on each side (`id = region * blocks + block`).
+    local_per_region: usize,
+    remote_per_region: usize,
 }
 
 /// How a decode engine's WRITEs are planned: one KV cache group (the uniform push planner), or
@@ -115,6 +151,8 @@ struct DEngine {
     write_ranks: Vec<u32>,
     /// What each of this rank's notifications names as the count (prefill TP).
     notif_count: u32,
+    /// `--transport nixl`: each WRITE's prepared lists, in the planner's write order.
+    nixl_lists: Vec<WriteLists>,
 }
 
 /// A hybrid request a prefill rank holds, as push plans it: its per-group lists (as its
@@ -187,7 +225,7 @@ impl Pusher {
         self.engines
             .values()
             .flat_map(|e| e.ranks.values())
-            .find_map(|t| t.region.endpoint().transports().ok())
+            .find_map(|t| t.region.as_ref().and_then(|r| r.endpoint().transports().ok()))
     }
 
     /// Records a registration; returns the key it is filed under, if this rank has not
@@ -244,7 +282,7 @@ impl Pusher {
             let count = eng.notif_count;
             let n = Notification::PushFailed { d_request_id: reg.request_id.clone(), count };
             for (d, t) in &eng.ranks {
-                if let Err(e) = t.notify.zmq.send(&n) {
+                if let Err(e) = t.notify.send_beside_ucx(&n) {
                     tracing::warn!("push failure notification to decode rank {d}: {e}");
                 }
             }
@@ -269,6 +307,143 @@ impl Pusher {
         self.finish(job)
     }
 
+    /// The registration of a request about to be written (it is written once).
+    fn take_registration(&mut self, p_request_id: &str) -> Result<PushRegistration, Failure> {
+        let none = || (FailureCause::Internal, format!("no registration for {p_request_id}"));
+        let key = self.key_of(p_request_id).ok_or_else(none)?;
+        let reg = self.registrations.remove(&key).ok_or_else(none)?;
+        self.written.insert(key);
+        Ok(reg)
+    }
+
+    /// `--transport nixl`: WRITEs the request's blocks into the registered decode blocks as
+    /// vLLM's push worker does: one transfer per decode rank from the lists prepared at the
+    /// handshake, with vLLM's descriptor ids, carrying `"<decode request id>:<prefill TP>"`,
+    /// which NIXL delivers once the WRITE has landed; completion by NIXL's transfer state.
+    pub fn push_nixl(
+        &mut self,
+        cfg: &WorkerConfig,
+        side: &NixlSide,
+        p_request_id: &str,
+        blocks: &[u32],
+    ) -> Result<PushStats, Failure> {
+        let reg = self.take_registration(p_request_id)?;
+        let mut stats = PushStats::default();
+        if !self.engines.contains_key(&reg.decode_engine_id) {
+            let t = Instant::now();
+            let engine = self.connect_nixl(cfg, side, &reg)?;
+            stats.handshake_ns = t.elapsed().as_nanos() as u64;
+            self.engines.insert(reg.decode_engine_id.clone(), engine);
+        }
+        match self.write_nixl(side, &reg, p_request_id, blocks, &mut stats) {
+            Ok(()) => Ok(stats),
+            Err(e) => {
+                let job = PushJob {
+                    engine: reg.decode_engine_id.clone(),
+                    reg,
+                    layers: Vec::new(),
+                    writes: Vec::new(),
+                    num_layers: 1,
+                    next_layer: 1,
+                    stats: PushStats::default(),
+                };
+                Err(self.fail(job, e))
+            }
+        }
+    }
+
+    fn write_nixl(
+        &self,
+        side: &NixlSide,
+        reg: &PushRegistration,
+        p_request_id: &str,
+        blocks: &[u32],
+        stats: &mut PushStats,
+    ) -> Result<(), Failure> {
+        let eng = self
+            .engines
+            .get(&reg.decode_engine_id)
+            .ok_or((FailureCause::Internal, "decode engine vanished from the cache".to_string()))?;
+        let WritePlanner::Uniform(planner) = &eng.planner else {
+            return Err((FailureCause::Incompatible, "hybrid models are not written through NIXL".into()));
+        };
+        let incompatible = |e: crate::error::KnobError| (FailureCause::Incompatible, e.to_string());
+        let d_blocks: Vec<u32> = reg
+            .local_block_ids
+            .first()
+            .map(|g| g.iter().map(|&b| u32::try_from(b).unwrap_or(u32::MAX)).collect())
+            .unwrap_or_default();
+        if d_blocks.is_empty() {
+            // A full prefix hit on decode: nothing to write.
+            return Ok(());
+        }
+        let req = RequestBlocks { local: d_blocks, remote: blocks.to_vec() };
+        let bp = planner.pair_blocks(&req).map_err(incompatible)?;
+        let notif = planner.notif_msg(&RequestIds {
+            p_request_id: p_request_id.to_string(),
+            d_request_id: reg.request_id.clone(),
+        });
+        let t0 = Instant::now();
+        let t_mono = crate::clock::now_ns();
+        let mut xfers = Vec::with_capacity(planner.writes.len());
+        for (w, lists) in planner.writes.iter().zip(&eng.nixl_lists) {
+            let tp = Instant::now();
+            let n = w.regions.len() * bp.len();
+            let (mut lids, mut rids) = (Vec::with_capacity(n), Vec::with_capacity(n));
+            for (j, x) in w.regions.iter().enumerate() {
+                let (lo, ro) = ((j * lists.local_per_region) as u64, (j * lists.remote_per_region) as u64);
+                // Push pairs are decode-centric: `remote` = prefill blocks, `local` = decode's.
+                for (&pb, &db) in bp.remote.iter().zip(&bp.local) {
+                    lids.push(i32::try_from(lo + pb).unwrap_or(i32::MAX));
+                    rids.push(i32::try_from(ro + db).unwrap_or(i32::MAX));
+                }
+                stats.bytes += x.len * bp.len() as u64;
+            }
+            stats.descriptors += n as u64;
+            let fail =
+                |e: NixlError| (FailureCause::Transfer, format!("WRITE to decode rank {}: {e}", w.d_rank));
+            let mut x = side
+                .agent
+                .make_xfer(Op::Write, &lists.local, &lids, &lists.remote, &rids, Some(notif.as_bytes()), true)
+                .map_err(fail)?;
+            let st = x.post().map_err(fail)?;
+            stats.post_ns += tp.elapsed().as_nanos() as u64;
+            if st == XferState::InProgress {
+                xfers.push((w.d_rank, x));
+            }
+        }
+        // Completion by NIXL's transfer state, polled as vLLM's push worker polls it; the
+        // notification rides each WRITE.
+        while !xfers.is_empty() {
+            if t0.elapsed() > self.timeout {
+                let ranks: Vec<u32> = xfers.iter().map(|(r, _)| *r).collect();
+                return Err((
+                    FailureCause::Timeout,
+                    format!("WRITEs to decode ranks {ranks:?} did not complete within {:?}", self.timeout),
+                ));
+            }
+            std::thread::yield_now();
+            let mut i = 0;
+            while i < xfers.len() {
+                match xfers[i].1.status() {
+                    Ok(XferState::Done) => {
+                        xfers.swap_remove(i);
+                    }
+                    Ok(XferState::InProgress) => i += 1,
+                    Err(e) => {
+                        return Err((
+                            FailureCause::PeerGone,
+                            format!("WRITE to decode rank {}: {e}", xfers[i].0),
+                        ));
+                    }
+                }
+            }
+        }
+        stats.transfer_ns += t0.elapsed().as_nanos() as u64;
+        stats.span = crate::clock::ClockSpan::cover(stats.span, crate::clock::ClockSpan::since(t_mono));
+        Ok(())
+    }
+
     /// Starts writing a registered request: handshakes with its decode engine if this rank has
     /// not, and plans the WRITEs layer by layer ([`PushPlanner::layer_pairs`]). Nothing is
     /// posted yet: [`Self::write_layers`] posts, [`Self::finish`] flushes and notifies.
@@ -280,14 +455,7 @@ impl Pusher {
         blocks: &[u32],
         hybrid: Option<&HybridHeld>,
     ) -> Result<PushJob, Failure> {
-        let key = self
-            .key_of(p_request_id)
-            .ok_or((FailureCause::Internal, format!("no registration for {p_request_id}")))?;
-        let reg = self
-            .registrations
-            .remove(&key)
-            .ok_or((FailureCause::Internal, format!("no registration for {p_request_id}")))?;
-        self.written.insert(key);
+        let reg = self.take_registration(p_request_id)?;
         let mut stats = PushStats::default();
         if !self.engines.contains_key(&reg.decode_engine_id) {
             let t = Instant::now();
@@ -390,7 +558,7 @@ impl Pusher {
                 let pairs = layers.get(from..to).unwrap_or_default();
                 job.stats.descriptors += pairs.iter().map(|l| l.len() as u64).sum::<u64>();
                 dests.push((
-                    &target.region,
+                    target.region(*d_rank)?,
                     pairs.iter().flatten().map(|x| ReadDesc {
                         local_off: x.local,
                         remote_off: x.remote,
@@ -431,7 +599,7 @@ impl Pusher {
             let tf_mono = crate::clock::now_ns();
             for (d_rank, _) in &job.writes {
                 if let Some(t) = eng.ranks.get(d_rank) {
-                    t.region
+                    t.region(*d_rank)?
                         .endpoint()
                         .flush(self.timeout)
                         .map_err(|e| (classify_ucx(&e), format!("flush to decode rank {d_rank}: {e}")))?;
@@ -530,6 +698,65 @@ impl Pusher {
             ranks: out,
             write_ranks,
             notif_count,
+            nixl_lists: Vec::new(),
+        })
+    }
+
+    /// `--transport nixl`: handshakes with the decode engine a registration names as vLLM's
+    /// push worker does (vLLM's payload and hash from the decode ranks this rank writes into),
+    /// checks their regions are the planned ones, loads their agents and prepares each WRITE's
+    /// lists.
+    fn connect_nixl(
+        &self,
+        cfg: &WorkerConfig,
+        side: &NixlSide,
+        reg: &PushRegistration,
+    ) -> Result<DEngine, Failure> {
+        if cfg.hybrid.is_some() {
+            return Err((FailureCause::Incompatible, "hybrid models are not written through NIXL".into()));
+        }
+        let endpoint = format!("tcp://{}:{}", reg.decode_host, reg.decode_port);
+        let mut pair = cfg.pair.clone();
+        pair.d.tp = reg.decode_tp_size;
+        let prelim = push_map(&pair)?;
+        let me = prelim
+            .p_ranks
+            .get(cfg.rank as usize)
+            .ok_or((FailureCause::Internal, format!("prefill rank {} is not in the push map", cfg.rank)))?;
+        let ranks: Vec<(u32, u32)> = me.write_ranks.iter().map(|&d| (0, d)).collect();
+        let (d_spec, peers) = nixl::fetch_engine(
+            &self.client,
+            cfg,
+            &endpoint,
+            &ranks,
+            reg.decode_tp_size,
+            &reg.decode_engine_id,
+        )?;
+        pair.d = d_spec;
+        let map = push_map(&pair)?;
+        let planner = PushPlanner::new(&pair, &map, cfg.rank)
+            .map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+        let mut out = BTreeMap::new();
+        let mut bases = BTreeMap::new();
+        for (tp_rank, meta) in &peers {
+            let who = format!("decode rank {tp_rank} at {endpoint}");
+            let base = nixl::peer_base(meta, &planner.remote_regions, &who)?;
+            let peer = side
+                .agent
+                .load_peer(&meta.agent_metadata)
+                .map_err(|e| (FailureCause::Handshake, format!("load {who}'s NIXL agent: {e}")))?;
+            bases.insert(*tp_rank, (peer.name().to_owned(), base, meta.device_id.unwrap_or(0)));
+            out.insert(*tp_rank, DTarget { region: None, notify: NotifyPath::Nixl(peer) });
+        }
+        let nixl_lists = prepare_writes(side, &planner, &bases)?;
+        let write_ranks = planner.map.write_ranks.clone();
+        let notif_count = planner.map.notif_count;
+        Ok(DEngine {
+            planner: WritePlanner::Uniform(Box::new(planner)),
+            ranks: out,
+            write_ranks,
+            notif_count,
+            nixl_lists,
         })
     }
 
@@ -564,7 +791,7 @@ impl Pusher {
                 .unpack_rkey(&rkey, r0.base_addr - first, len)
                 .map_err(|e| ucx_err("unpack remote key", e))?;
             let notify = notify_path(cfg, meta, Some(ep), self.timeout)?;
-            out.insert(meta.tp_rank, DTarget { region, notify });
+            out.insert(meta.tp_rank, DTarget { region: Some(region), notify });
         }
         Ok(out)
     }
@@ -629,8 +856,55 @@ impl Pusher {
             ranks: out,
             write_ranks: targets,
             notif_count,
+            nixl_lists: Vec::new(),
         })
     }
+}
+
+/// Prepares each WRITE's lists for a handshaked decode engine: this rank's blocks of every
+/// region the WRITE covers, and the decode rank's blocks of the same regions (`decode`:
+/// per decode rank, its agent, pool base and device).
+fn prepare_writes(
+    side: &NixlSide,
+    planner: &PushPlanner,
+    decode: &BTreeMap<u32, (String, u64, u64)>,
+) -> Result<Vec<WriteLists>, Failure> {
+    let mem = side.mem_type();
+    let (local_base, local_dev) = (side.region.addr(), side.region.dev());
+    let (local_n, remote_n) = (planner.p_pool as usize, planner.d_pool as usize);
+    let nixl = |what: String| move |e: NixlError| (FailureCause::Handshake, format!("{what}: {e}"));
+    planner
+        .writes
+        .iter()
+        .map(|w| {
+            let Some((agent, base, dev)) = decode.get(&w.d_rank) else {
+                return Err((FailureCause::Internal, format!("no NIXL peer for decode rank {}", w.d_rank)));
+            };
+            let mut l = Vec::with_capacity(w.regions.len() * local_n);
+            let mut r = Vec::with_capacity(w.regions.len() * remote_n);
+            for x in &w.regions {
+                l.extend((0..local_n as u64).map(|i| Desc {
+                    addr: local_base + x.l_base + i * x.l_step,
+                    len: x.len,
+                    dev: local_dev,
+                }));
+                r.extend((0..remote_n as u64).map(|i| Desc {
+                    addr: base + x.r_base + i * x.r_step,
+                    len: x.len,
+                    dev: *dev,
+                }));
+            }
+            let local = side
+                .agent
+                .prep_local(&l, mem)
+                .map_err(nixl(format!("prepare the local list for decode rank {}", w.d_rank)))?;
+            let remote = side
+                .agent
+                .prep_remote(agent, &r, mem)
+                .map_err(nixl(format!("prepare decode rank {}'s list", w.d_rank)))?;
+            Ok(WriteLists { local, remote, local_per_region: local_n, remote_per_region: remote_n })
+        })
+        .collect()
 }
 
 /// A hybrid request's WRITEs from this prefill rank: the request planned for every decode rank
@@ -759,13 +1033,17 @@ impl PushWaiter {
         &mut self,
         cfg: &WorkerConfig,
         worker: Option<&Worker>,
+        nixl: Option<&NixlSide>,
         reg: &PushRegistration,
         timeout: Duration,
         landed: &mut Landed,
     ) -> Result<(), Failure> {
         if !self.engines.contains_key(&reg.remote_engine_id) {
             let t = Instant::now();
-            let eng = self.connect(cfg, worker, reg, timeout)?;
+            let eng = match nixl {
+                Some(side) => self.connect_nixl(cfg, side, reg)?,
+                None => self.connect(cfg, worker, reg, timeout)?,
+            };
             landed.handshake_ns = Some(t.elapsed().as_nanos() as u64);
             self.engines.insert(reg.remote_engine_id.clone(), eng);
         }
@@ -813,6 +1091,44 @@ impl PushWaiter {
         self.engines.remove(engine);
     }
 
+    /// `--transport nixl`: the handshake vLLM's decode worker makes to register (its
+    /// `notif_agents_only`): vLLM's payload and hash from the prefill ranks this rank registers
+    /// with, their agents loaded for notifications; no lists (decode reads nothing).
+    fn connect_nixl(
+        &self,
+        cfg: &WorkerConfig,
+        side: &NixlSide,
+        reg: &PushRegistration,
+    ) -> Result<PEngine, Failure> {
+        if cfg.hybrid.is_some() {
+            return Err((FailureCause::Incompatible, "hybrid models are not written through NIXL".into()));
+        }
+        let endpoint = format!("tcp://{}:{}", reg.remote_host, reg.remote_port);
+        let mut pair = cfg.pair.clone();
+        pair.p.tp = reg.remote_tp_size;
+        let prelim = push_map(&pair)?;
+        let me = prelim
+            .d_ranks
+            .get(cfg.rank as usize)
+            .ok_or((FailureCause::Internal, format!("decode rank {} is not in the push map", cfg.rank)))?;
+        let ranks: Vec<(u32, u32)> = me.registers_with.iter().map(|&p| (0, p)).collect();
+        let hs =
+            nixl::fetch(&self.client, cfg, &endpoint, &ranks, reg.remote_tp_size, &reg.remote_engine_id)?;
+        let pair = hs.pair;
+        let (expected, descs_per_block) = d_expectations(cfg, &pair)?;
+        let mut out = BTreeMap::new();
+        for (tp_rank, meta) in &hs.peers {
+            let peer = side.agent.load_peer(&meta.agent_metadata).map_err(|e| {
+                (
+                    FailureCause::Handshake,
+                    format!("load prefill rank {tp_rank}'s NIXL agent at {endpoint}: {e}"),
+                )
+            })?;
+            out.insert(*tp_rank, NotifyPath::Nixl(peer));
+        }
+        Ok(PEngine { ranks: out, expected, descs_per_block, pair, transports: Some("nixl/UCX".into()) })
+    }
+
     fn connect(
         &self,
         cfg: &WorkerConfig,
@@ -858,24 +1174,8 @@ impl PushWaiter {
                 let first = &peers[0];
                 pair.p =
                     peer_spec(&first.metadata, &cfg.pair).map_err(|e| (FailureCause::Incompatible, e))?;
-                let map = push_map(&pair)?;
-                let view = map.d_ranks.get(cfg.rank as usize).ok_or((
-                    FailureCause::Internal,
-                    format!("decode rank {} is not in the push map", cfg.rank),
-                ))?;
-                // Descriptors per decode block: every WRITE into this rank has one pair per region.
-                let mut descs_per_block = 0u64;
-                for p in &view.writers {
-                    let planner = PushPlanner::new(&pair, &map, *p)
-                        .map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
-                    descs_per_block += planner
-                        .writes
-                        .iter()
-                        .filter(|w| w.d_rank == cfg.rank)
-                        .map(|w| w.regions.len() as u64)
-                        .sum::<u64>();
-                }
-                (peers, view.expected_notifs, descs_per_block, pair)
+                let (expected, descs_per_block) = d_expectations(cfg, &pair)?;
+                (peers, expected, descs_per_block, pair)
             }
         };
         let mut out = BTreeMap::new();
@@ -898,4 +1198,27 @@ impl PushWaiter {
         }
         Ok(PEngine { ranks: out, expected, descs_per_block, pair, transports })
     }
+}
+
+/// What a decode rank of a settled pair waits for: its notification count per request, and
+/// the descriptors per decode block its writers put into it (every WRITE into this rank has
+/// one pair per region).
+fn d_expectations(cfg: &WorkerConfig, pair: &PairSpec) -> Result<(u32, u64), Failure> {
+    let map = push_map(pair)?;
+    let view = map
+        .d_ranks
+        .get(cfg.rank as usize)
+        .ok_or((FailureCause::Internal, format!("decode rank {} is not in the push map", cfg.rank)))?;
+    let mut descs_per_block = 0u64;
+    for p in &view.writers {
+        let planner =
+            PushPlanner::new(pair, &map, *p).map_err(|e| (FailureCause::Incompatible, e.to_string()))?;
+        descs_per_block += planner
+            .writes
+            .iter()
+            .filter(|w| w.d_rank == cfg.rank)
+            .map(|w| w.regions.len() as u64)
+            .sum::<u64>();
+    }
+    Ok((view.expected_notifs, descs_per_block))
 }

@@ -401,7 +401,15 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
         // Push's own refusals (vLLM's push connector), each naming its flag.
         TransferMode::Push => {
             pair.validate_push()?;
-            push_over_ucx(&transport)?;
+            if transport.kind != TransportKind::Nixl {
+                push_over_ucx(&transport)?;
+            } else if s.overlap == Some(Overlap::Layers) {
+                return Err(ConfigError::new(
+                    "--overlap",
+                    "through NIXL a request is written whole once its prefill is done, as vLLM's push \
+                     connector writes it: drop --overlap layers, or use --transport ucx",
+                ));
+            }
         }
     }
     if max_tokens.div_ceil(p_bs) > pool_p {
@@ -416,7 +424,8 @@ fn settings(s: &BenchFlags, env: &ProcessEnv) -> Result<BenchSettings, ConfigErr
     finish(s, env, lens, arrival, requests, duration.duration, prefix_hit, alloc, transport, pair, None)
 }
 
-/// Push mode WRITEs over UCX: another transport is refused, naming `--transport`.
+/// Push mode WRITEs over UCX (or NIXL, for uniform models): another transport is refused,
+/// naming `--transport`.
 fn push_over_ucx(transport: &TransportConfig) -> Result<(), ConfigError> {
     if transport.kind == TransportKind::Ucx {
         return Ok(());
@@ -424,7 +433,8 @@ fn push_over_ucx(transport: &TransportConfig) -> Result<(), ConfigError> {
     Err(ConfigError::new(
         "--transport",
         format!(
-            "push mode WRITEs over UCX; '{}' is a pull-mode transport (use --mode pull)",
+            "push mode WRITEs over UCX (or NIXL, for models with one KV cache group); '{}' is a \
+             pull-mode transport (use --mode pull)",
             transport.kind.as_str()
         ),
     ))
@@ -451,6 +461,15 @@ fn hybrid_pair(
     let name = model.name.clone();
     if transport.mode == TransferMode::Push {
         // Push WRITEs over UCX from the request's whole plan, once its prefill is done.
+        if transport.kind == TransportKind::Nixl {
+            return Err(ConfigError::new(
+                "--transport",
+                format!(
+                    "{name} is a hybrid model: kvx writes hybrid requests over UCX (NIXL push covers models \
+                     with one KV cache group): use --transport ucx"
+                ),
+            ));
+        }
         push_over_ucx(transport)?;
         if s.overlap == Some(Overlap::Layers) {
             return Err(ConfigError::new(

@@ -714,8 +714,21 @@ impl<M: Registrable> Region<M> {
     }
 }
 
-impl<M: Registrable> Drop for Region<M> {
-    fn drop(&mut self) {
+impl<M: Registrable> Region<M> {
+    /// Deregisters the region and hands its memory back (a rank whose NIXL side is torn
+    /// down keeps its pool).
+    pub fn deregister(mut self) -> M {
+        self.release();
+        // SAFETY: deregistered above; `release` nulled the list, so `drop` takes nothing
+        // again, and the memory is taken exactly once, here.
+        unsafe { ManuallyDrop::take(&mut self.mem) }
+    }
+
+    /// Deregisters and destroys the list, once (a null list was released already).
+    fn release(&mut self) {
+        if self.list.is_null() {
+            return;
+        }
         let api = self.agent.nixl.api();
         if let Ok(args) = OptArgs::new(&self.agent) {
             // SAFETY: live agent, list and arguments; the memory is still allocated.
@@ -724,8 +737,19 @@ impl<M: Registrable> Drop for Region<M> {
                 tracing::warn!(status = sys::status_name(s), "NIXL could not deregister a region");
             }
         }
-        // SAFETY: created at registration, destroyed once.
+        // SAFETY: created at registration, destroyed once (the list is nulled after).
         unsafe { (api.nixl_capi_destroy_reg_dlist)(self.list) };
+        self.list = std::ptr::null_mut();
+    }
+}
+
+impl<M: Registrable> Drop for Region<M> {
+    fn drop(&mut self) {
+        if self.list.is_null() {
+            // `deregister` took the memory.
+            return;
+        }
+        self.release();
         // SAFETY: deregistered above; the memory is dropped exactly once, here.
         unsafe { ManuallyDrop::drop(&mut self.mem) };
     }

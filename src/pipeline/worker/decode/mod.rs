@@ -840,7 +840,11 @@ fn push_side(
             Some(UcxNotifyReceiver::new(&u.worker).stage("UCX notification handler")?),
         ),
         Local::Plain(m) => (Vec::new(), Vec::new(), m.addr(), None),
-        Local::Nixl(n) => (Vec::new(), Vec::new(), n.region.addr(), None),
+        Local::Nixl(n) => {
+            // vLLM's payload: prefill ranks read this rank's agent and regions from it.
+            let payload = crate::pipeline::worker::nixl::advertised_payload(cfg, &cfg.pair.d, regions, n)?;
+            return Ok((PushSide { waiter: PushWaiter::new(timeout), listener, am: None }, payload));
+        }
     };
     let payload = advertised_payload(cfg, &cfg.pair.d, regions, base, address, &rkey, &notify_ep, None)?;
     Ok((PushSide { waiter: PushWaiter::new(timeout), listener, am }, payload))
@@ -929,15 +933,16 @@ impl Decoder<'_> {
             remote_request_id: (!params.remote_request_id.is_empty())
                 .then(|| params.remote_request_id.clone()),
         };
-        let worker = match &self.local {
-            Local::Ucx(u) => Some(&u.worker),
-            Local::Plain(_) | Local::Nixl(_) => None,
+        let (worker, nixl) = match &self.local {
+            Local::Ucx(u) => (Some(&u.worker), None),
+            Local::Nixl(n) => (None, Some(&**n)),
+            Local::Plain(_) => (None, None),
         };
         let Some(push) = self.push.as_mut() else {
             return Err((FailureCause::Internal, "a push request reached a pull-mode decode rank".into()));
         };
         let mut landed = Landed::default();
-        push.waiter.register(cfg, worker, &reg, timeout, &mut landed)?;
+        push.waiter.register(cfg, worker, nixl, &reg, timeout, &mut landed)?;
         r.handshake_ns = landed.handshake_ns;
         r.post_ns = landed.register_ns;
         r.descs_raw = landed.descriptors;
@@ -959,6 +964,13 @@ impl Decoder<'_> {
             if let Some(am) = push.am.as_mut() {
                 got.extend(am.drain());
             }
+            if let Some(side) = nixl {
+                let (n, unrecognized) = side.drain();
+                if unrecognized > 0 {
+                    tracing::warn!("{unrecognized} NIXL notifications that are not vLLM's");
+                }
+                got.extend(n);
+            }
             for n in &got {
                 push.waiter.note(n);
             }
@@ -975,7 +987,9 @@ impl Decoder<'_> {
                     ),
                 ));
             }
-            let wait = deadline.saturating_duration_since(now).min(Duration::from_millis(20));
+            // NIXL has no event to wait on: its notifications are polled (as vLLM polls them).
+            let most = if nixl.is_some() { Duration::from_millis(1) } else { Duration::from_millis(20) };
+            let wait = deadline.saturating_duration_since(now).min(most);
             if let Local::Ucx(u) = &self.local
                 && !u.worker.arm().map_err(|e| (FailureCause::Internal, e.to_string()))?
             {
