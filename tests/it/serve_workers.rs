@@ -360,41 +360,51 @@ async fn a_hybrid_model_serves_between_engines_of_different_tp() {
 /// request goes leg after leg (the proxy learns the prefill engine's identity from its push
 /// answer); the next ones dispatch both legs at once, decode registering before prefill
 /// answered and prefill matching it by the request id both legs share. Every byte verified on
-/// decode, every prefill block back.
+/// decode, every prefill block back. Over kvx's UCX, then through NIXL (vLLM's handshake
+/// payload both ways, registrations and completions as NIXL notifications).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_mode_serves_through_a_concurrent_proxy() {
+    for transport in ["ucx", "nixl"] {
+        push_through_a_concurrent_proxy(transport).await;
+    }
+}
+
+async fn push_through_a_concurrent_proxy(transport: &str) {
     within(async {
-        let p = engine("prefill", "2", &["--mode", "push"]).await;
-        let d = engine("decode", "1", &["--mode", "push", "--itl-ms", "1"]).await;
+        let p = engine("prefill", "2", &["--mode", "push", "--transport", transport]).await;
+        let d = engine("decode", "1", &["--mode", "push", "--itl-ms", "1", "--transport", transport]).await;
         let x = proxy_with(&p, &d, &["--dispatch", "concurrent"]);
         let prompt = words(40);
         for i in 0..3 {
             let body = format!(r#"{{"prompt":"{prompt}","max_tokens":2}}"#);
             let id = format!("push-{i}");
             let (status, _, text) = post(&x.url("/v1/completions"), &[("x-request-id", &id)], &body).await;
-            assert_eq!(status, StatusCode::OK, "request {i}: {text}");
+            assert_eq!(status, StatusCode::OK, "{transport}: request {i}: {text}");
             let v: serde_json::Value = serde_json::from_str(&text).expect("json");
             assert_eq!(v["choices"][0]["text"], " t0 t1", "{text}");
         }
         let (_, _, m) = send("GET", &x.url("/metrics"), &[], "").await;
-        assert_eq!(metric(&m, "kvx:proxy_concurrent_dispatches_total"), 2.0, "{m}");
+        assert_eq!(metric(&m, "kvx:proxy_concurrent_dispatches_total"), 2.0, "{transport}: {m}");
+        let labels =
+            |role: &str| format!("{{backend=\"workers\",kv_transfer=\"{transport}\",role=\"{role}\"}}");
+        let (d_labels, p_labels) = (labels("decode"), labels("prefill"));
         let (_, _, m) = send("GET", &d.url("/metrics"), &[], "").await;
         assert_eq!(metric(&m, "kvx:kv_loads_total{model_name=\"stub-model\",result=\"ok\"}"), 3.0, "{m}");
-        let landed = metric(&m, &format!("kvx:kv_bytes_read_total{D_LABELS}"));
+        let landed = metric(&m, &format!("kvx:kv_bytes_read_total{d_labels}"));
         let block = 2.0 * 2.0 * 8.0 * 128.0 * 2.0 * 16.0;
         assert_eq!(landed, block * 3.0 * 3.0, "40 tokens are 3 blocks, 3 times: {m}");
-        assert_eq!(metric(&m, &format!("kvx:kv_bytes_verified_total{D_LABELS}")), landed);
-        assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{D_LABELS}")), 0.0);
+        assert_eq!(metric(&m, &format!("kvx:kv_bytes_verified_total{d_labels}")), landed);
+        assert_eq!(metric(&m, &format!("kvx:kv_verify_failures_total{d_labels}")), 0.0);
         // Prefill frees on its own WRITEs' completion.
         wait_metric(
             &p.url("/metrics"),
-            &format!("kvx:kv_blocks_held{P_LABELS}"),
+            &format!("kvx:kv_blocks_held{p_labels}"),
             Duration::from_secs(5),
             |v| v == 0.0,
         )
         .await;
         let (_, _, m) = send("GET", &p.url("/metrics"), &[], "").await;
-        assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{P_LABELS}")), 0.0, "{m}");
+        assert_eq!(metric(&m, &format!("kvx:kv_leases_expired_total{p_labels}")), 0.0, "{m}");
     })
     .await;
 }
