@@ -955,4 +955,80 @@ mod tests {
         let bad = b.make_xfer(Op::Read, &local, &[4], &remote, &[0], None, true);
         assert!(matches!(bad, Err(NixlError::Invalid(_))), "an id past the list is refused before NIXL");
     }
+
+    /// vLLM's messages as NIXL notifications (`gen_notif`), as kvx's ranks send them: a
+    /// heartbeat that extends a prefill rank's lease, a push registration, kvx's push failure,
+    /// each parsed back whole by the receiving agent; then a region deregistered hands its
+    /// memory back unchanged.
+    #[test]
+    fn heartbeats_and_push_messages_cross_as_notifications() {
+        in_child(
+            "transfer::nixl::agent::tests::heartbeats_and_push_messages_cross_as_notifications",
+            notifications,
+        );
+    }
+
+    fn notifications() {
+        use crate::transfer::notify::{LeaseTable, Notification, PushRegistration};
+        use std::time::{Duration, Instant};
+        let nixl = Nixl::load().expect("NIXL (run scripts/setup-nixl.sh)");
+        let opts = AgentOptions { progress_thread: false, ..AgentOptions::default() };
+        let p = Agent::new(&nixl, "kvx-test-P", &opts).expect("agent P");
+        let d = Agent::new(&nixl, "kvx-test-D", &opts).expect("agent D");
+        let mut buf = HostBuffer::alloc(1 << 14, PageSize::Normal).expect("alloc");
+        buf.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = (i % 7) as u8);
+        let region = p.register(buf, 0).expect("register P");
+        let to_p = d.load_peer(&p.local_metadata().expect("md")).expect("load P");
+        let reg = PushRegistration {
+            request_id: "d-1".into(),
+            decode_engine_id: "D".into(),
+            decode_host: "127.0.0.1".into(),
+            decode_port: 5600,
+            decode_tp_size: 2,
+            local_block_ids: vec![vec![3, 4, 5]],
+            remote_engine_id: "P".into(),
+            remote_host: "127.0.0.1".into(),
+            remote_port: 5500,
+            remote_tp_size: 1,
+            remote_pp_size: 1,
+            remote_request_id: Some("p-1".into()),
+        };
+        let sent = [
+            Notification::Heartbeat { ids: vec!["p-2".into(), "p-3".into()] },
+            Notification::PushReg(Box::new(reg)),
+            Notification::PushFailed { d_request_id: "d-1".into(), count: 2 },
+            Notification::Notif { p_request_id: "p-1".into(), count: 1 },
+        ];
+        for n in &sent {
+            to_p.send_notif(&n.encode().expect("encode")).expect("send");
+        }
+        let t0 = Instant::now();
+        let mut got = Vec::new();
+        while got.len() < sent.len() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "only {got:?} arrived");
+            for (from, msg) in p.notifs().expect("notifs") {
+                assert_eq!(from, "kvx-test-D");
+                got.push(Notification::parse(&msg).expect("one of vLLM's (or kvx's) messages"));
+            }
+            // D progresses too: its side of the connection's wire-up.
+            let _ = d.notifs();
+        }
+        assert_eq!(got, sent, "every message whole, in order");
+        // The heartbeat extends p-2's lease past its first expiry; p-1 is freed by its count.
+        let mut leases = LeaseTable::new(Duration::from_secs(30));
+        for id in ["p-1", "p-2"] {
+            leases.register(id, None, t0).expect("register");
+        }
+        let mut freed = Vec::new();
+        for n in &got {
+            freed.extend(leases.apply(n, t0 + Duration::from_secs(25)));
+        }
+        assert_eq!(freed, vec!["p-1".to_owned()]);
+        assert!(leases.expire(t0 + Duration::from_secs(31)).is_empty(), "p-2 was extended");
+        let mem = region.deregister();
+        assert!(
+            mem.as_slice().iter().enumerate().all(|(i, &x)| x == (i % 7) as u8),
+            "the pool comes back as it was"
+        );
+    }
 }
