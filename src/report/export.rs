@@ -154,7 +154,9 @@ pub fn sweep_csv(s: &Summary) -> Result<Vec<u8>, ReportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::summary::{RankList, RequestOutcome, Scenario, StageStats, SweepPoint};
+    use crate::report::summary::{
+        RankList, RankRead, RankReads, RequestOutcome, Scenario, StageStats, SweepPoint,
+    };
 
     fn row(i: u32) -> RequestRow {
         RequestRow {
@@ -177,6 +179,11 @@ mod tests {
             outcome: if i == 2 { RequestOutcome::Failed } else { RequestOutcome::Ok },
             failure_cause: (i == 2).then(|| "p rank 3 died, \"quoted\"".to_string()),
             d_ranks: RankList(vec![0, i]),
+            verify_us: (i != 2).then_some(50.5),
+            rank_reads: RankReads(vec![
+                RankRead { rank: 0, start_us: Some(0.0), read_us: 120.0, bytes: 1 << 19 },
+                RankRead { rank: i, start_us: (i != 1).then_some(2.5), read_us: 117.25, bytes: 1 << 19 },
+            ]),
         }
     }
 
