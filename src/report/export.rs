@@ -59,6 +59,12 @@ pub fn requests_csv(rows: &[RequestRow]) -> Result<Vec<u8>, ReportError> {
 /// A last line cut short by a killed run is dropped rather than failing the whole file: a
 /// partial run keeps every complete row.
 pub fn parse_requests_csv(bytes: &[u8]) -> Result<Vec<RequestRow>, csv::Error> {
+    // Rows are written whole, each with its newline: text after the last newline is a row cut
+    // short, even where what is left of it would parse (its last columns are optional).
+    let bytes = match bytes.iter().rposition(|b| *b == b'\n') {
+        Some(i) => &bytes[..=i],
+        None => bytes,
+    };
     let mut reader = csv::ReaderBuilder::new().has_headers(true).flexible(true).from_reader(bytes);
     let mut rows = Vec::new();
     let mut records = reader.deserialize::<RequestRow>().peekable();

@@ -231,9 +231,9 @@ mod tests {
         .expect("the page is well-formed");
         let text = |n: roxmltree::Node<'_, '_>| {
             n.descendants()
+                .filter(|d| d.is_text())
                 .filter_map(|d| d.text())
-                .collect::<String>()
-                .split_whitespace()
+                .flat_map(str::split_whitespace)
                 .collect::<Vec<_>>()
                 .join(" ")
         };

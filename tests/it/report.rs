@@ -153,7 +153,10 @@ fn run_writer_finish_writes_every_file() {
     assert_eq!(run.summary.failures_by_cause.get("timeout"), Some(&3));
     let stages = std::fs::read_to_string(dir.join(files::STAGES_FILE)).expect("stages");
     let first_col: Vec<&str> = stages.lines().map(|l| l.split(',').next().unwrap_or("")).collect();
-    assert_eq!(first_col, vec!["stage", "queue", "plan", "post", "transfer", "notify", "e2e"]);
+    assert_eq!(
+        first_col,
+        vec!["stage", "queue", "plan", "post", "transfer", "transfer_span", "notify", "e2e"]
+    );
     for svg in ["request-waterfall.svg", "latency.svg", "rank-bandwidth.svg", "throughput-over-time.svg"] {
         let text = std::fs::read_to_string(dir.join(svg)).expect("svg");
         roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{svg} is not well-formed: {e}"));
@@ -218,7 +221,8 @@ fn latency_chart_draws_cdfs_and_what_coincides_once() {
         "{legend:?}"
     );
     // Each series draws its line and its legend sample.
-    assert!((4..=2 * run_charts::MAX_SERIES).contains(&lines), "{lines} polylines");
+    assert!(lines >= 4, "{lines} polylines");
+    assert!(legend.len() <= run_charts::MAX_SERIES);
     assert!(texts.iter().any(|t| t == "requests at or below"), "{texts:?}");
     assert!(texts.iter().any(|t| t == "50%"), "a fraction axis: {texts:?}");
 }
