@@ -68,7 +68,7 @@ table{border-collapse:collapse;margin:.5em 0;font-size:.85em}\
 th,td{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}\
 td{font-variant-numeric:tabular-nums}th{background:#f3f3f3}\
 figure{margin:1em 0}figcaption{font-size:.9em;color:#444;margin-bottom:.3em}\
-svg{max-width:100%;height:auto}.warn{color:#a00;font-weight:bold}code{font-size:.85em}\
+svg{max-width:100%;height:auto}.none{color:#666;font-style:italic}.warn{color:#a00;font-weight:bold}code{font-size:.85em}\
 @media print{body{max-width:none}figure,table{page-break-inside:avoid}h2{page-break-after:avoid}}";
 
 /// The page's parts, in order.
@@ -90,15 +90,20 @@ impl Page {
         self.body.push_str(&table_html(t));
     }
 
-    /// A chart under the question it answers.
+    /// A chart under the question it answers, or a line saying the run has nothing to draw.
     fn figure(&mut self, id: &str, question: &str, svg: Option<String>) {
-        if let Some(svg) = svg {
-            self.body.push_str(&format!(
+        match svg {
+            Some(svg) => self.body.push_str(&format!(
                 "<figure id=\"{}\">\n<figcaption>{}</figcaption>\n{}\n</figure>\n",
                 escape(id),
                 escape(question),
                 inline_svg(&svg)
-            ));
+            )),
+            None => self.body.push_str(&format!(
+                "<p class=\"none\">No chart for &#8220;{}&#8221;: the run has no data for it (no request \
+                 ended ok, or its files predate what the chart needs).</p>\n",
+                escape(question.split('?').next().unwrap_or(question))
+            )),
         }
     }
 }
