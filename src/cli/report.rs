@@ -23,7 +23,7 @@ pub enum ReportFormat {
 
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Examples:\n  kvx report results/20250102T030405Z-1a2b3c\n  kvx report results/A results/B --format markdown"
+    after_help = "Examples:\n  kvx report results/20250102T030405Z-1a2b3c\n  kvx report results/20250102T030405Z-1a2b3c --html --request 17\n  kvx report results/A results/B --format markdown"
 )]
 #[command(allow_negative_numbers = true)]
 pub struct ReportArgs {
@@ -39,11 +39,30 @@ pub struct ReportArgs {
     /// Do not write charts.
     #[arg(long)]
     pub no_charts: bool,
+    /// Also write report.html: the tables, every chart inline, the scenario and the
+    /// environment on one self-contained page (beside the charts: the run's directory or
+    /// --charts-dir).
+    #[arg(long)]
+    pub html: bool,
+    /// Draw the stage waterfall of this request (its id in requests.csv, or its number)
+    /// instead of the median and p99 requests'.
+    #[arg(long, value_name = "ID")]
+    pub request: Option<String>,
 }
 
 pub fn run(args: &ReportArgs) -> anyhow::Result<Outcome> {
-    if args.runs.len() == 2 && (args.charts_dir.is_some() || args.no_charts) {
-        let flag = if args.no_charts { "--no-charts" } else { "--charts-dir" };
+    if args.runs.len() == 2
+        && (args.charts_dir.is_some() || args.no_charts || args.html || args.request.is_some())
+    {
+        let flag = if args.no_charts {
+            "--no-charts"
+        } else if args.html {
+            "--html"
+        } else if args.request.is_some() {
+            "--request"
+        } else {
+            "--charts-dir"
+        };
         return Err(crate::error::ConfigError::new(
             flag,
             "a comparison of two runs draws no charts: give one run, or drop the flag",
@@ -72,9 +91,13 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<Outcome> {
                 ReportFormat::Markdown => output::stdout(render_summary(&one.summary, Style::Markdown))?,
                 ReportFormat::Json => output::stdout(export::summary_json(&one.summary)?)?,
             }
+            let dir = args.charts_dir.clone().unwrap_or_else(|| one.dir.clone());
+            let request = args.request.as_deref();
+            if args.html {
+                note!("report: {}", files::write_html(&dir, &one.summary, &one.rows, request)?.display());
+            }
             if !args.no_charts {
-                let dir = args.charts_dir.clone().unwrap_or_else(|| one.dir.clone());
-                let written = files::write_charts(&dir, &one.summary, &one.rows)?;
+                let written = files::write_charts(&dir, &one.summary, &one.rows, request)?;
                 if !one.has_requests_csv {
                     note!(
                         "note: no {} in {}: latency chart drawn from the summary's percentiles",

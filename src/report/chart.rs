@@ -1,18 +1,17 @@
-//! Pure SVG charts (plotters, SVG backend only): latency distribution per stage, throughput
-//! over time, and bandwidth against message size for sweeps.
+//! Pure SVG charts (plotters, SVG backend only): bandwidth against message size for sweeps,
+//! a serving run's TTFT waterfall, grouped bars; the shared line-chart drawer. The charts of
+//! one run's requests are in `run_charts`.
 //!
 //! Each function returns the SVG text, or `None` when the run has no data for that chart. Must
 //! not touch the file system (`files.rs` writes the charts).
 
 use std::collections::BTreeMap;
 
-use hdrhistogram::Histogram;
 use plotters::coord::ranged1d::ValueFormatter;
 use plotters::prelude::*;
 
 use super::ReportError;
-use super::recorder::{new_auto_histogram, record_into};
-use super::summary::{RequestOutcome, RequestRow, Stage, Summary, ordered_stage_names};
+use super::summary::Summary;
 use super::table::fmt_bytes;
 
 const SIZE: (u32, u32) = (960, 560);
@@ -31,7 +30,7 @@ const COLOURS: [RGBColor; 10] = [
     RGBColor(23, 190, 207),
 ];
 
-fn colour(i: usize) -> RGBColor {
+pub(crate) fn colour(i: usize) -> RGBColor {
     COLOURS[i % COLOURS.len()]
 }
 
@@ -46,135 +45,8 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
 }
 
-/// x of a quantile on the "nines" axis: 0 at the median's left edge, 1 at p90, 2 at p99, ...
-fn nines(q: f64) -> f64 {
-    -(1.0 - q).log10()
-}
-
-fn percent_label(x: f64) -> String {
-    let q = 100.0 * (1.0 - 10f64.powf(-x));
-    let s = format!("{q:.3}");
-    let s = s.trim_end_matches('0').trim_end_matches('.');
-    format!("{s}%")
-}
-
-/// Percentile curves per stage: from the request rows where they carry the stage (every sample
-/// into hdrhistogram), else the summary's own percentiles.
-pub fn latency_series(summary: &Summary, rows: &[RequestRow]) -> Vec<Series> {
-    let mut from_rows: BTreeMap<&str, Histogram<u64>> = BTreeMap::new();
-    for row in rows.iter().filter(|r| r.outcome == RequestOutcome::Ok) {
-        for stage in Stage::ALL {
-            if let Some(us) = row.stage_us(stage).filter(|v| v.is_finite() && *v >= 0.0) {
-                let h = from_rows.entry(stage.as_str()).or_insert_with(new_auto_histogram);
-                record_into(h, (us * 1e3).round() as u64);
-            }
-        }
-    }
-    let mut names: Vec<&str> = ordered_stage_names(&summary.stages);
-    for s in Stage::ALL {
-        if from_rows.contains_key(s.as_str()) && !names.contains(&s.as_str()) {
-            names.push(s.as_str());
-        }
-    }
-    let mut out = Vec::new();
-    for name in names {
-        let points: Vec<(f64, f64)> = match from_rows.get(name).filter(|h| !h.is_empty()) {
-            Some(h) => {
-                // Go as deep into the tail as the sample count supports, at most p99.999.
-                let deepest = (h.len() as f64).log10().clamp(1.0, 5.0);
-                let steps = (deepest * 20.0).ceil() as u32;
-                (0..=steps)
-                    .map(|i| {
-                        let x = deepest * f64::from(i) / f64::from(steps);
-                        (x, h.value_at_quantile(1.0 - 10f64.powf(-x)) as f64 / 1e3)
-                    })
-                    .collect()
-            }
-            None => match summary.stages.get(name).filter(|s| s.count > 0) {
-                Some(s) => vec![
-                    (nines(0.5), s.p50_us),
-                    (nines(0.9), s.p90_us),
-                    (nines(0.99), s.p99_us),
-                    (nines(0.999), s.p999_us),
-                ],
-                None => continue,
-            },
-        };
-        out.push(Series { name: name.to_string(), points });
-    }
-    out
-}
-
-/// Latency distribution per stage: percentile (nines axis) against latency (log us).
-pub fn latency_svg(summary: &Summary, rows: &[RequestRow]) -> Result<Option<String>, ReportError> {
-    let series = latency_series(summary, rows);
-    if series.is_empty() {
-        return Ok(None);
-    }
-    let title = format!("Latency by stage: {}", summary.run_id);
-    let plot = Plot {
-        title: &title,
-        x_desc: "percentile",
-        y_desc: "latency (us)",
-        series: &series,
-        x_axis: Axis::Nines,
-        y_axis: Axis::Log,
-        chart: "latency",
-    };
-    draw(&plot).map(Some)
-}
-
-/// Aggregate read throughput per time bucket, one series per repeat.
-pub fn throughput_series(rows: &[RequestRow]) -> Vec<Series> {
-    let mut by_repeat: BTreeMap<u32, Vec<(f64, u64)>> = BTreeMap::new();
-    for r in rows.iter().filter(|r| r.outcome == RequestOutcome::Ok) {
-        if let Some(e2e) = r.e2e_us.filter(|v| v.is_finite()) {
-            by_repeat.entry(r.repeat).or_default().push(((r.start_offset_us + e2e) / 1e6, r.bytes));
-        }
-    }
-    let many = by_repeat.len() > 1;
-    by_repeat
-        .into_iter()
-        .filter_map(|(repeat, done)| {
-            let end_s = done.iter().map(|(t, _)| *t).fold(0.0, f64::max);
-            if end_s <= 0.0 {
-                return None;
-            }
-            let buckets = (done.len() / 4).clamp(1, 60);
-            let width_s = end_s / buckets as f64;
-            let mut bytes = vec![0u64; buckets];
-            for (t, b) in &done {
-                let i = ((t / width_s) as usize).min(buckets - 1);
-                bytes[i] += b;
-            }
-            let points = bytes
-                .iter()
-                .enumerate()
-                .map(|(i, b)| ((i as f64 + 0.5) * width_s, *b as f64 / width_s / 1e9))
-                .collect();
-            let name = if many { format!("repeat {repeat}") } else { "throughput".to_string() };
-            Some(Series { name, points })
-        })
-        .collect()
-}
-
-/// Throughput over time, from completion times of successful requests.
-pub fn throughput_svg(rows: &[RequestRow]) -> Result<Option<String>, ReportError> {
-    let series = throughput_series(rows);
-    if series.is_empty() {
-        return Ok(None);
-    }
-    let plot = Plot {
-        title: "Read throughput over time",
-        x_desc: "time (s)",
-        y_desc: "GB/s",
-        series: &series,
-        x_axis: Axis::Linear,
-        y_axis: Axis::LinearFromZero,
-        chart: "throughput",
-    };
-    draw(&plot).map(Some)
-}
+// The run's own charts (latency CDFs, the run over time) live in `run_charts`.
+pub use super::run_charts::{latency_svg, throughput_svg};
 
 /// Sweep points as bandwidth against bytes per descriptor (or block size), one line per series.
 pub fn sweep_series(summary: &Summary) -> (Vec<Series>, &'static str) {
@@ -223,16 +95,13 @@ pub fn sweep_svg(summary: &Summary) -> Result<Option<String>, ReportError> {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Axis {
-    Linear,
     LinearFromZero,
     Log,
     LogBytes,
-    Nines,
 }
 
 fn range(axis: Axis, values: impl Iterator<Item = f64>) -> (f64, f64) {
     let v: Vec<f64> = values.filter(|v| v.is_finite()).collect();
-    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     match axis {
         Axis::Log | Axis::LogBytes => {
@@ -242,21 +111,11 @@ fn range(axis: Axis, values: impl Iterator<Item = f64>) -> (f64, f64) {
             (lo / 1.5, hi * 1.5)
         }
         Axis::LinearFromZero => (0.0, if hi > 0.0 { hi * 1.1 } else { 1.0 }),
-        // One nine of room on the right for the legend; whole nines so ticks land on 90%, 99%...
-        Axis::Nines => (0.0, hi.max(3.0).ceil() + 1.0),
-        Axis::Linear => {
-            if lo.is_finite() && hi > lo {
-                (lo.min(0.0), hi * 1.02)
-            } else {
-                (0.0, if hi > 0.0 { hi * 2.0 } else { 1.0 })
-            }
-        }
     }
 }
 
 fn label(axis: Axis, v: f64) -> String {
     match axis {
-        Axis::Nines => percent_label(v),
         Axis::LogBytes => fmt_bytes(v).replace(".00 ", " "),
         _ if v.abs() >= 100.0 || v == v.trunc() => format!("{v:.0}"),
         _ if v.abs() >= 1.0 => format!("{v:.1}"),
@@ -345,7 +204,7 @@ where
     let err = chart_err(chart);
     let xf = move |v: &f64| label(x_axis, *v);
     let yf = move |v: &f64| label(y_axis, *v);
-    let x_labels = if x_axis == Axis::Nines { c.x_range().end.round() as usize + 1 } else { 10 };
+    let x_labels = 10;
     c.configure_mesh()
         .x_labels(x_labels)
         .x_desc(x_desc)
@@ -365,11 +224,7 @@ where
             .map_err(|e| err(e.to_string()))?;
     }
     c.configure_series_labels()
-        .position(if x_axis == Axis::Nines {
-            SeriesLabelPosition::UpperRight
-        } else {
-            SeriesLabelPosition::UpperLeft
-        })
+        .position(SeriesLabelPosition::UpperLeft)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
@@ -445,55 +300,7 @@ pub fn waterfall_svg(summary: &Summary) -> Result<Option<String>, ReportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::summary::{Scenario, StageStats, SweepPoint};
-
-    #[test]
-    fn nines_axis_labels() {
-        assert_eq!(percent_label(0.0), "0%");
-        assert_eq!(percent_label(1.0), "90%");
-        assert_eq!(percent_label(2.0), "99%");
-        assert_eq!(percent_label(3.0), "99.9%");
-        assert!((nines(0.99) - 2.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn latency_prefers_rows_and_falls_back_to_summary() {
-        let mut s = Summary::new("r", "t", Scenario::default());
-        s.stages.insert(
-            "handshake".into(),
-            StageStats { count: 2, p50_us: 900.0, p90_us: 1000.0, ..Default::default() },
-        );
-        let rows: Vec<RequestRow> = (1..=1000)
-            .map(|i| RequestRow { transfer_us: Some(f64::from(i)), ..Default::default() })
-            .collect();
-        let series = latency_series(&s, &rows);
-        let names: Vec<&str> = series.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(names, vec!["handshake", "transfer"]);
-        assert_eq!(series[0].points.len(), 4);
-        let t = &series[1].points;
-        assert!(t.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1), "monotone");
-        assert!((t.last().expect("last").0 - 3.0).abs() < 1e-9);
-        let p50 = t.iter().find(|p| (p.0 - nines(0.5)).abs() < 0.03).expect("p50 point");
-        assert!((p50.1 - 500.0).abs() < 25.0, "{p50:?}");
-    }
-
-    #[test]
-    fn throughput_buckets_sum_to_the_bytes() {
-        let rows: Vec<RequestRow> = (0..40)
-            .map(|i| RequestRow {
-                start_offset_us: f64::from(i) * 25_000.0,
-                e2e_us: Some(1000.0),
-                bytes: 1_000_000,
-                ..Default::default()
-            })
-            .collect();
-        let s = throughput_series(&rows);
-        assert_eq!(s.len(), 1);
-        assert_eq!(s[0].points.len(), 10);
-        let width = s[0].points[1].0 - s[0].points[0].0;
-        let total: f64 = s[0].points.iter().map(|p| p.1 * width * 1e9).sum();
-        assert!((total - 40e6).abs() < 1.0, "{total}");
-    }
+    use crate::report::summary::{Scenario, SweepPoint};
 
     #[test]
     fn sweep_groups_by_series_and_sorts() {
@@ -536,8 +343,6 @@ mod tests {
     #[test]
     fn no_data_no_chart() {
         let s = Summary::new("r", "t", Scenario::default());
-        assert_eq!(latency_svg(&s, &[]).expect("ok"), None);
-        assert_eq!(throughput_svg(&[]).expect("ok"), None);
         assert_eq!(sweep_svg(&s).expect("ok"), None);
     }
 }

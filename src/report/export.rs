@@ -59,6 +59,12 @@ pub fn requests_csv(rows: &[RequestRow]) -> Result<Vec<u8>, ReportError> {
 /// A last line cut short by a killed run is dropped rather than failing the whole file: a
 /// partial run keeps every complete row.
 pub fn parse_requests_csv(bytes: &[u8]) -> Result<Vec<RequestRow>, csv::Error> {
+    // Rows are written whole, each with its newline: text after the last newline is a row cut
+    // short, even where what is left of it would parse (its last columns are optional).
+    let bytes = match bytes.iter().rposition(|b| *b == b'\n') {
+        Some(i) => &bytes[..=i],
+        None => bytes,
+    };
     let mut reader = csv::ReaderBuilder::new().has_headers(true).flexible(true).from_reader(bytes);
     let mut rows = Vec::new();
     let mut records = reader.deserialize::<RequestRow>().peekable();
@@ -154,7 +160,9 @@ pub fn sweep_csv(s: &Summary) -> Result<Vec<u8>, ReportError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::summary::{RankList, RequestOutcome, Scenario, StageStats, SweepPoint};
+    use crate::report::summary::{
+        RankList, RankRead, RankReads, RequestOutcome, Scenario, StageStats, SweepPoint,
+    };
 
     fn row(i: u32) -> RequestRow {
         RequestRow {
@@ -177,6 +185,11 @@ mod tests {
             outcome: if i == 2 { RequestOutcome::Failed } else { RequestOutcome::Ok },
             failure_cause: (i == 2).then(|| "p rank 3 died, \"quoted\"".to_string()),
             d_ranks: RankList(vec![0, i]),
+            verify_us: (i != 2).then_some(50.5),
+            rank_reads: RankReads(vec![
+                RankRead { rank: 0, start_us: Some(0.0), read_us: 120.0, bytes: 1 << 19 },
+                RankRead { rank: i, start_us: (i != 1).then_some(2.5), read_us: 117.25, bytes: 1 << 19 },
+            ]),
         }
     }
 

@@ -3,7 +3,7 @@
 //! [`RunWriter`] owns a run directory `results/<run_id>/` while the run goes: it appends each
 //! request to `requests.csv` and flushes it (a run killed half-way keeps every finished
 //! request), replaces `summary.json` atomically with in-progress summaries, and at the end
-//! writes the final summary, `stages.csv`, `sweep.csv` and the SVG charts. Loading saved runs
+//! writes the final summary, `stages.csv`, `sweep.csv`, the SVG charts and `report.html`. Loading saved runs
 //! and summaries (with the schema check) and atomic writes for the gate's baseline live here
 //! too. What the files contain is decided by the pure exporters; this module only moves bytes.
 
@@ -12,7 +12,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use super::summary::{RequestRow, SCHEMA_VERSION, Summary};
-use super::{ReportError, chart, export};
+use super::{ReportError, chart, export, html, run_charts};
 
 pub const SUMMARY_FILE: &str = "summary.json";
 pub const REQUESTS_FILE: &str = "requests.csv";
@@ -23,6 +23,11 @@ pub const THROUGHPUT_SVG: &str = "throughput-over-time.svg";
 pub const SWEEP_SVG: &str = "bandwidth-vs-size.svg";
 /// The TTFT waterfall of a serving run (`kvx load`, `kvx bench --serve`).
 pub const WATERFALL_SVG: &str = "ttft-waterfall.svg";
+/// The stage waterfall of the median and the p99 request.
+pub const REQUEST_WATERFALL_SVG: &str = "request-waterfall.svg";
+pub const RANK_BANDWIDTH_SVG: &str = "rank-bandwidth.svg";
+/// The one-page report: tables and every chart inline.
+pub const REPORT_HTML: &str = "report.html";
 
 fn write_err(path: &Path) -> impl Fn(std::io::Error) -> ReportError + '_ {
     move |source| ReportError::Write { path: path.to_path_buf(), source }
@@ -175,9 +180,10 @@ impl RunWriter {
         }
         let mut rows = read_requests(&req_path).ok().flatten().unwrap_or_default();
         rows.extend(self.held.iter().cloned());
-        for (name, svg) in charts(done, &rows) {
+        for (name, svg) in charts(done, &rows, None) {
             attempt(self.dir.join(name), svg.map(|s| s.map(String::into_bytes)));
         }
+        attempt(self.dir.join(REPORT_HTML), html::page(done, &rows, None).map(|p| Some(p.into_bytes())));
         written.insert(1.min(written.len()), req_path.clone());
         let unwritten = self.held.len() as u64 + self.dropped;
         if let Some(e) = &self.failed {
@@ -237,23 +243,32 @@ fn csv_write_err(path: &Path, e: csv::Error) -> ReportError {
 }
 
 /// The charts of a run: each file name and its SVG, `None` where the run has no data for it.
+/// `request`: the request whose stage waterfall to draw (else the median and p99 requests').
 fn charts(
     summary: &Summary,
     rows: &[RequestRow],
-) -> [(&'static str, Result<Option<String>, ReportError>); 4] {
+    request: Option<&str>,
+) -> [(&'static str, Result<Option<String>, ReportError>); 6] {
     [
-        (LATENCY_SVG, chart::latency_svg(summary, rows)),
-        (THROUGHPUT_SVG, chart::throughput_svg(rows)),
+        (REQUEST_WATERFALL_SVG, run_charts::waterfall_svg(rows, request)),
+        (LATENCY_SVG, run_charts::latency_svg(summary, rows)),
+        (RANK_BANDWIDTH_SVG, run_charts::rank_bandwidth_svg(rows)),
+        (THROUGHPUT_SVG, run_charts::throughput_svg(summary, rows)),
         (SWEEP_SVG, chart::sweep_svg(summary)),
         (WATERFALL_SVG, chart::waterfall_svg(summary)),
     ]
 }
 
 /// Draws the charts a run has data for into `dir`; returns the files written.
-pub fn write_charts(dir: &Path, summary: &Summary, rows: &[RequestRow]) -> Result<Vec<PathBuf>, ReportError> {
+pub fn write_charts(
+    dir: &Path,
+    summary: &Summary,
+    rows: &[RequestRow],
+    request: Option<&str>,
+) -> Result<Vec<PathBuf>, ReportError> {
     std::fs::create_dir_all(dir).map_err(write_err(dir))?;
     let mut written = Vec::new();
-    for (name, svg) in charts(summary, rows) {
+    for (name, svg) in charts(summary, rows, request) {
         if let Some(svg) = svg? {
             let p = dir.join(name);
             write_atomic(&p, svg.as_bytes())?;
@@ -261,6 +276,20 @@ pub fn write_charts(dir: &Path, summary: &Summary, rows: &[RequestRow]) -> Resul
         }
     }
     Ok(written)
+}
+
+/// Writes `report.html` (see [`html::page`]) into `dir`; returns its path.
+pub fn write_html(
+    dir: &Path,
+    summary: &Summary,
+    rows: &[RequestRow],
+    request: Option<&str>,
+) -> Result<PathBuf, ReportError> {
+    let page = html::page(summary, rows, request)?;
+    std::fs::create_dir_all(dir).map_err(write_err(dir))?;
+    let p = dir.join(REPORT_HTML);
+    write_atomic(&p, page.as_bytes())?;
+    Ok(p)
 }
 
 fn read_err(path: &Path) -> impl Fn(std::io::Error) -> ReportError + '_ {

@@ -12,6 +12,9 @@
 //!   JSON, CSV, comfy-table text or Markdown, SVG charts.
 //! - [`waterfall`] and [`slo`]: a serving run's TTFT split into stages, and its goodput
 //!   against SLOs (figures a summary carries).
+//! - [`run_charts`]: the charts of one run read at a glance (a request's stage waterfall,
+//!   latency CDFs, per-rank bandwidth, the run over time); [`html`]: the one-page report
+//!   (`report.html`) holding them inline with the tables.
 //! - [`compare`]: two runs side by side (`kvx report A B`).
 //! - [`gate`] and [`stats`]: the noise-aware regression gate (`kvx gate`).
 //! - [`verdict`]: whether a finished run was clean (the rule behind exit code 1).
@@ -37,11 +40,13 @@ pub mod compare_runs;
 pub mod export;
 pub mod files;
 pub mod gate;
+pub mod html;
 pub mod layout;
 pub mod numbers;
 pub mod plan;
 pub mod plan_json;
 pub mod recorder;
+pub mod run_charts;
 pub mod scenario;
 pub mod slo;
 pub mod stats;
@@ -55,9 +60,9 @@ pub mod xfer;
 pub use files::{RunData, RunWriter, load_run, load_summary};
 pub use recorder::StageRecorder;
 pub use summary::{
-    Calibration, DescriptorsPerRequest, Environment, RankList, RankThroughput, RepeatMetrics, RequestOutcome,
-    RequestRow, RequestTotals, SCHEMA_VERSION, Scenario, Stage, StageStats, Summary, SweepPoint, UcxInfo,
-    vllm_metrics_line,
+    Calibration, DescriptorsPerRequest, Environment, RankList, RankRead, RankReads, RankThroughput,
+    RepeatMetrics, RequestOutcome, RequestRow, RequestTotals, RunEvent, SCHEMA_VERSION, Scenario, Stage,
+    StageStats, Summary, SweepPoint, UcxInfo, vllm_metrics_line,
 };
 
 /// Everything that can go wrong while writing, reading or judging a report.
@@ -116,6 +121,12 @@ pub enum ReportError {
     Histogram(String),
     #[error("encoding {what}: {reason}")]
     Encode { what: &'static str, reason: String },
+    #[error(
+        "no request `{id}` in the run's {}: give a request id as written there (e.g. `{example}`) or \
+         its number",
+        files::REQUESTS_FILE
+    )]
+    UnknownRequest { id: String, example: String },
     #[error("chart {chart}: {reason}")]
     Chart { chart: &'static str, reason: String },
 }

@@ -171,6 +171,10 @@ pub struct Summary {
     /// `goodput.requests_per_s` for the gate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub goodput: Option<super::slo::Goodput>,
+    /// When the warm-up ran, faults were injected and leases expired (see [`RunEvent`]), for
+    /// the charts over time.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<RunEvent>,
 }
 
 impl Summary {
@@ -230,6 +234,7 @@ impl Summary {
             hybrid_parts: Vec::new(),
             waterfall: None,
             goodput: None,
+            events: Vec::new(),
         }
     }
 
@@ -530,6 +535,83 @@ impl<'de> Deserialize<'de> for RankList {
     }
 }
 
+/// One decode rank's reads of one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RankRead {
+    pub rank: u32,
+    /// When the rank's reads began, after the first rank's began (us); `None` when the ranks
+    /// are on different hosts' clocks.
+    pub start_us: Option<f64>,
+    /// The rank's own transfer: from posting to its last read completing (us).
+    pub read_us: f64,
+    pub bytes: u64,
+}
+
+impl RankRead {
+    /// The rank's own bandwidth over its reads, 1e9 bytes per second.
+    pub fn gbps(&self) -> f64 {
+        ratio(self.bytes as f64, self.read_us) / 1e3
+    }
+}
+
+/// Each decode rank's reads of a request, written to CSV as `RANK:START_US:READ_US:BYTES`
+/// joined by `;` (`0:0:812.5:1048576;1:3.25:790:1048576`), `START_US` empty when unknown.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RankReads(pub Vec<RankRead>);
+
+impl Serialize for RankReads {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let text: Vec<String> = self
+            .0
+            .iter()
+            .map(|r| {
+                let start = r.start_us.map(|v| v.to_string()).unwrap_or_default();
+                format!("{}:{start}:{}:{}", r.rank, r.read_us, r.bytes)
+            })
+            .collect();
+        s.serialize_str(&text.join(";"))
+    }
+}
+
+impl<'de> Deserialize<'de> for RankReads {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        let bad =
+            |t: &str| serde::de::Error::custom(format!("rank read `{t}`: want RANK:START_US:READ_US:BYTES"));
+        text.split(';')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(|t| {
+                let f: Vec<&str> = t.split(':').collect();
+                let [rank, start, read, bytes] = f.as_slice() else { return Err(bad(t)) };
+                let start_us = if start.is_empty() { None } else { Some(start.parse().map_err(|_| bad(t))?) };
+                Ok(RankRead {
+                    rank: rank.parse().map_err(|_| bad(t))?,
+                    start_us,
+                    read_us: read.parse().map_err(|_| bad(t))?,
+                    bytes: bytes.parse().map_err(|_| bad(t))?,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(RankReads)
+    }
+}
+
+/// Something that happened at a moment of a run, for the charts over time.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunEvent {
+    /// `warm_up` (the unmeasured requests before the repeat's start: `t_s` is negative, their
+    /// start), `fault` (an injected `--fault`), `lease_expired` (a prefill rank's blocks freed
+    /// by their lease, not by a notification).
+    pub kind: String,
+    /// The repeat whose timeline the event is on.
+    pub repeat: u32,
+    /// Seconds from the start of that repeat's measured part (`start_offset_us`'s origin).
+    pub t_s: f64,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+}
+
 /// One request of a run, one line of `requests.csv`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RequestRow {
@@ -556,11 +638,19 @@ pub struct RequestRow {
     pub outcome: RequestOutcome,
     pub failure_cause: Option<String>,
     pub d_ranks: RankList,
+    /// Checking the bytes read: outside the timed path (the slowest rank's); absent in files
+    /// written before it was recorded.
+    #[serde(default)]
+    pub verify_us: Option<f64>,
+    /// Each decode rank's reads of this request (see [`RankReads`]); empty in files written
+    /// before it was recorded, and in push mode (the prefill ranks write).
+    #[serde(default)]
+    pub rank_reads: RankReads,
 }
 
 impl RequestRow {
     /// Column names of `requests.csv`, in order (a test checks they match the fields).
-    pub const HEADERS: [&'static str; 19] = [
+    pub const HEADERS: [&'static str; 21] = [
         "request_id",
         "repeat",
         "start_offset_us",
@@ -580,6 +670,8 @@ impl RequestRow {
         "outcome",
         "failure_cause",
         "d_ranks",
+        "verify_us",
+        "rank_reads",
     ];
 
     /// This request's duration of a known stage.

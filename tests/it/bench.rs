@@ -87,9 +87,17 @@ fn check_clean(case: &str, run: &Run, requests: u64) {
     assert_eq!(on_disk["partial"], false, "{case}: the final summary replaced the partial one");
     let rows = read_rows(&run.dir);
     assert_eq!(rows.len() as u64, requests, "{case}: one requests.csv row per request");
+    let pull = s["scenario"]["mode"] != "push";
     for r in &rows {
         assert_eq!(r["outcome"], "ok", "{case}: {r:?}");
         assert!(r["bytes"].parse::<u64>().is_ok_and(|b| b > 0), "{case}: {r:?}");
+        // Pull: each decode rank's reads, their bytes adding up to the request's.
+        let reads: Vec<Vec<&str>> = r["rank_reads"].split(';').map(|x| x.split(':').collect()).collect();
+        if pull {
+            let bytes: u64 = reads.iter().map(|f| f[3].parse::<u64>().expect("bytes")).sum();
+            assert_eq!(bytes.to_string(), r["bytes"], "{case}: rank_reads {:?}", r["rank_reads"]);
+            assert_eq!(reads.len(), r["d_ranks"].split(';').count(), "{case}: a read per decode rank: {r:?}");
+        }
     }
     let stages = std::fs::read_to_string(run.dir.join("stages.csv")).expect("stages.csv");
     assert!(stages.lines().count() > 1 && stages.contains("transfer"), "{case}: stages.csv:\n{stages}");
@@ -103,6 +111,14 @@ fn check_clean(case: &str, run: &Run, requests: u64) {
     for svg in svgs {
         let text = std::fs::read_to_string(&svg).expect("svg");
         assert!(text.contains("<svg"), "{case}: {} is an SVG", svg.display());
+    }
+    // The run on one page: the request waterfall and the run over time inline.
+    let page = std::fs::read_to_string(run.dir.join("report.html")).expect("report.html");
+    for want in ["<figure id=\"waterfall\">", "<figure id=\"over-time\">", "Scenario and environment"] {
+        assert!(page.contains(want), "{case}: report.html has {want}");
+    }
+    if pull {
+        assert!(page.contains("<figure id=\"rank-bandwidth\">"), "{case}: per-rank bandwidth");
     }
 }
 

@@ -9,8 +9,8 @@ use assert_cmd::Command;
 use kvx::report::export::parse_requests_csv;
 use kvx::report::files::{self, RunWriter};
 use kvx::report::{
-    Calibration, RankList, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals, Scenario, Stage,
-    StageRecorder, Summary, SweepPoint, chart, export,
+    Calibration, RankList, RankRead, RankReads, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals,
+    Scenario, Stage, StageRecorder, Summary, SweepPoint, chart, export, run_charts,
 };
 
 fn fixture_run(name: &str) -> PathBuf {
@@ -44,8 +44,17 @@ fn row(i: u32) -> RequestRow {
         plan_us: Some(1.0),
         post_us: Some(10.0),
         transfer_us: Some(900.0 + f64::from(i % 7) * 50.0),
+        // One rank, so the wall span is its transfer: the latency chart draws them once.
+        transfer_span_us: Some(900.0 + f64::from(i % 7) * 50.0),
         notify_us: Some(12.0),
         e2e_us: Some(950.0 + f64::from(i % 7) * 50.0),
+        verify_us: Some(400.25),
+        rank_reads: RankReads(vec![RankRead {
+            rank: i % 2,
+            start_us: Some(0.0),
+            read_us: 900.0 + f64::from(i % 7) * 50.0,
+            bytes: 4 << 20,
+        }]),
         outcome: if i % 13 == 12 { RequestOutcome::Failed } else { RequestOutcome::Ok },
         failure_cause: (i % 13 == 12).then(|| "timeout".to_string()),
         d_ranks: RankList(vec![i % 2]),
@@ -125,7 +134,16 @@ fn run_writer_finish_writes_every_file() {
     let names: Vec<&str> = written.iter().filter_map(|p| p.file_name()?.to_str()).collect();
     assert_eq!(
         names,
-        vec!["summary.json", "requests.csv", "stages.csv", "latency.svg", "throughput-over-time.svg"]
+        vec![
+            "summary.json",
+            "requests.csv",
+            "stages.csv",
+            "request-waterfall.svg",
+            "latency.svg",
+            "rank-bandwidth.svg",
+            "throughput-over-time.svg",
+            "report.html"
+        ]
     );
     let run = files::load_run(&dir).expect("load");
     assert!(!run.summary.partial);
@@ -135,11 +153,46 @@ fn run_writer_finish_writes_every_file() {
     assert_eq!(run.summary.failures_by_cause.get("timeout"), Some(&3));
     let stages = std::fs::read_to_string(dir.join(files::STAGES_FILE)).expect("stages");
     let first_col: Vec<&str> = stages.lines().map(|l| l.split(',').next().unwrap_or("")).collect();
-    assert_eq!(first_col, vec!["stage", "queue", "plan", "post", "transfer", "notify", "e2e"]);
-    for svg in ["latency.svg", "throughput-over-time.svg"] {
+    assert_eq!(
+        first_col,
+        vec!["stage", "queue", "plan", "post", "transfer", "transfer_span", "notify", "e2e"]
+    );
+    for svg in ["request-waterfall.svg", "latency.svg", "rank-bandwidth.svg", "throughput-over-time.svg"] {
         let text = std::fs::read_to_string(dir.join(svg)).expect("svg");
         roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{svg} is not well-formed: {e}"));
     }
+    let figures = check_page(&std::fs::read_to_string(dir.join(files::REPORT_HTML)).expect("report.html"));
+    assert_eq!(figures, vec!["waterfall", "latency", "rank-bandwidth", "over-time"]);
+}
+
+/// `report.html` parses, holds its charts inline and asks nothing of the network; returns
+/// its figures' ids.
+fn check_page(html: &str) -> Vec<String> {
+    assert!(html.len() < 2_000_000, "report.html is {} bytes", html.len());
+    let doc = roxmltree::Document::parse_with_options(
+        html,
+        roxmltree::ParsingOptions { allow_dtd: true, ..Default::default() },
+    )
+    .unwrap_or_else(|e| panic!("report.html is not well-formed: {e}"));
+    assert_eq!(doc.root_element().tag_name().name(), "html");
+    for n in doc.descendants().filter(|n| n.is_element()) {
+        let tag = n.tag_name().name();
+        assert!(
+            !["script", "link", "img", "iframe", "object", "embed"].contains(&tag),
+            "<{tag}> in the page"
+        );
+        for a in n.attributes() {
+            assert!(!["src", "href"].contains(&a.name()), "{}= on <{tag}>", a.name());
+        }
+    }
+    assert!(!html.contains("url(") && !html.contains("@import"), "CSS from elsewhere");
+    doc.descendants()
+        .filter(|n| n.has_tag_name("figure"))
+        .map(|f| {
+            assert!(f.children().any(|c| c.tag_name().name() == "svg"), "a figure without its chart inline");
+            f.attribute("id").unwrap_or_default().to_string()
+        })
+        .collect()
 }
 
 /// Polylines (one per series) and the texts of an SVG document.
@@ -156,29 +209,55 @@ fn svg_parts(svg: &str) -> (usize, Vec<String>) {
 }
 
 #[test]
-fn latency_chart_has_a_series_per_stage() {
+fn latency_chart_draws_cdfs_and_what_coincides_once() {
     let rows: Vec<RequestRow> = (0..200).map(row).collect();
     let s = built_summary(&rows);
     let svg = chart::latency_svg(&s, &rows).expect("draw").expect("has data");
     let (lines, texts) = svg_parts(&svg);
-    let stages = ["queue", "plan", "post", "transfer", "notify", "e2e"];
-    // Each series draws its line and its legend sample as paths.
-    assert!(lines >= stages.len(), "{lines} polylines");
-    for st in stages {
-        assert!(texts.iter().any(|t| t == st), "legend has {st}: {texts:?}");
-    }
-    assert!(texts.iter().any(|t| t == "99%"), "nines axis: {texts:?}");
-    assert!(texts.iter().any(|t| t == "latency (us)"));
+    let legend: Vec<&String> = texts.iter().filter(|t| t.contains("(p50 ")).collect();
+    assert_eq!(legend.len(), 2, "e2e, and the span drawn once with the transfer it equals: {texts:?}");
+    assert!(
+        legend[0].starts_with("e2e (p50") && legend[1].starts_with("transfer_span = transfer (p50"),
+        "{legend:?}"
+    );
+    // Each series draws its line and its legend sample.
+    assert!(lines >= 4, "{lines} polylines");
+    assert!(legend.len() <= run_charts::MAX_SERIES);
+    assert!(texts.iter().any(|t| t == "requests at or below"), "{texts:?}");
+    assert!(texts.iter().any(|t| t == "50%"), "a fraction axis: {texts:?}");
 }
 
 #[test]
-fn throughput_chart_has_one_series_per_repeat() {
+fn the_run_over_time_lays_repeats_end_to_end() {
     let mut rows: Vec<RequestRow> = (0..40).map(row).collect();
     rows.extend((0..40).map(|i| RequestRow { repeat: 1, ..row(i) }));
-    let svg = chart::throughput_svg(&rows).expect("draw").expect("has data");
+    let s = built_summary(&rows);
+    let svg = chart::throughput_svg(&s, &rows).expect("draw").expect("has data");
     let (_, texts) = svg_parts(&svg);
-    assert!(texts.iter().any(|t| t == "repeat 0") && texts.iter().any(|t| t == "repeat 1"), "{texts:?}");
-    assert!(texts.iter().any(|t| t == "GB/s"));
+    for want in ["ok", "failed", "bandwidth", "GB/s read", "requests completed per s"] {
+        assert!(texts.iter().any(|t| t == want), "{want}: {texts:?}");
+    }
+    // 74 completions in two repeats: one bucket per two; a line each for ok, failed, GB/s.
+    assert!(texts.iter().any(|t| t.contains("37 buckets")), "{texts:?}");
+    let circles = roxmltree::Document::parse(&svg)
+        .expect("svg")
+        .descendants()
+        .filter(|n| n.has_tag_name("circle"))
+        .count();
+    assert!(circles >= 3 * 30, "{circles} points");
+}
+
+#[test]
+fn the_request_waterfall_shows_the_median_and_p99_requests() {
+    let rows: Vec<RequestRow> = (0..200).map(row).collect();
+    let svg = run_charts::waterfall_svg(&rows, None).expect("draw").expect("has data");
+    let (_, texts) = svg_parts(&svg);
+    for want in ["queue", "plan", "post", "transfer span", "notify", "verify (not timed)"] {
+        assert!(texts.iter().any(|t| t == want), "{want}: {texts:?}");
+    }
+    assert!(texts.iter().any(|t| t.starts_with("read d")), "{texts:?}");
+    assert!(texts.iter().any(|t| t.starts_with("median request: ")), "{texts:?}");
+    assert!(texts.iter().any(|t| t.starts_with("p99 request: ")), "{texts:?}");
 }
 
 #[test]
@@ -257,11 +336,42 @@ fn report_renders_a_saved_run() {
     let out = stdout(&a);
     assert!(out.contains("KV Transfer metrics: Num successful transfers=116"), "{out}");
     insta::assert_snapshot!("report_run_table", out);
-    for svg in ["latency.svg", "throughput-over-time.svg"] {
+    for svg in ["request-waterfall.svg", "latency.svg", "throughput-over-time.svg"] {
         let text = std::fs::read_to_string(charts.path().join(svg)).expect(svg);
         svg_parts(&text);
     }
     assert!(stderr(&a).contains("chart:"), "{}", stderr(&a));
+}
+
+/// `kvx report RUN --html` on a run written before per-rank reads were recorded: the page
+/// holds what the run has; `--request` picks the waterfall's request, and an unknown one is
+/// a usage error that names a real id.
+#[test]
+fn report_html_is_one_self_contained_page() {
+    let out = tempfile::tempdir().expect("tmp");
+    let a = kvx()
+        .arg("report")
+        .arg(fixture_run("run-a"))
+        .args(["--html", "--request", "req-0007", "--charts-dir"])
+        .arg(out.path())
+        .assert()
+        .code(0);
+    assert!(stderr(&a).contains("report: "), "{}", stderr(&a));
+    let html = std::fs::read_to_string(out.path().join(files::REPORT_HTML)).expect("report.html");
+    let figures = check_page(&html);
+    assert_eq!(figures, vec!["waterfall", "latency", "over-time"], "no per-rank reads in this run's CSV");
+    assert!(html.contains("request req-0007"), "the waterfall of the request asked for");
+    for want in ["Latency by stage", "Scenario and environment", "Outcomes and verification"] {
+        assert!(html.contains(want), "{want}");
+    }
+    let a = kvx()
+        .arg("report")
+        .arg(fixture_run("run-a"))
+        .args(["--html", "--request", "nope", "--charts-dir"])
+        .arg(out.path())
+        .assert()
+        .code(2);
+    assert!(stderr(&a).contains("req-0000"), "{}", stderr(&a));
 }
 
 #[test]

@@ -31,8 +31,8 @@ use crate::report::bandwidth::{BandwidthTally, RankTransfer};
 use crate::report::files::RunWriter;
 use crate::report::recorder::StageRecorder;
 use crate::report::summary::{
-    Calibration, RankList, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow, RequestTotals, Stage,
-    Summary, UcxInfo,
+    Calibration, RankList, RankRead, RankReads, RankThroughput, RepeatMetrics, RequestOutcome, RequestRow,
+    RequestTotals, RunEvent, Stage, Summary, UcxInfo,
 };
 use crate::report::verdict::{FAILURES_AFTER_FAULT, FAULT_CAUSES, FAULT_INJECTED};
 use crate::report::xfer::XferReport;
@@ -223,6 +223,21 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         Vec::new()
     };
     row.transfer_span_us = crate::clock::wall_span_ns(transfers.iter().map(|t| t.span)).map(us);
+    // Each rank's reads on the request's timeline: starts after the first rank's, where the
+    // ranks share a clock (the wall span exists only then).
+    let first_start =
+        row.transfer_span_us.and_then(|_| transfers.iter().filter_map(|t| t.span.map(|s| s.start_ns)).min());
+    row.rank_reads = RankReads(
+        transfers
+            .iter()
+            .map(|t| RankRead {
+                rank: t.rank,
+                start_us: first_start.zip(t.span).map(|(f, s)| us(s.start_ns.saturating_sub(f))),
+                read_us: us(t.transfer_ns),
+                bytes: t.bytes,
+            })
+            .collect(),
+    );
     row.notify_us = Some(us(max(|r| r.notify_ns)));
     row.e2e_us = Some(us(max(|r| r.e2e_ns)));
     row.d_ranks = RankList(ranks.iter().map(|r| r.d_rank).collect());
@@ -239,6 +254,7 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
             fail(&mut row, "verify");
         }
     }
+    row.verify_us = Some(max(|r| r.verify_ns)).filter(|v| *v > 0).map(us);
     let bytes_verified = ranks.iter().map(|r| r.bytes_verified).sum();
     let bytes_padding = ranks.iter().map(|r| r.bytes_padding).sum();
     // Prefill start to the KV in decode's blocks, as the driver saw it (verification excluded).
@@ -254,6 +270,52 @@ async fn one_request(c: Ctx<'_>, req: u64, tokens: u32, seed: u64, arrival: Inst
         bytes_padding,
         ready_ns,
     }
+}
+
+/// The run's events on its repeats' timelines (see [`RunEvent`]): the warm-up before the
+/// first repeat, the fault injected, and each lease that expired (one before the first
+/// repeat's start is on its timeline, at a negative time).
+fn run_events(
+    s: &BenchSettings,
+    warm_start: Instant,
+    repeat_starts: &[Instant],
+    fault_at: Option<(u32, Duration)>,
+    lease_expired_at: &[Instant],
+) -> Vec<RunEvent> {
+    let Some(&first) = repeat_starts.first() else { return Vec::new() };
+    let mut events = Vec::new();
+    if s.warmup > 0 {
+        events.push(RunEvent {
+            kind: "warm_up".into(),
+            repeat: 0,
+            t_s: -first.saturating_duration_since(warm_start).as_secs_f64(),
+            detail: format!("{} requests, not measured", s.warmup),
+        });
+    }
+    if let (Some((repeat, at)), Some(plan)) = (fault_at, s.fault) {
+        events.push(RunEvent {
+            kind: "fault".into(),
+            repeat,
+            t_s: at.as_secs_f64(),
+            detail: format!("{:?} into {} rank {}", plan.fault, plan.role.as_str(), plan.rank),
+        });
+    }
+    for at in lease_expired_at {
+        let repeat = repeat_starts.iter().rposition(|r| r <= at).unwrap_or(0);
+        let origin = repeat_starts[repeat];
+        let t_s = if *at >= origin {
+            at.duration_since(origin).as_secs_f64()
+        } else {
+            -origin.duration_since(*at).as_secs_f64()
+        };
+        events.push(RunEvent {
+            kind: "lease_expired".into(),
+            repeat: repeat as u32,
+            t_s,
+            detail: String::new(),
+        });
+    }
+    events
 }
 
 /// Accumulates one measured repeat.
@@ -677,6 +739,7 @@ pub fn run(
     // Warm-up: connections, first-touch of pages, caches. Not recorded (but its handshake is,
     // and wrong bytes are: a read that returned wrong bytes is a failed run whenever it ran).
     let mut warm_verify_failures = 0;
+    let warm_start = Instant::now();
     if s.warmup > 0 {
         let mut warm = Tally::default();
         let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat: 0 };
@@ -693,6 +756,10 @@ pub fn run(
     let mut repeats = Vec::new();
     let mut wall = 0.0;
     let mut first_req = s.warmup;
+    // The start of each repeat's measured part, and when the fault went in: the events the
+    // charts over time mark.
+    let mut repeat_starts: Vec<Instant> = Vec::new();
+    let mut fault_at: Option<(u32, Duration)> = None;
     // The measured loop's wall time is the run's throughput, so it does no I/O and no display:
     // each finished request's row goes over a channel to this thread, which writes it to
     // requests.csv, ticks the bar and rewrites the partial summary every 2 s.
@@ -707,9 +774,12 @@ pub fn run(
             let until = s.duration.map(|d| Instant::now() + d);
             let t0 = Instant::now();
             let ctx = Ctx { engines: &engines, s, run_id, t_start: Instant::now(), repeat };
+            repeat_starts.push(ctx.t_start);
+            let rep_start = ctx.t_start;
             let mut completed = 0u64;
             let engines_ref = &engines;
             let fault_counts = &mut fault_counts;
+            let fault_at = &mut fault_at;
             rt.block_on(drive(ctx, &mut generator, first_req, s.requests, until, |f| {
                 completed += 1;
                 if let Some(plan) = s.fault
@@ -725,6 +795,7 @@ pub fn run(
                     let engine =
                         if plan.role == Role::Prefill { &engines_ref.prefill } else { &engines_ref.decode };
                     engine.inject(plan.rank, plan.fault);
+                    *fault_at = Some((repeat, rep_start.elapsed()));
                     fault_counts.0 = 1;
                 } else if fault_counts.0 > 0
                     && f.row.outcome != RequestOutcome::Ok
@@ -796,6 +867,7 @@ pub fn run(
     }
     summary.blocks_leaked = u64::from(p_fin.blocks_leaked + d_fin.blocks_leaked);
     summary.blocks_expired = p_fin.leases_expired;
+    summary.events = run_events(s, warm_start, &repeat_starts, fault_at, &p_fin.lease_expired_at);
     if let Some(c) = &p_fin.push_ucx {
         seen.see_writes(c);
     }

@@ -198,6 +198,9 @@ pub struct EngineFinal {
     pub blocks_leaked: u32,
     /// Requests whose blocks were freed because their lease ran out.
     pub leases_expired: u64,
+    /// When each of those leases ran out (the charts over time mark them).
+    #[serde(skip)]
+    pub lease_expired_at: Vec<Instant>,
     /// Blocks held by ranks that died, written off.
     pub blocks_lost_with_dead_ranks: u32,
     pub unrecognized_notifs: u64,
@@ -952,6 +955,7 @@ impl EngineLoop {
         }
         if expired {
             self.fin.leases_expired += 1;
+            self.fin.lease_expired_at.push(Instant::now());
         }
         if waiting.is_empty()
             && let Some((blocks, _)) = self.held.remove(&req)
@@ -1046,6 +1050,7 @@ impl EngineLoop {
                         p.freed.insert(rank as u32);
                         if expired {
                             self.fin.leases_expired += 1;
+                            self.fin.lease_expired_at.push(Instant::now());
                         }
                     }
                     self.freed_by(req, rank as u32, expired, false);

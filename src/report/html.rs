@@ -1,0 +1,289 @@
+//! `report.html`: one run on one page, the charts inline (SVG) beside the tables, the scenario
+//! and the environment.
+//!
+//! Self-contained: no script, no stylesheet, font or image from elsewhere, so the page opens
+//! offline and prints. The page is well-formed XML (void elements closed, text escaped), so a
+//! plain XML parser checks it. Pure: a function of the summary and the request rows; `files.rs`
+//! writes it.
+
+use comfy_table::Table;
+
+use super::ReportError;
+use super::run_charts;
+use super::summary::{RequestRow, Summary, vllm_metrics_line};
+use super::table::{
+    Style, bandwidth_table, failures_table, goodput_table, hybrid_parts_table, per_rank_table, repeats_table,
+    scenario_table, stage_table, sweep_table, throughput_table, waterfall_table,
+};
+
+/// Text escaped for HTML element content and attribute values.
+pub fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// A comfy table as an HTML table (its header row as `th`).
+pub fn table_html(t: &Table) -> String {
+    let mut out = String::from("<table>\n");
+    if let Some(h) = t.header() {
+        out.push_str("<thead><tr>");
+        for c in h.cell_iter() {
+            out.push_str(&format!("<th>{}</th>", escape(&c.content())));
+        }
+        out.push_str("</tr></thead>\n");
+    }
+    out.push_str("<tbody>\n");
+    for r in t.row_iter() {
+        out.push_str("<tr>");
+        for c in r.cell_iter() {
+            out.push_str(&format!("<td>{}</td>", escape(&c.content())));
+        }
+        out.push_str("</tr>\n");
+    }
+    out.push_str("</tbody>\n</table>\n");
+    out
+}
+
+/// An SVG chart made fit to sit inline: the XML declaration (if any) dropped.
+fn inline_svg(svg: &str) -> &str {
+    match svg.find("<svg") {
+        Some(i) => &svg[i..],
+        None => svg,
+    }
+}
+
+const STYLE: &str = "body{font-family:sans-serif;max-width:1000px;margin:1em auto;padding:0 1em;color:#222}\
+h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ccc;margin-top:1.6em}\
+table{border-collapse:collapse;margin:.5em 0;font-size:.85em}\
+th,td{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}\
+td{font-variant-numeric:tabular-nums}th{background:#f3f3f3}\
+figure{margin:1em 0}figcaption{font-size:.9em;color:#444;margin-bottom:.3em}\
+svg{max-width:100%;height:auto}.none{color:#666;font-style:italic}.warn{color:#a00;font-weight:bold}code{font-size:.85em}\
+@media print{body{max-width:none}figure,table{page-break-inside:avoid}h2{page-break-after:avoid}}";
+
+/// The page's parts, in order.
+struct Page {
+    body: String,
+}
+
+impl Page {
+    fn h2(&mut self, title: &str) {
+        self.body.push_str(&format!("<h2>{}</h2>\n", escape(title)));
+    }
+
+    fn p(&mut self, text: &str) {
+        self.body.push_str(&format!("<p>{}</p>\n", escape(text)));
+    }
+
+    fn table(&mut self, title: &str, t: &Table) {
+        self.body.push_str(&format!("<h3>{}</h3>\n", escape(title)));
+        self.body.push_str(&table_html(t));
+    }
+
+    /// A chart under the question it answers, or a line saying the run has nothing to draw.
+    fn figure(&mut self, id: &str, question: &str, svg: Option<String>) {
+        match svg {
+            Some(svg) => self.body.push_str(&format!(
+                "<figure id=\"{}\">\n<figcaption>{}</figcaption>\n{}\n</figure>\n",
+                escape(id),
+                escape(question),
+                inline_svg(&svg)
+            )),
+            None => self.body.push_str(&format!(
+                "<p class=\"none\">No chart for &#8220;{}&#8221;: the run has no data for it (no request \
+                 ended ok, or its files predate what the chart needs).</p>\n",
+                escape(question.split('?').next().unwrap_or(question))
+            )),
+        }
+    }
+}
+
+/// The questions the charts answer, as the page (and docs/report.md) words them.
+pub const WATERFALL_QUESTION: &str = "Where does one request spend its time? The median and the p99 request by end-to-end latency, \
+     each stage a bar on the request's own timeline, each decode rank's reads a lane of their own; \
+     verification is outside the timed path and shown apart.";
+pub const LATENCY_QUESTION: &str = "How are end-to-end and transfer latencies distributed? Each line rises at every request; \
+     stages that coincide are drawn once.";
+pub const RANK_QUESTION: &str = "Does one decode rank read slower than the others? Each rank's own bandwidth per request \
+     (box: middle half; bar: median; dots: requests), beside the request's bandwidth over its wall span.";
+pub const TIME_QUESTION: &str = "Was the run steady? Completions and bandwidth in buckets sized to the run, with the warm-up, \
+     injected faults and lease expiries marked.";
+
+/// The whole page of one run. `request`: a request id (or its number) whose waterfall to draw
+/// instead of the median and p99 requests'.
+pub fn page(summary: &Summary, rows: &[RequestRow], request: Option<&str>) -> Result<String, ReportError> {
+    let s = summary;
+    let st = Style::Markdown;
+    let mut p = Page { body: String::new() };
+    p.body.push_str(&format!("<h1>{} run {}</h1>\n", s.run_kind(), escape(&s.run_id)));
+    let mut head = format!(
+        "Started {}, {} s measured, {} requests ok, {} failed, {} recomputed.",
+        s.started_at,
+        super::numbers::fmt_f(s.duration_s),
+        s.requests_ok,
+        s.requests_failed,
+        s.requests_recomputed
+    );
+    if s.partial {
+        head.push_str(" PARTIAL: the run did not finish.");
+    }
+    p.p(&head);
+    for w in &s.warnings {
+        p.body.push_str(&format!("<p class=\"warn\">WARNING: {}</p>\n", escape(w)));
+    }
+    for n in &s.notes {
+        p.p(&format!("Note: {n}"));
+    }
+    p.h2("One request, stage by stage");
+    p.figure("waterfall", WATERFALL_QUESTION, run_charts::waterfall_svg(rows, request)?);
+    p.h2("Distributions");
+    p.figure("latency", LATENCY_QUESTION, run_charts::latency_svg(s, rows)?);
+    p.figure("rank-bandwidth", RANK_QUESTION, run_charts::rank_bandwidth_svg(rows)?);
+    if !s.stages.is_empty() {
+        p.table("Latency by stage", &stage_table(s, st));
+    }
+    if let Some(w) = &s.waterfall {
+        p.figure("ttft-waterfall", "Where did the time to first token go?", super::chart::waterfall_svg(s)?);
+        p.table("TTFT waterfall", &waterfall_table(w, st));
+    }
+    if let Some(g) = &s.goodput {
+        p.table("Goodput", &goodput_table(g, st));
+    }
+    p.h2("The run over time");
+    p.figure("over-time", TIME_QUESTION, run_charts::throughput_svg(s, rows)?);
+    p.h2("Figures");
+    if s.measured_kv() {
+        p.table("Throughput, bytes, descriptors", &throughput_table(s, st));
+        if let (Some(t), Some(b)) = (bandwidth_table(s, st), &s.transfer_bandwidth) {
+            p.table("Transfer bandwidth", &t);
+            p.p(&format!("clock: {}", b.clock));
+        }
+    }
+    p.table("Outcomes and verification", &failures_table(s, st));
+    if let Some(t) = hybrid_parts_table(s, st) {
+        p.table("KV cache groups and parts (per request, every decode rank)", &t);
+    }
+    if let Some(t) = per_rank_table(s, st) {
+        p.table("Per rank", &t);
+    }
+    if let Some(t) = repeats_table(s, st) {
+        p.table("Repeats", &t);
+    }
+    if let Some(t) = sweep_table(s, st) {
+        p.figure("sweep", "How does bandwidth change with the swept setting?", super::chart::sweep_svg(s)?);
+        p.table("Sweep", &t);
+    }
+    if let Some(line) = vllm_metrics_line(s).filter(|_| s.measured_kv()) {
+        p.body.push_str(&format!("<p><code>{}</code></p>\n", escape(&line)));
+    }
+    p.h2("Scenario and environment");
+    p.body.push_str(&table_html(&scenario_table(s, st)));
+    Ok(format!(
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"/>\n\
+         <title>kvx {}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n{}</body>\n</html>\n",
+        escape(&s.run_id),
+        p.body
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::summary::{RankRead, RankReads, Scenario, StageStats};
+
+    fn rows() -> Vec<RequestRow> {
+        (0..40u32)
+            .map(|i| {
+                let k = 1.0 + f64::from(i % 7) / 7.0;
+                RequestRow {
+                    request_id: format!("cmpl-r-{i}-0"),
+                    start_offset_us: f64::from(i) * 80_000.0,
+                    bytes: 1 << 20,
+                    queue_us: Some(3.0),
+                    plan_us: Some(2.0),
+                    post_us: Some(9.0),
+                    transfer_us: Some(200.0 * k),
+                    transfer_span_us: Some(230.0 * k),
+                    notify_us: Some(11.0),
+                    e2e_us: Some(260.0 * k),
+                    rank_reads: RankReads(vec![
+                        RankRead { rank: 0, start_us: Some(0.0), read_us: 200.0 * k, bytes: 1 << 19 },
+                        RankRead { rank: 1, start_us: Some(30.0), read_us: 190.0 * k, bytes: 1 << 19 },
+                    ]),
+                    ..Default::default()
+                }
+            })
+            .collect()
+    }
+
+    /// What a reader finds on the page: headings, figure captions and table headers.
+    fn outline(html: &str) -> String {
+        let doc = roxmltree::Document::parse_with_options(
+            html,
+            roxmltree::ParsingOptions { allow_dtd: true, ..Default::default() },
+        )
+        .expect("the page is well-formed");
+        let text = |n: roxmltree::Node<'_, '_>| {
+            n.descendants()
+                .filter(|d| d.is_text())
+                .filter_map(|d| d.text())
+                .flat_map(str::split_whitespace)
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        doc.descendants()
+            .filter(|n| n.is_element())
+            .filter_map(|n| match n.tag_name().name() {
+                t @ ("h1" | "h2" | "h3") => Some(format!("{t}: {}", text(n))),
+                "figure" => Some(format!("figure #{}", n.attribute("id").unwrap_or(""))),
+                "thead" => Some(format!("  table: {}", text(n))),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn the_page_holds_every_chart_inline_and_nothing_from_elsewhere() {
+        let mut s = Summary::new("r1", "2026-01-02T03:04:05Z", Scenario::default());
+        s.duration_s = 3.2;
+        s.requests_ok = 40;
+        s.bytes_read = 40 << 20;
+        s.stages.insert("e2e".into(), StageStats { count: 40, p50_us: 300.0, ..Default::default() });
+        s.warnings.push("a <warning> & more".into());
+        let html = page(&s, &rows(), None).expect("page");
+        assert!(html.len() < 2_000_000, "{} bytes", html.len());
+        let lower = html.to_lowercase();
+        for banned in ["<script", "<link", "<img", "<iframe", "@import", "url(", "src=", "href="] {
+            assert!(!lower.contains(banned), "{banned} in the page");
+        }
+        // The only addresses are the SVG namespace names.
+        let external = lower.matches("http").count();
+        assert_eq!(
+            external,
+            lower.matches("http://www.w3.org/2000/svg").count(),
+            "addresses other than xmlns"
+        );
+        assert!(html.contains("a &lt;warning&gt; &amp; more"));
+        insta::assert_snapshot!("report_page_outline", outline(&html));
+    }
+
+    #[test]
+    fn an_unknown_request_is_an_error_that_names_one() {
+        let s = Summary::new("r1", "t", Scenario::default());
+        let e = page(&s, &rows(), Some("999")).expect_err("unknown");
+        assert!(e.to_string().contains("cmpl-r-0-0"), "{e}");
+        assert!(page(&s, &rows(), Some("3")).expect("by number").contains("request cmpl-r-3-0"));
+    }
+}
