@@ -76,8 +76,8 @@ mod ptx_tests;
 pub use error::CudaBatchError;
 pub use grid::GridBatch;
 pub use pack::{
-    CopyBatch, GATHER_PIECE, GatherSplit, PARALLEL_PAIRS, Span, gather_descriptors, gather_into,
-    gather_pieces, gather_split, pack_parts,
+    CopyBatch, GATHER_PIECE, GatherSplit, PARALLEL_PAIRS, PARALLEL_THREADS, PackFailure, Packed, Span,
+    gather_descriptors, gather_into, gather_pieces, gather_split, pack_descriptors, pack_parts,
 };
 pub use path::{BatchCopy, BatchDescriptors, BatchLaunch, BatchPath, BatchStats};
 pub use peer::{IPC_HANDLE_BYTES, check_export, machine_id};
