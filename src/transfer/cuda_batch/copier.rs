@@ -212,7 +212,7 @@ impl BatchCopier {
         local: Span,
         bad_part: &mut Option<usize>,
     ) -> Result<BatchStats, CudaBatchError> {
-        let descriptors = jobs.iter().map(|(p, _)| p.len() as u64).sum();
+        let descriptors: u64 = jobs.iter().map(|(p, _)| p.len() as u64).sum();
         let Some(g) = self.gather.as_mut().filter(|_| self.path == BatchPath::Kernel) else {
             // The batch entry points take arrays of copies: packed into batches first.
             let mut parts = std::mem::take(&mut self.parts);
@@ -248,10 +248,10 @@ impl BatchCopier {
         // packed again into a slot that holds their pieces).
         let mut words = 3 * descriptors as usize;
         let t_pack = Instant::now();
-        let (slot, packed) = loop {
+        let packed = loop {
             let slot = g.slot(&self.dev, self.posted, words)?;
             match pack_descriptors(jobs, local, GATHER_PIECE, slot.host.words()) {
-                Ok(packed) => break (slot, packed),
+                Ok(packed) => break packed,
                 Err(PackFailure::Room { words: more }) if more > words => words = more,
                 Err(PackFailure::Room { words }) => {
                     return Err(CudaBatchError::Call {
@@ -268,6 +268,8 @@ impl BatchCopier {
         let pack_ns = t_pack.elapsed().as_nanos() as u64;
         let pieces = packed.pieces;
         if pieces > 0 {
+            // The slot just packed into (it holds `words`: not made again).
+            let slot = g.slot(&self.dev, self.posted, words)?;
             let descs = slot.descs.addr();
             let host = &slot.host.words()[..3 * pieces];
             // SAFETY: as in `post_kernel`: `descs` holds the slot's words (at least
