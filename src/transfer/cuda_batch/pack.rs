@@ -2,7 +2,9 @@
 //! bounds-checked against both buffers, contiguous runs coalesced, one part per peer packed on
 //! several threads when large ([`pack_parts`]); and the gather kernel's descriptors made from a
 //! batch ([`gather_descriptors`]: long copies split into pieces, [`gather_split`]: the
-//! kernel's per-copy arithmetic, kept here so it is tested). Pure: no CUDA.
+//! kernel's per-copy arithmetic, kept here so it is tested), or straight from the pairs in one
+//! pass into the buffer that is uploaded ([`pack_descriptors`], what the copier does with the
+//! kernel). Pure: no CUDA.
 
 use super::error::CudaBatchError;
 use crate::layouts::read_plan::Pair;
@@ -262,8 +264,9 @@ pub const PARALLEL_PAIRS: usize = 16_384;
 
 /// Packs each peer's pairs into its own batch (`parts[i]` from `jobs[i] = (pairs, peer)`, all
 /// into `local`), the parts on rayon's threads when there are at least [`PARALLEL_PAIRS`]
-/// pairs and four threads, else one after the other: a decode rank's packing per request,
-/// which bounds a request on a host whose cores are slow (results/gpu-nvidia-h200-2026-11-27-run3.json).
+/// pairs and four threads, else one after the other: a decode rank's packing per request on
+/// the batch API's paths (with the gather kernel, [`pack_descriptors`] packs straight into
+/// the upload), which bounds a request on a host whose cores are slow (results/gpu-nvidia-h200-2026-11-27-run3.json).
 /// `parts` must hold at least `jobs.len()` batches (reused, so nothing is allocated). On the
 /// first part that fails, returns its index and error.
 pub fn pack_parts(
