@@ -1,29 +1,39 @@
 //! cuda-batch posting on the host: what a decode rank does per request before its one kernel
 //! launch (`--batch-launch rank`), for the README's P8->D2 Llama-3.1-70B request at 2048 tokens
 //! (80 layers, block 16: 10,240 descriptors of 8 KiB from each of a decode rank's 4 prefill
-//! ranks, 40,960 in all). `pack_4_peers` bounds-checks and merges them into the batch's
-//! (dst, src, size) arrays; `gather_into` writes the kernel's 24-byte descriptors (what goes
-//! to pinned memory and is uploaded). `reference/copy_pairs` copies the plan's pairs into the
-//! same 24-byte records with no check and no arithmetic, and `reference/store_same_bytes`
-//! writes them with no load: the floors of this machine, measured in the same run.
-//! `grid_pack_4_peers` is `--batch-descriptors device`'s host work for the same request: the
-//! four READs' region tables and the block pairs checked and written as the upload (the GPU
-//! then makes the 40,960 descriptors), per descriptor against `pack_4_peers`.
+//! ranks, 40,960 in all). `pack_fill_4_peers` is what the copier does with the gather kernel
+//! (`pack_descriptors`): the plan's pairs bounds-checked, runs merged and written as the
+//! kernel's 24-byte descriptors straight into the buffer that is uploaded, in one pass (on
+//! rayon's threads when the request is large; `/one_thread` on a pool of one). The two passes
+//! it replaced, still the batch API's path: `pack_4_peers` packs them into a `CopyBatch`'s
+//! (dst, src, size) array, `gather_into` copies that into the upload buffer.
+//! `reference/copy_pairs` copies the plan's pairs into the same 24-byte records with no check
+//! and no arithmetic, and `reference/store_same_bytes` writes them with no load: the floors of
+//! this machine, measured in the same run. `grid_pack_4_peers` is `--batch-descriptors
+//! device`'s host work for the same request: the four READs' region tables and the block pairs
+//! checked and written as the upload (the GPU then makes the 40,960 descriptors).
+//! After criterion's measurements the bench times `pack_fill_4_peers` and
+//! `reference/store_same_bytes` itself, interleaved, and prints the medians per descriptor and
+//! one line `pack+fill: <R>x store ceiling (<N> descriptors)`.
 //! The H200 run (results/gpu-nvidia-h200-2026-11-27.json) spent about 290 us posting per
 //! request there, a quarter of the request's transfer span.
 
 use std::hint::black_box;
+use std::time::Instant;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput};
 use kvx::layouts::alloc::{AllocPattern, allocate};
 use kvx::layouts::compat::PairSpec;
 use kvx::layouts::read_plan::{Pair, Planner, RegionXfer, RequestBlocks};
 use kvx::layouts::{EngineSpec, Layout};
 use kvx::settings::model;
-use kvx::transfer::cuda_batch::{CopyBatch, GATHER_PIECE, GridBatch, Span, gather_into, gather_pieces};
+use kvx::transfer::cuda_batch::{
+    CopyBatch, GATHER_PIECE, GridBatch, Span, gather_into, gather_pieces, pack_descriptors,
+};
 use kvx::vocab::knob::Knob;
 
-fn bench(c: &mut Criterion) {
+/// Criterion's measurements, then the ratio line (returned, printed last).
+fn bench(c: &mut Criterion) -> String {
     let model = model::preset("llama-3.1-70b").expect("preset");
     let blocks = 2048 / 16;
     let engine = |tp| EngineSpec { tp, block_tokens: 16, num_blocks: 1024, layout: Layout::Lbhnc };
@@ -70,6 +80,15 @@ fn bench(c: &mut Criterion) {
     });
     assert_eq!(grid.descriptors() as usize, n, "the grid makes the plan's descriptors");
     let mut words = vec![0u64; 3 * gather_pieces(&batch, GATHER_PIECE)];
+    let pairs: Vec<(&[Pair], Span)> = reads.iter().map(Vec::as_slice).zip(peers.iter().copied()).collect();
+    let pack_fill = |words: &mut [u64]| {
+        let packed = pack_descriptors(black_box(&pairs), local, GATHER_PIECE, words).expect("in bounds");
+        black_box(packed.pieces)
+    };
+    assert_eq!(pack_fill(&mut words), batch.copies(), "one pass packs what two did");
+    g.bench_function("pack_fill_4_peers", |b| b.iter(|| pack_fill(&mut words)));
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a pool of one thread");
+    g.bench_function("pack_fill_4_peers/one_thread", |b| b.iter(|| one.install(|| pack_fill(&mut words))));
     g.bench_function("gather_into", |b| {
         b.iter(|| black_box(gather_into(black_box(&batch), GATHER_PIECE, &mut words)))
     });
@@ -85,16 +104,48 @@ fn bench(c: &mut Criterion) {
             black_box(&words);
         })
     });
-    g.bench_function("reference/store_same_bytes", |b| {
-        b.iter(|| {
-            for (i, w) in words.chunks_exact_mut(3).enumerate() {
-                w.copy_from_slice(&[i as u64, i as u64, 8192]);
-            }
-            black_box(&words);
-        })
-    });
+    g.bench_function("reference/store_same_bytes", |b| b.iter(|| store_same_bytes(&mut words)));
     g.finish();
+    let mut store = words.clone();
+    ratio(n, || pack_fill(&mut words), &mut store)
 }
 
-criterion_group!(benches, bench);
-criterion_main!(benches);
+/// The store ceiling: the descriptors' bytes written with no load.
+fn store_same_bytes(words: &mut [u64]) {
+    for (i, w) in words.chunks_exact_mut(3).enumerate() {
+        w.copy_from_slice(&[i as u64, i as u64, 8192]);
+    }
+    black_box(words);
+}
+
+/// `pack_fill` against the store ceiling, timed here in turns (so both see the same machine
+/// load), medians of many runs: the bench's last line.
+fn ratio(n: usize, mut pack_fill: impl FnMut() -> usize, store: &mut [u64]) -> String {
+    const RUNS: usize = 2001;
+    let (mut fill, mut ceiling) = (Vec::with_capacity(RUNS), Vec::with_capacity(RUNS));
+    for _ in 0..RUNS {
+        let t = Instant::now();
+        black_box(pack_fill());
+        fill.push(t.elapsed().as_nanos() as f64);
+        let t = Instant::now();
+        store_same_bytes(store);
+        ceiling.push(t.elapsed().as_nanos() as f64);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2] / n as f64
+    };
+    let (fill, ceiling) = (median(&mut fill), median(&mut ceiling));
+    format!(
+        "pack+fill {fill:.2} ns per descriptor, store ceiling {ceiling:.2} ns per descriptor (medians of \
+         {RUNS} runs each, in turns)\npack+fill: {:.2}x store ceiling ({n} descriptors)\n",
+        fill / ceiling
+    )
+}
+
+fn main() {
+    let mut c = Criterion::default().configure_from_args();
+    let ratio = bench(&mut c);
+    c.final_summary();
+    print!("{ratio}");
+}

@@ -314,9 +314,10 @@ pub struct CudaBatchInfo {
     /// Driver calls per request (with the batch API or the kernel: one per decode rank with
     /// `--batch-launch rank`, one per peer with `peer`).
     pub calls_per_request: f64,
-    /// Copies per request after coalescing.
+    /// Copies per request after coalescing runs contiguous on both sides: the descriptors
+    /// copied, against `descriptors_per_request` planned.
     pub copies_per_request: f64,
-    /// The plan's descriptors per request.
+    /// The plan's descriptors per request (planned).
     pub descriptors_per_request: f64,
     /// Posting time per plan descriptor, ns (the rate `kvx plan --post-ns cuda-batch=` takes).
     pub post_ns_per_descriptor: f64,

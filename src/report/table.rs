@@ -124,9 +124,10 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
         t.add_row(vec![
             "cuda-batch".to_string(),
             format!(
-                "{} ({}), one batch per {}{}: {:.1} calls, {:.0} copies, {:.0} descriptors ({:.0} not \
-                 16-byte aligned) per request; posting {:.0} ns per descriptor, {:.1} us per call; \
-                 per decode rank and request: pack {:.0} us, post {:.0} us, wait {:.0} us",
+                "{} ({}), one batch per {}{}: {:.1} calls, {:.0} descriptors planned / {:.0} copied \
+                 (runs merged; {:.0} planned not 16-byte aligned) per request; posting {:.0} ns per \
+                 descriptor, {:.1} us per call; per decode rank and request: pack {:.0} us, post {:.0} \
+                 us, wait {:.0} us",
                 names(&b.paths, BatchPath::as_str, ", "),
                 b.driver_calls.join(", "),
                 if b.launches.is_empty() {
@@ -144,8 +145,8 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
                     String::new()
                 },
                 b.calls_per_request,
-                b.copies_per_request,
                 b.descriptors_per_request,
+                b.copies_per_request,
                 b.unaligned_descriptors_per_request,
                 b.post_ns_per_descriptor,
                 b.post_us_per_call,
@@ -611,5 +612,19 @@ mod tests {
             row(&[Device])
         );
         assert!(row(&[Host, Device]).contains("made on the host and device"));
+    }
+
+    #[test]
+    fn the_cuda_batch_row_states_descriptors_planned_and_copied() {
+        use crate::report::summary::CudaBatchInfo;
+        let mut s = Summary::new("r1", "t", Default::default());
+        s.cuda_batch = Some(CudaBatchInfo {
+            paths: vec![BatchPath::Kernel],
+            descriptors_per_request: 81_920.0,
+            copies_per_request: 20_480.0,
+            ..CudaBatchInfo::default()
+        });
+        let row = scenario_table(&s, Style::Markdown).to_string();
+        assert!(row.contains("81920 descriptors planned / 20480 copied"), "{row}");
     }
 }

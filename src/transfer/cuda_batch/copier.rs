@@ -15,8 +15,12 @@ use super::error::CudaBatchError;
 use super::gather::{EXPAND_THREADS, GATHER_MAX_BLOCKS, Gather, launch_gather};
 use super::grid::GridBatch;
 use super::ipc::PeerMapping;
-use super::pack::{CopyBatch, GATHER_PIECE, PARALLEL_PAIRS, Span, gather_into, gather_pieces};
+use super::pack::{
+    CopyBatch, GATHER_PIECE, PARALLEL_PAIRS, PackFailure, Span, gather_into, gather_pieces, pack_descriptors,
+    pack_parts,
+};
 use super::path::{BatchCopy, BatchPath, BatchStats};
+use crate::layouts::read_plan::Pair;
 use crate::transfer::cuda::{CudaBuffer, CudaDevice};
 use crate::transfer::ucx::Registrable as _;
 
@@ -40,6 +44,9 @@ pub struct BatchCopier {
     /// `(dst, src, size)` as the three arrays the batch entry points take, refilled per
     /// batch.
     arrays: (Vec<u64>, Vec<u64>, Vec<usize>),
+    /// [`enqueue_pairs`](Self::enqueue_pairs) on a batch API path: one batch per part,
+    /// reused.
+    parts: Vec<CopyBatch>,
     /// Batches posted since the last wait, and their copies.
     posted: usize,
     posted_copies: usize,
@@ -99,6 +106,7 @@ impl BatchCopier {
             forced: copy.forced().is_some(),
             in_flight: Vec::new(),
             arrays: Default::default(),
+            parts: Vec::new(),
             posted: 0,
             posted_copies: 0,
             dev: Arc::clone(dev),
@@ -160,7 +168,10 @@ impl BatchCopier {
             return Err(CudaBatchError::WrongBuffers);
         }
         let n: usize = parts.iter().map(CopyBatch::copies).sum();
-        let mut st = self.submit(local, peers, n, timeout, |c| c.post(parts))?;
+        let mut st = self.submit(local, peers, timeout, |c| {
+            let fill_ns = if n > 0 { c.post(parts)? } else { 0 };
+            Ok(BatchStats { fill_ns, copies: n as u64, ..BatchStats::default() })
+        })?;
         st.calls = self.path.calls(n);
         st.descriptors = parts.iter().map(CopyBatch::descriptors).sum();
         st.bytes = parts.iter().map(CopyBatch::bytes).sum();
@@ -168,17 +179,132 @@ impl BatchCopier {
         Ok(st)
     }
 
-    /// What both enqueues do around their posting: the pool's device checked, a batch
-    /// that timed out before waited for, `post` run when there are `copies`, the event
-    /// recorded, the peers kept mapped until it fires. Returns the posting's stats (its
-    /// counts are the caller's to fill).
+    /// Posts one batch of a request's plan pairs (`jobs[i]`: the pairs read from `peers[i]`,
+    /// into `local`) as [`enqueue`](Self::enqueue) posts packed parts, packing them on the way.
+    /// With the gather kernel the pairs go straight into this batch's pinned slot as the
+    /// kernel's descriptors ([`pack_descriptors`]: one pass, runs merged, no intermediate
+    /// batch and no second copy); on the other paths into the copier's own batches first
+    /// ([`pack_parts`]), then posted as `enqueue` posts them. The stats' `pack_ns` is that
+    /// packing, within `post_ns`. Fails with the index of the part a pair out of bounds
+    /// belongs to, where that is the cause.
+    pub fn enqueue_pairs(
+        &mut self,
+        local: &mut CudaBuffer,
+        peers: &[Arc<PeerMapping>],
+        jobs: &[&[Pair]],
+        timeout: Duration,
+    ) -> Result<BatchStats, (Option<usize>, CudaBatchError)> {
+        if jobs.len() != peers.len() {
+            return Err((None, CudaBatchError::WrongBuffers));
+        }
+        let local_span = Span { base: local.addr(), len: local.len() as u64 };
+        let jobs: Vec<(&[Pair], Span)> = jobs.iter().zip(peers).map(|(&p, peer)| (p, peer.span())).collect();
+        let mut bad_part = None;
+        let st = self.submit(local, peers, timeout, |c| c.post_pairs(&jobs, local_span, &mut bad_part));
+        st.map_err(|e| (bad_part, e))
+    }
+
+    /// [`enqueue_pairs`](Self::enqueue_pairs)'s packing and posting; `bad_part` names the part
+    /// of a pair out of bounds.
+    fn post_pairs(
+        &mut self,
+        jobs: &[(&[Pair], Span)],
+        local: Span,
+        bad_part: &mut Option<usize>,
+    ) -> Result<BatchStats, CudaBatchError> {
+        let descriptors: u64 = jobs.iter().map(|(p, _)| p.len() as u64).sum();
+        let Some(g) = self.gather.as_mut().filter(|_| self.path == BatchPath::Kernel) else {
+            // The batch entry points take arrays of copies: packed into batches first.
+            let mut parts = std::mem::take(&mut self.parts);
+            if parts.len() < jobs.len() {
+                parts.resize_with(jobs.len(), CopyBatch::default);
+            }
+            let t_pack = Instant::now();
+            let packed = pack_parts(&mut parts, jobs, local);
+            let pack_ns = t_pack.elapsed().as_nanos() as u64;
+            let parts_done = &parts[..jobs.len()];
+            let n: usize = parts_done.iter().map(CopyBatch::copies).sum();
+            let posted = match packed {
+                Ok(()) if n > 0 => self.post(parts_done).map(|_| ()),
+                Ok(()) => Ok(()),
+                Err((i, e)) => {
+                    *bad_part = Some(i);
+                    Err(e)
+                }
+            };
+            let st = BatchStats {
+                pack_ns,
+                calls: self.path.calls(n),
+                copies: n as u64,
+                descriptors,
+                bytes: parts_done.iter().map(CopyBatch::bytes).sum(),
+                unaligned_descriptors: parts_done.iter().map(CopyBatch::unaligned_descriptors).sum(),
+                ..BatchStats::default()
+            };
+            self.parts = parts;
+            return posted.map(|()| st);
+        };
+        // Room for one descriptor per pair; more only when merged runs need splitting (then
+        // packed again into a slot that holds their pieces).
+        let mut words = 3 * descriptors as usize;
+        let t_pack = Instant::now();
+        let packed = loop {
+            let slot = g.slot(&self.dev, self.posted, words)?;
+            match pack_descriptors(jobs, local, GATHER_PIECE, slot.host.words()) {
+                Ok(packed) => break packed,
+                Err(PackFailure::Room { words: more }) if more > words => words = more,
+                Err(PackFailure::Room { words }) => {
+                    return Err(CudaBatchError::Call {
+                        op: "cuda-batch pack",
+                        reason: format!("internal error: a slot of {words} words was too small twice"),
+                    });
+                }
+                Err(PackFailure::Pair(i, e)) => {
+                    *bad_part = Some(i);
+                    return Err(e);
+                }
+            }
+        };
+        let pack_ns = t_pack.elapsed().as_nanos() as u64;
+        let pieces = packed.pieces;
+        if pieces > 0 {
+            // The slot just packed into (it holds `words`: not made again).
+            let slot = g.slot(&self.dev, self.posted, words)?;
+            let descs = slot.descs.addr();
+            let host = &slot.host.words()[..3 * pieces];
+            // SAFETY: as in `post_kernel`: `descs` holds the slot's words (at least
+            // `3 * pieces`), and the pinned source is not written again before the copier has
+            // waited for this batch (slot discipline), so the asynchronous upload reads it
+            // unchanged.
+            call("cuMemcpyHtoDAsync", unsafe { result::memcpy_htod_async(descs, host, self.stream) })?;
+            // SAFETY: every piece lies inside the local pool and its mapped peer pool
+            // (`pack_descriptors` checked each pair against both, and merging and splitting
+            // keep copies inside the pairs' ranges); the launch follows the upload on this
+            // stream.
+            unsafe { launch_gather(g.func, self.stream, descs, pieces) }?;
+        }
+        Ok(BatchStats {
+            pack_ns,
+            fill_ns: pack_ns,
+            calls: self.path.calls(pieces),
+            copies: packed.copies,
+            descriptors,
+            bytes: packed.bytes,
+            unaligned_descriptors: packed.unaligned,
+            ..BatchStats::default()
+        })
+    }
+
+    /// What every enqueue does around its posting: the pool's device checked, a batch
+    /// that timed out before waited for, `post` run (it returns the batch's counts), the
+    /// event recorded, the peers kept mapped until it fires. Returns the batch's stats with
+    /// `post_ns` set.
     fn submit(
         &mut self,
         local: &CudaBuffer,
         peers: &[Arc<PeerMapping>],
-        copies: usize,
         timeout: Duration,
-        post: impl FnOnce(&mut Self) -> Result<u64, CudaBatchError>,
+        post: impl FnOnce(&mut Self) -> Result<BatchStats, CudaBatchError>,
     ) -> Result<BatchStats, CudaBatchError> {
         if local.device() != self.dev.ordinal() {
             return Err(CudaBatchError::Call {
@@ -198,14 +324,14 @@ impl BatchCopier {
         if self.posted == 0 && !self.in_flight.is_empty() {
             self.wait(t0 + timeout, timeout, 0)?;
         }
-        let fill_ns = if copies > 0 { post(self)? } else { 0 };
+        let mut st = post(self)?;
         // SAFETY: event and stream belong to this copier and the current context.
         call("cuEventRecord", unsafe { result::event::record(self.event, self.stream) })?;
-        let post_ns = t0.elapsed().as_nanos() as u64;
+        st.post_ns = t0.elapsed().as_nanos() as u64;
         self.in_flight.extend(peers.iter().cloned());
         self.posted += 1;
-        self.posted_copies += copies;
-        Ok(BatchStats { post_ns, fill_ns, copies: copies as u64, ..BatchStats::default() })
+        self.posted_copies += st.copies as usize;
+        Ok(st)
     }
 
     /// Waits until `timeout` for every batch posted since the last wait (the event
@@ -238,7 +364,10 @@ impl BatchCopier {
             return Err(CudaBatchError::WrongBuffers);
         }
         let n = grid.descriptors() as usize;
-        let mut st = self.submit(local, peers, n, timeout, |c| c.post_grid(grid))?;
+        let mut st = self.submit(local, peers, timeout, |c| {
+            let fill_ns = if n > 0 { c.post_grid(grid)? } else { 0 };
+            Ok(BatchStats { fill_ns, copies: n as u64, ..BatchStats::default() })
+        })?;
         // The table's upload and the two launches.
         st.calls = if n > 0 { 3 } else { 0 };
         st.descriptors = grid.descriptors();

@@ -6,7 +6,9 @@
 //! the handle travels in its handshake metadata (`KvxMetadata::cuda_ipc`). A decode rank
 //! opens each peer's handle once ([`PeerMapping::open`], closed on drop), packs one request's
 //! descriptors from that peer into the `(dst, src, size)` arrays of a batched copy
-//! ([`CopyBatch::pack`]: bounds-checked against both buffers, contiguous runs coalesced), and
+//! ([`CopyBatch::pack`]: bounds-checked against both buffers, contiguous runs coalesced; with
+//! the gather kernel [`pack_descriptors`] writes them straight into the pinned descriptor
+//! array in one pass, from [`BatchCopier::enqueue_pairs`]), and
 //! [`BatchCopier::copy`] issues them, with [`BatchCopy::Kernel`] (the default), as one launch
 //! of kvx's gather-copy kernel (`gather.ptx`, JIT-compiled by the driver) that reads the copies
 //! from a descriptor array in device memory; with [`BatchCopy::Api`] as ONE
@@ -36,7 +38,8 @@
 //! ```text
 //! error.rs     CudaBatchError: every failure of the transport, saying what to change
 //! path.rs      the --batch-copy/--batch-launch/--batch-descriptors choices, BatchPath, BatchStats
-//! pack.rs      CopyBatch: plan pairs packed and coalesced; the gather kernel's pieces (pure)
+//! pack.rs      CopyBatch: plan pairs packed and coalesced; the gather kernel's pieces;
+//!              pack_descriptors: pairs straight into the kernel's descriptors, one pass (pure)
 //! grid.rs      GridBatch: --batch-descriptors device, the grid the expand kernel unrolls (pure)
 //! peer.rs      machine_id and check_export: the refusals before CUDA is asked (pure)
 //! driver.rs    driver helpers: errors as CudaBatchError, version, batch entry points by name
@@ -76,8 +79,8 @@ mod ptx_tests;
 pub use error::CudaBatchError;
 pub use grid::GridBatch;
 pub use pack::{
-    CopyBatch, GATHER_PIECE, GatherSplit, PARALLEL_PAIRS, Span, gather_descriptors, gather_into,
-    gather_pieces, gather_split, pack_parts,
+    CopyBatch, GATHER_PIECE, GatherSplit, PARALLEL_PAIRS, PARALLEL_THREADS, PackFailure, Packed, Span,
+    gather_descriptors, gather_into, gather_pieces, gather_split, pack_descriptors, pack_parts,
 };
 pub use path::{BatchCopy, BatchDescriptors, BatchLaunch, BatchPath, BatchStats};
 pub use peer::{IPC_HANDLE_BYTES, check_export, machine_id};

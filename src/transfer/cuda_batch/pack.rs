@@ -2,7 +2,9 @@
 //! bounds-checked against both buffers, contiguous runs coalesced, one part per peer packed on
 //! several threads when large ([`pack_parts`]); and the gather kernel's descriptors made from a
 //! batch ([`gather_descriptors`]: long copies split into pieces, [`gather_split`]: the
-//! kernel's per-copy arithmetic, kept here so it is tested). Pure: no CUDA.
+//! kernel's per-copy arithmetic, kept here so it is tested), or straight from the pairs in one
+//! pass into the buffer that is uploaded ([`pack_descriptors`], what the copier does with the
+//! kernel). Pure: no CUDA.
 
 use super::error::CudaBatchError;
 use crate::layouts::read_plan::Pair;
@@ -262,8 +264,9 @@ pub const PARALLEL_PAIRS: usize = 16_384;
 
 /// Packs each peer's pairs into its own batch (`parts[i]` from `jobs[i] = (pairs, peer)`, all
 /// into `local`), the parts on rayon's threads when there are at least [`PARALLEL_PAIRS`]
-/// pairs and four threads, else one after the other: a decode rank's packing per request,
-/// which bounds a request on a host whose cores are slow (results/gpu-nvidia-h200-2026-11-27-run3.json).
+/// pairs and four threads, else one after the other: a decode rank's packing per request on
+/// the batch API's paths (with the gather kernel, [`pack_descriptors`] packs straight into
+/// the upload), which bounds a request on a host whose cores are slow (results/gpu-nvidia-h200-2026-11-27-run3.json).
 /// `parts` must hold at least `jobs.len()` batches (reused, so nothing is allocated). On the
 /// first part that fails, returns its index and error.
 pub fn pack_parts(
@@ -283,6 +286,262 @@ pub fn pack_parts(
     } else {
         parts.iter_mut().zip(jobs).enumerate().try_for_each(pack)
     }
+}
+
+/// What [`pack_descriptors`] wrote to the front of its buffer, and the plan it came from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Packed {
+    /// The gather kernel's descriptors written (three u64 each): the copies, those longer than
+    /// a piece split as [`gather_descriptors`] splits them.
+    pub pieces: usize,
+    /// Copies after merging runs contiguous on both sides (before splitting): what the
+    /// batch copies, against `descriptors` planned.
+    pub copies: u64,
+    /// The plan's descriptors (pairs), zero-length ones included.
+    pub descriptors: u64,
+    pub bytes: u64,
+    /// As [`CopyBatch::unaligned_descriptors`].
+    pub unaligned: u64,
+}
+
+/// Why [`pack_descriptors`] wrote no batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PackFailure {
+    /// A pair of part `.0` lies outside either buffer (its index counts from that part's
+    /// first pair).
+    Pair(usize, CudaBatchError),
+    /// The buffer holds fewer than `words` u64: pack again into one that holds them. Copies
+    /// are at most one per pair, so `3 * pairs` words always hold them unsplit; more is needed
+    /// only when merged runs are longer than a piece.
+    Room { words: usize },
+}
+
+/// One part's pairs packed by [`pack_part`].
+#[derive(Debug, Clone, Copy, Default)]
+struct Part {
+    /// Words written (three per copy).
+    words: usize,
+    bytes: u64,
+    unaligned: u64,
+    longest: u64,
+}
+
+/// The first pair of `pairs` outside `local` or `peer` (a span whose end overflows holds
+/// nothing), as [`CopyBatch::add`] names it.
+fn out_of_bounds(pairs: &[Pair], local: Span, peer: Span) -> Option<CudaBatchError> {
+    let room = |s: Span| if s.base.checked_add(s.len).is_some() { s.len } else { 0 };
+    let (l_room, p_room) = (room(local), room(peer));
+    pairs.iter().enumerate().filter(|(_, p)| p.len > 0).find_map(|(index, p)| {
+        let local_ok = p.local <= l_room && p.len <= l_room - p.local;
+        let peer_ok = p.remote <= p_room && p.len <= p_room - p.remote;
+        let (side, offset, span) = match (local_ok, peer_ok) {
+            (true, true) => return None,
+            (false, _) => ("local", p.local, local),
+            (true, false) => ("peer", p.remote, peer),
+        };
+        Some(CudaBatchError::OutOfBounds {
+            index,
+            side,
+            offset,
+            end: offset.saturating_add(p.len),
+            len: span.len,
+        })
+    })
+}
+
+/// One peer's pairs written to `out` (which holds at least three u64 per pair) as `(dst, src,
+/// len)` copies, runs contiguous on both sides merged, in one pass: the hot loop of a decode
+/// rank's posting. Bounds are checked for every pair without a branch per pair (an
+/// out-of-bounds pair only sets a flag; the pairs are then scanned again for the first one,
+/// and nothing written counts). A plan with nothing to merge takes [`pack_plain`].
+fn pack_part(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Result<Part, CudaBatchError> {
+    match pack_plain(pairs, local, peer, out) {
+        Some(part) => Ok(part),
+        None => pack_merging(pairs, local, peer, out),
+    }
+}
+
+/// Pairs per stretch of [`pack_plain`] between two looks at whether the plan needs
+/// [`pack_merging`]: what a plan that merges wastes before it switches.
+const PLAIN_STRETCH: usize = 256;
+
+/// [`pack_part`] for a plan with no run to merge, no empty pair and none out of bounds (the
+/// usual one: vLLM's blocks are allocated apart): each pair written as a copy in a loop with
+/// no branch that depends on the data, so that it runs near the speed of a plain copy. Returns
+/// `None` as soon as a stretch of pairs holds one of those, before finishing the plan: the
+/// part is then packed again by [`pack_merging`].
+fn pack_plain(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Option<Part> {
+    let room = |s: Span| if s.base.checked_add(s.len).is_some() { s.len } else { 0 };
+    let (l_room, p_room) = (room(local), room(peer));
+    let out = &mut out[..3 * pairs.len()];
+    let (mut bytes, mut unaligned, mut longest) = (0u64, 0u64, 0u64);
+    // Where the last copy ends on both sides (none yet: no pair starts at u64::MAX on both
+    // sides, as every pair of a plain plan has at least one byte inside its span).
+    let (mut end_d, mut end_s) = (u64::MAX, u64::MAX);
+    for (pairs, out) in pairs.chunks(PLAIN_STRETCH).zip(out.chunks_mut(3 * PLAIN_STRETCH)) {
+        let mut odd = false;
+        for (p, o) in pairs.iter().zip(out.chunks_exact_mut(3)) {
+            let (dst, src) = (local.base.wrapping_add(p.local), peer.base.wrapping_add(p.remote));
+            o[0] = dst;
+            o[1] = src;
+            o[2] = p.len;
+            let (l_end, l_wrap) = p.local.overflowing_add(p.len);
+            let (r_end, r_wrap) = p.remote.overflowing_add(p.len);
+            odd |= l_wrap | r_wrap | (l_end > l_room) | (r_end > p_room) | (p.len == 0);
+            odd |= (dst == end_d) & (src == end_s);
+            unaligned += u64::from((dst | src | p.len) & 15 != 0);
+            bytes = bytes.wrapping_add(p.len);
+            longest = longest.max(p.len);
+            (end_d, end_s) = (dst.wrapping_add(p.len), src.wrapping_add(p.len));
+        }
+        if odd {
+            return None;
+        }
+    }
+    Some(Part { words: 3 * pairs.len(), bytes, unaligned, longest })
+}
+
+/// [`pack_part`] for any plan: runs merged, empty pairs dropped, the first pair out of bounds
+/// named.
+fn pack_merging(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Result<Part, CudaBatchError> {
+    let room = |s: Span| if s.base.checked_add(s.len).is_some() { s.len } else { 0 };
+    let (l_room, p_room) = (room(local), room(peer));
+    let out = &mut out[..3 * pairs.len()];
+    let (mut w, mut bytes, mut unaligned, mut longest) = (0usize, 0u64, 0u64, 0u64);
+    // Where the last copy written ends on both sides.
+    let (mut end_d, mut end_s) = (0, 0);
+    let mut bad = false;
+    for p in pairs {
+        if p.len == 0 {
+            continue;
+        }
+        // `room - offset` wraps when the offset is past the room: the first test catches it.
+        bad |= (p.local > l_room)
+            | (p.len > l_room.wrapping_sub(p.local))
+            | (p.remote > p_room)
+            | (p.len > p_room.wrapping_sub(p.remote));
+        // Wrapping: only an out-of-bounds pair (whose batch is dropped) can wrap.
+        let (dst, src) = (local.base.wrapping_add(p.local), peer.base.wrapping_add(p.remote));
+        bytes = bytes.wrapping_add(p.len);
+        unaligned += u64::from((dst | src | p.len) & 15 != 0);
+        if w > 0 && dst == end_d && src == end_s {
+            let len = out[w - 1].wrapping_add(p.len);
+            out[w - 1] = len;
+            longest = longest.max(len);
+        } else {
+            out[w] = dst;
+            out[w + 1] = src;
+            out[w + 2] = p.len;
+            w += 3;
+            longest = longest.max(p.len);
+        }
+        (end_d, end_s) = (dst.wrapping_add(p.len), src.wrapping_add(p.len));
+    }
+    if bad {
+        // `bad` was set by some pair, which the scan finds.
+        return Err(out_of_bounds(pairs, local, peer).unwrap_or(CudaBatchError::WrongBuffers));
+    }
+    Ok(Part { words: w, bytes, unaligned, longest })
+}
+
+/// Fewest threads of rayon's pool for [`pack_descriptors`] to pack a request's parts on
+/// several of them (with at least [`PARALLEL_PAIRS`] pairs).
+pub const PARALLEL_THREADS: usize = 2;
+
+/// Packs a request's parts (`jobs[i] = (pairs, peer)`, all into `local`) straight into `out`,
+/// the pinned buffer the gather kernel's descriptors are uploaded from: each pair
+/// bounds-checked, runs contiguous on both sides merged (never across two parts), copies
+/// longer than `piece` split as [`gather_descriptors`] splits them, written once in the
+/// kernel's format. What [`CopyBatch::pack`] then [`gather_into`] did in two passes and an
+/// intermediate array (benches/batch.rs measures both).
+///
+/// Each part is packed into its own stretch of `out` (three words per pair), on rayon's
+/// threads when there are several parts, at least [`PARALLEL_PAIRS`] pairs and
+/// [`PARALLEL_THREADS`] threads; stretches that merging shortened are then moved up behind
+/// each other. Needs `out` to hold `3 * pairs` words, more when merged runs must be split
+/// ([`PackFailure::Room`]). On a failure `out` holds nothing of use.
+pub fn pack_descriptors(
+    jobs: &[(&[Pair], Span)],
+    local: Span,
+    piece: u64,
+    out: &mut [u64],
+) -> Result<Packed, PackFailure> {
+    let piece = (piece & !15).max(16);
+    let pairs: usize = jobs.iter().map(|(p, _)| p.len()).sum();
+    if out.len() < 3 * pairs {
+        return Err(PackFailure::Room { words: 3 * pairs });
+    }
+    let mut stretches = Vec::with_capacity(jobs.len());
+    let mut rest = &mut *out;
+    for (p, _) in jobs {
+        let (head, tail) = rest.split_at_mut(3 * p.len());
+        stretches.push(head);
+        rest = tail;
+    }
+    let pack =
+        |((pairs, peer), out): (&(&[Pair], Span), &mut &mut [u64])| pack_part(pairs, local, *peer, out);
+    let parts: Result<Vec<Part>, PackFailure> =
+        if jobs.len() > 1 && pairs >= PARALLEL_PAIRS && rayon::current_num_threads() >= PARALLEL_THREADS {
+            use rayon::prelude::*;
+            let done: Vec<_> = jobs.par_iter().zip(stretches.par_iter_mut()).map(pack).collect();
+            done.into_iter().enumerate().map(|(i, r)| r.map_err(|e| PackFailure::Pair(i, e))).collect()
+        } else {
+            jobs.iter()
+                .zip(stretches.iter_mut())
+                .enumerate()
+                .map(|(i, j)| pack(j).map_err(|e| PackFailure::Pair(i, e)))
+                .collect()
+        };
+    drop(stretches);
+    let parts = parts?;
+    // The parts' copies behind each other.
+    let (mut w, mut at) = (0, 0);
+    let mut packed = Packed { descriptors: pairs as u64, ..Packed::default() };
+    let mut longest = 0;
+    for (part, (p, _)) in parts.iter().zip(jobs) {
+        if at != w {
+            out.copy_within(at..at + part.words, w);
+        }
+        w += part.words;
+        at += 3 * p.len();
+        packed.bytes += part.bytes;
+        packed.unaligned += part.unaligned;
+        longest = longest.max(part.longest);
+    }
+    let copies = w / 3;
+    packed.copies = copies as u64;
+    // A copy's first piece is `piece - dst % 16` long, at least `piece - 15`.
+    packed.pieces = if longest <= piece - 15 { copies } else { split_in_place(out, copies, piece)? };
+    Ok(packed)
+}
+
+/// The `copies` copies at the front of `out` split into pieces of at most `piece` bytes (a
+/// multiple of 16) as [`gather_into`] splits them, in place: from the last copy back, each
+/// copy's pieces written at the back of what the pieces take, which never reaches a copy not
+/// yet read (every copy makes at least one piece). Returns the piece count.
+fn split_in_place(out: &mut [u64], copies: usize, piece: u64) -> Result<usize, PackFailure> {
+    let count = |c: &[u64]| (c[2] + c[0] % 16).div_ceil(piece) as usize;
+    let pieces: usize = out[..3 * copies].chunks_exact(3).map(count).sum();
+    if out.len() < 3 * pieces {
+        return Err(PackFailure::Room { words: 3 * pieces });
+    }
+    let mut end = 3 * pieces;
+    for k in (0..copies).rev() {
+        let (dst, src, size) = (out[3 * k], out[3 * k + 1], out[3 * k + 2]);
+        let n = (size + dst % 16).div_ceil(piece) as usize;
+        let mut w = end - 3 * n;
+        end = w;
+        // The first piece ends where the destination reaches a multiple of 16.
+        let (mut off, mut len) = (0, piece - dst % 16);
+        while off < size {
+            len = len.min(size - off);
+            out[w..w + 3].copy_from_slice(&[dst + off, src + off, len]);
+            w += 3;
+            off += len;
+            len = piece;
+        }
+    }
+    Ok(pieces)
 }
 
 #[cfg(test)]
@@ -558,6 +817,204 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The two-pass packing (`CopyBatch::pack` and `add`, then [`gather_descriptors`]) of the
+    /// same parts: the words and counts [`pack_descriptors`] must give.
+    fn two_pass(jobs: &[(&[Pair], Span)], piece: u64) -> Result<(Vec<u64>, Packed), (usize, CudaBatchError)> {
+        let mut b = CopyBatch::default();
+        for (i, (pairs, peer)) in jobs.iter().enumerate() {
+            let added = if i == 0 {
+                b.pack(pairs.iter().copied(), L, *peer)
+            } else {
+                b.add(pairs.iter().copied(), L, *peer)
+            };
+            added.map_err(|e| (i, e))?;
+        }
+        let mut out = Vec::new();
+        let pieces = gather_descriptors(&b, piece, &mut out);
+        let packed = Packed {
+            pieces,
+            copies: b.copies() as u64,
+            descriptors: b.descriptors(),
+            bytes: b.bytes(),
+            unaligned: b.unaligned_descriptors(),
+        };
+        Ok((out, packed))
+    }
+
+    /// [`pack_descriptors`] into a buffer of `3 * pairs` words (grown once when it says so),
+    /// with a sentinel word behind it that must stay untouched.
+    fn one_pass(jobs: &[(&[Pair], Span)], piece: u64) -> Result<(Vec<u64>, Packed), PackFailure> {
+        let pairs: usize = jobs.iter().map(|(p, _)| p.len()).sum();
+        let mut words = 3 * pairs;
+        loop {
+            let mut out = vec![7u64; words + 1];
+            match pack_descriptors(jobs, L, piece, &mut out[..words]) {
+                Ok(p) => {
+                    assert_eq!(out[words], 7, "nothing written past the buffer");
+                    out.truncate(3 * p.pieces);
+                    return Ok((out, p));
+                }
+                Err(PackFailure::Room { words: more }) => {
+                    assert!(more > words, "a larger buffer is asked for: {more} <= {words}");
+                    words = more;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Peers one after the other above `P`, each 1 MiB.
+    fn peer(i: u64) -> Span {
+        Span { base: P.base + (i << 24), len: 1 << 20 }
+    }
+
+    #[test]
+    fn one_pass_packing_writes_what_packing_then_gathering_wrote() {
+        // Runs to merge, zero-length pairs, unaligned ones, and a merged run longer than a
+        // piece (four 10 KiB pairs contiguous on both sides), over three peers.
+        let a =
+            [pair(0, 0, 100), pair(100, 100, 100), pair(200, 300, 100), pair(1000, 5, 0), pair(300, 400, 3)];
+        let b: Vec<Pair> = (0..4u64).map(|k| pair(4096 + k * 10_240, 7 + k * 10_240, 10_240)).collect();
+        let c = [pair(1 << 19, 1 << 19, 8192), pair(0, 0, 8192), pair(8192, 8192, 8192)];
+        let jobs: Vec<(&[Pair], Span)> = vec![(&a, peer(0)), (&b, peer(1)), (&c, peer(2))];
+        let (want, want_packed) = two_pass(&jobs, GATHER_PIECE).expect("in bounds");
+        let (got, packed) = one_pass(&jobs, GATHER_PIECE).expect("in bounds");
+        assert_eq!(got, want);
+        assert_eq!(packed, want_packed);
+        assert_eq!((packed.descriptors, packed.copies), (12, 5), "planned 12, copied 5");
+        assert_eq!(packed.pieces, 6, "the 40 KiB run is split in two: {packed:?}");
+        // Into a buffer just large enough for one descriptor per pair: a 100 KiB pair's
+        // four pieces need more, and it says how much.
+        let long = [pair(0, 0, 100 << 10)];
+        let mut out = vec![0u64; 3];
+        assert_eq!(
+            pack_descriptors(&[(&long, P)], L, GATHER_PIECE, &mut out),
+            Err(PackFailure::Room { words: 3 * 4 })
+        );
+        let mut out = vec![0u64; 3 * 12];
+        assert_eq!(
+            pack_descriptors(&jobs, L, GATHER_PIECE, &mut out[..3 * 12 - 1]),
+            Err(PackFailure::Room { words: 3 * 12 }),
+            "one descriptor per pair, before anything is packed"
+        );
+    }
+
+    #[test]
+    fn one_pass_packing_refuses_a_pair_outside_either_buffer_as_the_batch_does() {
+        let ok = [pair(0, 0, 8), pair(64, 64, 8)];
+        for bad in [
+            pair(L.len - 4, 0, 8),
+            pair(0, peer(1).len, 1),
+            pair(u64::MAX - 1, 0, 4),
+            pair(0, u64::MAX, u64::MAX),
+        ] {
+            let second = [pair(8, 8, 8), bad, pair(0, 0, 0)];
+            let jobs: Vec<(&[Pair], Span)> = vec![(&ok, peer(0)), (&second, peer(1))];
+            let want = two_pass(&jobs, GATHER_PIECE).expect_err("out of bounds");
+            let got = one_pass(&jobs, GATHER_PIECE).expect_err("out of bounds");
+            assert_eq!(got, PackFailure::Pair(want.0, want.1), "{bad:?}");
+        }
+        // A local span whose end overflows the address space holds nothing.
+        let top = Span { base: u64::MAX - 8, len: 64 };
+        let mut out = vec![0u64; 3];
+        let e = pack_descriptors(&[(&[pair(0, 0, 1)], P)], top, GATHER_PIECE, &mut out).expect_err("wrap");
+        assert!(
+            matches!(e, PackFailure::Pair(0, CudaBatchError::OutOfBounds { side: "local", .. })),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn one_pass_packing_on_several_threads_is_packing_on_one() {
+        // Four peers of 5,000 pairs (above PARALLEL_PAIRS together), some runs contiguous
+        // (so stretches shorten and move up), on pools of four, two and one thread.
+        let lists: Vec<Vec<Pair>> = (0..4u64)
+            .map(|i| {
+                (0..5_000u64)
+                    .map(|k| {
+                        pair(
+                            (k * 97 + i) % 8000 * 128,
+                            if k % 3 == 0 { k * 128 } else { k % 4000 * 256 },
+                            64 + i,
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        let jobs: Vec<(&[Pair], Span)> = lists.iter().map(Vec::as_slice).zip((0..4).map(peer)).collect();
+        let (want, want_packed) = two_pass(&jobs, GATHER_PIECE).expect("in bounds");
+        for threads in [4, 2, 1] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+            let (got, packed) = pool.install(|| one_pass(&jobs, GATHER_PIECE)).expect("in bounds");
+            assert_eq!(packed, want_packed, "{threads} threads");
+            assert!(got == want, "{threads} threads: the words differ");
+            let mut bad = lists.clone();
+            bad[2][10] = pair(L.len, 0, 8);
+            let jobs: Vec<(&[Pair], Span)> = bad.iter().map(Vec::as_slice).zip((0..4).map(peer)).collect();
+            let e = pool.install(|| one_pass(&jobs, GATHER_PIECE)).expect_err("out of bounds");
+            assert!(
+                matches!(
+                    e,
+                    PackFailure::Pair(2, CudaBatchError::OutOfBounds { index: 10, side: "local", .. })
+                ),
+                "{e:?}"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 400, ..Default::default() })]
+
+        /// Random plans (runs contiguous on both sides, on one side only, zero-length and
+        /// unaligned pairs, copies longer than a piece, small pieces): one pass writes what two
+        /// passes wrote, word for word.
+        #[test]
+        fn one_pass_packing_matches_two_passes(
+            parts in proptest::collection::vec(
+                proptest::collection::vec((0u64..4, 0u64..3, 0u64..20_000), 0..40),
+                1..5,
+            ),
+            piece in proptest::prop_oneof![proptest::strategy::Just(GATHER_PIECE), 16u64..5000],
+        ) {
+            // Each step continues the last pair on both sides (0), on the local side only
+            // (1), jumps (2) or jumps back (3); lengths 0 (step 1 of 3) or up to 20,000 bytes.
+            let lists: Vec<Vec<Pair>> = parts.iter().map(|steps| {
+                let (mut l, mut r) = (0u64, 0u64);
+                steps.iter().map(|&(kind, zero, len)| {
+                    let len = if zero == 1 { 0 } else { len };
+                    match kind {
+                        0 => {}
+                        1 => r += 4099,
+                        2 => { l += 777; r += 13; }
+                        _ => { l /= 2; r /= 3; }
+                    }
+                    let p = pair(l, r, len);
+                    l += len;
+                    r += len;
+                    p
+                }).collect()
+            }).collect();
+            let peers: Vec<Span> = (0..lists.len() as u64).map(|i| Span { base: P.base + (i << 24), len: 1 << 22 }).collect();
+            let local = Span { base: L.base, len: 1 << 22 };
+            let jobs: Vec<(&[Pair], Span)> = lists.iter().map(Vec::as_slice).zip(peers.iter().copied()).collect();
+            let mut b = CopyBatch::default();
+            for (i, (pairs, peer)) in jobs.iter().enumerate() {
+                if i == 0 { b.pack(pairs.iter().copied(), local, *peer) } else { b.add(pairs.iter().copied(), local, *peer) }
+                    .expect("in bounds");
+            }
+            let mut want = Vec::new();
+            let pieces = gather_descriptors(&b, piece, &mut want);
+            let mut out = vec![0u64; 3 * pieces.max(b.descriptors() as usize)];
+            let packed = pack_descriptors(&jobs, local, piece, &mut out).expect("room for every piece");
+            proptest::prop_assert_eq!(packed.pieces, pieces);
+            proptest::prop_assert_eq!(&out[..3 * pieces], &want[..]);
+            proptest::prop_assert_eq!(
+                (packed.copies, packed.descriptors, packed.bytes, packed.unaligned),
+                (b.copies() as u64, b.descriptors(), b.bytes(), b.unaligned_descriptors())
+            );
         }
     }
 }

@@ -216,13 +216,18 @@ pub struct BatchStats {
     /// memory (0 on the other paths).
     #[serde(default)]
     pub fill_ns: u64,
+    /// Of `post_ns`, the host's time packing the plan's pairs, where the copier packed them
+    /// (`BatchCopier::enqueue_pairs`; with the gather kernel the same time as `fill_ns`:
+    /// pairs are packed straight into pinned memory). 0 for batches packed before posting.
+    #[serde(default)]
+    pub pack_ns: u64,
     /// From the start of posting to the event's completion.
     pub complete_ns: u64,
     /// Driver calls made (1 with the batch API, one per copy without it).
     pub calls: u64,
-    /// Copies after coalescing.
+    /// Copies after coalescing: the descriptors copied (before splitting into pieces).
     pub copies: u64,
-    /// Plan descriptors before coalescing.
+    /// Plan descriptors before coalescing: the descriptors planned.
     pub descriptors: u64,
     pub bytes: u64,
     /// Plan descriptors whose address (on either side) or length is not a multiple of 16

@@ -3,7 +3,7 @@
 //! descriptors `grid.rs` expands to, and the launcher's parameters are the PTX's. Tests only.
 
 use super::grid::{self, GridBatch};
-use super::pack::{CopyBatch, GATHER_PIECE, Span, gather_descriptors};
+use super::pack::{CopyBatch, GATHER_PIECE, Span, gather_descriptors, pack_descriptors};
 use super::ptx_sim;
 use crate::layouts::read_plan::Pair;
 
@@ -18,6 +18,20 @@ fn pair(local: u64, remote: u64, len: u64) -> Pair {
 /// offset, remote = source offset, in 64 KiB regions) and checks every destination byte,
 /// and that nothing else changed.
 fn run_kernel(pairs: &[Pair], blocks: u64, threads: u64) {
+    run_kernel_on(pairs, blocks, threads, Packer::TwoPass);
+}
+
+/// Which packing makes the descriptors [`run_kernel_on`] runs.
+#[derive(Debug, Clone, Copy)]
+enum Packer {
+    /// `CopyBatch::pack`, then `gather_descriptors`.
+    TwoPass,
+    /// `pack_descriptors` straight into the descriptor buffer.
+    OnePass,
+}
+
+/// [`run_kernel`] on the descriptors `packer` makes of `pairs`.
+fn run_kernel_on(pairs: &[Pair], blocks: u64, threads: u64, packer: Packer) {
     const BASE: u64 = 0x7f00_0000_0000;
     const REGION: u64 = 64 << 10;
     let (src_at, dst_at) = (REGION, 2 * REGION);
@@ -25,11 +39,21 @@ fn run_kernel(pairs: &[Pair], blocks: u64, threads: u64) {
     for (i, b) in mem[src_at as usize..dst_at as usize].iter_mut().enumerate() {
         *b = (i as u8).wrapping_mul(31) ^ (i >> 8) as u8;
     }
-    let mut batch = CopyBatch::default();
     let (dst, src) = (Span { base: BASE + dst_at, len: REGION }, Span { base: BASE + src_at, len: REGION });
-    batch.pack(pairs.iter().copied(), dst, src).expect("in bounds");
     let mut descs = Vec::new();
-    let pieces = gather_descriptors(&batch, GATHER_PIECE, &mut descs);
+    let pieces = match packer {
+        Packer::TwoPass => {
+            let mut batch = CopyBatch::default();
+            batch.pack(pairs.iter().copied(), dst, src).expect("in bounds");
+            gather_descriptors(&batch, GATHER_PIECE, &mut descs)
+        }
+        Packer::OnePass => {
+            descs = vec![0; 3 * (pairs.len() + (REGION / GATHER_PIECE) as usize + 1)];
+            let packed = pack_descriptors(&[(pairs, src)], dst, GATHER_PIECE, &mut descs).expect("in bounds");
+            descs.truncate(3 * packed.pieces);
+            packed.pieces
+        }
+    };
     assert!(24 * pieces as u64 <= REGION, "descriptors fit before the source");
     for (i, w) in descs.iter().enumerate() {
         mem[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
@@ -74,6 +98,28 @@ fn the_gather_kernel_run_in_a_simulator_copies_every_byte_with_aligned_accesses(
     run_kernel(&[pair(0, 0, 8192), pair(8192, 16_384, 8192), pair(16_384, 40_000, 8192 + 48)], 2, 128);
     // Fewer threads than a head or tail has bytes: the byte loops still cover them.
     run_kernel(&pairs[..2], 2, 4);
+}
+
+#[test]
+fn the_gather_kernel_copies_the_one_pass_descriptors_as_the_plan_says() {
+    // Runs contiguous on both sides (merged: fewer descriptors copied than planned, one run
+    // longer than a piece), on one side only (not merged), unaligned ones and empty ones: the
+    // kernel run on what `pack_descriptors` wrote moves every byte the plan's pairs name.
+    let mut pairs: Vec<Pair> = (0..6u64).map(|k| pair(k * 8192, k * 8192, 8192)).collect();
+    pairs.extend([
+        pair(49_152 + 3, 49_152 + 3, 5),
+        pair(49_160, 49_160, 1000),
+        pair(50_160, 51_000, 0),
+        pair(50_160, 50_160 + 7, 100),
+        pair(50_260, 50_267, 333),
+        pair(60_000, 200, 64),
+    ]);
+    let mut out = vec![0u64; 3 * 64];
+    let packed = pack_descriptors(&[(&pairs, P)], L, GATHER_PIECE, &mut out).expect("in bounds");
+    assert_eq!((packed.descriptors, packed.copies), (12, 4), "{packed:?}");
+    for (blocks, threads) in [(3, 64), (2, 128), (1, 256)] {
+        run_kernel_on(&pairs, blocks, threads, Packer::OnePass);
+    }
 }
 
 #[test]

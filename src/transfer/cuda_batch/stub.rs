@@ -10,6 +10,7 @@ use super::error::CudaBatchError;
 use super::grid::GridBatch;
 use super::pack::{CopyBatch, Span};
 use super::path::{BatchCopy, BatchPath, BatchStats};
+use crate::layouts::read_plan::Pair;
 use crate::transfer::cuda::{CudaBuffer, CudaDevice, CudaError};
 use crate::transfer::handshake::meta::CudaIpcExport;
 
@@ -68,6 +69,15 @@ impl BatchCopier {
         _parts: &mut [CopyBatch],
         _timeout: Duration,
     ) -> Result<BatchStats, CudaBatchError> {
+        match self.never {}
+    }
+    pub fn enqueue_pairs(
+        &mut self,
+        _local: &mut CudaBuffer,
+        _peers: &[Arc<PeerMapping>],
+        _jobs: &[&[Pair]],
+        _timeout: Duration,
+    ) -> Result<BatchStats, (Option<usize>, CudaBatchError)> {
         match self.never {}
     }
     pub fn enqueue_grid(
