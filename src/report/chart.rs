@@ -46,7 +46,6 @@ pub struct Series {
 }
 
 // The run's own charts (latency CDFs, the run over time) live in `run_charts`.
-pub use super::run_charts::{latency_svg, throughput_svg};
 
 /// Sweep points as bandwidth against bytes per descriptor (or block size), one line per series.
 pub fn sweep_series(summary: &Summary) -> (Vec<Series>, &'static str) {

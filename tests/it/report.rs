@@ -212,7 +212,7 @@ fn svg_parts(svg: &str) -> (usize, Vec<String>) {
 fn latency_chart_draws_cdfs_and_what_coincides_once() {
     let rows: Vec<RequestRow> = (0..200).map(row).collect();
     let s = built_summary(&rows);
-    let svg = chart::latency_svg(&s, &rows).expect("draw").expect("has data");
+    let svg = run_charts::latency_svg(&s, &rows).expect("draw").expect("has data");
     let (lines, texts) = svg_parts(&svg);
     let legend: Vec<&String> = texts.iter().filter(|t| t.contains("(p50 ")).collect();
     assert_eq!(legend.len(), 2, "e2e, and the span drawn once with the transfer it equals: {texts:?}");
@@ -232,7 +232,7 @@ fn the_run_over_time_lays_repeats_end_to_end() {
     let mut rows: Vec<RequestRow> = (0..40).map(row).collect();
     rows.extend((0..40).map(|i| RequestRow { repeat: 1, ..row(i) }));
     let s = built_summary(&rows);
-    let svg = chart::throughput_svg(&s, &rows).expect("draw").expect("has data");
+    let svg = run_charts::throughput_svg(&s, &rows).expect("draw").expect("has data");
     let (_, texts) = svg_parts(&svg);
     for want in ["ok", "failed", "bandwidth", "GB/s read", "requests completed per s"] {
         assert!(texts.iter().any(|t| t == want), "{want}: {texts:?}");
