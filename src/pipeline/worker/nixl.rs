@@ -380,12 +380,25 @@ pub fn read_request(
         }
     }
     // Completion by NIXL's transfer state, polled as vLLM's worker polls `check_xfer_state`.
+    wait_all(xfers, t0, timeout, ("READ from prefill rank", "READs from prefill ranks"))?;
+    Ok((bytes, post_ns))
+}
+
+/// Polls posted transfers (each with its peer rank) until every one is done, `timeout` after
+/// `t0` at most; `what`: how a failure names one transfer and several ("READ from prefill
+/// rank", "READs from prefill ranks").
+pub fn wait_all(
+    mut xfers: Vec<(u32, Xfer)>,
+    t0: Instant,
+    timeout: Duration,
+    what: (&str, &str),
+) -> Result<(), Failure> {
     while !xfers.is_empty() {
         if t0.elapsed() > timeout {
             let ranks: Vec<u32> = xfers.iter().map(|(r, _)| *r).collect();
             return Err((
                 FailureCause::Timeout,
-                format!("READs from prefill ranks {ranks:?} did not complete within {timeout:?}"),
+                format!("{} {ranks:?} did not complete within {timeout:?}", what.1),
             ));
         }
         let mut i = 0;
@@ -397,14 +410,9 @@ pub fn read_request(
                     xfers.swap_remove(i);
                 }
                 Ok(XferState::InProgress) => i += 1,
-                Err(e) => {
-                    return Err((
-                        FailureCause::PeerGone,
-                        format!("READ from prefill rank {}: {e}", xfers[i].0),
-                    ));
-                }
+                Err(e) => return Err((FailureCause::PeerGone, format!("{} {}: {e}", what.0, xfers[i].0))),
             }
         }
     }
-    Ok((bytes, post_ns))
+    Ok(())
 }

@@ -414,31 +414,7 @@ impl Pusher {
         }
         // Completion by NIXL's transfer state, polled as vLLM's push worker polls it; the
         // notification rides each WRITE.
-        while !xfers.is_empty() {
-            if t0.elapsed() > self.timeout {
-                let ranks: Vec<u32> = xfers.iter().map(|(r, _)| *r).collect();
-                return Err((
-                    FailureCause::Timeout,
-                    format!("WRITEs to decode ranks {ranks:?} did not complete within {:?}", self.timeout),
-                ));
-            }
-            std::thread::yield_now();
-            let mut i = 0;
-            while i < xfers.len() {
-                match xfers[i].1.status() {
-                    Ok(XferState::Done) => {
-                        xfers.swap_remove(i);
-                    }
-                    Ok(XferState::InProgress) => i += 1,
-                    Err(e) => {
-                        return Err((
-                            FailureCause::PeerGone,
-                            format!("WRITE to decode rank {}: {e}", xfers[i].0),
-                        ));
-                    }
-                }
-            }
-        }
+        nixl::wait_all(xfers, t0, self.timeout, ("WRITE to decode rank", "WRITEs to decode ranks"))?;
         stats.transfer_ns += t0.elapsed().as_nanos() as u64;
         stats.span = crate::clock::ClockSpan::cover(stats.span, crate::clock::ClockSpan::since(t_mono));
         Ok(())
