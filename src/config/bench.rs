@@ -67,6 +67,8 @@ pub struct BenchSettings {
     pub on_failure: FailurePolicy,
     pub fault: Option<FaultPlan>,
     pub repeat: u32,
+    /// A comparison's rounds (`--rounds`; 1 outside a comparison, which refuses more).
+    pub rounds: u32,
     /// Measure the same-run calibration (memcpy and a UCX loopback read).
     pub calibrate: bool,
     /// A hybrid model's reads by descriptor size (a request of the longest prompt, every

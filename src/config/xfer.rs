@@ -36,10 +36,37 @@ pub struct XferConfig {
     pub misalign: Misalign,
 }
 
-/// How `--transport nixl` agents run (`--nixl-progress-thread`).
+/// How `--transport nixl` agents run (`--nixl-progress-thread`) and, in `kvx xfer`, how its
+/// transfer requests are made (`--nixl-requests`; the engines make one per READ, as vLLM).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct NixlOptions {
     pub progress_thread: bool,
+    #[serde(default)]
+    pub requests: NixlRequests,
+}
+
+/// How `kvx xfer --transport nixl` makes the transfer request of a batch (`--nixl-requests`).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum NixlRequests {
+    /// One request made for each batch and released after it, as vLLM's worker makes one per
+    /// READ: what a request costs through NIXL.
+    #[default]
+    PerBatch,
+    /// Each distinct batch's request made once, before the timed batches, and posted again each
+    /// time (what NIXL's own benchmark does): NIXL's transfer without its per-request set-up.
+    Reuse,
+}
+
+impl NixlRequests {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NixlRequests::PerBatch => "per-batch",
+            NixlRequests::Reuse => "reuse",
+        }
+    }
 }
 
 /// Initiator-side settings of a session.

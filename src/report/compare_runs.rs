@@ -61,6 +61,40 @@ pub struct RunRow {
     pub gbps: f64,
     pub cpu_per_gb: f64,
     pub failed: u64,
+    /// Throughput against the first run's, round by round (`None` where the first run has
+    /// none to compare with).
+    pub vs_first: Option<Spread>,
+    /// Rounds this run measured (`--rounds`); its figures are their medians.
+    pub rounds: usize,
+}
+
+/// Ratios over a comparison's rounds: their median and range.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub n: usize,
+}
+
+impl Spread {
+    pub fn of(v: &[f64]) -> Spread {
+        Spread {
+            median: super::stats::median(v).unwrap_or(0.0),
+            min: v.iter().copied().fold(f64::INFINITY, f64::min),
+            max: v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            n: v.len(),
+        }
+    }
+
+    /// `0.93x`, or with several rounds `0.93x (0.88-0.97, 5 rounds)`.
+    pub fn cell(&self) -> String {
+        if self.n > 1 {
+            format!("{:.2}x ({:.2}-{:.2}, {} rounds)", self.median, self.min, self.max, self.n)
+        } else {
+            format!("{:.2}x", self.median)
+        }
+    }
 }
 
 /// What a connector needs, for the table.
@@ -100,7 +134,15 @@ fn failed_suffix(failed: u64) -> String {
 pub fn transports_table(rows: &[RunRow]) -> String {
     let mut t = new_table(
         Style::Terminal,
-        &["connector", "transfer p50/p99 ms", "e2e p50/p99 ms", "throughput GB/s", "CPU s per GB", "needs"],
+        &[
+            "connector",
+            "transfer p50/p99 ms",
+            "e2e p50/p99 ms",
+            "throughput GB/s",
+            "vs first",
+            "CPU s per GB",
+            "needs",
+        ],
     );
     for r in rows {
         t.add_row(vec![
@@ -108,6 +150,7 @@ pub fn transports_table(rows: &[RunRow]) -> String {
             format!("{:.2} / {:.2}", r.transfer.0, r.transfer.1),
             format!("{:.2} / {:.2}", r.e2e.0, r.e2e.1),
             format!("{:.3}", r.gbps),
+            r.vs_first.map_or_else(|| "-".into(), |v| v.cell()),
             format!("{:.2}", r.cpu_per_gb),
             needs(r.setting).to_string(),
         ]);
@@ -119,22 +162,39 @@ pub fn transports_table(rows: &[RunRow]) -> String {
             "not measured".into(),
             (*guide).to_string(),
             "-".into(),
+            "-".into(),
             (*why).to_string(),
         ]);
     }
-    format!("\nConnectors, measured on this machine (same workload each)\n{t}\n")
+    format!("\nConnectors, measured on this machine (same workload each{})\n{t}\n", rounds_note(rows))
 }
 
 /// Pull against push: what each moves and how fast, and the ratio to the first run.
 /// A comparison row's first cells: the run (and its failures), throughput, throughput against
 /// the first run, KV ready p50/p99.
 fn lead_cells(r: &RunRow, base: f64) -> Vec<String> {
+    let vs = match r.vs_first {
+        Some(v) => v.cell(),
+        None if base > 0.0 => format!("{:.2}x", r.gbps / base),
+        None => "-".into(),
+    };
     vec![
         format!("{}{}", r.setting.label(), failed_suffix(r.failed)),
         format!("{:.3}", r.gbps),
-        if base > 0.0 { format!("{:.2}x", r.gbps / base) } else { "-".into() },
+        vs,
         format!("{:.2} / {:.2}", r.ready.0, r.ready.1),
     ]
+}
+
+/// How a comparison of several rounds was run, for its table's title.
+fn rounds_note(rows: &[RunRow]) -> String {
+    match rows.iter().map(|r| r.rounds).max() {
+        Some(n) if n > 1 => format!(
+            "; {n} rounds, runs interleaved, order reversed every other round: medians, and the median of the \
+             rounds' ratios to the first run with their range"
+        ),
+        _ => String::new(),
+    }
 }
 
 /// `--compare-kv-buffer-device`: what staging through host buffers costs against reading the
@@ -174,7 +234,8 @@ pub fn kv_buffer_table(rows: &[RunRow]) -> String {
          each). save_to_host = prefill's copy of a request's blocks from its pool to its host buffer; \
          sync_to_device = decode's copy of the received blocks into its pool (each the slowest rank's); \
          transfer = the reads, host buffer to host buffer with cpu. KV ready (prefill leg sent to the KV in \
-         every decode rank's pool) includes both copies: the figure that compares the two.\n{t}\n"
+         every decode rank's pool) includes both copies: the figure that compares the two{}.\n{t}\n",
+        rounds_note(rows)
     )
 }
 
@@ -215,6 +276,7 @@ pub fn modes_table(rows: &[RunRow]) -> String {
          compares the modes. Push: post = decode's registration, transfer = registration to the last \
          WRITE's notification (the prefill ranks' posting, transfer, flush and notification inside it), \
          hidden = WRITE time spent while prefill still computed (--overlap layers), notify = 0 (the \
-         notifications are part of the transfer); descriptors count duplicate WRITEs of replicated heads.\n{t}\n"
+         notifications are part of the transfer); descriptors count duplicate WRITEs of replicated heads{}.\n{t}\n",
+        rounds_note(rows)
     )
 }

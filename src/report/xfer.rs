@@ -161,6 +161,13 @@ pub struct XferResult {
     pub nixl_post_us: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nixl_xfer_us: Option<f64>,
+    /// nixl: kvx's clock around `make_xfer_req` (part of `post_us`; 0 with `--nixl-requests
+    /// reuse`, whose requests are made before the timed batches) and around the release after
+    /// completion (inside the measured time, after `complete_us`), means per timed batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nixl_make_us: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nixl_release_us: Option<f64>,
     pub msgs_per_sec: f64,
     pub batches: u64,
     pub bytes: u64,
@@ -238,6 +245,9 @@ pub struct XferNixlReport {
     /// that each read stays one GET as with `--transport ucx`).
     pub desc_merge: bool,
     /// What one batch is: `make_xfer_req` on two prepared lists, post, poll, release.
+    /// How requests were made (`--nixl-requests`).
+    #[serde(default)]
+    pub requests: crate::config::xfer::NixlRequests,
     pub per_batch: String,
 }
 
@@ -327,7 +337,7 @@ pub fn render_table(r: &XferReport) -> String {
     }
     if let Some(n) = &r.nixl {
         out.push_str(&nixl_header(n, &memory, r));
-        return out + &misalign_line(r) + &results_table(r) + &verification_line(r);
+        return out + &misalign_line(r) + &results_table(r) + &nixl_phases(r) + &verification_line(r);
     }
     out.push_str(&format!(
         "UCX {} ({}, {})  transports: {}\nerr-mode {}  progress {}  memory {memory}  {}  working set {}\n",
@@ -374,6 +384,48 @@ fn nixl_header(n: &XferNixlReport, memory: &str, r: &XferReport) -> String {
         r.memory.residency.as_str(),
         fmt_size(r.memory.working_set_bytes),
         n.per_batch,
+    )
+}
+
+/// Where a NIXL batch's time went, means per timed batch: kvx's clock around `make_xfer_req`,
+/// the post and the wait to DONE, and the release; NIXL's own telemetry of its post and
+/// transfer beside them.
+fn nixl_phases(r: &XferReport) -> String {
+    let rows: Vec<&XferResult> = r.results.iter().filter(|x| x.nixl_make_us.is_some()).collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::ASCII_BORDERS_ONLY_CONDENSED);
+    t.set_header(vec![
+        "size",
+        "inflight",
+        "make us",
+        "post us",
+        "to DONE us",
+        "release us",
+        "batch us",
+        "NIXL post us",
+        "NIXL xfer us",
+    ]);
+    let us = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+    for x in rows {
+        let make = x.nixl_make_us.unwrap_or(0.0);
+        let release = x.nixl_release_us.unwrap_or(0.0);
+        t.add_row(vec![
+            fmt_size(x.size_bytes),
+            x.inflight.to_string(),
+            format!("{make:.1}"),
+            format!("{:.1}", x.post_us - make),
+            format!("{:.1}", x.complete_us - x.post_us),
+            format!("{release:.1}"),
+            format!("{:.1}", x.complete_us + release),
+            us(x.nixl_post_us),
+            us(x.nixl_xfer_us),
+        ]);
+    }
+    format!(
+        "NIXL's phases per batch (means over the timed batches; kvx's clock, NIXL's telemetry in the last two columns)\n{t}\n"
     )
 }
 
@@ -533,6 +585,8 @@ mod tests {
             fill_us: None,
             nixl_post_us: None,
             nixl_xfer_us: None,
+            nixl_make_us: None,
+            nixl_release_us: None,
             msgs_per_sec: 1e6,
             batches: 3,
             bytes: size * inflight as u64 * 3,

@@ -102,6 +102,18 @@ pub fn resolve_bench_job(flags: &BenchFlags, env: &ProcessEnv) -> Result<BenchJo
             format!("{first} and {second} are different kinds of run: give one of them"),
         ));
     }
+    if let Some(n) = flags.rounds {
+        let comparison = given.first().is_some_and(|f| f.starts_with("--compare"));
+        if !comparison {
+            return Err(ConfigError::new(
+                "--rounds",
+                format!(
+                    "rounds interleave a comparison's runs: add --compare-transports, --compare-modes or \
+                     --compare-kv-buffer-device, or drop --rounds {n} (--repeat repeats one run)"
+                ),
+            ));
+        }
+    }
     // A compare list runs each entry once. It sets --transport or --mode for each of its runs,
     // over a value a config file gives (flags override files; clap refuses both as flags).
     for (list, flag) in [

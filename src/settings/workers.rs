@@ -627,7 +627,10 @@ fn finish_serve_engine(
             batch_descriptors: Default::default(),
             slowdown: 0.0,
             kv_buffer: a.kv_buffer.device(),
-            nixl: crate::config::xfer::NixlOptions { progress_thread: a.nixl.nixl_progress_thread },
+            nixl: crate::config::xfer::NixlOptions {
+                progress_thread: a.nixl.nixl_progress_thread,
+                ..Default::default()
+            },
         },
         verify: a.verify.resolve(None),
         fill: a.fill.fill.unwrap_or_default(),

@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use super::parse::{parse_duration, parse_size};
 use super::workers::check_mem_transport;
 use crate::config::xfer::TargetOptions;
-use crate::config::xfer::{Misalign, NixlOptions, SessionOptions, XferConfig};
+use crate::config::xfer::{Misalign, NixlOptions, NixlRequests, SessionOptions, XferConfig};
 use crate::error::ConfigError;
 use crate::transfer::cuda_batch::BatchCopy;
 use crate::transfer::memory::{MemKind, MemPlace};
@@ -104,6 +104,12 @@ pub struct XferFlags {
     pub ucx_lib: super::flags::UcxLibFlags,
     #[command(flatten)]
     pub nixl: super::flags::NixlFlags,
+    /// With --transport nixl: make one transfer request per batch and release it after
+    /// (per-batch: as vLLM's worker makes one per READ), or make each distinct batch's request
+    /// once before timing and post it again (reuse: as NIXL's own benchmark does, NIXL's
+    /// transfer without its per-request set-up) [default: per-batch]
+    #[arg(long, value_enum)]
+    pub nixl_requests: Option<NixlRequests>,
     #[command(flatten)]
     pub ucx_mode: super::flags::UcxModeFlags,
     #[command(flatten)]
@@ -166,6 +172,17 @@ pub fn resolve(args: &XferFlags) -> Result<XferRun, ConfigError> {
             ConfigError::new("--connect-back", "the target role needs the initiator's address")
         })?;
         return Ok(XferRun::Target { addr, peer_timeout: args.peer_timeout, opts });
+    }
+    let nixl_measured = args.transport() == TransportArg::Nixl
+        || args.compare_transports.as_ref().is_some_and(|l| l.contains(&TransportArg::Nixl));
+    if let (Some(r), false) = (args.nixl_requests, nixl_measured) {
+        return Err(ConfigError::new(
+            "--nixl-requests",
+            format!(
+                "applies to --transport nixl: add --transport nixl (or nixl to --compare-transports), or drop --nixl-requests {}",
+                r.as_str()
+            ),
+        ));
     }
     if let Some(addr) = &args.listen.listen {
         if args.connect.connect.is_some() {
@@ -306,8 +323,10 @@ fn measurement(args: &XferFlags) -> Result<XferConfig, ConfigError> {
             ucx_config: ucx_config(args),
         },
         cuda_batch,
-        nixl: (args.transport() == TransportArg::Nixl)
-            .then_some(NixlOptions { progress_thread: args.nixl.nixl_progress_thread }),
+        nixl: (args.transport() == TransportArg::Nixl).then_some(NixlOptions {
+            progress_thread: args.nixl.nixl_progress_thread,
+            requests: args.nixl_requests.unwrap_or_default(),
+        }),
         misalign,
     })
 }

@@ -104,8 +104,7 @@ impl CaseRunner for BatchCase<'_, '_> {
             pack_ns,
             fill_ns: st.fill_ns,
             unaligned: st.unaligned_descriptors,
-            nixl_post_ns: 0,
-            nixl_xfer_ns: 0,
+            ..BatchTimes::default()
         })
     }
     fn clear(&mut self, k: u64) -> Result<()> {
@@ -468,6 +467,11 @@ pub(super) struct BatchTimes {
     /// nixl: NIXL's telemetry of the batch (post, and post to completion); 0 elsewhere.
     pub(super) nixl_post_ns: u64,
     pub(super) nixl_xfer_ns: u64,
+    /// nixl: kvx's clock around `make_xfer_req` (part of `post_ns`) and around the release
+    /// after completion (after `complete_ns`, inside the measured time); 0 elsewhere, and for
+    /// a request made before the timed batches (`--nixl-requests reuse`).
+    pub(super) nixl_make_ns: u64,
+    pub(super) nixl_release_ns: u64,
 }
 
 /// One case's batches on one transport, as [`timed_batches`] drives them.
@@ -497,11 +501,7 @@ impl<M: BufferAccess> CaseRunner for UcxCase<'_, M> {
             bytes: st.bytes,
             post_ns: st.post_ns,
             complete_ns: st.complete_ns,
-            pack_ns: 0,
-            fill_ns: 0,
-            unaligned: 0,
-            nixl_post_ns: 0,
-            nixl_xfer_ns: 0,
+            ..BatchTimes::default()
         })
     }
     fn clear(&mut self, k: u64) -> Result<()> {
@@ -528,6 +528,8 @@ pub(super) struct Timed {
     fill_ns: u64,
     nixl_post_ns: u64,
     nixl_xfer_ns: u64,
+    nixl_make_ns: u64,
+    nixl_release_ns: u64,
     bytes: u64,
     batches: u64,
     per_batch: u64,
@@ -577,6 +579,8 @@ pub(super) fn timed_batches(
         fill_ns: 0,
         nixl_post_ns: 0,
         nixl_xfer_ns: 0,
+        nixl_make_ns: 0,
+        nixl_release_ns: 0,
         bytes: 0,
         batches: 0,
         per_batch,
@@ -612,6 +616,8 @@ pub(super) fn timed_batches(
         t.fill_ns += b.fill_ns;
         t.nixl_post_ns += b.nixl_post_ns;
         t.nixl_xfer_ns += b.nixl_xfer_ns;
+        t.nixl_make_ns += b.nixl_make_ns;
+        t.nixl_release_ns += b.nixl_release_ns;
         t.unaligned += b.unaligned;
         t.hist.saturating_record(b.complete_ns.max(1));
         let done = match cfg.iters {
@@ -635,6 +641,8 @@ impl Timed {
         let gbps = self.bytes as f64 / self.secs / 1e9;
         let us = |ns: u64| ns as f64 / 1e3;
         let batches = self.batches.max(1);
+        // A NIXL case: its telemetry, or kvx's clock around its calls, has something.
+        let nixl = self.nixl_post_ns + self.nixl_xfer_ns + self.nixl_make_ns + self.nixl_release_ns > 0;
         XferResult {
             size_bytes: size,
             inflight,
@@ -654,6 +662,8 @@ impl Timed {
             fill_us: (self.fill_ns > 0).then(|| us(self.fill_ns) / batches as f64),
             nixl_post_us: (self.nixl_post_ns > 0).then(|| us(self.nixl_post_ns) / batches as f64),
             nixl_xfer_us: (self.nixl_xfer_ns > 0).then(|| us(self.nixl_xfer_ns) / batches as f64),
+            nixl_make_us: nixl.then(|| us(self.nixl_make_ns) / batches as f64),
+            nixl_release_us: nixl.then(|| us(self.nixl_release_ns) / batches as f64),
             msgs_per_sec: (self.batches * self.per_batch) as f64 / self.secs,
             batches: self.batches,
             bytes: self.bytes,

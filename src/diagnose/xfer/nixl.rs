@@ -6,10 +6,15 @@
 //! its local slots and one of the target's slots per case (vLLM prepares per region and
 //! block at registration and handshake), and runs each batch as one transfer request made
 //! from descriptor ids (`make_xfer_req`), posted, polled to completion and released, which
-//! is vLLM's per-request path. NIXL is asked not to merge descriptors, so each read stays one
-//! GET as with `--transport ucx`; the report says so. Verification is the UCX cases' own.
+//! is vLLM's per-request path; `--nixl-requests reuse` makes each distinct batch's request
+//! once, before the timed batches, and posts it again (NIXL's own benchmark's way), which
+//! leaves NIXL's transfer without its per-request set-up. kvx's clock around `make_xfer_req`
+//! and the release says what the set-up costs. NIXL is asked not to merge descriptors, so each
+//! read stays one GET as with `--transport ucx`; the report says so. Verification is the UCX
+//! cases' own.
 #![forbid(unsafe_code)]
 
+use std::collections::HashMap;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -22,14 +27,14 @@ use super::measure::{
     BatchTimes, CaseRunner, Ceiling, ReadLayout, check_destinations, clear_destinations, timed_batches,
 };
 use super::{Result, XferError, end_local_target, estimate_secs};
-use crate::config::xfer::{NixlOptions, TargetOptions, TargetSpec, XferConfig};
+use crate::config::xfer::{NixlOptions, NixlRequests, TargetOptions, TargetSpec, XferConfig};
 use crate::report::xfer::{
     CeilingKind, MemoryReport, Residency, UcxReport, XferMemory, XferNixlReport, XferReport, XferResult,
     verification_rule,
 };
 use crate::transfer::cuda::{CudaBuffer, CudaDevice};
 use crate::transfer::memory::{HostBuffer, MemPlace, PageSize};
-use crate::transfer::nixl::{Agent, AgentOptions, Desc, Nixl, Op, Prepped, Region, XferState};
+use crate::transfer::nixl::{Agent, AgentOptions, Desc, Nixl, Op, Prepped, Region, Xfer, XferState};
 use crate::transfer::ucx::{ErrMode, MemType, ProtoReport};
 
 /// The target's registered region (kept until the initiator says stop).
@@ -201,12 +206,36 @@ fn measure(
             let buf = HostBuffer::alloc(local_len, pages(cfg.huge_pages))?;
             let got = buf.page_size();
             let mut region = agent.register(buf, 0)?;
-            (cases(&agent, &remote, &mut region, hello, cfg, ws, &mut ceiling, on_result)?, got)
+            (
+                cases(
+                    &agent,
+                    &remote,
+                    &mut region,
+                    hello,
+                    cfg,
+                    nixl_opts.requests,
+                    ws,
+                    &mut ceiling,
+                    on_result,
+                )?,
+                got,
+            )
         }
         MemPlace::Cuda { device } => {
             let d = CudaDevice::open(device)?;
             let mut region = agent.register(CudaBuffer::alloc(&d, local_len)?, u64::from(device))?;
-            (cases(&agent, &remote, &mut region, hello, cfg, ws, &mut ceiling, on_result)?, PageSize::Normal)
+            let got = cases(
+                &agent,
+                &remote,
+                &mut region,
+                hello,
+                cfg,
+                nixl_opts.requests,
+                ws,
+                &mut ceiling,
+                on_result,
+            )?;
+            (got, PageSize::Normal)
         }
     };
     let backend = agent.backend_info()?;
@@ -250,10 +279,18 @@ fn measure(
             backend_params: backend.params,
             progress_thread: opts.progress_thread,
             desc_merge: false,
-            per_batch:
-                "make_xfer_req on two prepared lists (descriptor ids), post, poll get_xfer_status to DONE, \
-                        release"
-                    .into(),
+            requests: nixl_opts.requests,
+            per_batch: match nixl_opts.requests {
+                NixlRequests::PerBatch => {
+                    "make_xfer_req on two prepared lists (descriptor ids), post, poll get_xfer_status to DONE, \
+                     release (--nixl-requests per-batch, as vLLM's worker per READ)"
+                }
+                NixlRequests::Reuse => {
+                    "post a request made before the timed batches (make_xfer_req once per distinct batch, \
+                     --nixl-requests reuse, as NIXL's own benchmark), poll get_xfer_status to DONE"
+                }
+            }
+            .into(),
         }),
         verification: verification_rule(),
         misalign: cfg.misalign,
@@ -267,6 +304,7 @@ fn cases<M: BufferAccess>(
     region: &mut Region<M>,
     hello: &NixlHello,
     cfg: &XferConfig,
+    requests: NixlRequests,
     ws: u64,
     ceiling: &mut Ceiling,
     mut on_result: impl FnMut(&XferResult),
@@ -305,7 +343,9 @@ fn cases<M: BufferAccess>(
                 timeout: cfg.timeout,
                 scratch: Vec::new(),
                 ids: (Vec::new(), Vec::new()),
+                reused: (requests == NixlRequests::Reuse).then(HashMap::new),
             };
+            case.make_ahead(layout.remote_slots)?;
             let timed = timed_batches(cfg, inflight as u64, layout.remote_slots, &mut case)?;
             let mut r = timed.result(size, inflight, ceiling_gbps);
             r.set_bulk(ceiling.bulk(size * inflight as u64, ws, cfg)?);
@@ -328,17 +368,22 @@ struct NixlCase<'a, M: BufferAccess> {
     timeout: Duration,
     scratch: Vec<u8>,
     ids: (Vec<i32>, Vec<i32>),
+    /// `--nixl-requests reuse`: each distinct batch's request, by its first read's local and
+    /// remote slot (which fix the whole batch: reads are consecutive and wrap together).
+    reused: Option<HashMap<(i32, i32), Xfer>>,
 }
+
+/// Requests `--nixl-requests reuse` makes before the timed batches, at most; a batch beyond
+/// them makes its own the first time it runs (its make time counted).
+const MAKE_AHEAD_MAX: u64 = 1 << 16;
 
 impl<M: BufferAccess> NixlCase<'_, M> {
     fn slot(&self, off: u64, shift: u64) -> i32 {
         if self.layout.hot { 0 } else { ((off - shift) / self.layout.size) as i32 }
     }
-}
 
-impl<M: BufferAccess> CaseRunner for NixlCase<'_, M> {
-    fn batch(&mut self, k: u64) -> Result<BatchTimes> {
-        let (mut l, mut r) = std::mem::take(&mut self.ids);
+    /// Batch `k`'s descriptor ids, into `l` and `r` (cleared first); its bytes.
+    fn ids_of(&self, k: u64, l: &mut Vec<i32>, r: &mut Vec<i32>) -> u64 {
         l.clear();
         r.clear();
         let mut bytes = 0;
@@ -347,8 +392,50 @@ impl<M: BufferAccess> CaseRunner for NixlCase<'_, M> {
             r.push(self.slot(d.remote_off, self.layout.shift.remote_bytes));
             bytes += d.len;
         }
+        bytes
+    }
+
+    /// `--nixl-requests reuse`: makes the requests of one pass over `slots` reads (at most
+    /// [`MAKE_AHEAD_MAX`]), outside the measured time.
+    fn make_ahead(&mut self, slots: u64) -> Result<()> {
+        let Some(mut made) = self.reused.take() else { return Ok(()) };
+        let (mut l, mut r) = (Vec::new(), Vec::new());
+        let batches = slots.div_ceil(self.per_batch).min(MAKE_AHEAD_MAX);
+        for b in 0..batches {
+            self.ids_of(b * self.per_batch, &mut l, &mut r);
+            if let std::collections::hash_map::Entry::Vacant(v) = made.entry((l[0], r[0])) {
+                v.insert(self.agent.make_xfer(Op::Read, &self.local, &l, &self.remote, &r, None, false)?);
+            }
+        }
+        self.reused = Some(made);
+        Ok(())
+    }
+}
+
+impl<M: BufferAccess> CaseRunner for NixlCase<'_, M> {
+    fn batch(&mut self, k: u64) -> Result<BatchTimes> {
+        let (mut l, mut r) = std::mem::take(&mut self.ids);
+        let bytes = self.ids_of(k, &mut l, &mut r);
         let t0 = Instant::now();
-        let mut x = self.agent.make_xfer(Op::Read, &self.local, &l, &self.remote, &r, None, false)?;
+        let mut fresh: Option<Xfer> = None;
+        let make = |agent: &Agent, local: &Prepped, remote: &Prepped| {
+            agent.make_xfer(Op::Read, local, &l, remote, &r, None, false)
+        };
+        let mut made = true;
+        let x: &mut Xfer = match self.reused.as_mut() {
+            Some(reused) => match reused.entry((l[0], r[0])) {
+                std::collections::hash_map::Entry::Occupied(e) => {
+                    made = false;
+                    e.into_mut()
+                }
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(make(self.agent, &self.local, &self.remote)?)
+                }
+            },
+            None => fresh.insert(make(self.agent, &self.local, &self.remote)?),
+        };
+        // At least 1 ns where a request was made, so that a NIXL case always says.
+        let make_ns = if made { (t0.elapsed().as_nanos() as u64).max(1) } else { 0 };
         let mut st = x.post()?;
         let post_ns = t0.elapsed().as_nanos() as u64;
         while st == XferState::InProgress {
@@ -362,7 +449,9 @@ impl<M: BufferAccess> CaseRunner for NixlCase<'_, M> {
         }
         let complete_ns = t0.elapsed().as_nanos() as u64;
         let tel = x.telemetry().unwrap_or_default();
-        drop(x);
+        let t_release = Instant::now();
+        drop(fresh);
+        let release_ns = if self.reused.is_some() { 0 } else { t_release.elapsed().as_nanos() as u64 };
         self.ids = (l, r);
         Ok(BatchTimes {
             bytes,
@@ -370,6 +459,8 @@ impl<M: BufferAccess> CaseRunner for NixlCase<'_, M> {
             complete_ns,
             nixl_post_ns: tel.post_us * 1000,
             nixl_xfer_ns: tel.xfer_us * 1000,
+            nixl_make_ns: make_ns,
+            nixl_release_ns: release_ns,
             ..BatchTimes::default()
         })
     }

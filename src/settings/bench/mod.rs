@@ -156,6 +156,19 @@ layered! {
         )]
         #[serde(default, deserialize_with = "super::parse::opt_choices")]
         pub compare_kv_buffer_device: Option<Vec<KvBufferDevice>>,
+        /// With --compare-transports, --compare-modes or --compare-kv-buffer-device: run the
+        /// comparison this many rounds, its runs interleaved (their order reversed every other
+        /// round, so that a busy host's drift falls on each alike); each run's figures are the
+        /// medians of its rounds, its ratio to the first run the median of the rounds' ratios
+        /// (with their spread) [default: 1].
+        #[arg(
+            long,
+            value_name = "N",
+            help_heading = "Transport",
+            value_parser = clap::value_parser!(u32).range(1..=100)
+        )]
+        #[serde(default)]
+        pub rounds: Option<u32>,
         /// Inject a fault to test resilience: kill-ucx:pR@N (tear down prefill rank R's UCX side after N
         /// measured requests) or exit:pR@N / exit:dR@N (the worker exits). The run exits 0 when the
         /// failure policy held: only requests after the fault failed, as a lost peer fails; no wrong
@@ -667,6 +680,7 @@ fn finish(
         on_failure: s.on_load_failure.unwrap_or(FailurePolicy::Fail),
         fault,
         repeat,
+        rounds: s.rounds.unwrap_or(1),
         calibrate: !s.no_calibrate,
         descriptor_mix,
         progress_bar: env.stderr_is_terminal,
@@ -756,7 +770,10 @@ fn transport(s: &BenchFlags, slowdown: f64) -> Result<TransportConfig, ConfigErr
         batch_descriptors,
         slowdown,
         kv_buffer,
-        nixl: crate::config::xfer::NixlOptions { progress_thread: s.nixl.nixl_progress_thread },
+        nixl: crate::config::xfer::NixlOptions {
+            progress_thread: s.nixl.nixl_progress_thread,
+            ..Default::default()
+        },
     })
 }
 
