@@ -68,7 +68,7 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
             return Ok(Outcome::Ok);
         }
         XferRun::Measure { cfg, connect } => (cfg, connect),
-        XferRun::Compare { runs } => return compare(&runs, format),
+        XferRun::Compare { runs, rounds } => return compare(&runs, rounds, format),
     };
     // Ctrl-C stops measuring; the cases measured so far are printed (exit 130/143).
     crate::interrupt::arm();
@@ -128,43 +128,76 @@ pub fn run(args: &XferArgs) -> anyhow::Result<Outcome> {
 /// its ratio to the first transport's. UCX's protocols are not recorded in this mode.
 fn compare(
     runs: &[(crate::settings::xfer::TransportArg, crate::config::xfer::XferConfig)],
+    rounds: u32,
     format: Format,
 ) -> anyhow::Result<Outcome> {
     crate::interrupt::arm();
     let exe = std::env::current_exe().context("finding the kvx executable to start the target process")?;
     let target = TargetSpec::Local { exe };
-    let mut reports = Vec::new();
-    for (t, cfg) in runs {
-        if crate::interrupt::requested().is_some() {
-            break;
+    // Each round's reports, in the order given (whatever order the round ran them in).
+    let mut done: Vec<Vec<(crate::settings::xfer::TransportArg, crate::report::xfer::XferReport)>> =
+        Vec::new();
+    'rounds: for round in 0..rounds as usize {
+        let order: Vec<usize> =
+            if round % 2 == 0 { (0..runs.len()).collect() } else { (0..runs.len()).rev().collect() };
+        let mut reports = Vec::new();
+        for i in order {
+            let (t, cfg) = &runs[i];
+            if crate::interrupt::requested().is_some() {
+                break 'rounds;
+            }
+            if rounds > 1 {
+                output::note!("kvx xfer --compare-transports: round {}/{rounds}: {}", round + 1, t.as_str());
+            }
+            let report = match xfer::run(cfg, &target, |_| {}) {
+                Ok(r) => r,
+                Err(XferError::Verify(why)) => {
+                    return Ok(Outcome::Failed(format!("kvx xfer ({}): {why}", t.as_str())));
+                }
+                Err(e) => {
+                    return Err(anyhow::Error::from(e)
+                        .context(format!("--compare-transports: the {} run", t.as_str())));
+                }
+            };
+            reports.push((i, *t, report));
         }
-        let report = match xfer::run(cfg, &target, |_| {}) {
-            Ok(r) => r,
-            Err(XferError::Verify(why)) => {
-                return Ok(Outcome::Failed(format!("kvx xfer ({}): {why}", t.as_str())));
-            }
-            Err(e) => {
-                return Err(
-                    anyhow::Error::from(e).context(format!("--compare-transports: the {} run", t.as_str()))
-                );
-            }
-        };
-        reports.push((*t, report));
+        reports.sort_by_key(|(i, _, _)| *i);
+        done.push(reports.into_iter().map(|(_, t, r)| (t, r)).collect());
     }
-    let rows =
-        crate::report::xfer::comparison(&reports.iter().map(|(t, r)| (t.as_str(), r)).collect::<Vec<_>>());
+    // A round an interrupt cut short is left out of the comparison (the first is kept whole
+    // or as far as it went, for its tables).
+    let whole: Vec<&Vec<_>> = done.iter().filter(|r| r.len() == runs.len()).collect();
+    let per_round: Vec<Vec<crate::report::xfer::ComparisonRow>> = if whole.is_empty() {
+        done.iter().take(1).map(|r| comparison_of(r)).collect()
+    } else {
+        whole.iter().map(|r| comparison_of(r)).collect()
+    };
+    let rows = crate::report::xfer::merge_rounds(&per_round);
+    let empty = Vec::new();
+    let reports = done.first().unwrap_or(&empty);
     match format {
         Format::Json => {
-            let runs: Vec<serde_json::Value> = reports
+            let rounds_json: Vec<Vec<serde_json::Value>> = done
                 .iter()
-                .map(|(t, r)| serde_json::json!({ "transport": t.as_str(), "report": r }))
+                .map(|round| {
+                    round
+                        .iter()
+                        .map(|(t, r)| serde_json::json!({ "transport": t.as_str(), "report": r }))
+                        .collect()
+                })
                 .collect();
-            output::stdout_json(&serde_json::json!({ "runs": runs, "comparison": rows }))?;
+            let first = rounds_json.first().cloned().unwrap_or_default();
+            let mut v = serde_json::json!({ "runs": first, "comparison": rows });
+            if rounds > 1 {
+                v["rounds"] = serde_json::json!(rounds_json);
+            }
+            output::stdout_json(&v)?;
         }
         Format::Table => {
             let mut text = String::new();
-            for (t, r) in &reports {
-                text.push_str(&format!("== --transport {} ==\n", t.as_str()));
+            for (t, r) in reports {
+                let of = if done.len() > 1 { format!(" (round 1 of {})", done.len()) } else { String::new() };
+                text.push_str(&format!("== --transport {}{of} ==\n", t.as_str()));
                 text.push_str(&render_table(r));
                 text.push('\n');
             }
@@ -173,6 +206,13 @@ fn compare(
         }
     }
     Ok(crate::interrupt::requested().map_or(Outcome::Ok, Outcome::Interrupted))
+}
+
+/// One round's reports side by side.
+fn comparison_of(
+    round: &[(crate::settings::xfer::TransportArg, crate::report::xfer::XferReport)],
+) -> Vec<crate::report::xfer::ComparisonRow> {
+    crate::report::xfer::comparison(&round.iter().map(|(t, r)| (t.as_str(), r)).collect::<Vec<_>>())
 }
 
 /// Runs this same `kvx xfer` command line again in a child process whose environment makes

@@ -504,6 +504,69 @@ pub struct ComparisonRow {
     pub gbps: Vec<(String, f64, f64)>,
     /// Each transport's GB/s over the first's.
     pub ratio_to_first: Vec<(String, f64)>,
+    /// `--rounds`: the rounds' ratios to the first transport, `(transport, min, max)`, beside
+    /// their median in `ratio_to_first` (whose GB/s are the rounds' medians); empty for one
+    /// round.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ratio_range: Vec<(String, f64, f64)>,
+    /// Rounds measured (`--rounds`).
+    pub rounds: usize,
+}
+
+/// The same cases over several rounds (each round's rows from [`comparison`]): each GB/s and
+/// ceiling ratio the median of its rounds, each ratio to the first transport the median of the
+/// rounds' ratios, with their range.
+pub fn merge_rounds(rounds: &[Vec<ComparisonRow>]) -> Vec<ComparisonRow> {
+    let Some(first) = rounds.first() else { return Vec::new() };
+    if rounds.len() == 1 {
+        return first.clone();
+    }
+    let med = |v: Vec<f64>| super::stats::median(&v).unwrap_or(0.0);
+    first
+        .iter()
+        .map(|base| {
+            let same: Vec<&ComparisonRow> = rounds
+                .iter()
+                .filter_map(|rows| {
+                    rows.iter().find(|r| r.size_bytes == base.size_bytes && r.inflight == base.inflight)
+                })
+                .collect();
+            let gbps = base
+                .gbps
+                .iter()
+                .map(|(t, _, _)| {
+                    let of = |f: fn(&(String, f64, f64)) -> f64| {
+                        med(same.iter().flat_map(|r| r.gbps.iter().filter(|g| &g.0 == t).map(f)).collect())
+                    };
+                    (t.clone(), of(|g| g.1), of(|g| g.2))
+                })
+                .collect();
+            let ratios = |t: &str| -> Vec<f64> {
+                same.iter().flat_map(|r| r.ratio_to_first.iter().filter(|x| x.0 == t).map(|x| x.1)).collect()
+            };
+            ComparisonRow {
+                size_bytes: base.size_bytes,
+                inflight: base.inflight,
+                gbps,
+                ratio_to_first: base
+                    .ratio_to_first
+                    .iter()
+                    .map(|(t, _)| (t.clone(), med(ratios(t))))
+                    .collect(),
+                ratio_range: base
+                    .ratio_to_first
+                    .iter()
+                    .map(|(t, _)| {
+                        let v = ratios(t);
+                        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+                        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        (t.clone(), lo, hi)
+                    })
+                    .collect(),
+                rounds: same.len(),
+            }
+        })
+        .collect()
 }
 
 /// The cases every report measured, side by side.
@@ -534,6 +597,8 @@ pub fn comparison(reports: &[(&str, &XferReport)]) -> Vec<ComparisonRow> {
                         x.as_ref().filter(|_| base.gbps > 0.0).map(|x| (t.clone(), x.gbps / base.gbps))
                     })
                     .collect(),
+                ratio_range: Vec::new(),
+                rounds: 1,
             }
         })
         .collect()
@@ -553,12 +618,24 @@ pub fn render_comparison(rows: &[ComparisonRow]) -> String {
     for r in rows {
         let mut row = vec![fmt_size(r.size_bytes), r.inflight.to_string()];
         row.extend(r.gbps.iter().map(|(_, g, c)| format!("{g:.2} ({c:.2})")));
-        row.extend(r.ratio_to_first.iter().skip(1).map(|(_, x)| format!("{x:.2}x")));
+        row.extend(r.ratio_to_first.iter().skip(1).map(
+            |(t, x)| match r.ratio_range.iter().find(|g| &g.0 == t) {
+                Some((_, lo, hi)) => format!("{x:.2}x ({lo:.2}-{hi:.2})"),
+                None => format!("{x:.2}x"),
+            },
+        ));
         t.add_row(row);
     }
-    format!(
-        "same cases, one transport after the other in this run (GB/s = 1e9 B/s; the ceiling is each run's own)\n{t}\n"
-    )
+    let rounds = rows.iter().map(|r| r.rounds).max().unwrap_or(1);
+    let how = if rounds > 1 {
+        format!(
+            "same cases, {rounds} rounds in this run, the transports' order reversed every other round: medians of \
+             the rounds, and the median of the rounds' ratios with their range"
+        )
+    } else {
+        "same cases, one transport after the other in this run".to_owned()
+    };
+    format!("{how} (GB/s = 1e9 B/s; the ceiling is each run's own)\n{t}\n")
 }
 
 #[cfg(test)]

@@ -91,6 +91,12 @@ pub struct XferFlags {
         help = super::flags::COMPARE_TRANSPORTS_HELP
     )]
     pub compare_transports: Option<Vec<TransportArg>>,
+    /// With --compare-transports: measure every transport this many rounds, their order
+    /// reversed every other round (a busy host's drift falls on each alike); the comparison
+    /// gives each case's medians and the median of the rounds' ratios with their range, the
+    /// tables above it the first round [default: 1]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rounds: Option<u32>,
     // The help names the default from `BatchCopy::default()` (the flag stays an Option so
     // that giving it without --transport cuda-batch can be refused).
     #[arg(long, value_enum, help = BatchCopy::help())]
@@ -146,9 +152,9 @@ pub enum XferRun {
     Listen { addr: String, peer_timeout: Duration, opts: TargetOptions },
     /// Measure: against a target process this one starts, or a remote one (`--connect`).
     Measure { cfg: Box<XferConfig>, connect: Option<String> },
-    /// `--compare-transports`: the same measurement on each transport, in order, against
-    /// target processes this one starts.
-    Compare { runs: Vec<(TransportArg, XferConfig)> },
+    /// `--compare-transports`: the same measurement on each transport, in order (reversed
+    /// every other of `rounds`), against target processes this one starts.
+    Compare { runs: Vec<(TransportArg, XferConfig)>, rounds: u32 },
 }
 
 /// `--misalign` shifts above this are refused (an offset's alignment repeats every 4096 bytes
@@ -181,6 +187,14 @@ pub fn resolve(args: &XferFlags) -> Result<XferRun, ConfigError> {
             format!(
                 "applies to --transport nixl: add --transport nixl (or nixl to --compare-transports), or drop --nixl-requests {}",
                 r.as_str()
+            ),
+        ));
+    }
+    if let (Some(n), None) = (args.rounds, &args.compare_transports) {
+        return Err(ConfigError::new(
+            "--rounds",
+            format!(
+                "rounds interleave a comparison's transports: add --compare-transports, or drop --rounds {n}"
             ),
         ));
     }
@@ -222,7 +236,7 @@ pub fn resolve(args: &XferFlags) -> Result<XferRun, ConfigError> {
                 measurement(&one).map(|cfg| (t, cfg))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        return Ok(XferRun::Compare { runs });
+        return Ok(XferRun::Compare { runs, rounds: args.rounds.unwrap_or(1) });
     }
     Ok(XferRun::Measure { cfg: Box::new(measurement(args)?), connect: args.connect.connect.clone() })
 }

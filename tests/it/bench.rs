@@ -193,6 +193,61 @@ fn compare_modes_runs_pull_and_push_on_the_same_workload() {
     assert!(run.dir.join("modes.svg").exists(), "a chart of the comparison");
 }
 
+/// `--rounds 3`: a comparison's runs interleaved over three rounds, the order reversed in the
+/// second; each point holds its rounds' throughputs, their median, and the median of the
+/// rounds' ratios to the first run within their range; the table says how it was run.
+#[test]
+fn rounds_interleave_a_comparison_and_report_the_median_ratio() {
+    let _turn = exclusive();
+    let a = args(&["--compare-modes", "pull,push", "--rounds", "3", "--p-tp", "2", "--d-tp", "1"], TINY);
+    let results = tempfile::tempdir().expect("temp dir");
+    let mut bench = Spawned::start("rounds", bench_cmd(results.path(), &a));
+    let status = bench.expect_exit(RUN_TIMEOUT);
+    let err = bench.stderr();
+    assert!(status.success(), "kvx bench exited {status}; stderr:\n{err}");
+    let order: Vec<&str> =
+        err.lines().filter_map(|l| l.split_once("--compare-modes: round ").map(|(_, rest)| rest)).collect();
+    assert_eq!(
+        order,
+        [
+            "1/3: pull (1/2)",
+            "1/3: push (2/2)",
+            "2/3: push (1/2)",
+            "2/3: pull (2/2)",
+            "3/3: pull (1/2)",
+            "3/3: push (2/2)"
+        ],
+        "{err}"
+    );
+    let summary = summary_json(&bench);
+    let points = summary["sweep"].as_array().expect("one point per mode").clone();
+    for p in &points {
+        let rounds: Vec<f64> = p["params"]["round_gbps"]
+            .as_array()
+            .expect("round_gbps")
+            .iter()
+            .filter_map(|g| g.as_f64())
+            .collect();
+        assert_eq!(rounds.len(), 3, "{p}");
+        assert_eq!(p["params"]["rounds"], 3, "{p}");
+        let mut sorted = rounds.clone();
+        sorted.sort_by(f64::total_cmp);
+        let gbps = p["throughput_gbps"].as_f64().expect("gbps");
+        assert!((gbps - sorted[1]).abs() < 1e-3, "the median of the rounds: {gbps} of {rounds:?}");
+        let (lo, mid, hi) = (
+            p["params"]["ratio_to_first_min"].as_f64().expect("min"),
+            p["params"]["ratio_to_first"].as_f64().expect("ratio"),
+            p["params"]["ratio_to_first_max"].as_f64().expect("max"),
+        );
+        assert!(lo <= mid && mid <= hi && lo > 0.0, "{p}");
+        assert_eq!(p["requests_ok"], 18, "three rounds of 6: {p}");
+    }
+    assert_eq!(points[0]["params"]["ratio_to_first"], 1.0, "the first run is the reference");
+    assert_eq!(n(&summary, "requests_ok"), 36);
+    assert_eq!(n(&summary, "verify_failures"), 0);
+    assert!(bench.stdout().contains("3 rounds, runs interleaved"), "{}", bench.stdout());
+}
+
 /// `--kv-buffer-device cpu` (vLLM's host buffer): prefill copies each request's blocks from its
 /// pool to a host buffer, decode reads host buffer to host buffer and copies into its pool, and
 /// every byte is verified in decode's pool (so a copy that missed a block fails the run). Both

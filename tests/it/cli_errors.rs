@@ -47,6 +47,10 @@ const CASES: &[(&[&str], &str)] = &[
     // a charts directory that is a file, a duration unit the hint names.
     (&["bench", "--compare-modes", "pull,pull"], "--compare-modes"),
     (&["bench", "--compare-transports", "ucx,storage,ucx"], "--compare-transports"),
+    (&["bench", "--rounds", "3"], "--rounds"),
+    (&["bench", "--rounds", "0", "--compare-modes", "pull,push"], "--rounds"),
+    (&["xfer", "--nixl-requests", "reuse"], "--nixl-requests"),
+    (&["xfer", "--rounds", "2"], "--rounds"),
     (&["serve-engine", "--role", "decode", "--kv-backend", "null", "--devices", "99"], "--devices"),
     (&["serve-engine", "--role", "decode", "--kv-backend", "null", "--mode", "push"], "--mode"),
     (&["report", "Cargo.toml", "--charts-dir", "Cargo.toml"], "--charts-dir"),

@@ -452,13 +452,19 @@ fn push_through_nixl_verifies_every_byte_and_refuses_what_it_does_not_cover() {
 fn xfer_compares_nixl_with_ucx_in_one_run_every_case_verified() {
     let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_kvx"))
         .args(["xfer", "--compare-transports", "ucx,nixl", "--sizes", "64KiB", "--inflight", "1,8"])
-        .args(["--iters", "40", "--working-set", "8MiB", "--format", "json"])
+        .args(["--iters", "40", "--working-set", "8MiB", "--format", "json", "--rounds", "2"])
         .env("NIXL_LOG_LEVEL", "WARN")
-        .timeout(Duration::from_secs(120))
+        .timeout(Duration::from_secs(180))
         .output()
         .expect("run kvx xfer");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    // Two rounds, the second in the reverse order.
+    let order: Vec<&str> =
+        err.lines().filter_map(|l| l.split_once("--compare-transports: round ").map(|x| x.1)).collect();
+    assert_eq!(order, ["1/2: ucx", "1/2: nixl", "2/2: nixl", "2/2: ucx"], "{err}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["rounds"].as_array().map(Vec::len), Some(2), "both rounds' reports: {v}");
     let runs = v["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), 2);
     assert_eq!(runs[0]["report"]["transport"], "ucx");
@@ -472,12 +478,61 @@ fn xfer_compares_nixl_with_ucx_in_one_run_every_case_verified() {
             assert!(r["gbps"].as_f64().is_some_and(|g| g > 0.0), "{r}");
         }
     }
+    // NIXL's phases per batch: a request made and released per batch (vLLM's way).
+    assert_eq!(nixl["nixl"]["requests"], "per-batch");
+    for r in nixl["results"].as_array().expect("results") {
+        let make = r["nixl_make_us"].as_f64().expect("make");
+        let release = r["nixl_release_us"].as_f64().expect("release");
+        let post = r["post_us"].as_f64().expect("post");
+        assert!(make > 0.0 && release > 0.0 && make <= post, "{r}");
+    }
     let rows = v["comparison"].as_array().expect("comparison");
     assert_eq!(rows.len(), 2, "one row per case: {v}");
     for row in rows {
         let ratios = row["ratio_to_first"].as_array().expect("ratios");
         assert_eq!(ratios[0][1], 1.0, "the first transport is the reference: {row}");
-        assert!(ratios[1][1].as_f64().is_some_and(|x| x > 0.0), "{row}");
+        let mid = ratios[1][1].as_f64().expect("nixl's ratio");
+        assert_eq!(row["rounds"], 2, "{row}");
+        let (lo, hi) = (
+            row["ratio_range"][1][1].as_f64().expect("min"),
+            row["ratio_range"][1][2].as_f64().expect("max"),
+        );
+        assert!(0.0 < lo && lo <= mid && mid <= hi, "the median within the rounds' range: {row}");
+    }
+}
+
+/// `--nixl-requests reuse`: each distinct batch's request made before the timed batches and
+/// posted again, so no request is made or released while timed; the reads still verified.
+#[test]
+fn xfer_reuses_nixl_requests_made_before_timing() {
+    let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_kvx"))
+        .args([
+            "xfer",
+            "--transport",
+            "nixl",
+            "--nixl-requests",
+            "reuse",
+            "--sizes",
+            "64KiB",
+            "--inflight",
+            "1,8",
+        ])
+        .args(["--iters", "300", "--working-set", "4MiB", "--format", "json"])
+        .env("NIXL_LOG_LEVEL", "WARN")
+        .timeout(Duration::from_secs(120))
+        .output()
+        .expect("run kvx xfer");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["nixl"]["requests"], "reuse", "{v}");
+    let results = v["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2);
+    for r in results {
+        // 300 batches over a working set of 64 (x1) or 8 (x8) batches: each posted again.
+        assert_eq!(r["nixl_make_us"].as_f64(), Some(0.0), "made before timing: {r}");
+        assert_eq!(r["nixl_release_us"].as_f64(), Some(0.0), "released after: {r}");
+        assert!(r["verified_batches"].as_u64().is_some_and(|n| n >= 2), "{r}");
+        assert!(r["verified_bytes"].as_u64().is_some_and(|n| n > 0), "{r}");
     }
 }
 
