@@ -34,8 +34,8 @@ compare-transports|bench --p-tp 2 --d-tp 2 --model llama-3.1-8b --compare-transp
 waterfall|bench --serve --p-tp 1 --d-tp 1 --model llama-3.1-8b --layers 2 --prompt-len 32 --requests 80 --concurrency 1
 xfer|xfer --sizes 64KiB,1MiB --inflight 1,8
 nixl-compare|bench --p-tp 8 --d-tp 2 --compare-transports ucx,nixl --rounds 5
-nixl-xfer|xfer --compare-transports ucx,nixl --sizes 64KiB,1MiB --inflight 1,8,32
-nixl-xfer-reuse|xfer --compare-transports ucx,nixl --sizes 64KiB,1MiB --inflight 1,8,32 --nixl-requests reuse
+nixl-xfer|xfer --compare-transports ucx,nixl --sizes 64KiB,1MiB --inflight 1,8,32 --rounds 3
+nixl-xfer-reuse|xfer --compare-transports ucx,nixl --sizes 64KiB,1MiB --inflight 1,8,32 --nixl-requests reuse --rounds 3
 xfer-rates|xfer --sizes 8KiB,1MiB --inflight 64 --duration 1s --format json
 plan-p8d2|plan --p-tp 8 --d-tp 2 --model llama-3.1-70b --prompt-len 4096
 hybrid-falcon-vllm|bench --model falcon-h1-7b --p-tp 1 --d-tp 2 --prompt-len 2000 --requests 2 --warmup 0|1
