@@ -280,3 +280,46 @@ pub fn modes_table(rows: &[RunRow]) -> String {
         rounds_note(rows)
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(mode: TransferMode, gbps: f64, vs_first: Option<Spread>, rounds: usize) -> RunRow {
+        RunRow {
+            setting: RunSetting::Mode(mode),
+            transfer: (1.0, 2.0),
+            e2e: (1.5, 2.5),
+            ready: (1.2, 2.2),
+            hidden_p50: None,
+            post_p50: 0.1,
+            notify_p50: 0.2,
+            save_p50: None,
+            sync_p50: None,
+            descriptors: 10.0,
+            gbps,
+            cpu_per_gb: 0.5,
+            failed: 0,
+            vs_first,
+            rounds,
+        }
+    }
+
+    #[test]
+    fn rounds_show_the_median_ratio_its_range_and_how_they_ran() {
+        let spread = Spread::of(&[0.9, 1.2, 1.0]);
+        assert_eq!((spread.median, spread.min, spread.max, spread.n), (1.0, 0.9, 1.2, 3));
+        assert_eq!(spread.cell(), "1.00x (0.90-1.20, 3 rounds)");
+        let rows = [
+            row(TransferMode::Pull, 2.0, Some(Spread::of(&[1.0, 1.0, 1.0])), 3),
+            row(TransferMode::Push, 2.4, Some(spread), 3),
+        ];
+        let t = modes_table(&rows);
+        assert!(t.contains("3 rounds, runs interleaved"), "{t}");
+        assert!(t.contains("1.00x (0.90-1.20, 3 rounds)"), "the median of the rounds' ratios, not 2.4/2.0: {t}");
+        // One round: the plain ratio, and no word of rounds.
+        let one = [row(TransferMode::Pull, 2.0, None, 1), row(TransferMode::Push, 3.0, None, 1)];
+        let t = modes_table(&one);
+        assert!(t.contains("1.50x") && !t.contains("rounds"), "{t}");
+    }
+}

@@ -245,7 +245,6 @@ fn rounds_interleave_a_comparison_and_report_the_median_ratio() {
     assert_eq!(points[0]["params"]["ratio_to_first"], 1.0, "the first run is the reference");
     assert_eq!(n(&summary, "requests_ok"), 36);
     assert_eq!(n(&summary, "verify_failures"), 0);
-    assert!(bench.stdout().contains("3 rounds, runs interleaved"), "{}", bench.stdout());
 }
 
 /// `--kv-buffer-device cpu` (vLLM's host buffer): prefill copies each request's blocks from its
