@@ -316,7 +316,10 @@ mod tests {
         ];
         let t = modes_table(&rows);
         assert!(t.contains("3 rounds, runs interleaved"), "{t}");
-        assert!(t.contains("1.00x (0.90-1.20, 3 rounds)"), "the median of the rounds' ratios, not 2.4/2.0: {t}");
+        assert!(
+            t.contains("1.00x (0.90-1.20, 3 rounds)"),
+            "the median of the rounds' ratios, not 2.4/2.0: {t}"
+        );
         // One round: the plain ratio, and no word of rounds.
         let one = [row(TransferMode::Pull, 2.0, None, 1), row(TransferMode::Push, 3.0, None, 1)];
         let t = modes_table(&one);
