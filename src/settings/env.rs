@@ -85,10 +85,11 @@ pub fn resolve_launcher(get: impl Fn(&str) -> Option<String>) -> Result<Option<L
         (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, |rank, size| Launcher::OpenMpi { rank, size }),
         (RANK, WORLD_SIZE, |rank, size| Launcher::Torchrun { rank, size }),
     ] {
-        if let (Some(_), Some(_)) = (get(rank), get(size)) {
-            if let (Some(r), Some(n)) = (index(rank)?, index(size)?) {
-                found.push(make(r, n));
-            }
+        if get(rank).is_some()
+            && get(size).is_some()
+            && let (Some(r), Some(n)) = (index(rank)?, index(size)?)
+        {
+            found.push(make(r, n));
         }
     }
     // Grove's and LeaderWorkerSet's variables are theirs alone: any one of them means the pod
