@@ -19,6 +19,10 @@ pub struct Environment {
     pub os: String,
     pub kernel: String,
     pub kvx_version: String,
+    /// The launcher that started the process that wrote the summary, and the index it gave
+    /// (settings resolve it; `detect` leaves it out).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub launcher: Option<crate::vocab::launcher::Launcher>,
 }
 
 impl Environment {
@@ -52,6 +56,7 @@ impl Environment {
             os,
             kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
             kvx_version: env!("CARGO_PKG_VERSION").to_string(),
+            launcher: None,
         }
     }
 }

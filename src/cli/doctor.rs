@@ -39,6 +39,7 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<Outcome> {
         self_test_exe,
         side_channel_port: args.side_channel.side_channel_port,
         ports: args.ports.max(1),
+        launcher: crate::settings::env::launcher(),
     });
     match args.format {
         Format::Json => output::stdout_json(&report)?,

@@ -144,7 +144,12 @@ mod tests {
     /// the flag a refusal names.
     fn resolve_only(cli: Cli) -> Result<(), String> {
         use crate::settings::{env::ProcessEnv, load, probe, proxy, xfer};
-        let env = ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok("/usr/bin/kvx".into()) };
+        let env = ProcessEnv {
+            results_dir: None,
+            stderr_is_terminal: false,
+            launcher: Ok(None),
+            exe: Ok("/usr/bin/kvx".into()),
+        };
         let flag = |e: crate::error::ConfigError| e.flag;
         match cli.command {
             Command::Bench(a) => {

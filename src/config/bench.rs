@@ -54,6 +54,8 @@ pub struct DescriptorShare {
 #[derive(Debug, Clone)]
 pub struct BenchSettings {
     pub name: String,
+    /// The launcher that started the orchestrator (the report's environment names it).
+    pub launcher: Option<crate::vocab::launcher::Launcher>,
     /// What every worker of both engines shares (the pair, transport, memory, deadlines).
     pub workers: WorkerSettings,
     /// How a request's two legs are sent (concurrent: push mode only).

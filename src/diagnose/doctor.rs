@@ -73,6 +73,8 @@ pub struct DoctorOptions {
     pub self_test_exe: Option<PathBuf>,
     pub side_channel_port: u16,
     pub ports: u16,
+    /// The launcher settings recognised in this process's environment, or why it refused it.
+    pub launcher: Result<Option<crate::vocab::launcher::Launcher>, crate::error::ConfigError>,
 }
 
 /// The whole report; `needed_missing` is true when kvx cannot work on this host.
@@ -111,6 +113,7 @@ pub fn run(opts: &DoctorOptions) -> DoctorReport {
     checks.push(zmq_check());
     checks.extend(nixl_checks());
     checks.push(env_check());
+    checks.push(launcher_check(&opts.launcher));
     let needed_missing = checks.iter().any(|c| c.verdict == Verdict::Fail);
     DoctorReport { checks, needed_missing }
 }
@@ -778,6 +781,20 @@ fn zmq_check() -> Check {
     check("zmq", Verdict::Ok, format!("libzmq {a}.{b}.{c} (built into kvx)"), "")
 }
 
+/// Which launcher started this process and the index it gave, as `kvx worker` would take it.
+fn launcher_check(l: &Result<Option<crate::vocab::launcher::Launcher>, crate::error::ConfigError>) -> Check {
+    match l {
+        Ok(Some(l)) => check("launcher", Verdict::Ok, l.describe(), ""),
+        Ok(None) => check("launcher", Verdict::Ok, "none recognised (ranks come from --role/--rank)", ""),
+        Err(e) => check(
+            "launcher",
+            Verdict::Fail,
+            e.to_string(),
+            "kvx worker and kvx bench refuse this environment (exit 2); see docs/kubernetes.md",
+        ),
+    }
+}
+
 fn env_check() -> Check {
     let mut set: Vec<String> = env::ALL
         .iter()
@@ -831,6 +848,28 @@ mod tests {
     fn verdict(checks: &[Check], name: &str) -> (Verdict, String, String) {
         let c = checks.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no {name} in {checks:?}"));
         (c.verdict, c.detail.clone(), c.hint.clone())
+    }
+
+    #[test]
+    fn the_launcher_line_names_it_and_a_refused_environment_fails_the_doctor() {
+        use crate::vocab::launcher::Launcher;
+        let c = launcher_check(&Ok(Some(Launcher::Grove {
+            pod_index: 1,
+            clique: "kvx-0-prefill".into(),
+            set: "kvx".into(),
+            set_index: 0,
+            headless_service: "kvx-0.default.svc.cluster.local".into(),
+        })));
+        assert_eq!(c.verdict, Verdict::Ok);
+        assert_eq!(
+            c.detail,
+            "Grove, GROVE_PCLQ_POD_INDEX=1, clique kvx-0-prefill, service kvx-0.default.svc.cluster.local"
+        );
+        assert_eq!(launcher_check(&Ok(None)).verdict, Verdict::Ok);
+        let e = crate::error::ConfigError::new("LWS_LEADER_ADDRESS", "is not set, but LWS_WORKER_INDEX is");
+        let c = launcher_check(&Err(e));
+        assert_eq!(c.verdict, Verdict::Fail);
+        assert!(c.detail.contains("(change LWS_LEADER_ADDRESS)"), "{}", c.detail);
     }
 
     #[test]

@@ -94,6 +94,9 @@ pub fn scenario_table(s: &Summary, style: Style) -> Table {
         let os = if e.kernel.is_empty() { e.os.clone() } else { format!("{} ({})", e.os, e.kernel) };
         t.add_row(vec!["os".to_string(), os]);
     }
+    if let Some(l) = &e.launcher {
+        t.add_row(vec!["launcher".to_string(), l.describe()]);
+    }
     t.add_row(vec!["kvx".to_string(), s.kvx_version.clone()]);
     let u = &s.ucx;
     if !u.version.is_empty() || !u.library.is_empty() {
@@ -589,6 +592,20 @@ mod tests {
         assert!(md.contains("| stage | count |"), "{md}");
         assert!(md.contains("|---"), "{md}");
         assert!(!md.contains('│'));
+    }
+
+    #[test]
+    fn the_environment_names_the_launcher_and_the_index_it_gave() {
+        let mut s = Summary::new("r1", "t", Default::default());
+        assert!(!scenario_table(&s, Style::Markdown).to_string().contains("launcher"));
+        s.environment.launcher = Some(crate::vocab::launcher::Launcher::IndexedJob {
+            completion_index: 0,
+            hostname: Some("kvx-bench-0".into()),
+        });
+        let t = scenario_table(&s, Style::Markdown).to_string();
+        assert!(t.contains("| launcher | Indexed Job, JOB_COMPLETION_INDEX=0, host kvx-bench-0 |"), "{t}");
+        let json = serde_json::to_value(&s).expect("json");
+        assert_eq!(json["environment"]["launcher"]["kind"], "indexed_job", "{json}");
     }
 
     #[test]

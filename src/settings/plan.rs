@@ -688,7 +688,12 @@ mod tests {
     use crate::transfer::cuda_batch::BatchCopy;
 
     fn env() -> ProcessEnv {
-        ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok(PathBuf::from("/usr/bin/kvx")) }
+        ProcessEnv {
+            results_dir: None,
+            stderr_is_terminal: false,
+            launcher: Ok(None),
+            exe: Ok(PathBuf::from("/usr/bin/kvx")),
+        }
     }
 
     #[test]

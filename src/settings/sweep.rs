@@ -170,7 +170,12 @@ mod tests {
     }
 
     fn env() -> ProcessEnv {
-        ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok(PathBuf::from("/usr/bin/kvx")) }
+        ProcessEnv {
+            results_dir: None,
+            stderr_is_terminal: false,
+            launcher: Ok(None),
+            exe: Ok(PathBuf::from("/usr/bin/kvx")),
+        }
     }
 
     #[test]

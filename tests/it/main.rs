@@ -13,6 +13,7 @@ mod handshake;
 mod hostile;
 mod hybrid;
 mod interrupt;
+mod k8s;
 mod kv_buffer;
 mod layering;
 mod load_fail;

@@ -18,11 +18,10 @@ use serde_json::Value;
 use crate::procs::{Spawned, bench_cmd, exclusive, kvx_path, n, read_rows, run_dir, summary_json};
 use crate::ucx_common::{Part, skip};
 
-const RUN_TIMEOUT: Duration = Duration::from_secs(180);
-const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+pub const RUN_TIMEOUT: Duration = Duration::from_secs(180);
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 /// Launcher variables a test runner itself may carry; they would override the ones a test sets.
-const LAUNCHER_VARS: &[&str] =
-    &["SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "RANK", "WORLD_SIZE"];
+const LAUNCHER_VARS: &[&str] = kvx::vocab::launcher::ALL;
 
 /// Runs `ip ARGS` with a hard timeout; `Err` carries its stderr.
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -39,21 +38,22 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 /// One side of the link: a namespace, its veth end and its address.
-struct Side {
-    ns: String,
-    dev: String,
-    addr: String,
+pub struct Side {
+    pub ns: String,
+    pub dev: String,
+    pub addr: String,
 }
 
-/// Two namespaces joined by a veth pair; deleted on drop (which also removes the pair).
-struct TwoHosts {
-    p: Side,
-    d: Side,
+/// Two namespaces joined by a veth pair; deleted on drop (which also removes the pair and
+/// the namespaces' `/etc/netns/NS/` files).
+pub struct TwoHosts {
+    pub p: Side,
+    pub d: Side,
     made: Vec<String>,
 }
 
 impl TwoHosts {
-    fn create() -> Result<TwoHosts, String> {
+    pub fn create() -> Result<TwoHosts, String> {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let (pid, seq) = (std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
         let id = format!("{pid}x{seq}");
@@ -89,13 +89,33 @@ impl TwoHosts {
     /// `kvx ARGS` run inside `side`'s namespace, with UCX restricted to tcp on the veth link
     /// (both namespaces share one kernel, so UCX would otherwise pick shared memory).
     fn kvx(side: &Side, args: &[&str]) -> Command {
+        let mut cmd = Self::exec(side, kvx_path().as_os_str());
+        cmd.args(args);
+        cmd
+    }
+
+    /// `program` run inside `side`'s namespace, UCX on tcp over the veth link, no launcher
+    /// variables of the test runner's.
+    pub fn exec(side: &Side, program: &std::ffi::OsStr) -> Command {
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &side.ns]).arg(kvx_path()).args(args);
+        cmd.args(["netns", "exec", &side.ns]).arg(program);
         cmd.env("UCX_TLS", "tcp").env("UCX_NET_DEVICES", &side.dev);
         for var in LAUNCHER_VARS {
             cmd.env_remove(var);
         }
         cmd
+    }
+
+    /// Names both namespaces resolve (`ip netns exec` mounts `/etc/netns/NS/hosts` over
+    /// `/etc/hosts`): what cluster DNS gives the pods.
+    pub fn hosts_file(&self, entries: &[(String, String)]) -> std::io::Result<()> {
+        let text: String = entries.iter().map(|(name, addr)| format!("{addr} {name}\n")).collect();
+        for ns in &self.made {
+            let dir = std::path::Path::new("/etc/netns").join(ns);
+            std::fs::create_dir_all(&dir)?;
+            std::fs::write(dir.join("hosts"), format!("127.0.0.1 localhost\n{text}"))?;
+        }
+        Ok(())
     }
 }
 
@@ -103,6 +123,7 @@ impl Drop for TwoHosts {
     fn drop(&mut self) {
         for ns in &self.made {
             let _ = ip(&["netns", "del", ns]);
+            let _ = std::fs::remove_dir_all(std::path::Path::new("/etc/netns").join(ns));
         }
     }
 }
@@ -114,7 +135,7 @@ fn endpoint(line: &str) -> String {
 
 /// Checks a run across the link: all requests ok and verified, every block freed by its
 /// notifications (none by lease expiry), and UCX on tcp only.
-fn check_across(case: &str, s: &Value, requests: u64) {
+pub fn check_across(case: &str, s: &Value, requests: u64) {
     assert_eq!(n(s, "requests_ok"), requests, "{case}: {s}");
     assert_eq!(n(s, "requests_failed"), 0, "{case}: {s}");
     assert_eq!(n(s, "verify_failures"), 0, "{case}: {s}");

@@ -693,6 +693,7 @@ pub fn run(
     let started = crate::report::summary::now_rfc3339();
     let mut summary = Summary::new(run_id, started, crate::report::scenario::bench_scenario(s));
     summary.environment = crate::host::Environment::detect();
+    summary.environment.launcher = s.launcher.clone();
     summary.partial = true;
     // The first partial summary marks the directory as a run under way; a disk that cannot
     // hold it does not stop the measurement (what cannot be written is said at the end, and

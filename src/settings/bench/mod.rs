@@ -650,8 +650,10 @@ fn finish(
         .clone()
         .or_else(|| s.config.as_deref().and_then(Path::file_stem).map(|s| s.to_string_lossy().to_string()))
         .unwrap_or_else(|| "bench".into());
+    let launcher = env.launcher.clone()?;
     Ok(BenchSettings {
         name,
+        launcher,
         workers: WorkerSettings {
             pair,
             hybrid,

@@ -15,7 +15,12 @@ use crate::transfer::ucx::{ErrMode, ProgressMode};
 use crate::vocab::kinds::VerifyMode;
 
 fn env() -> ProcessEnv {
-    ProcessEnv { results_dir: None, stderr_is_terminal: false, exe: Ok(PathBuf::from("/usr/bin/kvx")) }
+    ProcessEnv {
+        results_dir: None,
+        stderr_is_terminal: false,
+        launcher: Ok(None),
+        exe: Ok(PathBuf::from("/usr/bin/kvx")),
+    }
 }
 
 fn config(text: &str) -> tempfile::NamedTempFile {
@@ -806,4 +811,20 @@ fn faults_parse() {
     );
     assert_eq!(parse_fault("exit:d1@2").map(|f| f.role), Ok(Role::Decode));
     assert!(parse_fault("exit:x1@2").is_err());
+}
+
+#[test]
+fn the_launcher_travels_to_the_report_and_a_refused_one_stops_the_run() {
+    let lws = crate::vocab::launcher::Launcher::LeaderWorkerSet {
+        worker_index: 0,
+        group_size: 4,
+        leader_address: "kvx-bench-0.kvx-bench.default".into(),
+    };
+    let s = resolve(&BenchFlags::default(), &ProcessEnv { launcher: Ok(Some(lws.clone())), ..env() })
+        .expect("ok");
+    assert_eq!(s.launcher, Some(lws));
+    let refused = crate::error::ConfigError::new("SLURM_PROCID or RANK", "both are set");
+    let e = resolve(&BenchFlags::default(), &ProcessEnv { launcher: Err(refused.clone()), ..env() })
+        .expect_err("refused");
+    assert_eq!(e, refused);
 }
