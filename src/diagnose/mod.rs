@@ -9,6 +9,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod calibrate;
 pub mod doctor;
 pub mod probe;
 pub mod xfer;

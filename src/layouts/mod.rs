@@ -20,6 +20,7 @@ pub mod hybrid;
 pub mod model_config;
 pub mod pattern;
 pub mod posting;
+pub mod predict;
 pub mod rank_maps;
 pub mod rates;
 pub mod read_plan;
