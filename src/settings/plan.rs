@@ -299,9 +299,35 @@ pub struct PlanFlags {
     /// Bandwidth ceilings replacing the defaults, in GB/s: ucx, cuda-ipc, cuda-batch.
     #[arg(long, value_name = "KEY=GBPS", value_delimiter = ',', help_heading = "Posting cost")]
     pub ceiling_gbps: Vec<String>,
+    /// Write the request's predicted transfer as a simulator's profile instead of the plan
+    /// (needs --rates FILE of kvx calibrate): llm-d-sim (llm-d-inference-sim's YAML config
+    /// keys kv-cache-transfer-latency, kv-cache-transfer-time-per-token) or dynamo-mocker
+    /// (Dynamo mocker's --kv-transfer-bandwidth, --kv-bytes-per-token)
+    #[arg(long, value_enum, value_name = "SIMULATOR", help_heading = "Posting cost")]
+    pub export: Option<ExportArg>,
     // json prints every uncoalesced pair (the command's long help says so).
     #[arg(long, value_enum, default_value_t = Format::Table, help = super::flags::FORMAT_HELP)]
     pub format: Format,
+}
+
+/// The simulators `kvx plan --export` writes a profile for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportArg {
+    /// llm-d's inference simulator: a YAML config (kv-cache-transfer-latency,
+    /// kv-cache-transfer-time-per-token)
+    #[value(name = "llm-d-sim")]
+    LlmdSim,
+    /// Dynamo's mocker: arguments (--kv-transfer-bandwidth GB/s, --kv-bytes-per-token)
+    DynamoMocker,
+}
+
+impl From<ExportArg> for crate::report::prediction::Simulator {
+    fn from(e: ExportArg) -> Self {
+        match e {
+            ExportArg::LlmdSim => Self::LlmdSim,
+            ExportArg::DynamoMocker => Self::DynamoMocker,
+        }
+    }
 }
 
 impl PlanFlags {
@@ -345,14 +371,14 @@ pub fn resolve_plan(args: &PlanFlags) -> Result<PlanRequest, ConfigError> {
             };
             match args.mode.mode() {
                 TransferMode::Pull => PlanCase::HybridPull { request, rates },
-                TransferMode::Push => PlanCase::HybridPush { request },
+                TransferMode::Push => PlanCase::HybridPush { request, rates },
             }
         }
         None => {
             let request = resolve_uniform(args)?;
             match args.mode.mode() {
                 TransferMode::Pull => PlanCase::UniformPull { rates: rates()?, request },
-                TransferMode::Push => PlanCase::UniformPush { request },
+                TransferMode::Push => PlanCase::UniformPush { rates: rates()?, request },
             }
         }
     };
