@@ -42,11 +42,15 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
     let flags = &args.settings;
     let request = resolve_plan(flags).map_err(|e| reject(flags.format, e))?;
     if flags.export.is_some() && flags.rates.is_none() {
-        return Err(reject(flags.format, ConfigError::new("--export", "needs --rates FILE written by kvx calibrate")));
+        return Err(reject(
+            flags.format,
+            ConfigError::new("--export", "needs --rates FILE written by kvx calibrate"),
+        ));
     }
     let planned = plan(request).map_err(|e| reject(flags.format, e))?;
     if let Some(sim) = flags.export {
-        let profile = export(&planned, sim.into()).map_err(|why| reject(flags.format, ConfigError::new("--rates", why)))?;
+        let profile = export(&planned, sim.into())
+            .map_err(|why| reject(flags.format, ConfigError::new("--rates", why)))?;
         output::stdout(profile)?;
         return Ok(Outcome::Ok);
     }

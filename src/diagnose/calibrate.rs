@@ -49,7 +49,12 @@ fn size_arg(sizes: &[u64]) -> String {
 }
 
 /// `kvx xfer` with these sizes and depths, `readers` copies at once; each copy's report.
-fn run_xfers(cfg: &CalibrateConfig, sizes: &[u64], depths: &[u64], readers: u32) -> Result<Vec<Value>, CalibrateError> {
+fn run_xfers(
+    cfg: &CalibrateConfig,
+    sizes: &[u64],
+    depths: &[u64],
+    readers: u32,
+) -> Result<Vec<Value>, CalibrateError> {
     let exe = std::env::current_exe()
         .map_err(|e| CalibrateError::Spawn { exe: "current executable".into(), source: e })?;
     let mut args: Vec<String> = vec![
@@ -67,7 +72,9 @@ fn run_xfers(cfg: &CalibrateConfig, sizes: &[u64], depths: &[u64], readers: u32)
     ];
     match cfg.path {
         PostPath::Ucx => {}
-        PostPath::CudaIpc => args.extend(["--mem".into(), "cuda".into(), "--device".into(), cfg.device.to_string()]),
+        PostPath::CudaIpc => {
+            args.extend(["--mem".into(), "cuda".into(), "--device".into(), cfg.device.to_string()])
+        }
         PostPath::CudaBatch => args.extend([
             "--mem".into(),
             "cuda".into(),
@@ -157,13 +164,17 @@ pub fn calibrate(cfg: &CalibrateConfig, date: &str) -> Result<Calibrated, Calibr
     let mut all_points = points(&single, 1);
     let fit = fit_batches(&all_points).map_err(|reason| CalibrateError::Fit { path: key, reason })?;
     // cuda-batch posts a batch in one call: the intercept is the call's cost.
-    let (fixed_ns, ns_per_call) = if cfg.path == PostPath::CudaBatch { (0.0, fit.fixed_ns) } else { (fit.fixed_ns, 0.0) };
-    let mut concurrency = vec![ReadersRate { readers: 1, ns_per_descriptor: fit.ns_per_descriptor, gbps: fit.gbps }];
+    let (fixed_ns, ns_per_call) =
+        if cfg.path == PostPath::CudaBatch { (0.0, fit.fixed_ns) } else { (fit.fixed_ns, 0.0) };
+    let mut concurrency =
+        vec![ReadersRate { readers: 1, ns_per_descriptor: fit.ns_per_descriptor, gbps: fit.gbps }];
     for &k in cfg.readers.iter().filter(|&&k| k > 1) {
         let reports = run_xfers(cfg, &cfg.concurrency_sizes, &[cfg.concurrency_depth], k)?;
         let pts = points(&reports, k);
-        let (ns, gbps) = fit_rates(&pts, fit.fixed_ns)
-            .map_err(|reason| CalibrateError::Fit { path: key, reason: format!("{k} readers at once: {reason}") })?;
+        let (ns, gbps) = fit_rates(&pts, fit.fixed_ns).map_err(|reason| CalibrateError::Fit {
+            path: key,
+            reason: format!("{k} readers at once: {reason}"),
+        })?;
         concurrency.push(ReadersRate { readers: k, ns_per_descriptor: ns, gbps });
         all_points.extend(pts);
     }
@@ -219,7 +230,8 @@ pub fn calibrate(cfg: &CalibrateConfig, date: &str) -> Result<Calibrated, Calibr
         "points": all_points,
     });
     if let Some(c) = &changes {
-        file["stability"] = json!({"compared_with": cfg.compare.as_ref().map(|p| p.display().to_string()), "terms": c});
+        file["stability"] =
+            json!({"compared_with": cfg.compare.as_ref().map(|p| p.display().to_string()), "terms": c});
     }
     Ok(Calibrated { file, model, fit, changes })
 }

@@ -289,7 +289,8 @@ pub fn fit_batches(points: &[XferPoint]) -> Result<BatchFit, String> {
             ([1.0, d, db], p.batch_ns)
         })
         .collect();
-    let mut beta = least_squares(&full).ok_or("the sweep's points do not determine the fit (vary sizes and depths)")?;
+    let mut beta =
+        least_squares(&full).ok_or("the sweep's points do not determine the fit (vary sizes and depths)")?;
     if beta[0] < 0.0 || beta[1] < 0.0 {
         // Refit with the negative term pinned at zero.
         let keep_fixed = beta[0] >= 0.0;
@@ -361,7 +362,11 @@ pub fn compare_models(before: &TransferModel, after: &TransferModel) -> Vec<Term
     ];
     for a in &after.concurrency {
         if let Some(b) = before.concurrency.iter().find(|b| b.readers == a.readers) {
-            terms.push((format!("concurrency[readers={}].ns_per_descriptor", a.readers), b.ns_per_descriptor, a.ns_per_descriptor));
+            terms.push((
+                format!("concurrency[readers={}].ns_per_descriptor", a.readers),
+                b.ns_per_descriptor,
+                a.ns_per_descriptor,
+            ));
             terms.push((format!("concurrency[readers={}].gbps", a.readers), b.gbps, a.gbps));
         }
     }
@@ -434,7 +439,8 @@ mod tests {
         assert!((big.total_ns - (2_000.0 + big.post_ns + big.bytes_ns)).abs() < 1e-6);
         assert_eq!(big.bound, Term::Bytes);
         assert!(big.extrapolated.is_empty(), "{:?}", big.extrapolated);
-        let small = m.predict_rank(&RankLoad { rank: 1, descriptors: 1000, calls: 1000, bytes: 1000 * 512 }, 1);
+        let small =
+            m.predict_rank(&RankLoad { rank: 1, descriptors: 1000, calls: 1000, bytes: 1000 * 512 }, 1);
         assert_eq!(small.bound, Term::Posting);
         assert!(small.extrapolated[0].contains("512 B per descriptor"), "{:?}", small.extrapolated);
         let tiny = m.predict_rank(&RankLoad { rank: 2, descriptors: 1, calls: 1, bytes: 4096 }, 1);

@@ -131,8 +131,10 @@ pub const PROVENANCE_FIELDS: [&str; 5] = ["command", "host", "kvx_version", "ucx
 /// path) is read strictly: its version, its provenance and each path's model, every error
 /// naming the field.
 fn check_calibrated(path: &str, v: &Value) -> Result<(), String> {
-    let has_model =
-        v.get("paths").and_then(Value::as_object).is_some_and(|ps| ps.values().any(|p| p.get("model").is_some()));
+    let has_model = v
+        .get("paths")
+        .and_then(Value::as_object)
+        .is_some_and(|ps| ps.values().any(|p| p.get("model").is_some()));
     let Some(version) = v.get("kvx_rates_version") else {
         return if has_model {
             Err(format!("{path}: `kvx_rates_version` is missing (a rates file of kvx calibrate carries it)"))
@@ -153,7 +155,8 @@ fn check_calibrated(path: &str, v: &Value) -> Result<(), String> {
             return Err(format!("{path}: `provenance.{f}` is missing or not a string"));
         }
     }
-    let paths = v.get("paths").and_then(Value::as_object).ok_or_else(|| format!("{path}: `paths` is missing"))?;
+    let paths =
+        v.get("paths").and_then(Value::as_object).ok_or_else(|| format!("{path}: `paths` is missing"))?;
     if paths.is_empty() {
         return Err(format!("{path}: `paths` names no transport"));
     }
@@ -177,9 +180,11 @@ fn model_of(path: &str, key: &str, p: &Value) -> Result<TransferModel, String> {
     if !(model.ceiling_gbps.is_finite() && model.ceiling_gbps > 0.0) {
         return Err(bad("ceiling_gbps"));
     }
-    for (f, x) in
-        [("fixed_ns", model.fixed_ns), ("ns_per_descriptor", model.ns_per_descriptor), ("ns_per_call", model.ns_per_call)]
-    {
+    for (f, x) in [
+        ("fixed_ns", model.fixed_ns),
+        ("ns_per_descriptor", model.ns_per_descriptor),
+        ("ns_per_call", model.ns_per_call),
+    ] {
         if !nonneg(x) {
             return Err(format!("{path}: `paths.{key}.model.{f}` must be a finite number, 0 or more"));
         }

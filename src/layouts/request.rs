@@ -296,7 +296,11 @@ fn pull_plans(r: &UniformRequest, d_rank: Option<u32>) -> Result<Vec<RankPlan>, 
 /// Per path with a fitted model, the predicted transfer of posting ranks `ranks` (their
 /// READs or WRITEs), `readers` of them posting at once on the host: UCX posts every
 /// descriptor as its own call, cuda-batch the coalesced ones of each peer in one call.
-fn predict(ranks: &[(u32, Vec<ReadShape>)], readers: u32, rates: &PostRates) -> Vec<(PostPath, RequestPrediction)> {
+fn predict(
+    ranks: &[(u32, Vec<ReadShape>)],
+    readers: u32,
+    rates: &PostRates,
+) -> Vec<(PostPath, RequestPrediction)> {
     PostPath::ALL
         .iter()
         .filter_map(|&path| {
@@ -306,7 +310,10 @@ fn predict(ranks: &[(u32, Vec<ReadShape>)], readers: u32, rates: &PostRates) -> 
                 .map(|(rank, shapes)| {
                     let bytes = shapes.iter().map(|r| r.bytes).sum();
                     let (descriptors, calls) = if path == PostPath::CudaBatch {
-                        (shapes.iter().map(|r| r.coalesced).sum(), shapes.iter().filter(|r| r.coalesced > 0).count() as u64)
+                        (
+                            shapes.iter().map(|r| r.coalesced).sum(),
+                            shapes.iter().filter(|r| r.coalesced > 0).count() as u64,
+                        )
                     } else {
                         let n = shapes.iter().map(|r| r.descriptors).sum();
                         (n, n)
@@ -397,8 +404,7 @@ fn hybrid_posting_costs(plan: &HybridPlan, rates: &PostRates) -> Vec<PathCost> {
 
 /// Each decode rank's READs of a hybrid plan as the cost models see them.
 fn hybrid_shapes(plan: &HybridPlan) -> Vec<(u32, Vec<ReadShape>)> {
-    plan
-        .d_ranks
+    plan.d_ranks
         .iter()
         .map(|d| {
             let reads = d

@@ -4,9 +4,9 @@
 //! `plan_json`. Pure: `layouts::request` plans the request, `cli::plan` prints what this returns.
 
 use super::numbers::bytes_text;
+use super::prediction::{ProfileInput, Simulator, export_profile, plan_text};
 use super::table::wrapped_table;
 use crate::layouts::compat::PairSpec;
-use super::prediction::{ProfileInput, Simulator, export_profile, plan_text};
 use crate::layouts::posting::{PathCost, PostPath, PostRates};
 use crate::layouts::read_plan::{Pair, RequestBlocks};
 use crate::layouts::request::{Planned, PushRankPlan, RankPlan};
@@ -59,10 +59,20 @@ pub fn render(planned: &Planned, view: PlanView) -> serde_json::Result<String> {
 /// where the rates file has one, else the first path it fitted). `Err` says what is missing.
 pub fn export(planned: &Planned, sim: Simulator) -> Result<String, String> {
     let uniform = |pair: &PairSpec, blocks: &RequestBlocks| {
-        (pair.model.name.clone(), format!("P tp {} -> D tp {}", pair.p.tp, pair.d.tp), blocks.remote.len() as u64 * u64::from(pair.p.block_tokens))
+        (
+            pair.model.name.clone(),
+            format!("P tp {} -> D tp {}", pair.p.tp, pair.d.tp),
+            blocks.remote.len() as u64 * u64::from(pair.p.block_tokens),
+        )
     };
-    let hybrid = |name: &str, planner: &crate::layouts::hybrid::HybridPlanner, plan: &crate::layouts::hybrid::HybridPlan| {
-        (name.to_string(), format!("P tp {} -> D tp {}", planner.config.p.tp, planner.config.d.tp), u64::from(plan.tokens.prompt_tokens))
+    let hybrid = |name: &str,
+                  planner: &crate::layouts::hybrid::HybridPlanner,
+                  plan: &crate::layouts::hybrid::HybridPlan| {
+        (
+            name.to_string(),
+            format!("P tp {} -> D tp {}", planner.config.p.tp, planner.config.d.tp),
+            u64::from(plan.tokens.prompt_tokens),
+        )
     };
     let (predictions, rates, (name, pair, tokens)) = match planned {
         Planned::UniformPull(p) => (&p.predictions, &p.rates, uniform(&p.request.pair, &p.request.blocks)),

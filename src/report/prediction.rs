@@ -20,15 +20,19 @@ const US: f64 = 1e3;
 /// The run's predicted transfer against its measured one; `None` for a run this model does not
 /// describe (no transfer measured, a push run: its posting ranks are the prefill ranks,
 /// whose bytes the summary does not split).
-pub fn bench_prediction(s: &Summary, model: &TransferModel, path: PostPath, rates: &str) -> Option<BenchPrediction> {
+pub fn bench_prediction(
+    s: &Summary,
+    model: &TransferModel,
+    path: PostPath,
+    rates: &str,
+) -> Option<BenchPrediction> {
     if s.scenario.extra.mode.is_some_and(|m| m == crate::topology::TransferMode::Push) {
         return None;
     }
     let span = s.stages.get("transfer_span")?;
     let rank_stats = s.stages.get("transfer");
     let coalesced = s.scenario.extra.coalesce.unwrap_or(false) || path == PostPath::CudaBatch;
-    let descs =
-        if coalesced { s.descriptors_per_request.coalesced } else { s.descriptors_per_request.raw };
+    let descs = if coalesced { s.descriptors_per_request.coalesced } else { s.descriptors_per_request.raw };
     let decode: Vec<_> = s.per_rank.iter().filter(|r| r.role == "decode" && r.requests > 0).collect();
     if decode.is_empty() || s.bytes_per_request <= 0.0 {
         return None;

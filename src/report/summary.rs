@@ -537,6 +537,11 @@ pub struct SweepPoint {
     pub descriptors_per_request: Option<DescriptorsPerRequest>,
     pub requests_ok: u64,
     pub requests_failed: u64,
+    /// `--rates`: the point's predicted and measured transfer span p50 (see [`BenchPrediction`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_span_p50_us: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_span_p50_us: Option<f64>,
 }
 
 /// How a request ended.

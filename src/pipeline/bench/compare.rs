@@ -133,6 +133,8 @@ pub fn run(
             descriptors_per_request: Some(s.descriptors_per_request),
             requests_ok: s.requests_ok,
             requests_failed: s.requests_failed,
+            predicted_span_p50_us: None,
+            measured_span_p50_us: None,
         });
     }
     let table = match what {

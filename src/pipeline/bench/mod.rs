@@ -914,7 +914,8 @@ pub fn run(
     }
     summary.calibration = median_calibration(&calibration);
     if let Some(p) = &s.prediction {
-        summary.prediction = crate::report::prediction::bench_prediction(&summary, &p.model, p.path, &p.rates);
+        summary.prediction =
+            crate::report::prediction::bench_prediction(&summary, &p.model, p.path, &p.rates);
     }
     summary.finished_at = Some(crate::report::summary::now_rfc3339());
     summary.partial = interrupted.is_some();
