@@ -44,7 +44,7 @@ SHAPES=(
   "nemotronh-2to4-8k    nemotron-h-8b       2 4 8192  1"
   "nemotronh-4to2-32k-c2 nemotron-h-8b      4 2 32768 2"
   "gptoss-8to2-8k-hma   gpt-oss-120b        8 2 8192  1 --hma on"
-  "dsv3mla-8to2-8k-c2   deepseek-v3         8 2 8192  2"
+  "dsv3mla-4to2-2k-c2   deepseek-v3         4 2 2048  2"
 )
 RUNS=$(mktemp -d)
 trap 'rm -rf "$RUNS"' EXIT

@@ -360,7 +360,7 @@ pub fn compare_models(before: &TransferModel, after: &TransferModel) -> Vec<Term
         ("ns_per_call".into(), before.ns_per_call, after.ns_per_call),
         ("gbps".into(), before.gbps, after.gbps),
     ];
-    for a in &after.concurrency {
+    for a in after.concurrency.iter().filter(|a| a.readers > 1) {
         if let Some(b) = before.concurrency.iter().find(|b| b.readers == a.readers) {
             terms.push((
                 format!("concurrency[readers={}].ns_per_descriptor", a.readers),

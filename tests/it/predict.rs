@@ -35,9 +35,9 @@ fn plan_predicts_each_rank_and_the_span_for_pull_push_and_hybrid() {
         "--rates",
         FIXTURE,
     ]);
-    // 2 decode ranks, each 10,240 descriptors of 8 KiB = 80 MiB; with 2 readers at once:
-    // 2 us + 10,240 x 800 ns + 83,886,080 B / 2.5 GB/s.
-    let want_us = 2.0 + 10_240.0 * 0.8 + 83_886_080.0 / 2.5 / 1e3;
+    // 2 decode ranks, each 4 peers x 10,240 descriptors of 8 KiB = 320 MiB; with 2 readers at
+    // once: 2 us + 40,960 x 800 ns + 335,544,320 B / 2.5 GB/s.
+    let want_us = 2.0 + 40_960.0 * 0.8 + 335_544_320.0 / 2.5 / 1e3;
     assert!(pull.contains(&format!("span {:.2} ms, bound by bytes", want_us / 1e3)), "{pull}");
     assert!(!pull.contains("EXTRAPOLATED"), "{pull}");
     insta::assert_snapshot!("predict_plan_pull_8_2", pull);
