@@ -11,7 +11,8 @@ use crate::error::{ConfigError, Outcome};
 use crate::layouts::request::plan;
 use crate::output;
 use crate::report::plan::{PlanView, export, render};
-use crate::settings::plan::{PlanFlags, resolve_plan};
+use crate::report::prediction::Simulator;
+use crate::settings::plan::{ExportArg, PlanFlags, resolve_plan};
 
 #[derive(Debug, Args)]
 #[command(
@@ -49,8 +50,12 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<Outcome> {
     }
     let planned = plan(request).map_err(|e| reject(flags.format, e))?;
     if let Some(sim) = flags.export {
-        let profile = export(&planned, sim.into())
-            .map_err(|why| reject(flags.format, ConfigError::new("--rates", why)))?;
+        let sim = match sim {
+            ExportArg::LlmdSim => Simulator::LlmdSim,
+            ExportArg::DynamoMocker => Simulator::DynamoMocker,
+        };
+        let profile =
+            export(&planned, sim).map_err(|why| reject(flags.format, ConfigError::new("--rates", why)))?;
         output::stdout(profile)?;
         return Ok(Outcome::Ok);
     }

@@ -129,7 +129,7 @@ pub struct UniformPull {
     /// Per transport, the busiest decode rank's cost.
     pub costs: Vec<PathCost>,
     pub rates: PostRates,
-    /// Per path with a fitted model (`--rates` of `kvx calibrate`), the predicted transfer.
+    /// Per path with a fitted model (a rates file of `kvx calibrate`), the predicted transfer.
     pub predictions: Vec<(PostPath, RequestPrediction)>,
 }
 

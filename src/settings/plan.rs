@@ -287,10 +287,7 @@ pub struct PlanFlags {
     /// Pairs to print per read in the table view.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub show_pairs: usize,
-    /// A results file whose rates replace the built-in ones: a `kvx xfer --format json`
-    /// report (UCX on host or device memory, or --transport cuda-batch) or the JSON that
-    /// scripts/gpu-check.sh writes.
-    #[arg(long, value_name = "FILE", help_heading = "Posting cost")]
+    #[arg(long, value_name = "FILE", help_heading = "Posting cost", help = super::posting::RATES_HELP)]
     pub rates: Option<PathBuf>,
     /// Measured posting costs replacing the defaults, in ns per descriptor: ucx, cuda-ipc,
     /// cuda-batch, and cuda-batch-call (ns per batched call), e.g. ucx=76,cuda-batch=150.
@@ -319,15 +316,6 @@ pub enum ExportArg {
     LlmdSim,
     /// Dynamo's mocker: arguments (--kv-transfer-bandwidth GB/s, --kv-bytes-per-token)
     DynamoMocker,
-}
-
-impl From<ExportArg> for crate::report::prediction::Simulator {
-    fn from(e: ExportArg) -> Self {
-        match e {
-            ExportArg::LlmdSim => Self::LlmdSim,
-            ExportArg::DynamoMocker => Self::DynamoMocker,
-        }
-    }
 }
 
 impl PlanFlags {

@@ -109,7 +109,7 @@ fn plan_exports_each_simulators_profile() {
     // Llama-3.1-8B: 32 layers x 8 heads x 128 x 2 (K, V) x 2 B = 128 KiB per token.
     assert!(dynamo.contains("--kv-bytes-per-token 131072"), "{dynamo}");
     insta::assert_snapshot!("predict_export_dynamo_mocker", dynamo);
-    let out = kvx().args([&base[..8], &["--export", "llm-d-sim"]].concat()).output().expect("runs");
+    let out = kvx().args([&base[..9], &["--export", "llm-d-sim"]].concat()).output().expect("runs");
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--export"));
 }

@@ -265,9 +265,7 @@ layered! {
         #[arg(long, help_heading = "Output")]
         #[serde(skip)]
         pub no_calibrate: bool,
-        /// A rates file of `kvx calibrate`: the report and summary.json's `prediction` give the
-        /// transfer times its model predicts for this run beside the measured ones.
-        #[arg(long, value_name = "FILE", help_heading = "Output")]
+        #[arg(long, value_name = "FILE", help_heading = "Output", help = crate::settings::posting::RATES_HELP)]
         #[serde(skip)]
         pub rates: Option<PathBuf>,
         // json prints the summary to stdout as well (the command's long help says so).
