@@ -161,8 +161,7 @@ impl TransferModel {
         if beyond || readers > self.fitted.max_readers {
             extrapolated.push(format!("{readers} ranks at once (fitted up to {})", self.fitted.max_readers));
         }
-        if load.descriptors > 0 {
-            let size = load.bytes / load.descriptors;
+        if let Some(size) = load.bytes.checked_div(load.descriptors) {
             let (lo, hi) = (self.fitted.min_descriptor_bytes, self.fitted.max_descriptor_bytes);
             if size < lo || size > hi {
                 extrapolated.push(format!("{size} B per descriptor (fitted {lo}..{hi} B)"));
@@ -248,10 +247,11 @@ fn least_squares<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
         }
         a.swap(col, pivot);
         b.swap(col, pivot);
+        let pivot_row = a[col];
         for row in col + 1..N {
-            let f = a[row][col] / a[col][col];
-            for k in col..N {
-                a[row][k] -= f * a[col][k];
+            let f = a[row][col] / pivot_row[col];
+            for (v, p) in a[row].iter_mut().zip(pivot_row.iter()).skip(col) {
+                *v -= f * p;
             }
             b[row] -= f * b[col];
         }
@@ -264,9 +264,9 @@ fn least_squares<const N: usize>(rows: &[([f64; N], f64)]) -> Option<[f64; N]> {
     x.iter().all(|v| v.is_finite()).then_some(x)
 }
 
-/// The single-reader terms fitted from a sweep: `batch_ns = fixed + inflight * ns_per_descriptor
-/// + inflight * size / gbps`. A negative fixed or per-descriptor term is pinned at 0 and the
-/// rest refitted.
+/// The single-reader terms fitted from a sweep, each batch's time being fixed, plus inflight
+/// times the cost per descriptor, plus inflight times size over the rate. A negative fixed or
+/// per-descriptor term is pinned at 0 and the rest refitted.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct BatchFit {
     pub fixed_ns: f64,

@@ -36,7 +36,6 @@ pub struct PlanRequest {
 /// The four kinds of request: a uniform or a hybrid pair, pulled or pushed. A pull plan's
 /// posting cost is worked out at `rates`.
 #[derive(Debug, Clone)]
-#[expect(clippy::large_enum_variant, reason = "one value per command run, moved, never collected")]
 pub enum PlanCase {
     UniformPull { request: UniformRequest, rates: PostRates },
     UniformPush { request: UniformRequest, rates: PostRates },
@@ -112,7 +111,6 @@ impl PlanError {
 
 /// A planned request, one variant per [`PlanCase`].
 #[derive(Debug)]
-#[expect(clippy::large_enum_variant, reason = "one value per command run, moved, never collected")]
 pub enum Planned {
     UniformPull(UniformPull),
     UniformPush(UniformPush),

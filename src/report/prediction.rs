@@ -239,7 +239,7 @@ pub fn export_profile(sim: Simulator, x: &ProfileInput<'_>) -> String {
         format!(
             "{} moved per request ({} per token as planned), {:.2} GB/s effective over the span",
             super::numbers::bytes_text(bytes),
-            if x.tokens > 0 { bytes / x.tokens } else { 0 },
+            bytes.checked_div(x.tokens).unwrap_or(0),
             effective_gbps
         ),
         format!(
@@ -271,7 +271,7 @@ pub fn export_profile(sim: Simulator, x: &ProfileInput<'_>) -> String {
              --kv-transfer-bandwidth {:.3}\n\
              --kv-bytes-per-token {}\n",
             effective_gbps,
-            if x.tokens > 0 { bytes / x.tokens } else { 0 },
+            bytes.checked_div(x.tokens).unwrap_or(0),
         ),
     }
 }
