@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 use crate::error::Outcome;
 
 pub mod bench;
+pub mod calibrate;
 pub mod common;
 pub mod completions;
 pub mod doctor;
@@ -47,6 +48,8 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Transport microbenchmark: one-sided UCX reads between two processes.
     Xfer(Box<xfer::XferArgs>),
+    /// Fit this host's transfer-time model from kvx xfer sweeps; write a rates file.
+    Calibrate(calibrate::CalibrateArgs),
     /// Speak the side-channel protocol to a kvx or vLLM engine and show what it advertises.
     Probe(probe::ProbeArgs),
     /// Check this host: UCX library, transports, memory types, CUDA, ports.
@@ -95,6 +98,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<Outcome> {
         Command::Layout(a) => layout::run(&a),
         Command::Plan(a) => plan::run(&a),
         Command::Xfer(a) => xfer::run(&a),
+        Command::Calibrate(a) => calibrate::run(&a),
         Command::Probe(a) => probe::run(&a),
         Command::Doctor(a) => doctor::run(&a),
         Command::Bench(a) => bench::run(&a),

@@ -73,6 +73,8 @@ pub struct BenchSettings {
     pub rounds: u32,
     /// Measure the same-run calibration (memcpy and a UCX loopback read).
     pub calibrate: bool,
+    /// `--rates`: the fitted model the report predicts this run's transfers with.
+    pub prediction: Option<PredictionModel>,
     /// A hybrid model's reads by descriptor size (a request of the longest prompt, every
     /// decode rank), largest share of the bytes first: the calibration measures `kvx xfer` at
     /// each size. Empty for a uniform model (one size, [`calibration_size`]).
@@ -81,6 +83,14 @@ pub struct BenchSettings {
     pub progress_bar: bool,
     /// Directory runs are written under (`--results-dir`, `KVX_RESULTS_DIR`, `results/`).
     pub results_root: PathBuf,
+}
+
+/// A fitted transfer-time model of the path a run takes, and the rates file it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PredictionModel {
+    pub path: crate::layouts::posting::PostPath,
+    pub model: crate::layouts::predict::TransferModel,
+    pub rates: String,
 }
 
 impl BenchSettings {

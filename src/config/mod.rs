@@ -16,6 +16,7 @@
 
 pub mod arrival;
 pub mod bench;
+pub mod calibrate;
 pub mod engine;
 pub mod layout;
 pub mod load;

@@ -1,6 +1,7 @@
 //! Commands that probe a host or a link: `kvx xfer` (the transport microbenchmark between two
-//! processes), `kvx doctor` (what kvx sees on this host, with a verdict per item) and `kvx
-//! probe` (what a peer's side channel advertises).
+//! processes), `kvx calibrate` (the transfer-time model fitted from `kvx xfer` sweeps), `kvx
+//! doctor` (what kvx sees on this host, with a verdict per item) and `kvx probe` (what a
+//! peer's side channel advertises).
 //!
 //! A layer above the transports, like `pipeline` and `serve`: it may use `transfer`,
 //! `layouts`, `topology`, `report` and the leaves, holds no `unsafe` (what needs it stays
@@ -9,6 +10,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod calibrate;
 pub mod doctor;
 pub mod probe;
 pub mod xfer;

@@ -8,7 +8,9 @@
 //! and coalesces them; `push` does the same for push mode (prefill WRITEs, so local is the
 //! prefill rank); `pattern` fills and verifies blocks; `posting` says what posting a plan's
 //! descriptors costs on each transport (the post-bound check of `kvx plan`), with `rates` reading
-//! its rates from results files; `request` plans `kvx plan`'s request whole (uniform or hybrid,
+//! its rates from results files; `predict` is the fitted transfer-time model (fixed, per
+//! descriptor, byte rate, readers at once) that `kvx calibrate` fits and `kvx plan` and `kvx
+//! bench` predict with; `request` plans `kvx plan`'s request whole (uniform or hybrid,
 //! pull or push) into one typed answer, and `rank_maps` maps `kvx topo`'s pair the same way.
 
 #![forbid(unsafe_code)]
@@ -20,6 +22,7 @@ pub mod hybrid;
 pub mod model_config;
 pub mod pattern;
 pub mod posting;
+pub mod predict;
 pub mod rank_maps;
 pub mod rates;
 pub mod read_plan;

@@ -86,6 +86,10 @@ pub struct PathRate {
     /// Bandwidth the bytes move at once posted (GB/s = 1e9 B/s).
     pub ceiling_gbps: f64,
     pub ceiling_source: RateSource,
+    /// The whole transfer-time model, where a `kvx calibrate` rates file gave one
+    /// (`layouts::predict`): what `kvx plan` and `kvx bench` predict transfer times with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<super::predict::TransferModel>,
 }
 
 /// The rates of every path.

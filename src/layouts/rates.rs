@@ -23,6 +23,7 @@
 use serde_json::Value;
 
 use super::posting::{PathRate, PostPath, PostRates, RateSource};
+use super::predict::{RATES_VERSION, TransferModel};
 use crate::vocab::knob::Knob;
 
 /// The files the built-in rates come from, as committed (path, text).
@@ -89,6 +90,7 @@ fn source(path: &str, line: usize, detail: String) -> RateSource {
 /// the file lacks.
 pub fn apply(path: &str, text: &str, rates: &mut PostRates) -> Result<Vec<PostPath>, String> {
     let v: Value = serde_json::from_str(text).map_err(|e| format!("{path} is not JSON: {e}"))?;
+    check_calibrated(path, &v)?;
     let mut found = Vec::new();
     reports(&v, &mut found);
     let mut set = Vec::new();
@@ -120,6 +122,85 @@ pub fn apply(path: &str, text: &str, rates: &mut PostRates) -> Result<Vec<PostPa
         }
     }
     Ok(set)
+}
+
+/// The provenance fields a `kvx calibrate` rates file must carry.
+pub const PROVENANCE_FIELDS: [&str; 5] = ["command", "host", "kvx_version", "ucx_version", "date"];
+
+/// A `kvx calibrate` rates file (one with `kvx_rates_version`, or with a fitted `model` in a
+/// path) is read strictly: its version, its provenance and each path's model, every error
+/// naming the field.
+fn check_calibrated(path: &str, v: &Value) -> Result<(), String> {
+    let has_model = v
+        .get("paths")
+        .and_then(Value::as_object)
+        .is_some_and(|ps| ps.values().any(|p| p.get("model").is_some()));
+    let Some(version) = v.get("kvx_rates_version") else {
+        return if has_model {
+            Err(format!("{path}: `kvx_rates_version` is missing (a rates file of kvx calibrate carries it)"))
+        } else {
+            Ok(())
+        };
+    };
+    if version.as_u64() != Some(RATES_VERSION) {
+        return Err(format!(
+            "{path}: `kvx_rates_version` is {version}, this kvx reads version {RATES_VERSION}: run kvx calibrate again"
+        ));
+    }
+    let prov = v.get("provenance").and_then(Value::as_object).ok_or_else(|| {
+        format!("{path}: `provenance` is missing or not an object (command, host, versions, date)")
+    })?;
+    for f in PROVENANCE_FIELDS {
+        if !prov.get(f).is_some_and(Value::is_string) {
+            return Err(format!("{path}: `provenance.{f}` is missing or not a string"));
+        }
+    }
+    let paths =
+        v.get("paths").and_then(Value::as_object).ok_or_else(|| format!("{path}: `paths` is missing"))?;
+    if paths.is_empty() {
+        return Err(format!("{path}: `paths` names no transport"));
+    }
+    for (key, p) in paths {
+        model_of(path, key, p)?;
+    }
+    Ok(())
+}
+
+/// The fitted model of path `key` of a rates file, checked: every figure finite, rates and
+/// ranges positive.
+fn model_of(path: &str, key: &str, p: &Value) -> Result<TransferModel, String> {
+    let m = p.get("model").ok_or_else(|| format!("{path}: `paths.{key}.model` is missing"))?;
+    let model: TransferModel =
+        serde_json::from_value(m.clone()).map_err(|e| format!("{path}: `paths.{key}.model`: {e}"))?;
+    let bad = |field: &str| format!("{path}: `paths.{key}.model.{field}` must be a finite number above 0");
+    let nonneg = |x: f64| x.is_finite() && x >= 0.0;
+    if !(model.gbps.is_finite() && model.gbps > 0.0) {
+        return Err(bad("gbps"));
+    }
+    if !(model.ceiling_gbps.is_finite() && model.ceiling_gbps > 0.0) {
+        return Err(bad("ceiling_gbps"));
+    }
+    for (f, x) in [
+        ("fixed_ns", model.fixed_ns),
+        ("ns_per_descriptor", model.ns_per_descriptor),
+        ("ns_per_call", model.ns_per_call),
+    ] {
+        if !nonneg(x) {
+            return Err(format!("{path}: `paths.{key}.model.{f}` must be a finite number, 0 or more"));
+        }
+    }
+    for (i, r) in model.concurrency.iter().enumerate() {
+        if r.readers == 0 || !(r.gbps.is_finite() && r.gbps > 0.0) || !nonneg(r.ns_per_descriptor) {
+            return Err(format!(
+                "{path}: `paths.{key}.model.concurrency[{i}]` needs readers >= 1, gbps > 0 and ns_per_descriptor >= 0"
+            ));
+        }
+    }
+    let f = &model.fitted;
+    if f.min_descriptor_bytes == 0 || f.max_descriptor_bytes < f.min_descriptor_bytes || f.max_readers == 0 {
+        return Err(format!("{path}: `paths.{key}.model.fitted` is not a range (min <= max, both above 0)"));
+    }
+    Ok(model)
 }
 
 fn apply_rates_file(
@@ -154,6 +235,9 @@ fn apply_rates_file(
             let how = p.get("ceiling_how").and_then(Value::as_str).unwrap_or_default();
             rate.ceiling_source =
                 source(path, line_of(text, start, "ceiling_gbps", g), format!("{how} ({provenance})"));
+        }
+        if p.get("model").is_some() {
+            rate.model = Some(model_of(path, key, p)?);
         }
         set.push(post);
     }
@@ -257,6 +341,7 @@ fn unset(why_unset: &str) -> PathRate {
         post_source: why(),
         ceiling_gbps: 0.0,
         ceiling_source: why(),
+        model: None,
     }
 }
 

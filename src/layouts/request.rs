@@ -12,7 +12,8 @@ use thiserror::Error;
 use super::compat::PairSpec;
 use super::hybrid::write_plan::{self as hybrid_push, HybridWrite};
 use super::hybrid::{HybridError, HybridPairSpec, HybridPlan, HybridPlanner, HybridRequest};
-use super::posting::{PathCost, PostRates, ReadShape, request_costs};
+use super::posting::{PathCost, PostPath, PostRates, ReadShape, request_costs};
+use super::predict::{RankLoad, RequestPrediction};
 use super::read_plan::{DRankPlan, Pair, Planner, RequestBlocks, RequestIds};
 use super::write_plan::{PRankPlan, PushPlanner};
 use crate::error::ConfigError;
@@ -35,12 +36,11 @@ pub struct PlanRequest {
 /// The four kinds of request: a uniform or a hybrid pair, pulled or pushed. A pull plan's
 /// posting cost is worked out at `rates`.
 #[derive(Debug, Clone)]
-#[expect(clippy::large_enum_variant, reason = "one value per command run, moved, never collected")]
 pub enum PlanCase {
     UniformPull { request: UniformRequest, rates: PostRates },
-    UniformPush { request: UniformRequest },
+    UniformPush { request: UniformRequest, rates: PostRates },
     HybridPull { request: HybridPlanRequest, rates: PostRates },
-    HybridPush { request: HybridPlanRequest },
+    HybridPush { request: HybridPlanRequest, rates: PostRates },
 }
 
 /// A uniform pair's request: the pair, its block ids, its notification ids.
@@ -111,7 +111,6 @@ impl PlanError {
 
 /// A planned request, one variant per [`PlanCase`].
 #[derive(Debug)]
-#[expect(clippy::large_enum_variant, reason = "one value per command run, moved, never collected")]
 pub enum Planned {
     UniformPull(UniformPull),
     UniformPush(UniformPush),
@@ -128,6 +127,8 @@ pub struct UniformPull {
     /// Per transport, the busiest decode rank's cost.
     pub costs: Vec<PathCost>,
     pub rates: PostRates,
+    /// Per path with a fitted model (a rates file of `kvx calibrate`), the predicted transfer.
+    pub predictions: Vec<(PostPath, RequestPrediction)>,
 }
 
 /// Prefill's WRITEs on a uniform pair.
@@ -138,6 +139,9 @@ pub struct UniformPush {
     pub plans: Vec<PushRankPlan>,
     /// What each decode rank shown waits for.
     pub views: Vec<DRankPushView>,
+    /// Per path with a fitted model, the predicted transfer (the prefill ranks post).
+    pub predictions: Vec<(PostPath, RequestPrediction)>,
+    pub rates: PostRates,
 }
 
 /// Decode's READs on a hybrid pair (vLLM's handshake passed), and what posting them costs.
@@ -152,6 +156,8 @@ pub struct HybridPull {
     /// Per transport, the busiest decode rank's cost (every rank counted).
     pub costs: Vec<PathCost>,
     pub rates: PostRates,
+    /// Per path with a fitted model, the predicted transfer.
+    pub predictions: Vec<(PostPath, RequestPrediction)>,
 }
 
 /// Prefill's WRITEs on a hybrid pair: taken from the pull plan of the decode ranks each
@@ -169,6 +175,9 @@ pub struct HybridPushed {
     pub waits: Vec<(u32, Vec<u32>, u32)>,
     /// The notification every WRITE carries.
     pub notif: String,
+    /// Per path with a fitted model, the predicted transfer (the prefill ranks post).
+    pub predictions: Vec<(PostPath, RequestPrediction)>,
+    pub rates: PostRates,
 }
 
 /// Plans the request.
@@ -178,15 +187,34 @@ pub fn plan(request: PlanRequest) -> Result<Planned, PlanError> {
         PlanCase::UniformPull { request, rates } => {
             let plans = pull_plans(&request, d_rank)?;
             let costs = posting_costs(&plans, &rates);
-            Planned::UniformPull(UniformPull { request, plans, costs, rates })
+            let predictions = predict(&pull_shapes(&plans), request.pair.d.tp, &rates);
+            Planned::UniformPull(UniformPull { request, plans, costs, rates, predictions })
         }
-        PlanCase::UniformPush { request } => {
+        PlanCase::UniformPush { request, rates } => {
             let (plans, views) = push_plans(&request, d_rank)?;
-            Planned::UniformPush(UniformPush { request, plans, views })
+            let shapes: Vec<(u32, Vec<ReadShape>)> = plans
+                .iter()
+                .map(|(plan, co)| {
+                    let writes = plan
+                        .writes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, w)| ReadShape {
+                            descriptors: w.pairs.len() as u64,
+                            coalesced: co.get(i).map_or(0, Vec::len) as u64,
+                            bytes: w.pairs.iter().map(|p| p.len).sum(),
+                        })
+                        .collect();
+                    (plan.p_rank, writes)
+                })
+                .collect();
+            let predictions = predict(&shapes, request.pair.p.tp, &rates);
+            Planned::UniformPush(UniformPush { request, plans, views, predictions, rates })
         }
         PlanCase::HybridPull { request, rates } => {
             let (planner, plan) = hybrid_plan(&request, d_rank, false)?;
             let costs = hybrid_posting_costs(&plan, &rates);
+            let predictions = predict(&hybrid_shapes(&plan), planner.config.d.tp, &rates);
             Planned::HybridPull(HybridPull {
                 name: request.name,
                 vllm_version: request.vllm_version,
@@ -195,20 +223,36 @@ pub fn plan(request: PlanRequest) -> Result<Planned, PlanError> {
                 d_rank,
                 costs,
                 rates,
+                predictions,
             })
         }
-        PlanCase::HybridPush { request } => {
+        PlanCase::HybridPush { request, rates } => {
             let (planner, plan) = hybrid_plan(&request, d_rank, true)?;
             let shown = |d: u32| d_rank.is_none_or(|r| r == d);
             let (p_tp, d_tp) = (planner.config.p.tp, planner.config.d.tp);
             // Prefill names the request by decode's id and its own TP size (as kvx's push does).
             let notif = format!("req-D:{p_tp}");
-            let writes = (0..p_tp)
+            let writes: Vec<(u32, Vec<HybridWrite>)> = (0..p_tp)
                 .map(|p| {
                     let ws = hybrid_push::writes(&planner, &plan, p);
                     (p, ws.into_iter().filter(|w| shown(w.d_rank)).collect())
                 })
                 .collect();
+            let shapes: Vec<(u32, Vec<ReadShape>)> = writes
+                .iter()
+                .map(|(p, ws): &(u32, Vec<HybridWrite>)| {
+                    let shapes = ws
+                        .iter()
+                        .map(|w| ReadShape {
+                            descriptors: w.pairs.len() as u64,
+                            coalesced: w.pairs.len() as u64,
+                            bytes: w.bytes(),
+                        })
+                        .collect();
+                    (*p, shapes)
+                })
+                .collect();
+            let predictions = predict(&shapes, p_tp, &rates);
             let waits = (0..d_tp)
                 .filter(|&d| shown(d))
                 .map(|d| (d, hybrid_push::writers(p_tp, d_tp, d), hybrid_push::expected_notifs(p_tp, d_tp)))
@@ -221,6 +265,8 @@ pub fn plan(request: PlanRequest) -> Result<Planned, PlanError> {
                 writes,
                 waits,
                 notif,
+                predictions,
+                rates,
             })
         }
     })
@@ -245,9 +291,47 @@ fn pull_plans(r: &UniformRequest, d_rank: Option<u32>) -> Result<Vec<RankPlan>, 
         .collect()
 }
 
+/// Per path with a fitted model, the predicted transfer of posting ranks `ranks` (their
+/// READs or WRITEs), `readers` of them posting at once on the host: UCX posts every
+/// descriptor as its own call, cuda-batch the coalesced ones of each peer in one call.
+fn predict(
+    ranks: &[(u32, Vec<ReadShape>)],
+    readers: u32,
+    rates: &PostRates,
+) -> Vec<(PostPath, RequestPrediction)> {
+    PostPath::ALL
+        .iter()
+        .filter_map(|&path| {
+            let model = rates.of(path).model.as_ref()?;
+            let loads: Vec<RankLoad> = ranks
+                .iter()
+                .map(|(rank, shapes)| {
+                    let bytes = shapes.iter().map(|r| r.bytes).sum();
+                    let (descriptors, calls) = if path == PostPath::CudaBatch {
+                        (
+                            shapes.iter().map(|r| r.coalesced).sum(),
+                            shapes.iter().filter(|r| r.coalesced > 0).count() as u64,
+                        )
+                    } else {
+                        let n = shapes.iter().map(|r| r.descriptors).sum();
+                        (n, n)
+                    };
+                    RankLoad { rank: *rank, descriptors, calls, bytes }
+                })
+                .collect();
+            Some((path, model.predict_request(&loads, readers)))
+        })
+        .collect()
+}
+
 /// Each transport's cost for this request (its busiest decode rank).
 fn posting_costs(plans: &[RankPlan], rates: &PostRates) -> Vec<PathCost> {
-    let ranks: Vec<(u32, Vec<ReadShape>)> = plans
+    request_costs(&pull_shapes(plans), rates)
+}
+
+/// Each decode rank's READs as the cost models see them.
+fn pull_shapes(plans: &[RankPlan]) -> Vec<(u32, Vec<ReadShape>)> {
+    plans
         .iter()
         .map(|(plan, co)| {
             let reads = plan
@@ -262,8 +346,7 @@ fn posting_costs(plans: &[RankPlan], rates: &PostRates) -> Vec<PathCost> {
                 .collect();
             (plan.d_rank, reads)
         })
-        .collect();
-    request_costs(&ranks, rates)
+        .collect()
 }
 
 /// Every prefill rank's WRITEs (only those into `d_rank` when given), and what the decode
@@ -314,8 +397,12 @@ fn hybrid_plan(
 /// A hybrid plan's posting cost: every descriptor a decode rank posts, state rows included
 /// (vLLM merges none of them, so each counts as its own copy).
 fn hybrid_posting_costs(plan: &HybridPlan, rates: &PostRates) -> Vec<PathCost> {
-    let ranks: Vec<(u32, Vec<ReadShape>)> = plan
-        .d_ranks
+    request_costs(&hybrid_shapes(plan), rates)
+}
+
+/// Each decode rank's READs of a hybrid plan as the cost models see them.
+fn hybrid_shapes(plan: &HybridPlan) -> Vec<(u32, Vec<ReadShape>)> {
+    plan.d_ranks
         .iter()
         .map(|d| {
             let reads = d
@@ -329,6 +416,5 @@ fn hybrid_posting_costs(plan: &HybridPlan, rates: &PostRates) -> Vec<PathCost> {
                 .collect();
             (d.d_rank, reads)
         })
-        .collect();
-    request_costs(&ranks, rates)
+        .collect()
 }

@@ -45,6 +45,7 @@ pub mod layout;
 pub mod numbers;
 pub mod plan;
 pub mod plan_json;
+pub mod prediction;
 pub mod recorder;
 pub mod run_charts;
 pub mod scenario;

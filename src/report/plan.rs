@@ -4,9 +4,10 @@
 //! `plan_json`. Pure: `layouts::request` plans the request, `cli::plan` prints what this returns.
 
 use super::numbers::bytes_text;
+use super::prediction::{ProfileInput, Simulator, export_profile, plan_text};
 use super::table::wrapped_table;
 use crate::layouts::compat::PairSpec;
-use crate::layouts::posting::{PathCost, PostRates};
+use crate::layouts::posting::{PathCost, PostPath, PostRates};
 use crate::layouts::read_plan::{Pair, RequestBlocks};
 use crate::layouts::request::{Planned, PushRankPlan, RankPlan};
 use crate::topology::push_map::DRankPushView;
@@ -30,22 +31,71 @@ pub fn render(planned: &Planned, view: PlanView) -> serde_json::Result<String> {
         Planned::UniformPull(p) => {
             let mut text = render_pull(&p.request.pair, &p.request.blocks, &p.plans, show_pairs);
             text.push_str(&render_posting(&p.costs, &p.rates));
+            text.push_str(&plan_text(&p.predictions, "decode"));
             text
         }
         Planned::UniformPush(p) => {
-            render_push(&p.request.pair, &p.request.blocks, &p.plans, &p.views, show_pairs)
+            let mut text = render_push(&p.request.pair, &p.request.blocks, &p.plans, &p.views, show_pairs);
+            text.push_str(&plan_text(&p.predictions, "prefill"));
+            text
         }
         Planned::HybridPull(p) => {
             let mut text = render_hybrid(&p.name, &p.planner, &p.plan, p.d_rank);
             text.push_str(&render_posting(&p.costs, &p.rates));
+            text.push_str(&plan_text(&p.predictions, "decode"));
             text
         }
         Planned::HybridPush(p) => {
             let rows: Vec<(u32, &crate::layouts::hybrid::write_plan::HybridWrite)> =
                 p.writes.iter().flat_map(|(pr, ws)| ws.iter().map(move |w| (*pr, w))).collect();
-            render_hybrid_push(&p.name, &p.planner, &p.plan, &rows, &p.waits, &p.notif)
+            let mut text = render_hybrid_push(&p.name, &p.planner, &p.plan, &rows, &p.waits, &p.notif);
+            text.push_str(&plan_text(&p.predictions, "prefill"));
+            text
         }
     })
+}
+
+/// `kvx plan --export`: the planned request's prediction as `sim`'s profile (the ucx model
+/// where the rates file has one, else the first path it fitted). `Err` says what is missing.
+pub fn export(planned: &Planned, sim: Simulator) -> Result<String, String> {
+    let uniform = |pair: &PairSpec, blocks: &RequestBlocks| {
+        (
+            pair.model.name.clone(),
+            format!("P tp {} -> D tp {}", pair.p.tp, pair.d.tp),
+            blocks.remote.len() as u64 * u64::from(pair.p.block_tokens),
+        )
+    };
+    let hybrid = |name: &str,
+                  planner: &crate::layouts::hybrid::HybridPlanner,
+                  plan: &crate::layouts::hybrid::HybridPlan| {
+        (
+            name.to_string(),
+            format!("P tp {} -> D tp {}", planner.config.p.tp, planner.config.d.tp),
+            u64::from(plan.tokens.prompt_tokens),
+        )
+    };
+    let (predictions, rates, (name, pair, tokens)) = match planned {
+        Planned::UniformPull(p) => (&p.predictions, &p.rates, uniform(&p.request.pair, &p.request.blocks)),
+        Planned::UniformPush(p) => (&p.predictions, &p.rates, uniform(&p.request.pair, &p.request.blocks)),
+        Planned::HybridPull(p) => (&p.predictions, &p.rates, hybrid(&p.name, &p.planner, &p.plan)),
+        Planned::HybridPush(p) => (&p.predictions, &p.rates, hybrid(&p.name, &p.planner, &p.plan)),
+    };
+    let (path, prediction) = predictions
+        .iter()
+        .find(|(p, _)| *p == PostPath::Ucx)
+        .or(predictions.first())
+        .ok_or("needs a fitted model: --rates FILE written by kvx calibrate")?;
+    let model = rates.of(*path).model.as_ref().ok_or("the rates file has no fitted model")?;
+    let input = ProfileInput {
+        model_name: &name,
+        pair,
+        tokens,
+        path: *path,
+        prediction,
+        model,
+        provenance: vec![rates.of(*path).post_source.text()],
+    };
+    Ok(export_profile(sim, &input))
 }
 
 /// The pull view: one row per READ (and per notification-only peer), then the totals.

@@ -175,6 +175,52 @@ pub struct Summary {
     /// the charts over time.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub events: Vec<RunEvent>,
+    /// `--rates`: the transfer times the fitted model predicted for this run's plan, beside
+    /// the measured ones (`report::prediction`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<BenchPrediction>,
+}
+
+/// Predicted against measured transfer times of a run (`kvx bench --rates`): the model of
+/// `layouts::predict` applied to each decode rank's descriptors and bytes per request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BenchPrediction {
+    /// The path whose model predicted (`ucx`, `cuda-ipc`, `cuda-batch`).
+    pub transport: String,
+    /// The rates file's note (host, date) and name.
+    pub rates: String,
+    /// Decode ranks reading at once on the host.
+    pub readers: u32,
+    /// The term that bounds the slowest rank: `posting`, `bytes` or `fixed`.
+    pub bound: String,
+    pub transfer_span_p50_us: f64,
+    pub transfer_span_p90_us: f64,
+    pub measured_transfer_span_p50_us: f64,
+    pub measured_transfer_span_p90_us: f64,
+    /// Measured / predicted, p50.
+    pub ratio: f64,
+    pub ratio_p90: f64,
+    /// Each decode rank's predicted transfer per request.
+    pub ranks: Vec<RankPredicted>,
+    /// Every rank's measured transfer per request, pooled.
+    pub measured_rank_transfer_p50_us: f64,
+    pub measured_rank_transfer_p90_us: f64,
+    /// Why the prediction lies outside what the rates were fitted over; empty inside.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extrapolated: Vec<String>,
+}
+
+/// One decode rank's predicted transfer of one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankPredicted {
+    pub rank: u32,
+    pub descriptors: u64,
+    pub bytes: u64,
+    pub fixed_us: f64,
+    pub post_us: f64,
+    pub bytes_us: f64,
+    pub transfer_us: f64,
+    pub bound: String,
 }
 
 impl Summary {
@@ -235,6 +281,7 @@ impl Summary {
             waterfall: None,
             goodput: None,
             events: Vec::new(),
+            prediction: None,
         }
     }
 
@@ -490,6 +537,11 @@ pub struct SweepPoint {
     pub descriptors_per_request: Option<DescriptorsPerRequest>,
     pub requests_ok: u64,
     pub requests_failed: u64,
+    /// `--rates`: the point's predicted and measured transfer span p50 (see [`BenchPrediction`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_span_p50_us: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_span_p50_us: Option<f64>,
 }
 
 /// How a request ended.

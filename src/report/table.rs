@@ -439,6 +439,11 @@ pub fn sweep_table(s: &Summary, style: Style) -> Option<Table> {
     let mut header: Vec<&str> = vec!["point"];
     header.extend(params.iter().copied());
     header.extend(["GB/s", "requests/s", "transfer p50 us", "e2e p50 us", "desc/req", "bytes/desc"]);
+    // `--rates`: predicted beside measured at every point.
+    let predicted = points.iter().any(|p| p.predicted_span_p50_us.is_some());
+    if predicted {
+        header.extend(["span p50 us predicted", "measured", "measured / predicted"]);
+    }
     let mut t = new_table(style, &header);
     for p in points {
         let mut row = vec![p.label.clone()];
@@ -451,6 +456,17 @@ pub fn sweep_table(s: &Summary, style: Style) -> Option<Table> {
             p.descriptors_per_request.map_or("-".into(), |d| fmt_f(d.coalesced)),
             p.bytes_per_descriptor.map_or("-".into(), fmt_bytes),
         ]);
+        if predicted {
+            let (pr, m) = (p.predicted_span_p50_us, p.measured_span_p50_us);
+            row.extend([
+                pr.map_or("-".into(), fmt_f),
+                m.map_or("-".into(), fmt_f),
+                match (pr, m) {
+                    (Some(pr), Some(m)) if pr > 0.0 => format!("{:.3}", m / pr),
+                    _ => "-".into(),
+                },
+            ]);
+        }
         t.add_row(row);
     }
     align_numbers(&mut t, 1 + params.len());
@@ -469,6 +485,47 @@ pub fn goodput_table(g: &super::slo::Goodput, style: Style) -> Table {
         fmt_f(g.requests_per_s),
     ]);
     align_numbers(&mut t, 1);
+    t
+}
+
+/// `--rates`: predicted beside measured, per request span and per decode rank.
+fn prediction_table(p: &super::summary::BenchPrediction, style: Style) -> Table {
+    let mut t = new_table(style, &["transfer", "predicted us", "measured us", "measured / predicted"]);
+    let ratio = |m: f64, pr: f64| if pr > 0.0 { format!("{:.3}", m / pr) } else { "-".into() };
+    t.add_row(vec![
+        "request span p50".into(),
+        format!("{:.0}", p.transfer_span_p50_us),
+        format!("{:.0}", p.measured_transfer_span_p50_us),
+        ratio(p.measured_transfer_span_p50_us, p.transfer_span_p50_us),
+    ]);
+    t.add_row(vec![
+        "request span p90".into(),
+        format!("{:.0}", p.transfer_span_p90_us),
+        format!("{:.0}", p.measured_transfer_span_p90_us),
+        ratio(p.measured_transfer_span_p90_us, p.transfer_span_p90_us),
+    ]);
+    let busiest = p.ranks.iter().map(|r| r.transfer_us).fold(0.0, f64::max);
+    for (label, m) in
+        [("rank p50", p.measured_rank_transfer_p50_us), ("rank p90", p.measured_rank_transfer_p90_us)]
+    {
+        t.add_row(vec![
+            format!("{label} (busiest rank predicted)"),
+            format!("{busiest:.0}"),
+            format!("{m:.0}"),
+            ratio(m, busiest),
+        ]);
+    }
+    for r in &p.ranks {
+        t.add_row(vec![
+            format!(
+                "decode rank {}: fixed {:.0} + posting {:.0} + bytes {:.0}",
+                r.rank, r.fixed_us, r.post_us, r.bytes_us
+            ),
+            format!("{:.0}", r.transfer_us),
+            "-".into(),
+            r.bound.clone(),
+        ]);
+    }
     t
 }
 
@@ -501,6 +558,21 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
             let gap = if style == Style::Markdown { "\n" } else { "" };
             out.push_str(&format!("{gap}clock: {}\n\n", b.clock));
         }
+    }
+    if let Some(p) = &s.prediction {
+        out.push_str(&section(
+            "Predicted vs measured transfer (--rates)",
+            &prediction_table(p, style),
+            style,
+        ));
+        let mut line = format!(
+            "model: {} from {}; {} decode ranks at once; bound by {}",
+            p.transport, p.rates, p.readers, p.bound
+        );
+        if !p.extrapolated.is_empty() {
+            line.push_str(&format!("; EXTRAPOLATED: {}", p.extrapolated.join("; ")));
+        }
+        out.push_str(&format!("{line}\n\n"));
     }
     out.push_str(&section("Outcomes and verification", &failures_table(s, style), style));
     if let Some(t) = hybrid_parts_table(s, style) {

@@ -30,6 +30,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bench;
+pub mod calibrate;
 pub mod choices;
 pub mod env;
 pub mod flags;

@@ -299,10 +299,7 @@ pub struct PlanFlags {
     /// Pairs to print per read in the table view.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub show_pairs: usize,
-    /// A results file whose rates replace the built-in ones: a `kvx xfer --format json`
-    /// report (UCX on host or device memory, or --transport cuda-batch) or the JSON that
-    /// scripts/gpu-check.sh writes.
-    #[arg(long, value_name = "FILE", help_heading = "Posting cost")]
+    #[arg(long, value_name = "FILE", help_heading = "Posting cost", help = super::posting::RATES_HELP)]
     pub rates: Option<PathBuf>,
     /// Measured posting costs replacing the defaults, in ns per descriptor: ucx, cuda-ipc,
     /// cuda-batch, and cuda-batch-call (ns per batched call), e.g. ucx=76,cuda-batch=150.
@@ -311,9 +308,26 @@ pub struct PlanFlags {
     /// Bandwidth ceilings replacing the defaults, in GB/s: ucx, cuda-ipc, cuda-batch.
     #[arg(long, value_name = "KEY=GBPS", value_delimiter = ',', help_heading = "Posting cost")]
     pub ceiling_gbps: Vec<String>,
+    /// Write the request's predicted transfer as a simulator's profile instead of the plan
+    /// (needs --rates FILE of kvx calibrate): llm-d-sim (llm-d-inference-sim's YAML config
+    /// keys kv-cache-transfer-latency, kv-cache-transfer-time-per-token) or dynamo-mocker
+    /// (Dynamo mocker's --kv-transfer-bandwidth, --kv-bytes-per-token)
+    #[arg(long, value_enum, value_name = "SIMULATOR", help_heading = "Posting cost")]
+    pub export: Option<ExportArg>,
     // json prints every uncoalesced pair (the command's long help says so).
     #[arg(long, value_enum, default_value_t = Format::Table, help = super::flags::FORMAT_HELP)]
     pub format: Format,
+}
+
+/// The simulators `kvx plan --export` writes a profile for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportArg {
+    /// llm-d's inference simulator: a YAML config (kv-cache-transfer-latency,
+    /// kv-cache-transfer-time-per-token)
+    #[value(name = "llm-d-sim")]
+    LlmdSim,
+    /// Dynamo's mocker: arguments (--kv-transfer-bandwidth GB/s, --kv-bytes-per-token)
+    DynamoMocker,
 }
 
 impl PlanFlags {
@@ -357,14 +371,14 @@ pub fn resolve_plan(args: &PlanFlags) -> Result<PlanRequest, ConfigError> {
             };
             match args.mode.mode() {
                 TransferMode::Pull => PlanCase::HybridPull { request, rates },
-                TransferMode::Push => PlanCase::HybridPush { request },
+                TransferMode::Push => PlanCase::HybridPush { request, rates },
             }
         }
         None => {
             let request = resolve_uniform(args)?;
             match args.mode.mode() {
                 TransferMode::Pull => PlanCase::UniformPull { rates: rates()?, request },
-                TransferMode::Push => PlanCase::UniformPush { request },
+                TransferMode::Push => PlanCase::UniformPush { rates: rates()?, request },
             }
         }
     };

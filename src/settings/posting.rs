@@ -11,6 +11,9 @@ use super::parse::one_of;
 use crate::error::ConfigError;
 use crate::layouts::posting::{PostPath, PostRates, RateSource};
 
+/// `--rates`' help, one text for every command that takes it (`kvx plan`, `kvx bench`).
+pub const RATES_HELP: &str = "A rates file: one written by kvx calibrate, whose fitted model predicts transfer times (kvx plan: each posting rank and the request's span; kvx bench: beside the measured ones, in the report and summary.json's prediction); for kvx plan's posting table also a kvx xfer --format json report (UCX on host or device memory, or --transport cuda-batch) or the JSON that scripts/gpu-check.sh writes";
+
 /// Most nanoseconds one descriptor or call may be said to cost (one second).
 const MAX_NS: f64 = 1e9;
 /// Highest bandwidth ceiling accepted, GB/s.

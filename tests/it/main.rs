@@ -20,6 +20,7 @@ mod load_fail;
 mod netns;
 mod nixl;
 mod oracle;
+mod predict;
 mod procs;
 mod props;
 mod push_plan;

@@ -213,6 +213,8 @@ pub fn run(
             descriptors_per_request: Some(last.descriptors_per_request),
             requests_ok: runs.iter().map(|r| r.s.requests_ok).sum(),
             requests_failed: runs.iter().map(|r| r.s.requests_failed).sum(),
+            predicted_span_p50_us: None,
+            measured_span_p50_us: None,
         });
     }
     let table = match what {

@@ -914,6 +914,10 @@ pub fn run(
         summary.notes.push(format!("{} notifications for unrecognized requests", p_fin.unrecognized_notifs));
     }
     summary.calibration = median_calibration(&calibration);
+    if let Some(p) = &s.prediction {
+        summary.prediction =
+            crate::report::prediction::bench_prediction(&summary, &p.model, p.path, &p.rates);
+    }
     summary.finished_at = Some(crate::report::summary::now_rfc3339());
     summary.partial = interrupted.is_some();
     if let Some(sig) = interrupted {

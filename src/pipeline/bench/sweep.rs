@@ -68,6 +68,8 @@ pub fn run(
             descriptors_per_request: Some(descs),
             requests_ok: s.requests_ok,
             requests_failed: s.requests_failed,
+            predicted_span_p50_us: s.prediction.as_ref().map(|p| p.transfer_span_p50_us),
+            measured_span_p50_us: s.prediction.as_ref().map(|p| p.measured_transfer_span_p50_us),
         });
     }
     summary.sweep = Some(out);

@@ -278,6 +278,9 @@ layered! {
         #[arg(long, help_heading = "Output")]
         #[serde(skip)]
         pub no_calibrate: bool,
+        #[arg(long, value_name = "FILE", help_heading = "Output", help = crate::settings::posting::RATES_HELP)]
+        #[serde(skip)]
+        pub rates: Option<PathBuf>,
         // json prints the summary to stdout as well (the command's long help says so).
         #[arg(long, value_enum, default_value = "table", help_heading = "Output", help = FORMAT_HELP)]
         #[serde(skip)]
@@ -651,6 +654,7 @@ fn finish(
         .or_else(|| s.config.as_deref().and_then(Path::file_stem).map(|s| s.to_string_lossy().to_string()))
         .unwrap_or_else(|| "bench".into());
     let launcher = env.launcher.clone()?;
+    let prediction = prediction_model(s.rates.as_deref(), mem.kind(), transport.kind)?;
     Ok(BenchSettings {
         name,
         launcher,
@@ -684,10 +688,49 @@ fn finish(
         repeat,
         rounds: s.rounds.unwrap_or(1),
         calibrate: !s.no_calibrate,
+        prediction,
         descriptor_mix,
         progress_bar: env.stderr_is_terminal,
         results_root: results_root(s.results_dir.as_deref(), env.results_dir.clone()),
     })
+}
+
+/// `--rates`: the fitted model of the path this run takes (UCX on host memory: `ucx`; on
+/// device memory: `cuda-ipc`; `--transport cuda-batch`: `cuda-batch`).
+fn prediction_model(
+    file: Option<&Path>,
+    mem: crate::vocab::kinds::MemKind,
+    kind: TransportKind,
+) -> Result<Option<crate::config::bench::PredictionModel>, ConfigError> {
+    use crate::layouts::posting::PostPath;
+    let Some(file) = file else { return Ok(None) };
+    let path = match (kind, mem) {
+        (TransportKind::Ucx, crate::vocab::kinds::MemKind::Host) => PostPath::Ucx,
+        (TransportKind::Ucx, _) => PostPath::CudaIpc,
+        (TransportKind::CudaBatch, _) => PostPath::CudaBatch,
+        (other, _) => {
+            return Err(ConfigError::new(
+                "--rates",
+                format!("predicts ucx and cuda-batch runs, not --transport {}", other.as_str()),
+            ));
+        }
+    };
+    let rates = super::posting::resolve_rates(Some(file), &[], &[])?;
+    let key = path.key();
+    let model = rates.of(path).model.clone().ok_or_else(|| {
+        ConfigError::new(
+            "--rates",
+            format!(
+                "{} has no fitted model for {key} (`paths.{key}.model`): run kvx calibrate --path {key} --out FILE",
+                file.display()
+            ),
+        )
+    })?;
+    let note = match &rates.of(path).post_source {
+        crate::layouts::posting::RateSource::File { path, .. } => path.clone(),
+        crate::layouts::posting::RateSource::User => file.display().to_string(),
+    };
+    Ok(Some(crate::config::bench::PredictionModel { path, model, rates: note }))
 }
 
 /// `--prompt-len` or `--prompt-lens` [default: 2048 tokens].

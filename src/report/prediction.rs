@@ -1,0 +1,320 @@
+//! Predictions of the fitted transfer-time model (`layouts::predict`) beside measurements,
+//! and the profiles simulators take:
+//!
+//! - [`bench_prediction`]: a `kvx bench` run's predicted transfer (each decode rank's
+//!   descriptors and bytes per request, as the run's plan gave them) against its measured one,
+//!   for `summary.json`'s `prediction`;
+//! - [`calibrate_text`]: what `kvx calibrate` fitted;
+//! - [`plan_text`]: `kvx plan --rates`'s prediction section;
+//! - [`export_profile`]: the prediction in a simulator's own terms (llm-d's inference
+//!   simulator, Dynamo's mocker), with the provenance in comments.
+//!
+//! Pure: never measures, reads nothing.
+
+use super::summary::{BenchPrediction, RankPredicted, Summary};
+use crate::layouts::posting::PostPath;
+use crate::layouts::predict::{BatchFit, RankLoad, RequestPrediction, TermChange, TransferModel};
+
+const US: f64 = 1e3;
+
+/// The run's predicted transfer against its measured one; `None` for a run this model does not
+/// describe (no transfer measured, a push run: its posting ranks are the prefill ranks,
+/// whose bytes the summary does not split).
+pub fn bench_prediction(
+    s: &Summary,
+    model: &TransferModel,
+    path: PostPath,
+    rates: &str,
+) -> Option<BenchPrediction> {
+    if s.scenario.extra.mode.is_some_and(|m| m == crate::topology::TransferMode::Push) {
+        return None;
+    }
+    let span = s.stages.get("transfer_span")?;
+    let rank_stats = s.stages.get("transfer");
+    let coalesced = s.scenario.extra.coalesce.unwrap_or(false) || path == PostPath::CudaBatch;
+    let descs = if coalesced { s.descriptors_per_request.coalesced } else { s.descriptors_per_request.raw };
+    let decode: Vec<_> = s.per_rank.iter().filter(|r| r.role == "decode" && r.requests > 0).collect();
+    if decode.is_empty() || s.bytes_per_request <= 0.0 {
+        return None;
+    }
+    // Each rank's share of the request's bytes; its descriptors in the same share (every rank
+    // of a pair reads the same blocks of its own heads).
+    let loads: Vec<RankLoad> = decode
+        .iter()
+        .map(|r| {
+            let bytes = r.bytes / r.requests;
+            let share = bytes as f64 / s.bytes_per_request;
+            let descriptors = (descs * share).round() as u64;
+            let peers = if path == PostPath::CudaBatch { 1 } else { descriptors };
+            RankLoad { rank: r.rank, descriptors, calls: peers, bytes }
+        })
+        .collect();
+    let readers = u32::try_from(loads.len()).unwrap_or(u32::MAX);
+    let p = model.predict_request(&loads, readers);
+    let predicted_us = p.span_ns / US;
+    let ratio = |m: f64| if predicted_us > 0.0 { m / predicted_us } else { 0.0 };
+    Some(BenchPrediction {
+        transport: path.key().to_string(),
+        rates: rates.to_string(),
+        readers,
+        bound: p.bound.as_str().to_string(),
+        transfer_span_p50_us: predicted_us,
+        transfer_span_p90_us: predicted_us,
+        measured_transfer_span_p50_us: span.p50_us,
+        measured_transfer_span_p90_us: span.p90_us,
+        ratio: ratio(span.p50_us),
+        ratio_p90: ratio(span.p90_us),
+        ranks: p
+            .ranks
+            .iter()
+            .map(|r| RankPredicted {
+                rank: r.rank,
+                descriptors: r.descriptors,
+                bytes: r.bytes,
+                fixed_us: r.fixed_ns / US,
+                post_us: r.post_ns / US,
+                bytes_us: r.bytes_ns / US,
+                transfer_us: r.total_ns / US,
+                bound: r.bound.as_str().to_string(),
+            })
+            .collect(),
+        measured_rank_transfer_p50_us: rank_stats.map_or(0.0, |t| t.p50_us),
+        measured_rank_transfer_p90_us: rank_stats.map_or(0.0, |t| t.p90_us),
+        extrapolated: p.extrapolated,
+    })
+}
+
+/// `12.3 us`, `4.56 ms`, `1.23 s`.
+pub fn time_text(ns: f64) -> String {
+    if ns < 1e3 {
+        format!("{ns:.0} ns")
+    } else if ns < 1e6 {
+        format!("{:.1} us", ns / 1e3)
+    } else if ns < 1e9 {
+        format!("{:.2} ms", ns / 1e6)
+    } else {
+        format!("{:.2} s", ns / 1e9)
+    }
+}
+
+/// What `kvx calibrate` fitted, and with `--compare` how each term moved.
+pub fn calibrate_text(
+    path: PostPath,
+    m: &TransferModel,
+    fit: &BatchFit,
+    changes: Option<&[TermChange]>,
+    out: &str,
+) -> String {
+    let mut s = format!(
+        "kvx calibrate: {} ({} memory), fitted over {}..{} B per descriptor, up to {} readers at once\n\
+         fixed {} per request, {} per descriptor{}, {:.2} GB/s alone (ceiling {:.2} GB/s); worst miss of the fit {:.1}%\n",
+        path.key(),
+        path.memory(),
+        m.fitted.min_descriptor_bytes,
+        m.fitted.max_descriptor_bytes,
+        m.fitted.max_readers,
+        time_text(m.fixed_ns),
+        time_text(m.ns_per_descriptor),
+        if m.ns_per_call > 0.0 { format!(" + {} per call", time_text(m.ns_per_call)) } else { String::new() },
+        m.gbps,
+        m.ceiling_gbps,
+        100.0 * fit.max_rel_error,
+    );
+    for r in m.concurrency.iter().filter(|r| r.readers > 1) {
+        s.push_str(&format!(
+            "{} readers at once: {} per descriptor, {:.2} GB/s each\n",
+            r.readers,
+            time_text(r.ns_per_descriptor),
+            r.gbps
+        ));
+    }
+    if let Some(changes) = changes {
+        let unstable: Vec<&str> = changes.iter().filter(|c| c.unstable).map(|c| c.term.as_str()).collect();
+        s.push_str("compared with the earlier fit:\n");
+        for c in changes {
+            s.push_str(&format!(
+                "  {:<40} {:>12.3} -> {:>12.3}  {:+.1}%{}\n",
+                c.term,
+                c.before,
+                c.after,
+                c.change_pct,
+                if c.unstable { "  UNSTABLE" } else { "" }
+            ));
+        }
+        if unstable.is_empty() {
+            s.push_str("every term within 10% of the earlier fit\n");
+        } else {
+            s.push_str(&format!("unstable on this host (moved 10% or more): {}\n", unstable.join(", ")));
+        }
+    }
+    s.push_str(&format!("rates: {out}\n"));
+    s
+}
+
+/// `kvx plan --rates`'s prediction section: per path with a fitted model, each posting
+/// rank's predicted transfer and the request's span, with the term that bounds it.
+pub fn plan_text(predictions: &[(PostPath, RequestPrediction)], posting: &str) -> String {
+    let mut s = String::new();
+    for (path, p) in predictions {
+        s.push_str(&format!(
+            "\npredicted transfer ({}, {} memory; {} {posting} ranks at once): span {}, bound by {}\n",
+            path.key(),
+            path.memory(),
+            p.readers,
+            time_text(p.span_ns),
+            p.bound.as_str()
+        ));
+        for r in &p.ranks {
+            s.push_str(&format!(
+                "  {posting} rank {}: {} = fixed {} + posting {} ({} descriptors) + bytes {} ({}) -> {}\n",
+                r.rank,
+                time_text(r.total_ns),
+                time_text(r.fixed_ns),
+                time_text(r.post_ns),
+                r.descriptors,
+                time_text(r.bytes_ns),
+                super::numbers::bytes_text(r.bytes),
+                r.bound.as_str()
+            ));
+        }
+        if !p.extrapolated.is_empty() {
+            s.push_str(&format!("  EXTRAPOLATED: {}\n", p.extrapolated.join("; ")));
+        }
+    }
+    s
+}
+
+/// The simulators `kvx plan --export` writes a profile for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simulator {
+    /// llm-d's inference simulator (`llm-d-inference-sim`): its YAML config keys
+    /// `kv-cache-transfer-latency` (constant) and `kv-cache-transfer-time-per-token`.
+    LlmdSim,
+    /// Dynamo's mocker (`python -m dynamo.mocker`): `--kv-transfer-bandwidth` (GB/s) and
+    /// `--kv-bytes-per-token`.
+    DynamoMocker,
+}
+
+/// What a profile is made of: the prediction of one request of `tokens` prompt tokens.
+#[derive(Debug, Clone)]
+pub struct ProfileInput<'a> {
+    pub model_name: &'a str,
+    pub pair: String,
+    pub tokens: u64,
+    pub path: PostPath,
+    pub prediction: &'a RequestPrediction,
+    pub model: &'a TransferModel,
+    /// The rates file's provenance, one line each.
+    pub provenance: Vec<String>,
+}
+
+/// A Go duration string in microseconds, to the nanosecond (`13.607us`).
+fn go_duration(ns: f64) -> String {
+    format!("{:.3}us", ns.max(0.0) / 1e3)
+}
+
+/// The profile in the simulator's own terms, provenance in comments.
+pub fn export_profile(sim: Simulator, x: &ProfileInput<'_>) -> String {
+    let p = x.prediction;
+    let bytes: u64 = p.ranks.iter().map(|r| r.bytes).sum();
+    let slowest = p.ranks.iter().max_by(|a, b| a.total_ns.total_cmp(&b.total_ns));
+    let fixed_ns = slowest.map_or(0.0, |r| r.fixed_ns);
+    let per_token_ns = if x.tokens > 0 { (p.span_ns - fixed_ns).max(0.0) / x.tokens as f64 } else { 0.0 };
+    // Bytes over the request's span: what the transfer achieves, posting included.
+    let effective_gbps = if p.span_ns > 0.0 { bytes as f64 / p.span_ns } else { 0.0 };
+    let mut head = vec![
+        format!("KV transfer profile written by kvx {} (kvx plan --export)", env!("CARGO_PKG_VERSION")),
+        format!(
+            "{} {}, {} prompt tokens, {} ({} memory): predicted span {} ({} per token after the fixed {}), bound by {}",
+            x.model_name,
+            x.pair,
+            x.tokens,
+            x.path.key(),
+            x.path.memory(),
+            time_text(p.span_ns),
+            time_text(per_token_ns),
+            time_text(fixed_ns),
+            p.bound.as_str()
+        ),
+        format!(
+            "{} moved per request ({} per token as planned), {:.2} GB/s effective over the span",
+            super::numbers::bytes_text(bytes),
+            bytes.checked_div(x.tokens).unwrap_or(0),
+            effective_gbps
+        ),
+        format!(
+            "model: fixed {} + {} per descriptor + bytes at {:.2} GB/s alone ({} ranks at once on one host)",
+            time_text(x.model.fixed_ns),
+            time_text(x.model.ns_per_descriptor),
+            x.model.gbps,
+            p.readers
+        ),
+    ];
+    if !p.extrapolated.is_empty() {
+        head.push(format!("EXTRAPOLATED beyond the fit: {}", p.extrapolated.join("; ")));
+    }
+    head.extend(x.provenance.iter().map(|l| format!("rates: {l}")));
+    let comments: String = head.iter().map(|l| format!("# {l}\n")).collect();
+    match sim {
+        Simulator::LlmdSim => format!(
+            "{comments}# llm-d-inference-sim config (YAML; --config FILE). The per-token calculator charges\n\
+             # kv-cache-transfer-time-per-token x prompt tokens; the constant one kv-cache-transfer-latency.\n\
+             kv-cache-transfer-latency: {}\n\
+             kv-cache-transfer-time-per-token: {}\n",
+            go_duration(p.span_ns),
+            go_duration(per_token_ns),
+        ),
+        Simulator::DynamoMocker => format!(
+            "{comments}# Dynamo mocker arguments (python -m dynamo.mocker ... $(grep -v '^#' FILE)).\n\
+             # --kv-transfer-bandwidth is the effective rate over the predicted span, posting included;\n\
+             # --kv-bytes-per-token the bytes the plan moves per prompt token.\n\
+             --kv-transfer-bandwidth {:.3}\n\
+             --kv-bytes-per-token {}\n",
+            effective_gbps,
+            bytes.checked_div(x.tokens).unwrap_or(0),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layouts::predict::{FittedRange, ReadersRate};
+
+    fn model() -> TransferModel {
+        TransferModel {
+            fixed_ns: 1_000.0,
+            ns_per_descriptor: 500.0,
+            ns_per_call: 0.0,
+            gbps: 5.0,
+            ceiling_gbps: 5.0,
+            concurrency: vec![ReadersRate { readers: 2, ns_per_descriptor: 500.0, gbps: 2.5 }],
+            fitted: FittedRange { min_descriptor_bytes: 4096, max_descriptor_bytes: 4 << 20, max_readers: 2 },
+        }
+    }
+
+    #[test]
+    fn profiles_carry_the_prediction_in_each_simulators_terms() {
+        let m = model();
+        let loads = [RankLoad { rank: 0, descriptors: 1000, calls: 1000, bytes: 1000 * 65536 }];
+        let p = m.predict_request(&loads, 1);
+        let x = ProfileInput {
+            model_name: "m",
+            pair: "P tp 1 -> D tp 1".into(),
+            tokens: 1000,
+            path: PostPath::Ucx,
+            prediction: &p,
+            model: &m,
+            provenance: vec!["kvx calibrate on host, date".into()],
+        };
+        let llmd = export_profile(Simulator::LlmdSim, &x);
+        // (500 us posting + 13107.2 us bytes) / 1000 tokens = 13.6 us per token.
+        assert!(llmd.contains("kv-cache-transfer-time-per-token: 13.607us"), "{llmd}");
+        assert!(llmd.contains("kv-cache-transfer-latency: 13608.200us"), "{llmd}");
+        assert!(llmd.lines().filter(|l| !l.starts_with('#')).count() == 2, "{llmd}");
+        let dynamo = export_profile(Simulator::DynamoMocker, &x);
+        assert!(dynamo.contains("--kv-bytes-per-token 65536"), "{dynamo}");
+        assert!(dynamo.contains("--kv-transfer-bandwidth 4.816"), "{dynamo}");
+        assert!(dynamo.contains("# rates: kvx calibrate on host, date"));
+    }
+}

@@ -1,0 +1,95 @@
+//! `kvx calibrate`'s flags resolved into a [`CalibrateConfig`]: the default sweep, or a short
+//! one with `--quick`. Must not run anything.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::parse::parse_duration;
+use crate::config::calibrate::CalibrateConfig;
+use crate::error::ConfigError;
+use crate::layouts::posting::PostPath;
+
+/// The path a model is fitted for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PathArg {
+    /// UCX on host memory.
+    Ucx,
+    /// UCX (cuda_ipc) on device memory.
+    CudaIpc,
+    /// kvx's cuda-batch transport on device memory.
+    CudaBatch,
+}
+
+impl From<PathArg> for PostPath {
+    fn from(p: PathArg) -> Self {
+        match p {
+            PathArg::Ucx => PostPath::Ucx,
+            PathArg::CudaIpc => PostPath::CudaIpc,
+            PathArg::CudaBatch => PostPath::CudaBatch,
+        }
+    }
+}
+
+/// `kvx calibrate`'s flags.
+#[derive(Debug, Clone, Args)]
+pub struct CalibrateFlags {
+    /// Where to write the rates file (JSON; `kvx plan --rates`, `kvx bench --rates` read it)
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// The transport and memory to fit: ucx (host memory), cuda-ipc or cuda-batch (device memory)
+    #[arg(long, value_enum, default_value_t = PathArg::Ucx)]
+    pub path: PathArg,
+    /// A short sweep (3 sizes, 2 depths, 2 readers at once; for tests and a first look)
+    #[arg(long)]
+    pub quick: bool,
+    /// How long each case of the sweeps measures [default: 300ms, --quick 50ms]
+    #[arg(long, value_name = "DURATION")]
+    pub case_time: Option<String>,
+    /// An earlier rates file of the same path: print each term's change and name those that
+    /// moved by 10% or more (unstable on this host)
+    #[arg(long, value_name = "FILE")]
+    pub compare: Option<PathBuf>,
+    /// The GPU of the device paths
+    #[arg(long = "gpu", value_name = "N", default_value_t = 0)]
+    pub gpu: u32,
+}
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * 1024;
+
+/// The sweeps the flags ask for.
+pub fn resolve_calibrate(f: &CalibrateFlags, command: String) -> Result<CalibrateConfig, ConfigError> {
+    let case_time = match &f.case_time {
+        Some(s) => parse_duration(s).map_err(|e| ConfigError::new("--case-time", e))?,
+        None if f.quick => std::time::Duration::from_millis(50),
+        None => std::time::Duration::from_millis(300),
+    };
+    if case_time.is_zero() || case_time > std::time::Duration::from_secs(60) {
+        return Err(ConfigError::new("--case-time", "give a duration above 0 and at most 60s"));
+    }
+    if let Some(parent) = f.out.parent().filter(|p| !p.as_os_str().is_empty())
+        && !parent.is_dir()
+    {
+        return Err(ConfigError::new("--out", format!("{} is not a folder", parent.display())));
+    }
+    let (sizes, depths, readers) = if f.quick {
+        (vec![4 * KIB, 64 * KIB, MIB], vec![1, 64], vec![2])
+    } else {
+        (vec![4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB], vec![1, 16, 64], vec![2, 4])
+    };
+    Ok(CalibrateConfig {
+        path: f.path.into(),
+        sizes,
+        depths,
+        readers,
+        concurrency_sizes: if f.quick { vec![4 * KIB, MIB] } else { vec![4 * KIB, 64 * KIB, MIB] },
+        concurrency_depth: 64,
+        case_time,
+        working_set_bytes: if f.quick { 64 * MIB } else { 256 * MIB },
+        device: f.gpu,
+        out: f.out.clone(),
+        compare: f.compare.clone(),
+        command,
+    })
+}
