@@ -28,7 +28,15 @@ pub fn run(args: &CalibrateArgs) -> anyhow::Result<Outcome> {
     let command = format!("kvx {}", words.join(" "));
     let cfg = resolve_calibrate(&args.settings, command)?;
     let date = crate::clock::now_rfc3339();
-    let done = crate::diagnose::calibrate::calibrate(&cfg, &date)?;
+    // From here on Ctrl-C (or SIGTERM) stops the sweeps' children and ends the run (130/143).
+    crate::interrupt::arm();
+    let done = match crate::diagnose::calibrate::calibrate(&cfg, &date) {
+        Err(crate::diagnose::calibrate::CalibrateError::Interrupted(sig)) => {
+            output::note!("kvx calibrate: interrupted by {}; no rates file written", sig.name());
+            return Ok(Outcome::Interrupted(sig));
+        }
+        other => other?,
+    };
     let mut text = serde_json::to_string_pretty(&done.file)?;
     text.push('\n');
     std::fs::write(&cfg.out, text)

@@ -33,6 +33,9 @@ pub enum CalibrateError {
     Fit { path: &'static str, reason: String },
     #[error("--compare {file}: {reason}")]
     Compare { file: String, reason: String },
+    /// A signal stopped the sweeps (passed on to the `kvx xfer` children, which ended).
+    #[error("interrupted by {}", .0.name())]
+    Interrupted(crate::error::Signal),
 }
 
 /// A finished calibration: the rates file's JSON, the model, and the comparison asked for.
@@ -87,20 +90,23 @@ fn run_xfers(
     let shown = args[1..].join(" ");
     let children: Vec<std::process::Child> = (0..readers.max(1))
         .map(|_| {
-            Command::new(&exe)
-                .args(&args)
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .map_err(|e| CalibrateError::Spawn { exe: exe.display().to_string(), source: e })
+            // Each child in a process group of its own: a terminal's Ctrl-C reaches this
+            // process only, which passes it on (see `wait_passing_signals_on`).
+            std::os::unix::process::CommandExt::process_group(
+                Command::new(&exe).args(&args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()),
+                0,
+            )
+            .spawn()
+            .map_err(|e| CalibrateError::Spawn { exe: exe.display().to_string(), source: e })
         })
         .collect::<Result<_, _>>()?;
+    let outputs = wait_passing_signals_on(children)
+        .map_err(|e| CalibrateError::Spawn { exe: exe.display().to_string(), source: e })?;
+    if let Some(sig) = crate::interrupt::requested() {
+        return Err(CalibrateError::Interrupted(sig));
+    }
     let mut reports = Vec::new();
-    for child in children {
-        let out = child
-            .wait_with_output()
-            .map_err(|e| CalibrateError::Spawn { exe: exe.display().to_string(), source: e })?;
+    for out in outputs {
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             let tail: Vec<&str> = stderr.lines().rev().take(4).collect();
@@ -114,6 +120,72 @@ fn run_xfers(
         reports.push(v);
     }
     Ok(reports)
+}
+
+/// How long a child that was passed a signal has to end before it is killed (`kvx xfer`
+/// stops within 2 s: this bounds one that cannot).
+const CHILD_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Waits for every child (their output read on threads of their own, so none blocks on a full
+/// pipe), passing the first SIGINT or SIGTERM this process gets on to each, and killing those
+/// that do not end within [`CHILD_STOP_GRACE`] of it.
+fn wait_passing_signals_on(children: Vec<std::process::Child>) -> std::io::Result<Vec<std::process::Output>> {
+    use nix::sys::signal::{Signal as Sig, kill};
+    use nix::unistd::Pid;
+    let drain = |r: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let mut running: Vec<_> = children
+        .into_iter()
+        .map(|mut c| {
+            let out = drain(c.stdout.take().map(|x| Box::new(x) as Box<dyn std::io::Read + Send>));
+            let err = drain(c.stderr.take().map(|x| Box::new(x) as Box<dyn std::io::Read + Send>));
+            (c, out, err, None)
+        })
+        .collect();
+    let mut passed_at: Option<std::time::Instant> = None;
+    while running.iter().any(|(_, _, _, st)| st.is_none()) {
+        for (c, _, _, st) in running.iter_mut().filter(|r| r.3.is_none()) {
+            *st = c.try_wait()?;
+        }
+        match (passed_at, crate::interrupt::requested()) {
+            (None, Some(sig)) => {
+                let sig = match sig {
+                    crate::error::Signal::Interrupt => Sig::SIGINT,
+                    crate::error::Signal::Terminate => Sig::SIGTERM,
+                };
+                for (c, _, _, _) in running.iter().filter(|r| r.3.is_none()) {
+                    let pid = Pid::from_raw(i32::try_from(c.id()).unwrap_or(i32::MAX));
+                    if let Err(e) = kill(pid, sig) {
+                        tracing::debug!("cannot pass {sig} on to a kvx xfer process: {e}");
+                    }
+                }
+                passed_at = Some(std::time::Instant::now());
+            }
+            (Some(at), _) if at.elapsed() > CHILD_STOP_GRACE => {
+                for (c, _, _, st) in running.iter_mut().filter(|r| r.3.is_none()) {
+                    c.kill()?;
+                    *st = Some(c.wait()?);
+                }
+            }
+            _ => {}
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    Ok(running
+        .into_iter()
+        .map(|(_, out, err, st)| std::process::Output {
+            status: st.unwrap_or_default(),
+            stdout: out.join().unwrap_or_default(),
+            stderr: err.join().unwrap_or_default(),
+        })
+        .collect())
 }
 
 /// The measured cases of `kvx xfer` reports: one batch's time per case.

@@ -647,6 +647,9 @@ layered! {
 /// `--compare-transports`' help (`kvx bench`: whole runs; `kvx xfer`: its cases).
 pub const COMPARE_TRANSPORTS_HELP: &str = "Run the same workload on each transport in turn and print one comparison table, e.g. ucx,nixl or ucx,storage,multi (ucx,cuda-batch with --mem cuda); kvx xfer gives each case's GB/s as a ratio to the first transport's";
 
+/// `--rounds`' help (`kvx bench` and `kvx xfer` comparisons).
+pub const ROUNDS_HELP: &str = "With --compare-transports (kvx bench also --compare-modes, --compare-kv-buffer-device): run the comparison this many rounds, the runs interleaved, their order reversed every other round (a busy host's drift falls on each alike); each figure is the median of its rounds, each ratio to the first run the median of the rounds' ratios, with their range [default: 1]";
+
 /// `--inflight`'s help: `kvx xfer` takes a list of depths (one case each), the engines one
 /// depth, so the two are two fields with one text.
 pub const INFLIGHT_HELP: &str = "GETs in flight per source rank (kvx xfer: a list of depths, one case each) [default: 64; kvx xfer: 1,8,32]";

@@ -91,11 +91,7 @@ pub struct XferFlags {
         help = super::flags::COMPARE_TRANSPORTS_HELP
     )]
     pub compare_transports: Option<Vec<TransportArg>>,
-    /// With --compare-transports: measure every transport this many rounds, their order
-    /// reversed every other round (a busy host's drift falls on each alike); the comparison
-    /// gives each case's medians and the median of the rounds' ratios with their range, the
-    /// tables above it the first round [default: 1]
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100))]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100), help = super::flags::ROUNDS_HELP)]
     pub rounds: Option<u32>,
     // The help names the default from `BatchCopy::default()` (the flag stays an Option so
     // that giving it without --transport cuda-batch can be refused).

@@ -78,6 +78,11 @@ fn classify(name: &str, silent: &str, results: &Path) -> Option<Result<Long, &'s
             ready: Ready::Descendant("--xfer-role", "target"),
             ends: Ends::Interrupted { dies_ok: false },
         }),
+        "calibrate" => Ok(Long {
+            args: words(&["calibrate", "--out", &results.join("rates.json").display().to_string()]),
+            ready: Ready::Descendant("--xfer-role", "target"),
+            ends: Ends::Interrupted { dies_ok: false },
+        }),
         "load" => Ok(Long {
             args: words(&[
                 "load",
@@ -293,7 +298,7 @@ fn every_long_running_subcommand_ends_within_2_s_of_sigint_or_sigterm() {
             }
         }
     }
-    assert!(ran >= 24, "six long-running subcommands, four cases each: ran {ran}");
+    assert!(ran >= 28, "seven long-running subcommands, four cases each: ran {ran}");
     assert!(
         failures.is_empty(),
         "{} of {ran} cases failed:\n{}",

@@ -156,16 +156,12 @@ layered! {
         )]
         #[serde(default, deserialize_with = "super::parse::opt_choices")]
         pub compare_kv_buffer_device: Option<Vec<KvBufferDevice>>,
-        /// With --compare-transports, --compare-modes or --compare-kv-buffer-device: run the
-        /// comparison this many rounds, its runs interleaved (their order reversed every other
-        /// round, so that a busy host's drift falls on each alike); each run's figures are the
-        /// medians of its rounds, its ratio to the first run the median of the rounds' ratios
-        /// (with their spread) [default: 1].
         #[arg(
             long,
             value_name = "N",
             help_heading = "Transport",
-            value_parser = clap::value_parser!(u32).range(1..=100)
+            value_parser = clap::value_parser!(u32).range(1..=100),
+            help = super::flags::ROUNDS_HELP
         )]
         #[serde(default)]
         pub rounds: Option<u32>,
