@@ -93,7 +93,11 @@ fn run_xfers(
             // Each child in a process group of its own: a terminal's Ctrl-C reaches this
             // process only, which passes it on (see `wait_passing_signals_on`).
             std::os::unix::process::CommandExt::process_group(
-                Command::new(&exe).args(&args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()),
+                Command::new(&exe)
+                    .args(&args)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped()),
                 0,
             )
             .spawn()
