@@ -203,7 +203,10 @@ fn measure(
     let mut ceiling = Ceiling::new(cfg.mem, ws, pages(cfg.huge_pages))?;
     let (results, page_size) = match cfg.mem {
         MemPlace::Host => {
-            let buf = HostBuffer::alloc(local_len, pages(cfg.huge_pages))?;
+            let mut buf = HostBuffer::alloc(local_len, pages(cfg.huge_pages))?;
+            // As `--transport ucx`'s destination: page faults happen now, not inside the
+            // timed reads (a cold run's reads would otherwise each fault in fresh pages).
+            buf.prefault();
             let got = buf.page_size();
             let mut region = agent.register(buf, 0)?;
             (
