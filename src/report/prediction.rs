@@ -81,7 +81,32 @@ pub fn bench_prediction(
         measured_rank_transfer_p50_us: rank_stats.map_or(0.0, |t| t.p50_us),
         measured_rank_transfer_p90_us: rank_stats.map_or(0.0, |t| t.p90_us),
         extrapolated: p.extrapolated,
+        shared_host: shared_host(s, readers),
     })
+}
+
+/// What kvx's own work put beside the measured transfers on the host. `--verify full` checks
+/// every byte read (about what copying it costs on a host) and has the prefill ranks write
+/// every byte first: with several requests at once, or several decode ranks of which some
+/// finish early, that work runs while other transfers do and takes their cores and memory
+/// bandwidth. A deployment's transfer has no such neighbour, and the model predicts that.
+fn shared_host(s: &Summary, readers: u32) -> Vec<String> {
+    let full = s.scenario.verify == Some(crate::vocab::kinds::VerifyMode::Full);
+    let at_once = s.scenario.concurrency.unwrap_or(1);
+    let mut out = Vec::new();
+    if full && (at_once > 1 || readers > 1) {
+        let why = if at_once > 1 {
+            format!("{at_once} requests at once")
+        } else {
+            format!("{readers} decode ranks, some done before others")
+        };
+        out.push(format!(
+            "--verify full with {why}: checking and filling every byte of one request ran while \
+             others' transfers did, and the measured spans include it (--verify sample measures \
+             the transfers with 1 block in 16 checked)"
+        ));
+    }
+    out
 }
 
 /// `12.3 us`, `4.56 ms`, `1.23 s`.
@@ -316,5 +341,26 @@ mod tests {
         assert!(dynamo.contains("--kv-bytes-per-token 65536"), "{dynamo}");
         assert!(dynamo.contains("--kv-transfer-bandwidth 4.816"), "{dynamo}");
         assert!(dynamo.contains("# rates: kvx calibrate on host, date"));
+    }
+
+    #[test]
+    fn full_checks_beside_other_transfers_are_named_and_sampled_ones_are_not() {
+        use crate::report::scenario::Scenario;
+        use crate::vocab::kinds::VerifyMode;
+        let run = |verify, concurrency| {
+            let scenario =
+                Scenario { verify: Some(verify), concurrency: Some(concurrency), ..Scenario::default() };
+            Summary::new("r", "t", scenario)
+        };
+        let two_at_once = shared_host(&run(VerifyMode::Full, 2), 1);
+        assert_eq!(two_at_once.len(), 1, "{two_at_once:?}");
+        assert!(two_at_once[0].starts_with("--verify full with 2 requests at once"), "{two_at_once:?}");
+        let four_ranks = shared_host(&run(VerifyMode::Full, 1), 4);
+        assert!(four_ranks[0].contains("4 decode ranks"), "{four_ranks:?}");
+        assert!(
+            shared_host(&run(VerifyMode::Full, 1), 1).is_empty(),
+            "one request, one rank: nothing beside it"
+        );
+        assert!(shared_host(&run(VerifyMode::Sample, 2), 2).is_empty(), "sampled checks are not named");
     }
 }

@@ -208,6 +208,10 @@ pub struct BenchPrediction {
     /// Why the prediction lies outside what the rates were fitted over; empty inside.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub extrapolated: Vec<String>,
+    /// What else shared the host while the measured transfers ran, which the model (a
+    /// deployment's transfer alone) leaves out; empty when nothing did.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shared_host: Vec<String>,
 }
 
 /// One decode rank's predicted transfer of one request.

@@ -572,6 +572,9 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         if !p.extrapolated.is_empty() {
             line.push_str(&format!("; EXTRAPOLATED: {}", p.extrapolated.join("; ")));
         }
+        for shared in &p.shared_host {
+            line.push_str(&format!("\nshared host: {shared}"));
+        }
         out.push_str(&format!("{line}\n\n"));
     }
     out.push_str(&section("Outcomes and verification", &failures_table(s, style), style));
