@@ -224,7 +224,7 @@ layered! {
     pub struct KvBufferFlags {
         /// Where transfers read the KV (vLLM's kv_buffer_device): cuda (the KV pool itself) or cpu
         /// (a host buffer: prefill copies a request's blocks into it, decode reads into its own
-        /// and copies them into its pool; both copies are timed stages; pull mode over UCX)
+        /// and copies them into its pool; both copies are timed stages; pull mode over UCX or NIXL)
         /// [default: cuda].
         #[arg(long, value_enum)]
         #[serde(default, deserialize_with = "super::parse::opt_choice")]

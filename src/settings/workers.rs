@@ -115,12 +115,12 @@ pub fn check_kv_buffer(
              or --kv-buffer-device cuda",
         ));
     }
-    if kind != TransportKind::Ucx {
+    if !matches!(kind, TransportKind::Ucx | TransportKind::Nixl) {
         return Err(ConfigError::new(
             "--kv-buffer-device",
             format!(
-                "a host buffer is read over UCX; --transport {} moves the pool itself: use --transport ucx, or \
-                 --kv-buffer-device cuda",
+                "a host buffer is read over UCX or NIXL; --transport {} moves the pool itself: use --transport \
+                 ucx or nixl, or --kv-buffer-device cuda",
                 kind.as_str()
             ),
         ));

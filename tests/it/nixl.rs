@@ -374,13 +374,18 @@ async fn a_notification_for_an_unknown_request_is_counted_and_frees_nothing() {
 
 /// `kvx bench --transport nixl` between kvx's own engines, across TP sizes both ways: every
 /// request verified, every block freed.
+///
+/// With `--kv-buffer-device cpu` (vLLM's host buffer), NIXL registers the host buffers: the
+/// prefill ranks copy each request's blocks into theirs, the decode rank reads them into its
+/// own and copies them into its pool, and every byte is checked there.
 #[test]
 fn bench_through_nixl_verifies_every_request_and_leaks_nothing() {
-    for (p_tp, d_tp) in [("2", "1"), ("1", "2")] {
+    for (p_tp, d_tp, buffer) in [("2", "1", "cuda"), ("1", "2", "cuda"), ("2", "1", "cpu")] {
         let dir = tempfile::tempdir().expect("tempdir");
         let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_kvx"))
             .args(["bench", "--transport", "nixl", "--p-tp", p_tp, "--d-tp", d_tp, "--requests", "8"])
             .args(["--model", "llama-3.1-8b", "--layers", "2", "--verify", "full", "--format", "json"])
+            .args(["--kv-buffer-device", buffer])
             .env("KVX_RESULTS_DIR", dir.path())
             .env("NIXL_LOG_LEVEL", "WARN")
             .timeout(Duration::from_secs(180))
@@ -394,6 +399,8 @@ fn bench_through_nixl_verifies_every_request_and_leaks_nothing() {
         assert_eq!(v["verify_failures"], 0);
         assert_eq!(v["bytes_verified"], v["bytes_read"], "--verify full checks every byte: {v}");
         assert_eq!(v["scenario"]["transport"], "nixl", "{}", v["scenario"]);
+        let staged = ["save_to_host", "sync_to_device"].map(|k| v["stages"].get(k).is_some());
+        assert_eq!(staged, [buffer == "cpu"; 2], "host buffer {buffer}: {}", v["stages"]);
     }
 }
 
