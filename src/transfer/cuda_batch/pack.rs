@@ -317,7 +317,7 @@ pub enum PackFailure {
 }
 
 /// One part's pairs packed by [`pack_part`].
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Part {
     /// Words written (three per copy).
     words: usize,
@@ -366,11 +366,104 @@ fn pack_part(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Result
 const PLAIN_STRETCH: usize = 256;
 
 /// [`pack_part`] for a plan with no run to merge, no empty pair and none out of bounds (the
-/// usual one: vLLM's blocks are allocated apart): each pair written as a copy in a loop with
-/// no branch that depends on the data, so that it runs near the speed of a plain copy. Returns
-/// `None` as soon as a stretch of pairs holds one of those, before finishing the plan: the
-/// part is then packed again by [`pack_merging`].
+/// usual one: vLLM's blocks are allocated apart): [`plain_loop`], in the widest vector
+/// instructions this CPU has. Returns `None` as soon as a stretch of pairs holds one of those,
+/// before finishing the plan: the part is then packed again by [`pack_merging`].
+///
+/// The loop's bounds, merge and alignment tests cost more instructions than writing the
+/// copy; compiled for the x86-64 baseline (SSE2) they run one pair at a time, at about three
+/// times a plain copy's cost. LLVM vectorises the same loop when AVX2 or AVX-512 may be used,
+/// which brings it to a plain copy's speed (benches/batch.rs): on x86-64 it is compiled for
+/// those too ([`wide`]), and the CPU's own picked at run time.
 fn pack_plain(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Option<Part> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(width) = wide::Width::detect() {
+        return wide::plain_loop(width, pairs, local, peer, out);
+    }
+    plain_loop(pairs, local, peer, out)
+}
+
+/// [`plain_loop`] compiled for AVX-512 and for AVX2 (the same Rust, so the same result: the
+/// tests hold each to the baseline's), and the widest this CPU has.
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::{Pair, Part, Span};
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Level {
+        Avx2,
+        Avx512,
+    }
+
+    /// Vector instructions beyond the x86-64 baseline that this CPU has: only
+    /// [`Width::detect`] (and, in tests, [`Width::all`]) make one, so holding one is the
+    /// proof that [`plain_loop`] may use them.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) struct Width(Level);
+
+    impl Width {
+        /// The widest this CPU has (`std` caches what the CPU said: a load per call).
+        pub(super) fn detect() -> Option<Width> {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512vl") && has!("avx512dq") && has!("avx512bw") {
+                Some(Width(Level::Avx512))
+            } else if has!("avx2") {
+                Some(Width(Level::Avx2))
+            } else {
+                None
+            }
+        }
+
+        /// Every width this CPU has, widest first. A CPU with the AVX-512 set `detect`
+        /// asks for has AVX2 too.
+        #[cfg(test)]
+        pub(super) fn all() -> Vec<Width> {
+            match Width::detect() {
+                Some(Width(Level::Avx512)) => vec![Width(Level::Avx512), Width(Level::Avx2)],
+                Some(w) => vec![w],
+                None => Vec::new(),
+            }
+        }
+    }
+
+    /// [`super::plain_loop`] in `width`'s instructions.
+    #[expect(
+        unsafe_code,
+        reason = "calls a function compiled for vector instructions the CPU was checked to have"
+    )]
+    pub(super) fn plain_loop(
+        width: Width,
+        pairs: &[Pair],
+        local: Span,
+        peer: Span,
+        out: &mut [u64],
+    ) -> Option<Part> {
+        match width.0 {
+            // SAFETY: a `Width` of this level exists only where the CPU said it has AVX-512
+            // F, VL, DQ and BW (`Width::detect`), all that `avx512` is compiled for; the
+            // function is otherwise plain safe Rust.
+            Level::Avx512 => unsafe { avx512(pairs, local, peer, out) },
+            // SAFETY: as above, with AVX2 (which every CPU with that AVX-512 set has).
+            Level::Avx2 => unsafe { avx2(pairs, local, peer, out) },
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw")]
+    fn avx512(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Option<Part> {
+        super::plain_loop(pairs, local, peer, out)
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn avx2(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Option<Part> {
+        super::plain_loop(pairs, local, peer, out)
+    }
+}
+
+/// [`pack_plain`]'s loop: each pair written as a copy with no branch that depends on the
+/// data, the tests folded into flags checked once per stretch. Inlined into each of
+/// [`wide`]'s functions, so that each is compiled for its instructions.
+#[inline(always)]
+fn plain_loop(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Option<Part> {
     let room = |s: Span| if s.base.checked_add(s.len).is_some() { s.len } else { 0 };
     let (l_room, p_room) = (room(local), room(peer));
     let out = &mut out[..3 * pairs.len()];
@@ -815,6 +908,63 @@ mod tests {
                     if len >= 32 {
                         assert!(sp.body >= len - 2 * (want - 1), "at most a unit less a byte each end");
                     }
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_vector_width_packs_what_the_baseline_loop_packs() {
+        // Parts of many lengths around the stretch (256 pairs) and the vector loops' steps,
+        // strided on both sides with some unaligned pairs: plain ones, and ones that stop
+        // the loop (an empty pair, one out of bounds, a run to merge) in some stretch.
+        let plain = |n: u64| -> Vec<Pair> {
+            (0..n)
+                .map(|k| {
+                    let len = if k % 7 == 3 { 100 + k % 5 } else { 8192 };
+                    pair((k * 37 % 50) * 16_384 + (k % 3) * 4, k * 9000 % 1_000_000, len)
+                })
+                .collect()
+        };
+        let big = Span { base: L.base, len: 1 << 30 };
+        let peer = Span { base: P.base, len: 1 << 30 };
+        let mut cases: Vec<(Vec<Pair>, bool)> =
+            [0, 1, 7, 8, 31, 255, 256, 257, 600, 1031].into_iter().map(|n| (plain(n), true)).collect();
+        for (at, bad) in [
+            (5, pair(0, 0, 0)),
+            (700, pair(0, 0, 0)),
+            (300, pair(big.len - 8, 0, 16)),
+            (1030, pair(0, u64::MAX, 2)),
+        ] {
+            let mut c = plain(1031);
+            c[at] = bad;
+            cases.push((c, false));
+        }
+        let mut merged = plain(600);
+        merged[512].len = 8192;
+        merged[513] = pair(merged[512].local + 8192, merged[512].remote + 8192, 8192);
+        cases.push((merged, false));
+        let widths = wide::Width::all();
+        for (pairs, packs) in &cases {
+            let mut want = vec![0u64; 3 * pairs.len()];
+            let base = plain_loop(pairs, big, peer, &mut want);
+            assert_eq!(base.is_some(), *packs, "{} pairs", pairs.len());
+            let n = pairs.len() as u64;
+            assert!(
+                base.is_none_or(|p| n < 8 || (p.unaligned > 0 && p.unaligned < n)),
+                "aligned and not: {base:?}"
+            );
+            for &w in &widths {
+                let mut got = vec![0u64; 3 * pairs.len()];
+                assert_eq!(
+                    wide::plain_loop(w, pairs, big, peer, &mut got),
+                    base,
+                    "{w:?}, {} pairs",
+                    pairs.len()
+                );
+                if base.is_some() {
+                    assert!(got == want, "{w:?}, {} pairs: the words differ", pairs.len());
                 }
             }
         }
