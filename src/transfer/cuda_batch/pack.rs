@@ -4,7 +4,8 @@
 //! batch ([`gather_descriptors`]: long copies split into pieces, [`gather_split`]: the
 //! kernel's per-copy arithmetic, kept here so it is tested), or straight from the pairs in one
 //! pass into the buffer that is uploaded ([`pack_descriptors`], what the copier does with the
-//! kernel). Pure: no CUDA.
+//! kernel). Pure: no CUDA. Its one `unsafe` (module `wide`) calls the packing loop compiled
+//! for AVX-512 or AVX2 on a CPU that said it has them.
 
 use super::error::CudaBatchError;
 use crate::layouts::read_plan::Pair;
@@ -538,8 +539,30 @@ fn pack_merging(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Res
 }
 
 /// Fewest threads of rayon's pool for [`pack_descriptors`] to pack a request's parts on
-/// several of them (with at least [`PARALLEL_PAIRS`] pairs).
+/// several of them.
 pub const PARALLEL_THREADS: usize = 2;
+
+/// Fewest pairs in a request for [`pack_descriptors`] to pack its parts on rayon's threads
+/// ([`PackThreads::Auto`]). Handing parts to other threads costs their wake-up, and the
+/// packing loop runs at a plain copy's speed where it is vectorised: at the sizes measured,
+/// one thread was the faster. `cargo bench --bench batch` (40,960 pairs in four parts) packs
+/// them on one thread at a smaller multiple of the store ceiling than on rayon's pool of two
+/// on the development machine (results/docs/bench-batch), and the H200 host packed the same
+/// request fastest with `RAYON_NUM_THREADS=1` (results/gpu-nvidia-h200-2026-11-28b-rayon.json,
+/// before the loop was vectorised). Requests this large were not measured: the bound keeps
+/// the parallel path for them, where a wake-up is small against the packing.
+pub const PARALLEL_PACK_PAIRS: usize = 1 << 18;
+
+/// Where [`pack_descriptors_on`] packs a request's parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PackThreads {
+    /// On the calling thread one after the other, on rayon's threads from
+    /// [`PARALLEL_PACK_PAIRS`] pairs: what [`pack_descriptors`] (and so the copier) does.
+    Auto,
+    /// On rayon's threads whenever there are several parts and at least
+    /// [`PARALLEL_THREADS`] threads: what the bench compares `Auto` with.
+    Pool,
+}
 
 /// Packs a request's parts (`jobs[i] = (pairs, peer)`, all into `local`) straight into `out`,
 /// the pinned buffer the gather kernel's descriptors are uploaded from: each pair
@@ -549,11 +572,21 @@ pub const PARALLEL_THREADS: usize = 2;
 /// intermediate array (benches/batch.rs measures both).
 ///
 /// Each part is packed into its own stretch of `out` (three words per pair), on rayon's
-/// threads when there are several parts, at least [`PARALLEL_PAIRS`] pairs and
-/// [`PARALLEL_THREADS`] threads; stretches that merging shortened are then moved up behind
-/// each other. Needs `out` to hold `3 * pairs` words, more when merged runs must be split
-/// ([`PackFailure::Room`]). On a failure `out` holds nothing of use.
+/// threads as [`PackThreads::Auto`] says; stretches that merging shortened are then moved up
+/// behind each other. Needs `out` to hold `3 * pairs` words, more when merged runs must be
+/// split ([`PackFailure::Room`]). On a failure `out` holds nothing of use.
 pub fn pack_descriptors(
+    jobs: &[(&[Pair], Span)],
+    local: Span,
+    piece: u64,
+    out: &mut [u64],
+) -> Result<Packed, PackFailure> {
+    pack_descriptors_on(PackThreads::Auto, jobs, local, piece, out)
+}
+
+/// [`pack_descriptors`], the parts packed where `threads` says (the result is the same).
+pub fn pack_descriptors_on(
+    threads: PackThreads,
     jobs: &[(&[Pair], Span)],
     local: Span,
     piece: u64,
@@ -573,8 +606,12 @@ pub fn pack_descriptors(
     }
     let pack =
         |((pairs, peer), out): (&(&[Pair], Span), &mut &mut [u64])| pack_part(pairs, local, *peer, out);
+    let least = match threads {
+        PackThreads::Auto => PARALLEL_PACK_PAIRS,
+        PackThreads::Pool => 0,
+    };
     let parts: Result<Vec<Part>, PackFailure> =
-        if jobs.len() > 1 && pairs >= PARALLEL_PAIRS && rayon::current_num_threads() >= PARALLEL_THREADS {
+        if jobs.len() > 1 && pairs >= least && rayon::current_num_threads() >= PARALLEL_THREADS {
             use rayon::prelude::*;
             let done: Vec<_> = jobs.par_iter().zip(stretches.par_iter_mut()).map(pack).collect();
             done.into_iter().enumerate().map(|(i, r)| r.map_err(|e| PackFailure::Pair(i, e))).collect()
@@ -997,11 +1034,20 @@ mod tests {
     /// [`pack_descriptors`] into a buffer of `3 * pairs` words (grown once when it says so),
     /// with a sentinel word behind it that must stay untouched.
     fn one_pass(jobs: &[(&[Pair], Span)], piece: u64) -> Result<(Vec<u64>, Packed), PackFailure> {
+        one_pass_on(PackThreads::Auto, jobs, piece)
+    }
+
+    /// [`one_pass`] with the parts packed where `threads` says.
+    fn one_pass_on(
+        threads: PackThreads,
+        jobs: &[(&[Pair], Span)],
+        piece: u64,
+    ) -> Result<(Vec<u64>, Packed), PackFailure> {
         let pairs: usize = jobs.iter().map(|(p, _)| p.len()).sum();
         let mut words = 3 * pairs;
         loop {
             let mut out = vec![7u64; words + 1];
-            match pack_descriptors(jobs, L, piece, &mut out[..words]) {
+            match pack_descriptors_on(threads, jobs, L, piece, &mut out[..words]) {
                 Ok(p) => {
                     assert_eq!(out[words], 7, "nothing written past the buffer");
                     out.truncate(3 * p.pieces);
@@ -1079,8 +1125,9 @@ mod tests {
 
     #[test]
     fn one_pass_packing_on_several_threads_is_packing_on_one() {
-        // Four peers of 5,000 pairs (above PARALLEL_PAIRS together), some runs contiguous
-        // (so stretches shorten and move up), on pools of four, two and one thread.
+        // Four peers of 5,000 pairs, some runs contiguous (so stretches shorten and move up),
+        // packed on the pool's threads (`PackThreads::Pool`) on pools of four, two and one
+        // thread.
         let lists: Vec<Vec<Pair>> = (0..4u64)
             .map(|i| {
                 (0..5_000u64)
@@ -1098,13 +1145,16 @@ mod tests {
         let (want, want_packed) = two_pass(&jobs, GATHER_PIECE).expect("in bounds");
         for threads in [4, 2, 1] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-            let (got, packed) = pool.install(|| one_pass(&jobs, GATHER_PIECE)).expect("in bounds");
+            let (got, packed) =
+                pool.install(|| one_pass_on(PackThreads::Pool, &jobs, GATHER_PIECE)).expect("in bounds");
             assert_eq!(packed, want_packed, "{threads} threads");
             assert!(got == want, "{threads} threads: the words differ");
             let mut bad = lists.clone();
             bad[2][10] = pair(L.len, 0, 8);
             let jobs: Vec<(&[Pair], Span)> = bad.iter().map(Vec::as_slice).zip((0..4).map(peer)).collect();
-            let e = pool.install(|| one_pass(&jobs, GATHER_PIECE)).expect_err("out of bounds");
+            let e = pool
+                .install(|| one_pass_on(PackThreads::Pool, &jobs, GATHER_PIECE))
+                .expect_err("out of bounds");
             assert!(
                 matches!(
                     e,
