@@ -52,7 +52,9 @@
 //! ```
 //!
 //! Only `driver.rs`, `ipc.rs`, `gather.rs` and `copier.rs` call CUDA and hold `unsafe` (each
-//! allows it with a reason); the rest is plain arithmetic and data, tested without a GPU.
+//! allows it with a reason); the rest is plain arithmetic and data, tested without a GPU, but
+//! for one call in `pack.rs` (its `wide` module) of the packing loop compiled for the vector
+//! instructions the CPU was found to have.
 
 mod error;
 mod grid;
@@ -79,8 +81,9 @@ mod ptx_tests;
 pub use error::CudaBatchError;
 pub use grid::GridBatch;
 pub use pack::{
-    CopyBatch, GATHER_PIECE, GatherSplit, PARALLEL_PAIRS, PARALLEL_THREADS, PackFailure, Packed, Span,
-    gather_descriptors, gather_into, gather_pieces, gather_split, pack_descriptors, pack_parts,
+    CopyBatch, GATHER_PIECE, GatherSplit, PARALLEL_PACK_PAIRS, PARALLEL_PAIRS, PARALLEL_THREADS, PackFailure,
+    PackThreads, Packed, Span, gather_descriptors, gather_into, gather_pieces, gather_split,
+    pack_descriptors, pack_descriptors_on, pack_parts,
 };
 pub use path::{BatchCopy, BatchDescriptors, BatchLaunch, BatchPath, BatchStats};
 pub use peer::{IPC_HANDLE_BYTES, check_export, machine_id};

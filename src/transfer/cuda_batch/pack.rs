@@ -4,7 +4,8 @@
 //! batch ([`gather_descriptors`]: long copies split into pieces, [`gather_split`]: the
 //! kernel's per-copy arithmetic, kept here so it is tested), or straight from the pairs in one
 //! pass into the buffer that is uploaded ([`pack_descriptors`], what the copier does with the
-//! kernel). Pure: no CUDA.
+//! kernel). Pure: no CUDA. Its one `unsafe` (module `wide`) calls the packing loop compiled
+//! for AVX-512 or AVX2 on a CPU that said it has them.
 
 use super::error::CudaBatchError;
 use crate::layouts::read_plan::Pair;
@@ -317,7 +318,7 @@ pub enum PackFailure {
 }
 
 /// One part's pairs packed by [`pack_part`].
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Part {
     /// Words written (three per copy).
     words: usize,
@@ -366,11 +367,100 @@ fn pack_part(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Result
 const PLAIN_STRETCH: usize = 256;
 
 /// [`pack_part`] for a plan with no run to merge, no empty pair and none out of bounds (the
-/// usual one: vLLM's blocks are allocated apart): each pair written as a copy in a loop with
-/// no branch that depends on the data, so that it runs near the speed of a plain copy. Returns
-/// `None` as soon as a stretch of pairs holds one of those, before finishing the plan: the
-/// part is then packed again by [`pack_merging`].
+/// usual one: vLLM's blocks are allocated apart): [`plain_loop`], in the widest vector
+/// instructions this CPU has. Returns `None` as soon as a stretch of pairs holds one of those,
+/// before finishing the plan: the part is then packed again by [`pack_merging`].
+///
+/// The loop's bounds, merge and alignment tests cost more instructions than writing the
+/// copy; compiled for the x86-64 baseline (SSE2) they run one pair at a time, at about three
+/// times a plain copy's cost. LLVM vectorises the same loop when AVX2 or AVX-512 may be used,
+/// which brings it to a plain copy's speed (benches/batch.rs): on x86-64 it is compiled for
+/// those too ([`wide`]), and the CPU's own picked at run time.
 fn pack_plain(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Option<Part> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(width) = wide::Width::detect() {
+        return wide::plain_loop(width, pairs, local, peer, out);
+    }
+    plain_loop(pairs, local, peer, out)
+}
+
+/// [`plain_loop`] compiled for AVX-512 and for AVX2 (the same Rust, so the same result: the
+/// tests hold each to the baseline's), and the widest this CPU has.
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::{Pair, Part, Span};
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Level {
+        Avx2,
+        Avx512,
+    }
+
+    /// Vector instructions beyond the x86-64 baseline that this CPU has: only
+    /// [`Width::detect`] (and, in tests, [`Width::all`]) make one, so holding one is the
+    /// proof that [`plain_loop`] may use them.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) struct Width(Level);
+
+    impl Width {
+        /// The widest this CPU has (`std` caches what the CPU said: a load per call).
+        pub(super) fn detect() -> Option<Width> {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512vl") && has!("avx512dq") && has!("avx512bw") {
+                Some(Width(Level::Avx512))
+            } else if has!("avx2") {
+                Some(Width(Level::Avx2))
+            } else {
+                None
+            }
+        }
+
+        /// Every width this CPU has, widest first.
+        #[cfg(test)]
+        pub(super) fn all() -> Vec<Width> {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2").then_some(Width(Level::Avx2));
+            Width::detect().filter(|w| w.0 == Level::Avx512).into_iter().chain(avx2).collect()
+        }
+    }
+
+    /// [`super::plain_loop`] in `width`'s instructions.
+    #[expect(
+        unsafe_code,
+        reason = "calls a function compiled for vector instructions the CPU was checked to have"
+    )]
+    pub(super) fn plain_loop(
+        width: Width,
+        pairs: &[Pair],
+        local: Span,
+        peer: Span,
+        out: &mut [u64],
+    ) -> Option<Part> {
+        match width.0 {
+            // SAFETY: a `Width` of this level exists only where the CPU said it has AVX-512
+            // F, VL, DQ and BW (`Width::detect`), all that `avx512` is compiled for; the
+            // function is otherwise plain safe Rust.
+            Level::Avx512 => unsafe { avx512(pairs, local, peer, out) },
+            // SAFETY: as above, with AVX2.
+            Level::Avx2 => unsafe { avx2(pairs, local, peer, out) },
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx512bw")]
+    fn avx512(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Option<Part> {
+        super::plain_loop(pairs, local, peer, out)
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn avx2(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Option<Part> {
+        super::plain_loop(pairs, local, peer, out)
+    }
+}
+
+/// [`pack_plain`]'s loop: each pair written as a copy with no branch that depends on the
+/// data, the tests folded into flags checked once per stretch. Inlined into each of
+/// [`wide`]'s functions, so that each is compiled for its instructions.
+#[inline(always)]
+fn plain_loop(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Option<Part> {
     let room = |s: Span| if s.base.checked_add(s.len).is_some() { s.len } else { 0 };
     let (l_room, p_room) = (room(local), room(peer));
     let out = &mut out[..3 * pairs.len()];
@@ -445,8 +535,30 @@ fn pack_merging(pairs: &[Pair], local: Span, peer: Span, out: &mut [u64]) -> Res
 }
 
 /// Fewest threads of rayon's pool for [`pack_descriptors`] to pack a request's parts on
-/// several of them (with at least [`PARALLEL_PAIRS`] pairs).
+/// several of them.
 pub const PARALLEL_THREADS: usize = 2;
+
+/// Fewest pairs in a request for [`pack_descriptors`] to pack its parts on rayon's threads
+/// ([`PackThreads::Auto`]). Handing parts to other threads costs their wake-up, and the
+/// packing loop runs at a plain copy's speed where it is vectorised: at the sizes measured,
+/// one thread was the faster. `cargo bench --bench batch` (40,960 pairs in four parts) packs
+/// them on one thread at a smaller multiple of the store ceiling than on rayon's pool of two
+/// on the development machine (results/docs/bench-batch), and the H200 host packed the same
+/// request fastest with `RAYON_NUM_THREADS=1` (results/gpu-nvidia-h200-2026-11-28b-rayon.json,
+/// before the loop was vectorised). Requests this large were not measured: the bound keeps
+/// the parallel path for them, where a wake-up is small against the packing.
+pub const PARALLEL_PACK_PAIRS: usize = 1 << 18;
+
+/// Where [`pack_descriptors_on`] packs a request's parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PackThreads {
+    /// On the calling thread one after the other, on rayon's threads from
+    /// [`PARALLEL_PACK_PAIRS`] pairs: what [`pack_descriptors`] (and so the copier) does.
+    Auto,
+    /// On rayon's threads whenever there are several parts and at least
+    /// [`PARALLEL_THREADS`] threads: what the bench compares `Auto` with.
+    Pool,
+}
 
 /// Packs a request's parts (`jobs[i] = (pairs, peer)`, all into `local`) straight into `out`,
 /// the pinned buffer the gather kernel's descriptors are uploaded from: each pair
@@ -456,11 +568,21 @@ pub const PARALLEL_THREADS: usize = 2;
 /// intermediate array (benches/batch.rs measures both).
 ///
 /// Each part is packed into its own stretch of `out` (three words per pair), on rayon's
-/// threads when there are several parts, at least [`PARALLEL_PAIRS`] pairs and
-/// [`PARALLEL_THREADS`] threads; stretches that merging shortened are then moved up behind
-/// each other. Needs `out` to hold `3 * pairs` words, more when merged runs must be split
-/// ([`PackFailure::Room`]). On a failure `out` holds nothing of use.
+/// threads as [`PackThreads::Auto`] says; stretches that merging shortened are then moved up
+/// behind each other. Needs `out` to hold `3 * pairs` words, more when merged runs must be
+/// split ([`PackFailure::Room`]). On a failure `out` holds nothing of use.
 pub fn pack_descriptors(
+    jobs: &[(&[Pair], Span)],
+    local: Span,
+    piece: u64,
+    out: &mut [u64],
+) -> Result<Packed, PackFailure> {
+    pack_descriptors_on(PackThreads::Auto, jobs, local, piece, out)
+}
+
+/// [`pack_descriptors`], the parts packed where `threads` says (the result is the same).
+pub fn pack_descriptors_on(
+    threads: PackThreads,
     jobs: &[(&[Pair], Span)],
     local: Span,
     piece: u64,
@@ -480,8 +602,12 @@ pub fn pack_descriptors(
     }
     let pack =
         |((pairs, peer), out): (&(&[Pair], Span), &mut &mut [u64])| pack_part(pairs, local, *peer, out);
+    let least = match threads {
+        PackThreads::Auto => PARALLEL_PACK_PAIRS,
+        PackThreads::Pool => 0,
+    };
     let parts: Result<Vec<Part>, PackFailure> =
-        if jobs.len() > 1 && pairs >= PARALLEL_PAIRS && rayon::current_num_threads() >= PARALLEL_THREADS {
+        if jobs.len() > 1 && pairs >= least && rayon::current_num_threads() >= PARALLEL_THREADS {
             use rayon::prelude::*;
             let done: Vec<_> = jobs.par_iter().zip(stretches.par_iter_mut()).map(pack).collect();
             done.into_iter().enumerate().map(|(i, r)| r.map_err(|e| PackFailure::Pair(i, e))).collect()
@@ -820,6 +946,63 @@ mod tests {
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_vector_width_packs_what_the_baseline_loop_packs() {
+        // Parts of many lengths around the stretch (256 pairs) and the vector loops' steps,
+        // strided on both sides with some unaligned pairs: plain ones, and ones that stop
+        // the loop (an empty pair, one out of bounds, a run to merge) in some stretch.
+        let plain = |n: u64| -> Vec<Pair> {
+            (0..n)
+                .map(|k| {
+                    let len = if k % 7 == 3 { 100 + k % 5 } else { 8192 };
+                    pair((k * 37 % 50) * 16_384 + (k % 3) * 4, k * 9000 % 1_000_000, len)
+                })
+                .collect()
+        };
+        let big = Span { base: L.base, len: 1 << 30 };
+        let peer = Span { base: P.base, len: 1 << 30 };
+        let mut cases: Vec<(Vec<Pair>, bool)> =
+            [0, 1, 7, 8, 31, 255, 256, 257, 600, 1031].into_iter().map(|n| (plain(n), true)).collect();
+        for (at, bad) in [
+            (5, pair(0, 0, 0)),
+            (700, pair(0, 0, 0)),
+            (300, pair(big.len - 8, 0, 16)),
+            (1030, pair(0, u64::MAX, 2)),
+        ] {
+            let mut c = plain(1031);
+            c[at] = bad;
+            cases.push((c, false));
+        }
+        let mut merged = plain(600);
+        merged[512].len = 8192;
+        merged[513] = pair(merged[512].local + 8192, merged[512].remote + 8192, 8192);
+        cases.push((merged, false));
+        let widths = wide::Width::all();
+        for (pairs, packs) in &cases {
+            let mut want = vec![0u64; 3 * pairs.len()];
+            let base = plain_loop(pairs, big, peer, &mut want);
+            assert_eq!(base.is_some(), *packs, "{} pairs", pairs.len());
+            let n = pairs.len() as u64;
+            assert!(
+                base.is_none_or(|p| n < 8 || (p.unaligned > 0 && p.unaligned < n)),
+                "aligned and not: {base:?}"
+            );
+            for &w in &widths {
+                let mut got = vec![0u64; 3 * pairs.len()];
+                assert_eq!(
+                    wide::plain_loop(w, pairs, big, peer, &mut got),
+                    base,
+                    "{w:?}, {} pairs",
+                    pairs.len()
+                );
+                if base.is_some() {
+                    assert!(got == want, "{w:?}, {} pairs: the words differ", pairs.len());
+                }
+            }
+        }
+    }
+
     /// The two-pass packing (`CopyBatch::pack` and `add`, then [`gather_descriptors`]) of the
     /// same parts: the words and counts [`pack_descriptors`] must give.
     fn two_pass(jobs: &[(&[Pair], Span)], piece: u64) -> Result<(Vec<u64>, Packed), (usize, CudaBatchError)> {
@@ -847,11 +1030,20 @@ mod tests {
     /// [`pack_descriptors`] into a buffer of `3 * pairs` words (grown once when it says so),
     /// with a sentinel word behind it that must stay untouched.
     fn one_pass(jobs: &[(&[Pair], Span)], piece: u64) -> Result<(Vec<u64>, Packed), PackFailure> {
+        one_pass_on(PackThreads::Auto, jobs, piece)
+    }
+
+    /// [`one_pass`] with the parts packed where `threads` says.
+    fn one_pass_on(
+        threads: PackThreads,
+        jobs: &[(&[Pair], Span)],
+        piece: u64,
+    ) -> Result<(Vec<u64>, Packed), PackFailure> {
         let pairs: usize = jobs.iter().map(|(p, _)| p.len()).sum();
         let mut words = 3 * pairs;
         loop {
             let mut out = vec![7u64; words + 1];
-            match pack_descriptors(jobs, L, piece, &mut out[..words]) {
+            match pack_descriptors_on(threads, jobs, L, piece, &mut out[..words]) {
                 Ok(p) => {
                     assert_eq!(out[words], 7, "nothing written past the buffer");
                     out.truncate(3 * p.pieces);
@@ -929,8 +1121,9 @@ mod tests {
 
     #[test]
     fn one_pass_packing_on_several_threads_is_packing_on_one() {
-        // Four peers of 5,000 pairs (above PARALLEL_PAIRS together), some runs contiguous
-        // (so stretches shorten and move up), on pools of four, two and one thread.
+        // Four peers of 5,000 pairs, some runs contiguous (so stretches shorten and move up),
+        // packed on the pool's threads (`PackThreads::Pool`) on pools of four, two and one
+        // thread.
         let lists: Vec<Vec<Pair>> = (0..4u64)
             .map(|i| {
                 (0..5_000u64)
@@ -948,13 +1141,16 @@ mod tests {
         let (want, want_packed) = two_pass(&jobs, GATHER_PIECE).expect("in bounds");
         for threads in [4, 2, 1] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-            let (got, packed) = pool.install(|| one_pass(&jobs, GATHER_PIECE)).expect("in bounds");
+            let (got, packed) =
+                pool.install(|| one_pass_on(PackThreads::Pool, &jobs, GATHER_PIECE)).expect("in bounds");
             assert_eq!(packed, want_packed, "{threads} threads");
             assert!(got == want, "{threads} threads: the words differ");
             let mut bad = lists.clone();
             bad[2][10] = pair(L.len, 0, 8);
             let jobs: Vec<(&[Pair], Span)> = bad.iter().map(Vec::as_slice).zip((0..4).map(peer)).collect();
-            let e = pool.install(|| one_pass(&jobs, GATHER_PIECE)).expect_err("out of bounds");
+            let e = pool
+                .install(|| one_pass_on(PackThreads::Pool, &jobs, GATHER_PIECE))
+                .expect_err("out of bounds");
             assert!(
                 matches!(
                     e,
