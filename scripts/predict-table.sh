@@ -2,9 +2,7 @@
 # The prediction accuracy table (docs/prediction.md): fits this host's transfer-time model with
 # `kvx calibrate` (twice, the second compared with the first: is every term stable?), then runs
 # `kvx bench --rates` over 12 shapes fixed before the fit and writes predicted against measured
-# transfer span p50/p90 per shape. The runs check 1 block in 16 (`--verify sample`): the model
-# predicts a deployment's transfer alone, and a full check of one request (about what copying
-# its bytes costs) would share this host's cores with another request's transfer.
+# transfer span p50/p90 per shape.
 #
 #   scripts/predict-table.sh [--mem host|cuda] [--path ucx|cuda-ipc|cuda-batch] [--out DIR]
 #
@@ -55,7 +53,7 @@ for s in "${SHAPES[@]}"; do
   echo "predict-table: $name" >&2
   # shellcheck disable=SC2086
   "$KVX" bench --model "$model" --p-tp "$ptp" --d-tp "$dtp" --prompt-len "$len" --concurrency "$conc" \
-    --requests 8 --warmup 2 --verify sample --no-calibrate --mem "$MEM" --transport "$TRANSPORT" --rates "$RATES" \
+    --requests 8 --warmup 2 --no-calibrate --mem "$MEM" --transport "$TRANSPORT" --rates "$RATES" \
     --results-dir "$RUNS/runs" --name "$name" --format json $extra > "$RUNS/$name.json" \
     || echo "{\"failed\": true}" > "$RUNS/$name.json"
 done
