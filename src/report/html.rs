@@ -296,6 +296,7 @@ mod tests {
         s.stages.insert("e2e".into(), StageStats { count: 40, p50_us: 300.0, ..Default::default() });
         s.warnings.push("a <warning> & more".into());
         let html = page(&s, &rows(), None).expect("page");
+        crate::report::pages::tests::check_page(&html);
         assert!(html.len() < 2_000_000, "{} bytes", html.len());
         let lower = html.to_lowercase();
         for banned in ["<script", "<link", "<img", "<iframe", "@import", "url(", "src=", "href="] {

@@ -445,3 +445,225 @@ pub fn gate_error_page(message: &str) -> String {
     p.p(message);
     p.finish("kvx gate error")
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::collections::BTreeMap;
+
+    use scraper::{Html, Selector};
+    use serde_json::json;
+
+    use super::*;
+    use crate::report::summary::{RankRead, RankReads, Scenario, StageStats, SweepPoint};
+
+    fn sel(s: &str) -> Selector {
+        Selector::parse(s).expect("selector")
+    }
+
+    /// A page as a browser reads it (HTML5 parsing): no parse error, under 2 MB, nothing loaded
+    /// from elsewhere (no script, no element that loads, no `src`/`href`, no CSS `url(` or
+    /// `@import`), every figure's chart inline. Returns the page's outline: its headings and
+    /// figure ids, one a line.
+    pub(crate) fn check_page(html: &str) -> String {
+        assert!(html.len() < 2_000_000, "the page is {} bytes", html.len());
+        let doc = Html::parse_document(html);
+        assert!(doc.errors.is_empty(), "HTML parse errors: {:?}", doc.errors);
+        for e in doc.select(&sel("*")) {
+            let tag = e.value().name();
+            assert!(
+                !["script", "link", "img", "iframe", "object", "embed", "image", "use", "foreignobject"]
+                    .contains(&tag.to_ascii_lowercase().as_str()),
+                "<{tag}> in the page"
+            );
+            for (name, value) in e.value().attrs() {
+                assert!(
+                    !["src", "href", "xlink:href", "srcset", "action", "poster", "data"].contains(&name),
+                    "{name}={value} on <{tag}>"
+                );
+                assert!(!value.contains("url("), "url( in {name} on <{tag}>");
+            }
+        }
+        for style in doc.select(&sel("style")) {
+            let css: String = style.text().collect();
+            assert!(!css.contains("url(") && !css.contains("@import"), "CSS from elsewhere");
+        }
+        assert_eq!(doc.select(&sel("h1")).count(), 1, "one title");
+        let mut outline = Vec::new();
+        for e in doc.select(&sel("h1, h2, h3, figure")) {
+            let tag = e.value().name();
+            if tag == "figure" {
+                assert!(e.select(&sel("svg")).next().is_some(), "a figure without its chart inline");
+                outline.push(format!("  figure #{}", e.value().attr("id").unwrap_or_default()));
+            } else {
+                let text: Vec<&str> = e.text().flat_map(str::split_whitespace).collect();
+                outline.push(format!("{tag}: {}", text.join(" ")));
+            }
+        }
+        outline.join("\n")
+    }
+
+    fn figures(outline: &str) -> Vec<&str> {
+        outline.lines().filter_map(|l| l.trim().strip_prefix("figure #")).collect()
+    }
+
+    fn row(parent: &str, sub: &str, n: u32, k: f64) -> RequestRow {
+        RequestRow {
+            request_id: format!("cmpl-{parent}-{sub}-{n}-0"),
+            bytes: 1_000_000,
+            queue_us: Some(5.0),
+            plan_us: Some(3.0),
+            post_us: Some(10.0 * k),
+            transfer_us: Some(300.0 * k),
+            transfer_span_us: Some(340.0 * k),
+            notify_us: Some(12.0),
+            e2e_us: Some(380.0 * k),
+            verify_us: Some(100.0),
+            rank_reads: RankReads(vec![RankRead {
+                rank: 0,
+                start_us: Some(0.0),
+                read_us: 300.0 * k,
+                bytes: 1_000_000,
+            }]),
+            ..Default::default()
+        }
+    }
+
+    fn point(label: &str, params: serde_json::Value, gbps: f64) -> SweepPoint {
+        let params: BTreeMap<String, serde_json::Value> =
+            serde_json::from_value(params).expect("params are a map");
+        SweepPoint {
+            label: label.into(),
+            params,
+            throughput_gbps: gbps,
+            transfer_p50_us: Some(1000.0 / gbps),
+            e2e_p50_us: Some(1200.0 / gbps),
+            requests_ok: 12,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_comparison_has_its_own_page() {
+        let mut s = Summary::new(
+            "P",
+            "t",
+            Scenario { name: Some("compare-transports".into()), ..Default::default() },
+        );
+        s.sweep = Some(vec![
+            point(
+                "ucx",
+                json!({"transport": "ucx", "rounds": 3, "round_gbps": [2.0, 2.2, 2.1], "ratio_to_first": 1.0,
+                       "ratio_to_first_min": 1.0, "ratio_to_first_max": 1.0, "cpu_s_per_gb": 0.5}),
+                2.1,
+            ),
+            point(
+                "storage",
+                json!({"transport": "storage", "rounds": 3, "round_gbps": [0.9, 1.1, 1.0], "ratio_to_first": 0.48,
+                       "ratio_to_first_min": 0.45, "ratio_to_first_max": 0.5, "cpu_s_per_gb": 1.5}),
+                1.0,
+            ),
+        ]);
+        s.requests_ok = 24;
+        let mut rows = Vec::new();
+        for r in 1..=3 {
+            for (name, k) in [("ucx", 1.0), ("storage", 2.0)] {
+                rows.extend((0..4).map(|n| row("P", &format!("{name}-r{r}"), n, k + f64::from(n) * 0.2)));
+            }
+        }
+        assert_eq!(comparison_flag(&s), Some("compare-transports"));
+        let html = crate::report::html::page(&s, &rows, None).expect("page");
+        let outline = check_page(&html);
+        assert_eq!(
+            figures(&outline),
+            vec!["compare-throughput", "latency", "transfer-span", "request-waterfall"]
+        );
+        assert!(html.contains("0.48x (0.45-0.50)"), "the rounds' ratio and its range");
+        assert!(html.contains("ucx: median request") && html.contains("storage: median request"));
+        insta::assert_snapshot!("compare_page_outline", outline);
+        // A sweep file that happens to be named like a comparison is still a sweep.
+        let mut sweep = s.clone();
+        for p in sweep.sweep.iter_mut().flatten() {
+            p.params.remove("transport");
+        }
+        assert_eq!(comparison_flag(&sweep), None);
+    }
+
+    #[test]
+    fn a_sweep_page_leads_with_its_setting_and_its_points_side_by_side() {
+        let mut s = Summary::new("S", "t", Scenario { name: Some("conc".into()), ..Default::default() });
+        let pts: Vec<SweepPoint> = [1, 2, 4]
+            .iter()
+            .map(|c| {
+                let mut p = point(&format!("concurrency={c}"), json!({"concurrency": c}), f64::from(*c));
+                p.predicted_span_p50_us = Some(300.0);
+                p.measured_span_p50_us = Some(320.0 * f64::from(*c));
+                p
+            })
+            .collect();
+        s.sweep = Some(pts.clone());
+        let rows: Vec<RequestRow> = (0..3)
+            .flat_map(|i| (0..5).map(move |n| row("S", &format!("p{i}"), n, 1.0 + f64::from(i))))
+            .collect();
+        let html = crate::report::html::page(&s, &rows, None).expect("page");
+        let outline = check_page(&html);
+        assert_eq!(figures(&outline), vec!["sweep", "latency", "transfer-span", "request-waterfall"]);
+        insta::assert_snapshot!("sweep_page_outline", outline);
+        // Seven points: no chart per point (more than six lines), the sweep chart still.
+        s.sweep = Some((0..7).map(|i| point(&format!("p{i}"), json!({"concurrency": i + 1}), 1.0)).collect());
+        let rows: Vec<RequestRow> = (0..7).map(|i| row("S", &format!("p{i}"), 0, 1.0)).collect();
+        let html = crate::report::html::page(&s, &rows, None).expect("page");
+        assert_eq!(figures(&check_page(&html)), vec!["sweep"]);
+        assert!(html.contains("7 points: more than 6 lines"), "says why");
+    }
+
+    #[test]
+    fn two_runs_side_by_side() {
+        let mut a = Summary::new("A1", "t", Scenario::default());
+        let mut b = Summary::new("B1", "t", Scenario::default());
+        a.throughput_gbps = 2.0;
+        b.throughput_gbps = 1.5;
+        // B has no requests.csv: its percentiles are drawn.
+        b.stages.insert(
+            "e2e".into(),
+            StageStats {
+                count: 9,
+                min_us: 300.0,
+                p50_us: 500.0,
+                p90_us: 600.0,
+                p99_us: 700.0,
+                max_us: 800.0,
+                ..Default::default()
+            },
+        );
+        let rows: Vec<RequestRow> = (0..10).map(|n| row("A1", "x", n, 1.0 + f64::from(n) / 10.0)).collect();
+        let c = crate::report::compare::compare(&a, &b);
+        let html = pair_page((&a, &rows), (&b, &[]), &c).expect("page");
+        let outline = check_page(&html);
+        assert_eq!(figures(&outline), vec!["compare-throughput", "latency", "request-waterfall"]);
+        for want in ["A e2e", "B e2e", "A transfer_span", "no requests.csv"] {
+            assert!(html.contains(want), "{want}");
+        }
+        insta::assert_snapshot!("pair_page_outline", outline);
+    }
+
+    #[test]
+    fn a_gate_verdict_has_a_page() {
+        use crate::report::gate::fixtures::{doc, gate};
+        let (bd, cd) = (doc(&[10.0, 10.1, 9.9], 10.0), doc(&[8.0, 8.1, 7.9], 10.0));
+        let r = gate(&bd, &cd);
+        let read = |v: &serde_json::Value| {
+            crate::report::files::summary_with_defaults(std::path::Path::new("x.json"), v).expect("summary")
+        };
+        let html = gate_page(&r, &read(&bd), &read(&cd)).expect("page");
+        let outline = check_page(&html);
+        assert_eq!(figures(&outline), vec!["gate-change", "latency", "compare-throughput"]);
+        assert!(
+            html.contains("<h1>kvx gate: REGRESSION</h1>")
+                && html.contains("class=\"warn\">verdict: REGRESSION")
+        );
+        insta::assert_snapshot!("gate_page_outline", outline);
+        let err = gate_error_page("metric `x` is <missing>");
+        check_page(&err);
+        assert!(err.contains("metric `x` is &lt;missing&gt;"));
+    }
+}

@@ -745,26 +745,7 @@ mod tests {
         (0..n).map(|i| row(i, 1.0 + f64::from(i % 10) / 10.0)).collect()
     }
 
-    /// The texts of an SVG and how many rectangles, lines and circles it draws: what a chart
-    /// says, without the pixels.
-    fn skeleton(svg: &str) -> String {
-        let doc = roxmltree::Document::parse(svg).expect("well-formed SVG");
-        let count = |tag: &str| doc.descendants().filter(|n| n.has_tag_name(tag)).count();
-        let texts: Vec<String> = doc
-            .descendants()
-            .filter(|n| n.has_tag_name("text"))
-            .filter_map(|n| n.text().map(|t| t.trim().to_string()))
-            .filter(|t| !t.is_empty())
-            .collect();
-        format!(
-            "rect {} polyline {} circle {} polygon {}\n{}",
-            count("rect"),
-            count("polyline"),
-            count("circle"),
-            count("polygon"),
-            texts.join("\n")
-        )
-    }
+    use crate::report::chart::svg_skeleton as skeleton;
 
     #[test]
     fn the_timeline_lays_stages_end_to_end() {

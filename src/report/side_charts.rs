@@ -290,7 +290,7 @@ pub fn gate_change_svg(report: &GateReport) -> Result<Option<String>, ReportErro
             .disable_y_mesh()
             .y_labels(0)
             .x_desc("% worse than the baseline (normalised by the machine's speed where the gate did)")
-            .x_label_formatter(&|v: &f64| format!("{v:+.0}%"))
+            .x_label_formatter(&|v: &f64| if v.abs() < 0.5 { "0%".into() } else { format!("{v:+.0}%") })
             .light_line_style(WHITE.mix(0.0))
             .draw()
             .map_err(|e| err(e.to_string()))?;
@@ -436,7 +436,9 @@ pub fn sweep_axis(points: &[SweepPoint]) -> Option<SweepAxis> {
         let mut distinct = x.clone();
         distinct.sort_by(f64::total_cmp);
         distinct.dedup();
-        let ticks = distinct.iter().map(|v| (*v, fmt_f(*v))).collect();
+        // Settings are mostly whole numbers (block sizes, concurrency): written as such.
+        let tick = |v: f64| if v.fract() == 0.0 && v.abs() < 1e15 { format!("{v:.0}") } else { fmt_f(v) };
+        let ticks = distinct.iter().map(|v| (*v, tick(*v))).collect();
         return Some(SweepAxis { name, log: lo > 0.0 && hi / lo >= 8.0, x, numeric: true, ticks });
     }
     let mut labels: Vec<String> = Vec::new();
@@ -598,4 +600,204 @@ pub fn sweep_setting_svg(summary: &Summary) -> Result<Option<String>, ReportErro
         root.present().map_err(|e| err(e.to_string()))?;
     }
     Ok(Some(svg))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::report::chart::svg_skeleton;
+    use crate::report::summary::{RankRead, RankReads, Scenario};
+
+    /// A finished request of run `sub` under `parent`, its stages scaled by `k`.
+    fn row(parent: &str, sub: &str, n: u32, k: f64) -> RequestRow {
+        RequestRow {
+            request_id: format!("cmpl-{parent}-{sub}-{n}-0"),
+            bytes: 1_000_000,
+            queue_us: Some(5.0),
+            plan_us: Some(3.0),
+            post_us: Some(10.0 * k),
+            transfer_us: Some(300.0 * k),
+            transfer_span_us: Some(320.0 * k),
+            notify_us: Some(12.0),
+            e2e_us: Some(350.0 * k),
+            rank_reads: RankReads(vec![RankRead {
+                rank: 0,
+                start_us: Some(0.0),
+                read_us: 300.0 * k,
+                bytes: 1_000_000,
+            }]),
+            ..Default::default()
+        }
+    }
+
+    fn point(label: &str, params: &[(&str, serde_json::Value)], gbps: f64) -> SweepPoint {
+        SweepPoint {
+            label: label.into(),
+            params: params.iter().map(|(k, v)| ((*k).to_string(), v.clone())).collect::<BTreeMap<_, _>>(),
+            throughput_gbps: gbps,
+            transfer_p50_us: Some(1000.0 / gbps),
+            ..Default::default()
+        }
+    }
+
+    /// A comparison of pull and push over `rounds` rounds, 4 requests a round each.
+    fn comparison(rounds: u32) -> (Summary, Vec<RequestRow>) {
+        let mut s =
+            Summary::new("P", "t", Scenario { name: Some("compare-modes".into()), ..Default::default() });
+        let rg = |g: f64| json!((0..rounds).map(|r| g + f64::from(r) * 0.1).collect::<Vec<_>>());
+        s.sweep = Some(vec![
+            point("pull", &[("mode", json!("pull")), ("round_gbps", rg(2.0))], 2.1),
+            point("push", &[("mode", json!("push")), ("round_gbps", rg(1.5))], 1.6),
+        ]);
+        let mut rows = Vec::new();
+        for r in 1..=rounds {
+            for (name, k) in [("pull", 1.0), ("push", 1.4)] {
+                rows.extend((0..4).map(|n| row("P", &format!("{name}-r{r}"), n, k + f64::from(n) * 0.1)));
+            }
+        }
+        (s, rows)
+    }
+
+    #[test]
+    fn requests_are_told_apart_by_their_run() {
+        assert_eq!(sub_run("20261207T1-ab", "cmpl-20261207T1-ab-ucx-r2-7-0"), Some("ucx-r2"));
+        assert_eq!(sub_run("P", "cmpl-P-cuda-batch-3-0"), Some("cuda-batch"));
+        assert_eq!(sub_run("P", "cmpl-P-p12-0-0"), Some("p12"));
+        assert_eq!(sub_run("P", "cmpl-Q-ucx-1-0"), None, "another run's request");
+        assert_eq!(sub_run("P", "cmpl-P-ucx-x-0"), None, "not a request number");
+        assert_eq!(without_round("ucx-r2"), "ucx");
+        assert_eq!(without_round("cuda-batch"), "cuda-batch");
+        assert_eq!(without_round("x-r"), "x-r");
+
+        let (s, rows) = comparison(2);
+        let runs = split_runs(&s, &rows);
+        let got: Vec<(&str, usize)> = runs.iter().map(|r| (r.name.as_str(), r.rows.len())).collect();
+        assert_eq!(got, vec![("pull", 8), ("push", 8)], "every round of a run together");
+
+        // A sweep whose second point was rejected: its runs are p0 and p2.
+        let mut sweep = Summary::new("S", "t", Scenario::default());
+        sweep.sweep = Some(vec![
+            point("a", &[("concurrency", json!(1))], 1.0),
+            point("b", &[("concurrency", json!(4))], 2.0),
+        ]);
+        let mut rows: Vec<RequestRow> = (0..3).map(|n| row("S", "p0", n, 1.0)).collect();
+        rows.extend((0..5).map(|n| row("S", "p2", n, 1.0)));
+        let got: Vec<(String, usize)> =
+            split_runs(&sweep, &rows).into_iter().map(|r| (r.name, r.rows.len())).collect();
+        assert_eq!(got, vec![("a".to_string(), 3), ("b".to_string(), 5)]);
+        assert!(split_runs(&sweep, &rows[..3]).is_empty(), "one run for two points: no guess");
+    }
+
+    #[test]
+    fn the_sweep_axis_is_the_setting_swept() {
+        let conc: Vec<SweepPoint> =
+            [1, 2, 4].iter().map(|c| point(&format!("c{c}"), &[("concurrency", json!(c))], 1.0)).collect();
+        let a = sweep_axis(&conc).expect("axis");
+        assert_eq!(
+            (a.name.as_str(), a.numeric, a.log, a.x.clone()),
+            ("concurrency", true, false, vec![1.0, 2.0, 4.0])
+        );
+        let blocks: Vec<SweepPoint> =
+            [16, 32, 64, 128].iter().map(|b| point("b", &[("block_size", json!(b))], 1.0)).collect();
+        assert!(sweep_axis(&blocks).expect("axis").log, "16 to 128 spreads on a log axis");
+        // layout x tp, series tp: the layouts are the axis, in the order swept.
+        let mut grid = Vec::new();
+        for tp in ["2:2", "4:2"] {
+            for layout in ["NHD", "HND"] {
+                let mut p = point("p", &[("tp", json!(tp)), ("layout", json!(layout))], 1.0);
+                p.series = Some(tp.into());
+                grid.push(p);
+            }
+        }
+        let a = sweep_axis(&grid).expect("axis");
+        assert_eq!((a.name.as_str(), a.numeric), ("layout", false));
+        assert_eq!(a.x, vec![0.0, 1.0, 0.0, 1.0]);
+        assert_eq!(a.ticks, vec![(0.0, "NHD".to_string()), (1.0, "HND".to_string())]);
+        // A comparison's own figures are not axes.
+        let (s, _) = comparison(3);
+        assert_eq!(sweep_axis(s.sweep.as_deref().unwrap_or_default()).expect("axis").name, "mode");
+    }
+
+    #[test]
+    fn a_sweep_draws_measured_and_predicted_against_its_setting() {
+        let mut s =
+            Summary::new("S", "t", Scenario { name: Some("conc-sweep".into()), ..Default::default() });
+        let mut points = Vec::new();
+        for tp in ["2:2", "4:2"] {
+            for c in [1, 2, 4] {
+                let mut p = point(
+                    &format!("tp={tp} c={c}"),
+                    &[("tp", json!(tp)), ("concurrency", json!(c))],
+                    f64::from(c),
+                );
+                p.series = Some(tp.into());
+                p.predicted_span_p50_us = Some(900.0);
+                p.measured_span_p50_us = Some(1000.0 * f64::from(c));
+                points.push(p);
+            }
+        }
+        s.sweep = Some(points);
+        let svg = sweep_setting_svg(&s).expect("draw").expect("svg");
+        let sk = svg_skeleton(&svg);
+        for want in ["conc-sweep against concurrency", "2:2 measured", "4:2 predicted", "GB/s"] {
+            assert!(sk.contains(want), "{want}:\n{sk}");
+        }
+        insta::assert_snapshot!("sweep_setting", sk);
+        assert_eq!(sweep_setting_svg(&Summary::new("r", "t", Scenario::default())).expect("ok"), None);
+    }
+
+    #[test]
+    fn a_comparison_draws_its_runs_side_by_side() {
+        let (s, rows) = comparison(3);
+        let runs = split_runs(&s, &rows);
+        let bars = compare_bars(&s);
+        assert_eq!(bars[1].samples, vec![1.5, 1.6, 1.7]);
+        insta::assert_snapshot!(
+            "compare_bars",
+            svg_skeleton(&range_bars_svg("Throughput per run", "GB/s", &bars).expect("draw").expect("svg"))
+        );
+        let cdfs = stage_cdfs(&runs, Stage::E2e, "");
+        assert_eq!(cdfs.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), vec!["pull", "push"]);
+        let medians = median_timelines(&runs);
+        assert_eq!(
+            medians.iter().map(|t| t.label.as_str()).collect::<Vec<_>>(),
+            vec!["pull: median request", "push: median request"]
+        );
+        let sk = svg_skeleton(
+            &crate::report::run_charts::timelines_svg(&medians, true).expect("draw").expect("svg"),
+        );
+        // One time axis for both panels: the same ticks under each.
+        let ticks: Vec<&str> = sk.lines().filter(|l| l.ends_with(".0") || l.ends_with("00")).collect();
+        let half = ticks.len() / 2;
+        assert!(half > 2 && ticks[..half] == ticks[half..], "{sk}");
+        insta::assert_snapshot!("compare_medians", sk);
+    }
+
+    #[test]
+    fn no_more_than_six_runs_are_overlaid() {
+        let runs: Vec<NamedRun> = (0..8)
+            .map(|i| NamedRun {
+                name: format!("r{i}"),
+                rows: (0..5).map(|n| row("P", "x", n, 1.0 + f64::from(i))).collect(),
+            })
+            .collect();
+        assert_eq!(stage_cdfs(&runs, Stage::E2e, "").len(), MAX_SERIES);
+        let bars: Vec<RangeBar> =
+            (0..8).map(|i| RangeBar { name: format!("r{i}"), value: 1.0, samples: vec![] }).collect();
+        let sk = svg_skeleton(&range_bars_svg("t", "GB/s", &bars).expect("draw").expect("svg"));
+        assert!(sk.contains("r5") && !sk.contains("r6"), "{sk}");
+    }
+
+    #[test]
+    fn the_gate_chart_marks_each_threshold() {
+        use crate::report::gate::fixtures::{doc, gate};
+        let r = gate(&doc(&[10.0, 10.1, 9.9], 10.0), &doc(&[8.0, 8.1, 7.9], 10.0));
+        let sk = svg_skeleton(&gate_change_svg(&r).expect("draw").expect("svg"));
+        assert!(sk.contains("throughput_gbps") && sk.contains("REGRESSION; threshold 10%"), "{sk}");
+        insta::assert_snapshot!("gate_change", sk);
+    }
 }

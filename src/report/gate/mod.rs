@@ -109,7 +109,7 @@ mod calibration;
 mod doc;
 mod evaluate;
 #[cfg(test)]
-mod fixtures;
+pub(crate) mod fixtures;
 mod render;
 mod runs;
 mod thresholds;
