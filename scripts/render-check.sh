@@ -91,9 +91,9 @@ for kind in bench sweep compare gate pair; do
     pair) page="$pair" ;;
   esac
   bytes=$(stat -c %s "$page")
-  figures=$(grep -o '<figure ' "$page" | wc -l)
+  figures=$({ grep -o '<figure ' "$page" || true; } | wc -l)
   # src=, href=, url( and @import: what could make a browser ask for something.
-  loads=$(grep -o -i -E '<script|src=|href=|url\(|@import' "$page" | wc -l)
+  loads=$({ grep -o -i -E '<script|src=|href=|url\(|@import' "$page" || true; } | wc -l)
   set +e
   browse --print-to-pdf="$work/$kind.pdf" --no-pdf-header-footer "file://$page"
   pdf_exit=$?

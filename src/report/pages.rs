@@ -42,14 +42,29 @@ pub fn comparison_flag(s: &Summary) -> Option<&'static str> {
 /// The questions the side-by-side charts answer, as the pages (and docs/charts.md) word them.
 pub const BARS_QUESTION: &str = "Which run moves the KV fastest, and do its rounds agree? Throughput per run: the median \
      of its rounds, whiskers from the slowest round to the fastest, a dot per round.";
-pub const E2E_QUESTION: &str = "How do the runs' requests compare end to end? One line per run (every round's requests), \
-     rising at each request.";
-pub const SPAN_QUESTION: &str = "Is the difference in the transfer? The transfer's wall span over the decode ranks, one \
-     line per run.";
-pub const E2E_SPAN_QUESTION: &str = "How do the runs' requests compare end to end? One line per run (every round's \
-     requests); each run's transfer span lies on its end to end, so it is drawn once.";
-pub const MEDIANS_QUESTION: &str = "Where does each run's median request spend its time? One panel per run, all on the \
-     same time axis, so the longer bar is the slower stage.";
+/// The questions of the charts per run (`what`: run or point).
+fn e2e_question(what: &str) -> String {
+    format!(
+        "How do the {what}s' requests compare end to end? One line per {what} (all its requests), rising at each request."
+    )
+}
+fn span_question(what: &str) -> String {
+    format!(
+        "Is the difference in the transfer? The transfer's wall span over the decode ranks, one line per {what}."
+    )
+}
+fn e2e_span_question(what: &str) -> String {
+    format!(
+        "How do the {what}s' requests compare end to end? One line per {what} (all its requests); each {what}'s \
+         transfer span lies on its end to end, so it is drawn once."
+    )
+}
+fn medians_question(what: &str) -> String {
+    format!(
+        "Where does each {what}'s median request spend its time? One panel per {what}, all on the same time axis, \
+         so the longer bar is the slower stage."
+    )
+}
 pub const SWEEP_QUESTION: &str = "How do bandwidth and transfer latency follow the swept setting? One line per series; \
      dashed crosses: the time the --rates model predicted.";
 pub const SIZE_QUESTION: &str = "How does bandwidth follow the message size UCX sees (bytes per descriptor)?";
@@ -134,30 +149,42 @@ fn compare_table(s: &Summary) -> comfy_table::Table {
     t
 }
 
+/// A chart of a page: its figure id, the question it answers, its SVG (`None`: no data).
+type Figure = (&'static str, String, Option<String>);
+
 /// The charts of runs drawn side by side, as (figure id and file name, question, SVG):
 /// latency CDFs of every run overlaid (end to end, transfer span), and each run's median
 /// request on one time axis. Empty where there are no runs or more than [`MAX_SERIES`].
-fn per_run_charts(
-    runs: &[NamedRun],
-) -> Result<Vec<(&'static str, &'static str, Option<String>)>, ReportError> {
+fn per_run_charts(runs: &[NamedRun], what: &str) -> Result<Vec<Figure>, ReportError> {
     if runs.is_empty() || runs.len() > MAX_SERIES {
         return Ok(Vec::new());
     }
     let e2e = stage_cdfs(runs, Stage::E2e, "");
     let span = stage_cdfs(runs, Stage::TransferSpan, "");
     let span = if span.is_empty() { stage_cdfs(runs, Stage::Transfer, "") } else { span };
-    let medians =
-        ("request-waterfall", MEDIANS_QUESTION, run_charts::timelines_svg(&median_timelines(runs), true)?);
+    let medians = (
+        "request-waterfall",
+        medians_question(what),
+        run_charts::timelines_svg(&median_timelines(runs), true)?,
+    );
     // Where every run's transfer is its end to end, one chart says both.
     let same = e2e.len() == span.len()
         && e2e.iter().zip(&span).all(|(a, b)| run_charts::coincide(&a.points, &b.points));
     if same {
-        let title = "End-to-end latency (= the transfer span), one line per run";
-        return Ok(vec![("latency", E2E_SPAN_QUESTION, run_charts::cdf_svg(title, &e2e)?), medians]);
+        let title = format!("End-to-end latency (= the transfer span), one line per {what}");
+        return Ok(vec![("latency", e2e_span_question(what), run_charts::cdf_svg(&title, &e2e)?), medians]);
     }
     Ok(vec![
-        ("latency", E2E_QUESTION, run_charts::cdf_svg("End-to-end latency, one line per run", &e2e)?),
-        ("transfer-span", SPAN_QUESTION, run_charts::cdf_svg("Transfer span, one line per run", &span)?),
+        (
+            "latency",
+            e2e_question(what),
+            run_charts::cdf_svg(&format!("End-to-end latency, one line per {what}"), &e2e)?,
+        ),
+        (
+            "transfer-span",
+            span_question(what),
+            run_charts::cdf_svg(&format!("Transfer span, one line per {what}"), &span)?,
+        ),
         medians,
     ])
 }
@@ -177,7 +204,8 @@ pub fn side_chart_files(
             out.push((super::files::SWEEP_SVG, chart::sweep_svg(s)));
         }
     }
-    match per_run_charts(&split_runs(s, rows)) {
+    let what = if comparison_flag(s).is_some() { "run" } else { "point" };
+    match per_run_charts(&split_runs(s, rows), what) {
         Ok(charts) => {
             for (id, _, svg) in charts {
                 let file = match id {
@@ -269,8 +297,8 @@ fn side_by_side(p: &mut Page, runs: &[NamedRun], what: &str) -> Result<(), Repor
         ));
         return Ok(());
     }
-    for (id, question, svg) in per_run_charts(runs)? {
-        p.figure(id, question, svg);
+    for (id, question, svg) in per_run_charts(runs, what)? {
+        p.figure(id, &question, svg);
     }
     Ok(())
 }
@@ -376,7 +404,7 @@ pub fn pair_page(
     ];
     p.figure(
         "request-waterfall",
-        MEDIANS_QUESTION,
+        &medians_question("run"),
         run_charts::timelines_svg(&median_timelines(&runs), true)?,
     );
     p.h2("The comparison");

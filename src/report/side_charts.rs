@@ -280,7 +280,7 @@ pub fn gate_change_svg(report: &GateReport) -> Result<Option<String>, ReportErro
         let mut chart = ChartBuilder::on(&root)
             .caption("Change against the baseline, per metric (right = worse)", ("sans-serif", 20))
             .margin(16)
-            .margin_right(30)
+            .margin_right(250)
             .x_label_area_size(44)
             .y_label_area_size(230)
             .build_cartesian_2d(-reach..reach, 0f64..n as f64)
@@ -341,7 +341,6 @@ pub fn gate_change_svg(report: &GateReport) -> Result<Option<String>, ReportErro
             let gated = if m.enforced { "" } else { " (not gated)" };
             root.draw(&Text::new(format!("{}{gated}", m.metric), (lx - 224, ly - 7), ("sans-serif", 13)))
                 .map_err(|e| err(e.to_string()))?;
-            let (vx, vy) = chart.backend_coord(&(change.max(0.0).max(t), y + 0.5));
             let verdict = match m.verdict {
                 MetricVerdict::Regression => "REGRESSION",
                 MetricVerdict::WithinNoise => "within noise",
@@ -349,12 +348,17 @@ pub fn gate_change_svg(report: &GateReport) -> Result<Option<String>, ReportErro
                 MetricVerdict::Pass => "pass",
                 MetricVerdict::Skipped => "skipped",
             };
-            root.draw(&Text::new(
-                format!("{change:+.1}% ({verdict}; threshold {t:.0}%)"),
-                (vx + 6, vy - 6),
-                ("sans-serif", 12),
-            ))
-            .map_err(|e| err(e.to_string()))?;
+            // In words, so a faster throughput does not read as "+8%" on a worse-is-right axis.
+            let moved = if change.abs() < 0.05 {
+                "no change".to_string()
+            } else {
+                format!("{:.1}% {}", change.abs(), if change < 0.0 { "better" } else { "worse" })
+            };
+            let label = format!("{moved} ({verdict}; threshold {t:.0}%)");
+            // In a column of their own right of the plot: never over a bar or a tick.
+            let (right_edge, ly) = chart.backend_coord(&(reach, y + 0.5));
+            let at = (right_edge + 10, ly - 6);
+            root.draw(&Text::new(label, at, ("sans-serif", 12))).map_err(|e| err(e.to_string()))?;
         }
         chart
             .draw_series(std::iter::once(PathElement::new(
@@ -527,11 +531,13 @@ pub fn sweep_setting_svg(summary: &Summary) -> Result<Option<String>, ReportErro
     };
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, 700)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+        // Text placed by a chart's own coordinates goes on the whole canvas (they are the
+        // canvas's, not the panel's).
+        let canvas = SVGBackend::with_string(&mut svg, (WIDTH, 700)).into_drawing_area();
+        canvas.fill(&WHITE).map_err(|e| err(e.to_string()))?;
         let title =
             format!("{} against {}", summary.scenario.name.as_deref().unwrap_or("the sweep"), axis.name);
-        let root = root.titled(&title, ("sans-serif", 20)).map_err(|e| err(e.to_string()))?;
+        let root = canvas.titled(&title, ("sans-serif", 20)).map_err(|e| err(e.to_string()))?;
         let panels = root.split_evenly((2, 1));
         for (k, (panel, (lines, y_desc))) in
             panels.iter().zip([(&top, "GB/s"), (&bottom, bottom_desc)]).enumerate()
@@ -549,7 +555,8 @@ pub fn sweep_setting_svg(summary: &Summary) -> Result<Option<String>, ReportErro
                         .light_line_style(WHITE.mix(0.0))
                         .disable_x_mesh();
                     // Ticks at the values swept, not at round numbers between them.
-                    mesh.x_labels(0).x_desc(axis.name.as_str());
+                    // (A log axis draws a label even at x_labels(0): blanked.)
+                    mesh.x_labels(0).x_label_formatter(&|_: &f64| String::new()).x_desc(axis.name.as_str());
                     mesh.draw().map_err(|e| err(e.to_string()))?;
                     for (i, (name, pts, dashed)) in lines.iter().enumerate() {
                         // A series keeps its colour in both panels; its prediction too.
@@ -575,7 +582,7 @@ pub fn sweep_setting_svg(summary: &Summary) -> Result<Option<String>, ReportErro
                         for (x, label) in &axis.ticks {
                             let (px, py) = c.backend_coord(&(*x, 0.0));
                             let w = 7 * label.chars().count().min(24) as i32 / 2;
-                            panel
+                            canvas
                                 .draw(&Text::new(label.clone(), (px - w, py + 8), ("sans-serif", 13)))
                                 .map_err(|e| err(e.to_string()))?;
                         }
@@ -597,7 +604,7 @@ pub fn sweep_setting_svg(summary: &Summary) -> Result<Option<String>, ReportErro
                 body!(b.build_cartesian_2d(x0..x1, 0f64..ymax).map_err(|e| err(e.to_string()))?);
             }
         }
-        root.present().map_err(|e| err(e.to_string()))?;
+        canvas.present().map_err(|e| err(e.to_string()))?;
     }
     Ok(Some(svg))
 }
