@@ -95,15 +95,16 @@ fn shared_host(s: &Summary, readers: u32) -> Vec<String> {
     let at_once = s.scenario.concurrency.unwrap_or(1);
     let mut out = Vec::new();
     if full && (at_once > 1 || readers > 1) {
-        let why = if at_once > 1 {
-            format!("{at_once} requests at once")
+        // Two requests at once: one's fill and check run beside the other's reads. One request
+        // on several ranks: the fill is done before any reads, a rank done early checks.
+        let (why, work) = if at_once > 1 {
+            (format!("{at_once} requests at once"), "filling and checking every byte of one request")
         } else {
-            format!("{readers} decode ranks, some done before others")
+            (format!("{readers} decode ranks, some done before others"), "checking every byte a rank read")
         };
         out.push(format!(
-            "--verify full with {why}: checking and filling every byte of one request ran while \
-             others' transfers did, and the measured spans include it (--verify sample measures \
-             the transfers with 1 block in 16 checked)"
+            "--verify full with {why}: {work} ran while other transfers did, and the measured \
+             spans include it (--verify sample measures the transfers with 1 block in 16 checked)"
         ));
     }
     out
