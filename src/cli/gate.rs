@@ -13,7 +13,7 @@ use clap::{Args, ValueEnum};
 use crate::error::Outcome;
 use crate::output::{self, OutputError, note};
 use crate::report::gate::{self, Doc, GateReport, Thresholds, Verdict};
-use crate::report::{ReportError, files};
+use crate::report::{ReportError, files, pages};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum GateFormat {
@@ -27,6 +27,7 @@ pub enum GateFormat {
 #[command(after_help = "Exit status: 0 pass, 1 regression, 2 error (unreadable file, schema mismatch, \
 missing metric, implausible calibration figure, a partial run without --allow-partial).\n\n\
 Examples:\n  kvx gate --baseline results/baseline.json --current results/<run>/summary.json\n  \
+kvx gate --baseline results/baseline.json --current results/<run> --html gate.html\n  \
 kvx gate --baseline results/baseline.json --current results/<run> --update   # accept this run as the baseline")]
 #[command(allow_negative_numbers = true)]
 pub struct GateArgs {
@@ -42,6 +43,11 @@ pub struct GateArgs {
     /// Also write the verdict as Markdown to FILE (for a CI job summary or a PR comment).
     #[arg(long, value_name = "FILE")]
     pub markdown: Option<PathBuf>,
+    /// Also write the verdict as one self-contained HTML page to FILE: the metric table, each
+    /// metric's change against its threshold, baseline and current latency and throughput side
+    /// by side (a gate that cannot decide writes the reason).
+    #[arg(long, value_name = "FILE", conflicts_with = "update")]
+    pub html: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = GateFormat::Table, help = crate::settings::flags::FORMAT_HELP)]
     pub format: GateFormat,
     /// Write the current run as the new baseline (prints what changed). Refused for a run with
@@ -74,6 +80,11 @@ pub fn run(args: &GateArgs) -> anyhow::Result<Outcome> {
                 if let Err(e) = files::write_atomic(md, gate::error_markdown(&message).as_bytes()) {
                     note!("warning: {e}");
                 }
+            }
+            if let Some(page) = &args.html
+                && let Err(e) = files::write_atomic(page, pages::gate_error_page(&message).as_bytes())
+            {
+                note!("warning: {e}");
             }
             Err(err)
         }
@@ -124,6 +135,11 @@ fn judge(args: &GateArgs) -> anyhow::Result<Outcome> {
     print(args, &report);
     if let Some(md) = &args.markdown {
         files::write_atomic(md, gate::render_markdown(&report).as_bytes())?;
+    }
+    if let Some(page) = &args.html {
+        let b = files::summary_with_defaults(baseline.path, baseline.value)?;
+        let c = files::summary_with_defaults(current.path, current.value)?;
+        files::write_atomic(page, pages::gate_page(&report, &b, &c)?.as_bytes())?;
     }
     Ok(match report.verdict {
         Verdict::Pass => Outcome::Ok,

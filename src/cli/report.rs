@@ -9,7 +9,7 @@ use clap::{Args, ValueEnum};
 use crate::error::Outcome;
 use crate::output::{self, note};
 use crate::report::table::{Style, render_summary};
-use crate::report::{compare, export, files};
+use crate::report::{compare, export, files, pages};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ReportFormat {
@@ -23,7 +23,7 @@ pub enum ReportFormat {
 
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Examples:\n  kvx report results/20250102T030405Z-1a2b3c\n  kvx report results/20250102T030405Z-1a2b3c --html --request 17\n  kvx report results/A results/B --format markdown"
+    after_help = "Examples:\n  kvx report results/20250102T030405Z-1a2b3c\n  kvx report results/20250102T030405Z-1a2b3c --html --request 17\n  kvx report results/A results/B --format markdown\n  kvx report results/A results/B --html"
 )]
 #[command(allow_negative_numbers = true)]
 pub struct ReportArgs {
@@ -33,7 +33,8 @@ pub struct ReportArgs {
     pub runs: Vec<PathBuf>,
     #[arg(long, value_enum, default_value_t = ReportFormat::Table, help = crate::settings::flags::FORMAT_HELP)]
     pub format: ReportFormat,
-    /// Write the re-rendered SVG charts here instead of into the run's own directory.
+    /// Write the re-rendered SVG charts (and with --html the page) here instead of into the
+    /// run's own directory.
     #[arg(long, value_name = "DIR", conflicts_with = "no_charts")]
     pub charts_dir: Option<PathBuf>,
     /// Do not write charts.
@@ -41,7 +42,8 @@ pub struct ReportArgs {
     pub no_charts: bool,
     /// Also write report.html: the tables, every chart inline, the scenario and the
     /// environment on one self-contained page (beside the charts: the run's directory or
-    /// --charts-dir).
+    /// --charts-dir). With two runs: compare-<A's run id>.html in B's directory (or
+    /// --charts-dir), the two runs' charts side by side.
     #[arg(long)]
     pub html: bool,
     /// Draw the stage waterfall of this request (its id in requests.csv, or its number)
@@ -51,23 +53,25 @@ pub struct ReportArgs {
 }
 
 pub fn run(args: &ReportArgs) -> anyhow::Result<Outcome> {
-    if args.runs.len() == 2
-        && (args.charts_dir.is_some() || args.no_charts || args.html || args.request.is_some())
-    {
-        let flag = if args.no_charts {
-            "--no-charts"
-        } else if args.html {
-            "--html"
-        } else if args.request.is_some() {
-            "--request"
+    if args.runs.len() == 2 {
+        let refused = if args.request.is_some() {
+            Some((
+                "--request",
+                "a comparison of two runs draws each run's median request: give one run, or drop the flag",
+            ))
+        } else if args.no_charts {
+            Some(("--no-charts", "a comparison of two runs writes no SVG files: drop the flag"))
+        } else if args.charts_dir.is_some() && !args.html {
+            Some((
+                "--charts-dir",
+                "a comparison of two runs writes its charts only inside its page: add --html, or drop the flag",
+            ))
         } else {
-            "--charts-dir"
+            None
         };
-        return Err(crate::error::ConfigError::new(
-            flag,
-            "a comparison of two runs draws no charts: give one run, or drop the flag",
-        )
-        .into());
+        if let Some((flag, why)) = refused {
+            return Err(crate::error::ConfigError::new(flag, why).into());
+        }
     }
     if let Some(dir) = &args.charts_dir
         && dir.exists()
@@ -116,6 +120,12 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<Outcome> {
                 ReportFormat::Table => output::stdout(compare::render(&c, Style::Terminal))?,
                 ReportFormat::Markdown => output::stdout(compare::render(&c, Style::Markdown))?,
                 ReportFormat::Json => output::stdout_json(&c)?,
+            }
+            if args.html {
+                let page = pages::pair_page((&a.summary, &a.rows), (&b.summary, &b.rows), &c)?;
+                let dir = args.charts_dir.clone().unwrap_or_else(|| b.dir.clone());
+                let path = files::write_page(&dir, &files::pair_page_name(&a.summary.run_id), &page)?;
+                note!("report: {}", path.display());
             }
         }
         _ => anyhow::bail!("give one run to show or two runs to compare"),

@@ -296,6 +296,28 @@ pub fn waterfall_svg(summary: &Summary) -> Result<Option<String>, ReportError> {
     Ok(Some(out))
 }
 
+/// The texts of an SVG and how many rectangles, lines, circles and polygons it draws: what a
+/// chart says, without the pixels (for snapshots).
+#[cfg(test)]
+pub(crate) fn svg_skeleton(svg: &str) -> String {
+    let doc = roxmltree::Document::parse(svg).expect("well-formed SVG");
+    let count = |tag: &str| doc.descendants().filter(|n| n.has_tag_name(tag)).count();
+    let texts: Vec<String> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text().map(|t| t.trim().to_string()))
+        .filter(|t| !t.is_empty())
+        .collect();
+    format!(
+        "rect {} polyline {} circle {} polygon {}\n{}",
+        count("rect"),
+        count("polyline"),
+        count("circle"),
+        count("polygon"),
+        texts.join("\n")
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -110,8 +110,24 @@ pub fn compare(a: &Summary, b: &Summary) -> Comparison {
     Comparison { a_run: a.run_id.clone(), b_run: b.run_id.clone(), rows, notes }
 }
 
-/// The comparison as a table (terminal or Markdown).
+/// The comparison as a table (terminal or Markdown), with its notes.
 pub fn render(c: &Comparison, style: Style) -> String {
+    let t = table(c, style);
+    let mut out = section("Comparison", &t, style);
+    for n in &c.notes {
+        out.push_str(&match style {
+            Style::Terminal => format!("note: {n}\n"),
+            Style::Markdown => format!("\n- {n}"),
+        });
+    }
+    if style == Style::Markdown && !c.notes.is_empty() {
+        out.push('\n');
+    }
+    out
+}
+
+/// The comparison's table: metric, A, B, B/A.
+pub fn table(c: &Comparison, style: Style) -> comfy_table::Table {
     let a = format!("A: {}", c.a_run);
     let b = format!("B: {}", c.b_run);
     let mut t = new_table(style, &["metric", &a, &b, "B/A"]);
@@ -124,17 +140,7 @@ pub fn render(c: &Comparison, style: Style) -> String {
         t.add_row(vec![r.metric.clone(), opt(r.a), opt(r.b), r.ratio.map_or_else(|| "-".into(), fmt_ratio)]);
     }
     align_numbers(&mut t, 1);
-    let mut out = section("Comparison", &t, style);
-    for n in &c.notes {
-        out.push_str(&match style {
-            Style::Terminal => format!("note: {n}\n"),
-            Style::Markdown => format!("\n- {n}"),
-        });
-    }
-    if style == Style::Markdown && !c.notes.is_empty() {
-        out.push('\n');
-    }
-    out
+    t
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use super::summary::{RequestRow, SCHEMA_VERSION, Summary};
-use super::{ReportError, chart, export, html, run_charts};
+use super::{ReportError, chart, export, html, pages, run_charts};
 
 pub const SUMMARY_FILE: &str = "summary.json";
 pub const REQUESTS_FILE: &str = "requests.csv";
@@ -244,17 +244,27 @@ fn csv_write_err(path: &Path, e: csv::Error) -> ReportError {
 
 /// The charts of a run: each file name and its SVG, `None` where the run has no data for it.
 /// `request`: the request whose stage waterfall to draw (else the median and p99 requests').
+/// A comparison's or a sweep's directory holds its runs' charts side by side instead (see
+/// [`pages::side_chart_files`]): their requests pooled would read as one run.
 fn charts(
     summary: &Summary,
     rows: &[RequestRow],
     request: Option<&str>,
-) -> [(&'static str, Result<Option<String>, ReportError>); 6] {
-    [
+) -> Vec<(&'static str, Result<Option<String>, ReportError>)> {
+    if summary.sweep.is_some() {
+        let mut out = pages::side_chart_files(summary, rows);
+        if request.is_some() {
+            // The request asked for, in place of the runs' median requests.
+            out.retain(|(name, _)| *name != REQUEST_WATERFALL_SVG);
+            out.push((REQUEST_WATERFALL_SVG, run_charts::waterfall_svg(rows, request)));
+        }
+        return out;
+    }
+    vec![
         (REQUEST_WATERFALL_SVG, run_charts::waterfall_svg(rows, request)),
         (LATENCY_SVG, run_charts::latency_svg(summary, rows)),
         (RANK_BANDWIDTH_SVG, run_charts::rank_bandwidth_svg(rows)),
         (THROUGHPUT_SVG, run_charts::throughput_svg(summary, rows)),
-        (SWEEP_SVG, chart::sweep_svg(summary)),
         (WATERFALL_SVG, chart::waterfall_svg(summary)),
     ]
 }
@@ -292,6 +302,23 @@ pub fn write_html(
     Ok(p)
 }
 
+/// The page comparing run B with run A, written in B's directory: `compare-<A's run id>.html`.
+pub fn pair_page_name(a_run_id: &str) -> String {
+    let safe: String = a_run_id
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || "-_.".contains(c) { c } else { '_' })
+        .collect();
+    format!("compare-{safe}.html")
+}
+
+/// Writes a page made elsewhere (a comparison of two runs) into `dir` as `name`; returns its path.
+pub fn write_page(dir: &Path, name: &str, page: &str) -> Result<PathBuf, ReportError> {
+    std::fs::create_dir_all(dir).map_err(write_err(dir))?;
+    let p = dir.join(name);
+    write_atomic(&p, page.as_bytes())?;
+    Ok(p)
+}
+
 fn read_err(path: &Path) -> impl Fn(std::io::Error) -> ReportError + '_ {
     move |source| ReportError::Read { path: path.to_path_buf(), source }
 }
@@ -312,6 +339,12 @@ pub fn read_summary_value(path: &Path) -> Result<serde_json::Value, ReportError>
 /// Checks the fields a summary document has against the schema: the document laid over an
 /// empty summary must read as a [`Summary`].
 fn check_fields(path: &Path, value: &serde_json::Value) -> Result<(), ReportError> {
+    summary_with_defaults(path, value).map(|_| ())
+}
+
+/// A summary document read as a [`Summary`], the fields it lacks at their defaults (a baseline
+/// written before a field existed still draws).
+pub fn summary_with_defaults(path: &Path, value: &serde_json::Value) -> Result<Summary, ReportError> {
     let empty = Summary::new("", "", Default::default());
     let mut merged = serde_json::to_value(&empty)
         .map_err(|e| ReportError::NotASummary { path: path.to_path_buf(), reason: e.to_string() })?;
@@ -320,7 +353,7 @@ fn check_fields(path: &Path, value: &serde_json::Value) -> Result<(), ReportErro
             base.insert(k.clone(), v.clone());
         }
     }
-    summary_from_value(path, merged).map(|_| ())
+    summary_from_value(path, merged)
 }
 
 /// Checks `schema_version` of a parsed summary.

@@ -13,7 +13,7 @@ use super::run_charts;
 use super::summary::{RequestRow, Summary, vllm_metrics_line};
 use super::table::{
     Style, bandwidth_table, failures_table, goodput_table, hybrid_parts_table, per_rank_table, repeats_table,
-    scenario_table, stage_table, sweep_table, throughput_table, waterfall_table,
+    scenario_table, stage_table, throughput_table, waterfall_table,
 };
 
 /// Text escaped for HTML element content and attribute values.
@@ -71,27 +71,48 @@ figure{margin:1em 0}figcaption{font-size:.9em;color:#444;margin-bottom:.3em}\
 svg{max-width:100%;height:auto}.none{color:#666;font-style:italic}.warn{color:#a00;font-weight:bold}code{font-size:.85em}\
 @media print{body{max-width:none}figure,table{page-break-inside:avoid}h2{page-break-after:avoid}}";
 
-/// The page's parts, in order.
-struct Page {
-    body: String,
+/// A page's parts, in order; [`Page::finish`] makes the document.
+#[derive(Debug, Default)]
+pub(crate) struct Page {
+    pub(crate) body: String,
 }
 
 impl Page {
-    fn h2(&mut self, title: &str) {
+    pub(crate) fn h1(&mut self, title: &str) {
+        self.body.push_str(&format!("<h1>{}</h1>\n", escape(title)));
+    }
+
+    pub(crate) fn h2(&mut self, title: &str) {
         self.body.push_str(&format!("<h2>{}</h2>\n", escape(title)));
     }
 
-    fn p(&mut self, text: &str) {
+    pub(crate) fn p(&mut self, text: &str) {
         self.body.push_str(&format!("<p>{}</p>\n", escape(text)));
     }
 
-    fn table(&mut self, title: &str, t: &Table) {
+    /// A line in bold red: a warning, a regression.
+    pub(crate) fn warn(&mut self, text: &str) {
+        self.body.push_str(&format!("<p class=\"warn\">{}</p>\n", escape(text)));
+    }
+
+    pub(crate) fn table(&mut self, title: &str, t: &Table) {
         self.body.push_str(&format!("<h3>{}</h3>\n", escape(title)));
         self.body.push_str(&table_html(t));
     }
 
+    /// The whole document, titled.
+    pub(crate) fn finish(self, title: &str) -> String {
+        format!(
+            "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n\
+             <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"/>\n\
+             <title>{}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n{}</body>\n</html>\n",
+            escape(title),
+            self.body
+        )
+    }
+
     /// A chart under the question it answers, or a line saying the run has nothing to draw.
-    fn figure(&mut self, id: &str, question: &str, svg: Option<String>) {
+    pub(crate) fn figure(&mut self, id: &str, question: &str, svg: Option<String>) {
         match svg {
             Some(svg) => self.body.push_str(&format!(
                 "<figure id=\"{}\">\n<figcaption>{}</figcaption>\n{}\n</figure>\n",
@@ -120,12 +141,18 @@ pub const TIME_QUESTION: &str = "Was the run steady? Completions and bandwidth i
      injected faults and lease expiries marked.";
 
 /// The whole page of one run. `request`: a request id (or its number) whose waterfall to draw
-/// instead of the median and p99 requests'.
+/// instead of the median and p99 requests'. A comparison (`--compare-*`) has a page of its own
+/// ([`super::pages::compare_page`]); a sweep's page leads with its figures against the swept
+/// setting and its points side by side.
 pub fn page(summary: &Summary, rows: &[RequestRow], request: Option<&str>) -> Result<String, ReportError> {
+    if super::pages::comparison_flag(summary).is_some() {
+        return super::pages::compare_page(summary, rows, request);
+    }
     let s = summary;
     let st = Style::Markdown;
-    let mut p = Page { body: String::new() };
-    p.body.push_str(&format!("<h1>{} run {}</h1>\n", s.run_kind(), escape(&s.run_id)));
+    let mut p = Page::default();
+    let kind = if s.sweep.is_some() { "kvx bench --sweep" } else { s.run_kind() };
+    p.h1(&format!("{kind} run {}", s.run_id));
     let mut head = format!(
         "Started {}, {} s measured, {} requests ok, {} failed, {} recomputed.",
         s.started_at,
@@ -139,28 +166,16 @@ pub fn page(summary: &Summary, rows: &[RequestRow], request: Option<&str>) -> Re
     }
     p.p(&head);
     for w in &s.warnings {
-        p.body.push_str(&format!("<p class=\"warn\">WARNING: {}</p>\n", escape(w)));
+        p.warn(&format!("WARNING: {w}"));
     }
     for n in &s.notes {
         p.p(&format!("Note: {n}"));
     }
-    p.h2("One request, stage by stage");
-    p.figure("waterfall", WATERFALL_QUESTION, run_charts::waterfall_svg(rows, request)?);
-    p.h2("Distributions");
-    p.figure("latency", LATENCY_QUESTION, run_charts::latency_svg(s, rows)?);
-    p.figure("rank-bandwidth", RANK_QUESTION, run_charts::rank_bandwidth_svg(rows)?);
-    if !s.stages.is_empty() {
-        p.table("Latency by stage", &stage_table(s, st));
+    if s.sweep.is_some() {
+        super::pages::sweep_sections(&mut p, s, rows, request)?;
+    } else {
+        run_sections(&mut p, s, rows, request)?;
     }
-    if let Some(w) = &s.waterfall {
-        p.figure("ttft-waterfall", "Where did the time to first token go?", super::chart::waterfall_svg(s)?);
-        p.table("TTFT waterfall", &waterfall_table(w, st));
-    }
-    if let Some(g) = &s.goodput {
-        p.table("Goodput", &goodput_table(g, st));
-    }
-    p.h2("The run over time");
-    p.figure("over-time", TIME_QUESTION, run_charts::throughput_svg(s, rows)?);
     p.h2("Figures");
     if s.measured_kv() {
         p.table("Throughput, bytes, descriptors", &throughput_table(s, st));
@@ -179,22 +194,40 @@ pub fn page(summary: &Summary, rows: &[RequestRow], request: Option<&str>) -> Re
     if let Some(t) = repeats_table(s, st) {
         p.table("Repeats", &t);
     }
-    if let Some(t) = sweep_table(s, st) {
-        p.figure("sweep", "How does bandwidth change with the swept setting?", super::chart::sweep_svg(s)?);
-        p.table("Sweep", &t);
-    }
     if let Some(line) = vllm_metrics_line(s).filter(|_| s.measured_kv()) {
         p.body.push_str(&format!("<p><code>{}</code></p>\n", escape(&line)));
     }
     p.h2("Scenario and environment");
     p.body.push_str(&table_html(&scenario_table(s, st)));
-    Ok(format!(
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n\
-         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"/>\n\
-         <title>kvx {}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n{}</body>\n</html>\n",
-        escape(&s.run_id),
-        p.body
-    ))
+    Ok(p.finish(&format!("kvx {}", s.run_id)))
+}
+
+/// One run's charts: a request stage by stage, the distributions, the run over time.
+fn run_sections(
+    p: &mut Page,
+    s: &Summary,
+    rows: &[RequestRow],
+    request: Option<&str>,
+) -> Result<(), ReportError> {
+    let st = Style::Markdown;
+    p.h2("One request, stage by stage");
+    p.figure("waterfall", WATERFALL_QUESTION, run_charts::waterfall_svg(rows, request)?);
+    p.h2("Distributions");
+    p.figure("latency", LATENCY_QUESTION, run_charts::latency_svg(s, rows)?);
+    p.figure("rank-bandwidth", RANK_QUESTION, run_charts::rank_bandwidth_svg(rows)?);
+    if !s.stages.is_empty() {
+        p.table("Latency by stage", &stage_table(s, st));
+    }
+    if let Some(w) = &s.waterfall {
+        p.figure("ttft-waterfall", "Where did the time to first token go?", super::chart::waterfall_svg(s)?);
+        p.table("TTFT waterfall", &waterfall_table(w, st));
+    }
+    if let Some(g) = &s.goodput {
+        p.table("Goodput", &goodput_table(g, st));
+    }
+    p.h2("The run over time");
+    p.figure("over-time", TIME_QUESTION, run_charts::throughput_svg(s, rows)?);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -263,6 +296,7 @@ mod tests {
         s.stages.insert("e2e".into(), StageStats { count: 40, p50_us: 300.0, ..Default::default() });
         s.warnings.push("a <warning> & more".into());
         let html = page(&s, &rows(), None).expect("page");
+        crate::report::pages::tests::check_page(&html);
         assert!(html.len() < 2_000_000, "{} bytes", html.len());
         let lower = html.to_lowercase();
         for banned in ["<script", "<link", "<img", "<iframe", "@import", "url(", "src=", "href="] {

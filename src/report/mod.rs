@@ -15,6 +15,8 @@
 //! - [`run_charts`]: the charts of one run read at a glance (a request's stage waterfall,
 //!   latency CDFs, per-rank bandwidth, the run over time); [`html`]: the one-page report
 //!   (`report.html`) holding them inline with the tables.
+//! - [`side_charts`] and [`pages`]: runs beside each other (a comparison's runs, two saved
+//!   runs, a gate's baseline and current, a sweep's points) as charts and as pages.
 //! - [`compare`]: two runs side by side (`kvx report A B`).
 //! - [`gate`] and [`stats`]: the noise-aware regression gate (`kvx gate`).
 //! - [`verdict`]: whether a finished run was clean (the rule behind exit code 1).
@@ -43,12 +45,14 @@ pub mod gate;
 pub mod html;
 pub mod layout;
 pub mod numbers;
+pub mod pages;
 pub mod plan;
 pub mod plan_json;
 pub mod prediction;
 pub mod recorder;
 pub mod run_charts;
 pub mod scenario;
+pub mod side_charts;
 pub mod slo;
 pub mod stats;
 pub mod summary;

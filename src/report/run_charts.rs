@@ -147,7 +147,17 @@ fn lane_colour(lane: &str) -> RGBColor {
 
 /// The stage waterfall: one panel per picked request (see [`pick_requests`]).
 pub fn waterfall_svg(rows: &[RequestRow], request: Option<&str>) -> Result<Option<String>, ReportError> {
-    let picked = pick_requests(rows, request)?;
+    timelines_svg(&pick_requests(rows, request)?, false)
+}
+
+/// Where a timeline ends: its last bar, or its end to end where that is later (us).
+fn timeline_end(t: &Timeline) -> f64 {
+    t.bars.iter().chain(&t.apart).map(|b| b.start_us + b.dur_us).fold(t.e2e_us.unwrap_or(0.0), f64::max)
+}
+
+/// One waterfall panel per timeline, top to bottom. `shared`: every panel on the same time
+/// axis (requests of runs compared, read against each other), else each on its own.
+pub fn timelines_svg(picked: &[Timeline], shared: bool) -> Result<Option<String>, ReportError> {
     if picked.is_empty() {
         return Ok(None);
     }
@@ -155,17 +165,18 @@ pub fn waterfall_svg(rows: &[RequestRow], request: Option<&str>) -> Result<Optio
     const LANE_PX: u32 = 26;
     let panel_h = |t: &Timeline| 110 + LANE_PX * (t.bars.len() + t.apart.len()) as u32;
     let height: u32 = picked.iter().map(panel_h).sum();
+    let shared_end = picked.iter().map(timeline_end).fold(0.0, f64::max);
     let mut out = String::new();
     {
         let root = SVGBackend::with_string(&mut out, (WIDTH, height)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
         let mut rest = root.clone();
-        for t in &picked {
+        for t in picked {
             let (area, below) = rest.split_vertically(panel_h(t));
             rest = below;
             let lanes: Vec<&Bar> = t.bars.iter().chain(&t.apart).collect();
             let n = lanes.len();
-            let end = lanes.iter().map(|b| b.start_us + b.dur_us).fold(t.e2e_us.unwrap_or(0.0), f64::max);
+            let end = if shared { shared_end } else { timeline_end(t) };
             let (scale, unit) = if end >= 2e3 { (1e3, "ms") } else { (1.0, "us") };
             let xmax = (end / scale).max(1e-3) * 1.22;
             let title = match t.e2e_us {
@@ -242,6 +253,19 @@ pub struct Cdf {
     pub name: String,
     /// (latency us, fraction of requests at or below it), ascending.
     pub points: Vec<(f64, f64)>,
+    /// The points are percentiles (joined by straight lines), not samples (a step at each).
+    pub percentiles: bool,
+}
+
+/// A CDF through a stage's percentiles, where its samples are not at hand (a summary alone).
+pub fn percentile_cdf(name: &str, s: &super::summary::StageStats) -> Cdf {
+    let points = vec![(s.min_us, 0.0), (s.p50_us, 0.5), (s.p90_us, 0.9), (s.p99_us, 0.99), (s.max_us, 1.0)];
+    Cdf { name: name.into(), points, percentiles: true }
+}
+
+/// A CDF of latency samples (us), thinned to evenly spaced quantiles past a few hundred.
+pub fn sample_cdf(name: &str, samples: Vec<f64>) -> Cdf {
+    Cdf { name: name.into(), points: cdf_of(samples), percentiles: false }
 }
 
 /// Most points a CDF keeps (evenly spaced quantiles beyond that).
@@ -267,7 +291,7 @@ fn quantile(points: &[(f64, f64)], q: f64) -> f64 {
 }
 
 /// Whether two CDFs lie on top of each other: within 2% at most of nineteen quantiles.
-fn coincide(a: &[(f64, f64)], b: &[(f64, f64)]) -> bool {
+pub(crate) fn coincide(a: &[(f64, f64)], b: &[(f64, f64)]) -> bool {
     let close = (1..20)
         .filter(|k| {
             let q = f64::from(*k) / 20.0;
@@ -295,7 +319,7 @@ pub fn latency_series(summary: &Summary, rows: &[RequestRow]) -> Vec<Cdf> {
             .filter(|v| v.is_finite() && *v >= 0.0)
             .collect();
         if !v.is_empty() {
-            out.push(Cdf { name: stage.as_str().into(), points: cdf_of(v) });
+            out.push(sample_cdf(stage.as_str(), v));
         }
     }
     let names: Vec<&str> = CDF_STAGES.iter().map(|s| s.as_str()).chain(["ttft", "e2el"]).collect();
@@ -304,9 +328,7 @@ pub fn latency_series(summary: &Summary, rows: &[RequestRow]) -> Vec<Cdf> {
             continue;
         }
         if let Some(s) = summary.stages.get(name).filter(|s| s.count > 0) {
-            let points =
-                vec![(s.min_us, 0.0), (s.p50_us, 0.5), (s.p90_us, 0.9), (s.p99_us, 0.99), (s.max_us, 1.0)];
-            out.push(Cdf { name: name.into(), points });
+            out.push(percentile_cdf(name, s));
         }
     }
     // Draw once what coincides.
@@ -324,7 +346,13 @@ pub fn latency_series(summary: &Summary, rows: &[RequestRow]) -> Vec<Cdf> {
 /// Latency CDFs (see [`latency_series`]) on an axis spread over the samples: linear from the
 /// fastest to the slowest where they are within a factor of 20, logarithmic beyond.
 pub fn latency_svg(summary: &Summary, rows: &[RequestRow]) -> Result<Option<String>, ReportError> {
-    let series = latency_series(summary, rows);
+    cdf_svg(&format!("Latency distribution: {}", summary.run_id), &latency_series(summary, rows))
+}
+
+/// CDFs on one latency axis spread over their samples: linear from the fastest to the slowest
+/// where they are within a factor of 20, logarithmic beyond; the legend gives each line's p50
+/// and p99. Series keep their colour by position. `None` without a series.
+pub fn cdf_svg(title: &str, series: &[Cdf]) -> Result<Option<String>, ReportError> {
     if series.is_empty() {
         return Ok(None);
     }
@@ -340,7 +368,6 @@ pub fn latency_svg(summary: &Summary, rows: &[RequestRow]) -> Result<Option<Stri
     } else {
         ((lo - pad).max(0.0) / scale, (hi + pad) / scale)
     };
-    let title = format!("Latency distribution: {}", summary.run_id);
     let x_desc = format!("latency ({unit}{})", if log { ", log scale" } else { "" });
     let mut svg = String::new();
     {
@@ -367,7 +394,9 @@ pub fn latency_svg(summary: &Summary, rows: &[RequestRow]) -> Result<Option<Stri
                     let mut pts = Vec::with_capacity(s.points.len() * 2);
                     let mut prev = 0.0;
                     for &(x, y) in &s.points {
-                        pts.push((x / scale, prev));
+                        if !s.percentiles {
+                            pts.push((x / scale, prev));
+                        }
                         pts.push((x / scale, y));
                         prev = y;
                     }
@@ -389,7 +418,7 @@ pub fn latency_svg(summary: &Summary, rows: &[RequestRow]) -> Result<Option<Stri
             }};
         }
         let mut b = ChartBuilder::on(&root);
-        b.caption(&title, ("sans-serif", 20))
+        b.caption(title, ("sans-serif", 20))
             .margin(16)
             .margin_right(30)
             .x_label_area_size(48)
@@ -716,26 +745,7 @@ mod tests {
         (0..n).map(|i| row(i, 1.0 + f64::from(i % 10) / 10.0)).collect()
     }
 
-    /// The texts of an SVG and how many rectangles, lines and circles it draws: what a chart
-    /// says, without the pixels.
-    fn skeleton(svg: &str) -> String {
-        let doc = roxmltree::Document::parse(svg).expect("well-formed SVG");
-        let count = |tag: &str| doc.descendants().filter(|n| n.has_tag_name(tag)).count();
-        let texts: Vec<String> = doc
-            .descendants()
-            .filter(|n| n.has_tag_name("text"))
-            .filter_map(|n| n.text().map(|t| t.trim().to_string()))
-            .filter(|t| !t.is_empty())
-            .collect();
-        format!(
-            "rect {} polyline {} circle {} polygon {}\n{}",
-            count("rect"),
-            count("polyline"),
-            count("circle"),
-            count("polygon"),
-            texts.join("\n")
-        )
-    }
+    use crate::report::chart::svg_skeleton as skeleton;
 
     #[test]
     fn the_timeline_lays_stages_end_to_end() {

@@ -191,6 +191,70 @@ fn compare_modes_runs_pull_and_push_on_the_same_workload() {
     assert_eq!(n(&run.summary, "verify_failures"), 0);
     assert_eq!(n(&run.summary, "bytes_verified"), n(&run.summary, "bytes_read"));
     assert!(run.dir.join("modes.svg").exists(), "a chart of the comparison");
+    // Its page: the runs side by side, not their requests pooled as one run's.
+    let html = std::fs::read_to_string(run.dir.join("report.html")).expect("report.html");
+    let figures = crate::report::check_html(&html);
+    assert_eq!(figures[0], "compare-throughput", "{figures:?}");
+    assert!(
+        figures.iter().any(|f| f == "latency") && figures.last().is_some_and(|f| f == "request-waterfall")
+    );
+    assert!(!figures.iter().any(|f| f == "over-time"), "no run over time of two runs pooled");
+    for want in ["kvx bench --compare-modes run", "pull: median request", "push: median request"] {
+        assert!(html.contains(want), "{want}");
+    }
+    check_run_charts(&run.dir);
+}
+
+/// The rules every chart of a real run keeps: at most six series overlaid.
+fn check_run_charts(dir: &std::path::Path) {
+    let run = kvx::report::files::load_run(dir).expect("load the run");
+    let runs = kvx::report::side_charts::split_runs(&run.summary, &run.rows);
+    assert!(runs.iter().all(|r| !r.rows.is_empty()), "every run's requests found");
+    let series = kvx::report::side_charts::stage_cdfs(&runs, kvx::report::Stage::E2e, "");
+    assert!(series.len() <= kvx::report::run_charts::MAX_SERIES);
+    assert_eq!(series.len(), runs.len().min(kvx::report::run_charts::MAX_SERIES));
+}
+
+/// A sweep's page: its figures against the swept setting, each point's requests found and
+/// drawn side by side (one line per point), the chart files beside it.
+#[test]
+fn a_sweep_page_draws_its_setting_and_its_points() {
+    let _turn = exclusive();
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let file = tmp.path().join("conc.toml");
+    std::fs::write(&file, "name = \"conc\"\n[sweep]\nconcurrency = [1, 2]\n").expect("sweep file");
+    let file = file.to_str().expect("utf8");
+    let run = run_bench("sweep", &args(&["--sweep", file, "--p-tp", "2", "--d-tp", "1"], TINY));
+    let labels: Vec<&str> =
+        run.summary["sweep"].as_array().expect("points").iter().filter_map(|p| p["label"].as_str()).collect();
+    assert_eq!(labels, ["concurrency=1", "concurrency=2"]);
+    let html = std::fs::read_to_string(run.dir.join("report.html")).expect("report.html");
+    let figures = crate::report::check_html(&html);
+    assert_eq!(figures.first().map(String::as_str), Some("sweep"), "{figures:?}");
+    assert!(figures.iter().any(|f| f == "request-waterfall"), "{figures:?}");
+    assert!(html.contains("conc against concurrency"), "the figure against the setting");
+    for svg in ["sweep.svg", "latency.svg", "request-waterfall.svg"] {
+        assert!(run.dir.join(svg).exists(), "{svg}");
+    }
+    check_run_charts(&run.dir);
+}
+
+/// A run of three seconds or more: its time chart has at least thirty points, its latency
+/// chart at most six lines, and its page every chart.
+#[test]
+fn a_three_second_run_has_thirty_points_over_time() {
+    let _turn = exclusive();
+    let mut a = vec!["--duration", "4s", "--rate", "12", "--prompt-len", "512", "--p-tp", "2", "--d-tp", "2"];
+    a.extend_from_slice(TINY);
+    let run = run_bench("four seconds", &a);
+    let loaded = kvx::report::files::load_run(&run.dir).expect("load the run");
+    assert!(loaded.summary.duration_s >= 3.0, "{}", loaded.summary.duration_s);
+    let ot = kvx::report::run_charts::over_time(&loaded.summary, &loaded.rows).expect("over time");
+    assert!(ot.buckets.len() >= 30, "{} points over {} s", ot.buckets.len(), loaded.summary.duration_s);
+    let series = kvx::report::run_charts::latency_series(&loaded.summary, &loaded.rows);
+    assert!(!series.is_empty() && series.len() <= kvx::report::run_charts::MAX_SERIES, "{}", series.len());
+    let html = std::fs::read_to_string(run.dir.join("report.html")).expect("report.html");
+    assert_eq!(crate::report::check_html(&html), vec!["waterfall", "latency", "rank-bandwidth", "over-time"]);
 }
 
 /// `--rounds 3`: a comparison's runs interleaved over three rounds, the order reversed in the
@@ -243,6 +307,12 @@ fn rounds_interleave_a_comparison_and_report_the_median_ratio() {
         assert_eq!(p["requests_ok"], 18, "three rounds of 6: {p}");
     }
     assert_eq!(points[0]["params"]["ratio_to_first"], 1.0, "the first run is the reference");
+    // The page draws each round's throughput on its run's whisker.
+    let dir = run_dir(results.path()).expect("run directory");
+    let html = std::fs::read_to_string(dir.join("report.html")).expect("report.html");
+    assert_eq!(crate::report::check_html(&html)[0], "compare-throughput");
+    assert!(html.contains("3 rounds)"), "the rounds' range on the bars");
+    check_run_charts(&dir);
     assert_eq!(n(&summary, "requests_ok"), 36);
     assert_eq!(n(&summary, "verify_failures"), 0);
 }

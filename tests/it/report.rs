@@ -165,9 +165,43 @@ fn run_writer_finish_writes_every_file() {
     assert_eq!(figures, vec!["waterfall", "latency", "rank-bandwidth", "over-time"]);
 }
 
-/// `report.html` parses, holds its charts inline and asks nothing of the network; returns
-/// its figures' ids.
+/// A page as a browser reads it (HTML5 parsing with scraper): it parses without an error, is
+/// under 2 MB, has one title, loads nothing (no script, no element that loads, no `src`/`href`,
+/// no CSS `url(` or `@import`) and holds each figure's chart inline; returns its figures' ids.
+pub(crate) fn check_html(html: &str) -> Vec<String> {
+    use scraper::{Html, Selector};
+    let sel = |s: &str| Selector::parse(s).expect("selector");
+    assert!(html.len() < 2_000_000, "the page is {} bytes", html.len());
+    let doc = Html::parse_document(html);
+    assert!(doc.errors.is_empty(), "HTML parse errors: {:?}", doc.errors);
+    assert_eq!(doc.select(&sel("h1")).count(), 1, "one title");
+    for e in doc.select(&sel("*")) {
+        let tag = e.value().name().to_ascii_lowercase();
+        assert!(
+            !["script", "link", "img", "iframe", "object", "embed", "image", "use"].contains(&tag.as_str()),
+            "<{tag}> in the page"
+        );
+        for (name, value) in e.value().attrs() {
+            assert!(
+                !["src", "href", "xlink:href", "srcset", "action", "data"].contains(&name),
+                "{name}={value}"
+            );
+        }
+    }
+    let css: String = doc.select(&sel("style")).flat_map(|s| s.text()).collect();
+    assert!(!css.contains("url(") && !css.contains("@import"), "CSS from elsewhere");
+    doc.select(&sel("figure"))
+        .map(|f| {
+            assert!(f.select(&sel("svg")).next().is_some(), "a figure without its chart inline");
+            f.value().attr("id").unwrap_or_default().to_string()
+        })
+        .collect()
+}
+
+/// `report.html` parses (as HTML and as XML), holds its charts inline and asks nothing of the
+/// network; returns its figures' ids.
 fn check_page(html: &str) -> Vec<String> {
+    let figures = check_html(html);
     assert!(html.len() < 2_000_000, "report.html is {} bytes", html.len());
     let doc = roxmltree::Document::parse_with_options(
         html,
@@ -186,13 +220,16 @@ fn check_page(html: &str) -> Vec<String> {
         }
     }
     assert!(!html.contains("url(") && !html.contains("@import"), "CSS from elsewhere");
-    doc.descendants()
+    let xml: Vec<String> = doc
+        .descendants()
         .filter(|n| n.has_tag_name("figure"))
         .map(|f| {
             assert!(f.children().any(|c| c.tag_name().name() == "svg"), "a figure without its chart inline");
             f.attribute("id").unwrap_or_default().to_string()
         })
-        .collect()
+        .collect();
+    assert_eq!(xml, figures, "the HTML and the XML parser see the same figures");
+    figures
 }
 
 /// Polylines (one per series) and the texts of an SVG document.
@@ -437,6 +474,45 @@ fn report_compares_two_runs() {
     let tput =
         v["rows"].as_array().and_then(|r| r.iter().find(|r| r["metric"] == "throughput_gbps")).expect("row");
     assert!((tput["ratio"].as_f64().expect("ratio") - 0.85).abs() < 1e-9);
+}
+
+/// `kvx report A B --html`: one page with both runs' charts side by side, written in B's
+/// directory (here --charts-dir) as compare-<A's run id>.html; flags a comparison cannot use
+/// are refused by name.
+#[test]
+fn report_html_puts_two_runs_side_by_side() {
+    let out = tempfile::tempdir().expect("tmp");
+    let a = kvx()
+        .arg("report")
+        .arg(fixture_run("run-a"))
+        .arg(fixture_run("run-b"))
+        .args(["--html", "--charts-dir"])
+        .arg(out.path())
+        .assert()
+        .code(0);
+    assert!(stdout(&a).contains("0.850x"), "the table is printed as before");
+    let a_id = files::load_summary(&fixture_run("run-a").join("summary.json")).expect("a").run_id;
+    let path = out.path().join(files::pair_page_name(&a_id));
+    assert!(stderr(&a).contains(&path.display().to_string()), "{}", stderr(&a));
+    let html = std::fs::read_to_string(&path).expect("the page");
+    assert_eq!(check_page(&html), vec!["compare-throughput", "latency", "request-waterfall"]);
+    for want in ["A: median request", "B: median request", "A e2e", "B e2e", "0.850x"] {
+        assert!(html.contains(want), "{want}");
+    }
+    for (flags, named) in [
+        (&["--request", "1"][..], "--request"),
+        (&["--no-charts"][..], "--no-charts"),
+        (&["--charts-dir", "x"][..], "--charts-dir"),
+    ] {
+        let a = kvx()
+            .arg("report")
+            .arg(fixture_run("run-a"))
+            .arg(fixture_run("run-b"))
+            .args(flags)
+            .assert()
+            .code(2);
+        assert!(stderr(&a).contains(named), "{flags:?}: {}", stderr(&a));
+    }
 }
 
 #[test]

@@ -10,13 +10,13 @@ use super::evaluate::evaluate;
 use super::thresholds::Thresholds;
 use super::verdict::GateReport;
 
-pub(super) fn th() -> Thresholds {
+pub(crate) fn th() -> Thresholds {
     Thresholds::builtin().expect("built-in thresholds parse")
 }
 
 /// A summary document whose repeats have the given throughputs (GB/s) and whose latencies
 /// are inversely proportional, with a calibration of `cal` GB/s for both figures.
-pub(super) fn doc(tputs: &[f64], cal: f64) -> Value {
+pub(crate) fn doc(tputs: &[f64], cal: f64) -> Value {
     let stages = |t: f64| {
         json!({
             "transfer": {"count": 100, "mean_us": 1000.0 / t, "p50_us": 1000.0 / t, "p90_us": 1.0, "p99_us": 1.0, "p999_us": 1.0, "max_us": 1.0},
@@ -40,7 +40,7 @@ pub(super) fn doc(tputs: &[f64], cal: f64) -> Value {
     })
 }
 
-pub(super) fn gate(b: &Value, c: &Value) -> GateReport {
+pub(crate) fn gate(b: &Value, c: &Value) -> GateReport {
     evaluate(Doc { path: Path::new("b.json"), value: b }, Doc { path: Path::new("c.json"), value: c }, &th())
         .expect("evaluate")
 }

@@ -109,7 +109,7 @@ mod calibration;
 mod doc;
 mod evaluate;
 #[cfg(test)]
-mod fixtures;
+pub(crate) mod fixtures;
 mod render;
 mod runs;
 mod thresholds;
@@ -118,7 +118,9 @@ mod verdict;
 pub use calibration::{CALIBRATION_MAX_GBPS, CALIBRATION_MIN_GBPS};
 pub use doc::Doc;
 pub use evaluate::evaluate;
-pub use render::{error_json, error_markdown, metric_table, render_markdown, render_table, to_json};
+pub use render::{
+    error_json, error_markdown, metric_table, render_markdown, render_table, summary_lines, to_json,
+};
 pub(crate) use runs::context_notes;
 pub use runs::{PartialRun, is_partial, refuse_partial, update_refusal};
 pub use thresholds::{BUILTIN_THRESHOLDS, Better, Kind, MetricRule, Thresholds};

@@ -170,6 +170,16 @@ fn verdict_line(r: &GateReport) -> String {
     }
 }
 
+/// What the verdict rests on, a line each: the calibration and the machine's speed, the
+/// spread of repeats, the noise floor, the verdict.
+pub fn summary_lines(r: &GateReport) -> Vec<String> {
+    let mut lines = calibration_lines(r);
+    lines.extend(spread_line(r));
+    lines.push(noise_line(r));
+    lines.push(verdict_line(r));
+    lines
+}
+
 /// The verdict for a terminal.
 pub fn render_table(r: &GateReport) -> String {
     let mut out = format!(
