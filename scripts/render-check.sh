@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Renders each kind of report.html once in a headless Chromium, by hand (not part of CI):
 # a bench run (the quick start), a sweep, a comparison (--compare-transports with --rounds),
-# a gate verdict (kvx gate --html) and two saved runs (kvx report A B --html). Each page is
+# a gate verdict (kvx gate --html-file) and two saved runs (kvx report A B --html). Each page is
 # printed to PDF and screenshot to PNG with the browser cut off from every network (its own
 # network namespace, where `unshare` can make one). What happened and how big each page is
 # goes to results/docs/render-check/: `render.txt` (the browser's version, each page's bytes,
@@ -68,7 +68,7 @@ sweep=$(newest)
 compare=$(newest)
 gate_page="$work/gate.html"
 set +e
-"$KVX" gate --baseline "$bench" --current "$again" --html "$gate_page" >/dev/null
+"$KVX" gate --baseline "$bench" --current "$again" --html-file "$gate_page" >/dev/null
 gate_status=$?
 set -e
 [ "$gate_status" -le 1 ] || { echo "render-check: kvx gate could not decide ($gate_status)" >&2; exit 1; }

@@ -27,7 +27,7 @@ pub enum GateFormat {
 #[command(after_help = "Exit status: 0 pass, 1 regression, 2 error (unreadable file, schema mismatch, \
 missing metric, implausible calibration figure, a partial run without --allow-partial).\n\n\
 Examples:\n  kvx gate --baseline results/baseline.json --current results/<run>/summary.json\n  \
-kvx gate --baseline results/baseline.json --current results/<run> --html gate.html\n  \
+kvx gate --baseline results/baseline.json --current results/<run> --html-file gate.html\n  \
 kvx gate --baseline results/baseline.json --current results/<run> --update   # accept this run as the baseline")]
 #[command(allow_negative_numbers = true)]
 pub struct GateArgs {
@@ -46,8 +46,11 @@ pub struct GateArgs {
     /// Also write the verdict as one self-contained HTML page to FILE: the metric table, each
     /// metric's change against its threshold, baseline and current latency and throughput side
     /// by side (a gate that cannot decide writes the reason).
+    // Not `--html`: on `kvx report` that flag writes report.html into a run's directory, and a
+    // flag means one thing in every command; the gate owns no directory, so it takes a file,
+    // as --markdown does.
     #[arg(long, value_name = "FILE", conflicts_with = "update")]
-    pub html: Option<PathBuf>,
+    pub html_file: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = GateFormat::Table, help = crate::settings::flags::FORMAT_HELP)]
     pub format: GateFormat,
     /// Write the current run as the new baseline (prints what changed). Refused for a run with
@@ -81,7 +84,7 @@ pub fn run(args: &GateArgs) -> anyhow::Result<Outcome> {
                     note!("warning: {e}");
                 }
             }
-            if let Some(page) = &args.html
+            if let Some(page) = &args.html_file
                 && let Err(e) = files::write_atomic(page, pages::gate_error_page(&message).as_bytes())
             {
                 note!("warning: {e}");
@@ -136,7 +139,7 @@ fn judge(args: &GateArgs) -> anyhow::Result<Outcome> {
     if let Some(md) = &args.markdown {
         files::write_atomic(md, gate::render_markdown(&report).as_bytes())?;
     }
-    if let Some(page) = &args.html {
+    if let Some(page) = &args.html_file {
         let b = files::summary_with_defaults(baseline.path, baseline.value)?;
         let c = files::summary_with_defaults(current.path, current.value)?;
         files::write_atomic(page, pages::gate_page(&report, &b, &c)?.as_bytes())?;

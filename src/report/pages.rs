@@ -1,6 +1,6 @@
 //! The pages that put runs beside each other, in the shape of a run's `report.html` (see
 //! `html`): a comparison (`kvx bench --compare-*`, [`compare_page`]), two saved runs
-//! (`kvx report A B --html`, [`pair_page`]), a gate verdict (`kvx gate --html`, [`gate_page`])
+//! (`kvx report A B --html`, [`pair_page`]), a gate verdict (`kvx gate --html-file`, [`gate_page`])
 //! and the sections of a sweep's page ([`sweep_sections`]); also the chart files a comparison's
 //! or a sweep's directory holds ([`side_chart_files`]).
 //!
@@ -416,7 +416,7 @@ pub fn pair_page(
     Ok(p.finish(&format!("kvx report {} vs {}", b.0.run_id, a.0.run_id)))
 }
 
-/// The page of a gate verdict (`kvx gate --html FILE`): the verdict and what it rests on, the
+/// The page of a gate verdict (`kvx gate --html-file FILE`): the verdict and what it rests on, the
 /// metric table, each metric's change with its threshold, the latency distributions and the
 /// throughput of baseline and current, the current run's scenario.
 pub fn gate_page(r: &GateReport, baseline: &Summary, current: &Summary) -> Result<String, ReportError> {

@@ -147,14 +147,14 @@ fn markdown_summary_for_ci() {
     assert!(text.contains("error") && text.contains("stages.e2e.p50_us"), "{text}");
 }
 
-/// `--html FILE`: the verdict as one page (the metric table, each metric's change against its
+/// `--html-file FILE`: the verdict as one page (the metric table, each metric's change against its
 /// threshold, baseline and current side by side), checked as a browser parses it; a gate that
 /// cannot decide writes the reason there too; `--update` has no page.
 #[test]
 fn html_page_of_the_verdict() {
     let dir = tempfile::tempdir().expect("tmp");
     let page = dir.path().join("gate.html");
-    gate("regress.json", &["--html", page.to_str().expect("utf8")]).code(1);
+    gate("regress.json", &["--html-file", page.to_str().expect("utf8")]).code(1);
     let html = std::fs::read_to_string(&page).expect("page written");
     assert_eq!(crate::report::check_html(&html), vec!["gate-change", "latency", "compare-throughput"]);
     for want in
@@ -162,20 +162,20 @@ fn html_page_of_the_verdict() {
     {
         assert!(html.contains(want), "{want}");
     }
-    gate("missing-metric.json", &["--html", page.to_str().expect("utf8")]).code(2);
+    gate("missing-metric.json", &["--html-file", page.to_str().expect("utf8")]).code(2);
     let html = std::fs::read_to_string(&page).expect("error page written");
     crate::report::check_html(&html);
     assert!(html.contains("kvx gate: error") && html.contains("stages.e2e.p50_us"), "{html}");
     let baseline = dir.path().join("baseline.json");
     let a = kvx()
-        .args(["gate", "--update", "--html", page.to_str().expect("utf8"), "--baseline"])
+        .args(["gate", "--update", "--html-file", page.to_str().expect("utf8"), "--baseline"])
         .arg(&baseline)
         .arg("--current")
         .arg(fixture("pass.json"))
         .assert()
         .code(2);
     assert!(!baseline.exists(), "refused before anything was written");
-    assert!(stderr(&a).contains("--html") && stderr(&a).contains("--update"), "{}", stderr(&a));
+    assert!(stderr(&a).contains("--html-file") && stderr(&a).contains("--update"), "{}", stderr(&a));
 }
 
 #[test]
