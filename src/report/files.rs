@@ -26,6 +26,12 @@ pub const WATERFALL_SVG: &str = "ttft-waterfall.svg";
 /// The stage waterfall of the median and the p99 request.
 pub const REQUEST_WATERFALL_SVG: &str = "request-waterfall.svg";
 pub const RANK_BANDWIDTH_SVG: &str = "rank-bandwidth.svg";
+/// A comparison's throughput per run, its rounds' range as whiskers.
+pub const COMPARE_THROUGHPUT_SVG: &str = "compare-throughput.svg";
+/// A sweep's figures against the swept setting.
+pub const SWEEP_SETTING_SVG: &str = "sweep.svg";
+/// A comparison's or sweep's transfer spans, one line per run.
+pub const TRANSFER_SPAN_SVG: &str = "transfer-span.svg";
 /// The one-page report: tables and every chart inline.
 pub const REPORT_HTML: &str = "report.html";
 
@@ -245,14 +251,28 @@ fn csv_write_err(path: &Path, e: csv::Error) -> ReportError {
 /// The charts of a run: each file name and its SVG, `None` where the run has no data for it.
 /// `request`: the request whose stage waterfall to draw (else the median and p99 requests').
 /// A comparison's or a sweep's directory holds its runs' charts side by side instead (see
-/// [`pages::side_chart_files`]): their requests pooled would read as one run.
+/// [`pages::side_charts`]): their requests pooled would read as one run.
 fn charts(
     summary: &Summary,
     rows: &[RequestRow],
     request: Option<&str>,
 ) -> Vec<(&'static str, Result<Option<String>, ReportError>)> {
     if summary.sweep.is_some() {
-        let mut out = pages::side_chart_files(summary, rows);
+        let mut out: Vec<(&'static str, Result<Option<String>, ReportError>)> =
+            pages::side_charts(summary, rows)
+                .into_iter()
+                .map(|(id, svg)| {
+                    let file = match id {
+                        "compare-throughput" => COMPARE_THROUGHPUT_SVG,
+                        "sweep" => SWEEP_SETTING_SVG,
+                        "bandwidth-vs-size" => SWEEP_SVG,
+                        "latency" => LATENCY_SVG,
+                        "transfer-span" => TRANSFER_SPAN_SVG,
+                        _ => REQUEST_WATERFALL_SVG,
+                    };
+                    (file, svg)
+                })
+                .collect();
         if request.is_some() {
             // The request asked for, in place of the runs' median requests.
             out.retain(|(name, _)| *name != REQUEST_WATERFALL_SVG);

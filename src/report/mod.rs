@@ -15,6 +15,7 @@
 //! - [`run_charts`]: the charts of one run read at a glance (a request's stage waterfall,
 //!   latency CDFs, per-rank bandwidth, the run over time); [`html`]: the one-page report
 //!   (`report.html`) holding them inline with the tables.
+//! - [`page`]: the HTML of every page (escaping, tables, figures, the document).
 //! - [`side_charts`] and [`pages`]: runs beside each other (a comparison's runs, two saved
 //!   runs, a gate's baseline and current, a sweep's points) as charts and as pages.
 //! - [`compare`]: two runs side by side (`kvx report A B`).
@@ -45,6 +46,7 @@ pub mod gate;
 pub mod html;
 pub mod layout;
 pub mod numbers;
+pub mod page;
 pub mod pages;
 pub mod plan;
 pub mod plan_json;

@@ -1,8 +1,8 @@
 //! The pages that put runs beside each other, in the shape of a run's `report.html` (see
 //! `html`): a comparison (`kvx bench --compare-*`, [`compare_page`]), two saved runs
 //! (`kvx report A B --html`, [`pair_page`]), a gate verdict (`kvx gate --html-file`, [`gate_page`])
-//! and the sections of a sweep's page ([`sweep_sections`]); also the chart files a comparison's
-//! or a sweep's directory holds ([`side_chart_files`]).
+//! and the sections of a sweep's page ([`sweep_sections`]); also the charts a comparison's or
+//! a sweep's directory holds ([`side_charts`]).
 //!
 //! Pure: summaries, request rows and verdicts in, HTML text out; `files.rs` and the CLI write
 //! the pages. Charts come from `side_charts` and `run_charts`.
@@ -11,8 +11,8 @@ use super::ReportError;
 use super::chart;
 use super::compare::Comparison;
 use super::gate::{GateReport, Verdict, metric_table, summary_lines};
-use super::html::{Page, table_html};
 use super::numbers::fmt_f;
+use super::page::{Page, WATERFALL_QUESTION, table_html};
 use super::run_charts::{self, Cdf, MAX_SERIES, percentile_cdf, sample_cdf};
 use super::side_charts::{
     NamedRun, RangeBar, compare_bars, gate_change_svg, median_timelines, range_bars_svg, run_bar, split_runs,
@@ -189,34 +189,26 @@ fn per_run_charts(runs: &[NamedRun], what: &str) -> Result<Vec<Figure>, ReportEr
     ])
 }
 
-/// The charts a comparison's or a sweep's directory holds (file name, SVG), the same its page
-/// draws; `None` where the run has no data for one.
-pub fn side_chart_files(
+/// The charts a comparison's or a sweep's directory holds, the same its page draws, by figure
+/// id (`files.rs` names their files): `compare-throughput` or `sweep` (and
+/// `bandwidth-vs-size`), then `latency`, `transfer-span`, `request-waterfall` where drawn.
+pub fn side_charts(
     s: &Summary,
     rows: &[RequestRow],
 ) -> Vec<(&'static str, Result<Option<String>, ReportError>)> {
     let mut out: Vec<(&'static str, Result<Option<String>, ReportError>)> = Vec::new();
     if comparison_flag(s).is_some() {
-        out.push(("compare-throughput.svg", range_bars_svg("Throughput per run", "GB/s", &compare_bars(s))));
+        out.push(("compare-throughput", range_bars_svg("Throughput per run", "GB/s", &compare_bars(s))));
     } else {
-        out.push(("sweep.svg", sweep_setting_svg(s)));
+        out.push(("sweep", sweep_setting_svg(s)));
         if size_matters(s) {
-            out.push((super::files::SWEEP_SVG, chart::sweep_svg(s)));
+            out.push(("bandwidth-vs-size", chart::sweep_svg(s)));
         }
     }
     let what = if comparison_flag(s).is_some() { "run" } else { "point" };
     match per_run_charts(&split_runs(s, rows), what) {
-        Ok(charts) => {
-            for (id, _, svg) in charts {
-                let file = match id {
-                    "latency" => super::files::LATENCY_SVG,
-                    "transfer-span" => "transfer-span.svg",
-                    _ => super::files::REQUEST_WATERFALL_SVG,
-                };
-                out.push((file, Ok(svg)));
-            }
-        }
-        Err(e) => out.push((super::files::LATENCY_SVG, Err(e))),
+        Ok(charts) => out.extend(charts.into_iter().map(|(id, _, svg)| (id, Ok(svg)))),
+        Err(e) => out.push(("latency", Err(e))),
     }
     out
 }
@@ -272,7 +264,7 @@ pub fn compare_page(s: &Summary, rows: &[RequestRow], request: Option<&str>) -> 
     let runs = split_runs(s, rows);
     side_by_side(&mut p, &runs, "run")?;
     if let Some(id) = request {
-        p.figure("request", super::html::WATERFALL_QUESTION, run_charts::waterfall_svg(rows, Some(id))?);
+        p.figure("request", WATERFALL_QUESTION, run_charts::waterfall_svg(rows, Some(id))?);
     }
     p.h2("Outcomes and verification");
     p.body.push_str(&table_html(&failures_table(s, Style::Markdown)));
@@ -321,7 +313,7 @@ pub(crate) fn sweep_sections(
     }
     side_by_side(p, &split_runs(s, rows), "point")?;
     if let Some(id) = request {
-        p.figure("request", super::html::WATERFALL_QUESTION, run_charts::waterfall_svg(rows, Some(id))?);
+        p.figure("request", WATERFALL_QUESTION, run_charts::waterfall_svg(rows, Some(id))?);
     }
     Ok(())
 }
@@ -475,60 +467,14 @@ pub fn gate_error_page(message: &str) -> String {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use std::collections::BTreeMap;
 
-    use scraper::{Html, Selector};
     use serde_json::json;
 
     use super::*;
+    use crate::report::page::check_page;
     use crate::report::summary::{RankRead, RankReads, Scenario, StageStats, SweepPoint};
-
-    fn sel(s: &str) -> Selector {
-        Selector::parse(s).expect("selector")
-    }
-
-    /// A page as a browser reads it (HTML5 parsing): no parse error, under 2 MB, nothing loaded
-    /// from elsewhere (no script, no element that loads, no `src`/`href`, no CSS `url(` or
-    /// `@import`), every figure's chart inline. Returns the page's outline: its headings and
-    /// figure ids, one a line.
-    pub(crate) fn check_page(html: &str) -> String {
-        assert!(html.len() < 2_000_000, "the page is {} bytes", html.len());
-        let doc = Html::parse_document(html);
-        assert!(doc.errors.is_empty(), "HTML parse errors: {:?}", doc.errors);
-        for e in doc.select(&sel("*")) {
-            let tag = e.value().name();
-            assert!(
-                !["script", "link", "img", "iframe", "object", "embed", "image", "use", "foreignobject"]
-                    .contains(&tag.to_ascii_lowercase().as_str()),
-                "<{tag}> in the page"
-            );
-            for (name, value) in e.value().attrs() {
-                assert!(
-                    !["src", "href", "xlink:href", "srcset", "action", "poster", "data"].contains(&name),
-                    "{name}={value} on <{tag}>"
-                );
-                assert!(!value.contains("url("), "url( in {name} on <{tag}>");
-            }
-        }
-        for style in doc.select(&sel("style")) {
-            let css: String = style.text().collect();
-            assert!(!css.contains("url(") && !css.contains("@import"), "CSS from elsewhere");
-        }
-        assert_eq!(doc.select(&sel("h1")).count(), 1, "one title");
-        let mut outline = Vec::new();
-        for e in doc.select(&sel("h1, h2, h3, figure")) {
-            let tag = e.value().name();
-            if tag == "figure" {
-                assert!(e.select(&sel("svg")).next().is_some(), "a figure without its chart inline");
-                outline.push(format!("  figure #{}", e.value().attr("id").unwrap_or_default()));
-            } else {
-                let text: Vec<&str> = e.text().flat_map(str::split_whitespace).collect();
-                outline.push(format!("{tag}: {}", text.join(" ")));
-            }
-        }
-        outline.join("\n")
-    }
 
     fn figures(outline: &str) -> Vec<&str> {
         outline.lines().filter_map(|l| l.trim().strip_prefix("figure #")).collect()
@@ -679,8 +625,13 @@ pub(crate) mod tests {
         use crate::report::gate::fixtures::{doc, gate};
         let (bd, cd) = (doc(&[10.0, 10.1, 9.9], 10.0), doc(&[8.0, 8.1, 7.9], 10.0));
         let r = gate(&bd, &cd);
+        // A gate fixture lacks most fields: laid over an empty summary's, as the CLI reads it.
         let read = |v: &serde_json::Value| {
-            crate::report::files::summary_with_defaults(std::path::Path::new("x.json"), v).expect("summary")
+            let mut all = serde_json::to_value(Summary::new("", "", Scenario::default())).expect("json");
+            for (k, x) in v.as_object().expect("an object") {
+                all[k] = x.clone();
+            }
+            serde_json::from_value::<Summary>(all).expect("summary")
         };
         let html = gate_page(&r, &read(&bd), &read(&cd)).expect("page");
         let outline = check_page(&html);
