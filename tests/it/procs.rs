@@ -384,3 +384,56 @@ pub fn summary_json(bench: &Spawned) -> serde_json::Value {
 pub fn n(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("summary has no integer `{key}`: {v}"))
 }
+
+/// What a finished command printed, how it ended and how much CPU it used.
+pub struct Finished {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    /// User plus system time of the process itself (from wait4's rusage): what it cost, apart
+    /// from the time it waited for a core other tests held.
+    pub cpu: Duration,
+}
+
+/// Runs `cmd` to its end (stdin closed), killed after `limit`. Its CPU time comes from wait4,
+/// which reaps exactly this child, so other tests' children do not count.
+#[expect(unsafe_code, reason = "wait4(2) has no safe wrapper in std or nix; it writes only our locals")]
+pub fn run_measured(mut cmd: Command, limit: Duration) -> Finished {
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    let pid = child.id() as i32;
+    let (mut out, mut err) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        out.read_to_string(&mut s).ok();
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        err.read_to_string(&mut s).ok();
+        s
+    });
+    // A watchdog kills the child past `limit`; it is told when the child was reaped.
+    let (reaped_tx, reaped) = mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if reaped.recv_timeout(limit) == Err(mpsc::RecvTimeoutError::Timeout) {
+            signal(pid, libc::SIGKILL);
+        }
+    });
+    let mut status = 0;
+    // SAFETY: rusage is plain old data that wait4 fills; `status` and `usage` outlive the call.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; pid is our own unreaped child (std's Child is never waited on).
+    let got = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert_eq!(got, pid, "wait4 on {cmd:?}: {}", std::io::Error::last_os_error());
+    drop(reaped_tx);
+    watchdog.join().expect("watchdog");
+    let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    let code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+    Finished {
+        code,
+        stdout: out_reader.join().expect("stdout reader"),
+        stderr: err_reader.join().expect("stderr reader"),
+        cpu: time(usage.ru_utime) + time(usage.ru_stime),
+    }
+}
