@@ -385,10 +385,9 @@ pub fn n(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("summary has no integer `{key}`: {v}"))
 }
 
-/// What a finished command printed, how it ended and how much CPU it used.
+/// How a finished command ended, what it said on stderr and how much CPU it used.
 pub struct Finished {
     pub code: Option<i32>,
-    pub stdout: String,
     pub stderr: String,
     /// User plus system time of the process itself (from wait4's rusage): what it cost, apart
     /// from the time it waited for a core other tests held.
@@ -398,16 +397,14 @@ pub struct Finished {
 /// Runs `cmd` to its end (stdin closed), killed after `limit`. Its CPU time comes from wait4,
 /// which reaps exactly this child, so other tests' children do not count.
 #[expect(unsafe_code, reason = "wait4(2) has no safe wrapper in std or nix; it writes only our locals")]
+#[expect(clippy::zombie_processes, reason = "the child is reaped by wait4, which std's Child does not see")]
 pub fn run_measured(mut cmd: Command, limit: Duration) -> Finished {
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
     let pid = child.id() as i32;
     let (mut out, mut err) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        out.read_to_string(&mut s).ok();
-        s
-    });
+    // Stdout is drained (so a full pipe cannot stall the child), not kept.
+    let out_reader = std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()).ok());
     let err_reader = std::thread::spawn(move || {
         let mut s = String::new();
         err.read_to_string(&mut s).ok();
@@ -428,11 +425,11 @@ pub fn run_measured(mut cmd: Command, limit: Duration) -> Finished {
     assert_eq!(got, pid, "wait4 on {cmd:?}: {}", std::io::Error::last_os_error());
     drop(reaped_tx);
     watchdog.join().expect("watchdog");
+    out_reader.join().expect("stdout reader");
     let time = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     let code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
     Finished {
         code,
-        stdout: out_reader.join().expect("stdout reader"),
         stderr: err_reader.join().expect("stderr reader"),
         cpu: time(usage.ru_utime) + time(usage.ru_stime),
     }
