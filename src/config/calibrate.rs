@@ -20,6 +20,9 @@ pub struct CalibrateConfig {
     pub concurrency_depth: u64,
     /// How long each case of each sweep measures.
     pub case_time: Duration,
+    /// How many times every sweep runs; each case's median is fitted (a shared host's
+    /// neighbours slow some rounds, not the median).
+    pub rounds: u32,
     /// Bytes each `kvx xfer` registers (smaller with several at once, so all fit).
     pub working_set_bytes: u64,
     /// One GPU, for the device paths.

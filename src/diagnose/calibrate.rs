@@ -17,7 +17,7 @@ use crate::config::calibrate::CalibrateConfig;
 use crate::layouts::posting::PostPath;
 use crate::layouts::predict::{
     BatchFit, FittedRange, RATES_VERSION, ReadersRate, TermChange, TransferModel, XferPoint, compare_models,
-    fit_batches, fit_rates,
+    fit_batches, fit_rates, median_points,
 };
 
 /// Why a calibration did not finish.
@@ -236,8 +236,17 @@ pub fn calibrate(cfg: &CalibrateConfig, date: &str) -> Result<Calibrated, Calibr
         }
         None => None,
     };
-    let single = run_xfers(cfg, &cfg.sizes, &cfg.depths, 1)?;
-    let mut all_points = points(&single, 1);
+    // Every sweep `rounds` times, each case's median fitted: a round a neighbour slowed moves
+    // no case (the sweeps of one round run back to back, the rounds one after another).
+    let rounds = cfg.rounds.max(1);
+    let mut single = Vec::new();
+    let mut single_rounds = Vec::new();
+    for _ in 0..rounds {
+        let reports = run_xfers(cfg, &cfg.sizes, &cfg.depths, 1)?;
+        single_rounds.push(points(&reports, 1));
+        single.extend(reports);
+    }
+    let mut all_points = median_points(single_rounds);
     let fit = fit_batches(&all_points).map_err(|reason| CalibrateError::Fit { path: key, reason })?;
     // cuda-batch posts a batch in one call: the intercept is the call's cost.
     let (fixed_ns, ns_per_call) =
@@ -245,8 +254,12 @@ pub fn calibrate(cfg: &CalibrateConfig, date: &str) -> Result<Calibrated, Calibr
     let mut concurrency =
         vec![ReadersRate { readers: 1, ns_per_descriptor: fit.ns_per_descriptor, gbps: fit.gbps }];
     for &k in cfg.readers.iter().filter(|&&k| k > 1) {
-        let reports = run_xfers(cfg, &cfg.concurrency_sizes, &[cfg.concurrency_depth], k)?;
-        let pts = points(&reports, k);
+        let mut each = Vec::new();
+        for _ in 0..rounds {
+            each.push(points(&run_xfers(cfg, &cfg.concurrency_sizes, &[cfg.concurrency_depth], k)?, k));
+        }
+        // Each reader's points of a case are pooled with the other rounds' before the median.
+        let pts = median_points(each);
         let (ns, gbps) = fit_rates(&pts, fit.fixed_ns).map_err(|reason| CalibrateError::Fit {
             path: key,
             reason: format!("{k} readers at once: {reason}"),
@@ -295,7 +308,8 @@ pub fn calibrate(cfg: &CalibrateConfig, date: &str) -> Result<Calibrated, Calibr
                 "ns_per_call": model.ns_per_call,
                 "ceiling_gbps": model.ceiling_gbps,
                 "how": format!(
-                    "least-squares fit of kvx xfer batch times over {} sizes x {} depths (worst miss {:.1}%)",
+                    "least-squares fit of kvx xfer batch times over {} sizes x {} depths, each case the \
+                     median of {rounds} rounds (worst miss {:.1}%)",
                     cfg.sizes.len(), cfg.depths.len(), 100.0 * fit.max_rel_error
                 ),
                 "ceiling_how": "the fastest case of the sweep",

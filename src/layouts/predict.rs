@@ -315,6 +315,27 @@ pub fn fit_batches(points: &[XferPoint]) -> Result<BatchFit, String> {
     Ok(BatchFit { fixed_ns: beta[0], ns_per_descriptor: beta[1], gbps: 1.0 / beta[2], max_rel_error })
 }
 
+/// One point per case (size, depth, readers): the median batch time of every round's points
+/// of that case (the upper middle of an even count), in the order the cases first appear.
+pub fn median_points(rounds: impl IntoIterator<Item = Vec<XferPoint>>) -> Vec<XferPoint> {
+    let mut cases: Vec<(XferPoint, Vec<f64>)> = Vec::new();
+    for p in rounds.into_iter().flatten() {
+        let key = |q: &XferPoint| (q.size_bytes, q.inflight, q.readers);
+        match cases.iter_mut().find(|(c, _)| key(c) == key(&p)) {
+            Some((_, times)) => times.push(p.batch_ns),
+            None => cases.push((p, vec![p.batch_ns])),
+        }
+    }
+    cases
+        .into_iter()
+        .map(|(mut p, mut times)| {
+            times.sort_by(f64::total_cmp);
+            p.batch_ns = times[times.len() / 2];
+            p
+        })
+        .collect()
+}
+
 /// The cost per descriptor and byte rate with several readers at once, from points measured
 /// with that many (each reader's own batches), the fixed term taken from the single-reader fit.
 pub fn fit_rates(points: &[XferPoint], fixed_ns: f64) -> Result<(f64, f64), String> {
@@ -383,6 +404,19 @@ pub fn compare_models(before: &TransferModel, after: &TransferModel) -> Vec<Term
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_case_keeps_the_median_of_its_rounds() {
+        let pt = |size_bytes, batch_ns, readers| XferPoint { size_bytes, inflight: 1, batch_ns, readers };
+        let rounds = vec![
+            vec![pt(4096, 10.0, 1), pt(65536, 100.0, 1), pt(4096, 30.0, 2)],
+            vec![pt(4096, 50.0, 1), pt(65536, 90.0, 1), pt(4096, 20.0, 2)],
+            vec![pt(4096, 11.0, 1), pt(65536, 400.0, 1)],
+        ];
+        let got = median_points(rounds);
+        // One round slowed by a neighbour (50 ns, 400 ns) moves no case; two points: the upper.
+        assert_eq!(got, vec![pt(4096, 11.0, 1), pt(65536, 100.0, 1), pt(4096, 30.0, 2)]);
+    }
 
     fn model() -> TransferModel {
         TransferModel {

@@ -80,6 +80,11 @@ pub struct TransferBandwidth {
     pub rank_transfer_us: Spread,
     #[serde(default)]
     pub rank_post_us: Spread,
+    /// Per request of several ranks on one clock: the last rank's transfer start minus the
+    /// first's (us). A request's wall span is this wait plus its slowest rank's transfer, at
+    /// most. Absent when no such request was timed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_skew_us: Option<Spread>,
     /// Bytes of all ranks' transfers (the sum behind `rank_*`).
     pub rank_bytes: u64,
     /// Requests whose ranks were on several clocks (or unstamped): in `rank_*` only.
@@ -94,6 +99,7 @@ pub struct BandwidthTally {
     rank_gbps: Vec<f64>,
     rank_us: Vec<f64>,
     rank_post_us: Vec<f64>,
+    start_skew_us: Vec<f64>,
     rank_bytes: u64,
     without_span: u64,
     /// Per rank: its bytes and its transfers' spans (one rank's spans share its clock).
@@ -140,7 +146,16 @@ impl BandwidthTally {
         }
         let span = wall_span_ns(ranks.iter().map(|r| r.span)).filter(|&ns| ns > 0);
         match span {
-            Some(ns) => self.span_gbps.push(gbps(ranks.iter().map(|r| r.bytes).sum(), ns)),
+            Some(ns) => {
+                self.span_gbps.push(gbps(ranks.iter().map(|r| r.bytes).sum(), ns));
+                // One clock (the span says so): the starts compare.
+                let starts = ranks.iter().filter_map(|r| r.span.map(|s| s.start_ns));
+                if ranks.len() > 1
+                    && let (Some(first), Some(last)) = (starts.clone().min(), starts.max())
+                {
+                    self.start_skew_us.push((last - first) as f64 / 1e3);
+                }
+            }
             None if !ranks.is_empty() => self.without_span += 1,
             None => {}
         }
@@ -169,6 +184,7 @@ impl BandwidthTally {
             rank_busy_gbps: Spread::of(&busy),
             rank_transfer_us: Spread::of(&self.rank_us).unwrap_or_default(),
             rank_post_us: Spread::of(&self.rank_post_us).unwrap_or_default(),
+            start_skew_us: Spread::of(&self.start_skew_us),
             rank_bytes: self.rank_bytes,
             requests_without_span: self.without_span,
         })
@@ -205,6 +221,16 @@ mod tests {
         assert_eq!((a.rank_gbps.p50, s.rank_gbps.p50), (1.0, 1.0));
         assert_eq!(s.rank_transfer_us.p50, 1e6);
         assert_eq!(s.rank_bytes, 2_000_000_000);
+        // The second rank started 1 s after the first: the span is that wait plus one transfer.
+        assert_eq!(a.start_skew_us.map(|x| x.p50), Some(0.0));
+        assert_eq!(s.start_skew_us.map(|x| x.p50), Some(1e6));
+    }
+
+    #[test]
+    fn a_request_of_one_rank_has_no_start_skew() {
+        let mut one = BandwidthTally::default();
+        one.add(&[rank(1_000, 0, 1_000)]);
+        assert_eq!(one.summary().expect("figures").start_skew_us, None);
     }
 
     #[test]

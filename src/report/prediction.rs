@@ -82,7 +82,40 @@ pub fn bench_prediction(
         measured_rank_transfer_p90_us: rank_stats.map_or(0.0, |t| t.p90_us),
         extrapolated: p.extrapolated,
         shared_host: shared_host(s, readers),
+        measured_start_skew_p50_us: start_skew_p50_us(s),
+        span_includes: start_skew(s, span.p50_us),
     })
+}
+
+fn start_skew_p50_us(s: &Summary) -> Option<f64> {
+    s.transfer_bandwidth.as_ref()?.start_skew_us.map(|x| x.p50)
+}
+
+/// The ranks' start skew, said where it is 5% of the measured span p50 or more. The model
+/// predicts a request whose ranks start together, as vLLM's TP workers post a step's reads at
+/// once. A kvx decode rank reads one request at a time: with several requests at once, each
+/// rank starts the next one when its own part of the one before is done, so a request's ranks
+/// start apart and its span holds the wait.
+fn start_skew(s: &Summary, span_p50_us: f64) -> Vec<String> {
+    let Some(skew) = start_skew_p50_us(s) else { return Vec::new() };
+    if span_p50_us <= 0.0 || skew < 0.05 * span_p50_us {
+        return Vec::new();
+    }
+    let at_once = s.scenario.concurrency.unwrap_or(1);
+    let why = if at_once > 1 {
+        format!(
+            "with {at_once} requests at once each kvx decode rank reads one request at a time and starts \
+             the next when its own part of the one before is done"
+        )
+    } else {
+        "the ranks received or began the request at different times (a busy host)".to_string()
+    };
+    vec![format!(
+        "start skew: a request's ranks started {} apart (p50), {:.0}% of its span: {why}; the model \
+         predicts ranks that start together, as vLLM's TP workers post a step's reads at once",
+        time_text(skew * 1e3),
+        100.0 * skew / span_p50_us,
+    )]
 }
 
 /// What kvx's own work put beside the measured transfers on the host. `--verify full` checks
@@ -363,5 +396,30 @@ mod tests {
             "one request, one rank: nothing beside it"
         );
         assert!(shared_host(&run(VerifyMode::Sample, 2), 2).is_empty(), "sampled checks are not named");
+    }
+
+    #[test]
+    fn a_start_skew_of_5_percent_of_the_span_or_more_is_named_with_its_cause() {
+        use crate::report::bandwidth::{Spread, TransferBandwidth};
+        use crate::report::scenario::Scenario;
+        let run = |concurrency, skew_us| {
+            let scenario = Scenario { concurrency: Some(concurrency), ..Scenario::default() };
+            let mut s = Summary::new("r", "t", scenario);
+            s.transfer_bandwidth = Some(TransferBandwidth {
+                start_skew_us: Some(Spread { count: 8, p50: skew_us, ..Spread::default() }),
+                ..TransferBandwidth::default()
+            });
+            s
+        };
+        let two = start_skew(&run(2, 30_000.0), 100_000.0);
+        assert_eq!(two.len(), 1, "{two:?}");
+        assert!(
+            two[0].starts_with("start skew: a request's ranks started 30.00 ms apart (p50), 30% of its span")
+        );
+        assert!(two[0].contains("with 2 requests at once each kvx decode rank reads one request at a time"));
+        let one = start_skew(&run(1, 10_000.0), 100_000.0);
+        assert!(one[0].contains("a busy host"), "{one:?}");
+        assert!(start_skew(&run(2, 4_000.0), 100_000.0).is_empty(), "under 5% of the span: not named");
+        assert!(start_skew(&Summary::new("r", "t", Scenario::default()), 1.0).is_empty(), "no skew measured");
     }
 }

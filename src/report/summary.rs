@@ -212,6 +212,14 @@ pub struct BenchPrediction {
     /// deployment's transfer alone) leaves out; empty when nothing did.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shared_host: Vec<String>,
+    /// Per request of several decode ranks: the last rank's start minus the first's, p50 (us).
+    /// The model predicts ranks that start together; a measured span holds this wait too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_start_skew_p50_us: Option<f64>,
+    /// What the measured span holds beside the transfers the model predicts (the ranks'
+    /// start skew, where it is 5% of the span or more); empty when nothing notable.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub span_includes: Vec<String>,
 }
 
 /// One decode rank's predicted transfer of one request.

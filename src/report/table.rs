@@ -515,6 +515,14 @@ fn prediction_table(p: &super::summary::BenchPrediction, style: Style) -> Table 
             ratio(m, busiest),
         ]);
     }
+    if let Some(skew) = p.measured_start_skew_p50_us {
+        t.add_row(vec![
+            "ranks' start skew p50 (last start - first)".into(),
+            "0".into(),
+            format!("{skew:.0}"),
+            "-".into(),
+        ]);
+    }
     for r in &p.ranks {
         t.add_row(vec![
             format!(
@@ -574,6 +582,9 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         }
         for shared in &p.shared_host {
             line.push_str(&format!("\nshared host: {shared}"));
+        }
+        for held in &p.span_includes {
+            line.push_str(&format!("\n{held}"));
         }
         out.push_str(&format!("{line}\n\n"));
     }

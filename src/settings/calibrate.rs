@@ -86,6 +86,7 @@ pub fn resolve_calibrate(f: &CalibrateFlags, command: String) -> Result<Calibrat
         concurrency_sizes: if f.quick { vec![4 * KIB, MIB] } else { vec![4 * KIB, 64 * KIB, MIB] },
         concurrency_depth: 64,
         case_time,
+        rounds: if f.quick { 1 } else { 3 },
         working_set_bytes: if f.quick { 64 * MIB } else { 256 * MIB },
         device: f.gpu,
         out: f.out.clone(),
