@@ -237,14 +237,22 @@ pub fn calibrate(cfg: &CalibrateConfig, date: &str) -> Result<Calibrated, Calibr
         None => None,
     };
     // Every sweep `rounds` times, each case's median fitted: a round a neighbour slowed moves
-    // no case (the sweeps of one round run back to back, the rounds one after another).
+    // no case. The rounds interleave (one reader, then each count at once, then again), so a
+    // burst of someone else's work lands in one round of a sweep, not in all of them.
     let rounds = cfg.rounds.max(1);
+    let several: Vec<u32> = cfg.readers.iter().copied().filter(|&k| k > 1).collect();
     let mut single = Vec::new();
     let mut single_rounds = Vec::new();
+    let mut several_rounds: Vec<Vec<Vec<XferPoint>>> = vec![Vec::new(); several.len()];
     for _ in 0..rounds {
         let reports = run_xfers(cfg, &cfg.sizes, &cfg.depths, 1)?;
         single_rounds.push(points(&reports, 1));
         single.extend(reports);
+        for (i, &k) in several.iter().enumerate() {
+            // Each reader's points of a case are pooled with the other rounds' for the median.
+            several_rounds[i]
+                .push(points(&run_xfers(cfg, &cfg.concurrency_sizes, &[cfg.concurrency_depth], k)?, k));
+        }
     }
     let mut all_points = median_points(single_rounds);
     let fit = fit_batches(&all_points).map_err(|reason| CalibrateError::Fit { path: key, reason })?;
@@ -253,12 +261,7 @@ pub fn calibrate(cfg: &CalibrateConfig, date: &str) -> Result<Calibrated, Calibr
         if cfg.path == PostPath::CudaBatch { (0.0, fit.fixed_ns) } else { (fit.fixed_ns, 0.0) };
     let mut concurrency =
         vec![ReadersRate { readers: 1, ns_per_descriptor: fit.ns_per_descriptor, gbps: fit.gbps }];
-    for &k in cfg.readers.iter().filter(|&&k| k > 1) {
-        let mut each = Vec::new();
-        for _ in 0..rounds {
-            each.push(points(&run_xfers(cfg, &cfg.concurrency_sizes, &[cfg.concurrency_depth], k)?, k));
-        }
-        // Each reader's points of a case are pooled with the other rounds' before the median.
+    for (&k, each) in several.iter().zip(several_rounds) {
         let pts = median_points(each);
         let (ns, gbps) = fit_rates(&pts, fit.fixed_ns).map_err(|reason| CalibrateError::Fit {
             path: key,
