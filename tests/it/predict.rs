@@ -269,4 +269,11 @@ fn calibrate_writes_a_rates_file_bench_predicts_with() {
     assert!(pred > 0.0 && meas > 0.0 && (ratio - meas / pred).abs() < 1e-9, "{p}");
     assert_eq!(p["readers"], 2);
     assert_eq!(p["ranks"].as_array().map(Vec::len), Some(2), "{p}");
+    // Two decode ranks on one clock: how far apart they started, per request. A request's
+    // skew is at most its span (the last start comes before the last end), so its p50 too.
+    let skew = &s["transfer_bandwidth"]["start_skew_us"];
+    assert!(skew["count"].as_u64().is_some_and(|n| n >= 1), "{skew}");
+    let p50 = skew["p50"].as_f64().expect("skew p50");
+    assert_eq!(p["measured_start_skew_p50_us"].as_f64(), Some(p50), "{p}");
+    assert!((0.0..=meas).contains(&p50), "skew {p50} us beyond the span {meas} us");
 }
