@@ -51,6 +51,7 @@ pub fn bench_prediction(
         .collect();
     let readers = u32::try_from(loads.len()).unwrap_or(u32::MAX);
     let p = model.predict_request(&loads, readers);
+    let skew = s.transfer_bandwidth.as_ref().and_then(|b| b.start_skew_us).map(|x| x.p50);
     let predicted_us = p.span_ns / US;
     let ratio = |m: f64| if predicted_us > 0.0 { m / predicted_us } else { 0.0 };
     Some(BenchPrediction {
@@ -82,13 +83,9 @@ pub fn bench_prediction(
         measured_rank_transfer_p90_us: rank_stats.map_or(0.0, |t| t.p90_us),
         extrapolated: p.extrapolated,
         shared_host: shared_host(s, readers),
-        measured_start_skew_p50_us: start_skew_p50_us(s),
-        span_includes: start_skew(s, span.p50_us),
+        measured_start_skew_p50_us: skew,
+        span_includes: start_skew(s, skew, span.p50_us),
     })
-}
-
-fn start_skew_p50_us(s: &Summary) -> Option<f64> {
-    s.transfer_bandwidth.as_ref()?.start_skew_us.map(|x| x.p50)
 }
 
 /// The ranks' start skew, said where it is 5% of the measured span p50 or more. The model
@@ -96,8 +93,8 @@ fn start_skew_p50_us(s: &Summary) -> Option<f64> {
 /// once. A kvx decode rank reads one request at a time: with several requests at once, each
 /// rank starts the next one when its own part of the one before is done, so a request's ranks
 /// start apart and its span holds the wait.
-fn start_skew(s: &Summary, span_p50_us: f64) -> Vec<String> {
-    let Some(skew) = start_skew_p50_us(s) else { return Vec::new() };
+fn start_skew(s: &Summary, skew_p50_us: Option<f64>, span_p50_us: f64) -> Vec<String> {
+    let Some(skew) = skew_p50_us else { return Vec::new() };
     if span_p50_us <= 0.0 || skew < 0.05 * span_p50_us {
         return Vec::new();
     }
@@ -400,26 +397,20 @@ mod tests {
 
     #[test]
     fn a_start_skew_of_5_percent_of_the_span_or_more_is_named_with_its_cause() {
-        use crate::report::bandwidth::{Spread, TransferBandwidth};
         use crate::report::scenario::Scenario;
-        let run = |concurrency, skew_us| {
+        let run = |concurrency| {
             let scenario = Scenario { concurrency: Some(concurrency), ..Scenario::default() };
-            let mut s = Summary::new("r", "t", scenario);
-            s.transfer_bandwidth = Some(TransferBandwidth {
-                start_skew_us: Some(Spread { count: 8, p50: skew_us, ..Spread::default() }),
-                ..TransferBandwidth::default()
-            });
-            s
+            Summary::new("r", "t", scenario)
         };
-        let two = start_skew(&run(2, 30_000.0), 100_000.0);
+        let two = start_skew(&run(2), Some(30_000.0), 100_000.0);
         assert_eq!(two.len(), 1, "{two:?}");
         assert!(
             two[0].starts_with("start skew: a request's ranks started 30.00 ms apart (p50), 30% of its span")
         );
         assert!(two[0].contains("with 2 requests at once each kvx decode rank reads one request at a time"));
-        let one = start_skew(&run(1, 10_000.0), 100_000.0);
+        let one = start_skew(&run(1), Some(10_000.0), 100_000.0);
         assert!(one[0].contains("a busy host"), "{one:?}");
-        assert!(start_skew(&run(2, 4_000.0), 100_000.0).is_empty(), "under 5% of the span: not named");
-        assert!(start_skew(&Summary::new("r", "t", Scenario::default()), 1.0).is_empty(), "no skew measured");
+        assert!(start_skew(&run(2), Some(4_000.0), 100_000.0).is_empty(), "under 5% of the span: not named");
+        assert!(start_skew(&run(2), None, 1.0).is_empty(), "no skew measured");
     }
 }
