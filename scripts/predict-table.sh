@@ -97,6 +97,11 @@ for s in sys.argv[5:]:
             "bytes_per_request": summary.get("bytes_per_request"),
             "within_15pct": abs(p["ratio"] - 1) <= 0.15,
         })
+        # Several at once: the closed loop's range for the span (one to `concurrency` busiest-rank
+        # transfers), and whether the measured p50 stayed under its top.
+        if p.get("closed_loop"):
+            row["span_max_us"] = round(p["closed_loop"]["span_max_us"], 1)
+            row["at_most_closed_loop_max"] = p["closed_loop"]["measured_p50_at_most_max"]
     rows.append(row)
 ok = [r for r in rows if not r.get("failed")]
 worst = max((abs(r["ratio_p50"] - 1) for r in ok), default=None)
@@ -114,6 +119,8 @@ doc = {
     "rank_worst_miss_pct": round(100 * max((abs(r["ratio_rank_p50"] - 1) for r in ok), default=0), 1),
     "c1_within_15pct": sum(1 for r in ok if r["within_15pct"] and r["concurrency"] == 1),
     "c1_measured": sum(1 for r in ok if r["concurrency"] == 1),
+    "several_at_most_max": sum(1 for r in ok if r.get("at_most_closed_loop_max")),
+    "several_measured": sum(1 for r in ok if r["concurrency"] > 1),
 }
 json.dump(doc, open(out, "w"), indent=2)
 open(out, "a").write("\n")

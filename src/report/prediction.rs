@@ -11,7 +11,7 @@
 //!
 //! Pure: never measures, reads nothing.
 
-use super::summary::{BenchPrediction, RankPredicted, Summary};
+use super::summary::{BenchPrediction, ClosedLoopBound, RankPredicted, Summary};
 use crate::layouts::posting::PostPath;
 use crate::layouts::predict::{BatchFit, RankLoad, RequestPrediction, TermChange, TransferModel};
 
@@ -53,6 +53,7 @@ pub fn bench_prediction(
     let p = model.predict_request(&loads, readers);
     let skew = s.transfer_bandwidth.as_ref().and_then(|b| b.start_skew_us).map(|x| x.p50);
     let predicted_us = p.span_ns / US;
+    let closed = closed_loop(s.scenario.concurrency.unwrap_or(1), busiest_us(&p), span.p50_us);
     let ratio = |m: f64| if predicted_us > 0.0 { m / predicted_us } else { 0.0 };
     Some(BenchPrediction {
         transport: path.key().to_string(),
@@ -85,14 +86,40 @@ pub fn bench_prediction(
         shared_host: shared_host(s, readers),
         measured_start_skew_p50_us: skew,
         span_includes: start_skew(s, skew, span.p50_us),
+        closed_loop: closed,
     })
 }
 
-/// The ranks' start skew, said where it is 5% of the measured span p50 or more. The model
-/// predicts a request whose ranks start together, as vLLM's TP workers post a step's reads at
-/// once. A kvx decode rank reads one request at a time: with several requests at once, each
-/// rank starts the next one when its own part of the one before is done, so a request's ranks
-/// start apart and its span holds the wait.
+/// The busiest rank's predicted transfer (us).
+fn busiest_us(p: &RequestPrediction) -> f64 {
+    p.ranks.iter().map(|r| r.total_ns / US).fold(0.0, f64::max)
+}
+
+/// With `at_once` > 1 requests in a closed loop, a request's span by the model: each decode rank
+/// serves requests in turn, and a request is sent only once the one `at_once` before it finished
+/// on every rank, so when it arrives a rank has at most `at_once - 1` requests left before it.
+/// Its ranks start it at most `at_once - 1` transfers apart, and the span lies between one
+/// busiest-rank transfer and `at_once` of them. Where in that range depends on how far the
+/// ranks drift apart, which is the run's jitter, not a fitted term. `None` at one at a time.
+fn closed_loop(at_once: u32, busiest_us: f64, measured_p50_us: f64) -> Option<ClosedLoopBound> {
+    if at_once <= 1 || busiest_us <= 0.0 {
+        return None;
+    }
+    let span_max_us = f64::from(at_once) * busiest_us;
+    Some(ClosedLoopBound {
+        concurrency: at_once,
+        span_min_us: busiest_us,
+        span_max_us,
+        // Only the top is checked: a span under one predicted transfer is a transfer faster than
+        // predicted (the ratio says by how much), not a loop the bound misses.
+        measured_p50_at_most_max: measured_p50_us <= span_max_us,
+    })
+}
+
+/// The ranks' start skew, said where it is 5% of the measured span p50 or more. The model's
+/// point prediction is a request whose ranks start together. With several requests at once, each
+/// decode rank serves them in turn and starts the next when its own part of the one before is
+/// done, so a request's ranks start apart, up to the closed loop's bound (`closed_loop`).
 fn start_skew(s: &Summary, skew_p50_us: Option<f64>, span_p50_us: f64) -> Vec<String> {
     let Some(skew) = skew_p50_us else { return Vec::new() };
     if span_p50_us <= 0.0 || skew < 0.05 * span_p50_us {
@@ -101,15 +128,18 @@ fn start_skew(s: &Summary, skew_p50_us: Option<f64>, span_p50_us: f64) -> Vec<St
     let at_once = s.scenario.concurrency.unwrap_or(1);
     let why = if at_once > 1 {
         format!(
-            "with {at_once} requests at once each kvx decode rank reads one request at a time and starts \
-             the next when its own part of the one before is done"
+            "with {at_once} requests at once each decode rank serves them in turn and starts the next \
+             when its own part of the one before is done, so a request's ranks start up to {} \
+             transfer{} apart (the closed loop's bound)",
+            at_once - 1,
+            if at_once > 2 { "s" } else { "" }
         )
     } else {
         "the ranks received or began the request at different times (a busy host)".to_string()
     };
     vec![format!(
-        "start skew: a request's ranks started {} apart (p50), {:.0}% of its span: {why}; the model \
-         predicts ranks that start together, as vLLM's TP workers post a step's reads at once",
+        "start skew: a request's ranks started {} apart (p50), {:.0}% of its span: {why}; the model's \
+         point prediction is ranks that start together",
         time_text(skew * 1e3),
         100.0 * skew / span_p50_us,
     )]
@@ -407,10 +437,25 @@ mod tests {
         assert!(
             two[0].starts_with("start skew: a request's ranks started 30.00 ms apart (p50), 30% of its span")
         );
-        assert!(two[0].contains("with 2 requests at once each kvx decode rank reads one request at a time"));
+        assert!(two[0].contains("with 2 requests at once each decode rank serves them in turn"), "{two:?}");
+        assert!(two[0].contains("start up to 1 transfer apart"), "{two:?}");
+        let three = start_skew(&run(3), Some(30_000.0), 100_000.0);
+        assert!(three[0].contains("start up to 2 transfers apart"), "{three:?}");
         let one = start_skew(&run(1), Some(10_000.0), 100_000.0);
         assert!(one[0].contains("a busy host"), "{one:?}");
         assert!(start_skew(&run(2), Some(4_000.0), 100_000.0).is_empty(), "under 5% of the span: not named");
         assert!(start_skew(&run(2), None, 1.0).is_empty(), "no skew measured");
+    }
+
+    #[test]
+    fn several_requests_at_once_are_bounded_by_as_many_transfers() {
+        assert_eq!(closed_loop(1, 100.0, 150.0), None, "one at a time: the point prediction only");
+        assert_eq!(closed_loop(2, 0.0, 150.0), None, "nothing predicted: no bound");
+        let two = closed_loop(2, 100.0, 150.0).expect("two at once");
+        assert_eq!((two.concurrency, two.span_min_us, two.span_max_us), (2, 100.0, 200.0));
+        assert!(two.measured_p50_at_most_max);
+        assert!(!closed_loop(2, 100.0, 200.5).expect("two").measured_p50_at_most_max, "past 2 transfers");
+        assert!(closed_loop(4, 100.0, 390.0).expect("four").measured_p50_at_most_max);
+        assert!(closed_loop(2, 100.0, 80.0).expect("two").measured_p50_at_most_max, "faster than predicted");
     }
 }

@@ -220,6 +220,23 @@ pub struct BenchPrediction {
     /// start skew, where it is 5% of the span or more); empty when nothing notable.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub span_includes: Vec<String>,
+    /// Several requests at once in a closed loop: the most a request's span can be by the model,
+    /// `concurrency` x the busiest rank's predicted transfer (a request is sent once the one
+    /// `concurrency` before it finished on every rank, so a rank starts it at most
+    /// `concurrency - 1` transfers after another). `None` with one request at a time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub closed_loop: Option<ClosedLoopBound>,
+}
+
+/// The span of a request among `concurrency` at once, as the model bounds it: at least the
+/// busiest rank's transfer, at most `concurrency` of them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClosedLoopBound {
+    pub concurrency: u32,
+    pub span_min_us: f64,
+    pub span_max_us: f64,
+    /// The measured span p50 is at most `span_max_us`.
+    pub measured_p50_at_most_max: bool,
 }
 
 /// One decode rank's predicted transfer of one request.

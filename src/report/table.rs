@@ -504,6 +504,14 @@ fn prediction_table(p: &super::summary::BenchPrediction, style: Style) -> Table 
         format!("{:.0}", p.measured_transfer_span_p90_us),
         ratio(p.measured_transfer_span_p90_us, p.transfer_span_p90_us),
     ]);
+    if let Some(b) = &p.closed_loop {
+        t.add_row(vec![
+            format!("request span p50, at most ({} at once x busiest rank)", b.concurrency),
+            format!("{:.0}", b.span_max_us),
+            format!("{:.0}", p.measured_transfer_span_p50_us),
+            ratio(p.measured_transfer_span_p50_us, b.span_max_us),
+        ]);
+    }
     let busiest = p.ranks.iter().map(|r| r.transfer_us).fold(0.0, f64::max);
     for (label, m) in
         [("rank p50", p.measured_rank_transfer_p50_us), ("rank p90", p.measured_rank_transfer_p90_us)]
@@ -585,6 +593,18 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         }
         for held in &p.span_includes {
             line.push_str(&format!("\n{held}"));
+        }
+        if let Some(b) = &p.closed_loop {
+            line.push_str(&format!(
+                "\nclosed loop: with {} requests at once a request's span lies between one busiest-rank \
+                 transfer and {} of them ({:.0} to {:.0} us); measured p50 {:.0} us, {}",
+                b.concurrency,
+                b.concurrency,
+                b.span_min_us,
+                b.span_max_us,
+                p.measured_transfer_span_p50_us,
+                if b.measured_p50_at_most_max { "within it" } else { "PAST IT" }
+            ));
         }
         out.push_str(&format!("{line}\n\n"));
     }

@@ -251,6 +251,8 @@ fn calibrate_writes_a_rates_file_bench_predicts_with() {
         "4",
         "--warmup",
         "1",
+        "--concurrency",
+        "2",
         "--no-calibrate",
         "--rates",
         r,
@@ -276,4 +278,17 @@ fn calibrate_writes_a_rates_file_bench_predicts_with() {
     let p50 = skew["p50"].as_f64().expect("skew p50");
     assert_eq!(p["measured_start_skew_p50_us"].as_f64(), Some(p50), "{p}");
     assert!((0.0..=meas).contains(&p50), "skew {p50} us beyond the span {meas} us");
+    // Two at once: the closed loop's range, one to two busiest-rank transfers, and whether the
+    // measured span stayed under its top.
+    let busiest = p["ranks"]
+        .as_array()
+        .expect("ranks")
+        .iter()
+        .filter_map(|r| r["transfer_us"].as_f64())
+        .fold(0.0, f64::max);
+    let b = &p["closed_loop"];
+    assert_eq!(b["concurrency"], 2, "{p}");
+    assert_eq!(b["span_min_us"].as_f64(), Some(busiest), "{p}");
+    assert_eq!(b["span_max_us"].as_f64(), Some(2.0 * busiest), "{p}");
+    assert_eq!(b["measured_p50_at_most_max"].as_bool(), Some(meas <= 2.0 * busiest), "{p}");
 }
