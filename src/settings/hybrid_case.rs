@@ -449,14 +449,22 @@ fn engine(
         engine.prefix_caching = pc;
     }
     let side_of = if side == "p" { Side::Prefill } else { Side::Decode };
-    let derives = |backend: GdnPrefillBackend| {
-        let cfg = HybridEngineSpec { gdn_prefill: backend, ..engine };
+    let derives = |block_tokens: u32, backend: GdnPrefillBackend| {
+        let cfg = HybridEngineSpec { block_tokens, gdn_prefill: backend, ..engine };
         EngineGeometry::new(model, &cfg, side_of).is_ok_and(|g| g.sizing.block_tokens == stated.block_tokens)
     };
-    engine.gdn_prefill = [GdnPrefillBackend::FlashInfer, GdnPrefillBackend::Triton]
+    // The block size the engine started from: vLLM's default, raised by the hybrid alignment
+    // where the model has state; where that does not give the stated size, the engine was
+    // started with it (vLLM's --block-size, or its attention backend's preferred size, e.g.
+    // 64 tokens), so kvx's derivation starts from it too.
+    let backends = [GdnPrefillBackend::FlashInfer, GdnPrefillBackend::Triton];
+    let found = [DEFAULT_BLOCK_TOKENS, stated.block_tokens]
         .into_iter()
-        .find(|&b| derives(b))
-        .unwrap_or_default();
+        .flat_map(|block| backends.into_iter().map(move |b| (block, b)))
+        .find(|&(block, b)| derives(block, b));
+    if let Some((block, backend)) = found {
+        (engine.block_tokens, engine.gdn_prefill) = (block, backend);
+    }
     Ok(engine)
 }
 

@@ -488,7 +488,9 @@ fn run_case(c: &Case) -> Result<(), TestCaseError> {
         Err(e) => {
             // A refusal is vLLM's, names a setting and quotes vLLM's condition.
             let r = e.refusal().ok_or_else(|| TestCaseError::fail(format!("not a vLLM refusal: {e}")))?;
-            prop_assert!(r.knob.to_string().starts_with("--") && !r.vllm_message.is_empty(), "{e}");
+            prop_assert!(r.knob.to_string().starts_with("--") && !r.raised().is_empty(), "{e}");
+            // A bare assert raises no message: its condition is quoted instead.
+            prop_assert!(r.vllm_message.is_empty() == r.assertion.is_some(), "{e}");
             return Ok(());
         }
     };
@@ -1507,7 +1509,8 @@ fn written_case(config: Value, p_tp: u32, d_tp: u32, prompt_tokens: u32) -> Valu
 fn a_case_is_planned_as_its_engines_state_it() {
     use kvx::settings::hybrid_case::parse;
     // gpt-oss at 64-token blocks: every pair one 64-token page; the window keeps
-    // cdiv(128, 64) + 1 = 3 blocks; kvx's own derivation (16-token blocks) is named, not used.
+    // cdiv(128, 64) + 1 = 3 blocks; no state raises the block size, so the engines were started
+    // with 64 (vLLM's --block-size, or the backend's preferred size) and kvx derives from it.
     let mut c = oracle_case("swa_gptoss_P1_D1");
     for side in ["p", "d"] {
         c[side]["block_size_tokens"] = 64.into();
@@ -1526,11 +1529,13 @@ fn a_case_is_planned_as_its_engines_state_it() {
         plan.d_ranks[0].reads[0].pairs.iter().all(|p| p.len == 64 * 8 * 64 * 2 * 2),
         "whole 64-token pages"
     );
-    let diff = &planner.sources[0].differences;
-    assert!(
-        diff.iter().any(|d| d.field == "block_size_tokens" && d.stated == "64" && d.derived == "16"),
-        "kvx's own derivation is named beside the stated one: {diff:?}"
+    assert_eq!(
+        (case.pair.p.block_tokens, case.pair.d.block_tokens),
+        (64, 64),
+        "started from the stated size"
     );
+    let diff = &planner.sources[0].differences;
+    assert!(diff.is_empty(), "kvx's own derivation agrees with the stated engines: {diff:?}");
     // Qwen3-Next aligned for FlashInfer's GDN prefill (576 tokens at TP 2, 320 at TP 4): vLLM
     // refuses the pair at the handshake, and so does kvx, from the stated sizes.
     let mut c = oracle_case("gdn_qwen3next_P2_D4");

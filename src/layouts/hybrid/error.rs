@@ -48,8 +48,11 @@ pub enum RefusalKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
     pub kind: RefusalKind,
-    /// What vLLM raises: its message, or the asserted condition for a bare `assert`.
+    /// What vLLM raises: its message; empty for a bare `assert` (an `AssertionError` without
+    /// one), whose condition is `assertion`.
     pub vllm_message: String,
+    /// The condition of the bare `assert` that fails; `None` where vLLM raises a message.
+    pub assertion: Option<&'static str>,
     /// Where vLLM raises it (0.33.0 source).
     pub vllm_site: &'static str,
     /// The kvx setting to change.
@@ -58,12 +61,27 @@ pub struct Refusal {
     pub hint: String,
 }
 
+impl Refusal {
+    /// What vLLM raises, in words: its message, or the bare `assert` that fails.
+    pub fn raised(&self) -> String {
+        match self.assertion {
+            Some(condition) if self.vllm_message.is_empty() => {
+                format!("AssertionError (no message) from `{condition}`")
+            }
+            _ => self.vllm_message.clone(),
+        }
+    }
+}
+
 impl fmt::Display for Refusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
             "vLLM 0.33 refuses this pair: {} [{}]; change {}: {}",
-            self.vllm_message, self.vllm_site, self.knob, self.hint
+            self.raised(),
+            self.vllm_site,
+            self.knob,
+            self.hint
         )
     }
 }
@@ -103,6 +121,25 @@ impl HybridError {
         HybridError::Refused(Box::new(Refusal {
             kind,
             vllm_message: vllm_message.into(),
+            assertion: None,
+            vllm_site,
+            knob,
+            hint: hint.into(),
+        }))
+    }
+
+    /// A refusal by a bare `assert`: vLLM raises an `AssertionError` with no message.
+    pub(crate) fn refused_by_assert(
+        kind: RefusalKind,
+        condition: &'static str,
+        vllm_site: &'static str,
+        knob: Knob,
+        hint: impl Into<String>,
+    ) -> Self {
+        HybridError::Refused(Box::new(Refusal {
+            kind,
+            vllm_message: String::new(),
+            assertion: Some(condition),
             vllm_site,
             knob,
             hint: hint.into(),
@@ -142,7 +179,7 @@ impl From<HybridError> for KnobError {
             HybridError::Request { knob, reason } => KnobError::new(knob, reason),
             HybridError::Refused(r) => KnobError::new(
                 r.knob,
-                format!("vLLM 0.33 refuses this pair: {} [{}]; {}", r.vllm_message, r.vllm_site, r.hint),
+                format!("vLLM 0.33 refuses this pair: {} [{}]; {}", r.raised(), r.vllm_site, r.hint),
             ),
             HybridError::Unsupported { what, knob } => {
                 KnobError::new(knob, format!("{what} is not modelled by kvx's hybrid planner"))

@@ -273,7 +273,7 @@ pub(super) fn check_pair(
     let bsr = lk / rk;
     let h = config.model.attention.num_kv_heads;
     if !has_state && ratio < 0 && pt > h {
-        return Err(HybridError::refused(
+        return Err(HybridError::refused_by_assert(
             RefusalKind::ReplicatedKvPrefillAboveDecode,
             "assert not (tp_ratio < 0 and self.transfer_topo.is_kv_replicated(remote_engine_id))",
             "nixl/base_worker.py:2728 (_validate_remote_agent_handshake)",

@@ -1235,7 +1235,7 @@ mod refusal_tests {
     fn refusal(r: Result<HybridPlanner, HybridError>) -> (RefusalKind, String, Knob) {
         let e = r.expect_err("vLLM refuses");
         let f = e.refusal().unwrap_or_else(|| panic!("not a refusal: {e}"));
-        (f.kind, f.vllm_message.clone(), f.knob)
+        (f.kind, f.raised(), f.knob)
     }
 
     #[test]
@@ -1326,6 +1326,18 @@ mod refusal_tests {
             assert_eq!((k, f), (kind, flag), "{msg}");
             assert!(!msg.is_empty());
         }
+        // A bare assert: vLLM raises an AssertionError with no message; kvx quotes the condition.
+        let err = pair("gpt-oss-120b", e(16), e(8)).expect_err("vLLM refuses");
+        let r = err.refusal().expect("a refusal");
+        assert_eq!(r.vllm_message, "", "what vLLM raises");
+        assert_eq!(
+            r.assertion,
+            Some("assert not (tp_ratio < 0 and self.transfer_topo.is_kv_replicated(remote_engine_id))")
+        );
+        assert!(
+            err.to_string().contains("AssertionError (no message) from `assert not (tp_ratio < 0"),
+            "{err}"
+        );
         let permuted = HybridPlanner::new(&HybridPairSpec {
             model: preset("gpt-oss-120b").expect("preset"),
             p: e(1),

@@ -92,15 +92,15 @@ pub fn check_push(planner: &HybridPlanner) -> Result<(), HybridError> {
     let config = &planner.config;
     let heads = config.model.attention.num_kv_heads;
     if !planner.d.has_state() && config.d.tp > config.p.tp && config.d.tp > heads {
-        return Err(HybridError::refused(
+        return Err(HybridError::refused_by_assert(
             RefusalKind::ReplicatedKvPrefillAboveDecode,
-            "assert not (tp_ratio < 0 and is_kv_replicated(remote_engine_id)) (push: prefill checks each decode \
-             rank, so decode TP above prefill TP with replicated heads)",
+            "assert not (tp_ratio < 0 and self.transfer_topo.is_kv_replicated(remote_engine_id))",
             "nixl/base_worker.py:2728 (_validate_remote_agent_handshake)",
             Knob::DTp,
             format!(
-                "with decode TP {} above the model's {heads} KV heads, push needs decode TP at most prefill TP \
-                 {} (or {} pull)",
+                "in push, prefill checks each decode rank it writes, so decode TP above prefill TP with \
+                 replicated heads fails; with decode TP {} above the model's {heads} KV heads, push needs \
+                 decode TP at most prefill TP {} (or {} pull)",
                 config.d.tp,
                 config.p.tp,
                 Knob::Mode,
