@@ -348,6 +348,37 @@ fn hybrid_oracle_reproduces_every_case() {
     assert_eq!(checked.iter().filter(|c| c.1 == 0).count(), 1, "one refusal: {checked:?}");
 }
 
+/// Cases kvx's own generator (`scripts/hybrid-oracle`) wrote by running vLLM 0.33.0's connector
+/// code under recorders: what the shared oracle does not show (Mamba1, Falcon-H1, granite, Gemma-3,
+/// prefill TP above decode TP, FlashInfer-aligned GDN, 64-token sliding-window blocks, host
+/// buffers, bare-assert refusals). Each is checked as a public case is, every READ pair compared.
+#[test]
+fn generated_cases_from_vllms_code_are_reproduced() {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/oracle/hybrid_generated_v033.json");
+    let doc: Value = serde_json::from_slice(&std::fs::read(&path).expect("generated cases")).expect("JSON");
+    assert_eq!(doc["vllm_version"].as_str(), Some("0.33.0"));
+    let cases = doc["cases"].as_array().expect("cases");
+    let refused = |c: &Value| {
+        c["d_ranks"].as_array().is_some_and(|d| d.iter().any(|r| r.get("handshake_rejected").is_some()))
+    };
+    let pairs: usize = cases
+        .iter()
+        .flat_map(|c| c["d_ranks"].as_array().into_iter().flatten())
+        .flat_map(|d| d["reads"].as_array().into_iter().flatten())
+        .map(|r| r["pairs[label,local_off,remote_off,len]"].as_array().map_or(0, Vec::len))
+        .sum();
+    let checked: Vec<(String, usize)> = cases.iter().map(check_case).collect();
+    assert_eq!(checked.len(), 76, "every generated case");
+    assert_eq!(cases.iter().filter(|c| refused(c)).count(), 14, "refused at the handshake");
+    assert_eq!(
+        checked.iter().map(|c| c.1).sum::<usize>(),
+        pairs,
+        "every descriptor pair of the file compared"
+    );
+    assert_eq!(pairs, 11_218);
+}
+
 /// A request of `prompt_tokens` with decode holding its first `hit_blocks` blocks, its block
 /// lists allocated as vLLM's allocator leaves them.
 fn simulated(planner: &HybridPlanner, prompt_tokens: u32, hit_blocks: u32) -> HybridRequest {
