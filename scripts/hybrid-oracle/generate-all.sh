@@ -46,7 +46,8 @@ agree=(
   # TP 16 (refused by vLLM)
   jamba:1:16 jamba:16:2 jamba:2:16
 )
-# Cases where kvx and the recorded vLLM result differ (see README.md).
+# Cases kvx's check got wrong when first generated, fixed since (see README.md): a bare-assert
+# refusal, and sliding-window models stated with blocks other than 16 tokens.
 disagree=(
   gptoss:16:2
   gptoss:2:1:swa_gptoss_bs64_P2_D1:p_bs=64,d_bs=64,prompt=400
@@ -60,3 +61,17 @@ disagree=(
 )
 
 "$PYTHON" "$here/hybrid.py" --quiet --out "$1" "${agree[@]}" "${disagree[@]}"
+# What the file holds, for the guide: cases, those refused at the handshake, READ pairs.
+"$PYTHON" - "$1" "${1%.json}.summary.json" <<'PY'
+import json, sys
+cases = json.load(open(sys.argv[1]))["cases"]
+ranks = [d for c in cases for d in c.get("d_ranks", [])]
+summary = {
+    "generated_by": "scripts/hybrid-oracle/generate-all.sh",
+    "cases": len(cases),
+    "refused": sum(1 for c in cases if any("handshake_rejected" in d for d in c.get("d_ranks", []))),
+    "read_pairs": sum(len(r["pairs[label,local_off,remote_off,len]"]) for d in ranks for r in d.get("reads", [])),
+}
+json.dump(summary, open(sys.argv[2], "w"), indent=2)
+print(f"generate-all: {summary['cases']} cases ({summary['refused']} refused), {summary['read_pairs']} READ pairs: {sys.argv[1]}")
+PY

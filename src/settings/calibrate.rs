@@ -50,12 +50,18 @@ pub struct CalibrateFlags {
     /// moved by 10% or more (unstable on this host)
     #[arg(long, value_name = "FILE")]
     pub compare: Option<PathBuf>,
+    /// How many times every sweep runs (interleaved), each case's median fitted: more rounds,
+    /// steadier terms on a busy host [default: 3, --quick 1]
+    #[arg(long, value_name = "N")]
+    pub rounds: Option<u32>,
     /// The GPU of the device paths
     #[arg(long = "gpu", value_name = "N", default_value_t = 0)]
     pub gpu: u32,
 }
 
 const KIB: u64 = 1024;
+/// The most rounds a calibration runs (20 rounds of the full sweep take about 7 minutes).
+const MAX_ROUNDS: u32 = 20;
 const MIB: u64 = 1024 * 1024;
 
 /// The sweeps the flags ask for.
@@ -73,6 +79,10 @@ pub fn resolve_calibrate(f: &CalibrateFlags, command: String) -> Result<Calibrat
     {
         return Err(ConfigError::new("--out", format!("{} is not a folder", parent.display())));
     }
+    let rounds = f.rounds.unwrap_or(if f.quick { 1 } else { 3 });
+    if !(1..=MAX_ROUNDS).contains(&rounds) {
+        return Err(ConfigError::new("--rounds", format!("give 1 to {MAX_ROUNDS} rounds")));
+    }
     let (sizes, depths, readers) = if f.quick {
         (vec![4 * KIB, 64 * KIB, MIB], vec![1, 64], vec![2])
     } else {
@@ -86,11 +96,40 @@ pub fn resolve_calibrate(f: &CalibrateFlags, command: String) -> Result<Calibrat
         concurrency_sizes: if f.quick { vec![4 * KIB, MIB] } else { vec![4 * KIB, 64 * KIB, MIB] },
         concurrency_depth: 64,
         case_time,
-        rounds: if f.quick { 1 } else { 3 },
+        rounds,
         working_set_bytes: if f.quick { 64 * MIB } else { 256 * MIB },
         device: f.gpu,
         out: f.out.clone(),
         compare: f.compare.clone(),
         command,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags(quick: bool, rounds: Option<u32>) -> CalibrateFlags {
+        CalibrateFlags {
+            out: PathBuf::from("rates.json"),
+            path: PathArg::Ucx,
+            quick,
+            case_time: None,
+            compare: None,
+            rounds,
+            gpu: 0,
+        }
+    }
+
+    #[test]
+    fn rounds_default_by_sweep_and_are_bounded() {
+        let rounds = |quick, r| resolve_calibrate(&flags(quick, r), String::new()).map(|c| c.rounds);
+        assert_eq!(rounds(false, None).ok(), Some(3));
+        assert_eq!(rounds(true, None).ok(), Some(1));
+        assert_eq!(rounds(false, Some(6)).ok(), Some(6));
+        for bad in [0, MAX_ROUNDS + 1] {
+            let e = rounds(false, Some(bad)).expect_err("out of range");
+            assert!(e.to_string().contains("--rounds"), "{e}");
+        }
+    }
 }
