@@ -32,8 +32,8 @@ RATES="$OUT/rates-$PATHKEY.json"
 # Each fit from 6 rounds of the sweep (CAL_ROUNDS=...): with kvx calibrate's 3, two fits minutes
 # apart moved a rate term 12% on this host, and every shape read by that many ranks moved with it.
 CAL_ROUNDS=${CAL_ROUNDS:-6}
-"$KVX" calibrate --path "$PATHKEY" --rounds "$CAL_ROUNDS" --out "$RATES"
-"$KVX" calibrate --path "$PATHKEY" --rounds "$CAL_ROUNDS" --out "$OUT/rates-$PATHKEY-again.json" --compare "$RATES" \
+"$KVX" calibrate --path "$PATHKEY" --sweep-rounds "$CAL_ROUNDS" --out "$RATES"
+"$KVX" calibrate --path "$PATHKEY" --sweep-rounds "$CAL_ROUNDS" --out "$OUT/rates-$PATHKEY-again.json" --compare "$RATES" \
   | tee "$OUT/stability-$PATHKEY.txt"
 
 # `--verify sample` (1 block in 16 checked): with `--verify full` the fill and check of every byte

@@ -52,7 +52,7 @@ pub struct CalibrateFlags {
     pub compare: Option<PathBuf>,
     /// How many times every sweep runs (interleaved), each case's median fitted: more rounds,
     /// steadier terms on a busy host [default: 3, --quick 1]
-    #[arg(long, value_name = "N")]
+    #[arg(long = "sweep-rounds", value_name = "N")]
     pub rounds: Option<u32>,
     /// The GPU of the device paths
     #[arg(long = "gpu", value_name = "N", default_value_t = 0)]
@@ -81,7 +81,7 @@ pub fn resolve_calibrate(f: &CalibrateFlags, command: String) -> Result<Calibrat
     }
     let rounds = f.rounds.unwrap_or(if f.quick { 1 } else { 3 });
     if !(1..=MAX_ROUNDS).contains(&rounds) {
-        return Err(ConfigError::new("--rounds", format!("give 1 to {MAX_ROUNDS} rounds")));
+        return Err(ConfigError::new("--sweep-rounds", format!("give 1 to {MAX_ROUNDS} rounds")));
     }
     let (sizes, depths, readers) = if f.quick {
         (vec![4 * KIB, 64 * KIB, MIB], vec![1, 64], vec![2])
@@ -129,7 +129,7 @@ mod tests {
         assert_eq!(rounds(false, Some(6)).ok(), Some(6));
         for bad in [0, MAX_ROUNDS + 1] {
             let e = rounds(false, Some(bad)).expect_err("out of range");
-            assert!(e.to_string().contains("--rounds"), "{e}");
+            assert!(e.to_string().contains("--sweep-rounds"), "{e}");
         }
     }
 }
