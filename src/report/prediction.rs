@@ -99,8 +99,10 @@ fn busiest_us(p: &RequestPrediction) -> f64 {
 /// serves requests in turn, and a request is sent only once the one `at_once` before it finished
 /// on every rank, so when it arrives a rank has at most `at_once - 1` requests left before it.
 /// Its ranks start it at most `at_once - 1` transfers apart, and the span lies between one
-/// busiest-rank transfer and `at_once` of them. Where in that range depends on how far the
-/// ranks drift apart, which is the run's jitter, not a fitted term. `None` at one at a time.
+/// busiest-rank transfer and `at_once` of them, plus each rank's own work per request beside the
+/// transfer (its checks, notifications), which the model does not predict: a run with
+/// `--verify full` can pass the top. Where in that range depends on how far the ranks drift
+/// apart, which is the run's jitter, not a fitted term. `None` at one at a time.
 fn closed_loop(at_once: u32, busiest_us: f64, measured_p50_us: f64) -> Option<ClosedLoopBound> {
     if at_once <= 1 || busiest_us <= 0.0 {
         return None;

@@ -597,7 +597,8 @@ pub fn render_summary(s: &Summary, style: Style) -> String {
         if let Some(b) = &p.closed_loop {
             line.push_str(&format!(
                 "\nclosed loop: with {} requests at once a request's span lies between one busiest-rank \
-                 transfer and {} of them ({:.0} to {:.0} us); measured p50 {:.0} us, {}",
+                 transfer and {} of them ({:.0} to {:.0} us), plus each rank's own checks and \
+                 notifications; measured p50 {:.0} us, {}",
                 b.concurrency,
                 b.concurrency,
                 b.span_min_us,
