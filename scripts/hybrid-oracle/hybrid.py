@@ -148,7 +148,9 @@ def cdiv(a, b):
 # Each model: list of layers in module-registration order, each (name, kind) with kind in
 # "full", "swa", "state"; attention shape; state params.
 
-def nemotron_h(n_layers_pattern=("M", "-", "M", "*", "-", "M", "-", "M", "*")):
+def nemotron_h(n_layers_pattern=("M", "-", "M", "*", "-", "M", "-", "M", "*"), pattern=None):
+    if pattern is not None:
+        n_layers_pattern = tuple(pattern)
     layers = []
     for i, t in enumerate(n_layers_pattern):
         if t == "M":
@@ -171,11 +173,12 @@ def nemotron_h(n_layers_pattern=("M", "-", "M", "*", "-", "M", "-", "M", "*")):
     )
 
 
-def qwen3_next(gdn_align=1):
+def qwen3_next(gdn_align=1, pattern=None):
     suffix = '' if gdn_align == 1 else '_flashinfer'
     layers = []
-    for i in range(8):
-        if i % 4 == 3:
+    kinds = pattern or "GGGAGGGA"  # G: GDN (linear_attn), A: full attention
+    for i, k in enumerate(kinds):
+        if k == "A":
             layers.append((f"model.layers.{i}.self_attn.attn", "full"))
         else:
             layers.append((f"model.layers.{i}.linear_attn", "state"))
@@ -263,10 +266,10 @@ def granite_h_tiny():
     )
 
 
-def gpt_oss():
+def gpt_oss(pattern=None):
     layers = []
-    for i in range(4):
-        layers.append((f"model.layers.{i}.attn.attn", "swa" if i % 2 == 0 else "full"))
+    for i, k in enumerate(pattern or "SFSF"):  # S: sliding window, F: full
+        layers.append((f"model.layers.{i}.attn.attn", "swa" if k == "S" else "full"))
     return dict(
         key="swa_gptoss", layers=layers, kv_heads=8, head_dim=64, dtype="bfloat16", window=128,
         state=None,
@@ -278,10 +281,12 @@ def gpt_oss():
     )
 
 
-def gemma3(n_layers=6):
+def gemma3(n_layers=6, pattern=None):
     layers = []
-    for i in range(n_layers):
-        layers.append((f"model.layers.{i}.self_attn.attn", "full" if i % 6 == 5 else "swa"))
+    kinds = pattern or "".join("F" if i % 6 == 5 else "S" for i in range(n_layers))
+    n_layers = len(kinds)
+    for i, k in enumerate(kinds):
+        layers.append((f"model.layers.{i}.self_attn.attn", "full" if k == "F" else "swa"))
     return dict(
         key="swa_gemma3", layers=layers, kv_heads=4, head_dim=256, dtype="bfloat16", window=1024,
         state=None,
@@ -369,7 +374,8 @@ def make_specs(m, geo):
 
 
 def form_groups(specs):
-    """_get_kv_cache_groups_uniform_page_size, re-expressed (specs here never merge)."""
+    """_get_kv_cache_groups_uniform_page_size, re-expressed (specs here never merge); counts that
+    do not divide leave the last group of a kind short (vLLM's padding layers hold no names)."""
     buckets = {}
     for name, spec in specs.items():
         buckets.setdefault(spec, []).append(name)
@@ -379,8 +385,7 @@ def form_groups(specs):
     gs = mx if mx < mn * 1.5 else mn
     groups = []
     for l in lists:
-        assert len(l) % gs == 0, "padding layers not modelled"
-        n = cdiv(len(l), gs)
+        n = cdiv(len(l), gs)  # the last group of a kind short of gs layers: vLLM pads it
         for i in range(n):
             groups.append(l[i::n])
     return groups, gs
@@ -602,7 +607,9 @@ def run_case(model_key, p_tp, d_tp, name=None, p_blocks=None, d_blocks=None, pro
     # pools big enough for the request
     pe0 = build_engine(m, p_tp, 1, "kv_producer", "P")
     blk = pe0["geo"]["block"]
-    need = cdiv(prompt, min(blk, engine_geometry(m, d_tp)["block"])) + len(pe0["groups"]) + 4
+    n_attn = sum(1 for n in pe0["groups"] if not isinstance(pe0["specs"][n[0]], HybridMambaSpec))
+    # every attention group's blocks, one slot per state group (ids are consecutive across groups)
+    need = cdiv(prompt, min(blk, engine_geometry(m, d_tp)["block"])) * max(1, n_attn) + len(pe0["groups"]) + 4
     if m.get("state") is None:
         need = max(40, (cdiv(prompt, 16) + 2) * (len(pe0["groups"]) + 1) + 40)
     p_blocks = p_blocks or max(8, need + 4)
@@ -788,7 +795,8 @@ USAGE = """case spec: MODEL:P_TP:D_TP[:NAME[:k=v,...]]
   MODEL  one of: %s
   NAME   case name (default <model key>_P<p>_D<d>)
   k=v    integers: prompt=TOKENS, hostbuf=1 (kv_buffer_device cpu: host buffers),
-         n_layers=N (jamba, falconh1, gemma3), gdn_align=A (qwen3next: FlashInfer GDN uses 64),
+         n_layers=N (jamba, falconh1, gemma3), pattern=STR (the layer kinds in order: nemotronh
+         M/*/-, qwen3next G/A, gptoss and gemma3 S/F), gdn_align=A (qwen3next: FlashInfer GDN uses 64),
          p_bs=/d_bs= (block size of a model without state layers, as --block-size),
          p_blocks=/d_blocks= (KV pool sizes; default: sized from the prompt)""" % ", ".join(MODELS)
 
@@ -801,7 +809,7 @@ def parse_spec(spec):
     if len(parts) > 4:
         for item in parts[4].split(","):
             k, v = item.split("=")
-            kw[k] = int(v)
+            kw[k] = v if k == "pattern" else int(v)
     run = dict(name=nm, prompt=kw.pop("prompt", None), kvbd="cpu" if kw.pop("hostbuf", 0) else "cuda",
                p_blocks=kw.pop("p_blocks", None), d_blocks=kw.pop("d_blocks", None))
     return mk, p, d, dict(run, model_kw=kw or None)

@@ -377,6 +377,31 @@ fn generated_cases_from_vllms_code_are_reproduced() {
         "every descriptor pair of the file compared"
     );
     assert_eq!(pairs, 11_218);
+    assert_eq!(scenario_through_the_binary(cases), pairs, "every pair compared through `kvx plan`");
+}
+
+/// kvx's generator's random batch (`scripts/hybrid-oracle/generate-random.sh`, seed 1): layer
+/// patterns of every family drawn at random (group counts that do not divide included, so the
+/// last group of a kind is short), TP pairs from 1 to 8, host buffers, stated block sizes of
+/// window models, FlashInfer-aligned GDN, prompts from 1 token, each run through vLLM 0.33.0's
+/// schedulers and workers. Each case is checked as a public case is, and through the binary.
+#[test]
+fn random_cases_from_vllms_code_are_reproduced() {
+    use std::io::Read;
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/oracle/hybrid_random_v033.json.gz");
+    let mut text = Vec::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(&path).expect("random cases"))
+        .read_to_end(&mut text)
+        .expect("gzip");
+    let doc: Value = serde_json::from_slice(&text).expect("JSON");
+    assert_eq!(doc["vllm_version"].as_str(), Some("0.33.0"));
+    let cases = doc["cases"].as_array().expect("cases");
+    let checked: Vec<(String, usize)> = cases.iter().map(check_case).collect();
+    assert_eq!(checked.len(), 111, "every random case");
+    assert_eq!(checked.iter().filter(|c| c.1 == 0).count(), 39, "refused at the handshake: {checked:?}");
+    assert_eq!(checked.iter().map(|c| c.1).sum::<usize>(), 30_333, "every descriptor pair compared");
+    assert_eq!(scenario_through_the_binary(cases), 30_333, "every pair compared through `kvx plan`");
 }
 
 /// A request of `prompt_tokens` with decode holding its first `hit_blocks` blocks, its block
@@ -1004,9 +1029,15 @@ fn kernel_blocks_smaller_than_the_block() {
 /// vLLM's (exit 2, JSON status `rejected`, its condition quoted).
 #[test]
 fn kvx_plan_scenario_reproduces_every_hybrid_case() {
-    let dir = tempfile::tempdir().expect("temp dir");
     let doc = oracle();
-    let cases = doc["cases"].as_array().expect("cases");
+    assert!(scenario_through_the_binary(doc["cases"].as_array().expect("cases")) > 0, "no pair compared");
+}
+
+/// Each case through `kvx plan --scenario CASE --format json`: the blocks after clipping and
+/// every READ's pairs are vLLM's, or the refusal is (exit 2, `rejected`, its condition quoted).
+/// Returns the pairs compared.
+fn scenario_through_the_binary(cases: &[Value]) -> usize {
+    let dir = tempfile::tempdir().expect("temp dir");
     let mut compared = 0;
     for (i, case) in cases.iter().enumerate() {
         let name = case["name"].as_str().expect("name");
@@ -1050,7 +1081,7 @@ fn kvx_plan_scenario_reproduces_every_hybrid_case() {
             }
         }
     }
-    assert!(compared > 0, "no descriptor pair compared");
+    compared
 }
 
 /// `kvx plan --model <hybrid preset>` from flags: planned from --prompt-len; a flag that does
@@ -1695,4 +1726,24 @@ fn window_models_plan_every_block_size_as_bench_moves_it() {
     }
     assert!(planned > 300, "only {planned} cases planned");
     assert!(compared >= 15, "only {compared} cases compared with bench");
+}
+
+/// Any case file in the oracle's format (`KVX_HYBRID_CASES=path`), each case checked as a public
+/// case is, each failure named: how a newly generated batch (`scripts/hybrid-oracle`) is tried
+/// before it is committed. Run with `cargo test --release --test it hybrid::check_a_case_file --
+/// --ignored`.
+#[test]
+#[ignore = "needs KVX_HYBRID_CASES=<case file>"]
+fn check_a_case_file() {
+    let path = std::env::var_os("KVX_HYBRID_CASES").expect("set KVX_HYBRID_CASES to a case file");
+    let doc: Value = serde_json::from_slice(&std::fs::read(&path).expect("case file")).expect("JSON");
+    let mut failed = Vec::new();
+    for case in doc["cases"].as_array().expect("cases") {
+        let name = case["name"].as_str().unwrap_or("?").to_string();
+        match std::panic::catch_unwind(|| check_case(case)) {
+            Ok((_, pairs)) => eprintln!("ok {name} ({pairs} pairs)"),
+            Err(_) => failed.push(name),
+        }
+    }
+    assert!(failed.is_empty(), "cases kvx does not reproduce: {failed:?}");
 }

@@ -27,7 +27,9 @@ pub const NULL_BLOCK: u32 = 0;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct TokenCounts {
     pub prompt_tokens: u32,
-    /// Trailing prompt tokens prefill does not compute (1 with state, else 0).
+    /// vLLM's `_prefill_backoff()`: the trailing prompt tokens prefill leaves to decode (1 with
+    /// state, else 0). It applies only to a prompt longer than it: a 1-token prompt of a model
+    /// with state is computed whole (`p_computed_tokens` 1), its backoff still 1.
     pub backoff_tokens: u32,
     /// Tokens prefill computes (`num_computed_tokens` at `request_finished`), which it
     /// reports as `remote_num_tokens`.
@@ -46,7 +48,7 @@ impl TokenCounts {
             if backoff > 0 && prompt_tokens > backoff { prompt_tokens - backoff } else { prompt_tokens };
         TokenCounts {
             prompt_tokens,
-            backoff_tokens: prompt_tokens - computed,
+            backoff_tokens: backoff,
             p_computed_tokens: computed,
             d_hit_tokens,
             d_external_tokens: computed.saturating_sub(d_hit_tokens),
@@ -590,7 +592,9 @@ mod tests {
         assert_eq!((t.backoff_tokens, t.p_computed_tokens, t.d_external_tokens), (1, 2499, 2499));
         let t = TokenCounts::new(false, 200, 64);
         assert_eq!((t.backoff_tokens, t.p_computed_tokens, t.d_external_tokens), (0, 200, 136));
-        assert_eq!(TokenCounts::new(true, 1, 0).p_computed_tokens, 1);
+        // A 1-token prompt is computed whole; vLLM's backoff is still 1 (not applied).
+        let t = TokenCounts::new(true, 1, 0);
+        assert_eq!((t.backoff_tokens, t.p_computed_tokens, t.d_external_tokens), (1, 1, 1));
     }
 
     #[test]
