@@ -222,6 +222,12 @@ struct HybridReadJson<'a> {
 struct HybridDRankJson<'a> {
     d_rank: u32,
     handshake_ranks: &'a [u32],
+    /// vLLM's `TPMapping` of this rank: the prefill ranks read per group, the head slice, the
+    /// notifications each prefill rank waits for.
+    tp_mapping: &'a crate::layouts::hybrid::TpMapping,
+    /// vLLM's signed TP ratio (`D/P`, or `-(P/D)`) and its block-size ratio.
+    tp_ratio: i64,
+    block_size_ratio: u32,
     reads: Vec<HybridReadJson<'a>>,
     notifs_only: &'a [(u32, String)],
 }
@@ -313,6 +319,9 @@ fn hybrid_pull(p: &HybridPull) -> HybridPlanJson<'_> {
         .map(|d| HybridDRankJson {
             d_rank: d.d_rank,
             handshake_ranks: &d.handshake_ranks,
+            tp_mapping: &d.mapping,
+            tp_ratio: p.planner.tp_ratio,
+            block_size_ratio: p.planner.block_size_ratio,
             reads: d
                 .reads
                 .iter()

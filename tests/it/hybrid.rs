@@ -1070,7 +1070,23 @@ fn scenario_through_the_binary(cases: &[Value]) -> usize {
         let want_ranks = case["d_ranks"].as_array().expect("d_ranks");
         let got_ranks = got["d_ranks"].as_array().expect("d_ranks");
         assert_eq!(want_ranks.len(), got_ranks.len(), "{name}: decode ranks");
+        assert_eq!(got["tokens"]["backoff_tokens"], s["p_prefill_backoff_tokens"], "{name}: backoff");
+        assert_eq!(got["tokens"]["p_computed_tokens"], s["p_num_computed_tokens_at_finish"], "{name}");
+        assert_eq!(got["tokens"]["d_external_tokens"], s["d_num_external_tokens"], "{name}");
         for (w, g) in want_ranks.iter().zip(got_ranks) {
+            assert_eq!(w["handshake_ranks"], g["handshake_ranks"], "{name}: handshake ranks");
+            let (wm, gm) = (&w["tp_mapping"], &g["tp_mapping"]);
+            for key in
+                ["source_ranks_per_group", "all_source_ranks", "rank_to_attention_slot", "rank_offset_factor"]
+            {
+                assert_eq!(wm[key], gm[key], "{name}: tp_mapping.{key}");
+            }
+            assert_eq!(
+                wm["local_consumers(notif count P waits for)"], gm["local_consumers"],
+                "{name}: consumers"
+            );
+            assert_eq!(w["tp_ratio"], g["tp_ratio"], "{name}: tp_ratio");
+            assert_eq!(w["block_size_ratio"], g["block_size_ratio"], "{name}: block_size_ratio");
             let want_reads = w["reads"].as_array().expect("reads");
             let got_reads = g["reads"].as_array().expect("reads");
             assert_eq!(want_reads.len(), got_reads.len(), "{name}: READs");

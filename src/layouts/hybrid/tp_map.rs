@@ -12,12 +12,17 @@ pub struct TpMapping {
     pub source_ranks_per_group: Vec<Vec<u32>>,
     /// Every prefill rank read (one READ each), ascending.
     pub all_source_ranks: Vec<u32>,
-    /// `(prefill rank, attention head slot)`.
+    /// `(prefill rank, attention head slot)`; in JSON an object keyed by rank, as vLLM's dict.
+    #[serde(serialize_with = "slots_by_rank")]
     pub rank_to_attention_slot: Vec<(u32, u32)>,
     /// Which head slice of a prefill block this rank reads when D > P.
     pub rank_offset_factor: u32,
     /// Notifications each prefill rank waits for.
     pub local_consumers: u32,
+}
+
+fn slots_by_rank<S: serde::Serializer>(slots: &[(u32, u32)], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_map(slots.iter().map(|(rank, slot)| (rank.to_string(), slot)))
 }
 
 /// vLLM's signed TP ratio from the decode side: `D/P` when D >= P, else `-(P/D)`.
