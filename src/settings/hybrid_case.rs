@@ -77,6 +77,14 @@ fn num(v: &Value, key: &str, at: &str) -> Result<u32, ConfigError> {
         .ok_or_else(|| bad(format!("`{at}{key}` is not a whole number below 2^32")))
 }
 
+/// A count that must be 1 or more (a TP size, a pool, a block size, heads, a page).
+fn positive(v: &Value, key: &str, at: &str) -> Result<u32, ConfigError> {
+    match num(v, key, at)? {
+        0 => Err(bad(format!("`{at}{key}` is 0: it must be 1 or more"))),
+        n => Ok(n),
+    }
+}
+
 fn dtype(v: &Value, at: &str) -> Result<Dtype, ConfigError> {
     v.as_str()
         .ok_or_else(|| bad(format!("`{at}` is not a dtype name")))?
@@ -232,6 +240,9 @@ fn stated(e: &Value, side: &str, case: &Value, kind: Option<StateKind>) -> Resul
     let page_bytes = field(e, "page_bytes", &at)?
         .as_u64()
         .ok_or_else(|| bad(format!("`{side}.page_bytes` is not a number")))?;
+    if page_bytes == 0 {
+        return Err(bad(format!("`{side}.page_bytes` is 0: it must be 1 or more")));
+    }
     let state = match kind {
         Some(k) => {
             let shapes = shapes_of(e, side, k)?;
@@ -243,9 +254,9 @@ fn stated(e: &Value, side: &str, case: &Value, kind: Option<StateKind>) -> Resul
         None => None,
     };
     Ok(StatedEngine {
-        block_tokens: num(e, "block_size_tokens", &at)?,
+        block_tokens: positive(e, "block_size_tokens", &at)?,
         page_bytes,
-        local_kv_heads: num(e, "local_kv_heads", &at)?,
+        local_kv_heads: positive(e, "local_kv_heads", &at)?,
         groups: out,
         state,
     })
@@ -336,8 +347,8 @@ fn model(
 ) -> Result<HybridModel, ConfigError> {
     let m = field(case, "model", "")?;
     let pv = field(case, "p", "")?;
-    let p_tp = num(pv, "tp", "p.")?;
-    let d_tp = num(field(case, "d", "")?, "tp", "d.")?;
+    let p_tp = positive(pv, "tp", "p.")?;
+    let d_tp = positive(field(case, "d", "")?, "tp", "d.")?;
     let att_dtype = match m.get("dtype").or_else(|| m.get("attn_dtype")) {
         Some(d) => dtype(d, "model.dtype")?,
         None => Dtype::Bf16,
@@ -422,7 +433,7 @@ fn engine(
             None => KvBufferDevice::default(),
         },
         block_tokens: DEFAULT_BLOCK_TOKENS,
-        ..HybridEngineSpec::new(num(e, "tp", &at)?, num(e, "num_blocks", &at)?)
+        ..HybridEngineSpec::new(positive(e, "tp", &at)?, positive(e, "num_blocks", &at)?)
     };
     if let Some(b) =
         e.get("attn_backend").or_else(|| e.get("attention_backend")).and_then(Value::as_str).or(backend)
@@ -541,5 +552,20 @@ mod tests {
         let e = parse(&serde_json::json!({"vllm_version": "0.19.0"})).expect_err("old rules");
         assert!(e.to_string().contains("0.33.0"), "{e}");
         assert!(!is_hybrid_case(&serde_json::json!({"request": {}})));
+    }
+
+    #[test]
+    fn a_zero_count_names_its_field_and_the_scenario() {
+        let text = include_str!("../../tests/fixtures/hybrid-case-nemotronh-p1-d2.json");
+        let case: Value = serde_json::from_str(text).expect("case");
+        for (side, key) in
+            [("p", "tp"), ("d", "tp"), ("p", "block_size_tokens"), ("d", "num_blocks"), ("p", "page_bytes")]
+        {
+            let mut c = case.clone();
+            c[side][key] = 0.into();
+            let e = parse(&c).expect_err("a zero count");
+            assert!(e.to_string().contains(&format!("`{side}.{key}` is 0")), "{e}");
+            assert_eq!(e.flag, "--scenario", "{e}");
+        }
     }
 }

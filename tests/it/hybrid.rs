@@ -1763,3 +1763,19 @@ fn check_a_case_file() {
     }
     assert!(failed.is_empty(), "cases kvx does not reproduce: {failed:?}");
 }
+
+/// A case whose stated engine contradicts itself or the model: exit 2, the case's field named,
+/// `--scenario` the thing to change (not a flag the run was not given).
+#[test]
+fn a_contradictory_case_names_its_field_and_the_scenario() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut case = oracle_case("mamba2_nemotronh_P1_D2");
+    case["d"]["groups"][1]["layers"][0] = "model.layers.99.mixer".into();
+    let path = dir.path().join("case.json");
+    std::fs::write(&path, serde_json::to_vec(&case).expect("json")).expect("write");
+    let out = crate::common::kvx().args(["plan", "--scenario"]).arg(&path).output().expect("kvx runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("d.groups") && err.contains("(change --scenario)"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -95,6 +95,10 @@ pub enum HybridError {
     /// The model description is incomplete or inconsistent (`field`: the description's field).
     #[error("invalid hybrid model ({field}): {reason}")]
     Model { field: String, reason: String },
+    /// An engine as a case states it (`--scenario`'s `p` or `d`) contradicts itself or the model
+    /// (`field`: the case's field).
+    #[error("the case's engine ({field}): {reason}")]
+    Stated { field: String, reason: String },
     /// No hybrid preset answers to the name, or its config does not read.
     #[error("invalid hybrid model ({}): {reason}", Knob::Model)]
     Preset { reason: String },
@@ -109,6 +113,10 @@ pub enum HybridError {
 impl HybridError {
     pub(crate) fn model(field: &str, reason: String) -> Self {
         HybridError::Model { field: field.to_string(), reason }
+    }
+
+    pub(crate) fn stated(field: &str, reason: String) -> Self {
+        HybridError::Stated { field: field.to_string(), reason }
     }
 
     pub(crate) fn refused(
@@ -167,6 +175,7 @@ impl HybridError {
         match self {
             HybridError::Refused(r) => r.knob,
             HybridError::Model { .. } | HybridError::Preset { .. } => Knob::Model,
+            HybridError::Stated { .. } => Knob::Scenario,
             HybridError::Unsupported { knob, .. } | HybridError::Request { knob, .. } => *knob,
         }
     }

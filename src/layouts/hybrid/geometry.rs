@@ -951,7 +951,7 @@ impl EngineGeometry {
     ) -> Result<Self, HybridError> {
         Self::check_engine(model, config, side)?;
         let at = |field: &str| format!("{}.{field}", side.prefix());
-        let bad = |field: &str, reason: String| HybridError::model(&at(field), reason);
+        let bad = |field: &str, reason: String| HybridError::stated(&at(field), reason);
         let (block, page) = (stated.block_tokens, stated.page_bytes);
         if block == 0 || page == 0 || stated.local_kv_heads == 0 {
             return Err(bad(
