@@ -95,7 +95,7 @@ pub enum HybridError {
     /// The model description is incomplete or inconsistent (`field`: the description's field).
     #[error("invalid hybrid model ({field}): {reason}")]
     Model { field: String, reason: String },
-    /// An engine as a case states it (`--scenario`'s `p` or `d`) contradicts itself or the model
+    /// An engine as a case states it (its `p` or `d`, `Knob::Scenario`) contradicts itself or the model
     /// (`field`: the case's field).
     #[error("the case's engine ({field}): {reason}")]
     Stated { field: String, reason: String },
