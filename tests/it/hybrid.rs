@@ -348,6 +348,11 @@ fn hybrid_oracle_reproduces_every_case() {
     assert_eq!(checked.iter().filter(|c| c.1 == 0).count(), 1, "one refusal: {checked:?}");
 }
 
+/// Whether vLLM refused the case's pair at the handshake.
+fn refused(case: &Value) -> bool {
+    case["d_ranks"].as_array().is_some_and(|d| d.iter().any(|r| r.get("handshake_rejected").is_some()))
+}
+
 /// Cases kvx's own generator (`scripts/hybrid-oracle`) wrote by running vLLM 0.33.0's connector
 /// code under recorders: what the shared oracle does not show (Mamba1, Falcon-H1, granite, Gemma-3,
 /// prefill TP above decode TP, FlashInfer-aligned GDN, 64-token sliding-window blocks, host
@@ -359,9 +364,6 @@ fn generated_cases_from_vllms_code_are_reproduced() {
     let doc: Value = serde_json::from_slice(&std::fs::read(&path).expect("generated cases")).expect("JSON");
     assert_eq!(doc["vllm_version"].as_str(), Some("0.33.0"));
     let cases = doc["cases"].as_array().expect("cases");
-    let refused = |c: &Value| {
-        c["d_ranks"].as_array().is_some_and(|d| d.iter().any(|r| r.get("handshake_rejected").is_some()))
-    };
     let pairs: usize = cases
         .iter()
         .flat_map(|c| c["d_ranks"].as_array().into_iter().flatten())
@@ -399,7 +401,10 @@ fn random_cases_from_vllms_code_are_reproduced() {
     let cases = doc["cases"].as_array().expect("cases");
     let checked: Vec<(String, usize)> = cases.iter().map(check_case).collect();
     assert_eq!(checked.len(), 111, "every random case");
-    assert_eq!(checked.iter().filter(|c| c.1 == 0).count(), 39, "refused at the handshake: {checked:?}");
+    assert_eq!(cases.iter().filter(|c| refused(c)).count(), 39, "refused at the handshake");
+    for ((name, pairs), case) in checked.iter().zip(cases) {
+        assert_eq!(*pairs == 0, refused(case), "{name}: pairs only where vLLM accepts");
+    }
     assert_eq!(checked.iter().map(|c| c.1).sum::<usize>(), 30_333, "every descriptor pair compared");
     assert_eq!(scenario_through_the_binary(cases), 30_333, "every pair compared through `kvx plan`");
 }
