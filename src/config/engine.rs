@@ -121,6 +121,8 @@ pub struct WorkerSettings {
     pub advertise_host: String,
     /// The prefill computation prefill ranks simulate, and when push mode WRITEs.
     pub prefill: PrefillSim,
+    /// When a decode engine's ranks start a request (`kvx bench --rank-start`).
+    pub rank_start: crate::config::worker::RankStart,
 }
 
 /// What tells apart the engines one [`WorkerSettings`] starts.
@@ -186,6 +188,7 @@ impl WorkerSettings {
                 (Role::Decode, TransferMode::Pull) => None,
             },
             timeout: self.timeout * 4,
+            rank_start: self.rank_start,
         }
     }
 }
@@ -249,6 +252,8 @@ pub struct EngineConfig {
     pub side_channel_bind: Option<String>,
     /// Per-request deadline for worker answers.
     pub timeout: Duration,
+    /// Decode engines: when a request's ranks start it.
+    pub rank_start: crate::config::worker::RankStart,
 }
 
 /// `--listen`'s endpoint, `tcp://HOST:PORT`, as settings checked it: prefill's workers connect

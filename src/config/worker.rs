@@ -108,6 +108,30 @@ impl Dispatch {
     }
 }
 
+/// When a decode engine's ranks start a request's transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RankStart {
+    /// Every rank of the request in one step, once each has finished the request before it.
+    /// vLLM's TP workers run each scheduler step together, so a request's reads start on every
+    /// decode rank in the same step; a kvx rank moves one request at a time, so the step waits
+    /// for the slowest rank's previous request (the wait is the request's `queue` stage).
+    #[default]
+    Together,
+    /// Each rank starts the next request as soon as it is free: a request's ranks can start
+    /// apart, by up to a transfer, and its span holds that drift.
+    Free,
+}
+
+impl RankStart {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RankStart::Together => "together",
+            RankStart::Free => "free",
+        }
+    }
+}
+
 /// The prefill computation a prefill rank simulates for each request: `per_layer` of wall
 /// time per model layer, as a GPU's forward pass takes it while the rank's CPU stays free to
 /// move bytes (zero: the blocks are ready as soon as they are filled). Requests are computed

@@ -44,6 +44,13 @@ pub enum ToWorker {
         seed: u64,
         /// Push mode: this decode engine's side channel, which the registration names.
         side_channel: Option<(String, u16)>,
+        /// Start it once it is first in the rank's queue; `false`: hold it there until a
+        /// [`ToWorker::Go`] names it (the engine starts a request's ranks together).
+        go: bool,
+    },
+    /// Decode rank: start the held load `req` (every rank of the request gets this at once).
+    Go {
+        req: u64,
     },
     /// Prefill rank: no decode engine will read this request's blocks (the serving path's
     /// decode leg failed, or its client left before the handoff); free them now.

@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::config::arrival::Arrival;
 use crate::config::bench::BenchSettings;
-use crate::config::worker::{Dispatch, Overlap};
+use crate::config::worker::{Dispatch, Overlap, RankStart};
 use crate::layouts::hybrid::{HostCopyRule, HostDescriptors, HostStatePage, StateSlices};
 use crate::topology::{TransferMode, VllmVersion};
 use crate::transfer::ucx::ProgressMode;
@@ -156,6 +156,8 @@ pub struct ScenarioExtra {
     /// Push mode: how the legs were sent, and whether WRITEs followed each layer.
     pub dispatch: Option<Dispatch>,
     pub overlap: Option<Overlap>,
+    /// When a decode engine's ranks started a request (`--rank-start`).
+    pub rank_start: Option<RankStart>,
     /// The simulated prefill's time per layer, where it had one.
     pub prefill_time_per_layer_us: Option<f64>,
     /// A host buffer per rank (vLLM's `kv_buffer_device` `cpu`); absent: the KV pool itself.
@@ -181,7 +183,7 @@ pub struct ScenarioExtra {
 
 impl ScenarioExtra {
     /// Each typed setting under its key.
-    fn slots(&mut self) -> [(&'static str, &mut dyn Slot); 21] {
+    fn slots(&mut self) -> [(&'static str, &mut dyn Slot); 22] {
         macro_rules! slots {
             ($($f:ident),*) => { [$((stringify!($f), &mut self.$f as &mut dyn Slot)),*] };
         }
@@ -195,6 +197,7 @@ impl ScenarioExtra {
             slowdown,
             dispatch,
             overlap,
+            rank_start,
             prefill_time_per_layer_us,
             kv_buffer_device,
             host_copy,
@@ -332,6 +335,7 @@ pub fn bench_scenario(b: &BenchSettings) -> Scenario {
             slowdown: Some(w.transport.slowdown).filter(|s| *s > 0.0),
             dispatch: push.then_some(b.dispatch),
             overlap: push.then_some(w.prefill.overlap),
+            rank_start: Some(w.rank_start),
             prefill_time_per_layer_us: (w.prefill.per_layer_ns > 0)
                 .then(|| w.prefill.per_layer_ns as f64 / 1e3),
             kv_buffer_device: host_buffer.then(|| HostBuffer::over(w.mem.kind())),

@@ -8,7 +8,7 @@ use clap::builder::PossibleValue;
 
 use crate::config::bench::FailurePolicy;
 use crate::config::serve::Policy;
-use crate::config::worker::{Dispatch, Overlap};
+use crate::config::worker::{Dispatch, Overlap, RankStart};
 use crate::layouts::alloc::AllocPattern;
 use crate::layouts::hybrid::{
     AttentionBackend, GdnPrefillBackend, HostCopyRule, HostDescriptors, HostStatePage, PushAttention,
@@ -95,6 +95,13 @@ choices!(Dispatch {
                                  decode reads the blocks prefill names)",
     Concurrent => "concurrent": "Both legs at once: in push mode decode needs only the prefill engine's identity, so \
                                  it registers its blocks while prefill computes (ai-dynamo/dynamo#13327)",
+});
+
+choices!(RankStart {
+    Together => "together": "Every rank starts a request in one step, once each has finished the one before \
+                             (vLLM's TP workers run each step together)",
+    Free => "free": "Each rank starts the next request as soon as it is free (a request's ranks can start \
+                     apart by up to a transfer)",
 });
 
 choices!(FailurePolicy {

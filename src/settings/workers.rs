@@ -645,6 +645,7 @@ fn finish_serve_engine(
         advertise_host: if host == "0.0.0.0" { "127.0.0.1".into() } else { host.clone() },
         bind_host: host,
         prefill: Default::default(),
+        rank_start: Default::default(),
     })
 }
 

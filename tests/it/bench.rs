@@ -1201,3 +1201,88 @@ fn lbnhc_head_slots_from_replicated_prefill_ranks_land_wrong_and_lbhnc_lands_rig
     assert_eq!(n(&run.summary, "verify_failures"), 0, "{}", run.summary);
     assert_eq!(n(&run.summary, "blocks_leaked"), 0, "{}", run.summary);
 }
+
+/// The engines of a bench, started from its flags (workers: this build's kvx), three requests
+/// prefilled, then all three handed to the decode engine at once; each request's ranks' read
+/// spans (start, end on the host's shared clock), in the order the requests started.
+fn three_loads_at_once(rank_start: &str) -> Vec<(u64, u64)> {
+    use clap::Parser;
+    use kvx::pipeline::bench::Engines;
+    use kvx::settings::bench::{BenchFlags, resolve};
+    use kvx::settings::env::ProcessEnv;
+    let mut args = vec!["bench", "--p-tp", "1", "--d-tp", "2", "--prompt-len", "512", "--timeout", "30s"];
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(&["--rank-start", rank_start]);
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchFlags,
+    }
+    let flags = Cli::try_parse_from(args).expect("flags").bench;
+    let env = ProcessEnv {
+        results_dir: None,
+        stderr_is_terminal: false,
+        launcher: Ok(None),
+        exe: Ok(PathBuf::from(env!("CARGO_BIN_EXE_kvx"))),
+    };
+    let s = resolve(&flags, &env).expect("settings");
+    let engines = Engines::start(&s).expect("engines start");
+    let d_tokens = s.workers.pair.d.block_tokens;
+    let prefilled: Vec<_> = (0..3u64)
+        .map(|req| {
+            let rx = engines.prefill.prefill(req, format!("p-{req}"), 512, req, 2);
+            rx.blocking_recv().expect("prefill answered").expect("prefill ok").params
+        })
+        .collect();
+    let loads: Vec<_> = prefilled
+        .into_iter()
+        .enumerate()
+        .map(|(req, params)| {
+            let blocks = engines.decode.info().request_blocks(512, d_tokens, 0);
+            engines.decode.load(req as u64, format!("d-{req}"), params, blocks, req as u64)
+        })
+        .collect();
+    let mut spans: Vec<(u64, u64)> = loads
+        .into_iter()
+        .map(|rx| {
+            let done = rx.blocking_recv().expect("load answered").expect("load ok");
+            assert_eq!(done.ranks.len(), 2, "both decode ranks answered");
+            let ranks: Vec<_> = done
+                .ranks
+                .iter()
+                .map(|r| {
+                    assert!(r.error.is_none(), "rank {} failed: {:?}", r.d_rank, r.error);
+                    r.transfer_span.expect("a read span on the shared clock")
+                })
+                .collect();
+            (ranks.iter().map(|s| s.start_ns).min().unwrap(), ranks.iter().map(|s| s.end_ns).max().unwrap())
+        })
+        .collect();
+    engines.prefill.shutdown();
+    engines.decode.shutdown();
+    spans.sort_unstable();
+    spans
+}
+
+/// `--rank-start together` (the default, vLLM's TP ranks stepping together): a request's
+/// ranks start only once every rank finished the request before it, so the requests' spans,
+/// first rank's start to last rank's end, never overlap; `free` runs the same requests.
+#[test]
+fn decode_ranks_start_a_request_together_after_every_rank_finished_the_one_before() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let together = three_loads_at_once("together");
+        let free = three_loads_at_once("free");
+        let _ = tx.send((together, free));
+    });
+    let (together, free) = rx.recv_timeout(RUN_TIMEOUT).expect("both runs finish within the hard timeout");
+    for w in together.windows(2) {
+        assert!(
+            w[1].0 >= w[0].1,
+            "a request's first rank started at {} before the request before it ended on its last rank at {}",
+            w[1].0,
+            w[0].1
+        );
+    }
+    assert_eq!(free.len(), 3, "free: every request answered");
+}

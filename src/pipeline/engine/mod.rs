@@ -28,7 +28,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
 use crate::config::engine::{EngineConfig, Launch, split_endpoint};
-use crate::config::worker::Fault;
+use crate::config::worker::{Fault, RankStart};
 use crate::pipeline::engine::pool::BlockPool;
 use crate::pipeline::params::KvTransferParams;
 use crate::pipeline::wire::{self, FailureCause, FromWorker, LoadResult, PushStats, ReadyInfo, ToWorker};
@@ -510,6 +510,10 @@ struct EngineLoop {
     backlog: VecDeque<Cmd>,
     prefills: HashMap<u64, PendingPrefill>,
     loads: HashMap<u64, PendingLoad>,
+    /// Decode, ranks starting together: the load its ranks work on now, and the loads sent
+    /// to them but held until it is done, in the order they came.
+    stepping: Option<u64>,
+    held_loads: VecDeque<u64>,
     /// Prefill: requests held, with the ranks that have not freed them yet.
     held: HashMap<u64, (Vec<u32>, BTreeSet<u32>)>,
     fin: EngineFinal,
@@ -678,6 +682,8 @@ impl EngineLoop {
             backlog: VecDeque::new(),
             prefills: HashMap::new(),
             loads: HashMap::new(),
+            stepping: None,
+            held_loads: VecDeque::new(),
             held: HashMap::new(),
             fin: EngineFinal::default(),
             shutting_down: false,
@@ -776,6 +782,7 @@ impl EngineLoop {
             self.poll_once(wait);
             self.expire_deadlines();
             self.check_silent();
+            self.next_step();
             self.publish_live();
         }
     }
@@ -1068,6 +1075,8 @@ impl EngineLoop {
                     None => false,
                 };
                 if done && let Some(mut l) = self.loads.remove(&req) {
+                    // The next request's ranks start at once, before anything else is done.
+                    self.next_step();
                     self.pool.free(&l.blocks);
                     l.results.sort_by_key(|r| r.d_rank);
                     let n = l.blocks.len() as u32;
@@ -1258,6 +1267,17 @@ impl EngineLoop {
                 let Some(blocks) = self.pool.alloc(local_blocks) else {
                     return Some(Cmd::Load { req, d_request_id, params, local_blocks, seed, reply });
                 };
+                let go = match self.cfg.rank_start {
+                    RankStart::Free => true,
+                    RankStart::Together if self.stepping.is_none() && self.held_loads.is_empty() => {
+                        self.stepping = Some(req);
+                        true
+                    }
+                    RankStart::Together => {
+                        self.held_loads.push_back(req);
+                        false
+                    }
+                };
                 for &r in &live {
                     self.send_to(
                         r,
@@ -1271,6 +1291,7 @@ impl EngineLoop {
                                 .handshake
                                 .is_some()
                                 .then(|| (self.info.side_channel_host.clone(), self.info.side_channel_port)),
+                            go,
                         },
                     );
                 }
@@ -1286,6 +1307,25 @@ impl EngineLoop {
                 );
                 None
             }
+        }
+    }
+
+    /// Ranks starting together: once the request they work on is done (answered, failed or
+    /// expired), tell the ranks of the next held one to start it, all at once.
+    fn next_step(&mut self) {
+        if self.cfg.rank_start != RankStart::Together
+            || self.stepping.is_some_and(|r| self.loads.contains_key(&r))
+        {
+            return;
+        }
+        self.stepping = None;
+        while let Some(req) = self.held_loads.pop_front() {
+            let Some(ranks) = self.loads.get(&req).map(|l| l.waiting.clone()) else { continue };
+            for r in ranks {
+                self.send_to(r, &ToWorker::Go { req });
+            }
+            self.stepping = Some(req);
+            return;
         }
     }
 

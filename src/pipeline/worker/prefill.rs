@@ -481,7 +481,10 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
                         ctl.send(&FromWorker::Freed { req: h.req, expired: false })?;
                     }
                 }
-                ToWorker::Init(_) | ToWorker::Load { .. } | ToWorker::PeerGone { .. } => {}
+                ToWorker::Init(_)
+                | ToWorker::Load { .. }
+                | ToWorker::Go { .. }
+                | ToWorker::PeerGone { .. } => {}
                 ToWorker::Shutdown => return Ok(()),
             }
         }

@@ -36,6 +36,7 @@ const WORK_KEYS: &[(&str, Option<&str>)] = &[
     ("progress", None),
     ("overlap", None),
     ("dispatch", None),
+    ("rank_start", Some("free")),
 ];
 
 /// `key baseline -> current` for each work-changing scenario key the runs disagree on.

@@ -194,6 +194,13 @@ layered! {
         #[command(flatten, next_help_heading = "Transport")]
         #[serde(flatten)]
         pub dispatch: DispatchFlags,
+        /// When a decode engine's ranks start a request: together (in one step once each has
+        /// finished the request before it, as vLLM's TP workers run each step together) or free
+        /// (each rank as soon as it is free; a request's ranks can start apart by up to a
+        /// transfer) [default: together].
+        #[arg(long, value_enum, value_name = "together|free", help_heading = "Workload")]
+        #[serde(default, deserialize_with = "super::parse::opt_choice")]
+        pub rank_start: Option<crate::config::worker::RankStart>,
         #[command(flatten, next_help_heading = "Transport")]
         #[serde(flatten)]
         pub mem: MemFlags,
@@ -671,6 +678,7 @@ fn finish(
             bind_host,
             advertise_host,
             prefill,
+            rank_start: s.rank_start.unwrap_or_default(),
         },
         dispatch,
         lens,

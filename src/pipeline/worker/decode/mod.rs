@@ -141,6 +141,8 @@ struct Decoder<'a> {
     /// Push mode: prefill request ids whose prefill failed (the driver released them): a load
     /// of one fails at once instead of waiting for WRITEs that will not come.
     released: std::collections::HashSet<String>,
+    /// Loads the engine said to start ([`ToWorker::Go`]) that have not started yet.
+    go: std::collections::HashSet<u64>,
     /// The cuda-batch transport's copier; dropped (its stream drained) before the pool.
     batch: Option<crate::pipeline::worker::batch::BatchSide>,
     local: Local,
@@ -242,6 +244,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
         stopping: false,
         gone_engines: Default::default(),
         released: Default::default(),
+        go: Default::default(),
         batch,
         local,
         staged,
@@ -259,7 +262,7 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
     let mut queue: VecDeque<(Instant, ToWorker)> = VecDeque::new();
     let mut last_hb = Instant::now();
     loop {
-        if queue.is_empty()
+        if d.next_ready(&queue).is_none()
             && let Some(m) = ctl.recv(Duration::from_millis(100))?
             && let Some(m) = d.admit(m)
         {
@@ -274,9 +277,10 @@ pub fn run(ctl: &Control, cfg: WorkerConfig) -> Result<(), WorkerError> {
             d.heartbeats(&queue);
             last_hb = Instant::now();
         }
-        let Some((received, msg)) = queue.pop_front() else { continue };
+        let Some((received, msg)) = d.next_ready(&queue).and_then(|i| queue.remove(i)) else { continue };
         match msg {
-            ToWorker::Load { req, d_request_id, params, local_blocks, seed, side_channel } => {
+            ToWorker::Load { req, d_request_id, params, local_blocks, seed, side_channel, .. } => {
+                d.go.remove(&req);
                 let push = params.transfer_mode == TransferMode::Push;
                 let job = LoadJob {
                     received,
@@ -480,8 +484,22 @@ impl Decoder<'_> {
     /// Takes a control message as it arrives: word that a prefill engine's rank is gone, or that
     /// a request's prefill was released, applies at once (a load queued before it must not wait
     /// for WRITEs that will not come); anything else is returned to be queued in order.
+    /// The queue's first message this rank can act on now: a load the engine holds back (its
+    /// ranks start together, [`ToWorker::Go`]) waits, and what comes after it goes first (a
+    /// shutdown among them: a held load never starts once the engine stops).
+    fn next_ready(&self, queue: &VecDeque<(Instant, ToWorker)>) -> Option<usize> {
+        queue.iter().position(|(_, m)| match m {
+            ToWorker::Load { req, go, .. } => *go || self.go.contains(req),
+            _ => true,
+        })
+    }
+
     fn admit(&mut self, m: ToWorker) -> Option<ToWorker> {
         match m {
+            ToWorker::Go { req } => {
+                self.go.insert(req);
+                None
+            }
             ToWorker::PeerGone { engine_id } => {
                 self.gone_engines.insert(engine_id);
                 None
