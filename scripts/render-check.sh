@@ -61,7 +61,7 @@ warmup = 2
 [sweep]
 concurrency = [1, 2, 4, 8]
 EOF
-"$KVX" bench --sweep "$work/sweep.toml" --rates results/prediction/rates-ucx.json --results-dir "$runs" >/dev/null
+"$KVX" bench --sweep "$work/sweep.toml" --rates results/prediction/rates-ucx-r1.json --results-dir "$runs" >/dev/null
 sweep=$(newest)
 "$KVX" bench --p-tp 2 --d-tp 2 --model llama-3.1-8b --compare-transports ucx,storage --rounds 2 \
   --requests 10 --results-dir "$runs" >/dev/null

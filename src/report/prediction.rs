@@ -53,7 +53,9 @@ pub fn bench_prediction(
     let p = model.predict_request(&loads, readers);
     let skew = s.transfer_bandwidth.as_ref().and_then(|b| b.start_skew_us).map(|x| x.p50);
     let predicted_us = p.span_ns / US;
-    let closed = closed_loop(s.scenario.concurrency.unwrap_or(1), busiest_us(&p), span.p50_us);
+    let closed = ranks_start_free(s)
+        .then(|| closed_loop(s.scenario.concurrency.unwrap_or(1), busiest_us(&p), span.p50_us))
+        .flatten();
     let ratio = |m: f64| if predicted_us > 0.0 { m / predicted_us } else { 0.0 };
     Some(BenchPrediction {
         transport: path.key().to_string(),
@@ -90,13 +92,20 @@ pub fn bench_prediction(
     })
 }
 
+/// Whether the run's decode ranks each started the next request as soon as they were free
+/// (`--rank-start free`, and every run before kvx recorded it), rather than all together.
+fn ranks_start_free(s: &Summary) -> bool {
+    s.scenario.extra.rank_start != Some(crate::config::worker::RankStart::Together)
+}
+
 /// The busiest rank's predicted transfer (us).
 fn busiest_us(p: &RequestPrediction) -> f64 {
     p.ranks.iter().map(|r| r.total_ns / US).fold(0.0, f64::max)
 }
 
-/// With `at_once` > 1 requests in a closed loop, a request's span by the model: each decode rank
-/// serves requests in turn, and a request is sent only once the one `at_once` before it finished
+/// With `at_once` > 1 requests in a closed loop whose decode ranks each start the next request
+/// as soon as they are free (`--rank-start free`), a request's span by the model: each decode
+/// rank serves requests in turn, and a request is sent only once the one `at_once` before it finished
 /// on every rank, so when it arrives a rank has at most `at_once - 1` requests left before it.
 /// Its ranks start it at most `at_once - 1` transfers apart, and the span lies between one
 /// busiest-rank transfer and `at_once` of them, plus each rank's own work per request beside the
@@ -119,16 +128,18 @@ fn closed_loop(at_once: u32, busiest_us: f64, measured_p50_us: f64) -> Option<Cl
 }
 
 /// The ranks' start skew, said where it is 5% of the measured span p50 or more. The model's
-/// point prediction is a request whose ranks start together. With several requests at once, each
-/// decode rank serves them in turn and starts the next when its own part of the one before is
-/// done, so a request's ranks start apart, up to the closed loop's bound (`closed_loop`).
+/// point prediction is a request whose ranks start together. With several requests at once and
+/// ranks that start as soon as they are free, each decode rank serves them in turn and starts
+/// the next when its own part of the one before is done, so a request's ranks start apart, up
+/// to the closed loop's bound (`closed_loop`); ranks that start together are told at once, and
+/// what still parts them is the host.
 fn start_skew(s: &Summary, skew_p50_us: Option<f64>, span_p50_us: f64) -> Vec<String> {
     let Some(skew) = skew_p50_us else { return Vec::new() };
     if span_p50_us <= 0.0 || skew < 0.05 * span_p50_us {
         return Vec::new();
     }
     let at_once = s.scenario.concurrency.unwrap_or(1);
-    let why = if at_once > 1 {
+    let why = if at_once > 1 && ranks_start_free(s) {
         format!(
             "with {at_once} requests at once each decode rank serves them in turn and starts the next \
              when its own part of the one before is done, so a request's ranks start up to {} \
@@ -445,6 +456,10 @@ mod tests {
         assert!(three[0].contains("start up to 2 transfers apart"), "{three:?}");
         let one = start_skew(&run(1), Some(10_000.0), 100_000.0);
         assert!(one[0].contains("a busy host"), "{one:?}");
+        let mut together = run(2);
+        together.scenario.extra.rank_start = Some(crate::config::worker::RankStart::Together);
+        let together = start_skew(&together, Some(10_000.0), 100_000.0);
+        assert!(together[0].contains("a busy host"), "ranks told together: no queue to blame, {together:?}");
         assert!(start_skew(&run(2), Some(4_000.0), 100_000.0).is_empty(), "under 5% of the span: not named");
         assert!(start_skew(&run(2), None, 1.0).is_empty(), "no skew measured");
     }
