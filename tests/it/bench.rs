@@ -1255,7 +1255,9 @@ fn three_loads_at_once(rank_start: &str) -> Vec<(u64, u64)> {
                     r.transfer_span.expect("a read span on the shared clock")
                 })
                 .collect();
-            (ranks.iter().map(|s| s.start_ns).min().unwrap(), ranks.iter().map(|s| s.end_ns).max().unwrap())
+            let first = ranks.iter().map(|s| s.start_ns).min().expect("two ranks");
+            let last = ranks.iter().map(|s| s.end_ns).max().expect("two ranks");
+            (first, last)
         })
         .collect();
     engines.prefill.shutdown();
