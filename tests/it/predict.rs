@@ -237,31 +237,44 @@ fn calibrate_writes_a_rates_file_bench_predicts_with() {
     ]);
     assert!(out.contains("compared with the earlier fit") && out.contains("gbps"), "{out}");
     let runs = dir.path().join("runs");
-    let json = stdout(&[
-        "bench",
-        "--p-tp",
-        "1",
-        "--d-tp",
-        "2",
-        "--model",
-        "llama-3.1-8b",
-        "--prompt-len",
-        "256",
-        "--requests",
-        "4",
-        "--warmup",
-        "1",
-        "--concurrency",
-        "2",
-        "--no-calibrate",
-        "--rates",
-        r,
-        "--format",
-        "json",
-        "--results-dir",
-        runs.to_str().expect("utf-8"),
-    ]);
-    let s: serde_json::Value = serde_json::from_str(json.trim()).expect("summary JSON");
+    let bench = |rank_start: &str| -> serde_json::Value {
+        let json = stdout(&[
+            "bench",
+            "--p-tp",
+            "1",
+            "--d-tp",
+            "2",
+            "--model",
+            "llama-3.1-8b",
+            "--prompt-len",
+            "256",
+            "--requests",
+            "4",
+            "--warmup",
+            "1",
+            "--concurrency",
+            "2",
+            "--rank-start",
+            rank_start,
+            "--no-calibrate",
+            "--rates",
+            r,
+            "--format",
+            "json",
+            "--results-dir",
+            runs.to_str().expect("utf-8"),
+        ]);
+        serde_json::from_str(json.trim()).expect("summary JSON")
+    };
+    // Ranks that start each request together (the default): the point prediction alone, no
+    // range for ranks drifting apart.
+    let together = bench("together");
+    assert_eq!(together["scenario"]["rank_start"], "together", "{}", together["scenario"]);
+    assert!(together["prediction"]["transfer_span_p50_us"].as_f64().is_some_and(|x| x > 0.0));
+    assert!(together["prediction"]["closed_loop"].is_null(), "{}", together["prediction"]);
+    // Ranks that each start the next request when free: the span's range too.
+    let s = bench("free");
+    assert_eq!(s["scenario"]["rank_start"], "free", "{}", s["scenario"]);
     let p = &s["prediction"];
     let (pred, meas, ratio) = (
         p["transfer_span_p50_us"].as_f64().expect("predicted"),
