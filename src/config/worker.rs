@@ -123,15 +123,6 @@ pub enum RankStart {
     Free,
 }
 
-impl RankStart {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RankStart::Together => "together",
-            RankStart::Free => "free",
-        }
-    }
-}
-
 /// The prefill computation a prefill rank simulates for each request: `per_layer` of wall
 /// time per model layer, as a GPU's forward pass takes it while the rank's CPU stays free to
 /// move bytes (zero: the blocks are ready as soon as they are filled). Requests are computed

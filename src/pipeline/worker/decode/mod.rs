@@ -481,9 +481,6 @@ impl Decoder<'_> {
         Ok(RemoteRank { region, ipc, am, zmq: Some(zmq), nixl: None })
     }
 
-    /// Takes a control message as it arrives: word that a prefill engine's rank is gone, or that
-    /// a request's prefill was released, applies at once (a load queued before it must not wait
-    /// for WRITEs that will not come); anything else is returned to be queued in order.
     /// The queue's first message this rank can act on now: a load the engine holds back (its
     /// ranks start together, [`ToWorker::Go`]) waits, and what comes after it goes first (a
     /// shutdown among them: a held load never starts once the engine stops).
@@ -494,6 +491,9 @@ impl Decoder<'_> {
         })
     }
 
+    /// Takes a control message as it arrives: word that a prefill engine's rank is gone, that
+    /// a request's prefill was released, or that a held load may start, applies at once (a load queued before it must not wait
+    /// for WRITEs that will not come); anything else is returned to be queued in order.
     fn admit(&mut self, m: ToWorker) -> Option<ToWorker> {
         match m {
             ToWorker::Go { req } => {
